@@ -1,0 +1,232 @@
+"""Grouped prefix-shared attention: the one primitive of DESIGN.md §3.
+
+Groups each own a prefix already in the KV cache; segments of a group attend to all of
+their group's prefix (no mask) and causally to their own earlier tokens, never to other
+segments. RoPE is applied by the caller with the positions of the unshared sequence
+(a segment of group g starts at position P_g).
+
+    out[t] = softmax(scale · q[t] · [prefix_k[g]; k[s_0..t]]ᵀ) · [prefix_v[g]; v[s_0..t]]
+
+Backends: "torch" (below), "triton" (kernels/prefix_shared_attention.py), and the ones
+registered by other modules. ``prefix_shared_attention_ref`` is the plain oracle.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import _backend
+
+# Rows of the prefix score matrix computed at once in the torch backend: bounds the
+# temporary [Hkv, rows, P] fp32 block to ~64 MB whatever the depth.
+_TORCH_SCORE_BUDGET = 1 << 24
+
+
+def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, validate_values: bool):
+    """Raise ValueError/TypeError naming the problem; return (S, G)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("prefix_k", prefix_k), ("prefix_v", prefix_v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"prefix_shared_attention: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"prefix_shared_attention: {name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"prefix_shared_attention: {name} dtype {t.dtype} is not float32/float16/bfloat16")
+        if t.dtype != q.dtype:
+            raise TypeError(f"prefix_shared_attention: {name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"prefix_shared_attention: {name} is on {t.device}, q is on {q.device}")
+    T, Hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != T or k.shape[2] != d:
+        raise ValueError(f"prefix_shared_attention: k {tuple(k.shape)} / v {tuple(v.shape)} must be [{T}, Hkv, {d}] like q {tuple(q.shape)}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"prefix_shared_attention: query heads {Hq} are not a multiple of kv heads {Hkv}")
+    if prefix_k.shape != prefix_v.shape or prefix_k.shape[1:] != (Hkv, d):
+        raise ValueError(
+            f"prefix_shared_attention: prefix_k {tuple(prefix_k.shape)} / prefix_v {tuple(prefix_v.shape)} must be [Ptot, {Hkv}, {d}]"
+        )
+    for name, t in (("cu_seqlens", cu_seqlens), ("cu_prefix_lens", cu_prefix_lens), ("segment_group", segment_group)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            raise TypeError(f"prefix_shared_attention: {name} must be a 1-D int32 tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.device != q.device:
+            raise ValueError(f"prefix_shared_attention: {name} is on {t.device}, q is on {q.device}")
+    S = cu_seqlens.numel() - 1
+    G = cu_prefix_lens.numel() - 1
+    if S < 0 or G < 0:
+        raise ValueError("prefix_shared_attention: cu_seqlens and cu_prefix_lens need at least one entry (0)")
+    if segment_group.numel() != S:
+        raise ValueError(f"prefix_shared_attention: segment_group has {segment_group.numel()} entries for {S} segments")
+    if validate_values:
+        cs = cu_seqlens.tolist()
+        cp = cu_prefix_lens.tolist()
+        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+            raise ValueError(f"prefix_shared_attention: cu_seqlens must start at 0, be non-decreasing and end at T={T}")
+        if cp[0] != 0 or cp[-1] != prefix_k.shape[0] or any(b < a for a, b in zip(cp, cp[1:])):
+            raise ValueError(
+                f"prefix_shared_attention: cu_prefix_lens must start at 0, be non-decreasing and end at Ptot={prefix_k.shape[0]}"
+            )
+        if S and (int(segment_group.min()) < 0 or int(segment_group.max()) >= G):
+            raise ValueError(f"prefix_shared_attention: segment_group values must lie in [0, {G})")
+    return S, G
+
+
+def prefix_shared_attention_ref(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale=None):
+    """Oracle: for each segment, plain causal attention over cat(prefix_g, own) in fp32."""
+    T, Hq, d = q.shape
+    r = Hq // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    out = torch.zeros_like(q)
+    cs, cp, sg = cu_seqlens.tolist(), cu_prefix_lens.tolist(), segment_group.tolist()
+    for s in range(len(sg)):
+        a, b = cs[s], cs[s + 1]
+        if b == a:
+            continue
+        g = sg[s]
+        P = cp[g + 1] - cp[g]
+        keys = torch.cat([prefix_k[cp[g]:cp[g + 1]], k[a:b]]).float().repeat_interleave(r, dim=1)  # [P+L, Hq, d]
+        vals = torch.cat([prefix_v[cp[g]:cp[g + 1]], v[a:b]]).float().repeat_interleave(r, dim=1)
+        qs = q[a:b].float()
+        scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale  # [Hq, L, P+L]
+        L = b - a
+        visible = torch.ones(L, P + L, dtype=torch.bool, device=q.device)
+        visible[:, P:] = torch.tril(torch.ones(L, L, dtype=torch.bool, device=q.device))
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals).to(q.dtype)
+    return out
+
+
+def _attend_block(qh, kT, vh, scale, mask=None):
+    """Unnormalised attention block: qh [B, M, d], kT [B, d, N], vh [B, N, d] (fp32).
+
+    Returns (acc [B, M, d], row_max [B, M, 1], row_sum [B, M, 1]) with
+    acc = Σ exp(s − row_max)·v and row_sum = Σ exp(s − row_max), s = scale·q·k.
+    """
+    s = torch.bmm(qh, kT).mul_(scale)
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    s.sub_(m).exp_()
+    return torch.bmm(s, vh), m, s.sum(dim=-1, keepdim=True)
+
+
+def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale):
+    """CPU production path.
+
+    Per group, every query row of every segment meets the prefix in one large GEMM
+    (chunked to _TORCH_SCORE_BUDGET), GQA folded into the row dimension so K/V are never
+    repeated; each segment's causal self-part is a small GEMM of its own; the two partial
+    softmaxes are merged by their row maxima and sums (log-sum-exp merge).
+    """
+    T, Hq, d = q.shape
+    Hkv = k.shape[1]
+    r = Hq // Hkv
+    compute = torch.float32
+    out = torch.empty_like(q)
+    cs, cp, sg = cu_seqlens.tolist(), cu_prefix_lens.tolist(), segment_group.tolist()
+
+    # Segments by group, keeping packing order; a group's segments are usually contiguous.
+    by_group: dict[int, list[int]] = {}
+    for s, g in enumerate(sg):
+        if cs[s + 1] > cs[s]:
+            by_group.setdefault(g, []).append(s)
+
+    causal_cache: dict[int, torch.Tensor] = {}
+    for g, segs in by_group.items():
+        contiguous = all(cs[a + 1] == cs[b] for a, b in zip(segs, segs[1:]))
+        rows = None if contiguous else torch.cat([torch.arange(cs[s], cs[s + 1], device=q.device) for s in segs])
+        t0, t1 = cs[segs[0]], cs[segs[-1] + 1]
+        qg = q[rows] if rows is not None else q[t0:t1]
+        Tg = qg.shape[0]
+        # [Tg, Hkv, r, d] -> [Hkv, Tg*r, d]: each kv head meets all its query heads' rows.
+        qh = qg.to(compute).view(Tg, Hkv, r, d).permute(1, 0, 2, 3).reshape(Hkv, Tg * r, d)
+
+        P = cp[g + 1] - cp[g]
+        if P > 0:
+            kT = prefix_k[cp[g]:cp[g + 1]].to(compute).permute(1, 2, 0)  # [Hkv, d, P]
+            vh = prefix_v[cp[g]:cp[g + 1]].to(compute).permute(1, 0, 2)  # [Hkv, P, d]
+            step = max(r, (_TORCH_SCORE_BUDGET // max(1, Hkv * P)) // r * r)
+            parts = [_attend_block(qh[:, i:i + step], kT, vh, scale) for i in range(0, Tg * r, step)]
+            acc_p = torch.cat([p[0] for p in parts], dim=1)
+            m_p = torch.cat([p[1] for p in parts], dim=1)
+            l_p = torch.cat([p[2] for p in parts], dim=1)
+        # Own (causal) part, one segment at a time; rows of qh for segment s are contiguous.
+        acc_o = torch.empty_like(qh)
+        m_o = qh.new_empty(Hkv, Tg * r, 1)
+        l_o = qh.new_empty(Hkv, Tg * r, 1)
+        off = 0
+        for s in segs:
+            a, b = cs[s], cs[s + 1]
+            L = b - a
+            ks = k[a:b].to(compute).permute(1, 2, 0)  # [Hkv, d, L]
+            vs = v[a:b].to(compute).permute(1, 0, 2)  # [Hkv, L, d]
+            mask = causal_cache.get(L)
+            if mask is None:
+                # row (t, j) of the [L*r, L] block may see keys 0..t
+                mask = torch.ones(L, L, dtype=torch.bool, device=q.device).triu_(1).repeat_interleave(r, dim=0)
+                causal_cache[L] = mask
+            sl = slice(off * r, (off + L) * r)
+            acc_o[:, sl], m_o[:, sl], l_o[:, sl] = _attend_block(qh[:, sl], ks, vs, scale, mask)
+            off += L
+        if P > 0:
+            m = torch.maximum(m_p, m_o)
+            a_p, a_o = (m_p - m).exp_(), (m_o - m).exp_()
+            res = (acc_p * a_p + acc_o * a_o) / (l_p * a_p + l_o * a_o)
+        else:
+            res = acc_o / l_o
+        res = res.view(Hkv, Tg, r, d).permute(1, 0, 2, 3).reshape(Tg, Hq, d).to(q.dtype)
+        if rows is not None:
+            out[rows] = res
+        else:
+            out[t0:t1] = res
+    return out
+
+
+def _load_torch():
+    return _torch_backend
+
+
+def _load_triton():
+    try:
+        from acarerank.kernels.prefix_shared_attention import prefix_shared_attention_triton
+    except ImportError as e:  # triton missing, or the kernel module not built in
+        raise _backend.BackendError(f"prefix_shared_attention: triton backend unavailable: {e}") from e
+    return prefix_shared_attention_triton
+
+
+def _load_flash_attn_cascade():
+    try:
+        from .cascade import prefix_shared_attention_flash_cascade
+    except ImportError as e:  # flash-attn is optional and GPU-only
+        raise _backend.BackendError(f"prefix_shared_attention: flash_attn_cascade backend unavailable: {e}") from e
+    return prefix_shared_attention_flash_cascade
+
+
+#: backend name -> loader returning the implementation
+IMPLEMENTATIONS = {"torch": _load_torch, "triton": _load_triton, "flash_attn_cascade": _load_flash_attn_cascade}
+
+
+def prefix_shared_attention(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
+                            softmax_scale: Optional[float] = None, backend: Optional[str] = None,
+                            validate: bool = True):
+    """Causal attention of packed segments over their group's shared prefix.
+
+    Args:
+      q: [T, Hq, d]; k, v: [T, Hkv, d] — packed segments, RoPE applied; Hq % Hkv == 0.
+      cu_seqlens: [S+1] int32 — segment s is rows cu_seqlens[s]:cu_seqlens[s+1] (may be empty).
+      prefix_k, prefix_v: [Ptot, Hkv, d] — all groups' prefixes packed.
+      cu_prefix_lens: [G+1] int32 — group g's prefix is rows cu_prefix_lens[g]:cu_prefix_lens[g+1] (may be empty).
+      segment_group: [S] int32 — the group of each segment.
+      softmax_scale: default 1/sqrt(d).
+      backend: see ``acarerank.ops._backend``; None = environment / device default.
+      validate: check metadata values (one host sync); the runner validates once per batch.
+
+    Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
+    """
+    _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, validate)
+    name, fn = _backend.resolve("prefix_shared_attention", IMPLEMENTATIONS, backend, q.device)
+    _backend.check_runs_on(name, q.device, "prefix_shared_attention")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return fn(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale)

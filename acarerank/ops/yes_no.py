@@ -1,0 +1,94 @@
+"""Fused yes/no scoring head (Qwen3-Reranker): two logits, never the 151,669-wide vector.
+
+    h̄ = h / sqrt(mean(h²) + eps) · norm_weight                (final RMSNorm, fp32)
+    logit_diff = h̄ · (w_yes − w_no)                          (= logit_yes − logit_no)
+    score = softmax([logit_no, logit_yes])[1] = sigmoid(logit_diff)
+
+Backends: "torch" (below), "triton" (kernels/yes_no_head.py), "cpp"/"cuda" (csrc).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _backend
+
+
+def _check_inputs(hidden_last, norm_weight, w_yes, w_no):
+    for name, t in (("hidden_last", hidden_last), ("norm_weight", norm_weight), ("w_yes", w_yes), ("w_no", w_no)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"yes_no_score: {name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"yes_no_score: {name} must be floating point, got {t.dtype}")
+        if t.device != hidden_last.device:
+            raise ValueError(f"yes_no_score: {name} is on {t.device}, hidden_last is on {hidden_last.device}")
+    if hidden_last.dim() != 2:
+        raise ValueError(f"yes_no_score: hidden_last must be [S, H], got shape {tuple(hidden_last.shape)}")
+    H = hidden_last.shape[1]
+    for name, t in (("norm_weight", norm_weight), ("w_yes", w_yes), ("w_no", w_no)):
+        if t.shape != (H,):
+            raise ValueError(f"yes_no_score: {name} must be [{H}], got shape {tuple(t.shape)}")
+
+
+def yes_no_score_ref(hidden_last, norm_weight, w_yes, w_no, eps: float):
+    """Oracle in fp32: RMSNorm, the two full logits, log-softmax over [no, yes]."""
+    h = hidden_last.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    logits = torch.stack([h @ w_no.float(), h @ w_yes.float()], dim=-1)
+    return logits.log_softmax(-1)[:, 1].exp(), logits[:, 1] - logits[:, 0]
+
+
+def _torch_backend(hidden_last, norm_weight, w_yes, w_no, eps):
+    h = hidden_last.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    w = norm_weight.float() * (w_yes.float() - w_no.float())  # fold the norm weight into the difference
+    diff = h @ w
+    return torch.sigmoid(diff), diff
+
+
+def _load_torch():
+    return _torch_backend
+
+
+def _load_triton():
+    try:
+        from acarerank.kernels.yes_no_head import yes_no_score_triton
+    except ImportError as e:
+        raise _backend.BackendError(f"yes_no_score: triton backend unavailable: {e}") from e
+    return yes_no_score_triton
+
+
+def _load_cpp():
+    try:
+        from ._cpp import yes_no_score_cpp
+    except ImportError as e:  # acarerank._C not built
+        raise _backend.BackendError(f"yes_no_score: cpp backend unavailable: {e}") from e
+    return yes_no_score_cpp
+
+
+def _load_cuda():
+    try:
+        from ._cpp import yes_no_score_cuda
+    except ImportError as e:
+        raise _backend.BackendError(f"yes_no_score: cuda backend unavailable: {e}") from e
+    return yes_no_score_cuda
+
+
+#: backend name -> loader returning the implementation
+IMPLEMENTATIONS = {"torch": _load_torch, "triton": _load_triton, "cpp": _load_cpp, "cuda": _load_cuda}
+
+
+def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backend: Optional[str] = None):
+    """Relevance from the last hidden state of each segment.
+
+    Args:
+      hidden_last: [S, H] hidden states *before* the final RMSNorm (any float dtype).
+      norm_weight: [H] final RMSNorm weight; w_yes, w_no: [H] rows 9693 / 2152 of lm_head.
+      eps: RMSNorm epsilon (config.rms_norm_eps).
+    Returns: (score [S] fp32 in [0, 1], logit_diff [S] fp32 = logit_yes − logit_no).
+    """
+    _check_inputs(hidden_last, norm_weight, w_yes, w_no)
+    name, fn = _backend.resolve("yes_no_score", IMPLEMENTATIONS, backend, hidden_last.device)
+    _backend.check_runs_on(name, hidden_last.device, "yes_no_score")
+    return fn(hidden_last, norm_weight, w_yes, w_no, eps)

@@ -1,0 +1,1 @@
+"""Triton kernels of acarerank (importable as ``acarerank.kernels``)."""
