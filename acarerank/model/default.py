@@ -1,0 +1,50 @@
+"""The embedded default model: seeded random weights in a small Qwen3-Reranker architecture.
+
+It lets the CLI and the benchmarks run with no checkpoint (none can be downloaded here).
+Its scores and selections carry no meaning: the weights are random. The shape is the one
+the pointwise issue benchmarks on 2 CPU cores: hidden 384, 6 layers, 6 query / 2 KV
+heads, head_dim 64, the real Qwen3 vocabulary (151,669) so the real tokenizer drives it.
+
+Presets with the real shapes (random weights too) are for GPU users of ``acarerank bench``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..tokenizer import QWEN3_VOCAB
+
+PRESETS = {
+    # name: Qwen3Config keyword arguments
+    "tiny-cpu": dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=6, num_attention_heads=6,
+                     num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
+    "qwen3-reranker-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-reranker-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+DEFAULT_PRESET = "tiny-cpu"
+NO_MEANING = ("NOTE: no --model given; using the embedded default, a seeded RANDOM-weight Qwen3 "
+              "({preset}). Its scores carry no meaning.")
+
+
+def qwen3_config(preset: str = DEFAULT_PRESET, **overrides):
+    from transformers import Qwen3Config
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    kw = dict(vocab_size=QWEN3_VOCAB, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+              attention_bias=False, attn_implementation="eager")
+    kw.update(PRESETS[preset])
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def build_default_model(preset: str = DEFAULT_PRESET, seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
+    """A transformers ``Qwen3ForCausalLM`` with seeded random weights (eval mode)."""
+    from transformers import Qwen3ForCausalLM
+
+    cfg = qwen3_config(preset, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(cfg)
+    return model.to(dtype=dtype, device=device).eval()
