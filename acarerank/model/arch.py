@@ -1,0 +1,52 @@
+"""Qwen3 architecture numbers, read from a transformers config (object or config.json dict)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Qwen3Arch:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+
+    @classmethod
+    def from_config(cls, cfg) -> "Qwen3Arch":
+        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        model_type = get("model_type")
+        if model_type not in (None, "qwen3"):
+            raise ValueError(f"acarerank runs Qwen3 decoders; this checkpoint's model_type is {model_type!r}")
+        hidden, heads = get("hidden_size"), get("num_attention_heads")
+        rope_theta = get("rope_theta")
+        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
+            params = get("rope_parameters") or {}
+            rope_theta = params.get("rope_theta", 1000000.0)
+            if params.get("rope_type", "default") != "default":
+                raise ValueError(f"rope_type {params.get('rope_type')!r} is not supported (Qwen3-Reranker uses the default RoPE)")
+        scaling = get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise ValueError(f"rope_scaling {scaling} is not supported (Qwen3-Reranker uses the default RoPE)")
+        arch = cls(
+            vocab_size=get("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=get("intermediate_size"),
+            num_layers=get("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or hidden // heads,
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            attention_bias=bool(get("attention_bias", False)),
+        )
+        if arch.num_heads % arch.num_kv_heads:
+            raise ValueError(f"num_attention_heads {arch.num_heads} is not a multiple of num_key_value_heads {arch.num_kv_heads}")
+        return arch

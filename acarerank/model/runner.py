@@ -1,0 +1,230 @@
+"""Qwen3 decoder forward over packed, grouped, prefix-shared batches (DESIGN.md §3).
+
+A *group* owns a prefix whose K/V sit in a ``KVCache``; a *segment* is a run of new
+tokens of one group. ``forward`` runs all segments of all groups in one packed pass:
+every linear layer is one GEMM over all T segment tokens (no padding), and attention is
+the one op ``prefix_shared_attention`` (each segment sees all of its group's cache and
+itself causally, never another segment). Positions are those of the unshared sequence:
+segment tokens of group g start at the group's cache length P_g.
+
+Prefill is the same pass with an empty cache and ``append=True``; so are chunked prefill
+and greedy decoding (one-token segments).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import prefix_shared_attention
+from .arch import Qwen3Arch
+from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V of every group's prefix, packed group after group.
+
+    k[i], v[i]: [Ptot, Hkv, d] (RoPE applied); cu_prefix_lens: [G+1] int32 on the device;
+    lengths: P_g per group (host list).
+    """
+    k: list
+    v: list
+    lengths: list
+    cu_prefix_lens: torch.Tensor
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.lengths)
+
+    @staticmethod
+    def empty(arch: Qwen3Arch, num_groups: int, dtype, device) -> "KVCache":
+        z = torch.empty(0, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
+        return KVCache(k=[z] * arch.num_layers, v=[z] * arch.num_layers, lengths=[0] * num_groups,
+                       cu_prefix_lens=torch.zeros(num_groups + 1, dtype=torch.int32, device=device))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3RMSNorm: normalise in fp32, cast back, then scale (transformers' order, for bf16 parity)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Qwen3Runner:
+    """Runs a Qwen3 decoder over prefix-shared batches; holds no per-request state."""
+
+    def __init__(self, weights: Qwen3Weights, backend: Optional[str] = None, prefill_chunk: int = 4096):
+        self.weights = weights
+        self.arch = weights.arch
+        self.backend = backend
+        self.prefill_chunk = prefill_chunk
+        a = self.arch
+        self._inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64, device=self.device)
+                                                .float() / a.head_dim))
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, model, backend: Optional[str] = None, **kw) -> "Qwen3Runner":
+        return cls(weights_from_hf(model), backend=backend, **kw)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", backend: Optional[str] = None, **kw):
+        return cls(load_checkpoint(path, dtype=dtype, device=device), backend=backend, **kw)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.weights.lm_head
+
+    @property
+    def final_norm_weight(self) -> torch.Tensor:
+        return self.weights.final_norm
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(hidden, self.weights.final_norm, self.arch.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 [N, V] next-token logits for a few rows (final norm + lm_head)."""
+        return (self.final_norm(hidden) @ self.weights.lm_head.T).float()
+
+    # -- public passes ------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prefixes: Sequence, chunk_tokens: Optional[int] = None) -> KVCache:
+        """Compute every group's prefix once; returns their KVCache.
+
+        prefixes: one token-id list / 1-D LongTensor per group (may be empty). Long
+        prefixes go in chunks of ``chunk_tokens`` (all groups' chunks in one pass each), so
+        a 16k-token prompt never needs 16k tokens of activations at once.
+        """
+        chunk = chunk_tokens or self.prefill_chunk
+        ids = [self._as_ids(p, f"prefix {g}", allow_empty=True) for g, p in enumerate(prefixes)]
+        cache = KVCache.empty(self.arch, len(ids), self.dtype, self.device)
+        start = 0
+        while True:
+            pieces = [(g, t[start:start + chunk]) for g, t in enumerate(ids) if t.numel() > start]
+            if not pieces:
+                return cache
+            self._forward(cache, [p for _, p in pieces], [g for g, _ in pieces], output="none", append=True)
+            start += chunk
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, segments: Sequence, segment_group: Sequence[int], output: str = "last",
+                append: bool = False) -> Optional[torch.Tensor]:
+        """One packed pass of all segments over their groups' caches.
+
+        segments: token-id lists / 1-D LongTensors; segment_group: the group of each.
+        output: "last" -> [S, H] hidden state (before the final norm) at each segment's last
+                token; "all" -> [T, H] every token, packed in segment order; "none" -> None.
+        append: append each segment's K/V to its group's cache (≤ one segment per group).
+        """
+        if output not in ("last", "all", "none"):
+            raise ValueError(f"output must be 'last', 'all' or 'none', got {output!r}")
+        if len(segments) != len(segment_group):
+            raise ValueError(f"{len(segments)} segments but {len(segment_group)} segment_group entries")
+        ids = [self._as_ids(s, f"segment {i}", allow_empty=output != "last") for i, s in enumerate(segments)]
+        groups = [int(g) for g in segment_group]
+        bad = [g for g in groups if not 0 <= g < cache.num_groups]
+        if bad:
+            raise ValueError(f"segment_group value {bad[0]} is outside the cache's {cache.num_groups} groups")
+        if append and len(set(groups)) != len(groups):
+            raise ValueError("append=True needs at most one segment per group")
+        return self._forward(cache, ids, groups, output, append)
+
+    # -- internals ----------------------------------------------------------------------
+    def _as_ids(self, x, what: str, allow_empty: bool) -> torch.Tensor:
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(list(x), dtype=torch.long)
+        if t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{what}: token ids must be a 1-D integer sequence, got {t.dtype} shape {tuple(t.shape)}")
+        if t.numel() == 0 and not allow_empty:
+            raise ValueError(f"{what} is empty; output='last' needs at least one token per segment")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.arch.vocab_size):
+            raise ValueError(f"{what}: token id out of range [0, {self.arch.vocab_size})")
+        return t.to(device=self.device, dtype=torch.long)
+
+    def _rope(self, positions: torch.Tensor):
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    def _forward(self, cache: KVCache, ids: list, groups: list, output: str, append: bool):
+        a, W = self.arch, self.weights
+        dev = self.device
+        lens = [t.numel() for t in ids]
+        T = sum(lens)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=dev)
+        seg_group = torch.tensor(groups, dtype=torch.int32, device=dev)
+        positions = torch.cat([torch.arange(cache.lengths[g], cache.lengths[g] + n, device=dev)
+                               for g, n in zip(groups, lens)]) if T else torch.zeros(0, dtype=torch.long, device=dev)
+        cos, sin = self._rope(positions)
+        last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.long, device=dev)
+
+        Hq, Hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
+        new_k, new_v = [], []
+        for i, L in enumerate(W.layers):
+            h = _rms_norm(x, L.input_norm, a.rms_norm_eps)
+            qkv = F.linear(h, L.w_qkv, L.b_qkv)
+            q, k, v = qkv.split([Hq * d, Hkv * d, Hkv * d], dim=-1)
+            q = _rms_norm(q.view(T, Hq, d), L.q_norm, a.rms_norm_eps)
+            k = _rms_norm(k.view(T, Hkv, d), L.k_norm, a.rms_norm_eps)
+            v = v.reshape(T, Hkv, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if append:
+                new_k.append(k)
+                new_v.append(v)
+            is_last_layer = i == len(W.layers) - 1
+            if is_last_layer and output == "none":
+                break  # the last layer's output feeds nothing that is asked for
+            attn = prefix_shared_attention(q, k, v, cu_seqlens, cache.k[i], cache.v[i], cache.cu_prefix_lens, seg_group,
+                                           backend=self.backend, validate=False).reshape(T, Hq * d)
+            if is_last_layer and output == "last":
+                x, attn = x[last], attn[last]  # only the rows asked for go through o_proj and the MLP
+            x = x + F.linear(attn, L.w_o)
+            h = _rms_norm(x, L.post_norm, a.rms_norm_eps)
+            gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L.w_down)
+        if append:
+            self._append(cache, new_k, new_v, groups, cu)
+        return None if output == "none" else x
+
+    @staticmethod
+    def _append(cache: KVCache, new_k: list, new_v: list, groups: list, cu: list) -> None:
+        """Re-pack each layer's cache with every group's new rows after its old ones."""
+        old = cache.lengths
+        seg_of = {g: s for s, g in enumerate(groups)}
+        cp = cache.cu_prefix_lens.tolist()
+        for i in range(len(cache.k)):
+            ks, vs = [], []
+            for g in range(len(old)):
+                ks.append(cache.k[i][cp[g]:cp[g + 1]])
+                vs.append(cache.v[i][cp[g]:cp[g + 1]])
+                s = seg_of.get(g)
+                if s is not None:
+                    ks.append(new_k[i][cu[s]:cu[s + 1]])
+                    vs.append(new_v[i][cu[s]:cu[s + 1]])
+            cache.k[i] = torch.cat(ks)
+            cache.v[i] = torch.cat(vs)
+        cache.lengths = [n + (cu[seg_of[g] + 1] - cu[seg_of[g]] if g in seg_of else 0) for g, n in enumerate(old)]
+        acc = [0]
+        for n in cache.lengths:
+            acc.append(acc[-1] + n)
+        cache.cu_prefix_lens = torch.tensor(acc, dtype=torch.int32, device=cache.cu_prefix_lens.device)

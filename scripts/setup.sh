@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install acarerank with its test extras, on a fresh CPU machine.
+# torch is pinned to the CPU wheel this workplace keeps on disk (an unpinned torch pulls a
+# multi-GB CUDA build). The extension acarerank._C is built by CMake + ninja during the
+# editable install (C++ always; CUDA when nvcc is found unless ACARERANK_NO_CUDA=1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q "setuptools>=64" wheel "pybind11>=2.12" "cmake>=3.24" ninja
+python -m pip install -q --no-build-isolation -e ".[test]"
+python -c "import acarerank, acarerank.kernels; print('acarerank', acarerank.__version__, 'installed')"
