@@ -98,32 +98,63 @@ def prefix_shared_attention_ref(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_pref
     return out
 
 
-def _attend_block(qh, kT, vh, scale, mask=None):
-    """Unnormalised attention block: qh [B, M, d], kT [B, d, N], vh [B, N, d] (fp32).
+# torch's fused CPU flash-attention kernel returns the log-sum-exp we need for the merge;
+# it is ~2x faster than bmm + softmax on 2 cores (blocked, no [M, N] score matrix).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
-    Returns (acc [B, M, d], row_max [B, M, 1], row_sum [B, M, 1]) with
-    acc = Σ exp(s − row_max)·v and row_sum = Σ exp(s − row_max), s = scale·q·k.
+
+def _partial_attention(qh, kh, vh, scale: float, causal: bool):
+    """Normalised attention of one block and its log-sum-exp, fp32.
+
+    qh [B, M, d], kh/vh [B, N, d] -> (o [B, M, d], lse [B, M]) with
+    lse = log Σ_j exp(scale·q·k_j) and o = Σ_j exp(scale·q·k_j − lse)·v_j; ``causal`` aligns
+    row i with key i (M == N).
     """
-    s = torch.bmm(qh, kT).mul_(scale)
-    if mask is not None:
-        s.masked_fill_(mask, float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)
-    s.sub_(m).exp_()
-    return torch.bmm(s, vh), m, s.sum(dim=-1, keepdim=True)
+    if _FLASH_CPU is not None and qh.device.type == "cpu":
+        o, lse = _FLASH_CPU(qh[None], kh[None], vh[None], 0.0, causal, scale=scale)
+        return o[0], lse[0]
+    s = torch.bmm(qh, kh.transpose(1, 2)).mul_(scale)
+    if causal:
+        M = s.shape[-1]
+        s.masked_fill_(torch.ones(M, M, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.bmm(s.sub_(lse[..., None]).exp_(), vh), lse
+
+
+def _prefix_part(qf, pk, pv, scale):
+    """All of a group's query rows against its prefix: qf [Tg, Hq, d], pk/pv [P, Hkv, d] -> (o [Tg, Hq, d], lse [Tg, Hq]).
+
+    GQA is folded into the rows ([Tg, Hkv, r, d] -> [Hkv, Tg·r, d]) so every kv head's
+    prefix tile serves its r query heads in one GEMM and K/V are never repeated.
+    """
+    Tg, Hq, d = qf.shape
+    Hkv, P = pk.shape[1], pk.shape[0]
+    r = Hq // Hkv
+    qh = qf.view(Tg, Hkv, r, d).permute(1, 0, 2, 3).reshape(Hkv, Tg * r, d)
+    kh = pk.float().transpose(0, 1).contiguous()
+    vh = pv.float().transpose(0, 1).contiguous()
+    if _FLASH_CPU is not None and qf.device.type == "cpu":
+        step = Tg * r  # the fused kernel is blocked internally: no score matrix to bound
+    else:
+        step = max(r, (_TORCH_SCORE_BUDGET // max(1, Hkv * P)) // r * r)
+    parts = [_partial_attention(qh[:, i:i + step], kh, vh, scale, causal=False) for i in range(0, Tg * r, step)]
+    o = torch.cat([p[0] for p in parts], dim=1) if len(parts) > 1 else parts[0][0]
+    lse = torch.cat([p[1] for p in parts], dim=1) if len(parts) > 1 else parts[0][1]
+    return (o.view(Hkv, Tg, r, d).permute(1, 0, 2, 3).reshape(Tg, Hq, d),
+            lse.view(Hkv, Tg, r).permute(1, 0, 2).reshape(Tg, Hq))
 
 
 def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale):
-    """CPU production path.
+    """CPU production path (and the reference-grade path on other devices).
 
-    Per group, every query row of every segment meets the prefix in one large GEMM
-    (chunked to _TORCH_SCORE_BUDGET), GQA folded into the row dimension so K/V are never
-    repeated; each segment's causal self-part is a small GEMM of its own; the two partial
-    softmaxes are merged by their row maxima and sums (log-sum-exp merge).
+    Per group: every query row of every segment meets the prefix in one large fused call
+    (``_prefix_part``); each segment's causal self-part is a small call of its own; the two
+    partial softmaxes are merged by their log-sum-exps:
+        lse = logaddexp(lse_p, lse_o);  out = o_p·e^(lse_p − lse) + o_o·e^(lse_o − lse).
+    Inputs are computed in fp32 whatever their dtype.
     """
     T, Hq, d = q.shape
-    Hkv = k.shape[1]
-    r = Hq // Hkv
-    compute = torch.float32
+    r = Hq // k.shape[1]
     out = torch.empty_like(q)
     cs, cp, sg = cu_seqlens.tolist(), cu_prefix_lens.tolist(), segment_group.tolist()
 
@@ -133,54 +164,39 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
         if cs[s + 1] > cs[s]:
             by_group.setdefault(g, []).append(s)
 
-    causal_cache: dict[int, torch.Tensor] = {}
     for g, segs in by_group.items():
         contiguous = all(cs[a + 1] == cs[b] for a, b in zip(segs, segs[1:]))
         rows = None if contiguous else torch.cat([torch.arange(cs[s], cs[s + 1], device=q.device) for s in segs])
         t0, t1 = cs[segs[0]], cs[segs[-1] + 1]
-        qg = q[rows] if rows is not None else q[t0:t1]
-        Tg = qg.shape[0]
-        # [Tg, Hkv, r, d] -> [Hkv, Tg*r, d]: each kv head meets all its query heads' rows.
-        qh = qg.to(compute).view(Tg, Hkv, r, d).permute(1, 0, 2, 3).reshape(Hkv, Tg * r, d)
+        qf = (q[rows] if rows is not None else q[t0:t1]).float()
+        Tg = qf.shape[0]
 
-        P = cp[g + 1] - cp[g]
-        if P > 0:
-            kT = prefix_k[cp[g]:cp[g + 1]].to(compute).permute(1, 2, 0)  # [Hkv, d, P]
-            vh = prefix_v[cp[g]:cp[g + 1]].to(compute).permute(1, 0, 2)  # [Hkv, P, d]
-            step = max(r, (_TORCH_SCORE_BUDGET // max(1, Hkv * P)) // r * r)
-            parts = [_attend_block(qh[:, i:i + step], kT, vh, scale) for i in range(0, Tg * r, step)]
-            acc_p = torch.cat([p[0] for p in parts], dim=1)
-            m_p = torch.cat([p[1] for p in parts], dim=1)
-            l_p = torch.cat([p[2] for p in parts], dim=1)
-        # Own (causal) part, one segment at a time; rows of qh for segment s are contiguous.
-        acc_o = torch.empty_like(qh)
-        m_o = qh.new_empty(Hkv, Tg * r, 1)
-        l_o = qh.new_empty(Hkv, Tg * r, 1)
+        # -- own (causal) part, one segment at a time, kv heads repeated (segments are short)
+        o_o = qf.new_empty(Tg, Hq, d)
+        lse_o = qf.new_empty(Tg, Hq)
         off = 0
         for s in segs:
             a, b = cs[s], cs[s + 1]
             L = b - a
-            ks = k[a:b].to(compute).permute(1, 2, 0)  # [Hkv, d, L]
-            vs = v[a:b].to(compute).permute(1, 0, 2)  # [Hkv, L, d]
-            mask = causal_cache.get(L)
-            if mask is None:
-                # row (t, j) of the [L*r, L] block may see keys 0..t
-                mask = torch.ones(L, L, dtype=torch.bool, device=q.device).triu_(1).repeat_interleave(r, dim=0)
-                causal_cache[L] = mask
-            sl = slice(off * r, (off + L) * r)
-            acc_o[:, sl], m_o[:, sl], l_o[:, sl] = _attend_block(qh[:, sl], ks, vs, scale, mask)
+            qs = qf[off:off + L].transpose(0, 1).contiguous()
+            ks = k[a:b].float().repeat_interleave(r, dim=1).transpose(0, 1).contiguous()
+            vs = v[a:b].float().repeat_interleave(r, dim=1).transpose(0, 1).contiguous()
+            o, lse = _partial_attention(qs, ks, vs, scale, causal=True)
+            o_o[off:off + L] = o.transpose(0, 1)
+            lse_o[off:off + L] = lse.transpose(0, 1)
             off += L
-        if P > 0:
-            m = torch.maximum(m_p, m_o)
-            a_p, a_o = (m_p - m).exp_(), (m_o - m).exp_()
-            res = (acc_p * a_p + acc_o * a_o) / (l_p * a_p + l_o * a_o)
+
+        # -- prefix part and log-sum-exp merge
+        if cp[g + 1] > cp[g]:
+            o_p, lse_p = _prefix_part(qf, prefix_k[cp[g]:cp[g + 1]], prefix_v[cp[g]:cp[g + 1]], scale)
+            lse = torch.logaddexp(lse_p, lse_o)
+            res = o_p * (lse_p - lse).exp_()[..., None] + o_o * (lse_o - lse).exp_()[..., None]
         else:
-            res = acc_o / l_o
-        res = res.view(Hkv, Tg, r, d).permute(1, 0, 2, 3).reshape(Tg, Hq, d).to(q.dtype)
+            res = o_o
         if rows is not None:
-            out[rows] = res
+            out[rows] = res.to(q.dtype)
         else:
-            out[t0:t1] = res
+            out[t0:t1] = res.to(q.dtype)
     return out
 
 
@@ -224,9 +240,16 @@ def prefix_shared_attention(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_l
       validate: check metadata values (one host sync); the runner validates once per batch.
 
     Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
+
+    The backend is resolved once here; the work runs inside the custom op
+    ``torch.ops.acarerank.prefix_shared_attention`` (``_library``), opaque to torch.compile.
     """
     _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, validate)
-    name, fn = _backend.resolve("prefix_shared_attention", IMPLEMENTATIONS, backend, q.device)
+    # resolve() imports the implementation now, so an unusable backend fails here, by name
+    name, _ = _backend.resolve("prefix_shared_attention", IMPLEMENTATIONS, backend, q.device)
     _backend.check_runs_on(name, q.device, "prefix_shared_attention")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return fn(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale)
+    from ._library import prefix_shared_attention_op  # registered custom op (torch.compile-opaque)
+
+    return prefix_shared_attention_op(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
+                                      float(scale), name)

@@ -1,0 +1,348 @@
+"""Pointwise prompts: Qwen3-Reranker strings, ACARe context modes, the token-safe split.
+
+The prompt a pointwise reranker scores (DESIGN.md §4, the Qwen3-Reranker model card)::
+
+    PREFIX + "<Instruct>: {instruction}\\n" [context lines] "<Query>: {query}\\n<Document>: {doc}" + SUFFIX
+    └──────────────────── shared part: identical for every document ──────────────┘└── segment ──────┘
+
+tokenized as the model card does it: prefix and suffix each on their own
+(``add_special_tokens=False``), the body on its own. The split point is right after
+``"<Document>:"``: the shared part is ``tokens(PREFIX) + tokens(body up to "<Document>:")``
+and a document's segment is ``tokens(" " + doc) + tokens(SUFFIX)``. With the Qwen3
+tokenizer this equals the joint tokenization because the pre-tokenizer regex can never
+put ``":"`` and the following space in one pre-token (its punctuation branch,
+`` ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*``, stops at a space) and BPE never merges across
+pre-tokens. ``tests/test_prompts.py`` keeps proving it on awkward documents.
+
+ACARe context modes (one checkpoint, four prompts):
+
+====  ==================================  ========================================
+mode  fields                              body
+====  ==================================  ========================================
+M0    sub-query only                      Qwen3-Reranker's body, fixed
+M1    + reasoning trace                   ``ContextTemplate.trace`` line added
+M2    + original question                 ``ContextTemplate.question`` line added
+M3    + both                              both lines, in ``ContextTemplate.order``
+====  ==================================  ========================================
+
+A field that is ``None``, empty or whitespace only counts as missing and the mode drops
+to the matching lower one (e.g. an empty trace turns M3 into M2), as ACARe's context
+dropout trains for. Truncation rules live in :mod:`acarerank.prompts.truncation`.
+"""
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .truncation import DEFAULT_MIN_DOC_TOKENS, cut_oldest, cut_tail
+
+# -- Qwen3-Reranker model card strings, character for character (DESIGN.md §4) --------
+QWEN3_RERANKER_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+    "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n"
+)
+QWEN3_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QWEN3_RERANKER_BODY = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+DEFAULT_MAX_LENGTH = 8192  # ACARe's inference cap and the model card's max_length
+
+# The body cut into the pieces the context lines go between. Everything up to and including
+# SHARED_END is shared; a segment starts with DOC_SEP.
+INSTRUCT_LINE = "<Instruct>: {instruction}\n"
+QUERY_LINE = "<Query>: {query}\n"
+SHARED_END = "<Document>:"
+DOC_SEP = " "
+assert INSTRUCT_LINE + QUERY_LINE + SHARED_END + DOC_SEP + "{doc}" == QWEN3_RERANKER_BODY
+
+MODES = ("M0", "M1", "M2", "M3")
+
+
+@dataclass(frozen=True)
+class ContextTemplate:
+    """How ACARe's context fields enter the body (modes M1–M3); M0 never uses it.
+
+    ACARe's released template is not public, so this is data. The default puts the context
+    between the instruction and the sub-query, in the order the agent produced it::
+
+        <Instruct>: {instruction}
+        <Question>: {question}        # M2, M3
+        <Reasoning>: {trace}          # M1, M3
+        <Query>: {query}
+        <Document>: {doc}
+
+    Context always sits before ``"<Document>:"``, i.e. in the shared part.
+
+    Attributes:
+        question: format string of the question line; exactly one field, ``{question}``.
+        trace: format string of the reasoning-trace line; exactly one field, ``{trace}``.
+        order: the order of the two lines, a permutation of ``("question", "trace")``.
+        context_instruction: instruction used in M1–M3 when the caller passes none
+            (``None``: :data:`DEFAULT_INSTRUCTION`, as in M0).
+    """
+
+    question: str = "<Question>: {question}\n"
+    trace: str = "<Reasoning>: {trace}\n"
+    order: tuple = ("question", "trace")
+    context_instruction: Optional[str] = None
+
+    def __post_init__(self):
+        for name in ("question", "trace"):
+            fmt = getattr(self, name)
+            if not isinstance(fmt, str):
+                raise TypeError(f"ContextTemplate.{name} must be a format string, got {type(fmt).__name__}")
+            fields = [f for _, f, _, _ in string.Formatter().parse(fmt) if f is not None]
+            if fields != [name]:
+                raise ValueError(f"ContextTemplate.{name} must contain the field {{{name}}} exactly once and no "
+                                 f"other field; {fmt!r} has {fields}")
+        if tuple(self.order) not in (("question", "trace"), ("trace", "question")):
+            raise ValueError(f"ContextTemplate.order must be ('question', 'trace') or ('trace', 'question'), "
+                             f"got {self.order!r}")
+        if self.context_instruction is not None and not isinstance(self.context_instruction, str):
+            raise TypeError(f"ContextTemplate.context_instruction must be a str or None, "
+                            f"got {type(self.context_instruction).__name__}")
+
+
+DEFAULT_TEMPLATE = ContextTemplate()
+
+
+def _check_optional_str(name: str, value) -> Optional[str]:
+    """``None`` for a missing field (None, "" or whitespace only), else the string itself."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
+    return value if value.strip() else None
+
+
+def context_mode(question: Optional[str] = None, trace: Optional[str] = None) -> str:
+    """The ACARe mode the fields select: "M0" none, "M1" trace, "M2" question, "M3" both.
+
+    ``None``, ``""`` and whitespace-only strings count as missing.
+    """
+    q = _check_optional_str("question", question)
+    t = _check_optional_str("trace", trace)
+    return MODES[(1 if t is not None else 0) + (2 if q is not None else 0)]
+
+
+def check_query(query) -> str:
+    if query is None:
+        raise TypeError("query is None; pass the (sub-)query as a str")
+    if not isinstance(query, str):
+        raise TypeError(f"query must be a str, got {type(query).__name__}")
+    return query
+
+
+def check_documents(documents) -> list:
+    """A list of str; TypeError naming the first bad item's index, ValueError("no documents")."""
+    if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence):
+        raise TypeError(f"documents must be a list of str, got {type(documents).__name__}")
+    if len(documents) == 0:
+        raise ValueError("no documents")
+    for i, doc in enumerate(documents):
+        if not isinstance(doc, str):
+            raise TypeError(f"documents[{i}] must be a str, got {type(doc).__name__}")
+    return list(documents)
+
+
+def resolve_instruction(instruction, mode: str, template: ContextTemplate) -> str:
+    if instruction is not None:
+        if not isinstance(instruction, str):
+            raise TypeError(f"instruction must be a str or None, got {type(instruction).__name__}")
+        return instruction
+    if mode != "M0" and template.context_instruction is not None:
+        return template.context_instruction
+    return DEFAULT_INSTRUCTION
+
+
+def shared_body_text(query: str, question: Optional[str], trace: Optional[str], instruction: str,
+                     template: ContextTemplate = DEFAULT_TEMPLATE) -> str:
+    """The body up to and including ``"<Document>:"`` (no prefix). Fields already validated;
+    ``None`` leaves a context line out. With both ``None`` it is Qwen3-Reranker's body head."""
+    parts = [INSTRUCT_LINE.format(instruction=instruction)]
+    values = {"question": question, "trace": trace}
+    for name in template.order:
+        if values[name] is not None:
+            parts.append(getattr(template, name).format(**{name: values[name]}))
+    parts.append(QUERY_LINE.format(query=query))
+    parts.append(SHARED_END)
+    return "".join(parts)
+
+
+def body_text(query: str, doc: str, question: Optional[str] = None, trace: Optional[str] = None,
+              instruction: Optional[str] = None, template: ContextTemplate = DEFAULT_TEMPLATE) -> str:
+    """The whole body ``"<Instruct>: ...<Document>: {doc}"`` for the mode the fields select."""
+    query = check_query(query)
+    if not isinstance(doc, str):
+        raise TypeError(f"doc must be a str, got {type(doc).__name__}")
+    q = _check_optional_str("question", question)
+    t = _check_optional_str("trace", trace)
+    instr = resolve_instruction(instruction, context_mode(q, t), template)
+    return shared_body_text(query, q, t, instr, template) + DOC_SEP + doc
+
+
+def full_prompt_text(query: str, doc: str, question: Optional[str] = None, trace: Optional[str] = None,
+                     instruction: Optional[str] = None, template: ContextTemplate = DEFAULT_TEMPLATE) -> str:
+    """The whole, unshared, untruncated prompt as one string: prefix + body + suffix.
+
+    In M0 it is exactly the model card's ``prefix + format_instruction(instruction, query, doc) + suffix``.
+    """
+    return QWEN3_RERANKER_PREFIX + body_text(query, doc, question, trace, instruction, template) + QWEN3_RERANKER_SUFFIX
+
+
+@dataclass
+class PointwiseEncoding:
+    """Token ids of one query's pointwise prompts, split for prefix sharing.
+
+    Attributes:
+        shared_ids: prefix tokens + tokens of the body up to and including ``"<Document>:"``
+            — the same for every document (truncated, if at all, independently of them).
+        segment_ids: per document, ``tokens(" " + doc)`` (cut from its end so that
+            ``len(shared_ids) + len(segment) <= max_length``) followed by the suffix tokens.
+            Never empty: the suffix is at least 9 tokens.
+        mode: "M0".."M3" actually used (after missing fields and a fully dropped trace).
+        trace_tokens_dropped: how many of the trace's own tokens (tokenized alone) were
+            dropped from its start to fit; 0 when nothing was cut.
+        doc_truncated: per document, whether its tail was cut.
+        trace_used: the trace text in the prompt (a tail of the given trace when cut; ``None``
+            when there is no trace line).
+        doc_tokens_dropped: per document, how many of its tokens were cut.
+        num_suffix_tokens: length of the suffix at the end of every segment.
+        max_length: the cap the encoding was built for.
+    """
+
+    shared_ids: list
+    segment_ids: list
+    mode: str
+    trace_tokens_dropped: int
+    doc_truncated: list
+    doc_tokens_dropped: list = field(default_factory=list)
+    num_suffix_tokens: int = 0
+    max_length: int = DEFAULT_MAX_LENGTH
+    trace_used: Optional[str] = None
+
+    def input_ids(self, i: int) -> list:
+        """Document ``i``'s whole, unshared sequence: ``shared_ids + segment_ids[i]``."""
+        return self.shared_ids + self.segment_ids[i]
+
+    def __len__(self) -> int:
+        return len(self.segment_ids)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: Optional[str] = None,
+                     trace: Optional[str] = None, instruction: Optional[str] = None,
+                     max_length: int = DEFAULT_MAX_LENGTH, template: ContextTemplate = DEFAULT_TEMPLATE,
+                     truncate: bool = True, min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS) -> PointwiseEncoding:
+    """Tokenize one query's pointwise prompts for N documents, split for prefix sharing.
+
+    ``shared_ids + segment_ids[i]`` equals the model card's construction for document ``i``
+    (``tokens(PREFIX) + tokens(body) + tokens(SUFFIX)``, the body tokenized on its own),
+    truncated as follows when it would exceed ``max_length``:
+
+    1. the shared part, independently of the documents, must leave room for the suffix and
+       ``min_doc_tokens`` document tokens; only the trace is cut, oldest text first, at a token
+       boundary (a trace with no token left is dropped and the mode falls to M0/M2); if the
+       fixed strings, instruction, question and query alone do not fit: ValueError with counts;
+    2. each document is cut from its end to the room left (the model card's body truncation).
+
+    With ``truncate=False`` anything over ``max_length`` raises ValueError naming the field or
+    document and the lengths (``min_doc_tokens`` is then not reserved).
+
+    Args:
+        tokenizer: Hugging Face tokenizer (fast for trace cutting), e.g.
+            :func:`acarerank.tokenizer.load_qwen3_tokenizer`.
+        query: the (sub-)query, str. documents: non-empty list of str.
+        question, trace: ACARe context (None/empty: missing). instruction: None → default.
+        max_length: cap on each document's whole sequence (default 8192).
+        template: the M1–M3 context lines.
+        min_doc_tokens: document tokens the shared part always leaves room for (default 512,
+            see :data:`acarerank.prompts.truncation.DEFAULT_MIN_DOC_TOKENS`).
+
+    Returns: :class:`PointwiseEncoding`.
+
+    Costs two tokenizer calls when nothing is cut (prefix, suffix and shared body together; all
+    documents in one batch) — not one per document; cutting the trace adds ~3 short ones.
+    """
+    query = check_query(query)
+    docs = check_documents(documents)
+    q = _check_optional_str("question", question)
+    t = _check_optional_str("trace", trace)
+    if not isinstance(template, ContextTemplate):
+        raise TypeError(f"template must be a ContextTemplate, got {type(template).__name__}")
+    _check_int("max_length", max_length, 1)
+    _check_int("min_doc_tokens", min_doc_tokens, 1)
+    if not isinstance(truncate, bool):
+        raise TypeError(f"truncate must be a bool, got {type(truncate).__name__}")
+    if instruction is not None and not isinstance(instruction, str):
+        raise TypeError(f"instruction must be a str or None, got {type(instruction).__name__}")
+
+    def head(trace_text: Optional[str]) -> str:
+        instr = resolve_instruction(instruction, context_mode(q, trace_text), template)
+        return shared_body_text(query, q, trace_text, instr, template)
+
+    def tokens(texts):
+        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+    prefix_ids, suffix_ids, head_ids = tokens([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX, head(t)])
+    n_suffix = len(suffix_ids)
+    reserve = min_doc_tokens if truncate else 0
+    budget = max_length - n_suffix - reserve  # most tokens the shared part may take
+    shared_len = len(prefix_ids) + len(head_ids)
+    trace_dropped = 0
+
+    if shared_len > budget:
+        # -- diagnose: fixed strings, then the never-cut fields, then the trace
+        tail = f" + min_doc_tokens {min_doc_tokens}" if truncate else ""
+        empty_head = shared_body_text("", "" if q is not None else None, "" if t is not None else None, "", template)
+        fixed = len(prefix_ids) + len(tokens([empty_head])[0])
+        if fixed + n_suffix + reserve > max_length:
+            raise ValueError(
+                f"max_length={max_length} is too small for the prompt's fixed strings: prefix and "
+                f"{context_mode(q, t)} body template {fixed} + suffix {n_suffix}{tail} = "
+                f"{fixed + n_suffix + reserve} tokens")
+        base = len(prefix_ids) + len(tokens([head(None)])[0])
+        if base > budget:
+            n_query, n_question, n_instr = (len(x) for x in tokens(
+                [query, q or "", resolve_instruction(instruction, context_mode(q, None), template)]))
+            raise ValueError(
+                f"the query and question are never truncated, but with the instruction and fixed strings they "
+                f"make a {base}-token shared context (query {n_query}, question {n_question}, "
+                f"instruction {n_instr} tokens); with suffix {n_suffix}{tail} that exceeds "
+                f"max_length={max_length}. Shorten the query/question or raise max_length")
+        # only the trace is over
+        if not truncate:
+            n_trace = len(tokens([t])[0])
+            raise ValueError(
+                f"trace is {n_trace} tokens; with it the shared context is {shared_len} tokens + suffix {n_suffix} "
+                f"= {shared_len + n_suffix} > max_length={max_length} (truncate=False)")
+        t, trace_dropped = cut_oldest(tokenizer, t, lambda tr: len(prefix_ids) + len(tokens([head(tr)])[0]),
+                                      budget, current_len=shared_len)
+        head_ids = tokens([head(t)])[0]
+        shared_len = len(prefix_ids) + len(head_ids)
+        assert shared_len <= budget, (shared_len, budget)  # cut_oldest verified it; guard the invariant
+
+    shared_ids = list(prefix_ids) + list(head_ids)
+    room = max_length - shared_len - n_suffix
+    segments, truncated, dropped = [], [], []
+    for i, doc_ids in enumerate(tokens(DOC_SEP + d for d in docs)):
+        if len(doc_ids) > room and not truncate:
+            raise ValueError(
+                f"documents[{i}] is {len(doc_ids)} tokens; shared context {shared_len} + document "
+                f"{len(doc_ids)} + suffix {n_suffix} = {shared_len + len(doc_ids) + n_suffix} > "
+                f"max_length={max_length} (truncate=False)")
+        doc_ids, n_cut = cut_tail(doc_ids, room)
+        segments.append(list(doc_ids) + list(suffix_ids))
+        truncated.append(n_cut > 0)
+        dropped.append(n_cut)
+    return PointwiseEncoding(shared_ids=shared_ids, segment_ids=segments, mode=context_mode(q, t),
+                             trace_tokens_dropped=trace_dropped, doc_truncated=truncated,
+                             doc_tokens_dropped=dropped, num_suffix_tokens=n_suffix, max_length=max_length,
+                             trace_used=t)
