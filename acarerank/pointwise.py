@@ -18,7 +18,7 @@ import torch
 
 from .model import Qwen3Runner
 from .ops import yes_no_score
-from .prompts import DEFAULT_TEMPLATE, encode_pointwise
+from .prompts import DEFAULT_MIN_DOC_TOKENS, DEFAULT_TEMPLATE, encode_pointwise
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -55,12 +55,15 @@ class PointwiseReranker:
       max_length: cap on prefix + body + suffix tokens per document (8,192 as in the papers).
       backend: attention / head backend ("torch", "triton", ...); None = environment/device default.
       template: the ACARe context template (``acarerank.prompts.ContextTemplate``).
+      min_doc_tokens: document tokens the shared part always leaves room for when the
+        context has to be truncated (the trace is cut oldest-first to keep them free).
       max_batch_tokens: segment tokens per packed pass; deeper lists run in several passes
         with identical scores, so depth is never bounded by memory.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length: int = 8192,
-                 backend: Optional[str] = None, template=DEFAULT_TEMPLATE, max_batch_tokens: int = 8192):
+                 backend: Optional[str] = None, template=DEFAULT_TEMPLATE, max_batch_tokens: int = 8192,
+                 min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS):
         if (model is None) == (runner is None):
             raise TypeError("PointwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
         if max_batch_tokens < 1:
@@ -75,6 +78,7 @@ class PointwiseReranker:
         self.max_length = max_length
         self.template = template
         self.max_batch_tokens = max_batch_tokens
+        self.min_doc_tokens = min_doc_tokens
         self.backend = backend
         yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
         V = self.runner.arch.vocab_size
@@ -116,7 +120,8 @@ class PointwiseReranker:
         if len(requests) == 0:
             raise ValueError("score_batch: no requests")
         encodings = [encode_pointwise(self.tokenizer, r.query, r.documents, question=r.question, trace=r.trace,
-                                      instruction=r.instruction, max_length=self.max_length, template=self.template)
+                                      instruction=r.instruction, max_length=self.max_length, template=self.template,
+                                      min_doc_tokens=self.min_doc_tokens)
                      for r in requests]
         cache = self.runner.prefill([e.shared_ids for e in encodings])
         segments = [(g, i, ids) for g, e in enumerate(encodings) for i, ids in enumerate(e.segment_ids)]

@@ -1,0 +1,161 @@
+"""PointwiseReranker against the Qwen3-Reranker model card's own transformers path."""
+import json
+import random
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from acarerank import PointwiseReranker, ScoreRequest
+from acarerank.prompts import encode_pointwise, joint_input_ids, official_input_ids, official_scores
+from acarerank.tokenizer import QWEN3_VOCAB
+
+DOCS = [
+    "Adaptive Tutoring Optimization trains a setwise reranker with a tutor's hints.",
+    "  leading spaces and a trailing newline\n",
+    "",
+    "数字 12345 与中文混合的文档。",
+    "punctuation!!! ??? ... --- [1] [2] <tags> & more; 3.14159",
+    "line one\nline two\n\n\tline three",
+]
+QUESTION = "Which method lets a setwise reranker learn from a tutor during RL?"
+TRACE = ("First I searched for GRPO rerankers and found background on group-relative advantages. "
+         "The question mentions a tutor, so next I will look for hint-based distillation. ") * 3
+
+
+def random_reranker_model(layers, heads, kv_heads, head_dim, hidden=64, seed=0, dtype=torch.float32):
+    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=hidden, intermediate_size=3 * hidden - 5,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, rope_theta=1000000.0, tie_word_embeddings=True, attn_implementation="eager")
+    torch.manual_seed(seed)
+    m = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # spread the yes/no rows so scores are not all ~0.5
+        m.lm_head.weight[[9693, 2152]] *= 20
+    return m.to(dtype)
+
+
+SHAPES = [dict(layers=1, heads=2, kv_heads=2, head_dim=64),
+          dict(layers=2, heads=4, kv_heads=2, head_dim=128),
+          dict(layers=4, heads=4, kv_heads=1, head_dim=64)]
+MODES = {"M0": {}, "M1": {"trace": TRACE}, "M2": {"question": QUESTION}, "M3": {"question": QUESTION, "trace": TRACE}}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"L{s['layers']}-h{s['heads']}/{s['kv_heads']}-d{s['head_dim']}")
+def test_scores_equal_official_path_in_every_mode(shape, qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    model = random_reranker_model(**shape)
+    rr = PointwiseReranker(model=model, tokenizer=tok)
+    for mode, ctx in MODES.items():
+        ours = rr.score("tutoring optimization reranker", DOCS, **ctx)
+        ref = official_scores(model, tok, [joint_input_ids(tok, "tutoring optimization reranker", d, **ctx) for d in DOCS],
+                              batch_size=1)
+        diff = [abs(a - b) for a, b in zip(ours, ref)]
+        assert max(diff) <= 1e-5, f"{mode}: per-document |diff| {diff}"
+        assert len(set(round(s, 4) for s in ref)) > 1, "degenerate reference scores"
+
+
+def test_scores_equal_official_path_with_truncation(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    model = random_reranker_model(layers=2, heads=4, kv_heads=2, head_dim=64)
+    long_doc = "retrieval " * 300 + "the tail that the cut removes"
+    docs = [long_doc, DOCS[0], "x" * 2000]
+    # M0: the model card truncates the body from its end; ours cuts the document's tail
+    rr = PointwiseReranker(model=model, tokenizer=tok, max_length=160, min_doc_tokens=16)
+    ref = official_scores(model, tok, [official_input_ids(tok, "q", d, max_length=160) for d in docs], batch_size=1)
+    ours = rr.score("q", docs)
+    assert max(abs(a - b) for a, b in zip(ours, ref)) <= 1e-5
+    # M3 with the trace cut oldest-first: our split equals the full truncated sequence
+    rr = PointwiseReranker(model=model, tokenizer=tok, max_length=400, min_doc_tokens=64)
+    enc = encode_pointwise(tok, "q", docs, question=QUESTION, trace=TRACE * 4, max_length=400, min_doc_tokens=64)
+    assert enc.trace_tokens_dropped > 0 and any(enc.doc_truncated)
+    ref = official_scores(model, tok, [enc.input_ids(i) for i in range(len(docs))], batch_size=1)
+    ours = rr.score("q", docs, question=QUESTION, trace=TRACE * 4)
+    assert max(abs(a - b) for a, b in zip(ours, ref)) <= 1e-5
+
+
+def test_bfloat16_error_within_twice_transformers_bfloat16(qwen3_tokenizer):
+    """bf16 rule: |ours_bf16 − fp32| ≤ 2·|transformers_bf16 − fp32| + 2e-3 (per batch, max over docs)."""
+    tok = qwen3_tokenizer
+    m32 = random_reranker_model(layers=2, heads=4, kv_heads=2, head_dim=64)
+    mbf = random_reranker_model(layers=2, heads=4, kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    ids = [joint_input_ids(tok, "q", d, question=QUESTION) for d in DOCS]
+    ref32 = torch.tensor(official_scores(m32, tok, ids, batch_size=1))
+    refbf = torch.tensor(official_scores(mbf, tok, ids, batch_size=1))
+    ours = torch.tensor(PointwiseReranker(model=mbf, tokenizer=tok).score("q", DOCS, question=QUESTION))
+    e_ours, e_hf = (ours - ref32).abs().max().item(), (refbf - ref32).abs().max().item()
+    assert e_ours <= 2 * e_hf + 2e-3, f"bf16 error {e_ours:.2e} vs transformers-bf16 {e_hf:.2e}"
+
+
+def test_batch_invariance(qwen3_tokenizer):
+    """A document's score does not depend on its neighbours, their number, order, or chunking."""
+    tok = qwen3_tokenizer
+    model = random_reranker_model(layers=2, heads=4, kv_heads=2, head_dim=64)
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(["alpha", "beta", "rerank", "国", "42", "tutor", "\n"]) for _ in range(rng.randint(0, 60)))
+            for _ in range(17)]
+    alone = [PointwiseReranker(model=model, tokenizer=tok).score("q", [d], trace=TRACE)[0] for d in docs]
+    together = PointwiseReranker(model=model, tokenizer=tok).score("q", docs, trace=TRACE)
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    shuffled = PointwiseReranker(model=model, tokenizer=tok, max_batch_tokens=50).score("q", [docs[i] for i in order],
+                                                                                       trace=TRACE)
+    unshuffled = [0.0] * len(docs)
+    for pos, i in enumerate(order):
+        unshuffled[i] = shuffled[pos]
+    worst = max(max(abs(a - b), abs(a - c)) for a, b, c in zip(alone, together, unshuffled))
+    assert worst <= 1e-6, f"batch composition changed a score by {worst:.2e}"
+
+
+def test_score_batch_groups_equal_separate_calls(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64), tokenizer=tok)
+    reqs = [ScoreRequest("first query", DOCS[:3], question=QUESTION), ScoreRequest("second", DOCS[2:], trace=TRACE)]
+    batched = rr.score_batch(reqs)
+    separate = [rr.score(r.query, r.documents, question=r.question, trace=r.trace) for r in reqs]
+    assert max(abs(a - b) for x, y in zip(batched, separate) for a, b in zip(x, y)) <= 1e-6
+
+
+def test_rerank_orders_best_first(qwen3_tokenizer):
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64), tokenizer=qwen3_tokenizer)
+    scores = rr.score("q", DOCS)
+    ranked = rr.rerank("q", DOCS, top_n=3)
+    assert [i for i, _ in ranked] == sorted(range(len(DOCS)), key=lambda i: -scores[i])[:3]
+    assert all(0.0 <= s <= 1.0 for s in scores)
+
+
+def test_bad_input_gives_clear_errors(qwen3_tokenizer, tmp_path):
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64), tokenizer=qwen3_tokenizer,
+                           max_length=600, min_doc_tokens=16)
+    with pytest.raises(ValueError, match="no documents"):
+        rr.score("q", [])
+    with pytest.raises(TypeError, match=r"documents\[1\]"):
+        rr.score("q", ["ok", 3])
+    with pytest.raises(TypeError, match="query"):
+        rr.score(None, ["doc"])
+    with pytest.raises(ValueError, match="token"):  # the question alone is over the cap; never cut silently
+        rr.score("q", ["doc"], question="why " * 800)
+    with pytest.raises(ValueError, match="top_n"):
+        rr.rerank("q", ["doc"], top_n=0)
+    with pytest.raises(TypeError, match="dtype"):
+        PointwiseReranker.from_pretrained(str(tmp_path), dtype=torch.int32)
+    with pytest.raises(ValueError, match="device"):
+        PointwiseReranker.from_pretrained(str(tmp_path), device="not-a-device")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        PointwiseReranker.from_pretrained(str(tmp_path))
+    with pytest.raises(TypeError, match="exactly one"):
+        PointwiseReranker()
+
+
+def test_from_pretrained_folder_and_cli(qwen3_tokenizer, tmp_path, capsys):
+    from acarerank.cli import main
+    model = random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64)
+    model.save_pretrained(tmp_path / "ckpt")
+    docs_file = tmp_path / "docs.jsonl"
+    docs_file.write_text("\n".join(json.dumps({"id": i, "text": d}) for i, d in enumerate(DOCS[:4])) + "\n")
+    expected = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer).score("q", DOCS[:4])
+    assert main(["score", "--model", str(tmp_path / "ckpt"), "--query", "q", "--docs", str(docs_file)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["id"] for r in rows] == [0, 1, 2, 3]
+    assert max(abs(r["score"] - e) for r, e in zip(rows, expected)) <= 1e-6
+    assert main(["score", "--model", str(tmp_path / "ckpt"), "--query", "q", "--docs", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
