@@ -55,6 +55,8 @@ class PointwiseReranker:
       max_length: cap on prefix + body + suffix tokens per document (8,192 as in the papers).
       backend: attention / head backend ("torch", "triton", ...); None = environment/device default.
       template: the ACARe context template (``acarerank.prompts.ContextTemplate``).
+      batch_invariant: bitwise-identical scores for a document whatever the batch around it
+        (fixed-tile GEMMs in the runner; needs a batch-invariant attention backend: "triton").
       min_doc_tokens: document tokens the shared part always leaves room for when the
         context has to be truncated (the trace is cut oldest-first to keep them free).
       max_batch_tokens: segment tokens per packed pass; deeper lists run in several passes
@@ -63,7 +65,7 @@ class PointwiseReranker:
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length: int = 8192,
                  backend: Optional[str] = None, template=DEFAULT_TEMPLATE, max_batch_tokens: int = 8192,
-                 min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS):
+                 min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS, batch_invariant: bool = False):
         if (model is None) == (runner is None):
             raise TypeError("PointwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
         if max_batch_tokens < 1:
@@ -71,6 +73,8 @@ class PointwiseReranker:
         self.runner = runner if runner is not None else Qwen3Runner.from_hf(model, backend=backend)
         if backend is not None:
             self.runner.backend = backend
+        if batch_invariant:
+            self.runner.batch_invariant = True
         if tokenizer is None:
             from .tokenizer import load_qwen3_tokenizer
             tokenizer = load_qwen3_tokenizer()

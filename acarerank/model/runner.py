@@ -53,6 +53,22 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
+# Rows per GEMM in batch-invariant mode. BLAS (and cuBLAS) pick a different kernel for a
+# different number of rows (on 2-core x86 MKL: M in {1,2,3,5,7} differ bit-wise from M=64),
+# so a row's result depends on its batch. Feeding every GEMM exactly this many rows (the last
+# tile zero-padded) makes a token's hidden state a function of that token's inputs alone.
+INVARIANT_ROWS = 64
+
+
+def _linear_fixed_tiles(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    T = x.shape[0]
+    pad = (-T) % INVARIANT_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = torch.cat([F.linear(x[i:i + INVARIANT_ROWS], w, b) for i in range(0, x.shape[0], INVARIANT_ROWS)])
+    return out[:T]
+
+
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -61,8 +77,18 @@ def _rotate_half(x):
 class Qwen3Runner:
     """Runs a Qwen3 decoder over prefix-shared batches; holds no per-request state."""
 
-    def __init__(self, weights: Qwen3Weights, backend: Optional[str] = None, prefill_chunk: int = 4096):
+    def __init__(self, weights: Qwen3Weights, backend: Optional[str] = None, prefill_chunk: int = 4096,
+                 batch_invariant: bool = False):
+        """
+        Args:
+          weights: see ``Qwen3Weights``; backend: attention backend (None = op default).
+          prefill_chunk: tokens per group per prefill pass.
+          batch_invariant: run every GEMM on fixed tiles of ``INVARIANT_ROWS`` rows, so a
+            segment's output is bitwise independent of the other segments in its batch (with a
+            batch-invariant attention backend: "triton"). Costs some speed; off by default.
+        """
         self.weights = weights
+        self.batch_invariant = batch_invariant
         self.arch = weights.arch
         self.backend = backend
         self.prefill_chunk = prefill_chunk
@@ -177,11 +203,12 @@ class Qwen3Runner:
         last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.long, device=dev)
 
         Hq, Hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        linear = _linear_fixed_tiles if self.batch_invariant else F.linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
         new_k, new_v = [], []
         for i, L in enumerate(W.layers):
             h = _rms_norm(x, L.input_norm, a.rms_norm_eps)
-            qkv = F.linear(h, L.w_qkv, L.b_qkv)
+            qkv = linear(h, L.w_qkv, L.b_qkv)
             q, k, v = qkv.split([Hq * d, Hkv * d, Hkv * d], dim=-1)
             q = _rms_norm(q.view(T, Hq, d), L.q_norm, a.rms_norm_eps)
             k = _rms_norm(k.view(T, Hkv, d), L.k_norm, a.rms_norm_eps)
@@ -198,10 +225,10 @@ class Qwen3Runner:
                                            backend=self.backend, validate=False).reshape(T, Hq * d)
             if is_last_layer and output == "last":
                 x, attn = x[last], attn[last]  # only the rows asked for go through o_proj and the MLP
-            x = x + F.linear(attn, L.w_o)
+            x = x + linear(attn, L.w_o)
             h = _rms_norm(x, L.post_norm, a.rms_norm_eps)
-            gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L.w_down)
+            gate, up = linear(h, L.w_gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, L.w_down)
         if append:
             self._append(cache, new_k, new_v, groups, cu)
         return None if output == "none" else x

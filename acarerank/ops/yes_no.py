@@ -87,8 +87,13 @@ def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backe
       norm_weight: [H] final RMSNorm weight; w_yes, w_no: [H] rows 9693 / 2152 of lm_head.
       eps: RMSNorm epsilon (config.rms_norm_eps).
     Returns: (score [S] fp32 in [0, 1], logit_diff [S] fp32 = logit_yes − logit_no).
+
+    The backend is resolved once here; the work runs inside the custom op
+    ``torch.ops.acarerank.yes_no_score`` (``_library``), opaque to torch.compile.
     """
     _check_inputs(hidden_last, norm_weight, w_yes, w_no)
-    name, fn = _backend.resolve("yes_no_score", IMPLEMENTATIONS, backend, hidden_last.device)
+    name, _ = _backend.resolve("yes_no_score", IMPLEMENTATIONS, backend, hidden_last.device)
     _backend.check_runs_on(name, hidden_last.device, "yes_no_score")
-    return fn(hidden_last, norm_weight, w_yes, w_no, eps)
+    from ._library import yes_no_score_op  # registered custom op (torch.compile-opaque)
+
+    return yes_no_score_op(hidden_last, norm_weight, w_yes, w_no, float(eps), name)

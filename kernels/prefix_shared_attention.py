@@ -1,0 +1,314 @@
+"""Grouped prefix-shared attention in ONE pass (DESIGN.md §3), Triton.
+
+Every segment s of group g attends to all of g's prefix (no mask) and causally to its own
+earlier tokens, never to other segments:
+
+    out[t] = softmax(scale · q[t] · [prefix_k[g]; k[s_0..t]]ᵀ) · [prefix_v[g]; v[s_0..t]]
+
+One launch covers all groups and segments. A program owns BLOCK_M query *rows* of one
+segment for one KV head and streams first its group's prefix K/V tiles (unmasked but for
+the last), then its own segment's K/V tiles (causal on the diagonal tiles), with one
+online softmax (FlashAttention-2, Dao 2023) in fp32: no second pass, no log-sum-exp merge,
+no per-segment copy of the prefix. FlashInfer/vLLM cascades and Hydragen do the same work
+as a prefix pass + an own pass + a merge kernel.
+
+GQA: the r = Hq/Hkv query heads that share a KV head are folded into the row dimension
+(row = token·r + head-in-group, FlashInfer's decode trick), so each K/V tile is loaded once
+for all r heads and a decode step (segment length 1) still fills r rows of a block.
+
+Work list: (segment, first row) pairs built from cu_seqlens by a few device ops (no host
+sync), heaviest block first, so no program idles on a short or empty segment
+(grid = (work slots, Hkv)).
+
+Determinism: a row's keys are visited in a fixed order (prefix tiles then own tiles, by
+BLOCK_N) that depends only on its own segment and group; the config is a function of
+(head_dim, GQA ratio, dtype) only; no atomics. So a segment's output is bitwise the same
+whatever else is in the batch and in what order (tests/test_triton_attention.py).
+
+Interpreter note (triton 3.9): the interpreter stores bfloat16 as uint16 and its ``tl.dot``
+multiplies the raw bit patterns (triton-lang/triton#11584; bf16 is documented as unsupported
+there). With bf16 inputs under the interpreter the kernel upcasts both dot operands to fp32
+(exact for bf16 values; DOT_FP32) and does no bf16 arithmetic, only casts — the probabilities
+are still rounded to bf16 before P·V, as on the GPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """a @ b (+ acc) in fp32; IEEE for fp32 operands (the 1e-5 contract: no TF32 rounding)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                  lo, hi, n_limit, tok, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASK_COLS: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax over key columns [lo, hi) of one K/V stream (prefix or own segment).
+
+    q: [BLOCK_M, BLOCK_D]; acc [BLOCK_M, BLOCK_D], l_i/m_i [BLOCK_M] fp32 (m_i in log2 units).
+    MASK_COLS: columns >= n_limit are absent (tail tile). CAUSAL: row may see column c only
+    if c <= tok[row] (its token index within the segment).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM  # all true unless head_dim was padded to a power of two >= 16
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        cols64 = cols.to(tl.int64)
+        k_ptrs = k_base + cols64[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
+        v_ptrs = v_base + cols64[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
+        if MASK_COLS:
+            col_ok = cols < n_limit
+            k = tl.load(k_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        # -- scores in log2 units (exp2 is one instruction; the scale folds in log2(e))
+        qk = _dot(q, k, None, IEEE) * qk_scale
+        if CAUSAL:
+            qk = tl.where(cols[None, :] <= tok[:, None], qk, float("-inf"))
+        elif MASK_COLS:
+            qk = tl.where(col_ok[None, :], qk, float("-inf"))
+        # -- update m_i and l_i; a tile fully masked for a row leaves it exactly unchanged
+        # (alpha = 1, p = 0): every row has seen >= 1 key before such a tile.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- update acc: P is rounded to V's dtype first, as flash-attn does for fp16/bf16
+        p = p.to(v.dtype)
+        if DOT_FP32:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = _dot(p, v, acc * alpha[:, None], IEEE)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefix_shared_attn_fwd(
+    Q, K, V, PK, PV, Out, CU_SEQ, CU_PRE, SEG_GROUP, WORK,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_pkt, stride_pkh, stride_pkd, stride_pvt, stride_pvh, stride_pvd, stride_ot, stride_oh, stride_od,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GQA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hkv = tl.program_id(1)
+    seg = tl.load(WORK + 2 * pid)
+    row0 = tl.load(WORK + 2 * pid + 1)
+    # a spare slot (seg = -1, row0 = 0) becomes an empty segment with an empty prefix: no loop
+    # runs and the store is fully masked
+    live = seg >= 0
+    seg = tl.maximum(seg, 0)
+    t0 = tl.load(CU_SEQ + seg)
+    L = tl.where(live, tl.load(CU_SEQ + seg + 1) - t0, 0)
+    g = tl.load(SEG_GROUP + seg)
+    p0 = tl.load(CU_PRE + g)
+    P = tl.where(live, tl.load(CU_PRE + g + 1) - p0, 0)
+
+    # rows of this block: row = token·GQA + head-in-group
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < L * GQA
+    tok = rows // GQA
+    head = hkv * GQA + rows % GQA
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    tok64 = (t0 + tok).to(tl.int64)  # int64: T·Hq·d can pass 2^31 elements
+    q_ptrs = Q + tok64[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # -- stream 1: the group's prefix, every column visible; only the tail tile is masked
+    pk_base = PK + p0.to(tl.int64) * stride_pkt + hkv * stride_pkh
+    pv_base = PV + p0.to(tl.int64) * stride_pvt + hkv * stride_pvh
+    p_full = (P // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, pk_base, pv_base, stride_pkt, stride_pkd, stride_pvt, stride_pvd,
+                                  0, p_full, P, tok, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                  MASK_COLS=False, CAUSAL=False, DOT_FP32=DOT_FP32, IEEE=IEEE)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, pk_base, pv_base, stride_pkt, stride_pkd, stride_pvt, stride_pvd,
+                                  p_full, P, P, tok, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                  MASK_COLS=True, CAUSAL=False, DOT_FP32=DOT_FP32, IEEE=IEEE)
+
+    # -- stream 2: the segment's own keys; columns < first token + 1 are visible to every
+    # row of the block (no mask), the rest up to the block's last real token are causal
+    k_base = K + t0.to(tl.int64) * stride_kt + hkv * stride_kh
+    v_base = V + t0.to(tl.int64) * stride_vt + hkv * stride_vh
+    tok_first = row0 // GQA
+    tok_last = tl.minimum((row0 + BLOCK_M - 1) // GQA, L - 1)
+    own_full = ((tok_first + 1) // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                  0, own_full, L, tok, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                  MASK_COLS=False, CAUSAL=False, DOT_FP32=DOT_FP32, IEEE=IEEE)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                  own_full, tok_last + 1, L, tok, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                  MASK_COLS=True, CAUSAL=True, DOT_FP32=DOT_FP32, IEEE=IEEE)
+
+    # every real row saw its own token 0, so l_i > 0; rows of a spare slot have l_i = 0 (not stored)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = Out + tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _gpu_configs():
+    """Autotune space on GPU (BLOCK_M is fixed per call, see _block_m: the work list depends on it)."""
+    return [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bn, w, s in ((32, 4, 2), (32, 8, 2), (64, 4, 3), (64, 8, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3))
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep the configs worth compiling (each costs ~5 s of compile time on first use).
+
+    fp16/bf16, head_dim <= 128 (the hot path): BLOCK_N 64 (4 or 8 warps, 3 stages) or 128
+    (8 warps, 2 or 3 stages) — the FlashAttention-2 tutorial's Hopper neighbourhood.
+    head_dim 256: BLOCK_N <= 64, 2 stages (a 64x256 K/V tile pair per stage is 64 KB in bf16).
+    fp32 (IEEE dot, a correctness path, no tensor cores): one small config.
+    """
+    head_dim, fp32 = kwargs["HEAD_DIM"], named_args["Q"].dtype == torch.float32
+    if fp32:
+        keep = [c for c in configs if c.kwargs["BLOCK_N"] == 32 and c.num_warps == 4]
+    elif head_dim > 128:
+        keep = [c for c in configs if c.kwargs["BLOCK_N"] <= 64 and c.num_stages == 2]
+    else:
+        keep = [c for c in configs if (c.kwargs["BLOCK_N"], c.num_stages) in ((64, 3), (128, 2), (128, 3))]
+    return keep or configs[:1]
+
+
+# Autotune key: head_dim, GQA ratio and (added by triton) the argument dtypes — never a
+# batch-dependent size, so the config (hence the reduction order) is fixed per process.
+_prefix_shared_attn_fwd_tuned = triton.autotune(
+    configs=_gpu_configs(), key=["HEAD_DIM", "GQA"], prune_configs_by={"early_config_prune": _prune_configs},
+)(_prefix_shared_attn_fwd)
+
+# Under the interpreter: one small config (cost is per program and per tile, in Python).
+_INTERPRET_BLOCK_M = 32
+_INTERPRET_BLOCK_N = 32
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernel_is_interpreted() -> bool:
+    # triton.jit reads TRITON_INTERPRET when this module is imported, not at launch
+    return type(_prefix_shared_attn_fwd).__name__ == "InterpretedFunction"
+
+
+def _block_m(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> int:
+    """Rows per program: a function of (head_dim, dtype) only, for determinism."""
+    if not on_gpu:
+        return _INTERPRET_BLOCK_M
+    if dtype == torch.float32 or head_dim > 128:
+        return 64  # fp32 tiles and d=256 tiles double the register/shared footprint
+    return 128
+
+
+def _work_list(cu_seqlens: torch.Tensor, cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
+               total_tokens: int, gqa: int, block_m: int) -> torch.Tensor:
+    """int32 [W, 2] on the metadata's device: (segment, first row) of every block, heaviest first.
+
+    Segment s has L_s·gqa rows → ceil(L_s·gqa / block_m) blocks (none if empty). Built with a
+    few small device ops and no host sync (so the op can be captured in a CUDA graph): W is
+    the static bound ceil(T·gqa / block_m) + S, and slots past the real blocks are (-1, 0),
+    which the kernel skips. A block's cost is its prefix length plus its last token + 1 (the
+    keys it streams); sorting by it descending (stable) is longest-processing-time-first
+    scheduling, so the long blocks start first and short ones fill the tail.
+    """
+    S = segment_group.numel()
+    rows = (cu_seqlens[1:] - cu_seqlens[:-1]).long() * gqa
+    nblk = (rows + block_m - 1) // block_m
+    ends = torch.cumsum(nblk, 0)
+    slot = torch.arange((total_tokens * gqa + block_m - 1) // block_m + S, device=cu_seqlens.device)
+    seg = torch.searchsorted(ends, slot, right=True)  # == S past the last real block
+    valid = seg < S
+    seg_c = seg.clamp(max=S - 1)
+    row0 = torch.where(valid, (slot - (ends - nblk)[seg_c]) * block_m, 0)
+    plen = (cu_prefix_lens[1:] - cu_prefix_lens[:-1]).long()
+    cost = plen[segment_group.long()][seg_c] + torch.minimum(row0 + block_m - 1, rows[seg_c] - 1) // gqa + 1
+    order = torch.argsort(torch.where(valid, cost, -1), descending=True, stable=True)
+    return torch.stack([torch.where(valid, seg, -1)[order], row0[order]], dim=1).to(torch.int32).contiguous()
+
+
+def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale):
+    """One-pass grouped prefix-shared attention (Triton). Inputs are checked by ``acarerank.ops``.
+
+    Args:
+      q: (total_q, nheads_q, headdim); k, v: (total_q, nheads_kv, headdim) — packed segments,
+        RoPE applied; fp16 / bf16 / fp32, any strides; nheads_q % nheads_kv == 0;
+        headdim <= 256 (padded inside to a power of two >= 16).
+      cu_seqlens: (S+1,) int32; segment s is rows cu_seqlens[s]:cu_seqlens[s+1] (may be empty).
+      prefix_k, prefix_v: (total_prefix, nheads_kv, headdim), same dtype as q.
+      cu_prefix_lens: (G+1,) int32; group g's prefix rows (may be empty).
+      segment_group: (S,) int32; the group of each segment.
+      scale: softmax scale (float).
+    Returns: out (total_q, nheads_q, headdim) in q's dtype, softmax accumulated in fp32.
+    """
+    T, Hq, d = q.shape
+    Hkv = k.shape[1]
+    if d > _MAX_HEAD_DIM:
+        raise ValueError(f"prefix_shared_attention (triton): head_dim {d} > {_MAX_HEAD_DIM} is not supported")
+    on_gpu = q.device.type == "cuda"
+    if not on_gpu and not (_interpreting() and _kernel_is_interpreted()):
+        raise RuntimeError(
+            "prefix_shared_attention (triton): CPU tensors need TRITON_INTERPRET=1 set before "
+            "acarerank.kernels.prefix_shared_attention is imported"
+        )
+    out = torch.empty_like(q)
+    if T == 0 or Hq == 0:
+        return out
+    gqa = Hq // Hkv
+    block_m = _block_m(d, q.dtype, on_gpu)
+    work = _work_list(cu_seqlens, cu_prefix_lens, segment_group, T, gqa, block_m)
+    if prefix_k.shape[0] == 0:
+        # a valid base pointer for the (never loaded) prefix stream
+        prefix_k, prefix_v = k[:0], v[:0]
+    block_d = max(16, triton.next_power_of_2(d))
+    args = (q, k, v, prefix_k, prefix_v, out, cu_seqlens, cu_prefix_lens, segment_group, work,
+            *q.stride(), *k.stride(), *v.stride(), *prefix_k.stride(), *prefix_v.stride(), *out.stride(),
+            float(scale) * _LOG2E)
+    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, GQA=gqa, BLOCK_M=block_m,
+                DOT_FP32=(not on_gpu) and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32)
+    grid = (work.shape[0], Hkv)
+    if on_gpu:
+        _prefix_shared_attn_fwd_tuned[grid](*args, **meta)
+    else:
+        _prefix_shared_attn_fwd[grid](*args, **meta, BLOCK_N=_INTERPRET_BLOCK_N)
+    return out
+
+
+def flops(cu_seqlens, cu_prefix_lens, segment_group, num_heads: int, head_dim: int) -> int:
+    """FLOPs of the shared computation: 4·Hq·d·Σ_s (L_s·P_g + L_s(L_s+1)/2) (QKᵀ and PV, causal half)."""
+    cs, cp, sg = cu_seqlens.tolist(), cu_prefix_lens.tolist(), segment_group.tolist()
+    keys = 0
+    for s, g in enumerate(sg):
+        L = cs[s + 1] - cs[s]
+        keys += L * (cp[g + 1] - cp[g]) + L * (L + 1) // 2
+    return 4 * num_heads * head_dim * keys
+
+
+__all__ = ["prefix_shared_attention_triton", "flops"]

@@ -1,0 +1,82 @@
+"""PointwiseReranker end to end with backend="triton" (both Triton kernels) vs backend="torch".
+
+A tiny random Qwen3 with the real vocabulary (the real tokenizer drives it); on CPU the
+kernels run under TRITON_INTERPRET=1 (conftest.py). Oracles: the torch backend (<= 1e-5,
+fp32) and the model card's scoring on transformers' own forward of each joint sequence.
+"""
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from acarerank import PointwiseReranker
+from acarerank.prompts import encode_pointwise
+from acarerank.tokenizer import QWEN3_VOCAB
+
+YES_ID, NO_ID = 9693, 2152  # Qwen3 tokenizer ids of "yes" / "no" (DESIGN.md §4)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+QUERY = "what limits the context length of a reranker?"
+QUESTION = "How do I serve a 4B reranker at depth 100 on one GPU?"
+TRACE = "The agent searched for KV-cache sharing.\nIt found cascade attention; now it needs limits."
+DOCS = [
+    "Rotary position embeddings extend to 32k tokens with YaRN scaling.",
+    "",
+    "  leading spaces, digits 12345 and CJK 上下文长度",
+    "Prefix caching stores the shared prompt's keys and values once.",
+    "x",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    # 4 query / 2 kv heads (GQA 2), head_dim 32, 2 layers: small enough for the interpreter
+    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=64, intermediate_size=134, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, attn_implementation="eager")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = Qwen3ForCausalLM(cfg).eval()
+        with torch.no_grad():  # norm weights start at 1: perturb them so the fused head's norm is tested
+            for n, p in m.named_parameters():
+                if "norm" in n:
+                    p.add_(torch.rand_like(p) * 0.5 - 0.25)
+            # random init gives logit_yes − logit_no ≈ ±0.05 (scores 0.49–0.51); scaling the two
+            # vocabulary rows spreads the scores over (0, 1) so 1e-5 is a sharp tolerance
+            m.lm_head.weight[[YES_ID, NO_ID]] *= 40
+    return m.to(DEVICE)
+
+
+def test_triton_scores_equal_torch_scores_and_transformers(tiny_model, qwen3_tokenizer):
+    torch_rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="torch")
+    triton_rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="triton")
+    ref = torch_rr.score(QUERY, DOCS, question=QUESTION, trace=TRACE)
+    got = triton_rr.score(QUERY, DOCS, question=QUESTION, trace=TRACE)
+    err = [abs(a - b) for a, b in zip(got, ref)]
+    assert max(err) <= 1e-5, f"triton vs torch scores: {got} vs {ref} (errors {err})"
+
+    # the model card's way: full logits of transformers' forward on each joint sequence
+    enc = encode_pointwise(qwen3_tokenizer, QUERY, DOCS, question=QUESTION, trace=TRACE)
+    yes, no = qwen3_tokenizer.convert_tokens_to_ids("yes"), qwen3_tokenizer.convert_tokens_to_ids("no")
+    assert (yes, no) == (YES_ID, NO_ID)
+    for i, seg in enumerate(enc.segment_ids):
+        ids = torch.as_tensor(list(enc.shared_ids) + list(seg), device=DEVICE)[None]
+        with torch.no_grad():
+            logits = tiny_model(ids).logits[0, -1].float()
+        card = torch.softmax(torch.stack([logits[no], logits[yes]]), 0)[1].item()
+        assert abs(got[i] - card) <= 1e-5, f"document {i}: triton {got[i]} vs transformers {card}"
+
+
+def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer):
+    """A document's score is bitwise the same alone, in a batch, and in another order.
+
+    The kernels guarantee their part (tests/test_triton_attention.py, test_triton_yes_no.py).
+    The runner's dense layers are GEMMs whose rows change in the last bits with the number of
+    rows M on CPU (MKL: M=1 GEMV vs M=5) and GPU (cuBLAS heuristics); ``batch_invariant=True``
+    runs them on fixed 64-row tiles, which this test relies on.
+    """
+    rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="triton", batch_invariant=True)
+    full = rr.score(QUERY, DOCS)
+    alone = [rr.score(QUERY, [doc])[0] for doc in (DOCS[0], DOCS[3])]
+    reversed_ = rr.score(QUERY, DOCS[::-1])
+    assert alone == [full[0], full[3]], f"alone {alone!r} vs in batch {[full[0], full[3]]!r}"
+    assert reversed_[::-1] == full, f"reversed order {reversed_[::-1]} vs {full}"

@@ -1,0 +1,69 @@
+"""Triton fused yes/no head against ``yes_no_score_ref`` (RMSNorm, both full logits, softmax over [no, yes]).
+
+Runs on CPU under TRITON_INTERPRET=1 (conftest.py), on CUDA when present.
+"""
+import pytest
+import torch
+
+from acarerank.ops import yes_no_score, yes_no_score_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+def _inputs(S, H, dtype):
+    h = (torch.randn(S, H) * 3).to(dtype)
+    nw = (torch.rand(H) + 0.5).to(dtype)
+    w_yes, w_no = (torch.randn(H) * 0.05).to(dtype), (torch.randn(H) * 0.05).to(dtype)
+    return [t.to(DEVICE) for t in (h, nw, w_yes, w_no)]
+
+
+def _check(h, nw, w_yes, w_no, what):
+    score, diff = yes_no_score(h, nw, w_yes, w_no, eps=EPS, backend="triton")
+    ref_score, ref_diff = yes_no_score_ref(h, nw, w_yes, w_no, EPS)
+    assert score.dtype == diff.dtype == torch.float32 and score.shape == diff.shape == (h.shape[0],)
+    # fp32 summation over H terms: bound the error by 1e-5 of the sum of |terms| of each dot product
+    hn = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS) * nw.float()
+    mag = hn.abs() @ (w_yes.float().abs() + w_no.float().abs())
+    tol = 1e-5 * (1 + mag)
+    bad = ((diff - ref_diff).abs() > tol) | ((score - ref_score).abs() > 1e-5)
+    assert not bad.any(), (f"{what}: rows {bad.nonzero().flatten().tolist()[:10]} mismatch; "
+                           f"max |Δdiff| {(diff - ref_diff).abs().max():.3e}, max |Δscore| {(score - ref_score).abs().max():.3e}")
+
+
+@pytest.mark.parametrize("S,H", [(1, 64), (7, 100), (97, 384), (3, 2560)])
+def test_triton_head_fp32(S, H):
+    _check(*_inputs(S, H, torch.float32), f"fp32 S={S} H={H}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_head_half_inputs(dtype):
+    """Half inputs are upcast on load and accumulated in fp32, so the fp32 oracle's tolerance holds."""
+    _check(*_inputs(59, 1024, dtype), f"{dtype}")
+
+
+def test_triton_head_strided_hidden_and_empty():
+    h, nw, w_yes, w_no = _inputs(13, 2 * 96, torch.float32)
+    h_view = h[::2, ::2]  # row stride 384, column stride 2
+    _check(h_view, nw[:96], w_yes[:96], w_no[:96], "strided hidden")
+    score, diff = yes_no_score(h[:0], nw, w_yes, w_no, eps=EPS, backend="triton")
+    assert score.shape == diff.shape == (0,)
+
+
+def test_triton_head_row_independent_of_batch():
+    """Bitwise: a row's score does not depend on the rows around it or their order."""
+    h, nw, w_yes, w_no = _inputs(37, 384, torch.float32)
+    alone = yes_no_score(h[5:6], nw, w_yes, w_no, eps=EPS, backend="triton")[1]
+    perm = torch.randperm(37, device=h.device)
+    shuffled = yes_no_score(h[perm], nw, w_yes, w_no, eps=EPS, backend="triton")[1]
+    full = yes_no_score(h, nw, w_yes, w_no, eps=EPS, backend="triton")[1]
+    assert torch.equal(full[5:6], alone), f"row 5 alone {alone.item()!r} vs in batch {full[5].item()!r}"
+    assert torch.equal(shuffled[torch.argsort(perm)], full), "row results change with batch order"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_head_gpu_qwen3_4b(dtype):
+    """GPU path at Qwen3-4B's hidden size, depth 100."""
+    _check(*_inputs(100, 2560, dtype), f"GPU {dtype}")
