@@ -24,7 +24,7 @@ PRESETS = {
 }
 DEFAULT_PRESET = "tiny-cpu"
 NO_MEANING = ("NOTE: no --model given; using the embedded default, a seeded RANDOM-weight Qwen3 "
-              "({preset}). Its scores carry no meaning.")
+              "({preset}). Its scores and selections carry no meaning.")
 
 
 def qwen3_config(preset: str = DEFAULT_PRESET, **overrides):

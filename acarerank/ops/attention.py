@@ -131,8 +131,10 @@ def _prefix_part(qf, pk, pv, scale):
     Hkv, P = pk.shape[1], pk.shape[0]
     r = Hq // Hkv
     qh = qf.view(Tg, Hkv, r, d).permute(1, 0, 2, 3).reshape(Hkv, Tg * r, d)
-    kh = pk.float().transpose(0, 1).contiguous()
-    vh = pv.float().transpose(0, 1).contiguous()
+    # strided views, no copy: both paths read them as they are (a copy of the whole prefix
+    # per layer per call cost 2x the attention itself for one-token decode segments)
+    kh = pk.float().transpose(0, 1)
+    vh = pv.float().transpose(0, 1)
     if _FLASH_CPU is not None and qf.device.type == "cpu":
         step = Tg * r  # the fused kernel is blocked internally: no score matrix to bound
     else:
@@ -178,9 +180,9 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
         for s in segs:
             a, b = cs[s], cs[s + 1]
             L = b - a
-            qs = qf[off:off + L].transpose(0, 1).contiguous()
-            ks = k[a:b].float().repeat_interleave(r, dim=1).transpose(0, 1).contiguous()
-            vs = v[a:b].float().repeat_interleave(r, dim=1).transpose(0, 1).contiguous()
+            qs = qf[off:off + L].transpose(0, 1)
+            ks = k[a:b].float().repeat_interleave(r, dim=1).transpose(0, 1)
+            vs = v[a:b].float().repeat_interleave(r, dim=1).transpose(0, 1)
             o, lse = _partial_attention(qs, ks, vs, scale, causal=True)
             o_o[off:off + L] = o.transpose(0, 1)
             lse_o[off:off + L] = lse.transpose(0, 1)

@@ -1,0 +1,66 @@
+"""``acarerank select``: AdaTutoRank-style set selection over a JSONL document file.
+
+Input lines are JSON objects with a "text" field (other fields are passed through) or
+plain JSON strings. Output: one JSON object per selected document, most useful first:
+{"rank", "index" (0-based line among the documents), "id" (1-based, as the model emitted it),
+...passed-through fields}; then, unless --quiet, a summary line on stderr with the raw output.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("select", help="select and rank a subset of documents (AdaTutoRank setwise)")
+    p.add_argument("--model", help="local HF checkpoint folder; omitted: the embedded random default "
+                                   "(its selection means nothing)")
+    p.add_argument("--query", required=True, help="the user question (RAG) or the agent's search query")
+    p.add_argument("--docs", required=True, help="JSONL file of candidate documents ('-' for stdin)")
+    p.add_argument("--intent", help="the agent's query intent (deep-research prompt, Appendix F.2)")
+    p.add_argument("--max-select", type=int, default=10, help="at most this many documents (default 10)")
+    p.add_argument("--max-length", type=int, default=16000, help="prompt token cap; documents are cut evenly")
+    p.add_argument("--unconstrained", action="store_true",
+                   help="decode without the identifier grammar and parse the output leniently")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--backend", help="torch | triton | cpp | cuda (default: by device)")
+    p.add_argument("--quiet", action="store_true", help="no summary line on stderr")
+    p.set_defaults(run=run)
+
+
+def load_setwise(args):
+    """The reranker the flags ask for; the embedded default (with a stderr note) without --model."""
+    import torch
+
+    from ..setwise import SetwiseReranker
+
+    dtype = getattr(torch, args.dtype)
+    if args.model:
+        return SetwiseReranker.from_pretrained(args.model, dtype=dtype, device=args.device,
+                                               max_length=args.max_length, backend=args.backend)
+    from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
+
+    print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
+    model = build_default_model(dtype=dtype, device=args.device)
+    return SetwiseReranker(model=model, max_length=args.max_length, backend=args.backend)
+
+
+def run(args) -> int:
+    from .score import read_documents
+
+    if args.max_select < 1:
+        raise ValueError(f"--max-select must be >= 1, got {args.max_select}")
+    docs = read_documents(args.docs)
+    texts = [d["text"] if isinstance(d, dict) else d for d in docs]
+    sr = load_setwise(args)
+    sel = sr.select(args.query, texts, intent=args.intent, max_select=args.max_select,
+                    constrained=not args.unconstrained)
+    for rank, (i, ident) in enumerate(zip(sel.indices, sel.ids), 1):
+        extra = ({k: v for k, v in docs[i].items() if k not in ("rank", "index", "id")}
+                 if isinstance(docs[i], dict) else {"text": docs[i]})
+        print(json.dumps({"rank": rank, "index": i, "id": ident, **extra}, ensure_ascii=False))
+    if not args.quiet:
+        print(f"output {sel.text!r} ({sel.num_tokens} tokens, prompt {sel.prompt_tokens} tokens, "
+              f"{'valid' if sel.valid else 'INVALID, leniently parsed'})", file=sys.stderr)
+    return 0

@@ -1,0 +1,9 @@
+"""Setwise reranking (AdaTutoRank, paper 001): exact prompts, identifier grammar, KV-cached greedy decoding.
+
+``SetwiseReranker`` / ``Selection`` are the public API; ``prompts``, ``grammar`` and
+``decode`` are its parts (also used by benchmarks and training code).
+"""
+from .grammar import GrammarState, IdentifierGrammar, IdentifierTokens
+from .reranker import Selection, SetwiseReranker
+
+__all__ = ["GrammarState", "IdentifierGrammar", "IdentifierTokens", "Selection", "SetwiseReranker"]

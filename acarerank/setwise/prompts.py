@@ -1,0 +1,224 @@
+"""AdaTutoRank's setwise prompts (paper 001, Appendix F.1 RAG and F.2 deep research), in the
+Qwen3 chat format with thinking off, tokenized and truncated to a token budget.
+
+Wording: every sentence below is Appendix F's text verbatim; ``tests/test_setwise_prompts.py``
+holds the paper's text as data and compares. The HTML rendering of the appendix drops line
+breaks and the ``{...}`` placeholders, so three things are reconstructed, each following the
+paper's own Figure 3 ("I will provide you with {num_documents} documents ... search query:
+{query}; {query_intent}; {candidate_documents}") and RankGPT's convention it inherits:
+
+* the count sits in "I will provide you with {num} passages" and the query after the colons
+  ("... user question: {query}." and "User Question: {query}.");
+* the ``[ PASSAGES ]`` block is one line per candidate, ``[i] <text>``, i = 1..n;
+* the ``[ QUERY INTENT ]`` block is ``Query Intent: <intent>``;
+* paragraphs are separated by blank lines and each of the 9 rubrics is on its own line.
+
+"at most 10" is the paper's cap; ``max_select`` replaces the 10 (and only it).
+
+Chat format (Qwen3, ``enable_thinking=False``; equal to the tokenizer's chat template)::
+
+    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{user}<|im_end|>\\n
+    <|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n
+
+Truncation rule (``max_length`` = prompt tokens, the paper trains with 16,000): the template,
+query and intent are never cut (an error says so if they alone do not fit); no candidate is
+ever dropped; when the candidates do not fit, every document gets the same token budget
+``b`` -- the largest with ``sum_i min(len_i, b) <= room`` (water-filling: documents shorter
+than ``b`` keep all their tokens and leave the rest to the longer ones) -- and a cut document
+keeps its first ``b`` tokens (its head; the tail goes first, as in Qwen3-Reranker).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from ..tokenizer import TOKEN_END_THINK, TOKEN_IM_END, TOKEN_THINK
+
+DEFAULT_MAX_LENGTH = 16000      # paper 001, Appendix C.4: maximum prompt length 16,000 tokens
+TOKEN_IM_START = 151644
+
+_RUBRICS = (
+    "Use these 9 rubrics to judge a candidate document set:\n"
+    "Relevance (doc-level, primary objective): Does the document directly address, at the topic level, the core "
+    "information need of the query (naming the concrete subject/facet the query asks about), rather than merely "
+    "matching surface keywords?\n"
+    "Authenticity (doc-level): Are the document\u2019s factual statements consistent with the correct reference facts "
+    "(dates, numbers, names, causal conclusions) given by the query/answer? Drop documents that state falsehoods.\n"
+    "Quality (doc-level): Is the document clearly structured, focused, and information-dense enough that the target "
+    "information can be directly extracted, rather than being empty, too shallow, noisy, or low-quality filler?\n"
+    "Complementarity (set-level): Do the retained documents complement one another so that, taken together, they "
+    "cover the key information elements the answer requires more completely than any single document could? Prefer "
+    "subsets whose documents jointly raise coverage.\n"
+    "Redundancy (set-level): Does the subset avoid two or more documents that convey essentially the same core "
+    "information with no incremental value? When documents duplicate each other, keep only the single best one.\n"
+    "Conflict (set-level): Are the documents free of mutual factual contradiction on the same point, so the subset "
+    "consistently supports the correct answer? Reject subsets that contain contradictory statements.\n"
+    "Completeness (global-level): Does the whole subset collectively supply every key information element the "
+    "correct answer depends on, leaving no obvious gap?\n"
+    "Density (global-level): Across the subset, does the query-relevant content occupy the majority of each "
+    "document\u2019s length, rather than the documents being bloated with irrelevant padding around a small useful "
+    "snippet?\n"
+    "Reachability (global-level): Using only this subset and no external knowledge, can the full reasoning chain "
+    "required to produce the correct answer be completed \u2014 is every link grounded in the set?"
+)
+_OUTPUT_FORMAT = (
+    "Output format (STRICT): respond with only the selected document identifiers, each wrapped in square brackets "
+    "and separated by a single space, ordered from most to least useful. Example: [4] [2] [7] [11] [1]. Do not "
+    "output any other text or explanation."
+)
+
+RAG_SYSTEM = (
+    "You are a high-quality document set selector for a retrieval-augmented QA system. Given a user question and a "
+    "list of retrieved passages, select the best subset that jointly answers the question, then rank the selected "
+    "passages from most to least useful.\n\n" + _RUBRICS + "\n\n" + _OUTPUT_FORMAT
+)
+DEEP_RESEARCH_SYSTEM = (
+    "You are a high-quality document set selector for a deep-research agent. Given a search query from the agent, "
+    "the agent\u2019s reasoning as query intent, and a list of retrieved documents, select the best subset that "
+    "jointly answers the query, then rank the selected documents from most to least useful. The query intent may "
+    "clarify why this query was issued and what information it is trying to find, but it may also contain broader, "
+    "exploratory, or irrelevant thoughts. Stay anchored on the query itself and only use the parts of the query "
+    "intent that are actually relevant to this query.\n\n" + _RUBRICS + "\n\n" + _OUTPUT_FORMAT
+)
+
+# str.format templates; fields: num, query, passages, max_select (+ intent_block for deep research).
+_USER_TAIL = (
+    "Then rank the selected passages from most to least useful. The number of selected passages is at most "
+    "{max_select} and should not include redundant ones. The output must be only the selected identifiers in ranked "
+    "order, e.g. [2] [1] [4]. Only respond with the selection; do not say any other word and do not explain."
+)
+RAG_USER_TEMPLATE = (
+    "I will provide you with {num} passages, each indicated by a numerical identifier []. Select and rank the "
+    "passages based on their joint usefulness for the user question: {query}.\n\n"
+    "{passages}\n\n"
+    "User Question: {query}.\n\n"
+    "Select the best subset of the passages above so that, judged by the 9 dimensions rubrics, the selected set "
+    "best answers the question. " + _USER_TAIL
+)
+DEEP_RESEARCH_USER_TEMPLATE = (
+    "I will provide you with {num} passages, each indicated by a numerical identifier []. Select and rank the "
+    "passages based on their joint usefulness for the search query: {query}.\n\n"
+    "{intent_block}\n\n"
+    "{passages}\n\n"
+    "Search Query: {query}.\n\n"
+    "Select the best subset of the passages above so that, judged by the 9 dimensions rubrics, the selected set "
+    "best answers the query (anchored on the query, with the query intent only as clarification). " + _USER_TAIL
+)
+INTENT_BLOCK_TEMPLATE = "Query Intent: {intent}"
+PASSAGE_TEMPLATE = "[{id}] {text}"
+
+
+def check_inputs(query, documents, intent=None, max_select=10) -> None:
+    """Raise TypeError / ValueError naming the bad argument."""
+    if query is None or not isinstance(query, str):
+        raise TypeError(f"query must be a str, got {type(query).__name__}")
+    if isinstance(documents, str) or not isinstance(documents, Sequence):
+        raise TypeError(f"documents must be a list of str, got {type(documents).__name__}")
+    if len(documents) == 0:
+        raise ValueError("documents is empty: a setwise selection needs at least one candidate")
+    for i, d in enumerate(documents):
+        if not isinstance(d, str):
+            raise TypeError(f"documents[{i}] must be a str, got {type(d).__name__}")
+    if intent is not None and not isinstance(intent, str):
+        raise TypeError(f"intent must be a str or None, got {type(intent).__name__}")
+    if isinstance(max_select, bool) or not isinstance(max_select, int) or max_select < 1:
+        raise ValueError(f"max_select must be a positive int, got {max_select!r}")
+
+
+def system_prompt(intent: Optional[str] = None) -> str:
+    """F.1 (``intent is None``) or F.2 system text."""
+    return RAG_SYSTEM if intent is None else DEEP_RESEARCH_SYSTEM
+
+
+def user_prompt(query: str, documents: Sequence[str], intent: Optional[str] = None, max_select: int = 10) -> str:
+    """F.1 / F.2 user text with candidates ``[1]..[n]`` (documents used as given, no truncation)."""
+    check_inputs(query, documents, intent, max_select)
+    passages = "\n".join(PASSAGE_TEMPLATE.format(id=i + 1, text=d) for i, d in enumerate(documents))
+    fields = dict(num=len(documents), query=query, passages=passages, max_select=max_select)
+    if intent is None:
+        return RAG_USER_TEMPLATE.format(**fields)
+    return DEEP_RESEARCH_USER_TEMPLATE.format(intent_block=INTENT_BLOCK_TEMPLATE.format(intent=intent), **fields)
+
+
+def chat_text(system: str, user: str) -> str:
+    """Qwen3 chat rendering, generation prompt with an empty think block (thinking off)."""
+    return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def chat_ids(tokenizer, system: str, user: str) -> List[int]:
+    """Token ids of ``chat_text(system, user)``.
+
+    The special tokens are inserted as ids and the text between them is encoded with
+    ``split_special_tokens=True``, so a document that contains the string "<|im_end|>" stays
+    text instead of closing the turn. For text without such strings this equals
+    ``tokenizer.encode(chat_text(...))`` (the tokenizer splits at special tokens the same way).
+    """
+    def enc(s: str) -> List[int]:
+        return tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True)
+
+    return ([TOKEN_IM_START] + enc("system\n" + system) + [TOKEN_IM_END] + enc("\n")
+            + [TOKEN_IM_START] + enc("user\n" + user) + [TOKEN_IM_END] + enc("\n")
+            + [TOKEN_IM_START] + enc("assistant\n") + [TOKEN_THINK] + enc("\n\n") + [TOKEN_END_THINK] + enc("\n\n"))
+
+
+@dataclass
+class SetwisePrompt:
+    """A tokenized setwise prompt. ``doc_token_budget``: the per-document cap ``b`` (None if nothing was cut)."""
+
+    input_ids: List[int]
+    text: str
+    n_candidates: int
+    max_select: int
+    doc_token_budget: Optional[int]
+    truncated: List[bool]
+
+
+def _water_fill(lengths: Sequence[int], room: int) -> int:
+    """Largest b with sum(min(l, b)) <= room (lengths fit entirely -> max(lengths))."""
+    lo, hi = 0, max(lengths)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(min(x, mid) for x in lengths) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Optional[str] = None,
+                 max_select: int = 10, max_length: Optional[int] = DEFAULT_MAX_LENGTH) -> SetwisePrompt:
+    """Tokenized F.1/F.2 chat prompt of at most ``max_length`` tokens (None: no limit); see the module rule."""
+    check_inputs(query, documents, intent, max_select)
+    system = system_prompt(intent)
+
+    def render(docs):
+        user = user_prompt(query, docs, intent, max_select)
+        return chat_ids(tokenizer, system, user), chat_text(system, user)
+
+    ids, text = render(documents)
+    n = len(documents)
+    if max_length is None or len(ids) <= max_length:
+        return SetwisePrompt(ids, text, n, max_select, None, [False] * n)
+
+    enc = tokenizer(list(documents), add_special_tokens=False, return_offsets_mapping=True)
+    lengths = [len(x) for x in enc["input_ids"]]
+    fixed = len(render([""] * n)[0])
+    room = max_length - fixed
+    if room < n:
+        raise ValueError(f"the prompt without document text is already {fixed} tokens (template, query, intent and "
+                         f"{n} identifiers); max_length={max_length} leaves {room} tokens for {n} documents. "
+                         "Shorten the query/intent or raise max_length")
+    # Joint tokenization can differ from the per-document counts by a token at each seam, so
+    # shrink the room by the overshoot until the real prompt fits (one or two rounds in practice).
+    while True:
+        b = _water_fill(lengths, room)
+        cut = [x > b for x in lengths]
+        docs = [documents[i][:enc["offset_mapping"][i][b - 1][1]] if c and b > 0 else (documents[i] if not c else "")
+                for i, c in enumerate(cut)]
+        ids, text = render(docs)
+        if len(ids) <= max_length:
+            return SetwisePrompt(ids, text, n, max_select, b, cut)
+        if room <= 0:
+            raise ValueError(f"cannot fit {n} documents into max_length={max_length} tokens")
+        room -= len(ids) - max_length

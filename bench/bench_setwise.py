@@ -1,0 +1,205 @@
+"""Issue 6's speed benchmark: time to first selection vs pool size, acarerank vs transformers.
+
+Model: the embedded default shape (``tiny-cpu``: hidden 384, 6 layers, 6 query / 2 KV heads,
+head_dim 64, the real Qwen3 vocabulary), random fp32 weights, on CPU. Workload: one RAG
+query (Appendix F.1 prompt) over pools of 10, 20, 30, 50 documents of 60-380 tokens
+(``acarerank.benchmark.workload``: seeded, sized with the real tokenizer; pool p = the first p
+documents). Output cap 10 ids, at most 64 new tokens, grammar on.
+
+Providers, on the same prompt token ids (tokenization is not timed):
+
+  acarerank      ``greedy_decode``: prefill once (prefix-shared runner), then one 1-token
+                 segment per step over the KV cache, 14-row lm_head under the grammar mask
+  transformers   ``model.generate(do_sample=False)`` (sdpa attention, its own KV cache) with
+                 the same grammar as a logits processor (``GrammarLogitsProcessor``)
+
+Random weights would mostly stop after one id; to time a realistic (in fact the worst) decode
+loop, ``<|im_end|>`` is disfavoured in the weights (as in the tests) so every selection runs
+to the cap: 10 ids, 31-41 new tokens. Both providers must emit the same tokens (checked).
+
+Reported per pool: median / p10 / p90 ms (perf_counter, ``--repeats`` runs after one warm-up),
+prompt tokens/s, ``x`` = transformers / acarerank, and for acarerank the prefill alone
+(``runner.prefill`` of the whole prompt) and the decode loop = total - prefill.
+Target (issue 6): at pool 20 the decode loop adds <= 20 % to the prefill.
+
+    python bench/bench_setwise.py [--repeats 3] [--output results/bench_setwise]
+    python bench/bench_setwise.py --quick        # 2 layers, pools 10/20 of 20-60-token docs, 1 run
+
+Writes ``bench_setwise.csv`` (one row per pool and provider, with machine and versions) and
+``bench_setwise.png`` (latency vs pool size) when matplotlib is available.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from acarerank.benchmark.harness import machine_info
+from acarerank.benchmark.workload import WorkloadSpec, make_workload
+from acarerank.model import Qwen3Runner
+from acarerank.model.default import DEFAULT_PRESET, build_default_model
+from acarerank.setwise.decode import MAX_NEW_TOKENS, GrammarLogitsProcessor, greedy_decode
+from acarerank.setwise.grammar import IdentifierGrammar
+from acarerank.setwise.prompts import build_prompt
+from acarerank.tokenizer import TOKEN_IM_END, load_qwen3_tokenizer
+
+DECODE_SHARE_TARGET = 0.20     # decode loop / prefill at pool 20
+COLUMNS = ["pool", "provider", "prompt_tokens", "new_tokens", "median_ms", "p10_ms", "p90_ms", "prompt_tok_per_s",
+           "x_vs_transformers", "prefill_ms", "decode_loop_ms", "decode_share", "tokens_agree", "device_name",
+           "python", "torch", "transformers", "acarerank", "dtype", "layers"]
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def timed(fn, repeats, warmup):
+    for _ in range(warmup):
+        fn()
+    times, out = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return out, times
+
+
+def build_model(layers, dtype, end_bias):
+    """The default shape, random weights, sdpa attention for the transformers provider; <|im_end|> disfavoured."""
+    kw = {"attn_implementation": "sdpa", "tie_word_embeddings": False}
+    if layers:
+        kw["num_hidden_layers"] = layers
+    model = build_default_model(DEFAULT_PRESET, seed=0, dtype=dtype, **kw)
+    with torch.no_grad():  # coordinate 0 of the final-normed state becomes ~constant: lm_head[:, 0] is a bias
+        model.model.embed_tokens.weight[:, 0] = 2.0
+        model.lm_head.weight[TOKEN_IM_END, 0] = end_bias
+    return model
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pools", default="10,20,30,50")
+    ap.add_argument("--doc-tokens", default="60,380", help="low,high document length in tokens")
+    ap.add_argument("--max-select", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--end-bias", type=float, default=-0.3, help="lm_head[<|im_end|>, 0]; < 0 runs to the cap")
+    ap.add_argument("--output", default=os.path.join("results", "bench_setwise"))
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 layers, pools 10,20, 20-60-token docs, 1 run")
+    args = ap.parse_args(argv)
+    warmup = 1
+    if args.quick:
+        args.pools, args.doc_tokens, args.repeats, args.layers, warmup = "10,20", "20,60", 1, 2, 0
+    pools = [int(x) for x in args.pools.split(",")]
+    lo, hi = (int(x) for x in args.doc_tokens.split(","))
+    dtype = getattr(torch, args.dtype)
+
+    tok = load_qwen3_tokenizer()
+    grammar = IdentifierGrammar.from_tokenizer(tok)
+    work = make_workload(tok, WorkloadSpec(num_docs=max(pools), doc_tokens=(lo, hi)))
+    model = build_model(args.layers, dtype, args.end_bias)
+    runner = Qwen3Runner.from_hf(model)
+    info = machine_info(torch.device("cpu"))
+    layers = model.config.num_hidden_layers
+
+    # one-time costs (lazy imports, op registration, allocator growth) before any timed call
+    warm = build_prompt(tok, work.query, work.docs(2), max_select=2, max_length=None).input_ids
+    greedy_decode(runner, [warm], grammar, [grammar.start(2, 2)])
+    model.generate(torch.tensor([warm]), do_sample=False, max_new_tokens=2, pad_token_id=TOKEN_IM_END)
+
+    rows, lines = [], []
+    for pool in pools:
+        p = build_prompt(tok, work.query, work.docs(pool), max_select=args.max_select, max_length=None)
+        ids, n = p.input_ids, len(p.input_ids)
+
+        def ours():
+            return greedy_decode(runner, [ids], grammar, [grammar.start(pool, args.max_select)])[0]
+
+        def theirs():
+            proc = GrammarLogitsProcessor(grammar, [pool], args.max_select, prompt_len=n)
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
+                                     eos_token_id=TOKEN_IM_END, pad_token_id=TOKEN_IM_END, logits_processor=[proc])
+            return out[0, n:].tolist()
+
+        def prefill():
+            return runner.prefill([ids])
+
+        out_ours, t_ours = timed(ours, args.repeats, warmup)
+        out_hf, t_hf = timed(theirs, args.repeats, warmup)
+        _, t_pre = timed(prefill, args.repeats, warmup)
+        agree = out_ours == out_hf
+        med_ours, med_hf, med_pre = (statistics.median(t) for t in (t_ours, t_hf, t_pre))
+        common = dict(pool=pool, prompt_tokens=n, new_tokens=len(out_ours), tokens_agree=agree, dtype=args.dtype,
+                      layers=layers, **info)
+        for name, t in (("acarerank", t_ours), ("transformers", t_hf)):
+            med = statistics.median(t)
+            rows.append(dict(common, provider=name, median_ms=med, p10_ms=percentile(t, 0.1), p90_ms=percentile(t, 0.9),
+                             prompt_tok_per_s=n / med * 1e3, x_vs_transformers=med_hf / med))
+        share = (med_ours - med_pre) / med_pre
+        rows[-2].update(prefill_ms=med_pre, decode_loop_ms=med_ours - med_pre, decode_share=share)
+        lines.append(f"pool {pool:>3}: prompt {n:>6} tok, {len(out_ours)} new tok | acarerank {med_ours:9.1f} ms "
+                     f"(prefill {med_pre:8.1f} + decode loop {med_ours - med_pre:7.1f} = {share:+.0%}) | transformers "
+                     f"{med_hf:9.1f} ms | x {med_hf / med_ours:5.2f} | same tokens: {agree}")
+        if not agree:
+            lines.append(f"   ours {tok.decode(out_ours)!r} vs transformers {tok.decode(out_hf)!r}")
+
+    os.makedirs(args.output, exist_ok=True)
+    path = os.path.join(args.output, "bench_setwise.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    at20 = [r for r in rows if r["pool"] == 20 and r["provider"] == "acarerank"]
+    if at20:
+        s = at20[0]["decode_share"]
+        lines.append(f"decode loop over prefill at pool 20: {s:+.1%} (target <= {DECODE_SHARE_TARGET:.0%}: "
+                     f"{'met' if s <= DECODE_SHARE_TARGET else 'NOT met'})")
+    png = _plot(rows, os.path.join(args.output, "bench_setwise.png"), layers)
+    lines.append(f"machine: {info['device_name']}; torch {info['torch']}, transformers {info['transformers']}; "
+                 f"{layers}-layer {DEFAULT_PRESET} shape, random weights, {args.dtype}; wrote {path}"
+                 + (f" and {png}" if png else ""))
+    print("\n".join(lines))
+    return 0 if all(r["tokens_agree"] for r in rows) else 1
+
+
+def _plot(rows, path, layers):
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, prov in enumerate(("acarerank", "transformers")):
+        rs = sorted((r for r in rows if r["provider"] == prov), key=lambda r: r["pool"])
+        x = [r["pool"] for r in rs]
+        med = [r["median_ms"] for r in rs]
+        err = [[m - r["p10_ms"] for m, r in zip(med, rs)], [r["p90_ms"] - m for m, r in zip(med, rs)]]
+        ax.errorbar(x, med, yerr=err, marker="o", capsize=3, color=f"C{i}", label=prov)
+    pre = sorted((r for r in rows if r["provider"] == "acarerank"), key=lambda r: r["pool"])
+    ax.plot([r["pool"] for r in pre], [r["prefill_ms"] for r in pre], ls="--", color="C0",
+            label="acarerank prefill only")
+    ax.set_xlabel("pool size (documents)")
+    ax.set_ylabel("time to first selection (ms)")
+    ax.set_title(f"setwise selection, {layers}-layer {DEFAULT_PRESET} shape, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
