@@ -1,0 +1,397 @@
+"""Latency versus reranking depth, every provider side by side in one run.
+
+For each context mode and depth d, every provider scores the workload's first d
+documents against the same agent context, end to end from strings (tokenization
+included, as a serving stack pays it). Per (mode, depth, provider) the harness records:
+
+* latency: median, p10, p90 of ``repeats`` timed calls (``time.perf_counter``, with a
+  CUDA synchronize on each side on GPU), after ``warmup`` untimed calls per provider and
+  mode; providers take turns call by call; a provider stops repeating at a depth once it
+  has spent ``max_cell_seconds`` there (≥ 1 call);
+* docs/s = d / median; tokens/s = workload tokens / median, where workload tokens are the
+  tokens of the d full, unshared prompts (Σ_i shared + segment_i) — the same numerator
+  for every provider, so tokens/s ratios equal latency ratios;
+* peak memory above the starting point of each call, the largest over its calls (``PeakMemory``);
+* the largest |score − score of the first provider| (the official path when it runs);
+* FLOPs each provider's algorithm performs for these shapes (``report.plan_flops``).
+
+Providers: "transformers" (a), "transformers+prefix-cache" (b) (``baselines``), and
+"acarerank-<backend>" — the public ``PointwiseReranker`` with that backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .baselines import OfficialTransformers, PrefixCacheTransformers, split_prompt_ids
+from .report import Shapes, plan_flops
+from .workload import MODES, Workload, WorkloadSpec, make_workload
+
+PROVIDERS = ("transformers", "transformers+prefix-cache", "acarerank")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Largest score difference from the official path still called "equal", per dtype. fp32:
+# the paths differ only in summation order (issue 2 asks ≤ 1e-5 of the runner itself; the
+# padded transformers batches add their own ~1e-7). bf16/fp16: the official path rounds
+# the logits to the model dtype before its log-softmax (as the model card does).
+SCORE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+# Backends probed for "acarerank-<backend>" when --backends is not given.
+AUTO_BACKENDS = ("torch", "cpp", "triton", "cuda")
+
+
+@dataclass
+class BenchConfig:
+    """Everything one run depends on; ``cli/bench.py`` fills it from the command line."""
+    depths: tuple = (10, 20, 50, 100)
+    modes: tuple = ("M0", "M3")
+    preset: str = "tiny-cpu"
+    model_path: Optional[str] = None          # an HF checkpoint folder instead of random weights
+    overrides: dict = field(default_factory=dict)  # Qwen3Config fields over the preset
+    providers: tuple = PROVIDERS
+    backends: Optional[tuple] = None          # None: every backend that runs on the device
+    repeats: int = 3
+    warmup: int = 1
+    max_cell_seconds: float = 20.0
+    dtype: str = "float32"
+    device: str = "cpu"
+    attn_implementation: str = "sdpa"         # for the transformers providers
+    spec: WorkloadSpec = field(default_factory=WorkloadSpec)
+    seed: int = 0
+    batch_official: int = 4
+    batch_prefix_cache: int = 16
+
+    def validate(self) -> "BenchConfig":
+        if not self.depths or any(not isinstance(d, int) or d < 1 for d in self.depths):
+            raise ValueError(f"depths must be positive ints, got {self.depths!r}")
+        bad = [m for m in self.modes if m not in MODES]
+        if not self.modes or bad:
+            raise ValueError(f"unknown context mode(s) {bad}; modes: {', '.join(MODES)}")
+        bad = [p for p in self.providers if p not in PROVIDERS]
+        if not self.providers or bad:
+            raise ValueError(f"unknown provider(s) {bad}; providers: {', '.join(PROVIDERS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not one of {', '.join(DTYPES)}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available on this machine")
+        return replace(self, depths=tuple(sorted(set(self.depths))),
+                       spec=replace(self.spec, num_docs=max(self.depths)))
+
+
+# -- measurement helpers ----------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
+    """max |a_i − b_i|; NaN if any score is NaN or the lengths differ (never silently fine)."""
+    if len(a) != len(b):
+        return math.nan
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    return math.nan if any(d != d for d in diffs) else max(diffs, default=0.0)
+
+
+class PeakMemory:
+    """Peak memory of a measured stretch (one call) above its starting point, in MB.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what
+    was allocated at the start (the weights) — kind "cuda_max_allocated".
+    CPU (Linux): the process's resident-set high-water mark (VmHWM) reset at the start by
+    writing 5 to /proc/self/clear_refs, minus the RSS at the start, after ``malloc_trim``
+    returns freed heap pages — kind "rss_hwm". It counts what the process really touched
+    (torch's CPU allocator has no peak counter; tracemalloc does not see its buffers).
+    Elsewhere: NaN, kind "n/a".
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = "cuda_max_allocated" if device.type == "cuda" else ("rss_hwm" if self._rss_resettable() else "n/a")
+        self._base = 0
+
+    @staticmethod
+    def _rss_resettable() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    @staticmethod
+    def _status_kb(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        raise RuntimeError(f"/proc/self/status has no {key}")
+
+    def start(self) -> None:
+        if self.kind == "cuda_max_allocated":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        elif self.kind == "rss_hwm":
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):  # not glibc: the RSS may include freed pages
+                pass
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._base = self._status_kb("VmRSS") * 1024
+
+    def stop(self) -> float:
+        if self.kind == "cuda_max_allocated":
+            torch.cuda.synchronize(self.device)
+            return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        if self.kind == "rss_hwm":
+            return (self._status_kb("VmHWM") * 1024 - self._base) / 2**20
+        return math.nan
+
+
+# -- providers --------------------------------------------------------------------------
+class AcarerankProvider:
+    """acarerank through its public API: ``PointwiseReranker(model=..., tokenizer=..., backend=...)``."""
+
+    flop_plan = "prefix_packed"
+
+    def __init__(self, model, tokenizer, backend: str):
+        from acarerank import PointwiseReranker
+
+        self.name = f"acarerank-{backend}"
+        self.rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend)
+
+    def score(self, query, documents, question=None, trace=None, instruction=None) -> list:
+        return self.rr.score(query, documents, question=question, trace=trace, instruction=instruction)
+
+
+def backend_runs(backend: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """None if both ops of the scoring path run with ``backend`` here, else the reason."""
+    from acarerank.ops import prefix_shared_attention, yes_no_score
+
+    q = torch.randn(3, 2, 16, device=device, dtype=dtype)
+    k = torch.randn(3, 1, 16, device=device, dtype=dtype)
+    i32 = dict(dtype=torch.int32, device=device)
+    try:
+        prefix_shared_attention(q, k, k, torch.tensor([0, 3], **i32), k, k, torch.tensor([0, 3], **i32),
+                                torch.tensor([0], **i32), backend=backend)
+        h = torch.randn(2, 16, device=device, dtype=dtype)
+        w = torch.randn(16, device=device, dtype=dtype)
+        yes_no_score(h, w, w, w, backend=backend)
+    except Exception as e:  # BackendError, ImportError, a kernel that cannot compile here...
+        return f"{type(e).__name__}: {e}"
+    _sync(device)
+    return None
+
+
+def pick_backends(cfg: BenchConfig, device: torch.device, log: Callable) -> list:
+    """The backends to run: those asked for (each must run here), or every one that does.
+
+    Triton on a CPU runs only under TRITON_INTERPRET (an interpreter, far too slow to time),
+    so the automatic choice leaves it out there.
+    """
+    dtype = DTYPES[cfg.dtype]
+    if cfg.backends is not None:
+        for b in cfg.backends:
+            why = backend_runs(b, device, dtype)
+            if why is not None:
+                raise ValueError(f"backend {b!r} cannot run on {device} {cfg.dtype}: {why}")
+        return list(cfg.backends)
+    chosen = []
+    for b in AUTO_BACKENDS:
+        if b == "triton" and device.type != "cuda":
+            log(f"backend triton: left out on {device.type} (only the interpreter runs it there)")
+            continue
+        why = backend_runs(b, device, dtype)
+        if why is None:
+            chosen.append(b)
+        else:
+            log(f"backend {b}: not available here ({why.splitlines()[0][:160]})")
+    if not chosen:
+        raise ValueError(f"no acarerank backend runs on {device}")
+    return chosen
+
+
+def load_model(cfg: BenchConfig):
+    """(transformers Qwen3ForCausalLM, tokenizer, random_weights: bool)."""
+    from acarerank.tokenizer import load_qwen3_tokenizer
+
+    dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
+    if cfg.model_path is not None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not os.path.isdir(cfg.model_path):
+            raise FileNotFoundError(f"--model {cfg.model_path!r} is not a folder (config.json + *.safetensors)")
+        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(device).eval()
+        has_tok = any(os.path.isfile(os.path.join(cfg.model_path, f)) for f in ("tokenizer.json", "vocab.json"))
+        tok = AutoTokenizer.from_pretrained(cfg.model_path) if has_tok else load_qwen3_tokenizer()
+        random_weights = False
+    else:
+        from acarerank.model.default import build_default_model, qwen3_config
+
+        if device.type == "cuda":
+            # initialised on the GPU itself: 4B parameters initialised on the host take minutes
+            from transformers import Qwen3ForCausalLM
+
+            torch.manual_seed(cfg.seed)
+            with torch.device(device):
+                model = Qwen3ForCausalLM(qwen3_config(cfg.preset, **cfg.overrides))
+            model = model.to(dtype).eval()
+        else:
+            model = build_default_model(cfg.preset, seed=cfg.seed, dtype=dtype, device=device, **cfg.overrides)
+        tok = load_qwen3_tokenizer()
+        random_weights = True
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(cfg.attn_implementation)
+    else:  # transformers < 4.48
+        model.config._attn_implementation = cfg.attn_implementation
+    return model, tok, random_weights
+
+
+def make_providers(cfg: BenchConfig, model, tok, backends: list) -> list:
+    """Providers in the fixed order of ``PROVIDERS``: the official path first, so it is the
+    reference for score differences and speedups."""
+    out = []
+    for p in (name for name in PROVIDERS if name in cfg.providers):
+        if p == "transformers":
+            out.append(OfficialTransformers(model, tok, batch_size=cfg.batch_official))
+        elif p == "transformers+prefix-cache":
+            out.append(PrefixCacheTransformers(model, tok, batch_size=cfg.batch_prefix_cache))
+        else:
+            out.extend(AcarerankProvider(model, tok, b) for b in backends)
+    return out
+
+
+def machine_info(device: torch.device) -> dict:
+    import transformers
+
+    import acarerank
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        name = f"{name} ({torch.get_num_threads()} threads)"
+    return {"device_name": name, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "acarerank": acarerank.__version__}
+
+
+# -- the run ----------------------------------------------------------------------------
+@dataclass
+class BenchResult:
+    rows: list            # one dict per (mode, depth, provider); keys: report.COLUMNS
+    config: BenchConfig
+    meta: dict            # machine, versions, workload token counts, random_weights
+    tolerance: float
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_csv: Optional[str] = None) -> BenchResult:
+    """Run every (mode, depth, provider) cell; progress goes to ``log``.
+
+    partial_csv: rewritten after every cell, so a run cut short (a timeout on a lent GPU)
+    still leaves the rows it measured.
+    """
+    from .report import write_csv
+
+    cfg = cfg.validate()
+    device = torch.device(cfg.device)
+    t_start = time.perf_counter()
+
+    def progress(msg):
+        el = time.perf_counter() - t_start
+        log(f"[bench {int(el // 60):d}:{el % 60:04.1f}] {msg}")
+
+    model, tok, random_weights = load_model(cfg)
+    backends = pick_backends(cfg, device, progress) if "acarerank" in cfg.providers else []
+    providers = make_providers(cfg, model, tok, backends)
+    shapes = Shapes.from_config(model.config)
+    workload: Workload = make_workload(tok, cfg.spec)
+    meter = PeakMemory(device)
+    info = machine_info(device)
+    progress(f"model {'random ' + cfg.preset if random_weights else cfg.model_path} {cfg.dtype} on {device}; "
+             f"providers: {', '.join(p.name for p in providers)}")
+
+    rows = []
+    for mode in cfg.modes:
+        ctx = workload.context(mode)
+        for p in providers:
+            for _ in range(cfg.warmup):
+                p.score(documents=workload.docs(cfg.depths[0]), **ctx)
+        for depth in cfg.depths:
+            docs = workload.docs(depth)
+            shared, segs = split_prompt_ids(tok, documents=docs, **ctx)
+            seg_lens = [len(s) for s in segs]
+            flops_official = plan_flops("full_padded", shapes, len(shared), seg_lens, cfg.batch_official)
+            times = {p.name: [] for p in providers}
+            scores, peaks = {}, {p.name: 0.0 for p in providers}
+            # Round-robin: repeat r of every provider before repeat r + 1 of any, so that a
+            # load change on a shared machine hits all providers alike, not one cell.
+            for _ in range(cfg.repeats):
+                for p in providers:
+                    ts = times[p.name]
+                    if ts and sum(ts) >= cfg.max_cell_seconds:
+                        continue
+                    meter.start()
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    s = p.score(documents=docs, **ctx)
+                    _sync(device)
+                    ts.append(time.perf_counter() - t0)
+                    peaks[p.name] = max(peaks[p.name], meter.stop())
+                    scores.setdefault(p.name, s)
+            ref_scores = scores[providers[0].name]
+            ref_median = percentile(times["transformers"], 50) if "transformers" in times else math.nan
+            for p in providers:
+                ts = times[p.name]
+                med = percentile(ts, 50)
+                batch = cfg.batch_official if p.flop_plan == "full_padded" else cfg.batch_prefix_cache
+                flops = plan_flops(p.flop_plan, shapes, len(shared), seg_lens, batch)
+                rows.append({
+                    "mode": mode, "depth": depth, "provider": p.name,
+                    "median_ms": med * 1e3, "p10_ms": percentile(ts, 10) * 1e3, "p90_ms": percentile(ts, 90) * 1e3,
+                    "repeats": len(ts), "docs_per_s": depth / med,
+                    "tokens_per_s": (len(shared) * depth + sum(seg_lens)) / med,
+                    "speedup_vs_transformers": ref_median / med,
+                    "flop_bound_speedup": flops_official / flops, "gflop": flops / 1e9,
+                    "peak_mem_mb": peaks[p.name], "mem_kind": meter.kind,
+                    "max_abs_score_diff": max_abs_diff(scores[p.name], ref_scores),
+                    "shared_tokens": len(shared), "doc_tokens": sum(seg_lens),
+                    "workload_tokens": len(shared) * depth + sum(seg_lens),
+                    "preset": cfg.preset if cfg.model_path is None else os.path.basename(cfg.model_path.rstrip("/")),
+                    "dtype": cfg.dtype, "device": device.type, "attn_implementation": cfg.attn_implementation,
+                    "random_weights": random_weights, **info,
+                })
+                progress(f"{mode} depth {depth:>4} {p.name:<26} median {med * 1e3:9.1f} ms over {len(ts)} run(s)")
+            if partial_csv is not None:
+                write_csv(rows, partial_csv)
+    meta = dict(info, random_weights=random_weights, shared_tokens={m: len(split_prompt_ids(
+        tok, documents=workload.docs(1), **workload.context(m))[0]) for m in cfg.modes},
+        doc_token_counts=workload.doc_token_counts, elapsed_s=time.perf_counter() - t_start)
+    return BenchResult(rows=rows, config=cfg, meta=meta, tolerance=SCORE_TOLERANCE[cfg.dtype])

@@ -1,0 +1,184 @@
+"""``acarerank bench``: pointwise scoring latency versus reranking depth, all providers side by side.
+
+    acarerank bench [--depths 10,20,50,100] [--modes M0,M3] [--preset tiny-cpu] [--output DIR] ...
+
+Writes ``bench.csv``, ``bench.png`` and ``bench.txt`` (the printed report) to the output
+folder; exits 1 if any provider's scores differ from the official path's beyond the
+dtype's tolerance. The default (no --model) is a seeded RANDOM-weight Qwen3 with the real
+tokenizer: timings are real, scores carry no meaning.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+QUICK_SPEC = dict(query_tokens=10, question_tokens=30, trace_tokens=200, doc_tokens=(20, 60))
+
+
+def _ints(text: str) -> tuple:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise ValueError(f"expected comma-separated integers, got {text!r}")
+    return vals
+
+
+def _names(text: str) -> tuple:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _range(text: str) -> tuple:
+    lo, _, hi = text.partition("-")
+    try:
+        return (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"--doc-tokens expects LOW-HIGH or N (tokens), got {text!r}") from None
+
+
+def _overrides(items) -> dict:
+    """``key=value[,key=value]`` → Qwen3Config overrides; values parsed as int, float, bool or str."""
+    out = {}
+    for item in items or ():
+        for kv in item.split(","):
+            if not kv.strip():
+                continue
+            key, sep, val = kv.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--override expects key=value, got {kv!r}")
+            v = val.strip()
+            for conv in (int, float):
+                try:
+                    v = conv(v)
+                    break
+                except ValueError:
+                    pass
+            if v in ("true", "false", "True", "False"):
+                v = v in ("true", "True")
+            out[key.strip()] = v
+    return out
+
+
+def add_parser(subparsers) -> None:
+    from acarerank.model.default import PRESETS
+
+    p = subparsers.add_parser(
+        "bench", help="latency vs reranking depth: transformers, transformers+prefix-cache, acarerank",
+        description="End-to-end pointwise scoring latency versus depth, every provider in the same run; "
+                    "CSV + PNG + table. Default model: seeded random weights (timings real, scores meaningless).")
+    p.add_argument("--depths", type=_ints, default=None, help="comma-separated depths (default 10,20,50,100)")
+    p.add_argument("--modes", type=_names, default=("M0", "M3"), help="context modes, e.g. M0,M3 (default)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu",
+                   help="random-weight model shape (default tiny-cpu: 2 CPU cores finish in minutes)")
+    p.add_argument("--model", default=None, help="a local HF checkpoint folder instead of random weights")
+    p.add_argument("--override", action="append", metavar="KEY=VALUE[,...]",
+                   help="Qwen3Config fields over the preset, e.g. num_hidden_layers=2 (repeatable)")
+    p.add_argument("--providers", type=_names, default=None,
+                   help="subset of transformers,transformers+prefix-cache,acarerank (default all)")
+    p.add_argument("--backends", type=_names, default=None,
+                   help="acarerank backends (default: every one that runs on the device)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per cell (default 3; --quick 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per provider and mode (default 1)")
+    p.add_argument("--max-cell-seconds", type=float, default=20.0,
+                   help="stop repeating a cell after this long (default 20; at least one call)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
+                   help="attention of the transformers providers (default sdpa, transformers' own default)")
+    p.add_argument("--query-tokens", type=int, default=None, help="sub-query length (default 20)")
+    p.add_argument("--question-tokens", type=int, default=None, help="original question length (default 60)")
+    p.add_argument("--trace-tokens", type=int, default=None, help="reasoning trace length (default 1500)")
+    p.add_argument("--doc-tokens", type=_range, default=None,
+                   help="document length range LOW-HIGH, uniform, or N for equal lengths (default 60-380)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
+    p.add_argument("--output", default=None, help="results folder (default results/bench-<preset>-<dtype>-<device>)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: depths 2,4,8, short texts (trace 200, docs 20-60 tokens), 1 repeat, no warmup")
+    p.set_defaults(run=run)
+
+
+def config_from_args(args):
+    from acarerank.benchmark.harness import PROVIDERS, BenchConfig
+    from acarerank.benchmark.workload import WorkloadSpec
+
+    spec = dict(QUICK_SPEC) if args.quick else {}
+    for name in ("query_tokens", "question_tokens", "trace_tokens", "doc_tokens"):
+        if getattr(args, name) is not None:
+            spec[name] = getattr(args, name)
+    spec["seed"] = args.seed
+    return BenchConfig(
+        depths=args.depths or ((2, 4, 8) if args.quick else (10, 20, 50, 100)),
+        modes=args.modes, preset=args.preset, model_path=args.model, overrides=_overrides(args.override),
+        providers=args.providers or PROVIDERS, backends=args.backends,
+        repeats=args.repeats if args.repeats is not None else (1 if args.quick else 3),
+        warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),
+        max_cell_seconds=args.max_cell_seconds, dtype=args.dtype, device=args.device, attn_implementation=args.attn,
+        spec=WorkloadSpec(**spec), seed=args.seed,
+    ).validate()
+
+
+def equivalent_command(cfg) -> str:
+    """The fully explicit command line that reproduces ``cfg`` (printed with the results)."""
+    sp = cfg.spec
+    parts = ["acarerank bench", f"--depths {','.join(map(str, cfg.depths))}", f"--modes {','.join(cfg.modes)}",
+             f"--model {cfg.model_path}" if cfg.model_path else f"--preset {cfg.preset}"]
+    if cfg.overrides:
+        parts.append("--override " + ",".join(f"{k}={v}" for k, v in cfg.overrides.items()))
+    parts.append(f"--providers {','.join(cfg.providers)}")
+    if cfg.backends:
+        parts.append(f"--backends {','.join(cfg.backends)}")
+    parts += [f"--repeats {cfg.repeats}", f"--warmup {cfg.warmup}", f"--max-cell-seconds {cfg.max_cell_seconds:g}",
+              f"--dtype {cfg.dtype}", f"--device {cfg.device}", f"--attn {cfg.attn_implementation}",
+              f"--query-tokens {sp.query_tokens}", f"--question-tokens {sp.question_tokens}",
+              f"--trace-tokens {sp.trace_tokens}", f"--doc-tokens {sp.doc_tokens[0]}-{sp.doc_tokens[1]}",
+              f"--seed {cfg.seed}"]
+    return " ".join(parts)
+
+
+def run(args) -> int:
+    from acarerank.benchmark import report
+    from acarerank.benchmark.harness import run_bench
+    from acarerank.model.default import NO_MEANING
+
+    cfg = config_from_args(args)
+    out_dir = args.output or os.path.join(
+        "results", f"bench-{cfg.preset if cfg.model_path is None else 'model'}-{cfg.dtype}-{cfg.device.replace(':', '')}")
+    os.makedirs(out_dir, exist_ok=True)
+    res = run_bench(cfg, partial_csv=os.path.join(out_dir, "bench.csv"))
+
+    cmd = equivalent_command(cfg)
+    meta = res.meta
+    lines = []
+    if meta["random_weights"]:
+        lines.append(NO_MEANING.format(preset=cfg.preset) + " Timings are real.")
+    lines.append(f"machine: {meta['device_name']}; python {meta['python']}, torch {meta['torch']}, "
+                 f"transformers {meta['transformers']}, acarerank {meta['acarerank']}; {cfg.dtype}, "
+                 f"attention of the transformers providers: {cfg.attn_implementation}")
+    docs = meta["doc_token_counts"]
+    model_name = cfg.model_path or cfg.preset + (" + " + ",".join(f"{k}={v}" for k, v in cfg.overrides.items())
+                                                 if cfg.overrides else "")
+    shared = ", ".join(f"{m} {n}" for m, n in meta["shared_tokens"].items())
+    lines.append(f"model: {model_name}; workload: shared context {shared} tokens; {len(docs)} documents of "
+                 f"{min(docs)}-{max(docs)} tokens (mean {sum(docs) / len(docs):.0f}); repeats {cfg.repeats}, "
+                 f"warmup {cfg.warmup}; memory: {res.rows[0]['mem_kind']} (peak above each call's start, max over calls, MB)")
+    lines.append(report.format_table(res.rows))
+    ok, check_line = report.score_check(res.rows, res.tolerance)
+    lines.append(check_line)
+    lines.append(report.format_scaling(report.depth_scaling(res.rows)))
+    lines.append(report.format_targets(res.rows))
+    csv_path, png_path, txt_path = (os.path.join(out_dir, f"bench.{ext}") for ext in ("csv", "png", "txt"))
+    report.write_csv(res.rows, csv_path)
+    try:
+        report.plot(res.rows, png_path, title=f"{model_name} {cfg.dtype} on {meta['device_name']}"
+                                              f"{' (random weights)' if meta['random_weights'] else ''}")
+    except ImportError as e:  # matplotlib is the `bench` extra; the measurement stands without it
+        png_path = f"no PNG ({e}; pip install matplotlib)"
+    lines.append(f"command: {cmd}")
+    lines.append(f"wrote {csv_path}, {png_path}, {txt_path} ({meta['elapsed_s']:.0f} s, "
+                 f"{time.strftime('%Y-%m-%d %H:%M')})")
+    text = "\n".join(lines)
+    with open(txt_path, "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0 if ok else 1

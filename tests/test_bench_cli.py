@@ -1,0 +1,207 @@
+"""``acarerank bench`` end to end on a tiny model, and the pieces its figures rest on.
+
+References: the CSV columns of ``report.COLUMNS``; ``torch.utils.flop_counter`` for the
+FLOP model; an explicit causal mask for attended pairs; numpy's percentile; the real
+tokenizer for the workload's token counts; the model card path (a) for score agreement.
+"""
+import csv
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from acarerank.benchmark import report
+from acarerank.benchmark.baselines import OfficialTransformers, PrefixCacheTransformers, split_prompt_ids
+from acarerank.benchmark.harness import PeakMemory, percentile
+from acarerank.benchmark.workload import WorkloadSpec, make_workload, token_count
+from acarerank.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = "num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=2,num_key_value_heads=1,head_dim=32"
+TINY_KW = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from acarerank.model.default import build_default_model
+
+    m = build_default_model("tiny-cpu", seed=0, **TINY_KW)
+    m.set_attn_implementation("sdpa")
+    return m
+
+
+@pytest.fixture(scope="module")
+def small_workload(qwen3_tokenizer):
+    return make_workload(qwen3_tokenizer, WorkloadSpec(query_tokens=5, question_tokens=7, trace_tokens=30,
+                                                       doc_tokens=(3, 17), num_docs=7, seed=1))
+
+
+def test_bench_quick_run_writes_csv_png_and_checks_scores(tmp_path, capsys):
+    rc = main(["bench", "--quick", "--depths", "2,3,4", "--override", TINY, "--output", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    with open(tmp_path / "bench.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == report.COLUMNS
+        rows = list(reader)
+    providers = {"transformers", "transformers+prefix-cache", "acarerank-torch"}
+    assert {r["provider"] for r in rows} == providers
+    cells = {(r["mode"], int(r["depth"]), r["provider"]) for r in rows}
+    assert cells == {(m, d, p) for m in ("M0", "M3") for d in (2, 3, 4) for p in providers}, sorted(cells)
+    for r in rows:
+        for col in ("median_ms", "p10_ms", "p90_ms", "docs_per_s", "tokens_per_s", "flop_bound_speedup", "gflop"):
+            assert float(r[col]) > 0, (col, r)
+        assert float(r["p10_ms"]) <= float(r["median_ms"]) <= float(r["p90_ms"]), r
+        assert float(r["max_abs_score_diff"]) <= 1e-4, r
+        assert r["random_weights"] == "True" and r["device"] == "cpu" and r["dtype"] == "float32"
+        # docs/s and tokens/s are the counts over the median latency
+        assert float(r["docs_per_s"]) == pytest.approx(int(r["depth"]) / float(r["median_ms"]) * 1e3, rel=1e-4)
+        assert int(r["workload_tokens"]) == int(r["shared_tokens"]) * int(r["depth"]) + int(r["doc_tokens"])
+        if r["provider"] == "transformers":
+            assert float(r["speedup_vs_transformers"]) == 1.0 and float(r["flop_bound_speedup"]) == 1.0
+    with open(tmp_path / "bench.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "scores agree: max |score - score[transformers]|" in out
+    assert "depth scaling M3 acarerank-torch" in out and "RANDOM-weight" in out
+    assert (tmp_path / "bench.txt").read_text().strip() == out.strip()
+
+
+def test_bench_bad_arguments_are_clear_errors(capsys):
+    assert main(["bench", "--quick", "--modes", "M9", "--output", "/nonexistent/never"]) == 2
+    assert "unknown context mode(s) ['M9']" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--depths", "0,2"]) == 2
+    assert "depths must be positive ints" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--override", "hidden_size"]) == 2
+    assert "--override expects key=value" in capsys.readouterr().err
+
+
+def test_workload_token_counts_are_exact(qwen3_tokenizer):
+    spec = WorkloadSpec(query_tokens=11, question_tokens=23, trace_tokens=157, doc_tokens=(5, 41), num_docs=12, seed=3)
+    w = make_workload(qwen3_tokenizer, spec)
+    got = [token_count(qwen3_tokenizer, t) for t in (w.query, w.question, w.trace)]
+    assert got == [11, 23, 157]
+    counts = [token_count(qwen3_tokenizer, d) for d in w.documents]
+    assert counts == w.doc_token_counts and all(5 <= n <= 41 for n in counts), counts
+    assert make_workload(qwen3_tokenizer, spec).documents == w.documents  # seeded
+    assert w.context("M0") == dict(query=w.query, question=None, trace=None)
+    assert w.context("M3") == dict(query=w.query, question=w.question, trace=w.trace)
+
+
+def test_split_prompt_ids_is_the_official_tokenization(qwen3_tokenizer, small_workload):
+    """(b)'s shared + segment ids equal the model card's full prompt ids for each document."""
+    from acarerank.prompts import joint_input_ids
+
+    w = small_workload
+    for mode in ("M0", "M3"):
+        ctx = w.context(mode)
+        shared, segs = split_prompt_ids(qwen3_tokenizer, documents=w.docs(7), **ctx)
+        for d, seg in zip(w.docs(7), segs):
+            assert shared + seg == joint_input_ids(qwen3_tokenizer, ctx["query"], d, question=ctx["question"],
+                                                   trace=ctx["trace"]), (mode, d)
+
+
+@pytest.mark.parametrize("plan,make", [
+    ("full_padded", lambda m, t: OfficialTransformers(m, t, batch_size=4)),
+    ("prefix_padded", lambda m, t: PrefixCacheTransformers(m, t, batch_size=3)),
+    ("prefix_packed", None),
+])
+def test_flop_model_matches_torch_flop_counter(plan, make, tiny_model, qwen3_tokenizer, small_workload):
+    """Linear + head FLOPs of each plan equal what FlopCounterMode counts in the real forward.
+
+    FlopCounterMode counts the matrix products (aten.mm) and sees no attention here (CPU
+    SDPA; acarerank's attention and yes/no head are custom ops), so it checks the linear
+    layers, the padding each plan pays and the head; attention pairs are checked below.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from acarerank import PointwiseReranker
+
+    w = small_workload
+    ctx, docs = w.context("M3"), w.docs(7)
+    if make is None:
+        prov, batch, counted_parts = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer), 0, ("linear",)
+    else:
+        prov = make(tiny_model, qwen3_tokenizer)
+        batch, counted_parts = prov.batch_size, ("linear", "head")
+    shared, segs = split_prompt_ids(qwen3_tokenizer, documents=docs, **ctx)
+    fc = FlopCounterMode(display=False)
+    with fc:
+        prov.score(documents=docs, **ctx)
+    counted = sum(fc.get_flop_counts()["Global"].values())
+    parts = report.plan_flop_parts(plan, report.Shapes.from_config(tiny_model.config), len(shared),
+                                   [len(s) for s in segs], batch)
+    assert counted == sum(parts[k] for k in counted_parts), (plan, counted, parts)
+
+
+@pytest.mark.parametrize("n,cached", [(1, 0), (7, 0), (5, 13), (1, 97), (59, 1)])
+def test_attended_pairs_count_the_causal_mask(n, cached):
+    mask = torch.ones(n, cached + n, dtype=torch.bool).tril(cached)  # query i sees keys 0..cached+i
+    assert report.attended_pairs(n, cached) == int(mask.sum())
+
+
+def test_percentile_matches_numpy():
+    xs = [5.0, 1.0, 4.0, 2.5, 9.0, 7.0, 3.0]
+    for q in (0, 10, 50, 90, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), abs=1e-12), q
+    assert percentile([3.0], 10) == 3.0
+
+
+def test_score_check_flags_disagreement_and_nan():
+    rows = [dict(mode="M3", depth=2, provider="transformers", max_abs_score_diff=0.0),
+            dict(mode="M3", depth=2, provider="acarerank-torch", max_abs_score_diff=3e-3)]
+    ok, line = report.score_check(rows, 1e-4)
+    assert not ok and "SCORES DISAGREE" in line and "acarerank-torch" in line
+    rows[1]["max_abs_score_diff"] = float("nan")
+    assert not report.score_check(rows, 1e-4)[0]
+    rows[1]["max_abs_score_diff"] = 5e-5
+    assert report.score_check(rows, 1e-4)[0]
+
+
+def test_depth_scaling_figure():
+    """Marginal ms/doc between the first and second-largest depth vs the last two (issue 7's figure)."""
+    t = {10: 100.0, 20: 150.0, 50: 300.0, 100: 560.0}  # 5 ms/doc then 5.2 ms/doc
+    rows = [dict(mode="M3", provider="p", depth=d, median_ms=v, doc_tokens=d * 100) for d, v in t.items()]
+    (s,) = report.depth_scaling(rows)
+    assert s["depths"] == (10, 50, 100)
+    assert s["ms_per_doc_low"] == pytest.approx(5.0) and s["ms_per_doc_high"] == pytest.approx(5.2)
+    assert s["ratio"] == pytest.approx(1.04) and s["within_target"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="RSS high-water reset needs Linux /proc")
+def test_peak_memory_sees_a_cpu_tensor():
+    meter = PeakMemory(torch.device("cpu"))
+    meter.start()
+    x = torch.ones(64 * 2**20 // 4)  # 64 MB, written so every page is resident
+    del x
+    peak = meter.stop()
+    assert meter.kind == "rss_hwm" and 60 <= peak < 200, peak
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """The GPU script's CPU mode: bench step runs, a missing kernel benchmark is logged, not fatal."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
+               GPU_CHECK_KERNEL_BENCHES="bench/bench_does_not_exist.py")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry-run", "--skip", "pytest",
+                           "--deadline", "120"], env=env, capture_output=True, text=True, timeout=180)
+    files = sorted(os.listdir(tmp_path))
+    summary = (tmp_path / "summary.txt").read_text()
+    assert proc.returncode == 1, proc.stderr  # the missing script is a failure, reported at the end
+    assert "MISSING bench/bench_does_not_exist.py" in summary, summary
+    assert "OK      acarerank bench" in summary and "scores agree" in summary, summary
+    assert {"gpu_check.log", "summary.txt", "bench.csv", "bench.png", "bench.txt", "details.tar.gz"} <= set(files)
+    assert len(files) <= 8, files
+
+
+def test_row_targets_are_speedups_over_each_baseline():
+    rows = [dict(mode="M3", depth=50, provider=p, median_ms=v)
+            for p, v in (("transformers", 600.0), ("transformers+prefix-cache", 200.0), ("acarerank-torch", 100.0))]
+    text = report.format_targets(rows)
+    assert "acarerank-torch is 6.00x transformers (target >= 5x: met)" in text, text
+    assert "acarerank-torch is 2.00x transformers+prefix-cache (target >= 1.6x: met)" in text, text
+    rows[2]["median_ms"] = 150.0
+    assert "1.33x transformers+prefix-cache (target >= 1.6x: NOT met)" in report.format_targets(rows)
+    assert "not measured" in report.format_targets(rows, depth=20)
