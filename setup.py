@@ -35,9 +35,11 @@ class CMakeBuild(build_ext):
         import pybind11
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_temp = Path(self.build_temp).resolve() / ext.name
-        build_temp.mkdir(parents=True, exist_ok=True)
         cfg = "Debug" if self.debug else "Release"
+        # The CMake tree lives in build/ (git-ignored), not in setuptools' per-run temp dir, so
+        # reinstalling after an edit (pip install -e .) recompiles only what changed.
+        build_temp = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}-{cfg.lower()}"
+        build_temp.mkdir(parents=True, exist_ok=True)
         args = [
             "cmake", str(ROOT), "-G", "Ninja",
             f"-DCMAKE_BUILD_TYPE={cfg}",
@@ -48,6 +50,8 @@ class CMakeBuild(build_ext):
         ]
         if os.environ.get("ACARERANK_CUDA_ARCHS"):
             args.append(f"-DACARERANK_CUDA_ARCHS={os.environ['ACARERANK_CUDA_ARCHS']}")
+        else:  # drop a value cached by an earlier build in the same tree: back to the default
+            args.append("-UACARERANK_CUDA_ARCHS")
         subprocess.run(args, cwd=build_temp, check=True)
         jobs = os.environ.get("ACARERANK_BUILD_JOBS", str(os.cpu_count() or 1))
         subprocess.run(["cmake", "--build", ".", "--config", cfg, "-j", jobs], cwd=build_temp, check=True)

@@ -77,6 +77,8 @@ def check_runs_on(name: str, device: torch.device, op_name: str) -> None:
     """Refuse device/backend pairs that cannot run (e.g. "cuda" on CPU tensors)."""
     if name == "cuda" and device.type != "cuda":
         raise BackendError(f"{op_name}: backend 'cuda' needs CUDA tensors, got device {device}")
+    if name == "cpp" and device.type != "cpu":
+        raise BackendError(f"{op_name}: backend 'cpp' needs CPU tensors, got device {device}")
     if name in ("cpp", "torch") or device.type == "cuda":
         return
     if name == "triton" and not triton_interpreted():

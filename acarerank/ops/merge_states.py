@@ -1,0 +1,119 @@
+"""Merge two partial attention results computed over disjoint key sets (cascade attention).
+
+    out = (o_a · e^{lse_a} + o_b · e^{lse_b}) / (e^{lse_a} + e^{lse_b})
+    lse = log(e^{lse_a} + e^{lse_b})
+
+evaluated as m = max(lse_a, lse_b), w = e^{lse − m}, so nothing overflows. A part with
+lse = −inf (it saw no keys) has weight 0 and its o is ignored, whatever it holds; if both
+are −inf, out = 0 and lse = −inf. lse must not be +inf (flash-attn writes +inf for rows
+without keys: map those to −inf first, as ``cascade.py`` does).
+
+Backends: "torch" (below), "cpp" / "cuda" (csrc/merge_states.cuh). Default: "cuda" for
+CUDA tensors when acarerank._C has CUDA, else "torch".
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from . import _backend
+
+
+def _check_inputs(o_a, lse_a, o_b, lse_b):
+    for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"merge_attention_states: {name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"merge_attention_states: {name} must be floating point, got {t.dtype}")
+        if t.device != o_a.device:
+            raise ValueError(f"merge_attention_states: {name} is on {t.device}, o_a is on {o_a.device}")
+    if o_a.dim() != 3:
+        raise ValueError(f"merge_attention_states: o_a must be [tokens, heads, head_dim], got shape {tuple(o_a.shape)}")
+    if o_b.shape != o_a.shape:
+        raise ValueError(f"merge_attention_states: o_b shape {tuple(o_b.shape)} differs from o_a {tuple(o_a.shape)}")
+    if o_b.dtype != o_a.dtype:
+        raise TypeError(f"merge_attention_states: o_b dtype {o_b.dtype} differs from o_a dtype {o_a.dtype}")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != o_a.shape[:2]:
+            raise ValueError(f"merge_attention_states: {name} must be [{o_a.shape[0]}, {o_a.shape[1]}] "
+                             f"(tokens, heads), got shape {tuple(t.shape)}")
+
+
+def merge_attention_states_ref(o_a, lse_a, o_b, lse_b):
+    """Oracle: the formula above in fp64. Returns (out in o_a's dtype, lse fp32)."""
+    la, lb = lse_a.double(), lse_b.double()
+    m = torch.maximum(la, lb)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # both empty: weights 0, not NaN
+    w_a, w_b = torch.exp(la - m), torch.exp(lb - m)
+    total = w_a + w_b
+    num = (torch.where(w_a[..., None] > 0, o_a.double() * w_a[..., None], torch.zeros_like(o_a, dtype=torch.float64))
+           + torch.where(w_b[..., None] > 0, o_b.double() * w_b[..., None], torch.zeros_like(o_b, dtype=torch.float64)))
+    out = torch.where(total[..., None] > 0, num / total[..., None], torch.zeros_like(num))
+    return out.to(o_a.dtype), (m + torch.log(total)).float()
+
+
+def _torch_backend(o_a, lse_a, o_b, lse_b):
+    la, lb = lse_a.float(), lse_b.float()
+    m = torch.maximum(la, lb)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(la - m)[..., None], torch.exp(lb - m)[..., None]
+    total = w_a + w_b
+    # weight-0 parts are dropped, not multiplied: 0 · NaN would poison the sum
+    num = torch.where(w_a > 0, o_a.float() * w_a, 0.0) + torch.where(w_b > 0, o_b.float() * w_b, 0.0)
+    out = torch.where(total > 0, num / total, 0.0)
+    return out.to(o_a.dtype), m + torch.log(total[..., 0])
+
+
+def _load_torch():
+    return _torch_backend
+
+
+def _load_cpp():
+    try:
+        from ._cpp import merge_states_cpp
+    except ImportError as e:
+        raise _backend.BackendError(f"merge_attention_states: cpp backend unavailable: {e}") from e
+    return merge_states_cpp
+
+
+def _load_cuda():
+    try:
+        from ._cpp import merge_states_cuda
+    except ImportError as e:
+        raise _backend.BackendError(f"merge_attention_states: cuda backend unavailable: {e}") from e
+    return merge_states_cuda
+
+
+#: backend name -> loader returning the implementation
+IMPLEMENTATIONS = {"torch": _load_torch, "cpp": _load_cpp, "cuda": _load_cuda}
+
+
+def default_backend(device: torch.device) -> str:
+    if device.type == "cuda":
+        try:
+            from ._cpp import has_cuda
+        except ImportError:
+            return "torch"
+        return "cuda" if has_cuda() else "torch"
+    return "torch"
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b, backend: Optional[str] = None):
+    """Merge two attention partials over disjoint keys of the same queries.
+
+    Args:
+      o_a, o_b: [N, H, d] partial outputs (each normalised over its own keys), fp32/fp16/bf16, same dtype.
+      lse_a, lse_b: [N, H] their log-sum-exp of scaled scores (any float dtype, any strides:
+        flash-attn's [H, N] lse can be passed as ``lse.t()``).
+      backend: "torch" | "cpp" | "cuda"; None = ACARERANK_BACKEND, else "cuda" on CUDA
+        (when built with CUDA), else "torch".
+    Returns: (out [N, H, d] in o_a's dtype, lse [N, H] fp32); math in fp32 (fp64 in "cpp").
+    """
+    _check_inputs(o_a, lse_a, o_b, lse_b)
+    if backend is None and not os.environ.get(_backend.ENV_VAR):
+        backend = default_backend(o_a.device)
+    name, fn = _backend.resolve("merge_attention_states", IMPLEMENTATIONS, backend, o_a.device)
+    _backend.check_runs_on(name, o_a.device, "merge_attention_states")
+    return fn(o_a, lse_a, o_b, lse_b)

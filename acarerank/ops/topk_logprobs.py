@@ -1,0 +1,332 @@
+"""Top-k truncated teacher log-probs (ATO, DESIGN.md §6) without materialising [T, V] logits.
+
+For each row t with hidden state h_t, lm_head W (V×H), sampled token y_t and temperature τ:
+
+    z_t      = (h_t · Wᵀ) / τ                                        logits of the whole vocabulary
+    K_t      = the k largest entries of z_t, ordered by (value desc, id asc)   — the tie rule
+    renormalize=True   log p̃(j) = z_tj − logsumexp_{i∈K_t} z_ti   for j ∈ K_t   (truncated teacher)
+    renormalize=False  log p̃(j) = z_tj − logsumexp_{i<V} z_ti      for j ∈ K_t   (full-softmax values)
+
+and the target's log-prob ``target_logprob[t] = log p̃(y_t)`` when y_t ∈ K_t. When y_t ∉ K_t
+the renormalised truncated teacher gives it probability zero (log-prob −∞), which no
+advantage can use, so ``outside`` makes the choice explicit (DESIGN.md §6 lists what public
+code does):
+
+  "floor" (default)  a fixed log-prob ``floor`` (−20.0 ≈ log 2e-9). It keeps the truncated
+                     teacher's verdict ("this token is (almost) impossible") as a large but
+                     finite, bounded penalty, so every sampled token still gets a distillation
+                     signal and no NaN/inf reaches the loss. verl's on-policy distillation does
+                     the same with ``log_prob_min_clamp`` (default −10.0), applied there as a
+                     clamp_min to every log-prob; here only out-of-top-k targets are set,
+                     in-top-k values are returned exact. Caveat: if the k-th renormalised
+                     log-prob of a row is below ``floor`` (a very peaked teacher), an outside
+                     token scores higher than an inside one — pass a lower floor or "full".
+  "mask"             0.0 (a NaN-free zero contribution); callers drop those tokens with
+                     ``in_topk`` (what verl's top-k KL does by construction).
+  "full"             the teacher's untruncated full-softmax log-prob z_ty − logsumexp(z_t)
+                     (OPSD's choice); with renormalize=True this mixes two normalisations.
+
+``in_topk`` is returned either way, so a caller can switch policy without recomputing.
+
+Structure: a backend *core* that never holds [T, V] and returns
+
+    (topk_logits [T,k] fp32 sorted by (value desc, id asc), topk_ids [T,k] int64,
+     target_logit [T] fp32, logsumexp [T] fp32 over the full vocabulary)   — all of z = logits/τ
+
+and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``). Cores: "torch"
+(below: per-chunk GEMM, chunk top-k, exact merge), "triton" (kernels/topk_logprobs.py),
+"cpp"/"cuda" (acarerank/ops/topk_merge.py over csrc/topk_merge.*).
+"""
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from typing import Optional
+
+import torch
+
+from . import _backend
+
+TopKLogprobs = namedtuple("TopKLogprobs", ["target_logprob", "topk_ids", "topk_logprobs", "in_topk"])
+TopKLogprobs.__doc__ = """target_logprob [T] fp32, topk_ids [T,k] int64, topk_logprobs [T,k] fp32, in_topk [T] bool."""
+
+OUTSIDE_MODES = ("floor", "mask", "full")
+DEFAULT_CHUNK = 2048  # vocabulary columns per GEMM: [T, 2048] fp32 is 1.35 % of [T, 151,669]
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_inputs(hidden, weight, targets, k, chunk, temperature, op="topk_logprobs"):
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if hidden.dim() != 2:
+        raise ValueError(f"{op}: hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be [V, H], got shape {tuple(weight.shape)}")
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(f"{op}: hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"{op}: hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{op}: hidden has H={hidden.shape[1]} but weight has H={weight.shape[1]}")
+    if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{op}: targets must be [T={hidden.shape[0]}], got shape {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{op}: targets must be int64 (or int32) token ids, got {targets.dtype}")
+    for name, t in (("weight", weight), ("targets", targets)):
+        if t.device != hidden.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, hidden is on {hidden.device}")
+    V = weight.shape[0]
+    if V == 0:
+        raise ValueError(f"{op}: weight has an empty vocabulary")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
+            raise ValueError(f"{op}: k must be an int in [1, V={V}], got {k!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"{op}: chunk must be a positive int or None, got {chunk!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"{op}: temperature must be a finite number > 0, got {temperature!r}")
+    if targets.numel():
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= V:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{op}: target id {bad} is out of range [0, V={V})")
+
+
+def _check_result_finite(lse, op="topk_logprobs"):
+    if lse.numel() and not torch.isfinite(lse).all():
+        rows = (~torch.isfinite(lse)).nonzero().flatten().tolist()[:8]
+        raise ValueError(f"{op}: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
+
+
+# ----------------------------------------------------------------------------- exact order
+def order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys whose order is the tie rule: key(a) > key(b) ⇔ a.value > b.value, or equal and a.id < b.id.
+
+    values fp32, ids int64 in [0, 2³¹) (same shape). key = ord(value)·2³² + (2³²−1−id) where ord
+    is the signed-int32 image of the fp32 bits made monotone (negative floats have their
+    magnitude bits flipped); −0.0 is folded into +0.0 first so the two zeros tie like torch's
+    comparisons. Same key as csrc/topk_merge.cuh (there as an unsigned 64-bit word).
+    """
+    v = torch.where(values == 0, torch.zeros_like(values), values)
+    b = v.contiguous().view(torch.int32).to(torch.int64)
+    o = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return o * (1 << 32) + ((1 << 32) - 1 - ids)
+
+
+def _merge_topk(av, ai, bv, bi, k):
+    """The k best of two candidate lists under the tie rule, sorted best first."""
+    v = torch.cat([av, bv], dim=1)
+    i = torch.cat([ai, bi], dim=1)
+    kk = min(k, v.shape[1])
+    pos = order_keys(v, i).topk(kk, dim=1, sorted=True).indices
+    return v.gather(1, pos), i.gather(1, pos)
+
+
+def _chunk_topk(x, kc, c0):
+    """Top-kc of a [T, C] logits chunk with the exact tie rule; ids are global (offset c0).
+
+    torch.topk's choice among values tied at the kc-th place is unspecified, so rows where an
+    unselected entry equals the kc-th value are redone with order keys (ties are rare in fp32
+    GEMM output but common with integer-like or low-precision logits).
+    """
+    T, C = x.shape
+    vals, idx = x.topk(kc, dim=1, sorted=False)
+    if kc < C:
+        kth = vals.min(dim=1, keepdim=True).values
+        tied = ((x >= kth).sum(dim=1) > kc).nonzero().flatten()
+        if tied.numel():
+            xr = x[tied]
+            ids = torch.arange(c0, c0 + C, device=x.device).expand_as(xr)
+            pos = order_keys(xr, ids).topk(kc, dim=1, sorted=False).indices
+            vals[tied] = xr.gather(1, pos)
+            idx[tied] = pos
+    return vals, idx + c0
+
+
+# ----------------------------------------------------------------------------- torch core
+def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
+    """Chunked core: per chunk of ``chunk`` vocabulary rows, one GEMM [T,H]×[H,C] in fp32, the
+    chunk's candidates, an exact merge into the running top-k, and an online log-sum-exp.
+
+    Once a row holds k entries with k-th value θ, a chunk entry can enter only if it is > θ
+    strictly: chunks come in increasing id order, so an entry equal to θ loses the tie to the
+    held one. The chunk's top-k is then taken only as wide as its widest row's count of
+    entries > θ (≈ k·C/c0 for random order, usually a few), and that narrow top-k needs no tie
+    repair: every entry > θ is in it. Until k entries are held, the full chunk top-k is taken
+    and its boundary ties are repaired (``_chunk_topk``). Candidates wait in a small buffer
+    and are merged once ≥ k of them are pending (θ is refreshed at each merge), so the held
+    top-k is re-sorted a handful of times instead of once per chunk.
+
+    Peak extra memory: one [T, C] fp32 logits chunk + a [T, C] bool compare + O(T·k); the
+    log-sum-exp exponentiates the chunk in place, so no second [T, C] buffer is needed.
+    Inputs of other dtypes are upcast to fp32 one chunk at a time.
+    Returns (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, lse [T] fp32).
+    """
+    T, _ = hidden.shape
+    V = weight.shape[0]
+    C = chunk or DEFAULT_CHUNK
+    dev = hidden.device
+    h = hidden if hidden.dtype == torch.float32 else hidden.float()
+    tg = targets.to(torch.int64)
+    run_v = torch.empty(T, 0, dtype=torch.float32, device=dev)
+    run_i = torch.empty(T, 0, dtype=torch.int64, device=dev)
+    pend_v, pend_i, pending = [], [], 0  # candidates not merged yet
+    m = torch.full((T,), -math.inf, dtype=torch.float32, device=dev)
+    s = torch.zeros(T, dtype=torch.float64, device=dev)  # Σ exp(z − m): a 151,669-term sum, kept in fp64
+    tgt = torch.full((T,), math.nan, dtype=torch.float32, device=dev)
+    if T == 0:
+        return (torch.empty(0, k, dtype=torch.float32, device=dev), torch.empty(0, k, dtype=torch.int64, device=dev),
+                tgt, m)
+    for c0 in range(0, V, C):
+        c1 = min(V, c0 + C)
+        w = weight[c0:c1]
+        x = h @ (w if w.dtype == torch.float32 else w.float()).T  # [T, C] fp32
+        if temperature != 1.0:
+            x.div_(temperature)  # division (not × 1/τ) so every backend rounds identically
+        # -- target logits that fall in this chunk
+        rows = ((tg >= c0) & (tg < c1)).nonzero().flatten()
+        if rows.numel():
+            tgt[rows] = x[rows, tg[rows] - c0]
+        # -- this chunk's candidates
+        vals = None
+        if run_v.shape[1] < k:
+            vals, ids = _chunk_topk(x, min(k, c1 - c0), c0)
+        else:
+            kc = int((x > run_v[:, k - 1:]).sum(dim=1).max())
+            if kc:
+                vals, ids = x.topk(kc, dim=1, sorted=False)
+                ids = ids + c0
+        if vals is not None:
+            pend_v.append(vals)
+            pend_i.append(ids)
+            pending += vals.shape[1]
+        if pending and (run_v.shape[1] < k or pending >= k or c1 == V):
+            run_v, run_i = _merge_topk(run_v, run_i, torch.cat(pend_v, 1), torch.cat(pend_i, 1), k)
+            pend_v, pend_i, pending = [], [], 0
+        # -- online log-sum-exp; x is consumed in place. The new running max is the max of the
+        #    old one and this chunk's top entry (any chunk entry above it is a candidate).
+        m_new = torch.maximum(m, vals.max(dim=1).values) if vals is not None else m
+        csum = x.sub_(m_new[:, None]).exp_().sum(dim=1)
+        s = s * torch.exp((m - m_new).double()) + csum.double()
+        m = m_new
+    lse = (m.double() + torch.log(s)).float()
+    return run_v, run_i, tgt, lse
+
+
+# ----------------------------------------------------------------------------- finalize
+def finalize(topk_logits, topk_ids, target_logit, lse, targets, outside: str = "floor", floor: float = -20.0,
+             renormalize: bool = True) -> TopKLogprobs:
+    """Shared by every backend: core outputs -> TopKLogprobs (formulas in the module docstring)."""
+    tg = targets.to(torch.int64)
+    in_topk = (topk_ids == tg[:, None]).any(dim=1)
+    norm = torch.logsumexp(topk_logits, dim=1) if renormalize else lse
+    topk_lp = topk_logits - norm[:, None]
+    inside = target_logit - norm  # same fp32 value as the target's top-k entry (same logit, same norm)
+    if outside == "floor":
+        out = torch.full_like(inside, float(floor))
+    elif outside == "mask":
+        out = torch.zeros_like(inside)
+    else:  # "full"
+        out = target_logit - lse
+    return TopKLogprobs(torch.where(in_topk, inside, out), topk_ids, topk_lp, in_topk)
+
+
+# ----------------------------------------------------------------------------- reference
+def topk_logprobs_ref(hidden, weight, targets, k: int = 128, outside: str = "floor", floor: float = -20.0,
+                      renormalize: bool = True, temperature: float = 1.0) -> TopKLogprobs:
+    """Oracle: materialise fp32 logits [T, V], sort by (value desc, id asc) explicitly, log_softmax."""
+    logits = hidden.float() @ weight.float().T
+    if temperature != 1.0:
+        logits = logits / temperature
+    # stable descending sort keeps ascending id order among equal values (torch.topk would not)
+    sv, si = torch.sort(logits, dim=1, descending=True, stable=True)
+    top_v, top_i = sv[:, :k], si[:, :k]
+    full_lp = logits.log_softmax(dim=1)
+    tg = targets.long()
+    in_topk = (top_i == tg[:, None]).any(dim=1)
+    if renormalize:
+        top_lp = top_v.log_softmax(dim=1)
+    else:
+        top_lp = full_lp.gather(1, top_i)
+    pos = (top_i == tg[:, None]).float().argmax(dim=1)  # where the target sits in the top-k (if it does)
+    inside = top_lp.gather(1, pos[:, None]).squeeze(1)
+    full_t = full_lp.gather(1, tg[:, None]).squeeze(1)
+    out = {"floor": torch.full_like(inside, float(floor)), "mask": torch.zeros_like(inside), "full": full_t}[outside]
+    return TopKLogprobs(torch.where(in_topk, inside, out), top_i, top_lp, in_topk)
+
+
+# ----------------------------------------------------------------------------- dispatch
+def _load_torch():
+    return topk_logprobs_core_torch
+
+
+def _load_triton():
+    try:
+        from acarerank.kernels.topk_logprobs import topk_logprobs_core_triton
+    except ImportError as e:
+        raise _backend.BackendError(f"topk_logprobs: triton backend unavailable: {e}") from e
+    return topk_logprobs_core_triton
+
+
+def _load_cpp():
+    try:
+        from .topk_merge import topk_logprobs_core_cpp
+    except ImportError as e:  # acarerank._C not built, or topk_merge.py not there yet
+        raise _backend.BackendError(f"topk_logprobs: cpp backend unavailable: {e}") from e
+    return topk_logprobs_core_cpp
+
+
+def _load_cuda():
+    try:
+        from .topk_merge import topk_logprobs_core_cuda
+    except ImportError as e:
+        raise _backend.BackendError(f"topk_logprobs: cuda backend unavailable: {e}") from e
+    return topk_logprobs_core_cuda
+
+
+#: backend name -> loader returning the core (hidden, weight, targets, k, chunk, temperature)
+IMPLEMENTATIONS = {"torch": _load_torch, "triton": _load_triton, "cpp": _load_cpp, "cuda": _load_cuda}
+
+
+def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[int] = None, temperature: float = 1.0,
+                       backend: Optional[str] = None):
+    """The backend core alone (checked inputs): (topk_logits, topk_ids, target_logit, lse), see module doc."""
+    _check_inputs(hidden, weight, targets, k, chunk, temperature)
+    name, fn = _backend.resolve("topk_logprobs", IMPLEMENTATIONS, backend, hidden.device)
+    _backend.check_runs_on(name, hidden.device, "topk_logprobs")
+    out = fn(hidden, weight, targets, k, chunk, float(temperature))
+    _check_result_finite(out[3])
+    return out
+
+
+def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = None, outside: str = "floor",
+                  floor: float = -20.0, renormalize: bool = True, temperature: float = 1.0,
+                  backend: Optional[str] = None) -> TopKLogprobs:
+    """Teacher log-probs truncated to its top-k logits, never materialising [T, V].
+
+    Args:
+      hidden: [T, H] hidden states AFTER the final RMSNorm (fp32/bf16/fp16).
+      weight: [V, H] lm_head weight, same dtype and device as ``hidden``.
+      targets: [T] int64 (or int32) sampled token ids in [0, V).
+      k: 1 <= k <= V (ATO: 128). chunk: vocabulary rows per step (torch core; default 2048;
+         the triton core picks its own tiles). temperature τ > 0 divides the logits before
+         truncation.
+      outside: "floor" | "mask" | "full" — what a target outside the top-k gets (module doc).
+      floor: the "floor" log-prob. renormalize: normalise over the top-k (True) or over V.
+    Returns: TopKLogprobs(target_logprob [T] fp32, topk_ids [T,k] int64 (best first; ties:
+      lower id first), topk_logprobs [T,k] fp32, in_topk [T] bool).
+    Math in fp32 (inputs upcast per chunk); the result does not depend on ``chunk`` except
+    through fp32 summation order (≤ 1e-6 in log-probs).
+    """
+    if outside not in OUTSIDE_MODES:
+        raise ValueError(f"topk_logprobs: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
+    if not isinstance(floor, (int, float)) or not math.isfinite(floor):
+        raise ValueError(f"topk_logprobs: floor must be a finite number, got {floor!r}")
+    topk_logits, topk_ids, target_logit, lse = topk_logprobs_core(hidden, weight, targets, k, chunk, temperature,
+                                                                   backend)
+    return finalize(topk_logits, topk_ids, target_logit, lse, targets, outside, floor, renormalize)
+
+
+__all__ = ["TopKLogprobs", "OUTSIDE_MODES", "topk_logprobs", "topk_logprobs_core", "topk_logprobs_ref",
+           "topk_logprobs_core_torch", "finalize", "order_keys", "IMPLEMENTATIONS"]

@@ -1,0 +1,252 @@
+"""Streaming top-k merge (csrc/topk_merge.cuh) against the sort-based oracle.
+
+The "cpp" backend runs the exact row algorithm of the CUDA kernel (radix select + bitonic
+sort, one thread per row); "torch" is the plain sort-based update. Both must give the ids
+of a stable descending sort of the full 151,669-wide logits (ties: lower id first) and
+log-probs within 1e-6 of fp64 math, whatever the chunking.
+"""
+import numpy as np
+import pytest
+import torch
+
+from acarerank.ops import BackendError
+from acarerank.ops import topk_merge as tm
+
+V = 151_669  # Qwen3 vocabulary
+BACKENDS = ["cpp", "torch"]
+LOGPROB_ATOL = 1e-6
+
+
+def _random_chunks(rng, width, max_chunk):
+    """Random partition of [0, width) into [a, b) pieces of 1..max_chunk columns."""
+    bounds, a = [], 0
+    while a < width:
+        b = min(width, a + int(rng.integers(1, max_chunk + 1)))
+        bounds.append((a, b))
+        a = b
+    return bounds
+
+
+def _logits(kind, T, gen):
+    if kind == "normal":
+        return torch.randn(T, V, generator=gen) * 3
+    if kind == "ties":  # 33 distinct values: every top-k boundary is a tie
+        return torch.randint(-16, 17, (T, V), generator=gen).float() / 4
+    if kind == "neg_inf":  # masked vocabulary; row 0 has only 50 finite logits (< k)
+        x = torch.randn(T, V, generator=gen)
+        x[torch.rand(T, V, generator=gen) < 0.4] = float("-inf")
+        x[0] = float("-inf")
+        x[0, torch.randperm(V, generator=gen)[:50]] = torch.randn(50, generator=gen)
+        return x
+    if kind == "signed_zeros":  # −0.0 and +0.0 must tie (lower id first), as in torch
+        x = torch.where(torch.rand(T, V, generator=gen) < 0.5, -0.5, 0.0)
+        x[(x == 0) & (torch.rand(T, V, generator=gen) < 0.5)] = -0.0
+        x[:, torch.randperm(V, generator=gen)[:20]] = 0.5  # fewer than k: the top-k boundary is among the zeros
+        assert (x == 0).any() and torch.signbit(x[x == 0]).any() and not torch.signbit(x[x == 0]).all()
+        return x
+    raise ValueError(kind)
+
+
+def _targets(ref_ids, gen):
+    """Row 0: target inside the top-k (at rank 3); other rows: random ids, mostly outside."""
+    T = ref_ids.shape[0]
+    t = torch.randint(0, V, (T,), generator=gen)
+    t[0] = ref_ids[0, min(3, ref_ids.shape[1] - 1)]
+    return t
+
+
+def _merge(logits, k, targets, temperature, pieces, backend):
+    state = tm.topk_merge_init(logits.shape[0], k, logits.device, targets=targets, temperature=temperature)
+    for a, b in pieces:
+        tm.topk_merge_update(state, logits[:, a:b], a, backend=backend)
+    return tm.topk_merge_finalize(state, full_logprobs=True, backend=backend)
+
+
+def assert_topk_equal(got, want, atol=LOGPROB_ATOL):
+    if not torch.equal(got.ids.cpu(), want.ids.cpu()):
+        bad = (got.ids.cpu() != want.ids.cpu()).nonzero()[:5].tolist()
+        detail = [(r, c, int(got.ids[r, c]), int(want.ids[r, c]), float(want.topk_logits[r, c])) for r, c in bad]
+        raise AssertionError(f"top-k ids differ at (row, rank, got id, want id, want value): {detail}")
+    assert torch.equal(got.topk_logits.cpu(), want.topk_logits.cpu()), "top-k values differ"
+    for name in ("logprobs", "logprobs_full", "logsumexp", "target_logprob", "target_logprob_topk"):
+        g, w = getattr(got, name), getattr(want, name)
+        if w is None:
+            assert g is None, name
+            continue
+        torch.testing.assert_close(g.cpu(), w.cpu(), atol=atol, rtol=0, equal_nan=True,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    if want.target_in_topk is not None:
+        assert torch.equal(got.target_in_topk.cpu(), want.target_in_topk.cpu()), "target_in_topk differs"
+
+
+CASES = [  # (logits kind, k, widest chunk, temperature)
+    ("normal", 128, 40_000, 1.0),
+    ("normal", 1, 9_000, 0.7),
+    ("ties", 128, 300, 1.0),          # k larger than most chunks; ~1000 merges
+    ("neg_inf", 200, 5_000, 1.0),
+    ("signed_zeros", 97, 20_000, 1.3),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,k,max_chunk,temperature", CASES)
+def test_streaming_merge_matches_full_sort(backend, kind, k, max_chunk, temperature):
+    gen = torch.Generator().manual_seed(k + len(kind))
+    rng = np.random.default_rng(k)
+    logits = _logits(kind, 3, gen)
+    targets = _targets(tm.topk_merge_ref(logits, k, temperature=temperature).ids, gen)
+    want = tm.topk_merge_ref(logits, k, targets, temperature, full_logprobs=True)
+    got = _merge(logits, k, targets, temperature, _random_chunks(rng, V, max_chunk), backend)
+    assert_topk_equal(got, want)
+    assert bool(want.target_in_topk[0]) and not bool(want.target_in_topk.all()), "test needs targets in and out of the top-k"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunk_order_does_not_matter(backend):
+    gen = torch.Generator().manual_seed(5)
+    rng = np.random.default_rng(5)
+    logits = _logits("ties", 2, gen)
+    pieces = _random_chunks(rng, V, 20_000)
+    rng.shuffle(pieces)
+    want = tm.topk_merge_ref(logits, 128, full_logprobs=True)
+    assert_topk_equal(_merge(logits, 128, None, 1.0, pieces, backend), want)
+
+
+@pytest.mark.parametrize("buf_cap", [1, 100, 5000])
+def test_candidate_buffer_overflow_path(buf_cap):
+    """A small pass-0 buffer forces the chunk re-read path (the GPU's path on a first chunk)."""
+    from acarerank.ops import _cpp
+    gen = torch.Generator().manual_seed(buf_cap)
+    logits = _logits("ties", 2, gen)
+    targets = torch.tensor([7, 150_000])
+    want = tm.topk_merge_ref(logits, 128, targets, full_logprobs=True)
+    state = tm.topk_merge_init(2, 128, "cpu", targets=targets)
+    for a, b in _random_chunks(np.random.default_rng(buf_cap), V, 30_000):
+        _cpp.topk_update(state, logits[:, a:b], a, cuda=False, buf_cap=buf_cap)
+    assert_topk_equal(tm.topk_merge_finalize(state, full_logprobs=True, backend="cpp"), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_chunks(dtype):
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(2, V, generator=gen) * 4).to(dtype)  # bf16: thousands of ties
+    want = tm.topk_merge_ref(logits, 128, full_logprobs=True)
+    assert_topk_equal(_merge(logits, 128, None, 1.0, [(a, min(V, a + 16384)) for a in range(0, V, 16384)], "cpp"), want)
+
+
+def test_k_max_and_one_row_wide_vocab():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, 20_000, generator=gen)
+    want = tm.topk_merge_ref(logits, tm.TOPK_MAX_K)
+    state = tm.topk_merge_init(1, tm.TOPK_MAX_K, "cpu")
+    for a in range(0, 20_000, 3000):
+        tm.topk_merge_update(state, logits[:, a:a + 3000], a, backend="cpp")
+    assert_topk_equal(tm.topk_merge_finalize(state, backend="cpp"), want)
+
+
+# ---------------------------------------------------------------- the drivers for topk_logprobs
+def _integer_model(T, H, gen, dtype, vocab=V):
+    """Small-integer hidden/weight: every logit is exact in any GEMM order, so ids can be compared exactly."""
+    hidden = torch.randint(-3, 4, (T, H), generator=gen).to(dtype)
+    weight = torch.randint(-2, 3, (vocab, H), generator=gen).to(dtype)
+    return hidden, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,chunk,temperature", [
+    (V, 4096 + 7, 1.0), (30_011, 100, 0.5),  # chunk < k: every merge straddles the top-k
+    (V, V, 2.0), (V, None, 1.0)])
+def test_core_cpp_matches_reference(dtype, vocab, chunk, temperature):
+    gen = torch.Generator().manual_seed(3)
+    hidden, weight = _integer_model(5, 16, gen, dtype, vocab)
+    targets = torch.randint(0, vocab, (5,), generator=gen, dtype=torch.int32 if chunk is None else torch.int64)
+    logits = (hidden.float() @ weight.float().t())
+    want = tm.topk_merge_ref(logits, 128, targets.long(), temperature)
+    vals, ids, target_logit, lse = tm.topk_logprobs_core_cpp(hidden, weight, targets, 128, chunk, temperature)
+    assert vals.dtype == torch.float32 and ids.dtype == torch.int64 and vals.shape == ids.shape == (5, 128)
+    assert torch.equal(ids, want.ids), f"ids differ in rows {(ids != want.ids).any(1).nonzero().flatten().tolist()}"
+    assert torch.equal(vals, want.topk_logits)
+    assert torch.equal(target_logit, logits.gather(1, targets.long()[:, None])[:, 0] / temperature)
+    torch.testing.assert_close(lse, want.logsumexp, atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_logprobs_op_cpp_backend_equals_torch_backend(dtype):
+    """Through the user-facing op: the "cpp" core and the "torch" core agree (ids exactly)."""
+    from acarerank.ops.topk_logprobs import topk_logprobs
+    gen = torch.Generator().manual_seed(6)
+    hidden, weight = _integer_model(4, 16, gen, dtype)
+    targets = torch.randint(0, V, (4,), generator=gen)
+    targets[0] = int((hidden[0].float() @ weight.float().t()).argmax())  # one target inside the top-k
+    for outside in ("floor", "full"):
+        got = topk_logprobs(hidden, weight, targets, k=128, chunk=5000, outside=outside, temperature=0.9, backend="cpp")
+        want = topk_logprobs(hidden, weight, targets, k=128, chunk=5000, outside=outside, temperature=0.9,
+                             backend="torch")
+        assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.in_topk, want.in_topk)
+        assert bool(got.in_topk[0])
+        torch.testing.assert_close(got.topk_logprobs, want.topk_logprobs, atol=LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(got.target_logprob, want.target_logprob, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_core_random_floats_and_empty_batch():
+    gen = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(3, 64, generator=gen), torch.randn(V, 64, generator=gen) * 0.1
+    targets = torch.randint(0, V, (3,), generator=gen)
+    vals, ids, target_logit, lse = tm.topk_logprobs_core_cpp(hidden, weight, targets, 128, 8192, 1.0)
+    logits = hidden @ weight.t()
+    # chunked and full GEMMs may round differently: compare values at our ids, and the lse
+    torch.testing.assert_close(vals, logits.gather(1, ids), atol=1e-5, rtol=1e-5)
+    assert bool((vals[:, :-1] >= vals[:, 1:]).all()), "values not descending"
+    torch.testing.assert_close(lse, torch.logsumexp(logits.double(), 1).float(), atol=1e-5, rtol=0)
+    out = tm.topk_logprobs_core_cpp(hidden[:0], weight, targets[:0], 128, 8192, 1.0)
+    assert [tuple(t.shape) for t in out] == [(0, 128), (0, 128), (0,), (0,)]
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(k=0), ValueError, "k=0"),
+    (dict(k=tm.TOPK_MAX_K + 1), ValueError, "k=4097"),
+    (dict(k=2.0), TypeError, "k must be an int"),
+    (dict(chunk=0), ValueError, "chunk"),
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(targets=torch.tensor([0, 1000])), ValueError, r"targets must lie in \[0, 1000\)"),
+    (dict(targets=torch.tensor([0, -1])), ValueError, "targets must lie"),
+    (dict(targets=torch.tensor([0, 1], dtype=torch.int16)), TypeError, "int64"),
+    (dict(chunk=2.5), ValueError, "chunk"),
+    (dict(weight=torch.zeros(1000, 8, dtype=torch.float64)), TypeError, "share one floating dtype"),
+    (dict(weight=torch.zeros(1000, 9)), ValueError, r"\[V, H\]"),
+])
+def test_core_bad_input(kwargs, err, match):
+    args = dict(hidden=torch.zeros(2, 8), weight=torch.zeros(1000, 8), targets=torch.tensor([0, 1]),
+                k=4, chunk=64, temperature=1.0)
+    args.update(kwargs)
+    with pytest.raises(err, match=match):
+        tm.topk_logprobs_core_cpp(**args)
+
+
+def test_core_k_above_vocab():
+    with pytest.raises(ValueError, match="exceeds the vocabulary size 3"):
+        tm.topk_logprobs_core_cpp(torch.zeros(1, 4), torch.zeros(3, 4), torch.tensor([0]), 4, 2, 1.0)
+
+
+def test_state_errors():
+    state = tm.topk_merge_init(2, 4, "cpu", targets=torch.tensor([0, 9]))
+    with pytest.raises(ValueError, match="3 rows, the state 2"):
+        tm.topk_merge_update(state, torch.zeros(3, 5), 0)
+    with pytest.raises(ValueError, match="vocabulary ids"):
+        tm.topk_merge_update(state, torch.zeros(2, 5), -1)
+    with pytest.raises(TypeError, match="floating point"):
+        tm.topk_merge_update(state, torch.zeros(2, 5, dtype=torch.int64), 0)
+    with pytest.raises(BackendError, match="needs CUDA tensors"):
+        tm.topk_merge_update(state, torch.zeros(2, 5), 0, backend="cuda")
+    with pytest.raises(BackendError, match="has no 'triton' backend"):
+        tm.topk_merge_update(state, torch.zeros(2, 5), 0, backend="triton")
+    tm.topk_merge_update(state, torch.randn(2, 3), 0, backend="cpp")
+    with pytest.raises(ValueError, match="k=4 exceeds the number of logits merged"):
+        tm.topk_merge_finalize(state)
+    tm.topk_merge_update(state, torch.randn(2, 3), 3, backend="cpp")
+    with pytest.raises(ValueError, match="target id was in no merged chunk"):
+        tm.topk_merge_finalize(state)
+    with pytest.raises(TypeError, match="targets must be an int64 tensor"):
+        tm.topk_merge_init(2, 4, "cpu", targets=torch.tensor([0]))
