@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The main job: set up (idempotent), then score a sample agent context against documents
-# with the embedded default model (random weights: the scores carry no meaning).
+# The main job: set up (idempotent), then `acarerank bench` — end-to-end pointwise scoring
+# latency versus reranking depth (10, 20, 50, 100; modes M0 and M3), acarerank beside the
+# official transformers path and transformers with a reused prefix KV cache, in one run, on
+# the embedded default model (random weights: timings are real, scores mean nothing).
+# Writes results/bench-tiny-cpu-float32-cpu/{bench.csv,bench.png,bench.txt}. Extra
+# arguments go to `acarerank bench` (e.g. --quick for a one-minute smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-acarerank score --query "who proposed adaptive tutoring optimization" --docs examples/docs.jsonl \
-  --question "Which training method lets a setwise reranker learn from a tutor?" --trace-file examples/trace.txt "$@"
+acarerank bench "$@"
