@@ -17,11 +17,9 @@ from typing import Optional, Sequence
 import torch
 
 from .model import Qwen3Runner
+from .model.placement import check_dtype_device
 from .ops import yes_no_score
 from .prompts import DEFAULT_MIN_DOC_TOKENS, DEFAULT_TEMPLATE, encode_pointwise
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 @dataclass
 class ScoreRequest:
@@ -31,18 +29,6 @@ class ScoreRequest:
     question: Optional[str] = None
     trace: Optional[str] = None
     instruction: Optional[str] = None
-
-
-def _check_dtype_device(dtype, device):
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16; got {dtype!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a valid torch device: {e}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
-    return dev
 
 
 class PointwiseReranker:
@@ -96,7 +82,7 @@ class PointwiseReranker:
     def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", max_length: int = 8192,
                         backend: Optional[str] = None, tokenizer=None, **kw) -> "PointwiseReranker":
         """Load a local HF checkpoint folder (config.json + safetensors; tokenizer files if present)."""
-        dev = _check_dtype_device(dtype, device)
+        dev = check_dtype_device(dtype, device)
         runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev, backend=backend)
         if tokenizer is None:
             import os

@@ -7,7 +7,8 @@ is given (then best first): {"index", "score", ...passed-through fields}.
 from __future__ import annotations
 
 import json
-import sys
+
+from .common import load_reranker, read_documents
 
 
 def add_parser(sub) -> None:
@@ -26,53 +27,15 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def read_documents(path: str) -> list:
-    """Documents from JSONL: objects with "text" (kept whole, for pass-through) or strings."""
-    f = sys.stdin if path == "-" else open(path, encoding="utf-8")
-    docs = []
-    with f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if isinstance(item, dict):
-                if not isinstance(item.get("text"), str):
-                    raise ValueError(f"{path}:{n}: a JSON object needs a string field 'text'")
-            elif not isinstance(item, str):
-                raise ValueError(f"{path}:{n}: expected a JSON object with 'text' or a JSON string")
-            docs.append(item)
-    if not docs:
-        raise ValueError(f"{path}: no documents")
-    return docs
-
-
-def load_pointwise(args):
-    """The reranker the flags ask for; the embedded default (with a stderr note) without --model."""
-    import torch
-
-    from ..pointwise import PointwiseReranker
-
-    dtype = getattr(torch, args.dtype)
-    if args.model:
-        return PointwiseReranker.from_pretrained(args.model, dtype=dtype, device=args.device,
-                                                 max_length=args.max_length, backend=args.backend)
-    from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
-
-    print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
-    model = build_default_model(dtype=dtype, device=args.device)
-    return PointwiseReranker(model=model, max_length=args.max_length, backend=args.backend)
-
-
 def run(args) -> int:
     docs = read_documents(args.docs)
     trace = None
     if args.trace_file:
         with open(args.trace_file, encoding="utf-8") as f:
             trace = f.read()
-    rr = load_pointwise(args)
+    from ..pointwise import PointwiseReranker
+
+    rr = load_reranker(PointwiseReranker, args)
     texts = [d["text"] if isinstance(d, dict) else d for d in docs]
     ranked = rr.rerank(args.query, texts, top_n=args.top_n, question=args.question, trace=trace,
                        instruction=args.instruction)

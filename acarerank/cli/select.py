@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import sys
 
+from .common import load_reranker, read_documents
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("select", help="select and rank a subset of documents (AdaTutoRank setwise)")
@@ -29,31 +31,14 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def load_setwise(args):
-    """The reranker the flags ask for; the embedded default (with a stderr note) without --model."""
-    import torch
-
-    from ..setwise import SetwiseReranker
-
-    dtype = getattr(torch, args.dtype)
-    if args.model:
-        return SetwiseReranker.from_pretrained(args.model, dtype=dtype, device=args.device,
-                                               max_length=args.max_length, backend=args.backend)
-    from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
-
-    print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
-    model = build_default_model(dtype=dtype, device=args.device)
-    return SetwiseReranker(model=model, max_length=args.max_length, backend=args.backend)
-
-
 def run(args) -> int:
-    from .score import read_documents
+    from ..setwise import SetwiseReranker
 
     if args.max_select < 1:
         raise ValueError(f"--max-select must be >= 1, got {args.max_select}")
     docs = read_documents(args.docs)
     texts = [d["text"] if isinstance(d, dict) else d for d in docs]
-    sr = load_setwise(args)
+    sr = load_reranker(SetwiseReranker, args)
     sel = sr.select(args.query, texts, intent=args.intent, max_select=args.max_select,
                     constrained=not args.unconstrained)
     for rank, (i, ident) in enumerate(zip(sel.indices, sel.ids), 1):

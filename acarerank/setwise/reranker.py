@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..model import Qwen3Runner
+from ..model.placement import check_dtype_device
 from ..selection import parse_selection
 from ..tokenizer import TOKEN_IM_END
 from .decode import MAX_NEW_TOKENS, greedy_decode
@@ -41,18 +42,6 @@ class Selection:
     valid: bool
     num_tokens: int
     prompt_tokens: int = 0
-
-
-def _check_dtype_device(dtype, device) -> torch.device:
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"dtype must be one of torch.float32, torch.float16, torch.bfloat16; got {dtype!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a valid torch device: {e}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available on this machine")
-    return dev
 
 
 class SetwiseReranker:
@@ -97,7 +86,7 @@ class SetwiseReranker:
                         max_length: Optional[int] = DEFAULT_MAX_LENGTH, backend: Optional[str] = None,
                         tokenizer=None, **kw) -> "SetwiseReranker":
         """Load a local HF checkpoint folder (config.json + safetensors; its tokenizer files if present)."""
-        dev = _check_dtype_device(dtype, device)
+        dev = check_dtype_device(dtype, device)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model folder {path!r} does not exist")
         runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev, backend=backend)
