@@ -47,8 +47,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", ["cpu-flash", "matmul"])
 @pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d", CASES)
-def test_torch_backend_equals_concatenated_attention(seg_lens, prefix_lens, groups, Hq, Hkv, d):
+def test_torch_backend_equals_concatenated_attention(seg_lens, prefix_lens, groups, Hq, Hkv, d, path, monkeypatch):
+    """Both inner paths: torch's fused CPU flash kernel, and the matmul path other devices take."""
+    import acarerank.ops.attention as att
+    if path == "matmul":
+        monkeypatch.setattr(att, "_FLASH_CPU", None)
     (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d)
     out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
     ref = _concat_oracle(q, k, v, cu, pk, pv, cp, sg)
@@ -61,6 +66,7 @@ def test_torch_backend_equals_concatenated_attention(seg_lens, prefix_lens, grou
 def test_torch_backend_chunks_large_prefix(monkeypatch):
     """The prefix GEMM is cut into row blocks under a memory budget; results must not change."""
     import acarerank.ops.attention as att
+    monkeypatch.setattr(att, "_FLASH_CPU", None)  # the fused CPU kernel needs no chunking
     (q, k, v), cu, (pk, pv), cp, sg = _pack([31, 17], [257], [0, 0], 4, 2, 32)
     full = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
     monkeypatch.setattr(att, "_TORCH_SCORE_BUDGET", 2 * 257 * 5)

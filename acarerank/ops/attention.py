@@ -106,19 +106,18 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 def _partial_attention(qh, kh, vh, scale: float, causal: bool):
     """Normalised attention of one block and its log-sum-exp, fp32.
 
-    qh [B, M, d], kh/vh [B, N, d] -> (o [B, M, d], lse [B, M]) with
-    lse = log Σ_j exp(scale·q·k_j) and o = Σ_j exp(scale·q·k_j − lse)·v_j; ``causal`` aligns
-    row i with key i (M == N).
+    qh [B, H, M, d], kh/vh [B, H, N, d] (any strides, stride 0 included) ->
+    (o [B, H, M, d], lse [B, H, M]) with lse = log Σ_j exp(scale·q·k_j) and
+    o = Σ_j exp(scale·q·k_j − lse)·v_j; ``causal`` aligns row i with key i (M == N).
     """
     if _FLASH_CPU is not None and qh.device.type == "cpu":
-        o, lse = _FLASH_CPU(qh[None], kh[None], vh[None], 0.0, causal, scale=scale)
-        return o[0], lse[0]
-    s = torch.bmm(qh, kh.transpose(1, 2)).mul_(scale)
+        return _FLASH_CPU(qh, kh, vh, 0.0, causal, scale=scale)
+    s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)
     if causal:
         M = s.shape[-1]
         s.masked_fill_(torch.ones(M, M, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.bmm(s.sub_(lse[..., None]).exp_(), vh), lse
+    return torch.matmul(s.sub_(lse[..., None]).exp_(), vh), lse
 
 
 def _prefix_part(qf, pk, pv, scale):
@@ -139,9 +138,10 @@ def _prefix_part(qf, pk, pv, scale):
         step = Tg * r  # the fused kernel is blocked internally: no score matrix to bound
     else:
         step = max(r, (_TORCH_SCORE_BUDGET // max(1, Hkv * P)) // r * r)
-    parts = [_partial_attention(qh[:, i:i + step], kh, vh, scale, causal=False) for i in range(0, Tg * r, step)]
-    o = torch.cat([p[0] for p in parts], dim=1) if len(parts) > 1 else parts[0][0]
-    lse = torch.cat([p[1] for p in parts], dim=1) if len(parts) > 1 else parts[0][1]
+    parts = [_partial_attention(qh[None, :, i:i + step], kh[None], vh[None], scale, causal=False)
+             for i in range(0, Tg * r, step)]
+    o = torch.cat([p[0][0] for p in parts], dim=1) if len(parts) > 1 else parts[0][0][0]
+    lse = torch.cat([p[1][0] for p in parts], dim=1) if len(parts) > 1 else parts[0][1][0]
     return (o.view(Hkv, Tg, r, d).permute(1, 0, 2, 3).reshape(Tg, Hq, d),
             lse.view(Hkv, Tg, r).permute(1, 0, 2).reshape(Tg, Hq))
 
@@ -156,7 +156,8 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
     Inputs are computed in fp32 whatever their dtype.
     """
     T, Hq, d = q.shape
-    r = Hq // k.shape[1]
+    Hkv = k.shape[1]
+    r = Hq // Hkv
     out = torch.empty_like(q)
     cs, cp, sg = cu_seqlens.tolist(), cu_prefix_lens.tolist(), segment_group.tolist()
 
@@ -173,19 +174,20 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
         qf = (q[rows] if rows is not None else q[t0:t1]).float()
         Tg = qf.shape[0]
 
-        # -- own (causal) part, one segment at a time, kv heads repeated (segments are short)
+        # -- own (causal) part, one segment at a time: batch = kv head, heads = its r query
+        # heads, K/V broadcast to them with stride 0 (no copy, no repeat)
         o_o = qf.new_empty(Tg, Hq, d)
         lse_o = qf.new_empty(Tg, Hq)
         off = 0
         for s in segs:
             a, b = cs[s], cs[s + 1]
             L = b - a
-            qs = qf[off:off + L].transpose(0, 1)
-            ks = k[a:b].float().repeat_interleave(r, dim=1).transpose(0, 1)
-            vs = v[a:b].float().repeat_interleave(r, dim=1).transpose(0, 1)
+            qs = qf[off:off + L].view(L, Hkv, r, d).permute(1, 2, 0, 3)         # [Hkv, r, L, d]
+            ks = k[a:b].float().permute(1, 0, 2)[:, None].expand(Hkv, r, L, d)
+            vs = v[a:b].float().permute(1, 0, 2)[:, None].expand(Hkv, r, L, d)
             o, lse = _partial_attention(qs, ks, vs, scale, causal=True)
-            o_o[off:off + L] = o.transpose(0, 1)
-            lse_o[off:off + L] = lse.transpose(0, 1)
+            o_o[off:off + L] = o.permute(2, 0, 1, 3).reshape(L, Hq, d)
+            lse_o[off:off + L] = lse.permute(2, 0, 1).reshape(L, Hq)
             off += L
 
         # -- prefix part and log-sum-exp merge
