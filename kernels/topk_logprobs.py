@@ -11,18 +11,18 @@ its split of the vocabulary in BLOCK_V tiles. Per tile it
   * updates an online log-sum-exp (m, s) and picks up the target logit if it is in the tile;
   * packs each logit with its id into one int64 order key (``_order_key``: key(a) > key(b)
     iff a.value > b.value or equal values and a.id < b.id), takes the tile's top-KT keys with
-    ``tl.topk`` (bitonic, sorted descending), and merges them into the running top-K (sorted
+    a bitonic top-k (sorted descending), and merges them into the running top-K (sorted
     ascending) with one elementwise max — max(ascending, descending) of two sorted lists is
-    the top half of their union as a bitonic sequence — followed by a bitonic merge.
-Stage 2, ``_topk_merge_kernel``, grid (row blocks,): the same flip-max-merge over the splits'
-top-K lists, the log-sum-exp combine, key decoding and the stores (first k of K).
+    the top half of their union, as a bitonic sequence — followed by one bitonic merge.
+Stage 2, ``_topk_merge_kernel``, grid (row blocks,): the same max-merge over the splits'
+top-K lists (stored best first, so no flip is needed), the log-sum-exp combine, key
+decoding and the stores (first k of K).
 
 One key per candidate makes the tie rule exact and the merge branch-free; K (k rounded up
 to a power of two) keys of 8 bytes per row and split are all that reach global memory.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 _SENTINEL = tl.constexpr(-(2 ** 63))  # an order key below every real one (masked columns, empty slots)
-MAX_K = 4096
+MAX_K = 1024  # the running top-K lives in registers: [BLOCK_T, K] int64
 
 
 @triton.jit
@@ -42,10 +42,73 @@ def _order_key(x, cols):
     return (o.to(tl.int64) << 32) + (4294967295 - cols.to(tl.int64))[None, :]
 
 
+# -- bitonic networks over the last dim of [BT, N] (N a power of two), on the hypercube view
+#    [2]*log2(BT·N) as in triton.language.standard.sort. The compare-and-swap takes min/max
+#    over one size-2 axis instead of the library's xor_sum partner exchange: on a GPU both
+#    are register shuffles, but the interpreter runs min/max in numpy and xor_sum (a custom
+#    reduce) one element at a time in Python — 1000× slower, too slow to test anything.
+@triton.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@triton.jit
+def _indicator(n_dims: tl.constexpr, j: tl.constexpr):
+    return tl.reshape(tl.arange(0, 2), [1] * (n_dims - j - 1) + [2] + [1] * j)
+
+
+@triton.jit
+def _compare_swap(h, flip, i: tl.constexpr):
+    n_dims: tl.constexpr = _log2(h.numel)
+    lo = tl.min(h, axis=n_dims - 1 - i, keep_dims=True)
+    hi = tl.max(h, axis=n_dims - 1 - i, keep_dims=True)
+    right = _indicator(n_dims, i)
+    return tl.where((flip ^ right).to(tl.int1), hi, lo)  # left slot: min (ascending) / max (flipped)
+
+
+@triton.jit
+def _bitonic_stage(h, stage: tl.constexpr, order: tl.constexpr):
+    """One bitonic merge over the innermost ``stage`` dims; order 0 asc, 1 desc, 2 alternating."""
+    if order == 2:
+        flip = _indicator(_log2(h.numel), stage)
+    else:
+        flip = order
+    for i in tl.static_range(stage):
+        h = _compare_swap(h, flip, stage - 1 - i)
+    return h
+
+
+@triton.jit
+def _topk_desc(x, KT: tl.constexpr):
+    """The KT largest of each row of x [BT, N], sorted descending -> [BT, KT] (bitonic top-k)."""
+    if KT == 1:
+        return tl.max(x, axis=1, keep_dims=True)
+    else:
+        log_n: tl.constexpr = _log2(x.shape[1])
+        log_k: tl.constexpr = _log2(KT)
+        h = tl.reshape(x, [2] * _log2(x.numel))
+        for i in tl.static_range(1, log_k + 1):
+            h = _bitonic_stage(h, i, 2 if i < log_n else 1)
+        for i in tl.static_range(log_k + 1, log_n + 1):
+            h = tl.max(h, axis=_log2(h.numel) - 1 - log_k)  # keep the larger half of each pair of runs
+            h = _bitonic_stage(h, log_k, 2 if i < log_n else 1)
+        return tl.reshape(h, [x.shape[0], KT])
+
+
 @triton.jit
 def _merge_sorted(state, top, K: tl.constexpr):
-    """Top-K of (state ∪ top): state [BT, K] ascending, top [BT, K] descending -> [BT, K] ascending."""
-    return tl.sort(tl.maximum(state, top), dim=1)
+    """Top-K of (state ∪ top): state [BT, K] ascending, top [BT, K] descending -> [BT, K] ascending.
+
+    Elementwise max of an ascending and a descending list is the top half of their union, as a
+    bitonic sequence; one bitonic merge (log2 K compare-swap rounds) sorts it.
+    """
+    m = tl.maximum(state, top)
+    if K == 1:
+        return m
+    else:
+        h = tl.reshape(m, [2] * _log2(m.numel))
+        h = _bitonic_stage(h, _log2(K), 0)
+        return tl.reshape(h, m.shape)
 
 
 @triton.jit
@@ -54,7 +117,7 @@ def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
                        stride_ht, stride_hh, stride_wv, stride_wh,
                        K: tl.constexpr, KT: tl.constexpr, NSPLIT: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                       HAS_TEMP: tl.constexpr, IEEE: tl.constexpr):
+                       HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     pid_t = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -66,7 +129,7 @@ def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
 
     state = tl.full([BLOCK_T, K], _SENTINEL, tl.int64)  # running top-K keys, ascending
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_T], tl.float32)
+    s = tl.zeros([BLOCK_T], tl.float64)  # Σ exp(x − m) over up to 151,669 terms: fp64 across tiles
     tgt_val = tl.zeros([BLOCK_T], tl.float32)
     for v0 in range(v_lo, v_hi, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
@@ -81,6 +144,9 @@ def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
                         mask=row_ok[:, None] & h_ok[None, :], other=0.0)
             b = tl.load(W + cols64[None, :] * stride_wv + hh[:, None] * stride_wh,
                         mask=col_ok[None, :] & h_ok[:, None], other=0.0)
+            if UPCAST:  # interpreter: its tl.dot multiplies bf16 bit patterns as uint16
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -90,14 +156,14 @@ def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
         x = tl.where(col_ok[None, :], acc, float("-inf"))
         # -- online log-sum-exp
         m_new = tl.maximum(m, tl.max(x, 1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), 1)
+        s = s * tl.exp(m - m_new).to(tl.float64) + tl.sum(tl.exp(x - m_new[:, None]), 1).to(tl.float64)
         m = m_new
         # -- target logit (exactly one tile of one split holds it)
         hit = cols[None, :] == tgt[:, None]
         tgt_val += tl.sum(tl.where(hit, x, 0.0), 1)
         # -- tile top-KT keys (descending), padded to K with sentinels, merged into the state
         keys = tl.where(col_ok[None, :], _order_key(x, cols), _SENTINEL)
-        top = tl.topk(keys, KT, dim=1)
+        top = _topk_desc(keys, KT)
         if KT < K:
             # [BT, KT] -> [BT, K]: real keys first, sentinels after (still descending)
             pad = tl.arange(0, K // KT)[None, :, None] == 0
@@ -106,7 +172,8 @@ def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
 
     base = rows64 * NSPLIT + split
     kk = tl.arange(0, K)
-    tl.store(KeysOut + base[:, None] * K + kk[None, :], state, mask=row_ok[:, None])
+    # stored best first (slot K−1−j), so the merge stage reads a descending list as is
+    tl.store(KeysOut + base[:, None] * K + (K - 1 - kk)[None, :], state, mask=row_ok[:, None])
     tl.store(MaxOut + base, m, mask=row_ok)
     tl.store(SumOut + base, s, mask=row_ok)
     mine = row_ok & (tgt >= v_lo) & (tgt < v_hi)
@@ -121,25 +188,26 @@ def _topk_merge_kernel(KeysIn, MaxIn, SumIn, TopVal, TopId, Lse, T, k,
     rows64 = rows.to(tl.int64)
     kk = tl.arange(0, K)
     base = rows64 * NSPLIT
-    state = tl.load(KeysIn + base[:, None] * K + kk[None, :], mask=row_ok[:, None], other=_SENTINEL)
+    # split 0 read back-to-front: ascending; later splits as stored: descending
+    state = tl.load(KeysIn + base[:, None] * K + (K - 1 - kk)[None, :], mask=row_ok[:, None], other=_SENTINEL)
     m = tl.load(MaxIn + base, mask=row_ok, other=0.0)
     s = tl.load(SumIn + base, mask=row_ok, other=1.0)
     for sp in range(1, NSPLIT):
         nxt = tl.load(KeysIn + (base + sp)[:, None] * K + kk[None, :], mask=row_ok[:, None], other=_SENTINEL)
-        state = _merge_sorted(state, tl.flip(nxt, 1), K)
+        state = _merge_sorted(state, nxt, K)
         m2 = tl.load(MaxIn + base + sp, mask=row_ok, other=0.0)
         s2 = tl.load(SumIn + base + sp, mask=row_ok, other=1.0)
         m_new = tl.maximum(m, m2)
-        s = s * tl.exp(m - m_new) + s2 * tl.exp(m2 - m_new)
+        s = s * tl.exp(m - m_new).to(tl.float64) + s2 * tl.exp(m2 - m_new).to(tl.float64)
         m = m_new
-    tl.store(Lse + rows, m + tl.log(s), mask=row_ok)
-    # -- decode, best first
-    best = tl.flip(state, 1)
-    ids = 4294967295 - (best & 4294967295)
-    o = (best >> 32).to(tl.int32)
+    tl.store(Lse + rows, (m.to(tl.float64) + tl.log(s)).to(tl.float32), mask=row_ok)
+    # -- decode; slot j of the ascending state is rank K−1−j
+    ids = 4294967295 - (state & 4294967295)
+    o = (state >> 32).to(tl.int32)
     vals = tl.where(o < 0, o ^ 0x7FFFFFFF, o).to(tl.float32, bitcast=True)
-    out = rows64[:, None] * k + kk[None, :]
-    keep = row_ok[:, None] & (kk[None, :] < k)
+    rank = K - 1 - kk
+    out = rows64[:, None] * k + rank[None, :]
+    keep = row_ok[:, None] & (rank[None, :] < k)
     tl.store(TopVal + out, vals, mask=keep)
     tl.store(TopId + out, ids, mask=keep)
 
@@ -152,15 +220,17 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperature: float, num_splits=None):
+def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperature: float, num_splits=None,
+                              block_v_override=None):
     """Core of ``acarerank.ops.topk_logprobs`` (Triton). Inputs are checked by the op.
 
     Args:
       hidden: (T, H) fp32/fp16/bf16, any strides; weight: (V, H) same dtype; targets: (T,) int.
-      k: 1 <= k <= min(V, 4096). chunk: unused (tiles are the kernel's own).
+      k: 1 <= k <= min(V, 1024). chunk: unused (tiles are the kernel's own).
       num_splits: vocabulary splits of stage 1 (default: enough programs to fill the GPU while
-        the split buffer stays ≤ ~1 % of [T, V] fp32; 2 under the interpreter so the merge
-        stage always runs).
+        the split buffer stays ≤ ~1 % of [T, V] fp32; 2 under the interpreter).
+      block_v_override: vocabulary tile width (a power of two >= 16; tests use it to force
+        many tiles and splits on small V).
     Returns: (topk_logits (T,k) fp32 sorted (value desc, id asc), topk_ids (T,k) int64,
       target_logit (T,) fp32, lse (T,) fp32) of z = (hidden · weightᵀ) / temperature.
     """
@@ -186,11 +256,12 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
         block_t, block_h = 16, 64
         block_v = 128 if K <= 128 else 64
         nw = 4 if K <= 256 else 8
-    else:  # interpreter: few, large programs (each tile costs ~constant Python overhead)
+    else:  # interpreter: few, large programs — each tile costs ~constant Python overhead
         block_t = min(64, max(16, triton.next_power_of_2(T)))
-        block_v = max(1024, K) if V >= 1024 else max(16, triton.next_power_of_2(V))
+        block_v = max(K, min(16384, max(16, triton.next_power_of_2(V))))
         block_h = min(128, max(16, triton.next_power_of_2(H)))
         nw = 4
+    block_v = block_v_override or block_v
     KT = min(K, block_v)
     row_blocks = triton.cdiv(T, block_t)
     tiles = triton.cdiv(V, block_v)
@@ -206,13 +277,14 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
 
     keys = torch.empty(T, num_splits, K, dtype=torch.int64, device=dev)
     mx = torch.empty(T, num_splits, dtype=torch.float32, device=dev)
-    sm = torch.empty(T, num_splits, dtype=torch.float32, device=dev)
+    sm = torch.empty(T, num_splits, dtype=torch.float64, device=dev)
     tg = targets.to(torch.int64).contiguous()
     _topk_tiles_kernel[(row_blocks, num_splits)](
         hidden, weight, tg, keys, mx, sm, tgt, T, V, H, span, float(temperature),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         K=K, KT=KT, NSPLIT=num_splits, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_H=block_h,
-        HAS_TEMP=temperature != 1.0, IEEE=hidden.dtype == torch.float32, num_warps=nw)
+        HAS_TEMP=temperature != 1.0, IEEE=hidden.dtype == torch.float32 or not on_gpu,
+        UPCAST=not on_gpu and hidden.dtype != torch.float32, num_warps=nw)
     block_t2 = 16 if on_gpu else min(64, max(16, triton.next_power_of_2(T)))
     _topk_merge_kernel[(triton.cdiv(T, block_t2),)](
         keys, mx, sm, top_v, top_i, lse, T, k, K=K, NSPLIT=num_splits, BLOCK_T=block_t2, num_warps=nw)

@@ -8,6 +8,8 @@ from .yes_no import yes_no_score, yes_no_score_ref
 from .merge_states import merge_attention_states, merge_attention_states_ref
 from .topk_merge import (TopKMergeState, TopKResult, topk_merge_finalize, topk_merge_init, topk_merge_ref,
                          topk_merge_update)
+from .topk_logprobs import TopKLogprobs, topk_logprobs, topk_logprobs_ref
+from .linear_logprob import linear_logprob, linear_logprob_ref
 from ._library import prefix_shared_attention_op, yes_no_score_op  # torch.ops.acarerank.*
 
 __all__ = [
@@ -16,5 +18,6 @@ __all__ = [
     "yes_no_score", "yes_no_score_ref",
     "merge_attention_states", "merge_attention_states_ref",
     "TopKMergeState", "TopKResult", "topk_merge_init", "topk_merge_update", "topk_merge_finalize", "topk_merge_ref",
+    "TopKLogprobs", "topk_logprobs", "topk_logprobs_ref", "linear_logprob", "linear_logprob_ref",
     "prefix_shared_attention_op", "yes_no_score_op",
 ]

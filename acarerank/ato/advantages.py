@@ -1,0 +1,112 @@
+"""Outcome and combined advantages of Adaptive Tutoring Optimization (paper 001, §3.4, Appendix A).
+
+    GRPO (Eq. 7):  A_i = (r_i − mean_g(r)) / (std_g(r) + eps)          constant over the tokens of y_i
+    ATO  (Eq. 10 with Algorithm 1 line 41 / Appendix A's format mask m_i):
+                   A_i,l = λ·A_i + (1 − λ)·m_i·A_ATD_i,l,    m_i = 𝟙[r_i ≠ −1]
+
+Pure tensor functions; no autograd is needed (advantages are constants, Assumption 1).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _as_1d_float(x, name: str) -> torch.Tensor:
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.float64)
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)):
+        raise TypeError(f"{name} must be numeric, got {t.dtype}")
+    t = t.double()
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{name} contains NaN/inf at {(~torch.isfinite(t)).nonzero().flatten()[:5].tolist()}")
+    return t
+
+
+def grpo_advantage(rewards, group_index, eps: float = 1e-6, unbiased: bool = True) -> torch.Tensor:
+    """Group-relative outcome advantage, Eq. 7: A_i = (r_i − mean_g r) / (std_g r + eps).
+
+    Args:
+      rewards: [N] rewards (malformed rollouts carry their −1 of Eq. 6; they take part in the
+        group statistics, as Algorithm 1 line 18 standardises over all G rollouts).
+      group_index: [N] integer query id of each rollout (any values; rollouts sharing a value
+        form one group, in any order).
+      eps: added to the std (verl's default 1e-6).
+      unbiased: std with Bessel's correction (÷(n−1)), as verl's ``torch.std``; False: ÷n.
+    Returns: [N] fp32.
+    Edge cases: a zero-variance group (all rewards equal) gets exactly 0 for every member (no
+    relative signal; also exact where mean-subtraction would leave 1e-17 residues). A group of
+    one rollout gets 0: there is nothing to compare it with and its unbiased std is undefined.
+    (verl instead sets mean 0 and std 1 for a singleton, i.e. A = r / (1 + eps) — an absolute
+    reward leaking into a relative advantage; we do not copy that.)
+    """
+    r = _as_1d_float(rewards, "rewards")
+    g = group_index if isinstance(group_index, torch.Tensor) else torch.as_tensor(group_index)
+    if g.dim() != 1 or g.shape[0] != r.shape[0]:
+        raise ValueError(f"group_index must be [N={r.shape[0]}], got shape {tuple(g.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if r.numel() == 0:
+        return torch.zeros(0, dtype=torch.float32)
+    if g.is_floating_point() or g.dtype == torch.bool:
+        raise TypeError(f"group_index must be an integer tensor, got {g.dtype}")
+    _, inv = torch.unique(g.to(r.device).long(), return_inverse=True)
+    n_groups = int(inv.max()) + 1
+    count = torch.bincount(inv, minlength=n_groups).double()
+    mean = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, inv, r) / count
+    dev = r - mean[inv]
+    ss = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, inv, dev * dev)
+    denom = (count - 1).clamp(min=1) if unbiased else count
+    std = torch.sqrt(ss / denom)
+    gmax = torch.full((n_groups,), -torch.inf, dtype=torch.float64, device=r.device).scatter_reduce_(0, inv, r, "amax")
+    gmin = torch.full((n_groups,), torch.inf, dtype=torch.float64, device=r.device).scatter_reduce_(0, inv, r, "amin")
+    flat = (count == 1) | (gmax == gmin)
+    adv = dev / (std[inv] + eps)
+    return torch.where(flat[inv], torch.zeros_like(adv), adv).float()
+
+
+def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Optional[torch.Tensor] = None):
+    """Combined ATO advantage, Eq. 10 with the format mask of Algorithm 1 (line 41) and Appendix A:
+
+        A_i,l = λ·A^GRPO_i + (1 − λ)·m_i·A^ATD_i,l
+
+    The main-text Eq. 10 omits m_i; Algorithm 1 and Appendix A include it (a malformed rollout,
+    r_i = −1, is supervised by the outcome advantage alone). Where m_i = 0 the ATD term is
+    replaced by 0, not multiplied, so a non-finite A^ATD there cannot produce NaN.
+
+    Args:
+      a_grpo: [N] per-rollout (or [N, L] per-token) outcome advantage.
+      a_atd: [N, L] per-token distillation advantage (``rescore(...).atd``).
+      format_ok: [N] bool m_i.
+      lam: λ in [0, 1] (paper: 0.7).
+      response_mask: optional [N, L] bool; positions outside it are set to 0.
+    Returns: [N, L] fp32.
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must be in [0, 1], got {lam}")
+    atd = a_atd if isinstance(a_atd, torch.Tensor) else torch.as_tensor(a_atd)
+    if atd.dim() != 2:
+        raise ValueError(f"a_atd must be [N, L], got shape {tuple(atd.shape)}")
+    N, L = atd.shape
+    grpo = a_grpo if isinstance(a_grpo, torch.Tensor) else torch.as_tensor(a_grpo)
+    grpo = grpo.to(atd.device, torch.float32)
+    if grpo.shape == (N,):
+        grpo = grpo[:, None]
+    elif grpo.shape != (N, L):
+        raise ValueError(f"a_grpo must be [N={N}] or [N, L]={N, L}, got shape {tuple(grpo.shape)}")
+    m = format_ok if isinstance(format_ok, torch.Tensor) else torch.as_tensor(format_ok)
+    if m.shape != (N,):
+        raise ValueError(f"format_ok must be [N={N}], got shape {tuple(m.shape)}")
+    m = m.to(atd.device).bool()
+    distill = torch.where(m[:, None], atd.float(), torch.zeros((), device=atd.device))
+    out = lam * grpo + (1.0 - lam) * distill
+    if response_mask is not None:
+        if response_mask.shape != (N, L):
+            raise ValueError(f"response_mask must be [N, L]={N, L}, got shape {tuple(response_mask.shape)}")
+        out = torch.where(response_mask.to(atd.device).bool(), out, torch.zeros((), device=atd.device))
+    return out
+
+
+__all__ = ["grpo_advantage", "ato_advantage"]

@@ -1,0 +1,184 @@
+"""Reward-conditioned hint routing and hint texts of ATO (paper 001, Eq. 8, Algorithm 1 lines 20–35, Fig. 3).
+
+Three hint kinds, of increasing specificity: ``"rubric"`` (h*, the query's rubrics alone),
+``"reflection"`` (ĥ, a corrective reflection contrasting the rollout with the sibling set)
+and ``"sibling"`` (h̄, the self-selector's sibling set itself). Both ĥ and h̄ build on the
+sibling set, so they pass the *sibling-set gate*: they are delivered only when the sibling
+set outscores the rollout (u(h̄) > r_i, zero margin, Appendix C.4); otherwise the rollout
+falls back to the rubric hint.
+
+The hint text is inserted into the student prompt right after the user's request (before the
+turn closes), so the teacher sees "student prompt + hint" (Fig. 3: teacher prompt = student
+system & user prompt, then the hint).
+"""
+from __future__ import annotations
+
+from typing import List, Mapping, Optional, Sequence, Union
+
+import torch
+
+HINT_RUBRIC = "rubric"
+HINT_REFLECTION = "reflection"
+HINT_SIBLING = "sibling"
+HINT_KINDS = (HINT_RUBRIC, HINT_REFLECTION, HINT_SIBLING)
+
+#: separates the student's user text from the hint (a pre-tokenizer boundary for Qwen3, so a
+#: hint tokenized on its own equals the joint tokenization)
+HINT_SEPARATOR = "\n\n"
+
+
+def _floats(x, name) -> List[float]:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().flatten().tolist()
+    elif isinstance(x, (int, float)):
+        x = [x]
+    out = [float(v) for v in x]
+    bad = [v for v in out if v != v]
+    if bad:
+        raise ValueError(f"{name} contains NaN")
+    return out
+
+
+def route_hints(rewards, sibling_reward, tau1: float = 6.0, tau2: float = 3.0) -> List[str]:
+    """Hint kind of each rollout — Algorithm 1, lines 20–35, literally:
+
+        if r_i ≥ τ1:            rubric       (strong rollout: criteria only)
+        elif r_sib ≤ r_i:       rubric       (the gate rejects the sibling set)
+        elif τ2 < r_i < τ1:     reflection   (corrective reflection)
+        else (r_i ≤ τ2):        sibling      (the sibling set itself)
+
+    Boundaries: r = τ1 = 6 is a rubric rollout; r = τ2 = 3 gets the sibling set (Eq. 8:
+    sibling for 0 ≤ r ≤ τ2, reflection for τ2 < r < τ1). A malformed rollout (r = −1, Eq. 6)
+    is routed like any r ≤ τ2, but its format mask m_i = 0 keeps the hint from taking effect
+    (Appendix A); route it anyway so the batch stays rectangular.
+
+    A contradiction in the paper: Table 5 (RAG query) shows a *sibling-set* hint for a rollout
+    scoring 3.67, but Eq. 8 and Algorithm 1 with τ2 = 3 route 3.67 to a *reflection* (3 < 3.67
+    < 6). We follow the equations; the thresholds are parameters, so ``tau2`` ≥ 3.67
+    reproduces the table's routing if that was the intent.
+
+    Args:
+      rewards: [G] judge rewards r_i (sequence or tensor).
+      sibling_reward: u(h̄ | q), a float for the whole group, a [G] sequence (one per rollout,
+        e.g. a packed batch of several queries), or None when no sibling set exists (the gate
+        then rejects everywhere: every rollout below τ1 gets the rubric hint).
+      tau1 > tau2: thresholds (paper: 6 and 3).
+    Returns: list of "rubric" | "reflection" | "sibling", one per rollout.
+    """
+    if not tau1 > tau2:
+        raise ValueError(f"need tau1 > tau2, got tau1={tau1}, tau2={tau2}")
+    r = _floats(rewards, "rewards")
+    if sibling_reward is None:
+        sib = [float("-inf")] * len(r)
+    else:
+        sib = _floats(sibling_reward, "sibling_reward")
+        if len(sib) == 1:
+            sib = sib * len(r)
+        if len(sib) != len(r):
+            raise ValueError(f"sibling_reward has {len(sib)} values for {len(r)} rewards "
+                             "(give one, or one per rollout)")
+    kinds = []
+    for ri, si in zip(r, sib):
+        if ri >= tau1:
+            kinds.append(HINT_RUBRIC)
+        elif si <= ri:
+            kinds.append(HINT_RUBRIC)
+        elif tau2 < ri < tau1:
+            kinds.append(HINT_REFLECTION)
+        else:
+            kinds.append(HINT_SIBLING)
+    return kinds
+
+
+# ----------------------------------------------------------------------------- hint texts (Fig. 3)
+RUBRIC_HINT_TEMPLATE = (
+    "Below are the scoring dimensions and key points that the optimal document subset for this query should cover "
+    "(a higher weight means more important):\n{rubric}\nStrictly follow the rubrics above and select the optimal "
+    "document subset."
+)
+REFLECTION_HINT_TEMPLATE = (
+    "Your current selection is not yet optimal. Below is a concrete corrective idea for revising it toward the "
+    "optimal document subset:\n{corrective_reflection}\nApply the corrective idea above and select the optimal "
+    "document subset."
+)
+SIBLING_HINT_TEMPLATE = (
+    "Below is an example optimal document subset for this query (scored {reward} out of 10 by the judge); use it as "
+    "a concrete reference:\n{sibling_set}\nLearn from the reference example above and select the optimal document "
+    "subset."
+)
+
+#: dimension -> level, the nine meta-rubric dimensions of Appendix C.1
+DIMENSION_LEVEL = {
+    "Relevance": "doc", "Authenticity": "doc", "Quality": "doc",
+    "Complementarity": "set", "Redundancy": "set", "Conflict": "set",
+    "Completeness": "global", "Density": "global", "Reachability": "global",
+}
+_LEVEL_TITLE = {"doc": "[Doc-level rubrics]", "set": "[Set-level rubrics]", "global": "[Global-level rubrics]"}
+
+
+def format_rubrics(rubrics: Mapping[str, Sequence[Mapping]]) -> str:
+    """Rubric set R_q (Appendix F.3 JSON: {dimension: [{"rubric": str, "weight": int}, ...]}) as
+    Fig. 3 shows it: one block per level, one line "- Dimension (weight w): question" per rubric.
+    Unknown dimensions go to the set level (they are rated once for the whole set)."""
+    lines = {lvl: [] for lvl in _LEVEL_TITLE}
+    for dim, items in rubrics.items():
+        for it in items or []:
+            lines[DIMENSION_LEVEL.get(dim, "set")].append(f"- {dim} (weight {it['weight']}): {it['rubric']}")
+    return "\n".join(f"{_LEVEL_TITLE[lvl]}\n" + "\n".join(ls) for lvl, ls in lines.items() if ls)
+
+
+def format_selection(ids: Sequence[int]) -> str:
+    """1-based identifiers as the policy writes them: "[2] [14]"."""
+    return " ".join(f"[{int(i)}]" for i in ids)
+
+
+def hint_text(kind: str, rubrics: Optional[Mapping] = None, reflection: Optional[str] = None,
+              sibling_ids: Optional[Sequence[int]] = None, sibling_reward: Optional[float] = None) -> str:
+    """The privileged text of Fig. 3 for one rollout (kind from ``route_hints``)."""
+    if kind == HINT_RUBRIC:
+        if not rubrics:
+            raise ValueError("a rubric hint needs the query's rubrics")
+        return RUBRIC_HINT_TEMPLATE.format(rubric=format_rubrics(rubrics))
+    if kind == HINT_REFLECTION:
+        if not reflection:
+            raise ValueError("a reflection hint needs the self-reflector's text")
+        return REFLECTION_HINT_TEMPLATE.format(corrective_reflection=reflection.strip())
+    if kind == HINT_SIBLING:
+        if not sibling_ids or sibling_reward is None:
+            raise ValueError("a sibling hint needs the sibling set's ids and its judge reward")
+        return SIBLING_HINT_TEMPLATE.format(reward=f"{float(sibling_reward):.2f}",
+                                            sibling_set=format_selection(sibling_ids))
+    raise ValueError(f"unknown hint kind {kind!r}; kinds: {', '.join(HINT_KINDS)}")
+
+
+def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[int] = None) -> List[int]:
+    """Token ids of a hint as it sits in the teacher prompt: HINT_SEPARATOR + text.
+
+    Byte-level BPE can merge across the seam: the F.1/F.2 user text ends in "." and Qwen3
+    encodes ".\n\n" as one token (382), not "." (13) + "\n\n". So with ``lead_token`` (the
+    last token of the prompt head, which the teacher's segment re-reads anyway) the seam is
+    re-tokenized: the result is encode(decode(lead_token) + HINT_SEPARATOR + text) and
+    *replaces* that token. Equal to the joint tokenization whenever the last pre-token of the
+    head is that single token (true for text ending in punctuation or a word); tests check it
+    on the real prompts. Token-id hints pass through (after ``lead_token`` if given).
+    """
+    lead = [] if lead_token is None else [int(lead_token)]
+    if not isinstance(text, str):
+        return lead + [int(t) for t in text]
+    if not text:
+        return lead
+
+    def enc(s):
+        return tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True)
+
+    if lead_token is None:
+        return enc(HINT_SEPARATOR + text)
+    lead_text = tokenizer.decode(lead, clean_up_tokenization_spaces=False)
+    if enc(lead_text) != lead:
+        raise ValueError(f"the prompt head ends in token {lead_token}, which is not a whole character/pre-token "
+                         f"({lead_text!r}); split the prompt elsewhere or pass hint token ids")
+    return enc(lead_text + HINT_SEPARATOR + text)
+
+
+__all__ = ["HINT_RUBRIC", "HINT_REFLECTION", "HINT_SIBLING", "HINT_KINDS", "HINT_SEPARATOR", "DIMENSION_LEVEL",
+           "route_hints", "hint_text", "hint_ids", "format_rubrics", "format_selection"]

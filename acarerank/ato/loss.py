@@ -1,0 +1,76 @@
+"""Clipped policy objective of ATO (paper 001, Eq. 11–12; no KL term, §3.4 / Appendix A).
+
+    ρ_i,l = exp(log π_θ(y_i,l | ·) − log π_old(y_i,l | ·))                        (Eq. 12)
+    ℓ_i,l = −min(ρ_i,l · A_i,l, clip(ρ_i,l, 1 − ε, 1 + ε) · A_i,l)                 (Eq. 11)
+
+aggregated over the valid tokens with one of verl's ``loss_agg_mode`` names (M = mask):
+
+    "token-mean"               Σ ℓ·M / Σ M                       (over the whole batch)
+    "seq-mean-token-sum"       mean_i Σ_l ℓ·M
+    "seq-mean-token-mean"      mean_i (Σ_l ℓ·M / Σ_l M)
+    "seq-mean-token-sum-norm"  Σ ℓ·M / L      (L = the padded length, mask.shape[-1]; Dr. GRPO)
+"""
+from __future__ import annotations
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOG_RATIO_CLAMP = 20.0  # as verl: exp(±20) keeps ρ finite; no gradient flows through a clamped ratio
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+    """Scalar from [N, L] per-token losses (formulas in the module docstring).
+
+    Denominators are clamped to ≥ 1, so a batch or a sequence without valid tokens contributes 0
+    (verl divides by Σ M + 1e-8 in token-mean, and yields NaN for an empty sequence in
+    seq-mean-token-mean); otherwise the values equal verl's.
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    m = mask.to(loss_mat.dtype)
+    per_tok = torch.where(mask.bool(), loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
+    if agg == "token-mean":
+        return per_tok.sum() / m.sum().clamp(min=1)
+    seq_sum = per_tok.sum(dim=-1)
+    if agg == "seq-mean-token-sum":
+        return seq_sum.mean()
+    if agg == "seq-mean-token-mean":
+        return (seq_sum / m.sum(dim=-1).clamp(min=1)).mean()
+    return seq_sum.sum() / mask.shape[-1]
+
+
+def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, agg: str = "token-mean"):
+    """PPO-clip loss of Eq. 11 on the ATO advantage (Eq. 10); differentiable in ``logp``.
+
+    Args:
+      logp: [N, L] log π_θ of the sampled tokens (requires grad; e.g. ``linear_logprob``).
+      logp_old: [N, L] log π_old of the same tokens (``rescore(...).logp_old``), a constant.
+      advantage: [N, L] A^ATO (``ato_advantage``), a constant.
+      mask: [N, L] bool, valid response tokens.
+      eps_clip: ε (ratio clipped to [1 − ε, 1 + ε]).
+      agg: one of AGG_MODES (verl's names).
+    Returns: scalar loss (dtype of logp). At logp == logp_old its gradient is −A·M/ΣM for
+    "token-mean" (Lemma 1: the clip is inactive at the snapshot).
+    Masked positions are excluded before the exponential, so padding with any values
+    (even ±inf) cannot produce NaN.
+    """
+    if not eps_clip > 0:
+        raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    shapes = {name: tuple(t.shape) for name, t in
+              (("logp", logp), ("logp_old", logp_old), ("advantage", advantage), ("mask", mask))}
+    if len(set(shapes.values())) != 1 or logp.dim() != 2:
+        raise ValueError(f"logp, logp_old, advantage and mask must all be [N, L]; got {shapes}")
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    log_ratio = torch.where(valid, logp - logp_old.detach().to(logp.dtype), zero)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    adv = torch.where(valid, advantage.detach().to(logp.dtype), zero)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip) * adv
+    loss_mat = -torch.minimum(unclipped, clipped)
+    return agg_loss(loss_mat, valid, agg)
+
+
+__all__ = ["AGG_MODES", "agg_loss", "clipped_policy_loss"]

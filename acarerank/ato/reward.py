@@ -1,0 +1,171 @@
+"""Hierarchical rubric reward of ATO (paper 001, Eq. 4–6, Appendix C.1, judge format of Appendix F.5/F.6).
+
+For a selected set S and the query's rubrics R_q (each criterion c with weight w_c):
+
+    doc-level c:        F(c, S) = (1/|S|) Σ_{d∈S} J(c, d)                          (Eq. 4)
+    set/global-level c: J(c, S)
+    u(S | q) = Σ_c w_c · score_c / Σ_c w_c   over the applicable criteria          (Eq. 5)
+    r = u(S | q) ∈ [0, 10] if the output format is correct, else −1               (Eq. 6)
+
+A criterion the judge returns as ``null`` (its applicability prerequisite is unmet, e.g.
+Conflict with fewer than two comparable statements) is dropped from both numerator and
+denominator, so the weights renormalise over the applicable criteria (Appendix C.1).
+
+Inputs:
+  rubrics  Appendix F.3 JSON: {"Relevance": [{"rubric": "...", "weight": 5}, ...], ...};
+           a dimension with [] has no criteria.
+  judge    Appendix F.5 JSON: {"score": {"Relevance": {"level": "doc", "rubrics": [
+           {"rubric": "...", "per_doc": [{"doc_id": 9, "score": 10}, ...]}]},
+           "Complementarity": {"level": "set", "rubrics": [{"rubric": "...", "set_level":
+           {"score": 8}}]}, "Conflict": null, ...}}
+           The i-th judge rubric of a dimension scores the i-th input rubric of it (F.5: "the
+           number and order of rubrics must match the input").
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Mapping, Optional, Sequence, Union
+
+from ..selection import ParsedSelection
+from .hints import DIMENSION_LEVEL
+
+MALFORMED_REWARD = -1.0  # Eq. 6
+
+
+class JudgeOutputError(ValueError):
+    """The judge's output does not follow the Appendix F.5 format (retry the judge call)."""
+
+
+def _load_judge(judge_output) -> Mapping:
+    if isinstance(judge_output, (bytes, str)):
+        text = judge_output.decode() if isinstance(judge_output, bytes) else judge_output
+        text = text.strip()
+        fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, flags=re.S)  # judges add fences despite F.5
+        if fence:
+            text = fence.group(1)
+        try:
+            judge_output = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise JudgeOutputError(f"judge output is not valid JSON: {e}") from e
+    if not isinstance(judge_output, Mapping) or not isinstance(judge_output.get("score"), Mapping):
+        raise JudgeOutputError('judge output must be a JSON object with a "score" object')
+    return judge_output["score"]
+
+
+def _score_value(v, where: str) -> Optional[float]:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 10:
+        raise JudgeOutputError(f"{where}: score must be a number in [0, 10] or null, got {v!r}")
+    return float(v)
+
+
+def _doc_level_score(entry: Mapping, docs: Sequence[int], where: str) -> Optional[float]:
+    per_doc = entry.get("per_doc")
+    if per_doc is None:
+        return None
+    if not isinstance(per_doc, list):
+        raise JudgeOutputError(f"{where}: per_doc must be a list")
+    got = {}
+    for item in per_doc:
+        if not isinstance(item, Mapping) or "doc_id" not in item or "score" not in item:
+            raise JudgeOutputError(f"{where}: per_doc entries need doc_id and score, got {item!r}")
+        s = _score_value(item["score"], f"{where} doc {item['doc_id']}")
+        if s is None:
+            raise JudgeOutputError(f"{where}: per-document scores may not be null (F.5); doc {item['doc_id']}")
+        got[int(item["doc_id"])] = s
+    missing = [d for d in docs if d not in got]
+    if missing:
+        raise JudgeOutputError(f"{where}: no score for selected document(s) {missing}")
+    return sum(got[d] for d in docs) / len(docs)  # Eq. 4: averaged over the selected documents
+
+
+def _set_level_score(entry: Mapping, where: str) -> Optional[float]:
+    sl = entry.get("set_level")
+    if sl is None:
+        return None
+    if not isinstance(sl, Mapping) or "score" not in sl:
+        raise JudgeOutputError(f"{where}: set_level must be an object with a score")
+    return _score_value(sl["score"], where)
+
+
+def criterion_scores(judge_output, rubrics: Mapping[str, Sequence[Mapping]], selected_ids: Sequence[int]):
+    """[(dimension, index, weight, score or None)] for every criterion of ``rubrics`` (None: null)."""
+    scores = _load_judge(judge_output)
+    docs = [int(d) for d in selected_ids]
+    out = []
+    for dim, items in rubrics.items():
+        items = list(items or [])
+        if not items:
+            continue
+        judged = scores.get(dim, "missing")
+        if judged == "missing":
+            raise JudgeOutputError(f"judge output has no entry for dimension {dim!r}")
+        if judged is None:  # the whole dimension is not applicable
+            out.extend((dim, i, float(it["weight"]), None) for i, it in enumerate(items))
+            continue
+        if not isinstance(judged, Mapping) or not isinstance(judged.get("rubrics"), list):
+            raise JudgeOutputError(f"{dim}: expected an object with a 'rubrics' list or null")
+        if len(judged["rubrics"]) != len(items):
+            raise JudgeOutputError(f"{dim}: judge scored {len(judged['rubrics'])} rubrics, the input has {len(items)}")
+        level = DIMENSION_LEVEL.get(dim)
+        for i, (it, entry) in enumerate(zip(items, judged["rubrics"])):
+            where = f"{dim}[{i}]"
+            if entry is None:
+                out.append((dim, i, float(it["weight"]), None))
+                continue
+            if not isinstance(entry, Mapping):
+                raise JudgeOutputError(f"{where}: expected an object, got {entry!r}")
+            is_doc = "per_doc" in entry if level is None else level == "doc"
+            if is_doc and "per_doc" not in entry or not is_doc and "set_level" not in entry:
+                raise JudgeOutputError(f"{where}: a {'doc' if is_doc else 'set/global'}-level rubric needs "
+                                       f"{'per_doc' if is_doc else 'set_level'}")
+            score = _doc_level_score(entry, docs, where) if is_doc else _set_level_score(entry, where)
+            out.append((dim, i, float(it["weight"]), score))
+    return out
+
+
+def rubric_reward(judge_output, rubrics: Mapping[str, Sequence[Mapping]],
+                  selected: Union[ParsedSelection, Sequence[int], None]) -> float:
+    """Reward r of one rollout, Eq. 4–6.
+
+    Args:
+      judge_output: the judge's reply (JSON text, ```json fences tolerated, or the parsed dict);
+        not read when the selection is malformed (no judge call is needed then).
+      rubrics: R_q as {dimension: [{"rubric": str, "weight": number > 0}, ...]}.
+      selected: the rollout's parsed selection — a ``ParsedSelection`` (strict parse;
+        ``valid=False`` means the format is wrong), a list of the selected 1-based document
+        ids (= the judge's doc_id), or None for a malformed output.
+    Returns: u(S | q) in [0, 10], or −1.0 for a malformed selection (Eq. 6).
+    Raises JudgeOutputError when the judge's JSON is unusable (not the rollout's fault), or when
+    every criterion is null (the paper guarantees Relevance never is).
+    """
+    if selected is None:
+        return MALFORMED_REWARD
+    if isinstance(selected, ParsedSelection):
+        if not selected.valid:
+            return MALFORMED_REWARD
+        ids = list(selected.ids)
+    else:
+        ids = [int(i) for i in selected]
+    if not ids:
+        return MALFORMED_REWARD  # an empty selection is a format violation (Eq. 2 needs ≥ 1 id)
+    for dim, items in rubrics.items():
+        for it in items or []:
+            w = it.get("weight") if isinstance(it, Mapping) else None
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
+                raise ValueError(f"rubric weights must be numbers > 0; {dim} has {w!r}")
+    num = den = 0.0
+    for _, _, w, score in criterion_scores(judge_output, rubrics, ids):
+        if score is None:
+            continue  # null: out of numerator and denominator (Appendix C.1)
+        num += w * score
+        den += w
+    if den == 0:
+        raise JudgeOutputError("every criterion is null; at least Relevance must be scored (Appendix C.1)")
+    return num / den
+
+
+__all__ = ["MALFORMED_REWARD", "JudgeOutputError", "criterion_scores", "rubric_reward"]

@@ -1,0 +1,83 @@
+"""grpo_advantage (Eq. 7) and ato_advantage (Eq. 10 + format mask) against plain formulas."""
+import math
+import statistics
+
+import pytest
+import torch
+
+from acarerank.ato import ato_advantage, grpo_advantage
+
+
+def _plain_grpo(rewards, groups, eps, unbiased):
+    out = []
+    for r, g in zip(rewards, groups):
+        members = [x for x, h in zip(rewards, groups) if h == g]
+        if len(members) == 1 or max(members) == min(members):
+            out.append(0.0)
+            continue
+        sd = statistics.stdev(members) if unbiased else statistics.pstdev(members)
+        out.append((r - statistics.fmean(members)) / (sd + eps))
+    return torch.tensor(out)
+
+
+def test_grpo_table5_group():
+    """The three RAG rollouts of Table 5 as one group (9.25, 4.00, 3.67), verl's defaults."""
+    r = [9.25, 4.00, 3.67]
+    mean = (9.25 + 4.00 + 3.67) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in r) / 2)  # unbiased
+    want = torch.tensor([(x - mean) / (sd + 1e-6) for x in r])
+    got = grpo_advantage(r, [0, 0, 0])
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-6), (got, want)
+
+
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_grpo_interleaved_groups_and_edge_cases(unbiased):
+    rewards = [1.0, 8.5, -1.0, 3.0, 3.0, 7.25, 0.1, 9.0, 3.0, 0.1, 0.1]
+    groups = [7, 3, 7, 5, 5, 3, 2, 7, 5, 2, 2]  # 5: zero variance, 2: 0.1 × 3 (mean would leave 1e-17)
+    rewards.append(4.0)
+    groups.append(11)  # a singleton group
+    got = grpo_advantage(torch.tensor(rewards), torch.tensor(groups), eps=1e-6, unbiased=unbiased)
+    want = _plain_grpo(rewards, groups, 1e-6, unbiased)
+    err = (got - want).abs()
+    assert err.max() < 1e-6, f"max err {err.max():.3e} at {err.argmax().item()}"
+    assert torch.all(got[[3, 4, 8, 6, 9, 10, 11]] == 0), "zero-variance and singleton groups must give exactly 0"
+
+
+def test_grpo_bad_input():
+    with pytest.raises(ValueError, match="group_index must be"):
+        grpo_advantage([1.0, 2.0], [0])
+    with pytest.raises(ValueError, match="NaN"):
+        grpo_advantage([1.0, float("nan")], [0, 0])
+    with pytest.raises(TypeError, match="integer"):
+        grpo_advantage([1.0, 2.0], torch.tensor([0.0, 0.0]))
+    assert grpo_advantage([], []).shape == (0,)
+
+
+def test_ato_advantage_formula_and_format_mask():
+    """A = λ·A_grpo + (1−λ)·m·A_atd; a malformed rollout (m=0, r=−1) gets the outcome part only,
+    even when its ATD values are not finite (Algorithm 1 line 41, Appendix A)."""
+    a_grpo = torch.tensor([1.2, -0.4, -1.1])
+    a_atd = torch.tensor([[0.5, -2.0, 0.0], [1.0, 0.25, -0.75], [float("-inf"), float("nan"), 3.0]])
+    m = torch.tensor([True, True, False])
+    got = ato_advantage(a_grpo, a_atd, m, lam=0.7)
+    want = torch.tensor([[0.7 * 1.2 + 0.3 * 0.5, 0.7 * 1.2 + 0.3 * -2.0, 0.7 * 1.2],
+                         [0.7 * -0.4 + 0.3 * 1.0, 0.7 * -0.4 + 0.3 * 0.25, 0.7 * -0.4 + 0.3 * -0.75],
+                         [0.7 * -1.1] * 3])
+    assert torch.allclose(got, want, atol=1e-6), got
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    got_m = ato_advantage(a_grpo, a_atd, m, lam=0.7, response_mask=mask)
+    assert torch.allclose(got_m, torch.where(mask, want, torch.zeros(())), atol=1e-6)
+    assert torch.all(got_m[~mask] == 0)
+    # λ = 1: pure GRPO; λ = 0: pure distillation (m = 1 rows)
+    assert torch.allclose(ato_advantage(a_grpo, a_atd, m, lam=1.0), a_grpo[:, None].expand(3, 3))
+    assert torch.allclose(ato_advantage(a_grpo, a_atd, m, lam=0.0)[:2], a_atd[:2])
+
+
+def test_ato_advantage_bad_input():
+    with pytest.raises(ValueError, match="lam"):
+        ato_advantage(torch.zeros(2), torch.zeros(2, 3), torch.ones(2, dtype=torch.bool), lam=1.5)
+    with pytest.raises(ValueError, match="a_grpo must be"):
+        ato_advantage(torch.zeros(3), torch.zeros(2, 3), torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="format_ok must be"):
+        ato_advantage(torch.zeros(2), torch.zeros(2, 3), torch.ones(3, dtype=torch.bool))

@@ -1,0 +1,89 @@
+"""route_hints against Eq. 8 / Algorithm 1 lines 20–35 and the paper's Table 5 examples; hint texts."""
+import pytest
+
+from acarerank.ato import HINT_REFLECTION, HINT_RUBRIC, HINT_SIBLING, hint_ids, hint_text, route_hints
+from acarerank.ato.hints import HINT_SEPARATOR
+
+
+def test_table5_rag_query():
+    """RAG query of Table 5: sibling set [2] [14] scored 9.25 by the judge."""
+    assert route_hints([9.25, 4.00], 9.25) == [HINT_RUBRIC, HINT_REFLECTION]
+
+
+def test_table5_deep_research_query():
+    """Deep-research query of Table 5: sibling set [2] [6] [1] [3] scored 9.32."""
+    assert route_hints([8.84, 4.83, 0.00], 9.32) == [HINT_RUBRIC, HINT_REFLECTION, HINT_SIBLING]
+
+
+def test_table5_contradiction_367_follows_the_equations():
+    """Table 5 lists a sibling-set hint for r = 3.67, but Eq. 8 / Algorithm 1 with τ2 = 3 give a
+    reflection (3 < 3.67 < 6). We follow the equations; a larger τ2 reproduces the table."""
+    assert route_hints([3.67], 9.25) == [HINT_REFLECTION]
+    assert route_hints([3.67], 9.25, tau2=3.67) == [HINT_SIBLING]
+
+
+def test_boundaries_and_gate():
+    # r = τ1 = 6 -> rubric; r = τ2 = 3 -> sibling; just above τ2 -> reflection
+    assert route_hints([6.0, 5.999, 3.0, 3.001], 9.0) == [HINT_RUBRIC, HINT_REFLECTION, HINT_SIBLING, HINT_REFLECTION]
+    # the gate: a rollout scoring at or above its sibling falls back to the rubric hint
+    assert route_hints([5.0, 2.0, 2.0], 5.0) == [HINT_RUBRIC, HINT_SIBLING, HINT_SIBLING]
+    assert route_hints([4.5, 1.0], [4.5, 0.5]) == [HINT_RUBRIC, HINT_RUBRIC]
+    # zero margin: a sibling only just above the rollout passes
+    assert route_hints([4.5], 4.5000001) == [HINT_REFLECTION]
+    # no sibling set at all: everything below τ1 gets the rubrics
+    assert route_hints([7.0, 4.0, 0.0], None) == [HINT_RUBRIC] * 3
+    # a malformed rollout (r = −1) is routed like r ≤ τ2 (its m_i = 0 masks the hint's effect)
+    assert route_hints([-1.0], 9.0) == [HINT_SIBLING]
+
+
+def test_route_hints_bad_input():
+    with pytest.raises(ValueError, match="tau1 > tau2"):
+        route_hints([1.0], 5.0, tau1=3.0, tau2=3.0)
+    with pytest.raises(ValueError, match="sibling_reward has 2 values for 3"):
+        route_hints([1.0, 2.0, 3.0], [5.0, 6.0])
+    with pytest.raises(ValueError, match="NaN"):
+        route_hints([float("nan")], 5.0)
+
+
+RUBRICS = {
+    "Relevance": [{"rubric": "Does each document directly discuss the director (by name) and nationality of "
+                             "The Garden of Eden (1998) and/or One Night in Yoshiwara?", "weight": 5}],
+    "Complementarity": [{"rubric": "Does the set contain at least one document identifying the director and "
+                                   "nationality of each of the two films?", "weight": 5}],
+    "Reachability": [{"rubric": "Can the comparison be completed from the set alone?", "weight": 3}],
+    "Conflict": [],
+}
+
+
+def test_hint_texts_follow_figure3():
+    r = hint_text(HINT_RUBRIC, rubrics=RUBRICS)
+    assert r.startswith("Below are the scoring dimensions and key points that the optimal document subset")
+    assert "[Doc-level rubrics]\n- Relevance (weight 5): Does each document directly discuss" in r
+    assert "[Set-level rubrics]\n- Complementarity (weight 5)" in r
+    assert "[Global-level rubrics]\n- Reachability (weight 3)" in r
+    assert r.endswith("Strictly follow the rubrics above and select the optimal document subset.")
+    s = hint_text(HINT_SIBLING, sibling_ids=[2, 14], sibling_reward=9.25)
+    assert "(scored 9.25 out of 10 by the judge)" in s and "\n[2] [14]\n" in s
+    f = hint_text(HINT_REFLECTION, reflection="Only [2] and [14] are needed.")
+    assert f.startswith("Your current selection is not yet optimal.") and "Only [2] and [14] are needed." in f
+    with pytest.raises(ValueError, match="unknown hint kind"):
+        hint_text("demo")
+    with pytest.raises(ValueError, match="sibling set's ids"):
+        hint_text(HINT_SIBLING, sibling_ids=[2])
+
+
+def test_hint_ids_equal_joint_tokenization(qwen3_tokenizer):
+    """A hint spliced in with ``lead_token`` (the head's last token, re-tokenized with the seam)
+    gives exactly the joint tokenization of the teacher text. Without it the seam differs:
+    Qwen3 merges ".\n\n" into one token."""
+    user_end = "Only respond with the selection; do not say any other word and do not explain."
+    head = qwen3_tokenizer.encode(user_end, add_special_tokens=False)
+    for h in (hint_text(HINT_RUBRIC, rubrics=RUBRICS), hint_text(HINT_SIBLING, sibling_ids=[2, 6, 1, 3], sibling_reward=9.32),
+              hint_text(HINT_REFLECTION, reflection="  [3] should be included: it states 10,000 ILV.\n")):
+        joint = qwen3_tokenizer.encode(user_end + HINT_SEPARATOR + h + "<|im_end|>", add_special_tokens=False)
+        spliced = head[:-1] + hint_ids(qwen3_tokenizer, h, lead_token=head[-1]) + [151645]
+        assert joint == spliced
+        naive = head + hint_ids(qwen3_tokenizer, h) + [151645]
+        assert naive != joint  # why lead_token exists
+    assert hint_ids(qwen3_tokenizer, "", lead_token=13) == [13]
+    assert hint_ids(qwen3_tokenizer, [5, 6], lead_token=13) == [13, 5, 6]

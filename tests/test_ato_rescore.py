@@ -1,0 +1,133 @@
+"""rescore (Algorithm 1 line 39) against transformers' forward on the full, unshared sequences.
+
+Two random tiny Qwen3 models (snapshot and teacher, different seeds) with the real vocabulary
+and the real tokenizer; real setwise prompts (acarerank.setwise.prompts). The unshared teacher
+prompt is built by the prompt builder itself from user text + HINT_SEPARATOR + hint, so the
+test also proves that splicing the tokenized hint into the shared prefix equals tokenizing
+the teacher prompt as one string.
+"""
+import pytest
+import torch
+
+from acarerank.ato import HINT_REFLECTION, HINT_RUBRIC, HINT_SIBLING, RescoreQuery, hint_text, rescore, split_student_prompt
+from acarerank.ato.hints import HINT_SEPARATOR
+from acarerank.model import Qwen3Runner
+from acarerank.model.default import build_default_model
+from acarerank.setwise.prompts import chat_ids, system_prompt, user_prompt
+from acarerank.tokenizer import TOKEN_IM_END
+
+TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+RUBRICS = {"Relevance": [{"rubric": "Does each document name the director of One Night in Yoshiwara?", "weight": 5}],
+           "Complementarity": [{"rubric": "Do the documents together cover both films?", "weight": 4}]}
+QUERIES = [
+    ("Do both films The Garden of Eden (1998) and One Night in Yoshiwara have directors of the same nationality?",
+     ["The Garden of Eden is a 1998 film directed by Alessandro D'Alatri.", "Max Ophüls directed One Night in "
+      "Yoshiwara (1932).", "Garden design in the 1990s.", "D'Alatri is an Italian director."], None),
+    ("Illuvium Pre-season 2 rewards", ["An additional 10,000 ILV awaits in Pre-Season 2.", "Illuvium is a game.",
+                                       "10,000 ILV added to an existing 20,000 ILV pool."], "find the ILV total"),
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    snap = build_default_model("tiny-cpu", seed=1, **TINY)
+    teach = build_default_model("tiny-cpu", seed=2, **TINY)
+    return snap, teach
+
+
+def _greedy(model, ids, n):
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+            out.append(nxt)
+    return out
+
+
+def _setup(tok, teacher_hf):
+    """Per query: student prompt, hints, rollouts, and the unshared sequences for the oracle."""
+    items, full_s, full_t = [], [], []
+    for qi, (query, docs, intent) in enumerate(QUERIES):
+        system, user = system_prompt(intent), user_prompt(query, docs, intent)
+        prompt = chat_ids(tok, system, user)
+        head, tail = split_student_prompt(prompt)
+        hints = ([hint_text(HINT_RUBRIC, rubrics=RUBRICS), hint_text(HINT_SIBLING, sibling_ids=[2, 4], sibling_reward=9.25),
+                  hint_text(HINT_REFLECTION, reflection="[2] and [4] should be included; [3] is off-topic.")]
+                 if qi == 0 else ["", [1234, 99, 5000], hint_text(HINT_SIBLING, sibling_ids=[1], sibling_reward=9.32)])
+        t_prompts = [chat_ids(tok, system, user + HINT_SEPARATOR + h) if isinstance(h, str) and h
+                     else head + list(h) + tail for h in hints]
+        # rollouts: one the teacher itself would emit greedily (targets inside its top-k), a
+        # well-formed selection, and (query 1) an empty rollout
+        rolls = [_greedy(teacher_hf, t_prompts[0], 5),
+                 tok.encode("[2] [4]", add_special_tokens=False) + [TOKEN_IM_END],
+                 tok.encode("[1] [3] [2]", add_special_tokens=False) if qi == 0 else []]
+        items.append(RescoreQuery(head, tail, rolls, hints))
+        for y, tp in zip(rolls, t_prompts):
+            full_s.append((prompt, y))
+            full_t.append((tp, y))
+    return items, full_s, full_t
+
+
+def _oracle_rows(model, prompt, y, temperature):
+    """fp32 log-softmax rows that predict y's tokens, from transformers on prompt ++ y."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + y])).logits[0].float()
+    P = len(prompt)
+    return (logits[P - 1:P - 1 + len(y)] / temperature)
+
+
+@pytest.mark.parametrize("temperature,outside", [(1.0, "floor"), (0.8, "full")])
+def test_rescore_matches_unshared_transformers(models, qwen3_tokenizer, temperature, outside):
+    snap_hf, teach_hf = models
+    items, full_s, full_t = _setup(qwen3_tokenizer, teach_hf)
+    snap, teach = Qwen3Runner.from_hf(snap_hf), Qwen3Runner.from_hf(teach_hf)
+    groups_seen = []
+    orig = teach.prefill
+    teach.prefill = lambda prefixes, **kw: (groups_seen.append(len(prefixes)), orig(prefixes, **kw))[1]
+    res = rescore(snap, teach, items, tokenizer=qwen3_tokenizer, k=128, outside=outside, temperature=temperature)
+    assert groups_seen == [len(QUERIES)], "the teacher must prefill one shared prefix per query"
+
+    lengths = [len(y) for _, y in full_s]
+    assert res.lengths == lengths and res.logp_old.shape == (6, max(lengths))
+    assert res.query_index.tolist() == [0, 0, 0, 1, 1, 1]
+    k = 128
+    n_in = 0
+    for n, ((ps, y), (pt, _)) in enumerate(zip(full_s, full_t)):
+        L = len(y)
+        assert res.response_mask[n].tolist() == [True] * L + [False] * (res.logp_old.shape[1] - L)
+        if L == 0:
+            continue
+        tg = torch.tensor(y)
+        want_old = _oracle_rows(snap_hf, ps, y, temperature).log_softmax(-1).gather(1, tg[:, None]).squeeze(1)
+        zt = _oracle_rows(teach_hf, pt, y, temperature)
+        top = torch.sort(zt, dim=1, descending=True, stable=True)
+        top_z, top_i = top.values[:, :k], top.indices[:, :k]
+        inside = (top_i == tg[:, None]).any(1)
+        lp_in = zt.gather(1, tg[:, None]).squeeze(1) - torch.logsumexp(top_z, 1)
+        lp_out = (torch.full((L,), -20.0) if outside == "floor"
+                  else zt.log_softmax(-1).gather(1, tg[:, None]).squeeze(1))
+        want_t = torch.where(inside, lp_in, lp_out)
+        n_in += int(inside.sum())
+        for name, got, want in (("logp_old", res.logp_old[n, :L], want_old), ("logp_teacher", res.logp_teacher[n, :L], want_t),
+                                ("atd", res.atd[n, :L], want_t - want_old)):
+            err = (got - want).abs()
+            assert err.max() <= 1e-5, f"rollout {n} {name}: max err {err.max():.3e} at token {err.argmax().item()}"
+        assert torch.equal(res.teacher_in_topk[n, :L], inside), f"rollout {n}: in_topk differs"
+    assert 0 < n_in < sum(lengths), "the test must cover teacher targets inside and outside the top-k"
+    assert torch.all(res.atd[~res.response_mask] == 0)
+
+
+def test_rescore_bad_input(models):
+    snap_hf, teach_hf = models
+    snap, teach = Qwen3Runner.from_hf(snap_hf), Qwen3Runner.from_hf(teach_hf)
+    with pytest.raises(ValueError, match="2 rollouts but 1 hints"):
+        rescore(snap, teach, [RescoreQuery([1, 2], [3], [[4], [5]], [""])])
+    with pytest.raises(ValueError, match="prompt_head is empty"):
+        rescore(snap, teach, [RescoreQuery([], [3], [[4]], [""])])
+    with pytest.raises(ValueError, match="outside"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [[4]], [""])], outside="drop")
+    with pytest.raises(ValueError, match="outside \\[0, 151669\\)"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [[151669]], [""])])
+    with pytest.raises(ValueError, match="closing the user turn"):
+        split_student_prompt([1, 2, 3])

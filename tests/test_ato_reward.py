@@ -1,0 +1,108 @@
+"""rubric_reward (Eq. 4–6, Appendix C.1) on the judge's own worked case (Appendix F.5 "Scoring example")."""
+import json
+
+import pytest
+
+from acarerank.ato import JudgeOutputError, parse_selection, rubric_reward
+
+# Appendix F.5 case: Doc A, B, C (ids 9, 18, 3 here, as the judge must use original ids).
+A, B, C = 9, 18, 3
+WEIGHTS = {"Relevance": 5, "Authenticity": 4, "Quality": 2, "Complementarity": 5, "Redundancy": 3,
+           "Conflict": 5, "Completeness": 5, "Density": 2, "Reachability": 4}
+RUBRICS = {d: [{"rubric": f"{d} question about the Rams' 1999 record", "weight": w}] for d, w in WEIGHTS.items()}
+
+
+def _doc(scores):
+    return {"level": "doc", "rubrics": [{"rubric": "", "per_doc": [{"doc_id": d, "score": s} for d, s in scores.items()]}]}
+
+
+def _set(score):
+    return {"level": "set", "rubrics": [{"rubric": "", "set_level": {"score": score}}]}
+
+
+def _case_judge():
+    """Scores of the paper's worked example: Rel A10 B5 C0, Aut A10 B5 C0, Qua A10 B8 C0,
+    Cmp 3, Red 5, Con null, Cpl 10, Den 8, Rea 10."""
+    return {"score": {
+        "Relevance": _doc({A: 10, B: 5, C: 0}), "Authenticity": _doc({A: 10, B: 5, C: 0}),
+        "Quality": _doc({A: 10, B: 8, C: 0}),
+        "Complementarity": _set(3), "Redundancy": _set(5), "Conflict": None,
+        "Completeness": _set(10), "Density": _set(8), "Reachability": _set(10)}}
+
+
+def test_paper_worked_case_with_null_renormalisation():
+    # doc-level (Eq. 4): Rel (10+5+0)/3 = 5, Aut 5, Qua (10+8+0)/3 = 6
+    # Eq. 5 without Conflict (null): (5·5 + 4·5 + 2·6 + 5·3 + 3·5 + 5·10 + 2·8 + 4·10) / (5+4+2+5+3+5+2+4) = 193 / 30
+    got = rubric_reward(json.dumps(_case_judge()), RUBRICS, [A, B, C])
+    assert got == pytest.approx(193 / 30, abs=1e-12)
+    # had the judge scored Conflict 10 ("nothing to contradict"), the reward would be (193 + 50) / 35
+    judged = _case_judge()
+    judged["score"]["Conflict"] = _set(10)
+    assert rubric_reward(judged, RUBRICS, [A, B, C]) == pytest.approx(243 / 35, abs=1e-12)
+
+
+def test_doc_level_averages_over_the_selected_documents_only():
+    # selected S = {A, B}; the judge also scored C — C must not enter Eq. 4's average
+    # Rel 7.5, Aut 7.5, Qua 9: (5·7.5 + 4·7.5 + 2·9 + 15 + 15 + 50 + 16 + 40) / 30
+    got = rubric_reward(_case_judge(), RUBRICS, [B, A])
+    assert got == pytest.approx((37.5 + 30 + 18 + 15 + 15 + 50 + 16 + 40) / 30, abs=1e-12)
+
+
+def test_case_a_all_irrelevant_scores_zero():
+    judged = {"score": {d: None for d in WEIGHTS}}
+    judged["score"]["Relevance"] = _doc({A: 0, B: 0})
+    assert rubric_reward(judged, RUBRICS, [A, B]) == 0.0
+
+
+def test_several_rubrics_per_dimension_and_rubric_level_null():
+    rubrics = {"Relevance": [{"rubric": "r1", "weight": 5}, {"rubric": "r2", "weight": 1}],
+               "Conflict": [{"rubric": "c1", "weight": 5}, {"rubric": "c2", "weight": 2}],
+               "Density": []}
+    judged = {"score": {
+        "Relevance": {"level": "doc", "rubrics": [
+            {"rubric": "r1", "per_doc": [{"doc_id": 2, "score": 10}, {"doc_id": 5, "score": 6}]},
+            {"rubric": "r2", "per_doc": [{"doc_id": 2, "score": 0}, {"doc_id": 5, "score": 4}]}]},
+        "Conflict": {"level": "set", "rubrics": [{"rubric": "c1", "set_level": {"score": None}},
+                                                 {"rubric": "c2", "set_level": {"score": 9}}]}}}
+    # (5·8 + 1·2 + 2·9) / (5 + 1 + 2): the null criterion c1 leaves numerator and denominator
+    assert rubric_reward(judged, rubrics, [5, 2]) == pytest.approx(60 / 8, abs=1e-12)
+
+
+def test_malformed_selection_is_minus_one_without_reading_the_judge():
+    bad = parse_selection("[4], [2]", n_candidates=20)
+    assert not bad.valid
+    assert rubric_reward(None, RUBRICS, bad) == -1.0
+    assert rubric_reward("not even json", RUBRICS, None) == -1.0
+    assert rubric_reward(None, RUBRICS, []) == -1.0
+    good = parse_selection("[9] [18] [3]", n_candidates=20)
+    assert rubric_reward(_case_judge(), RUBRICS, good) == pytest.approx(193 / 30, abs=1e-12)
+
+
+def test_judge_json_text_with_fences():
+    text = "```json\n" + json.dumps(_case_judge(), indent=1) + "\n```"
+    assert rubric_reward(text, RUBRICS, [A, B, C]) == pytest.approx(193 / 30, abs=1e-12)
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda j: j.__setitem__("score", "x"), '"score" object'),
+    (lambda j: j["score"].pop("Density"), "no entry for dimension 'Density'"),
+    (lambda j: j["score"]["Relevance"]["rubrics"].append({"rubric": "", "per_doc": []}), "scored 2 rubrics"),
+    (lambda j: j["score"]["Relevance"]["rubrics"][0]["per_doc"].pop(0), r"no score for selected document\(s\) \[9\]"),
+    (lambda j: j["score"]["Density"]["rubrics"][0]["set_level"].__setitem__("score", 11), r"in \[0, 10\]"),
+    (lambda j: j["score"]["Quality"]["rubrics"][0]["per_doc"][1].__setitem__("score", None), "may not be null"),
+    (lambda j: j["score"]["Completeness"]["rubrics"][0].pop("set_level"), "needs set_level"),
+])
+def test_bad_judge_output_raises(mutate, msg):
+    judged = _case_judge()
+    mutate(judged)
+    with pytest.raises(JudgeOutputError, match=msg):
+        rubric_reward(judged, RUBRICS, [A, B, C])
+
+
+def test_bad_json_all_null_and_bad_weights():
+    with pytest.raises(JudgeOutputError, match="not valid JSON"):
+        rubric_reward("{score: 1", RUBRICS, [A])
+    with pytest.raises(JudgeOutputError, match="every criterion is null"):
+        rubric_reward({"score": {d: None for d in WEIGHTS}}, RUBRICS, [A])
+    with pytest.raises(ValueError, match="weights must be numbers > 0"):
+        rubric_reward(_case_judge(), {"Relevance": [{"rubric": "r", "weight": 0}]}, [A])

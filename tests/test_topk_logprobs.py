@@ -1,0 +1,304 @@
+"""topk_logprobs (every backend that runs here) against ``topk_logprobs_ref``: materialised fp32
+logits, an explicit stable sort by (value desc, id asc), log_softmax.
+
+Exact ids need exact logits: the "dyadic" inputs (multiples of 1/4 in [-2, 2], H ≤ 64) make
+every fp32 GEMM exact whatever its blocking, and their logits tie all the time, so the
+tie rule (lower id first) is exercised on every row. Gaussian inputs check the same thing
+where a different summation order may swap two logits within ~1e-6 of each other.
+Triton runs under TRITON_INTERPRET=1 on CPU (conftest.py), on CUDA when present.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from acarerank.ops import BackendError
+from acarerank.ops.topk_logprobs import (finalize, order_keys, topk_logprobs, topk_logprobs_core_torch,
+                                         topk_logprobs_ref)
+
+QWEN3_V = 151669
+PRIME_V = 4099
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LP_TOL = 1e-5  # fp32 log-probs
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # small ops on a shared 2-core box: OpenMP spin-waiting costs 10-30x wall time
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _dyadic(T, H, V, seed=0, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randint(-8, 9, (T, H), generator=g).float() / 4
+    w = torch.randint(-8, 9, (V, H), generator=g).float() / 4
+    return h.to(device, dtype), w.to(device, dtype)
+
+
+def _gauss(T, H, V, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, H, generator=g).to(device), torch.randn(V, H, generator=g).to(device)
+
+
+def _targets(h, w, k, temperature=1.0, seed=0):
+    """Even rows target an id from the top-k (torch.topk's pick, so at a boundary tie it may
+    fall just outside), odd rows a random id (outside the top-k unless k is close to V)."""
+    T, V = h.shape[0], w.shape[0]
+    logits = (h.float() @ w.float().T) / temperature
+    g = torch.Generator().manual_seed(seed)
+    top = logits.topk(k, dim=1).indices.cpu()
+    inside = top.gather(1, torch.randint(0, k, (T, 1), generator=g)).squeeze(1)
+    rand = torch.randint(0, V, (T,), generator=g)
+    return torch.where(torch.arange(T) % 2 == 0, inside, rand).to(h.device)
+
+
+def _check(out, ref, what, exact_ids=True):
+    T, k = ref.topk_ids.shape
+    assert out.topk_ids.shape == (T, k) and out.topk_ids.dtype == torch.int64, what
+    assert out.topk_logprobs.dtype == out.target_logprob.dtype == torch.float32, what
+    assert out.in_topk.dtype == torch.bool, what
+    if exact_ids:
+        bad = (out.topk_ids.cpu() != ref.topk_ids.cpu()).nonzero()
+        assert bad.numel() == 0, f"{what}: {bad.shape[0]} ids differ, first (row, rank) {bad[:5].tolist()}"
+        assert torch.equal(out.in_topk.cpu(), ref.in_topk.cpu()), f"{what}: in_topk differs"
+    for name in ("topk_logprobs", "target_logprob"):
+        a, b = getattr(out, name).cpu(), getattr(ref, name).cpu()
+        err = (a - b).abs()
+        bad = (err > LP_TOL).nonzero()
+        assert bad.numel() == 0, f"{what}: {name} mismatch at {bad[:5].tolist()}, max err {err.max().item():.3e}"
+
+
+# --------------------------------------------------------------------- torch (chunked reference)
+@pytest.mark.parametrize("T,V,k,temperature", [
+    (1, QWEN3_V, 128, 1.0),
+    (1, QWEN3_V, 1000, 0.7),
+    (257, QWEN3_V, 128, 1.0),
+    (257, PRIME_V, 1, 1.0),
+    (257, PRIME_V, 1000, 0.5),
+    (7, 769, 769, 2.0),  # k = V
+])
+def test_torch_exact_ids_and_logprobs(T, V, k, temperature):
+    h, w = _dyadic(T, 32, V, seed=T + k)
+    tg = _targets(h, w, k, temperature)
+    out = topk_logprobs(h, w, tg, k=k, temperature=temperature, backend="torch")
+    ref = topk_logprobs_ref(h, w, tg, k=k, temperature=temperature)
+    _check(out, ref, f"torch T={T} V={V} k={k} τ={temperature}")
+    if k < V and T > 1:
+        assert out.in_topk.any() and not out.in_topk.all(), "test must cover targets inside and outside the top-k"
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100, 769, 5000])
+def test_torch_chunk_does_not_change_result(chunk):
+    h, w = _dyadic(19, 24, 769, seed=3)
+    tg = _targets(h, w, 16)
+    _check(topk_logprobs(h, w, tg, k=16, chunk=chunk, backend="torch"), topk_logprobs_ref(h, w, tg, k=16),
+           f"chunk={chunk}")
+
+
+def test_torch_gaussian_near_ties():
+    """Gaussian logits: values and the logprob of every returned id must be right; ids may only
+    differ from the reference where the reference's neighbouring values are within 1e-6."""
+    h, w = _gauss(64, 48, 10007)
+    tg = _targets(h, w, 128)
+    out = topk_logprobs(h, w, tg, k=128, chunk=1000, backend="torch")
+    ref = topk_logprobs_ref(h, w, tg, k=128)
+    _check(out, ref, "gaussian", exact_ids=False)
+    full = (h @ w.T).log_softmax(1)
+    lse_k = torch.logsumexp(full.gather(1, out.topk_ids), dim=1, keepdim=True)
+    err = (full.gather(1, out.topk_ids) - lse_k - out.topk_logprobs).abs()
+    assert err.max() < LP_TOL, f"returned ids do not carry the returned log-probs: max err {err.max():.3e}"
+    sv = torch.sort(h @ w.T, dim=1, descending=True, stable=True).values[:, :129]
+    near = torch.zeros_like(out.topk_ids, dtype=torch.bool)
+    gap = (sv[:, :-1] - sv[:, 1:]) < 1e-6
+    near[:, 1:] |= gap[:, :-1]
+    near |= gap[:, :128]
+    diff = out.topk_ids != ref.topk_ids
+    assert not (diff & ~near).any(), f"ids differ away from near-ties at {(diff & ~near).nonzero()[:5].tolist()}"
+
+
+# --------------------------------------------------------------------- outside modes, normalisation
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("outside", ["floor", "mask", "full"])
+def test_outside_modes_follow_their_formulas(outside, renormalize):
+    h, w = _dyadic(40, 16, PRIME_V, seed=7)
+    k = 50
+    tg = _targets(h, w, k)
+    out = topk_logprobs(h, w, tg, k=k, outside=outside, floor=-17.5, renormalize=renormalize, backend="torch")
+    _check(out, topk_logprobs_ref(h, w, tg, k=k, outside=outside, floor=-17.5, renormalize=renormalize),
+           f"{outside} renorm={renormalize}")
+    # independent of the reference: the formulas of the module docstring on materialised logits
+    z = h @ w.T
+    full = z.log_softmax(1)
+    top = torch.sort(z, dim=1, descending=True, stable=True)
+    top_z, top_i = top.values[:, :k], top.indices[:, :k]
+    norm = torch.logsumexp(top_z, 1) if renormalize else torch.logsumexp(z, 1)
+    assert torch.allclose(out.topk_logprobs, top_z - norm[:, None], atol=LP_TOL)
+    if renormalize:
+        assert torch.allclose(out.topk_logprobs.exp().sum(1), torch.ones(40), atol=1e-5), "truncated teacher must sum to 1"
+    inside = (top_i == tg[:, None]).any(1)
+    assert torch.equal(out.in_topk, inside)
+    want_in = z.gather(1, tg[:, None]).squeeze(1) - norm
+    want_out = {"floor": torch.full((40,), -17.5), "mask": torch.zeros(40), "full": full.gather(1, tg[:, None]).squeeze(1)}[outside]
+    want = torch.where(inside, want_in, want_out)
+    err = (out.target_logprob - want).abs()
+    assert err.max() < LP_TOL, f"target_logprob off by {err.max():.3e} at rows {(err >= LP_TOL).nonzero().flatten()[:5].tolist()}"
+    assert torch.isfinite(out.target_logprob).all(), "no mode may produce inf/NaN"
+
+
+def test_floor_is_default_and_documented_value():
+    h, w = _dyadic(6, 16, 769, seed=1)
+    tg = _targets(h, w, 4)
+    out = topk_logprobs(h, w, tg, k=4, backend="torch")
+    assert torch.all(out.target_logprob[~out.in_topk] == -20.0)
+
+
+def test_empty_rows_and_strided_inputs():
+    h, w = _dyadic(10, 32, 769, seed=2)
+    out = topk_logprobs(h[:0], w, torch.zeros(0, dtype=torch.long), k=5, backend="torch")
+    assert out.topk_ids.shape == (0, 5) and out.target_logprob.shape == (0,)
+    hv, wv = h[::2, ::2], w[:, ::2]  # non-contiguous views
+    tg = _targets(hv, wv, 8)
+    _check(topk_logprobs(hv, wv, tg, k=8, backend="torch"), topk_logprobs_ref(hv, wv, tg, k=8), "strided")
+
+
+def test_bf16_inputs_upcast_exactly():
+    """bf16 hidden/weight are upcast to fp32 per chunk: equal to the fp32 oracle on the same values."""
+    h, w = _dyadic(33, 32, PRIME_V, seed=4, dtype=torch.bfloat16)
+    tg = _targets(h, w, 64)
+    _check(topk_logprobs(h, w, tg, k=64, backend="torch"), topk_logprobs_ref(h, w, tg, k=64), "bf16")
+
+
+# --------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kw,exc,msg", [
+    (dict(k=0), ValueError, "k must be"),
+    (dict(k=770), ValueError, "k must be"),
+    (dict(k=2.0), ValueError, "k must be"),
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(outside="drop"), ValueError, "outside"),
+    (dict(floor=float("-inf")), ValueError, "floor"),
+    (dict(chunk=0), ValueError, "chunk"),
+    (dict(backend="nope"), BackendError, "unknown backend"),
+])
+def test_bad_arguments(kw, exc, msg):
+    h, w = _dyadic(3, 16, 769)
+    args = dict(k=4)
+    args.update(kw)
+    with pytest.raises(exc, match=msg):
+        topk_logprobs(h, w, torch.zeros(3, dtype=torch.long), **args)
+
+
+def test_bad_tensors():
+    h, w = _dyadic(3, 16, 769)
+    tg = torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"hidden must be \[T, H\]"):
+        topk_logprobs(h[0], w, tg)
+    with pytest.raises(ValueError, match="H=16 but weight has H=8"):
+        topk_logprobs(h, w[:, :8], tg)
+    with pytest.raises(TypeError, match="floating point"):
+        topk_logprobs(h.long(), w.long(), tg)
+    with pytest.raises(TypeError, match="cast one of them"):
+        topk_logprobs(h, w.double(), tg)
+    with pytest.raises(TypeError, match="targets must be int64"):
+        topk_logprobs(h, w, tg.float())
+    with pytest.raises(ValueError, match=r"targets must be \[T=3\]"):
+        topk_logprobs(h, w, tg[:2])
+    with pytest.raises(ValueError, match="target id 769 is out of range"):
+        topk_logprobs(h, w, torch.tensor([0, 769, 1]))
+    with pytest.raises(ValueError, match="target id -1 is out of range"):
+        topk_logprobs(h, w, torch.tensor([0, -1, 1]))
+    bad = h.clone()
+    bad[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"non-finite logits .* rows \[1\]"):
+        topk_logprobs(bad, w, tg, backend="torch")
+
+
+def test_finalize_is_shared_and_core_contract():
+    """The torch core alone: sorted (value desc, id asc), target logit, full-vocabulary lse."""
+    h, w = _dyadic(9, 16, 769, seed=5)
+    tg = _targets(h, w, 10)
+    top_z, top_i, tz, lse = topk_logprobs_core_torch(h, w, tg, 10, 64, 1.0)
+    z = h @ w.T
+    srt = torch.sort(z, dim=1, descending=True, stable=True)
+    assert torch.equal(top_i, srt.indices[:, :10]) and torch.equal(top_z, srt.values[:, :10])
+    assert torch.equal(tz, z.gather(1, tg[:, None]).squeeze(1))
+    assert torch.allclose(lse, torch.logsumexp(z, 1), atol=1e-5, rtol=0)
+    _check(finalize(top_z, top_i, tz, lse, tg), topk_logprobs_ref(h, w, tg, k=10), "finalize")
+
+
+# --------------------------------------------------------------------- triton (interpreter on CPU)
+@pytest.mark.parametrize("T,V,k,temperature", [
+    (1, QWEN3_V, 128, 1.0),
+    (3, QWEN3_V, 1, 0.7),
+    (257, PRIME_V, 128, 0.5),
+    (5, PRIME_V, 1000, 1.0),
+])
+def test_triton_exact_ids_and_logprobs(T, V, k, temperature):
+    h, w = _dyadic(T, 32, V, seed=11 + k, device=DEVICE)
+    tg = _targets(h.cpu(), w.cpu(), k, temperature).to(DEVICE)
+    out = topk_logprobs(h, w, tg, k=k, temperature=temperature, backend="triton")
+    _check(out, topk_logprobs_ref(h, w, tg, k=k, temperature=temperature), f"triton T={T} V={V} k={k}")
+
+
+@pytest.mark.parametrize("block_v,num_splits,k", [(64, 5, 128), (256, 3, 200), (16, 2, 1)])
+def test_triton_many_tiles_and_splits(block_v, num_splits, k):
+    """Force many tiles per program and several splits so both merge paths run (incl. KT < K)."""
+    from acarerank.kernels.topk_logprobs import topk_logprobs_core_triton
+    h, w = _dyadic(20, 40, 1531, seed=13, device=DEVICE)
+    tg = _targets(h.cpu(), w.cpu(), k).to(DEVICE)
+    core = topk_logprobs_core_triton(h, w, tg, k, None, 1.0, num_splits=num_splits, block_v_override=block_v)
+    _check(finalize(*core, tg), topk_logprobs_ref(h, w, tg, k=k), f"triton bv={block_v} splits={num_splits}")
+
+
+def test_triton_bf16_and_strided():
+    h, w = _dyadic(17, 64, 2053, seed=17, device=DEVICE, dtype=torch.bfloat16)
+    hv = h[:, ::2]
+    wv = w[:, ::2]
+    tg = _targets(hv.cpu(), wv.cpu(), 32).to(DEVICE)
+    _check(topk_logprobs(hv, wv, tg, k=32, backend="triton"), topk_logprobs_ref(hv, wv, tg, k=32), "triton bf16 strided")
+
+
+def test_triton_rejects_k_above_its_maximum():
+    from acarerank.kernels.topk_logprobs import MAX_K
+    h, w = _dyadic(2, 16, MAX_K + 5, device=DEVICE)
+    with pytest.raises(ValueError, match="exceeds the kernel's maximum"):
+        topk_logprobs(h, w, torch.zeros(2, dtype=torch.long, device=DEVICE), k=MAX_K + 1, backend="triton")
+
+
+# --------------------------------------------------------------------- cpp (csrc merge), if built
+@pytest.mark.parametrize("T,V,k,temperature", [(257, QWEN3_V, 128, 1.0), (5, PRIME_V, 1000, 0.7), (7, 769, 769, 1.0)])
+def test_cpp_exact_ids_and_logprobs(T, V, k, temperature):
+    pytest.importorskip("acarerank._C")
+    h, w = _dyadic(T, 32, V, seed=T + 1)
+    tg = _targets(h, w, k, temperature)
+    out = topk_logprobs(h, w, tg, k=k, temperature=temperature, backend="cpp")
+    _check(out, topk_logprobs_ref(h, w, tg, k=k, temperature=temperature), f"cpp T={T} V={V} k={k}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_backends_match_torch_backend(backend):
+    h, w = _dyadic(257, 64, QWEN3_V, seed=21, device="cuda")
+    tg = _targets(h.cpu(), w.cpu(), 128).cuda()
+    out = topk_logprobs(h, w, tg, k=128, backend=backend)
+    _check(out, topk_logprobs(h.cpu(), w.cpu(), tg.cpu(), k=128, backend="torch"), f"{backend} vs torch")
+    assert math.isfinite(out.target_logprob.sum().item())
+
+
+# --------------------------------------------------------------------- the order key itself
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(width=32, allow_nan=False), st.integers(0, 2 ** 31 - 1)),
+                min_size=1, max_size=40, unique_by=lambda t: t[1]))
+def test_order_keys_sort_like_value_desc_id_asc(pairs):
+    """Sorting by the int64 key equals sorting by (value desc, id asc), with −0.0 == +0.0."""
+    vals = torch.tensor([p[0] for p in pairs], dtype=torch.float32)
+    ids = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    by_key = ids[order_keys(vals, ids).argsort(descending=True)].tolist()
+    want = [i for _, i in sorted(((float(v), int(i)) for v, i in zip(vals, ids)), key=lambda t: (-t[0], t[1]))]
+    assert by_key == want
