@@ -28,10 +28,10 @@ import argparse
 import csv
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
+
+from _timing import time_ms  # bench/ is on sys.path when a script here runs
 
 QUICK = dict(num_heads=4, num_kv_heads=2, head_dim=32, prefix=64, segments=4, seg_len=16, dtype="float32")
 ISSUE = dict(num_heads=32, num_kv_heads=8, head_dim=128, prefix=4096, segments=100, seg_len=512, dtype="bfloat16")
@@ -67,22 +67,6 @@ def parse_args(argv=None):
     if args.csv is None:
         args.csv = Path("results") / "bench_attention" / ("attention_quick.csv" if args.quick else "attention.csv")
     return args
-
-
-def _time_ms(fn, on_gpu: bool, quick: bool):
-    """(median, p20, p80) in ms."""
-    if on_gpu:
-        from triton.testing import do_bench
-        med, lo, hi = do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
-        return med, lo, hi
-    fn()  # warm-up (imports, interpreter setup)
-    runs = []
-    for _ in range(3 if quick else 5):
-        t = time.perf_counter()
-        fn()
-        runs.append((time.perf_counter() - t) * 1e3)
-    runs.sort()
-    return statistics.median(runs), runs[0], runs[-1]
 
 
 def main(argv=None) -> int:
@@ -173,7 +157,7 @@ def main(argv=None) -> int:
         fn, pick = fns[name]
         out = fn()
         out = (pick(out) if pick else out).float()
-        med, lo, hi = _time_ms(fn, on_gpu, args.quick)
+        med, lo, hi = time_ms(fn, on_gpu, runs=3 if args.quick else 5)
         rows.append(dict(provider=name, ms=med, ms_p20=lo, ms_p80=hi, shared_tflops=shared_flops / med / 1e9,
                          max_abs_diff_vs_triton=(out - ours).abs().max().item(), note=""))
         if on_gpu:

@@ -22,10 +22,10 @@ import argparse
 import csv
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
+
+from _timing import time_ms  # bench/ is on sys.path when a script here runs
 
 QUICK = dict(segments=8, hidden=64, vocab=1000, dtype="float32")
 ISSUE = dict(segments=100, hidden=2560, vocab=151669, dtype="bfloat16")
@@ -50,20 +50,6 @@ def parse_args(argv=None):
     if args.csv is None:
         args.csv = Path("results") / "bench_yes_no" / ("yes_no_quick.csv" if args.quick else "yes_no.csv")
     return args
-
-
-def _time_ms(fn, on_gpu: bool):
-    if on_gpu:
-        from triton.testing import do_bench
-        return tuple(do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8]))
-    fn()  # warm-up (imports, interpreter setup)
-    runs = []
-    for _ in range(5):
-        t = time.perf_counter()
-        fn()
-        runs.append((time.perf_counter() - t) * 1e3)
-    runs.sort()
-    return statistics.median(runs), runs[0], runs[-1]
 
 
 def main(argv=None) -> int:
@@ -107,7 +93,7 @@ def main(argv=None) -> int:
     rows = []
     for name, (fn, nbytes) in providers.items():
         score = fn()
-        med, lo, hi = _time_ms(fn, on_gpu)
+        med, lo, hi = time_ms(fn, on_gpu)
         rows.append(dict(provider=name, ms=med, ms_p20=lo, ms_p80=hi, gb_per_s=nbytes / med / 1e6,
                          max_abs_score_diff_vs_triton=(score.float() - ours).abs().max().item()))
     for r in rows:

@@ -35,36 +35,13 @@ from typing import Optional
 
 import torch
 
+from ._checks import check_projection_inputs
+
 DEFAULT_CHUNK = 2048  # vocabulary rows per step: [T, 2048] fp32 is 1.35 % of [T, 151,669]
 
 
 def _check(hidden, weight, targets, temperature, chunk):
-    op = "linear_logprob"
-    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-    if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"{op}: hidden must be [T, H] and weight [V, H], "
-                         f"got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"{op}: hidden has H={hidden.shape[1]} but weight has H={weight.shape[1]}")
-    if not hidden.is_floating_point() or not weight.is_floating_point():
-        raise TypeError(f"{op}: hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"{op}: hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them")
-    if targets.dtype not in (torch.int64, torch.int32) or targets.shape != (hidden.shape[0],):
-        raise TypeError(f"{op}: targets must be int64 (or int32) of shape [{hidden.shape[0]}], "
-                        f"got {targets.dtype} {tuple(targets.shape)}")
-    for name, t in (("weight", weight), ("targets", targets)):
-        if t.device != hidden.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, hidden is on {hidden.device}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"{op}: temperature must be a finite number > 0, got {temperature!r}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"{op}: chunk must be a positive int or None, got {chunk!r}")
-    V = weight.shape[0]
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
-        raise ValueError(f"{op}: targets must lie in [0, V={V}), got min {int(targets.min())} max {int(targets.max())}")
+    check_projection_inputs(hidden, weight, targets, "linear_logprob", temperature=temperature, chunk=chunk)
 
 
 def _fp32(x):

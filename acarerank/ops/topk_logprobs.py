@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 
 from . import _backend
+from ._checks import check_projection_inputs
 
 TopKLogprobs = namedtuple("TopKLogprobs", ["target_logprob", "topk_ids", "topk_logprobs", "in_topk"])
 TopKLogprobs.__doc__ = """target_logprob [T] fp32, topk_ids [T,k] int64, topk_logprobs [T,k] fp32, in_topk [T] bool."""
@@ -57,41 +58,9 @@ DEFAULT_CHUNK = 2048  # vocabulary columns per GEMM: [T, 2048] fp32 is 1.35 % of
 
 # ----------------------------------------------------------------------------- checks
 def _check_inputs(hidden, weight, targets, k, chunk, temperature, op="topk_logprobs"):
-    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-    if hidden.dim() != 2:
-        raise ValueError(f"{op}: hidden must be [T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2:
-        raise ValueError(f"{op}: weight must be [V, H], got shape {tuple(weight.shape)}")
-    if not hidden.is_floating_point() or not weight.is_floating_point():
-        raise TypeError(f"{op}: hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"{op}: hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them")
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"{op}: hidden has H={hidden.shape[1]} but weight has H={weight.shape[1]}")
-    if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
-        raise ValueError(f"{op}: targets must be [T={hidden.shape[0]}], got shape {tuple(targets.shape)}")
-    if targets.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{op}: targets must be int64 (or int32) token ids, got {targets.dtype}")
-    for name, t in (("weight", weight), ("targets", targets)):
-        if t.device != hidden.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, hidden is on {hidden.device}")
-    V = weight.shape[0]
-    if V == 0:
-        raise ValueError(f"{op}: weight has an empty vocabulary")
-    if k is not None:
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V:
-            raise ValueError(f"{op}: k must be an int in [1, V={V}], got {k!r}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"{op}: chunk must be a positive int or None, got {chunk!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"{op}: temperature must be a finite number > 0, got {temperature!r}")
-    if targets.numel():
-        lo, hi = int(targets.min()), int(targets.max())
-        if lo < 0 or hi >= V:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{op}: target id {bad} is out of range [0, V={V})")
+    V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V):
+        raise ValueError(f"{op}: k must be an int in [1, V={V}], got {k!r}")
 
 
 def _check_result_finite(lse, op="topk_logprobs"):

@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _backend
+from ._checks import check_projection_inputs
 
 TOPK_MAX_K = 4096  # csrc/topk_merge.cuh kTopKMax: one row's keys in 32 KB of shared memory
 
@@ -331,28 +332,10 @@ def _chunk_gemm(hidden: torch.Tensor):
 
 
 def _check_core(hidden, weight, targets, k, chunk, temperature, op):
-    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"{op}: hidden must be [T, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-    if not hidden.is_floating_point() or weight.dtype != hidden.dtype:
-        raise TypeError(f"{op}: hidden and weight must share one floating dtype, got {hidden.dtype} and {weight.dtype}")
-    if targets.dtype not in (torch.int64, torch.int32) or targets.shape != (hidden.shape[0],):
-        raise TypeError(f"{op}: targets must be int64 (or int32) of shape [{hidden.shape[0]}], "
-                        f"got {targets.dtype} {tuple(targets.shape)}")
-    for name, t in (("weight", weight), ("targets", targets)):
-        if t.device != hidden.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, hidden is on {hidden.device}")
+    V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
     k = _check_k(k, op)
-    V = weight.shape[0]
     if k > V:
         raise ValueError(f"{op}: k={k} exceeds the vocabulary size {V}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"{op}: chunk must be an int >= 1 or None, got {chunk!r}")
-    _check_temperature(temperature, op)
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):  # one host sync
-        raise ValueError(f"{op}: targets must lie in [0, {V}), got min {int(targets.min())} max {int(targets.max())}")
 
 
 def _core(hidden, weight, targets, k, chunk, temperature, backend, op):

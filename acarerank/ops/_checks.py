@@ -1,0 +1,48 @@
+"""Input checks shared by the vocabulary-projection ops (topk_logprobs, its cores, linear_logprob)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, chunk=None) -> int:
+    """hidden [T, H] and weight [V, H] of one floating dtype, targets [T] int64/int32 ids in
+    [0, V), all on one device; temperature finite > 0; chunk a positive int or None.
+
+    Raises TypeError/ValueError naming ``op`` and the problem; returns V. One host sync (the
+    target range).
+    """
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if hidden.dim() != 2:
+        raise ValueError(f"{op}: hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: weight must be [V, H], got shape {tuple(weight.shape)}")
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(f"{op}: hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"{op}: hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{op}: hidden has H={hidden.shape[1]} but weight has H={weight.shape[1]}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{op}: targets must be int64 (or int32) token ids, got {targets.dtype}")
+    if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"{op}: targets must be [T={hidden.shape[0]}], got shape {tuple(targets.shape)}")
+    for name, t in (("weight", weight), ("targets", targets)):
+        if t.device != hidden.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, hidden is on {hidden.device}")
+    V = weight.shape[0]
+    if V == 0:
+        raise ValueError(f"{op}: weight has an empty vocabulary")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"{op}: chunk must be a positive int or None, got {chunk!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature <= 0:
+        raise ValueError(f"{op}: temperature must be a finite number > 0, got {temperature!r}")
+    if targets.numel():
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"{op}: target id {lo if lo < 0 else hi} is out of range [0, V={V})")
+    return V
