@@ -138,7 +138,7 @@ def check_documents(documents) -> list:
     if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence):
         raise TypeError(f"documents must be a list of str, got {type(documents).__name__}")
     if len(documents) == 0:
-        raise ValueError("no documents")
+        raise ValueError("no documents: the document list is empty")
     for i, doc in enumerate(documents):
         if not isinstance(doc, str):
             raise TypeError(f"documents[{i}] must be a str, got {type(doc).__name__}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from ..prompts.pointwise import check_documents, check_query
 from ..tokenizer import TOKEN_END_THINK, TOKEN_IM_END, TOKEN_THINK
 
 DEFAULT_MAX_LENGTH = 16000      # paper 001, Appendix C.4: maximum prompt length 16,000 tokens
@@ -110,15 +111,8 @@ PASSAGE_TEMPLATE = "[{id}] {text}"
 
 def check_inputs(query, documents, intent=None, max_select=10) -> None:
     """Raise TypeError / ValueError naming the bad argument."""
-    if query is None or not isinstance(query, str):
-        raise TypeError(f"query must be a str, got {type(query).__name__}")
-    if isinstance(documents, str) or not isinstance(documents, Sequence):
-        raise TypeError(f"documents must be a list of str, got {type(documents).__name__}")
-    if len(documents) == 0:
-        raise ValueError("documents is empty: a setwise selection needs at least one candidate")
-    for i, d in enumerate(documents):
-        if not isinstance(d, str):
-            raise TypeError(f"documents[{i}] must be a str, got {type(d).__name__}")
+    check_query(query)
+    check_documents(documents)
     if intent is not None and not isinstance(intent, str):
         raise TypeError(f"intent must be a str or None, got {type(intent).__name__}")
     if isinstance(max_select, bool) or not isinstance(max_select, int) or max_select < 1:
