@@ -302,3 +302,15 @@ def test_order_keys_sort_like_value_desc_id_asc(pairs):
     by_key = ids[order_keys(vals, ids).argsort(descending=True)].tolist()
     want = [i for _, i in sorted(((float(v), int(i)) for v, i in zip(vals, ids)), key=lambda t: (-t[0], t[1]))]
     assert by_key == want
+
+
+def test_core_is_a_checked_custom_op():
+    """torch.ops.acarerank.topk_logprobs_core: schema, fake tensor and AOT dispatch pass opcheck."""
+    import acarerank.ops  # importing the package registers torch.ops.acarerank.*
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(5, 16, generator=g), torch.randn(97, 16, generator=g)
+    t = torch.randint(0, 97, (5,), generator=g)
+    torch.library.opcheck(torch.ops.acarerank.topk_logprobs_core.default, (h, w, t, 4, 0, 1.0, "torch"))
+    got = torch.ops.acarerank.topk_logprobs_core(h, w, t, 4, 0, 1.0, "torch")
+    ref = topk_logprobs_ref(h, w, t, k=4)
+    assert torch.equal(got[1], ref.topk_ids), (got[1], ref.topk_ids)

@@ -3,6 +3,8 @@
     torch.ops.acarerank.prefix_shared_attention(q, k, v, cu_seqlens, prefix_k, prefix_v,
                                                 cu_prefix_lens, segment_group, softmax_scale, backend) -> out
     torch.ops.acarerank.yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps, backend) -> (score, logit_diff)
+    torch.ops.acarerank.topk_logprobs_core(hidden, weight, targets, k, chunk, temperature, backend)
+        -> (topk_logits, topk_ids, target_logit, logsumexp)
 
 ``backend`` is the name already resolved by the public function (argument > environment >
 device default, ``_backend.resolve``): the op itself never reads the environment, so a
@@ -10,7 +12,8 @@ compiled graph does not silently change backend. The implementation looks the na
 the op module's ``IMPLEMENTATIONS`` table at run time (lazy imports).
 
 The fake (meta) functions give the output shapes/dtypes from the inputs alone: attention
-returns q's shape and dtype; the head returns two fp32 vectors of length S.
+returns q's shape and dtype; the head returns two fp32 vectors of length S; the top-k core
+returns [T, k] fp32 / int64 and two fp32 vectors of length T.
 
 Inference only: no autograd formula is registered (calling backward through these ops
 raises); training code that needs gradients uses the torch references.
@@ -21,6 +24,8 @@ import torch
 
 from . import attention as _attention
 from . import yes_no as _yes_no
+# the module, not the function of the same name that acarerank.ops re-exports
+from .topk_logprobs import IMPLEMENTATIONS as _TOPK_IMPLEMENTATIONS
 
 
 @torch.library.custom_op("acarerank::prefix_shared_attention", mutates_args=())
@@ -49,4 +54,20 @@ def _(hidden_last, norm_weight, w_yes, w_no, eps, backend):
     return (hidden_last.new_empty(S, dtype=torch.float32), hidden_last.new_empty(S, dtype=torch.float32))
 
 
-__all__ = ["prefix_shared_attention_op", "yes_no_score_op"]
+@torch.library.custom_op("acarerank::topk_logprobs_core", mutates_args=())
+def topk_logprobs_core_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, k: int, chunk: int,
+                          temperature: float, backend: str
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32); chunk 0 = default."""
+    fn = _TOPK_IMPLEMENTATIONS[backend]()
+    return tuple(fn(hidden, weight, targets, k, chunk or None, temperature))
+
+
+@topk_logprobs_core_op.register_fake
+def _(hidden, weight, targets, k, chunk, temperature, backend):
+    T = hidden.shape[0]
+    return (hidden.new_empty(T, k, dtype=torch.float32), hidden.new_empty(T, k, dtype=torch.int64),
+            hidden.new_empty(T, dtype=torch.float32), hidden.new_empty(T, dtype=torch.float32))
+
+
+__all__ = ["prefix_shared_attention_op", "yes_no_score_op", "topk_logprobs_core_op"]

@@ -285,10 +285,13 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
                        backend: Optional[str] = None):
     """The backend core alone (checked inputs): (topk_logits, topk_ids, target_logit, lse), see module doc."""
     _check_inputs(hidden, weight, targets, k, chunk, temperature)
-    name, fn = _backend.resolve("topk_logprobs", IMPLEMENTATIONS, backend, hidden.device)
+    # resolve() imports the implementation now, so an unusable backend fails here, by name
+    name, _ = _backend.resolve("topk_logprobs", IMPLEMENTATIONS, backend, hidden.device)
     _backend.check_runs_on(name, hidden.device, "topk_logprobs")
+    from ._library import topk_logprobs_core_op  # registered custom op (torch.compile-opaque)
+
     with torch.no_grad():  # the teacher is frozen: its log-probs are constants (Eq. 9, sg[·])
-        out = fn(hidden, weight, targets, k, chunk, float(temperature))
+        out = topk_logprobs_core_op(hidden, weight, targets, k, chunk or 0, float(temperature), name)
     _check_result_finite(out[3])
     return out
 
