@@ -21,6 +21,10 @@ from .model.placement import check_dtype_device
 from .ops import yes_no_score
 from .prompts import DEFAULT_MIN_DOC_TOKENS, DEFAULT_TEMPLATE, encode_pointwise
 
+#: segment tokens per packed pass by device type when the caller gives none (see max_batch_tokens)
+DEFAULT_BATCH_TOKENS = {"cpu": 2048, "cuda": 16384}
+
+
 @dataclass
 class ScoreRequest:
     """One query of a batched call: the sub-query, its documents and optional agent context."""
@@ -46,17 +50,22 @@ class PointwiseReranker:
       min_doc_tokens: document tokens the shared part always leaves room for when the
         context has to be truncated (the trace is cut oldest-first to keep them free).
       max_batch_tokens: segment tokens per packed pass; deeper lists run in several passes
-        with identical scores, so depth is never bounded by memory.
+        with identical scores, so depth is never bounded by memory. None: 2,048 on CPU (on 2
+        cores, passes that keep the [T, 2·I] MLP activations in cache are ~10 % faster: M3
+        depth 100 of the default model 4.98 s vs 5.70 s at 8,192), 16,384 on GPU.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length: int = 8192,
-                 backend: Optional[str] = None, template=DEFAULT_TEMPLATE, max_batch_tokens: int = 8192,
+                 backend: Optional[str] = None, template=DEFAULT_TEMPLATE, max_batch_tokens: Optional[int] = None,
                  min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS, batch_invariant: bool = False):
         if (model is None) == (runner is None):
             raise TypeError("PointwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
-        if max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if max_batch_tokens is not None and (isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int)
+                                             or max_batch_tokens < 1):
+            raise ValueError(f"max_batch_tokens must be a positive int or None, got {max_batch_tokens!r}")
         self.runner = runner if runner is not None else Qwen3Runner.from_hf(model, backend=backend)
+        if max_batch_tokens is None:
+            max_batch_tokens = DEFAULT_BATCH_TOKENS.get(self.runner.device.type, DEFAULT_BATCH_TOKENS["cpu"])
         if backend is not None:
             self.runner.backend = backend
         if batch_invariant:
