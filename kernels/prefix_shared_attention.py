@@ -56,21 +56,36 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_kd, stride_vt, stride_vd,
                   lo, hi, n_limit, tok, qk_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASK_COLS: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+                  MASK_COLS: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                  bt_row=None, stride_kb=0, stride_vb=0, PAGE: tl.constexpr = 0):
     """Online softmax over key columns [lo, hi) of one K/V stream (prefix or own segment).
 
     q: [BLOCK_M, BLOCK_D]; acc [BLOCK_M, BLOCK_D], l_i/m_i [BLOCK_M] fp32 (m_i in log2 units).
     MASK_COLS: columns >= n_limit are absent (tail tile). CAUSAL: row may see column c only
     if c <= tok[row] (its token index within the segment).
+    PAGE > 0 (paged prefix): column c lives in block ``bt_row[c // PAGE]`` at slot
+    ``c % PAGE``; k_base/v_base point at head hkv of block 0 and stride_kb/vb step one block.
+    The lookup only changes the addresses, never the arithmetic or the tile order, so the
+    paged stream is bitwise the packed one on the same values.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM  # all true unless head_dim was padded to a power of two >= 16
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        cols64 = cols.to(tl.int64)
-        k_ptrs = k_base + cols64[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
-        v_ptrs = v_base + cols64[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
+        if PAGE > 0:
+            # -- block-table lookup in the kernel: no gathered copy of the prefix
+            if MASK_COLS:
+                blk = tl.load(bt_row + cols // PAGE, mask=cols < n_limit, other=0).to(tl.int64)
+            else:
+                blk = tl.load(bt_row + cols // PAGE).to(tl.int64)
+            slot = (cols % PAGE).to(tl.int64)
+            k_ptrs = k_base + (blk * stride_kb + slot * stride_kt)[None, :] + offs_d[:, None] * stride_kd
+            v_ptrs = v_base + (blk * stride_vb + slot * stride_vt)[:, None] + offs_d[None, :] * stride_vd
+        else:
+            cols64 = cols.to(tl.int64)
+            k_ptrs = k_base + cols64[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
+            v_ptrs = v_base + cols64[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
         if MASK_COLS:
             col_ok = cols < n_limit
             k = tl.load(k_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
@@ -104,13 +119,18 @@ def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_kd, stride
 
 @triton.jit
 def _prefix_shared_attn_fwd(
-    Q, K, V, PK, PV, Out, CU_SEQ, CU_PRE, SEG_GROUP, WORK,
+    Q, K, V, PK, PV, Out, CU_SEQ, CU_PRE, SEG_GROUP, WORK, BT,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_pkt, stride_pkh, stride_pkd, stride_pvt, stride_pvh, stride_pvd, stride_ot, stride_oh, stride_od,
+    stride_pkb, stride_pvb, stride_btg,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GQA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+    PAGE: tl.constexpr = 0,
 ):
+    """PAGE == 0: PK/PV are the packed prefixes [Ptot, Hkv, d] (CU_PRE = [G+1] offsets).
+    PAGE > 0: PK/PV are pages [num_blocks, PAGE, Hkv, d], BT the [G, max_blocks] int32 block
+    table, CU_PRE the [G+1] cumulative prefix lengths (only differences are read)."""
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
     seg = tl.load(WORK + 2 * pid)
@@ -143,15 +163,22 @@ def _prefix_shared_attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # -- stream 1: the group's prefix, every column visible; only the tail tile is masked
-    pk_base = PK + p0.to(tl.int64) * stride_pkt + hkv * stride_pkh
-    pv_base = PV + p0.to(tl.int64) * stride_pvt + hkv * stride_pvh
+    if PAGE > 0:
+        pk_base = PK + hkv * stride_pkh
+        pv_base = PV + hkv * stride_pvh
+    else:
+        pk_base = PK + p0.to(tl.int64) * stride_pkt + hkv * stride_pkh
+        pv_base = PV + p0.to(tl.int64) * stride_pvt + hkv * stride_pvh
+    bt_row = BT + g.to(tl.int64) * stride_btg
     p_full = (P // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, pk_base, pv_base, stride_pkt, stride_pkd, stride_pvt, stride_pvd,
                                   0, p_full, P, tok, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                  MASK_COLS=False, CAUSAL=False, DOT_FP32=DOT_FP32, IEEE=IEEE)
+                                  MASK_COLS=False, CAUSAL=False, DOT_FP32=DOT_FP32, IEEE=IEEE,
+                                  bt_row=bt_row, stride_kb=stride_pkb, stride_vb=stride_pvb, PAGE=PAGE)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, pk_base, pv_base, stride_pkt, stride_pkd, stride_pvt, stride_pvd,
                                   p_full, P, P, tok, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                  MASK_COLS=True, CAUSAL=False, DOT_FP32=DOT_FP32, IEEE=IEEE)
+                                  MASK_COLS=True, CAUSAL=False, DOT_FP32=DOT_FP32, IEEE=IEEE,
+                                  bt_row=bt_row, stride_kb=stride_pkb, stride_vb=stride_pvb, PAGE=PAGE)
 
     # -- stream 2: the segment's own keys; columns < first token + 1 are visible to every
     # row of the block (no mask), the rest up to the block's last real token are causal
@@ -287,17 +314,69 @@ def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_p
     if prefix_k.shape[0] == 0:
         # a valid base pointer for the (never loaded) prefix stream
         prefix_k, prefix_v = k[:0], v[:0]
+    # the block-table argument is never read with PAGE=0: any int32 tensor will do
+    _launch(q, k, v, prefix_k, prefix_v, out, cu_seqlens, cu_prefix_lens, segment_group, work, cu_prefix_lens,
+            prefix_k.stride(), prefix_v.stride(), (0, 0, 0), scale, page=0)
+    return out
+
+
+def _launch(q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt, pk_strides, pv_strides,
+            page_strides, scale, page: int):
+    """Launch the one-pass kernel. pk/pv_strides: (token, head, dim) strides of the prefix
+    stream; page_strides: (k block, v block, block-table row) strides (page > 0 only).
+
+    Packed and paged calls share the autotuner and its key (head_dim, GQA, dtypes; PAGE is
+    not in it), so both run the same config in a process: the paged form stays bitwise equal
+    to the packed one on GPU too."""
+    T, Hq, d = q.shape
+    Hkv = k.shape[1]
+    on_gpu = q.device.type == "cuda"
+    gqa = Hq // Hkv
+    block_m = _block_m(d, q.dtype, on_gpu)
     block_d = max(16, triton.next_power_of_2(d))
-    args = (q, k, v, prefix_k, prefix_v, out, cu_seqlens, cu_prefix_lens, segment_group, work,
-            *q.stride(), *k.stride(), *v.stride(), *prefix_k.stride(), *prefix_v.stride(), *out.stride(),
+    args = (q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt,
+            *q.stride(), *k.stride(), *v.stride(), *pk_strides, *pv_strides, *out.stride(), *page_strides,
             float(scale) * _LOG2E)
     meta = dict(HEAD_DIM=d, BLOCK_D=block_d, GQA=gqa, BLOCK_M=block_m,
-                DOT_FP32=(not on_gpu) and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32)
+                DOT_FP32=(not on_gpu) and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32, PAGE=page)
     grid = (work.shape[0], Hkv)
     if on_gpu:
         _prefix_shared_attn_fwd_tuned[grid](*args, **meta)
     else:
         _prefix_shared_attn_fwd[grid](*args, **meta, BLOCK_N=_INTERPRET_BLOCK_N)
+
+
+def prefix_shared_attention_paged_triton(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens,
+                                         segment_group, work, scale):
+    """One-pass grouped prefix-shared attention with the prefix in pages (Triton).
+
+    Args (checked and planned by ``acarerank.ops.prefix_shared_attention_paged``):
+      q: (total_q, nheads_q, headdim); k, v: (total_q, nheads_kv, headdim) — the segments' own rows.
+      k_cache, v_cache: (num_blocks, block_size, nheads_kv, headdim), same dtype as q, any strides.
+      block_table: (G, max_blocks) int32 — group g's prefix blocks in order.
+      cu_prefix_lens: (G+1,) int32 — cumulative prefix lengths (group g has P_g tokens).
+      segment_group: (S,) int32; work: the plan's (W, 2) int32 work list (``_work_list``).
+    Returns: out (total_q, nheads_q, headdim) in q's dtype.
+
+    The block id of every key column is read from ``block_table`` inside the kernel: the
+    prefix is never gathered. Columns are visited in the packed kernel's order, so the output
+    is bitwise ``prefix_shared_attention_triton`` on the gathered prefix.
+    """
+    T, Hq, d = q.shape
+    if d > _MAX_HEAD_DIM:
+        raise ValueError(f"prefix_shared_attention_paged (triton): head_dim {d} > {_MAX_HEAD_DIM} is not supported")
+    if q.device.type != "cuda" and not (_interpreting() and _kernel_is_interpreted()):
+        raise RuntimeError(
+            "prefix_shared_attention_paged (triton): CPU tensors need TRITON_INTERPRET=1 set before "
+            "acarerank.kernels.prefix_shared_attention is imported"
+        )
+    out = torch.empty_like(q)
+    if T == 0 or Hq == 0:
+        return out
+    kc, vc = k_cache.stride(), v_cache.stride()
+    _launch(q, k, v, k_cache, v_cache, out, cu_seqlens, cu_prefix_lens, segment_group, work, block_table,
+            (kc[1], kc[2], kc[3]), (vc[1], vc[2], vc[3]), (kc[0], vc[0], block_table.stride(0)), scale,
+            page=k_cache.shape[1])
     return out
 
 
@@ -311,4 +390,4 @@ def flops(cu_seqlens, cu_prefix_lens, segment_group, num_heads: int, head_dim: i
     return 4 * num_heads * head_dim * keys
 
 
-__all__ = ["prefix_shared_attention_triton", "flops"]
+__all__ = ["prefix_shared_attention_triton", "prefix_shared_attention_paged_triton", "flops"]

@@ -4,6 +4,8 @@ Every op has a plain PyTorch ``*_ref`` beside it: the test oracle.
 """
 from ._backend import BackendError, KNOWN_BACKENDS
 from .attention import prefix_shared_attention, prefix_shared_attention_ref
+from .paged_attention import (PagedAttentionPlan, plan_prefix_shared_attention_paged, prefix_shared_attention_paged,
+                              prefix_shared_attention_paged_ref)
 from .yes_no import yes_no_score, yes_no_score_ref
 from .merge_states import merge_attention_states, merge_attention_states_ref
 from .topk_merge import (TopKMergeState, TopKResult, topk_merge_finalize, topk_merge_init, topk_merge_ref,
@@ -15,6 +17,8 @@ from ._library import prefix_shared_attention_op, yes_no_score_op  # torch.ops.a
 __all__ = [
     "BackendError", "KNOWN_BACKENDS",
     "prefix_shared_attention", "prefix_shared_attention_ref",
+    "prefix_shared_attention_paged", "prefix_shared_attention_paged_ref", "plan_prefix_shared_attention_paged",
+    "PagedAttentionPlan",
     "yes_no_score", "yes_no_score_ref",
     "merge_attention_states", "merge_attention_states_ref",
     "TopKMergeState", "TopKResult", "topk_merge_init", "topk_merge_update", "topk_merge_finalize", "topk_merge_ref",

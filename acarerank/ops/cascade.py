@@ -22,9 +22,10 @@ from .merge_states import default_backend as merge_default_backend
 from .merge_states import merge_attention_states
 
 
-def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, block_table=None):
+    kw = {} if block_table is None else {"block_table": block_table}  # paged K/V (flash-attn >= 2.5)
     res = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
-                                 return_attn_probs=True)
+                                 return_attn_probs=True, **kw)
     out, lse = res[0], res[1]
     if lse.dim() != 2 or lse.shape != (q.shape[1], q.shape[0]):
         raise BackendError(
@@ -34,13 +35,29 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     return out, lse.t()  # [total_q, heads] view
 
 
+def prefix_shared_attention_paged_flash_cascade(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens,
+                                                segment_group, scale):
+    """``prefix_shared_attention_paged`` on flash-attn: the prefix pass reads the pages through
+    flash-attn's own ``block_table`` (one row per group with a prefix), nothing is gathered.
+
+    k_cache/v_cache: [num_blocks, block_size, Hkv, d]; flash-attn 2 accepts page sizes that
+    are multiples of 256 only, so other block sizes are a BackendError here.
+    """
+    if k_cache.shape[1] % 256:
+        raise BackendError(f"prefix_shared_attention_paged: flash_attn_cascade needs block_size a multiple of 256 "
+                           f"(flash-attn 2's paged KV), got {k_cache.shape[1]}")
+    return prefix_shared_attention_flash_cascade(q, k, v, cu_seqlens, k_cache, v_cache, cu_prefix_lens, segment_group,
+                                                 scale, block_table=block_table)
+
+
 def prefix_shared_attention_flash_cascade(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
-                                          scale):
+                                          scale, block_table=None):
     """Same contract as ``prefix_shared_attention`` (inputs already checked there).
 
     q: [T, Hq, d]; k, v: [T, Hkv, d]; prefix_k/v: [Ptot, Hkv, d]; cu_seqlens [S+1],
     cu_prefix_lens [G+1], segment_group [S] int32. Returns out [T, Hq, d] in q's dtype.
     One host sync reads the (small) metadata to build the per-group query order.
+    block_table: [G, max_blocks] int32 when prefix_k/v are pages (the paged form above).
     """
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise BackendError(f"prefix_shared_attention: flash_attn_cascade needs float16/bfloat16, got {q.dtype}")
@@ -74,8 +91,10 @@ def prefix_shared_attention_flash_cascade(q, k, v, cu_seqlens, prefix_k, prefix_
     q_pre = q if identity else q.index_select(0, perm_t)
     max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
     max_k = max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    bt = None if block_table is None else block_table[torch.tensor(keep, dtype=torch.long, device=dev)].contiguous()
     o_p, lse_p = _varlen(q_pre, prefix_k, prefix_v, torch.tensor(cu_q, dtype=torch.int32, device=dev),
-                         torch.tensor(cu_k, dtype=torch.int32, device=dev), max(max_q, 1), max_k, scale, causal=False)
+                         torch.tensor(cu_k, dtype=torch.int32, device=dev), max(max_q, 1), max_k, scale, causal=False,
+                         block_table=bt)
     if identity:
         o_pre, lse_pre = o_p, lse_p
     else:  # tokens of prefix-less groups: weight 0 in the merge

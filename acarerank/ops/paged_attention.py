@@ -1,0 +1,289 @@
+"""``prefix_shared_attention_paged``: the shared-prefix primitive with the prefix in pages.
+
+Same contract as ``prefix_shared_attention`` (docs/ARCHITECTURE.md, the one primitive), but
+each group's prefix K/V live in fixed-size blocks of a page pool, vLLM's layout:
+
+    k_cache, v_cache: [num_blocks, block_size, Hkv, d]    (block_size a power of two, 16..256)
+    block_table:      [G, max_blocks] int32               (row g: group g's prefix blocks in order)
+    prefix_lens:      [G] int32                           (P_g; token c of group g is in block
+                                                           block_table[g, c // block_size], slot c % block_size)
+
+    out[t] = softmax(scale · q[t] · [K_g; k[s_0..t]]ᵀ) · [V_g; v[s_0..t]],  K_g = pages of g in order
+
+Plan once, run per layer (FlashInfer's plan/run): ``plan_prefix_shared_attention_paged``
+validates the metadata and builds what the backend needs — the work list (Triton) or the
+gather indices (torch) — once per packed forward; every layer then calls
+``prefix_shared_attention_paged(..., plan=plan)`` and pays for no metadata work.
+
+Backends:
+  "torch"  gathers the prefix rows (one indexed read of the used pages) and runs the packed
+           torch path: equal to the packed op on the same data (bitwise on CPU, tested ≤ 1e-6)
+  "triton" one pass; the block id of every key column is read from the table inside the
+           kernel, nothing is gathered; bitwise equal to the packed Triton kernel
+  "flash_attn_cascade"  flash-attn's varlen prefix pass with its ``block_table`` (flash-attn
+           2 needs page sizes that are multiples of 256) + own pass + lse merge; GPU only
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import _backend
+from .attention import _check_inputs as _check_packed_inputs
+
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
+
+
+@dataclass
+class PagedAttentionPlan:
+    """Per-batch metadata of a paged call, built once and reused by every layer.
+
+    cu_seqlens [S+1], segment_group [S], block_table [G, max_blocks], cu_prefix_lens [G+1]:
+    int32 on the device. backend: the resolved backend name. aux: the backend's index
+    tensors — torch: (block index, slot index) of every prefix row, packed group after group
+    ([Ptot] int64 each); triton: (work list [W, 2] int32,); flash_attn_cascade: ().
+    """
+    cu_seqlens: torch.Tensor
+    segment_group: torch.Tensor
+    block_table: torch.Tensor
+    prefix_lens: torch.Tensor
+    cu_prefix_lens: torch.Tensor
+    block_size: int
+    num_tokens: int
+    backend: str
+    aux: tuple
+
+
+def _int32_tensor(name, t, dim, device):
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != dim:
+        got = f"{t.dtype} {t.dim()}-D" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"prefix_shared_attention_paged: {name} must be a {dim}-D int32 tensor, got {got}")
+    if t.device != device:
+        raise ValueError(f"prefix_shared_attention_paged: {name} is on {t.device}, q is on {device}")
+
+
+def check_block_size(block_size) -> int:
+    """block_size must be a power of two in [16, 256] (the page sizes the kernels are tuned for)."""
+    if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < MIN_BLOCK_SIZE
+            or block_size > MAX_BLOCK_SIZE or block_size & (block_size - 1)):
+        raise ValueError(f"prefix_shared_attention_paged: block_size must be a power of two from {MIN_BLOCK_SIZE} "
+                         f"to {MAX_BLOCK_SIZE}, got {block_size!r}")
+    return block_size
+
+
+def _check_cache(q, k, k_cache, v_cache):
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"prefix_shared_attention_paged: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"prefix_shared_attention_paged: {name} must be [num_blocks, block_size, Hkv, d], "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"prefix_shared_attention_paged: {name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"prefix_shared_attention_paged: {name} is on {t.device}, q is on {q.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"prefix_shared_attention_paged: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} differ")
+    if k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"prefix_shared_attention_paged: cache pages hold [Hkv, d] = {tuple(k_cache.shape[2:])}, "
+                         f"k rows are {tuple(k.shape[1:])}")
+    check_block_size(k_cache.shape[1])
+
+
+def _check_tables(block_table, prefix_lens, segment_group, block_size, num_blocks, device, validate_values):
+    _int32_tensor("block_table", block_table, 2, device)
+    _int32_tensor("prefix_lens", prefix_lens, 1, device)
+    G = block_table.shape[0]
+    if prefix_lens.numel() != G:
+        raise ValueError(f"prefix_shared_attention_paged: prefix_lens has {prefix_lens.numel()} entries for "
+                         f"{G} block-table rows")
+    if not validate_values or G == 0:
+        return
+    pl = prefix_lens.tolist()
+    cap = block_table.shape[1] * block_size
+    for g, n in enumerate(pl):
+        if n < 0:
+            raise ValueError(f"prefix_shared_attention_paged: prefix_lens[{g}] = {n} is negative")
+        if n > cap:
+            raise ValueError(f"prefix_shared_attention_paged: prefix_lens[{g}] = {n} is longer than its "
+                             f"{block_table.shape[1]} blocks of {block_size} tokens")
+    used = torch.arange(block_table.shape[1], device=device)[None, :] < \
+        ((prefix_lens.long() + block_size - 1) // block_size)[:, None]
+    ids = block_table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        bad = ids[(ids < 0) | (ids >= num_blocks)][0].item()
+        raise ValueError(f"prefix_shared_attention_paged: block id {bad} in block_table is out of range "
+                         f"[0, {num_blocks})")
+
+
+def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, segment_group, *, num_heads: int,
+                                       num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                                       dtype: torch.dtype, backend: Optional[str] = None,
+                                       validate: bool = True) -> PagedAttentionPlan:
+    """Check the metadata and build the backend's index tensors once per batch.
+
+    Args: as ``prefix_shared_attention_paged``; num_heads/num_kv_heads/head_dim/dtype describe
+    q and the pages (the Triton work list depends on the GQA ratio and the tile size);
+    validate: read the metadata values on the host (one sync) and check them.
+    """
+    device = cu_seqlens.device
+    check_block_size(block_size)
+    _int32_tensor("cu_seqlens", cu_seqlens, 1, device)
+    _int32_tensor("segment_group", segment_group, 1, device)
+    _check_tables(block_table, prefix_lens, segment_group, block_size, num_blocks, device, validate)
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"prefix_shared_attention_paged: query heads {num_heads} are not a multiple of kv heads "
+                         f"{num_kv_heads}")
+    name, _ = _backend.resolve("prefix_shared_attention_paged", IMPLEMENTATIONS, backend, device)
+    _backend.check_runs_on(name, device, "prefix_shared_attention_paged")
+    G = block_table.shape[0]
+    cu_pre = torch.zeros(G + 1, dtype=torch.int32, device=device)
+    if G:
+        cu_pre[1:] = torch.cumsum(prefix_lens, 0)
+    T = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
+    if name == "torch":
+        aux = _gather_index(block_table, prefix_lens, cu_pre, block_size)
+    elif name == "triton":
+        from acarerank.kernels.prefix_shared_attention import _block_m, _work_list
+        block_m = _block_m(head_dim, dtype, device.type == "cuda")
+        work = _work_list(cu_seqlens, cu_pre, segment_group, T, num_heads // num_kv_heads, block_m)
+        aux = (work,)
+    else:
+        aux = ()
+    return PagedAttentionPlan(cu_seqlens, segment_group, block_table, prefix_lens, cu_pre, block_size, T, name, aux)
+
+
+def _gather_index(block_table, prefix_lens, cu_pre, block_size):
+    """(block, slot) int64 [Ptot] of every prefix row, group after group: one host sync (Ptot)."""
+    dev = block_table.device
+    G = block_table.shape[0]
+    Ptot = int(cu_pre[-1]) if G else 0
+    g_of = torch.repeat_interleave(torch.arange(G, device=dev), prefix_lens.long(), output_size=Ptot)
+    col = torch.arange(Ptot, device=dev) - cu_pre[:-1].long()[g_of]
+    blk = block_table.long()[g_of, col // block_size]
+    return blk, col % block_size
+
+
+def _torch_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
+    from .attention import _torch_backend as packed
+
+    blk, slot = aux
+    # advanced indexing reads only the used pages, whatever the cache's strides
+    return packed(q, k, v, cu_seqlens, k_cache[blk, slot], v_cache[blk, slot], cu_prefix_lens, segment_group, scale)
+
+
+def _triton_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
+    from acarerank.kernels.prefix_shared_attention import prefix_shared_attention_paged_triton
+
+    return prefix_shared_attention_paged_triton(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens,
+                                                segment_group, aux[0], scale)
+
+
+def _flash_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
+    from .cascade import prefix_shared_attention_paged_flash_cascade
+
+    return prefix_shared_attention_paged_flash_cascade(q, k, v, cu_seqlens, k_cache, v_cache, block_table,
+                                                       cu_prefix_lens, segment_group, scale)
+
+
+def _load_torch():
+    return _torch_backend
+
+
+def _load_triton():
+    try:
+        from acarerank.kernels.prefix_shared_attention import prefix_shared_attention_paged_triton  # noqa: F401
+    except ImportError as e:
+        raise _backend.BackendError(f"prefix_shared_attention_paged: triton backend unavailable: {e}") from e
+    return _triton_backend
+
+
+def _load_flash():
+    try:
+        from .cascade import prefix_shared_attention_paged_flash_cascade  # noqa: F401
+    except ImportError as e:  # flash-attn is optional and GPU-only
+        raise _backend.BackendError(f"prefix_shared_attention_paged: flash_attn_cascade backend unavailable: {e}") from e
+    return _flash_backend
+
+
+#: backend name -> loader returning the implementation
+IMPLEMENTATIONS = {"torch": _load_torch, "triton": _load_triton, "flash_attn_cascade": _load_flash}
+
+
+@torch.library.custom_op("acarerank::prefix_shared_attention_paged", mutates_args=())
+def prefix_shared_attention_paged_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                                     k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                                     cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
+                                     aux: list[torch.Tensor], softmax_scale: float, backend: str) -> torch.Tensor:
+    """Registered form (opaque to torch.compile); ``aux`` = the plan's index tensors."""
+    fn = IMPLEMENTATIONS[backend]()
+    return fn(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, tuple(aux),
+              softmax_scale)
+
+
+@prefix_shared_attention_paged_op.register_fake
+def _(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, softmax_scale,
+      backend):
+    return torch.empty_like(q)
+
+
+def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, segment_group,
+                                  softmax_scale: Optional[float] = None, backend: Optional[str] = None, *,
+                                  plan: Optional[PagedAttentionPlan] = None, validate: bool = True):
+    """Causal attention of packed segments over their group's prefix, read from pages.
+
+    Args:
+      q: [T, Hq, d]; k, v: [T, Hkv, d] — the segments' own rows, packed, RoPE applied.
+      cu_seqlens: [S+1] int32; segment_group: [S] int32 — as in ``prefix_shared_attention``.
+      k_cache, v_cache: [num_blocks, block_size, Hkv, d], q's dtype and device, any strides.
+      block_table: [G, max_blocks] int32 — group g's prefix blocks in order (entries past
+        ceil(P_g / block_size) are never read).
+      prefix_lens: [G] int32 — P_g (may be 0; may end mid-block).
+      softmax_scale: default 1/sqrt(d). backend: None = environment / device default.
+      plan: from ``plan_prefix_shared_attention_paged`` for this batch's metadata (built here
+        when None); its backend wins over ``backend``.
+      validate: check shapes/dtypes (always cheap) and, without a plan, the metadata values.
+
+    Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
+    """
+    T, Hq, d = q.shape if isinstance(q, torch.Tensor) and q.dim() == 3 else (0, 0, 0)
+    if validate:
+        G = block_table.shape[0] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else 0
+        empty = q.new_empty(0, *k.shape[1:]) if isinstance(k, torch.Tensor) and k.dim() == 3 else k
+        _check_packed_inputs(q, k, v, cu_seqlens, empty, empty, torch.zeros(G + 1, dtype=torch.int32, device=q.device),
+                             segment_group, plan is None)
+        _check_cache(q, k, k_cache, v_cache)
+    if plan is None:
+        plan = plan_prefix_shared_attention_paged(
+            cu_seqlens, block_table, prefix_lens, segment_group, num_heads=Hq, num_kv_heads=k.shape[1], head_dim=d,
+            block_size=k_cache.shape[1], num_blocks=k_cache.shape[0], dtype=q.dtype, backend=backend,
+            validate=validate)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    return prefix_shared_attention_paged_op(q, k, v, plan.cu_seqlens, k_cache, v_cache, plan.block_table,
+                                            plan.cu_prefix_lens, plan.segment_group, list(plan.aux), float(scale),
+                                            plan.backend)
+
+
+def prefix_shared_attention_paged_ref(q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, segment_group,
+                                      softmax_scale=None):
+    """Oracle: gather each group's prefix from its pages in plain Python, then the packed oracle."""
+    from .attention import prefix_shared_attention_ref
+
+    bs = k_cache.shape[1]
+    pks, pvs, cu = [], [], [0]
+    for g, n in enumerate(prefix_lens.tolist()):
+        for c in range(n):
+            b = int(block_table[g, c // bs])
+            pks.append(k_cache[b, c % bs])
+            pvs.append(v_cache[b, c % bs])
+        cu.append(cu[-1] + n)
+    empty = k_cache.new_empty(0, *k_cache.shape[2:])
+    pk = torch.stack(pks) if pks else empty
+    pv = torch.stack(pvs) if pvs else empty
+    return prefix_shared_attention_ref(q, k, v, cu_seqlens, pk, pv, torch.tensor(cu, dtype=torch.int32,
+                                                                                   device=q.device),
+                                       segment_group, softmax_scale)

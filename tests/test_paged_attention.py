@@ -1,0 +1,151 @@
+"""prefix_shared_attention_paged == prefix_shared_attention on the same data.
+
+Pages are filled with the gathered prefixes at shuffled block ids (so a wrong lookup reads
+another group's values), groups share leading blocks, prefixes end mid-block or are empty.
+torch: ≤ 1e-6 fp32 against the packed op and the plain oracle; Triton (interpreter, small
+shapes): bitwise equal to the packed Triton kernel.
+"""
+import pytest
+import torch
+
+from acarerank.ops import (BackendError, plan_prefix_shared_attention_paged, prefix_shared_attention,
+                           prefix_shared_attention_paged, prefix_shared_attention_paged_ref,
+                           prefix_shared_attention_ref)
+
+
+def make_case(prefix_lens, seg_lens, seg_group, Hq, Hkv, d, block_size, share=True, dtype=torch.float32, seed=0):
+    """Random pages + block table; returns (paged args, packed args). Group 1 reuses group 0's
+    first full blocks when ``share`` (several groups pointing at the same pages)."""
+    g = torch.Generator().manual_seed(seed)
+    G = len(prefix_lens)
+    nblk = [-(-p // block_size) for p in prefix_lens]
+    num_blocks = sum(nblk) + 3  # spare pages hold garbage that must never be read
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, nxt = [], 0
+    for gi in range(G):
+        row = []
+        for b in range(nblk[gi]):
+            if share and gi == 1 and b < nblk[0] and (b + 1) * block_size <= min(prefix_lens[0], prefix_lens[1]):
+                row.append(tables[0][b])  # a full block of group 0, shared
+            else:
+                row.append(perm[nxt])
+                nxt += 1
+        tables.append(row)
+    max_blocks = max([len(r) for r in tables] + [1]) + 1  # one unused column (never read)
+    bt = torch.full((G, max_blocks), -7, dtype=torch.int32)  # padding is deliberately invalid
+    for gi, row in enumerate(tables):
+        bt[gi, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, Hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, Hkv, d, generator=g).to(dtype)
+    pk = torch.cat([k_cache[bt[gi, c // block_size], c % block_size][None] for gi in range(G)
+                    for c in range(prefix_lens[gi])] or [k_cache.new_empty(0, Hkv, d)])
+    pv = torch.cat([v_cache[bt[gi, c // block_size], c % block_size][None] for gi in range(G)
+                    for c in range(prefix_lens[gi])] or [v_cache.new_empty(0, Hkv, d)])
+    T = sum(seg_lens)
+    q = torch.randn(T, Hq, d, generator=g).to(dtype)
+    k = torch.randn(T, Hkv, d, generator=g).to(dtype)
+    v = torch.randn(T, Hkv, d, generator=g).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(seg_lens).cumsum(0).tolist(), dtype=torch.int32)
+    sg = torch.tensor(seg_group, dtype=torch.int32)
+    pl = torch.tensor(prefix_lens, dtype=torch.int32)
+    cp = torch.tensor([0] + torch.tensor(prefix_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return (q, k, v, cu, k_cache, v_cache, bt, pl, sg), (q, k, v, cu, pk, pv, cp, sg)
+
+
+def report(a, b):
+    diff = (a.float() - b.float()).abs()
+    i = int(diff.flatten().argmax())
+    return f"max |diff| {diff.max().item():.3g} at flat index {i} (row {i // (a.shape[1] * a.shape[2])})"
+
+
+CASES = [  # prefix_lens, seg_lens, seg_group
+    ([37, 70], [5, 1, 9], [0, 1, 1]),            # mid-block ends, a decode-like 1-token segment
+    ([0, 33], [3, 0, 4], [0, 1, 1]),             # empty prefix, empty segment
+    ([300, 300, 17], [2, 7, 1, 6], [2, 0, 1, 0]),  # shared blocks, segments out of group order
+]
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_torch_paged_equals_packed(block_size, Hq, Hkv, d):
+    for prefix_lens, seg_lens, seg_group in CASES:
+        paged, packed = make_case(prefix_lens, seg_lens, seg_group, Hq, Hkv, d, block_size)
+        out = prefix_shared_attention_paged(*paged, backend="torch")
+        want = prefix_shared_attention(*packed, backend="torch")
+        assert (out - want).abs().max().item() <= 1e-6, report(out, want)
+        ref = prefix_shared_attention_ref(*packed)
+        assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), report(out, ref)
+
+
+def test_paged_ref_gathers_like_the_test():
+    paged, packed = make_case([37, 70], [5, 1, 9], [0, 1, 1], 4, 2, 16, 16)
+    assert torch.equal(prefix_shared_attention_paged_ref(*paged), prefix_shared_attention_ref(*packed))
+
+
+def test_plan_reused_across_layers_and_strided_cache():
+    paged, packed = make_case([37, 70], [5, 1, 9], [0, 1, 1], 4, 2, 32, 16)
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    plan = plan_prefix_shared_attention_paged(cu, bt, pl, sg, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                                              num_blocks=kc.shape[0], dtype=q.dtype, backend="torch")
+    # a non-contiguous pool (pages of a [L, num_blocks, ...] stack, every other layer)
+    big_k = torch.stack([kc, kc.neg()], dim=1)[:, 0]
+    big_v = torch.stack([vc, vc.neg()], dim=1)[:, 0]
+    assert not big_k.is_contiguous()
+    for _ in range(2):  # the same plan serves every layer
+        out = prefix_shared_attention_paged(q, k, v, cu, big_k, big_v, bt, pl, sg, plan=plan)
+        want = prefix_shared_attention(*packed, backend="torch")
+        assert (out - want).abs().max().item() <= 1e-6, report(out, want)
+
+
+TRITON_CASES = [
+    (16, 2, 2, 64, [37, 70], [5, 1, 9], [0, 1, 1]),
+    (64, 8, 2, 64, [0, 33], [3, 0, 4], [0, 1, 1]),
+    (256, 4, 4, 128, [300, 300, 17], [2, 7, 1, 6], [2, 0, 1, 0]),
+    (16, 8, 1, 64, [40, 40], [3, 2], [1, 0]),
+]
+
+
+@pytest.mark.parametrize("block_size,Hq,Hkv,d,prefix_lens,seg_lens,seg_group", TRITON_CASES)
+def test_triton_paged_bitwise_equals_packed(block_size, Hq, Hkv, d, prefix_lens, seg_lens, seg_group):
+    paged, packed = make_case(prefix_lens, seg_lens, seg_group, Hq, Hkv, d, block_size)
+    out = prefix_shared_attention_paged(*paged, backend="triton")
+    want = prefix_shared_attention(*packed, backend="triton")
+    assert torch.equal(out, want), report(out, want)
+    ref = prefix_shared_attention_ref(*packed)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), report(out, ref)
+
+
+def test_triton_paged_bf16_bitwise_equals_packed():
+    paged, packed = make_case([37, 20], [4, 3], [0, 1], 4, 2, 64, 16, dtype=torch.bfloat16)
+    out = prefix_shared_attention_paged(*paged, backend="triton")
+    want = prefix_shared_attention(*packed, backend="triton")
+    assert torch.equal(out, want), report(out, want)
+
+
+def _args():
+    return list(make_case([37, 70], [5, 1, 9], [0, 1, 1], 4, 2, 16, 16)[0])
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: a.__setitem__(6, a[6].clone().index_fill_(1, torch.tensor([0]), 999)), "block id 999"),
+    (lambda a: a.__setitem__(7, torch.tensor([37, 16 * 6 + 1], dtype=torch.int32)), "longer than its"),
+    (lambda a: a.__setitem__(6, a[6].long()), "block_table must be a 2-D int32"),
+    (lambda a: a.__setitem__(7, a[7].long()), "prefix_lens must be a 1-D int32"),
+    (lambda a: a.__setitem__(4, a[4].double()), "k_cache dtype"),
+    (lambda a: (a.__setitem__(4, a[4][:, :12]), a.__setitem__(5, a[5][:, :12])), "power of two"),
+    (lambda a: (a.__setitem__(4, a[4][:, :8]), a.__setitem__(5, a[5][:, :8])), "power of two"),
+    (lambda a: a.__setitem__(5, a[5][:-1]), "differ"),
+    (lambda a: a.__setitem__(7, a[7][:1]), "prefix_lens has 1 entries"),
+    (lambda a: a.__setitem__(8, torch.tensor([0, 1, 2], dtype=torch.int32)), "segment_group values"),
+])
+def test_bad_input_is_a_clear_error(mutate, match):
+    a = _args()
+    mutate(a)
+    with pytest.raises((ValueError, TypeError), match=match):
+        prefix_shared_attention_paged(*a, backend="torch")
+
+
+def test_unknown_backend_is_a_backend_error():
+    with pytest.raises(BackendError, match="has no 'cpp' backend"):
+        prefix_shared_attention_paged(*_args(), backend="cpp")
