@@ -208,13 +208,16 @@ def build(fn, sig, const, **opts):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
 ptrs = {n: "*bf16" for n in ("Q", "K", "V", "PK", "PV", "Out")}
-ptrs.update({n: "*i32" for n in ("CU_SEQ", "CU_PRE", "SEG_GROUP", "WORK")})
+ptrs.update({n: "*i32" for n in ("CU_SEQ", "CU_PRE", "SEG_GROUP", "WORK", "BT")})
 ptrs.update({n: "i32" for n in A._prefix_shared_attn_fwd.arg_names if n.startswith("stride") and not n.endswith("d")})
 ptrs["qk_scale"] = "fp32"
 const = {n: 1 for n in A._prefix_shared_attn_fwd.arg_names if n.startswith("stride") and n.endswith("d")}
-const.update(HEAD_DIM=128, BLOCK_D=128, GQA=4, BLOCK_M=128, BLOCK_N=64, DOT_FP32=False, IEEE=False)
+const.update(HEAD_DIM=128, BLOCK_D=128, GQA=4, BLOCK_M=128, BLOCK_N=64, DOT_FP32=False, IEEE=False, PAGE=0)
 ptx = build(A._prefix_shared_attn_fwd, ptrs, const, num_warps=8, num_stages=3)
 print("attention wgmma", ptx.count("wgmma.mma_async"), "cp.async", ptx.count("cp.async"))
+const.update(PAGE=16)  # the paged prefix stream (block-table lookup in the kernel)
+ptx = build(A._prefix_shared_attn_fwd, ptrs, const, num_warps=8, num_stages=3)
+print("paged wgmma", ptx.count("wgmma.mma_async"), "cp.async", ptx.count("cp.async"))
 sig = {"Hid": "*bf16", "NormW": "*bf16", "WYes": "*bf16", "WNo": "*bf16", "Score": "*fp32", "Diff": "*fp32",
        "S": "i32", "H": "i32", "stride_s": "i32", "eps": "fp32"}
 build(Y._yes_no_head_kernel, sig, dict(stride_h=1, BLOCK_S=4, BLOCK_H=1024), num_warps=4)
@@ -234,6 +237,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert res.returncode == 0, f"sm_90 compile failed:\n{res.stderr[-3000:]}"
     counts = res.stdout.split("\n")[0].split()
     assert counts[0] == "attention" and int(counts[2]) > 0 and int(counts[4]) > 0, f"no wgmma / cp.async: {res.stdout}"
+    paged = res.stdout.split("\n")[1].split()
+    assert paged[0] == "paged" and int(paged[2]) > 0, f"paged variant lost the tensor cores: {res.stdout}"
     assert "head ok" in res.stdout
 
 

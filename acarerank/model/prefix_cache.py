@@ -1,0 +1,163 @@
+"""Prefix cache across calls: a radix tree over token ids at block granularity.
+
+SGLang's RadixAttention keeps a radix tree whose nodes own KV; vLLM chains hashes of full
+blocks. Here every node is one *full* block of ``block_size`` token ids (its edge label)
+under its parent, so a root-to-node path spells a cached prefix and the node's block holds
+that stretch of K/V. One root per ``cache_salt``: nothing is shared across salts.
+
+    root(salt) ─[t0..t15]─ n1 ─[t16..t31]─ n2 ─ ...        (one block id per node)
+                              └─[other 16 tokens]─ n3      (a sibling context / sub-query)
+
+References (``BlockPool.refcount``): the tree holds one per node; every handle that matched
+or computed a prefix holds one per block it uses. A node is *evictable* when it is a leaf
+and the tree's is the only reference (nobody is reading it); ``evict`` drops the least
+recently used evictable leaves first (LRU; a parent becomes a leaf, hence a candidate, once
+its children are gone). Memory is the pool's, fixed at construction: it never exceeds the
+budget whatever the traffic.
+
+Statistics (monotonic counters): tokens looked up, tokens hit (served from the tree),
+tokens evicted; the caller adds computed tokens. Thread-safe: every method holds the pool's lock.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Hashable, Optional, Sequence
+
+from .block_pool import BlockPool, PoolExhausted
+
+
+class _Node:
+    __slots__ = ("key", "block", "parent", "children", "last_access")
+
+    def __init__(self, key, block, parent):
+        self.key = key
+        self.block = block
+        self.parent = parent
+        self.children: dict = {}
+        self.last_access = 0
+
+
+class PrefixCache:
+    """Block-granular radix tree of cached prefixes over a ``BlockPool``."""
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._roots: dict = {}
+        self._clock = itertools.count(1)
+        self.lookup_tokens = 0
+        self.hit_tokens = 0
+        self.evicted_tokens = 0
+        self._num_nodes = 0
+
+    # -- queries ----------------------------------------------------------------------
+    def _keys(self, tokens: Sequence[int]):
+        bs = self.block_size
+        return [tuple(tokens[i:i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
+
+    def match(self, salt: Optional[Hashable], tokens: Sequence[int]) -> list:
+        """Block ids of the longest cached prefix of ``tokens`` (full blocks only), pinned.
+
+        Each returned block gets one reference the caller must give back (``pool.decref``).
+        Counts ``len(tokens)`` looked up and the matched tokens as hits.
+        """
+        with self.pool.lock:
+            now = next(self._clock)
+            node = self._roots.get(salt)
+            blocks = []
+            if node is not None:
+                for key in self._keys(tokens):
+                    node = node.children.get(key)
+                    if node is None:
+                        break
+                    node.last_access = now
+                    blocks.append(node.block)
+            self.pool.incref(blocks)
+            self.lookup_tokens += len(tokens)
+            self.hit_tokens += len(blocks) * self.block_size
+            return blocks
+
+    def insert(self, salt: Optional[Hashable], tokens: Sequence[int], blocks: Sequence[int]) -> int:
+        """Record that ``blocks[i]`` holds the K/V of ``tokens``' i-th full block; returns nodes added.
+
+        A block already in the tree under the same path is kept (the caller's copy stays the
+        caller's); a new node takes one reference to the caller's block.
+        """
+        keys = self._keys(tokens)
+        if len(blocks) < len(keys):
+            keys = keys[:len(blocks)]
+        with self.pool.lock:
+            now = next(self._clock)
+            node = self._roots.get(salt)
+            if node is None:
+                node = self._roots[salt] = _Node(None, None, None)
+            added = 0
+            for key, b in zip(keys, blocks):
+                child = node.children.get(key)
+                if child is None:
+                    self.pool.incref([b])
+                    child = node.children[key] = _Node(key, b, node)
+                    added += 1
+                child.last_access = now
+                node = child
+            self._num_nodes += added
+            return added
+
+    # -- memory -------------------------------------------------------------------------
+    def _evictable_leaves(self):
+        stack = list(self._roots.values())
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            elif n.block is not None and self.pool.refcount[n.block] == 1:
+                yield n
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` blocks, least recently used unreferenced leaves first."""
+        if num_blocks <= 0:
+            return 0
+        with self.pool.lock:
+            heap = [(n.last_access, id(n), n) for n in self._evictable_leaves()]
+            heapq.heapify(heap)
+            freed = 0
+            while heap and freed < num_blocks:
+                _, _, n = heapq.heappop(heap)
+                parent = n.parent
+                del parent.children[n.key]
+                self.pool.decref([n.block])
+                self._num_nodes -= 1
+                freed += 1
+                if not parent.children and parent.block is not None and self.pool.refcount[parent.block] == 1:
+                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self.evicted_tokens += freed * self.block_size
+            return freed
+
+    def allocate(self, n: int) -> list:
+        """``n`` fresh blocks (reference count 1), evicting LRU leaves if the pool is short."""
+        with self.pool.lock:
+            short = n - self.pool.num_free
+            if short > 0:
+                self.evict(short)
+            if n > self.pool.num_free:
+                raise PoolExhausted(f"prefix cache: {n} blocks needed, {self.pool.num_free} free after evicting "
+                                    f"every unpinned cached block (pool of {self.pool.num_blocks})")
+            return self.pool.allocate(n)
+
+    @property
+    def resident_tokens(self) -> int:
+        """Tokens whose K/V the tree holds."""
+        return self._num_nodes * self.block_size
+
+    def paths(self) -> dict:
+        """{(salt, (key, key, ...)): block} of every node (tests and debugging)."""
+        out = {}
+        with self.pool.lock:
+            stack = [(salt, (), r) for salt, r in self._roots.items()]
+            while stack:
+                salt, path, n = stack.pop()
+                for key, c in n.children.items():
+                    out[(salt, path + (key,))] = c.block
+                    stack.append((salt, path + (key,), c))
+        return out
