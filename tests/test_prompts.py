@@ -204,13 +204,14 @@ def shared_reference(tok, query, question, trace, instruction=None):
 
 @pytest.mark.parametrize("question", [None, "Which topic links source 3 and source 299?"])
 @pytest.mark.parametrize("max_length,min_doc", [(1000, 300), (2000, 512), (700, 64)])
-def test_trace_loses_oldest_text_first(tok, question, max_length, min_doc):
+@pytest.mark.parametrize("chunk", [1, 512])
+def test_trace_loses_oldest_text_first(tok, question, max_length, min_doc, chunk):
     docs_a = ["short doc", " ".join(["long"] * 3000)]
     docs_b = ["something else entirely"]
     enc = encode_pointwise(tok, "topic of source 299?", docs_a, question=question, trace=TRACE,
-                           max_length=max_length, min_doc_tokens=min_doc)
+                           max_length=max_length, min_doc_tokens=min_doc, trace_cut_chunk=chunk)
     other = encode_pointwise(tok, "topic of source 299?", docs_b, question=question, trace=TRACE,
-                             max_length=max_length, min_doc_tokens=min_doc)
+                             max_length=max_length, min_doc_tokens=min_doc, trace_cut_chunk=chunk)
     n_suffix = len(tok.encode(CARD_SUFFIX, add_special_tokens=False))
     budget = max_length - n_suffix - min_doc
     assert enc.shared_ids == other.shared_ids, "shared part depends on the documents"
@@ -224,15 +225,35 @@ def test_trace_loses_oldest_text_first(tok, question, max_length, min_doc):
     assert enc.shared_ids == shared_reference(tok, "topic of source 299?", question, kept), \
         first_diff(tok, enc.shared_ids, shared_reference(tok, "topic of source 299?", question, kept))
     assert "Step 299:" in kept and "Step 0:" not in kept
-    # tight: keeping one more token would not fit
-    one_more = TRACE[starts[d - 1]:].lstrip()
+    # tight: the cut is a whole number of chunks, and keeping one chunk more would not fit
+    assert d % chunk == 0, (d, chunk)
+    one_more = TRACE[starts[d - chunk]:].lstrip()
     assert len(shared_reference(tok, "topic of source 299?", question, one_more)) > budget
+
     # sub-query and question are intact, each document fills the room left
     text = tok.decode(enc.shared_ids)
     assert "<Query>: topic of source 299?\n<Document>:" in text
     if question:
         assert f"<Question>: {question}\n" in text
     assert len(enc.input_ids(1)) == max_length and enc.doc_truncated == [False, True]
+
+
+def test_growing_trace_keeps_its_start_until_the_next_chunk(tok):
+    """An agent's trace grows call after call past the cap: the chunked cut keeps consecutive
+    calls' shared parts identical up to the end of the older trace (what the prefix cache
+    reuses), until the excess crosses a chunk boundary; the fewest-tokens cut never does."""
+    steps = [" ".join(f"Step {i}: looked up source {i} and noted fact {i}." for i in range(n)) for n in (200, 202)]
+    def shared(trace, chunk):
+        return encode_pointwise(tok, "q?", ["d"], question="Q?", trace=trace, max_length=2000, trace_cut_chunk=chunk)
+    a, b = shared(steps[0], 512), shared(steps[1], 512)
+    assert a.trace_tokens_dropped == b.trace_tokens_dropped > 0 and a.trace_tokens_dropped % 512 == 0
+    kept_old = a.trace_used
+    common = next(i for i, (x, y) in enumerate(zip(a.shared_ids, b.shared_ids)) if x != y)
+    n_before_trace_end = len(tok.encode(a.trace_used, add_special_tokens=False))
+    assert b.trace_used.startswith(kept_old[:-1]) and common >= n_before_trace_end, (common, n_before_trace_end)
+    fine_a, fine_b = shared(steps[0], 1), shared(steps[1], 1)
+    fine_common = next(i for i, (x, y) in enumerate(zip(fine_a.shared_ids, fine_b.shared_ids)) if x != y)
+    assert fine_common < common - 100, "the token-level cut moves the trace start (no reuse past the question)"
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

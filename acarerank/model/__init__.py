@@ -1,6 +1,9 @@
 """Qwen3 decoder runner over packed, grouped, prefix-shared batches; checkpoint loading."""
 from .arch import Qwen3Arch
+from .block_pool import BlockPool, PoolExhausted
+from .paged_cache import PagedKVCache
+from .prefix_cache import PrefixCache
 from .runner import KVCache, Qwen3Runner
 from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 
-__all__ = ["Qwen3Arch", "KVCache", "Qwen3Runner", "Qwen3Weights", "load_checkpoint", "weights_from_hf"]
+__all__ = ["Qwen3Arch", "KVCache", "BlockPool", "PoolExhausted", "PagedKVCache", "PrefixCache", "Qwen3Runner", "Qwen3Weights", "load_checkpoint", "weights_from_hf"]

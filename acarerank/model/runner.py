@@ -9,6 +9,13 @@ segment tokens of group g start at the group's cache length P_g.
 
 Prefill is the same pass with an empty cache and ``append=True``; so are chunked prefill
 and greedy decoding (one-token segments).
+
+KV storage: ``prefill`` returns a ``PagedKVCache`` — block tables over a ``BlockPool`` of
+``[num_blocks, block_size, Hkv, d]`` pages per layer — and appending writes only the new rows
+into pages (a decode step never re-packs the cache). The attention metadata (work list,
+block lookups) is planned once per pass and reused by every layer. A caller that keeps KV
+across calls (the prefix cache of ``PointwiseReranker``) passes its own pool-backed cache to
+``extend``/``forward``. The packed ``KVCache`` is still accepted by ``forward``.
 """
 from __future__ import annotations
 
@@ -18,8 +25,10 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..ops import prefix_shared_attention
+from ..ops import prefix_shared_attention, prefix_shared_attention_paged
 from .arch import Qwen3Arch
+from .block_pool import BlockPool
+from .paged_cache import PagedKVCache
 from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 
 
@@ -69,6 +78,11 @@ def _linear_fixed_tiles(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tens
     return out[:T]
 
 
+#: tokens per KV page of the runner's caches (a power of two, 16..256): the prefix cache
+#: reuses whole pages only, so small pages lose at most 15 tokens of a hit
+DEFAULT_BLOCK_SIZE = 16
+
+
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -78,7 +92,7 @@ class Qwen3Runner:
     """Runs a Qwen3 decoder over prefix-shared batches; holds no per-request state."""
 
     def __init__(self, weights: Qwen3Weights, backend: Optional[str] = None, prefill_chunk: int = 4096,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, block_size: int = DEFAULT_BLOCK_SIZE):
         """
         Args:
           weights: see ``Qwen3Weights``; backend: attention backend (None = op default).
@@ -86,12 +100,14 @@ class Qwen3Runner:
           batch_invariant: run every GEMM on fixed tiles of ``INVARIANT_ROWS`` rows, so a
             segment's output is bitwise independent of the other segments in its batch (with a
             batch-invariant attention backend: "triton"). Costs some speed; off by default.
+          block_size: tokens per KV page of the caches ``prefill`` and ``new_pool`` make.
         """
         self.weights = weights
         self.batch_invariant = batch_invariant
         self.arch = weights.arch
         self.backend = backend
         self.prefill_chunk = prefill_chunk
+        self.block_size = block_size
         a = self.arch
         self._inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64, device=self.device)
                                                 .float() / a.head_dim))
@@ -129,22 +145,44 @@ class Qwen3Runner:
         return (self.final_norm(hidden) @ self.weights.lm_head.T).float()
 
     # -- public passes ------------------------------------------------------------------
+    def new_pool(self, num_blocks: int, growable: bool = False) -> BlockPool:
+        """KV pages for every layer of this model (``num_blocks`` × ``block_size`` tokens)."""
+        a = self.arch
+        return BlockPool(a.num_layers, num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.dtype,
+                         self.device, growable=growable)
+
     @torch.inference_mode()
-    def prefill(self, prefixes: Sequence, chunk_tokens: Optional[int] = None) -> KVCache:
-        """Compute every group's prefix once; returns their KVCache.
+    def prefill(self, prefixes: Sequence, chunk_tokens: Optional[int] = None) -> PagedKVCache:
+        """Compute every group's prefix once; returns their paged cache (a private, growable pool).
 
         prefixes: one token-id list / 1-D LongTensor per group (may be empty). Long
         prefixes go in chunks of ``chunk_tokens`` (all groups' chunks in one pass each), so
         a 16k-token prompt never needs 16k tokens of activations at once.
         """
-        chunk = chunk_tokens or self.prefill_chunk
         ids = [self._as_ids(p, f"prefix {g}", allow_empty=True) for g, p in enumerate(prefixes)]
-        cache = KVCache.empty(self.arch, len(ids), self.dtype, self.device)
+        bs = self.block_size
+        cache = PagedKVCache(self.new_pool(sum(-(-(t.numel() + 1) // bs) for t in ids), growable=True))
+        for _ in ids:
+            cache.add_group()
+        self.extend(cache, list(range(len(ids))), ids, chunk_tokens)
+        return cache
+
+    @torch.inference_mode()
+    def extend(self, cache, groups: Sequence[int], tokens: Sequence, chunk_tokens: Optional[int] = None) -> None:
+        """Append ``tokens[i]`` (computed over the cache) to group ``groups[i]``, in chunks.
+
+        The chunked prefill of ``prefill``, for a cache that already holds part of each prefix
+        (a prefix-cache hit): only the new tokens are computed.
+        """
+        chunk = chunk_tokens or self.prefill_chunk
+        ids = [self._as_ids(p, f"prefix {g}", allow_empty=True) for g, p in zip(groups, tokens)]
+        if len(set(groups)) != len(groups):
+            raise ValueError("extend: at most one token run per group")
         start = 0
         while True:
-            pieces = [(g, t[start:start + chunk]) for g, t in enumerate(ids) if t.numel() > start]
+            pieces = [(g, t[start:start + chunk]) for g, t in zip(groups, ids) if t.numel() > start]
             if not pieces:
-                return cache
+                return
             self._forward(cache, [p for _, p in pieces], [g for g, _ in pieces], output="none", append=True)
             start += chunk
 
@@ -203,6 +241,11 @@ class Qwen3Runner:
         last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.long, device=dev)
 
         Hq, Hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        paged = isinstance(cache, PagedKVCache)
+        if paged:
+            # pages for the appended rows first (copy-on-write may change a table), then one plan
+            slots = cache.reserve(groups, lens).to(dev) if append else None
+            plan = cache.plan(cu_seqlens, seg_group, Hq, Hkv, d, self.dtype, self.backend)
         linear = _linear_fixed_tiles if self.batch_invariant else F.linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
         new_k, new_v = [], []
@@ -215,21 +258,30 @@ class Qwen3Runner:
             v = v.reshape(T, Hkv, d)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            if append:
+            if append and paged:
+                cache.write(i, slots, k, v)  # the new rows only; this layer attends to them as k, v
+            elif append:
                 new_k.append(k)
                 new_v.append(v)
             is_last_layer = i == len(W.layers) - 1
             if is_last_layer and output == "none":
                 break  # the last layer's output feeds nothing that is asked for
-            attn = prefix_shared_attention(q, k, v, cu_seqlens, cache.k[i], cache.v[i], cache.cu_prefix_lens, seg_group,
-                                           backend=self.backend, validate=False).reshape(T, Hq * d)
+            if paged:
+                attn = prefix_shared_attention_paged(q, k, v, cu_seqlens, cache.pool.k[i], cache.pool.v[i],
+                                                     plan.block_table, plan.prefix_lens, seg_group, plan=plan,
+                                                     validate=False).reshape(T, Hq * d)
+            else:
+                attn = prefix_shared_attention(q, k, v, cu_seqlens, cache.k[i], cache.v[i], cache.cu_prefix_lens,
+                                               seg_group, backend=self.backend, validate=False).reshape(T, Hq * d)
             if is_last_layer and output == "last":
                 x, attn = x[last], attn[last]  # only the rows asked for go through o_proj and the MLP
             x = x + linear(attn, L.w_o)
             h = _rms_norm(x, L.post_norm, a.rms_norm_eps)
             gate, up = linear(h, L.w_gate_up).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, L.w_down)
-        if append:
+        if append and paged:
+            cache.commit(groups, lens)
+        elif append:
             self._append(cache, new_k, new_v, groups, cu)
         return None if output == "none" else x
 

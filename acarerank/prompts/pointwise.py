@@ -35,7 +35,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .truncation import DEFAULT_MIN_DOC_TOKENS, cut_oldest, cut_tail
+from .truncation import DEFAULT_MIN_DOC_TOKENS, TRACE_CUT_CHUNK, cut_oldest, cut_tail
 
 # -- Qwen3-Reranker model card strings, character for character (DESIGN.md §4) --------
 QWEN3_RERANKER_PREFIX = (
@@ -240,7 +240,8 @@ def _check_int(name: str, value, minimum: int) -> int:
 def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: Optional[str] = None,
                      trace: Optional[str] = None, instruction: Optional[str] = None,
                      max_length: int = DEFAULT_MAX_LENGTH, template: ContextTemplate = DEFAULT_TEMPLATE,
-                     truncate: bool = True, min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS) -> PointwiseEncoding:
+                     truncate: bool = True, min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS,
+                     trace_cut_chunk: int = TRACE_CUT_CHUNK) -> PointwiseEncoding:
     """Tokenize one query's pointwise prompts for N documents, split for prefix sharing.
 
     ``shared_ids + segment_ids[i]`` equals the model card's construction for document ``i``
@@ -249,7 +250,8 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
 
     1. the shared part, independently of the documents, must leave room for the suffix and
        ``min_doc_tokens`` document tokens; only the trace is cut, oldest text first, at a token
-       boundary (a trace with no token left is dropped and the mode falls to M0/M2); if the
+       boundary, in whole chunks of ``trace_cut_chunk`` of its tokens (so that a growing trace
+       keeps its start across calls, see :mod:`acarerank.prompts.truncation`) (a trace with no token left is dropped and the mode falls to M0/M2); if the
        fixed strings, instruction, question and query alone do not fit: ValueError with counts;
     2. each document is cut from its end to the room left (the model card's body truncation).
 
@@ -324,7 +326,7 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
                 f"trace is {n_trace} tokens; with it the shared context is {shared_len} tokens + suffix {n_suffix} "
                 f"= {shared_len + n_suffix} > max_length={max_length} (truncate=False)")
         t, trace_dropped = cut_oldest(tokenizer, t, lambda tr: len(prefix_ids) + len(tokens([head(tr)])[0]),
-                                      budget, current_len=shared_len)
+                                      budget, current_len=shared_len, chunk=trace_cut_chunk)
         head_ids = tokens([head(t)])[0]
         shared_len = len(prefix_ids) + len(head_ids)
         assert shared_len <= budget, (shared_len, budget)  # cut_oldest verified it; guard the invariant

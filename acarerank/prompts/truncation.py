@@ -4,10 +4,19 @@ Order of cuts, so that the shared part never depends on the documents:
 
 1. The shared part (prefix + body up to ``"<Document>:"``) must leave room for the suffix
    and ``min_doc_tokens`` document tokens. Only the reasoning trace may be cut, and it
-   loses its *oldest* text first (:func:`cut_oldest`). The sub-query, question and
-   instruction are never cut: if they alone do not fit, the caller raises ValueError.
+   loses its *oldest* text first (:func:`cut_oldest`), in whole chunks of
+   ``TRACE_CUT_CHUNK`` of its tokens. The sub-query, question and instruction are never
+   cut: if they alone do not fit, the caller raises ValueError.
 2. Each document is then cut from its end (:func:`cut_tail`) to whatever room is left —
    what the Qwen3-Reranker model card does to its body, so M0 matches it token for token.
+
+Why chunks (docs/ARCHITECTURE.md, prefix cache): an agent calls the reranker again and again
+with a trace that only grows. Cutting the fewest tokens would move the trace's start on every
+call once the cap is reached, so no two calls would share anything after the question and
+the prefix cache would never hit. Cutting in fixed chunks of the trace's own tokens keeps the
+start where it was until the excess crosses the next chunk: consecutive calls keep an
+identical prefix up to the end of the older trace. The cost is at most ``chunk - 1`` trace
+tokens more than needed (512 of 8,192; the cap is the paper's, where to cut is ours).
 
 These helpers know nothing of the prompt strings; :func:`acarerank.prompts.encode_pointwise`
 supplies them.
@@ -22,10 +31,14 @@ from typing import Callable, Optional, Tuple
 # context at max_length - suffix - 512 = 7,671 tokens under the default 8,192 cap.
 DEFAULT_MIN_DOC_TOKENS = 512
 
+# Trace tokens dropped at once when the context is over its share (see above); 1 = fewest.
+TRACE_CUT_CHUNK = 512
+
 
 def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int], budget: int,
-               current_len: Optional[int] = None) -> Tuple[Optional[str], int]:
-    """Drop the fewest whole tokens from the START of ``text`` so that ``shared_len(kept) <= budget``.
+               current_len: Optional[int] = None, chunk: int = TRACE_CUT_CHUNK) -> Tuple[Optional[str], int]:
+    """Drop the fewest whole ``chunk``s of tokens from the START of ``text`` so that
+    ``shared_len(kept) <= budget`` (chunk = 1: the fewest tokens).
 
     Args:
         tokenizer: a fast (Rust) Hugging Face tokenizer; its offset mapping gives token boundaries.
@@ -36,6 +49,8 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
             never assumed.
         budget: the most tokens the shared part may take.
         current_len: ``shared_len(text)`` if the caller already has it.
+        chunk: the cut point is a multiple of ``chunk`` of ``text``'s tokens (tokenized alone),
+            so a growing trace keeps its start across calls until the next chunk must go.
 
     Returns:
         ``(kept, dropped)``: ``kept`` is a suffix of ``text`` cut where one of its tokens starts
@@ -43,6 +58,8 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
         no token of it fits — the caller then leaves the trace line out; ``dropped`` counts the
         tokens of ``text`` (tokenized alone) that end at or before the cut.
     """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("cutting the reasoning trace needs a fast (Rust) tokenizer: it uses the offset mapping")
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
@@ -53,8 +70,9 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
     kept, drop = text, 0
     while length > budget:
         # each dropped trace token shortens the shared part by about one token; step by the
-        # excess and re-check (strictly increasing, so at most n + 1 tokenizations, ~2 in practice)
+        # excess (rounded up to whole chunks) and re-check (strictly increasing, ~2 tokenizations)
         drop += length - budget
+        drop = -(-drop // chunk) * chunk
         if drop >= n:
             return None, n
         kept = text[starts[drop]:].lstrip()
