@@ -7,7 +7,7 @@
 """
 __version__ = "0.1.0"
 
-_LAZY = {"PointwiseReranker": "pointwise", "ScoreRequest": "pointwise", "SetwiseReranker": "setwise",
+_LAZY = {"PointwiseReranker": "pointwise", "ScoreRequest": "pointwise", "PrefixHandle": "pointwise", "SetwiseReranker": "setwise",
          "Selection": "setwise"}
 
 

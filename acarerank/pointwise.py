@@ -6,23 +6,45 @@ For one request, the shared part (system prefix, instruction, context, sub-query
 
     score(doc) = softmax([logit_no, logit_yes])[1] = sigmoid(h_last · (w_yes − w_no))
 
-with h_last the final-normed hidden state at the segment's last token (DESIGN.md §4) —
+with h_last the final-normed hidden state at the segment's last token —
 two vocabulary rows are read, never the 151,669-wide logits.
+
+Step API (what a serving engine drives, one scheduler thread owning the model)::
+
+    enc = rr.encode(request)                    # tokenize + truncate; thread-safe, no model
+    h = rr.acquire_prefix(enc)                  # longest cached prefix + compute the rest; pins it
+    scores = rr.score_segments([(h, ids), ...]) # one packed pass (per max_batch_tokens) over any mix
+    rr.release_prefix(h)                        # unpin (idempotent)
+    rr.cache_stats()                            # lookup/hit/computed/evicted tokens, resident/budget
+
+The prefix cache (``prefix_cache=True``) keeps the shared parts' KV across calls in a fixed
+pool of pages (the budget) indexed by a block-granular radix tree per ``cache_salt``
+(``acarerank.model.prefix_cache``): an agent's next call with a longer trace, or another
+sub-query under the same context, computes only what the tree does not hold.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
 from .model import Qwen3Runner
+from .model.block_pool import PoolExhausted
+from .model.paged_cache import PagedKVCache
+from .model.prefix_cache import PrefixCache
 from .model.placement import check_dtype_device
 from .ops import yes_no_score
-from .prompts import DEFAULT_MIN_DOC_TOKENS, DEFAULT_TEMPLATE, encode_pointwise
+from .prompts import DEFAULT_MIN_DOC_TOKENS, DEFAULT_TEMPLATE, PointwiseEncoding, encode_pointwise
 
 #: segment tokens per packed pass by device type when the caller gives none (see max_batch_tokens)
 DEFAULT_BATCH_TOKENS = {"cpu": 2048, "cuda": 16384}
+#: bytes of KV pages the prefix cache may hold by device type when the caller gives no budget
+#: (Qwen3-Reranker-0.6B in fp32 keeps 224 KiB per token: 1 GiB ≈ 4,680 tokens)
+DEFAULT_CACHE_BYTES = {"cpu": 1 << 30, "cuda": 8 << 30}
+#: ... and never more than this many tokens (a small model's 1 GiB would be a million tokens)
+DEFAULT_CACHE_MAX_TOKENS = 65536
 
 
 @dataclass
@@ -33,7 +55,24 @@ class ScoreRequest:
     question: Optional[str] = None
     trace: Optional[str] = None
     instruction: Optional[str] = None
+    cache_salt: Optional[str] = None  # prefix-cache namespace (per tenant / caller): no reuse across salts
 
+
+@dataclass(eq=False)
+class PrefixHandle:
+    """A request's shared part, prefilled and pinned in KV pages until ``release_prefix``.
+
+    prompt_tokens: shared + every segment's tokens; cached_tokens: shared tokens served from
+    the prefix cache; computed_tokens: shared tokens computed by ``acquire_prefix``.
+    """
+    encoding: PointwiseEncoding
+    pool: object
+    blocks: list
+    length: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    released: bool = field(default=False)
 
 class PointwiseReranker:
     """Scores documents against a query (and the agent's question / reasoning trace).
@@ -53,11 +92,18 @@ class PointwiseReranker:
         with identical scores, so depth is never bounded by memory. None: 2,048 on CPU (on 2
         cores, passes that keep the [T, 2·I] MLP activations in cache are ~10 % faster: M3
         depth 100 of the default model 4.98 s vs 5.70 s at 8,192), 16,384 on GPU.
+      prefix_cache: keep shared parts' KV across calls (radix tree over token ids, LRU
+        eviction, per ``cache_salt``); False computes every shared part in full.
+      cache_budget_tokens: tokens of KV the cache may hold (rounded down to whole pages);
+        None: ``DEFAULT_CACHE_BYTES`` of the device worth, at most ``DEFAULT_CACHE_MAX_TOKENS``. The pages are allocated once, on
+        first use, so memory never exceeds it. A shared part larger than the free room (all
+        pinned) is computed in a private scratch pool and not cached.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length: int = 8192,
                  backend: Optional[str] = None, template=DEFAULT_TEMPLATE, max_batch_tokens: Optional[int] = None,
-                 min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS, batch_invariant: bool = False):
+                 min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS, batch_invariant: bool = False,
+                 prefix_cache: bool = True, cache_budget_tokens: Optional[int] = None):
         if (model is None) == (runner is None):
             raise TypeError("PointwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
         if max_batch_tokens is not None and (isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int)
@@ -86,6 +132,20 @@ class PointwiseReranker:
         self.token_yes, self.token_no = yes, no
         self._w_yes = self.runner.lm_head[yes]
         self._w_no = self.runner.lm_head[no]
+        if cache_budget_tokens is not None and (isinstance(cache_budget_tokens, bool)
+                                                or not isinstance(cache_budget_tokens, int) or cache_budget_tokens < 0):
+            raise ValueError(f"cache_budget_tokens must be a non-negative int or None, got {cache_budget_tokens!r}")
+        if cache_budget_tokens is None:
+            a = self.runner.arch
+            per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.tensor([], dtype=self.runner.dtype).element_size()
+            cache_budget_tokens = min(DEFAULT_CACHE_MAX_TOKENS, DEFAULT_CACHE_BYTES.get(
+                self.runner.device.type, DEFAULT_CACHE_BYTES["cpu"]) // per_token)
+        self.prefix_cache_enabled = bool(prefix_cache)
+        self._budget_blocks = cache_budget_tokens // self.runner.block_size
+        self._prefix_cache: Optional[PrefixCache] = None  # pages allocated on first use
+        self._stats_lock = threading.Lock()
+        self._computed_tokens = 0
+        self._lookup_tokens_uncached = 0
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", max_length: int = 8192,
@@ -114,24 +174,146 @@ class PointwiseReranker:
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
         return [(i, scores[i]) for i in (order if top_n is None else order[:top_n])]
 
-    def score_batch(self, requests: Sequence[ScoreRequest]) -> list:
-        """Several queries at once, one group each (batched serving); list of score lists."""
+    def score_batch(self, requests: Sequence[ScoreRequest], cache_salt: Optional[str] = None) -> list:
+        """Several queries at once, one group each (batched serving); list of score lists.
+
+        The step API in one call: encode, acquire every shared part (a request sharing a
+        context with an earlier one of the batch reuses its pages), one packed pass over all
+        documents, release. ``cache_salt`` applies to requests that carry none.
+        """
         if len(requests) == 0:
             raise ValueError("score_batch: no requests")
-        encodings = [encode_pointwise(self.tokenizer, r.query, r.documents, question=r.question, trace=r.trace,
-                                      instruction=r.instruction, max_length=self.max_length, template=self.template,
-                                      min_doc_tokens=self.min_doc_tokens)
-                     for r in requests]
-        cache = self.runner.prefill([e.shared_ids for e in encodings])
-        segments = [(g, i, ids) for g, e in enumerate(encodings) for i, ids in enumerate(e.segment_ids)]
-        scores = [[0.0] * len(e.segment_ids) for e in encodings]
-        for chunk in self._chunks(segments):
-            hidden = self.runner.forward(cache, [ids for _, _, ids in chunk], [g for g, _, _ in chunk], output="last")
-            s, _ = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
-                                eps=self.runner.arch.rms_norm_eps, backend=self.backend)
-            for (g, i, _), v in zip(chunk, s.tolist()):
-                scores[g][i] = v
-        return scores
+        encodings = [self.encode(r) for r in requests]
+        if cache_salt is not None:
+            for e in encodings:
+                e.cache_salt = cache_salt if e.cache_salt is None else e.cache_salt
+        handles = []
+        try:
+            for e in encodings:
+                handles.append(self.acquire_prefix(e))
+            flat = self.score_segments([(h, ids) for h in handles for ids in h.encoding.segment_ids])
+        finally:
+            for h in handles:
+                self.release_prefix(h)
+        out, k = [], 0
+        for e in encodings:
+            out.append(flat[k:k + len(e.segment_ids)])
+            k += len(e.segment_ids)
+        return out
+
+    # -- step API (docs/ARCHITECTURE.md, serving) ----------------------------------------
+    def encode(self, request: ScoreRequest) -> PointwiseEncoding:
+        """Tokenize and truncate one request (no model access; safe from several threads)."""
+        if not isinstance(request, ScoreRequest):
+            raise TypeError(f"encode needs a ScoreRequest, got {type(request).__name__}")
+        if request.cache_salt is not None and not isinstance(request.cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(request.cache_salt).__name__}")
+        enc = encode_pointwise(self.tokenizer, request.query, request.documents, question=request.question,
+                               trace=request.trace, instruction=request.instruction, max_length=self.max_length,
+                               template=self.template, min_doc_tokens=self.min_doc_tokens)
+        enc.cache_salt = request.cache_salt
+        return enc
+
+    def _cache(self) -> Optional[PrefixCache]:
+        if self.prefix_cache_enabled and self._prefix_cache is None and self._budget_blocks > 0:
+            self._prefix_cache = PrefixCache(self.runner.new_pool(self._budget_blocks))
+        return self._prefix_cache
+
+    def acquire_prefix(self, enc: PointwiseEncoding) -> PrefixHandle:
+        """Prefill ``enc.shared_ids`` reusing the longest cached prefix under ``enc.cache_salt``.
+
+        The handle pins its pages (cached and new) until ``release_prefix``; the new full
+        pages enter the cache. Scores never depend on what was cached.
+        """
+        if not isinstance(enc, PointwiseEncoding):
+            raise TypeError(f"acquire_prefix needs a PointwiseEncoding (from encode), got {type(enc).__name__}")
+        ids = list(enc.shared_ids)
+        salt = getattr(enc, "cache_salt", None)
+        prompt = len(ids) + sum(len(s) for s in enc.segment_ids)
+        pc = self._cache()
+        if pc is not None:
+            matched = pc.match(salt, ids)
+            hit = len(matched) * pc.block_size
+            cache = PagedKVCache(pc.pool, allocate=pc.allocate)
+            cache.add_group(matched, hit)
+            pc.pool.decref(matched)  # the cache's reference replaces the match's
+            try:
+                self.runner.extend(cache, [0], [ids[hit:]])
+            except PoolExhausted:
+                cache.free()  # no room even after evicting every unpinned page: compute privately below
+                with pc.pool.lock:
+                    pc.hit_tokens -= hit  # recomputed below: not a hit
+            else:
+                pc.insert(salt, ids, cache.block_tables[0])
+                with self._stats_lock:
+                    self._computed_tokens += len(ids) - hit
+                return PrefixHandle(enc, pc.pool, cache.block_tables[0], len(ids), prompt, hit, len(ids) - hit)
+        else:
+            with self._stats_lock:
+                self._lookup_tokens_uncached += len(ids)
+        cache = self.runner.prefill([ids])  # a private, growable pool: freed with the handle
+        with self._stats_lock:
+            self._computed_tokens += len(ids)
+        return PrefixHandle(enc, cache.pool, cache.block_tables[0], len(ids), prompt, 0, len(ids))
+
+    def release_prefix(self, handle: PrefixHandle) -> None:
+        """Unpin the handle's pages (idempotent); cached ones stay until evicted."""
+        if not isinstance(handle, PrefixHandle):
+            raise TypeError(f"release_prefix needs a PrefixHandle, got {type(handle).__name__}")
+        if handle.released:
+            return
+        handle.released = True
+        handle.pool.decref(handle.blocks)
+
+    def score_segments(self, items: Sequence) -> list:
+        """Scores of ``(handle, segment token ids)`` items, in item order, any mix of handles.
+
+        Segments of handles in the same pool go in one packed pass (split only at
+        ``max_batch_tokens``); equal to ``score`` of the same request (≤ 1e-6 fp32).
+        """
+        by_pool: dict = {}
+        for n, item in enumerate(items):
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], PrefixHandle)):
+                raise TypeError(f"score_segments: item {n} must be (PrefixHandle, token ids)")
+            h, ids = item
+            if h.released:
+                raise ValueError(f"score_segments: item {n}'s handle was released")
+            if len(ids) == 0:
+                raise ValueError(f"score_segments: item {n}'s segment is empty")
+            by_pool.setdefault(id(h.pool), []).append((n, h, list(ids)))
+        out = [0.0] * len(items)
+        for entries in by_pool.values():
+            cache = PagedKVCache(entries[0][1].pool)
+            group_of: dict = {}
+            for _, h, _ in entries:
+                if id(h) not in group_of:
+                    group_of[id(h)] = cache.add_group(h.blocks, h.length)
+            try:
+                segments = [(n, group_of[id(h)], ids) for n, h, ids in entries]
+                for chunk in self._chunks(segments):
+                    hidden = self.runner.forward(cache, [ids for _, _, ids in chunk], [g for _, g, _ in chunk],
+                                                 output="last")
+                    s, _ = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
+                                        eps=self.runner.arch.rms_norm_eps, backend=self.backend)
+                    for (n, _, _), v in zip(chunk, s.tolist()):
+                        out[n] = v
+            finally:
+                cache.free()
+        return out
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache counters (monotonic) and gauges, in tokens."""
+        pc = self._prefix_cache
+        with self._stats_lock:
+            computed, lookup_off = self._computed_tokens, self._lookup_tokens_uncached
+        return {
+            "lookup_tokens": lookup_off + (pc.lookup_tokens if pc else 0),
+            "hit_tokens": pc.hit_tokens if pc else 0,
+            "computed_tokens": computed,
+            "evicted_tokens": pc.evicted_tokens if pc else 0,
+            "resident_tokens": pc.resident_tokens if pc else 0,
+            "budget_tokens": self._budget_blocks * self.runner.block_size if self.prefix_cache_enabled else 0,
+        }
 
     def _chunks(self, segments: list):
         """Consecutive runs of segments with at most ``max_batch_tokens`` tokens (≥ 1 segment each)."""

@@ -34,8 +34,10 @@ class BlockPool:
         self.block_size = block_size
         self.growable = growable
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # empty, not zeros: a slot is read only after it was written (block tables cover written
+        # rows only), and untouched pages of a large budget then cost no physical memory on CPU
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.lock = threading.RLock()

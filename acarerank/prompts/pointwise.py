@@ -220,6 +220,7 @@ class PointwiseEncoding:
     num_suffix_tokens: int = 0
     max_length: int = DEFAULT_MAX_LENGTH
     trace_used: Optional[str] = None
+    cache_salt: Optional[str] = None  # the request's prefix-cache namespace (set by the reranker)
 
     def input_ids(self, i: int) -> list:
         """Document ``i``'s whole, unshared sequence: ``shared_ids + segment_ids[i]``."""

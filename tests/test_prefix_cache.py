@@ -1,0 +1,271 @@
+"""Prefix cache across calls: radix tree vs a brute-force model, thread safety, and scores
+that never depend on what was cached (agent sessions, sub-queries, eviction, salts)."""
+import random
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from acarerank import PointwiseReranker, ScoreRequest
+from acarerank.model import BlockPool, PoolExhausted, PrefixCache
+
+from test_pointwise import random_reranker_model
+
+
+# -- the tree against a brute-force model -------------------------------------------------
+class BruteForce:
+    """The cache as a flat dict {(salt, path of block keys): (block, last access)} with the
+    policy written out naively: match = longest stored path; evict = among stored paths with
+    no stored extension and no pin, the least recently touched; memory = a free count."""
+
+    def __init__(self, num_blocks, bs):
+        self.bs, self.entries, self.pins, self.free, self.clock = bs, {}, {}, num_blocks, 0
+
+    def keys(self, tokens):
+        return [tuple(tokens[i:i + self.bs]) for i in range(0, len(tokens) - self.bs + 1, self.bs)]
+
+    def match(self, salt, tokens):
+        self.clock += 1
+        out, path = [], ()
+        for key in self.keys(tokens):
+            path += (key,)
+            if (salt, path) not in self.entries:
+                break
+            b, _ = self.entries[(salt, path)]
+            self.entries[(salt, path)] = (b, self.clock)
+            out.append(path)
+        return out
+
+    def evict(self, n):
+        for _ in range(n):
+            leaves = [(t, p) for p, (b, t) in self.entries.items()
+                      if self.pins.get(p, 0) == 0 and not any(q[0] == p[0] and q[1][:-1] == p[1] for q in self.entries)]
+            if not leaves:
+                return
+            _, p = min(leaves)
+            del self.entries[p]
+            self.free += 1
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(
+    st.tuples(st.just("acquire"), st.sampled_from([None, "a"]), st.lists(st.integers(0, 1), max_size=9)),
+    st.tuples(st.just("release"), st.integers(0, 7), st.just(None))), max_size=30))
+def test_radix_tree_matches_brute_force(ops):
+    bs, nblocks = 2, 6
+    pool = BlockPool(1, nblocks, bs, 1, 1, torch.float32, "cpu")
+    tree, model = PrefixCache(pool), BruteForce(nblocks, bs)
+    held = []  # (blocks we own a reference to, model paths we pin, model-private blocks)
+    for op, a, b in ops:
+        if op == "release":
+            if held:
+                blocks, paths, private = held.pop(a % len(held))
+                pool.decref(blocks)
+                for p in paths:
+                    model.pins[p] -= 1
+                model.free += private
+        else:
+            salt, tokens = a, b
+            matched = tree.match(salt, tokens)
+            mpaths = model.match(salt, tokens)
+            assert len(matched) == len(mpaths), (tokens, matched, mpaths)
+            assert [pool.k[0][blk].sum() for blk in matched] == [float(hash((salt,) + p) % 997) for p in mpaths]
+            for p in mpaths:
+                model.pins[(salt, p)] = model.pins.get((salt, p), 0) + 1
+            need = len(model.keys(tokens)) - len(matched)
+            if need > model.free:
+                model.evict(need - model.free)
+            try:
+                new = tree.allocate(need)
+            except PoolExhausted:
+                assert need > model.free, "tree refused an allocation the model could serve"
+                pool.decref(matched)
+                for p in mpaths:
+                    model.pins[(salt, p)] -= 1
+                continue
+            assert need <= model.free, "tree allocated past the model's free blocks"
+            model.free -= need
+            keys = model.keys(tokens)
+            paths = [tuple(keys[:i + 1]) for i in range(len(keys))]
+            for blk, p in zip(new, paths[len(matched):]):
+                pool.k[0][blk].fill_(float(hash((salt,) + p) % 997) / bs)  # content = f(path)
+            tree.insert(salt, tokens, matched + new)
+            model.clock += 1
+            for p in paths:
+                owner = model.entries.get((salt, p), (None,))[0]
+                model.entries[(salt, p)] = (owner if owner is not None else "x", model.clock)
+                model.pins[(salt, p)] = model.pins.get((salt, p), 0) + (p not in mpaths)
+            held.append((matched + new, [(salt, p) for p in paths], 0))
+        # same cached paths, same free count, every pinned block still allocated
+        assert set(tree.paths()) == set(model.entries), (set(tree.paths()) ^ set(model.entries))
+        assert pool.num_free == model.free
+        assert all(pool.refcount[x] > 0 for blocks, _, _ in held for x in blocks)
+
+
+def test_concurrent_use_never_frees_a_block_in_use():
+    """Threads match, allocate (evicting), write a path-derived value into their pages, insert,
+    re-check their pages and release: a page in use is never handed to anyone else."""
+    bs, pool = 2, BlockPool(1, 24, 2, 1, 1, torch.float32, "cpu")
+    tree, errors = PrefixCache(pool), []
+
+    def worker(seed):
+        rnd = random.Random(seed)
+        for _ in range(300):
+            tokens = [rnd.randint(0, 2) for _ in range(rnd.randint(0, 10))]
+            matched = tree.match(None, tokens)
+            need = len(tokens) // bs - len(matched)
+            try:
+                new = tree.allocate(need)
+            except PoolExhausted:
+                pool.decref(matched)
+                continue
+            blocks = matched + new
+            for i, blk in enumerate(new, start=len(matched)):
+                pool.k[0][blk].fill_(float(hash(tuple(tokens[:(i + 1) * bs])) % 991))
+            tree.insert(None, tokens, blocks)
+            for i, blk in enumerate(blocks):
+                if pool.k[0][blk][0, 0, 0].item() != float(hash(tuple(tokens[:(i + 1) * bs])) % 991):
+                    errors.append((tokens, i, blk))
+            pool.decref(blocks)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, f"pages changed while in use: {errors[:3]}"
+    assert all(pool.refcount[b] == 1 for b in tree.paths().values()), "only the tree may hold pages at rest"
+
+
+# -- the reranker: cached == uncached ----------------------------------------------------
+QUESTION = "Which optimisation lets a setwise reranker learn from a tutor's hints during RL?"
+STEP = ("Step {i}: I searched for reranker training with hints and read source {i}; it says the "
+        "tutor gives rubric feedback when the reward is high, reflection otherwise. ")
+DOCS = ["Adaptive Tutoring Optimization trains a setwise reranker with hints.", "数字 12345 混合。",
+        "an unrelated passage about cooking pasta"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_reranker_model(layers=2, heads=4, kv_heads=2, head_dim=32)
+
+
+def session(steps, subqueries=1):
+    """An agent session: the trace grows every step; several sub-queries share a context."""
+    out = []
+    for s in range(steps):
+        trace = "".join(STEP.format(i=i) for i in range(s + 1))
+        out.append([ScoreRequest(f"sub-query {j} of step {s}: tutor hints?", DOCS, question=QUESTION, trace=trace)
+                    for j in range(subqueries)])
+    return out
+
+
+def close(a, b, tol=1e-6):
+    return max(abs(x - y) for x, y in zip(sum(a, []), sum(b, []))) <= tol
+
+
+@pytest.mark.parametrize("subqueries", [1, 3])
+def test_agent_session_cached_equals_uncached(model, qwen3_tokenizer, subqueries):
+    cached = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    plain = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    computed = []
+    for reqs in session(4, subqueries):
+        before = cached.cache_stats()["computed_tokens"]
+        a, b = cached.score_batch(reqs), plain.score_batch(reqs)
+        assert close(a, b), (a, b)
+        computed.append(cached.cache_stats()["computed_tokens"] - before)
+    st_c, st_p = cached.cache_stats(), plain.cache_stats()
+    assert st_c["hit_tokens"] > 0 and st_p["hit_tokens"] == 0
+    assert st_c["computed_tokens"] + st_c["hit_tokens"] == st_p["computed_tokens"] == st_p["lookup_tokens"]
+    # from step 2 on only the new trace step, the sub-queries and the partial pages are computed
+    shared = [len(cached.encode(r).shared_ids) for r in session(4, 1)[-1]][0]
+    assert computed[-1] < shared / 2, (computed, shared)
+
+
+def test_eviction_pressure_never_changes_a_score_or_passes_the_budget(model, qwen3_tokenizer):
+    one = len(PointwiseReranker(model=model, tokenizer=qwen3_tokenizer).encode(session(4)[-1][0]).shared_ids)
+    budget = one + 40  # room for about one context: smaller than the session
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget)
+    plain = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    for reqs in session(4, 2) + session(2, 1):
+        assert close(rr.score_batch(reqs), plain.score_batch(reqs))
+        st_ = rr.cache_stats()
+        assert st_["resident_tokens"] <= st_["budget_tokens"] <= budget
+        assert rr._prefix_cache.pool.num_blocks * rr.runner.block_size <= budget
+    assert rr.cache_stats()["evicted_tokens"] > 0
+    tiny = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=64)  # < one context
+    assert close(tiny.score_batch(session(2)[-1]), plain.score_batch(session(2)[-1]))
+
+
+def test_cache_salt_isolation(model, qwen3_tokenizer):
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    req = session(1)[0][0]
+    enc_a, enc_b = (rr.encode(ScoreRequest(req.query, req.documents, req.question, req.trace, cache_salt=s))
+                    for s in ("tenant-a", "tenant-b"))
+    h1 = rr.acquire_prefix(enc_a)
+    h2 = rr.acquire_prefix(enc_b)
+    h3 = rr.acquire_prefix(rr.encode(ScoreRequest(req.query, req.documents, req.question, req.trace,
+                                                  cache_salt="tenant-a")))
+    n = len(enc_a.shared_ids)
+    assert (h1.cached_tokens, h1.computed_tokens) == (0, n)
+    assert (h2.cached_tokens, h2.computed_tokens) == (0, n), "reused across salts"
+    assert h3.cached_tokens == n // 16 * 16 and h3.computed_tokens == n - h3.cached_tokens
+    assert not set(h1.blocks[:n // 16]) & set(h2.blocks), "two salts share a page"
+    for h in (h1, h2, h3):
+        rr.release_prefix(h)
+
+
+def test_step_api_mixed_items_equal_score(model, qwen3_tokenizer):
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_batch_tokens=40)
+    off = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    reqs = [session(2)[1][0], ScoreRequest("plain query", DOCS[::-1])]
+    handles = [rr.acquire_prefix(rr.encode(r)) for r in reqs] + [off.acquire_prefix(off.encode(reqs[0]))]
+    items = [(handles[i % 3], handles[i % 3].encoding.segment_ids[i % 3]) for i in range(7)]
+    got = rr.score_segments(items)
+    want = [rr.score(reqs[0].query, DOCS, question=QUESTION, trace=reqs[0].trace), rr.score("plain query", DOCS[::-1])]
+    for i, v in enumerate(got):
+        w = want[i % 3 % 2][i % 3]
+        assert abs(v - w) <= 1e-6, (i, v, w)
+    assert handles[0].prompt_tokens == len(handles[0].encoding.shared_ids) + sum(map(len, handles[0].encoding.segment_ids))
+    for h in handles:
+        (rr if h is not handles[2] else off).release_prefix(h)
+        rr.release_prefix(h)  # idempotent
+    with pytest.raises(ValueError, match="released"):
+        rr.score_segments([(handles[0], [1, 2])])
+    assert set(rr.cache_stats()) == {"lookup_tokens", "hit_tokens", "computed_tokens", "evicted_tokens",
+                                     "resident_tokens", "budget_tokens"}
+    assert all(rr._prefix_cache.pool.refcount[b] <= 1 for b in range(rr._prefix_cache.pool.num_blocks))
+
+
+def test_encode_is_thread_safe(model, qwen3_tokenizer):
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    reqs = [r for step in session(3, 2) for r in step]
+    serial = [rr.encode(r).shared_ids for r in reqs]
+    results = {}
+
+    def work(i):
+        results[i] = [rr.encode(r).shared_ids for r in reqs]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(results[i] == serial for i in range(4))
+
+
+def test_decode_writes_only_new_rows(model):
+    """Appending a token writes its rows into pages: the pages are not re-packed (same storage)."""
+    from acarerank.model import Qwen3Runner
+
+    r = Qwen3Runner.from_hf(model)
+    cache = r.prefill([list(range(100, 130)), list(range(200, 205))])
+    ptrs = [t.data_ptr() for t in cache.pool.k]
+    before = [t.clone() for t in cache.pool.k]
+    r.forward(cache, [[7], [8]], [0, 1], append=True)
+    assert cache.lengths == [31, 6]
+    assert [t.data_ptr() for t in cache.pool.k] == ptrs
+    changed = sum(int((a != b).any(dim=(-1, -2)).sum()) for a, b in zip(before, cache.pool.k))
+    assert changed == 2 * len(ptrs), f"{changed} rows changed, expected one per group per layer"
