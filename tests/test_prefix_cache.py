@@ -269,3 +269,17 @@ def test_decode_writes_only_new_rows(model):
     assert [t.data_ptr() for t in cache.pool.k] == ptrs
     changed = sum(int((a != b).any(dim=(-1, -2)).sum()) for a, b in zip(before, cache.pool.k))
     assert changed == 2 * len(ptrs), f"{changed} rows changed, expected one per group per layer"
+
+
+def test_agent_bench_smoke(model, qwen3_tokenizer):
+    """The agent workload runs end to end on a tiny session; cached tokens < uncached, same scores."""
+    from acarerank.benchmark.agent import AgentSpec, check, format_report, run_agent_bench
+
+    spec = AgentSpec(steps=2, trace_step_tokens=40, question_tokens=10, query_tokens=5, docs=2, doc_tokens=(5, 10),
+                     subqueries=2)
+    res = run_agent_bench(model, qwen3_tokenizer, spec, log=lambda m: None)
+    t = res["totals"]
+    assert t["acarerank+cache"]["tokens_computed"] < t["acarerank"]["tokens_computed"] == \
+        t["transformers+prefix-cache"]["tokens_computed"]
+    assert check(res), format_report(res)
+    assert "token bound" in format_report(res)

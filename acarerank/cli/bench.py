@@ -1,6 +1,7 @@
 """``acarerank bench``: pointwise scoring latency versus reranking depth, all providers side by side.
 
     acarerank bench [--depths 10,20,50,100] [--modes M0,M3] [--preset tiny-cpu] [--output DIR] ...
+    acarerank bench --workload agent [--subqueries 1,3] [--steps 8] ...   (prefix cache across calls)
 
 Writes ``bench.csv``, ``bench.png`` and ``bench.txt`` (the printed report) to the output
 folder; exits 1 if any provider's scores differ from the official path's beyond the
@@ -93,6 +94,14 @@ def add_parser(subparsers) -> None:
                    help="document length range LOW-HIGH, uniform, or N for equal lengths (default 60-380)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
     p.add_argument("--output", default=None, help="results folder (default results/bench-<preset>-<dtype>-<device>)")
+    p.add_argument("--workload", choices=("depth", "agent"), default="depth",
+                   help="depth: latency vs depth (default); agent: a growing-trace agent session, prefix cache "
+                        "on vs off vs transformers with a per-request prefix cache")
+    p.add_argument("--steps", type=int, default=8, help="agent: calls in the session (default 8)")
+    p.add_argument("--trace-step-tokens", type=int, default=600, help="agent: trace growth per step (default 600)")
+    p.add_argument("--docs-per-call", type=int, default=20, help="agent: documents per call (default 20)")
+    p.add_argument("--subqueries", type=_ints, default=(1, 3),
+                   help="agent: sub-queries per step under one context, one session each (default 1,3)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: depths 2,4,8, short texts (trace 200, docs 20-60 tokens), 1 repeat, no warmup")
     p.set_defaults(run=run)
@@ -136,7 +145,51 @@ def equivalent_command(cfg) -> str:
     return " ".join(parts)
 
 
+def run_agent(args) -> int:
+    """``--workload agent``: one session per --subqueries value; prints and writes agent.txt/agent.csv."""
+    import csv
+
+    from acarerank.benchmark.agent import AgentSpec, check, format_report, run_agent_bench
+    from acarerank.benchmark.harness import load_model
+
+    cfg = config_from_args(args)
+    model, tok, random_weights = load_model(cfg)
+    out_dir = args.output or os.path.join("results", f"bench-agent-{cfg.preset}-{cfg.dtype}-{cfg.device.replace(':', '')}")
+    os.makedirs(out_dir, exist_ok=True)
+    lo, hi = cfg.spec.doc_tokens if args.doc_tokens is not None or args.quick else (60, 380)
+    texts, rows, ok = [], [], True
+    backend = cfg.backends[0] if cfg.backends else None
+    for n in args.subqueries:
+        spec = AgentSpec(steps=args.steps, trace_step_tokens=args.trace_step_tokens,
+                         question_tokens=cfg.spec.question_tokens, query_tokens=cfg.spec.query_tokens,
+                         docs=args.docs_per_call, doc_tokens=(lo, hi), subqueries=n, seed=args.seed)
+        res = run_agent_bench(model, tok, spec, backend=backend, log=lambda m: print(m, flush=True))
+        texts.append(format_report(res))
+        ok &= check(res)
+        rows += [dict(r, subqueries=n) for r in res["rows"]]
+        print(texts[-1], flush=True)
+    cmd = (f"acarerank bench --workload agent --subqueries {','.join(map(str, args.subqueries))} --steps {args.steps} "
+           f"--trace-step-tokens {args.trace_step_tokens} --docs-per-call {args.docs_per_call} "
+           f"--doc-tokens {lo}-{hi} --question-tokens {cfg.spec.question_tokens} --query-tokens {cfg.spec.query_tokens} "
+           + (f"--model {cfg.model_path}" if cfg.model_path else f"--preset {cfg.preset}")
+           + ("" if not cfg.overrides else " --override " + ",".join(f"{k}={v}" for k, v in cfg.overrides.items()))
+           + f" --dtype {cfg.dtype} --device {cfg.device} --seed {args.seed}"
+           + (f" --backends {backend}" if backend else ""))
+    head = "random weights: timings are real, scores carry no meaning\n" if random_weights else ""
+    text = head + "\n\n".join(texts) + f"\ncommand: {cmd}"
+    with open(os.path.join(out_dir, "agent.txt"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out_dir, "agent.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"command: {cmd}\nwrote {out_dir}/agent.txt, agent.csv")
+    return 0 if ok else 1
+
+
 def run(args) -> int:
+    if args.workload == "agent":
+        return run_agent(args)
     from acarerank.benchmark import report
     from acarerank.benchmark.harness import run_bench
     from acarerank.model.default import NO_MEANING

@@ -1,0 +1,175 @@
+"""Agent-session workload: the same question, a trace that grows every step, new documents.
+
+    step k (1..steps): trace = the first k·trace_step tokens of one long trace;
+                       sub-queries j = 1..subqueries, each scoring ``docs`` new documents
+
+Providers, run one after the other on the same session:
+  acarerank+cache   one PointwiseReranker for the session, prefix cache on: a step computes
+                    only what the previous steps did not leave in the cache
+  acarerank         prefix cache off: every call computes its whole shared part
+  transformers+prefix-cache   transformers with a per-request prefix cache (the shared part
+                    once per request, nothing kept across calls)
+
+Per step: tokens computed (shared tokens computed + every document segment) and latency.
+The token bound of the cache's speedup is tokens(cache off) / tokens(cache on) — what the
+speedup would be if time were proportional to tokens; the measured speedup is latency(cache
+off) / latency(cache on). Scores of all providers must agree (fp32: 1e-5 vs transformers,
+1e-6 between the two acarerank providers).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .workload import _cut_to_tokens, _text, _trace, token_count, vocab_words
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    steps: int = 8
+    trace_step_tokens: int = 600
+    question_tokens: int = 60
+    query_tokens: int = 20
+    docs: int = 20
+    doc_tokens: tuple = (60, 380)
+    subqueries: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "trace_step_tokens", "question_tokens", "query_tokens", "docs", "subqueries"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"AgentSpec.{name} must be a positive int, got {v!r}")
+        lo, hi = self.doc_tokens
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"AgentSpec.doc_tokens must be (low, high) with 1 <= low <= high, got {self.doc_tokens!r}")
+
+
+def make_session(tokenizer, spec: AgentSpec) -> list:
+    """[step] -> [ScoreRequest per sub-query]; traces are token-boundary prefixes of one trace."""
+    from acarerank.pointwise import ScoreRequest
+
+    rng = random.Random(spec.seed)
+    words = vocab_words(tokenizer)
+    question = _text(tokenizer, rng, words, spec.question_tokens)
+    full = _trace(tokenizer, rng, words, spec.steps * spec.trace_step_tokens)
+    steps = []
+    for k in range(1, spec.steps + 1):
+        trace = _cut_to_tokens(tokenizer, full, k * spec.trace_step_tokens)
+        reqs = []
+        for _ in range(spec.subqueries):
+            query = _text(tokenizer, rng, words, spec.query_tokens)
+            docs = [_text(tokenizer, rng, words, rng.randint(*spec.doc_tokens)) for _ in range(spec.docs)]
+            reqs.append(ScoreRequest(query, docs, question=question, trace=trace))
+        steps.append(reqs)
+    return steps
+
+
+def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callable[[str], None] = print,
+                    providers=("acarerank+cache", "acarerank", "transformers+prefix-cache")) -> dict:
+    """Run the session once per provider (after one untimed warm-up call each); returns
+    {"rows": [per provider per step], "totals": {provider: {...}}, "spec": spec}."""
+    from acarerank.pointwise import PointwiseReranker
+
+    from .baselines import PrefixCacheTransformers
+
+    session = make_session(tokenizer, spec)
+    rows, totals, scores = [], {}, {}
+    for name in providers:
+        if name in ("acarerank+cache", "acarerank"):
+            rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend,
+                                   prefix_cache=name == "acarerank+cache")
+            rr.score_batch(session[0][:1])  # warm-up (allocations, kernels), then a fresh cache
+            rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend,
+                                   prefix_cache=name == "acarerank+cache")
+
+            def call(reqs, rr=rr):
+                before = rr.cache_stats()["computed_tokens"]
+                out = rr.score_batch(reqs)
+                segs = sum(len(s) for r in reqs for s in rr.encode(r).segment_ids)
+                return out, rr.cache_stats()["computed_tokens"] - before + segs
+        elif name == "transformers+prefix-cache":
+            tr = PrefixCacheTransformers(model, tokenizer)
+            r0 = session[0][0]
+            tr.score(r0.query, r0.documents[:2], question=r0.question, trace=r0.trace)
+
+            def call(reqs, tr=tr):
+                return [tr.score(r.query, r.documents, question=r.question, trace=r.trace) for r in reqs], None
+        else:
+            raise ValueError(f"unknown provider {name!r}")
+        t_total, tok_total, got = 0.0, 0, []
+        for k, reqs in enumerate(session, start=1):
+            t0 = time.perf_counter()
+            out, n_tok = call(reqs)
+            dt = time.perf_counter() - t0
+            if n_tok is None:  # transformers: whole shared part + documents of every request
+                n_tok = sum(len(e.shared_ids) + sum(map(len, e.segment_ids)) for e in (_enc(tokenizer, r) for r in reqs))
+            rows.append(dict(provider=name, step=k, tokens_computed=n_tok, latency_s=dt,
+                             trace_tokens=k * spec.trace_step_tokens))
+            log(f"  {name:28s} step {k}: {n_tok:6d} tokens computed, {dt * 1e3:9.1f} ms")
+            t_total += dt
+            tok_total += n_tok
+            got.append(out)
+        totals[name] = dict(latency_s=t_total, tokens_computed=tok_total)
+        scores[name] = got
+    return dict(rows=rows, totals=totals, scores=scores, spec=spec)
+
+
+def _enc(tokenizer, r):
+    from acarerank.prompts import encode_pointwise
+
+    return encode_pointwise(tokenizer, r.query, r.documents, question=r.question, trace=r.trace)
+
+
+def max_score_diff(a, b) -> float:
+    return max(abs(x - y) for sa, sb in zip(a, b) for ra, rb in zip(sa, sb) for x, y in zip(ra, rb))
+
+
+def format_report(res: dict) -> str:
+    """Per-step table, totals, the token bound beside the measured speedup, and the score check."""
+    rows, totals, spec = res["rows"], res["totals"], res["spec"]
+    provs = list(totals)
+    lines = [f"agent session: {spec.steps} steps, trace +{spec.trace_step_tokens} tokens/step, question "
+             f"{spec.question_tokens}, {spec.subqueries} sub-quer{'y' if spec.subqueries == 1 else 'ies'} per step, "
+             f"{spec.docs} documents of {spec.doc_tokens[0]}-{spec.doc_tokens[1]} tokens per call"]
+    head = "step  trace | " + " | ".join(f"{p:>26s}" for p in provs)
+    lines += [head, "           | " + " | ".join(f"{'tokens':>12s} {'ms':>13s}" for _ in provs)]
+    for k in range(1, spec.steps + 1):
+        cells = []
+        for p in provs:
+            r = next(x for x in rows if x["provider"] == p and x["step"] == k)
+            cells.append(f"{r['tokens_computed']:12d} {r['latency_s'] * 1e3:13.1f}")
+        lines.append(f"{k:4d} {k * spec.trace_step_tokens:6d} | " + " | ".join(cells))
+    lines.append("total      | " + " | ".join(f"{totals[p]['tokens_computed']:12d} {totals[p]['latency_s'] * 1e3:13.1f}"
+                                               for p in provs))
+    if "acarerank+cache" in totals and "acarerank" in totals:
+        on, off = totals["acarerank+cache"], totals["acarerank"]
+        bound = off["tokens_computed"] / max(1, on["tokens_computed"])
+        measured = off["latency_s"] / max(1e-12, on["latency_s"])
+        lines.append(f"cache speedup over cache off: measured {measured:.2f}x, token bound {bound:.2f}x "
+                     f"({100 * measured / bound:.0f}% of the bound; target >= 90%)")
+        d = max_score_diff(res["scores"]["acarerank+cache"], res["scores"]["acarerank"])
+        lines.append(f"scores cache on vs off: max |diff| {d:.2e} (must be <= 1e-6)")
+    if "transformers+prefix-cache" in totals and "acarerank+cache" in totals:
+        t = totals["transformers+prefix-cache"]
+        lines.append(f"acarerank+cache vs transformers+prefix-cache: "
+                     f"{t['latency_s'] / max(1e-12, totals['acarerank+cache']['latency_s']):.2f}x faster, "
+                     f"{t['tokens_computed'] / max(1, totals['acarerank+cache']['tokens_computed']):.2f}x fewer tokens")
+        d = max_score_diff(res["scores"]["acarerank+cache"], res["scores"]["transformers+prefix-cache"])
+        lines.append(f"scores acarerank+cache vs transformers+prefix-cache: max |diff| {d:.2e}")
+    return "\n".join(lines)
+
+
+def check(res: dict, tol_vs_transformers: float = 1e-5) -> bool:
+    s = res["scores"]
+    ok = True
+    if "acarerank+cache" in s and "acarerank" in s:
+        ok &= max_score_diff(s["acarerank+cache"], s["acarerank"]) <= 1e-6
+    if "acarerank+cache" in s and "transformers+prefix-cache" in s:
+        ok &= max_score_diff(s["acarerank+cache"], s["transformers+prefix-cache"]) <= tol_vs_transformers
+    return bool(ok)
+
+
+__all__ = ["AgentSpec", "make_session", "run_agent_bench", "format_report", "check", "token_count"]
