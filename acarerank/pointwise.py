@@ -24,27 +24,20 @@ sub-query under the same context, computes only what the tree does not hold.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
 from .model import Qwen3Runner
-from .model.block_pool import PoolExhausted
+from .model.cached_prefill import CacheSlot, prefill_cached
 from .model.paged_cache import PagedKVCache
-from .model.prefix_cache import PrefixCache
 from .model.placement import check_dtype_device
 from .ops import yes_no_score
 from .prompts import DEFAULT_MIN_DOC_TOKENS, DEFAULT_TEMPLATE, PointwiseEncoding, encode_pointwise
 
 #: segment tokens per packed pass by device type when the caller gives none (see max_batch_tokens)
 DEFAULT_BATCH_TOKENS = {"cpu": 2048, "cuda": 16384}
-#: bytes of KV pages the prefix cache may hold by device type when the caller gives no budget
-#: (Qwen3-Reranker-0.6B in fp32 keeps 224 KiB per token: 1 GiB ≈ 4,680 tokens)
-DEFAULT_CACHE_BYTES = {"cpu": 1 << 30, "cuda": 8 << 30}
-#: ... and never more than this many tokens (a small model's 1 GiB would be a million tokens)
-DEFAULT_CACHE_MAX_TOKENS = 65536
 
 
 @dataclass
@@ -95,7 +88,8 @@ class PointwiseReranker:
       prefix_cache: keep shared parts' KV across calls (radix tree over token ids, LRU
         eviction, per ``cache_salt``); False computes every shared part in full.
       cache_budget_tokens: tokens of KV the cache may hold (rounded down to whole pages);
-        None: ``DEFAULT_CACHE_BYTES`` of the device worth, at most ``DEFAULT_CACHE_MAX_TOKENS``. The pages are allocated once, on
+        None: ``acarerank.model.cached_prefill.DEFAULT_CACHE_BYTES`` of the device worth, at most
+        ``DEFAULT_CACHE_MAX_TOKENS``. The pages are allocated once, on
         first use, so memory never exceeds it. A shared part larger than the free room (all
         pinned) is computed in a private scratch pool and not cached.
     """
@@ -132,20 +126,7 @@ class PointwiseReranker:
         self.token_yes, self.token_no = yes, no
         self._w_yes = self.runner.lm_head[yes]
         self._w_no = self.runner.lm_head[no]
-        if cache_budget_tokens is not None and (isinstance(cache_budget_tokens, bool)
-                                                or not isinstance(cache_budget_tokens, int) or cache_budget_tokens < 0):
-            raise ValueError(f"cache_budget_tokens must be a non-negative int or None, got {cache_budget_tokens!r}")
-        if cache_budget_tokens is None:
-            a = self.runner.arch
-            per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.tensor([], dtype=self.runner.dtype).element_size()
-            cache_budget_tokens = min(DEFAULT_CACHE_MAX_TOKENS, DEFAULT_CACHE_BYTES.get(
-                self.runner.device.type, DEFAULT_CACHE_BYTES["cpu"]) // per_token)
-        self.prefix_cache_enabled = bool(prefix_cache)
-        self._budget_blocks = cache_budget_tokens // self.runner.block_size
-        self._prefix_cache: Optional[PrefixCache] = None  # pages allocated on first use
-        self._stats_lock = threading.Lock()
-        self._computed_tokens = 0
-        self._lookup_tokens_uncached = 0
+        self._cache_slot = CacheSlot(self.runner, prefix_cache, cache_budget_tokens)  # pages on first use
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", max_length: int = 8192,
@@ -214,10 +195,10 @@ class PointwiseReranker:
         enc.cache_salt = request.cache_salt
         return enc
 
-    def _cache(self) -> Optional[PrefixCache]:
-        if self.prefix_cache_enabled and self._prefix_cache is None and self._budget_blocks > 0:
-            self._prefix_cache = PrefixCache(self.runner.new_pool(self._budget_blocks))
-        return self._prefix_cache
+    @property
+    def _prefix_cache(self):
+        """The ``PrefixCache`` (None before first use or when off)."""
+        return self._cache_slot._cache
 
     def acquire_prefix(self, enc: PointwiseEncoding) -> PrefixHandle:
         """Prefill ``enc.shared_ids`` reusing the longest cached prefix under ``enc.cache_salt``.
@@ -228,33 +209,10 @@ class PointwiseReranker:
         if not isinstance(enc, PointwiseEncoding):
             raise TypeError(f"acquire_prefix needs a PointwiseEncoding (from encode), got {type(enc).__name__}")
         ids = list(enc.shared_ids)
-        salt = getattr(enc, "cache_salt", None)
-        prompt = len(ids) + sum(len(s) for s in enc.segment_ids)
-        pc = self._cache()
-        if pc is not None:
-            matched = pc.match(salt, ids)
-            hit = len(matched) * pc.block_size
-            cache = PagedKVCache(pc.pool, allocate=pc.allocate)
-            cache.add_group(matched, hit)
-            pc.pool.decref(matched)  # the cache's reference replaces the match's
-            try:
-                self.runner.extend(cache, [0], [ids[hit:]])
-            except PoolExhausted:
-                cache.free()  # no room even after evicting every unpinned page: compute privately below
-                with pc.pool.lock:
-                    pc.hit_tokens -= hit  # recomputed below: not a hit
-            else:
-                pc.insert(salt, ids, cache.block_tables[0])
-                with self._stats_lock:
-                    self._computed_tokens += len(ids) - hit
-                return PrefixHandle(enc, pc.pool, cache.block_tables[0], len(ids), prompt, hit, len(ids) - hit)
-        else:
-            with self._stats_lock:
-                self._lookup_tokens_uncached += len(ids)
-        cache = self.runner.prefill([ids])  # a private, growable pool: freed with the handle
-        with self._stats_lock:
-            self._computed_tokens += len(ids)
-        return PrefixHandle(enc, cache.pool, cache.block_tables[0], len(ids), prompt, 0, len(ids))
+        cache, (hit,) = prefill_cached(self.runner, self._cache_slot, [ids], getattr(enc, "cache_salt", None))
+        # the handle takes over the cache's page references (released in release_prefix)
+        return PrefixHandle(enc, cache.pool, cache.block_tables[0], len(ids),
+                            len(ids) + sum(len(x) for x in enc.segment_ids), hit, len(ids) - hit)
 
     def release_prefix(self, handle: PrefixHandle) -> None:
         """Unpin the handle's pages (idempotent); cached ones stay until evicted."""
@@ -302,18 +260,9 @@ class PointwiseReranker:
         return out
 
     def cache_stats(self) -> dict:
-        """Prefix-cache counters (monotonic) and gauges, in tokens."""
-        pc = self._prefix_cache
-        with self._stats_lock:
-            computed, lookup_off = self._computed_tokens, self._lookup_tokens_uncached
-        return {
-            "lookup_tokens": lookup_off + (pc.lookup_tokens if pc else 0),
-            "hit_tokens": pc.hit_tokens if pc else 0,
-            "computed_tokens": computed,
-            "evicted_tokens": pc.evicted_tokens if pc else 0,
-            "resident_tokens": pc.resident_tokens if pc else 0,
-            "budget_tokens": self._budget_blocks * self.runner.block_size if self.prefix_cache_enabled else 0,
-        }
+        """Prefix-cache counters (monotonic) and gauges, in tokens: lookup_tokens, hit_tokens,
+        computed_tokens, evicted_tokens, resident_tokens, budget_tokens."""
+        return self._cache_slot.stats()
 
     def _chunks(self, segments: list):
         """Consecutive runs of segments with at most ``max_batch_tokens`` tokens (≥ 1 segment each)."""

@@ -88,8 +88,7 @@ def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callab
             def call(reqs, rr=rr):
                 before = rr.cache_stats()["computed_tokens"]
                 out = rr.score_batch(reqs)
-                segs = sum(len(s) for r in reqs for s in rr.encode(r).segment_ids)
-                return out, rr.cache_stats()["computed_tokens"] - before + segs
+                return out, rr.cache_stats()["computed_tokens"] - before  # + segments, added untimed below
         elif name == "transformers+prefix-cache":
             tr = PrefixCacheTransformers(model, tokenizer)
             r0 = session[0][0]
@@ -104,8 +103,11 @@ def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callab
             t0 = time.perf_counter()
             out, n_tok = call(reqs)
             dt = time.perf_counter() - t0
-            if n_tok is None:  # transformers: whole shared part + documents of every request
-                n_tok = sum(len(e.shared_ids) + sum(map(len, e.segment_ids)) for e in (_enc(tokenizer, r) for r in reqs))
+            encs = [_enc(tokenizer, r) for r in reqs]  # untimed: token counts only
+            segs = sum(len(x) for e in encs for x in e.segment_ids)
+            if n_tok is None:  # transformers: the whole shared part of every request
+                n_tok = sum(len(e.shared_ids) for e in encs)
+            n_tok += segs  # every provider computes every document segment
             rows.append(dict(provider=name, step=k, tokens_computed=n_tok, latency_s=dt,
                              trace_tokens=k * spec.trace_step_tokens))
             log(f"  {name:28s} step {k}: {n_tok:6d} tokens computed, {dt * 1e3:9.1f} ms")

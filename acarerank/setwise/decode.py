@@ -55,12 +55,14 @@ def _check(prompts, states, max_new_tokens):
 @torch.inference_mode()
 def greedy_decode(runner, prompts: Sequence[Sequence[int]], grammar: Optional[IdentifierGrammar] = None,
                   states: Optional[Sequence[GrammarState]] = None, max_new_tokens: int = MAX_NEW_TOKENS,
-                  eos_id: int = TOKEN_IM_END) -> List[List[int]]:
+                  eos_id: int = TOKEN_IM_END, cache=None) -> List[List[int]]:
     """Greedy continuation of each prompt; returns the new token ids (``eos_id`` included when emitted).
 
     runner: ``acarerank.model.Qwen3Runner``. prompts: token-id lists (>= 1 token each).
     grammar + states: constrained decoding, one fresh ``GrammarState`` per prompt (advanced
     in place); both None: free decoding. The grammar's END must be ``eos_id``.
+    cache: a cache already holding every prompt but its last token, group g = prompt g (e.g.
+    from ``acarerank.model.cached_prefill.prefill_cached``); the caller frees it. None: prefilled here.
     """
     if (grammar is None) != (states is None):
         raise ValueError("pass both grammar and states (constrained) or neither (free decoding)")
@@ -68,7 +70,10 @@ def greedy_decode(runner, prompts: Sequence[Sequence[int]], grammar: Optional[Id
         raise ValueError(f"the grammar ends on token {grammar.tokens.end} but eos_id is {eos_id}")
     _check(prompts, states, max_new_tokens)
     prompts = [list(map(int, p)) for p in prompts]
-    cache = runner.prefill([p[:-1] for p in prompts])
+    if cache is None:
+        cache = runner.prefill([p[:-1] for p in prompts])
+    elif cache.lengths != [len(p) - 1 for p in prompts]:
+        raise ValueError(f"cache holds {cache.lengths} tokens per group; the prompts need {[len(p) - 1 for p in prompts]}")
     if grammar is not None:
         vocab = grammar.vocab.to(runner.device)
         head = runner.lm_head[vocab]                                  # [14, H]: the only rows a mask lets through

@@ -20,6 +20,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..model import Qwen3Runner
+from ..model.block_pool import PoolExhausted
+from ..model.cached_prefill import CacheSlot, prefill_cached
 from ..model.placement import check_dtype_device
 from ..selection import parse_selection
 from ..tokenizer import TOKEN_IM_END
@@ -59,7 +61,8 @@ class SetwiseReranker:
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None,
                  max_length: Optional[int] = DEFAULT_MAX_LENGTH, max_new_tokens: int = MAX_NEW_TOKENS,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, prefix_cache: bool = True,
+                 cache_budget_tokens: Optional[int] = None):
         if (model is None) == (runner is None):
             raise TypeError("SetwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
         if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
@@ -76,6 +79,9 @@ class SetwiseReranker:
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.grammar = IdentifierGrammar.from_tokenizer(tokenizer)
+        # prompts share their instructions (and an agent's repeated query) across calls: the
+        # prompt prefill starts from the longest cached prefix (acarerank.model.cached_prefill)
+        self._cache_slot = CacheSlot(self.runner, prefix_cache, cache_budget_tokens)
         V = self.runner.arch.vocab_size
         if max(self.grammar.tokens.vocab) >= V:
             raise ValueError(f"the tokenizer's identifier/end tokens {self.grammar.tokens.vocab} are not all inside "
@@ -128,13 +134,28 @@ class SetwiseReranker:
             out.extend(self._select_prompts(prompts[b:b + batch_size], max_select, constrained))
         return out
 
+    def cache_stats(self) -> dict:
+        """Prompt prefix-cache counters and gauges in tokens (as ``PointwiseReranker.cache_stats``)."""
+        return self._cache_slot.stats()
+
     def _select_prompts(self, prompts, max_select: int, constrained: bool) -> List[Selection]:
         ids = [p.input_ids for p in prompts]
-        if constrained:
-            states = [self.grammar.start(p.n_candidates, max_select) for p in prompts]
-            gen = greedy_decode(self.runner, ids, self.grammar, states, self.max_new_tokens, eos_id=TOKEN_IM_END)
-        else:
-            gen = greedy_decode(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=TOKEN_IM_END)
+
+        def decode(cache):
+            if constrained:
+                states = [self.grammar.start(p.n_candidates, max_select) for p in prompts]
+                return greedy_decode(self.runner, ids, self.grammar, states, self.max_new_tokens,
+                                     eos_id=TOKEN_IM_END, cache=cache)
+            return greedy_decode(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=TOKEN_IM_END,
+                                 cache=cache)
+
+        cache, _ = prefill_cached(self.runner, self._cache_slot, [i[:-1] for i in ids])
+        try:
+            gen = decode(cache)
+        except PoolExhausted:  # the cache's pool filled up with pinned pages mid-decode: redo privately
+            gen = decode(None)
+        finally:
+            cache.free()  # decoded rows were private pages; cached prompt pages stay in the tree
         out = []
         for p, toks in zip(prompts, gen):
             text = self.tokenizer.decode(toks, skip_special_tokens=True)

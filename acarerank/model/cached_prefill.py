@@ -1,0 +1,113 @@
+"""Prefill through the prefix cache: what a reranker owns to reuse shared parts across calls.
+
+``CacheSlot`` holds one ``PrefixCache`` (its pool allocated on first use, sized by a token
+budget) and the counters a server exports; ``prefill_cached`` computes prompts starting
+from their longest cached prefixes (docs/ARCHITECTURE.md, prefix cache).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Hashable, Optional, Sequence
+
+import torch
+
+from .block_pool import PoolExhausted
+from .paged_cache import PagedKVCache
+from .prefix_cache import PrefixCache
+
+#: bytes of KV pages a cache may hold by device type when the caller gives no budget
+#: (Qwen3-Reranker-0.6B in fp32 keeps 224 KiB per token: 1 GiB ≈ 4,680 tokens) ...
+DEFAULT_CACHE_BYTES = {"cpu": 1 << 30, "cuda": 8 << 30}
+#: ... and never more than this many tokens (a small model's 1 GiB would be a million tokens)
+DEFAULT_CACHE_MAX_TOKENS = 65536
+
+
+def default_budget_tokens(runner) -> int:
+    a = runner.arch
+    per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.tensor([], dtype=runner.dtype).element_size()
+    return min(DEFAULT_CACHE_MAX_TOKENS,
+               DEFAULT_CACHE_BYTES.get(runner.device.type, DEFAULT_CACHE_BYTES["cpu"]) // per_token)
+
+
+class CacheSlot:
+    """A reranker's prefix cache (or its absence) and its statistics.
+
+    enabled=False: every prefix is computed in full; the counters still count lookups and
+    computed tokens so a server's metrics read the same either way.
+    """
+
+    def __init__(self, runner, enabled: bool = True, budget_tokens: Optional[int] = None):
+        if budget_tokens is not None and (isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int)
+                                          or budget_tokens < 0):
+            raise ValueError(f"cache_budget_tokens must be a non-negative int or None, got {budget_tokens!r}")
+        self.runner = runner
+        self.enabled = bool(enabled)
+        budget = default_budget_tokens(runner) if budget_tokens is None else budget_tokens
+        self.budget_blocks = budget // runner.block_size if self.enabled else 0
+        self._cache: Optional[PrefixCache] = None
+        self._lock = threading.Lock()
+        self.computed_tokens = 0
+        self.uncached_lookup_tokens = 0
+
+    def get(self) -> Optional[PrefixCache]:
+        """The prefix cache, its pages allocated now if this is the first use; None when off."""
+        if self._cache is None and self.budget_blocks > 0:
+            self._cache = PrefixCache(self.runner.new_pool(self.budget_blocks))
+        return self._cache
+
+    def count(self, computed: int = 0, uncached_lookup: int = 0) -> None:
+        with self._lock:
+            self.computed_tokens += computed
+            self.uncached_lookup_tokens += uncached_lookup
+
+    def stats(self) -> dict:
+        """lookup / hit / computed / evicted tokens (monotonic), resident / budget tokens (gauges)."""
+        pc = self._cache
+        with self._lock:
+            computed, lookup_off = self.computed_tokens, self.uncached_lookup_tokens
+        return {
+            "lookup_tokens": lookup_off + (pc.lookup_tokens if pc else 0),
+            "hit_tokens": pc.hit_tokens if pc else 0,
+            "computed_tokens": computed,
+            "evicted_tokens": pc.evicted_tokens if pc else 0,
+            "resident_tokens": pc.resident_tokens if pc else 0,
+            "budget_tokens": self.budget_blocks * self.runner.block_size,
+        }
+
+
+def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
+                   salt: Optional[Hashable] = None) -> tuple:
+    """Prefill ``prefixes`` (one group each), reusing the longest cached prefix of each.
+
+    Returns ``(cache, hits)``: a ``PagedKVCache`` holding every group (the caller frees it;
+    its pages stay pinned until then) and the tokens of each prefix served from the cache.
+    Full pages computed here enter the cache. Without a usable cache (off, or no room even
+    after evicting every unpinned page) the prefixes are computed in full in a private pool.
+    All groups' new tokens go through one chunked packed pass.
+    """
+    prefixes = [list(p) for p in prefixes]
+    pc = slot.get()
+    if pc is not None:
+        cache = PagedKVCache(pc.pool, allocate=pc.allocate)
+        hits = []
+        for ids in prefixes:
+            matched = pc.match(salt, ids)
+            cache.add_group(matched, len(matched) * pc.block_size)
+            pc.pool.decref(matched)  # the cache's own reference replaces the match's
+            hits.append(len(matched) * pc.block_size)
+        try:
+            runner.extend(cache, list(range(len(prefixes))), [ids[h:] for ids, h in zip(prefixes, hits)])
+        except PoolExhausted:
+            cache.free()
+            with pc.pool.lock:
+                pc.hit_tokens -= sum(hits)  # recomputed below: not hits
+        else:
+            for g, ids in enumerate(prefixes):
+                pc.insert(salt, ids, cache.block_tables[g])
+            slot.count(computed=sum(len(ids) - h for ids, h in zip(prefixes, hits)))
+            return cache, hits
+    else:
+        slot.count(uncached_lookup=sum(map(len, prefixes)))
+    cache = runner.prefill(prefixes)  # a private, growable pool
+    slot.count(computed=sum(map(len, prefixes)))
+    return cache, [0] * len(prefixes)
