@@ -6,6 +6,7 @@
 #   4. acarerank bench, real shapes     qwen3-reranker-4b, bf16, depths 10,20,50,100, modes M0,M3
 #   5. kernel benchmarks                every bench/bench_*.py but bench_pointwise.py (CPU pointwise
 #                                       comparison), at their default (real) shapes on the GPU
+#   6. agent session                    acarerank bench --workload agent, qwen3-reranker-0.6b, bf16
 # Every step has a timeout inside one overall deadline; a failing or missing step is logged
 # as FAILED/MISSING and the script goes on. Results land in $OUT (default results/gpu_check),
 # at most 8 files: gpu_check.log, summary.txt, bench.csv, bench.png, bench.txt,
@@ -17,7 +18,7 @@
 #                                             # packages the GPU machine lacks (tokenizer files,
 #                                             # pytest, hypothesis, ...) to results/gpu_bundle;
 #                                             # carry "results/gpu_bundle" with the run
-#   options: --skip build,pytest,bench,kernels   --deadline SECONDS (default 450)
+#   options: --skip build,pytest,bench,kernels,agent   --deadline SECONDS (default 450)
 # Environment: PYTHON (interpreter), OUT, GPU_CHECK_KERNEL_BENCHES (space-separated paths, the
 # whole list; default: bench_attention, bench_yes_no, bench_topk_logprobs, bench_linear_logprob,
 # which must exist, plus any other bench/bench_*.py).
@@ -224,6 +225,23 @@ else
   # scripts that write under results/ by default: keep what this run produced
   [ -d results ] && find results -type f -newer "$MARK" -not -path "results/gpu_check/*" \
     -not -path "results/gpu_bundle/*" -exec cp --parents {} "$KDIR/" \; 2>/dev/null
+fi
+
+# -- 6. agent session (prefix cache across calls) ---------------------------------------
+# after the attention targets: 8 calls with a trace growing by 600 tokens, 1 and 3 sub-queries,
+# cache on vs off vs transformers with a per-request prefix cache (agent.txt in details)
+if skipped agent; then status "SKIPPED agent session"
+else
+  if [ "$DRY" = 1 ]; then
+    AGENT_ARGS=(--steps 2 --trace-step-tokens 60 --docs-per-call 3 --doc-tokens 20-40 --override
+                num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=2,num_key_value_heads=1,head_dim=32)
+  else
+    AGENT_ARGS=(--preset qwen3-reranker-0.6b --backends triton)
+  fi
+  run_step "agent session" 120 "$WORK/agent.log" "$PY" -c \
+    "import sys; from acarerank.cli import main; sys.exit(main(sys.argv[1:]))" bench --workload agent \
+    --subqueries 1,3 "${AGENT_ARGS[@]}" --dtype "$DTYPE" --device "$DEVICE" --output "$WORK/agent"
+  grep -E "^(cache speedup|scores cache)" "$WORK/agent.log" >> "$SUMMARY"
 fi
 
 # -- results: at most 8 files in $OUT ---------------------------------------------------

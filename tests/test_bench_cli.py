@@ -192,6 +192,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert proc.returncode == 1, proc.stderr  # the missing script is a failure, reported at the end
     assert "MISSING bench/bench_does_not_exist.py" in summary, summary
     assert "OK      acarerank bench" in summary and "scores agree" in summary, summary
+    assert "OK      agent session" in summary and "scores cache on vs off" in summary, summary
     assert {"gpu_check.log", "summary.txt", "bench.csv", "bench.png", "bench.txt", "details.tar.gz"} <= set(files)
     assert len(files) <= 8, files
 

@@ -293,10 +293,9 @@ def test_setwise_prompt_prefill_through_the_cache(model, qwen3_tokenizer):
     cached = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=16)
     plain = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=16, prefix_cache=False)
     for docs, constrained in ((DOCS, True), (DOCS[::-1] + ["one more candidate passage"], False)):
-        if True:
-            a = cached.select(QUESTION, docs, max_select=2, constrained=constrained)
-            b = plain.select(QUESTION, docs, max_select=2, constrained=constrained)
-            assert (a.indices, a.text) == (b.indices, b.text)
+        a = cached.select(QUESTION, docs, max_select=2, constrained=constrained)
+        b = plain.select(QUESTION, docs, max_select=2, constrained=constrained)
+        assert (a.indices, a.text) == (b.indices, b.text)
     st_ = cached.cache_stats()
     assert st_["hit_tokens"] > 0 and plain.cache_stats()["hit_tokens"] == 0
     assert all(cached._cache_slot._cache.pool.refcount[b] == 1 for b in cached._cache_slot._cache.paths().values())
