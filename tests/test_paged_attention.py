@@ -149,3 +149,16 @@ def test_bad_input_is_a_clear_error(mutate, match):
 def test_unknown_backend_is_a_backend_error():
     with pytest.raises(BackendError, match="has no 'cpp' backend"):
         prefix_shared_attention_paged(*_args(), backend="cpp")
+
+
+def test_registered_op_passes_opcheck():
+    """The custom op behind the public function: schema, fake tensor and dispatch checks."""
+    from acarerank.ops.paged_attention import prefix_shared_attention_paged_op
+
+    q, k, v, cu, kc, vc, bt, pl, sg = _args()
+    plan = plan_prefix_shared_attention_paged(cu, bt, pl, sg, num_heads=q.shape[1], num_kv_heads=k.shape[1],
+                                              head_dim=q.shape[2], block_size=kc.shape[1], num_blocks=kc.shape[0],
+                                              dtype=q.dtype, backend="torch")
+    torch.library.opcheck(prefix_shared_attention_paged_op,
+                          (q, k, v, cu, kc, vc, plan.block_table, plan.cu_prefix_lens, sg, list(plan.aux), 0.25,
+                           "torch"))
