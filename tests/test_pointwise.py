@@ -64,12 +64,13 @@ def test_scores_equal_official_path_with_truncation(qwen3_tokenizer):
     ref = official_scores(model, tok, [official_input_ids(tok, "q", d, max_length=160) for d in docs], batch_size=1)
     ours = rr.score("q", docs)
     assert max(abs(a - b) for a, b in zip(ours, ref)) <= 1e-5
-    # M3 with the trace cut oldest-first: our split equals the full truncated sequence
-    rr = PointwiseReranker(model=model, tokenizer=tok, max_length=400, min_doc_tokens=64)
-    enc = encode_pointwise(tok, "q", docs, question=QUESTION, trace=TRACE * 4, max_length=400, min_doc_tokens=64)
-    assert enc.trace_tokens_dropped > 0 and any(enc.doc_truncated)
+    # M3 with the trace cut oldest-first (in 512-token chunks, so the trace is longer than one):
+    # our split equals the full truncated sequence
+    rr = PointwiseReranker(model=model, tokenizer=tok, max_length=700, min_doc_tokens=64)
+    enc = encode_pointwise(tok, "q", docs, question=QUESTION, trace=TRACE * 8, max_length=700, min_doc_tokens=64)
+    assert enc.trace_tokens_dropped > 0 and enc.trace_used and any(enc.doc_truncated)
     ref = official_scores(model, tok, [enc.input_ids(i) for i in range(len(docs))], batch_size=1)
-    ours = rr.score("q", docs, question=QUESTION, trace=TRACE * 4)
+    ours = rr.score("q", docs, question=QUESTION, trace=TRACE * 8)
     assert max(abs(a - b) for a, b in zip(ours, ref)) <= 1e-5
 
 
