@@ -1,4 +1,4 @@
-"""Qwen3 decoder forward over packed, grouped, prefix-shared batches (DESIGN.md §3).
+"""Qwen3 decoder forward over packed, grouped, prefix-shared batches (docs/ARCHITECTURE.md, "Data flow").
 
 A *group* owns a prefix whose K/V sit in a ``KVCache``; a *segment* is a run of new
 tokens of one group. ``forward`` runs all segments of all groups in one packed pass:
@@ -16,6 +16,10 @@ into pages (a decode step never re-packs the cache). The attention metadata (wor
 block lookups) is planned once per pass and reused by every layer. A caller that keeps KV
 across calls (the prefix cache of ``PointwiseReranker``) passes its own pool-backed cache to
 ``extend``/``forward``. The packed ``KVCache`` is still accepted by ``forward``.
+
+Plan once per batch: ``_forward`` builds one attention plan (work list / block lookups / host
+metadata) and every layer runs attention with it; host<->device syncs per forward are those
+of the plan (see ``acarerank.ops.attention`` and ``acarerank.ops.paged_attention``).
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..ops import prefix_shared_attention, prefix_shared_attention_paged
+from ..ops import (backend_for, per_op_backends, plan_prefix_shared_attention, prefix_shared_attention,
+                   prefix_shared_attention_paged)
 from .arch import Qwen3Arch
 from .block_pool import BlockPool
 from .paged_cache import PagedKVCache
@@ -91,11 +96,13 @@ def _rotate_half(x):
 class Qwen3Runner:
     """Runs a Qwen3 decoder over prefix-shared batches; holds no per-request state."""
 
-    def __init__(self, weights: Qwen3Weights, backend: Optional[str] = None, prefill_chunk: int = 4096,
+    def __init__(self, weights: Qwen3Weights, backend=None, prefill_chunk: int = 4096,
                  batch_invariant: bool = False, block_size: int = DEFAULT_BLOCK_SIZE):
         """
         Args:
-          weights: see ``Qwen3Weights``; backend: attention backend (None = op default).
+          weights: see ``Qwen3Weights``; backend: a backend preference (a name, or a per-op
+            mapping) of which the attention op's part is used (``acarerank.ops.backend_for``);
+            None = ACARERANK_BACKEND / device default.
           prefill_chunk: tokens per group per prefill pass.
           batch_invariant: run every GEMM on fixed tiles of ``INVARIANT_ROWS`` rows, so a
             segment's output is bitwise independent of the other segments in its batch (with a
@@ -105,6 +112,7 @@ class Qwen3Runner:
         self.weights = weights
         self.batch_invariant = batch_invariant
         self.arch = weights.arch
+        per_op_backends(backend)  # a bad preference fails here, by name
         self.backend = backend
         self.prefill_chunk = prefill_chunk
         self.block_size = block_size
@@ -243,9 +251,18 @@ class Qwen3Runner:
         Hq, Hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         paged = isinstance(cache, PagedKVCache)
         if paged:
-            # pages for the appended rows first (copy-on-write may change a table), then one plan
+            # pages for the appended rows first (copy-on-write may change a table), then one plan;
+            # the paged op follows a preference given for the packed one (same backends)
             slots = cache.reserve(groups, lens).to(dev) if append else None
-            plan = cache.plan(cu_seqlens, seg_group, Hq, Hkv, d, self.dtype, self.backend)
+            plan = cache.plan(cu_seqlens, seg_group, Hq, Hkv, d, self.dtype,
+                              backend_for("prefix_shared_attention_paged", self.backend)
+                              or backend_for("prefix_shared_attention", self.backend))
+        else:
+            # one plan for every layer: the cache's cu_prefix_lens only changes in _append, after the layers
+            plan = plan_prefix_shared_attention(cu_seqlens, cache.cu_prefix_lens, seg_group, num_tokens=T,
+                                                num_q_heads=Hq, num_kv_heads=Hkv, head_dim=d, dtype=self.dtype,
+                                                backend=backend_for("prefix_shared_attention", self.backend),
+                                                validate=False)
         linear = _linear_fixed_tiles if self.batch_invariant else F.linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
         new_k, new_v = [], []
@@ -272,7 +289,7 @@ class Qwen3Runner:
                                                      validate=False).reshape(T, Hq * d)
             else:
                 attn = prefix_shared_attention(q, k, v, cu_seqlens, cache.k[i], cache.v[i], cache.cu_prefix_lens,
-                                               seg_group, backend=self.backend, validate=False).reshape(T, Hq * d)
+                                               seg_group, plan=plan).reshape(T, Hq * d)
             if is_last_layer and output == "last":
                 x, attn = x[last], attn[last]  # only the rows asked for go through o_proj and the MLP
             x = x + linear(attn, L.w_o)

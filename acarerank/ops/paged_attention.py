@@ -1,6 +1,6 @@
 """``prefix_shared_attention_paged``: the shared-prefix primitive with the prefix in pages.
 
-Same contract as ``prefix_shared_attention`` (docs/ARCHITECTURE.md, the one primitive), but
+Same contract as ``prefix_shared_attention`` (docs/ARCHITECTURE.md, "The one primitive"), but
 each group's prefix K/V live in fixed-size blocks of a page pool, vLLM's layout:
 
     k_cache, v_cache: [num_blocks, block_size, Hkv, d]    (block_size a power of two, 16..256)
@@ -15,7 +15,7 @@ validates the metadata and builds what the backend needs — the work list (Trit
 gather indices (torch) — once per packed forward; every layer then calls
 ``prefix_shared_attention_paged(..., plan=plan)`` and pays for no metadata work.
 
-Backends:
+Backends (declared in ``OP``, chosen as for every op: docs/ARCHITECTURE.md, "Backend rules"):
   "torch"  gathers the prefix rows (one indexed read of the used pages) and runs the packed
            torch path: equal to the packed op on the same data (bitwise on CPU, tested ≤ 1e-6)
   "triton" one pass; the block id of every key column is read from the table inside the
@@ -33,6 +33,7 @@ import torch
 
 from . import _backend
 from .attention import _check_inputs as _check_packed_inputs
+from .attention import _device_to_host
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 
@@ -44,7 +45,8 @@ class PagedAttentionPlan:
     cu_seqlens [S+1], segment_group [S], block_table [G, max_blocks], cu_prefix_lens [G+1]:
     int32 on the device. backend: the resolved backend name. aux: the backend's index
     tensors — torch: (block index, slot index) of every prefix row, packed group after group
-    ([Ptot] int64 each); triton: (work list [W, 2] int32,); flash_attn_cascade: ().
+    ([Ptot] int64 each), and the metadata's host copy; triton: (work list [W, 2] int32,);
+    flash_attn_cascade: (the metadata's host copy,).
     """
     cu_seqlens: torch.Tensor
     segment_group: torch.Tensor
@@ -138,22 +140,22 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"prefix_shared_attention_paged: query heads {num_heads} are not a multiple of kv heads "
                          f"{num_kv_heads}")
-    name, _ = _backend.resolve("prefix_shared_attention_paged", IMPLEMENTATIONS, backend, device)
-    _backend.check_runs_on(name, device, "prefix_shared_attention_paged")
+    name = OP.resolve(backend, device)
     G = block_table.shape[0]
     cu_pre = torch.zeros(G + 1, dtype=torch.int32, device=device)
     if G:
         cu_pre[1:] = torch.cumsum(prefix_lens, 0)
     T = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
     if name == "torch":
-        aux = _gather_index(block_table, prefix_lens, cu_pre, block_size)
+        aux = (*_gather_index(block_table, prefix_lens, cu_pre, block_size),
+               _device_to_host(cu_seqlens, cu_pre, segment_group))
     elif name == "triton":
-        from acarerank.kernels.prefix_shared_attention import _block_m, _work_list
-        block_m = _block_m(head_dim, dtype, device.type == "cuda")
-        work = _work_list(cu_seqlens, cu_pre, segment_group, T, num_heads // num_kv_heads, block_m)
-        aux = (work,)
+        from acarerank.kernels.prefix_shared_attention import plan_work
+
+        aux = (plan_work(cu_seqlens, cu_pre, segment_group, total_tokens=T, num_q_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device),)
     else:
-        aux = ()
+        aux = (_device_to_host(cu_seqlens, cu_pre, segment_group),)
     return PagedAttentionPlan(cu_seqlens, segment_group, block_table, prefix_lens, cu_pre, block_size, T, name, aux)
 
 
@@ -171,27 +173,24 @@ def _gather_index(block_table, prefix_lens, cu_pre, block_size):
 def _torch_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
     from .attention import _torch_backend as packed
 
-    blk, slot = aux
+    blk, slot, host_meta = aux
     # advanced indexing reads only the used pages, whatever the cache's strides
-    return packed(q, k, v, cu_seqlens, k_cache[blk, slot], v_cache[blk, slot], cu_prefix_lens, segment_group, scale)
+    return packed(q, k, v, cu_seqlens, k_cache[blk, slot], v_cache[blk, slot], cu_prefix_lens, segment_group, scale,
+                  host_meta=host_meta)
 
 
 def _triton_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
     from acarerank.kernels.prefix_shared_attention import prefix_shared_attention_paged_triton
 
     return prefix_shared_attention_paged_triton(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens,
-                                                segment_group, aux[0], scale)
+                                                segment_group, scale, work=aux[0])
 
 
 def _flash_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
     from .cascade import prefix_shared_attention_paged_flash_cascade
 
     return prefix_shared_attention_paged_flash_cascade(q, k, v, cu_seqlens, k_cache, v_cache, block_table,
-                                                       cu_prefix_lens, segment_group, scale)
-
-
-def _load_torch():
-    return _torch_backend
+                                                       cu_prefix_lens, segment_group, scale, host_meta=aux[0])
 
 
 def _load_triton():
@@ -210,8 +209,13 @@ def _load_flash():
     return _flash_backend
 
 
-#: backend name -> loader returning the implementation
-IMPLEMENTATIONS = {"torch": _load_torch, "triton": _load_triton, "flash_attn_cascade": _load_flash}
+OP = _backend.OpDecl(
+    "prefix_shared_attention_paged", aliases=("paged_attention",),
+    backends={"torch": _backend.Backend(lambda: _torch_backend), "triton": _backend.Backend(_load_triton),
+              "flash_attn_cascade": _backend.Backend(_load_flash, ("cuda",))},
+    # as the packed op: torch's fused CPU flash kernel on CPU, the one-pass kernel on GPU
+    defaults={"cpu": ("torch",), "cuda": ("triton", "torch")},
+)
 
 
 @torch.library.custom_op("acarerank::prefix_shared_attention_paged", mutates_args=())
@@ -220,7 +224,7 @@ def prefix_shared_attention_paged_op(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
                                      aux: list[torch.Tensor], softmax_scale: float, backend: str) -> torch.Tensor:
     """Registered form (opaque to torch.compile); ``aux`` = the plan's index tensors."""
-    fn = IMPLEMENTATIONS[backend]()
+    fn = OP.impl(backend)
     return fn(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, tuple(aux),
               softmax_scale)
 
