@@ -186,7 +186,7 @@ class PointwiseReranker:
             k += len(e.segment_ids)
         return out
 
-    # -- step API (docs/ARCHITECTURE.md, serving) ----------------------------------------
+    # -- step API (docs/ARCHITECTURE.md, "Paged KV and the prefix cache") -----------------
     def encode(self, request: ScoreRequest) -> PointwiseEncoding:
         """Tokenize and truncate one request (no model access; safe from several threads)."""
         if not isinstance(request, ScoreRequest):

@@ -365,7 +365,8 @@ def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_p
         return out
     gqa = Hq // Hkv
     if work is None:
-        work = _work_list(cu_seqlens, cu_prefix_lens, segment_group, T, gqa, attention_config(d, gqa, q.dtype, q.device)[0])
+        block_m = attention_config(d, gqa, q.dtype, q.device)[0]
+        work = _work_list(cu_seqlens, cu_prefix_lens, segment_group, T, gqa, block_m)
     if prefix_k.shape[0] == 0:
         # a valid base pointer for the (never loaded) prefix stream
         prefix_k, prefix_v = k[:0], v[:0]

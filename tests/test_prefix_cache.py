@@ -228,7 +228,8 @@ def test_step_api_mixed_items_equal_score(model, qwen3_tokenizer):
     for i, v in enumerate(got):
         w = want[i % 3 % 2][i % 3]
         assert abs(v - w) <= 1e-6, (i, v, w)
-    assert handles[0].prompt_tokens == len(handles[0].encoding.shared_ids) + sum(map(len, handles[0].encoding.segment_ids))
+    enc0 = handles[0].encoding
+    assert handles[0].prompt_tokens == len(enc0.shared_ids) + sum(map(len, enc0.segment_ids))
     for h in handles:
         (rr if h is not handles[2] else off).release_prefix(h)
         rr.release_prefix(h)  # idempotent

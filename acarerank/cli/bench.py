@@ -154,7 +154,8 @@ def run_agent(args) -> int:
 
     cfg = config_from_args(args)
     model, tok, random_weights = load_model(cfg)
-    out_dir = args.output or os.path.join("results", f"bench-agent-{cfg.preset}-{cfg.dtype}-{cfg.device.replace(':', '')}")
+    out_dir = args.output or os.path.join(
+        "results", f"bench-agent-{cfg.preset}-{cfg.dtype}-{cfg.device.replace(':', '')}")
     os.makedirs(out_dir, exist_ok=True)
     lo, hi = cfg.spec.doc_tokens if args.doc_tokens is not None or args.quick else (60, 380)
     texts, rows, ok = [], [], True
@@ -170,7 +171,8 @@ def run_agent(args) -> int:
         print(texts[-1], flush=True)
     cmd = (f"acarerank bench --workload agent --subqueries {','.join(map(str, args.subqueries))} --steps {args.steps} "
            f"--trace-step-tokens {args.trace_step_tokens} --docs-per-call {args.docs_per_call} "
-           f"--doc-tokens {lo}-{hi} --question-tokens {cfg.spec.question_tokens} --query-tokens {cfg.spec.query_tokens} "
+           f"--doc-tokens {lo}-{hi} --question-tokens {cfg.spec.question_tokens} "
+           f"--query-tokens {cfg.spec.query_tokens} "
            + (f"--model {cfg.model_path}" if cfg.model_path else f"--preset {cfg.preset}")
            + ("" if not cfg.overrides else " --override " + ",".join(f"{k}={v}" for k, v in cfg.overrides.items()))
            + f" --dtype {cfg.dtype} --device {cfg.device} --seed {args.seed}"

@@ -2,7 +2,7 @@
 
 ``CacheSlot`` holds one ``PrefixCache`` (its pool allocated on first use, sized by a token
 budget) and the counters a server exports; ``prefill_cached`` computes prompts starting
-from their longest cached prefixes (docs/ARCHITECTURE.md, prefix cache).
+from their longest cached prefixes (docs/ARCHITECTURE.md, "Paged KV and the prefix cache").
 """
 from __future__ import annotations
 

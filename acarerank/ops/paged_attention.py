@@ -205,7 +205,8 @@ def _load_flash():
     try:
         from .cascade import prefix_shared_attention_paged_flash_cascade  # noqa: F401
     except ImportError as e:  # flash-attn is optional and GPU-only
-        raise _backend.BackendError(f"prefix_shared_attention_paged: flash_attn_cascade backend unavailable: {e}") from e
+        raise _backend.BackendError(
+            f"prefix_shared_attention_paged: flash_attn_cascade backend unavailable: {e}") from e
     return _flash_backend
 
 

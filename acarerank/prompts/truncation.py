@@ -10,8 +10,8 @@ Order of cuts, so that the shared part never depends on the documents:
 2. Each document is then cut from its end (:func:`cut_tail`) to whatever room is left —
    what the Qwen3-Reranker model card does to its body, so M0 matches it token for token.
 
-Why chunks (docs/ARCHITECTURE.md, prefix cache): an agent calls the reranker again and again
-with a trace that only grows. Cutting the fewest tokens would move the trace's start on every
+Why chunks (docs/ARCHITECTURE.md, "Paged KV and the prefix cache"): an agent calls the
+reranker again and again with a trace that only grows. Cutting the fewest tokens would move the trace's start on every
 call once the cap is reached, so no two calls would share anything after the question and
 the prefix cache would never hit. Cutting in fixed chunks of the trace's own tokens keeps the
 start where it was until the excess crosses the next chunk: consecutive calls keep an
