@@ -162,3 +162,17 @@ def test_registered_op_passes_opcheck():
     torch.library.opcheck(prefix_shared_attention_paged_op,
                           (q, k, v, cu, kc, vc, plan.block_table, plan.cu_prefix_lens, sg, list(plan.aux), 0.25,
                            "torch"))
+
+
+def test_plan_mismatch_and_plan_validation_are_errors():
+    q, k, v, cu, kc, vc, bt, pl, sg = _args()
+    plan = plan_prefix_shared_attention_paged(cu, bt, pl, sg, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                                              num_blocks=kc.shape[0], dtype=q.dtype, backend="torch")
+    with pytest.raises(ValueError, match="plan was built for"):
+        prefix_shared_attention_paged(q[:-1], k[:-1], v[:-1], cu, kc, vc, bt, pl, sg, plan=plan)
+    with pytest.raises(ValueError, match="not with plan="):
+        prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, pl, sg, backend="torch", plan=plan)
+    with pytest.raises(ValueError, match="segment_group values"):
+        plan_prefix_shared_attention_paged(cu, bt, pl, torch.tensor([0, 1, 5], dtype=torch.int32), num_heads=4,
+                                           num_kv_heads=2, head_dim=16, block_size=16, num_blocks=kc.shape[0],
+                                           dtype=q.dtype)

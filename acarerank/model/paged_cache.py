@@ -56,7 +56,7 @@ class PagedKVCache:
 
     # -- the pass --------------------------------------------------------------------
     def plan(self, cu_seqlens: torch.Tensor, segment_group: torch.Tensor, num_heads: int, num_kv_heads: int,
-             head_dim: int, dtype: torch.dtype, backend: Optional[str]) -> PagedAttentionPlan:
+             head_dim: int, dtype: torch.dtype, backend, num_tokens: int) -> PagedAttentionPlan:
         """The paged-attention plan of one packed forward (built once, used by every layer)."""
         dev = cu_seqlens.device
         width = max([len(t) for t in self.block_tables] + [1])
@@ -66,7 +66,7 @@ class PagedKVCache:
         return plan_prefix_shared_attention_paged(
             cu_seqlens, bt.to(dev), torch.tensor(self.lengths, dtype=torch.int32, device=dev), segment_group,
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=self.block_size,
-            num_blocks=self.pool.num_blocks, dtype=dtype, backend=backend, validate=False)
+            num_blocks=self.pool.num_blocks, dtype=dtype, backend=backend, validate=False, num_tokens=num_tokens)
 
     def reserve(self, groups: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
         """Make room for ``counts[i]`` new tokens after group ``groups[i]``'s prefix; returns

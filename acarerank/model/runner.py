@@ -256,7 +256,7 @@ class Qwen3Runner:
             slots = cache.reserve(groups, lens).to(dev) if append else None
             plan = cache.plan(cu_seqlens, seg_group, Hq, Hkv, d, self.dtype,
                               backend_for("prefix_shared_attention_paged", self.backend)
-                              or backend_for("prefix_shared_attention", self.backend))
+                              or backend_for("prefix_shared_attention", self.backend), num_tokens=T)
         else:
             # one plan for every layer: the cache's cu_prefix_lens only changes in _append, after the layers
             plan = plan_prefix_shared_attention(cu_seqlens, cache.cu_prefix_lens, seg_group, num_tokens=T,

@@ -96,7 +96,7 @@ def _check_cache(q, k, k_cache, v_cache):
     check_block_size(k_cache.shape[1])
 
 
-def _check_tables(block_table, prefix_lens, segment_group, block_size, num_blocks, device, validate_values):
+def _check_tables(block_table, prefix_lens, block_size, num_blocks, device, validate_values):
     _int32_tensor("block_table", block_table, 2, device)
     _int32_tensor("prefix_lens", prefix_lens, 1, device)
     G = block_table.shape[0]
@@ -124,19 +124,23 @@ def _check_tables(block_table, prefix_lens, segment_group, block_size, num_block
 
 def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, segment_group, *, num_heads: int,
                                        num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-                                       dtype: torch.dtype, backend: Optional[str] = None,
-                                       validate: bool = True) -> PagedAttentionPlan:
+                                       dtype: torch.dtype, backend=None, validate: bool = True,
+                                       num_tokens: Optional[int] = None) -> PagedAttentionPlan:
     """Check the metadata and build the backend's index tensors once per batch.
 
     Args: as ``prefix_shared_attention_paged``; num_heads/num_kv_heads/head_dim/dtype describe
     q and the pages (the Triton work list depends on the GQA ratio and the tile size);
-    validate: read the metadata values on the host (one sync) and check them.
+    validate: read the metadata values on the host (one sync) and check them;
+    num_tokens: T = cu_seqlens[-1] when the caller knows it (else read: one sync on CUDA).
+
+    Host<->device syncs on CUDA: "triton" none (with num_tokens, validate=False); "torch" two
+    (the prefix total and the metadata's host copy); "flash_attn_cascade" one.
     """
     device = cu_seqlens.device
     check_block_size(block_size)
     _int32_tensor("cu_seqlens", cu_seqlens, 1, device)
     _int32_tensor("segment_group", segment_group, 1, device)
-    _check_tables(block_table, prefix_lens, segment_group, block_size, num_blocks, device, validate)
+    _check_tables(block_table, prefix_lens, block_size, num_blocks, device, validate)
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"prefix_shared_attention_paged: query heads {num_heads} are not a multiple of kv heads "
                          f"{num_kv_heads}")
@@ -145,7 +149,18 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
     cu_pre = torch.zeros(G + 1, dtype=torch.int32, device=device)
     if G:
         cu_pre[1:] = torch.cumsum(prefix_lens, 0)
-    T = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
+    T = num_tokens if num_tokens is not None else (int(cu_seqlens[-1]) if cu_seqlens.numel() else 0)
+    if validate:
+        S = segment_group.numel()
+        if cu_seqlens.numel() != S + 1:
+            raise ValueError(f"prefix_shared_attention_paged: cu_seqlens has {cu_seqlens.numel()} entries for "
+                             f"{S} segments")
+        cs, sg = cu_seqlens.tolist(), segment_group.tolist()
+        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+            raise ValueError(f"prefix_shared_attention_paged: cu_seqlens must start at 0, be non-decreasing and "
+                             f"end at T={T}")
+        if S and (min(sg) < 0 or max(sg) >= G):
+            raise ValueError(f"prefix_shared_attention_paged: segment_group values must lie in [0, {G})")
     if name == "torch":
         aux = (*_gather_index(block_table, prefix_lens, cu_pre, block_size),
                _device_to_host(cu_seqlens, cu_pre, segment_group))
@@ -250,7 +265,7 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
       prefix_lens: [G] int32 — P_g (may be 0; may end mid-block).
       softmax_scale: default 1/sqrt(d). backend: None = environment / device default.
       plan: from ``plan_prefix_shared_attention_paged`` for this batch's metadata (built here
-        when None); its backend wins over ``backend``.
+        when None); ``backend`` must then be None (the plan's backend runs).
       validate: check shapes/dtypes (always cheap) and, without a plan, the metadata values.
 
     Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
@@ -262,11 +277,21 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
         _check_packed_inputs(q, k, v, cu_seqlens, empty, empty, torch.zeros(G + 1, dtype=torch.int32, device=q.device),
                              segment_group, plan is None)
         _check_cache(q, k, k_cache, v_cache)
-    if plan is None:
+    if plan is not None:
+        if backend is not None:
+            raise ValueError("prefix_shared_attention_paged: pass backend= to plan_prefix_shared_attention_paged, "
+                             "not with plan=")
+        if q.shape[0] != plan.num_tokens:
+            raise ValueError(f"prefix_shared_attention_paged: q has {q.shape[0]} rows but the plan was built for "
+                             f"{plan.num_tokens}")
+        if k_cache.shape[1] != plan.block_size:
+            raise ValueError(f"prefix_shared_attention_paged: pages of {k_cache.shape[1]} tokens but the plan was "
+                             f"built for {plan.block_size}")
+    else:
         plan = plan_prefix_shared_attention_paged(
             cu_seqlens, block_table, prefix_lens, segment_group, num_heads=Hq, num_kv_heads=k.shape[1], head_dim=d,
             block_size=k_cache.shape[1], num_blocks=k_cache.shape[0], dtype=q.dtype, backend=backend,
-            validate=validate)
+            validate=validate, num_tokens=T)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     return prefix_shared_attention_paged_op(q, k, v, plan.cu_seqlens, k_cache, v_cache, plan.block_table,
                                             plan.cu_prefix_lens, plan.segment_group, list(plan.aux), float(scale),
