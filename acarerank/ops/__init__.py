@@ -10,6 +10,7 @@ from .topk_merge import (TopKMergeState, TopKResult, topk_merge_finalize, topk_m
                          topk_merge_update)
 from .topk_logprobs import TopKLogprobs, topk_logprobs, topk_logprobs_ref
 from .linear_logprob import linear_logprob, linear_logprob_ref
+from .vocab_parallel import VocabShard
 from ._library import prefix_shared_attention_op, yes_no_score_op  # torch.ops.acarerank.*
 
 __all__ = [
@@ -18,6 +19,6 @@ __all__ = [
     "yes_no_score", "yes_no_score_ref",
     "merge_attention_states", "merge_attention_states_ref",
     "TopKMergeState", "TopKResult", "topk_merge_init", "topk_merge_update", "topk_merge_finalize", "topk_merge_ref",
-    "TopKLogprobs", "topk_logprobs", "topk_logprobs_ref", "linear_logprob", "linear_logprob_ref",
+    "TopKLogprobs", "topk_logprobs", "topk_logprobs_ref", "linear_logprob", "linear_logprob_ref", "VocabShard",
     "prefix_shared_attention_op", "yes_no_score_op",
 ]
