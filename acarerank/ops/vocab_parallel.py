@@ -64,11 +64,12 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _backend
 from ._checks import check_projection_inputs
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
 from .linear_logprob import _fp32, backward_chunks, forward_stats, grad_inputs
-from .topk_logprobs import OUTSIDE_MODES, IMPLEMENTATIONS, finalize, order_keys, topk_logprobs_core
+from .topk_logprobs import OP as _TOPK_OP
+from .topk_logprobs import order_keys, topk_logprobs_core
+from .topk_merge import OUTSIDE_MODES, check_k, finalize
 
 HEADER = 256       # int64 words per rank in the check collective
 _NFIELDS = 16      # fields in front; the rest holds the rank's error message, one byte per word
@@ -228,7 +229,7 @@ def agree(op, group, local_check, hidden, weight, targets, k, vocab_start, vocab
     if V > total:
         raise ValueError(f"{op}: vocab_size={V} but the shards hold only {total} rows")
     if k is not None and k > V:
-        raise ValueError(f"{op}: k must be an int in [1, V={V}], got {k}")
+        raise ValueError(f"{op}: k must be <= V, got k={k} > the vocabulary size {V}")
     T = f[0][2]
     if T and (f[rank][10] < 0 or f[rank][11] >= V):
         bad_id = f[rank][10] if f[rank][10] < 0 else f[rank][11]
@@ -261,14 +262,13 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
 
     def local_check():
         check_projection_inputs(hidden, weight_shard, targets, op, temperature=temperature, chunk=chunk, shard=True)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"{op}: k must be a positive int, got {k!r}")
+        # k ≤ the backend's limit here (V is checked once the shards are known); the local
+        # core sees min(k, n_r) ≤ k
+        check_k(k, None, _TOPK_OP.resolve(backend, hidden.device), op)
         if outside not in OUTSIDE_MODES:
             raise ValueError(f"{op}: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
         if not isinstance(floor, (int, float)) or not math.isfinite(floor):
             raise ValueError(f"{op}: floor must be a finite number, got {floor!r}")
-        name, _ = _backend.resolve(op, IMPLEMENTATIONS, backend, hidden.device)
-        _backend.check_runs_on(name, hidden.device, op)
 
     layout = agree(op, process_group, local_check, hidden, weight_shard, targets, k, vocab_start, vocab_size,
                    temperature)
