@@ -110,6 +110,19 @@ def _topk(ctx, hidden, weight, targets, bounds, k, pass_start=False, vocab_size=
     return tuple(out)
 
 
+def _topk_subgroups(ctx, hidden, weight, targets, k):
+    """Ranks {0, 1} and {2, 3} as two tensor-parallel groups (Megatron's TP groups are
+    subgroups): group-local ranks pick the shards, the second pair works on flipped targets."""
+    if not hasattr(ctx, "pairs"):
+        ctx.pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in order
+    from acarerank.ops import topk_logprobs
+
+    pair, local = divmod(ctx.rank, 2)
+    s, e = shard_bounds(weight.shape[0], 2)[local]
+    tg = targets.flip(0) if pair else targets
+    return tuple(topk_logprobs(hidden, weight[s:e], tg, k=k, process_group=ctx.pairs[pair]))
+
+
 def _linear(ctx, hidden, weight, targets, bounds, pass_start=False, vocab_size=None, temperature=1.0,
             return_entropy=False, chunk=None, grad_seed=0):
     """Forward, then backward of Σ g·logprob (+ Σ e·entropy) with the same g, e on every rank."""
@@ -222,6 +235,6 @@ def _rescore(ctx, bounds, vocab_size, k, outside, temperature, pad_rows):
     return res.logp_old, res.logp_teacher, res.teacher_in_topk, res.atd
 
 
-CASES = {"topk": _topk, "linear": _linear, "gradcheck": _gradcheck, "bad": _bad, "rescore": _rescore}
+CASES = {"topk": _topk, "topk_subgroups": _topk_subgroups, "linear": _linear, "gradcheck": _gradcheck, "bad": _bad, "rescore": _rescore}
 
 __all__ = ["Group", "shard_bounds", "tiny_runner", "rescore_queries", "CASES"]

@@ -159,6 +159,15 @@ def test_topk_logprobs_equals_single_process(groups, name, world, T, H, V, k, ki
         assert tied.any(), "the ties case must tie at the k-th place"
 
 
+def test_topk_logprobs_on_subgroups(groups):
+    """Two independent groups of 2 inside the 4 ranks, as Megatron's tensor-parallel groups are."""
+    h, w = _dyadic(9, 64, 1000, seed=5)
+    tg = _targets(h, w, 32, 1000, shard_bounds(1000, 2))
+    out = _ok(groups(4).run("topk_subgroups", hidden=h, weight=w, targets=tg, k=32), "subgroups")
+    _check_topk(out[:2], h, w, tg, 32, 1000, "subgroup {0, 1}")
+    _check_topk(out[2:], h, w, tg.flip(0), 32, 1000, "subgroup {2, 3}")
+
+
 # --------------------------------------------------------------------- linear_logprob
 LINEAR_CASES = [
     # id, world, T, H, rows, V (true vocabulary), shard rule, temperature, entropy

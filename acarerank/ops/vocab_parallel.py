@@ -119,7 +119,10 @@ def _check_group(process_group, op):
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"{op}: process_group must be a torch.distributed.ProcessGroup, got "
                         f"{type(process_group).__name__}")
-    return dist.get_rank(process_group), dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError(f"{op}: this process (global rank {dist.get_rank()}) is not a member of process_group")
+    return rank, dist.get_world_size(process_group)
 
 
 def _comm_device(group, hidden):
