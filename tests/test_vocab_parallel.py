@@ -8,6 +8,8 @@ H ≤ 64) make every GEMM exact whatever its blocking, and they tie often, so th
 (lower id first) is exercised across shard boundaries. Bad input must raise on every rank,
 and the group must still work afterwards (no rank left waiting in a collective).
 """
+import re
+
 import pytest
 import torch
 
@@ -311,8 +313,6 @@ BAD = _bad_cases()
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_raises_on_every_rank(groups, case):
     world, name, kw, per_rank, pattern = BAD[case]
-    import re
-
     h, w = _dyadic(5, 64, 1000, seed=1)
     tg = _targets(h, w, 4, 1000)
     bounds = shard_bounds(1000, world)

@@ -53,6 +53,20 @@ single-process formulas of ``linear_logprob``. Backward: each rank's weight grad
 front of its output layer (so do not add that region as well: the gradient would be summed
 twice). Every rank must run the backward with the same incoming gradient (Megatron's loss is
 the same on every rank of the group).
+
+Precision: top-k ids and logits, and the renormalised (top-k) log-probs, are those of the
+single-process op bit for bit whenever the GEMM gives each logit the same bits (tests use
+exact dyadic inputs). A value normalised over the whole vocabulary (renormalize=False,
+outside="full") combines fp32 per-shard sums in another order: it moves by fp32 rounding,
+like the single-process op does when its chunk size changes (tests: ≤ 2× its error vs fp64).
+
+Limits: the check catches disagreement, not a rank that never calls (a rank passing
+process_group=None runs alone while the others wait until the group's timeout); hidden is
+trusted to be the same on every rank (a checksum of it would cost a [T, H] pass); with
+Megatron's sequence parallelism, gather the hidden states first with a backward that takes
+this rank's slice (``gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=False)``),
+since the hidden gradient here is already summed over the group. NCCL is supported by
+construction (buffers live on the GPU) but was tested only with gloo.
 """
 from __future__ import annotations
 
