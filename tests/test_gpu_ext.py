@@ -140,7 +140,7 @@ def test_yes_no_cuda(ext, dtype, S, H):
     torch.testing.assert_close(score.cpu(), s_ref, atol=1e-6, rtol=1e-5)
 
 
-from test_ext_merge_states import TOL, _states  # noqa: E402
+from test_op_merge_states import TOL, _states  # noqa: E402
 
 from acarerank.ops.merge_states import merge_attention_states, merge_attention_states_ref  # noqa: E402
 

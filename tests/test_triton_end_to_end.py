@@ -12,7 +12,7 @@ from acarerank import PointwiseReranker
 from acarerank.prompts import encode_pointwise
 from acarerank.tokenizer import QWEN3_VOCAB
 
-YES_ID, NO_ID = 9693, 2152  # Qwen3 tokenizer ids of "yes" / "no" (DESIGN.md §4)
+YES_ID, NO_ID = 9693, 2152  # Qwen3 tokenizer ids of "yes" / "no" (docs/ARCHITECTURE.md, "Scoring facts")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUERY = "what limits the context length of a reranker?"
@@ -69,7 +69,7 @@ def test_triton_scores_equal_torch_scores_and_transformers(tiny_model, qwen3_tok
 def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer):
     """A document's score is bitwise the same alone, in a batch, and in another order.
 
-    The kernels guarantee their part (tests/test_triton_attention.py, test_triton_yes_no.py).
+    The kernels guarantee their part (tests/test_op_attention.py, test_op_yes_no.py).
     The runner's dense layers are GEMMs whose rows change in the last bits with the number of
     rows M on CPU (MKL: M=1 GEMV vs M=5) and GPU (cuBLAS heuristics); ``batch_invariant=True``
     runs them on fixed 64-row tiles, which this test relies on.
