@@ -1,4 +1,6 @@
-"""Top-k truncated log-probs core (ATO teacher, docs/ARCHITECTURE.md, "Top-k stack"), Triton: logits tiles never leave the chip.
+"""Top-k truncated log-probs core (ATO teacher), Triton: logits tiles never leave the chip.
+
+docs/ARCHITECTURE.md, "Top-k stack".
 
 For rows t and vocabulary ids j, z_tj = (h_t · W_j) / τ. The core returns, per row, the k best
 z (value desc, id asc), their ids, z at the row's target id, and logsumexp_j z_tj — the

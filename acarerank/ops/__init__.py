@@ -11,7 +11,7 @@ from ._backend import (KNOWN_BACKENDS, BackendError, available_backends, backend
 from .attention import (AttentionPlan, plan_prefix_shared_attention, prefix_shared_attention,
                         prefix_shared_attention_op, prefix_shared_attention_ref)
 from .yes_no import yes_no_score, yes_no_score_op, yes_no_score_ref
-from .merge_states import merge_attention_states, merge_attention_states_ref
+from .merge_states import merge_attention_states, merge_attention_states_op, merge_attention_states_ref
 from .topk_merge import (MAX_K, TopKLogprobs, TopKMergeState, finalize, topk_merge_core, topk_merge_finalize,
                          topk_merge_init, topk_merge_update)
 from .topk_logprobs import topk_logprobs, topk_logprobs_core, topk_logprobs_core_op, topk_logprobs_ref
@@ -22,7 +22,7 @@ __all__ = [
     "AttentionPlan", "plan_prefix_shared_attention", "prefix_shared_attention", "prefix_shared_attention_op",
     "prefix_shared_attention_ref",
     "yes_no_score", "yes_no_score_op", "yes_no_score_ref",
-    "merge_attention_states", "merge_attention_states_ref",
+    "merge_attention_states", "merge_attention_states_op", "merge_attention_states_ref",
     "MAX_K", "TopKLogprobs", "TopKMergeState", "finalize", "topk_merge_core", "topk_merge_finalize",
     "topk_merge_init", "topk_merge_update",
     "topk_logprobs", "topk_logprobs_core", "topk_logprobs_core_op", "topk_logprobs_ref",
