@@ -10,7 +10,7 @@ For each query q with student prompt P = head ++ tail (the hint goes between the
 π̃_φ is the teacher truncated to its top-k logits (k = 128, Appendix C.4) by ``topk_logprobs``
 (renormalised; the ``outside`` rule decides what a sampled token outside the top-k gets).
 
-Sharing (DESIGN.md §3): one group per query in each model. The snapshot's group prefix is
+Sharing (docs/ARCHITECTURE.md, "The one primitive"): one group per query in each model. The snapshot's group prefix is
 the whole prompt but its last token; the teacher's is ``head`` but its last token (the
 candidates and the query — nearly all of a setwise prompt — computed once per model per
 query). Each segment starts with that one held-back token, so the hidden state that predicts
