@@ -31,8 +31,8 @@ GPU issue targets: x_triton >= 4 for flash_unshared, >= 0.9 for flash_cascade (p
 
 Timing: ``acarerank.benchmark.measure.time_ms`` (GPU: triton's do_bench; CPU: a
 perf_counter median over a few runs); median and 20/80 % percentiles, ms. ``--quick``:
-tiny shapes, fp32, runs under TRITON_INTERPRET=1 on CPU in seconds (exercise only, the
-numbers mean nothing).
+tiny shapes, fp32, one timed call each, under TRITON_INTERPRET=1 on CPU in seconds
+(exercise only, the numbers mean nothing).
 
     python bench/bench_attention.py                 # GPU, issue shape, CSV to results/bench_attention/
     python bench/bench_attention.py --quick         # CPU smoke run (sets TRITON_INTERPRET=1)
@@ -40,7 +40,6 @@ numbers mean nothing).
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import sys
@@ -87,6 +86,7 @@ def parse_args(argv=None):
         p.error(f"unknown providers: {', '.join(sorted(unknown))}; known: {', '.join(PROVIDERS)}")
     if "triton" not in args.providers:
         p.error("the triton provider is required (ratios are relative to it)")
+    args.providers = ["triton"] + [x for x in args.providers if x != "triton"]
     if (args.ref or args.quick) and "ref" not in args.providers:
         args.providers.append("ref")
     if args.csv is None:
@@ -119,18 +119,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        if not args.quick:
-            print("no CUDA device: the issue shape needs a GPU; run with --quick on CPU", file=sys.stderr)
-            return 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
+    from acarerank.benchmark.measure import kernel_bench_device
+    from acarerank.benchmark.report import write_csv
+
+    dev = kernel_bench_device(args.quick)
+    if dev is None:
+        return 2
+    on_gpu = dev == "cuda"
 
     from acarerank.benchmark.measure import machine_info, time_ms
     from acarerank.kernels.prefix_shared_attention import flops
     from acarerank.ops import BackendError, prefix_shared_attention, prefix_shared_attention_ref
 
-    dev = "cuda" if on_gpu else "cpu"
     dtype = getattr(torch, args.dtype)
     Hq, Hkv, d, P, S, L = args.num_heads, args.num_kv_heads, args.head_dim, args.prefix, args.segments, args.seg_len
     scale = d ** -0.5
@@ -209,15 +209,15 @@ def main(argv=None) -> int:
         if on_gpu:
             torch.cuda.empty_cache()
 
-    ours = fns["triton"][0]().float()
-    rows_out = []
-    for name in args.providers:
+    rows_out, ours = [], None
+    for name in args.providers:   # triton first: the others are compared with its output
         if name not in fns:
             rows_out.append(dict(provider=name, note=notes.get(name, "")))
             continue
         fn, pick = fns[name]
-        t = time_ms(fn, dev, repeats=3 if args.quick else 5)
+        t = time_ms(fn, dev, repeats=1 if args.quick else 5, warmup=0 if args.quick else 1)
         out = (pick(t.result) if pick else t.result).float()
+        ours = out if ours is None else ours
         med = t.median
         rows_out.append(dict(provider=name, ms=med, ms_p20=t.p(20), ms_p80=t.p(80), shared_tflops=shared_flops / med / 1e9,
                              max_abs_diff_vs_triton=(out - ours).abs().max().item(),
@@ -238,12 +238,7 @@ def main(argv=None) -> int:
                 unshared_flop_ratio=(S * (P + L) * (P + L + 1) / 2) / (S * (L * P + L * (L + 1) / 2)))
     cols = ["provider", "ms", "ms_p20", "ms_p80", "shared_tflops", "x_triton", "max_abs_diff_vs_triton",
             "max_abs_err_vs_fp32_ref", "note"]
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols + list(meta))
-        w.writeheader()
-        for r in rows_out:
-            w.writerow({**{c: r.get(c, "") for c in cols}, **meta})
+    write_csv([{**r, **meta} for r in rows_out], args.csv, cols + list(meta))
 
     print(f"# {info['device_name']}; torch {info['torch']}, triton {info['triton']}; {args.dtype}; Hq={Hq} Hkv={Hkv} "
           f"d={d} prefix={P} segments={S}x{L}; shared {shared_flops / 1e9:.1f} GFLOP "

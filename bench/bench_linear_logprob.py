@@ -18,17 +18,17 @@ the ≤ 10 % target is about; the totals are in the CSV too.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_topk_logprobs import make_inputs  # noqa: E402
+from bench_topk_logprobs import add_ratios, make_inputs  # noqa: E402
 
 from acarerank.benchmark.measure import (alloc_peak_extra, machine_info, rss_in_subprocess,  # noqa: E402
                                          rss_peak_extra_mb, time_ms)
+from acarerank.benchmark.report import write_csv  # noqa: E402
 
 QUICK = dict(rows=32, hidden=64, vocab=4099, dtype="float32", repeats=2)
 ISSUE = dict(rows=512, hidden=1024, vocab=151669, dtype="float32", repeats=2)
@@ -131,20 +131,10 @@ def main(argv=None) -> int:
         print(f"  {name:12s} {med:10.1f} ms  cpu {cpu:10.1f} ms  alloc {row['alloc_total_mb']:8.1f} MB "
               f"(extra {row['alloc_extra_mb']:8.1f})  rss {row.get('rss_total_mb', float('nan')):8.1f} MB "
               f"(extra {row.get('rss_extra_mb', float('nan')):8.1f})", flush=True)
-    g3 = results["gemm3"]["median_ms"]
-    mat = results["materialised"]
-    for row in results.values():
-        row["time_vs_gemm3"] = row["median_ms"] / g3
-        for kind in ("alloc", "rss"):
-            if mat.get(f"{kind}_extra_mb") and row.get(f"{kind}_extra_mb") is not None:
-                row[f"{kind}_extra_vs_materialised"] = row[f"{kind}_extra_mb"] / mat[f"{kind}_extra_mb"]
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=COLUMNS)
-        wr.writeheader()
-        for row in results.values():
-            wr.writerow({**{c: "" for c in COLUMNS}, **row, "rows": args.rows, "hidden": args.hidden, "vocab": args.vocab,
-                         "dtype": args.dtype, "device": "cpu", "threads": torch.get_num_threads(), **info})
+    add_ratios(results, "gemm3", "time_vs_gemm3", "{kind}_extra_vs_materialised")
+    common = dict(rows=args.rows, hidden=args.hidden, vocab=args.vocab, dtype=args.dtype, device="cpu",
+                  threads=torch.get_num_threads(), **info)
+    write_csv([{**row, **common} for row in results.values()], args.csv, COLUMNS)
     print(f"\n{'provider':12s} {'time/gemm3':>10s} {'alloc extra/mat':>16s} {'rss extra/mat':>14s}   target: ≤ {MEM_TARGET:.0%}")
     for name, row in results.items():
         a, r = row.get("alloc_extra_vs_materialised"), row.get("rss_extra_vs_materialised")

@@ -31,13 +31,13 @@ Writes ``bench_setwise.csv`` (one row per pool and provider, with machine and ve
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
 import torch
 
 from acarerank.benchmark.measure import machine_info, time_ms
+from acarerank.benchmark.report import write_csv
 from acarerank.benchmark.workload import WorkloadSpec, make_workload
 from acarerank.model import Qwen3Runner
 from acarerank.model.default import DEFAULT_PRESET, build_default_model
@@ -134,11 +134,7 @@ def main(argv=None) -> int:
 
     os.makedirs(args.output, exist_ok=True)
     path = os.path.join(args.output, "bench_setwise.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_csv(rows, path, COLUMNS)
     at20 = [r for r in rows if r["pool"] == 20 and r["provider"] == "acarerank"]
     if at20:
         s = at20[0]["decode_share"]

@@ -33,7 +33,6 @@ target ratios: time / gemm time, peak extra / materialised peak extra.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -72,6 +71,22 @@ def _fill_defaults(args, on_gpu):
     if args.csv is None:
         args.csv = Path("results") / "bench_topk_logprobs" / ("topk_logprobs_quick.csv" if args.quick else "topk_logprobs.csv")
     return args
+
+
+# ----------------------------------------------------------------------------- results
+def add_ratios(results: dict, time_base: str, time_key: str, mem_key: str) -> None:
+    """Per row: median time / the ``time_base`` row's (as ``time_key``) and, for kind alloc and
+    rss, extra memory / the materialised row's (as ``mem_key.format(kind=...)``)."""
+    base_ms = results.get(time_base, {}).get("median_ms")
+    mat = results.get("materialised", {})
+    for row in results.values():
+        if "median_ms" not in row:
+            continue
+        if base_ms:
+            row[time_key] = row["median_ms"] / base_ms
+        for kind in ("alloc", "rss"):
+            if mat.get(f"{kind}_extra_mb") and row.get(f"{kind}_extra_mb") is not None:
+                row[mem_key.format(kind=kind)] = row[f"{kind}_extra_mb"] / mat[f"{kind}_extra_mb"]
 
 
 # ----------------------------------------------------------------------------- providers
@@ -152,6 +167,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from acarerank.benchmark.measure import PeakMemory, alloc_peak_extra, machine_info, rss_in_subprocess, time_ms
+    from acarerank.benchmark.report import write_csv
 
     device = "cuda" if on_gpu else "cpu"
     dtype = getattr(torch, args.dtype)
@@ -198,24 +214,10 @@ def main(argv=None) -> int:
         print(f"  {name:12s} {row['median_ms']:10.1f} ms  cpu {row.get('cpu_ms') or 0:10.1f} ms  "
               f"alloc +{row['alloc_extra_mb']:9.1f} MB  rss +{row.get('rss_extra_mb', float('nan')):9.1f} MB", flush=True)
 
-    gemm_ms = results.get("gemm", {}).get("median_ms")
-    mat = results.get("materialised", {})
-    for row in results.values():
-        if "median_ms" not in row:
-            continue
-        if gemm_ms:
-            row["time_vs_gemm"] = row["median_ms"] / gemm_ms
-        for kind in ("alloc", "rss"):
-            if mat.get(f"{kind}_extra_mb") and row.get(f"{kind}_extra_mb") is not None:
-                row[f"{kind}_vs_materialised"] = row[f"{kind}_extra_mb"] / mat[f"{kind}_extra_mb"]
-
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=COLUMNS)
-        wr.writeheader()
-        for row in results.values():
-            wr.writerow({**{c: "" for c in COLUMNS}, **row, "rows": args.rows, "hidden": args.hidden, "vocab": args.vocab,
-                         "k": args.k, "dtype": args.dtype, "device": device, "threads": torch.get_num_threads(), **info})
+    add_ratios(results, "gemm", "time_vs_gemm", "{kind}_vs_materialised")
+    common = dict(rows=args.rows, hidden=args.hidden, vocab=args.vocab, k=args.k, dtype=args.dtype, device=device,
+                  threads=torch.get_num_threads(), **info)
+    write_csv([{**row, **common} for row in results.values()], args.csv, COLUMNS)
     print(f"\n{'provider':12s} {'time/gemm':>10s} {'alloc/mat':>10s} {'rss/mat':>10s}   targets: time ≤ {TIME_TARGET}×, "
           f"memory ≤ {MEM_TARGET:.0%}")
     for name, row in results.items():

@@ -19,7 +19,6 @@ TRITON_INTERPRET=1 (exercise only). CSV with machine and versions.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 from pathlib import Path
@@ -53,16 +52,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        if not args.quick:
-            print("no CUDA device: the default shape is for a GPU; run with --quick on CPU", file=sys.stderr)
-            return 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
+    from acarerank.benchmark.measure import kernel_bench_device
+    from acarerank.benchmark.report import write_csv
+
+    dev = kernel_bench_device(args.quick)
+    if dev is None:
+        return 2
+    on_gpu = dev == "cuda"
     from acarerank.benchmark.measure import machine_info, time_ms
     from acarerank.ops import yes_no_score
 
-    dev = "cuda" if on_gpu else "cpu"
     dtype = getattr(torch, args.dtype)
     S, H, V = args.segments, args.hidden, args.vocab
     yes, no = (YES, NO) if V > YES else (V - 1, V - 2)
@@ -99,12 +98,7 @@ def main(argv=None) -> int:
         info["device_name"] += " (TRITON_INTERPRET=1)"
     meta = dict(info, dtype=args.dtype, segments=S, hidden=H, vocab=V)
     cols = ["provider", "ms", "ms_p20", "ms_p80", "gb_per_s", "x_triton", "max_abs_score_diff_vs_triton"]
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols + list(meta))
-        w.writeheader()
-        for r in rows:
-            w.writerow({**r, **meta})
+    write_csv([{**r, **meta} for r in rows], args.csv, cols + list(meta))
     print(f"# {info['device_name']}; torch {info['torch']}, triton {info['triton']}; {args.dtype}; S={S} H={H} V={V}")
     print(f"{'provider':<13}{'ms':>10}{'p20':>10}{'p80':>10}{'GB/s':>10}{'x_triton':>10}{'max|Δscore|':>13}")
     for r in rows:

@@ -120,6 +120,19 @@ def _cuda_event_times(fn, n):
     return times
 
 
+def kernel_bench_device(quick: bool) -> Optional[str]:
+    """The device a kernel benchmark runs on: "cuda" when there is one; else "cpu" for a
+    ``--quick`` smoke run, with the Triton interpreter switched on (before ``acarerank.kernels``
+    is imported); else None, after saying why on stderr (real shapes on a CPU mean nothing)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if not quick:
+        print("no CUDA device: the default shape is for a GPU; run with --quick on CPU", file=sys.stderr)
+        return None
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return "cpu"
+
+
 # -- machine --------------------------------------------------------------------------------
 def _version(name: str) -> str:
     try:
