@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from acarerank.benchmark.measure import kernel_bench_device
+    from acarerank.benchmark.measure import kernel_bench_device, machine_info, time_ms
     from acarerank.benchmark.report import write_csv
 
     dev = kernel_bench_device(args.quick)
@@ -127,7 +127,6 @@ def main(argv=None) -> int:
         return 2
     on_gpu = dev == "cuda"
 
-    from acarerank.benchmark.measure import machine_info, time_ms
     from acarerank.kernels.prefix_shared_attention import flops
     from acarerank.ops import BackendError, prefix_shared_attention, prefix_shared_attention_ref
 

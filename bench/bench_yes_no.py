@@ -52,14 +52,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from acarerank.benchmark.measure import kernel_bench_device
+    from acarerank.benchmark.measure import kernel_bench_device, machine_info, time_ms
     from acarerank.benchmark.report import write_csv
 
     dev = kernel_bench_device(args.quick)
     if dev is None:
         return 2
     on_gpu = dev == "cuda"
-    from acarerank.benchmark.measure import machine_info, time_ms
     from acarerank.ops import yes_no_score
 
     dtype = getattr(torch, args.dtype)
