@@ -67,6 +67,7 @@ done
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
+export PATH="$(dirname "$PY"):$PATH"   # tools pip installed beside the interpreter (cmake, ninja) first
 BUNDLE_ROOT="$ROOT/results/gpu_bundle"
 BUNDLE="$BUNDLE_ROOT/site"
 WHEELS="$BUNDLE_ROOT/wheels"
