@@ -23,13 +23,13 @@ module raises ImportError, which ``attention.py`` reports as a BackendError. Bot
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ._backend import BackendError
-from .merge_states import default_backend as merge_default_backend
 from .merge_states import merge_attention_states
 
 
@@ -95,15 +95,19 @@ class CascadePlan:
 
 
 def plan_flash_cascade(cu_seqlens: torch.Tensor, cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
-                       num_tokens: int) -> CascadePlan:
+                       num_tokens: int, host_meta: Optional[torch.Tensor] = None) -> CascadePlan:
     """Build the cascade's indices once per batch (metadata as in ``prefix_shared_attention``).
 
-    One device→host copy of the three metadata tensors; the index arithmetic is vectorised
-    on the host and the results go to the device once (int32 / int64, contiguous).
+    One device→host copy of the three metadata tensors — none when ``host_meta`` (their host
+    copy, ``cat([cu_seqlens, cu_prefix_lens, segment_group])`` as ``AttentionPlan.host_meta``
+    holds it) is given; the index arithmetic is vectorised on the host and the results go to
+    the device once (int32 / int64, contiguous).
     """
     dev = cu_seqlens.device
     S, G = segment_group.numel(), cu_prefix_lens.numel() - 1
-    host = torch.cat([cu_seqlens, cu_prefix_lens, segment_group]).to("cpu", torch.int64)
+    if host_meta is None:
+        host_meta = torch.cat([cu_seqlens, cu_prefix_lens, segment_group]).cpu()
+    host = host_meta.to(torch.int64)
     cs, cp, sg = torch.split(host, [S + 1, G + 1, S])
     seg_len = cs[1:] - cs[:-1]
     pre_len = cp[1:] - cp[:-1]
@@ -162,20 +166,37 @@ def run_flash_cascade(plan: CascadePlan, q, k, v, prefix_k, prefix_v, scale: flo
         lse_pre[plan.perm] = lse_p.float()
     # a row with no keys gets lse = +inf from FlashAttention-2: it must weigh nothing
     lse_pre = torch.where(torch.isposinf(lse_pre), torch.full_like(lse_pre, float("-inf")), lse_pre)
-    # explicit backend: a global ACARERANK_BACKEND=flash_attn_cascade must not reach the merge op
-    merged, _ = merge_attention_states(o_pre, lse_pre, o_own, lse_own, backend=merge_default_backend(q.device))
+    # the merge op has no flash_attn_cascade backend, so ACARERANK_BACKEND=flash_attn_cascade leaves it
+    # on its device default (a preference applies only to the ops that declare the name)
+    merged, _ = merge_attention_states(o_pre, lse_pre, o_own, lse_own)
     return merged.to(q.dtype)
 
 
+# The last plan built from an ``AttentionPlan``'s host metadata: every layer of one forward
+# passes the same ``host_meta`` tensor, so the cascade's indices are built (and copied to the
+# device) at the first layer only.
+_last_plan: tuple = (None, None)
+
+
 def prefix_shared_attention_flash_cascade(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
-                                          scale):
+                                          scale, work=None, host_meta=None):
     """Same contract as ``prefix_shared_attention`` (inputs already checked there): plan, then run.
 
     q: [T, Hq, d]; k, v: [T, Hkv, d]; prefix_k/v: [Ptot, Hkv, d]; cu_seqlens [S+1],
     cu_prefix_lens [G+1], segment_group [S] int32. Returns out [T, Hq, d] in q's dtype.
-    One host sync (the plan); callers that run many layers on one batch plan once instead.
+    Without ``host_meta``: one host sync (the plan) per call. With the ``AttentionPlan``'s
+    ``host_meta``: no sync, and the cascade plan is reused while the same ``host_meta`` comes
+    back (every layer of one forward). ``work`` is unused.
     """
+    global _last_plan
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise BackendError(f"prefix_shared_attention: flash_attn_cascade needs float16/bfloat16, got {q.dtype}")
-    plan = plan_flash_cascade(cu_seqlens, cu_prefix_lens, segment_group, q.shape[0])
+    if host_meta is None:
+        plan = plan_flash_cascade(cu_seqlens, cu_prefix_lens, segment_group, q.shape[0])
+    else:
+        ref, plan = _last_plan
+        if ref is None or ref() is not host_meta or plan.num_tokens != q.shape[0] \
+                or plan.cu_seqlens is not cu_seqlens:
+            plan = plan_flash_cascade(cu_seqlens, cu_prefix_lens, segment_group, q.shape[0], host_meta=host_meta)
+            _last_plan = (weakref.ref(host_meta), plan)
     return run_flash_cascade(plan, q, k, v, prefix_k, prefix_v, scale)
