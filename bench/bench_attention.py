@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     if dev is None:
         return 2
     on_gpu = dev == "cuda"
+    if not on_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
 
     from acarerank.kernels.prefix_shared_attention import flops
     from acarerank.ops import BackendError, prefix_shared_attention, prefix_shared_attention_ref

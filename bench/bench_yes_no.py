@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     if dev is None:
         return 2
     on_gpu = dev == "cuda"
+    if not on_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
     from acarerank.ops import yes_no_score
 
     dtype = getattr(torch, args.dtype)

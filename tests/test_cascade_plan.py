@@ -68,6 +68,11 @@ def test_one_plan_serves_every_layer(cascade):  # noqa: F811
         mod.run_flash_cascade(plan, q[:3], k[:3], v[:3], pk, pv, 0.25)
 
 
+def _stub_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    """The varlen kernel's shapes only, no host reads."""
+    return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+
 _READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 
 
@@ -86,10 +91,7 @@ def test_run_reads_nothing_back_from_the_device(cascade, monkeypatch):  # noqa: 
     host sync on a GPU); the plan does its reads once."""
     mod = _module(cascade)
 
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):  # shapes only, no reads
-        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
-
-    monkeypatch.setattr(mod, "_varlen_kernel", kernel)
+    monkeypatch.setattr(mod, "_varlen_kernel", _stub_kernel)
     q, k, v, cu, pk, pv, cp, sg = _batch([7, 2, 9], [2, 5, 3, 1, 4], [2, 0, 1, 2, 0])
     reads = _count_host_reads(monkeypatch)
     plan = mod.plan_flash_cascade(cu, cp, sg, q.shape[0])
@@ -97,3 +99,20 @@ def test_run_reads_nothing_back_from_the_device(cascade, monkeypatch):  # noqa: 
     reads.clear()
     out = mod.run_flash_cascade(plan, q, k, v, pk, pv, 1 / math.sqrt(16))
     assert out.shape == q.shape and reads == [], f"host reads in run: {reads}"
+
+
+def test_attention_plan_metadata_plans_the_cascade_once(cascade, monkeypatch):  # noqa: F811
+    """With the AttentionPlan's host metadata, the first layer builds the cascade plan and the
+    next layers reuse it: no host read, no new plan; new metadata makes a new plan."""
+    mod = _module(cascade)
+    q, k, v, cu, pk, pv, cp, sg = _batch([7, 2, 9], [2, 5, 3, 1, 4], [2, 0, 1, 2, 0])
+    host_meta = torch.cat([cu, cp, sg])  # what AttentionPlan.host_meta holds (CPU int32)
+    first = cascade(q, k, v, cu, pk, pv, cp, sg, 0.25, host_meta=host_meta)
+    plan = mod._last_plan[1]
+    assert torch.equal(first, cascade(q, k, v, cu, pk, pv, cp, sg, 0.25))  # the one-call path agrees
+    monkeypatch.setattr(mod, "_varlen_kernel", _stub_kernel)  # the stand-in flash-attn reads; the glue must not
+    reads = _count_host_reads(monkeypatch)
+    cascade(q, k, v, cu, pk, pv, cp, sg, 0.25, host_meta=host_meta)
+    assert mod._last_plan[1] is plan and reads == [], reads
+    cascade(q, k, v, cu, pk, pv, cp, sg, 0.25, host_meta=host_meta.clone())
+    assert mod._last_plan[1] is not plan

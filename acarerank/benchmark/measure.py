@@ -125,14 +125,14 @@ def _cuda_event_times(fn, n):
 
 def kernel_bench_device(quick: bool) -> Optional[str]:
     """The device a kernel benchmark runs on: "cuda" when there is one; else "cpu" for a
-    ``--quick`` smoke run, with the Triton interpreter switched on (before ``acarerank.kernels``
-    is imported); else None, after saying why on stderr (real shapes on a CPU mean nothing)."""
+    ``--quick`` smoke run (the caller switches the Triton interpreter on before importing
+    ``acarerank.kernels``); else None, after saying why on stderr (real shapes on a CPU mean
+    nothing)."""
     if torch.cuda.is_available():
         return "cuda"
     if not quick:
         print("no CUDA device: the default shape is for a GPU; run with --quick on CPU", file=sys.stderr)
         return None
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     return "cpu"
 
 
