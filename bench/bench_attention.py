@@ -3,7 +3,8 @@
 Default shape = Qwen3-4B attention (32 query / 8 KV heads, head_dim 128), one 4,096-token
 prefix, 100 segments of 512 tokens, bf16, on GPU. Providers, all on the same inputs:
 
-  triton          ours: ``prefix_shared_attention(backend="triton")``, one launch, one pass
+  triton          ours: ``prefix_shared_attention(backend="triton")``, one launch, one pass; its
+                  plan (``plan_prefix_shared_attention``: the work list) built once before timing
   flash_cascade   the FlashAttention-2 cascade as a serving stack runs it: its plan (query
                   order, cumulative lengths: ``plan_flash_cascade``) built once before timing,
                   as once per forward for all layers; timed: ``run_flash_cascade`` = prefix
@@ -13,7 +14,7 @@ prefix, 100 segments of 512 tokens, bf16, on GPU. Providers, all on the same inp
   flash_unshared  FlashAttention-2 varlen on the 100 *unshared* sequences prefix ++ segment
                   (causal), what a server without prefix sharing runs (its prefix rows are
                   wasted work); inputs packed before timing
-  torch           ``backend="torch"``: the PyTorch CPU production path
+  torch           ``backend="torch"``: the PyTorch CPU production path (planned likewise)
   ref             ``prefix_shared_attention_ref`` (per-segment loop; only with --ref or --quick)
 
 FlashAttention-2 is flash-attn's ``flash_attn_varlen_func`` when installed, else PyTorch's
@@ -130,7 +131,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
 
     from acarerank.kernels.prefix_shared_attention import flops
-    from acarerank.ops import BackendError, prefix_shared_attention, prefix_shared_attention_ref
+    from acarerank.ops import (BackendError, plan_prefix_shared_attention, prefix_shared_attention,
+                               prefix_shared_attention_ref)
 
     dtype = getattr(torch, args.dtype)
     Hq, Hkv, d, P, S, L = args.num_heads, args.num_kv_heads, args.head_dim, args.prefix, args.segments, args.seg_len
@@ -157,10 +159,11 @@ def main(argv=None) -> int:
     for name in args.providers:
         if name in ("flash_cascade", "flash_cascade_per_call", "flash_unshared") and cascade_why:
             notes[name] = cascade_why
-        elif name == "triton":
-            fns[name] = (lambda: prefix_shared_attention(*args_shared, backend="triton", validate=False), None)
-        elif name == "torch":
-            fns[name] = (lambda: prefix_shared_attention(*args_shared, backend="torch", validate=False), None)
+        elif name in ("triton", "torch"):  # planned once, before timing, as once per forward for all layers
+            plan_ours = plan_prefix_shared_attention(cu, cp, sg, num_tokens=S * L, num_q_heads=Hq, num_kv_heads=Hkv,
+                                                     head_dim=d, dtype=dtype, backend=name)
+            fns[name] = ((lambda p=plan_ours: prefix_shared_attention(q, k, v, prefix_k=pk, prefix_v=pv, plan=p)),
+                         None)
         elif name == "ref":
             fns[name] = (lambda: prefix_shared_attention_ref(*args_shared), None)
         elif name == "flash_cascade":
