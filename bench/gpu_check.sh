@@ -37,7 +37,7 @@ set -u
 
 # name        limit_s  (each step's function is step_<name>)
 STEPS=(
-  "env         30"
+  "env         60"
   "attention  150"
   "bench      200"
   "build      240"
