@@ -334,7 +334,7 @@ def plan_work(cu_seqlens, cu_prefix_lens, segment_group, *, total_tokens: int, n
 
 
 def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale,
-                                   work=None, host_meta=None):
+                                   work=None, host_meta=None, config=None):
     """One-pass grouped prefix-shared attention (Triton). Inputs are checked by ``acarerank.ops``.
 
     Args:
@@ -348,6 +348,8 @@ def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_p
       scale: softmax scale (float).
       work: the batch's work list from ``plan_work`` (None: built here, ~20 small device ops).
       host_meta: unused (the torch backend's plan field).
+      config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of ``attention_config``'s (the
+        tuning script only; a given ``work`` must have been built with the same BLOCK_M).
     Returns: out (total_q, nheads_q, headdim) in q's dtype, softmax accumulated in fp32.
     """
     T, Hq, d = q.shape
@@ -364,20 +366,20 @@ def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_p
     if T == 0 or Hq == 0:
         return out
     gqa = Hq // Hkv
+    config = config or attention_config(d, gqa, q.dtype, q.device)
     if work is None:
-        block_m = attention_config(d, gqa, q.dtype, q.device)[0]
-        work = _work_list(cu_seqlens, cu_prefix_lens, segment_group, T, gqa, block_m)
+        work = _work_list(cu_seqlens, cu_prefix_lens, segment_group, T, gqa, config[0])
     if prefix_k.shape[0] == 0:
         # a valid base pointer for the (never loaded) prefix stream
         prefix_k, prefix_v = k[:0], v[:0]
     # the block-table argument is never read with PAGE=0: any int32 tensor will do
     _launch(q, k, v, prefix_k, prefix_v, out, cu_seqlens, cu_prefix_lens, segment_group, work, cu_prefix_lens,
-            prefix_k.stride(), prefix_v.stride(), (0, 0, 0), scale, page=0)
+            prefix_k.stride(), prefix_v.stride(), (0, 0, 0), scale, page=0, config=config)
     return out
 
 
 def _launch(q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt, pk_strides, pv_strides,
-            page_strides, scale, page: int):
+            page_strides, scale, page: int, config=None):
     """Launch the one-pass kernel. pk/pv_strides: (token, head, dim) strides of the prefix
     stream; page_strides: (k block, v block, block-table row) strides (page > 0 only).
 
@@ -387,7 +389,7 @@ def _launch(q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt, p
     Hkv = k.shape[1]
     on_gpu = q.device.type == "cuda"
     gqa = Hq // Hkv
-    block_m, block_n, num_warps, num_stages = attention_config(d, gqa, q.dtype, q.device)
+    block_m, block_n, num_warps, num_stages = config or attention_config(d, gqa, q.dtype, q.device)
     block_d = max(16, triton.next_power_of_2(d))
     _prefix_shared_attn_fwd[(work.shape[0], Hkv)](
         q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt,

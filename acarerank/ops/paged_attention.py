@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 
 from . import _backend
+from . import attention as _attention
 from .attention import _check_inputs as _check_packed_inputs
-from .attention import _device_to_host
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 
@@ -133,8 +133,8 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
     validate: read the metadata values on the host (one sync) and check them;
     num_tokens: T = cu_seqlens[-1] when the caller knows it (else read: one sync on CUDA).
 
-    Host<->device syncs on CUDA: "triton" none (with num_tokens, validate=False); "torch" two
-    (the prefix total and the metadata's host copy); "flash_attn_cascade" one.
+    Host<->device syncs on CUDA (validate=False, num_tokens given): "triton" none; "torch" and
+    "flash_attn_cascade" one (the metadata's host copy, ``attention._device_to_host``).
     """
     device = cu_seqlens.device
     check_block_size(block_size)
@@ -162,23 +162,23 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
         if S and (min(sg) < 0 or max(sg) >= G):
             raise ValueError(f"prefix_shared_attention_paged: segment_group values must lie in [0, {G})")
     if name == "torch":
-        aux = (*_gather_index(block_table, prefix_lens, cu_pre, block_size),
-               _device_to_host(cu_seqlens, cu_pre, segment_group))
+        host_meta = _attention._device_to_host(cu_seqlens, cu_pre, segment_group)
+        ptot = int(host_meta[segment_group.numel() + 1 + G])  # cu_pre[-1], already on the host
+        aux = (*_gather_index(block_table, prefix_lens, cu_pre, block_size, ptot), host_meta)
     elif name == "triton":
         from acarerank.kernels.prefix_shared_attention import plan_work
 
         aux = (plan_work(cu_seqlens, cu_pre, segment_group, total_tokens=T, num_q_heads=num_heads,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device),)
     else:
-        aux = (_device_to_host(cu_seqlens, cu_pre, segment_group),)
+        aux = (_attention._device_to_host(cu_seqlens, cu_pre, segment_group),)
     return PagedAttentionPlan(cu_seqlens, segment_group, block_table, prefix_lens, cu_pre, block_size, T, name, aux)
 
 
-def _gather_index(block_table, prefix_lens, cu_pre, block_size):
-    """(block, slot) int64 [Ptot] of every prefix row, group after group: one host sync (Ptot)."""
+def _gather_index(block_table, prefix_lens, cu_pre, block_size, Ptot: int):
+    """(block, slot) int64 [Ptot] of every prefix row, group after group (device ops only)."""
     dev = block_table.device
     G = block_table.shape[0]
-    Ptot = int(cu_pre[-1]) if G else 0
     g_of = torch.repeat_interleave(torch.arange(G, device=dev), prefix_lens.long(), output_size=Ptot)
     col = torch.arange(Ptot, device=dev) - cu_pre[:-1].long()[g_of]
     blk = block_table.long()[g_of, col // block_size]

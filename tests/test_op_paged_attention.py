@@ -176,3 +176,4 @@ def test_plan_mismatch_and_plan_validation_are_errors():
         plan_prefix_shared_attention_paged(cu, bt, pl, torch.tensor([0, 1, 5], dtype=torch.int32), num_heads=4,
                                            num_kv_heads=2, head_dim=16, block_size=16, num_blocks=kc.shape[0],
                                            dtype=q.dtype)
+
