@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from .model import Qwen3Runner
+from .hardware import resolve_dtype
 from .model.placement import check_dtype_device
 from .ops import yes_no_score
 from .prompts import DEFAULT_MIN_DOC_TOKENS, DEFAULT_TEMPLATE, encode_pointwise
@@ -88,9 +89,14 @@ class PointwiseReranker:
         self._w_no = self.runner.lm_head[no]
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", max_length: int = 8192,
+    def from_pretrained(cls, path: str, dtype=None, device="cpu", max_length: int = 8192,
                         backend: Optional[str] = None, tokenizer=None, **kw) -> "PointwiseReranker":
-        """Load a local HF checkpoint folder (config.json + safetensors; tokenizer files if present)."""
+        """Load a local HF checkpoint folder (config.json + safetensors; tokenizer files if present).
+
+        dtype: None or "auto" = bf16 on a CPU with native bf16, else fp32 (``acarerank.hardware``);
+        an explicit dtype always wins.
+        """
+        dtype = resolve_dtype(dtype, device)[0]
         dev = check_dtype_device(dtype, device)
         runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev, backend=backend)
         if tokenizer is None:

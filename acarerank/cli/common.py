@@ -31,9 +31,10 @@ def read_documents(path: str) -> list:
 def load_reranker(cls, args):
     """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask: ``--model`` folder, or the
     embedded random default with a note on stderr that its output carries no meaning."""
-    import torch
+    from ..hardware import resolve_dtype
 
-    dtype = getattr(torch, args.dtype)
+    dtype, why = resolve_dtype(args.dtype, args.device)
+    print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
     if args.model:
         return cls.from_pretrained(args.model, dtype=dtype, device=args.device, max_length=args.max_length,
                                    backend=args.backend)
