@@ -69,6 +69,7 @@ class BenchConfig:
     attn_implementation: str = "sdpa"         # for the transformers providers
     spec: WorkloadSpec = field(default_factory=WorkloadSpec)
     seed: int = 0
+    compile_layers: bool = False              # also acarerank with torch.compile'd layer halves
     batch_official: int = 4
     batch_prefix_cache: int = 16
 
@@ -178,11 +179,11 @@ class AcarerankProvider:
 
     flop_plan = "prefix_packed"
 
-    def __init__(self, model, tokenizer, backend: str):
+    def __init__(self, model, tokenizer, backend: str, compile_layers: bool = False):
         from acarerank import PointwiseReranker
 
-        self.name = f"acarerank-{backend}"
-        self.rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend)
+        self.name = f"acarerank-{backend}" + ("+compile" if compile_layers else "")
+        self.rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend, compile_layers=compile_layers)
 
     def score(self, query, documents, question=None, trace=None, instruction=None) -> list:
         return self.rr.score(query, documents, question=question, trace=trace, instruction=instruction)
@@ -281,7 +282,9 @@ def make_providers(cfg: BenchConfig, model, tok, backends: list) -> list:
         elif p == "transformers+prefix-cache":
             out.append(PrefixCacheTransformers(model, tok, batch_size=cfg.batch_prefix_cache))
         else:
-            out.extend(AcarerankProvider(model, tok, b) for b in backends)
+            for b in backends:  # with --compile-layers, the compiled twin runs beside the eager one
+                out += [AcarerankProvider(model, tok, b)] + ([AcarerankProvider(model, tok, b, True)]
+                                                             if cfg.compile_layers else [])
     return out
 
 

@@ -92,6 +92,9 @@ def add_parser(subparsers) -> None:
                    help="comma-separated dtypes among auto,float32,bfloat16,float16 (default float32,auto: fp32, "
                         "plus bf16 on a CPU with native bf16); the first runs at --depths, the others at "
                         "--extra-dtype-depths")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="also run acarerank with torch.compile'd element-wise layer work, beside the eager "
+                        "one (compiles during warm-up)")
     p.add_argument("--extra-dtype-depths", type=_ints, default=None,
                    help="depths of the second and later dtypes (default 50; --quick: the --depths)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -142,7 +145,7 @@ def config_from_args(args, dtype: str = "float32", depths=None):
         repeats=args.repeats if args.repeats is not None else (1 if args.quick else 3),
         warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),
         max_cell_seconds=args.max_cell_seconds, dtype=dtype, device=args.device, attn_implementation=args.attn,
-        spec=WorkloadSpec(**spec), seed=args.seed,
+        spec=WorkloadSpec(**spec), seed=args.seed, compile_layers=args.compile_layers,
     ).validate()
 
 
@@ -157,6 +160,8 @@ def equivalent_command(cfg, dtypes=None, extra_depths=None) -> str:
     parts.append(f"--providers {','.join(cfg.providers)}")
     if cfg.backends:
         parts.append(f"--backends {','.join(cfg.backends)}")
+    if cfg.compile_layers:
+        parts.append("--compile-layers")
     parts += [f"--repeats {cfg.repeats}", f"--warmup {cfg.warmup}", f"--max-cell-seconds {cfg.max_cell_seconds:g}",
               f"--dtype {','.join(dtypes or [cfg.dtype])}"
               + (f" --extra-dtype-depths {','.join(map(str, extra_depths))}" if dtypes and len(dtypes) > 1 else ""),
