@@ -14,7 +14,7 @@ SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_atte
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, None)])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, None)])  # fp32 (tol 1e-5) passes too: 15 s more
 def test_compiled_layers_match_eager(dtype, tol):
     m32 = build_default_model("tiny-cpu", seed=0, **SMALL)
     model = m32.to(dtype)
