@@ -8,7 +8,8 @@ prints median / min ms per variant, the FLOP rate and the speedup over the first
                      (2,048 segment tokens, 6/2 heads, d 64, 1,650-token prefix):
                      fp32 fused flash kernel (today's fp32 path) | bf16 inputs through the
                      same kernel (today's bf16 path: fp32 copy of the prefix) | bf16 blocked
-                     GEMMs (cpu_attention_bf16) at a few row-block × key-tile sizes
+                     GEMMs (cpu_attention_bf16) at a few row-block × key-tile sizes, with
+                     the tile softmax eager or torch.compile'd (COMPILE_SOFTMAX)
   --what layer       one packed runner pass (prefix 1,650 + 2,048 segment tokens) per dtype:
                      eager layer halves | torch.compile'd (layer_blocks); compile time printed
   --what e2e         PointwiseReranker.score, M3, depth --depth, bf16: old prefix path | new
@@ -57,6 +58,7 @@ def report(title: str, times: dict, gflop: float = math.nan) -> None:
 
 def bench_attention(args) -> None:
     import acarerank.ops.attention as att
+    import acarerank.ops.cpu_attention_bf16 as bf16_attn
     from acarerank.ops.cpu_attention_bf16 import prefix_attention_bf16
 
     Tg, Hq, Hkv, d, P = (64, 6, 2, 64, 100) if args.quick else (args.tokens, 6, 2, 64, args.prefix)
@@ -69,14 +71,24 @@ def bench_attention(args) -> None:
         "fp32: fused flash kernel (today)": lambda: att._prefix_part(q32, k32, v32, scale),
         "bf16 in: fp32 copy + fused flash kernel (today)": lambda: att._prefix_part(qb.float(), kb, vb, scale),
     }
-    for rb, kt in ((512, 2048), (256, 2048), (1024, 2048), (512, 512)):
-        variants[f"bf16: blocked GEMMs rows {rb} keys {kt}"] = (
-            lambda rb=rb, kt=kt: prefix_attention_bf16(qb, kb, vb, scale, row_block=rb, key_tile=kt))
+    def blocked(rb, kt, fused):
+        def call():
+            bf16_attn.COMPILE_SOFTMAX = fused
+            return prefix_attention_bf16(qb, kb, vb, scale, row_block=rb, key_tile=kt)
+        return call
+
+    for rb, kt, fused in ((512, 2048, False), (512, 2048, True), (256, 2048, False), (1024, 2048, False),
+                          (512, 512, False), (256, 512, True)):
+        variants[f"bf16: blocked GEMMs rows {rb} keys {kt}{' +compiled softmax' if fused else ''}"] = \
+            blocked(rb, kt, fused)
     ref, _ = att._prefix_part(q32, k32, v32, scale)
     o, _ = prefix_attention_bf16(qb, kb, vb, scale)
     print(f"bf16 blocked vs fp32: max |diff| {(o - ref).abs().max().item():.2e}")
-    report(f"prefix attention: {Tg} tokens x {Hq}/{Hkv} heads x d {d} against {P} keys",
-           interleaved(variants, args.rounds), gflop=4.0 * Tg * Hq * d * P / 1e9)
+    try:
+        report(f"prefix attention: {Tg} tokens x {Hq}/{Hkv} heads x d {d} against {P} keys",
+               interleaved(variants, args.rounds), gflop=4.0 * Tg * Hq * d * P / 1e9)
+    finally:
+        bf16_attn.COMPILE_SOFTMAX = False
 
 
 def _runner_pass(dtype, compile_layers: bool, quick: bool, layers: int):

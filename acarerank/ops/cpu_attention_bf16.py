@@ -29,6 +29,7 @@ query heads (row t·r + i is token t, head h·r + i).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -44,6 +45,11 @@ KEY_TILE = 2048
 #: None: use this path for bf16 on CPUs with native bf16 (``hardware.native_bf16``);
 #: True/False: always / never (tests and the A/B benchmark set it).
 ENABLED: Optional[bool] = None
+
+#: Fuse each tile's softmax step (max, exp, row sum, bf16 rounding: ~5 eager passes over
+#: the fp32 score block) into two inductor loops over the bf16 scores. Off until an
+#: interleaved A/B run on a native-bf16 CPU shows it wins (bench/bench_cpu_bf16.py).
+COMPILE_SOFTMAX = False
 
 
 def use_bf16_prefix_path(q: torch.Tensor) -> bool:
@@ -89,23 +95,36 @@ def prefix_attention_bf16(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, s
             lse.view(Hkv, Tg, r).permute(1, 0, 2).reshape(Tg, Hq))
 
 
+def tile_softmax(s: torch.Tensor, m_prev: torch.Tensor, scale: float):
+    """One tile's softmax step: s [m, n] bf16 raw scores, m_prev [m] fp32 running max (−inf at first)
+    → (p [m, n] bf16 = exp(scale·(s − m_new)), m_new [m] fp32, rowsum(p before rounding) [m] fp32)."""
+    m_new = torch.maximum(m_prev, s.amax(dim=1).float())
+    # one pass bf16 → fp32 (type promotion) computing scale·s − scale·m_new, then exp in place
+    p = torch.add((m_new * -scale)[:, None], s, alpha=scale).exp_()
+    return p.to(torch.bfloat16), m_new, p.sum(dim=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_tile_softmax():
+    return torch.compile(tile_softmax, dynamic=True, fullgraph=True)
+
+
 def _row_block(qb: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, scale: float, key_tile: int,
                o_out: torch.Tensor, lse_out: torch.Tensor) -> None:
     """One block of rows against all keys: writes o_out [m, d] and lse_out [m] (fp32)."""
     P = kh.shape[0]
-    m = l = acc = None
+    step = _compiled_tile_softmax() if COMPILE_SOFTMAX else tile_softmax
+    m = torch.full((qb.shape[0],), float("-inf"), device=qb.device)
+    l = acc = None
     for j in range(0, P, key_tile):
-        s = torch.mm(qb, kh[j:j + key_tile].t())                  # [m, n] bf16 GEMM
-        m_tile = s.amax(dim=1).float()
-        m_new = m_tile if m is None else torch.maximum(m, m_tile)
-        # p = exp(scale·s − scale·m_new): one pass bf16 → fp32 (type promotion), then exp in place
-        p = torch.add((m_new * -scale)[:, None], s, alpha=scale).exp_()
-        pv_j = torch.mm(p.to(torch.bfloat16), vh[j:j + key_tile])  # [m, d] bf16 GEMM
-        if m is None:
-            l, acc = p.sum(dim=1), pv_j.float()
+        s = torch.mm(qb, kh[j:j + key_tile].t())                   # [m, n] bf16 GEMM
+        p, m_new, rowsum = step(s, m, scale)
+        pv_j = torch.mm(p, vh[j:j + key_tile])                      # [m, d] bf16 GEMM
+        if acc is None:
+            l, acc = rowsum, pv_j.float()
         else:
             alpha = torch.exp((m - m_new) * scale)
-            l = l.mul_(alpha).add_(p.sum(dim=1))
+            l = l.mul_(alpha).add_(rowsum)
             acc = acc.mul_(alpha[:, None]).add_(pv_j)
         m = m_new
     torch.div(acc, l[:, None], out=o_out)
