@@ -56,7 +56,10 @@ def default_dtype(device="cpu") -> tuple:
     CPU: bf16 with native bf16 (``native_bf16``), else fp32. Other devices: fp32 (the
     automatic choice is a CPU decision; a GPU user names bf16 explicitly).
     """
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a valid torch device: {e}") from e
     if dev.type != "cpu":
         return torch.float32, f"device type {dev.type}: fp32 unless a dtype is given"
     ok, why = native_bf16()
