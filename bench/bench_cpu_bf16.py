@@ -77,8 +77,8 @@ def bench_attention(args) -> None:
             return prefix_attention_bf16(qb, kb, vb, scale, row_block=rb, key_tile=kt)
         return call
 
-    for rb, kt, fused in ((512, 2048, False), (512, 2048, True), (256, 2048, False), (1024, 2048, False),
-                          (512, 512, False), (256, 512, True)):
+    for rb, kt, fused in ((512, 2048, False), (512, 2048, True), (128, 2048, False), (128, 2048, True),
+                          (256, 2048, False), (1024, 2048, False), (512, 512, False), (256, 512, True)):
         variants[f"bf16: blocked GEMMs rows {rb} keys {kt}{' +compiled softmax' if fused else ''}"] = \
             blocked(rb, kt, fused)
     ref, _ = att._prefix_part(q32, k32, v32, scale)
