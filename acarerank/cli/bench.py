@@ -96,7 +96,8 @@ def add_parser(subparsers) -> None:
                    help="also run acarerank with torch.compile'd element-wise layer work, beside the eager "
                         "one (compiles during warm-up)")
     p.add_argument("--extra-dtype-depths", type=_ints, default=None,
-                   help="depths of the second and later dtypes (default 50; --quick: the --depths)")
+                   help="depths of the second and later dtypes (default: 50 if the first dtype runs it, "
+                        "else the same depths)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                    help="attention of the transformers providers (default sdpa, transformers' own default)")
@@ -179,7 +180,8 @@ def run(args) -> int:
 
     dtypes = resolve_dtypes(args.dtype, args.device)
     first = config_from_args(args, dtypes[0][0])
-    extra_depths = args.extra_dtype_depths or (first.depths if args.quick else (50,))
+    # later dtypes: depth 50 (the targets' row) when the first dtype runs it, else the same depths
+    extra_depths = args.extra_dtype_depths or ((50,) if 50 in first.depths and not args.quick else first.depths)
     cfgs = [first] + [config_from_args(args, name, extra_depths) for name, _ in dtypes[1:]]
     names = [name for name, _ in dtypes]
     cfg = first
