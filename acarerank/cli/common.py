@@ -32,14 +32,16 @@ def load_reranker(cls, args):
     """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask: ``--model`` folder, or the
     embedded random default with a note on stderr that its output carries no meaning."""
     from ..hardware import resolve_dtype
+    from ..ops import parse_preference
 
     dtype, why = resolve_dtype(args.dtype, args.device)
     print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
+    backend = parse_preference(args.backend, "--backend")  # "triton" or "attention=triton,yes_no=cuda"
     if args.model:
         return cls.from_pretrained(args.model, dtype=dtype, device=args.device, max_length=args.max_length,
-                                   backend=args.backend)
+                                   backend=backend)
     from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
 
     print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
     model = build_default_model(dtype=dtype, device=args.device)
-    return cls(model=model, max_length=args.max_length, backend=args.backend)
+    return cls(model=model, max_length=args.max_length, backend=backend)

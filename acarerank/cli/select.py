@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", help="torch | triton | cpp | cuda (default: by device)")
+    p.add_argument("--backend", help="backend preference: torch | triton | cpp | cuda, used by every op that has it, "
+                   "or per op: attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")
     p.add_argument("--quiet", action="store_true", help="no summary line on stderr")
     p.set_defaults(run=run)
 
