@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from acarerank.benchmark.measure import timed_call
+
 
 def interleaved(variants: dict, rounds: int) -> dict:
     """{name: [seconds per call]}: one warm-up call each, then ``rounds`` rounds of one call each in turn."""
@@ -40,9 +42,7 @@ def interleaved(variants: dict, rounds: int) -> dict:
     times = {k: [] for k in variants}
     for _ in range(rounds):
         for k, fn in variants.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(timed_call(fn, "cpu")[1])
     return times
 
 

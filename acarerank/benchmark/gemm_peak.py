@@ -13,11 +13,10 @@ the peak is the largest over the four shapes.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
+from .measure import timed_call
 from .report import Shapes
 
 #: activation rows per GEMM: the CPU pass size of ``PointwiseReranker`` (2,048 segment tokens)
@@ -28,11 +27,6 @@ def linear_shapes(sh: Shapes) -> dict:
     """{name: (K, N)} of one layer's linear layers (input features K, output features N)."""
     return {"qkv": (sh.hidden, (sh.heads + 2 * sh.kv_heads) * sh.head_dim), "o": (sh.heads * sh.head_dim, sh.hidden),
             "gate_up": (sh.hidden, 2 * sh.intermediate), "down": (sh.intermediate, sh.hidden)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
@@ -48,13 +42,7 @@ def gemm_peak(sh: Shapes, dtype: torch.dtype, device="cpu", rows: int = DEFAULT_
         x = torch.randn(rows, K, generator=gen, device=dev).to(dtype)
         w = (torch.randn(N, K, generator=gen, device=dev) / K ** 0.5).to(dtype)
         F.linear(x, w)  # warm-up: first-call packing / kernel selection
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(dev)
-            t0 = time.perf_counter()
-            F.linear(x, w)
-            _sync(dev)
-            best = min(best, time.perf_counter() - t0)
+        best = min(timed_call(lambda: F.linear(x, w), dev)[1] for _ in range(repeats))
         per[name] = 2.0 * rows * K * N / best / 1e9
     return {"peak_gflops": max(per.values()), "per_shape": per, "rows": rows,
             "dtype": str(dtype).replace("torch.", "")}
