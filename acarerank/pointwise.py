@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .hardware import resolve_dtype
 from .model import Qwen3Runner
 from .model.cached_prefill import CacheSlot, prefill_cached
 from .model.paged_cache import PagedKVCache
@@ -95,12 +96,15 @@ class PointwiseReranker:
         ``DEFAULT_CACHE_MAX_TOKENS``. The pages are allocated once, on
         first use, so memory never exceeds it. A shared part larger than the free room (all
         pinned) is computed in a private scratch pool and not cached.
+      compile_layers: fuse the element-wise work around the GEMMs with torch.compile
+        (``acarerank.model.layer_blocks``); the first call compiles. Off by default.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length: int = 8192,
                  backend=None, template=DEFAULT_TEMPLATE, max_batch_tokens: Optional[int] = None,
                  min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS, batch_invariant: bool = False,
-                 prefix_cache: bool = True, cache_budget_tokens: Optional[int] = None):
+                 prefix_cache: bool = True, cache_budget_tokens: Optional[int] = None,
+                 compile_layers: bool = False):
         per_op_backends(backend)  # a bad preference fails here, by name
         if (model is None) == (runner is None):
             raise TypeError("PointwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
@@ -114,6 +118,8 @@ class PointwiseReranker:
             self.runner.backend = backend
         if batch_invariant:
             self.runner.batch_invariant = True
+        if compile_layers:
+            self.runner.compile_layers = True
         if tokenizer is None:
             from .tokenizer import load_qwen3_tokenizer
             tokenizer = load_qwen3_tokenizer()
@@ -133,9 +139,14 @@ class PointwiseReranker:
         self._cache_slot = CacheSlot(self.runner, prefix_cache, cache_budget_tokens)  # pages on first use
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", max_length: int = 8192,
+    def from_pretrained(cls, path: str, dtype=None, device="cpu", max_length: int = 8192,
                         backend: Optional[str] = None, tokenizer=None, **kw) -> "PointwiseReranker":
-        """Load a local HF checkpoint folder (config.json + safetensors; tokenizer files if present)."""
+        """Load a local HF checkpoint folder (config.json + safetensors; tokenizer files if present).
+
+        dtype: None or "auto" = bf16 on a CPU with native bf16, else fp32 (``acarerank.hardware``);
+        an explicit dtype always wins.
+        """
+        dtype = resolve_dtype(dtype, device)[0]
         dev = check_dtype_device(dtype, device)
         runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev, backend=backend)
         if tokenizer is None:
