@@ -168,11 +168,18 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
       temperature: τ > 0. chunk: vocabulary rows per step (default 2048).
       return_entropy: also return the entropy of softmax(z_t) (differentiable too).
     Returns: logprob [T] fp32 (and entropy [T] fp32); fp64 inputs give fp64 (for gradcheck).
-    Formulas and precision rule: module doc.
+    Raises ValueError when a row's logits are not finite (inf/NaN in hidden or weight), as
+    ``topk_logprobs`` does. Formulas and precision rule: module doc.
     """
     _check(hidden, weight, targets, temperature, chunk)
-    return _LinearLogprob.apply(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
-                                bool(return_entropy))
+    out = _LinearLogprob.apply(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
+                               bool(return_entropy))
+    # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host sync)
+    lp = out[0] if return_entropy else out
+    if lp.numel() and not torch.isfinite(lp).all():
+        rows = (~torch.isfinite(lp)).nonzero().flatten().tolist()[:8]
+        raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
+    return out
 
 
 def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False):

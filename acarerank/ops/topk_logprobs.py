@@ -41,6 +41,7 @@ and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``). Cores: 
 from __future__ import annotations
 
 import math
+import numbers
 from collections import namedtuple
 from typing import Optional
 
@@ -59,7 +60,9 @@ DEFAULT_CHUNK = 2048  # vocabulary columns per GEMM: [T, 2048] fp32 is 1.35 % of
 # ----------------------------------------------------------------------------- checks
 def _check_inputs(hidden, weight, targets, k, chunk, temperature, op="topk_logprobs"):
     V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V):
+    if k is None or isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise TypeError(f"{op}: k must be an int in [1, V={V}] (how many top logits to keep), got {k!r}")
+    if not 1 <= k <= V:
         raise ValueError(f"{op}: k must be an int in [1, V={V}], got {k!r}")
 
 
@@ -285,6 +288,7 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
                        backend: Optional[str] = None):
     """The backend core alone (checked inputs): (topk_logits, topk_ids, target_logit, lse), see module doc."""
     _check_inputs(hidden, weight, targets, k, chunk, temperature)
+    k = int(k)
     # resolve() imports the implementation now, so an unusable backend fails here, by name
     name, _ = _backend.resolve("topk_logprobs", IMPLEMENTATIONS, backend, hidden.device)
     _backend.check_runs_on(name, hidden.device, "topk_logprobs")

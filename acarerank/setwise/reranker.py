@@ -13,6 +13,7 @@ says whether it happened to follow the strict format).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -22,7 +23,7 @@ from ..reranker_base import RerankerBase
 from ..selection import parse_selection
 from ..tokenizer import TOKEN_IM_END
 from .decode import MAX_NEW_TOKENS, greedy_decode
-from .grammar import IdentifierGrammar
+from .grammar import IdentifierGrammar, max_output_tokens
 from .prompts import DEFAULT_MAX_LENGTH, build_prompt, check_inputs
 
 
@@ -98,10 +99,21 @@ class SetwiseReranker(RerankerBase):
             intents = [None] * len(queries)
         if isinstance(intents, str) or len(intents) != len(queries):
             raise ValueError(f"intents must be None or a list with one entry per query ({len(queries)})")
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(constrained, bool):
+            raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
         for q, d, it in zip(queries, documents, intents):
             check_inputs(q, d, it, max_select)
+        max_select, batch_size = int(max_select), int(batch_size)
+        if constrained:
+            for i, d in enumerate(documents):
+                need = max_output_tokens(len(d), max_select)
+                if need > self.max_new_tokens:
+                    raise ValueError(
+                        f"max_select={max_select} over {len(d)} documents can need {need} output tokens (query {i}), "
+                        f"more than max_new_tokens={self.max_new_tokens}; raise max_new_tokens "
+                        f"(SetwiseReranker(max_new_tokens=...), CLI --max-new-tokens) or lower max_select")
         prompts = [build_prompt(self.tokenizer, q, d, it, max_select, self.max_length)
                    for q, d, it in zip(queries, documents, intents)]
         out: List[Selection] = []
