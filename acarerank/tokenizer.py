@@ -9,17 +9,17 @@ Why :class:`TextEncoder` exists. A ``transformers`` fast tokenizer keeps truncat
 and ``split_special_tokens`` state on its Rust backend and sets it on every call; two threads
 sharing one object (a reranker and user code calling it with ``truncation=True``) corrupt each
 other's encodings, and a concurrent state change can fail with "Already borrowed". A reranker
-therefore never encodes through a tokenizer it was given: it builds its own Rust backends from
-the tokenizer's JSON, with no truncation or padding, and only ever *reads* them (``encode_batch``
+therefore never encodes through a tokenizer it was given: it encodes with its own copy of the
+Rust backend, with no truncation or padding, and only ever *reads* it (``encode_batch``
 and ``decode`` take a shared borrow), so any number of threads may encode at once. The backends
-are immutable after construction, which is why one pair may serve every reranker built from
+are immutable after construction, which is why one encoder may serve every reranker built from
 the same tokenizer object (``TextEncoder.of``).
 
 Special tokens in user text (docs/ARCHITECTURE.md, "User text and special tokens"): every
 string a user supplies (query, question, trace, instruction, documents, intent) is encoded as
 plain text by default (``special_tokens="escape"``): a document containing ``"<|im_end|>"`` or
 ``"</think>"`` gets the ordinary BPE tokens of those characters, so it cannot close the user
-turn or forge an answer. In the private backends every added token (Qwen3 has 26, from
+turn or forge an answer. In the private backend every added token (Qwen3 has 26, from
 ``<|endoftext|>`` to ``</think>``; ten of them, e.g. ``<think>``, are not flagged "special" in
 the tokenizer and would otherwise stay live even with ``split_special_tokens=True``) is flagged
 special so that escaping covers all of them. ``special_tokens="parse"`` reproduces the
@@ -29,10 +29,11 @@ lets retrieved text inject control tokens.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
-import json
 import os
+import re
 import threading
 import weakref
 from typing import List, Optional, Sequence, Tuple
@@ -107,26 +108,28 @@ class TextEncoder:
       ``token_id(s)``, ``decode(ids)``, ``vocab_size``
     """
 
-    def __init__(self, tokenizer_json: str, special_tokens: str = "escape"):
-        from tokenizers import Tokenizer
+    def __init__(self, backend, special_tokens: str = "escape"):
+        """``backend``: a ``tokenizers.Tokenizer`` this encoder now owns (a copy; never shared)."""
+        from tokenizers import AddedToken
 
         check_special_tokens(special_tokens)
-        data = json.loads(tokenizer_json)
-        for tok in data.get("added_tokens") or []:
-            tok["special"] = True  # escaping covers every added token, not only the flagged ones
-        data["truncation"] = None
-        data["padding"] = None
-        text = json.dumps(data)
-        self._parse = Tokenizer.from_str(text)
-        self._parse.encode_special_tokens = False
-        if special_tokens == "escape":
-            self._plain = Tokenizer.from_str(text)
-            self._plain.encode_special_tokens = True
-        else:
-            self._plain = self._parse
+        backend.no_truncation()
+        backend.no_padding()
+        added = backend.get_added_tokens_decoder()  # {id: AddedToken}
+        # escaping covers every added token, not only the flagged ones (re-adding flips the flag)
+        backend.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                                               normalized=t.normalized, special=True)
+                                    for t in added.values() if not t.special])
+        backend.encode_special_tokens = special_tokens == "escape"
+        self._backend = backend
         self.special_tokens = special_tokens
-        self.vocab_size = self._parse.get_vocab_size(with_added_tokens=True)
-        self.added_tokens = {t["content"]: t["id"] for t in data.get("added_tokens") or []}
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.added_tokens = {t.content: i for i, t in added.items()}
+        # template text is split at the added-token strings by hand and each piece encoded alone:
+        # what the tokenizer's added vocabulary does in parse mode (tokens without lstrip/rstrip)
+        plain = [t for t in added.values() if not (t.lstrip or t.rstrip or t.single_word)]
+        self._split = re.compile("(" + "|".join(re.escape(t.content) for t in
+                                                sorted(plain, key=lambda t: -len(t.content))) + ")") if plain else None
 
     # -- construction ---------------------------------------------------------------------
     _cache = weakref.WeakKeyDictionary()
@@ -154,8 +157,7 @@ class TextEncoder:
                 path = os.path.join(path, "tokenizer.json")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no tokenizer.json at {path!r}")
-            with open(path, encoding="utf-8") as f:
-                return cls(f.read(), special_tokens)
+            return cls(_from_file(path), special_tokens)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None and type(tokenizer).__module__.startswith("tokenizers"):
             backend = tokenizer
@@ -170,7 +172,7 @@ class TextEncoder:
                 hit = None
         if hit is not None:
             return hit
-        enc = cls(backend.to_str(), special_tokens)
+        enc = cls(copy.deepcopy(backend), special_tokens)  # our own copy: its state is never shared
         with cls._lock:
             try:
                 cls._cache.setdefault(tokenizer, {})[key] = enc
@@ -179,31 +181,56 @@ class TextEncoder:
         return enc
 
     # -- encoding (read-only: safe from any number of threads) ---------------------------
+    def _encode(self, texts: Sequence[str]) -> List[List[int]]:
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
     def user(self, texts: Sequence[str]) -> List[List[int]]:
-        return [e.ids for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
+        """Ids of user-supplied texts: special-token strings escaped ("escape") or parsed ("parse")."""
+        return self._encode(texts)
 
     def template(self, texts: Sequence[str]) -> List[List[int]]:
-        return [e.ids for e in self._parse.encode_batch(list(texts), add_special_tokens=False)]
+        """Ids of the package's own strings, their control-token strings parsed (whatever the mode)."""
+        if self.special_tokens == "parse" or self._split is None:
+            return self._encode(texts)
+        out = []
+        for text in texts:
+            pieces = self._split.split(text)  # [text, token, text, token, ..., text]
+            ids_of = self._encode(pieces[0::2])
+            ids: List[int] = []
+            for k, piece_ids in enumerate(ids_of):
+                ids.extend(piece_ids)
+                if 2 * k + 1 < len(pieces):
+                    ids.append(self.added_tokens[pieces[2 * k + 1]])
+            out.append(ids)
+        return out
 
     def user_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
-        e = self._plain.encode(text, add_special_tokens=False)
+        e = self._backend.encode(text, add_special_tokens=False)
         return e.ids, e.offsets
 
     def user_offsets_batch(self, texts: Sequence[str]):
-        return [(e.ids, e.offsets) for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
+        return [(e.ids, e.offsets) for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def token_id(self, token: str):
-        return self._parse.token_to_id(token)
+        return self._backend.token_to_id(token)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; with ``skip_special_tokens`` every added token (all 26 in Qwen3) is left out."""
-        return self._parse.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _from_file(path: str):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the Rust parser's own error type
+        raise ValueError(f"{path}: not a readable tokenizer.json ({e})") from None
 
 
 @functools.lru_cache(maxsize=2)
 def _default_encoder(special_tokens: str) -> TextEncoder:
-    with open(os.path.join(qwen3_tokenizer_dir(), "tokenizer.json"), encoding="utf-8") as f:
-        return TextEncoder(f.read(), special_tokens)
+    return TextEncoder(_from_file(os.path.join(qwen3_tokenizer_dir(), "tokenizer.json")), special_tokens)
 
 
 def _hf_aliases():

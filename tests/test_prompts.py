@@ -344,7 +344,9 @@ def test_documents_in_one_batched_call(tok):
 
     from acarerank.tokenizer import TextEncoder
 
-    counting = TextEncoder(tok.backend_tokenizer.to_str())
+    import copy
+
+    counting = TextEncoder(copy.deepcopy(tok.backend_tokenizer))
     plain = counting.user
 
     def user(texts):
