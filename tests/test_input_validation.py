@@ -75,7 +75,7 @@ def test_max_length_512_works_like_the_model_card(qwen3_tokenizer):
 
 def test_max_select_above_15_names_the_knob(model):
     docs = [f"doc {i}" for i in range(20)]
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="raise max_new_tokens"):
         SetwiseReranker(model=model).select("q", docs, max_select=16)
     sel = SetwiseReranker(model=model, max_new_tokens=65, max_length=800).select("q", docs, max_select=16)
     assert sel.valid and 1 <= len(sel.ids) <= 16
