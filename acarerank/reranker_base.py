@@ -34,7 +34,10 @@ class RerankerBase:
 
     def _setup(self, model, tokenizer, runner: Optional[Qwen3Runner], backend, special_tokens: str = "escape",
                batch_invariant: bool = False) -> None:
+        from .ops import per_op_backends
+
         name = type(self).__name__
+        per_op_backends(backend)  # a bad preference fails here, by name (BackendError)
         if (model is None) == (runner is None):
             raise TypeError(f"{name} needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
         if not isinstance(batch_invariant, bool):

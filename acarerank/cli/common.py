@@ -16,17 +16,31 @@ def check_common(args) -> None:
     import torch
 
     from ..model.placement import check_dtype_device
-    from ..ops._backend import KNOWN_BACKENDS
+    from ..ops import per_op_backends
 
     positive("--max-length", args.max_length)
     check_dtype_device(getattr(torch, args.dtype), args.device)
-    if args.backend is not None and "=" not in args.backend and args.backend not in KNOWN_BACKENDS:
-        raise ValueError(f"--backend {args.backend!r} is not a backend; known: {', '.join(KNOWN_BACKENDS)}")
+    args.backend = parse_backend(args.backend)
+    per_op_backends(args.backend)  # an unknown name or op fails here (BackendError), before loading
     if args.model is not None:
         if not os.path.isdir(args.model):
             raise FileNotFoundError(f"--model {args.model!r} is not a folder")
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             raise FileNotFoundError(f"--model {args.model!r} has no config.json")
+
+
+def parse_backend(text):
+    """``--backend`` as the rerankers take it: a name ("triton") or a per-op mapping
+    ("attention=triton,yes_no=cpp")."""
+    if text is None or "=" not in text:
+        return text
+    out = {}
+    for part in text.split(","):
+        key, sep, val = part.partition("=")
+        if not sep or not key.strip() or not val.strip():
+            raise ValueError(f"--backend expects NAME or OP=NAME[,OP=NAME...], got {text!r}")
+        out[key.strip()] = val.strip()
+    return out
 
 
 def read_text_file(path: str, flag: str) -> str:

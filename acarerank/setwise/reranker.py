@@ -55,14 +55,15 @@ class SetwiseReranker(RerankerBase):
         cut to an equal per-document budget to fit, never dropped.
       max_new_tokens: output cap (64 in the paper); ``max_select`` above 15 can need more
         (each id of 10..99 takes 4 tokens), raise it then.
-      backend: attention backend for the runner ("torch", "triton", ...); None = default.
+      backend: one preference name or a per-op mapping, as ``PointwiseReranker`` takes it
+        (the runner maps it to the attention op); None = ACARERANK_BACKEND / device default.
       special_tokens: "escape" (default; special-token strings in the query, intent and
         documents are plain text) or "parse" (they become control tokens), see ``acarerank.tokenizer``.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None,
                  max_length: Optional[int] = DEFAULT_MAX_LENGTH, max_new_tokens: int = MAX_NEW_TOKENS,
-                 backend: Optional[str] = None, special_tokens: str = "escape"):
+                 backend=None, special_tokens: str = "escape"):
         max_length = check_int("max_length", max_length, 1, allow_none=True)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
         self._setup(model, tokenizer, runner, backend, special_tokens)
