@@ -102,3 +102,10 @@ def test_score_output_has_text_and_short_max_length_works(capsys, files):
     rc, err, out = run(capsys, argv + ["--max-length", "300", "--min-doc-tokens", "50"])
     rows = [json.loads(x) for x in out.splitlines()]
     assert rc == 0 and [r["text"] for r in rows] == ["plain string doc", "object doc"] and rows[1]["id"] == 7, (err, rows)
+
+
+@pytest.mark.parametrize("argv, needle", [(["bench", "--device", "garbage", "--quick"], "garbage"),
+                                          (["bench", "--depths", "x"], "--depths")])
+def test_bench_usage_errors_are_one_line(capsys, argv, needle):
+    rc, err, _ = run(capsys, argv)
+    assert rc == 2 and len(err) == 1 and needle in err[0], (rc, err)

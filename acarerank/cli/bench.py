@@ -9,6 +9,7 @@ tokenizer: timings are real, scores carry no meaning.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -19,9 +20,9 @@ def _ints(text: str) -> tuple:
     try:
         vals = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals:
-        raise ValueError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     return vals
 
 
@@ -34,7 +35,7 @@ def _range(text: str) -> tuple:
     try:
         return (int(lo), int(hi or lo))
     except ValueError:
-        raise ValueError(f"--doc-tokens expects LOW-HIGH or N (tokens), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH or N (tokens), got {text!r}") from None
 
 
 def _overrides(items) -> dict:
@@ -141,6 +142,11 @@ def run(args) -> int:
     from acarerank.benchmark.harness import run_bench
     from acarerank.model.default import NO_MEANING
 
+    import torch
+
+    from acarerank.model.placement import check_dtype_device
+
+    check_dtype_device(getattr(torch, args.dtype), args.device)  # before any model is built
     cfg = config_from_args(args)
     out_dir = args.output or os.path.join(
         "results", f"bench-{cfg.preset if cfg.model_path is None else 'model'}-{cfg.dtype}-{cfg.device.replace(':', '')}")
