@@ -38,7 +38,7 @@ import threading
 import weakref
 from typing import List, Optional, Sequence, Tuple
 
-# Qwen3 token ids the package relies on (docs/ARCHITECTURE.md); tests check them against the tokenizer.
+# Qwen3 token ids the package relies on (docs/ARCHITECTURE.md, "Scoring facts"); tests check them against the tokenizer.
 TOKEN_YES = 9693
 TOKEN_NO = 2152
 TOKEN_THINK = 151667

@@ -16,31 +16,16 @@ def check_common(args) -> None:
     import torch
 
     from ..model.placement import check_dtype_device
-    from ..ops import per_op_backends
+    from ..ops import parse_preference, per_op_backends
 
     positive("--max-length", args.max_length)
     check_dtype_device(getattr(torch, args.dtype), args.device)
-    args.backend = parse_backend(args.backend)
-    per_op_backends(args.backend)  # an unknown name or op fails here (BackendError), before loading
+    per_op_backends(parse_preference(args.backend, "--backend"))  # unknown name or op: BackendError, before loading
     if args.model is not None:
         if not os.path.isdir(args.model):
             raise FileNotFoundError(f"--model {args.model!r} is not a folder")
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             raise FileNotFoundError(f"--model {args.model!r} has no config.json")
-
-
-def parse_backend(text):
-    """``--backend`` as the rerankers take it: a name ("triton") or a per-op mapping
-    ("attention=triton,yes_no=cpp")."""
-    if text is None or "=" not in text:
-        return text
-    out = {}
-    for part in text.split(","):
-        key, sep, val = part.partition("=")
-        if not sep or not key.strip() or not val.strip():
-            raise ValueError(f"--backend expects NAME or OP=NAME[,OP=NAME...], got {text!r}")
-        out[key.strip()] = val.strip()
-    return out
 
 
 def read_text_file(path: str, flag: str) -> str:
@@ -96,12 +81,15 @@ def load_reranker(cls, args, **kw):
     embedded random default with a note on stderr that its output carries no meaning."""
     import torch
 
+    from ..ops import parse_preference
+
     dtype = getattr(torch, args.dtype)
+    backend = parse_preference(args.backend, "--backend")  # "triton" or "attention=triton,yes_no=cuda"
     if args.model:
         return cls.from_pretrained(args.model, dtype=dtype, device=args.device, max_length=args.max_length,
-                                   backend=args.backend, **kw)
+                                   backend=backend, **kw)
     from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
 
     print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
     model = build_default_model(dtype=dtype, device=args.device)
-    return cls(model=model, max_length=args.max_length, backend=args.backend, **kw)
+    return cls(model=model, max_length=args.max_length, backend=backend, **kw)
