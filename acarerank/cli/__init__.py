@@ -40,7 +40,10 @@ def _one_line(e: BaseException) -> str:
 def main(argv=None) -> int:
     from ..ops._backend import BackendError
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # usage error (one line already printed, 2) or --help (0)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args.run(args) or 0)
     except (ValueError, TypeError, OSError, BackendError) as e:  # bad input: one clear line, no traceback
