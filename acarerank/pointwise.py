@@ -93,17 +93,21 @@ class PointwiseReranker(RerankerBase):
       special_tokens: "escape" (default): special-token strings in user text (query, question,
         trace, instruction, documents) are plain text; "parse": they become control tokens,
         exactly as the Qwen3-Reranker model card does (see ``acarerank.tokenizer``).
+      compile_layers: fuse the element-wise work around the GEMMs with torch.compile
+        (``acarerank.model.layer_blocks``); the first call compiles. Off by default.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length: int = 8192,
                  backend=None, template=DEFAULT_TEMPLATE, max_batch_tokens: Optional[int] = None,
-                 min_doc_tokens: Optional[int] = None, batch_invariant: bool = False, special_tokens: str = "escape"):
+                 min_doc_tokens: Optional[int] = None, batch_invariant: bool = False, special_tokens: str = "escape",
+                 compile_layers: bool = False):
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1, allow_none=True)
         max_length = check_int("max_length", max_length, 1)
         min_doc_tokens = check_int("min_doc_tokens", min_doc_tokens, 1, allow_none=True)
         if not isinstance(template, ContextTemplate):
             raise TypeError(f"template must be a ContextTemplate, got {type(template).__name__}")
-        self._setup(model, tokenizer, runner, backend, special_tokens, batch_invariant)
+        self._setup(model, tokenizer, runner, backend, special_tokens, batch_invariant=batch_invariant,
+                    compile_layers=compile_layers)
         if max_batch_tokens is None:
             max_batch_tokens = DEFAULT_BATCH_TOKENS.get(self.runner.device.type, DEFAULT_BATCH_TOKENS["cpu"])
         self.max_length = max_length

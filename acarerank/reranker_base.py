@@ -17,8 +17,7 @@ import copy
 import os
 from typing import Optional
 
-import torch
-
+from .hardware import resolve_dtype
 from .model import Qwen3Runner
 from .model.placement import FLOAT_DTYPES, check_dtype_device
 from .tokenizer import TextEncoder, check_special_tokens
@@ -33,28 +32,32 @@ class RerankerBase:
     """
 
     def _setup(self, model, tokenizer, runner: Optional[Qwen3Runner], backend, special_tokens: str = "escape",
-               batch_invariant: bool = False) -> None:
+               batch_invariant: bool = False, compile_layers: bool = False) -> None:
         from .ops import per_op_backends
 
         name = type(self).__name__
         per_op_backends(backend)  # a bad preference fails here, by name (BackendError)
         if (model is None) == (runner is None):
             raise TypeError(f"{name} needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
-        if not isinstance(batch_invariant, bool):
-            raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+        for flag, value in (("batch_invariant", batch_invariant), ("compile_layers", compile_layers)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
         self.special_tokens = check_special_tokens(special_tokens)
         if runner is not None:
             if not isinstance(runner, Qwen3Runner):
                 raise TypeError(f"runner must be an acarerank.model.Qwen3Runner, got {type(runner).__name__}")
-            if (backend is not None and backend != runner.backend) or (batch_invariant and not runner.batch_invariant):
+            asks = {"batch_invariant": batch_invariant, "compile_layers": compile_layers}
+            if backend is not None:
+                asks["backend"] = backend
+            asks = {k: v for k, v in asks.items() if v and getattr(runner, k, None) != v}
+            if asks:
                 # the caller's runner keeps its own settings: run a shallow copy (shared weight tensors)
                 runner = copy.copy(runner)
-                if backend is not None:
-                    runner.backend = backend
-                if batch_invariant:
-                    runner.batch_invariant = True
+                for k, v in asks.items():
+                    setattr(runner, k, v)
         else:
-            runner = Qwen3Runner.from_hf(model, backend=backend, batch_invariant=batch_invariant)
+            runner = Qwen3Runner.from_hf(model, backend=backend, batch_invariant=batch_invariant,
+                                         compile_layers=compile_layers)
         if runner.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name}: model weights are {runner.dtype}; float32, float16 or bfloat16 are supported")
         self.runner = runner
@@ -62,8 +65,11 @@ class RerankerBase:
         self.tokenizer = TextEncoder.of(tokenizer, special_tokens)
 
     @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32, device="cpu", backend=None, tokenizer=None, **kw):
+    def from_pretrained(cls, path, dtype=None, device="cpu", backend=None, tokenizer=None, **kw):
         """Load a local HF checkpoint folder (config.json + model.safetensors or its index and shards).
+
+        dtype: None or "auto" = bf16 on a CPU with native bf16, else fp32 (``acarerank.hardware``);
+        an explicit dtype always wins.
 
         The folder's tokenizer (``tokenizer.json``, else ``vocab.json`` + ``merges.txt``) is used
         when ``tokenizer`` is None and the folder has one; else the Qwen3 tokenizer of
@@ -71,6 +77,7 @@ class RerankerBase:
         Raises TypeError (dtype, path type), ValueError (device, checkpoint contents:
         ``acarerank.model.CheckpointError``), FileNotFoundError (folder or files missing).
         """
+        dtype = resolve_dtype(dtype, device)[0]
         dev = check_dtype_device(dtype, device)
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a folder path (str), got {type(path).__name__}")

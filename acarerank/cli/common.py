@@ -13,13 +13,12 @@ def positive(name: str, value) -> None:
 
 def check_common(args) -> None:
     """Flags every model-loading subcommand has, checked before anything loads."""
-    import torch
-
+    from ..hardware import resolve_dtype
     from ..model.placement import check_dtype_device
     from ..ops import parse_preference, per_op_backends
 
     positive("--max-length", args.max_length)
-    check_dtype_device(getattr(torch, args.dtype), args.device)
+    check_dtype_device(resolve_dtype(args.dtype, args.device)[0], args.device)
     per_op_backends(parse_preference(args.backend, "--backend"))  # unknown name or op: BackendError, before loading
     if args.model is not None:
         if not os.path.isdir(args.model):
@@ -79,11 +78,11 @@ def read_documents(path: str) -> list:
 def load_reranker(cls, args, **kw):
     """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask: ``--model`` folder, or the
     embedded random default with a note on stderr that its output carries no meaning."""
-    import torch
-
+    from ..hardware import resolve_dtype
     from ..ops import parse_preference
 
-    dtype = getattr(torch, args.dtype)
+    dtype, why = resolve_dtype(args.dtype, args.device)
+    print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
     backend = parse_preference(args.backend, "--backend")  # "triton" or "attention=triton,yes_no=cuda"
     if args.model:
         return cls.from_pretrained(args.model, dtype=dtype, device=args.device, max_length=args.max_length,
