@@ -4,6 +4,7 @@ from .block_pool import BlockPool, PoolExhausted
 from .paged_cache import PagedKVCache
 from .prefix_cache import PrefixCache
 from .runner import KVCache, Qwen3Runner
-from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
+from .weights import CheckpointError, Qwen3Weights, load_checkpoint, weights_from_hf
 
-__all__ = ["Qwen3Arch", "KVCache", "BlockPool", "PoolExhausted", "PagedKVCache", "PrefixCache", "Qwen3Runner", "Qwen3Weights", "load_checkpoint", "weights_from_hf"]
+__all__ = ["CheckpointError", "Qwen3Arch", "KVCache", "BlockPool", "PoolExhausted", "PagedKVCache", "PrefixCache",
+           "Qwen3Runner", "Qwen3Weights", "load_checkpoint", "weights_from_hf"]

@@ -41,7 +41,8 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
     ``shared_len(kept) <= budget`` (chunk = 1: the fewest tokens).
 
     Args:
-        tokenizer: a fast (Rust) Hugging Face tokenizer; its offset mapping gives token boundaries.
+        tokenizer: a :class:`acarerank.tokenizer.TextEncoder` (or anything ``TextEncoder.of``
+            takes: a fast Hugging Face tokenizer...); its offsets give token boundaries.
         text: the reasoning trace, oldest text first.
         shared_len: length in tokens of the shared part built with a given trace (``None``: no
             trace line at all). Re-tokenizing the whole shared part is the check: a trace cut at
@@ -60,9 +61,9 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
     """
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    if not getattr(tokenizer, "is_fast", False):
-        raise TypeError("cutting the reasoning trace needs a fast (Rust) tokenizer: it uses the offset mapping")
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    from ..tokenizer import TextEncoder
+
+    _, offsets = TextEncoder.of(tokenizer).user_offsets(text)
     starts = [s for s, _ in offsets]
     ends = [e for _, e in offsets]
     n = len(starts)
