@@ -153,4 +153,6 @@ def test_environment_triton_runs_setwise_selection(qwen3_tokenizer, monkeypatch)
     got = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=8).select(QUERY, DOCS[3:5],
                                                                                           max_select=1)
     assert (got.text, got.ids) == (want.text, want.ids)
-    assert ("prefix_shared_attention", "triton") in ran and ("prefix_shared_attention", "torch") not in ran, ran
+    # the runner keeps KV in pages: attention runs as the paged op
+    assert ("prefix_shared_attention_paged", "triton") in ran, ran
+    assert ("prefix_shared_attention_paged", "torch") not in ran, ran

@@ -67,7 +67,8 @@ VARLEN_KERNEL, _varlen_kernel = _find_varlen_kernel()  # ImportError here -> Bac
 def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, block_table=None):
     """One FlashAttention-2 varlen call (``VARLEN_KERNEL``): q [Tq, Hq, d], k/v [Tk, Hkv, d], cu_q/cu_k
     [N+1] int32 on q's device -> (out [Tq, Hq, d], lse [Tq, Hq] fp32 view; +inf for rows without keys)."""
-    out, lse = _varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, block_table=block_table)
+    kw = {} if block_table is None else {"block_table": block_table}
+    out, lse = _varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, **kw)
     if lse.dim() != 2 or lse.shape != (q.shape[1], q.shape[0]):
         raise BackendError(
             f"prefix_shared_attention: flash_attn_cascade expects the varlen lse as [heads, total_q] "
