@@ -9,11 +9,11 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("score", "select", "bench")
+SUBCOMMANDS = ("score", "select", "bench", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="acarerank", description="Prefix-shared Qwen3 rerankers: score, select, bench.")
+    parser = argparse.ArgumentParser(prog="acarerank", description="Prefix-shared Qwen3 rerankers: score, select, bench, serve.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"acarerank.cli.{name}").add_parser(sub)

@@ -1,0 +1,273 @@
+"""The scheduler: one thread owns the model and runs continuous batching over queued requests.
+
+The HTTP side validates, tokenizes (thread pool) and calls ``submit``; nothing else touches
+the model (it is not thread-safe). Each loop iteration of the scheduler thread:
+
+1. takes newly submitted jobs (FIFO) and drops the work of cancelled ones (client gone);
+2. runs at most one queued call job (a setwise selection: grammar-constrained decoding);
+3. runs one packed scoring pass: segments (documents) are taken from the active jobs in
+   arrival order until ``max_batch_tokens`` segment tokens are reached (always at least one
+   segment), so a pass mixes the tail of one request with the head of the next and a request
+   that arrives mid-stream joins at the next pass. A job's prefix is prefilled
+   (``acquire_prefix``) when its first document enters a pass and released as soon as its
+   last document is scored — then its future completes, not at the end of a batch.
+
+Per pass: ``steps.score_segments`` = one forward over all its segments (see
+``step_adapter.py`` for the step API).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass
+class ScoreResult:
+    """What a finished scoring job returns. Times in seconds."""
+    scores: list
+    prompt_tokens: int
+    cached_tokens: int
+    queue_time: float
+
+
+@dataclass(eq=False)
+class _ScoreJob:
+    enc: object                      # PointwiseEncoding: shared_ids, segment_ids
+    future: concurrent.futures.Future
+    submitted: float
+    scores: list = field(default_factory=list)
+    next: int = 0                    # next segment to put in a pass
+    done: int = 0                    # segments scored
+    handle: object = None
+    started: Optional[float] = None
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class _CallJob:
+    fn: Callable
+    future: concurrent.futures.Future
+    submitted: float
+    cancelled: bool = False
+
+
+class EngineStopped(RuntimeError):
+    """The engine was stopped before the job ran."""
+
+
+def _settle(fut: concurrent.futures.Future, result=None, exc: Optional[BaseException] = None) -> None:
+    """Complete ``fut`` unless it is already done (the waiting side may have cancelled it)."""
+    try:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:  # cancelled between the check and the set
+        pass
+
+
+class Engine:
+    """Owns ``steps`` (the step API over the model) on one scheduler thread.
+
+    Args:
+      steps: object with ``acquire_prefix``, ``score_segments``, ``release_prefix`` (``encode``
+        and ``cache_stats`` are called from other threads by the service).
+      max_batch_tokens: segment tokens per packed pass (a longer single segment runs alone).
+      metrics: optional ``ServerMetrics`` (queue time, pass sizes, queue depth, cancellations).
+    """
+
+    def __init__(self, steps, max_batch_tokens: int, metrics=None):
+        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
+        self.steps = steps
+        self.max_batch_tokens = max_batch_tokens
+        self.metrics = metrics
+        self._cv = threading.Condition()
+        self._inbox: collections.deque = collections.deque()
+        self._active: list = []          # score jobs in arrival order (scheduler thread only)
+        self._calls: collections.deque = collections.deque()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="acarerank-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread after the current pass; queued and active jobs fail with EngineStopped."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # -- submission (any thread) -------------------------------------------------------------
+    def submit(self, enc) -> _ScoreJob:
+        """Queue one encoded request; ``job.future`` resolves to a ``ScoreResult``."""
+        job = _ScoreJob(enc=enc, future=concurrent.futures.Future(), submitted=time.perf_counter(),
+                        scores=[0.0] * len(enc.segment_ids))
+        self._put(job)
+        return job
+
+    def submit_call(self, fn: Callable) -> _CallJob:
+        """Queue ``fn()`` to run on the scheduler thread (it may use the model); ``job.future`` gets its result."""
+        job = _CallJob(fn=fn, future=concurrent.futures.Future(), submitted=time.perf_counter())
+        self._put(job)
+        return job
+
+    def cancel(self, job) -> None:
+        """Drop a job's remaining work (its client is gone); its future is cancelled."""
+        if not job.cancelled and self.metrics is not None:
+            self.metrics.cancelled.inc()
+        job.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def _put(self, job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise EngineStopped("the engine is stopping")
+            self._inbox.append(job)
+            self._cv.notify()
+
+    # -- the scheduler thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._active or self._calls or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                while self._inbox:
+                    job = self._inbox.popleft()
+                    (self._calls if isinstance(job, _CallJob) else self._active).append(job)
+            self._drop_cancelled()
+            if self._calls:
+                self._run_call(self._calls.popleft())
+            if self._active:
+                self._pass()
+            self._report_depth()
+        self._fail_all(EngineStopped("the engine stopped before this request ran"))
+
+    def _report_depth(self) -> None:
+        if self.metrics is not None:
+            running = sum(1 for j in self._active if j.handle is not None)
+            with self._cv:
+                waiting = len(self._inbox) + len(self._calls)
+            self.metrics.set_depth(waiting + len(self._active) - running, running)
+
+    def _drop_cancelled(self) -> None:
+        keep = []
+        for job in self._active:
+            if job.cancelled:
+                self._finish(job, cancelled=True)
+            else:
+                keep.append(job)
+        self._active = keep
+        calls = collections.deque()
+        for job in self._calls:
+            if job.cancelled:
+                job.future.cancel()
+            else:
+                calls.append(job)
+        self._calls = calls
+
+    def _run_call(self, job: _CallJob) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        if self.metrics is not None:
+            self.metrics.queue_time.observe(time.perf_counter() - job.submitted)
+        try:
+            job.future.set_result(job.fn())
+        except Exception as e:  # noqa: BLE001 - the caller maps it to an HTTP error
+            job.future.set_exception(e)
+
+    def _pass(self) -> None:
+        items, owners, used = [], [], 0
+        for job in self._active:
+            segs = job.enc.segment_ids
+            while job.next < len(segs):
+                n = len(segs[job.next])
+                if items and used + n > self.max_batch_tokens:
+                    break
+                if job.handle is None:
+                    if not job.future.set_running_or_notify_cancel():  # its waiter gave up
+                        job.cancelled = True
+                        break
+                    try:
+                        job.handle = self.steps.acquire_prefix(job.enc)
+                    except Exception as e:  # noqa: BLE001 - fail this request only
+                        _settle(job.future, exc=e)
+                        job.cancelled = True
+                        break
+                    job.started = time.perf_counter()
+                    if self.metrics is not None:
+                        self.metrics.queue_time.observe(job.started - job.submitted)
+                items.append((job.handle, segs[job.next]))
+                owners.append((job, job.next))
+                job.next += 1
+                used += n
+            else:
+                continue
+            break
+        if items:
+            try:
+                scores = self.steps.score_segments(items)
+            except Exception as e:  # noqa: BLE001 - the pass failed: fail the jobs in it, keep serving
+                for job in {j for j, _ in owners}:
+                    _settle(job.future, exc=e)
+                    job.cancelled = True
+                scores = None
+            if scores is not None:
+                if self.metrics is not None:
+                    self.metrics.observe_pass(used, len({id(j) for j, _ in owners}))
+                for (job, i), s in zip(owners, scores):
+                    job.scores[i] = s
+                    job.done += 1
+        keep = []
+        for job in self._active:
+            if job.cancelled:
+                self._finish(job, cancelled=True)
+            elif job.done == len(job.scores):
+                self._finish(job)
+            else:
+                keep.append(job)
+        self._active = keep
+
+    def _finish(self, job: _ScoreJob, cancelled: bool = False) -> None:
+        """Release the job's prefix and complete its future (result, or cancelled)."""
+        if job.handle is not None:
+            self.steps.release_prefix(job.handle)
+        if job.future.done():  # failed (its exception is set) or cancelled by its waiter
+            return
+        if cancelled:
+            if not job.future.cancel():  # already running: nobody waits, but never leave it pending
+                _settle(job.future, exc=concurrent.futures.CancelledError("client disconnected"))
+            return
+        h = job.handle
+        _settle(job.future, ScoreResult(scores=job.scores, prompt_tokens=h.prompt_tokens,
+                                          cached_tokens=h.cached_tokens,
+                                          queue_time=(job.started or job.submitted) - job.submitted))
+        if self.metrics is not None:
+            self.metrics.documents.inc(len(job.scores))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cv:
+            pending = list(self._inbox) + list(self._calls)
+            self._inbox.clear()
+        for job in self._active:
+            if job.handle is not None:
+                self.steps.release_prefix(job.handle)
+        for job in pending + self._active:
+            _settle(job.future, exc=exc)
+        self._active, self._calls = [], collections.deque()
