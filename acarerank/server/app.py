@@ -166,6 +166,9 @@ def create_app(service, *, api_key: Optional[str] = None, max_body_bytes: int = 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         problems = []
+        if any(err.get("type") == "json_invalid" for err in exc.errors()):
+            return JSONResponse(error_body(422, "malformed JSON body: " + "; ".join(
+                str(err.get("ctx", {}).get("error", err.get("msg"))) for err in exc.errors())), status_code=422)
         for err in exc.errors()[:5]:
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
             problems.append(f"{where}: {err.get('msg')}")
@@ -182,10 +185,12 @@ def create_app(service, *, api_key: Optional[str] = None, max_body_bytes: int = 
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
 
     async def _rerank(req: RerankRequest, request: Request):
+        headers = {}
         try:
-            return await service.rerank(req, request.is_disconnected)
+            body = await service.rerank(req, request.is_disconnected, headers)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(body, headers=headers)
 
     for path in RERANK_PATHS:
         app.add_api_route(path, _rerank, methods=["POST"], response_model=None,
@@ -194,10 +199,12 @@ def create_app(service, *, api_key: Optional[str] = None, max_body_bytes: int = 
 
     @app.post("/v1/select", responses={200: {"model": SelectResponse}})
     async def select(req: SelectRequest, request: Request):
+        headers = {}
         try:
-            return await service.select(req, request.is_disconnected)
+            body = await service.select(req, request.is_disconnected, headers)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(body, headers=headers)
 
     @app.get("/health")
     async def health():

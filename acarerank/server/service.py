@@ -127,8 +127,13 @@ class RerankService:
             raise APIError(413, f"{len(docs)} documents exceed the limit of {self.max_documents} per request "
                                 f"(--max-documents)")
 
-    async def rerank(self, req: RerankRequest, is_disconnected: Callable[[], Awaitable[bool]]):
-        """The response body for one rerank request (a dict, or TEI's list)."""
+    async def rerank(self, req: RerankRequest, is_disconnected: Callable[[], Awaitable[bool]],
+                     headers: Optional[dict] = None):
+        """The response body for one rerank request (a dict, or TEI's list).
+
+        is_disconnected: coroutine function, True once the client is gone. headers: response
+        headers the service wants added (none here; the Ray front adds the replica's id).
+        """
         docs = req.document_texts()
         self._check_documents(docs)
         if req.raw_scores:
@@ -211,7 +216,8 @@ class RerankService:
                     meta=dict(billed_units=dict(search_units=math.ceil(len(docs) / DOCS_PER_SEARCH_UNIT))))
 
     # -- select ------------------------------------------------------------------------------
-    async def select(self, req: SelectRequest, is_disconnected: Callable[[], Awaitable[bool]]) -> dict:
+    async def select(self, req: SelectRequest, is_disconnected: Callable[[], Awaitable[bool]],
+                     headers: Optional[dict] = None) -> dict:
         if self.setwise is None:
             raise APIError(404, "this server has no setwise model: /v1/select is not available")
         docs = req.document_texts()
