@@ -74,16 +74,28 @@ def thread_server(app):
 
 @contextlib.contextmanager
 def subprocess_server(*cli_args: str):
-    """``python -m acarerank.cli serve ...`` on a free port; yields (base URL, Popen); always stopped."""
+    """``acarerank serve ...`` on a free port; yields (base URL, Popen); always stopped.
+
+    The server's output goes to a temporary file, shown when startup fails.
+    """
+    import tempfile
+
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.Popen([sys.executable, "-m", "acarerank.cli", "serve", "--port", str(port), *cli_args],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tempfile.TemporaryFile(mode="w+")
+    cmd = [sys.executable, "-c", "import sys; from acarerank.cli import main; sys.exit(main())", "serve",
+           "--port", str(port), *cli_args]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until(base + "/ready", proc=proc)
+        try:
+            wait_until(base + "/ready", proc=proc)
+        except (RuntimeError, TimeoutError) as e:
+            log.seek(0)
+            raise RuntimeError(f"{e}\n--- server output ---\n{log.read()[-4000:]}") from None
         yield base, proc
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
+        log.close()
