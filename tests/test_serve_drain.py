@@ -10,7 +10,7 @@ import threading
 import httpx
 
 from acarerank import PointwiseReranker
-from serve_util import subprocess_server, tiny_model, wait_until
+from serve_util import serve_subprocess, tiny_model, wait_until
 
 
 def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
@@ -19,7 +19,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
     # 300 documents of ~70 tokens: each pass (64-token cap) holds one, so the request spans 300 passes
     docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 6 for i in range(300)]
     out = {}
-    with subprocess_server("--model", str(tmp_path), "--max-batch-tokens", "64", "--api-key", "k") as (base, proc):
+    with serve_subprocess("--model", str(tmp_path), "--max-batch-tokens", "64", "--api-key", "k") as (base, proc):
         auth = {"Authorization": "Bearer k"}
         assert httpx.get(base + "/v1/models", headers=auth).json()["data"][0]["id"] == tmp_path.name
 

@@ -72,16 +72,17 @@ class RerankReplica:
 
     async def call(self, method: str, body: dict):
         """(status, JSON body, headers) of ``rerank`` or ``select``; errors as values, not exceptions."""
+        headers = {REPLICA_HEADER: self.replica}
         try:
             if method == "rerank":
-                out = await self.service.rerank(RerankRequest.model_validate(body), _never_disconnected)
+                out = await self.service.rerank(RerankRequest.model_validate(body), _never_disconnected, headers)
             elif method == "select":
-                out = await self.service.select(SelectRequest.model_validate(body), _never_disconnected)
+                out = await self.service.select(SelectRequest.model_validate(body), _never_disconnected, headers)
             else:
                 return 404, error_body(404, f"unknown method {method!r}"), {}
         except APIError as e:
             return e.status, error_body(e.status, e.message, e.type), e.headers
-        return 200, out, {REPLICA_HEADER: self.replica}
+        return 200, out, headers
 
     def model_name(self) -> str:
         return self.service.model_name

@@ -131,8 +131,8 @@ class RerankService:
                      headers: Optional[dict] = None):
         """The response body for one rerank request (a dict, or TEI's list).
 
-        is_disconnected: coroutine function, True once the client is gone. headers: response
-        headers the service wants added (none here; the Ray front adds the replica's id).
+        is_disconnected: coroutine function, True once the client is gone. headers: filled with
+        response headers (``x-queue-time``: ms from admission to the first pass, as TEI sends).
         """
         docs = req.document_texts()
         self._check_documents(docs)
@@ -155,6 +155,8 @@ class RerankService:
             except EngineStopped as e:
                 raise APIError(503, f"server shutting down: {e}") from None
             result = await self._wait(job, is_disconnected)
+        if headers is not None:  # TEI's header: milliseconds from admission to the first pass
+            headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
         return self._rerank_body(req, docs, result)
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
