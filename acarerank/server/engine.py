@@ -204,15 +204,15 @@ class Engine:
                     if not job.future.set_running_or_notify_cancel():  # its waiter gave up
                         job.cancelled = True
                         break
+                    job.started = time.perf_counter()  # queue time ends here; the prefill is work
+                    if self.metrics is not None:
+                        self.metrics.queue_time.observe(job.started - job.submitted)
                     try:
                         job.handle = self.steps.acquire_prefix(job.enc)
                     except Exception as e:  # noqa: BLE001 - fail this request only
                         _settle(job.future, exc=e)
                         job.cancelled = True
                         break
-                    job.started = time.perf_counter()
-                    if self.metrics is not None:
-                        self.metrics.queue_time.observe(job.started - job.submitted)
                 items.append((job.handle, segs[job.next]))
                 owners.append((job, job.next))
                 job.next += 1
