@@ -35,18 +35,30 @@ def words(rng, n):
 
 
 class GatedSteps:
-    """The real step API, with ``score_segments`` held while ``gate`` is clear."""
+    """The real step API, with ``score_segments`` held while ``gate`` is clear; records each
+    pass as the list of the documents-per-request of its items' requests (``passes``)."""
 
     def __init__(self, steps):
         self.steps = steps
         self.gate = threading.Event()
         self.gate.set()
+        self.waiting = threading.Event()   # set while a pass waits at the gate
+        self.passes = []
+        self._depth = {}
 
     def __getattr__(self, name):
         return getattr(self.steps, name)
 
+    def acquire_prefix(self, enc):
+        handle = self.steps.acquire_prefix(enc)
+        self._depth[id(handle)] = len(enc.segment_ids)
+        return handle
+
     def score_segments(self, items):
+        self.waiting.set()
         assert self.gate.wait(60), "test gate never opened"
+        self.waiting.clear()
+        self.passes.append([self._depth[id(h)] for h, _ in items])
         return self.steps.score_segments(items)
 
 
@@ -300,3 +312,39 @@ def test_metrics_parse_and_move(servers):
     assert 0 < computed < shared, (computed, shared)  # the shared part, once
     assert moved("acarerank_prefix_cache_lookup_tokens_total") >= computed
     assert ("acarerank_queue_size", ()) in after and ("acarerank_requests_in_flight", ()) in after
+
+
+def test_new_request_joins_next_pass_and_returns_first(servers):
+    """A short request arriving while a long one runs is in the very next pass and is answered
+    before the long one (continuous batching, no waiting for the batch)."""
+    gbase, gated, rr = servers["gbase"], servers["gated"], servers["rr"]
+    steps = gated.steps
+    long_docs = [f"long request document {i} about tutors and rivers" for i in range(30)]  # 30 x ~10 tokens
+    short_docs = ["tutor hints", "bread"]
+    steps.gate.clear()
+    steps.passes.clear()
+    out = {}
+    t_long = threading.Thread(target=lambda: out.setdefault("long", httpx.post(
+        gbase + "/v1/rerank", json=dict(query="long", documents=long_docs), timeout=60)))
+    t_long.start()
+    assert steps.waiting.wait(30), "the long request's first pass never started"
+    t_short = threading.Thread(target=lambda: out.setdefault("short", httpx.post(
+        gbase + "/v1/rerank", json=dict(query="short", documents=short_docs), timeout=60)))
+    t_short.start()
+    deadline = time.monotonic() + 30
+    while gated.engine.num_jobs < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gated.engine.num_jobs == 2, "the short request never reached the engine"
+    steps.gate.set()
+    t_long.join(60)
+    t_short.join(60)
+    assert out["long"].status_code == 200 and out["short"].status_code == 200
+    assert_scores(by_index(out["long"].json()["results"]), rr.score("long", long_docs), "long")
+    assert_scores(by_index(out["short"].json()["results"]), rr.score("short", short_docs), "short")
+    passes = steps.passes
+    assert passes[0] == [30] * len(passes[0]), f"first pass {passes}"
+    assert 2 in passes[1], f"the short request was not in the pass after its arrival: {passes}"
+    last_short = max(i for i, p in enumerate(passes) if 2 in p)
+    last_long = max(i for i, p in enumerate(passes) if 30 in p)
+    assert last_short < last_long, f"the short request finished with the long one: {passes}"
+    assert sum(p.count(30) for p in passes) == 30 and sum(p.count(2) for p in passes) == 2

@@ -5,12 +5,14 @@ the model (it is not thread-safe). Each loop iteration of the scheduler thread:
 
 1. takes newly submitted jobs (FIFO) and drops the work of cancelled ones (client gone);
 2. runs at most one queued call job (a setwise selection: grammar-constrained decoding);
-3. runs one packed scoring pass: segments (documents) are taken from the active jobs in
-   arrival order until ``max_batch_tokens`` segment tokens are reached (always at least one
-   segment), so a pass mixes the tail of one request with the head of the next and a request
-   that arrives mid-stream joins at the next pass. A job's prefix is prefilled
-   (``acquire_prefix``) when its first document enters a pass and released as soon as its
-   last document is scored — then its future completes, not at the end of a batch.
+3. runs one packed scoring pass of at most ``max_batch_tokens`` segment tokens (always at
+   least one segment), in two rounds: first one document of each of the first
+   ``max_running`` jobs in arrival order — so a request that arrives mid-stream joins at the
+   next pass and a short request never waits for a long one to finish — then documents in
+   arrival order (the oldest request's next ones first) until the pass is full. A job's
+   prefix is prefilled (``acquire_prefix``) when its first document enters a pass and
+   released as soon as its last document is scored — then its future completes, not at the
+   end of a batch.
 
 Per pass: ``steps.score_segments`` = one forward over all its segments (see
 ``step_adapter.py`` for the step API).
@@ -55,6 +57,10 @@ class _CallJob:
     cancelled: bool = False
 
 
+#: requests whose prefixes are held at once (bounds pinned KV; the rest wait in arrival order)
+DEFAULT_MAX_RUNNING = 64
+
+
 class EngineStopped(RuntimeError):
     """The engine was stopped before the job ran."""
 
@@ -80,13 +86,16 @@ class Engine:
         and ``cache_stats`` are called from other threads by the service).
       max_batch_tokens: segment tokens per packed pass (a longer single segment runs alone).
       metrics: optional ``ServerMetrics`` (queue time, pass sizes, queue depth, cancellations).
+      max_running: requests with a prefilled (pinned) prefix at once; later ones wait their turn.
     """
 
-    def __init__(self, steps, max_batch_tokens: int, metrics=None):
-        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be a positive int, got {max_batch_tokens!r}")
+    def __init__(self, steps, max_batch_tokens: int, metrics=None, max_running: int = DEFAULT_MAX_RUNNING):
+        for name, v in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.steps = steps
         self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
         self.metrics = metrics
         self._cv = threading.Condition()
         self._inbox: collections.deque = collections.deque()
@@ -132,6 +141,12 @@ class Engine:
         job.cancelled = True
         with self._cv:
             self._cv.notify()
+
+    @property
+    def num_jobs(self) -> int:
+        """Jobs submitted and not finished (queued, running, or waiting to be dropped)."""
+        with self._cv:
+            return len(self._inbox) + len(self._active) + len(self._calls)
 
     def _put(self, job) -> None:
         with self._cv:
@@ -192,34 +207,57 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the caller maps it to an HTTP error
             job.future.set_exception(e)
 
+    def _start(self, job: _ScoreJob) -> bool:
+        """Prefill ``job``'s prefix (its first pass); False if it was cancelled or failed."""
+        if not job.future.set_running_or_notify_cancel():  # its waiter gave up
+            job.cancelled = True
+            return False
+        job.started = time.perf_counter()  # queue time ends here; the prefill is work
+        if self.metrics is not None:
+            self.metrics.queue_time.observe(job.started - job.submitted)
+        try:
+            job.handle = self.steps.acquire_prefix(job.enc)
+        except Exception as e:  # noqa: BLE001 - fail this request only
+            _settle(job.future, exc=e)
+            job.cancelled = True
+            return False
+        return True
+
     def _pass(self) -> None:
-        items, owners, used = [], [], 0
-        for job in self._active:
-            segs = job.enc.segment_ids
-            while job.next < len(segs):
-                n = len(segs[job.next])
-                if items and used + n > self.max_batch_tokens:
-                    break
-                if job.handle is None:
-                    if not job.future.set_running_or_notify_cancel():  # its waiter gave up
-                        job.cancelled = True
-                        break
-                    job.started = time.perf_counter()  # queue time ends here; the prefill is work
-                    if self.metrics is not None:
-                        self.metrics.queue_time.observe(job.started - job.submitted)
-                    try:
-                        job.handle = self.steps.acquire_prefix(job.enc)
-                    except Exception as e:  # noqa: BLE001 - fail this request only
-                        _settle(job.future, exc=e)
-                        job.cancelled = True
-                        break
-                items.append((job.handle, segs[job.next]))
-                owners.append((job, job.next))
-                job.next += 1
-                used += n
-            else:
-                continue
-            break
+        """Build and run one packed pass (see the module docstring for the policy)."""
+        items, owners = [], []
+        used = 0
+
+        def take(job) -> bool:
+            """Put the job's next segment in the pass; False only when the pass is full."""
+            nonlocal used
+            seg = job.enc.segment_ids[job.next]
+            if items and used + len(seg) > self.max_batch_tokens:
+                return False
+            if job.handle is None and not self._start(job):
+                return True  # cancelled or failed: nothing to add, the pass is not full
+            items.append((job.handle, seg))
+            owners.append((job, job.next))
+            job.next += 1
+            used += len(seg)
+            return True
+
+        def wants(job) -> bool:
+            return not job.cancelled and job.next < len(job.scores)
+
+        # round 1: one segment of each of the first max_running jobs, so that every running
+        # request (and a newly arrived one) moves at every pass; round 2: fill in arrival order.
+        window = self._active[:self.max_running]
+        full = False
+        for job in window:
+            if wants(job) and not take(job):
+                full = True
+                break
+        for job in window:
+            while not full and wants(job):
+                full = not take(job)
+            if full:
+                break
         if items:
             try:
                 scores = self.steps.score_segments(items)
