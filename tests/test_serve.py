@@ -110,8 +110,8 @@ def test_64_concurrent_requests_equal_offline_scores(servers):
     bodies = []
     for k in range(64):
         depth = rng.randint(1, 24)
-        body = dict(query=f"request {k}: {words(rng, 4)}", documents=[words(rng, rng.randint(0, 40)) for _ in range(depth)],
-                    return_documents=True)
+        body = dict(query=f"request {k}: {words(rng, 4)}", return_documents=True,
+                    documents=[words(rng, rng.randint(0, 40)) for _ in range(depth)])
         if k % 4 == 1:
             body["trace"] = words(rng, 60)
         if k % 4 >= 2:

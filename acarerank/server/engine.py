@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ class _CallJob:
     submitted: float
     cancelled: bool = False
 
+
+log = logging.getLogger("acarerank.server")
 
 #: requests whose prefixes are held at once (bounds pinned KV; the rest wait in arrival order)
 DEFAULT_MAX_RUNNING = 64
@@ -166,12 +169,23 @@ class Engine:
                 while self._inbox:
                     job = self._inbox.popleft()
                     (self._calls if isinstance(job, _CallJob) else self._active).append(job)
-            self._drop_cancelled()
-            if self._calls:
-                self._run_call(self._calls.popleft())
-            if self._active:
-                self._pass()
-            self._report_depth()
+            try:
+                self._drop_cancelled()
+                if self._calls:
+                    self._run_call(self._calls.popleft())
+                if self._active:
+                    self._pass()
+                self._report_depth()
+            except Exception as e:  # noqa: BLE001 - a bug of ours: fail what is in flight, keep the thread
+                log.exception("scheduler iteration failed; failing %d active requests", len(self._active))
+                for job in self._active:
+                    _settle(job.future, exc=e)
+                    if job.handle is not None:
+                        try:
+                            self.steps.release_prefix(job.handle)
+                        except Exception:  # noqa: BLE001
+                            log.exception("release_prefix failed")
+                self._active = []
         self._fail_all(EngineStopped("the engine stopped before this request ran"))
 
     def _report_depth(self) -> None:

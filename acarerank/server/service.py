@@ -230,7 +230,9 @@ class RerankService:
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         with self.admit():
-            fn = lambda: self.setwise.select(req.query, docs, intent=req.intent, max_select=req.max_select)  # noqa: E731
+            def fn():  # runs on the scheduler thread: decoding uses the model
+                return self.setwise.select(req.query, docs, intent=req.intent, max_select=req.max_select)
+
             try:
                 job = self.engine.submit_call(fn)
             except EngineStopped as e:
