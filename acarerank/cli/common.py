@@ -28,17 +28,18 @@ def read_documents(path: str) -> list:
     return docs
 
 
-def load_reranker(cls, args):
+def load_reranker(cls, args, **kw):
     """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask: ``--model`` folder, or the
-    embedded random default with a note on stderr that its output carries no meaning."""
+    embedded random default with a note on stderr that its output carries no meaning. ``kw``: more
+    constructor arguments."""
     import torch
 
     dtype = getattr(torch, args.dtype)
     if args.model:
         return cls.from_pretrained(args.model, dtype=dtype, device=args.device, max_length=args.max_length,
-                                   backend=args.backend)
+                                   backend=args.backend, **kw)
     from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
 
     print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
     model = build_default_model(dtype=dtype, device=args.device)
-    return cls(model=model, max_length=args.max_length, backend=args.backend)
+    return cls(model=model, max_length=args.max_length, backend=args.backend, **kw)

@@ -7,6 +7,7 @@ admitted finish (up to ``--drain-timeout`` seconds), then the process exits 0. S
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import signal
 import sys
@@ -60,11 +61,12 @@ def build_service(args):
     from ..server.service import RerankService
     from ..setwise import SetwiseReranker
 
-    rr = load_reranker(PointwiseReranker, args)
+    kw = {}
     if args.cache_budget is not None:
-        if not hasattr(rr, "acquire_prefix"):
+        if "cache_budget_tokens" not in inspect.signature(PointwiseReranker.__init__).parameters:
             raise ValueError("--cache-budget: this build's PointwiseReranker has no prefix cache")
-        rr.set_cache_budget(args.cache_budget)
+        kw["cache_budget_tokens"] = args.cache_budget
+    rr = load_reranker(PointwiseReranker, args, **kw)
     # The setwise endpoint decodes on the same weights and the same scheduler thread.
     sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=args.backend)
     return RerankService(rr, model_name(args), setwise=sr, max_batch_tokens=args.max_batch_tokens,

@@ -59,14 +59,14 @@ class RerankReplica:
     def __init__(self, model: Optional[str] = None, dtype: str = "float32", device: str = "cpu",
                  backend: Optional[str] = None, max_length: int = 8192, max_batch_tokens: Optional[int] = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
-                 tokenize_workers: int = 2):
+                 tokenize_workers: int = 2, cache_budget: Optional[int] = None):
         import argparse
 
         from ..cli.serve import build_service
 
         args = argparse.Namespace(model=model, dtype=dtype, device=device, backend=backend, max_length=max_length,
                                   max_batch_tokens=max_batch_tokens, max_queue=max_queue, max_documents=max_documents,
-                                  tokenize_workers=tokenize_workers, cache_budget=None)
+                                  tokenize_workers=tokenize_workers, cache_budget=cache_budget)
         self.service = build_service(args).start(warmup=True)
         self.replica = serve.get_replica_context().replica_id.unique_id
 
