@@ -61,7 +61,7 @@ def build_service(args):
     from ..server.service import RerankService
     from ..setwise import SetwiseReranker
 
-    kw = {}
+    kw = {"max_batch_tokens": args.max_batch_tokens}  # the reranker's own passes match the engine's
     if args.cache_budget is not None:
         if "cache_budget_tokens" not in inspect.signature(PointwiseReranker.__init__).parameters:
             raise ValueError("--cache-budget: this build's PointwiseReranker has no prefix cache")
@@ -69,7 +69,7 @@ def build_service(args):
     rr = load_reranker(PointwiseReranker, args, **kw)
     # The setwise endpoint decodes on the same weights and the same scheduler thread.
     sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=args.backend)
-    return RerankService(rr, model_name(args), setwise=sr, max_batch_tokens=args.max_batch_tokens,
+    return RerankService(rr, model_name(args), setwise=sr, max_batch_tokens=rr.max_batch_tokens,
                          max_queue=args.max_queue, max_documents=args.max_documents,
                          tokenize_workers=args.tokenize_workers)
 
