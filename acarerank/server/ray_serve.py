@@ -10,10 +10,10 @@ Two deployments:
   metrics of its own requests), whose service forwards each parsed request to the replicas
   with ``session_id = routing_key(request)``.
 
-The routing key is the stable part of a request's context: ``cache_salt``, ``question``,
-``instruction`` and the head of the ``trace`` (an agent's trace grows by appending, so its
-head is the same on every call of a session). A request with no context carries no key and
-is spread over the replicas like any other.
+The routing key is the stable part of a request's context: ``cache_salt``, ``question`` and
+``instruction``, the same on every call of an agent session (the trace is left out: it grows
+on every call). A request with none of them carries no key and is spread over the replicas;
+an agent without a question gets affinity by sending a ``cache_salt`` (per session or tenant).
 
     app = build_app(model="/models/acare-4b", num_replicas=4, replica_options={"num_gpus": 1})
     serve.run(app, route_prefix="/")        # see the README for a cluster
@@ -34,14 +34,12 @@ from .schemas import RerankRequest, SelectRequest
 from .service import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DISCONNECT_POLL_S, ClientGone
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
-TRACE_HEAD_CHARS = 512   # how much of the trace enters the routing key
 REPLICA_HEADER = "x-acarerank-replica"
 
 
 def routing_key(req) -> Optional[str]:
-    """sha1 of the request's stable context (see the module docstring); None without context."""
-    parts = [getattr(req, "cache_salt", None), getattr(req, "question", None), getattr(req, "instruction", None),
-             (getattr(req, "trace", None) or "")[:TRACE_HEAD_CHARS] or None]
+    """sha1 of the request's stable context (``cache_salt``, ``question``, ``instruction``); None without."""
+    parts = [getattr(req, name, None) for name in ("cache_salt", "question", "instruction")]
     if all(p is None for p in parts):
         return None
     return hashlib.sha1("\x00".join(p or "" for p in parts).encode()).hexdigest()
