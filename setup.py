@@ -66,6 +66,7 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir={"acarerank.kernels": "kernels"},
+    package_data={"acarerank.kernels": ["*.json"]},  # the fixed Triton config table
     ext_modules=[CMakeExtension("acarerank._C")] if (ROOT / "CMakeLists.txt").exists() else [],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=[

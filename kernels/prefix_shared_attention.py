@@ -1,4 +1,4 @@
-"""Grouped prefix-shared attention in ONE pass (DESIGN.md §3), Triton.
+"""Grouped prefix-shared attention in ONE pass (docs/ARCHITECTURE.md, "The one primitive"), Triton.
 
 Every segment s of group g attends to all of g's prefix (no mask) and causally to its own
 earlier tokens, never to other segments:
@@ -21,9 +21,11 @@ sync), heaviest block first, so no program idles on a short or empty segment
 (grid = (work slots, Hkv)).
 
 Determinism: a row's keys are visited in a fixed order (prefix tiles then own tiles, by
-BLOCK_N) that depends only on its own segment and group; the config is a function of
-(head_dim, GQA ratio, dtype) only; no atomics. So a segment's output is bitwise the same
-whatever else is in the batch and in what order (tests/test_triton_attention.py).
+BLOCK_N) that depends only on its own segment and group; the config is a fixed function of
+(head_dim, GQA ratio, dtype, GPU architecture) — ``attention_config``, no timing-based
+autotune, so every process picks the same one and the first call does not stall; no
+atomics. So a segment's output is bitwise the same whatever else is in the batch and in what
+order (tests/test_op_attention.py).
 
 Interpreter note (triton 3.9): the interpreter stores bfloat16 as uint16 and its ``tl.dot``
 multiplies the raw bit patterns (triton-lang/triton#11584; bf16 is documented as unsupported
@@ -33,11 +35,14 @@ are still rounded to bf16 before P·V, as on the GPU.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from acarerank.ops._backend import triton_interpreted
 
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
@@ -173,59 +178,98 @@ def _prefix_shared_attn_fwd(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _gpu_configs():
-    """Autotune space on GPU (BLOCK_M is fixed per call, see _block_m: the work list depends on it)."""
-    return [
-        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bn, w, s in ((32, 4, 2), (32, 8, 2), (64, 4, 3), (64, 8, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3))
-    ]
+# -- fixed configs (docs/ARCHITECTURE.md, "Kernel configs") ------------------------------------
+# Keyed "sm<major><minor>/<dtype>/d<head_dim>/gqa<r>" -> [BLOCK_M, BLOCK_N, num_warps, num_stages].
+# Written by bench/tune_attention.py on a GPU (it times the candidates of ``candidate_configs``
+# once, offline); a key not in the table takes ``_rule_config``. Never timed at serving time.
+_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_configs.json")
 
 
-def _prune_configs(configs, named_args, **kwargs):
-    """Keep the configs worth compiling (each costs ~5 s of compile time on first use).
+def _load_table() -> dict:
+    try:
+        with open(_TABLE_PATH) as f:
+            return {k: tuple(v) for k, v in json.load(f).items() if not k.startswith("_")}
+    except FileNotFoundError:
+        return {}
 
-    fp16/bf16, head_dim <= 128 (the hot path): BLOCK_N 64 (4 or 8 warps, 3 stages) or 128
-    (8 warps, 2 or 3 stages) — the FlashAttention-2 tutorial's Hopper neighbourhood.
-    head_dim 256: BLOCK_N <= 64, 2 stages (a 64x256 K/V tile pair per stage is 64 KB in bf16).
-    fp32 (IEEE dot, a correctness path, no tensor cores): one small config.
+
+_TABLE = _load_table()
+
+
+def _rule_config(head_dim: int, dtype: torch.dtype) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) that do not spill on sm80/sm90.
+
+    Per thread the fp32 accumulator holds BLOCK_M·BLOCK_D/(32·num_warps) values; keeping it at
+    <= 64 registers (a 128x128 fp32 accumulator needs 8 warps, not one warpgroup) leaves room
+    for the score tile and q. Shared memory ~ num_stages·2·BLOCK_N·BLOCK_D·bytes + the q tile
+    stays <= 128 KB, well under the 227 KB of an H100/H200 SM (``smem_bytes``).
     """
-    head_dim, fp32 = kwargs["HEAD_DIM"], named_args["Q"].dtype == torch.float32
-    if fp32:
-        keep = [c for c in configs if c.kwargs["BLOCK_N"] == 32 and c.num_warps == 4]
-    elif head_dim > 128:
-        keep = [c for c in configs if c.kwargs["BLOCK_N"] <= 64 and c.num_stages == 2]
-    else:
-        keep = [c for c in configs if (c.kwargs["BLOCK_N"], c.num_stages) in ((64, 3), (128, 2), (128, 3))]
-    return keep or configs[:1]
+    if dtype == torch.float32:  # IEEE dots, no tensor cores: a correctness path
+        return (64, 32, 4, 2) if head_dim <= 128 else (32, 32, 8, 1)
+    if head_dim <= 128:
+        return (128, 64, 8, 2)
+    return (64, 32, 8, 2)
 
 
-# Autotune key: head_dim, GQA ratio and (added by triton) the argument dtypes — never a
-# batch-dependent size, so the config (hence the reduction order) is fixed per process.
-_prefix_shared_attn_fwd_tuned = triton.autotune(
-    configs=_gpu_configs(), key=["HEAD_DIM", "GQA"], prune_configs_by={"early_config_prune": _prune_configs},
-)(_prefix_shared_attn_fwd)
+def candidate_configs(head_dim: int, dtype: torch.dtype) -> list:
+    """What bench/tune_attention.py times: the rule's config and its non-spilling neighbours."""
+    cands = [_rule_config(head_dim, dtype)]
+    for bm in (64, 128):
+        for bn in (32, 64, 128):
+            for w in (4, 8):
+                for st in (1, 2, 3):
+                    c = (bm, bn, w, st)
+                    if c not in cands and fits(c, head_dim, dtype):
+                        cands.append(c)
+    return cands
+
+
+def smem_bytes(cfg: tuple, head_dim: int, dtype: torch.dtype) -> int:
+    """Estimated shared memory of a config: pipelined K and V tiles + the q tile."""
+    bm, bn, _, st = cfg
+    bd = max(16, triton.next_power_of_2(head_dim))
+    es = torch.finfo(dtype).bits // 8
+    return max(1, st) * 2 * bn * bd * es + bm * bd * es
+
+
+def acc_registers(cfg: tuple, head_dim: int) -> int:
+    """fp32 accumulator registers per thread: BLOCK_M·BLOCK_D / (32·num_warps)."""
+    bm, _, w, _ = cfg
+    return bm * max(16, triton.next_power_of_2(head_dim)) // (32 * w)
+
+
+def fits(cfg: tuple, head_dim: int, dtype: torch.dtype) -> bool:
+    """No spill by construction: accumulator <= 64 registers/thread, shared memory <= 160 KB."""
+    return acc_registers(cfg, head_dim) <= 64 and smem_bytes(cfg, head_dim, dtype) <= 160 * 1024
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def config_key(head_dim: int, gqa: int, dtype: torch.dtype, arch: str) -> str:
+    return f"{arch}/{_DTYPE_NAMES[dtype]}/d{head_dim}/gqa{gqa}"
+
+
+_ARCH: dict = {}
+
+
+def _arch(device: torch.device) -> str:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _ARCH:
+        major, minor = torch.cuda.get_device_capability(idx)
+        _ARCH[idx] = f"sm{major}{minor}"
+    return _ARCH[idx]
+
 
 # Under the interpreter: one small config (cost is per program and per tile, in Python).
-_INTERPRET_BLOCK_M = 32
-_INTERPRET_BLOCK_N = 32
+_INTERPRET_CONFIG = (32, 32, 4, 1)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _kernel_is_interpreted() -> bool:
-    # triton.jit reads TRITON_INTERPRET when this module is imported, not at launch
-    return type(_prefix_shared_attn_fwd).__name__ == "InterpretedFunction"
-
-
-def _block_m(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> int:
-    """Rows per program: a function of (head_dim, dtype) only, for determinism."""
-    if not on_gpu:
-        return _INTERPRET_BLOCK_M
-    if dtype == torch.float32 or head_dim > 128:
-        return 64  # fp32 tiles and d=256 tiles double the register/shared footprint
-    return 128
+def attention_config(head_dim: int, gqa: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the table's entry, else ``_rule_config``."""
+    if device.type != "cuda":
+        return _INTERPRET_CONFIG
+    return _TABLE.get(config_key(head_dim, gqa, dtype, _arch(device))) or _rule_config(head_dim, dtype)
 
 
 def _work_list(cu_seqlens: torch.Tensor, cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
@@ -254,7 +298,16 @@ def _work_list(cu_seqlens: torch.Tensor, cu_prefix_lens: torch.Tensor, segment_g
     return torch.stack([torch.where(valid, seg, -1)[order], row0[order]], dim=1).to(torch.int32).contiguous()
 
 
-def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale):
+def plan_work(cu_seqlens, cu_prefix_lens, segment_group, *, total_tokens: int, num_q_heads: int, num_kv_heads: int,
+              head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The work list of one batch (``_work_list`` with this config's BLOCK_M): built once per plan."""
+    gqa = num_q_heads // num_kv_heads
+    block_m = attention_config(head_dim, gqa, dtype, torch.device(device))[0]
+    return _work_list(cu_seqlens, cu_prefix_lens, segment_group, total_tokens, gqa, block_m)
+
+
+def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale,
+                                   work=None, host_meta=None):
     """One-pass grouped prefix-shared attention (Triton). Inputs are checked by ``acarerank.ops``.
 
     Args:
@@ -266,6 +319,8 @@ def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_p
       cu_prefix_lens: (G+1,) int32; group g's prefix rows (may be empty).
       segment_group: (S,) int32; the group of each segment.
       scale: softmax scale (float).
+      work: the batch's work list from ``plan_work`` (None: built here, ~20 small device ops).
+      host_meta: unused (the torch backend's plan field).
     Returns: out (total_q, nheads_q, headdim) in q's dtype, softmax accumulated in fp32.
     """
     T, Hq, d = q.shape
@@ -273,7 +328,7 @@ def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_p
     if d > _MAX_HEAD_DIM:
         raise ValueError(f"prefix_shared_attention (triton): head_dim {d} > {_MAX_HEAD_DIM} is not supported")
     on_gpu = q.device.type == "cuda"
-    if not on_gpu and not (_interpreting() and _kernel_is_interpreted()):
+    if not on_gpu and not triton_interpreted(_prefix_shared_attn_fwd):
         raise RuntimeError(
             "prefix_shared_attention (triton): CPU tensors need TRITON_INTERPRET=1 set before "
             "acarerank.kernels.prefix_shared_attention is imported"
@@ -282,22 +337,20 @@ def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_p
     if T == 0 or Hq == 0:
         return out
     gqa = Hq // Hkv
-    block_m = _block_m(d, q.dtype, on_gpu)
-    work = _work_list(cu_seqlens, cu_prefix_lens, segment_group, T, gqa, block_m)
+    block_m, block_n, num_warps, num_stages = attention_config(d, gqa, q.dtype, q.device)
+    if work is None:
+        work = _work_list(cu_seqlens, cu_prefix_lens, segment_group, T, gqa, block_m)
     if prefix_k.shape[0] == 0:
         # a valid base pointer for the (never loaded) prefix stream
         prefix_k, prefix_v = k[:0], v[:0]
     block_d = max(16, triton.next_power_of_2(d))
-    args = (q, k, v, prefix_k, prefix_v, out, cu_seqlens, cu_prefix_lens, segment_group, work,
-            *q.stride(), *k.stride(), *v.stride(), *prefix_k.stride(), *prefix_v.stride(), *out.stride(),
-            float(scale) * _LOG2E)
-    meta = dict(HEAD_DIM=d, BLOCK_D=block_d, GQA=gqa, BLOCK_M=block_m,
-                DOT_FP32=(not on_gpu) and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32)
-    grid = (work.shape[0], Hkv)
-    if on_gpu:
-        _prefix_shared_attn_fwd_tuned[grid](*args, **meta)
-    else:
-        _prefix_shared_attn_fwd[grid](*args, **meta, BLOCK_N=_INTERPRET_BLOCK_N)
+    _prefix_shared_attn_fwd[(work.shape[0], Hkv)](
+        q, k, v, prefix_k, prefix_v, out, cu_seqlens, cu_prefix_lens, segment_group, work,
+        *q.stride(), *k.stride(), *v.stride(), *prefix_k.stride(), *prefix_v.stride(), *out.stride(),
+        float(scale) * _LOG2E,
+        HEAD_DIM=d, BLOCK_D=block_d, GQA=gqa, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_FP32=(not on_gpu) and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -311,4 +364,4 @@ def flops(cu_seqlens, cu_prefix_lens, segment_group, num_heads: int, head_dim: i
     return 4 * num_heads * head_dim * keys
 
 
-__all__ = ["prefix_shared_attention_triton", "flops"]
+__all__ = ["prefix_shared_attention_triton", "plan_work", "attention_config", "candidate_configs", "fits", "flops"]

@@ -23,14 +23,16 @@ to a power of two) keys of 8 bytes per row and split are all that reach global m
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from acarerank.ops._backend import triton_interpreted
+from acarerank.ops.topk_merge import MAX_K as _LIMITS
+
 _SENTINEL = tl.constexpr(-(2 ** 63))  # an order key below every real one (masked columns, empty slots)
-MAX_K = 1024  # the running top-K lives in registers: [BLOCK_T, K] int64
+MAX_K = _LIMITS["triton"]  # 1,024: the running top-K lives in registers, [BLOCK_T, K] int64
 
 
 @triton.jit
@@ -111,7 +113,7 @@ def _merge_sorted(state, top, K: tl.constexpr):
         return tl.reshape(h, m.shape)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # T varies per call: one compiled kernel for every T
 def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
                        T, V, H, span, temperature,
                        stride_ht, stride_hh, stride_wv, stride_wh,
@@ -180,7 +182,7 @@ def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
     tl.store(TgtOut + rows, tgt_val, mask=mine)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _topk_merge_kernel(KeysIn, MaxIn, SumIn, TopVal, TopId, Lse, T, k,
                        K: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -212,10 +214,6 @@ def _topk_merge_kernel(KeysIn, MaxIn, SumIn, TopVal, TopId, Lse, T, k,
     tl.store(TopId + out, ids, mask=keep)
 
 
-def _kernel_is_interpreted() -> bool:
-    return type(_topk_tiles_kernel).__name__ == "InterpretedFunction"
-
-
 def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -238,11 +236,11 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
     V = weight.shape[0]
     dev = hidden.device
     on_gpu = dev.type == "cuda"
-    if not on_gpu and not (os.environ.get("TRITON_INTERPRET", "0") == "1" and _kernel_is_interpreted()):
+    if not on_gpu and not triton_interpreted(_topk_tiles_kernel):
         raise RuntimeError("topk_logprobs (triton): CPU tensors need TRITON_INTERPRET=1 set before "
                            "acarerank.kernels.topk_logprobs is imported")
-    if k > MAX_K:
-        raise ValueError(f"topk_logprobs (triton): k={k} exceeds the kernel's maximum {MAX_K}; use backend='torch'")
+    if k > MAX_K:  # the op checks first (acarerank.ops.topk_merge.check_k); this guards direct calls
+        raise ValueError(f"topk_logprobs (triton): k must be <= {MAX_K}, got k={k}; use backend='torch'")
     if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"topk_logprobs (triton): dtype {hidden.dtype} not supported (fp32, fp16, bf16)")
     top_v = torch.empty(T, k, dtype=torch.float32, device=dev)
@@ -257,7 +255,7 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
         block_v = 128 if K <= 128 else 64
         nw = 4 if K <= 256 else 8
     else:  # interpreter: few, large programs — each tile costs ~constant Python overhead
-        block_t = min(64, max(16, triton.next_power_of_2(T)))
+        block_t = 32  # never a function of T: no recompile (or re-trace) as the batch changes
         block_v = max(K, min(16384, max(16, triton.next_power_of_2(V))))
         block_h = min(128, max(16, triton.next_power_of_2(H)))
         nw = 4
@@ -285,7 +283,7 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
         K=K, KT=KT, NSPLIT=num_splits, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_H=block_h,
         HAS_TEMP=temperature != 1.0, IEEE=hidden.dtype == torch.float32 or not on_gpu,
         UPCAST=not on_gpu and hidden.dtype != torch.float32, num_warps=nw)
-    block_t2 = 16 if on_gpu else min(64, max(16, triton.next_power_of_2(T)))
+    block_t2 = 16 if on_gpu else 32
     _topk_merge_kernel[(triton.cdiv(T, block_t2),)](
         keys, mx, sm, top_v, top_i, lse, T, k, K=K, NSPLIT=num_splits, BLOCK_T=block_t2, num_warps=nw)
     return top_v, top_i, tgt, lse

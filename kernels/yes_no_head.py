@@ -13,11 +13,12 @@ not depend on the other rows of the batch.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from acarerank.ops._backend import triton_interpreted
 
 
 @triton.jit
@@ -46,10 +47,6 @@ def _yes_no_head_kernel(Hid, NormW, WYes, WNo, Score, Diff, S, H, stride_s, stri
     tl.store(Score + rows, tl.sigmoid(diff), mask=row_ok)
 
 
-def _kernel_is_interpreted() -> bool:
-    return type(_yes_no_head_kernel).__name__ == "InterpretedFunction"
-
-
 def yes_no_score_triton(hidden_last, norm_weight, w_yes, w_no, eps):
     """Relevance from each segment's last hidden state (Triton). Inputs are checked by ``acarerank.ops``.
 
@@ -61,7 +58,7 @@ def yes_no_score_triton(hidden_last, norm_weight, w_yes, w_no, eps):
     """
     S, H = hidden_last.shape
     on_gpu = hidden_last.device.type == "cuda"
-    if not on_gpu and not (os.environ.get("TRITON_INTERPRET", "0") == "1" and _kernel_is_interpreted()):
+    if not on_gpu and not triton_interpreted(_yes_no_head_kernel):
         raise RuntimeError(
             "yes_no_score (triton): CPU tensors need TRITON_INTERPRET=1 set before "
             "acarerank.kernels.yes_no_head is imported"

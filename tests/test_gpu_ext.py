@@ -33,8 +33,9 @@ def test_build_runs_here(ext):
 
 
 # ---------------------------------------------------------------- top-k merge
-from test_ext_topk_merge import CASES, _logits, _merge, _random_chunks, _targets, assert_topk_equal  # noqa: E402
+from test_op_topk_merge import CASES, _logits, _merge, _random_chunks, _ref, _targets, assert_topk_equal  # noqa: E402
 
+from acarerank.ops import topk_logprobs_core  # noqa: E402
 from acarerank.ops import topk_merge as tm  # noqa: E402
 
 
@@ -42,8 +43,8 @@ from acarerank.ops import topk_merge as tm  # noqa: E402
 def test_topk_merge_cuda_matches_full_sort(ext, kind, k, max_chunk, temperature):
     gen = torch.Generator().manual_seed(k + len(kind))
     logits = _logits(kind, 6, gen)
-    targets = _targets(tm.topk_merge_ref(logits, k, temperature=temperature).ids, gen)
-    want = tm.topk_merge_ref(logits, k, targets, temperature, full_logprobs=True)
+    targets = _targets(_ref(logits, k, temperature=temperature).ids, gen)
+    want = _ref(logits, k, targets, temperature)
     pieces = _random_chunks(np.random.default_rng(k), V, max_chunk)
     got = _merge(logits.cuda(), k, targets.cuda(), temperature, pieces, "cuda")
     assert_topk_equal(got, want)
@@ -53,7 +54,7 @@ def test_topk_merge_cuda_matches_full_sort(ext, kind, k, max_chunk, temperature)
 def test_topk_merge_cuda_reads_low_precision(ext, dtype):
     gen = torch.Generator().manual_seed(1)
     logits = (torch.randn(64, V, generator=gen) * 4).to(dtype)
-    want = tm.topk_merge_ref(logits, 128, full_logprobs=True)
+    want = _ref(logits, 128)
     pieces = [(a, min(V, a + 16384)) for a in range(0, V, 16384)]
     assert_topk_equal(_merge(logits.cuda(), 128, None, 1.0, pieces, "cuda"), want)
 
@@ -79,19 +80,40 @@ def test_core_cuda_matches_reference(ext, dtype, T, chunk):
     weight = torch.randint(-2, 3, (V, 16), generator=gen).to(dtype)
     targets = torch.randint(0, V, (T,), generator=gen)
     logits = hidden.float() @ weight.float().t()
-    want = tm.topk_merge_ref(logits, 128, targets, 0.8)
-    vals, ids, target_logit, lse = tm.topk_logprobs_core_cuda(hidden.cuda(), weight.cuda(), targets.cuda(), 128,
-                                                              chunk, 0.8)
+    want = _ref(logits, 128, targets, 0.8)
+    vals, ids, target_logit, lse = topk_logprobs_core(hidden.cuda(), weight.cuda(), targets.cuda(), 128, chunk, 0.8,
+                                                      backend="cuda")
     assert torch.equal(ids.cpu(), want.ids), f"rows {(ids.cpu() != want.ids).any(1).nonzero().flatten()[:8].tolist()}"
     assert torch.equal(vals.cpu(), want.topk_logits)
     assert torch.equal(target_logit.cpu(), logits.gather(1, targets[:, None])[:, 0] / 0.8)
     torch.testing.assert_close(lse.cpu(), want.logsumexp, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("k", [1, 128, 1024, 1025, 2048, 4096])
+def test_topk_merge_cuda_every_shared_memory_size(ext, k):
+    """k 1,025..2,048 asks for exactly 48 KB of dynamic shared memory; with the kernel's ~7 KB
+    of static shared memory that is over the default 48 KB, so the launch needs the opt-in.
+    The old opt-in compared the dynamic part alone (48 KB > 48 KB is false) and the launch
+    failed ("too many resources requested" / invalid argument) for k = 1,025 and 2,048; k <= 1,024
+    (40 KB + 7 KB) and 4,096 (64 KB, opted in) launched before as now."""
+    gen = torch.Generator().manual_seed(k)
+    logits = torch.randn(3, 20_000, generator=gen) * 2
+    targets = torch.randint(0, 20_000, (3,), generator=gen)
+    want = _ref(logits, k, targets)
+    state = tm.topk_merge_init(3, k, "cuda", targets=targets.cuda())
+    for a in range(0, 20_000, 6000):
+        tm.topk_merge_update(state, logits[:, a:a + 6000].cuda(), a, backend="cuda")
+    torch.cuda.synchronize()
+    vals, ids, _, lse = tm.topk_merge_core(state)
+    assert torch.equal(ids.cpu(), want.ids), f"k={k}: ids differ in rows {(ids.cpu() != want.ids).any(1).nonzero().flatten().tolist()}"
+    assert torch.equal(vals.cpu(), want.topk_logits)
+    torch.testing.assert_close(lse.cpu(), want.logsumexp, atol=1e-6, rtol=2.4e-7)
+
+
 def test_topk_on_a_side_stream(ext):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(8, V, generator=gen)
-    want = tm.topk_merge_ref(logits, 128)
+    want = _ref(logits, 128)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         x = logits.cuda(non_blocking=False)

@@ -177,7 +177,7 @@ def test_bf16_inputs_upcast_exactly():
 @pytest.mark.parametrize("kw,exc,msg", [
     (dict(k=0), ValueError, "k must be"),
     (dict(k=770), ValueError, "k must be"),
-    (dict(k=2.0), ValueError, "k must be"),
+    (dict(k=2.0), TypeError, "k must be an int"),
     (dict(temperature=0.0), ValueError, "temperature"),
     (dict(temperature=float("nan")), ValueError, "temperature"),
     (dict(outside="drop"), ValueError, "outside"),
@@ -266,7 +266,7 @@ def test_triton_bf16_and_strided():
 def test_triton_rejects_k_above_its_maximum():
     from acarerank.kernels.topk_logprobs import MAX_K
     h, w = _dyadic(2, 16, MAX_K + 5, device=DEVICE)
-    with pytest.raises(ValueError, match="exceeds the kernel's maximum"):
+    with pytest.raises(ValueError, match="k must be <= 1024 with the 'triton' backend"):
         topk_logprobs(h, w, torch.zeros(2, dtype=torch.long, device=DEVICE), k=MAX_K + 1, backend="triton")
 
 

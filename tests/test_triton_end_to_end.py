@@ -80,3 +80,63 @@ def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer)
     reversed_ = rr.score(QUERY, DOCS[::-1])
     assert alone == [full[0], full[3]], f"alone {alone!r} vs in batch {[full[0], full[3]]!r}"
     assert reversed_[::-1] == full, f"reversed order {reversed_[::-1]} vs {full}"
+
+
+# ---------------------------------------------------------------- backend preference end to end
+def test_one_preference_name_or_a_mapping_per_op(tiny_model, qwen3_tokenizer):
+    """backend="cpp": the head's C++ twin runs, attention (no cpp) keeps its default; the same
+    as the mapping {"yes_no": "cpp"}; both equal backend="torch" within 1e-6."""
+    pytest.importorskip("acarerank._C")
+    ref = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="torch").score(QUERY, DOCS)
+    for pref in ("cpp", {"yes_no": "cpp"}, {"attention": "torch", "yes_no_score": "cpp"}):
+        if DEVICE == "cuda" and pref == "cpp":
+            continue  # the C++ twin reads host memory; on a GPU "cpp" is a BackendError (next test)
+        got = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend=pref).score(QUERY, DOCS)
+        err = max(abs(a - b) for a, b in zip(got, ref))
+        assert err <= 1e-6, f"backend={pref!r}: {got} vs torch {ref}"
+
+
+def test_explicit_backend_that_cannot_run_is_an_error(tiny_model, qwen3_tokenizer):
+    from acarerank.ops import BackendError
+    with pytest.raises(BackendError, match="unknown backend"):
+        PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="fast")
+    with pytest.raises(BackendError, match="prefix_shared_attention has no 'cpp' backend"):
+        PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend={"attention": "cpp"})
+    if DEVICE == "cpu":
+        rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend={"yes_no": "cuda"})
+        with pytest.raises(BackendError, match="needs CUDA tensors"):
+            rr.score(QUERY, DOCS[:1])
+
+
+def test_environment_triton_runs_every_public_path(tiny_model, qwen3_tokenizer, monkeypatch):
+    """ACARERANK_BACKEND=triton (the interpreter on CPU): pointwise scoring and topk_logprobs run,
+    each op on triton where it has it, and agree with torch (setwise: the next test)."""
+    from acarerank.ops import topk_logprobs
+    from acarerank.ops._backend import OpDecl
+
+    ref = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="torch").score(QUERY, DOCS[:3])
+    ran, real = set(), OpDecl.impl
+    monkeypatch.setattr(OpDecl, "impl", lambda self, name: (ran.add((self.name, name)), real(self, name))[1])
+    monkeypatch.setenv("ACARERANK_BACKEND", "triton")
+    got = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer).score(QUERY, DOCS[:3])
+    assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    h = torch.randn(5, 64, device=DEVICE)
+    w = tiny_model.lm_head.weight[:1024].detach().float()
+    t = torch.randint(0, 1024, (5,), device=DEVICE)
+    res = topk_logprobs(h, w, t, k=8)
+    want = topk_logprobs(h, w, t, k=8, backend="torch")
+    assert torch.equal(res.topk_ids, want.topk_ids)
+    torch.testing.assert_close(res.topk_logprobs, want.topk_logprobs, atol=1e-5, rtol=0)
+    assert {("prefix_shared_attention", "triton"), ("yes_no_score", "triton"), ("topk_logprobs", "triton")} <= ran, ran
+
+
+@pytest.mark.slow  # the ~700-token setwise prompt through the attention interpreter: ~1 min on 2 cores
+def test_environment_triton_runs_setwise_selection(tiny_model, qwen3_tokenizer, monkeypatch):
+    from acarerank.setwise import SetwiseReranker
+
+    want = SetwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, max_new_tokens=8,
+                           backend="torch").select(QUERY, DOCS[3:5], max_select=1)
+    monkeypatch.setenv("ACARERANK_BACKEND", "triton")
+    got = SetwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, max_new_tokens=8).select(QUERY, DOCS[3:5],
+                                                                                               max_select=1)
+    assert (got.text, got.ids) == (want.text, want.ids)

@@ -1,4 +1,4 @@
-"""Qwen3 decoder forward over packed, grouped, prefix-shared batches (DESIGN.md §3).
+"""Qwen3 decoder forward over packed, grouped, prefix-shared batches (docs/ARCHITECTURE.md, "Data flow").
 
 A *group* owns a prefix whose K/V sit in a ``KVCache``; a *segment* is a run of new
 tokens of one group. ``forward`` runs all segments of all groups in one packed pass:
@@ -9,6 +9,11 @@ segment tokens of group g start at the group's cache length P_g.
 
 Prefill is the same pass with an empty cache and ``append=True``; so are chunked prefill
 and greedy decoding (one-token segments).
+
+Plan once per batch: ``_forward`` builds one ``AttentionPlan`` (work list / host metadata)
+and every layer runs attention with it; host<->device syncs per forward are those of the
+plan (0 with the Triton backend, 1 with torch; see ``acarerank.ops.attention``) plus one in
+``_append`` when the cache grows.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..ops import prefix_shared_attention
+from ..ops import backend_for, per_op_backends, plan_prefix_shared_attention, prefix_shared_attention
 from .arch import Qwen3Arch
 from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 
@@ -77,11 +82,13 @@ def _rotate_half(x):
 class Qwen3Runner:
     """Runs a Qwen3 decoder over prefix-shared batches; holds no per-request state."""
 
-    def __init__(self, weights: Qwen3Weights, backend: Optional[str] = None, prefill_chunk: int = 4096,
+    def __init__(self, weights: Qwen3Weights, backend=None, prefill_chunk: int = 4096,
                  batch_invariant: bool = False):
         """
         Args:
-          weights: see ``Qwen3Weights``; backend: attention backend (None = op default).
+          weights: see ``Qwen3Weights``; backend: a backend preference (a name, or a per-op
+            mapping) of which the attention op's part is used (``acarerank.ops.backend_for``);
+            None = ACARERANK_BACKEND / device default.
           prefill_chunk: tokens per group per prefill pass.
           batch_invariant: run every GEMM on fixed tiles of ``INVARIANT_ROWS`` rows, so a
             segment's output is bitwise independent of the other segments in its batch (with a
@@ -90,6 +97,7 @@ class Qwen3Runner:
         self.weights = weights
         self.batch_invariant = batch_invariant
         self.arch = weights.arch
+        per_op_backends(backend)  # a bad preference fails here, by name
         self.backend = backend
         self.prefill_chunk = prefill_chunk
         a = self.arch
@@ -203,6 +211,11 @@ class Qwen3Runner:
         last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.long, device=dev)
 
         Hq, Hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        # one plan for every layer: the cache's cu_prefix_lens only changes in _append, after the layers
+        plan = plan_prefix_shared_attention(cu_seqlens, cache.cu_prefix_lens, seg_group, num_tokens=T, num_q_heads=Hq,
+                                            num_kv_heads=Hkv, head_dim=d, dtype=self.dtype,
+                                            backend=backend_for("prefix_shared_attention", self.backend),
+                                            validate=False)
         linear = _linear_fixed_tiles if self.batch_invariant else F.linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
         new_k, new_v = [], []
@@ -222,7 +235,7 @@ class Qwen3Runner:
             if is_last_layer and output == "none":
                 break  # the last layer's output feeds nothing that is asked for
             attn = prefix_shared_attention(q, k, v, cu_seqlens, cache.k[i], cache.v[i], cache.cu_prefix_lens, seg_group,
-                                           backend=self.backend, validate=False).reshape(T, Hq * d)
+                                           plan=plan).reshape(T, Hq * d)
             if is_last_layer and output == "last":
                 x, attn = x[last], attn[last]  # only the rows asked for go through o_proj and the MLP
             x = x + linear(attn, L.w_o)

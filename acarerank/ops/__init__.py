@@ -1,23 +1,30 @@
-"""One function per op; each picks its backend once per call (see ``_backend``).
+"""The ops: one module per op, each declaring itself once (input check, ``*_ref`` oracle, fake
+impl, backends by device, ``torch.library`` registration) — docs/ARCHITECTURE.md, "Ops".
 
-Every op has a plain PyTorch ``*_ref`` beside it: the test oracle.
+Backend choice (``_backend``): an op's ``backend=`` takes a name or a per-op mapping;
+``backend_for`` / ``per_op_backends`` map one preference (a name, or
+``{"attention": "triton", "yes_no": "cuda"}``) to each op; ``available_backends(op, device)``
+lists what runs here. Importing this package registers ``torch.ops.acarerank.*``.
 """
-from ._backend import BackendError, KNOWN_BACKENDS
-from .attention import prefix_shared_attention, prefix_shared_attention_ref
-from .yes_no import yes_no_score, yes_no_score_ref
+from ._backend import (KNOWN_BACKENDS, BackendError, available_backends, backend_for, per_op_backends,
+                       triton_interpreted)
+from .attention import (AttentionPlan, plan_prefix_shared_attention, prefix_shared_attention,
+                        prefix_shared_attention_op, prefix_shared_attention_ref)
+from .yes_no import yes_no_score, yes_no_score_op, yes_no_score_ref
 from .merge_states import merge_attention_states, merge_attention_states_ref
-from .topk_merge import (TopKMergeState, TopKResult, topk_merge_finalize, topk_merge_init, topk_merge_ref,
-                         topk_merge_update)
-from .topk_logprobs import TopKLogprobs, topk_logprobs, topk_logprobs_ref
+from .topk_merge import (MAX_K, TopKLogprobs, TopKMergeState, finalize, topk_merge_core, topk_merge_finalize,
+                         topk_merge_init, topk_merge_update)
+from .topk_logprobs import topk_logprobs, topk_logprobs_core, topk_logprobs_core_op, topk_logprobs_ref
 from .linear_logprob import linear_logprob, linear_logprob_ref
-from ._library import prefix_shared_attention_op, yes_no_score_op  # torch.ops.acarerank.*
 
 __all__ = [
-    "BackendError", "KNOWN_BACKENDS",
-    "prefix_shared_attention", "prefix_shared_attention_ref",
-    "yes_no_score", "yes_no_score_ref",
+    "BackendError", "KNOWN_BACKENDS", "available_backends", "backend_for", "per_op_backends", "triton_interpreted",
+    "AttentionPlan", "plan_prefix_shared_attention", "prefix_shared_attention", "prefix_shared_attention_op",
+    "prefix_shared_attention_ref",
+    "yes_no_score", "yes_no_score_op", "yes_no_score_ref",
     "merge_attention_states", "merge_attention_states_ref",
-    "TopKMergeState", "TopKResult", "topk_merge_init", "topk_merge_update", "topk_merge_finalize", "topk_merge_ref",
-    "TopKLogprobs", "topk_logprobs", "topk_logprobs_ref", "linear_logprob", "linear_logprob_ref",
-    "prefix_shared_attention_op", "yes_no_score_op",
+    "MAX_K", "TopKLogprobs", "TopKMergeState", "finalize", "topk_merge_core", "topk_merge_finalize",
+    "topk_merge_init", "topk_merge_update",
+    "topk_logprobs", "topk_logprobs_core", "topk_logprobs_core_op", "topk_logprobs_ref",
+    "linear_logprob", "linear_logprob_ref",
 ]

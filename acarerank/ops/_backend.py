@@ -1,90 +1,222 @@
-"""Backend choice for every op: picked once per call from (argument, environment, device).
+"""How an op declares its backends, and how one is chosen (docs/ARCHITECTURE.md, "Backend rules").
 
-Names:
+Backend names:
   "torch"  plain PyTorch; the reference semantics and the CPU production path
-  "triton" Triton kernels in ``acarerank.kernels`` (GPU; CPU under TRITON_INTERPRET=1)
+  "triton" Triton kernels in ``acarerank.kernels`` (GPU; CPU only under TRITON_INTERPRET=1)
   "cpp"    the C++ CPU twins in ``acarerank._C``
   "cuda"   the CUDA kernels in ``acarerank._C``
   "flash_attn_cascade"  prefix_shared_attention only: flash-attn prefix pass + own pass + merge
 
-Rule: an explicit ``backend=`` wins, then ``ACARERANK_BACKEND``, then the device default
-("triton" on CUDA when Triton imports, else "torch"). An unknown name, or a backend the op
-does not implement, or one that cannot run here, is a ``BackendError`` naming what is
-missing — never a silent fallback to another backend.
+An op module declares itself once with ``OpDecl(name, aliases, backends, defaults)``:
+``backends`` maps a name to a ``Backend(load, devices)`` whose loader imports lazily (and is
+called at most once per process); ``defaults`` lists, per device type, the backends to try in
+order when nothing is asked for. Declaring a backend is all it takes for
+``available_backends`` (and the op's test file, which parametrizes over it) to see it.
 
-Each op module keeps its own table ``{name: implementation}``; a backend module adds its
-entry with ``register(op_table, name)`` so the ops never import kernels they do not use.
+Choice, per call of an op with ``backend=``:
+  * a name ("cpp")        -> exactly that backend for this op;
+  * a mapping ({"attention": "triton", "yes_no": "cuda"}) -> this op's entry, else as None;
+  * None                  -> ``ACARERANK_BACKEND`` read as a *preference* (below), else the
+                             first default of the device that runs here.
+A *preference* (what the rerankers and ``ACARERANK_BACKEND`` take) is a name or a mapping:
+a name is used by every op that declares that backend, the others keep their default
+(``backend_for``); ``ACARERANK_BACKEND`` holds a name or "op=name,op=name".
+Whatever was asked for explicitly (by argument, mapping or environment) that this op cannot
+run here is a ``BackendError`` naming what is missing — never a silent fallback. Only the
+device default walks its list to the first backend that runs.
 """
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 
 KNOWN_BACKENDS = ("torch", "triton", "cpp", "cuda", "flash_attn_cascade")
 ENV_VAR = "ACARERANK_BACKEND"
 
+Preference = Union[None, str, Mapping[str, str]]
+
 
 class BackendError(RuntimeError):
     """An op was asked for a backend it does not have or that cannot run here."""
 
 
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401  (import is the check)
-    except Exception:
+def triton_interpreted(kernel=None) -> bool:
+    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1).
+
+    With ``kernel`` (a ``triton.jit`` function) also whether *that* kernel was built as an
+    interpreted function: ``triton.jit`` reads the variable when the kernel's module is
+    imported, so setting it later does not help. The one such check of the project.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
         return False
-    return True
+    return kernel is None or type(kernel).__name__ == "InterpretedFunction"
 
 
-def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of an op: ``load()`` imports it (raising BackendError with the reason
+    when it cannot) and returns the callable; ``devices`` are the tensor device types it reads
+    ("cpu" for "triton" means: under the interpreter only)."""
+    load: Callable[[], Callable]
+    devices: tuple = ("cpu", "cuda")
 
 
-def default_backend(device: torch.device) -> str:
-    if device.type == "cuda" and triton_available():
-        return "triton"
-    return "torch"
+_REGISTRY: dict = {}   # op name -> OpDecl
+_ALIASES: dict = {}    # alias or name -> op name
 
 
-def requested_backend(backend: Optional[str], device: torch.device) -> str:
-    """The backend name this call asks for (argument > environment > device default)."""
-    name = backend if backend is not None else os.environ.get(ENV_VAR) or None
-    if name is None:
-        return default_backend(device)
+@dataclass
+class OpDecl:
+    """The declaration of one op (see the module docstring)."""
+    name: str
+    backends: dict
+    defaults: dict                  # device type -> tuple of backend names, best first
+    aliases: tuple = ()
+    _loaded: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for n in self.backends:
+            if n not in KNOWN_BACKENDS:
+                raise ValueError(f"{self.name}: backend {n!r} is not one of {KNOWN_BACKENDS}")
+        _REGISTRY[self.name] = self
+        for a in (self.name, *self.aliases):
+            _ALIASES[a] = self.name
+
+    # -- implementations
+    def impl(self, name: str) -> Callable:
+        """The implementation of backend ``name`` (imported on first use, then cached)."""
+        fn = self._loaded.get(name)
+        if fn is None:
+            if name not in self.backends:
+                raise BackendError(f"{self.name} has no {name!r} backend; it has: {', '.join(sorted(self.backends))}")
+            fn = self._loaded[name] = self.backends[name].load()
+        return fn
+
+    def why_not(self, name: str, device: torch.device) -> Optional[str]:
+        """None if backend ``name`` runs on ``device`` tensors here, else the reason."""
+        if name not in self.backends:
+            return f"{self.name} has no {name!r} backend; it has: {', '.join(sorted(self.backends))}"
+        if device.type not in self.backends[name].devices:
+            want = " or ".join(d.upper() for d in self.backends[name].devices)
+            return f"{self.name}: backend {name!r} needs {want} tensors, got one on {device}"
+        if name == "triton" and device.type != "cuda" and not triton_interpreted():
+            return (f"{self.name}: backend 'triton' on {device} tensors needs TRITON_INTERPRET=1 "
+                    "(set it before importing triton) or CUDA tensors")
+        try:
+            self.impl(name)
+        except BackendError as e:
+            return str(e)
+        return None
+
+    def available(self, device) -> list:
+        """Backends that run on ``device`` here: the device defaults first (in order), then the rest."""
+        device = torch.device(device)
+        order = list(self.defaults.get(device.type, ())) + sorted(self.backends)
+        seen = []
+        for n in order:
+            if n not in seen and self.why_not(n, device) is None:
+                seen.append(n)
+        return seen
+
+    # -- choice
+    def default(self, device: torch.device) -> str:
+        reasons = []
+        for n in self.defaults.get(device.type, ()):
+            why = self.why_not(n, device)
+            if why is None:
+                return n
+            reasons.append(why)
+        raise BackendError(f"{self.name}: no backend runs on {device} here ({'; '.join(reasons) or 'none declared'})")
+
+    def resolve(self, backend: Preference, device: torch.device) -> str:
+        """The backend this call runs (module docstring); BackendError if it cannot run here."""
+        if isinstance(backend, str):
+            name, where = _known(backend, "backend="), "backend="
+        elif backend is not None:
+            name, where = backend_for(self.name, backend), "backend mapping"
+        else:
+            name, where = backend_for(self.name, _env_preference()), ENV_VAR
+        if name is None:
+            return self.default(device)
+        why = self.why_not(name, device)
+        if why is not None:
+            raise BackendError(why if where == "backend=" else f"{why} (asked for by {where})")
+        return name
+
+
+def _known(name: str, where: str) -> str:
     if name not in KNOWN_BACKENDS:
-        raise BackendError(
-            f"unknown backend {name!r} (from {'backend=' if backend is not None else ENV_VAR}); "
-            f"known backends: {', '.join(KNOWN_BACKENDS)}"
-        )
+        raise BackendError(f"unknown backend {name!r} (from {where}); known backends: {', '.join(KNOWN_BACKENDS)}")
     return name
 
 
-def resolve(op_name: str, table: dict, backend: Optional[str], device: torch.device) -> tuple[str, Callable]:
-    """Return (name, implementation) for ``op_name`` on ``device``; raise BackendError otherwise."""
-    name = requested_backend(backend, device)
-    loader = table.get(name)
-    if loader is None:
-        raise BackendError(
-            f"{op_name} has no {name!r} backend; it has: {', '.join(sorted(table))}"
-        )
-    fn = loader()  # loaders import lazily and raise BackendError with the reason if unusable
-    return name, fn
+def _env_preference() -> Preference:
+    raw = os.environ.get(ENV_VAR) or None
+    if raw is None or "=" not in raw:
+        return _known(raw, ENV_VAR) if raw else None
+    out = {}
+    for part in raw.split(","):
+        key, sep, val = part.partition("=")
+        if not sep or not key.strip():
+            raise BackendError(f"{ENV_VAR}={raw!r}: expected a backend name or 'op=backend,op=backend'")
+        out[key.strip()] = val.strip()
+    return out
 
 
-def check_runs_on(name: str, device: torch.device, op_name: str) -> None:
-    """Refuse device/backend pairs that cannot run (e.g. "cuda" on CPU tensors)."""
-    if name == "cuda" and device.type != "cuda":
-        raise BackendError(f"{op_name}: backend 'cuda' needs CUDA tensors, got device {device}")
-    if name == "cpp" and device.type != "cpu":
-        raise BackendError(f"{op_name}: backend 'cpp' needs CPU tensors, got device {device}")
-    if name in ("cpp", "torch") or device.type == "cuda":
-        return
-    if name == "triton" and not triton_interpreted():
-        raise BackendError(
-            f"{op_name}: backend 'triton' on {device} tensors needs TRITON_INTERPRET=1 "
-            "(set it before importing triton) or CUDA tensors"
-        )
-    if name == "flash_attn_cascade":
-        raise BackendError(f"{op_name}: backend 'flash_attn_cascade' needs CUDA tensors, got {device}")
+def op_decl(op: str) -> OpDecl:
+    """The declaration of ``op`` (its name or an alias such as "attention", "yes_no")."""
+    try:
+        return _REGISTRY[_ALIASES[op]]
+    except KeyError:
+        raise BackendError(f"unknown op {op!r}; ops: {', '.join(sorted(_ALIASES))}") from None
+
+
+def backend_for(op: str, preference: Preference) -> Optional[str]:
+    """What ``preference`` asks of ``op``: a backend name, or None for the op's own default.
+
+    A name: that name if ``op`` declares it, else None (another op has it); a name no op
+    declares is a BackendError. A mapping: ``op``'s entry (by name or alias), else None;
+    every key must name an op and every value a backend that op declares.
+    """
+    decl = op_decl(op)
+    if preference is None:
+        return None
+    if isinstance(preference, str):
+        _known(preference, "backend preference")
+        if preference in decl.backends:
+            return preference
+        if not any(preference in d.backends for d in _REGISTRY.values()):
+            raise BackendError(f"no op has a {preference!r} backend")
+        return None
+    if not isinstance(preference, Mapping):
+        raise BackendError(f"a backend preference is a name or a mapping op -> name, got {type(preference).__name__}")
+    mine = None
+    for key, name in preference.items():
+        other = op_decl(key)
+        _known(name, f"backend mapping entry {key!r}")
+        if name not in other.backends:
+            raise BackendError(f"{other.name} has no {name!r} backend; it has: {', '.join(sorted(other.backends))}")
+        if other is decl:
+            mine = name
+    return mine
+
+
+def per_op_backends(preference: Preference) -> dict:
+    """``{op name: backend_for(op, preference)}`` for every declared op (validates the preference)."""
+    return {name: backend_for(name, preference) for name in sorted(_REGISTRY)}
+
+
+def available_backends(op: str, device="cpu") -> list:
+    """Backends of ``op`` (name or alias) that run on ``device`` tensors here, device defaults first.
+
+    >>> available_backends("yes_no_score", "cpu")   # with acarerank._C built, interpreter on
+    ['torch', 'cpp', 'triton']
+    """
+    return op_decl(op).available(device)
+
+
+__all__ = ["KNOWN_BACKENDS", "ENV_VAR", "BackendError", "Backend", "OpDecl", "triton_interpreted", "op_decl",
+           "backend_for", "per_op_backends", "available_backends"]

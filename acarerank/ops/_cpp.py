@@ -168,31 +168,3 @@ def topk_update(state, logits: torch.Tensor, c0: int, cuda: bool, buf_cap: int =
         _C.topk_merge_update_cuda(**kw, **_launch(x))
     else:
         _C.topk_merge_update_cpu(**kw, num_threads=_threads(), buf_cap=int(buf_cap))
-
-
-def topk_finalize(state, full_logprobs: bool, cuda: bool) -> dict:
-    """Per-row log-probs from ``state`` (see topk_finalize_row in csrc/topk_merge.cuh)."""
-    (require_cuda if cuda else require_cpu)("topk_merge_finalize", state.values)
-    T, k, dev = state.rows, state.k, state.values.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    out = {
-        "logsumexp": torch.empty(T, **f32),
-        "logprobs": torch.empty(T, k, **f32),
-        "logprobs_full": torch.empty(T, k, **f32) if full_logprobs else None,
-        "target_logprob": torch.empty(T, **f32),
-        "target_logprob_topk": torch.empty(T, **f32),
-        "target_in_topk": torch.empty(T, dtype=torch.bool, device=dev),
-    }
-    kw = dict(vals=state.values.data_ptr(), ids=state.ids.data_ptr(), rows=T, k=k,
-              row_max=state.row_max.data_ptr(), row_sumexp=state.row_sumexp.data_ptr(),
-              targets=state.targets.data_ptr() if state.targets is not None else 0,
-              target_logit=state.target_logit.data_ptr(), lse=out["logsumexp"].data_ptr(),
-              lp_topk=out["logprobs"].data_ptr(),
-              lp_full=out["logprobs_full"].data_ptr() if full_logprobs else 0,
-              tlp_full=out["target_logprob"].data_ptr(), tlp_topk=out["target_logprob_topk"].data_ptr(),
-              in_topk=out["target_in_topk"].data_ptr())
-    if cuda:
-        _C.topk_finalize_cuda(**kw, **_launch(state.values))
-    else:
-        _C.topk_finalize_cpu(**kw, num_threads=_threads())
-    return out

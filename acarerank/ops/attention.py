@@ -1,4 +1,4 @@
-"""Grouped prefix-shared attention: the one primitive of DESIGN.md §3.
+"""Grouped prefix-shared attention: the one primitive (docs/ARCHITECTURE.md, "The one primitive").
 
 Groups each own a prefix already in the KV cache; segments of a group attend to all of
 their group's prefix (no mask) and causally to their own earlier tokens, never to other
@@ -7,12 +7,24 @@ segments. RoPE is applied by the caller with the positions of the unshared seque
 
     out[t] = softmax(scale · q[t] · [prefix_k[g]; k[s_0..t]]ᵀ) · [prefix_v[g]; v[s_0..t]]
 
-Backends: "torch" (below), "triton" (kernels/prefix_shared_attention.py), and the ones
-registered by other modules. ``prefix_shared_attention_ref`` is the plain oracle.
+Backends (declared in ``OP``): "torch" (below), "triton" (kernels/prefix_shared_attention.py),
+"flash_attn_cascade" (cascade.py). ``prefix_shared_attention_ref`` is the plain oracle.
+
+Plan / run (FlashInfer's split): ``plan_prefix_shared_attention`` turns the batch metadata
+into an ``AttentionPlan`` once per packed forward — the backend's choice and what it needs
+beyond the metadata (the Triton work list; a host copy of the metadata for the torch and
+cascade backends) — and every layer's ``prefix_shared_attention(..., plan=plan)`` reuses it.
+
+Host<->device syncs per forward on CUDA (the runner builds one plan per forward):
+  plan: 0 for "triton" (the work list is built by device ops), 1 for "torch" and
+        "flash_attn_cascade" (one copy of the metadata to the host), +1 with validate=True;
+  run:  0 per layer for "torch" and "triton" (flash_attn_cascade: its own per-call syncs).
+Every host read of device metadata goes through ``_device_to_host`` (counted in the tests).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -60,15 +72,14 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
     if segment_group.numel() != S:
         raise ValueError(f"prefix_shared_attention: segment_group has {segment_group.numel()} entries for {S} segments")
     if validate_values:
-        cs = cu_seqlens.tolist()
-        cp = cu_prefix_lens.tolist()
+        cs, cp, sgl = _host_lists(_device_to_host(cu_seqlens, cu_prefix_lens, segment_group), S, G)
         if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
             raise ValueError(f"prefix_shared_attention: cu_seqlens must start at 0, be non-decreasing and end at T={T}")
         if cp[0] != 0 or cp[-1] != prefix_k.shape[0] or any(b < a for a, b in zip(cp, cp[1:])):
             raise ValueError(
                 f"prefix_shared_attention: cu_prefix_lens must start at 0, be non-decreasing and end at Ptot={prefix_k.shape[0]}"
             )
-        if S and (int(segment_group.min()) < 0 or int(segment_group.max()) >= G):
+        if S and (min(sgl) < 0 or max(sgl) >= G):
             raise ValueError(f"prefix_shared_attention: segment_group values must lie in [0, {G})")
     return S, G
 
@@ -146,20 +157,24 @@ def _prefix_part(qf, pk, pv, scale):
             lse.view(Hkv, Tg, r).permute(1, 0, 2).reshape(Tg, Hq))
 
 
-def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale):
+def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale, work=None,
+                   host_meta=None):
     """CPU production path (and the reference-grade path on other devices).
 
     Per group: every query row of every segment meets the prefix in one large fused call
     (``_prefix_part``); each segment's causal self-part is a small call of its own; the two
     partial softmaxes are merged by their log-sum-exps:
         lse = logaddexp(lse_p, lse_o);  out = o_p·e^(lse_p − lse) + o_o·e^(lse_o − lse).
-    Inputs are computed in fp32 whatever their dtype.
+    Inputs are computed in fp32 whatever their dtype. ``host_meta``: the plan's host copy of
+    the metadata (else it is read from the device here: one sync per call).
     """
     T, Hq, d = q.shape
     Hkv = k.shape[1]
     r = Hq // Hkv
     out = torch.empty_like(q)
-    cs, cp, sg = cu_seqlens.tolist(), cu_prefix_lens.tolist(), segment_group.tolist()
+    if host_meta is None:
+        host_meta = _device_to_host(cu_seqlens, cu_prefix_lens, segment_group)
+    cs, cp, sg = _host_lists(host_meta, segment_group.numel(), cu_prefix_lens.numel() - 1)
 
     # Segments by group, keeping packing order; a group's segments are usually contiguous.
     by_group: dict[int, list[int]] = {}
@@ -204,10 +219,6 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
     return out
 
 
-def _load_torch():
-    return _torch_backend
-
-
 def _load_triton():
     try:
         from acarerank.kernels.prefix_shared_attention import prefix_shared_attention_triton
@@ -224,13 +235,116 @@ def _load_flash_attn_cascade():
     return prefix_shared_attention_flash_cascade
 
 
-#: backend name -> loader returning the implementation
-IMPLEMENTATIONS = {"torch": _load_torch, "triton": _load_triton, "flash_attn_cascade": _load_flash_attn_cascade}
+OP = _backend.OpDecl(
+    "prefix_shared_attention", aliases=("attention",),
+    backends={"torch": _backend.Backend(lambda: _torch_backend), "triton": _backend.Backend(_load_triton),
+              "flash_attn_cascade": _backend.Backend(_load_flash_attn_cascade, ("cuda",))},
+    # CPU: torch's fused flash kernel beats the interpreter by orders of magnitude
+    defaults={"cpu": ("torch",), "cuda": ("triton", "torch")},
+)
 
 
-def prefix_shared_attention(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
-                            softmax_scale: Optional[float] = None, backend: Optional[str] = None,
-                            validate: bool = True):
+# ---------------------------------------------------------------- plan
+def _device_to_host(cu_seqlens, cu_prefix_lens, segment_group) -> torch.Tensor:
+    """The metadata as one int32 CPU tensor [S+1 + G+1 + S]: ONE device->host copy (a sync on CUDA)."""
+    return torch.cat([cu_seqlens, cu_prefix_lens, segment_group]).cpu()
+
+
+def _host_lists(host_meta: torch.Tensor, S: int, G: int):
+    """(cu_seqlens, cu_prefix_lens, segment_group) as Python lists from ``_device_to_host``'s tensor."""
+    flat = host_meta.tolist()
+    return flat[:S + 1], flat[S + 1:S + G + 2], flat[S + G + 2:]
+
+
+@dataclass
+class AttentionPlan:
+    """What every layer of one packed forward shares (built by ``plan_prefix_shared_attention``).
+
+    cu_seqlens [S+1], cu_prefix_lens [G+1], segment_group [S]: int32 on the device.
+    num_tokens T, num_q_heads Hq, num_kv_heads Hkv, head_dim d, dtype: the q/k/v every layer
+      passes (checked per call: a plan is only valid for those shapes).
+    backend: the resolved backend name.
+    work: "triton": the [W, 2] int32 work list (segment, first row), heaviest block first.
+    host_meta: "torch" / "flash_attn_cascade": the metadata on the host (``_device_to_host``).
+    A paged-KV variant adds its block table here (one more field, read by its backend).
+    """
+    cu_seqlens: torch.Tensor
+    cu_prefix_lens: torch.Tensor
+    segment_group: torch.Tensor
+    num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    backend: str
+    work: Optional[torch.Tensor] = None
+    host_meta: Optional[torch.Tensor] = None
+
+
+def plan_prefix_shared_attention(cu_seqlens, cu_prefix_lens, segment_group, *, num_tokens: int, num_q_heads: int,
+                                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, backend=None,
+                                 validate: bool = True) -> AttentionPlan:
+    """Build the plan of one packed batch (module docstring: what it holds, how many syncs).
+
+    cu_seqlens [S+1], cu_prefix_lens [G+1], segment_group [S]: int32, one device, as
+    ``prefix_shared_attention`` takes them. ``backend``: a name, a per-op mapping or None.
+    validate: check the metadata values (one more host sync).
+    """
+    for name, t in (("cu_seqlens", cu_seqlens), ("cu_prefix_lens", cu_prefix_lens), ("segment_group", segment_group)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            raise TypeError(f"plan_prefix_shared_attention: {name} must be a 1-D int32 tensor")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"plan_prefix_shared_attention: query heads {num_q_heads} are not a multiple of "
+                         f"kv heads {num_kv_heads}")
+    device = cu_seqlens.device
+    name = OP.resolve(backend, device)
+    plan = AttentionPlan(cu_seqlens, cu_prefix_lens, segment_group, int(num_tokens), int(num_q_heads),
+                         int(num_kv_heads), int(head_dim), dtype, name)
+    if validate:
+        S, G = segment_group.numel(), cu_prefix_lens.numel() - 1
+        if cu_seqlens.numel() != S + 1 or G < 0:
+            raise ValueError("plan_prefix_shared_attention: cu_seqlens needs S+1 entries for segment_group's S")
+        cs, cp, sgl = _host_lists(_device_to_host(cu_seqlens, cu_prefix_lens, segment_group), S, G)
+        if cs[0] != 0 or cs[-1] != num_tokens or any(b < a for a, b in zip(cs, cs[1:])):
+            raise ValueError(f"plan_prefix_shared_attention: cu_seqlens must start at 0, be non-decreasing and "
+                             f"end at T={num_tokens}")
+        if cp[0] != 0 or any(b < a for a, b in zip(cp, cp[1:])):
+            raise ValueError("plan_prefix_shared_attention: cu_prefix_lens must start at 0 and be non-decreasing")
+        if S and (min(sgl) < 0 or max(sgl) >= G):
+            raise ValueError(f"plan_prefix_shared_attention: segment_group values must lie in [0, {G})")
+    if name == "triton":
+        from acarerank.kernels.prefix_shared_attention import plan_work
+
+        plan.work = plan_work(cu_seqlens, cu_prefix_lens, segment_group, total_tokens=plan.num_tokens,
+                              num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads, head_dim=plan.head_dim,
+                              dtype=dtype, device=device)
+    else:
+        plan.host_meta = _device_to_host(cu_seqlens, cu_prefix_lens, segment_group)
+    return plan
+
+
+# ---------------------------------------------------------------- registered op
+@torch.library.custom_op("acarerank::prefix_shared_attention", mutates_args=())
+def prefix_shared_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                               prefix_k: torch.Tensor, prefix_v: torch.Tensor, cu_prefix_lens: torch.Tensor,
+                               segment_group: torch.Tensor, softmax_scale: float, backend: str,
+                               work: Optional[torch.Tensor] = None,
+                               host_meta: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The registered op (torch.compile-opaque); ``backend`` resolved; work / host_meta from a plan or None."""
+    fn = OP.impl(backend)
+    return fn(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale,
+              work=work, host_meta=host_meta)
+
+
+@prefix_shared_attention_op.register_fake
+def _(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale, backend, work=None,
+      host_meta=None):
+    return torch.empty_like(q)
+
+
+def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=None, cu_prefix_lens=None,
+                            segment_group=None, softmax_scale: Optional[float] = None, backend=None,
+                            validate: bool = True, plan: Optional[AttentionPlan] = None):
     """Causal attention of packed segments over their group's shared prefix.
 
     Args:
@@ -240,20 +354,37 @@ def prefix_shared_attention(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_l
       cu_prefix_lens: [G+1] int32 — group g's prefix is rows cu_prefix_lens[g]:cu_prefix_lens[g+1] (may be empty).
       segment_group: [S] int32 — the group of each segment.
       softmax_scale: default 1/sqrt(d).
-      backend: see ``acarerank.ops._backend``; None = environment / device default.
-      validate: check metadata values (one host sync); the runner validates once per batch.
+      backend: a name, a per-op mapping or None (``acarerank.ops._backend``).
+      validate: check metadata values (one host sync); ignored with a plan (checked when planned).
+      plan: an ``AttentionPlan`` of this batch: the metadata arguments may then be None, and
+        ``backend`` must be None (the plan's backend runs). No host sync and no per-call
+        metadata work (module docstring).
 
     Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
 
-    The backend is resolved once here; the work runs inside the custom op
-    ``torch.ops.acarerank.prefix_shared_attention`` (``_library``), opaque to torch.compile.
+    The work runs inside the custom op ``torch.ops.acarerank.prefix_shared_attention``,
+    opaque to torch.compile.
     """
+    if plan is not None:
+        if backend is not None:
+            raise ValueError("prefix_shared_attention: pass backend= to plan_prefix_shared_attention, not with plan=")
+        cu_seqlens = plan.cu_seqlens if cu_seqlens is None else cu_seqlens
+        cu_prefix_lens = plan.cu_prefix_lens if cu_prefix_lens is None else cu_prefix_lens
+        segment_group = plan.segment_group if segment_group is None else segment_group
+        if (cu_seqlens is not plan.cu_seqlens or cu_prefix_lens is not plan.cu_prefix_lens
+                or segment_group is not plan.segment_group):
+            raise ValueError("prefix_shared_attention: metadata tensors differ from the plan's; build a new plan")
+        want = (plan.num_tokens, plan.num_q_heads, plan.head_dim, plan.num_kv_heads, plan.dtype)
+        got = (q.shape[0], q.shape[1], q.shape[2] if q.dim() == 3 else -1, k.shape[1] if k.dim() == 3 else -1, q.dtype)
+        if got != want:
+            raise ValueError(f"prefix_shared_attention: q/k (T, Hq, d, Hkv, dtype) = {got} but the plan was built "
+                             f"for {want}")
+        validate = False
     _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, validate)
-    # resolve() imports the implementation now, so an unusable backend fails here, by name
-    name, _ = _backend.resolve("prefix_shared_attention", IMPLEMENTATIONS, backend, q.device)
-    _backend.check_runs_on(name, q.device, "prefix_shared_attention")
+    if plan is not None:
+        name, work, host_meta = plan.backend, plan.work, plan.host_meta
+    else:
+        name, work, host_meta = OP.resolve(backend, q.device), None, None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    from ._library import prefix_shared_attention_op  # registered custom op (torch.compile-opaque)
-
     return prefix_shared_attention_op(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
-                                      float(scale), name)
+                                      float(scale), name, work, host_meta)

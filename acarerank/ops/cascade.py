@@ -18,7 +18,6 @@ import torch
 from flash_attn import flash_attn_varlen_func  # optional dependency: ImportError -> BackendError upstream
 
 from ._backend import BackendError
-from .merge_states import default_backend as merge_default_backend
 from .merge_states import merge_attention_states
 
 
@@ -35,17 +34,23 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
 
 
 def prefix_shared_attention_flash_cascade(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
-                                          scale):
+                                          scale, work=None, host_meta=None):
     """Same contract as ``prefix_shared_attention`` (inputs already checked there).
 
     q: [T, Hq, d]; k, v: [T, Hkv, d]; prefix_k/v: [Ptot, Hkv, d]; cu_seqlens [S+1],
     cu_prefix_lens [G+1], segment_group [S] int32. Returns out [T, Hq, d] in q's dtype.
-    One host sync reads the (small) metadata to build the per-group query order.
+    One host sync reads the (small) metadata to build the per-group query order, unless the
+    plan's ``host_meta`` (``attention._device_to_host``) is passed. ``work`` is unused.
     """
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise BackendError(f"prefix_shared_attention: flash_attn_cascade needs float16/bfloat16, got {q.dtype}")
     T = q.shape[0]
-    cs, cp, sg = cu_seqlens.tolist(), cu_prefix_lens.tolist(), segment_group.tolist()
+    if host_meta is not None:
+        S, G = segment_group.numel(), cu_prefix_lens.numel() - 1
+        flat = host_meta.tolist()
+        cs, cp, sg = flat[:S + 1], flat[S + 1:S + G + 2], flat[S + G + 2:]
+    else:
+        cs, cp, sg = cu_seqlens.tolist(), cu_prefix_lens.tolist(), segment_group.tolist()
     S, G = len(sg), len(cp) - 1
     if T == 0:
         return torch.zeros_like(q)
@@ -85,6 +90,7 @@ def prefix_shared_attention_flash_cascade(q, k, v, cu_seqlens, prefix_k, prefix_
         lse_pre[perm_t] = lse_p.float()
     # a row with no keys gets lse = +inf from flash-attn: it must weigh nothing
     lse_pre = torch.where(torch.isposinf(lse_pre), torch.full_like(lse_pre, float("-inf")), lse_pre)
-    # explicit backend: a global ACARERANK_BACKEND=flash_attn_cascade must not reach the merge op
-    merged, _ = merge_attention_states(o_pre, lse_pre, o_own, lse_own, backend=merge_default_backend(dev))
+    # the merge op has no flash_attn_cascade backend, so ACARERANK_BACKEND=flash_attn_cascade leaves it
+    # on its device default (a preference applies only to the ops that declare the name)
+    merged, _ = merge_attention_states(o_pre, lse_pre, o_own, lse_own)
     return merged.to(q.dtype)

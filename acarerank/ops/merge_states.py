@@ -8,13 +8,10 @@ lse = −inf (it saw no keys) has weight 0 and its o is ignored, whatever it hol
 are −inf, out = 0 and lse = −inf. lse must not be +inf (flash-attn writes +inf for rows
 without keys: map those to −inf first, as ``cascade.py`` does).
 
-Backends: "torch" (below), "cpp" / "cuda" (csrc/merge_states.cuh). Default: "cuda" for
-CUDA tensors when acarerank._C has CUDA, else "torch".
+Backends: "torch" (below), "cpp" / "cuda" (csrc/merge_states.cuh), declared in ``OP``.
+Default: "cuda" for CUDA tensors when acarerank._C has CUDA, else "torch".
 """
 from __future__ import annotations
-
-import os
-from typing import Optional
 
 import torch
 
@@ -66,10 +63,6 @@ def _torch_backend(o_a, lse_a, o_b, lse_b):
     return out.to(o_a.dtype), m + torch.log(total[..., 0])
 
 
-def _load_torch():
-    return _torch_backend
-
-
 def _load_cpp():
     try:
         from ._cpp import merge_states_cpp
@@ -80,40 +73,31 @@ def _load_cpp():
 
 def _load_cuda():
     try:
-        from ._cpp import merge_states_cuda
+        from . import _cpp
     except ImportError as e:
         raise _backend.BackendError(f"merge_attention_states: cuda backend unavailable: {e}") from e
-    return merge_states_cuda
+    _cpp.require_cuda("merge_attention_states")
+    return _cpp.merge_states_cuda
 
 
-#: backend name -> loader returning the implementation
-IMPLEMENTATIONS = {"torch": _load_torch, "cpp": _load_cpp, "cuda": _load_cuda}
+OP = _backend.OpDecl(
+    "merge_attention_states", aliases=("merge_states",),
+    backends={"torch": _backend.Backend(lambda: _torch_backend), "cpp": _backend.Backend(_load_cpp, ("cpu",)),
+              "cuda": _backend.Backend(_load_cuda, ("cuda",))},
+    defaults={"cpu": ("torch",), "cuda": ("cuda", "torch")},
+)
 
 
-def default_backend(device: torch.device) -> str:
-    if device.type == "cuda":
-        try:
-            from ._cpp import has_cuda
-        except ImportError:
-            return "torch"
-        return "cuda" if has_cuda() else "torch"
-    return "torch"
-
-
-def merge_attention_states(o_a, lse_a, o_b, lse_b, backend: Optional[str] = None):
+def merge_attention_states(o_a, lse_a, o_b, lse_b, backend=None):
     """Merge two attention partials over disjoint keys of the same queries.
 
     Args:
       o_a, o_b: [N, H, d] partial outputs (each normalised over its own keys), fp32/fp16/bf16, same dtype.
       lse_a, lse_b: [N, H] their log-sum-exp of scaled scores (any float dtype, any strides:
         flash-attn's [H, N] lse can be passed as ``lse.t()``).
-      backend: "torch" | "cpp" | "cuda"; None = ACARERANK_BACKEND, else "cuda" on CUDA
-        (when built with CUDA), else "torch".
+      backend: "torch" | "cpp" | "cuda", a per-op mapping, or None (``ACARERANK_BACKEND`` as a
+        preference, else "cuda" on CUDA when built with CUDA, else "torch").
     Returns: (out [N, H, d] in o_a's dtype, lse [N, H] fp32); math in fp32 (fp64 in "cpp").
     """
     _check_inputs(o_a, lse_a, o_b, lse_b)
-    if backend is None and not os.environ.get(_backend.ENV_VAR):
-        backend = default_backend(o_a.device)
-    name, fn = _backend.resolve("merge_attention_states", IMPLEMENTATIONS, backend, o_a.device)
-    _backend.check_runs_on(name, o_a.device, "merge_attention_states")
-    return fn(o_a, lse_a, o_b, lse_b)
+    return OP.impl(OP.resolve(backend, o_a.device))(o_a, lse_a, o_b, lse_b)

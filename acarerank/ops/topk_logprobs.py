@@ -1,4 +1,4 @@
-"""Top-k truncated teacher log-probs (ATO, DESIGN.md §6) without materialising [T, V] logits.
+"""Top-k truncated teacher log-probs (ATO; docs/ARCHITECTURE.md, "Top-k stack") without materialising [T, V] logits.
 
 For each row t with hidden state h_t, lm_head W (V×H), sampled token y_t and temperature τ:
 
@@ -9,8 +9,7 @@ For each row t with hidden state h_t, lm_head W (V×H), sampled token y_t and te
 
 and the target's log-prob ``target_logprob[t] = log p̃(y_t)`` when y_t ∈ K_t. When y_t ∉ K_t
 the renormalised truncated teacher gives it probability zero (log-prob −∞), which no
-advantage can use, so ``outside`` makes the choice explicit (DESIGN.md §6 lists what public
-code does):
+advantage can use, so ``outside`` makes the choice explicit:
 
   "floor" (default)  a fixed log-prob ``floor`` (−20.0 ≈ log 2e-9). It keeps the truncated
                      teacher's verdict ("this token is (almost) impossible") as a large but
@@ -22,7 +21,7 @@ code does):
                      log-prob of a row is below ``floor`` (a very peaked teacher), an outside
                      token scores higher than an inside one — pass a lower floor or "full".
   "mask"             0.0 (a NaN-free zero contribution); callers drop those tokens with
-                     ``in_topk`` (the "drop" of DESIGN.md §6). Dropping biases the signal:
+                     ``in_topk`` (a "drop" policy). Dropping biases the signal:
                      only tokens the teacher already likes get one.
   "full"             the teacher's untruncated full-softmax log-prob z_ty − logsumexp(z_t)
                      (OPSD's choice); with renormalize=True this mixes two normalisations.
@@ -34,14 +33,16 @@ Structure: a backend *core* that never holds [T, V] and returns
     (topk_logits [T,k] fp32 sorted by (value desc, id asc), topk_ids [T,k] int64,
      target_logit [T] fp32, logsumexp [T] fp32 over the full vocabulary)   — all of z = logits/τ
 
-and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``). Cores: "torch"
-(below: per-chunk GEMM, chunk top-k, exact merge), "triton" (kernels/topk_logprobs.py),
-"cpp"/"cuda" (acarerank/ops/topk_merge.py over csrc/topk_merge.*).
+and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``; in topk_merge.py with
+the streaming state, the result type, ``DEFAULT_CHUNK`` and the per-backend k limits
+``MAX_K``). Cores, declared in ``OP``: "torch" (below: per-chunk GEMM, chunk top-k, exact
+merge; any k <= V), "triton" (kernels/topk_logprobs.py; k <= 1,024), "cpp"/"cuda"
+(topk_merge.py over csrc/topk_merge.*; k <= 4,096). Defaults: "torch" on CPU; on CUDA the
+cuBLAS GEMM + CUDA merge ("cuda") until the Triton core is measured faster, then "triton".
 """
 from __future__ import annotations
 
 import math
-from collections import namedtuple
 from typing import Optional
 
 import torch
@@ -49,18 +50,13 @@ import torch
 from . import _backend
 from ._checks import check_projection_inputs
 
-TopKLogprobs = namedtuple("TopKLogprobs", ["target_logprob", "topk_ids", "topk_logprobs", "in_topk"])
-TopKLogprobs.__doc__ = """target_logprob [T] fp32, topk_ids [T,k] int64, topk_logprobs [T,k] fp32, in_topk [T] bool."""
-
-OUTSIDE_MODES = ("floor", "mask", "full")
-DEFAULT_CHUNK = 2048  # vocabulary columns per GEMM: [T, 2048] fp32 is 1.35 % of [T, 151,669]
+from .topk_merge import MAX_K, OUTSIDE_MODES, TopKLogprobs, check_k, default_chunk, finalize
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_inputs(hidden, weight, targets, k, chunk, temperature, op="topk_logprobs"):
+def _check_inputs(hidden, weight, targets, k, chunk, temperature, backend, op="topk_logprobs"):
     V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= V):
-        raise ValueError(f"{op}: k must be an int in [1, V={V}], got {k!r}")
+    check_k(k, V, backend, op)
 
 
 def _check_result_finite(lse, op="topk_logprobs"):
@@ -150,7 +146,7 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     """
     T, H = hidden.shape
     V = weight.shape[0]
-    C = min(chunk or DEFAULT_CHUNK, V)
+    C = min(chunk or default_chunk(hidden.device), V)
     dev = hidden.device
     h = hidden if hidden.dtype == torch.float32 else hidden.float()
     tg = targets.to(torch.int64)
@@ -206,53 +202,37 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     return run_v, run_i, tgt, lse
 
 
-# ----------------------------------------------------------------------------- finalize
-def finalize(topk_logits, topk_ids, target_logit, lse, targets, outside: str = "floor", floor: float = -20.0,
-             renormalize: bool = True) -> TopKLogprobs:
-    """Shared by every backend: core outputs -> TopKLogprobs (formulas in the module docstring)."""
-    tg = targets.to(torch.int64)
-    in_topk = (topk_ids == tg[:, None]).any(dim=1)
-    norm = torch.logsumexp(topk_logits, dim=1) if renormalize else lse
-    topk_lp = topk_logits - norm[:, None]
-    inside = target_logit - norm  # same fp32 value as the target's top-k entry (same logit, same norm)
-    if outside == "floor":
-        out = torch.full_like(inside, float(floor))
-    elif outside == "mask":
-        out = torch.zeros_like(inside)
-    else:  # "full"
-        out = target_logit - lse
-    return TopKLogprobs(torch.where(in_topk, inside, out), topk_ids, topk_lp, in_topk)
-
-
 # ----------------------------------------------------------------------------- reference
 def topk_logprobs_ref(hidden, weight, targets, k: int = 128, outside: str = "floor", floor: float = -20.0,
                       renormalize: bool = True, temperature: float = 1.0) -> TopKLogprobs:
-    """Oracle: materialise fp32 logits [T, V], sort by (value desc, id asc) explicitly, log_softmax."""
-    logits = hidden.float() @ weight.float().T
+    """The one top-k oracle: materialise fp32 logits, sort by (value desc, id asc) explicitly, log_softmax in fp64.
+
+    hidden [T, H] and weight [V, H]; or ``weight=None`` and ``hidden`` the logits [T, V]
+    themselves (the streaming state's tests feed logits). targets [T] or None.
+    """
+    logits = hidden.float() if weight is None else hidden.float() @ weight.float().T
     if temperature != 1.0:
         logits = logits / temperature
+    if not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"topk_logprobs_ref: k={k} must be in [1, V={logits.shape[1]}]")
     # stable descending sort keeps ascending id order among equal values (torch.topk would not)
     sv, si = torch.sort(logits, dim=1, descending=True, stable=True)
-    top_v, top_i = sv[:, :k], si[:, :k]
-    full_lp = logits.log_softmax(dim=1)
+    top_v, top_i = sv[:, :k].double(), si[:, :k]
+    full_lse = torch.logsumexp(logits.double(), dim=1)
+    norm = torch.logsumexp(top_v, dim=1) if renormalize else full_lse
+    top_lp = top_v - norm[:, None]
+    if targets is None:
+        return TopKLogprobs(None, top_i, top_lp.float(), None)
     tg = targets.long()
-    in_topk = (top_i == tg[:, None]).any(dim=1)
-    if renormalize:
-        top_lp = top_v.log_softmax(dim=1)
-    else:
-        top_lp = full_lp.gather(1, top_i)
-    pos = (top_i == tg[:, None]).float().argmax(dim=1)  # where the target sits in the top-k (if it does)
-    inside = top_lp.gather(1, pos[:, None]).squeeze(1)
-    full_t = full_lp.gather(1, tg[:, None]).squeeze(1)
+    hit = top_i == tg[:, None]
+    in_topk = hit.any(dim=1)
+    inside = torch.where(hit, top_lp, torch.zeros_like(top_lp)).sum(1)
+    full_t = logits.double().gather(1, tg[:, None])[:, 0] - full_lse
     out = {"floor": torch.full_like(inside, float(floor)), "mask": torch.zeros_like(inside), "full": full_t}[outside]
-    return TopKLogprobs(torch.where(in_topk, inside, out), top_i, top_lp, in_topk)
+    return TopKLogprobs(torch.where(in_topk, inside, out).float(), top_i, top_lp.float(), in_topk)
 
 
-# ----------------------------------------------------------------------------- dispatch
-def _load_torch():
-    return topk_logprobs_core_torch
-
-
+# ----------------------------------------------------------------------------- declaration
 def _load_triton():
     try:
         from acarerank.kernels.topk_logprobs import topk_logprobs_core_triton
@@ -263,34 +243,62 @@ def _load_triton():
 
 def _load_cpp():
     try:
-        from .topk_merge import topk_logprobs_core_cpp
-    except ImportError as e:  # acarerank._C not built, or topk_merge.py not there yet
+        from . import _cpp  # noqa: F401  (acarerank._C built?)
+    except ImportError as e:
         raise _backend.BackendError(f"topk_logprobs: cpp backend unavailable: {e}") from e
+    from .topk_merge import topk_logprobs_core_cpp
     return topk_logprobs_core_cpp
 
 
 def _load_cuda():
     try:
-        from .topk_merge import topk_logprobs_core_cuda
+        from . import _cpp
     except ImportError as e:
         raise _backend.BackendError(f"topk_logprobs: cuda backend unavailable: {e}") from e
+    _cpp.require_cuda("topk_logprobs")
+    from .topk_merge import topk_logprobs_core_cuda
     return topk_logprobs_core_cuda
 
 
-#: backend name -> loader returning the core (hidden, weight, targets, k, chunk, temperature)
-IMPLEMENTATIONS = {"torch": _load_torch, "triton": _load_triton, "cpp": _load_cpp, "cuda": _load_cuda}
+OP = _backend.OpDecl(
+    "topk_logprobs", aliases=("topk",),
+    backends={"torch": _backend.Backend(lambda: topk_logprobs_core_torch), "triton": _backend.Backend(_load_triton),
+              "cpp": _backend.Backend(_load_cpp, ("cpu",)), "cuda": _backend.Backend(_load_cuda, ("cuda",))},
+    defaults={"cpu": ("torch",), "cuda": ("cuda", "triton", "torch")},
+)
+
+
+@torch.library.custom_op("acarerank::topk_logprobs_core", mutates_args=())
+def topk_logprobs_core_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, k: int, chunk: int,
+                          temperature: float, backend: str
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32); chunk 0 = default."""
+    return tuple(OP.impl(backend)(hidden, weight, targets, k, chunk or None, temperature))
+
+
+@topk_logprobs_core_op.register_fake
+def _(hidden, weight, targets, k, chunk, temperature, backend):
+    T = hidden.shape[0]
+    return (hidden.new_empty(T, k, dtype=torch.float32), hidden.new_empty(T, k, dtype=torch.int64),
+            hidden.new_empty(T, dtype=torch.float32), hidden.new_empty(T, dtype=torch.float32))
 
 
 def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[int] = None, temperature: float = 1.0,
-                       backend: Optional[str] = None):
-    """The backend core alone (checked inputs): (topk_logits, topk_ids, target_logit, lse), see module doc."""
-    _check_inputs(hidden, weight, targets, k, chunk, temperature)
-    # resolve() imports the implementation now, so an unusable backend fails here, by name
-    name, _ = _backend.resolve("topk_logprobs", IMPLEMENTATIONS, backend, hidden.device)
-    _backend.check_runs_on(name, hidden.device, "topk_logprobs")
-    from ._library import topk_logprobs_core_op  # registered custom op (torch.compile-opaque)
+                       backend=None):
+    """The local core, narrow on purpose (a vocabulary-parallel top-k builds on exactly this):
 
-    with torch.no_grad():  # the teacher is frozen: its log-probs are constants (Eq. 9, sg[·])
+        (hidden [T, H], weight [V, H], targets [T], k, chunk, temperature)
+          -> (topk_logits [T, k] fp32 sorted (value desc, id asc), topk_ids [T, k] int64,
+              target_logit [T] fp32, logsumexp [T] fp32 over the V rows of ``weight``)
+
+    all of z = (hidden · weightᵀ) / temperature. ``weight`` may be a vocabulary shard: ids are
+    then local to it (add the shard's offset), and shards combine by merging the top-k lists
+    under the tie rule and the log-sum-exps by logaddexp. k: within the backend's limit
+    (``MAX_K``: torch any, triton 1,024, cpp/cuda 4,096), else ValueError naming the limit.
+    """
+    name = OP.resolve(backend, hidden.device)
+    _check_inputs(hidden, weight, targets, k, chunk, temperature, name)
+    with torch.no_grad():  # the teacher is frozen: its log-probs are constants (stop-gradient)
         out = topk_logprobs_core_op(hidden, weight, targets, k, chunk or 0, float(temperature), name)
     _check_result_finite(out[3])
     return out
@@ -298,16 +306,18 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
 
 def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = None, outside: str = "floor",
                   floor: float = -20.0, renormalize: bool = True, temperature: float = 1.0,
-                  backend: Optional[str] = None) -> TopKLogprobs:
+                  backend=None) -> TopKLogprobs:
     """Teacher log-probs truncated to its top-k logits, never materialising [T, V].
 
     Args:
       hidden: [T, H] hidden states AFTER the final RMSNorm (fp32/bf16/fp16).
       weight: [V, H] lm_head weight, same dtype and device as ``hidden``.
       targets: [T] int64 (or int32) sampled token ids in [0, V).
-      k: 1 <= k <= V (ATO: 128). chunk: vocabulary rows per step (torch core; default 2048;
-         the triton core picks its own tiles). temperature τ > 0 divides the logits before
-         truncation.
+      k: 1 <= k <= V (ATO: 128) and within the backend's limit (``MAX_K``: torch any, triton
+         1,024, cpp/cuda 4,096). chunk: vocabulary rows per GEMM (default ``DEFAULT_CHUNK`` of
+         the device: 2,048 on CPU, 16,384 on CUDA; the triton core tiles on its own).
+         temperature τ > 0 divides the logits before truncation.
+      backend: a name, a per-op mapping or None (``acarerank.ops._backend``).
       outside: "floor" | "mask" | "full" — what a target outside the top-k gets (module doc).
       floor: the "floor" log-prob. renormalize: normalise over the top-k (True) or over V.
     Returns: TopKLogprobs(target_logprob [T] fp32, topk_ids [T,k] int64 (best first; ties:
@@ -325,5 +335,5 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
     return finalize(topk_logits, topk_ids, target_logit, lse, targets, outside, floor, renormalize)
 
 
-__all__ = ["TopKLogprobs", "OUTSIDE_MODES", "topk_logprobs", "topk_logprobs_core", "topk_logprobs_ref",
-           "topk_logprobs_core_torch", "finalize", "order_keys", "IMPLEMENTATIONS"]
+__all__ = ["TopKLogprobs", "OUTSIDE_MODES", "MAX_K", "OP", "topk_logprobs", "topk_logprobs_core", "topk_logprobs_ref",
+           "topk_logprobs_core_op", "topk_logprobs_core_torch", "finalize", "order_keys"]

@@ -1,9 +1,11 @@
-"""Streaming top-k merge over vocabulary chunks: teacher top-k truncation without ever
-holding ``[tokens, vocab]`` logits (DESIGN.md §6).
+"""The top-k stack's streaming half (docs/ARCHITECTURE.md, "Top-k stack"): one streaming
+state, one finalize, one result type, the chunk default and the k limits, and the "cpp" /
+"cuda" cores built on the state. ``topk_logprobs.py`` holds the op, its oracle and the
+"torch" / "triton" cores; it imports this module, never the other way round.
 
 The order used everywhere is (value descending, vocabulary id ascending): ties go to the
 lower id, so every backend returns the same ids as a *stable* descending sort of the full
-logits (``topk_merge_ref``; ``torch.topk``'s tie order is unspecified, so it is not the oracle).
+logits (``topk_logprobs_ref``; ``torch.topk``'s tie order is unspecified, so it is not the oracle).
 
 State per row (``TopKMergeState``): the k best (logit / temperature, id) pairs so far, the
 running max and Σ exp(x − max) over every logit seen, and the target's logit once its chunk
@@ -13,29 +15,64 @@ vocabulary column must be merged exactly once.
     state = topk_merge_init(T, k, device, targets=targets, temperature=t)
     for c0 in range(0, V, chunk):
         topk_merge_update(state, hidden @ weight[c0:c0 + chunk].T, c0)
-    res = topk_merge_finalize(state, full_logprobs=True)
+    res = topk_merge_finalize(state)            # TopKLogprobs, as topk_logprobs returns
 
-Backends: "torch" (sorts; the plain version), "cpp" (csrc CPU twin), "cuda" (csrc kernel,
-one thread block per row: radix select + bitonic sort). Default: "cuda" for CUDA tensors,
-"cpp" on CPU when acarerank._C is built, else "torch".
+Update backends (declared in ``UPDATE_OP``): "torch" (sorts; the plain version), "cpp" (csrc
+CPU twin), "cuda" (csrc kernel, one thread block per row: radix select + bitonic sort).
+Default: "cuda" for CUDA tensors, "cpp" on CPU when acarerank._C is built, else "torch".
 
-``topk_logprobs_core_cpp`` / ``topk_logprobs_core_cuda`` drive the merge with the GEMM done by
-torch (BLAS / cuBLAS) one vocabulary chunk at a time; ``acarerank.ops.topk_logprobs`` builds
-the user-facing op on them. Peak extra memory: one [T, chunk] logits block.
+Finalize: ``finalize`` (torch, on [T, k] tensors) is the only one; every core and the state
+end in it. k limits (``MAX_K``, enforced by ``check_k`` with the backend named): "torch" none
+(k <= V), "triton" 1,024 (the running top-K lives in registers), "cpp"/"cuda" 4,096 (one
+row's keys in 32 KB of shared memory, csrc/topk_merge.cuh kTopKMax). Chunk default
+(``DEFAULT_CHUNK``, vocabulary columns per GEMM; the cores' peak extra memory is one
+[T, chunk] fp32 block): 2,048 on CPU, 16,384 on CUDA (wider GEMMs keep cuBLAS busy); the
+triton core tiles on its own.
 """
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from collections import namedtuple
+from typing import Optional
 
 import torch
 
 from . import _backend
-from ._checks import check_projection_inputs
 
-TOPK_MAX_K = 4096  # csrc/topk_merge.cuh kTopKMax: one row's keys in 32 KB of shared memory
+#: the largest k of each top-k backend (None: k <= V only); see the module docstring
+MAX_K = {"torch": None, "triton": 1024, "cpp": 4096, "cuda": 4096}
+TOPK_MAX_K = MAX_K["cpp"]  # the streaming state's limit (csrc kTopKMax)
+
+#: vocabulary columns per GEMM when the caller passes chunk=None, per device type
+DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
+
+OUTSIDE_MODES = ("floor", "mask", "full")
+
+TopKLogprobs = namedtuple("TopKLogprobs", ["target_logprob", "topk_ids", "topk_logprobs", "in_topk"])
+TopKLogprobs.__doc__ = """The one top-k result type (T rows; log-probs of logits / temperature).
+
+target_logprob [T] fp32 (None without targets), topk_ids [T,k] int64 best first (ties: lower
+id first), topk_logprobs [T,k] fp32, in_topk [T] bool (None without targets)."""
+
+
+def default_chunk(device) -> int:
+    return DEFAULT_CHUNK.get(torch.device(device).type, DEFAULT_CHUNK["cpu"])
+
+
+def check_k(k, V: Optional[int], backend: str, op: str) -> int:
+    """k an int in [1, V] and within ``backend``'s limit (``MAX_K``); the error names both."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{op}: k must be an int, got {type(k).__name__}")
+    if k < 1:
+        raise ValueError(f"{op}: k must be >= 1, got k={k}")
+    if V is not None and k > V:
+        raise ValueError(f"{op}: k must be <= V, got k={k} > the vocabulary size {V}")
+    limit = MAX_K.get(backend)
+    if limit is not None and k > limit:
+        others = ", ".join(f"{b!r} (k <= {m})" if m else f"{b!r} (any k)" for b, m in MAX_K.items() if b != backend)
+        raise ValueError(f"{op}: k must be <= {limit} with the {backend!r} backend, got k={k}; use {others}")
+    return k
 
 
 @dataclass
@@ -71,37 +108,6 @@ class TopKMergeState:
         return self.values.device
 
 
-class TopKResult(NamedTuple):
-    """Finalized top-k (T rows). Log-probs are of logits / temperature.
-
-    ids:                 [T, k] int64, best first (ties: lower id first)
-    topk_logits:         [T, k] fp32, logits / temperature
-    logprobs:            [T, k] fp32, renormalised over the top-k: log_softmax(topk_logits)
-    logprobs_full:       [T, k] fp32, over the full vocabulary (None unless asked for)
-    logsumexp:           [T] fp32, over the full vocabulary
-    target_logprob:      [T] fp32, target's log-prob over the full vocabulary (None without targets)
-    target_logprob_topk: [T] fp32, target's log-prob under the truncated, renormalised
-                         distribution; −inf when the target is outside the top-k
-    target_in_topk:      [T] bool
-    """
-    ids: torch.Tensor
-    topk_logits: torch.Tensor
-    logprobs: torch.Tensor
-    logprobs_full: Optional[torch.Tensor]
-    logsumexp: torch.Tensor
-    target_logprob: Optional[torch.Tensor]
-    target_logprob_topk: Optional[torch.Tensor]
-    target_in_topk: Optional[torch.Tensor]
-
-
-def _check_k(k, op: str) -> int:
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"{op}: k must be an int, got {type(k).__name__}")
-    if not 1 <= k <= TOPK_MAX_K:
-        raise ValueError(f"{op}: k={k} must be in [1, {TOPK_MAX_K}]")
-    return k
-
-
 def _check_temperature(temperature, op: str) -> float:
     t = float(temperature)
     if not (t > 0.0 and math.isfinite(t)):
@@ -112,7 +118,7 @@ def _check_temperature(temperature, op: str) -> float:
 def topk_merge_init(rows: int, k: int, device, targets: Optional[torch.Tensor] = None,
                     temperature: float = 1.0) -> TopKMergeState:
     """Empty state for ``rows`` rows; ``targets`` [rows] int64 (ids in the vocabulary) or None."""
-    k = _check_k(k, "topk_merge_init")
+    k = check_k(k, None, "cpp", "topk_merge_init")
     temperature = _check_temperature(temperature, "topk_merge_init")
     if rows < 0:
         raise ValueError(f"topk_merge_init: rows must be >= 0, got {rows}")
@@ -170,64 +176,30 @@ def _update_torch(state: TopKMergeState, logits: torch.Tensor, c0: int) -> None:
         state.target_logit.copy_(torch.where(inside, v.gather(1, col[:, None])[:, 0], state.target_logit))
 
 
-def _finalize_torch(state: TopKMergeState, full_logprobs: bool) -> dict:
-    vals = state.values.double()
-    lse = state.row_max.double() + state.row_sumexp.log()
-    lp = torch.log_softmax(vals, dim=1)
-    out = {"logsumexp": lse.float(), "logprobs": lp.float(),
-           "logprobs_full": (vals - lse[:, None]).float() if full_logprobs else None}
-    if state.targets is not None:
-        hit = state.ids.long() == state.targets[:, None]
-        in_topk = hit.any(dim=1)
-        tlp_topk = torch.where(hit, lp, torch.zeros_like(lp)).sum(1)
-        out["target_logprob"] = (state.target_logit.double() - lse).float()
-        out["target_logprob_topk"] = torch.where(in_topk, tlp_topk, torch.full_like(tlp_topk, float("-inf"))).float()
-        out["target_in_topk"] = in_topk
-    return out
-
-
-# ---------------------------------------------------------------- backend tables
-def _load(name: str, what: str):
+# ---------------------------------------------------------------- declaration
+def _load_update(name: str):
     def loader():
         try:
             from . import _cpp
         except ImportError as e:
-            raise _backend.BackendError(f"{what}: {name} backend unavailable: {e}") from e
-        if name == "cuda" and not _cpp.has_cuda():
-            _cpp.require_cuda(what)  # raises BackendError with the build's reason
+            raise _backend.BackendError(f"topk_merge_update: {name} backend unavailable: {e}") from e
+        if name == "cuda":
+            _cpp.require_cuda("topk_merge_update")  # BackendError with the build's reason
         cuda = name == "cuda"
-        if what == "topk_merge_update":
-            return lambda state, logits, c0: _cpp.topk_update(state, logits, c0, cuda=cuda)
-        return lambda state, full: _cpp.topk_finalize(state, full, cuda=cuda)
+        return lambda state, logits, c0: _cpp.topk_update(state, logits, c0, cuda=cuda)
     return loader
 
 
-UPDATE_IMPLEMENTATIONS = {"torch": lambda: _update_torch, "cpp": _load("cpp", "topk_merge_update"),
-                          "cuda": _load("cuda", "topk_merge_update")}
-FINALIZE_IMPLEMENTATIONS = {"torch": lambda: _finalize_torch, "cpp": _load("cpp", "topk_merge_finalize"),
-                            "cuda": _load("cuda", "topk_merge_finalize")}
-
-
-def _extension_built() -> bool:
-    try:
-        from . import _cpp  # noqa: F401  (import is the check)
-    except ImportError:
-        return False
-    return True
-
-
-def _pick(op: str, table: dict, backend: Optional[str], device: torch.device):
-    if backend is None and not os.environ.get(_backend.ENV_VAR):
-        # this op has no Triton kernel: its device default is the csrc one
-        backend = "cuda" if device.type == "cuda" else ("cpp" if _extension_built() else "torch")
-    name, fn = _backend.resolve(op, table, backend, device)
-    _backend.check_runs_on(name, device, op)
-    return fn
+UPDATE_OP = _backend.OpDecl(
+    "topk_merge_update", aliases=("topk_merge",),
+    backends={"torch": _backend.Backend(lambda: _update_torch), "cpp": _backend.Backend(_load_update("cpp"), ("cpu",)),
+              "cuda": _backend.Backend(_load_update("cuda"), ("cuda",))},
+    defaults={"cpu": ("cpp", "torch"), "cuda": ("cuda", "torch")},
+)
 
 
 # ---------------------------------------------------------------- public API
-def topk_merge_update(state: TopKMergeState, chunk_logits: torch.Tensor, c0: int,
-                      backend: Optional[str] = None) -> None:
+def topk_merge_update(state: TopKMergeState, chunk_logits: torch.Tensor, c0: int, backend=None) -> None:
     """Merge ``chunk_logits`` [T, n] (fp32/fp16/bf16; vocabulary ids c0 .. c0+n−1) into ``state`` in place.
 
     Each column is divided by ``state.temperature`` (IEEE division, as ``logits / t`` in torch).
@@ -244,13 +216,12 @@ def topk_merge_update(state: TopKMergeState, chunk_logits: torch.Tensor, c0: int
     c0 = int(c0)
     if c0 < 0 or c0 + chunk_logits.shape[1] >= 2 ** 31:
         raise ValueError(f"topk_merge_update: vocabulary ids {c0}..{c0 + chunk_logits.shape[1]} must lie in [0, 2^31)")
-    fn = _pick("topk_merge_update", UPDATE_IMPLEMENTATIONS, backend, state.device)
-    fn(state, chunk_logits, c0)
+    UPDATE_OP.impl(UPDATE_OP.resolve(backend, state.device))(state, chunk_logits, c0)
 
 
-def topk_merge_finalize(state: TopKMergeState, full_logprobs: bool = False,
-                        backend: Optional[str] = None) -> TopKResult:
-    """Top-k ids and log-probs from a state every vocabulary column has been merged into.
+def topk_merge_core(state: TopKMergeState):
+    """The core tuple of a state every vocabulary column has been merged into:
+    (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32).
 
     Raises ValueError when fewer than k logits were merged into some row, or (with targets)
     when a row's target id lay in no merged chunk. Syncs with the device for those checks.
@@ -259,48 +230,45 @@ def topk_merge_finalize(state: TopKMergeState, full_logprobs: bool = False,
         raise ValueError(f"topk_merge_finalize: k={state.k} exceeds the number of logits merged into some row")
     if state.targets is not None and state.rows and bool(torch.isnan(state.target_logit).any()):
         raise ValueError("topk_merge_finalize: a row's target id was in no merged chunk (or its logit is NaN)")
-    fn = _pick("topk_merge_finalize", FINALIZE_IMPLEMENTATIONS, backend, state.device)
-    out = fn(state, bool(full_logprobs))
-    has_t = state.targets is not None
-    return TopKResult(
-        ids=state.ids.long(), topk_logits=state.values.clone(), logprobs=out["logprobs"],
-        logprobs_full=out["logprobs_full"], logsumexp=out["logsumexp"],
-        target_logprob=out["target_logprob"] if has_t else None,
-        target_logprob_topk=out["target_logprob_topk"] if has_t else None,
-        target_in_topk=out["target_in_topk"] if has_t else None,
-    )
+    lse = (state.row_max.double() + state.row_sumexp.log()).float()
+    return state.values, state.ids.long(), state.target_logit, lse
 
 
-def topk_merge_ref(logits: torch.Tensor, k: int, targets: Optional[torch.Tensor] = None,
-                   temperature: float = 1.0, full_logprobs: bool = False) -> TopKResult:
-    """Oracle on materialised logits [T, V]: stable descending sort (ties keep ascending id
-    order, i.e. the lower id first), log-probs in fp64 rounded to fp32."""
-    k = _check_k(k, "topk_merge_ref")
-    v = logits.float() / _check_temperature(temperature, "topk_merge_ref")
-    if k > v.shape[1]:
-        raise ValueError(f"topk_merge_ref: k={k} exceeds the vocabulary width {v.shape[1]}")
-    vals, ids = torch.sort(v, dim=1, descending=True, stable=True)
-    vals, ids = vals[:, :k], ids[:, :k]
-    lse = torch.logsumexp(v.double(), dim=1)
-    lp = torch.log_softmax(vals.double(), dim=1)
-    res = dict(ids=ids, topk_logits=vals, logprobs=lp.float(), logsumexp=lse.float(),
-               logprobs_full=(vals.double() - lse[:, None]).float() if full_logprobs else None,
-               target_logprob=None, target_logprob_topk=None, target_in_topk=None)
-    if targets is not None:
-        hit = ids == targets[:, None]
-        in_topk = hit.any(dim=1)
-        res["target_logprob"] = (v.double().gather(1, targets[:, None])[:, 0] - lse).float()
-        res["target_logprob_topk"] = torch.where(
-            in_topk, torch.where(hit, lp, torch.zeros_like(lp)).sum(1), torch.tensor(float("-inf"), dtype=lp.dtype)
-        ).float()
-        res["target_in_topk"] = in_topk
-    return TopKResult(**res)
+def finalize(topk_logits, topk_ids, target_logit, lse, targets, outside: str = "floor", floor: float = -20.0,
+             renormalize: bool = True) -> TopKLogprobs:
+    """The one finalize: core outputs -> TopKLogprobs (formulas in topk_logprobs' docstring).
+
+    renormalize: top-k log-probs over the top-k (True) or over the vocabulary (lse). A target
+    outside the top-k gets ``floor`` ("floor"), 0 ("mask") or its full-softmax log-prob
+    ("full"). ``targets`` None: target_logprob and in_topk are None.
+    """
+    # fp64, rounded once to fp32 at the end: a log-prob of −25 has an fp32 ulp of 2e-6
+    vals, lse64 = topk_logits.double(), lse.double()
+    norm = torch.logsumexp(vals, dim=1) if renormalize else lse64
+    topk_lp = (vals - norm[:, None]).float()
+    if targets is None:
+        return TopKLogprobs(None, topk_ids, topk_lp, None)
+    tg = targets.to(torch.int64)
+    in_topk = (topk_ids == tg[:, None]).any(dim=1)
+    inside = target_logit.double() - norm  # same value as the target's top-k entry (same logit, same norm)
+    if outside == "floor":
+        out = torch.full_like(inside, float(floor))
+    elif outside == "mask":
+        out = torch.zeros_like(inside)
+    else:  # "full"
+        out = target_logit.double() - lse64
+    return TopKLogprobs(torch.where(in_topk, inside, out).float(), topk_ids, topk_lp, in_topk)
 
 
-# ---------------------------------------------------------------- drivers for topk_logprobs
-#: vocabulary columns per GEMM when the caller passes chunk=None: [T, chunk] fp32 is the peak
-#: extra memory (T=512: 16 MB on CPU, 32 MB on GPU, where wider GEMMs keep cuBLAS busy)
-DEFAULT_CHUNK = {"cpu": 8192, "cuda": 16384}
+def topk_merge_finalize(state: TopKMergeState, outside: str = "floor", floor: float = -20.0,
+                        renormalize: bool = True) -> TopKLogprobs:
+    """``finalize`` of ``topk_merge_core(state)`` with the state's targets."""
+    if outside not in OUTSIDE_MODES:
+        raise ValueError(f"topk_merge_finalize: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
+    return finalize(*topk_merge_core(state), state.targets, outside, floor, renormalize)
+
+
+# ---------------------------------------------------------------- the cpp / cuda cores
 
 _MM_OUT_DTYPE: dict = {}  # (device type, dtype) -> whether torch.mm(..., out_dtype=fp32) runs there
 
@@ -331,23 +299,16 @@ def _chunk_gemm(hidden: torch.Tensor):
     return lambda w: torch.mm(h32, w.float().t())
 
 
-def _check_core(hidden, weight, targets, k, chunk, temperature, op):
-    V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
-    k = _check_k(k, op)
-    if k > V:
-        raise ValueError(f"{op}: k={k} exceeds the vocabulary size {V}")
-
-
-def _core(hidden, weight, targets, k, chunk, temperature, backend, op):
-    _check_core(hidden, weight, targets, k, chunk, temperature, op)
+def _core(hidden, weight, targets, k, chunk, temperature, backend):
+    """Inputs checked by ``topk_logprobs_core``; one GEMM per chunk, merged into one state."""
     T, V = hidden.shape[0], weight.shape[0]
     state = topk_merge_init(T, k, hidden.device, targets=targets.long(), temperature=temperature)
-    fn = _pick("topk_merge_update", UPDATE_IMPLEMENTATIONS, backend, hidden.device)
-    chunk = min(chunk or DEFAULT_CHUNK.get(hidden.device.type, DEFAULT_CHUNK["cpu"]), V)
+    update = UPDATE_OP.impl(backend)
+    chunk = min(chunk or default_chunk(hidden.device), V)
     gemm = _chunk_gemm(hidden)
     if T:
         for c0 in range(0, V, chunk):
-            fn(state, gemm(weight[c0:c0 + chunk]), c0)
+            update(state, gemm(weight[c0:c0 + chunk]), c0)
     lse = (state.row_max.double() + state.row_sumexp.log()).float()
     return state.values, state.ids.long(), state.target_logit, lse
 
@@ -357,7 +318,7 @@ def topk_logprobs_core_cpp(hidden, weight, targets, k: int, chunk: Optional[int]
 
     Args:
       hidden: [T, H] float; weight: [V, H] same dtype (lm_head); targets: [T] int64/int32 in [0, V).
-      k: 1 .. min(V, 4096); chunk: vocabulary columns per GEMM (None: DEFAULT_CHUNK), peak
+      k: 1 .. min(V, 4096); chunk: vocabulary columns per GEMM (None: ``default_chunk``), peak
         extra memory T × chunk fp32; temperature: > 0.
     Logits are fp32 GEMMs of the fp32-upcast inputs, one chunk at a time, then divided by the
     temperature in fp32 (IEEE division, as ``logits / temperature`` in torch).
@@ -365,9 +326,9 @@ def topk_logprobs_core_cpp(hidden, weight, targets, k: int, chunk: Optional[int]
       topk_logits [T, k] fp32 (logits / temperature, descending; ties: lower id first),
       topk_ids [T, k] int64, target_logit [T] fp32, logsumexp [T] fp32 (full vocabulary).
     """
-    return _core(hidden, weight, targets, k, chunk, temperature, "cpp", "topk_logprobs_core_cpp")
+    return _core(hidden, weight, targets, k, chunk, temperature, "cpp")
 
 
 def topk_logprobs_core_cuda(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
     """As ``topk_logprobs_core_cpp`` on CUDA tensors: cuBLAS GEMM per chunk + the CUDA merge kernel."""
-    return _core(hidden, weight, targets, k, chunk, temperature, "cuda", "topk_logprobs_core_cuda")
+    return _core(hidden, weight, targets, k, chunk, temperature, "cuda")

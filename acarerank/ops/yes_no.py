@@ -4,11 +4,10 @@
     logit_diff = h̄ · (w_yes − w_no)                          (= logit_yes − logit_no)
     score = softmax([logit_no, logit_yes])[1] = sigmoid(logit_diff)
 
-Backends: "torch" (below), "triton" (kernels/yes_no_head.py), "cpp"/"cuda" (csrc).
+Backends: "torch" (below), "triton" (kernels/yes_no_head.py), "cpp"/"cuda" (csrc/yes_no.cuh);
+declared in ``OP`` below.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -47,10 +46,6 @@ def _torch_backend(hidden_last, norm_weight, w_yes, w_no, eps):
     return torch.sigmoid(diff), diff
 
 
-def _load_torch():
-    return _torch_backend
-
-
 def _load_triton():
     try:
         from acarerank.kernels.yes_no_head import yes_no_score_triton
@@ -69,31 +64,48 @@ def _load_cpp():
 
 def _load_cuda():
     try:
-        from ._cpp import yes_no_score_cuda
+        from . import _cpp
     except ImportError as e:
         raise _backend.BackendError(f"yes_no_score: cuda backend unavailable: {e}") from e
-    return yes_no_score_cuda
+    _cpp.require_cuda("yes_no_score")  # BackendError naming the build's reason when it has no CUDA
+    return _cpp.yes_no_score_cuda
 
 
-#: backend name -> loader returning the implementation
-IMPLEMENTATIONS = {"torch": _load_torch, "triton": _load_triton, "cpp": _load_cpp, "cuda": _load_cuda}
+OP = _backend.OpDecl(
+    "yes_no_score", aliases=("yes_no", "head"),
+    backends={"torch": _backend.Backend(lambda: _torch_backend), "triton": _backend.Backend(_load_triton),
+              "cpp": _backend.Backend(_load_cpp, ("cpu",)), "cuda": _backend.Backend(_load_cuda, ("cuda",))},
+    # CPU: torch (one fp32 GEMV; the C++ twin is no faster at S <= 100); CUDA: the Triton kernel
+    defaults={"cpu": ("torch",), "cuda": ("triton", "cuda", "torch")},
+)
 
 
-def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backend: Optional[str] = None):
+@torch.library.custom_op("acarerank::yes_no_score", mutates_args=())
+def yes_no_score_op(hidden_last: torch.Tensor, norm_weight: torch.Tensor, w_yes: torch.Tensor, w_no: torch.Tensor,
+                    eps: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered op (torch.compile-opaque); ``backend`` is already resolved."""
+    return OP.impl(backend)(hidden_last, norm_weight, w_yes, w_no, eps)
+
+
+@yes_no_score_op.register_fake
+def _(hidden_last, norm_weight, w_yes, w_no, eps, backend):
+    S = hidden_last.shape[0]
+    return (hidden_last.new_empty(S, dtype=torch.float32), hidden_last.new_empty(S, dtype=torch.float32))
+
+
+def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backend=None):
     """Relevance from the last hidden state of each segment.
 
     Args:
       hidden_last: [S, H] hidden states *before* the final RMSNorm (any float dtype).
       norm_weight: [H] final RMSNorm weight; w_yes, w_no: [H] rows 9693 / 2152 of lm_head.
       eps: RMSNorm epsilon (config.rms_norm_eps).
+      backend: a name, a per-op mapping or None (``acarerank.ops._backend``).
     Returns: (score [S] fp32 in [0, 1], logit_diff [S] fp32 = logit_yes − logit_no).
 
     The backend is resolved once here; the work runs inside the custom op
-    ``torch.ops.acarerank.yes_no_score`` (``_library``), opaque to torch.compile.
+    ``torch.ops.acarerank.yes_no_score``, opaque to torch.compile.
     """
     _check_inputs(hidden_last, norm_weight, w_yes, w_no)
-    name, _ = _backend.resolve("yes_no_score", IMPLEMENTATIONS, backend, hidden_last.device)
-    _backend.check_runs_on(name, hidden_last.device, "yes_no_score")
-    from ._library import yes_no_score_op  # registered custom op (torch.compile-opaque)
-
+    name = OP.resolve(backend, hidden_last.device)
     return yes_no_score_op(hidden_last, norm_weight, w_yes, w_no, float(eps), name)

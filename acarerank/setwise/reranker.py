@@ -21,6 +21,7 @@ import torch
 
 from ..model import Qwen3Runner
 from ..model.placement import check_dtype_device
+from ..ops import per_op_backends
 from ..selection import parse_selection
 from ..tokenizer import TOKEN_IM_END
 from .decode import MAX_NEW_TOKENS, greedy_decode
@@ -54,12 +55,14 @@ class SetwiseReranker:
       max_length: cap on prompt tokens (16,000 as in the paper's training); documents are
         cut to an equal per-document budget to fit, never dropped.
       max_new_tokens: output cap (64 in the paper).
-      backend: attention backend for the runner ("torch", "triton", ...); None = default.
+      backend: one preference name or a per-op mapping, as ``PointwiseReranker`` takes it
+        (the runner maps it to the attention op); None = ACARERANK_BACKEND / device default.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None,
                  max_length: Optional[int] = DEFAULT_MAX_LENGTH, max_new_tokens: int = MAX_NEW_TOKENS,
-                 backend: Optional[str] = None):
+                 backend=None):
+        per_op_backends(backend)  # a bad preference fails here, by name
         if (model is None) == (runner is None):
             raise TypeError("SetwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
         if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
