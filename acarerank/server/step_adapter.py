@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..model.runner import KVCache
-from ..ops import yes_no_score
+from ..ops import backend_for, yes_no_score
 from ..prompts import encode_pointwise
 
 
@@ -86,7 +86,8 @@ class StepAdapter:
         hidden = rr.runner.forward(cache, [seg for _, seg in items], [group_of[id(h)] for h, _ in items],
                                    output="last")
         s, _ = yes_no_score(hidden, rr.runner.final_norm_weight, rr._w_yes, rr._w_no,
-                            eps=rr.runner.arch.rms_norm_eps, backend=rr.backend)
+                            eps=rr.runner.arch.rms_norm_eps,
+                            backend=backend_for("yes_no_score", rr.backend))
         return s.tolist()
 
     def release_prefix(self, handle: PrefixHandle) -> None:
