@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="request body cap (413)")
     p.add_argument("--cache-budget", type=int, default=None,
                    help="prefix-cache budget in tokens (needs a reranker with a prefix cache)")
-    p.add_argument("--api-key", default=os.environ.get("ACARERANK_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $ACARERANK_API_KEY; none: open)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY'; unset: $ACARERANK_API_KEY, else open")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     p.add_argument("--tokenize-workers", type=int, default=2, help="threads of the tokenization pool")
     p.add_argument("--log-level", default="info")
@@ -79,15 +79,16 @@ def run(args) -> int:
 
     from ..server.app import GateState, create_app
 
+    api_key = args.api_key or os.environ.get("ACARERANK_API_KEY") or None  # never printed
     t0 = time.perf_counter()
     service = build_service(args)
     service.start(warmup=True)
     name = service.model_name
     print(f"acarerank serve: model {name!r} ready in {time.perf_counter() - t0:.1f} s "
           f"(max_batch_tokens {service.engine.max_batch_tokens}, max_queue {service.max_queue}, "
-          f"api key {'on' if args.api_key else 'off'})", file=sys.stderr)
+          f"api key {'on' if api_key else 'off'})", file=sys.stderr)
     state = GateState()
-    app = create_app(service, api_key=args.api_key, max_body_bytes=args.max_body_bytes, state=state)
+    app = create_app(service, api_key=api_key, max_body_bytes=args.max_body_bytes, state=state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     server = DrainingServer(config, state, args.drain_timeout)
     try:
