@@ -6,7 +6,7 @@ For one request, the shared part (system prefix, instruction, context, sub-query
 
     score(doc) = softmax([logit_no, logit_yes])[1] = sigmoid(h_last · (w_yes − w_no))
 
-with h_last the final-normed hidden state at the segment's last token (DESIGN.md §4) —
+with h_last the final-normed hidden state at the segment's last token (docs/ARCHITECTURE.md, "Scoring facts") —
 two vocabulary rows are read, never the 151,669-wide logits.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ import functools
 import importlib.util
 import os
 
-# Qwen3 token ids the package relies on (DESIGN.md §4); tests check them against the tokenizer.
+# Qwen3 token ids the package relies on (docs/ARCHITECTURE.md, "Scoring facts"); tests check them against the tokenizer.
 TOKEN_YES = 9693
 TOKEN_NO = 2152
 TOKEN_THINK = 151667

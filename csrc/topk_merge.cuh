@@ -1,4 +1,4 @@
-// Streaming top-k merge over vocabulary chunks (teacher top-128 truncation, DESIGN.md §6).
+// Streaming top-k merge over vocabulary chunks (teacher top-128 truncation, docs/ARCHITECTURE.md, "Top-k stack").
 //
 // Per row, the state is
 //   vals[k], ids[k]  the k best logits seen so far, best first, under the order

@@ -1,4 +1,4 @@
-// Fused yes/no head of Qwen3-Reranker (DESIGN.md §4): two logits, never the vocabulary.
+// Fused yes/no head of Qwen3-Reranker (docs/ARCHITECTURE.md, "Scoring facts"): two logits, never the vocabulary.
 //
 //   r          = 1 / sqrt(Σ h² / H + eps)                      (final RMSNorm)
 //   logit_diff = r · Σ h · norm_w · (w_yes − w_no)            (= logit_yes − logit_no)

@@ -307,7 +307,7 @@ def plan_work(cu_seqlens, cu_prefix_lens, segment_group, *, total_tokens: int, n
 
 
 def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale,
-                                   work=None, host_meta=None):
+                                   work=None, host_meta=None, config=None):
     """One-pass grouped prefix-shared attention (Triton). Inputs are checked by ``acarerank.ops``.
 
     Args:
@@ -321,6 +321,8 @@ def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_p
       scale: softmax scale (float).
       work: the batch's work list from ``plan_work`` (None: built here, ~20 small device ops).
       host_meta: unused (the torch backend's plan field).
+      config: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of ``attention_config``'s (the
+        tuning script only; a given ``work`` must have been built with the same BLOCK_M).
     Returns: out (total_q, nheads_q, headdim) in q's dtype, softmax accumulated in fp32.
     """
     T, Hq, d = q.shape
@@ -337,7 +339,7 @@ def prefix_shared_attention_triton(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_p
     if T == 0 or Hq == 0:
         return out
     gqa = Hq // Hkv
-    block_m, block_n, num_warps, num_stages = attention_config(d, gqa, q.dtype, q.device)
+    block_m, block_n, num_warps, num_stages = config or attention_config(d, gqa, q.dtype, q.device)
     if work is None:
         work = _work_list(cu_seqlens, cu_prefix_lens, segment_group, T, gqa, block_m)
     if prefix_k.shape[0] == 0:

@@ -1,4 +1,6 @@
-"""Top-k truncated log-probs core (ATO teacher, DESIGN.md §6), Triton: logits tiles never leave the chip.
+"""Top-k truncated log-probs core (ATO teacher), Triton: logits tiles never leave the chip.
+
+docs/ARCHITECTURE.md, "Top-k stack".
 
 For rows t and vocabulary ids j, z_tj = (h_t · W_j) / τ. The core returns, per row, the k best
 z (value desc, id asc), their ids, z at the row's target id, and logsumexp_j z_tj — the
@@ -113,11 +115,13 @@ def _merge_sorted(state, top, K: tl.constexpr):
         return tl.reshape(h, m.shape)
 
 
-@triton.jit(do_not_specialize=["T"])  # T varies per call: one compiled kernel for every T
+# T and the split count (chosen from T on GPU) vary per call: runtime arguments, never
+# constexpr or specialized, so one compiled kernel serves every T (no recompile, no stall)
+@triton.jit(do_not_specialize=["T", "NSPLIT"])
 def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
                        T, V, H, span, temperature,
-                       stride_ht, stride_hh, stride_wv, stride_wh,
-                       K: tl.constexpr, KT: tl.constexpr, NSPLIT: tl.constexpr,
+                       stride_ht, stride_hh, stride_wv, stride_wh, NSPLIT,
+                       K: tl.constexpr, KT: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
                        HAS_TEMP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     pid_t = tl.program_id(0)
@@ -182,9 +186,9 @@ def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
     tl.store(TgtOut + rows, tgt_val, mask=mine)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _topk_merge_kernel(KeysIn, MaxIn, SumIn, TopVal, TopId, Lse, T, k,
-                       K: tl.constexpr, NSPLIT: tl.constexpr, BLOCK_T: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "NSPLIT"])
+def _topk_merge_kernel(KeysIn, MaxIn, SumIn, TopVal, TopId, Lse, T, k, NSPLIT,
+                       K: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -280,12 +284,12 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
     _topk_tiles_kernel[(row_blocks, num_splits)](
         hidden, weight, tg, keys, mx, sm, tgt, T, V, H, span, float(temperature),
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        K=K, KT=KT, NSPLIT=num_splits, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_H=block_h,
+        NSPLIT=num_splits, K=K, KT=KT, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_H=block_h,
         HAS_TEMP=temperature != 1.0, IEEE=hidden.dtype == torch.float32 or not on_gpu,
         UPCAST=not on_gpu and hidden.dtype != torch.float32, num_warps=nw)
     block_t2 = 16 if on_gpu else 32
     _topk_merge_kernel[(triton.cdiv(T, block_t2),)](
-        keys, mx, sm, top_v, top_i, lse, T, k, K=K, NSPLIT=num_splits, BLOCK_T=block_t2, num_warps=nw)
+        keys, mx, sm, top_v, top_i, lse, T, k, NSPLIT=num_splits, K=K, BLOCK_T=block_t2, num_warps=nw)
     return top_v, top_i, tgt, lse
 
 

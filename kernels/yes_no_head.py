@@ -1,4 +1,4 @@
-"""Fused yes/no scoring head (Qwen3-Reranker, DESIGN.md §4), Triton.
+"""Fused yes/no scoring head (Qwen3-Reranker, docs/ARCHITECTURE.md, "Scoring facts"), Triton.
 
 For the last hidden state h of each segment (before the final RMSNorm), in one read of h:
 

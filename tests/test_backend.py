@@ -180,3 +180,13 @@ def test_one_triton_interpreted_check():
     readers = [p.relative_to(root).as_posix() for d in ("acarerank", "kernels") for p in (root / d).rglob("*.py")
                if "TRITON_INTERPRET\"" in p.read_text() or "InterpretedFunction" in p.read_text()]
     assert readers == ["acarerank/ops/_backend.py"], readers
+
+
+def test_parse_preference_as_the_cli_and_environment_read_it():
+    from acarerank.ops import parse_preference
+    assert parse_preference("attention=triton, yes_no=cuda") == {"attention": "triton", "yes_no": "cuda"}
+    assert parse_preference("cpp") == "cpp" and parse_preference("") is None and parse_preference(None) is None
+    with pytest.raises(BackendError, match="expected a backend name or 'op=backend"):
+        parse_preference("=triton", "--backend")
+    with pytest.raises(BackendError, match=r"unknown backend 'fast' \(from --backend\)"):
+        parse_preference("fast", "--backend")

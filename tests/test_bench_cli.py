@@ -48,7 +48,11 @@ def test_bench_quick_run_writes_csv_png_and_checks_scores(tmp_path, capsys):
         reader = csv.DictReader(f)
         assert reader.fieldnames == report.COLUMNS
         rows = list(reader)
-    providers = {"transformers", "transformers+prefix-cache", "acarerank-torch"}
+    # every backend preference that runs here: "cpp" runs the head's C++ twin end to end (attention
+    # keeps its device default), "triton" is left out on CPU (interpreter only)
+    from acarerank.ops import available_backends
+    ours = {f"acarerank-{b}" for b in ("torch", "cpp") if b in available_backends("yes_no", "cpu")}
+    providers = {"transformers", "transformers+prefix-cache"} | ours
     assert {r["provider"] for r in rows} == providers
     cells = {(r["mode"], int(r["depth"]), r["provider"]) for r in rows}
     assert cells == {(m, d, p) for m in ("M0", "M3") for d in (2, 3, 4) for p in providers}, sorted(cells)

@@ -105,7 +105,8 @@ def test_topk_merge_cuda_every_shared_memory_size(ext, k):
         tm.topk_merge_update(state, logits[:, a:a + 6000].cuda(), a, backend="cuda")
     torch.cuda.synchronize()
     vals, ids, _, lse = tm.topk_merge_core(state)
-    assert torch.equal(ids.cpu(), want.ids), f"k={k}: ids differ in rows {(ids.cpu() != want.ids).any(1).nonzero().flatten().tolist()}"
+    bad = (ids.cpu() != want.ids).any(1).nonzero().flatten().tolist()
+    assert not bad, f"k={k}: ids differ in rows {bad}"
     assert torch.equal(vals.cpu(), want.topk_logits)
     torch.testing.assert_close(lse.cpu(), want.logsumexp, atol=1e-6, rtol=2.4e-7)
 
@@ -140,7 +141,7 @@ def test_yes_no_cuda(ext, dtype, S, H):
     torch.testing.assert_close(score.cpu(), s_ref, atol=1e-6, rtol=1e-5)
 
 
-from test_ext_merge_states import TOL, _states  # noqa: E402
+from test_op_merge_states import TOL, _states  # noqa: E402
 
 from acarerank.ops.merge_states import merge_attention_states, merge_attention_states_ref  # noqa: E402
 

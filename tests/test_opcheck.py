@@ -56,3 +56,24 @@ def test_public_ops_compile_in_one_graph(backend):
     ref_score = yes_no_score_ref(*head_args, 1e-6)[0]
     assert (out - 2 * ref_out).abs().max() <= 2e-5, f"compiled attention err {(out - 2 * ref_out).abs().max():.3e}"
     assert (score - 1 - ref_score).abs().max() <= 1e-5, f"compiled head err {(score - 1 - ref_score).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_opcheck_merge_attention_states(backend):
+    if backend == "cpp":
+        pytest.importorskip("acarerank._C")
+    from acarerank.ops.merge_states import merge_attention_states_op
+    o = torch.randn(5, 3, 16)
+    args = (o, torch.randn(5, 3), torch.randn(5, 3, 16), torch.randn(5, 3))
+    torch.library.opcheck(merge_attention_states_op, (*args, backend))
+
+
+def test_opcheck_prefix_shared_attention_with_a_plan():
+    """The plan's work list / host metadata travel through the registered op as optional tensors."""
+    from acarerank.ops import plan_prefix_shared_attention
+    args = _attn_args()
+    q, k, v, cu, pk, pv, cp, sg = args
+    for backend in ("torch", "triton"):
+        plan = plan_prefix_shared_attention(cu, cp, sg, num_tokens=10, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                            dtype=q.dtype, backend=backend)
+        torch.library.opcheck(prefix_shared_attention_op, (*args, 0.25, backend, plan.work, plan.host_meta))

@@ -14,7 +14,7 @@ from acarerank.prompts import (DEFAULT_INSTRUCTION, DEFAULT_TEMPLATE, QWEN3_RERA
                                full_prompt_text, joint_input_ids, official_batch_input_ids, official_input_ids)
 from acarerank.tokenizer import load_qwen3_tokenizer
 
-# -- the model card's strings, typed from the card (DESIGN.md §4) ------------------------------
+# -- the model card's strings, typed from the card (docs/ARCHITECTURE.md, "Scoring facts") ------------------------------
 CARD_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
                "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 CARD_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

@@ -26,7 +26,7 @@ def grammar(qwen3_tokenizer):
 
 def test_tokens_are_the_tokenizers_split(qwen3_tokenizer, grammar):
     t = grammar.tokens
-    # DESIGN.md §5: "[4] [2] [7]" -> '[', '4', ']', ' [', '2', ']', ' [', '7', ']'
+    # docs/ARCHITECTURE.md, "Setwise facts": "[4] [2] [7]" -> '[', '4', ']', ' [', '2', ']', ' [', '7', ']'
     pieces = qwen3_tokenizer.convert_ids_to_tokens(qwen3_tokenizer.encode("[4] [2] [7]", add_special_tokens=False))
     assert pieces == ["[", "4", "]", "Ġ[", "2", "]", "Ġ[", "7", "]"]
     assert qwen3_tokenizer.convert_ids_to_tokens([t.open, t.sep, t.close]) == ["[", "Ġ[", "]"]

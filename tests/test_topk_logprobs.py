@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acarerank.ops import BackendError
+from acarerank.ops import MAX_K, BackendError, available_backends
 from acarerank.ops.topk_logprobs import (finalize, order_keys, topk_logprobs, topk_logprobs_core_torch,
                                          topk_logprobs_ref)
 
@@ -314,3 +314,52 @@ def test_core_is_a_checked_custom_op():
     got = torch.ops.acarerank.topk_logprobs_core(h, w, t, 4, 0, 1.0, "torch")
     ref = topk_logprobs_ref(h, w, t, k=4)
     assert torch.equal(got[1], ref.topk_ids), (got[1], ref.topk_ids)
+
+
+# --------------------------------------------------------------------- every backend, its k limit
+BACKENDS = available_backends("topk_logprobs", DEVICE)  # declaring a backend tests it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_exact_on_dyadic_inputs(backend):
+    h, w = _dyadic(19, 32, 1543, seed=8, device=DEVICE)
+    tg = _targets(h.cpu(), w.cpu(), 32).to(DEVICE)
+    for outside, renorm in (("floor", True), ("full", False)):
+        got = topk_logprobs(h, w, tg, k=32, outside=outside, renormalize=renorm, temperature=0.5, backend=backend)
+        want = topk_logprobs_ref(h, w, tg, k=32, outside=outside, renormalize=renorm, temperature=0.5)
+        _check(got, want, f"{backend} outside={outside} renormalize={renorm}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_k_limit_of_every_backend_is_enforced_by_name(backend):
+    limit = MAX_K[backend]
+    if limit is None:  # torch: any k <= V
+        h, w = _dyadic(2, 16, 37, device=DEVICE)
+        assert topk_logprobs(h, w, torch.zeros(2, dtype=torch.long, device=DEVICE), k=37, backend=backend).topk_ids.shape == (2, 37)
+        return
+    h, w = _dyadic(2, 16, limit + 3, device=DEVICE)
+    with pytest.raises(ValueError, match=f"k must be <= {limit} with the '{backend}' backend, got k={limit + 1}"):
+        topk_logprobs(h, w, torch.zeros(2, dtype=torch.long, device=DEVICE), k=limit + 1, backend=backend)
+
+
+def test_triton_launch_constants_do_not_depend_on_T(monkeypatch):
+    """Every constexpr of the two Triton launches is the same for T = 3 and T = 70 (one compile)."""
+    import acarerank.kernels.topk_logprobs as K
+    seen = []
+
+    class Recorder:
+        def __init__(self, real):
+            self.real = real
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(tuple(sorted((n, v) for n, v in kw.items() if n != "NSPLIT")))
+                return self.real[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(K, "triton_interpreted", lambda kernel=None: True)
+    for name in ("_topk_tiles_kernel", "_topk_merge_kernel"):
+        monkeypatch.setattr(K, name, Recorder(getattr(K, name)))
+    for T in (3, 70):
+        h, w = _dyadic(T, 16, 300, device=DEVICE)
+        K.topk_logprobs_core_triton(h, w, torch.zeros(T, dtype=torch.long, device=DEVICE), 8, None, 1.0)
+    assert seen[0] == seen[2] and seen[1] == seen[3], seen

@@ -10,7 +10,7 @@ For each query q with student prompt P = head ++ tail (the hint goes between the
 π̃_φ is the teacher truncated to its top-k logits (k = 128, Appendix C.4) by ``topk_logprobs``
 (renormalised; the ``outside`` rule decides what a sampled token outside the top-k gets).
 
-Sharing (DESIGN.md §3): one group per query in each model. The snapshot's group prefix is
+Sharing (docs/ARCHITECTURE.md, "The one primitive"): one group per query in each model. The snapshot's group prefix is
 the whole prompt but its last token; the teacher's is ``head`` but its last token (the
 candidates and the query — nearly all of a setwise prompt — computed once per model per
 query). Each segment starts with that one held-back token, so the hidden state that predicts
@@ -29,6 +29,7 @@ import torch
 
 from ..ops.linear_logprob import linear_logprob
 from ..ops.topk_logprobs import OUTSIDE_MODES, topk_logprobs
+from ..ops.vocab_parallel import VocabShard
 from ..tokenizer import TOKEN_IM_END
 from .hints import hint_ids
 
@@ -88,7 +89,8 @@ def _ids(x, what: str) -> List[int]:
 
 def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, k: int = 128,
             outside: str = "floor", floor: float = -20.0, renormalize: bool = True, temperature: float = 1.0,
-            chunk: Optional[int] = None, backend: Optional[str] = None) -> RescoreResult:
+            chunk: Optional[int] = None, backend: Optional[str] = None, teacher_head: Optional[VocabShard] = None,
+            snapshot_head: Optional[VocabShard] = None) -> RescoreResult:
     """Re-score every rollout under the hint-free snapshot and the hint-conditioned teacher.
 
     Args:
@@ -99,6 +101,21 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
       k, outside, floor, renormalize, temperature, chunk, backend: as ``topk_logprobs`` (the
         teacher's truncation); ``temperature`` also divides the snapshot's logits (verl
         computes old log-probs at the rollout temperature).
+      teacher_head, snapshot_head: an output layer split by vocabulary over a process group
+        (``acarerank.ops.VocabShard``: this rank's rows, the group, optionally vocab_start and
+        vocab_size — default the model's ``arch.vocab_size``, so Megatron's padding rows past
+        it are left out). The runner then supplies only the hidden states; its own
+        ``lm_head`` is not read. Every rank of the group calls ``rescore`` with the same
+        queries and gets the same result (``acarerank.ops.vocab_parallel``).
+
+        Megatron-LM (and verl's Megatron workers, which hold the same modules):
+            from megatron.core import parallel_state as mpu
+            w = gpt_model.output_layer.weight            # [V_pad / tp, H]; tied embeddings:
+            # w = gpt_model.shared_embedding_or_output_weight()
+            head = VocabShard(w, mpu.get_tensor_model_parallel_group(), vocab_size=hf_config.vocab_size)
+            rescore(snapshot, teacher, queries, teacher_head=head)
+        Megatron's rule (rank · V_pad / tp) is the default ``vocab_start``. The weight must be
+        in the runner's dtype; the hidden states come from the runner on every rank.
     Returns: RescoreResult (constants: computed under inference_mode, the sg[·] of line 39).
     """
     if outside not in OUTSIDE_MODES:
@@ -146,12 +163,15 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
         hid_t = _predicting_rows(teacher, [h[:-1] for h in heads], seg_t, qidx, lengths)
 
         tg_s = targets.to(snapshot.device)
-        logp_old = linear_logprob(snapshot.final_norm(hid_s), snapshot.lm_head, tg_s, temperature=temperature,
-                                  chunk=chunk) if tg_s.numel() else torch.zeros(0, device=snapshot.device)
+        w_s, par_s = _head(snapshot, snapshot_head)
+        logp_old = linear_logprob(snapshot.final_norm(hid_s), w_s, tg_s, temperature=temperature, chunk=chunk,
+                                  **par_s) if tg_s.numel() else torch.zeros(0, device=snapshot.device)
         tg_t = targets.to(teacher.device)
         if tg_t.numel():
-            res = topk_logprobs(teacher.final_norm(hid_t), teacher.lm_head, tg_t, k=k, chunk=chunk, outside=outside,
-                                floor=floor, renormalize=renormalize, temperature=temperature, backend=backend)
+            w_t, par_t = _head(teacher, teacher_head)
+            res = topk_logprobs(teacher.final_norm(hid_t), w_t, tg_t, k=k, chunk=chunk, outside=outside,
+                                floor=floor, renormalize=renormalize, temperature=temperature, backend=backend,
+                                **par_t)
             logp_t, in_topk = res.target_logprob, res.in_topk
         else:
             logp_t, in_topk = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
@@ -168,6 +188,16 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
         atd_mask = mask & out_in if outside == "mask" else mask.clone()
     return RescoreResult(out_old, out_t, atd, mask, out_in, atd_mask,
                          torch.tensor(qidx, dtype=torch.long), lengths)
+
+
+def _head(runner, shard: Optional[VocabShard]):
+    """(lm_head weight, vocabulary-parallel keyword arguments) of a model."""
+    if shard is None:
+        return runner.lm_head, {}
+    if not isinstance(shard, VocabShard):
+        raise TypeError(f"rescore: an output-layer shard must be an acarerank.ops.VocabShard, got {type(shard).__name__}")
+    vocab = runner.arch.vocab_size if shard.vocab_size is None else shard.vocab_size
+    return shard.weight, dict(process_group=shard.process_group, vocab_start=shard.vocab_start, vocab_size=vocab)
 
 
 def _predicting_rows(runner, prefixes, segments, groups, n_pred):

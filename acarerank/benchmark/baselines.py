@@ -117,7 +117,7 @@ def split_prompt_ids(tokenizer, query: str, documents: Sequence[str], question=N
 
     shared = tokens(prefix) + tokens(body up to "<Document>:"); segment = tokens(" " + doc),
     cut from its end to fit ``max_length``, + tokens(suffix) — the split at which the Qwen3
-    tokenizer gives the joint tokenization (DESIGN.md §4). The context is not truncated
+    tokenizer gives the joint tokenization (docs/ARCHITECTURE.md, "Scoring facts"). The context is not truncated
     here: a shared part over ``max_length`` is a ValueError (benchmark workloads fit).
     """
     full = body(query, "", question, trace, instruction)

@@ -184,18 +184,22 @@ class AcarerankProvider:
 
 
 def backend_runs(backend: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """None if both ops of the scoring path run with ``backend`` here, else the reason."""
-    from acarerank.ops import prefix_shared_attention, yes_no_score
+    """None if the scoring path runs with the preference ``backend`` here, else the reason.
+
+    As ``PointwiseReranker(backend=...)`` takes it: each op gets ``backend_for(op, backend)``,
+    so "cpp"/"cuda" run the head on its C++/CUDA kernel and attention on its device default.
+    """
+    from acarerank.ops import backend_for, prefix_shared_attention, yes_no_score
 
     q = torch.randn(3, 2, 16, device=device, dtype=dtype)
     k = torch.randn(3, 1, 16, device=device, dtype=dtype)
     i32 = dict(dtype=torch.int32, device=device)
     try:
         prefix_shared_attention(q, k, k, torch.tensor([0, 3], **i32), k, k, torch.tensor([0, 3], **i32),
-                                torch.tensor([0], **i32), backend=backend)
+                                torch.tensor([0], **i32), backend=backend_for("attention", backend))
         h = torch.randn(2, 16, device=device, dtype=dtype)
         w = torch.randn(16, device=device, dtype=dtype)
-        yes_no_score(h, w, w, w, backend=backend)
+        yes_no_score(h, w, w, w, backend=backend_for("yes_no", backend))
     except Exception as e:  # BackendError, ImportError, a kernel that cannot compile here...
         return f"{type(e).__name__}: {e}"
     _sync(device)

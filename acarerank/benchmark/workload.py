@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 MODES = ("M0", "M1", "M2", "M3")
-# Which context fields each ACARe mode carries (DESIGN.md §4): M0 sub-query only.
+# Which context fields each ACARe mode carries (docs/ARCHITECTURE.md, "Scoring facts"): M0 sub-query only.
 MODE_FIELDS = {"M0": (False, False), "M1": (False, True), "M2": (True, False), "M3": (True, True)}  # (question, trace)
 
 

@@ -34,12 +34,15 @@ def load_reranker(cls, args, **kw):
     constructor arguments."""
     import torch
 
+    from ..ops import parse_preference
+
     dtype = getattr(torch, args.dtype)
+    backend = parse_preference(args.backend, "--backend")  # "triton" or "attention=triton,yes_no=cuda"
     if args.model:
         return cls.from_pretrained(args.model, dtype=dtype, device=args.device, max_length=args.max_length,
-                                   backend=args.backend, **kw)
+                                   backend=backend, **kw)
     from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
 
     print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
     model = build_default_model(dtype=dtype, device=args.device)
-    return cls(model=model, max_length=args.max_length, backend=args.backend, **kw)
+    return cls(model=model, max_length=args.max_length, backend=backend, **kw)

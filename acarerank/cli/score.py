@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-length", type=int, default=8192)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", help="torch | triton | cpp | cuda (default: by device)")
+    p.add_argument("--backend", help="backend preference: torch | triton | cpp | cuda, used by every op that has it, "
+                   "or per op: attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")
     p.set_defaults(run=run)
 
 

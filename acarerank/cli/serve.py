@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", default=None, help="attention/head backend (torch, triton, ...)")
+    p.add_argument("--backend", default=None, help="backend preference: torch | triton | cpp | cuda, or per op: "
+                   "attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")
     p.add_argument("--max-length", type=int, default=8192, help="token cap per document prompt")
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help="segment tokens per packed pass (default: 2,048 on CPU, 16,384 on GPU)")
@@ -68,7 +69,7 @@ def build_service(args):
         kw["cache_budget_tokens"] = args.cache_budget
     rr = load_reranker(PointwiseReranker, args, **kw)
     # The setwise endpoint decodes on the same weights and the same scheduler thread.
-    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=args.backend)
+    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=rr.backend)
     return RerankService(rr, model_name(args), setwise=sr, max_batch_tokens=rr.max_batch_tokens,
                          max_queue=args.max_queue, max_documents=args.max_documents,
                          tokenize_workers=args.tokenize_workers)

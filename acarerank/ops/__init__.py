@@ -6,25 +6,27 @@ Backend choice (``_backend``): an op's ``backend=`` takes a name or a per-op map
 ``{"attention": "triton", "yes_no": "cuda"}``) to each op; ``available_backends(op, device)``
 lists what runs here. Importing this package registers ``torch.ops.acarerank.*``.
 """
-from ._backend import (KNOWN_BACKENDS, BackendError, available_backends, backend_for, per_op_backends,
-                       triton_interpreted)
+from ._backend import (KNOWN_BACKENDS, BackendError, available_backends, backend_for, parse_preference,
+                       per_op_backends, triton_interpreted)
 from .attention import (AttentionPlan, plan_prefix_shared_attention, prefix_shared_attention,
                         prefix_shared_attention_op, prefix_shared_attention_ref)
 from .yes_no import yes_no_score, yes_no_score_op, yes_no_score_ref
-from .merge_states import merge_attention_states, merge_attention_states_ref
+from .merge_states import merge_attention_states, merge_attention_states_op, merge_attention_states_ref
 from .topk_merge import (MAX_K, TopKLogprobs, TopKMergeState, finalize, topk_merge_core, topk_merge_finalize,
                          topk_merge_init, topk_merge_update)
 from .topk_logprobs import topk_logprobs, topk_logprobs_core, topk_logprobs_core_op, topk_logprobs_ref
 from .linear_logprob import linear_logprob, linear_logprob_ref
+from .vocab_parallel import VocabShard
 
 __all__ = [
-    "BackendError", "KNOWN_BACKENDS", "available_backends", "backend_for", "per_op_backends", "triton_interpreted",
+    "BackendError", "KNOWN_BACKENDS", "available_backends", "backend_for", "parse_preference", "per_op_backends",
+    "triton_interpreted",
     "AttentionPlan", "plan_prefix_shared_attention", "prefix_shared_attention", "prefix_shared_attention_op",
     "prefix_shared_attention_ref",
     "yes_no_score", "yes_no_score_op", "yes_no_score_ref",
-    "merge_attention_states", "merge_attention_states_ref",
+    "merge_attention_states", "merge_attention_states_op", "merge_attention_states_ref",
     "MAX_K", "TopKLogprobs", "TopKMergeState", "finalize", "topk_merge_core", "topk_merge_finalize",
     "topk_merge_init", "topk_merge_update",
     "topk_logprobs", "topk_logprobs_core", "topk_logprobs_core_op", "topk_logprobs_ref",
-    "linear_logprob", "linear_logprob_ref",
+    "linear_logprob", "linear_logprob_ref", "VocabShard",
 ]

@@ -153,17 +153,23 @@ def _known(name: str, where: str) -> str:
     return name
 
 
-def _env_preference() -> Preference:
-    raw = os.environ.get(ENV_VAR) or None
+def parse_preference(text: Optional[str], where: str = "backend preference") -> Preference:
+    """A preference from text (``ACARERANK_BACKEND``, the CLI's --backend): "" or None -> None,
+    "triton" -> "triton", "attention=triton,yes_no=cuda" -> {"attention": "triton", "yes_no": "cuda"}."""
+    raw = (text or "").strip() or None
     if raw is None or "=" not in raw:
-        return _known(raw, ENV_VAR) if raw else None
+        return _known(raw, where) if raw else None
     out = {}
     for part in raw.split(","):
         key, sep, val = part.partition("=")
         if not sep or not key.strip():
-            raise BackendError(f"{ENV_VAR}={raw!r}: expected a backend name or 'op=backend,op=backend'")
+            raise BackendError(f"{where}={raw!r}: expected a backend name or 'op=backend,op=backend'")
         out[key.strip()] = val.strip()
     return out
+
+
+def _env_preference() -> Preference:
+    return parse_preference(os.environ.get(ENV_VAR), ENV_VAR)
 
 
 def op_decl(op: str) -> OpDecl:
@@ -219,4 +225,4 @@ def available_backends(op: str, device="cpu") -> list:
 
 
 __all__ = ["KNOWN_BACKENDS", "ENV_VAR", "BackendError", "Backend", "OpDecl", "triton_interpreted", "op_decl",
-           "backend_for", "per_op_backends", "available_backends"]
+           "backend_for", "per_op_backends", "available_backends", "parse_preference"]

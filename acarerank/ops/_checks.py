@@ -6,10 +6,12 @@ import math
 import torch
 
 
-def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, chunk=None) -> int:
+def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, chunk=None, shard=False) -> int:
     """hidden [T, H] and weight [V, H] of one floating dtype, targets [T] int64/int32 ids in
     [0, V), all on one device; temperature finite > 0; chunk a positive int or None.
 
+    ``shard=True``: weight is one rank's rows of a vocabulary-parallel lm_head
+    (``vocab_parallel``): it may be empty and targets are global ids, range-checked there.
     Raises TypeError/ValueError naming ``op`` and the problem; returns V. One host sync (the
     target range).
     """
@@ -34,14 +36,14 @@ def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, c
         if t.device != hidden.device:
             raise ValueError(f"{op}: {name} is on {t.device}, hidden is on {hidden.device}")
     V = weight.shape[0]
-    if V == 0:
+    if V == 0 and not shard:
         raise ValueError(f"{op}: weight has an empty vocabulary")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"{op}: chunk must be a positive int or None, got {chunk!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature <= 0:
         raise ValueError(f"{op}: temperature must be a finite number > 0, got {temperature!r}")
-    if targets.numel():
+    if targets.numel() and not shard:
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= V:
             raise ValueError(f"{op}: target id {lo if lo < 0 else hi} is out of range [0, V={V})")

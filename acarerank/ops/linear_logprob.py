@@ -83,39 +83,94 @@ class _Chunks:
         return self.ebuf[:self.T * n].view(self.T, n)
 
 
+def forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
+    """One pass over the rows of ``weight`` [V, H]: per row t of ``h32`` [T, H] (fp32/fp64)
+
+        m_t = max_j z_tj,   s_t = Σ_j exp(z_tj − m_t),   a_t = Σ_j exp(z_tj − m_t) · z_tj   (entropy only)
+        tz_t = z_t,tg_t   for targets tg_t in [0, V); 0 for a target outside (another shard owns it)
+
+    Returns (m [T] in h32's dtype, s [T] fp64, a [T] fp64 (zeros without entropy), tz [T]). Also
+    the per-shard half of ``acarerank.ops.vocab_parallel`` (which combines the ranks' stats).
+    """
+    T = h32.shape[0]
+    dev = h32.device
+    m = torch.full((T,), -math.inf, dtype=h32.dtype, device=dev)
+    s = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m)
+    a = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m) · z   (entropy only)
+    tz = torch.zeros(T, dtype=h32.dtype, device=dev)
+    chunks = _Chunks(h32, weight, chunk, second=with_entropy)
+    for c0, c1, w in chunks:
+        x = chunks.logits(w, temperature)
+        rows = ((tg >= c0) & (tg < c1)).nonzero().flatten()
+        if rows.numel():
+            tz[rows] = x[rows, tg[rows] - c0]
+        m_new = torch.maximum(m, x.max(dim=1).values)
+        scale = torch.exp((m - m_new).double())
+        if with_entropy:
+            e = torch.sub(x, m_new[:, None], out=chunks.second(c1 - c0)).exp_()
+            s = s * scale + e.sum(dim=1).double()
+            a = a * scale + e.mul_(x).sum(dim=1).double()
+        else:
+            s = s * scale + x.sub_(m_new[:, None]).exp_().sum(dim=1).double()
+        m = m_new
+    return m, s, a, tz
+
+
+def backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
+    """∂L/∂h (un-reduced, [T, H] in h32's dtype) and ∂L/∂W ([V, H] in weight's dtype) over the rows
+    of ``weight``, given the softmax statistics ``lse`` and ``ez`` = E_p[z] of the whole vocabulary
+    (module doc formulas). ``g_ent`` None: no entropy term. Targets outside [0, V) get no
+    one-hot term (another shard owns them). Also the per-shard half of ``vocab_parallel``."""
+    T = h32.shape[0]
+    cd = h32.dtype
+    grad_h = torch.zeros(T, h32.shape[1], dtype=cd, device=h32.device) if need_h else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    chunks = _Chunks(h32, weight, chunk, second=g_ent is not None)
+    for c0, c1, w in chunks:
+        x = chunks.logits(w, temperature)
+        # -- ∂L/∂z for this chunk, built in x's buffer
+        if g_ent is not None:
+            p = torch.sub(x, lse[:, None], out=chunks.second(c1 - c0)).exp_()
+            x.sub_(ez[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()  # −p (g + e (z − E z))
+        else:
+            x.sub_(lse[:, None]).exp_().mul_(-g_lp[:, None])  # −g p
+        rows = ((tg >= c0) & (tg < c1)).nonzero().flatten()
+        if rows.numel():
+            x[rows, tg[rows] - c0] += g_lp[rows]
+        if temperature != 1.0:
+            x.div_(temperature)  # ∂z/∂logits = 1/τ
+        if need_h:
+            grad_h.addmm_(x, w)
+        if need_w:
+            if grad_w.dtype == cd:
+                torch.mm(x.T, h32, out=grad_w[c0:c1])  # straight into the gradient, no [C, H] temporary
+            else:
+                grad_w[c0:c1] = (x.T @ h32).to(weight.dtype)
+    return grad_h, grad_w
+
+
+def grad_inputs(ctx, g_lp, g_ent, T, device):
+    """The incoming gradients in the compute dtype (zeros for an unused log-prob output; None
+    for an unused entropy)."""
+    cd = torch.float64 if ctx.compute_dtype == torch.float64 else torch.float32
+    g_lp = g_lp.to(cd) if g_lp is not None else torch.zeros(T, dtype=cd, device=device)
+    g_ent = g_ent.to(cd) if ctx.with_entropy and g_ent is not None else None
+    return g_lp, g_ent
+
+
 class _LinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
-        T = hidden.shape[0]
-        dev = hidden.device
         h32 = _fp32(hidden)
         tg = targets.long()
-        m = torch.full((T,), -math.inf, dtype=h32.dtype, device=dev)
-        s = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m)
-        a = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m) · z   (entropy only)
-        tz = torch.zeros(T, dtype=h32.dtype, device=dev)
-        chunks = _Chunks(h32, weight, chunk, second=with_entropy)
-        for c0, c1, w in chunks:
-            x = chunks.logits(w, temperature)
-            rows = ((tg >= c0) & (tg < c1)).nonzero().flatten()
-            if rows.numel():
-                tz[rows] = x[rows, tg[rows] - c0]
-            m_new = torch.maximum(m, x.max(dim=1).values)
-            scale = torch.exp((m - m_new).double())
-            if with_entropy:
-                e = torch.sub(x, m_new[:, None], out=chunks.second(c1 - c0)).exp_()
-                s = s * scale + e.sum(dim=1).double()
-                a = a * scale + e.mul_(x).sum(dim=1).double()
-            else:
-                s = s * scale + x.sub_(m_new[:, None]).exp_().sum(dim=1).double()
-            m = m_new
+        m, s, a, tz = forward_stats(h32, weight, tg, temperature, chunk, with_entropy)
         out = h32.dtype  # fp32 (fp64 only for fp64 inputs)
         lse = m.double() + torch.log(s)
         logprob = (tz.double() - lse).to(out)
         ez = (a / s).to(out) if with_entropy else torch.zeros_like(tz)
         entropy = (lse - a / s).to(out) if with_entropy else None
         ctx.save_for_backward(hidden, weight, tg, lse.to(out), ez)
-        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, out
         if with_entropy:
             return logprob, entropy
         return logprob
@@ -123,42 +178,15 @@ class _LinearLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
         hidden, weight, tg, lse, ez = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        T = hidden.shape[0]
-        tau = ctx.temperature
-        h32 = _fp32(hidden)
-        cd = h32.dtype
-        g_lp = g_lp.to(cd) if g_lp is not None else torch.zeros(T, dtype=cd, device=hidden.device)
-        use_ent = ctx.with_entropy and g_ent is not None
-        g_ent = g_ent.to(cd) if use_ent else None
-        grad_h = torch.zeros(T, hidden.shape[1], dtype=cd, device=hidden.device) if need_h else None
-        grad_w = torch.empty_like(weight) if need_w else None
-        chunks = _Chunks(h32, weight, ctx.chunk, second=use_ent)
-        for c0, c1, w in chunks:
-            x = chunks.logits(w, tau)
-            # -- ∂L/∂z for this chunk, built in x's buffer
-            if use_ent:
-                p = torch.sub(x, lse[:, None], out=chunks.second(c1 - c0)).exp_()
-                x.sub_(ez[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()  # −p (g + e (z − E z))
-            else:
-                x.sub_(lse[:, None]).exp_().mul_(-g_lp[:, None])  # −g p
-            rows = ((tg >= c0) & (tg < c1)).nonzero().flatten()
-            if rows.numel():
-                x[rows, tg[rows] - c0] += g_lp[rows]
-            if tau != 1.0:
-                x.div_(tau)  # ∂z/∂logits = 1/τ
-            if need_h:
-                grad_h.addmm_(x, w)
-            if need_w:
-                if grad_w.dtype == cd:
-                    torch.mm(x.T, h32, out=grad_w[c0:c1])  # straight into the gradient, no [C, H] temporary
-                else:
-                    grad_w[c0:c1] = (x.T @ h32).to(weight.dtype)
-        return (grad_h.to(hidden.dtype) if need_h else None), grad_w, None, None, None, None
+        g_lp, g_ent = grad_inputs(ctx, g_lp, g_ent, hidden.shape[0], hidden.device)
+        grad_h, grad_w = backward_chunks(_fp32(hidden), weight, tg, lse, ez, g_lp, g_ent, ctx.temperature, ctx.chunk,
+                                         ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return (grad_h.to(hidden.dtype) if grad_h is not None else None), grad_w, None, None, None, None
 
 
 def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False,
-                   chunk: Optional[int] = None):
+                   chunk: Optional[int] = None, process_group=None, vocab_start: Optional[int] = None,
+                   vocab_size: Optional[int] = None):
     """Log-prob of each target under softmax((hidden · weightᵀ) / τ), differentiable, chunked.
 
     Args:
@@ -167,9 +195,20 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
       targets: [T] int64 (or int32) in [0, V).
       temperature: τ > 0. chunk: vocabulary rows per step (default 2048).
       return_entropy: also return the entropy of softmax(z_t) (differentiable too).
+      process_group, vocab_start, vocab_size: ``weight`` is this rank's rows of an lm_head split
+        by vocabulary over ``process_group`` (Megatron's layout; defaults as ``topk_logprobs``).
+        Collective in forward and backward: hidden's gradient is all-reduced, the shard's
+        gradient stays local; see ``acarerank.ops.vocab_parallel``. None: this single-process op.
     Returns: logprob [T] fp32 (and entropy [T] fp32); fp64 inputs give fp64 (for gradcheck).
     Formulas and precision rule: module doc.
     """
+    if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
+        from .vocab_parallel import linear_logprob_vocab_parallel
+        return linear_logprob_vocab_parallel(hidden, weight, targets, temperature, return_entropy, chunk,
+                                             process_group=process_group, vocab_start=vocab_start,
+                                             vocab_size=vocab_size)
+    if vocab_start is not None or vocab_size is not None:
+        raise ValueError("linear_logprob: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
     _check(hidden, weight, targets, temperature, chunk)
     return _LinearLogprob.apply(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
                                 bool(return_entropy))

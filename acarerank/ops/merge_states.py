@@ -88,6 +88,19 @@ OP = _backend.OpDecl(
 )
 
 
+@torch.library.custom_op("acarerank::merge_attention_states", mutates_args=())
+def merge_attention_states_op(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+                              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered op (torch.compile-opaque); ``backend`` is already resolved."""
+    return tuple(OP.impl(backend)(o_a, lse_a, o_b, lse_b))
+
+
+@merge_attention_states_op.register_fake
+def _(o_a, lse_a, o_b, lse_b, backend):
+    out = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
+    return out, o_a.new_empty(o_a.shape[:2], dtype=torch.float32)
+
+
 def merge_attention_states(o_a, lse_a, o_b, lse_b, backend=None):
     """Merge two attention partials over disjoint keys of the same queries.
 
@@ -100,4 +113,4 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, backend=None):
     Returns: (out [N, H, d] in o_a's dtype, lse [N, H] fp32); math in fp32 (fp64 in "cpp").
     """
     _check_inputs(o_a, lse_a, o_b, lse_b)
-    return OP.impl(OP.resolve(backend, o_a.device))(o_a, lse_a, o_b, lse_b)
+    return merge_attention_states_op(o_a, lse_a, o_b, lse_b, OP.resolve(backend, o_a.device))

@@ -306,7 +306,8 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
 
 def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = None, outside: str = "floor",
                   floor: float = -20.0, renormalize: bool = True, temperature: float = 1.0,
-                  backend=None) -> TopKLogprobs:
+                  backend=None, process_group=None, vocab_start: Optional[int] = None,
+                  vocab_size: Optional[int] = None) -> TopKLogprobs:
     """Teacher log-probs truncated to its top-k logits, never materialising [T, V].
 
     Args:
@@ -320,12 +321,24 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
       backend: a name, a per-op mapping or None (``acarerank.ops._backend``).
       outside: "floor" | "mask" | "full" — what a target outside the top-k gets (module doc).
       floor: the "floor" log-prob. renormalize: normalise over the top-k (True) or over V.
+      process_group: a torch.distributed group over which the lm_head is split by vocabulary
+        rows (Megatron's layout): ``weight`` is then this rank's rows [V_r, H], ``vocab_start``
+        the id of its first row (default rank · ceil(ΣV_r / world)) and ``vocab_size`` the true
+        vocabulary (rows past it are padding). Collective; same result on every rank; see
+        ``acarerank.ops.vocab_parallel``. None (default): this single-process op.
     Returns: TopKLogprobs(target_logprob [T] fp32, topk_ids [T,k] int64 (best first; ties:
       lower id first), topk_logprobs [T,k] fp32, in_topk [T] bool).
     Math in fp32 (inputs upcast per chunk); the result does not depend on ``chunk`` except
     through fp32 summation order (≤ 1e-6 in log-probs). Not differentiable: the teacher is
     frozen (use ``linear_logprob`` for the policy).
     """
+    if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
+        from .vocab_parallel import topk_logprobs_vocab_parallel
+        return topk_logprobs_vocab_parallel(hidden, weight, targets, k, chunk, outside, floor, renormalize,
+                                            temperature, backend, process_group=process_group,
+                                            vocab_start=vocab_start, vocab_size=vocab_size)
+    if vocab_start is not None or vocab_size is not None:
+        raise ValueError("topk_logprobs: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
     if outside not in OUTSIDE_MODES:
         raise ValueError(f"topk_logprobs: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
     if not isinstance(floor, (int, float)) or not math.isfinite(floor):

@@ -1,6 +1,6 @@
 """Pointwise prompts: Qwen3-Reranker strings, ACARe context modes, the token-safe split.
 
-The prompt a pointwise reranker scores (DESIGN.md §4, the Qwen3-Reranker model card)::
+The prompt a pointwise reranker scores (docs/ARCHITECTURE.md, "Scoring facts", the Qwen3-Reranker model card)::
 
     PREFIX + "<Instruct>: {instruction}\\n" [context lines] "<Query>: {query}\\n<Document>: {doc}" + SUFFIX
     └──────────────────── shared part: identical for every document ──────────────┘└── segment ──────┘
@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 from .truncation import DEFAULT_MIN_DOC_TOKENS, cut_oldest, cut_tail
 
-# -- Qwen3-Reranker model card strings, character for character (DESIGN.md §4) --------
+# -- Qwen3-Reranker model card strings, character for character (docs/ARCHITECTURE.md, "Scoring facts") --------
 QWEN3_RERANKER_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
     "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n"

@@ -1,4 +1,4 @@
-"""Fitting a pointwise prompt into ``max_length`` tokens (DESIGN.md §4).
+"""Fitting a pointwise prompt into ``max_length`` tokens (docs/ARCHITECTURE.md, "Scoring facts").
 
 Order of cuts, so that the shared part never depends on the documents:
 

@@ -1,4 +1,5 @@
-"""``acarerank serve``: an HTTP rerank server with continuous batching (docs/ARCHITECTURE.md).
+"""``acarerank serve``: an HTTP rerank server with continuous batching
+(docs/ARCHITECTURE.md, "A served request").
 
 Layers, each knowing only the one below:
 

@@ -1,6 +1,6 @@
 """Greedy decoding through the runner's KV cache, optionally under the identifier grammar.
 
-One group per prompt (DESIGN.md §3, "greedy decode": 1 segment of 1 token per sequence):
+One group per prompt (docs/ARCHITECTURE.md, "The one primitive", "greedy decode": 1 segment of 1 token per sequence):
 
 1. ``runner.prefill`` all prompts but their last token, one group each (chunked inside);
 2. step: one 1-token segment per still-running group -- the last prompt token first, then

@@ -1,4 +1,4 @@
-"""Token-level state machine for AdaTutoRank's bracketed identifier output (DESIGN.md §5).
+"""Token-level state machine for AdaTutoRank's bracketed identifier output (docs/ARCHITECTURE.md, "Setwise facts").
 
 The Qwen3 tokenizer splits ``"[4] [12] [7]"`` into ``'['  '4'  ']'  ' ['  '1'  '2'  ']'  ' ['
 '7'  ']'`` -- every digit is its own token -- so a selection is a word over 14 tokens:

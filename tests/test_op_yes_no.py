@@ -1,13 +1,16 @@
-"""Triton fused yes/no head against ``yes_no_score_ref`` (RMSNorm, both full logits, softmax over [no, yes]).
-
-Runs on CPU under TRITON_INTERPRET=1 (conftest.py), on CUDA when present.
+"""yes_no_score: every backend that runs here against ``yes_no_score_ref`` (RMSNorm, both full
+logits, softmax over [no, yes]). Triton runs on CPU under TRITON_INTERPRET=1 (conftest.py), on
+CUDA when present (then every test here is marked ``cuda``). The C++ twin's fp64-exactness
+tests are in test_ext_yes_no.py.
 """
 import pytest
 import torch
 
-from acarerank.ops import yes_no_score, yes_no_score_ref
+from acarerank.ops import available_backends, yes_no_score, yes_no_score_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+BACKENDS = available_backends("yes_no_score", DEVICE)  # declaring a backend tests it
 EPS = 1e-6
 
 
@@ -18,8 +21,8 @@ def _inputs(S, H, dtype):
     return [t.to(DEVICE) for t in (h, nw, w_yes, w_no)]
 
 
-def _check(h, nw, w_yes, w_no, what):
-    score, diff = yes_no_score(h, nw, w_yes, w_no, eps=EPS, backend="triton")
+def _check(h, nw, w_yes, w_no, what, backend="triton"):
+    score, diff = yes_no_score(h, nw, w_yes, w_no, eps=EPS, backend=backend)
     ref_score, ref_diff = yes_no_score_ref(h, nw, w_yes, w_no, EPS)
     assert score.dtype == diff.dtype == torch.float32 and score.shape == diff.shape == (h.shape[0],)
     # fp32 summation over H terms: bound the error by 1e-5 of the sum of |terms| of each dot product
@@ -31,15 +34,17 @@ def _check(h, nw, w_yes, w_no, what):
                            f"max |Δdiff| {(diff - ref_diff).abs().max():.3e}, max |Δscore| {(score - ref_score).abs().max():.3e}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("S,H", [(1, 64), (7, 100), (97, 384), (3, 2560)])
-def test_triton_head_fp32(S, H):
-    _check(*_inputs(S, H, torch.float32), f"fp32 S={S} H={H}")
+def test_head_fp32(S, H, backend):
+    _check(*_inputs(S, H, torch.float32), f"{backend} fp32 S={S} H={H}", backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_triton_head_half_inputs(dtype):
+def test_head_half_inputs(dtype, backend):
     """Half inputs are upcast on load and accumulated in fp32, so the fp32 oracle's tolerance holds."""
-    _check(*_inputs(59, 1024, dtype), f"{dtype}")
+    _check(*_inputs(59, 1024, dtype), f"{backend} {dtype}", backend)
 
 
 def test_triton_head_strided_hidden_and_empty():
@@ -67,3 +72,18 @@ def test_triton_head_row_independent_of_batch():
 def test_triton_head_gpu_qwen3_4b(dtype):
     """GPU path at Qwen3-4B's hidden size, depth 100."""
     _check(*_inputs(100, 2560, dtype), f"GPU {dtype}")
+
+
+def test_torch_head_equals_model_card_softmax():
+    S, H = 13, 96
+    h, nw = torch.randn(S, H) * 3, torch.rand(H) + 0.5
+    wy, wn = torch.randn(H), torch.randn(H)
+    s, d = yes_no_score(h, nw, wy, wn, eps=1e-6, backend="torch")
+    rs, rd = yes_no_score_ref(h, nw, wy, wn, eps=1e-6)
+    assert (s - rs).abs().max() <= 1e-6 and (d - rd).abs().max() <= 1e-5
+    # the score is the softmax over the two full logits, as the model card computes it
+    hn = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+    p = torch.softmax(torch.stack([hn @ wn, hn @ wy], -1), -1)[:, 1]
+    assert (s - p).abs().max() <= 1e-6
+    with pytest.raises(ValueError, match="w_yes"):
+        yes_no_score(h, nw, wy[:-1], wn)

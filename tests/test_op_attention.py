@@ -1,6 +1,9 @@
-"""Triton one-pass prefix-shared attention against the plain references.
+"""prefix_shared_attention: every backend that runs here against the plain references.
 
-Runs on CPU under TRITON_INTERPRET=1 (set in conftest.py), on CUDA when present.
+Triton runs on CPU under TRITON_INTERPRET=1 (set in conftest.py), on CUDA when present; with a
+GPU every test of this module is marked ``cuda`` and runs there, so ``pytest -m cuda`` (the GPU
+check) covers every correctness case: empty segments, 1-token segments, d 16/80/256, GQA 1-8,
+fp16/bf16, decode steps.
 Oracles: ``prefix_shared_attention_ref`` (fp32, per segment over cat(prefix, own)) and, for
 fp16/bf16, flash-attn's rule: kernel error <= 2x the error of plain PyTorch attention in the
 same dtype (+ twice fp32's rounding step near the outputs, as flash-attn's tests), both against the fp32 oracle.
@@ -10,19 +13,24 @@ import math
 import pytest
 import torch
 
-from acarerank.ops import prefix_shared_attention, prefix_shared_attention_ref
+from acarerank.ops import BackendError, available_backends, prefix_shared_attention, prefix_shared_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+# every backend declared for the op that runs here; flash_attn_cascade takes fp16/bf16 only
+BACKENDS = [b for b in available_backends("prefix_shared_attention", DEVICE) if b != "flash_attn_cascade"]
+HALF_BACKENDS = available_backends("prefix_shared_attention", DEVICE)
 
 
-def _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d, dtype=torch.float32):
+def _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d, dtype=torch.float32, device=DEVICE):
+    """Random packed inputs: ([q, k, v], cu_seqlens, [prefix_k, prefix_v], cu_prefix_lens, segment_group)."""
     T, P = sum(seg_lens), sum(prefix_lens)
     q, k, v = torch.randn(T, Hq, d), torch.randn(T, Hkv, d), torch.randn(T, Hkv, d)
     pk, pv = torch.randn(P, Hkv, d), torch.randn(P, Hkv, d)
     cu = torch.tensor([0] + torch.tensor(seg_lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
     cp = torch.tensor([0] + torch.tensor(prefix_lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
     sg = torch.tensor(groups, dtype=torch.int32)
-    dev = lambda t: t.to(device=DEVICE)  # noqa: E731
+    dev = lambda t: t.to(device=device)  # noqa: E731
     return ([dev(t.to(dtype)) for t in (q, k, v)], dev(cu), [dev(t.to(dtype)) for t in (pk, pv)], dev(cp), dev(sg))
 
 
@@ -71,13 +79,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d", CASES)
-def test_triton_fp32_matches_reference(seg_lens, prefix_lens, groups, Hq, Hkv, d):
+def test_fp32_matches_reference(seg_lens, prefix_lens, groups, Hq, Hkv, d, backend):
     (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d)
-    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend=backend)
     assert out.shape == q.shape and out.dtype == q.dtype
     ref = prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg)
-    _assert_close_fp32(out, ref, "triton vs reference (fp32)")
+    _assert_close_fp32(out, ref, f"{backend} vs reference (fp32)")
 
 
 def test_triton_custom_scale_and_noncontiguous_views():
@@ -103,13 +112,14 @@ def test_triton_all_segments_empty():
     assert out.shape == (0, 2, 64)
 
 
+@pytest.mark.parametrize("backend", HALF_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_triton_half_precision_flash_attn_rule(dtype):
+def test_half_precision_flash_attn_rule(dtype, backend):
     # bf16 under the interpreter: tl.dot operands are upcast to fp32 inside the kernel (triton 3.9's
     # interpreter multiplies raw bf16 bit patterns); P is still rounded to bf16 before P·V.
     seg_lens, prefix_lens, groups, Hq, Hkv, d = [1, 7, 59, 97], [1, 63, 300], [0, 1, 2, 1], 4, 2, 64
     (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d, dtype)
-    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend=backend)
     assert out.dtype == dtype
     ref = prefix_shared_attention_ref(*(t.float() for t in (q, k, v)), cu, *(t.float() for t in (pk, pv)), cp, sg)
     plain = _plain_attention(q, k, v, cu, pk, pv, cp, sg, 1.0 / math.sqrt(d))
@@ -212,8 +222,10 @@ ptrs.update({n: "*i32" for n in ("CU_SEQ", "CU_PRE", "SEG_GROUP", "WORK")})
 ptrs.update({n: "i32" for n in A._prefix_shared_attn_fwd.arg_names if n.startswith("stride") and not n.endswith("d")})
 ptrs["qk_scale"] = "fp32"
 const = {n: 1 for n in A._prefix_shared_attn_fwd.arg_names if n.startswith("stride") and n.endswith("d")}
-const.update(HEAD_DIM=128, BLOCK_D=128, GQA=4, BLOCK_M=128, BLOCK_N=64, DOT_FP32=False, IEEE=False)
-ptx = build(A._prefix_shared_attn_fwd, ptrs, const, num_warps=8, num_stages=3)
+import torch
+bm, bn, nw, ns = A._rule_config(128, torch.bfloat16)  # the config a d-128 bf16 call gets without a tuned table
+const.update(HEAD_DIM=128, BLOCK_D=128, GQA=4, BLOCK_M=bm, BLOCK_N=bn, DOT_FP32=False, IEEE=False)
+ptx = build(A._prefix_shared_attn_fwd, ptrs, const, num_warps=nw, num_stages=ns)
 print("attention wgmma", ptx.count("wgmma.mma_async"), "cp.async", ptx.count("cp.async"))
 sig = {"Hid": "*bf16", "NormW": "*bf16", "WYes": "*bf16", "WNo": "*bf16", "Score": "*fp32", "Diff": "*fp32",
        "S": "i32", "H": "i32", "stride_s": "i32", "eps": "fp32"}
@@ -239,9 +251,9 @@ def test_kernels_compile_for_hopper_without_a_gpu():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp16 shares bf16's code path; each autotune costs ~25 s
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp16 shares bf16's code path
 def test_triton_gpu_qwen3_4b_heads(dtype):
-    """The autotuned GPU path at Qwen3-4B heads (32 q / 8 kv, d 128): accuracy and batch invariance."""
+    """The GPU path at Qwen3-4B heads (32 q / 8 kv, d 128): accuracy and batch invariance."""
     seg_lens, prefix_lens, groups = [1, 7, 59, 97, 512], [1000, 1], [0, 1, 0, 0, 1]
     (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, 32, 8, 128, dtype)
     out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")
@@ -260,3 +272,165 @@ def test_triton_gpu_qwen3_4b_heads(dtype):
                                     pk[:1000], pv[:1000], torch.tensor([0, 1000], dtype=torch.int32, device=DEVICE),
                                     torch.zeros(1, dtype=torch.int32, device=DEVICE), backend="triton")
     assert torch.equal(alone, out[a:b]), f"{int((alone != out[a:b]).sum())} elements differ alone vs in batch"
+
+
+# ---------------------------------------------------------------- torch backend: its two inner paths
+def _concat_oracle(q, k, v, cu, pk, pv, cp, sg):
+    """Attention over the literally concatenated sequence prefix ++ segment (causal), via SDPA."""
+    out = torch.zeros_like(q, dtype=torch.float32)
+    r = q.shape[1] // k.shape[1]
+    for s, g in enumerate(sg.tolist()):
+        a, b = cu[s].item(), cu[s + 1].item()
+        if a == b:
+            continue
+        P = cp[g + 1].item() - cp[g].item()
+        keys = torch.cat([pk[cp[g]:cp[g + 1]], k[a:b]]).float().repeat_interleave(r, 1).transpose(0, 1)
+        vals = torch.cat([pv[cp[g]:cp[g + 1]], v[a:b]]).float().repeat_interleave(r, 1).transpose(0, 1)
+        # queries sit at positions P..P+L-1 of the concatenated sequence: causal mask with an offset
+        L = b - a
+        mask = torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=P)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].float().transpose(0, 1), keys, vals, attn_mask=mask).transpose(0, 1)
+    return out
+
+
+TORCH_PATH_CASES = [
+    # (segment lengths, prefix lengths, group of each segment, Hq, Hkv, d)
+    ([1, 7, 59, 97], [1, 63, 300], [0, 1, 2, 1], 4, 2, 64),
+    ([1], [1], [0], 2, 2, 64),                       # one segment of one token, prefix of one token
+    ([5, 0, 3, 11], [40, 0], [1, 0, 0, 1], 8, 1, 128),  # empty segment, empty prefix, GQA 8
+    ([3] * 9, [17, 4, 9], [0, 1, 2, 0, 1, 2, 2, 1, 0], 6, 3, 32),  # interleaved groups
+    ([13, 2], [29], [0, 0], 4, 4, 16),
+]
+
+
+@pytest.mark.parametrize("path", ["cpu-flash", "matmul"])
+@pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d", TORCH_PATH_CASES)
+def test_torch_backend_equals_concatenated_attention(seg_lens, prefix_lens, groups, Hq, Hkv, d, path, monkeypatch):
+    """Both inner paths: torch's fused CPU flash kernel, and the matmul path other devices take."""
+    import acarerank.ops.attention as att
+    if path == "matmul":
+        monkeypatch.setattr(att, "_FLASH_CPU", None)
+    (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d, device="cpu")
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
+    ref = _concat_oracle(q, k, v, cu, pk, pv, cp, sg)
+    err = (out - ref).abs()
+    assert err.max() <= 1e-5, f"max err {err.max():.3e} at {divmod(int(err.argmax()), Hq * d)}"
+    ref2 = prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg)
+    assert (ref2 - ref).abs().max() <= 1e-5
+
+
+def test_torch_backend_chunks_large_prefix(monkeypatch):
+    """The prefix GEMM is cut into row blocks under a memory budget; results must not change."""
+    import acarerank.ops.attention as att
+    monkeypatch.setattr(att, "_FLASH_CPU", None)  # the fused CPU kernel needs no chunking
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([31, 17], [257], [0, 0], 4, 2, 32, device="cpu")
+    full = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
+    monkeypatch.setattr(att, "_TORCH_SCORE_BUDGET", 2 * 257 * 5)
+    chunked = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
+    assert (full - chunked).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_torch_backend_half_precision(dtype, tol):
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([7, 59], [63, 5], [0, 1], 4, 2, 64, dtype, device="cpu")
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
+    assert out.dtype == dtype
+    ref = _concat_oracle(q, k, v, cu, pk, pv, cp, sg)
+    # fp32 accumulation inside, so the only error is the final rounding to the half type
+    assert (out.float() - ref).abs().max() <= tol
+
+
+def test_attention_bad_inputs():
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([3, 4], [5], [0, 0], 4, 2, 16, device="cpu")
+    call = lambda **kw: prefix_shared_attention(**{**dict(q=q, k=k, v=v, cu_seqlens=cu, prefix_k=pk, prefix_v=pv,
+                                                            cu_prefix_lens=cp, segment_group=sg), **kw})
+    with pytest.raises(ValueError, match="not a multiple"):
+        call(k=torch.randn(7, 3, 16), v=torch.randn(7, 3, 16), prefix_k=torch.randn(5, 3, 16), prefix_v=torch.randn(5, 3, 16))
+    with pytest.raises(TypeError, match="int32"):
+        call(cu_seqlens=cu.long())
+    with pytest.raises(TypeError, match="dtype"):
+        call(k=k.double())
+    with pytest.raises(ValueError, match="end at T"):
+        call(cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match="segment_group values"):
+        call(segment_group=torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(BackendError, match="unknown backend"):
+        call(backend="nope")
+
+
+# ---------------------------------------------------------------- plan once per forward
+def _tiny_runner(layers, backend):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from acarerank.model import Qwen3Runner
+    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    return Qwen3Runner.from_hf(Qwen3ForCausalLM(cfg).eval(), backend=backend)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts host reads of CPU-resident metadata")
+@pytest.mark.parametrize("backend,syncs,plans", [("torch", 1, 0), ("triton", 0, 1)])
+def test_runner_plans_once_per_forward(backend, syncs, plans, monkeypatch):
+    """Per packed forward: the metadata is read to the host ``syncs`` times and the Triton work
+    list is built ``plans`` times, whatever the number of layers (before the plan: 3 reads
+    and one work list per layer). Every host read of the metadata goes through
+    ``attention._device_to_host`` (the layers then read the plan's host copy)."""
+    import acarerank.kernels.prefix_shared_attention as kernel
+    import acarerank.ops.attention as att
+
+    counts = {}
+    for mod, name, key in ((att, "_device_to_host", "d2h"), (kernel, "_work_list", "work")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _k=key, **kw: (counts.__setitem__(_k, counts.get(_k, 0) + 1),
+                                                                             _r(*a, **kw))[1])
+    seen = []
+    for layers in (1, 3):
+        runner = _tiny_runner(layers, backend)
+        cache = runner.prefill([[1, 2, 3, 4, 5], [6, 7]])
+        counts.clear()
+        runner.forward(cache, [[8, 9, 10], [11], [12, 13]], [0, 1, 0], output="last")
+        seen.append(dict(counts))
+    assert seen[0] == seen[1], f"host reads grow with the layers: 1 layer {seen[0]} vs 3 layers {seen[1]}"
+    assert seen[1].get("d2h", 0) == syncs and seen[1].get("work", 0) == plans, seen[1]
+
+
+def test_plan_checks_shapes_and_backend():
+    from acarerank.ops import plan_prefix_shared_attention
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([3, 4], [5], [0, 0], 4, 2, 16, device="cpu")
+    plan = plan_prefix_shared_attention(cu, cp, sg, num_tokens=7, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                        dtype=torch.float32, backend="torch")
+    out = prefix_shared_attention(q, k, v, None, pk, pv, None, None, plan=plan)
+    _assert_close_fp32(out, prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg), "planned call")
+    with pytest.raises(ValueError, match="plan was built for"):
+        prefix_shared_attention(q[:, :2], k, v, None, pk, pv, None, None, plan=plan)
+    with pytest.raises(ValueError, match="pass backend= to plan_prefix_shared_attention"):
+        prefix_shared_attention(q, k, v, None, pk, pv, None, None, plan=plan, backend="torch")
+    with pytest.raises(ValueError, match="end at T=8"):
+        plan_prefix_shared_attention(cu, cp, sg, num_tokens=8, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                     dtype=torch.float32)
+    with pytest.raises(BackendError, match="no 'cpp' backend"):
+        plan_prefix_shared_attention(cu, cp, sg, num_tokens=7, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                     dtype=torch.float32, backend="cpp")
+
+
+# ---------------------------------------------------------------- fixed configs
+def test_attention_configs_are_fixed_and_do_not_spill():
+    """No timing-based autotune; every rule config and every table entry keeps the fp32
+    accumulator <= 64 registers/thread and shared memory <= 160 KB (docs/ARCHITECTURE.md,
+    "Kernel configs"); a 128x128 fp32 accumulator in one warpgroup (4 warps) is refused."""
+    import pathlib
+
+    import acarerank.kernels.prefix_shared_attention as A
+    src = pathlib.Path(A.__file__).read_text()
+    assert "triton.autotune" not in src and "Autotuner" not in type(A._prefix_shared_attn_fwd).__name__
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    for d in (16, 64, 80, 128, 256):
+        for dt in dtypes.values():
+            cfg = A._rule_config(d, dt)
+            assert A.fits(cfg, d, dt), (d, dt, cfg, A.acc_registers(cfg, d), A.smem_bytes(cfg, d, dt))
+            assert all(A.fits(c, d, dt) for c in A.candidate_configs(d, dt))
+    for key, cfg in A._TABLE.items():
+        _, dt, dd, _ = key.split("/")
+        assert A.fits(cfg, int(dd[1:]), dtypes[dt]), (key, cfg)
+    assert not A.fits((128, 64, 4, 2), 128, torch.bfloat16)
