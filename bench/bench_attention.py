@@ -3,21 +3,37 @@
 Default shape = Qwen3-4B attention (32 query / 8 KV heads, head_dim 128), one 4,096-token
 prefix, 100 segments of 512 tokens, bf16, on GPU. Providers, all on the same inputs:
 
-  triton          ours: ``prefix_shared_attention(backend="triton")``, one launch, one pass
-  flash_cascade   ``backend="flash_attn_cascade"``: flash-attn prefix pass + own pass + merge
-  flash_unshared  flash-attn varlen on the 100 *unshared* sequences prefix ++ segment (causal),
-                  what a server without prefix sharing runs (its prefix rows are wasted work)
-  torch           ``backend="torch"``: the PyTorch CPU production path
+  triton          ours: ``prefix_shared_attention(backend="triton")``, one launch, one pass; its
+                  plan (``plan_prefix_shared_attention``: the work list) built once before timing
+  flash_cascade   the FlashAttention-2 cascade as a serving stack runs it: its plan (query
+                  order, cumulative lengths: ``plan_flash_cascade``) built once before timing,
+                  as once per forward for all layers; timed: ``run_flash_cascade`` = prefix
+                  pass + own pass + merge, device work only (no host sync, no copies)
+  flash_cascade_per_call   ``backend="flash_attn_cascade"`` through the public op: plan + run
+                  on every call (one host sync per call) — only with --providers
+  flash_unshared  FlashAttention-2 varlen on the 100 *unshared* sequences prefix ++ segment
+                  (causal), what a server without prefix sharing runs (its prefix rows are
+                  wasted work); inputs packed before timing
+  torch           ``backend="torch"``: the PyTorch CPU production path (planned likewise)
   ref             ``prefix_shared_attention_ref`` (per-segment loop; only with --ref or --quick)
+
+FlashAttention-2 is flash-attn's ``flash_attn_varlen_func`` when installed, else PyTorch's
+own build of the same kernel (``acarerank.ops.cascade.VARLEN_KERNEL`` says which; printed).
+
+Correctness first (skip with --no-check): on the first few segments, every provider's
+output against the fp32 reference, flash-attn's rule: error <= 2 x the error of plain
+PyTorch attention in the same dtype + 2 fp32 rounding steps (fp32 inputs: + 1e-5). A provider that breaks it,
+or raises, makes the script exit 1 (after the others ran and the CSV was written).
 
 TFLOP/s are counted on the *shared* FLOPs for every provider (4·Hq·d·Σ_s(L·P + L(L+1)/2)),
 so they compare time for the same useful work; at the default shape the unshared form does
 4.8x those FLOPs. ``x_triton`` = provider time / triton time (> 1: ours is faster).
-GPU issue targets: x_triton >= 4 for flash_unshared, >= 0.9 for flash_cascade.
+GPU issue targets: x_triton >= 4 for flash_unshared, >= 0.9 for flash_cascade (printed).
 
-Timing: ``triton.testing.do_bench`` on GPU (median, 20/80% quantiles, ms); on CPU a
-perf_counter median over a few runs. ``--quick``: tiny shapes, fp32, runs under
-TRITON_INTERPRET=1 on CPU in seconds (exercise only, the numbers mean nothing).
+Timing: ``acarerank.benchmark.measure.time_ms`` (GPU: triton's do_bench; CPU: a
+perf_counter median over a few runs); median and 20/80 % percentiles, ms. ``--quick``:
+tiny shapes, fp32, one timed call each, under TRITON_INTERPRET=1 on CPU in seconds
+(exercise only, the numbers mean nothing).
 
     python bench/bench_attention.py                 # GPU, issue shape, CSV to results/bench_attention/
     python bench/bench_attention.py --quick         # CPU smoke run (sets TRITON_INTERPRET=1)
@@ -25,16 +41,16 @@ TRITON_INTERPRET=1 on CPU in seconds (exercise only, the numbers mean nothing).
 from __future__ import annotations
 
 import argparse
-import csv
+import math
 import os
-import platform
 import sys
 from pathlib import Path
 
-from _timing import time_ms  # bench/ is on sys.path when a script here runs
-
 QUICK = dict(num_heads=4, num_kv_heads=2, head_dim=32, prefix=64, segments=4, seg_len=16, dtype="float32")
 ISSUE = dict(num_heads=32, num_kv_heads=8, head_dim=128, prefix=4096, segments=100, seg_len=512, dtype="bfloat16")
+PROVIDERS = ("triton", "flash_cascade", "flash_cascade_per_call", "flash_unshared", "torch", "ref")
+TARGETS = {"flash_unshared": 4.0, "flash_cascade": 0.9}   # minimum x_triton on a GPU
+CHECK_SEGMENTS = 4                                         # segments compared with the fp32 reference
 
 
 def parse_args(argv=None):
@@ -48,8 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--seg-len", type=int, help="tokens per segment")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--providers", default="triton,flash_cascade,flash_unshared,torch",
-                   help="comma list from triton, flash_cascade, flash_unshared, torch, ref")
+                   help=f"comma list from {', '.join(PROVIDERS)}")
     p.add_argument("--ref", action="store_true", help="also time the per-segment reference loop")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check against the fp32 reference")
     p.add_argument("--csv", type=Path, default=None,
                    help="CSV path (default results/bench_attention/attention[_quick].csv)")
     args = p.parse_args(argv)
@@ -64,29 +81,62 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.prefix < 0:
         p.error("--prefix must be >= 0")
+    args.providers = [x.strip() for x in args.providers.split(",") if x.strip()]
+    unknown = set(args.providers) - set(PROVIDERS)
+    if unknown:
+        p.error(f"unknown providers: {', '.join(sorted(unknown))}; known: {', '.join(PROVIDERS)}")
+    if "triton" not in args.providers:
+        p.error("the triton provider is required (ratios are relative to it)")
+    args.providers = ["triton"] + [x for x in args.providers if x != "triton"]
+    if (args.ref or args.quick) and "ref" not in args.providers:
+        args.providers.append("ref")
     if args.csv is None:
         args.csv = Path("results") / "bench_attention" / ("attention_quick.csv" if args.quick else "attention.csv")
     return args
+
+
+def plain_attention(q, k, v, cu, pk, pv, cp, sg, scale):
+    """Plain PyTorch attention in the inputs' dtype (no fp32 upcast): the error yardstick."""
+    import torch
+
+    out = torch.empty_like(q)
+    r = q.shape[1] // k.shape[1]
+    cs, cps, sgs = cu.tolist(), cp.tolist(), sg.tolist()
+    for s in range(len(sgs)):
+        a, b, g = cs[s], cs[s + 1], sgs[s]
+        if a == b:
+            continue
+        P = cps[g + 1] - cps[g]
+        keys = torch.cat([pk[cps[g]:cps[g + 1]], k[a:b]]).repeat_interleave(r, 1).transpose(0, 1)
+        vals = torch.cat([pv[cps[g]:cps[g + 1]], v[a:b]]).repeat_interleave(r, 1).transpose(0, 1)
+        mask = torch.ones(b - a, P + b - a, dtype=torch.bool, device=q.device).tril(diagonal=P)
+        s_ = (q[a:b].transpose(0, 1) @ keys.transpose(1, 2)) * scale
+        p_ = s_.masked_fill(~mask, float("-inf")).softmax(-1)
+        out[a:b] = (p_ @ vals).transpose(0, 1)
+    return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    on_gpu = torch.cuda.is_available()
+    from acarerank.benchmark.measure import kernel_bench_device, machine_info, time_ms
+    from acarerank.benchmark.report import write_csv
+
+    dev = kernel_bench_device(args.quick)
+    if dev is None:
+        return 2
+    on_gpu = dev == "cuda"
     if not on_gpu:
-        if not args.quick:
-            print("no CUDA device: the issue shape needs a GPU; run with --quick on CPU", file=sys.stderr)
-            return 2
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
-    import triton
 
     from acarerank.kernels.prefix_shared_attention import flops
-    from acarerank.ops import BackendError, prefix_shared_attention, prefix_shared_attention_ref
+    from acarerank.ops import (BackendError, plan_prefix_shared_attention, prefix_shared_attention,
+                               prefix_shared_attention_ref)
 
-    dev = "cuda" if on_gpu else "cpu"
     dtype = getattr(torch, args.dtype)
     Hq, Hkv, d, P, S, L = args.num_heads, args.num_kv_heads, args.head_dim, args.prefix, args.segments, args.seg_len
+    scale = d ** -0.5
     gen = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(dtype)  # noqa: E731
     q, k, v = rnd(S * L, Hq, d), rnd(S * L, Hkv, d), rnd(S * L, Hkv, d)
@@ -97,98 +147,135 @@ def main(argv=None) -> int:
     args_shared = (q, k, v, cu, pk, pv, cp, sg)
     shared_flops = flops(cu, cp, sg, Hq, d)
 
-    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
-    if (args.ref or args.quick) and "ref" not in providers:
-        providers.append("ref")
-    unknown = set(providers) - {"triton", "flash_cascade", "flash_unshared", "torch", "ref"}
-    if unknown:
-        print(f"unknown providers: {', '.join(sorted(unknown))}", file=sys.stderr)
-        return 2
+    try:
+        from acarerank.ops import cascade
+        kernel_note, cascade_why = cascade.VARLEN_KERNEL, None
+    except ImportError as e:
+        cascade, kernel_note, cascade_why = None, "", f"no FlashAttention-2 kernel: {e}"
+    if cascade is not None and (not on_gpu or dtype == torch.float32):
+        cascade_why = "needs CUDA and fp16/bf16"
 
-    def unshared_fn():
-        """flash-attn varlen over prefix ++ segment for every segment (None if flash-attn is missing)."""
-        try:
-            from flash_attn import flash_attn_varlen_func
-        except ImportError:
-            return None, "flash-attn not installed"
-        if not on_gpu or dtype == torch.float32:
-            return None, "needs CUDA and fp16/bf16"
-        cat = lambda pre, own: torch.cat([torch.cat([pre, own[s * L:(s + 1) * L]]) for s in range(S)])  # noqa: E731
-        uq = cat(rnd(P, Hq, d), q)
-        uk, uv = cat(pk, k), cat(pv, v)
-        ucu = torch.arange(0, S * (P + L) + 1, P + L, dtype=torch.int32, device=dev)
-        scale = d ** -0.5
-        fn = lambda: flash_attn_varlen_func(uq, uk, uv, ucu, ucu, P + L, P + L, softmax_scale=scale, causal=True)  # noqa: E731
-        # rows P.. of each sequence are the segment's: compare them with ours below
-        rows = torch.cat([torch.arange(s * (P + L) + P, (s + 1) * (P + L), device=dev) for s in range(S)])
-        return (fn, lambda out: out[rows]), None
-
-    fns, notes = {}, {}
-    for name in providers:
-        if name == "triton":
-            fns[name] = (lambda: prefix_shared_attention(*args_shared, backend="triton", validate=False), None)
-        elif name == "torch":
-            fns[name] = (lambda: prefix_shared_attention(*args_shared, backend="torch", validate=False), None)
+    fns, notes = {}, {}   # name -> (fn, pick rows of ours from its output or None)
+    for name in args.providers:
+        if name in ("flash_cascade", "flash_cascade_per_call", "flash_unshared") and cascade_why:
+            notes[name] = cascade_why
+        elif name in ("triton", "torch"):  # planned once, before timing, as once per forward for all layers
+            plan_ours = plan_prefix_shared_attention(cu, cp, sg, num_tokens=S * L, num_q_heads=Hq, num_kv_heads=Hkv,
+                                                     head_dim=d, dtype=dtype, backend=name)
+            fns[name] = ((lambda p=plan_ours: prefix_shared_attention(q, k, v, prefix_k=pk, prefix_v=pv, plan=p)),
+                         None)
         elif name == "ref":
             fns[name] = (lambda: prefix_shared_attention_ref(*args_shared), None)
         elif name == "flash_cascade":
+            plan = cascade.plan_flash_cascade(cu, cp, sg, q.shape[0])   # once, before timing
+            fns[name] = (lambda: cascade.run_flash_cascade(plan, q, k, v, pk, pv, scale), None)
+            notes[name] = kernel_note
+        elif name == "flash_cascade_per_call":
             try:
                 prefix_shared_attention(*args_shared, backend="flash_attn_cascade", validate=False)
-                fns[name] = (lambda: prefix_shared_attention(*args_shared, backend="flash_attn_cascade",
-                                                             validate=False), None)
             except BackendError as e:
                 notes[name] = str(e)
+                continue
+            fns[name] = (lambda: prefix_shared_attention(*args_shared, backend="flash_attn_cascade",
+                                                         validate=False), None)
+            notes[name] = kernel_note
         elif name == "flash_unshared":
-            pair, why = unshared_fn()
-            if pair is None:
-                notes[name] = why
-            else:
-                fns[name] = pair
+            # packed before timing: every sequence is prefix ++ segment; rows P.. are the segment's
+            cat = lambda pre, own: torch.cat([torch.cat([pre, own[s * L:(s + 1) * L]]) for s in range(S)])  # noqa: E731
+            uq, uk, uv = cat(rnd(P, Hq, d), q), cat(pk, k), cat(pv, v)
+            ucu = torch.arange(0, S * (P + L) + 1, P + L, dtype=torch.int32, device=dev)
+            rows = torch.cat([torch.arange(s * (P + L) + P, (s + 1) * (P + L), device=dev) for s in range(S)])
+            fns[name] = ((lambda: cascade.varlen_attention(uq, uk, uv, ucu, ucu, P + L, P + L, scale, causal=True)[0]),
+                         (lambda out: out[rows]))
+            notes[name] = kernel_note
 
-    if "triton" not in fns:
-        print("the triton provider is required (ratios are relative to it)", file=sys.stderr)
-        return 2
-    ours = fns["triton"][0]().float()
-    rows = []
-    for name in providers:
-        if name not in fns:
-            rows.append(dict(provider=name, note=notes.get(name, "")))
-            continue
-        fn, pick = fns[name]
-        out = fn()
-        out = (pick(out) if pick else out).float()
-        med, lo, hi = time_ms(fn, on_gpu, runs=3 if args.quick else 5)
-        rows.append(dict(provider=name, ms=med, ms_p20=lo, ms_p80=hi, shared_tflops=shared_flops / med / 1e9,
-                         max_abs_diff_vs_triton=(out - ours).abs().max().item(), note=""))
+    # -- correctness: the first CHECK_SEGMENTS segments against the fp32 reference
+    failed = []
+    n_chk = min(S, CHECK_SEGMENTS) * L
+    errors = {}
+    if not args.no_check:
+        sub = (q[:n_chk], k[:n_chk], v[:n_chk], cu[:min(S, CHECK_SEGMENTS) + 1], pk, pv, cp, sg[:min(S, CHECK_SEGMENTS)])
+        want = prefix_shared_attention_ref(*(t.float() if t.is_floating_point() else t for t in sub))
+        plain = plain_attention(*sub, scale)
+        err_plain = (plain.float() - want).abs().max().item()
+        # half precision: 2 fp32 rounding steps near the outputs; fp32 (plain == reference): the 1e-5 contract
+        atol = 2 * (want + 0.3 - 0.3 - want).abs().max().item() if dtype != torch.float32 else 1e-5
+        bound = 2 * err_plain + atol
+        for name, (fn, pick) in list(fns.items()):
+            try:
+                out = fn()
+            except Exception as e:  # one provider's failure must not hide the others' figures
+                print(f"correctness {name:<23} FAILED: {type(e).__name__}: {e}", flush=True)
+                failed.append(name)
+                notes[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+                del fns[name]
+                continue
+            out = (pick(out) if pick else out)[:n_chk].float()
+            errors[name] = err = (out - want).abs().max().item()
+            ok = err <= bound and math.isfinite(err)
+            print(f"correctness {name:<23} max|err| {err:.3e} vs bound {bound:.3e} "
+                  f"(2 x plain {args.dtype} {err_plain:.3e} + {atol:.1e}): {'OK' if ok else 'FAILED'}", flush=True)
+            if not ok:
+                failed.append(name)
         if on_gpu:
             torch.cuda.empty_cache()
-    t_ours = next(r["ms"] for r in rows if r["provider"] == "triton")
-    for r in rows:
+
+    rows_out, ours = [], None
+    for name in args.providers:   # triton first: the others are compared with its output
+        if name not in fns:
+            rows_out.append(dict(provider=name, note=notes.get(name, "")))
+            continue
+        fn, pick = fns[name]
+        try:
+            t = time_ms(fn, dev, repeats=1 if args.quick else 5, warmup=0 if args.quick else 1)
+        except Exception as e:  # reported in its row; the run goes on
+            failed.append(name)
+            rows_out.append(dict(provider=name, note=f"error: {type(e).__name__}: {str(e)[:200]}"))
+            continue
+        out = (pick(t.result) if pick else t.result).float()
+        if name == "triton":
+            ours = out
+        med = t.median
+        rows_out.append(dict(provider=name, ms=med, ms_p20=t.p(20), ms_p80=t.p(80), shared_tflops=shared_flops / med / 1e9,
+                             max_abs_diff_vs_triton=(out - ours).abs().max().item() if ours is not None else math.nan,
+                             max_abs_err_vs_fp32_ref=errors.get(name, ""), note=notes.get(name, "")))
+        del out, t
+        if on_gpu:
+            torch.cuda.empty_cache()
+    t_ours = next((r["ms"] for r in rows_out if r["provider"] == "triton" and "ms" in r), math.nan)
+    for r in rows_out:
         if "ms" in r:
             r["x_triton"] = r["ms"] / t_ours
 
-    machine = torch.cuda.get_device_name() if on_gpu else f"CPU {platform.processor() or platform.machine()} (TRITON_INTERPRET=1)"
-    meta = dict(machine=machine, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                dtype=args.dtype, num_heads=Hq, num_kv_heads=Hkv, head_dim=d, prefix=P, segments=S, seg_len=L,
-                shared_gflop=shared_flops / 1e9, unshared_flop_ratio=(S * (P + L) * (P + L + 1) / 2) / (S * (L * P + L * (L + 1) / 2)))
-    cols = ["provider", "ms", "ms_p20", "ms_p80", "shared_tflops", "x_triton", "max_abs_diff_vs_triton", "note"]
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols + list(meta))
-        w.writeheader()
-        for r in rows:
-            w.writerow({**{c: r.get(c, "") for c in cols}, **meta})
+    info = machine_info(dev)
+    if not on_gpu:
+        info["device_name"] += " (TRITON_INTERPRET=1)"
+    meta = dict(info, dtype=args.dtype, num_heads=Hq, num_kv_heads=Hkv, head_dim=d, prefix=P, segments=S, seg_len=L,
+                shared_gflop=shared_flops / 1e9,
+                unshared_flop_ratio=(S * (P + L) * (P + L + 1) / 2) / (S * (L * P + L * (L + 1) / 2)))
+    cols = ["provider", "ms", "ms_p20", "ms_p80", "shared_tflops", "x_triton", "max_abs_diff_vs_triton",
+            "max_abs_err_vs_fp32_ref", "note"]
+    write_csv([{**r, **meta} for r in rows_out], args.csv, cols + list(meta))
 
-    print(f"# {machine}; torch {torch.__version__}, triton {triton.__version__}; {args.dtype}; Hq={Hq} Hkv={Hkv} d={d} "
-          f"prefix={P} segments={S}x{L}; shared {shared_flops / 1e9:.1f} GFLOP (unshared {meta['unshared_flop_ratio']:.2f}x)")
-    print(f"{'provider':<15}{'ms':>10}{'p20':>10}{'p80':>10}{'TFLOP/s':>10}{'x_triton':>10}{'max|diff|':>11}  note")
-    for r in rows:
+    print(f"# {info['device_name']}; torch {info['torch']}, triton {info['triton']}; {args.dtype}; Hq={Hq} Hkv={Hkv} "
+          f"d={d} prefix={P} segments={S}x{L}; shared {shared_flops / 1e9:.1f} GFLOP "
+          f"(unshared {meta['unshared_flop_ratio']:.2f}x)")
+    print(f"{'provider':<24}{'ms':>10}{'p20':>10}{'p80':>10}{'TFLOP/s':>10}{'x_triton':>10}{'max|diff|':>11}  note")
+    for r in rows_out:
         if "ms" in r:
-            print(f"{r['provider']:<15}{r['ms']:>10.3f}{r['ms_p20']:>10.3f}{r['ms_p80']:>10.3f}{r['shared_tflops']:>10.3f}"
-                  f"{r['x_triton']:>10.2f}{r['max_abs_diff_vs_triton']:>11.2e}")
+            print(f"{r['provider']:<24}{r['ms']:>10.3f}{r['ms_p20']:>10.3f}{r['ms_p80']:>10.3f}{r['shared_tflops']:>10.3f}"
+                  f"{r['x_triton']:>10.2f}{r['max_abs_diff_vs_triton']:>11.2e}  {r['note']}")
         else:
-            print(f"{r['provider']:<15}{'n/a':>10}{'':>50}  {r['note']}")
+            print(f"{r['provider']:<24}{'n/a':>10}{'':>50}  {r['note']}")
+    for name, target in TARGETS.items():
+        r = next((r for r in rows_out if r["provider"] == name and "ms" in r), None)
+        verdict = ("not measured" if r is None else
+                   f"{r['x_triton']:.2f}x: {'met' if r['x_triton'] >= target else 'NOT met'}")
+        print(f"target: triton >= {target:g}x {name}: {verdict}{'' if on_gpu else ' (CPU: no meaning)'}")
     print(f"CSV: {args.csv}")
+    if failed:
+        print(f"FAILED (correctness or run): {', '.join(dict.fromkeys(failed))}", file=sys.stderr)
+        return 1
     return 0
 
 

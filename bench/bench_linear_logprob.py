@@ -18,15 +18,17 @@ the ≤ 10 % target is about; the totals are in the CSV too.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_topk_logprobs import (alloc_peak_extra, machine_info, make_inputs, rss_in_subprocess,  # noqa: E402
-                                 rss_peak_extra_mb, time_runs)
+from bench_topk_logprobs import add_ratios, make_inputs  # noqa: E402
+
+from acarerank.benchmark.measure import (alloc_peak_extra, machine_info, rss_in_subprocess,  # noqa: E402
+                                         rss_peak_extra_mb, time_ms)
+from acarerank.benchmark.report import write_csv  # noqa: E402
 
 QUICK = dict(rows=32, hidden=64, vocab=4099, dtype="float32", repeats=2)
 ISSUE = dict(rows=512, hidden=1024, vocab=151669, dtype="float32", repeats=2)
@@ -34,7 +36,7 @@ MEM_TARGET = 0.10
 COLUMNS = ["provider", "rows", "hidden", "vocab", "dtype", "device", "threads", "median_ms", "p20_ms", "p80_ms", "cpu_ms",
            "time_vs_gemm3", "alloc_total_mb", "alloc_extra_mb", "rss_total_mb", "rss_extra_mb", "grad_mb",
            "alloc_extra_vs_materialised", "rss_extra_vs_materialised", "max_abs_grad_diff", "note", "device_name",
-           "python", "torch", "triton", "machine"]
+           "python", "torch", "triton", "transformers", "acarerank", "machine"]
 
 
 def parse_args(argv=None):
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     h, w, tg = make_inputs(args.rows, args.hidden, args.vocab, dtype, "cpu")
     grad_mb = (h.numel() + w.numel()) * h.element_size() / 2 ** 20
-    info = machine_info()
+    info = machine_info("cpu")
     print(f"linear_logprob fwd+bwd: T={args.rows} H={args.hidden} V={args.vocab} {args.dtype}, "
           f"threads={torch.get_num_threads()}, gradients {grad_mb:.0f} MB", flush=True)
     results, ref = {}, None
@@ -113,8 +115,9 @@ def main(argv=None) -> int:
         out, peak = alloc_peak_extra(lambda: fn(h, w, tg))
         row["alloc_total_mb"] = peak / 2 ** 20
         row["alloc_extra_mb"] = row["alloc_total_mb"] - grad_mb
-        med, p20, p80, cpu = time_runs(lambda: fn(h, w, tg), args.repeats)
-        row.update(median_ms=med, p20_ms=p20, p80_ms=p80, cpu_ms=cpu)
+        t = time_ms(lambda: fn(h, w, tg), "cpu", repeats=args.repeats)
+        med, cpu = t.median, t.cpu_median
+        row.update(median_ms=med, p20_ms=t.p(20), p80_ms=t.p(80), cpu_ms=cpu)
         if not args.no_rss:
             child = ["--rss-child", name, "--rows", str(args.rows), "--hidden", str(args.hidden), "--vocab",
                      str(args.vocab), "--dtype", args.dtype] + (["--threads", str(args.threads)] if args.threads else [])
@@ -128,20 +131,10 @@ def main(argv=None) -> int:
         print(f"  {name:12s} {med:10.1f} ms  cpu {cpu:10.1f} ms  alloc {row['alloc_total_mb']:8.1f} MB "
               f"(extra {row['alloc_extra_mb']:8.1f})  rss {row.get('rss_total_mb', float('nan')):8.1f} MB "
               f"(extra {row.get('rss_extra_mb', float('nan')):8.1f})", flush=True)
-    g3 = results["gemm3"]["median_ms"]
-    mat = results["materialised"]
-    for row in results.values():
-        row["time_vs_gemm3"] = row["median_ms"] / g3
-        for kind in ("alloc", "rss"):
-            if mat.get(f"{kind}_extra_mb") and row.get(f"{kind}_extra_mb") is not None:
-                row[f"{kind}_extra_vs_materialised"] = row[f"{kind}_extra_mb"] / mat[f"{kind}_extra_mb"]
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=COLUMNS)
-        wr.writeheader()
-        for row in results.values():
-            wr.writerow({**{c: "" for c in COLUMNS}, **row, "rows": args.rows, "hidden": args.hidden, "vocab": args.vocab,
-                         "dtype": args.dtype, "device": "cpu", "threads": torch.get_num_threads(), **info})
+    add_ratios(results, "gemm3", "time_vs_gemm3", "{kind}_extra_vs_materialised")
+    common = dict(rows=args.rows, hidden=args.hidden, vocab=args.vocab, dtype=args.dtype, device="cpu",
+                  threads=torch.get_num_threads(), **info)
+    write_csv([{**row, **common} for row in results.values()], args.csv, COLUMNS)
     print(f"\n{'provider':12s} {'time/gemm3':>10s} {'alloc extra/mat':>16s} {'rss extra/mat':>14s}   target: ≤ {MEM_TARGET:.0%}")
     for name, row in results.items():
         a, r = row.get("alloc_extra_vs_materialised"), row.get("rss_extra_vs_materialised")

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from acarerank.benchmark.harness import machine_info, max_abs_diff, percentile
+from acarerank.benchmark.harness import max_abs_diff
+from acarerank.benchmark.measure import machine_info, percentile, timed_call
 from acarerank.benchmark.workload import WorkloadSpec, make_workload
 from acarerank.server.launch import serve_subprocess
 
@@ -119,14 +120,11 @@ def offline(rr, reqs: list) -> dict:
     def call(b):
         return rr.score(b["query"], b["documents"], question=b.get("question"), trace=b.get("trace"))
 
+    device = rr.runner.device
     call(reqs[0].body)  # warm-up
-    t = time.perf_counter()
-    one = [call(r.body) for r in reqs]
-    t_one = time.perf_counter() - t
-    t = time.perf_counter()
-    batch = rr.score_batch([ScoreRequest(r.body["query"], r.body["documents"], r.body.get("question"),
-                                         r.body.get("trace")) for r in reqs])
-    t_batch = time.perf_counter() - t
+    one, t_one = timed_call(lambda: [call(r.body) for r in reqs], device)
+    batch, t_batch = timed_call(lambda: rr.score_batch([ScoreRequest(
+        r.body["query"], r.body["documents"], r.body.get("question"), r.body.get("trace")) for r in reqs]), device)
     return dict(scores=one, one_by_one_s=t_one, score_batch_s=t_batch,
                 batch_diff=max(max_abs_diff(a, b) for a, b in zip(one, batch)))
 

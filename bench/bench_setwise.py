@@ -17,7 +17,7 @@ Random weights would mostly stop after one id; to time a realistic (in fact the 
 loop, ``<|im_end|>`` is disfavoured in the weights (as in the tests) so every selection runs
 to the cap: 10 ids, 31-41 new tokens. Both providers must emit the same tokens (checked).
 
-Reported per pool: median / p10 / p90 ms (perf_counter, ``--repeats`` runs after one warm-up),
+Reported per pool: median / p10 / p90 ms (``measure.time_ms``: ``--repeats`` runs after one warm-up),
 prompt tokens/s, ``x`` = transformers / acarerank, and for acarerank the prefill alone
 (``runner.prefill`` of the whole prompt) and the decode loop = total - prefill.
 Target (issue 6): at pool 20 the decode loop adds <= 20 % to the prefill.
@@ -31,15 +31,13 @@ Writes ``bench_setwise.csv`` (one row per pool and provider, with machine and ve
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import statistics
 import sys
-import time
 
 import torch
 
-from acarerank.benchmark.harness import machine_info
+from acarerank.benchmark.measure import machine_info, time_ms
+from acarerank.benchmark.report import write_csv
 from acarerank.benchmark.workload import WorkloadSpec, make_workload
 from acarerank.model import Qwen3Runner
 from acarerank.model.default import DEFAULT_PRESET, build_default_model
@@ -52,24 +50,6 @@ DECODE_SHARE_TARGET = 0.20     # decode loop / prefill at pool 20
 COLUMNS = ["pool", "provider", "prompt_tokens", "new_tokens", "median_ms", "p10_ms", "p90_ms", "prompt_tok_per_s",
            "x_vs_transformers", "prefill_ms", "decode_loop_ms", "decode_share", "tokens_agree", "device_name",
            "python", "torch", "transformers", "acarerank", "dtype", "layers"]
-
-
-def percentile(xs, q):
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def timed(fn, repeats, warmup):
-    for _ in range(warmup):
-        fn()
-    times, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return out, times
 
 
 def build_model(layers, dtype, end_bias):
@@ -134,16 +114,15 @@ def main(argv=None) -> int:
         def prefill():
             return runner.prefill([ids])
 
-        out_ours, t_ours = timed(ours, args.repeats, warmup)
-        out_hf, t_hf = timed(theirs, args.repeats, warmup)
-        _, t_pre = timed(prefill, args.repeats, warmup)
+        t_ours, t_hf, t_pre = (time_ms(fn, "cpu", repeats=args.repeats, warmup=warmup) for fn in (ours, theirs, prefill))
+        out_ours, out_hf = t_ours.result, t_hf.result
         agree = out_ours == out_hf
-        med_ours, med_hf, med_pre = (statistics.median(t) for t in (t_ours, t_hf, t_pre))
+        med_ours, med_hf, med_pre = t_ours.median, t_hf.median, t_pre.median
         common = dict(pool=pool, prompt_tokens=n, new_tokens=len(out_ours), tokens_agree=agree, dtype=args.dtype,
                       layers=layers, **info)
         for name, t in (("acarerank", t_ours), ("transformers", t_hf)):
-            med = statistics.median(t)
-            rows.append(dict(common, provider=name, median_ms=med, p10_ms=percentile(t, 0.1), p90_ms=percentile(t, 0.9),
+            med = t.median
+            rows.append(dict(common, provider=name, median_ms=med, p10_ms=t.p(10), p90_ms=t.p(90),
                              prompt_tok_per_s=n / med * 1e3, x_vs_transformers=med_hf / med))
         share = (med_ours - med_pre) / med_pre
         rows[-2].update(prefill_ms=med_pre, decode_loop_ms=med_ours - med_pre, decode_share=share)
@@ -155,11 +134,7 @@ def main(argv=None) -> int:
 
     os.makedirs(args.output, exist_ok=True)
     path = os.path.join(args.output, "bench_setwise.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    write_csv(rows, path, COLUMNS)
     at20 = [r for r in rows if r["pool"] == 20 and r["provider"] == "acarerank"]
     if at20:
         s = at20[0]["decode_share"]

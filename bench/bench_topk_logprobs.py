@@ -11,12 +11,12 @@ hidden 1,024, vocabulary 151,669, k = 128, fp32. On a GPU: 16 queries (8,192 row
                 ``topk_logprobs(backend=...)`` (triton/cuda on GPU; triton on CPU only in
                 --quick mode, under TRITON_INTERPRET=1)
 
-Time: median / 20 % / 80 % wall-clock ms of --repeats runs (perf_counter, after a warm-up),
-and the median CPU time of the process over the same runs (less sensitive to other load
-on a shared machine). GPU: ``triton.testing.do_bench``.
+Time (``acarerank.benchmark.measure.time_ms``): median / 20 % / 80 % wall-clock ms of
+--repeats runs after a warm-up, and the median CPU time of the process over the same runs
+(less sensitive to other load on a shared machine). GPU: ``triton.testing.do_bench``.
 
 Memory ("peak extra" = bytes live at the peak of the call minus bytes live before it; the
-inputs are not counted, the outputs are), measured two ways on CPU:
+inputs are not counted, the outputs are; ``measure``), measured two ways on CPU:
   alloc  torch's own allocation events (``torch.profiler`` with profile_memory=True, CPU
          tensors included), summed in time order: exact tensor bytes, no allocator caching;
   rss    each provider in a fresh subprocess: peak resident set (VmHWM, reset through
@@ -33,14 +33,9 @@ target ratios: time / gemm time, peak extra / materialised peak extra.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 QUICK = dict(rows=32, hidden=64, vocab=4099, k=16, dtype="float32", repeats=2)
@@ -50,7 +45,7 @@ TIME_TARGET, MEM_TARGET = 1.2, 0.05
 COLUMNS = ["provider", "rows", "hidden", "vocab", "k", "dtype", "device", "threads", "median_ms", "p20_ms", "p80_ms",
            "cpu_ms", "time_vs_gemm", "alloc_extra_mb", "rss_extra_mb", "alloc_vs_materialised",
            "rss_vs_materialised", "max_abs_logprob_diff", "ids_equal", "note", "device_name", "python", "torch",
-           "triton", "machine"]
+           "triton", "transformers", "acarerank", "machine"]
 
 
 def parse_args(argv=None):
@@ -78,73 +73,20 @@ def _fill_defaults(args, on_gpu):
     return args
 
 
-# ----------------------------------------------------------------------------- memory helpers
-def alloc_peak_extra(fn):
-    """(result, peak extra bytes) of fn() from torch's allocation events (CPU tensors)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    evs = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                 key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in evs:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return out, peak
-
-
-def _status_mb(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def rss_peak_extra_mb(fn):
-    """Peak RSS during fn() minus RSS before it (Linux: VmHWM reset through clear_refs)."""
-    import gc
-
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_mb("VmRSS")
-    fn()
-    return _status_mb("VmHWM") - before
-
-
-def rss_in_subprocess(script: str, child_args: list) -> float:
-    """Run ``script --rss-child ...`` in a fresh interpreter; it prints {"rss_extra_mb": x}."""
-    out = subprocess.run([sys.executable, script] + child_args, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"rss child failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["rss_extra_mb"]
-
-
-def time_runs(fn, repeats):
-    fn()  # warm-up
-    wall, cpu = [], []
-    for _ in range(repeats):
-        c, t = time.process_time(), time.perf_counter()
-        fn()
-        wall.append((time.perf_counter() - t) * 1e3)
-        cpu.append((time.process_time() - c) * 1e3)
-    wall.sort()
-    q = statistics.quantiles(wall, n=5) if len(wall) > 1 else [wall[0]] * 4
-    return statistics.median(wall), q[0], q[-1], statistics.median(cpu)
-
-
-def machine_info():
-    import torch
-    try:
-        import triton
-        tv = triton.__version__
-    except Exception:
-        tv = ""
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
-    return dict(device_name=dev, python=platform.python_version(), torch=torch.__version__, triton=tv,
-                machine=f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus")
+# ----------------------------------------------------------------------------- results
+def add_ratios(results: dict, time_base: str, time_key: str, mem_key: str) -> None:
+    """Per row: median time / the ``time_base`` row's (as ``time_key``) and, for kind alloc and
+    rss, extra memory / the materialised row's (as ``mem_key.format(kind=...)``)."""
+    base_ms = results.get(time_base, {}).get("median_ms")
+    mat = results.get("materialised", {})
+    for row in results.values():
+        if "median_ms" not in row:
+            continue
+        if base_ms:
+            row[time_key] = row["median_ms"] / base_ms
+        for kind in ("alloc", "rss"):
+            if mat.get(f"{kind}_extra_mb") and row.get(f"{kind}_extra_mb") is not None:
+                row[mem_key.format(kind=kind)] = row[f"{kind}_extra_mb"] / mat[f"{kind}_extra_mb"]
 
 
 # ----------------------------------------------------------------------------- providers
@@ -199,6 +141,8 @@ def child_main(args):
     """--rss-child PROVIDER: build the inputs, warm up on a tiny shape, measure one call."""
     import torch
 
+    from acarerank.benchmark.measure import rss_peak_extra_mb
+
     if args.threads:
         torch.set_num_threads(args.threads)
     fn = providers([args.rss_child], args.k, args.temperature)[args.rss_child]
@@ -222,12 +166,15 @@ def main(argv=None) -> int:
         return child_main(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from acarerank.benchmark.measure import PeakMemory, alloc_peak_extra, machine_info, rss_in_subprocess, time_ms
+    from acarerank.benchmark.report import write_csv
+
     device = "cuda" if on_gpu else "cpu"
     dtype = getattr(torch, args.dtype)
     names = args.providers.split(",") if args.providers else default_provider_names(on_gpu, args.quick)
     fns = providers(names, args.k, args.temperature)
     h, w, tg = make_inputs(args.rows, args.hidden, args.vocab, dtype, device)
-    info = machine_info()
+    info = machine_info(device)
     print(f"topk_logprobs: T={args.rows} H={args.hidden} V={args.vocab} k={args.k} {args.dtype} on {device} "
           f"({info['device_name']}), threads={torch.get_num_threads()}", flush=True)
 
@@ -237,20 +184,17 @@ def main(argv=None) -> int:
         row = dict(provider=name, note="")
         try:
             if on_gpu:
-                from triton.testing import do_bench
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
+                meter = PeakMemory(device)
+                meter.start()
                 out = fn(h, w, tg)
-                torch.cuda.synchronize()
-                row["alloc_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-                med, p20, p80 = do_bench(lambda: fn(h, w, tg), warmup=10, rep=100, quantiles=[0.5, 0.2, 0.8])
-                row.update(median_ms=med, p20_ms=p20, p80_ms=p80, cpu_ms="")
+                row["alloc_extra_mb"] = meter.stop()
+                t = time_ms(lambda: fn(h, w, tg), device)
+                row.update(median_ms=t.median, p20_ms=t.p(20), p80_ms=t.p(80), cpu_ms="")
             else:
                 out, peak = alloc_peak_extra(lambda: fn(h, w, tg))
                 row["alloc_extra_mb"] = peak / 2 ** 20
-                med, p20, p80, cpu = time_runs(lambda: fn(h, w, tg), args.repeats)
-                row.update(median_ms=med, p20_ms=p20, p80_ms=p80, cpu_ms=cpu)
+                t = time_ms(lambda: fn(h, w, tg), device, repeats=args.repeats)
+                row.update(median_ms=t.median, p20_ms=t.p(20), p80_ms=t.p(80), cpu_ms=t.cpu_median)
                 if not args.no_rss and name != "triton":  # the interpreter's numpy buffers are not the op's
                     child = ["--rss-child", name, "--rows", str(args.rows), "--hidden", str(args.hidden), "--vocab",
                              str(args.vocab), "--k", str(args.k), "--dtype", args.dtype,
@@ -270,24 +214,10 @@ def main(argv=None) -> int:
         print(f"  {name:12s} {row['median_ms']:10.1f} ms  cpu {row.get('cpu_ms') or 0:10.1f} ms  "
               f"alloc +{row['alloc_extra_mb']:9.1f} MB  rss +{row.get('rss_extra_mb', float('nan')):9.1f} MB", flush=True)
 
-    gemm_ms = results.get("gemm", {}).get("median_ms")
-    mat = results.get("materialised", {})
-    for row in results.values():
-        if "median_ms" not in row:
-            continue
-        if gemm_ms:
-            row["time_vs_gemm"] = row["median_ms"] / gemm_ms
-        for kind in ("alloc", "rss"):
-            if mat.get(f"{kind}_extra_mb") and row.get(f"{kind}_extra_mb") is not None:
-                row[f"{kind}_vs_materialised"] = row[f"{kind}_extra_mb"] / mat[f"{kind}_extra_mb"]
-
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=COLUMNS)
-        wr.writeheader()
-        for row in results.values():
-            wr.writerow({**{c: "" for c in COLUMNS}, **row, "rows": args.rows, "hidden": args.hidden, "vocab": args.vocab,
-                         "k": args.k, "dtype": args.dtype, "device": device, "threads": torch.get_num_threads(), **info})
+    add_ratios(results, "gemm", "time_vs_gemm", "{kind}_vs_materialised")
+    common = dict(rows=args.rows, hidden=args.hidden, vocab=args.vocab, k=args.k, dtype=args.dtype, device=device,
+                  threads=torch.get_num_threads(), **info)
+    write_csv([{**row, **common} for row in results.values()], args.csv, COLUMNS)
     print(f"\n{'provider':12s} {'time/gemm':>10s} {'alloc/mat':>10s} {'rss/mat':>10s}   targets: time ≤ {TIME_TARGET}×, "
           f"memory ≤ {MEM_TARGET:.0%}")
     for name, row in results.items():

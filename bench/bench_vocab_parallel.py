@@ -43,8 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_topk_logprobs import alloc_peak_extra, machine_info  # noqa: E402
+from acarerank.benchmark.measure import alloc_peak_extra, machine_info
 
 QUICK = dict(rows=32, hidden=64, vocab=4099, k=16, repeats=2)
 ISSUE = dict(rows=512, hidden=1024, vocab=151669, k=128, repeats=3)
@@ -206,7 +205,7 @@ def main(argv=None) -> int:
     from acarerank.ops import topk_logprobs
 
     torch.set_num_threads(1)
-    info = machine_info()
+    info = machine_info("cpu")
     base = dict(rows=args.rows, hidden=args.hidden, vocab=args.vocab, k=args.k, threads_per_rank=1, **info)
     table = []
     with tempfile.TemporaryDirectory(prefix="bench_vp_") as tmp:

@@ -8,7 +8,7 @@ on GPU. Providers, on the same last hidden states:
   full_logits  final RMSNorm + lm_head over the whole vocabulary + softmax over [no, yes]
                (the transformers / model-card path: [S, V] logits)
 
-Reported: median / 20% / 80% ms, GB/s of the bytes each provider must read at least
+Reported (``acarerank.benchmark.measure.time_ms``): median / 20% / 80% ms, GB/s of the bytes each provider must read at least
 (hidden states + the weight rows it touches), ``x_triton`` = provider time / triton time,
 and the max |score − triton score|. ``--quick``: tiny shapes, fp32, CPU under
 TRITON_INTERPRET=1 (exercise only). CSV with machine and versions.
@@ -19,13 +19,9 @@ TRITON_INTERPRET=1 (exercise only). CSV with machine and versions.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import platform
 import sys
 from pathlib import Path
-
-from _timing import time_ms  # bench/ is on sys.path when a script here runs
 
 QUICK = dict(segments=8, hidden=64, vocab=1000, dtype="float32")
 ISSUE = dict(segments=100, hidden=2560, vocab=151669, dtype="bfloat16")
@@ -56,17 +52,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        if not args.quick:
-            print("no CUDA device: the default shape is for a GPU; run with --quick on CPU", file=sys.stderr)
-            return 2
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
-    import triton
+    from acarerank.benchmark.measure import kernel_bench_device, machine_info, time_ms
+    from acarerank.benchmark.report import write_csv
 
+    dev = kernel_bench_device(args.quick)
+    if dev is None:
+        return 2
+    on_gpu = dev == "cuda"
+    if not on_gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
     from acarerank.ops import yes_no_score
 
-    dev = "cuda" if on_gpu else "cpu"
     dtype = getattr(torch, args.dtype)
     S, H, V = args.segments, args.hidden, args.vocab
     yes, no = (YES, NO) if V > YES else (V - 1, V - 2)
@@ -92,24 +88,19 @@ def main(argv=None) -> int:
     ours = providers["triton"][0]()
     rows = []
     for name, (fn, nbytes) in providers.items():
-        score = fn()
-        med, lo, hi = time_ms(fn, on_gpu)
-        rows.append(dict(provider=name, ms=med, ms_p20=lo, ms_p80=hi, gb_per_s=nbytes / med / 1e6,
-                         max_abs_score_diff_vs_triton=(score.float() - ours).abs().max().item()))
+        t = time_ms(fn, dev)
+        rows.append(dict(provider=name, ms=t.median, ms_p20=t.p(20), ms_p80=t.p(80), gb_per_s=nbytes / t.median / 1e6,
+                         max_abs_score_diff_vs_triton=(t.result.float() - ours).abs().max().item()))
     for r in rows:
         r["x_triton"] = r["ms"] / rows[0]["ms"]
 
-    machine = torch.cuda.get_device_name() if on_gpu else f"CPU {platform.machine()} (TRITON_INTERPRET=1)"
-    meta = dict(machine=machine, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                dtype=args.dtype, segments=S, hidden=H, vocab=V)
+    info = machine_info(dev)
+    if not on_gpu:
+        info["device_name"] += " (TRITON_INTERPRET=1)"
+    meta = dict(info, dtype=args.dtype, segments=S, hidden=H, vocab=V)
     cols = ["provider", "ms", "ms_p20", "ms_p80", "gb_per_s", "x_triton", "max_abs_score_diff_vs_triton"]
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols + list(meta))
-        w.writeheader()
-        for r in rows:
-            w.writerow({**r, **meta})
-    print(f"# {machine}; torch {torch.__version__}, triton {triton.__version__}; {args.dtype}; S={S} H={H} V={V}")
+    write_csv([{**r, **meta} for r in rows], args.csv, cols + list(meta))
+    print(f"# {info['device_name']}; torch {info['torch']}, triton {info['triton']}; {args.dtype}; S={S} H={H} V={V}")
     print(f"{'provider':<13}{'ms':>10}{'p20':>10}{'p80':>10}{'GB/s':>10}{'x_triton':>10}{'max|Δscore|':>13}")
     for r in rows:
         print(f"{r['provider']:<13}{r['ms']:>10.4f}{r['ms_p20']:>10.4f}{r['ms_p80']:>10.4f}{r['gb_per_s']:>10.2f}"

@@ -15,7 +15,7 @@ import torch
 
 from acarerank.benchmark import report
 from acarerank.benchmark.baselines import OfficialTransformers, PrefixCacheTransformers, split_prompt_ids
-from acarerank.benchmark.harness import PeakMemory, percentile
+from acarerank.benchmark.measure import PeakMemory, percentile, time_ms
 from acarerank.benchmark.workload import WorkloadSpec, make_workload, token_count
 from acarerank.cli import main
 
@@ -152,6 +152,15 @@ def test_percentile_matches_numpy():
     for q in (0, 10, 50, 90, 100):
         assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), abs=1e-12), q
     assert percentile([3.0], 10) == 3.0
+    with pytest.raises(ValueError, match=r"\[0, 100\]"):
+        percentile(xs, 0.5 - 1)
+
+
+def test_time_ms_on_cpu_keeps_every_call():
+    calls = []
+    t = time_ms(lambda: calls.append(1) or len(calls), "cpu", repeats=4, warmup=2)
+    assert len(calls) == 6 and t.result == 6 and len(t.times_ms) == len(t.cpu_ms) == 4
+    assert min(t.times_ms) <= t.p(20) <= t.median <= t.p(80) <= max(t.times_ms)
 
 
 def test_score_check_flags_disagreement_and_nan():
@@ -185,19 +194,37 @@ def test_peak_memory_sees_a_cpu_tensor():
     assert meter.kind == "rss_hwm" and 60 <= peak < 200, peak
 
 
+GPU_CHECK_ORDER = ["env", "attention", "bench", "build", "pytest", "kernels"]
+
+
 def test_gpu_check_dry_run(tmp_path):
-    """The GPU script's CPU mode: bench step runs, a missing kernel benchmark is logged, not fatal."""
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable,
+    """The GPU script's CPU mode: steps in the order of value, each step's result file written
+    as it finishes (before the next step starts), a missing kernel benchmark logged, not fatal."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, GPU_CHECK_KEEP_STEPS="1",
                GPU_CHECK_KERNEL_BENCHES="bench/bench_does_not_exist.py")
     proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry-run", "--skip", "pytest",
-                           "--deadline", "120"], env=env, capture_output=True, text=True, timeout=180)
-    files = sorted(os.listdir(tmp_path))
+                           "--deadline", "240"], env=env, capture_output=True, text=True, timeout=300)
     summary = (tmp_path / "summary.txt").read_text()
     assert proc.returncode == 1, proc.stderr  # the missing script is a failure, reported at the end
-    assert "MISSING bench/bench_does_not_exist.py" in summary, summary
-    assert "OK      acarerank bench" in summary and "scores agree" in summary, summary
-    assert {"gpu_check.log", "summary.txt", "bench.csv", "bench.png", "bench.txt", "details.tar.gz"} <= set(files)
-    assert len(files) <= 8, files
+    steps = sorted(os.listdir(tmp_path / "steps"))
+    assert steps == [f"{i + 1:02d}-{name}.txt" for i, name in enumerate(GPU_CHECK_ORDER)], steps
+    times = []
+    for name in steps:
+        text = (tmp_path / "steps" / name).read_text()
+        fields = dict(kv.split("=") for kv in text.splitlines()[1].split())
+        times.append((float(fields["started_at"]), float(fields["finished_at"]),
+                      os.stat(tmp_path / "steps" / name).st_mtime))
+    for (s0, f0, m0), (s1, _, _) in zip(times, times[1:]):
+        assert s0 <= f0 <= s1 and m0 <= s1 + 0.01, (steps, times)  # written before the next step began
+    status = [line.split()[:2] for line in summary.splitlines() if line[:1].isupper() and not line.startswith(" ")]
+    assert [s[1].rstrip(":") for s in status[:len(GPU_CHECK_ORDER)]] == GPU_CHECK_ORDER, summary
+    for want in ("OK      env", "OK      attention", "OK      bench", "OK      build", "SKIPPED pytest",
+                 "FAILED  kernels", "MISSING bench/bench_does_not_exist.py", "scores agree", "correctness triton",
+                 "target: triton >= 4x flash_unshared", "flash-attn"):
+        assert want in summary, (want, summary)
+    files = set(os.listdir(tmp_path)) - {"steps"}
+    assert {"gpu_check.log", "summary.txt", "attention.csv", "bench.csv", "bench.png", "bench.txt",
+            "details.tar.gz"} <= files and len(files) <= 8, files
 
 
 def test_row_targets_are_speedups_over_each_baseline():

@@ -158,7 +158,8 @@ def test_merge_states_cuda(ext, dtype, N, H, d):
 
 
 def test_flash_attn_cascade_backend(ext):
-    pytest.importorskip("flash_attn", reason="flash-attn is optional; the cascade backend needs it")
+    pytest.importorskip("acarerank.ops.cascade",
+                        reason="no FlashAttention-2 kernel (flash-attn, or PyTorch's in a CUDA build)")
     from acarerank.ops import prefix_shared_attention, prefix_shared_attention_ref
     gen = torch.Generator().manual_seed(5)
     Hq, Hkv, d = 16, 8, 128

@@ -1,10 +1,11 @@
 """The two transformers baselines acarerank is measured against (issue 2, "Speed").
 
-(a) ``OfficialTransformers`` — the Qwen3-Reranker model card's code, kept as written
-    there: every document gets its full prompt ``prefix + body + suffix`` (prefix and
-    suffix tokenized on their own, the body on its own and cut from its end to
-    ``max_length``), batches of 4 left-padded by ``tokenizer.pad``, one forward with
-    ``logits_to_keep=1``, ``log_softmax`` over the [no, yes] logits at the last position.
+(a) ``OfficialTransformers`` — the Qwen3-Reranker model card's code, through the one copy
+    of it in the package (``acarerank.prompts.official``, also the tests' oracle): every
+    document gets its full prompt ``prefix + body + suffix`` (prefix and suffix tokenized on
+    their own, the body on its own and cut from its end to ``max_length``), batches of 4
+    left-padded, one forward with ``logits_to_keep=1``, softmax over the [no, yes] logits at
+    the last position.
 (b) ``PrefixCacheTransformers`` — what a careful transformers user writes to reuse the
     shared context: the shared part (everything up to ``"<Document>:"``) is run once and
     its KV cache reused for batches of 16 documents (right padding + attention mask over
@@ -12,45 +13,21 @@
     state is gathered at each document's last real token and only the [no, yes] rows of
     ``lm_head`` are applied.
 
-Both take the body text of modes M1–M3 from ``acarerank.prompts.body_text`` (ACARe's
-context template is our data, not the model card's); the M0 strings below are the
-model card's own, written out again on purpose so that a slip in our prompts module
-shows up as a score disagreement in the benchmark.
+The body of modes M1–M3 is ``acarerank.prompts.body_text`` (ACARe's context template is
+our data, not the model card's); the card's strings themselves are checked character for
+character against the card in ``tests/test_prompts.py``.
 
     score = softmax([logit_no, logit_yes])[1]      (a float in [0, 1] per document)
 """
 from __future__ import annotations
 
-import warnings
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-# -- Qwen3-Reranker model card, verbatim -------------------------------------------------
-CARD_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
-               "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
-CARD_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-CARD_DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
-CARD_MAX_LENGTH = 8192
-SHARED_END = "<Document>:"
-
-
-def format_instruction(instruction, query, doc):
-    """The model card's body (M0)."""
-    if instruction is None:
-        instruction = CARD_DEFAULT_INSTRUCTION
-    return "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}".format(
-        instruction=instruction, query=query, doc=doc)
-
-
-def body(query: str, doc: str, question: Optional[str] = None, trace: Optional[str] = None,
-         instruction: Optional[str] = None) -> str:
-    """The body of the prompt for the ACARe mode the fields select (M0: the model card's)."""
-    if not question and not trace:
-        return format_instruction(instruction, query, doc)
-    from acarerank.prompts import body_text
-
-    return body_text(query, doc, question=question, trace=trace, instruction=instruction)
+from acarerank.prompts import official_batch_input_ids, official_scores
+from acarerank.prompts.pointwise import (DEFAULT_MAX_LENGTH, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX,
+                                         SHARED_END, body_text)
 
 
 def _yes_no_ids(tokenizer):
@@ -60,59 +37,36 @@ def _yes_no_ids(tokenizer):
     return yes, no
 
 
+def _check_batch_size(batch_size) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    return batch_size
+
+
 class OfficialTransformers:
     """Provider (a): the model card's transformers path, batches of ``batch_size`` documents.
 
-    model: transformers Qwen3ForCausalLM; tokenizer: its tokenizer (left padding is asked
-    of ``tokenizer.pad`` per call, so a shared tokenizer object is not modified).
+    model: transformers Qwen3ForCausalLM; tokenizer: its tokenizer (not modified).
+    ``official_batch_input_ids`` builds the card's ids, ``official_scores`` runs the card's
+    ``compute_logits`` over left-padded batches.
     """
 
     name = "transformers"
     flop_plan = "full_padded"
 
-    def __init__(self, model, tokenizer, batch_size: int = 4, max_length: int = CARD_MAX_LENGTH):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    def __init__(self, model, tokenizer, batch_size: int = 4, max_length: int = DEFAULT_MAX_LENGTH):
         self.model, self.tokenizer = model, tokenizer
-        self.batch_size, self.max_length = batch_size, max_length
-        self.prefix_tokens = tokenizer.encode(CARD_PREFIX, add_special_tokens=False)
-        self.suffix_tokens = tokenizer.encode(CARD_SUFFIX, add_special_tokens=False)
-        self.token_true_id, self.token_false_id = _yes_no_ids(tokenizer)
-
-    def process_inputs(self, pairs):
-        inputs = self.tokenizer(
-            pairs, padding=False, truncation="longest_first", return_attention_mask=False,
-            max_length=self.max_length - len(self.prefix_tokens) - len(self.suffix_tokens),
-        )
-        for i, ele in enumerate(inputs["input_ids"]):
-            inputs["input_ids"][i] = self.prefix_tokens + ele + self.suffix_tokens
-        with warnings.catch_warnings():  # the card passes max_length with padding=True; transformers warns
-            warnings.filterwarnings("ignore", message=".*max_length.*is ignored.*")
-            inputs = self.tokenizer.pad(inputs, padding=True, return_tensors="pt", max_length=self.max_length,
-                                        padding_side="left")
-        for key in inputs:
-            inputs[key] = inputs[key].to(self.model.device)
-        return inputs
-
-    @torch.no_grad()
-    def compute_logits(self, inputs):
-        batch_scores = self.model(**inputs, logits_to_keep=1).logits[:, -1, :]
-        true_vector = batch_scores[:, self.token_true_id]
-        false_vector = batch_scores[:, self.token_false_id]
-        batch_scores = torch.stack([false_vector, true_vector], dim=1)
-        batch_scores = torch.nn.functional.log_softmax(batch_scores, dim=1)
-        return batch_scores[:, 1].exp().tolist()
+        self.batch_size, self.max_length = _check_batch_size(batch_size), max_length
+        _yes_no_ids(tokenizer)
 
     def score(self, query: str, documents: Sequence[str], question=None, trace=None, instruction=None) -> list:
-        pairs = [body(query, d, question, trace, instruction) for d in documents]
-        scores = []
-        for i in range(0, len(pairs), self.batch_size):
-            scores += self.compute_logits(self.process_inputs(pairs[i:i + self.batch_size]))
-        return scores
+        ids = official_batch_input_ids(self.tokenizer, query, documents, instruction, self.max_length,
+                                       question=question, trace=trace)
+        return official_scores(self.model, self.tokenizer, ids, batch_size=self.batch_size)
 
 
 def split_prompt_ids(tokenizer, query: str, documents: Sequence[str], question=None, trace=None, instruction=None,
-                     max_length: int = CARD_MAX_LENGTH):
+                     max_length: int = DEFAULT_MAX_LENGTH):
     """(shared_ids, [segment_ids]) with ``shared + segment_i`` = document i's full prompt tokens.
 
     shared = tokens(prefix) + tokens(body up to "<Document>:"); segment = tokens(" " + doc),
@@ -120,9 +74,10 @@ def split_prompt_ids(tokenizer, query: str, documents: Sequence[str], question=N
     tokenizer gives the joint tokenization (docs/ARCHITECTURE.md, "Scoring facts"). The context is not truncated
     here: a shared part over ``max_length`` is a ValueError (benchmark workloads fit).
     """
-    full = body(query, "", question, trace, instruction)
+    full = body_text(query, "", question, trace, instruction)
     head = full[: full.rindex(SHARED_END) + len(SHARED_END)]
-    prefix, head_ids, suffix = tokenizer([CARD_PREFIX, head, CARD_SUFFIX], add_special_tokens=False)["input_ids"]
+    prefix, head_ids, suffix = tokenizer([QWEN3_RERANKER_PREFIX, head, QWEN3_RERANKER_SUFFIX],
+                                         add_special_tokens=False)["input_ids"]
     shared = list(prefix) + list(head_ids)
     room = max_length - len(shared) - len(suffix)
     if room < 1:
@@ -144,11 +99,9 @@ class PrefixCacheTransformers:
     name = "transformers+prefix-cache"
     flop_plan = "prefix_padded"
 
-    def __init__(self, model, tokenizer, batch_size: int = 16, max_length: int = CARD_MAX_LENGTH):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    def __init__(self, model, tokenizer, batch_size: int = 16, max_length: int = DEFAULT_MAX_LENGTH):
         self.model, self.tokenizer = model, tokenizer
-        self.batch_size, self.max_length = batch_size, max_length
+        self.batch_size, self.max_length = _check_batch_size(batch_size), max_length
         yes, no = _yes_no_ids(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.w_no_yes = model.get_output_embeddings().weight[[no, yes]]  # [2, H]: the only logits needed

@@ -4,8 +4,8 @@ For each context mode and depth d, every provider scores the workload's first d
 documents against the same agent context, end to end from strings (tokenization
 included, as a serving stack pays it). Per (mode, depth, provider) the harness records:
 
-* latency: median, p10, p90 of ``repeats`` timed calls (``time.perf_counter``, with a
-  CUDA synchronize on each side on GPU), after ``warmup`` untimed calls per provider and
+* latency: median, p10, p90 of ``repeats`` timed calls (``measure.timed_call``: wall
+  clock, the device synchronised on both sides), after ``warmup`` untimed calls per provider and
   mode; providers take turns call by call; a provider stops repeating at a depth once it
   has spent ``max_cell_seconds`` there (≥ 1 call);
 * docs/s = d / median; tokens/s = workload tokens / median, where workload tokens are the
@@ -20,10 +20,8 @@ Providers: "transformers" (a), "transformers+prefix-cache" (b) (``baselines``), 
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -32,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .baselines import OfficialTransformers, PrefixCacheTransformers, split_prompt_ids
+from .measure import PeakMemory, machine_info, percentile, sync, timed_call
 from .report import Shapes, plan_flops
 from .workload import MODES, Workload, WorkloadSpec, make_workload
 
@@ -39,8 +38,8 @@ PROVIDERS = ("transformers", "transformers+prefix-cache", "acarerank")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Largest score difference from the official path still called "equal", per dtype. fp32:
 # the paths differ only in summation order (issue 2 asks ≤ 1e-5 of the runner itself; the
-# padded transformers batches add their own ~1e-7). bf16/fp16: the official path rounds
-# the logits to the model dtype before its log-softmax (as the model card does).
+# padded transformers batches add their own ~1e-7). bf16/fp16: every layer rounds to the
+# model dtype, and padded batches and packed segments round differently.
 SCORE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 # Backends probed for "acarerank-<backend>" when --backends is not given.
 AUTO_BACKENDS = ("torch", "cpp", "triton", "cuda")
@@ -86,85 +85,13 @@ class BenchConfig:
                        spec=replace(self.spec, num_docs=max(self.depths)))
 
 
-# -- measurement helpers ----------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
+# -- score agreement ----------------------------------------------------------------
 def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
     """max |a_i − b_i|; NaN if any score is NaN or the lengths differ (never silently fine)."""
     if len(a) != len(b):
         return math.nan
     diffs = [abs(x - y) for x, y in zip(a, b)]
     return math.nan if any(d != d for d in diffs) else max(diffs, default=0.0)
-
-
-class PeakMemory:
-    """Peak memory of a measured stretch (one call) above its starting point, in MB.
-
-    CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what
-    was allocated at the start (the weights) — kind "cuda_max_allocated".
-    CPU (Linux): the process's resident-set high-water mark (VmHWM) reset at the start by
-    writing 5 to /proc/self/clear_refs, minus the RSS at the start, after ``malloc_trim``
-    returns freed heap pages — kind "rss_hwm". It counts what the process really touched
-    (torch's CPU allocator has no peak counter; tracemalloc does not see its buffers).
-    Elsewhere: NaN, kind "n/a".
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.kind = "cuda_max_allocated" if device.type == "cuda" else ("rss_hwm" if self._rss_resettable() else "n/a")
-        self._base = 0
-
-    @staticmethod
-    def _rss_resettable() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return True
-        except OSError:
-            return False
-
-    @staticmethod
-    def _status_kb(key: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-        raise RuntimeError(f"/proc/self/status has no {key}")
-
-    def start(self) -> None:
-        if self.kind == "cuda_max_allocated":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        elif self.kind == "rss_hwm":
-            try:
-                ctypes.CDLL("libc.so.6").malloc_trim(0)
-            except (OSError, AttributeError):  # not glibc: the RSS may include freed pages
-                pass
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._base = self._status_kb("VmRSS") * 1024
-
-    def stop(self) -> float:
-        if self.kind == "cuda_max_allocated":
-            torch.cuda.synchronize(self.device)
-            return (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
-        if self.kind == "rss_hwm":
-            return (self._status_kb("VmHWM") * 1024 - self._base) / 2**20
-        return math.nan
 
 
 # -- providers --------------------------------------------------------------------------
@@ -202,7 +129,7 @@ def backend_runs(backend: str, device: torch.device, dtype: torch.dtype) -> Opti
         yes_no_score(h, w, w, w, backend=backend_for("yes_no", backend))
     except Exception as e:  # BackendError, ImportError, a kernel that cannot compile here...
         return f"{type(e).__name__}: {e}"
-    _sync(device)
+    sync(device)
     return None
 
 
@@ -284,25 +211,6 @@ def make_providers(cfg: BenchConfig, model, tok, backends: list) -> list:
     return out
 
 
-def machine_info(device: torch.device) -> dict:
-    import transformers
-
-    import acarerank
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        name = f"{name} ({torch.get_num_threads()} threads)"
-    return {"device_name": name, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "acarerank": acarerank.__version__}
-
-
 # -- the run ----------------------------------------------------------------------------
 @dataclass
 class BenchResult:
@@ -363,11 +271,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_cs
                     if ts and sum(ts) >= cfg.max_cell_seconds:
                         continue
                     meter.start()
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    s = p.score(documents=docs, **ctx)
-                    _sync(device)
-                    ts.append(time.perf_counter() - t0)
+                    s, dt = timed_call(lambda: p.score(documents=docs, **ctx), device)
+                    ts.append(dt)
                     peaks[p.name] = max(peaks[p.name], meter.stop())
                     scores.setdefault(p.name, s)
             ref_scores = scores[providers[0].name]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
@@ -28,7 +29,7 @@ COLUMNS = [
     "mode", "depth", "provider", "median_ms", "p10_ms", "p90_ms", "repeats", "docs_per_s", "tokens_per_s",
     "speedup_vs_transformers", "flop_bound_speedup", "gflop", "peak_mem_mb", "mem_kind", "max_abs_score_diff",
     "shared_tokens", "doc_tokens", "workload_tokens", "preset", "dtype", "device", "device_name",
-    "attn_implementation", "random_weights", "python", "torch", "transformers", "acarerank",
+    "attn_implementation", "random_weights", "python", "torch", "triton", "transformers", "acarerank",
 ]
 SCALING_TARGET = 0.15  # issue 7: marginal per-document latency at the deep end within 15 % of the shallow end
 
@@ -177,7 +178,10 @@ def format_targets(rows: Sequence[dict], mode: str = "M3", depth: int = 50) -> s
 
 
 # -- outputs --------------------------------------------------------------------------
-def write_csv(rows: Sequence[dict], path: str, columns: Sequence[str] = COLUMNS) -> None:
+def write_csv(rows: Sequence[dict], path, columns: Sequence[str] = COLUMNS) -> None:
+    """``columns`` of every row (missing: empty; others ignored), floats to 6 significant digits;
+    the parent folder is created. Every benchmark's CSV goes through here."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
         w.writeheader()

@@ -15,9 +15,11 @@ Transcribed from the model card's transformers example (Qwen/Qwen3-Reranker-0.6B
         batch_scores = torch.stack([batch_scores[:, token_false_id], batch_scores[:, token_true_id]], dim=1)
         return torch.nn.LogSoftmax(dim=1)(batch_scores)[:, 1].exp().tolist()
 
-Nothing here shares a prefix or reads only two logits: it is what our fast path must equal,
-and what benchmarks compare it with. Only :func:`joint_input_ids` goes beyond the card — it
-applies the card's construction (no truncation) to the ACARe context modes.
+Nothing here shares a prefix or reads only two logits: it is what our fast path must equal
+(the tests' oracle) and what benchmarks compare it with (``acarerank.benchmark.baselines``
+runs it as baseline (a)) — the one copy of the card's scoring path in the package. Beyond
+the card: :func:`joint_input_ids`, and ``question``/``trace`` of
+:func:`official_batch_input_ids`, apply the card's construction to the ACARe context modes.
 """
 from __future__ import annotations
 
@@ -36,12 +38,15 @@ def official_format_instruction(instruction: Optional[str], query: str, doc: str
 
 
 def official_batch_input_ids(tokenizer, query: str, documents: Sequence[str], instruction: Optional[str] = None,
-                             max_length: int = DEFAULT_MAX_LENGTH) -> List[List[int]]:
-    """The model card's ``process_inputs`` before padding: one list of ids per document (M0 only).
+                             max_length: int = DEFAULT_MAX_LENGTH, question: Optional[str] = None,
+                             trace: Optional[str] = None) -> List[List[int]]:
+    """The model card's ``process_inputs`` before padding: one list of ids per document.
 
     The bodies go through one batched tokenizer call with the card's arguments (default
     ``add_special_tokens``, ``truncation='longest_first'`` from the right, i.e. the body's end
-    — the document's tail — goes first).
+    — the document's tail — goes first). M0 (no question, no trace): the card's own body
+    (``official_format_instruction``); M1–M3: the card's construction around ACARe's body
+    (``body_text``), as the pointwise benchmark's baseline (a) runs it.
     """
     query = check_query(query)
     docs = check_documents(documents)
@@ -51,7 +56,10 @@ def official_batch_input_ids(tokenizer, query: str, documents: Sequence[str], in
     if body_max < 1:
         raise ValueError(f"max_length={max_length} leaves no room for the body after prefix "
                          f"{len(prefix_tokens)} + suffix {len(suffix_tokens)} tokens")
-    pairs = [official_format_instruction(instruction, query, doc) for doc in docs]
+    if question is None and trace is None:
+        pairs = [official_format_instruction(instruction, query, doc) for doc in docs]
+    else:
+        pairs = [body_text(query, doc, question, trace, instruction) for doc in docs]
     inputs = tokenizer(pairs, padding=False, truncation="longest_first", return_attention_mask=False,
                        max_length=body_max)
     return [prefix_tokens + list(ele) + suffix_tokens for ele in inputs["input_ids"]]
