@@ -17,7 +17,7 @@ Loads:
                session's next call) when the previous answer arrives;
   open loop    Poisson arrivals at ``--loads`` × capacity, capacity = the best closed-loop
                requests/s; latency counts from the scheduled arrival, so queueing shows.
-Offline: every request through ``PointwiseReranker.score`` one by one, and all of them in one
+Both run in float32 (the score check needs the same dtype). Offline: every request through ``PointwiseReranker.score`` one by one, and all of them in one
 ``score_batch`` call (the throughput ceiling of batching without a server).
 
 Reported per run: requests/s, documents/s, p50/p90/p99 latency and queue time (the server's
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
                              req_per_s=round(len(reqs) / secs, 3), docs_per_s=round(docs / secs, 1),
                              max_abs_diff=off["batch_diff"] if "batch" in label else 0.0))
 
-    cli = ["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else []
+    cli = ["--dtype", "float32"] + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else [])
     if args.model:
         cli += ["--model", args.model]
     with serve_subprocess(*cli) as (base, _proc):

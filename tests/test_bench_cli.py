@@ -41,7 +41,7 @@ def small_workload(qwen3_tokenizer):
 
 
 def test_bench_quick_run_writes_csv_png_and_checks_scores(tmp_path, capsys):
-    rc = main(["bench", "--quick", "--depths", "2,3,4", "--override", TINY, "--output", str(tmp_path)])
+    rc = main(["bench", "--quick", "--depths", "2,3,4", "--dtype", "float32", "--override", TINY, "--output", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     with open(tmp_path / "bench.csv") as f:
@@ -236,3 +236,68 @@ def test_row_targets_are_speedups_over_each_baseline():
     rows[2]["median_ms"] = 150.0
     assert "1.33x transformers+prefix-cache (target >= 1.6x: NOT met)" in report.format_targets(rows)
     assert "not measured" in report.format_targets(rows, depth=20)
+
+
+# -- dtypes side by side (issue 15) ------------------------------------------------------
+def test_kendall_tau_counts_concordant_pairs():
+    a = [0.9, 0.1, 0.5, 0.7, 0.3]
+    b = [0.8, 0.2, 0.3, 0.9, 0.4]  # pairs: 10; discordant (0,3) and (2,4): tau = (8 - 2) / 10
+    assert report.kendall_tau(a, b) == pytest.approx(0.6)
+    assert report.kendall_tau(a, a) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="5 vs 2"):
+        report.kendall_tau(a, b[:2])
+
+
+def test_rank_agreement_and_dtype_targets():
+    def row(dt, prov, ms, frac):
+        return dict(mode="M3", depth=50, provider=prov, dtype=dt, median_ms=ms, peak_fraction=frac,
+                    achieved_gflops=frac * 100, gemm_peak_gflops=100.0, kendall_tau_vs_float32=float("nan"))
+    rows = [row("float32", "acarerank-torch", 1000.0, 0.87), row("bfloat16", "acarerank-torch", 600.0, 0.60)]
+    scores = {("float32", "M3", 50, "acarerank-torch"): [0.1, 0.2, 0.3],
+              ("bfloat16", "M3", 50, "acarerank-torch"): [0.1, 0.3, 0.2]}
+    agree = report.rank_agreement(rows, scores)
+    assert [a["tau"] for a in agree] == [pytest.approx(1 / 3)] and rows[1]["kendall_tau_vs_float32"] == agree[0]["tau"]
+    text = report.format_dtype_targets(rows)
+    assert "float32 at 87.0% of the float32 GEMM peak" in text and "target >= 85%: met" in text, text
+    assert "bfloat16 at 60.0%" in text and "target >= 65%: NOT met" in text, text
+    assert "bfloat16 is 1.67x float32 (target >= 1.6x: met)" in text, text
+
+
+def test_gemm_peak_shapes_are_the_model_linears(tiny_model):
+    """The peak is measured at the weight shapes of the model's own linear layers."""
+    from acarerank.benchmark.gemm_peak import gemm_peak, linear_shapes
+
+    sh = report.Shapes.from_config(tiny_model.config)
+    L = tiny_model.model.layers[0]
+    ref = {"qkv": (L.self_attn.q_proj.in_features, sum(m.out_features for m in
+                                                       (L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj))),
+           "o": (L.self_attn.o_proj.in_features, L.self_attn.o_proj.out_features),
+           "gate_up": (L.mlp.gate_proj.in_features, L.mlp.gate_proj.out_features + L.mlp.up_proj.out_features),
+           "down": (L.mlp.down_proj.in_features, L.mlp.down_proj.out_features)}
+    assert linear_shapes(sh) == ref
+    pk = gemm_peak(sh, torch.float32, rows=64, repeats=2)
+    assert pk["peak_gflops"] == max(pk["per_shape"].values()) > 0 and set(pk["per_shape"]) == set(ref)
+
+
+def test_bench_two_dtypes_side_by_side(tmp_path, capsys):
+    rc = main(["bench", "--quick", "--depths", "2,3", "--modes", "M3", "--dtype", "float32,bfloat16,float32",
+               "--providers", "transformers+prefix-cache,acarerank", "--backends", "torch", "--override", TINY,
+               "--output", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    with open(tmp_path / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["dtype"], int(r["depth"]), r["provider"]) for r in rows] == [
+        (dt, d, p) for dt in ("float32", "bfloat16") for d in (2, 3) for p in ("transformers+prefix-cache",
+                                                                                 "acarerank-torch")]
+    for r in rows:
+        assert float(r["peak_fraction"]) == pytest.approx(
+            float(r["gflop"]) / (float(r["median_ms"]) / 1e3) / float(r["gemm_peak_gflops"]), rel=1e-4)
+        if r["dtype"] == "float32":
+            assert r["kendall_tau_vs_float32"] == "nan", r
+        else:
+            assert -1.0 <= float(r["kendall_tau_vs_float32"]) <= 1.0, r
+    assert "[bench] dtype bfloat16: asked for explicitly" in captured.err
+    assert "dtype bfloat16 (asked for explicitly); GEMM peak" in captured.out
+    assert "rank agreement M3 depth 3 acarerank-torch" in captured.out
+    assert "--dtype float32,bfloat16 --extra-dtype-depths 2,3" in captured.out

@@ -153,9 +153,17 @@ def test_from_pretrained_folder_and_cli(qwen3_tokenizer, tmp_path, capsys):
     docs_file = tmp_path / "docs.jsonl"
     docs_file.write_text("\n".join(json.dumps({"id": i, "text": d}) for i, d in enumerate(DOCS[:4])) + "\n")
     expected = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer).score("q", DOCS[:4])
-    assert main(["score", "--model", str(tmp_path / "ckpt"), "--query", "q", "--docs", str(docs_file)]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    args = ["score", "--model", str(tmp_path / "ckpt"), "--query", "q", "--docs", str(docs_file)]
+    assert main(args + ["--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
     assert [r["id"] for r in rows] == [0, 1, 2, 3]
     assert max(abs(r["score"] - e) for r, e in zip(rows, expected)) <= 1e-6
+    assert "dtype: float32 (asked for explicitly)" in err
+    # no --dtype: the automatic choice of this machine, with its reason
+    from acarerank.hardware import default_dtype
+    dtype, why = default_dtype("cpu")
+    assert main(args) == 0
+    assert f"dtype: {str(dtype).replace('torch.', '')} ({why})" in capsys.readouterr().err
     assert main(["score", "--model", str(tmp_path / "ckpt"), "--query", "q", "--docs", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err

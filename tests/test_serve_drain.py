@@ -19,7 +19,8 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
     # 300 documents of ~70 tokens: each pass (64-token cap) holds one, so the request spans 300 passes
     docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 6 for i in range(300)]
     out = {}
-    with serve_subprocess("--model", str(tmp_path), "--max-batch-tokens", "64", "--api-key", "k") as (base, proc):
+    with serve_subprocess("--model", str(tmp_path), "--dtype", "float32", "--max-batch-tokens", "64",
+                          "--api-key", "k") as (base, proc):
         auth = {"Authorization": "Bearer k"}
         assert httpx.get(base + "/v1/models", headers=auth).json()["data"][0]["id"] == tmp_path.name
 

@@ -126,7 +126,7 @@ def test_from_pretrained_and_cli(model, reranker, qwen3_tokenizer, tmp_path, cap
     from acarerank.cli import main
 
     model.save_pretrained(tmp_path / "ckpt")
-    sr = SetwiseReranker.from_pretrained(str(tmp_path / "ckpt"))
+    sr = SetwiseReranker.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)  # the fp32 reference's dtype
     want = reranker.select("capital of France?", DOCS, max_select=5)
     assert sr.select("capital of France?", DOCS, max_select=5) == want
 
@@ -135,14 +135,14 @@ def test_from_pretrained_and_cli(model, reranker, qwen3_tokenizer, tmp_path, cap
     docs_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
     capsys.readouterr()
     assert main(["select", "--model", str(tmp_path / "ckpt"), "--query", "capital of France?", "--docs",
-                 str(docs_file), "--max-select", "5"]) == 0
+                 str(docs_file), "--max-select", "5", "--dtype", "float32"]) == 0
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["index"] for r in rows] == want.indices and [r["id"] for r in rows] == want.ids
     assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
     assert all(r["text"] == DOCS[r["index"]] for r in rows)
     assert all(("url" in r) == (r["index"] % 2 == 0) for r in rows)
-    assert repr(want.text) in err
+    assert repr(want.text) in err and "dtype: float32 (asked for explicitly)" in err
 
     # bad input: one clear line, exit code 2
     ckpt = str(tmp_path / "ckpt")

@@ -13,7 +13,11 @@ included, as a serving stack pays it). Per (mode, depth, provider) the harness r
   for every provider, so tokens/s ratios equal latency ratios;
 * peak memory above the starting point of each call, the largest over its calls (``PeakMemory``);
 * the largest |score − score of the first provider| (the official path when it runs);
-* FLOPs each provider's algorithm performs for these shapes (``report.plan_flops``).
+* FLOPs each provider's algorithm performs for these shapes (``report.plan_flops``), the
+  FLOP rate they give (GFLOP/s = FLOPs / median) and that rate as a fraction of the
+  machine's GEMM peak in the run's dtype, measured in the same run at the model's linear
+  shapes (``gemm_peak``);
+* every provider's scores per cell (``BenchResult.scores``), for rank agreement across dtypes.
 
 Providers: "transformers" (a), "transformers+prefix-cache" (b) (``baselines``), and
 "acarerank-<backend>" — the public ``PointwiseReranker`` with that backend.
@@ -30,6 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .baselines import OfficialTransformers, PrefixCacheTransformers, split_prompt_ids
+from .gemm_peak import gemm_peak
 from .measure import PeakMemory, machine_info, percentile, sync, timed_call
 from .report import Shapes, plan_flops
 from .workload import MODES, Workload, WorkloadSpec, make_workload
@@ -63,6 +68,7 @@ class BenchConfig:
     attn_implementation: str = "sdpa"         # for the transformers providers
     spec: WorkloadSpec = field(default_factory=WorkloadSpec)
     seed: int = 0
+    compile_layers: bool = False              # also acarerank with torch.compile'd layer halves
     batch_official: int = 4
     batch_prefix_cache: int = 16
 
@@ -100,11 +106,11 @@ class AcarerankProvider:
 
     flop_plan = "prefix_packed"
 
-    def __init__(self, model, tokenizer, backend: str):
+    def __init__(self, model, tokenizer, backend: str, compile_layers: bool = False):
         from acarerank import PointwiseReranker
 
-        self.name = f"acarerank-{backend}"
-        self.rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend)
+        self.name = f"acarerank-{backend}" + ("+compile" if compile_layers else "")
+        self.rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend, compile_layers=compile_layers)
 
     def score(self, query, documents, question=None, trace=None, instruction=None) -> list:
         return self.rr.score(query, documents, question=question, trace=trace, instruction=instruction)
@@ -207,7 +213,9 @@ def make_providers(cfg: BenchConfig, model, tok, backends: list) -> list:
         elif p == "transformers+prefix-cache":
             out.append(PrefixCacheTransformers(model, tok, batch_size=cfg.batch_prefix_cache))
         else:
-            out.extend(AcarerankProvider(model, tok, b) for b in backends)
+            for b in backends:  # with --compile-layers, the compiled twin runs beside the eager one
+                out += [AcarerankProvider(model, tok, b)] + ([AcarerankProvider(model, tok, b, True)]
+                                                             if cfg.compile_layers else [])
     return out
 
 
@@ -216,19 +224,21 @@ def make_providers(cfg: BenchConfig, model, tok, backends: list) -> list:
 class BenchResult:
     rows: list            # one dict per (mode, depth, provider); keys: report.COLUMNS
     config: BenchConfig
-    meta: dict            # machine, versions, workload token counts, random_weights
+    meta: dict            # machine, versions, workload token counts, random_weights, gemm_peak
     tolerance: float
+    scores: dict = field(default_factory=dict)  # (mode, depth, provider) -> score list of its first call
 
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_csv: Optional[str] = None) -> BenchResult:
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_csv: Optional[str] = None,
+              rows_before: Sequence[dict] = ()) -> BenchResult:
     """Run every (mode, depth, provider) cell; progress goes to ``log``.
 
-    partial_csv: rewritten after every cell, so a run cut short (a timeout on a lent GPU)
-    still leaves the rows it measured.
+    partial_csv: rewritten after every cell (``rows_before`` — an earlier dtype's rows — first),
+    so a run cut short (a timeout on a lent GPU) still leaves the rows it measured.
     """
     from .report import write_csv
 
@@ -247,10 +257,13 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_cs
     workload: Workload = make_workload(tok, cfg.spec)
     meter = PeakMemory(device)
     info = machine_info(device)
+    peak = gemm_peak(shapes, DTYPES[cfg.dtype], device)
+    progress(f"GEMM peak {cfg.dtype}: {peak['peak_gflops']:.1f} GFLOP/s (F.linear, {peak['rows']} rows; "
+             + ", ".join(f"{k} {v:.0f}" for k, v in peak["per_shape"].items()) + ")")
     progress(f"model {'random ' + cfg.preset if random_weights else cfg.model_path} {cfg.dtype} on {device}; "
              f"providers: {', '.join(p.name for p in providers)}")
 
-    rows = []
+    rows, all_scores = [], {}
     for mode in cfg.modes:
         ctx = workload.context(mode)
         for p in providers:
@@ -289,6 +302,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_cs
                     "tokens_per_s": (len(shared) * depth + sum(seg_lens)) / med,
                     "speedup_vs_transformers": ref_median / med,
                     "flop_bound_speedup": flops_official / flops, "gflop": flops / 1e9,
+                    "achieved_gflops": flops / 1e9 / med, "gemm_peak_gflops": peak["peak_gflops"],
+                    "peak_fraction": flops / 1e9 / med / peak["peak_gflops"], "kendall_tau_vs_float32": math.nan,
                     "peak_mem_mb": peaks[p.name], "mem_kind": meter.kind,
                     "max_abs_score_diff": max_abs_diff(scores[p.name], ref_scores),
                     "shared_tokens": len(shared), "doc_tokens": sum(seg_lens),
@@ -297,10 +312,11 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_cs
                     "dtype": cfg.dtype, "device": device.type, "attn_implementation": cfg.attn_implementation,
                     "random_weights": random_weights, **info,
                 })
+                all_scores[(mode, depth, p.name)] = scores[p.name]
                 progress(f"{mode} depth {depth:>4} {p.name:<26} median {med * 1e3:9.1f} ms over {len(ts)} run(s)")
             if partial_csv is not None:
-                write_csv(rows, partial_csv)
+                write_csv(list(rows_before) + rows, partial_csv)
     meta = dict(info, random_weights=random_weights, shared_tokens={m: len(split_prompt_ids(
         tok, documents=workload.docs(1), **workload.context(m))[0]) for m in cfg.modes},
-        doc_token_counts=workload.doc_token_counts, elapsed_s=time.perf_counter() - t_start)
-    return BenchResult(rows=rows, config=cfg, meta=meta, tolerance=SCORE_TOLERANCE[cfg.dtype])
+        doc_token_counts=workload.doc_token_counts, elapsed_s=time.perf_counter() - t_start, gemm_peak=peak)
+    return BenchResult(rows=rows, config=cfg, meta=meta, tolerance=SCORE_TOLERANCE[cfg.dtype], scores=all_scores)

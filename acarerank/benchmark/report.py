@@ -30,6 +30,7 @@ COLUMNS = [
     "speedup_vs_transformers", "flop_bound_speedup", "gflop", "peak_mem_mb", "mem_kind", "max_abs_score_diff",
     "shared_tokens", "doc_tokens", "workload_tokens", "preset", "dtype", "device", "device_name",
     "attn_implementation", "random_weights", "python", "torch", "triton", "transformers", "acarerank",
+    "achieved_gflops", "gemm_peak_gflops", "peak_fraction", "kendall_tau_vs_float32",
 ]
 SCALING_TARGET = 0.15  # issue 7: marginal per-document latency at the deep end within 15 % of the shallow end
 
@@ -141,9 +142,9 @@ def depth_scaling(rows: Sequence[dict]) -> list:
     """
     by = defaultdict(dict)
     for r in rows:
-        by[(r["mode"], r["provider"])][r["depth"]] = r
+        by[(r["mode"], r["provider"], r.get("dtype", ""))][r["depth"]] = r
     out = []
-    for (mode, prov), cells in by.items():
+    for (mode, prov, dt), cells in by.items():
         ds = sorted(cells)
         if len(ds) < 3:
             continue
@@ -154,7 +155,7 @@ def depth_scaling(rows: Sequence[dict]) -> list:
         low_tok = (t[dm] - t[d0]) / max(tok[dm] - tok[d0], 1) * 1e3
         high_tok = (t[dh] - t[dm]) / max(tok[dh] - tok[dm], 1) * 1e3
         ratio = high / low if low > 0 else math.nan
-        out.append(dict(mode=mode, provider=prov, depths=(d0, dm, dh), ms_per_doc_low=low, ms_per_doc_high=high,
+        out.append(dict(mode=mode, provider=prov, dtype=dt, depths=(d0, dm, dh), ms_per_doc_low=low, ms_per_doc_high=high,
                         ratio=ratio, ms_per_1k_tok_low=low_tok, ms_per_1k_tok_high=high_tok,
                         within_target=abs(ratio - 1) <= SCALING_TARGET))
     return out
@@ -165,14 +166,16 @@ ROW_TARGETS = {"transformers": 5.0, "transformers+prefix-cache": 1.6}
 
 
 def format_targets(rows: Sequence[dict], mode: str = "M3", depth: int = 50) -> str:
-    """acarerank's speedup over each baseline in the (mode, depth) row, against ROW_TARGETS."""
-    med = {r["provider"]: r["median_ms"] for r in rows if r["mode"] == mode and r["depth"] == depth}
+    """acarerank's speedup over each baseline in the (mode, depth) row (same dtype), against ROW_TARGETS."""
+    med = {(r.get("dtype", ""), r["provider"]): r["median_ms"]
+           for r in rows if r["mode"] == mode and r["depth"] == depth}
+    multi = len({dt for dt, _ in med}) > 1
     lines = []
-    for prov in (p for p in med if p.startswith("acarerank-")):
+    for dt, prov in (k for k in med if k[1].startswith("acarerank-")):
         for base, target in ROW_TARGETS.items():
-            if base in med:
-                x = med[base] / med[prov]
-                lines.append(f"target {mode} depth {depth}: {prov} is {x:.2f}x {base} "
+            if (dt, base) in med:
+                x = med[(dt, base)] / med[(dt, prov)]
+                lines.append(f"target {mode} depth {depth}: {prov}{' ' + dt if multi else ''} is {x:.2f}x {base} "
                               f"(target >= {target:g}x: {'met' if x >= target else 'NOT met'})")
     return "\n".join(lines) or f"target {mode} depth {depth}: row not measured in this run"
 
@@ -190,18 +193,86 @@ def write_csv(rows: Sequence[dict], path, columns: Sequence[str] = COLUMNS) -> N
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    head = (f"{'mode':<4} {'depth':>5} {'provider':<26} {'median ms':>10} {'p10':>9} {'p90':>9} {'docs/s':>8} "
-            f"{'tok/s':>9} {'speedup':>7} {'bound':>6} {'mem MB':>7} {'|dscore|':>8}")
+    head = (f"{'mode':<4} {'depth':>5} {'dtype':<8} {'provider':<26} {'median ms':>10} {'p10':>9} {'p90':>9} "
+            f"{'docs/s':>8} {'tok/s':>9} {'speedup':>7} {'bound':>6} {'GFLOP/s':>7} {'%peak':>6} {'mem MB':>7} "
+            f"{'|dscore|':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['mode']:<4} {r['depth']:>5} {r['provider']:<26} {r['median_ms']:>10.1f} {r['p10_ms']:>9.1f} "
-            f"{r['p90_ms']:>9.1f} {r['docs_per_s']:>8.1f} {r['tokens_per_s']:>9.0f} "
-            f"{_x(r['speedup_vs_transformers']):>7} {_x(r['flop_bound_speedup']):>6} {r['peak_mem_mb']:>7.0f} "
-            f"{r['max_abs_score_diff']:>8.1e}")
-    lines.append("speedup = median(transformers) / median; bound = FLOP-bound speedup (FLOPs of transformers / "
-                 "FLOPs of the provider); tok/s = tokens of the unshared prompts / median; mem = peak above the "
-                 "call's start (max over calls); |dscore| = max |score - score of the first provider|")
+            f"{r['mode']:<4} {r['depth']:>5} {_short(r['dtype']):<8} {r['provider']:<26} {r['median_ms']:>10.1f} "
+            f"{r['p10_ms']:>9.1f} {r['p90_ms']:>9.1f} {r['docs_per_s']:>8.1f} {r['tokens_per_s']:>9.0f} "
+            f"{_x(r['speedup_vs_transformers']):>7} {_x(r['flop_bound_speedup']):>6} {r['achieved_gflops']:>7.1f} "
+            f"{r['peak_fraction']:>6.1%} {r['peak_mem_mb']:>7.0f} {r['max_abs_score_diff']:>8.1e}")
+    lines.append("speedup = median(transformers) / median (same dtype); bound = FLOP-bound speedup (FLOPs of "
+                 "transformers / FLOPs of the provider); tok/s = tokens of the unshared prompts / median; "
+                 "GFLOP/s = the provider's FLOPs / median; %peak = GFLOP/s / the GEMM peak measured in this run in "
+                 "that dtype; mem = peak above the call's start (max over calls); |dscore| = max |score - score of "
+                 "the first provider| (same dtype)")
+    return "\n".join(lines)
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+
+
+# -- across dtypes ----------------------------------------------------------------------
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's tau-b between two score lists over the same documents (1 = same ordering)."""
+    if len(a) != len(b):
+        raise ValueError(f"kendall_tau: {len(a)} vs {len(b)} scores")
+    if len(a) < 2:
+        return math.nan
+    from scipy.stats import kendalltau
+
+    return float(kendalltau(a, b).statistic)
+
+
+def rank_agreement(rows: Sequence[dict], scores: dict, base: str = "float32") -> list:
+    """Kendall tau between each cell's scores and the same cell's scores in ``base`` dtype.
+
+    rows: bench rows of several dtypes; scores: {(dtype, mode, depth, provider): [score]}.
+    Fills ``kendall_tau_vs_<base>`` of the non-base rows that have a base twin; returns
+    [{mode, depth, provider, dtype, tau}] for them.
+    """
+    out = []
+    for r in rows:
+        key = (r["mode"], r["depth"], r["provider"])
+        if r["dtype"] == base or (base, *key) not in scores or (r["dtype"], *key) not in scores:
+            continue
+        tau = kendall_tau(scores[(r["dtype"], *key)], scores[(base, *key)])
+        r[f"kendall_tau_vs_{base}"] = tau
+        out.append(dict(mode=r["mode"], depth=r["depth"], provider=r["provider"], dtype=r["dtype"], tau=tau))
+    return out
+
+
+def format_rank_agreement(agree: Sequence[dict], base: str = "float32") -> str:
+    if not agree:
+        return f"rank agreement with {base}: no cell measured in two dtypes"
+    return "\n".join(f"rank agreement {a['mode']} depth {a['depth']} {a['provider']:<26} {a['dtype']} vs {base}: "
+                     f"Kendall tau {a['tau']:.3f}" for a in agree)
+
+
+# Issue 15's targets for the M3 depth-50 row of acarerank, per dtype: the fraction of the
+# GEMM peak, and bf16's speedup over fp32.
+PEAK_TARGETS = {"float32": 0.85, "bfloat16": 0.65}
+BF16_OVER_FP32_TARGET = 1.6
+
+
+def format_dtype_targets(rows: Sequence[dict], mode: str = "M3", depth: int = 50) -> str:
+    """The %peak target per dtype and bf16 ≥ 1.6× fp32, for every acarerank provider in the (mode, depth) row."""
+    cell = {(r["dtype"], r["provider"]): r for r in rows
+            if r["mode"] == mode and r["depth"] == depth and r["provider"].startswith("acarerank-")}
+    lines = []
+    for (dt, prov), r in cell.items():
+        if dt in PEAK_TARGETS:
+            t = PEAK_TARGETS[dt]
+            lines.append(f"target {mode} depth {depth}: {prov} {dt} at {r['peak_fraction']:.1%} of the {dt} GEMM peak "
+                         f"({r['achieved_gflops']:.0f} of {r['gemm_peak_gflops']:.0f} GFLOP/s; target >= {t:.0%}: "
+                         f"{'met' if r['peak_fraction'] >= t else 'NOT met'})")
+        if dt == "bfloat16" and ("float32", prov) in cell:
+            x = cell[("float32", prov)]["median_ms"] / r["median_ms"]
+            lines.append(f"target {mode} depth {depth}: {prov} bfloat16 is {x:.2f}x float32 "
+                         f"(target >= {BF16_OVER_FP32_TARGET:g}x: {'met' if x >= BF16_OVER_FP32_TARGET else 'NOT met'})")
     return "\n".join(lines)
 
 
@@ -216,7 +287,7 @@ def format_scaling(scaling: Sequence[dict]) -> str:
     for s in scaling:
         d0, dm, dh = s["depths"]
         lines.append(
-            f"depth scaling {s['mode']} {s['provider']:<26} ms/doc {d0}->{dm}: {s['ms_per_doc_low']:.2f}, "
+            f"depth scaling {s['mode']} {s['provider']:<26} {_short(s['dtype']):<4} ms/doc {d0}->{dm}: {s['ms_per_doc_low']:.2f}, "
             f"{dm}->{dh}: {s['ms_per_doc_high']:.2f}, ratio {s['ratio']:.2f} "
             f"({'within' if s['within_target'] else 'NOT within'} {SCALING_TARGET:.0%}); per 1k doc tokens "
             f"{s['ms_per_1k_tok_low']:.1f} vs {s['ms_per_1k_tok_high']:.1f} ms")
@@ -233,6 +304,9 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
     import matplotlib.ticker
 
     modes = list(dict.fromkeys(r["mode"] for r in rows))
+    multi = len({r["dtype"] for r in rows}) > 1
+    if multi:  # one line per (provider, dtype)
+        rows = [dict(r, provider=f"{r['provider']} {_short(r['dtype'])}") for r in rows]
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     colors = {p: f"C{i}" for i, p in enumerate(providers)}
     fig, axes = plt.subplots(len(modes), 2, figsize=(11, 3.8 * len(modes)), squeeze=False)
@@ -245,7 +319,7 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> None:
             err = [[m - r["p10_ms"] for m, r in zip(med, rs)], [r["p90_ms"] - m for m, r in zip(med, rs)]]
             ax_l.errorbar(d, med, yerr=err, marker="o", color=colors[p], label=p, capsize=3)
             sp = [r["speedup_vs_transformers"] for r in rs]
-            if p != "transformers" and not all(v != v for v in sp):  # (a) is the 1x line
+            if not p.startswith("transformers ") and p != "transformers" and not all(v != v for v in sp):
                 ax_s.plot(d, sp, marker="o", color=colors[p], label=p)
                 ax_s.plot(d, [r["flop_bound_speedup"] for r in rs], ls="--", color=colors[p], alpha=0.6,
                           label=f"{p} FLOP bound")

@@ -1,15 +1,21 @@
 """``acarerank bench``: pointwise scoring latency versus reranking depth, all providers side by side.
 
-    acarerank bench [--depths 10,20,50,100] [--modes M0,M3] [--preset tiny-cpu] [--output DIR] ...
+    acarerank bench [--depths 10,20,50,100] [--modes M0,M3] [--preset tiny-cpu] [--output DIR]
+                    [--dtype float32,auto] [--extra-dtype-depths 50] ...
 
 Writes ``bench.csv``, ``bench.png`` and ``bench.txt`` (the printed report) to the output
 folder; exits 1 if any provider's scores differ from the official path's beyond the
-dtype's tolerance. The default (no --model) is a seeded RANDOM-weight Qwen3 with the real
+dtype's tolerance. Several dtypes run one after the other in the same process, every
+provider in each (the model card's path in the same dtype, side by side): the first at
+``--depths``, the others at ``--extra-dtype-depths``; cells measured in two dtypes report
+the Kendall tau between their orderings. "auto" is the automatic dtype of
+``acarerank.hardware`` (bf16 on a CPU with native bf16, else fp32), printed with its reason. The default (no --model) is a seeded RANDOM-weight Qwen3 with the real
 tokenizer: timings are real, scores carry no meaning.
 """
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 QUICK_SPEC = dict(query_tokens=10, question_tokens=30, trace_tokens=200, doc_tokens=(20, 60))
@@ -82,7 +88,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per provider and mode (default 1)")
     p.add_argument("--max-cell-seconds", type=float, default=20.0,
                    help="stop repeating a cell after this long (default 20; at least one call)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--dtype", type=_names, default=("float32", "auto"),
+                   help="comma-separated dtypes among auto,float32,bfloat16,float16 (default float32,auto: fp32, "
+                        "plus bf16 on a CPU with native bf16); the first runs at --depths, the others at "
+                        "--extra-dtype-depths")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="also run acarerank with torch.compile'd element-wise layer work, beside the eager "
+                        "one (compiles during warm-up)")
+    p.add_argument("--extra-dtype-depths", type=_ints, default=None,
+                   help="depths of the second and later dtypes (default: 50 if the first dtype runs it, "
+                        "else the same depths)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                    help="attention of the transformers providers (default sdpa, transformers' own default)")
@@ -98,7 +113,24 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def config_from_args(args):
+def resolve_dtypes(names, device: str) -> list:
+    """[(dtype name, reason)] for --dtype, "auto" resolved, duplicates dropped (first kept)."""
+    from acarerank.hardware import resolve_dtype
+
+    out = []
+    for n in names:
+        dt, why = resolve_dtype(n, device)
+        name = str(dt).replace("torch.", "")
+        if n == "auto":
+            why = f"auto: {why}"
+        if name not in (o[0] for o in out):
+            out.append((name, why))
+    if not out:
+        raise ValueError("--dtype names no dtype")
+    return out
+
+
+def config_from_args(args, dtype: str = "float32", depths=None):
     from acarerank.benchmark.harness import PROVIDERS, BenchConfig
     from acarerank.benchmark.workload import WorkloadSpec
 
@@ -108,18 +140,19 @@ def config_from_args(args):
             spec[name] = getattr(args, name)
     spec["seed"] = args.seed
     return BenchConfig(
-        depths=args.depths or ((2, 4, 8) if args.quick else (10, 20, 50, 100)),
+        depths=depths or args.depths or ((2, 4, 8) if args.quick else (10, 20, 50, 100)),
         modes=args.modes, preset=args.preset, model_path=args.model, overrides=_overrides(args.override),
         providers=args.providers or PROVIDERS, backends=args.backends,
         repeats=args.repeats if args.repeats is not None else (1 if args.quick else 3),
         warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),
-        max_cell_seconds=args.max_cell_seconds, dtype=args.dtype, device=args.device, attn_implementation=args.attn,
-        spec=WorkloadSpec(**spec), seed=args.seed,
+        max_cell_seconds=args.max_cell_seconds, dtype=dtype, device=args.device, attn_implementation=args.attn,
+        spec=WorkloadSpec(**spec), seed=args.seed, compile_layers=args.compile_layers,
     ).validate()
 
 
-def equivalent_command(cfg) -> str:
-    """The fully explicit command line that reproduces ``cfg`` (printed with the results)."""
+def equivalent_command(cfg, dtypes=None, extra_depths=None) -> str:
+    """The fully explicit command line that reproduces ``cfg`` (printed with the results);
+    ``dtypes``/``extra_depths``: the run's dtype list and the later dtypes' depths."""
     sp = cfg.spec
     parts = ["acarerank bench", f"--depths {','.join(map(str, cfg.depths))}", f"--modes {','.join(cfg.modes)}",
              f"--model {cfg.model_path}" if cfg.model_path else f"--preset {cfg.preset}"]
@@ -128,8 +161,12 @@ def equivalent_command(cfg) -> str:
     parts.append(f"--providers {','.join(cfg.providers)}")
     if cfg.backends:
         parts.append(f"--backends {','.join(cfg.backends)}")
+    if cfg.compile_layers:
+        parts.append("--compile-layers")
     parts += [f"--repeats {cfg.repeats}", f"--warmup {cfg.warmup}", f"--max-cell-seconds {cfg.max_cell_seconds:g}",
-              f"--dtype {cfg.dtype}", f"--device {cfg.device}", f"--attn {cfg.attn_implementation}",
+              f"--dtype {','.join(dtypes or [cfg.dtype])}"
+              + (f" --extra-dtype-depths {','.join(map(str, extra_depths))}" if dtypes and len(dtypes) > 1 else ""),
+              f"--device {cfg.device}", f"--attn {cfg.attn_implementation}",
               f"--query-tokens {sp.query_tokens}", f"--question-tokens {sp.question_tokens}",
               f"--trace-tokens {sp.trace_tokens}", f"--doc-tokens {sp.doc_tokens[0]}-{sp.doc_tokens[1]}",
               f"--seed {cfg.seed}"]
@@ -141,42 +178,69 @@ def run(args) -> int:
     from acarerank.benchmark.harness import run_bench
     from acarerank.model.default import NO_MEANING
 
-    cfg = config_from_args(args)
+    dtypes = resolve_dtypes(args.dtype, args.device)
+    first = config_from_args(args, dtypes[0][0])
+    # later dtypes: depth 50 (the targets' row) when the first dtype runs it, else the same depths
+    extra_depths = args.extra_dtype_depths or ((50,) if 50 in first.depths and not args.quick else first.depths)
+    cfgs = [first] + [config_from_args(args, name, extra_depths) for name, _ in dtypes[1:]]
+    names = [name for name, _ in dtypes]
+    cfg = first
     out_dir = args.output or os.path.join(
-        "results", f"bench-{cfg.preset if cfg.model_path is None else 'model'}-{cfg.dtype}-{cfg.device.replace(':', '')}")
+        "results", f"bench-{cfg.preset if cfg.model_path is None else 'model'}-{'+'.join(names)}-"
+                   f"{cfg.device.replace(':', '')}")
     os.makedirs(out_dir, exist_ok=True)
-    res = run_bench(cfg, partial_csv=os.path.join(out_dir, "bench.csv"))
+    for name, why in dtypes:
+        print(f"[bench] dtype {name}: {why}", file=sys.stderr, flush=True)
+    rows, scores, results = [], {}, []
+    for c in cfgs:  # one dtype after the other, all providers of a dtype side by side
+        res = run_bench(c, partial_csv=os.path.join(out_dir, "bench.csv"), rows_before=rows)
+        results.append(res)
+        rows += res.rows
+        scores.update({(c.dtype, *k): v for k, v in res.scores.items()})
+    agree = report.rank_agreement(rows, scores) if "float32" in names and len(names) > 1 else []
 
-    cmd = equivalent_command(cfg)
-    meta = res.meta
+    cmd = equivalent_command(cfg, names, extra_depths)
+    meta = results[0].meta
     lines = []
     if meta["random_weights"]:
         lines.append(NO_MEANING.format(preset=cfg.preset) + " Timings are real.")
     lines.append(f"machine: {meta['device_name']}; python {meta['python']}, torch {meta['torch']}, "
-                 f"transformers {meta['transformers']}, acarerank {meta['acarerank']}; {cfg.dtype}, "
+                 f"transformers {meta['transformers']}, acarerank {meta['acarerank']}; "
                  f"attention of the transformers providers: {cfg.attn_implementation}")
+    for (name, why), res in zip(dtypes, results):
+        pk = res.meta["gemm_peak"]
+        lines.append(f"dtype {name} ({why}); GEMM peak {pk['peak_gflops']:.1f} GFLOP/s (F.linear, {pk['rows']} rows: "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in pk["per_shape"].items()) + ")")
     docs = meta["doc_token_counts"]
     model_name = cfg.model_path or cfg.preset + (" + " + ",".join(f"{k}={v}" for k, v in cfg.overrides.items())
                                                  if cfg.overrides else "")
     shared = ", ".join(f"{m} {n}" for m, n in meta["shared_tokens"].items())
     lines.append(f"model: {model_name}; workload: shared context {shared} tokens; {len(docs)} documents of "
                  f"{min(docs)}-{max(docs)} tokens (mean {sum(docs) / len(docs):.0f}); repeats {cfg.repeats}, "
-                 f"warmup {cfg.warmup}; memory: {res.rows[0]['mem_kind']} (peak above each call's start, max over calls, MB)")
-    lines.append(report.format_table(res.rows))
-    ok, check_line = report.score_check(res.rows, res.tolerance)
-    lines.append(check_line)
-    lines.append(report.format_scaling(report.depth_scaling(res.rows)))
-    lines.append(report.format_targets(res.rows))
+                 f"warmup {cfg.warmup}; memory: {rows[0]['mem_kind']} (peak above each call's start, max over calls, MB)")
+    lines.append(report.format_table(rows))
+    ok = True
+    for res in results:
+        ok_d, check_line = report.score_check(res.rows, res.tolerance)
+        ok = ok and ok_d
+        lines.append(check_line + (f" [{res.config.dtype}]" if len(results) > 1 else ""))
+    if len(names) > 1:
+        lines.append(report.format_rank_agreement(agree))
+    lines.append(report.format_scaling(report.depth_scaling(rows)))
+    lines.append(report.format_targets(rows))
+    dt_targets = report.format_dtype_targets(rows)
+    if dt_targets:
+        lines.append(dt_targets)
     csv_path, png_path, txt_path = (os.path.join(out_dir, f"bench.{ext}") for ext in ("csv", "png", "txt"))
-    report.write_csv(res.rows, csv_path)
+    report.write_csv(rows, csv_path)
     try:
-        report.plot(res.rows, png_path, title=f"{model_name} {cfg.dtype} on {meta['device_name']}"
-                                              f"{' (random weights)' if meta['random_weights'] else ''}")
+        report.plot(rows, png_path, title=f"{model_name} {'+'.join(names)} on {meta['device_name']}"
+                                          f"{' (random weights)' if meta['random_weights'] else ''}")
     except ImportError as e:  # matplotlib is the `bench` extra; the measurement stands without it
         png_path = f"no PNG ({e}; pip install matplotlib)"
     lines.append(f"command: {cmd}")
-    lines.append(f"wrote {csv_path}, {png_path}, {txt_path} ({meta['elapsed_s']:.0f} s, "
-                 f"{time.strftime('%Y-%m-%d %H:%M')})")
+    elapsed = sum(r.meta["elapsed_s"] for r in results)
+    lines.append(f"wrote {csv_path}, {png_path}, {txt_path} ({elapsed:.0f} s, {time.strftime('%Y-%m-%d %H:%M')})")
     text = "\n".join(lines)
     with open(txt_path, "w") as f:
         f.write(text + "\n")

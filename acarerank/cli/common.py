@@ -32,11 +32,11 @@ def load_reranker(cls, args, **kw):
     """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask: ``--model`` folder, or the
     embedded random default with a note on stderr that its output carries no meaning. ``kw``: more
     constructor arguments."""
-    import torch
-
+    from ..hardware import resolve_dtype
     from ..ops import parse_preference
 
-    dtype = getattr(torch, args.dtype)
+    dtype, why = resolve_dtype(args.dtype, args.device)
+    print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
     backend = parse_preference(args.backend, "--backend")  # "triton" or "attention=triton,yes_no=cuda"
     if args.model:
         return cls.from_pretrained(args.model, dtype=dtype, device=args.device, max_length=args.max_length,

@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--instruction", help="override the default instruction")
     p.add_argument("--top-n", type=int, help="print only the best N, best first")
     p.add_argument("--max-length", type=int, default=8192)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", help="backend preference: torch | triton | cpp | cuda, used by every op that has it, "
                    "or per op: attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")

@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint folder; default: the embedded random-weight model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default=None, help="backend preference: torch | triton | cpp | cuda, or per op: "
                    "attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import backend_for, per_op_backends, plan_prefix_shared_attention, prefix_shared_attention
+from . import layer_blocks
 from .arch import Qwen3Arch
 from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 
@@ -51,11 +52,7 @@ class KVCache:
                        cu_prefix_lens=torch.zeros(num_groups + 1, dtype=torch.int32, device=device))
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3RMSNorm: normalise in fp32, cast back, then scale (transformers' order, for bf16 parity)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+_rms_norm = layer_blocks.rms_norm
 
 
 # Rows per GEMM in batch-invariant mode. BLAS (and cuBLAS) pick a different kernel for a
@@ -74,16 +71,11 @@ def _linear_fixed_tiles(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tens
     return out[:T]
 
 
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Qwen3Runner:
     """Runs a Qwen3 decoder over prefix-shared batches; holds no per-request state."""
 
     def __init__(self, weights: Qwen3Weights, backend=None, prefill_chunk: int = 4096,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, compile_layers: bool = False):
         """
         Args:
           weights: see ``Qwen3Weights``; backend: a backend preference (a name, or a per-op
@@ -93,7 +85,11 @@ class Qwen3Runner:
           batch_invariant: run every GEMM on fixed tiles of ``INVARIANT_ROWS`` rows, so a
             segment's output is bitwise independent of the other segments in its batch (with a
             batch-invariant attention backend: "triton"). Costs some speed; off by default.
+          compile_layers: fuse the element-wise work around the GEMMs with torch.compile
+            (``layer_blocks``; the first pass compiles, ~tens of seconds). Off by default;
+            ignored in batch-invariant mode.
         """
+        self.compile_layers = compile_layers
         self.weights = weights
         self.batch_invariant = batch_invariant
         self.arch = weights.arch
@@ -219,15 +215,12 @@ class Qwen3Runner:
         linear = _linear_fixed_tiles if self.batch_invariant else F.linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
         new_k, new_v = [], []
+        # the element-wise work around the GEMMs: eager, or fused by torch.compile (layer_blocks.py)
+        attn_in, attn_out_mlp = (layer_blocks.compiled() if self.compile_layers and not self.batch_invariant
+                                 else (layer_blocks.attn_in, layer_blocks.attn_out_mlp))
         for i, L in enumerate(W.layers):
-            h = _rms_norm(x, L.input_norm, a.rms_norm_eps)
-            qkv = linear(h, L.w_qkv, L.b_qkv)
-            q, k, v = qkv.split([Hq * d, Hkv * d, Hkv * d], dim=-1)
-            q = _rms_norm(q.view(T, Hq, d), L.q_norm, a.rms_norm_eps)
-            k = _rms_norm(k.view(T, Hkv, d), L.k_norm, a.rms_norm_eps)
-            v = v.reshape(T, Hkv, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = attn_in(x, L.input_norm, L.w_qkv, L.b_qkv, L.q_norm, L.k_norm, cos, sin, Hq, Hkv, d,
+                              a.rms_norm_eps, linear=linear)
             if append:
                 new_k.append(k)
                 new_v.append(v)
@@ -238,10 +231,7 @@ class Qwen3Runner:
                                            plan=plan).reshape(T, Hq * d)
             if is_last_layer and output == "last":
                 x, attn = x[last], attn[last]  # only the rows asked for go through o_proj and the MLP
-            x = x + linear(attn, L.w_o)
-            h = _rms_norm(x, L.post_norm, a.rms_norm_eps)
-            gate, up = linear(h, L.w_gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, L.w_down)
+            x = attn_out_mlp(x, attn, L.w_o, L.post_norm, L.w_gate_up, L.w_down, a.rms_norm_eps, linear=linear)
         if append:
             self._append(cache, new_k, new_v, groups, cu)
         return None if output == "none" else x

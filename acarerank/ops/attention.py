@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from . import _backend
+from . import cpu_attention_bf16 as _bf16
 
 # Rows of the prefix score matrix computed at once in the torch backend: bounds the
 # temporary [Hkv, rows, P] fp32 block to ~64 MB whatever the depth.
@@ -165,8 +166,10 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
     (``_prefix_part``); each segment's causal self-part is a small call of its own; the two
     partial softmaxes are merged by their log-sum-exps:
         lse = logaddexp(lse_p, lse_o);  out = o_p·e^(lse_p − lse) + o_o·e^(lse_o − lse).
-    Inputs are computed in fp32 whatever their dtype. ``host_meta``: the plan's host copy of
-    the metadata (else it is read from the device here: one sync per call).
+    Inputs are computed in fp32 whatever their dtype, except the prefix part of bf16 inputs
+    on a CPU with native bf16: bf16 GEMMs with fp32 softmax statistics (``cpu_attention_bf16``).
+    ``host_meta``: the plan's host copy of the metadata (else it is read from the device here:
+    one sync per call).
     """
     T, Hq, d = q.shape
     Hkv = k.shape[1]
@@ -207,7 +210,11 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
 
         # -- prefix part and log-sum-exp merge
         if cp[g + 1] > cp[g]:
-            o_p, lse_p = _prefix_part(qf, prefix_k[cp[g]:cp[g + 1]], prefix_v[cp[g]:cp[g + 1]], scale)
+            pk, pv = prefix_k[cp[g]:cp[g + 1]], prefix_v[cp[g]:cp[g + 1]]
+            if _bf16.use_bf16_prefix_path(q):  # bf16 GEMMs on CPUs with native bf16 (cpu_attention_bf16.py)
+                o_p, lse_p = _bf16.prefix_attention_bf16(q[rows] if rows is not None else q[t0:t1], pk, pv, scale)
+            else:
+                o_p, lse_p = _prefix_part(qf, pk, pv, scale)
             lse = torch.logaddexp(lse_p, lse_o)
             res = o_p * (lse_p - lse).exp_()[..., None] + o_o * (lse_o - lse).exp_()[..., None]
         else:

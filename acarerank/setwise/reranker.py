@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..model import Qwen3Runner
+from ..hardware import resolve_dtype
 from ..model.placement import check_dtype_device
 from ..ops import per_op_backends
 from ..selection import parse_selection
@@ -85,10 +86,15 @@ class SetwiseReranker:
                              f"the model's vocabulary of {V}")
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu",
+    def from_pretrained(cls, path: str, dtype=None, device="cpu",
                         max_length: Optional[int] = DEFAULT_MAX_LENGTH, backend: Optional[str] = None,
                         tokenizer=None, **kw) -> "SetwiseReranker":
-        """Load a local HF checkpoint folder (config.json + safetensors; its tokenizer files if present)."""
+        """Load a local HF checkpoint folder (config.json + safetensors; its tokenizer files if present).
+
+        dtype: None or "auto" = bf16 on a CPU with native bf16, else fp32 (``acarerank.hardware``);
+        an explicit dtype always wins.
+        """
+        dtype = resolve_dtype(dtype, device)[0]
         dev = check_dtype_device(dtype, device)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model folder {path!r} does not exist")

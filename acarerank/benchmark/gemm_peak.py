@@ -1,0 +1,48 @@
+"""The machine's GEMM peak in one dtype, measured at the model's own linear-layer shapes.
+
+``acarerank bench`` reads each provider's achieved FLOP rate against this number (the
+"%peak" column): end-to-end scoring cannot beat the GEMMs it is made of, so a fraction
+near 1 means nothing but the GEMMs is left to speed up. The peak is measured in the same
+run as the latencies (same machine load, same threads), as ``F.linear`` of ``rows``
+activation rows against each of the model's four weight shapes of one layer:
+
+    qkv: [H → (Hq + 2·Hkv)·d],  o: [Hq·d → H],  gate_up: [H → 2·I],  down: [I → H]
+
+GFLOP/s = 2·rows·K·N / t with t the fastest of ``repeats`` calls after one warm-up call;
+the peak is the largest over the four shapes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .measure import timed_call
+from .report import Shapes
+
+#: activation rows per GEMM: the CPU pass size of ``PointwiseReranker`` (2,048 segment tokens)
+DEFAULT_ROWS = 2048
+
+
+def linear_shapes(sh: Shapes) -> dict:
+    """{name: (K, N)} of one layer's linear layers (input features K, output features N)."""
+    return {"qkv": (sh.hidden, (sh.heads + 2 * sh.kv_heads) * sh.head_dim), "o": (sh.heads * sh.head_dim, sh.hidden),
+            "gate_up": (sh.hidden, 2 * sh.intermediate), "down": (sh.intermediate, sh.hidden)}
+
+
+@torch.inference_mode()
+def gemm_peak(sh: Shapes, dtype: torch.dtype, device="cpu", rows: int = DEFAULT_ROWS, repeats: int = 5,
+              seed: int = 0) -> dict:
+    """{"peak_gflops": float, "per_shape": {name: GFLOP/s}, "rows": rows, "dtype": name}."""
+    if rows < 1 or repeats < 1:
+        raise ValueError(f"rows and repeats must be >= 1, got {rows}, {repeats}")
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    per = {}
+    for name, (K, N) in linear_shapes(sh).items():
+        x = torch.randn(rows, K, generator=gen, device=dev).to(dtype)
+        w = (torch.randn(N, K, generator=gen, device=dev) / K ** 0.5).to(dtype)
+        F.linear(x, w)  # warm-up: first-call packing / kernel selection
+        best = min(timed_call(lambda: F.linear(x, w), dev)[1] for _ in range(repeats))
+        per[name] = 2.0 * rows * K * N / best / 1e9
+    return {"peak_gflops": max(per.values()), "per_shape": per, "rows": rows,
+            "dtype": str(dtype).replace("torch.", "")}
