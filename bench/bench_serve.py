@@ -271,7 +271,9 @@ def main(argv=None) -> int:
                              req_per_s=round(len(reqs) / secs, 3), docs_per_s=round(docs / secs, 1),
                              max_abs_diff=off["batch_diff"] if "batch" in label else 0.0))
 
-    cli = ["--dtype", "float32"] + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else [])
+    cli = ["--dtype", "float32"]
+    if args.max_batch_tokens:
+        cli += ["--max-batch-tokens", str(args.max_batch_tokens)]
     if args.model:
         cli += ["--model", args.model]
     with serve_subprocess(*cli) as (base, _proc):
