@@ -17,6 +17,7 @@ each wrapped in square brackets, separated by a single space, most useful first,
 """
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -38,14 +39,26 @@ class ParsedSelection:
     error: Optional[str] = None
 
 
-def _check_args(text, n_candidates, max_select):
+def _check_args(text, n_candidates, max_select, strict):
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    if isinstance(n_candidates, bool) or not isinstance(n_candidates, int) or n_candidates < 1:
+    if isinstance(n_candidates, bool) or not isinstance(n_candidates, numbers.Integral) or n_candidates < 1:
         raise ValueError(f"n_candidates must be a positive int, got {n_candidates!r}")
-    if max_select is not None and (isinstance(max_select, bool) or not isinstance(max_select, int)
+    if max_select is not None and (isinstance(max_select, bool) or not isinstance(max_select, numbers.Integral)
                                    or max_select < 1):
         raise ValueError(f"max_select must be a positive int or None, got {max_select!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+
+
+def _id_value(digits: str, n: int) -> Optional[int]:
+    """``int(digits)`` when it is in 1..n, else None — without converting an over-long digit string
+    (Python refuses int() of more than 4,300 digits; such an id is out of range anyway)."""
+    digits = digits.lstrip("0")
+    if not digits or len(digits) > len(str(n)):
+        return None
+    i = int(digits)
+    return i if i <= n else None
 
 
 def _strict_error(text: str, n: int, max_select: Optional[int]) -> tuple[List[int], Optional[str]]:
@@ -54,17 +67,20 @@ def _strict_error(text: str, n: int, max_select: Optional[int]) -> tuple[List[in
     if not body:
         return [], "empty output: at least one identifier is required"
     ids: List[int] = []
+    seen = set()   # O(1) repeat check: the parse is linear in the output length
     pos = 0
     while True:
         m = _STRICT_ENTRY.match(body, pos)
         if m is None:
             return [], f"expected '[<id>]' (id without leading zero) at character {pos}: {body[pos:pos + 20]!r}"
-        i = int(m.group(1))
-        if i > n:
-            return [], f"identifier {i} is out of range 1..{n}"
-        if i in ids:
+        i = _id_value(m.group(1), n)
+        if i is None:
+            shown = m.group(1) if len(m.group(1)) <= 20 else f"{m.group(1)[:10]}...({len(m.group(1))} digits)"
+            return [], f"identifier {shown} is out of range 1..{n}"
+        if i in seen:
             return [], f"identifier {i} is repeated"
         ids.append(i)
+        seen.add(i)
         pos = m.end()
         if pos == len(body):
             break
@@ -81,19 +97,25 @@ def parse_selection(text: str, n_candidates: int, max_select: Optional[int] = 10
     """Parse ``text`` (the decoded output, special tokens removed) against a pool of ``n_candidates``.
 
     ``max_select=None`` means no cap. Strict: any format violation -> ``ids == []``,
-    ``valid=False``. Lenient: the salvaged identifiers (see the module docstring);
-    ``valid`` is the strict verdict either way.
+    ``valid=False`` and ``error`` says why (never an exception for any ``text``, however long or
+    odd: 4,000-digit ids are out of range, not a crash). Lenient: the salvaged identifiers (see
+    the module docstring); ``valid`` is the strict verdict either way. Time linear in ``len(text)``.
+    Raises TypeError / ValueError only for bad arguments (``text`` not a str, bad ``n_candidates``,
+    ``max_select`` or ``strict``).
     """
-    _check_args(text, n_candidates, max_select)
+    _check_args(text, n_candidates, max_select, strict)
+    n_candidates = int(n_candidates)
+    max_select = None if max_select is None else int(max_select)
     strict_ids, error = _strict_error(text, n_candidates, max_select)
     if strict or error is None:
         ids = strict_ids
     else:
-        ids = []
+        ids, seen = [], set()
         for m in _LENIENT_ENTRY.finditer(text):
-            i = int(m.group(1))
-            if 1 <= i <= n_candidates and i not in ids:
+            i = _id_value(m.group(1), n_candidates)
+            if i is not None and i not in seen:
                 ids.append(i)
+                seen.add(i)
                 if max_select is not None and len(ids) == max_select:
                     break
     return ParsedSelection(ids=ids, indices=[i - 1 for i in ids], valid=error is None, error=error)

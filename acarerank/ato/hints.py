@@ -168,12 +168,16 @@ def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[in
     if not text:
         return lead
 
+    from ..tokenizer import TextEncoder
+
+    encoder = TextEncoder.of(tokenizer)  # a private read-only copy: special-token strings stay text
+
     def enc(s):
-        return tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True)
+        return encoder.user([s])[0]
 
     if lead_token is None:
         return enc(HINT_SEPARATOR + text)
-    lead_text = tokenizer.decode(lead, clean_up_tokenization_spaces=False)
+    lead_text = encoder.decode(lead, skip_special_tokens=False)
     if enc(lead_text) != lead:
         raise ValueError(f"the prompt head ends in token {lead_token}, which is not a whole character/pre-token "
                          f"({lead_text!r}); split the prompt elsewhere or pass hint token ids")

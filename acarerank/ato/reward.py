@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from typing import Mapping, Optional, Sequence, Union
 
@@ -35,31 +36,81 @@ MALFORMED_REWARD = -1.0  # Eq. 6
 
 
 class JudgeOutputError(ValueError):
-    """The judge's output does not follow the Appendix F.5 format (retry the judge call)."""
+    """The judge's output does not follow the Appendix F.5 format (retry the judge call).
+
+    The one exception type ``rubric_reward`` / ``criterion_scores`` raise for anything wrong with
+    the judge's output; TypeError / ValueError are kept for the caller's own arguments."""
 
 
 def _load_judge(judge_output) -> Mapping:
-    if isinstance(judge_output, (bytes, str)):
-        text = judge_output.decode() if isinstance(judge_output, bytes) else judge_output
+    if isinstance(judge_output, (bytes, bytearray, str)):
+        if isinstance(judge_output, (bytes, bytearray)):
+            try:
+                text = bytes(judge_output).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise JudgeOutputError(f"judge output is not valid JSON: not UTF-8 ({e.reason} at byte {e.start})") \
+                    from None
+        else:
+            text = judge_output
         text = text.strip()
         fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, flags=re.S)  # judges add fences despite F.5
         if fence:
             text = fence.group(1)
         try:
             judge_output = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise JudgeOutputError(f"judge output is not valid JSON: {e}") from e
+        except ValueError as e:  # JSONDecodeError, an over-long integer literal
+            raise JudgeOutputError(f"judge output is not valid JSON: {e}") from None
+        except RecursionError:
+            raise JudgeOutputError("judge output is not valid JSON: nested too deeply") from None
     if not isinstance(judge_output, Mapping) or not isinstance(judge_output.get("score"), Mapping):
         raise JudgeOutputError('judge output must be a JSON object with a "score" object')
     return judge_output["score"]
 
 
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def _score_value(v, where: str) -> Optional[float]:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 10:
-        raise JudgeOutputError(f"{where}: score must be a number in [0, 10] or null, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 10 or not math.isfinite(v):
+        raise JudgeOutputError(f"{where}: score must be a number in [0, 10] or null, got {_short(v)}")
     return float(v)
+
+
+def _check_rubrics(rubrics) -> None:
+    """TypeError / ValueError (the caller's data, not the judge's) for malformed rubrics."""
+    if not isinstance(rubrics, Mapping):
+        raise TypeError(f"rubrics must be a mapping {{dimension: [{{'rubric': ..., 'weight': ...}}]}}, "
+                        f"got {type(rubrics).__name__}")
+    for dim, items in rubrics.items():
+        if items is None:
+            continue
+        if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Sequence):
+            raise TypeError(f"rubrics[{dim!r}] must be a list of rubric objects, got {type(items).__name__}")
+        for it in items:
+            w = it.get("weight") if isinstance(it, Mapping) else None
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
+                raise ValueError(f"rubric weights must be numbers > 0; {dim} has {_short(w)}")
+
+
+def _check_ids(selected, name: str = "selected") -> list:
+    """A list of distinct 1-based int ids; TypeError for a str or non-int items, ValueError for < 1 or repeats."""
+    if isinstance(selected, (str, bytes, Mapping)) or not isinstance(selected, Sequence):
+        raise TypeError(f"{name} must be a ParsedSelection, a list of int document ids or None, "
+                        f"got {type(selected).__name__}")
+    ids = []
+    for i in selected:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"{name}: document ids must be ints, got {_short(i)} ({type(i).__name__})")
+        ids.append(int(i))
+    if any(i < 1 for i in ids):
+        raise ValueError(f"{name}: document ids are 1-based, got {min(ids)}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name}: repeated document id(s) in {ids[:20]}")
+    return ids
 
 
 def _doc_level_score(entry: Mapping, docs: Sequence[int], where: str) -> Optional[float]:
@@ -71,11 +122,16 @@ def _doc_level_score(entry: Mapping, docs: Sequence[int], where: str) -> Optiona
     got = {}
     for item in per_doc:
         if not isinstance(item, Mapping) or "doc_id" not in item or "score" not in item:
-            raise JudgeOutputError(f"{where}: per_doc entries need doc_id and score, got {item!r}")
-        s = _score_value(item["score"], f"{where} doc {item['doc_id']}")
+            raise JudgeOutputError(f"{where}: per_doc entries need doc_id and score, got {_short(item)}")
+        doc = item["doc_id"]
+        if isinstance(doc, bool) or not isinstance(doc, int):
+            raise JudgeOutputError(f"{where}: doc_id must be an integer, got {_short(doc)}")
+        if doc in got:
+            raise JudgeOutputError(f"{where}: doc_id {doc} is scored twice")
+        s = _score_value(item["score"], f"{where} doc {doc}")
         if s is None:
-            raise JudgeOutputError(f"{where}: per-document scores may not be null (F.5); doc {item['doc_id']}")
-        got[int(item["doc_id"])] = s
+            raise JudgeOutputError(f"{where}: per-document scores may not be null (F.5); doc {doc}")
+        got[doc] = s
     missing = [d for d in docs if d not in got]
     if missing:
         raise JudgeOutputError(f"{where}: no score for selected document(s) {missing}")
@@ -93,8 +149,9 @@ def _set_level_score(entry: Mapping, where: str) -> Optional[float]:
 
 def criterion_scores(judge_output, rubrics: Mapping[str, Sequence[Mapping]], selected_ids: Sequence[int]):
     """[(dimension, index, weight, score or None)] for every criterion of ``rubrics`` (None: null)."""
+    _check_rubrics(rubrics)
+    docs = _check_ids(selected_ids, "selected_ids")
     scores = _load_judge(judge_output)
-    docs = [int(d) for d in selected_ids]
     out = []
     for dim, items in rubrics.items():
         items = list(items or [])
@@ -117,7 +174,7 @@ def criterion_scores(judge_output, rubrics: Mapping[str, Sequence[Mapping]], sel
                 out.append((dim, i, float(it["weight"]), None))
                 continue
             if not isinstance(entry, Mapping):
-                raise JudgeOutputError(f"{where}: expected an object, got {entry!r}")
+                raise JudgeOutputError(f"{where}: expected an object, got {_short(entry)}")
             is_doc = "per_doc" in entry if level is None else level == "doc"
             if is_doc and "per_doc" not in entry or not is_doc and "set_level" not in entry:
                 raise JudgeOutputError(f"{where}: a {'doc' if is_doc else 'set/global'}-level rubric needs "
@@ -139,24 +196,26 @@ def rubric_reward(judge_output, rubrics: Mapping[str, Sequence[Mapping]],
         ``valid=False`` means the format is wrong), a list of the selected 1-based document
         ids (= the judge's doc_id), or None for a malformed output.
     Returns: u(S | q) in [0, 10], or −1.0 for a malformed selection (Eq. 6).
-    Raises JudgeOutputError when the judge's JSON is unusable (not the rollout's fault), or when
-    every criterion is null (the paper guarantees Relevance never is).
+    Raises (the only exception types, whatever the input):
+      JudgeOutputError (a ValueError) when the judge's output is unusable — not JSON, not UTF-8,
+        nested too deeply, not the F.5 shape, a score outside [0, 10], a missing or repeated
+        doc_id (not the rollout's fault: retry the judge) — or when every criterion is null (the
+        paper guarantees Relevance never is);
+      TypeError for arguments of the wrong type (``selected`` a str — ``"12"`` is not ids [1, 2] —
+        or holding non-int ids such as 1.5; ``rubrics`` not a mapping of lists);
+      ValueError for bad caller data (repeated or < 1 ids, rubric weights not > 0).
     """
+    _check_rubrics(rubrics)
     if selected is None:
         return MALFORMED_REWARD
     if isinstance(selected, ParsedSelection):
         if not selected.valid:
             return MALFORMED_REWARD
-        ids = list(selected.ids)
+        ids = _check_ids(list(selected.ids))
     else:
-        ids = [int(i) for i in selected]
+        ids = _check_ids(selected)
     if not ids:
         return MALFORMED_REWARD  # an empty selection is a format violation (Eq. 2 needs ≥ 1 id)
-    for dim, items in rubrics.items():
-        for it in items or []:
-            w = it.get("weight") if isinstance(it, Mapping) else None
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
-                raise ValueError(f"rubric weights must be numbers > 0; {dim} has {w!r}")
     num = den = 0.0
     for _, _, w, score in criterion_scores(judge_output, rubrics, ids):
         if score is None:

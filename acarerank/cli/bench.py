@@ -14,6 +14,7 @@ tokenizer: timings are real, scores carry no meaning.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -25,9 +26,9 @@ def _ints(text: str) -> tuple:
     try:
         vals = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals:
-        raise ValueError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     return vals
 
 
@@ -40,7 +41,7 @@ def _range(text: str) -> tuple:
     try:
         return (int(lo), int(hi or lo))
     except ValueError:
-        raise ValueError(f"--doc-tokens expects LOW-HIGH or N (tokens), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH or N (tokens), got {text!r}") from None
 
 
 def _overrides(items) -> dict:

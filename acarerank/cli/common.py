@@ -1,27 +1,74 @@
-"""What the ``score`` and ``select`` subcommands share: reading documents, loading a model."""
+"""What the ``score`` and ``select`` subcommands share: checking flags, reading files, loading a model."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+
+
+def positive(name: str, value) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_common(args) -> None:
+    """Flags every model-loading subcommand has, checked before anything loads."""
+    from ..hardware import resolve_dtype
+    from ..model.placement import check_dtype_device
+    from ..ops import parse_preference, per_op_backends
+
+    positive("--max-length", args.max_length)
+    check_dtype_device(resolve_dtype(args.dtype, args.device)[0], args.device)
+    per_op_backends(parse_preference(args.backend, "--backend"))  # unknown name or op: BackendError, before loading
+    if args.model is not None:
+        if not os.path.isdir(args.model):
+            raise FileNotFoundError(f"--model {args.model!r} is not a folder")
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise FileNotFoundError(f"--model {args.model!r} has no config.json")
+
+
+def read_text_file(path: str, flag: str) -> str:
+    """A whole UTF-8 text file; errors name the flag and the file."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a folder, not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 def read_documents(path: str) -> list:
     """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings."""
-    f = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    if path != "-" and os.path.isdir(path):
+        raise ValueError(f"--docs {path!r} is a folder, not a JSONL file")
+    f = sys.stdin.buffer if path == "-" else open(path, "rb")  # bytes: a decode error names its line
     docs = []
     with f:
-        for n, line in enumerate(f, 1):
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start} of the line: {e.reason})") from None
             if not line.strip():
                 continue
             try:
                 item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            except ValueError as e:  # JSONDecodeError, or an over-long integer literal
+                raise ValueError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
+            except RecursionError:
+                raise ValueError(f"{path}:{n}: JSON nested too deeply") from None
             if isinstance(item, dict):
                 if not isinstance(item.get("text"), str):
                     raise ValueError(f"{path}:{n}: a JSON object needs a string field 'text'")
             elif not isinstance(item, str):
                 raise ValueError(f"{path}:{n}: expected a JSON object with 'text' or a JSON string")
+            text = item["text"] if isinstance(item, dict) else item
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{path}:{n}: the text is not valid Unicode ({e.reason} at character "
+                                 f"{e.start}, e.g. a lone \\ud800 escape)") from None
             docs.append(item)
     if not docs:
         raise ValueError(f"{path}: no documents")

@@ -2,7 +2,9 @@
 
 Input lines are JSON objects with a "text" field (other fields are passed through) or
 plain JSON strings. Output: one JSON object per document, in input order unless --top-n
-is given (then best first): {"index", "score", ...passed-through fields}.
+is given (then best first): {"index", "score", "text", ...passed-through fields} (as ``select``).
+Every failure is one line on stderr (exit 2: bad usage/input, 1: runtime); flags and files are
+checked before the model loads.
 """
 from __future__ import annotations
 
@@ -20,7 +22,13 @@ def add_parser(sub) -> None:
     p.add_argument("--trace-file", help="file holding the agent's reasoning trace (ACARe modes M1/M3)")
     p.add_argument("--instruction", help="override the default instruction")
     p.add_argument("--top-n", type=int, help="print only the best N, best first")
-    p.add_argument("--max-length", type=int, default=8192)
+    p.add_argument("--max-length", type=int, default=8192, help="token cap per document prompt (default 8192)")
+    p.add_argument("--min-doc-tokens", type=int, default=None,
+                   help="document tokens kept free when the context is cut (default 512, at most max-length/2); "
+                        "lower it to run short --max-length with long context")
+    p.add_argument("--special-tokens", choices=("escape", "parse"), default="escape",
+                   help="special-token strings in the query/context/documents: plain text (escape, default) or "
+                        "control tokens as the model card does (parse)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32")
     p.add_argument("--device", default="cpu")
@@ -30,20 +38,23 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from .common import check_common, positive, read_text_file
+
+    check_common(args)
+    positive("--top-n", args.top_n)
+    positive("--min-doc-tokens", args.min_doc_tokens)
     docs = read_documents(args.docs)
-    trace = None
-    if args.trace_file:
-        with open(args.trace_file, encoding="utf-8") as f:
-            trace = f.read()
+    trace = read_text_file(args.trace_file, "--trace-file") if args.trace_file else None
     from ..pointwise import PointwiseReranker
 
-    rr = load_reranker(PointwiseReranker, args)
+    rr = load_reranker(PointwiseReranker, args, min_doc_tokens=args.min_doc_tokens, special_tokens=args.special_tokens)
     texts = [d["text"] if isinstance(d, dict) else d for d in docs]
     ranked = rr.rerank(args.query, texts, top_n=args.top_n, question=args.question, trace=trace,
                        instruction=args.instruction)
     if args.top_n is None:
         ranked.sort()  # input order
     for i, s in ranked:
-        extra = {k: v for k, v in docs[i].items() if k not in ("index", "score")} if isinstance(docs[i], dict) else {}
+        extra = ({k: v for k, v in docs[i].items() if k not in ("index", "score")}
+                 if isinstance(docs[i], dict) else {"text": docs[i]})
         print(json.dumps({"index": i, "score": s, **extra}, ensure_ascii=False))
     return 0

@@ -22,6 +22,11 @@ def add_parser(sub) -> None:
     p.add_argument("--intent", help="the agent's query intent (deep-research prompt, Appendix F.2)")
     p.add_argument("--max-select", type=int, default=10, help="at most this many documents (default 10)")
     p.add_argument("--max-length", type=int, default=16000, help="prompt token cap; documents are cut evenly")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="output token cap (default 64, the paper's); --max-select above 15 may need more")
+    p.add_argument("--special-tokens", choices=("escape", "parse"), default="escape",
+                   help="special-token strings in the query/intent/documents: plain text (escape, default) or "
+                        "control tokens (parse)")
     p.add_argument("--unconstrained", action="store_true",
                    help="decode without the identifier grammar and parse the output leniently")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -34,13 +39,21 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..setwise import SetwiseReranker
+    from ..setwise.grammar import max_output_tokens
+    from .common import check_common, positive
 
-    if args.max_select < 1:
-        raise ValueError(f"--max-select must be >= 1, got {args.max_select}")
+    check_common(args)
+    positive("--max-select", args.max_select)
+    positive("--max-new-tokens", args.max_new_tokens)
     docs = read_documents(args.docs)
     texts = [d["text"] if isinstance(d, dict) else d for d in docs]
-    sr = load_reranker(SetwiseReranker, args)
+    need = max_output_tokens(len(texts), args.max_select)
+    if not args.unconstrained and need > args.max_new_tokens:
+        raise ValueError(f"--max-select {args.max_select} over {len(texts)} documents can need {need} output tokens, "
+                         f"more than --max-new-tokens {args.max_new_tokens}; raise --max-new-tokens")
+    from ..setwise import SetwiseReranker
+
+    sr = load_reranker(SetwiseReranker, args, max_new_tokens=args.max_new_tokens, special_tokens=args.special_tokens)
     sel = sr.select(args.query, texts, intent=args.intent, max_select=args.max_select,
                     constrained=not args.unconstrained)
     for rank, (i, ident) in enumerate(zip(sel.indices, sel.ids), 1):

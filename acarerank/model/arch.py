@@ -24,6 +24,10 @@ class Qwen3Arch:
         model_type = get("model_type")
         if model_type not in (None, "qwen3"):
             raise ValueError(f"acarerank runs Qwen3 decoders; this checkpoint's model_type is {model_type!r}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            v = get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"config field {key!r} must be a positive int, got {v!r}")
         hidden, heads = get("hidden_size"), get("num_attention_heads")
         rope_theta = get("rope_theta")
         if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters

@@ -119,6 +119,9 @@ class Qwen3Runner:
 
     @property
     def lm_head(self) -> torch.Tensor:
+        if self.weights.lm_head is None:
+            raise ValueError("this model is a sequence-classification reranker (score.weight): it has no "
+                             "language-model head to generate or compute token log-probs with")
         return self.weights.lm_head
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,13 +31,19 @@ class LayerWeights:
     w_down: torch.Tensor          # [H, I]
 
 
+class CheckpointError(ValueError):
+    """A checkpoint folder (or in-memory model) cannot be used as is; the message names the
+    file and the tensor. A ValueError, so callers treating bad input as ValueError catch it."""
+
+
 @dataclass
 class Qwen3Weights:
     arch: Qwen3Arch
     embed: torch.Tensor           # [V, H]
     layers: list
     final_norm: torch.Tensor      # [H]
-    lm_head: torch.Tensor         # [V, H] (the embedding itself when tied)
+    lm_head: Optional[torch.Tensor]  # [V, H] (the embedding itself when tied); None for a score-head model
+    score_head: Optional[torch.Tensor] = None  # [1 or 2, H]: Qwen3ForSequenceClassification's score.weight
 
     @property
     def dtype(self) -> torch.dtype:
@@ -47,11 +54,35 @@ class Qwen3Weights:
         return self.embed.device
 
 
-def _from_state_dict(arch: Qwen3Arch, sd: dict, dtype, device) -> Qwen3Weights:
+def _expected_shapes(arch: Qwen3Arch) -> dict:
+    """Suffix of a tensor name -> its shape (HF layout, [out, in] for linear weights)."""
+    H, I, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    return {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+            "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
+            "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+            "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,), "self_attn.o_proj.weight": (H, q),
+            "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+            "model.embed_tokens.weight": (arch.vocab_size, H), "lm_head.weight": (arch.vocab_size, H),
+            "model.norm.weight": (H,)}
+
+
+def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model") -> Qwen3Weights:
+    """Build the runner's layout from a name -> tensor mapping (``sd.where(name)``, if present,
+    names the file a tensor lives in). Every error is a CheckpointError naming ``source``/the file
+    and the tensor."""
+    shapes = _expected_shapes(arch)
+    where = getattr(sd, "where", lambda name: source)
+
     def take(name):
         if name not in sd:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
-        return sd[name].to(device=device, dtype=dtype)
+            raise CheckpointError(f"{source}: no tensor {name!r} (a missing shard, or not a Qwen3 checkpoint)")
+        t = sd[name]
+        want = shapes.get(name) or shapes.get(name.split(".", 3)[-1])
+        if want is not None and tuple(t.shape) != want:
+            raise CheckpointError(f"{where(name)}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
+                                  f"{list(want)}")
+        return t.to(device=device, dtype=dtype)
 
     layers = []
     for i in range(arch.num_layers):
@@ -71,38 +102,146 @@ def _from_state_dict(arch: Qwen3Arch, sd: dict, dtype, device) -> Qwen3Weights:
             w_down=take(p + "mlp.down_proj.weight"),
         ))
     embed = take("model.embed_tokens.weight")
-    lm_head = embed if arch.tie_word_embeddings or "lm_head.weight" not in sd else take("lm_head.weight")
-    if embed.shape != (arch.vocab_size, arch.hidden_size):
-        raise ValueError(f"embed_tokens is {tuple(embed.shape)}, config says [{arch.vocab_size}, {arch.hidden_size}]")
-    return Qwen3Weights(arch=arch, embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head)
+    lm_head, score_head = None, None
+    if "score.weight" in sd:
+        if "lm_head.weight" in sd:
+            raise CheckpointError(f"{source}: has both lm_head.weight and score.weight; cannot tell whether it is a "
+                                  "causal LM or a sequence-classification reranker")
+        score_head = sd["score.weight"]
+        if score_head.dim() != 2 or score_head.shape[0] not in (1, 2) or score_head.shape[1] != arch.hidden_size:
+            raise CheckpointError(
+                f"{where('score.weight')}: a Qwen3ForSequenceClassification head score.weight of shape "
+                f"{tuple(score_head.shape)}; a yes/no reranker head has 1 row (the yes−no direction) or 2 rows "
+                f"([no, yes]) of hidden size {arch.hidden_size}")
+        score_head = score_head.to(device=device, dtype=dtype)
+    elif arch.tie_word_embeddings:
+        lm_head = embed
+    elif "lm_head.weight" in sd:
+        lm_head = take("lm_head.weight")
+    else:
+        raise CheckpointError(f"{source}: tie_word_embeddings is false but there is no tensor 'lm_head.weight' (nor a "
+                              "sequence-classification 'score.weight'); the output layer is missing — a lost shard? "
+                              "(it is never replaced by the embedding)")
+    return Qwen3Weights(arch=arch, embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head,
+                        score_head=score_head)
 
 
 def weights_from_hf(model) -> Qwen3Weights:
-    """From an in-memory ``transformers`` Qwen3ForCausalLM (its dtype and device)."""
+    """From an in-memory ``transformers`` Qwen3ForCausalLM or Qwen3ForSequenceClassification (its dtype and device)."""
     if not hasattr(model, "config") or not hasattr(model, "state_dict"):
         raise TypeError(f"expected a transformers Qwen3ForCausalLM, got {type(model).__name__}")
     arch = Qwen3Arch.from_config(model.config)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if "embed_tokens.weight" in sd and "model.embed_tokens.weight" not in sd:  # a bare Qwen3Model
+        sd = {"model." + k: v for k, v in sd.items()}
+    if not sd:
+        raise CheckpointError(f"{type(model).__name__} has no parameters")
     p = next(iter(sd.values()))
-    return _from_state_dict(arch, sd, p.dtype, p.device)
+    return _from_state_dict(arch, sd, p.dtype, p.device, source=f"in-memory {type(model).__name__}")
+
+
+class _LazyTensors:
+    """name -> tensor over open safetensors files, read on access; ``where(name)`` is its file."""
+
+    def __init__(self, handles: dict, location: dict, raw: dict):
+        self._handles, self._location, self._raw = handles, location, raw  # raw: the name inside the file
+
+    def __contains__(self, name) -> bool:
+        return name in self._location
+
+    def where(self, name) -> str:
+        return self._location.get(name, "the checkpoint")
+
+    def __getitem__(self, name):
+        f = self._location[name]
+        try:
+            return self._handles[f].get_tensor(self._raw[name])
+        except Exception as e:  # safetensors raises its own error type for a short or corrupt file
+            raise CheckpointError(f"{f}: cannot read tensor {name!r} ({e}); the file is truncated or corrupt") from e
+
+
+def _open_safetensors(f: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(f, framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError (short header, truncated data), OSError
+        raise CheckpointError(f"{f}: not a readable safetensors file ({e}); truncated or corrupt?") from e
+
+
+def _checkpoint_files(path: str):
+    """(files, index file or None): ``model.safetensors``, or the shards its index names."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        shards = sorted(set(weight_map.values()))
+        for name in shards:
+            if os.path.basename(name) != name:
+                raise CheckpointError(f"{index}: shard {name!r} is not a file name inside the checkpoint folder")
+            if not os.path.isfile(os.path.join(path, name)):
+                raise FileNotFoundError(f"{index} names shard {name!r}, which is not in {path!r}")
+        return [os.path.join(path, n) for n in shards], index, weight_map
+    if os.path.isfile(single):
+        return [single], None, None
+    found = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
+    raise FileNotFoundError(f"{path!r} has no model.safetensors or model.safetensors.index.json"
+                            + (f" (found {found}; rename the weights file to model.safetensors)" if found else ""))
 
 
 def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weights:
-    """From a local HF checkpoint folder: config.json + *.safetensors (sharded or not)."""
-    from safetensors.torch import load_file
-
+    """From a local HF checkpoint folder: config.json + ``model.safetensors``, or the shards that
+    ``model.safetensors.index.json`` names (every tensor of every shard must be in the index, and
+    every tensor of the index in its shard). Other ``*.safetensors`` files in the folder are not
+    read (a warning names them). A Qwen3ForCausalLM or a Qwen3ForSequenceClassification reranker
+    (``score.weight``). Raises FileNotFoundError or CheckpointError naming the file and tensor.
+    """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint folder {path!r} does not exist")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json")
-    with open(cfg_path) as f:
-        arch = Qwen3Arch.from_config(json.load(f))
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{path!r} has no *.safetensors weights")
-    sd = {}
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{cfg_path}: not a valid JSON config ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        arch = Qwen3Arch.from_config(cfg)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from None
+    files, index, weight_map = _checkpoint_files(path)
+    stray = sorted(set(glob.glob(os.path.join(path, "*.safetensors"))) - set(files))
+    if stray:
+        warnings.warn(f"{path}: ignoring {[os.path.basename(f) for f in stray]}: not part of the checkpoint "
+                      f"({'not named by ' + os.path.basename(index) if index else 'only model.safetensors is read'})",
+                      stacklevel=2)
+    handles, location, raw = {}, {}, {}
     for f in files:
-        sd.update(load_file(f, device="cpu"))
-    sd = {k[len("base_model."):] if k.startswith("base_model.") else k: v for k, v in sd.items()}
-    return _from_state_dict(arch, sd, dtype, torch.device(device))
+        h = handles[f] = _open_safetensors(f)
+        for key in h.keys():
+            name = key[len("base_model."):] if key.startswith("base_model.") else key
+            if name in location:
+                raise CheckpointError(f"tensor {name!r} is in both {location[name]} and {f}")
+            location[name], raw[name] = f, key
+            if weight_map is not None and weight_map.get(key) != os.path.basename(f):
+                raise CheckpointError(f"{index} does not list tensor {key!r} of shard {f} "
+                                      f"(it says {weight_map.get(key)!r}); the index does not match its shards")
+    if weight_map is not None:
+        missing = [k for k, v in weight_map.items() if (k[len("base_model."):] if k.startswith("base_model.") else k)
+                   not in location]
+        if missing:
+            raise CheckpointError(f"{index} lists tensor {missing[0]!r} in {weight_map[missing[0]]!r}, which does not "
+                                  f"contain it ({len(missing)} such tensors)")
+    sd = _LazyTensors(handles, location, raw)
+    source = f"checkpoint {path!r} ({os.path.basename(index) if index else 'model.safetensors'})"
+    return _from_state_dict(arch, sd, dtype, torch.device(device), source=source)

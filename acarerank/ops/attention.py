@@ -24,6 +24,7 @@ Every host read of device metadata goes through ``_device_to_host`` (counted in 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -85,11 +86,31 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
     return S, G
 
 
+def check_softmax_scale(softmax_scale, d: int) -> float:
+    """``softmax_scale`` as a float (None: 1/sqrt(d)); ValueError unless it is finite and > 0.
+
+    A scale ≤ 0 inverts or flattens the attention (and made the fused CPU kernel return NaN
+    where plain softmax is finite); NaN/inf make every output NaN. Neither is a usable scale.
+    """
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"prefix_shared_attention: softmax_scale must be a float or None, got "
+                        f"{type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"prefix_shared_attention: softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
 def prefix_shared_attention_ref(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale=None):
-    """Oracle: for each segment, plain causal attention over cat(prefix_g, own) in fp32."""
+    """Oracle: for each segment, plain causal attention over cat(prefix_g, own) in fp32.
+
+    Non-finite inputs propagate as plain softmax attention does: a NaN in q[t, h] makes
+    out[t, h] NaN; a NaN key or value makes NaN every row that sees it. Every backend agrees.
+    """
     T, Hq, d = q.shape
     r = Hq // k.shape[1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = check_softmax_scale(softmax_scale, d)
     out = torch.zeros_like(q)
     cs, cp, sg = cu_seqlens.tolist(), cu_prefix_lens.tolist(), segment_group.tolist()
     for s in range(len(sg)):
@@ -219,6 +240,10 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
             res = o_p * (lse_p - lse).exp_()[..., None] + o_o * (lse_o - lse).exp_()[..., None]
         else:
             res = o_o
+        # torch's fused CPU kernel drops a NaN query (its row max ignores NaN) and returns a finite
+        # row; the reference's softmax gives NaN there. Put it back: a NaN in q[t, h] makes out[t, h] NaN.
+        q_nan = torch.isnan(qf).any(-1)                                            # [Tg, Hq]
+        res = res.masked_fill(q_nan[..., None], float("nan"))
         if rows is not None:
             out[rows] = res.to(q.dtype)
         else:
@@ -392,6 +417,6 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
         name, work, host_meta = plan.backend, plan.work, plan.host_meta
     else:
         name, work, host_meta = OP.resolve(backend, q.device), None, None
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
     return prefix_shared_attention_op(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
                                       float(scale), name, work, host_meta)

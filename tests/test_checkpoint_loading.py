@@ -1,0 +1,140 @@
+"""The loader reads exactly the checkpoint's files and never reads a missing head as the embedding.
+
+Oracles: transformers' own forward (Qwen3ForCausalLM through the model card's scoring path;
+Qwen3ForSequenceClassification's logits) on the same weights.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from _tiny import tiny_causal, tiny_seq_cls
+from acarerank import PointwiseReranker
+from acarerank.prompts import joint_input_ids, official_scores
+from acarerank.setwise import SetwiseReranker
+from acarerank.tokenizer import load_qwen3_tokenizer
+
+DOCS = ["alpha beta", "gamma delta epsilon", "the answer is 42", ""]
+
+
+@pytest.fixture(scope="module")
+def causal():
+    return tiny_causal(seed=1)
+
+
+@pytest.fixture(scope="module")
+def card_scores(causal):
+    tok = load_qwen3_tokenizer()
+    return official_scores(causal, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def saved(causal, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "single"
+    causal.save_pretrained(path)
+    return path
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def close(a, b, tol=1e-5):
+    return max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+def test_stray_safetensors_file_is_ignored_with_a_warning(saved, card_scores, tmp_path):
+    ckpt = _copy(saved, tmp_path / "c")
+    sd = load_file(ckpt / "model.safetensors")
+    sd["model.embed_tokens.weight"] = torch.zeros_like(sd["model.embed_tokens.weight"])
+    save_file(sd, ckpt / "zz-second-export.safetensors")  # sorts after model.safetensors: main let it win
+    with pytest.warns(UserWarning, match="zz-second-export.safetensors"):
+        rr = PointwiseReranker.from_pretrained(str(ckpt))
+    got = rr.score("q", DOCS)
+    assert close(got, card_scores), (got, card_scores)
+
+
+def test_sharded_checkpoint_reads_exactly_the_index(causal, card_scores, tmp_path):
+    ckpt = tmp_path / "sharded"
+    causal.save_pretrained(ckpt, max_shard_size="10MB")
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1, shards
+    shutil.copy(ckpt / shards[0], ckpt / "model-partial-download.safetensors")
+    with pytest.warns(UserWarning, match="model-partial-download.safetensors"):
+        got = PointwiseReranker.from_pretrained(str(ckpt)).score("q", DOCS)
+    assert close(got, card_scores), (got, card_scores)
+    # an index that does not cover a tensor of its shards is refused, naming the tensor
+    name = next(k for k, v in index["weight_map"].items() if v == shards[-1])
+    del index["weight_map"][name]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"does not list tensor '{name}'"), pytest.warns(UserWarning):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_truncated_file_is_named(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path / "t")
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors.*truncated"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_missing_tensor_is_named(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path / "m")
+    sd = load_file(ckpt / "model.safetensors")
+    del sd["model.layers.0.mlp.down_proj.weight"]
+    save_file(sd, ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_untied_model_without_output_layer_is_refused(saved, causal, tmp_path):
+    ckpt = _copy(saved, tmp_path / "u")
+    sd = load_file(ckpt / "model.safetensors")
+    del sd["lm_head.weight"]
+    save_file(sd, ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+    # the same in memory: a bare decoder (no head) with untied embeddings
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        PointwiseReranker(model=causal.model)
+
+
+def test_bad_config_names_the_file(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path / "cfg")
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+    (ckpt / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="config.json"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_sequence_classification_reranker(causal, card_scores, rows, tmp_path):
+    """vLLM / sentence-transformers convert Qwen3-Reranker to Qwen3ForSequenceClassification: the
+    score head is used as the yes−no direction (never the embedding), in memory and from disk."""
+    tok = load_qwen3_tokenizer()
+    seq = tiny_seq_cls(causal, rows)
+    with torch.no_grad():
+        logits = [seq(input_ids=torch.tensor([joint_input_ids(tok, "q", d)])).logits[0].float() for d in DOCS]
+    ref = [float(torch.sigmoid(z[0])) if rows == 1 else float(z.softmax(-1)[1]) for z in logits]
+    assert close(ref, card_scores, 1e-5)  # the conversion is the model card's score
+    assert close(PointwiseReranker(model=seq).score("q", DOCS), ref)
+    seq.save_pretrained(tmp_path / "seq")
+    assert close(PointwiseReranker.from_pretrained(str(tmp_path / "seq")).score("q", DOCS), ref)
+    with pytest.raises(ValueError, match="sequence-classification"):
+        SetwiseReranker(model=seq)
+
+
+def test_only_safetensors_named_model_are_read(saved, tmp_path):
+    ckpt = _copy(saved, tmp_path / "n")
+    os.rename(ckpt / "model.safetensors", ckpt / "weights.safetensors")
+    with pytest.raises(FileNotFoundError, match="weights.safetensors"):
+        PointwiseReranker.from_pretrained(str(ckpt))

@@ -1,0 +1,112 @@
+"""Every CLI failure is one line on stderr with exit status 2 (usage/input) or 1 (runtime),
+checked before the model loads where possible."""
+import json
+
+import pytest
+import torch
+
+from _tiny import tiny_causal
+from acarerank.cli import main
+
+
+class ModelLoaded(BaseException):
+    """Raised if a check that belongs before loading ran after it (not an Exception: main cannot swallow it)."""
+
+
+@pytest.fixture()
+def no_load(monkeypatch):
+    import acarerank.model.default as default
+    from acarerank.pointwise import PointwiseReranker
+    from acarerank.setwise import SetwiseReranker
+
+    def boom(*a, **kw):
+        raise ModelLoaded()
+
+    monkeypatch.setattr(default, "build_default_model", boom)
+    for cls in (PointwiseReranker, SetwiseReranker):
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(boom))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    (d / "docs.jsonl").write_text('"plain string doc"\n{"text": "object doc", "id": 7}\n')
+    (d / "latin1.jsonl").write_bytes(b'"ok"\n"caf\xe9"\n')
+    (d / "surrogate.jsonl").write_text('"fine"\n"bad \\ud800"\n')
+    ckpt = d / "ckpt"
+    tiny_causal(seed=4, tie=True).save_pretrained(ckpt)
+    return d
+
+
+def run(capsys, argv):
+    rc = main(argv)
+    cap = capsys.readouterr()
+    # informational lines (the random-default NOTE, the chosen dtype) are not failure lines
+    lines = [x for x in cap.err.splitlines() if x.strip() and not x.startswith(("NOTE:", "dtype:"))]
+    return rc, lines, cap.out
+
+
+@pytest.mark.parametrize("extra, code, needle", [
+    (["--backend", "bogus"], 2, "bogus"),
+    (["--device", "garbage"], 2, "garbage"),
+    (["--top-n", "0"], 2, "--top-n"),
+    (["--max-length", "0"], 2, "--max-length"),
+    (["--min-doc-tokens", "0"], 2, "--min-doc-tokens"),
+    (["--trace-file", "DIR"], 2, "--trace-file"),
+    (["--docs", "DIR"], 2, "--docs"),
+    (["--docs", "DIR/latin1.jsonl"], 2, "latin1.jsonl:2"),
+    (["--docs", "DIR/surrogate.jsonl"], 2, "surrogate.jsonl:2"),
+    (["--model", "DIR/nope"], 2, "nope"),
+    (["--top-n", "x"], 2, "--top-n"),
+] + ([(["--device", "cuda"], 2, "CUDA")] if not torch.cuda.is_available() else []))
+def test_score_input_errors_before_loading(capsys, files, no_load, extra, code, needle):
+    argv = ["score", "--query", "q", "--docs", str(files / "docs.jsonl")] + [x.replace("DIR", str(files)) for x in extra]
+    rc, err, _ = run(capsys, argv)
+    assert rc == code and len(err) == 1 and needle in err[0], (rc, err)
+
+
+def test_select_max_select_names_max_new_tokens(capsys, files, no_load):
+    (files / "many.jsonl").write_text("\n".join(json.dumps(f"doc {i}") for i in range(20)))
+    rc, err, _ = run(capsys, ["select", "--query", "q", "--docs", str(files / "many.jsonl"), "--max-select", "16"])
+    assert rc == 2 and len(err) == 1 and "--max-new-tokens" in err[0], err
+
+
+def test_runtime_failures_after_loading(capsys, files, monkeypatch):
+    ckpt = files / "ckpt"
+    base = ["score", "--model", str(ckpt), "--query", "q", "--docs", str(files / "docs.jsonl")]
+    # a backend that cannot run here: one line, exit 2 (the user asked for it)
+    rc, err, _ = run(capsys, base + ["--backend", "flash_attn_cascade"])
+    assert rc == 2 and len(err) == 1 and "flash_attn_cascade" in err[0], err
+    # a failure while running: one line, exit 1
+    from acarerank.pointwise import PointwiseReranker
+
+    def fail(*a, **kw):
+        raise RuntimeError("out of memory\nsecond line")
+
+    monkeypatch.setattr(PointwiseReranker, "rerank", fail)
+    rc, err, _ = run(capsys, base)
+    assert rc == 1 and len(err) == 1 and "out of memory second line" in err[0], err
+
+
+def test_truncated_checkpoint_is_one_line_naming_the_file(capsys, files, tmp_path):
+    import shutil
+
+    ckpt = shutil.copytree(files / "ckpt", tmp_path / "ckpt")
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[:1000])
+    rc, err, _ = run(capsys, ["score", "--model", str(ckpt), "--query", "q", "--docs", str(files / "docs.jsonl")])
+    assert rc == 2 and len(err) == 1 and "model.safetensors" in err[0], err
+
+
+def test_score_output_has_text_and_short_max_length_works(capsys, files):
+    argv = ["score", "--model", str(files / "ckpt"), "--query", "q", "--docs", str(files / "docs.jsonl")]
+    rc, err, out = run(capsys, argv + ["--max-length", "300", "--min-doc-tokens", "50"])
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert rc == 0 and [r["text"] for r in rows] == ["plain string doc", "object doc"] and rows[1]["id"] == 7, (err, rows)
+
+
+@pytest.mark.parametrize("argv, needle", [(["bench", "--device", "garbage", "--quick"], "garbage"),
+                                          (["bench", "--depths", "x"], "--depths")])
+def test_bench_usage_errors_are_one_line(capsys, argv, needle):
+    rc, err, _ = run(capsys, argv)
+    assert rc == 2 and len(err) == 1 and needle in err[0], (rc, err)

@@ -1,0 +1,162 @@
+"""Clear, documented errors (or correct results) for the odd inputs a new user sends."""
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from _tiny import tiny_causal
+from acarerank import PointwiseReranker, ScoreRequest
+from acarerank.ato.reward import JudgeOutputError, rubric_reward
+from acarerank.ops import linear_logprob, prefix_shared_attention, topk_logprobs
+from acarerank.ops.attention import prefix_shared_attention_ref
+from acarerank.prompts import encode_pointwise, official_batch_input_ids
+from acarerank.selection import parse_selection
+from acarerank.setwise import SetwiseReranker
+from acarerank.setwise.prompts import build_prompt
+
+DOCS = ["alpha beta", "gamma delta", "the answer is 42"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_causal(seed=3, tie=True)
+
+
+@pytest.fixture(scope="module")
+def rr(model):
+    return PointwiseReranker(model=model)
+
+
+def test_score_batch_accepts_dicts_and_tuples(rr):
+    want = rr.score_batch([ScoreRequest("q", DOCS, question="why?"), ScoreRequest("r", DOCS[:2])])
+    assert rr.score_batch([{"query": "q", "documents": DOCS, "question": "why?"}, ("r", DOCS[:2])]) == want
+    with pytest.raises(TypeError, match=r"requests\[0\]"):
+        rr.score_batch([{"query": "q", "docs": DOCS}])
+    with pytest.raises(TypeError, match=r"requests\[1\]"):
+        rr.score_batch([("q", DOCS), "q"])
+    with pytest.raises(TypeError, match="list of ScoreRequest"):
+        rr.score_batch(ScoreRequest("q", DOCS))
+
+
+def test_top_n_integers(rr):
+    assert rr.rerank("q", DOCS, top_n=np.int64(1)) == rr.rerank("q", DOCS, top_n=1)
+    with pytest.raises(ValueError, match="top_n"):
+        rr.rerank("q", DOCS, top_n=True)
+
+
+def test_lone_surrogate_names_the_field(rr, model):
+    with pytest.raises(ValueError, match=r"documents\[1\] is not valid Unicode"):
+        rr.score("q", ["fine", "bad \ud800 text"])
+    with pytest.raises(ValueError, match="trace is not valid Unicode"):
+        rr.score("q", ["fine"], trace="\udfff")
+    with pytest.raises(ValueError, match=r"documents\[0\] is not valid Unicode"):
+        SetwiseReranker(model=model).select("q", ["\ud800"])
+
+
+def test_empty_intent_is_no_intent(qwen3_tokenizer):
+    rag = build_prompt(qwen3_tokenizer, "q", ["a", "b"], None).input_ids
+    assert build_prompt(qwen3_tokenizer, "q", ["a", "b"], "").input_ids == rag
+    assert build_prompt(qwen3_tokenizer, "q", ["a", "b"], "  ").input_ids == rag
+    assert build_prompt(qwen3_tokenizer, "q", ["a", "b"], "why").input_ids != rag
+
+
+def test_max_length_512_works_like_the_model_card(qwen3_tokenizer):
+    long_doc = " ".join(f"word{i}" for i in range(700))
+    docs = ["short", long_doc]
+    enc = encode_pointwise(qwen3_tokenizer, "query", docs, max_length=512)   # default reserve: 256 here
+    card = official_batch_input_ids(qwen3_tokenizer, "query", docs, max_length=512)
+    assert [enc.input_ids(i) for i in range(2)] == card
+    # the reserve is the knob when a long context has to be cut
+    enc = encode_pointwise(qwen3_tokenizer, "query", docs, trace="thinking " * 600, max_length=512, min_doc_tokens=100)
+    assert len(enc.input_ids(1)) == 512 and enc.trace_tokens_dropped > 0
+
+
+def test_max_select_above_15_names_the_knob(model):
+    docs = [f"doc {i}" for i in range(20)]
+    with pytest.raises(ValueError, match="raise max_new_tokens"):
+        SetwiseReranker(model=model).select("q", docs, max_select=16)
+    sel = SetwiseReranker(model=model, max_new_tokens=65, max_length=800).select("q", docs, max_select=16)
+    assert sel.valid and 1 <= len(sel.ids) <= 16
+
+
+def test_parse_selection_linear_and_total():
+    n = 60_000
+    text = " ".join(f"[{i}]" for i in range(1, n + 1))
+    t0 = time.perf_counter()
+    assert parse_selection(text, n, None).ids[-1] == n
+    assert len(parse_selection(text + " junk", n, None, strict=False).ids) == n
+    assert time.perf_counter() - t0 < 10, "parse_selection is not linear (main: quadratic, ~13 s at 60k ids)"
+    huge = "[" + "9" * 4301 + "]"
+    for strict in (True, False):
+        r = parse_selection(huge + " [1]", 5, strict=strict)
+        assert not r.valid and "out of range" in r.error
+    assert parse_selection(huge + " [1]", 5, strict=False).ids == [1]
+    with pytest.raises(TypeError, match="strict"):
+        parse_selection("[1]", 5, strict="no")
+
+
+RUBRICS = {"Relevance": [{"rubric": "on topic", "weight": 2}]}
+JUDGE = {"score": {"Relevance": {"level": "doc", "rubrics": [{"rubric": "on topic", "per_doc": [
+    {"doc_id": 1, "score": 8}, {"doc_id": 2, "score": 4}]}]}}}
+
+
+def test_rubric_reward_strict_types_and_one_error_type():
+    assert rubric_reward(JUDGE, RUBRICS, [1, 2]) == 6.0
+    assert rubric_reward(JUDGE, RUBRICS, (np.int64(1),)) == 8.0
+    with pytest.raises(TypeError, match="ParsedSelection"):
+        rubric_reward(JUDGE, RUBRICS, "12")        # main: read as ids [1, 2], reward 6.0
+    with pytest.raises(TypeError, match="ints"):
+        rubric_reward(JUDGE, RUBRICS, [1.7])       # main: truncated to 1
+    with pytest.raises(ValueError, match="repeated"):
+        rubric_reward(JUDGE, RUBRICS, [1, 1])
+    with pytest.raises(TypeError, match="rubrics"):
+        rubric_reward(JUDGE, ["Relevance"], [1])
+    bad_judges = [b"\xff\xfe", "[" * 100_000 + "]" * 100_000, '{"score": {"Relevance": 1' + "0" * 5000 + "}}",
+                  {"score": {"Relevance": {"rubrics": [{"per_doc": [{"doc_id": "x", "score": 1}]}]}}},
+                  {"score": {"Relevance": {"rubrics": [{"per_doc": [{"doc_id": [1], "score": 1}]}]}}},
+                  {"score": {"Relevance": {"rubrics": [{"per_doc": [{"doc_id": 1, "score": 1},
+                                                                    {"doc_id": 1, "score": 9}]}]}}},
+                  {"score": {"Relevance": {"rubrics": ["text"]}}}, {"score": []}, 7]
+    for j in bad_judges:
+        with pytest.raises(JudgeOutputError):
+            rubric_reward(j if not isinstance(j, dict) else json.loads(json.dumps(j)), RUBRICS, [1])
+
+
+def _attn_inputs():
+    T, Hq, Hkv, d = 6, 4, 2, 16
+    q, k, v = torch.randn(T, Hq, d), torch.randn(T, Hkv, d), torch.randn(T, Hkv, d)
+    pk, pv = torch.randn(5, Hkv, d), torch.randn(5, Hkv, d)
+    meta = (torch.tensor([0, 3, 6], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32),
+            torch.tensor([0, 0], dtype=torch.int32))
+    return q, k, v, pk, pv, meta
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the Triton interpreter's numpy NaN
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_non_finite_like_the_reference(backend):
+    q, k, v, pk, pv, (cs, cp, sg) = _attn_inputs()
+    for name in ("q", "k", "v", "pk"):
+        t = {"q": q, "k": k, "v": v, "pk": pk}[name].clone()
+        t[1, 0, 0] = float("nan")
+        args = {"q": q, "k": k, "v": v, "pk": pk, **{name: t}}
+        ref = prefix_shared_attention_ref(args["q"], args["k"], args["v"], cs, args["pk"], pv, cp, sg)
+        out = prefix_shared_attention(args["q"], args["k"], args["v"], cs, args["pk"], pv, cp, sg, backend=backend)
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)), f"NaN in {name}: NaN pattern differs"
+        fin = ~torch.isnan(ref)
+        assert torch.allclose(out[fin], ref[fin], atol=1e-4)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        for fn in (prefix_shared_attention_ref, lambda *a, **kw: prefix_shared_attention(*a, backend=backend, **kw)):
+            with pytest.raises(ValueError, match="softmax_scale"):
+                fn(q, k, v, cs, pk, pv, cp, sg, softmax_scale=bad)
+
+
+def test_linear_logprob_and_topk_errors():
+    h, w, t = torch.randn(3, 8), torch.randn(50, 8), torch.tensor([1, 2, 3])
+    h[2, 0] = float("nan")
+    for fn in (lambda: linear_logprob(h, w, t), lambda: topk_logprobs(h, w, t, k=4)):
+        with pytest.raises(ValueError, match=r"non-finite.*\[2\]"):
+            fn()
+    with pytest.raises(TypeError, match="k must be an int"):
+        topk_logprobs(torch.randn(3, 8), w, t, k=None)
