@@ -1,9 +1,9 @@
 """The Ray Serve deployment on a local Ray instance: 2 engine replicas behind the HTTP front.
 
-Checks that requests of one context (same cache_salt / question / trace head) always land on
+Checks that requests of one context (same cache_salt and question, growing trace) always land on
 the same replica, that context-free traffic still works, that scores equal the offline
-reranker's, and that errors keep their code and shape through Ray. Marked slow: starting Ray,
-Serve and three replica processes alone takes longer than the server tests' budget.
+reranker's, and that errors keep their code and shape through Ray. Starting Ray, Serve and three
+replica processes dominates: ~50 s on 2 quiet cores (2+ min on a loaded machine).
 """
 import httpx
 import pytest
@@ -15,9 +15,6 @@ serve = pytest.importorskip("ray.serve")
 
 from acarerank import PointwiseReranker  # noqa: E402
 from acarerank.server.ray_serve import REPLICA_HEADER, build_app  # noqa: E402
-
-# Ray start + 3 replica processes importing torch/transformers: ~1-2 min on 2 busy cores.
-pytestmark = pytest.mark.slow
 
 DOCS = ["the tutor gives hints", "a recipe for bread", "setwise rerankers select documents", "weather today"]
 
