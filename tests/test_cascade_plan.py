@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from test_ext_merge_states import cascade  # noqa: F401  (fixture: the module over a stand-in flash-attn)
+from test_op_merge_states import cascade  # noqa: F401  (fixture: the module over a stand-in flash-attn)
 
 from acarerank.ops import prefix_shared_attention_ref
 
