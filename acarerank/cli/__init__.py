@@ -14,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("score", "select", "bench")
+SUBCOMMANDS = ("score", "select", "bench", "serve")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="acarerank", description="Prefix-shared Qwen3 rerankers: score, select, bench.")
+    parser = _Parser(prog="acarerank", description="Prefix-shared Qwen3 rerankers: score, select, bench, serve.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"acarerank.cli.{name}").add_parser(sub)

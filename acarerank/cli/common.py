@@ -77,7 +77,8 @@ def read_documents(path: str) -> list:
 
 def load_reranker(cls, args, **kw):
     """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask: ``--model`` folder, or the
-    embedded random default with a note on stderr that its output carries no meaning."""
+    embedded random default with a note on stderr that its output carries no meaning. ``kw``: more
+    constructor arguments."""
     from ..hardware import resolve_dtype
     from ..ops import parse_preference
 

@@ -1,0 +1,325 @@
+"""The scheduler: one thread owns the model and runs continuous batching over queued requests.
+
+The HTTP side validates, tokenizes (thread pool) and calls ``submit``; nothing else touches
+the model (it is not thread-safe). Each loop iteration of the scheduler thread:
+
+1. takes newly submitted jobs (FIFO) and drops the work of cancelled ones (client gone);
+2. runs at most one queued call job (a setwise selection: grammar-constrained decoding);
+3. runs one packed scoring pass of at most ``max_batch_tokens`` segment tokens (always at
+   least one segment), in two rounds: first one document of each of the first
+   ``max_running`` jobs in arrival order — so a request that arrives mid-stream joins at the
+   next pass and a short request never waits for a long one to finish — then documents in
+   arrival order (the oldest request's next ones first) until the pass is full. A job's
+   prefix is prefilled (``acquire_prefix``) when its first document enters a pass and
+   released as soon as its last document is scored — then its future completes, not at the
+   end of a batch.
+
+Per pass: ``steps.score_segments`` = one forward over all its segments (see
+``step_adapter.py`` for the step API).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass
+class ScoreResult:
+    """What a finished scoring job returns. Times in seconds."""
+    scores: list
+    prompt_tokens: int
+    cached_tokens: int
+    queue_time: float
+
+
+@dataclass(eq=False)
+class _ScoreJob:
+    enc: object                      # PointwiseEncoding: shared_ids, segment_ids
+    future: concurrent.futures.Future
+    submitted: float
+    scores: list = field(default_factory=list)
+    next: int = 0                    # next segment to put in a pass
+    done: int = 0                    # segments scored
+    handle: object = None
+    started: Optional[float] = None
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class _CallJob:
+    fn: Callable
+    future: concurrent.futures.Future
+    submitted: float
+    cancelled: bool = False
+
+
+log = logging.getLogger("acarerank.server")
+
+#: requests whose prefixes are held at once (bounds pinned KV; the rest wait in arrival order)
+DEFAULT_MAX_RUNNING = 64
+
+
+class EngineStopped(RuntimeError):
+    """The engine was stopped before the job ran."""
+
+
+def _settle(fut: concurrent.futures.Future, result=None, exc: Optional[BaseException] = None) -> None:
+    """Complete ``fut`` unless it is already done (the waiting side may have cancelled it)."""
+    try:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:  # cancelled between the check and the set
+        pass
+
+
+class Engine:
+    """Owns ``steps`` (the step API over the model) on one scheduler thread.
+
+    Args:
+      steps: object with ``acquire_prefix``, ``score_segments``, ``release_prefix`` (``encode``
+        and ``cache_stats`` are called from other threads by the service).
+      max_batch_tokens: segment tokens per packed pass (a longer single segment runs alone).
+      metrics: optional ``ServerMetrics`` (queue time, pass sizes, queue depth, cancellations).
+      max_running: requests with a prefilled (pinned) prefix at once; later ones wait their turn.
+    """
+
+    def __init__(self, steps, max_batch_tokens: int, metrics=None, max_running: int = DEFAULT_MAX_RUNNING):
+        for name, v in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.steps = steps
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.metrics = metrics
+        self._cv = threading.Condition()
+        self._inbox: collections.deque = collections.deque()
+        self._active: list = []          # score jobs in arrival order (scheduler thread only)
+        self._calls: collections.deque = collections.deque()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="acarerank-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread after the current pass; queued and active jobs fail with EngineStopped."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # -- submission (any thread) -------------------------------------------------------------
+    def submit(self, enc) -> _ScoreJob:
+        """Queue one encoded request; ``job.future`` resolves to a ``ScoreResult``."""
+        job = _ScoreJob(enc=enc, future=concurrent.futures.Future(), submitted=time.perf_counter(),
+                        scores=[0.0] * len(enc.segment_ids))
+        self._put(job)
+        return job
+
+    def submit_call(self, fn: Callable) -> _CallJob:
+        """Queue ``fn()`` to run on the scheduler thread (it may use the model); ``job.future`` gets its result."""
+        job = _CallJob(fn=fn, future=concurrent.futures.Future(), submitted=time.perf_counter())
+        self._put(job)
+        return job
+
+    def cancel(self, job) -> None:
+        """Drop a job's remaining work (its client is gone); its future is cancelled."""
+        if not job.cancelled and self.metrics is not None:
+            self.metrics.cancelled.inc()
+        job.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    @property
+    def num_jobs(self) -> int:
+        """Jobs submitted and not finished (queued, running, or waiting to be dropped)."""
+        with self._cv:
+            return len(self._inbox) + len(self._active) + len(self._calls)
+
+    def _put(self, job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise EngineStopped("the engine is stopping")
+            self._inbox.append(job)
+            self._cv.notify()
+
+    # -- the scheduler thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._active or self._calls or self._stopping):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                while self._inbox:
+                    job = self._inbox.popleft()
+                    (self._calls if isinstance(job, _CallJob) else self._active).append(job)
+            try:
+                self._drop_cancelled()
+                if self._calls:
+                    self._run_call(self._calls.popleft())
+                if self._active:
+                    self._pass()
+                self._report_depth()
+            except Exception as e:  # noqa: BLE001 - a bug of ours: fail what is in flight, keep the thread
+                log.exception("scheduler iteration failed; failing %d active requests", len(self._active))
+                for job in self._active:
+                    _settle(job.future, exc=e)
+                    if job.handle is not None:
+                        try:
+                            self.steps.release_prefix(job.handle)
+                        except Exception:  # noqa: BLE001
+                            log.exception("release_prefix failed")
+                self._active = []
+        self._fail_all(EngineStopped("the engine stopped before this request ran"))
+
+    def _report_depth(self) -> None:
+        if self.metrics is not None:
+            running = sum(1 for j in self._active if j.handle is not None)
+            with self._cv:
+                waiting = len(self._inbox) + len(self._calls)
+            self.metrics.set_depth(waiting + len(self._active) - running, running)
+
+    def _drop_cancelled(self) -> None:
+        keep = []
+        for job in self._active:
+            if job.cancelled:
+                self._finish(job, cancelled=True)
+            else:
+                keep.append(job)
+        self._active = keep
+        calls = collections.deque()
+        for job in self._calls:
+            if job.cancelled:
+                job.future.cancel()
+            else:
+                calls.append(job)
+        self._calls = calls
+
+    def _run_call(self, job: _CallJob) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        if self.metrics is not None:
+            self.metrics.queue_time.observe(time.perf_counter() - job.submitted)
+        try:
+            job.future.set_result(job.fn())
+        except Exception as e:  # noqa: BLE001 - the caller maps it to an HTTP error
+            job.future.set_exception(e)
+
+    def _start(self, job: _ScoreJob) -> bool:
+        """Prefill ``job``'s prefix (its first pass); False if it was cancelled or failed."""
+        if not job.future.set_running_or_notify_cancel():  # its waiter gave up
+            job.cancelled = True
+            return False
+        job.started = time.perf_counter()  # queue time ends here; the prefill is work
+        if self.metrics is not None:
+            self.metrics.queue_time.observe(job.started - job.submitted)
+        try:
+            job.handle = self.steps.acquire_prefix(job.enc)
+        except Exception as e:  # noqa: BLE001 - fail this request only
+            _settle(job.future, exc=e)
+            job.cancelled = True
+            return False
+        return True
+
+    def _pass(self) -> None:
+        """Build and run one packed pass (see the module docstring for the policy)."""
+        items, owners = [], []
+        used = 0
+
+        def take(job) -> bool:
+            """Put the job's next segment in the pass; False only when the pass is full."""
+            nonlocal used
+            seg = job.enc.segment_ids[job.next]
+            if items and used + len(seg) > self.max_batch_tokens:
+                return False
+            if job.handle is None and not self._start(job):
+                return True  # cancelled or failed: nothing to add, the pass is not full
+            items.append((job.handle, seg))
+            owners.append((job, job.next))
+            job.next += 1
+            used += len(seg)
+            return True
+
+        def wants(job) -> bool:
+            return not job.cancelled and job.next < len(job.scores)
+
+        # round 1: one segment of each of the first max_running jobs, so that every running
+        # request (and a newly arrived one) moves at every pass; round 2: fill in arrival order.
+        window = self._active[:self.max_running]
+        full = False
+        for job in window:
+            if wants(job) and not take(job):
+                full = True
+                break
+        for job in window:
+            while not full and wants(job):
+                full = not take(job)
+            if full:
+                break
+        if items:
+            try:
+                scores = self.steps.score_segments(items)
+            except Exception as e:  # noqa: BLE001 - the pass failed: fail the jobs in it, keep serving
+                for job in {j for j, _ in owners}:
+                    _settle(job.future, exc=e)
+                    job.cancelled = True
+                scores = None
+            if scores is not None:
+                if self.metrics is not None:
+                    self.metrics.observe_pass(used, len({id(j) for j, _ in owners}))
+                for (job, i), s in zip(owners, scores):
+                    job.scores[i] = s
+                    job.done += 1
+        keep = []
+        for job in self._active:
+            if job.cancelled:
+                self._finish(job, cancelled=True)
+            elif job.done == len(job.scores):
+                self._finish(job)
+            else:
+                keep.append(job)
+        self._active = keep
+
+    def _finish(self, job: _ScoreJob, cancelled: bool = False) -> None:
+        """Release the job's prefix and complete its future (result, or cancelled)."""
+        if job.handle is not None:
+            self.steps.release_prefix(job.handle)
+        if job.future.done():  # failed (its exception is set) or cancelled by its waiter
+            return
+        if cancelled:
+            if not job.future.cancel():  # already running: nobody waits, but never leave it pending
+                _settle(job.future, exc=concurrent.futures.CancelledError("client disconnected"))
+            return
+        h = job.handle
+        _settle(job.future, ScoreResult(scores=job.scores, prompt_tokens=h.prompt_tokens,
+                                          cached_tokens=h.cached_tokens,
+                                          queue_time=(job.started or job.submitted) - job.submitted))
+        if self.metrics is not None:
+            self.metrics.documents.inc(len(job.scores))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cv:
+            pending = list(self._inbox) + list(self._calls)
+            self._inbox.clear()
+        for job in self._active:
+            if job.handle is not None:
+                self.steps.release_prefix(job.handle)
+        for job in pending + self._active:
+            _settle(job.future, exc=exc)
+        self._active, self._calls = [], collections.deque()

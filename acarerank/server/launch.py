@@ -1,0 +1,62 @@
+"""Start ``acarerank serve`` as a child process on a free port (used by the tests and bench_serve)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(url: str, status: int = 200, timeout: float = STARTUP_TIMEOUT_S, proc=None) -> None:
+    """Poll ``url`` until it answers ``status`` (bounded); fail early if ``proc`` died."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server process exited with {proc.returncode} before {url} answered {status}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == status:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer {status} within {timeout} s")
+
+
+@contextlib.contextmanager
+def serve_subprocess(*cli_args: str, timeout: float = STARTUP_TIMEOUT_S):
+    """``acarerank serve CLI_ARGS`` on a free port; yields (base URL, Popen) once /ready; always stopped.
+
+    The server's output goes to a temporary file and is shown if startup fails.
+    """
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    log = tempfile.TemporaryFile(mode="w+")
+    cmd = [sys.executable, "-c", "import sys; from acarerank.cli import main; sys.exit(main())", "serve",
+           "--port", str(port), *cli_args]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_until(base + "/ready", timeout=timeout, proc=proc)
+        except (RuntimeError, TimeoutError) as e:
+            log.seek(0)
+            raise RuntimeError(f"{e}\n--- server output ---\n{log.read()[-4000:]}") from None
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        log.close()

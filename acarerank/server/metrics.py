@@ -1,0 +1,99 @@
+"""Prometheus metrics of one server (``prometheus_client``), in a registry of their own.
+
+Names follow the peers' meaning (TEI ``te_request_duration``/``te_queue_size``/
+``te_batch_next_tokens``, vLLM ``e2e_request_latency_seconds``/``num_requests_waiting``/
+``prefix_cache_hits``) under the ``acarerank_`` prefix:
+
+==========================================  =========  ==============================================
+name                                        type       meaning
+==========================================  =========  ==============================================
+acarerank_request_duration_seconds          histogram  HTTP request latency, by endpoint
+acarerank_requests_total                    counter    HTTP responses, by endpoint and status code
+acarerank_errors_total                      counter    error responses (status ≥ 400), by code
+acarerank_queue_time_seconds                histogram  admission → first pass (or selection start)
+acarerank_queue_size                        gauge      requests waiting for their first pass
+acarerank_requests_running                  gauge      requests with documents in flight
+acarerank_requests_in_flight                gauge      requests admitted and not yet answered
+acarerank_batch_tokens                      histogram  segment tokens per packed pass
+acarerank_batch_requests                    histogram  requests sharing a packed pass
+acarerank_documents_scored_total            counter    documents scored
+acarerank_requests_cancelled_total          counter    requests dropped because the client left
+acarerank_prefix_cache_<x>_tokens_total     counter    lookup / hit / computed / evicted tokens
+acarerank_prefix_cache_<x>_tokens           gauge      resident / budget tokens
+==========================================  =========  ==============================================
+
+The prefix-cache series are read from the step API's ``cache_stats()`` at scrape time.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+CACHE_COUNTERS = ("lookup", "hit", "computed", "evicted")
+CACHE_GAUGES = ("resident", "budget")
+
+
+class _CacheCollector:
+    """Exports ``cache_stats()`` (monotonic counters and gauges) on every scrape."""
+
+    def __init__(self, cache_stats: Callable[[], dict]):
+        self.cache_stats = cache_stats
+
+    def collect(self):
+        stats = self.cache_stats() or {}
+        for name in CACHE_COUNTERS:
+            c = CounterMetricFamily(f"acarerank_prefix_cache_{name}_tokens",
+                                    f"prefix-cache tokens {name} (shared-part tokens)")
+            c.add_metric([], float(stats.get(f"{name}_tokens", 0)))
+            yield c
+        for name in CACHE_GAUGES:
+            g = GaugeMetricFamily(f"acarerank_prefix_cache_{name}_tokens", f"prefix-cache tokens {name}")
+            g.add_metric([], float(stats.get(f"{name}_tokens", 0)))
+            yield g
+
+
+class ServerMetrics:
+    """All series of one server. ``cache_stats``: the step API's ``cache_stats`` (None: not exported)."""
+
+    def __init__(self, cache_stats: Optional[Callable[[], dict]] = None):
+        self.registry = r = CollectorRegistry()
+        self.request_duration = Histogram("acarerank_request_duration_seconds", "HTTP request latency",
+                                          ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("acarerank_requests", "HTTP responses", ["endpoint", "code"], registry=r)
+        self.errors = Counter("acarerank_errors", "error responses (status >= 400)", ["code"], registry=r)
+        self.queue_time = Histogram("acarerank_queue_time_seconds", "admission to first pass",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_size = Gauge("acarerank_queue_size", "requests waiting for their first pass", registry=r)
+        self.running = Gauge("acarerank_requests_running", "requests with documents in flight", registry=r)
+        self.in_flight = Gauge("acarerank_requests_in_flight", "requests admitted and not yet answered", registry=r)
+        self.batch_tokens = Histogram("acarerank_batch_tokens", "segment tokens per packed pass",
+                                      buckets=_TOKEN_BUCKETS, registry=r)
+        self.batch_requests = Histogram("acarerank_batch_requests", "requests sharing a packed pass",
+                                        buckets=_COUNT_BUCKETS, registry=r)
+        self.documents = Counter("acarerank_documents_scored", "documents scored", registry=r)
+        self.cancelled = Counter("acarerank_requests_cancelled", "requests dropped because the client left",
+                                 registry=r)
+        if cache_stats is not None:
+            r.register(_CacheCollector(cache_stats))
+
+    def set_depth(self, waiting: int, running: int) -> None:
+        self.queue_size.set(waiting)
+        self.running.set(running)
+
+    def observe_pass(self, tokens: int, num_requests: int) -> None:
+        self.batch_tokens.observe(tokens)
+        self.batch_requests.observe(num_requests)
+
+    def observe_response(self, endpoint: str, code: int, seconds: float) -> None:
+        self.request_duration.labels(endpoint).observe(seconds)
+        self.requests.labels(endpoint, str(code)).inc()
+        if code >= 400:
+            self.errors.labels(str(code)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,164 @@
+"""Past one machine: the same server as Ray Serve deployments (Ray does the placement and routing).
+
+Two deployments:
+
+* ``RerankReplica`` — one engine per replica (a ``RerankService``: model, scheduler thread,
+  tokenization pool, prefix cache). Routed by Ray's consistent-hash router over the request's
+  ``session_id``, so requests of one context land on one replica and its prefix cache keeps
+  hitting; when that replica is saturated Ray falls back to the next one on the ring.
+* ``RerankIngress`` — the HTTP app of ``app.py`` unchanged (routes, schemas, gate, errors,
+  metrics of its own requests), whose service forwards each parsed request to the replicas
+  with ``session_id = routing_key(request)``.
+
+The routing key is the stable part of a request's context: ``cache_salt``, ``question`` and
+``instruction``, the same on every call of an agent session (the trace is left out: it grows
+on every call). A request with none of them carries no key and is spread over the replicas;
+an agent without a question gets affinity by sending a ``cache_salt`` (per session or tenant).
+
+    app = build_app(model="/models/acare-4b", num_replicas=4, replica_options={"num_gpus": 1})
+    serve.run(app, route_prefix="/")        # see the README for a cluster
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Optional
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from .app import DEFAULT_MAX_BODY_BYTES, create_app
+from .errors import APIError, error_body
+from .metrics import ServerMetrics
+from .schemas import RerankRequest, SelectRequest
+from .service import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DISCONNECT_POLL_S, ClientGone
+
+CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+REPLICA_HEADER = "x-acarerank-replica"
+
+
+def routing_key(req) -> Optional[str]:
+    """sha1 of the request's stable context (``cache_salt``, ``question``, ``instruction``); None without."""
+    parts = [getattr(req, name, None) for name in ("cache_salt", "question", "instruction")]
+    if all(p is None for p in parts):
+        return None
+    return hashlib.sha1("\x00".join(p or "" for p in parts).encode()).hexdigest()
+
+
+async def _never_disconnected() -> bool:
+    return False  # a replica call is cancelled by Ray when its HTTP client leaves
+
+
+@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER),
+                  max_ongoing_requests=DEFAULT_MAX_QUEUE)
+class RerankReplica:
+    """One engine. Args as ``acarerank serve`` (``model`` None: the embedded random default)."""
+
+    def __init__(self, model: Optional[str] = None, dtype: str = "float32", device: str = "cpu",
+                 backend: Optional[str] = None, max_length: int = 8192, max_batch_tokens: Optional[int] = None,
+                 max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
+                 tokenize_workers: int = 2, cache_budget: Optional[int] = None):
+        import argparse
+
+        from ..cli.serve import build_service
+
+        args = argparse.Namespace(model=model, dtype=dtype, device=device, backend=backend, max_length=max_length,
+                                  max_batch_tokens=max_batch_tokens, max_queue=max_queue, max_documents=max_documents,
+                                  tokenize_workers=tokenize_workers, cache_budget=cache_budget)
+        self.service = build_service(args).start(warmup=True)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+
+    async def call(self, method: str, body: dict):
+        """(status, JSON body, headers) of ``rerank`` or ``select``; errors as values, not exceptions."""
+        headers = {REPLICA_HEADER: self.replica}
+        try:
+            if method == "rerank":
+                out = await self.service.rerank(RerankRequest.model_validate(body), _never_disconnected, headers)
+            elif method == "select":
+                out = await self.service.select(SelectRequest.model_validate(body), _never_disconnected, headers)
+            else:
+                return 404, error_body(404, f"unknown method {method!r}"), {}
+        except APIError as e:
+            return e.status, error_body(e.status, e.message, e.type), e.headers
+        return 200, out, headers
+
+    def model_name(self) -> str:
+        return self.service.model_name
+
+    def __del__(self):
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.stop()
+
+
+class RemoteService:
+    """The ingress's service: forwards parsed requests to ``RerankReplica`` through a handle."""
+
+    ready = True  # Ray sends traffic to a replica only after its constructor (and warm-up) returned
+
+    def __init__(self, handle, model_name: str):
+        self.handle = handle
+        self.model_name = model_name
+        self.metrics = ServerMetrics()
+
+    async def rerank(self, req: RerankRequest, is_disconnected, headers: Optional[dict] = None):
+        return await self._forward("rerank", req, is_disconnected, headers)
+
+    async def select(self, req: SelectRequest, is_disconnected, headers: Optional[dict] = None):
+        return await self._forward("select", req, is_disconnected, headers)
+
+    async def _forward(self, method: str, req, is_disconnected, headers: Optional[dict]):
+        key = routing_key(req)
+        handle = self.handle.options(method_name="call", session_id=key) if key else \
+            self.handle.options(method_name="call")
+        response = handle.remote(method, req.model_dump())
+
+        async def result():
+            return await response
+
+        task = asyncio.ensure_future(result())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await is_disconnected():
+                    response.cancel()
+                    raise ClientGone()
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        status, body, extra = task.result()
+        if status != 200:
+            raise APIError(status, body["error"]["message"], headers=extra, type=body["error"]["type"])
+        if headers is not None:
+            headers.update(extra)
+        return body
+
+
+@serve.deployment
+@serve.ingress()
+class RerankIngress:
+    """The HTTP front (``app.py``) of a set of ``RerankReplica``."""
+
+    def __init__(self, replicas, api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.replicas = replicas
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __serve_build_asgi_app__(self):
+        name = await self.replicas.model_name.remote()
+        return create_app(RemoteService(self.replicas, name), api_key=self.api_key,
+                          max_body_bytes=self.max_body_bytes)
+
+
+def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_options: Optional[dict] = None,
+              api_key: Optional[str] = None, ingress_replicas: int = 1, **engine_kw):
+    """The bound application: ``ingress_replicas`` HTTP fronts over ``num_replicas`` engines.
+
+    replica_options: Ray actor options of each engine replica (e.g. ``{"num_gpus": 1}``).
+    engine_kw: ``RerankReplica`` arguments (dtype, device, max_batch_tokens, max_queue, ...).
+    """
+    replicas = RerankReplica.options(num_replicas=num_replicas, ray_actor_options=replica_options or {}).bind(
+        model=model, **engine_kw)
+    return RerankIngress.options(num_replicas=ingress_replicas).bind(replicas, api_key=api_key)

@@ -1,0 +1,142 @@
+"""Request and response bodies (pydantic). One rerank schema speaks every client's dialect.
+
+``RerankRequest`` accepts, unchanged, what these clients send:
+
+* Cohere v2 (``POST /v2/rerank``, the ``cohere`` SDK's ``ClientV2.rerank``): ``model``,
+  ``query``, ``documents`` (strings), ``top_n``, ``max_tokens_per_doc`` (+ ``priority``,
+  ``relevant_spans``: accepted and ignored);
+* Jina / vLLM (``POST /v1/rerank``, ``/rerank``): the same plus ``return_documents``;
+  documents may be ``{"text": ...}`` objects; ``top_n: 0`` means all (vLLM);
+* text-embeddings-inference (``POST /rerank``): ``texts`` instead of ``documents``,
+  ``truncate``, ``raw_scores``, ``return_text`` — answered with TEI's bare list;
+* ACARe context: ``question``, ``trace``, ``instruction`` and ``cache_salt`` (tenant key of
+  the prefix cache).
+
+Types are strict (a number where a string belongs is a 422, never coerced). Unknown fields
+are ignored, as the peers do. Emptiness and size limits are checked by the service so that
+they get their own codes (400, 413) instead of a generic 422.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+
+class TextDocument(BaseModel):
+    """A document given as ``{"text": ...}`` (Jina / vLLM); other keys are ignored."""
+    text: StrictStr
+
+
+Document = Union[StrictStr, TextDocument]
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = Field(None, description="accepted for compatibility; the server has one model")
+    query: StrictStr
+    documents: Optional[List[Document]] = None
+    texts: Optional[List[StrictStr]] = Field(None, description="TEI: documents; the response is TEI's bare list")
+    top_n: Optional[StrictInt] = Field(None, ge=0, description="best n results; None or 0: all")
+    return_documents: StrictBool = False
+    max_tokens_per_doc: Optional[StrictInt] = Field(None, ge=1, description="cut each document to this many tokens")
+    truncate: StrictBool = Field(True, description="false: an over-long input is a 400 instead of being cut")
+    return_text: StrictBool = False   # TEI
+    raw_scores: StrictBool = False    # TEI: logits instead of probabilities (not supported: 400)
+    question: Optional[StrictStr] = None
+    trace: Optional[StrictStr] = None
+    instruction: Optional[StrictStr] = None
+    cache_salt: Optional[StrictStr] = None
+
+    @model_validator(mode="after")
+    def _documents_or_texts(self):
+        if (self.documents is None) == (self.texts is None):
+            raise ValueError("send exactly one of 'documents' (Cohere/Jina/vLLM) or 'texts' (TEI)")
+        return self
+
+    @property
+    def is_tei(self) -> bool:
+        return self.texts is not None
+
+    def document_texts(self) -> list:
+        if self.texts is not None:
+            return list(self.texts)
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class DocumentText(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: Optional[DocumentText] = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    cached_tokens: int = 0
+
+
+class BilledUnits(BaseModel):
+    search_units: int
+
+
+class Meta(BaseModel):
+    billed_units: BilledUnits
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: List[RerankResult]
+    usage: Usage
+    meta: Meta
+
+
+class TEIRank(BaseModel):
+    index: int
+    score: float
+    text: Optional[str] = None
+
+
+class SelectRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    query: StrictStr
+    documents: List[Document]
+    intent: Optional[StrictStr] = Field(None, description="the agent's query intent: the deep-research prompt")
+    max_select: StrictInt = Field(10, ge=1)
+
+    def document_texts(self) -> list:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class SelectUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SelectResponse(BaseModel):
+    id: str
+    model: str
+    ids: List[int] = Field(description="1-based identifiers as the model emitted them, most useful first")
+    indices: List[int] = Field(description="0-based positions in documents, most useful first")
+    text: str
+    valid: bool
+    usage: SelectUsage
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,243 @@
+"""What one replica does with a parsed request: checks, admission, tokenization, the engine.
+
+``RerankService`` sits between the HTTP layer (``app.py``, which only parses and maps
+errors) and the scheduler (``engine.py``, which owns the model):
+
+* checks the types cannot express — empty ``documents`` → 400, more than ``max_documents``
+  → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves);
+* admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
+  ``Retry-After``;
+* tokenizes in a thread pool (``steps.encode``) — the event loop never tokenizes and the
+  model thread never waits for it; the truncation policy is the reranker's own;
+  ``truncate: false`` turns any cut into a 400; ``max_tokens_per_doc`` cuts each document's
+  tokens from its end;
+* submits to the engine and waits, polling the client: a client that disconnects has its
+  remaining work dropped;
+* builds the response (results best first, ties in input order).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Awaitable, Callable, Optional
+
+from ..pointwise import ScoreRequest
+from .engine import Engine, EngineStopped
+from .errors import APIError
+from .metrics import ServerMetrics
+from .schemas import RerankRequest, SelectRequest
+
+DEFAULT_MAX_QUEUE = 512          # TEI's default max_concurrent_requests
+DEFAULT_MAX_DOCUMENTS = 1000     # Cohere's recommended ceiling per request
+DISCONNECT_POLL_S = 0.1          # how often a waiting request checks that its client is still there
+DOCS_PER_SEARCH_UNIT = 100       # Cohere bills one search unit per query with up to 100 documents
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited; nothing is sent back."""
+
+
+def step_api(reranker):
+    """The five-operation step API of ``reranker``: its own when it has one, else the adapter."""
+    if all(callable(getattr(reranker, n, None)) for n in
+           ("encode", "acquire_prefix", "score_segments", "release_prefix", "cache_stats")):
+        return reranker
+    from .step_adapter import StepAdapter
+    return StepAdapter(reranker)
+
+
+class RerankService:
+    """One engine (one model) behind the rerank and select endpoints.
+
+    Args:
+      reranker: a ``PointwiseReranker``.
+      model_name: what every response's ``model`` field says.
+      setwise: a ``SetwiseReranker`` for ``/v1/select`` (None: the endpoint answers 404);
+        it must be safe to run on the engine's thread (it shares the model thread).
+      max_batch_tokens: segment tokens per packed pass (None: the reranker's own).
+      max_queue: requests admitted and not yet answered; one more gets 429.
+      max_documents: documents per request; more gets 413.
+      tokenize_workers: threads of the tokenization pool.
+    """
+
+    def __init__(self, reranker, model_name: str, *, setwise=None, max_batch_tokens: Optional[int] = None,
+                 max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
+                 tokenize_workers: int = 2):
+        for name, v in (("max_queue", max_queue), ("max_documents", max_documents),
+                        ("tokenize_workers", tokenize_workers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.reranker = reranker
+        self.setwise = setwise
+        self.model_name = model_name
+        self.max_queue = max_queue
+        self.max_documents = max_documents
+        self.steps = step_api(reranker)
+        self.metrics = ServerMetrics(self.steps.cache_stats)
+        self.engine = Engine(self.steps, max_batch_tokens or reranker.max_batch_tokens, self.metrics)
+        self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
+        self._lock = threading.Lock()
+        self._admitted = 0
+        self.ready = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, warmup: bool = True, timeout: float = 600.0) -> "RerankService":
+        """Start the scheduler; with ``warmup`` run one scoring pass first (then ``ready``)."""
+        self.engine.start()
+        if warmup:
+            enc = self.steps.encode(ScoreRequest("warm-up query", ["warm-up document"]))
+            self.engine.submit(enc).future.result(timeout)
+        self.ready = True
+        return self
+
+    def stop(self) -> None:
+        self.ready = False
+        self.engine.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def admitted(self) -> int:
+        return self._admitted
+
+    @contextmanager
+    def admit(self):
+        """Hold one of ``max_queue`` slots for the duration of a request, or raise 429."""
+        with self._lock:
+            if self._admitted >= self.max_queue:
+                raise APIError(429, f"server busy: {self._admitted} requests in flight (--max-queue "
+                                    f"{self.max_queue}); retry later", headers={"Retry-After": "1"})
+            self._admitted += 1
+            self.metrics.in_flight.set(self._admitted)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._admitted -= 1
+                self.metrics.in_flight.set(self._admitted)
+
+    # -- rerank ------------------------------------------------------------------------------
+    def _check_documents(self, docs: list) -> None:
+        if len(docs) == 0:
+            raise APIError(400, "documents is empty: send at least one document")
+        if len(docs) > self.max_documents:
+            raise APIError(413, f"{len(docs)} documents exceed the limit of {self.max_documents} per request "
+                                f"(--max-documents)")
+
+    async def rerank(self, req: RerankRequest, is_disconnected: Callable[[], Awaitable[bool]],
+                     headers: Optional[dict] = None):
+        """The response body for one rerank request (a dict, or TEI's list).
+
+        is_disconnected: coroutine function, True once the client is gone. headers: filled with
+        response headers (``x-queue-time``: ms from admission to the first pass, as TEI sends).
+        """
+        docs = req.document_texts()
+        self._check_documents(docs)
+        if req.raw_scores:
+            raise APIError(400, "raw_scores=true is not supported: this server returns relevance probabilities "
+                                "(sigmoid of the yes/no logit difference)")
+        with self.admit():
+            request = ScoreRequest(req.query, docs, question=req.question, trace=req.trace,
+                                   instruction=req.instruction)
+            if req.cache_salt is not None and hasattr(request, "cache_salt"):
+                request.cache_salt = req.cache_salt
+            loop = asyncio.get_running_loop()
+            try:
+                enc = await loop.run_in_executor(self.pool, self._encode, request, req.max_tokens_per_doc,
+                                                 req.truncate)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e)) from None
+            try:
+                job = self.engine.submit(enc)
+            except EngineStopped as e:
+                raise APIError(503, f"server shutting down: {e}") from None
+            result = await self._wait(job, is_disconnected)
+        if headers is not None:  # TEI's header: milliseconds from admission to the first pass
+            headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
+        return self._rerank_body(req, docs, result)
+
+    def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
+        """Tokenize (pool thread); apply ``truncate=false`` and ``max_tokens_per_doc``."""
+        enc = self.steps.encode(request)
+        if not truncate:
+            cut = [i for i, t in enumerate(enc.doc_truncated) if t]
+            if cut:
+                raise ValueError(f"documents[{cut[0]}] does not fit the {enc.max_length}-token input limit "
+                                 f"({enc.doc_tokens_dropped[cut[0]]} tokens over; {len(cut)} document(s) too long) "
+                                 f"and truncate is false")
+            if enc.trace_tokens_dropped:
+                raise ValueError(f"the trace does not fit the {enc.max_length}-token input limit "
+                                 f"({enc.trace_tokens_dropped} of its tokens would be dropped) and truncate is false")
+        if max_tokens_per_doc is not None:
+            ns = enc.num_suffix_tokens
+            for i, seg in enumerate(enc.segment_ids):
+                doc = seg[:len(seg) - ns]
+                if len(doc) > max_tokens_per_doc:
+                    enc.segment_ids[i] = doc[:max_tokens_per_doc] + seg[len(seg) - ns:]
+        return enc
+
+    async def _wait(self, job, is_disconnected: Callable[[], Awaitable[bool]]):
+        """The job's result; drops the job (ClientGone) if the client disconnects first."""
+        fut = asyncio.wrap_future(job.future)
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await is_disconnected():
+                    self.engine.cancel(job)
+                    raise ClientGone()
+        except asyncio.CancelledError:
+            self.engine.cancel(job)
+            raise
+        try:
+            return fut.result()
+        except EngineStopped as e:
+            raise APIError(503, f"server shutting down: {e}") from None
+        except (ValueError, TypeError) as e:  # input the model call refused (e.g. a setwise prompt)
+            raise APIError(400, str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a fault of ours, not of the input
+            raise APIError(500, f"internal error while scoring: {type(e).__name__}: {e}") from None
+
+    def _rerank_body(self, req: RerankRequest, docs: list, result):
+        scores = result.scores
+        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+        if req.top_n:
+            order = order[:req.top_n]
+        if req.is_tei:
+            return [dict(index=i, score=scores[i], **({"text": docs[i]} if req.return_text else {}))
+                    for i in order]
+        results = [dict(index=i, relevance_score=scores[i],
+                        **({"document": {"text": docs[i]}} if req.return_documents else {})) for i in order]
+        return dict(id=uuid.uuid4().hex, model=self.model_name, results=results,
+                    usage=dict(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens,
+                               cached_tokens=result.cached_tokens),
+                    meta=dict(billed_units=dict(search_units=math.ceil(len(docs) / DOCS_PER_SEARCH_UNIT))))
+
+    # -- select ------------------------------------------------------------------------------
+    async def select(self, req: SelectRequest, is_disconnected: Callable[[], Awaitable[bool]],
+                     headers: Optional[dict] = None) -> dict:
+        if self.setwise is None:
+            raise APIError(404, "this server has no setwise model: /v1/select is not available")
+        docs = req.document_texts()
+        self._check_documents(docs)
+        from ..setwise.prompts import check_inputs
+        try:
+            check_inputs(req.query, docs, req.intent, req.max_select)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        with self.admit():
+            def fn():  # runs on the scheduler thread: decoding uses the model
+                return self.setwise.select(req.query, docs, intent=req.intent, max_select=req.max_select)
+
+            try:
+                job = self.engine.submit_call(fn)
+            except EngineStopped as e:
+                raise APIError(503, f"server shutting down: {e}") from None
+            sel = await self._wait(job, is_disconnected)
+        return dict(id=uuid.uuid4().hex, model=self.model_name, ids=sel.ids, indices=sel.indices, text=sel.text,
+                    valid=sel.valid, usage=dict(prompt_tokens=sel.prompt_tokens, completion_tokens=sel.num_tokens,
+                                                total_tokens=sel.prompt_tokens + sel.num_tokens))

@@ -1,0 +1,121 @@
+"""The scheduler alone, over a fake step API (no model): pass budget, scores routed to the right
+request and document, prefixes pinned exactly while needed, failures and cancellation isolated."""
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from acarerank.server.engine import Engine, EngineStopped
+
+
+@dataclass
+class Enc:
+    shared_ids: list
+    segment_ids: list
+
+
+class FakeSteps:
+    """score(segment) = a value that names its request and document: request_tag + len/1000."""
+
+    def __init__(self, fail_on_tag=None):
+        self.pinned = set()
+        self.passes = []
+        self.fail_on_tag = fail_on_tag
+        self.released = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self._tag = {}
+
+    def acquire_prefix(self, enc):
+        handle = Handle(prompt_tokens=1 + sum(map(len, enc.segment_ids)))
+        self.pinned.add(id(handle))
+        self._tag[id(handle)] = enc.shared_ids[0]
+        return handle
+
+    def score_segments(self, items):
+        assert self.gate.wait(30)
+        for h, _ in items:
+            assert id(h) in self.pinned, "a segment was scored against a released prefix"
+        tags = [self._tag[id(h)] for h, _ in items]
+        self.passes.append(sum(len(s) for _, s in items))
+        if self.fail_on_tag in tags:
+            raise RuntimeError("boom")
+        return [t + len(s) / 1000 for t, (_, s) in zip(tags, items)]
+
+    def release_prefix(self, handle):
+        self.pinned.discard(id(handle))
+        self.released.append(id(handle))
+
+
+@dataclass(eq=False)
+class Handle:
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+def enc(tag, lengths):
+    return Enc(shared_ids=[tag], segment_ids=[[1] * n for n in lengths])
+
+
+def test_scores_routed_budget_kept_prefixes_released():
+    steps = FakeSteps()
+    eng = Engine(steps, max_batch_tokens=10, max_running=3).start()
+    try:
+        lengths = {t: [(t * 7 + i) % 9 + 1 for i in range(t + 2)] for t in range(1, 9)}
+        lengths[4] = [25, 1, 3]  # one segment longer than the budget runs alone
+        jobs = {t: eng.submit(enc(t, ls)) for t, ls in lengths.items()}
+        for t, job in jobs.items():
+            res = job.future.result(30)
+            assert res.scores == [t + n / 1000 for n in lengths[t]], f"request {t}: {res.scores}"
+    finally:
+        eng.stop()
+    assert all(p <= 10 or p == 25 for p in steps.passes), steps.passes
+    assert not steps.pinned, "prefixes left pinned"
+    assert len(steps.released) == len(set(steps.released)) == 8, "each prefix released exactly once"
+    assert jobs[3].future.result().prompt_tokens == 1 + sum(lengths[3])
+
+
+def test_failed_pass_fails_its_requests_only_and_serving_goes_on():
+    steps = FakeSteps(fail_on_tag=2)
+    eng = Engine(steps, max_batch_tokens=4, max_running=1).start()   # one request per pass
+    try:
+        bad, good = eng.submit(enc(2, [3, 3])), eng.submit(enc(5, [2, 2]))
+        with pytest.raises(RuntimeError, match="boom"):
+            bad.future.result(30)
+        assert good.future.result(30).scores == [5.002, 5.002]
+        assert eng.submit(enc(6, [1])).future.result(30).scores == [6.001]
+    finally:
+        eng.stop()
+    assert not steps.pinned
+
+
+def test_cancel_drops_remaining_work_and_stop_fails_queued():
+    steps = FakeSteps()
+    steps.gate.clear()
+    eng = Engine(steps, max_batch_tokens=2, max_running=1).start()
+    long = eng.submit(enc(1, [2] * 20))
+    for _ in range(3000):  # until its prefix is pinned (its first pass waits at the gate)
+        if steps.pinned:
+            break
+        threading.Event().wait(0.01)
+    assert steps.pinned, "the first pass never started"
+    eng.cancel(long)
+    steps.gate.set()
+    with pytest.raises(concurrent.futures.CancelledError):
+        long.future.result(30)
+    assert len(steps.passes) <= 2, f"cancelled work kept running: {len(steps.passes)} passes"
+    assert not steps.pinned
+    steps.gate.clear()
+    running = eng.submit(enc(3, [2, 2]))
+    queued = eng.submit(enc(4, [2]))
+    stopper = threading.Thread(target=eng.stop)
+    stopper.start()
+    steps.gate.set()
+    stopper.join(30)
+    for job in (running, queued):
+        exc = job.future.exception(30)
+        assert exc is None or isinstance(exc, EngineStopped), exc
+    with pytest.raises(EngineStopped):
+        eng.submit(enc(5, [1]))
+    assert not steps.pinned
