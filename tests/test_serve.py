@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from acarerank import PointwiseReranker, SetwiseReranker
 from acarerank.server import RerankService, create_app
-from acarerank.server.service import step_api
 from serve_util import thread_server, tiny_model
 
 KEY = "test-key"
@@ -69,14 +68,19 @@ def servers():
     sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer)
     main = RerankService(rr, "tiny-test-model", setwise=sr, max_batch_tokens=256, max_documents=MAX_DOCUMENTS,
                          max_queue=256).start()
-    gated = RerankService(rr, "tiny-gated", max_batch_tokens=64, max_queue=2)
-    gated.steps = GatedSteps(step_api(rr))
+    # The references run on the test thread: their own rerankers (own prefix caches), since a
+    # reranker is driven by one thread at a time (the server's scheduler owns rr and sr).
+    ref_rr = PointwiseReranker(model=model)
+    ref_sr = SetwiseReranker(runner=ref_rr.runner, tokenizer=ref_rr.tokenizer)
+    gated_rr = PointwiseReranker(model=model)
+    gated = RerankService(gated_rr, "tiny-gated", max_batch_tokens=64, max_queue=2)
+    gated.steps = GatedSteps(gated_rr)
     gated.engine.steps = gated.steps
     gated.start()
     try:
         with thread_server(create_app(main, api_key=KEY, max_body_bytes=MAX_BODY)) as base, \
                 thread_server(create_app(gated)) as gbase:
-            yield dict(base=base, gbase=gbase, rr=rr, sr=sr, main=main, gated=gated)
+            yield dict(base=base, gbase=gbase, rr=ref_rr, sr=ref_sr, main=main, gated=gated)
     finally:
         gated.steps.gate.set()
         main.stop()
@@ -352,3 +356,25 @@ def test_new_request_joins_next_pass_and_returns_first(servers):
     last_long = max(i for i, p in enumerate(passes) if 30 in p)
     assert last_short < last_long, f"the short request finished with the long one: {passes}"
     assert sum(p.count(30) for p in passes) == 30 and sum(p.count(2) for p in passes) == 2
+
+def test_prefix_cache_hits_within_a_salt_only(servers):
+    """The prefix cache is shared by all requests and kept apart by cache_salt: a second call with
+    the same context hits (usage.cached_tokens > 0), the same context under another salt does not;
+    scores never change."""
+    base, rr = servers["base"], servers["rr"]
+    trace = " ".join(WORDS * 30)  # a few hundred tokens: several cache pages
+    docs = ["tutor hints", "bread and rivers"]
+
+    def call(query, salt):
+        r = httpx.post(base + "/v1/rerank", headers=AUTH, timeout=60,
+                       json=dict(query=query, documents=docs, question=QUESTION, trace=trace, cache_salt=salt))
+        assert r.status_code == 200, r.text
+        assert_scores(by_index(r.json()["results"]), rr.score(query, docs, question=QUESTION, trace=trace), query)
+        return r.json()["usage"]["cached_tokens"]
+
+    before = metrics(base)
+    assert call("first sub-query", "tenant-x") == 0
+    assert call("second sub-query", "tenant-x") > 0
+    assert call("second sub-query", "tenant-y") == 0
+    after = metrics(base)
+    assert after[("acarerank_prefix_cache_hit_tokens_total", ())] > before[("acarerank_prefix_cache_hit_tokens_total", ())]

@@ -110,7 +110,11 @@ class AcarerankProvider:
         from acarerank import PointwiseReranker
 
         self.name = f"acarerank-{backend}" + ("+compile" if compile_layers else "")
-        self.rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend, compile_layers=compile_layers)
+        # No cross-call prefix cache here: every timed call repeats the same context, so a cache
+        # would turn repeats into hits the baselines cannot have. The cache's own benchmark is
+        # `acarerank bench --workload agent` (cache on vs off vs transformers, side by side).
+        self.rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend, compile_layers=compile_layers,
+                                    prefix_cache=False)
 
     def score(self, query, documents, question=None, trace=None, instruction=None) -> list:
         return self.rr.score(query, documents, question=question, trace=trace, instruction=instruction)

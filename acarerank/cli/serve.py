@@ -7,7 +7,6 @@ admitted finish (up to ``--drain-timeout`` seconds), then the process exits 0. S
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import signal
 import sys
@@ -65,8 +64,6 @@ def build_service(args):
 
     kw = {"max_batch_tokens": args.max_batch_tokens}  # the reranker's own passes match the engine's
     if args.cache_budget is not None:
-        if "cache_budget_tokens" not in inspect.signature(PointwiseReranker.__init__).parameters:
-            raise ValueError("--cache-budget: this build's PointwiseReranker has no prefix cache")
         kw["cache_budget_tokens"] = args.cache_budget
     rr = load_reranker(PointwiseReranker, args, **kw)
     # The setwise endpoint decodes on the same weights and the same scheduler thread.

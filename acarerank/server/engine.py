@@ -14,8 +14,8 @@ the model (it is not thread-safe). Each loop iteration of the scheduler thread:
    released as soon as its last document is scored — then its future completes, not at the
    end of a batch.
 
-Per pass: ``steps.score_segments`` = one forward over all its segments (see
-``step_adapter.py`` for the step API).
+Per pass: ``steps.score_segments`` = one forward over all its segments (the step API of
+``PointwiseReranker``: docs/ARCHITECTURE.md, "A served request").
 """
 from __future__ import annotations
 

@@ -41,15 +41,6 @@ class ClientGone(Exception):
     """The client disconnected while its request waited; nothing is sent back."""
 
 
-def step_api(reranker):
-    """The five-operation step API of ``reranker``: its own when it has one, else the adapter."""
-    if all(callable(getattr(reranker, n, None)) for n in
-           ("encode", "acquire_prefix", "score_segments", "release_prefix", "cache_stats")):
-        return reranker
-    from .step_adapter import StepAdapter
-    return StepAdapter(reranker)
-
-
 class RerankService:
     """One engine (one model) behind the rerank and select endpoints.
 
@@ -76,7 +67,7 @@ class RerankService:
         self.model_name = model_name
         self.max_queue = max_queue
         self.max_documents = max_documents
-        self.steps = step_api(reranker)
+        self.steps = reranker  # the step API: encode / acquire_prefix / score_segments / release_prefix / cache_stats
         self.metrics = ServerMetrics(self.steps.cache_stats)
         self.engine = Engine(self.steps, max_batch_tokens or reranker.max_batch_tokens, self.metrics)
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
@@ -141,9 +132,7 @@ class RerankService:
                                 "(sigmoid of the yes/no logit difference)")
         with self.admit():
             request = ScoreRequest(req.query, docs, question=req.question, trace=req.trace,
-                                   instruction=req.instruction)
-            if req.cache_salt is not None and hasattr(request, "cache_salt"):
-                request.cache_salt = req.cache_salt
+                                   instruction=req.instruction, cache_salt=req.cache_salt)
             loop = asyncio.get_running_loop()
             try:
                 enc = await loop.run_in_executor(self.pool, self._encode, request, req.max_tokens_per_doc,
