@@ -276,7 +276,7 @@ def main(argv=None) -> int:
         cli += ["--max-batch-tokens", str(args.max_batch_tokens)]
     if args.model:
         cli += ["--model", args.model]
-    with serve_subprocess(*cli) as (base, _proc):
+    with serve_subprocess(*cli, omp_threads=None) as (base, _proc):  # all cores, as offline
         for name, reqs in workloads.items():
             best = 0.0
             for c in args.concurrency:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 import os
 import socket
 import subprocess
@@ -36,13 +37,18 @@ def wait_until(url: str, status: int = 200, timeout: float = STARTUP_TIMEOUT_S, 
 
 
 @contextlib.contextmanager
-def serve_subprocess(*cli_args: str, timeout: float = STARTUP_TIMEOUT_S):
+def serve_subprocess(*cli_args: str, timeout: float = STARTUP_TIMEOUT_S, omp_threads: Optional[int] = 1):
     """``acarerank serve CLI_ARGS`` on a free port; yields (base URL, Popen) once /ready; always stopped.
 
+    omp_threads: the server's OMP_NUM_THREADS unless the caller's environment sets it — 1 for
+    tests (a test process and a server on 2 cores would oversubscribe); None = torch's default
+    (all cores), which a benchmark needs to compare the server with offline scoring fairly.
     The server's output goes to a temporary file and is shown if startup fails.
     """
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ)
+    if omp_threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(omp_threads))
     log = tempfile.TemporaryFile(mode="w+")
     cmd = [sys.executable, "-c", "import sys; from acarerank.cli import main; sys.exit(main())", "serve",
            "--port", str(port), *cli_args]
