@@ -17,8 +17,10 @@ Loads:
                session's next call) when the previous answer arrives;
   open loop    Poisson arrivals at ``--loads`` × capacity, capacity = the best closed-loop
                requests/s; latency counts from the scheduled arrival, so queueing shows.
-Both run in float32 (the score check needs the same dtype). Offline: every request through ``PointwiseReranker.score`` one by one, and all of them in one
-``score_batch`` call (the throughput ceiling of batching without a server).
+Both run in float32 (the score check needs the same dtype). Offline: every request through
+``PointwiseReranker.score_batch`` one by one, and all of them in one ``score_batch`` call (the
+throughput ceiling of batching without a server). Every run, offline and served, starts from
+an empty prefix cache (its own ``cache_salt``), so no run is fed by the KV of an earlier one.
 
 Reported per run: requests/s, documents/s, p50/p90/p99 latency and queue time (the server's
 ``x-queue-time`` header), prefix-cache hit tokens (``usage.cached_tokens``), errors, and the
@@ -114,17 +116,32 @@ def agent_requests(tok, sessions: int, steps: int, depth: int, seed: int) -> lis
 
 
 # -- offline ---------------------------------------------------------------------------------
+def salted(reqs: list, run: str) -> list:
+    """``reqs`` with every request in the prefix-cache namespace of ``run``: each measured run
+    starts from an empty cache, so no run is served by the KV of an earlier one (an agent
+    session's calls still share theirs: the salt keeps the session's name)."""
+    out = []
+    for r in reqs:
+        salt = f"{run}/{r.body.get('cache_salt', '')}"
+        out.append(Req(dict(r.body, cache_salt=salt), r.session))
+    return out
+
+
 def offline(rr, reqs: list) -> dict:
+    """The same requests in this process: one by one, then all in one ``score_batch``, each
+    from an empty prefix cache (its own salt)."""
     from acarerank import ScoreRequest
 
-    def call(b):
-        return rr.score(b["query"], b["documents"], question=b.get("question"), trace=b.get("trace"))
+    def request(b):
+        return ScoreRequest(b["query"], b["documents"], b.get("question"), b.get("trace"),
+                            cache_salt=b.get("cache_salt"))
 
     device = rr.runner.device
-    call(reqs[0].body)  # warm-up
-    one, t_one = timed_call(lambda: [call(r.body) for r in reqs], device)
-    batch, t_batch = timed_call(lambda: rr.score_batch([ScoreRequest(
-        r.body["query"], r.body["documents"], r.body.get("question"), r.body.get("trace")) for r in reqs]), device)
+    rr.score_batch([request(r.body) for r in salted(reqs[:1], "offline-warm-up")])
+    ones = salted(reqs, "offline-one-by-one")
+    one, t_one = timed_call(lambda: [rr.score_batch([request(r.body)])[0] for r in ones], device)
+    batch_reqs = salted(reqs, "offline-score-batch")
+    batch, t_batch = timed_call(lambda: rr.score_batch([request(r.body) for r in batch_reqs]), device)
     return dict(scores=one, one_by_one_s=t_one, score_batch_s=t_batch,
                 batch_diff=max(max_abs_diff(a, b) for a, b in zip(one, batch)))
 
@@ -270,6 +287,7 @@ def main(argv=None) -> int:
             rows.append(dict(workload=name, load=label, level="", requests=len(reqs),
                              req_per_s=round(len(reqs) / secs, 3), docs_per_s=round(docs / secs, 1),
                              max_abs_diff=off["batch_diff"] if "batch" in label else 0.0))
+            log(table(rows[-1:]).splitlines()[-1])
 
     cli = ["--dtype", "float32"]
     if args.max_batch_tokens:
@@ -282,14 +300,16 @@ def main(argv=None) -> int:
             for c in args.concurrency:
                 log(f"[closed] {name} concurrency {c}")
                 run = Run(name, "closed", c)
-                asyncio.run(closed_loop(base, reqs, refs[name], c, run))
+                asyncio.run(closed_loop(base, salted(reqs, f"closed-{c}"), refs[name], c, run))
                 rows.append(run.row())
+                log(table(rows[-1:]).splitlines()[-1])
                 best = max(best, rows[-1]["req_per_s"])
             for f in args.loads:
                 log(f"[open] {name} {f:.0%} of {best:.2f} req/s")
                 run = Run(name, "open", f)
-                asyncio.run(open_loop(base, reqs, refs[name], f * best, run, args.seed))
+                asyncio.run(open_loop(base, salted(reqs, f"open-{f}"), refs[name], f * best, run, args.seed))
                 rows.append(run.row())
+                log(table(rows[-1:]).splitlines()[-1])
 
     meta = dict(machine_info(torch.device("cpu")), model=args.model or "embedded default (random weights)",
                 args=vars(args))

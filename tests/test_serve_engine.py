@@ -119,3 +119,43 @@ def test_cancel_drops_remaining_work_and_stop_fails_queued():
     with pytest.raises(EngineStopped):
         eng.submit(enc(5, [1]))
     assert not steps.pinned
+
+
+class ThreadRecordingSteps(FakeSteps):
+    """FakeSteps that records which thread runs each model call."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads = set()
+
+    def acquire_prefix(self, enc):
+        self.threads.add(threading.current_thread().name)
+        return super().acquire_prefix(enc)
+
+    def score_segments(self, items):
+        self.threads.add(threading.current_thread().name)
+        return super().score_segments(items)
+
+
+def test_model_thread_runs_the_loop_where_the_model_was_built():
+    """With a ModelThread, every model call runs on the thread that built the model (one OpenMP
+    team for all model work), and stop() ends the loop so the thread can exit."""
+    from acarerank.server.model_thread import ModelThread
+
+    mt = ModelThread(name="test-model-thread")
+    builder = mt.call(lambda: threading.current_thread().name)
+    steps = ThreadRecordingSteps()
+    eng = Engine(steps, max_batch_tokens=4, model_thread=mt).start()
+    try:
+        jobs = [eng.submit(enc(t, [2, 3, 1])) for t in range(1, 6)]
+        assert [j.future.result(30).scores for j in jobs] == [[t + 0.002, t + 0.003, t + 0.001] for t in range(1, 6)]
+        call = eng.submit_call(lambda: threading.current_thread().name)
+        assert call.future.result(30) == builder
+    finally:
+        eng.stop()
+    assert steps.threads == {builder}, f"model calls ran on {steps.threads}, the model was built on {builder}"
+    # the loop returned: the model thread takes new work again
+    assert mt.call(lambda: 7) == 7
+    mt.shutdown()
+    with pytest.raises(RuntimeError):
+        mt.call(lambda: 0)

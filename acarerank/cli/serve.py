@@ -55,11 +55,10 @@ def model_name(args) -> str:
     return f"acarerank-default-RANDOM-WEIGHTS-{DEFAULT_PRESET}-scores-carry-no-meaning"
 
 
-def build_service(args):
-    """Reranker (+ setwise on the same weights) and the ``RerankService`` the flags ask for."""
+def _build_rerankers(args):
+    """(pointwise, setwise on the same weights) as the flags ask."""
     from ..cli.common import load_reranker
     from ..pointwise import PointwiseReranker
-    from ..server.service import RerankService
     from ..setwise import SetwiseReranker
 
     kw = {"max_batch_tokens": args.max_batch_tokens}  # the reranker's own passes match the engine's
@@ -68,9 +67,24 @@ def build_service(args):
     rr = load_reranker(PointwiseReranker, args, **kw)
     # The setwise endpoint decodes on the same weights and the same scheduler thread.
     sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=rr.backend)
+    return rr, sr
+
+
+def build_service(args):
+    """The ``RerankService`` the flags ask for, its model built on the thread that will run it
+    (``acarerank.server.model_thread``: one OpenMP team for all model work)."""
+    from ..server.model_thread import ModelThread
+    from ..server.service import RerankService
+
+    mt = ModelThread()
+    try:
+        rr, sr = mt.call(_build_rerankers, args)
+    except BaseException:
+        mt.shutdown()
+        raise
     return RerankService(rr, model_name(args), setwise=sr, max_batch_tokens=rr.max_batch_tokens,
                          max_queue=args.max_queue, max_documents=args.max_documents,
-                         tokenize_workers=args.tokenize_workers)
+                         tokenize_workers=args.tokenize_workers, model_thread=mt)
 
 
 def run(args) -> int:

@@ -90,9 +90,13 @@ class Engine:
       max_batch_tokens: segment tokens per packed pass (a longer single segment runs alone).
       metrics: optional ``ServerMetrics`` (queue time, pass sizes, queue depth, cancellations).
       max_running: requests with a prefilled (pinned) prefix at once; later ones wait their turn.
+      model_thread: a ``ModelThread`` to run the scheduler loop on — the thread that built the
+        model, so one OpenMP team serves every pass (``model_thread.py`` says why); None: a
+        thread of the engine's own.
     """
 
-    def __init__(self, steps, max_batch_tokens: int, metrics=None, max_running: int = DEFAULT_MAX_RUNNING):
+    def __init__(self, steps, max_batch_tokens: int, metrics=None, max_running: int = DEFAULT_MAX_RUNNING,
+                 model_thread=None):
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -105,23 +109,31 @@ class Engine:
         self._active: list = []          # score jobs in arrival order (scheduler thread only)
         self._calls: collections.deque = collections.deque()
         self._stopping = False
+        self._model_thread = model_thread
         self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[concurrent.futures.Future] = None  # the loop's run on model_thread
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="acarerank-scheduler", daemon=True)
-            self._thread.start()
+        if self._thread is None and self._loop is None:
+            if self._model_thread is not None:
+                self._loop = self._model_thread.submit(self._run)
+            else:
+                self._thread = threading.Thread(target=self._run, name="acarerank-scheduler", daemon=True)
+                self._thread.start()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the thread after the current pass; queued and active jobs fail with EngineStopped."""
+        """Stop the loop after the current pass; queued and active jobs fail with EngineStopped."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self._loop is not None:
+            concurrent.futures.wait([self._loop], timeout)
+            self._loop = None
 
     # -- submission (any thread) -------------------------------------------------------------
     def submit(self, enc) -> _ScoreJob:

@@ -53,11 +53,13 @@ class RerankService:
       max_queue: requests admitted and not yet answered; one more gets 429.
       max_documents: documents per request; more gets 413.
       tokenize_workers: threads of the tokenization pool.
+      model_thread: the ``ModelThread`` that built ``reranker``; the scheduler loop runs on it
+        (one OpenMP team for all model work: ``model_thread.py``). None: a thread of its own.
     """
 
     def __init__(self, reranker, model_name: str, *, setwise=None, max_batch_tokens: Optional[int] = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
-                 tokenize_workers: int = 2):
+                 tokenize_workers: int = 2, model_thread=None):
         for name, v in (("max_queue", max_queue), ("max_documents", max_documents),
                         ("tokenize_workers", tokenize_workers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -69,7 +71,9 @@ class RerankService:
         self.max_documents = max_documents
         self.steps = reranker  # the step API: encode / acquire_prefix / score_segments / release_prefix / cache_stats
         self.metrics = ServerMetrics(self.steps.cache_stats)
-        self.engine = Engine(self.steps, max_batch_tokens or reranker.max_batch_tokens, self.metrics)
+        self.engine = Engine(self.steps, max_batch_tokens or reranker.max_batch_tokens, self.metrics,
+                             model_thread=model_thread)
+        self.model_thread = model_thread
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
         self._lock = threading.Lock()
         self._admitted = 0
@@ -89,6 +93,8 @@ class RerankService:
         self.ready = False
         self.engine.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.model_thread is not None:
+            self.model_thread.shutdown()
 
     @property
     def admitted(self) -> int:
