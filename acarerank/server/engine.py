@@ -228,10 +228,12 @@ class Engine:
             return
         if self.metrics is not None:
             self.metrics.queue_time.observe(time.perf_counter() - job.submitted)
+        t = time.perf_counter()
         try:
             job.future.set_result(job.fn())
         except Exception as e:  # noqa: BLE001 - the caller maps it to an HTTP error
             job.future.set_exception(e)
+        self._busy("call", t)
 
     def _start(self, job: _ScoreJob) -> bool:
         """Prefill ``job``'s prefix (its first pass); False if it was cancelled or failed."""
@@ -247,7 +249,14 @@ class Engine:
             _settle(job.future, exc=e)
             job.cancelled = True
             return False
+        finally:
+            self._busy("prefill", job.started)
         return True
+
+    def _busy(self, kind: str, since: float) -> None:
+        """Count the model time of one call (``acarerank_model_seconds``: busy ÷ wall = utilisation)."""
+        if self.metrics is not None:
+            self.metrics.model_seconds.labels(kind).inc(time.perf_counter() - since)
 
     def _pass(self) -> None:
         """Build and run one packed pass (see the module docstring for the policy)."""
@@ -285,6 +294,7 @@ class Engine:
             if full:
                 break
         if items:
+            t = time.perf_counter()
             try:
                 scores = self.steps.score_segments(items)
             except Exception as e:  # noqa: BLE001 - the pass failed: fail the jobs in it, keep serving
@@ -292,6 +302,7 @@ class Engine:
                     _settle(job.future, exc=e)
                     job.cancelled = True
                 scores = None
+            self._busy("pass", t)
             if scores is not None:
                 if self.metrics is not None:
                     self.metrics.observe_pass(used, len({id(j) for j, _ in owners}))

@@ -75,6 +75,9 @@ class ServerMetrics:
                                       buckets=_TOKEN_BUCKETS, registry=r)
         self.batch_requests = Histogram("acarerank_batch_requests", "requests sharing a packed pass",
                                         buckets=_COUNT_BUCKETS, registry=r)
+        self.model_seconds = Counter("acarerank_model_seconds", "seconds the scheduler thread spent in model "
+                                     "calls, by kind (prefill: a request's shared part; pass: a packed scoring "
+                                     "pass; call: a setwise selection)", ["kind"], registry=r)
         self.documents = Counter("acarerank_documents_scored", "documents scored", registry=r)
         self.cancelled = Counter("acarerank_requests_cancelled", "requests dropped because the client left",
                                  registry=r)
