@@ -279,23 +279,25 @@ class PointwiseReranker(RerankerBase):
             by_pool.setdefault(id(h.pool), []).append((n, h, list(ids)))
         out = [0.0] * len(items)
         for entries in by_pool.values():
-            cache = PagedKVCache(entries[0][1].pool)
-            group_of: dict = {}
-            for _, h, _ in entries:
-                if id(h) not in group_of:
-                    group_of[id(h)] = cache.add_group(h.blocks, h.length)
-            try:
-                segments = [(n, group_of[id(h)], ids) for n, h, ids in entries]
-                for chunk in self._chunks(segments):
-                    hidden = self.runner.forward(cache, [ids for _, _, ids in chunk], [g for _, g, _ in chunk],
-                                                 output="last")
-                    s, _ = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
-                                        eps=self.runner.arch.rms_norm_eps,
-                                        backend=backend_for("yes_no_score", self.backend))
-                    for (n, _, _), v in zip(chunk, s.tolist()):
-                        out[n] = v
-            finally:
-                cache.free()
+            for chunk in self._chunks(entries):
+                # a cache of this chunk's groups only: the attention reads (and the torch backend
+                # gathers) the prefixes of every group in the cache, so a deep score_batch must
+                # not carry all of its requests' prefixes into every pass
+                cache = PagedKVCache(chunk[0][1].pool)
+                group_of: dict = {}
+                try:
+                    for _, h, _ in chunk:
+                        if id(h) not in group_of:
+                            group_of[id(h)] = cache.add_group(h.blocks, h.length)
+                    hidden = self.runner.forward(cache, [ids for _, _, ids in chunk],
+                                                 [group_of[id(h)] for _, h, _ in chunk], output="last")
+                finally:
+                    cache.free()
+                s, _ = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
+                                    eps=self.runner.arch.rms_norm_eps,
+                                    backend=backend_for("yes_no_score", self.backend))
+                for (n, _, _), v in zip(chunk, s.tolist()):
+                    out[n] = v
         return out
 
     def cache_stats(self) -> dict:

@@ -116,6 +116,28 @@ def test_score_batch_groups_equal_separate_calls(qwen3_tokenizer):
     assert max(abs(a - b) for x, y in zip(batched, separate) for a, b in zip(x, y)) <= 1e-6
 
 
+def test_each_pass_attends_only_to_its_own_requests_prefixes(qwen3_tokenizer, monkeypatch):
+    """A deep score_batch runs in several passes; each pass's cache holds the prefixes of the
+    requests in that pass, not all of the batch's (every prefix in the cache is read, and the
+    torch backend gathers it, per layer: all of them made score_batch slower than one by one)."""
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64),
+                           tokenizer=qwen3_tokenizer, max_batch_tokens=64)
+    reqs = [ScoreRequest(f"query {i}", DOCS, question=QUESTION) for i in range(5)]
+    seen = []
+    forward = rr.runner.forward
+
+    def spy(cache, segments, segment_group, **kw):
+        seen.append((cache.num_groups, len(set(segment_group))))
+        return forward(cache, segments, segment_group, **kw)
+
+    monkeypatch.setattr(rr.runner, "forward", spy)  # the reranker's own runner (built from the model)
+    batched = rr.score_batch(reqs)
+    passes = [p for p in seen if p[1] > 0]
+    assert len(passes) > 5 and all(groups == used for groups, used in passes), seen
+    separate = [rr.score(r.query, r.documents, question=r.question) for r in reqs]
+    assert max(abs(a - b) for x, y in zip(batched, separate) for a, b in zip(x, y)) <= 1e-6
+
+
 def test_rerank_orders_best_first(qwen3_tokenizer):
     rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64), tokenizer=qwen3_tokenizer)
     scores = rr.score("q", DOCS)

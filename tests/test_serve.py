@@ -319,6 +319,9 @@ def test_metrics_parse_and_move(servers):
     computed = moved("acarerank_prefix_cache_computed_tokens_total")
     assert 0 < computed < shared, (computed, shared)  # the shared part, once
     assert moved("acarerank_prefix_cache_lookup_tokens_total") >= computed
+    busy = {k: moved("acarerank_model_seconds_total", (("kind", k),)) for k in ("prefill", "pass")}
+    latency = moved("acarerank_request_duration_seconds_sum", (("endpoint", "/v1/rerank"),))
+    assert all(v > 0 for v in busy.values()) and sum(busy.values()) <= latency, (busy, latency)
     assert ("acarerank_queue_size", ()) in after and ("acarerank_requests_in_flight", ()) in after
 
 

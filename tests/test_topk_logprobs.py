@@ -21,6 +21,9 @@ from acarerank.ops.topk_logprobs import (finalize, order_keys, topk_logprobs, to
 QWEN3_V = 151669
 PRIME_V = 4099
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The Triton kernel at Qwen3's vocabulary on a GPU; under the CPU interpreter (~9 s a row there)
+# an odd vocabulary of the same tiling shape: many tiles per split and a ragged last tile.
+TRITON_V = QWEN3_V if DEVICE == "cuda" else 20011
 LP_TOL = 1e-5  # fp32 log-probs
 
 
@@ -233,8 +236,8 @@ def test_finalize_is_shared_and_core_contract():
 
 # --------------------------------------------------------------------- triton (interpreter on CPU)
 @pytest.mark.parametrize("T,V,k,temperature", [
-    (1, QWEN3_V, 128, 1.0),
-    (3, QWEN3_V, 1, 0.7),
+    (1, TRITON_V, 128, 1.0),
+    (3, TRITON_V, 1, 0.7),
     (257, PRIME_V, 128, 0.5),
     (5, PRIME_V, 1000, 1.0),
 ])
