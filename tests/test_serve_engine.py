@@ -159,3 +159,46 @@ def test_model_thread_runs_the_loop_where_the_model_was_built():
     mt.shutdown()
     with pytest.raises(RuntimeError):
         mt.call(lambda: 0)
+
+
+def test_shortest_policy_finishes_short_requests_first_and_starves_none():
+    """Policy "shortest": a pass fills with the requests that have the fewest documents left, a
+    new request joins at the next pass, and a long request still moves at least every
+    STARVATION_PASSES + 1 passes."""
+    from acarerank.server.engine import STARVATION_PASSES
+
+    steps = FakeSteps()
+    steps.gate.clear()
+    order = []
+    eng = Engine(steps, max_batch_tokens=2, max_running=8)
+    long = eng.submit(enc(1, [1] * 40))
+    eng.start()
+    for _ in range(3000):  # the long request's first pass is waiting at the gate
+        if steps.pinned:
+            break
+        threading.Event().wait(0.01)
+    shorts = [eng.submit(enc(t, [1] * 3)) for t in (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)]
+    for j in [long] + shorts:
+        j.future.add_done_callback(lambda f, j=j: order.append(j))
+    tags = []
+    orig = steps.score_segments
+
+    def spy(items):
+        tags.append(sorted({steps._tag[id(h)] for h, _ in items}))
+        return orig(items)
+
+    steps.score_segments = spy
+    steps.gate.set()
+    try:
+        assert long.future.result(30).scores == [1.001] * 40
+        for t, j in zip(range(2, 13), shorts):
+            assert j.future.result(30).scores == [t + 0.001] * 3
+    finally:
+        eng.stop()
+    assert order[-1] is long, "the long request finished before short ones that arrived later"
+    last = 0
+    for p, ts in enumerate(tags):
+        if 1 in ts:
+            assert p - last <= STARVATION_PASSES + 1, f"the long request waited {p - last} passes: {tags}"
+            last = p
+    assert not steps.pinned
