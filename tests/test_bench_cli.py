@@ -221,8 +221,8 @@ def test_gpu_check_dry_run(tmp_path):
     status = [line.split()[:2] for line in summary.splitlines() if line[:1].isupper() and not line.startswith(" ")]
     assert [s[1].rstrip(":") for s in status[:len(GPU_CHECK_ORDER)]] == GPU_CHECK_ORDER, summary
     for want in ("OK      env", "OK      attention", "SKIPPED bench", "OK      build", "SKIPPED pytest",
-                 "FAILED  kernels", "MISSING bench/bench_does_not_exist.py", "scores acarerank+cache vs transformers", "correctness triton",
-                 "target: triton >= 4x flash_unshared", "flash-attn", "OK      agent", "scores cache on vs off"):
+                 "FAILED  kernels", "MISSING bench/bench_does_not_exist.py", "correctness triton",
+                 "scores acarerank+cache vs transformers", "target: triton >= 4x flash_unshared", "flash-attn", "OK      agent", "scores cache on vs off"):
         assert want in summary, (want, summary)
     files = set(os.listdir(tmp_path)) - {"steps"}
     assert {"gpu_check.log", "summary.txt", "attention.csv", "details.tar.gz"} <= files and len(files) <= 8, files
