@@ -16,6 +16,7 @@ Step API (what a serving engine drives, one scheduler thread owning the model)::
     scores = rr.score_segments([(h, ids), ...]) # one packed pass (per max_batch_tokens) over any mix
     rr.release_prefix(h)                        # unpin (idempotent)
     rr.cache_stats()                            # lookup/hit/computed/evicted tokens, resident/budget
+    rr.score_encodings([enc, ...])              # all of the above for a batch: (scores, cached tokens)
 
 The prefix cache (``prefix_cache=True``) keeps the shared parts' KV across calls in a fixed
 pool of pages (the budget) indexed by a block-granular radix tree per ``cache_salt``
@@ -206,6 +207,12 @@ class PointwiseReranker(RerankerBase):
         if cache_salt is not None:
             for e in encodings:
                 e.cache_salt = cache_salt if e.cache_salt is None else e.cache_salt
+        return self.score_encodings(encodings)[0]
+
+    def score_encodings(self, encodings: Sequence[PointwiseEncoding]) -> tuple:
+        """``score_batch`` of already encoded requests: (score lists, cached shared-part tokens
+        of each request). Acquires every shared part (a request sharing a context with an
+        earlier one reuses its pages), scores all documents in packed passes, releases."""
         handles = []
         try:
             for e in encodings:
@@ -218,7 +225,7 @@ class PointwiseReranker(RerankerBase):
         for e in encodings:
             out.append(flat[k:k + len(e.segment_ids)])
             k += len(e.segment_ids)
-        return out
+        return out, [h.cached_tokens for h in handles]
 
     # -- step API (docs/ARCHITECTURE.md, "Paged KV and the prefix cache") -----------------
     def encode(self, request: ScoreRequest) -> PointwiseEncoding:

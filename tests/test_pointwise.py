@@ -138,6 +138,18 @@ def test_each_pass_attends_only_to_its_own_requests_prefixes(qwen3_tokenizer, mo
     assert max(abs(a - b) for x, y in zip(batched, separate) for a, b in zip(x, y)) <= 1e-6
 
 
+def test_score_encodings_reports_cache_hits_and_equals_score_batch(qwen3_tokenizer):
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64),
+                           tokenizer=qwen3_tokenizer)
+    reqs = [ScoreRequest("first", DOCS[:2], question=QUESTION, trace=TRACE, cache_salt="a"),
+            ScoreRequest("second", DOCS[2:], question=QUESTION, trace=TRACE, cache_salt="a")]
+    scores, cached = rr.score_encodings([rr.encode(r) for r in reqs])
+    shared = [len(rr.encode(r).shared_ids) for r in reqs]
+    assert cached[0] < shared[0] // 2 and shared[1] // 2 < cached[1] < shared[1], (cached, shared)
+    fresh = PointwiseReranker(runner=rr.runner, tokenizer=qwen3_tokenizer, prefix_cache=False).score_batch(reqs)
+    assert max(abs(a - b) for x, y in zip(scores, fresh) for a, b in zip(x, y)) <= 1e-6
+
+
 def test_rerank_orders_best_first(qwen3_tokenizer):
     rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64), tokenizer=qwen3_tokenizer)
     scores = rr.score("q", DOCS)

@@ -89,21 +89,8 @@ def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callab
             rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend,
                                    prefix_cache=name == "acarerank+cache")
 
-            def call(reqs, rr=rr):
-                # the step API a server drives (what score_batch does), to read each handle's hit
-                encs, handles = [rr.encode(r) for r in reqs], []
-                try:
-                    for e in encs:
-                        handles.append(rr.acquire_prefix(e))
-                    flat = rr.score_segments([(h, x) for h in handles for x in h.encoding.segment_ids])
-                finally:
-                    for h in handles:
-                        rr.release_prefix(h)
-                out, k = [], 0
-                for e in encs:
-                    out.append(flat[k:k + len(e.segment_ids)])
-                    k += len(e.segment_ids)
-                return out, [h.cached_tokens for h in handles]
+            def call(reqs, rr=rr):  # score_batch, also reading each request's cache hit
+                return rr.score_encodings([rr.encode(r) for r in reqs])
         elif name == "transformers+prefix-cache":
             tr = PrefixCacheTransformers(model, tokenizer)
             r0 = session[0][0]
