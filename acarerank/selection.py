@@ -1,6 +1,6 @@
 """Parse a setwise reranker's output: a bracketed identifier sequence such as ``"[4] [2] [7]"``.
 
-AdaTutoRank (paper 001, Eq. 2 and Eq. 6) emits the selected candidates as 1-based identifiers,
+AdaTutoRank (2026), Eq. 2 and Eq. 6, emits the selected candidates as 1-based identifiers,
 each wrapped in square brackets, separated by a single space, most useful first, at most
 ``max_select`` of them, no duplicates. Two readings of a raw output:
 

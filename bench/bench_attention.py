@@ -1,4 +1,4 @@
-"""Benchmark: one-pass Triton prefix-shared attention vs the alternatives (issue 3, "Speed").
+"""Benchmark: one-pass Triton prefix-shared attention vs the alternatives.
 
 Default shape = Qwen3-4B attention (32 query / 8 KV heads, head_dim 128), one 4,096-token
 prefix, 100 segments of 512 tokens, bf16, on GPU. Providers, all on the same inputs:
@@ -28,14 +28,14 @@ or raises, makes the script exit 1 (after the others ran and the CSV was written
 TFLOP/s are counted on the *shared* FLOPs for every provider (4·Hq·d·Σ_s(L·P + L(L+1)/2)),
 so they compare time for the same useful work; at the default shape the unshared form does
 4.8x those FLOPs. ``x_triton`` = provider time / triton time (> 1: ours is faster).
-GPU issue targets: x_triton >= 4 for flash_unshared, >= 0.9 for flash_cascade (printed).
+GPU targets: x_triton >= 4 for flash_unshared, >= 0.9 for flash_cascade (printed).
 
 Timing: ``acarerank.benchmark.measure.time_ms`` (GPU: triton's do_bench; CPU: a
 perf_counter median over a few runs); median and 20/80 % percentiles, ms. ``--quick``:
 tiny shapes, fp32, one timed call each, under TRITON_INTERPRET=1 on CPU in seconds
 (exercise only, the numbers mean nothing).
 
-    python bench/bench_attention.py                 # GPU, issue shape, CSV to results/bench_attention/
+    python bench/bench_attention.py                 # GPU, default shape, CSV to results/bench_attention/
     python bench/bench_attention.py --quick         # CPU smoke run (sets TRITON_INTERPRET=1)
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 
 QUICK = dict(num_heads=4, num_kv_heads=2, head_dim=32, prefix=64, segments=4, seg_len=16, dtype="float32")
-ISSUE = dict(num_heads=32, num_kv_heads=8, head_dim=128, prefix=4096, segments=100, seg_len=512, dtype="bfloat16")
+FULL = dict(num_heads=32, num_kv_heads=8, head_dim=128, prefix=4096, segments=100, seg_len=512, dtype="bfloat16")
 PROVIDERS = ("triton", "flash_cascade", "flash_cascade_per_call", "flash_unshared", "torch", "ref")
 TARGETS = {"flash_unshared": 4.0, "flash_cascade": 0.9}   # minimum x_triton on a GPU
 CHECK_SEGMENTS = 4                                         # segments compared with the fp32 reference
@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--csv", type=Path, default=None,
                    help="CSV path (default results/bench_attention/attention[_quick].csv)")
     args = p.parse_args(argv)
-    base = QUICK if args.quick else ISSUE
+    base = QUICK if args.quick else FULL
     for k, v in base.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -1,6 +1,6 @@
 """Benchmark: fused policy log-probs with backward (``linear_logprob``) vs the materialised path.
 
-Shape (issue 5): 512 rows (8 rollouts × 64 tokens), hidden 1,024, vocabulary 151,669, fp32 on
+Default shape (one query's ATO re-scoring): 512 rows (8 rollouts × 64 tokens), hidden 1,024, vocabulary 151,669, fp32 on
 CPU; forward + backward to both hidden and weight (the lm_head is trained). Providers:
 
   materialised  ``linear_logprob_ref``: logits [T, V] fp32, log_softmax, gather, autograd
@@ -12,7 +12,7 @@ Both paths must return ∂L/∂h [T, H] and ∂L/∂W [V, H] (621 MB at this sha
 peak minus those gradient bytes, i.e. the temporaries the method itself needs — the figure
 the ≤ 10 % target is about; the totals are in the CSV too.
 
-    python bench/bench_linear_logprob.py            # the issue's CPU shape
+    python bench/bench_linear_logprob.py            # the default CPU shape
     python bench/bench_linear_logprob.py --quick    # tiny shapes, seconds
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from acarerank.benchmark.measure import (alloc_peak_extra, machine_info, rss_in_
 from acarerank.benchmark.report import write_csv  # noqa: E402
 
 QUICK = dict(rows=32, hidden=64, vocab=4099, dtype="float32", repeats=2)
-ISSUE = dict(rows=512, hidden=1024, vocab=151669, dtype="float32", repeats=2)
+FULL = dict(rows=512, hidden=1024, vocab=151669, dtype="float32", repeats=2)
 MEM_TARGET = 0.10
 COLUMNS = ["provider", "rows", "hidden", "vocab", "dtype", "device", "threads", "median_ms", "p20_ms", "p80_ms", "cpu_ms",
            "time_vs_gemm3", "alloc_total_mb", "alloc_extra_mb", "rss_total_mb", "rss_extra_mb", "grad_mb",
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--csv", type=Path, default=None)
     p.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for k, v in (QUICK if args.quick else ISSUE).items():
+    for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.csv is None:

@@ -1,4 +1,4 @@
-"""Issue 6's speed benchmark: time to first selection vs pool size, acarerank vs transformers.
+"""Setwise speed benchmark: time to first selection vs pool size, acarerank vs transformers.
 
 Model: the embedded default shape (``tiny-cpu``: hidden 384, 6 layers, 6 query / 2 KV heads,
 head_dim 64, the real Qwen3 vocabulary), random fp32 weights, on CPU. Workload: one RAG
@@ -20,7 +20,7 @@ to the cap: 10 ids, 31-41 new tokens. Both providers must emit the same tokens (
 Reported per pool: median / p10 / p90 ms (``measure.time_ms``: ``--repeats`` runs after one warm-up),
 prompt tokens/s, ``x`` = transformers / acarerank, and for acarerank the prefill alone
 (``runner.prefill`` of the whole prompt) and the decode loop = total - prefill.
-Target (issue 6): at pool 20 the decode loop adds <= 20 % to the prefill.
+Target: at pool 20 the decode loop adds <= 20 % to the prefill.
 
     python bench/bench_setwise.py [--repeats 3] [--output results/bench_setwise]
     python bench/bench_setwise.py --quick        # 2 layers, pools 10/20 of 20-60-token docs, 1 run

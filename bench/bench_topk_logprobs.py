@@ -1,6 +1,6 @@
 """Benchmark: top-k truncated teacher log-probs (``topk_logprobs``) vs the materialised-logits path and a bare GEMM.
 
-Shape (issue 5): one query's ATO re-scoring on CPU — 8 rollouts × 64 tokens = 512 rows,
+Default shape: one query's ATO re-scoring on CPU — 8 rollouts × 64 tokens = 512 rows,
 hidden 1,024, vocabulary 151,669, k = 128, fp32. On a GPU: 16 queries (8,192 rows), hidden
 4,096, bf16. Providers, on the same inputs in one run:
 
@@ -27,7 +27,7 @@ GPU: torch.cuda.max_memory_allocated() − memory_allocated() before the call.
 CSV (one row per provider, with machine and versions) and a printed table with the two
 target ratios: time / gemm time, peak extra / materialised peak extra.
 
-    python bench/bench_topk_logprobs.py            # the issue's CPU shape (~1–2 min on 2 cores)
+    python bench/bench_topk_logprobs.py            # the default CPU shape (~1–2 min on 2 cores)
     python bench/bench_topk_logprobs.py --quick    # tiny shapes, seconds
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ import sys
 from pathlib import Path
 
 QUICK = dict(rows=32, hidden=64, vocab=4099, k=16, dtype="float32", repeats=2)
-CPU_ISSUE = dict(rows=512, hidden=1024, vocab=151669, k=128, dtype="float32", repeats=3)
-GPU_ISSUE = dict(rows=8192, hidden=4096, vocab=151669, k=128, dtype="bfloat16", repeats=0)
+CPU_FULL = dict(rows=512, hidden=1024, vocab=151669, k=128, dtype="float32", repeats=3)
+GPU_FULL = dict(rows=8192, hidden=4096, vocab=151669, k=128, dtype="bfloat16", repeats=0)
 TIME_TARGET, MEM_TARGET = 1.2, 0.05
 COLUMNS = ["provider", "rows", "hidden", "vocab", "k", "dtype", "device", "threads", "median_ms", "p20_ms", "p80_ms",
            "cpu_ms", "time_vs_gemm", "alloc_extra_mb", "rss_extra_mb", "alloc_vs_materialised",
@@ -64,7 +64,7 @@ def parse_args(argv=None):
 
 
 def _fill_defaults(args, on_gpu):
-    base = QUICK if args.quick else (GPU_ISSUE if on_gpu else CPU_ISSUE)
+    base = QUICK if args.quick else (GPU_FULL if on_gpu else CPU_FULL)
     for k, v in base.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -1,6 +1,6 @@
 """Benchmark: vocabulary-parallel ``topk_logprobs`` (``process_group=``) over gloo on CPU.
 
-Shape (issue 14): T=512 rows, H=1,024, V=151,669, k=128, fp32; the lm_head split over W=2 and
+Default shape: T=512 rows, H=1,024, V=151,669, k=128, fp32; the lm_head split over W=2 and
 W=4 ranks as Megatron does it: V padded to a multiple of 128 · W (151,808 rows for W=2 and 4),
 rank r holding rows [r · V_pad/W, (r+1) · V_pad/W), ``vocab_size=V`` leaving the padding rows
 out. Providers, on the same inputs:
@@ -26,9 +26,9 @@ Columns, per provider (max over ranks):
   bytes_vs_gathered, mem_vs_gathered   ours / (b); targets ≤ 1 % and ≤ 5 %
 and a check that every rank's result equals (a): ids equal, max |Δ log-prob|. (b) may show
 ids_equal False: torch.topk orders exactly tied logits arbitrarily (2 of 512 rows at the
-issue's shape), where the op's tie rule puts the lower id first.
+default shape), where the op's tie rule puts the lower id first.
 
-    python bench/bench_vocab_parallel.py            # the issue's shape (W = 2 and 4)
+    python bench/bench_vocab_parallel.py            # the default shape (W = 2 and 4)
     python bench/bench_vocab_parallel.py --quick    # tiny shapes, seconds
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pathlib import Path
 from acarerank.benchmark.measure import alloc_peak_extra, machine_info
 
 QUICK = dict(rows=32, hidden=64, vocab=4099, k=16, repeats=2)
-ISSUE = dict(rows=512, hidden=1024, vocab=151669, k=128, repeats=3)
+FULL = dict(rows=512, hidden=1024, vocab=151669, k=128, repeats=3)
 BYTES_TARGET, MEM_TARGET = 0.01, 0.05
 BLOCK = 4096  # weight rows per seeded block: any rank can build its own rows alone
 COLUMNS = ["provider", "world", "rows", "hidden", "vocab", "k", "threads_per_rank", "median_ms", "p20_ms", "p80_ms",
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--worlds", default="2,4", help="comma list of world sizes")
     p.add_argument("--csv", type=Path, default=None)
     args = p.parse_args(argv)
-    for k, v in (QUICK if args.quick else ISSUE).items():
+    for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.worlds = [int(w) for w in args.worlds.split(",")]

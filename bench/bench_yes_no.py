@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 QUICK = dict(segments=8, hidden=64, vocab=1000, dtype="float32")
-ISSUE = dict(segments=100, hidden=2560, vocab=151669, dtype="bfloat16")
+FULL = dict(segments=100, hidden=2560, vocab=151669, dtype="bfloat16")
 YES, NO = 9693, 2152
 
 
@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--csv", type=Path, default=None, help="CSV path (default results/bench_yes_no/yes_no[_quick].csv)")
     args = p.parse_args(argv)
-    for k, v in (QUICK if args.quick else ISSUE).items():
+    for k, v in (QUICK if args.quick else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     for name in ("segments", "hidden", "vocab"):

@@ -175,7 +175,7 @@ def test_score_check_flags_disagreement_and_nan():
 
 
 def test_depth_scaling_figure():
-    """Marginal ms/doc between the first and second-largest depth vs the last two (issue 7's figure)."""
+    """Marginal ms/doc between the first and second-largest depth vs the last two (the README's scaling figure)."""
     t = {10: 100.0, 20: 150.0, 50: 300.0, 100: 560.0}  # 5 ms/doc then 5.2 ms/doc
     rows = [dict(mode="M3", provider="p", depth=d, median_ms=v, doc_tokens=d * 100) for d, v in t.items()]
     (s,) = report.depth_scaling(rows)
@@ -239,7 +239,7 @@ def test_row_targets_are_speedups_over_each_baseline():
     assert "not measured" in report.format_targets(rows, depth=20)
 
 
-# -- dtypes side by side (issue 15) ------------------------------------------------------
+# -- dtypes side by side ----------------------------------------------------------------
 def test_kendall_tau_counts_concordant_pairs():
     a = [0.9, 0.1, 0.5, 0.7, 0.3]
     b = [0.8, 0.2, 0.3, 0.9, 0.4]  # pairs: 10; discordant (0,3) and (2,4): tau = (8 - 2) / 10

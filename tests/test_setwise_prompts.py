@@ -1,7 +1,7 @@
 """Setwise prompts: Appendix F's wording (held here as data), the Qwen3 chat format, truncation.
 
-The paper's text below is copied from the HTML rendering of paper 001, Appendix F.1 / F.2
-(``/work/shared/papers/001_dd43b650b93a03d6.txt``). That rendering drops line breaks and the
+The paper's text below is copied from the HTML rendering of AdaTutoRank (2026), Appendix F.1 / F.2
+(arXiv:2609.32472v1). That rendering drops line breaks and the
 ``{...}`` placeholders (the count and the query), and shows the two blocks as
 ``[ QUERY INTENT ]`` and ``[ PASSAGES ]``; the tests render our templates the same way and
 compare after collapsing whitespace.
@@ -13,7 +13,7 @@ import pytest
 from acarerank.setwise import prompts as P
 from acarerank.tokenizer import TOKEN_IM_END
 
-# ---- paper 001, Appendix F (verbatim) --------------------------------------------------------
+# ---- AdaTutoRank (2026), Appendix F (verbatim) ----------------------------------------------------
 PAPER_F1_SYSTEM = (
     'You are a high-quality document set selector for a retrieval-augmented QA system. Given a user '
     'question and a list of retrieved passages, select the best subset that jointly answers the question,'

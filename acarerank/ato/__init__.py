@@ -1,5 +1,6 @@
-"""Adaptive Tutoring Optimization (AdaTutoRank, paper 001 §3.4, Appendix A, C.1, C.4): the pieces
-training code imports.
+"""Adaptive Tutoring Optimization (ATO) of "AdaTutoRank: Learning to Rerank Document Sets via
+Adaptive Tutoring Optimization for RAG and Deep Research" (2026), §3.4, Appendix A, C.1, C.4:
+the pieces training code imports.
 
     rewards     parse_selection (Eq. 2, from acarerank.selection), rubric_reward (Eq. 4–6)
     hints       route_hints (Eq. 8, Algorithm 1 lines 20–35), hint_text (Fig. 3)

@@ -1,4 +1,4 @@
-"""Outcome and combined advantages of Adaptive Tutoring Optimization (paper 001, §3.4, Appendix A).
+"""Outcome and combined advantages of Adaptive Tutoring Optimization (AdaTutoRank (2026), §3.4, Appendix A).
 
     GRPO (Eq. 7):  A_i = (r_i − mean_g(r)) / (std_g(r) + eps)          constant over the tokens of y_i
     ATO  (Eq. 10 with Algorithm 1 line 41 / Appendix A's format mask m_i):

@@ -1,4 +1,4 @@
-"""Reward-conditioned hint routing and hint texts of ATO (paper 001, Eq. 8, Algorithm 1 lines 20–35, Fig. 3).
+"""Reward-conditioned hint routing and hint texts of ATO (AdaTutoRank (2026), Eq. 8, Algorithm 1 lines 20–35, Fig. 3).
 
 Three hint kinds, of increasing specificity: ``"rubric"`` (h*, the query's rubrics alone),
 ``"reflection"`` (ĥ, a corrective reflection contrasting the rollout with the sibling set)

@@ -1,4 +1,4 @@
-"""Clipped policy objective of ATO (paper 001, Eq. 11–12; no KL term, §3.4 / Appendix A).
+"""Clipped policy objective of ATO (AdaTutoRank (2026), Eq. 11–12; no KL term, §3.4 / Appendix A).
 
     ρ_i,l = exp(log π_θ(y_i,l | ·) − log π_old(y_i,l | ·))                        (Eq. 12)
     ℓ_i,l = −min(ρ_i,l · A_i,l, clip(ρ_i,l, 1 − ε, 1 + ε) · A_i,l)                 (Eq. 11)

@@ -1,4 +1,4 @@
-"""Paired re-scoring of ATO (paper 001, Algorithm 1 line 39; Eq. 9): no regeneration, prefix sharing.
+"""Paired re-scoring of ATO (AdaTutoRank (2026), Algorithm 1 line 39; Eq. 9): no regeneration, prefix sharing.
 
 For each query q with student prompt P = head ++ tail (the hint goes between them, see
 ``split_student_prompt``) and rollouts y_1..y_G, each with hint h_i:

@@ -1,4 +1,4 @@
-"""Hierarchical rubric reward of ATO (paper 001, Eq. 4–6, Appendix C.1, judge format of Appendix F.5/F.6).
+"""Hierarchical rubric reward of ATO (AdaTutoRank (2026), Eq. 4–6, Appendix C.1, judge format of Appendix F.5/F.6).
 
 For a selected set S and the query's rubrics R_q (each criterion c with weight w_c):
 

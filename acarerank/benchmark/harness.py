@@ -42,7 +42,7 @@ from .workload import MODES, Workload, WorkloadSpec, make_workload
 PROVIDERS = ("transformers", "transformers+prefix-cache", "acarerank")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Largest score difference from the official path still called "equal", per dtype. fp32:
-# the paths differ only in summation order (issue 2 asks ≤ 1e-5 of the runner itself; the
+# the paths differ only in summation order (the runner itself is held to ≤ 1e-5; the
 # padded transformers batches add their own ~1e-7). bf16/fp16: every layer rounds to the
 # model dtype, and padded batches and packed segments round differently.
 SCORE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}

@@ -32,7 +32,7 @@ COLUMNS = [
     "attn_implementation", "random_weights", "python", "torch", "triton", "transformers", "acarerank",
     "achieved_gflops", "gemm_peak_gflops", "peak_fraction", "kendall_tau_vs_float32",
 ]
-SCALING_TARGET = 0.15  # issue 7: marginal per-document latency at the deep end within 15 % of the shallow end
+SCALING_TARGET = 0.15  # target: marginal per-document latency at the deep end within 15 % of the shallow end
 
 
 @dataclass(frozen=True)

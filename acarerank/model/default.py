@@ -2,7 +2,7 @@
 
 It lets the CLI and the benchmarks run with no checkpoint (none can be downloaded here).
 Its scores and selections carry no meaning: the weights are random. The shape is the one
-the pointwise issue benchmarks on 2 CPU cores: hidden 384, 6 layers, 6 query / 2 KV
+the pointwise benchmarks run on 2 CPU cores: hidden 384, 6 layers, 6 query / 2 KV
 heads, head_dim 64, the real Qwen3 vocabulary (151,669) so the real tokenizer drives it.
 
 Presets with the real shapes (random weights too) are for GPU users of ``acarerank bench``.

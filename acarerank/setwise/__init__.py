@@ -1,4 +1,5 @@
-"""Setwise reranking (AdaTutoRank, paper 001): exact prompts, identifier grammar, KV-cached greedy decoding.
+"""Setwise reranking ("AdaTutoRank: Learning to Rerank Document Sets via Adaptive Tutoring
+Optimization for RAG and Deep Research", 2026): exact prompts, identifier grammar, KV-cached greedy decoding.
 
 ``SetwiseReranker`` / ``Selection`` are the public API; ``prompts``, ``grammar`` and
 ``decode`` are its parts (also used by benchmarks and training code).

@@ -32,7 +32,7 @@ import torch
 from ..tokenizer import TOKEN_IM_END
 from .grammar import GrammarState, IdentifierGrammar
 
-MAX_NEW_TOKENS = 64     # paper 001, Appendix C.4: maximum response length
+MAX_NEW_TOKENS = 64     # AdaTutoRank (2026), Appendix C.4: maximum response length
 
 
 def _check(prompts, states, max_new_tokens):

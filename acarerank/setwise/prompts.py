@@ -1,4 +1,4 @@
-"""AdaTutoRank's setwise prompts (paper 001, Appendix F.1 RAG and F.2 deep research), in the
+"""AdaTutoRank's setwise prompts (AdaTutoRank (2026), Appendix F.1 RAG and F.2 deep research), in the
 Qwen3 chat format with thinking off, tokenized and truncated to a token budget.
 
 Wording: every sentence below is Appendix F's text verbatim; ``tests/test_setwise_prompts.py``
@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence
 from ..prompts.pointwise import check_documents, check_query
 from ..tokenizer import TOKEN_END_THINK, TOKEN_IM_END, TOKEN_THINK
 
-DEFAULT_MAX_LENGTH = 16000      # paper 001, Appendix C.4: maximum prompt length 16,000 tokens
+DEFAULT_MAX_LENGTH = 16000      # AdaTutoRank (2026), Appendix C.4: maximum prompt length 16,000 tokens
 TOKEN_IM_START = 151644
 
 _RUBRICS = (

@@ -1,4 +1,4 @@
-"""``SetwiseReranker``: AdaTutoRank-style set selection (paper 001) over the prefix-shared runner.
+"""``SetwiseReranker``: AdaTutoRank-style set selection (AdaTutoRank (2026)) over the prefix-shared runner.
 
     sr = SetwiseReranker.from_pretrained(path)            # or SetwiseReranker(model=hf_model, tokenizer=tok)
     sel = sr.select(query, documents, intent=None, max_select=10)
