@@ -8,6 +8,8 @@ from __future__ import annotations
 import numbers
 from typing import Optional
 
+__all__ = ["check_int", "is_positive_int", "positive_int"]
+
 
 def check_int(name: str, value, minimum: Optional[int] = None, allow_none: bool = False) -> Optional[int]:
     """``int(value)``; TypeError for a non-integer (bools included), ValueError below ``minimum``."""
@@ -20,3 +22,19 @@ def check_int(name: str, value, minimum: Optional[int] = None, allow_none: bool 
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def is_positive_int(value) -> bool:
+    """Whether ``value`` is an integer >= 1 under the rule above (numpy ints yes, bools no)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= 1
+
+
+def positive_int(name: str, value, allow_none: bool = False) -> Optional[int]:
+    """``int(value)`` for a count argument (a batch size, a pool size, a token budget): an integer
+    >= 1 by the rule above, or None when ``allow_none``. ValueError otherwise — for a bool or a
+    float as for 0 — naming ``name`` and the value, as the API's count arguments always did."""
+    if value is None and allow_none:
+        return None
+    if not is_positive_int(value):
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+    return int(value)

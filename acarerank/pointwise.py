@@ -25,13 +25,12 @@ sub-query under the same context, computes only what the tree does not hold.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field, fields
 from typing import Mapping, Optional, Sequence
 
 import torch
 
-from ._validate import check_int
+from ._validate import check_int, positive_int
 from .model import Qwen3Runner
 from .model.cached_prefill import CacheSlot, prefill_cached
 from .model.paged_cache import PagedKVCache
@@ -189,8 +188,7 @@ class PointwiseReranker(RerankerBase):
 
     def rerank(self, query: str, documents: Sequence[str], top_n: Optional[int] = None, **context) -> list:
         """[(index, score)] best first (ties keep input order); the first ``top_n`` if given."""
-        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, numbers.Integral) or top_n < 1):
-            raise ValueError(f"top_n must be a positive int or None, got {top_n!r}")
+        positive_int("top_n", top_n, allow_none=True)
         scores = self.score(query, documents, **context)
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
         return [(i, scores[i]) for i in (order if top_n is None else order[:top_n])]

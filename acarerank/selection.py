@@ -17,10 +17,11 @@ each wrapped in square brackets, separated by a single space, most useful first,
 """
 from __future__ import annotations
 
-import numbers
 import re
 from dataclasses import dataclass, field
 from typing import List, Optional
+
+from ._validate import positive_int
 
 _STRICT_ENTRY = re.compile(r"\[([1-9][0-9]*)\]")            # one well-formed entry, no leading zero
 _LENIENT_ENTRY = re.compile(r"\[\s*([0-9]+)\s*\]")            # any bracketed number
@@ -42,11 +43,8 @@ class ParsedSelection:
 def _check_args(text, n_candidates, max_select, strict):
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    if isinstance(n_candidates, bool) or not isinstance(n_candidates, numbers.Integral) or n_candidates < 1:
-        raise ValueError(f"n_candidates must be a positive int, got {n_candidates!r}")
-    if max_select is not None and (isinstance(max_select, bool) or not isinstance(max_select, numbers.Integral)
-                                   or max_select < 1):
-        raise ValueError(f"max_select must be a positive int or None, got {max_select!r}")
+    positive_int("n_candidates", n_candidates)
+    positive_int("max_select", max_select, allow_none=True)
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .._validate import positive_int
 from .workload import _cut_to_tokens, _text, _trace, token_count, vocab_words
 
 
@@ -41,8 +42,7 @@ class AgentSpec:
     def __post_init__(self):
         for name in ("steps", "trace_step_tokens", "question_tokens", "query_tokens", "docs", "subqueries"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"AgentSpec.{name} must be a positive int, got {v!r}")
+            positive_int(f"AgentSpec.{name}", v)
         lo, hi = self.doc_tokens
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"AgentSpec.doc_tokens must be (low, high) with 1 <= low <= high, got {self.doc_tokens!r}")

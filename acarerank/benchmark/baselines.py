@@ -29,6 +29,8 @@ from acarerank.prompts import official_batch_input_ids, official_scores
 from acarerank.prompts.pointwise import (DEFAULT_MAX_LENGTH, QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX,
                                          SHARED_END, body_text)
 
+from .._validate import positive_int
+
 
 def _yes_no_ids(tokenizer):
     yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
@@ -38,9 +40,7 @@ def _yes_no_ids(tokenizer):
 
 
 def _check_batch_size(batch_size) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-    return batch_size
+    return positive_int("batch_size", batch_size)
 
 
 class OfficialTransformers:

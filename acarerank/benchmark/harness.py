@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .._validate import is_positive_int
 from .baselines import OfficialTransformers, PrefixCacheTransformers, split_prompt_ids
 from .gemm_peak import gemm_peak
 from .measure import PeakMemory, machine_info, percentile, sync, timed_call
@@ -73,7 +74,7 @@ class BenchConfig:
     batch_prefix_cache: int = 16
 
     def validate(self) -> "BenchConfig":
-        if not self.depths or any(not isinstance(d, int) or d < 1 for d in self.depths):
+        if not self.depths or not all(is_positive_int(d) for d in self.depths):
             raise ValueError(f"depths must be positive ints, got {self.depths!r}")
         bad = [m for m in self.modes if m not in MODES]
         if not self.modes or bad:

@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .._validate import positive_int
+
 MODES = ("M0", "M1", "M2", "M3")
 # Which context fields each ACARe mode carries (docs/ARCHITECTURE.md, "Scoring facts"): M0 sub-query only.
 MODE_FIELDS = {"M0": (False, False), "M1": (False, True), "M2": (True, False), "M3": (True, True)}  # (question, trace)
@@ -38,8 +40,7 @@ class WorkloadSpec:
     def __post_init__(self):
         for name in ("query_tokens", "question_tokens", "trace_tokens", "num_docs"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"WorkloadSpec.{name} must be a positive int, got {v!r}")
+            positive_int(f"WorkloadSpec.{name}", v)
         lo, hi = self.doc_tokens
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"WorkloadSpec.doc_tokens must be (low, high) ints with 1 <= low <= high, got {self.doc_tokens!r}")

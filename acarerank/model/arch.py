@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._validate import positive_int
+
 
 @dataclass(frozen=True)
 class Qwen3Arch:
@@ -26,8 +28,7 @@ class Qwen3Arch:
             raise ValueError(f"acarerank runs Qwen3 decoders; this checkpoint's model_type is {model_type!r}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             v = get(key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"config field {key!r} must be a positive int, got {v!r}")
+            positive_int(f"config field {key!r}", v)
         hidden, heads = get("hidden_size"), get("num_attention_heads")
         rope_theta = get("rope_theta")
         if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+from .._validate import positive_int
 from .pointwise import (DEFAULT_INSTRUCTION, DEFAULT_MAX_LENGTH, DEFAULT_TEMPLATE, QWEN3_RERANKER_BODY,
                         QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX, ContextTemplate, body_text, check_documents,
                         check_query)
@@ -121,8 +122,7 @@ def official_scores(model, tokenizer, input_ids: Sequence[Sequence[int]], batch_
     """
     import torch
 
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    positive_int("batch_size", batch_size)
     yes_id = tokenizer.convert_tokens_to_ids("yes")
     no_id = tokenizer.convert_tokens_to_ids("no")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

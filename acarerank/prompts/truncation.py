@@ -26,6 +26,8 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Optional, Tuple
 
+from .._validate import positive_int
+
 # Room kept for document tokens when the context is cut: retrieval passages are usually
 # chunked to <= 512 tokens, so a trace never squeezes a typical passage. It also bounds the
 # context at max_length - suffix - 512 = 7,671 tokens under the default 8,192 cap.
@@ -59,8 +61,7 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
         no token of it fits — the caller then leaves the trace line out; ``dropped`` counts the
         tokens of ``text`` (tokenized alone) that end at or before the cut.
     """
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    positive_int("chunk", chunk)
     from ..tokenizer import TextEncoder
 
     _, offsets = TextEncoder.of(tokenizer).user_offsets(text)

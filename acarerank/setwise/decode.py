@@ -29,6 +29,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .._validate import positive_int
 from ..tokenizer import TOKEN_IM_END
 from .grammar import GrammarState, IdentifierGrammar
 
@@ -41,8 +42,7 @@ def _check(prompts, states, max_new_tokens):
     for i, p in enumerate(prompts):
         if len(p) < 1:
             raise ValueError(f"prompt {i} is empty; greedy decoding needs at least one prompt token")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    positive_int("max_new_tokens", max_new_tokens)
     if states is not None:
         if len(states) != len(prompts):
             raise ValueError(f"{len(states)} grammar states for {len(prompts)} prompts")

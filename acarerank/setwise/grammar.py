@@ -30,6 +30,8 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
+from .._validate import positive_int
+
 # Phases of the machine.
 _START, _NUMBER, _AFTER_CLOSE, _DONE = range(4)
 
@@ -101,10 +103,8 @@ class GrammarState:
     __slots__ = ("tokens", "n", "max_select", "used", "prefix", "phase", "_digit_of")
 
     def __init__(self, tokens: IdentifierTokens, n: int, max_select: int):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"the pool size n must be a positive int, got {n!r}")
-        if isinstance(max_select, bool) or not isinstance(max_select, int) or max_select < 1:
-            raise ValueError(f"max_select must be a positive int, got {max_select!r}")
+        n = positive_int("the pool size n", n)
+        max_select = positive_int("max_select", max_select)
         self.tokens = tokens
         self.n = n
         self.max_select = max_select

@@ -33,6 +33,7 @@ import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from .._validate import positive_int
 from ..prompts.pointwise import check_documents, check_query
 from ..tokenizer import TOKEN_END_THINK, TOKEN_IM_END, TOKEN_THINK
 
@@ -130,8 +131,7 @@ def check_inputs(query, documents, intent=None, max_select=10) -> None:
     intent = normalize_intent(intent)
     if intent is not None:
         check_text("intent", intent)
-    if isinstance(max_select, bool) or not isinstance(max_select, numbers.Integral) or max_select < 1:
-        raise ValueError(f"max_select must be a positive int, got {max_select!r}")
+    positive_int("max_select", max_select)
 
 
 def system_prompt(intent: Optional[str] = None) -> str:

@@ -13,11 +13,10 @@ says whether it happened to follow the strict format).
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from .._validate import check_int
+from .._validate import check_int, positive_int
 from ..model import Qwen3Runner
 from ..model.block_pool import PoolExhausted
 from ..model.cached_prefill import CacheSlot, prefill_cached
@@ -108,8 +107,7 @@ class SetwiseReranker(RerankerBase):
             intents = [None] * len(queries)
         if isinstance(intents, str) or len(intents) != len(queries):
             raise ValueError(f"intents must be None or a list with one entry per query ({len(queries)})")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        positive_int("batch_size", batch_size)
         if not isinstance(constrained, bool):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
         for q, d, it in zip(queries, documents, intents):
