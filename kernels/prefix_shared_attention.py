@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from acarerank.ops._backend import triton_interpreted
+from acarerank._triton_env import triton_interpreted
 
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256

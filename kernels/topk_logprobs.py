@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from acarerank.ops._backend import triton_interpreted
-from acarerank.ops.topk_merge import MAX_K as _LIMITS
+from acarerank._triton_env import triton_interpreted
+from acarerank.topk_contract import MAX_K as _LIMITS
 
 _SENTINEL = tl.constexpr(-(2 ** 63))  # an order key below every real one (masked columns, empty slots)
 MAX_K = _LIMITS["triton"]  # 1,024: the running top-K lives in registers, [BLOCK_T, K] int64
@@ -243,7 +243,7 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
     if not on_gpu and not triton_interpreted(_topk_tiles_kernel):
         raise RuntimeError("topk_logprobs (triton): CPU tensors need TRITON_INTERPRET=1 set before "
                            "acarerank.kernels.topk_logprobs is imported")
-    if k > MAX_K:  # the op checks first (acarerank.ops.topk_merge.check_k); this guards direct calls
+    if k > MAX_K:  # the op checks first (acarerank.topk_contract.check_k); this guards direct calls
         raise ValueError(f"topk_logprobs (triton): k must be <= {MAX_K}, got k={k}; use backend='torch'")
     if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"topk_logprobs (triton): dtype {hidden.dtype} not supported (fp32, fp16, bf16)")

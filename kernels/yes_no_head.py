@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from acarerank.ops._backend import triton_interpreted
+from acarerank._triton_env import triton_interpreted
 
 
 @triton.jit

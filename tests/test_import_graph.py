@@ -3,7 +3,8 @@
 Every module under ``acarerank/`` and ``kernels/`` (as ``acarerank.kernels``) is parsed, and
 every ``import`` statement it holds — at the top or inside a function, a method or an
 ``if`` — becomes an edge to the module it names (``from .x import y`` names ``x``, or
-``x.y`` when ``y`` is a submodule). A package's implicit import of its ``__init__`` is not an
+``x.y`` when ``y`` is a submodule); so does a module's full name given as a string to
+``importlib.import_module`` or to the ops' ``lazy_backend``. A package's implicit import of its ``__init__`` is not an
 edge: every submodule has it, so counting it would make every package a cycle. The test lists
 every cycle it finds (each once, as ``a -> b -> a``) so a failure says what to cut.
 """
@@ -29,6 +30,14 @@ def _modules() -> dict:
     return mods
 
 
+IMPORTING_CALLS = ("import_module", "lazy_backend")  # calls that import the module a string names
+
+
+def _callee(call: ast.Call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+
+
 def _resolve(name: str, mods: dict) -> str | None:
     """The longest prefix of ``name`` that is one of our modules (``a.b.func`` -> ``a.b``)."""
     parts = name.split(".")
@@ -47,6 +56,11 @@ def _imports(module: str, path: Path, mods: dict) -> set:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
+        elif isinstance(node, ast.Call) and _callee(node) in IMPORTING_CALLS:
+            # a module named by a string: importlib.import_module("acarerank.x"), or an op's
+            # lazy_backend(..., "acarerank.kernels.y", ...) that imports it on first use
+            targets = [a.value for a in [*node.args, *(k.value for k in node.keywords)]
+                       if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value in mods]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -130,9 +144,11 @@ def test_the_walk_sees_function_level_and_relative_imports():
     """The graph builder itself: a relative import inside a function is an edge (so the test can fail)."""
     graph = import_graph()
     assert "acarerank.ops._backend" in graph["acarerank.ops.yes_no"], graph["acarerank.ops.yes_no"]
-    # attention imports its Triton kernel inside the backend's loader
+    # attention names its Triton kernel module in its backend declaration; rescore imports the
+    # tokenizer inside a function
     assert "acarerank.kernels.prefix_shared_attention" in graph["acarerank.ops.attention"], \
         graph["acarerank.ops.attention"]
+    assert "acarerank.tokenizer" in graph["acarerank.ato.rescore"], graph["acarerank.ato.rescore"]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a -> b -> c -> a   (component: a, b, c)"]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 

@@ -14,11 +14,12 @@ from .yes_no import yes_no_score, yes_no_score_op, yes_no_score_ref
 from .paged_attention import (PagedAttentionPlan, plan_prefix_shared_attention_paged, prefix_shared_attention_paged,
                               prefix_shared_attention_paged_op, prefix_shared_attention_paged_ref)
 from .merge_states import merge_attention_states, merge_attention_states_op, merge_attention_states_ref
-from .topk_merge import (MAX_K, TopKLogprobs, TopKMergeState, finalize, topk_merge_core, topk_merge_finalize,
-                         topk_merge_init, topk_merge_update)
+from ..topk_contract import MAX_K, TopKLogprobs, finalize
+from .topk_merge import (TopKMergeState, topk_merge_core, topk_merge_finalize, topk_merge_init, topk_merge_update,
+                         topk_merge_update_op)
 from .topk_logprobs import topk_logprobs, topk_logprobs_core, topk_logprobs_core_op, topk_logprobs_ref
-from .linear_logprob import linear_logprob, linear_logprob_ref
-from .vocab_parallel import VocabShard
+from .linear_logprob import linear_logprob, linear_logprob_op, linear_logprob_ref
+from .vocab_parallel import VocabShard  # also registers the process_group= paths (_backend)
 
 __all__ = [
     "BackendError", "KNOWN_BACKENDS", "available_backends", "backend_for", "parse_preference", "per_op_backends",
@@ -30,7 +31,7 @@ __all__ = [
     "prefix_shared_attention_paged_op", "prefix_shared_attention_paged_ref",
     "merge_attention_states", "merge_attention_states_op", "merge_attention_states_ref",
     "MAX_K", "TopKLogprobs", "TopKMergeState", "finalize", "topk_merge_core", "topk_merge_finalize",
-    "topk_merge_init", "topk_merge_update",
+    "topk_merge_init", "topk_merge_update", "topk_merge_update_op",
     "topk_logprobs", "topk_logprobs_core", "topk_logprobs_core_op", "topk_logprobs_ref",
-    "linear_logprob", "linear_logprob_ref", "VocabShard",
+    "linear_logprob", "linear_logprob_op", "linear_logprob_ref", "VocabShard",
 ]

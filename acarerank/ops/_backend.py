@@ -9,8 +9,9 @@ Backend names:
 
 An op module declares itself once with ``OpDecl(name, aliases, backends, defaults)``:
 ``backends`` maps a name to a ``Backend(load, devices)`` whose loader imports lazily (and is
-called at most once per process); ``defaults`` lists, per device type, the backends to try in
-order when nothing is asked for. Declaring a backend is all it takes for
+called at most once per process; ``lazy_backend`` builds one from a module and an attribute
+name); ``defaults`` lists, per device type, the backends to try in order when nothing is
+asked for. Declaring a backend is all it takes for
 ``available_backends`` (and the op's test file, which parametrizes over it) to see it.
 
 Choice, per call of an op with ``backend=``:
@@ -27,11 +28,14 @@ device default walks its list to the first backend that runs.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Union
 
 import torch
+
+from .._triton_env import triton_interpreted
 
 KNOWN_BACKENDS = ("torch", "triton", "cpp", "cuda", "flash_attn_cascade")
 ENV_VAR = "ACARERANK_BACKEND"
@@ -43,18 +47,6 @@ class BackendError(RuntimeError):
     """An op was asked for a backend it does not have or that cannot run here."""
 
 
-def triton_interpreted(kernel=None) -> bool:
-    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1).
-
-    With ``kernel`` (a ``triton.jit`` function) also whether *that* kernel was built as an
-    interpreted function: ``triton.jit`` reads the variable when the kernel's module is
-    imported, so setting it later does not help. The one such check of the project.
-    """
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return False
-    return kernel is None or type(kernel).__name__ == "InterpretedFunction"
-
-
 @dataclass(frozen=True)
 class Backend:
     """One implementation of an op: ``load()`` imports it (raising BackendError with the reason
@@ -62,6 +54,32 @@ class Backend:
     ("cpu" for "triton" means: under the interpreter only)."""
     load: Callable[[], Callable]
     devices: tuple = ("cpu", "cuda")
+
+
+def lazy_backend(op: str, backend: str, module: str, attr: str, devices: tuple = ("cpu", "cuda"),
+                 needs_cuda_build: bool = False, wrap: Optional[Callable] = None) -> Backend:
+    """The one backend loader: a ``Backend`` whose ``load()`` imports ``module`` (absolute name)
+    and returns its ``attr`` (passed through ``wrap`` when given).
+
+    *Any* failure to import — ImportError (triton or acarerank._C missing), AttributeError (a
+    Triton too old for the kernel module), RuntimeError or anything else raised while the
+    module runs — becomes a ``BackendError`` naming the op, the backend and the cause, so
+    ``available_backends`` and the device default's walk to the next backend survive it.
+    ``needs_cuda_build``: ``module`` is ``acarerank.ops._cpp`` and its ``require_cuda(op)`` must
+    pass (the extension was built with CUDA; BackendError naming the build's reason if not).
+    """
+    def load() -> Callable:
+        try:
+            mod = importlib.import_module(module)
+            if needs_cuda_build:
+                mod.require_cuda(op)
+            fn = getattr(mod, attr)
+        except BackendError:
+            raise
+        except Exception as e:  # see the docstring: nothing an import raises may escape as itself
+            raise BackendError(f"{op}: {backend} backend unavailable: {type(e).__name__}: {e}") from e
+        return fn if wrap is None else wrap(fn)
+    return Backend(load, tuple(devices))
 
 
 _REGISTRY: dict = {}   # op name -> OpDecl
@@ -224,5 +242,29 @@ def available_backends(op: str, device="cpu") -> list:
     return op_decl(op).available(device)
 
 
-__all__ = ["KNOWN_BACKENDS", "ENV_VAR", "BackendError", "Backend", "OpDecl", "triton_interpreted", "op_decl",
-           "backend_for", "per_op_backends", "available_backends", "parse_preference"]
+
+# -- process_group= implementations
+# An op's ``process_group=`` path lives in ``vocab_parallel``, which builds on the op (its core,
+# its checks); the op finds that path here instead of importing it back, so the imports stay a
+# tree. ``acarerank/ops/__init__.py`` imports vocab_parallel, and a package's __init__ runs
+# before any of its modules, so the entries exist whenever an op can be called.
+_PROCESS_GROUP_IMPLS: dict = {}   # op name -> callable
+
+
+def register_process_group_impl(op: str, fn: Callable) -> Callable:
+    """Declare ``fn`` as ``op``'s implementation over a ``torch.distributed`` process group."""
+    _PROCESS_GROUP_IMPLS[op] = fn
+    return fn
+
+
+def process_group_impl(op: str) -> Callable:
+    """``op``'s process-group implementation; BackendError when none was registered."""
+    try:
+        return _PROCESS_GROUP_IMPLS[op]
+    except KeyError:
+        raise BackendError(f"{op}: process_group= has no implementation registered "
+                           f"(acarerank.ops.vocab_parallel registers it when acarerank.ops is imported)") from None
+
+__all__ = ["KNOWN_BACKENDS", "ENV_VAR", "BackendError", "Backend", "OpDecl", "lazy_backend", "triton_interpreted",
+           "op_decl", "backend_for", "per_op_backends", "available_backends", "parse_preference",
+           "register_process_group_impl", "process_group_impl"]

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from .._validate import positive_int
+
 
 def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, chunk=None, shard=False) -> int:
     """hidden [T, H] and weight [V, H] of one floating dtype, targets [T] int64/int32 ids in
@@ -38,8 +40,7 @@ def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, c
     V = weight.shape[0]
     if V == 0 and not shard:
         raise ValueError(f"{op}: weight has an empty vocabulary")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"{op}: chunk must be a positive int or None, got {chunk!r}")
+    positive_int(f"{op}: chunk", chunk, allow_none=True)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature <= 0:
         raise ValueError(f"{op}: temperature must be a finite number > 0, got {temperature!r}")

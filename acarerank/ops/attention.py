@@ -251,26 +251,16 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
     return out
 
 
-def _load_triton():
-    try:
-        from acarerank.kernels.prefix_shared_attention import prefix_shared_attention_triton
-    except ImportError as e:  # triton missing, or the kernel module not built in
-        raise _backend.BackendError(f"prefix_shared_attention: triton backend unavailable: {e}") from e
-    return prefix_shared_attention_triton
-
-
-def _load_flash_attn_cascade():
-    try:
-        from .cascade import prefix_shared_attention_flash_cascade
-    except ImportError as e:  # flash-attn is optional and GPU-only
-        raise _backend.BackendError(f"prefix_shared_attention: flash_attn_cascade backend unavailable: {e}") from e
-    return prefix_shared_attention_flash_cascade
-
-
 OP = _backend.OpDecl(
     "prefix_shared_attention", aliases=("attention",),
-    backends={"torch": _backend.Backend(lambda: _torch_backend), "triton": _backend.Backend(_load_triton),
-              "flash_attn_cascade": _backend.Backend(_load_flash_attn_cascade, ("cuda",))},
+    backends={"torch": _backend.Backend(lambda: _torch_backend),
+              "triton": _backend.lazy_backend("prefix_shared_attention", "triton",
+                                              "acarerank.kernels.prefix_shared_attention",
+                                              "prefix_shared_attention_triton"),
+              # flash-attn is optional and GPU-only
+              "flash_attn_cascade": _backend.lazy_backend("prefix_shared_attention", "flash_attn_cascade",
+                                                          "acarerank.ops.cascade",
+                                                          "prefix_shared_attention_flash_cascade", ("cuda",))},
     # CPU: torch's fused flash kernel beats the interpreter by orders of magnitude
     defaults={"cpu": ("torch",), "cuda": ("triton", "torch")},
 )

@@ -16,6 +16,8 @@ Forward and backward both walk the vocabulary in chunks of ``chunk`` rows of W: 
 fp32 logits buffer, reused by every chunk (the backward recomputes the logits: one extra
 GEMM instead of keeping [T, V]; ∂W is written by the GEMM straight into its rows). Forward
 saves only hidden, weight, targets and two [T] vectors (logsumexp, E_p[z]).
+Both directions are registered custom ops (``acarerank::linear_logprob`` and
+``acarerank::linear_logprob_backward``, joined by ``register_autograd``), opaque to torch.compile.
 Peers: Liger's fused linear cross-entropy and verl's ``linear_cross_entropy`` chunk the same
 way. Liger computes the gradients already in the forward (3 GEMMs, but ∂W [V, H] is held
 from the forward until the backward runs); here the backward recomputes the logits (4 GEMMs:
@@ -35,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from . import _backend
 from ._checks import check_projection_inputs
 
 DEFAULT_CHUNK = 2048  # vocabulary rows per step: [T, 2048] fp32 is 1.35 % of [T, 151,669]
@@ -44,7 +47,7 @@ def _check(hidden, weight, targets, temperature, chunk):
     check_projection_inputs(hidden, weight, targets, "linear_logprob", temperature=temperature, chunk=chunk)
 
 
-def _fp32(x):
+def compute_copy(x):
     """The compute copy: fp64 stays fp64 (gradcheck), everything else is fp32."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
@@ -158,30 +161,66 @@ def grad_inputs(ctx, g_lp, g_ent, T, device):
     return g_lp, g_ent
 
 
-class _LinearLogprob(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
-        h32 = _fp32(hidden)
-        tg = targets.long()
-        m, s, a, tz = forward_stats(h32, weight, tg, temperature, chunk, with_entropy)
-        out = h32.dtype  # fp32 (fp64 only for fp64 inputs)
-        lse = m.double() + torch.log(s)
-        logprob = (tz.double() - lse).to(out)
-        ez = (a / s).to(out) if with_entropy else torch.zeros_like(tz)
-        entropy = (lse - a / s).to(out) if with_entropy else None
-        ctx.save_for_backward(hidden, weight, tg, lse.to(out), ez)
-        ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, out
-        if with_entropy:
-            return logprob, entropy
-        return logprob
+# ----------------------------------------------------------------------------- registered ops
+@torch.library.custom_op("acarerank::linear_logprob", mutates_args=())
+def linear_logprob_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                      chunk: int, with_entropy: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob [T], entropy [T] (zeros without ``with_entropy``), logsumexp [T], E_p[z] [T]), all in
+    the compute dtype (fp32; fp64 for fp64 inputs). The last two are what the backward needs."""
+    h32 = compute_copy(hidden)
+    m, s, a, tz = forward_stats(h32, weight, targets.long(), temperature, chunk, with_entropy)
+    out = h32.dtype
+    lse = m.double() + torch.log(s)
+    logprob = (tz.double() - lse).to(out)
+    ez = (a / s).to(out) if with_entropy else torch.zeros_like(tz)
+    entropy = (lse - a / s).to(out) if with_entropy else torch.zeros_like(tz)
+    return logprob, entropy, lse.to(out), ez
 
-    @staticmethod
-    def backward(ctx, g_lp, g_ent=None):
-        hidden, weight, tg, lse, ez = ctx.saved_tensors
-        g_lp, g_ent = grad_inputs(ctx, g_lp, g_ent, hidden.shape[0], hidden.device)
-        grad_h, grad_w = backward_chunks(_fp32(hidden), weight, tg, lse, ez, g_lp, g_ent, ctx.temperature, ctx.chunk,
-                                         ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return (grad_h.to(hidden.dtype) if grad_h is not None else None), grad_w, None, None, None, None
+
+@linear_logprob_op.register_fake
+def _(hidden, weight, targets, temperature, chunk, with_entropy):
+    T = hidden.shape[0]
+    out = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    return tuple(hidden.new_empty(T, dtype=out) for _ in range(4))
+
+
+@torch.library.custom_op("acarerank::linear_logprob_backward", mutates_args=())
+def linear_logprob_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                               ez: torch.Tensor, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
+                               temperature: float, chunk: int, need_h: bool, need_w: bool
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(∂L/∂hidden in hidden's dtype, ∂L/∂weight in weight's dtype); an empty tensor for a
+    gradient not asked for. ``g_ent`` None: no entropy term (module doc formulas)."""
+    grad_h, grad_w = backward_chunks(compute_copy(hidden), weight, targets.long(), lse, ez, g_lp, g_ent, temperature,
+                                     chunk, need_h, need_w)
+    grad_h = grad_h.to(hidden.dtype) if need_h else hidden.new_empty(0)
+    return grad_h, (grad_w if need_w else weight.new_empty(0))
+
+
+@linear_logprob_backward_op.register_fake
+def _(hidden, weight, targets, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
+    return (torch.empty_like(hidden) if need_h else hidden.new_empty(0),
+            torch.empty_like(weight) if need_w else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, targets, temperature, chunk, with_entropy = inputs
+    _, _, lse, ez = output
+    ctx.save_for_backward(hidden, weight, targets, lse, ez)
+    ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, lse.dtype
+
+
+def _backward(ctx, g_lp, g_ent, _g_lse, _g_ez):
+    hidden, weight, targets, lse, ez = ctx.saved_tensors
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    g_lp, g_ent = grad_inputs(ctx, g_lp, g_ent, hidden.shape[0], hidden.device)
+    grad_h, grad_w = linear_logprob_backward_op(hidden, weight, targets, lse, ez, g_lp, g_ent, ctx.temperature,
+                                                ctx.chunk, need_h, need_w)
+    return (grad_h if need_h else None), (grad_w if need_w else None), None, None, None, None
+
+
+linear_logprob_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False,
@@ -204,17 +243,16 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     ``topk_logprobs`` does. Formulas and precision rule: module doc.
     """
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
-        from .vocab_parallel import linear_logprob_vocab_parallel
-        return linear_logprob_vocab_parallel(hidden, weight, targets, temperature, return_entropy, chunk,
-                                             process_group=process_group, vocab_start=vocab_start,
-                                             vocab_size=vocab_size)
+        sharded = _backend.process_group_impl("linear_logprob")  # acarerank.ops.vocab_parallel
+        return sharded(hidden, weight, targets, temperature, return_entropy, chunk, process_group=process_group,
+                       vocab_start=vocab_start, vocab_size=vocab_size)
     if vocab_start is not None or vocab_size is not None:
         raise ValueError("linear_logprob: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
     _check(hidden, weight, targets, temperature, chunk)
-    out = _LinearLogprob.apply(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
-                               bool(return_entropy))
+    lp, entropy, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
+                                          bool(return_entropy))
+    out = (lp, entropy) if return_entropy else lp
     # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host sync)
-    lp = out[0] if return_entropy else out
     if lp.numel() and not torch.isfinite(lp).all():
         rows = (~torch.isfinite(lp)).nonzero().flatten().tolist()[:8]
         raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
@@ -223,7 +261,7 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
 
 def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False):
     """Oracle: materialise fp32 logits [T, V], log_softmax, gather (autograd does the rest)."""
-    z = (_fp32(hidden) @ _fp32(weight).T) / temperature
+    z = (compute_copy(hidden) @ compute_copy(weight).T) / temperature
     lsm = z.log_softmax(dim=1)
     lp = lsm.gather(1, targets.long()[:, None]).squeeze(1)
     if not return_entropy:
@@ -231,4 +269,4 @@ def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return
     return lp, -(lsm.exp() * lsm).sum(dim=1)
 
 
-__all__ = ["linear_logprob", "linear_logprob_ref"]
+__all__ = ["linear_logprob", "linear_logprob_ref", "linear_logprob_op", "linear_logprob_backward_op"]

@@ -63,27 +63,13 @@ def _torch_backend(o_a, lse_a, o_b, lse_b):
     return out.to(o_a.dtype), m + torch.log(total[..., 0])
 
 
-def _load_cpp():
-    try:
-        from ._cpp import merge_states_cpp
-    except ImportError as e:
-        raise _backend.BackendError(f"merge_attention_states: cpp backend unavailable: {e}") from e
-    return merge_states_cpp
-
-
-def _load_cuda():
-    try:
-        from . import _cpp
-    except ImportError as e:
-        raise _backend.BackendError(f"merge_attention_states: cuda backend unavailable: {e}") from e
-    _cpp.require_cuda("merge_attention_states")
-    return _cpp.merge_states_cuda
-
-
 OP = _backend.OpDecl(
     "merge_attention_states", aliases=("merge_states",),
-    backends={"torch": _backend.Backend(lambda: _torch_backend), "cpp": _backend.Backend(_load_cpp, ("cpu",)),
-              "cuda": _backend.Backend(_load_cuda, ("cuda",))},
+    backends={"torch": _backend.Backend(lambda: _torch_backend),
+              "cpp": _backend.lazy_backend("merge_attention_states", "cpp", "acarerank.ops._cpp", "merge_states_cpp",
+                                           ("cpu",)),
+              "cuda": _backend.lazy_backend("merge_attention_states", "cuda", "acarerank.ops._cpp",
+                                            "merge_states_cuda", ("cuda",), needs_cuda_build=True)},
     defaults={"cpu": ("torch",), "cuda": ("cuda", "torch")},
 )
 

@@ -194,41 +194,33 @@ def _torch_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix
                   host_meta=host_meta)
 
 
-def _triton_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
-    from acarerank.kernels.prefix_shared_attention import prefix_shared_attention_paged_triton
-
-    return prefix_shared_attention_paged_triton(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens,
-                                                segment_group, scale, work=aux[0])
-
-
-def _flash_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
-    from .cascade import prefix_shared_attention_paged_flash_cascade
-
-    return prefix_shared_attention_paged_flash_cascade(q, k, v, cu_seqlens, k_cache, v_cache, block_table,
-                                                       cu_prefix_lens, segment_group, scale, host_meta=aux[0])
+def _triton_backend(kernel):
+    """The op's calling convention over ``prefix_shared_attention_paged_triton`` (aux: the work list)."""
+    def run(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
+        return kernel(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, scale,
+                      work=aux[0])
+    return run
 
 
-def _load_triton():
-    try:
-        from acarerank.kernels.prefix_shared_attention import prefix_shared_attention_paged_triton  # noqa: F401
-    except ImportError as e:
-        raise _backend.BackendError(f"prefix_shared_attention_paged: triton backend unavailable: {e}") from e
-    return _triton_backend
-
-
-def _load_flash():
-    try:
-        from .cascade import prefix_shared_attention_paged_flash_cascade  # noqa: F401
-    except ImportError as e:  # flash-attn is optional and GPU-only
-        raise _backend.BackendError(
-            f"prefix_shared_attention_paged: flash_attn_cascade backend unavailable: {e}") from e
-    return _flash_backend
+def _flash_backend(cascade):
+    """The op's calling convention over ``prefix_shared_attention_paged_flash_cascade`` (aux: host metadata)."""
+    def run(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
+        return cascade(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, scale,
+                       host_meta=aux[0])
+    return run
 
 
 OP = _backend.OpDecl(
     "prefix_shared_attention_paged", aliases=("paged_attention",),
-    backends={"torch": _backend.Backend(lambda: _torch_backend), "triton": _backend.Backend(_load_triton),
-              "flash_attn_cascade": _backend.Backend(_load_flash, ("cuda",))},
+    backends={"torch": _backend.Backend(lambda: _torch_backend),
+              "triton": _backend.lazy_backend("prefix_shared_attention_paged", "triton",
+                                              "acarerank.kernels.prefix_shared_attention",
+                                              "prefix_shared_attention_paged_triton", wrap=_triton_backend),
+              # flash-attn is optional and GPU-only
+              "flash_attn_cascade": _backend.lazy_backend("prefix_shared_attention_paged", "flash_attn_cascade",
+                                                          "acarerank.ops.cascade",
+                                                          "prefix_shared_attention_paged_flash_cascade", ("cuda",),
+                                                          wrap=_flash_backend)},
     # as the packed op: torch's fused CPU flash kernel on CPU, the one-pass kernel on GPU
     defaults={"cpu": ("torch",), "cuda": ("triton", "torch")},
 )

@@ -33,11 +33,12 @@ Structure: a backend *core* that never holds [T, V] and returns
     (topk_logits [T,k] fp32 sorted by (value desc, id asc), topk_ids [T,k] int64,
      target_logit [T] fp32, logsumexp [T] fp32 over the full vocabulary)   — all of z = logits/τ
 
-and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``; in topk_merge.py with
-the streaming state, the result type, ``DEFAULT_CHUNK`` and the per-backend k limits
-``MAX_K``). Cores, declared in ``OP``: "torch" (below: per-chunk GEMM, chunk top-k, exact
-merge; any k <= V), "triton" (kernels/topk_logprobs.py; k <= 1,024), "cpp"/"cuda"
-(topk_merge.py over csrc/topk_merge.*; k <= 4,096). Defaults: "torch" on CPU; on CUDA the
+and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``; in the leaf
+``acarerank.topk_contract`` with the result type, ``DEFAULT_CHUNK`` and the per-backend k
+limits ``MAX_K``). Cores, declared in ``OP``: "torch" (below: per-chunk GEMM, chunk top-k,
+exact merge; any k <= V), "triton" (kernels/topk_logprobs.py; k <= 1,024), "cpp"/"cuda"
+(below: a GEMM per chunk merged into topk_merge.py's streaming state, csrc/topk_merge.*;
+k <= 4,096). Defaults: "torch" on CPU; on CUDA the
 cuBLAS GEMM + CUDA merge ("cuda") until the Triton core is measured faster, then "triton".
 """
 from __future__ import annotations
@@ -47,10 +48,10 @@ from typing import Optional
 
 import torch
 
+from ..topk_contract import MAX_K, OUTSIDE_MODES, TopKLogprobs, check_k, default_chunk, finalize, logsumexp_of
 from . import _backend
 from ._checks import check_projection_inputs
-
-from .topk_merge import MAX_K, OUTSIDE_MODES, TopKLogprobs, check_k, default_chunk, finalize
+from .topk_merge import UPDATE_OP, topk_merge_init
 
 
 # ----------------------------------------------------------------------------- checks
@@ -198,8 +199,7 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
         csum = x.sub_(m_new[:, None]).exp_().sum(dim=1)
         s = s * torch.exp((m - m_new).double()) + csum.double()
         m = m_new
-    lse = (m.double() + torch.log(s)).float()
-    return run_v, run_i, tgt, lse
+    return run_v, run_i, tgt, logsumexp_of(m, s)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -232,38 +232,82 @@ def topk_logprobs_ref(hidden, weight, targets, k: int = 128, outside: str = "flo
     return TopKLogprobs(torch.where(in_topk, inside, out).float(), top_i, top_lp.float(), in_topk)
 
 
+# ----------------------------------------------------------------------------- cpp / cuda cores
+
+_MM_OUT_DTYPE: dict = {}  # (device type, dtype) -> whether torch.mm(..., out_dtype=fp32) runs there
+
+
+def _mm_fp32_out_supported(x: torch.Tensor) -> bool:
+    key = (x.device.type, x.dtype)
+    if key not in _MM_OUT_DTYPE:
+        try:
+            torch.mm(x[:1, :1], x[:1, :1].t(), out_dtype=torch.float32)
+            _MM_OUT_DTYPE[key] = True
+        except (NotImplementedError, TypeError, RuntimeError):  # CPU, or a torch without mm.dtype
+            _MM_OUT_DTYPE[key] = False
+    return _MM_OUT_DTYPE[key]
+
+
+def _chunk_gemm(hidden: torch.Tensor):
+    """w [n, H] -> fp32 logits [T, n] = hidden · wᵀ with fp32 products and sums.
+
+    fp32 inputs: one fp32 GEMM. fp16/bf16 on CUDA: cuBLAS with fp32 output (the products of
+    half-precision inputs are exact in fp32, so this equals the upcast GEMM up to summation
+    order) — no [n, H] fp32 copy of the weight. Otherwise the chunk is upcast first.
+    """
+    if hidden.dtype == torch.float32:
+        return lambda w: torch.mm(hidden, w.t())
+    if hidden.is_cuda and _mm_fp32_out_supported(hidden):
+        return lambda w: torch.mm(hidden, w.t(), out_dtype=torch.float32)
+    h32 = hidden.float()
+    return lambda w: torch.mm(h32, w.float().t())
+
+
+def _core(hidden, weight, targets, k, chunk, temperature, backend):
+    """Inputs checked by ``topk_logprobs_core``; one GEMM per chunk, merged into one state."""
+    T, V = hidden.shape[0], weight.shape[0]
+    state = topk_merge_init(T, k, hidden.device, targets=targets.long(), temperature=temperature)
+    update = UPDATE_OP.impl(backend)
+    chunk = min(chunk or default_chunk(hidden.device), V)
+    gemm = _chunk_gemm(hidden)
+    if T:
+        for c0 in range(0, V, chunk):
+            update(state, gemm(weight[c0:c0 + chunk]), c0)
+    return state.values, state.ids.long(), state.target_logit, logsumexp_of(state.row_max, state.row_sumexp)
+
+
+def topk_logprobs_core_cpp(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
+    """Top-k of ``hidden @ weight.T / temperature`` without materialising [T, V]; C++ CPU merge.
+
+    Args:
+      hidden: [T, H] float; weight: [V, H] same dtype (lm_head); targets: [T] int64/int32 in [0, V).
+      k: 1 .. min(V, 4096); chunk: vocabulary columns per GEMM (None: ``default_chunk``), peak
+        extra memory T × chunk fp32; temperature: > 0.
+    Logits are fp32 GEMMs of the fp32-upcast inputs, one chunk at a time, then divided by the
+    temperature in fp32 (IEEE division, as ``logits / temperature`` in torch).
+    Returns:
+      topk_logits [T, k] fp32 (logits / temperature, descending; ties: lower id first),
+      topk_ids [T, k] int64, target_logit [T] fp32, logsumexp [T] fp32 (full vocabulary).
+    """
+    return _core(hidden, weight, targets, k, chunk, temperature, "cpp")
+
+
+def topk_logprobs_core_cuda(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
+    """As ``topk_logprobs_core_cpp`` on CUDA tensors: cuBLAS GEMM per chunk + the CUDA merge kernel."""
+    return _core(hidden, weight, targets, k, chunk, temperature, "cuda")
+
+
 # ----------------------------------------------------------------------------- declaration
-def _load_triton():
-    try:
-        from acarerank.kernels.topk_logprobs import topk_logprobs_core_triton
-    except ImportError as e:
-        raise _backend.BackendError(f"topk_logprobs: triton backend unavailable: {e}") from e
-    return topk_logprobs_core_triton
-
-
-def _load_cpp():
-    try:
-        from . import _cpp  # noqa: F401  (acarerank._C built?)
-    except ImportError as e:
-        raise _backend.BackendError(f"topk_logprobs: cpp backend unavailable: {e}") from e
-    from .topk_merge import topk_logprobs_core_cpp
-    return topk_logprobs_core_cpp
-
-
-def _load_cuda():
-    try:
-        from . import _cpp
-    except ImportError as e:
-        raise _backend.BackendError(f"topk_logprobs: cuda backend unavailable: {e}") from e
-    _cpp.require_cuda("topk_logprobs")
-    from .topk_merge import topk_logprobs_core_cuda
-    return topk_logprobs_core_cuda
-
-
 OP = _backend.OpDecl(
     "topk_logprobs", aliases=("topk",),
-    backends={"torch": _backend.Backend(lambda: topk_logprobs_core_torch), "triton": _backend.Backend(_load_triton),
-              "cpp": _backend.Backend(_load_cpp, ("cpu",)), "cuda": _backend.Backend(_load_cuda, ("cuda",))},
+    backends={"torch": _backend.Backend(lambda: topk_logprobs_core_torch),
+              "triton": _backend.lazy_backend("topk_logprobs", "triton", "acarerank.kernels.topk_logprobs",
+                                              "topk_logprobs_core_triton"),
+              # the cpp / cuda cores are below; what they need is the built extension
+              "cpp": _backend.lazy_backend("topk_logprobs", "cpp", "acarerank.ops._cpp", "topk_update", ("cpu",),
+                                           wrap=lambda _: topk_logprobs_core_cpp),
+              "cuda": _backend.lazy_backend("topk_logprobs", "cuda", "acarerank.ops._cpp", "topk_update", ("cuda",),
+                                            needs_cuda_build=True, wrap=lambda _: topk_logprobs_core_cuda)},
     defaults={"cpu": ("torch",), "cuda": ("cuda", "triton", "torch")},
 )
 
@@ -333,10 +377,9 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
     frozen (use ``linear_logprob`` for the policy).
     """
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
-        from .vocab_parallel import topk_logprobs_vocab_parallel
-        return topk_logprobs_vocab_parallel(hidden, weight, targets, k, chunk, outside, floor, renormalize,
-                                            temperature, backend, process_group=process_group,
-                                            vocab_start=vocab_start, vocab_size=vocab_size)
+        sharded = _backend.process_group_impl("topk_logprobs")  # acarerank.ops.vocab_parallel
+        return sharded(hidden, weight, targets, k, chunk, outside, floor, renormalize, temperature, backend,
+                       process_group=process_group, vocab_start=vocab_start, vocab_size=vocab_size)
     if vocab_start is not None or vocab_size is not None:
         raise ValueError("topk_logprobs: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
     if outside not in OUTSIDE_MODES:

@@ -1,7 +1,8 @@
-"""The top-k stack's streaming half (docs/ARCHITECTURE.md, "Top-k stack"): one streaming
-state, one finalize, one result type, the chunk default and the k limits, and the "cpp" /
-"cuda" cores built on the state. ``topk_logprobs.py`` holds the op, its oracle and the
-"torch" / "triton" cores; it imports this module, never the other way round.
+"""The top-k stack's streaming half (docs/ARCHITECTURE.md, "Top-k stack"): the op
+``topk_merge_update`` (alias ``topk_merge``) and the state it updates. The contract it shares
+with every top-k backend (``MAX_K``, ``TopKLogprobs``, ``check_k``, ``finalize``) is the leaf
+``acarerank.topk_contract``; ``topk_logprobs.py`` builds its "cpp" / "cuda" cores on this
+state and imports this module, never the other way round.
 
 The order used everywhere is (value descending, vocabulary id ascending): ties go to the
 lower id, so every backend returns the same ids as a *stable* descending sort of the full
@@ -20,59 +21,21 @@ vocabulary column must be merged exactly once.
 Update backends (declared in ``UPDATE_OP``): "torch" (sorts; the plain version), "cpp" (csrc
 CPU twin), "cuda" (csrc kernel, one thread block per row: radix select + bitonic sort).
 Default: "cuda" for CUDA tensors, "cpp" on CPU when acarerank._C is built, else "torch".
-
-Finalize: ``finalize`` (torch, on [T, k] tensors) is the only one; every core and the state
-end in it. k limits (``MAX_K``, enforced by ``check_k`` with the backend named): "torch" none
-(k <= V), "triton" 1,024 (the running top-K lives in registers), "cpp"/"cuda" 4,096 (one
-row's keys in 32 KB of shared memory, csrc/topk_merge.cuh kTopKMax). Chunk default
-(``DEFAULT_CHUNK``, vocabulary columns per GEMM; the cores' peak extra memory is one
-[T, chunk] fp32 block): 2,048 on CPU, 16,384 on CUDA (wider GEMMs keep cuBLAS busy); the
-triton core tiles on its own.
+``topk_merge_update`` runs through the registered custom op ``acarerank::topk_merge_update``
+(it mutates the state's five tensors in place). The state's k limit is ``TOPK_MAX_K`` (4,096).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from collections import namedtuple
 from typing import Optional
 
 import torch
 
+from ..topk_contract import (DEFAULT_CHUNK, MAX_K, OUTSIDE_MODES, TOPK_MAX_K, TopKLogprobs,  # noqa: F401 (re-exported)
+                             check_k, default_chunk, finalize, logsumexp_of)
 from . import _backend
-
-#: the largest k of each top-k backend (None: k <= V only); see the module docstring
-MAX_K = {"torch": None, "triton": 1024, "cpp": 4096, "cuda": 4096}
-TOPK_MAX_K = MAX_K["cpp"]  # the streaming state's limit (csrc kTopKMax)
-
-#: vocabulary columns per GEMM when the caller passes chunk=None, per device type
-DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
-
-OUTSIDE_MODES = ("floor", "mask", "full")
-
-TopKLogprobs = namedtuple("TopKLogprobs", ["target_logprob", "topk_ids", "topk_logprobs", "in_topk"])
-TopKLogprobs.__doc__ = """The one top-k result type (T rows; log-probs of logits / temperature).
-
-target_logprob [T] fp32 (None without targets), topk_ids [T,k] int64 best first (ties: lower
-id first), topk_logprobs [T,k] fp32, in_topk [T] bool (None without targets)."""
-
-
-def default_chunk(device) -> int:
-    return DEFAULT_CHUNK.get(torch.device(device).type, DEFAULT_CHUNK["cpu"])
-
-
-def check_k(k, V: Optional[int], backend: str, op: str) -> int:
-    """k an int in [1, V] and within ``backend``'s limit (``MAX_K``); the error names both."""
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"{op}: k must be an int, got {type(k).__name__}")
-    if k < 1:
-        raise ValueError(f"{op}: k must be >= 1, got k={k}")
-    if V is not None and k > V:
-        raise ValueError(f"{op}: k must be <= V, got k={k} > the vocabulary size {V}")
-    limit = MAX_K.get(backend)
-    if limit is not None and k > limit:
-        others = ", ".join(f"{b!r} (k <= {m})" if m else f"{b!r} (any k)" for b, m in MAX_K.items() if b != backend)
-        raise ValueError(f"{op}: k must be <= {limit} with the {backend!r} backend, got k={k}; use {others}")
-    return k
 
 
 @dataclass
@@ -177,25 +140,30 @@ def _update_torch(state: TopKMergeState, logits: torch.Tensor, c0: int) -> None:
 
 
 # ---------------------------------------------------------------- declaration
-def _load_update(name: str):
-    def loader():
-        try:
-            from . import _cpp
-        except ImportError as e:
-            raise _backend.BackendError(f"topk_merge_update: {name} backend unavailable: {e}") from e
-        if name == "cuda":
-            _cpp.require_cuda("topk_merge_update")  # BackendError with the build's reason
-        cuda = name == "cuda"
-        return lambda state, logits, c0: _cpp.topk_update(state, logits, c0, cuda=cuda)
-    return loader
-
-
 UPDATE_OP = _backend.OpDecl(
     "topk_merge_update", aliases=("topk_merge",),
-    backends={"torch": _backend.Backend(lambda: _update_torch), "cpp": _backend.Backend(_load_update("cpp"), ("cpu",)),
-              "cuda": _backend.Backend(_load_update("cuda"), ("cuda",))},
+    backends={"torch": _backend.Backend(lambda: _update_torch),
+              "cpp": _backend.lazy_backend("topk_merge_update", "cpp", "acarerank.ops._cpp", "topk_update", ("cpu",),
+                                           wrap=lambda fn: functools.partial(fn, cuda=False)),
+              "cuda": _backend.lazy_backend("topk_merge_update", "cuda", "acarerank.ops._cpp", "topk_update", ("cuda",),
+                                            needs_cuda_build=True, wrap=lambda fn: functools.partial(fn, cuda=True))},
     defaults={"cpu": ("cpp", "torch"), "cuda": ("cuda", "torch")},
 )
+
+
+@torch.library.custom_op("acarerank::topk_merge_update",
+                         mutates_args=("values", "ids", "row_max", "row_sumexp", "target_logit"))
+def topk_merge_update_op(values: torch.Tensor, ids: torch.Tensor, row_max: torch.Tensor, row_sumexp: torch.Tensor,
+                         target_logit: torch.Tensor, targets: Optional[torch.Tensor], temperature: float,
+                         chunk_logits: torch.Tensor, c0: int, backend: str) -> None:
+    """The registered op: the state's five tensors are updated in place; ``backend`` is resolved."""
+    state = TopKMergeState(values, ids, row_max, row_sumexp, target_logit, targets, temperature)
+    UPDATE_OP.impl(backend)(state, chunk_logits, c0)
+
+
+@topk_merge_update_op.register_fake
+def _(values, ids, row_max, row_sumexp, target_logit, targets, temperature, chunk_logits, c0, backend):
+    return None
 
 
 # ---------------------------------------------------------------- public API
@@ -216,7 +184,8 @@ def topk_merge_update(state: TopKMergeState, chunk_logits: torch.Tensor, c0: int
     c0 = int(c0)
     if c0 < 0 or c0 + chunk_logits.shape[1] >= 2 ** 31:
         raise ValueError(f"topk_merge_update: vocabulary ids {c0}..{c0 + chunk_logits.shape[1]} must lie in [0, 2^31)")
-    UPDATE_OP.impl(UPDATE_OP.resolve(backend, state.device))(state, chunk_logits, c0)
+    topk_merge_update_op(state.values, state.ids, state.row_max, state.row_sumexp, state.target_logit, state.targets,
+                         state.temperature, chunk_logits, c0, UPDATE_OP.resolve(backend, state.device))
 
 
 def topk_merge_core(state: TopKMergeState):
@@ -230,34 +199,7 @@ def topk_merge_core(state: TopKMergeState):
         raise ValueError(f"topk_merge_finalize: k={state.k} exceeds the number of logits merged into some row")
     if state.targets is not None and state.rows and bool(torch.isnan(state.target_logit).any()):
         raise ValueError("topk_merge_finalize: a row's target id was in no merged chunk (or its logit is NaN)")
-    lse = (state.row_max.double() + state.row_sumexp.log()).float()
-    return state.values, state.ids.long(), state.target_logit, lse
-
-
-def finalize(topk_logits, topk_ids, target_logit, lse, targets, outside: str = "floor", floor: float = -20.0,
-             renormalize: bool = True) -> TopKLogprobs:
-    """The one finalize: core outputs -> TopKLogprobs (formulas in topk_logprobs' docstring).
-
-    renormalize: top-k log-probs over the top-k (True) or over the vocabulary (lse). A target
-    outside the top-k gets ``floor`` ("floor"), 0 ("mask") or its full-softmax log-prob
-    ("full"). ``targets`` None: target_logprob and in_topk are None.
-    """
-    # fp64, rounded once to fp32 at the end: a log-prob of −25 has an fp32 ulp of 2e-6
-    vals, lse64 = topk_logits.double(), lse.double()
-    norm = torch.logsumexp(vals, dim=1) if renormalize else lse64
-    topk_lp = (vals - norm[:, None]).float()
-    if targets is None:
-        return TopKLogprobs(None, topk_ids, topk_lp, None)
-    tg = targets.to(torch.int64)
-    in_topk = (topk_ids == tg[:, None]).any(dim=1)
-    inside = target_logit.double() - norm  # same value as the target's top-k entry (same logit, same norm)
-    if outside == "floor":
-        out = torch.full_like(inside, float(floor))
-    elif outside == "mask":
-        out = torch.zeros_like(inside)
-    else:  # "full"
-        out = target_logit.double() - lse64
-    return TopKLogprobs(torch.where(in_topk, inside, out).float(), topk_ids, topk_lp, in_topk)
+    return state.values, state.ids.long(), state.target_logit, logsumexp_of(state.row_max, state.row_sumexp)
 
 
 def topk_merge_finalize(state: TopKMergeState, outside: str = "floor", floor: float = -20.0,
@@ -268,67 +210,5 @@ def topk_merge_finalize(state: TopKMergeState, outside: str = "floor", floor: fl
     return finalize(*topk_merge_core(state), state.targets, outside, floor, renormalize)
 
 
-# ---------------------------------------------------------------- the cpp / cuda cores
-
-_MM_OUT_DTYPE: dict = {}  # (device type, dtype) -> whether torch.mm(..., out_dtype=fp32) runs there
-
-
-def _mm_fp32_out_supported(x: torch.Tensor) -> bool:
-    key = (x.device.type, x.dtype)
-    if key not in _MM_OUT_DTYPE:
-        try:
-            torch.mm(x[:1, :1], x[:1, :1].t(), out_dtype=torch.float32)
-            _MM_OUT_DTYPE[key] = True
-        except (NotImplementedError, TypeError, RuntimeError):  # CPU, or a torch without mm.dtype
-            _MM_OUT_DTYPE[key] = False
-    return _MM_OUT_DTYPE[key]
-
-
-def _chunk_gemm(hidden: torch.Tensor):
-    """w [n, H] -> fp32 logits [T, n] = hidden · wᵀ with fp32 products and sums.
-
-    fp32 inputs: one fp32 GEMM. fp16/bf16 on CUDA: cuBLAS with fp32 output (the products of
-    half-precision inputs are exact in fp32, so this equals the upcast GEMM up to summation
-    order) — no [n, H] fp32 copy of the weight. Otherwise the chunk is upcast first.
-    """
-    if hidden.dtype == torch.float32:
-        return lambda w: torch.mm(hidden, w.t())
-    if hidden.is_cuda and _mm_fp32_out_supported(hidden):
-        return lambda w: torch.mm(hidden, w.t(), out_dtype=torch.float32)
-    h32 = hidden.float()
-    return lambda w: torch.mm(h32, w.float().t())
-
-
-def _core(hidden, weight, targets, k, chunk, temperature, backend):
-    """Inputs checked by ``topk_logprobs_core``; one GEMM per chunk, merged into one state."""
-    T, V = hidden.shape[0], weight.shape[0]
-    state = topk_merge_init(T, k, hidden.device, targets=targets.long(), temperature=temperature)
-    update = UPDATE_OP.impl(backend)
-    chunk = min(chunk or default_chunk(hidden.device), V)
-    gemm = _chunk_gemm(hidden)
-    if T:
-        for c0 in range(0, V, chunk):
-            update(state, gemm(weight[c0:c0 + chunk]), c0)
-    lse = (state.row_max.double() + state.row_sumexp.log()).float()
-    return state.values, state.ids.long(), state.target_logit, lse
-
-
-def topk_logprobs_core_cpp(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
-    """Top-k of ``hidden @ weight.T / temperature`` without materialising [T, V]; C++ CPU merge.
-
-    Args:
-      hidden: [T, H] float; weight: [V, H] same dtype (lm_head); targets: [T] int64/int32 in [0, V).
-      k: 1 .. min(V, 4096); chunk: vocabulary columns per GEMM (None: ``default_chunk``), peak
-        extra memory T × chunk fp32; temperature: > 0.
-    Logits are fp32 GEMMs of the fp32-upcast inputs, one chunk at a time, then divided by the
-    temperature in fp32 (IEEE division, as ``logits / temperature`` in torch).
-    Returns:
-      topk_logits [T, k] fp32 (logits / temperature, descending; ties: lower id first),
-      topk_ids [T, k] int64, target_logit [T] fp32, logsumexp [T] fp32 (full vocabulary).
-    """
-    return _core(hidden, weight, targets, k, chunk, temperature, "cpp")
-
-
-def topk_logprobs_core_cuda(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
-    """As ``topk_logprobs_core_cpp`` on CUDA tensors: cuBLAS GEMM per chunk + the CUDA merge kernel."""
-    return _core(hidden, weight, targets, k, chunk, temperature, "cuda")
+__all__ = ["TopKMergeState", "UPDATE_OP", "topk_merge_init", "topk_merge_update", "topk_merge_update_op",
+           "topk_merge_core", "topk_merge_finalize"]

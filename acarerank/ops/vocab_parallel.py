@@ -78,12 +78,13 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ..topk_contract import OUTSIDE_MODES, check_k, finalize
+from . import _backend
 from ._checks import check_projection_inputs
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
-from .linear_logprob import _fp32, backward_chunks, forward_stats, grad_inputs
+from .linear_logprob import backward_chunks, compute_copy, forward_stats, grad_inputs
 from .topk_logprobs import OP as _TOPK_OP
 from .topk_logprobs import order_keys, topk_logprobs_core
-from .topk_merge import OUTSIDE_MODES, check_k, finalize
 
 HEADER = 256       # int64 words per rank in the check collective
 _NFIELDS = 16      # fields in front; the rest holds the rank's error message, one byte per word
@@ -332,7 +333,7 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
     def forward(ctx, hidden, weight_shard, targets, temperature, chunk, with_entropy, layout, group):
         r, W = layout.rank, layout.world
         start, n = layout.starts[r], layout.valid[r]
-        h32 = _fp32(hidden)
+        h32 = compute_copy(hidden)
         T, dev, cd = hidden.shape[0], hidden.device, h32.dtype
         tg = targets.long()
         m = torch.full((T,), -math.inf, dtype=torch.float64, device=dev)
@@ -371,7 +372,7 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         T = hidden.shape[0]
         g_lp, g_ent = grad_inputs(ctx, g_lp, g_ent, T, hidden.device)
-        h32 = _fp32(hidden)
+        h32 = compute_copy(hidden)
         n = ctx.n
         grad_h = torch.zeros_like(h32) if need_h else None
         grad_w = None
@@ -409,5 +410,9 @@ def linear_logprob_vocab_parallel(hidden, weight_shard, targets, temperature=1.0
     return _VocabParallelLinearLogprob.apply(hidden, weight_shard, targets, float(temperature), chunk or _LP_CHUNK,
                                              bool(return_entropy), layout, process_group)
 
+
+# the ops' process_group= path (they find it here without importing this module: _backend)
+_backend.register_process_group_impl("topk_logprobs", topk_logprobs_vocab_parallel)
+_backend.register_process_group_impl("linear_logprob", linear_logprob_vocab_parallel)
 
 __all__ = ["VocabShard", "Layout", "agree", "topk_logprobs_vocab_parallel", "linear_logprob_vocab_parallel"]

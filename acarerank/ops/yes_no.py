@@ -46,35 +46,14 @@ def _torch_backend(hidden_last, norm_weight, w_yes, w_no, eps):
     return torch.sigmoid(diff), diff
 
 
-def _load_triton():
-    try:
-        from acarerank.kernels.yes_no_head import yes_no_score_triton
-    except ImportError as e:
-        raise _backend.BackendError(f"yes_no_score: triton backend unavailable: {e}") from e
-    return yes_no_score_triton
-
-
-def _load_cpp():
-    try:
-        from ._cpp import yes_no_score_cpp
-    except ImportError as e:  # acarerank._C not built
-        raise _backend.BackendError(f"yes_no_score: cpp backend unavailable: {e}") from e
-    return yes_no_score_cpp
-
-
-def _load_cuda():
-    try:
-        from . import _cpp
-    except ImportError as e:
-        raise _backend.BackendError(f"yes_no_score: cuda backend unavailable: {e}") from e
-    _cpp.require_cuda("yes_no_score")  # BackendError naming the build's reason when it has no CUDA
-    return _cpp.yes_no_score_cuda
-
-
 OP = _backend.OpDecl(
     "yes_no_score", aliases=("yes_no", "head"),
-    backends={"torch": _backend.Backend(lambda: _torch_backend), "triton": _backend.Backend(_load_triton),
-              "cpp": _backend.Backend(_load_cpp, ("cpu",)), "cuda": _backend.Backend(_load_cuda, ("cuda",))},
+    backends={"torch": _backend.Backend(lambda: _torch_backend),
+              "triton": _backend.lazy_backend("yes_no_score", "triton", "acarerank.kernels.yes_no_head",
+                                              "yes_no_score_triton"),
+              "cpp": _backend.lazy_backend("yes_no_score", "cpp", "acarerank.ops._cpp", "yes_no_score_cpp", ("cpu",)),
+              "cuda": _backend.lazy_backend("yes_no_score", "cuda", "acarerank.ops._cpp", "yes_no_score_cuda", ("cuda",),
+                                            needs_cuda_build=True)},
     # CPU: torch (one fp32 GEMV; the C++ twin is no faster at S <= 100); CUDA: the Triton kernel
     defaults={"cpu": ("torch",), "cuda": ("triton", "cuda", "torch")},
 )
