@@ -23,12 +23,10 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_topk_logprobs import add_ratios, make_inputs  # noqa: E402
-
-from acarerank.benchmark.measure import (alloc_peak_extra, machine_info, rss_in_subprocess,  # noqa: E402
+from acarerank.benchmark.measure import (alloc_peak_extra, kernel_bench_device, machine_info, rss_in_subprocess,
                                          rss_peak_extra_mb, time_ms)
-from acarerank.benchmark.report import write_csv  # noqa: E402
+from acarerank.benchmark.projection import add_ratios, make_inputs
+from acarerank.benchmark.report import write_csv
 
 QUICK = dict(rows=32, hidden=64, vocab=4099, dtype="float32", repeats=2)
 FULL = dict(rows=512, hidden=1024, vocab=151669, dtype="float32", repeats=2)
@@ -101,7 +99,7 @@ def main(argv=None) -> int:
         return child_main(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if torch.cuda.is_available():
+    if kernel_bench_device(args.quick, cpu_default_shape=True) == "cuda":
         print("note: this benchmark measures the CPU path; GPU memory is measured by bench_topk_logprobs", file=sys.stderr)
     dtype = getattr(torch, args.dtype)
     h, w, tg = make_inputs(args.rows, args.hidden, args.vocab, dtype, "cpu")

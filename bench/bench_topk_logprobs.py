@@ -73,33 +73,7 @@ def _fill_defaults(args, on_gpu):
     return args
 
 
-# ----------------------------------------------------------------------------- results
-def add_ratios(results: dict, time_base: str, time_key: str, mem_key: str) -> None:
-    """Per row: median time / the ``time_base`` row's (as ``time_key``) and, for kind alloc and
-    rss, extra memory / the materialised row's (as ``mem_key.format(kind=...)``)."""
-    base_ms = results.get(time_base, {}).get("median_ms")
-    mat = results.get("materialised", {})
-    for row in results.values():
-        if "median_ms" not in row:
-            continue
-        if base_ms:
-            row[time_key] = row["median_ms"] / base_ms
-        for kind in ("alloc", "rss"):
-            if mat.get(f"{kind}_extra_mb") and row.get(f"{kind}_extra_mb") is not None:
-                row[mem_key.format(kind=kind)] = row[f"{kind}_extra_mb"] / mat[f"{kind}_extra_mb"]
-
-
 # ----------------------------------------------------------------------------- providers
-def make_inputs(rows, hidden, vocab, dtype, device, seed=0):
-    import torch
-
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    h = (torch.randn(rows, hidden, generator=g) / hidden ** 0.5 * 4).to(device=device, dtype=dtype)
-    w = torch.randn(vocab, hidden, generator=g).to(device=device, dtype=dtype)
-    tg = torch.randint(0, vocab, (rows,), generator=g).to(device)
-    return h, w, tg
-
-
 def providers(names, k, temperature):
     import torch
 
@@ -142,6 +116,7 @@ def child_main(args):
     import torch
 
     from acarerank.benchmark.measure import rss_peak_extra_mb
+    from acarerank.benchmark.projection import make_inputs
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -158,15 +133,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and args.quick:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from acarerank.benchmark.measure import kernel_bench_device
+
+    on_gpu = kernel_bench_device(args.quick, cpu_default_shape=True) == "cuda"
     _fill_defaults(args, on_gpu)
     if args.rss_child:
         return child_main(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from acarerank.benchmark.measure import PeakMemory, alloc_peak_extra, machine_info, rss_in_subprocess, time_ms
+    from acarerank.benchmark.projection import add_ratios, make_inputs
     from acarerank.benchmark.report import write_csv
 
     device = "cuda" if on_gpu else "cpu"

@@ -19,7 +19,6 @@ TRITON_INTERPRET=1 (exercise only). CSV with machine and versions.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -55,12 +54,10 @@ def main(argv=None) -> int:
     from acarerank.benchmark.measure import kernel_bench_device, machine_info, time_ms
     from acarerank.benchmark.report import write_csv
 
-    dev = kernel_bench_device(args.quick)
+    dev = kernel_bench_device(args.quick)  # before acarerank.kernels is imported: sets TRITON_INTERPRET on CPU
     if dev is None:
         return 2
     on_gpu = dev == "cuda"
-    if not on_gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
     from acarerank.ops import yes_no_score
 
     dtype = getattr(torch, args.dtype)

@@ -77,3 +77,50 @@ def test_opcheck_prefix_shared_attention_with_a_plan():
         plan = plan_prefix_shared_attention(cu, cp, sg, num_tokens=10, num_q_heads=4, num_kv_heads=2, head_dim=16,
                                             dtype=q.dtype, backend=backend)
         torch.library.opcheck(prefix_shared_attention_op, (*args, 0.25, backend, plan.work, plan.host_meta))
+
+
+def _projection_args(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 16, generator=g, dtype=dtype)
+    w = torch.randn(37, 16, generator=g, dtype=dtype)
+    tg = torch.tensor([0, 36, 5, 5, 17])
+    return h, w, tg
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_opcheck_linear_logprob(with_entropy):
+    """Forward and the registered backward (register_autograd): schema, fake, AOT dispatch."""
+    from acarerank.ops import linear_logprob_op
+    h, w, tg = _projection_args()
+    torch.library.opcheck(linear_logprob_op, (h.requires_grad_(), w.requires_grad_(), tg, 1.5, 8, with_entropy))
+
+
+def test_opcheck_linear_logprob_backward():
+    from acarerank.ops.linear_logprob import linear_logprob_backward_op, linear_logprob_op
+    h, w, tg = _projection_args()
+    lp, _, lse, ez = linear_logprob_op(h, w, tg, 1.0, 8, True)
+    g = torch.ones_like(lp)
+    for need_h, need_w in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, lse, ez, g, 0.5 * g, 1.0, 8, need_h, need_w))
+    torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, lse, ez, g, None, 1.0, 8, True, True))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_opcheck_topk_merge_update(backend):
+    """The in-place update: the schema declares the five state tensors mutated, and only those."""
+    if backend == "cpp":
+        pytest.importorskip("acarerank._C")
+    from acarerank.ops import topk_merge_init, topk_merge_update_op
+    targets = torch.tensor([3, 0, 9])
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
+    for c0, chunk in ((0, logits[:, :6]), (6, logits[:, 6:])):
+        st = topk_merge_init(3, 4, "cpu", targets=targets, temperature=2.0)
+        torch.library.opcheck(topk_merge_update_op, (st.values, st.ids, st.row_max, st.row_sumexp, st.target_logit,
+                                                     st.targets, st.temperature, chunk.contiguous(), c0, backend))
+
+
+def test_new_ops_are_registered_under_torch_ops():
+    import acarerank.ops  # noqa: F401  (registers them)
+    for name in ("linear_logprob", "linear_logprob_backward", "topk_merge_update", "topk_logprobs_core",
+                 "merge_attention_states", "prefix_shared_attention_paged"):
+        assert hasattr(torch.ops.acarerank, name), name

@@ -12,6 +12,8 @@ One rule for all of them (``acarerank bench`` and every ``bench/*.py``):
 * ``percentile(values, q)``: q in [0, 100], linear interpolation (numpy's default). Every
   reported median / p10 / p20 / p80 / p90 comes from it.
 * ``machine_info(device)``: device name, versions, host — the same keys in every CSV.
+* ``kernel_bench_device(quick)``: a kernel benchmark's start-up (device; the Triton
+  interpreter on for a quick CPU run).
 * ``PeakMemory`` (one call's peak above its start: CUDA allocator or Linux RSS high-water),
   ``alloc_peak_extra`` (torch's CPU allocation events) and ``rss_in_subprocess`` (a fresh
   process per measurement).
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from .._triton_env import enable_interpreter
 
 
 # -- time ---------------------------------------------------------------------------------
@@ -123,16 +127,22 @@ def _cuda_event_times(fn, n):
     return times
 
 
-def kernel_bench_device(quick: bool) -> Optional[str]:
-    """The device a kernel benchmark runs on: "cuda" when there is one; else "cpu" for a
-    ``--quick`` smoke run (the caller switches the Triton interpreter on before importing
-    ``acarerank.kernels``); else None, after saying why on stderr (real shapes on a CPU mean
-    nothing)."""
+def kernel_bench_device(quick: bool, cpu_default_shape: bool = False) -> Optional[str]:
+    """The start-up of every kernel benchmark: the device it runs on, with the Triton
+    interpreter switched on where a CPU run needs it.
+
+    "cuda" when there is one. Else "cpu" for a ``--quick`` smoke run — and then
+    TRITON_INTERPRET=1 is set (unless the environment says otherwise), so call this before
+    ``acarerank.kernels`` is imported: ``triton.jit`` reads it at import — or for a full run
+    of a benchmark whose default shape is a CPU one (``cpu_default_shape``). Else None, after
+    saying why on stderr (a GPU shape on a CPU means nothing)."""
     if torch.cuda.is_available():
         return "cuda"
-    if not quick:
+    if not (quick or cpu_default_shape):
         print("no CUDA device: the default shape is for a GPU; run with --quick on CPU", file=sys.stderr)
         return None
+    if quick:
+        enable_interpreter()
     return "cpu"
 
 
