@@ -33,7 +33,6 @@ import torch
 from ._validate import check_int, positive_int
 from .model import Qwen3Runner
 from .model.cached_prefill import CacheSlot, prefill_cached
-from .model.paged_cache import PagedKVCache
 from .ops import backend_for, yes_no_score
 from .prompts import DEFAULT_TEMPLATE, ContextTemplate, PointwiseEncoding, encode_pointwise
 from .reranker_base import RerankerBase
@@ -270,9 +269,10 @@ class PointwiseReranker(RerankerBase):
         """Scores of ``(handle, segment token ids)`` items, in item order, any mix of handles.
 
         Segments of handles in the same pool go in one packed pass (split only at
-        ``max_batch_tokens``); equal to ``score`` of the same request (≤ 1e-6 fp32).
+        ``max_batch_tokens``: ``Qwen3Runner.forward_segments``); equal to ``score`` of the same
+        request (≤ 1e-6 fp32).
         """
-        by_pool: dict = {}
+        checked = []
         for n, item in enumerate(items):
             if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], PrefixHandle)):
                 raise TypeError(f"score_segments: item {n} must be (PrefixHandle, token ids)")
@@ -281,44 +281,16 @@ class PointwiseReranker(RerankerBase):
                 raise ValueError(f"score_segments: item {n}'s handle was released")
             if len(ids) == 0:
                 raise ValueError(f"score_segments: item {n}'s segment is empty")
-            by_pool.setdefault(id(h.pool), []).append((n, h, list(ids)))
+            checked.append((h, list(ids)))
         out = [0.0] * len(items)
-        for entries in by_pool.values():
-            for chunk in self._chunks(entries):
-                # a cache of this chunk's groups only: the attention reads (and the torch backend
-                # gathers) the prefixes of every group in the cache, so a deep score_batch must
-                # not carry all of its requests' prefixes into every pass
-                cache = PagedKVCache(chunk[0][1].pool)
-                group_of: dict = {}
-                try:
-                    for _, h, _ in chunk:
-                        if id(h) not in group_of:
-                            group_of[id(h)] = cache.add_group(h.blocks, h.length)
-                    hidden = self.runner.forward(cache, [ids for _, _, ids in chunk],
-                                                 [group_of[id(h)] for _, h, _ in chunk], output="last")
-                finally:
-                    cache.free()
-                s, _ = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
-                                    eps=self.runner.arch.rms_norm_eps,
-                                    backend=backend_for("yes_no_score", self.backend))
-                for (n, _, _), v in zip(chunk, s.tolist()):
-                    out[n] = v
+        for indices, hidden in self.runner.forward_segments(checked, self.max_batch_tokens):
+            s, _ = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
+                                eps=self.runner.arch.rms_norm_eps, backend=backend_for("yes_no_score", self.backend))
+            for n, v in zip(indices, s.tolist()):
+                out[n] = v
         return out
 
     def cache_stats(self) -> dict:
         """Prefix-cache counters (monotonic) and gauges, in tokens: lookup_tokens, hit_tokens,
         computed_tokens, evicted_tokens, resident_tokens, budget_tokens."""
         return self._cache_slot.stats()
-
-    def _chunks(self, segments: list):
-        """Consecutive runs of segments with at most ``max_batch_tokens`` tokens (≥ 1 segment each)."""
-        run, used = [], 0
-        for item in segments:
-            n = len(item[2])
-            if run and used + n > self.max_batch_tokens:
-                yield run
-                run, used = [], 0
-            run.append(item)
-            used += n
-        if run:
-            yield run

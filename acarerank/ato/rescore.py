@@ -117,15 +117,50 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
         Megatron's rule (rank · V_pad / tp) is the default ``vocab_start``. The weight must be
         in the runner's dtype; the hidden states come from the runner on every rank.
     Returns: RescoreResult (constants: computed under inference_mode, the sg[·] of line 39).
+
+    Steps: ``_flatten`` (check and flatten the queries), ``_snapshot_logprobs``,
+    ``_teacher_logprobs``, ``_padded`` (pad to [N, L], Eq. 9).
     """
     if outside not in OUTSIDE_MODES:
         raise ValueError(f"rescore: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
     if snapshot.arch.vocab_size != teacher.arch.vocab_size:
         raise ValueError(f"snapshot and teacher vocabularies differ ({snapshot.arch.vocab_size} vs "
                          f"{teacher.arch.vocab_size})")
+    batch = _flatten(queries, tokenizer, snapshot.arch.vocab_size)
+    with torch.inference_mode():
+        logp_old = _snapshot_logprobs(snapshot, batch, temperature, chunk, snapshot_head)
+        logp_t, in_topk = _teacher_logprobs(teacher, batch, k, chunk, outside, floor, renormalize, temperature,
+                                            backend, teacher_head)
+        padded = _padded(batch, logp_old, logp_t, in_topk, outside)
+    return RescoreResult(*padded, torch.tensor(batch.qidx, dtype=torch.long), batch.lengths)
+
+
+@dataclass
+class _Batch:
+    """Every query's prompt halves and every rollout, flattened in query order: rollout n
+    belongs to query ``qidx[n]``; ``hints[n]`` = head[-1] ++ the hint's tokens (the segment's
+    first tokens); ``targets`` [ΣL] the rollouts' tokens, packed."""
+    heads: List[List[int]]
+    tails: List[List[int]]
+    rolls: List[List[int]]
+    hints: List[List[int]]
+    qidx: List[int]
+
+    @property
+    def lengths(self) -> List[int]:
+        return [len(y) for y in self.rolls]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return torch.tensor([t for y in self.rolls for t in y], dtype=torch.long)
+
+
+def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Batch:
+    """Step 1: check the queries and flatten them into one batch (text hints tokenized across
+    the seam with head[-1]; the Qwen3 tokenizer is loaded only when a text hint needs it)."""
     if not queries:
         raise ValueError("rescore: no queries")
-    heads, tails, rolls, hints, qidx = [], [], [], [], []
+    b = _Batch([], [], [], [], [])
     for q, item in enumerate(queries):
         head = _ids(item.prompt_head, f"query {q} prompt_head")
         tail = _ids(item.prompt_tail, f"query {q} prompt_tail")
@@ -133,61 +168,68 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
             raise ValueError(f"query {q}: prompt_head is empty (the shared part must hold at least one token)")
         if len(item.hints) != len(item.rollouts):
             raise ValueError(f"query {q}: {len(item.rollouts)} rollouts but {len(item.hints)} hints")
-        heads.append(head)
-        tails.append(tail)
+        b.heads.append(head)
+        b.tails.append(tail)
         for i, (y, h) in enumerate(zip(item.rollouts, item.hints)):
-            rolls.append(_ids(y, f"query {q} rollout {i}"))
+            b.rolls.append(_ids(y, f"query {q} rollout {i}"))
             if isinstance(h, str) and h and tokenizer is None:
                 from ..tokenizer import load_qwen3_tokenizer
                 tokenizer = load_qwen3_tokenizer()
             # the segment's first tokens: head[-1] + hint, the seam re-tokenized for text hints
             h = h if isinstance(h, str) else _ids(h, f"query {q} hint {i}")
-            hints.append(hint_ids(tokenizer, h, lead_token=head[-1]))
-            qidx.append(q)
-    if not rolls:
+            b.hints.append(hint_ids(tokenizer, h, lead_token=head[-1]))
+            b.qidx.append(q)
+    if not b.rolls:
         raise ValueError("rescore: no rollouts")
-    V = snapshot.arch.vocab_size
-    bad = [(i, t) for i, y in enumerate(rolls) for t in y if not 0 <= t < V]
+    bad = [(i, t) for i, y in enumerate(b.rolls) for t in y if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"rollout {bad[0][0]} has token id {bad[0][1]} outside [0, {V})")
+        raise ValueError(f"rollout {bad[0][0]} has token id {bad[0][1]} outside [0, {vocab_size})")
+    return b
 
-    lengths = [len(y) for y in rolls]
-    targets = torch.tensor([t for y in rolls for t in y], dtype=torch.long)
-    with torch.inference_mode():
-        # -- snapshot: group prefix = whole prompt but its last token
-        ctx = [h + t for h, t in zip(heads, tails)]
-        seg_s = [ctx[q][-1:] + y[:-1] for q, y in zip(qidx, rolls)]
-        hid_s = _predicting_rows(snapshot, [c[:-1] for c in ctx], seg_s, qidx, lengths)
-        # -- teacher: group prefix = head but its last token; the hint rides in the segment
-        seg_t = [h + tails[q] + y[:-1] for q, h, y in zip(qidx, hints, rolls)]
-        hid_t = _predicting_rows(teacher, [h[:-1] for h in heads], seg_t, qidx, lengths)
 
-        tg_s = targets.to(snapshot.device)
-        w_s, par_s = _head(snapshot, snapshot_head)
-        logp_old = linear_logprob(snapshot.final_norm(hid_s), w_s, tg_s, temperature=temperature, chunk=chunk,
-                                  **par_s) if tg_s.numel() else torch.zeros(0, device=snapshot.device)
-        tg_t = targets.to(teacher.device)
-        if tg_t.numel():
-            w_t, par_t = _head(teacher, teacher_head)
-            res = topk_logprobs(teacher.final_norm(hid_t), w_t, tg_t, k=k, chunk=chunk, outside=outside,
-                                floor=floor, renormalize=renormalize, temperature=temperature, backend=backend,
-                                **par_t)
-            logp_t, in_topk = res.target_logprob, res.in_topk
-        else:
-            logp_t, in_topk = torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+def _snapshot_logprobs(snapshot, b: _Batch, temperature, chunk, shard) -> torch.Tensor:
+    """Step 2: log π_old(y_i,l | prompt, y_i,<l) [ΣL]. Group prefix = the whole prompt but its
+    last token; each segment = that token ++ y_i[:-1]."""
+    ctx = [h + t for h, t in zip(b.heads, b.tails)]
+    segments = [ctx[q][-1:] + y[:-1] for q, y in zip(b.qidx, b.rolls)]
+    hidden = _predicting_rows(snapshot, [c[:-1] for c in ctx], segments, b.qidx, b.lengths)
+    targets = b.targets.to(snapshot.device)
+    weight, parallel = _head(snapshot, shard)
+    if not targets.numel():
+        return torch.zeros(0, device=snapshot.device)
+    return linear_logprob(snapshot.final_norm(hidden), weight, targets, temperature=temperature, chunk=chunk,
+                          **parallel)
 
-        N, L = len(rolls), max(lengths)
-        mask = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
-        out_old = torch.zeros(N, L)
-        out_t = torch.zeros(N, L)
-        out_in = torch.zeros(N, L, dtype=torch.bool)
-        out_old[mask] = logp_old.float().cpu()
-        out_t[mask] = logp_t.float().cpu()
-        out_in[mask] = in_topk.cpu()
-        atd = torch.where(mask, out_t - out_old, torch.zeros(()))
-        atd_mask = mask & out_in if outside == "mask" else mask.clone()
-    return RescoreResult(out_old, out_t, atd, mask, out_in, atd_mask,
-                         torch.tensor(qidx, dtype=torch.long), lengths)
+
+def _teacher_logprobs(teacher, b: _Batch, k, chunk, outside, floor, renormalize, temperature, backend, shard):
+    """Step 3: (log π̃_φ(y_i,l | head, h_i, tail, y_i,<l) [ΣL], in_topk [ΣL]) under the top-k
+    truncated teacher. Group prefix = head but its last token; the hint rides in the segment."""
+    segments = [h + b.tails[q] + y[:-1] for q, h, y in zip(b.qidx, b.hints, b.rolls)]
+    hidden = _predicting_rows(teacher, [h[:-1] for h in b.heads], segments, b.qidx, b.lengths)
+    targets = b.targets.to(teacher.device)
+    if not targets.numel():
+        return torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+    weight, parallel = _head(teacher, shard)
+    res = topk_logprobs(teacher.final_norm(hidden), weight, targets, k=k, chunk=chunk, outside=outside, floor=floor,
+                        renormalize=renormalize, temperature=temperature, backend=backend, **parallel)
+    return res.target_logprob, res.in_topk
+
+
+def _padded(b: _Batch, logp_old, logp_t, in_topk, outside: str) -> tuple:
+    """Step 4: the packed per-token values as [N, L] rows padded with 0 / False, and Eq. 9's
+    atd = logp_teacher − logp_old on the response tokens: RescoreResult's first six fields."""
+    lengths = b.lengths
+    N, L = len(b.rolls), max(lengths)
+    mask = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    out_old = torch.zeros(N, L)
+    out_t = torch.zeros(N, L)
+    out_in = torch.zeros(N, L, dtype=torch.bool)
+    out_old[mask] = logp_old.float().cpu()
+    out_t[mask] = logp_t.float().cpu()
+    out_in[mask] = in_topk.cpu()
+    atd = torch.where(mask, out_t - out_old, torch.zeros(()))
+    atd_mask = mask & out_in if outside == "mask" else mask.clone()
+    return out_old, out_t, atd, mask, out_in, atd_mask
 
 
 def _head(runner, shard: Optional[VocabShard]):

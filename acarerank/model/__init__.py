@@ -3,7 +3,7 @@ from .arch import Qwen3Arch
 from .block_pool import BlockPool, PoolExhausted
 from .paged_cache import PagedKVCache
 from .prefix_cache import PrefixCache
-from .runner import KVCache, Qwen3Runner
+from .runner import Qwen3Runner
 from .weights import CheckpointError, Qwen3Weights, load_checkpoint, weights_from_hf
 
 __all__ = ["CheckpointError", "Qwen3Arch", "KVCache", "BlockPool", "PoolExhausted", "PagedKVCache", "PrefixCache",

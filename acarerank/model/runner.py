@@ -1,9 +1,9 @@
 """Qwen3 decoder forward over packed, grouped, prefix-shared batches (docs/ARCHITECTURE.md, "Data flow").
 
-A *group* owns a prefix whose K/V sit in a ``KVCache``; a *segment* is a run of new
+A *group* owns a prefix whose K/V sit in pages of a ``PagedKVCache``; a *segment* is a run of new
 tokens of one group. ``forward`` runs all segments of all groups in one packed pass:
 every linear layer is one GEMM over all T segment tokens (no padding), and attention is
-the one op ``prefix_shared_attention`` (each segment sees all of its group's cache and
+the one op ``prefix_shared_attention_paged`` (each segment sees all of its group's cache and
 itself causally, never another segment). Positions are those of the unshared sequence:
 segment tokens of group g start at the group's cache length P_g.
 
@@ -15,7 +15,8 @@ KV storage: ``prefill`` returns a ``PagedKVCache`` — block tables over a ``Blo
 into pages (a decode step never re-packs the cache). The attention metadata (work list,
 block lookups) is planned once per pass and reused by every layer. A caller that keeps KV
 across calls (the prefix cache of ``PointwiseReranker``) passes its own pool-backed cache to
-``extend``/``forward``. The packed ``KVCache`` is still accepted by ``forward``.
+``extend``/``forward``; ``forward_segments`` packs segments over prefixes that callers hold
+in pages (a reranker's pinned shared parts) into passes of at most ``max_batch_tokens``.
 
 Plan once per batch: ``_forward`` builds one attention plan (work list / block lookups / host
 metadata) and every layer runs attention with it; host<->device syncs per forward are those
@@ -23,42 +24,16 @@ of the plan (see ``acarerank.ops.attention`` and ``acarerank.ops.paged_attention
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..ops import (backend_for, per_op_backends, plan_prefix_shared_attention, prefix_shared_attention,
-                   prefix_shared_attention_paged)
+from ..ops import backend_for, per_op_backends, prefix_shared_attention_paged
 from . import layer_blocks
-from .arch import Qwen3Arch
 from .block_pool import BlockPool
 from .paged_cache import PagedKVCache
 from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
-
-
-@dataclass
-class KVCache:
-    """Per-layer K/V of every group's prefix, packed group after group.
-
-    k[i], v[i]: [Ptot, Hkv, d] (RoPE applied); cu_prefix_lens: [G+1] int32 on the device;
-    lengths: P_g per group (host list).
-    """
-    k: list
-    v: list
-    lengths: list
-    cu_prefix_lens: torch.Tensor
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.lengths)
-
-    @staticmethod
-    def empty(arch: Qwen3Arch, num_groups: int, dtype, device) -> "KVCache":
-        z = torch.empty(0, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device)
-        return KVCache(k=[z] * arch.num_layers, v=[z] * arch.num_layers, lengths=[0] * num_groups,
-                       cu_prefix_lens=torch.zeros(num_groups + 1, dtype=torch.int32, device=device))
 
 
 _rms_norm = layer_blocks.rms_norm
@@ -195,7 +170,7 @@ class Qwen3Runner:
             start += chunk
 
     @torch.inference_mode()
-    def forward(self, cache: KVCache, segments: Sequence, segment_group: Sequence[int], output: str = "last",
+    def forward(self, cache: PagedKVCache, segments: Sequence, segment_group: Sequence[int], output: str = "last",
                 append: bool = False) -> Optional[torch.Tensor]:
         """One packed pass of all segments over their groups' caches.
 
@@ -217,6 +192,37 @@ class Qwen3Runner:
             raise ValueError("append=True needs at most one segment per group")
         return self._forward(cache, ids, groups, output, append)
 
+    def forward_segments(self, items: Sequence, max_batch_tokens: int) -> Iterator[tuple]:
+        """The packed passes over prefixes that callers hold in pages.
+
+        items: ``(prefix, segment ids)`` pairs; a prefix is any object with ``pool`` (its
+        ``BlockPool``), ``blocks`` (block ids, in order) and ``length`` (tokens) — e.g. a
+        ``PointwiseReranker`` ``PrefixHandle`` — and several items may share one. Items whose
+        prefixes live in the same pool run in consecutive passes of at most ``max_batch_tokens``
+        segment tokens (a longer single segment runs alone), each over a cache of that pass's
+        prefixes only: the attention reads (and the torch backend gathers) every group of its
+        cache, so a deep batch must not carry all of its prefixes into every pass.
+
+        Yields, per pass, (item indices, hidden [n, H] at each segment's last token, before the
+        final norm). The caller keeps the prefixes' pages alive; the pass's cache is freed.
+        """
+        by_pool: dict = {}
+        for n, (prefix, ids) in enumerate(items):
+            by_pool.setdefault(id(prefix.pool), []).append((n, prefix, ids))
+        for entries in by_pool.values():
+            for run in _token_runs(entries, max_batch_tokens):
+                cache = PagedKVCache(run[0][1].pool)
+                group_of: dict = {}
+                try:
+                    for _, prefix, _ in run:
+                        if id(prefix) not in group_of:
+                            group_of[id(prefix)] = cache.add_group(prefix.blocks, prefix.length)
+                    hidden = self.forward(cache, [ids for _, _, ids in run],
+                                          [group_of[id(prefix)] for _, prefix, _ in run], output="last")
+                finally:
+                    cache.free()
+                yield [n for n, _, _ in run], hidden
+
     # -- internals ----------------------------------------------------------------------
     def _as_ids(self, x, what: str, allow_empty: bool) -> torch.Tensor:
         t = x if isinstance(x, torch.Tensor) else torch.as_tensor(list(x), dtype=torch.long)
@@ -233,7 +239,7 @@ class Qwen3Runner:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
 
-    def _forward(self, cache: KVCache, ids: list, groups: list, output: str, append: bool):
+    def _forward(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
         a, W = self.arch, self.weights
         dev = self.device
         lens = [t.numel() for t in ids]
@@ -249,72 +255,46 @@ class Qwen3Runner:
         last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.long, device=dev)
 
         Hq, Hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        paged = isinstance(cache, PagedKVCache)
-        if paged:
-            # pages for the appended rows first (copy-on-write may change a table), then one plan;
-            # the paged op follows a preference given for the packed one (same backends)
-            slots = cache.reserve(groups, lens).to(dev) if append else None
-            plan = cache.plan(cu_seqlens, seg_group, Hq, Hkv, d, self.dtype,
-                              backend_for("prefix_shared_attention_paged", self.backend)
-                              or backend_for("prefix_shared_attention", self.backend), num_tokens=T)
-        else:
-            # one plan for every layer: the cache's cu_prefix_lens only changes in _append, after the layers
-            plan = plan_prefix_shared_attention(cu_seqlens, cache.cu_prefix_lens, seg_group, num_tokens=T,
-                                                num_q_heads=Hq, num_kv_heads=Hkv, head_dim=d, dtype=self.dtype,
-                                                backend=backend_for("prefix_shared_attention", self.backend),
-                                                validate=False)
+        # pages for the appended rows first (copy-on-write may change a table), then one plan for
+        # every layer; the paged op follows a preference given for the packed one (same backends)
+        slots = cache.reserve(groups, lens).to(dev) if append else None
+        plan = cache.plan(cu_seqlens, seg_group, Hq, Hkv, d, self.dtype,
+                          backend_for("prefix_shared_attention_paged", self.backend)
+                          or backend_for("prefix_shared_attention", self.backend), num_tokens=T)
         linear = _linear_fixed_tiles if self.batch_invariant else F.linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
-        new_k, new_v = [], []
         # the element-wise work around the GEMMs: eager, or fused by torch.compile (layer_blocks.py)
         attn_in, attn_out_mlp = (layer_blocks.compiled() if self.compile_layers and not self.batch_invariant
                                  else (layer_blocks.attn_in, layer_blocks.attn_out_mlp))
         for i, L in enumerate(W.layers):
             q, k, v = attn_in(x, L.input_norm, L.w_qkv, L.b_qkv, L.q_norm, L.k_norm, cos, sin, Hq, Hkv, d,
                               a.rms_norm_eps, linear=linear)
-            if append and paged:
+            if append:
                 cache.write(i, slots, k, v)  # the new rows only; this layer attends to them as k, v
-            elif append:
-                new_k.append(k)
-                new_v.append(v)
             is_last_layer = i == len(W.layers) - 1
             if is_last_layer and output == "none":
                 break  # the last layer's output feeds nothing that is asked for
-            if paged:
-                attn = prefix_shared_attention_paged(q, k, v, cu_seqlens, cache.pool.k[i], cache.pool.v[i],
-                                                     plan.block_table, plan.prefix_lens, seg_group, plan=plan,
-                                                     validate=False).reshape(T, Hq * d)
-            else:
-                attn = prefix_shared_attention(q, k, v, cu_seqlens, cache.k[i], cache.v[i], cache.cu_prefix_lens,
-                                               seg_group, plan=plan).reshape(T, Hq * d)
+            attn = prefix_shared_attention_paged(q, k, v, cu_seqlens, cache.pool.k[i], cache.pool.v[i],
+                                                 plan.block_table, plan.prefix_lens, seg_group, plan=plan,
+                                                 validate=False).reshape(T, Hq * d)
             if is_last_layer and output == "last":
                 x, attn = x[last], attn[last]  # only the rows asked for go through o_proj and the MLP
             x = attn_out_mlp(x, attn, L.w_o, L.post_norm, L.w_gate_up, L.w_down, a.rms_norm_eps, linear=linear)
-        if append and paged:
+        if append:
             cache.commit(groups, lens)
-        elif append:
-            self._append(cache, new_k, new_v, groups, cu)
         return None if output == "none" else x
 
-    @staticmethod
-    def _append(cache: KVCache, new_k: list, new_v: list, groups: list, cu: list) -> None:
-        """Re-pack each layer's cache with every group's new rows after its old ones."""
-        old = cache.lengths
-        seg_of = {g: s for s, g in enumerate(groups)}
-        cp = cache.cu_prefix_lens.tolist()
-        for i in range(len(cache.k)):
-            ks, vs = [], []
-            for g in range(len(old)):
-                ks.append(cache.k[i][cp[g]:cp[g + 1]])
-                vs.append(cache.v[i][cp[g]:cp[g + 1]])
-                s = seg_of.get(g)
-                if s is not None:
-                    ks.append(new_k[i][cu[s]:cu[s + 1]])
-                    vs.append(new_v[i][cu[s]:cu[s + 1]])
-            cache.k[i] = torch.cat(ks)
-            cache.v[i] = torch.cat(vs)
-        cache.lengths = [n + (cu[seg_of[g] + 1] - cu[seg_of[g]] if g in seg_of else 0) for g, n in enumerate(old)]
-        acc = [0]
-        for n in cache.lengths:
-            acc.append(acc[-1] + n)
-        cache.cu_prefix_lens = torch.tensor(acc, dtype=torch.int32, device=cache.cu_prefix_lens.device)
+
+def _token_runs(entries: list, max_tokens: int):
+    """Consecutive runs of ``(index, prefix, ids)`` entries with at most ``max_tokens`` segment
+    tokens each (>= 1 entry per run)."""
+    run, used = [], 0
+    for entry in entries:
+        n = len(entry[2])
+        if run and used + n > max_tokens:
+            yield run
+            run, used = [], 0
+        run.append(entry)
+        used += n
+    if run:
+        yield run
