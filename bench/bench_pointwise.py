@@ -1,4 +1,4 @@
-"""Issue 2's speed benchmark: acarerank vs the two transformers baselines at one depth.
+"""Pointwise speed benchmark: acarerank vs the two transformers baselines at one depth.
 
 Shape (the embedded default, ``tiny-cpu``): hidden 384, 6 layers, 6 query / 2 KV heads,
 head_dim 64, the real Qwen3 vocabulary; an M3 agent context whose shared part is ~1,500

@@ -161,7 +161,7 @@ def depth_scaling(rows: Sequence[dict]) -> list:
     return out
 
 
-# Issue 7's targets for the depth-50 M3 row: acarerank over (a) and over (b).
+# Speed targets for the depth-50 M3 row: acarerank over (a) and over (b).
 ROW_TARGETS = {"transformers": 5.0, "transformers+prefix-cache": 1.6}
 
 
@@ -252,7 +252,7 @@ def format_rank_agreement(agree: Sequence[dict], base: str = "float32") -> str:
                      f"Kendall tau {a['tau']:.3f}" for a in agree)
 
 
-# Issue 15's targets for the M3 depth-50 row of acarerank, per dtype: the fraction of the
+# CPU dtype targets for the M3 depth-50 row of acarerank, per dtype: the fraction of the
 # GEMM peak, and bf16's speedup over fp32.
 PEAK_TARGETS = {"float32": 0.85, "bfloat16": 0.65}
 BF16_OVER_FP32_TARGET = 1.6
