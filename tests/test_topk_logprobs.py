@@ -11,8 +11,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from _hypothesis import given, settings, st  # hypothesis, or skips where absent
 
 from acarerank.ops import MAX_K, BackendError, available_backends
 from acarerank.ops.topk_logprobs import (finalize, order_keys, topk_logprobs, topk_logprobs_core_torch,
