@@ -23,7 +23,8 @@ Default: "cuda" for CUDA tensors, "cpp" on CPU when acarerank._C is built, else 
 
 Finalize: ``finalize`` (torch, on [T, k] tensors) is the only one; every core and the state
 end in it. k limits (``MAX_K``, enforced by ``check_k`` with the backend named): "torch" none
-(k <= V), "triton" 1,024 (the running top-K lives in registers), "cpp"/"cuda" 4,096 (one
+(k <= V), "triton" 512 (the running top-K lives in registers; at 1,024 it spills, see
+``acarerank.kernels.topk_logprobs.gpu_tile_config``), "cpp"/"cuda" 4,096 (one
 row's keys in 32 KB of shared memory, csrc/topk_merge.cuh kTopKMax). Chunk default
 (``DEFAULT_CHUNK``, vocabulary columns per GEMM; the cores' peak extra memory is one
 [T, chunk] fp32 block): 2,048 on CPU, 16,384 on CUDA (wider GEMMs keep cuBLAS busy); the
@@ -41,7 +42,7 @@ import torch
 from . import _backend
 
 #: the largest k of each top-k backend (None: k <= V only); see the module docstring
-MAX_K = {"torch": None, "triton": 1024, "cpp": 4096, "cuda": 4096}
+MAX_K = {"torch": None, "triton": 512, "cpp": 4096, "cuda": 4096}
 TOPK_MAX_K = MAX_K["cpp"]  # the streaming state's limit (csrc kTopKMax)
 
 #: vocabulary columns per GEMM when the caller passes chunk=None, per device type
