@@ -60,3 +60,16 @@ def test_hidden_modules_are_really_hidden():
             "    raise SystemExit(f'{m} imported although hidden')\n")
     r = run_hidden(["python", "-c", code, *OPTIONAL_MODULES])
     assert r.returncode == 0, r.stderr + r.stdout
+
+
+def test_bench_quick_runs_without_the_bench_extras(tmp_path):
+    """No matplotlib (no PNG, said so), no scipy (Kendall tau reported as n/a): the timings and the
+    score check still run and the exit status is 0."""
+    out = tmp_path / "bench"
+    r = run_hidden(CLI + ["bench", "--quick", "--depths", "2", "--modes", "M0", "--dtype", "float32,bfloat16",
+                          "--output", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "bench.csv").is_file() and (out / "bench.txt").is_file()
+    report = r.stdout + r.stderr
+    assert "scores agree" in report, report[-2000:]
+    assert "Kendall tau n/a (needs scipy" in report, report[-2000:]
