@@ -204,3 +204,24 @@ def test_plan_mismatch_and_plan_validation_are_errors():
                                            num_kv_heads=2, head_dim=16, block_size=16, num_blocks=kc.shape[0],
                                            dtype=q.dtype)
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_paged_flash_cascade_on_cuda():
+    """The paged cascade (flash-attn reading the pages through its block_table + the merge) at
+    Qwen3 heads in bf16, against the fp32 oracle by flash-attn's 2x rule."""
+    import math
+
+    from test_op_attention import _plain_attention
+    cascade = pytest.importorskip("acarerank.ops.cascade", reason="no FlashAttention-2 kernel here")
+    if not cascade.VARLEN_KERNEL.startswith("flash-attn"):
+        pytest.skip(f"the paged cascade reads pages through flash-attn's block_table; here: {cascade.VARLEN_KERNEL}")
+    paged, packed = make_case([300, 700, 17], [2, 7, 1, 64], [2, 0, 1, 0], 16, 8, 128, 256, dtype=torch.bfloat16)
+    out = prefix_shared_attention_paged(*on(paged), backend="flash_attn_cascade").float().cpu()
+    q, k, v, cu, pk, pv, cp, sg = packed
+    ref = prefix_shared_attention_ref(q.float(), k.float(), v.float(), cu, pk.float(), pv.float(), cp, sg)
+    plain = _plain_attention(*on(packed), 1.0 / math.sqrt(128)).float().cpu()
+    err, err_plain = (out - ref).abs().max().item(), (plain - ref).abs().max().item()
+    atol = 2 * (ref + 0.3 - 0.3 - ref).abs().max().item()
+    assert err <= 2 * err_plain + atol, f"paged cascade err {err:.3e} vs plain bf16 {err_plain:.3e}"
