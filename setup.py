@@ -74,6 +74,26 @@ def _find_nvcc():
     return next((c for c in cands if c and os.path.isfile(c)), None)
 
 
+def drop_stale_cmake_cache(build_temp: Path) -> None:
+    """Forget a CMake cache whose tools are gone or changed: ``pip install .`` builds in a fresh
+    isolated environment each time, so the cmake and ninja a previous install cached live in a
+    deleted temporary folder, and the next configure would fail on them."""
+    cache = build_temp / "CMakeCache.txt"
+    if not cache.is_file():
+        return
+    now = {"CMAKE_COMMAND": shutil.which("cmake"), "CMAKE_MAKE_PROGRAM": shutil.which("ninja")}
+    for line in cache.read_text(errors="replace").splitlines():
+        key, _, value = line.partition("=")
+        name = key.split(":")[0]
+        if name in now and value and (not os.path.exists(value) or
+                                      os.path.realpath(value) != os.path.realpath(now[name] or "")):
+            cache.unlink()
+            shutil.rmtree(build_temp / "CMakeFiles", ignore_errors=True)
+            print(f"acarerank._C: {name} changed ({value} -> {now[name]}): reconfiguring from scratch",
+                  file=sys.stderr)
+            return
+
+
 class CMakeBuild(build_ext):
     """Configure and build CMakeLists.txt; the module lands where setuptools expects it."""
 
@@ -87,8 +107,9 @@ class CMakeBuild(build_ext):
         # reinstalling after an edit (pip install -e .) recompiles only what changed.
         build_temp = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}-{cfg.lower()}"
         build_temp.mkdir(parents=True, exist_ok=True)
+        drop_stale_cmake_cache(build_temp)
         args = [
-            "cmake", str(ROOT), "-G", "Ninja",
+            "cmake", str(ROOT), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={shutil.which('ninja')}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
