@@ -252,7 +252,11 @@ if ! skipped build; then
   JOBS="${ACARERANK_BUILD_JOBS:-$(nproc)}"
   export -f build_in_background
   export PY WORK BUILD_RC DRY JOBS
-  setsid bash -c build_in_background &
+  if command -v setsid > /dev/null; then
+    setsid bash -c build_in_background &
+  else  # no util-linux: the build cannot be stopped as a group; its own limit still bounds the wait
+    bash -c build_in_background &
+  fi
   BUILD_PID=$!
   [ "$DRY" = 1 ] || log "build of acarerank._C started in the background ($JOBS jobs)"
 fi
