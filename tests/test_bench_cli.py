@@ -6,8 +6,6 @@ tokenizer for the workload's token counts; the model card path (a) for score agr
 """
 import csv
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
