@@ -17,7 +17,6 @@ from acarerank.benchmark.measure import PeakMemory, percentile, time_ms
 from acarerank.benchmark.workload import WorkloadSpec, make_workload, token_count
 from acarerank.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=2,num_key_value_heads=1,head_dim=32"
 TINY_KW = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16)
