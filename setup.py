@@ -7,14 +7,24 @@ The compiled part, ``acarerank._C``, is one pybind11 module built by CMake with 
 ninja generator from ``CMakeLists.txt`` + ``csrc/``. It takes raw pointers and shapes from
 thin Python glue and never links libtorch, so a CPU-only torch cannot break it.
 
+Prerequisites, checked before CMake runs (each missing one is one clear error):
+CMake >= 3.24 and ninja (the isolated build of ``pip install`` brings both, see pyproject.toml),
+pybind11, the Python headers (``Python.h``: the python3-dev package on Debian/Ubuntu); nvcc is
+optional (without it the module holds the C++ CPU twins only). The CUDA runtime is linked
+statically: the module needs only the NVIDIA driver at run time, and a driver new enough for
+the nvcc that built it (CUDA 13.x: driver >= 580; CUDA 12.x: >= 525).
+
 Environment knobs (read by CMakeBuild, documented in the README):
   ACARERANK_NO_CUDA=1           build the C++ CPU part only, even when nvcc is found
   ACARERANK_CUDA_ARCHS="80;90"  CUDA architectures (CMake CUDA_ARCHITECTURES syntax)
   ACARERANK_BUILD_JOBS=N        parallel compile jobs (default: all cores)
 """
 import os
+import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
@@ -28,10 +38,67 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+CMAKE_MIN = (3, 24)
+
+
+def check_build_prerequisites() -> None:
+    """Fail before CMake with one line naming what is missing and how to get it."""
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        sys.exit("acarerank._C: cmake was not found; pip install 'cmake>=3.24' (or your system's cmake >= 3.24)")
+    out = subprocess.run([cmake, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"version (\d+)\.(\d+)", out)
+    if m is None or tuple(map(int, m.groups())) < CMAKE_MIN:
+        found = m.group(0) if m else out.strip()[:60] or "no version"
+        sys.exit(f"acarerank._C: CMake >= 3.24 is required, {cmake} is {found}; pip install 'cmake>=3.24'")
+    if shutil.which("ninja") is None:
+        sys.exit("acarerank._C: ninja was not found; pip install ninja")
+    try:
+        import pybind11  # noqa: F401
+    except ImportError:
+        sys.exit("acarerank._C: pybind11 is not installed; pip install 'pybind11>=2.12'")
+    include = sysconfig.get_paths().get("include") or ""
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        sys.exit(f"acarerank._C: the Python headers are missing (no Python.h in {include!r}); install them "
+                 f"(Debian/Ubuntu: apt-get install python{sys.version_info.major}.{sys.version_info.minor}-dev)")
+    if os.environ.get("ACARERANK_NO_CUDA") != "1" and not _find_nvcc():
+        print("acarerank._C: nvcc not found (CUDA_HOME, PATH, /usr/local/cuda/bin): building the C++ CPU part only",
+              file=sys.stderr)
+
+
+def _find_nvcc():
+    """Where CMakeLists.txt looks for nvcc, in its order (CUDACXX first)."""
+    cands = [os.environ.get("CUDACXX")]
+    cands += [os.path.join(os.environ[v], "bin", "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    cands += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc", "/opt/cuda/bin/nvcc"]
+    return next((c for c in cands if c and os.path.isfile(c)), None)
+
+
+def drop_stale_cmake_cache(build_temp: Path) -> None:
+    """Forget a CMake cache whose tools are gone or changed: ``pip install .`` builds in a fresh
+    isolated environment each time, so the cmake and ninja a previous install cached live in a
+    deleted temporary folder, and the next configure would fail on them."""
+    cache = build_temp / "CMakeCache.txt"
+    if not cache.is_file():
+        return
+    now = {"CMAKE_COMMAND": shutil.which("cmake"), "CMAKE_MAKE_PROGRAM": shutil.which("ninja")}
+    for line in cache.read_text(errors="replace").splitlines():
+        key, _, value = line.partition("=")
+        name = key.split(":")[0]
+        if name in now and value and (not os.path.exists(value) or
+                                      os.path.realpath(value) != os.path.realpath(now[name] or "")):
+            cache.unlink()
+            shutil.rmtree(build_temp / "CMakeFiles", ignore_errors=True)
+            print(f"acarerank._C: {name} changed ({value} -> {now[name]}): reconfiguring from scratch",
+                  file=sys.stderr)
+            return
+
+
 class CMakeBuild(build_ext):
     """Configure and build CMakeLists.txt; the module lands where setuptools expects it."""
 
     def build_extension(self, ext: Extension) -> None:
+        check_build_prerequisites()
         import pybind11
 
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
@@ -40,8 +107,9 @@ class CMakeBuild(build_ext):
         # reinstalling after an edit (pip install -e .) recompiles only what changed.
         build_temp = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}-{cfg.lower()}"
         build_temp.mkdir(parents=True, exist_ok=True)
+        drop_stale_cmake_cache(build_temp)
         args = [
-            "cmake", str(ROOT), "-G", "Ninja",
+            "cmake", str(ROOT), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={shutil.which('ninja')}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython_EXECUTABLE={sys.executable}",
@@ -70,8 +138,11 @@ setup(
     ext_modules=[CMakeExtension("acarerank._C")] if (ROOT / "CMakeLists.txt").exists() else [],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=[
-        "torch>=2.4",
-        "triton>=3.0",
+        # triton >= 3.5: kernels/topk_logprobs.py uses triton.constexpr_function (new in 3.5);
+        # torch 2.9 is the first release built against Triton 3.5. Triton has Linux wheels only:
+        # elsewhere the Triton backends are unavailable and the torch ones run.
+        "torch>=2.9",
+        "triton>=3.5; platform_system == 'Linux'",
         "transformers>=4.51",
         "safetensors",
         "numpy",

@@ -11,8 +11,8 @@ Triton core, which needs its k limit) both build on it without importing each ot
   * ``finalize``       core outputs -> ``TopKLogprobs``, the only finalize
 
 The order used everywhere is (value descending, vocabulary id ascending): ties go to the
-lower id. k limits: "torch" none (k <= V), "triton" 1,024 (the running top-K lives in
-registers), "cpp"/"cuda" 4,096 (one row's keys in 32 KB of shared memory,
+lower id. k limits: "torch" none (k <= V), "triton" 512 (the running top-K lives in
+registers; at 1,024 every tile spills, see ``acarerank.kernels.topk_logprobs.gpu_tile_config``), "cpp"/"cuda" 4,096 (one row's keys in 32 KB of shared memory,
 csrc/topk_merge.cuh kTopKMax). Chunk default (the cores' peak extra memory is one [T, chunk]
 fp32 block): 2,048 on CPU, 16,384 on CUDA (wider GEMMs keep cuBLAS busy); the triton core
 tiles on its own.
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 #: the largest k of each top-k backend (None: k <= V only); see the module docstring
-MAX_K = {"torch": None, "triton": 1024, "cpp": 4096, "cuda": 4096}
+MAX_K = {"torch": None, "triton": 512, "cpp": 4096, "cuda": 4096}
 TOPK_MAX_K = MAX_K["cpp"]  # the streaming state's limit (csrc kTopKMax)
 
 #: vocabulary columns per GEMM when the caller passes chunk=None, per device type

@@ -18,7 +18,11 @@ prefix, 100 segments of 512 tokens, bf16, on GPU. Providers, all on the same inp
   ref             ``prefix_shared_attention_ref`` (per-segment loop; only with --ref or --quick)
 
 FlashAttention-2 is flash-attn's ``flash_attn_varlen_func`` when installed, else PyTorch's
-own build of the same kernel (``acarerank.ops.cascade.VARLEN_KERNEL`` says which; printed).
+own build of the same kernel (``acarerank.ops.cascade.VARLEN_KERNEL`` says which; printed in
+the cascade's note with the backend of its merge: "cuda" = acarerank._C's kernel).
+
+Steps of ``main``: ``make_inputs`` -> ``cascade_kernels`` -> ``build_providers`` ->
+``check_correctness`` -> ``time_providers`` -> ``report``.
 
 Correctness first (skip with --no-check): on the first few segments, every provider's
 output against the fp32 reference, flash-attn's rule: error <= 2 x the error of plain
@@ -44,6 +48,7 @@ import argparse
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 QUICK = dict(num_heads=4, num_kv_heads=2, head_dim=32, prefix=64, segments=4, seg_len=16, dtype="float32")
@@ -67,6 +72,9 @@ def parse_args(argv=None):
                    help=f"comma list from {', '.join(PROVIDERS)}")
     p.add_argument("--ref", action="store_true", help="also time the per-segment reference loop")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check against the fp32 reference")
+    p.add_argument("--require-cuda-merge", action="store_true",
+                   help="exit 1 unless the cascade merges with the CUDA kernel of acarerank._C (bench/gpu_check.sh: "
+                        "a torch merge would flatter the one-pass kernel)")
     p.add_argument("--csv", type=Path, default=None,
                    help="CSV path (default results/bench_attention/attention[_quick].csv)")
     args = p.parse_args(argv)
@@ -116,27 +124,34 @@ def plain_attention(q, k, v, cu, pk, pv, cp, sg, scale):
     return out
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+@dataclass
+class Inputs:
+    """One benchmark problem: a single group (one prefix) and S segments of L tokens."""
+    q: object
+    k: object
+    v: object
+    cu: object
+    pk: object
+    pv: object
+    cp: object
+    sg: object
+    rnd: object          # rnd(*shape) -> random tensor in the benchmark dtype on the device
+    scale: float
+    shared_flops: int
+
+    @property
+    def packed(self):
+        return (self.q, self.k, self.v, self.cu, self.pk, self.pv, self.cp, self.sg)
+
+
+def make_inputs(args, dev: str) -> Inputs:
+    """Random q/k/v and one prefix of args.prefix tokens shared by args.segments segments."""
     import torch
 
-    from acarerank.benchmark.measure import kernel_bench_device, machine_info, time_ms
-    from acarerank.benchmark.report import write_csv
-
-    dev = kernel_bench_device(args.quick)
-    if dev is None:
-        return 2
-    on_gpu = dev == "cuda"
-    if not on_gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
-
     from acarerank.kernels.prefix_shared_attention import flops
-    from acarerank.ops import (BackendError, plan_prefix_shared_attention, prefix_shared_attention,
-                               prefix_shared_attention_ref)
 
     dtype = getattr(torch, args.dtype)
     Hq, Hkv, d, P, S, L = args.num_heads, args.num_kv_heads, args.head_dim, args.prefix, args.segments, args.seg_len
-    scale = d ** -0.5
     gen = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(dtype)  # noqa: E731
     q, k, v = rnd(S * L, Hq, d), rnd(S * L, Hkv, d), rnd(S * L, Hkv, d)
@@ -144,18 +159,38 @@ def main(argv=None) -> int:
     cu = torch.arange(0, S * L + 1, L, dtype=torch.int32, device=dev)
     cp = torch.tensor([0, P], dtype=torch.int32, device=dev)
     sg = torch.zeros(S, dtype=torch.int32, device=dev)
-    args_shared = (q, k, v, cu, pk, pv, cp, sg)
-    shared_flops = flops(cu, cp, sg, Hq, d)
+    return Inputs(q, k, v, cu, pk, pv, cp, sg, rnd, d ** -0.5, flops(cu, cp, sg, Hq, d))
+
+
+def cascade_kernels(on_gpu: bool, dtype) -> tuple:
+    """(cascade module or None, note naming the FlashAttention-2 kernel and the merge backend,
+    why the flash providers cannot run or None)."""
+    import torch
+
+    from acarerank.ops import available_backends
 
     try:
         from acarerank.ops import cascade
-        kernel_note, cascade_why = cascade.VARLEN_KERNEL, None
     except ImportError as e:
-        cascade, kernel_note, cascade_why = None, "", f"no FlashAttention-2 kernel: {e}"
-    if cascade is not None and (not on_gpu or dtype == torch.float32):
-        cascade_why = "needs CUDA and fp16/bf16"
+        return None, "", f"no FlashAttention-2 kernel: {e}"
+    if not on_gpu or dtype == torch.float32:
+        return cascade, cascade.VARLEN_KERNEL, "needs CUDA and fp16/bf16"
+    # the cascade's merge runs the op's device default: the CUDA kernel of acarerank._C when built
+    merge = available_backends("merge_attention_states", "cuda")[0]
+    return cascade, f"{cascade.VARLEN_KERNEL}; merge: {merge}", None
 
-    fns, notes = {}, {}   # name -> (fn, pick rows of ours from its output or None)
+
+def build_providers(args, inp: Inputs, dev: str, cascade, kernel_note: str, cascade_why) -> tuple:
+    """({provider: (fn, pick)}, {provider: note}); pick maps a provider's output to our rows (or None)."""
+    import torch
+
+    from acarerank.ops import (BackendError, plan_prefix_shared_attention, prefix_shared_attention,
+                               prefix_shared_attention_ref)
+
+    dtype = getattr(torch, args.dtype)
+    Hq, Hkv, d, P, S, L = args.num_heads, args.num_kv_heads, args.head_dim, args.prefix, args.segments, args.seg_len
+    q, k, v, cu, pk, pv, cp, sg = inp.packed
+    fns, notes = {}, {}
     for name in args.providers:
         if name in ("flash_cascade", "flash_cascade_per_call", "flash_unshared") and cascade_why:
             notes[name] = cascade_why
@@ -165,114 +200,169 @@ def main(argv=None) -> int:
             fns[name] = ((lambda p=plan_ours: prefix_shared_attention(q, k, v, prefix_k=pk, prefix_v=pv, plan=p)),
                          None)
         elif name == "ref":
-            fns[name] = (lambda: prefix_shared_attention_ref(*args_shared), None)
+            fns[name] = (lambda: prefix_shared_attention_ref(*inp.packed), None)
         elif name == "flash_cascade":
             plan = cascade.plan_flash_cascade(cu, cp, sg, q.shape[0])   # once, before timing
-            fns[name] = (lambda: cascade.run_flash_cascade(plan, q, k, v, pk, pv, scale), None)
+            fns[name] = (lambda: cascade.run_flash_cascade(plan, q, k, v, pk, pv, inp.scale), None)
             notes[name] = kernel_note
         elif name == "flash_cascade_per_call":
             try:
-                prefix_shared_attention(*args_shared, backend="flash_attn_cascade", validate=False)
+                prefix_shared_attention(*inp.packed, backend="flash_attn_cascade", validate=False)
             except BackendError as e:
                 notes[name] = str(e)
                 continue
-            fns[name] = (lambda: prefix_shared_attention(*args_shared, backend="flash_attn_cascade",
+            fns[name] = (lambda: prefix_shared_attention(*inp.packed, backend="flash_attn_cascade",
                                                          validate=False), None)
             notes[name] = kernel_note
         elif name == "flash_unshared":
             # packed before timing: every sequence is prefix ++ segment; rows P.. are the segment's
             cat = lambda pre, own: torch.cat([torch.cat([pre, own[s * L:(s + 1) * L]]) for s in range(S)])  # noqa: E731
-            uq, uk, uv = cat(rnd(P, Hq, d), q), cat(pk, k), cat(pv, v)
+            uq, uk, uv = cat(inp.rnd(P, Hq, d), q), cat(pk, k), cat(pv, v)
             ucu = torch.arange(0, S * (P + L) + 1, P + L, dtype=torch.int32, device=dev)
             rows = torch.cat([torch.arange(s * (P + L) + P, (s + 1) * (P + L), device=dev) for s in range(S)])
-            fns[name] = ((lambda: cascade.varlen_attention(uq, uk, uv, ucu, ucu, P + L, P + L, scale, causal=True)[0]),
+            fns[name] = ((lambda: cascade.varlen_attention(uq, uk, uv, ucu, ucu, P + L, P + L, inp.scale,
+                                                           causal=True)[0]),
                          (lambda out: out[rows]))
             notes[name] = kernel_note
+    return fns, notes
 
-    # -- correctness: the first CHECK_SEGMENTS segments against the fp32 reference
-    failed = []
-    n_chk = min(S, CHECK_SEGMENTS) * L
-    errors = {}
-    if not args.no_check:
-        sub = (q[:n_chk], k[:n_chk], v[:n_chk], cu[:min(S, CHECK_SEGMENTS) + 1], pk, pv, cp, sg[:min(S, CHECK_SEGMENTS)])
-        want = prefix_shared_attention_ref(*(t.float() if t.is_floating_point() else t for t in sub))
-        plain = plain_attention(*sub, scale)
-        err_plain = (plain.float() - want).abs().max().item()
-        # half precision: 2 fp32 rounding steps near the outputs; fp32 (plain == reference): the 1e-5 contract
-        atol = 2 * (want + 0.3 - 0.3 - want).abs().max().item() if dtype != torch.float32 else 1e-5
-        bound = 2 * err_plain + atol
-        for name, (fn, pick) in list(fns.items()):
-            try:
-                out = fn()
-            except Exception as e:  # one provider's failure must not hide the others' figures
-                print(f"correctness {name:<23} FAILED: {type(e).__name__}: {e}", flush=True)
-                failed.append(name)
-                notes[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
-                del fns[name]
-                continue
-            out = (pick(out) if pick else out)[:n_chk].float()
-            errors[name] = err = (out - want).abs().max().item()
-            ok = err <= bound and math.isfinite(err)
-            print(f"correctness {name:<23} max|err| {err:.3e} vs bound {bound:.3e} "
-                  f"(2 x plain {args.dtype} {err_plain:.3e} + {atol:.1e}): {'OK' if ok else 'FAILED'}", flush=True)
-            if not ok:
-                failed.append(name)
-        if on_gpu:
-            torch.cuda.empty_cache()
 
-    rows_out, ours = [], None
-    for name in args.providers:   # triton first: the others are compared with its output
+def check_correctness(args, inp: Inputs, fns: dict, notes: dict, on_gpu: bool) -> tuple:
+    """The first CHECK_SEGMENTS segments of every provider against the fp32 reference (flash-attn's
+    2x rule). Drops providers that raise. Returns ({provider: max error}, [failed providers])."""
+    import torch
+
+    from acarerank.ops import prefix_shared_attention_ref
+
+    dtype = getattr(torch, args.dtype)
+    q, k, v, cu, pk, pv, cp, sg = inp.packed
+    n_seg = min(args.segments, CHECK_SEGMENTS)
+    n_chk = n_seg * args.seg_len
+    sub = (q[:n_chk], k[:n_chk], v[:n_chk], cu[:n_seg + 1], pk, pv, cp, sg[:n_seg])
+    want = prefix_shared_attention_ref(*(t.float() if t.is_floating_point() else t for t in sub))
+    err_plain = (plain_attention(*sub, inp.scale).float() - want).abs().max().item()
+    # half precision: 2 fp32 rounding steps near the outputs; fp32 (plain == reference): the 1e-5 contract
+    atol = 2 * (want + 0.3 - 0.3 - want).abs().max().item() if dtype != torch.float32 else 1e-5
+    bound = 2 * err_plain + atol
+    errors, failed = {}, []
+    for name, (fn, pick) in list(fns.items()):
+        try:
+            out = fn()
+        except Exception as e:  # one provider's failure must not hide the others' figures
+            print(f"correctness {name:<23} FAILED: {type(e).__name__}: {e}", flush=True)
+            failed.append(name)
+            notes[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+            del fns[name]
+            continue
+        out = (pick(out) if pick else out)[:n_chk].float()
+        errors[name] = err = (out - want).abs().max().item()
+        ok = err <= bound and math.isfinite(err)
+        print(f"correctness {name:<23} max|err| {err:.3e} vs bound {bound:.3e} "
+              f"(2 x plain {args.dtype} {err_plain:.3e} + {atol:.1e}): {'OK' if ok else 'FAILED'}", flush=True)
+        if not ok:
+            failed.append(name)
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return errors, failed
+
+
+def time_providers(args, inp: Inputs, fns: dict, notes: dict, errors: dict, dev: str) -> tuple:
+    """One row per provider (triton first: the others are compared with its output); ([rows], [failed])."""
+    import torch
+
+    from acarerank.benchmark.measure import time_ms
+
+    rows, failed, ours = [], [], None
+    for name in args.providers:
         if name not in fns:
-            rows_out.append(dict(provider=name, note=notes.get(name, "")))
+            rows.append(dict(provider=name, note=notes.get(name, "")))
             continue
         fn, pick = fns[name]
         try:
             t = time_ms(fn, dev, repeats=1 if args.quick else 5, warmup=0 if args.quick else 1)
         except Exception as e:  # reported in its row; the run goes on
             failed.append(name)
-            rows_out.append(dict(provider=name, note=f"error: {type(e).__name__}: {str(e)[:200]}"))
+            rows.append(dict(provider=name, note=f"error: {type(e).__name__}: {str(e)[:200]}"))
             continue
         out = (pick(t.result) if pick else t.result).float()
         if name == "triton":
             ours = out
         med = t.median
-        rows_out.append(dict(provider=name, ms=med, ms_p20=t.p(20), ms_p80=t.p(80), shared_tflops=shared_flops / med / 1e9,
-                             max_abs_diff_vs_triton=(out - ours).abs().max().item() if ours is not None else math.nan,
-                             max_abs_err_vs_fp32_ref=errors.get(name, ""), note=notes.get(name, "")))
+        rows.append(dict(provider=name, ms=med, ms_p20=t.p(20), ms_p80=t.p(80),
+                         shared_tflops=inp.shared_flops / med / 1e9,
+                         max_abs_diff_vs_triton=(out - ours).abs().max().item() if ours is not None else math.nan,
+                         max_abs_err_vs_fp32_ref=errors.get(name, ""), note=notes.get(name, "")))
         del out, t
-        if on_gpu:
+        if dev == "cuda":
             torch.cuda.empty_cache()
-    t_ours = next((r["ms"] for r in rows_out if r["provider"] == "triton" and "ms" in r), math.nan)
-    for r in rows_out:
+    t_ours = next((r["ms"] for r in rows if r["provider"] == "triton" and "ms" in r), math.nan)
+    for r in rows:
         if "ms" in r:
             r["x_triton"] = r["ms"] / t_ours
+    return rows, failed
 
+
+def report(args, inp: Inputs, rows: list, dev: str) -> None:
+    """The CSV (with the machine and the shape on every row), the table and the target lines."""
+    from acarerank.benchmark.measure import machine_info
+    from acarerank.benchmark.report import write_csv
+
+    on_gpu = dev == "cuda"
+    Hq, Hkv, d, P, S, L = args.num_heads, args.num_kv_heads, args.head_dim, args.prefix, args.segments, args.seg_len
     info = machine_info(dev)
     if not on_gpu:
         info["device_name"] += " (TRITON_INTERPRET=1)"
     meta = dict(info, dtype=args.dtype, num_heads=Hq, num_kv_heads=Hkv, head_dim=d, prefix=P, segments=S, seg_len=L,
-                shared_gflop=shared_flops / 1e9,
+                shared_gflop=inp.shared_flops / 1e9,
                 unshared_flop_ratio=(S * (P + L) * (P + L + 1) / 2) / (S * (L * P + L * (L + 1) / 2)))
     cols = ["provider", "ms", "ms_p20", "ms_p80", "shared_tflops", "x_triton", "max_abs_diff_vs_triton",
             "max_abs_err_vs_fp32_ref", "note"]
-    write_csv([{**r, **meta} for r in rows_out], args.csv, cols + list(meta))
+    write_csv([{**r, **meta} for r in rows], args.csv, cols + list(meta))
 
     print(f"# {info['device_name']}; torch {info['torch']}, triton {info['triton']}; {args.dtype}; Hq={Hq} Hkv={Hkv} "
-          f"d={d} prefix={P} segments={S}x{L}; shared {shared_flops / 1e9:.1f} GFLOP "
+          f"d={d} prefix={P} segments={S}x{L}; shared {inp.shared_flops / 1e9:.1f} GFLOP "
           f"(unshared {meta['unshared_flop_ratio']:.2f}x)")
     print(f"{'provider':<24}{'ms':>10}{'p20':>10}{'p80':>10}{'TFLOP/s':>10}{'x_triton':>10}{'max|diff|':>11}  note")
-    for r in rows_out:
+    for r in rows:
         if "ms" in r:
             print(f"{r['provider']:<24}{r['ms']:>10.3f}{r['ms_p20']:>10.3f}{r['ms_p80']:>10.3f}{r['shared_tflops']:>10.3f}"
                   f"{r['x_triton']:>10.2f}{r['max_abs_diff_vs_triton']:>11.2e}  {r['note']}")
         else:
             print(f"{r['provider']:<24}{'n/a':>10}{'':>50}  {r['note']}")
     for name, target in TARGETS.items():
-        r = next((r for r in rows_out if r["provider"] == name and "ms" in r), None)
+        r = next((r for r in rows if r["provider"] == name and "ms" in r), None)
         verdict = ("not measured" if r is None else
                    f"{r['x_triton']:.2f}x: {'met' if r['x_triton'] >= target else 'NOT met'}")
         print(f"target: triton >= {target:g}x {name}: {verdict}{'' if on_gpu else ' (CPU: no meaning)'}")
     print(f"CSV: {args.csv}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from acarerank.benchmark.measure import kernel_bench_device
+
+    dev = kernel_bench_device(args.quick)
+    if dev is None:
+        return 2
+    if dev != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before acarerank.kernels is imported
+    inp = make_inputs(args, dev)
+    cascade, kernel_note, cascade_why = cascade_kernels(dev == "cuda", getattr(torch, args.dtype))
+    failed = []
+    if args.require_cuda_merge and "merge: cuda" not in kernel_note:
+        print(f"FAILED: --require-cuda-merge but the cascade would merge with: {kernel_note or cascade_why}",
+              file=sys.stderr)
+        failed.append("flash_cascade (merge backend)")
+    fns, notes = build_providers(args, inp, dev, cascade, kernel_note, cascade_why)
+    errors = {}
+    if not args.no_check:
+        errors, bad = check_correctness(args, inp, fns, notes, dev == "cuda")
+        failed += bad
+    rows, bad = time_providers(args, inp, fns, notes, errors, dev)
+    failed += bad
+    report(args, inp, rows, dev)
     if failed:
         print(f"FAILED (correctness or run): {', '.join(dict.fromkeys(failed))}", file=sys.stderr)
         return 1

@@ -223,18 +223,25 @@ def _load_table() -> dict:
 _TABLE = _load_table()
 
 
-def _rule_config(head_dim: int, dtype: torch.dtype) -> tuple:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) that do not spill on sm80/sm90.
+def _rule_config(head_dim: int, dtype: torch.dtype, arch: str = "sm90") -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) that do not spill on ``arch`` (sm80 / sm90).
 
-    Per thread the fp32 accumulator holds BLOCK_M·BLOCK_D/(32·num_warps) values; keeping it at
-    <= 64 registers (a 128x128 fp32 accumulator needs 8 warps, not one warpgroup) leaves room
-    for the score tile and q. Shared memory ~ num_stages·2·BLOCK_N·BLOCK_D·bytes + the q tile
-    stays <= 128 KB, well under the 227 KB of an H100/H200 SM (``smem_bytes``).
+    Chosen by compiling ahead of time and reading the compiler's register, stack and shared
+    memory report (``bench/aot_check.py``; tests/test_spill_free.py keeps every shipped config
+    at zero spill bytes on sm_90 and sm_80). Figures are triton 3.9's for GQA 4:
+      * bf16/fp16, d <= 128, sm90: (128, 64, 8, 2), 222 registers, 96 KB shared. On sm80 the
+        same tiles spill 72 bytes per thread with two stages: one stage there (249 registers).
+      * bf16/fp16, d <= 256: (64, 32, 8, 2), 214 (sm90) / 233 (sm80) registers.
+      * fp32: IEEE dots run on the FMA units (no tensor cores), so both dot operands and the
+        accumulator sit in registers: (64, 32, 4, 2) at d 128 spilled 8.4 KB per thread and
+        (32, 32, 8, 1) 96 bytes; (32, 16, 8, 2) takes 79 registers, no spill. At d 256
+        (32, 16, 8, 1) still spills on sm80: (16, 16, 8, 1), 80 registers. A correctness path.
+    Shared memory stays far under the 227 KB (sm90) / 163 KB (sm80) per SM (``smem_bytes``).
     """
-    if dtype == torch.float32:  # IEEE dots, no tensor cores: a correctness path
-        return (64, 32, 4, 2) if head_dim <= 128 else (32, 32, 8, 1)
+    if dtype == torch.float32:
+        return (32, 16, 8, 2) if head_dim <= 128 else (16, 16, 8, 1)
     if head_dim <= 128:
-        return (128, 64, 8, 2)
+        return (128, 64, 8, 2) if arch >= "sm90" else (128, 64, 8, 1)
     return (64, 32, 8, 2)
 
 
@@ -296,7 +303,8 @@ def attention_config(head_dim: int, gqa: int, dtype: torch.dtype, device: torch.
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): the table's entry, else ``_rule_config``."""
     if device.type != "cuda":
         return _INTERPRET_CONFIG
-    return _TABLE.get(config_key(head_dim, gqa, dtype, _arch(device))) or _rule_config(head_dim, dtype)
+    arch = _arch(device)
+    return _TABLE.get(config_key(head_dim, gqa, dtype, arch)) or _rule_config(head_dim, dtype, arch)
 
 
 def _work_list(cu_seqlens: torch.Tensor, cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
@@ -424,6 +432,10 @@ def prefix_shared_attention_paged_triton(q, k, v, cu_seqlens, k_cache, v_cache, 
             "prefix_shared_attention_paged (triton): CPU tensors need TRITON_INTERPRET=1 set before "
             "acarerank.kernels.prefix_shared_attention is imported"
         )
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        # the kernel steps one block id per int32 along a row: a strided view would read other ids
+        raise ValueError(f"prefix_shared_attention_paged (triton): block_table must be unit-stride along its "
+                         f"blocks, got strides {tuple(block_table.stride())}; pass block_table.contiguous()")
     out = torch.empty_like(q)
     if T == 0 or Hq == 0:
         return out

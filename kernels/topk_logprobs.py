@@ -34,7 +34,7 @@ from acarerank._triton_env import triton_interpreted
 from acarerank.topk_contract import MAX_K as _LIMITS
 
 _SENTINEL = tl.constexpr(-(2 ** 63))  # an order key below every real one (masked columns, empty slots)
-MAX_K = _LIMITS["triton"]  # 1,024: the running top-K lives in registers, [BLOCK_T, K] int64
+MAX_K = _LIMITS["triton"]  # 512: the running top-K lives in registers, [BLOCK_T, K] int64
 
 
 @triton.jit
@@ -218,6 +218,32 @@ def _topk_merge_kernel(KeysIn, MaxIn, SumIn, TopVal, TopId, Lse, T, k, NSPLIT,
     tl.store(TopId + out, ids, mask=keep)
 
 
+def gpu_tile_config(K: int, dtype: torch.dtype) -> tuple:
+    """(BLOCK_T, BLOCK_V, BLOCK_H, num_warps) of ``_topk_tiles_kernel`` on a GPU, for K (k rounded
+    up to a power of two, <= MAX_K) and the input dtype.
+
+    Per thread the running top-K ([BLOCK_T, K] int64 keys, two registers each) and the tile's
+    bitonic network dominate. Chosen by compiling ahead of time for sm_90 and sm_80 and reading
+    the compiler's report (``bench/aot_check.py``, tests/test_spill_free.py): no spill, and the
+    figures are triton 3.9's (sm90). bf16/fp16: K 128 → 202 registers; K 256 → 239; K 512 with
+    8 warps → 235. fp32 dots are IEEE on the FMA units, operands in registers: (16, 128, 64, 4)
+    spilled 696 bytes per thread at K 128, (16, 64, 32, 8) takes 176 registers; at K 512
+    (16, 32, 32, 8) takes 249. K 1,024 spilled with every tile (16 warps included: 648 bytes), so
+    the backend's limit is 512 (``acarerank.ops.topk_merge.MAX_K``).
+    """
+    if dtype == torch.float32:
+        return (16, 64, 32, 8) if K <= 128 else (16, 32, 32, 8)
+    if K <= 128:
+        return (16, 128, 64, 4)
+    return (16, 64, 64, 4) if K <= 256 else (16, 64, 64, 8)
+
+
+def gpu_merge_config(K: int) -> tuple:
+    """(BLOCK_T, num_warps) of ``_topk_merge_kernel`` on a GPU: 126 / 211 / 239 registers at K
+    128 / 256 / 512 (sm90, no spill; see ``gpu_tile_config``)."""
+    return (16, 4) if K <= 256 else (16, 8)
+
+
 def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -255,9 +281,7 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
         return top_v, top_i, tgt, lse
     K = triton.next_power_of_2(k)
     if on_gpu:
-        block_t, block_h = 16, 64
-        block_v = 128 if K <= 128 else 64
-        nw = 4 if K <= 256 else 8
+        block_t, block_v, block_h, nw = gpu_tile_config(K, hidden.dtype)
     else:  # interpreter: few, large programs — each tile costs ~constant Python overhead
         block_t = 32  # never a function of T: no recompile (or re-trace) as the batch changes
         block_v = max(K, min(16384, max(16, triton.next_power_of_2(V))))
@@ -287,10 +311,10 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
         NSPLIT=num_splits, K=K, KT=KT, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_H=block_h,
         HAS_TEMP=temperature != 1.0, IEEE=hidden.dtype == torch.float32 or not on_gpu,
         UPCAST=not on_gpu and hidden.dtype != torch.float32, num_warps=nw)
-    block_t2 = 16 if on_gpu else 32
+    block_t2, nw2 = gpu_merge_config(K) if on_gpu else (32, 4)
     _topk_merge_kernel[(triton.cdiv(T, block_t2),)](
-        keys, mx, sm, top_v, top_i, lse, T, k, NSPLIT=num_splits, K=K, BLOCK_T=block_t2, num_warps=nw)
+        keys, mx, sm, top_v, top_i, lse, T, k, NSPLIT=num_splits, K=K, BLOCK_T=block_t2, num_warps=nw2)
     return top_v, top_i, tgt, lse
 
 
-__all__ = ["topk_logprobs_core_triton", "MAX_K"]
+__all__ = ["topk_logprobs_core_triton", "MAX_K", "gpu_tile_config", "gpu_merge_config"]

@@ -47,6 +47,13 @@ def _yes_no_head_kernel(Hid, NormW, WYes, WNo, Score, Diff, S, H, stride_s, stri
     tl.store(Score + rows, tl.sigmoid(diff), mask=row_ok)
 
 
+def gpu_config(H: int) -> tuple:
+    """(BLOCK_S, BLOCK_H, num_warps) on a GPU. H of Qwen3: 1024 (0.6B), 2560 (4B), 4096 (8B): 1–4
+    chunks of 1024 per row; two [4, 1024] fp32 accumulators over 128 threads (no spill on sm_80 /
+    sm_90: ``bench/aot_check.py``)."""
+    return 4, min(1024, max(16, triton.next_power_of_2(H))), 4
+
+
 def yes_no_score_triton(hidden_last, norm_weight, w_yes, w_no, eps):
     """Relevance from each segment's last hidden state (Triton). Inputs are checked by ``acarerank.ops``.
 
@@ -67,14 +74,15 @@ def yes_no_score_triton(hidden_last, norm_weight, w_yes, w_no, eps):
     diff = torch.empty(S, dtype=torch.float32, device=hidden_last.device)
     if S == 0:
         return score, diff
-    # H of Qwen3: 1024 (0.6B), 2560 (4B), 4096 (8B): 1–4 chunks of 1024 per row
-    block_h = min(1024, max(16, triton.next_power_of_2(H)))
-    block_s = 4 if on_gpu else 16  # interpreter: fewer, larger programs are faster
+    if on_gpu:
+        block_s, block_h, warps = gpu_config(H)
+    else:  # interpreter: fewer, larger programs are faster
+        block_s, block_h, warps = 16, min(1024, max(16, triton.next_power_of_2(H))), 4
     nw, wy, wn = norm_weight.contiguous(), w_yes.contiguous(), w_no.contiguous()
     _yes_no_head_kernel[(triton.cdiv(S, block_s),)](
         hidden_last, nw, wy, wn, score, diff, S, H, hidden_last.stride(0), hidden_last.stride(1), float(eps),
-        BLOCK_S=block_s, BLOCK_H=block_h, num_warps=4)
+        BLOCK_S=block_s, BLOCK_H=block_h, num_warps=warps)
     return score, diff
 
 
-__all__ = ["yes_no_score_triton"]
+__all__ = ["yes_no_score_triton", "gpu_config"]

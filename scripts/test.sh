@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python -m pytest -q -p no:cacheprovider "$@"
+# setup.sh built acarerank._C: its tests must run, not skip (tests/_ext.py)
+ACARERANK_REQUIRE_EXT=1 python -m pytest -q -p no:cacheprovider "$@"

@@ -5,8 +5,14 @@
 import pytest
 import torch
 
+from _ext import EXT_MISSING, needs_ext
+
 from acarerank.ops import BackendError, yes_no_score
-from acarerank.ops import _cpp
+
+if not EXT_MISSING:  # tests/test_gpu_ext.py imports the helpers below on any machine
+    from acarerank.ops import _cpp
+
+pytestmark = needs_ext
 
 EPS = 1e-6
 

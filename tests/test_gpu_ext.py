@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _ext import EXT_MISSING
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -18,6 +19,8 @@ V = 151_669
 
 @pytest.fixture(scope="module")
 def ext():
+    if EXT_MISSING:
+        pytest.skip(EXT_MISSING)
     from acarerank.ops import _cpp
     assert _cpp.has_cuda(), f"acarerank._C was built without CUDA: {_cpp.build_info()}"
     return _cpp
@@ -157,7 +160,7 @@ def test_merge_states_cuda(ext, dtype, N, H, d):
     torch.testing.assert_close(lse.cpu(), want[1], atol=1e-6, rtol=1e-6)
 
 
-def test_flash_attn_cascade_backend(ext):
+def test_flash_attn_cascade_backend():
     pytest.importorskip("acarerank.ops.cascade",
                         reason="no FlashAttention-2 kernel (flash-attn, or PyTorch's in a CUDA build)")
     from acarerank.ops import prefix_shared_attention, prefix_shared_attention_ref

@@ -3,7 +3,8 @@
 Pages are filled with the gathered prefixes at shuffled block ids (so a wrong lookup reads
 another group's values), groups share leading blocks, prefixes end mid-block or are empty.
 torch: ≤ 1e-6 fp32 against the packed op and the plain oracle; Triton (interpreter, small
-shapes): bitwise equal to the packed Triton kernel.
+shapes) or on CUDA where a GPU is present (the module is then marked ``cuda``): bitwise equal to
+the packed Triton kernel.
 """
 import pytest
 import torch
@@ -11,6 +12,15 @@ import torch
 from acarerank.ops import (BackendError, plan_prefix_shared_attention_paged, prefix_shared_attention,
                            prefix_shared_attention_paged, prefix_shared_attention_paged_ref,
                            prefix_shared_attention_ref)
+
+# Triton runs on the GPU where there is one (the interpreter is off there: CPU tensors would be refused)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+
+
+def on(args, device=DEVICE):
+    """A case's tensors on ``device``."""
+    return [a.to(device) for a in args]
 
 
 def make_case(prefix_lens, seg_lens, seg_group, Hq, Hkv, d, block_size, share=True, dtype=torch.float32, seed=0):
@@ -109,18 +119,35 @@ TRITON_CASES = [
 @pytest.mark.parametrize("block_size,Hq,Hkv,d,prefix_lens,seg_lens,seg_group", TRITON_CASES)
 def test_triton_paged_bitwise_equals_packed(block_size, Hq, Hkv, d, prefix_lens, seg_lens, seg_group):
     paged, packed = make_case(prefix_lens, seg_lens, seg_group, Hq, Hkv, d, block_size)
-    out = prefix_shared_attention_paged(*paged, backend="triton")
-    want = prefix_shared_attention(*packed, backend="triton")
+    out = prefix_shared_attention_paged(*on(paged), backend="triton")
+    want = prefix_shared_attention(*on(packed), backend="triton")
     assert torch.equal(out, want), report(out, want)
-    ref = prefix_shared_attention_ref(*packed)
+    out, ref = out.cpu(), prefix_shared_attention_ref(*packed)
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), report(out, ref)
 
 
 def test_triton_paged_bf16_bitwise_equals_packed():
     paged, packed = make_case([37, 20], [4, 3], [0, 1], 4, 2, 64, 16, dtype=torch.bfloat16)
-    out = prefix_shared_attention_paged(*paged, backend="triton")
-    want = prefix_shared_attention(*packed, backend="triton")
+    out = prefix_shared_attention_paged(*on(paged), backend="triton")
+    want = prefix_shared_attention(*on(packed), backend="triton")
     assert torch.equal(out, want), report(out, want)
+
+
+def test_triton_refuses_a_strided_block_table_torch_reads_it():
+    """The kernel reads block ids at unit stride along a row: a strided view is a clear error
+    there (never ids of another column); the torch backend gathers through it correctly."""
+    paged, packed = make_case([37, 70], [5, 1, 9], [0, 1, 1], 4, 2, 64, 16)
+    paged = on(paged)
+    bt = paged[6]
+    wide = torch.full((bt.shape[0], 2 * bt.shape[1]), -7, dtype=torch.int32, device=bt.device)
+    wide[:, ::2] = bt
+    paged[6] = wide[:, ::2]  # same values, stride (2·max_blocks, 2)
+    assert paged[6].stride(1) == 2 and torch.equal(paged[6], bt)
+    with pytest.raises(ValueError, match="block_table must be unit-stride"):
+        prefix_shared_attention_paged(*paged, backend="triton")
+    out = prefix_shared_attention_paged(*paged, backend="torch")
+    ref = prefix_shared_attention_ref(*packed)
+    assert torch.allclose(out.cpu(), ref, atol=2e-5, rtol=1e-5), report(out.cpu(), ref)
 
 
 def _args():
@@ -177,3 +204,24 @@ def test_plan_mismatch_and_plan_validation_are_errors():
                                            num_kv_heads=2, head_dim=16, block_size=16, num_blocks=kc.shape[0],
                                            dtype=q.dtype)
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_paged_flash_cascade_on_cuda():
+    """The paged cascade (flash-attn reading the pages through its block_table + the merge) at
+    Qwen3 heads in bf16, against the fp32 oracle by flash-attn's 2x rule."""
+    import math
+
+    from test_op_attention import _plain_attention
+    cascade = pytest.importorskip("acarerank.ops.cascade", reason="no FlashAttention-2 kernel here")
+    if not cascade.VARLEN_KERNEL.startswith("flash-attn"):
+        pytest.skip(f"the paged cascade reads pages through flash-attn's block_table; here: {cascade.VARLEN_KERNEL}")
+    paged, packed = make_case([300, 700, 17], [2, 7, 1, 64], [2, 0, 1, 0], 16, 8, 128, 256, dtype=torch.bfloat16)
+    out = prefix_shared_attention_paged(*on(paged), backend="flash_attn_cascade").float().cpu()
+    q, k, v, cu, pk, pv, cp, sg = packed
+    ref = prefix_shared_attention_ref(q.float(), k.float(), v.float(), cu, pk.float(), pv.float(), cp, sg)
+    plain = _plain_attention(*on(packed), 1.0 / math.sqrt(128)).float().cpu()
+    err, err_plain = (out - ref).abs().max().item(), (plain - ref).abs().max().item()
+    atol = 2 * (ref + 0.3 - 0.3 - ref).abs().max().item()
+    assert err <= 2 * err_plain + atol, f"paged cascade err {err:.3e} vs plain bf16 {err_plain:.3e}"

@@ -2,6 +2,8 @@
 
 ``torch.library.opcheck`` runs each op for real and under fake tensors / AOT autograd and
 compares; the torch backend on CPU, the triton backend under TRITON_INTERPRET=1 (tiny shapes).
+With a GPU every test runs on CUDA tensors (and is marked ``cuda``); the compiled extension's
+backend is "cuda" there and "cpp" on CPU.
 """
 import pytest
 import torch
@@ -10,6 +12,8 @@ from acarerank.ops import (prefix_shared_attention, prefix_shared_attention_op, 
                            yes_no_score, yes_no_score_op, yes_no_score_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+EXT_BACKEND = "cuda" if DEVICE == "cuda" else "cpp"  # acarerank._C's backend for this device
 
 
 def _attn_args():
@@ -58,13 +62,13 @@ def test_public_ops_compile_in_one_graph(backend):
     assert (score - 1 - ref_score).abs().max() <= 1e-5, f"compiled head err {(score - 1 - ref_score).abs().max():.3e}"
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("backend", ["torch", EXT_BACKEND])
 def test_opcheck_merge_attention_states(backend):
-    if backend == "cpp":
+    if backend != "torch":
         pytest.importorskip("acarerank._C")
     from acarerank.ops.merge_states import merge_attention_states_op
-    o = torch.randn(5, 3, 16)
-    args = (o, torch.randn(5, 3), torch.randn(5, 3, 16), torch.randn(5, 3))
+    args = tuple(t.to(DEVICE) for t in (torch.randn(5, 3, 16), torch.randn(5, 3), torch.randn(5, 3, 16),
+                                         torch.randn(5, 3)))
     torch.library.opcheck(merge_attention_states_op, (*args, backend))
 
 

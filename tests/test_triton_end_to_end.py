@@ -15,6 +15,7 @@ from acarerank.tokenizer import QWEN3_VOCAB
 YES_ID, NO_ID = 9693, 2152  # Qwen3 tokenizer ids of "yes" / "no" (docs/ARCHITECTURE.md, "Scoring facts")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []  # with a GPU the whole path runs there
 QUERY = "what limits the context length of a reranker?"
 QUESTION = "How do I serve a 4B reranker at depth 100 on one GPU?"
 TRACE = "The agent searched for KV-cache sharing.\nIt found cascade attention; now it needs limits."
@@ -64,6 +65,41 @@ def test_triton_scores_equal_torch_scores_and_transformers(tiny_model, qwen3_tok
             logits = tiny_model(ids).logits[0, -1].float()
         card = torch.softmax(torch.stack([logits[no], logits[yes]]), 0)[1].item()
         assert abs(got[i] - card) <= 1e-5, f"document {i}: triton {got[i]} vs transformers {card}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_on_cuda_within_transformers_own_bf16_error(qwen3_tokenizer):
+    """The GPU serving path (bf16, Triton attention at d 128 with Qwen3-0.6B's 16/8 heads, the
+    paged prefix, the fused head) against the model card's scoring: our bf16 scores are within
+    2x transformers' own bf16 error, both measured against transformers in fp32."""
+    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        m32 = Qwen3ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            m32.lm_head.weight[[YES_ID, NO_ID]] *= 40  # spread the scores over (0, 1)
+    m32 = m32.cuda()
+    m16 = Qwen3ForCausalLM(cfg).eval().to(torch.bfloat16).cuda()
+    m16.load_state_dict(m32.state_dict())
+    rr = PointwiseReranker(model=m16, tokenizer=qwen3_tokenizer, backend="triton")
+    got = rr.score(QUERY, DOCS, question=QUESTION, trace=TRACE)
+    enc = encode_pointwise(qwen3_tokenizer, QUERY, DOCS, question=QUESTION, trace=TRACE)
+
+    def card(model, seg):
+        ids = torch.as_tensor(list(enc.shared_ids) + list(seg), device="cuda")[None]
+        with torch.no_grad():
+            logits = model(ids).logits[0, -1].float()
+        return torch.softmax(torch.stack([logits[NO_ID], logits[YES_ID]]), 0)[1].item()
+
+    want = [card(m32, seg) for seg in enc.segment_ids]
+    theirs = [card(m16, seg) for seg in enc.segment_ids]
+    err_ours = max(abs(a - b) for a, b in zip(got, want))
+    err_theirs = max(abs(a - b) for a, b in zip(theirs, want))
+    assert err_ours <= 2 * err_theirs + 1e-3, (f"bf16 scores err {err_ours:.3e} vs transformers' own bf16 err "
+                                               f"{err_theirs:.3e}: ours {got}, fp32 card {want}")
 
 
 def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer):

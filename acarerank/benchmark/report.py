@@ -222,8 +222,10 @@ def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
         raise ValueError(f"kendall_tau: {len(a)} vs {len(b)} scores")
     if len(a) < 2:
         return math.nan
-    from scipy.stats import kendalltau
-
+    try:
+        from scipy.stats import kendalltau
+    except ImportError:  # scipy is the `bench` extra: a base install reports "n/a" (format_rank_agreement)
+        return math.nan
     return float(kendalltau(a, b).statistic)
 
 
@@ -248,8 +250,11 @@ def rank_agreement(rows: Sequence[dict], scores: dict, base: str = "float32") ->
 def format_rank_agreement(agree: Sequence[dict], base: str = "float32") -> str:
     if not agree:
         return f"rank agreement with {base}: no cell measured in two dtypes"
+    import importlib.util
+
+    na = "n/a (needs scipy: pip install 'acarerank[bench]')" if importlib.util.find_spec("scipy") is None else "nan"
     return "\n".join(f"rank agreement {a['mode']} depth {a['depth']} {a['provider']:<26} {a['dtype']} vs {base}: "
-                     f"Kendall tau {a['tau']:.3f}" for a in agree)
+                     f"Kendall tau {na if math.isnan(a['tau']) else format(a['tau'], '.3f')}" for a in agree)
 
 
 # CPU dtype targets for the M3 depth-50 row of acarerank, per dtype: the fraction of the

@@ -1,12 +1,15 @@
-"""``acarerank`` command line: one module per subcommand.
+"""``acarerank`` command line: one module per subcommand, imported only when it is chosen.
 
-Each module in ``SUBCOMMANDS`` defines ``add_parser(subparsers)`` (registering its parser
-with ``set_defaults(run=...)``) and a ``run(args) -> int``.
+``SUBCOMMANDS`` is the static table of names and one-line helps the top-level parser shows,
+so ``acarerank --help`` imports no torch, no transformers and no server stack. Each module
+defines ``add_parser(subparsers)`` (registering its parser with ``set_defaults(run=...)``) and a
+``run(args) -> int``; only the chosen one is imported.
 
 Failures: one line on stderr, ``acarerank <command>: error: <what>``, never a traceback.
 Exit status 2 for bad usage or input (arguments, files, checkpoint, a backend that cannot
-run), 1 for a failure while running (anything else), 130 on Ctrl-C. Arguments and input
-files are checked before the model loads.
+run, an optional package the command needs that is not installed — the line names the
+``pip install 'acarerank[extra]'`` that brings it), 1 for a failure while running (anything
+else), 130 on Ctrl-C. Arguments and input files are checked before the model loads.
 """
 from __future__ import annotations
 
@@ -14,7 +17,17 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("score", "select", "bench", "serve")
+#: subcommand -> one-line help (its module is acarerank.cli.<name>)
+SUBCOMMANDS = {
+    "score": "score documents against a query (ACARe / Qwen3-Reranker)",
+    "select": "select and rank a subset of documents (AdaTutoRank setwise)",
+    "bench": "latency vs reranking depth: transformers, transformers+prefix-cache, acarerank",
+    "serve": "HTTP rerank server: /v1/rerank (Cohere/Jina/vLLM/TEI bodies), /v1/select",
+}
+
+#: optional top-level modules -> the setup.py extra that installs them
+EXTRA_OF = {"fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydantic": "serve",
+            "prometheus_client": "serve", "httpx": "serve", "ray": "ray", "matplotlib": "bench", "scipy": "bench"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -24,11 +37,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def chosen_command(argv) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top level has no
+    option taking a value), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with ``command``'s full parser (its module imported) and a stub for each other
+    subcommand (name and help only, nothing imported)."""
     parser = _Parser(prog="acarerank", description="Prefix-shared Qwen3 rerankers: score, select, bench, serve.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMANDS:
-        importlib.import_module(f"acarerank.cli.{name}").add_parser(sub)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, help_line in SUBCOMMANDS.items():
+        if name == command:
+            importlib.import_module(f"acarerank.cli.{name}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_line, add_help=False)
     return parser
 
 
@@ -37,23 +61,53 @@ def _one_line(e: BaseException) -> str:
     return text
 
 
-def main(argv=None) -> int:
-    from ..ops._backend import BackendError
+def missing_extra(e: BaseException) -> str | None:
+    """For an import of an optional package that is not installed: the line that says which
+    package and which extra brings it; else None."""
+    if not isinstance(e, ModuleNotFoundError) or not e.name:
+        return None
+    top = e.name.split(".")[0]
+    extra = EXTRA_OF.get(top)
+    return f"needs {top}, which is not installed: pip install 'acarerank[{extra}]'" if extra else None
 
+
+def _usage_errors() -> tuple:
+    """Exception types that mean bad usage or input (exit 2). BackendError only if the ops were
+    imported: a command that never imported them cannot have raised it (and importing them would
+    import torch)."""
+    types = (ValueError, TypeError, OSError)  # OSError: missing / unreadable files and folders
+    backend = sys.modules.get("acarerank.ops._backend")
+    return types + (backend.BackendError,) if backend is not None else types
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = chosen_command(argv)
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser(command if command in SUBCOMMANDS else None)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # usage error (one line already printed, 2) or --help (0)
         return e.code if isinstance(e.code, int) else 2
+    except ModuleNotFoundError as e:  # the chosen subcommand's parser needs an extra that is absent
+        hint = missing_extra(e)
+        if hint is None:
+            raise
+        print(f"acarerank {command}: error: {hint}", file=sys.stderr)
+        return 2
     try:
         return int(args.run(args) or 0)
-    except (ValueError, TypeError, OSError, BackendError) as e:  # bad input: one clear line, no traceback
-        # OSError covers missing / unreadable files and folders (FileNotFoundError, IsADirectoryError, ...)
-        print(f"acarerank {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"acarerank {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a failure while running: still one line
+    except Exception as e:
+        hint = missing_extra(e)
+        if hint is not None:
+            print(f"acarerank {args.command}: error: {hint}", file=sys.stderr)
+            return 2
+        if isinstance(e, _usage_errors()):  # bad input: one clear line, no traceback
+            print(f"acarerank {args.command}: error: {_one_line(e)}", file=sys.stderr)
+            return 2
+        # a failure while running: still one line
         print(f"acarerank {args.command}: runtime error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
         return 1
 

@@ -71,8 +71,10 @@ def _overrides(items) -> dict:
 def add_parser(subparsers) -> None:
     from acarerank.model.default import PRESETS
 
+    from acarerank.cli import SUBCOMMANDS
+
     p = subparsers.add_parser(
-        "bench", help="latency vs reranking depth: transformers, transformers+prefix-cache, acarerank",
+        "bench", help=SUBCOMMANDS["bench"],
         description="End-to-end pointwise scoring latency versus depth, every provider in the same run; "
                     "CSV + PNG + table. Default model: seeded random weights (timings real, scores meaningless).")
     p.add_argument("--depths", type=_ints, default=None, help="comma-separated depths (default 10,20,50,100)")

@@ -1,9 +1,27 @@
-"""What the ``score`` and ``select`` subcommands share: checking flags, reading files, loading a model."""
+"""What the subcommands share: the model flags, checking them, reading files, loading a model.
+
+Imports only the standard library at module level: a subcommand's ``--help`` needs no torch.
+"""
 from __future__ import annotations
 
 import json
 import os
 import sys
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKEND_HELP = ("backend preference: torch | triton | cpp | cuda, used by every op that has it, "
+                "or per op: attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")
+
+
+def add_model_flags(p, *, model_help: str) -> None:
+    """``--model``, ``--dtype``, ``--device``, ``--backend``: the flags every model-loading
+    subcommand takes, with one meaning everywhere (checked by ``check_common``, used by
+    ``load_reranker``)."""
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto (default): bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--backend", default=None, help=BACKEND_HELP)
 
 
 def positive(name: str, value) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 
-from .common import load_reranker, read_documents
+from . import SUBCOMMANDS
+from .common import add_model_flags, load_reranker, read_documents
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("score", help="score documents against a query (ACARe / Qwen3-Reranker)")
-    p.add_argument("--model", help="local HF checkpoint folder; omitted: the embedded random default (scores mean nothing)")
+    p = sub.add_parser("score", help=SUBCOMMANDS["score"])
+    add_model_flags(p, model_help="local HF checkpoint folder; omitted: the embedded random default "
+                                  "(scores mean nothing)")
     p.add_argument("--query", required=True, help="the (sub-)query")
     p.add_argument("--docs", required=True, help="JSONL file of documents ('-' for stdin)")
     p.add_argument("--question", help="the agent's original question (ACARe modes M2/M3)")
@@ -29,11 +31,6 @@ def add_parser(sub) -> None:
     p.add_argument("--special-tokens", choices=("escape", "parse"), default="escape",
                    help="special-token strings in the query/context/documents: plain text (escape, default) or "
                         "control tokens as the model card does (parse)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default): bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", help="backend preference: torch | triton | cpp | cuda, used by every op that has it, "
-                   "or per op: attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")
     p.set_defaults(run=run)
 
 

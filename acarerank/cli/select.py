@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import load_reranker, read_documents
+from . import SUBCOMMANDS
+from .common import add_model_flags, load_reranker, read_documents
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("select", help="select and rank a subset of documents (AdaTutoRank setwise)")
-    p.add_argument("--model", help="local HF checkpoint folder; omitted: the embedded random default "
-                                   "(its selection means nothing)")
+    p = sub.add_parser("select", help=SUBCOMMANDS["select"])
+    add_model_flags(p, model_help="local HF checkpoint folder; omitted: the embedded random default "
+                                  "(its selection means nothing)")
     p.add_argument("--query", required=True, help="the user question (RAG) or the agent's search query")
     p.add_argument("--docs", required=True, help="JSONL file of candidate documents ('-' for stdin)")
     p.add_argument("--intent", help="the agent's query intent (deep-research prompt, Appendix F.2)")
@@ -29,11 +30,6 @@ def add_parser(sub) -> None:
                         "control tokens (parse)")
     p.add_argument("--unconstrained", action="store_true",
                    help="decode without the identifier grammar and parse the output leniently")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default): bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", help="backend preference: torch | triton | cpp | cuda, used by every op that has it, "
-                   "or per op: attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")
     p.add_argument("--quiet", action="store_true", help="no summary line on stderr")
     p.set_defaults(run=run)
 

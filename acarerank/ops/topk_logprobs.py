@@ -36,7 +36,7 @@ Structure: a backend *core* that never holds [T, V] and returns
 and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``; in the leaf
 ``acarerank.topk_contract`` with the result type, ``DEFAULT_CHUNK`` and the per-backend k
 limits ``MAX_K``). Cores, declared in ``OP``: "torch" (below: per-chunk GEMM, chunk top-k,
-exact merge; any k <= V), "triton" (kernels/topk_logprobs.py; k <= 1,024), "cpp"/"cuda"
+exact merge; any k <= V), "triton" (kernels/topk_logprobs.py; k <= 512), "cpp"/"cuda"
 (below: a GEMM per chunk merged into topk_merge.py's streaming state, csrc/topk_merge.*;
 k <= 4,096). Defaults: "torch" on CPU; on CUDA the
 cuBLAS GEMM + CUDA merge ("cuda") until the Triton core is measured faster, then "triton".
@@ -338,7 +338,7 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
     all of z = (hidden · weightᵀ) / temperature. ``weight`` may be a vocabulary shard: ids are
     then local to it (add the shard's offset), and shards combine by merging the top-k lists
     under the tie rule and the log-sum-exps by logaddexp. k: within the backend's limit
-    (``MAX_K``: torch any, triton 1,024, cpp/cuda 4,096), else ValueError naming the limit.
+    (``MAX_K``: torch any, triton 512, cpp/cuda 4,096), else ValueError naming the limit.
     """
     name = OP.resolve(backend, hidden.device)
     _check_inputs(hidden, weight, targets, k, chunk, temperature, name)
@@ -359,7 +359,7 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
       weight: [V, H] lm_head weight, same dtype and device as ``hidden``.
       targets: [T] int64 (or int32) sampled token ids in [0, V).
       k: 1 <= k <= V (ATO: 128) and within the backend's limit (``MAX_K``: torch any, triton
-         1,024, cpp/cuda 4,096). chunk: vocabulary rows per GEMM (default ``DEFAULT_CHUNK`` of
+         512, cpp/cuda 4,096). chunk: vocabulary rows per GEMM (default ``DEFAULT_CHUNK`` of
          the device: 2,048 on CPU, 16,384 on CUDA; the triton core tiles on its own).
          temperature τ > 0 divides the logits before truncation.
       backend: a name, a per-op mapping or None (``acarerank.ops._backend``).
