@@ -13,7 +13,8 @@ Endpoints (see ``schemas.py`` for the bodies):
 ``GET /metrics``                           Prometheus text format
 =========================================  ===================================================
 
-The gate runs before FastAPI reads anything, in this order: while draining, every API
+The gate runs before FastAPI reads anything, in this order: a head (request line and
+headers) over ``MAX_HEAD_BYTES`` gets 431; while draining, every API
 request gets 503; with an API key set, a request without ``Authorization: Bearer <key>`` (or
 ``X-API-Key``) gets 401; a declared body over ``max_body_bytes`` gets 413; a full queue gets
 429 (admission, before the body is read); then the body is read within ``body_timeout``
@@ -45,7 +46,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import DEFAULT_MAX_BODY_BYTES, ServeConfig  # noqa: F401 (re-exported)
+from .config import DEFAULT_MAX_BODY_BYTES, MAX_HEAD_BYTES, ServeConfig  # noqa: F401 (re-exported)
 from .disconnect import ClientGone
 from .errors import APIError, error_body, error_bytes
 from .parsing import parse_body, validation_message
@@ -130,6 +131,10 @@ class Gate:
             self.metrics.observe_response(_endpoint(scope["path"]), status["code"], time.perf_counter() - t0)
 
     async def _gate(self, scope, receive, send, status):
+        head = len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > MAX_HEAD_BYTES:
+            return await _send_error(send, 431, f"request line and headers of {head} bytes exceed {MAX_HEAD_BYTES} "
+                                                f"bytes", {"Connection": "close"})
         if scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self.state.draining:
@@ -138,7 +143,7 @@ class Gate:
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         if self.api_key is not None and not self._authorized(headers):
             return await _send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                     {"WWW-Authenticate": "Bearer"})
+                                     {"WWW-Authenticate": "Bearer", "Connection": "close"})
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await _send_error(send, 413, f"request body of {int(length)} bytes exceeds the limit of "
@@ -153,8 +158,8 @@ class Gate:
                     await self._read_and_run(scope, receive, send, status)
             else:
                 await self._read_and_run(scope, receive, send, status)
-        except APIError as e:
-            await _send_error(send, e.status, e.message, e.headers)
+        except APIError as e:   # admission: the body was not read, so the connection cannot be reused
+            await _send_error(send, e.status, e.message, {**e.headers, "Connection": "close"})
         except asyncio.CancelledError:
             if not self.state.expired:
                 raise

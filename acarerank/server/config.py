@@ -22,6 +22,7 @@ from typing import Optional
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024   # 1,000 documents of ~32 kB each
 DEFAULT_MAX_QUEUE = 512                      # TEI's default max_concurrent_requests
 DEFAULT_MAX_DOCUMENTS = 1000                 # Cohere's recommended ceiling per request
+MAX_HEAD_BYTES = 16 * 1024                   # request line + headers: h11's default (nginx: 4 x 8 kB buffers)
 
 
 def _opt(help: str, **kw):

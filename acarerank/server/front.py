@@ -14,8 +14,8 @@ Per connection (``guarded_protocol``), around uvicorn's own HTTP protocol (httpt
 * ``header_timeout``: from the connection's start, and again after each response on a kept-alive
   connection, the head of the next request must arrive within this many seconds, else 408 and
   close (nginx's ``client_header_timeout``);
-* the head may take at most ``MAX_HEAD_BYTES`` (431 past it; h11's own limit, which httptools
-  lacks);
+* a head still arriving may take at most ``MAX_HEAD_BYTES`` (431 past it; h11's own limit,
+  which httptools lacks; a head that arrived whole is measured by the gate);
 * ``max_connections`` open at once (kept under the process's descriptor limit): one more is
   closed as soon as it is accepted, with one log line per ``LOG_EVERY_S`` at most, so running
   out of descriptors never happens and never floods the log (nginx's ``worker_connections``);
@@ -40,12 +40,11 @@ import sys
 import threading
 import time
 
-from .config import ServeConfig
+from .config import MAX_HEAD_BYTES, ServeConfig
 from .errors import error_bytes
 
 log = logging.getLogger("acarerank.server")
 
-MAX_HEAD_BYTES = 16 * 1024       # request line + headers (h11's default; nginx's is 4 x 8 kB)
 LOG_EVERY_S = 10.0               # at most one "connection cap reached" line per this many seconds
 FD_RESERVE = 128                 # descriptors kept for everything but client connections (model files, pools, logs)
 SHUTDOWN_GRACE_S = 1.0           # after the drain deadline: time for the 503s to be written
@@ -203,11 +202,17 @@ def uvicorn_config(app, config: ServeConfig):
     import uvicorn
 
     logging.getLogger("asyncio").addFilter(_OncePerInterval())
-    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
                           http=guarded_protocol(_uvicorn_http_protocol(), config),
                           h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
                           timeout_keep_alive=config.keepalive_timeout,
                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    # the server's own lines (drain, uploads cut short, the connection cap) go where uvicorn's go
+    ours = logging.getLogger("acarerank.server")
+    ours.handlers = logging.getLogger("uvicorn").handlers
+    ours.setLevel(logging.getLogger("uvicorn.error").getEffectiveLevel())
+    ours.propagate = False
+    return uv
 
 
 class DrainingServer:
