@@ -78,6 +78,7 @@ class RerankService:
         self.model_thread = model_thread
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
         self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))
+        self.large_request_chars = LARGE_REQUEST_CHARS
         self._lock = threading.Lock()
         self._admitted = 0
         self.ready = False
@@ -171,7 +172,7 @@ class RerankService:
         ``tokenize_workers - 1`` large requests tokenize at once) or nothing."""
         chars = len(request.query) + sum(map(len, request.documents)) + sum(
             len(x) for x in (request.question, request.trace, request.instruction) if x)
-        return self._large_lane if chars > LARGE_REQUEST_CHARS else contextlib.nullcontext()
+        return self._large_lane if chars > self.large_request_chars else contextlib.nullcontext()
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
         """Tokenize (pool thread); apply ``truncate=false`` and ``max_tokens_per_doc``."""
