@@ -28,7 +28,14 @@ def add_parser(sub) -> None:
 
 
 def missing_serve_modules() -> list:
-    return [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    missing = []
+    for name in SERVE_MODULES:
+        try:
+            if importlib.util.find_spec(name) is None:
+                missing.append(name)
+        except (ImportError, ValueError):   # a broken install, or an import blocked on purpose
+            missing.append(name)
+    return missing
 
 
 def run(args) -> int:
