@@ -329,5 +329,6 @@ def test_ten_thousand_salts_memory_returns_near_baseline(server):
     took = time.monotonic() - t0
     asyncio.run(send([salt(i, 1 << 20) for i in range(100)], 422))
     grown = rss_mb(pid) - baseline
+    print(f"10,000 salts: RSS {baseline:.0f} MB after warm-up, {grown:+.1f} MB after; {took:.0f} s")
     assert grown < 64, f"10,000 salts left the server {grown:.0f} MB above its baseline ({baseline:.0f} MB)"
     assert took < 300, f"10,000 requests took {took:.0f} s"
