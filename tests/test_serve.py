@@ -422,3 +422,14 @@ def test_large_requests_leave_a_tokenizer_worker(servers):
     for k in range(2):
         assert out[k].status_code == 200, out[k].text
         assert_scores(by_index(out[k].json()["results"]), rr.score(f"large {k}", ["tutor hint " * 150]), f"large {k}")
+
+
+def test_openapi_documents_the_request_bodies(servers):
+    """The handlers parse their bodies themselves (off the event loop); /openapi.json still shows them."""
+    spec = httpx.get(servers["base"] + "/openapi.json", timeout=10).json()
+    schemas = spec["components"]["schemas"]
+    for path, model in (("/v1/rerank", "RerankRequest"), ("/rerank", "RerankRequest"), ("/v1/select", "SelectRequest")):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}", (path, ref)
+    assert {"query", "documents", "texts", "cache_salt", "top_n"} <= set(schemas["RerankRequest"]["properties"])
+    assert "TextDocument" in schemas and schemas["SelectRequest"]["required"] == ["query", "documents"]

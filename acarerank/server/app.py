@@ -33,6 +33,7 @@ error is ``{"error": {"message", "type", "code"}}``; only a fault of the server 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -59,6 +60,8 @@ RERANK_PATHS = ("/v1/rerank", "/v2/rerank", "/rerank")
 API_PATHS = frozenset(RERANK_PATHS + ("/v1/select",))
 CLIENT_CLOSED = 499                         # nginx's status for "client closed request" (metrics only)
 CONTEXT_FIELDS = ("query", "question", "trace", "instruction", "intent")
+LINGER_BYTES = 64 * 1024    # an early answer (401, 413, 429) first reads and drops a declared body up to this
+LINGER_S = 2.0              # ... for at most this many seconds
 
 
 @dataclass
@@ -141,25 +144,31 @@ class Gate:
             return await _send_error(send, 503, "server is draining (shutting down); retry on another replica",
                                      {"Retry-After": "1", "Connection": "close"})
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
-        if self.api_key is not None and not self._authorized(headers):
-            return await _send_error(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                     {"WWW-Authenticate": "Bearer", "Connection": "close"})
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await _send_error(send, 413, f"request body of {int(length)} bytes exceeds the limit of "
-                                                f"{self.max_body_bytes} bytes (--max-body-bytes)",
-                                     {"Connection": "close"})
+        length = int(length) if length is not None and length.isdigit() else None
+        if self.api_key is not None and not self._authorized(headers):
+            return await self._refuse(receive, send, length, 401, "missing or wrong API key: send "
+                                      "'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
+        if length is not None and length > self.max_body_bytes:
+            return await self._refuse(receive, send, length, 413, f"request body of {length} bytes exceeds the "
+                                      f"limit of {self.max_body_bytes} bytes (--max-body-bytes)")
+        slot = contextlib.ExitStack()
+        if self.admit is not None and scope["path"] in API_PATHS and scope["method"] == "POST":
+            try:
+                slot.enter_context(self.admit())   # 429 before a byte of the body is read
+            except APIError as e:
+                return await self._refuse(receive, send, length, e.status, e.message, e.headers)
+
+        async def send_releasing(message):
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                slot.close()   # the slot is free once the answer is written, before the task winds down
+
         task = asyncio.current_task()
         self.state.tasks.add(task)
         self.state.in_flight += 1
         try:
-            if self.admit is not None and scope["path"] in API_PATHS and scope["method"] == "POST":
-                with self.admit():   # 429 before a byte of the body is read
-                    await self._read_and_run(scope, receive, send, status)
-            else:
-                await self._read_and_run(scope, receive, send, status)
-        except APIError as e:   # admission: the body was not read, so the connection cannot be reused
-            await _send_error(send, e.status, e.message, {**e.headers, "Connection": "close"})
+            await self._read_and_run(scope, receive, send_releasing, status)
         except asyncio.CancelledError:
             if not self.state.expired:
                 raise
@@ -168,8 +177,29 @@ class Gate:
                 await _send_error(send, 503, "server shut down before this request finished (--drain-timeout); "
                                              "retry on another replica", {"Connection": "close"})
         finally:
+            slot.close()
             self.state.in_flight -= 1
             self.state.tasks.discard(task)
+
+    async def _refuse(self, receive, send, length: Optional[int], code: int, message: str, headers=None):
+        """An answer before the body is read. A small declared body is read and dropped first (nginx's
+        lingering close, bounded): the connection stays usable and the client, still writing, never
+        meets a reset instead of the answer. A larger one (or none declared) closes the connection."""
+        headers = dict(headers or {})
+        if length is not None and length <= LINGER_BYTES:
+            try:
+                async with asyncio.timeout(min(self.body_timeout, LINGER_S)):
+                    more = length > 0
+                    while more:
+                        message_ = await receive()
+                        if message_["type"] == "http.disconnect":
+                            return
+                        more = message_.get("more_body", False)
+            except TimeoutError:
+                headers["Connection"] = "close"
+        else:
+            headers["Connection"] = "close"
+        await _send_error(send, code, message, headers)
 
     async def _read_and_run(self, scope, receive, send, status):
         try:
@@ -334,4 +364,27 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
 
     app.add_middleware(Gate, state=state, service=service, api_key=api_key, max_body_bytes=max_body_bytes,
                        body_timeout=config.body_timeout)
+    _document_bodies(app, {path: RerankRequest for path in RERANK_PATHS} | {"/v1/select": SelectRequest})
     return app
+
+
+def _document_bodies(app: FastAPI, bodies: dict) -> None:
+    """Put each route's request schema back into /openapi.json: the handlers take the raw
+    ``Request`` (they parse off the event loop), so FastAPI cannot see the body model."""
+    generate = app.openapi
+
+    def openapi():
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = generate()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -48,6 +48,7 @@ log = logging.getLogger("acarerank.server")
 LOG_EVERY_S = 10.0               # at most one "connection cap reached" line per this many seconds
 FD_RESERVE = 128                 # descriptors kept for everything but client connections (model files, pools, logs)
 SHUTDOWN_GRACE_S = 1.0           # after the drain deadline: time for the 503s to be written
+HEAD_GRACE_S = 0.1               # a head timer that fires gets this long for bytes already received
 
 
 def _raw_error(status: int, reason: str, message: str) -> bytes:
@@ -82,6 +83,8 @@ def guarded_protocol(base, config: ServeConfig):
         _head_timer = None
         _head_for = None       # the request cycle that was current when the timer was armed
         _head_bytes = 0
+        _head_grace = False
+        _keepalive_grace = False
 
         def connection_made(self, transport):
             if len(self.server_state.connections) >= config.max_connections:
@@ -114,9 +117,17 @@ def guarded_protocol(base, config: ServeConfig):
                 self.transport.close()
 
         def on_response_complete(self) -> None:
+            self._keepalive_grace = False
             super().on_response_complete()
             if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
                 self._arm_head_timer()   # kept alive: the next head has header_timeout seconds
+
+        def timeout_keep_alive_handler(self) -> None:
+            if not self._keepalive_grace:   # the same grace as the head timer's (_head_timed_out)
+                self._keepalive_grace = True
+                self.timeout_keep_alive_task = self.loop.call_later(HEAD_GRACE_S, self.timeout_keep_alive_handler)
+                return
+            super().timeout_keep_alive_handler()
 
         def send_400_response(self, msg: str) -> None:
             self._cancel_head_timer()
@@ -129,6 +140,7 @@ def guarded_protocol(base, config: ServeConfig):
             self._cancel_head_timer()
             self._head_for = self.cycle
             self._head_bytes = 0
+            self._head_grace = False
             self._head_timer = self.loop.call_later(config.header_timeout, self._head_timed_out)
 
         def _cancel_head_timer(self) -> None:
@@ -139,6 +151,13 @@ def guarded_protocol(base, config: ServeConfig):
         def _head_timed_out(self) -> None:
             self._head_timer = None
             if self.transport.is_closing() or self.cycle is not self._head_for:
+                return
+            if not self._head_grace:
+                # After a stall of the event loop, a timer can run before the reads that were
+                # due first (libuv runs timers before polling): one more short wait lets bytes
+                # that already arrived be parsed before the connection is judged.
+                self._head_grace = True
+                self._head_timer = self.loop.call_later(HEAD_GRACE_S, self._head_timed_out)
                 return
             if self._head_bytes:   # part of a head arrived: say why (nginx answers 408 too)
                 self.transport.write(_raw_error(408, "Request Timeout", f"request headers not received within "
