@@ -426,7 +426,7 @@ def test_large_requests_leave_a_tokenizer_worker(servers):
 
 def test_openapi_documents_the_request_bodies(servers):
     """The handlers parse their bodies themselves (off the event loop); /openapi.json still shows them."""
-    spec = httpx.get(servers["base"] + "/openapi.json", timeout=10).json()
+    spec = httpx.get(servers["base"] + "/openapi.json", headers=AUTH, timeout=10).json()
     schemas = spec["components"]["schemas"]
     for path, model in (("/v1/rerank", "RerankRequest"), ("/rerank", "RerankRequest"), ("/v1/select", "SelectRequest")):
         ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
