@@ -147,17 +147,17 @@ class Gate:
         length = headers.get("content-length")
         length = int(length) if length is not None and length.isdigit() else None
         if self.api_key is not None and not self._authorized(headers):
-            return await self._refuse(receive, send, length, 401, "missing or wrong API key: send "
+            return await self._refuse(receive, send, status, length, 401, "missing or wrong API key: send "
                                       "'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
         if length is not None and length > self.max_body_bytes:
-            return await self._refuse(receive, send, length, 413, f"request body of {length} bytes exceeds the "
-                                      f"limit of {self.max_body_bytes} bytes (--max-body-bytes)")
+            return await self._refuse(receive, send, status, length, 413, f"request body of {length} bytes "
+                                      f"exceeds the limit of {self.max_body_bytes} bytes (--max-body-bytes)")
         slot = contextlib.ExitStack()
         if self.admit is not None and scope["path"] in API_PATHS and scope["method"] == "POST":
             try:
                 slot.enter_context(self.admit())   # 429 before a byte of the body is read
             except APIError as e:
-                return await self._refuse(receive, send, length, e.status, e.message, e.headers)
+                return await self._refuse(receive, send, status, length, e.status, e.message, e.headers)
 
         async def send_releasing(message):
             await send(message)
@@ -181,7 +181,7 @@ class Gate:
             self.state.in_flight -= 1
             self.state.tasks.discard(task)
 
-    async def _refuse(self, receive, send, length: Optional[int], code: int, message: str, headers=None):
+    async def _refuse(self, receive, send, status, length: Optional[int], code: int, message: str, headers=None):
         """An answer before the body is read. A small declared body is read and dropped first (nginx's
         lingering close, bounded): the connection stays usable and the client, still writing, never
         meets a reset instead of the answer. A larger one (or none declared) closes the connection."""
@@ -193,6 +193,7 @@ class Gate:
                     while more:
                         message_ = await receive()
                         if message_["type"] == "http.disconnect":
+                            status["code"] = CLIENT_CLOSED
                             return
                         more = message_.get("more_body", False)
             except TimeoutError:
