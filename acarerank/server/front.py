@@ -201,14 +201,18 @@ def fit_connections_to_descriptors(config: ServeConfig) -> ServeConfig:
 
 
 class _OncePerInterval(logging.Filter):
-    """Drops repeats of one log message within ``every`` seconds (asyncio's accept errors)."""
+    """Drops repeats of one log message within ``every`` seconds (asyncio's accept errors, uvicorn's
+    line per malformed request); ``only``: the messages it applies to (None: all)."""
 
-    def __init__(self, every: float = LOG_EVERY_S):
+    def __init__(self, every: float = LOG_EVERY_S, only=None):
         super().__init__()
         self.every = every
+        self.only = only
         self.seen = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.only is not None and record.msg not in self.only:
+            return True
         key = (record.name, record.msg)
         now = time.monotonic()
         if now - self.seen.get(key, -float("inf")) < self.every:
@@ -221,6 +225,7 @@ def uvicorn_config(app, config: ServeConfig):
     import uvicorn
 
     logging.getLogger("asyncio").addFilter(_OncePerInterval())
+    logging.getLogger("uvicorn.error").addFilter(_OncePerInterval(only={"Invalid HTTP request received."}))
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
                           http=guarded_protocol(_uvicorn_http_protocol(), config),
                           h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
