@@ -5,7 +5,8 @@ Layers, each knowing only the one below:
 
 - ``config.py``   ``ServeConfig``: every option and its default (stdlib only; the CLI parses into it)
 - ``build.py``    ``build_service(config)``: the model on its thread, the service over it
-- ``front.py``    the HTTP front (uvicorn): connection limits and timeouts, SIGTERM drain
+- ``front.py``    the HTTP front (uvicorn): its configuration, the descriptor limit, SIGTERM drain
+- ``protocol.py`` per connection: header timeout, head size, connection cap, JSON for malformed HTTP
 - ``app.py``      FastAPI routes, the gate (drain / API key / admission / body), parsing, errors, /metrics
 - ``service.py``  checks, admission (429), tokenization pool, waiting on the engine, responses
 - ``engine.py``   the scheduler thread that owns the model: continuous batching of documents

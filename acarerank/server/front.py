@@ -1,26 +1,12 @@
 """The HTTP front: uvicorn with nginx-like connection hygiene, and SIGTERM as a bounded drain.
 
-uvicorn alone leaves a client that sends half a header connected forever (its keep-alive timer
-runs only between requests, and its first byte of a request cancels it), has no body timeout,
-no cap on open connections (``limit_concurrency`` answers 503 only once a request's head has
-arrived, so idle sockets still pile up until descriptors run out), and answers a malformed
-request in ``text/plain``. Rather than change servers (Hypercorn and Granian have header
-timeouts but not all of the rest, and the app, the drain and the tests are uvicorn's), the
-missing pieces are added at the layer that owns them: the protocol (below) for the head of a
-request and the connection count, the gate (``app.py``) for the body.
-
-Per connection (``guarded_protocol``), around uvicorn's own HTTP protocol (httptools or h11):
-
-* ``header_timeout``: from the connection's start, and again after each response on a kept-alive
-  connection, the head of the next request must arrive within this many seconds, else 408 and
-  close (nginx's ``client_header_timeout``);
-* a head still arriving may take at most ``MAX_HEAD_BYTES`` (431 past it; h11's own limit,
-  which httptools lacks; a head that arrived whole is measured by the gate);
-* ``max_connections`` open at once (kept under the process's descriptor limit): one more is
-  closed as soon as it is accepted, with one log line per ``LOG_EVERY_S`` at most, so running
-  out of descriptors never happens and never floods the log (nginx's ``worker_connections``);
-* a malformed request (bad syntax, duplicate ``Content-Length``) is answered with the JSON
-  error shape.
+uvicorn lacks a header timeout, a body timeout and a connection cap, and answers malformed HTTP
+in ``text/plain``. Rather than change servers (Hypercorn and Granian have header timeouts but
+not all of the rest, and the app, the drain and the tests are uvicorn's), the missing pieces are
+added at the layer that owns them: the protocol (``protocol.py``) for the head of a request and
+the connection count, the gate (``app.py``) for the body. Here: the uvicorn configuration, the
+connection cap kept under the process's descriptor limit, repeated log lines kept to one per
+10 s, and the drain.
 
 Idle keep-alive connections close after ``keepalive_timeout`` (uvicorn's ``timeout_keep_alive``).
 
@@ -41,141 +27,12 @@ import threading
 import time
 
 from .config import MAX_HEAD_BYTES, ServeConfig
-from .errors import error_bytes
+from .protocol import LOG_EVERY_S, guarded_protocol, uvicorn_http_protocol
 
 log = logging.getLogger("acarerank.server")
 
-LOG_EVERY_S = 10.0               # at most one "connection cap reached" line per this many seconds
 FD_RESERVE = 128                 # descriptors kept for everything but client connections (model files, pools, logs)
 SHUTDOWN_GRACE_S = 1.0           # after the drain deadline: time for the 503s to be written
-HEAD_GRACE_S = 0.1               # a head timer that fires gets this long for bytes already received
-
-
-def _raw_error(status: int, reason: str, message: str) -> bytes:
-    """A complete HTTP/1.1 error response with the JSON error body; the connection closes after it."""
-    body = error_bytes(status, message)
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"connection: close\r\n\r\n").encode() + body
-
-
-class _RateLimited:
-    """One log line per ``every`` seconds, with the count of events since the last line."""
-
-    def __init__(self, every: float = LOG_EVERY_S):
-        self.every = every
-        self.last = -float("inf")
-        self.count = 0
-
-    def __call__(self, message: str) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            log.warning("%s (%d since the last such line)", message, self.count)
-            self.last, self.count = now, 0
-
-
-def guarded_protocol(base, config: ServeConfig):
-    """A subclass of uvicorn's HTTP protocol ``base`` with the module docstring's limits."""
-    refused_log = _RateLimited()
-
-    class GuardedHTTP(base):
-        _refused = False
-        _head_timer = None
-        _head_for = None       # the request cycle that was current when the timer was armed
-        _head_bytes = 0
-        _head_grace = False
-        _keepalive_grace = False
-
-        def connection_made(self, transport):
-            if len(self.server_state.connections) >= config.max_connections:
-                self._refused = True
-                refused_log(f"{config.max_connections} connections open (--max-connections): closing new ones")
-                transport.abort()
-                return
-            super().connection_made(transport)
-            self._arm_head_timer()
-
-        def connection_lost(self, exc):
-            if self._refused:
-                return
-            self._cancel_head_timer()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            waiting = self._head_timer is not None
-            super().data_received(data)
-            if not waiting:
-                return
-            if self.cycle is not self._head_for:   # a request's head arrived
-                self._cancel_head_timer()
-                return
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
-                self._cancel_head_timer()
-                self.transport.write(_raw_error(431, "Request Header Fields Too Large",
-                                                f"request line and headers exceed {MAX_HEAD_BYTES} bytes"))
-                self.transport.close()
-
-        def on_response_complete(self) -> None:
-            self._keepalive_grace = False
-            super().on_response_complete()
-            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
-                self._arm_head_timer()   # kept alive: the next head has header_timeout seconds
-
-        def timeout_keep_alive_handler(self) -> None:
-            if not self._keepalive_grace:   # the same grace as the head timer's (_head_timed_out)
-                self._keepalive_grace = True
-                self.timeout_keep_alive_task = self.loop.call_later(HEAD_GRACE_S, self.timeout_keep_alive_handler)
-                return
-            super().timeout_keep_alive_handler()
-
-        def send_400_response(self, msg: str) -> None:
-            self._cancel_head_timer()
-            self.transport.write(_raw_error(400, "Bad Request", f"malformed HTTP request: {msg} (e.g. bad syntax, "
-                                                                "a duplicate Content-Length, headers over "
-                                                                f"{MAX_HEAD_BYTES} bytes)"))
-            self.transport.close()
-
-        def _arm_head_timer(self) -> None:
-            self._cancel_head_timer()
-            self._head_for = self.cycle
-            self._head_bytes = 0
-            self._head_grace = False
-            self._head_timer = self.loop.call_later(config.header_timeout, self._head_timed_out)
-
-        def _cancel_head_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_timed_out(self) -> None:
-            self._head_timer = None
-            if self.transport.is_closing() or self.cycle is not self._head_for:
-                return
-            if not self._head_grace:
-                # After a stall of the event loop, a timer can run before the reads that were
-                # due first (libuv runs timers before polling): one more short wait lets bytes
-                # that already arrived be parsed before the connection is judged.
-                self._head_grace = True
-                self._head_timer = self.loop.call_later(HEAD_GRACE_S, self._head_timed_out)
-                return
-            if self._head_bytes:   # part of a head arrived: say why (nginx answers 408 too)
-                self.transport.write(_raw_error(408, "Request Timeout", f"request headers not received within "
-                                                f"{config.header_timeout:g} s (--header-timeout)"))
-            self.transport.close()
-
-    return GuardedHTTP
-
-
-def _uvicorn_http_protocol():
-    """uvicorn's "auto" choice: httptools when installed, else h11."""
-    try:
-        import httptools  # noqa: F401
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-        return HttpToolsProtocol
-    except ImportError:
-        from uvicorn.protocols.http.h11_impl import H11Protocol
-        return H11Protocol
 
 
 def fit_connections_to_descriptors(config: ServeConfig) -> ServeConfig:
@@ -227,7 +84,7 @@ def uvicorn_config(app, config: ServeConfig):
     logging.getLogger("asyncio").addFilter(_OncePerInterval())
     logging.getLogger("uvicorn.error").addFilter(_OncePerInterval(only={"Invalid HTTP request received."}))
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                          http=guarded_protocol(_uvicorn_http_protocol(), config),
+                          http=guarded_protocol(uvicorn_http_protocol(), config),
                           h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
                           timeout_keep_alive=config.keepalive_timeout,
                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
