@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from acarerank import PointwiseReranker, SetwiseReranker
 from acarerank.server import RerankService, create_app
+from acarerank.server.service import LARGE_REQUEST_CHARS
 from serve_util import thread_server, tiny_model
 
 KEY = "test-key"
@@ -384,3 +385,54 @@ def test_prefix_cache_hits_within_a_salt_only(servers):
     assert call("second sub-query", "tenant-y") == 0
     after = metrics(base)
     assert after[("acarerank_prefix_cache_hit_tokens_total", ())] > before[("acarerank_prefix_cache_hit_tokens_total", ())]
+
+
+def test_large_requests_leave_a_tokenizer_worker(servers):
+    """Two large requests tokenizing at once never hold both tokenizer workers: the second waits
+    for the large lane, and a small request arriving meanwhile is answered at once."""
+    base, main, rr = servers["base"], servers["main"], servers["rr"]
+    release, inside = threading.Event(), []
+    encode = main._encode
+
+    def held_encode(request, *args):
+        if request.query.startswith("large"):
+            inside.append(request.query)
+            assert release.wait(60), "test never released the large requests"
+        return encode(request, *args)
+
+    main._encode, main.large_request_chars = held_encode, 1000
+    out = {}
+    large = [threading.Thread(target=lambda k=k: out.setdefault(k, httpx.post(
+        base + "/v1/rerank", headers=AUTH, timeout=120,
+        json=dict(query=f"large {k}", documents=["tutor hint " * 150])))) for k in range(2)]
+    try:
+        for t in large:
+            t.start()
+        deadline = time.monotonic() + 30
+        while not inside and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)   # time for the second large request to take a worker, if it could
+        r = httpx.post(base + "/v1/rerank", headers=AUTH, timeout=10, json=dict(query="small", documents=["a", "b"]))
+        assert r.status_code == 200, r.text
+        assert_scores(by_index(r.json()["results"]), rr.score("small", ["a", "b"]), "small beside large")
+        assert len(inside) == 1, f"{len(inside)} large requests tokenizing at once with 2 workers"
+    finally:
+        release.set()
+        for t in large:
+            t.join(120)
+        del main._encode
+        main.large_request_chars = LARGE_REQUEST_CHARS
+    for k in range(2):
+        assert out[k].status_code == 200, out[k].text
+        assert_scores(by_index(out[k].json()["results"]), rr.score(f"large {k}", ["tutor hint " * 150]), f"large {k}")
+
+
+def test_openapi_documents_the_request_bodies(servers):
+    """The handlers parse their bodies themselves (off the event loop); /openapi.json still shows them."""
+    spec = httpx.get(servers["base"] + "/openapi.json", headers=AUTH, timeout=10).json()
+    schemas = spec["components"]["schemas"]
+    for path, model in (("/v1/rerank", "RerankRequest"), ("/rerank", "RerankRequest"), ("/v1/select", "SelectRequest")):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model}", (path, ref)
+    assert {"query", "documents", "texts", "cache_salt", "top_n"} <= set(schemas["RerankRequest"]["properties"])
+    assert "TextDocument" in schemas and schemas["SelectRequest"]["required"] == ["query", "documents"]

@@ -32,7 +32,8 @@ def ray_app(tmp_path_factory):
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(model=path, num_replicas=2, max_batch_tokens=256), name="acarerank", route_prefix="/",
+        serve.run(build_app(model=path, num_replicas=2, max_batch_tokens=256, dtype="float32"), name="acarerank",
+                  route_prefix="/",
                   blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_until(base + "/ready", timeout=240)

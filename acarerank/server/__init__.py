@@ -3,14 +3,29 @@
 
 Layers, each knowing only the one below:
 
-- ``app.py``      FastAPI routes, the gate (drain / API key / body size), errors, /metrics
+- ``config.py``   ``ServeConfig``: every option and its default (stdlib only; the CLI parses into it)
+- ``build.py``    ``build_service(config)``: the model on its thread, the service over it
+- ``front.py``    the HTTP front (uvicorn): its configuration, the descriptor limit, SIGTERM drain
+- ``protocol.py`` per connection: header timeout, head size, connection cap, JSON for malformed HTTP
+- ``app.py``      FastAPI routes, the gate (drain / API key / admission / body), parsing, errors, /metrics
 - ``service.py``  checks, admission (429), tokenization pool, waiting on the engine, responses
 - ``engine.py``   the scheduler thread that owns the model: continuous batching of documents
 - the step API    ``PointwiseReranker.encode / acquire_prefix / score_segments / release_prefix /
                   cache_stats`` (the prefix cache shared by all requests, kept apart by cache_salt)
 - ``ray_serve.py`` the same service as Ray Serve replicas, routed by context for cache hits
-"""
-from .app import GateState, create_app
-from .service import RerankService
 
-__all__ = ["GateState", "RerankService", "create_app"]
+Names are imported on first use (``from acarerank.server import create_app`` loads FastAPI then,
+``import acarerank.server.config`` does not).
+"""
+import importlib
+
+_LAZY = {"GateState": ".app", "create_app": ".app", "RerankService": ".service", "ServeConfig": ".config",
+         "build_service": ".build"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

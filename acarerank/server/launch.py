@@ -37,13 +37,15 @@ def wait_until(url: str, status: int = 200, timeout: float = STARTUP_TIMEOUT_S, 
 
 
 @contextlib.contextmanager
-def serve_subprocess(*cli_args: str, timeout: float = STARTUP_TIMEOUT_S, omp_threads: Optional[int] = 1):
+def serve_subprocess(*cli_args: str, timeout: float = STARTUP_TIMEOUT_S, omp_threads: Optional[int] = 1,
+                     preexec_fn=None):
     """``acarerank serve CLI_ARGS`` on a free port; yields (base URL, Popen) once /ready; always stopped.
 
     omp_threads: the server's OMP_NUM_THREADS unless the caller's environment sets it — 1 for
     tests (a test process and a server on 2 cores would oversubscribe); None = torch's default
     (all cores), which a benchmark needs to compare the server with offline scoring fairly.
-    The server's output goes to a temporary file and is shown if startup fails.
+    The server's output goes to a temporary file, shown if startup fails and readable meanwhile
+    as ``proc.output()``. preexec_fn: run in the child before it starts (e.g. a resource limit).
     """
     port = free_port()
     env = dict(os.environ)
@@ -52,7 +54,13 @@ def serve_subprocess(*cli_args: str, timeout: float = STARTUP_TIMEOUT_S, omp_thr
     log = tempfile.TemporaryFile(mode="w+")
     cmd = [sys.executable, "-c", "import sys; from acarerank.cli import main; sys.exit(main())", "serve",
            "--port", str(port), *cli_args]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
+
+    def output() -> str:
+        log.seek(0)
+        return log.read()
+
+    proc.output = output
     base = f"http://127.0.0.1:{port}"
     try:
         try:

@@ -27,11 +27,13 @@ from typing import Optional
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from .app import DEFAULT_MAX_BODY_BYTES, create_app
+from .app import create_app
+from .build import build_service
+from .config import DEFAULT_MAX_QUEUE, ServeConfig
+from .disconnect import wait_or_drop
 from .errors import APIError, error_body
 from .metrics import ServerMetrics
 from .schemas import RerankRequest, SelectRequest
-from .service import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DISCONNECT_POLL_S, ClientGone
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 REPLICA_HEADER = "x-acarerank-replica"
@@ -52,20 +54,10 @@ async def _never_disconnected() -> bool:
 @serve.deployment(request_router_config=RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER),
                   max_ongoing_requests=DEFAULT_MAX_QUEUE)
 class RerankReplica:
-    """One engine. Args as ``acarerank serve`` (``model`` None: the embedded random default)."""
+    """One engine, as ``config`` asks (the same ``ServeConfig`` as ``acarerank serve``)."""
 
-    def __init__(self, model: Optional[str] = None, dtype: str = "float32", device: str = "cpu",
-                 backend: Optional[str] = None, max_length: int = 8192, max_batch_tokens: Optional[int] = None,
-                 max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
-                 tokenize_workers: int = 2, cache_budget: Optional[int] = None):
-        import argparse
-
-        from ..cli.serve import build_service
-
-        args = argparse.Namespace(model=model, dtype=dtype, device=device, backend=backend, max_length=max_length,
-                                  max_batch_tokens=max_batch_tokens, max_queue=max_queue, max_documents=max_documents,
-                                  tokenize_workers=tokenize_workers, cache_budget=cache_budget)
-        self.service = build_service(args).start(warmup=True)
+    def __init__(self, config: ServeConfig):
+        self.service = build_service(config).start(warmup=True)
         self.replica = serve.get_replica_context().replica_id.unique_id
 
     async def call(self, method: str, body: dict):
@@ -116,19 +108,7 @@ class RemoteService:
         async def result():
             return await response
 
-        task = asyncio.ensure_future(result())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await is_disconnected():
-                    response.cancel()
-                    raise ClientGone()
-        except asyncio.CancelledError:
-            response.cancel()
-            raise
-        status, body, extra = task.result()
+        status, body, extra = await wait_or_drop(asyncio.ensure_future(result()), is_disconnected, response.cancel)
         if status != 200:
             raise APIError(status, body["error"]["message"], headers=extra, type=body["error"]["type"])
         if headers is not None:
@@ -141,24 +121,23 @@ class RemoteService:
 class RerankIngress:
     """The HTTP front (``app.py``) of a set of ``RerankReplica``."""
 
-    def __init__(self, replicas, api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(self, replicas, config: ServeConfig):
         self.replicas = replicas
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.config = config
 
     async def __serve_build_asgi_app__(self):
         name = await self.replicas.model_name.remote()
-        return create_app(RemoteService(self.replicas, name), api_key=self.api_key,
-                          max_body_bytes=self.max_body_bytes)
+        return create_app(RemoteService(self.replicas, name), self.config)
 
 
 def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_options: Optional[dict] = None,
-              api_key: Optional[str] = None, ingress_replicas: int = 1, **engine_kw):
+              ingress_replicas: int = 1, **options):
     """The bound application: ``ingress_replicas`` HTTP fronts over ``num_replicas`` engines.
 
     replica_options: Ray actor options of each engine replica (e.g. ``{"num_gpus": 1}``).
-    engine_kw: ``RerankReplica`` arguments (dtype, device, max_batch_tokens, max_queue, ...).
+    options: ``ServeConfig`` fields (dtype, device, max_batch_tokens, max_queue, api_key, limits, ...),
+    the same defaults as ``acarerank serve``; host, port and the connection timeouts are Ray's.
     """
-    replicas = RerankReplica.options(num_replicas=num_replicas, ray_actor_options=replica_options or {}).bind(
-        model=model, **engine_kw)
-    return RerankIngress.options(num_replicas=ingress_replicas).bind(replicas, api_key=api_key)
+    config = ServeConfig(model=model, **options)
+    replicas = RerankReplica.options(num_replicas=num_replicas, ray_actor_options=replica_options or {}).bind(config)
+    return RerankIngress.options(num_replicas=ingress_replicas).bind(replicas, config)

@@ -18,27 +18,29 @@ errors) and the scheduler (``engine.py``, which owns the model):
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import math
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Awaitable, Callable, Optional
 
 from ..pointwise import ScoreRequest
+from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE
+from .disconnect import DISCONNECT_POLL_S, ClientGone, wait_or_drop  # noqa: F401 (re-exported)
 from .engine import Engine, EngineStopped
 from .errors import APIError
 from .metrics import ServerMetrics
 from .schemas import RerankRequest, SelectRequest
 
-DEFAULT_MAX_QUEUE = 512          # TEI's default max_concurrent_requests
-DEFAULT_MAX_DOCUMENTS = 1000     # Cohere's recommended ceiling per request
-DISCONNECT_POLL_S = 0.1          # how often a waiting request checks that its client is still there
 DOCS_PER_SEARCH_UNIT = 100       # Cohere bills one search unit per query with up to 100 documents
+#: a request of more characters is "large": large requests share tokenize_workers - 1 workers,
+#: so one worker is always left for the small ones (a 32 MB body tokenizes for seconds)
+LARGE_REQUEST_CHARS = 256 * 1024
 
-
-class ClientGone(Exception):
-    """The client disconnected while its request waited; nothing is sent back."""
+#: set while the current request holds an admission slot (taken by the HTTP gate before it reads the body)
+_holding_slot = contextvars.ContextVar("acarerank_holding_slot", default=False)
 
 
 class RerankService:
@@ -75,6 +77,8 @@ class RerankService:
                              model_thread=model_thread)
         self.model_thread = model_thread
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
+        self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))
+        self.large_request_chars = LARGE_REQUEST_CHARS
         self._lock = threading.Lock()
         self._admitted = 0
         self.ready = False
@@ -100,18 +104,26 @@ class RerankService:
     def admitted(self) -> int:
         return self._admitted
 
-    @contextmanager
+    @contextlib.contextmanager
     def admit(self):
-        """Hold one of ``max_queue`` slots for the duration of a request, or raise 429."""
+        """Hold one of ``max_queue`` slots for the duration of a request, or raise 429.
+
+        Re-entrant within a request: the HTTP gate admits before reading the body, and the
+        handler's own ``admit`` then holds the same slot."""
+        if _holding_slot.get():
+            yield
+            return
         with self._lock:
             if self._admitted >= self.max_queue:
                 raise APIError(429, f"server busy: {self._admitted} requests in flight (--max-queue "
                                     f"{self.max_queue}); retry later", headers={"Retry-After": "1"})
             self._admitted += 1
             self.metrics.in_flight.set(self._admitted)
+        token = _holding_slot.set(True)
         try:
             yield
         finally:
+            _holding_slot.reset(token)
             with self._lock:
                 self._admitted -= 1
                 self.metrics.in_flight.set(self._admitted)
@@ -141,8 +153,9 @@ class RerankService:
                                    instruction=req.instruction, cache_salt=req.cache_salt)
             loop = asyncio.get_running_loop()
             try:
-                enc = await loop.run_in_executor(self.pool, self._encode, request, req.max_tokens_per_doc,
-                                                 req.truncate)
+                async with self._tokenize_lane(request):
+                    enc = await loop.run_in_executor(self.pool, self._encode, request, req.max_tokens_per_doc,
+                                                     req.truncate)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             try:
@@ -153,6 +166,13 @@ class RerankService:
         if headers is not None:  # TEI's header: milliseconds from admission to the first pass
             headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
         return self._rerank_body(req, docs, result)
+
+    def _tokenize_lane(self, request: ScoreRequest):
+        """What a request waits on before it takes a tokenizer worker: the large lane (at most
+        ``tokenize_workers - 1`` large requests tokenize at once) or nothing."""
+        chars = len(request.query) + sum(map(len, request.documents)) + sum(
+            len(x) for x in (request.question, request.trace, request.instruction) if x)
+        return self._large_lane if chars > self.large_request_chars else contextlib.nullcontext()
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
         """Tokenize (pool thread); apply ``truncate=false`` and ``max_tokens_per_doc``."""
@@ -176,20 +196,9 @@ class RerankService:
 
     async def _wait(self, job, is_disconnected: Callable[[], Awaitable[bool]]):
         """The job's result; drops the job (ClientGone) if the client disconnects first."""
-        fut = asyncio.wrap_future(job.future)
         try:
-            while True:
-                done, _ = await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await is_disconnected():
-                    self.engine.cancel(job)
-                    raise ClientGone()
-        except asyncio.CancelledError:
-            self.engine.cancel(job)
-            raise
-        try:
-            return fut.result()
+            return await wait_or_drop(asyncio.wrap_future(job.future), is_disconnected,
+                                      lambda: self.engine.cancel(job))
         except EngineStopped as e:
             raise APIError(503, f"server shutting down: {e}") from None
         except (ValueError, TypeError) as e:  # input the model call refused (e.g. a setwise prompt)

@@ -1,0 +1,64 @@
+"""``build_service(config)``: the ``RerankService`` a ``ServeConfig`` asks for, used by the CLI
+and the Ray Serve replicas alike (nothing here imports ``acarerank.cli``).
+
+The model is built on the thread that will run it (``model_thread.py``: one OpenMP team for
+all model work), and the setwise reranker shares its weights (``/v1/select``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from .config import ServeConfig
+
+
+def model_name(config: ServeConfig) -> str:
+    """The name every response carries; the embedded default says its weights are random."""
+    if config.model:
+        return os.path.basename(os.path.normpath(config.model))
+    from ..model.default import DEFAULT_PRESET
+
+    return f"acarerank-default-RANDOM-WEIGHTS-{DEFAULT_PRESET}-scores-carry-no-meaning"
+
+
+def build_rerankers(config: ServeConfig):
+    """(pointwise, setwise on the same weights) as ``config`` asks; notes on stderr say the dtype
+    and, for the embedded default, that its scores carry no meaning."""
+    from ..hardware import resolve_dtype
+    from ..ops import parse_preference
+    from ..pointwise import PointwiseReranker
+    from ..setwise import SetwiseReranker
+
+    dtype, why = resolve_dtype(config.dtype, config.device)
+    print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
+    backend = parse_preference(config.backend, "--backend")
+    kw = dict(max_length=config.max_length, backend=backend,
+              max_batch_tokens=config.max_batch_tokens)  # the reranker's own passes match the engine's
+    if config.cache_budget is not None:
+        kw["cache_budget_tokens"] = config.cache_budget
+    if config.model:
+        rr = PointwiseReranker.from_pretrained(config.model, dtype=dtype, device=config.device, **kw)
+    else:
+        from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
+
+        print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
+        rr = PointwiseReranker(model=build_default_model(dtype=dtype, device=config.device), **kw)
+    # The setwise endpoint decodes on the same weights and the same scheduler thread.
+    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=rr.backend)
+    return rr, sr
+
+
+def build_service(config: ServeConfig):
+    """The ``RerankService`` of ``config`` (not started), its model built on its ``ModelThread``."""
+    from .model_thread import ModelThread
+    from .service import RerankService
+
+    mt = ModelThread()
+    try:
+        rr, sr = mt.call(build_rerankers, config)
+    except BaseException:
+        mt.shutdown()
+        raise
+    return RerankService(rr, model_name(config), setwise=sr, max_batch_tokens=rr.max_batch_tokens,
+                         max_queue=config.max_queue, max_documents=config.max_documents,
+                         tokenize_workers=config.tokenize_workers, model_thread=mt)

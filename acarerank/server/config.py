@@ -1,0 +1,125 @@
+"""Every option of ``acarerank serve`` in one place, with its default (vLLM's ``EngineArgs`` is
+the model): the CLI, the Ray Serve deployment and the tests all build a ``ServeConfig``.
+
+Standard library only: the CLI parser imports this module, and ``acarerank --help`` must not
+import torch or FastAPI.
+
+    parser = argparse.ArgumentParser()
+    ServeConfig.add_cli_args(parser)
+    config = ServeConfig.from_cli_args(parser.parse_args())
+    service = build_service(config)            # acarerank.server.build
+
+The limits and timeouts and how they compare with TEI's and nginx's defaults: README,
+"Serving over HTTP".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024   # 1,000 documents of ~32 kB each
+DEFAULT_MAX_QUEUE = 512                      # TEI's default max_concurrent_requests
+DEFAULT_MAX_DOCUMENTS = 1000                 # Cohere's recommended ceiling per request
+MAX_HEAD_BYTES = 16 * 1024                   # request line + headers: h11's default (nginx: 4 x 8 kB buffers)
+
+
+def _opt(help: str, **kw):
+    """A field whose metadata carries its ``--flag`` help (and argparse extras: choices, type)."""
+    default = kw.pop("default")
+    return field(default=default, metadata=dict(help=help, **kw))
+
+
+@dataclass
+class ServeConfig:
+    """What one server (one model, one engine, one HTTP front) runs with. Field ``x_y`` is flag ``--x-y``."""
+
+    # -- the model
+    model: Optional[str] = _opt("HF checkpoint folder; default: the embedded random-weight model", default=None)
+    dtype: str = _opt("auto: bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32", default="auto",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("torch device of the model", default="cpu")
+    backend: Optional[str] = _opt("backend preference: torch | triton | cpp | cuda, or per op: "
+                                  "attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)",
+                                  default=None)
+    max_length: int = _opt("token cap per document prompt", default=8192)
+    # -- the engine
+    max_batch_tokens: Optional[int] = _opt("segment tokens per packed pass (default: 2,048 on CPU, 16,384 on GPU)",
+                                           default=None, type=int)
+    cache_budget: Optional[int] = _opt("prefix-cache budget in tokens (needs a reranker with a prefix cache)",
+                                       default=None, type=int)
+    tokenize_workers: int = _opt("threads of the tokenization pool (one request uses at most one)", default=2)
+    # -- admission and per-request limits
+    max_queue: int = _opt("requests admitted and unanswered at once; one more gets 429 (before its body is read)",
+                          default=DEFAULT_MAX_QUEUE)
+    max_documents: int = _opt("documents per request; more gets 413", default=DEFAULT_MAX_DOCUMENTS)
+    max_body_bytes: int = _opt("request body cap in bytes (413)", default=DEFAULT_MAX_BODY_BYTES)
+    max_request_chars: int = _opt("characters of query, question, trace, instruction and documents together "
+                                  "per request (413)", default=4_000_000)
+    max_salt_chars: int = _opt("characters of a cache_salt (422): the prefix cache keeps one tree per salt",
+                               default=256)
+    # -- connections (nginx's client_header_timeout / client_body_timeout / keepalive_timeout / worker_connections)
+    header_timeout: float = _opt("seconds a connection may take to send a request's headers, then it is closed",
+                                 default=60.0)
+    body_timeout: float = _opt("seconds a request may take to send its whole body, then 408", default=60.0)
+    keepalive_timeout: float = _opt("seconds an idle keep-alive connection stays open", default=5.0)
+    max_connections: int = _opt("open client connections at once; more are closed at once (kept under the "
+                                "process's file-descriptor limit)", default=1024)
+    # -- the HTTP front
+    host: str = _opt("address to listen on", default="127.0.0.1")
+    port: int = _opt("port to listen on", default=8000)
+    api_key: Optional[str] = _opt("require 'Authorization: Bearer KEY'; unset: $ACARERANK_API_KEY, else open",
+                                  default=None)
+    trust_cache: bool = _opt("report usage.cached_tokens to requests without a cache_salt (all callers trust "
+                             "each other; README, 'Tenancy')", default=False)
+    drain_timeout: float = _opt("seconds SIGTERM waits for in-flight requests; then they get 503 and the "
+                                "process exits", default=30.0)
+    log_level: str = _opt("uvicorn's log level", default="info",
+                          choices=("critical", "error", "warning", "info", "debug", "trace"))
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """ValueError naming the flag for a value no server can run with (no import beyond stdlib)."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None or f.type in ("str", "Optional[str]", "bool"):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{_flag(f.name)} must be a number, got {v!r}")
+            if f.type == "int" or f.type == "Optional[int]":
+                if not isinstance(v, int):
+                    raise ValueError(f"{_flag(f.name)} must be an integer, got {v!r}")
+                if v < 1 and f.name != "port":
+                    raise ValueError(f"{_flag(f.name)} must be >= 1, got {v}")
+            elif not v > 0:
+                raise ValueError(f"{_flag(f.name)} must be > 0 seconds, got {v}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+
+    # -- the command line ----------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One ``--flag`` per field, its default and help from the field."""
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            help = meta.pop("help")
+            if f.type == "bool":
+                parser.add_argument(_flag(f.name), action="store_true", default=f.default, help=help)
+                continue
+            kind = meta.pop("type", None) or {"int": int, "float": float}.get(f.type, str)
+            parser.add_argument(_flag(f.name), type=kind, default=f.default, help=help, **meta)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServeConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def replace(self, **changes) -> "ServeConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -1,0 +1,32 @@
+"""Waiting for work while watching the client: the one polling loop of the service and the Ray front."""
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+DISCONNECT_POLL_S = 0.1          # how often a waiting request checks that its client is still there
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited; nothing is sent back."""
+
+
+async def wait_or_drop(fut: asyncio.Future, is_disconnected: Callable[[], Awaitable[bool]],
+                       drop: Callable[[], None], poll_s: float = DISCONNECT_POLL_S):
+    """``await fut``, checking ``is_disconnected()`` every ``poll_s`` seconds meanwhile.
+
+    If the client leaves first, ``drop()`` (give up the work) and raise ``ClientGone``; if this
+    task is cancelled (shutdown, drain deadline), ``drop()`` and re-raise. Otherwise ``fut``'s
+    result (or exception).
+    """
+    try:
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=poll_s)
+            if done:
+                return fut.result()
+            if await is_disconnected():
+                drop()
+                raise ClientGone()
+    except asyncio.CancelledError:
+        drop()
+        raise

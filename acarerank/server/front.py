@@ -1,0 +1,163 @@
+"""The HTTP front: uvicorn with nginx-like connection hygiene, and SIGTERM as a bounded drain.
+
+uvicorn lacks a header timeout, a body timeout and a connection cap, and answers malformed HTTP
+in ``text/plain``. Rather than change servers (Hypercorn and Granian have header timeouts but
+not all of the rest, and the app, the drain and the tests are uvicorn's), the missing pieces are
+added at the layer that owns them: the protocol (``protocol.py``) for the head of a request and
+the connection count, the gate (``app.py``) for the body. Here: the uvicorn configuration, the
+connection cap kept under the process's descriptor limit, repeated log lines kept to one per
+10 s, and the drain.
+
+Idle keep-alive connections close after ``keepalive_timeout`` (uvicorn's ``timeout_keep_alive``).
+
+SIGTERM (``DrainingServer``): ``/ready`` and new API requests answer 503 at once; requests in
+flight get up to ``drain_timeout`` seconds, then each one still running is answered 503 and its
+work dropped; then uvicorn closes every connection (a client still sending a body included) and
+the process exits. SIGINT (Ctrl+C) is uvicorn's usual graceful stop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+
+from .config import MAX_HEAD_BYTES, ServeConfig
+from .protocol import LOG_EVERY_S, guarded_protocol, uvicorn_http_protocol
+
+log = logging.getLogger("acarerank.server")
+
+FD_RESERVE = 128                 # descriptors kept for everything but client connections (model files, pools, logs)
+SHUTDOWN_GRACE_S = 1.0           # after the drain deadline: time for the 503s to be written
+
+
+def fit_connections_to_descriptors(config: ServeConfig) -> ServeConfig:
+    """Raise the soft descriptor limit toward ``max_connections + FD_RESERVE`` (up to the hard
+    limit); if it still falls short, lower ``max_connections`` to fit and say so in one line."""
+    want = config.max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < want:
+        fit = soft - FD_RESERVE
+        if fit < 1:
+            raise ValueError(f"the descriptor limit ({soft}, ulimit -n) leaves no room for client connections")
+        print(f"acarerank serve: --max-connections {config.max_connections} lowered to {fit} to stay under the "
+              f"descriptor limit ({soft}, ulimit -n)", file=sys.stderr)
+        config = config.replace(max_connections=fit)
+    return config
+
+
+class _OncePerInterval(logging.Filter):
+    """Drops repeats of one log message within ``every`` seconds (asyncio's accept errors, uvicorn's
+    line per malformed request); ``only``: the messages it applies to (None: all)."""
+
+    def __init__(self, every: float = LOG_EVERY_S, only=None):
+        super().__init__()
+        self.every = every
+        self.only = only
+        self.seen = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.only is not None and record.msg not in self.only:
+            return True
+        key = (record.name, record.msg)
+        now = time.monotonic()
+        if now - self.seen.get(key, -float("inf")) < self.every:
+            return False
+        self.seen[key] = now
+        return True
+
+
+def uvicorn_config(app, config: ServeConfig):
+    import uvicorn
+
+    logging.getLogger("asyncio").addFilter(_OncePerInterval())
+    logging.getLogger("uvicorn.error").addFilter(_OncePerInterval(only={"Invalid HTTP request received."}))
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
+                          http=guarded_protocol(uvicorn_http_protocol(), config),
+                          h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
+                          timeout_keep_alive=config.keepalive_timeout,
+                          timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    # the server's own lines (drain, uploads cut short, the connection cap) go where uvicorn's go
+    ours = logging.getLogger("acarerank.server")
+    ours.handlers = logging.getLogger("uvicorn").handlers
+    ours.setLevel(logging.getLogger("uvicorn.error").getEffectiveLevel())
+    ours.propagate = False
+    return uv
+
+
+class DrainingServer:
+    """uvicorn's Server with SIGTERM turned into a bounded drain (module docstring)."""
+
+    def __new__(cls, uv_config, state, drain_timeout: float):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            async def serve(self, sockets=None):
+                self.loop = asyncio.get_running_loop()
+                await super().serve(sockets)
+
+            def handle_exit(self, sig, frame):
+                if sig == signal.SIGTERM and not state.draining:
+                    state.draining = True
+                    threading.Thread(target=self._drain, name="acarerank-drain", daemon=True).start()
+                    return
+                super().handle_exit(sig, frame)
+
+            def _drain(self):
+                deadline = time.monotonic() + drain_timeout
+                while state.in_flight > 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if state.in_flight > 0:
+                    log.warning("drain: %d request(s) still in flight after %g s (--drain-timeout): answering 503",
+                                state.in_flight, drain_timeout)
+                    self.loop.call_soon_threadsafe(state.expire)
+                    grace = time.monotonic() + SHUTDOWN_GRACE_S
+                    while state.in_flight > 0 and time.monotonic() < grace:
+                        time.sleep(0.02)
+                self.should_exit = True
+
+        return _Server(uv_config)
+
+
+def run_server(service, config: ServeConfig, api_key=None) -> None:
+    """Serve ``service`` (started) over HTTP until SIGTERM/SIGINT, then stop it, bounded in time."""
+    from .app import GateState, create_app
+
+    config = fit_connections_to_descriptors(config)
+    state = GateState()
+    app = create_app(service, config, api_key=api_key, state=state)
+    server = DrainingServer(uvicorn_config(app, config), state, config.drain_timeout)
+    try:
+        server.run()
+    finally:
+        app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
+        _stop_bounded(service, SHUTDOWN_GRACE_S + 1.0)
+
+
+def _stop_bounded(service, timeout: float) -> None:
+    """``service.stop()``; if model work still runs after ``timeout`` seconds (a model call is not
+    interruptible), exit the process now rather than wait for it: the drain deadline is a bound."""
+    service.engine.stop(timeout)
+    service.stop()
+    deadline = time.monotonic() + timeout
+    busy = lambda: [t for t in threading.enumerate()  # noqa: E731
+                    if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    while busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if busy():
+        print(f"acarerank serve: exiting with model work still running ({', '.join(t.name for t in busy())})",
+              file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -1,0 +1,159 @@
+"""Per connection: uvicorn's HTTP protocol (httptools or h11) with nginx-like limits.
+
+uvicorn alone leaves a client that sends half a header connected forever (its keep-alive timer
+runs only between requests, and the first byte of a request cancels it), has no cap on open
+connections (``limit_concurrency`` answers 503 only once a request's head has arrived, so idle
+sockets still pile up until descriptors run out), no head-size limit with httptools, and answers
+a malformed request in ``text/plain``. ``guarded_protocol`` adds, around uvicorn's own protocol:
+
+* ``header_timeout``: from the connection's start, and again after each response on a kept-alive
+  connection, the head of the next request must arrive within this many seconds, else 408 (when
+  part of a head arrived) and close (nginx's ``client_header_timeout``);
+* a head still arriving may take at most ``MAX_HEAD_BYTES`` (431 past it; h11's own limit,
+  which httptools lacks; a head that arrived whole is measured by the gate, ``app.py``);
+* ``max_connections`` open at once: one more is closed as soon as it is accepted, with one log
+  line per ``LOG_EVERY_S`` at most (nginx's ``worker_connections``);
+* a malformed request (bad syntax, duplicate ``Content-Length``) is answered with the JSON
+  error shape;
+* a timer that fires after a stall of the event loop gives bytes already received
+  ``HEAD_GRACE_S`` more before the connection is closed (uvicorn's keep-alive timer too).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .config import MAX_HEAD_BYTES, ServeConfig
+from .errors import error_bytes
+
+log = logging.getLogger("acarerank.server")
+
+LOG_EVERY_S = 10.0               # at most one "connection cap reached" line per this many seconds
+HEAD_GRACE_S = 0.1               # a head timer that fires gets this long for bytes already received
+
+
+def _raw_error(status: int, reason: str, message: str) -> bytes:
+    """A complete HTTP/1.1 error response with the JSON error body; the connection closes after it."""
+    body = error_bytes(status, message)
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n\r\n").encode() + body
+
+
+class _RateLimited:
+    """One log line per ``every`` seconds, with the count of events since the last line."""
+
+    def __init__(self, every: float = LOG_EVERY_S):
+        self.every = every
+        self.last = -float("inf")
+        self.count = 0
+
+    def __call__(self, message: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            log.warning("%s (%d since the last such line)", message, self.count)
+            self.last, self.count = now, 0
+
+
+def guarded_protocol(base, config: ServeConfig):
+    """A subclass of uvicorn's HTTP protocol ``base`` with the module docstring's limits."""
+    refused_log = _RateLimited()
+
+    class GuardedHTTP(base):
+        _refused = False
+        _head_timer = None
+        _head_for = None       # the request cycle that was current when the timer was armed
+        _head_bytes = 0
+        _head_grace = False
+        _keepalive_grace = False
+
+        def connection_made(self, transport):
+            if len(self.server_state.connections) >= config.max_connections:
+                self._refused = True
+                refused_log(f"{config.max_connections} connections open (--max-connections): closing new ones")
+                transport.abort()
+                return
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def connection_lost(self, exc):
+            if self._refused:
+                return
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            waiting = self._head_timer is not None
+            super().data_received(data)
+            if not waiting:
+                return
+            if self.cycle is not self._head_for:   # a request's head arrived
+                self._cancel_head_timer()
+                return
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self._cancel_head_timer()
+                self.transport.write(_raw_error(431, "Request Header Fields Too Large",
+                                                f"request line and headers exceed {MAX_HEAD_BYTES} bytes"))
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            self._keepalive_grace = False
+            super().on_response_complete()
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._arm_head_timer()   # kept alive: the next head has header_timeout seconds
+
+        def timeout_keep_alive_handler(self) -> None:
+            if not self._keepalive_grace:   # the same grace as the head timer's (_head_timed_out)
+                self._keepalive_grace = True
+                self.timeout_keep_alive_task = self.loop.call_later(HEAD_GRACE_S, self.timeout_keep_alive_handler)
+                return
+            super().timeout_keep_alive_handler()
+
+        def send_400_response(self, msg: str) -> None:
+            self._cancel_head_timer()
+            self.transport.write(_raw_error(400, "Bad Request", f"malformed HTTP request: {msg} (e.g. bad syntax, "
+                                                                "a duplicate Content-Length, headers over "
+                                                                f"{MAX_HEAD_BYTES} bytes)"))
+            self.transport.close()
+
+        def _arm_head_timer(self) -> None:
+            self._cancel_head_timer()
+            self._head_for = self.cycle
+            self._head_bytes = 0
+            self._head_grace = False
+            self._head_timer = self.loop.call_later(config.header_timeout, self._head_timed_out)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing() or self.cycle is not self._head_for:
+                return
+            if not self._head_grace:
+                # After a stall of the event loop, a timer can run before the reads that were
+                # due first (libuv runs timers before polling): one more short wait lets bytes
+                # that already arrived be parsed before the connection is judged.
+                self._head_grace = True
+                self._head_timer = self.loop.call_later(HEAD_GRACE_S, self._head_timed_out)
+                return
+            if self._head_bytes:   # part of a head arrived: say why (nginx answers 408 too)
+                self.transport.write(_raw_error(408, "Request Timeout", f"request headers not received within "
+                                                f"{config.header_timeout:g} s (--header-timeout)"))
+            self.transport.close()
+
+    return GuardedHTTP
+
+
+def uvicorn_http_protocol():
+    """uvicorn's "auto" choice: httptools when installed, else h11."""
+    try:
+        import httptools  # noqa: F401
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        return HttpToolsProtocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+        return H11Protocol

@@ -1,0 +1,70 @@
+"""``--drain-timeout`` is a bound: past it, requests still in flight are answered 503 (their work
+dropped) and the process exits 0, even with a client still sending its body.
+
+One subprocess server (the CLI, a tiny checkpoint, ``--drain-timeout 2``). Three requests of
+1,000 documents each (one document per pass: ``--max-batch-tokens 64``) keep the engine busy far
+past the deadline; a fourth client sends its head and half of its body, then nothing.
+"""
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+
+from serve_util import serve_subprocess, tiny_model
+
+DRAIN = 2.0
+MARGIN = 5.0   # seconds of slack for the exit on a loaded machine
+
+
+def test_drain_deadline_answers_503_and_exits(tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 6 for i in range(1000)]
+    out = {}
+    with serve_subprocess("--model", str(tmp_path), "--dtype", "float32", "--max-batch-tokens", "64",
+                          "--drain-timeout", str(DRAIN)) as (base, proc):
+        port = int(base.rsplit(":", 1)[1])
+
+        def long_request(k):
+            out[k] = httpx.post(base + "/v1/rerank", json=dict(query=f"drain {k}", documents=docs), timeout=120)
+
+        threads = [threading.Thread(target=long_request, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        body = json.dumps(dict(query="slow", documents=["d"])).encode()
+        slow.sendall(f"POST /v1/rerank HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:   # all four admitted (bounded wait)
+            if "acarerank_requests_in_flight 4.0" in httpx.get(base + "/metrics").text:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the four requests were never in flight together")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(DRAIN + MARGIN)
+        took = time.monotonic() - t0
+        assert code == 0, f"server exited with {code}"
+        assert took <= DRAIN + MARGIN, f"exited {took:.1f} s after SIGTERM (--drain-timeout {DRAIN})"
+        assert took >= DRAIN - 0.5, f"exited {took:.1f} s after SIGTERM: before the drain deadline"
+        for t in threads:
+            t.join(30)
+        slow.settimeout(5)
+        answer = b""
+        while True:
+            chunk = slow.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        slow.close()
+    for k in range(3):
+        r = out[k]
+        assert r.status_code == 503, f"request {k}: {r.status_code} {r.text[:200]}"
+        err = r.json()["error"]
+        assert err["code"] == 503 and "drain-timeout" in err["message"], err
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    assert b"drain-timeout" in answer, answer[:400]
