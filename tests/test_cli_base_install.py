@@ -31,13 +31,21 @@ def test_subcommand_help_without_optional_packages(command):
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("argv", [["serve"], ["serve", "--help"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize("argv", [["serve"], ["serve", "--port", "0"]])
 def test_serve_without_the_extras_is_one_line_naming_the_extra(argv):
     r = run_hidden(CLI + argv, hide=SERVE_EXTRAS)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, f"exit {r.returncode}, stderr:\n{r.stderr[-2000:]}"
     assert len(lines) == 1 and "pip install 'acarerank[serve]'" in lines[0], r.stderr[-2000:]
-    assert lines[0].startswith("acarerank serve: error: needs "), lines[0]
+    assert lines[0].startswith("acarerank serve: error: "), lines[0]
+
+
+def test_serve_help_without_the_extras():
+    """The serving options are stdlib-only (ServeConfig), so their help needs no extra."""
+    r = run_hidden(CLI + ["serve", "--help"], hide=SERVE_EXTRAS)
+    assert r.returncode == 0, f"exit {r.returncode}, stderr:\n{r.stderr[-2000:]}"
+    assert "usage: acarerank serve" in r.stdout and "--drain-timeout" in r.stdout, r.stdout[:300]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_score_runs_without_optional_packages(tmp_path):
