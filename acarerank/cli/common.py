@@ -94,20 +94,8 @@ def read_documents(path: str) -> list:
 
 
 def load_reranker(cls, args, **kw):
-    """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask: ``--model`` folder, or the
-    embedded random default with a note on stderr that its output carries no meaning. ``kw``: more
-    constructor arguments."""
-    from ..hardware import resolve_dtype
-    from ..ops import parse_preference
+    """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask (``acarerank.loading``)."""
+    from ..loading import load_reranker as load
 
-    dtype, why = resolve_dtype(args.dtype, args.device)
-    print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
-    backend = parse_preference(args.backend, "--backend")  # "triton" or "attention=triton,yes_no=cuda"
-    if args.model:
-        return cls.from_pretrained(args.model, dtype=dtype, device=args.device, max_length=args.max_length,
-                                   backend=backend, **kw)
-    from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
-
-    print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
-    model = build_default_model(dtype=dtype, device=args.device)
-    return cls(model=model, max_length=args.max_length, backend=backend, **kw)
+    return load(cls, model=args.model, dtype=args.dtype, device=args.device, backend=args.backend,
+                max_length=args.max_length, **kw)

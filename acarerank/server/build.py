@@ -24,25 +24,16 @@ def model_name(config: ServeConfig) -> str:
 def build_rerankers(config: ServeConfig):
     """(pointwise, setwise on the same weights) as ``config`` asks; notes on stderr say the dtype
     and, for the embedded default, that its scores carry no meaning."""
-    from ..hardware import resolve_dtype
-    from ..ops import parse_preference
+    from ..loading import load_reranker
     from ..pointwise import PointwiseReranker
     from ..setwise import SetwiseReranker
 
-    dtype, why = resolve_dtype(config.dtype, config.device)
-    print(f"dtype: {str(dtype).replace('torch.', '')} ({why})", file=sys.stderr)
-    backend = parse_preference(config.backend, "--backend")
-    kw = dict(max_length=config.max_length, backend=backend,
+    kw = dict(max_length=config.max_length,
               max_batch_tokens=config.max_batch_tokens)  # the reranker's own passes match the engine's
     if config.cache_budget is not None:
         kw["cache_budget_tokens"] = config.cache_budget
-    if config.model:
-        rr = PointwiseReranker.from_pretrained(config.model, dtype=dtype, device=config.device, **kw)
-    else:
-        from ..model.default import DEFAULT_PRESET, NO_MEANING, build_default_model
-
-        print(NO_MEANING.format(preset=DEFAULT_PRESET), file=sys.stderr)
-        rr = PointwiseReranker(model=build_default_model(dtype=dtype, device=config.device), **kw)
+    rr = load_reranker(PointwiseReranker, model=config.model, dtype=config.dtype, device=config.device,
+                       backend=config.backend, **kw)
     # The setwise endpoint decodes on the same weights and the same scheduler thread.
     sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=rr.backend)
     return rr, sr
