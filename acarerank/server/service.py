@@ -160,8 +160,9 @@ class RerankService:
         if not truncate:
             cut = [i for i, t in enumerate(enc.doc_truncated) if t]
             if cut:
+                over = ("" if enc.doc_tokens_exact[cut[0]] else "at least ") + str(enc.doc_tokens_dropped[cut[0]])
                 raise ValueError(f"documents[{cut[0]}] does not fit the {enc.max_length}-token input limit "
-                                 f"({enc.doc_tokens_dropped[cut[0]]} tokens over; {len(cut)} document(s) too long) "
+                                 f"({over} tokens over; {len(cut)} document(s) too long) "
                                  f"and truncate is false")
             if enc.trace_tokens_dropped:
                 raise ValueError(f"the trace does not fit the {enc.max_length}-token input limit "

@@ -25,7 +25,10 @@ query and intent are never cut (an error says so if they alone do not fit); no c
 ever dropped; when the candidates do not fit, every document gets the same token budget
 ``b`` -- the largest with ``sum_i min(len_i, b) <= room`` (water-filling: documents shorter
 than ``b`` keep all their tokens and leave the rest to the longer ones) -- and a cut document
-keeps its first ``b`` tokens (its head; the tail goes first, as in Qwen3-Reranker).
+keeps its first ``b`` tokens (its head; the tail goes first, as in Qwen3-Reranker). A document
+longer than ``max_length`` tokens on its own is only tokenized up to one token past it
+(``TextEncoder.user_heads``): every document over ``b`` keeps exactly its first ``b`` tokens either
+way, so the prompt is the one the whole documents give, at the cost of their heads.
 """
 from __future__ import annotations
 
@@ -221,12 +224,18 @@ def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Option
         user = user_prompt(query, docs, intent, max_select)
         return chat_ids(encoder, system, user), chat_text(system, user)
 
-    ids, text = render(documents)
     n = len(documents)
+    heads = None
+    if max_length is not None:
+        # a document over max_length tokens alone is cut whatever else fits: only its head (one
+        # token past max_length, at a provable split: TextEncoder.user_heads) is ever tokenized
+        heads = encoder.user_heads(documents, max_length + 1, offsets=True)
+        documents = [d if complete else d[:offsets[-1][1]] for d, (_, offsets, complete) in zip(documents, heads)]
+    ids, text = render(documents)
     if max_length is None or len(ids) <= max_length:
         return SetwisePrompt(ids, text, n, max_select, None, [False] * n)
 
-    enc = encoder.user_offsets_batch(documents)
+    enc = [(ids, offsets) for ids, offsets, _ in heads]
     lengths = [len(ids) for ids, _ in enc]
     fixed = len(render([""] * n)[0])
     room = max_length - fixed
