@@ -131,3 +131,29 @@ def test_cancelled_selection_releases_its_pages(model, qwen3_tokenizer):
     pc = sr._cache_slot._cache
     assert all(pc.pool.refcount[b] == 1 for b in pc.paths().values())
     assert pc.pool.num_free + len(pc.paths()) == pc.pool.num_blocks, "the cancelled selection kept pages"
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_selection_under_a_cache_too_small_for_it(model, qwen3_tokenizer, constrained):
+    """A cache too small for the prompt (prefill falls back to a private pool) or for the decoded
+    rows (free decoding runs past the prompt's last page: decode restarts privately): the engine
+    and offline select both equal an uncached select."""
+    plain = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=48, prefix_cache=False)
+    docs = passages(10, 7)
+    want = plain.select("which passages?", docs, max_select=4, constrained=constrained)
+    n = want.prompt_tokens - 1
+    room = -(-n // 16) * 16 - n
+    assert constrained or want.num_tokens > room + 1, "decoding never leaves the prompt's pages: proves nothing"
+    for budget in (64, -(-n // 16) * 16):  # < the prompt; exactly the prompt's pages
+        rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_batch_tokens=BUDGET)
+        sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, max_new_tokens=48, cache_budget_tokens=budget)
+        assert sr.select("which passages?", docs, max_select=4, constrained=constrained) == want, budget
+        eng = Engine(rr, BUDGET, select_steps=sr).start()
+        try:
+            enc = sr.encode_select("which passages?", docs, max_select=4, constrained=constrained)
+            got = eng.submit_select(enc).future.result(300)
+        finally:
+            eng.stop()
+        assert got == want, budget
+        pc = sr._cache_slot._cache
+        assert pc.pool.num_free + len(pc.paths()) == pc.pool.num_blocks, "pages left pinned"
