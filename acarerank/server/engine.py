@@ -6,22 +6,24 @@ thread is one pass budget of ``max_batch_tokens`` tokens:
 
 1. takes newly submitted jobs (FIFO) and drops the work of cancelled ones (client gone);
 2. runs at most one queued call job (``submit_call``: any function that needs the model);
-3. advances the oldest selection (setwise, ``submit_select``) by one step: a chunk of its prompt
-   prefill of at most half the budget while scoring work waits (the whole budget otherwise), or
-   one greedy decode step (a few tokens). Selections run one at a time, in arrival order; a
-   selection therefore delays scoring by at most one pass-sized chunk per iteration, never by
-   its whole run;
-4. runs one packed scoring pass of the budget's remaining segment tokens (always at least one
-   segment), in two rounds. Policy "shortest" (the default): first one document of
-   each newly arrived job (so a request that arrives mid-stream joins at the next pass) and of
-   each job no pass moved for ``STARVATION_PASSES`` passes; then documents of the jobs with the
-   fewest remaining documents first (arrival order on ties), so a short request never waits for
-   a long one and a pass holds few requests' prefixes (on the 2-core CPU box the same 16
-   requests of depth 20 all at once took 30.9–33.4 s this way and 34.3–36.0 s with
-   "round_robin", which takes one document of every running job first, then fills in arrival
-   order). A job's prefix is prefilled (``acquire_prefix``) when its first document enters a
-   pass and released as soon as its last document is scored — then its future completes, not
-   at the end of a batch.
+3. runs one packed scoring pass of the budget's segment tokens, less the half a prefilling
+   selection takes (always at least one segment), in two rounds (below);
+4. advances the oldest selection (setwise, ``submit_select``) by one step: a chunk of at most
+   half the budget of its prompt prefill, or one greedy decode step (a few tokens). Selections
+   run one at a time, in arrival order; a scoring request that arrives mid-selection waits for
+   the step in flight only (at most half a pass), never for the whole selection — and a
+   selection gets half of every pass.
+
+The scoring pass's two rounds. Policy "shortest" (the default): first one document of
+each newly arrived job (so a request that arrives mid-stream joins at the next pass) and of
+each job no pass moved for ``STARVATION_PASSES`` passes; then documents of the jobs with the
+fewest remaining documents first (arrival order on ties), so a short request never waits for
+a long one and a pass holds few requests' prefixes (on the 2-core CPU box the same 16
+requests of depth 20 all at once took 30.9–33.4 s this way and 34.3–36.0 s with
+"round_robin", which takes one document of every running job first, then fills in arrival
+order). A job's prefix is prefilled (``acquire_prefix``) when its first document enters a
+pass and released as soon as its last document is scored — then its future completes, not
+at the end of a batch.
 
 Per pass: ``steps.score_segments`` = one forward over all its segments (the step API of
 ``PointwiseReranker``: docs/ARCHITECTURE.md, "A served request"); a selection's steps are
@@ -228,9 +230,10 @@ class Engine:
                 self._drop_cancelled()
                 if self._calls:
                     self._run_call(self._calls.popleft())
-                used = self._select_step() if self._selects else 0
-                if self._active:
-                    self._pass(self.max_batch_tokens - used)
+                if self._active:  # first, so a request that arrived during a selection step waits for that one only
+                    self._pass(self.max_batch_tokens - self._select_share())
+                if self._selects:
+                    self._select_step()
                 self._report_depth()
             except Exception as e:  # noqa: BLE001 - a bug of ours: fail what is in flight, keep the thread
                 log.exception("scheduler iteration failed; failing %d active requests", len(self._active))
@@ -277,12 +280,20 @@ class Engine:
         self._selects = selects
 
     # -- selections ----------------------------------------------------------------------------
+    def _select_share(self) -> int:
+        """Tokens of this iteration's budget the oldest selection's next step takes (a prefill
+        chunk; a decode step's few tokens are not counted)."""
+        if not self._selects:
+            return 0
+        st = self._selects[0].state
+        return self.max_batch_tokens // 2 if st is None or st.prefilling else 0
+
     def _select_step(self) -> int:
         """Advance the oldest selection by one step; returns the tokens it put through the model.
 
-        Prefill: a chunk of at most half the pass budget while scoring work waits (the whole
-        budget otherwise); decode: one greedy step. A finished or failed selection completes
-        its future and releases its pages here.
+        Prefill: a chunk of at most half the pass budget (so the step in flight and the next
+        one together never hold scoring back by more than one pass); decode: one greedy step.
+        A finished or failed selection completes its future and releases its pages here.
         """
         job = self._selects[0]
         steps = self.select_steps
@@ -299,8 +310,7 @@ class Engine:
                 job.state = steps.start_select(job.enc)
             st = job.state
             if st.prefilling:
-                share = self.max_batch_tokens // 2 if self._active else self.max_batch_tokens
-                used = steps.prefill_select(st, max(1, share))
+                used = steps.prefill_select(st, max(1, self.max_batch_tokens // 2))
             else:
                 used = steps.decode_select(st)
             if st.done:
