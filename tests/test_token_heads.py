@@ -147,3 +147,18 @@ def test_a_30_mb_document_costs_its_kept_tokens():
     n_keep = len(got.segment_ids[0]) - got.num_suffix_tokens
     assert got.segment_ids[0][:n_keep] == want[:n_keep]
     assert t_reject < 3.0 and t_cut < 3.0, (t_reject, t_cut)
+
+
+def test_huge_never_cut_fields_are_refused_after_their_heads():
+    """A query (pointwise, setwise) or intent (setwise) over the cap is refused in about the time of
+    the cap's tokens, naming the field; the whole-tokenization path takes tens of seconds here."""
+    enc = TextEncoder.of(None)
+    huge = _huge(20_000_000)
+    for call, field in ((lambda: encode_pointwise(enc, huge, ["d"]), "query"),
+                        (lambda: encode_pointwise(enc, "q", ["d"], question=huge), "question"),
+                        (lambda: build_prompt(enc, huge, ["d"]), "query"),
+                        (lambda: build_prompt(enc, "q", ["d"], intent=huge), "intent")):
+        t = time.perf_counter()
+        with pytest.raises(ValueError, match=f"{field}.*never truncated|never truncated.*{field}"):
+            call()
+        assert time.perf_counter() - t < 3.0, field

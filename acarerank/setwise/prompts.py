@@ -206,6 +206,19 @@ def _water_fill(lengths: Sequence[int], room: int) -> int:
     return lo
 
 
+def _check_never_cut_heads(encoder, query: str, intent: Optional[str], max_length: int) -> None:
+    """ValueError when the query or intent alone is over ``max_length`` tokens, found by tokenizing
+    its head only (``TextEncoder.user_heads``): a huge one costs ``max_length`` tokens, not its length."""
+    from ..tokenizer import HEAD_CHARS_PER_TOKEN
+
+    values = [(name, v) for name, v in (("query", query), ("intent", intent))
+              if v is not None and len(v) > (max_length + 1) * HEAD_CHARS_PER_TOKEN]
+    for (name, _), (ids, _, complete) in zip(values, encoder.user_heads([v for _, v in values], max_length + 1)):
+        if not complete:
+            raise ValueError(f"the {name} is never truncated and alone is over max_length={max_length} tokens "
+                             f"({len(ids)}+ tokens). Shorten the query/intent or raise max_length")
+
+
 def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Optional[str] = None,
                  max_select: int = 10, max_length: Optional[int] = DEFAULT_MAX_LENGTH,
                  special_tokens: Optional[str] = None) -> SetwisePrompt:
@@ -227,6 +240,7 @@ def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Option
     n = len(documents)
     heads = None
     if max_length is not None:
+        _check_never_cut_heads(encoder, query, intent, max_length)
         # a document over max_length tokens alone is cut whatever else fits: only its head (one
         # token past max_length, at a provable split: TextEncoder.user_heads) is ever tokenized
         heads = encoder.user_heads(documents, max_length + 1, offsets=True)
