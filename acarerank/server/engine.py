@@ -291,8 +291,8 @@ class Engine:
     def _select_step(self) -> int:
         """Advance the oldest selection by one step; returns the tokens it put through the model.
 
-        Prefill: a chunk of at most half the pass budget (so the step in flight and the next
-        one together never hold scoring back by more than one pass); decode: one greedy step.
+        Prefill: a chunk of at most half the pass budget (the scoring pass runs before it, so a
+        request that arrives during it waits for it only); decode: one greedy step.
         A finished or failed selection completes its future and releases its pages here.
         """
         job = self._selects[0]
