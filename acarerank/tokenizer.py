@@ -80,6 +80,8 @@ SPECIAL_TOKEN_MODES = ("escape", "parse")
 QWEN3_MAX_TOKEN_CHARS = 128
 #: first guess of the characters per token of a text's head (English runs ~4); the reach doubles from it
 HEAD_CHARS_PER_TOKEN = 6
+#: characters per piece when a long text is counted piece by piece (``TextEncoder.user_pieces``)
+PIECE_CHARS = 1 << 18
 #: Qwen3's normalizer and pre-tokenizer: the pipeline the head cut is proved for (module docstring)
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -326,6 +328,28 @@ class TextEncoder:
             if len(e.ids) >= n:
                 return e.ids, e.offsets if offsets else None, False
             reach = max(2 * reach, m.end() + 1)
+
+    def user_pieces(self, text: str, piece_chars: Optional[int] = None):
+        """Yield ``(start, encoding)`` for consecutive pieces of a user text, each about
+        ``piece_chars`` characters, cut where the tokenization provably splits (module docstring,
+        which holds for a piece's end as for its start): the pieces' ``encoding.ids`` in order are
+        exactly ``user([text])[0]`` and their ``encoding.offsets`` plus ``start`` exactly
+        ``user_offsets(text)[1]``, while no more than one piece's tokens need be held. One piece
+        when the text has no such split point or the encoder is not Qwen3's."""
+        piece_chars = PIECE_CHARS if piece_chars is None else piece_chars
+        cut = _head_cut_pattern(self.special_tokens) if self._cuttable else None
+        pos = 0
+        while True:
+            m = cut.search(text, pos + piece_chars - 1) if cut is not None and len(text) - pos > piece_chars else None
+            end = m.end() if m is not None else len(text)
+            yield pos, self._backend.encode(text[pos:end], add_special_tokens=False)
+            if end >= len(text):
+                return
+            pos = end
+
+    def user_count(self, text: str) -> int:
+        """``len(user([text])[0])``, holding at most one piece's tokens (``user_pieces``)."""
+        return sum(len(e) for _, e in self.user_pieces(text))
 
     def token_id(self, token: str):
         return self._backend.token_to_id(token)

@@ -162,3 +162,35 @@ def test_huge_never_cut_fields_are_refused_after_their_heads():
         with pytest.raises(ValueError, match=f"{field}.*never truncated|never truncated.*{field}"):
             call()
         assert time.perf_counter() - t < 3.0, field
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pieces_concatenate_to_the_whole_tokenization(encoder, seed):
+    text = awkward_text(seed, 1500)
+    ids_all, offsets_all = encoder.user_offsets(text)
+    for piece_chars in (1, 300, 5000, len(text) + 1):
+        pieces = list(encoder.user_pieces(text, piece_chars))
+        assert [i for _, e in pieces for i in e.ids] == ids_all, (seed, piece_chars)
+        assert [(a + s, b + s) for s, e in pieces for a, b in e.offsets] == offsets_all, (seed, piece_chars)
+        assert encoder.user_count(text) == len(ids_all)
+        if piece_chars == 300:
+            assert len(pieces) > 5, "the text was never cut into pieces: the test proves nothing"
+
+
+@pytest.mark.parametrize("chunk", [1, 64, 512])
+def test_long_trace_cut_piecewise_equals_the_whole_tokenization(encoder, chunk, monkeypatch):
+    """A trace far over its room is counted piece by piece (bounded memory); the kept trace, the
+    dropped count and the shared ids are those the whole tokenization gives."""
+    import acarerank.tokenizer as tk
+
+    monkeypatch.setattr(tk, "PIECE_CHARS", 4096)
+    trace = awkward_text(11, 4000)
+    for max_length in (1000, 4096):
+        kw = dict(question="Which tutor?", trace=trace, max_length=max_length, trace_cut_chunk=chunk)
+        got = encode_pointwise(encoder, "q", ["d"], **kw)
+        want = encode_pointwise(whole(encoder), "q", ["d"], **kw)
+        assert (got.shared_ids, got.trace_used, got.trace_tokens_dropped, got.mode) == \
+            (want.shared_ids, want.trace_used, want.trace_tokens_dropped, want.mode), (chunk, max_length)
+        assert got.trace_tokens_dropped > 0
+    with pytest.raises(ValueError, match=r"trace is \d+ tokens"):
+        encode_pointwise(encoder, "q", ["d"], trace=trace, max_length=1000, truncate=False)

@@ -369,8 +369,11 @@ def _encode_shared(enc, f: _Fields, prefix_ids: list, n_suffix: int, trace_cut_c
     budget = f.max_length - n_suffix - f.reserve  # most tokens the shared part may take
     _check_never_cut_heads(enc, f, len(prefix_ids), n_suffix, budget)
     t = f.trace
-    head_ids = enc.user([f.head(t)])[0]
-    shared_len = len(prefix_ids) + len(head_ids)
+    if _over_alone(enc, t, budget):  # a huge trace: count the shared part piece by piece, never hold its ids
+        head_ids, shared_len = None, len(prefix_ids) + enc.user_count(f.head(t))
+    else:
+        head_ids = enc.user([f.head(t)])[0]
+        shared_len = len(prefix_ids) + len(head_ids)
     trace_dropped = 0
     if shared_len > budget:
         _raise_shared_over(enc, f, prefix_ids, n_suffix, budget, shared_len)  # unless only the trace is over
@@ -380,6 +383,15 @@ def _encode_shared(enc, f: _Fields, prefix_ids: list, n_suffix: int, trace_cut_c
         shared_len = len(prefix_ids) + len(head_ids)
         assert shared_len <= budget, (shared_len, budget)  # cut_oldest verified it; guard the invariant
     return list(prefix_ids) + list(head_ids), t, trace_dropped
+
+
+def _over_alone(enc, text: Optional[str], budget: int) -> bool:
+    """Whether ``text`` alone is over ``budget`` tokens, from its head only (long texts only)."""
+    from ..tokenizer import HEAD_CHARS_PER_TOKEN
+
+    if text is None or len(text) <= (budget + 1) * HEAD_CHARS_PER_TOKEN:
+        return False
+    return not enc.user_heads([text], budget + 1)[0][2]
 
 
 def _check_never_cut_heads(enc, f: _Fields, n_prefix: int, n_suffix: int, budget: int) -> None:
@@ -426,7 +438,7 @@ def _raise_shared_over(enc, f: _Fields, prefix_ids: list, n_suffix: int, budget:
             f"instruction {n_instr} tokens); with suffix {n_suffix}{tail} that exceeds "
             f"max_length={f.max_length}. Shorten the query/question or raise max_length" + knob)
     if not f.truncate:  # only the trace is over
-        n_trace = len(enc.user([t])[0])
+        n_trace = enc.user_count(t)
         raise ValueError(
             f"trace is {n_trace} tokens; with it the shared context is {shared_len} tokens + suffix {n_suffix} "
             f"= {shared_len + n_suffix} > max_length={f.max_length} (truncate=False)")
