@@ -22,7 +22,8 @@ def model():
 def passages(n, seed=0):
     topics = ["tutor hints for rerankers", "bread baking at home", "setwise passage selection", "river deltas",
               "agent reasoning traces", "数字 12345 混合", "GPU kernels for attention", "pasta recipes"]
-    return [f"{topics[(i * 7 + seed) % len(topics)]}: passage {i} says {i * 13 % 17} things about it." for i in range(n)]
+    return [f"{topics[(i * 7 + seed) % len(topics)]}: passage {i} says {i * 13 % 17} things about it."
+            for i in range(n)]
 
 
 class Recorder:
