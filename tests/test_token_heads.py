@@ -86,6 +86,10 @@ def test_every_letter_stop_pair_is_a_pre_token_and_normalization_boundary(encode
                 assert norm[:cut] == backend.normalizer.normalize_str(text[:cut]), repr(text)
                 spans = [o for _, o in backend.pre_tokenizer.pre_tokenize_str(norm)]
                 assert any(e == cut for _, e in spans), (repr(text), spans)
+    for s in stops[:: max(1, len(stops) // 3)]:  # every letter, against a few stops
+        for a in letters:
+            spans = [o for _, o in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(a + s))]
+            assert spans[0] == (0, 1), (hex(ord(a)), repr(s), spans)
 
 
 def test_max_token_chars_is_the_vocabulary_s():
