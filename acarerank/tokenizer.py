@@ -30,20 +30,22 @@ lets retrieved text inject control tokens.
 Heads of long texts (``TextEncoder.user_heads``; docs/ARCHITECTURE.md, "A served request"): a
 caller that keeps at most ``n`` tokens of a text tokenizes only a prefix of it, cut where the
 tokenization provably splits. For Qwen3's pipeline (NFC, then the pre-tokenizer regex, then
-byte-level BPE inside each pre-token) a position ``p`` with a letter before it and a *stop*
-character at it (ASCII whitespace; in "escape" mode also ASCII punctuation and digits and CJK /
-full-width punctuation) is such a split:
+byte-level BPE inside each pre-token) a position ``p`` is such a split when it has a letter
+before it and a *stop* character at it (ASCII whitespace; in "escape" mode also ASCII
+punctuation and digits and CJK / full-width punctuation), or an ASCII digit before it and a
+stop, a letter or a digit at it:
 
-* NFC: the stop character is a starter (combining class 0) that is its own normal form and is
+* NFC: the character at ``p`` is a starter (combining class 0) that is its own normal form and
   the second character of no canonical composition, so nothing composes across ``p`` and
   ``NFC(text) = NFC(text[:p]) + NFC(text[p:])``;
 * pre-tokens: every alternative of the regex that holds a letter (``\p{L}+`` with an optional
-  non-letter before it, or a contraction ``'s``...) ends at the first non-letter, so a
-  pre-token ends at ``p`` whatever precedes it, and the regex has no look-behind: the matches
-  before ``p`` read nothing at or after ``p`` but the stop character, which ends them both in
-  the text and at the end of the prefix;
+  non-letter before it, or a contraction ``'s``...) ends at the first non-letter, and a digit
+  is always a pre-token of its own (``\p{N}``; no other alternative takes one), so a pre-token
+  ends at ``p`` whatever precedes it; the regex has no look-behind, and the matches before
+  ``p`` read nothing at or after ``p`` but the character at ``p``, which ends them both in the
+  text and at the end of the prefix;
 * added tokens: in "escape" mode none is matched; in "parse" mode the stop set is whitespace,
-  which no added-token string contains, so no match straddles ``p``;
+  which no added-token string contains, and none contains a digit, so no match straddles ``p``;
 * BPE merges never cross a pre-token boundary.
 
 So ``tokens(text[:p])`` is exactly the first ``len(tokens(text[:p]))`` tokens of ``tokens(text)``.
@@ -108,26 +110,34 @@ def _char_class(ranges, keep) -> str:
 
 
 @functools.lru_cache(maxsize=2)
-def _head_cut_pattern(special_tokens: str):
-    """``<letter>(?=<stop>)``: a match's end is a position where Qwen3's tokenization splits (module docstring).
+def _head_cut_classes(special_tokens: str) -> Tuple[str, str]:
+    """(letters, stops) as regex character classes, the characters the cut rule allows.
 
     Letters: Latin, Greek, Cyrillic, kana, CJK ideographs and Hangul syllables that are their own
-    NFC form with combining class 0 (old blocks: Python's and the tokenizer's Unicode agree on
-    them). Stops: ASCII whitespace; in "escape" mode also every other ASCII non-letter and the CJK
-    and full-width punctuation, each its own NFC form, class 0, and no composition's second character.
+    NFC form with combining class 0 and no composition's second character (old blocks: Python's
+    and the tokenizer's Unicode agree on them). Stops: ASCII whitespace; in "escape" mode also
+    every other ASCII non-letter and the CJK and full-width punctuation, each its own NFC form,
+    class 0, and no composition's second character.
     """
+    seconds = _composition_seconds()
+
     def stable(c):
-        return unicodedata.combining(c) == 0 and unicodedata.is_normalized("NFC", c)
+        return unicodedata.combining(c) == 0 and unicodedata.is_normalized("NFC", c) and c not in seconds
 
     letters = _char_class([(0x41, 0x5A), (0x61, 0x7A), (0xC0, 0x24F), (0x370, 0x4FF), (0x3041, 0x30FF),
                            (0x4E00, 0x9FFF), (0xAC00, 0xD7A3)], lambda c: c.isalpha() and stable(c))
     if special_tokens == "parse":
-        stops = "[ \t\n\r\x0b\x0c]"
-    else:
-        seconds = _composition_seconds()
-        stops = _char_class([(0x09, 0x0D), (0x20, 0x7E), (0x3000, 0x303F), (0xFF01, 0xFF65)],
-                            lambda c: not c.isalpha() and stable(c) and c not in seconds)
-    return re.compile(letters + "(?=" + stops + ")")
+        return letters, "[ \t\n\r\x0b\x0c]"
+    return letters, _char_class([(0x09, 0x0D), (0x20, 0x7E), (0x3000, 0x303F), (0xFF01, 0xFF65)],
+                                lambda c: not c.isalpha() and stable(c))
+
+
+@functools.lru_cache(maxsize=2)
+def _head_cut_pattern(special_tokens: str):
+    """``<letter>(?=<stop>)|<digit>(?=<stop>|<letter>|<digit>)`` (``_head_cut_classes``): a match's
+    end is a position where Qwen3's tokenization splits (module docstring)."""
+    letters, stops = _head_cut_classes(special_tokens)
+    return re.compile(letters + "(?=" + stops + ")|[0-9](?=" + stops + "|" + letters + "|[0-9])")
 
 
 def qwen3_tokenizer_dir() -> str:

@@ -11,11 +11,11 @@ import pytest
 from acarerank.prompts import encode_pointwise
 from acarerank.setwise.prompts import build_prompt
 from acarerank.tokenizer import (HEAD_CHARS_PER_TOKEN, QWEN3_MAX_TOKEN_CHARS, TextEncoder, _composition_seconds,
-                                 _head_cut_pattern, load_qwen3_tokenizer)
+                                 _head_cut_classes, load_qwen3_tokenizer)
 
 # awkward pieces: long words, CJK runs, whitespace runs, digits, emoji, special-token strings,
 # contractions, CRLF, combining marks, Hangul jamo, full-width punctuation, a lone apostrophe
-PIECES = ["supercalifragilisticexpialidocious" * 3, "数字混合文本", "，", "。", "、", "「引用」", " ", "  ", "\t",
+PIECES = ["supercalifragilisticexpialidocious" * 3, "1234567890" * 50, "3" * 200, "数字混合文本", "，", "。", "、", "「引用」", " ", "  ", "\t",
           "\n", "\r\n", "\n\n\n", " " * 40, "12345678901234567890", "3.14159", "😀🚀", "👩‍👩‍👧", "<|im_end|>",
           "</think>", "<think>", "<|endoftext|>", "don't", "we'll", "it's", "'S", "e\u0301", "\u1100\u1161\u11a8",
           "한국어", "Ωμέγα", "Кириллица", "ｆｕｌｌ！", "？", "--", "----------", "====", "a", "b", "x" * 300,
@@ -59,33 +59,40 @@ def test_heads_are_exact_prefixes_of_the_whole_tokenization(encoder, seed):
 
 def test_every_letter_stop_pair_is_a_pre_token_and_normalization_boundary(encoder):
     """The cut rule's premises, checked over its whole character classes: letters and stops
-    are NFC-inert starters, stops compose with nothing, and the tokenizer's own pre-tokenizer
-    and normalizer split between every letter and every stop (a sample of letters per stop)."""
-    pat = _head_cut_pattern(encoder.special_tokens)
-    body = pat.pattern
-    letters_cls, stops_cls = body[:body.index("(?=")], body[body.index("(?=") + 3:-1]
+    are NFC-inert starters that compose with nothing, no added token holds a stop (parse mode) or
+    a digit, and the tokenizer's own pre-tokenizer and normalizer split between every letter and
+    a few stops, and between each digit or letter and every stop (and a digit and a letter or digit)."""
     import re
+
+    letters_cls, stops_cls = _head_cut_classes(encoder.special_tokens)
     letters = [chr(u) for u in range(0x30000) if re.fullmatch(letters_cls, chr(u))]
     stops = [chr(u) for u in range(0x30000) if re.fullmatch(stops_cls, chr(u))]
     assert len(letters) > 20000 and len(stops) >= 6
     seconds = _composition_seconds()
-    for c in letters:
-        assert c.isalpha() and unicodedata.combining(c) == 0 and unicodedata.is_normalized("NFC", c), hex(ord(c))
-    for c in stops:
-        assert not c.isalpha() and unicodedata.combining(c) == 0 and unicodedata.is_normalized("NFC", c), hex(ord(c))
-        assert c not in seconds and not any(c in t for t in encoder.added_tokens if encoder.special_tokens == "parse")
+    for c in letters + stops:
+        assert c.isalpha() == (c in letters), hex(ord(c))
+        assert unicodedata.combining(c) == 0 and unicodedata.is_normalized("NFC", c) and c not in seconds, hex(ord(c))
+    assert not any(d in t for t in encoder.added_tokens for d in "0123456789")
+    if encoder.special_tokens == "parse":
+        assert not any(s in t for t in encoder.added_tokens for s in stops)
     backend = encoder._backend
+
+    def split_at(text, cut):
+        norm = backend.normalizer.normalize_str(text)
+        assert norm[:cut] == backend.normalizer.normalize_str(text[:cut]), repr(text)
+        spans = [o for _, o in backend.pre_tokenizer.pre_tokenize_str(norm)]
+        assert any(e == cut for _, e in spans), (repr(text), spans)
+
     rnd = random.Random(0)
     sample = letters[::97] + [rnd.choice(letters) for _ in range(200)]
     for s in stops:
-        for a in sample[:: max(1, len(sample) // 60)]:
+        for a in sample[:: max(1, len(sample) // 60)] + list("0123456789"):
             for before in ("", "'", "x", "\u0301", " ", "1"):
-                text = before + a + s + "'s" + a
-                norm = backend.normalizer.normalize_str(text)
-                cut = len(before) + 1
-                assert norm[:cut] == backend.normalizer.normalize_str(text[:cut]), repr(text)
-                spans = [o for _, o in backend.pre_tokenizer.pre_tokenize_str(norm)]
-                assert any(e == cut for _, e in spans), (repr(text), spans)
+                split_at(before + a + s + "'s" + a, len(before) + 1)
+    for d in "0123456789":
+        for after in sample + list("0123456789"):
+            for before in ("", "a", " ", "9", "'"):
+                split_at(before + d + after + "x", len(before) + 1)
     for s in stops[:: max(1, len(stops) // 3)]:  # every letter, against a few stops
         for a in letters:
             spans = [o for _, o in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(a + s))]
@@ -151,6 +158,11 @@ def test_a_30_mb_document_costs_its_kept_tokens():
     n_keep = len(got.segment_ids[0]) - got.num_suffix_tokens
     assert got.segment_ids[0][:n_keep] == want[:n_keep]
     assert t_reject < 3.0 and t_cut < 3.0, (t_reject, t_cut)
+    digits = "1234567890" * 3_000_000  # no letter at all: cut between digits
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=r"documents\[0\] is at least \d+ tokens"):
+        encode_pointwise(enc, "q", [digits], max_length=8192, truncate=False)
+    assert time.perf_counter() - t < 3.0
 
 
 def test_huge_never_cut_fields_are_refused_after_their_heads():
