@@ -243,6 +243,23 @@ def test_cache_salt_isolation(model, qwen3_tokenizer):
         rr.release_prefix(h)
 
 
+def test_reranker_salts_leave_no_trees_behind(model, qwen3_tokenizer):
+    """Through the reranker: 300 distinct salts under a 256-token budget leave at most one tree
+    per cached page, and one unsalted context the size of the budget leaves exactly one."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=256)
+    for i in range(300):
+        h = rr.acquire_prefix(rr.encode(ScoreRequest(f"q{i}", ["d"], cache_salt=f"tenant-{i}" + "x" * (i % 50))))
+        rr.release_prefix(h)
+        pc = rr._prefix_cache
+        assert pc.num_trees <= pc.resident_tokens // rr.runner.block_size <= 16, (i, pc.num_trees)
+    big = ScoreRequest("q", ["d"], trace=" ".join(f"step {i}: searched and read." for i in range(60)))
+    assert len(rr.encode(big).shared_ids) > 256
+    rr.release_prefix(rr.acquire_prefix(rr.encode(big)))  # too big to cache whole: evicts every salt's pages
+    h = rr.acquire_prefix(rr.encode(ScoreRequest("q", ["d"], trace="short")))  # unsalted, fits
+    rr.release_prefix(h)
+    assert rr._prefix_cache.num_trees == 1, rr._prefix_cache.num_trees
+
+
 def test_step_api_mixed_items_equal_score(model, qwen3_tokenizer):
     rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_batch_tokens=40)
     off = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
