@@ -51,8 +51,9 @@ stop, a letter or a digit at it:
 So ``tokens(text[:p])`` is exactly the first ``len(tokens(text[:p]))`` tokens of ``tokens(text)``.
 The prefix grows geometrically from ``n × HEAD_CHARS_PER_TOKEN`` characters until it holds at
 least ``n`` tokens (a Qwen3 token decodes to at most ``QWEN3_MAX_TOKEN_CHARS`` characters, so
-the reach stays within ~``2 × 128 n`` characters plus the distance to the next stop); a text with
-no stop character beyond the first guess is tokenized whole (as before). Another tokenizer
+the reach stays within ~``2 × 128 n`` characters plus the distance to the next split point); a
+text with no split point beyond the first guess (one huge word, whitespace or punctuation run)
+is tokenized whole, as before. Another tokenizer
 (any other normalizer or pre-tokenizer) is always tokenized whole.
 """
 from __future__ import annotations
