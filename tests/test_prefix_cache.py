@@ -99,6 +99,7 @@ def test_radix_tree_matches_brute_force(ops):
             held.append((matched + new, [(salt, p) for p in paths], 0))
         # same cached paths, same free count, every pinned block still allocated
         assert set(tree.paths()) == set(model.entries), (set(tree.paths()) ^ set(model.entries))
+        assert tree.num_trees == len({salt for salt, _ in model.entries}), "a salt without pages kept its tree"
         assert pool.num_free == model.free
         assert all(pool.refcount[x] > 0 for blocks, _, _ in held for x in blocks)
 
@@ -136,6 +137,31 @@ def test_concurrent_use_never_frees_a_block_in_use():
         t.join()
     assert not errors, f"pages changed while in use: {errors[:3]}"
     assert all(pool.refcount[b] == 1 for b in tree.paths().values()), "only the tree may hold pages at rest"
+
+
+def test_distinct_salts_leave_no_trees_behind():
+    """10,000 distinct salts (a hostile client's): a salt's tree goes with its last page, one
+    that never cached a full block never gets one, so the trees never outnumber the pages and
+    return to one when a single salt takes the whole pool."""
+    bs, nblocks = 4, 32
+    pool = BlockPool(1, nblocks, bs, 1, 1, torch.float32, "cpu")
+    tree, rnd = PrefixCache(pool), random.Random(0)
+    for i in range(10_000):
+        salt = f"tenant-{i}-" + "x" * rnd.randint(0, 64)
+        tokens = [rnd.randint(0, 9) for _ in range(rnd.randint(0, 3 * bs))]  # 0..3 full blocks
+        matched = tree.match(salt, tokens)
+        new = tree.allocate(len(tokens) // bs - len(matched))
+        tree.insert(salt, tokens, matched + new)
+        pool.decref(matched + new)  # the request is done: release
+        assert tree.num_trees <= tree.resident_tokens // bs <= nblocks, (i, tree.num_trees)
+    assert tree.num_trees > 1
+    tokens = list(range(nblocks * bs))
+    tree.insert(None, tokens, tree.allocate(nblocks))  # evicts every other salt's pages
+    assert tree.num_trees == 1 and set(s for s, _ in tree.paths()) == {None}, tree.num_trees
+    assert tree.evict(nblocks) == 0  # pinned by us: nothing to evict, the tree stays
+    pool.decref(list(tree.paths().values()))
+    assert tree.num_trees == 1
+    assert tree.evict(nblocks) == nblocks and tree.num_trees == 0 and pool.num_free == nblocks
 
 
 # -- the reranker: cached == uncached ----------------------------------------------------
@@ -214,6 +240,23 @@ def test_cache_salt_isolation(model, qwen3_tokenizer):
     assert not set(h1.blocks[:n // 16]) & set(h2.blocks), "two salts share a page"
     for h in (h1, h2, h3):
         rr.release_prefix(h)
+
+
+def test_reranker_salts_leave_no_trees_behind(model, qwen3_tokenizer):
+    """Through the reranker: 300 distinct salts under a 256-token budget leave at most one tree
+    per cached page, and one unsalted context the size of the budget leaves exactly one."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=256)
+    for i in range(300):
+        h = rr.acquire_prefix(rr.encode(ScoreRequest(f"q{i}", ["d"], cache_salt=f"tenant-{i}" + "x" * (i % 50))))
+        rr.release_prefix(h)
+        pc = rr._prefix_cache
+        assert pc.num_trees <= pc.resident_tokens // rr.runner.block_size <= 16, (i, pc.num_trees)
+    big = ScoreRequest("q", ["d"], trace=" ".join(f"step {i}: searched and read." for i in range(60)))
+    assert len(rr.encode(big).shared_ids) > 256
+    rr.release_prefix(rr.acquire_prefix(rr.encode(big)))  # too big to cache whole: evicts every salt's pages
+    h = rr.acquire_prefix(rr.encode(ScoreRequest("q", ["d"], trace="short")))  # unsalted, fits
+    rr.release_prefix(h)
+    assert rr._prefix_cache.num_trees == 1, rr._prefix_cache.num_trees
 
 
 def test_step_api_mixed_items_equal_score(model, qwen3_tokenizer):

@@ -177,7 +177,10 @@ def test_m0_equals_official(tok, max_length):
         assert enc.doc_truncated[i] == (full_len > max_length), (i, full_len)
         if enc.doc_truncated[i]:
             assert len(enc.input_ids(i)) == max_length
-            assert enc.doc_tokens_dropped[i] == full_len - max_length
+            if enc.doc_tokens_exact[i]:
+                assert enc.doc_tokens_dropped[i] == full_len - max_length
+            else:  # only the document's head was tokenized: a lower bound
+                assert 1 <= enc.doc_tokens_dropped[i] <= full_len - max_length
 
 
 def test_document_cut_boundary(tok):
@@ -317,7 +320,7 @@ def test_query_and_question_never_cut(tok):
 
 def test_truncate_false_names_the_culprit(tok):
     long_doc = " ".join(["word"] * 500)
-    with pytest.raises(ValueError, match=r"documents\[1\] is \d+ tokens.*max_length=300"):
+    with pytest.raises(ValueError, match=r"documents\[1\] is (at least )?\d+ tokens.*max_length=300"):
         encode_pointwise(tok, "q", ["fits", long_doc], max_length=300, truncate=False)
     with pytest.raises(ValueError, match=r"trace is \d+ tokens.*max_length=1000"):
         encode_pointwise(tok, "q", ["d"], trace=TRACE, max_length=1000, truncate=False)
@@ -374,7 +377,15 @@ def test_documents_in_one_batched_call(tok):
         calls.append(len(texts))
         return plain(texts)
 
+    heads = counting.user_heads
+
+    def user_heads(texts, n, offsets=False):
+        texts = list(texts)
+        calls.append(len(texts))
+        return heads(texts, n, offsets)
+
     counting.user = user
+    counting.user_heads = user_heads
     docs = [f"document number {i} " * (i % 7 + 1) for i in range(100)]
     enc = encode_pointwise(counting, "q", docs, question="Q", trace="T")
     assert len(calls) <= 3 and 100 in calls, calls

@@ -111,3 +111,64 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
     cache = runner.prefill(prefixes)  # a private, growable pool
     slot.count(computed=sum(map(len, prefixes)))
     return cache, [0] * len(prefixes)
+
+
+class ChunkedPrefill:
+    """``prefill_cached`` of one prefix, a chunk at a time (a scheduler's pass budget decides how much).
+
+    Construction matches the longest cached prefix (its pages pinned in ``cache``, group 0);
+    ``step(n)`` computes the next ``n`` tokens at most; once ``done``, the full pages enter
+    the cache, exactly as ``prefill_cached`` leaves them. With no usable cache (off, or its pool
+    exhausted by pinned pages mid-way) the prefix is computed from its start in a private pool.
+    One ``step(len(prefix))`` runs the very passes ``prefill_cached`` runs. The caller frees ``cache``.
+    """
+
+    def __init__(self, runner, slot: CacheSlot, prefix: Sequence[int], salt: Optional[Hashable] = None):
+        self.runner, self.slot, self.salt = runner, slot, salt
+        self.prefix = [int(t) for t in prefix]
+        self.pc = slot.get()
+        self.hit = 0
+        if self.pc is not None:
+            self.cache = PagedKVCache(self.pc.pool, allocate=self.pc.allocate)
+            matched = self.pc.match(salt, self.prefix)
+            self.cache.add_group(matched, len(matched) * self.pc.block_size)
+            self.pc.pool.decref(matched)  # the cache's own reference replaces the match's
+            self.hit = len(matched) * self.pc.block_size
+        else:
+            slot.count(uncached_lookup=len(self.prefix))
+            self._private()
+        self.pos = self.hit
+
+    def _private(self) -> None:
+        bs = self.runner.block_size
+        self.cache = PagedKVCache(self.runner.new_pool(-(-(len(self.prefix) + 1) // bs), growable=True))
+        self.cache.add_group()
+        self.pc, self.hit, self.pos = None, 0, 0
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.prefix)
+
+    def step(self, max_tokens: int) -> int:
+        """Compute up to ``max_tokens`` (>= 1) more prefix tokens; returns how many were computed."""
+        if self.done:
+            return 0
+        n = min(max(1, max_tokens), len(self.prefix) - self.pos)
+        try:
+            self.runner.extend(self.cache, [0], [self.prefix[self.pos:self.pos + n]])
+        except PoolExhausted:
+            if self.pc is None:
+                raise
+            self.cache.free()
+            with self.pc.pool.lock:
+                self.pc.hit_tokens -= self.hit  # recomputed privately: not hits
+            self._private()
+            return self.step(max_tokens)
+        self.pos += n
+        if self.done:
+            if self.pc is not None:
+                self.pc.insert(self.salt, self.prefix, self.cache.block_tables[0])
+                self.slot.count(computed=len(self.prefix) - self.hit)
+            else:
+                self.slot.count(computed=len(self.prefix))
+        return n

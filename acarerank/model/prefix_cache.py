@@ -3,7 +3,10 @@
 SGLang's RadixAttention keeps a radix tree whose nodes own KV; vLLM chains hashes of full
 blocks. Here every node is one *full* block of ``block_size`` token ids (its edge label)
 under its parent, so a root-to-node path spells a cached prefix and the node's block holds
-that stretch of K/V. One root per ``cache_salt``: nothing is shared across salts.
+that stretch of K/V. One root per ``cache_salt``: nothing is shared across salts. A root
+exists only while its tree holds a page: ``insert`` creates it with its first node and
+``evict`` drops it with its last, so distinct salts leave no state behind once their pages
+are gone (the number of roots never exceeds the number of cached pages).
 
     root(salt) ─[t0..t15]─ n1 ─[t16..t31]─ n2 ─ ...        (one block id per node)
                               └─[other 16 tokens]─ n3      (a sibling context / sub-query)
@@ -87,11 +90,13 @@ class PrefixCache:
         keys = self._keys(tokens)
         if len(blocks) < len(keys):
             keys = keys[:len(blocks)]
+        if not keys:  # no full block: a root without pages would outlive every eviction
+            return 0
         with self.pool.lock:
             now = next(self._clock)
             node = self._roots.get(salt)
             if node is None:
-                node = self._roots[salt] = _Node(None, None, None)
+                node = self._roots[salt] = _Node(salt, None, None)  # a root's key is its salt
             added = 0
             for key, b in zip(keys, blocks):
                 child = node.children.get(key)
@@ -129,7 +134,11 @@ class PrefixCache:
                 self.pool.decref([n.block])
                 self._num_nodes -= 1
                 freed += 1
-                if not parent.children and parent.block is not None and self.pool.refcount[parent.block] == 1:
+                if parent.children:
+                    continue
+                if parent.parent is None:  # the salt's last page went: drop its root too
+                    del self._roots[parent.key]
+                elif self.pool.refcount[parent.block] == 1:
                     heapq.heappush(heap, (parent.last_access, id(parent), parent))
             self.evicted_tokens += freed * self.block_size
             return freed
@@ -144,6 +153,11 @@ class PrefixCache:
                 raise PoolExhausted(f"prefix cache: {n} blocks needed, {self.pool.num_free} free after evicting "
                                     f"every unpinned cached block (pool of {self.pool.num_blocks})")
             return self.pool.allocate(n)
+
+    @property
+    def num_trees(self) -> int:
+        """Salts with at least one cached page (a root exists only while its tree holds one)."""
+        return len(self._roots)
 
     @property
     def resident_tokens(self) -> int:

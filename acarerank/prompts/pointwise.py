@@ -206,7 +206,9 @@ class PointwiseEncoding:
         doc_truncated: per document, whether its tail was cut.
         trace_used: the trace text in the prompt (a tail of the given trace when cut; ``None``
             when there is no trace line).
-        doc_tokens_dropped: per document, how many of its tokens were cut.
+        doc_tokens_dropped: per document, how many of its tokens were cut (a lower bound
+            where ``doc_tokens_exact`` is False: only the document's head was tokenized).
+        doc_tokens_exact: per document, whether ``doc_tokens_dropped`` is its exact count.
         num_suffix_tokens: length of the suffix at the end of every segment.
         max_length: the cap the encoding was built for.
     """
@@ -217,6 +219,7 @@ class PointwiseEncoding:
     trace_tokens_dropped: int
     doc_truncated: list
     doc_tokens_dropped: list = field(default_factory=list)
+    doc_tokens_exact: list = field(default_factory=list)
     num_suffix_tokens: int = 0
     max_length: int = DEFAULT_MAX_LENGTH
     trace_used: Optional[str] = None
@@ -267,6 +270,9 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
        question and query alone do not fit: ValueError with counts naming the knobs
        (``max_length``, ``min_doc_tokens``);
     2. each document is cut from its end to the room left (the model card's body truncation).
+       Only the head of a long document is tokenized (``TextEncoder.user_heads``: one token past
+       the room, at a point where the tokenization provably splits), so its cost is what it
+       keeps, not its length; the kept tokens are those of the whole document's tokenization.
 
     With ``truncate=False`` anything over ``max_length`` raises ValueError naming the field or
     document and the lengths (``min_doc_tokens`` is then not reserved).
@@ -290,7 +296,49 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
     documents in one batch) — not one per document; cutting the trace adds ~3 short ones.
     Thread-safe: any number of threads may encode with the same tokenizer at once.
     """
-    from ..tokenizer import TextEncoder, check_text
+    from ..tokenizer import TextEncoder
+
+    f = _checked_fields(query, documents, question, trace, instruction, template, max_length, min_doc_tokens,
+                        truncate)
+    enc = TextEncoder.of(tokenizer, special_tokens)
+    prefix_ids, suffix_ids = enc.template([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX])
+    shared_ids, trace_used, trace_dropped = _encode_shared(enc, f, prefix_ids, len(suffix_ids), trace_cut_chunk)
+    room = max_length - len(shared_ids) - len(suffix_ids)
+    segments, truncated, dropped, exact = _encode_documents(enc, f, room, len(shared_ids), suffix_ids)
+    return PointwiseEncoding(shared_ids=shared_ids, segment_ids=segments, mode=context_mode(f.question, trace_used),
+                             trace_tokens_dropped=trace_dropped, doc_truncated=truncated,
+                             doc_tokens_dropped=dropped, doc_tokens_exact=exact, num_suffix_tokens=len(suffix_ids),
+                             max_length=max_length, trace_used=trace_used)
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """``encode_pointwise``'s arguments, checked: missing context fields are None."""
+    query: str
+    docs: list
+    question: Optional[str]
+    trace: Optional[str]
+    instruction: Optional[str]
+    template: ContextTemplate
+    max_length: int
+    min_doc_tokens: int
+    truncate: bool
+
+    @property
+    def reserve(self) -> int:
+        """Document tokens the shared part must leave free (none when nothing may be cut)."""
+        return self.min_doc_tokens if self.truncate else 0
+
+    def head(self, trace: Optional[str]) -> str:
+        """The shared body text with ``trace`` as the trace line (None: no trace line)."""
+        instr = resolve_instruction(self.instruction, context_mode(self.question, trace), self.template)
+        return shared_body_text(self.query, self.question, trace, instr, self.template)
+
+
+def _checked_fields(query, documents, question, trace, instruction, template, max_length, min_doc_tokens,
+                    truncate) -> _Fields:
+    """Step 1: every argument checked (TypeError / ValueError naming it), missing fields as None."""
+    from ..tokenizer import check_text
 
     query = check_text("query", check_query(query))
     docs = [check_text(f"documents[{i}]", d) for i, d in enumerate(check_documents(documents))]
@@ -309,70 +357,110 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
     for name, value in (("question", q), ("trace", t), ("instruction", instruction)):
         if value is not None:
             check_text(name, value)
-    enc = TextEncoder.of(tokenizer, special_tokens)
+    return _Fields(query, docs, q, t, instruction, template, max_length, min_doc_tokens, truncate)
 
-    def head(trace_text: Optional[str]) -> str:
-        instr = resolve_instruction(instruction, context_mode(q, trace_text), template)
-        return shared_body_text(query, q, trace_text, instr, template)
 
-    def tokens(texts):  # user text (the body carries every user field; no template control tokens)
-        return enc.user(texts)
+def _encode_shared(enc, f: _Fields, prefix_ids: list, n_suffix: int, trace_cut_chunk: int) -> tuple:
+    """Step 2: the shared ids, the trace as used and its dropped tokens: ``(shared_ids, trace, dropped)``.
 
-    prefix_ids, suffix_ids = enc.template([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX])
-    head_ids = tokens([head(t)])[0]
-    n_suffix = len(suffix_ids)
-    reserve = min_doc_tokens if truncate else 0
-    budget = max_length - n_suffix - reserve  # most tokens the shared part may take
-    shared_len = len(prefix_ids) + len(head_ids)
+    The shared part may take ``max_length - suffix - reserve`` tokens; over that, the trace is cut
+    oldest-first (``cut_oldest``) or, when the never-cut fields alone are over, ValueError.
+    """
+    budget = f.max_length - n_suffix - f.reserve  # most tokens the shared part may take
+    _check_never_cut_heads(enc, f, len(prefix_ids), n_suffix, budget)
+    t = f.trace
+    if _over_alone(enc, t, budget):  # a huge trace: count the shared part piece by piece, never hold its ids
+        head_ids, shared_len = None, len(prefix_ids) + enc.user_count(f.head(t))
+    else:
+        head_ids = enc.user([f.head(t)])[0]
+        shared_len = len(prefix_ids) + len(head_ids)
     trace_dropped = 0
-
     if shared_len > budget:
-        # -- diagnose: fixed strings, then the never-cut fields, then the trace
-        tail = f" + min_doc_tokens {min_doc_tokens}" if truncate else ""
-        empty_head = shared_body_text("", "" if q is not None else None, "" if t is not None else None, "", template)
-        fixed = len(prefix_ids) + len(tokens([empty_head])[0])
-        if fixed + n_suffix + reserve > max_length:
-            raise ValueError(
-                f"max_length={max_length} is too small for the prompt's fixed strings: prefix and "
-                f"{context_mode(q, t)} body template {fixed} + suffix {n_suffix}{tail} = "
-                f"{fixed + n_suffix + reserve} tokens; raise max_length"
-                + (" or lower min_doc_tokens (CLI: --min-doc-tokens)" if truncate else ""))
-        base = len(prefix_ids) + len(tokens([head(None)])[0])
-        if base > budget:
-            n_query, n_question, n_instr = (len(x) for x in tokens(
-                [query, q or "", resolve_instruction(instruction, context_mode(q, None), template)]))
-            raise ValueError(
-                f"the query and question are never truncated, but with the instruction and fixed strings they "
-                f"make a {base}-token shared context (query {n_query}, question {n_question}, "
-                f"instruction {n_instr} tokens); with suffix {n_suffix}{tail} that exceeds "
-                f"max_length={max_length}. Shorten the query/question or raise max_length"
-                + (" or lower min_doc_tokens (CLI: --min-doc-tokens)" if truncate else ""))
-        # only the trace is over
-        if not truncate:
-            n_trace = len(tokens([t])[0])
-            raise ValueError(
-                f"trace is {n_trace} tokens; with it the shared context is {shared_len} tokens + suffix {n_suffix} "
-                f"= {shared_len + n_suffix} > max_length={max_length} (truncate=False)")
-        t, trace_dropped = cut_oldest(enc, t, lambda tr: len(prefix_ids) + len(tokens([head(tr)])[0]),
+        _raise_shared_over(enc, f, prefix_ids, n_suffix, budget, shared_len)  # unless only the trace is over
+        t, trace_dropped = cut_oldest(enc, t, lambda tr: len(prefix_ids) + len(enc.user([f.head(tr)])[0]),
                                       budget, current_len=shared_len, chunk=trace_cut_chunk)
-        head_ids = tokens([head(t)])[0]
+        head_ids = enc.user([f.head(t)])[0]
         shared_len = len(prefix_ids) + len(head_ids)
         assert shared_len <= budget, (shared_len, budget)  # cut_oldest verified it; guard the invariant
+    return list(prefix_ids) + list(head_ids), t, trace_dropped
 
-    shared_ids = list(prefix_ids) + list(head_ids)
-    room = max_length - shared_len - n_suffix
-    segments, truncated, dropped = [], [], []
-    for i, doc_ids in enumerate(tokens(DOC_SEP + d for d in docs)):
-        if len(doc_ids) > room and not truncate:
+
+def _over_alone(enc, text: Optional[str], budget: int) -> bool:
+    """Whether ``text`` alone is over ``budget`` tokens, from its head only (long texts only)."""
+    from ..tokenizer import HEAD_CHARS_PER_TOKEN
+
+    if text is None or len(text) <= (budget + 1) * HEAD_CHARS_PER_TOKEN:
+        return False
+    return not enc.user_heads([text], budget + 1)[0][2]
+
+
+def _check_never_cut_heads(enc, f: _Fields, n_prefix: int, n_suffix: int, budget: int) -> None:
+    """ValueError, before the shared body is tokenized, when the query, question or instruction
+    alone is over the budget: only their heads are tokenized, so a huge one costs the budget's tokens."""
+    from ..tokenizer import HEAD_CHARS_PER_TOKEN
+
+    n = max(budget - n_prefix, 0) + 1
+    values = [(name, v) for name, v in (("query", f.query), ("question", f.question), ("instruction", f.instruction))
+              if v is not None and len(v) > n * HEAD_CHARS_PER_TOKEN]  # shorter ones: the usual check below
+    if not values:
+        return
+    for (name, _), (ids, _, complete) in zip(values, enc.user_heads([v for _, v in values], n)):
+        if not complete:
+            tail = f" + min_doc_tokens {f.min_doc_tokens}" if f.truncate else ""
+            knob = " or lower min_doc_tokens (CLI: --min-doc-tokens)" if f.truncate else ""
             raise ValueError(
-                f"documents[{i}] is {len(doc_ids)} tokens; shared context {shared_len} + document "
-                f"{len(doc_ids)} + suffix {n_suffix} = {shared_len + len(doc_ids) + n_suffix} > "
-                f"max_length={max_length} (truncate=False)")
+                f"the query and question are never truncated, but the {name} alone is over the shared context's "
+                f"room ({name} {len(ids)}+ tokens; prefix {n_prefix} + suffix {n_suffix}{tail} leave {n - 1} of "
+                f"max_length={f.max_length}). Shorten the query/question or raise max_length" + knob)
+
+
+def _raise_shared_over(enc, f: _Fields, prefix_ids: list, n_suffix: int, budget: int, shared_len: int) -> None:
+    """The shared part is over its budget: ValueError naming what is over (fixed strings, the
+    never-cut fields, or the trace when nothing may be cut); returns when cutting the trace can fit it."""
+    q, t = f.question, f.trace
+    reserve = f.reserve
+    tail = f" + min_doc_tokens {f.min_doc_tokens}" if f.truncate else ""
+    knob = " or lower min_doc_tokens (CLI: --min-doc-tokens)" if f.truncate else ""
+    empty_head = shared_body_text("", "" if q is not None else None, "" if t is not None else None, "", f.template)
+    fixed = len(prefix_ids) + len(enc.user([empty_head])[0])
+    if fixed + n_suffix + reserve > f.max_length:
+        raise ValueError(
+            f"max_length={f.max_length} is too small for the prompt's fixed strings: prefix and "
+            f"{context_mode(q, t)} body template {fixed} + suffix {n_suffix}{tail} = "
+            f"{fixed + n_suffix + reserve} tokens; raise max_length" + knob)
+    base = len(prefix_ids) + len(enc.user([f.head(None)])[0])
+    if base > budget:
+        n_query, n_question, n_instr = (len(x) for x in enc.user(
+            [f.query, q or "", resolve_instruction(f.instruction, context_mode(q, None), f.template)]))
+        raise ValueError(
+            f"the query and question are never truncated, but with the instruction and fixed strings they "
+            f"make a {base}-token shared context (query {n_query}, question {n_question}, "
+            f"instruction {n_instr} tokens); with suffix {n_suffix}{tail} that exceeds "
+            f"max_length={f.max_length}. Shorten the query/question or raise max_length" + knob)
+    if not f.truncate:  # only the trace is over
+        n_trace = enc.user_count(t)
+        raise ValueError(
+            f"trace is {n_trace} tokens; with it the shared context is {shared_len} tokens + suffix {n_suffix} "
+            f"= {shared_len + n_suffix} > max_length={f.max_length} (truncate=False)")
+
+
+def _encode_documents(enc, f: _Fields, room: int, shared_len: int, suffix_ids: list) -> tuple:
+    """Step 3: each document's segment ``tokens(" " + doc)[:room] + suffix``; returns (segments,
+    truncated, tokens dropped, whether each dropped count is exact).
+
+    One token past the room tells a cut from a fit, so only that head of a long document is
+    tokenized; its dropped count is then a lower bound (the rest was never tokenized)."""
+    segments, truncated, dropped, exact = [], [], [], []
+    for i, (doc_ids, _, complete) in enumerate(enc.user_heads([DOC_SEP + d for d in f.docs], room + 1)):
+        if len(doc_ids) > room and not f.truncate:
+            at_least = "" if complete else "at least "
+            raise ValueError(
+                f"documents[{i}] is {at_least}{len(doc_ids)} tokens; shared context {shared_len} + document "
+                f"{at_least}{len(doc_ids)} + suffix {len(suffix_ids)} = {at_least}"
+                f"{shared_len + len(doc_ids) + len(suffix_ids)} > max_length={f.max_length} (truncate=False)")
         doc_ids, n_cut = cut_tail(doc_ids, room)
         segments.append(list(doc_ids) + list(suffix_ids))
         truncated.append(n_cut > 0)
         dropped.append(n_cut)
-    return PointwiseEncoding(shared_ids=shared_ids, segment_ids=segments, mode=context_mode(q, t),
-                             trace_tokens_dropped=trace_dropped, doc_truncated=truncated,
-                             doc_tokens_dropped=dropped, num_suffix_tokens=n_suffix, max_length=max_length,
-                             trace_used=t)
+        exact.append(complete)
+    return segments, truncated, dropped, exact

@@ -24,6 +24,7 @@ supplies them.
 from __future__ import annotations
 
 import bisect
+import collections
 from typing import Callable, Optional, Tuple
 
 from .._validate import positive_int
@@ -64,11 +65,14 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
     positive_int("chunk", chunk)
     from ..tokenizer import TextEncoder
 
-    _, offsets = TextEncoder.of(tokenizer).user_offsets(text)
-    starts = [s for s, _ in offsets]
-    ends = [e for _, e in offsets]
-    n = len(starts)
+    enc = TextEncoder.of(tokenizer)
     length = shared_len(text) if current_len is None else current_len
+    # Offsets of the trace's last tokens only (the cut lands there: at most ``budget`` trace tokens
+    # are kept), counted piece by piece, so a huge trace never holds all of its offsets at once;
+    # the full list is built only if the cut ever reaches further back.
+    n, first, tail = _tail_offsets(enc, text, budget + 2 * chunk + 64)
+    starts = _Shifted([s for s, _ in tail], first)
+    ends = [e for _, e in tail]
     kept, drop = text, 0
     while length > budget:
         # each dropped trace token shortens the shared part by about one token; step by the
@@ -77,13 +81,43 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
         drop = -(-drop // chunk) * chunk
         if drop >= n:
             return None, n
+        if drop < first:  # further back than the kept offsets: take them all (never for a trace over by <= budget)
+            n, first, tail = _tail_offsets(enc, text, None)
+            starts, ends = _Shifted([s for s, _ in tail], first), [e for _, e in tail]
         kept = text[starts[drop]:].lstrip()
         if not kept:
             return None, n
         length = shared_len(kept)
     # tokens wholly before the cut; one the cut splits (its leading space stripped) counts as kept
-    dropped = bisect.bisect_right(ends, len(text) - len(kept))
+    dropped = first + bisect.bisect_right(ends, len(text) - len(kept))
     return kept, dropped
+
+
+class _Shifted:
+    """``values`` indexed from ``first`` (tokens first..first+len-1)."""
+
+    def __init__(self, values: list, first: int):
+        self.values, self.first = values, first
+
+    def __getitem__(self, i: int):
+        return self.values[i - self.first]
+
+
+def _tail_offsets(enc, text: str, keep: Optional[int]) -> Tuple[int, int, list]:
+    """``(n, first, offsets)``: the text's token count and the offsets of its tokens ``first..n-1``,
+    the last ``keep`` of them (None: all), counted piece by piece (``TextEncoder.user_pieces``)."""
+    if keep is None:
+        _, offsets = enc.user_offsets(text)
+        return len(offsets), 0, list(offsets)
+    n, held, pieces = 0, 0, collections.deque()  # the last pieces that hold the last ``keep`` tokens
+    for start, e in enc.user_pieces(text):
+        n += len(e)
+        pieces.append((start, e))
+        held += len(e)
+        while held - len(pieces[0][1]) >= keep:
+            held -= len(pieces.popleft()[1])
+    tail = [(a + start, b + start) for start, e in pieces for a, b in e.offsets]
+    return n, n - len(tail), tail
 
 
 def cut_tail(ids: list, room: int) -> Tuple[list, int]:

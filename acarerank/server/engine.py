@@ -1,24 +1,34 @@
 """The scheduler: one thread owns the model and runs continuous batching over queued requests.
 
-The HTTP side validates, tokenizes (thread pool) and calls ``submit``; nothing else touches
-the model (it is not thread-safe). Each loop iteration of the scheduler thread:
+The HTTP side validates, tokenizes (thread pool) and calls ``submit`` / ``submit_select``;
+nothing else touches the model (it is not thread-safe). Each loop iteration of the scheduler
+thread is one pass budget of ``max_batch_tokens`` tokens:
 
 1. takes newly submitted jobs (FIFO) and drops the work of cancelled ones (client gone);
-2. runs at most one queued call job (a setwise selection: grammar-constrained decoding);
-3. runs one packed scoring pass of at most ``max_batch_tokens`` segment tokens (always at
-   least one segment), in two rounds. Policy "shortest" (the default): first one document of
-   each newly arrived job (so a request that arrives mid-stream joins at the next pass) and of
-   each job no pass moved for ``STARVATION_PASSES`` passes; then documents of the jobs with the
-   fewest remaining documents first (arrival order on ties), so a short request never waits for
-   a long one and a pass holds few requests' prefixes (on the 2-core CPU box the same 16
-   requests of depth 20 all at once took 30.9–33.4 s this way and 34.3–36.0 s with
-   "round_robin", which takes one document of every running job first, then fills in arrival
-   order). A job's prefix is prefilled (``acquire_prefix``) when its first document enters a
-   pass and released as soon as its last document is scored — then its future completes, not
-   at the end of a batch.
+2. runs at most one queued call job (``submit_call``: any function that needs the model);
+3. runs one packed scoring pass of the budget's segment tokens, less the half a prefilling
+   selection takes (always at least one segment), in two rounds (below);
+4. advances the oldest selection (setwise, ``submit_select``) by one step: a chunk of at most
+   half the budget of its prompt prefill, or one greedy decode step (a few tokens). Selections
+   run one at a time, in arrival order; a scoring request that arrives mid-selection waits for
+   the step in flight only (at most half a pass), never for the whole selection — and a
+   selection gets half of every pass.
+
+The scoring pass's two rounds. Policy "shortest" (the default): first one document of
+each newly arrived job (so a request that arrives mid-stream joins at the next pass) and of
+each job no pass moved for ``STARVATION_PASSES`` passes; then documents of the jobs with the
+fewest remaining documents first (arrival order on ties), so a short request never waits for
+a long one and a pass holds few requests' prefixes (on the 2-core CPU box the same 16
+requests of depth 20 all at once took 30.9–33.4 s this way and 34.3–36.0 s with
+"round_robin", which takes one document of every running job first, then fills in arrival
+order). A job's prefix is prefilled (``acquire_prefix``) when its first document enters a
+pass and released as soon as its last document is scored — then its future completes, not
+at the end of a batch.
 
 Per pass: ``steps.score_segments`` = one forward over all its segments (the step API of
-``PointwiseReranker``: docs/ARCHITECTURE.md, "A served request").
+``PointwiseReranker``: docs/ARCHITECTURE.md, "A served request"); a selection's steps are
+``SetwiseReranker``'s (``start_select`` / ``prefill_select`` / ``decode_select`` /
+``finish_select`` / ``release_select``: docs/ARCHITECTURE.md, "A setwise call").
 """
 from __future__ import annotations
 
@@ -52,6 +62,15 @@ class _ScoreJob:
     started: Optional[float] = None
     cancelled: bool = False
     moved: int = 0                   # the last pass that scored one of its segments
+
+
+@dataclass(eq=False)
+class _SelectJob:
+    enc: object                      # SelectEncoding: the tokenized prompt
+    future: concurrent.futures.Future
+    submitted: float
+    state: object = None             # SelectState once started (pages pinned)
+    cancelled: bool = False
 
 
 @dataclass(eq=False)
@@ -101,10 +120,12 @@ class Engine:
       model_thread: a ``ModelThread`` to run the scheduler loop on — the thread that built the
         model, so one OpenMP team serves every pass (``model_thread.py`` says why); None: a
         thread of the engine's own.
+      select_steps: the setwise step API (a ``SetwiseReranker`` on the same model) that
+        ``submit_select`` jobs run on; None: ``submit_select`` is refused.
     """
 
     def __init__(self, steps, max_batch_tokens: int, metrics=None, max_running: int = DEFAULT_MAX_RUNNING,
-                 model_thread=None, policy: str = "shortest"):
+                 model_thread=None, policy: str = "shortest", select_steps=None):
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -120,6 +141,8 @@ class Engine:
         self._inbox: collections.deque = collections.deque()
         self._active: list = []          # score jobs in arrival order (scheduler thread only)
         self._calls: collections.deque = collections.deque()
+        self._selects: collections.deque = collections.deque()  # selection jobs in arrival order
+        self.select_steps = select_steps
         self._stopping = False
         self._model_thread = model_thread
         self._thread: Optional[threading.Thread] = None
@@ -155,6 +178,15 @@ class Engine:
         self._put(job)
         return job
 
+    def submit_select(self, enc) -> _SelectJob:
+        """Queue one encoded selection (``SetwiseReranker.encode_select``); ``job.future`` resolves to a
+        ``Selection``. Its prefill and decode steps share the scheduler's passes with scoring."""
+        if self.select_steps is None:
+            raise ValueError("this engine has no setwise model (select_steps)")
+        job = _SelectJob(enc=enc, future=concurrent.futures.Future(), submitted=time.perf_counter())
+        self._put(job)
+        return job
+
     def submit_call(self, fn: Callable) -> _CallJob:
         """Queue ``fn()`` to run on the scheduler thread (it may use the model); ``job.future`` gets its result."""
         job = _CallJob(fn=fn, future=concurrent.futures.Future(), submitted=time.perf_counter())
@@ -173,7 +205,7 @@ class Engine:
     def num_jobs(self) -> int:
         """Jobs submitted and not finished (queued, running, or waiting to be dropped)."""
         with self._cv:
-            return len(self._inbox) + len(self._active) + len(self._calls)
+            return len(self._inbox) + len(self._active) + len(self._calls) + len(self._selects)
 
     def _put(self, job) -> None:
         with self._cv:
@@ -186,19 +218,22 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._inbox or self._active or self._calls or self._stopping):
+                while not (self._inbox or self._active or self._calls or self._selects or self._stopping):
                     self._cv.wait()
                 if self._stopping:
                     break
                 while self._inbox:
                     job = self._inbox.popleft()
-                    (self._calls if isinstance(job, _CallJob) else self._active).append(job)
+                    queue = {_CallJob: self._calls, _SelectJob: self._selects}.get(type(job), self._active)
+                    queue.append(job)
             try:
                 self._drop_cancelled()
                 if self._calls:
                     self._run_call(self._calls.popleft())
-                if self._active:
-                    self._pass()
+                if self._active:  # first, so a request that arrived during a selection step waits for that one only
+                    self._pass(self.max_batch_tokens - self._select_share())
+                if self._selects:
+                    self._select_step()
                 self._report_depth()
             except Exception as e:  # noqa: BLE001 - a bug of ours: fail what is in flight, keep the thread
                 log.exception("scheduler iteration failed; failing %d active requests", len(self._active))
@@ -215,9 +250,11 @@ class Engine:
     def _report_depth(self) -> None:
         if self.metrics is not None:
             running = sum(1 for j in self._active if j.handle is not None)
+            selecting = sum(1 for j in self._selects if j.state is not None)
             with self._cv:
                 waiting = len(self._inbox) + len(self._calls)
-            self.metrics.set_depth(waiting + len(self._active) - running, running)
+            self.metrics.set_depth(waiting + len(self._active) - running + len(self._selects) - selecting,
+                                   running + selecting)
 
     def _drop_cancelled(self) -> None:
         keep = []
@@ -234,6 +271,71 @@ class Engine:
             else:
                 calls.append(job)
         self._calls = calls
+        selects = collections.deque()
+        for job in self._selects:
+            if job.cancelled:
+                self._end_select(job, cancelled=True)
+            else:
+                selects.append(job)
+        self._selects = selects
+
+    # -- selections ----------------------------------------------------------------------------
+    def _select_share(self) -> int:
+        """Tokens of this iteration's budget the oldest selection's next step takes (a prefill
+        chunk; a decode step's few tokens are not counted)."""
+        if not self._selects:
+            return 0
+        st = self._selects[0].state
+        return self.max_batch_tokens // 2 if st is None or st.prefilling else 0
+
+    def _select_step(self) -> int:
+        """Advance the oldest selection by one step; returns the tokens it put through the model.
+
+        Prefill: a chunk of at most half the pass budget (the scoring pass runs before it, so a
+        request that arrives during it waits for it only); decode: one greedy step.
+        A finished or failed selection completes its future and releases its pages here.
+        """
+        job = self._selects[0]
+        steps = self.select_steps
+        if job.state is None:
+            if not job.future.set_running_or_notify_cancel():  # its waiter gave up
+                self._selects.popleft()
+                return 0
+            if self.metrics is not None:
+                self.metrics.queue_time.observe(time.perf_counter() - job.submitted)
+        t = time.perf_counter()
+        used = 0
+        try:
+            if job.state is None:
+                job.state = steps.start_select(job.enc)
+            st = job.state
+            if st.prefilling:
+                used = steps.prefill_select(st, max(1, self.max_batch_tokens // 2))
+            else:
+                used = steps.decode_select(st)
+            if st.done:
+                self._end_select(job, result=steps.finish_select(st))
+                self._selects.popleft()
+        except Exception as e:  # noqa: BLE001 - fail this selection only; the caller maps it to an HTTP error
+            self._end_select(job, exc=e)
+            self._selects.popleft()
+        finally:
+            self._busy("call", t)
+        return used
+
+    def _end_select(self, job: _SelectJob, result=None, exc: Optional[BaseException] = None,
+                    cancelled: bool = False) -> None:
+        """Release the selection's pages and complete its future (result, exception or cancelled)."""
+        if job.state is not None:
+            try:
+                self.select_steps.release_select(job.state)
+            except Exception:  # noqa: BLE001
+                log.exception("release_select failed")
+        if cancelled:
+            if not job.future.cancel():
+                _settle(job.future, exc=concurrent.futures.CancelledError("client disconnected"))
+            return
+        _settle(job.future, result, exc)
 
     def _run_call(self, job: _CallJob) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -270,8 +372,10 @@ class Engine:
         if self.metrics is not None:
             self.metrics.model_seconds.labels(kind).inc(time.perf_counter() - since)
 
-    def _pass(self) -> None:
-        """Build and run one packed pass (see the module docstring for the policy)."""
+    def _pass(self, budget: Optional[int] = None) -> None:
+        """Build and run one packed pass of at most ``budget`` segment tokens (default
+        ``max_batch_tokens``; always at least one segment). Policy: the module docstring."""
+        budget = self.max_batch_tokens if budget is None else budget
         items, owners = [], []
         used = 0
 
@@ -279,7 +383,7 @@ class Engine:
             """Put the job's next segment in the pass; False only when the pass is full."""
             nonlocal used
             seg = job.enc.segment_ids[job.next]
-            if items and used + len(seg) > self.max_batch_tokens:
+            if items and used + len(seg) > budget:
                 return False
             if job.handle is None and not self._start(job):
                 return True  # cancelled or failed: nothing to add, the pass is not full
@@ -360,6 +464,9 @@ class Engine:
         with self._cv:
             pending = list(self._inbox) + list(self._calls)
             self._inbox.clear()
+        for job in self._selects:
+            self._end_select(job, exc=exc)
+        self._selects = collections.deque()
         for job in self._active:
             if job.handle is not None:
                 self.steps.release_prefix(job.handle)

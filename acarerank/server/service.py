@@ -49,8 +49,9 @@ class RerankService:
     Args:
       reranker: a ``PointwiseReranker``.
       model_name: what every response's ``model`` field says.
-      setwise: a ``SetwiseReranker`` for ``/v1/select`` (None: the endpoint answers 404);
-        it must be safe to run on the engine's thread (it shares the model thread).
+      setwise: a ``SetwiseReranker`` for ``/v1/select`` (None: the endpoint answers 404); its
+        prompt is built in the tokenizer pool and its prefill chunks and decode steps run as
+        steps of the engine, between scoring passes (``engine.py``).
       max_batch_tokens: segment tokens per packed pass (None: the reranker's own).
       max_queue: requests admitted and not yet answered; one more gets 429.
       max_documents: documents per request; more gets 413.
@@ -74,7 +75,7 @@ class RerankService:
         self.steps = reranker  # the step API: encode / acquire_prefix / score_segments / release_prefix / cache_stats
         self.metrics = ServerMetrics(self.steps.cache_stats)
         self.engine = Engine(self.steps, max_batch_tokens or reranker.max_batch_tokens, self.metrics,
-                             model_thread=model_thread)
+                             model_thread=model_thread, select_steps=setwise)
         self.model_thread = model_thread
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
         self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))
@@ -180,8 +181,9 @@ class RerankService:
         if not truncate:
             cut = [i for i, t in enumerate(enc.doc_truncated) if t]
             if cut:
+                over = ("" if enc.doc_tokens_exact[cut[0]] else "at least ") + str(enc.doc_tokens_dropped[cut[0]])
                 raise ValueError(f"documents[{cut[0]}] does not fit the {enc.max_length}-token input limit "
-                                 f"({enc.doc_tokens_dropped[cut[0]]} tokens over; {len(cut)} document(s) too long) "
+                                 f"({over} tokens over; {len(cut)} document(s) too long) "
                                  f"and truncate is false")
             if enc.trace_tokens_dropped:
                 raise ValueError(f"the trace does not fit the {enc.max_length}-token input limit "
@@ -234,11 +236,14 @@ class RerankService:
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         with self.admit():
-            def fn():  # runs on the scheduler thread: decoding uses the model
-                return self.setwise.select(req.query, docs, intent=req.intent, max_select=req.max_select)
-
+            loop = asyncio.get_running_loop()
+            try:  # the prompt is built in the tokenizer pool; the model work runs as engine steps
+                enc = await loop.run_in_executor(self.pool, lambda: self.setwise.encode_select(
+                    req.query, docs, intent=req.intent, max_select=req.max_select))
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e)) from None
             try:
-                job = self.engine.submit_call(fn)
+                job = self.engine.submit_select(enc)
             except EngineStopped as e:
                 raise APIError(503, f"server shutting down: {e}") from None
             sel = await self._wait(job, is_disconnected)

@@ -52,7 +52,6 @@ def _check(prompts, states, max_new_tokens):
                                  f"{st.max_tokens()} tokens, more than max_new_tokens={max_new_tokens}")
 
 
-@torch.inference_mode()
 def greedy_decode(runner, prompts: Sequence[Sequence[int]], grammar: Optional[IdentifierGrammar] = None,
                   states: Optional[Sequence[GrammarState]] = None, max_new_tokens: int = MAX_NEW_TOKENS,
                   eos_id: int = TOKEN_IM_END, cache=None) -> List[List[int]]:
@@ -64,42 +63,76 @@ def greedy_decode(runner, prompts: Sequence[Sequence[int]], grammar: Optional[Id
     cache: a cache already holding every prompt but its last token, group g = prompt g (e.g.
     from ``acarerank.model.cached_prefill.prefill_cached``); the caller frees it. None: prefilled here.
     """
-    if (grammar is None) != (states is None):
-        raise ValueError("pass both grammar and states (constrained) or neither (free decoding)")
-    if grammar is not None and grammar.tokens.end != eos_id:
-        raise ValueError(f"the grammar ends on token {grammar.tokens.end} but eos_id is {eos_id}")
-    _check(prompts, states, max_new_tokens)
-    prompts = [list(map(int, p)) for p in prompts]
-    if cache is None:
-        cache = runner.prefill([p[:-1] for p in prompts])
-    elif cache.lengths != [len(p) - 1 for p in prompts]:
-        raise ValueError(f"cache holds {cache.lengths} tokens per group; the prompts need {[len(p) - 1 for p in prompts]}")
-    if grammar is not None:
-        vocab = grammar.vocab.to(runner.device)
-        head = runner.lm_head[vocab]                                  # [14, H]: the only rows a mask lets through
-    outputs: List[List[int]] = [[] for _ in prompts]
-    feed = [[p[-1]] for p in prompts]                                 # tokens each group sends in the next step
-    running = [g for g in range(len(prompts)) if not _force(g, states, outputs, feed, max_new_tokens)]
-    while running:
-        hidden = runner.forward(cache, [feed[g] for g in running], running, output="last", append=True)  # [S, H]
-        if grammar is None:
-            nxt = runner.logits(hidden).argmax(-1).tolist()
+    dec = GreedyStepper(runner, prompts, grammar, states, max_new_tokens, eos_id, cache)
+    while not dec.done:
+        dec.step()
+    return dec.outputs
+
+
+class GreedyStepper:
+    """``greedy_decode`` one step at a time, for a scheduler that interleaves steps with other work.
+
+    Same arguments as ``greedy_decode``; ``step()`` runs one forward of every running sequence
+    (one segment each: its previous output plus any forced tokens) and returns the tokens it
+    fed; ``done`` once every sequence has stopped; ``outputs`` holds the new tokens so far.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, runner, prompts: Sequence[Sequence[int]], grammar: Optional[IdentifierGrammar] = None,
+                 states: Optional[Sequence[GrammarState]] = None, max_new_tokens: int = MAX_NEW_TOKENS,
+                 eos_id: int = TOKEN_IM_END, cache=None):
+        if (grammar is None) != (states is None):
+            raise ValueError("pass both grammar and states (constrained) or neither (free decoding)")
+        if grammar is not None and grammar.tokens.end != eos_id:
+            raise ValueError(f"the grammar ends on token {grammar.tokens.end} but eos_id is {eos_id}")
+        _check(prompts, states, max_new_tokens)
+        prompts = [list(map(int, p)) for p in prompts]
+        if cache is None:
+            cache = runner.prefill([p[:-1] for p in prompts])
+        elif cache.lengths != [len(p) - 1 for p in prompts]:
+            raise ValueError(f"cache holds {cache.lengths} tokens per group; the prompts need "
+                             f"{[len(p) - 1 for p in prompts]}")
+        self.runner, self.cache, self.grammar, self.states = runner, cache, grammar, states
+        self.max_new_tokens, self.eos_id = max_new_tokens, eos_id
+        if grammar is not None:
+            self.vocab = grammar.vocab.to(runner.device)
+            self.head = runner.lm_head[self.vocab]                     # [14, H]: the only rows a mask lets through
+        self.outputs: List[List[int]] = [[] for _ in prompts]
+        self.feed = [[p[-1]] for p in prompts]                        # tokens each group sends in the next step
+        self.running = [g for g in range(len(prompts))
+                        if not _force(g, states, self.outputs, self.feed, max_new_tokens)]
+
+    @property
+    def done(self) -> bool:
+        return not self.running
+
+    @torch.inference_mode()
+    def step(self) -> int:
+        """One forward of every running sequence; returns the tokens fed (0 when done)."""
+        running, feed, states, outputs = self.running, self.feed, self.states, self.outputs
+        if not running:
+            return 0
+        fed = sum(len(feed[g]) for g in running)
+        hidden = self.runner.forward(self.cache, [feed[g] for g in running], running, output="last",
+                                     append=True)                                          # [S, H]
+        if self.grammar is None:
+            nxt = self.runner.logits(hidden).argmax(-1).tolist()
         else:
-            logits = (runner.final_norm(hidden) @ head.T).float()      # [S, 14]; same dtype path as runner.logits
-            mask = grammar.mask([states[g] for g in running]).to(logits.device)
+            logits = (self.runner.final_norm(hidden) @ self.head.T).float()  # [S, 14]; same dtype path as runner.logits
+            mask = self.grammar.mask([states[g] for g in running]).to(logits.device)
             cols = logits.masked_fill(~mask, float("-inf")).argmax(-1).tolist()
-            nxt = [int(vocab[c]) for c in cols]
+            nxt = [int(self.vocab[c]) for c in cols]
         still = []
         for g, tok in zip(running, nxt):
             outputs[g].append(tok)
             feed[g] = [tok]
             if states is not None:
                 states[g].advance(tok)
-            if tok != eos_id and len(outputs[g]) < max_new_tokens and not _force(g, states, outputs, feed,
-                                                                                   max_new_tokens):
+            if tok != self.eos_id and len(outputs[g]) < self.max_new_tokens and not _force(
+                    g, states, outputs, feed, self.max_new_tokens):
                 still.append(g)
-        running = still
-    return outputs
+        self.running = still
+        return fed
 
 
 def _force(g, states, outputs, feed, max_new_tokens) -> bool:

@@ -25,7 +25,10 @@ query and intent are never cut (an error says so if they alone do not fit); no c
 ever dropped; when the candidates do not fit, every document gets the same token budget
 ``b`` -- the largest with ``sum_i min(len_i, b) <= room`` (water-filling: documents shorter
 than ``b`` keep all their tokens and leave the rest to the longer ones) -- and a cut document
-keeps its first ``b`` tokens (its head; the tail goes first, as in Qwen3-Reranker).
+keeps its first ``b`` tokens (its head; the tail goes first, as in Qwen3-Reranker). A document
+longer than ``max_length`` tokens on its own is only tokenized up to one token past it
+(``TextEncoder.user_heads``): every document over ``b`` keeps exactly its first ``b`` tokens either
+way, so the prompt is the one the whole documents give, at the cost of their heads.
 """
 from __future__ import annotations
 
@@ -203,6 +206,19 @@ def _water_fill(lengths: Sequence[int], room: int) -> int:
     return lo
 
 
+def _check_never_cut_heads(encoder, query: str, intent: Optional[str], max_length: int) -> None:
+    """ValueError when the query or intent alone is over ``max_length`` tokens, found by tokenizing
+    its head only (``TextEncoder.user_heads``): a huge one costs ``max_length`` tokens, not its length."""
+    from ..tokenizer import HEAD_CHARS_PER_TOKEN
+
+    values = [(name, v) for name, v in (("query", query), ("intent", intent))
+              if v is not None and len(v) > (max_length + 1) * HEAD_CHARS_PER_TOKEN]
+    for (name, _), (ids, _, complete) in zip(values, encoder.user_heads([v for _, v in values], max_length + 1)):
+        if not complete:
+            raise ValueError(f"the {name} is never truncated and alone is over max_length={max_length} tokens "
+                             f"({len(ids)}+ tokens). Shorten the query/intent or raise max_length")
+
+
 def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Optional[str] = None,
                  max_select: int = 10, max_length: Optional[int] = DEFAULT_MAX_LENGTH,
                  special_tokens: Optional[str] = None) -> SetwisePrompt:
@@ -221,12 +237,19 @@ def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Option
         user = user_prompt(query, docs, intent, max_select)
         return chat_ids(encoder, system, user), chat_text(system, user)
 
-    ids, text = render(documents)
     n = len(documents)
+    heads = None
+    if max_length is not None:
+        _check_never_cut_heads(encoder, query, intent, max_length)
+        # a document over max_length tokens alone is cut whatever else fits: only its head (one
+        # token past max_length, at a provable split: TextEncoder.user_heads) is ever tokenized
+        heads = encoder.user_heads(documents, max_length + 1, offsets=True)
+        documents = [d if complete else d[:offsets[-1][1]] for d, (_, offsets, complete) in zip(documents, heads)]
+    ids, text = render(documents)
     if max_length is None or len(ids) <= max_length:
         return SetwisePrompt(ids, text, n, max_select, None, [False] * n)
 
-    enc = encoder.user_offsets_batch(documents)
+    enc = [(ids, offsets) for ids, offsets, _ in heads]
     lengths = [len(ids) for ids, _ in enc]
     fixed = len(render([""] * n)[0])
     room = max_length - fixed

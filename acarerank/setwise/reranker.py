@@ -10,6 +10,16 @@ most 64 new tokens, stopping at ``<|im_end|>``. ``constrained=True`` masks every
 the identifier grammar (``grammar.py``), so the output always parses strictly;
 ``constrained=False`` decodes freely and the output is parsed leniently (``valid`` then
 says whether it happened to follow the strict format).
+
+Step API (what the server's engine drives between scoring passes; docs/ARCHITECTURE.md, "A setwise call")::
+
+    enc = sr.encode_select(query, documents, intent, max_select)  # prompt + checks; thread-safe, no model
+    st = sr.start_select(enc)            # longest cached prompt prefix matched and pinned
+    sr.prefill_select(st, n)             # up to n more prompt tokens (while st.prefilling)
+    sr.decode_select(st)                 # one greedy step (while not st.done)
+    sel = sr.finish_select(st)           # the Selection; releases the pages (release_select: idempotent)
+
+``select`` is that sequence with the whole prompt in one prefill step (same passes as before).
 """
 from __future__ import annotations
 
@@ -19,13 +29,13 @@ from typing import List, Optional, Sequence
 from .._validate import check_int, positive_int
 from ..model import Qwen3Runner
 from ..model.block_pool import PoolExhausted
-from ..model.cached_prefill import CacheSlot, prefill_cached
+from ..model.cached_prefill import CacheSlot, ChunkedPrefill, prefill_cached
 from ..reranker_base import RerankerBase
 from ..selection import parse_selection
 from ..tokenizer import TOKEN_IM_END
-from .decode import MAX_NEW_TOKENS, greedy_decode
+from .decode import MAX_NEW_TOKENS, GreedyStepper, greedy_decode
 from .grammar import IdentifierGrammar, max_output_tokens
-from .prompts import DEFAULT_MAX_LENGTH, build_prompt, check_inputs
+from .prompts import DEFAULT_MAX_LENGTH, SetwisePrompt, build_prompt, check_inputs
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,37 @@ class Selection:
     valid: bool
     num_tokens: int
     prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class SelectEncoding:
+    """One selection's tokenized prompt and decoding settings (``encode_select``)."""
+
+    prompt: SetwisePrompt
+    max_select: int
+    constrained: bool
+
+
+class SelectState:
+    """One selection in progress: its prompt prefill, then its greedy decoder (``start_select``)."""
+
+    def __init__(self, enc: SelectEncoding, prefill: ChunkedPrefill):
+        self.encoding = enc
+        self.prefill = prefill
+        self.decoder: Optional[GreedyStepper] = None
+        self.released = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.decoder is None
+
+    @property
+    def done(self) -> bool:
+        return self.decoder is not None and self.decoder.done
+
+    @property
+    def prompt_tokens_left(self) -> int:
+        return len(self.prefill.prefix) - self.prefill.pos
 
 
 class SetwiseReranker(RerankerBase):
@@ -92,8 +133,98 @@ class SetwiseReranker(RerankerBase):
 
         intent: the deep-research agent's query intent (F.2 prompt); None: the RAG prompt (F.1).
         """
-        return self.select_batch([query], [documents], None if intent is None else [intent], max_select,
-                                 constrained)[0]
+        st = self.start_select(self.encode_select(query, documents, intent, max_select, constrained))
+        try:
+            while not st.done:
+                if st.prefilling:
+                    self.prefill_select(st, st.prompt_tokens_left)
+                else:
+                    self.decode_select(st)
+            return self.finish_select(st)
+        finally:
+            self.release_select(st)
+
+    # -- step API -------------------------------------------------------------------------
+    def encode_select(self, query: str, documents: Sequence[str], intent: Optional[str] = None,
+                      max_select: int = 10, constrained: bool = True) -> SelectEncoding:
+        """Check the inputs and build the tokenized prompt (no model access; safe from several threads)."""
+        if not isinstance(constrained, bool):
+            raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
+        check_inputs(query, documents, intent, max_select)
+        max_select = int(max_select)
+        self._check_output_room([documents], max_select, constrained)
+        return SelectEncoding(build_prompt(self.tokenizer, query, documents, intent, max_select, self.max_length),
+                              max_select, constrained)
+
+    def start_select(self, enc: SelectEncoding) -> SelectState:
+        """Match the prompt's longest cached prefix (pinned until ``release_select``); nothing computed yet."""
+        if not isinstance(enc, SelectEncoding):
+            raise TypeError(f"start_select needs a SelectEncoding (from encode_select), got {type(enc).__name__}")
+        return SelectState(enc, ChunkedPrefill(self.runner, self._cache_slot, enc.prompt.input_ids[:-1]))
+
+    def prefill_select(self, st: SelectState, max_tokens: int) -> int:
+        """Compute up to ``max_tokens`` more prompt tokens (one pass per ``runner.prefill_chunk``);
+        returns how many. When the prompt is complete the decoder is set up (``st.prefilling`` False)."""
+        self._live(st)
+        n = st.prefill.step(max_tokens)
+        if st.prefill.done and st.decoder is None:
+            st.decoder = self._decoder(st.encoding, st.prefill.cache)
+        return n
+
+    def decode_select(self, st: SelectState) -> int:
+        """One greedy step (one forward of one short segment); returns the tokens it fed. If the cache's
+        pool fills up with pinned pages mid-decode, the selection restarts in a private pool (as ``select``)."""
+        self._live(st)
+        if st.decoder is None:
+            raise ValueError("decode_select: the prompt is not prefilled yet (prefill_select until not st.prefilling)")
+        try:
+            return st.decoder.step()
+        except PoolExhausted:
+            st.prefill.cache.free()
+            st.prefill = ChunkedPrefill(self.runner, CacheSlot(self.runner, enabled=False), st.prefill.prefix)
+            st.decoder = None
+            return 0
+
+    def finish_select(self, st: SelectState) -> Selection:
+        """The finished selection's ``Selection``; releases its pages."""
+        self._live(st)
+        if not st.done:
+            raise ValueError("finish_select: the selection is not done (decode_select until st.done)")
+        self.release_select(st)
+        return self._selection(st.encoding.prompt, st.decoder.outputs[0], st.encoding.max_select,
+                               st.encoding.constrained)
+
+    def release_select(self, st: SelectState) -> None:
+        """Give back the selection's pages (idempotent); cached prompt pages stay in the tree."""
+        if not st.released:
+            st.released = True
+            st.prefill.cache.free()
+
+    @staticmethod
+    def _live(st) -> None:
+        if not isinstance(st, SelectState):
+            raise TypeError(f"expected a SelectState (from start_select), got {type(st).__name__}")
+        if st.released:
+            raise ValueError("this selection was released")
+
+    def _decoder(self, enc: SelectEncoding, cache) -> GreedyStepper:
+        ids = [enc.prompt.input_ids]
+        if enc.constrained:
+            return GreedyStepper(self.runner, ids, self.grammar,
+                                 [self.grammar.start(enc.prompt.n_candidates, enc.max_select)],
+                                 self.max_new_tokens, eos_id=TOKEN_IM_END, cache=cache)
+        return GreedyStepper(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=TOKEN_IM_END, cache=cache)
+
+    def _check_output_room(self, documents, max_select: int, constrained: bool) -> None:
+        if not constrained:
+            return
+        for i, d in enumerate(documents):
+            need = max_output_tokens(len(d), max_select)
+            if need > self.max_new_tokens:
+                raise ValueError(
+                    f"max_select={max_select} over {len(d)} documents can need {need} output tokens (query {i}), "
+                    f"more than max_new_tokens={self.max_new_tokens}; raise max_new_tokens "
+                    f"(SetwiseReranker(max_new_tokens=...), CLI --max-new-tokens) or lower max_select")
 
     def select_batch(self, queries: Sequence[str], documents: Sequence[Sequence[str]],
                      intents: Optional[Sequence[Optional[str]]] = None, max_select: int = 10,
@@ -113,14 +244,7 @@ class SetwiseReranker(RerankerBase):
         for q, d, it in zip(queries, documents, intents):
             check_inputs(q, d, it, max_select)
         max_select, batch_size = int(max_select), int(batch_size)
-        if constrained:
-            for i, d in enumerate(documents):
-                need = max_output_tokens(len(d), max_select)
-                if need > self.max_new_tokens:
-                    raise ValueError(
-                        f"max_select={max_select} over {len(d)} documents can need {need} output tokens (query {i}), "
-                        f"more than max_new_tokens={self.max_new_tokens}; raise max_new_tokens "
-                        f"(SetwiseReranker(max_new_tokens=...), CLI --max-new-tokens) or lower max_select")
+        self._check_output_room(documents, max_select, constrained)
         prompts = [build_prompt(self.tokenizer, q, d, it, max_select, self.max_length)
                    for q, d, it in zip(queries, documents, intents)]
         out: List[Selection] = []
@@ -150,12 +274,12 @@ class SetwiseReranker(RerankerBase):
             gen = decode(None)
         finally:
             cache.free()  # decoded rows were private pages; cached prompt pages stay in the tree
-        out = []
-        for p, toks in zip(prompts, gen):
-            text = self.tokenizer.decode(toks, skip_special_tokens=True)
-            parsed = parse_selection(text, p.n_candidates, max_select, strict=constrained)
-            if constrained and not parsed.valid:  # the grammar makes this impossible; never hide it
-                raise RuntimeError(f"constrained output {text!r} failed the strict parse: {parsed.error}")
-            out.append(Selection(indices=parsed.indices, ids=parsed.ids, text=text, valid=parsed.valid,
-                                 num_tokens=len(toks), prompt_tokens=len(p.input_ids)))
-        return out
+        return [self._selection(p, toks, max_select, constrained) for p, toks in zip(prompts, gen)]
+
+    def _selection(self, p: SetwisePrompt, toks: list, max_select: int, constrained: bool) -> Selection:
+        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        parsed = parse_selection(text, p.n_candidates, max_select, strict=constrained)
+        if constrained and not parsed.valid:  # the grammar makes this impossible; never hide it
+            raise RuntimeError(f"constrained output {text!r} failed the strict parse: {parsed.error}")
+        return Selection(indices=parsed.indices, ids=parsed.ids, text=text, valid=parsed.valid,
+                         num_tokens=len(toks), prompt_tokens=len(p.input_ids))
