@@ -11,9 +11,14 @@ import socket
 import threading
 import time
 
-import httpx
+import pytest
+from _optional import require
 
-from serve_util import serve_subprocess, tiny_model
+require("httpx", "fastapi", "uvicorn")
+
+import httpx  # noqa: E402
+
+from serve_util import serve_subprocess, tiny_model  # noqa: E402
 
 DRAIN = 2.0
 MARGIN = 5.0   # seconds of slack for the exit on a loaded machine

@@ -14,11 +14,15 @@ import socket
 import threading
 import time
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from _optional import require
 
-from serve_util import serve_subprocess, tiny_model
+require("httpx", "prometheus_client", "fastapi", "uvicorn")
+
+import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from serve_util import serve_subprocess, tiny_model  # noqa: E402
 
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 3.0
