@@ -185,3 +185,37 @@ def test_prepare_model_template_renders_the_model_card_prompt(tiny_dir, tmp_path
     want = QWEN3_RERANKER_PREFIX + QWEN3_RERANKER_BODY.format(instruction=DEFAULT_INSTRUCTION, query="what is x",
                                                               doc="a doc\nwith lines") + QWEN3_RERANKER_SUFFIX
     assert got == want, (got[-60:], want[-60:])
+
+
+# -- acarerank bench with a peer ------------------------------------------------------------------
+TINY = "num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=2,num_key_value_heads=1,head_dim=32"
+
+
+def test_depth_bench_times_a_peer_beside_the_providers(tmp_path, capsys):
+    """``acarerank bench --peer``: a second acarerank server on the bench's own random weights is
+    a peer; its rows carry its latency and its scores agree (M0: the same prompt; M3: the
+    reference scores the folded prompt) to fp32 rounding."""
+    from serve_util import serve_subprocess
+
+    from acarerank.cli import main
+    from acarerank.cli.bench import _overrides
+    from acarerank.model.default import build_default_model
+
+    ckpt = tmp_path / "ckpt"
+    build_default_model("tiny-cpu", seed=0, **_overrides([TINY])).save_pretrained(ckpt)
+    with serve_subprocess("--model", str(ckpt), "--dtype", "float32") as (base, _):
+        rc = main(["bench", "--quick", "--depths", "2,3", "--modes", "M0,M3", "--dtype", "float32",
+                   "--providers", "transformers,acarerank", "--backends", "torch", "--override", TINY,
+                   "--peer", f"other={base}", "--output", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    with open(tmp_path / "out" / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["mode"], int(r["depth"]), r["provider"]) for r in rows} == {
+        (m, d, p) for m in ("M0", "M3") for d in (2, 3) for p in ("transformers", "acarerank-torch", "other")}
+    for r in rows:
+        assert float(r["median_ms"]) > 0 and float(r["max_abs_score_diff"]) <= 1e-5, r
+        if r["provider"] == "other":
+            assert r["peak_mem_mb"] == "nan", r
+    assert "peers scores agree" in out and "other: acarerank" in out, out
+    assert f"--peer other={base}" in out

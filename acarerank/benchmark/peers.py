@@ -172,7 +172,9 @@ class PeerProvider:
     context an in-process reference must score to see the same prompt.
     """
 
-    flop_plan = "full_padded"  # what a prompt-at-a-time server computes at most (no cross-document sharing)
+    # FLOPs of the full prompts one at a time (batch 1: no padding), what a server that shares
+    # nothing between a request's documents computes (vLLM's prefix cache may compute less)
+    flop_plan, flop_batch = "full_padded", 1
 
     def __init__(self, target: Target, timeout: float = 600.0):
         import httpx
