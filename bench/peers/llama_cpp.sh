@@ -39,7 +39,7 @@ Options:
   --cache DIR      where build, venv, models and run files live (default ~/.cache/acarerank-peers,
                    or \$ACARERANK_PEERS_CACHE)
   --dry-run        print the commands, run nothing
-  --stop           stop the server this script started (by its PID file)
+  --stop           stop the server this script started for --outtype (by its PID file)
   --status         say whether it runs
 Environment: PYTHON (a Python that imports acarerank, for step 3), LLAMA_CPP_PYTHON_VERSION,
 JOBS (build jobs, default nproc).
@@ -58,6 +58,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ $OUTTYPE == f32 || $OUTTYPE == q8_0 ]] || die "--outtype must be f32 or q8_0, got '$OUTTYPE'"
 [[ $CTX =~ ^[0-9]+$ && $PARALLEL =~ ^[1-9][0-9]*$ ]] || die "--ctx and --parallel must be positive numbers"
+RUN_DIR=$CACHE/$PEER/run-$OUTTYPE  # f32 and q8_0 servers side by side; --stop --outtype T stops one
 case $ACTION in
     stop) stop_server; exit 0 ;;
     status) status_server; exit 0 ;;
@@ -103,6 +104,10 @@ fi
 # 4. serve
 PORT=${PORT:-$(free_port)}
 THREADS=${THREADS:-$(nproc)}
+EXTRA=()
+# ggml's AMX q8_0 matmul segfaults in the warm-up pass on an AMX CPU (this llama.cpp build, seen
+# with the embedded default's shape); --no-repack keeps the weights out of the AMX buffer
+if [[ $OUTTYPE == q8_0 ]] && grep -q amx_int8 /proc/cpuinfo 2>/dev/null; then EXTRA+=(--no-repack); fi
 start_server "http://127.0.0.1:$PORT" /health "${LLAMA_STARTUP_TIMEOUT:-300}" \
     "$SERVER" -m "$GGUF" --reranking --pooling rank --host 127.0.0.1 --port "$PORT" -t "$THREADS" \
-    -c "$CTX" -np "$PARALLEL" --no-webui
+    -c "$CTX" -np "$PARALLEL" --no-webui "${EXTRA[@]+"${EXTRA[@]}"}"
