@@ -23,16 +23,24 @@ def on(args, device=DEVICE):
     return [a.to(device) for a in args]
 
 
-def make_case(prefix_lens, seg_lens, seg_group, Hq, Hkv, d, block_size, share=True, dtype=torch.float32, seed=0):
+def make_case(prefix_lens, seg_lens, seg_group, Hq, Hkv, d, block_size, share=True, dtype=torch.float32, seed=0,
+              consecutive=False):
     """Random pages + block table; returns (paged args, packed args). Group 1 reuses group 0's
-    first full blocks when ``share`` (several groups pointing at the same pages)."""
+    first full blocks when ``share`` (several groups pointing at the same pages).
+    ``consecutive``: every group's blocks are one run of ids (as a prefill allocates them), the
+    groups' runs in reverse order with a garbage page between them; no sharing."""
     g = torch.Generator().manual_seed(seed)
     G = len(prefix_lens)
     nblk = [-(-p // block_size) for p in prefix_lens]
-    num_blocks = sum(nblk) + 3  # spare pages hold garbage that must never be read
+    num_blocks = sum(nblk) + G + 3  # spare pages hold garbage that must never be read
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, nxt = [], 0
-    for gi in range(G):
+    if consecutive:
+        start = 1
+        for gi in reversed(range(G)):
+            tables.insert(0, list(range(start, start + nblk[gi])))
+            start += nblk[gi] + 1
+    for gi in range(G if not consecutive else 0):
         row = []
         for b in range(nblk[gi]):
             if share and gi == 1 and b < nblk[0] and (b + 1) * block_size <= min(prefix_lens[0], prefix_lens[1]):
@@ -86,6 +94,65 @@ def test_torch_paged_equals_packed(block_size, Hq, Hkv, d):
         assert (out - want).abs().max().item() <= 1e-6, report(out, want)
         ref = prefix_shared_attention_ref(*packed)
         assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), report(out, ref)
+
+
+IN_PLACE_CASES = CASES + [
+    ([16, 48, 5], [3, 8, 2, 4], [1, 0, 2, 1]),   # whole-block and sub-block prefixes; group 1's segments apart
+    ([0, 0], [4, 1], [0, 1]),                     # no prefix at all
+]
+
+
+def _plan(paged):
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    return plan_prefix_shared_attention_paged(cu, bt, pl, sg, num_heads=q.shape[1], num_kv_heads=k.shape[1],
+                                              head_dim=q.shape[2], block_size=kc.shape[1], num_blocks=kc.shape[0],
+                                              dtype=q.dtype, backend="torch")
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 256])
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (8, 2), (6, 1)])
+def test_torch_reads_consecutive_pages_in_place(block_size, Hq, Hkv):
+    """Blocks in one run per group: the CPU path reads them as views of the pool. The plan's
+    gather indices are then overwritten with another group's rows, so an answer that still
+    equals the oracle cannot have come through a gather."""
+    for prefix_lens, seg_lens, seg_group in IN_PLACE_CASES:
+        paged, packed = make_case(prefix_lens, seg_lens, seg_group, Hq, Hkv, 64, block_size, consecutive=True)
+        plan = _plan(paged)
+        assert plan.aux[3].tolist() == [int(paged[6][g, 0]) if n else -1 for g, n in enumerate(prefix_lens)]
+        plan.aux = (plan.aux[0].flip(0), plan.aux[1].flip(0), *plan.aux[2:])  # wrong rows if anything gathers
+        out = prefix_shared_attention_paged(*paged, plan=plan)
+        ref = prefix_shared_attention_ref(*packed)
+        assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), (prefix_lens, report(out, ref))
+        want = prefix_shared_attention(*packed, backend="torch")
+        assert (out - want).abs().max().item() <= 1e-6, (prefix_lens, report(out, want))
+
+
+def test_torch_scattered_or_unviewable_pages_are_gathered():
+    """Scattered blocks (shared pages, shuffled ids) and a pool whose block stride is not
+    block_size rows (pages of a [num_blocks, 2, ...] stack) are read through the gather indices."""
+    paged, packed = make_case([37, 70], [5, 1, 9], [0, 1, 1], 4, 2, 32, 16)
+    assert (_plan(paged).aux[3] == -2).all()  # cpu_paged_attention.SCATTERED
+    paged, packed = make_case([37, 70], [5, 1, 9], [0, 1, 1], 4, 2, 32, 16, consecutive=True)
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    big_k, big_v = torch.stack([kc, kc.neg()], dim=1)[:, 0], torch.stack([vc, vc.neg()], dim=1)[:, 0]
+    assert big_k.stride(0) != big_k.shape[1] * big_k.stride(1)
+    out = prefix_shared_attention_paged(q, k, v, cu, big_k, big_v, bt, pl, sg, plan=_plan(paged))
+    ref = prefix_shared_attention_ref(*packed)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), report(out, ref)
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_torch_paged_bf16_and_nan_rows(consecutive):
+    """bf16 pages (the native-bf16 prefix path where the CPU has it) against the fp32 oracle on the
+    same bf16 values; a NaN in q makes exactly that output row NaN, as in the oracle."""
+    paged, packed = make_case([37, 70], [5, 1, 9], [0, 1, 1], 8, 2, 64, 16, dtype=torch.bfloat16,
+                              consecutive=consecutive)
+    paged[0][3, 5, 7] = float("nan")
+    out = prefix_shared_attention_paged(*paged, backend="torch").float()
+    ref = prefix_shared_attention_ref(*[t.float() if t.is_floating_point() else t for t in packed]).float()
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(out), nan) and nan[3, 5].all() and nan.sum() == 64, "NaN rows differ"
+    assert torch.allclose(out[~nan], ref[~nan], atol=2e-2, rtol=2e-2), report(out.nan_to_num(), ref.nan_to_num())
 
 
 def test_paged_ref_gathers_like_the_test():

@@ -344,3 +344,20 @@ def test_setwise_prompt_prefill_through_the_cache(model, qwen3_tokenizer):
     st_ = cached.cache_stats()
     assert st_["hit_tokens"] > 0 and plain.cache_stats()["hit_tokens"] == 0
     assert all(cached._cache_slot._cache.pool.refcount[b] == 1 for b in cached._cache_slot._cache.paths().values())
+
+
+def test_a_freed_block_table_is_handed_out_again_as_one_run():
+    """allocate -> decref -> allocate keeps consecutive ids consecutive and ascending (the CPU
+    paged attention reads such a run of pages in place); every id is still handed out once."""
+    from acarerank.model.block_pool import BlockPool
+
+    pool = BlockPool(1, 12, 16, 1, 4, torch.float32, "cpu")
+    a = pool.allocate(5)
+    b = pool.allocate(4)
+    assert a == [0, 1, 2, 3, 4] and b == [5, 6, 7, 8]
+    pool.decref(b)
+    pool.decref(a)
+    again = pool.allocate(5)
+    assert again == [0, 1, 2, 3, 4], again
+    rest = pool.allocate(7)
+    assert sorted(again + rest) == list(range(12)) and rest[:4] == [5, 6, 7, 8], rest

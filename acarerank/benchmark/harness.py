@@ -19,8 +19,12 @@ included, as a serving stack pays it). Per (mode, depth, provider) the harness r
   shapes (``gemm_peak``);
 * every provider's scores per cell (``BenchResult.scores``), for rank agreement across dtypes.
 
-Providers: "transformers" (a), "transformers+prefix-cache" (b) (``baselines``), and
-"acarerank-<backend>" — the public ``PointwiseReranker`` with that backend.
+Providers: "transformers" (a), "transformers+prefix-cache" (b) (``baselines``),
+"acarerank-<backend>" — the public ``PointwiseReranker`` with that backend — and any peer
+server (``BenchConfig.peers``: vLLM, llama.cpp, TEI, another acarerank; ``peers.PeerProvider``)
+timed over HTTP. A peer gets the context folded into its query (``peers.fold_context``) and is
+compared with the first provider scoring that same folded prompt; its FLOPs are those of the
+full, unshared prompts, and its memory is its server's (NaN here).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from .._validate import is_positive_int
 from .baselines import OfficialTransformers, PrefixCacheTransformers, split_prompt_ids
 from .gemm_peak import gemm_peak
 from .measure import PeakMemory, machine_info, percentile, sync, timed_call
+from .peers import PeerProvider, Target
 from .report import Shapes, plan_flops
 from .workload import MODES, Workload, WorkloadSpec, make_workload
 
@@ -70,6 +75,7 @@ class BenchConfig:
     spec: WorkloadSpec = field(default_factory=WorkloadSpec)
     seed: int = 0
     compile_layers: bool = False              # also acarerank with torch.compile'd layer halves
+    peers: tuple = ()                         # peers.Target: rerank servers timed beside (over HTTP)
     batch_official: int = 4
     batch_prefix_cache: int = 16
 
@@ -84,6 +90,11 @@ class BenchConfig:
             raise ValueError(f"unknown provider(s) {bad}; providers: {', '.join(PROVIDERS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not one of {', '.join(DTYPES)}")
+        if any(not isinstance(t, Target) for t in self.peers):
+            raise TypeError("peers must be acarerank.benchmark.peers.Target values (peers.parse_target)")
+        names = [t.name for t in self.peers]
+        if len(set(names)) != len(names) or any(n.startswith(("transformers", "acarerank")) for n in names):
+            raise ValueError(f"peer names must be unique and not start with 'transformers' or 'acarerank', got {names}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
         if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
@@ -238,6 +249,105 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@dataclass
+class _Setup:
+    """What every cell of a run shares (``_set_up``)."""
+    model: object
+    tok: object
+    random_weights: bool
+    providers: list
+    shapes: Shapes
+    workload: Workload
+    meter: PeakMemory
+    info: dict
+    peak: dict
+
+
+def _set_up(cfg: BenchConfig, device: torch.device, progress: Callable) -> _Setup:
+    """Model, providers (peers last), workload, memory meter, machine info and the GEMM peak."""
+    model, tok, random_weights = load_model(cfg)
+    backends = pick_backends(cfg, device, progress) if "acarerank" in cfg.providers else []
+    providers = make_providers(cfg, model, tok, backends)
+    for t in cfg.peers:
+        providers.append(PeerProvider(t))
+        progress(f"peer {t.name}: {providers[-1].target.api} {providers[-1].version} at {t.url} (context folded "
+                 f"into the query; scores compared with {providers[0].name} on the same prompt)")
+    shapes = Shapes.from_config(model.config)
+    peak = gemm_peak(shapes, DTYPES[cfg.dtype], device)
+    progress(f"GEMM peak {cfg.dtype}: {peak['peak_gflops']:.1f} GFLOP/s (F.linear, {peak['rows']} rows; "
+             + ", ".join(f"{k} {v:.0f}" for k, v in peak["per_shape"].items()) + ")")
+    progress(f"model {'random ' + cfg.preset if random_weights else cfg.model_path} {cfg.dtype} on {device}; "
+             f"providers: {', '.join(p.name for p in providers)}")
+    return _Setup(model, tok, random_weights, providers, shapes, make_workload(tok, cfg.spec), PeakMemory(device),
+                  machine_info(device), peak)
+
+
+def _time_cell(cfg: BenchConfig, providers: list, docs: list, ctx: dict, meter: PeakMemory, device) -> tuple:
+    """({name: [seconds]}, {name: scores of the first call}, {name: peak MB}) of one (mode, depth).
+
+    Round-robin: repeat r of every provider before repeat r + 1 of any, so that a load change
+    on a shared machine hits all providers alike, not one cell."""
+    times = {p.name: [] for p in providers}
+    scores, peaks = {}, {p.name: 0.0 for p in providers}
+    for _ in range(cfg.repeats):
+        for p in providers:
+            ts = times[p.name]
+            if ts and sum(ts) >= cfg.max_cell_seconds:
+                continue
+            meter.start()
+            s, dt = timed_call(lambda: p.score(documents=docs, **ctx), device)
+            ts.append(dt)
+            # a peer's memory is its server's, not this process's
+            peaks[p.name] = math.nan if isinstance(p, PeerProvider) else max(peaks[p.name], meter.stop())
+            scores.setdefault(p.name, s)
+    return times, scores, peaks
+
+
+def _reference_scores(providers: list, docs: list, ctx: dict, scores: dict) -> dict:
+    """{provider name: the scores it is compared with}: the first provider's; a peer with a
+    context (M1–M3) is compared with the first provider scoring its folded prompt (untimed)."""
+    first = providers[0]
+    refs = {p.name: scores[first.name] for p in providers}
+    peers = [p for p in providers if isinstance(p, PeerProvider)]
+    if peers and (ctx.get("question") or ctx.get("trace")):
+        folded = first.score(documents=docs, **PeerProvider.folded(ctx))
+        refs.update({p.name: folded for p in peers})
+    return refs
+
+
+def _cell_rows(cfg: BenchConfig, su: _Setup, mode: str, depth: int, times: dict, scores: dict, peaks: dict,
+               refs: dict, shared: list, seg_lens: list) -> list:
+    """One row per provider of a (mode, depth) cell (keys: report.COLUMNS)."""
+    device = torch.device(cfg.device)
+    flops_official = plan_flops("full_padded", su.shapes, len(shared), seg_lens, cfg.batch_official)
+    ref_median = percentile(times["transformers"], 50) if "transformers" in times else math.nan
+    rows = []
+    for p in su.providers:
+        ts = times[p.name]
+        med = percentile(ts, 50)
+        batch = getattr(p, "flop_batch", None) or (cfg.batch_official if p.flop_plan == "full_padded"
+                                                   else cfg.batch_prefix_cache)
+        flops = plan_flops(p.flop_plan, su.shapes, len(shared), seg_lens, batch)
+        rows.append({
+            "mode": mode, "depth": depth, "provider": p.name,
+            "median_ms": med * 1e3, "p10_ms": percentile(ts, 10) * 1e3, "p90_ms": percentile(ts, 90) * 1e3,
+            "repeats": len(ts), "docs_per_s": depth / med,
+            "tokens_per_s": (len(shared) * depth + sum(seg_lens)) / med,
+            "speedup_vs_transformers": ref_median / med,
+            "flop_bound_speedup": flops_official / flops, "gflop": flops / 1e9,
+            "achieved_gflops": flops / 1e9 / med, "gemm_peak_gflops": su.peak["peak_gflops"],
+            "peak_fraction": flops / 1e9 / med / su.peak["peak_gflops"], "kendall_tau_vs_float32": math.nan,
+            "peak_mem_mb": peaks[p.name], "mem_kind": su.meter.kind,
+            "max_abs_score_diff": max_abs_diff(scores[p.name], refs[p.name]),
+            "shared_tokens": len(shared), "doc_tokens": sum(seg_lens),
+            "workload_tokens": len(shared) * depth + sum(seg_lens),
+            "preset": cfg.preset if cfg.model_path is None else os.path.basename(cfg.model_path.rstrip("/")),
+            "dtype": cfg.dtype, "device": device.type, "attn_implementation": cfg.attn_implementation,
+            "random_weights": su.random_weights, **su.info,
+        })
+    return rows
+
+
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_csv: Optional[str] = None,
               rows_before: Sequence[dict] = ()) -> BenchResult:
     """Run every (mode, depth, provider) cell; progress goes to ``log``.
@@ -255,73 +365,32 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_cs
         el = time.perf_counter() - t_start
         log(f"[bench {int(el // 60):d}:{el % 60:04.1f}] {msg}")
 
-    model, tok, random_weights = load_model(cfg)
-    backends = pick_backends(cfg, device, progress) if "acarerank" in cfg.providers else []
-    providers = make_providers(cfg, model, tok, backends)
-    shapes = Shapes.from_config(model.config)
-    workload: Workload = make_workload(tok, cfg.spec)
-    meter = PeakMemory(device)
-    info = machine_info(device)
-    peak = gemm_peak(shapes, DTYPES[cfg.dtype], device)
-    progress(f"GEMM peak {cfg.dtype}: {peak['peak_gflops']:.1f} GFLOP/s (F.linear, {peak['rows']} rows; "
-             + ", ".join(f"{k} {v:.0f}" for k, v in peak["per_shape"].items()) + ")")
-    progress(f"model {'random ' + cfg.preset if random_weights else cfg.model_path} {cfg.dtype} on {device}; "
-             f"providers: {', '.join(p.name for p in providers)}")
-
+    su = _set_up(cfg, device, progress)
     rows, all_scores = [], {}
     for mode in cfg.modes:
-        ctx = workload.context(mode)
-        for p in providers:
+        ctx = su.workload.context(mode)
+        for p in su.providers:
             for _ in range(cfg.warmup):
-                p.score(documents=workload.docs(cfg.depths[0]), **ctx)
+                p.score(documents=su.workload.docs(cfg.depths[0]), **ctx)
         for depth in cfg.depths:
-            docs = workload.docs(depth)
-            shared, segs = split_prompt_ids(tok, documents=docs, **ctx)
-            seg_lens = [len(s) for s in segs]
-            flops_official = plan_flops("full_padded", shapes, len(shared), seg_lens, cfg.batch_official)
-            times = {p.name: [] for p in providers}
-            scores, peaks = {}, {p.name: 0.0 for p in providers}
-            # Round-robin: repeat r of every provider before repeat r + 1 of any, so that a
-            # load change on a shared machine hits all providers alike, not one cell.
-            for _ in range(cfg.repeats):
-                for p in providers:
-                    ts = times[p.name]
-                    if ts and sum(ts) >= cfg.max_cell_seconds:
-                        continue
-                    meter.start()
-                    s, dt = timed_call(lambda: p.score(documents=docs, **ctx), device)
-                    ts.append(dt)
-                    peaks[p.name] = max(peaks[p.name], meter.stop())
-                    scores.setdefault(p.name, s)
-            ref_scores = scores[providers[0].name]
-            ref_median = percentile(times["transformers"], 50) if "transformers" in times else math.nan
-            for p in providers:
-                ts = times[p.name]
-                med = percentile(ts, 50)
-                batch = cfg.batch_official if p.flop_plan == "full_padded" else cfg.batch_prefix_cache
-                flops = plan_flops(p.flop_plan, shapes, len(shared), seg_lens, batch)
-                rows.append({
-                    "mode": mode, "depth": depth, "provider": p.name,
-                    "median_ms": med * 1e3, "p10_ms": percentile(ts, 10) * 1e3, "p90_ms": percentile(ts, 90) * 1e3,
-                    "repeats": len(ts), "docs_per_s": depth / med,
-                    "tokens_per_s": (len(shared) * depth + sum(seg_lens)) / med,
-                    "speedup_vs_transformers": ref_median / med,
-                    "flop_bound_speedup": flops_official / flops, "gflop": flops / 1e9,
-                    "achieved_gflops": flops / 1e9 / med, "gemm_peak_gflops": peak["peak_gflops"],
-                    "peak_fraction": flops / 1e9 / med / peak["peak_gflops"], "kendall_tau_vs_float32": math.nan,
-                    "peak_mem_mb": peaks[p.name], "mem_kind": meter.kind,
-                    "max_abs_score_diff": max_abs_diff(scores[p.name], ref_scores),
-                    "shared_tokens": len(shared), "doc_tokens": sum(seg_lens),
-                    "workload_tokens": len(shared) * depth + sum(seg_lens),
-                    "preset": cfg.preset if cfg.model_path is None else os.path.basename(cfg.model_path.rstrip("/")),
-                    "dtype": cfg.dtype, "device": device.type, "attn_implementation": cfg.attn_implementation,
-                    "random_weights": random_weights, **info,
-                })
-                all_scores[(mode, depth, p.name)] = scores[p.name]
-                progress(f"{mode} depth {depth:>4} {p.name:<26} median {med * 1e3:9.1f} ms over {len(ts)} run(s)")
+            docs = su.workload.docs(depth)
+            shared, segs = split_prompt_ids(su.tok, documents=docs, **ctx)
+            times, scores, peaks = _time_cell(cfg, su.providers, docs, ctx, su.meter, device)
+            refs = _reference_scores(su.providers, docs, ctx, scores)
+            cell = _cell_rows(cfg, su, mode, depth, times, scores, peaks, refs, shared, [len(s) for s in segs])
+            for r in cell:
+                all_scores[(mode, depth, r["provider"])] = scores[r["provider"]]
+                progress(f"{mode} depth {depth:>4} {r['provider']:<26} median {r['median_ms']:9.1f} ms over "
+                         f"{r['repeats']} run(s)")
+            rows += cell
             if partial_csv is not None:
                 write_csv(list(rows_before) + rows, partial_csv)
-    meta = dict(info, random_weights=random_weights, shared_tokens={m: len(split_prompt_ids(
-        tok, documents=workload.docs(1), **workload.context(m))[0]) for m in cfg.modes},
-        doc_token_counts=workload.doc_token_counts, elapsed_s=time.perf_counter() - t_start, gemm_peak=peak)
+    for p in su.providers:
+        if isinstance(p, PeerProvider):
+            p.close()
+    meta = dict(su.info, random_weights=su.random_weights, shared_tokens={m: len(split_prompt_ids(
+        su.tok, documents=su.workload.docs(1), **su.workload.context(m))[0]) for m in cfg.modes},
+        doc_token_counts=su.workload.doc_token_counts, elapsed_s=time.perf_counter() - t_start, gemm_peak=su.peak,
+        peers={p.name: dict(api=p.target.api, url=p.target.url, version=p.version) for p in su.providers
+               if isinstance(p, PeerProvider)})
     return BenchResult(rows=rows, config=cfg, meta=meta, tolerance=SCORE_TOLERANCE[cfg.dtype], scores=all_scores)

@@ -20,6 +20,7 @@ import os
 import sys
 import time
 
+PEER_TOLERANCE = 1e-2  # largest |peer − reference| score on the same prompt (bench_serve's --peer-tolerance)
 QUICK_SPEC = dict(query_tokens=10, question_tokens=30, trace_tokens=200, doc_tokens=(20, 60))
 
 
@@ -86,6 +87,9 @@ def add_parser(subparsers) -> None:
                    help="Qwen3Config fields over the preset, e.g. num_hidden_layers=2 (repeatable)")
     p.add_argument("--providers", type=_names, default=None,
                    help="subset of transformers,transformers+prefix-cache,acarerank (default all)")
+    p.add_argument("--peer", action="append", default=None, metavar="NAME=[API@]URL",
+                   help="a rerank server timed beside the others over HTTP (repeatable): vLLM, llama.cpp, TEI or "
+                        "another acarerank, e.g. started by bench/peers/*.sh on the same --model")
     p.add_argument("--backends", type=_names, default=None,
                    help="acarerank backends (default: every one that runs on the device)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per cell (default 3; --quick 1)")
@@ -144,6 +148,7 @@ def resolve_dtypes(names, device: str) -> list:
 
 def config_from_args(args, dtype: str = "float32", depths=None):
     from acarerank.benchmark.harness import PROVIDERS, BenchConfig
+    from acarerank.benchmark.peers import parse_target
     from acarerank.benchmark.workload import WorkloadSpec
 
     spec = dict(QUICK_SPEC) if args.quick else {}
@@ -159,6 +164,7 @@ def config_from_args(args, dtype: str = "float32", depths=None):
         warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),
         max_cell_seconds=args.max_cell_seconds, dtype=dtype, device=args.device, attn_implementation=args.attn,
         spec=WorkloadSpec(**spec), seed=args.seed, compile_layers=args.compile_layers,
+        peers=tuple(parse_target(t) for t in args.peer or ()),
     ).validate()
 
 
@@ -175,6 +181,7 @@ def equivalent_command(cfg, dtypes=None, extra_depths=None) -> str:
         parts.append(f"--backends {','.join(cfg.backends)}")
     if cfg.compile_layers:
         parts.append("--compile-layers")
+    parts += [f"--peer {t.name}={t.api + '@' if t.api else ''}{t.url}" for t in cfg.peers]
     parts += [f"--repeats {cfg.repeats}", f"--warmup {cfg.warmup}", f"--max-cell-seconds {cfg.max_cell_seconds:g}",
               f"--dtype {','.join(dtypes or [cfg.dtype])}"
               + (f" --extra-dtype-depths {','.join(map(str, extra_depths))}" if dtypes and len(dtypes) > 1 else ""),
@@ -280,9 +287,16 @@ def run(args) -> int:
     lines.append(report.format_table(rows))
     ok = True
     for res in results:
-        ok_d, check_line = report.score_check(res.rows, res.tolerance)
+        peers = res.meta.get("peers", {})
+        ok_d, check_line = report.score_check([r for r in res.rows if r["provider"] not in peers], res.tolerance)
         ok = ok and ok_d
         lines.append(check_line + (f" [{res.config.dtype}]" if len(results) > 1 else ""))
+        if peers:  # other kernels, other summation orders (llama.cpp f32 ~1e-3, q8_0 ~7e-3): their own tolerance
+            ok_p, peer_line = report.score_check([r for r in res.rows if r["provider"] == res.rows[0]["provider"]]
+                                                 + [r for r in res.rows if r["provider"] in peers], PEER_TOLERANCE)
+            ok = ok and ok_p
+            lines.append("peers " + peer_line + "; " + ", ".join(f"{n}: {m['api']} {m['version']}".strip()
+                                                                   for n, m in peers.items()))
     if len(names) > 1:
         lines.append(report.format_rank_agreement(agree))
     lines.append(report.format_scaling(report.depth_scaling(rows)))

@@ -76,12 +76,17 @@ class BlockPool:
     def decref(self, ids: Iterable[int]) -> None:
         """Give back one reference per id; a block whose count reaches 0 is free again."""
         with self.lock:
+            freed = []
             for b in ids:
                 if self.refcount[b] <= 0:
                     raise RuntimeError(f"BlockPool: decref of free block {b} (double release)")
                 self.refcount[b] -= 1
                 if self.refcount[b] == 0:
-                    self._free.append(b)
+                    freed.append(b)
+            # allocate() pops from the end: a block table given back whole comes out again in its
+            # own order, so a run of consecutive ids stays one run (paged attention reads a run
+            # of pages in place on CPU, and gathers scattered ones)
+            self._free.extend(reversed(freed))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one page of every layer (copy-on-write of a shared, partly filled block)."""

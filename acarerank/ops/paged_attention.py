@@ -16,8 +16,11 @@ gather indices (torch) — once per packed forward; every layer then calls
 ``prefix_shared_attention_paged(..., plan=plan)`` and pays for no metadata work.
 
 Backends (declared in ``OP``, chosen as for every op: docs/ARCHITECTURE.md, "Backend rules"):
-  "torch"  gathers the prefix rows (one indexed read of the used pages) and runs the packed
-           torch path: equal to the packed op on the same data (bitwise on CPU, tested ≤ 1e-6)
+  "torch"  on CPU (``cpu_paged_attention``): the prefix read from its pages in place when the
+           group's blocks are one run of ids (else one gather of its rows), every query row
+           of the group against it in one fused call, log-sum-exp merge with the causal own
+           part; equal to the packed op within fp32 rounding (tested ≤ 1e-6). Elsewhere: the
+           prefix rows gathered (one indexed read of the used pages) into the packed torch path
   "triton" one pass; the block id of every key column is read from the table inside the
            kernel, nothing is gathered; bitwise equal to the packed Triton kernel
   "flash_attn_cascade"  flash-attn's varlen prefix pass with its ``block_table`` (flash-attn
@@ -33,6 +36,7 @@ import torch
 
 from . import _backend
 from . import attention as _attention
+from . import cpu_paged_attention as _cpu_paged
 from .attention import _check_inputs as _check_packed_inputs
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
@@ -45,7 +49,8 @@ class PagedAttentionPlan:
     cu_seqlens [S+1], segment_group [S], block_table [G, max_blocks], cu_prefix_lens [G+1]:
     int32 on the device. backend: the resolved backend name. aux: the backend's index
     tensors — torch: (block index, slot index) of every prefix row, packed group after group
-    ([Ptot] int64 each), and the metadata's host copy; triton: (work list [W, 2] int32,);
+    ([Ptot] int64 each), the metadata's host copy, and each group's first block when its
+    blocks are one run ([G] int64 on the host, ``cpu_paged_attention.first_blocks``); triton: (work list [W, 2] int32,);
     flash_attn_cascade: (the metadata's host copy,).
     """
     cu_seqlens: torch.Tensor
@@ -164,7 +169,9 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
     if name == "torch":
         host_meta = _attention._device_to_host(cu_seqlens, cu_pre, segment_group)
         ptot = int(host_meta[segment_group.numel() + 1 + G])  # cu_pre[-1], already on the host
-        aux = (*_gather_index(block_table, prefix_lens, cu_pre, block_size, ptot), host_meta)
+        runs = (_cpu_paged.first_blocks(block_table, prefix_lens, block_size) if device.type == "cpu"
+                else torch.empty(0, dtype=torch.int64))  # no second device->host copy off the CPU
+        aux = (*_gather_index(block_table, prefix_lens, cu_pre, block_size, ptot), host_meta, runs)
     elif name == "triton":
         from acarerank.kernels.prefix_shared_attention import plan_work
 
@@ -188,8 +195,12 @@ def _gather_index(block_table, prefix_lens, cu_pre, block_size, Ptot: int):
 def _torch_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
     from .attention import _torch_backend as packed
 
-    blk, slot, host_meta = aux
-    # advanced indexing reads only the used pages, whatever the cache's strides
+    blk, slot, host_meta, runs = aux
+    if _cpu_paged.available(q):  # CPU: the prefix read from its pages in place (cpu_paged_attention.py)
+        return _cpu_paged.paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens,
+                                              segment_group, scale, runs=runs, blk=blk, slot=slot,
+                                              host_meta=host_meta)
+    # elsewhere: advanced indexing reads only the used pages, whatever the cache's strides
     return packed(q, k, v, cu_seqlens, k_cache[blk, slot], v_cache[blk, slot], cu_prefix_lens, segment_group, scale,
                   host_meta=host_meta)
 

@@ -1,0 +1,143 @@
+"""CPU path of ``prefix_shared_attention_paged``: the prefix read from its pages in place.
+
+Per group g (query rows Tg of its segments, prefix of P_g tokens in pages):
+
+  prefix part  every query row of the group against the whole prefix in one fused call
+               (torch's blocked CPU flash kernel, GQA folded into rows: kv head h serves its r
+               query heads as r·Tg rows). The prefix K/V are *views of the page pool*: when
+               the group's blocks are consecutive ids b0..b0+n−1 (what a prefill allocates) the
+               prefix is ``pages[b0:b0+n]`` flattened to [n·block_size, Hkv, d] and cut to
+               P_g rows — no copy. Otherwise (blocks scattered by the prefix cache's reuse and
+               eviction, or a pool whose block stride is not block_size rows) the group's rows
+               are gathered once: at these shapes one gather (P·Hkv·d values) moves less
+               memory than a log-sum-exp merge per extra run of pages (Tg·Hq·d values, ×3).
+  own part     each segment causally over its own rows (one small fused call per segment).
+  merge        by log-sum-exp, in one fused op:  out = o_own + σ(lse_pre − lse_own)·(o_pre − o_own)
+               (= (o_pre·e^lse_pre + o_own·e^lse_own) / (e^lse_pre + e^lse_own)).
+
+Everything is laid out [Hkv, r, Tg, d] (q copied into it once): the prefix call reads it as
+[Hkv, r·Tg, d] rows, each segment's own call as a [Hkv, r, L, d] slice, the merge runs on
+contiguous tensors, and one strided copy writes the output rows. Inputs are computed in fp32;
+bf16 inputs on a CPU with native bf16 take ``cpu_attention_bf16`` for the prefix part (bf16
+GEMMs, fp32 softmax statistics), as the packed op does. docs/ARCHITECTURE.md, "The one primitive".
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import cpu_attention_bf16 as _bf16
+from .attention import _FLASH_CPU, _host_lists, _partial_attention
+
+
+def available(q: torch.Tensor) -> bool:
+    """This path needs torch's fused CPU flash kernel (it returns the log-sum-exp)."""
+    return q.device.type == "cpu" and _FLASH_CPU is not None
+
+
+SCATTERED = -2  # ``first_blocks`` entry of a group whose blocks are not consecutive ids
+
+
+def first_blocks(block_table: torch.Tensor, prefix_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 [G] on the host: group g's first block id when its used blocks are consecutive ids
+    (one run of pages), ``SCATTERED`` when not, -1 for an empty prefix (nothing to read)."""
+    bt, pl = block_table.cpu().tolist(), prefix_lens.cpu().tolist()
+    out = []
+    for row, n in zip(bt, pl):
+        nb = -(-n // block_size)
+        if nb == 0:
+            out.append(-1)
+            continue
+        ids = row[:nb]
+        out.append(ids[0] if ids == list(range(ids[0], ids[0] + nb)) else SCATTERED)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _prefix_view(cache: torch.Tensor, first_block: int, length: int, block_size: int) -> Optional[torch.Tensor]:
+    """[length, Hkv, d] view of ``length`` rows starting at ``first_block``, or None when the
+    pool's strides cannot express it as one view (block stride != block_size · row stride)."""
+    nb = -(-length // block_size)
+    pages = cache[first_block:first_block + nb]
+    if pages.stride(0) != block_size * pages.stride(1):
+        return None
+    return pages.as_strided((nb * block_size, *pages.shape[2:]), (pages.stride(1), *pages.stride()[2:]))[:length]
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    """Two normalised partial softmaxes over disjoint key sets -> the one over their union."""
+    w_b = torch.sigmoid(lse_b - lse_a)
+    return torch.lerp(o_a, o_b, w_b[..., None]), torch.logaddexp(lse_a, lse_b)
+
+
+def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, scale,
+                        *, runs: torch.Tensor, blk: torch.Tensor, slot: torch.Tensor, host_meta: torch.Tensor):
+    """out [T, Hq, d] (q's dtype) of the paged op; ``runs`` from ``first_blocks``, ``blk``/``slot``
+    the gather indices of every prefix row (read for groups whose blocks are not one run)."""
+    T, Hq, d = q.shape
+    Hkv = k.shape[1]
+    r = Hq // Hkv
+    bs = k_cache.shape[1]
+    out = torch.empty_like(q)
+    cs, cp, sg = _host_lists(host_meta, segment_group.numel(), cu_prefix_lens.numel() - 1)
+    first = runs.tolist()
+
+    by_group: dict = {}
+    for s, g in enumerate(sg):
+        if cs[s + 1] > cs[s]:
+            by_group.setdefault(g, []).append(s)
+
+    for g, segs in by_group.items():
+        contiguous = all(cs[a + 1] == cs[b] for a, b in zip(segs, segs[1:]))
+        rows = None if contiguous else torch.cat([torch.arange(cs[s], cs[s + 1]) for s in segs])
+        t0, t1 = cs[segs[0]], cs[segs[-1] + 1]
+        qg = q[rows] if rows is not None else q[t0:t1]
+        Tg = qg.shape[0]
+        qh = qg.float().reshape(Tg, Hkv, r, d).permute(1, 2, 0, 3).contiguous()   # [Hkv, r, Tg, d]
+
+        # -- own (causal) part, one segment at a time, into [Hkv, r, Tg, d]
+        o_own = qh.new_empty(Hkv, r, Tg, d)
+        lse_own = qh.new_empty(Hkv, r, Tg)
+        off = 0
+        for s in segs:
+            a, b = cs[s], cs[s + 1]
+            L = b - a
+            ks = k[a:b].float().permute(1, 0, 2)[:, None].expand(Hkv, r, L, d)  # stride 0 over r: no copy
+            vs = v[a:b].float().permute(1, 0, 2)[:, None].expand(Hkv, r, L, d)
+            o, lse = _partial_attention(qh[:, :, off:off + L], ks, vs, scale, causal=True)
+            o_own[:, :, off:off + L] = o
+            lse_own[:, :, off:off + L] = lse
+            off += L
+
+        # -- prefix part, from the pages in place when they are one run
+        P = cp[g + 1] - cp[g]
+        if P:
+            pk = pv = None
+            if first[g] >= 0:
+                pk = _prefix_view(k_cache, first[g], P, bs)
+                pv = _prefix_view(v_cache, first[g], P, bs)
+            if pk is None or pv is None:
+                idx = slice(cp[g], cp[g + 1])
+                pk, pv = k_cache[blk[idx], slot[idx]], v_cache[blk[idx], slot[idx]]
+            if _bf16.use_bf16_prefix_path(q):
+                o_p, lse_p = _bf16.prefix_attention_bf16(qg, pk, pv, scale)       # [Tg, Hq, d], [Tg, Hq]
+                o_pre = o_p.view(Tg, Hkv, r, d).permute(1, 2, 0, 3)
+                lse_pre = lse_p.view(Tg, Hkv, r).permute(1, 2, 0)
+            else:
+                o, lse = _FLASH_CPU(qh.view(1, Hkv, r * Tg, d), pk.float().transpose(0, 1)[None],
+                                    pv.float().transpose(0, 1)[None], 0.0, False, scale=scale)
+                o_pre, lse_pre = o.view(Hkv, r, Tg, d), lse.view(Hkv, r, Tg)
+            res = _merge(o_own, lse_own, o_pre, lse_pre)[0]
+        else:
+            res = o_own
+        # the fused kernel drops a NaN query (its row max ignores NaN) and returns a finite row;
+        # the reference's softmax gives NaN there: a NaN in q[t, h] makes out[t, h] NaN
+        q_nan = torch.isnan(qh).any(-1)                                               # [Hkv, r, Tg]
+        if bool(q_nan.any()):
+            res = res.masked_fill(q_nan[..., None], float("nan"))
+        res = res.permute(2, 0, 1, 3)                                                 # [Tg, Hkv, r, d] view
+        if rows is not None:
+            out[rows] = res.reshape(Tg, Hq, d).to(q.dtype)
+        else:
+            out[t0:t1].view(Tg, Hkv, r, d).copy_(res)
+    return out
