@@ -19,6 +19,8 @@ def hidden_env(hide=OPTIONAL_MODULES, **extra) -> dict:
     """os.environ with ``hide`` hidden and this checkout first on the path."""
     env = dict(os.environ)
     env["ACARERANK_HIDE_MODULES"] = ",".join(hide)
+    if "acarerank._C" in hide:  # the extension is hidden on purpose: its tests must skip, not error
+        env.pop("ACARERANK_REQUIRE_EXT", None)
     env["PYTHONPATH"] = os.pathsep.join([str(HIDE_DIR), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
