@@ -46,15 +46,9 @@ def parse_args(argv=None):
 
 
 def fill_defaults(args, on_gpu):
-    base = QUICK if args.quick else (GPU_FULL if on_gpu else CPU_FULL)
-    for k, v in base.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    for name in ("tokens", "heads", "head_dim"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.csv is None:
-        args.csv = Path("results") / "bench_merge_states" / ("quick.csv" if args.quick else "merge_states.csv")
+    from acarerank.benchmark.measure import fill_bench_args
+    fill_bench_args(args, QUICK if args.quick else (GPU_FULL if on_gpu else CPU_FULL),
+                    ('tokens', 'heads', 'head_dim'), "bench_merge_states")
     return args
 
 

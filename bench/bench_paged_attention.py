@@ -54,17 +54,11 @@ def parse_args(argv=None):
 
 
 def fill_defaults(args, on_gpu):
-    base = QUICK if args.quick else (GPU_FULL if on_gpu else CPU_FULL)
-    for k, v in base.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    for name in ("num_heads", "num_kv_heads", "head_dim", "segments", "seg_len"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    from acarerank.benchmark.measure import fill_bench_args
+    fill_bench_args(args, QUICK if args.quick else (GPU_FULL if on_gpu else CPU_FULL),
+                    ('num_heads', 'num_kv_heads', 'head_dim', 'segments', 'seg_len'), "bench_paged_attention")
     if args.prefix < 0 or args.num_heads % args.num_kv_heads:
         raise SystemExit("--prefix must be >= 0 and --num-heads a multiple of --num-kv-heads")
-    if args.csv is None:
-        args.csv = Path("results") / "bench_paged_attention" / ("quick.csv" if args.quick else "paged_attention.csv")
     return args
 
 

@@ -41,15 +41,9 @@ def parse_args(argv=None):
 
 
 def fill_defaults(args, on_gpu):
-    base = QUICK if args.quick else (GPU_FULL if on_gpu else CPU_FULL)
-    for key, v in base.items():
-        if getattr(args, key) is None:
-            setattr(args, key, v)
-    for name in ("rows", "vocab", "k", "chunk"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be >= 1")
-    if args.csv is None:
-        args.csv = Path("results") / "bench_topk_merge" / ("quick.csv" if args.quick else "topk_merge.csv")
+    from acarerank.benchmark.measure import fill_bench_args
+    fill_bench_args(args, QUICK if args.quick else (GPU_FULL if on_gpu else CPU_FULL),
+                    ('rows', 'vocab', 'k', 'chunk'), "bench_topk_merge")
     return args
 
 

@@ -147,6 +147,24 @@ def kernel_bench_device(quick: bool, cpu_default_shape: bool = False) -> Optiona
 
 
 # -- machine --------------------------------------------------------------------------------
+def fill_bench_args(args, shapes: dict, positive: Sequence[str], csv_name: str):
+    """A kernel benchmark's flags completed: every unset flag from ``shapes`` (its QUICK, GPU or
+    CPU default shape, as the caller picked), each of ``positive`` checked >= 1 (one line naming
+    the flag, exit 2), and ``args.csv`` defaulting to results/<csv_name>/{quick,<op>}.csv."""
+    from pathlib import Path
+
+    for key, value in shapes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.csv is None:
+        op = csv_name[len("bench_"):] if csv_name.startswith("bench_") else csv_name
+        args.csv = Path("results") / csv_name / ("quick.csv" if args.quick else f"{op}.csv")
+    return args
+
+
 def _version(name: str) -> str:
     try:
         import importlib.metadata as md
