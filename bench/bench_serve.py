@@ -41,7 +41,12 @@ full, unshared prompt tokens: the same numerator for every target), p50/p90/p99 
 queue time (acarerank's ``x-queue-time``), the tokens the server says it processed
 (``usage``: acarerank counts shared + segments once, vLLM and llama.cpp every full prompt),
 prefix-cache hit tokens, errors, max |Δ score|, ``acarerank_speedup`` (acarerank's tokens/s
-÷ this target's, same load) and acarerank's ``model_busy``. Writes ``serve.csv``,
+÷ this target's, same load), acarerank's ``model_busy``, and ``gflop_per_s``: the FLOPs of
+scoring each request with its shared part computed once (``report.plan_flops``,
+"prefix_packed": the least work an exact server can do) ÷ wall time, with ``peak_fraction``
+= that ÷ the float32 GEMM peak measured at the model's layer shapes at the start of the run
+(``gemm_peak``). End to end nothing beats the GEMMs it is made of, so ``peak_fraction`` says how
+much faster any server could still be on this machine. Writes ``serve.csv``,
 ``serve.txt`` and ``serve.png`` into ``--out``. Checks the CPU targets of acarerank: closed
 loop at concurrency 16 ≥ 0.9× offline ``score_batch`` tokens/s; at 70 % load p99 ≤ 3× p50;
 no errors.
@@ -64,9 +69,12 @@ import time
 from dataclasses import dataclass, field, replace
 
 import httpx
+import torch
 
 from acarerank.benchmark.harness import max_abs_diff
 from acarerank.benchmark.measure import machine_info, percentile, timed_call
+from acarerank.benchmark.gemm_peak import gemm_peak
+from acarerank.benchmark.report import Shapes, plan_flops
 from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body, resolve
 from acarerank.benchmark.workload import WorkloadSpec, make_workload
 from acarerank.server.launch import serve_subprocess
@@ -83,6 +91,7 @@ class Req:
     body: dict
     session: int = -1          # agent workload: session index (calls of one session are sequential)
     workload_tokens: int = 0   # Σ over documents of the full prompt's tokens
+    flops: float = 0.0         # FLOPs of scoring it with the shared part computed once (report.plan_flops)
 
 
 @dataclass
@@ -96,6 +105,7 @@ class Run:
     queue_times: list = field(default_factory=list)
     docs: int = 0
     workload_tokens: int = 0
+    flops: float = 0.0
     server_tokens: int = 0
     cached_tokens: int = 0
     errors: int = 0
@@ -110,6 +120,7 @@ class Run:
                     requests=n + self.errors, req_per_s=round(n / w, 3) if w else 0.0,
                     docs_per_s=round(self.docs / w, 1) if w else 0.0,
                     tokens_per_s=round(self.workload_tokens / w, 1) if w else 0.0,
+                    gflop_per_s=round(self.flops / w / 1e9, 3) if w else 0.0,
                     p50_ms=ms(self.latencies, 50), p90_ms=ms(self.latencies, 90), p99_ms=ms(self.latencies, 99),
                     queue_p50_ms=ms(self.queue_times, 50), queue_p90_ms=ms(self.queue_times, 90),
                     queue_p99_ms=ms(self.queue_times, 99), workload_tokens=self.workload_tokens,
@@ -155,14 +166,20 @@ def folded(reqs: list) -> list:
                      question=None, trace=None), r.session) for r in reqs]
 
 
-def with_tokens(tok, reqs: list) -> list:
-    """Fill each request's workload tokens: Σ_i (shared + segment_i) of its full prompts."""
+def with_tokens(tok, reqs: list, shapes=None) -> list:
+    """Fill each request's workload tokens, Σ_i (shared + segment_i) of its full prompts, and (given
+    the model's ``Shapes``) its FLOPs with the shared part computed once: the work every exact
+    server must do at least, so FLOPs ÷ wall time is a rate comparable across servers and with
+    the machine's GEMM peak (a server that recomputes the shared part per document spends more
+    FLOPs than it is credited with)."""
     from acarerank.benchmark.baselines import split_prompt_ids
 
     for r in reqs:
         shared, segs = split_prompt_ids(tok, r.body["query"], r.body["documents"], r.body.get("question"),
                                         r.body.get("trace"))
         r.workload_tokens = len(shared) * len(segs) + sum(len(s) for s in segs)
+        if shapes is not None:
+            r.flops = plan_flops("prefix_packed", shapes, len(shared), [len(s) for s in segs], 1)
     return reqs
 
 
@@ -170,8 +187,8 @@ class Workloads:
     """Fresh requests on demand: ``make(name, key)`` is seeded by (``--seed``, name, key), so a
     round gets documents no earlier round had and every target gets the same ones."""
 
-    def __init__(self, tok, args):
-        self.tok, self.args, self.fold = tok, args, bool(args.target)
+    def __init__(self, tok, args, shapes=None):
+        self.tok, self.args, self.fold, self.shapes = tok, args, bool(args.target), shapes
         self._keys: dict = {}
 
     def make(self, name: str, key: str) -> list:
@@ -182,7 +199,7 @@ class Workloads:
             reqs = agent_requests(self.tok, a.sessions, a.steps, a.depth, seed)
         else:
             reqs = m3_requests(self.tok, a.requests, a.depth, seed, mode=name.upper())
-        return with_tokens(self.tok, folded(reqs) if self.fold else reqs)
+        return with_tokens(self.tok, folded(reqs) if self.fold else reqs, self.shapes)
 
 
 # -- offline ---------------------------------------------------------------------------------
@@ -239,6 +256,7 @@ async def _send(client, target: Target, req: Req, run: Run, index: int, t_arriva
         run.queue_times.append(float(r.headers["x-queue-time"]) / 1e3)
     run.docs += len(b["documents"])
     run.workload_tokens += req.workload_tokens
+    run.flops += req.flops
     run.server_tokens += tokens or 0
     run.cached_tokens += cached
     run.scores[index] = scores
@@ -365,10 +383,12 @@ def offline_rows(rr, workloads: Workloads, args) -> list:
         off = offline(rr, reqs, args.repeats)
         docs = sum(len(r.body["documents"]) for r in reqs)
         tokens = sum(r.workload_tokens for r in reqs)
+        flops = sum(r.flops for r in reqs)
         for label, secs in (("offline one-by-one", off["one_by_one_s"]), ("offline score_batch", off["score_batch_s"])):
             rows.append(dict(target=OURS, workload=name, load=label, level="", requests=len(reqs),
                              req_per_s=round(len(reqs) / secs, 3), docs_per_s=round(docs / secs, 1),
-                             tokens_per_s=round(tokens / secs, 1), workload_tokens=tokens,
+                             tokens_per_s=round(tokens / secs, 1), gflop_per_s=round(flops / secs / 1e9, 3),
+                             workload_tokens=tokens,
                              max_abs_diff=off["batch_diff"] if "batch" in label else 0.0))
             log(table(rows[-1:]).splitlines()[-1])
     return rows
@@ -463,8 +483,12 @@ def open_rows(targets: list, workloads: Workloads, best: dict, args) -> list:
     return rows
 
 
-def add_speedups(rows: list) -> None:
-    """acarerank_speedup = acarerank's tokens/s ÷ the target's, at the same (workload, load, level)."""
+def add_speedups(rows: list, peak_gflops: float = 0.0) -> None:
+    """acarerank_speedup = acarerank's tokens/s ÷ the target's, at the same (workload, load, level);
+    peak_fraction = the row's GFLOP/s ÷ the GEMM peak measured in this run (when measured)."""
+    for r in rows:
+        if peak_gflops > 0 and r.get("gflop_per_s"):
+            r["peak_fraction"] = round(r["gflop_per_s"] / peak_gflops, 3)
     ours = {(r["workload"], r["load"], r["level"]): r["tokens_per_s"] for r in rows if r["target"] == OURS}
     for r in rows:
         base = ours.get((r["workload"], r["load"], r["level"]))
@@ -473,7 +497,8 @@ def add_speedups(rows: list) -> None:
 
 
 # -- report ----------------------------------------------------------------------------------
-COLUMNS = ["target", "workload", "load", "level", "requests", "req_per_s", "docs_per_s", "tokens_per_s", "p50_ms",
+COLUMNS = ["target", "workload", "load", "level", "requests", "req_per_s", "docs_per_s", "tokens_per_s",
+           "gflop_per_s", "peak_fraction", "p50_ms",
            "p90_ms", "p99_ms", "queue_p50_ms", "queue_p90_ms", "queue_p99_ms", "workload_tokens", "server_tokens",
            "cached_tokens", "errors", "max_abs_diff", "acarerank_speedup", "model_busy"]
 
@@ -557,10 +582,9 @@ def plot(rows: list, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def write_report(rows: list, targets: list, versions: dict, args) -> int:
-    import torch
-
+def write_report(rows: list, targets: list, versions: dict, args, peak: dict = None) -> int:
     meta = dict(machine_info(torch.device("cpu")), model=args.model or "embedded default (random weights)",
+                gemm_peak=peak,
                 targets={t.name: dict(api=t.api, url=t.url, version=versions.get(t.name, "")) for t in targets},
                 prompts="context folded into the query for every target" if args.target else "ACARe fields",
                 args={k: v for k, v in vars(args).items() if k != "target"})
@@ -585,7 +609,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     tok, rr = load_offline(args)
-    workloads = Workloads(tok, args)
+    shapes = Shapes.from_arch(rr.runner.arch)
+    peak = gemm_peak(shapes, torch.float32)  # this process, all cores, before any server starts
+    log(f"[peak] float32 GEMM peak at the model's layer shapes: {peak['peak_gflops']:.1f} GFLOP/s")
+    workloads = Workloads(tok, args, shapes)
     rows = offline_rows(rr, workloads, args)
     cli = ["--dtype", "float32"] + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens
                                     else []) + (["--model", args.model] if args.model else [])
@@ -595,8 +622,8 @@ def main(argv=None) -> int:
         closed, best = closed_rows(targets, workloads, args)
         rows += closed
         rows += open_rows(targets, workloads, best, args)
-    add_speedups(rows)
-    return write_report(rows, targets, versions, args)
+    add_speedups(rows, peak["peak_gflops"])
+    return write_report(rows, targets, versions, args, peak)
 
 
 if __name__ == "__main__":

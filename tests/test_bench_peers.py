@@ -7,6 +7,7 @@ prompt string for the vLLM chat template; the scripts' steps from their dry runs
 build or download in a test).
 """
 import csv
+import json
 import math
 import os
 import subprocess
@@ -126,7 +127,14 @@ def test_bench_serve_drives_another_server_through_each_api(tiny_dir, tmp_path):
                     ours = next(o for o in sel if o["target"] == "acarerank")
                     assert float(r["acarerank_speedup"]) == pytest.approx(
                         float(ours["tokens_per_s"]) / float(r["tokens_per_s"]), rel=2e-3), r
+                # the same requests carry the same FLOPs: FLOPs per workload token agree across targets
+                per_token = [float(o["gflop_per_s"]) / float(o["tokens_per_s"]) for o in sel]
+                assert max(per_token) == pytest.approx(min(per_token), rel=0.02), sel
+                assert float(r["gflop_per_s"]) > 0 and float(r["peak_fraction"]) > 0, r
     report = (out / "serve.txt").read_text()
+    peak = json.loads(report.splitlines()[0])["gemm_peak"]["peak_gflops"]
+    for r in rows:  # every row's fraction is its own rate over the one peak of the run
+        assert float(r["peak_fraction"]) == pytest.approx(float(r["gflop_per_s"]) / peak, abs=2e-3), r
     for t in names:  # the tolerance follows the API: acarerank's own, a peer's --peer-tolerance
         tol = "1e-06" if t in ("acarerank", "other") else "0.01"
         assert f"m3 {t}: PASS scores agree with offline acarerank (<= {tol})" in report, report[-2000:]

@@ -52,6 +52,12 @@ class Shapes:
         return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
                    cfg.num_key_value_heads, head_dim, cfg.vocab_size)
 
+    @classmethod
+    def from_arch(cls, a) -> "Shapes":
+        """From the runner's ``Qwen3Arch`` (what a loaded ``PointwiseReranker`` holds)."""
+        return cls(a.hidden_size, a.intermediate_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim,
+                   a.vocab_size)
+
     @property
     def layer_params(self) -> int:
         H, d = self.hidden, self.head_dim
