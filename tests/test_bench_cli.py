@@ -243,6 +243,22 @@ def test_gemm_peak_shapes_are_the_model_linears(tiny_model):
     assert pk["peak_gflops"] == max(pk["per_shape"].values()) > 0 and set(pk["per_shape"]) == set(ref)
 
 
+def test_gemm_peak_best_of_keeps_each_shapes_fastest_measurement():
+    """A peak measured while something else ran (lower rates) never lowers the merged one."""
+    from acarerank.benchmark.gemm_peak import best_of
+
+    first = dict(dtype="float32", rows=2048, per_shape=dict(qkv=79.0, o=368.0, gate_up=72.0, down=364.0),
+                 peak_gflops=368.0)
+    second = dict(first, per_shape=dict(qkv=317.0, o=358.0, gate_up=316.0, down=370.0), peak_gflops=370.0)
+    merged = best_of(first, second)
+    assert merged["per_shape"] == dict(qkv=317.0, o=368.0, gate_up=316.0, down=370.0)
+    assert merged["peak_gflops"] == 370.0 and best_of(first) == first
+    with pytest.raises(ValueError, match="one dtype and row count"):
+        best_of(first, dict(second, dtype="bfloat16"))
+    with pytest.raises(ValueError):
+        best_of()
+
+
 def test_bench_two_dtypes_side_by_side(tmp_path, capsys):
     rc = main(["bench", "--quick", "--depths", "2,3", "--modes", "M3", "--dtype", "float32,bfloat16,float32",
                "--providers", "transformers+prefix-cache,acarerank", "--backends", "torch", "--override", TINY,

@@ -46,3 +46,13 @@ def gemm_peak(sh: Shapes, dtype: torch.dtype, device="cpu", rows: int = DEFAULT_
         per[name] = 2.0 * rows * K * N / best / 1e9
     return {"peak_gflops": max(per.values()), "per_shape": per, "rows": rows,
             "dtype": str(dtype).replace("torch.", "")}
+
+
+def best_of(*peaks: dict) -> dict:
+    """Several ``gemm_peak`` results of one dtype and row count merged: each shape's fastest rate
+    (a measurement on a shared machine is only ever slowed down by other work, e.g. a server
+    still warming up), and the peak recomputed from those."""
+    if not peaks or len({(p["dtype"], p["rows"]) for p in peaks}) != 1:
+        raise ValueError("best_of needs one or more gemm_peak results of one dtype and row count")
+    per = {name: max(p["per_shape"][name] for p in peaks) for name in peaks[0]["per_shape"]}
+    return dict(peaks[0], per_shape=per, peak_gflops=max(per.values()))
