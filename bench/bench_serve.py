@@ -26,15 +26,16 @@ Loads:
                session's next call) when the previous answer arrives;
   open loop    Poisson arrivals at ``--loads`` × capacity, capacity = the target's best
                closed-loop requests/s; latency counts from the scheduled arrival.
-Offline (acarerank only, float32 as the server): every request through
+Offline (acarerank only, in the server's ``--dtype``, float32 by default): every request through
 ``PointwiseReranker.score_batch`` one by one, and all in one call (the throughput ceiling of
 batching without a server), each from an empty prefix cache (its own ``cache_salt``).
 
 Step 1, before anything is timed: score agreement. A fixed set of requests goes to every target
 (all at once, so acarerank batches them) and is scored offline; the largest |target − offline|
-is reported per target and checked (acarerank ≤ 1e-6, peers ≤ ``--peer-tolerance``); a target
-that disagrees is a FAIL in the report and the exit code, never a silent row. During the timed
-rounds every target's scores are compared with acarerank's on the same requests.
+is reported per target and checked (acarerank ≤ 1e-6 in float32, 2e-2 in bfloat16; peers ≤
+``--peer-tolerance``); a target that disagrees is a FAIL in the report and the exit code, never
+a silent row. During the timed rounds every target's scores are compared with acarerank's on
+the same requests.
 
 Reported per (target, workload, load): requests/s, documents/s, workload tokens/s (Σ of the
 full, unshared prompt tokens: the same numerator for every target), p50/p90/p99 latency,
@@ -44,7 +45,7 @@ prefix-cache hit tokens, errors, max |Δ score|, ``acarerank_speedup`` (acareran
 ÷ this target's, same load), acarerank's ``model_busy``, and ``gflop_per_s``: the FLOPs of
 scoring each request with its shared part computed once (``report.plan_flops``,
 "prefix_packed": the least work an exact server can do) ÷ wall time, with ``peak_fraction``
-= that ÷ the float32 GEMM peak measured at the model's layer shapes (``gemm_peak``, before and
+= that ÷ the GEMM peak (in ``--dtype``) measured at the model's layer shapes (``gemm_peak``, before and
 after the loads, each shape's faster kept). End to end nothing beats the GEMMs it is made of, so ``peak_fraction`` says how
 much faster any server could still be on this machine. Writes ``serve.csv``,
 ``serve.txt`` and ``serve.png`` into ``--out``. Checks the CPU targets of acarerank: closed
@@ -81,7 +82,10 @@ from acarerank.server.launch import serve_subprocess
 
 TRACE_STEP_TOKENS = 600
 OURS = "acarerank"           # the in-process acarerank server's target name
-OWN_TOLERANCE = 1e-6         # acarerank served vs offline, fp32: the same kernels, the same order
+# acarerank served vs offline: fp32 runs the same kernels in the same order; bf16 GEMMs round by
+# how a pass is blocked, and the server batches requests that offline scores one by one
+OWN_TOLERANCE = {"float32": 1e-6, "bfloat16": 2e-2}
+PEER_TOLERANCE = {"float32": 1e-2, "bfloat16": 5e-2}  # default --peer-tolerance (another engine's kernels)
 PEER_TARGETS = {"vllm": 1.5, "llama.cpp": 2.0}  # acarerank ≥ this × the peer's throughput (README)
 
 
@@ -347,12 +351,18 @@ def parse_args(argv=None):
                          "shared 2-core VM only ever slows a run down)")
     ap.add_argument("--agreement-requests", type=int, default=4,
                     help="requests (agent: sessions) of the score-agreement step, per workload")
-    ap.add_argument("--peer-tolerance", type=float, default=1e-2,
-                    help="largest |peer − acarerank offline| score accepted (llama.cpp f32 ~1e-3, q8_0 ~7e-3)")
+    ap.add_argument("--dtype", choices=sorted(OWN_TOLERANCE), default="float32",
+                    help="weights and activations of acarerank (server and offline); start the peers in the "
+                         "same dtype (vllm_cpu.sh --dtype)")
+    ap.add_argument("--peer-tolerance", type=float, default=None,
+                    help="largest |peer − acarerank offline| score accepted (default 1e-2 in float32: llama.cpp "
+                         "f32 ~1e-3, q8_0 ~7e-3; 5e-2 in bfloat16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/serve")
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 requests of depth 4, 2 sessions of 2 steps")
     args = ap.parse_args(argv)
+    if args.peer_tolerance is None:
+        args.peer_tolerance = PEER_TOLERANCE[args.dtype]
     if args.quick:
         args.requests, args.depth, args.sessions, args.steps = 4, 4, 2, 2
         args.concurrency, args.loads, args.repeats, args.agreement_requests = [1, 4], [0.7], 1, 2
@@ -369,9 +379,9 @@ def load_offline(args):
     from acarerank.tokenizer import load_qwen3_tokenizer
 
     tok = load_qwen3_tokenizer()
-    # float32 as the server is started: "auto" would pick bf16 on a CPU with native bf16
-    rr = PointwiseReranker.from_pretrained(args.model, dtype="float32") if args.model else \
-        PointwiseReranker(model=build_default_model(), tokenizer=tok)
+    # the dtype the server is started with: "auto" would pick bf16 on a CPU with native bf16
+    rr = PointwiseReranker.from_pretrained(args.model, dtype=args.dtype) if args.model else \
+        PointwiseReranker(model=build_default_model().to(getattr(torch, args.dtype)), tokenizer=tok)
     return tok, rr
 
 
@@ -522,7 +532,7 @@ def checks(rows: list, targets: list, args) -> tuple:
         sel = lambda t, load: [r for r in rows if r["target"] == t and r["workload"] == name and r["load"] == load]  # noqa: E731
         batch = sel(OURS, "offline score_batch")[0]
         for t in targets:
-            tol = OWN_TOLERANCE if t.api == "acarerank" else args.peer_tolerance
+            tol = OWN_TOLERANCE[args.dtype] if t.api == "acarerank" else args.peer_tolerance
             agree = sel(t.name, "agreement")[0]
             diff = agree["max_abs_diff"]
             check(f"scores agree with offline acarerank (<= {tol:g})", diff == diff and diff <= tol,
@@ -610,10 +620,11 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     tok, rr = load_offline(args)
     shapes = Shapes.from_arch(rr.runner.arch)
-    peak = gemm_peak(shapes, torch.float32)  # this process, all cores, before acarerank's server starts
+    dtype = getattr(torch, args.dtype)
+    peak = gemm_peak(shapes, dtype)  # this process, all cores, before acarerank's server starts
     workloads = Workloads(tok, args, shapes)
     rows = offline_rows(rr, workloads, args)
-    cli = ["--dtype", "float32"] + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens
+    cli = ["--dtype", args.dtype] + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens
                                     else []) + (["--model", args.model] if args.model else [])
     with serve_subprocess(*cli, omp_threads=None) as (base, _proc):  # all cores, as offline
         targets, versions = resolve_targets(base, args.target)
@@ -622,8 +633,8 @@ def main(argv=None) -> int:
         rows += closed
         rows += open_rows(targets, workloads, best, args)
     # again after the loads (every server idle): a peer still warming up at the start slowed the first
-    peak = best_of(peak, gemm_peak(shapes, torch.float32))
-    log(f"[peak] float32 GEMM peak at the model's layer shapes: {peak['peak_gflops']:.1f} GFLOP/s "
+    peak = best_of(peak, gemm_peak(shapes, dtype))
+    log(f"[peak] {args.dtype} GEMM peak at the model's layer shapes: {peak['peak_gflops']:.1f} GFLOP/s "
         f"({', '.join(f'{k} {v:.0f}' for k, v in peak['per_shape'].items())})")
     add_speedups(rows, peak["peak_gflops"])
     return write_report(rows, targets, versions, args, peak)

