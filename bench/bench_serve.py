@@ -45,12 +45,12 @@ prefix-cache hit tokens, errors, max |Δ score|, ``acarerank_speedup`` (acareran
 ÷ this target's, same load), acarerank's ``model_busy``, and ``gflop_per_s``: the FLOPs of
 scoring each request with its shared part computed once (``report.plan_flops``,
 "prefix_packed": the least work an exact server can do) ÷ wall time, with ``peak_fraction``
-= that ÷ the GEMM peak (in ``--dtype``) measured at the model's layer shapes (``gemm_peak``, before and
-after the loads, each shape's faster kept). End to end nothing beats the GEMMs it is made of, so ``peak_fraction`` says how
-much faster any server could still be on this machine. Writes ``serve.csv``,
-``serve.txt`` and ``serve.png`` into ``--out``. Checks the CPU targets of acarerank: closed
-loop at concurrency 16 ≥ 0.9× offline ``score_batch`` tokens/s; at 70 % load p99 ≤ 3× p50;
-no errors.
+= that ÷ the GEMM peak in ``--dtype`` at the model's layer shapes (``gemm_peak``, measured
+before and after the loads, each shape's faster kept). End to end nothing beats the GEMMs it
+is made of, so ``peak_fraction`` says how much faster any server could still be on this
+machine. Writes ``serve.csv``, ``serve.txt`` and ``serve.png`` into ``--out``. Checks the CPU
+targets of acarerank: closed loop at concurrency 16 ≥ 0.9× offline ``score_batch`` tokens/s;
+at 70 % load p99 ≤ 3× p50; no errors.
 
     python bench/bench_serve.py                       # the full run (quiet machine)
     python bench/bench_serve.py --quick               # a smoke run with tiny sizes
