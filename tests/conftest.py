@@ -18,6 +18,16 @@ def _seed():
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: small ops on a shared 2-core box lose 10-30x wall time
+    to OpenMP spin-waiting (use with ``pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def qwen3_tokenizer():
     from acarerank.tokenizer import load_qwen3_tokenizer

@@ -6,12 +6,7 @@ import torch
 from acarerank.ops.linear_logprob import linear_logprob, linear_logprob_ref
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()  # small ops on a shared 2-core box: OpenMP spin-waits cost more than they save
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(T, H, V, dtype=torch.float32, seed=0):

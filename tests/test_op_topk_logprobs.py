@@ -20,20 +20,12 @@ from acarerank.ops.topk_logprobs import (finalize, order_keys, topk_logprobs, to
 QWEN3_V = 151669
 PRIME_V = 4099
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []  # the triton tests run on the GPU there
+pytestmark = [pytest.mark.usefixtures("one_thread")] + (
+    [pytest.mark.cuda] if DEVICE == "cuda" else [])  # the triton tests run on the GPU there
 # The Triton kernel at Qwen3's vocabulary on a GPU; under the CPU interpreter (~9 s a row there)
 # an odd vocabulary of the same tiling shape: many tiles per split and a ragged last tile.
 TRITON_V = QWEN3_V if DEVICE == "cuda" else 20011
 LP_TOL = 1e-5  # fp32 log-probs
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # small ops on a shared 2-core box: OpenMP spin-waiting costs 10-30x wall time
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _dyadic(T, H, V, seed=0, device="cpu", dtype=torch.float32):
