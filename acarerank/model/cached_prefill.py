@@ -84,23 +84,32 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
     Full pages computed here enter the cache. Without a usable cache (off, or no room even
     after evicting every unpinned page) the prefixes are computed in full in a private pool.
     All groups' new tokens go through one chunked packed pass.
+
+    Page ownership: on any exception (an out-of-memory error at some layer, a kernel error,
+    ``KeyboardInterrupt``) every page reference taken here is given back before it propagates,
+    so the pool is exactly as it was (docs/ARCHITECTURE.md, "Paged KV and the prefix cache").
     """
     prefixes = [list(p) for p in prefixes]
     pc = slot.get()
     if pc is not None:
         cache = PagedKVCache(pc.pool, allocate=pc.allocate)
         hits = []
-        for ids in prefixes:
-            matched = pc.match(salt, ids)
-            cache.add_group(matched, len(matched) * pc.block_size)
-            pc.pool.decref(matched)  # the cache's own reference replaces the match's
-            hits.append(len(matched) * pc.block_size)
         try:
+            for ids in prefixes:
+                matched = pc.match(salt, ids)
+                try:
+                    cache.add_group(matched, len(matched) * pc.block_size)
+                finally:
+                    pc.pool.decref(matched)  # the cache's own reference replaces the match's
+                hits.append(len(matched) * pc.block_size)
             runner.extend(cache, list(range(len(prefixes))), [ids[h:] for ids, h in zip(prefixes, hits)])
         except PoolExhausted:
             cache.free()
             with pc.pool.lock:
                 pc.hit_tokens -= sum(hits)  # recomputed below: not hits
+        except BaseException:
+            cache.free()  # matched pages and the pages reserved for new rows: nothing stays pinned
+            raise
         else:
             for g, ids in enumerate(prefixes):
                 pc.insert(salt, ids, cache.block_tables[g])
@@ -120,7 +129,9 @@ class ChunkedPrefill:
     ``step(n)`` computes the next ``n`` tokens at most; once ``done``, the full pages enter
     the cache, exactly as ``prefill_cached`` leaves them. With no usable cache (off, or its pool
     exhausted by pinned pages mid-way) the prefix is computed from its start in a private pool.
-    One ``step(len(prefix))`` runs the very passes ``prefill_cached`` runs. The caller frees ``cache``.
+    One ``step(len(prefix))`` runs the very passes ``prefill_cached`` runs. The caller frees ``cache``
+    — also after a ``step`` that raised: its pages (pinned and reserved) are all in ``cache``, and
+    a later ``step`` may retry (rows reserved and not committed are simply written again).
     """
 
     def __init__(self, runner, slot: CacheSlot, prefix: Sequence[int], salt: Optional[Hashable] = None):
@@ -131,8 +142,10 @@ class ChunkedPrefill:
         if self.pc is not None:
             self.cache = PagedKVCache(self.pc.pool, allocate=self.pc.allocate)
             matched = self.pc.match(salt, self.prefix)
-            self.cache.add_group(matched, len(matched) * self.pc.block_size)
-            self.pc.pool.decref(matched)  # the cache's own reference replaces the match's
+            try:
+                self.cache.add_group(matched, len(matched) * self.pc.block_size)
+            finally:
+                self.pc.pool.decref(matched)  # the cache's own reference replaces the match's
             self.hit = len(matched) * self.pc.block_size
         else:
             slot.count(uncached_lookup=len(self.prefix))

@@ -1,0 +1,128 @@
+"""Every path that takes KV pages gives them all back on any exception: a fault is injected at
+each layer of a prefill (``PagedKVCache.write``, called once per layer) and the pool must be
+exactly as it was — reference counts and free blocks — with cached pages pinned by the failing
+call (a prefix-cache hit) released too."""
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
+from acarerank.model.cached_prefill import ChunkedPrefill, prefill_cached
+from acarerank.model.paged_cache import PagedKVCache
+from acarerank.tokenizer import QWEN3_VOCAB, TOKEN_NO, TOKEN_YES
+
+LAYERS = 4
+TRACE = "the agent read the tutor's hint, searched twice and kept the pages about bread and rivers. " * 5
+
+
+class Injected(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1000000.0,
+                      tie_word_embeddings=True, attn_implementation="eager")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight[[TOKEN_YES, TOKEN_NO]] *= 20
+    return m
+
+
+@pytest.fixture
+def fault_at(monkeypatch):
+    """``fault_at(layer, exc)``: the next prefill writes raise ``exc`` when they reach ``layer``."""
+    where = {}
+    write = PagedKVCache.write
+
+    def write_or_fail(self, layer, slots, k, v):
+        if where.get("layer") == layer:
+            raise where["exc"]
+        return write(self, layer, slots, k, v)
+
+    monkeypatch.setattr(PagedKVCache, "write", write_or_fail)
+
+    def set_(layer, exc=None):
+        where.clear()
+        if layer is not None:
+            where.update(layer=layer, exc=exc or Injected(f"layer {layer}"))
+    return set_
+
+
+def pool_state(pool):
+    return list(pool.refcount), sorted(pool._free)
+
+
+def warm(rr):
+    """Cache the context once (a later call then pins cached pages before it computes)."""
+    rr.score("warm", ["d"], trace=TRACE)
+    state = pool_state(rr._prefix_cache.pool)
+    assert sum(1 for c in state[0] if c > 0) >= 3, "nothing cached"
+    return state
+
+
+@pytest.mark.parametrize("exc", [Injected("x"), torch.OutOfMemoryError("oom"), KeyboardInterrupt()],
+                         ids=["error", "oom", "interrupt"])
+@pytest.mark.parametrize("layer", range(LAYERS))
+def test_acquire_prefix_gives_back_every_page(model, fault_at, layer, exc):
+    rr = PointwiseReranker(model=model)
+    idle = warm(rr)
+    enc = rr.encode(ScoreRequest("warm", ["d"], trace=TRACE + " and one more step."))
+    fault_at(layer, exc)
+    with pytest.raises(type(exc)):
+        rr.acquire_prefix(enc)
+    assert pool_state(rr._prefix_cache.pool) == idle, f"pages pinned after a fault at layer {layer}"
+    fault_at(None)
+    got, want = rr.score("warm", ["d"], trace=TRACE), PointwiseReranker(model=model).score("warm", ["d"], trace=TRACE)
+    assert abs(got[0] - want[0]) <= 1e-6, f"score after the fault {got} vs a fresh reranker's {want}"
+
+
+@pytest.mark.parametrize("layer", range(LAYERS))
+def test_prefill_cached_of_several_groups_and_score_batch(model, fault_at, layer):
+    rr = PointwiseReranker(model=model)
+    idle = warm(rr)
+    ids = rr.encode(ScoreRequest("warm", ["d"], trace=TRACE + " more")).shared_ids
+    fault_at(layer)
+    with pytest.raises(Injected):
+        prefill_cached(rr.runner, rr._cache_slot, [ids, ids[:40], list(range(100, 180))])
+    assert pool_state(rr._prefix_cache.pool) == idle
+    with pytest.raises(Injected):
+        rr.score_batch([("warm", ["a", "b"]), dict(query="q2", documents=["c"], trace=TRACE + " other")])
+    assert pool_state(rr._prefix_cache.pool) == idle
+
+
+@pytest.mark.parametrize("layer", range(LAYERS))
+def test_setwise_prefill_and_select_give_back_every_page(model, fault_at, layer):
+    rr = PointwiseReranker(model=model)
+    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer)
+    docs = ["tutor hints", "bread", "rivers", "the agent's trace"]
+    sr.select("which helps the agent?", docs, max_select=2)   # caches the prompt's pages
+    pool = sr._cache_slot.get().pool
+    idle = pool_state(pool)
+    fault_at(layer)
+    with pytest.raises(Injected):
+        sr.select("which helps the agent most?", docs, max_select=2)
+    assert pool_state(pool) == idle, "select() left pages pinned"
+    with pytest.raises(Injected):
+        sr.select_batch(["which helps the agent most?", "which one?"], [docs, docs[:2]], max_select=2)
+    assert pool_state(pool) == idle, "select_batch() left pages pinned"
+    # the step API as the server drives it: a failing chunk, then the engine releases the state
+    st = sr.start_select(sr.encode_select("which helps the agent most?", docs, max_select=2))
+    with pytest.raises(Injected):
+        sr.prefill_select(st, 8)
+    sr.release_select(st)
+    assert pool_state(pool) == idle, "a failed prefill_select left pages pinned after release_select"
+    # a chunk that failed can be retried: the state stays consistent
+    fault_at(None)
+    pc = ChunkedPrefill(rr.runner, sr._cache_slot, list(range(200, 260)))
+    fault_at(layer)
+    with pytest.raises(Injected):
+        pc.step(30)
+    fault_at(None)
+    while not pc.done:
+        pc.step(30)
+    pc.cache.free()
+    assert all(c <= 1 for c in pool.refcount), "only the tree's own references remain"
