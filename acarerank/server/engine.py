@@ -29,14 +29,25 @@ Per pass: ``steps.score_segments`` = one forward over all its segments (the step
 ``PointwiseReranker``: docs/ARCHITECTURE.md, "A served request"); a selection's steps are
 ``SetwiseReranker``'s (``start_select`` / ``prefill_select`` / ``decode_select`` /
 ``finish_select`` / ``release_select``: docs/ARCHITECTURE.md, "A setwise call").
+
+Faults (docs/serving.md, "Internal faults and probes"). A packed pass that raises is retried in
+halves so one bad request fails alone (``_bisect``); a failed prefill or selection step fails
+its own request only; each failure is an ``EngineFault`` with an error id, one log line and
+``acarerank_engine_failures_total{stage}``. Anything that escapes the loop itself
+(``BaseException`` included: ``KeyboardInterrupt``, ``SystemExit``) kills the engine: every
+waiting and later job fails with ``EngineDead`` at once and ``on_dead`` callbacks run.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
+import math
 import threading
 import time
+import traceback
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -62,6 +73,7 @@ class _ScoreJob:
     started: Optional[float] = None
     cancelled: bool = False
     moved: int = 0                   # the last pass that scored one of its segments
+    rid: str = ""                    # request id (log lines)
 
 
 @dataclass(eq=False)
@@ -71,6 +83,7 @@ class _SelectJob:
     submitted: float
     state: object = None             # SelectState once started (pages pinned)
     cancelled: bool = False
+    rid: str = ""
 
 
 @dataclass(eq=False)
@@ -92,6 +105,52 @@ POLICIES = ("shortest", "round_robin")
 
 class EngineStopped(RuntimeError):
     """The engine was stopped before the job ran."""
+
+
+class EngineDead(EngineStopped):
+    """The scheduler loop ended on an exception: the engine serves nothing any more (``reason``)."""
+
+
+class EngineFault(RuntimeError):
+    """The model raised while running this job: ``stage`` ("pass", "prefill", "select", "call",
+    "scheduler"), ``error_id`` (also in the failure's log line) and the original exception as
+    ``__cause__``."""
+
+    def __init__(self, stage: str, error_id: str, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.stage = stage
+        self.error_id = error_id
+        self.__cause__ = exc
+
+
+def _is_oom(exc: BaseException) -> bool:
+    """An out-of-memory error (host ``MemoryError`` or torch's device ``OutOfMemoryError``)."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+class _FailureLog:
+    """At most ``burst`` failure lines per ``every`` seconds, then one line saying how many were
+    left out (the error ids stay in the responses and the counter counts every failure)."""
+
+    def __init__(self, burst: int = 10, every: float = 10.0):
+        self.burst, self.every = burst, every
+        self.window_start = -math.inf
+        self.lines = 0
+        self.dropped = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self.window_start >= self.every:
+                if self.dropped:
+                    log.error("%d more engine failure line(s) left out in the last %g s", self.dropped, self.every)
+                self.window_start, self.lines, self.dropped = now, 0, 0
+            if self.lines >= self.burst:
+                self.dropped += 1
+                return
+            self.lines += 1
+        log.error(msg, *args)
 
 
 def _settle(fut: concurrent.futures.Future, result=None, exc: Optional[BaseException] = None) -> None:
@@ -147,6 +206,12 @@ class Engine:
         self._model_thread = model_thread
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[concurrent.futures.Future] = None  # the loop's run on model_thread
+        self._ids = itertools.count(1)
+        self._failure_log = _FailureLog()
+        self.dead: Optional[str] = None         # why the loop ended on an exception (None: it did not)
+        self.on_dead: list = []                 # callables(reason) run once, on the loop's thread, when it dies
+        self._step_since: Optional[float] = None  # monotonic start of the model work in progress (None: idle)
+        self.iterations = 0                     # scheduler iterations completed (a heartbeat)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -170,20 +235,42 @@ class Engine:
             concurrent.futures.wait([self._loop], timeout)
             self._loop = None
 
+    @property
+    def alive(self) -> bool:
+        """The scheduler loop runs (started, not stopped, not dead)."""
+        running = (self._thread is not None and self._thread.is_alive()) or (
+            self._loop is not None and not self._loop.done())
+        return running and self.dead is None
+
+    def health(self) -> dict:
+        """What ``/health`` reports: ``state`` ("idle", "busy", "dead", "stopped"), ``busy_s`` (how
+        long the model work in progress has run; 0 when idle), ``iterations`` (a counter that moves
+        while the loop runs) and ``reason`` when dead. Never waits for the model thread."""
+        since = self._step_since
+        busy = 0.0 if since is None else time.monotonic() - since
+        if self.dead is not None:
+            return dict(state="dead", reason=self.dead, busy_s=0.0, iterations=self.iterations)
+        if not self.alive:
+            return dict(state="stopped", busy_s=0.0, iterations=self.iterations)
+        return dict(state="idle" if since is None else "busy", busy_s=round(busy, 3), iterations=self.iterations)
+
     # -- submission (any thread) -------------------------------------------------------------
-    def submit(self, enc) -> _ScoreJob:
-        """Queue one encoded request; ``job.future`` resolves to a ``ScoreResult``."""
+    def submit(self, enc, rid: Optional[str] = None) -> _ScoreJob:
+        """Queue one encoded request; ``job.future`` resolves to a ``ScoreResult`` (or raises
+        ``EngineFault`` / ``EngineDead``). rid: the request id its failure line names."""
         job = _ScoreJob(enc=enc, future=concurrent.futures.Future(), submitted=time.perf_counter(),
                         scores=[0.0] * len(enc.segment_ids))
+        job.rid = rid or f"job-{next(self._ids)}"
         self._put(job)
         return job
 
-    def submit_select(self, enc) -> _SelectJob:
+    def submit_select(self, enc, rid: Optional[str] = None) -> _SelectJob:
         """Queue one encoded selection (``SetwiseReranker.encode_select``); ``job.future`` resolves to a
         ``Selection``. Its prefill and decode steps share the scheduler's passes with scoring."""
         if self.select_steps is None:
             raise ValueError("this engine has no setwise model (select_steps)")
         job = _SelectJob(enc=enc, future=concurrent.futures.Future(), submitted=time.perf_counter())
+        job.rid = rid or f"job-{next(self._ids)}"
         self._put(job)
         return job
 
@@ -209,6 +296,8 @@ class Engine:
 
     def _put(self, job) -> None:
         with self._cv:
+            if self.dead is not None:
+                raise EngineDead(self.dead)
             if self._stopping:
                 raise EngineStopped("the engine is stopping")
             self._inbox.append(job)
@@ -216,8 +305,41 @@ class Engine:
 
     # -- the scheduler thread ----------------------------------------------------------------
     def _run(self) -> None:
+        """The scheduler thread: ``_loop`` until stopped; anything escaping it kills the engine."""
+        try:
+            self._loop_until_stopped()
+        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt / SystemExit / a bug: the engine is dead
+            self._die(e)
+            return
+        self._fail_all(EngineStopped("the engine stopped before this request ran"))
+
+    def _die(self, exc: BaseException) -> None:
+        """Mark the engine dead, log the traceback, fail every job at once, run ``on_dead``."""
+        reason = f"the model thread's scheduler loop ended on {type(exc).__name__}: {exc}".rstrip(": ")
+        with self._cv:
+            self.dead = reason
+            self._stopping = True
+        self._step_since = None
+        log.critical("engine dead: %s; every waiting and later request gets 503\n%s", reason,
+                     "".join(traceback.format_exception(exc)).rstrip())
+        if self.metrics is not None:
+            self.metrics.engine_failures.labels("engine").inc()
+        try:
+            self._fail_all(EngineDead(reason))
+        except BaseException:  # noqa: BLE001 - releasing pages of a dead engine may fail too; the futures matter
+            log.exception("failing the jobs of the dead engine")
+            for job in list(self._inbox) + list(self._calls) + list(self._selects) + list(self._active):
+                _settle(job.future, exc=EngineDead(reason))
+        for fn in list(self.on_dead):
+            try:
+                fn(reason)
+            except Exception:  # noqa: BLE001
+                log.exception("on_dead callback failed")
+
+    def _loop_until_stopped(self) -> None:
         while True:
             with self._cv:
+                self._step_since = None
                 while not (self._inbox or self._active or self._calls or self._selects or self._stopping):
                     self._cv.wait()
                 if self._stopping:
@@ -226,6 +348,7 @@ class Engine:
                     job = self._inbox.popleft()
                     queue = {_CallJob: self._calls, _SelectJob: self._selects}.get(type(job), self._active)
                     queue.append(job)
+            self._step_since = time.monotonic()
             try:
                 self._drop_cancelled()
                 if self._calls:
@@ -236,16 +359,27 @@ class Engine:
                     self._select_step()
                 self._report_depth()
             except Exception as e:  # noqa: BLE001 - a bug of ours: fail what is in flight, keep the thread
-                log.exception("scheduler iteration failed; failing %d active requests", len(self._active))
+                fault = self._fault("scheduler", e, self._active)
+                log.exception("scheduler iteration failed (error id %s); failing %d active requests",
+                              fault.error_id, len(self._active))
                 for job in self._active:
-                    _settle(job.future, exc=e)
+                    _settle(job.future, exc=fault)
                     if job.handle is not None:
                         try:
                             self.steps.release_prefix(job.handle)
                         except Exception:  # noqa: BLE001
                             log.exception("release_prefix failed")
                 self._active = []
-        self._fail_all(EngineStopped("the engine stopped before this request ran"))
+            self.iterations += 1
+
+    def _fault(self, stage: str, exc: BaseException, jobs) -> EngineFault:
+        """An ``EngineFault`` for ``jobs`` (counted; one rate-limited log line naming them)."""
+        fault = EngineFault(stage, uuid.uuid4().hex[:16], exc)
+        if self.metrics is not None:
+            self.metrics.engine_failures.labels(stage).inc()
+        self._failure_log("engine %s failed (error id %s) for request(s) %s: %s: %s", stage, fault.error_id,
+                          ",".join(j.rid for j in jobs) or "-", type(exc).__name__, exc)
+        return fault
 
     def _report_depth(self) -> None:
         if self.metrics is not None:
@@ -310,14 +444,20 @@ class Engine:
                 job.state = steps.start_select(job.enc)
             st = job.state
             if st.prefilling:
-                used = steps.prefill_select(st, max(1, self.max_batch_tokens // 2))
+                chunk = max(1, self.max_batch_tokens // 2)
+                try:
+                    used = steps.prefill_select(st, chunk)
+                except Exception as e:  # noqa: BLE001 - out of memory: once more at half the chunk
+                    if not _is_oom(e) or chunk == 1:
+                        raise
+                    used = steps.prefill_select(st, chunk // 2)
             else:
                 used = steps.decode_select(st)
             if st.done:
                 self._end_select(job, result=steps.finish_select(st))
                 self._selects.popleft()
-        except Exception as e:  # noqa: BLE001 - fail this selection only; the caller maps it to an HTTP error
-            self._end_select(job, exc=e)
+        except Exception as e:  # noqa: BLE001 - fail this selection only (its pages released); a 500
+            self._end_select(job, exc=self._fault("select", e, [job]))
             self._selects.popleft()
         finally:
             self._busy("call", t)
@@ -359,8 +499,8 @@ class Engine:
             self.metrics.queue_time.observe(job.started - job.submitted)
         try:
             job.handle = self.steps.acquire_prefix(job.enc)
-        except Exception as e:  # noqa: BLE001 - fail this request only
-            _settle(job.future, exc=e)
+        except Exception as e:  # noqa: BLE001 - fail this request only (acquire_prefix gave its pages back)
+            _settle(job.future, exc=self._fault("prefill", e, [job]))
             job.cancelled = True
             return False
         finally:
@@ -419,20 +559,16 @@ class Engine:
                 break
         if items:
             t = time.perf_counter()
+            entries = [(job, i, item) for (job, i), item in zip(owners, items)]
             try:
                 scores = self.steps.score_segments(items)
-            except Exception as e:  # noqa: BLE001 - the pass failed: fail the jobs in it, keep serving
-                for job in {j for j, _ in owners}:
-                    _settle(job.future, exc=e)
-                    job.cancelled = True
-                scores = None
-            self._busy("pass", t)
-            if scores is not None:
+            except Exception as e:  # noqa: BLE001 - find the request that fails and fail it alone
+                self._bisect(entries, e)
+            else:
                 if self.metrics is not None:
                     self.metrics.observe_pass(used, len({id(j) for j, _ in owners}))
-                for (job, i), s in zip(owners, scores):
-                    job.scores[i] = s
-                    job.done += 1
+                self._record(entries, scores)
+            self._busy("pass", t)
         keep = []
         for job in self._active:
             if job.cancelled:
@@ -442,6 +578,83 @@ class Engine:
             else:
                 keep.append(job)
         self._active = keep
+
+    # -- fault isolation ------------------------------------------------------------------------
+    @staticmethod
+    def _record(entries: list, scores: list) -> None:
+        for (job, i, _), s in zip(entries, scores):
+            job.scores[i] = s
+            job.done += 1
+
+    def _try_pass(self, entries: list) -> Optional[Exception]:
+        """Score ``entries`` (``(job, segment index, (handle, ids))``) in one pass; the exception
+        it raised, or None once their scores are recorded. Requests already failed are left out."""
+        entries = [e for e in entries if not e[0].cancelled]
+        if not entries:
+            return None
+        try:
+            scores = self.steps.score_segments([item for _, _, item in entries])
+        except Exception as e:  # noqa: BLE001
+            return e
+        self._record(entries, scores)
+        return None
+
+    def _bisect(self, entries: list, exc: Exception, halved: bool = False) -> None:
+        """``entries`` failed together with ``exc``: retry in halves until the failing request is alone.
+
+        The requests are split in two halves (arrival order) and the first half runs. If it
+        passes, the culprit is in the second half, which is split again without running it
+        whole; if it fails, the search goes on inside it and the second half waits, to run in
+        one pass with every other half set aside this way. A request left alone in a failing
+        part gets ``EngineFault``; every other request keeps its scores. For one culprit among
+        n requests: ⌈log₂ n⌉ passes to find it, plus one for the halves set aside (none when
+        every first half passed). The pass set aside is bisected the same way if it fails too
+        (a second culprit).
+
+        An out-of-memory error is first retried as two passes of half the tokens each
+        (``halved``; whole requests to each): it is a pass too large, not a bad request. Then a
+        part that passes proves nothing about the other, so both halves run (no inference,
+        nothing set aside): at most 2⌈log₂ n⌉ extra passes for one request that always fails.
+        """
+        if _is_oom(exc) and not halved and len(entries) > 1:
+            for part in _halves_by_tokens(entries):
+                e = self._try_pass(part)
+                if e is not None:
+                    self._bisect(part, e, halved=True)
+            return
+        aside: list = []
+        self._narrow(entries, exc, aside)
+        if aside:
+            e = self._try_pass(aside)
+            if e is not None:
+                self._bisect(aside, e, halved=True)
+
+    def _narrow(self, entries: list, exc: Exception, aside: list) -> None:
+        """One step of ``_bisect`` on a part known to fail with ``exc``."""
+        entries = [e for e in entries if not e[0].cancelled]  # a request failed in another part is done
+        jobs = list(dict.fromkeys(job for job, _, _ in entries))
+        if not jobs:
+            return
+        if len(jobs) == 1:
+            fault = self._fault("pass", exc, jobs)
+            _settle(jobs[0].future, exc=fault)
+            jobs[0].cancelled = True  # its pages go back in _pass's clean-up
+            return
+        first = set(jobs[:len(jobs) // 2])
+        a = [e for e in entries if e[0] in first]
+        b = [e for e in entries if e[0] not in first]
+        e_a = self._try_pass(a)
+        if _is_oom(exc) or (e_a is not None and _is_oom(e_a)):
+            if e_a is not None:
+                self._narrow(a, e_a, aside)
+            e_b = self._try_pass(b)
+            if e_b is not None:
+                self._narrow(b, e_b, aside)
+        elif e_a is None:
+            self._narrow(b, exc, aside)       # a passed: the culprit is in b
+        else:
+            self._narrow(a, e_a, aside)       # the culprit is in a; b runs later with the others set aside
+            aside.extend(b)
 
     def _finish(self, job: _ScoreJob, cancelled: bool = False) -> None:
         """Release the job's prefix and complete its future (result, or cancelled)."""
@@ -473,3 +686,30 @@ class Engine:
         for job in pending + self._active:
             _settle(job.future, exc=exc)
         self._active, self._calls = [], collections.deque()
+
+
+def _halves_by_tokens(entries: list) -> list:
+    """``entries`` cut in two non-empty parts of about half the segment tokens each: whole requests
+    to each part when there are several (so a failing part holds about half of them), else
+    consecutive segments of the one request."""
+    tokens: dict = {}
+    for job, _, item in entries:
+        tokens[job] = tokens.get(job, 0) + len(item[1])
+    if len(tokens) > 1:
+        keys, total = list(tokens), sum(tokens.values())
+        cut, acc = 1, 0
+        for n, job in enumerate(keys[:-1]):
+            acc += tokens[job]
+            cut = n + 1
+            if acc * 2 >= total:
+                break
+        first = set(keys[:cut])
+        return [[e for e in entries if e[0] in first], [e for e in entries if e[0] not in first]]
+    total = sum(len(item[1]) for _, _, item in entries)
+    cut, acc = 1, 0
+    for n, (_, _, item) in enumerate(entries[:-1]):
+        acc += len(item[1])
+        cut = n + 1
+        if acc * 2 >= total:
+            break
+    return [entries[:cut], entries[cut:]]

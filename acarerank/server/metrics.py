@@ -18,6 +18,8 @@ acarerank_batch_tokens                      histogram  segment tokens per packed
 acarerank_batch_requests                    histogram  requests sharing a packed pass
 acarerank_documents_scored_total            counter    documents scored
 acarerank_requests_cancelled_total          counter    requests dropped because the client left
+acarerank_engine_failures_total             counter    model-side failures, by stage (pass, prefill,
+                                                       select, call, scheduler, tokenize, engine)
 acarerank_prefix_cache_<x>_tokens_total     counter    lookup / hit / computed / evicted tokens
 acarerank_prefix_cache_<x>_tokens           gauge      resident / budget tokens
 ==========================================  =========  ==============================================
@@ -81,6 +83,12 @@ class ServerMetrics:
         self.documents = Counter("acarerank_documents_scored", "documents scored", registry=r)
         self.cancelled = Counter("acarerank_requests_cancelled", "requests dropped because the client left",
                                  registry=r)
+        self.engine_failures = Counter("acarerank_engine_failures", "model-side failures by stage (pass: a packed "
+                                       "scoring pass, prefill: a request's shared part, select: a selection "
+                                       "step, scheduler: the scheduler iteration, tokenize: a tokenizer worker, "
+                                       "engine: the engine died)", ["stage"], registry=r)
+        for stage in ("pass", "prefill", "select", "engine"):
+            self.engine_failures.labels(stage)  # present at 0 from the start (a rate needs a first sample)
         if cache_stats is not None:
             r.register(_CacheCollector(cache_stats))
 

@@ -1,0 +1,218 @@
+"""The scheduler's fault handling over a fake step API (no model): a failing pass is bisected so
+one bad request fails alone within the pass bound, an out-of-memory pass is first retried at
+half the tokens, and anything escaping the loop (``BaseException`` included) kills the engine
+loudly — every job fails at once, new ones are refused, prefixes are released."""
+import concurrent.futures
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+import pytest
+from _optional import require
+
+require("fastapi")  # acarerank.server's package imports its app
+
+from acarerank.server.engine import Engine, EngineDead, EngineFault  # noqa: E402
+from acarerank.server.metrics import ServerMetrics  # noqa: E402
+
+
+@dataclass
+class Enc:
+    shared_ids: list
+    segment_ids: list
+
+
+@dataclass(eq=False)
+class Handle:
+    tag: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+class FaultySteps:
+    """score(segment of request t) = t + len/1000; ``fault(tags, tokens)`` returns the exception a
+    pass raises (None: it passes); counts passes and pinned prefixes."""
+
+    def __init__(self, fault=None):
+        self.fault = fault or (lambda tags, tokens: None)
+        self.passes = []          # the request tags of each pass, in order
+        self.pinned = set()
+
+    def acquire_prefix(self, enc):
+        h = Handle(enc.shared_ids[0], 1 + sum(map(len, enc.segment_ids)))
+        self.pinned.add(id(h))
+        return h
+
+    def score_segments(self, items):
+        tags = [h.tag for h, _ in items]
+        self.passes.append(sorted(set(tags)))
+        exc = self.fault(set(tags), sum(len(s) for _, s in items))
+        if exc is not None:
+            raise exc
+        return [h.tag + len(s) / 1000 for h, s in items]
+
+    def release_prefix(self, h):
+        self.pinned.discard(id(h))
+
+
+def run_jobs(steps, lengths: dict, budget=1000, metrics=None):
+    """Submit every request before the loop starts, so the first pass holds them all."""
+    eng = Engine(steps, max_batch_tokens=budget, metrics=metrics)
+    jobs = {t: eng.submit(Enc([t], [[1] * n for n in ls]), rid=f"r{t}") for t, ls in lengths.items()}
+    eng.start()
+    try:
+        out = {}
+        for t, job in jobs.items():
+            try:
+                out[t] = job.future.result(30)
+            except EngineFault as e:
+                out[t] = e
+    finally:
+        eng.stop()
+    return out
+
+
+@pytest.mark.parametrize("exc_type", [RuntimeError, ValueError, KeyError])
+@pytest.mark.parametrize("culprit", [1, 5, 8])
+def test_one_bad_request_fails_alone_within_the_pass_bound(exc_type, culprit):
+    n = 8
+    lengths = {t: [t + 1, 3] for t in range(1, n + 1)}
+    steps = FaultySteps(lambda tags, tokens: exc_type("bad kernel input") if culprit in tags else None)
+    metrics = ServerMetrics()
+    out = run_jobs(steps, lengths, metrics=metrics)
+    for t, ls in lengths.items():
+        if t == culprit:
+            assert isinstance(out[t], EngineFault), f"culprit {t}: {out[t]!r}"
+            assert isinstance(out[t].__cause__, exc_type) and out[t].stage == "pass"
+        else:
+            assert not isinstance(out[t], Exception), f"innocent request {t} failed: {out[t]!r}"
+            assert out[t].scores == [t + x / 1000 for x in ls], f"request {t}: {out[t].scores}"
+    extra = len(steps.passes) - 1
+    bound = math.ceil(math.log2(n))
+    assert extra <= bound + 1, f"{extra} extra passes for one culprit among {n}: {steps.passes}"
+    if culprit == n:  # the last one: every first half passes, the culprit is found in log2(n) passes
+        assert extra == bound, steps.passes
+    assert not steps.pinned, "prefixes left pinned"
+    assert metrics.engine_failures.labels("pass")._value.get() == 1
+
+
+def test_two_bad_requests_both_isolated():
+    lengths = {t: [4] for t in range(1, 7)}
+    steps = FaultySteps(lambda tags, tokens: RuntimeError("x") if tags & {2, 6} else None)
+    out = run_jobs(steps, lengths)
+    assert {t for t, r in out.items() if isinstance(r, EngineFault)} == {2, 6}
+    assert all(out[t].scores == [t + 0.004] for t in (1, 3, 4, 5))
+    assert not steps.pinned
+
+
+@pytest.mark.parametrize("oom", [MemoryError, "torch"])
+def test_out_of_memory_retries_at_half_the_tokens_and_fails_nobody(oom):
+    import torch
+    exc_type = torch.OutOfMemoryError if oom == "torch" else oom
+    lengths = {t: [10, 10] for t in range(1, 5)}          # 80 tokens in one pass
+    steps = FaultySteps(lambda tags, tokens: exc_type("out of memory") if tokens > 40 else None)
+    out = run_jobs(steps, lengths)
+    for t, ls in lengths.items():
+        assert not isinstance(out[t], Exception), f"request {t} failed: {out[t]!r}"
+        assert out[t].scores == [t + 0.01, t + 0.01]
+    assert len(steps.passes) == 3, f"one failed pass, then two of half the tokens: {steps.passes}"
+
+
+def test_out_of_memory_of_one_request_isolates_it():
+    import torch
+    lengths = {1: [5], 2: [50], 3: [5], 4: [5]}
+    steps = FaultySteps(lambda tags, tokens: torch.OutOfMemoryError("oom") if 2 in tags else None)
+    out = run_jobs(steps, lengths)
+    assert isinstance(out[2], EngineFault) and isinstance(out[2].__cause__, torch.OutOfMemoryError)
+    assert all(out[t].scores == [t + 0.005] for t in (1, 3, 4))
+
+
+def test_failure_line_names_request_and_error_id(caplog):
+    steps = FaultySteps(lambda tags, tokens: RuntimeError("kernel fault") if 3 in tags else None)
+    with caplog.at_level(logging.ERROR, logger="acarerank.server"):
+        out = run_jobs(steps, {t: [2] for t in range(1, 5)})
+    lines = [r.getMessage() for r in caplog.records if "engine pass failed" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert out[3].error_id in lines[0] and "r3" in lines[0] and "RuntimeError: kernel fault" in lines[0], lines[0]
+
+
+def test_prefill_failure_fails_that_request_only():
+    class BadPrefill(FaultySteps):
+        def acquire_prefix(self, enc):
+            if enc.shared_ids[0] == 2:
+                raise RuntimeError("prefill kernel fault")
+            return super().acquire_prefix(enc)
+
+    steps = BadPrefill()
+    metrics = ServerMetrics()
+    out = run_jobs(steps, {t: [3] for t in range(1, 4)}, metrics=metrics)
+    assert isinstance(out[2], EngineFault) and out[2].stage == "prefill"
+    assert out[1].scores == [1.003] and out[3].scores == [3.003]
+    assert metrics.engine_failures.labels("prefill")._value.get() == 1
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+def test_base_exception_in_a_pass_kills_the_engine_loudly(exc_type, caplog):
+    gate = threading.Event()
+
+    class Deadly(FaultySteps):
+        def score_segments(self, items):
+            assert gate.wait(30)
+            raise exc_type("injected")
+
+    steps = Deadly()
+    dead = []
+    metrics = ServerMetrics()
+    eng = Engine(steps, max_batch_tokens=100, metrics=metrics)
+    eng.on_dead.append(dead.append)
+    first = eng.submit(Enc([1], [[1, 1]]))
+    eng.start()
+    waiting = eng.submit(Enc([2], [[1] * 200]))   # longer than the budget: waits for a later pass
+    assert eng.health()["state"] in ("idle", "busy")
+    with caplog.at_level(logging.CRITICAL, logger="acarerank.server"):
+        gate.set()
+        for job in (first, waiting):
+            with pytest.raises(EngineDead):
+                job.future.result(30)
+    for _ in range(500):   # the callbacks run right after the futures fail
+        if dead:
+            break
+        threading.Event().wait(0.01)
+    assert eng.dead is not None and exc_type.__name__ in eng.dead and "injected" in eng.dead, eng.dead
+    assert dead == [eng.dead], "on_dead not called once with the reason"
+    assert eng.health()["state"] == "dead" and eng.health()["reason"] == eng.dead
+    with pytest.raises(EngineDead):
+        eng.submit(Enc([3], [[1]]))
+    assert not steps.pinned, "prefixes left pinned by the dead engine"
+    assert any("engine dead" in r.getMessage() and "Traceback" in r.getMessage() for r in caplog.records)
+    assert metrics.engine_failures.labels("engine")._value.get() == 1
+    eng.stop(5)
+
+
+def test_health_reports_how_long_the_current_step_runs():
+    gate = threading.Event()
+
+    class Slow(FaultySteps):
+        def score_segments(self, items):
+            assert gate.wait(30)
+            return super().score_segments(items)
+
+    eng = Engine(Slow(), max_batch_tokens=100).start()
+    try:
+        assert eng.health()["state"] == "idle"
+        job = eng.submit(Enc([1], [[1]]))
+        for _ in range(300):
+            h = eng.health()
+            if h["state"] == "busy" and h["busy_s"] > 0.05:
+                break
+            threading.Event().wait(0.01)
+        assert h["state"] == "busy" and h["busy_s"] > 0.05, h
+        gate.set()
+        assert job.future.result(30).scores == [1.001]
+        it = eng.health()["iterations"]
+        assert it >= 1
+    finally:
+        gate.set()
+        eng.stop()
+    assert eng.health()["state"] == "stopped"
