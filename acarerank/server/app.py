@@ -6,9 +6,12 @@ Endpoints (see ``schemas.py`` for the bodies):
 ``POST /v1/rerank``, ``/v2/rerank``,       rerank (Cohere v2 / Jina / vLLM shape; ``texts`` →
 ``/rerank``                                TEI's bare list)
 ``POST /v1/select``                        setwise selection (AdaTutoRank)
-``GET /health``                            liveness: 200 while the process serves HTTP
+``GET /health``                            liveness: 200 while the model thread's loop runs
+                                           (with its state and how long the current model
+                                           step has run); 503 once the engine is dead, or with
+                                           ``?max_pass_s=S`` when a step has run longer than S
 ``GET /ready``                             200 once weights are loaded and a warm-up pass ran;
-                                           503 before that and while draining
+                                           503 before that, while draining and once dead
 ``GET /v1/models``                         the one model, OpenAI list shape
 ``GET /metrics``                           Prometheus text format
 =========================================  ===================================================
@@ -344,11 +347,23 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
         return JSONResponse(body, headers=headers)
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok"}
+    async def health(max_pass_s: Optional[float] = None):
+        """Answered on the event loop from the engine's heartbeat: it never waits for the model."""
+        h = service.health() if hasattr(service, "health") else {"state": "idle", "busy_s": 0.0}
+        if h["state"] in ("dead", "stopped"):
+            why = h.get("reason", "the scheduler loop is not running")
+            return JSONResponse(dict(error_body(503, f"engine {h['state']}: {why}"), engine=h), status_code=503)
+        if max_pass_s is not None and h["busy_s"] > max_pass_s:
+            return JSONResponse(dict(error_body(503, f"the model thread has been in one step for {h['busy_s']:.1f} s "
+                                                     f"(more than max_pass_s={max_pass_s:g})"), engine=h),
+                                status_code=503)
+        return {"status": "ok", "engine": h}
 
     @app.get("/ready")
     async def ready():
+        dead = getattr(service, "dead", None)
+        if dead is not None:
+            return JSONResponse(error_body(503, f"engine dead: {dead}"), status_code=503)
         if state.draining:
             return JSONResponse(error_body(503, "draining"), status_code=503)
         if not service.ready:

@@ -12,7 +12,12 @@ errors) and the scheduler (``engine.py``, which owns the model):
   ``truncate: false`` turns any cut into a 400; ``max_tokens_per_doc`` cuts each document's
   tokens from its end;
 * submits to the engine and waits, polling the client: a client that disconnects has its
-  remaining work dropped;
+  remaining work dropped (499);
+* maps the engine's failures: a request the model failed on (``EngineFault``) is a 500 naming
+  the error id of the failure's log line; a dead engine (``EngineDead``) a 503 at once, for it
+  and every later request (``dead``); anything raised in a tokenizer worker other than an input
+  error (``ValueError``/``TypeError``: 400), ``BaseException`` included, is a 500 — and a pool
+  that can no longer run work marks the service dead (docs/serving.md, "Internal faults and probes");
 * builds the response (results best first, ties in input order).
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import math
 import threading
 import uuid
@@ -29,7 +35,7 @@ from typing import Awaitable, Callable, Optional
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE
 from .disconnect import DISCONNECT_POLL_S, ClientGone, wait_or_drop  # noqa: F401 (re-exported)
-from .engine import Engine, EngineStopped
+from .engine import Engine, EngineDead, EngineFault, EngineStopped
 from .errors import APIError
 from .metrics import ServerMetrics
 from .schemas import RerankRequest, SelectRequest
@@ -41,6 +47,17 @@ LARGE_REQUEST_CHARS = 256 * 1024
 
 #: set while the current request holds an admission slot (taken by the HTTP gate before it reads the body)
 _holding_slot = contextvars.ContextVar("acarerank_holding_slot", default=False)
+
+log = logging.getLogger("acarerank.server")
+
+
+class WorkerFault(Exception):
+    """A tokenizer worker raised something other than an input error (``BaseException`` included):
+    a fault of the server, answered 500 with ``error_id``."""
+
+    def __init__(self, error_id: str, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.error_id = error_id
 
 
 class RerankService:
@@ -83,6 +100,8 @@ class RerankService:
         self._lock = threading.Lock()
         self._admitted = 0
         self.ready = False
+        self._dead: Optional[str] = None   # set by a tokenizer pool that can no longer run work
+        self.on_dead = self.engine.on_dead  # callables(reason), run once when the service dies
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, warmup: bool = True, timeout: float = 600.0) -> "RerankService":
@@ -100,6 +119,65 @@ class RerankService:
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.model_thread is not None:
             self.model_thread.shutdown()
+
+    @property
+    def dead(self) -> Optional[str]:
+        """Why the service can serve no more (the engine died or the tokenizer pool broke); None while it can.
+
+        Once set it stays: every request answers 503, ``/health`` and ``/ready`` 503 with this
+        reason. ``acarerank serve`` then exits non-zero; an embedded app reads this property or
+        adds a callable to ``on_dead`` (docs/serving.md, "Internal faults and probes")."""
+        return self.engine.dead or self._dead
+
+    def health(self) -> dict:
+        """The engine's ``health()`` (state, busy_s, iterations, reason), dead also for a broken pool."""
+        h = self.engine.health()
+        if self._dead is not None and h["state"] != "dead":
+            h = dict(h, state="dead", reason=self._dead)
+        return h
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        self._dead = reason
+        log.critical("service dead: %s; every waiting and later request gets 503", reason)
+        self.metrics.engine_failures.labels("engine").inc()
+        for fn in list(self.on_dead):
+            try:
+                fn(reason)
+            except Exception:  # noqa: BLE001
+                log.exception("on_dead callback failed")
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise APIError(503, f"server cannot serve: {self.dead}; it needs a restart", {"Connection": "close"})
+
+    async def _in_pool(self, fn, *args):
+        """``fn(*args)`` in the tokenizer pool. ValueError/TypeError (bad input) pass through; anything
+        else it raises, ``BaseException`` included, becomes ``WorkerFault``; a pool that cannot take
+        work any more (shut down, broken) marks the service dead and answers 503."""
+        def run():
+            try:
+                return fn(*args)
+            except (ValueError, TypeError):
+                raise
+            except BaseException as e:  # noqa: BLE001 - a SystemExit in a worker must not escape as plain text
+                error_id = uuid.uuid4().hex[:16]
+                self.metrics.engine_failures.labels("tokenize").inc()
+                log.error("tokenizer worker failed (error id %s): %s: %s", error_id, type(e).__name__, e)
+                raise WorkerFault(error_id, e) from None
+
+        try:
+            fut = self.pool.submit(run)
+        except RuntimeError as e:  # "cannot schedule new futures after shutdown" / BrokenThreadPool
+            if self.ready:  # not our own stop(): the pool broke under a serving service
+                self._mark_dead(f"the tokenizer pool cannot run work ({type(e).__name__}: {e})")
+            raise APIError(503, f"server cannot serve: tokenizer pool unavailable ({e})",
+                           {"Connection": "close"}) from None
+        try:
+            return await asyncio.wrap_future(fut)
+        except WorkerFault as e:
+            raise APIError(500, f"internal error while tokenizing (error id {e.error_id}): {e}") from None
 
     @property
     def admitted(self) -> int:
@@ -149,24 +227,29 @@ class RerankService:
         if req.raw_scores:
             raise APIError(400, "raw_scores=true is not supported: this server returns relevance probabilities "
                                 "(sigmoid of the yes/no logit difference)")
+        self._check_alive()
+        rid = uuid.uuid4().hex
         with self.admit():
             request = ScoreRequest(req.query, docs, question=req.question, trace=req.trace,
                                    instruction=req.instruction, cache_salt=req.cache_salt)
-            loop = asyncio.get_running_loop()
             try:
                 async with self._tokenize_lane(request):
-                    enc = await loop.run_in_executor(self.pool, self._encode, request, req.max_tokens_per_doc,
-                                                     req.truncate)
+                    enc = await self._in_pool(self._encode, request, req.max_tokens_per_doc, req.truncate)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
-            try:
-                job = self.engine.submit(enc)
-            except EngineStopped as e:
-                raise APIError(503, f"server shutting down: {e}") from None
+            job = self._submit(self.engine.submit, enc, rid)
             result = await self._wait(job, is_disconnected)
         if headers is not None:  # TEI's header: milliseconds from admission to the first pass
             headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
-        return self._rerank_body(req, docs, result)
+        return self._rerank_body(req, docs, result, rid)
+
+    def _submit(self, submit, enc, rid: str):
+        try:
+            return submit(enc, rid)
+        except EngineDead as e:
+            raise APIError(503, f"server cannot serve: {e}; it needs a restart", {"Connection": "close"}) from None
+        except EngineStopped as e:
+            raise APIError(503, f"server shutting down: {e}") from None
 
     def _tokenize_lane(self, request: ScoreRequest):
         """What a request waits on before it takes a tokenizer worker: the large lane (at most
@@ -197,18 +280,25 @@ class RerankService:
         return enc
 
     async def _wait(self, job, is_disconnected: Callable[[], Awaitable[bool]]):
-        """The job's result; drops the job (ClientGone) if the client disconnects first."""
+        """The job's result; drops the job (ClientGone, answered 499) if the client disconnects first.
+
+        Everything the engine raises is the server's fault (input was checked before it): a dead
+        engine is 503, any other failure 500 with the error id of its log line."""
         try:
             return await wait_or_drop(asyncio.wrap_future(job.future), is_disconnected,
                                       lambda: self.engine.cancel(job))
+        except ClientGone:
+            raise
+        except EngineDead as e:
+            raise APIError(503, f"server cannot serve: {e}; it needs a restart", {"Connection": "close"}) from None
         except EngineStopped as e:
             raise APIError(503, f"server shutting down: {e}") from None
-        except (ValueError, TypeError) as e:  # input the model call refused (e.g. a setwise prompt)
-            raise APIError(400, str(e)) from None
+        except EngineFault as e:
+            raise APIError(500, f"internal error while running the model (error id {e.error_id}): {e}") from None
         except Exception as e:  # noqa: BLE001 - a fault of ours, not of the input
             raise APIError(500, f"internal error while scoring: {type(e).__name__}: {e}") from None
 
-    def _rerank_body(self, req: RerankRequest, docs: list, result):
+    def _rerank_body(self, req: RerankRequest, docs: list, result, rid: str):
         scores = result.scores
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
         if req.top_n:
@@ -218,7 +308,7 @@ class RerankService:
                     for i in order]
         results = [dict(index=i, relevance_score=scores[i],
                         **({"document": {"text": docs[i]}} if req.return_documents else {})) for i in order]
-        return dict(id=uuid.uuid4().hex, model=self.model_name, results=results,
+        return dict(id=rid, model=self.model_name, results=results,
                     usage=dict(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens,
                                cached_tokens=result.cached_tokens),
                     meta=dict(billed_units=dict(search_units=math.ceil(len(docs) / DOCS_PER_SEARCH_UNIT))))
@@ -235,18 +325,16 @@ class RerankService:
             check_inputs(req.query, docs, req.intent, req.max_select)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
+        self._check_alive()
+        rid = uuid.uuid4().hex
         with self.admit():
-            loop = asyncio.get_running_loop()
             try:  # the prompt is built in the tokenizer pool; the model work runs as engine steps
-                enc = await loop.run_in_executor(self.pool, lambda: self.setwise.encode_select(
+                enc = await self._in_pool(lambda: self.setwise.encode_select(
                     req.query, docs, intent=req.intent, max_select=req.max_select))
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
-            try:
-                job = self.engine.submit_select(enc)
-            except EngineStopped as e:
-                raise APIError(503, f"server shutting down: {e}") from None
+            job = self._submit(self.engine.submit_select, enc, rid)
             sel = await self._wait(job, is_disconnected)
-        return dict(id=uuid.uuid4().hex, model=self.model_name, ids=sel.ids, indices=sel.indices, text=sel.text,
+        return dict(id=rid, model=self.model_name, ids=sel.ids, indices=sel.indices, text=sel.text,
                     valid=sel.valid, usage=dict(prompt_tokens=sel.prompt_tokens, completion_tokens=sel.num_tokens,
                                                 total_tokens=sel.prompt_tokens + sel.num_tokens))

@@ -1,0 +1,308 @@
+"""Faults inside a real server (uvicorn over loopback, a tiny random model), injected by a test
+double that wraps the reranker's step methods (no switch in the package):
+
+1. one request's fault fails that request alone (500 with an error id its log line carries);
+   the others in its packed pass get their offline scores; a model-side ValueError is a 500;
+2. prefills that fail at a layer give every page back (the pool is back to idle);
+3. an exception that escapes the scheduler loop makes the service dead: /health and /ready
+   503 with the reason, waiting and new requests 503 at once;
+4. each failure is counted in ``acarerank_engine_failures_total{stage}``;
+5. a client that leaves while its request waits is a 499, not a 500;
+6. a ``SystemExit`` in a tokenizer worker is a JSON 500.
+"""
+import logging
+import re
+import threading
+import time
+
+import pytest
+from _optional import require
+
+require("fastapi", "uvicorn", "httpx", "prometheus_client")
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from acarerank import PointwiseReranker, SetwiseReranker  # noqa: E402
+from acarerank.model.paged_cache import PagedKVCache  # noqa: E402
+from acarerank.server import RerankService, create_app  # noqa: E402
+from serve_util import thread_server, tiny_model  # noqa: E402
+
+POISON = "poison"
+DOCS = ["tutor hints help the reranker", "bread and rivers", "a search agent's trace", "prefix cache pages"]
+
+
+class FaultInjector:
+    """The reranker's step API with faults on request: a pass holding a request whose query
+    contains ``POISON`` raises ``self.pass_fault()``; ``prefill_layer`` makes its prefill raise at
+    that layer; ``encode_fault`` is raised in the tokenizer worker. ``gate`` holds every pass
+    while clear. Counts passes (``passes``: the queries of each)."""
+
+    def __init__(self, rr):
+        self.rr = rr
+        self.pass_fault = None
+        self.prefill_layer = None
+        self.encode_fault = None
+        self.gate = threading.Event()
+        self.gate.set()
+        self.at_gate = threading.Event()
+        self.passes = []
+        self._query = {}
+        self._in_prefill = threading.local()
+
+    def __getattr__(self, name):
+        return getattr(self.rr, name)
+
+    def encode(self, request):
+        if self.encode_fault is not None and POISON in request.query:
+            raise self.encode_fault
+        enc = self.rr.encode(request)
+        enc.fault_query = request.query
+        return enc
+
+    def acquire_prefix(self, enc):
+        self._in_prefill.layer = self.prefill_layer if POISON in enc.fault_query else None
+        try:
+            h = self.rr.acquire_prefix(enc)
+        finally:
+            self._in_prefill.layer = None
+        self._query[id(h)] = enc.fault_query
+        return h
+
+    def score_segments(self, items):
+        self.at_gate.set()
+        assert self.gate.wait(60), "test gate never opened"
+        self.at_gate.clear()
+        queries = sorted({self._query[id(h)] for h, _ in items})
+        self.passes.append(queries)
+        if self.pass_fault is not None and any(POISON in q for q in queries):
+            raise self.pass_fault()
+        return self.rr.score_segments(items)
+
+    def fail_here(self, layer):
+        """Called from PagedKVCache.write (patched by the test): raise at the chosen layer."""
+        if getattr(self._in_prefill, "layer", None) == layer:
+            raise torch.OutOfMemoryError(f"injected out of memory at layer {layer}")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return PointwiseReranker(model=model)
+
+
+@pytest.fixture
+def served(model, monkeypatch):
+    """A fresh service per test (a dead engine cannot leak into the next test)."""
+    rr = PointwiseReranker(model=model)
+    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer)
+    inj = FaultInjector(rr)
+    svc = RerankService(rr, "tiny-faults", setwise=sr, max_batch_tokens=4096, max_queue=64)
+    svc.steps = inj
+    svc.engine.steps = inj
+    write = PagedKVCache.write
+
+    def write_or_fail(self, layer, slots, k, v):
+        inj.fail_here(layer)
+        return write(self, layer, slots, k, v)
+
+    monkeypatch.setattr(PagedKVCache, "write", write_or_fail)
+    svc.start()
+    try:
+        with thread_server(create_app(svc)) as base:
+            yield dict(base=base, svc=svc, inj=inj, rr=rr)
+    finally:
+        inj.gate.set()
+        svc.stop()
+
+
+def metrics(base) -> dict:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def failures(base, stage) -> float:
+    return metrics(base).get(("acarerank_engine_failures_total", (("stage", stage),)), 0.0)
+
+
+def post_all(base, queries, timeout=60):
+    """POST one rerank per query, all at once (threads); {query: response}."""
+    out = {}
+
+    def one(q):
+        out[q] = httpx.post(base + "/v1/rerank", json=dict(query=q, documents=DOCS), timeout=timeout)
+
+    threads = [threading.Thread(target=one, args=(q,)) for q in queries]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def hold_then_send(served, queries):
+    """Hold the engine at a pass, queue ``queries`` behind it, release: they share one pass."""
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    inj.gate.clear()
+    blocker, out = post_all(base, ["blocker query"])
+    assert inj.at_gate.wait(30), "the blocker never reached a pass"
+    threads, more = post_all(base, queries)
+    deadline = time.monotonic() + 30
+    while svc.engine.num_jobs < 1 + len(queries) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert svc.engine.num_jobs == 1 + len(queries), "the requests never queued behind the blocker"
+    inj.passes.clear()
+    inj.gate.set()
+    for t in blocker + threads:
+        t.join(60)
+    out.update(more)
+    return out
+
+
+def assert_scores(r, want, what):
+    assert r.status_code == 200, f"{what}: {r.status_code} {r.text}"
+    got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    diff = max(abs(got[i] - want[i]) for i in range(len(want)))
+    assert diff <= 1e-6, f"{what}: max |server - offline| = {diff:.3g}"
+
+
+# -- 1 and 4: one request's fault fails alone; logged with its error id; counted ----------------------
+@pytest.mark.parametrize("fault", [RuntimeError, ValueError, torch.OutOfMemoryError, MemoryError])
+def test_one_bad_request_in_a_packed_pass_fails_alone(served, reference, fault, caplog):
+    base, inj = served["base"], served["inj"]
+    queries = ["tutor question one", f"{POISON} request", "bread question three", "agent question four"]
+    before = failures(base, "pass")
+    inj.pass_fault = lambda: fault("injected kernel fault")
+    with caplog.at_level(logging.ERROR, logger="acarerank.server"):
+        out = hold_then_send(served, queries)
+    assert any(len(p) == len(queries) for p in inj.passes), f"the four never shared a pass: {inj.passes}"
+    for q in queries:
+        if POISON in q:
+            continue
+        assert_scores(out[q], reference.score(q, DOCS), f"innocent request {q!r} beside a {fault.__name__}")
+    r = out[f"{POISON} request"]
+    assert r.status_code == 500, f"the culprit got {r.status_code}: {r.text}"
+    err = r.json()["error"]
+    assert err["type"] == "internal_error" and err["code"] == 500, err
+    m = re.search(r"error id ([0-9a-f]{16})", err["message"])
+    assert m and fault.__name__ in err["message"], err["message"]
+    lines = [rec.getMessage() for rec in caplog.records if m.group(1) in rec.getMessage()]
+    assert len(lines) == 1 and "engine pass failed" in lines[0], f"log lines with the error id: {lines}"
+    assert failures(base, "pass") - before == 1
+    extra = len([p for p in inj.passes if p != ["blocker query"]]) - 1
+    # ceil(log2 4) probes + the pass of the halves set aside; an out-of-memory error first runs two
+    # passes of half the tokens, then both halves of each failing part: 2 ceil(log2 4)
+    bound = 4 if fault in (torch.OutOfMemoryError, MemoryError) else 3
+    assert extra <= bound, f"{extra} extra passes to isolate one of 4 (bound {bound}): {inj.passes}"
+
+
+# -- 2: a prefill that fails at a layer gives back every page ----------------------------------------
+def pool_state(rr):
+    pool = rr._prefix_cache.pool
+    return list(pool.refcount), sorted(pool._free)
+
+
+def test_failed_prefills_leak_no_pages(served, reference):
+    base, inj, rr = served["base"], served["inj"], served["rr"]
+    trace = "the agent searched for tutors, read three pages and kept two of them. " * 6
+    # a first call caches the shared part of the context: later failures hit (and pin) cached pages
+    r = httpx.post(base + "/v1/rerank", json=dict(query=f"{POISON} q", trace=trace, documents=DOCS), timeout=60)
+    assert r.status_code == 200, r.text
+    idle = pool_state(rr)
+    assert sum(1 for c in idle[0] if c > 0) >= 3, "nothing cached: the test would not pin cached pages"
+    layers = rr.runner.arch.num_layers
+    before = failures(base, "prefill")
+    for i in range(3 * layers):
+        inj.prefill_layer = i % layers
+        r = httpx.post(base + "/v1/rerank", json=dict(query=f"{POISON} q", trace=trace + f" step {i}.",
+                                                      documents=DOCS), timeout=60)
+        assert r.status_code == 500 and "error id" in r.json()["error"]["message"], r.text
+    inj.prefill_layer = None
+    assert failures(base, "prefill") - before == 3 * layers
+    assert pool_state(rr) == idle, "page references or free blocks differ from idle after failed prefills"
+    r = httpx.post(base + "/v1/rerank", json=dict(query="after", documents=DOCS), timeout=60)
+    assert_scores(r, reference.score("after", DOCS), "a request after the failures")
+
+
+# -- 3: a dead engine is loud -------------------------------------------------------------------------
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, SystemExit])
+def test_dead_engine_answers_503_everywhere_at_once(served, fault):
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    h = httpx.get(base + "/health", timeout=5)
+    assert h.status_code == 200 and h.json()["engine"]["state"] in ("idle", "busy"), h.text
+    inj.pass_fault = lambda: fault("injected")
+    t0 = time.monotonic()
+    out = hold_then_send(served, [f"{POISON} request", "an innocent waiting request"])
+    assert time.monotonic() - t0 < 30
+    for q, r in out.items():
+        if q == "blocker query":
+            continue
+        assert r.status_code == 503, f"{q!r}: {r.status_code} {r.text}"
+        assert fault.__name__ in r.json()["error"]["message"], r.text
+    assert svc.dead is not None and fault.__name__ in svc.dead
+    for path in ("/health", "/ready"):
+        r = httpx.get(base + path, timeout=5)
+        assert r.status_code == 503 and fault.__name__ in r.json()["error"]["message"], f"{path}: {r.text}"
+    r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=DOCS), timeout=5)
+    assert r.status_code == 503, r.text
+    r = httpx.post(base + "/v1/select", json=dict(query="later", documents=DOCS), timeout=5)
+    assert r.status_code == 503, r.text
+    assert failures(base, "engine") == 1
+    assert svc.admitted == 0, "admission slots held by a dead engine's requests"
+
+
+def test_health_reports_a_long_step_without_calling_it_dead(served):
+    base, inj = served["base"], served["inj"]
+    inj.gate.clear()
+    threads, out = post_all(base, ["long pass"])
+    assert inj.at_gate.wait(30)
+    time.sleep(0.3)
+    h = httpx.get(base + "/health", timeout=5)
+    assert h.status_code == 200 and h.json()["engine"]["state"] == "busy", h.text
+    assert h.json()["engine"]["busy_s"] >= 0.3, h.text
+    r = httpx.get(base + "/health", params={"max_pass_s": 0.2}, timeout=5)
+    assert r.status_code == 503 and "max_pass_s" in r.json()["error"]["message"], r.text
+    inj.gate.set()
+    threads[0].join(60)
+    assert out["long pass"].status_code == 200
+    assert httpx.get(base + "/health", params={"max_pass_s": 0.2}, timeout=5).status_code == 200
+
+
+# -- 5: a client that leaves while waiting is a 499 ---------------------------------------------------
+def test_client_leaving_while_waiting_is_499(served):
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    before = metrics(base)
+    inj.gate.clear()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base + "/v1/rerank", json=dict(query="leaving", documents=DOCS), timeout=1.0)
+    deadline = time.monotonic() + 30
+    key499 = ("acarerank_requests_total", (("code", "499"), ("endpoint", "/v1/rerank")))
+    while metrics(base).get(key499, 0) < before.get(key499, 0) + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    inj.gate.set()
+    after = metrics(base)
+    key500 = ("acarerank_requests_total", (("code", "500"), ("endpoint", "/v1/rerank")))
+    assert after.get(key499, 0) - before.get(key499, 0) == 1, "the disconnect was not counted as 499"
+    assert after.get(key500, 0) == before.get(key500, 0), "the disconnect was counted as 500"
+    assert svc.admitted == 0
+
+
+# -- 6: a BaseException in a tokenizer worker is a JSON 500 --------------------------------------------
+@pytest.mark.parametrize("fault", [SystemExit("injected exit"), RuntimeError("injected tokenizer bug")])
+def test_tokenizer_worker_fault_is_a_json_500(served, reference, fault):
+    base, inj = served["base"], served["inj"]
+    inj.encode_fault = fault
+    r = httpx.post(base + "/v1/rerank", json=dict(query=f"{POISON} q", documents=DOCS), timeout=30)
+    assert r.status_code == 500, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert err["type"] == "internal_error" and "error id" in err["message"], err
+    assert failures(base, "tokenize") == 1
+    inj.encode_fault = None
+    assert_scores(httpx.post(base + "/v1/rerank", json=dict(query="next", documents=DOCS), timeout=30),
+                  reference.score("next", DOCS), "a request after the tokenizer fault")
