@@ -4,7 +4,8 @@ Every flag is a field of ``acarerank.server.config.ServeConfig`` (its defaults, 
 this module only parses them, checks that the serving extra is installed, and runs
 ``acarerank.server.front.run_server``. SIGTERM drains (``front.py``): new API requests get 503
 and ``/ready`` turns 503 at once, requests already admitted get up to ``--drain-timeout``
-seconds (then 503), then the process exits 0.
+seconds (then 503), then the process exits 0. If the engine dies (an exception escapes the model
+thread's scheduler loop) every request gets 503 and the process exits 70 (``front.EXIT_ENGINE_DEAD``).
 """
 from __future__ import annotations
 
@@ -57,5 +58,4 @@ def run(args) -> int:
     print(f"acarerank serve: model {service.model_name!r} ready in {time.perf_counter() - t0:.1f} s "
           f"(max_batch_tokens {service.engine.max_batch_tokens}, max_queue {service.max_queue}, "
           f"api key {'on' if api_key else 'off'})", file=sys.stderr)
-    run_server(service, config, api_key=api_key)
-    return 0
+    return run_server(service, config, api_key=api_key)

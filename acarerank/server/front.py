@@ -14,6 +14,10 @@ SIGTERM (``DrainingServer``): ``/ready`` and new API requests answer 503 at once
 flight get up to ``drain_timeout`` seconds, then each one still running is answered 503 and its
 work dropped; then uvicorn closes every connection (a client still sending a body included) and
 the process exits. SIGINT (Ctrl+C) is uvicorn's usual graceful stop.
+
+A dead engine (``RerankService.dead``: the scheduler loop ended on an exception) answers every
+request 503 at once; ``DEAD_GRACE_S`` later uvicorn stops and the process exits with
+``EXIT_ENGINE_DEAD``, so a supervisor restarts it (docs/serving.md, "Internal faults and probes").
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ log = logging.getLogger("acarerank.server")
 
 FD_RESERVE = 128                 # descriptors kept for everything but client connections (model files, pools, logs)
 SHUTDOWN_GRACE_S = 1.0           # after the drain deadline: time for the 503s to be written
+DEAD_GRACE_S = 1.0               # after the engine died: time for the 503s (and a probe or two) to be answered
+EXIT_ENGINE_DEAD = 70            # the process's exit status after its engine died (sysexits' EX_SOFTWARE)
 
 
 def fit_connections_to_descriptors(config: ServeConfig) -> ServeConfig:
@@ -130,22 +136,35 @@ class DrainingServer:
         return _Server(uv_config)
 
 
-def run_server(service, config: ServeConfig, api_key=None) -> None:
-    """Serve ``service`` (started) over HTTP until SIGTERM/SIGINT, then stop it, bounded in time."""
+def run_server(service, config: ServeConfig, api_key=None) -> int:
+    """Serve ``service`` (started) over HTTP until SIGTERM/SIGINT or its death, then stop it,
+    bounded in time. Returns the process's exit status: 0, or ``EXIT_ENGINE_DEAD``."""
     from .app import GateState, create_app
 
     config = fit_connections_to_descriptors(config)
     state = GateState()
     app = create_app(service, config, api_key=api_key, state=state)
     server = DrainingServer(uvicorn_config(app, config), state, config.drain_timeout)
+
+    def on_dead(reason: str) -> None:  # on the thread that noticed: stop serving after the grace
+        log.critical("exiting in %g s with status %d: %s", DEAD_GRACE_S, EXIT_ENGINE_DEAD, reason)
+        timer = threading.Timer(DEAD_GRACE_S, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    service.on_dead.append(on_dead)
+    if service.dead is not None:  # died before the callback was in place
+        on_dead(service.dead)
     try:
         server.run()
     finally:
         app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
-        _stop_bounded(service, SHUTDOWN_GRACE_S + 1.0)
+        code = EXIT_ENGINE_DEAD if service.dead is not None else 0
+        _stop_bounded(service, SHUTDOWN_GRACE_S + 1.0, code)
+    return code
 
 
-def _stop_bounded(service, timeout: float) -> None:
+def _stop_bounded(service, timeout: float, code: int = 0) -> None:
     """``service.stop()``; if model work still runs after ``timeout`` seconds (a model call is not
     interruptible), exit the process now rather than wait for it: the drain deadline is a bound."""
     service.engine.stop(timeout)
@@ -160,4 +179,4 @@ def _stop_bounded(service, timeout: float) -> None:
               file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)

@@ -1,0 +1,35 @@
+"""``acarerank serve`` with a test double around the reranker's scoring pass (for
+``test_serve_dead_exit.py``; nothing in the package changes): a pass holding a request whose query
+contains "poison" raises the ``BaseException`` named by ``FAULT`` (KeyboardInterrupt or SystemExit).
+
+    python tests/server/fault_serve.py serve --model DIR --port N ...
+"""
+import os
+import sys
+
+from acarerank.pointwise import PointwiseReranker
+from acarerank.server import front
+
+FAULT = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[os.environ.get("FAULT", "SystemExit")]
+front.DEAD_GRACE_S = 3.0   # long enough for the test's probes on a loaded machine
+encode, score_segments = PointwiseReranker.encode, PointwiseReranker.score_segments
+
+
+def encode_marked(self, request):
+    enc = encode(self, request)
+    enc.poison = "poison" in request.query
+    return enc
+
+
+def score_or_die(self, items):
+    if any(getattr(h.encoding, "poison", False) for h, _ in items):
+        raise FAULT("injected into the scoring pass")
+    return score_segments(self, items)
+
+
+PointwiseReranker.encode = encode_marked
+PointwiseReranker.score_segments = score_or_die
+
+if __name__ == "__main__":
+    from acarerank.cli import main
+    sys.exit(main())

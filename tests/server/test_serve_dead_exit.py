@@ -1,0 +1,50 @@
+"""``acarerank serve`` as a process whose engine dies (a ``BaseException`` escapes the scoring
+pass, injected by ``fault_serve.py``): the waiting request, the probes and a later request get
+503 with the reason, the traceback is logged, and the process exits non-zero on its own."""
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from _optional import require
+
+require("fastapi", "uvicorn", "httpx")
+import httpx  # noqa: E402
+
+from acarerank.server.front import EXIT_ENGINE_DEAD  # noqa: E402
+from serve_util import free_port, tiny_model, wait_until  # noqa: E402
+
+HELPER = Path(__file__).with_name("fault_serve.py")
+
+
+@pytest.mark.parametrize("fault", ["SystemExit", "KeyboardInterrupt"])
+def test_dead_engine_answers_503_then_the_process_exits_nonzero(tmp_path, fault):
+    tiny_model().save_pretrained(tmp_path)
+    port = free_port()
+    env = dict(os.environ, FAULT=fault, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen([sys.executable, str(HELPER), "serve", "--model", str(tmp_path), "--dtype",
+                                 "float32", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(base + "/ready", timeout=180, proc=proc)
+            assert httpx.get(base + "/health", timeout=5).status_code == 200
+            r = httpx.post(base + "/v1/rerank", json=dict(query="poison", documents=["a", "b"]), timeout=30)
+            assert r.status_code == 503 and fault in r.json()["error"]["message"], r.text
+            for path in ("/health", "/ready"):
+                r = httpx.get(base + path, timeout=5)
+                assert r.status_code == 503 and fault in r.json()["error"]["message"], f"{path}: {r.text}"
+            r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=["a"]), timeout=5)
+            assert r.status_code == 503, r.text
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+            log.seek(0)
+            out = log.read()
+        assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
+        assert "engine dead" in out and "Traceback" in out and "injected into the scoring pass" in out, out[-3000:]
