@@ -7,7 +7,8 @@ Layers, each knowing only the one below:
 - ``build.py``    ``build_service(config)``: the model on its thread, the service over it
 - ``front.py``    the HTTP front (uvicorn): its configuration, the descriptor limit, SIGTERM drain
 - ``protocol.py`` per connection: header timeout, head size, connection cap, JSON for malformed HTTP
-- ``app.py``      FastAPI routes, the gate (drain / API key / admission / body), parsing, errors, /metrics
+- ``gate.py``     ASGI middleware before the routes: drain, API key, admission (429), body size and timer
+- ``app.py``      FastAPI routes, parsing, errors, /health /ready /metrics
 - ``service.py``  checks, admission (429), tokenization pool, waiting on the engine, responses
 - ``engine.py``   the scheduler thread that owns the model: continuous batching of documents
 - the step API    ``PointwiseReranker.encode / acquire_prefix / score_segments / release_prefix /
@@ -19,7 +20,7 @@ Names are imported on first use (``from acarerank.server import create_app`` loa
 """
 import importlib
 
-_LAZY = {"GateState": ".app", "create_app": ".app", "RerankService": ".service", "ServeConfig": ".config",
+_LAZY = {"GateState": ".gate", "create_app": ".app", "RerankService": ".service", "ServeConfig": ".config",
          "build_service": ".build"}
 
 __all__ = sorted(_LAZY)

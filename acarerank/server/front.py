@@ -4,7 +4,7 @@ uvicorn lacks a header timeout, a body timeout and a connection cap, and answers
 in ``text/plain``. Rather than change servers (Hypercorn and Granian have header timeouts but
 not all of the rest, and the app, the drain and the tests are uvicorn's), the missing pieces are
 added at the layer that owns them: the protocol (``protocol.py``) for the head of a request and
-the connection count, the gate (``app.py``) for the body. Here: the uvicorn configuration, the
+the connection count, the gate (``gate.py``) for the body. Here: the uvicorn configuration, the
 connection cap kept under the process's descriptor limit, repeated log lines kept to one per
 10 s, and the drain.
 
@@ -139,7 +139,8 @@ class DrainingServer:
 def run_server(service, config: ServeConfig, api_key=None) -> int:
     """Serve ``service`` (started) over HTTP until SIGTERM/SIGINT or its death, then stop it,
     bounded in time. Returns the process's exit status: 0, or ``EXIT_ENGINE_DEAD``."""
-    from .app import GateState, create_app
+    from .app import create_app
+    from .gate import GateState
 
     config = fit_connections_to_descriptors(config)
     state = GateState()

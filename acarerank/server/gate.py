@@ -1,0 +1,228 @@
+"""The gate: ASGI middleware that answers what needs no body, then reads the body under its limits.
+
+It runs before FastAPI reads anything, in this order: a head (request line and headers) over
+``MAX_HEAD_BYTES`` gets 431; while draining, every API request gets 503; with an API key set, a
+request without ``Authorization: Bearer <key>`` (or ``X-API-Key``) gets 401; a declared body over
+``max_body_bytes`` gets 413; a full queue gets 429 (admission, before the body is read); then the
+body is read within ``body_timeout`` seconds (408 after), and one over ``max_body_bytes`` gets
+413. An early answer first reads and drops a small declared body (nginx's lingering close,
+bounded by ``LINGER_BYTES`` and ``LINGER_S``). A client that leaves during the upload is
+counted as 499 (nginx's "client closed request") and logged in one line. ``GateState`` is
+shared with the SIGTERM drain (``front.py``). ``/health``, ``/ready`` and ``/metrics`` pass
+straight through (probes and scrapers carry no key).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .config import MAX_HEAD_BYTES
+from .errors import APIError, error_bytes
+
+log = logging.getLogger("acarerank.server")
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+RERANK_PATHS = ("/v1/rerank", "/v2/rerank", "/rerank")
+API_PATHS = frozenset(RERANK_PATHS + ("/v1/select",))
+CLIENT_CLOSED = 499                         # nginx's status for "client closed request" (metrics only)
+LINGER_BYTES = 64 * 1024    # an early answer (401, 413, 429) first reads and drops a declared body up to this
+LINGER_S = 2.0              # ... for at most this many seconds
+
+
+@dataclass
+class GateState:
+    """Shared between the gate and whoever drains the server (the SIGTERM handler)."""
+    draining: bool = False
+    in_flight: int = 0     # API requests past the drain and key checks and not yet answered
+    tasks: set = field(default_factory=set)   # their asyncio tasks (the drain deadline cancels them)
+    expired: bool = False  # the drain deadline passed: what is still in flight is answered 503
+
+    def expire(self) -> None:
+        """On the event loop: answer every request still in flight with 503 (the gate sends it)."""
+        self.expired = True
+        for task in list(self.tasks):
+            task.cancel("drain deadline")
+
+
+def _endpoint(path: str) -> str:
+    return path if path in OPEN_PATHS or path in API_PATHS or path == "/v1/models" else "other"
+
+
+async def _send_error(send, status: int, message: str, headers: Optional[dict] = None) -> None:
+    body = error_bytes(status, message)
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hdrs += [(k.lower().encode(), str(v).encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Upload(Exception):
+    """The request ended during its upload: ``status`` for the metrics (and a response unless 499)."""
+
+    def __init__(self, status: int, message: str = ""):
+        self.status = status
+        self.message = message
+
+
+class Gate:
+    """ASGI middleware: metrics of every response, then drain / API key / admission / body checks.
+
+    The body is read here (at most ``max_body_bytes`` + 1 bytes, within ``body_timeout``
+    seconds) and replayed to the app; after the replay ``receive`` is the server's own, which is
+    how a handler learns that its client disconnected.
+    """
+
+    def __init__(self, app, state: GateState, service, api_key: Optional[str], max_body_bytes: int,
+                 body_timeout: float):
+        self.app = app
+        self.state = state
+        self.metrics = service.metrics
+        self.admit = getattr(service, "admit", None)   # the Ray front admits in the replicas
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self._gate(scope, receive, send_counted, status)
+        finally:
+            self.metrics.observe_response(_endpoint(scope["path"]), status["code"], time.perf_counter() - t0)
+
+    async def _gate(self, scope, receive, send, status):
+        head = len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > MAX_HEAD_BYTES:
+            return await _send_error(send, 431, f"request line and headers of {head} bytes exceed {MAX_HEAD_BYTES} "
+                                                f"bytes", {"Connection": "close"})
+        if scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            return await _send_error(send, 503, "server is draining (shutting down); retry on another replica",
+                                     {"Retry-After": "1", "Connection": "close"})
+        headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
+        length = headers.get("content-length")
+        length = int(length) if length is not None and length.isdigit() else None
+        if self.api_key is not None and not self._authorized(headers):
+            return await self._refuse(receive, send, status, length, 401, "missing or wrong API key: send "
+                                      "'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
+        if length is not None and length > self.max_body_bytes:
+            return await self._refuse(receive, send, status, length, 413, f"request body of {length} bytes "
+                                      f"exceeds the limit of {self.max_body_bytes} bytes (--max-body-bytes)")
+        slot = contextlib.ExitStack()
+        if self.admit is not None and scope["path"] in API_PATHS and scope["method"] == "POST":
+            try:
+                slot.enter_context(self.admit())   # 429 before a byte of the body is read
+            except APIError as e:
+                return await self._refuse(receive, send, status, length, e.status, e.message, e.headers)
+
+        async def send_releasing(message):
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                slot.close()   # the slot is free once the answer is written, before the task winds down
+
+        task = asyncio.current_task()
+        self.state.tasks.add(task)
+        self.state.in_flight += 1
+        try:
+            await self._read_and_run(scope, receive, send_releasing, status)
+        except asyncio.CancelledError:
+            if not self.state.expired:
+                raise
+            task.uncancel()
+            if status["code"] == 500:   # no response started: the drain deadline answers it
+                await _send_error(send, 503, "server shut down before this request finished (--drain-timeout); "
+                                             "retry on another replica", {"Connection": "close"})
+        finally:
+            slot.close()
+            self.state.in_flight -= 1
+            self.state.tasks.discard(task)
+
+    async def _refuse(self, receive, send, status, length: Optional[int], code: int, message: str, headers=None):
+        """An answer before the body is read. A small declared body is read and dropped first (nginx's
+        lingering close, bounded): the connection stays usable and the client, still writing, never
+        meets a reset instead of the answer. A larger one (or none declared) closes the connection."""
+        headers = dict(headers or {})
+        if length is not None and length <= LINGER_BYTES:
+            try:
+                async with asyncio.timeout(min(self.body_timeout, LINGER_S)):
+                    more = length > 0
+                    while more:
+                        message_ = await receive()
+                        if message_["type"] == "http.disconnect":
+                            status["code"] = CLIENT_CLOSED
+                            return
+                        more = message_.get("more_body", False)
+            except TimeoutError:
+                headers["Connection"] = "close"
+        else:
+            headers["Connection"] = "close"
+        await _send_error(send, code, message, headers)
+
+    async def _read_and_run(self, scope, receive, send, status):
+        try:
+            body = await self._read_body(receive)
+        except _Upload as e:
+            if e.status == CLIENT_CLOSED:
+                status["code"] = CLIENT_CLOSED
+                log.info("client %s closed the connection during the upload of %s %s", _client(scope),
+                         scope["method"], scope["path"])
+                return
+            return await _send_error(send, e.status, e.message, {"Connection": "close"})
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, receive) -> bytes:
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise _Upload(CLIENT_CLOSED)
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    more = message.get("more_body", False)
+                    if size > self.max_body_bytes:
+                        raise _Upload(413, f"request body exceeds the limit of {self.max_body_bytes} bytes "
+                                           f"(--max-body-bytes)")
+        except TimeoutError:
+            raise _Upload(408, f"request body not received within {self.body_timeout:g} s (--body-timeout); "
+                               f"{size} bytes arrived") from None
+        return b"".join(chunks)
+
+    def _authorized(self, headers: dict) -> bool:
+        given = None
+        auth = headers.get("authorization")
+        if auth is not None and auth[:7].lower() == b"bearer ":
+            given = auth[7:].strip()
+        elif "x-api-key" in headers:
+            given = headers["x-api-key"].strip()
+        return given is not None and hmac.compare_digest(given, self.api_key)
+
+
+def _client(scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "?"
