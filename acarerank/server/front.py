@@ -31,7 +31,7 @@ import threading
 import time
 
 from .config import MAX_HEAD_BYTES, ServeConfig
-from .protocol import LOG_EVERY_S, guarded_protocol, uvicorn_http_protocol
+from .protocol import LOG_EVERY_S, http_protocol_with_limits, uvicorn_http_protocol
 
 log = logging.getLogger("acarerank.server")
 
@@ -90,7 +90,7 @@ def uvicorn_config(app, config: ServeConfig):
     logging.getLogger("asyncio").addFilter(_OncePerInterval())
     logging.getLogger("uvicorn.error").addFilter(_OncePerInterval(only={"Invalid HTTP request received."}))
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                          http=guarded_protocol(uvicorn_http_protocol(), config),
+                          http=http_protocol_with_limits(uvicorn_http_protocol(), config),
                           h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
                           timeout_keep_alive=config.keepalive_timeout,
                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

@@ -4,13 +4,14 @@ uvicorn alone leaves a client that sends half a header connected forever (its ke
 runs only between requests, and the first byte of a request cancels it), has no cap on open
 connections (``limit_concurrency`` answers 503 only once a request's head has arrived, so idle
 sockets still pile up until descriptors run out), no head-size limit with httptools, and answers
-a malformed request in ``text/plain``. ``guarded_protocol`` adds, around uvicorn's own protocol:
+a malformed request in ``text/plain``. ``http_protocol_with_limits`` subclasses uvicorn's own
+protocol class (``HTTPProtocolWithLimits``) and adds:
 
 * ``header_timeout``: from the connection's start, and again after each response on a kept-alive
   connection, the head of the next request must arrive within this many seconds, else 408 (when
   part of a head arrived) and close (nginx's ``client_header_timeout``);
 * a head still arriving may take at most ``MAX_HEAD_BYTES`` (431 past it; h11's own limit,
-  which httptools lacks; a head that arrived whole is measured by the gate, ``app.py``);
+  which httptools lacks; a head that arrived whole is measured by the gate, ``gate.py``);
 * ``max_connections`` open at once: one more is closed as soon as it is accepted, with one log
   line per ``LOG_EVERY_S`` at most (nginx's ``worker_connections``);
 * a malformed request (bad syntax, duplicate ``Content-Length``) is answered with the JSON
@@ -55,11 +56,17 @@ class _RateLimited:
             self.last, self.count = now, 0
 
 
-def guarded_protocol(base, config: ServeConfig):
-    """A subclass of uvicorn's HTTP protocol ``base`` with the module docstring's limits."""
+def http_protocol_with_limits(base, config: ServeConfig):
+    """``HTTPProtocolWithLimits``: a subclass of uvicorn's HTTP protocol class ``base``
+    (``uvicorn_http_protocol()``) with the module docstring's limits, for ``uvicorn.Config(http=...)``.
+
+    It reaches into uvicorn's protocol internals — ``server_state.connections``, ``cycle`` (and
+    ``cycle.response_complete``), ``transport``, ``loop``, ``timeout_keep_alive_task`` and the
+    methods it overrides — which is why setup.py pins ``uvicorn`` (and ``h11``/``httptools``) to the
+    versions tested, and a test fails loudly if they move."""
     refused_log = _RateLimited()
 
-    class GuardedHTTP(base):
+    class HTTPProtocolWithLimits(base):
         _refused = False
         _head_timer = None
         _head_for = None       # the request cycle that was current when the timer was armed
@@ -145,7 +152,7 @@ def guarded_protocol(base, config: ServeConfig):
                                                 f"{config.header_timeout:g} s (--header-timeout)"))
             self.transport.close()
 
-    return GuardedHTTP
+    return HTTPProtocolWithLimits
 
 
 def uvicorn_http_protocol():
