@@ -3,6 +3,7 @@ double that wraps the reranker's step methods (no switch in the package):
 
 1. one request's fault fails that request alone (500 with an error id its log line carries);
    the others in its packed pass get their offline scores; a model-side ValueError is a 500;
+   a failing selection step fails that selection only;
 2. prefills that fail at a layer give every page back (the pool is back to idle);
 3. an exception that escapes the scheduler loop makes the service dead: /health and /ready
    503 with the reason, waiting and new requests 503 at once;
@@ -85,6 +86,30 @@ class FaultInjector:
             raise torch.OutOfMemoryError(f"injected out of memory at layer {layer}")
 
 
+class SelectFaults:
+    """The setwise step API with a fault: a selection whose query contains ``POISON`` raises
+    ``fault`` at its first decode step (after its prompt took pages)."""
+
+    def __init__(self, sr):
+        self.sr = sr
+        self.fault = None
+        self.poisoned = []   # the poisoned encodings (SelectEncoding is frozen: no mark on it)
+
+    def __getattr__(self, name):
+        return getattr(self.sr, name)
+
+    def encode_select(self, query, documents, **kw):
+        enc = self.sr.encode_select(query, documents, **kw)
+        if POISON in query:
+            self.poisoned.append(enc)
+        return enc
+
+    def decode_select(self, st):
+        if self.fault is not None and any(st.encoding is e for e in self.poisoned):
+            raise self.fault
+        return self.sr.decode_select(st)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
@@ -101,9 +126,10 @@ def served(model, monkeypatch):
     rr = PointwiseReranker(model=model)
     sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer)
     inj = FaultInjector(rr)
+    sel = SelectFaults(sr)
     svc = RerankService(rr, "tiny-faults", setwise=sr, max_batch_tokens=4096, max_queue=64)
-    svc.steps = inj
-    svc.engine.steps = inj
+    svc.reranker = svc.engine.steps = inj
+    svc.setwise = svc.engine.select_steps = sel
     write = PagedKVCache.write
 
     def write_or_fail(self, layer, slots, k, v):
@@ -114,7 +140,7 @@ def served(model, monkeypatch):
     svc.start()
     try:
         with thread_server(create_app(svc)) as base:
-            yield dict(base=base, svc=svc, inj=inj, rr=rr)
+            yield dict(base=base, svc=svc, inj=inj, rr=rr, sr=sr, sel=sel)
     finally:
         inj.gate.set()
         svc.stop()
@@ -227,6 +253,26 @@ def test_failed_prefills_leak_no_pages(served, reference):
     assert pool_state(rr) == idle, "page references or free blocks differ from idle after failed prefills"
     r = httpx.post(base + "/v1/rerank", json=dict(query="after", documents=DOCS), timeout=60)
     assert_scores(r, reference.score("after", DOCS), "a request after the failures")
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("injected decode fault"), ValueError("injected model-side")])
+def test_failing_selection_step_fails_that_selection_only(served, model, fault):
+    base, sel, sr = served["base"], served["sel"], served["sr"]
+    docs = ["tutor hints", "bread", "rivers"]
+    sel.fault = fault
+    r = httpx.post(base + "/v1/select", json=dict(query=f"{POISON} which?", documents=docs, max_select=2),
+                   timeout=60)
+    assert r.status_code == 500 and "error id" in r.json()["error"]["message"], r.text
+    assert type(fault).__name__ in r.json()["error"]["message"]
+    assert failures(base, "select") == 1
+    pool = sr._cache_slot.get().pool
+    assert all(c <= 1 for c in pool.refcount), "the failed selection left pages pinned beyond the tree's"
+    r = httpx.post(base + "/v1/select", json=dict(query="which helps?", documents=docs, max_select=2), timeout=60)
+    assert r.status_code == 200, r.text
+    ref_rr = PointwiseReranker(model=model)
+    want = SetwiseReranker(runner=ref_rr.runner, tokenizer=ref_rr.tokenizer).select("which helps?", docs,
+                                                                                   max_select=2)
+    assert r.json()["indices"] == want.indices and r.json()["text"] == want.text
 
 
 # -- 3: a dead engine is loud -------------------------------------------------------------------------
