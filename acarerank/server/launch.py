@@ -1,4 +1,17 @@
-"""Start ``acarerank serve`` as a child process on a free port (used by the tests and bench_serve)."""
+"""Start ``acarerank serve`` as a child process on a free port and wait until it is ready.
+
+A public helper (docs/serving.md, "Starting a server from Python") for whoever needs a real
+server for a while — an integration test of a client, a benchmark (``bench/bench_serve.py``),
+this package's own tests::
+
+    from acarerank.server.launch import serve_subprocess
+    with serve_subprocess("--model", "DIR", "--dtype", "float32") as (base, proc):
+        httpx.post(base + "/v1/rerank", json={"query": "q", "documents": ["d"]})
+
+It stays in the package rather than in ``tests/``: a benchmark script cannot import the tests,
+and what it does (the CLI on a free port, readiness polled, always stopped) is the same for
+every caller. Needs ``httpx`` (the ``serve`` extra).
+"""
 from __future__ import annotations
 
 import contextlib
