@@ -78,15 +78,14 @@ def servers():
     ref_sr = SetwiseReranker(runner=ref_rr.runner, tokenizer=ref_rr.tokenizer)
     gated_rr = PointwiseReranker(model=model)
     gated = RerankService(gated_rr, "tiny-gated", max_batch_tokens=64, max_queue=2)
-    gated.steps = GatedSteps(gated_rr)
-    gated.engine.steps = gated.steps
+    gated.reranker = gated.engine.steps = GatedSteps(gated_rr)
     gated.start()
     try:
         with thread_server(create_app(main, api_key=KEY, max_body_bytes=MAX_BODY)) as base, \
                 thread_server(create_app(gated)) as gbase:
             yield dict(base=base, gbase=gbase, rr=ref_rr, sr=ref_sr, main=main, gated=gated)
     finally:
-        gated.steps.gate.set()
+        gated.reranker.gate.set()
         main.stop()
         gated.stop()
 
@@ -255,7 +254,7 @@ def test_error_paths(servers):
 
 def test_queue_full_disconnect_and_no_interference(servers):
     gbase, gated, rr = servers["gbase"], servers["gated"], servers["rr"]
-    gate = gated.steps.gate
+    gate = gated.reranker.gate
     many = [f"document {i} about tutors and bread" for i in range(40)]   # 40 docs x ~13 tokens: 8+ passes of 64
     few = ["tutor hints", "river bread"]
     before = metrics(gbase)
@@ -333,7 +332,7 @@ def test_new_request_joins_next_pass_and_returns_first(servers):
     """A short request arriving while a long one runs is in the very next pass and is answered
     before the long one (continuous batching, no waiting for the batch)."""
     gbase, gated, rr = servers["gbase"], servers["gated"], servers["rr"]
-    steps = gated.steps
+    steps = gated.reranker
     long_docs = [f"long request document {i} about tutors and rivers" for i in range(30)]  # 30 x ~10 tokens
     short_docs = ["tutor hints", "bread"]
     steps.gate.clear()

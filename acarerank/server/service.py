@@ -7,7 +7,7 @@ errors) and the scheduler (``engine.py``, which owns the model):
   → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves);
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
   ``Retry-After``;
-* tokenizes in a thread pool (``steps.encode``) — the event loop never tokenizes and the
+* tokenizes in a thread pool (``reranker.encode``) — the event loop never tokenizes and the
   model thread never waits for it; the truncation policy is the reranker's own;
   ``truncate: false`` turns any cut into a 400; ``max_tokens_per_doc`` cuts each document's
   tokens from its end;
@@ -34,7 +34,7 @@ from typing import Awaitable, Callable, Optional
 
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE
-from .disconnect import DISCONNECT_POLL_S, ClientGone, wait_or_drop  # noqa: F401 (re-exported)
+from .disconnect import ClientGone, wait_or_drop
 from .engine import Engine, EngineDead, EngineFault, EngineStopped
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -89,9 +89,10 @@ class RerankService:
         self.model_name = model_name
         self.max_queue = max_queue
         self.max_documents = max_documents
-        self.steps = reranker  # the step API: encode / acquire_prefix / score_segments / release_prefix / cache_stats
-        self.metrics = ServerMetrics(self.steps.cache_stats)
-        self.engine = Engine(self.steps, max_batch_tokens or reranker.max_batch_tokens, self.metrics,
+        self.metrics = ServerMetrics(reranker.cache_stats)
+        # the engine drives the reranker's step API (acquire_prefix / score_segments / release_prefix);
+        # this service calls its encode (thread-safe) from the tokenizer pool
+        self.engine = Engine(reranker, max_batch_tokens or reranker.max_batch_tokens, self.metrics,
                              model_thread=model_thread, select_steps=setwise)
         self.model_thread = model_thread
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
@@ -108,7 +109,7 @@ class RerankService:
         """Start the scheduler; with ``warmup`` run one scoring pass first (then ``ready``)."""
         self.engine.start()
         if warmup:
-            enc = self.steps.encode(ScoreRequest("warm-up query", ["warm-up document"]))
+            enc = self.reranker.encode(ScoreRequest("warm-up query", ["warm-up document"]))
             self.engine.submit(enc).future.result(timeout)
         self.ready = True
         return self
@@ -260,7 +261,7 @@ class RerankService:
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
         """Tokenize (pool thread); apply ``truncate=false`` and ``max_tokens_per_doc``."""
-        enc = self.steps.encode(request)
+        enc = self.reranker.encode(request)
         if not truncate:
             cut = [i for i, t in enumerate(enc.doc_truncated) if t]
             if cut:
