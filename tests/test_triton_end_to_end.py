@@ -105,7 +105,7 @@ def test_bf16_on_cuda_within_transformers_own_bf16_error(qwen3_tokenizer):
 def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer):
     """A document's score is bitwise the same alone, in a batch, and in another order.
 
-    The kernels guarantee their part (tests/test_op_attention.py, test_op_yes_no.py).
+    The kernels guarantee their part (tests/ops/test_op_attention.py, test_op_yes_no.py).
     The runner's dense layers are GEMMs whose rows change in the last bits with the number of
     rows M on CPU (MKL: M=1 GEMV vs M=5) and GPU (cuBLAS heuristics); ``batch_invariant=True``
     runs them on fixed 64-row tiles, which this test relies on.

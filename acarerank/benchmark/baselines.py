@@ -15,7 +15,7 @@
 
 The body of modes M1–M3 is ``acarerank.prompts.body_text`` (ACARe's context template is
 our data, not the model card's); the card's strings themselves are checked character for
-character against the card in ``tests/test_prompts.py``.
+character against the card in ``tests/prompts/test_prompts.py``.
 
     score = softmax([logit_no, logit_yes])[1]      (a float in [0, 1] per document)
 """

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 from _hidden import hidden_env
+import _repo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(_repo.ROOT)
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
 DEFAULT_ORDER = ["env", "build", "pytest", "attention", "bench"]
 DEADLINE = 540  # the bound for an H200 with a cold Triton cache

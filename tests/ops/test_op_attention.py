@@ -444,7 +444,7 @@ def test_attention_configs_are_fixed_and_do_not_spill():
     """No timing-based autotune; every rule config and every table entry keeps the fp32
     accumulator <= 64 registers/thread and shared memory <= 160 KB (docs/ARCHITECTURE.md,
     "Kernel configs"); a 128x128 fp32 accumulator in one warpgroup (4 warps) is refused.
-    This estimate is only the tuner's quick filter: tests/test_spill_free.py compiles the
+    This estimate is only the tuner's quick filter: tests/ops/test_spill_free.py compiles the
     shipped configs and reads the compiler's own register and spill report."""
     import pathlib
 
