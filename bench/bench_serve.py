@@ -10,7 +10,7 @@ Workloads (token counts measured with the real Qwen3 tokenizer):
   m3     independent ACARe M3 requests: sub-query 20, question 60, trace 1,500 tokens,
          ``--depth`` documents of 60–380 tokens; every request a different context.
   m0     independent M0 requests: the sub-query alone, ``--depth`` documents.
-  agent  agent sessions (the prefix-cache issue's workload): ``--steps`` calls per session,
+  agent  agent sessions (the prefix cache's workload): ``--steps`` calls per session,
          the trace growing by 600 tokens per call, question 60, ``--depth`` documents per
          call; one ``cache_salt`` per session; a session's calls are sequential (an agent
          waits for its reranker), different sessions run side by side.

@@ -61,7 +61,7 @@ def _plain_attention(q, k, v, cu, pk, pv, cp, sg, scale):
     return out
 
 
-# (segment lengths, prefix lengths, group of each segment, Hq, Hkv, d): the awkward
+# (segment lengths, prefix lengths, group of each segment, Hq, Hkv, d): awkward
 # shapes — segment lengths 1/7/59/97, prefix lengths 1/63/300, groups with different
 # prefixes, GQA 1/2/4/8, head_dim 64/128. Few heads where the head count is not the point.
 CASES = [
