@@ -305,9 +305,6 @@ class TextEncoder:
         e = self._backend.encode(text, add_special_tokens=False)
         return e.ids, e.offsets
 
-    def user_offsets_batch(self, texts: Sequence[str]):
-        return [(e.ids, e.offsets) for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
-
     def user_heads(self, texts: Sequence[str], n: int, offsets: bool = False) -> list:
         """The first tokens of user texts, tokenizing only a prefix of each long one (module docstring).
 

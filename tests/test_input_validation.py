@@ -12,7 +12,7 @@ from acarerank.ato.reward import JudgeOutputError, rubric_reward
 from acarerank.ops import linear_logprob, prefix_shared_attention, topk_logprobs
 from acarerank.ops.attention import prefix_shared_attention_ref
 from acarerank.prompts import encode_pointwise, official_batch_input_ids
-from acarerank.selection import parse_selection
+from acarerank.setwise.selection import parse_selection
 from acarerank.setwise import SetwiseReranker
 from acarerank.setwise.prompts import build_prompt
 
