@@ -386,12 +386,10 @@ def test_attention_bad_inputs():
 
 # ---------------------------------------------------------------- plan once per forward
 def _tiny_runner(layers, backend):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+    from _tiny import random_qwen3
     from acarerank.model import Qwen3Runner
-    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
-    return Qwen3Runner.from_hf(Qwen3ForCausalLM(cfg).eval(), backend=backend)
+    model = random_qwen3(vocab=96, hidden=32, intermediate=48, layers=layers, heads=4, kv_heads=2, head_dim=16, tie=True)
+    return Qwen3Runner.from_hf(model, backend=backend)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts host reads of CPU-resident metadata")
