@@ -98,7 +98,7 @@ class _CountingPattern:
 def test_parse_selection_linear_and_total(monkeypatch):
     """60,000 ids parse in one left-to-right scan: the strict parse matches each entry once, at the
     position the previous one ended (+1 for the space), and the lenient parse scans the text once."""
-    import acarerank.selection as selection
+    import acarerank.setwise.selection as selection
     strict, lenient = (_CountingPattern(selection._STRICT_ENTRY), _CountingPattern(selection._LENIENT_ENTRY))
     monkeypatch.setattr(selection, "_STRICT_ENTRY", strict)
     monkeypatch.setattr(selection, "_LENIENT_ENTRY", lenient)
