@@ -1,4 +1,4 @@
-"""The two transformers baselines acarerank is measured against (the README's "Results").
+"""The two transformers baselines acarerank is measured against (docs/benchmarks.md, "Latency vs reranking depth").
 
 (a) ``OfficialTransformers`` — the Qwen3-Reranker model card's code, through the one copy
     of it in the package (``acarerank.prompts.official``, also the tests' oracle): every
