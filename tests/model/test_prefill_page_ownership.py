@@ -4,12 +4,11 @@ exactly as it was — reference counts and free blocks — with cached pages pin
 call (a prefix-cache hit) released too."""
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from _tiny import random_qwen3
 
 from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
 from acarerank.model.cached_prefill import ChunkedPrefill, prefill_cached
 from acarerank.model.paged_cache import PagedKVCache
-from acarerank.tokenizer import QWEN3_VOCAB, TOKEN_NO, TOKEN_YES
 
 LAYERS = 4
 TRACE = "the agent read the tutor's hint, searched twice and kept the pages about bread and rivers. " * 5
@@ -21,15 +20,7 @@ class Injected(Exception):
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1000000.0,
-                      tie_word_embeddings=True, attn_implementation="eager")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        m = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight[[TOKEN_YES, TOKEN_NO]] *= 20
-    return m
+    return random_qwen3(layers=LAYERS, tie=True, spread_yes_no=20)
 
 
 @pytest.fixture
