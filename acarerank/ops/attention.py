@@ -7,7 +7,8 @@ segments. RoPE is applied by the caller with the positions of the unshared seque
 
     out[t] = softmax(scale · q[t] · [prefix_k[g]; k[s_0..t]]ᵀ) · [prefix_v[g]; v[s_0..t]]
 
-Backends (declared in ``OP``): "torch" (below), "triton" (kernels/prefix_shared_attention.py),
+Backends (declared in ``OP``): "native" (the CPU default where acarerank._cpu is built:
+cpu_attention.py, the same kernel as the paged op's), "torch" (below), "triton" (kernels/prefix_shared_attention.py),
 "flash_attn_cascade" (cascade.py). ``prefix_shared_attention_ref`` is the plain oracle.
 
 Plan / run (FlashInfer's split): ``plan_prefix_shared_attention`` turns the batch metadata
@@ -31,6 +32,7 @@ from typing import Optional
 import torch
 
 from . import _backend
+from . import cpu_attention as _native_attn
 from . import cpu_attention_bf16 as _bf16
 
 # Rows of the prefix score matrix computed at once in the torch backend: bounds the
@@ -254,6 +256,7 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
 OP = _backend.OpDecl(
     "prefix_shared_attention", aliases=("attention",),
     backends={"torch": _backend.Backend(lambda: _torch_backend),
+              "native": _native_attn.packed_backend(),
               "triton": _backend.lazy_backend("prefix_shared_attention", "triton",
                                               "acarerank.kernels.prefix_shared_attention",
                                               "prefix_shared_attention_triton"),
@@ -261,8 +264,9 @@ OP = _backend.OpDecl(
               "flash_attn_cascade": _backend.lazy_backend("prefix_shared_attention", "flash_attn_cascade",
                                                           "acarerank.ops.cascade",
                                                           "prefix_shared_attention_flash_cascade", ("cuda",))},
-    # CPU: torch's fused flash kernel beats the interpreter by orders of magnitude
-    defaults={"cpu": ("torch",), "cuda": ("triton", "torch")},
+    # CPU: the native kernel (cpu_attention.py) where acarerank._cpu is built, else torch's fused
+    # flash kernel per group (both beat the Triton interpreter by orders of magnitude)
+    defaults={"cpu": ("native", "torch"), "cuda": ("triton", "torch")},
 )
 
 
