@@ -49,6 +49,7 @@ struct Meta {
   int64_t T, Hq, Hkv, r, d;
   std::vector<int64_t> cs, cp, sg;  // cu_seqlens [S+1], cu_prefix_lens [G+1], segment_group [S]
   const int32_t* bt = nullptr;      // block table [G, max_blocks] or nullptr (packed prefix)
+  at::Tensor bt_owner;              // keeps bt alive
   int64_t max_blocks = 0, block_size = 1;
 };
 
@@ -322,9 +323,9 @@ Meta check_and_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     TORCH_CHECK(t->stride(2) == 1, kOp, ": the head_dim of q/k/v must have stride 1, got strides ", t->strides());
   TORCH_CHECK(kc.sizes() == vc.sizes(), kOp, ": prefix_k ", kc.sizes(), " and prefix_v ", vc.sizes(), " differ");
   if (block_table.has_value()) {
-    const at::Tensor& bt = *block_table;
-    check_int32(bt, "block_table", 2);
-    TORCH_CHECK(bt.is_contiguous(), kOp, ": block_table must be contiguous");
+    check_int32(*block_table, "block_table", 2);
+    mt.bt_owner = block_table->contiguous();  // a strided view of a larger table: [G, max_blocks] once
+    const at::Tensor& bt = mt.bt_owner;
     TORCH_CHECK(kc.dim() == 4 && kc.size(2) == mt.Hkv && kc.size(3) == mt.d, kOp,
                 ": k_cache must be [num_blocks, block_size, ", mt.Hkv, ", ", mt.d, "], got ", kc.sizes());
     TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1, kOp, ": the head_dim of the caches must have stride 1");
