@@ -24,6 +24,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace acr_attn {
 
 using at::BFloat16;
@@ -95,17 +99,98 @@ bool pack_kv_tile(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_t d, c_
 //   l' = e^{scale·(m − m')}·l + Σ_j p_ij;   acc' = e^{scale·(m − m')}·acc   (P·V is added by the caller)
 // cnt(i) is row i's number of visible key columns in this tile (all of them on the prefix, the
 // causal count on the diagonal); a row with cnt 0 is left as it is. A NaN score (a NaN in q)
-// is never the max (`>`), so m' stays −inf on an all-NaN row and every later value is NaN: the
-// row comes out NaN, as plain softmax gives.
+// is never the max, so m' stays −inf on an all-NaN row and every later value is NaN: the row
+// comes out NaN, as plain softmax gives. P is written for j < width (the columns its GEMM reads):
+// p_ij, then zeros.
+
+#if defined(__x86_64__)
+// AVX2+FMA row step, chosen at run time (cpu_has_avx2): the function carries its own target
+// attribute, so the module itself stays baseline x86-64 and no torch header is compiled for AVX2.
+// exp: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial, 2^n by exponent
+// bits), ~2 ulp on [-87, 88]; clamped below so exp of a very negative score is 0-ish, NaN kept
+// (max/min return their second operand, x, when it is NaN).
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3365478515625f), x);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* s, int64_t n, int64_t d, float scale,
+                                                                 float& m, float& l, float* acc, float* p) {
+  __m256 vmx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vmx = _mm256_max_ps(_mm256_loadu_ps(s + j), vmx);  // a NaN score loses
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmx);
+  float mx = lanes[0];
+  for (int k = 1; k < 8; ++k) mx = lanes[k] > mx ? lanes[k] : mx;
+  for (; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
+  const float m_new = m > mx ? m : mx;
+  const float alpha = std::exp(scale * (m - m_new));
+  const float off = scale * m_new;
+  const __m256 vs = _mm256_set1_ps(scale), voff = _mm256_set1_ps(off);
+  __m256 vsum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 e = exp_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vs, voff));
+    _mm256_storeu_ps(p + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  _mm256_store_ps(lanes, vsum);
+  float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; j < n; ++j) {
+    const float e = std::exp(scale * s[j] - off);
+    p[j] = e;
+    sum += e;
+  }
+  l = l * alpha + sum;
+  m = m_new;
+  if (alpha != 1.f) {
+    const __m256 va = _mm256_set1_ps(alpha);
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) _mm256_storeu_ps(acc + c, _mm256_mul_ps(_mm256_loadu_ps(acc + c), va));
+    for (; c < d; ++c) acc[c] *= alpha;
+  }
+}
+
+inline bool cpu_has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+#endif
+
 template <typename c_t, typename CntFn>
-void softmax_step(int64_t M, int64_t KT, int64_t d, float scale, const float* S, CntFn&& cnt, float* m, float* l,
-                  float* acc, c_t* P) {
+void softmax_step(int64_t M, int64_t KT, int64_t width, int64_t d, float scale, const float* S, CntFn&& cnt,
+                  float* m, float* l, float* acc, c_t* P) {
+#if defined(__x86_64__)
+  if constexpr (std::is_same_v<c_t, float>) {
+    if (cpu_has_avx2()) {
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t n = std::max<int64_t>(0, cnt(i));
+        if (n > 0) softmax_row_avx2(S + i * KT, n, d, scale, m[i], l[i], acc + i * d, P + i * KT);
+        if (n < width) std::memset(static_cast<void*>(P + i * KT + n), 0, sizeof(float) * (width - n));
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t i = 0; i < M; ++i) {
     const int64_t n = cnt(i);
     const float* s = S + i * KT;
     c_t* p = P + i * KT;
     if (n <= 0) {
-      std::memset(static_cast<void*>(p), 0, sizeof(c_t) * KT);
+      std::memset(static_cast<void*>(p), 0, sizeof(c_t) * width);
       continue;
     }
     float mx = -std::numeric_limits<float>::infinity();
@@ -119,7 +204,7 @@ void softmax_step(int64_t M, int64_t KT, int64_t d, float scale, const float* S,
       sum += e;
       p[j] = static_cast<c_t>(e);
     }
-    for (int64_t j = n; j < KT; ++j) p[j] = c_t(0);
+    for (int64_t j = n; j < width; ++j) p[j] = c_t(0);
     l[i] = l[i] * alpha + sum;
     m[i] = m_new;
     if (alpha != 1.f) {

@@ -222,7 +222,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           }
           const int64_t nc = gemm_cols<c_t>(n, KT);
           gemm(M, nc, d, Q.data(), d, kt, KT, S.data(), KT, false);
-          softmax_step<c_t>(M, KT, d, scale, S.data(), [n](int64_t) { return n; }, m.data(), l.data(), acc.data(),
+          softmax_step<c_t>(M, KT, nc, d, scale, S.data(), [n](int64_t) { return n; }, m.data(), l.data(), acc.data(),
                             Pm.data());
           gemm(M, d, nc, Pm.data(), KT, vt, d, acc.data(), d, true);
         }
@@ -242,7 +242,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             auto cnt = [&](int64_t i) { return std::min(n, pc.t0 + i / r - j0 + 1); };
             const int64_t nc = gemm_cols<c_t>(n, KT);
             gemm(Mp, nc, d, Qp, d, Kt.data(), KT, S.data(), KT, false);
-            softmax_step<c_t>(Mp, KT, d, scale, S.data(), cnt, m.data() + pc.m0, l.data() + pc.m0, accp, Pm.data());
+            softmax_step<c_t>(Mp, KT, nc, d, scale, S.data(), cnt, m.data() + pc.m0, l.data() + pc.m0, accp, Pm.data());
             if (finite) {
               gemm(Mp, d, nc, Pm.data(), KT, Vt.data(), d, accp, d, true);
             } else {  // a non-finite value: add only the visible columns of each row (masked ones stay out)
