@@ -17,6 +17,9 @@ Providers, interleaved one call each per round (a load change on a shared machin
            bf16, where torch's bf16 GEMM is an emulation at well under 1 GFLOP/s): the GEMM peak
            the others are a % of
 
+Check: every provider's output against the fp32 oracle (--quick) or the torch backend's (full
+shapes), max |diff| ≤ 2e-4 fp32 / 4e-2 bf16; a mismatch is printed and the exit status is 1.
+
 Output: median ms, TFLOP/s (4·d·Hq·Σ_s L_s·(P + (L_s+1)/2) per call) and % of the GEMM peak, one
 CSV row each (``--csv``), with the CPU model, its flags (AVX2 / AVX512 / AMX / bf16), threads,
 torch and the date.
@@ -145,17 +148,24 @@ def provider_gemm(dtype, n=4096):
     return (lambda: F.linear(a, w)), 2.0 * n ** 3
 
 
-def interleaved(variants: dict, rounds: int) -> dict:
+def interleaved(variants: dict, rounds: int):
+    """({name: [seconds]}, {name: output of the warm-up call}): one call of each in turn per round."""
     times = {name: [] for name in variants}
-    for fn in variants.values():
-        fn()  # warm-up (and compile for flex)
+    outs = {name: fn() for name, fn in variants.items()}  # warm-up (and compile for flex)
     for _ in range(rounds):
         for name, fn in variants.items():
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    return times
+    return times, outs
 
+
+def as_rows(name, out):
+    """Every provider's output as [T, Hq, d] fp32 (flex returns [1, Hq, T, d])."""
+    return (out[0].transpose(0, 1) if name == "flex" else out).float()
+
+
+TOL = {torch.float32: 2e-4, torch.bfloat16: 4e-2}  # max |diff| against the check's reference
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -186,7 +196,7 @@ def main(argv=None) -> int:
     modes = {"quick": 40} if a.quick else {m: MODES[m] for m in a.modes}
     depths = [3] if a.quick else a.depths
     rounds = 1 if a.quick else a.rounds
-    rows = []
+    rows, failed = [], False
     for dt_name in a.dtypes:
         dtype = getattr(torch, dt_name)
         from acarerank.hardware import native_bf16
@@ -211,7 +221,22 @@ def main(argv=None) -> int:
                         except Exception as e:  # report why a provider cannot run here, keep the others
                             variants.pop(p, None)
                             notes[p] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                    times = interleaved(variants, rounds)
+                    times, outs = interleaved(variants, rounds)
+                    # the check: every provider against the fp32 oracle (--quick) or the torch backend
+                    if a.quick:
+                        from acarerank.ops import prefix_shared_attention_paged_ref
+
+                        want = prefix_shared_attention_paged_ref(*[t.float() if t.is_floating_point() else t
+                                                                   for t in args])
+                    else:
+                        want = as_rows("torch", outs["torch"]) if "torch" in outs else None
+                    for p in a.providers:
+                        if p in outs and want is not None:
+                            err = (as_rows(p, outs[p]) - want).abs().max().item()
+                            if not err <= TOL[dtype]:
+                                print(f"MISMATCH {dt_name} {model} {mode} depth {depth}: {p} max |diff| {err:.3g} "
+                                      f"> {TOL[dtype]}", file=sys.stderr)
+                                failed = True
                     peak = gemm_flop / statistics.median(times["gemm"])
                     print(f"\n{dt_name} {model} (Hq {Hq}/Hkv {Hkv}, d {d}) {mode} prefix {P} depth {depth} "
                           f"({sum(lens)} segment tokens, {flop / 1e9:.1f} GFLOP)  GEMM peak {peak / 1e12:.3f} TFLOP/s")
@@ -233,7 +258,7 @@ def main(argv=None) -> int:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
