@@ -20,7 +20,7 @@
 // prefix tiles are packed once per layer per (kv head, tile), in parallel, and every row block of
 // the group reads them; otherwise (bf16 converted to fp32 on this CPU) each task converts the tile
 // it is about to use into its own scratch, so no fp32 copy of the prefix ever exists. The own keys
-// of a segment are packed by the task that needs them (a few hundred rows).
+// of a segment's piece are packed once by the task that needs them (a few hundred rows).
 //
 // Balance: tasks are dealt to threads longest first (LPT) by their cost rows × (P_g + own keys),
 // then one at::parallel_for runs each thread's list; brgemm_release() ends each thread's chunk.
@@ -42,6 +42,7 @@ using namespace acr_attn;
 constexpr const char* kOp = "prefix_shared_attention_cpu";
 constexpr int64_t KT = 256;    // keys per tile: S/P tiles of ROWS × KT fp32 stay in L2 (256 KB at ROWS 256)
 constexpr int64_t ROWS = 256;  // query rows (tokens × r) per task
+constexpr int64_t OWN_ROWS = 64;  // query rows per causal sub-block of the own part
 constexpr int64_t MAX_HEAD_DIM = 512;
 
 // Host view of the metadata, read once per call.
@@ -190,6 +191,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
     std::vector<c_t> Q(ROWS * d), Pm(ROWS * KT), Kt(tile_elems), Vt(tile_elems);
     std::vector<float> S(ROWS * KT), acc(ROWS * d), m(ROWS), l(ROWS);
+    std::vector<c_t> OwnK, OwnV;  // a piece's own keys, all its tiles
+    std::vector<char> finite;
     for (int64_t tid = b; tid < e; ++tid) {
       for (int64_t ti : lists[tid]) {
         const Task& tk = tasks[ti];
@@ -227,33 +230,52 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           gemm(M, d, nc, Pm.data(), KT, vt, d, acc.data(), d, true);
         }
 
-        // own keys, causally: piece rows (token t, head i) see own keys a_s .. t
+        // own keys, causally: piece rows (token t, head i) see own keys a_s .. t. The piece's keys
+        // are packed once; its rows run in sub-blocks of OWN_ROWS rows, each against the keys up
+        // to its last token only, so the causal triangle costs ~(1 + OWN_ROWS / (r·L)) of itself
+        // rather than the piece's whole rectangle.
         for (const Piece& pc : tk.pieces) {
           const int64_t a = mt.cs[pc.seg];
-          const int64_t Mp = (pc.t1 - pc.t0) * r;
-          c_t* Qp = Q.data() + pc.m0 * d;
-          float* accp = acc.data() + pc.m0 * d;
-          for (int64_t j0 = a; j0 < pc.t1; j0 += KT) {
-            const int64_t n = std::min(KT, pc.t1 - j0);
-            const bool finite = pack_kv_tile<s_t, c_t>(
+          const int64_t ntiles = (pc.t1 - a + KT - 1) / KT;
+          if (static_cast<int64_t>(OwnK.size()) < ntiles * tile_elems) {
+            OwnK.resize(ntiles * tile_elems);
+            OwnV.resize(ntiles * tile_elems);
+          }
+          finite.assign(ntiles, 1);
+          for (int64_t tile = 0; tile < ntiles; ++tile) {
+            const int64_t j0 = a + tile * KT;
+            finite[tile] = pack_kv_tile<s_t, c_t>(
                 [&](int64_t j) { return kp + (j0 + j) * ks0 + h * ks1; },
-                [&](int64_t j) { return vp + (j0 + j) * vs0 + h * vs1; }, n, KT, d, Kt.data(), Vt.data());
-            // visible columns of piece row i: keys j0.. up to its token
-            auto cnt = [&](int64_t i) { return std::min(n, pc.t0 + i / r - j0 + 1); };
-            const int64_t nc = gemm_cols<c_t>(n, KT);
-            gemm(Mp, nc, d, Qp, d, Kt.data(), KT, S.data(), KT, false);
-            softmax_step<c_t>(Mp, KT, nc, d, scale, S.data(), cnt, m.data() + pc.m0, l.data() + pc.m0, accp, Pm.data());
-            if (finite) {
-              gemm(Mp, d, nc, Pm.data(), KT, Vt.data(), d, accp, d, true);
-            } else {  // a non-finite value: add only the visible columns of each row (masked ones stay out)
-              for (int64_t i = 0; i < Mp; ++i)
-                for (int64_t j = 0; j < cnt(i); ++j) {
-                  const float p = static_cast<float>(Pm[i * KT + j]);
-                  for (int64_t c = 0; c < d; ++c) {
-                    const c_t vv = kVnni<c_t> ? Vt[((j >> 1) * d + c) * 2 + (j & 1)] : Vt[j * d + c];
-                    accp[i * d + c] += p * static_cast<float>(vv);
+                [&](int64_t j) { return vp + (j0 + j) * vs0 + h * vs1; }, std::min(KT, pc.t1 - j0), KT, d,
+                OwnK.data() + tile * tile_elems, OwnV.data() + tile * tile_elems);
+          }
+          const int64_t sub_tok = std::max<int64_t>(1, OWN_ROWS / r);
+          for (int64_t u0 = pc.t0; u0 < pc.t1; u0 += sub_tok) {
+            const int64_t u1 = std::min(pc.t1, u0 + sub_tok);
+            const int64_t m0 = pc.m0 + (u0 - pc.t0) * r, Mp = (u1 - u0) * r;
+            c_t* Qp = Q.data() + m0 * d;
+            float* accp = acc.data() + m0 * d;
+            for (int64_t tile = 0, j0 = a; j0 < u1; ++tile, j0 += KT) {
+              const int64_t n = std::min(KT, u1 - j0);
+              const c_t* kt = OwnK.data() + tile * tile_elems;
+              const c_t* vt = OwnV.data() + tile * tile_elems;
+              // visible columns of sub-block row i: keys j0.. up to its token
+              auto cnt = [&](int64_t i) { return std::min(n, u0 + i / r - j0 + 1); };
+              const int64_t nc = gemm_cols<c_t>(n, KT);
+              gemm(Mp, nc, d, Qp, d, kt, KT, S.data(), KT, false);
+              softmax_step<c_t>(Mp, KT, nc, d, scale, S.data(), cnt, m.data() + m0, l.data() + m0, accp, Pm.data());
+              if (finite[tile]) {
+                gemm(Mp, d, nc, Pm.data(), KT, vt, d, accp, d, true);
+              } else {  // a non-finite value: add only the visible columns of each row (masked ones stay out)
+                for (int64_t i = 0; i < Mp; ++i)
+                  for (int64_t j = 0; j < cnt(i); ++j) {
+                    const float p = static_cast<float>(Pm[i * KT + j]);
+                    for (int64_t c = 0; c < d; ++c) {
+                      const c_t vv = kVnni<c_t> ? vt[((j >> 1) * d + c) * 2 + (j & 1)] : vt[j * d + c];
+                      accp[i * d + c] += p * static_cast<float>(vv);
+                    }
                   }
-                }
+              }
             }
           }
         }
