@@ -1,4 +1,4 @@
-"""Interleaved A/B runs behind the CPU bf16 choices (README, "bf16 on CPU"): bf16 prefix attention and torch.compile'd layers on CPU.
+"""Interleaved A/B runs behind the CPU bf16 choices (docs/cpu.md, "Dtype: fp32 or bf16"): bf16 prefix attention and torch.compile'd layers on CPU.
 
 Every comparison runs its variants in the same process, one call of each in turn, for
 ``--rounds`` rounds (so a load change on a shared machine hits all variants alike), and

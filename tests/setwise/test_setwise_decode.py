@@ -17,7 +17,7 @@ from _hypothesis import given, settings, st  # hypothesis, or skips where absent
 
 from acarerank.model import Qwen3Runner
 from acarerank.model.default import build_default_model
-from acarerank.selection import parse_selection
+from acarerank.setwise.selection import parse_selection
 from acarerank.setwise.decode import GrammarLogitsProcessor, greedy_decode, greedy_decode_ref
 from acarerank.setwise.grammar import IdentifierGrammar
 from acarerank.tokenizer import TOKEN_IM_END

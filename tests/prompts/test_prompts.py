@@ -11,7 +11,7 @@ from _hypothesis import event, given, HealthCheck, settings, st  # hypothesis, o
 from acarerank.prompts import (DEFAULT_INSTRUCTION, DEFAULT_TEMPLATE, QWEN3_RERANKER_BODY, QWEN3_RERANKER_PREFIX,
                                QWEN3_RERANKER_SUFFIX, ContextTemplate, context_mode, encode_pointwise,
                                full_prompt_text, joint_input_ids, official_batch_input_ids, official_input_ids)
-from acarerank.tokenizer import load_qwen3_tokenizer
+from acarerank.tokenizer import TOKEN_NO, TOKEN_YES, load_qwen3_tokenizer
 
 # -- the model card's strings, typed from the card (docs/ARCHITECTURE.md, "Scoring facts") ------------------------------
 CARD_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
@@ -409,6 +409,6 @@ def test_official_scores_left_padding_matches_unpadded(tok):
         want = []
         for seq in ids:   # one unpadded sequence at a time, full logits, softmax over [no, yes]
             last = model(input_ids=torch.tensor([seq])).logits[0, -1]
-            want.append(torch.softmax(torch.stack([last[2152], last[9693]]).double(), 0)[1].item())
+            want.append(torch.softmax(torch.stack([last[TOKEN_NO], last[TOKEN_YES]]).double(), 0)[1].item())
     err = max(abs(a - b) for a, b in zip(got, want))
     assert err <= 1e-5, f"fp32 official_scores vs unpadded: max abs err {err}; got {got}, want {want}"

@@ -196,7 +196,7 @@ def test_linear_logprob_forward_backward(groups, name, world, T, H, rows, V, rul
         gw = torch.cat([ww.grad, torch.zeros(rows - V, H, dtype=dtype)])
         return lp.detach(), (ent.detach() if entropy else None), hh.grad, gw
 
-    # vs an fp64 oracle. logprob/entropy: the rule of tests/test_op_linear_logprob.py (≤ 1e-5 abs + rel
+    # vs an fp64 oracle. logprob/entropy: the rule of tests/ops/test_op_linear_logprob.py (≤ 1e-5 abs + rel
     # + 2× the materialised fp32 path's error). Gradients: normwise ≤ 3e-5 · max|grad|. Their
     # entries are sums of V terms that nearly cancel (one-hot vs softmax), so their fp32 error
     # follows the summation grouping, not the result: on "even-entropy" the single-process op

@@ -1,23 +1,16 @@
 """Qwen3Runner against transformers' own forward on the same random weights."""
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from _tiny import random_qwen3
 from acarerank.model import Qwen3Runner
 
 
 def tiny_qwen3(layers=2, heads=4, kv_heads=2, head_dim=32, hidden=64, vocab=503, seed=0, dtype=torch.float32, **kw):
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 6, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      rope_theta=1000000.0, attn_implementation="eager", **kw)
-    torch.manual_seed(seed)
-    m = Qwen3ForCausalLM(cfg).eval()
-    # random init leaves norm weights at 1; perturb them so the norms are really tested
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "norm" in n:
-                p.add_(torch.rand_like(p) * 0.5 - 0.25)
-    return m.to(dtype)
+    """A small-vocabulary random Qwen3 with its norms perturbed (tests/_tiny.py)."""
+    return random_qwen3(seed=seed, dtype=dtype, perturb_norms=True, vocab=vocab, hidden=hidden,
+                        intermediate=2 * hidden + 6, layers=layers, heads=heads, kv_heads=kv_heads,
+                        head_dim=head_dim, **kw)
 
 
 SHAPES = [
@@ -76,7 +69,7 @@ def test_logits_and_greedy_decode_with_append_match_transformers():
 
 
 def test_checkpoint_folder_roundtrip(tmp_path):
-    m = tiny_qwen3(layers=2, tie_word_embeddings=False)
+    m = tiny_qwen3(layers=2, tie=False)
     m.save_pretrained(tmp_path)  # config.json + model.safetensors
     r = Qwen3Runner.from_pretrained(str(tmp_path), dtype=torch.float32)
     ids = torch.randint(0, 503, (19,))

@@ -61,7 +61,7 @@ def _plain_attention(q, k, v, cu, pk, pv, cp, sg, scale):
     return out
 
 
-# (segment lengths, prefix lengths, group of each segment, Hq, Hkv, d): the issue's awkward
+# (segment lengths, prefix lengths, group of each segment, Hq, Hkv, d): awkward
 # shapes — segment lengths 1/7/59/97, prefix lengths 1/63/300, groups with different
 # prefixes, GQA 1/2/4/8, head_dim 64/128. Few heads where the head count is not the point.
 CASES = [
@@ -386,12 +386,10 @@ def test_attention_bad_inputs():
 
 # ---------------------------------------------------------------- plan once per forward
 def _tiny_runner(layers, backend):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+    from _tiny import random_qwen3
     from acarerank.model import Qwen3Runner
-    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
-    return Qwen3Runner.from_hf(Qwen3ForCausalLM(cfg).eval(), backend=backend)
+    model = random_qwen3(vocab=96, hidden=32, intermediate=48, layers=layers, heads=4, kv_heads=2, head_dim=16, tie=True)
+    return Qwen3Runner.from_hf(model, backend=backend)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts host reads of CPU-resident metadata")
@@ -444,7 +442,7 @@ def test_attention_configs_are_fixed_and_do_not_spill():
     """No timing-based autotune; every rule config and every table entry keeps the fp32
     accumulator <= 64 registers/thread and shared memory <= 160 KB (docs/ARCHITECTURE.md,
     "Kernel configs"); a 128x128 fp32 accumulator in one warpgroup (4 warps) is refused.
-    This estimate is only the tuner's quick filter: tests/test_spill_free.py compiles the
+    This estimate is only the tuner's quick filter: tests/ops/test_spill_free.py compiles the
     shipped configs and reads the compiler's own register and spill report."""
     import pathlib
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from _repo import ROOT
 
 
 def _build_with(tmp_path, cmake_version):

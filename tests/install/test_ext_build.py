@@ -14,7 +14,7 @@ if EXT_MISSING:  # the import itself is the first check where the extension was 
     pytest.skip(EXT_MISSING, allow_module_level=True)
 import acarerank._C as _C  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from _repo import ROOT
 
 
 def _nvcc_on_this_machine():

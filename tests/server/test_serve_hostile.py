@@ -273,7 +273,7 @@ def test_queue_full_answers_429_before_the_body_and_big_bodies_do_not_stall_heal
         time.sleep(0.02)
     t.join()
     assert out["r"].status_code == 200, out["r"].text
-    # json.loads of this body takes 2.9 s on the 2-core box (the event loop stalled 5.7 s before);
+    # json.loads of this body takes 2.9 s on a 2-core AMD EPYC (AVX2) (the event loop stalled 5.7 s before);
     # the bound leaves room for a loaded machine
     assert max(slowest) < 2.0, f"/health took {max(slowest):.2f} s during a 31 MB body ({slowest})"
     assert peak - rss0 < 300, f"a 31 MB body of ignored [] grew the server by {peak - rss0:.0f} MB"

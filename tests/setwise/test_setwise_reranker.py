@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from acarerank.model.default import NO_MEANING, build_default_model
-from acarerank.selection import parse_selection
+from acarerank.setwise.selection import parse_selection
 from acarerank.setwise import Selection, SetwiseReranker
 from acarerank.setwise.decode import greedy_decode_ref
 from acarerank.setwise.prompts import build_prompt

@@ -172,7 +172,7 @@ def test_score_check_flags_disagreement_and_nan():
 
 
 def test_depth_scaling_figure():
-    """Marginal ms/doc between the first and second-largest depth vs the last two (the README's scaling figure)."""
+    """Marginal ms/doc between the first and second-largest depth vs the last two (docs/benchmarks.md's depth-scaling figure)."""
     t = {10: 100.0, 20: 150.0, 50: 300.0, 100: 560.0}  # 5 ms/doc then 5.2 ms/doc
     rows = [dict(mode="M3", provider="p", depth=d, median_ms=v, doc_tokens=d * 100) for d, v in t.items()]
     (s,) = report.depth_scaling(rows)

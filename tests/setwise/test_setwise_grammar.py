@@ -13,7 +13,7 @@ import pytest
 import torch
 from _hypothesis import given, settings, st  # hypothesis, or skips where absent
 
-from acarerank.selection import parse_selection
+from acarerank.setwise.selection import parse_selection
 from acarerank.setwise.grammar import IdentifierGrammar, IdentifierTokens, walk
 from acarerank.tokenizer import TOKEN_IM_END
 

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ._validate import positive_int
+from .._validate import positive_int
 
 _STRICT_ENTRY = re.compile(r"\[([1-9][0-9]*)\]")            # one well-formed entry, no leading zero
 _LENIENT_ENTRY = re.compile(r"\[\s*([0-9]+)\s*\]")            # any bracketed number

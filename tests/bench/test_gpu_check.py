@@ -1,18 +1,19 @@
 """bench/gpu_check.sh on CPU: the plan fits its deadline, the steps run in order (correctness
 before speed, the extension built before what needs it), each step's result file is written as
 it finishes, and the cuda tests collect with the optional packages hidden (no serve stack, no
-hypothesis, no cohere, no acarerank._C): what CI can check of the one command a lent GPU runs."""
+hypothesis, no cohere, no acarerank._C): what CI can check of the one command a GPU machine runs."""
 import os
 import re
 import subprocess
 import sys
 
 from _hidden import hidden_env
+import _repo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(_repo.ROOT)
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.sh")
 DEFAULT_ORDER = ["env", "build", "pytest", "attention", "bench"]
-DEADLINE = 540  # the issue's bound for an H200 with a cold Triton cache
+DEADLINE = 540  # the script's bound for a fresh H200 with a cold Triton cache
 
 
 def _plan(*args, **env):

@@ -9,7 +9,7 @@ from _ext import EXT_MISSING, needs_ext
 
 from acarerank.ops import BackendError, yes_no_score
 
-if not EXT_MISSING:  # tests/test_gpu_ext.py imports the helpers below on any machine
+if not EXT_MISSING:  # tests/ops/test_gpu_ext.py imports the helpers below on any machine
     from acarerank.ops import _cpp
 
 pytestmark = needs_ext

@@ -15,7 +15,7 @@ import pytest
 
 from acarerank.server.config import ServeConfig
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from _repo import ROOT
 
 
 def test_flags_round_trip_with_the_dataclass_defaults():

@@ -16,8 +16,9 @@ import sys
 import pytest
 
 from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body
+import _repo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(_repo.ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from _repo import ROOT
 CHECK = ROOT / "bench" / "aot_check.py"
 
 pytestmark = pytest.mark.slow

@@ -29,7 +29,7 @@ def test_the_callers_agree_on_true():
     """One of the hand-written checks accepted True (WorkloadSpec) and one a float depth; now none does."""
     from acarerank.benchmark.harness import BenchConfig
     from acarerank.benchmark.workload import WorkloadSpec
-    from acarerank.selection import parse_selection
+    from acarerank.setwise.selection import parse_selection
     from acarerank.setwise.grammar import GrammarState
 
     with pytest.raises(ValueError, match="WorkloadSpec.num_docs must be a positive int, got True"):

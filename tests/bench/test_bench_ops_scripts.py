@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from _repo import ROOT
+
+BENCH = ROOT / "bench"
 
 
 def _load(name):

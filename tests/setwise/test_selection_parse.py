@@ -9,7 +9,7 @@ import re
 import pytest
 from _hypothesis import given, settings, st  # hypothesis, or skips where absent
 
-from acarerank.selection import ParsedSelection, parse_selection
+from acarerank.setwise.selection import ParsedSelection, parse_selection
 
 
 def strict_ref(text, n, cap):
