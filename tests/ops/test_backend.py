@@ -8,6 +8,10 @@ import torch
 import acarerank.ops as ops
 from acarerank.ops import BackendError, backend_for, per_op_backends, prefix_shared_attention, yes_no_score
 from acarerank.ops._backend import ENV_VAR, OpDecl, op_decl
+from _ext import NATIVE_MISSING
+
+# the attention ops' CPU default: the native kernel where acarerank._cpu is built, else torch
+ATTN_CPU = "torch" if NATIVE_MISSING else "native"
 
 # triton runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (conftest.py sets it without a GPU)
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,21 +46,23 @@ def ran(monkeypatch):
     return log
 
 
-def test_cpu_default_is_torch(ran):
+def test_cpu_defaults(ran):
     prefix_shared_attention(*_attn_inputs())
     yes_no_score(*_head_inputs())
-    assert ran == [("prefix_shared_attention", "torch"), ("yes_no_score", "torch")]
+    assert ran == [("prefix_shared_attention", ATTN_CPU), ("yes_no_score", "torch")]
 
 
 def test_declared_device_defaults():
     assert op_decl("attention").defaults["cuda"][0] == "triton"
     assert op_decl("yes_no").defaults["cuda"][0] == "triton"
     assert op_decl("topk").defaults["cuda"][0] == "cuda"  # cuBLAS GEMM + CUDA merge until measured
-    assert all(op_decl(o).defaults["cpu"][0] in ("torch", "cpp") for o in ("attention", "yes_no", "topk"))
+    assert all(op_decl(o).defaults["cpu"][0] in ("torch", "cpp") for o in ("yes_no", "topk"))
+    # attention: the native kernel first, torch where acarerank._cpu does not load
+    assert op_decl("attention").defaults["cpu"] == op_decl("paged_attention").defaults["cpu"] == ("native", "torch")
 
 
 def test_available_backends_lists_what_runs_here():
-    assert ops.available_backends("attention", "cpu")[0] == "torch"
+    assert ops.available_backends("attention", "cpu")[0] == ATTN_CPU
     assert "triton" in ops.available_backends("yes_no_score", TRITON_DEVICE)
     assert "flash_attn_cascade" not in ops.available_backends("attention", "cpu")
     assert "cuda" not in ops.available_backends("yes_no", "cpu")
@@ -80,7 +86,7 @@ def test_environment_name_applies_only_to_ops_that_have_it(ran, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "cpp")
     prefix_shared_attention(*_attn_inputs())
     yes_no_score(*_head_inputs())
-    assert ran == [("prefix_shared_attention", "torch"), ("yes_no_score", "cpp")]
+    assert ran == [("prefix_shared_attention", ATTN_CPU), ("yes_no_score", "cpp")]
 
 
 def test_environment_mapping(ran, monkeypatch):

@@ -9,7 +9,7 @@ the packed Triton kernel.
 import pytest
 import torch
 
-from acarerank.ops import (BackendError, plan_prefix_shared_attention_paged, prefix_shared_attention,
+from acarerank.ops import (BackendError, available_backends, plan_prefix_shared_attention_paged, prefix_shared_attention,
                            prefix_shared_attention_paged, prefix_shared_attention_paged_ref,
                            prefix_shared_attention_ref)
 
@@ -141,14 +141,19 @@ def test_torch_scattered_or_unviewable_pages_are_gathered():
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), report(out, ref)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("consecutive", [False, True])
-def test_torch_paged_bf16_and_nan_rows(consecutive):
-    """bf16 pages (the native-bf16 prefix path where the CPU has it) against the fp32 oracle on the
-    same bf16 values; a NaN in q makes exactly that output row NaN, as in the oracle."""
+def test_cpu_paged_bf16_and_nan_rows(consecutive, backend):
+    """bf16 pages through each CPU backend, asked for by name (the fp32-inside torch path, the
+    native kernel), against the fp32 oracle on the same bf16 values; a NaN in q makes exactly
+    that output row NaN, as in the oracle."""
+    if backend not in available_backends("prefix_shared_attention_paged", "cpu"):
+        pytest.skip(f"{backend} does not run here")
     paged, packed = make_case([37, 70], [5, 1, 9], [0, 1, 1], 8, 2, 64, 16, dtype=torch.bfloat16,
                               consecutive=consecutive)
     paged[0][3, 5, 7] = float("nan")
-    out = prefix_shared_attention_paged(*paged, backend="torch").float()
+    paged = on(paged, "cpu")
+    out = prefix_shared_attention_paged(*paged, backend=backend).float()
     ref = prefix_shared_attention_ref(*[t.float() if t.is_floating_point() else t for t in packed]).float()
     nan = torch.isnan(ref)
     assert torch.equal(torch.isnan(out), nan) and nan[3, 5].all() and nan.sum() == 64, "NaN rows differ"
