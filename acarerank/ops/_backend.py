@@ -6,6 +6,7 @@ Backend names:
   "cpp"    the C++ CPU twins in ``acarerank._C``
   "cuda"   the CUDA kernels in ``acarerank._C``
   "flash_attn_cascade"  prefix_shared_attention only: flash-attn prefix pass + own pass + merge
+  "native" the native CPU kernels in ``acarerank._cpu`` (``csrc/cpu/``, linked against libtorch)
 
 An op module declares itself once with ``OpDecl(name, aliases, backends, defaults)``:
 ``backends`` maps a name to a ``Backend(load, devices)`` whose loader imports lazily (and is
@@ -37,7 +38,7 @@ import torch
 
 from .._triton_env import triton_interpreted
 
-KNOWN_BACKENDS = ("torch", "triton", "cpp", "cuda", "flash_attn_cascade")
+KNOWN_BACKENDS = ("torch", "triton", "cpp", "cuda", "flash_attn_cascade", "native")
 ENV_VAR = "ACARERANK_BACKEND"
 
 Preference = Union[None, str, Mapping[str, str]]
