@@ -3,9 +3,17 @@
 Python packages: ``acarerank`` (the API, ops, model runner) and ``kernels/`` installed as
 ``acarerank.kernels`` (the Triton kernels; the layout keeps them at the repository top).
 
-The compiled part, ``acarerank._C``, is one pybind11 module built by CMake with the
-ninja generator from ``CMakeLists.txt`` + ``csrc/``. It takes raw pointers and shapes from
-thin Python glue and never links libtorch, so a CPU-only torch cannot break it.
+The compiled parts are built by CMake with the ninja generator from ``CMakeLists.txt``:
+
+* ``acarerank._C`` (``csrc/``): one pybind11 module. It takes raw pointers and shapes from
+  thin Python glue and never links libtorch, so a CPU-only torch cannot break it.
+* ``acarerank._cpu`` (``csrc/cpu/``): the native CPU kernels, linked against the libtorch of
+  the torch that is importable *while this script runs*, and only usable with that same torch
+  (its C++ ABI; ``acarerank.ops._native`` says "built against torch X, running Y" otherwise).
+  It is built when torch imports here — ``pip install --no-build-isolation`` after torch, as
+  ``scripts/setup.sh`` does — and skipped with a one-line reason otherwise (a plain
+  ``pip install .`` builds in an isolated environment without torch; the ops then run their
+  "torch" backends).
 
 Prerequisites, checked before CMake runs (each missing one is one clear error):
 CMake >= 3.24 and ninja (the isolated build of ``pip install`` brings both, see pyproject.toml),
@@ -15,6 +23,7 @@ statically: the module needs only the NVIDIA driver at run time, and a driver ne
 the nvcc that built it (CUDA 13.x: driver >= 580; CUDA 12.x: >= 525).
 
 Environment knobs (read by CMakeBuild, documented in the README):
+  ACARERANK_NO_CPU_EXT=1        skip acarerank._cpu even when torch is importable
   ACARERANK_NO_CUDA=1           build the C++ CPU part only, even when nvcc is found
   ACARERANK_CUDA_ARCHS="80;90"  CUDA architectures (CMake CUDA_ARCHITECTURES syntax)
   ACARERANK_BUILD_JOBS=N        parallel compile jobs (default: all cores)
@@ -34,8 +43,23 @@ ROOT = Path(__file__).resolve().parent
 
 
 class CMakeExtension(Extension):
-    def __init__(self, name: str):
+    """One CMake target (``target``) of CMakeLists.txt, built into the package as ``name``."""
+
+    def __init__(self, name: str, target: str):
         super().__init__(name, sources=[])
+        self.target = target
+
+
+def torch_for_cpu_ext():
+    """(torch package dir, version, CXX11 ABI flag) of the importable torch, or (None, reason)."""
+    if os.environ.get("ACARERANK_NO_CPU_EXT") == "1":
+        return None, "ACARERANK_NO_CPU_EXT=1"
+    try:
+        import torch
+    except Exception as e:  # not installed, or broken: the one-line reason is all we need
+        return None, (f"torch is not importable at build time ({type(e).__name__}: {e}); install torch first, then "
+                      "pip install --no-build-isolation (scripts/setup.sh does)")
+    return (os.path.dirname(torch.__file__), torch.__version__, int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))), None
 
 
 CMAKE_MIN = (3, 24)
@@ -108,6 +132,7 @@ class CMakeBuild(build_ext):
         build_temp = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}-{cfg.lower()}"
         build_temp.mkdir(parents=True, exist_ok=True)
         drop_stale_cmake_cache(build_temp)
+        torch_info, _ = torch_for_cpu_ext()
         args = [
             "cmake", str(ROOT), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={shutil.which('ninja')}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
@@ -116,13 +141,33 @@ class CMakeBuild(build_ext):
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DACARERANK_NO_CUDA={'ON' if os.environ.get('ACARERANK_NO_CUDA') == '1' else 'OFF'}",
         ]
+        if torch_info is not None:
+            tdir, tver, abi = torch_info
+            args += [f"-DACARERANK_TORCH_DIR={tdir}", f"-DACARERANK_TORCH_VERSION={tver}",
+                     f"-DACARERANK_TORCH_CXX11_ABI={abi}"]
+        else:  # forget a torch an earlier build of this tree cached
+            args.append("-DACARERANK_TORCH_DIR=")
         if os.environ.get("ACARERANK_CUDA_ARCHS"):
             args.append(f"-DACARERANK_CUDA_ARCHS={os.environ['ACARERANK_CUDA_ARCHS']}")
         else:  # drop a value cached by an earlier build in the same tree: back to the default
             args.append("-UACARERANK_CUDA_ARCHS")
         subprocess.run(args, cwd=build_temp, check=True)
         jobs = os.environ.get("ACARERANK_BUILD_JOBS", str(os.cpu_count() or 1))
-        subprocess.run(["cmake", "--build", ".", "--config", cfg, "-j", jobs], cwd=build_temp, check=True)
+        subprocess.run(["cmake", "--build", ".", "--config", cfg, "--target", ext.target, "-j", jobs],
+                       cwd=build_temp, check=True)
+
+
+def _ext_modules() -> list:
+    """acarerank._C always; acarerank._cpu when torch is importable here (else one line why not)."""
+    if not (ROOT / "CMakeLists.txt").exists():
+        return []
+    mods = [CMakeExtension("acarerank._C", "_C")]
+    torch_info, why_not = torch_for_cpu_ext()
+    if torch_info is None:
+        print(f"acarerank._cpu: not built: {why_not}", file=sys.stderr)
+    else:
+        mods.append(CMakeExtension("acarerank._cpu", "_cpu"))
+    return mods
 
 
 packages = find_packages(include=["acarerank", "acarerank.*"]) + ["acarerank.kernels"]
@@ -135,7 +180,7 @@ setup(
     packages=packages,
     package_dir={"acarerank.kernels": "kernels"},
     package_data={"acarerank.kernels": ["*.json"]},  # the fixed Triton config table
-    ext_modules=[CMakeExtension("acarerank._C")] if (ROOT / "CMakeLists.txt").exists() else [],
+    ext_modules=_ext_modules(),
     cmdclass={"build_ext": CMakeBuild},
     install_requires=[
         # triton >= 3.5: kernels/topk_logprobs.py uses triton.constexpr_function (new in 3.5);

@@ -24,3 +24,18 @@ if EXT_MISSING and os.environ.get("ACARERANK_REQUIRE_EXT") == "1":
     raise RuntimeError(f"ACARERANK_REQUIRE_EXT=1 but {EXT_MISSING}")
 #: mark for a test (or ``pytestmark``) that needs the extension
 needs_ext = pytest.mark.skipif(EXT_MISSING is not None, reason=EXT_MISSING or "")
+
+
+def _native_missing_reason():
+    from acarerank.ops import _native
+
+    return None if _native.available() else _native.why_unavailable()
+
+
+#: None where acarerank._cpu (the native CPU kernels) loads, else why not; scripts/test.sh's
+#: ACARERANK_REQUIRE_EXT=1 makes a missing one an error, as for acarerank._C
+NATIVE_MISSING = _native_missing_reason()
+if NATIVE_MISSING and os.environ.get("ACARERANK_REQUIRE_EXT") == "1":
+    raise RuntimeError(f"ACARERANK_REQUIRE_EXT=1 but {NATIVE_MISSING}")
+#: mark for a test (or ``pytestmark``) that needs acarerank._cpu
+needs_native = pytest.mark.skipif(NATIVE_MISSING is not None, reason=NATIVE_MISSING or "")

@@ -1,0 +1,71 @@
+"""Loader of ``acarerank._cpu``, the native CPU kernels (``csrc/cpu/``, linked against libtorch).
+
+The module registers its ops with the dispatcher when it is imported (``torch.ops.acarerank.*``,
+declared by ``TORCH_LIBRARY_FRAGMENT`` in each ``csrc/cpu/*.cpp``). It is built against one torch
+(headers, libtorch, C++ ABI: see setup.py) and only that torch may load it: a different one could
+crash inside the dispatcher, so ``available()`` refuses it and ``why_unavailable()`` says so.
+
+    available() -> bool           the module imported and matches the running torch
+    why_unavailable() -> str      one line: not built / failed to import (why) / built against
+                                  torch X, running Y; "" when available
+    load() -> module              the module; BackendError (with that line) when unavailable
+    build_info() -> dict          torch_version, cxx11_abi, openmp, as built
+
+The import is tried once per process, on first use (never at ``import acarerank``).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from ._backend import BackendError
+
+NOT_BUILT = ("acarerank._cpu is not built (it is built when torch is importable at build time: "
+             "install torch, then `pip install --no-build-isolation -e .`, as scripts/setup.sh does)")
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    """(module, None) or (None, one-line reason); runs once."""
+    try:
+        mod = importlib.import_module("acarerank._cpu")
+    except ModuleNotFoundError as e:
+        if e.name == "acarerank._cpu":
+            return None, NOT_BUILT
+        return None, f"acarerank._cpu failed to import: {type(e).__name__}: {e}"
+    except Exception as e:  # a missing libtorch symbol (another torch), a bad .so: say which
+        return None, f"acarerank._cpu failed to import: {type(e).__name__}: {e}"
+    built = mod.build_info()["torch_version"]
+    if built != torch.__version__:
+        return None, f"acarerank._cpu was built against torch {built}, running {torch.__version__}; rebuild it"
+    return mod, None
+
+
+def available() -> bool:
+    """Whether the native CPU kernels can run here (imports the module on first call)."""
+    return _load()[0] is not None
+
+
+def why_unavailable() -> str:
+    """One line saying why ``available()`` is False; "" when it is True."""
+    return _load()[1] or ""
+
+
+def load():
+    """The ``acarerank._cpu`` module, or BackendError naming why not."""
+    mod, why = _load()
+    if mod is None:
+        raise BackendError(why)
+    return mod
+
+
+def build_info() -> dict:
+    """How the loaded module was built (torch_version, cxx11_abi, openmp); BackendError if unavailable."""
+    return dict(load().build_info())
+
+
+def could_pack_bf16() -> bool:
+    """Whether cpublas' bf16 brgemm has its fast VNNI path here (AVX512_BF16 or AMX)."""
+    return bool(load().could_pack_bf16())

@@ -1,0 +1,30 @@
+// The Python module acarerank._cpu. Its ops live in the other csrc/cpu/*.cpp files and register
+// with the dispatcher when this library is loaded (torch.ops.acarerank.*); the module itself only
+// reports how it was built, so acarerank/ops/_native.py can refuse a torch it was not built for.
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <pybind11/pybind11.h>
+
+#ifndef ACARERANK_TORCH_VERSION
+#define ACARERANK_TORCH_VERSION "unknown"
+#endif
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_cpu, m) {
+  m.doc() = "acarerank native CPU kernels (torch.ops.acarerank.*), linked against libtorch";
+  m.def("build_info", [] {
+    py::dict d;
+    d["torch_version"] = ACARERANK_TORCH_VERSION;  // the torch whose headers and libtorch it was built with
+    d["cxx11_abi"] = static_cast<int>(_GLIBCXX_USE_CXX11_ABI);
+#ifdef _OPENMP
+    d["openmp"] = true;
+#else
+    d["openmp"] = false;
+#endif
+    return d;
+  }, "How this module was built: torch_version, cxx11_abi, openmp.");
+  m.def("could_pack_bf16", [] { return at::native::cpublas::could_pack(at::kBFloat16); },
+        "Whether cpublas::brgemm has a fast (VNNI-packed, AVX512_BF16/AMX) bf16 path on this CPU.");
+  m.def("num_threads", [] { return at::get_num_threads(); }, "at::get_num_threads() as the kernels see it.");
+}
