@@ -10,7 +10,8 @@ in qkv's dtype. Outputs are new contiguous tensors in qkv's dtype.
 
 Backends (``OP``):
   "torch"  transformers' order (norm in fp32 then round, weight and RoPE in the dtype; the runner
-           passes cos/sin already in the dtype, as transformers casts them): the eager path
+           passes cos/sin already in the dtype, as transformers casts them): the eager path.
+           Given fp32 tables with bf16 qkv it does RoPE in fp32 and rounds once.
   "native" csrc/cpu/qk_norm_rope.cpp: one pass per row, fp32 inside, one rounding per stored
            element; reads fp32 tables as they are (no cast) — CPU default when built
 ``qk_norm_rope_ref`` is the oracle: the formula in fp32, rounded once.
@@ -86,7 +87,7 @@ def _torch_backend(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, e
     def norm_rope(x, w):
         xf = x.float()
         x = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-        return x * c + _rotate_half(x) * s
+        return (x * c + _rotate_half(x) * s).to(qkv.dtype)  # fp32 tables: RoPE in fp32, rounded once
 
     return norm_rope(q, q_weight), norm_rope(k, k_weight), v.contiguous()
 
@@ -110,7 +111,9 @@ def qk_norm_rope_op(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.T
                     backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered op (torch.compile-opaque); ``backend`` is already resolved."""
     q, k, v = OP.impl(backend)(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps)
-    return q.contiguous(), k.contiguous(), v  # a custom op's outputs may not alias or be lazy views
+    if v.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr():
+        v = v.clone()  # the torch backend's v is a view of qkv when it is already contiguous (T = 1)
+    return q, k, v  # a custom op's outputs may not alias its inputs
 
 
 @qk_norm_rope_op.register_fake
