@@ -28,15 +28,15 @@ from typing import Callable
 import torch
 
 from ..ops import backend_for
-from ..ops import qk_norm_rope as _rope_mod
-from ..ops import rms_norm as _norm_mod
-from ..ops import silu_and_mul as _silu_mod
+from ..ops.qk_norm_rope import OP as QK_NORM_ROPE
+from ..ops.rms_norm import OP_FUSED_ADD, OP_RMS_NORM
+from ..ops.silu_and_mul import OP as SILU_AND_MUL
 from . import layer_blocks
 
 
 def resolve_layer_backends(preference, device: torch.device) -> dict:
     """{op name: backend} for the layer's element-wise ops under a backend preference."""
-    decls = (_norm_mod.OP_RMS_NORM, _norm_mod.OP_FUSED_ADD, _rope_mod.OP, _silu_mod.OP)
+    decls = (OP_RMS_NORM, OP_FUSED_ADD, QK_NORM_ROPE, SILU_AND_MUL)
     return {d.name: d.resolve(backend_for(d.name, preference), device) for d in decls}
 
 
@@ -47,10 +47,10 @@ class OpsLayers:
                  dtype: torch.dtype):
         """backends: ``resolve_layer_backends``; cos, sin: fp32 [T, d] RoPE tables of the pass."""
         self.backends = backends
-        self.norm = _norm_mod.OP_RMS_NORM.impl(backends["rms_norm"])
-        self.add_norm = _norm_mod.OP_FUSED_ADD.impl(backends["fused_add_rms_norm"])
-        self.rope = _rope_mod.OP.impl(backends["qk_norm_rope"])
-        self.silu_mul = _silu_mod.OP.impl(backends["silu_and_mul"])
+        self.norm = OP_RMS_NORM.impl(backends["rms_norm"])
+        self.add_norm = OP_FUSED_ADD.impl(backends["fused_add_rms_norm"])
+        self.rope = QK_NORM_ROPE.impl(backends["qk_norm_rope"])
+        self.silu_mul = SILU_AND_MUL.impl(backends["silu_and_mul"])
         if backends["qk_norm_rope"] != "native":  # transformers' order takes the tables in the dtype
             cos, sin = cos.to(dtype), sin.to(dtype)
         self.cos, self.sin = cos, sin

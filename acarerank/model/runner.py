@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import backend_for, per_op_backends, prefix_shared_attention_paged
-from ..ops import rms_norm as rms_norm_mod
+from ..ops.rms_norm import OP_RMS_NORM
 from .block_pool import BlockPool
 from .layer_ops import CompiledLayers, OpsLayers, resolve_layer_backends
 from .paged_cache import PagedKVCache
@@ -121,7 +121,7 @@ class Qwen3Runner:
         return self.weights.final_norm
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        norm = rms_norm_mod.OP_RMS_NORM.impl(self._layer_backends["rms_norm"])
+        norm = OP_RMS_NORM.impl(self._layer_backends["rms_norm"])
         return norm(hidden.contiguous(), self.weights.final_norm, self.arch.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
