@@ -3,31 +3,22 @@
 //
 //   x [N, 2·I] = [gate | up] -> y [N, I],  y = gate / (1 + exp(−gate)) · up
 //
-// fp32 math inside, one rounding per stored element, in/out in the activation dtype.
+// fp32 math inside (exp from layer_kernels_impl.h, within 2 ulp), one rounding per stored element,
+// in/out in the activation dtype; rows split over at::parallel_for.
 #include <torch/library.h>
 
-#include "vec_io.h"
+#include "layer_glue.h"
 
 namespace acarerank_cpu {
 namespace {
 
-template <typename T>
+template <typename T, typename K>
 void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& y) {
   const int64_t I = y.size(-1), rows = y.numel() / I;
-  const T* xp = x.const_data_ptr<T>();
-  T* yp = y.mutable_data_ptr<T>();
-  const fVec one(1.f);
+  const K* xp = reinterpret_cast<const K*>(x.const_data_ptr<T>());
+  K* yp = reinterpret_cast<K*>(y.mutable_data_ptr<T>());
   at::parallel_for(0, rows, row_grain(2 * I), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* g = xp + r * 2 * I;
-      const T* u = g + I;
-      T* out = yp + r * I;
-      for (int64_t i = 0; i < I; i += kLanes) {
-        const int64_t n = lanes_left(i, I);
-        const fVec gv = load_f32(g + i, n);
-        store_f32(out + i, gv / (one + gv.neg().exp()) * load_f32(u + i, n), n);
-      }
-    }
+    ACR_LAYER_KERNEL(silu_and_mul_rows, xp + r0 * 2 * I, yp + r0 * I, r1 - r0, I);
   });
 }
 
@@ -43,8 +34,8 @@ at::Tensor silu_and_mul_cpu(const at::Tensor& x) {
   shape.back() /= 2;
   auto y = at::empty(shape, x.options());
   if (y.numel() == 0) return y;
-  if (x.scalar_type() == at::kFloat) silu_and_mul_kernel<float>(x, y);
-  else silu_and_mul_kernel<at::BFloat16>(x, y);
+  if (x.scalar_type() == at::kFloat) silu_and_mul_kernel<float, float>(x, y);
+  else silu_and_mul_kernel<at::BFloat16, uint16_t>(x, y);
   return y;
 }
 

@@ -1,5 +1,5 @@
 // RMSNorm and fused residual-add + RMSNorm on CPU (docs/ARCHITECTURE.md, "Native CPU ops around
-// attention"); the plain-PyTorch references are acarerank/ops/layer_norm.py's *_ref.
+// attention"); the plain-PyTorch references are acarerank/ops/rms_norm.py's *_ref.
 //
 //   rms_norm_cpu(x [N, H], w [H], eps)              -> y = x / sqrt(mean(x²) + eps) · w
 //   fused_add_rms_norm_cpu(x, residual (a!), w, eps) -> residual := residual + x;  y = rms_norm(residual)
@@ -7,12 +7,11 @@
 // fp32 math inside, x/residual/w/y in the activation dtype (fp32 or bf16), one rounding per
 // stored element. The sum is rounded to the dtype *before* it is normalised, so y is the norm
 // of exactly the residual stream that is stored (as in transformers' Qwen3 layer, where the add
-// happens in the activation dtype). Rows are split over at::parallel_for (torch's OpenMP pool).
+// happens in the activation dtype). Rows are split over at::parallel_for (torch's OpenMP pool); the
+// row kernels are layer_kernels.h's (AVX2 build chosen at run time).
 #include <torch/library.h>
 
-#include <cmath>
-
-#include "vec_io.h"
+#include "layer_glue.h"
 
 namespace acarerank_cpu {
 namespace {
@@ -30,52 +29,38 @@ void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& w) {
               x.strides(), "); call .contiguous() first");
 }
 
-// y = src / sqrt(mean(src²) + eps) · w for one row of H elements.
-template <typename T>
-inline void norm_row(const T* src, const T* w, T* y, int64_t H, float eps) {
-  fVec acc(0.f);
-  for (int64_t i = 0; i < H; i += kLanes) {
-    const int64_t n = lanes_left(i, H);
-    fVec v = load_f32(src + i, n);
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  const float scale = 1.f / std::sqrt(at::vec::vec_reduce_all<float>(std::plus<fVec>(), acc) / H + eps);
-  const fVec s(scale);
-  for (int64_t i = 0; i < H; i += kLanes) {
-    const int64_t n = lanes_left(i, H);
-    store_f32(y + i, load_f32(src + i, n) * s * load_f32(w + i, n), n);
-  }
+template <typename T, typename K>
+const K* bits(const at::Tensor& t) {
+  return reinterpret_cast<const K*>(t.const_data_ptr<T>());
+}
+template <typename T, typename K>
+K* mbits(at::Tensor& t) {
+  return reinterpret_cast<K*>(t.mutable_data_ptr<T>());
 }
 
-template <typename T>
+// the kernels take bf16 as its uint16_t bits (layer_kernels.h)
+template <typename T, typename K>
 void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, double eps) {
   const int64_t H = x.size(-1), rows = x.numel() / H;
-  const T* xp = x.const_data_ptr<T>();
-  const T* wp = w.const_data_ptr<T>();
-  T* yp = y.mutable_data_ptr<T>();
+  const K* xp = bits<T, K>(x);
+  const K* wp = bits<T, K>(w);
+  K* yp = mbits<T, K>(y);
   at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * H, wp, yp + r * H, H, static_cast<float>(eps));
+    ACR_LAYER_KERNEL(rms_norm_rows, xp + r0 * H, wp, yp + r0 * H, r1 - r0, H, static_cast<float>(eps));
   });
 }
 
-template <typename T>
+template <typename T, typename K>
 void fused_add_rms_norm_kernel(const at::Tensor& x, at::Tensor& res, const at::Tensor& w, at::Tensor& y,
                                double eps) {
   const int64_t H = x.size(-1), rows = x.numel() / H;
-  const T* xp = x.const_data_ptr<T>();
-  T* rp = res.mutable_data_ptr<T>();
-  const T* wp = w.const_data_ptr<T>();
-  T* yp = y.mutable_data_ptr<T>();
+  const K* xp = bits<T, K>(x);
+  K* rp = mbits<T, K>(res);
+  const K* wp = bits<T, K>(w);
+  K* yp = mbits<T, K>(y);
   at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      T* rr = rp + r * H;
-      const T* xr = xp + r * H;
-      for (int64_t i = 0; i < H; i += kLanes) {  // the row is back in L1 for norm_row's two passes
-        const int64_t n = lanes_left(i, H);
-        store_f32(rr + i, load_f32(rr + i, n) + load_f32(xr + i, n), n);
-      }
-      norm_row(rr, wp, yp + r * H, H, static_cast<float>(eps));
-    }
+    ACR_LAYER_KERNEL(add_rms_norm_rows, xp + r0 * H, rp + r0 * H, wp, yp + r0 * H, r1 - r0, H,
+                     static_cast<float>(eps));
   });
 }
 
@@ -83,8 +68,8 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_norm_args("rms_norm_cpu", x, w);
   auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (x.numel() == 0) return y;
-  if (x.scalar_type() == at::kFloat) rms_norm_kernel<float>(x, w, y, eps);
-  else rms_norm_kernel<at::BFloat16>(x, w, y, eps);
+  if (x.scalar_type() == at::kFloat) rms_norm_kernel<float, float>(x, w, y, eps);
+  else rms_norm_kernel<at::BFloat16, uint16_t>(x, w, y, eps);
   return y;
 }
 
@@ -99,8 +84,8 @@ at::Tensor fused_add_rms_norm_cpu(const at::Tensor& x, at::Tensor& residual, con
               "fused_add_rms_norm_cpu: residual and input must not share memory");
   auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (x.numel() == 0) return y;
-  if (x.scalar_type() == at::kFloat) fused_add_rms_norm_kernel<float>(x, residual, w, y, eps);
-  else fused_add_rms_norm_kernel<at::BFloat16>(x, residual, w, y, eps);
+  if (x.scalar_type() == at::kFloat) fused_add_rms_norm_kernel<float, float>(x, residual, w, y, eps);
+  else fused_add_rms_norm_kernel<at::BFloat16, uint16_t>(x, residual, w, y, eps);
   return y;
 }
 

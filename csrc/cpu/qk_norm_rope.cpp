@@ -11,67 +11,34 @@
 //
 // cos, sin: [T, d] of the rows' positions, fp32 or the activation dtype (read as stored; the
 // math is fp32 either way, so fp32 tables never need a cast to the activation dtype). One
-// rounding per stored element; the normalised head stays in an fp32 buffer on the stack.
+// rounding per stored element; the normalised head stays in an fp32 buffer on the stack. Rows are
+// split over at::parallel_for; the row kernel is layer_kernels.h's (AVX2 build chosen at run time).
 #include <torch/library.h>
 
-#include <cmath>
-#include <cstring>
 #include <tuple>
 
-#include "vec_io.h"
+#include "layer_glue.h"
 
 namespace acarerank_cpu {
 namespace {
 
-constexpr int64_t kMaxHeadDim = 512;
+using acr_layer::kMaxHeadDim;
 
-template <typename T, typename CS>
-inline void norm_rope_head(const T* src, const T* w, const CS* cos, const CS* sin, T* dst, int64_t d, float eps) {
-  alignas(64) float buf[kMaxHeadDim];
-  fVec acc(0.f);
-  for (int64_t i = 0; i < d; i += kLanes) {
-    fVec v = load_f32(src + i, lanes_left(i, d));
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  const fVec s(1.f / std::sqrt(at::vec::vec_reduce_all<float>(std::plus<fVec>(), acc) / d + eps));
-  for (int64_t i = 0; i < d; i += kLanes) {
-    const int64_t n = lanes_left(i, d);
-    (load_f32(src + i, n) * s * load_f32(w + i, n)).store(buf + i, n);
-  }
-  const int64_t h = d / 2;
-  for (int64_t i = 0; i < h; i += kLanes) {
-    const int64_t n = lanes_left(i, h);
-    const fVec a = fVec::loadu(buf + i, n), b = fVec::loadu(buf + h + i, n);
-    store_f32(dst + i, a * load_f32(cos + i, n) - b * load_f32(sin + i, n), n);
-    store_f32(dst + h + i, b * load_f32(cos + h + i, n) + a * load_f32(sin + h + i, n), n);
-  }
-}
-
-template <typename T, typename CS>
+// T: the activation type, K: its kernel type (bf16 as uint16_t bits), C/CK: the same for the tables
+template <typename T, typename K, typename C, typename CK>
 void qk_norm_rope_kernel(const at::Tensor& qkv, const at::Tensor& qw, const at::Tensor& kw, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor& q, at::Tensor& k, at::Tensor& v, int64_t Hq,
                          int64_t Hkv, int64_t d, double eps) {
   const int64_t rows = qkv.size(0), width = (Hq + 2 * Hkv) * d;
-  const T* src = qkv.const_data_ptr<T>();
-  const T* qwp = qw.const_data_ptr<T>();
-  const T* kwp = kw.const_data_ptr<T>();
-  const CS* cp = cos.const_data_ptr<CS>();
-  const CS* sp = sin.const_data_ptr<CS>();
-  T* qp = q.mutable_data_ptr<T>();
-  T* kp = k.mutable_data_ptr<T>();
-  T* vp = v.mutable_data_ptr<T>();
-  const float e = static_cast<float>(eps);
+  auto in = [](const at::Tensor& t) { return reinterpret_cast<const K*>(t.const_data_ptr<T>()); };
+  auto out = [](at::Tensor& t) { return reinterpret_cast<K*>(t.mutable_data_ptr<T>()); };
+  const K *src = in(qkv), *qwp = in(qw), *kwp = in(kw);
+  const CK* cp = reinterpret_cast<const CK*>(cos.const_data_ptr<C>());
+  const CK* sp = reinterpret_cast<const CK*>(sin.const_data_ptr<C>());
+  K *qp = out(q), *kp = out(k), *vp = out(v);
   at::parallel_for(0, rows, row_grain(width), [&](int64_t r0, int64_t r1) {
-    for (int64_t t = r0; t < r1; ++t) {
-      const T* row = src + t * width;
-      const CS* c = cp + t * d;
-      const CS* s = sp + t * d;
-      for (int64_t hd = 0; hd < Hq; ++hd)
-        norm_rope_head(row + hd * d, qwp, c, s, qp + (t * Hq + hd) * d, d, e);
-      for (int64_t hd = 0; hd < Hkv; ++hd)
-        norm_rope_head(row + (Hq + hd) * d, kwp, c, s, kp + (t * Hkv + hd) * d, d, e);
-      std::memcpy(vp + t * Hkv * d, row + (Hq + Hkv) * d, sizeof(T) * Hkv * d);
-    }
+    ACR_LAYER_KERNEL(qk_norm_rope_rows, src + r0 * width, qwp, kwp, cp + r0 * d, sp + r0 * d, qp + r0 * Hq * d,
+                     kp + r0 * Hkv * d, vp + r0 * Hkv * d, r1 - r0, Hq, Hkv, d, static_cast<float>(eps));
   });
 }
 
@@ -111,13 +78,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor
   if (T == 0) return {q, k, v};
   const bool f32_tables = cos.scalar_type() == at::kFloat;
   if (dt == at::kFloat) {
-    qk_norm_rope_kernel<float, float>(qkv, q_weight, k_weight, cos, sin, q, k, v, num_heads, num_kv_heads, d, eps);
-  } else if (f32_tables) {
-    qk_norm_rope_kernel<at::BFloat16, float>(qkv, q_weight, k_weight, cos, sin, q, k, v, num_heads, num_kv_heads, d,
-                                             eps);
-  } else {
-    qk_norm_rope_kernel<at::BFloat16, at::BFloat16>(qkv, q_weight, k_weight, cos, sin, q, k, v, num_heads,
+    qk_norm_rope_kernel<float, float, float, float>(qkv, q_weight, k_weight, cos, sin, q, k, v, num_heads,
                                                     num_kv_heads, d, eps);
+  } else if (f32_tables) {
+    qk_norm_rope_kernel<at::BFloat16, uint16_t, float, float>(qkv, q_weight, k_weight, cos, sin, q, k, v, num_heads,
+                                                              num_kv_heads, d, eps);
+  } else {
+    qk_norm_rope_kernel<at::BFloat16, uint16_t, at::BFloat16, uint16_t>(qkv, q_weight, k_weight, cos, sin, q, k, v,
+                                                                        num_heads, num_kv_heads, d, eps);
   }
   return {q, k, v};
 }
