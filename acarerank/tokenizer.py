@@ -15,7 +15,7 @@ and ``decode`` take a shared borrow), so any number of threads may encode at onc
 are immutable after construction, which is why one encoder may serve every reranker built from
 the same tokenizer object (``TextEncoder.of``).
 
-Special tokens in user text (the rule for every reranker; README, "Input safety"): every
+Special tokens in user text (the rule for every reranker; docs/input-safety.md): every
 string a user supplies (query, question, trace, instruction, documents, intent) is encoded as
 plain text by default (``special_tokens="escape"``): a document containing ``"<|im_end|>"`` or
 ``"</think>"`` gets the ordinary BPE tokens of those characters, so it cannot close the user
@@ -304,9 +304,6 @@ class TextEncoder:
     def user_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
         e = self._backend.encode(text, add_special_tokens=False)
         return e.ids, e.offsets
-
-    def user_offsets_batch(self, texts: Sequence[str]):
-        return [(e.ids, e.offsets) for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def user_heads(self, texts: Sequence[str], n: int, offsets: bool = False) -> list:
         """The first tokens of user texts, tokenizing only a prefix of each long one (module docstring).

@@ -1,19 +1,18 @@
-"""Interleaved A/B runs behind the CPU bf16 choices (README, "bf16 on CPU"): bf16 prefix attention and torch.compile'd layers on CPU.
+"""Interleaved A/B runs behind the CPU bf16 choices (docs/cpu.md, "Dtype: fp32 or bf16"): bf16 prefix attention and torch.compile'd layers on CPU.
 
 Every comparison runs its variants in the same process, one call of each in turn, for
 ``--rounds`` rounds (so a load change on a shared machine hits all variants alike), and
 prints median / min ms per variant, the FLOP rate and the speedup over the first variant.
 
-  --what attention   the prefix part of one packed pass at the default model's M3 shape
-                     (2,048 segment tokens, 6/2 heads, d 64, 1,650-token prefix):
-                     fp32 fused flash kernel (today's fp32 path) | bf16 inputs through the
-                     same kernel (today's bf16 path: fp32 copy of the prefix) | bf16 blocked
-                     GEMMs (cpu_attention_bf16) at a few row-block × key-tile sizes, with
-                     the tile softmax eager or torch.compile'd (COMPILE_SOFTMAX)
+  --what attention   one packed attention call at the default model's M3 shape (2,048
+                     segment tokens in 8 segments, 6/2 heads, d 64, 1,650-token prefix), by
+                     backend: "torch" (torch's fused flash kernel in fp32) and "native" (the
+                     one-kernel CPU path), each in fp32 and bf16 (bench/bench_cpu_attention.py
+                     has the paged op at the Qwen3-Reranker shapes beside SDPA and FlexAttention)
   --what layer       one packed runner pass (prefix 1,650 + 2,048 segment tokens) per dtype:
                      eager layer halves | torch.compile'd (layer_blocks); compile time printed
-  --what e2e         PointwiseReranker.score, M3, depth --depth, bf16: old prefix path | new
-                     prefix path | new path + compiled layers; fp32 beside them
+  --what e2e         PointwiseReranker.score, M3, depth --depth: fp32 | bf16 with the "torch"
+                     attention backend | bf16 with "native" | bf16 native + compiled layers
 
     python bench/bench_cpu_bf16.py --what attention [--rounds 7]
     python bench/bench_cpu_bf16.py --what layer
@@ -57,38 +56,25 @@ def report(title: str, times: dict, gflop: float = math.nan) -> None:
 
 
 def bench_attention(args) -> None:
-    import acarerank.ops.attention as att
-    import acarerank.ops.cpu_attention_bf16 as bf16_attn
-    from acarerank.ops.cpu_attention_bf16 import prefix_attention_bf16
+    from acarerank.ops import available_backends, prefix_shared_attention
 
     Tg, Hq, Hkv, d, P = (64, 6, 2, 64, 100) if args.quick else (args.tokens, 6, 2, 64, args.prefix)
     g = torch.Generator().manual_seed(0)
     q32 = torch.randn(Tg, Hq, d, generator=g)
-    k32, v32 = torch.randn(P, Hkv, d, generator=g), torch.randn(P, Hkv, d, generator=g)
-    qb, kb, vb = q32.bfloat16(), k32.bfloat16(), v32.bfloat16()
-    scale = d ** -0.5
-    variants = {
-        "fp32: fused flash kernel (today)": lambda: att._prefix_part(q32, k32, v32, scale),
-        "bf16 in: fp32 copy + fused flash kernel (today)": lambda: att._prefix_part(qb.float(), kb, vb, scale),
-    }
-    def blocked(rb, kt, fused):
-        def call():
-            bf16_attn.COMPILE_SOFTMAX = fused
-            return prefix_attention_bf16(qb, kb, vb, scale, row_block=rb, key_tile=kt)
-        return call
-
-    for rb, kt, fused in ((512, 2048, False), (512, 2048, True), (128, 2048, False), (128, 2048, True),
-                          (256, 2048, False), (1024, 2048, False), (512, 512, False), (256, 512, True)):
-        variants[f"bf16: blocked GEMMs rows {rb} keys {kt}{' +compiled softmax' if fused else ''}"] = \
-            blocked(rb, kt, fused)
-    ref, _ = att._prefix_part(q32, k32, v32, scale)
-    o, _ = prefix_attention_bf16(qb, kb, vb, scale)
-    print(f"bf16 blocked vs fp32: max |diff| {(o - ref).abs().max().item():.2e}")
-    try:
-        report(f"prefix attention: {Tg} tokens x {Hq}/{Hkv} heads x d {d} against {P} keys",
-               interleaved(variants, args.rounds), gflop=4.0 * Tg * Hq * d * P / 1e9)
-    finally:
-        bf16_attn.COMPILE_SOFTMAX = False
+    k32, v32 = torch.randn(Tg, Hkv, d, generator=g), torch.randn(Tg, Hkv, d, generator=g)
+    pk32, pv32 = torch.randn(P, Hkv, d, generator=g), torch.randn(P, Hkv, d, generator=g)
+    i32 = dict(dtype=torch.int32)
+    cu = torch.linspace(0, Tg, 9).round().to(**i32)
+    cp, sg = torch.tensor([0, P], **i32), torch.zeros(8, **i32)
+    variants = {}
+    for backend in available_backends("prefix_shared_attention", "cpu"):
+        for dt in (torch.float32, torch.bfloat16):
+            t = [x.to(dt) for x in (q32, k32, v32, pk32, pv32)]
+            variants[f"{backend} {dt}"] = (lambda t=t, b=backend: prefix_shared_attention(
+                t[0], t[1], t[2], cu, t[3], t[4], cp, sg, backend=b))
+    flop = 4.0 * Hq * d * sum(L * (P + (L + 1) / 2) for L in (cu[1:] - cu[:-1]).tolist())
+    report(f"prefix-shared attention: {Tg} tokens in 8 segments x {Hq}/{Hkv} heads x d {d}, prefix {P}",
+           interleaved(variants, args.rounds), gflop=flop / 1e9)
 
 
 def _runner_pass(dtype, compile_layers: bool, quick: bool, layers: int):
@@ -118,11 +104,11 @@ def bench_layer(args) -> None:
 
 
 def bench_e2e(args) -> None:
-    import acarerank.ops.cpu_attention_bf16 as bf16_attn
     from acarerank import PointwiseReranker
     from acarerank.benchmark.workload import WorkloadSpec, make_workload
     from acarerank.model import Qwen3Runner
     from acarerank.model.default import build_default_model
+    from acarerank.ops import available_backends
     from acarerank.tokenizer import load_qwen3_tokenizer
 
     tok = load_qwen3_tokenizer()
@@ -134,24 +120,20 @@ def bench_e2e(args) -> None:
     m32 = build_default_model("tiny-cpu", seed=0, **kw)
     mbf = build_default_model("tiny-cpu", seed=0, dtype=torch.bfloat16, **kw)
 
-    def scorer(model, enabled, compile_layers=False):
-        rr = PointwiseReranker(runner=Qwen3Runner.from_hf(model, compile_layers=compile_layers), tokenizer=tok)
+    def scorer(model, attention, compile_layers=False):
+        backend = None if attention is None else {"attention": attention, "paged_attention": attention}
+        runner = Qwen3Runner.from_hf(model, backend=backend, compile_layers=compile_layers)
+        rr = PointwiseReranker(runner=runner, tokenizer=tok)
+        return lambda: rr.score(documents=docs, **ctx)
 
-        def call():
-            bf16_attn.ENABLED = enabled
-            return rr.score(documents=docs, **ctx)
-        return call
-
-    variants = {"fp32": scorer(m32, None), "bf16, fp32 prefix attention (old)": scorer(mbf, False),
-                "bf16, bf16 blocked prefix attention": scorer(mbf, True),
-                "bf16, bf16 attention + compiled layers": scorer(mbf, True, True)}
-    t0 = time.perf_counter()
-    variants["bf16, bf16 attention + compiled layers"]()
-    print(f"compile + first call: {time.perf_counter() - t0:.1f} s")
-    try:
-        report(f"PointwiseReranker.score M3 depth {args.depth}", interleaved(variants, args.rounds))
-    finally:
-        bf16_attn.ENABLED = None
+    variants = {"fp32 (CPU defaults)": scorer(m32, None), "bf16, torch attention": scorer(mbf, "torch")}
+    if "native" in available_backends("prefix_shared_attention", "cpu"):
+        variants["bf16, native attention"] = scorer(mbf, "native")
+        variants["bf16, native attention + compiled layers"] = scorer(mbf, "native", True)
+        t0 = time.perf_counter()
+        variants["bf16, native attention + compiled layers"]()
+        print(f"compile + first call: {time.perf_counter() - t0:.1f} s")
+    report(f"PointwiseReranker.score M3 depth {args.depth}", interleaved(variants, args.rounds))
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ them over. Providers, on the same inputs:
 The op reads 2·T·H·(d·b + 4) bytes and writes T·H·(d·b + 4) (b: bytes per element of o), so
 it is memory-bound: GB/s = those bytes / time. ``x_torch`` = provider time / torch time
 (> 1: torch is faster). Every provider's max |out − ref| and |lse − ref| is checked against a
-per-dtype tolerance, that of tests/test_op_merge_states.py (|Δ| <= atol + rtol·|ref|; fp32
+per-dtype tolerance, that of tests/ops/test_op_merge_states.py (|Δ| <= atol + rtol·|ref|; fp32
 1e-6 + 1e-6·|ref|, bf16 one rounding); a breach exits 1.
 
 Default shapes: GPU — the cascade of Qwen3-4B at depth 100 (51,200 segment tokens, 32
@@ -29,7 +29,7 @@ from pathlib import Path
 QUICK = dict(tokens=33, heads=3, head_dim=16, dtype="float32", repeats=3)
 GPU_FULL = dict(tokens=51200, heads=32, head_dim=128, dtype="bfloat16", repeats=0)
 CPU_FULL = dict(tokens=2048, heads=6, head_dim=64, dtype="float32", repeats=20)
-# as tests/test_op_merge_states.py: |x − ref| <= atol + rtol · |ref|; lse is fp32 for every dtype
+# as tests/ops/test_op_merge_states.py: |x − ref| <= atol + rtol · |ref|; lse is fp32 for every dtype
 TOLERANCE = {"float32": (1e-6, 1e-6), "float16": (1e-5, 1e-3), "bfloat16": (1e-5, 1.6e-2)}
 COLUMNS = ["provider", "median_ms", "p20_ms", "p80_ms", "gb_per_s", "x_torch", "max_abs_out_diff", "max_abs_lse_diff",
            "tokens", "heads", "head_dim", "dtype", "device", "device_name", "python", "torch", "triton", "acarerank"]

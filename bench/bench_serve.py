@@ -10,7 +10,7 @@ Workloads (token counts measured with the real Qwen3 tokenizer):
   m3     independent ACARe M3 requests: sub-query 20, question 60, trace 1,500 tokens,
          ``--depth`` documents of 60–380 tokens; every request a different context.
   m0     independent M0 requests: the sub-query alone, ``--depth`` documents.
-  agent  agent sessions (the prefix-cache issue's workload): ``--steps`` calls per session,
+  agent  agent sessions (the prefix cache's workload): ``--steps`` calls per session,
          the trace growing by 600 tokens per call, question 60, ``--depth`` documents per
          call; one ``cache_salt`` per session; a session's calls are sequential (an agent
          waits for its reranker), different sessions run side by side.
@@ -86,7 +86,7 @@ OURS = "acarerank"           # the in-process acarerank server's target name
 # how a pass is blocked, and the server batches requests that offline scores one by one
 OWN_TOLERANCE = {"float32": 1e-6, "bfloat16": 2e-2}
 PEER_TOLERANCE = {"float32": 1e-2, "bfloat16": 5e-2}  # default --peer-tolerance (another engine's kernels)
-PEER_TARGETS = {"vllm": 1.5, "llama.cpp": 2.0}  # acarerank ≥ this × the peer's throughput (README)
+PEER_TARGETS = {"vllm": 1.5, "llama.cpp": 2.0}  # acarerank ≥ this × the peer's throughput (docs/benchmarks.md)
 
 
 @dataclass
@@ -548,7 +548,7 @@ def checks(rows: list, targets: list, args) -> tuple:
         if o70 and o70[0]["p50_ms"]:
             ratio = o70[0]["p99_ms"] / o70[0]["p50_ms"]
             check("70 % load: p99 <= 3x p50", ratio <= 3.0, f"{ratio:.2f}x", f"{name} {OURS}")
-        for t in targets[1:]:  # information, not a pass/fail of this run: one quiet run decides (README)
+        for t in targets[1:]:  # information, not a pass/fail of this run: one quiet run decides (docs/benchmarks.md)
             for r in sel(t.name, "closed"):
                 want = PEER_TARGETS.get(t.api)
                 sp = r.get("acarerank_speedup")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check for a lent GPU (H200 class), no network: fits 540 s with a cold Triton cache.
+# One prepared check for a GPU machine (H200 class), no network: fits 540 s with a cold Triton cache.
 # Correctness before speed; each step under its own time limit, the limits summing to at most the
 # deadline (checked before anything runs). Default steps, in order:
 #   env        GPU, driver vs the CUDA runtime the extension links statically (nvcc 13 needs a

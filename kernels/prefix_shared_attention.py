@@ -25,7 +25,7 @@ BLOCK_N) that depends only on its own segment and group; the config is a fixed f
 (head_dim, GQA ratio, dtype, GPU architecture) — ``attention_config``, no timing-based
 autotune, so every process picks the same one and the first call does not stall; no
 atomics. So a segment's output is bitwise the same whatever else is in the batch and in what
-order (tests/test_op_attention.py).
+order (tests/ops/test_op_attention.py).
 
 Interpreter note (triton 3.9): the interpreter stores bfloat16 as uint16 and its ``tl.dot``
 multiplies the raw bit patterns (triton-lang/triton#11584; bf16 is documented as unsupported
@@ -227,7 +227,7 @@ def _rule_config(head_dim: int, dtype: torch.dtype, arch: str = "sm90") -> tuple
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) that do not spill on ``arch`` (sm80 / sm90).
 
     Chosen by compiling ahead of time and reading the compiler's register, stack and shared
-    memory report (``bench/aot_check.py``; tests/test_spill_free.py keeps every shipped config
+    memory report (``bench/aot_check.py``; tests/ops/test_spill_free.py keeps every shipped config
     at zero spill bytes on sm_90 and sm_80). Figures are triton 3.9's for GQA 4:
       * bf16/fp16, d <= 128, sm90: (128, 64, 8, 2), 222 registers, 96 KB shared. On sm80 the
         same tiles spill 72 bytes per thread with two stages: one stage there (249 registers).

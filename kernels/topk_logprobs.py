@@ -224,7 +224,7 @@ def gpu_tile_config(K: int, dtype: torch.dtype) -> tuple:
 
     Per thread the running top-K ([BLOCK_T, K] int64 keys, two registers each) and the tile's
     bitonic network dominate. Chosen by compiling ahead of time for sm_90 and sm_80 and reading
-    the compiler's report (``bench/aot_check.py``, tests/test_spill_free.py): no spill, and the
+    the compiler's report (``bench/aot_check.py``, tests/ops/test_spill_free.py): no spill, and the
     figures are triton 3.9's (sm90). bf16/fp16: K 128 → 202 registers; K 256 → 239; K 512 with
     8 warps → 235. fp32 dots are IEEE on the FMA units, operands in registers: (16, 128, 64, 4)
     spilled 696 bytes per thread at K 128, (16, 64, 32, 8) takes 176 registers; at K 512

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install acarerank with its test extras, on a fresh CPU machine.
-# torch is pinned to the CPU wheel this workplace keeps on disk (an unpinned torch pulls a
+# torch is pinned to its 2.13.0 CPU wheel (an unpinned torch pulls a
 # multi-GB CUDA build). The extension acarerank._C is built by CMake + ninja during the
 # editable install (C++ always; CUDA when nvcc is found unless ACARERANK_NO_CUDA=1).
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""Spawned gloo process groups for tests/test_op_vocab_parallel.py.
+"""Spawned gloo process groups for tests/ops/test_op_vocab_parallel.py.
 
 One group of W ranks (torch.multiprocessing, forkserver) serves many cases: each rank loops on its
 job queue, runs ``CASES[name](ctx, **job)`` and puts (rank, "ok", result) or

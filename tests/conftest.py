@@ -20,7 +20,7 @@ def _seed():
 
 @pytest.fixture
 def one_thread():
-    """torch on one thread for the test: small ops on a shared 2-core box lose 10-30x wall time
+    """torch on one thread for the test: small ops on a loaded 2-core machine lose 10-30x wall time
     to OpenMP spin-waiting (use with ``pytest.mark.usefixtures("one_thread")``)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

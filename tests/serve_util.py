@@ -5,24 +5,14 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
-
+from _tiny import random_qwen3
 from acarerank.server.launch import free_port, serve_subprocess, wait_until  # noqa: F401 (re-exported)
-from acarerank.tokenizer import QWEN3_VOCAB
 
 
 def tiny_model(seed: int = 0):
     """A 2-layer random Qwen3 with the real vocabulary; yes/no rows spread so scores vary."""
-    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
-                      tie_word_embeddings=True, attn_implementation="eager")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        m = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        m.lm_head.weight[[9693, 2152]] *= 20
-    return m
+    return random_qwen3(seed=seed, spread_yes_no=20, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
+                        head_dim=32, tie=True)
 
 
 @contextlib.contextmanager

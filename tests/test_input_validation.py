@@ -1,6 +1,5 @@
 """Clear, documented errors (or correct results) for the odd inputs a new user sends."""
 import json
-import time
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from acarerank.ato.reward import JudgeOutputError, rubric_reward
 from acarerank.ops import linear_logprob, prefix_shared_attention, topk_logprobs
 from acarerank.ops.attention import prefix_shared_attention_ref
 from acarerank.prompts import encode_pointwise, official_batch_input_ids
-from acarerank.selection import parse_selection
+from acarerank.setwise.selection import parse_selection
 from acarerank.setwise import SetwiseReranker
 from acarerank.setwise.prompts import build_prompt
 
@@ -81,13 +80,40 @@ def test_max_select_above_15_names_the_knob(model):
     assert sel.valid and 1 <= len(sel.ids) <= 16
 
 
-def test_parse_selection_linear_and_total():
+class _CountingPattern:
+    """A compiled pattern that records where each ``match`` / ``finditer`` starts (the scan's work)."""
+
+    def __init__(self, pattern):
+        self._pattern, self.starts, self.scans = pattern, [], 0
+
+    def match(self, text, pos=0):
+        self.starts.append(pos)
+        return self._pattern.match(text, pos)
+
+    def finditer(self, text, *args):
+        self.scans += 1
+        return self._pattern.finditer(text, *args)
+
+
+def test_parse_selection_linear_and_total(monkeypatch):
+    """60,000 ids parse in one left-to-right scan: the strict parse matches each entry once, at the
+    position the previous one ended (+1 for the space), and the lenient parse scans the text once."""
+    import acarerank.setwise.selection as selection
+    strict, lenient = (_CountingPattern(selection._STRICT_ENTRY), _CountingPattern(selection._LENIENT_ENTRY))
+    monkeypatch.setattr(selection, "_STRICT_ENTRY", strict)
+    monkeypatch.setattr(selection, "_LENIENT_ENTRY", lenient)
     n = 60_000
-    text = " ".join(f"[{i}]" for i in range(1, n + 1))
-    t0 = time.perf_counter()
+    entries = [f"[{i}]" for i in range(1, n + 1)]
+    text = " ".join(entries)
     assert parse_selection(text, n, None).ids[-1] == n
+    want_starts, pos = [], 0
+    for e in entries:
+        want_starts.append(pos)
+        pos += len(e) + 1
+    assert strict.starts == want_starts, "the strict parse re-scans the text"
+    strict.starts.clear()
     assert len(parse_selection(text + " junk", n, None, strict=False).ids) == n
-    assert time.perf_counter() - t0 < 10, "parse_selection is not linear (main: quadratic, ~13 s at 60k ids)"
+    assert lenient.scans == 1 and strict.starts == want_starts + [pos], (lenient.scans, len(strict.starts))
     huge = "[" + "9" * 4301 + "]"
     for strict in (True, False):
         r = parse_selection(huge + " [1]", 5, strict=strict)

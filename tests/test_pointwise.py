@@ -4,11 +4,10 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from _tiny import random_qwen3
 
 from acarerank import PointwiseReranker, ScoreRequest
 from acarerank.prompts import encode_pointwise, joint_input_ids, official_input_ids, official_scores
-from acarerank.tokenizer import QWEN3_VOCAB
 
 DOCS = [
     "Adaptive Tutoring Optimization trains a setwise reranker with a tutor's hints.",
@@ -24,14 +23,9 @@ TRACE = ("First I searched for GRPO rerankers and found background on group-rela
 
 
 def random_reranker_model(layers, heads, kv_heads, head_dim, hidden=64, seed=0, dtype=torch.float32):
-    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=hidden, intermediate_size=3 * hidden - 5,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, rope_theta=1000000.0, tie_word_embeddings=True, attn_implementation="eager")
-    torch.manual_seed(seed)
-    m = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # spread the yes/no rows so scores are not all ~0.5
-        m.lm_head.weight[[9693, 2152]] *= 20
-    return m.to(dtype)
+    """A random tied-embedding Qwen3 with the real vocabulary and spread yes/no rows (tests/_tiny.py)."""
+    return random_qwen3(seed=seed, dtype=dtype, spread_yes_no=20, hidden=hidden, intermediate=3 * hidden - 5,
+                        layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, tie=True)
 
 
 SHAPES = [dict(layers=1, heads=2, kv_heads=2, head_dim=64),

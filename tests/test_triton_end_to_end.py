@@ -6,13 +6,12 @@ fp32) and the model card's scoring on transformers' own forward of each joint se
 """
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
+from _tiny import qwen3_config, random_qwen3
 from acarerank import PointwiseReranker
 from acarerank.prompts import encode_pointwise
-from acarerank.tokenizer import QWEN3_VOCAB
-
-YES_ID, NO_ID = 9693, 2152  # Qwen3 tokenizer ids of "yes" / "no" (docs/ARCHITECTURE.md, "Scoring facts")
+from acarerank.tokenizer import TOKEN_NO as NO_ID, TOKEN_YES as YES_ID
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []  # with a GPU the whole path runs there
@@ -31,20 +30,9 @@ DOCS = [
 @pytest.fixture(scope="module")
 def tiny_model():
     # 4 query / 2 kv heads (GQA 2), head_dim 32, 2 layers: small enough for the interpreter
-    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=64, intermediate_size=134, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
-                      rms_norm_eps=1e-6, tie_word_embeddings=True, attn_implementation="eager")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        m = Qwen3ForCausalLM(cfg).eval()
-        with torch.no_grad():  # norm weights start at 1: perturb them so the fused head's norm is tested
-            for n, p in m.named_parameters():
-                if "norm" in n:
-                    p.add_(torch.rand_like(p) * 0.5 - 0.25)
-            # random init gives logit_yes − logit_no ≈ ±0.05 (scores 0.49–0.51); scaling the two
-            # vocabulary rows spreads the scores over (0, 1) so 1e-5 is a sharp tolerance
-            m.lm_head.weight[[YES_ID, NO_ID]] *= 40
-    return m.to(DEVICE)
+    # norms perturbed so the fused head's norm is tested; yes/no rows spread so 1e-5 is sharp
+    return random_qwen3(perturb_norms=True, spread_yes_no=40, hidden=64, intermediate=134, layers=2, heads=4,
+                        kv_heads=2, head_dim=32, tie=True).to(DEVICE)
 
 
 def test_triton_scores_equal_torch_scores_and_transformers(tiny_model, qwen3_tokenizer):
@@ -73,16 +61,9 @@ def test_bf16_on_cuda_within_transformers_own_bf16_error(qwen3_tokenizer):
     """The GPU serving path (bf16, Triton attention at d 128 with Qwen3-0.6B's 16/8 heads, the
     paged prefix, the fused head) against the model card's scoring: our bf16 scores are within
     2x transformers' own bf16 error, both measured against transformers in fp32."""
-    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
-                      rms_norm_eps=1e-6, tie_word_embeddings=True, attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        m32 = Qwen3ForCausalLM(cfg).eval()
-        with torch.no_grad():
-            m32.lm_head.weight[[YES_ID, NO_ID]] *= 40  # spread the scores over (0, 1)
-    m32 = m32.cuda()
-    m16 = Qwen3ForCausalLM(cfg).eval().to(torch.bfloat16).cuda()
+    shape = dict(hidden=512, intermediate=1024, layers=2, heads=16, kv_heads=8, head_dim=128, tie=True, attn="sdpa")
+    m32 = random_qwen3(seed=1, spread_yes_no=40, **shape).cuda()
+    m16 = Qwen3ForCausalLM(qwen3_config(**shape)).eval().to(torch.bfloat16).cuda()
     m16.load_state_dict(m32.state_dict())
     rr = PointwiseReranker(model=m16, tokenizer=qwen3_tokenizer, backend="triton")
     got = rr.score(QUERY, DOCS, question=QUESTION, trace=TRACE)
@@ -105,7 +86,7 @@ def test_bf16_on_cuda_within_transformers_own_bf16_error(qwen3_tokenizer):
 def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer):
     """A document's score is bitwise the same alone, in a batch, and in another order.
 
-    The kernels guarantee their part (tests/test_op_attention.py, test_op_yes_no.py).
+    The kernels guarantee their part (tests/ops/test_op_attention.py, test_op_yes_no.py).
     The runner's dense layers are GEMMs whose rows change in the last bits with the number of
     rows M on CPU (MKL: M=1 GEMV vs M=5) and GPU (cuBLAS heuristics); ``batch_invariant=True``
     runs them on fixed 64-row tiles, which this test relies on.
@@ -175,11 +156,8 @@ def test_environment_triton_runs_setwise_selection(qwen3_tokenizer, monkeypatch)
     model: the ~700-token Appendix F prompt is what the interpreter pays for, per head and layer."""
     from acarerank.setwise import SetwiseReranker
 
-    cfg = Qwen3Config(vocab_size=QWEN3_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                      num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        model = Qwen3ForCausalLM(cfg).eval().to(DEVICE)
+    model = random_qwen3(seed=1, hidden=32, intermediate=48, layers=1, heads=1, kv_heads=1, head_dim=32,
+                         tie=True).to(DEVICE)
     want = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=8,
                            backend="torch").select(QUERY, DOCS[3:5], max_select=1)
     from acarerank.ops._backend import OpDecl

@@ -2,7 +2,7 @@
 Adaptive Tutoring Optimization for RAG and Deep Research" (2026), §3.4, Appendix A, C.1, C.4:
 the pieces training code imports.
 
-    rewards     parse_selection (Eq. 2, from acarerank.selection), rubric_reward (Eq. 4–6)
+    rewards     parse_selection (Eq. 2, from acarerank.setwise.selection), rubric_reward (Eq. 4–6)
     hints       route_hints (Eq. 8, Algorithm 1 lines 20–35), hint_text (Fig. 3)
     re-scoring  rescore (Algorithm 1 line 39, Eq. 9): logp_old, top-128 truncated logp_teacher, atd
     advantages  grpo_advantage (Eq. 7), ato_advantage (Eq. 10 with the format mask)
@@ -13,7 +13,7 @@ logits) and ``linear_logprob`` (policy log-probs with a chunked backward).
 """
 from ..ops.linear_logprob import linear_logprob
 from ..ops.topk_logprobs import topk_logprobs
-from ..selection import ParsedSelection, parse_selection
+from ..setwise.selection import ParsedSelection, parse_selection
 from .advantages import ato_advantage, grpo_advantage
 from .hints import (HINT_KINDS, HINT_REFLECTION, HINT_RUBRIC, HINT_SIBLING, format_rubrics, hint_ids, hint_text,
                     route_hints)

@@ -29,7 +29,7 @@ import numbers
 import re
 from typing import Mapping, Optional, Sequence, Union
 
-from ..selection import ParsedSelection
+from ..setwise.selection import ParsedSelection
 from .hints import DIMENSION_LEVEL
 
 MALFORMED_REWARD = -1.0  # Eq. 6

@@ -1,4 +1,4 @@
-"""The two transformers baselines acarerank is measured against (the README's "Results").
+"""The two transformers baselines acarerank is measured against (docs/benchmarks.md, "Latency vs reranking depth").
 
 (a) ``OfficialTransformers`` — the Qwen3-Reranker model card's code, through the one copy
     of it in the package (``acarerank.prompts.official``, also the tests' oracle): every
@@ -15,7 +15,7 @@
 
 The body of modes M1–M3 is ``acarerank.prompts.body_text`` (ACARe's context template is
 our data, not the model card's); the card's strings themselves are checked character for
-character against the card in ``tests/test_prompts.py``.
+character against the card in ``tests/prompts/test_prompts.py``.
 
     score = softmax([logit_no, logit_yes])[1]      (a float in [0, 1] per document)
 """

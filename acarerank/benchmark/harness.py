@@ -353,7 +353,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_cs
     """Run every (mode, depth, provider) cell; progress goes to ``log``.
 
     partial_csv: rewritten after every cell (``rows_before`` — an earlier dtype's rows — first),
-    so a run cut short (a timeout on a lent GPU) still leaves the rows it measured.
+    so a run cut short (a timeout on a GPU machine) still leaves the rows it measured.
     """
     from .report import write_csv
 

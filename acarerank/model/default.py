@@ -1,6 +1,6 @@
 """The embedded default model: seeded random weights in a small Qwen3-Reranker architecture.
 
-It lets the CLI and the benchmarks run with no checkpoint (none can be downloaded here).
+It lets the CLI, the server and the benchmarks run with no checkpoint.
 Its scores and selections carry no meaning: the weights are random. The shape is the one
 the pointwise benchmarks run on 2 CPU cores: hidden 384, 6 layers, 6 query / 2 KV
 heads, head_dim 64, the real Qwen3 vocabulary (151,669) so the real tokenizer drives it.

@@ -7,7 +7,8 @@ segments. RoPE is applied by the caller with the positions of the unshared seque
 
     out[t] = softmax(scale · q[t] · [prefix_k[g]; k[s_0..t]]ᵀ) · [prefix_v[g]; v[s_0..t]]
 
-Backends (declared in ``OP``): "torch" (below), "triton" (kernels/prefix_shared_attention.py),
+Backends (declared in ``OP``): "native" (the CPU default where acarerank._cpu is built:
+cpu_attention.py, the same kernel as the paged op's), "torch" (below), "triton" (kernels/prefix_shared_attention.py),
 "flash_attn_cascade" (cascade.py). ``prefix_shared_attention_ref`` is the plain oracle.
 
 Plan / run (FlashInfer's split): ``plan_prefix_shared_attention`` turns the batch metadata
@@ -31,7 +32,7 @@ from typing import Optional
 import torch
 
 from . import _backend
-from . import cpu_attention_bf16 as _bf16
+from . import cpu_attention as _native_attn
 
 # Rows of the prefix score matrix computed at once in the torch backend: bounds the
 # temporary [Hkv, rows, P] fp32 block to ~64 MB whatever the depth.
@@ -181,14 +182,13 @@ def _prefix_part(qf, pk, pv, scale):
 
 def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale, work=None,
                    host_meta=None):
-    """CPU production path (and the reference-grade path on other devices).
+    """The reference-grade path (the CPU fallback where acarerank._cpu is not built, and other devices).
 
     Per group: every query row of every segment meets the prefix in one large fused call
     (``_prefix_part``); each segment's causal self-part is a small call of its own; the two
     partial softmaxes are merged by their log-sum-exps:
         lse = logaddexp(lse_p, lse_o);  out = o_p·e^(lse_p − lse) + o_o·e^(lse_o − lse).
-    Inputs are computed in fp32 whatever their dtype, except the prefix part of bf16 inputs
-    on a CPU with native bf16: bf16 GEMMs with fp32 softmax statistics (``cpu_attention_bf16``).
+    Inputs are computed in fp32 whatever their dtype (the "native" backend is the fast bf16 path).
     ``host_meta``: the plan's host copy of the metadata (else it is read from the device here:
     one sync per call).
     """
@@ -232,10 +232,7 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
         # -- prefix part and log-sum-exp merge
         if cp[g + 1] > cp[g]:
             pk, pv = prefix_k[cp[g]:cp[g + 1]], prefix_v[cp[g]:cp[g + 1]]
-            if _bf16.use_bf16_prefix_path(q):  # bf16 GEMMs on CPUs with native bf16 (cpu_attention_bf16.py)
-                o_p, lse_p = _bf16.prefix_attention_bf16(q[rows] if rows is not None else q[t0:t1], pk, pv, scale)
-            else:
-                o_p, lse_p = _prefix_part(qf, pk, pv, scale)
+            o_p, lse_p = _prefix_part(qf, pk, pv, scale)
             lse = torch.logaddexp(lse_p, lse_o)
             res = o_p * (lse_p - lse).exp_()[..., None] + o_o * (lse_o - lse).exp_()[..., None]
         else:
@@ -254,6 +251,7 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
 OP = _backend.OpDecl(
     "prefix_shared_attention", aliases=("attention",),
     backends={"torch": _backend.Backend(lambda: _torch_backend),
+              "native": _native_attn.packed_backend(),
               "triton": _backend.lazy_backend("prefix_shared_attention", "triton",
                                               "acarerank.kernels.prefix_shared_attention",
                                               "prefix_shared_attention_triton"),
@@ -261,8 +259,9 @@ OP = _backend.OpDecl(
               "flash_attn_cascade": _backend.lazy_backend("prefix_shared_attention", "flash_attn_cascade",
                                                           "acarerank.ops.cascade",
                                                           "prefix_shared_attention_flash_cascade", ("cuda",))},
-    # CPU: torch's fused flash kernel beats the interpreter by orders of magnitude
-    defaults={"cpu": ("torch",), "cuda": ("triton", "torch")},
+    # CPU: the native kernel (cpu_attention.py) where acarerank._cpu is built, else torch's fused
+    # flash kernel per group (both beat the Triton interpreter by orders of magnitude)
+    defaults={"cpu": ("native", "torch"), "cuda": ("triton", "torch")},
 )
 
 

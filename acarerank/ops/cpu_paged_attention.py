@@ -1,4 +1,5 @@
-"""CPU path of ``prefix_shared_attention_paged``: the prefix read from its pages in place.
+"""The "torch" backend's CPU path of ``prefix_shared_attention_paged`` (the fallback where the
+native kernel, ``cpu_attention``, is not built): the prefix read from its pages in place.
 
 Per group g (query rows Tg of its segments, prefix of P_g tokens in pages):
 
@@ -17,9 +18,8 @@ Per group g (query rows Tg of its segments, prefix of P_g tokens in pages):
 
 Everything is laid out [Hkv, r, Tg, d] (q copied into it once): the prefix call reads it as
 [Hkv, r·Tg, d] rows, each segment's own call as a [Hkv, r, L, d] slice, the merge runs on
-contiguous tensors, and one strided copy writes the output rows. Inputs are computed in fp32;
-bf16 inputs on a CPU with native bf16 take ``cpu_attention_bf16`` for the prefix part (bf16
-GEMMs, fp32 softmax statistics), as the packed op does. docs/ARCHITECTURE.md, "The one primitive".
+contiguous tensors, and one strided copy writes the output rows. Inputs are computed in fp32
+whatever their dtype. docs/ARCHITECTURE.md, "The one primitive".
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from typing import Optional
 
 import torch
 
-from . import cpu_attention_bf16 as _bf16
 from .attention import _FLASH_CPU, _host_lists, _partial_attention
 
 
@@ -119,14 +118,9 @@ def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_p
             if pk is None or pv is None:
                 idx = slice(cp[g], cp[g + 1])
                 pk, pv = k_cache[blk[idx], slot[idx]], v_cache[blk[idx], slot[idx]]
-            if _bf16.use_bf16_prefix_path(q):
-                o_p, lse_p = _bf16.prefix_attention_bf16(qg, pk, pv, scale)       # [Tg, Hq, d], [Tg, Hq]
-                o_pre = o_p.view(Tg, Hkv, r, d).permute(1, 2, 0, 3)
-                lse_pre = lse_p.view(Tg, Hkv, r).permute(1, 2, 0)
-            else:
-                o, lse = _FLASH_CPU(qh.view(1, Hkv, r * Tg, d), pk.float().transpose(0, 1)[None],
-                                    pv.float().transpose(0, 1)[None], 0.0, False, scale=scale)
-                o_pre, lse_pre = o.view(Hkv, r, Tg, d), lse.view(Hkv, r, Tg)
+            o, lse = _FLASH_CPU(qh.view(1, Hkv, r * Tg, d), pk.float().transpose(0, 1)[None],
+                                pv.float().transpose(0, 1)[None], 0.0, False, scale=scale)
+            o_pre, lse_pre = o.view(Hkv, r, Tg, d), lse.view(Hkv, r, Tg)
             res = _merge(o_own, lse_own, o_pre, lse_pre)[0]
         else:
             res = o_own

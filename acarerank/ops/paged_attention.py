@@ -16,7 +16,10 @@ gather indices (torch) — once per packed forward; every layer then calls
 ``prefix_shared_attention_paged(..., plan=plan)`` and pays for no metadata work.
 
 Backends (declared in ``OP``, chosen as for every op: docs/ARCHITECTURE.md, "Backend rules"):
-  "torch"  on CPU (``cpu_paged_attention``): the prefix read from its pages in place when the
+  "native" the CPU default where acarerank._cpu is built (``cpu_attention``): one kernel call per
+           layer for every group and segment, the prefix read from the pages through the block
+           table, one fp32 online softmax over prefix then own keys (no merge)
+  "torch"  the reference/fallback; on CPU (``cpu_paged_attention``): the prefix read from its pages in place when the
            group's blocks are one run of ids (else one gather of its rows), every query row
            of the group against it in one fused call, log-sum-exp merge with the causal own
            part; equal to the packed op within fp32 rounding (tested ≤ 1e-6). Elsewhere: the
@@ -36,6 +39,7 @@ import torch
 
 from . import _backend
 from . import attention as _attention
+from . import cpu_attention as _native_attn
 from . import cpu_paged_attention as _cpu_paged
 from .attention import _check_inputs as _check_packed_inputs
 
@@ -177,6 +181,8 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
 
         aux = (plan_work(cu_seqlens, cu_pre, segment_group, total_tokens=T, num_q_heads=num_heads,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device),)
+    elif name == "native":
+        aux = ()  # the kernel reads the (host) metadata itself: a few hundred integers per layer
     else:
         aux = (_attention._device_to_host(cu_seqlens, cu_pre, segment_group),)
     return PagedAttentionPlan(cu_seqlens, segment_group, block_table, prefix_lens, cu_pre, block_size, T, name, aux)
@@ -224,6 +230,7 @@ def _flash_backend(cascade):
 OP = _backend.OpDecl(
     "prefix_shared_attention_paged", aliases=("paged_attention",),
     backends={"torch": _backend.Backend(lambda: _torch_backend),
+              "native": _native_attn.paged_backend(),
               "triton": _backend.lazy_backend("prefix_shared_attention_paged", "triton",
                                               "acarerank.kernels.prefix_shared_attention",
                                               "prefix_shared_attention_paged_triton", wrap=_triton_backend),
@@ -232,8 +239,9 @@ OP = _backend.OpDecl(
                                                           "acarerank.ops.cascade",
                                                           "prefix_shared_attention_paged_flash_cascade", ("cuda",),
                                                           wrap=_flash_backend)},
-    # as the packed op: torch's fused CPU flash kernel on CPU, the one-pass kernel on GPU
-    defaults={"cpu": ("torch",), "cuda": ("triton", "torch")},
+    # as the packed op: the native CPU kernel where acarerank._cpu is built, else torch; the
+    # one-pass Triton kernel on GPU
+    defaults={"cpu": ("native", "torch"), "cuda": ("triton", "torch")},
 )
 
 

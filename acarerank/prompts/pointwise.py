@@ -12,7 +12,7 @@ and a document's segment is ``tokens(" " + doc) + tokens(SUFFIX)``. With the Qwe
 tokenizer this equals the joint tokenization because the pre-tokenizer regex can never
 put ``":"`` and the following space in one pre-token (its punctuation branch,
 `` ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*``, stops at a space) and BPE never merges across
-pre-tokens. ``tests/test_prompts.py`` keeps proving it on awkward documents.
+pre-tokens. ``tests/prompts/test_prompts.py`` keeps proving it on awkward documents.
 
 ACARe context modes (one checkpoint, four prompts):
 

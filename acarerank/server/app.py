@@ -25,7 +25,7 @@ The handlers parse the body in a worker thread (``parsing.py``: never on the eve
 check the per-request limits (characters 413, ``cache_salt`` length 422) and call the service.
 ``usage.cached_tokens`` goes only to a request that carries a ``cache_salt`` (its own
 namespace of the prefix cache) unless the server trusts all its callers (``trust_cache``):
-otherwise a caller could learn whether another one sent a given context (README, "Tenancy").
+otherwise a caller could learn whether another one sent a given context (docs/serving.md, "Tenancy").
 
 ``/health``, ``/ready`` and ``/metrics`` are open (probes and scrapers carry no key). Every
 error is ``{"error": {"message", "type", "code"}}``; only a fault of the server itself is a 500.

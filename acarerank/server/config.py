@@ -9,8 +9,8 @@ import torch or FastAPI.
     config = ServeConfig.from_cli_args(parser.parse_args())
     service = build_service(config)            # acarerank.server.build
 
-The limits and timeouts and how they compare with TEI's and nginx's defaults: README,
-"Serving over HTTP".
+The limits and timeouts and how they compare with TEI's and nginx's defaults: docs/serving.md,
+"Limits and timeouts".
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class ServeConfig:
     api_key: Optional[str] = _opt("require 'Authorization: Bearer KEY'; unset: $ACARERANK_API_KEY, else open",
                                   default=None)
     trust_cache: bool = _opt("report usage.cached_tokens to requests without a cache_salt (all callers trust "
-                             "each other; README, 'Tenancy')", default=False)
+                             "each other; docs/serving.md, 'Tenancy')", default=False)
     drain_timeout: float = _opt("seconds SIGTERM waits for in-flight requests; then they get 503 and the "
                                 "process exits", default=30.0)
     log_level: str = _opt("uvicorn's log level", default="info",

@@ -3,7 +3,7 @@
 Why one thread: torch's CPU kernels run OpenMP parallel regions, and every thread that
 enters one gets its own team of worker threads. A model built (or warmed up) on one thread
 and run on another leaves two teams on the same cores, and each pass then runs ~35 % slower
-(measured on the 2-core CI box: a 9-request pass of the default model, 2,602 tokens, takes
+(measured on a 2-core AMD EPYC (AVX2), 2026-11-30: a 9-request pass of the default model, 2,602 tokens, takes
 1.02–1.07 s when one thread builds and runs it, 1.20–1.52 s when the main thread builds it
 and the scheduler thread runs it; docs/ARCHITECTURE.md, "A served request"). So the server
 builds its reranker on this thread and then runs the engine's scheduler loop on it.

@@ -16,7 +16,7 @@ on every call). A request with none of them carries no key and is spread over th
 an agent without a question gets affinity by sending a ``cache_salt`` (per session or tenant).
 
     app = build_app(model="/models/acare-4b", num_replicas=4, replica_options={"num_gpus": 1})
-    serve.run(app, route_prefix="/")        # see the README for a cluster
+    serve.run(app, route_prefix="/")        # a cluster: docs/serving.md, "Past one machine: Ray Serve"
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ and the language of valid selections of a pool of ``n`` candidates with cap ``ma
 
 ``GrammarState.allowed()`` returns the tokens that keep the output inside that language, so
 masking everything else at every step makes any decoder's output parse strictly
-(``acarerank.selection.parse_selection``). A digit is allowed only if some *unused* id in
+(``acarerank.setwise.selection.parse_selection``). A digit is allowed only if some *unused* id in
 ``1..n`` starts with the digits so far plus it (so ``[1`` stays open for ``[12]`` after ``[1]``
 was used, and is masked when 1 and 10..19 are all used or out of range); ``CLOSE`` only if the
 digits so far are an unused id; ``SEP`` only below the cap and while an unused id remains;

@@ -1,7 +1,7 @@
 """AdaTutoRank's setwise prompts (AdaTutoRank (2026), Appendix F.1 RAG and F.2 deep research), in the
 Qwen3 chat format with thinking off, tokenized and truncated to a token budget.
 
-Wording: every sentence below is Appendix F's text verbatim; ``tests/test_setwise_prompts.py``
+Wording: every sentence below is Appendix F's text verbatim; ``tests/setwise/test_setwise_prompts.py``
 holds the paper's text as data and compares. The HTML rendering of the appendix drops line
 breaks and the ``{...}`` placeholders, so three things are reconstructed, each following the
 paper's own Figure 3 ("I will provide you with {num_documents} documents ... search query:

@@ -31,7 +31,7 @@ from ..model import Qwen3Runner
 from ..model.block_pool import PoolExhausted
 from ..model.cached_prefill import CacheSlot, ChunkedPrefill, prefill_cached
 from ..reranker_base import RerankerBase
-from ..selection import parse_selection
+from .selection import parse_selection
 from ..tokenizer import TOKEN_IM_END
 from .decode import MAX_NEW_TOKENS, GreedyStepper, greedy_decode
 from .grammar import IdentifierGrammar, max_output_tokens

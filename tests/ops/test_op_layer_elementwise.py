@@ -379,3 +379,20 @@ def test_opcheck_native_kernels(op, dtype):
     decl.impl("native")  # loads the module and registers the fake
     _, args = OPCHECK_CASES[op](dtype)
     torch.library.opcheck(native_kernel(f"{op}_cpu").default, args)
+
+
+@needs_native
+def test_baseline_build_of_the_kernels_matches_too():
+    """The row kernels' baseline-ISA build (what a CPU without AVX2+FMA runs), forced by
+    ACARERANK_CPU_BASELINE=1 in a fresh process: the reference tests of this file pass on it."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, ACARERANK_CPU_BASELINE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
+           "native and (matches_reference or magnitudes or non_contiguous) and not baseline", os.path.abspath(__file__)]
+    run = subprocess.run(cmd, cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]

@@ -1,0 +1,97 @@
+"""The "native" backend of both prefix-shared attention ops: one CPU kernel for the whole batch.
+
+``torch.ops.acarerank.prefix_shared_attention_cpu`` (``csrc/cpu/prefix_attention.cpp``) does every
+group and segment of one layer in one call:
+
+    out[t] = softmax(scale · q[t] · [K_g; k[s_0..t]]ᵀ) · [V_g; v[s_0..t]]
+
+  * the prefix K_g/V_g read in place — from pages through the block table (the paged op) or from
+    the packed prefix rows (the packed op: ``block_table=None``) — packed once per (kv head, key
+    tile) and reused by every query row of the group: all its segments × the r query heads of the
+    kv head are the rows of one GEMM;
+  * each segment's own causal part in the same pass, continuing the same fp32 online softmax
+    (no second pass, no log-sum-exp merge), in per-thread scratch: never a [rows, keys] tensor,
+    never an fp32 copy of q/K/V beyond one tile;
+  * GEMMs through ``at::native::cpublas::brgemm``: bf16 on VNNI-packed tiles where
+    ``cpublas::could_pack(kBFloat16)`` (AMX), else fp32 (fp32 inputs as they are; bf16/fp16 tiles
+    converted to fp32 as they are packed — cpublas' own bf16 fallback is a reference loop, ~0.3
+    GFLOP/s on an AVX2 EPYC, and its VNNI form raises without AMX);
+  * work split with ``at::parallel_for`` over (group, kv head, row block), dealt to threads by
+    cost (rows × keys);
+  * output in q's dtype. A NaN in q[t, h] makes out[t, h] NaN, as the reference's softmax.
+
+Inputs the kernel takes as they are: any strides except on head_dim (a head_dim stride ≠ 1 is
+copied once here), any head_dim up to 512, GQA ratios, empty prefixes/segments, scattered blocks.
+docs/ARCHITECTURE.md, "Native CPU kernels".
+"""
+from __future__ import annotations
+
+import torch
+
+from ._backend import Backend, BackendError
+
+KERNEL = "prefix_shared_attention_cpu"
+_FAKE_REGISTERED = False
+
+
+def _fake(q, k, v, cu_seqlens, prefix_k, prefix_v, block_table, cu_prefix_lens, segment_group, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def kernel():
+    """``torch.ops.acarerank.prefix_shared_attention_cpu`` with its fake registered; BackendError
+    (with ``_native.why_unavailable()``'s line) where acarerank._cpu is not usable."""
+    global _FAKE_REGISTERED
+    from . import _native
+
+    _native.load()
+    try:
+        fn = getattr(torch.ops.acarerank, KERNEL)
+    except (AttributeError, RuntimeError) as e:
+        raise BackendError(f"acarerank._cpu was built without {KERNEL}; rebuild it") from e
+    if not _FAKE_REGISTERED:
+        torch.library.register_fake(f"acarerank::{KERNEL}")(_fake)
+        _FAKE_REGISTERED = True
+    return fn
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _load(op: str):
+    def load():
+        try:
+            return kernel()
+        except BackendError as e:
+            raise BackendError(f"{op}: native backend unavailable: {e}") from e
+    return load
+
+
+def _packed(fn):
+    """The packed op's calling convention (``attention.OP``)."""
+    def run(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale, work=None,
+            host_meta=None):
+        return fn(*map(_unit_last, (q, k, v)), cu_seqlens, _unit_last(prefix_k), _unit_last(prefix_v), None,
+                  cu_prefix_lens, segment_group, float(scale))
+    return run
+
+
+def _paged(fn):
+    """The paged op's calling convention (``paged_attention.OP``; its plan has no aux for it)."""
+    def run(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
+        return fn(*map(_unit_last, (q, k, v)), cu_seqlens, _unit_last(k_cache), _unit_last(v_cache), block_table,
+                  cu_prefix_lens, segment_group, float(scale))
+    return run
+
+
+def packed_backend() -> Backend:
+    """The "native" backend of ``prefix_shared_attention`` (CPU tensors)."""
+    load = _load("prefix_shared_attention")
+    return Backend(lambda: _packed(load()), ("cpu",))
+
+
+def paged_backend() -> Backend:
+    """The "native" backend of ``prefix_shared_attention_paged`` (CPU tensors)."""
+    load = _load("prefix_shared_attention_paged")
+    return Backend(lambda: _paged(load()), ("cpu",))

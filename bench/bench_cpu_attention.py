@@ -1,0 +1,265 @@
+"""Paged prefix-shared attention on CPU: the native kernel against what else runs there.
+
+One layer's attention of one group (one prefix in scattered 16-token pages, ``depth`` segments of
+60-390 tokens, seeded), at the Qwen3-Reranker shapes:
+
+  0.6b  Hq 16 / Hkv 8, d 128          4b  Hq 32 / Hkv 8, d 128
+  M0    prefix  80 tokens (sub-query only)    M3  prefix 1,600 tokens (+ trace and question)
+
+Providers, interleaved one call each per round (a load change on a shared machine hits all alike):
+  native   prefix_shared_attention_paged(backend="native"): one kernel call (csrc/cpu/prefix_attention.cpp)
+  torch    the "torch" backend (torch's fused CPU flash kernel per group + one per segment + lse merge)
+  sdpa     what a user writes without us: the prefix gathered from its pages, then
+           F.scaled_dot_product_attention once per segment over [prefix; own] (GQA, causal offset mask)
+  flex     FlexAttention (torch.compile'd, inductor's CPU template) over the packed [prefix; segments]
+           with the prefix-shared mask_mod: key in the prefix, or same segment and not in the future
+  gemm     F.linear at n x n x n in the same dtype (n 2048; 1024 for bf16 on a CPU without native
+           bf16, where torch's bf16 GEMM is an emulation at well under 1 GFLOP/s): the GEMM peak
+           the others are a % of
+
+Check: every provider's output against the fp32 oracle (--quick) or the torch backend's (full
+shapes), max |diff| ≤ 2e-4 fp32 / 4e-2 bf16; a mismatch is printed and the exit status is 1.
+
+Output: median ms, TFLOP/s (4·d·Hq·Σ_s L_s·(P + (L_s+1)/2) per call) and % of the GEMM peak, one
+CSV row each (``--csv``), with the CPU model, its flags (AVX2 / AVX512 / AMX / bf16), threads,
+torch and the date.
+
+    python bench/bench_cpu_attention.py --quick                 # tiny shapes, every provider once
+    python bench/bench_cpu_attention.py                         # the full table (slow on 2 cores)
+    python bench/bench_cpu_attention.py --models 0.6b --modes M3 --depths 20 --dtypes float32 bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+MODELS = {"0.6b": (16, 8, 128), "4b": (32, 8, 128)}
+MODES = {"M0": 80, "M3": 1600}
+BLOCK = 16
+
+
+def cpu_info() -> dict:
+    """CPU model and the flags that decide the kernels' path, from /proc/cpuinfo."""
+    model, flags = platform.processor() or "?", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("?", "x86_64", ""):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    keep = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return {"cpu": model, "flags": " ".join(keep) or "none of avx2/avx512/amx"}
+
+
+def make_case(Hq, Hkv, d, P, depth, dtype, seed=0):
+    """One group: pages at shuffled ids, ``depth`` segments of 60-390 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(60, 391, (depth,), generator=g).tolist()
+    T = sum(lens)
+    nb = -(-P // BLOCK)
+    num_blocks = nb + 8
+    kc = torch.randn(num_blocks, BLOCK, Hkv, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, BLOCK, Hkv, d, generator=g).to(dtype)
+    bt = torch.randperm(num_blocks, generator=g)[:max(nb, 1)].to(torch.int32)[None]
+    q = torch.randn(T, Hq, d, generator=g).to(dtype)
+    k = torch.randn(T, Hkv, d, generator=g).to(dtype)
+    v = torch.randn(T, Hkv, d, generator=g).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    sg = torch.zeros(depth, dtype=torch.int32)
+    pl = torch.tensor([P], dtype=torch.int32)
+    flop = 4 * d * Hq * sum(L * (P + (L + 1) / 2) for L in lens)
+    return (q, k, v, cu, kc, vc, bt, pl, sg), lens, flop
+
+
+def provider_ours(args, backend):
+    from acarerank.ops import plan_prefix_shared_attention_paged, prefix_shared_attention_paged
+
+    q, k, v, cu, kc, vc, bt, pl, sg = args
+    plan = plan_prefix_shared_attention_paged(cu, bt, pl, sg, num_heads=q.shape[1], num_kv_heads=k.shape[1],
+                                              head_dim=q.shape[2], block_size=BLOCK, num_blocks=kc.shape[0],
+                                              dtype=q.dtype, backend=backend)
+    return lambda: prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, pl, sg, plan=plan)
+
+
+def _gather_prefix(kc, vc, bt, P):
+    idx = torch.arange(P)
+    blk = bt[0].long()[idx // BLOCK]
+    return kc[blk, idx % BLOCK], vc[blk, idx % BLOCK]       # [P, Hkv, d]
+
+
+def provider_sdpa(args, lens):
+    q, k, v, cu, kc, vc, bt, pl, sg = args
+    P = int(pl[0])
+    cs = cu.tolist()
+    masks = {L: torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=P) for L in set(lens)}
+
+    def call():
+        pk, pv = _gather_prefix(kc, vc, bt, P)
+        out = torch.empty_like(q)
+        for s in range(len(lens)):
+            a, b = cs[s], cs[s + 1]
+            keys = torch.cat([pk, k[a:b]]).transpose(0, 1)   # [Hkv, P+L, d]
+            vals = torch.cat([pv, v[a:b]]).transpose(0, 1)
+            o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), keys, vals, attn_mask=masks[b - a],
+                                               enable_gqa=True)
+            out[a:b] = o.transpose(0, 1)
+        return out
+    return call
+
+
+def provider_flex(args, lens):
+    """FlexAttention over [prefix; all segments] with the prefix-shared mask_mod (compiled once)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v, cu, kc, vc, bt, pl, sg = args
+    P, T = int(pl[0]), q.shape[0]
+    seg_of = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        own = kv_idx - P
+        same = seg_of[q_idx] == seg_of[own.clamp(min=0)]
+        return (kv_idx < P) | ((own >= 0) & same & (own <= q_idx))
+
+    block_mask = create_block_mask(mask_mod, None, None, T, P + T, device="cpu")
+    fa = torch.compile(flex_attention, dynamic=False)
+
+    def call():
+        pk, pv = _gather_prefix(kc, vc, bt, P)
+        keys = torch.cat([pk, k]).transpose(0, 1)[None]          # [1, Hkv, P+T, d]
+        vals = torch.cat([pv, v]).transpose(0, 1)[None]
+        return fa(q.transpose(0, 1)[None], keys, vals, block_mask=block_mask, enable_gqa=True)
+    return call
+
+
+def provider_gemm(dtype, n=4096):
+    a, w = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return (lambda: F.linear(a, w)), 2.0 * n ** 3
+
+
+def interleaved(variants: dict, rounds: int):
+    """({name: [seconds]}, {name: output of the warm-up call}): one call of each in turn per round."""
+    times = {name: [] for name in variants}
+    outs = {name: fn() for name, fn in variants.items()}  # warm-up (and compile for flex)
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return times, outs
+
+
+def as_rows(name, out):
+    """Every provider's output as [T, Hq, d] fp32 (flex returns [1, Hq, T, d])."""
+    return (out[0].transpose(0, 1) if name == "flex" else out).float()
+
+
+TOL = {torch.float32: 2e-4, torch.bfloat16: 4e-2}  # max |diff| against the check's reference
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--depths", nargs="+", type=int, default=[20, 100])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--providers", nargs="+", default=["native", "torch", "sdpa", "flex"],
+                    choices=["native", "torch", "sdpa", "flex"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--csv", default=None, help="write the rows here too")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (Hq 4 / Hkv 2, d 64, prefix 40, depth 3), one round")
+    a = ap.parse_args(argv)
+
+    info = cpu_info()
+    from acarerank.ops import _native
+
+    native_ok = _native.available()
+    bf16_fast = _native.could_pack_bf16() if native_ok else False
+    head = (f"# {datetime.date.today()}  {info['cpu']}  flags: {info['flags']}  threads {torch.get_num_threads()}  "
+            f"torch {torch.__version__}  python {platform.python_version()}  "
+            f"native {'built' if native_ok else 'unavailable: ' + _native.why_unavailable()}  "
+            f"cpublas bf16 brgemm (could_pack) {bf16_fast}")
+    print(head)
+    if not native_ok and "native" in a.providers:
+        a.providers.remove("native")
+    models = {"quick": (4, 2, 64)} if a.quick else {m: MODELS[m] for m in a.models}
+    modes = {"quick": 40} if a.quick else {m: MODES[m] for m in a.modes}
+    depths = [3] if a.quick else a.depths
+    rounds = 1 if a.quick else a.rounds
+    rows, failed = [], False
+    for dt_name in a.dtypes:
+        dtype = getattr(torch, dt_name)
+        from acarerank.hardware import native_bf16
+
+        n = 256 if a.quick else (1024 if dtype == torch.bfloat16 and not native_bf16()[0] else 2048)
+        gemm_fn, gemm_flop = provider_gemm(dtype, n)
+        for model, (Hq, Hkv, d) in models.items():
+            for mode, P in modes.items():
+                for depth in depths:
+                    args, lens, flop = make_case(Hq, Hkv, d, P, depth, dtype)
+                    variants = {"gemm": gemm_fn}
+                    notes = {}
+                    for p in a.providers:
+                        try:
+                            if p in ("native", "torch"):
+                                variants[p] = provider_ours(args, p)
+                            elif p == "sdpa":
+                                variants[p] = provider_sdpa(args, lens)
+                            else:
+                                variants[p] = provider_flex(args, lens)
+                                variants[p]()  # compile now: a failure is reported, not fatal
+                        except Exception as e:  # report why a provider cannot run here, keep the others
+                            variants.pop(p, None)
+                            notes[p] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    times, outs = interleaved(variants, rounds)
+                    # the check: every provider against the fp32 oracle (--quick) or the torch backend
+                    if a.quick:
+                        from acarerank.ops import prefix_shared_attention_paged_ref
+
+                        want = prefix_shared_attention_paged_ref(*[t.float() if t.is_floating_point() else t
+                                                                   for t in args])
+                    else:
+                        want = as_rows("torch", outs["torch"]) if "torch" in outs else None
+                    for p in a.providers:
+                        if p in outs and want is not None:
+                            err = (as_rows(p, outs[p]) - want).abs().max().item()
+                            if not err <= TOL[dtype]:
+                                print(f"MISMATCH {dt_name} {model} {mode} depth {depth}: {p} max |diff| {err:.3g} "
+                                      f"> {TOL[dtype]}", file=sys.stderr)
+                                failed = True
+                    peak = gemm_flop / statistics.median(times["gemm"])
+                    print(f"\n{dt_name} {model} (Hq {Hq}/Hkv {Hkv}, d {d}) {mode} prefix {P} depth {depth} "
+                          f"({sum(lens)} segment tokens, {flop / 1e9:.1f} GFLOP)  GEMM peak {peak / 1e12:.3f} TFLOP/s")
+                    for p in a.providers:
+                        if p not in times:
+                            print(f"  {p:7s} not run: {notes.get(p, '?')}")
+                            continue
+                        med = statistics.median(times[p])
+                        tf = flop / med
+                        print(f"  {p:7s} {med * 1e3:10.1f} ms  {tf / 1e12:7.3f} TFLOP/s  {100 * tf / peak:5.1f} % of GEMM peak")
+                        rows.append(dict(date=str(datetime.date.today()), cpu=info["cpu"], flags=info["flags"],
+                                         threads=torch.get_num_threads(), torch=torch.__version__, dtype=dt_name,
+                                         model=model, mode=mode, prefix=P, depth=depth, tokens=sum(lens),
+                                         provider=p, ms=round(med * 1e3, 2), tflops=round(tf / 1e12, 4),
+                                         pct_gemm_peak=round(100 * tf / peak, 1),
+                                         gemm_peak_tflops=round(peak / 1e12, 4)))
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+// acarerank::prefix_shared_attention_cpu — prefix-shared attention of a whole packed batch (every
+// group, every segment, one layer) in one call (docs/ARCHITECTURE.md, "Native CPU kernels").
+//
+//   out[t] = softmax(scale · q[t] · [K_g; k[s_0..t]]ᵀ) · [V_g; v[s_0..t]]     (segment s of group g)
+//
+// The prefix K_g/V_g are read where they are: from pages (block_table given; k_cache
+// [num_blocks, block_size, Hkv, d], token c of group g in block block_table[g, c / block_size],
+// slot c % block_size) or from packed rows (block_table None; prefix_k [Ptot, Hkv, d], group g's
+// rows cu_prefix_lens[g]..cu_prefix_lens[g+1]).
+//
+// Work: tasks (group, kv head, row block). A row block holds up to ROWS query rows of one group —
+// consecutive tokens of its segments (a block may span segments) × the r query heads of the kv
+// head, token-major — so one GEMM serves every query head of a kv head and every segment of the
+// group at once. Per task, one online softmax in fp32 scratch over
+//   1. the prefix, tile by tile (KT keys): S = Q·Kᵀ, softmax step, acc += P·V;
+//   2. each segment's own keys, causally, continuing the same running max / sum (no merge).
+// No [rows, keys] tensor beyond one [ROWS, KT] tile, no fp32 copy of K/V or q beyond one tile.
+//
+// Packing: where the compute type is the input type (fp32; bf16 with could_pack) a group's
+// prefix tiles are packed once per layer per (kv head, tile), in parallel, and every row block of
+// the group reads them; otherwise (bf16 converted to fp32 on this CPU) each task converts the tile
+// it is about to use into its own scratch, so no fp32 copy of the prefix ever exists. The own keys
+// of a segment's piece are packed once by the task that needs them (a few hundred rows).
+//
+// Balance: tasks are dealt to threads longest first (LPT) by their cost rows × (P_g + own keys),
+// then one at::parallel_for runs each thread's list; brgemm_release() ends each thread's chunk.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <numeric>
+#include <optional>
+#include <vector>
+
+#include "attn_tiles.h"
+#include "common.h"
+
+namespace {
+
+using namespace acr_attn;
+
+constexpr const char* kOp = "prefix_shared_attention_cpu";
+constexpr int64_t KT = 256;    // keys per tile: S/P tiles of ROWS × KT fp32 stay in L2 (256 KB at ROWS 256)
+constexpr int64_t ROWS = 256;  // query rows (tokens × r) per task
+constexpr int64_t OWN_ROWS = 64;  // query rows per causal sub-block of the own part
+constexpr int64_t MAX_HEAD_DIM = 512;
+
+// Host view of the metadata, read once per call.
+struct Meta {
+  int64_t T, Hq, Hkv, r, d;
+  std::vector<int64_t> cs, cp, sg;  // cu_seqlens [S+1], cu_prefix_lens [G+1], segment_group [S]
+  const int32_t* bt = nullptr;      // block table [G, max_blocks] or nullptr (packed prefix)
+  at::Tensor bt_owner;              // keeps bt alive
+  int64_t max_blocks = 0, block_size = 1;
+};
+
+struct Piece {    // rows of one segment inside a task
+  int64_t seg;    // segment index
+  int64_t t0, t1; // token rows [t0, t1) of q (absolute)
+  int64_t m0;     // first row of this piece in the task's M rows (= (token offset) × r)
+};
+
+struct Task {
+  int64_t g, h;
+  std::vector<Piece> pieces;
+  int64_t M;      // rows = tokens × r
+  double cost;
+};
+
+template <typename T>
+std::vector<int64_t> to_host(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  const T* p = c.const_data_ptr<T>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
+// Row blocks of every group: consecutive tokens of its segments, up to ROWS / r tokens each.
+std::vector<Task> make_tasks(const Meta& mt) {
+  const int64_t S = static_cast<int64_t>(mt.sg.size());
+  const int64_t G = static_cast<int64_t>(mt.cp.size()) - 1;
+  std::vector<std::vector<int64_t>> segs(G);
+  for (int64_t s = 0; s < S; ++s)
+    if (mt.cs[s + 1] > mt.cs[s]) segs[mt.sg[s]].push_back(s);
+  const int64_t tok_per_block = std::max<int64_t>(1, ROWS / mt.r);
+  std::vector<Task> tasks;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t P = mt.cp[g + 1] - mt.cp[g];
+    std::vector<Task> blocks;
+    Task cur{g, 0, {}, 0, 0.0};
+    for (int64_t s : segs[g]) {
+      int64_t t = mt.cs[s];
+      while (t < mt.cs[s + 1]) {
+        const int64_t take = std::min(mt.cs[s + 1] - t, tok_per_block - cur.M / mt.r);
+        cur.pieces.push_back({s, t, t + take, cur.M});
+        cur.M += take * mt.r;
+        // own keys this piece reads: its segment's rows up to its last token
+        cur.cost += static_cast<double>(take * mt.r) * static_cast<double>(P + (t + take - mt.cs[s]));
+        t += take;
+        if (cur.M / mt.r == tok_per_block) {
+          blocks.push_back(std::move(cur));
+          cur = Task{g, 0, {}, 0, 0.0};
+        }
+      }
+    }
+    if (cur.M) blocks.push_back(std::move(cur));
+    for (int64_t h = 0; h < mt.Hkv; ++h)
+      for (const Task& b : blocks) {
+        Task tk = b;
+        tk.h = h;
+        tasks.push_back(std::move(tk));
+      }
+  }
+  return tasks;
+}
+
+// Longest processing time first: each task to the least loaded thread.
+std::vector<std::vector<int64_t>> deal(const std::vector<Task>& tasks, int64_t nthreads) {
+  std::vector<int64_t> order(tasks.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return tasks[a].cost > tasks[b].cost; });
+  std::vector<std::vector<int64_t>> lists(nthreads);
+  std::vector<double> load(nthreads, 0.0);
+  for (int64_t i : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    lists[t].push_back(i);
+    load[t] += tasks[i].cost;
+  }
+  return lists;
+}
+
+// Pointer to the d values of prefix row c (of group g, kv head h) in the cache.
+template <typename s_t>
+struct PrefixRows {
+  const s_t* base;
+  int64_t st_blk, st_slot, st_head;  // strides (elements); packed form: st_blk = row stride, st_slot unused
+  const Meta* mt;
+  const s_t* operator()(int64_t g, int64_t c, int64_t h) const {
+    if (mt->bt) {
+      const int64_t b = mt->bt[g * mt->max_blocks + c / mt->block_size];
+      return base + b * st_blk + (c % mt->block_size) * st_slot + h * st_head;
+    }
+    return base + (mt->cp[g] + c) * st_blk + h * st_head;
+  }
+};
+
+template <typename s_t, typename c_t>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc, const at::Tensor& vc,
+         const Meta& mt, float scale, at::Tensor& out) {
+  const int64_t d = mt.d, r = mt.r, Hkv = mt.Hkv;
+  const int64_t G = static_cast<int64_t>(mt.cp.size()) - 1;
+  const bool paged = mt.bt != nullptr;
+  const PrefixRows<s_t> pk{kc.const_data_ptr<s_t>(), kc.stride(0), paged ? kc.stride(1) : 0,
+                           kc.stride(paged ? 2 : 1), &mt};
+  const PrefixRows<s_t> pv{vc.const_data_ptr<s_t>(), vc.stride(0), paged ? vc.stride(1) : 0,
+                           vc.stride(paged ? 2 : 1), &mt};
+  const s_t* qp = q.const_data_ptr<s_t>();
+  const s_t* kp = k.const_data_ptr<s_t>();
+  const s_t* vp = v.const_data_ptr<s_t>();
+  s_t* op = out.data_ptr<s_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t tile_elems = KT * d;  // one packed K (or V) tile
+
+  // -- 1. shared prefix pack, once per (group, kv head, tile), when no conversion is involved
+  constexpr bool shared = std::is_same_v<s_t, c_t>;
+  std::vector<int64_t> tile0(G + 1, 0);  // first tile index of group g in the shared buffer
+  for (int64_t g = 0; g < G; ++g) tile0[g + 1] = tile0[g] + (mt.cp[g + 1] - mt.cp[g] + KT - 1) / KT;
+  at::Tensor packed;
+  c_t* pbuf = nullptr;
+  if (shared && tile0[G] > 0) {
+    packed = at::empty({tile0[G], Hkv, 2, tile_elems}, q.options().dtype(c10::CppTypeToScalarType<c_t>::value));
+    pbuf = packed.data_ptr<c_t>();
+    const int64_t items = tile0[G] * Hkv;
+    at::parallel_for(0, items, 1, [&](int64_t b, int64_t e) {
+      for (int64_t it = b; it < e; ++it) {
+        const int64_t tile = it / Hkv, h = it % Hkv;
+        const int64_t g = std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin() - 1;
+        const int64_t j0 = (tile - tile0[g]) * KT;
+        const int64_t n = std::min(KT, mt.cp[g + 1] - mt.cp[g] - j0);
+        c_t* dst = pbuf + it * 2 * tile_elems;
+        pack_kv_tile<s_t, c_t>([&](int64_t j) { return pk(g, j0 + j, h); }, [&](int64_t j) { return pv(g, j0 + j, h); },
+                               n, KT, d, dst, dst + tile_elems);
+      }
+    });
+  }
+
+  // -- 2. row tasks
+  std::vector<Task> tasks = make_tasks(mt);
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  const auto lists = deal(tasks, nthreads);
+  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
+    std::vector<c_t> Q(ROWS * d), Pm(ROWS * KT), Kt(tile_elems), Vt(tile_elems);
+    std::vector<float> S(ROWS * KT), acc(ROWS * d), m(ROWS), l(ROWS);
+    std::vector<c_t> OwnK, OwnV;  // a piece's own keys, all its tiles
+    std::vector<char> finite;
+    for (int64_t tid = b; tid < e; ++tid) {
+      for (int64_t ti : lists[tid]) {
+        const Task& tk = tasks[ti];
+        const int64_t g = tk.g, h = tk.h, M = tk.M;
+        // Q rows of the task, token-major: row (token, i) = q[token, h·r + i]
+        for (const Piece& pc : tk.pieces)
+          for (int64_t t = pc.t0; t < pc.t1; ++t)
+            for (int64_t i = 0; i < r; ++i) {
+              const s_t* src = qp + t * qs0 + (h * r + i) * qs1;
+              c_t* dst = Q.data() + (pc.m0 + (t - pc.t0) * r + i) * d;
+              for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<c_t>(src[c]);
+            }
+        std::fill(m.begin(), m.begin() + M, -std::numeric_limits<float>::infinity());
+        std::fill(l.begin(), l.begin() + M, 0.f);
+        std::fill(acc.begin(), acc.begin() + M * d, 0.f);
+
+        // prefix: every row sees every key
+        const int64_t P = mt.cp[g + 1] - mt.cp[g];
+        for (int64_t j0 = 0, tile = tile0[g]; j0 < P; j0 += KT, ++tile) {
+          const int64_t n = std::min(KT, P - j0);
+          const c_t *kt, *vt;
+          if (shared) {
+            kt = pbuf + (tile * Hkv + h) * 2 * tile_elems;
+            vt = kt + tile_elems;
+          } else {
+            pack_kv_tile<s_t, c_t>([&](int64_t j) { return pk(g, j0 + j, h); },
+                                   [&](int64_t j) { return pv(g, j0 + j, h); }, n, KT, d, Kt.data(), Vt.data());
+            kt = Kt.data();
+            vt = Vt.data();
+          }
+          const int64_t nc = gemm_cols<c_t>(n, KT);
+          gemm(M, nc, d, Q.data(), d, kt, KT, S.data(), KT, false);
+          softmax_step<c_t>(M, KT, nc, d, scale, S.data(), [n](int64_t) { return n; }, m.data(), l.data(), acc.data(),
+                            Pm.data());
+          gemm(M, d, nc, Pm.data(), KT, vt, d, acc.data(), d, true);
+        }
+
+        // own keys, causally: piece rows (token t, head i) see own keys a_s .. t. The piece's keys
+        // are packed once; its rows run in sub-blocks of OWN_ROWS rows, each against the keys up
+        // to its last token only, so the causal triangle costs ~(1 + OWN_ROWS / (r·L)) of itself
+        // rather than the piece's whole rectangle.
+        for (const Piece& pc : tk.pieces) {
+          const int64_t a = mt.cs[pc.seg];
+          const int64_t ntiles = (pc.t1 - a + KT - 1) / KT;
+          if (static_cast<int64_t>(OwnK.size()) < ntiles * tile_elems) {
+            OwnK.resize(ntiles * tile_elems);
+            OwnV.resize(ntiles * tile_elems);
+          }
+          finite.assign(ntiles, 1);
+          for (int64_t tile = 0; tile < ntiles; ++tile) {
+            const int64_t j0 = a + tile * KT;
+            finite[tile] = pack_kv_tile<s_t, c_t>(
+                [&](int64_t j) { return kp + (j0 + j) * ks0 + h * ks1; },
+                [&](int64_t j) { return vp + (j0 + j) * vs0 + h * vs1; }, std::min(KT, pc.t1 - j0), KT, d,
+                OwnK.data() + tile * tile_elems, OwnV.data() + tile * tile_elems);
+          }
+          const int64_t sub_tok = std::max<int64_t>(1, OWN_ROWS / r);
+          for (int64_t u0 = pc.t0; u0 < pc.t1; u0 += sub_tok) {
+            const int64_t u1 = std::min(pc.t1, u0 + sub_tok);
+            const int64_t m0 = pc.m0 + (u0 - pc.t0) * r, Mp = (u1 - u0) * r;
+            c_t* Qp = Q.data() + m0 * d;
+            float* accp = acc.data() + m0 * d;
+            for (int64_t tile = 0, j0 = a; j0 < u1; ++tile, j0 += KT) {
+              const int64_t n = std::min(KT, u1 - j0);
+              const c_t* kt = OwnK.data() + tile * tile_elems;
+              const c_t* vt = OwnV.data() + tile * tile_elems;
+              // visible columns of sub-block row i: keys j0.. up to its token
+              auto cnt = [&](int64_t i) { return std::min(n, u0 + i / r - j0 + 1); };
+              const int64_t nc = gemm_cols<c_t>(n, KT);
+              gemm(Mp, nc, d, Qp, d, kt, KT, S.data(), KT, false);
+              softmax_step<c_t>(Mp, KT, nc, d, scale, S.data(), cnt, m.data() + m0, l.data() + m0, accp, Pm.data());
+              if (finite[tile]) {
+                gemm(Mp, d, nc, Pm.data(), KT, vt, d, accp, d, true);
+              } else {  // a non-finite value: add only the visible columns of each row (masked ones stay out)
+                for (int64_t i = 0; i < Mp; ++i)
+                  for (int64_t j = 0; j < cnt(i); ++j) {
+                    const float p = static_cast<float>(Pm[i * KT + j]);
+                    for (int64_t c = 0; c < d; ++c) {
+                      const c_t vv = kVnni<c_t> ? vt[((j >> 1) * d + c) * 2 + (j & 1)] : vt[j * d + c];
+                      accp[i * d + c] += p * static_cast<float>(vv);
+                    }
+                  }
+              }
+            }
+          }
+        }
+
+        // out = acc / l, in q's dtype
+        for (const Piece& pc : tk.pieces)
+          for (int64_t t = pc.t0; t < pc.t1; ++t)
+            for (int64_t i = 0; i < r; ++i) {
+              const int64_t row = pc.m0 + (t - pc.t0) * r + i;
+              const float inv = 1.f / l[row];
+              s_t* dst = op + t * os0 + (h * r + i) * os1;
+              for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<s_t>(acc[row * d + c] * inv);
+            }
+      }
+    }
+    gemm_release<c_t>();
+  });
+}
+
+void check_int32(const at::Tensor& t, const char* name, int64_t dim) {
+  ACR_CHECK_CPU(kOp, t, name);
+  ACR_CHECK_DTYPE(kOp, t, name, at::kInt);
+  ACR_CHECK_DIM(kOp, t, name, dim);
+}
+
+// Every check that would otherwise read out of bounds, with the value at fault.
+Meta check_and_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                    const at::Tensor& kc, const at::Tensor& vc, const std::optional<at::Tensor>& block_table,
+                    const at::Tensor& cu_prefix_lens, const at::Tensor& segment_group) {
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&kc, "prefix_k"}, {&vc, "prefix_v"}}) {
+    ACR_CHECK_CPU(kOp, *t, name);
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), kOp, ": ", name, " dtype ", t->scalar_type(),
+                " differs from q dtype ", q.scalar_type());
+  }
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              kOp, ": q dtype ", q.scalar_type(), " is not float32/bfloat16/float16");
+  ACR_CHECK_DIM(kOp, q, "q", 3);
+  ACR_CHECK_DIM(kOp, k, "k", 3);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2), kOp, ": k ", k.sizes(),
+              " / v ", v.sizes(), " must be [T, Hkv, d] like q ", q.sizes());
+  Meta mt;
+  mt.T = q.size(0), mt.Hq = q.size(1), mt.Hkv = k.size(1), mt.d = q.size(2);
+  TORCH_CHECK(mt.Hkv > 0 && mt.Hq % mt.Hkv == 0, kOp, ": query heads ", mt.Hq, " are not a multiple of kv heads ",
+              mt.Hkv);
+  TORCH_CHECK(mt.d >= 1 && mt.d <= MAX_HEAD_DIM, kOp, ": head_dim ", mt.d, " is outside [1, ", MAX_HEAD_DIM, "]");
+  mt.r = mt.Hq / mt.Hkv;
+  check_int32(cu_seqlens, "cu_seqlens", 1);
+  check_int32(cu_prefix_lens, "cu_prefix_lens", 1);
+  check_int32(segment_group, "segment_group", 1);
+  mt.cs = to_host<int32_t>(cu_seqlens);
+  mt.cp = to_host<int32_t>(cu_prefix_lens);
+  mt.sg = to_host<int32_t>(segment_group);
+  const int64_t S = static_cast<int64_t>(mt.sg.size()), G = static_cast<int64_t>(mt.cp.size()) - 1;
+  TORCH_CHECK(static_cast<int64_t>(mt.cs.size()) == S + 1, kOp, ": cu_seqlens has ", mt.cs.size(),
+              " entries for ", S, " segments");
+  TORCH_CHECK(G >= 0, kOp, ": cu_prefix_lens needs at least one entry (0)");
+  TORCH_CHECK(mt.cs[0] == 0 && mt.cs[S] == mt.T, kOp, ": cu_seqlens must start at 0 and end at T=", mt.T);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(mt.cs[s + 1] >= mt.cs[s], kOp, ": cu_seqlens decreases at ", s);
+    TORCH_CHECK(mt.sg[s] >= 0 && mt.sg[s] < G, kOp, ": segment_group[", s, "] = ", mt.sg[s], " is outside [0, ", G,
+                ")");
+  }
+  TORCH_CHECK(mt.cp[0] == 0, kOp, ": cu_prefix_lens must start at 0");
+  for (int64_t g = 0; g < G; ++g)
+    TORCH_CHECK(mt.cp[g + 1] >= mt.cp[g], kOp, ": cu_prefix_lens decreases at ", g);
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->stride(2) == 1, kOp, ": the head_dim of q/k/v must have stride 1, got strides ", t->strides());
+  TORCH_CHECK(kc.sizes() == vc.sizes(), kOp, ": prefix_k ", kc.sizes(), " and prefix_v ", vc.sizes(), " differ");
+  if (block_table.has_value()) {
+    check_int32(*block_table, "block_table", 2);
+    mt.bt_owner = block_table->contiguous();  // a strided view of a larger table: [G, max_blocks] once
+    const at::Tensor& bt = mt.bt_owner;
+    TORCH_CHECK(kc.dim() == 4 && kc.size(2) == mt.Hkv && kc.size(3) == mt.d, kOp,
+                ": k_cache must be [num_blocks, block_size, ", mt.Hkv, ", ", mt.d, "], got ", kc.sizes());
+    TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1, kOp, ": the head_dim of the caches must have stride 1");
+    TORCH_CHECK(bt.size(0) == G, kOp, ": block_table has ", bt.size(0), " rows for ", G, " groups");
+    mt.bt = bt.const_data_ptr<int32_t>();
+    mt.max_blocks = bt.size(1);
+    mt.block_size = kc.size(1);
+    const int64_t nb = kc.size(0);
+    TORCH_CHECK(mt.block_size >= 1, kOp, ": block_size must be >= 1");
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t P = mt.cp[g + 1] - mt.cp[g];
+      const int64_t used = (P + mt.block_size - 1) / mt.block_size;
+      TORCH_CHECK(used <= mt.max_blocks, kOp, ": group ", g, " has ", P, " prefix tokens, more than its ", mt.max_blocks,
+                  " blocks of ", mt.block_size);
+      for (int64_t j = 0; j < used; ++j) {
+        const int64_t id = mt.bt[g * mt.max_blocks + j];
+        TORCH_CHECK(id >= 0 && id < nb, kOp, ": block id ", id, " in block_table[", g, ", ", j,
+                    "] is out of range [0, ", nb, ")");
+      }
+    }
+  } else {
+    TORCH_CHECK(kc.dim() == 3 && kc.size(1) == mt.Hkv && kc.size(2) == mt.d, kOp, ": prefix_k must be [Ptot, ",
+                mt.Hkv, ", ", mt.d, "], got ", kc.sizes());
+    TORCH_CHECK(kc.stride(2) == 1 && vc.stride(2) == 1, kOp, ": the head_dim of prefix_k/v must have stride 1");
+    TORCH_CHECK(mt.cp[G] == kc.size(0), kOp, ": cu_prefix_lens ends at ", mt.cp[G], " but prefix_k has ", kc.size(0),
+                " rows");
+  }
+  return mt;
+}
+
+at::Tensor prefix_shared_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& cu_seqlens, const at::Tensor& prefix_k,
+                                       const at::Tensor& prefix_v, const std::optional<at::Tensor>& block_table,
+                                       const at::Tensor& cu_prefix_lens, const at::Tensor& segment_group,
+                                       double scale) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, kOp, ": scale must be finite and > 0, got ", scale);
+  const Meta mt = check_and_read(q, k, v, cu_seqlens, prefix_k, prefix_v, block_table, cu_prefix_lens, segment_group);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (mt.T == 0) return out;
+  const float sc = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      run<float, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);
+      break;
+    case at::kBFloat16:
+      if (at::native::cpublas::could_pack(at::kBFloat16) && mt.d % 2 == 0)
+        run<at::BFloat16, at::BFloat16>(q, k, v, prefix_k, prefix_v, mt, sc, out);
+      else  // no fast bf16 brgemm here: its bf16 fallback is a reference loop (~0.3 GFLOP/s)
+        run<at::BFloat16, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);
+      break;
+    default:
+      run<at::Half, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(acarerank, m) {
+  m.def("prefix_shared_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor prefix_k, "
+        "Tensor prefix_v, Tensor? block_table, Tensor cu_prefix_lens, Tensor segment_group, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(acarerank, CPU, m) {
+  m.impl("prefix_shared_attention_cpu", &prefix_shared_attention_cpu);
+}

@@ -1,0 +1,283 @@
+"""``acarerank bench`` end to end on a tiny model, and the pieces its figures rest on.
+
+References: the CSV columns of ``report.COLUMNS``; ``torch.utils.flop_counter`` for the
+FLOP model; an explicit causal mask for attended pairs; numpy's percentile; the real
+tokenizer for the workload's token counts; the model card path (a) for score agreement.
+"""
+import csv
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from acarerank.benchmark import report
+from acarerank.benchmark.baselines import OfficialTransformers, PrefixCacheTransformers, split_prompt_ids
+from acarerank.benchmark.measure import PeakMemory, percentile, time_ms
+from acarerank.benchmark.workload import WorkloadSpec, make_workload, token_count
+from acarerank.cli import main
+
+TINY = "num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=2,num_key_value_heads=1,head_dim=32"
+TINY_KW = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from acarerank.model.default import build_default_model
+
+    m = build_default_model("tiny-cpu", seed=0, **TINY_KW)
+    m.set_attn_implementation("sdpa")
+    return m
+
+
+@pytest.fixture(scope="module")
+def small_workload(qwen3_tokenizer):
+    return make_workload(qwen3_tokenizer, WorkloadSpec(query_tokens=5, question_tokens=7, trace_tokens=30,
+                                                       doc_tokens=(3, 17), num_docs=7, seed=1))
+
+
+def test_bench_quick_run_writes_csv_png_and_checks_scores(tmp_path, capsys):
+    rc = main(["bench", "--quick", "--depths", "2,3,4", "--dtype", "float32", "--override", TINY, "--output", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    with open(tmp_path / "bench.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == report.COLUMNS
+        rows = list(reader)
+    # every backend preference that runs here: "cpp" runs the head's C++ twin end to end (attention
+    # keeps its device default), "triton" is left out on CPU (interpreter only)
+    from acarerank.ops import available_backends
+    ours = {f"acarerank-{b}" for b in ("torch", "cpp") if b in available_backends("yes_no", "cpu")}
+    providers = {"transformers", "transformers+prefix-cache"} | ours
+    assert {r["provider"] for r in rows} == providers
+    cells = {(r["mode"], int(r["depth"]), r["provider"]) for r in rows}
+    assert cells == {(m, d, p) for m in ("M0", "M3") for d in (2, 3, 4) for p in providers}, sorted(cells)
+    for r in rows:
+        for col in ("median_ms", "p10_ms", "p90_ms", "docs_per_s", "tokens_per_s", "flop_bound_speedup", "gflop"):
+            assert float(r[col]) > 0, (col, r)
+        assert float(r["p10_ms"]) <= float(r["median_ms"]) <= float(r["p90_ms"]), r
+        assert float(r["max_abs_score_diff"]) <= 1e-4, r
+        assert r["random_weights"] == "True" and r["device"] == "cpu" and r["dtype"] == "float32"
+        # docs/s and tokens/s are the counts over the median latency
+        assert float(r["docs_per_s"]) == pytest.approx(int(r["depth"]) / float(r["median_ms"]) * 1e3, rel=1e-4)
+        assert int(r["workload_tokens"]) == int(r["shared_tokens"]) * int(r["depth"]) + int(r["doc_tokens"])
+        if r["provider"] == "transformers":
+            assert float(r["speedup_vs_transformers"]) == 1.0 and float(r["flop_bound_speedup"]) == 1.0
+    with open(tmp_path / "bench.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "scores agree: max |score - score[transformers]|" in out
+    assert "depth scaling M3 acarerank-torch" in out and "RANDOM-weight" in out
+    assert (tmp_path / "bench.txt").read_text().strip() == out.strip()
+
+
+def test_bench_bad_arguments_are_clear_errors(capsys):
+    assert main(["bench", "--quick", "--modes", "M9", "--output", "/nonexistent/never"]) == 2
+    assert "unknown context mode(s) ['M9']" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--depths", "0,2"]) == 2
+    assert "depths must be positive ints" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--override", "hidden_size"]) == 2
+    assert "--override expects key=value" in capsys.readouterr().err
+
+
+def test_workload_token_counts_are_exact(qwen3_tokenizer):
+    spec = WorkloadSpec(query_tokens=11, question_tokens=23, trace_tokens=157, doc_tokens=(5, 41), num_docs=12, seed=3)
+    w = make_workload(qwen3_tokenizer, spec)
+    got = [token_count(qwen3_tokenizer, t) for t in (w.query, w.question, w.trace)]
+    assert got == [11, 23, 157]
+    counts = [token_count(qwen3_tokenizer, d) for d in w.documents]
+    assert counts == w.doc_token_counts and all(5 <= n <= 41 for n in counts), counts
+    assert make_workload(qwen3_tokenizer, spec).documents == w.documents  # seeded
+    assert w.context("M0") == dict(query=w.query, question=None, trace=None)
+    assert w.context("M3") == dict(query=w.query, question=w.question, trace=w.trace)
+
+
+def test_split_prompt_ids_is_the_official_tokenization(qwen3_tokenizer, small_workload):
+    """(b)'s shared + segment ids equal the model card's full prompt ids for each document."""
+    from acarerank.prompts import joint_input_ids
+
+    w = small_workload
+    for mode in ("M0", "M3"):
+        ctx = w.context(mode)
+        shared, segs = split_prompt_ids(qwen3_tokenizer, documents=w.docs(7), **ctx)
+        for d, seg in zip(w.docs(7), segs):
+            assert shared + seg == joint_input_ids(qwen3_tokenizer, ctx["query"], d, question=ctx["question"],
+                                                   trace=ctx["trace"]), (mode, d)
+
+
+@pytest.mark.parametrize("plan,make", [
+    ("full_padded", lambda m, t: OfficialTransformers(m, t, batch_size=4)),
+    ("prefix_padded", lambda m, t: PrefixCacheTransformers(m, t, batch_size=3)),
+    ("prefix_packed", None),
+])
+def test_flop_model_matches_torch_flop_counter(plan, make, tiny_model, qwen3_tokenizer, small_workload):
+    """Linear + head FLOPs of each plan equal what FlopCounterMode counts in the real forward.
+
+    FlopCounterMode counts the matrix products (aten.mm) and sees no attention here (CPU
+    SDPA; acarerank's attention and yes/no head are custom ops), so it checks the linear
+    layers, the padding each plan pays and the head; attention pairs are checked below.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from acarerank import PointwiseReranker
+
+    w = small_workload
+    ctx, docs = w.context("M3"), w.docs(7)
+    if make is None:
+        prov, batch, counted_parts = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer), 0, ("linear",)
+    else:
+        prov = make(tiny_model, qwen3_tokenizer)
+        batch, counted_parts = prov.batch_size, ("linear", "head")
+    shared, segs = split_prompt_ids(qwen3_tokenizer, documents=docs, **ctx)
+    fc = FlopCounterMode(display=False)
+    with fc:
+        prov.score(documents=docs, **ctx)
+    counted = sum(fc.get_flop_counts()["Global"].values())
+    parts = report.plan_flop_parts(plan, report.Shapes.from_config(tiny_model.config), len(shared),
+                                   [len(s) for s in segs], batch)
+    assert counted == sum(parts[k] for k in counted_parts), (plan, counted, parts)
+
+
+@pytest.mark.parametrize("n,cached", [(1, 0), (7, 0), (5, 13), (1, 97), (59, 1)])
+def test_attended_pairs_count_the_causal_mask(n, cached):
+    mask = torch.ones(n, cached + n, dtype=torch.bool).tril(cached)  # query i sees keys 0..cached+i
+    assert report.attended_pairs(n, cached) == int(mask.sum())
+
+
+def test_percentile_matches_numpy():
+    xs = [5.0, 1.0, 4.0, 2.5, 9.0, 7.0, 3.0]
+    for q in (0, 10, 50, 90, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), abs=1e-12), q
+    assert percentile([3.0], 10) == 3.0
+    with pytest.raises(ValueError, match=r"\[0, 100\]"):
+        percentile(xs, 0.5 - 1)
+
+
+def test_time_ms_on_cpu_keeps_every_call():
+    calls = []
+    t = time_ms(lambda: calls.append(1) or len(calls), "cpu", repeats=4, warmup=2)
+    assert len(calls) == 6 and t.result == 6 and len(t.times_ms) == len(t.cpu_ms) == 4
+    assert min(t.times_ms) <= t.p(20) <= t.median <= t.p(80) <= max(t.times_ms)
+
+
+def test_score_check_flags_disagreement_and_nan():
+    rows = [dict(mode="M3", depth=2, provider="transformers", max_abs_score_diff=0.0),
+            dict(mode="M3", depth=2, provider="acarerank-torch", max_abs_score_diff=3e-3)]
+    ok, line = report.score_check(rows, 1e-4)
+    assert not ok and "SCORES DISAGREE" in line and "acarerank-torch" in line
+    rows[1]["max_abs_score_diff"] = float("nan")
+    assert not report.score_check(rows, 1e-4)[0]
+    rows[1]["max_abs_score_diff"] = 5e-5
+    assert report.score_check(rows, 1e-4)[0]
+
+
+def test_depth_scaling_figure():
+    """Marginal ms/doc between the first and second-largest depth vs the last two (docs/benchmarks.md's depth-scaling figure)."""
+    t = {10: 100.0, 20: 150.0, 50: 300.0, 100: 560.0}  # 5 ms/doc then 5.2 ms/doc
+    rows = [dict(mode="M3", provider="p", depth=d, median_ms=v, doc_tokens=d * 100) for d, v in t.items()]
+    (s,) = report.depth_scaling(rows)
+    assert s["depths"] == (10, 50, 100)
+    assert s["ms_per_doc_low"] == pytest.approx(5.0) and s["ms_per_doc_high"] == pytest.approx(5.2)
+    assert s["ratio"] == pytest.approx(1.04) and s["within_target"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="RSS high-water reset needs Linux /proc")
+def test_peak_memory_sees_a_cpu_tensor():
+    meter = PeakMemory(torch.device("cpu"))
+    meter.start()
+    x = torch.ones(64 * 2**20 // 4)  # 64 MB, written so every page is resident
+    del x
+    peak = meter.stop()
+    assert meter.kind == "rss_hwm" and 60 <= peak < 200, peak
+
+
+def test_row_targets_are_speedups_over_each_baseline():
+    rows = [dict(mode="M3", depth=50, provider=p, median_ms=v)
+            for p, v in (("transformers", 600.0), ("transformers+prefix-cache", 200.0), ("acarerank-torch", 100.0))]
+    text = report.format_targets(rows)
+    assert "acarerank-torch is 6.00x transformers (target >= 5x: met)" in text, text
+    assert "acarerank-torch is 2.00x transformers+prefix-cache (target >= 1.6x: met)" in text, text
+    rows[2]["median_ms"] = 150.0
+    assert "1.33x transformers+prefix-cache (target >= 1.6x: NOT met)" in report.format_targets(rows)
+    assert "not measured" in report.format_targets(rows, depth=20)
+
+
+# -- dtypes side by side ----------------------------------------------------------------
+def test_kendall_tau_counts_concordant_pairs():
+    a = [0.9, 0.1, 0.5, 0.7, 0.3]
+    b = [0.8, 0.2, 0.3, 0.9, 0.4]  # pairs: 10; discordant (0,3) and (2,4): tau = (8 - 2) / 10
+    assert report.kendall_tau(a, b) == pytest.approx(0.6)
+    assert report.kendall_tau(a, a) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="5 vs 2"):
+        report.kendall_tau(a, b[:2])
+
+
+def test_rank_agreement_and_dtype_targets():
+    def row(dt, prov, ms, frac):
+        return dict(mode="M3", depth=50, provider=prov, dtype=dt, median_ms=ms, peak_fraction=frac,
+                    achieved_gflops=frac * 100, gemm_peak_gflops=100.0, kendall_tau_vs_float32=float("nan"))
+    rows = [row("float32", "acarerank-torch", 1000.0, 0.87), row("bfloat16", "acarerank-torch", 600.0, 0.60)]
+    scores = {("float32", "M3", 50, "acarerank-torch"): [0.1, 0.2, 0.3],
+              ("bfloat16", "M3", 50, "acarerank-torch"): [0.1, 0.3, 0.2]}
+    agree = report.rank_agreement(rows, scores)
+    assert [a["tau"] for a in agree] == [pytest.approx(1 / 3)] and rows[1]["kendall_tau_vs_float32"] == agree[0]["tau"]
+    text = report.format_dtype_targets(rows)
+    assert "float32 at 87.0% of the float32 GEMM peak" in text and "target >= 85%: met" in text, text
+    assert "bfloat16 at 60.0%" in text and "target >= 65%: NOT met" in text, text
+    assert "bfloat16 is 1.67x float32 (target >= 1.6x: met)" in text, text
+
+
+def test_gemm_peak_shapes_are_the_model_linears(tiny_model):
+    """The peak is measured at the weight shapes of the model's own linear layers."""
+    from acarerank.benchmark.gemm_peak import gemm_peak, linear_shapes
+
+    sh = report.Shapes.from_config(tiny_model.config)
+    L = tiny_model.model.layers[0]
+    ref = {"qkv": (L.self_attn.q_proj.in_features, sum(m.out_features for m in
+                                                       (L.self_attn.q_proj, L.self_attn.k_proj, L.self_attn.v_proj))),
+           "o": (L.self_attn.o_proj.in_features, L.self_attn.o_proj.out_features),
+           "gate_up": (L.mlp.gate_proj.in_features, L.mlp.gate_proj.out_features + L.mlp.up_proj.out_features),
+           "down": (L.mlp.down_proj.in_features, L.mlp.down_proj.out_features)}
+    assert linear_shapes(sh) == ref
+    pk = gemm_peak(sh, torch.float32, rows=64, repeats=2)
+    assert pk["peak_gflops"] == max(pk["per_shape"].values()) > 0 and set(pk["per_shape"]) == set(ref)
+
+
+def test_gemm_peak_best_of_keeps_each_shapes_fastest_measurement():
+    """A peak measured while something else ran (lower rates) never lowers the merged one."""
+    from acarerank.benchmark.gemm_peak import best_of
+
+    first = dict(dtype="float32", rows=2048, per_shape=dict(qkv=79.0, o=368.0, gate_up=72.0, down=364.0),
+                 peak_gflops=368.0)
+    second = dict(first, per_shape=dict(qkv=317.0, o=358.0, gate_up=316.0, down=370.0), peak_gflops=370.0)
+    merged = best_of(first, second)
+    assert merged["per_shape"] == dict(qkv=317.0, o=368.0, gate_up=316.0, down=370.0)
+    assert merged["peak_gflops"] == 370.0 and best_of(first) == first
+    with pytest.raises(ValueError, match="one dtype and row count"):
+        best_of(first, dict(second, dtype="bfloat16"))
+    with pytest.raises(ValueError):
+        best_of()
+
+
+def test_bench_two_dtypes_side_by_side(tmp_path, capsys):
+    rc = main(["bench", "--quick", "--depths", "2,3", "--modes", "M3", "--dtype", "float32,bfloat16,float32",
+               "--providers", "transformers+prefix-cache,acarerank", "--backends", "torch", "--override", TINY,
+               "--output", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    with open(tmp_path / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["dtype"], int(r["depth"]), r["provider"]) for r in rows] == [
+        (dt, d, p) for dt in ("float32", "bfloat16") for d in (2, 3) for p in ("transformers+prefix-cache",
+                                                                                 "acarerank-torch")]
+    for r in rows:
+        assert float(r["peak_fraction"]) == pytest.approx(
+            float(r["gflop"]) / (float(r["median_ms"]) / 1e3) / float(r["gemm_peak_gflops"]), rel=1e-4)
+        if r["dtype"] == "float32":
+            assert r["kendall_tau_vs_float32"] == "nan", r
+        else:
+            assert -1.0 <= float(r["kendall_tau_vs_float32"]) <= 1.0, r
+    assert "[bench] dtype bfloat16: asked for explicitly" in captured.err
+    assert "dtype bfloat16 (asked for explicitly); GEMM peak" in captured.out
+    assert "rank agreement M3 depth 3 acarerank-torch" in captured.out
+    assert "--dtype float32,bfloat16 --extra-dtype-depths 2,3" in captured.out

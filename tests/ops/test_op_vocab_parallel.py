@@ -1,0 +1,336 @@
+"""Vocabulary-parallel topk_logprobs / linear_logprob / rescore against the single-process ops.
+
+Spawned gloo process groups of 2 and 4 ranks (tests/_vocab_parallel_workers.py), one of each
+shared by every case of this module (spawning costs seconds). Every rank must return what
+the single-process op returns on the full weight (ids exactly; log-probs within 1e-6 relative),
+and all ranks the same bits. Exact ids need exact logits: "dyadic" inputs (multiples of 1/4,
+H ≤ 64) make every GEMM exact whatever its blocking, and they tie often, so the tie rule
+(lower id first) is exercised across shard boundaries. Bad input must raise on every rank,
+and the group must still work afterwards (no rank left waiting in a collective).
+"""
+import re
+
+import pytest
+import torch
+
+from _vocab_parallel_workers import Group, rescore_queries, shard_bounds, tiny_runner
+from acarerank.ops import VocabShard, linear_logprob, linear_logprob_ref, topk_logprobs, topk_logprobs_ref
+
+QWEN3_V = 151669
+REL = 1e-6  # fp32 log-probs: |Δ| ≤ REL · max(1, |ref|)
+
+
+@pytest.fixture(scope="module")
+def groups():
+    made = {}
+
+    def get(world):
+        if world not in made:
+            made[world] = Group(world)
+        return made[world]
+
+    yield get
+    for g in made.values():
+        g.close()
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _dyadic(T, H, V, seed=0, span=8):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-span, span + 1, (T, H), generator=g).float() / 4,
+            torch.randint(-span, span + 1, (V, H), generator=g).float() / 4)
+
+
+def _gauss(T, H, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, H, generator=g) / H ** 0.5 * 3, torch.randn(V, H, generator=g)
+
+
+def _targets(h, w, k, V, bounds=None):
+    """Even rows: an id from the top-k (in_topk); odd rows: an id of rank (i // 2) mod W's
+    valid rows, so every rank owns some targets (given enough rows)."""
+    T = h.shape[0]
+    top = (h @ w[:V].T).topk(min(k, V), dim=1).indices
+    tg = top[torch.arange(T), torch.arange(T) % top.shape[1]]
+    live = [(s, min(e, V)) for s, e in (bounds or [(0, V)]) if min(e, V) > s]
+    for i in range(1, T, 2):
+        s, e = live[(i // 2) % len(live)]
+        tg[i] = s + (i * 7919) % (e - s)
+    return tg
+
+
+def _ok(out, what):
+    bad = [(r, p) for r, (s, p) in enumerate(out) if s != "ok"]
+    assert not bad, f"{what}: rank {bad[0][0]} raised {bad[0][1][0]}: {bad[0][1][1]}\n{bad[0][1][2]}"
+    return [p for _, p in out]
+
+
+def _close(got, want, what, rel=REL):
+    err = (got.double() - want.double()).abs()
+    bad = (err > rel * want.double().abs().clamp_min(1.0)).nonzero()
+    assert bad.numel() == 0, f"{what}: {bad.shape[0]} mismatches, first at {bad[:5].tolist()}, max err {err.max():.3e}"
+
+
+def _exact(h, w, tg, ids, temperature=1.0, renormalize=True, outside="floor", floor=-20.0, **_):
+    """fp64 (topk_logprobs, target_logprob) at the given top-k ids: the yardstick for values
+    normalised over the whole vocabulary, where fp32 summation order alone moves ~1e-6."""
+    z = (h.double() @ w.double().T) / temperature
+    zk = z.gather(1, ids)
+    norm = torch.logsumexp(zk if renormalize else z, dim=1, keepdim=True)
+    inside = (ids == tg[:, None]).any(1)
+    zt = z.gather(1, tg[:, None])
+    out = {"floor": torch.full_like(zt, floor), "mask": torch.zeros_like(zt),
+           "full": zt - torch.logsumexp(z, dim=1, keepdim=True)}[outside]
+    return zk - norm, torch.where(inside[:, None], zt - norm, out).squeeze(1)
+
+
+def _check_topk(results, h, w, tg, k, V, what, **kw):
+    """ids exact and bitwise-equal ranks; values within REL of the single-process op, or — where
+    they are normalised over the whole vocabulary (renormalize=False, outside="full") — no
+    further from the fp64 values than 2× the single-process op's own error + REL (flash-attn's rule)."""
+    want = topk_logprobs(h, w[:V], tg, k=k, **kw)
+    oracle = topk_logprobs_ref(h, w[:V], tg, k=k, **kw)
+    assert torch.equal(want.topk_ids, oracle.topk_ids), f"{what}: single-process op vs oracle (test premise)"
+    full_norm = {"topk_logprobs": not kw.get("renormalize", True),
+                 "target_logprob": not kw.get("renormalize", True) or kw.get("outside") == "full"}
+    exact = dict(zip(("topk_logprobs", "target_logprob"), _exact(h, w[:V], tg, want.topk_ids, **kw)))
+    for r, res in enumerate(results):
+        got = type(want)(*res)
+        bad = (got.topk_ids != want.topk_ids).nonzero()
+        assert bad.numel() == 0, f"{what} rank {r}: {bad.shape[0]} ids differ, first (row, rank) {bad[:5].tolist()}"
+        assert torch.equal(got.in_topk, want.in_topk), f"{what} rank {r}: in_topk differs"
+        for name in ("topk_logprobs", "target_logprob"):
+            a, b, x = getattr(got, name), getattr(want, name), exact[name]
+            if full_norm[name]:
+                e_single = (b.double() - x).abs().max().item()
+                e_dist = (a.double() - x).abs().max().item()
+                assert e_dist <= 2 * e_single + REL, f"{what} rank {r} {name}: error {e_dist:.3e} vs fp64, " \
+                                                     f"single-process op {e_single:.3e}"
+            else:
+                _close(a, b, f"{what} rank {r} {name}")
+        for a, b in zip(res, results[0]):
+            assert torch.equal(a, b), f"{what}: rank {r} differs bitwise from rank 0"
+    return want
+
+
+# --------------------------------------------------------------------- topk_logprobs
+TOPK_CASES = [
+    # id, world, T, H, V, k, input kind, shard rule, extra rows (padding), keyword arguments
+    ("even", 2, 17, 64, 1000, 128, "dyadic", "megatron", 0, {}),
+    ("uneven-k1", 4, 300, 64, 1000, 1, "dyadic", [100, 400, 250, 250], 0, {}),
+    ("shard<k", 2, 17, 64, 1000, 128, "dyadic", [37, 963], 0, {"temperature": 0.5}),
+    ("k=V-full", 4, 17, 256, 1000, 1000, "gauss", "megatron", 0,
+     {"temperature": 0.7, "outside": "full", "renormalize": False}),
+    ("qwen3-padded", 2, 1, 64, QWEN3_V, 1000, "dyadic", "megatron", 139, {}),  # 151,808 = 593 · 256 rows
+    ("qwen3-ceil", 4, 17, 64, QWEN3_V, 128, "dyadic", "megatron", 0, {"outside": "mask"}),
+    ("ties", 4, 17, 8, 1000, 128, "ties", "megatron", 0, {}),
+    ("empty-shard", 4, 3, 8, 5, 5, "dyadic", "megatron", 0, {}),  # shards of 2, 2, 1 and 0 rows
+]
+
+
+@pytest.mark.parametrize("name,world,T,H,V,k,kind,rule,pad,kw", TOPK_CASES, ids=[c[0] for c in TOPK_CASES])
+def test_topk_logprobs_equals_single_process(groups, name, world, T, H, V, k, kind, rule, pad, kw):
+    if kind == "gauss":
+        h, w = _gauss(T, H, V + pad)
+    else:
+        h, w = _dyadic(T, H, V + pad, span=1 if kind == "ties" else 8)
+    if kind == "ties":  # rows duplicated across every shard boundary: equal logits, ids on two ranks
+        for b in range(V // world, V, V // world):
+            w[b:b + 3] = w[b - 3:b]
+    if pad:  # padding rows that would beat every real logit of row 0 if they entered the top-k
+        w[V:] = 16 * torch.sign(h[0])
+    rows = V + pad
+    bounds = shard_bounds(rows, world, "sizes", rule) if isinstance(rule, list) else shard_bounds(rows, world)
+    tg = _targets(h, w, k, V, bounds)
+    owners = {next(r for r, (s, e) in enumerate(bounds) if s <= t < e) for t in tg.tolist()}
+    assert T < 4 or len(owners) == world or name == "empty-shard", f"targets must fall on every rank, got {owners}"
+    out = _ok(groups(world).run("topk", hidden=h, weight=w, targets=tg, bounds=bounds, k=k,
+                                pass_start=isinstance(rule, list), vocab_size=V if pad else None, **kw), name)
+    want = _check_topk(out, h, w, tg, k, V, name, **kw)
+    if kind == "ties":
+        z = h @ w.T
+        kth = want.topk_ids[:, -1:]
+        tied = (z == z.gather(1, kth)).sum(1) > 1
+        assert tied.any(), "the ties case must tie at the k-th place"
+
+
+def test_topk_logprobs_on_subgroups(groups):
+    """Two independent groups of 2 inside the 4 ranks, as Megatron's tensor-parallel groups are."""
+    h, w = _dyadic(9, 64, 1000, seed=5)
+    tg = _targets(h, w, 32, 1000, shard_bounds(1000, 2))
+    out = _ok(groups(4).run("topk_subgroups", hidden=h, weight=w, targets=tg, k=32), "subgroups")
+    _check_topk(out[:2], h, w, tg, 32, 1000, "subgroup {0, 1}")
+    _check_topk(out[2:], h, w, tg.flip(0), 32, 1000, "subgroup {2, 3}")
+
+
+# --------------------------------------------------------------------- linear_logprob
+LINEAR_CASES = [
+    # id, world, T, H, rows, V (true vocabulary), shard rule, temperature, entropy
+    ("even-entropy", 2, 17, 64, 1000, 1000, "megatron", 0.7, True),
+    ("uneven-padded", 4, 300, 256, 1000, 950, [100, 400, 250, 250], 1.0, False),
+    ("qwen3-padded", 2, 3, 64, 151808, QWEN3_V, "megatron", 1.0, True),
+]
+
+
+@pytest.mark.parametrize("name,world,T,H,rows,V,rule,tau,entropy", LINEAR_CASES, ids=[c[0] for c in LINEAR_CASES])
+def test_linear_logprob_forward_backward(groups, name, world, T, H, rows, V, rule, tau, entropy):
+    h, w = _gauss(T, H, rows)
+    w[V:] = 30.0  # padding rows would dominate the softmax if they entered it
+    bounds = shard_bounds(rows, world, "sizes", rule) if isinstance(rule, list) else shard_bounds(rows, world)
+    tg = _targets(h, w, 16, V, bounds)
+    out = _ok(groups(world).run("linear", hidden=h, weight=w, targets=tg, bounds=bounds,
+                                pass_start=isinstance(rule, list), vocab_size=V if V < rows else None,
+                                temperature=tau, return_entropy=entropy, chunk=128), name)
+    def grads(fn, dtype):  # the same loss as the ranks: Σ g·logprob (+ Σ e·entropy), g, e seeded alike
+        hh = h.to(dtype).clone().requires_grad_(True)
+        ww = w[:V].to(dtype).clone().requires_grad_(True)
+        res = fn(hh, ww, tg, temperature=tau, return_entropy=entropy)
+        lp, ent = res if entropy else (res, None)
+        g = torch.Generator().manual_seed(0)
+        loss = (torch.randn(lp.shape, generator=g).to(dtype) * lp).sum()
+        if entropy:
+            loss = loss + (torch.randn(ent.shape, generator=g).to(dtype) * ent).sum()
+        loss.backward()
+        gw = torch.cat([ww.grad, torch.zeros(rows - V, H, dtype=dtype)])
+        return lp.detach(), (ent.detach() if entropy else None), hh.grad, gw
+
+    # vs an fp64 oracle. logprob/entropy: the rule of tests/ops/test_op_linear_logprob.py (≤ 1e-5 abs + rel
+    # + 2× the materialised fp32 path's error). Gradients: normwise ≤ 3e-5 · max|grad|. Their
+    # entries are sums of V terms that nearly cancel (one-hot vs softmax), so their fp32 error
+    # follows the summation grouping, not the result: on "even-entropy" the single-process op
+    # itself moves from 1.6e-6 to 1.2e-5 normwise between chunk=1000 and chunk=250. A missing or
+    # doubled shard contribution is an O(1) error.
+    mat, oracle = grads(linear_logprob_ref, torch.float32), grads(linear_logprob_ref, torch.float64)
+    for r, res in enumerate(out):
+        s, e = bounds[r]
+        for i, nm in enumerate(("logprob", "entropy", "grad_hidden", "grad_weight")):
+            if res[i] is None:
+                continue
+            a, m, o = res[i].double(), mat[i].double(), oracle[i].double()
+            if nm == "grad_weight":
+                m, o = m[s:e], o[s:e]
+            err = (a - o).abs()
+            if nm.startswith("grad"):
+                assert err.max() <= 3e-5 * oracle[i].abs().max(), \
+                    f"{name} rank {r} {nm}: max err {err.max():.3e}, max |grad| {oracle[i].abs().max():.3e}"
+                continue
+            bad = err > 1e-5 + 1e-5 * o.abs() + 2 * (m - o).abs()
+            assert not bad.any(), (f"{name} rank {r} {nm}: {int(bad.sum())} mismatches at {bad.nonzero()[:3].tolist()}, "
+                                   f"max err {err.max():.3e} (materialised fp32: {(m - o).abs().max():.3e})")
+        assert torch.all(res[3][max(0, V - s):] == 0), f"{name} rank {r}: padding rows got a gradient"
+        assert torch.equal(res[0], out[0][0]) and torch.equal(res[2], out[0][2]), f"{name}: ranks differ"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_linear_logprob_gradcheck_fp64(groups, world):
+    """torch.autograd.gradcheck of (hidden, full weight) → (logprob, entropy) on every rank,
+    the weight cut into shards (the last row padding) inside the function."""
+    g = torch.Generator().manual_seed(3)
+    T, H, rows, V = 3, 4, 11, 10
+    h = torch.randn(T, H, generator=g, dtype=torch.float64)
+    w = torch.randn(rows, H, generator=g, dtype=torch.float64)
+    tg = torch.tensor([0, 9, 5])
+    out = _ok(groups(world).run("gradcheck", hidden=h, weight=w, targets=tg, bounds=shard_bounds(rows, world),
+                                vocab_size=V, temperature=0.9), "gradcheck")
+    assert out == [True] * world
+
+
+# --------------------------------------------------------------------- rescore
+def test_rescore_with_sharded_output_layers(groups):
+    """Both models' output layers split over 2 ranks, Megatron-padded to 1,024 rows (997 real)."""
+    from acarerank.ato import rescore
+
+    k, outside, tau = 400, "full", 0.9
+    want = rescore(tiny_runner(1), tiny_runner(2), rescore_queries(), k=k, outside=outside, temperature=tau)
+    out = _ok(groups(2).run("rescore", bounds=shard_bounds(1024, 2), vocab_size=None, k=k, outside=outside,
+                            temperature=tau, pad_rows=1024 - 997), "rescore")
+    assert 0 < int(want.teacher_in_topk.sum()) < int(want.response_mask.sum()), "targets inside and outside the top-k"
+    for r, (lp_old, lp_t, in_topk, atd) in enumerate(out):
+        _close(lp_old, want.logp_old, f"rank {r} logp_old", rel=1e-5)
+        _close(lp_t, want.logp_teacher, f"rank {r} logp_teacher", rel=1e-5)
+        _close(atd, want.atd, f"rank {r} atd", rel=1e-5)
+        assert torch.equal(in_topk, want.teacher_in_topk), f"rank {r}: teacher_in_topk differs"
+
+
+def test_rescore_rejects_a_bare_weight_as_head():
+    from acarerank.ato import rescore
+
+    with pytest.raises(TypeError, match="VocabShard"):
+        rescore(tiny_runner(1), tiny_runner(2), rescore_queries(), teacher_head=torch.zeros(3, 32))
+
+
+# --------------------------------------------------------------------- bad input: an error on every rank, no hang
+def _bad_cases():
+    h, w = _dyadic(17, 64, 1000)
+    tg = _targets(h, w, 8, 1000)
+    even = shard_bounds(1000, 2)
+    base = dict(name="topk", kw=dict(hidden=h, weight=w, targets=tg, bounds=even, k=8))
+    inf_w = w.clone()
+    inf_w[700, 3] = float("inf")
+
+    def topk(per_rank=None, **over):
+        kw = dict(base["kw"], **over)
+        return kw, per_rank or {}
+
+    lin = dict(hidden=h, weight=w, targets=tg, bounds=even)
+    return {
+        # id: (world, case name, job, per-rank overrides, {rank: (exception, message pattern)}, default pattern)
+        "gap": (2, "topk", *topk({1: {"bounds": [(0, 500), (520, 1000)], "pass_start": True}}),
+                "do not tile .* a gap at id 500"),
+        "overlap": (2, "topk", *topk({1: {"bounds": [(0, 500), (400, 1000)], "pass_start": True}}),
+                    "do not tile .* an overlap at id 400"),
+        "uneven-no-start": (2, "topk", *topk(bounds=[(0, 600), (600, 1000)]), "pass vocab_start on every rank"),
+        "k": (2, "topk", *topk({1: {"k": 9}}), "disagree on k .*rank 0: 8, rank 1: 9"),
+        "T": (2, "topk", *topk({1: {"hidden": h[:16], "targets": tg[:16]}}), "disagree on T"),
+        "targets": (2, "topk", *topk({1: {"targets": tg.flip(0)}}), "disagree on targets"),
+        "temperature": (2, "topk", *topk({0: {"temperature": 0.5}}), "disagree on temperature"),
+        "dtype-one-rank": (2, "topk", *topk({1: {"hidden": h.double()}}),
+                           {1: "hidden is torch.float64 but weight is torch.float32",
+                            0: "rank 1 of the process group rejected its input: TypeError: .*hidden is torch.float64"}),
+        "nonfinite-one-rank": (2, "topk", *topk(weight=inf_w), {1: "non-finite logits", 0: "rank 1 failed"}),
+        "target-range": (2, "topk", *topk(targets=torch.full((17,), 1000)), "target id 1000 is out of range"),
+        "vocab_size": (2, "topk", *topk(vocab_size=1001), "vocab_size=1001 but the shards hold only 1000 rows"),
+        "k>V": (2, "topk", *topk(k=1001), "k must be <= V, got k=1001 > the vocabulary size 1000"),
+        "k>MAX_K": (2, "topk", *topk({1: {"backend": "triton"}}, k=513),
+                    {1: "k must be <= 512 with the 'triton' backend", 0: "rank 1 .* rejected its input"}),
+        "k-world4": (4, "topk", *topk({3: {"k": 7}}, bounds=shard_bounds(1000, 4)), "disagree on k"),
+        "entropy": (2, "linear", dict(lin), {1: {"return_entropy": True}}, "disagree on flags"),
+        "linear-gap": (2, "linear", dict(lin), {1: {"bounds": [(0, 500), (501, 1000)], "pass_start": True}},
+                       "do not tile"),
+    }
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_raises_on_every_rank(groups, case):
+    world, name, kw, per_rank, pattern = BAD[case]
+    h, w = _dyadic(5, 64, 1000, seed=1)
+    tg = _targets(h, w, 4, 1000)
+    bounds = shard_bounds(1000, world)
+    good = dict(name="topk", kw=dict(hidden=h, weight=w, targets=tg, bounds=bounds, k=4))
+    g = groups(world)
+    jobs = {r: {"case": {"name": name, "kw": dict(kw, **per_rank.get(r, {}))}} for r in range(world)}
+    out = _ok(g.run("bad", per_rank=jobs, good=good), case)
+    for r, (err, after) in enumerate(out):
+        pat = pattern.get(r, pattern.get(0)) if isinstance(pattern, dict) else pattern
+        assert err is not None, f"{case}: rank {r} did not raise"
+        assert re.search(pat, err[1]), f"{case}: rank {r} raised {err[0]}: {err[1]!r}, expected /{pat}/"
+    _check_topk([after for _, after in out], h, w, tg, 4, 1000, f"{case}: the group after the error")
+
+
+def test_process_group_none_is_the_single_process_op():
+    h, w = _dyadic(5, 16, 50)
+    tg = _targets(h, w, 4, 50)
+    a, b = topk_logprobs(h, w, tg, k=4), topk_logprobs(h, w, tg, k=4, process_group=None)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.raises(ValueError, match="pass process_group too"):
+        topk_logprobs(h, w, tg, k=4, vocab_start=0)
+    with pytest.raises(ValueError, match="pass process_group too"):
+        linear_logprob(h, w, tg, vocab_size=50)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        topk_logprobs(h, w, tg, k=4, process_group=object())
+    assert VocabShard(w, None).vocab_start is None

@@ -1,0 +1,160 @@
+"""The ops as torch.library custom ops: schema, fake (meta) functions, AOT dispatch, torch.compile.
+
+``torch.library.opcheck`` runs each op for real and under fake tensors / AOT autograd and
+compares; the torch backend on CPU, the triton backend under TRITON_INTERPRET=1 (tiny shapes).
+With a GPU every test runs on CUDA tensors (and is marked ``cuda``); the compiled extension's
+backend is "cuda" there and "cpp" on CPU.
+"""
+import pytest
+import torch
+
+from acarerank.ops import (prefix_shared_attention, prefix_shared_attention_op, prefix_shared_attention_ref,
+                           yes_no_score, yes_no_score_op, yes_no_score_ref)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+EXT_BACKEND = "cuda" if DEVICE == "cuda" else "cpp"  # acarerank._C's backend for this device
+
+
+def _attn_args():
+    q, k, v = torch.randn(10, 4, 16), torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+    pk, pv = torch.randn(6, 2, 16), torch.randn(6, 2, 16)
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    cp = torch.tensor([0, 5, 6], dtype=torch.int32)
+    sg = torch.tensor([0, 1, 1], dtype=torch.int32)
+    return tuple(t.to(DEVICE) for t in (q, k, v, cu, pk, pv, cp, sg))
+
+
+def _head_args():
+    return tuple(t.to(DEVICE) for t in (torch.randn(3, 32), torch.rand(32) + 0.5, torch.randn(32), torch.randn(32)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_opcheck_prefix_shared_attention(backend):
+    torch.library.opcheck(prefix_shared_attention_op, (*_attn_args(), 0.25, backend))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_opcheck_yes_no_score(backend):
+    torch.library.opcheck(yes_no_score_op, (*_head_args(), 1e-6, backend))
+
+
+def test_ops_are_registered_under_torch_ops():
+    assert torch.ops.acarerank.prefix_shared_attention.default is not None
+    assert torch.ops.acarerank.yes_no_score.default is not None
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_public_ops_compile_in_one_graph(backend):
+    """fullgraph=True: the public functions trace without a graph break (validate=False skips the host sync)."""
+    attn_args, head_args = _attn_args(), _head_args()
+
+    def f(attn_args, head_args):
+        out = prefix_shared_attention(*attn_args, backend=backend, validate=False)
+        score, diff = yes_no_score(*head_args, backend=backend)
+        return out * 2, score + 1
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out, score = compiled(attn_args, head_args)
+    ref_out = prefix_shared_attention_ref(*attn_args)
+    ref_score = yes_no_score_ref(*head_args, 1e-6)[0]
+    assert (out - 2 * ref_out).abs().max() <= 2e-5, f"compiled attention err {(out - 2 * ref_out).abs().max():.3e}"
+    assert (score - 1 - ref_score).abs().max() <= 1e-5, f"compiled head err {(score - 1 - ref_score).abs().max():.3e}"
+
+
+@pytest.mark.parametrize("backend", ["torch", EXT_BACKEND])
+def test_opcheck_merge_attention_states(backend):
+    if backend != "torch":
+        pytest.importorskip("acarerank._C")
+    from acarerank.ops.merge_states import merge_attention_states_op
+    args = tuple(t.to(DEVICE) for t in (torch.randn(5, 3, 16), torch.randn(5, 3), torch.randn(5, 3, 16),
+                                         torch.randn(5, 3)))
+    torch.library.opcheck(merge_attention_states_op, (*args, backend))
+
+
+def test_opcheck_prefix_shared_attention_with_a_plan():
+    """The plan's work list / host metadata travel through the registered op as optional tensors."""
+    from acarerank.ops import plan_prefix_shared_attention
+    args = _attn_args()
+    q, k, v, cu, pk, pv, cp, sg = args
+    for backend in ("torch", "triton"):
+        plan = plan_prefix_shared_attention(cu, cp, sg, num_tokens=10, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                            dtype=q.dtype, backend=backend)
+        torch.library.opcheck(prefix_shared_attention_op, (*args, 0.25, backend, plan.work, plan.host_meta))
+
+
+def _projection_args(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 16, generator=g, dtype=dtype)
+    w = torch.randn(37, 16, generator=g, dtype=dtype)
+    tg = torch.tensor([0, 36, 5, 5, 17])
+    return h, w, tg
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_opcheck_linear_logprob(with_entropy):
+    """Forward and the registered backward (register_autograd): schema, fake, AOT dispatch."""
+    from acarerank.ops import linear_logprob_op
+    h, w, tg = _projection_args()
+    torch.library.opcheck(linear_logprob_op, (h.requires_grad_(), w.requires_grad_(), tg, 1.5, 8, with_entropy))
+
+
+def test_opcheck_linear_logprob_backward():
+    from acarerank.ops.linear_logprob import linear_logprob_backward_op, linear_logprob_op
+    h, w, tg = _projection_args()
+    lp, _, lse, ez = linear_logprob_op(h, w, tg, 1.0, 8, True)
+    g = torch.ones_like(lp)
+    for need_h, need_w in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, lse, ez, g, 0.5 * g, 1.0, 8, need_h, need_w))
+    torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, lse, ez, g, None, 1.0, 8, True, True))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_opcheck_topk_merge_update(backend):
+    """The in-place update: the schema declares the five state tensors mutated, and only those."""
+    if backend == "cpp":
+        pytest.importorskip("acarerank._C")
+    from acarerank.ops import topk_merge_init, topk_merge_update_op
+    targets = torch.tensor([3, 0, 9])
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
+    for c0, chunk in ((0, logits[:, :6]), (6, logits[:, 6:])):
+        st = topk_merge_init(3, 4, "cpu", targets=targets, temperature=2.0)
+        torch.library.opcheck(topk_merge_update_op, (st.values, st.ids, st.row_max, st.row_sumexp, st.target_logit,
+                                                     st.targets, st.temperature, chunk.contiguous(), c0, backend))
+
+
+# every torch.ops.acarerank op -> the test that runs torch.library.opcheck on it
+OPCHECKED = {
+    "prefix_shared_attention": "test_opcheck.py::test_opcheck_prefix_shared_attention",
+    "yes_no_score": "test_opcheck.py::test_opcheck_yes_no_score",
+    "merge_attention_states": "test_opcheck.py::test_opcheck_merge_attention_states",
+    "linear_logprob": "test_opcheck.py::test_opcheck_linear_logprob",
+    "linear_logprob_backward": "test_opcheck.py::test_opcheck_linear_logprob_backward",
+    "topk_merge_update": "test_opcheck.py::test_opcheck_topk_merge_update",
+    "topk_logprobs_core": "test_op_topk_logprobs.py::test_core_is_a_checked_custom_op",
+    "prefix_shared_attention_paged": "test_op_paged_attention.py::test_registered_op_passes_opcheck",
+    "rms_norm": "test_op_layer_elementwise.py::test_opcheck",
+    "fused_add_rms_norm": "test_op_layer_elementwise.py::test_opcheck",
+    "qk_norm_rope": "test_op_layer_elementwise.py::test_opcheck",
+    "silu_and_mul": "test_op_layer_elementwise.py::test_opcheck",
+}
+# the native CPU kernels (acarerank._cpu), registered once the module is loaded
+NATIVE_OPCHECKED = {
+    "rms_norm_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
+    "fused_add_rms_norm_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
+    "qk_norm_rope_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
+    "silu_and_mul_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
+    "prefix_shared_attention_cpu": "test_op_cpu_attention_native.py::test_opcheck_raw_kernel",
+    # the build's smoke-test op: no fake impl, never called by an op (tests/ops/test_native_ext.py)
+    "vec_add": "test_native_ext.py (not opchecked)",
+}
+
+
+def test_every_registered_op_is_opchecked():
+    """The namespace as the dispatcher sees it: a new custom op fails here until it has an opcheck."""
+    import acarerank.ops  # noqa: F401  (registers them)
+    registered = {n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("acarerank::")}
+    registered -= set(NATIVE_OPCHECKED)  # present only once acarerank._cpu is loaded; opchecked where listed
+    assert registered == set(OPCHECKED), (f"registered but not in OPCHECKED: {sorted(registered - set(OPCHECKED))}; "
+                                          f"in OPCHECKED but not registered: {sorted(set(OPCHECKED) - registered)}")

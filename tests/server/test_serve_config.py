@@ -1,0 +1,79 @@
+"""``ServeConfig``: one place for every serving option; the CLI and the Ray deployment use it.
+
+No server here: the flags round-trip, bad values name their flag, the configuration and the
+CLI parser import neither torch nor FastAPI, nothing in the server imports ``acarerank.cli``,
+and ``acarerank serve`` without the serving extra says what to install in one line.
+"""
+import argparse
+import ast
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from acarerank.server.config import ServeConfig
+
+from _repo import ROOT
+
+
+def test_flags_round_trip_with_the_dataclass_defaults():
+    parser = ServeConfig.add_cli_args(argparse.ArgumentParser())
+    assert ServeConfig.from_cli_args(parser.parse_args([])) == ServeConfig()
+    args = parser.parse_args(["--max-queue", "3", "--trust-cache", "--header-timeout", "1.5", "--dtype", "float32",
+                              "--max-batch-tokens", "64", "--model", "/m"])
+    config = ServeConfig.from_cli_args(args)
+    want = dataclasses.replace(ServeConfig(), max_queue=3, trust_cache=True, header_timeout=1.5, dtype="float32",
+                               max_batch_tokens=64, model="/m")
+    assert config == want
+    flags = {a.dest for a in parser._actions} - {"help"}
+    assert flags == {f.name for f in dataclasses.fields(ServeConfig)}
+
+
+@pytest.mark.parametrize("field,value,flag", [("max_queue", 0, "--max-queue"), ("body_timeout", -1.0, "--body-timeout"),
+                                              ("max_connections", True, "--max-connections"),
+                                              ("max_salt_chars", 2.5, "--max-salt-chars"), ("port", 70000, "--port")])
+def test_bad_values_name_their_flag(field, value, flag):
+    with pytest.raises(ValueError, match=flag):
+        ServeConfig(**{field: value})
+
+
+def test_cli_parser_imports_neither_torch_nor_fastapi():
+    code = ("import sys, argparse; from acarerank.cli import serve; p = argparse.ArgumentParser(); "
+            "sub = p.add_subparsers(); serve.add_parser(sub); p.parse_args(['serve', '--max-queue', '2']); "
+            "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_server_never_imports_the_cli():
+    """Nothing under acarerank/server imports acarerank.cli (counting imports inside functions)."""
+    offenders = []
+    for path in (ROOT / "acarerank" / "server").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = ("." * node.level) + (node.module or "")
+                if mod in ("..cli", "acarerank.cli") or mod.startswith(("..cli.", "acarerank.cli.")):
+                    offenders.append(f"{path.name}:{node.lineno} from {mod}")
+            elif isinstance(node, ast.Import):
+                offenders += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                              if a.name.startswith("acarerank.cli")]
+    assert not offenders, offenders
+
+
+def test_serve_without_the_extra_says_what_to_install():
+    blocker = ("import sys\n"
+               "class Block:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] in ('fastapi', 'uvicorn'):\n"
+               "            raise ImportError(name + ' blocked by the test')\n"
+               "sys.meta_path.insert(0, Block())\n"
+               "from acarerank.cli import main\n"
+               "sys.exit(main(['serve']))\n")
+    out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'acarerank[serve]'" in lines[0], out.stderr[-2000:]
+    assert "fastapi" in lines[0] and "uvicorn" in lines[0]

@@ -1,0 +1,169 @@
+"""SetwiseReranker and ``acarerank select`` end to end, against the plain reference decoder.
+
+Reference for one query: the Appendix F prompt (``build_prompt``), then
+``greedy_decode_ref`` -- transformers' forward over the whole sequence at every step, the
+grammar mask, argmax -- then ``parse_selection``. The reranker (prefix-shared runner, KV
+cache, batched decode, 14-row lm_head) must give the same tokens and the same selection.
+"""
+import json
+
+import pytest
+import torch
+
+from acarerank.model.default import NO_MEANING, build_default_model
+from acarerank.setwise.selection import parse_selection
+from acarerank.setwise import Selection, SetwiseReranker
+from acarerank.setwise.decode import greedy_decode_ref
+from acarerank.setwise.prompts import build_prompt
+from acarerank.tokenizer import TOKEN_IM_END
+
+TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, tie_word_embeddings=False)
+DOCS = ["Paris is the capital and largest city of France.", "Berlin is the capital of Germany.",
+        "The Eiffel Tower is in Paris; it was completed in 1889.", "Lyon is France's third-largest city.",
+        "France's capital has been Paris since 987 (with interruptions).", "Bananas are rich in potassium.",
+        "Paris hosted the 2024 Summer Olympics.", "Le Monde is a newspaper based in Paris.",
+        "The Seine flows through Paris.", "Marseille is a port city.", "Versailles was the seat of power 1682-1789.",
+        "Capital cities of Europe: Paris, Berlin, Madrid, Rome."]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = build_default_model("tiny-cpu", seed=7, **TINY)
+    with torch.no_grad():  # bias (see test_setwise_decode.py): selections of several entries, not just one
+        m.model.embed_tokens.weight[:, 0] = 2.0
+        m.lm_head.weight[TOKEN_IM_END, 0] = -0.05
+    return m
+
+
+@pytest.fixture(scope="module")
+def reranker(model, qwen3_tokenizer):
+    return SetwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+
+
+def reference(model, tok, query, docs, intent=None, max_select=10, max_length=16000):
+    from acarerank.setwise.grammar import IdentifierGrammar
+
+    g = IdentifierGrammar.from_tokenizer(tok)
+    p = build_prompt(tok, query, docs, intent, max_select, max_length)
+    out = greedy_decode_ref(model, p.input_ids, g, g.start(len(docs), max_select))
+    return out, parse_selection(tok.decode(out, skip_special_tokens=True), len(docs), max_select)
+
+
+# small caps keep the reference (a full forward over ~700 prompt tokens per new token) quick
+@pytest.mark.parametrize("intent,max_select", [(None, 4), ("The agent wants the capital, nothing else.", 3)])
+def test_select_equals_reference(reranker, model, qwen3_tokenizer, intent, max_select):
+    sel = reranker.select("What is the capital of France?", DOCS, intent=intent, max_select=max_select)
+    toks, ref = reference(model, qwen3_tokenizer, "What is the capital of France?", DOCS, intent, max_select)
+    assert isinstance(sel, Selection)
+    assert sel.text == qwen3_tokenizer.decode(toks, skip_special_tokens=True), (sel.text, toks)
+    assert sel.ids == ref.ids and sel.valid and ref.valid
+    assert sel.indices == [i - 1 for i in sel.ids] and sel.num_tokens == len(toks)
+    assert 1 <= len(sel.ids) <= max_select and len(set(sel.ids)) == len(sel.ids)
+    assert sel.prompt_tokens == len(build_prompt(qwen3_tokenizer, "What is the capital of France?", DOCS, intent,
+                                                 max_select).input_ids)
+
+
+def test_select_batch_equals_single_selects(reranker):
+    queries = ["capital of France?", "Olympics 2024 host?", "x"]
+    docs = [DOCS, DOCS[:5], DOCS[:1]]
+    intents = [None, "sports", None]
+    batch = reranker.select_batch(queries, docs, intents, max_select=4, batch_size=2)
+    single = [reranker.select(q, d, intent=i, max_select=4) for q, d, i in zip(queries, docs, intents)]
+    assert batch == single
+    assert batch[2].ids == [1]                      # a pool of one: the grammar forces "[1]"
+
+
+def test_unconstrained_is_free_decoding_parsed_leniently(model, qwen3_tokenizer):
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=24)
+    sel = sr.select("capital?", DOCS[:4], constrained=False)
+    p = build_prompt(qwen3_tokenizer, "capital?", DOCS[:4])
+    toks = model.generate(torch.tensor([p.input_ids]), do_sample=False, max_new_tokens=24, eos_token_id=TOKEN_IM_END,
+                          pad_token_id=TOKEN_IM_END)[0, len(p.input_ids):].tolist()
+    assert sel.num_tokens == len(toks) and sel.text == qwen3_tokenizer.decode(toks, skip_special_tokens=True)
+    lenient = parse_selection(sel.text, 4, 10, strict=False)
+    assert sel.ids == lenient.ids and sel.valid == lenient.valid
+
+
+def test_long_pool_is_truncated_not_dropped(reranker, qwen3_tokenizer):
+    docs = [f"Document {i}: " + "filler words here " * (20 + 7 * i) for i in range(30)]
+    sr = SetwiseReranker(runner=reranker.runner, tokenizer=qwen3_tokenizer, max_length=1200)
+    sel = sr.select("which?", docs)
+    p = build_prompt(qwen3_tokenizer, "which?", docs, max_length=1200)
+    assert sel.prompt_tokens == len(p.input_ids) <= 1200
+    assert all(f"[{i}] Document {i - 1}:" in p.text for i in range(1, 31)) and any(p.truncated)
+    # the decode over that prompt is the one test_setwise_decode.py checks against the reference
+    assert sel == reranker._select_prompts([p], 10, True)[0] and sel.valid and 1 <= len(sel.ids) <= 10
+
+
+@pytest.mark.parametrize("call,err,msg", [
+    (lambda sr: sr.select(None, ["a"]), TypeError, "query"),
+    (lambda sr: sr.select("q", []), ValueError, "empty"),
+    (lambda sr: sr.select("q", ["a", None]), TypeError, r"documents\[1\]"),
+    (lambda sr: sr.select("q", "a single string"), TypeError, "documents"),
+    (lambda sr: sr.select("q", ["a"], max_select=0), ValueError, "max_select"),
+    (lambda sr: sr.select("q", ["a"], intent=3), TypeError, "intent"),
+    (lambda sr: sr.select_batch(["q"], [["a"], ["b"]]), ValueError, "one document list per query"),
+    (lambda sr: sr.select_batch([], []), ValueError, "non-empty"),
+])
+def test_bad_input(reranker, call, err, msg):
+    with pytest.raises(err, match=msg):
+        call(reranker)
+
+
+def test_constructor_errors(model, tmp_path):
+    with pytest.raises(TypeError, match="exactly one"):
+        SetwiseReranker()
+    with pytest.raises(ValueError, match="max_length"):
+        SetwiseReranker(model=model, max_length=0)
+    with pytest.raises(TypeError, match="dtype"):
+        SetwiseReranker.from_pretrained(str(tmp_path), dtype=torch.int32)
+    with pytest.raises(FileNotFoundError):
+        SetwiseReranker.from_pretrained(str(tmp_path / "missing"))
+
+
+def test_from_pretrained_and_cli(model, reranker, qwen3_tokenizer, tmp_path, capsys):
+    from acarerank.cli import main
+
+    model.save_pretrained(tmp_path / "ckpt")
+    sr = SetwiseReranker.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)  # the fp32 reference's dtype
+    want = reranker.select("capital of France?", DOCS, max_select=5)
+    assert sr.select("capital of France?", DOCS, max_select=5) == want
+
+    docs_file = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": d, "url": f"u{i}"}) if i % 2 == 0 else json.dumps(d) for i, d in enumerate(DOCS)]
+    docs_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["select", "--model", str(tmp_path / "ckpt"), "--query", "capital of France?", "--docs",
+                 str(docs_file), "--max-select", "5", "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in rows] == want.indices and [r["id"] for r in rows] == want.ids
+    assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all(r["text"] == DOCS[r["index"]] for r in rows)
+    assert all(("url" in r) == (r["index"] % 2 == 0) for r in rows)
+    assert repr(want.text) in err and "dtype: float32 (asked for explicitly)" in err
+
+    # bad input: one clear line, exit code 2
+    ckpt = str(tmp_path / "ckpt")
+    assert main(["select", "--model", ckpt, "--query", "q", "--docs", str(tmp_path / "no.jsonl")]) == 2
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n", encoding="utf-8")
+    assert main(["select", "--model", str(tmp_path / "ckpt"), "--query", "q", "--docs", str(empty)]) == 2
+    assert "no documents" in capsys.readouterr().err
+
+
+def test_cli_default_model_says_it_means_nothing(tmp_path, capsys, monkeypatch):
+    from acarerank.cli import main
+    from acarerank.model import default
+
+    # the embedded default's architecture, made tiny so the test stays fast; the message is what is checked
+    monkeypatch.setattr(default, "build_default_model",
+                        lambda *a, **kw: build_default_model("tiny-cpu", seed=0, **{**TINY, **kw}))
+    docs_file = tmp_path / "docs.jsonl"
+    docs_file.write_text('"alpha"\n"beta"\n', encoding="utf-8")
+    assert main(["select", "--query", "q", "--docs", str(docs_file), "--max-select", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert NO_MEANING.format(preset=default.DEFAULT_PRESET) in err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 1 and rows[0]["text"] in ("alpha", "beta")
