@@ -8,7 +8,8 @@ GEMM, residual add + post norm, gate_up GEMM, SiLU·up, down GEMM. GFLOP/s count
 A second table times the element-wise ops alone (no GEMMs) for eager vs native, as GB/s of the
 activations they read and write. Variants run one call each in turn for ``--rounds`` rounds.
 
-    python bench/bench_cpu_layer.py [--rows 512 2048] [--rounds 7] [--dtype float32 bfloat16]
+    python bench/bench_cpu_layer.py [--rows 512 2048] [--rounds 7] [--dtype float32 bfloat16] [--no-compile]
+    python bench/bench_cpu_layer.py --quick     # smoke test
 
 torch.compile's first call (compilation) is excluded and printed. The CPU's flags are printed
 first: without native bf16 (AVX512_BF16/AMX) bf16 GEMMs are emulated, so bf16 layer times there
@@ -118,7 +119,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    ap.add_argument("--quick", action="store_true", help="7 rows, 1 round, no torch.compile: a smoke test")
     args = ap.parse_args()
+    if args.quick:
+        args.rows, args.rounds, args.no_compile = [7], 1, True
     ok, why = native_bf16()
     with open("/proc/cpuinfo") as f:
         flags = sorted({w for line in f if line.startswith("flags") for w in line.split()[2:]

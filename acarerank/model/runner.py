@@ -74,8 +74,11 @@ class Qwen3Runner:
             segment's output is bitwise independent of the other segments in its batch (with a
             batch-invariant attention backend: "triton"). Costs some speed; off by default.
           compile_layers: fuse the element-wise work around the GEMMs with torch.compile
-            (``layer_blocks``; the first pass compiles, ~tens of seconds). Off by default;
-            ignored in batch-invariant mode.
+            (``layer_blocks``; the first pass compiles, ~tens of seconds) instead of running the
+            layer's element-wise ops (``layer_ops.OpsLayers``: the native CPU kernels when
+            ``acarerank._cpu`` is built, else the torch references; a preference for
+            "rms_norm" / "fused_add_rms_norm" / "qk_norm_rope" / "silu_and_mul" picks them).
+            Off by default; ignored in batch-invariant mode.
           block_size: tokens per KV page of the caches ``prefill`` and ``new_pool`` make.
         """
         self.compile_layers = compile_layers
