@@ -120,7 +120,10 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--quick", action="store_true", help="7 rows, 1 round, no torch.compile: a smoke test")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.rows, args.rounds, args.no_compile = [7], 1, True
     ok, why = native_bf16()
