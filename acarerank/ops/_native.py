@@ -40,7 +40,15 @@ def _load():
     built = mod.build_info()["torch_version"]
     if built != torch.__version__:
         return None, f"acarerank._cpu was built against torch {built}, running {torch.__version__}; rebuild it"
+    _register_fakes()
     return mod, None
+
+
+@functools.lru_cache(maxsize=None)
+def _register_fakes() -> None:
+    """vec_add has no op module of its own: its fake (meta) kernel lives with the loader (once)."""
+    torch.library.register_fake("acarerank::vec_add")(
+        lambda a, b: torch.empty_like(a, memory_format=torch.contiguous_format))
 
 
 def available() -> bool:

@@ -39,11 +39,25 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
 }
 inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb,
                  float* C, int64_t ldc, bool add_C) {
+#ifdef ACR_VNNI_REFERENCE_GEMM
+  // development check only (never in a shipped build): the VNNI layout read element by element,
+  // B(k, n) at ((k/2)·ldb + n)·2 + k%2, so the bf16 path can be run on a CPU without AMX
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t n = 0; n < N; ++n) {
+      float acc = add_C ? C[i * ldc + n] : 0.f;
+      for (int64_t k = 0; k < K; ++k)
+        acc += static_cast<float>(A[i * lda + k]) * static_cast<float>(B[((k >> 1) * ldb + n) * 2 + (k & 1)]);
+      C[i * ldc + n] = acc;
+    }
+#else
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, /*is_vnni=*/true);
+#endif
 }
 template <typename c_t>
 inline void gemm_release() {
+#ifndef ACR_VNNI_REFERENCE_GEMM
   at::native::cpublas::brgemm_release(/*is_vnni=*/std::is_same_v<c_t, BFloat16>);
+#endif
 }
 
 template <typename c_t>

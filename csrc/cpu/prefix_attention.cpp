@@ -393,7 +393,11 @@ at::Tensor prefix_shared_attention_cpu(const at::Tensor& q, const at::Tensor& k,
       run<float, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);
       break;
     case at::kBFloat16:
+#ifdef ACR_VNNI_REFERENCE_GEMM
+      if (mt.d % 2 == 0)
+#else
       if (at::native::cpublas::could_pack(at::kBFloat16) && mt.d % 2 == 0)
+#endif
         run<at::BFloat16, at::BFloat16>(q, k, v, prefix_k, prefix_v, mt, sc, out);
       else  // no fast bf16 brgemm here: its bf16 fallback is a reference loop (~0.3 GFLOP/s)
         run<at::BFloat16, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);

@@ -34,6 +34,11 @@ def test_vec_add_non_contiguous_and_threads():
     torch.testing.assert_close(torch.ops.acarerank.vec_add(a, b), a + b, rtol=0, atol=0)
 
 
+def test_vec_add_opcheck():
+    _native.load()
+    torch.library.opcheck(torch.ops.acarerank.vec_add.default, (torch.randn(5, 3), torch.randn(5, 3)))
+
+
 def test_vec_add_bad_inputs_name_the_problem():
     _native.load()
     with pytest.raises(RuntimeError, match="a must be Float"):
