@@ -21,8 +21,11 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -31,6 +34,28 @@
 namespace acr_attn {
 
 using at::BFloat16;
+
+// Scratch on 64-byte boundaries (cache lines, and whole AVX-512 vectors): GEMM libraries may take
+// another code path for an operand malloc happened to place on a 16-byte boundary.
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(std::size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+template <typename T>
+using scratch = std::vector<T, Aligned64<T>>;
 
 // -- GEMMs: C[M×N] (+)= A[M×K] · B[K×N]
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,

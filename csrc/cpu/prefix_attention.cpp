@@ -189,9 +189,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   const auto lists = deal(tasks, nthreads);
   at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
-    std::vector<c_t> Q(ROWS * d), Pm(ROWS * KT), Kt(tile_elems), Vt(tile_elems);
-    std::vector<float> S(ROWS * KT), acc(ROWS * d), m(ROWS), l(ROWS);
-    std::vector<c_t> OwnK, OwnV;  // a piece's own keys, all its tiles
+    scratch<c_t> Q(ROWS * d), Pm(ROWS * KT), Kt(tile_elems), Vt(tile_elems);
+    scratch<float> S(ROWS * KT), acc(ROWS * d), m(ROWS), l(ROWS);
+    scratch<c_t> OwnK, OwnV;  // a piece's own keys, all its tiles
     std::vector<char> finite;
     for (int64_t tid = b; tid < e; ++tid) {
       for (int64_t ti : lists[tid]) {
