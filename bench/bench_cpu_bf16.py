@@ -10,7 +10,8 @@ prints median / min ms per variant, the FLOP rate and the speedup over the first
                      one-kernel CPU path), each in fp32 and bf16 (bench/bench_cpu_attention.py
                      has the paged op at the Qwen3-Reranker shapes beside SDPA and FlexAttention)
   --what layer       one packed runner pass (prefix 1,650 + 2,048 segment tokens) per dtype:
-                     eager layer halves | torch.compile'd (layer_blocks); compile time printed
+                     layer ops on torch | on the native kernels | torch.compile'd halves
+                     (layer_blocks); compile time printed (bench/bench_cpu_layer.py: one layer alone)
   --what e2e         PointwiseReranker.score, M3, depth --depth: fp32 | bf16 with the "torch"
                      attention backend | bf16 with "native" | bf16 native + compiled layers
 
@@ -77,14 +78,18 @@ def bench_attention(args) -> None:
            interleaved(variants, args.rounds), gflop=flop / 1e9)
 
 
-def _runner_pass(dtype, compile_layers: bool, quick: bool, layers: int):
+LAYER_OPS = ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul")
+
+
+def _runner_pass(dtype, compile_layers: bool, quick: bool, layers: int, layer_backend=None):
     from acarerank.model import Qwen3Runner
     from acarerank.model.default import build_default_model
 
     kw = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
               num_key_value_heads=1, head_dim=32) if quick else dict(num_hidden_layers=layers)
+    backend = {op: layer_backend for op in LAYER_OPS} if layer_backend else None
     runner = Qwen3Runner.from_hf(build_default_model("tiny-cpu", seed=0, dtype=dtype, **kw),
-                                 compile_layers=compile_layers)
+                                 compile_layers=compile_layers, backend=backend)
     g = torch.Generator().manual_seed(0)
     P, T = (100, 64) if quick else (1650, 2048)
     cache = runner.prefill([torch.randint(0, 100000, (P,), generator=g)])
@@ -93,14 +98,20 @@ def _runner_pass(dtype, compile_layers: bool, quick: bool, layers: int):
 
 
 def bench_layer(args) -> None:
+    from acarerank.ops import available_backends
+
+    native = all("native" in available_backends(op, "cpu") for op in LAYER_OPS)
     for dtype in (torch.float32, torch.bfloat16):
-        eager = _runner_pass(dtype, False, args.quick, args.layers)
+        variants = {"eager (torch layer ops)": _runner_pass(dtype, False, args.quick, args.layers, "torch")}
+        if native:
+            variants["native layer ops"] = _runner_pass(dtype, False, args.quick, args.layers, "native")
         comp = _runner_pass(dtype, True, args.quick, args.layers)
         t0 = time.perf_counter()
         comp()
         print(f"\n{dtype}: torch.compile of the two layer halves took {time.perf_counter() - t0:.1f} s (first pass)")
-        report(f"runner pass, {dtype}, eager vs compiled layer halves",
-               interleaved({"eager": eager, "torch.compile": comp}, args.rounds))
+        variants["torch.compile"] = comp
+        report(f"runner pass, {dtype}, layer ops eager / native vs compiled layer halves",
+               interleaved(variants, args.rounds))
 
 
 def bench_e2e(args) -> None:

@@ -30,13 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import backend_for, per_op_backends, prefix_shared_attention_paged
-from . import layer_blocks
+from ..ops.rms_norm import OP_RMS_NORM
 from .block_pool import BlockPool
+from .layer_ops import CompiledLayers, OpsLayers, resolve_layer_backends
 from .paged_cache import PagedKVCache
 from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
-
-
-_rms_norm = layer_blocks.rms_norm
 
 
 # Rows per GEMM in batch-invariant mode. BLAS (and cuBLAS) pick a different kernel for a
@@ -76,8 +74,11 @@ class Qwen3Runner:
             segment's output is bitwise independent of the other segments in its batch (with a
             batch-invariant attention backend: "triton"). Costs some speed; off by default.
           compile_layers: fuse the element-wise work around the GEMMs with torch.compile
-            (``layer_blocks``; the first pass compiles, ~tens of seconds). Off by default;
-            ignored in batch-invariant mode.
+            (``layer_blocks``; the first pass compiles, ~tens of seconds) instead of running the
+            layer's element-wise ops (``layer_ops.OpsLayers``: the native CPU kernels when
+            ``acarerank._cpu`` is built, else the torch references; a preference for
+            "rms_norm" / "fused_add_rms_norm" / "qk_norm_rope" / "silu_and_mul" picks them).
+            Off by default; ignored in batch-invariant mode.
           block_size: tokens per KV page of the caches ``prefill`` and ``new_pool`` make.
         """
         self.compile_layers = compile_layers
@@ -86,6 +87,8 @@ class Qwen3Runner:
         self.arch = weights.arch
         per_op_backends(backend)  # a bad preference fails here, by name
         self.backend = backend
+        # the layer's element-wise ops: native CPU kernels when built, else the torch references
+        self._layer_backends = resolve_layer_backends(backend, weights.device)
         self.prefill_chunk = prefill_chunk
         self.block_size = block_size
         a = self.arch
@@ -121,7 +124,8 @@ class Qwen3Runner:
         return self.weights.final_norm
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(hidden, self.weights.final_norm, self.arch.rms_norm_eps)
+        norm = OP_RMS_NORM.impl(self._layer_backends["rms_norm"])
+        return norm(hidden.contiguous(), self.weights.final_norm, self.arch.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 [N, V] next-token logits for a few rows (final norm + lm_head)."""
@@ -235,9 +239,10 @@ class Qwen3Runner:
         return t.to(device=self.device, dtype=torch.long)
 
     def _rope(self, positions: torch.Tensor):
+        """fp32 [T, d] cos, sin at ``positions`` (the layers cast them once per pass if they need to)."""
         freqs = positions.float()[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        return emb.cos(), emb.sin()
 
     def _forward(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
         a, W = self.arch, self.weights
@@ -263,12 +268,15 @@ class Qwen3Runner:
                           or backend_for("prefix_shared_attention", self.backend), num_tokens=T)
         linear = _linear_fixed_tiles if self.batch_invariant else F.linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
-        # the element-wise work around the GEMMs: eager, or fused by torch.compile (layer_blocks.py)
-        attn_in, attn_out_mlp = (layer_blocks.compiled() if self.compile_layers and not self.batch_invariant
-                                 else (layer_blocks.attn_in, layer_blocks.attn_out_mlp))
+        # the element-wise work around the GEMMs: the layer ops (native kernels or torch references),
+        # or fused by torch.compile (layer_ops.py)
+        if self.compile_layers and not self.batch_invariant:
+            layers = CompiledLayers(a, linear, cos, sin, self.dtype)
+        else:
+            layers = OpsLayers(self._layer_backends, a, linear, cos, sin, self.dtype)
+        layers.begin(x)
         for i, L in enumerate(W.layers):
-            q, k, v = attn_in(x, L.input_norm, L.w_qkv, L.b_qkv, L.q_norm, L.k_norm, cos, sin, Hq, Hkv, d,
-                              a.rms_norm_eps, linear=linear)
+            q, k, v = layers.attn_in(L)
             if append:
                 cache.write(i, slots, k, v)  # the new rows only; this layer attends to them as k, v
             is_last_layer = i == len(W.layers) - 1
@@ -278,11 +286,12 @@ class Qwen3Runner:
                                                  plan.block_table, plan.prefix_lens, seg_group, plan=plan,
                                                  validate=False).reshape(T, Hq * d)
             if is_last_layer and output == "last":
-                x, attn = x[last], attn[last]  # only the rows asked for go through o_proj and the MLP
-            x = attn_out_mlp(x, attn, L.w_o, L.post_norm, L.w_gate_up, L.w_down, a.rms_norm_eps, linear=linear)
+                layers.select(last)  # only the rows asked for go through o_proj and the MLP
+                attn = attn[last]
+            layers.attn_out_mlp(attn, L)
         if append:
             cache.commit(groups, lens)
-        return None if output == "none" else x
+        return None if output == "none" else layers.end()
 
 
 def _token_runs(entries: list, max_tokens: int):

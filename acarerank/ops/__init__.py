@@ -20,6 +20,9 @@ from .topk_merge import (TopKMergeState, topk_merge_core, topk_merge_finalize, t
 from .topk_logprobs import topk_logprobs, topk_logprobs_core, topk_logprobs_core_op, topk_logprobs_ref
 from .linear_logprob import linear_logprob, linear_logprob_op, linear_logprob_ref
 from .vocab_parallel import VocabShard  # also registers the process_group= paths (_backend)
+from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
+from .silu_and_mul import silu_and_mul, silu_and_mul_ref
 
 __all__ = [
     "BackendError", "KNOWN_BACKENDS", "available_backends", "backend_for", "parse_preference", "per_op_backends",
@@ -34,4 +37,6 @@ __all__ = [
     "topk_merge_init", "topk_merge_update", "topk_merge_update_op",
     "topk_logprobs", "topk_logprobs_core", "topk_logprobs_core_op", "topk_logprobs_ref",
     "linear_logprob", "linear_logprob_op", "linear_logprob_ref", "VocabShard",
+    "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "qk_norm_rope", "qk_norm_rope_ref",
+    "silu_and_mul", "silu_and_mul_ref",
 ]

@@ -133,11 +133,19 @@ OPCHECKED = {
     "topk_merge_update": "test_opcheck.py::test_opcheck_topk_merge_update",
     "topk_logprobs_core": "test_op_topk_logprobs.py::test_core_is_a_checked_custom_op",
     "prefix_shared_attention_paged": "test_op_paged_attention.py::test_registered_op_passes_opcheck",
+    "rms_norm": "test_op_layer_elementwise.py::test_opcheck",
+    "fused_add_rms_norm": "test_op_layer_elementwise.py::test_opcheck",
+    "qk_norm_rope": "test_op_layer_elementwise.py::test_opcheck",
+    "silu_and_mul": "test_op_layer_elementwise.py::test_opcheck",
 }
 # the C++ ops of acarerank._cpu (registered when it loads: only where it is built)
 OPCHECKED_NATIVE = {
     "prefix_shared_attention_cpu": "test_op_cpu_attention_native.py::test_opcheck_raw_kernel",
     "vec_add": "test_native_ext.py::test_vec_add_opcheck",
+    "rms_norm_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
+    "fused_add_rms_norm_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
+    "qk_norm_rope_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
+    "silu_and_mul_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
 }
 
 

@@ -1,0 +1,181 @@
+// The row kernels of layer_kernels.h, included once per ISA build inside namespace
+// acr_layer::ACR_LAYER_ISA (no include guard on purpose). Only compiler builtins here: no library
+// inline function may be compiled into an ISA-specific build (layer_kernels.h).
+//
+// Loops are written for the auto-vectoriser: fixed-width partial sums (kAcc lanes) instead of one
+// running sum (a float reduction is not reassociated without -ffast-math), branch-free bf16
+// rounding and a branch-free exp.
+
+namespace acr_layer {
+namespace ACR_LAYER_ISA {
+namespace {
+
+constexpr int kAcc = 16;
+
+inline float ld(float v) { return v; }
+inline float ld(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &b, 4);
+  return f;
+}
+inline void st(float* p, float v) { *p = v; }
+inline void st(uint16_t* p, float v) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t u;
+  __builtin_memcpy(&u, &v, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  *p = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+  float acc[kAcc] = {};
+  int64_t i = 0;
+  for (; i + kAcc <= n; i += kAcc)
+    for (int j = 0; j < kAcc; ++j) {
+      const float v = ld(x[i + j]);
+      acc[j] += v * v;
+    }
+  float s = 0.f;
+  for (; i < n; ++i) {
+    const float v = ld(x[i]);
+    s += v * v;
+  }
+  for (int j = 0; j < kAcc; ++j) s += acc[j];
+  return s;
+}
+
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* y, int64_t H, float eps) {
+  const float scale = 1.f / __builtin_sqrtf(sum_squares(x, H) / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) st(y + i, ld(x[i]) * scale * ld(w[i]));
+}
+
+template <typename T>
+inline void add_norm_row(const T* x, T* r, const T* w, T* y, int64_t H, float eps) {
+  for (int64_t i = 0; i < H; ++i) st(r + i, ld(r[i]) + ld(x[i]));  // rounded: the stored stream is normed
+  norm_row(r, w, y, H, eps);
+}
+
+// RMSNorm of one head then RoPE (rotate-half): out[i] = a·cos[i] − b·sin[i], out[h+i] = b·cos[h+i] + a·sin[h+i]
+template <typename T, typename C>
+inline void norm_rope_head(const T* x, const T* w, const C* cos, const C* sin, T* out, int64_t d, float eps) {
+  float buf[kMaxHeadDim];
+  const float scale = 1.f / __builtin_sqrtf(sum_squares(x, d) / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) buf[i] = ld(x[i]) * scale * ld(w[i]);
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    const float a = buf[i], b = buf[h + i];
+    st(out + i, a * ld(cos[i]) - b * ld(sin[i]));
+    st(out + h + i, b * ld(cos[h + i]) + a * ld(sin[h + i]));
+  }
+}
+
+// exp(x) in fp32 for x in [-87.3, 88.7] (Cephes' expf: x = n·ln2 + r, a degree-6 polynomial for e^r,
+// 2^n written into the exponent bits), within 2 ulp; the caller clamps x to that range
+inline float exp_f32(float x) {
+  const float shifter = 12582912.f;  // 1.5·2^23: adding it rounds x·log2(e) to an integer in the low bits
+  const float t = x * 1.44269504088896341f + shifter;
+  const float n = t - shifter;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t ti;
+  __builtin_memcpy(&ti, &t, 4);
+  const int32_t bits = (ti - 0x4B400000 + 127) * (1 << 23);  // 0x4B400000: the bits of `shifter`
+  float two_n;
+  __builtin_memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+// y = g / (1 + exp(−g)) · u in chunks of kChunk, one loop per step: with the clamp and the exp in
+// one loop body the vectoriser gives up ("control flow in loop", GCC 12), split they each vectorise
+constexpr int64_t kChunk = 256;
+
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, T* y, int64_t I) {
+  float e[kChunk];
+  for (int64_t i0 = 0; i0 < I; i0 += kChunk) {
+    const int64_t n = I - i0 < kChunk ? I - i0 : kChunk;
+    for (int64_t j = 0; j < n; ++j) {
+      const float x = -ld(g[i0 + j]);
+      e[j] = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);  // exp(−g) saturates: silu → g or → 0
+    }
+    for (int64_t j = 0; j < n; ++j) e[j] = exp_f32(e[j]);
+    for (int64_t j = 0; j < n; ++j) {
+      const float gv = ld(g[i0 + j]);
+      st(y + i0 + j, gv / (1.f + e[j]) * ld(u[i0 + j]));
+    }
+  }
+}
+
+template <typename T>
+void rms_norm_t(const T* x, const T* w, T* y, int64_t rows, int64_t H, float eps) {
+  for (int64_t r = 0; r < rows; ++r) norm_row(x + r * H, w, y + r * H, H, eps);
+}
+
+template <typename T>
+void add_rms_norm_t(const T* x, T* res, const T* w, T* y, int64_t rows, int64_t H, float eps) {
+  for (int64_t r = 0; r < rows; ++r) add_norm_row(x + r * H, res + r * H, w, y + r * H, H, eps);
+}
+
+template <typename T, typename C>
+void qk_norm_rope_t(const T* qkv, const T* qw, const T* kw, const C* cos, const C* sin, T* q, T* k, T* v,
+                    int64_t rows, int64_t Hq, int64_t Hkv, int64_t d, float eps) {
+  const int64_t width = (Hq + 2 * Hkv) * d;
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* row = qkv + t * width;
+    const C* c = cos + t * d;
+    const C* s = sin + t * d;
+    for (int64_t hd = 0; hd < Hq; ++hd) norm_rope_head(row + hd * d, qw, c, s, q + (t * Hq + hd) * d, d, eps);
+    for (int64_t hd = 0; hd < Hkv; ++hd)
+      norm_rope_head(row + (Hq + hd) * d, kw, c, s, k + (t * Hkv + hd) * d, d, eps);
+    __builtin_memcpy(v + t * Hkv * d, row + (Hq + Hkv) * d, sizeof(T) * Hkv * d);
+  }
+}
+
+template <typename T>
+void silu_and_mul_t(const T* x, T* y, int64_t rows, int64_t I) {
+  for (int64_t r = 0; r < rows; ++r) silu_mul_row(x + r * 2 * I, x + r * 2 * I + I, y + r * I, I);
+}
+
+}  // namespace
+
+void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t H, float eps) {
+  rms_norm_t(x, w, y, rows, H, eps);
+}
+void rms_norm_rows(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t rows, int64_t H, float eps) {
+  rms_norm_t(x, w, y, rows, H, eps);
+}
+void add_rms_norm_rows(const float* x, float* res, const float* w, float* y, int64_t rows, int64_t H, float eps) {
+  add_rms_norm_t(x, res, w, y, rows, H, eps);
+}
+void add_rms_norm_rows(const uint16_t* x, uint16_t* res, const uint16_t* w, uint16_t* y, int64_t rows, int64_t H,
+                       float eps) {
+  add_rms_norm_t(x, res, w, y, rows, H, eps);
+}
+void qk_norm_rope_rows(const float* qkv, const float* qw, const float* kw, const float* cos, const float* sin,
+                       float* q, float* k, float* v, int64_t rows, int64_t Hq, int64_t Hkv, int64_t d, float eps) {
+  qk_norm_rope_t(qkv, qw, kw, cos, sin, q, k, v, rows, Hq, Hkv, d, eps);
+}
+void qk_norm_rope_rows(const uint16_t* qkv, const uint16_t* qw, const uint16_t* kw, const float* cos,
+                       const float* sin, uint16_t* q, uint16_t* k, uint16_t* v, int64_t rows, int64_t Hq,
+                       int64_t Hkv, int64_t d, float eps) {
+  qk_norm_rope_t(qkv, qw, kw, cos, sin, q, k, v, rows, Hq, Hkv, d, eps);
+}
+void qk_norm_rope_rows(const uint16_t* qkv, const uint16_t* qw, const uint16_t* kw, const uint16_t* cos,
+                       const uint16_t* sin, uint16_t* q, uint16_t* k, uint16_t* v, int64_t rows, int64_t Hq,
+                       int64_t Hkv, int64_t d, float eps) {
+  qk_norm_rope_t(qkv, qw, kw, cos, sin, q, k, v, rows, Hq, Hkv, d, eps);
+}
+void silu_and_mul_rows(const float* x, float* y, int64_t rows, int64_t I) { silu_and_mul_t(x, y, rows, I); }
+void silu_and_mul_rows(const uint16_t* x, uint16_t* y, int64_t rows, int64_t I) { silu_and_mul_t(x, y, rows, I); }
+
+}  // namespace ACR_LAYER_ISA
+}  // namespace acr_layer

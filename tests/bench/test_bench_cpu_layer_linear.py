@@ -1,0 +1,32 @@
+"""bench/bench_cpu_layer.py and bench/bench_cpu_linear.py run their --quick smoke tests and print
+one line per variant (the figures themselves are not asserted: wall clock never is)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _run(script, *args):
+    run = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return run.stdout
+
+
+@pytest.mark.slow
+def test_bench_cpu_layer_quick():
+    out = _run("bench_cpu_layer.py", "--quick")
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        assert f"one layer (GEMMs + element-wise), {dtype}, 7 rows" in out, out
+        assert f"element-wise ops alone, {dtype}, 7 rows" in out, out
+    assert out.count("eager (torch references)") == 4, out
+
+
+@pytest.mark.slow
+def test_bench_cpu_linear_quick():
+    out = _run("bench_cpu_linear.py", "--quick", "--dtype", "float32")
+    for name in ("qkv 1024->4096", "o 2048->1024", "gate_up 1024->6144", "down 3072->1024"):
+        assert f"{name}, rows 64, torch.float32" in out, out
+    assert out.count("F.linear ") == 4 and "max|diff|" in out, out
