@@ -6,6 +6,8 @@ prompt is built by the prompt builder itself from user text + HINT_SEPARATOR + h
 test also proves that splicing the tokenized hint into the shared prefix equals tokenizing
 the teacher prompt as one string.
 """
+import copy
+
 import pytest
 import torch
 
@@ -39,8 +41,8 @@ def models():
 def _greedy(model, ids, n):
     out = []
     with torch.no_grad():
-        for _ in range(n):
-            nxt = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+        for _ in range(n):  # only the last position's logits: the others are never read
+            nxt = int(model(input_ids=torch.tensor([ids + out]), logits_to_keep=1).logits[0, -1].argmax())
             out.append(nxt)
     return out
 
@@ -77,10 +79,23 @@ def _oracle_rows(model, prompt, y, temperature):
     return (logits[P - 1:P - 1 + len(y)] / temperature)
 
 
-@pytest.mark.parametrize("temperature,outside", [(1.0, "floor"), (0.8, "full")])
-def test_rescore_matches_unshared_transformers(models, qwen3_tokenizer, temperature, outside):
+@pytest.fixture(scope="module")
+def cases(models, qwen3_tokenizer):
+    """``_setup``'s queries and, per rollout, the oracle's fp32 logit rows of snapshot and teacher at
+    temperature 1 (None for an empty rollout): the transformers forwards do not depend on the
+    temperature, so both parametrisations divide the same rows."""
     snap_hf, teach_hf = models
     items, full_s, full_t = _setup(qwen3_tokenizer, teach_hf)
+    rows = [(_oracle_rows(snap_hf, ps, y, 1.0), _oracle_rows(teach_hf, pt, y, 1.0)) if y else None
+            for (ps, y), (pt, _) in zip(full_s, full_t)]
+    return items, full_s, full_t, rows
+
+
+@pytest.mark.parametrize("temperature,outside", [(1.0, "floor"), (0.8, "full")])
+def test_rescore_matches_unshared_transformers(models, cases, qwen3_tokenizer, temperature, outside):
+    snap_hf, teach_hf = models
+    items, full_s, _, rows = cases
+    items = copy.deepcopy(items)  # rescore gets its own queries in each parametrisation
     snap, teach = Qwen3Runner.from_hf(snap_hf), Qwen3Runner.from_hf(teach_hf)
     groups_seen = []
     orig = teach.prefill
@@ -93,14 +108,14 @@ def test_rescore_matches_unshared_transformers(models, qwen3_tokenizer, temperat
     assert res.query_index.tolist() == [0, 0, 0, 1, 1, 1]
     k = 128
     n_in = 0
-    for n, ((ps, y), (pt, _)) in enumerate(zip(full_s, full_t)):
+    for n, (_, y) in enumerate(full_s):
         L = len(y)
         assert res.response_mask[n].tolist() == [True] * L + [False] * (res.logp_old.shape[1] - L)
         if L == 0:
             continue
         tg = torch.tensor(y)
-        want_old = _oracle_rows(snap_hf, ps, y, temperature).log_softmax(-1).gather(1, tg[:, None]).squeeze(1)
-        zt = _oracle_rows(teach_hf, pt, y, temperature)
+        zs, zt = (z / temperature for z in rows[n])
+        want_old = zs.log_softmax(-1).gather(1, tg[:, None]).squeeze(1)
         top = torch.sort(zt, dim=1, descending=True, stable=True)
         top_z, top_i = top.values[:, :k], top.indices[:, :k]
         inside = (top_i == tg[:, None]).any(1)
