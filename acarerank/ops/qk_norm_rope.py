@@ -20,9 +20,10 @@ the returned ones. Two equal slots are an error (a caller bug; which row would w
 is any slot out of range — checked before anything is written, so the caches stay untouched.
 
 Backends (``OP``):
-  "torch"  transformers' order (the page write: ``index_copy_``) (norm in fp32 then round, weight and RoPE in the dtype; the runner
+  "torch"  transformers' order (norm in fp32 then round, weight and RoPE in the dtype; the runner
            passes cos/sin already in the dtype, as transformers casts them): the eager path.
-           Given fp32 tables with bf16 qkv it does RoPE in fp32 and rounds once.
+           Given fp32 tables with bf16 qkv it does RoPE in fp32 and rounds once. The page write:
+           ``index_copy_`` of the returned k, v (``write_pages_ref``).
   "native" csrc/cpu/qk_norm_rope.cpp: one pass per row, fp32 inside, one rounding per stored
            element; reads fp32 tables as they are (no cast); the page write in the same pass over
            the row — CPU default when built
@@ -34,19 +35,13 @@ from typing import Optional
 
 import torch
 
-from . import _backend
-from ._native_backend import native_backend
+from ._checks import check_float_tensors
+from ._native_backend import native_first_decl, register_op
 
 
 def _check(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads):
     op = "qk_norm_rope"
-    for name, t in (("qkv", qkv), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
-        if t.device != qkv.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, qkv is on {qkv.device}")
+    check_float_tensors(op, ("qkv", qkv), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin))
     for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"{op}: {name} must be a positive int, got {n!r}")
@@ -169,15 +164,10 @@ def _fake(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps, k_cac
     return (qkv.new_empty(T, num_heads, d), qkv.new_empty(T, num_kv_heads, d), qkv.new_empty(T, num_kv_heads, d))
 
 
-OP = _backend.OpDecl(
-    "qk_norm_rope", aliases=("rope",),
-    backends={"torch": _backend.Backend(lambda: _torch_backend),
-              "native": native_backend("qk_norm_rope", "qk_norm_rope_cpu", _fake)},
-    defaults={"cpu": ("native", "torch"), "cuda": ("torch",)},
-)
+OP = native_first_decl("qk_norm_rope", _torch_backend, _fake, aliases=("rope",))
 
 
-@torch.library.custom_op("acarerank::qk_norm_rope", mutates_args=("k_cache", "v_cache"))
+@register_op(OP, _fake, mutates_args=("k_cache", "v_cache"))
 def qk_norm_rope_op(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, backend: str,
                     k_cache: Optional[torch.Tensor] = None, v_cache: Optional[torch.Tensor] = None,
@@ -189,12 +179,6 @@ def qk_norm_rope_op(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.T
     if v.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr():
         v = v.clone()  # the torch backend's v is a view of qkv when it is already contiguous (T = 1)
     return q, k, v  # a custom op's outputs may not alias its inputs
-
-
-@qk_norm_rope_op.register_fake
-def _(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps, backend, k_cache=None, v_cache=None,
-      slots=None):
-    return _fake(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps)
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,

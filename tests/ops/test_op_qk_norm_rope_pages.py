@@ -6,8 +6,8 @@ caches: the returned q, k, v must be bitwise those of the call without pages, th
 bitwise the returned k, v, every other row untouched. The returned values are held to
 ``qk_norm_rope_ref`` too: fp32 within 2e-6 of the scale; bf16 within one bf16 ulp of the value plus
 one of its head's largest value (RoPE mixes two elements of a head, and the torch backend rounds the
-normed head before it; the op's own test file holds each backend to the tighter per-backend rules). Bad page arguments raise an error naming
-the problem with the caches untouched.
+normed head before it; the op's own test file holds each backend to the tighter per-backend
+rules). Bad page arguments raise an error naming the problem with the caches untouched.
 """
 import pytest
 import torch
