@@ -9,7 +9,8 @@ double that wraps the reranker's step methods (no switch in the package):
    503 with the reason, waiting and new requests 503 at once;
 4. each failure is counted in ``acarerank_engine_failures_total{stage}``;
 5. a client that leaves while its request waits is a 499, not a 500;
-6. a ``SystemExit`` in a tokenizer worker is a JSON 500.
+6. a ``SystemExit`` in a tokenizer worker is a JSON 500; a tokenizer pool that can take no more
+   work (shut down under a serving service) makes the service dead like a dead engine.
 """
 import logging
 import re
@@ -352,3 +353,24 @@ def test_tokenizer_worker_fault_is_a_json_500(served, reference, fault):
     inj.encode_fault = None
     assert_scores(httpx.post(base + "/v1/rerank", json=dict(query="next", documents=DOCS), timeout=30),
                   reference.score("next", DOCS), "a request after the tokenizer fault")
+
+
+def test_tokenizer_pool_that_refuses_work_makes_the_service_dead(served):
+    base, svc = served["base"], served["svc"]
+    calls = []
+    svc.on_dead.append(calls.append)
+    svc.pool.shutdown(wait=True)  # what a broken pool looks like to submit(): RuntimeError
+    r = httpx.post(base + "/v1/rerank", json=dict(query="after the pool broke", documents=DOCS), timeout=30)
+    assert r.status_code == 503, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    assert "tokenizer pool" in r.json()["error"]["message"], r.text
+    assert svc.dead is not None and "tokenizer pool" in svc.dead, svc.dead
+    assert len(calls) == 1 and "tokenizer pool" in calls[0], calls
+    for path in ("/health", "/ready"):
+        h = httpx.get(base + path, timeout=5)
+        assert h.status_code == 503 and "tokenizer pool" in h.json()["error"]["message"], f"{path}: {h.text}"
+    r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=DOCS), timeout=30)
+    assert r.status_code == 503, r.text
+    assert len(calls) == 1, f"on_dead ran {len(calls)} times"
+    assert failures(base, "engine") == 1
+    assert svc.admitted == 0, "admission slots held after the pool broke"
