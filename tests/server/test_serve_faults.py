@@ -25,7 +25,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from acarerank import PointwiseReranker, SetwiseReranker  # noqa: E402
+from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker  # noqa: E402
 from acarerank.model.paged_cache import PagedKVCache  # noqa: E402
 from acarerank.server import RerankService, create_app  # noqa: E402
 from serve_util import thread_server, tiny_model  # noqa: E402
@@ -44,6 +44,8 @@ class FaultInjector:
         self.rr = rr
         self.pass_fault = None
         self.prefill_layer = None
+        self.prefill_once = False  # clear prefill_layer after its first fault
+        self.prefill_chunks = []   # chunk_tokens of each acquire_prefix call
         self.encode_fault = None
         self.gate = threading.Event()
         self.gate.set()
@@ -62,10 +64,11 @@ class FaultInjector:
         enc.fault_query = request.query
         return enc
 
-    def acquire_prefix(self, enc):
+    def acquire_prefix(self, enc, chunk_tokens=None):
         self._in_prefill.layer = self.prefill_layer if POISON in enc.fault_query else None
+        self.prefill_chunks.append(chunk_tokens)
         try:
-            h = self.rr.acquire_prefix(enc)
+            h = self.rr.acquire_prefix(enc, chunk_tokens)
         finally:
             self._in_prefill.layer = None
         self._query[id(h)] = enc.fault_query
@@ -84,6 +87,8 @@ class FaultInjector:
     def fail_here(self, layer):
         """Called from PagedKVCache.write (patched by the test): raise at the chosen layer."""
         if getattr(self._in_prefill, "layer", None) == layer:
+            if self.prefill_once:
+                self.prefill_layer = None
             raise torch.OutOfMemoryError(f"injected out of memory at layer {layer}")
 
 
@@ -254,6 +259,20 @@ def test_failed_prefills_leak_no_pages(served, reference):
     assert pool_state(rr) == idle, "page references or free blocks differ from idle after failed prefills"
     r = httpx.post(base + "/v1/rerank", json=dict(query="after", documents=DOCS), timeout=60)
     assert_scores(r, reference.score("after", DOCS), "a request after the failures")
+
+
+def test_prefill_out_of_memory_once_is_retried_at_half_and_scores_right(served, reference):
+    base, inj, rr = served["base"], served["inj"], served["rr"]
+    trace = "the agent compared two tutoring methods and kept notes on each. " * 4
+    want = reference.score(f"{POISON} q", DOCS, trace=trace)
+    inj.prefill_layer, inj.prefill_once = 1, True
+    before = failures(base, "prefill")
+    r = httpx.post(base + "/v1/rerank", json=dict(query=f"{POISON} q", trace=trace, documents=DOCS), timeout=60)
+    assert_scores(r, want, "a request whose first prefill ran out of memory")
+    assert inj.prefill_layer is None, "the injected fault never fired"
+    shared = len(rr.encode(ScoreRequest(f"{POISON} q", DOCS, trace=trace)).shared_ids)
+    assert inj.prefill_chunks[-2:] == [None, min(rr.prefill_chunk, shared) // 2], inj.prefill_chunks
+    assert failures(base, "prefill") == before
 
 
 @pytest.mark.parametrize("fault", [RuntimeError("injected decode fault"), ValueError("injected model-side")])
