@@ -6,8 +6,9 @@ The cache owns one pool reference per block in its tables and gives them back in
 
 Appending n tokens to a group writes only those n rows into its pages (``reserve`` +
 ``write``, or ``qk_norm_rope``'s page write into ``pages(layer)`` at the reserved slots),
-whatever the prefix length: a decode step costs O(1) copies, not a re-pack of the whole cache. A partly filled last block that someone else also holds is copied first
-(copy-on-write), so a shared block is never written.
+whatever the prefix length: a decode step costs O(1) copies, not a re-pack of the whole cache.
+A partly filled last block that someone else also holds is copied first (copy-on-write), so a
+shared block is never written.
 """
 from __future__ import annotations
 

@@ -88,8 +88,8 @@ def _check_pages(qkv, k_cache, v_cache, slots, num_kv_heads, d):
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"{op}: k_cache and v_cache must be contiguous (strides {k_cache.stride()} and "
                          f"{v_cache.stride()})")
-    ptrs = [t.untyped_storage().data_ptr() for t in (k_cache, v_cache, qkv)]
-    if len(set(ptrs)) != 3:
+    ptrs = [t.untyped_storage().data_ptr() for t in (k_cache, v_cache, qkv) if t.numel()]
+    if len(set(ptrs)) != len(ptrs):  # (empty tensors hold no memory to share)
         raise ValueError(f"{op}: k_cache, v_cache and qkv must not share memory")
     T, capacity = qkv.shape[0], k_cache.shape[0] * k_cache.shape[1]
     if slots.dtype != torch.int64:
