@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from . import _backend
 
 #: the row count oneDNN is told to expect when it picks the weight's blocked layout (any row count
-#: runs on it). 512: the bench's per-pass row counts are 512–2,048 and the 512-row layout was as
-#: fast at 2,048 rows in `bench/bench_cpu_linear.py`.
+#: runs on it): the lower of the two row counts the layout was measured at (512, 2,048);
+#: `bench/bench_cpu_linear.py` times the op with this hint beside a reorder for each row count.
 PACK_ROWS_HINT = 512
 
 
