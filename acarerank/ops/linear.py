@@ -157,7 +157,8 @@ def resolve_linear_backend(preference, device, dtype: torch.dtype) -> tuple:
     """
     device = torch.device(device)
     asked = _backend.backend_for(OP.name, preference)
-    explicit = asked if preference is not None else _backend.backend_for(OP.name, _backend._env_preference())
+    # what OP.resolve will run when nothing was asked of this op: ACARERANK_BACKEND's entry, if any
+    explicit = asked if asked is not None else _backend.backend_for(OP.name, _backend._env_preference())
     name = OP.resolve(asked, device)
     if name == "onednn":
         why = onednn_why_unavailable(dtype)

@@ -102,6 +102,14 @@ def test_a_dtype_onednn_refuses_falls_back_to_f_linear_with_the_reason(dtype):
         prepare_linear_weight(w, "onednn")
 
 
+@pytest.mark.parametrize("dtype", REFUSED_DTYPES)
+def test_onednn_asked_for_by_the_environment_is_an_error_too(dtype, monkeypatch):
+    monkeypatch.setenv("ACARERANK_BACKEND", "linear=onednn")
+    for pref in (None, {"attention": "torch"}):  # a mapping that does not name linear leaves it to the env
+        with pytest.raises(BackendError, match="cannot run"):
+            resolve_linear_backend(pref, "cpu", dtype)
+
+
 def test_bf16_is_refused_exactly_where_the_cpu_lacks_its_instructions():
     """oneDNN's bf16 reorder needs AVX512BW+VL+DQ or AVX_NE_CONVERT (its own error names them)."""
     from acarerank.hardware import _cpuinfo_flags
