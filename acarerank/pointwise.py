@@ -238,20 +238,29 @@ class PointwiseReranker(RerankerBase):
         return enc
 
     @property
+    def prefill_chunk(self) -> int:
+        """Prefix tokens per prefill pass (the runner's; ``acquire_prefix`` may be given fewer)."""
+        return self.runner.prefill_chunk
+
+    @property
     def _prefix_cache(self):
         """The ``PrefixCache`` (None before first use or when off)."""
         return self._cache_slot._cache
 
-    def acquire_prefix(self, enc: PointwiseEncoding) -> PrefixHandle:
+    def acquire_prefix(self, enc: PointwiseEncoding, chunk_tokens: Optional[int] = None) -> PrefixHandle:
         """Prefill ``enc.shared_ids`` reusing the longest cached prefix under ``enc.cache_salt``.
 
         The handle pins its pages (cached and new) until ``release_prefix``; the new full
-        pages enter the cache. Scores never depend on what was cached.
+        pages enter the cache. Scores never depend on what was cached. ``chunk_tokens``: prefix
+        tokens per pass (default the runner's ``prefill_chunk``; a server retries an
+        out-of-memory prefill at half).
         """
         if not isinstance(enc, PointwiseEncoding):
             raise TypeError(f"acquire_prefix needs a PointwiseEncoding (from encode), got {type(enc).__name__}")
+        chunk_tokens = check_int("chunk_tokens", chunk_tokens, 1, allow_none=True)
         ids = list(enc.shared_ids)
-        cache, (hit,) = prefill_cached(self.runner, self._cache_slot, [ids], getattr(enc, "cache_salt", None))
+        cache, (hit,) = prefill_cached(self.runner, self._cache_slot, [ids], getattr(enc, "cache_salt", None),
+                                       chunk_tokens)
         # the handle takes over the cache's page references (released in release_prefix)
         return PrefixHandle(enc, cache.pool, cache.block_tables[0], len(ids),
                             len(ids) + sum(len(x) for x in enc.segment_ids), hit, len(ids) - hit)

@@ -76,14 +76,15 @@ class CacheSlot:
 
 
 def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
-                   salt: Optional[Hashable] = None) -> tuple:
+                   salt: Optional[Hashable] = None, chunk_tokens: Optional[int] = None) -> tuple:
     """Prefill ``prefixes`` (one group each), reusing the longest cached prefix of each.
 
     Returns ``(cache, hits)``: a ``PagedKVCache`` holding every group (the caller frees it;
     its pages stay pinned until then) and the tokens of each prefix served from the cache.
     Full pages computed here enter the cache. Without a usable cache (off, or no room even
     after evicting every unpinned page) the prefixes are computed in full in a private pool.
-    All groups' new tokens go through one chunked packed pass.
+    All groups' new tokens go through one chunked packed pass, ``chunk_tokens`` per group per
+    pass (default ``runner.prefill_chunk``).
 
     Page ownership: on any exception (an out-of-memory error at some layer, a kernel error,
     ``KeyboardInterrupt``) every page reference taken here is given back before it propagates,
@@ -102,7 +103,8 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
                 finally:
                     pc.pool.decref(matched)  # the cache's own reference replaces the match's
                 hits.append(len(matched) * pc.block_size)
-            runner.extend(cache, list(range(len(prefixes))), [ids[h:] for ids, h in zip(prefixes, hits)])
+            runner.extend(cache, list(range(len(prefixes))), [ids[h:] for ids, h in zip(prefixes, hits)],
+                          chunk_tokens)
         except PoolExhausted:
             cache.free()
             with pc.pool.lock:
@@ -117,7 +119,7 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
             return cache, hits
     else:
         slot.count(uncached_lookup=sum(map(len, prefixes)))
-    cache = runner.prefill(prefixes)  # a private, growable pool
+    cache = runner.prefill(prefixes, chunk_tokens)  # a private, growable pool
     slot.count(computed=sum(map(len, prefixes)))
     return cache, [0] * len(prefixes)
 

@@ -32,7 +32,8 @@ Per pass: ``steps.score_segments`` = one forward over all its segments (the step
 
 Faults (docs/serving.md, "Internal faults and probes"). A packed pass that raises is retried in
 halves so one bad request fails alone (``_bisect``); a failed prefill or selection step fails
-its own request only; each failure is an ``EngineFault`` with an error id, one log line and
+its own request only (a prefill or a selection's prefill chunk that runs out of memory is first
+retried once at half the tokens per pass); each failure is an ``EngineFault`` with an error id, one log line and
 ``acarerank_engine_failures_total{stage}``. Anything that escapes the loop itself
 (``BaseException`` included: ``KeyboardInterrupt``, ``SystemExit``) kills the engine: every
 waiting and later job fails with ``EngineDead`` at once and ``on_dead`` callbacks run.
@@ -498,7 +499,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.queue_time.observe(job.started - job.submitted)
         try:
-            job.handle = self.steps.acquire_prefix(job.enc)
+            job.handle = self._acquire_prefix(job.enc)
         except Exception as e:  # noqa: BLE001 - fail this request only (acquire_prefix gave its pages back)
             _settle(job.future, exc=self._fault("prefill", e, [job]))
             job.cancelled = True
@@ -506,6 +507,19 @@ class Engine:
         finally:
             self._busy("prefill", job.started)
         return True
+
+    def _acquire_prefix(self, enc):
+        """``steps.acquire_prefix(enc)``; out of memory: once more at half the tokens per pass
+        (half of the smaller of the prefill chunk and the prefix), if the steps take a chunk."""
+        try:
+            return self.steps.acquire_prefix(enc)
+        except Exception as e:  # noqa: BLE001 - out of memory: once more at half; anything else fails the request
+            chunk = getattr(self.steps, "prefill_chunk", None)
+            half = min(chunk, len(enc.shared_ids)) // 2 if isinstance(chunk, int) else 0
+            if not _is_oom(e) or half < 1:
+                raise
+            log.warning("prefix prefill ran out of memory (%s); retrying at %d tokens per pass", e, half)
+            return self.steps.acquire_prefix(enc, chunk_tokens=half)
 
     def _busy(self, kind: str, since: float) -> None:
         """Count the model time of one call (``acarerank_model_seconds``: busy ÷ wall = utilisation)."""

@@ -1,6 +1,6 @@
 """The scheduler's fault handling over a fake step API (no model): a failing pass is bisected so
-one bad request fails alone within the pass bound, an out-of-memory pass is first retried at
-half the tokens, and anything escaping the loop (``BaseException`` included) kills the engine
+one bad request fails alone within the pass bound, an out-of-memory pass (or prefix prefill) is
+first retried at half the tokens, and anything escaping the loop (``BaseException`` included) kills the engine
 loudly — every job fails at once, new ones are refused, prefixes are released."""
 import concurrent.futures
 import logging
@@ -150,6 +150,69 @@ def test_prefill_failure_fails_that_request_only():
     assert isinstance(out[2], EngineFault) and out[2].stage == "prefill"
     assert out[1].scores == [1.003] and out[3].scores == [3.003]
     assert metrics.engine_failures.labels("prefill")._value.get() == 1
+
+
+class OomPrefill(FaultySteps):
+    """Prefill chunk 8; request 2's prefill runs out of memory while its chunk exceeds ``fits``
+    (None: always); records each call's (tag, chunk_tokens)."""
+    prefill_chunk = 8
+
+    def __init__(self, fits=None, exc=None):
+        super().__init__()
+        self.fits, self.exc, self.calls = fits, exc, []
+
+    def acquire_prefix(self, enc, chunk_tokens=None):
+        tag = enc.shared_ids[0]
+        self.calls.append((tag, chunk_tokens))
+        chunk = min(chunk_tokens or self.prefill_chunk, len(enc.shared_ids))
+        if tag == 2 and (self.fits is None or chunk > self.fits):
+            import torch
+            raise self.exc or torch.OutOfMemoryError("injected out of memory")
+        return super().acquire_prefix(enc)
+
+
+def run_prefix_jobs(steps, prefix_len: int):
+    """Requests 1..3 with a ``prefix_len``-token shared part and one 3-token document each."""
+    eng = Engine(steps, max_batch_tokens=1000, metrics=ServerMetrics())
+    jobs = {t: eng.submit(Enc([t] * prefix_len, [[1] * 3]), rid=f"r{t}") for t in (1, 2, 3)}
+    eng.start()
+    try:
+        out = {}
+        for t, job in jobs.items():
+            try:
+                out[t] = job.future.result(30)
+            except EngineFault as e:
+                out[t] = e
+    finally:
+        eng.stop()
+    return out, eng.metrics
+
+
+def test_prefill_out_of_memory_is_retried_once_at_half_the_chunk():
+    steps = OomPrefill(fits=4)
+    out, metrics = run_prefix_jobs(steps, prefix_len=20)
+    assert all(out[t].scores == [t + 0.003] for t in (1, 2, 3)), out
+    assert [c for c in steps.calls if c[0] == 2] == [(2, None), (2, 4)], steps.calls
+    assert metrics.engine_failures.labels("prefill")._value.get() == 0
+
+
+def test_prefill_retry_halves_the_prefix_when_it_is_shorter_than_the_chunk():
+    steps = OomPrefill(fits=2)
+    out, _ = run_prefix_jobs(steps, prefix_len=5)         # chunk 8 > 5 tokens: half of 5 is 2
+    assert out[2].scores == [2.003], out[2]
+    assert [c for c in steps.calls if c[0] == 2] == [(2, None), (2, 2)], steps.calls
+
+
+@pytest.mark.parametrize("case", ["oom twice", "not oom", "one token"])
+def test_prefill_that_fails_again_or_not_for_memory_fails_alone(case):
+    steps = OomPrefill(exc=RuntimeError("prefill kernel fault") if case == "not oom" else None)
+    out, metrics = run_prefix_jobs(steps, prefix_len=1 if case == "one token" else 20)
+    assert isinstance(out[2], EngineFault) and out[2].stage == "prefill", out[2]
+    assert out[1].scores == [1.003] and out[3].scores == [3.003]
+    want = [(2, None), (2, 4)] if case == "oom twice" else [(2, None)]
+    assert [c for c in steps.calls if c[0] == 2] == want, steps.calls
+    assert metrics.engine_failures.labels("prefill")._value.get() == 1
+    assert not steps.pinned
 
 
 @pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])

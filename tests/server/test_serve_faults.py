@@ -9,7 +9,8 @@ double that wraps the reranker's step methods (no switch in the package):
    503 with the reason, waiting and new requests 503 at once;
 4. each failure is counted in ``acarerank_engine_failures_total{stage}``;
 5. a client that leaves while its request waits is a 499, not a 500;
-6. a ``SystemExit`` in a tokenizer worker is a JSON 500.
+6. a ``SystemExit`` in a tokenizer worker is a JSON 500; a tokenizer pool that can take no more
+   work (shut down under a serving service) makes the service dead like a dead engine.
 """
 import logging
 import re
@@ -24,7 +25,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from acarerank import PointwiseReranker, SetwiseReranker  # noqa: E402
+from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker  # noqa: E402
 from acarerank.model.paged_cache import PagedKVCache  # noqa: E402
 from acarerank.server import RerankService, create_app  # noqa: E402
 from serve_util import thread_server, tiny_model  # noqa: E402
@@ -43,6 +44,8 @@ class FaultInjector:
         self.rr = rr
         self.pass_fault = None
         self.prefill_layer = None
+        self.prefill_once = False  # clear prefill_layer after its first fault
+        self.prefill_chunks = []   # chunk_tokens of each acquire_prefix call
         self.encode_fault = None
         self.gate = threading.Event()
         self.gate.set()
@@ -61,10 +64,11 @@ class FaultInjector:
         enc.fault_query = request.query
         return enc
 
-    def acquire_prefix(self, enc):
+    def acquire_prefix(self, enc, chunk_tokens=None):
         self._in_prefill.layer = self.prefill_layer if POISON in enc.fault_query else None
+        self.prefill_chunks.append(chunk_tokens)
         try:
-            h = self.rr.acquire_prefix(enc)
+            h = self.rr.acquire_prefix(enc, chunk_tokens)
         finally:
             self._in_prefill.layer = None
         self._query[id(h)] = enc.fault_query
@@ -83,6 +87,8 @@ class FaultInjector:
     def fail_here(self, layer):
         """Called from PagedKVCache.write (patched by the test): raise at the chosen layer."""
         if getattr(self._in_prefill, "layer", None) == layer:
+            if self.prefill_once:
+                self.prefill_layer = None
             raise torch.OutOfMemoryError(f"injected out of memory at layer {layer}")
 
 
@@ -255,6 +261,20 @@ def test_failed_prefills_leak_no_pages(served, reference):
     assert_scores(r, reference.score("after", DOCS), "a request after the failures")
 
 
+def test_prefill_out_of_memory_once_is_retried_at_half_and_scores_right(served, reference):
+    base, inj, rr = served["base"], served["inj"], served["rr"]
+    trace = "the agent compared two tutoring methods and kept notes on each. " * 4
+    want = reference.score(f"{POISON} q", DOCS, trace=trace)
+    inj.prefill_layer, inj.prefill_once = 1, True
+    before = failures(base, "prefill")
+    r = httpx.post(base + "/v1/rerank", json=dict(query=f"{POISON} q", trace=trace, documents=DOCS), timeout=60)
+    assert_scores(r, want, "a request whose first prefill ran out of memory")
+    assert inj.prefill_layer is None, "the injected fault never fired"
+    shared = len(rr.encode(ScoreRequest(f"{POISON} q", DOCS, trace=trace)).shared_ids)
+    assert inj.prefill_chunks[-2:] == [None, min(rr.prefill_chunk, shared) // 2], inj.prefill_chunks
+    assert failures(base, "prefill") == before
+
+
 @pytest.mark.parametrize("fault", [RuntimeError("injected decode fault"), ValueError("injected model-side")])
 def test_failing_selection_step_fails_that_selection_only(served, model, fault):
     base, sel, sr = served["base"], served["sel"], served["sr"]
@@ -352,3 +372,24 @@ def test_tokenizer_worker_fault_is_a_json_500(served, reference, fault):
     inj.encode_fault = None
     assert_scores(httpx.post(base + "/v1/rerank", json=dict(query="next", documents=DOCS), timeout=30),
                   reference.score("next", DOCS), "a request after the tokenizer fault")
+
+
+def test_tokenizer_pool_that_refuses_work_makes_the_service_dead(served):
+    base, svc = served["base"], served["svc"]
+    calls = []
+    svc.on_dead.append(calls.append)
+    svc.pool.shutdown(wait=True)  # what a broken pool looks like to submit(): RuntimeError
+    r = httpx.post(base + "/v1/rerank", json=dict(query="after the pool broke", documents=DOCS), timeout=30)
+    assert r.status_code == 503, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    assert "tokenizer pool" in r.json()["error"]["message"], r.text
+    assert svc.dead is not None and "tokenizer pool" in svc.dead, svc.dead
+    assert len(calls) == 1 and "tokenizer pool" in calls[0], calls
+    for path in ("/health", "/ready"):
+        h = httpx.get(base + path, timeout=5)
+        assert h.status_code == 503 and "tokenizer pool" in h.json()["error"]["message"], f"{path}: {h.text}"
+    r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=DOCS), timeout=30)
+    assert r.status_code == 503, r.text
+    assert len(calls) == 1, f"on_dead ran {len(calls)} times"
+    assert failures(base, "engine") == 1
+    assert svc.admitted == 0, "admission slots held after the pool broke"
