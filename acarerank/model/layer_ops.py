@@ -7,7 +7,7 @@ residual add is fused into the norm after it:
 
     layer 0:  h = rms_norm(x)                                   residual = x
     layer i:  h = fused_add_rms_norm(delta, residual)           residual += delta
-              q, k, v = qk_norm_rope(h·W_qkvᵀ + b, q_norm, k_norm, cos, sin)
+              q, k, v = qk_norm_rope(h·W_qkvᵀ + b, q_norm, k_norm, cos, sin)   (+ k, v into their pages)
               ... attention (the runner) ...
               h = fused_add_rms_norm(attn·W_oᵀ, residual)      residual += attn·W_oᵀ
               delta = silu_and_mul(h·W_guᵀ)·W_downᵀ
@@ -57,17 +57,27 @@ class OpsLayers:
         self.a, self.linear = arch, linear
         self.residual = self.delta = None
 
+    @property
+    def writes_pages(self) -> bool:
+        """Whether ``attn_in`` takes the pages: the native kernel stores the new k, v rows there in
+        its own pass; on the torch references the runner's ``PagedKVCache.write`` does."""
+        return self.backends["qk_norm_rope"] == "native"
+
     def begin(self, x: torch.Tensor) -> None:
         """x [T, H]: the embeddings (a tensor of the pass's own: it becomes the residual stream)."""
         self.residual, self.delta = x, None
 
-    def attn_in(self, L):
+    def attn_in(self, L, pages=None):
+        """q, k, v of layer ``L``; ``pages`` = (k_cache, v_cache, slots): k, v are also written
+        there (only when ``writes_pages``)."""
         a = self.a
         eps = a.rms_norm_eps
         h = (self.norm(self.residual, L.input_norm, eps) if self.delta is None
              else self.add_norm(self.delta, self.residual, L.input_norm, eps))
         qkv = self.linear(h, L.w_qkv, L.b_qkv)
-        return self.rope(qkv, L.q_norm, L.k_norm, self.cos, self.sin, a.num_heads, a.num_kv_heads, eps)
+        k_cache, v_cache, slots = pages if pages is not None else (None, None, None)
+        return self.rope(qkv, L.q_norm, L.k_norm, self.cos, self.sin, a.num_heads, a.num_kv_heads, eps,
+                         k_cache=k_cache, v_cache=v_cache, slots=slots)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` of the residual stream (the last layer's asked-for rows)."""
@@ -90,11 +100,14 @@ class CompiledLayers:
         self.cos, self.sin = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
         self.a, self.linear = arch, linear
         self.x = None
+        self.writes_pages = False  # the runner writes the new rows (PagedKVCache.write)
 
     def begin(self, x: torch.Tensor) -> None:
         self.x = x
 
-    def attn_in(self, L):
+    def attn_in(self, L, pages=None):
+        if pages is not None:
+            raise ValueError("CompiledLayers does not write pages (writes_pages is False): the runner does")
         a = self.a
         return self.attn_in_fn(self.x, L.input_norm, L.w_qkv, L.b_qkv, L.q_norm, L.k_norm, self.cos, self.sin,
                                a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps, linear=self.linear)

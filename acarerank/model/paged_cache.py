@@ -5,9 +5,10 @@ ids, in order); token c is slot ``c % block_size`` of block ``block_tables[g][c 
 The cache owns one pool reference per block in its tables and gives them back in ``free``.
 
 Appending n tokens to a group writes only those n rows into its pages (``reserve`` +
-``write``), whatever the prefix length: a decode step costs O(1) copies, not a re-pack of
-the whole cache. A partly filled last block that someone else also holds is copied first
-(copy-on-write), so a shared block is never written.
+``write``, or ``qk_norm_rope``'s page write into ``pages(layer)`` at the reserved slots),
+whatever the prefix length: a decode step costs O(1) copies, not a re-pack of the whole cache.
+A partly filled last block that someone else also holds is copied first (copy-on-write), so a
+shared block is never written.
 """
 from __future__ import annotations
 
@@ -86,6 +87,11 @@ class PagedKVCache:
                 table.extend(self._allocate(need))
             slots.extend(table[c // bs] * bs + c % bs for c in range(P, P + n))
         return torch.tensor(slots, dtype=torch.long)
+
+    def pages(self, layer: int) -> tuple:
+        """``(k_cache, v_cache)`` of ``layer``, ``[num_blocks, block_size, Hkv, d]``: what attention
+        reads and where the new rows go (by ``write``, or by ``qk_norm_rope``'s page write)."""
+        return self.pool.k[layer], self.pool.v[layer]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new rows k, v [n, Hkv, d] of ``layer`` at ``slots`` (from ``reserve``)."""

@@ -310,14 +310,18 @@ class Qwen3Runner:
         else:
             layers = OpsLayers(self._layer_backends, a, linear_fn, cos, sin, self.dtype)
         layers.begin(x)
+        # the new rows go into their pages inside qk_norm_rope where the layers can (OpsLayers on the
+        # native kernel: one pass, docs/ARCHITECTURE.md "Native CPU ops around attention"), else here
+        fused_write = append and layers.writes_pages
         for i, L in enumerate(W.layers):
-            q, k, v = layers.attn_in(L)
-            if append:
+            k_pages, v_pages = cache.pages(i)
+            q, k, v = layers.attn_in(L, (k_pages, v_pages, slots) if fused_write else None)
+            if append and not fused_write:
                 cache.write(i, slots, k, v)  # the new rows only; this layer attends to them as k, v
             is_last_layer = i == len(W.layers) - 1
             if is_last_layer and output == "none":
                 break  # the last layer's output feeds nothing that is asked for
-            attn = prefix_shared_attention_paged(q, k, v, cu_seqlens, cache.pool.k[i], cache.pool.v[i],
+            attn = prefix_shared_attention_paged(q, k, v, cu_seqlens, k_pages, v_pages,
                                                  plan.block_table, plan.prefix_lens, seg_group, plan=plan,
                                                  validate=False).reshape(T, Hq * d)
             if is_last_layer and output == "last":

@@ -1,4 +1,6 @@
-"""Input checks shared by the vocabulary-projection ops (topk_logprobs, its cores, linear_logprob)."""
+"""Input checks shared by several ops: floating-point tensors on one device (the layer ops,
+merge_attention_states, yes_no_score) and the vocabulary-projection ops' inputs (topk_logprobs,
+its cores, linear_logprob)."""
 from __future__ import annotations
 
 import math
@@ -6,6 +8,19 @@ import math
 import torch
 
 from .._validate import positive_int
+
+
+def check_float_tensors(op: str, *named) -> None:
+    """Each ``(name, tensor)`` of ``named`` is a floating-point tensor on the first one's device;
+    else TypeError (not a tensor, not floating point) / ValueError (device) naming ``op`` and it."""
+    first, dev = named[0][0], getattr(named[0][1], "device", None)
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
+        if t.device != dev:
+            raise ValueError(f"{op}: {name} is on {t.device}, {first} is on {dev}")
 
 
 def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, chunk=None, shard=False) -> int:

@@ -21,6 +21,7 @@ import importlib
 import torch
 
 from ._backend import BackendError
+from ._native_backend import register_fake_once
 
 NOT_BUILT = ("acarerank._cpu is not built (it is built when torch is importable at build time: "
              "install torch, then `pip install --no-build-isolation -e .`, as scripts/setup.sh does)")
@@ -44,11 +45,9 @@ def _load():
     return mod, None
 
 
-@functools.lru_cache(maxsize=None)
 def _register_fakes() -> None:
-    """vec_add has no op module of its own: its fake (meta) kernel lives with the loader (once)."""
-    torch.library.register_fake("acarerank::vec_add")(
-        lambda a, b: torch.empty_like(a, memory_format=torch.contiguous_format))
+    """vec_add has no op module of its own: its fake (meta) kernel is registered with the loader."""
+    register_fake_once("vec_add", lambda a, b: torch.empty_like(a, memory_format=torch.contiguous_format))
 
 
 def available() -> bool:

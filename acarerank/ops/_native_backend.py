@@ -1,46 +1,89 @@
-"""The "native" backend of an element-wise op: a kernel of ``acarerank._cpu`` (``csrc/cpu/``).
+"""How an op declares a kernel of ``acarerank._cpu`` (``csrc/cpu/``) as its "native" backend.
 
-``native_backend(op, kernel, fake)`` declares ``torch.ops.acarerank.<kernel>`` as an op's
-"native" backend (CPU tensors only). Its loader imports the module through
-``acarerank.ops._native`` (which refuses a module built against another torch) and registers
-``fake`` as the kernel's fake (meta) implementation, so the kernel traces under torch.compile
-and ``torch.library.opcheck``. Any failure is a ``BackendError`` naming the op and the reason,
-so the CPU default walks on to "torch" when the extension is not built.
+    register_fake_once(kernel, fake)     ``fake`` as the fake (meta) kernel of torch.ops.acarerank.<kernel>
+    native_kernel(kernel, fake=None)     torch.ops.acarerank.<kernel>, its module loaded and its fake registered
+    native_backend(op, kernel, fake, wrap=None)   the "native" ``Backend`` of ``op`` (CPU tensors)
+    native_first_decl(name, torch_impl, fake, aliases)  an element-wise op's ``OpDecl``: "torch" and
+                                         "native" (kernel ``<name>_cpu``), native first on CPU
+    register_op(decl, fake, mutates_args)  decorator: the op's ``torch.library.custom_op`` with ``fake``
+
+The module is imported through ``acarerank.ops._native`` (which refuses a module built against
+another torch). Every native kernel's fake is registered here, once, so the kernel traces under
+torch.compile and ``torch.library.opcheck``; an op's own custom op gets the same fake (its one
+extra argument, ``backend``, dropped). Any failure to load is a ``BackendError`` naming the op and
+the reason, so the CPU default walks on to "torch" when the extension is not built.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import inspect
+from typing import Callable, Optional
 
 import torch
 
-from ._backend import Backend, BackendError
+from ._backend import Backend, BackendError, OpDecl
 
 _FAKES_REGISTERED: set = set()
 
 
-def native_kernel(kernel: str):
-    """``torch.ops.acarerank.<kernel>`` (its module loaded); BackendError when unavailable."""
+def register_fake_once(kernel: str, fake: Callable) -> None:
+    """``fake`` as the fake kernel of ``acarerank::<kernel>`` (a no-op after the first call)."""
+    if kernel not in _FAKES_REGISTERED:
+        torch.library.register_fake(f"acarerank::{kernel}")(fake)
+        _FAKES_REGISTERED.add(kernel)
+
+
+def native_kernel(kernel: str, fake: Optional[Callable] = None):
+    """``torch.ops.acarerank.<kernel>`` (its module loaded; ``fake``, when given, registered as its
+    fake kernel); BackendError when unavailable."""
     try:
         native = importlib.import_module("acarerank.ops._native")
     except Exception as e:  # the loader module itself missing or broken
         raise BackendError(f"{kernel}: native backend unavailable: {type(e).__name__}: {e}") from e
     native.load()  # BackendError with the loader's one-line reason
     try:
-        return getattr(torch.ops.acarerank, kernel)
+        fn = getattr(torch.ops.acarerank, kernel)
     except (AttributeError, RuntimeError) as e:
         raise BackendError(f"{kernel}: acarerank._cpu was built without this kernel; rebuild it") from e
+    if fake is not None:
+        register_fake_once(kernel, fake)
+    return fn
 
 
-def native_backend(op: str, kernel: str, fake: Callable) -> Backend:
-    """The "native" ``Backend`` of ``op``: ``torch.ops.acarerank.<kernel>`` with ``fake`` registered."""
+def native_backend(op: str, kernel: str, fake: Callable, wrap: Optional[Callable] = None) -> Backend:
+    """The "native" ``Backend`` of ``op``: ``torch.ops.acarerank.<kernel>`` with ``fake`` registered,
+    passed through ``wrap`` (an op's calling convention) when given."""
     def load():
         try:
-            fn = native_kernel(kernel)
+            fn = native_kernel(kernel, fake)
         except BackendError as e:
             raise BackendError(f"{op}: native backend unavailable: {e}") from e
-        if kernel not in _FAKES_REGISTERED:
-            torch.library.register_fake(f"acarerank::{kernel}")(fake)
-            _FAKES_REGISTERED.add(kernel)
-        return fn
+        return fn if wrap is None else wrap(fn)
     return Backend(load, ("cpu",))
+
+
+def native_first_decl(name: str, torch_impl: Callable, fake: Callable, aliases: tuple = ()) -> OpDecl:
+    """The ``OpDecl`` of an element-wise op: "torch" (``torch_impl``, the plain-PyTorch order) and
+    "native" (the kernel ``<name>_cpu``, taking the same arguments); the CPU default is native
+    where built, else torch; CUDA runs torch."""
+    return OpDecl(name, aliases=aliases,
+                  backends={"torch": Backend(lambda: torch_impl), "native": native_backend(name, f"{name}_cpu", fake)},
+                  defaults={"cpu": ("native", "torch"), "cuda": ("torch",)})
+
+
+def register_op(decl: OpDecl, fake: Callable, mutates_args: tuple = ()) -> Callable:
+    """Decorator: ``fn`` — the op's arguments plus ``backend`` (a resolved backend name) — becomes
+    the custom op ``acarerank::<decl.name>`` (torch.compile-opaque), whose fake is ``fake`` called
+    with every argument but ``backend``, by name (the same fake its native kernel has)."""
+    def register(fn: Callable):
+        op = torch.library.custom_op(f"acarerank::{decl.name}", mutates_args=mutates_args)(fn)
+        signature = inspect.signature(fn)
+
+        def op_fake(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments.pop("backend")
+            return fake(**bound.arguments)
+
+        op.register_fake(op_fake)
+        return op
+    return register

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import Backend, BackendError
+from ._backend import Backend
+from ._native_backend import native_backend, native_kernel
 
 KERNEL = "prefix_shared_attention_cpu"
-_FAKE_REGISTERED = False
 
 
 def _fake(q, k, v, cu_seqlens, prefix_k, prefix_v, block_table, cu_prefix_lens, segment_group, scale):
@@ -41,31 +41,11 @@ def _fake(q, k, v, cu_seqlens, prefix_k, prefix_v, block_table, cu_prefix_lens, 
 def kernel():
     """``torch.ops.acarerank.prefix_shared_attention_cpu`` with its fake registered; BackendError
     (with ``_native.why_unavailable()``'s line) where acarerank._cpu is not usable."""
-    global _FAKE_REGISTERED
-    from . import _native
-
-    _native.load()
-    try:
-        fn = getattr(torch.ops.acarerank, KERNEL)
-    except (AttributeError, RuntimeError) as e:
-        raise BackendError(f"acarerank._cpu was built without {KERNEL}; rebuild it") from e
-    if not _FAKE_REGISTERED:
-        torch.library.register_fake(f"acarerank::{KERNEL}")(_fake)
-        _FAKE_REGISTERED = True
-    return fn
+    return native_kernel(KERNEL, _fake)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _load(op: str):
-    def load():
-        try:
-            return kernel()
-        except BackendError as e:
-            raise BackendError(f"{op}: native backend unavailable: {e}") from e
-    return load
 
 
 def _packed(fn):
@@ -87,11 +67,9 @@ def _paged(fn):
 
 def packed_backend() -> Backend:
     """The "native" backend of ``prefix_shared_attention`` (CPU tensors)."""
-    load = _load("prefix_shared_attention")
-    return Backend(lambda: _packed(load()), ("cpu",))
+    return native_backend("prefix_shared_attention", KERNEL, _fake, wrap=_packed)
 
 
 def paged_backend() -> Backend:
     """The "native" backend of ``prefix_shared_attention_paged`` (CPU tensors)."""
-    load = _load("prefix_shared_attention_paged")
-    return Backend(lambda: _paged(load()), ("cpu",))
+    return native_backend("prefix_shared_attention_paged", KERNEL, _fake, wrap=_paged)

@@ -16,16 +16,11 @@ from __future__ import annotations
 import torch
 
 from . import _backend
+from ._checks import check_float_tensors
 
 
 def _check_inputs(o_a, lse_a, o_b, lse_b):
-    for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"merge_attention_states: {name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"merge_attention_states: {name} must be floating point, got {t.dtype}")
-        if t.device != o_a.device:
-            raise ValueError(f"merge_attention_states: {name} is on {t.device}, o_a is on {o_a.device}")
+    check_float_tensors("merge_attention_states", ("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b))
     if o_a.dim() != 3:
         raise ValueError(f"merge_attention_states: o_a must be [tokens, heads, head_dim], got shape {tuple(o_a.shape)}")
     if o_b.shape != o_a.shape:

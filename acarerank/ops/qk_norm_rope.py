@@ -8,31 +8,40 @@ cos, sin: [T, d], the rows' rotary tables (``cat(freqs, freqs)`` at each row's p
 transformers' Qwen3 rotary embedding builds them), fp32 or qkv's dtype. q_weight, k_weight: [d]
 in qkv's dtype. Outputs are new contiguous tensors in qkv's dtype.
 
+Optional page write (``k_cache``, ``v_cache``, ``slots`` — all three or none): the pass also stores
+each new row's k and v at flat slot ``slots[t]`` of the paged KV cache (vLLM's layout)
+
+    k_cache, v_cache [num_blocks, block_size, Hkv, d] in qkv's dtype, contiguous (mutated)
+    slots int64 [T], slots[t] = block · block_size + offset, each in [0, num_blocks · block_size)
+    k_cache.view(-1, Hkv, d)[slots[t]] ← k[t],  v_cache.view(-1, Hkv, d)[slots[t]] ← v[t]
+
+so a runner that attends to the returned k, v needs no separate cache write; the stored bits are
+the returned ones. Two equal slots are an error (a caller bug; which row would win is a race), as
+is any slot out of range — checked before anything is written, so the caches stay untouched.
+
 Backends (``OP``):
   "torch"  transformers' order (norm in fp32 then round, weight and RoPE in the dtype; the runner
            passes cos/sin already in the dtype, as transformers casts them): the eager path.
-           Given fp32 tables with bf16 qkv it does RoPE in fp32 and rounds once.
+           Given fp32 tables with bf16 qkv it does RoPE in fp32 and rounds once. The page write:
+           ``index_copy_`` of the returned k, v (``write_pages_ref``).
   "native" csrc/cpu/qk_norm_rope.cpp: one pass per row, fp32 inside, one rounding per stored
-           element; reads fp32 tables as they are (no cast) — CPU default when built
+           element; reads fp32 tables as they are (no cast); the page write in the same pass over
+           the row — CPU default when built
 ``qk_norm_rope_ref`` is the oracle: the formula in fp32, rounded once.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from . import _backend
-from ._native_backend import native_backend
+from ._checks import check_float_tensors
+from ._native_backend import native_first_decl, register_op
 
 
 def _check(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads):
     op = "qk_norm_rope"
-    for name, t in (("qkv", qkv), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
-        if t.device != qkv.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, qkv is on {qkv.device}")
+    check_float_tensors(op, ("qkv", qkv), ("q_weight", q_weight), ("k_weight", k_weight), ("cos", cos), ("sin", sin))
     for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"{op}: {name} must be a positive int, got {n!r}")
@@ -53,6 +62,50 @@ def _check(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads):
     if cos.dtype != sin.dtype or cos.dtype not in (torch.float32, qkv.dtype):
         raise TypeError(f"{op}: cos and sin must both be float32 or qkv's dtype {qkv.dtype}, got {cos.dtype}, "
                         f"{sin.dtype}")
+
+
+def _check_pages(qkv, k_cache, v_cache, slots, num_kv_heads, d):
+    """The page write's inputs (module docstring); the native kernel checks the same again."""
+    op = "qk_norm_rope"
+    given = [t is not None for t in (k_cache, v_cache, slots)]
+    if not any(given):
+        return
+    if not all(given):
+        raise ValueError(f"{op}: k_cache, v_cache and slots go together (got {sum(given)} of the 3)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("slots", slots)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        if t.device != qkv.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, qkv is on {qkv.device}")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, d):
+        raise ValueError(f"{op}: k_cache must be [num_blocks, block_size, {num_kv_heads}, {d}], got "
+                         f"{tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise TypeError(f"{op}: k_cache/v_cache must be in qkv's dtype {qkv.dtype}, got {k_cache.dtype} and "
+                        f"{v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op}: k_cache and v_cache must be contiguous (strides {k_cache.stride()} and "
+                         f"{v_cache.stride()})")
+    ptrs = [t.untyped_storage().data_ptr() for t in (k_cache, v_cache, qkv) if t.numel()]
+    if len(set(ptrs)) != len(ptrs):  # (empty tensors hold no memory to share)
+        raise ValueError(f"{op}: k_cache, v_cache and qkv must not share memory")
+    T, capacity = qkv.shape[0], k_cache.shape[0] * k_cache.shape[1]
+    if slots.dtype != torch.int64:
+        raise TypeError(f"{op}: slots must be int64, got {slots.dtype}")
+    if slots.dim() != 1 or slots.shape[0] != T:
+        raise ValueError(f"{op}: slots must be [T] = [{T}], got {tuple(slots.shape)}")
+    if T:
+        bad = ((slots < 0) | (slots >= capacity)).nonzero()
+        if bad.numel():
+            t = int(bad[0])
+            raise ValueError(f"{op}: slots[{t}] = {int(slots[t])} is outside the caches' [0, {capacity}) "
+                             f"(num_blocks·block_size = {k_cache.shape[0]}·{k_cache.shape[1]})")
+        uniq, counts = torch.unique(slots, return_counts=True)
+        if bool((counts > 1).any()):
+            raise ValueError(f"{op}: slot {int(uniq[counts > 1][0])} appears more than once in slots "
+                             f"(each new row needs its own slot)")
 
 
 def _rotate_half(x):
@@ -79,7 +132,21 @@ def qk_norm_rope_ref(qkv, q_weight, k_weight, cos, sin, num_heads: int, num_kv_h
     return norm_rope(q, q_weight), norm_rope(k, k_weight), v.to(qkv.dtype).contiguous()
 
 
-def _torch_backend(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps):
+def write_pages_ref(k_cache, v_cache, slots, k, v) -> None:
+    """The page write as plain PyTorch: rows k[t], v[t] [T, Hkv, d] to flat slot slots[t]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def _torch_backend(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps, k_cache=None, v_cache=None,
+                   slots=None):
+    q, k, v = _torch_norm_rope(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps)
+    if k_cache is not None:
+        write_pages_ref(k_cache, v_cache, slots, k, v)
+    return q, k, v
+
+
+def _torch_norm_rope(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps):
     d = q_weight.shape[0]
     q, k, v = _split(qkv, num_heads, num_kv_heads, d)
     c, s = cos[:, None, :], sin[:, None, :]
@@ -92,44 +159,41 @@ def _torch_backend(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, e
     return norm_rope(q, q_weight), norm_rope(k, k_weight), v.contiguous()
 
 
-def _fake(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps):
+def _fake(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps, k_cache=None, v_cache=None, slots=None):
     T, d = qkv.shape[0], q_weight.shape[0]
     return (qkv.new_empty(T, num_heads, d), qkv.new_empty(T, num_kv_heads, d), qkv.new_empty(T, num_kv_heads, d))
 
 
-OP = _backend.OpDecl(
-    "qk_norm_rope", aliases=("rope",),
-    backends={"torch": _backend.Backend(lambda: _torch_backend),
-              "native": native_backend("qk_norm_rope", "qk_norm_rope_cpu", _fake)},
-    defaults={"cpu": ("native", "torch"), "cuda": ("torch",)},
-)
+OP = native_first_decl("qk_norm_rope", _torch_backend, _fake, aliases=("rope",))
 
 
-@torch.library.custom_op("acarerank::qk_norm_rope", mutates_args=())
+@register_op(OP, _fake, mutates_args=("k_cache", "v_cache"))
 def qk_norm_rope_op(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
-                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The registered op (torch.compile-opaque); ``backend`` is already resolved."""
-    q, k, v = OP.impl(backend)(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps)
+                    sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, backend: str,
+                    k_cache: Optional[torch.Tensor] = None, v_cache: Optional[torch.Tensor] = None,
+                    slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered op (torch.compile-opaque; mutates the caches when given); ``backend`` is
+    already resolved."""
+    q, k, v = OP.impl(backend)(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps, k_cache=k_cache,
+                               v_cache=v_cache, slots=slots)
     if v.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr():
         v = v.clone()  # the torch backend's v is a view of qkv when it is already contiguous (T = 1)
     return q, k, v  # a custom op's outputs may not alias its inputs
 
 
-@qk_norm_rope_op.register_fake
-def _(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps, backend):
-    return _fake(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps)
-
-
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float = 1e-6, backend=None):
-    """(q, k, v) from the QKV projection output (module docstring for shapes and formula).
+                 sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float = 1e-6, backend=None, *,
+                 k_cache: Optional[torch.Tensor] = None, v_cache: Optional[torch.Tensor] = None,
+                 slots: Optional[torch.Tensor] = None):
+    """(q, k, v) from the QKV projection output (module docstring for shapes and formula); with
+    ``k_cache``, ``v_cache``, ``slots`` the new k, v rows are also written into those pages.
 
-    Non-contiguous inputs are accepted (the native backend copies them once first).
+    Non-contiguous qkv/cos/sin are accepted (the native backend copies them once first).
     """
     _check(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads)
+    _check_pages(qkv, k_cache, v_cache, slots, num_kv_heads, q_weight.shape[0])
     name = OP.resolve(backend, qkv.device)
     if name == "native":
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     return qk_norm_rope_op(qkv, q_weight.contiguous(), k_weight.contiguous(), cos, sin, num_heads, num_kv_heads,
-                           float(eps), name)
+                           float(eps), name, k_cache=k_cache, v_cache=v_cache, slots=slots)

@@ -20,18 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from . import _backend
-from ._native_backend import native_backend
+from ._checks import check_float_tensors
+from ._native_backend import native_first_decl, register_op
 
 
 def _check(op: str, x, weight, residual=None):
-    for name, t in (("input", x), ("weight", weight)) + ((("residual", residual),) if residual is not None else ()):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{op}: {name} must be floating point, got {t.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"{op}: {name} is on {t.device}, input is on {x.device}")
+    residual_arg = (("residual", residual),) if residual is not None else ()
+    check_float_tensors(op, ("input", x), ("weight", weight), *residual_arg)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"{op}: input must have a non-empty last dim, got shape {tuple(x.shape)}")
     if weight.shape != (x.shape[-1],):
@@ -82,42 +77,21 @@ def _fake_fused_add(x, residual, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-OP_RMS_NORM = _backend.OpDecl(
-    "rms_norm", aliases=("norm",),
-    backends={"torch": _backend.Backend(lambda: _rms_norm_torch),
-              "native": native_backend("rms_norm", "rms_norm_cpu", _fake_norm)},
-    defaults={"cpu": ("native", "torch"), "cuda": ("torch",)},
-)
-
-OP_FUSED_ADD = _backend.OpDecl(
-    "fused_add_rms_norm", aliases=("add_norm",),
-    backends={"torch": _backend.Backend(lambda: _fused_add_torch),
-              "native": native_backend("fused_add_rms_norm", "fused_add_rms_norm_cpu", _fake_fused_add)},
-    defaults={"cpu": ("native", "torch"), "cuda": ("torch",)},
-)
+OP_RMS_NORM = native_first_decl("rms_norm", _rms_norm_torch, _fake_norm, aliases=("norm",))
+OP_FUSED_ADD = native_first_decl("fused_add_rms_norm", _fused_add_torch, _fake_fused_add, aliases=("add_norm",))
 
 
-@torch.library.custom_op("acarerank::rms_norm", mutates_args=())
+@register_op(OP_RMS_NORM, _fake_norm)
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
     """The registered op (torch.compile-opaque); ``backend`` is already resolved."""
     return OP_RMS_NORM.impl(backend)(x, weight, eps)
 
 
-@rms_norm_op.register_fake
-def _(x, weight, eps, backend):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("acarerank::fused_add_rms_norm", mutates_args=("residual",))
+@register_op(OP_FUSED_ADD, _fake_fused_add, mutates_args=("residual",))
 def fused_add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                           backend: str) -> torch.Tensor:
     """The registered op (mutates ``residual``); ``backend`` is already resolved."""
     return OP_FUSED_ADD.impl(backend)(x, residual, weight, eps)
-
-
-@fused_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps, backend):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _contiguous_for(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import _backend
-from ._native_backend import native_backend
+from ._native_backend import native_first_decl, register_op
 
 
 def _check(x):
@@ -40,23 +39,13 @@ def _fake(x):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
-OP = _backend.OpDecl(
-    "silu_and_mul", aliases=("swiglu",),
-    backends={"torch": _backend.Backend(lambda: _torch_backend),
-              "native": native_backend("silu_and_mul", "silu_and_mul_cpu", _fake)},
-    defaults={"cpu": ("native", "torch"), "cuda": ("torch",)},
-)
+OP = native_first_decl("silu_and_mul", _torch_backend, _fake, aliases=("swiglu",))
 
 
-@torch.library.custom_op("acarerank::silu_and_mul", mutates_args=())
+@register_op(OP, _fake)
 def silu_and_mul_op(x: torch.Tensor, backend: str) -> torch.Tensor:
     """The registered op (torch.compile-opaque); ``backend`` is already resolved."""
     return OP.impl(backend)(x)
-
-
-@silu_and_mul_op.register_fake
-def _(x, backend):
-    return _fake(x)
 
 
 def silu_and_mul(x: torch.Tensor, backend=None) -> torch.Tensor:

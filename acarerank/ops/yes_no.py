@@ -12,16 +12,12 @@ from __future__ import annotations
 import torch
 
 from . import _backend
+from ._checks import check_float_tensors
 
 
 def _check_inputs(hidden_last, norm_weight, w_yes, w_no):
-    for name, t in (("hidden_last", hidden_last), ("norm_weight", norm_weight), ("w_yes", w_yes), ("w_no", w_no)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"yes_no_score: {name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"yes_no_score: {name} must be floating point, got {t.dtype}")
-        if t.device != hidden_last.device:
-            raise ValueError(f"yes_no_score: {name} is on {t.device}, hidden_last is on {hidden_last.device}")
+    check_float_tensors("yes_no_score", ("hidden_last", hidden_last), ("norm_weight", norm_weight), ("w_yes", w_yes),
+                        ("w_no", w_no))
     if hidden_last.dim() != 2:
         raise ValueError(f"yes_no_score: hidden_last must be [S, H], got shape {tuple(hidden_last.shape)}")
     H = hidden_last.shape[1]

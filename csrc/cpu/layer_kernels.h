@@ -21,17 +21,29 @@
                          int64_t H, float eps);                                                             \
   void qk_norm_rope_rows(const float* qkv, const float* qw, const float* kw, const float* cos,              \
                          const float* sin, float* q, float* k, float* v, int64_t rows, int64_t Hq,          \
-                         int64_t Hkv, int64_t d, float eps);                                                \
+                         int64_t Hkv, int64_t d, float eps, const PageWrite<float>& pages);                 \
   void qk_norm_rope_rows(const uint16_t* qkv, const uint16_t* qw, const uint16_t* kw, const float* cos,     \
                          const float* sin, uint16_t* q, uint16_t* k, uint16_t* v, int64_t rows, int64_t Hq, \
-                         int64_t Hkv, int64_t d, float eps);                                                \
+                         int64_t Hkv, int64_t d, float eps, const PageWrite<uint16_t>& pages);              \
   void qk_norm_rope_rows(const uint16_t* qkv, const uint16_t* qw, const uint16_t* kw, const uint16_t* cos,  \
                          const uint16_t* sin, uint16_t* q, uint16_t* k, uint16_t* v, int64_t rows,          \
-                         int64_t Hq, int64_t Hkv, int64_t d, float eps);                                    \
+                         int64_t Hq, int64_t Hkv, int64_t d, float eps, const PageWrite<uint16_t>& pages);  \
   void silu_and_mul_rows(const float* x, float* y, int64_t rows, int64_t I);                                \
   void silu_and_mul_rows(const uint16_t* x, uint16_t* y, int64_t rows, int64_t I);
 
 namespace acr_layer {
+
+// Where qk_norm_rope_rows also stores each row's new k and v (the paged KV cache, vLLM's layout
+// [num_blocks, block_size, Hkv, d] seen as flat rows of Hkv·d): row t goes to row slots[t] of
+// k_pages / v_pages. k_pages == nullptr: no page write. slots points at the chunk's first row;
+// the glue has checked every slot is in range and unique. A trivial aggregate on purpose: no
+// inline constructor that an ISA build could compile (see above).
+template <typename T>
+struct PageWrite {
+  T* k_pages;
+  T* v_pages;
+  const int64_t* slots;
+};
 
 //: largest head_dim qk_norm_rope_rows takes (the normalised head is kept in a stack buffer)
 constexpr int64_t kMaxHeadDim = 512;

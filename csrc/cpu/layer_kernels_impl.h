@@ -127,8 +127,8 @@ void add_rms_norm_t(const T* x, T* res, const T* w, T* y, int64_t rows, int64_t 
 
 template <typename T, typename C>
 void qk_norm_rope_t(const T* qkv, const T* qw, const T* kw, const C* cos, const C* sin, T* q, T* k, T* v,
-                    int64_t rows, int64_t Hq, int64_t Hkv, int64_t d, float eps) {
-  const int64_t width = (Hq + 2 * Hkv) * d;
+                    int64_t rows, int64_t Hq, int64_t Hkv, int64_t d, float eps, const PageWrite<T>& pages) {
+  const int64_t width = (Hq + 2 * Hkv) * d, kv = Hkv * d;
   for (int64_t t = 0; t < rows; ++t) {
     const T* row = qkv + t * width;
     const C* c = cos + t * d;
@@ -136,7 +136,11 @@ void qk_norm_rope_t(const T* qkv, const T* qw, const T* kw, const C* cos, const 
     for (int64_t hd = 0; hd < Hq; ++hd) norm_rope_head(row + hd * d, qw, c, s, q + (t * Hq + hd) * d, d, eps);
     for (int64_t hd = 0; hd < Hkv; ++hd)
       norm_rope_head(row + (Hq + hd) * d, kw, c, s, k + (t * Hkv + hd) * d, d, eps);
-    __builtin_memcpy(v + t * Hkv * d, row + (Hq + Hkv) * d, sizeof(T) * Hkv * d);
+    __builtin_memcpy(v + t * kv, row + (Hq + Hkv) * d, sizeof(T) * kv);
+    if (pages.k_pages) {  // the same stored bits again, while the row is still in L1
+      __builtin_memcpy(pages.k_pages + pages.slots[t] * kv, k + t * kv, sizeof(T) * kv);
+      __builtin_memcpy(pages.v_pages + pages.slots[t] * kv, v + t * kv, sizeof(T) * kv);
+    }
   }
 }
 
@@ -161,18 +165,19 @@ void add_rms_norm_rows(const uint16_t* x, uint16_t* res, const uint16_t* w, uint
   add_rms_norm_t(x, res, w, y, rows, H, eps);
 }
 void qk_norm_rope_rows(const float* qkv, const float* qw, const float* kw, const float* cos, const float* sin,
-                       float* q, float* k, float* v, int64_t rows, int64_t Hq, int64_t Hkv, int64_t d, float eps) {
-  qk_norm_rope_t(qkv, qw, kw, cos, sin, q, k, v, rows, Hq, Hkv, d, eps);
+                       float* q, float* k, float* v, int64_t rows, int64_t Hq, int64_t Hkv, int64_t d, float eps,
+                       const PageWrite<float>& pages) {
+  qk_norm_rope_t(qkv, qw, kw, cos, sin, q, k, v, rows, Hq, Hkv, d, eps, pages);
 }
 void qk_norm_rope_rows(const uint16_t* qkv, const uint16_t* qw, const uint16_t* kw, const float* cos,
                        const float* sin, uint16_t* q, uint16_t* k, uint16_t* v, int64_t rows, int64_t Hq,
-                       int64_t Hkv, int64_t d, float eps) {
-  qk_norm_rope_t(qkv, qw, kw, cos, sin, q, k, v, rows, Hq, Hkv, d, eps);
+                       int64_t Hkv, int64_t d, float eps, const PageWrite<uint16_t>& pages) {
+  qk_norm_rope_t(qkv, qw, kw, cos, sin, q, k, v, rows, Hq, Hkv, d, eps, pages);
 }
 void qk_norm_rope_rows(const uint16_t* qkv, const uint16_t* qw, const uint16_t* kw, const uint16_t* cos,
                        const uint16_t* sin, uint16_t* q, uint16_t* k, uint16_t* v, int64_t rows, int64_t Hq,
-                       int64_t Hkv, int64_t d, float eps) {
-  qk_norm_rope_t(qkv, qw, kw, cos, sin, q, k, v, rows, Hq, Hkv, d, eps);
+                       int64_t Hkv, int64_t d, float eps, const PageWrite<uint16_t>& pages) {
+  qk_norm_rope_t(qkv, qw, kw, cos, sin, q, k, v, rows, Hq, Hkv, d, eps, pages);
 }
 void silu_and_mul_rows(const float* x, float* y, int64_t rows, int64_t I) { silu_and_mul_t(x, y, rows, I); }
 void silu_and_mul_rows(const uint16_t* x, uint16_t* y, int64_t rows, int64_t I) { silu_and_mul_t(x, y, rows, I); }

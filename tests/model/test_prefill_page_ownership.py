@@ -1,5 +1,6 @@
 """Every path that takes KV pages gives them all back on any exception: a fault is injected at
-each layer of a prefill (``PagedKVCache.write``, called once per layer) and the pool must be
+each layer of a prefill (``PagedKVCache.pages``, called once per layer on every path: the new rows go
+into those pages by ``PagedKVCache.write`` or inside ``qk_norm_rope``) and the pool must be
 exactly as it was — reference counts and free blocks — with cached pages pinned by the failing
 call (a prefix-cache hit) released too."""
 import pytest
@@ -25,16 +26,16 @@ def model():
 
 @pytest.fixture
 def fault_at(monkeypatch):
-    """``fault_at(layer, exc)``: the next prefill writes raise ``exc`` when they reach ``layer``."""
+    """``fault_at(layer, exc)``: the next passes raise ``exc`` when they reach ``layer``."""
     where = {}
-    write = PagedKVCache.write
+    pages = PagedKVCache.pages
 
-    def write_or_fail(self, layer, slots, k, v):
+    def pages_or_fail(self, layer):
         if where.get("layer") == layer:
             raise where["exc"]
-        return write(self, layer, slots, k, v)
+        return pages(self, layer)
 
-    monkeypatch.setattr(PagedKVCache, "write", write_or_fail)
+    monkeypatch.setattr(PagedKVCache, "pages", pages_or_fail)
 
     def set_(layer, exc=None):
         where.clear()

@@ -85,7 +85,7 @@ class FaultInjector:
         return self.rr.score_segments(items)
 
     def fail_here(self, layer):
-        """Called from PagedKVCache.write (patched by the test): raise at the chosen layer."""
+        """Called from PagedKVCache.pages (patched by the test): raise at the chosen layer."""
         if getattr(self._in_prefill, "layer", None) == layer:
             if self.prefill_once:
                 self.prefill_layer = None
@@ -136,13 +136,13 @@ def served(model, monkeypatch):
     svc = RerankService(rr, "tiny-faults", setwise=sr, max_batch_tokens=4096, max_queue=64)
     svc.reranker = svc.engine.steps = inj
     svc.setwise = svc.engine.select_steps = sel
-    write = PagedKVCache.write
+    pages = PagedKVCache.pages
 
-    def write_or_fail(self, layer, slots, k, v):
+    def pages_or_fail(self, layer):
         inj.fail_here(layer)
-        return write(self, layer, slots, k, v)
+        return pages(self, layer)
 
-    monkeypatch.setattr(PagedKVCache, "write", write_or_fail)
+    monkeypatch.setattr(PagedKVCache, "pages", pages_or_fail)
     svc.start()
     try:
         with thread_server(create_app(svc)) as base:
