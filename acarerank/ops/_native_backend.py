@@ -25,6 +25,7 @@ from . import _native
 from ._backend import Backend, BackendError, OpDecl
 from ._native import register_fake_once
 
+
 def native_kernel(kernel: str, fake: Optional[Callable] = None):
     """``torch.ops.acarerank.<kernel>`` (its module loaded; ``fake``, when given, registered as its
     fake kernel); BackendError when unavailable."""
