@@ -3,7 +3,9 @@
 * exactly one of ``model=`` (an in-memory transformers Qwen3 model) or ``runner=`` (a ready
   ``Qwen3Runner``);
 * a runner the caller passed is never modified: when ``backend`` or ``batch_invariant`` asks
-  for something else, the reranker runs a shallow copy (same weight tensors, no copy of them);
+  for something else, the reranker runs a copy (``Qwen3Runner.with_settings``: the same weight
+  tensors, unless the new backend reads the linear layers' weights in another form — packed for
+  oneDNN or dense — when the copy holds its own form of those four matrices);
 * ``from_pretrained``: dtype/device checks, the folder check, the checkpoint (see
   ``acarerank.model.weights.load_checkpoint``) and the folder's own tokenizer files;
 * the reranker owns its encoder (``acarerank.tokenizer.TextEncoder``): it never calls the
@@ -13,7 +15,6 @@
 """
 from __future__ import annotations
 
-import copy
 import os
 from typing import Optional
 
@@ -51,10 +52,9 @@ class RerankerBase:
                 asks["backend"] = backend
             asks = {k: v for k, v in asks.items() if v and getattr(runner, k, None) != v}
             if asks:
-                # the caller's runner keeps its own settings: run a shallow copy (shared weight tensors)
-                runner = copy.copy(runner)
-                for k, v in asks.items():
-                    setattr(runner, k, v)
+                # the caller's runner keeps its own settings: run a copy (the weight tensors are
+                # shared unless the new backend reads the linear layers' weights in another form)
+                runner = runner.with_settings(**asks)
         else:
             runner = Qwen3Runner.from_hf(model, backend=backend, batch_invariant=batch_invariant,
                                          compile_layers=compile_layers)
@@ -84,7 +84,8 @@ class RerankerBase:
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model folder {path!r} does not exist")
-        runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev)
+        # the backend now, so the linear layers' weights are prepared once, for it (no copy later)
+        runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev, backend=backend)
         if tokenizer is None:
             if os.path.isfile(os.path.join(path, "tokenizer.json")):
                 tokenizer = path  # TextEncoder reads the file itself

@@ -8,6 +8,8 @@ max |difference| from F.linear (0 = bitwise the same result):
   F.linear                   torch.nn.functional.linear (MKL sgemm in fp32; oneDNN/emulation in bf16)
   oneDNN reordered weight    torch.ops.mkldnn._reorder_linear_weight once, then
                              torch.ops.mkldnn._linear_pointwise(x, w_packed, None, "none", [], "")
+  acarerank linear (onednn)  what the runner runs: acarerank.ops.linear on prepare_linear_weight(w, "onednn")
+                             (the same oneDNN call on a weight reordered once for PACK_ROWS_HINT rows)
   MKL packed weight (fp32)   torch.ops.mkl._mkl_reorder_linear_weight once, then torch.ops.mkl._mkl_linear
 
 Shapes (hidden 1024, 16/8 heads of 128, intermediate 3072): qkv 1024→4096, o 2048→1024,
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from acarerank.benchmark.measure import timed_call
+from acarerank.ops import BackendError, linear, prepare_linear_weight
 
 SHAPES = {"qkv": (1024, (16 + 8 + 8) * 128), "o": (2048, 1024), "gate_up": (1024, 2 * 3072), "down": (3072, 1024)}
 
@@ -39,6 +42,11 @@ def variants(x: torch.Tensor, w: torch.Tensor) -> dict:
         out["oneDNN reordered weight"] = lambda: torch.ops.mkldnn._linear_pointwise(x, wd, None, "none", [], "")
     except RuntimeError as e:
         out["oneDNN reordered weight"] = str(e).splitlines()[0]
+    try:  # the op the runner uses: packed once with its fixed row hint (PACK_ROWS_HINT), whatever the rows
+        pw = prepare_linear_weight(w, "onednn")
+        out["acarerank linear (onednn)"] = lambda: linear(x, pw)
+    except BackendError as e:
+        out["acarerank linear (onednn)"] = str(e).splitlines()[0]
     if x.dtype == torch.float32:
         try:
             wm = torch.ops.mkl._mkl_reorder_linear_weight(w, x.shape[0])

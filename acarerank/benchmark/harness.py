@@ -125,25 +125,58 @@ class AcarerankProvider:
         # No cross-call prefix cache here: every timed call repeats the same context, so a cache
         # would turn repeats into hits the baselines cannot have. The cache's own benchmark is
         # `acarerank bench --workload agent` (cache on vs off vs transformers, side by side).
-        self.rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend, compile_layers=compile_layers,
-                                    prefix_cache=False)
+        self.rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=bench_preference(backend),
+                                    compile_layers=compile_layers, prefix_cache=False)
 
     def score(self, query, documents, question=None, trace=None, instruction=None) -> list:
         return self.rr.score(query, documents, question=question, trace=trace, instruction=instruction)
 
 
+def bench_preference(entry: str):
+    """One ``--backends`` entry as a backend preference (``acarerank.ops.backend_for``):
+
+      "native"                a name: every op that has it, the others on their default
+      "linear=torch"          op=name pairs joined by "+": those ops, the others on their default
+      "native+linear=torch"   a name, then overrides: every op that has "native", the linear
+                              layers on F.linear (so native+onednn vs native+torch linear side by side)
+    """
+    from acarerank.ops import per_op_backends
+    from acarerank.ops._backend import op_decl
+
+    name, over = None, {}
+    for part in (p.strip() for p in entry.split("+")):
+        if "=" in part:
+            op, _, b = part.partition("=")
+            over[op_decl(op.strip()).name] = b.strip()
+        elif name is None and part:
+            name = part
+        else:
+            raise ValueError(f"--backends entry {entry!r}: one backend name at most, then op=name overrides "
+                             "joined by '+', e.g. native+linear=torch")
+    if not over:
+        per_op_backends(name)
+        return name
+    pref = {op: b for op, b in per_op_backends(name).items() if b is not None} if name else {}
+    pref.update(over)
+    per_op_backends(pref)  # a bad op or backend fails here, by name
+    return pref
+
+
 def backend_runs(backend: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    """None if the scoring path runs with the preference ``backend`` here, else the reason.
+    """None if the scoring path runs with the ``--backends`` entry ``backend`` here, else the reason.
 
     As ``PointwiseReranker(backend=...)`` takes it: each op gets ``backend_for(op, backend)``,
     so "cpp"/"cuda" run the head on its C++/CUDA kernel and attention on its device default.
     """
     from acarerank.ops import backend_for, prefix_shared_attention, yes_no_score
+    from acarerank.ops.linear import resolve_linear_backend
 
     q = torch.randn(3, 2, 16, device=device, dtype=dtype)
     k = torch.randn(3, 1, 16, device=device, dtype=dtype)
     i32 = dict(dtype=torch.int32, device=device)
     try:
+        backend = bench_preference(backend)
+        resolve_linear_backend(backend, device, dtype)
         prefix_shared_attention(q, k, k, torch.tensor([0, 3], **i32), k, k, torch.tensor([0, 3], **i32),
                                 torch.tensor([0], **i32), backend=backend_for("attention", backend))
         h = torch.randn(2, 16, device=device, dtype=dtype)

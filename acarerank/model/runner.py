@@ -27,12 +27,13 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..ops import backend_for, per_op_backends, prefix_shared_attention_paged
+from ..ops.linear import linear, resolve_linear_backend
 from ..ops.rms_norm import OP_RMS_NORM
 from .block_pool import BlockPool
 from .layer_ops import CompiledLayers, OpsLayers, resolve_layer_backends
+from .linear_weights import weights_for_linear
 from .paged_cache import PagedKVCache
 from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 
@@ -40,16 +41,18 @@ from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 # Rows per GEMM in batch-invariant mode. BLAS (and cuBLAS) pick a different kernel for a
 # different number of rows (on 2-core x86 MKL: M in {1,2,3,5,7} differ bit-wise from M=64),
 # so a row's result depends on its batch. Feeding every GEMM exactly this many rows (the last
-# tile zero-padded) makes a token's hidden state a function of that token's inputs alone.
+# tile zero-padded) makes a token's hidden state a function of that token's inputs alone —
+# with either linear backend: oneDNN on a packed weight runs one kernel for one shape too
+# (tests/model/test_linear_runner.py checks a row's result at every position of the tile).
 INVARIANT_ROWS = 64
 
 
-def _linear_fixed_tiles(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _linear_fixed_tiles(x: torch.Tensor, w, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     T = x.shape[0]
     pad = (-T) % INVARIANT_ROWS
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    out = torch.cat([F.linear(x[i:i + INVARIANT_ROWS], w, b) for i in range(0, x.shape[0], INVARIANT_ROWS)])
+    out = torch.cat([linear(x[i:i + INVARIANT_ROWS], w, b) for i in range(0, x.shape[0], INVARIANT_ROWS)])
     return out[:T]
 
 
@@ -80,15 +83,24 @@ class Qwen3Runner:
             "rms_norm" / "fused_add_rms_norm" / "qk_norm_rope" / "silu_and_mul" picks them).
             Off by default; ignored in batch-invariant mode.
           block_size: tokens per KV page of the caches ``prefill`` and ``new_pool`` make.
+
+        The linear layers' backend ("linear" in a preference; ``acarerank.ops.linear``) is chosen
+        here, once: on CPU "onednn" where oneDNN can reorder weights of this dtype, else "torch"
+        (``linear_fallback`` holds the reason). With "onednn" ``self.weights`` holds the four
+        layer matrices packed, never beside their dense copies; ``weights`` itself is not
+        modified (a caller that keeps it keeps its dense matrices: ``from_pretrained`` and
+        ``from_hf`` hand theirs over and pack them one at a time). The same packed matrices serve
+        every mode (eager, ``batch_invariant``, ``compile_layers``).
         """
         self.compile_layers = compile_layers
-        self.weights = weights
         self.batch_invariant = batch_invariant
         self.arch = weights.arch
         per_op_backends(backend)  # a bad preference fails here, by name
         self.backend = backend
         # the layer's element-wise ops: native CPU kernels when built, else the torch references
         self._layer_backends = resolve_layer_backends(backend, weights.device)
+        self.linear_backend, self.linear_fallback = resolve_linear_backend(backend, weights.device, weights.dtype)
+        self.weights = weights_for_linear(weights, self.linear_backend)
         self.prefill_chunk = prefill_chunk
         self.block_size = block_size
         a = self.arch
@@ -98,11 +110,34 @@ class Qwen3Runner:
     # -- construction -----------------------------------------------------------------
     @classmethod
     def from_hf(cls, model, backend: Optional[str] = None, **kw) -> "Qwen3Runner":
-        return cls(weights_from_hf(model), backend=backend, **kw)
+        """From an in-memory transformers Qwen3 model (its tensors are shared where the layouts
+        agree and never modified; packed matrices are the runner's own)."""
+        return cls._owning(weights_from_hf(model), backend, kw)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", backend: Optional[str] = None, **kw):
-        return cls(load_checkpoint(path, dtype=dtype, device=device), backend=backend, **kw)
+        return cls._owning(load_checkpoint(path, dtype=dtype, device=device), backend, kw)
+
+    @classmethod
+    def _owning(cls, weights: Qwen3Weights, backend, kw: dict) -> "Qwen3Runner":
+        """A runner over weights nobody else holds: their matrices are packed in place, each dense
+        one freed as soon as its packed form exists (peak: the model + one matrix, not two models)."""
+        per_op_backends(backend)
+        weights_for_linear(weights, resolve_linear_backend(backend, weights.device, weights.dtype)[0], in_place=True)
+        return cls(weights, backend=backend, **kw)
+
+    def with_settings(self, **changes) -> "Qwen3Runner":
+        """A runner over the same weights with some constructor settings changed (``backend``,
+        ``batch_invariant``, ``compile_layers``, ``prefill_chunk``, ``block_size``); this one is
+        not modified. The weight tensors are shared when the new linear backend is this one's;
+        otherwise the copy holds its own form of the four layer matrices."""
+        settings = dict(backend=self.backend, prefill_chunk=self.prefill_chunk, batch_invariant=self.batch_invariant,
+                        compile_layers=self.compile_layers, block_size=self.block_size)
+        unknown = set(changes) - set(settings)
+        if unknown:
+            raise TypeError(f"with_settings: unknown setting(s) {sorted(unknown)}; known: {sorted(settings)}")
+        settings.update(changes)
+        return type(self)(self.weights, **settings)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -266,14 +301,14 @@ class Qwen3Runner:
         plan = cache.plan(cu_seqlens, seg_group, Hq, Hkv, d, self.dtype,
                           backend_for("prefix_shared_attention_paged", self.backend)
                           or backend_for("prefix_shared_attention", self.backend), num_tokens=T)
-        linear = _linear_fixed_tiles if self.batch_invariant else F.linear
+        linear_fn = _linear_fixed_tiles if self.batch_invariant else linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
         # the element-wise work around the GEMMs: the layer ops (native kernels or torch references),
         # or fused by torch.compile (layer_ops.py)
         if self.compile_layers and not self.batch_invariant:
-            layers = CompiledLayers(a, linear, cos, sin, self.dtype)
+            layers = CompiledLayers(a, linear_fn, cos, sin, self.dtype)
         else:
-            layers = OpsLayers(self._layer_backends, a, linear, cos, sin, self.dtype)
+            layers = OpsLayers(self._layer_backends, a, linear_fn, cos, sin, self.dtype)
         layers.begin(x)
         # the new rows go into their pages inside qk_norm_rope where the layers can (OpsLayers on the
         # native kernel: one pass, docs/ARCHITECTURE.md "Native CPU ops around attention"), else here

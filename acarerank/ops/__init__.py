@@ -23,6 +23,7 @@ from .vocab_parallel import VocabShard  # also registers the process_group= path
 from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from .silu_and_mul import silu_and_mul, silu_and_mul_ref
+from .linear import PackedLinearWeight, linear, linear_ref, prepare_linear_weight
 
 __all__ = [
     "BackendError", "KNOWN_BACKENDS", "available_backends", "backend_for", "parse_preference", "per_op_backends",
@@ -38,5 +39,5 @@ __all__ = [
     "topk_logprobs", "topk_logprobs_core", "topk_logprobs_core_op", "topk_logprobs_ref",
     "linear_logprob", "linear_logprob_op", "linear_logprob_ref", "VocabShard",
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "qk_norm_rope", "qk_norm_rope_ref",
-    "silu_and_mul", "silu_and_mul_ref",
+    "silu_and_mul", "silu_and_mul_ref", "linear", "linear_ref", "prepare_linear_weight", "PackedLinearWeight",
 ]

@@ -7,6 +7,7 @@ Backend names:
   "cuda"   the CUDA kernels in ``acarerank._C``
   "flash_attn_cascade"  prefix_shared_attention only: flash-attn prefix pass + own pass + merge
   "native" the native CPU kernels in ``acarerank._cpu`` (``csrc/cpu/``, linked against libtorch)
+  "onednn" linear only: oneDNN (torch.ops.mkldnn) on a weight reordered once (``ops/linear.py``)
 
 An op module declares itself once with ``OpDecl(name, aliases, backends, defaults)``:
 ``backends`` maps a name to a ``Backend(load, devices)`` whose loader imports lazily (and is
@@ -38,7 +39,7 @@ import torch
 
 from .._triton_env import triton_interpreted
 
-KNOWN_BACKENDS = ("torch", "triton", "cpp", "cuda", "flash_attn_cascade", "native")
+KNOWN_BACKENDS = ("torch", "triton", "cpp", "cuda", "flash_attn_cascade", "native", "onednn")
 ENV_VAR = "ACARERANK_BACKEND"
 
 Preference = Union[None, str, Mapping[str, str]]

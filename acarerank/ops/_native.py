@@ -21,7 +21,6 @@ import importlib
 import torch
 
 from ._backend import BackendError
-from ._native_backend import register_fake_once
 
 NOT_BUILT = ("acarerank._cpu is not built (it is built when torch is importable at build time: "
              "install torch, then `pip install --no-build-isolation -e .`, as scripts/setup.sh does)")
@@ -43,6 +42,16 @@ def _load():
         return None, f"acarerank._cpu was built against torch {built}, running {torch.__version__}; rebuild it"
     _register_fakes()
     return mod, None
+
+
+_FAKES_REGISTERED: set = set()
+
+
+def register_fake_once(kernel: str, fake) -> None:
+    """``fake`` as the fake kernel of ``acarerank::<kernel>`` (a no-op after the first call)."""
+    if kernel not in _FAKES_REGISTERED:
+        torch.library.register_fake(f"acarerank::{kernel}")(fake)
+        _FAKES_REGISTERED.add(kernel)
 
 
 def _register_fakes() -> None:

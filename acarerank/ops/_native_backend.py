@@ -1,6 +1,7 @@
 """How an op declares a kernel of ``acarerank._cpu`` (``csrc/cpu/``) as its "native" backend.
 
     register_fake_once(kernel, fake)     ``fake`` as the fake (meta) kernel of torch.ops.acarerank.<kernel>
+                                         (defined in ``_native``, the loader, re-exported here)
     native_kernel(kernel, fake=None)     torch.ops.acarerank.<kernel>, its module loaded and its fake registered
     native_backend(op, kernel, fake, wrap=None)   the "native" ``Backend`` of ``op`` (CPU tensors)
     native_first_decl(name, torch_impl, fake, aliases)  an element-wise op's ``OpDecl``: "torch" and
@@ -15,32 +16,20 @@ the reason, so the CPU default walks on to "torch" when the extension is not bui
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Callable, Optional
 
 import torch
 
+from . import _native
 from ._backend import Backend, BackendError, OpDecl
-
-_FAKES_REGISTERED: set = set()
-
-
-def register_fake_once(kernel: str, fake: Callable) -> None:
-    """``fake`` as the fake kernel of ``acarerank::<kernel>`` (a no-op after the first call)."""
-    if kernel not in _FAKES_REGISTERED:
-        torch.library.register_fake(f"acarerank::{kernel}")(fake)
-        _FAKES_REGISTERED.add(kernel)
+from ._native import register_fake_once
 
 
 def native_kernel(kernel: str, fake: Optional[Callable] = None):
     """``torch.ops.acarerank.<kernel>`` (its module loaded; ``fake``, when given, registered as its
     fake kernel); BackendError when unavailable."""
-    try:
-        native = importlib.import_module("acarerank.ops._native")
-    except Exception as e:  # the loader module itself missing or broken
-        raise BackendError(f"{kernel}: native backend unavailable: {type(e).__name__}: {e}") from e
-    native.load()  # BackendError with the loader's one-line reason
+    _native.load()  # BackendError with the loader's one-line reason
     try:
         fn = getattr(torch.ops.acarerank, kernel)
     except (AttributeError, RuntimeError) as e:

@@ -137,6 +137,7 @@ OPCHECKED = {
     "fused_add_rms_norm": "test_op_layer_elementwise.py::test_opcheck",
     "qk_norm_rope": "test_op_layer_elementwise.py::test_opcheck",
     "silu_and_mul": "test_op_layer_elementwise.py::test_opcheck",
+    "linear_onednn": "test_op_linear.py::test_opcheck",
 }
 # the C++ ops of acarerank._cpu (registered when it loads: only where it is built)
 OPCHECKED_NATIVE = {

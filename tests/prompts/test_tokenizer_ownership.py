@@ -88,7 +88,11 @@ def test_a_passed_runner_is_never_modified(model, cls):
     rr = cls(runner=runner, backend="torch")
     assert runner.backend is None, "the caller's runner was modified"
     assert rr.runner is not runner and rr.runner.backend == "torch"
-    assert rr.runner.weights is runner.weights  # a shallow copy: no weight copy
+    # the copy shares every tensor but the linear layers' matrices, which "torch" reads dense
+    # where the caller's (oneDNN) runner holds them packed (tests/model/test_linear_runner.py)
+    assert rr.runner.weights.embed is runner.weights.embed
+    same_form = cls(runner=runner, backend={"linear": runner.linear_backend})
+    assert same_form.runner is not runner and same_form.runner.weights is runner.weights  # no weight copy
     if cls is PointwiseReranker:
         PointwiseReranker(runner=runner, batch_invariant=True)
         assert runner.batch_invariant is False
