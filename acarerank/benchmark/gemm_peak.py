@@ -37,17 +37,19 @@ def linear_shapes(sh: Shapes) -> dict:
 @torch.inference_mode()
 def gemm_peak(sh: Shapes, dtype: torch.dtype, device="cpu", rows: int = DEFAULT_ROWS, repeats: int = 5,
               seed: int = 0) -> dict:
-    """{"peak_gflops": float, "per_shape": {name: GFLOP/s}, "rows": rows, "dtype": name}."""
+    """{"peak_gflops": float, "per_shape": {name: GFLOP/s}, "rows": rows, "dtype": name,
+    "ways": "F.linear" or "F.linear | oneDNN-packed" (what was timed)}."""
     if rows < 1 or repeats < 1:
         raise ValueError(f"rows and repeats must be >= 1, got {rows}, {repeats}")
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
     per = {}
+    packed = dev.type == "cpu" and not onednn_why_unavailable(dtype)
     for name, (K, N) in linear_shapes(sh).items():
         x = torch.randn(rows, K, generator=gen, device=dev).to(dtype)
         w = (torch.randn(N, K, generator=gen, device=dev) / K ** 0.5).to(dtype)
         ways = [lambda: F.linear(x, w)]
-        if dev.type == "cpu" and not onednn_why_unavailable(dtype):
+        if packed:
             pw = prepare_linear_weight(w, "onednn")
             ways.append(lambda: packed_linear(x, pw))
         best = float("inf")
@@ -56,7 +58,7 @@ def gemm_peak(sh: Shapes, dtype: torch.dtype, device="cpu", rows: int = DEFAULT_
             best = min([best] + [timed_call(way, dev)[1] for _ in range(repeats)])
         per[name] = 2.0 * rows * K * N / best / 1e9
     return {"peak_gflops": max(per.values()), "per_shape": per, "rows": rows,
-            "dtype": str(dtype).replace("torch.", "")}
+            "dtype": str(dtype).replace("torch.", ""), "ways": "F.linear | oneDNN-packed" if packed else "F.linear"}
 
 
 def best_of(*peaks: dict) -> dict:

@@ -307,7 +307,7 @@ def _set_up(cfg: BenchConfig, device: torch.device, progress: Callable) -> _Setu
                  f"into the query; scores compared with {providers[0].name} on the same prompt)")
     shapes = Shapes.from_config(model.config)
     peak = gemm_peak(shapes, DTYPES[cfg.dtype], device)
-    progress(f"GEMM peak {cfg.dtype}: {peak['peak_gflops']:.1f} GFLOP/s (F.linear, {peak['rows']} rows; "
+    progress(f"GEMM peak {cfg.dtype}: {peak['peak_gflops']:.1f} GFLOP/s (best of {peak.get('ways', 'F.linear')}, {peak['rows']} rows; "
              + ", ".join(f"{k} {v:.0f}" for k, v in peak["per_shape"].items()) + ")")
     progress(f"model {'random ' + cfg.preset if random_weights else cfg.model_path} {cfg.dtype} on {device}; "
              f"providers: {', '.join(p.name for p in providers)}")

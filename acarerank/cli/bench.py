@@ -276,7 +276,7 @@ def run(args) -> int:
                  f"attention of the transformers providers: {cfg.attn_implementation}")
     for (name, why), res in zip(dtypes, results):
         pk = res.meta["gemm_peak"]
-        lines.append(f"dtype {name} ({why}); GEMM peak {pk['peak_gflops']:.1f} GFLOP/s (F.linear, {pk['rows']} rows: "
+        lines.append(f"dtype {name} ({why}); GEMM peak {pk['peak_gflops']:.1f} GFLOP/s (best of {pk.get('ways', 'F.linear')}, {pk['rows']} rows: "
                      + ", ".join(f"{k} {v:.0f}" for k, v in pk["per_shape"].items()) + ")")
     docs = meta["doc_token_counts"]
     model_name = cfg.model_path or cfg.preset + (" + " + ",".join(f"{k}={v}" for k, v in cfg.overrides.items())
