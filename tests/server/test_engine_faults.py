@@ -58,8 +58,13 @@ class FaultySteps:
 
 def run_jobs(steps, lengths: dict, budget=1000, metrics=None):
     """Submit every request before the loop starts, so the first pass holds them all."""
-    eng = Engine(steps, max_batch_tokens=budget, metrics=metrics)
-    jobs = {t: eng.submit(Enc([t], [[1] * n for n in ls]), rid=f"r{t}") for t, ls in lengths.items()}
+    encs = {t: Enc([t], [[1] * n for n in ls]) for t, ls in lengths.items()}
+    return run_encodings(Engine(steps, max_batch_tokens=budget, metrics=metrics), encs)
+
+
+def run_encodings(eng, encs: dict):
+    """Submit ``encs`` ({tag: Enc}) to ``eng``, start it, and return {tag: result or EngineFault}."""
+    jobs = {t: eng.submit(enc, rid=f"r{t}") for t, enc in encs.items()}
     eng.start()
     try:
         out = {}
@@ -174,18 +179,7 @@ class OomPrefill(FaultySteps):
 def run_prefix_jobs(steps, prefix_len: int):
     """Requests 1..3 with a ``prefix_len``-token shared part and one 3-token document each."""
     eng = Engine(steps, max_batch_tokens=1000, metrics=ServerMetrics())
-    jobs = {t: eng.submit(Enc([t] * prefix_len, [[1] * 3]), rid=f"r{t}") for t in (1, 2, 3)}
-    eng.start()
-    try:
-        out = {}
-        for t, job in jobs.items():
-            try:
-                out[t] = job.future.result(30)
-            except EngineFault as e:
-                out[t] = e
-    finally:
-        eng.stop()
-    return out, eng.metrics
+    return run_encodings(eng, {t: Enc([t] * prefix_len, [[1] * 3]) for t in (1, 2, 3)}), eng.metrics
 
 
 def test_prefill_out_of_memory_is_retried_once_at_half_the_chunk():
