@@ -83,5 +83,13 @@ def build_info() -> dict:
 
 
 def could_pack_bf16() -> bool:
-    """Whether cpublas' bf16 brgemm has its fast VNNI path here (AVX512_BF16 or AMX)."""
+    """Whether cpublas' bf16 brgemm has its fast VNNI path here (AMX; cpublas' check)."""
     return bool(load().could_pack_bf16())
+
+
+def bf16_attention_path() -> str:
+    """How the attention kernel multiplies bf16 tiles on this CPU, chosen once per process:
+    "amx-brgemm" (cpublas brgemm, AMX), "avx512-bf16" (the kernel's own vdpbf16ps tiles) or
+    "fp32-convert" (tiles converted to fp32; no native bf16, or ACARERANK_CPU_BASELINE=1).
+    docs/cpu.md, "Attention"."""
+    return str(load().bf16_attention_path())

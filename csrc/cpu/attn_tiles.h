@@ -5,8 +5,10 @@
 //   float      fp32 inputs, and bf16/fp16 inputs on a CPU where cpublas cannot pack bf16 (no
 //              AMX): q/K/V tiles are converted to fp32 when they are packed, one tile at a time
 //              (never the whole K/V), the GEMMs run cpublas' fp32 brgemm (MKL/oneDNN underneath).
-//   BFloat16   bf16 inputs where cpublas::could_pack(kBFloat16): brgemm on VNNI-packed B
-//              (oneDNN ukernels, AMX tiles), fp32 accumulation; P rounded to bf16 for P·V.
+//   BFloat16   bf16 inputs on a CPU with native bf16 dot products, fp32 accumulation, P rounded
+//              to bf16 for P·V, B VNNI-packed: cpublas::brgemm where could_pack(kBFloat16)
+//              (oneDNN ukernels, AMX tiles); else, where the CPU has AVX512_BF16, our own
+//              vdpbf16ps tiles on the same layout (gemm_bf16_avx512.h). bf16_path() says which.
 //
 // Layouts (compute type c_t, KT keys per tile, d head_dim):
 //   Q tile  [M][d]       row i = (token, query head of this kv head), token-major
@@ -26,6 +28,8 @@
 #include <limits>
 #include <new>
 #include <vector>
+
+#include "gemm_bf16_avx512.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -57,6 +61,36 @@ struct Aligned64 {
 template <typename T>
 using scratch = std::vector<T, Aligned64<T>>;
 
+// -- which bf16 compute path this CPU takes (read once; docs/cpu.md, "Attention")
+//   "amx-brgemm"      cpublas::could_pack(kBFloat16): brgemm on VNNI tiles (AMX)
+//   "avx512-bf16"     AVX512_BF16 without AMX: gemm_bf16_avx512.h on the same VNNI tiles
+//   "fp32-convert"    neither, or ACARERANK_CPU_BASELINE=1: tiles converted to fp32 as they are
+//                     packed, fp32 brgemm (cpublas' own bf16 fallback is a ~0.3 GFLOP/s loop)
+//   "vnni-reference"  a development build with ACR_VNNI_REFERENCE_GEMM (never shipped)
+inline bool bf16_amx() {
+  static const bool ok = at::native::cpublas::could_pack(at::kBFloat16);
+  return ok;
+}
+inline bool cpu_baseline_forced() {
+  const char* e = std::getenv("ACARERANK_CPU_BASELINE");
+  return e != nullptr && std::strcmp(e, "1") == 0;
+}
+inline const char* bf16_path() {
+#ifdef ACR_VNNI_REFERENCE_GEMM
+  return "vnni-reference";
+#else
+  static const char* path = bf16_amx()                                          ? "amx-brgemm"
+                            : cpu_has_avx512_bf16() && !cpu_baseline_forced() ? "avx512-bf16"
+                                                                                : "fp32-convert";
+  return path;
+#endif
+}
+// The softmax writes bf16 P with AVX-512 on the paths whose GEMMs take bf16 P.
+inline bool softmax_avx512_bf16() {
+  static const bool ok = cpu_has_avx512_bf16() && !cpu_baseline_forced();
+  return ok;
+}
+
 // -- GEMMs: C[M×N] (+)= A[M×K] · B[K×N]
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                  float* C, int64_t ldc, bool add_C) {
@@ -75,13 +109,20 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda
       C[i * ldc + n] = acc;
     }
 #else
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, /*is_vnni=*/true);
+  if (bf16_amx()) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, /*is_vnni=*/true);
+    return;
+  }
+#ifdef ACR_HAVE_AVX512_BF16_CODE
+  gemm_bf16_vnni_avx512(M, N, K, A, lda, B, ldb, C, ldc, add_C);  // bf16_path() chose this path
+#endif
 #endif
 }
 template <typename c_t>
 inline void gemm_release() {
 #ifndef ACR_VNNI_REFERENCE_GEMM
-  at::native::cpublas::brgemm_release(/*is_vnni=*/std::is_same_v<c_t, BFloat16>);
+  if (std::is_same_v<c_t, float> || bf16_amx())
+    at::native::cpublas::brgemm_release(/*is_vnni=*/std::is_same_v<c_t, BFloat16>);
 #endif
 }
 
@@ -203,6 +244,66 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* s,
   }
 }
 
+#ifdef ACR_HAVE_AVX512_BF16_CODE
+// The same step on AVX-512 with P written as bf16 (vcvtneps2bf16, round to nearest even), for
+// the bf16 paths: Cephes' expf as exp_avx2, 16 lanes; the tail of a row is masked.
+ACR_AVX512_BF16 inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x);
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3365478515625f), x);
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).
+ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, int64_t width, int64_t d, float scale,
+                                                    float& m, float& l, float* acc, BFloat16* p) {
+  __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(s + j), vmx);  // a NaN score loses
+  if (j < n) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << (n - j)) - 1);
+    vmx = _mm512_mask_max_ps(vmx, mk, _mm512_maskz_loadu_ps(mk, s + j), vmx);
+  }
+  const float mx = _mm512_reduce_max_ps(vmx);
+  const float m_new = m > mx ? m : mx;
+  const float alpha = std::exp(scale * (m - m_new));  // 0 at the first visible tile (m = −inf)
+  const __m512 vs = _mm512_set1_ps(scale), voff = _mm512_set1_ps(scale * m_new);
+  __m512 vsum = _mm512_setzero_ps();
+  uint16_t* pp = reinterpret_cast<uint16_t*>(p);
+  for (j = 0; j < width; j += 16) {
+    const int64_t left = n - j;
+    const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + j), vs, voff)));
+    vsum = _mm512_add_ps(vsum, e);
+    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+    const int64_t w = width - j;
+    if (w >= 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + j), pb);
+    else
+      _mm256_mask_storeu_epi16(pp + j, static_cast<__mmask16>((1u << w) - 1), pb);
+  }
+  l = l * alpha + _mm512_reduce_add_ps(vsum);
+  m = m_new;
+  if (alpha != 1.f) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    int64_t c = 0;
+    for (; c + 16 <= d; c += 16) _mm512_storeu_ps(acc + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), va));
+    for (; c < d; ++c) acc[c] *= alpha;
+  }
+}
+#endif
+
 inline bool cpu_has_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
@@ -213,6 +314,20 @@ template <typename c_t, typename CntFn>
 void softmax_step(int64_t M, int64_t KT, int64_t width, int64_t d, float scale, const float* S, CntFn&& cnt,
                   float* m, float* l, float* acc, c_t* P) {
 #if defined(__x86_64__)
+#ifdef ACR_HAVE_AVX512_BF16_CODE
+  if constexpr (std::is_same_v<c_t, BFloat16>) {
+    if (softmax_avx512_bf16()) {
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t n = std::max<int64_t>(0, cnt(i));
+        if (n > 0)
+          softmax_row_avx512_bf16(S + i * KT, n, width, d, scale, m[i], l[i], acc + i * d, P + i * KT);
+        else
+          std::memset(static_cast<void*>(P + i * KT), 0, sizeof(BFloat16) * width);
+      }
+      return;
+    }
+  }
+#endif
   if constexpr (std::is_same_v<c_t, float>) {
     if (cpu_has_avx2()) {
       for (int64_t i = 0; i < M; ++i) {

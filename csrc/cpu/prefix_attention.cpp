@@ -16,7 +16,7 @@
 //   2. each segment's own keys, causally, continuing the same running max / sum (no merge).
 // No [rows, keys] tensor beyond one [ROWS, KT] tile, no fp32 copy of K/V or q beyond one tile.
 //
-// Packing: where the compute type is the input type (fp32; bf16 with could_pack) a group's
+// Packing: where the compute type is the input type (fp32; bf16 on a bf16 path) a group's
 // prefix tiles are packed once per layer per (kv head, tile), in parallel, and every row block of
 // the group reads them; otherwise (bf16 converted to fp32 on this CPU) each task converts the tile
 // it is about to use into its own scratch, so no fp32 copy of the prefix ever exists. The own keys
@@ -393,13 +393,11 @@ at::Tensor prefix_shared_attention_cpu(const at::Tensor& q, const at::Tensor& k,
       run<float, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);
       break;
     case at::kBFloat16:
-#ifdef ACR_VNNI_REFERENCE_GEMM
-      if (mt.d % 2 == 0)
-#else
-      if (at::native::cpublas::could_pack(at::kBFloat16) && mt.d % 2 == 0)
-#endif
+      // bf16 tiles where this CPU multiplies bf16 natively (AMX brgemm, or our AVX512_BF16 tiles)
+      // and head_dim pairs up for VNNI; else fp32 tiles (cpublas' bf16 fallback is a ~0.3 GFLOP/s loop)
+      if (std::strcmp(bf16_path(), "fp32-convert") != 0 && mt.d % 2 == 0)
         run<at::BFloat16, at::BFloat16>(q, k, v, prefix_k, prefix_v, mt, sc, out);
-      else  // no fast bf16 brgemm here: its bf16 fallback is a reference loop (~0.3 GFLOP/s)
+      else
         run<at::BFloat16, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);
       break;
     default:
