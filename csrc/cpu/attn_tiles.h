@@ -140,21 +140,36 @@ inline int64_t gemm_cols(int64_t n, int64_t kt) {
 // Returns whether every packed V value is finite (the caller's causal tiles need to know: a masked
 // non-finite value times a zero weight would still give NaN).
 template <typename s_t, typename c_t, typename KRow, typename VRow>
-bool pack_kv_tile(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_t d, c_t* kt, c_t* vt) {
+inline bool pack_kv_tile(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_t d, c_t* kt, c_t* vt) {
   bool finite = true;
   if constexpr (kVnni<c_t>) {
-    // K as B[d][KT] in VNNI: element (kk, j) at ((kk/2)*KT + j)*2 + kk%2;  V as B[KT][d]: (j, c) at ((j/2)*d + c)*2 + j%2
-    std::memset(static_cast<void*>(kt), 0, sizeof(c_t) * d * KT);
-    std::memset(static_cast<void*>(vt), 0, sizeof(c_t) * KT * d);
+    // K as B[d][KT] in VNNI: element (kk, j) at ((kk/2)*KT + j)*2 + kk%2, i.e. the 32-bit pair
+    // (kk, kk+1) of key j is lane (kk/2)*KT + j: a transpose of 32-bit pairs.  V as B[KT][d]:
+    // (j, c) at ((j/2)*d + c)*2 + j%2. Only the columns (keys) a GEMM reads, [0, gemm_cols(n)),
+    // are written: zeros past n (a one-token decode tile writes 32 columns, not KT).
+    static_assert(sizeof(c_t) == 2 && sizeof(s_t) == 2, "VNNI pairs are two 16-bit values (s_t == c_t)");
+    const int64_t nc = gemm_cols<c_t>(n, KT);
+    uint32_t* k32 = reinterpret_cast<uint32_t*>(kt);
     for (int64_t j = 0; j < n; ++j) {
       const s_t* kr = krow(j);
-      const s_t* vr = vrow(j);
-      for (int64_t kk = 0; kk < d; ++kk) kt[((kk >> 1) * KT + j) * 2 + (kk & 1)] = static_cast<c_t>(kr[kk]);
-      c_t* vdst = vt + (j >> 1) * d * 2 + (j & 1);
-      for (int64_t c = 0; c < d; ++c) {
-        vdst[c * 2] = static_cast<c_t>(vr[c]);
-        finite &= std::isfinite(static_cast<float>(vr[c]));
+      for (int64_t kp = 0; kp < d / 2; ++kp) {
+        uint32_t pair;
+        std::memcpy(&pair, kr + 2 * kp, sizeof(pair));
+        k32[kp * KT + j] = pair;
       }
+      const s_t* vr = vrow(j);
+      c_t* vdst = vt + (j >> 1) * d * 2 + (j & 1);
+      for (int64_t c = 0; c < d; ++c) vdst[c * 2] = static_cast<c_t>(vr[c]);
+      for (int64_t c = 0; c < d; ++c) finite &= std::isfinite(static_cast<float>(vr[c]));
+    }
+    for (int64_t kp = 0; kp < d / 2; ++kp)
+      for (int64_t j = n; j < nc; ++j) k32[kp * KT + j] = 0;
+    if (n < nc) {
+      // rows [n, nc) of V; an odd n shares its pair row with the last key: zero only its odd half
+      if (n & 1)
+        for (int64_t c = 0; c < d; ++c) vt[((n >> 1) * d + c) * 2 + 1] = c_t(0);
+      const int64_t r0 = (n + 1) / 2;
+      std::memset(static_cast<void*>(vt + r0 * d * 2), 0, sizeof(c_t) * (nc / 2 - r0) * d * 2);
     }
   } else {
     for (int64_t j = 0; j < n; ++j) {
@@ -285,8 +300,9 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
     const int64_t left = n - j;
     const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
     const __m512 e = _mm512_maskz_mov_ps(mk, exp_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + j), vs, voff)));
-    vsum = _mm512_add_ps(vsum, e);
     const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+    // l sums the rounded weights P·V will use: the output is then an exact weighted mean of V
+    vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
     const int64_t w = width - j;
     if (w >= 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + j), pb);
@@ -354,9 +370,8 @@ void softmax_step(int64_t M, int64_t KT, int64_t width, int64_t d, float scale, 
     const float off = scale * m_new;
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
-      const float e = std::exp(scale * s[j] - off);
-      sum += e;
-      p[j] = static_cast<c_t>(e);
+      p[j] = static_cast<c_t>(std::exp(scale * s[j] - off));
+      sum += static_cast<float>(p[j]);  // the weight P·V uses (bf16: rounded), so acc / l is a weighted mean
     }
     for (int64_t j = n; j < width; ++j) p[j] = c_t(0);
     l[i] = l[i] * alpha + sum;

@@ -184,6 +184,33 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     });
   }
 
+  // -- 1b. own keys, once per (segment, kv head, tile), same condition: every task that reads a
+  // segment's keys (its later row blocks, in a long prefill) reads this one copy, instead of
+  // packing all of the segment's keys up to its rows again (O(L²/ROWS) packing per segment)
+  const int64_t S = static_cast<int64_t>(mt.sg.size());
+  std::vector<int64_t> otile0(S + 1, 0);  // first own tile of segment s
+  for (int64_t s = 0; s < S; ++s) otile0[s + 1] = otile0[s] + (mt.cs[s + 1] - mt.cs[s] + KT - 1) / KT;
+  at::Tensor opacked;
+  c_t* obuf = nullptr;
+  std::vector<char> ofinite;  // per (tile, kv head): every V value finite
+  if (shared && otile0[S] > 0) {
+    opacked = at::empty({otile0[S], Hkv, 2, tile_elems}, q.options().dtype(c10::CppTypeToScalarType<c_t>::value));
+    obuf = opacked.data_ptr<c_t>();
+    const int64_t items = otile0[S] * Hkv;
+    ofinite.assign(items, 1);
+    at::parallel_for(0, items, 1, [&](int64_t b, int64_t e) {
+      for (int64_t it = b; it < e; ++it) {
+        const int64_t tile = it / Hkv, h = it % Hkv;
+        const int64_t s = std::upper_bound(otile0.begin(), otile0.end(), tile) - otile0.begin() - 1;
+        const int64_t j0 = mt.cs[s] + (tile - otile0[s]) * KT;
+        c_t* dst = obuf + it * 2 * tile_elems;
+        ofinite[it] = pack_kv_tile<s_t, c_t>([&](int64_t j) { return kp + (j0 + j) * ks0 + h * ks1; },
+                                             [&](int64_t j) { return vp + (j0 + j) * vs0 + h * vs1; },
+                                             std::min(KT, mt.cs[s + 1] - j0), KT, d, dst, dst + tile_elems);
+      }
+    });
+  }
+
   // -- 2. row tasks
   std::vector<Task> tasks = make_tasks(mt);
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
@@ -230,24 +257,35 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           gemm(M, d, nc, Pm.data(), KT, vt, d, acc.data(), d, true);
         }
 
-        // own keys, causally: piece rows (token t, head i) see own keys a_s .. t. The piece's keys
-        // are packed once; its rows run in sub-blocks of OWN_ROWS rows, each against the keys up
-        // to its last token only, so the causal triangle costs ~(1 + OWN_ROWS / (r·L)) of itself
-        // rather than the piece's whole rectangle.
+        // own keys, causally: piece rows (token t, head i) see own keys a_s .. t. The keys come
+        // from the shared own pack (1b) or, converted, are packed here once per piece; its rows
+        // run in sub-blocks of OWN_ROWS rows, each against the keys up to its last token only, so
+        // the causal triangle costs ~(1 + OWN_ROWS / (r·L)) of itself rather than the whole rectangle.
         for (const Piece& pc : tk.pieces) {
           const int64_t a = mt.cs[pc.seg];
           const int64_t ntiles = (pc.t1 - a + KT - 1) / KT;
-          if (static_cast<int64_t>(OwnK.size()) < ntiles * tile_elems) {
-            OwnK.resize(ntiles * tile_elems);
-            OwnV.resize(ntiles * tile_elems);
-          }
-          finite.assign(ntiles, 1);
-          for (int64_t tile = 0; tile < ntiles; ++tile) {
-            const int64_t j0 = a + tile * KT;
-            finite[tile] = pack_kv_tile<s_t, c_t>(
-                [&](int64_t j) { return kp + (j0 + j) * ks0 + h * ks1; },
-                [&](int64_t j) { return vp + (j0 + j) * vs0 + h * vs1; }, std::min(KT, pc.t1 - j0), KT, d,
-                OwnK.data() + tile * tile_elems, OwnV.data() + tile * tile_elems);
+          auto own_k = [&](int64_t tile) -> const c_t* {
+            return shared ? obuf + ((otile0[pc.seg] + tile) * Hkv + h) * 2 * tile_elems : OwnK.data() + tile * tile_elems;
+          };
+          auto own_v = [&](int64_t tile) -> const c_t* {
+            return shared ? own_k(tile) + tile_elems : OwnV.data() + tile * tile_elems;
+          };
+          auto own_finite = [&](int64_t tile) -> bool {
+            return shared ? ofinite[(otile0[pc.seg] + tile) * Hkv + h] != 0 : finite[tile] != 0;
+          };
+          if (!shared) {
+            if (static_cast<int64_t>(OwnK.size()) < ntiles * tile_elems) {
+              OwnK.resize(ntiles * tile_elems);
+              OwnV.resize(ntiles * tile_elems);
+            }
+            finite.assign(ntiles, 1);
+            for (int64_t tile = 0; tile < ntiles; ++tile) {
+              const int64_t j0 = a + tile * KT;
+              finite[tile] = pack_kv_tile<s_t, c_t>(
+                  [&](int64_t j) { return kp + (j0 + j) * ks0 + h * ks1; },
+                  [&](int64_t j) { return vp + (j0 + j) * vs0 + h * vs1; }, std::min(KT, pc.t1 - j0), KT, d,
+                  OwnK.data() + tile * tile_elems, OwnV.data() + tile * tile_elems);
+            }
           }
           const int64_t sub_tok = std::max<int64_t>(1, OWN_ROWS / r);
           for (int64_t u0 = pc.t0; u0 < pc.t1; u0 += sub_tok) {
@@ -257,14 +295,14 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             float* accp = acc.data() + m0 * d;
             for (int64_t tile = 0, j0 = a; j0 < u1; ++tile, j0 += KT) {
               const int64_t n = std::min(KT, u1 - j0);
-              const c_t* kt = OwnK.data() + tile * tile_elems;
-              const c_t* vt = OwnV.data() + tile * tile_elems;
+              const c_t* kt = own_k(tile);
+              const c_t* vt = own_v(tile);
               // visible columns of sub-block row i: keys j0.. up to its token
               auto cnt = [&](int64_t i) { return std::min(n, u0 + i / r - j0 + 1); };
               const int64_t nc = gemm_cols<c_t>(n, KT);
               gemm(Mp, nc, d, Qp, d, kt, KT, S.data(), KT, false);
               softmax_step<c_t>(Mp, KT, nc, d, scale, S.data(), cnt, m.data() + m0, l.data() + m0, accp, Pm.data());
-              if (finite[tile]) {
+              if (own_finite(tile)) {
                 gemm(Mp, d, nc, Pm.data(), KT, vt, d, accp, d, true);
               } else {  // a non-finite value: add only the visible columns of each row (masked ones stay out)
                 for (int64_t i = 0; i < Mp; ++i)
