@@ -184,11 +184,11 @@ def main(argv=None) -> int:
     from acarerank.ops import _native
 
     native_ok = _native.available()
-    bf16_fast = _native.could_pack_bf16() if native_ok else False
+    bf16_path = _native.bf16_attention_path() if native_ok else "n/a"
     head = (f"# {datetime.date.today()}  {info['cpu']}  flags: {info['flags']}  threads {torch.get_num_threads()}  "
             f"torch {torch.__version__}  python {platform.python_version()}  "
             f"native {'built' if native_ok else 'unavailable: ' + _native.why_unavailable()}  "
-            f"cpublas bf16 brgemm (could_pack) {bf16_fast}")
+            f"bf16 tiles: {bf16_path}")
     print(head)
     if not native_ok and "native" in a.providers:
         a.providers.remove("native")

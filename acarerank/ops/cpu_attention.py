@@ -12,10 +12,12 @@ group and segment of one layer in one call:
   * each segment's own causal part in the same pass, continuing the same fp32 online softmax
     (no second pass, no log-sum-exp merge), in per-thread scratch: never a [rows, keys] tensor,
     never an fp32 copy of q/K/V beyond one tile;
-  * GEMMs through ``at::native::cpublas::brgemm``: bf16 on VNNI-packed tiles where
-    ``cpublas::could_pack(kBFloat16)`` (AMX), else fp32 (fp32 inputs as they are; bf16/fp16 tiles
-    converted to fp32 as they are packed — cpublas' own bf16 fallback is a reference loop, ~0.3
-    GFLOP/s on an AVX2 EPYC, and its VNNI form raises without AMX);
+  * GEMMs on 256-key tiles: bf16 on VNNI-packed tiles where the CPU multiplies bf16 natively —
+    ``at::native::cpublas::brgemm`` where ``cpublas::could_pack(kBFloat16)`` (AMX), the kernel's
+    own vdpbf16ps tiles where the CPU has AVX512_BF16 but no AMX (``csrc/cpu/gemm_bf16_avx512.h``)
+    — else fp32 brgemm (fp32 inputs as they are; bf16/fp16 tiles converted to fp32 as they are
+    packed: cpublas' own bf16 fallback is a reference loop, ~0.3 GFLOP/s, and its VNNI form
+    raises without AMX). ``_native.bf16_attention_path()`` names the path this CPU takes;
   * work split with ``at::parallel_for`` over (group, kv head, row block), dealt to threads by
     cost (rows × keys);
   * output in q's dtype. A NaN in q[t, h] makes out[t, h] NaN, as the reference's softmax.

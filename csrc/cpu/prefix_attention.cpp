@@ -184,12 +184,18 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     });
   }
 
-  // -- 1b. own keys, once per (segment, kv head, tile), same condition: every task that reads a
-  // segment's keys (its later row blocks, in a long prefill) reads this one copy, instead of
-  // packing all of the segment's keys up to its rows again (O(L²/ROWS) packing per segment)
+  // -- 1b. own keys of the segments longer than one row block, once per (segment, kv head, tile),
+  // same condition: every task that reads such a segment's keys (its later row blocks, in a long
+  // prefill) reads this one copy, instead of packing all of its keys up to its rows again
+  // (O(L²/ROWS) packing per segment). A shorter segment's keys are packed by the task that reads
+  // them, into its scratch (no buffer per decode token of a batch).
   const int64_t S = static_cast<int64_t>(mt.sg.size());
-  std::vector<int64_t> otile0(S + 1, 0);  // first own tile of segment s
-  for (int64_t s = 0; s < S; ++s) otile0[s + 1] = otile0[s] + (mt.cs[s + 1] - mt.cs[s] + KT - 1) / KT;
+  const int64_t tok_per_block = std::max<int64_t>(1, ROWS / r);
+  std::vector<int64_t> otile0(S + 1, 0);  // first shared own tile of segment s (none: otile0[s+1] == otile0[s])
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t L = mt.cs[s + 1] - mt.cs[s];
+    otile0[s + 1] = otile0[s] + (shared && L > tok_per_block ? (L + KT - 1) / KT : 0);
+  }
   at::Tensor opacked;
   c_t* obuf = nullptr;
   std::vector<char> ofinite;  // per (tile, kv head): every V value finite
@@ -264,16 +270,17 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         for (const Piece& pc : tk.pieces) {
           const int64_t a = mt.cs[pc.seg];
           const int64_t ntiles = (pc.t1 - a + KT - 1) / KT;
+          const bool in_buf = otile0[pc.seg + 1] > otile0[pc.seg];  // packed in 1b
           auto own_k = [&](int64_t tile) -> const c_t* {
-            return shared ? obuf + ((otile0[pc.seg] + tile) * Hkv + h) * 2 * tile_elems : OwnK.data() + tile * tile_elems;
+            return in_buf ? obuf + ((otile0[pc.seg] + tile) * Hkv + h) * 2 * tile_elems : OwnK.data() + tile * tile_elems;
           };
           auto own_v = [&](int64_t tile) -> const c_t* {
-            return shared ? own_k(tile) + tile_elems : OwnV.data() + tile * tile_elems;
+            return in_buf ? own_k(tile) + tile_elems : OwnV.data() + tile * tile_elems;
           };
           auto own_finite = [&](int64_t tile) -> bool {
-            return shared ? ofinite[(otile0[pc.seg] + tile) * Hkv + h] != 0 : finite[tile] != 0;
+            return in_buf ? ofinite[(otile0[pc.seg] + tile) * Hkv + h] != 0 : finite[tile] != 0;
           };
-          if (!shared) {
+          if (!in_buf) {
             if (static_cast<int64_t>(OwnK.size()) < ntiles * tile_elems) {
               OwnK.resize(ntiles * tile_elems);
               OwnV.resize(ntiles * tile_elems);

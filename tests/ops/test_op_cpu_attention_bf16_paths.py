@@ -126,3 +126,20 @@ def test_baseline_switch_runs_the_fp32_tiles_within_the_rule():
     assert got["path"] == ("amx-brgemm" if _native.could_pack_bf16() else "fp32-convert")
     for name, err, bound in got["rows"]:
         assert err <= bound, f"{got['path']} {name}: bf16 error {err:.3e} > bound {bound:.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_value_of_a_long_segment_reaches_only_the_rows_that_see_it(dtype):
+    """A segment longer than one row block has its keys packed once for every task that reads
+    them: a NaN in its value row j still reaches exactly the rows that see j (its tokens j.., the
+    query heads of that kv head, that one dim), in the row block holding j and in the later ones."""
+    paged, packed = make([300, 6], [37, 10], [0, 1], 4, 2, 64, 16, dtype=dtype)
+    ref = ref32(packed)
+    paged[2][8, 1, 3] = float("nan")   # v of token 8 (segment 0, 300 tokens > 128 per row block), kv head 1
+    out = prefix_shared_attention_paged(*paged, backend="native").float()
+    sees = torch.zeros(out.shape[:2], dtype=torch.bool)
+    sees[8:300, 2:4] = True
+    assert torch.equal(torch.isnan(out).any(-1), sees), f"NaN rows: {torch.nonzero(torch.isnan(out).any(-1))[:6]}"
+    assert torch.isnan(out[sees][:, 3]).all() and not torch.isnan(out[sees][:, :3]).any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out[~sees] - ref[~sees]).abs().max().item() <= tol
