@@ -86,20 +86,6 @@ def test_bf16_within_twice_plain_bf16_on_the_tiles_edges(seg_lens, prefix_lens, 
     assert err <= bound, f"{_path()} {name}: bf16 error {err:.3e} > bound {bound:.3e} (2x plain bf16 + rounding)"
 
 
-def test_bf16_thread_count_does_not_change_a_bit():
-    """Each task owns its rows, on every path: 1 and 2 threads give bitwise equal bf16 outputs."""
-    paged, _ = make([97, 1, 7, 200], [300, 63], [0, 1, 1, 0], 8, 2, 128, 16, dtype=torch.bfloat16)
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = prefix_shared_attention_paged(*paged, backend="native")
-        torch.set_num_threads(2)
-        two = prefix_shared_attention_paged(*paged, backend="native")
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(one, two)
-
-
 _CHILD = r"""
 import json, sys
 sys.path[:0] = sys.argv[1:]

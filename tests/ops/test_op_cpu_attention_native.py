@@ -167,9 +167,11 @@ def test_non_contiguous_q_and_strided_pool():
     assert (out - ref).abs().max().item() <= 1e-5, report(out, ref)
 
 
-def test_thread_count_does_not_change_a_bit():
-    """Tasks are independent (each owns its rows): 1 and 2 threads give bitwise equal outputs."""
-    paged, _ = make([97, 1, 7, 200], [300, 63], [0, 1, 1, 0], 8, 2, 64, 16)
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.bfloat16, 128)])
+def test_thread_count_does_not_change_a_bit(dtype, d):
+    """Tasks are independent (each owns its rows), on the fp32 and the bf16 tiles alike: 1 and 2
+    threads give bitwise equal outputs."""
+    paged, _ = make([97, 1, 7, 200], [300, 63], [0, 1, 1, 0], 8, 2, d, 16, dtype=dtype)
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
