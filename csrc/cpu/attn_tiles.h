@@ -115,6 +115,8 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda
   }
 #ifdef ACR_HAVE_AVX512_BF16_CODE
   gemm_bf16_vnni_avx512(M, N, K, A, lda, B, ldb, C, ldc, add_C);  // bf16_path() chose this path
+#else
+  TORCH_CHECK(false, "prefix_shared_attention_cpu: bf16 tiles need AMX or AVX512_BF16; bf16_path() is ", bf16_path());
 #endif
 #endif
 }
