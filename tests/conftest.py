@@ -32,3 +32,21 @@ def one_thread():
 def qwen3_tokenizer():
     from acarerank.tokenizer import load_qwen3_tokenizer
     return load_qwen3_tokenizer()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The CPU the suite ran on, last in the output (the part CI's report keeps): its native-bf16
+    flags and the attention kernel's bf16 path, so a failure can be tied to a machine."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:
+        words = set()
+    flags = " ".join(f for f in ("amx_bf16", "avx512_bf16") if f in words) or "no native bf16 flag"
+    try:
+        from acarerank.ops import _native
+        path = _native.bf16_attention_path() if _native.available() else f"none ({_native.why_unavailable()})"
+    except Exception as e:  # the summary must never fail the run
+        path = f"unknown ({e!r})"
+    terminalreporter.write_line(f"cpu: {flags}; torch threads {torch.get_num_threads()}; "
+                                f"bf16 attention path: {path}")

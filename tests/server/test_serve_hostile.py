@@ -313,16 +313,17 @@ def test_cached_tokens_only_with_a_salt(server):
 
 
 # -- memory: thousands of distinct salts --------------------------------------------------------------
-def test_thousands_of_salts_memory_returns_near_baseline(server):
-    """2,000 requests, each with its own salt at the length limit, leave the server's RSS within
-    3.2 kB per salt (6.25 MB) of where it was after a warm-up; then 200 with 1 MB salts (refused)
-    leave it within 64 MB.
+def test_thousands_of_salts_grow_memory_under_a_per_salt_bound(server):
+    """Two rounds of 2,000 requests, each with its own salt at the length limit: the server's RSS
+    grows by less than 3.2 kB per salt (6.25 MB) in at least one of them; then 200 with 1 MB salts
+    (refused) leave it within 64 MB of where it was after the warm-up.
 
     What is proven is a per-salt bound: state a distinct salt leaves behind (a prefix-cache root,
-    pages, a per-salt entry anywhere) must stay under 3.2 kB, stricter than the 6.4 kB per salt
-    that 64 MB over 10,000 salts allowed; the growth after warm-up is flat (+0.3 MB from 1,000 to
-    4,000 salts, measured), so 2,000 salts resolve it. A leak of a 4 kB string per request fails
-    here (+8 MB), and 200 retained 1 MB salts (200 MB) fail the last bound.
+    pages, a per-salt entry anywhere) must stay under 3.2 kB. A leak grows RSS in every round, so
+    it fails both; a one-time step of the allocator (a new arena, a heap high-water mark; +2.5 MB
+    then flat on an EPYC, +8.9 MB in one round on CI's machine) lands in one round only, and the
+    other round bounds the slope. A leak of a 4 kB string per request fails here (+8 MB a round),
+    and 200 retained 1 MB salts (200 MB) fail the last bound.
     """
     base, pid = server["base"], server["proc"].pid
 
@@ -346,18 +347,21 @@ def test_thousands_of_salts_memory_returns_near_baseline(server):
         except httpx.TransportError as e:
             raise AssertionError(f"{e!r}; server log:\n{server['proc'].output()[-3000:]}") from e
 
-    salts, per_salt_kb = 2_000, 3.2
+    salts, per_salt_kb, rounds = 2_000, 3.2, 2
     run([salt(i) for i in range(500)], 200)   # warm-up: allocator arenas, caches
     baseline = rss_mb(pid)
-    t0 = time.monotonic()
-    run([salt(i) for i in range(500, 500 + salts)], 200)
-    took = time.monotonic() - t0
-    salted = rss_mb(pid) - baseline
-    print(f"{salts:,} salts: RSS {baseline:.0f} MB after warm-up, {salted:+.1f} MB after; {took:.0f} s")
+    grew, before, first = [], baseline, 500
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        run([salt(i) for i in range(first, first + salts)], 200)
+        took, first = time.monotonic() - t0, first + salts
+        grew.append(rss_mb(pid) - before)
+        before += grew[-1]
+        print(f"{salts:,} salts: RSS {grew[-1]:+.1f} MB (from {baseline:.0f} MB after warm-up); {took:.0f} s")
+        assert took < 300 * salts / 10_000, f"{salts:,} requests took {took:.0f} s (the bound: 300 s per 10,000)"
     bound = salts * per_salt_kb / 1024
-    assert salted < bound, (f"{salts:,} salts left the server {salted:.1f} MB above its baseline ({baseline:.0f} MB): "
-                            f"over {per_salt_kb} kB per salt ({bound:.2f} MB)")
-    assert took < 300 * salts / 10_000, f"{salts:,} requests took {took:.0f} s (the bound: 300 s per 10,000)"
+    assert min(grew) < bound, (f"every round of {salts:,} salts grew the server's RSS by over {per_salt_kb} kB per "
+                               f"salt ({bound:.2f} MB): {', '.join(f'{g:+.1f} MB' for g in grew)} from {baseline:.0f} MB")
     run([salt(i, 1 << 20) for i in range(200)], 422)
     grown = rss_mb(pid) - baseline
     print(f"200 salts of 1 MB (refused): {grown:+.1f} MB above the baseline")
