@@ -15,8 +15,9 @@
 //   K tile  as the B of S = Q·Kᵀ: float [d][KT];  bf16 VNNI [d/2][KT][2]
 //   V tile  as the B of O = P·V:  float [KT][d];  bf16 VNNI [KT/2][d][2]
 //   S       [M][KT] fp32 scores;  P [M][KT] c_t;  acc [M][d] fp32
-// Key columns past the tile's valid count are zero in K and V: P is zero there too, and zero
-// padding (never uninitialised memory) keeps NaN·0 out of the sums.
+// Key columns past the tile's valid count, up to the columns its GEMMs read (gemm_cols), are zero
+// in K and V: P is zero there too, and zero padding (never uninitialised memory) keeps NaN·0 out
+// of the sums.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -92,9 +93,33 @@ inline bool softmax_avx512_bf16() {
 }
 
 // -- GEMMs: C[M×N] (+)= A[M×K] · B[K×N]
+//
+// cpublas::brgemm generates one oneDNN kernel per (M, N, K, lda, ldb, ldc, add_C) and keeps it,
+// with its scratchpad, in a per-thread map that is never evicted, for the life of the process.
+// Called with the row and key counts of real traffic (every segment length is another M or N),
+// it grows without bound: +1.2 GB over 2,000 calls of random lengths, fp32, measured. So what it
+// sees is bounded: M is cut into power-of-two chunks of at most kBrgemmRows rows (largest
+// first; each chunk reads its own rows of A and writes its own rows of C, so no padding row
+// is ever touched), and N or K, when they count keys, come from gemm_cols (a multiple of 16
+// or 32, at most KT). Per thread and head_dim that is at most 9 × KT/16 kernels per GEMM shape.
+constexpr int64_t kBrgemmRows = 256;
+
+template <typename T>
+inline void brgemm_pow2_rows(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+                             float* C, int64_t ldc, bool add_C, bool is_vnni) {
+  while (M > 0) {
+    int64_t m = kBrgemmRows;
+    while (m > M) m >>= 1;
+    at::native::cpublas::brgemm(m, N, K, lda, ldb, ldc, add_C, A, B, C, is_vnni);
+    A += m * lda;
+    C += m * ldc;
+    M -= m;
+  }
+}
+
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
                  float* C, int64_t ldc, bool add_C) {
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, /*is_vnni=*/false);
+  brgemm_pow2_rows(M, N, K, A, lda, B, ldb, C, ldc, add_C, /*is_vnni=*/false);
 }
 inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb,
                  float* C, int64_t ldc, bool add_C) {
@@ -110,7 +135,7 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda
     }
 #else
   if (bf16_amx()) {
-    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_C, A, B, C, /*is_vnni=*/true);
+    brgemm_pow2_rows(M, N, K, A, lda, B, ldb, C, ldc, add_C, /*is_vnni=*/true);
     return;
   }
 #ifdef ACR_HAVE_AVX512_BF16_CODE
@@ -131,11 +156,13 @@ inline void gemm_release() {
 template <typename c_t>
 constexpr bool kVnni = std::is_same_v<c_t, BFloat16>;
 
-// Key columns a GEMM over a tile of n valid keys computes: n in fp32; in bf16 rounded up to 32
-// (VNNI pairs keys, and few distinct shapes keep oneDNN's kernel cache small), at most kt.
+// Key columns a GEMM over a tile of n valid keys computes: n rounded up to 16 in fp32, to 32 in
+// bf16 (VNNI pairs keys), at most kt: few distinct shapes, so brgemm's kernel cache stays bounded
+// (see gemm above). The packed K/V are zero in columns [n, gemm_cols) and P is zero there.
 template <typename c_t>
 inline int64_t gemm_cols(int64_t n, int64_t kt) {
-  return kVnni<c_t> ? std::min<int64_t>(kt, (n + 31) / 32 * 32) : n;
+  constexpr int64_t q = kVnni<c_t> ? 32 : 16;
+  return std::min<int64_t>(kt, (n + q - 1) / q * q);
 }
 
 // -- packing one key tile of one kv head: rows[j] points at key j's d values (n valid keys, n <= KT)
@@ -184,9 +211,10 @@ inline bool pack_kv_tile(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_
         finite &= std::isfinite(static_cast<float>(vdst[c]));
       }
     }
+    const int64_t nc = gemm_cols<c_t>(n, KT);  // zeros in the columns a GEMM reads past n
     for (int64_t kk = 0; kk < d; ++kk)
-      for (int64_t j = n; j < KT; ++j) kt[kk * KT + j] = c_t(0);
-    std::memset(static_cast<void*>(vt + n * d), 0, sizeof(c_t) * (KT - n) * d);
+      for (int64_t j = n; j < nc; ++j) kt[kk * KT + j] = c_t(0);
+    std::memset(static_cast<void*>(vt + n * d), 0, sizeof(c_t) * (nc - n) * d);
   }
   return finite;
 }
