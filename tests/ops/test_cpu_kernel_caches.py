@@ -1,0 +1,126 @@
+"""Memory stays bounded however many distinct shapes the CPU ops see.
+
+oneDNN generates code per shape and its callers keep it: cpublas::brgemm one kernel per
+(M, N, K, ...) and thread for the life of the process, the linear's oneDNN matmul one primitive
+per row count (up to 1,024 of them, ~0.5-1 MB each at the 0.6B shapes). A server sees a new
+length in nearly every request, so both ops hand oneDNN a bounded set of shapes: the attention
+kernel power-of-two row chunks and key counts rounded by ``gemm_cols`` (csrc/cpu/attn_tiles.h,
+"GEMMs"), the linear ``onednn_row_plan`` (acarerank/ops/linear.py, "Row counts").
+
+The check is what a server would see: random lengths, one call each, in a fresh process (its
+caches start empty; the bf16 attention path is read once per process): 400 calls, then 400 more,
+and the second round must grow RSS by less than 32 MB. Without the bounds (EPYC, 2026-12-02):
+attention fp32 +280-340 MB a round, 1.2 GB over 2,000 calls; linear +150-250 MB a round.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _ext import needs_native
+from _repo import ROOT
+from acarerank.ops.linear import onednn_why_unavailable
+
+ONEDNN_DTYPES = [n for n in ("float32", "bfloat16") if not onednn_why_unavailable(getattr(torch, n))]
+
+ROUND, GROWTH_MB = 400, 32
+
+# each child prints {"path": ..., "rss": [MB at start, after a round, after another]} last
+_RSS = r"""
+import json, re, sys
+import torch
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
+
+def rounds(one_call, path, per_round, n=2):
+    rss = [rss_mb()]
+    for _ in range(n):
+        for _ in range(per_round):
+            one_call()
+        rss.append(rss_mb())
+    print(json.dumps({"path": path, "rss": rss}))
+"""
+
+_ATTENTION = _RSS + r"""
+from acarerank.ops import _native, prefix_shared_attention_paged
+
+dtype, per_round = getattr(torch, sys.argv[1]), int(sys.argv[2])
+g = torch.Generator().manual_seed(0)
+
+def rand(lo, hi):
+    return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+def one_call():
+    # one group: a prefix of 0-300 tokens in 16-token pages, 1-3 segments of 1-60 tokens
+    Hkv, d, bs = 2, 64, 16
+    Hq, P, S = Hkv * rand(1, 2), rand(0, 300), rand(1, 3)
+    lens = [rand(1, 60) for _ in range(S)]
+    nb = max(1, -(-P // bs))
+    kc = torch.randn(nb, bs, Hkv, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, Hkv, d, generator=g).to(dtype)
+    bt = torch.arange(nb, dtype=torch.int32)[None]
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, d, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, torch.tensor([P], dtype=torch.int32),
+                                        torch.zeros(S, dtype=torch.int32), backend="native")
+    assert torch.isfinite(out).all()
+
+rounds(one_call, _native.bf16_attention_path(), per_round)
+"""
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,baseline", [("float32", False), ("bfloat16", False), ("bfloat16", True)],
+                         ids=["fp32", "bf16", "bf16-baseline-switch"])
+def test_thousands_of_shapes_leave_memory_bounded(dtype, baseline):
+    env = dict(os.environ)
+    env.pop("ACARERANK_CPU_BASELINE", None)
+    if baseline:
+        env["ACARERANK_CPU_BASELINE"] = "1"   # bf16 through the fp32 tiles (cpublas brgemm) off AMX
+    got = _child(_ATTENTION, dtype, env)
+    start, first, second = got["rss"]
+    grown = second - first
+    path = "fp32 tiles" if dtype == "float32" else got["path"]
+    print(f"{dtype} ({path}): RSS {start:.0f} MB, {first:.0f} after {ROUND} calls, {second:.0f} after {ROUND} more")
+    assert grown < GROWTH_MB, (f"{dtype} on the {path} path: {ROUND} calls of new shapes grew RSS by "
+                               f"{grown:.0f} MB (from {first:.0f} MB, after {ROUND} calls), over {GROWTH_MB} MB: "
+                               f"a kernel cache keyed by shape is growing")
+
+
+_LINEAR = _RSS + r"""
+from acarerank.ops import linear, prepare_linear_weight
+
+dtype, per_round = getattr(torch, sys.argv[1]), int(sys.argv[2])
+g = torch.Generator().manual_seed(0)
+w = prepare_linear_weight((torch.randn(384, 128, generator=g) / 12).to(dtype), "onednn")
+x = torch.randn(3000, 128, generator=g).to(dtype)
+
+def one_call():
+    M = int(torch.randint(1, 3001, (1,), generator=g))
+    assert torch.isfinite(linear(x[:M], w)).all()
+
+rounds(one_call, "onednn", per_round)
+"""
+
+
+@pytest.mark.parametrize("dtype", ONEDNN_DTYPES)
+def test_thousands_of_row_counts_leave_the_linear_memory_bounded(dtype):
+    got = _child(_LINEAR, dtype, dict(os.environ))
+    start, first, second = got["rss"]
+    print(f"linear {dtype}: RSS {start:.0f} MB, {first:.0f} after {ROUND} calls, {second:.0f} after {ROUND} more")
+    assert second - first < GROWTH_MB, (f"linear {dtype} on oneDNN: {ROUND} calls of new row counts grew RSS by "
+                                        f"{second - first:.0f} MB (from {first:.0f} MB), over {GROWTH_MB} MB: its "
+                                        f"primitive cache is filling with one primitive per row count")
+
+
+def _child(code: str, dtype: str, env: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", code, dtype, str(ROUND)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
