@@ -5,6 +5,10 @@
 - ``acarerank.ato`` — ATO re-scoring ops for training code.
 - ``acarerank.ops`` — the ops (torch / triton / cpp / cuda backends).
 """
+from ._onednn_env import bound_onednn_caches
+
+bound_onednn_caches()   # before anything runs a oneDNN op (acarerank/_onednn_env.py)
+
 __version__ = "0.1.0"
 
 _LAZY = {"PointwiseReranker": "pointwise", "ScoreRequest": "pointwise", "PrefixHandle": "pointwise", "SetwiseReranker": "setwise",

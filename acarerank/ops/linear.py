@@ -17,15 +17,6 @@ Backends (``OP``), chosen once per weight, when it is prepared (``prepare_linear
 ``linear`` runs whatever the weight was prepared for: nothing is reordered per call, and a packed
 weight serves any row count (M = 0, 1, 7, 4097, strided x alike).
 
-Row counts: oneDNN makes one primitive (JIT code, ~1 MB at the 0.6B shapes) per input row count
-and keeps up to 1,024 of them (its primitive cache), so calls with the row counts of real traffic
-took 0.9 GB over 500 random row counts at the 0.6B shapes in bf16 (EPYC, 2026-12-02) and would
-level off only near the cache's capacity. The "onednn" backend therefore calls it with 39 row
-counts only (``onednn_row_plan``): chunks of 256·2^j rows, and a tail under 256 run as it is up
-to 16 rows, else padded with zero rows to a multiple of 8 (to 64) or 16 (at most 15 rows of extra
-work; a row count a small GEMM's time still scales with, so the small ones stay exact). Rows are independent, so a row's
-result is the same whichever chunk it lands in up to the kernel's rounding, within the bound below.
-
 Numerics: both backends accumulate in fp32 and round once per output; oneDNN's blocked K order
 differs from MKL's, so fp32 results differ by rounding only, each within K·2⁻²⁴·(|x|·|W|ᵀ + |b|)
 of the exact value (measured at the 0.6B shapes, K 1,024–3,072, unit-scale outputs: max|Δ| vs
@@ -98,53 +89,8 @@ def linear_ref(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = N
     return (y if bias is None else y + bias.double()).to(x.dtype)
 
 
-#: row counts oneDNN is called with (module docstring, "Row counts"): up to ROWS_EXACT as they are;
-#: then padded up to a multiple of 8 (to 64) or 16 (below ROWS_CHUNK); from ROWS_CHUNK, chunks of
-#: ROWS_CHUNK·2^j rows, at most ROWS_CHUNK_MAX
-ROWS_EXACT, ROWS_CHUNK, ROWS_CHUNK_MAX = 16, 256, 8192
-
-
-def _padded_rows(rows: int) -> int:
-    step = 1 if rows <= ROWS_EXACT else 8 if rows <= 64 else 16
-    return -(-rows // step) * step
-
-
-def onednn_row_plan(M: int) -> list:
-    """[(first row, rows, rows run)]: how ``M`` rows go to oneDNN. Whole chunks of ROWS_CHUNK·2^j
-    rows (largest first, at most ROWS_CHUNK_MAX), then a tail under ROWS_CHUNK run as it is (up to
-    16 rows) or padded with zero rows to a multiple of 8 (to 64) or 16: 39 distinct run sizes for
-    any M, at most 15 padding rows, none below 17 rows."""
-    plan, first = [], 0
-    while M - first >= ROWS_CHUNK:
-        run = ROWS_CHUNK
-        while run * 2 <= min(M - first, ROWS_CHUNK_MAX):
-            run *= 2
-        plan.append((first, run, run))
-        first += run
-    if first < M:
-        plan.append((first, M - first, _padded_rows(M - first)))
-    return plan
-
-
-def _onednn_call(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x [..., K] on the packed weight, its rows run as ``onednn_row_plan`` says."""
-    x2 = x.reshape(-1, x.shape[-1])
-    plan = onednn_row_plan(x2.shape[0])
-    if len(plan) <= 1 and all(rows == run for _, rows, run in plan):   # no rows, or a planned count
-        y = _onednn_call(x2, packed, bias)
-    else:
-        parts = []
-        for first, rows, run in plan:
-            xs = x2[first:first + rows]
-            if run != rows:
-                xs = torch.cat([xs, xs.new_zeros(run - rows, xs.shape[1])])
-            parts.append(_onednn_call(xs, packed, bias)[:rows])
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _load_onednn():

@@ -1,16 +1,18 @@
 """Memory stays bounded however many distinct shapes the CPU ops see.
 
 oneDNN generates code per shape and its callers keep it: cpublas::brgemm one kernel per
-(M, N, K, ...) and thread for the life of the process, the linear's oneDNN matmul one primitive
-per row count (up to 1,024 of them, ~0.5-1 MB each at the 0.6B shapes). A server sees a new
-length in nearly every request, so both ops hand oneDNN a bounded set of shapes: the attention
-kernel power-of-two row chunks and key counts rounded by ``gemm_cols`` (csrc/cpu/attn_tiles.h,
-"GEMMs"), the linear ``onednn_row_plan`` (acarerank/ops/linear.py, "Row counts").
+(M, N, K, ...) and thread for the life of the process, never evicted; torch's oneDNN linear one
+primitive per row count, in two caches of 1,024 entries (~1 MB each at the 0.6B shapes). A
+server sees a new length in nearly every request. So the attention kernel hands brgemm a
+bounded set of shapes (power-of-two row chunks, key counts rounded by ``gemm_cols``;
+csrc/cpu/attn_tiles.h, "GEMMs"), and importing acarerank caps both linear caches
+(acarerank/_onednn_env.py).
 
 The check is what a server would see: random lengths, one call each, in a fresh process (its
-caches start empty; the bf16 attention path is read once per process): 400 calls, then 400 more,
-and the second round must grow RSS by less than 32 MB. Without the bounds (EPYC, 2026-12-02):
-attention fp32 +280-340 MB a round, 1.2 GB over 2,000 calls; linear +150-250 MB a round.
+caches start empty; the bf16 attention path is read once per process; the cache variables not
+set, so that only the package's own bound applies): 400 calls, then 400 more, and the second
+round must grow RSS by less than 32 MB. Without the bounds (EPYC, 2026-12-02): attention fp32
++280-340 MB a round, 1.2 GB over 2,000 calls; linear +200-220 MB a round.
 """
 import json
 import os
@@ -22,6 +24,7 @@ import torch
 
 from _ext import needs_native
 from _repo import ROOT
+from acarerank._onednn_env import CAPACITY, VARIABLES, bound_onednn_caches
 from acarerank.ops.linear import onednn_why_unavailable
 
 ONEDNN_DTYPES = [n for n in ("float32", "bfloat16") if not onednn_why_unavailable(getattr(torch, n))]
@@ -79,7 +82,7 @@ rounds(one_call, _native.bf16_attention_path(), per_round)
 @pytest.mark.parametrize("dtype,baseline", [("float32", False), ("bfloat16", False), ("bfloat16", True)],
                          ids=["fp32", "bf16", "bf16-baseline-switch"])
 def test_thousands_of_shapes_leave_memory_bounded(dtype, baseline):
-    env = dict(os.environ)
+    env = _env_without_cache_variables()
     env.pop("ACARERANK_CPU_BASELINE", None)
     if baseline:
         env["ACARERANK_CPU_BASELINE"] = "1"   # bf16 through the fp32 tiles (cpublas brgemm) off AMX
@@ -111,12 +114,12 @@ rounds(one_call, "onednn", per_round)
 
 @pytest.mark.parametrize("dtype", ONEDNN_DTYPES)
 def test_thousands_of_row_counts_leave_the_linear_memory_bounded(dtype):
-    got = _child(_LINEAR, dtype, dict(os.environ))
+    got = _child(_LINEAR, dtype, _env_without_cache_variables())
     start, first, second = got["rss"]
     print(f"linear {dtype}: RSS {start:.0f} MB, {first:.0f} after {ROUND} calls, {second:.0f} after {ROUND} more")
     assert second - first < GROWTH_MB, (f"linear {dtype} on oneDNN: {ROUND} calls of new row counts grew RSS by "
                                         f"{second - first:.0f} MB (from {first:.0f} MB), over {GROWTH_MB} MB: its "
-                                        f"primitive cache is filling with one primitive per row count")
+                                        f"primitive caches are filling with one primitive per row count")
 
 
 def _child(code: str, dtype: str, env: dict) -> dict:
@@ -124,3 +127,20 @@ def _child(code: str, dtype: str, env: dict) -> dict:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _env_without_cache_variables() -> dict:
+    """This environment less oneDNN's cache variables (this process's import of acarerank set
+    them): the child's own import must bound the caches."""
+    env = dict(os.environ)
+    for name in VARIABLES:
+        env.pop(name, None)
+    return env
+
+
+def test_the_cache_bound_leaves_a_users_setting_alone(monkeypatch):
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "500")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    bound_onednn_caches()
+    assert os.environ["LRU_CACHE_CAPACITY"] == "500"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(CAPACITY)

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from acarerank.ops import BackendError, PackedLinearWeight, linear, linear_ref, prepare_linear_weight
-from acarerank.ops.linear import (OP, linear_onednn_op, onednn_row_plan, onednn_why_unavailable,
-                                  resolve_linear_backend)
+from acarerank.ops.linear import OP, linear_onednn_op, onednn_why_unavailable, resolve_linear_backend
 
 ONEDNN_DTYPES = [d for d in (torch.float32, torch.bfloat16, torch.float16) if not onednn_why_unavailable(d)]
 REFUSED_DTYPES = [d for d in (torch.bfloat16, torch.float16) if onednn_why_unavailable(d)]
@@ -51,9 +50,8 @@ def _data(M, K, N, dtype, bias, seed=0):
 @pytest.mark.parametrize("M,K,N", [(0, 29, 37), (1, 29, 37), (3, 61, 13), (513, 97, 131), (7, 256, 96),
                                    (17, 29, 37), (300, 61, 13), (1100, 97, 131)])
 def test_onednn_matches_the_reference_and_f_linear(M, K, N, bias, dtype):
-    """K and N not multiples of 8 or 16, M from 0 to past a 512-row block — and through each branch of
-    the row plan (17: one padded call; 300, 513, 1100: chunks then a tail, padded or not); one
-    packing per weight."""
+    """K and N not multiples of 8 or 16, M from 0 to past a 512-row block and 1,100; one packing per
+    weight."""
     x, w, b = _data(M, K, N, dtype, bias)
     pw = prepare_linear_weight(w, "onednn")
     assert isinstance(pw, PackedLinearWeight) and pw.shape == (N, K) and pw.dtype == dtype
@@ -70,25 +68,11 @@ def test_onednn_takes_strided_and_batched_input(dtype):
     xt = torch.randn(61, 40).to(dtype).t()            # column-major view
     xs = x[::2]                                         # every other row
     x3 = x.view(4, 10, 61)                              # leading dims
-    x3t = torch.randn(3, 100, 61).to(dtype)            # leading dims, 300 rows: a chunk and a padded tail
+    x3t = torch.randn(3, 100, 61).to(dtype)            # leading dims, 300 rows
     for what, xi in (("transposed", xt), ("row-strided", xs), ("3-D", x3), ("3-D, 300 rows", x3t)):
         assert not xi.is_contiguous() or xi.dim() == 3
         got = linear(xi, pw, b)
         _check_close(got.reshape(-1, 37), xi.reshape(-1, 61), w, b, what)
-
-
-def test_the_row_plan_covers_every_row_once_with_few_distinct_sizes():
-    """onednn_row_plan: every row exactly once, in order; at most 15 padding rows, none up to 16 rows;
-    39 distinct run sizes for every M up to 40,000 (each is a oneDNN primitive kept in its cache)."""
-    runs = set()
-    for M in list(range(0, 2100)) + [4095, 4096, 4097, 8191, 8193, 16_385, 39_999]:
-        plan = onednn_row_plan(M)
-        assert [f for f, _, _ in plan] == [sum(r for _, r, _ in plan[:i]) for i in range(len(plan))], (M, plan)
-        assert sum(r for _, r, _ in plan) == M, (M, plan)
-        for _, rows, run in plan:
-            assert rows <= run <= rows + 15 and (run == rows or rows > 16), (M, plan)
-        runs |= {run for _, _, run in plan}
-    assert len(runs) <= 39, sorted(runs)
 
 
 def test_packing_is_once_and_lossless():

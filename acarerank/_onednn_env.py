@@ -1,0 +1,31 @@
+"""Bounds on oneDNN's caches of generated code, set before torch first uses oneDNN.
+
+torch's oneDNN linear (``torch.ops.mkldnn._linear_pointwise``, the CPU "onednn" linear backend,
+and bf16 ``F.linear``) builds a primitive — generated code — per input row count and keeps it in
+two caches: oneDNN's own (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and ideep's
+(``LRU_CACHE_CAPACITY``), 1,024 entries each by default. A reranker's passes each bring a new
+token count, so a server's RSS climbed by ~1 MB per new row count and layer shape: +0.9 GB over
+500 random row counts at the 0.6B shapes in bf16 (EPYC, 2026-12-02), levelling off only near
+the capacity. Every layer of a pass runs the same row count, so a pass needs one entry per layer
+shape (4-5) and a cache of ``CAPACITY`` entries still holds the last few passes: a miss costs one
+primitive build (≤ 3 ms at the 0.6B shapes) for the whole pass. Bounded to ``CAPACITY``, the
+same traffic levels off within ~100 MB.
+
+A leaf (imports nothing): ``acarerank/__init__.py`` calls ``bound_onednn_caches()`` first thing.
+Both variables are read once, when oneDNN first builds a primitive in the process: where torch
+has already run a oneDNN op before acarerank is imported, or where the variables are already
+set, nothing changes (setdefault; docs/cpu.md, "Memory").
+"""
+from __future__ import annotations
+
+import os
+
+#: entries kept by each of the two caches (unless the environment sets its own)
+CAPACITY = 32
+VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_onednn_caches() -> None:
+    """Set both cache capacities to ``CAPACITY`` where the environment does not set them."""
+    for name in VARIABLES:
+        os.environ.setdefault(name, str(CAPACITY))
