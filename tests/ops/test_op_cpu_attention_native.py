@@ -183,6 +183,36 @@ def test_thread_count_does_not_change_a_bit(dtype, d):
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calls_from_many_threads_at_once_equal_the_calls_alone(dtype):
+    """Four Python threads calling the kernel at once, each on its own shapes (so each its own
+    GEMM shapes, packing buffers and per-thread brgemm state), 10 calls each: every output is
+    bitwise the one the same call gives alone. What an embedding server with several workers does."""
+    import threading
+
+    cases = [make(*c.values[:6], block_size=c.values[6], dtype=dtype, seed=i)[0] for i, c in enumerate(CASES[:4])]
+    alone = [prefix_shared_attention_paged(*a, backend="native") for a in cases]
+    wrong, errors = [], []
+
+    def worker(i):
+        try:
+            for _ in range(10):
+                out = prefix_shared_attention_paged(*cases[i], backend="native")
+                if not torch.equal(out, alone[i]):
+                    wrong.append((i, (out.float() - alone[i].float()).abs().max().item()))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a caller thread did not finish in 120 s"
+    assert not errors, errors
+    assert not wrong, f"(case, max |diff|) of calls that differ from the call alone: {wrong[:8]}"
+
+
 def test_native_is_the_cpu_default_of_both_ops():
     from acarerank.ops import available_backends
 
