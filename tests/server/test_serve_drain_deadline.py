@@ -2,8 +2,10 @@
 dropped) and the process exits 0, even with a client still sending its body.
 
 One subprocess server (the CLI, a tiny checkpoint, ``--drain-timeout 2``). Three requests of
-1,000 documents each (one document per pass: ``--max-batch-tokens 64``) keep the engine busy far
-past the deadline; a fourth client sends its head and half of its body, then nothing.
+1,000 documents of ~2,400 characters each (one document per pass: ``--max-batch-tokens 64``) keep
+the engine busy far past the deadline — one alone takes ~6 s on a 2-core EPYC (2026-12-02), where
+documents of ~370 characters took 1.8 s, too close to the deadline once passes stopped paying for
+a new GEMM kernel per shape; a fourth client sends its head and half of its body, then nothing.
 """
 import json
 import signal
@@ -26,7 +28,7 @@ MARGIN = 5.0   # seconds of slack for the exit on a loaded machine
 
 def test_drain_deadline_answers_503_and_exits(tmp_path):
     tiny_model().save_pretrained(tmp_path)
-    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 6 for i in range(1000)]
+    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 40 for i in range(1000)]
     out = {}
     with serve_subprocess("--model", str(tmp_path), "--dtype", "float32", "--max-batch-tokens", "64",
                           "--drain-timeout", str(DRAIN)) as (base, proc):
