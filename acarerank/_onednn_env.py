@@ -14,7 +14,7 @@ same traffic levels off within ~100 MB.
 A leaf (imports nothing): ``acarerank/__init__.py`` calls ``bound_onednn_caches()`` first thing.
 Both variables are read once, when oneDNN first builds a primitive in the process: where torch
 has already run a oneDNN op before acarerank is imported, or where the variables are already
-set, nothing changes (setdefault; docs/cpu.md, "Memory").
+set, nothing changes (setdefault; docs/cpu.md, "GEMMs").
 """
 from __future__ import annotations
 
