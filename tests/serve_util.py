@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 
 from _tiny import random_qwen3
@@ -33,3 +34,9 @@ def thread_server(app):
         server.should_exit = True
         thread.join(30)
         assert not thread.is_alive(), "uvicorn thread did not stop"
+
+
+def rss_mb(pid) -> float:
+    """Resident memory of process ``pid`` in MB (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024

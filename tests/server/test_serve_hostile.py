@@ -8,7 +8,6 @@ loaded 2-core machine.
 """
 import asyncio
 import json
-import re
 import resource
 import socket
 import threading
@@ -22,7 +21,7 @@ require("httpx", "prometheus_client", "fastapi", "uvicorn")
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from serve_util import serve_subprocess, tiny_model  # noqa: E402
+from serve_util import rss_mb, serve_subprocess, tiny_model  # noqa: E402
 
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 3.0
@@ -117,10 +116,6 @@ def metrics(base) -> dict:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
 
-
-def rss_mb(pid) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
 
 
 def health_ok(base) -> bool:

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import random
-import re
 
 import pytest
 from _optional import require
@@ -23,15 +22,11 @@ require("httpx", "fastapi", "uvicorn")
 import httpx  # noqa: E402
 
 from acarerank._onednn_env import VARIABLES  # noqa: E402
-from serve_util import serve_subprocess, tiny_model  # noqa: E402
+from serve_util import rss_mb, serve_subprocess, tiny_model  # noqa: E402
 
 WARMUP, ROUNDS, PER_ROUND = 200, 2, 500
 BOUND_MB = 64     # growth from the server's start to the end, over 1,200 requests
 
-
-def rss_mb(pid) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
 
 
 @contextlib.contextmanager
