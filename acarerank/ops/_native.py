@@ -89,7 +89,9 @@ def could_pack_bf16() -> bool:
 
 def bf16_attention_path() -> str:
     """How the attention kernel multiplies bf16 tiles on this CPU, chosen once per process:
-    "amx-brgemm" (cpublas brgemm, AMX), "avx512-bf16" (the kernel's own vdpbf16ps tiles) or
-    "fp32-convert" (tiles converted to fp32; no native bf16, or ACARERANK_CPU_BASELINE=1).
-    docs/cpu.md, "Attention"."""
+    "amx-brgemm" (cpublas brgemm, AMX), "avx512-bf16" (the kernel's own vdpbf16ps tiles),
+    "fp32-convert" (tiles converted to fp32; no native bf16, or ACARERANK_CPU_BASELINE=1), or
+    "brgemm" (AMX's code on cpublas' non-AMX brgemm: only with ACARERANK_CPU_BF16_PATH=brgemm).
+    RuntimeError if ACARERANK_CPU_BF16_PATH names a path this CPU cannot take.
+    docs/cpu.md, "Native CPU kernels"."""
     return str(load().bf16_attention_path())

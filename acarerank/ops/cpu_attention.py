@@ -16,8 +16,9 @@ group and segment of one layer in one call:
     ``at::native::cpublas::brgemm`` where ``cpublas::could_pack(kBFloat16)`` (AMX), the kernel's
     own vdpbf16ps tiles where the CPU has AVX512_BF16 but no AMX (``csrc/cpu/gemm_bf16_avx512.h``)
     — else fp32 brgemm (fp32 inputs as they are; bf16/fp16 tiles converted to fp32 as they are
-    packed: cpublas' own bf16 fallback is a reference loop, ~0.3 GFLOP/s, and its VNNI form
-    raises without AMX). ``_native.bf16_attention_path()`` names the path this CPU takes;
+    packed: without AVX-512 cpublas' own bf16 fallback is a reference loop, ~0.3 GFLOP/s, and its
+    VNNI form raises). ``_native.bf16_attention_path()`` names the path this CPU takes
+    (``ACARERANK_CPU_BF16_PATH`` overrides it, docs/cpu.md);
   * work split with ``at::parallel_for`` over (group, kv head, row block), dealt to threads by
     cost (rows × keys);
   * output in q's dtype. A NaN in q[t, h] makes out[t, h] NaN, as the reference's softmax.

@@ -66,8 +66,15 @@ using scratch = std::vector<T, Aligned64<T>>;
 //   "amx-brgemm"      cpublas::could_pack(kBFloat16): brgemm on VNNI tiles (AMX)
 //   "avx512-bf16"     AVX512_BF16 without AMX: gemm_bf16_avx512.h on the same VNNI tiles
 //   "fp32-convert"    neither, or ACARERANK_CPU_BASELINE=1: tiles converted to fp32 as they are
-//                     packed, fp32 brgemm (cpublas' own bf16 fallback is a ~0.3 GFLOP/s loop)
+//                     packed, fp32 brgemm
+//   "brgemm"          ACARERANK_CPU_BF16_PATH=brgemm on a CPU without AMX: the amx-brgemm code
+//                     (packing, row chunks, leading dimensions, release) on cpublas' non-AMX bf16
+//                     brgemm (oneDNN's ukernel, which takes a VNNI B from AVX-512 on; without
+//                     AVX-512 cpublas refuses a VNNI B, and asking for this path is an error), so
+//                     any AVX-512 CPU tests that code; only oneDNN's AMX ukernel is not run
 //   "vnni-reference"  a development build with ACR_VNNI_REFERENCE_GEMM (never shipped)
+// ACARERANK_CPU_BF16_PATH=auto|brgemm|avx512-bf16|fp32-convert overrides the choice; a value this
+// CPU cannot run or that is not one of these is an error on every bf16 call.
 inline bool bf16_amx() {
   static const bool ok = at::native::cpublas::could_pack(at::kBFloat16);
   return ok;
@@ -76,15 +83,65 @@ inline bool cpu_baseline_forced() {
   const char* e = std::getenv("ACARERANK_CPU_BASELINE");
   return e != nullptr && std::strcmp(e, "1") == 0;
 }
+// Whether cpublas::brgemm multiplies bf16 with a VNNI-packed B here (oneDNN's ukernel: AMX, or
+// AVX-512 without it); elsewhere it raises. Asked by doing one 1×16×2 product, as cpublas exposes
+// no query for it (could_pack is AMX only).
+inline bool cpublas_takes_vnni_bf16() {
+  alignas(64) BFloat16 a[2] = {BFloat16(1.f), BFloat16(2.f)};
+  alignas(64) BFloat16 b[32];
+  for (int i = 0; i < 32; ++i) b[i] = BFloat16(static_cast<float>(i % 2 + 1));  // (k, n) = k + 1
+  alignas(64) float c[16] = {};
+  try {
+    at::native::cpublas::brgemm(1, 16, 2, 2, 16, 16, false, a, b, c, /*is_vnni=*/true);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  } catch (const c10::Error&) {
+    return false;
+  }
+  for (float x : c)
+    if (x != 5.f) return false;  // 1·1 + 2·2 in every column
+  return true;
+}
+// The path, or nullptr with *why set when ACARERANK_CPU_BF16_PATH asks for one this CPU cannot take.
+inline const char* choose_bf16_path(const char** why) {
+  const char* want = std::getenv("ACARERANK_CPU_BF16_PATH");
+  if (want == nullptr || *want == '\0' || std::strcmp(want, "auto") == 0)
+    return bf16_amx()                                          ? "amx-brgemm"
+           : cpu_has_avx512_bf16() && !cpu_baseline_forced() ? "avx512-bf16"
+                                                               : "fp32-convert";
+  if (std::strcmp(want, "brgemm") == 0 || std::strcmp(want, "amx-brgemm") == 0) {
+    if (bf16_amx()) return "amx-brgemm";
+    if (cpublas_takes_vnni_bf16()) return "brgemm";
+    *why = "ACARERANK_CPU_BF16_PATH=brgemm, but cpublas' bf16 brgemm refuses VNNI tiles on this CPU "
+           "(it needs AVX-512 and oneDNN's ukernels); use auto or fp32-convert";
+    return nullptr;
+  }
+  if (std::strcmp(want, "fp32-convert") == 0) return "fp32-convert";
+  if (std::strcmp(want, "avx512-bf16") == 0) {
+    if (cpu_has_avx512_bf16()) return "avx512-bf16";
+    *why = "ACARERANK_CPU_BF16_PATH=avx512-bf16, but this CPU (or this build) has no AVX512_BF16; "
+           "use auto, brgemm or fp32-convert";
+    return nullptr;
+  }
+  *why = "ACARERANK_CPU_BF16_PATH must be auto, brgemm, avx512-bf16 or fp32-convert";
+  return nullptr;
+}
 inline const char* bf16_path() {
 #ifdef ACR_VNNI_REFERENCE_GEMM
   return "vnni-reference";
 #else
-  static const char* path = bf16_amx()                                          ? "amx-brgemm"
-                            : cpu_has_avx512_bf16() && !cpu_baseline_forced() ? "avx512-bf16"
-                                                                                : "fp32-convert";
+  static const char* why = nullptr;
+  static const char* path = choose_bf16_path(&why);
+  TORCH_CHECK(path != nullptr, why, " (got '", std::getenv("ACARERANK_CPU_BF16_PATH"), "')");
   return path;
 #endif
+}
+// The bf16 tiles go through cpublas::brgemm (AMX, or forced): chosen once with the path.
+inline bool bf16_brgemm() {
+  static const bool yes = [] {
+    const char* p = bf16_path();
+    return std::strcmp(p, "amx-brgemm") == 0 || std::strcmp(p, "brgemm") == 0;
+  }();
+  return yes;
 }
 // The softmax writes bf16 P with AVX-512 on the paths whose GEMMs take bf16 P.
 inline bool softmax_avx512_bf16() {
@@ -134,7 +191,7 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda
       C[i * ldc + n] = acc;
     }
 #else
-  if (bf16_amx()) {
+  if (bf16_brgemm()) {
     brgemm_pow2_rows(M, N, K, A, lda, B, ldb, C, ldc, add_C, /*is_vnni=*/true);
     return;
   }
@@ -148,7 +205,7 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda
 template <typename c_t>
 inline void gemm_release() {
 #ifndef ACR_VNNI_REFERENCE_GEMM
-  if (std::is_same_v<c_t, float> || bf16_amx())
+  if (std::is_same_v<c_t, float> || bf16_brgemm())
     at::native::cpublas::brgemm_release(/*is_vnni=*/std::is_same_v<c_t, BFloat16>);
 #endif
 }

@@ -1,8 +1,8 @@
 // bf16 tiles on AVX512_BF16 (vdpbf16ps) for the prefix-shared CPU attention (attn_tiles.h), on
-// CPUs with native bf16 dot products but no AMX (AMD Zen 4/5, Intel Cooper Lake): there cpublas'
-// bf16 brgemm is a reference loop (~0.3 GFLOP/s) and refuses a VNNI-packed B, so the kernel would
-// otherwise convert every tile to fp32 and run at the fp32 rate (a bf16 GEMM is ~2.7x an fp32 one
-// on a Zen 4; docs/cpu.md).
+// CPUs with native bf16 dot products but no AMX (AMD Zen 4/5, Intel Cooper Lake). Written when
+// cpublas' bf16 brgemm was taken for an AMX-only path; it also runs there (oneDNN's AVX-512
+// ukernel, ACARERANK_CPU_BF16_PATH=brgemm) and measured the same speed on a Zen 4 (docs/cpu.md),
+// so these tiles stay the default for keeping no generated kernel per shape.
 //
 //   C[M×N] (+)= A[M×K] · B[K×N]       fp32 accumulation, C fp32
 //   A  bf16 row-major, row i at A + i·lda (K even: the pairs (k, k+1) are one 32-bit lane)

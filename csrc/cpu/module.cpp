@@ -29,6 +29,6 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("could_pack_bf16", [] { return at::native::cpublas::could_pack(at::kBFloat16); },
         "Whether cpublas::brgemm has a fast (VNNI-packed, AVX512_BF16/AMX) bf16 path on this CPU.");
   m.def("bf16_attention_path", [] { return std::string(acr_attn::bf16_path()); },
-        "The bf16 compute path of the attention kernel on this CPU: amx-brgemm, avx512-bf16 or fp32-convert.");
+        "The bf16 compute path of the attention kernel: amx-brgemm, avx512-bf16, fp32-convert or brgemm.");
   m.def("num_threads", [] { return at::get_num_threads(); }, "at::get_num_threads() as the kernels see it.");
 }

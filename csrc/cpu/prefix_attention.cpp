@@ -439,7 +439,8 @@ at::Tensor prefix_shared_attention_cpu(const at::Tensor& q, const at::Tensor& k,
       break;
     case at::kBFloat16:
       // bf16 tiles where this CPU multiplies bf16 natively (AMX brgemm, or our AVX512_BF16 tiles)
-      // and head_dim pairs up for VNNI; else fp32 tiles (cpublas' bf16 fallback is a ~0.3 GFLOP/s loop)
+      // and head_dim pairs up for VNNI; else fp32 tiles (without AVX512_BF16, cpublas' bf16 brgemm
+      // is a ~0.3 GFLOP/s loop)
       if (std::strcmp(bf16_path(), "fp32-convert") != 0 && mt.d % 2 == 0)
         run<at::BFloat16, at::BFloat16>(q, k, v, prefix_k, prefix_v, mt, sc, out);
       else

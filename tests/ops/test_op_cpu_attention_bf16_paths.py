@@ -4,6 +4,9 @@ One kernel, three ways to multiply bf16 tiles, chosen once per process from the 
   amx-brgemm    cpublas::brgemm on VNNI tiles (where cpublas can pack bf16: AMX)
   avx512-bf16   our vdpbf16ps tiles on the same VNNI layout (csrc/cpu/gemm_bf16_avx512.h)
   fp32-convert  tiles converted to fp32 as they are packed (no native bf16, or ACARERANK_CPU_BASELINE=1)
+and a fourth, ``ACARERANK_CPU_BF16_PATH=brgemm`` on a CPU without AMX: the amx-brgemm code (VNNI
+packing, row chunks, leading dimensions, release) on cpublas' non-AMX bf16 brgemm, so that code
+is tested on every CPU; only oneDNN's AMX ukernel underneath is not.
 
 Every path is held to flash-attn's rule (kernel error ≤ 2× plain bf16 PyTorch's, + twice fp32's
 rounding step near the outputs, both against the fp32 oracle on the same bf16 values) on shapes
@@ -50,17 +53,32 @@ def _path() -> str:
     return _native.bf16_attention_path()
 
 
-def test_bf16_path_follows_the_cpu():
-    """AMX where cpublas packs bf16, else AVX512_BF16 where /proc/cpuinfo lists it, else fp32 tiles."""
+def _has_avx512_bf16() -> bool:
+    return {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
+
+
+def _auto_path() -> str:
+    """The path the CPU alone picks (neither variable set)."""
     from acarerank.ops import _native
 
-    flags = _cpu_flags()
-    if _native.could_pack_bf16():
-        want = "amx-brgemm"
-    elif {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        want = "avx512-bf16"
-    else:
+    return "amx-brgemm" if _native.could_pack_bf16() else "avx512-bf16" if _has_avx512_bf16() else "fp32-convert"
+
+
+def test_bf16_path_follows_the_cpu():
+    """AMX where cpublas packs bf16, else AVX512_BF16 where /proc/cpuinfo lists it, else fp32 tiles;
+    a run of the suite under ACARERANK_CPU_BF16_PATH or ACARERANK_CPU_BASELINE gets what it asked for."""
+    from acarerank.ops import _native
+
+    forced = os.environ.get("ACARERANK_CPU_BF16_PATH", "auto") or "auto"
+    if forced in ("brgemm", "amx-brgemm"):
+        want = "amx-brgemm" if _native.could_pack_bf16() else "brgemm"
+    elif forced != "auto":
+        want = forced
+    elif os.environ.get("ACARERANK_CPU_BASELINE") == "1" and not _native.could_pack_bf16():
         want = "fp32-convert"
+    else:
+        want = _auto_path()
+    flags = _cpu_flags()
     assert _path() == want, f"bf16 path {_path()!r} on a CPU with {sorted(flags & {'avx512_bf16', 'amx_bf16'})}"
 
 
@@ -88,30 +106,88 @@ def test_bf16_within_twice_plain_bf16_on_the_tiles_edges(seg_lens, prefix_lens, 
 
 _CHILD = r"""
 import json, sys
-sys.path[:0] = sys.argv[1:]
+sys.path[:0] = sys.argv[2:]
 import torch
 from acarerank.ops import _native
 from test_op_cpu_attention_bf16_paths import EDGE_CASES, _rule
-rows = [list(_rule(tuple(c.values))) for c in EDGE_CASES[:4] + EDGE_CASES[-3:]]
+cases = EDGE_CASES if sys.argv[1] == "all" else EDGE_CASES[:4] + EDGE_CASES[-3:]
+rows = [list(_rule(tuple(c.values))) for c in cases]
 print(json.dumps({"path": _native.bf16_attention_path(), "rows": rows}))
 """
 
 
-def test_baseline_switch_runs_the_fp32_tiles_within_the_rule():
-    """ACARERANK_CPU_BASELINE=1 (a fresh process: the path is read once) takes the fp32-convert path
-    where the CPU would not take AMX, and it too meets the rule — so on a CPU with AVX512_BF16
-    both non-AMX paths are tested here."""
-    env = dict(os.environ, ACARERANK_CPU_BASELINE="1")
+def _run_child(cases: str, **variables) -> subprocess.CompletedProcess:
+    """The edge cases in a fresh process (the path is read once per process) with these variables
+    set and the other path variable cleared."""
+    env = dict(os.environ)
+    for name in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH"):
+        env.pop(name, None)
+    env.update(variables)
     tests = os.path.join(ROOT, "tests")
-    done = subprocess.run([sys.executable, "-c", _CHILD, tests, os.path.join(tests, "ops")], env=env,
+    return subprocess.run([sys.executable, "-c", _CHILD, cases, tests, os.path.join(tests, "ops")], env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+def _rows_within_the_rule(done: subprocess.CompletedProcess) -> str:
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    from acarerank.ops import _native
-
-    assert got["path"] == ("amx-brgemm" if _native.could_pack_bf16() else "fp32-convert")
     for name, err, bound in got["rows"]:
         assert err <= bound, f"{got['path']} {name}: bf16 error {err:.3e} > bound {bound:.3e}"
+    return got["path"]
+
+
+def test_baseline_switch_runs_the_fp32_tiles_within_the_rule():
+    """ACARERANK_CPU_BASELINE=1 takes the fp32-convert path where the CPU would not take AMX, and
+    it too meets the rule — so on a CPU with AVX512_BF16 both non-AMX paths are tested here."""
+    from acarerank.ops import _native
+
+    path = _rows_within_the_rule(_run_child("some", ACARERANK_CPU_BASELINE="1"))
+    assert path == ("amx-brgemm" if _native.could_pack_bf16() else "fp32-convert")
+
+
+def test_brgemm_switch_runs_the_amx_code_within_the_rule():
+    """ACARERANK_CPU_BF16_PATH=brgemm runs the amx-brgemm path's code on any AVX-512 CPU: every edge
+    case within the rule. On AMX it is that path; elsewhere cpublas' non-AMX bf16 brgemm (oneDNN's
+    ukernel) does the products, on the same VNNI operands. Without AVX-512 cpublas refuses them:
+    then the switch is a clear error."""
+    from acarerank.ops import _native
+
+    done = _run_child("all", ACARERANK_CPU_BF16_PATH="brgemm")
+    if _native.could_pack_bf16():
+        assert _rows_within_the_rule(done) == "amx-brgemm"
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags():
+        assert _rows_within_the_rule(done) == "brgemm"
+    else:
+        assert done.returncode != 0 and "refuses VNNI tiles on this CPU" in done.stderr, done.stderr[-3000:]
+
+
+def test_brgemm_switch_where_cpublas_refuses_vnni_is_an_error_not_a_crash():
+    """With oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA, as on a CPU without AVX-512) cpublas' bf16
+    brgemm raises on a VNNI B; asking for the brgemm path there says so and names the variable."""
+    done = _run_child("some", ACARERANK_CPU_BF16_PATH="brgemm", ONEDNN_MAX_CPU_ISA="AVX2")
+    assert done.returncode != 0
+    assert "ACARERANK_CPU_BF16_PATH=brgemm, but cpublas' bf16 brgemm refuses VNNI tiles" in done.stderr, \
+        done.stderr[-3000:]
+
+
+def test_avx512_bf16_switch_runs_the_own_tiles_or_names_the_missing_instructions():
+    """ACARERANK_CPU_BF16_PATH=avx512-bf16 takes the vdpbf16ps tiles where the CPU has them, even on
+    AMX (so an AMX machine tests them too); without AVX512_BF16 a bf16 call is a clear error,
+    never an illegal instruction."""
+    done = _run_child("some", ACARERANK_CPU_BF16_PATH="avx512-bf16")
+    if _has_avx512_bf16():
+        assert _rows_within_the_rule(done) == "avx512-bf16"
+    else:
+        assert done.returncode != 0 and "has no AVX512_BF16" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("value", ["amx", "AVX512-BF16"])
+def test_unknown_bf16_path_is_an_error_that_names_the_variable(value):
+    done = _run_child("some", ACARERANK_CPU_BF16_PATH=value)
+    assert done.returncode != 0
+    assert "ACARERANK_CPU_BF16_PATH must be auto, brgemm, avx512-bf16 or fp32-convert" in done.stderr, \
+        done.stderr[-3000:]
+    assert f"got '{value}'" in done.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
