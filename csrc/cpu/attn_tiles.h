@@ -348,23 +348,23 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* s,
 
 #ifdef ACR_HAVE_AVX512_BF16_CODE
 // The same step on AVX-512 with P written as bf16 (vcvtneps2bf16, round to nearest even), for
-// the bf16 paths: Cephes' expf as exp_avx2, 16 lanes; the tail of a row is masked.
-ACR_AVX512_BF16 inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x);
-  x = _mm512_max_ps(_mm512_set1_ps(-87.3365478515625f), x);
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+// the bf16 paths, 16 lanes, the tail of a row masked. Its exp is base 2 (log2(e) folded into the
+// scale): 2^t = 2^f · 2^n, n = round(t), |f| ≤ 1/2, 2^f by its Taylor polynomial of degree 5
+// (relative error < 3e-6, far below P's bf16 rounding, 2^-9), 2^n applied by vscalefps, which
+// also gives 0 for t far below −126. t is clamped at −150 so f is never −inf − (−inf); a NaN t
+// stays NaN (max returns its second operand, t, when it is NaN). At t = 0 (the row's max) it is
+// exactly 1. Half the instructions of a Cephes expf, which P's 8-bit mantissa cannot use.
+ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
+  t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(1.3333558146e-3f);                 // ln2^5 / 5!
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076e-3f));  // ln2^4 / 4!
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 3!
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2!
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718056e-1f));  // ln2
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
 }
 
 // Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).
@@ -380,13 +380,15 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
   const float mx = _mm512_reduce_max_ps(vmx);
   const float m_new = m > mx ? m : mx;
   const float alpha = std::exp(scale * (m - m_new));  // 0 at the first visible tile (m = −inf)
-  const __m512 vs = _mm512_set1_ps(scale), voff = _mm512_set1_ps(scale * m_new);
+  // exp(scale·(s − m')) = 2^(s·scale·log2(e) − m'·scale·log2(e))
+  constexpr float kLog2e = 1.44269504088896341f;
+  const __m512 vs = _mm512_set1_ps(scale * kLog2e), voff = _mm512_set1_ps(scale * kLog2e * m_new);
   __m512 vsum = _mm512_setzero_ps();
   uint16_t* pp = reinterpret_cast<uint16_t*>(p);
   for (j = 0; j < width; j += 16) {
     const int64_t left = n - j;
     const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(mk, exp_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + j), vs, voff)));
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp2_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + j), vs, voff)));
     const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
     // l sums the rounded weights P·V will use: the output is then an exact weighted mean of V
     vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
@@ -405,6 +407,18 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
     for (; c < d; ++c) acc[c] *= alpha;
   }
 }
+// One output row: dst[c] = acc[c] · inv in the output dtype. bf16 with AVX-512 (vcvtneps2bf16,
+// round to nearest even as c10's conversion; a NaN stays NaN) where the softmax writes its P so.
+ACR_AVX512_BF16 inline void scale_row_to_bf16_avx512(const float* acc, float inv, int64_t d, BFloat16* dst) {
+  const __m512 vi = _mm512_set1_ps(inv);
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t c = 0; c < d; c += 16) {
+    const int64_t w = d - c;
+    const __mmask16 mk = w >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << w) - 1);
+    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(mk, acc + c), vi));
+    _mm256_mask_storeu_epi16(out + c, mk, pb);
+  }
+}
 #endif
 
 inline bool cpu_has_avx2() {
@@ -412,6 +426,19 @@ inline bool cpu_has_avx2() {
   return ok;
 }
 #endif
+
+template <typename s_t>
+inline void scale_row_out(const float* acc, float inv, int64_t d, s_t* dst) {
+#ifdef ACR_HAVE_AVX512_BF16_CODE
+  if constexpr (std::is_same_v<s_t, BFloat16>) {
+    if (softmax_avx512_bf16()) {
+      scale_row_to_bf16_avx512(acc, inv, d, dst);
+      return;
+    }
+  }
+#endif
+  for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<s_t>(acc[c] * inv);
+}
 
 template <typename c_t, typename CntFn>
 void softmax_step(int64_t M, int64_t KT, int64_t width, int64_t d, float scale, const float* S, CntFn&& cnt,

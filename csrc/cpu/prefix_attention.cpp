@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <optional>
 #include <vector>
@@ -236,7 +237,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             for (int64_t i = 0; i < r; ++i) {
               const s_t* src = qp + t * qs0 + (h * r + i) * qs1;
               c_t* dst = Q.data() + (pc.m0 + (t - pc.t0) * r + i) * d;
-              for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<c_t>(src[c]);
+              if constexpr (std::is_same_v<s_t, c_t>)
+                std::memcpy(static_cast<void*>(dst), src, sizeof(c_t) * d);  // an element loop did not vectorise
+              else
+                for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<c_t>(src[c]);
             }
         std::fill(m.begin(), m.begin() + M, -std::numeric_limits<float>::infinity());
         std::fill(l.begin(), l.begin() + M, 0.f);
@@ -330,9 +334,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           for (int64_t t = pc.t0; t < pc.t1; ++t)
             for (int64_t i = 0; i < r; ++i) {
               const int64_t row = pc.m0 + (t - pc.t0) * r + i;
-              const float inv = 1.f / l[row];
-              s_t* dst = op + t * os0 + (h * r + i) * os1;
-              for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<s_t>(acc[row * d + c] * inv);
+              scale_row_out<s_t>(acc.data() + row * d, 1.f / l[row], d, op + t * os0 + (h * r + i) * os1);
             }
       }
     }
