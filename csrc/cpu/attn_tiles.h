@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "gemm_bf16_avx512.h"
+#include "pack_vnni_avx512.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -143,8 +144,9 @@ inline bool bf16_brgemm() {
   }();
   return yes;
 }
-// The softmax writes bf16 P with AVX-512 on the paths whose GEMMs take bf16 P.
-inline bool softmax_avx512_bf16() {
+// The bf16 paths' vector code (VNNI packing, the softmax writing bf16 P, bf16 output rows) runs
+// AVX-512 where the CPU has AVX512_BF16, unless ACARERANK_CPU_BASELINE=1.
+inline bool bf16_avx512() {
   static const bool ok = cpu_has_avx512_bf16() && !cpu_baseline_forced();
   return ok;
 }
@@ -236,17 +238,24 @@ inline bool pack_kv_tile(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_
     static_assert(sizeof(c_t) == 2 && sizeof(s_t) == 2, "VNNI pairs are two 16-bit values (s_t == c_t)");
     const int64_t nc = gemm_cols<c_t>(n, KT);
     uint32_t* k32 = reinterpret_cast<uint32_t*>(kt);
-    for (int64_t j = 0; j < n; ++j) {
-      const s_t* kr = krow(j);
-      for (int64_t kp = 0; kp < d / 2; ++kp) {
-        uint32_t pair;
-        std::memcpy(&pair, kr + 2 * kp, sizeof(pair));
-        k32[kp * KT + j] = pair;
+#ifdef ACR_HAVE_AVX512_BF16_CODE
+    if (bf16_avx512() && KT % 16 == 0) {
+      finite = pack_kv_rows_vnni_avx512(krow, vrow, n, KT, d, kt, vt);
+    } else
+#endif
+    {
+      for (int64_t j = 0; j < n; ++j) {
+        const s_t* kr = krow(j);
+        for (int64_t kp = 0; kp < d / 2; ++kp) {
+          uint32_t pair;
+          std::memcpy(&pair, kr + 2 * kp, sizeof(pair));
+          k32[kp * KT + j] = pair;
+        }
+        const s_t* vr = vrow(j);
+        c_t* vdst = vt + (j >> 1) * d * 2 + (j & 1);
+        for (int64_t c = 0; c < d; ++c) vdst[c * 2] = static_cast<c_t>(vr[c]);
+        for (int64_t c = 0; c < d; ++c) finite &= std::isfinite(static_cast<float>(vr[c]));
       }
-      const s_t* vr = vrow(j);
-      c_t* vdst = vt + (j >> 1) * d * 2 + (j & 1);
-      for (int64_t c = 0; c < d; ++c) vdst[c * 2] = static_cast<c_t>(vr[c]);
-      for (int64_t c = 0; c < d; ++c) finite &= std::isfinite(static_cast<float>(vr[c]));
     }
     for (int64_t kp = 0; kp < d / 2; ++kp)
       for (int64_t j = n; j < nc; ++j) k32[kp * KT + j] = 0;
@@ -383,22 +392,27 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
   // exp(scale·(s − m')) = 2^(s·scale·log2(e) − m'·scale·log2(e))
   constexpr float kLog2e = 1.44269504088896341f;
   const __m512 vs = _mm512_set1_ps(scale * kLog2e), voff = _mm512_set1_ps(scale * kLog2e * m_new);
-  __m512 vsum = _mm512_setzero_ps();
+  // l sums the rounded weights P·V will use, so the output is an exact weighted mean of V: the
+  // bf16 P summed by vdpbf16ps against ones (one instruction; pairs first, then the 8 lanes)
+  __m256 vsum = _mm256_setzero_ps();
+  const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3F80);  // bf16 1.0
   uint16_t* pp = reinterpret_cast<uint16_t*>(p);
   for (j = 0; j < width; j += 16) {
     const int64_t left = n - j;
     const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(mk, exp2_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + j), vs, voff)));
-    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
-    // l sums the rounded weights P·V will use: the output is then an exact weighted mean of V
-    vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+    // masked-off columns load 0 and convert to 0 (zero-masking), never exp(−offset)
+    const __m256bh pb = _mm512_maskz_cvtneps_pbh(mk, exp2_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + j), vs, voff)));
+    vsum = _mm256_dpbf16_ps(vsum, pb, ones);
     const int64_t w = width - j;
     if (w >= 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + j), pb);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + j), (__m256i)pb);
     else
-      _mm256_mask_storeu_epi16(pp + j, static_cast<__mmask16>((1u << w) - 1), pb);
+      _mm256_mask_storeu_epi16(pp + j, static_cast<__mmask16>((1u << w) - 1), (__m256i)pb);
   }
-  l = l * alpha + _mm512_reduce_add_ps(vsum);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  l = l * alpha + _mm_cvtss_f32(s4);
   m = m_new;
   if (alpha != 1.f) {
     const __m512 va = _mm512_set1_ps(alpha);
@@ -431,7 +445,7 @@ template <typename s_t>
 inline void scale_row_out(const float* acc, float inv, int64_t d, s_t* dst) {
 #ifdef ACR_HAVE_AVX512_BF16_CODE
   if constexpr (std::is_same_v<s_t, BFloat16>) {
-    if (softmax_avx512_bf16()) {
+    if (bf16_avx512()) {
       scale_row_to_bf16_avx512(acc, inv, d, dst);
       return;
     }
@@ -446,7 +460,7 @@ void softmax_step(int64_t M, int64_t KT, int64_t width, int64_t d, float scale, 
 #if defined(__x86_64__)
 #ifdef ACR_HAVE_AVX512_BF16_CODE
   if constexpr (std::is_same_v<c_t, BFloat16>) {
-    if (softmax_avx512_bf16()) {
+    if (bf16_avx512()) {
       for (int64_t i = 0; i < M; ++i) {
         const int64_t n = std::max<int64_t>(0, cnt(i));
         if (n > 0)
