@@ -10,6 +10,7 @@ activations they read and write. Variants run one call each in turn for ``--roun
 
     python bench/bench_cpu_layer.py [--rows 512 2048] [--rounds 7] [--dtype float32 bfloat16] [--no-compile]
     python bench/bench_cpu_layer.py --quick     # smoke test
+    ACARERANK_CPU_LAYER_ISA=avx2 python bench/bench_cpu_layer.py   # the native ops' AVX2 build (also avx512, baseline)
 
 torch.compile's first call (compilation) is excluded and printed. The CPU's flags are printed
 first: without native bf16 (AVX512_BF16/AMX) bf16 GEMMs are emulated, so bf16 layer times there
@@ -135,6 +136,10 @@ def main() -> None:
     native = all("native" in available_backends(op, "cpu") for op in OPS)
     if not native:
         print("acarerank._cpu is not built: the native variant is skipped")
+    else:
+        from acarerank.ops import _native
+        print(f"native element-wise kernels: the {_native.layer_kernel_isa()} build "
+              "(ACARERANK_CPU_LAYER_ISA=avx512|avx2|baseline picks one)")
     a = ARCH_0_6B
     for dt_name in args.dtype:
         dtype = getattr(torch, dt_name)

@@ -45,7 +45,10 @@ def pytest_terminal_summary(terminalreporter):
     flags = " ".join(f for f in ("amx_bf16", "avx512_bf16") if f in words) or "no native bf16 flag"
     try:
         from acarerank.ops import _native
-        path = _native.bf16_attention_path() if _native.available() else f"none ({_native.why_unavailable()})"
+        if _native.available():
+            path = f"{_native.bf16_attention_path()}; element-wise kernels: {_native.layer_kernel_isa()}"
+        else:
+            path = f"none ({_native.why_unavailable()})"
     except Exception as e:  # the summary must never fail the run
         path = f"unknown ({e!r})"
     terminalreporter.write_line(f"cpu: {flags}; torch threads {torch.get_num_threads()}; "

@@ -87,6 +87,15 @@ def could_pack_bf16() -> bool:
     return bool(load().could_pack_bf16())
 
 
+def layer_kernel_isa() -> str:
+    """The build of the element-wise row kernels (rms_norm, fused_add_rms_norm, qk_norm_rope,
+    silu_and_mul) this process runs, chosen once: "avx512", "avx2" or "baseline" — the widest
+    the CPU has, unless ACARERANK_CPU_LAYER_ISA names one (or ACARERANK_CPU_BASELINE=1).
+    RuntimeError if that variable names a build this CPU cannot run, or none.
+    docs/cpu.md, "Native CPU kernels"."""
+    return str(load().layer_kernel_isa())
+
+
 def bf16_attention_path() -> str:
     """How the attention kernel multiplies bf16 tiles on this CPU, chosen once per process:
     "amx-brgemm" (cpublas brgemm, AMX), "avx512-bf16" (the kernel's own vdpbf16ps tiles),

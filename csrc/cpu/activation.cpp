@@ -17,8 +17,9 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& y) {
   const int64_t I = y.size(-1), rows = y.numel() / I;
   const K* xp = reinterpret_cast<const K*>(x.const_data_ptr<T>());
   K* yp = reinterpret_cast<K*>(y.mutable_data_ptr<T>());
+  const acr_layer::Isa isa = checked_layer_isa();
   at::parallel_for(0, rows, row_grain(2 * I), [&](int64_t r0, int64_t r1) {
-    ACR_LAYER_KERNEL(silu_and_mul_rows, xp + r0 * 2 * I, yp + r0 * I, r1 - r0, I);
+    ACR_LAYER_KERNEL(isa, silu_and_mul_rows, xp + r0 * 2 * I, yp + r0 * I, r1 - r0, I);
   });
 }
 

@@ -1,11 +1,12 @@
 // Row kernels of the decoder layer's element-wise ops (docs/ARCHITECTURE.md, "Native CPU ops
-// around attention"), compiled twice from layer_kernels_impl.h: for AVX2+FMA
-// (layer_kernels_avx2.cpp) and for baseline x86-64 / any other CPU (layer_kernels_base.cpp).
-// The op glue (norm.cpp, qk_norm_rope.cpp, activation.cpp) checks the inputs, splits the rows over
-// at::parallel_for and calls ACR_LAYER_KERNEL(fn, ...), which picks the AVX2 build when the CPU has
-// it. The kernels are plain loops over raw pointers (bf16 as its uint16_t bits) that the compiler
-// vectorises for the ISA of each build; they include no torch header, so the two builds share no
-// inline function (nothing compiled for AVX2 can run on a CPU without it).
+// around attention"), compiled three times from layer_kernels_impl.h: for AVX-512
+// (layer_kernels_avx512.cpp), for AVX2+FMA (layer_kernels_avx2.cpp) and for baseline x86-64 / any
+// other CPU (layer_kernels_base.cpp). The op glue (norm.cpp, qk_norm_rope.cpp, activation.cpp)
+// checks the inputs, takes the build chosen once per process (layer_glue.h, checked_layer_isa()),
+// splits the rows over at::parallel_for and calls ACR_LAYER_KERNEL(isa, fn, ...). The kernels are
+// plain loops over raw pointers (bf16 as its uint16_t bits) that the compiler vectorises for the
+// ISA of each build; they include no torch header, so the builds share no inline function
+// (nothing compiled for AVX-512 can run on a CPU without it).
 //
 // All math is fp32; every stored element is rounded once (bf16: round-to-nearest-even).
 #pragma once
@@ -48,6 +49,9 @@ struct PageWrite {
 //: largest head_dim qk_norm_rope_rows takes (the normalised head is kept in a stack buffer)
 constexpr int64_t kMaxHeadDim = 512;
 
+namespace avx512 {
+ACR_LAYER_DECLARE_KERNELS
+}
 namespace avx2 {
 ACR_LAYER_DECLARE_KERNELS
 }
@@ -55,10 +59,18 @@ namespace base {
 ACR_LAYER_DECLARE_KERNELS
 }
 
-// whether this CPU runs the AVX2+FMA build (checked once)
-bool use_avx2();
+enum class Isa { base, avx2, avx512 };
+
+// The build this process runs, chosen once: the widest the CPU has (AVX-512 F/BW/VL/DQ, else
+// AVX2+FMA, else the baseline), unless ACARERANK_CPU_LAYER_ISA names one (auto, avx512, avx2,
+// baseline) or ACARERANK_CPU_BASELINE=1 asks for the baseline. nullptr and *why set when the
+// variable names a build this CPU cannot run or no build at all (layer_glue.h turns it into an error).
+const Isa* chosen_isa(const char** why);
+const char* isa_name(Isa isa);
 
 }  // namespace acr_layer
 
-#define ACR_LAYER_KERNEL(fn, ...) \
-  (acr_layer::use_avx2() ? acr_layer::avx2::fn(__VA_ARGS__) : acr_layer::base::fn(__VA_ARGS__))
+#define ACR_LAYER_KERNEL(isa, fn, ...)                                            \
+  ((isa) == acr_layer::Isa::avx512 ? acr_layer::avx512::fn(__VA_ARGS__)           \
+   : (isa) == acr_layer::Isa::avx2 ? acr_layer::avx2::fn(__VA_ARGS__)             \
+                                   : acr_layer::base::fn(__VA_ARGS__))

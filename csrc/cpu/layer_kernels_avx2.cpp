@@ -1,5 +1,5 @@
 // layer_kernels_impl.h compiled for AVX2 + FMA (every function of this file, nothing else: it
-// includes no library header after the target switch). Called only when acr_layer::use_avx2().
+// includes no library header after the target switch). Called only when acr_layer::chosen_isa() is Isa::avx2.
 #include <cstdint>
 
 #include "layer_kernels.h"

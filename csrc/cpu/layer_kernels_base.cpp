@@ -1,8 +1,9 @@
 // layer_kernels_impl.h for the baseline ISA of the build (any x86-64, or another CPU), and the
-// run-time choice between it and the AVX2 build (layer_kernels.h).
+// run-time choice between the builds (layer_kernels.h).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 
 #include "layer_kernels.h"
 
@@ -12,15 +13,58 @@
 
 namespace acr_layer {
 
-// ACARERANK_CPU_BASELINE=1 forces the baseline build (tests run both builds on one machine)
-bool use_avx2() {
+namespace {
+
+bool cpu_has(Isa isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          !(std::getenv("ACARERANK_CPU_BASELINE") && std::strcmp(std::getenv("ACARERANK_CPU_BASELINE"), "1") == 0);
-  return yes;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == Isa::avx2) return avx2;
+  if (isa == Isa::avx512)
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return true;
 #else
-  return false;
+  return isa == Isa::base;
 #endif
+}
+
+bool env_is(const char* name, const char* value) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::strcmp(e, value) == 0;
+}
+
+// what chosen_isa() holds once: the build, or why there is none
+struct Choice {
+  Isa isa = Isa::base;
+  const char* why = nullptr;
+};
+
+Choice choose() {
+  const char* want = std::getenv("ACARERANK_CPU_LAYER_ISA");
+  if (want == nullptr || *want == '\0' || std::strcmp(want, "auto") == 0) {
+    if (env_is("ACARERANK_CPU_BASELINE", "1")) return {Isa::base};
+    return {cpu_has(Isa::avx512) ? Isa::avx512 : cpu_has(Isa::avx2) ? Isa::avx2 : Isa::base};
+  }
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::base}) {
+    if (std::strcmp(want, isa_name(isa)) != 0) continue;
+    if (cpu_has(isa)) return {isa};
+    return {isa, isa == Isa::avx512 ? "ACARERANK_CPU_LAYER_ISA=avx512, but this CPU lacks AVX-512 F/BW/VL/DQ; "
+                                      "use auto, avx2 or baseline"
+                                    : "ACARERANK_CPU_LAYER_ISA=avx2, but this CPU lacks AVX2+FMA; use auto or baseline"};
+  }
+  return {Isa::base, "ACARERANK_CPU_LAYER_ISA must be auto, avx512, avx2 or baseline"};
+}
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "baseline";
+}
+
+const Isa* chosen_isa(const char** why) {
+  static const Choice choice = choose();
+  *why = choice.why;
+  return choice.why ? nullptr : &choice.isa;
 }
 
 }  // namespace acr_layer

@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 
 #include "attn_tiles.h"
+#include "layer_glue.h"
 
 #ifndef ACARERANK_TORCH_VERSION
 #define ACARERANK_TORCH_VERSION "unknown"
@@ -30,5 +31,7 @@ PYBIND11_MODULE(_cpu, m) {
         "Whether cpublas::brgemm has a fast (VNNI-packed, AVX512_BF16/AMX) bf16 path on this CPU.");
   m.def("bf16_attention_path", [] { return std::string(acr_attn::bf16_path()); },
         "The bf16 compute path of the attention kernel: amx-brgemm, avx512-bf16, fp32-convert or brgemm.");
+  m.def("layer_kernel_isa", [] { return std::string(acr_layer::isa_name(acarerank_cpu::checked_layer_isa())); },
+        "The build of the element-wise row kernels this process runs: avx512, avx2 or baseline.");
   m.def("num_threads", [] { return at::get_num_threads(); }, "at::get_num_threads() as the kernels see it.");
 }

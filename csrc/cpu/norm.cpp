@@ -8,7 +8,7 @@
 // stored element. The sum is rounded to the dtype *before* it is normalised, so y is the norm
 // of exactly the residual stream that is stored (as in transformers' Qwen3 layer, where the add
 // happens in the activation dtype). Rows are split over at::parallel_for (torch's OpenMP pool); the
-// row kernels are layer_kernels.h's (AVX2 build chosen at run time).
+// row kernels are layer_kernels.h's (AVX-512, AVX2 or baseline build, chosen at run time).
 #include <torch/library.h>
 
 #include "layer_glue.h"
@@ -45,8 +45,9 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, do
   const K* xp = bits<T, K>(x);
   const K* wp = bits<T, K>(w);
   K* yp = mbits<T, K>(y);
+  const acr_layer::Isa isa = checked_layer_isa();
   at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
-    ACR_LAYER_KERNEL(rms_norm_rows, xp + r0 * H, wp, yp + r0 * H, r1 - r0, H, static_cast<float>(eps));
+    ACR_LAYER_KERNEL(isa, rms_norm_rows, xp + r0 * H, wp, yp + r0 * H, r1 - r0, H, static_cast<float>(eps));
   });
 }
 
@@ -58,8 +59,9 @@ void fused_add_rms_norm_kernel(const at::Tensor& x, at::Tensor& res, const at::T
   K* rp = mbits<T, K>(res);
   const K* wp = bits<T, K>(w);
   K* yp = mbits<T, K>(y);
+  const acr_layer::Isa isa = checked_layer_isa();
   at::parallel_for(0, rows, row_grain(H), [&](int64_t r0, int64_t r1) {
-    ACR_LAYER_KERNEL(add_rms_norm_rows, xp + r0 * H, rp + r0 * H, wp, yp + r0 * H, r1 - r0, H,
+    ACR_LAYER_KERNEL(isa, add_rms_norm_rows, xp + r0 * H, rp + r0 * H, wp, yp + r0 * H, r1 - r0, H,
                      static_cast<float>(eps));
   });
 }

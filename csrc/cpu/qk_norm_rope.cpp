@@ -20,7 +20,7 @@
 // cos, sin: [T, d] of the rows' positions, fp32 or the activation dtype (read as stored; the
 // math is fp32 either way, so fp32 tables never need a cast to the activation dtype). One
 // rounding per stored element; the normalised head stays in an fp32 buffer on the stack. Rows are
-// split over at::parallel_for; the row kernel is layer_kernels.h's (AVX2 build chosen at run time).
+// split over at::parallel_for; the row kernel is layer_kernels.h's (AVX-512, AVX2 or baseline build, chosen at run time).
 #include <torch/library.h>
 
 #include <algorithm>
@@ -51,9 +51,10 @@ void qk_norm_rope_kernel(const at::Tensor& qkv, const at::Tensor& qw, const at::
   K* kc = k_cache ? reinterpret_cast<K*>(k_cache->mutable_data_ptr<T>()) : nullptr;
   K* vc = v_cache ? reinterpret_cast<K*>(v_cache->mutable_data_ptr<T>()) : nullptr;
   const int64_t* slot = slots ? slots->const_data_ptr<int64_t>() : nullptr;
+  const acr_layer::Isa isa = checked_layer_isa();
   at::parallel_for(0, rows, row_grain(width), [&](int64_t r0, int64_t r1) {
     const acr_layer::PageWrite<K> pages{kc, vc, slot ? slot + r0 : nullptr};
-    ACR_LAYER_KERNEL(qk_norm_rope_rows, src + r0 * width, qwp, kwp, cp + r0 * d, sp + r0 * d, qp + r0 * Hq * d,
+    ACR_LAYER_KERNEL(isa, qk_norm_rope_rows, src + r0 * width, qwp, kwp, cp + r0 * d, sp + r0 * d, qp + r0 * Hq * d,
                      kp + r0 * Hkv * d, vp + r0 * Hkv * d, r1 - r0, Hq, Hkv, d, static_cast<float>(eps), pages);
   });
 }

@@ -381,18 +381,79 @@ def test_opcheck_native_kernels(op, dtype):
     torch.library.opcheck(native_kernel(f"{op}_cpu").default, args)
 
 
-@needs_native
-def test_baseline_build_of_the_kernels_matches_too():
-    """The row kernels' baseline-ISA build (what a CPU without AVX2+FMA runs), forced by
-    ACARERANK_CPU_BASELINE=1 in a fresh process: the reference tests of this file pass on it."""
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(f.read().split())
+    except OSError:
+        return set()
+
+
+# the row kernels' builds (csrc/cpu/layer_kernels.h) and the CPU flags each needs
+BUILD_FLAGS = {"avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"},
+               "baseline": set()}
+
+
+def _run_child(env_updates: dict, args: list):
+    """python ``args`` in a fresh process, with the build variables only as given."""
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, ACARERANK_CPU_BASELINE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
-           "native and (matches_reference or magnitudes or non_contiguous) and not baseline", os.path.abspath(__file__)]
-    run = subprocess.run(cmd, cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ)
+    for k in ("ACARERANK_CPU_LAYER_ISA", "ACARERANK_CPU_BASELINE"):
+        env.pop(k, None)
+    env.update(env_updates)
+    return subprocess.run([sys.executable] + args, cwd=os.path.dirname(here), env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@needs_native
+@pytest.mark.parametrize("build,env", [("avx512", {"ACARERANK_CPU_LAYER_ISA": "avx512"}),
+                                       ("avx2", {"ACARERANK_CPU_LAYER_ISA": "avx2"}),
+                                       ("baseline", {"ACARERANK_CPU_LAYER_ISA": "baseline"}),
+                                       ("baseline", {"ACARERANK_CPU_BASELINE": "1"})])
+def test_every_build_of_the_kernels_matches_too(build, env):
+    """Each build of the row kernels (what a CPU with AVX-512, with AVX2+FMA only, or with neither
+    runs), forced in a fresh process: the child reports that build, and the reference tests of this
+    file and the page-writing qk_norm_rope tests pass on it. Every build this CPU can execute runs."""
+    import os
+
+    if not BUILD_FLAGS[build] <= _cpu_flags():
+        pytest.skip(f"this CPU cannot run the {build} build (needs {sorted(BUILD_FLAGS[build])})")
+    probe = _run_child(env, ["-c", "from acarerank.ops import _native; print(_native.layer_kernel_isa())"])
+    assert probe.returncode == 0 and probe.stdout.split()[-1:] == [build], probe.stdout + probe.stderr[-2000:]
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = _run_child(env, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
+                           "native and (matches_reference or magnitudes or non_contiguous or page_write) and not build",
+                           os.path.abspath(__file__), os.path.join(here, "test_op_qk_norm_rope_pages.py")])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
+
+
+@needs_native
+@pytest.mark.parametrize("value", ["avx-512", "AVX2", "none"])
+def test_unknown_layer_build_is_an_error_naming_the_variable(value):
+    """A value of ACARERANK_CPU_LAYER_ISA that names no build fails the first element-wise call with
+    an error naming the variable and the value — never a silent fallback to some build."""
+    code = ("import torch\nfrom acarerank.ops.silu_and_mul import silu_and_mul\n"
+            "try:\n    silu_and_mul(torch.randn(2, 8), backend='native')\nexcept RuntimeError as e:\n    print('ERR', e)")
+    run = _run_child({"ACARERANK_CPU_LAYER_ISA": value}, ["-c", code])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "ERR ACARERANK_CPU_LAYER_ISA must be auto, avx512, avx2 or baseline" in run.stdout \
+        and f"'{value}'" in run.stdout, run.stdout
+
+
+@needs_native
+def test_a_build_this_cpu_lacks_is_an_error_naming_the_variable():
+    """Asking for a build the CPU cannot run is an error naming the variable (checked with the
+    widest build this CPU lacks; every x86-64 CPU runs the baseline)."""
+    lacking = [b for b in ("avx512", "avx2") if not BUILD_FLAGS[b] <= _cpu_flags()]
+    if not lacking:
+        pytest.skip("this CPU runs every build of the row kernels")
+    run = _run_child({"ACARERANK_CPU_LAYER_ISA": lacking[0]},
+                     ["-c", "from acarerank.ops import _native\ntry:\n    _native.layer_kernel_isa()\n"
+                            "except RuntimeError as e:\n    print('ERR', e)"])
+    assert f"ERR ACARERANK_CPU_LAYER_ISA={lacking[0]}, but this CPU lacks" in run.stdout, \
+        run.stdout + run.stderr[-2000:]
