@@ -18,7 +18,7 @@
 //
 // Packing: where the compute type is the input type (fp32; bf16 on a bf16 path) a group's
 // prefix tiles are packed once per layer per (kv head, tile), in parallel, and every row block of
-// the group reads them; otherwise (bf16 converted to fp32 on this CPU) each task converts the tile
+// the group reads them (when it has more than one; else its one task packs them); otherwise (bf16 converted to fp32 on this CPU) each task converts the tile
 // it is about to use into its own scratch, so no fp32 copy of the prefix ever exists. The own keys
 // of a segment's piece are packed once by the task that needs them (a few hundred rows).
 //
@@ -162,13 +162,21 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t tile_elems = KT * d;  // one packed K (or V) tile
 
-  // -- 1. shared prefix pack, once per (group, kv head, tile), when no conversion is involved
+  // -- 1. shared prefix pack, once per (group, kv head, tile), when no conversion is involved and
+  // more than one row block of the group reads it. A group of one row block per kv head (a short
+  // segment or two: decode-like batches) packs its tiles in the task, into the thread's scratch:
+  // the same work, and no buffer padded to whole KT-key tiles per group (with thousands of one-token
+  // prefixes that buffer was ~10x the inputs).
   constexpr bool shared = std::is_same_v<s_t, c_t>;
-  std::vector<int64_t> tile0(G + 1, 0);  // first tile index of group g in the shared buffer
-  for (int64_t g = 0; g < G; ++g) tile0[g + 1] = tile0[g] + (mt.cp[g + 1] - mt.cp[g] + KT - 1) / KT;
+  const std::vector<Task> tasks = make_tasks(mt);
+  std::vector<int64_t> blocks(G, 0);  // row blocks of group g (per kv head)
+  for (const Task& tk : tasks) blocks[tk.g] += tk.h == 0;
+  std::vector<int64_t> tile0(G + 1, 0);  // first tile index of group g in the shared buffer (none: tile0[g+1] == tile0[g])
+  for (int64_t g = 0; g < G; ++g)
+    tile0[g + 1] = tile0[g] + (shared && blocks[g] > 1 ? (mt.cp[g + 1] - mt.cp[g] + KT - 1) / KT : 0);
   at::Tensor packed;
   c_t* pbuf = nullptr;
-  if (shared && tile0[G] > 0) {
+  if (tile0[G] > 0) {
     packed = at::empty({tile0[G], Hkv, 2, tile_elems}, q.options().dtype(c10::CppTypeToScalarType<c_t>::value));
     pbuf = packed.data_ptr<c_t>();
     const int64_t items = tile0[G] * Hkv;
@@ -219,7 +227,6 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   }
 
   // -- 2. row tasks
-  std::vector<Task> tasks = make_tasks(mt);
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   const auto lists = deal(tasks, nthreads);
   at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
@@ -248,10 +255,11 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
         // prefix: every row sees every key
         const int64_t P = mt.cp[g + 1] - mt.cp[g];
+        const bool in_pbuf = tile0[g + 1] > tile0[g];  // packed in 1
         for (int64_t j0 = 0, tile = tile0[g]; j0 < P; j0 += KT, ++tile) {
           const int64_t n = std::min(KT, P - j0);
           const c_t *kt, *vt;
-          if (shared) {
+          if (in_pbuf) {
             kt = pbuf + (tile * Hkv + h) * 2 * tile_elems;
             vt = kt + tile_elems;
           } else {

@@ -92,6 +92,8 @@ CASES = [
     pytest.param([1, 1, 1], [40, 0, 41], [0, 1, 2], 4, 1, 64, 16, id="decode-gqa4"),
     pytest.param([0, 0, 4], [0, 0], [0, 1, 1], 2, 2, 64, 16, id="no-prefix"),
     pytest.param([33, 9], [70, 5], [1, 0], 6, 3, 80, 128, id="gqa2-d80"),
+    # groups of one row block (their prefix packed by the task) beside one of three (shared pack)
+    pytest.param([1, 2, 300, 1, 3], [5, 1, 290, 0, 257], [0, 1, 2, 3, 4], 4, 2, 64, 16, id="one-and-many-block-groups"),
 ]
 
 
@@ -262,3 +264,48 @@ def test_raw_kernel_bad_input_is_a_clear_error(mutate, match):
     mutate(a)
     with pytest.raises((RuntimeError, NotImplementedError), match=match):
         fn(*a)
+
+
+_MANY_GROUPS = r"""
+import json, re, sys
+import torch
+from acarerank.ops import cpu_attention
+
+def hwm_mb():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
+
+dtype = getattr(torch, sys.argv[1])
+G, Hq, Hkv, d, bs = 2000, 16, 8, 128, 16
+kc = torch.randn(G, bs, Hkv, d).to(dtype)
+vc = torch.randn(G, bs, Hkv, d).to(dtype)
+bt = torch.arange(G, dtype=torch.int32)[:, None]
+q, k, v = torch.randn(G, Hq, d).to(dtype), torch.randn(G, Hkv, d).to(dtype), torch.randn(G, Hkv, d).to(dtype)
+cu = torch.arange(G + 1, dtype=torch.int32)
+cp = torch.arange(G + 1, dtype=torch.int32)  # one prefix token per group
+sg = torch.arange(G, dtype=torch.int32)
+kern = cpu_attention.kernel()
+kern(q[:4], k[:4], v[:4], cu[:5], kc, vc, bt[:4], cp[:5], sg[:4], 0.1)  # first-call set-up out of the count
+before = hwm_mb()
+out = kern(q, k, v, cu, kc, vc, bt, cp, sg, 0.1)
+print(json.dumps({"before": before, "after": hwm_mb(), "out_mb": out.numel() * out.element_size() / 2**20}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_thousands_of_one_token_prefixes_need_no_buffer_per_group(dtype):
+    """A decode-like call — 2,000 groups of a one-token prefix and a one-token segment, 0.6B heads —
+    must not allocate a packed prefix buffer of whole 256-key tiles per group (2 GB here; the peak
+    RSS grew 1.2-2.3 GB before the kernel packed one-block groups in their task). Peak RSS (VmHWM)
+    of a fresh process may grow by the output plus 48 MB of per-thread scratch and noise."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _MANY_GROUPS, dtype], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    grew = got["after"] - got["before"]
+    assert grew <= got["out_mb"] + 48, f"{dtype}: peak RSS grew {grew:.0f} MB in one call (output {got['out_mb']:.0f} MB)"
