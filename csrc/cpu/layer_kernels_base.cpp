@@ -50,7 +50,8 @@ Choice choose() {
     if (cpu_has(isa)) return {isa};
     return {isa, isa == Isa::avx512 ? "ACARERANK_CPU_LAYER_ISA=avx512, but this CPU lacks AVX-512 F/BW/VL/DQ; "
                                       "use auto, avx2 or baseline"
-                                    : "ACARERANK_CPU_LAYER_ISA=avx2, but this CPU lacks AVX2+FMA; use auto or baseline"};
+                                    : "ACARERANK_CPU_LAYER_ISA=avx2, but this CPU lacks AVX2+FMA; "
+                                      "use auto or baseline"};
   }
   return {Isa::base, "ACARERANK_CPU_LAYER_ISA must be auto, avx512, avx2 or baseline"};
 }

@@ -18,9 +18,10 @@
 //
 // Packing: where the compute type is the input type (fp32; bf16 on a bf16 path) a group's
 // prefix tiles are packed once per layer per (kv head, tile), in parallel, and every row block of
-// the group reads them (when it has more than one; else its one task packs them); otherwise (bf16 converted to fp32 on this CPU) each task converts the tile
-// it is about to use into its own scratch, so no fp32 copy of the prefix ever exists. The own keys
-// of a segment's piece are packed once by the task that needs them (a few hundred rows).
+// the group reads them (when it has more than one; else its one task packs them); otherwise (bf16
+// converted to fp32 on this CPU) each task converts the tile it is about to use into its own
+// scratch, so no fp32 copy of the prefix ever exists. The own keys of a segment's piece are
+// packed once by the task that needs them (a few hundred rows).
 //
 // Balance: tasks are dealt to threads longest first (LPT) by their cost rows × (P_g + own keys),
 // then one at::parallel_for runs each thread's list; brgemm_release() ends each thread's chunk.
@@ -171,7 +172,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const std::vector<Task> tasks = make_tasks(mt);
   std::vector<int64_t> blocks(G, 0);  // row blocks of group g (per kv head)
   for (const Task& tk : tasks) blocks[tk.g] += tk.h == 0;
-  std::vector<int64_t> tile0(G + 1, 0);  // first tile index of group g in the shared buffer (none: tile0[g+1] == tile0[g])
+  std::vector<int64_t> tile0(G + 1, 0);  // group g's first tile in the buffer (none: tile0[g+1] == tile0[g])
   for (int64_t g = 0; g < G; ++g)
     tile0[g + 1] = tile0[g] + (shared && blocks[g] > 1 ? (mt.cp[g + 1] - mt.cp[g] + KT - 1) / KT : 0);
   at::Tensor packed;
