@@ -1,0 +1,111 @@
+"""The native CPU attention kernel's direct path (csrc/cpu/attn_direct_avx512.h): row blocks of a
+few rows — decode-like, one-token segments — computed straight from the K/V rows, no packed tile.
+
+It runs where the CPU has AVX512_BF16 (fp32 blocks of up to 16 rows, bf16 of up to 2 by
+default); ACARERANK_CPU_DIRECT_ROWS=0..16 sets one limit for both, read once per process. So
+each limit runs in a fresh process: with 0 the tile path takes every block (what a CPU without
+AVX-512 runs), with 16 the direct path takes every block of up to 16 rows in both dtypes. Both
+are held to the suite's rules on the same cases: fp32 within 1e-5 of the fp32 oracle, bf16 within
+flash-attn's rule (2x plain bf16 PyTorch's error + twice fp32's rounding step); and the switch
+must change the path (outputs not bitwise equal), so a limit that is ignored fails here.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _ext import needs_native
+from _repo import ROOT
+
+pytestmark = needs_native
+
+_AVX512_BF16 = {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+_CHILD = r"""
+import json, sys
+sys.path[:0] = sys.argv[1:]
+import torch
+from acarerank.ops import prefix_shared_attention, prefix_shared_attention_paged
+from test_op_cpu_attention_bf16_paths import EDGE_CASES, _rule
+from test_op_cpu_attention_native import make, ref32
+
+rows = [list(_rule(tuple(c.values))) for c in EDGE_CASES]
+fp32 = []
+for c in EDGE_CASES:
+    paged, packed = make(*c.values)
+    ref = ref32(packed)
+    fp32.append(max((prefix_shared_attention_paged(*paged, backend="native") - ref).abs().max().item(),
+                    (prefix_shared_attention(*packed, backend="native") - ref).abs().max().item()))
+# a decode-like batch: 6 groups of one one-token segment (2 query rows per kv head)
+decode = {}
+for dtype in (torch.float32, torch.bfloat16):
+    paged, _ = make([1] * 6, [300, 17, 1, 64, 129, 2], list(range(6)), 16, 8, 128, 16, dtype=dtype, seed=5)
+    decode[str(dtype)] = prefix_shared_attention_paged(*paged, backend="native").float().flatten().tolist()
+print(json.dumps({"rows": rows, "fp32": fp32, "decode": decode}))
+"""
+
+
+def _cpu_flags() -> set:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+def _run(limit: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ACARERANK_CPU_DIRECT_ROWS=limit)
+    for name in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH"):
+        env.pop(name, None)
+    tests = os.path.join(ROOT, "tests")
+    return subprocess.run([sys.executable, "-c", _CHILD, tests, os.path.join(tests, "ops")], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{limit: the child's JSON} for the tile path (0) and the direct path (16)."""
+    out = {}
+    for limit in ("0", "16"):
+        done = _run(limit)
+        assert done.returncode == 0, f"ACARERANK_CPU_DIRECT_ROWS={limit}: " + done.stderr[-3000:]
+        out[limit] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.parametrize("limit", ["0", "16"])
+def test_both_paths_within_the_rules(runs, limit):
+    got = runs[limit]
+    for case, (name, err, bound) in enumerate(got["rows"]):
+        assert err <= bound, f"ACARERANK_CPU_DIRECT_ROWS={limit} case {case} {name}: bf16 error {err:.3e} > {bound:.3e}"
+    worst = max(got["fp32"])
+    case = got["fp32"].index(worst)
+    assert worst <= 1e-5, f"ACARERANK_CPU_DIRECT_ROWS={limit}: fp32 error {worst:.3e} > 1e-5 (case {case})"
+
+
+def test_the_limit_switches_the_path(runs):
+    """Where the direct path can run (AVX512_BF16), a decode batch's outputs differ in their last
+    bits between the two limits (fp32: another exp; bf16: P not rounded to bf16) — the variable
+    is read and obeyed. Without AVX512_BF16 both limits take the tile path: the outputs are equal."""
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        a, b = torch.tensor(runs["0"]["decode"][dtype]), torch.tensor(runs["16"]["decode"][dtype])
+        if _AVX512_BF16 <= _cpu_flags():
+            assert not torch.equal(a, b), f"{dtype}: ACARERANK_CPU_DIRECT_ROWS=0 and 16 gave the same bits"
+            assert (a - b).abs().max().item() <= (1e-5 if dtype == "torch.float32" else 2e-2)
+        else:
+            assert torch.equal(a, b), f"{dtype}: the direct path ran on a CPU without AVX512_BF16"
+
+
+@pytest.mark.parametrize("value", ["17", "-1", "two", "1.5"])
+def test_a_bad_limit_is_an_error_naming_the_variable(value):
+    code = ("import torch\nfrom acarerank.ops import prefix_shared_attention\n"
+            "q = torch.randn(1, 2, 8); k = torch.randn(1, 1, 8)\n"
+            "try:\n    prefix_shared_attention(q, k, k, torch.tensor([0, 1], dtype=torch.int32), k, k,"
+            " torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), backend='native')\n"
+            "except RuntimeError as e:\n    print('ERR', e)")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ACARERANK_CPU_DIRECT_ROWS=value),
+                          capture_output=True, text=True, timeout=300)
+    if not _AVX512_BF16 <= _cpu_flags():
+        pytest.skip("the limit is read only where the direct path can run (AVX512_BF16)")
+    want = "ERR ACARERANK_CPU_DIRECT_ROWS must be an integer in [0, 16]"
+    assert want in done.stdout and f"'{value}'" in done.stdout, done.stdout + done.stderr[-2000:]
