@@ -78,16 +78,9 @@ ACR_AVX512_BF16 inline void axpy_f32(float p, const float* v, float* acc, int64_
 // One softmax step of a row over its n >= 1 visible scores s[0, n): s is overwritten by p.
 ACR_AVX512_BF16 inline void softmax_row_direct(float* s, int64_t n, int64_t d, float scale, float& m, float& l,
                                                float* acc) {
-  __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 mk = tail_mask(n - j);
-    vmx = _mm512_mask_max_ps(vmx, mk, _mm512_maskz_loadu_ps(mk, s + j), vmx);  // a NaN score loses
-  }
-  const float mx = _mm512_reduce_max_ps(vmx);
-  const float m_new = m > mx ? m : mx;
-  const float alpha = std::exp(scale * (m - m_new));  // 0 at the first visible step (m = −inf)
-  constexpr float kLog2e = 1.44269504088896341f;
-  const __m512 vs = _mm512_set1_ps(scale * kLog2e), voff = _mm512_set1_ps(scale * kLog2e * m_new);
+  const RowMax rm = row_max_avx512(s, n, scale, m);
+  const float m_new = rm.m_new, alpha = rm.alpha;
+  const __m512 vs = rm.vs, voff = rm.voff;
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 mk = tail_mask(n - j);

@@ -376,9 +376,15 @@ ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
   return _mm512_scalef_ps(y, n);
 }
 
-// Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).
-ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, int64_t width, int64_t d, float scale,
-                                                    float& m, float& l, float* acc, BFloat16* p) {
+// The online softmax's new running max of a row over its n >= 1 visible scores s[0, n) (a NaN
+// score loses), the factor alpha = exp(scale·(m − m')) its old sums are rescaled by (0 at the first
+// visible step, m = −inf), and the operands of the weights in base 2:
+// exp(scale·(s − m')) = 2^(s·vs − voff), vs = scale·log2(e), voff = m'·scale·log2(e).
+struct RowMax {
+  float m_new, alpha;
+  __m512 vs, voff;
+};
+ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float scale, float m) {
   __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(s + j), vmx);  // a NaN score loses
@@ -388,16 +394,23 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
   }
   const float mx = _mm512_reduce_max_ps(vmx);
   const float m_new = m > mx ? m : mx;
-  const float alpha = std::exp(scale * (m - m_new));  // 0 at the first visible tile (m = −inf)
-  // exp(scale·(s − m')) = 2^(s·scale·log2(e) − m'·scale·log2(e))
   constexpr float kLog2e = 1.44269504088896341f;
-  const __m512 vs = _mm512_set1_ps(scale * kLog2e), voff = _mm512_set1_ps(scale * kLog2e * m_new);
+  return {m_new, std::exp(scale * (m - m_new)), _mm512_set1_ps(scale * kLog2e),
+          _mm512_set1_ps(scale * kLog2e * m_new)};
+}
+
+// Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).
+ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, int64_t width, int64_t d, float scale,
+                                                    float& m, float& l, float* acc, BFloat16* p) {
+  const RowMax rm = row_max_avx512(s, n, scale, m);
+  const float m_new = rm.m_new, alpha = rm.alpha;
+  const __m512 vs = rm.vs, voff = rm.voff;
   // l sums the rounded weights P·V will use, so the output is an exact weighted mean of V: the
   // bf16 P summed by vdpbf16ps against ones (one instruction; pairs first, then the 8 lanes)
   __m256 vsum = _mm256_setzero_ps();
   const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3F80);  // bf16 1.0
   uint16_t* pp = reinterpret_cast<uint16_t*>(p);
-  for (j = 0; j < width; j += 16) {
+  for (int64_t j = 0; j < width; j += 16) {
     const int64_t left = n - j;
     const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
     // masked-off columns load 0 and convert to 0 (zero-masking), never exp(−offset)
