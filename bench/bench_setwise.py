@@ -18,8 +18,11 @@ loop, ``<|im_end|>`` is disfavoured in the weights (as in the tests) so every se
 to the cap: 10 ids, 31-41 new tokens. Both providers must emit the same tokens (checked).
 
 Reported per pool: median / p10 / p90 ms (``measure.time_ms``: ``--repeats`` runs after one warm-up),
-prompt tokens/s, ``x`` = transformers / acarerank, and for acarerank the prefill alone
-(``runner.prefill`` of the whole prompt) and the decode loop = total - prefill.
+prompt tokens/s, ``x`` = transformers / acarerank, and for acarerank its two phases, timed inside
+each timed call (medians over the calls): the prefill (``GreedyStepper``'s set-up: the prompt but
+its last token into the cache) and the decode loop (every step after it). Timing them in the same
+call keeps the loop's figure from mixing two runs' noise (total − prefill from separate runs went
+negative on a busy machine).
 Target: at pool 20 the decode loop adds <= 20 % to the prefill.
 
     python bench/bench_setwise.py [--repeats 3] [--output results/bench_setwise]
@@ -32,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -41,7 +46,7 @@ from acarerank.benchmark.report import write_csv
 from acarerank.benchmark.workload import WorkloadSpec, make_workload
 from acarerank.model import Qwen3Runner
 from acarerank.model.default import DEFAULT_PRESET, build_default_model
-from acarerank.setwise.decode import MAX_NEW_TOKENS, GrammarLogitsProcessor, greedy_decode
+from acarerank.setwise.decode import MAX_NEW_TOKENS, GrammarLogitsProcessor, GreedyStepper, greedy_decode
 from acarerank.setwise.grammar import IdentifierGrammar
 from acarerank.setwise.prompts import build_prompt
 from acarerank.tokenizer import TOKEN_IM_END, load_qwen3_tokenizer
@@ -101,8 +106,16 @@ def main(argv=None) -> int:
         p = build_prompt(tok, work.query, work.docs(pool), max_select=args.max_select, max_length=None)
         ids, n = p.input_ids, len(p.input_ids)
 
+        phases = []  # (prefill, decode loop) seconds of each call of ours(), timed inside the call
+
         def ours():
-            return greedy_decode(runner, [ids], grammar, [grammar.start(pool, args.max_select)])[0]
+            t0 = time.perf_counter()
+            dec = GreedyStepper(runner, [ids], grammar, [grammar.start(pool, args.max_select)])  # prefills
+            t1 = time.perf_counter()
+            while not dec.done:
+                dec.step()
+            phases.append((t1 - t0, time.perf_counter() - t1))
+            return dec.outputs[0]
 
         def theirs():
             proc = GrammarLogitsProcessor(grammar, [pool], args.max_select, prompt_len=n)
@@ -111,23 +124,23 @@ def main(argv=None) -> int:
                                      eos_token_id=TOKEN_IM_END, pad_token_id=TOKEN_IM_END, logits_processor=[proc])
             return out[0, n:].tolist()
 
-        def prefill():
-            return runner.prefill([ids])
-
-        t_ours, t_hf, t_pre = (time_ms(fn, "cpu", repeats=args.repeats, warmup=warmup) for fn in (ours, theirs, prefill))
+        t_ours, t_hf = (time_ms(fn, "cpu", repeats=args.repeats, warmup=warmup) for fn in (ours, theirs))
         out_ours, out_hf = t_ours.result, t_hf.result
         agree = out_ours == out_hf
-        med_ours, med_hf, med_pre = t_ours.median, t_hf.median, t_pre.median
+        med_ours, med_hf = t_ours.median, t_hf.median
+        timed = phases[-args.repeats:]  # the timed calls' own phases (not the warm-up's)
+        med_pre = statistics.median(p for p, _ in timed) * 1e3
+        med_loop = statistics.median(dl for _, dl in timed) * 1e3
         common = dict(pool=pool, prompt_tokens=n, new_tokens=len(out_ours), tokens_agree=agree, dtype=args.dtype,
                       layers=layers, **info)
         for name, t in (("acarerank", t_ours), ("transformers", t_hf)):
             med = t.median
             rows.append(dict(common, provider=name, median_ms=med, p10_ms=t.p(10), p90_ms=t.p(90),
                              prompt_tok_per_s=n / med * 1e3, x_vs_transformers=med_hf / med))
-        share = (med_ours - med_pre) / med_pre
-        rows[-2].update(prefill_ms=med_pre, decode_loop_ms=med_ours - med_pre, decode_share=share)
+        share = med_loop / med_pre
+        rows[-2].update(prefill_ms=med_pre, decode_loop_ms=med_loop, decode_share=share)
         lines.append(f"pool {pool:>3}: prompt {n:>6} tok, {len(out_ours)} new tok | acarerank {med_ours:9.1f} ms "
-                     f"(prefill {med_pre:8.1f} + decode loop {med_ours - med_pre:7.1f} = {share:+.0%}) | transformers "
+                     f"(prefill {med_pre:8.1f} + decode loop {med_loop:7.1f} = {share:+.0%}) | transformers "
                      f"{med_hf:9.1f} ms | x {med_hf / med_ours:5.2f} | same tokens: {agree}")
         if not agree:
             lines.append(f"   ours {tok.decode(out_ours)!r} vs transformers {tok.decode(out_hf)!r}")
