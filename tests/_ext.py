@@ -39,3 +39,13 @@ if NATIVE_MISSING and os.environ.get("ACARERANK_REQUIRE_EXT") == "1":
     raise RuntimeError(f"ACARERANK_REQUIRE_EXT=1 but {NATIVE_MISSING}")
 #: mark for a test (or ``pytestmark``) that needs acarerank._cpu
 needs_native = pytest.mark.skipif(NATIVE_MISSING is not None, reason=NATIVE_MISSING or "")
+
+
+def cpu_flags() -> set:
+    """The CPU's flags from /proc/cpuinfo (empty where there is none): which native paths and
+    builds this CPU can run (AVX2, AVX-512, AVX512_BF16, AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()

@@ -183,14 +183,15 @@ void run_direct_rows(const Task& tk, const Meta& mt, int64_t P, float scale, con
 #ifdef ACR_HAVE_AVX512_BF16_CODE
   if constexpr (std::is_same_v<s_t, c_t>) {
     const int64_t d = mt.d, r = mt.r, M = tk.M;
-    for (int64_t i = 0; i < M; ++i) {
-      const float* row = row_f32(Q + i * d, d, Qf + i * d);
-      if (row != Qf + i * d) std::memcpy(Qf + i * d, row, sizeof(float) * d);
-    }
-    direct_keys<s_t>(Qf, M, d, scale, P, pk, pv, [P](int64_t) { return P; }, m, l, acc, kf, S);
+    const float* qf = Qf;  // fp32 q rows: the task's own (fp32), or widened from bf16 into Qf
+    if constexpr (std::is_same_v<c_t, float>)
+      qf = Q;
+    else
+      for (int64_t i = 0; i < M; ++i) row_f32(Q + i * d, d, Qf + i * d);
+    direct_keys<s_t>(qf, M, d, scale, P, pk, pv, [P](int64_t) { return P; }, m, l, acc, kf, S);
     for (const Piece& pc : tk.pieces) {
       const int64_t a = mt.cs[pc.seg];
-      direct_keys<s_t>(Qf + pc.m0 * d, (pc.t1 - pc.t0) * r, d, scale, pc.t1 - a,
+      direct_keys<s_t>(qf + pc.m0 * d, (pc.t1 - pc.t0) * r, d, scale, pc.t1 - a,
                        [&](int64_t j) { return own_k(a + j); }, [&](int64_t j) { return own_v(a + j); },
                        [&](int64_t i) { return pc.t0 + i / r - a + 1; }, m + pc.m0, l + pc.m0, acc + pc.m0 * d, kf, S);
     }

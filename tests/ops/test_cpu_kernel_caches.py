@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from _ext import needs_native
+from _ext import cpu_flags, needs_native
 from _repo import ROOT
 from acarerank._onednn_env import CAPACITY, VARIABLES, bound_onednn_caches
 from acarerank.ops.linear import onednn_why_unavailable
@@ -32,12 +32,9 @@ ONEDNN_DTYPES = [n for n in ("float32", "bfloat16") if not onednn_why_unavailabl
 ROUND, GROWTH_MB = 400, 32
 
 
-def _cpu_flags() -> set:
-    with open("/proc/cpuinfo") as f:
-        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
 
 
-_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
 
 # each child prints {"path": ..., "rss": [MB at start, after a round, after another]} last
 _RSS = r"""

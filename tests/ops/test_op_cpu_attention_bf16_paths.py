@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from _ext import needs_native
+from _ext import cpu_flags, needs_native
 from _repo import ROOT
 from acarerank.ops import prefix_shared_attention, prefix_shared_attention_paged
 from test_op_cpu_attention_native import CASES, make, plain, ref32
@@ -39,12 +39,6 @@ EDGE_CASES = CASES + [
 ]
 
 
-def _cpu_flags() -> set:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def _path() -> str:
@@ -54,7 +48,7 @@ def _path() -> str:
 
 
 def _has_avx512_bf16() -> bool:
-    return {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
+    return {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
 
 
 def _auto_path() -> str:
@@ -78,7 +72,7 @@ def test_bf16_path_follows_the_cpu():
         want = "fp32-convert"
     else:
         want = _auto_path()
-    flags = _cpu_flags()
+    flags = cpu_flags()
     assert _path() == want, f"bf16 path {_path()!r} on a CPU with {sorted(flags & {'avx512_bf16', 'amx_bf16'})}"
 
 
@@ -155,7 +149,7 @@ def test_brgemm_switch_runs_the_amx_code_within_the_rule():
     done = _run_child("all", ACARERANK_CPU_BF16_PATH="brgemm")
     if _native.could_pack_bf16():
         assert _rows_within_the_rule(done) == "amx-brgemm"
-    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags():
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
         assert _rows_within_the_rule(done) == "brgemm"
     else:
         assert done.returncode != 0 and "refuses VNNI tiles on this CPU" in done.stderr, done.stderr[-3000:]

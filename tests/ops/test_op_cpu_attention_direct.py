@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from _ext import needs_native
+from _ext import cpu_flags, needs_native
 from _repo import ROOT
 
 pytestmark = needs_native
@@ -49,9 +49,6 @@ print(json.dumps({"rows": rows, "fp32": fp32, "decode": decode}))
 """
 
 
-def _cpu_flags() -> set:
-    with open("/proc/cpuinfo") as f:
-        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
 
 
 def _run(limit: str) -> subprocess.CompletedProcess:
@@ -90,7 +87,7 @@ def test_the_limit_switches_the_path(runs):
     is read and obeyed. Without AVX512_BF16 both limits take the tile path: the outputs are equal."""
     for dtype in ("torch.float32", "torch.bfloat16"):
         a, b = torch.tensor(runs["0"]["decode"][dtype]), torch.tensor(runs["16"]["decode"][dtype])
-        if _AVX512_BF16 <= _cpu_flags():
+        if _AVX512_BF16 <= cpu_flags():
             assert not torch.equal(a, b), f"{dtype}: ACARERANK_CPU_DIRECT_ROWS=0 and 16 gave the same bits"
             assert (a - b).abs().max().item() <= (1e-5 if dtype == "torch.float32" else 2e-2)
         else:

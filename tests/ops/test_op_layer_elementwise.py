@@ -11,7 +11,7 @@ The native kernels must also match the fp32-then-round-once reference to one bf1
 import pytest
 import torch
 
-from _ext import NATIVE_MISSING, needs_native
+from _ext import NATIVE_MISSING, cpu_flags, needs_native
 from acarerank.ops import BackendError
 from acarerank.ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_op, qk_norm_rope_ref
 from acarerank.ops.rms_norm import (fused_add_rms_norm, fused_add_rms_norm_op, fused_add_rms_norm_ref, rms_norm,
@@ -381,12 +381,6 @@ def test_opcheck_native_kernels(op, dtype):
     torch.library.opcheck(native_kernel(f"{op}_cpu").default, args)
 
 
-def _cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(f.read().split())
-    except OSError:
-        return set()
 
 
 # the row kernels' builds (csrc/cpu/layer_kernels.h) and the CPU flags each needs
@@ -420,7 +414,7 @@ def test_every_build_of_the_kernels_matches_too(build, env):
     file and the page-writing qk_norm_rope tests pass on it. Every build this CPU can execute runs."""
     import os
 
-    if not BUILD_FLAGS[build] <= _cpu_flags():
+    if not BUILD_FLAGS[build] <= cpu_flags():
         pytest.skip(f"this CPU cannot run the {build} build (needs {sorted(BUILD_FLAGS[build])})")
     probe = _run_child(env, ["-c", "from acarerank.ops import _native; print(_native.layer_kernel_isa())"])
     assert probe.returncode == 0 and probe.stdout.split()[-1:] == [build], probe.stdout + probe.stderr[-2000:]
@@ -449,7 +443,7 @@ def test_unknown_layer_build_is_an_error_naming_the_variable(value):
 def test_a_build_this_cpu_lacks_is_an_error_naming_the_variable():
     """Asking for a build the CPU cannot run is an error naming the variable (checked with the
     widest build this CPU lacks; every x86-64 CPU runs the baseline)."""
-    lacking = [b for b in ("avx512", "avx2") if not BUILD_FLAGS[b] <= _cpu_flags()]
+    lacking = [b for b in ("avx512", "avx2") if not BUILD_FLAGS[b] <= cpu_flags()]
     if not lacking:
         pytest.skip("this CPU runs every build of the row kernels")
     run = _run_child({"ACARERANK_CPU_LAYER_ISA": lacking[0]},
