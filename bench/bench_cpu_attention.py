@@ -17,6 +17,13 @@ Providers, interleaved one call each per round (a load change on a shared machin
            bf16, where torch's bf16 GEMM is an emulation at well under 1 GFLOP/s): the GEMM peak
            the others are a % of
 
+Decode (``--workload decode``): one setwise decoding step of ``--groups`` prompts at once — each
+group its own prefix of the mode's length in scattered pages and one one-token segment — as a
+batched decode sends it. That is a GEMV per row, bound by reading K/V: the figure is GB/s of
+prefix K/V read (G·P·Hkv·d·2·bytes per call) and % of a streaming read measured in the same run
+(``stream``: a sum over 256 MB of fp32), where the prefill table gives % of the GEMM peak. flex
+is not run there (one compiled block mask per batch shape is not what a decode step can afford).
+
 Check: every provider's output against the fp32 oracle (--quick) or the torch backend's (full
 shapes), max |diff| ≤ 2e-4 fp32 / 4e-2 bf16; a mismatch is printed and the exit status is 1.
 
@@ -27,6 +34,7 @@ torch and the date.
     python bench/bench_cpu_attention.py --quick                 # tiny shapes, every provider once
     python bench/bench_cpu_attention.py                         # the full table (slow on 2 cores)
     python bench/bench_cpu_attention.py --models 0.6b --modes M3 --depths 20 --dtypes float32 bfloat16
+    python bench/bench_cpu_attention.py --workload decode --groups 1 16 --modes M3 --dtypes float32 bfloat16
 """
 from __future__ import annotations
 
@@ -81,6 +89,46 @@ def make_case(Hq, Hkv, d, P, depth, dtype, seed=0):
     pl = torch.tensor([P], dtype=torch.int32)
     flop = 4 * d * Hq * sum(L * (P + (L + 1) / 2) for L in lens)
     return (q, k, v, cu, kc, vc, bt, pl, sg), lens, flop
+
+
+def make_decode_case(Hq, Hkv, d, P, G, dtype, seed=0):
+    """``G`` groups of prefix ``P`` each (pages at shuffled ids), one one-token segment per group."""
+    g = torch.Generator().manual_seed(seed)
+    nb = max(-(-P // BLOCK), 1)
+    num_blocks = G * nb + 8
+    kc = torch.randn(num_blocks, BLOCK, Hkv, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, BLOCK, Hkv, d, generator=g).to(dtype)
+    bt = torch.randperm(num_blocks, generator=g)[:G * nb].to(torch.int32).view(G, nb)
+    q = torch.randn(G, Hq, d, generator=g).to(dtype)
+    k = torch.randn(G, Hkv, d, generator=g).to(dtype)
+    v = torch.randn(G, Hkv, d, generator=g).to(dtype)
+    cu = torch.arange(G + 1, dtype=torch.int32)
+    sg = torch.arange(G, dtype=torch.int32)
+    pl = torch.full((G,), P, dtype=torch.int32)
+    kv_bytes = 2 * G * P * Hkv * d * kc.element_size()
+    return (q, k, v, cu, kc, vc, bt, pl, sg), kv_bytes
+
+
+def provider_sdpa_decode(args):
+    """Per group: its prefix gathered from its pages, then SDPA of its one token over [prefix; own]."""
+    q, k, v, cu, kc, vc, bt, pl, sg = args
+    P = int(pl[0])
+    idx = torch.arange(P)
+
+    def call():
+        out = torch.empty_like(q)
+        for gi in range(q.shape[0]):
+            blk = bt[gi].long()[idx // BLOCK]
+            keys = torch.cat([kc[blk, idx % BLOCK], k[gi:gi + 1]]).transpose(0, 1)  # [Hkv, P+1, d]
+            vals = torch.cat([vc[blk, idx % BLOCK], v[gi:gi + 1]]).transpose(0, 1)
+            out[gi] = F.scaled_dot_product_attention(q[gi][:, None], keys, vals, enable_gqa=True)[:, 0]
+        return out
+    return call
+
+
+def provider_stream(n_bytes=256 << 20):
+    x = torch.randn(n_bytes // 4)
+    return (lambda: x.sum()), n_bytes
 
 
 def provider_ours(args, backend):
@@ -175,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--providers", nargs="+", default=["native", "torch", "sdpa", "flex"],
                     choices=["native", "torch", "sdpa", "flex"])
+    ap.add_argument("--workload", choices=["prefill", "decode"], default="prefill",
+                    help="prefill: one group, depth segments; decode: --groups groups of one token each")
+    ap.add_argument("--groups", nargs="+", type=int, default=[1, 16], help="decode: groups per call")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--csv", default=None, help="write the rows here too")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (Hq 4 / Hkv 2, d 64, prefix 40, depth 3), one round")
@@ -196,6 +247,75 @@ def main(argv=None) -> int:
     modes = {"quick": 40} if a.quick else {m: MODES[m] for m in a.modes}
     depths = [3] if a.quick else a.depths
     rounds = 1 if a.quick else a.rounds
+    if a.workload == "decode":
+        rows, failed = run_decode(a, info, models, modes, rounds)
+    else:
+        rows, failed = run_prefill(a, info, models, modes, depths, rounds)
+    if a.csv and rows:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 1 if failed else 0
+
+
+def check_outputs(a, outs, args, dtype, label):
+    """Every provider's output against the fp32 oracle (--quick) or the torch backend's: True if any
+    is off by more than TOL (printed)."""
+    if a.quick:
+        from acarerank.ops import prefix_shared_attention_paged_ref
+
+        want = prefix_shared_attention_paged_ref(*[t.float() if t.is_floating_point() else t for t in args])
+    else:
+        want = as_rows("torch", outs["torch"]) if "torch" in outs else None
+    failed = False
+    for p in a.providers:
+        if p in outs and want is not None:
+            err = (as_rows(p, outs[p]) - want).abs().max().item()
+            if not err <= TOL[dtype]:
+                print(f"MISMATCH {label}: {p} max |diff| {err:.3g} > {TOL[dtype]}", file=sys.stderr)
+                failed = True
+    return failed
+
+
+def run_decode(a, info, models, modes, rounds):
+    rows, failed = [], False
+    groups = [2] if a.quick else a.groups
+    stream_fn, stream_bytes = provider_stream(16 << 20 if a.quick else 256 << 20)
+    for dt_name in a.dtypes:
+        dtype = getattr(torch, dt_name)
+        for model, (Hq, Hkv, d) in models.items():
+            for mode, P in modes.items():
+                for G in groups:
+                    args, kv_bytes = make_decode_case(Hq, Hkv, d, P, G, dtype)
+                    variants = {"stream": stream_fn}
+                    for p in a.providers:
+                        if p in ("native", "torch"):
+                            variants[p] = provider_ours(args, p)
+                        elif p == "sdpa":
+                            variants[p] = provider_sdpa_decode(args)
+                    times, outs = interleaved(variants, rounds)
+                    label = f"decode {dt_name} {model} {mode} groups {G}"
+                    failed |= check_outputs(a, outs, args, dtype, label)
+                    bw = stream_bytes / statistics.median(times["stream"])
+                    print(f"\n{dt_name} {model} (Hq {Hq}/Hkv {Hkv}, d {d}) decode {mode} prefix {P} groups {G} "
+                          f"({kv_bytes / 1e6:.1f} MB of K/V)  streaming read {bw / 1e9:.1f} GB/s")
+                    for p in a.providers:
+                        if p not in times:
+                            print(f"  {p:7s} not run: {'no decode case' if p == 'flex' else 'unavailable'}")
+                            continue
+                        med = statistics.median(times[p])
+                        gbs = kv_bytes / med
+                        print(f"  {p:7s} {med * 1e3:10.2f} ms  {gbs / 1e9:7.2f} GB/s  {100 * gbs / bw:5.1f} % of streaming read")
+                        rows.append(dict(date=str(datetime.date.today()), cpu=info["cpu"], flags=info["flags"],
+                                         threads=torch.get_num_threads(), torch=torch.__version__, dtype=dt_name,
+                                         model=model, mode=mode, prefix=P, groups=G, kv_mb=round(kv_bytes / 1e6, 2),
+                                         provider=p, ms=round(med * 1e3, 3), gb_per_s=round(gbs / 1e9, 3),
+                                         pct_stream=round(100 * gbs / bw, 1), stream_gb_per_s=round(bw / 1e9, 2)))
+    return rows, failed
+
+
+def run_prefill(a, info, models, modes, depths, rounds):
     rows, failed = [], False
     for dt_name in a.dtypes:
         dtype = getattr(torch, dt_name)
@@ -222,21 +342,7 @@ def main(argv=None) -> int:
                             variants.pop(p, None)
                             notes[p] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                     times, outs = interleaved(variants, rounds)
-                    # the check: every provider against the fp32 oracle (--quick) or the torch backend
-                    if a.quick:
-                        from acarerank.ops import prefix_shared_attention_paged_ref
-
-                        want = prefix_shared_attention_paged_ref(*[t.float() if t.is_floating_point() else t
-                                                                   for t in args])
-                    else:
-                        want = as_rows("torch", outs["torch"]) if "torch" in outs else None
-                    for p in a.providers:
-                        if p in outs and want is not None:
-                            err = (as_rows(p, outs[p]) - want).abs().max().item()
-                            if not err <= TOL[dtype]:
-                                print(f"MISMATCH {dt_name} {model} {mode} depth {depth}: {p} max |diff| {err:.3g} "
-                                      f"> {TOL[dtype]}", file=sys.stderr)
-                                failed = True
+                    failed |= check_outputs(a, outs, args, dtype, f"{dt_name} {model} {mode} depth {depth}")
                     peak = gemm_flop / statistics.median(times["gemm"])
                     print(f"\n{dt_name} {model} (Hq {Hq}/Hkv {Hkv}, d {d}) {mode} prefix {P} depth {depth} "
                           f"({sum(lens)} segment tokens, {flop / 1e9:.1f} GFLOP)  GEMM peak {peak / 1e12:.3f} TFLOP/s")
@@ -253,12 +359,7 @@ def main(argv=None) -> int:
                                          provider=p, ms=round(med * 1e3, 2), tflops=round(tf / 1e12, 4),
                                          pct_gemm_peak=round(100 * tf / peak, 1),
                                          gemm_peak_tflops=round(peak / 1e12, 4)))
-    if a.csv:
-        with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    return 1 if failed else 0
+    return rows, failed
 
 
 if __name__ == "__main__":

@@ -42,3 +42,30 @@ def test_check_fails_on_a_wrong_result(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(mod, "provider_sdpa", broken)
     rc = mod.main(["--quick", "--providers", "sdpa", "--dtypes", "float32"])
     assert rc == 1 and "MISMATCH" in capsys.readouterr().err
+
+
+@needs_native
+def test_quick_decode_run_checks_and_writes_its_csv(tmp_path, capsys):
+    out = tmp_path / "decode.csv"
+    rc = _load().main(["--quick", "--workload", "decode", "--providers", "native", "torch", "sdpa",
+                       "--csv", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.out + printed.err
+    rows = list(csv.DictReader(out.open()))
+    assert {(r["provider"], r["dtype"]) for r in rows} == {(p, d) for p in ("native", "torch", "sdpa")
+                                                          for d in ("float32", "bfloat16")}, rows
+    for r in rows:
+        assert int(r["groups"]) == 2 and float(r["ms"]) > 0 and float(r["gb_per_s"]) > 0, r
+
+
+def test_decode_check_fails_on_a_wrong_result(monkeypatch, capsys):
+    mod = _load()
+    real = mod.provider_sdpa_decode
+
+    def broken(args):
+        q, k, v, cu, kc, vc, bt, pl, sg = args
+        return real((q, k, v, cu, kc, vc, bt.flip(0), pl, sg))   # each group reads another's prefix
+
+    monkeypatch.setattr(mod, "provider_sdpa_decode", broken)
+    rc = mod.main(["--quick", "--workload", "decode", "--providers", "sdpa", "--dtypes", "float32"])
+    assert rc == 1 and "MISMATCH" in capsys.readouterr().err
