@@ -37,41 +37,104 @@ ACR_AVX512_BF16 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
 
-// Rows kAhead keys ahead are fetched while this one is used: key rows lie in scattered pages (a
-// page boundary every block_size keys), where the hardware prefetcher loses the stream.
-constexpr int64_t kAhead = 8;
+// Key rows are fetched ahead of their use: they lie in scattered pages (a page boundary every
+// block_size keys), where the hardware prefetcher loses the stream.
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
 }
 
-// d values of a key/value row as fp32: bf16 widened into buf (the low 16 bits zero), fp32 as it is.
-ACR_AVX512_BF16 inline const float* row_f32(const BFloat16* x, int64_t d, float* buf) {
-  const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t c = 0; c < d; c += 16) {
-    const __mmask16 mk = tail_mask(d - c);
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, u + c));
-    _mm512_mask_storeu_ps(buf + c, mk, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-  }
-  return buf;
+// 16 values (lanes past mk zero) as fp32: bf16 widened (the low 16 bits zero), fp32 as they are.
+ACR_AVX512_BF16 inline __m512 load16_f32(const BFloat16* x, __mmask16 mk) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, reinterpret_cast<const uint16_t*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-ACR_AVX512_BF16 inline const float* row_f32(const float* x, int64_t, float*) { return x; }
+ACR_AVX512_BF16 inline __m512 load16_f32(const float* x, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, x); }
 
-ACR_AVX512_BF16 inline float dot_f32(const float* a, const float* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
+// d values of a row as fp32 into buf (q rows of a bf16 task).
+ACR_AVX512_BF16 inline void row_f32(const BFloat16* x, int64_t d, float* buf) {
   for (int64_t c = 0; c < d; c += 16) {
     const __mmask16 mk = tail_mask(d - c);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, a + c), _mm512_maskz_loadu_ps(mk, b + c), acc);
+    _mm512_mask_storeu_ps(buf + c, mk, load16_f32(x + c, mk));
   }
-  return _mm512_reduce_add_ps(acc);
 }
 
-// acc[0, d) += p · v[0, d)
-ACR_AVX512_BF16 inline void axpy_f32(float p, const float* v, float* acc, int64_t d) {
-  const __m512 vp = _mm512_set1_ps(p);
-  for (int64_t c = 0; c < d; c += 16) {
-    const __mmask16 mk = tail_mask(d - c);
-    const __m512 a = _mm512_maskz_loadu_ps(mk, acc + c);
-    _mm512_mask_storeu_ps(acc + c, mk, _mm512_fmadd_ps(vp, _mm512_maskz_loadu_ps(mk, v + c), a));
+// Lane j of the result = the sum of v[j]'s 16 lanes: 16 dot products finished in 15 pairwise
+// steps (unpack/shuffle + add) instead of 16 horizontal reductions of 4 steps each.
+ACR_AVX512_BF16 inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2k], v[2k+1]
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: the lane's sum of v[4k .. 4k+3]
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44), _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0xEE));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// s[0, nk) = q · k[jj] for nk <= 16 key rows k[jj] (d values each; q fp32). NC > 0: d == 16·NC,
+// q held in registers; NC == 0: any d, masked tail.
+template <int NC, typename T>
+ACR_AVX512_BF16 inline void dots16(const float* q, const T* const* k, int64_t nk, int64_t d, float* s) {
+  __m512 part[16];
+  if constexpr (NC > 0) {
+    __m512 qr[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) qr[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();  // two chains: half the FMA latency
+      if (jj < nk) {
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; c += 2) {
+          a = _mm512_fmadd_ps(qr[c], load16_f32(k[jj] + 16 * c, 0xFFFF), a);
+          if (c + 1 < NC) b = _mm512_fmadd_ps(qr[c + 1], load16_f32(k[jj] + 16 * c + 16, 0xFFFF), b);
+        }
+      }
+      part[jj] = _mm512_add_ps(a, b);
+    }
+  } else {
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      __m512 a = _mm512_setzero_ps();
+      if (jj < nk)
+        for (int64_t c = 0; c < d; c += 16) {
+          const __mmask16 mk = tail_mask(d - c);
+          a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + c), load16_f32(k[jj] + c, mk), a);
+        }
+      part[jj] = a;
+    }
+  }
+  _mm512_mask_storeu_ps(s, tail_mask(nk), sum16(part));
+}
+
+// acc_i[0, d) += Σ_{j < cnt[i]} p_i[j] · v[j][0, d) for R <= 4 rows i (p_i at p + i·ps, acc_i at
+// acc + i·d), over the widest of cnt keys: 64 columns at a time, the rows' accumulators held in
+// registers across all keys (one load and store of acc per call, not per key).
+template <int R, typename T>
+ACR_AVX512_BF16 inline void axpy_rows(const float* p, int64_t ps, const int64_t* cnt, int64_t widest,
+                                      const T* const* v, int64_t d, float* acc) {
+  for (int64_t c = 0; c < d; c += 64) {
+    __mmask16 mk[4];
+    for (int k = 0; k < 4; ++k) mk[k] = c + 16 * k < d ? tail_mask(d - c - 16 * k) : __mmask16(0);
+    __m512 a[R][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) a[i][k] = _mm512_maskz_loadu_ps(mk[k], acc + i * d + c + 16 * k);
+    for (int64_t j = 0; j < widest; ++j) {
+      __m512 vv[4];
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) vv[k] = load16_f32(v[j] + c + 16 * k, mk[k]);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i)
+        if (j < cnt[i]) {  // a key the row cannot see is never used for it (a NaN there stays out)
+          const __m512 pj = _mm512_set1_ps(p[i * ps + j]);
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k) a[i][k] = _mm512_fmadd_ps(pj, vv[k], a[i][k]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) _mm512_mask_storeu_ps(acc + i * d + c + 16 * k, mk[k], a[i][k]);
   }
 }
 
@@ -99,14 +162,24 @@ ACR_AVX512_BF16 inline void softmax_row_direct(float* s, int64_t n, int64_t d, f
   }
 }
 
-// Rows [0, M) (M <= kDirectRows; q fp32, row i at q + i·d) against keys [0, nkeys): key j's rows
-// at krow(j) / vrow(j) (d values each), row i seeing keys [0, visible(i)). Continues each row's
-// running (m, l, acc). kf: d floats of scratch; s: kDirectRows × kDirectKeys floats.
+// Rows of nh heads against keys [0, nkeys): head hh's M rows are rows hh·hrows .. hh·hrows + M of
+// q (fp32, row i at q + i·d) and of m / l / acc; key j's K/V rows of head hh at krow(j) + hh·kstride
+// / vrow(j) + hh·vstride (d values each); row i of a head sees keys [0, visible(i)), i in [0, M).
+// Continues each row's running (m, l, acc). s: nh·M × kDirectKeys floats of scratch.
+// A task of all kv heads of a group reads each key's whole slot row (Hkv·d values, contiguous in a
+// page) in one pass, where a task per head reads d of every Hkv·d: one stream instead of Hkv strided
+// ones, each touching a new page every other key (a 2 KB slot row at the 4B shapes).
 template <typename T, typename KRow, typename VRow, typename Visible>
-ACR_AVX512_BF16 void direct_keys(const float* q, int64_t M, int64_t d, float scale, int64_t nkeys, KRow&& krow,
-                                 VRow&& vrow, Visible&& visible, float* m, float* l, float* acc, float* kf,
-                                 float* s) {
+ACR_AVX512_BF16 void direct_keys(const float* q, int64_t nh, int64_t hrows, int64_t M, int64_t kstride,
+                                 int64_t vstride, int64_t d, float scale, int64_t nkeys, KRow&& krow, VRow&& vrow,
+                                 Visible&& visible, float* m, float* l, float* acc, float* s) {
   int64_t cnt[kDirectRows];
+  const T* kr[kDirectKeys];  // this step's key rows (head 0 of the task)
+  const T* vr[kDirectKeys];
+  const T* hr[kDirectKeys];  // one head's rows
+  const int64_t kspan = ((nh - 1) * kstride + d) * static_cast<int64_t>(sizeof(T));  // bytes of a key's rows
+  const int64_t vspan = ((nh - 1) * vstride + d) * static_cast<int64_t>(sizeof(T));
+  auto dots = d == 128 ? dots16<8, T> : d == 64 ? dots16<4, T> : dots16<0, T>;
   for (int64_t j0 = 0; j0 < nkeys; j0 += kDirectKeys) {
     const int64_t n = std::min(kDirectKeys, nkeys - j0);
     int64_t widest = 0;  // the most keys of this step any row sees
@@ -115,19 +188,44 @@ ACR_AVX512_BF16 void direct_keys(const float* q, int64_t M, int64_t d, float sca
       widest = std::max(widest, cnt[i]);
     }
     for (int64_t j = 0; j < widest; ++j) {
-      if (j + kAhead < widest) prefetch_row(krow(j0 + j + kAhead), d * sizeof(T));
-      const float* k = row_f32(static_cast<const T*>(krow(j0 + j)), d, kf);
-      for (int64_t i = 0; i < M; ++i)
-        if (j < cnt[i]) s[i * kDirectKeys + j] = dot_f32(q + i * d, k, d);
+      kr[j] = static_cast<const T*>(krow(j0 + j));
+      vr[j] = static_cast<const T*>(vrow(j0 + j));
     }
-    for (int64_t i = 0; i < M; ++i)
-      if (cnt[i] > 0) softmax_row_direct(s + i * kDirectKeys, cnt[i], d, scale, m[i], l[i], acc + i * d);
-    for (int64_t j = 0; j < widest; ++j) {
-      if (j + kAhead < widest) prefetch_row(vrow(j0 + j + kAhead), d * sizeof(T));
-      const float* v = row_f32(static_cast<const T*>(vrow(j0 + j)), d, kf);
-      for (int64_t i = 0; i < M; ++i)
-        if (j < cnt[i]) axpy_f32(s[i * kDirectKeys + j], v, acc + i * d, d);
+    if (j0 == 0)
+      for (int64_t j = 0; j < std::min<int64_t>(widest, 16); ++j) prefetch_row(kr[j], kspan);
+    // S = Q·Kᵀ, 16 keys at a time (the next 16 fetched meanwhile); scores of keys a row cannot see
+    // are computed and never read
+    for (int64_t jb = 0; jb < widest; jb += 16) {
+      const int64_t nk = std::min<int64_t>(16, widest - jb);
+      for (int64_t j = jb + 16; j < std::min(widest, jb + 32); ++j) prefetch_row(kr[j], kspan);
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        for (int64_t jj = 0; jj < nk; ++jj) hr[jj] = kr[jb + jj] + hh * kstride;
+        for (int64_t i = 0; i < M; ++i) dots(q + (hh * hrows + i) * d, hr, nk, d, s + (hh * M + i) * kDirectKeys + jb);
+      }
     }
+    for (int64_t j = 0; j < widest; ++j) prefetch_row(vr[j], vspan);  // arriving during the softmax
+    for (int64_t hh = 0; hh < nh; ++hh)
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t row = hh * hrows + i;
+        if (cnt[i] > 0)
+          softmax_row_direct(s + (hh * M + i) * kDirectKeys, cnt[i], d, scale, m[row], l[row], acc + row * d);
+      }
+    // acc += P·V, four rows at a time
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      for (int64_t j = 0; j < widest; ++j) hr[j] = vr[j] + hh * vstride;
+      for (int64_t i = 0; i < M; i += 4) {
+        const float* p = s + (hh * M + i) * kDirectKeys;
+        float* a = acc + (hh * hrows + i) * d;
+        switch (std::min<int64_t>(4, M - i)) {
+          case 4: axpy_rows<4, T>(p, kDirectKeys, cnt + i, widest, hr, d, a); break;
+          case 3: axpy_rows<3, T>(p, kDirectKeys, cnt + i, widest, hr, d, a); break;
+          case 2: axpy_rows<2, T>(p, kDirectKeys, cnt + i, widest, hr, d, a); break;
+          default: axpy_rows<1, T>(p, kDirectKeys, cnt + i, widest, hr, d, a);
+        }
+      }
+    }
+    for (int64_t j = j0 + kDirectKeys; j < std::min(nkeys, j0 + kDirectKeys + 16); ++j)  // the next step's first keys
+      prefetch_row(krow(j), kspan);
   }
 }
 #endif

@@ -68,8 +68,10 @@ struct Piece {    // rows of one segment inside a task
 struct Task {
   int64_t g, h;
   std::vector<Piece> pieces;
-  int64_t M;      // rows = tokens × r
+  int64_t M;      // rows per kv head = tokens × r
   double cost;
+  int64_t nh = 1;       // kv heads h .. h + nh (more than one on the direct path only)
+  bool direct = false;  // decode-like: K/V read where they lie (attn_direct_avx512.h)
 };
 
 template <typename T>
@@ -79,18 +81,21 @@ std::vector<int64_t> to_host(const at::Tensor& t) {
   return std::vector<int64_t>(p, p + c.numel());
 }
 
-// Row blocks of every group: consecutive tokens of its segments, up to ROWS / r tokens each.
-std::vector<Task> make_tasks(const Meta& mt) {
+// Row blocks of every group: consecutive tokens of its segments, up to ROWS / r tokens each; a task
+// per (row block, kv head). A group of one row block of at most direct_rows rows (decode-like) is
+// direct instead, in tasks of several kv heads each: as many heads as leave ~4 tasks per thread
+// over all such groups, and at most ROWS rows (the task's scratch).
+std::vector<Task> make_tasks(const Meta& mt, int64_t direct_rows, int64_t nthreads) {
   const int64_t S = static_cast<int64_t>(mt.sg.size());
   const int64_t G = static_cast<int64_t>(mt.cp.size()) - 1;
   std::vector<std::vector<int64_t>> segs(G);
   for (int64_t s = 0; s < S; ++s)
     if (mt.cs[s + 1] > mt.cs[s]) segs[mt.sg[s]].push_back(s);
   const int64_t tok_per_block = std::max<int64_t>(1, ROWS / mt.r);
-  std::vector<Task> tasks;
+  std::vector<std::vector<Task>> group_blocks(G);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t P = mt.cp[g + 1] - mt.cp[g];
-    std::vector<Task> blocks;
+    std::vector<Task>& blocks = group_blocks[g];
     Task cur{g, 0, {}, 0, 0.0};
     for (int64_t s : segs[g]) {
       int64_t t = mt.cs[s];
@@ -108,6 +113,26 @@ std::vector<Task> make_tasks(const Meta& mt) {
       }
     }
     if (cur.M) blocks.push_back(std::move(cur));
+  }
+  auto is_direct = [&](const std::vector<Task>& b) { return b.size() == 1 && b[0].M <= direct_rows; };
+  const int64_t direct_groups = std::count_if(group_blocks.begin(), group_blocks.end(), is_direct);
+  const int64_t heads_per_task =
+      std::clamp<int64_t>(mt.Hkv * direct_groups / std::max<int64_t>(1, 4 * nthreads), 1, mt.Hkv);
+  std::vector<Task> tasks;
+  for (int64_t g = 0; g < G; ++g) {
+    const std::vector<Task>& blocks = group_blocks[g];
+    if (is_direct(blocks)) {
+      const int64_t nh = std::min(heads_per_task, std::max<int64_t>(1, ROWS / blocks[0].M));
+      for (int64_t h = 0; h < mt.Hkv; h += nh) {
+        Task tk = blocks[0];
+        tk.h = h;
+        tk.nh = std::min(nh, mt.Hkv - h);
+        tk.cost *= static_cast<double>(tk.nh);
+        tk.direct = true;
+        tasks.push_back(std::move(tk));
+      }
+      continue;
+    }
     for (int64_t h = 0; h < mt.Hkv; ++h)
       for (const Task& b : blocks) {
         Task tk = b;
@@ -150,11 +175,11 @@ struct PrefixRows {
 
 // Row blocks of at most this many rows take the direct path (attn_direct_avx512.h), where the
 // compute type is the input type (fp32, or bf16 on a bf16 path) and the CPU runs the AVX-512 code
-// (bf16_avx512()); else 0. Measured against the tile path (one group per one-token segment, 3,000
-// prefix keys, 16 groups; EPYC Zen 4, avx512_bf16): fp32 2-3x faster up to 16 rows; bf16 ~1.4x at
-// 2 rows (0.6B heads, r = 2) but slower from 4 rows on (the tile path's VNNI packing is as cheap
-// as the widening here, and its GEMM beats per-row dots). ACARERANK_CPU_DIRECT_ROWS=0..16 sets
-// one limit for both (0: never; the tests run both paths so), read once.
+// (bf16_avx512()); else 0. Measured against the tile path (16 groups of 1-8 tokens each over 1,600
+// prefix keys in 16-token pages, 0.6B heads; EPYC Zen 4, avx512_bf16, 2 threads): fp32 2-4x faster
+// up to 16 rows; bf16 1.6-2x faster up to 8 rows, no gain at 16 (the tile path's bf16 GEMM catches
+// up with the rows). ACARERANK_CPU_DIRECT_ROWS=0..16 sets one limit for both (0: never; the tests
+// run both paths so), read once.
 template <typename s_t, typename c_t>
 int64_t direct_rows_limit() {
   if constexpr (std::is_same_v<s_t, c_t> && (std::is_same_v<s_t, float> || std::is_same_v<s_t, at::BFloat16>)) {
@@ -169,31 +194,36 @@ int64_t direct_rows_limit() {
       return static_cast<int64_t>(v);
     }();
     if (!bf16_avx512()) return 0;
-    return set >= 0 ? set : std::is_same_v<s_t, float> ? kDirectRows : 2;
+    return set >= 0 ? set : std::is_same_v<s_t, float> ? kDirectRows : 8;
 #endif
   }
   return 0;
 }
 
-// One decode-like task on the direct path: its rows' fp32 q, then the prefix (every row sees
-// every key), then each piece's own keys causally (row (t, i) sees a_s .. t). Fills m, l, acc.
+// One decode-like task on the direct path: its rows' fp32 q (head hh's M rows at hh·M), then the
+// prefix (every row sees every key), then each piece's own keys causally (row (t, i) sees a_s .. t).
+// pk / pv / own_k / own_v give the task's first kv head's row of a key; the next heads follow at
+// the given strides.
+// Fills m, l, acc.
 template <typename s_t, typename c_t, typename PK, typename PV, typename OK, typename OV>
-void run_direct_rows(const Task& tk, const Meta& mt, int64_t P, float scale, const c_t* Q, float* Qf, float* kf,
-                     float* S, float* m, float* l, float* acc, PK&& pk, PV&& pv, OK&& own_k, OV&& own_v) {
+void run_direct_rows(const Task& tk, const Meta& mt, int64_t P, float scale, const c_t* Q, float* Qf, float* S,
+                     float* m, float* l, float* acc, PK&& pk, PV&& pv, int64_t pk_stride, int64_t pv_stride,
+                     OK&& own_k, OV&& own_v, int64_t ok_stride, int64_t ov_stride) {
 #ifdef ACR_HAVE_AVX512_BF16_CODE
   if constexpr (std::is_same_v<s_t, c_t>) {
-    const int64_t d = mt.d, r = mt.r, M = tk.M;
+    const int64_t d = mt.d, r = mt.r, M = tk.M, nh = tk.nh;
     const float* qf = Qf;  // fp32 q rows: the task's own (fp32), or widened from bf16 into Qf
     if constexpr (std::is_same_v<c_t, float>)
       qf = Q;
     else
-      for (int64_t i = 0; i < M; ++i) row_f32(Q + i * d, d, Qf + i * d);
-    direct_keys<s_t>(qf, M, d, scale, P, pk, pv, [P](int64_t) { return P; }, m, l, acc, kf, S);
+      for (int64_t i = 0; i < nh * M; ++i) row_f32(Q + i * d, d, Qf + i * d);
+    direct_keys<s_t>(qf, nh, M, M, pk_stride, pv_stride, d, scale, P, pk, pv, [P](int64_t) { return P; }, m, l, acc,
+                     S);
     for (const Piece& pc : tk.pieces) {
       const int64_t a = mt.cs[pc.seg];
-      direct_keys<s_t>(qf + pc.m0 * d, (pc.t1 - pc.t0) * r, d, scale, pc.t1 - a,
+      direct_keys<s_t>(qf + pc.m0 * d, nh, M, (pc.t1 - pc.t0) * r, ok_stride, ov_stride, d, scale, pc.t1 - a,
                        [&](int64_t j) { return own_k(a + j); }, [&](int64_t j) { return own_v(a + j); },
-                       [&](int64_t i) { return pc.t0 + i / r - a + 1; }, m + pc.m0, l + pc.m0, acc + pc.m0 * d, kf, S);
+                       [&](int64_t i) { return pc.t0 + i / r - a + 1; }, m + pc.m0, l + pc.m0, acc + pc.m0 * d, S);
     }
     return;
   }
@@ -225,7 +255,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // the same work, and no buffer padded to whole KT-key tiles per group (with thousands of one-token
   // prefixes that buffer was ~10x the inputs).
   constexpr bool shared = std::is_same_v<s_t, c_t>;
-  const std::vector<Task> tasks = make_tasks(mt);
+  const int64_t direct_rows = direct_rows_limit<s_t, c_t>();
+  const std::vector<Task> tasks = make_tasks(mt, direct_rows, at::get_num_threads());
   std::vector<int64_t> blocks(G, 0);  // row blocks of group g (per kv head)
   for (const Task& tk : tasks) blocks[tk.g] += tk.h == 0;
   std::vector<int64_t> tile0(G + 1, 0);  // group g's first tile in the buffer (none: tile0[g+1] == tile0[g])
@@ -284,7 +315,6 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   }
 
   // -- 2. row tasks
-  const int64_t direct_rows = direct_rows_limit<s_t, c_t>();
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   const auto lists = deal(tasks, nthreads);
   at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
@@ -292,51 +322,51 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     scratch<float> S(ROWS * KT), acc(ROWS * d), m(ROWS), l(ROWS);
     scratch<c_t> OwnK, OwnV;  // a piece's own keys, all its tiles
     std::vector<char> finite;
-    scratch<float> Qf, Kf, Sd;  // the direct path's fp32 q rows, one K/V row, scores
+    scratch<float> Qf, Sd;  // the direct path's fp32 q rows and scores
     if (direct_rows > 0) {
-      Qf.resize(kDirectRows * d);
-      Kf.resize(d);
-      Sd.resize(kDirectRows * kDirectKeys);
+      Qf.resize(ROWS * d);
+      Sd.resize(ROWS * kDirectKeys);
     }
     for (int64_t tid = b; tid < e; ++tid) {
       for (int64_t ti : lists[tid]) {
         const Task& tk = tasks[ti];
-        const int64_t g = tk.g, h = tk.h, M = tk.M;
-        // Q rows of the task, token-major: row (token, i) = q[token, h·r + i]
-        for (const Piece& pc : tk.pieces)
-          for (int64_t t = pc.t0; t < pc.t1; ++t)
-            for (int64_t i = 0; i < r; ++i) {
-              const s_t* src = qp + t * qs0 + (h * r + i) * qs1;
-              c_t* dst = Q.data() + (pc.m0 + (t - pc.t0) * r + i) * d;
-              if constexpr (std::is_same_v<s_t, c_t>)
-                std::memcpy(static_cast<void*>(dst), src, sizeof(c_t) * d);  // an element loop did not vectorise
-              else
-                for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<c_t>(src[c]);
-            }
-        std::fill(m.begin(), m.begin() + M, -std::numeric_limits<float>::infinity());
-        std::fill(l.begin(), l.begin() + M, 0.f);
-        std::fill(acc.begin(), acc.begin() + M * d, 0.f);
-        // out = acc / l, in q's dtype
-        auto write_out = [&] {
+        const int64_t g = tk.g, h = tk.h, M = tk.M, nh = tk.nh;
+        // Q rows of the task, head-major then token-major: row hh·M + (token, i) = q[token, (h + hh)·r + i]
+        for (int64_t hh = 0; hh < nh; ++hh)
           for (const Piece& pc : tk.pieces)
             for (int64_t t = pc.t0; t < pc.t1; ++t)
               for (int64_t i = 0; i < r; ++i) {
-                const int64_t row = pc.m0 + (t - pc.t0) * r + i;
-                scale_row_out<s_t>(acc.data() + row * d, 1.f / l[row], d, op + t * os0 + (h * r + i) * os1);
+                const s_t* src = qp + t * qs0 + ((h + hh) * r + i) * qs1;
+                c_t* dst = Q.data() + (hh * M + pc.m0 + (t - pc.t0) * r + i) * d;
+                if constexpr (std::is_same_v<s_t, c_t>)
+                  std::memcpy(static_cast<void*>(dst), src, sizeof(c_t) * d);  // an element loop did not vectorise
+                else
+                  for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<c_t>(src[c]);
               }
+        std::fill(m.begin(), m.begin() + nh * M, -std::numeric_limits<float>::infinity());
+        std::fill(l.begin(), l.begin() + nh * M, 0.f);
+        std::fill(acc.begin(), acc.begin() + nh * M * d, 0.f);
+        // out = acc / l, in q's dtype
+        auto write_out = [&] {
+          for (int64_t hh = 0; hh < nh; ++hh)
+            for (const Piece& pc : tk.pieces)
+              for (int64_t t = pc.t0; t < pc.t1; ++t)
+                for (int64_t i = 0; i < r; ++i) {
+                  const int64_t row = hh * M + pc.m0 + (t - pc.t0) * r + i;
+                  scale_row_out<s_t>(acc.data() + row * d, 1.f / l[row], d, op + t * os0 + ((h + hh) * r + i) * os1);
+                }
         };
 
         const int64_t P = mt.cp[g + 1] - mt.cp[g];
         const bool in_pbuf = tile0[g + 1] > tile0[g];  // packed in 1
-        // a decode-like block whose keys nobody packed: straight from the K/V rows (attn_direct_avx512.h)
-        bool direct = M <= direct_rows && !in_pbuf;
-        for (const Piece& pc : tk.pieces) direct = direct && otile0[pc.seg + 1] == otile0[pc.seg];
-        if (direct) {
-          run_direct_rows<s_t, c_t>(tk, mt, P, scale, Q.data(), Qf.data(), Kf.data(), Sd.data(), m.data(), l.data(),
+        // a decode-like group (one row block, so nobody packed its keys): straight from the K/V rows
+        // (attn_direct_avx512.h)
+        if (tk.direct) {
+          run_direct_rows<s_t, c_t>(tk, mt, P, scale, Q.data(), Qf.data(), Sd.data(), m.data(), l.data(),
                                     acc.data(), [&](int64_t j) { return pk(g, j, h); },
-                                    [&](int64_t j) { return pv(g, j, h); },
+                                    [&](int64_t j) { return pv(g, j, h); }, pk.st_head, pv.st_head,
                                     [&](int64_t j) { return kp + j * ks0 + h * ks1; },
-                                    [&](int64_t j) { return vp + j * vs0 + h * vs1; });
+                                    [&](int64_t j) { return vp + j * vs0 + h * vs1; }, ks1, vs1);
           write_out();
           continue;
         }

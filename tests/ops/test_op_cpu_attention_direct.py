@@ -1,7 +1,7 @@
 """The native CPU attention kernel's direct path (csrc/cpu/attn_direct_avx512.h): row blocks of a
 few rows — decode-like, one-token segments — computed straight from the K/V rows, no packed tile.
 
-It runs where the CPU has AVX512_BF16 (fp32 blocks of up to 16 rows, bf16 of up to 2 by
+It runs where the CPU has AVX512_BF16 (fp32 blocks of up to 16 rows, bf16 of up to 8 by
 default); ACARERANK_CPU_DIRECT_ROWS=0..16 sets one limit for both, read once per process. So
 each limit runs in a fresh process: with 0 the tile path takes every block (what a CPU without
 AVX-512 runs), with 16 the direct path takes every block of up to 16 rows in both dtypes. Both
@@ -26,12 +26,12 @@ pytestmark = needs_native
 _AVX512_BF16 = {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 
 _CHILD = r"""
-import json, sys
+import json, math, sys
 sys.path[:0] = sys.argv[1:]
 import torch
 from acarerank.ops import prefix_shared_attention, prefix_shared_attention_paged
 from test_op_cpu_attention_bf16_paths import EDGE_CASES, _rule
-from test_op_cpu_attention_native import make, ref32
+from test_op_cpu_attention_native import make, plain, ref32
 
 rows = [list(_rule(tuple(c.values))) for c in EDGE_CASES]
 fp32 = []
@@ -45,7 +45,39 @@ decode = {}
 for dtype in (torch.float32, torch.bfloat16):
     paged, _ = make([1] * 6, [300, 17, 1, 64, 129, 2], list(range(6)), 16, 8, 128, 16, dtype=dtype, seed=5)
     decode[str(dtype)] = prefix_shared_attention_paged(*paged, backend="native").float().flatten().tolist()
-print(json.dumps({"rows": rows, "fp32": fp32, "decode": decode}))
+
+
+def strided(x):  # x's values in a view whose kv heads lie 2·d apart (NaN rows between them)
+    wide = torch.stack([x, torch.full_like(x, float("nan"))], -2)      # [..., Hkv, 2, d]
+    return wide.select(-2, 0)
+
+
+# decode-like batches against the fp32 oracle: tasks of several kv heads (ranges that do not divide
+# Hkv), 2-token segments, an empty prefix and an empty segment, one kv head, d 72 (masked tails),
+# and K/V (inputs and pages) whose heads are not d apart, K's stride not V's
+DECODE = [
+    ("0.6b-heads-6-groups", [1] * 6, [300, 17, 1, 64, 129, 2], list(range(6)), 16, 8, 128),
+    ("4b-heads-3-groups-empty-prefix", [1, 1, 1], [40, 0, 95], [0, 1, 2], 32, 8, 128),
+    ("two-token-and-empty-segments", [2, 1, 0, 2, 1, 2], [70, 3, 31], [0, 0, 1, 1, 2, 2], 16, 8, 128),
+    ("one-kv-head-16-groups", [1] * 16, [33 + 7 * i for i in range(16)], list(range(16)), 4, 1, 64),
+    ("d72-9-groups", [1] * 9, [5 * i + 1 for i in range(9)], list(range(9)), 6, 3, 72),
+]
+decode_rule = []
+for name, *case in DECODE:
+    for dtype in (torch.float32, torch.bfloat16):
+        paged, packed = make(*case, 16, dtype=dtype, seed=11)
+        q, k, v, cu, kc, vc, bt, pl, sg = paged
+        ref = ref32(packed)
+        bound = 1e-5
+        if dtype == torch.bfloat16:
+            bound = (2 * (plain(packed, 1.0 / math.sqrt(q.shape[2])).float() - ref).abs().max().item()
+                     + 2 * (ref + 0.3 - 0.3 - ref).abs().max().item())
+        for layout, args in (("contiguous", paged),
+                             ("strided", (q, strided(k), v, cu, kc, strided(vc), bt, pl, sg))):
+            out = prefix_shared_attention_paged(*args, backend="native")
+            err = (out.float() - ref).abs().nan_to_num(float("inf")).max().item()
+            decode_rule.append([f"{name} {dtype} {layout}", err, bound])
+print(json.dumps({"rows": rows, "fp32": fp32, "decode": decode, "decode_rule": decode_rule}))
 """
 
 
@@ -79,6 +111,15 @@ def test_both_paths_within_the_rules(runs, limit):
     worst = max(got["fp32"])
     case = got["fp32"].index(worst)
     assert worst <= 1e-5, f"ACARERANK_CPU_DIRECT_ROWS={limit}: fp32 error {worst:.3e} > 1e-5 (case {case})"
+
+
+@pytest.mark.parametrize("limit", ["0", "16"])
+def test_decode_batches_within_the_rules(runs, limit):
+    """Decode-like batches (one or two tokens per group, many groups: the direct path's tasks of
+    several kv heads), K/V contiguous and with heads 2·d apart, against the fp32 oracle: fp32
+    within 1e-5, bf16 within flash-attn's rule."""
+    bad = [f"{name}: {err:.3e} > {bound:.3e}" for name, err, bound in runs[limit]["decode_rule"] if not err <= bound]
+    assert not bad, f"ACARERANK_CPU_DIRECT_ROWS={limit}: " + "; ".join(bad)
 
 
 def test_the_limit_switches_the_path(runs):
