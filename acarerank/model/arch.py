@@ -39,6 +39,10 @@ class Qwen3Arch:
         scaling = get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
             raise ValueError(f"rope_scaling {scaling} is not supported (Qwen3-Reranker uses the default RoPE)")
+        act = get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU too
+            raise ValueError(f"hidden_act {act!r} is not supported: the runner's MLP is SiLU(gate)·up, as Qwen3's")
+        _check_no_sliding_window(get, get("num_hidden_layers"))
         arch = cls(
             vocab_size=get("vocab_size"),
             hidden_size=hidden,
@@ -55,3 +59,27 @@ class Qwen3Arch:
         if arch.num_heads % arch.num_kv_heads:
             raise ValueError(f"num_attention_heads {arch.num_heads} is not a multiple of num_key_value_heads {arch.num_kv_heads}")
         return arch
+
+
+def _check_no_sliding_window(get, num_layers: int) -> None:
+    """ValueError when the config makes transformers run sliding-window attention in some layer.
+
+    transformers' Qwen3 rule: the window is ``sliding_window`` when ``use_sliding_window`` is true
+    (else none), and a layer uses it when ``layer_types`` says "sliding_attention" (default: the
+    layers from ``max_window_layers``, 28, on). The runner attends to every earlier token, so such
+    a checkpoint would score differently from transformers' forward on inputs past the window.
+    Qwen3 and Qwen3-Reranker set ``use_sliding_window: false``.
+    """
+    window = get("sliding_window") if get("use_sliding_window", False) else None
+    if window is None:
+        return
+    types = get("layer_types")
+    if types is None:
+        first = get("max_window_layers", 28)
+        sliding = [i for i in range(num_layers) if i >= first]
+    else:
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding:
+        raise ValueError(f"sliding-window attention (use_sliding_window with sliding_window={window}, in layers "
+                         f"{sliding[:8]}{'...' if len(sliding) > 8 else ''}) is not supported: the runner attends to "
+                         f"every earlier token, as Qwen3-Reranker (use_sliding_window: false) does")

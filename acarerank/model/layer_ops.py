@@ -28,16 +28,18 @@ from typing import Callable
 import torch
 
 from ..ops import backend_for
+from ..ops._native_backend import resolve_elementwise
 from ..ops.qk_norm_rope import OP as QK_NORM_ROPE
 from ..ops.rms_norm import OP_FUSED_ADD, OP_RMS_NORM
 from ..ops.silu_and_mul import OP as SILU_AND_MUL
 from . import layer_blocks
 
 
-def resolve_layer_backends(preference, device: torch.device) -> dict:
-    """{op name: backend} for the layer's element-wise ops under a backend preference."""
+def resolve_layer_backends(preference, device: torch.device, dtype: torch.dtype) -> dict:
+    """{op name: backend} for the layer's element-wise ops on ``dtype`` activations under a backend
+    preference (the native kernels run float32 and bfloat16: float16 takes "torch" by default)."""
     decls = (OP_RMS_NORM, OP_FUSED_ADD, QK_NORM_ROPE, SILU_AND_MUL)
-    return {d.name: d.resolve(backend_for(d.name, preference), device) for d in decls}
+    return {d.name: resolve_elementwise(d, backend_for(d.name, preference), device, dtype) for d in decls}
 
 
 class OpsLayers:

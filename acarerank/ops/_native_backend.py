@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _native
-from ._backend import Backend, BackendError, OpDecl
+from ._backend import Backend, BackendError, OpDecl, _env_preference, backend_for
 from ._native import register_fake_once
 
 
@@ -58,6 +58,28 @@ def native_first_decl(name: str, torch_impl: Callable, fake: Callable, aliases: 
     return OpDecl(name, aliases=aliases,
                   backends={"torch": Backend(lambda: torch_impl), "native": native_backend(name, f"{name}_cpu", fake)},
                   defaults={"cpu": ("native", "torch"), "cuda": ("torch",)})
+
+
+#: the dtypes the native element-wise kernels read and write (csrc/cpu/norm.cpp, qk_norm_rope.cpp,
+#: activation.cpp); float16 runs the "torch" backend
+NATIVE_LAYER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def resolve_elementwise(decl: OpDecl, backend, device: torch.device, dtype: torch.dtype) -> str:
+    """``decl.resolve(backend, device)`` for an element-wise op on ``dtype``: the device default
+    walks past "native" to "torch" for a dtype the kernel lacks (float16); "native" asked for by
+    name (argument, mapping or ``ACARERANK_BACKEND``) is then a BackendError naming the dtype."""
+    name = decl.resolve(backend, device)
+    if name != "native" or dtype in NATIVE_LAYER_DTYPES:
+        return name
+    if isinstance(backend, str):
+        asked = backend
+    else:
+        asked = backend_for(decl.name, backend if backend is not None else _env_preference())
+    if asked == "native":
+        raise BackendError(f"{decl.name}: the native backend runs float32 and bfloat16, not {dtype}; "
+                           f"use the 'torch' backend for it")
+    return "torch"
 
 
 def register_op(decl: OpDecl, fake: Callable, mutates_args: tuple = ()) -> Callable:

@@ -137,6 +137,17 @@ def prefix_shared_attention_ref(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_pref
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def flash_cpu(qh, kh, vh, scale: float, causal: bool):
+    """``_FLASH_CPU`` on [B, H, M, d] / [B, H, N, d] inputs of any strides: (o, lse).
+
+    The private aten kernel reads head_dim at unit stride whatever the tensor's stride there
+    (torch 2.13: a transposed K gives a wrong result, no error; the public SDPA checks it before
+    calling), so an input whose last dim is not unit-stride is copied once first.
+    """
+    qh, kh, vh = (t if t.stride(-1) == 1 else t.contiguous() for t in (qh, kh, vh))
+    return _FLASH_CPU(qh, kh, vh, 0.0, causal, scale=scale)
+
+
 def _partial_attention(qh, kh, vh, scale: float, causal: bool):
     """Normalised attention of one block and its log-sum-exp, fp32.
 
@@ -145,7 +156,7 @@ def _partial_attention(qh, kh, vh, scale: float, causal: bool):
     o = Σ_j exp(scale·q·k_j − lse)·v_j; ``causal`` aligns row i with key i (M == N).
     """
     if _FLASH_CPU is not None and qh.device.type == "cpu":
-        return _FLASH_CPU(qh, kh, vh, 0.0, causal, scale=scale)
+        return flash_cpu(qh, kh, vh, scale, causal)
     s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)
     if causal:
         M = s.shape[-1]

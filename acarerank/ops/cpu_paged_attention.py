@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .attention import _FLASH_CPU, _host_lists, _partial_attention
+from .attention import _FLASH_CPU, _host_lists, _partial_attention, flash_cpu
 
 
 def available(q: torch.Tensor) -> bool:
@@ -118,8 +118,8 @@ def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_p
             if pk is None or pv is None:
                 idx = slice(cp[g], cp[g + 1])
                 pk, pv = k_cache[blk[idx], slot[idx]], v_cache[blk[idx], slot[idx]]
-            o, lse = _FLASH_CPU(qh.view(1, Hkv, r * Tg, d), pk.float().transpose(0, 1)[None],
-                                pv.float().transpose(0, 1)[None], 0.0, False, scale=scale)
+            o, lse = flash_cpu(qh.view(1, Hkv, r * Tg, d), pk.float().transpose(0, 1)[None],
+                               pv.float().transpose(0, 1)[None], scale, causal=False)
             o_pre, lse_pre = o.view(Hkv, r, Tg, d), lse.view(Hkv, r, Tg)
             res = _merge(o_own, lse_own, o_pre, lse_pre)[0]
         else:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_float_tensors
-from ._native_backend import native_first_decl, register_op
+from ._native_backend import native_first_decl, register_op, resolve_elementwise
 
 
 def _check(op: str, x, weight, residual=None):
@@ -105,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend=N
     A non-contiguous x is accepted (the native backend copies it once first).
     """
     _check("rms_norm", x, weight)
-    name = OP_RMS_NORM.resolve(backend, x.device)
+    name = resolve_elementwise(OP_RMS_NORM, backend, x.device, x.dtype)
     return rms_norm_op(_contiguous_for(name, x), weight.contiguous(), float(eps), name)
 
 
@@ -116,5 +116,5 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x, residual [..., H] same shape and dtype (residual contiguous, not sharing x's memory).
     """
     _check("fused_add_rms_norm", x, weight, residual)
-    name = OP_FUSED_ADD.resolve(backend, x.device)
+    name = resolve_elementwise(OP_FUSED_ADD, backend, x.device, x.dtype)
     return fused_add_rms_norm_op(_contiguous_for(name, x), residual, weight.contiguous(), float(eps), name)

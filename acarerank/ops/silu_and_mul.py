@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._native_backend import native_first_decl, register_op
+from ._native_backend import native_first_decl, register_op, resolve_elementwise
 
 
 def _check(x):
@@ -52,5 +52,5 @@ def silu_and_mul(x: torch.Tensor, backend=None) -> torch.Tensor:
     """SiLU(gate)·up (module docstring). x [..., 2·I] fp32/bf16 -> [..., I]; non-contiguous x is
     accepted (the native backend copies it once first)."""
     _check(x)
-    name = OP.resolve(backend, x.device)
+    name = resolve_elementwise(OP, backend, x.device, x.dtype)
     return silu_and_mul_op(x.contiguous() if name == "native" else x, name)

@@ -5,8 +5,11 @@ It runs before FastAPI reads anything, in this order: a head (request line and h
 request without ``Authorization: Bearer <key>`` (or ``X-API-Key``) gets 401; a declared body over
 ``max_body_bytes`` gets 413; a full queue gets 429 (admission, before the body is read); then the
 body is read within ``body_timeout`` seconds (408 after), and one over ``max_body_bytes`` gets
-413. An early answer first reads and drops a small declared body (nginx's lingering close,
-bounded by ``LINGER_BYTES`` and ``LINGER_S``). A client that leaves during the upload is
+413. Only a POST to an API path is admitted, so only it may send up to ``max_body_bytes``; any
+other request's body (an unknown path, a wrong method) is capped at ``LINGER_BYTES`` (413), else
+such requests, uncounted by ``--max-queue``, could each hold ``max_body_bytes``. An early answer
+first reads and drops a small declared body (nginx's lingering close, bounded by ``LINGER_BYTES``
+and ``LINGER_S``). A client that leaves during the upload is
 counted as 499 (nginx's "client closed request") and logged in one line. ``GateState`` is
 shared with the SIGTERM drain (``front.py``). ``/health``, ``/ready`` and ``/metrics`` pass
 straight through (probes and scrapers carry no key).
@@ -119,11 +122,20 @@ class Gate:
         if self.api_key is not None and not self._authorized(headers):
             return await self._refuse(receive, send, status, length, 401, "missing or wrong API key: send "
                                       "'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
-        if length is not None and length > self.max_body_bytes:
+        # only a POST to an API path takes a body worth reading, and only it is admitted (counted
+        # against --max-queue): any other request's body is capped at LINGER_BYTES, so requests that
+        # bypass admission (an unknown path, a wrong method) cannot hold max_body_bytes each
+        api_post = scope["path"] in API_PATHS and scope["method"] == "POST"
+        if api_post:
+            limit, flag = self.max_body_bytes, " (--max-body-bytes)"
+        else:
+            limit = LINGER_BYTES
+            flag = f" for {scope['method']} {scope['path']} (only a POST to {', '.join(sorted(API_PATHS))} takes more)"
+        if length is not None and length > limit:
             return await self._refuse(receive, send, status, length, 413, f"request body of {length} bytes "
-                                      f"exceeds the limit of {self.max_body_bytes} bytes (--max-body-bytes)")
+                                      f"exceeds the limit of {limit} bytes{flag}")
         slot = contextlib.ExitStack()
-        if self.admit is not None and scope["path"] in API_PATHS and scope["method"] == "POST":
+        if self.admit is not None and api_post:
             try:
                 slot.enter_context(self.admit())   # 429 before a byte of the body is read
             except APIError as e:
@@ -138,7 +150,7 @@ class Gate:
         self.state.tasks.add(task)
         self.state.in_flight += 1
         try:
-            await self._read_and_run(scope, receive, send_releasing, status)
+            await self._read_and_run(scope, receive, send_releasing, status, limit, flag)
         except asyncio.CancelledError:
             if not self.state.expired:
                 raise
@@ -172,9 +184,9 @@ class Gate:
             headers["Connection"] = "close"
         await _send_error(send, code, message, headers)
 
-    async def _read_and_run(self, scope, receive, send, status):
+    async def _read_and_run(self, scope, receive, send, status, limit: int, flag: str):
         try:
-            body = await self._read_body(receive)
+            body = await self._read_body(receive, limit, flag)
         except _Upload as e:
             if e.status == CLIENT_CLOSED:
                 status["code"] = CLIENT_CLOSED
@@ -193,7 +205,7 @@ class Gate:
 
         await self.app(scope, replay, send)
 
-    async def _read_body(self, receive) -> bytes:
+    async def _read_body(self, receive, limit: int, flag: str) -> bytes:
         chunks, size = [], 0
         try:
             async with asyncio.timeout(self.body_timeout):
@@ -205,9 +217,8 @@ class Gate:
                     chunks.append(message.get("body", b""))
                     size += len(chunks[-1])
                     more = message.get("more_body", False)
-                    if size > self.max_body_bytes:
-                        raise _Upload(413, f"request body exceeds the limit of {self.max_body_bytes} bytes "
-                                           f"(--max-body-bytes)")
+                    if size > limit:
+                        raise _Upload(413, f"request body exceeds the limit of {limit} bytes{flag}")
         except TimeoutError:
             raise _Upload(408, f"request body not received within {self.body_timeout:g} s (--body-timeout); "
                                f"{size} bytes arrived") from None

@@ -138,3 +138,38 @@ def test_only_safetensors_named_model_are_read(saved, tmp_path):
     os.rename(ckpt / "model.safetensors", ckpt / "weights.safetensors")
     with pytest.raises(FileNotFoundError, match="weights.safetensors"):
         PointwiseReranker.from_pretrained(str(ckpt))
+
+
+LONG_DOCS = ["retrieval " * 60 + "tail", "short"]  # past a 32-token window
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(use_sliding_window=True, sliding_window=32, max_window_layers=0), "sliding-window"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_config_the_runner_cannot_follow_is_refused(config, match, tmp_path):
+    """A Qwen3 config that makes transformers run another computation (sliding-window attention,
+    another MLP activation) is an error naming the field, in memory and from disk — the runner
+    once ignored both and returned scores that differ from transformers' forward, with no error."""
+    from _tiny import random_qwen3
+
+    model = random_qwen3(seed=1, spread_yes_no=40, tie=False, **config)
+    with pytest.raises(ValueError, match=match):
+        PointwiseReranker(model=model)
+    model.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=match):
+        PointwiseReranker.from_pretrained(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("config", [dict(use_sliding_window=False, sliding_window=32, max_window_layers=0),
+                                    dict(use_sliding_window=True, sliding_window=32, max_window_layers=1),
+                                    dict(hidden_act="swish")])
+def test_config_that_changes_nothing_is_accepted(config):
+    """No sliding layer (the window off, or every layer below max_window_layers) and SiLU under its
+    other name run as transformers does."""
+    from _tiny import random_qwen3
+
+    model = random_qwen3(seed=1, spread_yes_no=40, tie=False, **config)
+    tok = load_qwen3_tokenizer()
+    want = official_scores(model, tok, [joint_input_ids(tok, "q", d) for d in LONG_DOCS], batch_size=1)
+    assert close(PointwiseReranker(model=model).score("q", LONG_DOCS), want)

@@ -106,6 +106,25 @@ def test_triton_custom_scale_and_noncontiguous_views():
     _assert_close_fp32(out, ref, "triton vs reference (strided views, scale 0.3)")
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "triton"])
+@pytest.mark.parametrize("strided", ["q", "k", "v", "prefix_k", "prefix_v"])
+def test_head_dim_strided_views(backend, strided):
+    """Any strides, head_dim included: one input at a time with head_dim at stride 2 or stored
+    transposed ([d, ...]). torch's private CPU flash kernel, which the torch backend calls, reads
+    head_dim at unit stride whatever the tensor says; fed such a view it returned wrong values."""
+    seg_lens, prefix_lens, groups, Hq, Hkv, d = [7, 1, 30], [40, 17], [0, 1, 0], 4, 2, 16
+    (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d)
+    args = dict(q=q, k=k, v=v, prefix_k=pk, prefix_v=pv)
+    t = args[strided]
+    args[strided] = (torch.stack([t, -t], dim=-1)[..., 0] if strided in ("k", "prefix_v")
+                     else t.permute(2, 0, 1).contiguous().permute(1, 2, 0))
+    assert torch.equal(args[strided], t) and args[strided].stride(-1) != 1
+    out = prefix_shared_attention(args["q"], args["k"], args["v"], cu, args["prefix_k"], args["prefix_v"], cp, sg,
+                                  backend=backend)
+    ref = prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg)
+    _assert_close_fp32(out, ref, f"{backend} vs reference ({strided} with head_dim stride {args[strided].stride(-1)})")
+
+
 def test_triton_all_segments_empty():
     (q, k, v), cu, (pk, pv), cp, sg = _pack([0, 0], [5], [0, 0], 2, 1, 64)
     out = prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")

@@ -451,3 +451,54 @@ def test_a_build_this_cpu_lacks_is_an_error_naming_the_variable():
                             "except RuntimeError as e:\n    print('ERR', e)"])
     assert f"ERR ACARERANK_CPU_LAYER_ISA={lacking[0]}, but this CPU lacks" in run.stdout, \
         run.stdout + run.stderr[-2000:]
+
+
+# -- float16: the native kernels run float32 / bfloat16 only -----------------------------------
+def test_float16_by_default_runs_torch_and_native_by_name_is_a_clear_error(monkeypatch):
+    """A float16 model is accepted (FLOAT_DTYPES); the element-wise ops' CPU default walked to the
+    native kernel anyway, which raised "activations must be float32 or bfloat16, got Half" from
+    inside the first prefill. The default now walks on to "torch" for float16 (equal to what
+    "torch" gives); "native" asked for by name, or by ACARERANK_BACKEND, is a BackendError
+    naming the dtype."""
+    monkeypatch.delenv("ACARERANK_BACKEND", raising=False)
+    dt = torch.float16
+    x, res, w = _rand(5, 64, dtype=dt), _rand(5, 64, dtype=dt), _weight(64, dt)
+    qkv, qw, kw = _qkv_case(3, 4, 2, 16, dt)
+    cos, sin = _rope_tables(3, 16, start=7)
+    calls = {
+        "rms_norm": lambda b: rms_norm(x, w, backend=b),
+        "fused_add_rms_norm": lambda b: (fused_add_rms_norm(x, r := res.clone(), w, backend=b), r),
+        "qk_norm_rope": lambda b: qk_norm_rope(qkv, qw, kw, cos.to(dt), sin.to(dt), 4, 2, 1e-6, backend=b),
+        "silu_and_mul": lambda b: silu_and_mul(x, backend=b),
+    }
+    for name, call in calls.items():
+        got, want = call(None), call("torch")
+        for g, w_ in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+            assert g.dtype == dt and torch.equal(g, w_), name
+        if not NATIVE_MISSING:
+            with pytest.raises(BackendError, match="float16"):
+                call("native")
+            monkeypatch.setenv("ACARERANK_BACKEND", "native")
+            with pytest.raises(BackendError, match="float16"):
+                call(None)
+            monkeypatch.delenv("ACARERANK_BACKEND")
+
+
+def test_float16_reranker_scores_within_the_half_precision_rule():
+    """PointwiseReranker on a float16 model: error vs the fp32 model's card scores within 2x
+    transformers' own float16 error + 2e-3 (the bf16 rule of tests/test_pointwise.py)."""
+    from _tiny import random_qwen3
+    from acarerank import PointwiseReranker
+    from acarerank.prompts import joint_input_ids, official_scores
+    from acarerank.tokenizer import load_qwen3_tokenizer
+
+    tok = load_qwen3_tokenizer()
+    shape = dict(spread_yes_no=20, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=32, tie=True)
+    m32, m16 = random_qwen3(**shape), random_qwen3(dtype=torch.float16, **shape)
+    docs = ["hello world " * 20, "", "数字 12345", "x"]
+    ids = [joint_input_ids(tok, "q", d) for d in docs]
+    ref32 = torch.tensor(official_scores(m32, tok, ids, batch_size=1))
+    ref16 = torch.tensor(official_scores(m16, tok, ids, batch_size=1))
+    ours = torch.tensor(PointwiseReranker(model=m16, tokenizer=tok).score("q", docs))
+    e_ours, e_hf = (ours - ref32).abs().max().item(), (ref16 - ref32).abs().max().item()
+    assert e_ours <= 2 * e_hf + 2e-3, f"float16 error {e_ours:.2e} vs transformers-float16 {e_hf:.2e}"

@@ -180,6 +180,24 @@ def test_plan_reused_across_layers_and_strided_cache():
         assert (out - want).abs().max().item() <= 1e-6, report(out, want)
 
 
+@pytest.mark.parametrize("backend", [b for b in available_backends("prefix_shared_attention_paged", "cpu")
+                                     if b != "triton"])
+@pytest.mark.parametrize("strided", ["q", "k", "v", "k_cache", "v_cache"])
+def test_head_dim_strided_inputs(backend, strided):
+    """One input at a time with head_dim not at unit stride (transposed storage, or every other
+    element): equal to the packed oracle. torch's private CPU flash kernel reads head_dim at unit
+    stride whatever the tensor says, so the torch backend returned wrong values for such views."""
+    paged, packed = make_case([37, 70], [5, 1, 9], [0, 1, 1], 4, 2, 16, 16)
+    args = dict(zip(("q", "k", "v", "cu", "k_cache", "v_cache", "bt", "pl", "sg"), paged))
+    t = args[strided]
+    args[strided] = (torch.stack([t, -t], dim=-1)[..., 0] if strided in ("k", "v_cache")
+                     else t.movedim(-1, 0).contiguous().movedim(0, -1))
+    assert torch.equal(args[strided], t) and args[strided].stride(-1) != 1
+    out = prefix_shared_attention_paged(*args.values(), backend=backend)
+    want = prefix_shared_attention_ref(*packed)
+    assert (out - want).abs().max().item() <= 1e-5, report(out, want)
+
+
 TRITON_CASES = [
     (16, 2, 2, 64, [37, 70], [5, 1, 9], [0, 1, 1]),
     (64, 8, 2, 64, [0, 33], [3, 0, 4], [0, 1, 1]),

@@ -232,6 +232,34 @@ def test_request_limits(server):
     assert r.status_code == 413 and str(MAX_CHARS) in r.json()["error"]["message"], r.text
 
 
+def test_bodies_that_bypass_admission_are_capped(server):
+    """Only a POST to an API path is admitted (counted against --max-queue), so only it may send a
+    body up to --max-body-bytes: any other request (an unknown path, a wrong method) gets 413 at
+    its head when it declares more than the lingering-close cap, and when a chunked body goes past
+    it. Before, the gate read up to --max-body-bytes for every such request, however many: memory
+    bounded by the connection cap times 32 MiB, not by --max-queue."""
+    from acarerank.server.gate import LINGER_BYTES
+
+    port = server["port"]
+    for path, method in (("/anything", "POST"), ("/v1/models", "POST"), ("/v1/rerank", "PUT")):
+        with connect(port) as s:   # the head alone: 413 must come without a byte of the body
+            s.sendall(request_head(path, length=8_000_000).replace(b"POST", method.encode(), 1))
+            data, took = read_until_closed(s, 10)
+            expect_json_error(data, 413, [str(LINGER_BYTES), path])
+            assert took is not None, "the connection stayed open after a refused body"
+    with connect(port) as s:   # chunked: cut off once past the cap
+        s.sendall(request_head("/anything", extra="Transfer-Encoding: chunked\r\n"))
+        for _ in range(LINGER_BYTES // 4096 + 2):
+            s.sendall(b"1000\r\n" + b"x" * 4096 + b"\r\n")
+        expect_json_error(read_until_closed(s, 10)[0], 413, [str(LINGER_BYTES)])
+    # a small body still gets the route's own answer; an API POST may still send a large one
+    with connect(port) as s:
+        s.sendall(request_head("/v1/models", length=2, extra="Connection: close\r\n") + b"{}")
+        expect_json_error(read_until_closed(s, 10)[0], 405)
+    body = json.dumps(dict(query="q", documents=["d" * 100_000])).encode()
+    assert LINGER_BYTES < len(body) and parse_response(post_raw(port, body))[0] == 200
+
+
 # -- admission before parsing; parsing off the event loop ---------------------------------------------------
 def test_queue_full_answers_429_before_the_body_and_big_bodies_do_not_stall_health(server):
     base, port, pid = server["base"], server["port"], server["proc"].pid
