@@ -199,6 +199,8 @@ class PointwiseReranker(RerankerBase):
         context with an earlier one of the batch reuses its pages), one packed pass over all
         documents, release. ``cache_salt`` applies to requests that carry none.
         """
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         requests = _as_requests(requests)
         encodings = [self.encode(r) for r in requests]
         if cache_salt is not None:

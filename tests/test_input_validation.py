@@ -46,6 +46,16 @@ def test_score_batch_accepts_dicts_and_tuples(rr):
         rr.score_batch(ScoreRequest("q", DOCS))
 
 
+@pytest.mark.parametrize("salt", [b"tenant", ["tenant"], 7])
+def test_cache_salt_of_score_batch_must_be_a_str(rr, salt):
+    """The same check as ScoreRequest.cache_salt's, before any work (an unhashable salt used to
+    fail as a bare TypeError from the cache's dict lookup, a bytes salt to be used as given)."""
+    with pytest.raises(TypeError, match="cache_salt must be a str or None, got"):
+        rr.score_batch([ScoreRequest("q", DOCS)], cache_salt=salt)
+    with pytest.raises(TypeError, match="cache_salt must be a str or None, got"):
+        rr.score_batch([ScoreRequest("q", DOCS, cache_salt=salt)])
+
+
 def test_top_n_integers(rr):
     assert rr.rerank("q", DOCS, top_n=np.int64(1)) == rr.rerank("q", DOCS, top_n=1)
     with pytest.raises(ValueError, match="top_n"):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -142,6 +143,9 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     @app.get("/health")
     async def health(max_pass_s: Optional[float] = None):
         """Answered on the event loop from the engine's heartbeat: it never waits for the model."""
+        if max_pass_s is not None and not (math.isfinite(max_pass_s) and max_pass_s >= 0):
+            return JSONResponse(error_body(422, f"max_pass_s must be a finite number >= 0 (seconds), got {max_pass_s}"),
+                                status_code=422)
         h = service.health() if hasattr(service, "health") else {"state": "idle", "busy_s": 0.0}
         if h["state"] in ("dead", "stopped"):
             why = h.get("reason", "the scheduler loop is not running")

@@ -339,6 +339,14 @@ def test_health_reports_a_long_step_without_calling_it_dead(served):
     assert httpx.get(base + "/health", params={"max_pass_s": 0.2}, timeout=5).status_code == 200
 
 
+@pytest.mark.parametrize("bound", ["-1", "nan", "inf", "abc"])
+def test_health_refuses_a_bound_that_is_not_a_duration(served, bound):
+    """A negative, NaN or infinite max_pass_s would make the probe always fail (-1) or never (NaN):
+    422 naming it, engine idle or not."""
+    r = httpx.get(served["base"] + "/health", params={"max_pass_s": bound}, timeout=5)
+    assert r.status_code == 422 and "max_pass_s" in r.text, r.text
+
+
 # -- 5: a client that leaves while waiting is a 499 ---------------------------------------------------
 def test_client_leaving_while_waiting_is_499(served):
     base, inj, svc = served["base"], served["inj"], served["svc"]
