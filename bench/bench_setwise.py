@@ -17,6 +17,12 @@ Random weights would mostly stop after one id; to time a realistic (in fact the 
 loop, ``<|im_end|>`` is disfavoured in the weights (as in the tests) so every selection runs
 to the cap: 10 ids, 31-41 new tokens. Both providers must emit the same tokens (checked).
 
+``--batch B`` decodes B prompts together (pool p, its documents in B rotations: B distinct
+prompts of the same length), as ``SetwiseReranker.select_batch`` does: acarerank one
+``GreedyStepper`` over B groups (every decode step one call of the attention kernel over B
+one-token segments), transformers one ``generate`` over the B prompts (left-padded, attention
+mask). Tokens and times then cover all B prompts.
+
 Reported per pool: median / p10 / p90 ms (``measure.time_ms``: ``--repeats`` runs after one warm-up),
 prompt tokens/s, ``x`` = transformers / acarerank, and for acarerank its two phases, timed inside
 each timed call (medians over the calls): the prefill (``GreedyStepper``'s set-up: the prompt but
@@ -27,6 +33,7 @@ Target: at pool 20 the decode loop adds <= 20 % to the prefill.
 
     python bench/bench_setwise.py [--repeats 3] [--output results/bench_setwise]
     python bench/bench_setwise.py --quick        # 2 layers, pools 10/20 of 20-60-token docs, 1 run
+    python bench/bench_setwise.py --pools 20 --batch 8   # 8 selections decoded together
 
 Writes ``bench_setwise.csv`` (one row per pool and provider, with machine and versions) and
 ``bench_setwise.png`` (latency vs pool size) when matplotlib is available.
@@ -52,7 +59,7 @@ from acarerank.setwise.prompts import build_prompt
 from acarerank.tokenizer import TOKEN_IM_END, load_qwen3_tokenizer
 
 DECODE_SHARE_TARGET = 0.20     # decode loop / prefill at pool 20
-COLUMNS = ["pool", "provider", "prompt_tokens", "new_tokens", "median_ms", "p10_ms", "p90_ms", "prompt_tok_per_s",
+COLUMNS = ["pool", "batch", "provider", "prompt_tokens", "new_tokens", "median_ms", "p10_ms", "p90_ms", "prompt_tok_per_s",
            "x_vs_transformers", "prefill_ms", "decode_loop_ms", "decode_share", "tokens_agree", "device_name",
            "python", "torch", "transformers", "acarerank", "dtype", "layers"]
 
@@ -75,12 +82,15 @@ def main(argv=None) -> int:
     ap.add_argument("--doc-tokens", default="60,380", help="low,high document length in tokens")
     ap.add_argument("--max-select", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (pool's documents rotated)")
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--end-bias", type=float, default=-0.3, help="lm_head[<|im_end|>, 0]; < 0 runs to the cap")
     ap.add_argument("--output", default=os.path.join("results", "bench_setwise"))
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 layers, pools 10,20, 20-60-token docs, 1 run")
     args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
     warmup = 1
     if args.quick:
         args.pools, args.doc_tokens, args.repeats, args.layers, warmup = "10,20", "20,60", 1, 2, 0
@@ -102,27 +112,36 @@ def main(argv=None) -> int:
     model.generate(torch.tensor([warm]), do_sample=False, max_new_tokens=2, pad_token_id=TOKEN_IM_END)
 
     rows, lines = [], []
+    B = args.batch
     for pool in pools:
-        p = build_prompt(tok, work.query, work.docs(pool), max_select=args.max_select, max_length=None)
-        ids, n = p.input_ids, len(p.input_ids)
+        docs = work.docs(pool)
+        prompts = [build_prompt(tok, work.query, docs[b % pool:] + docs[:b % pool], max_select=args.max_select,
+                                max_length=None).input_ids for b in range(B)]
+        n_max = max(len(i) for i in prompts)
+        n = sum(len(i) for i in prompts)
+        # transformers' batch: left-padded (pad = <|im_end|>, masked out)
+        padded = torch.tensor([[TOKEN_IM_END] * (n_max - len(i)) + i for i in prompts])
+        mask = torch.tensor([[0] * (n_max - len(i)) + [1] * len(i) for i in prompts])
 
         phases = []  # (prefill, decode loop) seconds of each call of ours(), timed inside the call
 
         def ours():
             t0 = time.perf_counter()
-            dec = GreedyStepper(runner, [ids], grammar, [grammar.start(pool, args.max_select)])  # prefills
-            t1 = time.perf_counter()
+            dec = GreedyStepper(runner, prompts, grammar, [grammar.start(pool, args.max_select) for _ in prompts])
+            t1 = time.perf_counter()  # the set-up above prefills
             while not dec.done:
                 dec.step()
             phases.append((t1 - t0, time.perf_counter() - t1))
-            return dec.outputs[0]
+            return dec.outputs
 
         def theirs():
-            proc = GrammarLogitsProcessor(grammar, [pool], args.max_select, prompt_len=n)
+            proc = GrammarLogitsProcessor(grammar, [pool] * B, args.max_select, prompt_len=n_max)
             with torch.inference_mode():
-                out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
+                out = model.generate(padded, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW_TOKENS,
                                      eos_token_id=TOKEN_IM_END, pad_token_id=TOKEN_IM_END, logits_processor=[proc])
-            return out[0, n:].tolist()
+            rows = [r[n_max:].tolist() for r in out]
+            # a row that ended early is padded after its <|im_end|>: cut there (ours stops at it)
+            return [r[:r.index(TOKEN_IM_END) + 1] if TOKEN_IM_END in r else r for r in rows]
 
         t_ours, t_hf = (time_ms(fn, "cpu", repeats=args.repeats, warmup=warmup) for fn in (ours, theirs))
         out_ours, out_hf = t_ours.result, t_hf.result
@@ -131,7 +150,8 @@ def main(argv=None) -> int:
         timed = phases[-args.repeats:]  # the timed calls' own phases (not the warm-up's)
         med_pre = statistics.median(p for p, _ in timed) * 1e3
         med_loop = statistics.median(dl for _, dl in timed) * 1e3
-        common = dict(pool=pool, prompt_tokens=n, new_tokens=len(out_ours), tokens_agree=agree, dtype=args.dtype,
+        new_tokens = sum(len(o) for o in out_ours)
+        common = dict(pool=pool, batch=B, prompt_tokens=n, new_tokens=new_tokens, tokens_agree=agree, dtype=args.dtype,
                       layers=layers, **info)
         for name, t in (("acarerank", t_ours), ("transformers", t_hf)):
             med = t.median
@@ -139,11 +159,13 @@ def main(argv=None) -> int:
                              prompt_tok_per_s=n / med * 1e3, x_vs_transformers=med_hf / med))
         share = med_loop / med_pre
         rows[-2].update(prefill_ms=med_pre, decode_loop_ms=med_loop, decode_share=share)
-        lines.append(f"pool {pool:>3}: prompt {n:>6} tok, {len(out_ours)} new tok | acarerank {med_ours:9.1f} ms "
+        lines.append(f"pool {pool:>3}{f' x {B}' if B > 1 else ''}: prompt {n:>6} tok, {new_tokens} new tok | acarerank {med_ours:9.1f} ms "
                      f"(prefill {med_pre:8.1f} + decode loop {med_loop:7.1f} = {share:+.0%}) | transformers "
                      f"{med_hf:9.1f} ms | x {med_hf / med_ours:5.2f} | same tokens: {agree}")
         if not agree:
-            lines.append(f"   ours {tok.decode(out_ours)!r} vs transformers {tok.decode(out_hf)!r}")
+            for b, (o, h) in enumerate(zip(out_ours, out_hf)):
+                if o != h:
+                    lines.append(f"   prompt {b}: ours {tok.decode(o)!r} vs transformers {tok.decode(h)!r}")
 
     os.makedirs(args.output, exist_ok=True)
     path = os.path.join(args.output, "bench_setwise.csv")
