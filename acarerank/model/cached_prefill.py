@@ -76,7 +76,8 @@ class CacheSlot:
 
 
 def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
-                   salt: Optional[Hashable] = None, chunk_tokens: Optional[int] = None) -> tuple:
+                   salt: Optional[Hashable] = None, chunk_tokens: Optional[int] = None,
+                   reserve_tokens: int = 1) -> tuple:
     """Prefill ``prefixes`` (one group each), reusing the longest cached prefix of each.
 
     Returns ``(cache, hits)``: a ``PagedKVCache`` holding every group (the caller frees it;
@@ -84,7 +85,8 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
     Full pages computed here enter the cache. Without a usable cache (off, or no room even
     after evicting every unpinned page) the prefixes are computed in full in a private pool.
     All groups' new tokens go through one chunked packed pass, ``chunk_tokens`` per group per
-    pass (default ``runner.prefill_chunk``).
+    pass (default ``runner.prefill_chunk``). A private pool has room for ``reserve_tokens`` more
+    tokens per group (a decode loop's) before it grows (``Qwen3Runner.prefill``).
 
     Page ownership: on any exception (an out-of-memory error at some layer, a kernel error,
     ``KeyboardInterrupt``) every page reference taken here is given back before it propagates,
@@ -119,7 +121,7 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
             return cache, hits
     else:
         slot.count(uncached_lookup=sum(map(len, prefixes)))
-    cache = runner.prefill(prefixes, chunk_tokens)  # a private, growable pool
+    cache = runner.prefill(prefixes, chunk_tokens, reserve_tokens)  # a private, growable pool
     slot.count(computed=sum(map(len, prefixes)))
     return cache, [0] * len(prefixes)
 
@@ -134,10 +136,13 @@ class ChunkedPrefill:
     One ``step(len(prefix))`` runs the very passes ``prefill_cached`` runs. The caller frees ``cache``
     — also after a ``step`` that raised: its pages (pinned and reserved) are all in ``cache``, and
     a later ``step`` may retry (rows reserved and not committed are simply written again).
+    ``reserve_tokens`` as in ``prefill_cached``.
     """
 
-    def __init__(self, runner, slot: CacheSlot, prefix: Sequence[int], salt: Optional[Hashable] = None):
+    def __init__(self, runner, slot: CacheSlot, prefix: Sequence[int], salt: Optional[Hashable] = None,
+                 reserve_tokens: int = 1):
         self.runner, self.slot, self.salt = runner, slot, salt
+        self.reserve_tokens = reserve_tokens
         self.prefix = [int(t) for t in prefix]
         self.pc = slot.get()
         self.hit = 0
@@ -156,7 +161,8 @@ class ChunkedPrefill:
 
     def _private(self) -> None:
         bs = self.runner.block_size
-        self.cache = PagedKVCache(self.runner.new_pool(-(-(len(self.prefix) + 1) // bs), growable=True))
+        self.cache = PagedKVCache(self.runner.new_pool(-(-(len(self.prefix) + self.reserve_tokens) // bs),
+                                                       growable=True))
         self.cache.add_group()
         self.pc, self.hit, self.pos = None, 0, 0
 

@@ -88,7 +88,8 @@ class GreedyStepper:
         _check(prompts, states, max_new_tokens)
         prompts = [list(map(int, p)) for p in prompts]
         if cache is None:
-            cache = runner.prefill([p[:-1] for p in prompts])
+            # room for the last prompt token and every new token: the pool never grows mid-decode
+            cache = runner.prefill([p[:-1] for p in prompts], reserve_tokens=max_new_tokens + 1)
         elif cache.lengths != [len(p) - 1 for p in prompts]:
             raise ValueError(f"cache holds {cache.lengths} tokens per group; the prompts need "
                              f"{[len(p) - 1 for p in prompts]}")

@@ -160,7 +160,8 @@ class SetwiseReranker(RerankerBase):
         """Match the prompt's longest cached prefix (pinned until ``release_select``); nothing computed yet."""
         if not isinstance(enc, SelectEncoding):
             raise TypeError(f"start_select needs a SelectEncoding (from encode_select), got {type(enc).__name__}")
-        return SelectState(enc, ChunkedPrefill(self.runner, self._cache_slot, enc.prompt.input_ids[:-1]))
+        return SelectState(enc, ChunkedPrefill(self.runner, self._cache_slot, enc.prompt.input_ids[:-1],
+                                               reserve_tokens=self.max_new_tokens + 1))
 
     def prefill_select(self, st: SelectState, max_tokens: int) -> int:
         """Compute up to ``max_tokens`` more prompt tokens (one pass per ``runner.prefill_chunk``);
@@ -181,7 +182,8 @@ class SetwiseReranker(RerankerBase):
             return st.decoder.step()
         except PoolExhausted:
             st.prefill.cache.free()
-            st.prefill = ChunkedPrefill(self.runner, CacheSlot(self.runner, enabled=False), st.prefill.prefix)
+            st.prefill = ChunkedPrefill(self.runner, CacheSlot(self.runner, enabled=False), st.prefill.prefix,
+                                        reserve_tokens=self.max_new_tokens + 1)
             st.decoder = None
             return 0
 
@@ -267,7 +269,8 @@ class SetwiseReranker(RerankerBase):
             return greedy_decode(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=TOKEN_IM_END,
                                  cache=cache)
 
-        cache, _ = prefill_cached(self.runner, self._cache_slot, [i[:-1] for i in ids])
+        cache, _ = prefill_cached(self.runner, self._cache_slot, [i[:-1] for i in ids],
+                                  reserve_tokens=self.max_new_tokens + 1)
         try:
             gen = decode(cache)
         except PoolExhausted:  # the cache's pool filled up with pinned pages mid-decode: redo privately

@@ -162,3 +162,23 @@ def test_decode_argument_errors(qwen3_tokenizer, grammar):
         greedy_decode(runner, p, grammar, [grammar.start(10_000, 10)])   # 10 five-digit ids need 71 tokens
     with pytest.raises(ValueError, match="max_new_tokens"):
         greedy_decode(runner, p, max_new_tokens=0)
+
+
+def test_decoding_never_grows_the_prompts_pool(qwen3_tokenizer, monkeypatch):
+    """The prefill leaves room for every new token (max_new_tokens + the prompt's last), so the
+    private pool is never doubled mid-decode (a copy of every page: a quarter of a batched decode
+    loop at the default shape, and twice the cache's memory); outputs as generate's. A
+    reserve_tokens that is not a positive int is an error naming it."""
+    from acarerank.model import block_pool
+
+    grown = []
+    real = block_pool.BlockPool._grow
+    monkeypatch.setattr(block_pool.BlockPool, "_grow", lambda self, extra: (grown.append(extra), real(self, extra)))
+    model = tiny_model(seed=0)
+    runner = Qwen3Runner.from_hf(model)
+    prompts = _prompts(qwen3_tokenizer, TEXTS)          # 14-33 tokens: 40 more cross two 16-token pages
+    ours = greedy_decode(runner, prompts, max_new_tokens=40)
+    assert all(len(o) == 40 for o in ours) and grown == [], f"the pool grew by {grown} blocks mid-decode"
+    assert ours[1] == _generate(model, prompts[1], max_new_tokens=40)
+    with pytest.raises(ValueError, match="reserve_tokens must be a positive int"):
+        runner.prefill(prompts, reserve_tokens=0)

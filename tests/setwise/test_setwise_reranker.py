@@ -74,6 +74,32 @@ def test_select_batch_equals_single_selects(reranker):
     assert batch[2].ids == [1]                      # a pool of one: the grammar forces "[1]"
 
 
+def test_selections_without_a_prefix_cache_never_grow_their_pool(model, qwen3_tokenizer, monkeypatch):
+    """Without a prefix cache each selection's prompt is prefilled into a private pool with room
+    for max_new_tokens more (select_batch, and the server's start/prefill/decode_select steps):
+    no page copy mid-decode; the selections equal the cached reranker's."""
+    from acarerank.model import block_pool
+
+    grown = []
+    real = block_pool.BlockPool._grow
+    monkeypatch.setattr(block_pool.BlockPool, "_grow", lambda self, extra: (grown.append(extra), real(self, extra)))
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    queries, docs = ["capital of France?", "Olympics 2024 host?"], [DOCS, DOCS[:5]]
+    batch = sr.select_batch(queries, docs, max_select=4)
+    st = sr.start_select(sr.encode_select(queries[0], docs[0], max_select=4))
+    try:
+        while st.prefilling:
+            sr.prefill_select(st, 64)
+        while not st.done:
+            sr.decode_select(st)
+        stepped = sr.finish_select(st)
+    finally:
+        sr.release_select(st)
+    assert grown == [], f"a private pool grew by {grown} blocks"
+    cached = SetwiseReranker(runner=sr.runner, tokenizer=qwen3_tokenizer)
+    assert batch == [cached.select(q, d, max_select=4) for q, d in zip(queries, docs)] and stepped == batch[0]
+
+
 def test_unconstrained_is_free_decoding_parsed_leniently(model, qwen3_tokenizer):
     sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=24)
     sel = sr.select("capital?", DOCS[:4], constrained=False)
