@@ -5,16 +5,18 @@
 // sends: r rows (the query heads of one kv head) against P prefix keys — does r·P·d·4 FLOP on
 // 2·P·d values of K and V: a GEMV, bound by reading K/V once. The tile path packs both first
 // (one more read and a write of each, for a GEMM of r rows), so there it spends ~2× the memory
-// traffic of the work itself. Here each key row is converted to fp32 once (L1) and dotted with
-// every row's q; the same online softmax follows per block of kKeys keys, in fp32 (P is not
-// rounded to bf16: a more exact weight than the tile path's), and acc_i += p_ij · v_j per key.
+// traffic of the work itself. Here, per step of kDirectKeys keys and per kv head of the task:
+// scores 16 keys at a time (each key row dotted with each row's q, bf16 widened on load; the 16
+// partial vectors finished by one pairwise reduction, sum16), the online softmax in fp32 (P is
+// not rounded to bf16: a more exact weight than the tile path's), then P·V with up to 4 rows'
+// accumulators held in registers across the step's keys.
 //
 //   s_ij = q_i · k_j        (j visible to row i: the whole prefix, own keys a_s .. t_i)
 //   m_i' = max(m_i, max_j s_ij);  p_ij = exp(scale·(s_ij − m_i'));  l_i' = l_i·α + Σ_j p_ij;
 //   acc_i' = acc_i·α + Σ_j p_ij · v_j,   α = exp(scale·(m_i − m_i'))
 //
-// A NaN score loses the max and makes p, l and the row's output NaN, as on the tile path; keys a
-// row cannot see are never read for it. AVX-512 code (ACR_AVX512_BF16: the exp is
+// A NaN score loses the max and makes p, l and the row's output NaN, as on the tile path; a key a
+// row cannot see may be scored with the others of its 16 and is never used for it. AVX-512 code (ACR_AVX512_BF16: the exp is
 // attn_tiles.h's exp2_avx512), called only where bf16_avx512().
 #pragma once
 
@@ -30,7 +32,7 @@
 namespace acr_attn {
 
 constexpr int64_t kDirectRows = 16;  // row blocks of at most this many rows take this path
-constexpr int64_t kDirectKeys = 64;  // keys per softmax step: S and P of kDirectRows × kDirectKeys
+constexpr int64_t kDirectKeys = 64;  // keys per softmax step: scores of a task's rows × kDirectKeys
 
 #ifdef ACR_HAVE_AVX512_BF16_CODE
 ACR_AVX512_BF16 inline __mmask16 tail_mask(int64_t left) {
@@ -65,7 +67,8 @@ ACR_AVX512_BF16 inline __m512 sum16(const __m512* v) {
   for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2k], v[2k+1]
     t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
   for (int k = 0; k < 4; ++k)  // per 128-bit lane: the lane's sum of v[4k .. 4k+3]
-    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44), _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0xEE));
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], 0xEE));
   const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
   const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));

@@ -203,8 +203,7 @@ int64_t direct_rows_limit() {
 // One decode-like task on the direct path: its rows' fp32 q (head hh's M rows at hh·M), then the
 // prefix (every row sees every key), then each piece's own keys causally (row (t, i) sees a_s .. t).
 // pk / pv / own_k / own_v give the task's first kv head's row of a key; the next heads follow at
-// the given strides.
-// Fills m, l, acc.
+// the given strides. Fills m, l, acc.
 template <typename s_t, typename c_t, typename PK, typename PV, typename OK, typename OV>
 void run_direct_rows(const Task& tk, const Meta& mt, int64_t P, float scale, const c_t* Q, float* Qf, float* S,
                      float* m, float* l, float* acc, PK&& pk, PV&& pv, int64_t pk_stride, int64_t pv_stride,
