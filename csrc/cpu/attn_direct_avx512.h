@@ -108,6 +108,29 @@ ACR_AVX512_BF16 inline void dots16(const float* q, const T* const* k, int64_t nk
   _mm512_mask_storeu_ps(s, tail_mask(nk), sum16(part));
 }
 
+// The same for bf16 q and K rows, d == 32·NC2: vdpbf16ps multiplies 32 bf16 pairs into 16 fp32
+// lanes, K read as it lies (no widening). Every product is exact in fp32 either way (q is bf16
+// already), so only the order of the fp32 additions differs from dots16's.
+template <int NC2>
+ACR_AVX512_BF16 inline void dots16_bf16(const BFloat16* q, const BFloat16* const* k, int64_t nk, float* s) {
+  __m512 part[16];
+  __m512i qr[NC2];
+#pragma GCC unroll 8
+  for (int c = 0; c < NC2; ++c) qr[c] = _mm512_loadu_si512(q + 32 * c);
+  for (int64_t jj = 0; jj < 16; ++jj) {
+    __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();  // two chains: half the latency
+    if (jj < nk) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NC2; c += 2) {
+        a = _mm512_dpbf16_ps(a, (__m512bh)qr[c], (__m512bh)_mm512_loadu_si512(k[jj] + 32 * c));
+        if (c + 1 < NC2) b = _mm512_dpbf16_ps(b, (__m512bh)qr[c + 1], (__m512bh)_mm512_loadu_si512(k[jj] + 32 * c + 32));
+      }
+    }
+    part[jj] = _mm512_add_ps(a, b);
+  }
+  _mm512_mask_storeu_ps(s, tail_mask(nk), sum16(part));
+}
+
 // acc_i[0, d) += Σ_{j < cnt[i]} p_i[j] · v[j][0, d) for R <= 4 rows i (p_i at p + i·ps, acc_i at
 // acc + i·d), over the widest of cnt keys: 64 columns at a time, the rows' accumulators held in
 // registers across all keys (one load and store of acc per call, not per key).
@@ -168,12 +191,13 @@ ACR_AVX512_BF16 inline void softmax_row_direct(float* s, int64_t n, int64_t d, f
 // Rows of nh heads against keys [0, nkeys): head hh's M rows are rows hh·hrows .. hh·hrows + M of
 // q (fp32, row i at q + i·d) and of m / l / acc; key j's K/V rows of head hh at krow(j) + hh·kstride
 // / vrow(j) + hh·vstride (d values each); row i of a head sees keys [0, visible(i)), i in [0, M).
-// Continues each row's running (m, l, acc). s: nh·M × kDirectKeys floats of scratch.
+// qt: the same rows in T (bf16 d 64 / 128 dot them as they are; q may then be unset). Continues
+// each row's running (m, l, acc). s: nh·M × kDirectKeys floats of scratch.
 // A task of all kv heads of a group reads each key's whole slot row (Hkv·d values, contiguous in a
 // page) in one pass, where a task per head reads d of every Hkv·d: one stream instead of Hkv strided
 // ones, each touching a new page every other key (a 2 KB slot row at the 4B shapes).
 template <typename T, typename KRow, typename VRow, typename Visible>
-ACR_AVX512_BF16 void direct_keys(const float* q, int64_t nh, int64_t hrows, int64_t M, int64_t kstride,
+ACR_AVX512_BF16 void direct_keys(const float* q, const T* qt, int64_t nh, int64_t hrows, int64_t M, int64_t kstride,
                                  int64_t vstride, int64_t d, float scale, int64_t nkeys, KRow&& krow, VRow&& vrow,
                                  Visible&& visible, float* m, float* l, float* acc, float* s) {
   int64_t cnt[kDirectRows];
@@ -183,6 +207,9 @@ ACR_AVX512_BF16 void direct_keys(const float* q, int64_t nh, int64_t hrows, int6
   const int64_t kspan = ((nh - 1) * kstride + d) * static_cast<int64_t>(sizeof(T));  // bytes of a key's rows
   const int64_t vspan = ((nh - 1) * vstride + d) * static_cast<int64_t>(sizeof(T));
   auto dots = d == 128 ? dots16<8, T> : d == 64 ? dots16<4, T> : dots16<0, T>;
+  // bf16 rows of d 64 / 128 (Qwen3's): q and K as bf16 pairs (qt), q as fp32 (q) not used
+  constexpr bool bf16 = std::is_same_v<T, BFloat16>;
+  const bool pairs = bf16 && (d == 128 || d == 64);
   for (int64_t j0 = 0; j0 < nkeys; j0 += kDirectKeys) {
     const int64_t n = std::min(kDirectKeys, nkeys - j0);
     int64_t widest = 0;  // the most keys of this step any row sees
@@ -203,7 +230,17 @@ ACR_AVX512_BF16 void direct_keys(const float* q, int64_t nh, int64_t hrows, int6
       for (int64_t j = jb + 16; j < std::min(widest, jb + 32); ++j) prefetch_row(kr[j], kspan);
       for (int64_t hh = 0; hh < nh; ++hh) {
         for (int64_t jj = 0; jj < nk; ++jj) hr[jj] = kr[jb + jj] + hh * kstride;
-        for (int64_t i = 0; i < M; ++i) dots(q + (hh * hrows + i) * d, hr, nk, d, s + (hh * M + i) * kDirectKeys + jb);
+        for (int64_t i = 0; i < M; ++i) {
+          float* si = s + (hh * M + i) * kDirectKeys + jb;
+          if constexpr (bf16) {
+            if (pairs) {
+              const BFloat16* qi = qt + (hh * hrows + i) * d;
+              d == 128 ? dots16_bf16<4>(qi, hr, nk, si) : dots16_bf16<2>(qi, hr, nk, si);
+              continue;
+            }
+          }
+          dots(q + (hh * hrows + i) * d, hr, nk, d, si);
+        }
       }
     }
     for (int64_t j = 0; j < widest; ++j) prefetch_row(vr[j], vspan);  // arriving during the softmax

@@ -177,9 +177,9 @@ struct PrefixRows {
 // compute type is the input type (fp32, or bf16 on a bf16 path) and the CPU runs the AVX-512 code
 // (bf16_avx512()); else 0. Measured against the tile path (16 groups of 1-8 tokens each over 1,600
 // prefix keys in 16-token pages, 0.6B heads; EPYC Zen 4, avx512_bf16, 2 threads): fp32 2-4x faster
-// up to 16 rows; bf16 1.6-2x faster up to 8 rows, no gain at 16 (the tile path's bf16 GEMM catches
-// up with the rows). ACARERANK_CPU_DIRECT_ROWS=0..16 sets one limit for both (0: never; the tests
-// run both paths so), read once.
+// up to 16 rows; bf16 (q·K as vdpbf16ps pairs) 1.6-2x up to 8 rows and 1.3-1.6x at 16, even with
+// one group (docs/cpu.md). ACARERANK_CPU_DIRECT_ROWS=0..16 sets the limit (0: never; the tests run
+// both paths so), read once.
 template <typename s_t, typename c_t>
 int64_t direct_rows_limit() {
   if constexpr (std::is_same_v<s_t, c_t> && (std::is_same_v<s_t, float> || std::is_same_v<s_t, at::BFloat16>)) {
@@ -194,7 +194,7 @@ int64_t direct_rows_limit() {
       return static_cast<int64_t>(v);
     }();
     if (!bf16_avx512()) return 0;
-    return set >= 0 ? set : std::is_same_v<s_t, float> ? kDirectRows : 8;
+    return set >= 0 ? set : kDirectRows;
 #endif
   }
   return 0;
@@ -214,13 +214,13 @@ void run_direct_rows(const Task& tk, const Meta& mt, int64_t P, float scale, con
     const float* qf = Qf;  // fp32 q rows: the task's own (fp32), or widened from bf16 into Qf
     if constexpr (std::is_same_v<c_t, float>)
       qf = Q;
-    else
+    else if (d != 128 && d != 64)  // else direct_keys dots the bf16 rows as they are
       for (int64_t i = 0; i < nh * M; ++i) row_f32(Q + i * d, d, Qf + i * d);
-    direct_keys<s_t>(qf, nh, M, M, pk_stride, pv_stride, d, scale, P, pk, pv, [P](int64_t) { return P; }, m, l, acc,
+    direct_keys<s_t>(qf, Q, nh, M, M, pk_stride, pv_stride, d, scale, P, pk, pv, [P](int64_t) { return P; }, m, l, acc,
                      S);
     for (const Piece& pc : tk.pieces) {
       const int64_t a = mt.cs[pc.seg];
-      direct_keys<s_t>(qf + pc.m0 * d, nh, M, (pc.t1 - pc.t0) * r, ok_stride, ov_stride, d, scale, pc.t1 - a,
+      direct_keys<s_t>(qf + pc.m0 * d, Q + pc.m0 * d, nh, M, (pc.t1 - pc.t0) * r, ok_stride, ov_stride, d, scale, pc.t1 - a,
                        [&](int64_t j) { return own_k(a + j); }, [&](int64_t j) { return own_v(a + j); },
                        [&](int64_t i) { return pc.t0 + i / r - a + 1; }, m + pc.m0, l + pc.m0, acc + pc.m0 * d, S);
     }

@@ -1,8 +1,8 @@
 """The native CPU attention kernel's direct path (csrc/cpu/attn_direct_avx512.h): row blocks of a
 few rows — decode-like, one-token segments — computed straight from the K/V rows, no packed tile.
 
-It runs where the CPU has AVX512_BF16 (fp32 blocks of up to 16 rows, bf16 of up to 8 by
-default); ACARERANK_CPU_DIRECT_ROWS=0..16 sets one limit for both, read once per process. So
+It runs where the CPU has AVX512_BF16 (fp32 and bf16 blocks of up to 16 rows by default);
+ACARERANK_CPU_DIRECT_ROWS=0..16 sets one limit for both, read once per process. So
 each limit runs in a fresh process: with 0 the tile path takes every block (what a CPU without
 AVX-512 runs), with 16 the direct path takes every block of up to 16 rows in both dtypes. Both
 are held to the suite's rules on the same cases: fp32 within 1e-5 of the fp32 oracle, bf16 within
