@@ -35,6 +35,7 @@ from ..ops.rms_norm import OP_RMS_NORM
 from .block_pool import BlockPool
 from .layer_ops import CompiledLayers, OpsLayers, resolve_layer_backends
 from .linear_weights import weights_for_linear
+from .numerics import check_scorable
 from .paged_cache import PagedKVCache
 from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 
@@ -222,6 +223,8 @@ class Qwen3Runner:
         segments: token-id lists / 1-D LongTensors; segment_group: the group of each.
         output: "last" -> [S, H] hidden state (before the final norm) at each segment's last
                 token; "all" -> [T, H] every token, packed in segment order; "none" -> None.
+                A "last" row that is NaN/inf or too large for the final RMSNorm raises
+                ``NonFiniteHiddenError`` (``acarerank.model.numerics``) instead of being returned.
         append: append each segment's K/V to its group's cache (≤ one segment per group).
         """
         if output not in ("last", "all", "none"):
@@ -336,7 +339,12 @@ class Qwen3Runner:
             layers.attn_out_mlp(attn, L)
         if append:
             cache.commit(groups, lens)
-        return None if output == "none" else layers.end()
+        if output == "none":
+            return None
+        hidden = layers.end()
+        if output == "last":
+            check_scorable(hidden)  # every score and next token comes from these rows (numerics.py)
+        return hidden
 
 
 def _token_runs(entries: list, max_tokens: int):

@@ -77,6 +77,9 @@ def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backe
       eps: RMSNorm epsilon (config.rms_norm_eps).
       backend: a name, a per-op mapping or None (``acarerank.ops._backend``).
     Returns: (score [S] fp32 in [0, 1], logit_diff [S] fp32 = logit_yes − logit_no).
+      A row whose squares overflow fp32 (|h| beyond ~1.8e19 / sqrt(H)) scores 0.5 (or NaN) on the
+      torch, Triton and CUDA backends (as transformers' RMSNorm) and its exact value on cpp (double sums);
+      the rerankers never pass one (acarerank.model.numerics).
 
     The backend is resolved once here; the work runs inside the custom op
     ``torch.ops.acarerank.yes_no_score``, opaque to torch.compile.

@@ -1,0 +1,37 @@
+"""The one check on what the model computes: a final hidden state it cannot score.
+
+The score and the next token both go through the final RMSNorm, h · rsqrt(mean(h²) + eps). A
+row with a NaN/inf, or whose squares overflow fp32 (max |h| beyond ~1.8e19 / sqrt(H)), makes
+that NaN, or 0 and so a score of exactly 0.5 / the grammar's first allowed token — a wrong
+answer with no error (transformers' forward gives the same). It happens when the weights or
+the dtype overflow (a broken checkpoint, float16 activations), never for an input that a
+working model can read, so it is an error of the model, not of the request (docs/input-safety.md).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class NonFiniteHiddenError(RuntimeError):
+    """The model's final hidden state is NaN/inf, or too large for fp32's RMSNorm, at the rows
+    named in the message (``rows``: their indices in the pass)."""
+
+    def __init__(self, message: str, rows: list):
+        super().__init__(message)
+        self.rows = rows
+
+
+def check_scorable(hidden: torch.Tensor) -> None:
+    """Raise ``NonFiniteHiddenError`` if any row of ``hidden`` [S, H] has a NaN/inf or a sum of
+    squares beyond fp32's range (the final RMSNorm's); one [S, H] pass and one sync."""
+    sq = hidden.float().pow(2).sum(-1)  # inf for any NaN-free row that overflows; NaN stays NaN
+    bad = ~torch.isfinite(sq)
+    if not bool(bad.any()):
+        return
+    rows = bad.nonzero().flatten().tolist()
+    h = hidden[rows].float()
+    what = "NaN" if bool(torch.isnan(h).any()) else f"max |h| = {h.abs().amax().item():.3g}"
+    raise NonFiniteHiddenError(
+        f"the model's final hidden state is NaN/inf or too large for fp32's RMSNorm ({what}) at {len(rows)} of "
+        f"{hidden.shape[0]} row(s) of this pass (first: {rows[:5]}): its activations overflowed (broken weights, or "
+        f"a dtype too narrow: try float32); no score or token is computed from it", rows)
