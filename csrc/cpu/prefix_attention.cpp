@@ -177,9 +177,9 @@ struct PrefixRows {
 // compute type is the input type (fp32, or bf16 on a bf16 path) and the CPU runs the AVX-512 code
 // (bf16_avx512()); else 0. Measured against the tile path (16 groups of 1-8 tokens each over 1,600
 // prefix keys in 16-token pages, 0.6B heads; EPYC Zen 4, avx512_bf16, 2 threads): fp32 2-4x faster
-// up to 16 rows; bf16 (q·K as vdpbf16ps pairs) 1.6-2x up to 8 rows and 1.3-1.6x at 16, even with
-// one group (docs/cpu.md). ACARERANK_CPU_DIRECT_ROWS=0..16 sets the limit (0: never; the tests run
-// both paths so), read once.
+// up to 16 rows; bf16 (q·K as vdpbf16ps pairs) 1.6-2x up to 8 rows, 1.3-1.8x at 16 with many
+// groups and equal with one (docs/cpu.md). ACARERANK_CPU_DIRECT_ROWS=0..16 sets the limit (0:
+// never; the tests run both paths so), read once.
 template <typename s_t, typename c_t>
 int64_t direct_rows_limit() {
   if constexpr (std::is_same_v<s_t, c_t> && (std::is_same_v<s_t, float> || std::is_same_v<s_t, at::BFloat16>)) {

@@ -15,6 +15,7 @@ from _optional import require
 
 from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
 from acarerank.model.numerics import NonFiniteHiddenError, check_scorable
+from acarerank.tokenizer import TOKEN_NO, TOKEN_YES
 from serve_util import tiny_model
 
 QUERY = "which passage explains tutoring optimization"
@@ -84,7 +85,7 @@ def test_overflowing_activations_are_refused_not_scored_half(model):
     with torch.no_grad():  # what transformers makes of it: RMSNorm's mean square is inf, the score 0.5
         h = m.model(torch.tensor([list(ids.shared_ids) + list(ids.segment_ids[0])])).last_hidden_state[0, -1]
         logits = m.lm_head(h)
-    assert torch.isfinite(h).all() and logits[9693] == logits[2152] == 0, "not the overflow this test is about"
+    assert torch.isfinite(h).all() and logits[TOKEN_YES] == logits[TOKEN_NO] == 0, "not the overflow this test is about"
     with pytest.raises(NonFiniteHiddenError, match=r"max \|h\|"):
         PointwiseReranker(model=m).score(QUERY, DOCS)
 
