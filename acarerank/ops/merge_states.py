@@ -6,7 +6,7 @@
 evaluated as m = max(lse_a, lse_b), w = e^{lse − m}, so nothing overflows. A part with
 lse = −inf (it saw no keys) has weight 0 and its o is ignored, whatever it holds; if both
 are −inf, out = 0 and lse = −inf. lse must not be +inf (flash-attn writes +inf for rows
-without keys: map those to −inf first, as ``cascade.py`` does).
+without keys: map those to −inf first, as ``cascade.py`` does); ``validate`` refuses it.
 
 Backends: "torch" (below), "cpp" / "cuda" (csrc/merge_states.cuh), declared in ``OP``.
 Default: "cuda" for CUDA tensors when acarerank._C has CUDA, else "torch".
@@ -82,7 +82,7 @@ def _(o_a, lse_a, o_b, lse_b, backend):
     return out, o_a.new_empty(o_a.shape[:2], dtype=torch.float32)
 
 
-def merge_attention_states(o_a, lse_a, o_b, lse_b, backend=None):
+def merge_attention_states(o_a, lse_a, o_b, lse_b, backend=None, validate: bool = True):
     """Merge two attention partials over disjoint keys of the same queries.
 
     Args:
@@ -91,7 +91,17 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, backend=None):
         flash-attn's [H, N] lse can be passed as ``lse.t()``).
       backend: "torch" | "cpp" | "cuda", a per-op mapping, or None (``ACARERANK_BACKEND`` as a
         preference, else "cuda" on CUDA when built with CUDA, else "torch").
+      validate: refuse an lse of +inf (a ValueError naming the first one; the backends would
+        disagree on it, each silently): one pass over lse_a and lse_b, and a host sync on CUDA.
+        False skips it, for callers that map +inf to -inf themselves (``cascade.py``).
     Returns: (out [N, H, d] in o_a's dtype, lse [N, H] fp32); math in fp32 (fp64 in "cpp").
     """
     _check_inputs(o_a, lse_a, o_b, lse_b)
+    if validate:
+        for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+            bad = torch.isposinf(t)
+            if bool(bad.any()):
+                n, h = (int(i) for i in bad.nonzero()[0])
+                raise ValueError(f"merge_attention_states: {name}[{n}, {h}] is +inf; a part that saw no keys must "
+                                 f"have lse = -inf (flash-attn writes +inf for such rows: map it to -inf first)")
     return merge_attention_states_op(o_a, lse_a, o_b, lse_b, OP.resolve(backend, o_a.device))

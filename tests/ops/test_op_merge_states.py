@@ -92,6 +92,13 @@ def test_bad_input():
         merge_attention_states(o[0], lse, o[0], lse)
     with pytest.raises(BackendError, match="needs CUDA tensors"):
         merge_attention_states(o, lse, o, lse, backend="cuda")
+    for backend in BACKENDS:  # +inf (flash-attn's "no keys") is refused by name, on every backend
+        bad = lse.clone()
+        bad[2, 1] = float("inf")
+        with pytest.raises(ValueError, match=r"lse_b\[2, 1\] is \+inf"):
+            merge_attention_states(o, lse, o, bad, backend=backend)
+        with pytest.raises(ValueError, match=r"lse_a\[2, 1\] is \+inf"):
+            merge_attention_states(o, bad.t().contiguous().t(), o, lse, backend=backend)
     with pytest.raises(BackendError, match="has no 'triton' backend"):
         merge_attention_states(o, lse, o, lse, backend="triton")
 
