@@ -135,6 +135,47 @@ def test_the_limit_switches_the_path(runs):
             assert torch.equal(a, b), f"{dtype}: the direct path ran on a CPU without AVX512_BF16"
 
 
+def test_random_decode_like_batches_within_the_rules():
+    """40 seeded random decode-like calls — 1-20 groups of 0-3-token segments (one or two per
+    group) over prefixes of 0-600 keys, Hkv 1-8, r 1-8, d 32-128, pages of 16-64 tokens — fp32
+    and bf16, paged and packed, at this process's default limit (the direct path where the CPU has
+    AVX512_BF16, else the tiles): fp32 within 1e-5 of the fp32 oracle, bf16 within flash-attn's
+    rule. Shapes no hand-written case picked (a 600-case run of the same draw found nothing)."""
+    import math
+    import random
+
+    from test_op_cpu_attention_native import make, plain, ref32
+
+    from acarerank.ops import prefix_shared_attention, prefix_shared_attention_paged
+
+    rng = random.Random(26)
+    bad = []
+    for case in range(40):
+        Hkv, r, d = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3, 4, 8]), rng.choice([32, 64, 72, 96, 128])
+        G = rng.randint(1, 20)
+        P = [rng.choice([0, 1, 15, 16, 17, rng.randint(0, 600)]) for _ in range(G)]
+        segs, groups = [], []
+        for g in range(G):
+            for _ in range(rng.choice([1, 1, 1, 2])):
+                segs.append(rng.choice([0, 1, 1, 1, 2, 3]))
+                groups.append(g)
+        segs[0] = max(segs[0], 1)
+        block = rng.choice([16, 32, 64])
+        for dtype in (torch.float32, torch.bfloat16):
+            paged, packed = make(segs, P, groups, Hkv * r, Hkv, d, block, dtype=dtype, seed=case)
+            ref = ref32(packed)
+            bound = 1e-5 if dtype == torch.float32 else (
+                2 * (plain(packed, 1.0 / math.sqrt(d)).float() - ref).abs().max().item()
+                + 2 * (ref + 0.3 - 0.3 - ref).abs().max().item())
+            for name, out in (("paged", prefix_shared_attention_paged(*paged, backend="native")),
+                              ("packed", prefix_shared_attention(*packed, backend="native"))):
+                err = (out.float() - ref).abs().nan_to_num(float("inf")).max().item()
+                if not err <= bound:
+                    bad.append(f"case {case} {dtype} {name} (Hkv {Hkv}, r {r}, d {d}, prefixes {P}, segments {segs} "
+                               f"of groups {groups}, pages of {block}): {err:.3e} > {bound:.3e}")
+    assert not bad, "; ".join(bad[:5])
+
+
 @pytest.mark.parametrize("value", ["17", "-1", "two", "1.5"])
 def test_a_bad_limit_is_an_error_naming_the_variable(value):
     """Read (and checked) on every x86-64 CPU at the first fp32/bf16 call, whether or not it can
