@@ -96,6 +96,12 @@ def _as_requests(requests) -> list:
     return out
 
 
+def _check_salt(salt) -> None:
+    """A prefix-cache namespace (tenant or session key) is a str, or None for the default one."""
+    if salt is not None and not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {type(salt).__name__}")
+
+
 class PointwiseReranker(RerankerBase):
     """Scores documents against a query (and the agent's question / reasoning trace).
 
@@ -199,8 +205,7 @@ class PointwiseReranker(RerankerBase):
         context with an earlier one of the batch reuses its pages), one packed pass over all
         documents, release. ``cache_salt`` applies to requests that carry none.
         """
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        _check_salt(cache_salt)
         requests = _as_requests(requests)
         encodings = [self.encode(r) for r in requests]
         if cache_salt is not None:
@@ -231,8 +236,7 @@ class PointwiseReranker(RerankerBase):
         """Tokenize and truncate one request (no model access; safe from several threads)."""
         if not isinstance(request, ScoreRequest):
             raise TypeError(f"encode needs a ScoreRequest, got {type(request).__name__}")
-        if request.cache_salt is not None and not isinstance(request.cache_salt, str):
-            raise TypeError(f"cache_salt must be a str or None, got {type(request.cache_salt).__name__}")
+        _check_salt(request.cache_salt)
         enc = encode_pointwise(self.tokenizer, request.query, request.documents, question=request.question,
                                trace=request.trace, instruction=request.instruction, max_length=self.max_length,
                                template=self.template, min_doc_tokens=self.min_doc_tokens)

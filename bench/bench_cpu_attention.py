@@ -278,6 +278,12 @@ def check_outputs(a, outs, args, dtype, label):
     return failed
 
 
+def _machine(info) -> dict:
+    """The CSV columns every row starts with: date, CPU, its flags, threads, torch."""
+    return dict(date=str(datetime.date.today()), cpu=info["cpu"], flags=info["flags"],
+                threads=torch.get_num_threads(), torch=torch.__version__)
+
+
 def run_decode(a, info, models, modes, rounds):
     rows, failed = [], False
     groups = [2] if a.quick else a.groups
@@ -307,11 +313,10 @@ def run_decode(a, info, models, modes, rounds):
                         med = statistics.median(times[p])
                         gbs = kv_bytes / med
                         print(f"  {p:7s} {med * 1e3:10.2f} ms  {gbs / 1e9:7.2f} GB/s  {100 * gbs / bw:5.1f} % of streaming read")
-                        rows.append(dict(date=str(datetime.date.today()), cpu=info["cpu"], flags=info["flags"],
-                                         threads=torch.get_num_threads(), torch=torch.__version__, dtype=dt_name,
-                                         model=model, mode=mode, prefix=P, groups=G, kv_mb=round(kv_bytes / 1e6, 2),
-                                         provider=p, ms=round(med * 1e3, 3), gb_per_s=round(gbs / 1e9, 3),
-                                         pct_stream=round(100 * gbs / bw, 1), stream_gb_per_s=round(bw / 1e9, 2)))
+                        rows.append(dict(_machine(info), dtype=dt_name, model=model, mode=mode, prefix=P, groups=G,
+                                         kv_mb=round(kv_bytes / 1e6, 2), provider=p, ms=round(med * 1e3, 3),
+                                         gb_per_s=round(gbs / 1e9, 3), pct_stream=round(100 * gbs / bw, 1),
+                                         stream_gb_per_s=round(bw / 1e9, 2)))
     return rows, failed
 
 
@@ -353,9 +358,8 @@ def run_prefill(a, info, models, modes, depths, rounds):
                         med = statistics.median(times[p])
                         tf = flop / med
                         print(f"  {p:7s} {med * 1e3:10.1f} ms  {tf / 1e12:7.3f} TFLOP/s  {100 * tf / peak:5.1f} % of GEMM peak")
-                        rows.append(dict(date=str(datetime.date.today()), cpu=info["cpu"], flags=info["flags"],
-                                         threads=torch.get_num_threads(), torch=torch.__version__, dtype=dt_name,
-                                         model=model, mode=mode, prefix=P, depth=depth, tokens=sum(lens),
+                        rows.append(dict(_machine(info), dtype=dt_name, model=model, mode=mode, prefix=P,
+                                         depth=depth, tokens=sum(lens),
                                          provider=p, ms=round(med * 1e3, 2), tflops=round(tf / 1e12, 4),
                                          pct_gemm_peak=round(100 * tf / peak, 1),
                                          gemm_peak_tflops=round(peak / 1e12, 4)))

@@ -18,15 +18,22 @@ def _load():
     return mod
 
 
-@needs_native
-def test_quick_run_checks_and_writes_its_csv(tmp_path, capsys):
+def _quick_rows(tmp_path, capsys, *extra) -> list:
+    """A --quick run of native, torch and SDPA (plus ``extra`` flags): it must pass its own output
+    check and write a row per provider and dtype; the rows."""
     out = tmp_path / "out.csv"
-    rc = _load().main(["--quick", "--providers", "native", "torch", "sdpa", "--csv", str(out)])
+    rc = _load().main(["--quick", *extra, "--providers", "native", "torch", "sdpa", "--csv", str(out)])
     printed = capsys.readouterr()
     assert rc == 0, printed.out + printed.err
     rows = list(csv.DictReader(out.open()))
     assert {(r["provider"], r["dtype"]) for r in rows} == {(p, d) for p in ("native", "torch", "sdpa")
                                                           for d in ("float32", "bfloat16")}, rows
+    return rows
+
+
+@needs_native
+def test_quick_run_checks_and_writes_its_csv(tmp_path, capsys):
+    rows = _quick_rows(tmp_path, capsys)
     for r in rows:
         assert float(r["ms"]) > 0 and float(r["tflops"]) > 0 and r["flags"] and r["torch"], r
 
@@ -46,14 +53,7 @@ def test_check_fails_on_a_wrong_result(tmp_path, monkeypatch, capsys):
 
 @needs_native
 def test_quick_decode_run_checks_and_writes_its_csv(tmp_path, capsys):
-    out = tmp_path / "decode.csv"
-    rc = _load().main(["--quick", "--workload", "decode", "--providers", "native", "torch", "sdpa",
-                       "--csv", str(out)])
-    printed = capsys.readouterr()
-    assert rc == 0, printed.out + printed.err
-    rows = list(csv.DictReader(out.open()))
-    assert {(r["provider"], r["dtype"]) for r in rows} == {(p, d) for p in ("native", "torch", "sdpa")
-                                                          for d in ("float32", "bfloat16")}, rows
+    rows = _quick_rows(tmp_path, capsys, "--workload", "decode")
     for r in rows:
         assert int(r["groups"]) == 2 and float(r["ms"]) > 0 and float(r["gb_per_s"]) > 0, r
 
