@@ -18,10 +18,11 @@ DRY_RUN=0
 ACTION=start
 EXTRA_ARGS=()
 
-# run CMD...: echo it; run it unless --dry-run
+# run CMD...: echo it; run it unless --dry-run. Its stdout goes to stderr: a script's stdout is
+# only the URL it prints (URL=$(bench/peers/vllm_cpu.sh ...)), even on the run that sets up.
 run() {
     echo "+ $*" >&2
-    if [[ $DRY_RUN == 0 ]]; then "$@"; fi
+    if [[ $DRY_RUN == 0 ]]; then "$@" >&2; fi
 }
 
 die() { echo "$PEER: error: $*" >&2; exit 2; }

@@ -176,6 +176,17 @@ def test_peer_script_help_dry_run_stop(script, tmp_path):
     assert stop.returncode == 0 and "not running" in stop.stderr
 
 
+def test_a_set_up_step_writes_nothing_to_stdout():
+    """`URL=$(bench/peers/vllm_cpu.sh ...)` on the run that sets up: pip's and the model writer's
+    output must not land in URL (it did: the first run's URL was pip's log)."""
+    common = os.path.join(ROOT, "bench", "peers", "common.sh")
+    p = subprocess.run(["bash", "-c", f'PEER=t; source "{common}"; run echo from-the-step; echo the-url'],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "the-url\n", p.stdout
+    assert "+ echo from-the-step" in p.stderr and "from-the-step\n" in p.stderr.replace("+ echo from-the-step", ""), p.stderr
+
+
 def test_prepare_model_template_renders_the_model_card_prompt(tiny_dir, tmp_path):
     """The vLLM chat template keeps the suffix's final newlines (jinja drops a file's last one)."""
     import jinja2

@@ -1,0 +1,111 @@
+"""bench/cpu_check.py: the verdict per target (met / NOT met / not measurable here / not
+measured), the figures read from each benchmark's own CSV rows, a failed step, and one short run
+of the script itself (env + the attention step at --quick shapes)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import _repo
+from _ext import needs_native
+
+ROOT = str(_repo.ROOT)
+SCRIPT = os.path.join(ROOT, "bench", "cpu_check.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("cpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["cpu_check"] = mod  # its dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_verdicts():
+    m = _load()
+    t = m.Target("x", "e2e.a", 3, "x", bound="e2e.cap")
+    ran = {"e2e": "passed"}
+    assert m.verdict(t, {"e2e.a": 3.0}, ran, False) == "3.00x: met"
+    assert m.verdict(t, {"e2e.a": 2.9}, ran, False) == "2.90x: NOT met"
+    # the CPU's own bf16 / fp32 GEMM ratio below the target: not measurable, never NOT met or met
+    assert "not measurable here" in m.verdict(t, {"e2e.a": 1.9, "e2e.cap": 2.0}, ran, False)
+    assert m.verdict(t, {"e2e.a": 2.9, "e2e.cap": 8.0}, ran, False) == "2.90x: NOT met"
+    assert m.verdict(t, {}, {}, False) == "not measured (e2e: its step did not run)"
+    assert m.verdict(t, {}, ran, False) == "not measured (e2e: its step gave no figure for it)"
+    assert "FAILED" in m.verdict(t, {}, {"e2e": "FAILED (x)"}, False)
+    assert "no verdict" in m.verdict(t, {"e2e.a": 9.0}, ran, True)
+    pct = m.Target("p", "attention.q", 50, "%")
+    assert m.verdict(pct, {"attention.q": 49.96}, {"attention": "passed"}, False) == "50.0 %: NOT met"
+
+
+def test_every_target_reads_a_figure_some_step_writes():
+    m = _load()
+    steps = {s.name for s in m.STEPS + m.OPTIONAL}
+    for t in m.TARGETS:
+        assert t.figure.split(".")[0] in steps, t
+
+
+def test_figures_from_the_benchmarks_rows():
+    m = _load()
+    rows = [dict(model="0.6b", dtype="bfloat16", provider=p, ms=ms, pct_gemm_peak=pct)
+            for p, ms, pct in (("native", "100", "80.0"), ("torch", "350", "23"), ("flex", "250", "32"))]
+    f = m.attention_figures(rows)
+    assert f["attention.0.6b.bfloat16.pct_peak"] == 80.0
+    assert f["attention.0.6b.bfloat16.vs_torch"] == pytest.approx(3.5)
+    assert f["attention.0.6b.bfloat16.vs_flex"] == pytest.approx(2.5)
+
+    e2e = [dict(provider="acarerank-cpp", mode="M3", dtype=d, median_ms=ms, peak_fraction=pf, gemm_peak_gflops=g)
+           for d, ms, pf, g in (("bfloat16", "1000", "0.6", "2800"), ("float32", "4000", "0.7", "350"))]
+    e2e.append(dict(provider="transformers", mode="M3", dtype="bfloat16", median_ms="1", peak_fraction="1",
+                    gemm_peak_gflops="1"))
+    f = m.e2e_figures(e2e, "d50")
+    assert f["e2e.M3.d50.bf16_over_fp32"] == pytest.approx(4.0)
+    assert f["e2e.M3.d50.bfloat16.pct_peak"] == pytest.approx(60.0)
+    assert f["e2e.gemm_peak.bf16_over_fp32"] == pytest.approx(8.0)
+
+    serve = [dict(target="acarerank", workload="m3", load="closed", level="1", acarerank_speedup="1.0"),
+             dict(target="vllm", workload="m3", load="closed", level="1", acarerank_speedup="1.74"),
+             dict(target="vllm", workload="m3", load="agreement", level="1", acarerank_speedup="")]
+    assert m.peer_figures(serve, "bfloat16") == {"peers.bfloat16.m3.c1": 1.74}
+
+
+def test_a_failed_step_leaves_its_targets_not_measured_and_exits_1(tmp_path, monkeypatch, capsys):
+    m = _load()
+
+    def broken(ctx):
+        raise m.StepFailed("exit 1: bench ...")
+
+    monkeypatch.setattr(m, "STEPS", [m.Step("env", 5, lambda ctx: {"env.probe": "probe"}),
+                                     m.Step("attention", 5, broken)])
+    assert m.main(["--out", str(tmp_path)]) == 1
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "step attention: FAILED (StepFailed: exit 1: bench ...)" in summary
+    assert "not measured (attention: its step FAILED" in summary
+    assert "not measured (e2e: its step did not run)" in summary
+    assert len([ln for ln in summary.splitlines() if "(target >=" in ln]) == len(m.TARGETS)
+    assert json.loads((tmp_path / "figures.json").read_text())["steps"]["attention"].startswith("FAILED")
+
+
+def test_plan_and_unknown_steps():
+    run = lambda *a: subprocess.run([sys.executable, SCRIPT, *a], capture_output=True, text=True, timeout=60)  # noqa: E731
+    plan = run("--plan", "--also", "peers")
+    assert plan.returncode == 0 and "peers" in plan.stdout and "attention" in plan.stdout, plan.stdout + plan.stderr
+    bad = run("--skip", "atention")
+    assert bad.returncode == 2 and "unknown step 'atention'" in bad.stderr, bad.stderr
+
+
+@needs_native
+def test_quick_run_of_env_and_attention(tmp_path):
+    p = subprocess.run([sys.executable, SCRIPT, "--quick", "--skip", "pytest,e2e", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert figures["steps"] == {"env": "passed", "attention": "passed"}, figures
+    for key in ("pct_peak", "vs_torch", "vs_flex"):
+        assert figures["figures"][f"attention.0.6b.bfloat16.{key}"] > 0, figures
+    summary = (tmp_path / "summary.txt").read_text()
+    assert f"flags: {figures['flags']}" in summary and "no verdict" in summary, summary
+    assert (tmp_path / "attention.csv").is_file() and (tmp_path / "steps" / "01-attention.log").is_file()
