@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -137,21 +138,25 @@ class Context:
 
     def sh(self, cmd: list, limit_s: float, env: Optional[dict] = None) -> str:
         """Run ``cmd`` in the repository root under ``limit_s``, its output into the step's log;
-        its stdout (StepFailed on a non-zero exit or the time limit)."""
+        its stdout (StepFailed on a non-zero exit or the time limit). It runs in its own process
+        group, killed whole at the limit: a benchmark's workers or a half-started server with it."""
         self.log.write(f"$ {' '.join(cmd)}\n")
         self.log.flush()
+        p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, text=True, start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
-            p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=max(limit_s, 1))
-        except subprocess.TimeoutExpired as e:
-            self.log.write((e.stdout or "") if isinstance(e.stdout, str) else "")
+            out, _ = p.communicate(timeout=max(limit_s, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            self.log.write(out)
             raise StepFailed(f"timed out after {limit_s:.0f} s: {' '.join(cmd[:3])} ...") from None
-        self.log.write(p.stdout)
+        self.log.write(out)
         self.log.flush()
         if p.returncode != 0:
-            tail = "\n".join(p.stdout.strip().splitlines()[-5:])
+            tail = "\n".join(out.strip().splitlines()[-5:])
             raise StepFailed(f"exit {p.returncode}: {' '.join(cmd[:3])} ...\n{tail}")
-        return p.stdout
+        return out
 
 
 def cpu_flags() -> tuple:
@@ -265,16 +270,19 @@ def step_peers(ctx: Context) -> dict:
     plan = {"bfloat16": (["--requests", "4", "--concurrency", "1", "4"]),
             "float32": (["--requests", "2", "--concurrency", "1"])}
     for dtype, load in plan.items():
-        left = ctx.limit - (time.monotonic() - t0)
-        url = ctx.sh(["bash", script, "--preset", preset, "--threads", f"0-{nproc - 1}", "--dtype", dtype],
-                     left, env=env).strip().splitlines()[-1]
+        folder = os.path.join(ctx.out, f"peers-{dtype}")
         try:
-            folder = os.path.join(ctx.out, f"peers-{dtype}")
+            said = ctx.sh(["bash", script, "--preset", preset, "--threads", f"0-{nproc - 1}", "--dtype", dtype],
+                          ctx.limit - (time.monotonic() - t0), env=env)
+            urls = [ln for ln in said.splitlines() if ln.startswith("http://")]
+            if not urls:
+                raise StepFailed(f"{script} printed no URL")
+            url = urls[-1]
             size = ["--quick"] if ctx.quick else ["--workloads", "m0", "m3", "--depth", "20", *load]
             ctx.sh([PY, "bench/bench_serve.py", "--model", model, "--target", f"vllm={url}", *size, "--loads",
                     "--repeats", "1", "--agreement-requests", "1", "--seed", "1", "--dtype", dtype, "--out", folder],
                    ctx.limit - (time.monotonic() - t0), env=env)
-        finally:
+        finally:  # a server that started, or half started before a time limit, is stopped by its PID file
             subprocess.run(["bash", script, "--stop"], cwd=ROOT, env={**os.environ, **env},
                            stdout=ctx.log, stderr=subprocess.STDOUT, timeout=120)
         found = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".csv")]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -109,3 +110,27 @@ def test_quick_run_of_env_and_attention(tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     assert f"flags: {figures['flags']}" in summary and "no verdict" in summary, summary
     assert (tmp_path / "attention.csv").is_file() and (tmp_path / "steps" / "01-attention.log").is_file()
+
+
+def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
+    """A benchmark that hangs (or a server half started) must not outlive its step."""
+    m = _load()
+    pid_file = tmp_path / "child.pid"
+    with open(tmp_path / "log", "w") as log:
+        ctx = m.Context(out=str(tmp_path), quick=True, limit=1, log=log)
+        t0 = time.monotonic()
+        with pytest.raises(m.StepFailed, match="timed out after 1 s"):
+            ctx.sh(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], 1)
+        assert time.monotonic() - t0 < 20, "the step waited for its child instead of killing it"
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is asynchronous: give the kernel a moment to reap it
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as f:
+            if f.read().split()[2] == "Z":  # killed, waiting for init to reap it
+                break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's child {child} outlived the step")
