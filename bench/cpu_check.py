@@ -40,7 +40,6 @@ import csv
 import datetime
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -50,8 +49,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 PY = sys.executable
-FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 #: the native kernels' tests (every path this CPU runs) and the reranker against transformers
 PYTEST_FILES = [
@@ -106,6 +105,8 @@ def verdict(t: Target, figures: dict, ran: dict, quick: bool) -> str:
         why = {None: "its step did not run", "passed": "its step gave no figure for it"}.get(
             ran.get(step), f"its step {ran.get(step)}")
         return f"not measured ({step}: {why})"
+    if value != value:
+        return f"not measured ({step}: the benchmark wrote NaN)"
     shown = f"{value:.1f} {t.unit}" if t.unit == "%" else f"{value:.2f}{t.unit}"
     if quick:
         return f"{shown} (quick run: tiny shapes, no verdict)"
@@ -151,28 +152,15 @@ class Context:
             out, _ = p.communicate()
             self.log.write(out)
             raise StepFailed(f"timed out after {limit_s:.0f} s: {' '.join(cmd[:3])} ...") from None
+        except BaseException:  # Ctrl-C: its own session never saw the signal, so it goes down here
+            os.killpg(p.pid, signal.SIGKILL)
+            raise
         self.log.write(out)
         self.log.flush()
         if p.returncode != 0:
             tail = "\n".join(out.strip().splitlines()[-5:])
             raise StepFailed(f"exit {p.returncode}: {' '.join(cmd[:3])} ...\n{tail}")
         return out
-
-
-def cpu_flags() -> tuple:
-    """(CPU model, the FLAGS it has, space-separated)."""
-    model, flags = platform.processor() or "?", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("?", "x86_64", ""):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    return model, " ".join(f for f in FLAGS if f in flags) or "none of " + "/".join(FLAGS)
 
 
 def step_env(ctx: Context) -> dict:
@@ -337,7 +325,10 @@ def main(argv=None) -> int:
         print(f"total      {sum(s.limit_s for s in steps):5d} s at most")
         return 0
 
-    model, flags = cpu_flags()
+    from bench_cpu_attention import cpu_info  # the same CPU model and flags as the attention CSV's rows
+
+    machine = cpu_info()
+    model, flags = machine["cpu"], machine["flags"]
     shutil.rmtree(os.path.join(a.out, "steps"), ignore_errors=True)
     os.makedirs(os.path.join(a.out, "steps"), exist_ok=True)
     figures, ran = {}, {}
@@ -348,7 +339,7 @@ def main(argv=None) -> int:
             try:
                 figures.update(s.run(ctx))
                 ran[s.name] = "passed"
-            except (StepFailed, OSError, KeyError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 -- a step's bug is that step's failure; the others still run
                 ran[s.name] = f"FAILED ({type(e).__name__}: {e})"
                 ctx.log.write(f"\nFAILED: {e}\n")
         print(f"[cpu_check] {s.name}: {ran[s.name]} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)

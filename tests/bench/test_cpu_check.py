@@ -38,6 +38,7 @@ def test_verdicts():
     assert m.verdict(t, {}, ran, False) == "not measured (e2e: its step gave no figure for it)"
     assert "FAILED" in m.verdict(t, {}, {"e2e": "FAILED (x)"}, False)
     assert "no verdict" in m.verdict(t, {"e2e.a": 9.0}, ran, True)
+    assert m.verdict(t, {"e2e.a": float("nan")}, ran, False) == "not measured (e2e: the benchmark wrote NaN)"
     pct = m.Target("p", "attention.q", 50, "%")
     assert m.verdict(pct, {"attention.q": 49.96}, {"attention": "passed"}, False) == "50.0 %: NOT met"
 
