@@ -135,28 +135,30 @@ class Context:
     out: str
     quick: bool
     limit: float = 0.0  # the step's time limit (s)
-    log: object = None  # the step's open log file
+    log: object = None  # the step's log, open for appending
 
     def sh(self, cmd: list, limit_s: float, env: Optional[dict] = None) -> str:
-        """Run ``cmd`` in the repository root under ``limit_s``, its output into the step's log;
-        its stdout (StepFailed on a non-zero exit or the time limit). It runs in its own process
-        group, killed whole at the limit: a benchmark's workers or a half-started server with it."""
+        """Run ``cmd`` in the repository root under ``limit_s``, its output streamed into the
+        step's log (a long benchmark shows progress there); that output (StepFailed on a non-zero
+        exit or the time limit). It runs in its own process group, killed whole at the limit or
+        on Ctrl-C: a benchmark's workers or a half-started server go with it."""
         self.log.write(f"$ {' '.join(cmd)}\n")
         self.log.flush()
-        p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, text=True, start_new_session=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        try:
-            out, _ = p.communicate(timeout=max(limit_s, 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            self.log.write(out)
-            raise StepFailed(f"timed out after {limit_s:.0f} s: {' '.join(cmd[:3])} ...") from None
-        except BaseException:  # Ctrl-C: its own session never saw the signal, so it goes down here
-            os.killpg(p.pid, signal.SIGKILL)
-            raise
-        self.log.write(out)
-        self.log.flush()
+        start = os.path.getsize(self.log.name)
+        with open(self.log.name, "ab") as sink:
+            p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, start_new_session=True,
+                                 stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT)
+            try:
+                p.wait(timeout=max(limit_s, 1))
+            except BaseException as e:  # the limit, or Ctrl-C (its own session never saw the signal)
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                if not isinstance(e, subprocess.TimeoutExpired):
+                    raise
+                raise StepFailed(f"timed out after {limit_s:.0f} s: {' '.join(cmd[:3])} ...") from None
+        with open(self.log.name, "rb") as f:
+            f.seek(start)
+            out = f.read().decode(errors="replace")
         if p.returncode != 0:
             tail = "\n".join(out.strip().splitlines()[-5:])
             raise StepFailed(f"exit {p.returncode}: {' '.join(cmd[:3])} ...\n{tail}")
@@ -271,6 +273,7 @@ def step_peers(ctx: Context) -> dict:
                     "--repeats", "1", "--agreement-requests", "1", "--seed", "1", "--dtype", dtype, "--out", folder],
                    ctx.limit - (time.monotonic() - t0), env=env)
         finally:  # a server that started, or half started before a time limit, is stopped by its PID file
+            ctx.log.flush()
             subprocess.run(["bash", script, "--stop"], cwd=ROOT, env={**os.environ, **env},
                            stdout=ctx.log, stderr=subprocess.STDOUT, timeout=120)
         found = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".csv")]
@@ -335,7 +338,8 @@ def main(argv=None) -> int:
     for i, s in enumerate(steps):
         t0 = time.monotonic()
         ctx = Context(out=a.out, quick=a.quick, limit=s.limit_s)
-        with open(os.path.join(a.out, "steps", f"{i:02d}-{s.name}.log"), "w") as ctx.log:
+        # append mode: the step's commands write into the same file (Context.sh)
+        with open(os.path.join(a.out, "steps", f"{i:02d}-{s.name}.log"), "a") as ctx.log:
             try:
                 figures.update(s.run(ctx))
                 ran[s.name] = "passed"

@@ -117,12 +117,14 @@ def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
     """A benchmark that hangs (or a server half started) must not outlive its step."""
     m = _load()
     pid_file = tmp_path / "child.pid"
-    with open(tmp_path / "log", "w") as log:
+    with open(tmp_path / "log", "a") as log:
         ctx = m.Context(out=str(tmp_path), quick=True, limit=1, log=log)
         t0 = time.monotonic()
         with pytest.raises(m.StepFailed, match="timed out after 1 s"):
             ctx.sh(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], 1)
         assert time.monotonic() - t0 < 20, "the step waited for its child instead of killing it"
+        assert ctx.sh(["bash", "-c", "echo out; echo err >&2"], 10) == "out\nerr\n"  # what it returns
+    assert (tmp_path / "log").read_text().endswith("$ bash -c echo out; echo err >&2\nout\nerr\n")
     child = int(pid_file.read_text())
     for _ in range(50):  # the kill is asynchronous: give the kernel a moment to reap it
         try:
