@@ -146,8 +146,8 @@ class Context:
         self.log.flush()
         start = os.path.getsize(self.log.name)
         with open(self.log.name, "ab") as sink:
-            p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, start_new_session=True,
-                                 stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT)
+            p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                 start_new_session=True, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT)
             try:
                 p.wait(timeout=max(limit_s, 1))
             except BaseException as e:  # the limit, or Ctrl-C (its own session never saw the signal)
