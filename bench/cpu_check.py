@@ -254,8 +254,8 @@ def step_peers(ctx: Context) -> dict:
     script = "bench/peers/vllm_cpu.sh"
     env = {"PYTHON": PY}
     nproc = os.cpu_count() or 1
-    cache = os.environ.get("ACARERANK_PEERS_CACHE", os.path.expanduser("~/.cache/acarerank-peers"))
-    model = os.path.join(cache, "models", f"{preset}-seed0")
+    model = subprocess.run(["bash", script, "--preset", preset, "--model-dir"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, check=True).stdout.strip()  # the folder the script serves
     figs, t0 = {}, time.monotonic()
     plan = {"bfloat16": (["--requests", "4", "--concurrency", "1", "4"]),
             "float32": (["--requests", "2", "--concurrency", "1"])}

