@@ -23,6 +23,7 @@ own (tests check against transformers).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
@@ -80,13 +81,23 @@ def split_student_prompt(prompt_ids: Ids, close_token: int = TOKEN_IM_END):
 
 
 def _ids(x, what: str) -> List[int]:
+    """Token ids as ints: integers only (int, numpy or 0-d torch integers), never a float or a
+    bool — int() would silently truncate 1.7 to 1 and read True as id 1."""
     if isinstance(x, torch.Tensor):
-        if x.dim() != 1 or x.is_floating_point():
+        if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{what}: token ids must be a 1-D integer sequence, got {x.dtype} {tuple(x.shape)}")
         return [int(t) for t in x.tolist()]
     if isinstance(x, str):
         raise TypeError(f"{what}: expected token ids, got a str")
-    return [int(t) for t in x]
+    out = []
+    for t in x:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"{what}: token ids must be integers, got {t!r} ({type(t).__name__})") from None
+    return out
 
 
 def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, k: int = 128,

@@ -149,3 +149,10 @@ def test_rescore_bad_input(models):
         rescore(snap, teach, [RescoreQuery([1], [3], [[151669]], [""])])
     with pytest.raises(ValueError, match="closing the user turn"):
         split_student_prompt([1, 2, 3])
+    # token ids are integers: a float is never truncated to an id, a bool never read as 0 / 1
+    with pytest.raises(TypeError, match="query 0 rollout 0: token ids must be integers, got 4.7"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [[4.7]], [""])])
+    with pytest.raises(TypeError, match="query 0 hint 0: token ids must be integers, got True"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [[4]], [[True]])])
+    with pytest.raises(TypeError, match="query 0 rollout 0: token ids must be a 1-D integer sequence"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [torch.tensor([True])], [""])])
