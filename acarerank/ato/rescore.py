@@ -6,6 +6,7 @@ For each query q with student prompt P = head ++ tail (the hint goes between the
     snapshot π_old sees   head ++ tail ++ y_i              -> logp_old[i, l]     = log π_old(y_i,l | ·)
     teacher  π_φ   sees   head ++ h_i ++ tail ++ y_i       -> logp_teacher[i, l] = log π̃_φ(y_i,l | ·)
     atd[i, l] = logp_teacher[i, l] − logp_old[i, l]                                         (Eq. 9)
+                (0 where outside="mask" drops y_i,l, a token outside the teacher's top-k)
 
 π̃_φ is the teacher truncated to its top-k logits (k = 128, Appendix C.4) by ``topk_logprobs``
 (renormalised; the ``outside`` rule decides what a sampled token outside the top-k gets).
@@ -22,6 +23,7 @@ own (tests check against transformers).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
@@ -55,6 +57,7 @@ class RescoreResult:
 
     logp_old, logp_teacher, atd: [N, L] fp32 (0 at padding); response_mask: [N, L] bool;
     teacher_in_topk: [N, L] bool; atd_mask: response_mask, and in_topk too when outside="mask";
+    atd is 0 outside atd_mask (with "mask", a dropped token gets no distillation signal);
     query_index: [N] int64; lengths: rollout lengths.
     """
     logp_old: torch.Tensor
@@ -78,13 +81,23 @@ def split_student_prompt(prompt_ids: Ids, close_token: int = TOKEN_IM_END):
 
 
 def _ids(x, what: str) -> List[int]:
+    """Token ids as ints: integers only (int, numpy or 0-d torch integers), never a float or a
+    bool — int() would silently truncate 1.7 to 1 and read True as id 1."""
     if isinstance(x, torch.Tensor):
-        if x.dim() != 1 or x.is_floating_point():
+        if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{what}: token ids must be a 1-D integer sequence, got {x.dtype} {tuple(x.shape)}")
         return [int(t) for t in x.tolist()]
     if isinstance(x, str):
         raise TypeError(f"{what}: expected token ids, got a str")
-    return [int(t) for t in x]
+    out = []
+    for t in x:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"{what}: token ids must be integers, got {t!r} ({type(t).__name__})") from None
+    return out
 
 
 def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, k: int = 128,
@@ -227,8 +240,10 @@ def _padded(b: _Batch, logp_old, logp_t, in_topk, outside: str) -> tuple:
     out_old[mask] = logp_old.float().cpu()
     out_t[mask] = logp_t.float().cpu()
     out_in[mask] = in_topk.cpu()
-    atd = torch.where(mask, out_t - out_old, torch.zeros(()))
     atd_mask = mask & out_in if outside == "mask" else mask.clone()
+    # "mask" drops the tokens outside the teacher's top-k: their atd is 0, not 0 − logp_old
+    # (a positive advantage of up to −logp_old for exactly the tokens the teacher excluded)
+    atd = torch.where(atd_mask, out_t - out_old, torch.zeros(()))
     return out_old, out_t, atd, mask, out_in, atd_mask
 
 

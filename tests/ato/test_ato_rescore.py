@@ -91,7 +91,7 @@ def cases(models, qwen3_tokenizer):
     return items, full_s, full_t, rows
 
 
-@pytest.mark.parametrize("temperature,outside", [(1.0, "floor"), (0.8, "full")])
+@pytest.mark.parametrize("temperature,outside", [(1.0, "floor"), (0.8, "full"), (1.0, "mask")])
 def test_rescore_matches_unshared_transformers(models, cases, qwen3_tokenizer, temperature, outside):
     snap_hf, teach_hf = models
     items, full_s, _, rows = cases
@@ -120,15 +120,18 @@ def test_rescore_matches_unshared_transformers(models, cases, qwen3_tokenizer, t
         top_z, top_i = top.values[:, :k], top.indices[:, :k]
         inside = (top_i == tg[:, None]).any(1)
         lp_in = zt.gather(1, tg[:, None]).squeeze(1) - torch.logsumexp(top_z, 1)
-        lp_out = (torch.full((L,), -20.0) if outside == "floor"
-                  else zt.log_softmax(-1).gather(1, tg[:, None]).squeeze(1))
+        lp_out = {"floor": torch.full((L,), -20.0), "mask": torch.zeros(L),
+                  "full": zt.log_softmax(-1).gather(1, tg[:, None]).squeeze(1)}[outside]
         want_t = torch.where(inside, lp_in, lp_out)
+        # "mask" drops a token outside the top-k: no distillation signal (atd 0), not 0 − logp_old
+        want_atd = torch.where(inside, want_t - want_old, 0.0) if outside == "mask" else want_t - want_old
         n_in += int(inside.sum())
         for name, got, want in (("logp_old", res.logp_old[n, :L], want_old), ("logp_teacher", res.logp_teacher[n, :L], want_t),
-                                ("atd", res.atd[n, :L], want_t - want_old)):
+                                ("atd", res.atd[n, :L], want_atd)):
             err = (got - want).abs()
             assert err.max() <= 1e-5, f"rollout {n} {name}: max err {err.max():.3e} at token {err.argmax().item()}"
         assert torch.equal(res.teacher_in_topk[n, :L], inside), f"rollout {n}: in_topk differs"
+        assert torch.equal(res.atd_mask[n, :L], inside if outside == "mask" else torch.ones(L, dtype=torch.bool))
     assert 0 < n_in < sum(lengths), "the test must cover teacher targets inside and outside the top-k"
     assert torch.all(res.atd[~res.response_mask] == 0)
 
@@ -146,3 +149,10 @@ def test_rescore_bad_input(models):
         rescore(snap, teach, [RescoreQuery([1], [3], [[151669]], [""])])
     with pytest.raises(ValueError, match="closing the user turn"):
         split_student_prompt([1, 2, 3])
+    # token ids are integers: a float is never truncated to an id, a bool never read as 0 / 1
+    with pytest.raises(TypeError, match="query 0 rollout 0: token ids must be integers, got 4.7"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [[4.7]], [""])])
+    with pytest.raises(TypeError, match="query 0 hint 0: token ids must be integers, got True"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [[4]], [[True]])])
+    with pytest.raises(TypeError, match="query 0 rollout 0: token ids must be a 1-D integer sequence"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [torch.tensor([True])], [""])])

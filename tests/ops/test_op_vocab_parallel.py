@@ -297,6 +297,8 @@ def _bad_cases():
                     {1: "k must be <= 512 with the 'triton' backend", 0: "rank 1 .* rejected its input"}),
         "k-world4": (4, "topk", *topk({3: {"k": 7}}, bounds=shard_bounds(1000, 4)), "disagree on k"),
         "entropy": (2, "linear", dict(lin), {1: {"return_entropy": True}}, "disagree on flags"),
+        # as the single-process op: an error on every rank, never a silent NaN log-prob
+        "linear-nonfinite-one-rank": (2, "linear", dict(lin, weight=inf_w), {}, "non-finite logits"),
         "linear-gap": (2, "linear", dict(lin), {1: {"bounds": [(0, 500), (501, 1000)], "pass_start": True}},
                        "do not tile"),
     }
