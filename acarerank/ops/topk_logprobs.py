@@ -145,8 +145,9 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     Peak extra memory: one [T, C] fp32 logits buffer and one [T, C] bool buffer, both
     allocated once and reused by every chunk (the GEMM writes into the buffer: no per-chunk
     malloc/free, so no page faults or heap growth per chunk), + O(T·k) + 64·C int64 for the
-    counts and ~4 · 64·C int64 for a tie repair (64 rows at a time); the log-sum-exp exponentiates the chunk in place. Inputs of other dtypes are
-    upcast to fp32 one chunk at a time into a third reused buffer [C, H].
+    counts and ~4 · 64·C int64 for a tie repair (64 rows at a time); the log-sum-exp
+    exponentiates the chunk in place. Inputs of other dtypes are upcast to fp32 one chunk at a
+    time into a third reused buffer [C, H].
     Returns (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, lse [T] fp32).
     """
     T, H = hidden.shape
