@@ -273,9 +273,20 @@ class Qwen3Runner:
 
     # -- internals ----------------------------------------------------------------------
     def _as_ids(self, x, what: str, allow_empty: bool) -> torch.Tensor:
-        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(list(x), dtype=torch.long)
-        if t.dim() != 1 or t.dtype not in (torch.int64, torch.int32):
+        if isinstance(x, torch.Tensor):
+            t = x
+        else:
+            # the dtype is inferred, not forced: as_tensor(..., dtype=long) would truncate 1.7 to
+            # token 1 and read True as token 1 without a word
+            vals = list(x)
+            try:
+                t = torch.as_tensor(vals) if vals else torch.empty(0, dtype=torch.long)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise TypeError(f"{what}: token ids must be a 1-D integer sequence ({e})") from None
+        integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+        if t.dim() != 1 or not integer:
             raise TypeError(f"{what}: token ids must be a 1-D integer sequence, got {t.dtype} shape {tuple(t.shape)}")
+        t = t.long()  # before the range check: min/max do not take every integer width
         if t.numel() == 0 and not allow_empty:
             raise ValueError(f"{what} is empty; output='last' needs at least one token per segment")
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.arch.vocab_size):

@@ -1,4 +1,5 @@
 """Qwen3Runner against transformers' own forward on the same random weights."""
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,13 @@ def test_runner_rejects_bad_input():
         r.forward(cache, [[1], [2]], [0, 0], append=True)
     with pytest.raises(TypeError, match="1-D integer"):
         r.forward(cache, [torch.tensor([1.0])], [0])
+    # a list of floats or bools is not token ids either (never truncated 1.7 -> 1, True -> 1)
+    for bad in ([1.7], [4, 2.0], [True], ["7"]):
+        with pytest.raises(TypeError, match="segment 0: token ids must be a 1-D integer"):
+            r.forward(cache, [bad], [0])
+    with pytest.raises(TypeError, match="prefix 0: token ids must be a 1-D integer"):
+        r.prefill([[1, 2.5]])
+    # integers of any width are ids: numpy scalars, a uint16 token array as data pipelines store them
+    want = r.forward(cache, [[4, 5]], [0])
+    for ok in ([np.int64(4), 5], list(np.array([4, 5], dtype=np.uint16)), torch.tensor([4, 5], dtype=torch.int16)):
+        torch.testing.assert_close(r.forward(cache, [ok], [0]), want, rtol=0, atol=0)
