@@ -252,9 +252,11 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     lp, entropy, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
                                           bool(return_entropy))
     out = (lp, entropy) if return_entropy else lp
-    # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host sync)
-    if lp.numel() and not torch.isfinite(lp).all():
-        rows = (~torch.isfinite(lp)).nonzero().flatten().tolist()[:8]
+    # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host
+    # sync). The entropy too: a -inf logit leaves the log-prob finite but makes 0·log 0 a NaN there
+    bad = ~torch.isfinite(lp) | ~torch.isfinite(entropy) if return_entropy else ~torch.isfinite(lp)
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()[:8]
         raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
     return out
 

@@ -358,12 +358,13 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
         lse = M + torch.log(S)
         tz_all = tz_r.gather(0, layout.owner(tg)[None, :]).squeeze(0)
         logprob = (tz_all - lse).to(cd)
-        # as the single-process op: inf/NaN in hidden or weight is an error, never a silent NaN
-        # loss; every rank holds the same gathered numbers, so every rank raises alike (no hang)
-        if T and not torch.isfinite(logprob).all():
-            rows = (~torch.isfinite(logprob)).nonzero().flatten().tolist()[:8]
-            raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
         ez = ((a_r * scale).sum(0) / S) if with_entropy else torch.zeros_like(lse)
+        # as the single-process op: inf/NaN in hidden or weight is an error, never a silent NaN
+        # loss or entropy; every rank holds the same gathered numbers, so every rank raises alike
+        bad = ~torch.isfinite(logprob) | ~torch.isfinite(ez)
+        if T and bad.any():
+            rows = bad.nonzero().flatten().tolist()[:8]
+            raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
         ctx.save_for_backward(hidden, weight_shard, tg, lse.to(cd), ez.to(cd))
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, cd
         ctx.start, ctx.n, ctx.group = start, n, group

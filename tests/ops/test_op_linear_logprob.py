@@ -124,3 +124,20 @@ def test_bad_input():
         linear_logprob(h, w, tg, temperature=-1.0)
     with pytest.raises(ValueError, match="chunk"):
         linear_logprob(h, w, tg, chunk=0)
+
+
+def test_non_finite_logits_raise_with_entropy_too():
+    """inf/NaN in hidden or weight is an error naming the rows. A -inf logit alone leaves every
+    log-prob finite, but the entropy's 0·log 0 is NaN there (the materialised reference gives
+    NaN too): with return_entropy that is an error as well, never a silent NaN entropy."""
+    h, w, tg = (x.detach() for x in _inputs(4, 8, 50))
+    h[:, 0] = h[:, 0].abs() + 0.5
+    w[7, 0] = float("-inf")                        # logit 7 is -inf in every row, never +inf
+    tg[tg == 7] = 8
+    assert torch.isfinite(linear_logprob(h, w, tg)).all()  # the log-probs themselves are fine
+    assert torch.isnan(linear_logprob_ref(h, w, tg, return_entropy=True)[1]).all()
+    with pytest.raises(ValueError, match=r"non-finite logits .* rows \[0, 1, 2, 3\]"):
+        linear_logprob(h, w, tg, return_entropy=True)
+    w[7, 0] = float("inf")                         # +inf: the log-probs are NaN, entropy or not
+    with pytest.raises(ValueError, match=r"non-finite logits .* rows \[0, 1, 2, 3\]"):
+        linear_logprob(h, w, tg)

@@ -275,6 +275,9 @@ def _bad_cases():
         return kw, per_rank or {}
 
     lin = dict(hidden=h, weight=w, targets=tg, bounds=even)
+    pos_h, ninf_w = h.clone(), w.clone()           # logit 700 is -inf in every row, never +inf
+    pos_h[:, 3] = h[:, 3].abs() + 0.5
+    ninf_w[700, 3] = float("-inf")
     return {
         # id: (world, case name, job, per-rank overrides, {rank: (exception, message pattern)}, default pattern)
         "gap": (2, "topk", *topk({1: {"bounds": [(0, 500), (520, 1000)], "pass_start": True}}),
@@ -299,6 +302,9 @@ def _bad_cases():
         "entropy": (2, "linear", dict(lin), {1: {"return_entropy": True}}, "disagree on flags"),
         # as the single-process op: an error on every rank, never a silent NaN log-prob
         "linear-nonfinite-one-rank": (2, "linear", dict(lin, weight=inf_w), {}, "non-finite logits"),
+        # a -inf logit: finite log-probs, but a NaN entropy (0·log 0), an error too
+        "linear-entropy-ninf": (2, "linear", dict(lin, hidden=pos_h, weight=ninf_w, return_entropy=True), {},
+                                "non-finite logits"),
         "linear-gap": (2, "linear", dict(lin), {1: {"bounds": [(0, 500), (501, 1000)], "pass_start": True}},
                        "do not tile"),
     }
