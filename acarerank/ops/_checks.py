@@ -4,10 +4,17 @@ its cores, linear_logprob)."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from .._validate import positive_int
+
+
+def finite_real(x) -> bool:
+    """Whether ``x`` is a finite real scalar: int, float or a numpy one (np.float32 is not a
+    Python float), never a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def check_float_tensors(op: str, *named) -> None:
@@ -56,8 +63,7 @@ def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, c
     if V == 0 and not shard:
         raise ValueError(f"{op}: weight has an empty vocabulary")
     positive_int(f"{op}: chunk", chunk, allow_none=True)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
-            or temperature <= 0:
+    if not finite_real(temperature) or temperature <= 0:
         raise ValueError(f"{op}: temperature must be a finite number > 0, got {temperature!r}")
     if targets.numel() and not shard:
         lo, hi = int(targets.min()), int(targets.max())

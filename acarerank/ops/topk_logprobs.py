@@ -50,7 +50,7 @@ import torch
 
 from ..topk_contract import MAX_K, OUTSIDE_MODES, TopKLogprobs, check_k, default_chunk, finalize, logsumexp_of
 from . import _backend
-from ._checks import check_projection_inputs
+from ._checks import check_projection_inputs, finite_real
 from .topk_merge import UPDATE_OP, topk_merge_init
 
 
@@ -389,7 +389,7 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
         raise ValueError("topk_logprobs: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
     if outside not in OUTSIDE_MODES:
         raise ValueError(f"topk_logprobs: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
-    if not isinstance(floor, (int, float)) or not math.isfinite(floor):
+    if not finite_real(floor):
         raise ValueError(f"topk_logprobs: floor must be a finite number, got {floor!r}")
     topk_logits, topk_ids, target_logit, lse = topk_logprobs_core(hidden, weight, targets, k, chunk, temperature,
                                                                    backend)

@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from ..topk_contract import OUTSIDE_MODES, check_k, finalize
 from . import _backend
-from ._checks import check_projection_inputs
+from ._checks import check_projection_inputs, finite_real
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
 from .linear_logprob import backward_chunks, compute_copy, forward_stats, grad_inputs
 from .topk_logprobs import OP as _TOPK_OP
@@ -285,7 +285,7 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
         check_k(k, None, _TOPK_OP.resolve(backend, hidden.device), op)
         if outside not in OUTSIDE_MODES:
             raise ValueError(f"{op}: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
-        if not isinstance(floor, (int, float)) or not math.isfinite(floor):
+        if not finite_real(floor):
             raise ValueError(f"{op}: floor must be a finite number, got {floor!r}")
 
     layout = agree(op, process_group, local_check, hidden, weight_shard, targets, k, vocab_start, vocab_size,

@@ -9,6 +9,7 @@ Triton runs under TRITON_INTERPRET=1 on CPU (conftest.py), on CUDA when present.
 """
 import math
 
+import numpy as np
 import pytest
 import torch
 from _hypothesis import given, settings, st  # hypothesis, or skips where absent
@@ -195,6 +196,8 @@ def test_bf16_inputs_upcast_exactly():
     (dict(temperature=float("nan")), ValueError, "temperature"),
     (dict(outside="drop"), ValueError, "outside"),
     (dict(floor=float("-inf")), ValueError, "floor"),
+    (dict(floor=True), ValueError, "floor"),
+    (dict(temperature=True), ValueError, "temperature"),
     (dict(chunk=0), ValueError, "chunk"),
     (dict(backend="nope"), BackendError, "unknown backend"),
 ])
@@ -204,6 +207,16 @@ def test_bad_arguments(kw, exc, msg):
     args.update(kw)
     with pytest.raises(exc, match=msg):
         topk_logprobs(h, w, torch.zeros(3, dtype=torch.long), **args)
+
+
+def test_numpy_scalars_are_numbers():
+    """floor and temperature as numpy scalars (np.float32 is not a Python float) give what the
+    same Python floats give; they were refused as "not a finite number"."""
+    h, w = _dyadic(3, 16, 769)
+    tg = _targets(h, w, 4)
+    want = topk_logprobs(h, w, tg, k=4, floor=-5.0, temperature=0.5, backend="torch")
+    got = topk_logprobs(h, w, tg, k=4, floor=np.float32(-5), temperature=np.float32(0.5), backend="torch")
+    _check(got, want, "numpy scalars")
 
 
 def test_bad_tensors():
