@@ -232,14 +232,18 @@ class PointwiseReranker(RerankerBase):
         return out, [h.cached_tokens for h in handles]
 
     # -- step API (docs/ARCHITECTURE.md, "Paged KV and the prefix cache") -----------------
-    def encode(self, request: ScoreRequest) -> PointwiseEncoding:
-        """Tokenize and truncate one request (no model access; safe from several threads)."""
+    def encode(self, request: ScoreRequest, truncate: bool = True) -> PointwiseEncoding:
+        """Tokenize and truncate one request (no model access; safe from several threads).
+
+        ``truncate=False``: nothing is cut and no document room is reserved; a prompt over
+        ``max_length`` is a ValueError naming the document or the trace (``encode_pointwise``).
+        """
         if not isinstance(request, ScoreRequest):
             raise TypeError(f"encode needs a ScoreRequest, got {type(request).__name__}")
         _check_salt(request.cache_salt)
         enc = encode_pointwise(self.tokenizer, request.query, request.documents, question=request.question,
                                trace=request.trace, instruction=request.instruction, max_length=self.max_length,
-                               template=self.template, min_doc_tokens=self.min_doc_tokens)
+                               template=self.template, min_doc_tokens=self.min_doc_tokens, truncate=truncate)
         enc.cache_salt = request.cache_salt
         return enc
 

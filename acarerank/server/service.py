@@ -260,18 +260,13 @@ class RerankService:
         return self._large_lane if chars > self.large_request_chars else contextlib.nullcontext()
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
-        """Tokenize (pool thread); apply ``truncate=false`` and ``max_tokens_per_doc``."""
-        enc = self.reranker.encode(request)
-        if not truncate:
-            cut = [i for i, t in enumerate(enc.doc_truncated) if t]
-            if cut:
-                over = ("" if enc.doc_tokens_exact[cut[0]] else "at least ") + str(enc.doc_tokens_dropped[cut[0]])
-                raise ValueError(f"documents[{cut[0]}] does not fit the {enc.max_length}-token input limit "
-                                 f"({over} tokens over; {len(cut)} document(s) too long) "
-                                 f"and truncate is false")
-            if enc.trace_tokens_dropped:
-                raise ValueError(f"the trace does not fit the {enc.max_length}-token input limit "
-                                 f"({enc.trace_tokens_dropped} of its tokens would be dropped) and truncate is false")
+        """Tokenize (pool thread); apply ``truncate=false`` and ``max_tokens_per_doc``.
+
+        ``truncate=false`` encodes with nothing cut and no document room reserved, so a request is
+        refused only when one of its prompts is over ``max_length`` (the error names the document
+        or the trace), not when the reserve the cutting rule keeps would have cut its trace."""
+        # the plain call when cutting is allowed: a step API written against encode(request) keeps working
+        enc = self.reranker.encode(request) if truncate else self.reranker.encode(request, truncate=False)
         if max_tokens_per_doc is not None:
             ns = enc.num_suffix_tokens
             for i, seg in enumerate(enc.segment_ids):

@@ -83,7 +83,7 @@ def servers():
     try:
         with thread_server(create_app(main, api_key=KEY, max_body_bytes=MAX_BODY)) as base, \
                 thread_server(create_app(gated)) as gbase:
-            yield dict(base=base, gbase=gbase, rr=ref_rr, sr=ref_sr, main=main, gated=gated)
+            yield dict(base=base, gbase=gbase, rr=ref_rr, sr=ref_sr, main=main, gated=gated, model=model)
     finally:
         gated.reranker.gate.set()
         main.stop()
@@ -250,6 +250,34 @@ def test_error_paths(servers):
     errors = {code: after.get(("acarerank_errors_total", (("code", str(code)),)), 0)
               - before.get(("acarerank_errors_total", (("code", str(code)),)), 0) for code in (400, 401, 413, 422)}
     assert errors == {400: 5, 401: 2, 413: 2, 422: 5}, errors
+
+
+def test_truncate_false_scores_a_long_context_that_fits(servers):
+    """``truncate: false`` refuses only a prompt over max_length: a trace longer than the share the
+    cutting rule leaves it (max_length - suffix - 512 reserved document tokens) but whose whole
+    prompt fits is scored uncut, as the model card's unshared forward scores it."""
+    from acarerank.prompts import encode_pointwise, joint_input_ids, official_scores
+    from acarerank.tokenizer import load_qwen3_tokenizer
+
+    base = servers["base"]
+    trace, docs = "tutor " * 7650, ["hint", "reranker agent"]
+    enc = encode_pointwise(servers["rr"].tokenizer, "q", docs, trace=trace, truncate=False)
+    n = [len(enc.input_ids(i)) for i in range(len(docs))]
+    assert max(n) <= 8192 and len(enc.shared_ids) > 8192 - enc.num_suffix_tokens - 512, n
+    r = httpx.post(base + "/v1/rerank", headers=AUTH, timeout=120,
+                   json=dict(query="q", documents=docs, trace=trace, truncate=False))
+    assert r.status_code == 200, r.text
+    tok = load_qwen3_tokenizer()
+    want = official_scores(servers["model"], tok, [joint_input_ids(tok, "q", d, trace=trace) for d in docs],
+                           batch_size=1)
+    assert_scores(by_index(r.json()["results"]), want, "uncut long trace")
+    # a document one token over the room left is still refused, naming what is over
+    room = 8192 - len(enc.shared_ids) - enc.num_suffix_tokens
+    over = "hint" + " hint" * room
+    assert len(servers["rr"].tokenizer.user([" " + over])[0]) == room + 1
+    expect_error(httpx.post(base + "/v1/rerank", headers=AUTH, timeout=60,
+                            json=dict(query="q", documents=[over], trace=trace, truncate=False)),
+                 400, ["documents[0]", "truncate"])
 
 
 def test_queue_full_disconnect_and_no_interference(servers):
