@@ -414,12 +414,14 @@ def test_prefix_cache_hits_within_a_salt_only(servers):
     assert after[("acarerank_prefix_cache_hit_tokens_total", ())] > before[("acarerank_prefix_cache_hit_tokens_total", ())]
 
 
-def test_large_requests_leave_a_tokenizer_worker(servers):
-    """Two large requests tokenizing at once never hold both tokenizer workers: the second waits
-    for the large lane, and a small request arriving meanwhile is answered at once."""
-    base, main, rr = servers["base"], servers["main"], servers["rr"]
+@pytest.mark.parametrize("endpoint", ["/v1/rerank", "/v1/select"])
+def test_large_requests_leave_a_tokenizer_worker(servers, endpoint):
+    """Two large requests (rerank or select) tokenizing at once never hold both tokenizer workers:
+    the second waits for the large lane, and a small request arriving meanwhile is answered at once."""
+    base, main, rr, sr = servers["base"], servers["main"], servers["rr"], servers["sr"]
     release, inside = threading.Event(), []
-    encode = main._encode
+    hook = "_encode" if endpoint == "/v1/rerank" else "_encode_select"
+    encode = getattr(main, hook)
 
     def held_encode(request, *args):
         if request.query.startswith("large"):
@@ -427,10 +429,11 @@ def test_large_requests_leave_a_tokenizer_worker(servers):
             assert release.wait(60), "test never released the large requests"
         return encode(request, *args)
 
-    main._encode, main.large_request_chars = held_encode, 1000
+    setattr(main, hook, held_encode)
+    main.large_request_chars = 1000
     out = {}
     large = [threading.Thread(target=lambda k=k: out.setdefault(k, httpx.post(
-        base + "/v1/rerank", headers=AUTH, timeout=120,
+        base + endpoint, headers=AUTH, timeout=120,
         json=dict(query=f"large {k}", documents=["tutor hint " * 150])))) for k in range(2)]
     try:
         for t in large:
@@ -447,11 +450,15 @@ def test_large_requests_leave_a_tokenizer_worker(servers):
         release.set()
         for t in large:
             t.join(120)
-        del main._encode
+        delattr(main, hook)
         main.large_request_chars = LARGE_REQUEST_CHARS
     for k in range(2):
         assert out[k].status_code == 200, out[k].text
-        assert_scores(by_index(out[k].json()["results"]), rr.score(f"large {k}", ["tutor hint " * 150]), f"large {k}")
+        if endpoint == "/v1/rerank":
+            assert_scores(by_index(out[k].json()["results"]), rr.score(f"large {k}", ["tutor hint " * 150]),
+                          f"large {k}")
+        else:
+            assert out[k].json()["ids"] == sr.select(f"large {k}", ["tutor hint " * 150]).ids
 
 
 def test_openapi_documents_the_request_bodies(servers):
