@@ -32,7 +32,7 @@ import torch
 
 from ._validate import check_int, positive_int
 from .model import Qwen3Runner
-from .model.cached_prefill import CacheSlot, prefill_cached
+from .model.cached_prefill import CacheSlot, default_budget_tokens, prefill_cached
 from .ops import backend_for, yes_no_score
 from .prompts import DEFAULT_TEMPLATE, ContextTemplate, PointwiseEncoding, encode_pointwise
 from .reranker_base import RerankerBase
@@ -94,6 +94,21 @@ def _as_requests(requests) -> list:
             raise TypeError(f"requests[{i}] must be a ScoreRequest, a dict of its fields or a tuple "
                             f"(query, documents, ...), got {type(r).__name__}")
     return out
+
+
+def _windows(encodings: list, max_tokens: int):
+    """Consecutive runs of ``encodings`` whose shared parts hold at most ``max_tokens`` tokens
+    together (>= 1 encoding per run)."""
+    run, used = [], 0
+    for e in encodings:
+        n = len(e.shared_ids)
+        if run and used + n > max_tokens:
+            yield run
+            run, used = [], 0
+        run.append(e)
+        used += n
+    if run:
+        yield run
 
 
 def _check_salt(salt) -> None:
@@ -202,8 +217,9 @@ class PointwiseReranker(RerankerBase):
         """Several queries at once, one group each (batched serving); list of score lists.
 
         The step API in one call: encode, acquire every shared part (a request sharing a
-        context with an earlier one of the batch reuses its pages), one packed pass over all
-        documents, release. ``cache_salt`` applies to requests that carry none.
+        context with an earlier one of the batch reuses its pages), packed passes over all
+        documents, release — in windows of at most ``max_pinned_tokens`` shared tokens
+        (``score_encodings``). ``cache_salt`` applies to requests that carry none.
         """
         _check_salt(cache_salt)
         requests = _as_requests(requests)
@@ -216,30 +232,50 @@ class PointwiseReranker(RerankerBase):
     def score_encodings(self, encodings: Sequence[PointwiseEncoding]) -> tuple:
         """``score_batch`` of already encoded requests: (score lists, cached shared-part tokens
         of each request). Acquires every shared part (a request sharing a context with an
-        earlier one reuses its pages), scores all documents in packed passes, releases."""
-        handles = []
-        try:
-            for e in encodings:
-                handles.append(self.acquire_prefix(e))
-            flat = self.score_segments([(h, ids) for h in handles for ids in h.encoding.segment_ids])
-        finally:
-            for h in handles:
-                self.release_prefix(h)
-        out, k = [], 0
-        for e in encodings:
-            out.append(flat[k:k + len(e.segment_ids)])
-            k += len(e.segment_ids)
-        return out, [h.cached_tokens for h in handles]
+        earlier one reuses its pages), scores all documents in packed passes, releases.
+
+        Requests go in consecutive windows whose shared parts hold at most ``max_pinned_tokens``
+        tokens together (at least one request each): every handle pins its KV until its window is
+        scored, so a batch of any size holds at most that much (plus one request) — all at once,
+        400 requests of a 4k-token context would pin 1.6 M tokens of KV (~370 GB at the
+        Qwen3-Reranker-0.6B shape in fp32)."""
+        encodings = list(encodings)
+        out, cached = [], []
+        for window in _windows(encodings, self.max_pinned_tokens):
+            handles = []
+            try:
+                for e in window:
+                    handles.append(self.acquire_prefix(e))
+                flat = self.score_segments([(h, ids) for h in handles for ids in h.encoding.segment_ids])
+            finally:
+                for h in handles:
+                    self.release_prefix(h)
+            k = 0
+            for e in window:
+                out.append(flat[k:k + len(e.segment_ids)])
+                k += len(e.segment_ids)
+            cached.extend(h.cached_tokens for h in handles)
+        return out, cached
+
+    @property
+    def max_pinned_tokens(self) -> int:
+        """Shared-part tokens ``score_encodings`` pins at once: the prefix cache's budget, and at least
+        what the default budget holds (``acarerank.model.cached_prefill.default_budget_tokens``)."""
+        return max(self._cache_slot.budget_blocks * self.runner.block_size, default_budget_tokens(self.runner))
 
     # -- step API (docs/ARCHITECTURE.md, "Paged KV and the prefix cache") -----------------
-    def encode(self, request: ScoreRequest) -> PointwiseEncoding:
-        """Tokenize and truncate one request (no model access; safe from several threads)."""
+    def encode(self, request: ScoreRequest, truncate: bool = True) -> PointwiseEncoding:
+        """Tokenize and truncate one request (no model access; safe from several threads).
+
+        ``truncate=False``: nothing is cut and no document room is reserved; a prompt over
+        ``max_length`` is a ValueError naming the document or the trace (``encode_pointwise``).
+        """
         if not isinstance(request, ScoreRequest):
             raise TypeError(f"encode needs a ScoreRequest, got {type(request).__name__}")
         _check_salt(request.cache_salt)
         enc = encode_pointwise(self.tokenizer, request.query, request.documents, question=request.question,
                                trace=request.trace, instruction=request.instruction, max_length=self.max_length,
-                               template=self.template, min_doc_tokens=self.min_doc_tokens)
+                               template=self.template, min_doc_tokens=self.min_doc_tokens, truncate=truncate)
         enc.cache_salt = request.cache_salt
         return enc
 

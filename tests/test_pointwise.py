@@ -132,6 +132,41 @@ def test_each_pass_attends_only_to_its_own_requests_prefixes(qwen3_tokenizer, mo
     assert max(abs(a - b) for x, y in zip(batched, separate) for a, b in zip(x, y)) <= 1e-6
 
 
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_score_batch_pins_a_bounded_number_of_shared_tokens(qwen3_tokenizer, monkeypatch, prefix_cache):
+    """Every prefix a score_batch acquires stays pinned until it is scored: a batch of many requests
+    must not hold all of their KV at once. Its requests go in windows of at most max_pinned_tokens
+    shared tokens (here lowered to about two requests' worth), with the scores of separate calls."""
+    import acarerank.pointwise as pointwise
+
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64),
+                           tokenizer=qwen3_tokenizer, prefix_cache=prefix_cache, cache_budget_tokens=64)
+    reqs = [ScoreRequest(f"query {i}", DOCS[:2], question=QUESTION, trace=TRACE) for i in range(7)]
+    shared = len(rr.encode(reqs[0]).shared_ids)
+    bound = 2 * shared + 5
+    monkeypatch.setattr(pointwise, "default_budget_tokens", lambda runner: bound, raising=False)
+    live, peak = set(), [0]
+    acquire, release = rr.acquire_prefix, rr.release_prefix
+
+    def acquire_spy(enc, *a, **kw):
+        h = acquire(enc, *a, **kw)
+        live.add(h)
+        peak[0] = max(peak[0], sum(x.length for x in live))
+        return h
+
+    def release_spy(h):
+        live.discard(h)
+        release(h)
+
+    monkeypatch.setattr(rr, "acquire_prefix", acquire_spy)
+    monkeypatch.setattr(rr, "release_prefix", release_spy)
+    batched = rr.score_batch(reqs)
+    assert not live and peak[0] <= bound, f"{peak[0]} shared tokens pinned at once, bound {bound}"
+    assert rr.max_pinned_tokens == bound
+    separate = [rr.score(r.query, r.documents, question=r.question, trace=r.trace) for r in reqs]
+    assert max(abs(a - b) for x, y in zip(batched, separate) for a, b in zip(x, y)) <= 1e-6
+
+
 def test_score_encodings_reports_cache_hits_and_equals_score_batch(qwen3_tokenizer):
     rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64),
                            tokenizer=qwen3_tokenizer)

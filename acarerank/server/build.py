@@ -34,8 +34,11 @@ def build_rerankers(config: ServeConfig):
         kw["cache_budget_tokens"] = config.cache_budget
     rr = load_reranker(PointwiseReranker, model=config.model, dtype=config.dtype, device=config.device,
                        backend=config.backend, **kw)
-    # The setwise endpoint decodes on the same weights and the same scheduler thread.
-    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=rr.backend)
+    # The setwise endpoint decodes on the same weights and the same scheduler thread. Its prompt
+    # cache has the same budget: without one it would take the device default (8 GiB on a GPU)
+    # on the first /v1/select, whatever --cache-budget the deployment was sized with.
+    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=rr.backend,
+                         **{k: v for k, v in kw.items() if k == "cache_budget_tokens"})
     return rr, sr
 
 

@@ -47,8 +47,9 @@ class ServeConfig:
     # -- the engine
     max_batch_tokens: Optional[int] = _opt("segment tokens per packed pass (default: 2,048 on CPU, 16,384 on GPU)",
                                            default=None, type=int)
-    cache_budget: Optional[int] = _opt("prefix-cache budget in tokens (needs a reranker with a prefix cache)",
-                                       default=None, type=int)
+    cache_budget: Optional[int] = _opt("prefix-cache budget in tokens, of the rerank cache and of the /v1/select "
+                                       "prompt cache each (default: 1 GiB of KV on CPU, 8 GiB on GPU, at most "
+                                       "65,536 tokens, each)", default=None, type=int)
     tokenize_workers: int = _opt("threads of the tokenization pool (one request uses at most one)", default=2)
     # -- admission and per-request limits
     max_queue: int = _opt("requests admitted and unanswered at once; one more gets 429 (before its body is read)",

@@ -25,8 +25,17 @@ async def wait_or_drop(fut: asyncio.Future, is_disconnected: Callable[[], Awaita
             if done:
                 return fut.result()
             if await is_disconnected():
+                _forget(fut)
                 drop()
                 raise ClientGone()
     except asyncio.CancelledError:
+        _forget(fut)
         drop()
         raise
+
+
+def _forget(fut: asyncio.Future) -> None:
+    """Nobody will await ``fut`` any more: read its outcome when it comes. A dropped job still ends
+    (the engine fails a job already in a pass with CancelledError), and an exception nobody read
+    is logged by asyncio as "never retrieved", with a traceback, once per client that left."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -234,7 +234,8 @@ class RerankService:
             request = ScoreRequest(req.query, docs, question=req.question, trace=req.trace,
                                    instruction=req.instruction, cache_salt=req.cache_salt)
             try:
-                async with self._tokenize_lane(request):
+                async with self._tokenize_lane(request.query, request.question, request.trace, request.instruction,
+                                               *request.documents):
                     enc = await self._in_pool(self._encode, request, req.max_tokens_per_doc, req.truncate)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
@@ -252,26 +253,21 @@ class RerankService:
         except EngineStopped as e:
             raise APIError(503, f"server shutting down: {e}") from None
 
-    def _tokenize_lane(self, request: ScoreRequest):
-        """What a request waits on before it takes a tokenizer worker: the large lane (at most
-        ``tokenize_workers - 1`` large requests tokenize at once) or nothing."""
-        chars = len(request.query) + sum(map(len, request.documents)) + sum(
-            len(x) for x in (request.question, request.trace, request.instruction) if x)
+    def _tokenize_lane(self, *texts: Optional[str]):
+        """What a request of these texts (None: absent) waits on before it takes a tokenizer worker:
+        the large lane (at most ``tokenize_workers - 1`` large requests, rerank and select alike,
+        tokenize at once) or nothing."""
+        chars = sum(len(x) for x in texts if x)
         return self._large_lane if chars > self.large_request_chars else contextlib.nullcontext()
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
-        """Tokenize (pool thread); apply ``truncate=false`` and ``max_tokens_per_doc``."""
-        enc = self.reranker.encode(request)
-        if not truncate:
-            cut = [i for i, t in enumerate(enc.doc_truncated) if t]
-            if cut:
-                over = ("" if enc.doc_tokens_exact[cut[0]] else "at least ") + str(enc.doc_tokens_dropped[cut[0]])
-                raise ValueError(f"documents[{cut[0]}] does not fit the {enc.max_length}-token input limit "
-                                 f"({over} tokens over; {len(cut)} document(s) too long) "
-                                 f"and truncate is false")
-            if enc.trace_tokens_dropped:
-                raise ValueError(f"the trace does not fit the {enc.max_length}-token input limit "
-                                 f"({enc.trace_tokens_dropped} of its tokens would be dropped) and truncate is false")
+        """Tokenize (pool thread); apply ``truncate=false`` and ``max_tokens_per_doc``.
+
+        ``truncate=false`` encodes with nothing cut and no document room reserved, so a request is
+        refused only when one of its prompts is over ``max_length`` (the error names the document
+        or the trace), not when the reserve the cutting rule keeps would have cut its trace."""
+        # the plain call when cutting is allowed: a step API written against encode(request) keeps working
+        enc = self.reranker.encode(request) if truncate else self.reranker.encode(request, truncate=False)
         if max_tokens_per_doc is not None:
             ns = enc.num_suffix_tokens
             for i, seg in enumerate(enc.segment_ids):
@@ -315,6 +311,10 @@ class RerankService:
                     meta=dict(billed_units=dict(search_units=math.ceil(len(docs) / DOCS_PER_SEARCH_UNIT))))
 
     # -- select ------------------------------------------------------------------------------
+    def _encode_select(self, req: SelectRequest, docs: list):
+        """The selection's tokenized prompt (pool thread)."""
+        return self.setwise.encode_select(req.query, docs, intent=req.intent, max_select=req.max_select)
+
     async def select(self, req: SelectRequest, is_disconnected: Callable[[], Awaitable[bool]],
                      headers: Optional[dict] = None) -> dict:
         if self.setwise is None:
@@ -330,8 +330,8 @@ class RerankService:
         rid = uuid.uuid4().hex
         with self.admit():
             try:  # the prompt is built in the tokenizer pool; the model work runs as engine steps
-                enc = await self._in_pool(lambda: self.setwise.encode_select(
-                    req.query, docs, intent=req.intent, max_select=req.max_select))
+                async with self._tokenize_lane(req.query, req.intent, *docs):
+                    enc = await self._in_pool(self._encode_select, req, docs)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             job = self._submit(self.engine.submit_select, enc, rid)

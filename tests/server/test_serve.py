@@ -83,7 +83,7 @@ def servers():
     try:
         with thread_server(create_app(main, api_key=KEY, max_body_bytes=MAX_BODY)) as base, \
                 thread_server(create_app(gated)) as gbase:
-            yield dict(base=base, gbase=gbase, rr=ref_rr, sr=ref_sr, main=main, gated=gated)
+            yield dict(base=base, gbase=gbase, rr=ref_rr, sr=ref_sr, main=main, gated=gated, model=model)
     finally:
         gated.reranker.gate.set()
         main.stop()
@@ -252,6 +252,34 @@ def test_error_paths(servers):
     assert errors == {400: 5, 401: 2, 413: 2, 422: 5}, errors
 
 
+def test_truncate_false_scores_a_long_context_that_fits(servers):
+    """``truncate: false`` refuses only a prompt over max_length: a trace longer than the share the
+    cutting rule leaves it (max_length - suffix - 512 reserved document tokens) but whose whole
+    prompt fits is scored uncut, as the model card's unshared forward scores it."""
+    from acarerank.prompts import encode_pointwise, joint_input_ids, official_scores
+    from acarerank.tokenizer import load_qwen3_tokenizer
+
+    base = servers["base"]
+    trace, docs = "tutor " * 7650, ["hint", "reranker agent"]
+    enc = encode_pointwise(servers["rr"].tokenizer, "q", docs, trace=trace, truncate=False)
+    n = [len(enc.input_ids(i)) for i in range(len(docs))]
+    assert max(n) <= 8192 and len(enc.shared_ids) > 8192 - enc.num_suffix_tokens - 512, n
+    r = httpx.post(base + "/v1/rerank", headers=AUTH, timeout=120,
+                   json=dict(query="q", documents=docs, trace=trace, truncate=False))
+    assert r.status_code == 200, r.text
+    tok = load_qwen3_tokenizer()
+    want = official_scores(servers["model"], tok, [joint_input_ids(tok, "q", d, trace=trace) for d in docs],
+                           batch_size=1)
+    assert_scores(by_index(r.json()["results"]), want, "uncut long trace")
+    # a document one token over the room left is still refused, naming what is over
+    room = 8192 - len(enc.shared_ids) - enc.num_suffix_tokens
+    over = "hint" + " hint" * room
+    assert len(servers["rr"].tokenizer.user([" " + over])[0]) == room + 1
+    expect_error(httpx.post(base + "/v1/rerank", headers=AUTH, timeout=60,
+                            json=dict(query="q", documents=[over], trace=trace, truncate=False)),
+                 400, ["documents[0]", "truncate"])
+
+
 def test_queue_full_disconnect_and_no_interference(servers):
     gbase, gated, rr = servers["gbase"], servers["gated"], servers["rr"]
     gate = gated.reranker.gate
@@ -386,12 +414,14 @@ def test_prefix_cache_hits_within_a_salt_only(servers):
     assert after[("acarerank_prefix_cache_hit_tokens_total", ())] > before[("acarerank_prefix_cache_hit_tokens_total", ())]
 
 
-def test_large_requests_leave_a_tokenizer_worker(servers):
-    """Two large requests tokenizing at once never hold both tokenizer workers: the second waits
-    for the large lane, and a small request arriving meanwhile is answered at once."""
-    base, main, rr = servers["base"], servers["main"], servers["rr"]
+@pytest.mark.parametrize("endpoint", ["/v1/rerank", "/v1/select"])
+def test_large_requests_leave_a_tokenizer_worker(servers, endpoint):
+    """Two large requests (rerank or select) tokenizing at once never hold both tokenizer workers:
+    the second waits for the large lane, and a small request arriving meanwhile is answered at once."""
+    base, main, rr, sr = servers["base"], servers["main"], servers["rr"], servers["sr"]
     release, inside = threading.Event(), []
-    encode = main._encode
+    hook = "_encode" if endpoint == "/v1/rerank" else "_encode_select"
+    encode = getattr(main, hook)
 
     def held_encode(request, *args):
         if request.query.startswith("large"):
@@ -399,10 +429,11 @@ def test_large_requests_leave_a_tokenizer_worker(servers):
             assert release.wait(60), "test never released the large requests"
         return encode(request, *args)
 
-    main._encode, main.large_request_chars = held_encode, 1000
+    setattr(main, hook, held_encode)
+    main.large_request_chars = 1000
     out = {}
     large = [threading.Thread(target=lambda k=k: out.setdefault(k, httpx.post(
-        base + "/v1/rerank", headers=AUTH, timeout=120,
+        base + endpoint, headers=AUTH, timeout=120,
         json=dict(query=f"large {k}", documents=["tutor hint " * 150])))) for k in range(2)]
     try:
         for t in large:
@@ -419,11 +450,15 @@ def test_large_requests_leave_a_tokenizer_worker(servers):
         release.set()
         for t in large:
             t.join(120)
-        del main._encode
+        delattr(main, hook)
         main.large_request_chars = LARGE_REQUEST_CHARS
     for k in range(2):
         assert out[k].status_code == 200, out[k].text
-        assert_scores(by_index(out[k].json()["results"]), rr.score(f"large {k}", ["tutor hint " * 150]), f"large {k}")
+        if endpoint == "/v1/rerank":
+            assert_scores(by_index(out[k].json()["results"]), rr.score(f"large {k}", ["tutor hint " * 150]),
+                          f"large {k}")
+        else:
+            assert out[k].json()["ids"] == sr.select(f"large {k}", ["tutor hint " * 150]).ids
 
 
 def test_openapi_documents_the_request_bodies(servers):

@@ -2,7 +2,8 @@
 
 No server here: the flags round-trip, bad values name their flag, the configuration and the
 CLI parser import neither torch nor FastAPI, nothing in the server imports ``acarerank.cli``,
-and ``acarerank serve`` without the serving extra says what to install in one line.
+and ``acarerank serve`` without the serving extra says what to install in one line. One test
+builds the embedded model: ``--cache-budget`` bounds both of its prefix caches.
 """
 import argparse
 import ast
@@ -77,3 +78,13 @@ def test_serve_without_the_extra_says_what_to_install():
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'acarerank[serve]'" in lines[0], out.stderr[-2000:]
     assert "fastapi" in lines[0] and "uvicorn" in lines[0]
+
+
+def test_cache_budget_bounds_the_select_cache_too():
+    """The setwise reranker behind /v1/select keeps its own prompt cache: --cache-budget sizes it
+    too, else the first selection allocates the device default (8 GiB on a GPU) beyond the budget."""
+    pytest.importorskip("torch")
+    from acarerank.server.build import build_rerankers
+
+    rr, sr = build_rerankers(ServeConfig(cache_budget=256, dtype="float32"))
+    assert rr.cache_stats()["budget_tokens"] == sr.cache_stats()["budget_tokens"] == 256

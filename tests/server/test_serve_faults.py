@@ -57,10 +57,10 @@ class FaultInjector:
     def __getattr__(self, name):
         return getattr(self.rr, name)
 
-    def encode(self, request):
+    def encode(self, request, **kw):
         if self.encode_fault is not None and POISON in request.query:
             raise self.encode_fault
-        enc = self.rr.encode(request)
+        enc = self.rr.encode(request, **kw)
         enc.fault_query = request.query
         return enc
 
