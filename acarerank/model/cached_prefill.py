@@ -50,9 +50,14 @@ class CacheSlot:
         self.uncached_lookup_tokens = 0
 
     def get(self) -> Optional[PrefixCache]:
-        """The prefix cache, its pages allocated now if this is the first use; None when off."""
+        """The prefix cache, its pages allocated now if this is the first use; None when off.
+
+        Thread-safe: two first calls at once get the same cache (a second pool would take the
+        budget twice over and split the pages, and the counters, between two caches)."""
         if self._cache is None and self.budget_blocks > 0:
-            self._cache = PrefixCache(self.runner.new_pool(self.budget_blocks))
+            with self._lock:
+                if self._cache is None:
+                    self._cache = PrefixCache(self.runner.new_pool(self.budget_blocks))
         return self._cache
 
     def count(self, computed: int = 0, uncached_lookup: int = 0) -> None:

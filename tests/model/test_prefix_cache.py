@@ -364,3 +364,29 @@ def test_a_freed_block_table_is_handed_out_again_as_one_run():
     assert again == [0, 1, 2, 3, 4], again
     rest = pool.allocate(7)
     assert sorted(again + rest) == list(range(12)) and rest[:4] == [5, 6, 7, 8], rest
+
+
+def test_first_use_from_two_threads_builds_one_cache(monkeypatch):
+    """CacheSlot.get() allocates the pages on first use: two threads there at once must get one
+    cache (a slow allocation, here 0.2 s, let both build their own before)."""
+    import time
+
+    from acarerank.model.cached_prefill import CacheSlot
+
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=4, kv_heads=2, head_dim=32), max_length=256)
+    slot = CacheSlot(rr.runner, budget_tokens=64)
+    new_pool, built = rr.runner.new_pool, []
+
+    def slow_pool(n):
+        built.append(n)
+        time.sleep(0.2)
+        return new_pool(n)
+
+    monkeypatch.setattr(rr.runner, "new_pool", slow_pool)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(slot.get())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 1 and got[0] is got[1], f"{len(built)} pools built, caches {got}"
