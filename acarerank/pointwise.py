@@ -264,18 +264,22 @@ class PointwiseReranker(RerankerBase):
         return max(self._cache_slot.budget_blocks * self.runner.block_size, default_budget_tokens(self.runner))
 
     # -- step API (docs/ARCHITECTURE.md, "Paged KV and the prefix cache") -----------------
-    def encode(self, request: ScoreRequest, truncate: bool = True) -> PointwiseEncoding:
+    def encode(self, request: ScoreRequest, truncate: bool = True,
+               max_doc_tokens: Optional[int] = None) -> PointwiseEncoding:
         """Tokenize and truncate one request (no model access; safe from several threads).
 
         ``truncate=False``: nothing is cut and no document room is reserved; a prompt over
         ``max_length`` is a ValueError naming the document or the trace (``encode_pointwise``).
+        ``max_doc_tokens``: each document cut to that many tokens first (the rerank APIs'
+        ``max_tokens_per_doc``), with ``truncate=False`` too.
         """
         if not isinstance(request, ScoreRequest):
             raise TypeError(f"encode needs a ScoreRequest, got {type(request).__name__}")
         _check_salt(request.cache_salt)
         enc = encode_pointwise(self.tokenizer, request.query, request.documents, question=request.question,
                                trace=request.trace, instruction=request.instruction, max_length=self.max_length,
-                               template=self.template, min_doc_tokens=self.min_doc_tokens, truncate=truncate)
+                               template=self.template, min_doc_tokens=self.min_doc_tokens, truncate=truncate,
+                               max_doc_tokens=max_doc_tokens)
         enc.cache_salt = request.cache_salt
         return enc
 

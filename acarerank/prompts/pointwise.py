@@ -255,7 +255,8 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
                      trace: Optional[str] = None, instruction: Optional[str] = None,
                      max_length: int = DEFAULT_MAX_LENGTH, template: ContextTemplate = DEFAULT_TEMPLATE,
                      truncate: bool = True, min_doc_tokens: Optional[int] = None,
-                     special_tokens: Optional[str] = None, trace_cut_chunk: int = TRACE_CUT_CHUNK) -> PointwiseEncoding:
+                     special_tokens: Optional[str] = None, trace_cut_chunk: int = TRACE_CUT_CHUNK,
+                     max_doc_tokens: Optional[int] = None) -> PointwiseEncoding:
     """Tokenize one query's pointwise prompts for N documents, split for prefix sharing.
 
     ``shared_ids + segment_ids[i]`` equals the model card's construction for document ``i``
@@ -276,6 +277,10 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
 
     With ``truncate=False`` anything over ``max_length`` raises ValueError naming the field or
     document and the lengths (``min_doc_tokens`` is then not reserved).
+
+    ``max_doc_tokens`` (the rerank APIs' ``max_tokens_per_doc``): each document is first cut to
+    that many tokens, a cut the caller asked for, so it applies with ``truncate=False`` too; the
+    rules above then see the cut document.
 
     Args:
         tokenizer: a transformers fast tokenizer, a ``tokenizers.Tokenizer`` or a
@@ -299,7 +304,7 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
     from ..tokenizer import TextEncoder
 
     f = _checked_fields(query, documents, question, trace, instruction, template, max_length, min_doc_tokens,
-                        truncate)
+                        truncate, max_doc_tokens)
     enc = TextEncoder.of(tokenizer, special_tokens)
     prefix_ids, suffix_ids = enc.template([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX])
     shared_ids, trace_used, trace_dropped = _encode_shared(enc, f, prefix_ids, len(suffix_ids), trace_cut_chunk)
@@ -323,6 +328,7 @@ class _Fields:
     max_length: int
     min_doc_tokens: int
     truncate: bool
+    max_doc_tokens: Optional[int]
 
     @property
     def reserve(self) -> int:
@@ -336,7 +342,7 @@ class _Fields:
 
 
 def _checked_fields(query, documents, question, trace, instruction, template, max_length, min_doc_tokens,
-                    truncate) -> _Fields:
+                    truncate, max_doc_tokens) -> _Fields:
     """Step 1: every argument checked (TypeError / ValueError naming it), missing fields as None."""
     from ..tokenizer import check_text
 
@@ -352,12 +358,14 @@ def _checked_fields(query, documents, question, trace, instruction, template, ma
     _check_int("min_doc_tokens", min_doc_tokens, 1)
     if not isinstance(truncate, bool):
         raise TypeError(f"truncate must be a bool, got {type(truncate).__name__}")
+    if max_doc_tokens is not None:
+        _check_int("max_doc_tokens", max_doc_tokens, 1)
     if instruction is not None and not isinstance(instruction, str):
         raise TypeError(f"instruction must be a str or None, got {type(instruction).__name__}")
     for name, value in (("question", q), ("trace", t), ("instruction", instruction)):
         if value is not None:
             check_text(name, value)
-    return _Fields(query, docs, q, t, instruction, template, max_length, min_doc_tokens, truncate)
+    return _Fields(query, docs, q, t, instruction, template, max_length, min_doc_tokens, truncate, max_doc_tokens)
 
 
 def _encode_shared(enc, f: _Fields, prefix_ids: list, n_suffix: int, trace_cut_chunk: int) -> tuple:
@@ -445,20 +453,24 @@ def _raise_shared_over(enc, f: _Fields, prefix_ids: list, n_suffix: int, budget:
 
 
 def _encode_documents(enc, f: _Fields, room: int, shared_len: int, suffix_ids: list) -> tuple:
-    """Step 3: each document's segment ``tokens(" " + doc)[:room] + suffix``; returns (segments,
-    truncated, tokens dropped, whether each dropped count is exact).
+    """Step 3: each document's segment ``tokens(" " + doc)[:keep] + suffix``, keep = the room, or
+    ``max_doc_tokens`` when smaller; returns (segments, truncated, tokens dropped, whether each
+    dropped count is exact).
 
-    One token past the room tells a cut from a fit, so only that head of a long document is
-    tokenized; its dropped count is then a lower bound (the rest was never tokenized)."""
+    One token past ``keep`` tells a cut from a fit, so only that head of a long document is
+    tokenized; its dropped count is then a lower bound (the rest was never tokenized). A cut to
+    ``max_doc_tokens`` was asked for: never an error, ``truncate`` or not."""
+    asked = f.max_doc_tokens is not None and f.max_doc_tokens <= room  # the caller's cut makes it fit
+    keep = f.max_doc_tokens if asked else room
     segments, truncated, dropped, exact = [], [], [], []
-    for i, (doc_ids, _, complete) in enumerate(enc.user_heads([DOC_SEP + d for d in f.docs], room + 1)):
-        if len(doc_ids) > room and not f.truncate:
+    for i, (doc_ids, _, complete) in enumerate(enc.user_heads([DOC_SEP + d for d in f.docs], keep + 1)):
+        if len(doc_ids) > room and not asked and not f.truncate:
             at_least = "" if complete else "at least "
             raise ValueError(
                 f"documents[{i}] is {at_least}{len(doc_ids)} tokens; shared context {shared_len} + document "
                 f"{at_least}{len(doc_ids)} + suffix {len(suffix_ids)} = {at_least}"
                 f"{shared_len + len(doc_ids) + len(suffix_ids)} > max_length={f.max_length} (truncate=False)")
-        doc_ids, n_cut = cut_tail(doc_ids, room)
+        doc_ids, n_cut = cut_tail(doc_ids, keep)
         segments.append(list(doc_ids) + list(suffix_ids))
         truncated.append(n_cut > 0)
         dropped.append(n_cut)

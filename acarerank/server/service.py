@@ -9,8 +9,8 @@ errors) and the scheduler (``engine.py``, which owns the model):
   ``Retry-After``;
 * tokenizes in a thread pool (``reranker.encode``) — the event loop never tokenizes and the
   model thread never waits for it; the truncation policy is the reranker's own;
-  ``truncate: false`` turns any cut into a 400; ``max_tokens_per_doc`` cuts each document's
-  tokens from its end;
+  ``max_tokens_per_doc`` cuts each document's tokens from its end, first; ``truncate: false``
+  then turns any other cut into a 400;
 * submits to the engine and waits, polling the client: a client that disconnects has its
   remaining work dropped (499);
 * maps the engine's failures: a request the model failed on (``EngineFault``) is a 500 naming
@@ -261,20 +261,17 @@ class RerankService:
         return self._large_lane if chars > self.large_request_chars else contextlib.nullcontext()
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
-        """Tokenize (pool thread); apply ``truncate=false`` and ``max_tokens_per_doc``.
+        """Tokenize (pool thread) with ``truncate`` and ``max_tokens_per_doc``.
 
         ``truncate=false`` encodes with nothing cut and no document room reserved, so a request is
         refused only when one of its prompts is over ``max_length`` (the error names the document
-        or the trace), not when the reserve the cutting rule keeps would have cut its trace."""
-        # the plain call when cutting is allowed: a step API written against encode(request) keeps working
-        enc = self.reranker.encode(request) if truncate else self.reranker.encode(request, truncate=False)
-        if max_tokens_per_doc is not None:
-            ns = enc.num_suffix_tokens
-            for i, seg in enumerate(enc.segment_ids):
-                doc = seg[:len(seg) - ns]
-                if len(doc) > max_tokens_per_doc:
-                    enc.segment_ids[i] = doc[:max_tokens_per_doc] + seg[len(seg) - ns:]
-        return enc
+        or the trace), not when the reserve the cutting rule keeps would have cut its trace.
+        ``max_tokens_per_doc`` cuts each document first, a cut asked for: with ``truncate=false``
+        a document it brings under the limit is scored, not refused."""
+        # only the arguments given: a step API written against encode(request) keeps working
+        kw = dict(({} if truncate else {"truncate": False}),
+                  **({} if max_tokens_per_doc is None else {"max_doc_tokens": max_tokens_per_doc}))
+        return self.reranker.encode(request, **kw)
 
     async def _wait(self, job, is_disconnected: Callable[[], Awaitable[bool]]):
         """The job's result; drops the job (ClientGone, answered 499) if the client disconnects first.

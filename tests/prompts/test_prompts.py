@@ -328,6 +328,26 @@ def test_truncate_false_names_the_culprit(tok):
     assert ok.doc_truncated == [False]
 
 
+def test_max_doc_tokens_cuts_first_truncate_or_not(tok):
+    """max_doc_tokens (the APIs' max_tokens_per_doc) cuts each document to the head of its whole
+    tokenization, before the max_length rules: with truncate=False a document it brings under the
+    limit is encoded, not refused; a cut that leaves it over is still refused."""
+    long_doc = " ".join(["word"] * 500)
+    whole = encode_pointwise(tok, "q", ["fits", long_doc], max_length=2000)
+    ns = whole.num_suffix_tokens
+    for truncate in (True, False):
+        enc = encode_pointwise(tok, "q", ["fits", long_doc], max_length=300, max_doc_tokens=40, truncate=truncate)
+        assert enc.segment_ids[1] == whole.segment_ids[1][:40] + whole.segment_ids[1][-ns:]
+        assert enc.segment_ids[0] == whole.segment_ids[0] and enc.doc_truncated == [False, True]
+    room = 300 - len(whole.shared_ids) - ns
+    exact = encode_pointwise(tok, "q", [long_doc], max_length=300, max_doc_tokens=room, truncate=False)
+    assert len(exact.input_ids(0)) == 300
+    with pytest.raises(ValueError, match=r"documents\[0\] is (at least )?\d+ tokens.*max_length=300"):
+        encode_pointwise(tok, "q", [long_doc], max_length=300, max_doc_tokens=room + 1, truncate=False)
+    with pytest.raises(ValueError, match="max_doc_tokens must be >= 1"):
+        encode_pointwise(tok, "q", ["d"], max_doc_tokens=0)
+
+
 def test_max_length_too_small_for_fixed_strings(tok):
     with pytest.raises(ValueError, match="too small for the prompt's fixed strings"):
         encode_pointwise(tok, "", [""], max_length=40, min_doc_tokens=1)

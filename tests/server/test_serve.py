@@ -278,6 +278,18 @@ def test_truncate_false_scores_a_long_context_that_fits(servers):
     expect_error(httpx.post(base + "/v1/rerank", headers=AUTH, timeout=60,
                             json=dict(query="q", documents=[over], trace=trace, truncate=False)),
                  400, ["documents[0]", "truncate"])
+    # max_tokens_per_doc cuts first, a cut asked for: brought under the limit, it is scored as the
+    # cut text is; a cut that leaves it over the limit is still refused
+    cut = dict(query="q", documents=[over], trace=trace, truncate=False, max_tokens_per_doc=room)
+    r = httpx.post(base + "/v1/rerank", headers=AUTH, timeout=120, json=cut)
+    assert r.status_code == 200, r.text
+    same = httpx.post(base + "/v1/rerank", headers=AUTH, timeout=120,
+                      json=dict(query="q", documents=["hint" + " hint" * (room - 1)], trace=trace, truncate=False))
+    assert same.status_code == 200, same.text
+    assert_scores(by_index(r.json()["results"]), [same.json()["results"][0]["relevance_score"]],
+                  "max_tokens_per_doc, truncate false")
+    expect_error(httpx.post(base + "/v1/rerank", headers=AUTH, timeout=60, json=dict(cut, max_tokens_per_doc=room + 1)),
+                 400, ["documents[0]", "truncate"])
 
 
 def test_queue_full_disconnect_and_no_interference(servers):
