@@ -202,12 +202,15 @@ class PointwiseReranker(RerankerBase):
 
     # -- public API ---------------------------------------------------------------------
     def score(self, query: str, documents: Sequence[str], question: Optional[str] = None,
-              trace: Optional[str] = None, instruction: Optional[str] = None) -> list:
-        """Relevance of each document, in [0, 1], in input order."""
-        return self.score_batch([ScoreRequest(query, documents, question, trace, instruction)])[0]
+              trace: Optional[str] = None, instruction: Optional[str] = None,
+              cache_salt: Optional[str] = None) -> list:
+        """Relevance of each document, in [0, 1], in input order. ``cache_salt``: the prefix-cache
+        namespace (tenant or session key) the shared part is cached under, as ``ScoreRequest``'s."""
+        return self.score_batch([ScoreRequest(query, documents, question, trace, instruction, cache_salt)])[0]
 
     def rerank(self, query: str, documents: Sequence[str], top_n: Optional[int] = None, **context) -> list:
-        """[(index, score)] best first (ties keep input order); the first ``top_n`` if given."""
+        """[(index, score)] best first (ties keep input order); the first ``top_n`` if given.
+        ``context``: ``score``'s keywords (question, trace, instruction, cache_salt)."""
         positive_int("top_n", top_n, allow_none=True)
         scores = self.score(query, documents, **context)
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))

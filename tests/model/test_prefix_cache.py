@@ -390,3 +390,19 @@ def test_first_use_from_two_threads_builds_one_cache(monkeypatch):
     for t in threads:
         t.join()
     assert len(built) == 1 and got[0] is got[1], f"{len(built)} pools built, caches {got}"
+
+
+def test_score_and_rerank_take_a_cache_salt(model, qwen3_tokenizer):
+    """``score(..., cache_salt=)`` / ``rerank`` cache the shared part under that salt, as a
+    ScoreRequest's: the same context under another salt computes it again, the same salt hits."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    req = session(1)[0][0]
+    ctx = dict(question=req.question, trace=req.trace)
+    hits = lambda: rr.cache_stats()["hit_tokens"]  # noqa: E731
+    first = rr.score(req.query, req.documents, cache_salt="tenant-a", **ctx)
+    assert hits() == 0
+    assert rr.score(req.query, req.documents, cache_salt="tenant-b", **ctx) == first and hits() == 0, "reused across salts"
+    ranked = rr.rerank(req.query, req.documents, cache_salt="tenant-a", **ctx)
+    assert hits() > 0 and max(abs(s - first[i]) for i, s in ranked) <= 1e-6  # a hit: same scores, other rounding
+    with pytest.raises(TypeError, match="cache_salt"):
+        rr.score(req.query, req.documents, cache_salt=7)
