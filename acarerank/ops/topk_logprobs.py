@@ -133,8 +133,9 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     strictly: chunks come in increasing id order, so an entry equal to θ loses the tie to the
     held one. The chunk's top-k is then taken only as wide as its widest row's count of
     entries > θ (≈ k·C/c0 for random order, usually a few), and that narrow top-k needs no tie
-    repair: every entry > θ is in it. Until k entries are held, the full chunk top-k is taken
-    and its boundary ties are repaired (``_chunk_topk``). Candidates wait in a small buffer
+    repair: every entry > θ is in it. Until k entries are held, or when a row has more than k
+    entries > θ (logits rising with the id), the chunk's exact top-k is taken and its boundary
+    ties are repaired (``_chunk_topk``): never more than k candidates per chunk. Candidates wait in a small buffer
     and are merged once ≥ k of them are pending (θ is refreshed at each merge), so the held
     top-k is re-sorted a handful of times instead of once per chunk.
 
@@ -188,7 +189,9 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
             vals, ids = _chunk_topk(x, min(k, n), c0, mask)
         else:
             kc = int(_row_counts(torch.gt(x, run_v[:, k - 1:], out=mask)).max())
-            if kc:
+            if kc > k:  # at most k of them can enter: the chunk's exact top-k, never kc (up to C) wide
+                vals, ids = _chunk_topk(x, k, c0, mask)
+            elif kc:
                 vals, ids = x.topk(kc, dim=1, sorted=False)
                 ids = ids + c0
         if vals is not None:

@@ -180,6 +180,24 @@ def test_torch_core_memory_with_tied_rows():
     assert peak <= 1.25 * gauss, f"peak extra {peak / 2 ** 20:.1f} MB with tied rows, {gauss / 2 ** 20:.1f} MB Gaussian"
 
 
+def test_torch_core_memory_with_logits_rising_with_the_id():
+    """Logits that grow with the vocabulary id put every entry of every chunk above the held k-th
+    value: the chunk's candidates are then its top-k, not all C of them (a [T, C] topk, ids and a
+    [T, k + C] merge with order keys took 3.3x the Gaussian peak here)."""
+    from acarerank.benchmark.measure import alloc_peak_extra
+
+    T, H, V, k, C = 1024, 8, 8192, 128, 2048
+    h, w = torch.zeros(T, H), torch.zeros(V, H)
+    h[:, 0] = torch.arange(1, T + 1) / 256               # every row > 0: each row's logits rise with the id
+    w[:, 0] = torch.arange(V) / 1024
+    tg = _targets(h, w, k)
+    out, peak = alloc_peak_extra(lambda: topk_logprobs(h, w, tg, k=k, chunk=C, backend="torch"))
+    _check(out, topk_logprobs_ref(h, w, tg, k=k), "rising logits")
+    hg, wg = _gauss(T, H, V)
+    _, gauss = alloc_peak_extra(lambda: topk_logprobs(hg, wg, tg, k=k, chunk=C, backend="torch"))
+    assert peak <= 1.25 * gauss, f"peak extra {peak / 2 ** 20:.1f} MB rising, {gauss / 2 ** 20:.1f} MB Gaussian"
+
+
 def test_bf16_inputs_upcast_exactly():
     """bf16 hidden/weight are upcast to fp32 per chunk: equal to the fp32 oracle on the same values."""
     h, w = _dyadic(33, 32, PRIME_V, seed=4, dtype=torch.bfloat16)
