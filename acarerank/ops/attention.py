@@ -56,7 +56,11 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
     if k.shape != v.shape or k.shape[0] != T or k.shape[2] != d:
         raise ValueError(f"prefix_shared_attention: k {tuple(k.shape)} / v {tuple(v.shape)} must be [{T}, Hkv, {d}] like q {tuple(q.shape)}")
     Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
+    if Hq == 0 or Hkv == 0 or d == 0:
+        # zero heads made the native kernel divide by the GQA ratio Hq / Hkv = 0 (SIGFPE)
+        raise ValueError(f"prefix_shared_attention: q {tuple(q.shape)} and k {tuple(k.shape)} need at least one "
+                         f"head and head_dim >= 1")
+    if Hq % Hkv != 0:
         raise ValueError(f"prefix_shared_attention: query heads {Hq} are not a multiple of kv heads {Hkv}")
     if prefix_k.shape != prefix_v.shape or prefix_k.shape[1:] != (Hkv, d):
         raise ValueError(
@@ -325,7 +329,7 @@ def plan_prefix_shared_attention(cu_seqlens, cu_prefix_lens, segment_group, *, n
     for name, t in (("cu_seqlens", cu_seqlens), ("cu_prefix_lens", cu_prefix_lens), ("segment_group", segment_group)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
             raise TypeError(f"plan_prefix_shared_attention: {name} must be a 1-D int32 tensor")
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"plan_prefix_shared_attention: query heads {num_q_heads} are not a multiple of "
                          f"kv heads {num_kv_heads}")
     device = cu_seqlens.device

@@ -150,7 +150,7 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
     _int32_tensor("cu_seqlens", cu_seqlens, 1, device)
     _int32_tensor("segment_group", segment_group, 1, device)
     _check_tables(block_table, prefix_lens, block_size, num_blocks, device, validate)
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+    if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"prefix_shared_attention_paged: query heads {num_heads} are not a multiple of kv heads "
                          f"{num_kv_heads}")
     name = OP.resolve(backend, device)

@@ -309,3 +309,36 @@ def test_thousands_of_one_token_prefixes_need_no_buffer_per_group(dtype):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     grew = got["after"] - got["before"]
     assert grew <= got["out_mb"] + 48, f"{dtype}: peak RSS grew {grew:.0f} MB in one call (output {got['out_mb']:.0f} MB)"
+
+
+_NO_HEADS = r"""
+import sys
+import torch
+from acarerank.ops import cpu_attention
+
+q, k, v = torch.randn(4, 0, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+pk = pv = torch.randn(3, 2, 16)
+cu, cp, sg = (torch.tensor(x, dtype=torch.int32) for x in ([0, 4], [0, 3], [0]))
+try:
+    cpu_attention.kernel()(q, k, v, cu, pk, pv, None, cp, sg, 0.25)
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_no_query_heads_is_a_clear_error_not_a_crash():
+    """q [T, 0, d] passed the 'Hq a multiple of Hkv' check (0 is one) and the kernel divided by the
+    GQA ratio r = 0 (SIGFPE: the process died). Both ops refuse it in Python, and the raw kernel
+    with an error (run in a child process: without the check it kills its process)."""
+    import subprocess
+    import sys
+
+    paged, packed = make([5, 7], [20, 3], [0, 1], 4, 2, 16)
+    with pytest.raises(ValueError, match="at least one head"):
+        prefix_shared_attention_paged(paged[0][:, :0], *paged[1:], backend="native")
+    with pytest.raises(ValueError, match="at least one head"):
+        prefix_shared_attention(packed[0][:, :0], *packed[1:], backend="native")
+    run = subprocess.run([sys.executable, "-c", _NO_HEADS], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"the raw kernel died (rc {run.returncode}): {run.stderr[-2000:]}"
+    assert "need at least one head each" in run.stdout, run.stdout + run.stderr[-2000:]
+
