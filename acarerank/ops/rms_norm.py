@@ -40,7 +40,8 @@ def _check(op: str, x, weight, residual=None):
         if not residual.is_contiguous():
             raise ValueError(f"{op}: residual is updated in place and must be contiguous "
                              f"(strides {residual.stride()})")
-        if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        # (empty tensors hold no memory to share: both storages' pointers are null)
+        if x.numel() and residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             raise ValueError(f"{op}: residual and input must not share memory")
 
 

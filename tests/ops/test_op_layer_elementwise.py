@@ -92,6 +92,24 @@ def test_fused_add_rms_norm_updates_residual_and_normalises_the_sum(backend, dty
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_of_no_rows(backend, dtype):
+    """Zero rows is a legal pass (the runner's, when every segment is empty): two empty tensors
+    both have a null data pointer, and the op, on either backend, and the C++ kernel took that for
+    shared memory ("residual and input must not share memory")."""
+    x, res, w = _rand(0, 64, dtype=dtype), _rand(0, 64, dtype=dtype), _weight(64, dtype)
+    got = fused_add_rms_norm(x, res, w, 1e-6, backend=backend)
+    assert got.shape == (0, 64) and got.dtype == dtype and res.shape == (0, 64)
+    if backend == "native":
+        from acarerank.ops.rms_norm import OP_FUSED_ADD
+
+        assert OP_FUSED_ADD.impl("native")(x, res, w, 1e-6).shape == (0, 64)  # the kernel itself (OpsLayers' call)
+    with pytest.raises(ValueError, match="must not share memory"):  # still refused where there is memory
+        y = _rand(3, 64, dtype=dtype)
+        fused_add_rms_norm(y, y, w, 1e-6, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("eps", [1e-6, 1e-2])
 @pytest.mark.parametrize("scale", [0.0, 1e-3, 1e4, 1e15])
 def test_rms_norm_eps_and_magnitudes(backend, eps, scale):
