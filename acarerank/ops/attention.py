@@ -91,7 +91,7 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
     return S, G
 
 
-def check_softmax_scale(softmax_scale, d: int) -> float:
+def check_softmax_scale(softmax_scale, d: int, op: str = "prefix_shared_attention") -> float:
     """``softmax_scale`` as a float (None: 1/sqrt(d)); ValueError unless it is finite and > 0.
 
     A scale ≤ 0 inverts or flattens the attention (and made the fused CPU kernel return NaN
@@ -100,10 +100,10 @@ def check_softmax_scale(softmax_scale, d: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"prefix_shared_attention: softmax_scale must be a float or None, got "
+        raise TypeError(f"{op}: softmax_scale must be a float or None, got "
                         f"{type(softmax_scale).__name__}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"prefix_shared_attention: softmax_scale must be finite and > 0, got {softmax_scale!r}")
+        raise ValueError(f"{op}: softmax_scale must be finite and > 0, got {softmax_scale!r}")
     return float(softmax_scale)
 
 

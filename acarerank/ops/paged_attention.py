@@ -31,7 +31,6 @@ Backends (declared in ``OP``, chosen as for every op: docs/ARCHITECTURE.md, "Bac
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -303,7 +302,8 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
             cu_seqlens, block_table, prefix_lens, segment_group, num_heads=Hq, num_kv_heads=k.shape[1], head_dim=d,
             block_size=k_cache.shape[1], num_blocks=k_cache.shape[0], dtype=q.dtype, backend=backend,
             validate=validate, num_tokens=T)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    # as the packed op: a scale <= 0 or NaN gave NaN rows on the torch backend, with no error
+    scale = _attention.check_softmax_scale(softmax_scale, d, "prefix_shared_attention_paged")
     return prefix_shared_attention_paged_op(q, k, v, plan.cu_seqlens, k_cache, v_cache, plan.block_table,
                                             plan.cu_prefix_lens, plan.segment_group, list(plan.aux), float(scale),
                                             plan.backend)

@@ -296,6 +296,17 @@ def test_plan_mismatch_and_plan_validation_are_errors():
 
 
 
+@pytest.mark.parametrize("scale,error", [(0.0, ValueError), (-0.25, ValueError), (float("nan"), ValueError),
+                                         (float("inf"), ValueError), (True, TypeError), ("0.25", TypeError)])
+def test_bad_softmax_scale_is_refused_as_by_the_packed_op(scale, error):
+    """The paged op took any scale: on the torch backend a scale <= 0 or NaN gave NaN rows and no
+    error (the native kernel refused it; the packed op refuses it before any backend)."""
+    a = _args()
+    for backend in [b for b in available_backends("prefix_shared_attention_paged", "cpu") if b != "triton"]:
+        with pytest.raises(error, match="prefix_shared_attention_paged: softmax_scale"):
+            prefix_shared_attention_paged(*a, softmax_scale=scale, backend=backend)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_paged_flash_cascade_on_cuda():
