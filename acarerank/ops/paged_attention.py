@@ -275,7 +275,8 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
       prefix_lens: [G] int32 — P_g (may be 0; may end mid-block).
       softmax_scale: default 1/sqrt(d). backend: None = environment / device default.
       plan: from ``plan_prefix_shared_attention_paged`` for this batch's metadata (built here
-        when None); ``backend`` must then be None (the plan's backend runs).
+        when None); ``backend`` must then be None (the plan's backend runs), and cu_seqlens,
+        block_table, prefix_lens, segment_group must be the tensors the plan was built from.
       validate: check shapes/dtypes (always cheap) and, without a plan, the metadata values.
 
     Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
@@ -291,6 +292,12 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
         if backend is not None:
             raise ValueError("prefix_shared_attention_paged: pass backend= to plan_prefix_shared_attention_paged, "
                              "not with plan=")
+        # the plan's tables are what run (and what its index tensors were built from): other
+        # tables passed beside it were silently ignored, so they must be the plan's own
+        if (cu_seqlens is not plan.cu_seqlens or block_table is not plan.block_table
+                or prefix_lens is not plan.prefix_lens or segment_group is not plan.segment_group):
+            raise ValueError("prefix_shared_attention_paged: cu_seqlens/block_table/prefix_lens/segment_group differ "
+                             "from the plan's; build a new plan (or pass the plan's own tensors)")
         if q.shape[0] != plan.num_tokens:
             raise ValueError(f"prefix_shared_attention_paged: q has {q.shape[0]} rows but the plan was built for "
                              f"{plan.num_tokens}")
