@@ -210,7 +210,7 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
     T, Hq, d = q.shape
     Hkv = k.shape[1]
     r = Hq // Hkv
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the op's fake says
     if host_meta is None:
         host_meta = _device_to_host(cu_seqlens, cu_prefix_lens, segment_group)
     cs, cp, sg = _host_lists(host_meta, segment_group.numel(), cu_prefix_lens.numel() - 1)
@@ -366,16 +366,21 @@ def prefix_shared_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                segment_group: torch.Tensor, softmax_scale: float, backend: str,
                                work: Optional[torch.Tensor] = None,
                                host_meta: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The registered op (torch.compile-opaque); ``backend`` resolved; work / host_meta from a plan or None."""
+    """The registered op (torch.compile-opaque); ``backend`` resolved; work / host_meta from a plan or None.
+
+    The output is contiguous whatever q's strides, on every backend, as the fake says (the native
+    kernel writes a new contiguous tensor; a fake that followed a head-major q's strides failed
+    torch.compile's stride assertion).
+    """
     fn = OP.impl(backend)
     return fn(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale,
-              work=work, host_meta=host_meta)
+              work=work, host_meta=host_meta).contiguous()
 
 
 @prefix_shared_attention_op.register_fake
 def _(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale, backend, work=None,
       host_meta=None):
-    return torch.empty_like(q)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=None, cu_prefix_lens=None,
@@ -396,7 +401,7 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
         ``backend`` must be None (the plan's backend runs). No host sync and no per-call
         metadata work (module docstring).
 
-    Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
+    Returns: out [T, Hq, d], contiguous, in q's dtype; softmax accumulated in fp32.
 
     The work runs inside the custom op ``torch.ops.acarerank.prefix_shared_attention``,
     opaque to torch.compile.

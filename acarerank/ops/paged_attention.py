@@ -249,16 +249,17 @@ def prefix_shared_attention_paged_op(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                                      cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
                                      aux: list[torch.Tensor], softmax_scale: float, backend: str) -> torch.Tensor:
-    """Registered form (opaque to torch.compile); ``aux`` = the plan's index tensors."""
+    """Registered form (opaque to torch.compile); ``aux`` = the plan's index tensors. The output is
+    contiguous on every backend, as the fake says (``attention.prefix_shared_attention_op``)."""
     fn = OP.impl(backend)
     return fn(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, tuple(aux),
-              softmax_scale)
+              softmax_scale).contiguous()
 
 
 @prefix_shared_attention_paged_op.register_fake
 def _(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, softmax_scale,
       backend):
-    return torch.empty_like(q)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, segment_group,
@@ -279,7 +280,7 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
         block_table, prefix_lens, segment_group must be the tensors the plan was built from.
       validate: check shapes/dtypes (always cheap) and, without a plan, the metadata values.
 
-    Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
+    Returns: out [T, Hq, d], contiguous, in q's dtype; softmax accumulated in fp32.
     """
     T, Hq, d = q.shape if isinstance(q, torch.Tensor) and q.dim() == 3 else (0, 0, 0)
     if validate:

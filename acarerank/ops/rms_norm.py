@@ -62,7 +62,9 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
 def _rms_norm_torch(x, weight, eps):
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # contiguous, as the fake says: a permuted x gave y its strides, and torch.compile's check of
+    # the op's output strides failed
+    return (weight * xf.to(x.dtype)).contiguous()
 
 
 def _fused_add_torch(x, residual, weight, eps):

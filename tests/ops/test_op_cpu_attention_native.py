@@ -342,3 +342,34 @@ def test_no_query_heads_is_a_clear_error_not_a_crash():
     assert run.returncode == 0, f"the raw kernel died (rc {run.returncode}): {run.stderr[-2000:]}"
     assert "need at least one head each" in run.stdout, run.stdout + run.stderr[-2000:]
 
+
+def test_output_is_contiguous_as_the_fake_says_for_a_head_major_q():
+    """A dense q stored head-major ([Hq, T, d] transposed): the native kernel returns a contiguous
+    output, and the ops' fakes said q's strides — opcheck failed and torch.compile stopped with
+    'expected ... stride' (an incorrect fake) on such a q."""
+    from acarerank.ops.attention import prefix_shared_attention_op
+    from acarerank.ops.paged_attention import plan_prefix_shared_attention_paged, prefix_shared_attention_paged_op
+
+    paged, packed = make([5, 7], [20, 3], [0, 1], 4, 2, 16)
+    q = packed[0].transpose(0, 1).contiguous().transpose(0, 1)
+    assert not q.is_contiguous() and torch.equal(q, packed[0])
+    ref = ref32(packed)
+    for backend in ("native", "torch"):
+        args = (q, *packed[1:], 0.25, backend)
+        assert prefix_shared_attention_op(*args).is_contiguous()
+        torch.library.opcheck(prefix_shared_attention_op, args)
+        _, k, v, cu, kc, vc, bt, pl, sg = paged
+        plan = plan_prefix_shared_attention_paged(cu, bt, pl, sg, num_heads=4, num_kv_heads=2, head_dim=16,
+                                                  block_size=16, num_blocks=kc.shape[0], dtype=q.dtype,
+                                                  backend=backend)
+        pargs = (q, k, v, cu, kc, vc, plan.block_table, plan.cu_prefix_lens, sg, list(plan.aux), 0.25, backend)
+        assert prefix_shared_attention_paged_op(*pargs).is_contiguous()
+        torch.library.opcheck(prefix_shared_attention_paged_op, pargs)
+
+    def f(q, k, v, pk, pv):
+        return prefix_shared_attention(q, k, v, packed[3], pk, pv, packed[6], packed[7], backend="native",
+                                       validate=False) * 2
+
+    # inductor checks the custom op's output strides against the fake's (aot_eager does not)
+    out = torch.compile(f, fullgraph=True)(q, *packed[1:3], *packed[4:6])
+    assert (out - 2 * ref).abs().max().item() <= 2e-5, report(out, 2 * ref)

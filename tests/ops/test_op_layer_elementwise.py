@@ -383,6 +383,30 @@ def test_opcheck(op, dtype, backend):
     torch.library.opcheck(fn, (*args, backend))
 
 
+def _permuted(t):
+    """The same values stored column-major: dense, not contiguous."""
+    return t.t().contiguous().t()
+
+
+#: inputs stored column-major (dense, not contiguous): the fakes say contiguous outputs, and the
+#: torch backends returned outputs with the input's strides (opcheck failed; torch.compile stopped
+#: on the op's output strides)
+OPCHECK_PERMUTED = {
+    "rms_norm": lambda dt: (rms_norm_op, (_permuted(_rand(24, 5, dtype=dt)), _weight(5, dt), 1e-6)),
+    "qk_norm_rope": lambda dt: (qk_norm_rope_op, (_permuted(_qkv_case(5, 2, 1, 16, dt)[0]),
+                                                  *_qkv_case(5, 2, 1, 16, dt)[1:], *_rope_tables(5, 16), 2, 1, 1e-6)),
+    "silu_and_mul": lambda dt: (silu_and_mul_op, (_permuted(_rand(24, 6, dtype=dt)),)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", sorted(OPCHECK_PERMUTED))
+def test_opcheck_torch_backend_with_column_major_inputs(op, dtype):
+    fn, args = OPCHECK_PERMUTED[op](dtype)
+    assert not args[0].is_contiguous()
+    torch.library.opcheck(fn, (*args, "torch"))
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", sorted(OPCHECK_CASES))
