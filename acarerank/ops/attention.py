@@ -56,7 +56,11 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
     if k.shape != v.shape or k.shape[0] != T or k.shape[2] != d:
         raise ValueError(f"prefix_shared_attention: k {tuple(k.shape)} / v {tuple(v.shape)} must be [{T}, Hkv, {d}] like q {tuple(q.shape)}")
     Hkv = k.shape[1]
-    if Hkv == 0 or Hq % Hkv != 0:
+    if Hq == 0 or Hkv == 0 or d == 0:
+        # zero heads made the native kernel divide by the GQA ratio Hq / Hkv = 0 (SIGFPE)
+        raise ValueError(f"prefix_shared_attention: q {tuple(q.shape)} and k {tuple(k.shape)} need at least one "
+                         f"head and head_dim >= 1")
+    if Hq % Hkv != 0:
         raise ValueError(f"prefix_shared_attention: query heads {Hq} are not a multiple of kv heads {Hkv}")
     if prefix_k.shape != prefix_v.shape or prefix_k.shape[1:] != (Hkv, d):
         raise ValueError(
@@ -87,7 +91,7 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
     return S, G
 
 
-def check_softmax_scale(softmax_scale, d: int) -> float:
+def check_softmax_scale(softmax_scale, d: int, op: str = "prefix_shared_attention") -> float:
     """``softmax_scale`` as a float (None: 1/sqrt(d)); ValueError unless it is finite and > 0.
 
     A scale ≤ 0 inverts or flattens the attention (and made the fused CPU kernel return NaN
@@ -96,10 +100,10 @@ def check_softmax_scale(softmax_scale, d: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"prefix_shared_attention: softmax_scale must be a float or None, got "
+        raise TypeError(f"{op}: softmax_scale must be a float or None, got "
                         f"{type(softmax_scale).__name__}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
-        raise ValueError(f"prefix_shared_attention: softmax_scale must be finite and > 0, got {softmax_scale!r}")
+        raise ValueError(f"{op}: softmax_scale must be finite and > 0, got {softmax_scale!r}")
     return float(softmax_scale)
 
 
@@ -206,7 +210,7 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
     T, Hq, d = q.shape
     Hkv = k.shape[1]
     r = Hq // Hkv
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the op's fake says
     if host_meta is None:
         host_meta = _device_to_host(cu_seqlens, cu_prefix_lens, segment_group)
     cs, cp, sg = _host_lists(host_meta, segment_group.numel(), cu_prefix_lens.numel() - 1)
@@ -325,7 +329,7 @@ def plan_prefix_shared_attention(cu_seqlens, cu_prefix_lens, segment_group, *, n
     for name, t in (("cu_seqlens", cu_seqlens), ("cu_prefix_lens", cu_prefix_lens), ("segment_group", segment_group)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
             raise TypeError(f"plan_prefix_shared_attention: {name} must be a 1-D int32 tensor")
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(f"plan_prefix_shared_attention: query heads {num_q_heads} are not a multiple of "
                          f"kv heads {num_kv_heads}")
     device = cu_seqlens.device
@@ -362,16 +366,21 @@ def prefix_shared_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                segment_group: torch.Tensor, softmax_scale: float, backend: str,
                                work: Optional[torch.Tensor] = None,
                                host_meta: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The registered op (torch.compile-opaque); ``backend`` resolved; work / host_meta from a plan or None."""
+    """The registered op (torch.compile-opaque); ``backend`` resolved; work / host_meta from a plan or None.
+
+    The output is contiguous whatever q's strides, on every backend, as the fake says (the native
+    kernel writes a new contiguous tensor; a fake that followed a head-major q's strides failed
+    torch.compile's stride assertion).
+    """
     fn = OP.impl(backend)
     return fn(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale,
-              work=work, host_meta=host_meta)
+              work=work, host_meta=host_meta).contiguous()
 
 
 @prefix_shared_attention_op.register_fake
 def _(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale, backend, work=None,
       host_meta=None):
-    return torch.empty_like(q)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=None, cu_prefix_lens=None,
@@ -392,7 +401,7 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
         ``backend`` must be None (the plan's backend runs). No host sync and no per-call
         metadata work (module docstring).
 
-    Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
+    Returns: out [T, Hq, d], contiguous, in q's dtype; softmax accumulated in fp32.
 
     The work runs inside the custom op ``torch.ops.acarerank.prefix_shared_attention``,
     opaque to torch.compile.

@@ -77,7 +77,7 @@ def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_p
     Hkv = k.shape[1]
     r = Hq // Hkv
     bs = k_cache.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the op's fake says
     cs, cp, sg = _host_lists(host_meta, segment_group.numel(), cu_prefix_lens.numel() - 1)
     first = runs.tolist()
 

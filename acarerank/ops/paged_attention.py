@@ -31,7 +31,6 @@ Backends (declared in ``OP``, chosen as for every op: docs/ARCHITECTURE.md, "Bac
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -150,7 +149,7 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
     _int32_tensor("cu_seqlens", cu_seqlens, 1, device)
     _int32_tensor("segment_group", segment_group, 1, device)
     _check_tables(block_table, prefix_lens, block_size, num_blocks, device, validate)
-    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+    if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"prefix_shared_attention_paged: query heads {num_heads} are not a multiple of kv heads "
                          f"{num_kv_heads}")
     name = OP.resolve(backend, device)
@@ -250,16 +249,17 @@ def prefix_shared_attention_paged_op(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                                      cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
                                      aux: list[torch.Tensor], softmax_scale: float, backend: str) -> torch.Tensor:
-    """Registered form (opaque to torch.compile); ``aux`` = the plan's index tensors."""
+    """Registered form (opaque to torch.compile); ``aux`` = the plan's index tensors. The output is
+    contiguous on every backend, as the fake says (``attention.prefix_shared_attention_op``)."""
     fn = OP.impl(backend)
     return fn(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, tuple(aux),
-              softmax_scale)
+              softmax_scale).contiguous()
 
 
 @prefix_shared_attention_paged_op.register_fake
 def _(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, softmax_scale,
       backend):
-    return torch.empty_like(q)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, segment_group,
@@ -276,10 +276,11 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
       prefix_lens: [G] int32 — P_g (may be 0; may end mid-block).
       softmax_scale: default 1/sqrt(d). backend: None = environment / device default.
       plan: from ``plan_prefix_shared_attention_paged`` for this batch's metadata (built here
-        when None); ``backend`` must then be None (the plan's backend runs).
+        when None); ``backend`` must then be None (the plan's backend runs), and cu_seqlens,
+        block_table, prefix_lens, segment_group must be the tensors the plan was built from.
       validate: check shapes/dtypes (always cheap) and, without a plan, the metadata values.
 
-    Returns: out [T, Hq, d] in q's dtype; softmax accumulated in fp32.
+    Returns: out [T, Hq, d], contiguous, in q's dtype; softmax accumulated in fp32.
     """
     T, Hq, d = q.shape if isinstance(q, torch.Tensor) and q.dim() == 3 else (0, 0, 0)
     if validate:
@@ -292,6 +293,12 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
         if backend is not None:
             raise ValueError("prefix_shared_attention_paged: pass backend= to plan_prefix_shared_attention_paged, "
                              "not with plan=")
+        # the plan's tables are what run (and what its index tensors were built from): other
+        # tables passed beside it were silently ignored, so they must be the plan's own
+        if (cu_seqlens is not plan.cu_seqlens or block_table is not plan.block_table
+                or prefix_lens is not plan.prefix_lens or segment_group is not plan.segment_group):
+            raise ValueError("prefix_shared_attention_paged: cu_seqlens/block_table/prefix_lens/segment_group differ "
+                             "from the plan's; build a new plan (or pass the plan's own tensors)")
         if q.shape[0] != plan.num_tokens:
             raise ValueError(f"prefix_shared_attention_paged: q has {q.shape[0]} rows but the plan was built for "
                              f"{plan.num_tokens}")
@@ -303,7 +310,8 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
             cu_seqlens, block_table, prefix_lens, segment_group, num_heads=Hq, num_kv_heads=k.shape[1], head_dim=d,
             block_size=k_cache.shape[1], num_blocks=k_cache.shape[0], dtype=q.dtype, backend=backend,
             validate=validate, num_tokens=T)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    # as the packed op: a scale <= 0 or NaN gave NaN rows on the torch backend, with no error
+    scale = _attention.check_softmax_scale(softmax_scale, d, "prefix_shared_attention_paged")
     return prefix_shared_attention_paged_op(q, k, v, plan.cu_seqlens, k_cache, v_cache, plan.block_table,
                                             plan.cu_prefix_lens, plan.segment_group, list(plan.aux), float(scale),
                                             plan.backend)

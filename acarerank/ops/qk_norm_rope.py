@@ -154,7 +154,8 @@ def _torch_norm_rope(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
     def norm_rope(x, w):
         xf = x.float()
         x = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-        return (x * c + _rotate_half(x) * s).to(qkv.dtype)  # fp32 tables: RoPE in fp32, rounded once
+        # fp32 tables: RoPE in fp32, rounded once; contiguous, as the fake says, whatever qkv's strides
+        return (x * c + _rotate_half(x) * s).to(qkv.dtype).contiguous()
 
     return norm_rope(q, q_weight), norm_rope(k, k_weight), v.contiguous()
 

@@ -40,7 +40,8 @@ def _check(op: str, x, weight, residual=None):
         if not residual.is_contiguous():
             raise ValueError(f"{op}: residual is updated in place and must be contiguous "
                              f"(strides {residual.stride()})")
-        if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        # (empty tensors hold no memory to share: both storages' pointers are null)
+        if x.numel() and residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             raise ValueError(f"{op}: residual and input must not share memory")
 
 
@@ -61,7 +62,9 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
 def _rms_norm_torch(x, weight, eps):
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # contiguous, as the fake says: a permuted x gave y its strides, and torch.compile's check of
+    # the op's output strides failed
+    return (weight * xf.to(x.dtype)).contiguous()
 
 
 def _fused_add_torch(x, residual, weight, eps):

@@ -82,7 +82,8 @@ at::Tensor fused_add_rms_norm_cpu(const at::Tensor& x, at::Tensor& residual, con
   TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "fused_add_rms_norm_cpu: residual dtype ",
               residual.scalar_type(), " differs from the input's ", x.scalar_type());
   TORCH_CHECK(residual.is_contiguous(), "fused_add_rms_norm_cpu: residual must be contiguous (it is updated in place)");
-  TORCH_CHECK(!residual.is_same(x) && residual.data_ptr() != x.data_ptr(),
+  // empty tensors hold no memory to share (both data pointers are null): a pass of no rows is legal
+  TORCH_CHECK(x.numel() == 0 || (!residual.is_same(x) && residual.data_ptr() != x.data_ptr()),
               "fused_add_rms_norm_cpu: residual and input must not share memory");
   auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (x.numel() == 0) return y;

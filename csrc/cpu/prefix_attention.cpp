@@ -490,8 +490,10 @@ Meta check_and_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               " / v ", v.sizes(), " must be [T, Hkv, d] like q ", q.sizes());
   Meta mt;
   mt.T = q.size(0), mt.Hq = q.size(1), mt.Hkv = k.size(1), mt.d = q.size(2);
-  TORCH_CHECK(mt.Hkv > 0 && mt.Hq % mt.Hkv == 0, kOp, ": query heads ", mt.Hq, " are not a multiple of kv heads ",
-              mt.Hkv);
+  // no head at all would make the GQA ratio r = Hq / Hkv zero, and the row blocks divide by it
+  TORCH_CHECK(mt.Hq > 0 && mt.Hkv > 0, kOp, ": q and k need at least one head each, got ", mt.Hq, " query and ",
+              mt.Hkv, " kv heads");
+  TORCH_CHECK(mt.Hq % mt.Hkv == 0, kOp, ": query heads ", mt.Hq, " are not a multiple of kv heads ", mt.Hkv);
   TORCH_CHECK(mt.d >= 1 && mt.d <= MAX_HEAD_DIM, kOp, ": head_dim ", mt.d, " is outside [1, ", MAX_HEAD_DIM, "]");
   mt.r = mt.Hq / mt.Hkv;
   check_int32(cu_seqlens, "cu_seqlens", 1);

@@ -97,6 +97,17 @@ def test_bfloat16_matches_transformers_bfloat16_within_its_own_error():
     assert ours <= 2 * theirs + 1e-2, f"bf16 error {ours:.3e} vs transformers-bf16 {theirs:.3e}"
 
 
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_a_pass_of_only_empty_segments(backend):
+    """output='all'/'none' allow empty segments, so a pass may have no token at all: it returns
+    [0, H] / None on every backend (on the native layer kernels it raised "residual and input must
+    not share memory": two empty tensors share the null data pointer)."""
+    r = Qwen3Runner.from_hf(tiny_qwen3(layers=2), backend=backend)
+    cache = r.prefill([[1, 2, 3], []])
+    assert r.forward(cache, [[], []], [0, 1], output="all").shape == (0, 64)
+    assert r.forward(cache, [[]], [1], output="none") is None
+    r.extend(cache, [0], [[]])  # nothing to append: no pass at all
+
 def test_runner_rejects_bad_input():
     r = Qwen3Runner.from_hf(tiny_qwen3(layers=1))
     cache = r.prefill([[1, 2, 3]])

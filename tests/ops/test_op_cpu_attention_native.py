@@ -309,3 +309,67 @@ def test_thousands_of_one_token_prefixes_need_no_buffer_per_group(dtype):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     grew = got["after"] - got["before"]
     assert grew <= got["out_mb"] + 48, f"{dtype}: peak RSS grew {grew:.0f} MB in one call (output {got['out_mb']:.0f} MB)"
+
+
+_NO_HEADS = r"""
+import sys
+import torch
+from acarerank.ops import cpu_attention
+
+q, k, v = torch.randn(4, 0, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+pk = pv = torch.randn(3, 2, 16)
+cu, cp, sg = (torch.tensor(x, dtype=torch.int32) for x in ([0, 4], [0, 3], [0]))
+try:
+    cpu_attention.kernel()(q, k, v, cu, pk, pv, None, cp, sg, 0.25)
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_no_query_heads_is_a_clear_error_not_a_crash():
+    """q [T, 0, d] passed the 'Hq a multiple of Hkv' check (0 is one) and the kernel divided by the
+    GQA ratio r = 0 (SIGFPE: the process died). Both ops refuse it in Python, and the raw kernel
+    with an error (run in a child process: without the check it kills its process)."""
+    import subprocess
+    import sys
+
+    paged, packed = make([5, 7], [20, 3], [0, 1], 4, 2, 16)
+    with pytest.raises(ValueError, match="at least one head"):
+        prefix_shared_attention_paged(paged[0][:, :0], *paged[1:], backend="native")
+    with pytest.raises(ValueError, match="at least one head"):
+        prefix_shared_attention(packed[0][:, :0], *packed[1:], backend="native")
+    run = subprocess.run([sys.executable, "-c", _NO_HEADS], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, f"the raw kernel died (rc {run.returncode}): {run.stderr[-2000:]}"
+    assert "need at least one head each" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def test_output_is_contiguous_as_the_fake_says_for_a_head_major_q():
+    """A dense q stored head-major ([Hq, T, d] transposed): the native kernel returns a contiguous
+    output, and the ops' fakes said q's strides — opcheck failed and torch.compile stopped with
+    'expected ... stride' (an incorrect fake) on such a q."""
+    from acarerank.ops.attention import prefix_shared_attention_op
+    from acarerank.ops.paged_attention import plan_prefix_shared_attention_paged, prefix_shared_attention_paged_op
+
+    paged, packed = make([5, 7], [20, 3], [0, 1], 4, 2, 16)
+    q = packed[0].transpose(0, 1).contiguous().transpose(0, 1)
+    assert not q.is_contiguous() and torch.equal(q, packed[0])
+    ref = ref32(packed)
+    for backend in ("native", "torch"):
+        args = (q, *packed[1:], 0.25, backend)
+        assert prefix_shared_attention_op(*args).is_contiguous()
+        torch.library.opcheck(prefix_shared_attention_op, args)
+        _, k, v, cu, kc, vc, bt, pl, sg = paged
+        plan = plan_prefix_shared_attention_paged(cu, bt, pl, sg, num_heads=4, num_kv_heads=2, head_dim=16,
+                                                  block_size=16, num_blocks=kc.shape[0], dtype=q.dtype,
+                                                  backend=backend)
+        pargs = (q, k, v, cu, kc, vc, plan.block_table, plan.cu_prefix_lens, sg, list(plan.aux), 0.25, backend)
+        assert prefix_shared_attention_paged_op(*pargs).is_contiguous()
+        torch.library.opcheck(prefix_shared_attention_paged_op, pargs)
+
+    def f(q, k, v, pk, pv):
+        return prefix_shared_attention(q, k, v, packed[3], pk, pv, packed[6], packed[7], backend="native",
+                                       validate=False) * 2
+
+    # inductor checks the custom op's output strides against the fake's (aot_eager does not)
+    out = torch.compile(f, fullgraph=True)(q, *packed[1:3], *packed[4:6])
+    assert (out - 2 * ref).abs().max().item() <= 2e-5, report(out, 2 * ref)

@@ -92,6 +92,24 @@ def test_fused_add_rms_norm_updates_residual_and_normalises_the_sum(backend, dty
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_of_no_rows(backend, dtype):
+    """Zero rows is a legal pass (the runner's, when every segment is empty): two empty tensors
+    both have a null data pointer, and the op, on either backend, and the C++ kernel took that for
+    shared memory ("residual and input must not share memory")."""
+    x, res, w = _rand(0, 64, dtype=dtype), _rand(0, 64, dtype=dtype), _weight(64, dtype)
+    got = fused_add_rms_norm(x, res, w, 1e-6, backend=backend)
+    assert got.shape == (0, 64) and got.dtype == dtype and res.shape == (0, 64)
+    if backend == "native":
+        from acarerank.ops.rms_norm import OP_FUSED_ADD
+
+        assert OP_FUSED_ADD.impl("native")(x, res, w, 1e-6).shape == (0, 64)  # the kernel itself (OpsLayers' call)
+    with pytest.raises(ValueError, match="must not share memory"):  # still refused where there is memory
+        y = _rand(3, 64, dtype=dtype)
+        fused_add_rms_norm(y, y, w, 1e-6, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("eps", [1e-6, 1e-2])
 @pytest.mark.parametrize("scale", [0.0, 1e-3, 1e4, 1e15])
 def test_rms_norm_eps_and_magnitudes(backend, eps, scale):
@@ -363,6 +381,30 @@ OPCHECK_CASES = {
 def test_opcheck(op, dtype, backend):
     fn, args = OPCHECK_CASES[op](dtype)
     torch.library.opcheck(fn, (*args, backend))
+
+
+def _permuted(t):
+    """The same values stored column-major: dense, not contiguous."""
+    return t.t().contiguous().t()
+
+
+#: inputs stored column-major (dense, not contiguous): the fakes say contiguous outputs, and the
+#: torch backends returned outputs with the input's strides (opcheck failed; torch.compile stopped
+#: on the op's output strides)
+OPCHECK_PERMUTED = {
+    "rms_norm": lambda dt: (rms_norm_op, (_permuted(_rand(24, 5, dtype=dt)), _weight(5, dt), 1e-6)),
+    "qk_norm_rope": lambda dt: (qk_norm_rope_op, (_permuted(_qkv_case(5, 2, 1, 16, dt)[0]),
+                                                  *_qkv_case(5, 2, 1, 16, dt)[1:], *_rope_tables(5, 16), 2, 1, 1e-6)),
+    "silu_and_mul": lambda dt: (silu_and_mul_op, (_permuted(_rand(24, 6, dtype=dt)),)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", sorted(OPCHECK_PERMUTED))
+def test_opcheck_torch_backend_with_column_major_inputs(op, dtype):
+    fn, args = OPCHECK_PERMUTED[op](dtype)
+    assert not args[0].is_contiguous()
+    torch.library.opcheck(fn, (*args, "torch"))
 
 
 @needs_native

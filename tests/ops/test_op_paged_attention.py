@@ -296,6 +296,38 @@ def test_plan_mismatch_and_plan_validation_are_errors():
 
 
 
+def test_tables_beside_a_plan_must_be_the_plans():
+    """With a plan the plan's tables run: a block table (or prefix lengths, cu_seqlens, segment
+    groups) of another batch passed beside it was ignored without a word — the output was the old
+    batch's attention. It is an error now; the plan's own tensors (what the runner passes) run."""
+    q, k, v, cu, kc, vc, bt, pl, sg = _args()
+    backends = [b for b in available_backends("prefix_shared_attention_paged", "cpu") if b != "triton"]
+    for backend in backends:
+        plan = plan_prefix_shared_attention_paged(cu, bt, pl, sg, num_heads=4, num_kv_heads=2, head_dim=16,
+                                                  block_size=16, num_blocks=kc.shape[0], dtype=q.dtype,
+                                                  backend=backend)
+        want = prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, pl, sg, backend=backend)
+        out = prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, pl, sg, plan=plan)
+        assert torch.equal(out, want)
+        bt2, pl2 = bt.flip(0).contiguous(), pl.flip(0).contiguous()  # the groups' prefixes swapped
+        for args in ((bt2, pl2, sg, cu), (bt.clone(), pl, sg, cu), (bt, pl.clone(), sg, cu),
+                     (bt, pl, sg.clone(), cu), (bt, pl, sg, cu.clone())):
+            b, p, g, c = args
+            with pytest.raises(ValueError, match="differ from the plan's"):
+                prefix_shared_attention_paged(q, k, v, c, kc, vc, b, p, g, plan=plan)
+
+
+@pytest.mark.parametrize("scale,error", [(0.0, ValueError), (-0.25, ValueError), (float("nan"), ValueError),
+                                         (float("inf"), ValueError), (True, TypeError), ("0.25", TypeError)])
+def test_bad_softmax_scale_is_refused_as_by_the_packed_op(scale, error):
+    """The paged op took any scale: on the torch backend a scale <= 0 or NaN gave NaN rows and no
+    error (the native kernel refused it; the packed op refuses it before any backend)."""
+    a = _args()
+    for backend in [b for b in available_backends("prefix_shared_attention_paged", "cpu") if b != "triton"]:
+        with pytest.raises(error, match="prefix_shared_attention_paged: softmax_scale"):
+            prefix_shared_attention_paged(*a, softmax_scale=scale, backend=backend)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_paged_flash_cascade_on_cuda():
