@@ -7,8 +7,8 @@ The cache owns one pool reference per block in its tables and gives them back in
 Appending n tokens to a group writes only those n rows into its pages (``reserve`` +
 ``write``, or ``qk_norm_rope``'s page write into ``pages(layer)`` at the reserved slots),
 whatever the prefix length: a decode step costs O(1) copies, not a re-pack of the whole cache.
-A partly filled last block that someone else also holds is copied first (copy-on-write), so a
-shared block is never written.
+A block the new rows land in that someone else also holds (the partly filled last block of a
+shared prefix) is copied first (copy-on-write), so a shared block is never written.
 """
 from __future__ import annotations
 
@@ -76,12 +76,16 @@ class PagedKVCache:
         slots = []
         for g, n in zip(groups, counts):
             table, P = self.block_tables[g], self.lengths[g]
-            if n and P % bs and self.pool.refcount[table[-1]] > 1:
-                # copy-on-write: the partly filled last block is shared; write into a private copy
-                fresh = self._allocate(1)[0]
-                self.pool.copy_block(table[-1], fresh)
-                self.pool.decref([table[-1]])
-                table[-1] = fresh
+            # copy-on-write: every block of the table the new rows land in that someone else also
+            # holds gets a private copy first — the partly filled last block of the prefix, and any
+            # block past it the table already has (a group added with more blocks than its length
+            # needs, or rows reserved and never committed): a shared block is never written
+            for b in range(P // bs, min(-(-(P + n) // bs), len(table))) if n else ():
+                if self.pool.refcount[table[b]] > 1:
+                    fresh = self._allocate(1)[0]
+                    self.pool.copy_block(table[b], fresh)
+                    self.pool.decref([table[b]])
+                    table[b] = fresh
             need = -(-(P + n) // bs) - len(table)
             if need > 0:
                 table.extend(self._allocate(need))

@@ -86,3 +86,25 @@ def test_scores_with_the_fused_write_equal_the_unfused_path(monkeypatch, count_w
     old = PointwiseReranker(model=model).score("which helps?", docs, trace=trace)
     assert count_writes
     assert fused == old, f"scores differ: {fused} vs {old}"
+
+
+def test_reserve_never_hands_out_a_slot_in_a_shared_block():
+    """A group added over shared blocks with one more block than its length needs: the rows
+    reserved after it land in the partly filled block and the spare one, both shared, so both
+    are copied first and the other holder's rows stay as they were (only the table's last
+    block was checked before: rows 6 and 7 went into the shared block 1)."""
+    from acarerank.model import BlockPool
+
+    pool = BlockPool(1, 8, 4, 1, 2, torch.float32, "cpu")
+    shared = pool.allocate(3)                      # held by the caller: refcount 1 each
+    pool.k[0].view(-1, 1, 2)[:] = torch.arange(32.0).view(32, 1, 1)
+    before = pool.k[0][shared].clone()
+    cache = PagedKVCache(pool)
+    g = cache.add_group(shared, 6)                 # 6 tokens: 1.5 blocks used, one spare block
+    slots = cache.reserve([g], [4])                # rows 6..9
+    cache.write(0, slots, torch.full((4, 1, 2), -1.0), torch.full((4, 1, 2), -1.0))
+    assert not set((slots // 4).tolist()) & set(shared), f"slots {slots.tolist()} in shared blocks {shared}"
+    assert torch.equal(pool.k[0][shared], before), "a shared block was written"
+    table = cache.block_tables[g]
+    assert table[0] == shared[0] and torch.equal(pool.k[0][table[1], :2], before[1, :2])  # rows 4, 5 copied
+    cache.free()
