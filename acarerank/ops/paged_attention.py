@@ -50,7 +50,9 @@ class PagedAttentionPlan:
     """Per-batch metadata of a paged call, built once and reused by every layer.
 
     cu_seqlens [S+1], segment_group [S], block_table [G, max_blocks], cu_prefix_lens [G+1]:
-    int32 on the device. backend: the resolved backend name. aux: the backend's index
+    int32 on the device. num_q_heads, num_kv_heads, head_dim, dtype: the q and pages every layer
+    passes (checked per call, as ``AttentionPlan``'s: the Triton work list is built for them).
+    backend: the resolved backend name. aux: the backend's index
     tensors — torch: (block index, slot index) of every prefix row, packed group after group
     ([Ptot] int64 each), the metadata's host copy, and each group's first block when its
     blocks are one run ([G] int64 on the host, ``cpu_paged_attention.first_blocks``); triton: (work list [W, 2] int32,);
@@ -63,6 +65,10 @@ class PagedAttentionPlan:
     cu_prefix_lens: torch.Tensor
     block_size: int
     num_tokens: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
     backend: str
     aux: tuple
 
@@ -184,7 +190,8 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
         aux = ()  # the kernel reads the (host) metadata itself: a few hundred integers per layer
     else:
         aux = (_attention._device_to_host(cu_seqlens, cu_pre, segment_group),)
-    return PagedAttentionPlan(cu_seqlens, segment_group, block_table, prefix_lens, cu_pre, block_size, T, name, aux)
+    return PagedAttentionPlan(cu_seqlens, segment_group, block_table, prefix_lens, cu_pre, block_size, T,
+                              int(num_heads), int(num_kv_heads), int(head_dim), dtype, name, aux)
 
 
 def _gather_index(block_table, prefix_lens, cu_pre, block_size, Ptot: int):
@@ -299,9 +306,11 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
                 or prefix_lens is not plan.prefix_lens or segment_group is not plan.segment_group):
             raise ValueError("prefix_shared_attention_paged: cu_seqlens/block_table/prefix_lens/segment_group differ "
                              "from the plan's; build a new plan (or pass the plan's own tensors)")
-        if q.shape[0] != plan.num_tokens:
-            raise ValueError(f"prefix_shared_attention_paged: q has {q.shape[0]} rows but the plan was built for "
-                             f"{plan.num_tokens}")
+        want = (plan.num_tokens, plan.num_q_heads, plan.head_dim, plan.num_kv_heads, plan.dtype)
+        got = (q.shape[0], Hq, d, k.shape[1] if k.dim() == 3 else -1, q.dtype)
+        if got != want:
+            raise ValueError(f"prefix_shared_attention_paged: q/k (T, Hq, d, Hkv, dtype) = {got} but the plan was "
+                             f"built for {want}")
         if k_cache.shape[1] != plan.block_size:
             raise ValueError(f"prefix_shared_attention_paged: pages of {k_cache.shape[1]} tokens but the plan was "
                              f"built for {plan.block_size}")

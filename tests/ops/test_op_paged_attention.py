@@ -287,6 +287,13 @@ def test_plan_mismatch_and_plan_validation_are_errors():
                                               num_blocks=kc.shape[0], dtype=q.dtype, backend="torch")
     with pytest.raises(ValueError, match="plan was built for"):
         prefix_shared_attention_paged(q[:-1], k[:-1], v[:-1], cu, kc, vc, bt, pl, sg, plan=plan)
+    # heads, head_dim and dtype too, as the packed op's plan: the Triton work list is built for them
+    assert (plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.dtype) == (4, 2, 16, q.dtype)
+    for qq, kk, vv, kcc, vcc in ((q[:, :2], k, v, kc, vc),                             # Hq 2, not 4
+                                 (q[..., :8], k[..., :8], v[..., :8], kc[..., :8], vc[..., :8]),  # d 8, not 16
+                                 (q.bfloat16(), k.bfloat16(), v.bfloat16(), kc.bfloat16(), vc.bfloat16())):
+        with pytest.raises(ValueError, match="plan was built for"):
+            prefix_shared_attention_paged(qq, kk, vv, cu, kcc, vcc, bt, pl, sg, plan=plan)
     with pytest.raises(ValueError, match="not with plan="):
         prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, pl, sg, backend="torch", plan=plan)
     with pytest.raises(ValueError, match="segment_group values"):
