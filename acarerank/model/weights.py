@@ -29,6 +29,7 @@ class LayerWeights:
     post_norm: torch.Tensor       # [H]
     w_gate_up: torch.Tensor       # [2·I, H]
     w_down: torch.Tensor          # [H, I]
+    b_o: Optional[torch.Tensor] = None  # [H] when attention_bias: transformers' Qwen3 gives o_proj a bias too
 
 
 class CheckpointError(ValueError):
@@ -61,6 +62,7 @@ def _expected_shapes(arch: Qwen3Arch) -> dict:
     return {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
             "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
             "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+            "self_attn.o_proj.bias": (H,),
             "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,), "self_attn.o_proj.weight": (H, q),
             "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
             "model.embed_tokens.weight": (arch.vocab_size, H), "lm_head.weight": (arch.vocab_size, H),
@@ -87,9 +89,10 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
     layers = []
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        b_qkv = None
+        b_qkv = b_o = None
         if arch.attention_bias:
             b_qkv = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            b_o = take(p + "self_attn.o_proj.bias")
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
             w_qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
@@ -100,6 +103,7 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
             post_norm=take(p + "post_attention_layernorm.weight"),
             w_gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
             w_down=take(p + "mlp.down_proj.weight"),
+            b_o=b_o,
         ))
     embed = take("model.embed_tokens.weight")
     lm_head, score_head = None, None
