@@ -192,3 +192,39 @@ def test_attention_bias_checkpoint_scores_as_transformers(tmp_path):
     assert close(PointwiseReranker(model=model).score("q", DOCS), want)
     model.save_pretrained(tmp_path / "bias")
     assert close(PointwiseReranker.from_pretrained(str(tmp_path / "bias")).score("q", DOCS), want)
+
+
+@pytest.mark.parametrize("rope", [{}, {"rope_theta": 5000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 70.0}}],
+                         ids=["absent", "both"])
+def test_rope_theta_is_read_as_transformers_reads_it(saved, rope, tmp_path):
+    """config.json without any RoPE field runs at Qwen3Config's default theta (10,000; the loader
+    once took 1,000,000), and rope_parameters wins over a top-level rope_theta (transformers 5) —
+    both once gave scores unlike transformers' forward with no error."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = _copy(saved, tmp_path / "rope")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for key in ("rope_theta", "rope_parameters", "rope_scaling"):
+        cfg.pop(key, None)
+    (ckpt / "config.json").write_text(json.dumps({**cfg, **rope}))
+    hf = Qwen3ForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager").eval()
+    tok = load_qwen3_tokenizer()
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in LONG_DOCS], batch_size=1)
+    assert close(PointwiseReranker.from_pretrained(str(ckpt)).score("q", LONG_DOCS), want)
+
+
+@pytest.mark.parametrize("rope, match", [
+    ({"rope_theta": 5000.0, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters"),
+    ({"rope_scaling": "yarn"}, "rope_scaling"),
+    ({"rope_theta": 0}, "rope_theta"),
+    ({"rope_theta": "1e6"}, "rope_theta"),
+])
+def test_rope_the_runner_cannot_follow_is_refused(saved, rope, match, tmp_path):
+    """A scaled RoPE beside a top-level rope_theta was once run as plain RoPE; a malformed field
+    is a CheckpointError naming config.json, not an AttributeError or a NaN score."""
+    ckpt = _copy(saved, tmp_path / "rope")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    (ckpt / "config.json").write_text(json.dumps({**cfg, **rope}))
+    with pytest.raises(ValueError, match=rf"config\.json.*{match}"):
+        PointwiseReranker.from_pretrained(str(ckpt))
