@@ -26,6 +26,11 @@ class Qwen3Arch:
         model_type = get("model_type")
         if model_type not in (None, "qwen3"):
             raise ValueError(f"acarerank runs Qwen3 decoders; this checkpoint's model_type is {model_type!r}")
+        quant = get("quantization_config")
+        if quant:  # e.g. Qwen's FP8 releases: fp8 weights with block scales the runner does not apply
+            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+            raise ValueError(f"quantized checkpoints are not supported (quantization_config, quant_method "
+                             f"{method!r}): the runner reads float32 / bfloat16 / float16 weights")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             v = get(key)
             positive_int(f"config field {key!r}", v)

@@ -69,6 +69,9 @@ def _expected_shapes(arch: Qwen3Arch) -> dict:
             "model.norm.weight": (H,)}
 
 
+_FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model") -> Qwen3Weights:
     """Build the runner's layout from a name -> tensor mapping (``sd.where(name)``, if present,
     names the file a tensor lives in). Every error is a CheckpointError naming ``source``/the file
@@ -84,7 +87,16 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
         if want is not None and tuple(t.shape) != want:
             raise CheckpointError(f"{where(name)}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
                                   f"{list(want)}")
-        return t.to(device=device, dtype=dtype)
+        return floating(t, name, where(name)).to(device=device, dtype=dtype)
+
+    def floating(t, name, place):
+        # int8 / fp8 / bool weights are quantized (their scales live in other tensors): cast as
+        # they are, they once gave scores with no meaning and no error
+        if t.dtype not in _FLOAT_WEIGHTS:
+            raise CheckpointError(f"{place}: tensor {name!r} is {str(t.dtype).replace('torch.', '')}; only float32, "
+                                  "bfloat16, float16 (or float64) weights are read — a quantized checkpoint is not "
+                                  "supported")
+        return t
 
     layers = []
     for i in range(arch.num_layers):
@@ -117,7 +129,7 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
                 f"{where('score.weight')}: a Qwen3ForSequenceClassification head score.weight of shape "
                 f"{tuple(score_head.shape)}; a yes/no reranker head has 1 row (the yes−no direction) or 2 rows "
                 f"([no, yes]) of hidden size {arch.hidden_size}")
-        score_head = score_head.to(device=device, dtype=dtype)
+        score_head = floating(score_head, "score.weight", where("score.weight")).to(device=device, dtype=dtype)
     elif arch.tie_word_embeddings:
         lm_head = embed
     elif "lm_head.weight" in sd:

@@ -228,3 +228,31 @@ def test_rope_the_runner_cannot_follow_is_refused(saved, rope, match, tmp_path):
     (ckpt / "config.json").write_text(json.dumps({**cfg, **rope}))
     with pytest.raises(ValueError, match=rf"config\.json.*{match}"):
         PointwiseReranker.from_pretrained(str(ckpt))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda t: (t * 100).to(torch.int8), "int8"),
+    (lambda t: t > 0, "bool"),
+    (lambda t: t.to(torch.float8_e4m3fn), "float8_e4m3fn"),
+])
+def test_quantized_tensor_is_refused(saved, make, match, tmp_path):
+    """An integer, boolean or fp8 weight was once cast to the model's dtype as it stood (scores
+    of 0.999 instead of 0.0002, no error); it is a CheckpointError naming the file and tensor."""
+    ckpt = _copy(saved, tmp_path / "q")
+    sd = load_file(ckpt / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    sd[name] = make(sd[name])
+    save_file(sd, ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensor '{name}' is {match}"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_quantization_config_is_refused(saved, tmp_path):
+    """Qwen's FP8 releases keep block scales beside the fp8 weights (``weight_scale_inv``) and say
+    so in quantization_config; the runner applies no scales, so the config is refused up front."""
+    ckpt = _copy(saved, tmp_path / "fp8")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json.*quantized.*'fp8'"):
+        PointwiseReranker.from_pretrained(str(ckpt))
