@@ -130,10 +130,16 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
                 f"{tuple(score_head.shape)}; a yes/no reranker head has 1 row (the yes−no direction) or 2 rows "
                 f"([no, yes]) of hidden size {arch.hidden_size}")
         score_head = floating(score_head, "score.weight", where("score.weight")).to(device=device, dtype=dtype)
-    elif arch.tie_word_embeddings:
-        lm_head = embed
     elif "lm_head.weight" in sd:
         lm_head = take("lm_head.weight")
+        if arch.tie_word_embeddings:
+            if torch.equal(lm_head, embed):
+                lm_head = embed  # one copy of the [V, H] matrix
+            else:  # transformers (>= 5) then keeps both untied; reading the embedding would score differently
+                warnings.warn(f"{where('lm_head.weight')}: tie_word_embeddings is true but 'lm_head.weight' differs "
+                              "from the embedding; using lm_head.weight, as transformers does", stacklevel=3)
+    elif arch.tie_word_embeddings:
+        lm_head = embed
     else:
         raise CheckpointError(f"{source}: tie_word_embeddings is false but there is no tensor 'lm_head.weight' (nor a "
                               "sequence-classification 'score.weight'); the output layer is missing — a lost shard? "

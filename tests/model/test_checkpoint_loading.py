@@ -256,3 +256,20 @@ def test_quantization_config_is_refused(saved, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"config\.json.*quantized.*'fp8'"):
         PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_tied_config_with_its_own_output_layer_scores_as_transformers(saved, tmp_path):
+    """tie_word_embeddings true beside a stored lm_head.weight that differs from the embedding:
+    transformers keeps the stored head (and warns); the loader once scored with the embedding
+    instead (0.54 against 0.0002), with no word."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = _copy(saved, tmp_path / "tied")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    hf = Qwen3ForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager").eval()
+    tok = load_qwen3_tokenizer()
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    with pytest.warns(UserWarning, match="lm_head.weight"):
+        rr = PointwiseReranker.from_pretrained(str(ckpt))
+    assert close(rr.score("q", DOCS), want)
