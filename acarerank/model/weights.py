@@ -213,9 +213,14 @@ def _checkpoint_files(path: str):
         return [os.path.join(path, n) for n in shards], index, weight_map
     if os.path.isfile(single):
         return [single], None, None
+    if os.path.lexists(single):  # glob lists it too: "found model.safetensors; rename it" would say nothing
+        raise FileNotFoundError(f"{single!r} is not a readable file (a broken or looping symlink?)")
     found = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
+    pickled = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "pytorch_model*.bin")))
     raise FileNotFoundError(f"{path!r} has no model.safetensors or model.safetensors.index.json"
-                            + (f" (found {found}; rename the weights file to model.safetensors)" if found else ""))
+                            + (f" (found {found}; rename the weights file to model.safetensors)" if found else "")
+                            + (f" (found {pickled}: only safetensors weights are read; save the model again with "
+                               "transformers' save_pretrained, which writes safetensors)" if pickled else ""))
 
 
 def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weights:

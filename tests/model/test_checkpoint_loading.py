@@ -273,3 +273,21 @@ def test_tied_config_with_its_own_output_layer_scores_as_transformers(saved, tmp
     with pytest.warns(UserWarning, match="lm_head.weight"):
         rr = PointwiseReranker.from_pretrained(str(ckpt))
     assert close(rr.score("q", DOCS), want)
+
+
+def test_unreadable_weights_files_are_named(saved, causal, tmp_path):
+    """A pytorch_model.bin-only folder says that only safetensors are read; a model.safetensors
+    symlink that loops once got "found ['model.safetensors']; rename the weights file to
+    model.safetensors"."""
+    ckpt = tmp_path / "bin"
+    ckpt.mkdir()
+    shutil.copy(saved / "config.json", ckpt)
+    torch.save({"x": torch.zeros(1)}, ckpt / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin.*only safetensors"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    shutil.copy(saved / "config.json", loop)
+    os.symlink(loop / "model.safetensors", loop / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="symlink"):
+        PointwiseReranker.from_pretrained(str(loop))
