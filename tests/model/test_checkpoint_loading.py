@@ -273,6 +273,8 @@ def test_tied_config_with_its_own_output_layer_scores_as_transformers(saved, tmp
     with pytest.warns(UserWarning, match="lm_head.weight"):
         rr = PointwiseReranker.from_pretrained(str(ckpt))
     assert close(rr.score("q", DOCS), want)
+    with pytest.warns(UserWarning, match="lm_head.weight"):  # the transformers model itself, in memory
+        assert close(PointwiseReranker(model=hf).score("q", DOCS), want)
 
 
 def test_unreadable_weights_files_are_named(saved, causal, tmp_path):
