@@ -48,7 +48,8 @@ class Qwen3Arch:
                 raise ValueError(f"{key} {value} is not supported (Qwen3-Reranker uses the default RoPE)")
         rope_theta = (params or {}).get("rope_theta", get("rope_theta"))
         rope_theta = 10000.0 if rope_theta is None else rope_theta
-        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < float("inf"):
+        if (isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float))
+                or not 0 < rope_theta < float("inf")):
             raise ValueError(f"config field 'rope_theta' must be a positive finite number, got {rope_theta!r}")
         act = get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU too
