@@ -40,7 +40,7 @@ def layer_weights(a: Qwen3Arch, dtype, g):
     H, d, I = a.hidden_size, a.head_dim, a.intermediate_size
     r = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(dtype)
     n = lambda k: (torch.rand(k, generator=g) + 0.5).to(dtype)
-    return SimpleNamespace(input_norm=n(H), post_norm=n(H), q_norm=n(d), k_norm=n(d), b_qkv=None,
+    return SimpleNamespace(input_norm=n(H), post_norm=n(H), q_norm=n(d), k_norm=n(d), b_qkv=None, b_o=None,
                            w_qkv=r((a.num_heads + 2 * a.num_kv_heads) * d, H, scale=H ** -0.5),
                            w_o=r(H, a.num_heads * d, scale=(a.num_heads * d) ** -0.5),
                            w_gate_up=r(2 * I, H, scale=H ** -0.5), w_down=r(H, I, scale=I ** -0.5))

@@ -97,8 +97,9 @@ class BenchConfig:
             raise ValueError(f"peer names must be unique and not start with 'transformers' or 'acarerank', got {names}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
-        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available on this machine")
+        from ..model.placement import check_dtype_device
+
+        check_dtype_device(torch.float32, self.device)  # cpu or an existing cuda[:N], as every subcommand
         return replace(self, depths=tuple(sorted(set(self.depths))),
                        spec=replace(self.spec, num_docs=max(self.depths)))
 

@@ -26,19 +26,31 @@ class Qwen3Arch:
         model_type = get("model_type")
         if model_type not in (None, "qwen3"):
             raise ValueError(f"acarerank runs Qwen3 decoders; this checkpoint's model_type is {model_type!r}")
+        quant = get("quantization_config")
+        if quant:  # e.g. Qwen's FP8 releases: fp8 weights with block scales the runner does not apply
+            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+            raise ValueError(f"quantized checkpoints are not supported (quantization_config, quant_method "
+                             f"{method!r}): the runner reads float32 / bfloat16 / float16 weights")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             v = get(key)
             positive_int(f"config field {key!r}", v)
         hidden, heads = get("hidden_size"), get("num_attention_heads")
-        rope_theta = get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 keeps it in rope_parameters
-            params = get("rope_parameters") or {}
-            rope_theta = params.get("rope_theta", 1000000.0)
-            if params.get("rope_type", "default") != "default":
-                raise ValueError(f"rope_type {params.get('rope_type')!r} is not supported (Qwen3-Reranker uses the default RoPE)")
-        scaling = get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise ValueError(f"rope_scaling {scaling} is not supported (Qwen3-Reranker uses the default RoPE)")
+        # transformers >= 5 keeps RoPE in rope_parameters, which wins over a top-level rope_theta
+        # (4.x's key, still read) and takes rope_scaling's type; neither given: Qwen3Config's
+        # default, 10,000 (Qwen3-Reranker's config says 1,000,000)
+        params = get("rope_parameters")
+        for key, value in (("rope_parameters", params), ("rope_scaling", get("rope_scaling"))):
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ValueError(f"config field {key!r} must be an object, got {value!r}")
+            if value.get("rope_type", value.get("type", "default")) != "default":
+                raise ValueError(f"{key} {value} is not supported (Qwen3-Reranker uses the default RoPE)")
+        rope_theta = (params or {}).get("rope_theta", get("rope_theta"))
+        rope_theta = 10000.0 if rope_theta is None else rope_theta
+        if (isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float))
+                or not 0 < rope_theta < float("inf")):
+            raise ValueError(f"config field 'rope_theta' must be a positive finite number, got {rope_theta!r}")
         act = get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU too
             raise ValueError(f"hidden_act {act!r} is not supported: the runner's MLP is SiLU(gate)·up, as Qwen3's")

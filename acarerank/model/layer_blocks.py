@@ -59,9 +59,11 @@ def attn_in(x: torch.Tensor, input_norm: torch.Tensor, w_qkv: torch.Tensor, b_qk
 
 
 def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, post_norm: torch.Tensor,
-                 w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, linear=F.linear) -> torch.Tensor:
-    """x [N, H] (residual), attn [N, Hq·d] → x after o_proj, residual, post-norm, SwiGLU MLP, residual."""
-    x = x + linear(attn, w_o)
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, linear=F.linear,
+                 b_o: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [N, H] (residual), attn [N, Hq·d] → x after o_proj (+ b_o [H] when attention_bias), residual,
+    post-norm, SwiGLU MLP, residual."""
+    x = x + linear(attn, w_o, b_o)
     h = rms_norm(x, post_norm, eps)
     gate, up = linear(h, w_gate_up).chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, w_down)

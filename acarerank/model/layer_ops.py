@@ -9,7 +9,7 @@ residual add is fused into the norm after it:
     layer i:  h = fused_add_rms_norm(delta, residual)           residual += delta
               q, k, v = qk_norm_rope(h·W_qkvᵀ + b, q_norm, k_norm, cos, sin)   (+ k, v into their pages)
               ... attention (the runner) ...
-              h = fused_add_rms_norm(attn·W_oᵀ, residual)      residual += attn·W_oᵀ
+              h = fused_add_rms_norm(attn·W_oᵀ + b_o, residual)  residual += attn·W_oᵀ + b_o
               delta = silu_and_mul(h·W_guᵀ)·W_downᵀ
     end:      x = residual + delta
 
@@ -87,7 +87,7 @@ class OpsLayers:
 
     def attn_out_mlp(self, attn: torch.Tensor, L) -> None:
         eps = self.a.rms_norm_eps
-        h = self.add_norm(self.linear(attn, L.w_o), self.residual, L.post_norm, eps)
+        h = self.add_norm(self.linear(attn, L.w_o, L.b_o), self.residual, L.post_norm, eps)
         self.delta = self.linear(self.silu_mul(self.linear(h, L.w_gate_up)), L.w_down)
 
     def end(self) -> torch.Tensor:
@@ -119,7 +119,7 @@ class CompiledLayers:
 
     def attn_out_mlp(self, attn: torch.Tensor, L) -> None:
         self.x = self.attn_out_mlp_fn(self.x, attn, L.w_o, L.post_norm, L.w_gate_up, L.w_down, self.a.rms_norm_eps,
-                                      linear=self.linear)
+                                      linear=self.linear, b_o=L.b_o)
 
     def end(self) -> torch.Tensor:
         return self.x

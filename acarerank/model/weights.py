@@ -29,6 +29,7 @@ class LayerWeights:
     post_norm: torch.Tensor       # [H]
     w_gate_up: torch.Tensor       # [2·I, H]
     w_down: torch.Tensor          # [H, I]
+    b_o: Optional[torch.Tensor] = None  # [H] when attention_bias: transformers' Qwen3 gives o_proj a bias too
 
 
 class CheckpointError(ValueError):
@@ -61,10 +62,14 @@ def _expected_shapes(arch: Qwen3Arch) -> dict:
     return {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
             "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
             "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+            "self_attn.o_proj.bias": (H,),
             "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,), "self_attn.o_proj.weight": (H, q),
             "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
             "model.embed_tokens.weight": (arch.vocab_size, H), "lm_head.weight": (arch.vocab_size, H),
             "model.norm.weight": (H,)}
+
+
+_FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model") -> Qwen3Weights:
@@ -82,14 +87,24 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
         if want is not None and tuple(t.shape) != want:
             raise CheckpointError(f"{where(name)}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
                                   f"{list(want)}")
-        return t.to(device=device, dtype=dtype)
+        return floating(t, name, where(name)).to(device=device, dtype=dtype)
+
+    def floating(t, name, place):
+        # int8 / fp8 / bool weights are quantized (their scales live in other tensors): cast as
+        # they are, they once gave scores with no meaning and no error
+        if t.dtype not in _FLOAT_WEIGHTS:
+            raise CheckpointError(f"{place}: tensor {name!r} is {str(t.dtype).replace('torch.', '')}; only float32, "
+                                  "bfloat16, float16 (or float64) weights are read — a quantized checkpoint is not "
+                                  "supported")
+        return t
 
     layers = []
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        b_qkv = None
+        b_qkv = b_o = None
         if arch.attention_bias:
             b_qkv = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            b_o = take(p + "self_attn.o_proj.bias")
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
             w_qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
@@ -100,6 +115,7 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
             post_norm=take(p + "post_attention_layernorm.weight"),
             w_gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
             w_down=take(p + "mlp.down_proj.weight"),
+            b_o=b_o,
         ))
     embed = take("model.embed_tokens.weight")
     lm_head, score_head = None, None
@@ -113,11 +129,17 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
                 f"{where('score.weight')}: a Qwen3ForSequenceClassification head score.weight of shape "
                 f"{tuple(score_head.shape)}; a yes/no reranker head has 1 row (the yes−no direction) or 2 rows "
                 f"([no, yes]) of hidden size {arch.hidden_size}")
-        score_head = score_head.to(device=device, dtype=dtype)
-    elif arch.tie_word_embeddings:
-        lm_head = embed
+        score_head = floating(score_head, "score.weight", where("score.weight")).to(device=device, dtype=dtype)
     elif "lm_head.weight" in sd:
         lm_head = take("lm_head.weight")
+        if arch.tie_word_embeddings:
+            if torch.equal(lm_head, embed):
+                lm_head = embed  # one copy of the [V, H] matrix
+            else:  # transformers (>= 5) then keeps both untied; reading the embedding would score differently
+                warnings.warn(f"{where('lm_head.weight')}: tie_word_embeddings is true but 'lm_head.weight' differs "
+                              "from the embedding; using lm_head.weight, as transformers does", stacklevel=3)
+    elif arch.tie_word_embeddings:
+        lm_head = embed
     else:
         raise CheckpointError(f"{source}: tie_word_embeddings is false but there is no tensor 'lm_head.weight' (nor a "
                               "sequence-classification 'score.weight'); the output layer is missing — a lost shard? "
@@ -191,9 +213,14 @@ def _checkpoint_files(path: str):
         return [os.path.join(path, n) for n in shards], index, weight_map
     if os.path.isfile(single):
         return [single], None, None
+    if os.path.lexists(single):  # glob lists it too: "found model.safetensors; rename it" would say nothing
+        raise FileNotFoundError(f"{single!r} is not a readable file (a broken or looping symlink?)")
     found = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
+    pickled = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "pytorch_model*.bin")))
     raise FileNotFoundError(f"{path!r} has no model.safetensors or model.safetensors.index.json"
-                            + (f" (found {found}; rename the weights file to model.safetensors)" if found else ""))
+                            + (f" (found {found}; rename the weights file to model.safetensors)" if found else "")
+                            + (f" (found {pickled}: only safetensors weights are read; save the model again with "
+                               "transformers' save_pretrained, which writes safetensors)" if pickled else ""))
 
 
 def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weights:

@@ -38,10 +38,9 @@ from typing import List, Optional, Sequence
 
 from .._validate import positive_int
 from ..prompts.pointwise import check_documents, check_query
-from ..tokenizer import TOKEN_END_THINK, TOKEN_IM_END, TOKEN_THINK
 
 DEFAULT_MAX_LENGTH = 16000      # AdaTutoRank (2026), Appendix C.4: maximum prompt length 16,000 tokens
-TOKEN_IM_START = 151644
+TOKEN_IM_START = 151644  # Qwen3's <|im_start|> (the prompt reads the tokenizer's own: control_ids)
 
 _RUBRICS = (
     "Use these 9 rubrics to judge a candidate document set:\n"
@@ -177,9 +176,28 @@ def chat_ids(tokenizer, system: str, user: str, special_tokens: Optional[str] = 
     def enc(s: str) -> List[int]:
         return encoder.user([s])[0]
 
-    return ([TOKEN_IM_START] + enc("system\n" + system) + [TOKEN_IM_END] + enc("\n")
-            + [TOKEN_IM_START] + enc("user\n" + user) + [TOKEN_IM_END] + enc("\n")
-            + [TOKEN_IM_START] + enc("assistant\n") + [TOKEN_THINK] + enc("\n\n") + [TOKEN_END_THINK] + enc("\n\n"))
+    start, end, think, end_think = control_ids(encoder)
+    return ([start] + enc("system\n" + system) + [end] + enc("\n")
+            + [start] + enc("user\n" + user) + [end] + enc("\n")
+            + [start] + enc("assistant\n") + [think] + enc("\n\n") + [end_think] + enc("\n\n"))
+
+
+CHAT_CONTROL_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
+
+
+def control_ids(tokenizer) -> tuple:
+    """The ids of ``CHAT_CONTROL_TOKENS`` in ``tokenizer`` (Qwen3's: TOKEN_IM_START, TOKEN_IM_END,
+    TOKEN_THINK, TOKEN_END_THINK). Read from the tokenizer, not assumed: a checkpoint's own
+    tokenizer may number them otherwise, and the prompt must be the one it gives the chat text.
+    ValueError naming a token the tokenizer lacks."""
+    from ..tokenizer import TextEncoder
+
+    encoder = TextEncoder.of(tokenizer)
+    ids = tuple(encoder.token_id(t) for t in CHAT_CONTROL_TOKENS)
+    missing = [t for t, i in zip(CHAT_CONTROL_TOKENS, ids) if i is None]
+    if missing:
+        raise ValueError(f"the tokenizer has no token {missing[0]!r}; the setwise prompt is Qwen3's chat format")
+    return ids
 
 
 @dataclass

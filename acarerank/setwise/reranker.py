@@ -32,10 +32,9 @@ from ..model.block_pool import PoolExhausted
 from ..model.cached_prefill import CacheSlot, ChunkedPrefill, prefill_cached
 from ..reranker_base import RerankerBase
 from .selection import parse_selection
-from ..tokenizer import TOKEN_IM_END
 from .decode import MAX_NEW_TOKENS, GreedyStepper, greedy_decode
 from .grammar import IdentifierGrammar, max_output_tokens
-from .prompts import DEFAULT_MAX_LENGTH, SetwisePrompt, build_prompt, check_inputs
+from .prompts import CHAT_CONTROL_TOKENS, DEFAULT_MAX_LENGTH, SetwisePrompt, build_prompt, check_inputs, control_ids
 
 
 @dataclass(frozen=True)
@@ -124,6 +123,10 @@ class SetwiseReranker(RerankerBase):
         V = self.runner.arch.vocab_size
         if max(self.grammar.tokens.vocab) >= V:
             raise ValueError(f"the tokenizer's identifier/end tokens {self.grammar.tokens.vocab} are not all inside "
+                             f"the model's vocabulary of {V}")
+        chat = control_ids(self.tokenizer)  # the prompt's control tokens: the tokenizer's ids, checked now
+        if max(chat) >= V:
+            raise ValueError(f"the tokenizer's chat tokens {dict(zip(CHAT_CONTROL_TOKENS, chat))} are not all inside "
                              f"the model's vocabulary of {V}")
 
     # -- public API ---------------------------------------------------------------------
@@ -214,8 +217,9 @@ class SetwiseReranker(RerankerBase):
         if enc.constrained:
             return GreedyStepper(self.runner, ids, self.grammar,
                                  [self.grammar.start(enc.prompt.n_candidates, enc.max_select)],
-                                 self.max_new_tokens, eos_id=TOKEN_IM_END, cache=cache)
-        return GreedyStepper(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=TOKEN_IM_END, cache=cache)
+                                 self.max_new_tokens, eos_id=self.grammar.tokens.end, cache=cache)
+        return GreedyStepper(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=self.grammar.tokens.end,
+                             cache=cache)
 
     def _check_output_room(self, documents, max_select: int, constrained: bool) -> None:
         if not constrained:
@@ -265,8 +269,8 @@ class SetwiseReranker(RerankerBase):
             if constrained:
                 states = [self.grammar.start(p.n_candidates, max_select) for p in prompts]
                 return greedy_decode(self.runner, ids, self.grammar, states, self.max_new_tokens,
-                                     eos_id=TOKEN_IM_END, cache=cache)
-            return greedy_decode(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=TOKEN_IM_END,
+                                     eos_id=self.grammar.tokens.end, cache=cache)
+            return greedy_decode(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=self.grammar.tokens.end,
                                  cache=cache)
 
         cache, _ = prefill_cached(self.runner, self._cache_slot, [i[:-1] for i in ids],

@@ -58,6 +58,9 @@ def run(capsys, argv):
     (["--docs", "DIR/surrogate.jsonl"], 2, "surrogate.jsonl:2"),
     (["--model", "DIR/nope"], 2, "nope"),
     (["--top-n", "x"], 2, "--top-n"),
+    (["--device", "mps"], 2, "cpu or cuda"),  # once loaded the checkpoint, then exit 1 from inside torch
+    (["--device", "meta"], 2, "cpu or cuda"),
+    (["--device", "cuda:99"], 2, "cuda:99"),
 ] + ([(["--device", "cuda"], 2, "CUDA")] if not torch.cuda.is_available() else []))
 def test_score_input_errors_before_loading(capsys, files, no_load, extra, code, needle):
     argv = ["score", "--query", "q", "--docs", str(files / "docs.jsonl")] + [x.replace("DIR", str(files)) for x in extra]
@@ -106,6 +109,7 @@ def test_score_output_has_text_and_short_max_length_works(capsys, files):
 
 
 @pytest.mark.parametrize("argv, needle", [(["bench", "--device", "garbage", "--quick"], "garbage"),
+                                          (["bench", "--device", "xpu", "--quick"], "cpu or cuda"),
                                           (["bench", "--depths", "x"], "--depths")])
 def test_bench_usage_errors_are_one_line(capsys, argv, needle):
     rc, err, _ = run(capsys, argv)

@@ -173,3 +173,123 @@ def test_config_that_changes_nothing_is_accepted(config):
     tok = load_qwen3_tokenizer()
     want = official_scores(model, tok, [joint_input_ids(tok, "q", d) for d in LONG_DOCS], batch_size=1)
     assert close(PointwiseReranker(model=model).score("q", LONG_DOCS), want)
+
+
+def test_attention_bias_checkpoint_scores_as_transformers(tmp_path):
+    """A Qwen3 config with ``attention_bias: true`` gives q/k/v *and* o_proj a bias in
+    transformers; the runner once read only the q/k/v ones and returned scores off by up to 0.99
+    with no error. In memory and from disk, against transformers' forward."""
+    from _tiny import random_qwen3
+
+    model = random_qwen3(seed=1, spread_yes_no=40, tie=False, attention_bias=True)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    tok = load_qwen3_tokenizer()
+    want = official_scores(model, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    assert close(PointwiseReranker(model=model).score("q", DOCS), want)
+    model.save_pretrained(tmp_path / "bias")
+    assert close(PointwiseReranker.from_pretrained(str(tmp_path / "bias")).score("q", DOCS), want)
+
+
+@pytest.mark.parametrize("rope", [{}, {"rope_theta": 5000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 70.0}}],
+                         ids=["absent", "both"])
+def test_rope_theta_is_read_as_transformers_reads_it(saved, rope, tmp_path):
+    """config.json without any RoPE field runs at Qwen3Config's default theta (10,000; the loader
+    once took 1,000,000), and rope_parameters wins over a top-level rope_theta (transformers 5) —
+    both once gave scores unlike transformers' forward with no error."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = _copy(saved, tmp_path / "rope")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for key in ("rope_theta", "rope_parameters", "rope_scaling"):
+        cfg.pop(key, None)
+    (ckpt / "config.json").write_text(json.dumps({**cfg, **rope}))
+    hf = Qwen3ForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager").eval()
+    tok = load_qwen3_tokenizer()
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in LONG_DOCS], batch_size=1)
+    assert close(PointwiseReranker.from_pretrained(str(ckpt)).score("q", LONG_DOCS), want)
+
+
+@pytest.mark.parametrize("rope, match", [
+    ({"rope_theta": 5000.0, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters"),
+    ({"rope_scaling": "yarn"}, "rope_scaling"),
+    ({"rope_theta": 0}, "rope_theta"),
+    ({"rope_theta": "1e6"}, "rope_theta"),
+])
+def test_rope_the_runner_cannot_follow_is_refused(saved, rope, match, tmp_path):
+    """A scaled RoPE beside a top-level rope_theta was once run as plain RoPE; a malformed field
+    is a CheckpointError naming config.json, not an AttributeError or a NaN score."""
+    ckpt = _copy(saved, tmp_path / "rope")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    (ckpt / "config.json").write_text(json.dumps({**cfg, **rope}))
+    with pytest.raises(ValueError, match=rf"config\.json.*{match}"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda t: (t * 100).to(torch.int8), "int8"),
+    (lambda t: t > 0, "bool"),
+    (lambda t: t.to(torch.float8_e4m3fn), "float8_e4m3fn"),
+])
+def test_quantized_tensor_is_refused(saved, make, match, tmp_path):
+    """An integer, boolean or fp8 weight was once cast to the model's dtype as it stood (scores
+    of 0.999 instead of 0.0002, no error); it is a CheckpointError naming the file and tensor."""
+    ckpt = _copy(saved, tmp_path / "q")
+    sd = load_file(ckpt / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    sd[name] = make(sd[name])
+    save_file(sd, ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensor '{name}' is {match}"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_quantization_config_is_refused(saved, tmp_path):
+    """Qwen's FP8 releases keep block scales beside the fp8 weights (``weight_scale_inv``) and say
+    so in quantization_config; the runner applies no scales, so the config is refused up front."""
+    ckpt = _copy(saved, tmp_path / "fp8")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json.*quantized.*'fp8'"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_tied_config_with_its_own_output_layer_scores_as_transformers(saved, tmp_path):
+    """tie_word_embeddings true beside a stored lm_head.weight that differs from the embedding:
+    transformers keeps the stored head (and warns); the loader once scored with the embedding
+    instead (0.54 against 0.0002), with no word."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = _copy(saved, tmp_path / "tied")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    hf = Qwen3ForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager").eval()
+    tok = load_qwen3_tokenizer()
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    with pytest.warns(UserWarning, match="lm_head.weight"):
+        rr = PointwiseReranker.from_pretrained(str(ckpt))
+    assert close(rr.score("q", DOCS), want)
+    with pytest.warns(UserWarning, match="lm_head.weight"):  # the transformers model itself, in memory
+        assert close(PointwiseReranker(model=hf).score("q", DOCS), want)
+
+
+def test_unreadable_weights_files_are_named(saved, causal, tmp_path):
+    """A pytorch_model.bin-only folder says that only safetensors are read; a model.safetensors
+    symlink that loops once got "found ['model.safetensors']; rename the weights file to
+    model.safetensors"."""
+    ckpt = tmp_path / "bin"
+    ckpt.mkdir()
+    shutil.copy(saved / "config.json", ckpt)
+    torch.save({"x": torch.zeros(1)}, ckpt / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin.*only safetensors"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+    loop = tmp_path / "loop"
+    loop.mkdir()
+    shutil.copy(saved / "config.json", loop)
+    os.symlink(loop / "model.safetensors", loop / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="symlink"):
+        PointwiseReranker.from_pretrained(str(loop))

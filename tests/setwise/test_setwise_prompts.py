@@ -210,3 +210,30 @@ def test_truncated_document_is_its_head(qwen3_tokenizer):
 def test_bad_input(qwen3_tokenizer, args, kw, err, msg):
     with pytest.raises(err, match=msg):
         P.build_prompt(qwen3_tokenizer, *args, **kw)
+
+
+def test_chat_control_tokens_are_the_tokenizers_own(tmp_path):
+    """A checkpoint's tokenizer.json that numbers <|im_start|>, <think>, </think> otherwise: the
+    prompt once spliced Qwen3's ids in (the model saw </think> where the chat has <think>, with no
+    error); it is the tokenizer's own encoding of the chat text, and decoding stops at its <|im_end|>."""
+    import json
+    import os
+
+    from _tiny import tiny_causal
+    from acarerank.setwise import SetwiseReranker
+    from acarerank.tokenizer import TextEncoder, qwen3_tokenizer_dir
+
+    tj = json.loads(open(os.path.join(qwen3_tokenizer_dir(), "tokenizer.json"), encoding="utf-8").read())
+    swap = {151667: 151668, 151668: 151667, 151644: 151643, 151643: 151644}  # <think>/</think>, <|im_start|>/<|endoftext|>
+    for t in tj["added_tokens"]:
+        t["id"] = swap.get(t["id"], t["id"])
+    tj["added_tokens"].sort(key=lambda t: t["id"])
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(tj), encoding="utf-8")
+    enc = TextEncoder.of(str(path), "parse")
+    assert (enc.token_id("<think>"), enc.token_id("<|im_start|>")) == (151668, 151643)
+    p = P.build_prompt(enc, "q", ["alpha", "beta"], max_length=None)
+    assert p.input_ids == enc.user([p.text])[0]
+    sr = SetwiseReranker(model=tiny_causal(seed=1), tokenizer=str(path))
+    assert P.build_prompt(sr.tokenizer, "q", ["alpha", "beta"], max_length=None).input_ids == p.input_ids
+    assert sr.select("q", ["alpha", "beta"]).valid
