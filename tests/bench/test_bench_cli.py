@@ -174,6 +174,21 @@ def test_score_check_flags_disagreement_and_nan():
     assert report.score_check(rows, 1e-4)[0]
 
 
+def test_agent_score_check_fails_on_nan_and_missing_scores():
+    """The agent session's agreement check (``agent.check``): a NaN score anywhere, or a provider
+    that returned fewer steps, requests or documents, is a failure, never agreement."""
+    from acarerank.benchmark.agent import check, max_score_diff
+
+    a = [[[0.5, 0.25]], [[0.125, 0.75]]]  # 2 steps x 1 request x 2 documents
+    assert max_score_diff(a, a) == 0.0
+    nan_later = [[[0.5, 0.25]], [[0.125, float("nan")]]]
+    shorter = [[[0.5, 0.25]], [[0.125]]]
+    for b in (nan_later, shorter, a[:1], [[[0.5, 0.25]], []]):
+        assert max_score_diff(a, b) != max_score_diff(a, b), b  # NaN
+        assert not check({"scores": {"acarerank+cache": a, "acarerank": a, "transformers+prefix-cache": b}}), b
+        assert not check({"scores": {"acarerank+cache": a, "acarerank": b}}), b
+
+
 def test_depth_scaling_figure():
     """Marginal ms/doc between the first and second-largest depth vs the last two (docs/benchmarks.md's depth-scaling figure)."""
     t = {10: 100.0, 20: 150.0, 50: 300.0, 100: 560.0}  # 5 ms/doc then 5.2 ms/doc
