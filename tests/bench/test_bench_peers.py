@@ -82,6 +82,25 @@ def test_checks_flag_a_disagreeing_or_silent_target():
     assert checks(rows, targets, args)[0]
 
 
+def test_a_nan_score_in_any_request_or_round_is_never_agreement():
+    """bench_serve's |Δ score|: a NaN score in a later request (or a later round) gives NaN, which
+    the agreement check fails, not the other requests' small difference."""
+    from bench_serve import OURS, Run, _fastest, diff_vs
+
+    reference = {0: [0.25, 0.5], 1: [0.75, 0.125]}
+    run = Run("peer", "m3", "agreement", 2)
+    run.scores = {0: [0.25, 0.5], 1: [0.75, math.nan]}
+    assert math.isnan(diff_vs(run, reference))
+    run.scores = {0: [0.25, 0.5], 1: [0.75, 0.125]}
+    assert diff_vs(run, reference) == 0.0
+    assert math.isnan(diff_vs(Run("peer", "m3", "agreement", 2), reference))  # nothing answered
+    rounds = [Run("peer", "m3", "closed", 1, wall=2.0, max_diff=1e-7), Run("peer", "m3", "closed", 1, wall=1.0)]
+    assert math.isnan(_fastest(rounds).max_diff)  # the second round's scores were NaN
+    rounds = [Run(OURS, "m3", "closed", 1, wall=2.0, max_diff=1e-7), Run(OURS, "m3", "closed", 1, wall=1.0,
+                                                                         max_diff=3e-7)]
+    assert _fastest(rounds).max_diff == 3e-7
+
+
 # -- bench_serve against a second acarerank server -------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
