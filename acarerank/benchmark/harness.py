@@ -98,6 +98,8 @@ class BenchConfig:
             raise ValueError(f"peer names must be unique and not start with 'transformers' or 'acarerank', got {names}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+        if not self.max_cell_seconds >= 0:  # NaN compares false: the cell would never stop repeating
+            raise ValueError(f"max_cell_seconds must be a number >= 0, got {self.max_cell_seconds!r}")
         from ..model.placement import check_dtype_device
 
         check_dtype_device(torch.float32, self.device)  # cpu or an existing cuda[:N], as every subcommand

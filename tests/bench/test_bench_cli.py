@@ -78,6 +78,9 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     assert "depths must be positive ints" in capsys.readouterr().err
     assert main(["bench", "--quick", "--override", "hidden_size"]) == 2
     assert "--override expects key=value" in capsys.readouterr().err
+    for bad in ("nan", "-1"):
+        assert main(["bench", "--quick", "--max-cell-seconds", bad]) == 2
+        assert "max_cell_seconds must be a number >= 0" in capsys.readouterr().err
 
 
 def test_workload_token_counts_are_exact(qwen3_tokenizer):
