@@ -234,7 +234,7 @@ def offline(rr, reqs: list, repeats: int = 1) -> dict:
         if t < t_batch:
             batch, t_batch = out, t
     return dict(scores=one, one_by_one_s=t_one, score_batch_s=t_batch,
-                batch_diff=max(max_abs_diff(a, b) for a, b in zip(one, batch)))
+                batch_diff=_max_or_nan(max_abs_diff(a, b) for a, b in zip(one, batch)))
 
 
 # -- load generators ---------------------------------------------------------------------------
@@ -321,10 +321,17 @@ def measured(target: Target, run: Run, coro) -> Run:
     return run
 
 
+def _max_or_nan(diffs) -> float:
+    """The largest of ``diffs``; NaN when there is none or any is NaN (``max`` keeps a NaN only
+    when it comes first, so a NaN score in a later request would read as agreement)."""
+    diffs = list(diffs)
+    return float("nan") if not diffs or any(d != d for d in diffs) else max(diffs)
+
+
 def diff_vs(run: Run, reference: dict) -> float:
-    """max |Δ| over the requests both answered; NaN when none (never silently 0)."""
+    """max |Δ| over the requests both answered; NaN when none, or when a score is NaN (never silently 0)."""
     common = [i for i in run.scores if i in reference]
-    return max((max_abs_diff(run.scores[i], reference[i]) for i in common), default=float("nan"))
+    return _max_or_nan(max_abs_diff(run.scores[i], reference[i]) for i in common)
 
 
 # -- the steps -----------------------------------------------------------------------------------
@@ -441,7 +448,8 @@ def agreement_rows(rr, targets: list, workloads: Workloads, args) -> list:
 def _fastest(runs: list) -> Run:
     run = min(runs, key=lambda r: r.wall if not r.errors else float("inf"))
     run.errors = sum(r.errors for r in runs)
-    run.max_diff = max((r.max_diff for r in runs if r.max_diff == r.max_diff), default=float("nan"))
+    # NaN when a round's scores were NaN or missing: its errors are counted, its scores not hidden
+    run.max_diff = _max_or_nan(r.max_diff for r in runs)
     return run
 
 

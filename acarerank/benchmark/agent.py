@@ -19,6 +19,7 @@ off) / latency(cache on). Scores of all providers must agree (fp32: 1e-5 vs tran
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -138,7 +139,24 @@ def _enc(tokenizer, r):
 
 
 def max_score_diff(a, b) -> float:
-    return max(abs(x - y) for sa, sb in zip(a, b) for ra, rb in zip(sa, sb) for x, y in zip(ra, rb))
+    """max |a − b| over every step, request and document of two providers' session scores; NaN
+    when a score is NaN or the two hold different numbers of steps, requests or documents, so
+    ``check`` fails (``max`` over a generator skips a NaN that is not first, and ``zip`` stops
+    at the shorter list: both would read as agreement)."""
+    from .harness import max_abs_diff
+
+    if len(a) != len(b):
+        return math.nan
+    worst = 0.0
+    for sa, sb in zip(a, b):
+        if len(sa) != len(sb):
+            return math.nan
+        for ra, rb in zip(sa, sb):
+            d = max_abs_diff(ra, rb)  # NaN for a NaN score or unequal lengths
+            if d != d:
+                return math.nan
+            worst = max(worst, d)
+    return worst
 
 
 def format_report(res: dict) -> str:

@@ -24,7 +24,8 @@ Providers: "transformers" (a), "transformers+prefix-cache" (b) (``baselines``),
 server (``BenchConfig.peers``: vLLM, llama.cpp, TEI, another acarerank; ``peers.PeerProvider``)
 timed over HTTP. A peer gets the context folded into its query (``peers.fold_context``) and is
 compared with the first provider scoring that same folded prompt; its FLOPs are those of the
-full, unshared prompts, and its memory is its server's (NaN here).
+full, unshared prompts, and its memory is its server's (NaN here). An acarerank peer gets a
+fresh ``cache_salt`` per call (no cross-call prefix-cache hits, as the in-process providers).
 """
 from __future__ import annotations
 
@@ -97,6 +98,8 @@ class BenchConfig:
             raise ValueError(f"peer names must be unique and not start with 'transformers' or 'acarerank', got {names}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+        if not self.max_cell_seconds >= 0:  # NaN compares false: the cell would never stop repeating
+            raise ValueError(f"max_cell_seconds must be a number >= 0, got {self.max_cell_seconds!r}")
         from ..model.placement import check_dtype_device
 
         check_dtype_device(torch.float32, self.device)  # cpu or an existing cuda[:N], as every subcommand

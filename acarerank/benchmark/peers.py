@@ -27,6 +27,7 @@ needs; acarerank's own M3 fields add only the lines' labels (a few tokens).
 from __future__ import annotations
 
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -193,8 +194,13 @@ class PeerProvider:
     def score(self, query, documents, question=None, trace=None, instruction=None) -> list:
         if instruction is not None:
             raise ValueError(f"{self.name}: a peer server fills its own instruction; instruction= is not sent")
+        # The bench repeats one context call after call (warm-up, repeats, nested depths): an
+        # acarerank server would serve its shared part from its prefix cache from the second call
+        # on, a hit the in-process providers cannot have (they run without a cross-call cache).
+        # A fresh cache_salt per call starts each from an empty cache, as bench_serve's rounds do.
+        salt = f"acarerank-bench-{uuid.uuid4().hex}" if self.target.api == "acarerank" else None
         path, body = request_body(self.target.api, fold_context(query, question, trace), documents,
-                                  model=self.target.model)
+                                  cache_salt=salt, model=self.target.model)
         r = self._client.post(path, json=body)
         if r.status_code != 200:
             raise RuntimeError(f"{self.name} ({self.target.url}{path}) answered {r.status_code}: {r.text[:300]}")

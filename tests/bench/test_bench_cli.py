@@ -78,6 +78,9 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     assert "depths must be positive ints" in capsys.readouterr().err
     assert main(["bench", "--quick", "--override", "hidden_size"]) == 2
     assert "--override expects key=value" in capsys.readouterr().err
+    for bad in ("nan", "-1"):
+        assert main(["bench", "--quick", "--max-cell-seconds", bad]) == 2
+        assert "max_cell_seconds must be a number >= 0" in capsys.readouterr().err
 
 
 def test_workload_token_counts_are_exact(qwen3_tokenizer):
@@ -172,6 +175,21 @@ def test_score_check_flags_disagreement_and_nan():
     assert not report.score_check(rows, 1e-4)[0]
     rows[1]["max_abs_score_diff"] = 5e-5
     assert report.score_check(rows, 1e-4)[0]
+
+
+def test_agent_score_check_fails_on_nan_and_missing_scores():
+    """The agent session's agreement check (``agent.check``): a NaN score anywhere, or a provider
+    that returned fewer steps, requests or documents, is a failure, never agreement."""
+    from acarerank.benchmark.agent import check, max_score_diff
+
+    a = [[[0.5, 0.25]], [[0.125, 0.75]]]  # 2 steps x 1 request x 2 documents
+    assert max_score_diff(a, a) == 0.0
+    nan_later = [[[0.5, 0.25]], [[0.125, float("nan")]]]
+    shorter = [[[0.5, 0.25]], [[0.125]]]
+    for b in (nan_later, shorter, a[:1], [[[0.5, 0.25]], []]):
+        assert max_score_diff(a, b) != max_score_diff(a, b), b  # NaN
+        assert not check({"scores": {"acarerank+cache": a, "acarerank": a, "transformers+prefix-cache": b}}), b
+        assert not check({"scores": {"acarerank+cache": a, "acarerank": b}}), b
 
 
 def test_depth_scaling_figure():

@@ -82,6 +82,61 @@ def test_checks_flag_a_disagreeing_or_silent_target():
     assert checks(rows, targets, args)[0]
 
 
+def test_a_nan_score_in_any_request_or_round_is_never_agreement():
+    """bench_serve's |Δ score|: a NaN score in a later request (or a later round) gives NaN, which
+    the agreement check fails, not the other requests' small difference."""
+    from bench_serve import OURS, Run, _fastest, diff_vs
+
+    reference = {0: [0.25, 0.5], 1: [0.75, 0.125]}
+    run = Run("peer", "m3", "agreement", 2)
+    run.scores = {0: [0.25, 0.5], 1: [0.75, math.nan]}
+    assert math.isnan(diff_vs(run, reference))
+    run.scores = {0: [0.25, 0.5], 1: [0.75, 0.125]}
+    assert diff_vs(run, reference) == 0.0
+    assert math.isnan(diff_vs(Run("peer", "m3", "agreement", 2), reference))  # nothing answered
+    rounds = [Run("peer", "m3", "closed", 1, wall=2.0, max_diff=1e-7), Run("peer", "m3", "closed", 1, wall=1.0)]
+    assert math.isnan(_fastest(rounds).max_diff)  # the second round's scores were NaN
+    rounds = [Run(OURS, "m3", "closed", 1, wall=2.0, max_diff=1e-7), Run(OURS, "m3", "closed", 1, wall=1.0,
+                                                                         max_diff=3e-7)]
+    assert _fastest(rounds).max_diff == 3e-7
+
+
+def test_peer_calls_never_share_an_acarerank_servers_prefix_cache(monkeypatch):
+    """``acarerank bench`` repeats one context call after call; an acarerank peer gets a fresh
+    cache_salt on every call, so no timed call is a prefix-cache hit the in-process providers
+    (run without a cross-call cache) cannot have. Other APIs take no salt."""
+    from acarerank.benchmark import peers
+
+    class Answer:
+        status_code = 200
+
+        def __init__(self, n):
+            self.n = n
+
+        def json(self):
+            return dict(results=[dict(index=i, relevance_score=0.5) for i in range(self.n)])
+
+    class Client:  # records the bodies; answers every document with 0.5
+        def __init__(self):
+            self.bodies = []
+
+        def post(self, path, json):
+            self.bodies.append(json)
+            return Answer(len(json["documents"]))
+
+    monkeypatch.setattr(peers, "resolve", lambda t: (t, ""))
+    for api in ("acarerank", "llama.cpp"):
+        p = peers.PeerProvider(Target("p", "http://x", api))
+        p._client = Client()
+        for _ in range(3):
+            assert p.score("q", ["a", "b"], question="Q", trace="T") == [0.5, 0.5]
+        salts = [b.get("cache_salt") for b in p._client.bodies]
+        if api == "acarerank":
+            assert None not in salts and len(set(salts)) == 3, salts
+        else:
+            assert salts == [None] * 3, salts
+
+
 # -- bench_serve against a second acarerank server -------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
