@@ -32,6 +32,7 @@ import torch
 
 from ._validate import check_int, positive_int
 from .model import Qwen3Runner
+from .model.runner import bounded_runs
 from .model.cached_prefill import CacheSlot, default_budget_tokens, prefill_cached
 from .ops import backend_for, yes_no_score
 from .prompts import DEFAULT_TEMPLATE, ContextTemplate, PointwiseEncoding, encode_pointwise
@@ -94,21 +95,6 @@ def _as_requests(requests) -> list:
             raise TypeError(f"requests[{i}] must be a ScoreRequest, a dict of its fields or a tuple "
                             f"(query, documents, ...), got {type(r).__name__}")
     return out
-
-
-def _windows(encodings: list, max_tokens: int):
-    """Consecutive runs of ``encodings`` whose shared parts hold at most ``max_tokens`` tokens
-    together (>= 1 encoding per run)."""
-    run, used = [], 0
-    for e in encodings:
-        n = len(e.shared_ids)
-        if run and used + n > max_tokens:
-            yield run
-            run, used = [], 0
-        run.append(e)
-        used += n
-    if run:
-        yield run
 
 
 def _check_salt(salt) -> None:
@@ -244,7 +230,7 @@ class PointwiseReranker(RerankerBase):
         Qwen3-Reranker-0.6B shape in fp32)."""
         encodings = list(encodings)
         out, cached = [], []
-        for window in _windows(encodings, self.max_pinned_tokens):
+        for window in bounded_runs(encodings, self.max_pinned_tokens, lambda e: len(e.shared_ids)):
             handles = []
             try:
                 for e in window:

@@ -258,7 +258,7 @@ class Qwen3Runner:
         for n, (prefix, ids) in enumerate(items):
             by_pool.setdefault(id(prefix.pool), []).append((n, prefix, ids))
         for entries in by_pool.values():
-            for run in _token_runs(entries, max_batch_tokens):
+            for run in bounded_runs(entries, max_batch_tokens, lambda e: len(e[2])):  # e: (index, prefix, ids)
                 cache = PagedKVCache(run[0][1].pool)
                 group_of: dict = {}
                 try:
@@ -358,13 +358,13 @@ class Qwen3Runner:
         return hidden
 
 
-def _token_runs(entries: list, max_tokens: int):
-    """Consecutive runs of ``(index, prefix, ids)`` entries with at most ``max_tokens`` segment
-    tokens each (>= 1 entry per run)."""
+def bounded_runs(items, max_total: int, size):
+    """Consecutive runs of ``items`` whose ``size(item)`` add up to at most ``max_total`` each
+    (>= 1 item per run, so one item over the bound is a run of its own)."""
     run, used = [], 0
-    for entry in entries:
-        n = len(entry[2])
-        if run and used + n > max_tokens:
+    for entry in items:
+        n = size(entry)
+        if run and used + n > max_total:
             yield run
             run, used = [], 0
         run.append(entry)
