@@ -269,8 +269,11 @@ class RerankService:
         ``max_tokens_per_doc`` cuts each document first, a cut asked for: with ``truncate=false``
         a document it brings under the limit is scored, not refused."""
         # only the arguments given: a step API written against encode(request) keeps working
-        kw = dict(({} if truncate else {"truncate": False}),
-                  **({} if max_tokens_per_doc is None else {"max_doc_tokens": max_tokens_per_doc}))
+        kw = {}
+        if not truncate:
+            kw["truncate"] = False
+        if max_tokens_per_doc is not None:
+            kw["max_doc_tokens"] = max_tokens_per_doc
         return self.reranker.encode(request, **kw)
 
     async def _wait(self, job, is_disconnected: Callable[[], Awaitable[bool]]):
