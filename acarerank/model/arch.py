@@ -1,9 +1,14 @@
 """Qwen3 architecture numbers, read from a transformers config (object or config.json dict)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .._validate import positive_int
+
+#: transformers' Qwen3Config defaults (4.x and 5.x alike) for shape fields a config.json may omit:
+#: an absent head_dim is 128 (not hidden_size / num_attention_heads) and an absent
+#: num_key_value_heads is 32 (an explicit null is num_attention_heads)
+QWEN3_SHAPE_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32}
 
 
 @dataclass(frozen=True)
@@ -19,10 +24,13 @@ class Qwen3Arch:
     rope_theta: float
     tie_word_embeddings: bool
     attention_bias: bool = False
+    #: config keys that were absent and took ``QWEN3_SHAPE_DEFAULTS``' value (named in shape errors)
+    defaulted: tuple = field(default=(), compare=False)
 
     @classmethod
     def from_config(cls, cfg) -> "Qwen3Arch":
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        has = (lambda k: k in cfg) if isinstance(cfg, dict) else (lambda k: hasattr(cfg, k))
         model_type = get("model_type")
         if model_type not in (None, "qwen3"):
             raise ValueError(f"acarerank runs Qwen3 decoders; this checkpoint's model_type is {model_type!r}")
@@ -35,6 +43,14 @@ class Qwen3Arch:
             v = get(key)
             positive_int(f"config field {key!r}", v)
         hidden, heads = get("hidden_size"), get("num_attention_heads")
+        for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window"):
+            # bool("false") is True: a quoted flag once tied an untied model's output layer to its embedding
+            if not isinstance(get(key, False), bool):
+                raise ValueError(f"config field {key!r} must be true or false, got {get(key)!r} (transformers' "
+                                 "Qwen3Config refuses it too)")
+        eps = get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+            raise ValueError(f"config field 'rms_norm_eps' must be a finite number >= 0, got {eps!r}")
         # transformers >= 5 keeps RoPE in rope_parameters, which wins over a top-level rope_theta
         # (4.x's key, still read) and takes rope_scaling's type; neither given: Qwen3Config's
         # default, 10,000 (Qwen3-Reranker's config says 1,000,000)
@@ -55,22 +71,34 @@ class Qwen3Arch:
         if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU too
             raise ValueError(f"hidden_act {act!r} is not supported: the runner's MLP is SiLU(gate)·up, as Qwen3's")
         _check_no_sliding_window(get, get("num_hidden_layers"))
+        defaulted = tuple(k for k in QWEN3_SHAPE_DEFAULTS if not has(k))
+        head_dim = positive_int("config field 'head_dim'", get("head_dim", QWEN3_SHAPE_DEFAULTS["head_dim"]))
+        kv_heads = get("num_key_value_heads", QWEN3_SHAPE_DEFAULTS["num_key_value_heads"])
+        kv_heads = heads if kv_heads is None else positive_int("config field 'num_key_value_heads'", kv_heads)
         arch = cls(
             vocab_size=get("vocab_size"),
             hidden_size=hidden,
             intermediate_size=get("intermediate_size"),
             num_layers=get("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=get("num_key_value_heads") or heads,
-            head_dim=get("head_dim") or hidden // heads,
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(eps),
             rope_theta=float(rope_theta),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            attention_bias=bool(get("attention_bias", False)),
+            tie_word_embeddings=get("tie_word_embeddings", False),
+            attention_bias=get("attention_bias", False),
+            defaulted=defaulted,
         )
         if arch.num_heads % arch.num_kv_heads:
-            raise ValueError(f"num_attention_heads {arch.num_heads} is not a multiple of num_key_value_heads {arch.num_kv_heads}")
+            raise ValueError(f"num_attention_heads {arch.num_heads} is not a multiple of num_key_value_heads "
+                             f"{arch.num_kv_heads}" + arch.default_note("num_key_value_heads"))
         return arch
+
+    def default_note(self, *keys) -> str:
+        """A sentence for an error message about ``keys``: which of them the config did not give."""
+        return "".join(f"; the config has no {k!r}, so it is transformers' Qwen3Config default "
+                       f"{QWEN3_SHAPE_DEFAULTS[k]} — is {k} missing from config.json?"
+                       for k in keys if k in self.defaulted)
 
 
 def _check_no_sliding_window(get, num_layers: int) -> None:

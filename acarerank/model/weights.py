@@ -56,17 +56,22 @@ class Qwen3Weights:
 
 
 def _expected_shapes(arch: Qwen3Arch) -> dict:
-    """Suffix of a tensor name -> its shape (HF layout, [out, in] for linear weights)."""
-    H, I, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    """Suffix of a tensor name -> (its shape, the config fields behind each dimension) (HF layout,
+    [out, in] for linear weights)."""
+    H, I, d, V = arch.hidden_size, arch.intermediate_size, arch.head_dim, arch.vocab_size
     q, kv = arch.num_heads * d, arch.num_kv_heads * d
-    return {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-            "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
-            "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-            "self_attn.o_proj.bias": (H,),
-            "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,), "self_attn.o_proj.weight": (H, q),
-            "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
-            "model.embed_tokens.weight": (arch.vocab_size, H), "lm_head.weight": (arch.vocab_size, H),
-            "model.norm.weight": (H,)}
+    h, i, v = f"hidden_size {H}", f"intermediate_size {I}", f"vocab_size {V}"
+    hq = f"num_attention_heads {arch.num_heads} × head_dim {d}"
+    hkv = f"num_key_value_heads {arch.num_kv_heads} × head_dim {d}"
+    return {"input_layernorm.weight": ((H,), [h]), "post_attention_layernorm.weight": ((H,), [h]),
+            "self_attn.q_proj.weight": ((q, H), [hq, h]), "self_attn.k_proj.weight": ((kv, H), [hkv, h]),
+            "self_attn.v_proj.weight": ((kv, H), [hkv, h]), "self_attn.q_proj.bias": ((q,), [hq]),
+            "self_attn.k_proj.bias": ((kv,), [hkv]), "self_attn.v_proj.bias": ((kv,), [hkv]),
+            "self_attn.o_proj.bias": ((H,), [h]), "self_attn.q_norm.weight": ((d,), [f"head_dim {d}"]),
+            "self_attn.k_norm.weight": ((d,), [f"head_dim {d}"]), "self_attn.o_proj.weight": ((H, q), [h, hq]),
+            "mlp.gate_proj.weight": ((I, H), [i, h]), "mlp.up_proj.weight": ((I, H), [i, h]),
+            "mlp.down_proj.weight": ((H, I), [h, i]), "model.embed_tokens.weight": ((V, H), [v, h]),
+            "lm_head.weight": ((V, H), [v, h]), "model.norm.weight": ((H,), [h])}
 
 
 _FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -83,10 +88,11 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
         if name not in sd:
             raise CheckpointError(f"{source}: no tensor {name!r} (a missing shard, or not a Qwen3 checkpoint)")
         t = sd[name]
-        want = shapes.get(name) or shapes.get(name.split(".", 3)[-1])
+        want, why = shapes.get(name) or shapes.get(name.split(".", 3)[-1]) or (None, [])
         if want is not None and tuple(t.shape) != want:
             raise CheckpointError(f"{where(name)}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
-                                  f"{list(want)}")
+                                  f"{list(want)} ({', '.join(why)})"
+                                  + arch.default_note(*(k for k in arch.defaulted if any(k in w for w in why))))
         return floating(t, name, where(name)).to(device=device, dtype=dtype)
 
     def floating(t, name, place):

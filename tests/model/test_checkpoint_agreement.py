@@ -1,0 +1,131 @@
+"""Checkpoints the loader once read differently from transformers, with no error.
+
+Oracles: transformers' own loading and forward on the same random weights (the model card's
+scoring path for causal LMs; Qwen3ForSequenceClassification's logits for score heads).
+"""
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from _tiny import random_qwen3, tiny_seq_cls
+from acarerank import PointwiseReranker
+from acarerank.model import CheckpointError
+from acarerank.prompts import joint_input_ids, official_scores
+from acarerank.tokenizer import load_qwen3_tokenizer
+
+DOCS = ["alpha beta", "gamma delta epsilon", "the answer is 42", ""]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_qwen3_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def causal():
+    return random_qwen3(seed=5, spread_yes_no=40)  # card scores 0.49-0.60: a 1e-5 tolerance is sharp
+
+
+@pytest.fixture(scope="module")
+def card_scores(causal, tok):
+    return official_scores(causal, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def saved(causal, tmp_path_factory):
+    path = tmp_path_factory.mktemp("agree") / "causal"
+    causal.save_pretrained(path)
+    return path
+
+
+def close(a, b, tol=1e-5):
+    return max(abs(x - y) for x, y in zip(a, b)) <= tol
+
+
+def _edit_config(ckpt, drop=(), **set_):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for k in drop:
+        cfg.pop(k, None)
+    (ckpt / "config.json").write_text(json.dumps({**cfg, **set_}))
+
+
+def _edit_tensors(ckpt, fn):
+    sd = load_file(ckpt / "model.safetensors")
+    fn(sd)
+    save_file(sd, ckpt / "model.safetensors", metadata={"format": "pt"})
+
+
+def _quiet_load(path):
+    """from_pretrained (fp32, as the oracles) with every warning an error: a real layout loads silently."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return PointwiseReranker.from_pretrained(str(path), dtype=torch.float32)
+
+
+# -- 2. shape fields config.json may omit --------------------------------------------------
+
+@pytest.mark.parametrize("shape, drop", [(dict(heads=2, kv_heads=1, head_dim=128), "head_dim"),
+                                         (dict(heads=64, kv_heads=32, head_dim=8), "num_key_value_heads")])
+def test_absent_shape_field_is_qwen3configs_default(tok, shape, drop, tmp_path):
+    """config.json without head_dim is head_dim 128 and without num_key_value_heads is 32 in
+    transformers' Qwen3Config; the loader took hidden/heads and num_attention_heads, and refused
+    these checkpoints (which transformers loads). Scores against transformers' from_pretrained."""
+    from transformers import Qwen3ForCausalLM
+
+    random_qwen3(seed=2, spread_yes_no=40, hidden=32, **shape).save_pretrained(tmp_path / "c")
+    _edit_config(tmp_path / "c", drop=[drop])
+    hf = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "c"), attn_implementation="eager").eval()
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    assert close(_quiet_load(tmp_path / "c").score("q", DOCS), want)
+
+
+def test_absent_head_dim_that_disagrees_with_the_tensors_is_named(saved, tmp_path):
+    """head_dim 16 tensors (= hidden/heads) under a config without head_dim: transformers reads
+    128 and refuses the shapes; the loader used to accept 16. The error names the tensor, both
+    shapes, the fields and the missing key."""
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, drop=["head_dim"])
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight' has shape \(32, 32\), the config implies \[256, 32\] "
+                                              r"\(num_attention_heads 2 × head_dim 128, hidden_size 32\); the config "
+                                              r"has no 'head_dim'.*is head_dim missing from config\.json"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+@pytest.mark.parametrize("field, value", [("num_key_value_heads", 0), ("head_dim", None), ("head_dim", 0)])
+def test_shape_field_transformers_cannot_build_is_refused(saved, field, value, tmp_path):
+    """num_key_value_heads 0 was read as num_attention_heads and head_dim null as hidden/heads:
+    transformers cannot build either model (division by zero; head_dim must be an int)."""
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, **{field: value})
+    with pytest.raises(CheckpointError, match=rf"config\.json: config field '{field}' must be a positive int"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_absent_num_key_value_heads_that_cannot_divide_is_named(saved, tmp_path):
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, drop=["num_key_value_heads"])
+    with pytest.raises(CheckpointError, match=r"num_attention_heads 2 is not a multiple of num_key_value_heads 32; "
+                                              r"the config has no 'num_key_value_heads'"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+@pytest.mark.parametrize("field, value", [("tie_word_embeddings", "false"), ("attention_bias", "false"),
+                                          ("use_sliding_window", "false"), ("rms_norm_eps", "1e-6"),
+                                          ("rms_norm_eps", None)])
+def test_flag_or_number_of_the_wrong_type_is_refused(saved, field, value, tmp_path):
+    """bool("false") is True: an untied checkpoint without lm_head.weight under
+    ``"tie_word_embeddings": "false"`` scored with the embedding as its output layer, with no error
+    (transformers' Qwen3Config refuses the string, as it refuses a quoted or null rms_norm_eps)."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, **{field: value})
+    _edit_tensors(ckpt, lambda sd: sd.pop("lm_head.weight"))
+    with pytest.raises(Exception, match=field):
+        Qwen3ForCausalLM.from_pretrained(str(ckpt))
+    with pytest.raises(CheckpointError, match=rf"config\.json: config field '{field}' must be"):
+        PointwiseReranker.from_pretrained(str(ckpt))
