@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .arch import Qwen3Arch
+from .stored_names import refuse_foreign, warn_unused
 
 
 @dataclass
@@ -80,13 +81,17 @@ _FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model") -> Qwen3Weights:
     """Build the runner's layout from a name -> tensor mapping (``sd.where(name)``, if present,
     names the file a tensor lives in). Every error is a CheckpointError naming ``source``/the file
-    and the tensor."""
+    and the tensor. Stored tensors the model does not read: ``stored_names``."""
     shapes = _expected_shapes(arch)
     where = getattr(sd, "where", lambda name: source)
+    names = list(sd.keys())
+    refuse_foreign(names, arch.num_layers, source, CheckpointError)
+    used = set()
 
     def take(name):
         if name not in sd:
             raise CheckpointError(f"{source}: no tensor {name!r} (a missing shard, or not a Qwen3 checkpoint)")
+        used.add(name)
         t = sd[name]
         want, why = shapes.get(name) or shapes.get(name.split(".", 3)[-1]) or (None, [])
         if want is not None and tuple(t.shape) != want:
@@ -135,6 +140,7 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
                 f"{where('score.weight')}: a Qwen3ForSequenceClassification head score.weight of shape "
                 f"{tuple(score_head.shape)}; a yes/no reranker head has 1 row (the yes−no direction) or 2 rows "
                 f"([no, yes]) of hidden size {arch.hidden_size}")
+        used.add("score.weight")
         score_head = floating(score_head, "score.weight", where("score.weight")).to(device=device, dtype=dtype)
     elif "lm_head.weight" in sd:
         lm_head = take("lm_head.weight")
@@ -150,7 +156,9 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
         raise CheckpointError(f"{source}: tie_word_embeddings is false but there is no tensor 'lm_head.weight' (nor a "
                               "sequence-classification 'score.weight'); the output layer is missing — a lost shard? "
                               "(it is never replaced by the embedding)")
-    return Qwen3Weights(arch=arch, embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head,
+    final_norm = take("model.norm.weight")
+    warn_unused(names, used, source, stacklevel=3)
+    return Qwen3Weights(arch=arch, embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head,
                         score_head=score_head)
 
 
@@ -176,6 +184,9 @@ class _LazyTensors:
 
     def __contains__(self, name) -> bool:
         return name in self._location
+
+    def keys(self):
+        return self._location.keys()
 
     def where(self, name) -> str:
         return self._location.get(name, "the checkpoint")

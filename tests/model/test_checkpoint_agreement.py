@@ -129,3 +129,76 @@ def test_flag_or_number_of_the_wrong_type_is_refused(saved, field, value, tmp_pa
         Qwen3ForCausalLM.from_pretrained(str(ckpt))
     with pytest.raises(CheckpointError, match=rf"config\.json: config field '{field}' must be"):
         PointwiseReranker.from_pretrained(str(ckpt))
+
+
+# -- 3. stored tensors the model does not read ----------------------------------------------
+
+def test_layers_beyond_num_hidden_layers_are_refused(tmp_path):
+    """A 2-layer checkpoint under num_hidden_layers 1 scored with layer 0 alone (transformers too,
+    after a warning): the config and the weights disagree, so it is a CheckpointError."""
+    random_qwen3(seed=3, layers=2).save_pretrained(tmp_path / "c")
+    _edit_config(tmp_path / "c", num_hidden_layers=1, layer_types=["full_attention"])
+    with pytest.raises(CheckpointError, match=r"tensors of layers \[1\] but num_hidden_layers is 1"):
+        PointwiseReranker.from_pretrained(str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("unmerged", [False, True], ids=["beside", "base_layer"])
+def test_unmerged_adapter_is_refused(saved, unmerged, tmp_path):
+    """LoRA tensors beside the base weights were ignored (scores of the base model); peft's
+    unmerged layout (``q_proj.base_layer.weight``) got "no tensor q_proj.weight". Both now say to
+    merge the adapter."""
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    p = "model.layers.0.self_attn.q_proj."
+
+    def add_lora(sd):
+        if unmerged:
+            sd[p + "base_layer.weight"] = sd.pop(p + "weight")
+        sd[p + "lora_A.default.weight"] = torch.zeros(4, 32)
+        sd[p + "lora_B.default.weight"] = torch.zeros(32, 4)
+    _edit_tensors(ckpt, add_lora)
+    with pytest.raises(CheckpointError, match=r"unmerged adapter.*lora_A.*merge the adapter"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+@pytest.mark.parametrize("extra", [2, 12])
+def test_other_unused_tensors_are_named_in_one_warning(saved, tok, extra, tmp_path):
+    """Tensors a Qwen3 does not have (an MLP bias, foreign keys) were dropped silently; transformers
+    drops them too, with a warning. One UserWarning now names them (at most 10) and their count;
+    scores are transformers' on the same folder."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    names = ["model.layers.0.mlp.gate_proj.bias"] + [f"value_head.{i}.weight" for i in range(extra - 1)]
+    _edit_tensors(ckpt, lambda sd: sd.update({n: torch.ones(48) for n in names}))
+    hf = Qwen3ForCausalLM.from_pretrained(str(ckpt), attn_implementation="eager").eval()
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    with pytest.warns(UserWarning, match=rf"{extra} stored tensors are not used") as got:
+        rr = PointwiseReranker.from_pretrained(str(ckpt), dtype=torch.float32)
+    assert len(got) == 1
+    shown = sorted(names)[:10]
+    assert all(repr(n) in str(got[0].message) for n in shown)
+    assert ("..." in str(got[0].message)) == (extra > 10)
+    assert close(rr.score("q", DOCS), want)
+
+
+def test_real_layouts_load_without_a_word(causal, card_scores, saved, tmp_path):
+    """Causal LM (untied; tied with and without a stored lm_head), sequence-classification heads,
+    a ``base_model.`` prefix and rotary inv_freq buffers of older exports: no warning."""
+    assert close(_quiet_load(saved).score("q", DOCS), card_scores)
+    tied = random_qwen3(seed=4, tie=True)
+    tied.save_pretrained(tmp_path / "tied")
+    _quiet_load(tmp_path / "tied")
+    _edit_tensors(tmp_path / "tied", lambda sd: sd.update({"lm_head.weight": sd["model.embed_tokens.weight"].clone()}))
+    _quiet_load(tmp_path / "tied")
+    for rows in (1, 2):
+        tiny_seq_cls(causal, rows).save_pretrained(tmp_path / f"seq{rows}")
+        assert close(_quiet_load(tmp_path / f"seq{rows}").score("q", DOCS), card_scores)
+    ckpt = shutil.copytree(saved, tmp_path / "old")
+
+    def old_export(sd):
+        for k in list(sd):
+            sd["base_model." + k] = sd.pop(k)
+        sd["model.rotary_emb.inv_freq"] = torch.ones(8)
+        sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    _edit_tensors(ckpt, old_export)
+    assert close(_quiet_load(ckpt).score("q", DOCS), card_scores)
