@@ -170,8 +170,9 @@ class PointwiseReranker(RerankerBase):
 
         Causal LM: the "yes"/"no" rows of lm_head. Sequence-classification checkpoint
         (``score.weight`` of 1 row = the yes−no direction, as vLLM and sentence-transformers
-        convert Qwen3-Reranker; of 2 rows = the [no, yes] logits of a 2-way softmax):
-        (row, 0) or (row 1, row 0).
+        convert Qwen3-Reranker; of 2 rows = the logits of a 2-way softmax, which the loader put
+        in [no, yes] order by the config's id2label — generic LABEL_0/LABEL_1 or none: label 1
+        is yes; ``acarerank.model.score_labels``): (row, 0) or (row 1, row 0).
         """
         W = self.runner.weights
         score = getattr(W, "score_head", None)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from .arch import Qwen3Arch
+from .score_labels import yes_no_rows
 from .stored_names import refuse_foreign, warn_unused
 
 
@@ -45,7 +46,9 @@ class Qwen3Weights:
     layers: list
     final_norm: torch.Tensor      # [H]
     lm_head: Optional[torch.Tensor]  # [V, H] (the embedding itself when tied); None for a score-head model
-    score_head: Optional[torch.Tensor] = None  # [1 or 2, H]: Qwen3ForSequenceClassification's score.weight
+    # [1, H] the yes−no direction, or [2, H] the [no, yes] rows: Qwen3ForSequenceClassification's
+    # score.weight with its rows put in that order by the config's id2label (score_labels)
+    score_head: Optional[torch.Tensor] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,10 +81,12 @@ def _expected_shapes(arch: Qwen3Arch) -> dict:
 _FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model") -> Qwen3Weights:
+def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model", id2label=None,
+                     config_source: str = "the config") -> Qwen3Weights:
     """Build the runner's layout from a name -> tensor mapping (``sd.where(name)``, if present,
     names the file a tensor lives in). Every error is a CheckpointError naming ``source``/the file
-    and the tensor. Stored tensors the model does not read: ``stored_names``."""
+    and the tensor. ``id2label``: the config's, naming ``score.weight``'s rows (score_labels).
+    Stored tensors the model does not read: ``stored_names``."""
     shapes = _expected_shapes(arch)
     where = getattr(sd, "where", lambda name: source)
     names = list(sd.keys())
@@ -139,9 +144,13 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
             raise CheckpointError(
                 f"{where('score.weight')}: a Qwen3ForSequenceClassification head score.weight of shape "
                 f"{tuple(score_head.shape)}; a yes/no reranker head has 1 row (the yes−no direction) or 2 rows "
-                f"([no, yes]) of hidden size {arch.hidden_size}")
+                f"(no and yes, as id2label names them) of hidden size {arch.hidden_size}")
+        try:
+            rows = yes_no_rows(id2label, score_head.shape[0])
+        except ValueError as e:
+            raise CheckpointError(f"{config_source}: {e}") from None
         used.add("score.weight")
-        score_head = floating(score_head, "score.weight", where("score.weight")).to(device=device, dtype=dtype)
+        score_head = floating(score_head, "score.weight", where("score.weight"))[rows].to(device=device, dtype=dtype)
     elif "lm_head.weight" in sd:
         lm_head = take("lm_head.weight")
         if arch.tie_word_embeddings:
@@ -173,7 +182,8 @@ def weights_from_hf(model) -> Qwen3Weights:
     if not sd:
         raise CheckpointError(f"{type(model).__name__} has no parameters")
     p = next(iter(sd.values()))
-    return _from_state_dict(arch, sd, p.dtype, p.device, source=f"in-memory {type(model).__name__}")
+    return _from_state_dict(arch, sd, p.dtype, p.device, source=f"in-memory {type(model).__name__}",
+                            id2label=getattr(model.config, "id2label", None), config_source="the model's config")
 
 
 class _LazyTensors:
@@ -288,4 +298,5 @@ def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weight
                                   f"contain it ({len(missing)} such tensors)")
     sd = _LazyTensors(handles, location, raw)
     source = f"checkpoint {path!r} ({os.path.basename(index) if index else 'model.safetensors'})"
-    return _from_state_dict(arch, sd, dtype, torch.device(device), source=source)
+    return _from_state_dict(arch, sd, dtype, torch.device(device), source=source, id2label=cfg.get("id2label"),
+                            config_source=cfg_path)

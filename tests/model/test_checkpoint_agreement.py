@@ -66,6 +66,65 @@ def _quiet_load(path):
         return PointwiseReranker.from_pretrained(str(path), dtype=torch.float32)
 
 
+# -- 1. which row of a 2-row score.weight is "yes" ---------------------------------------
+
+def _labelled_head(causal, labels):
+    """A 2-row Qwen3ForSequenceClassification whose rows are the causal LM's no/yes rows in the
+    order ``labels`` names them (normalised: "yes" / "relevant" is the yes row)."""
+    seq = tiny_seq_cls(causal, 2)  # rows [no, yes]
+    yes_first = labels[0].strip().lower() in ("yes", "relevant")
+    if yes_first:
+        with torch.no_grad():
+            seq.score.weight.copy_(seq.score.weight.flip(0))
+    seq.config.id2label = dict(enumerate(labels))
+    seq.config.label2id = {v: i for i, v in enumerate(labels)}
+    return seq, 0 if yes_first else 1
+
+
+@pytest.mark.parametrize("labels", [("yes", "no"), (" Relevant", "NOT_RELEVANT"), ("irrelevant", "relevant"),
+                                    ("No", "Yes")])
+def test_two_row_head_follows_id2label(causal, card_scores, tok, labels, tmp_path):
+    """A score head whose config says id2label {0: "yes", 1: "no"} was read as [no, yes]: every
+    score came out as 1 − the right one (0.9998 for 0.0002), with no error. The rows now follow
+    the labels, in memory and from disk, as transformers' softmax at the "yes" label."""
+    seq, yes = _labelled_head(causal, labels)
+    with torch.no_grad():
+        ref = [float(seq(input_ids=torch.tensor([joint_input_ids(tok, "q", d)])).logits[0].softmax(-1)[yes])
+               for d in DOCS]
+    assert close(ref, card_scores)  # the labelled row is the model card's "yes"
+    assert close(PointwiseReranker(model=seq).score("q", DOCS), ref)
+    seq.save_pretrained(tmp_path / "seq")
+    assert json.loads((tmp_path / "seq" / "config.json").read_text())["id2label"]["0"] == labels[0]
+    assert close(_quiet_load(tmp_path / "seq").score("q", DOCS), ref)
+
+
+@pytest.mark.parametrize("rows, id2label, match", [
+    (2, {"0": "negative", "1": "positive"}, "'negative'"),
+    (2, {"0": "yes", "1": "yes"}, "'yes'"),
+    (2, {"0": "LABEL_1", "1": "LABEL_0"}, "'LABEL_1'"),
+    (2, {"0": "no", "1": "yes", "2": "maybe"}, "names 3 labels but score.weight has 2"),
+    (1, {"0": "no"}, "label its row 'yes'"),
+], ids=["other-names", "twice-yes", "generic-swapped", "three-labels", "one-row-no"])
+def test_score_labels_that_say_no_row_is_yes_are_refused(causal, rows, id2label, match, tmp_path):
+    """Labels that name something else (or disagree with the rows) were ignored and the rows read
+    as [no, yes]; now a CheckpointError naming config.json, the labels and the fix."""
+    tiny_seq_cls(causal, rows).save_pretrained(tmp_path / "seq")
+    _edit_config(tmp_path / "seq", drop=["label2id"], id2label=id2label)
+    with pytest.raises(CheckpointError, match=rf"config\.json: id2label .*{match}"):
+        PointwiseReranker.from_pretrained(str(tmp_path / "seq"))
+    if len(id2label) == rows:  # in memory too (a transformers config cannot hold a count mismatch)
+        seq = tiny_seq_cls(causal, rows)
+        seq.config.id2label = {int(k): v for k, v in id2label.items()}
+        with pytest.raises(CheckpointError, match=rf"model's config: id2label .*{match}"):
+            PointwiseReranker(model=seq)
+
+
+def test_one_row_head_labelled_yes_is_the_yes_no_direction(causal, card_scores, tmp_path):
+    tiny_seq_cls(causal, 1).save_pretrained(tmp_path / "seq")
+    _edit_config(tmp_path / "seq", id2label={"0": "yes"}, label2id={"yes": 0})
+    assert close(_quiet_load(tmp_path / "seq").score("q", DOCS), card_scores)
+
+
 # -- 2. shape fields config.json may omit --------------------------------------------------
 
 @pytest.mark.parametrize("shape, drop", [(dict(heads=2, kv_heads=1, head_dim=128), "head_dim"),
