@@ -168,3 +168,18 @@ def test_dev_zero_is_refused_at_once_in_bounded_memory(files, flags, stdin):
     rc, grew = map(int, r.stdout.split())
     assert rc == 2 and "more than" in r.stderr and flags[-2] in r.stderr, (rc, r.stderr[-2000:])
     assert grew < 3 * MAX_INPUT_BYTES, f"the read grew the process by {grew / 2**20:.0f} MiB"
+
+
+def test_select_over_the_token_cap_fails_before_loading_with_the_late_message(capsys, files, no_load):
+    """100 documents cannot fit --max-length 300: the check needs the tokenizer only, and its line is
+    the one the selection itself raises (build_prompt) once the model has loaded."""
+    from acarerank.setwise.prompts import build_prompt
+    from acarerank.tokenizer import TextEncoder
+
+    texts = [f"doc {i}" for i in range(100)]
+    (files / "hundred.jsonl").write_text("\n".join(json.dumps(t) for t in texts))
+    with pytest.raises(ValueError) as late:
+        build_prompt(TextEncoder.of(None, "escape"), "q", texts, None, 2, 300)
+    rc, err, _ = run(capsys, ["select", "--query", "q", "--docs", str(files / "hundred.jsonl"), "--max-select", "2",
+                              "--max-length", "300"])
+    assert rc == 2 and err == [f"acarerank select: error: {late.value}"], (rc, err)
