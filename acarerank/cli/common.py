@@ -61,8 +61,11 @@ def read_input_bytes(path: str, flag: str, cap: int = MAX_INPUT_BYTES) -> bytes:
     else:
         if os.path.isdir(path):
             raise ValueError(f"{flag} {path!r} is a folder, not a file")
-        with open(path, "rb") as f:
-            data = f.read(cap + 1)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(cap + 1)
+        except OSError as e:  # missing, unreadable: the line names the flag, not only the file
+            raise OSError(f"{flag} {path!r}: {e.strerror or e}") from None
     if len(data) > cap:
         raise ValueError(f"{flag} {'stdin' if path == '-' else repr(path)} holds more than {cap:,} bytes, "
                          f"the cap on one input file (the server's request body cap)")

@@ -54,6 +54,8 @@ def run(capsys, argv):
     (["--min-doc-tokens", "0"], 2, "--min-doc-tokens"),
     (["--trace-file", "DIR"], 2, "--trace-file"),
     (["--docs", "DIR"], 2, "--docs"),
+    (["--docs", "DIR/missing.jsonl"], 2, "--docs"),
+    (["--trace-file", "DIR/missing.txt"], 2, "--trace-file"),
     (["--docs", "DIR/latin1.jsonl"], 2, "latin1.jsonl:2"),
     (["--docs", "DIR/surrogate.jsonl"], 2, "surrogate.jsonl:2"),
     (["--model", "DIR/nope"], 2, "nope"),
@@ -183,3 +185,32 @@ def test_select_over_the_token_cap_fails_before_loading_with_the_late_message(ca
     rc, err, _ = run(capsys, ["select", "--query", "q", "--docs", str(files / "hundred.jsonl"), "--max-select", "2",
                               "--max-length", "300"])
     assert rc == 2 and err == [f"acarerank select: error: {late.value}"], (rc, err)
+
+
+def _raise_in_run(monkeypatch, error):
+    import acarerank.cli.score as score
+
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(score, "run", run)
+
+
+def test_ctrl_c_rewrapped_by_an_import_is_still_an_interrupt(capsys, monkeypatch):
+    """transformers' lazy modules turn a Ctrl-C during their import into ModuleNotFoundError
+    ("Could not import module 'Qwen3ForCausalLM'"): exit 130, not a runtime error."""
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise ModuleNotFoundError("Could not import module 'Qwen3ForCausalLM'") from e
+    except ModuleNotFoundError as e:
+        _raise_in_run(monkeypatch, e)
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
+    assert rc == 130 and err == ["acarerank score: interrupted"], (rc, err)
+
+
+def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
+    _raise_in_run(monkeypatch, BrokenPipeError(32, "Broken pipe"))
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
+    assert rc == 141 and err == [], (rc, err)
