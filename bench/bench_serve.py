@@ -63,6 +63,7 @@ import argparse
 import asyncio
 import csv
 import json
+import math
 import os
 import random
 import sys
@@ -87,6 +88,7 @@ OURS = "acarerank"           # the in-process acarerank server's target name
 OWN_TOLERANCE = {"float32": 1e-6, "bfloat16": 2e-2}
 PEER_TOLERANCE = {"float32": 1e-2, "bfloat16": 5e-2}  # default --peer-tolerance (another engine's kernels)
 PEER_TARGETS = {"vllm": 1.5, "llama.cpp": 2.0}  # acarerank ≥ this × the peer's throughput (docs/benchmarks.md)
+NO_CAPACITY = "open: not run (no capacity)"  # the load of an open-loop row a target without capacity gets
 
 
 @dataclass
@@ -373,6 +375,16 @@ def parse_args(argv=None):
     if args.quick:
         args.requests, args.depth, args.sessions, args.steps = 4, 4, 2, 2
         args.concurrency, args.loads, args.repeats, args.agreement_requests = [1, 4], [0.7], 1, 2
+    for flag in ("requests", "depth", "sessions", "steps", "repeats", "agreement_requests", "max_batch_tokens"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if any(c < 1 for c in args.concurrency):
+        ap.error(f"--concurrency values must be >= 1, got {args.concurrency}")
+    if not all(0 < f < math.inf for f in args.loads):  # a rate of 0 or NaN has no Poisson arrivals
+        ap.error(f"--loads fractions must be > 0 and finite, got {args.loads}")
+    if not 0 <= args.peer_tolerance < math.inf:
+        ap.error(f"--peer-tolerance must be a number >= 0, got {args.peer_tolerance}")
     names = [t.name for t in args.target]
     if OURS in names or len(set(names)) != len(names):
         ap.error(f"--target names must be unique and not {OURS!r} (the server this script starts)")
@@ -482,20 +494,30 @@ def _closed(t: Target, name: str, reqs: list, c: int) -> Run:
 
 
 def open_rows(targets: list, workloads: Workloads, best: dict, args) -> list:
-    """Open loops at each fraction of each target's own capacity, targets one after the other."""
+    """Open loops at each fraction of each target's own capacity, targets one after the other.
+    A target without capacity (no closed-loop request succeeded) gets a ``NO_CAPACITY`` row
+    instead, which ``checks`` fails."""
     rows = []
     for name in args.workloads:
         for f in args.loads:
             reqs = salted(workloads.make(name, f"open-{f}"), f"open-{f}")
             runs = {}
             for t in targets:
-                rate = f * best[(t.name, name)]
-                log(f"[open] {name} {f:.0%} of {best[(t.name, name)]:.2f} req/s: {t.name}")
+                capacity = best[(t.name, name)]
+                if not capacity > 0:
+                    log(f"[open] {name} {f:.0%}: {t.name} skipped, capacity 0 req/s (no closed-loop request "
+                        "succeeded)")
+                    continue
+                log(f"[open] {name} {f:.0%} of {capacity:.2f} req/s: {t.name}")
                 run = Run(t.name, name, "open", f)
-                runs[t.name] = measured(t, run, open_loop(t, reqs, rate, run, args.seed))
+                runs[t.name] = measured(t, run, open_loop(t, reqs, f * capacity, run, args.seed))
+            reference = runs[OURS].scores if OURS in runs else {}
             for t in targets:
+                if t.name not in runs:
+                    rows.append(dict(target=t.name, workload=name, load=NO_CAPACITY, level=f))
+                    continue
                 if t.name != OURS:
-                    runs[t.name].max_diff = diff_vs(runs[t.name], runs[OURS].scores)
+                    runs[t.name].max_diff = diff_vs(runs[t.name], reference)
                 rows.append(runs[t.name].row())
                 log(table(rows[-1:]).splitlines()[-1])
     return rows
@@ -547,6 +569,10 @@ def checks(rows: list, targets: list, args) -> tuple:
                   f"max |diff| {diff:.2g}", f"{name} {t.name}")
             errors = sum(r.get("errors", 0) or 0 for r in rows if r["target"] == t.name and r["workload"] == name)
             check("zero errors", errors == 0, f"{errors} errors", f"{name} {t.name}")
+            skipped = len(sel(t.name, NO_CAPACITY))
+            if skipped:
+                check("open loops ran", False, f"{skipped} not run: no closed-loop request succeeded",
+                      f"{name} {t.name}")
         c16 = [r for r in sel(OURS, "closed") if r["level"] == 16]
         if c16:
             ratio = c16[0]["tokens_per_s"] / batch["tokens_per_s"]

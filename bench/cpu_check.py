@@ -234,7 +234,7 @@ def e2e_figures(rows: list, name: str) -> dict:
     the times and of the GEMM peaks (the ratio's ceiling on this CPU). The depth in the keys is
     the run's name (d20, d50) so a --quick run keeps the same keys."""
     figs, peaks = {}, {}
-    ours = [r for r in rows if r["provider"].startswith("acarerank")]
+    ours = [r for r in rows if r["provider"].startswith("acarerank") and not r.get("error")]  # a failed cell: no figures
     for r in ours:
         key = f"e2e.{r['mode']}.{name}.{r['dtype']}"
         figs[f"{key}.ms"] = float(r["median_ms"])

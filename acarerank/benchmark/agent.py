@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .._validate import positive_int
-from .workload import _cut_to_tokens, _text, _trace, token_count, vocab_words
+from .workload import _cut_to_tokens, _text, _trace, check_sizes, token_count, vocab_words
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ class AgentSpec:
         lo, hi = self.doc_tokens
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"AgentSpec.doc_tokens must be (low, high) with 1 <= low <= high, got {self.doc_tokens!r}")
+        check_sizes("AgentSpec", dict(question_tokens=self.question_tokens, query_tokens=self.query_tokens,
+                                      doc_tokens=hi, **{"steps x trace_step_tokens": self.steps * self.trace_step_tokens}),
+                    dict(docs=self.docs, subqueries=self.subqueries))
 
 
 def make_session(tokenizer, spec: AgentSpec) -> list:

@@ -44,7 +44,7 @@ from .gemm_peak import gemm_peak
 from .measure import PeakMemory, machine_info, percentile, sync, timed_call
 from .peers import PeerProvider, Target
 from .report import Shapes, plan_flops
-from .workload import MODES, Workload, WorkloadSpec, make_workload
+from .workload import MAX_DOCS, MODES, Workload, WorkloadSpec, make_workload
 
 PROVIDERS = ("transformers", "transformers+prefix-cache", "acarerank")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,6 +83,9 @@ class BenchConfig:
     def validate(self) -> "BenchConfig":
         if not self.depths or not all(is_positive_int(d) for d in self.depths):
             raise ValueError(f"depths must be positive ints, got {self.depths!r}")
+        if max(self.depths) > MAX_DOCS:  # the workload holds max(depths) documents
+            raise ValueError(f"depths must be at most {MAX_DOCS:,} (the server's documents per request), "
+                             f"got {max(self.depths):,}")
         bad = [m for m in self.modes if m not in MODES]
         if not self.modes or bad:
             raise ValueError(f"unknown context mode(s) {bad}; modes: {', '.join(MODES)}")
@@ -117,6 +120,22 @@ def max_abs_diff(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 # -- providers --------------------------------------------------------------------------
+class ProviderFailed(RuntimeError):
+    """A provider raised while scoring; ``provider`` names it, the cause is chained."""
+
+    def __init__(self, provider: str, error: BaseException):
+        super().__init__(f"{provider}: {type(error).__name__}: {' '.join(str(error).split())}")
+        self.provider = provider
+
+
+def _score(p, **kw) -> list:
+    """``p.score(**kw)``; any exception becomes ProviderFailed naming ``p``."""
+    try:
+        return p.score(**kw)
+    except Exception as e:
+        raise ProviderFailed(p.name, e) from e
+
+
 class AcarerankProvider:
     """acarerank through its public API: ``PointwiseReranker(model=..., tokenizer=..., backend=...)``."""
 
@@ -332,7 +351,7 @@ def _time_cell(cfg: BenchConfig, providers: list, docs: list, ctx: dict, meter: 
             if ts and sum(ts) >= cfg.max_cell_seconds:
                 continue
             meter.start()
-            s, dt = timed_call(lambda: p.score(documents=docs, **ctx), device)
+            s, dt = timed_call(lambda: _score(p, documents=docs, **ctx), device)
             ts.append(dt)
             # a peer's memory is its server's, not this process's
             peaks[p.name] = math.nan if isinstance(p, PeerProvider) else max(peaks[p.name], meter.stop())
@@ -347,7 +366,7 @@ def _reference_scores(providers: list, docs: list, ctx: dict, scores: dict) -> d
     refs = {p.name: scores[first.name] for p in providers}
     peers = [p for p in providers if isinstance(p, PeerProvider)]
     if peers and (ctx.get("question") or ctx.get("trace")):
-        folded = first.score(documents=docs, **PeerProvider.folded(ctx))
+        folded = _score(first, documents=docs, **PeerProvider.folded(ctx))
         refs.update({p.name: folded for p in peers})
     return refs
 
@@ -385,12 +404,22 @@ def _cell_rows(cfg: BenchConfig, su: _Setup, mode: str, depth: int, times: dict,
     return rows
 
 
+def _failed_row(cfg: BenchConfig, su: _Setup, mode: str, depth: int, e: ProviderFailed) -> dict:
+    """The CSV row of the cell where ``e`` stopped the run: its keys, no figures, ``error`` set."""
+    return {"mode": mode, "depth": depth, "provider": e.provider, "error": str(e).partition(": ")[2],
+            "preset": cfg.preset if cfg.model_path is None else os.path.basename(cfg.model_path.rstrip("/")),
+            "dtype": cfg.dtype, "device": torch.device(cfg.device).type,
+            "attn_implementation": cfg.attn_implementation, "random_weights": su.random_weights, **su.info}
+
+
 def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_csv: Optional[str] = None,
               rows_before: Sequence[dict] = ()) -> BenchResult:
     """Run every (mode, depth, provider) cell; progress goes to ``log``.
 
     partial_csv: rewritten after every cell (``rows_before`` — an earlier dtype's rows — first),
-    so a run cut short (a timeout on a GPU machine) still leaves the rows it measured.
+    so a run cut short (a timeout on a GPU machine) still leaves the rows it measured. A provider
+    that raises stops the run with ``ProviderFailed``, after a last row for the failing cell
+    (its ``error`` column set, no figures) is written there.
     """
     from .report import write_csv
 
@@ -406,22 +435,29 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = _stderr, partial_cs
     rows, all_scores = [], {}
     for mode in cfg.modes:
         ctx = su.workload.context(mode)
-        for p in su.providers:
-            for _ in range(cfg.warmup):
-                p.score(documents=su.workload.docs(cfg.depths[0]), **ctx)
-        for depth in cfg.depths:
-            docs = su.workload.docs(depth)
-            shared, segs = split_prompt_ids(su.tok, documents=docs, **ctx)
-            times, scores, peaks = _time_cell(cfg, su.providers, docs, ctx, su.meter, device)
-            refs = _reference_scores(su.providers, docs, ctx, scores)
-            cell = _cell_rows(cfg, su, mode, depth, times, scores, peaks, refs, shared, [len(s) for s in segs])
-            for r in cell:
-                all_scores[(mode, depth, r["provider"])] = scores[r["provider"]]
-                progress(f"{mode} depth {depth:>4} {r['provider']:<26} median {r['median_ms']:9.1f} ms over "
-                         f"{r['repeats']} run(s)")
-            rows += cell
-            if partial_csv is not None:
-                write_csv(list(rows_before) + rows, partial_csv)
+        depth = cfg.depths[0]  # the warm-up's depth: a failure there is this cell's
+        try:
+            for p in su.providers:
+                for _ in range(cfg.warmup):
+                    _score(p, documents=su.workload.docs(depth), **ctx)
+            for depth in cfg.depths:
+                docs = su.workload.docs(depth)
+                shared, segs = split_prompt_ids(su.tok, documents=docs, **ctx)
+                times, scores, peaks = _time_cell(cfg, su.providers, docs, ctx, su.meter, device)
+                refs = _reference_scores(su.providers, docs, ctx, scores)
+                cell = _cell_rows(cfg, su, mode, depth, times, scores, peaks, refs, shared, [len(s) for s in segs])
+                for r in cell:
+                    all_scores[(mode, depth, r["provider"])] = scores[r["provider"]]
+                    progress(f"{mode} depth {depth:>4} {r['provider']:<26} median {r['median_ms']:9.1f} ms over "
+                             f"{r['repeats']} run(s)")
+                rows += cell
+                if partial_csv is not None:
+                    write_csv(list(rows_before) + rows, partial_csv)
+        except ProviderFailed as e:
+            progress(f"{mode} depth {depth:>4} FAILED {e}")
+            if partial_csv is not None:  # the rows so far, then the failing cell marked
+                write_csv(list(rows_before) + rows + [_failed_row(cfg, su, mode, depth, e)], partial_csv)
+            raise
     for p in su.providers:
         if isinstance(p, PeerProvider):
             p.close()

@@ -31,6 +31,7 @@ COLUMNS = [
     "shared_tokens", "doc_tokens", "workload_tokens", "preset", "dtype", "device", "device_name",
     "attn_implementation", "random_weights", "python", "torch", "triton", "transformers", "acarerank",
     "achieved_gflops", "gemm_peak_gflops", "peak_fraction", "kendall_tau_vs_float32",
+    "error",  # empty; the failing cell of a run a provider's exception stopped: "<type>: <message>"
 ]
 SCALING_TARGET = 0.15  # target: marginal per-document latency at the deep end within 15 % of the shallow end
 

@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .._validate import positive_int
+from ..server.config import DEFAULT_MAX_DOCUMENTS  # stdlib-only module
+
+MAX_DOCS = DEFAULT_MAX_DOCUMENTS  # documents per call (a depth; not a pool): what one server request may carry
+MAX_TEXT_TOKENS = 32_768          # tokens of one synthetic text: Qwen3-Reranker's context length
 
 MODES = ("M0", "M1", "M2", "M3")
 # Which context fields each ACARe mode carries (docs/ARCHITECTURE.md, "Scoring facts"): M0 sub-query only.
@@ -44,6 +48,18 @@ class WorkloadSpec:
         lo, hi = self.doc_tokens
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"WorkloadSpec.doc_tokens must be (low, high) ints with 1 <= low <= high, got {self.doc_tokens!r}")
+        check_sizes("WorkloadSpec", dict(query_tokens=self.query_tokens, question_tokens=self.question_tokens,
+                                         trace_tokens=self.trace_tokens, doc_tokens=hi), {})
+
+
+def check_sizes(owner: str, tokens: dict, docs: dict) -> None:
+    """ValueError naming the field when a text is over MAX_TEXT_TOKENS or a document count over
+    MAX_DOCS: the workload is built in memory before anything is timed."""
+    for caps, cap, what in ((tokens, MAX_TEXT_TOKENS, "tokens (Qwen3-Reranker's context length)"),
+                            (docs, MAX_DOCS, "documents (the server's documents per request)")):
+        for name, v in caps.items():
+            if v > cap:
+                raise ValueError(f"{owner}.{name} must be at most {cap:,} {what}, got {v:,}")
 
 
 @dataclass

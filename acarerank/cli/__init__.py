@@ -9,7 +9,9 @@ Failures: one line on stderr, ``acarerank <command>: error: <what>``, never a tr
 Exit status 2 for bad usage or input (arguments, files, checkpoint, a backend that cannot
 run, an optional package the command needs that is not installed — the line names the
 ``pip install 'acarerank[extra]'`` that brings it), 1 for a failure while running (anything
-else), 130 on Ctrl-C. Arguments and input files are checked before the model loads.
+else), 130 on Ctrl-C, 141 (128 + SIGPIPE, as a shell reports a process its closed pipe killed)
+without a message when stdout's reader has gone (``| head``). Arguments and input files are
+checked before the model loads.
 """
 from __future__ import annotations
 
@@ -80,6 +82,27 @@ def _usage_errors() -> tuple:
     return types + (backend.BackendError,) if backend is not None else types
 
 
+def _interrupted(e: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among ``e``'s causes and contexts."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's descriptor at /dev/null, so the interpreter's last flush cannot fail again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture): nothing to flush there
+        pass
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = chosen_command(argv)
@@ -99,7 +122,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"acarerank {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader left (| head): nothing more to say to it, no message
+        _stdout_to_devnull()
+        return 141
     except Exception as e:
+        if _interrupted(e):  # Ctrl-C inside an import that rewraps it (transformers' lazy modules)
+            print(f"acarerank {args.command}: interrupted", file=sys.stderr)
+            return 130
         hint = missing_extra(e)
         if hint is not None:
             print(f"acarerank {args.command}: error: {hint}", file=sys.stderr)

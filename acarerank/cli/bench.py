@@ -78,7 +78,7 @@ def add_parser(subparsers) -> None:
         "bench", help=SUBCOMMANDS["bench"],
         description="End-to-end pointwise scoring latency versus depth, every provider in the same run; "
                     "CSV + PNG + table. Default model: seeded random weights (timings real, scores meaningless).")
-    p.add_argument("--depths", type=_ints, default=None, help="comma-separated depths (default 10,20,50,100)")
+    p.add_argument("--depths", type=_ints, default=None, help="comma-separated depths (default 10,20,50,100; each at most 1,000)")
     p.add_argument("--modes", type=_names, default=("M0", "M3"), help="context modes, e.g. M0,M3 (default)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu",
                    help="random-weight model shape (default tiny-cpu: 2 CPU cores finish in minutes)")
@@ -114,7 +114,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--question-tokens", type=int, default=None, help="original question length (default 60)")
     p.add_argument("--trace-tokens", type=int, default=None, help="reasoning trace length (default 1500)")
     p.add_argument("--doc-tokens", type=_range, default=None,
-                   help="document length range LOW-HIGH, uniform, or N for equal lengths (default 60-380)")
+                   help="document length range LOW-HIGH, uniform, or N for equal lengths (default 60-380); every "
+                        "text length at most 32,768 tokens")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
     p.add_argument("--output", default=None, help="results folder (default results/bench-<preset>-<dtype>-<device>)")
     p.add_argument("--workload", choices=("depth", "agent"), default="depth",
@@ -122,7 +123,7 @@ def add_parser(subparsers) -> None:
                         "on vs off vs transformers with a per-request prefix cache")
     p.add_argument("--steps", type=int, default=8, help="agent: calls in the session (default 8)")
     p.add_argument("--trace-step-tokens", type=int, default=600, help="agent: trace growth per step (default 600)")
-    p.add_argument("--docs-per-call", type=int, default=20, help="agent: documents per call (default 20)")
+    p.add_argument("--docs-per-call", type=int, default=20, help="agent: documents per call (default 20, at most 1,000)")
     p.add_argument("--subqueries", type=_ints, default=(1, 3),
                    help="agent: sub-queries per step under one context, one session each (default 1,3)")
     p.add_argument("--quick", action="store_true",
@@ -202,17 +203,18 @@ def run_agent(args) -> int:
     from acarerank.benchmark.harness import load_model
 
     cfg = config_from_args(args, resolve_dtypes(args.dtype, args.device)[0][0])  # the first --dtype only
+    lo, hi = cfg.spec.doc_tokens if args.doc_tokens is not None or args.quick else (60, 380)
+    specs = [AgentSpec(steps=args.steps, trace_step_tokens=args.trace_step_tokens,  # checked before loading
+                       question_tokens=cfg.spec.question_tokens, query_tokens=cfg.spec.query_tokens,
+                       docs=args.docs_per_call, doc_tokens=(lo, hi), subqueries=n, seed=args.seed)
+             for n in args.subqueries]
     model, tok, random_weights = load_model(cfg)
     out_dir = args.output or os.path.join(
         "results", f"bench-agent-{cfg.preset}-{cfg.dtype}-{cfg.device.replace(':', '')}")
     os.makedirs(out_dir, exist_ok=True)
-    lo, hi = cfg.spec.doc_tokens if args.doc_tokens is not None or args.quick else (60, 380)
     texts, rows, ok = [], [], True
     backend = cfg.backends[0] if cfg.backends else None
-    for n in args.subqueries:
-        spec = AgentSpec(steps=args.steps, trace_step_tokens=args.trace_step_tokens,
-                         question_tokens=cfg.spec.question_tokens, query_tokens=cfg.spec.query_tokens,
-                         docs=args.docs_per_call, doc_tokens=(lo, hi), subqueries=n, seed=args.seed)
+    for n, spec in zip(args.subqueries, specs):
         res = run_agent_bench(model, tok, spec, backend=backend, log=lambda m: print(m, flush=True))
         texts.append(format_report(res))
         ok &= check(res)

@@ -4,10 +4,16 @@ Imports only the standard library at module level: a subcommand's ``--help`` nee
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
 
+from ..server.config import DEFAULT_MAX_BODY_BYTES  # stdlib-only module: --help stays light
+
+#: bytes one input file (--docs, --trace-file, stdin) may hold: what one server request may carry
+#: (docs/input-safety.md, "What is guaranteed"); only this + 1 bytes are ever read
+MAX_INPUT_BYTES = DEFAULT_MAX_BODY_BYTES
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKEND_HELP = ("backend preference: torch | triton | cpp | cuda, used by every op that has it, "
                 "or per op: attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")
@@ -45,49 +51,67 @@ def check_common(args) -> None:
             raise FileNotFoundError(f"--model {args.model!r} has no config.json")
 
 
+def read_input_bytes(path: str, flag: str, cap: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of ``path`` ('-': stdin); ValueError naming the flag, the file and the cap when it
+    holds more than ``cap`` bytes (at most ``cap`` + 1 are read: /dev/zero is refused at once)."""
+    if path == "-":
+        if sys.stdin is None:  # started with stdin closed (<&-)
+            raise ValueError(f"{flag} -: stdin is closed")
+        data = sys.stdin.buffer.read(cap + 1)
+    else:
+        if os.path.isdir(path):
+            raise ValueError(f"{flag} {path!r} is a folder, not a file")
+        try:
+            with open(path, "rb") as f:
+                data = f.read(cap + 1)
+        except OSError as e:  # missing, unreadable: the line names the flag, not only the file
+            raise OSError(f"{flag} {path!r}: {e.strerror or e}") from None
+    if len(data) > cap:
+        raise ValueError(f"{flag} {'stdin' if path == '-' else repr(path)} holds more than {cap:,} bytes, "
+                         f"the cap on one input file (the server's request body cap)")
+    return data
+
+
 def read_text_file(path: str, flag: str) -> str:
-    """A whole UTF-8 text file; errors name the flag and the file."""
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a folder, not a file")
+    """A whole UTF-8 text file (newlines read as \\n, as ``open`` in text mode reads them); errors
+    name the flag and the file."""
+    data = read_input_bytes(path, flag)
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_documents(path: str) -> list:
     """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings."""
-    if path != "-" and os.path.isdir(path):
-        raise ValueError(f"--docs {path!r} is a folder, not a JSONL file")
-    f = sys.stdin.buffer if path == "-" else open(path, "rb")  # bytes: a decode error names its line
+    data = read_input_bytes(path, "--docs")  # bytes: a decode error names its line
     docs = []
-    with f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start} of the line: {e.reason})") from None
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except ValueError as e:  # JSONDecodeError, or an over-long integer literal
-                raise ValueError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
-            except RecursionError:
-                raise ValueError(f"{path}:{n}: JSON nested too deeply") from None
-            if isinstance(item, dict):
-                if not isinstance(item.get("text"), str):
-                    raise ValueError(f"{path}:{n}: a JSON object needs a string field 'text'")
-            elif not isinstance(item, str):
-                raise ValueError(f"{path}:{n}: expected a JSON object with 'text' or a JSON string")
-            text = item["text"] if isinstance(item, dict) else item
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"{path}:{n}: the text is not valid Unicode ({e.reason} at character "
-                                 f"{e.start}, e.g. a lone \\ud800 escape)") from None
-            docs.append(item)
+    for n, raw in enumerate(io.BytesIO(data), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start} of the line: {e.reason})") from None
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as e:  # JSONDecodeError, or an over-long integer literal
+            raise ValueError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{n}: JSON nested too deeply") from None
+        if isinstance(item, dict):
+            if not isinstance(item.get("text"), str):
+                raise ValueError(f"{path}:{n}: a JSON object needs a string field 'text'")
+        elif not isinstance(item, str):
+            raise ValueError(f"{path}:{n}: expected a JSON object with 'text' or a JSON string")
+        text = item["text"] if isinstance(item, dict) else item
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{path}:{n}: the text is not valid Unicode ({e.reason} at character "
+                             f"{e.start}, e.g. a lone \\ud800 escape)") from None
+        docs.append(item)
     if not docs:
         raise ValueError(f"{path}: no documents")
     return docs

@@ -34,6 +34,19 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def check_prompt_fits(args, texts) -> None:
+    """The prompt's own failures (too many documents for --max-length, a query or intent alone
+    over it), raised by the same ``build_prompt`` the selection runs, before the model loads:
+    the tokenizer loads in a fraction of the model's time."""
+    from ..reranker_base import checkpoint_tokenizer
+    from ..setwise.prompts import build_prompt
+    from ..tokenizer import TextEncoder
+
+    tokenizer = checkpoint_tokenizer(args.model) if args.model else None
+    build_prompt(TextEncoder.of(tokenizer, args.special_tokens), args.query, texts, args.intent, args.max_select,
+                 args.max_length)
+
+
 def run(args) -> int:
     from ..setwise.grammar import max_output_tokens
     from .common import check_common, positive
@@ -47,6 +60,7 @@ def run(args) -> int:
     if not args.unconstrained and need > args.max_new_tokens:
         raise ValueError(f"--max-select {args.max_select} over {len(texts)} documents can need {need} output tokens, "
                          f"more than --max-new-tokens {args.max_new_tokens}; raise --max-new-tokens")
+    check_prompt_fits(args, texts)
     from ..setwise import SetwiseReranker
 
     sr = load_reranker(SetwiseReranker, args, max_new_tokens=args.max_new_tokens, special_tokens=args.special_tokens)

@@ -83,6 +83,55 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
         assert "max_cell_seconds must be a number >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--depths", "10000000"], "depths must be at most 1,000"),
+    (["--depths", "2", "--dtype", "float32,bfloat16", "--extra-dtype-depths", "1001"], "depths must be at most 1,000"),
+    (["--trace-tokens", "100000000"], "trace_tokens must be at most 32,768"),
+    (["--doc-tokens", "5-99999999"], "doc_tokens must be at most 32,768"),
+    (["--workload", "agent", "--docs-per-call", "100000"], "AgentSpec.docs must be at most 1,000"),
+    (["--workload", "agent", "--steps", "1000000"], "steps x trace_step_tokens must be at most 32,768"),
+    (["--workload", "agent", "--subqueries", "0"], "AgentSpec.subqueries must be a positive int"),
+])
+def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monkeypatch, flags, needle):
+    """Every document and text of the workload is built in memory: a huge depth or length is refused
+    (exit 2) before the model loads or the workload is built."""
+    from acarerank.benchmark import harness
+
+    def boom(*a, **kw):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(harness, "load_model", boom)
+    assert main(["bench", "--quick"] + flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_a_provider_failing_mid_table_leaves_its_cell_marked_in_the_csv(tmp_path, capsys, monkeypatch):
+    """The provider raises at depth 3: exit 1 with one line naming it, and bench.csv holds the cells
+    measured before it, then the failing cell with its ``error`` set and no figures."""
+    from acarerank.benchmark.harness import AcarerankProvider
+
+    real = AcarerankProvider.score
+
+    def score(self, query, documents, **kw):
+        if len(documents) == 3:
+            raise RuntimeError("boom\nat depth 3")
+        return real(self, query, documents, **kw)
+
+    monkeypatch.setattr(AcarerankProvider, "score", score)
+    rc = main(["bench", "--quick", "--depths", "2,3,4", "--modes", "M0", "--dtype", "float32", "--override", TINY,
+               "--providers", "transformers,acarerank", "--backends", "torch", "--output", str(tmp_path)])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("acarerank bench:")]
+    assert rc == 1 and err == ["acarerank bench: runtime error: ProviderFailed: acarerank-torch: RuntimeError: boom "
+                               "at depth 3"], (rc, err)
+    with open(tmp_path / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["mode"], r["depth"], r["provider"], r["error"]) for r in rows] == [
+        ("M0", "2", "transformers", ""), ("M0", "2", "acarerank-torch", ""),
+        ("M0", "3", "acarerank-torch", "RuntimeError: boom at depth 3")], rows
+    assert rows[-1]["median_ms"] == "" and rows[-1]["dtype"] == "float32", rows[-1]
+
+
 def test_workload_token_counts_are_exact(qwen3_tokenizer):
     spec = WorkloadSpec(query_tokens=11, question_tokens=23, trace_tokens=157, doc_tokens=(5, 41), num_docs=12, seed=3)
     w = make_workload(qwen3_tokenizer, spec)

@@ -101,6 +101,44 @@ def test_a_nan_score_in_any_request_or_round_is_never_agreement():
     assert _fastest(rounds).max_diff == 3e-7
 
 
+def test_a_target_without_capacity_gets_a_failed_open_row_not_a_crash(monkeypatch):
+    """Every closed-loop request of a target failed: best req/s 0, so no Poisson rate to offer
+    (``random.expovariate(0)`` raised ZeroDivisionError). Its open loops are not run, each gets a
+    NO_CAPACITY row, and the checks fail; no request is sent (nothing listens at the URLs)."""
+    import argparse
+
+    import bench_serve
+    from bench_serve import NO_CAPACITY, OURS, Req, checks, open_rows
+
+    monkeypatch.setattr(bench_serve, "model_seconds", lambda target: 0.0)  # no server's /metrics
+
+    class Workloads:
+        def make(self, name, key):
+            return [Req(dict(query="q", documents=["a"]))]
+
+    targets = [Target(OURS, "http://127.0.0.1:9", "acarerank"), Target("peer", "http://127.0.0.1:9", "tei")]
+    args = argparse.Namespace(workloads=["m3"], loads=[0.5, 0.7], seed=0, peer_tolerance=1e-2, dtype="float32")
+    rows = open_rows(targets, Workloads(), {(OURS, "m3"): 0.0, ("peer", "m3"): 0.0}, args)
+    assert [(r["target"], r["load"], r["level"]) for r in rows] == [
+        (t, NO_CAPACITY, f) for f in (0.5, 0.7) for t in (OURS, "peer")], rows
+    rows += [dict(target=OURS, workload="m3", load="offline score_batch", tokens_per_s=1.0)]
+    rows += [dict(target=t.name, workload="m3", load="agreement", max_abs_diff=0.0, errors=0) for t in targets]
+    ok, lines = checks(rows, targets, args)
+    assert not ok and "m3 peer: FAIL open loops ran (2 not run: no closed-loop request succeeded)" in lines, lines
+
+
+@pytest.mark.parametrize("flags, needle", [(["--loads", "0"], "--loads"), (["--loads", "nan"], "--loads"),
+                                           (["--concurrency", "0"], "--concurrency"), (["--requests", "0"], "--requests"),
+                                           (["--peer-tolerance", "nan"], "--peer-tolerance")])
+def test_bench_serve_flags_without_a_run_are_usage_errors(capsys, flags, needle):
+    from bench_serve import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and needle in err[-1], err
+
+
 def test_peer_calls_never_share_an_acarerank_servers_prefix_cache(monkeypatch):
     """``acarerank bench`` repeats one context call after call; an acarerank peer gets a fresh
     cache_salt on every call, so no timed call is a prefix-cache hit the in-process providers

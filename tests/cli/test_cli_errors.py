@@ -54,6 +54,8 @@ def run(capsys, argv):
     (["--min-doc-tokens", "0"], 2, "--min-doc-tokens"),
     (["--trace-file", "DIR"], 2, "--trace-file"),
     (["--docs", "DIR"], 2, "--docs"),
+    (["--docs", "DIR/missing.jsonl"], 2, "--docs"),
+    (["--trace-file", "DIR/missing.txt"], 2, "--trace-file"),
     (["--docs", "DIR/latin1.jsonl"], 2, "latin1.jsonl:2"),
     (["--docs", "DIR/surrogate.jsonl"], 2, "surrogate.jsonl:2"),
     (["--model", "DIR/nope"], 2, "nope"),
@@ -114,3 +116,101 @@ def test_score_output_has_text_and_short_max_length_works(capsys, files):
 def test_bench_usage_errors_are_one_line(capsys, argv, needle):
     rc, err, _ = run(capsys, argv)
     assert rc == 2 and len(err) == 1 and needle in err[0], (rc, err)
+
+
+# -- input files are read with a byte cap ---------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--docs", "--trace-file"])
+def test_input_file_over_the_cap_names_flag_file_and_cap(capsys, files, no_load, tmp_path, flag):
+    from acarerank.cli.common import MAX_INPUT_BYTES
+
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"x" * (MAX_INPUT_BYTES + 1))
+    argv = ["score", "--query", "q", "--docs", str(files / "docs.jsonl"), flag, str(big)]
+    rc, err, _ = run(capsys, argv)
+    assert rc == 2 and len(err) == 1, (rc, err)
+    assert flag in err[0] and "big.txt" in err[0] and f"{MAX_INPUT_BYTES:,} bytes" in err[0], err
+
+
+def test_read_input_bytes_takes_the_cap_and_refuses_one_more(tmp_path):
+    from acarerank.cli.common import read_input_bytes
+
+    f = tmp_path / "f"
+    f.write_bytes(b"0123456789")
+    assert read_input_bytes(str(f), "--docs", cap=10) == b"0123456789"
+    with pytest.raises(ValueError, match="--docs .* more than 9 bytes"):
+        read_input_bytes(str(f), "--docs", cap=9)
+
+
+# the child measures the memory the read adds: torch and the ops are imported before it
+_CHILD = """
+import resource, sys
+import acarerank.cli.score, acarerank.hardware, acarerank.model.placement, acarerank.ops
+from acarerank.cli import main
+with open("/proc/self/statm") as f:
+    vm = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))  # a reader without a cap fails
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+rc = main(sys.argv[1:])
+print(rc, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.parametrize("flags, stdin", [(["--docs", "/dev/zero"], None), (["--docs", "-"], "/dev/zero"),
+                                          (["--docs", "DOCS", "--trace-file", "/dev/zero"], None)])
+def test_dev_zero_is_refused_at_once_in_bounded_memory(files, flags, stdin):
+    import subprocess
+    import sys
+
+    from acarerank.cli.common import MAX_INPUT_BYTES
+
+    argv = ["score", "--query", "q"] + [x.replace("DOCS", str(files / "docs.jsonl")) for x in flags]
+    with open(stdin or "/dev/null", "rb") as inp:
+        r = subprocess.run([sys.executable, "-c", _CHILD] + argv, stdin=inp, capture_output=True, text=True,
+                           timeout=120)
+    rc, grew = map(int, r.stdout.split())
+    assert rc == 2 and "more than" in r.stderr and flags[-2] in r.stderr, (rc, r.stderr[-2000:])
+    assert grew < 3 * MAX_INPUT_BYTES, f"the read grew the process by {grew / 2**20:.0f} MiB"
+
+
+def test_select_over_the_token_cap_fails_before_loading_with_the_late_message(capsys, files, no_load):
+    """100 documents cannot fit --max-length 300: the check needs the tokenizer only, and its line is
+    the one the selection itself raises (build_prompt) once the model has loaded."""
+    from acarerank.setwise.prompts import build_prompt
+    from acarerank.tokenizer import TextEncoder
+
+    texts = [f"doc {i}" for i in range(100)]
+    (files / "hundred.jsonl").write_text("\n".join(json.dumps(t) for t in texts))
+    with pytest.raises(ValueError) as late:
+        build_prompt(TextEncoder.of(None, "escape"), "q", texts, None, 2, 300)
+    rc, err, _ = run(capsys, ["select", "--query", "q", "--docs", str(files / "hundred.jsonl"), "--max-select", "2",
+                              "--max-length", "300"])
+    assert rc == 2 and err == [f"acarerank select: error: {late.value}"], (rc, err)
+
+
+def _raise_in_run(monkeypatch, error):
+    import acarerank.cli.score as score
+
+    def run(args):
+        raise error
+
+    monkeypatch.setattr(score, "run", run)
+
+
+def test_ctrl_c_rewrapped_by_an_import_is_still_an_interrupt(capsys, monkeypatch):
+    """transformers' lazy modules turn a Ctrl-C during their import into ModuleNotFoundError
+    ("Could not import module 'Qwen3ForCausalLM'"): exit 130, not a runtime error."""
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise ModuleNotFoundError("Could not import module 'Qwen3ForCausalLM'") from e
+    except ModuleNotFoundError as e:
+        _raise_in_run(monkeypatch, e)
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
+    assert rc == 130 and err == ["acarerank score: interrupted"], (rc, err)
+
+
+def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
+    _raise_in_run(monkeypatch, BrokenPipeError(32, "Broken pipe"))
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
+    assert rc == 141 and err == [], (rc, err)
