@@ -620,10 +620,13 @@ class Engine:
         passes, the culprit is in the second half, which is split again without running it
         whole; if it fails, the search goes on inside it and the second half waits, to run in
         one pass with every other half set aside this way. A request left alone in a failing
-        part gets ``EngineFault``; every other request keeps its scores. For one culprit among
-        n requests: ⌈log₂ n⌉ passes to find it, plus one for the halves set aside (none when
-        every first half passed). The pass set aside is bisected the same way if it fails too
-        (a second culprit).
+        part gets ``EngineFault``; one left alone by elimination runs alone first and fails
+        only if that pass fails too (a pass can fail for what its requests do together: a
+        kernel's size limit, a transient device error). Every other request keeps its scores.
+        For one culprit among n requests: ⌈log₂ n⌉ passes to find it, plus one to run it alone
+        when it was found by elimination, plus one for the halves set aside (none when every
+        first half passed). The pass set aside is bisected the same way if it fails too (a
+        second culprit).
 
         An out-of-memory error is first retried as two passes of half the tokens each
         (``halved``; whole requests to each): it is a pass too large, not a bad request. Then a
@@ -643,12 +646,17 @@ class Engine:
             if e is not None:
                 self._bisect(aside, e, halved=True)
 
-    def _narrow(self, entries: list, exc: Exception, aside: list) -> None:
-        """One step of ``_bisect`` on a part known to fail with ``exc``."""
+    def _narrow(self, entries: list, exc: Exception, aside: list, ran: bool = True) -> None:
+        """One step of ``_bisect`` on a part known to fail with ``exc``: ``ran`` when this very part
+        failed, else inferred (its complement passed beside it)."""
         entries = [e for e in entries if not e[0].cancelled]  # a request failed in another part is done
         jobs = list(dict.fromkeys(job for job, _, _ in entries))
         if not jobs:
             return
+        if len(jobs) == 1 and not ran:  # never run alone: the failure may have needed its partners
+            exc = self._try_pass(entries)
+            if exc is None:
+                return
         if len(jobs) == 1:
             fault = self._fault("pass", exc, jobs)
             _settle(jobs[0].future, exc=fault)
@@ -665,7 +673,7 @@ class Engine:
             if e_b is not None:
                 self._narrow(b, e_b, aside)
         elif e_a is None:
-            self._narrow(b, exc, aside)       # a passed: the culprit is in b
+            self._narrow(b, exc, aside, ran=False)  # a passed: the culprit is in b
         else:
             self._narrow(a, e_a, aside)       # the culprit is in a; b runs later with the others set aside
             aside.extend(b)

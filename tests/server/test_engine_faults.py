@@ -95,9 +95,10 @@ def test_one_bad_request_fails_alone_within_the_pass_bound(exc_type, culprit):
             assert out[t].scores == [t + x / 1000 for x in ls], f"request {t}: {out[t].scores}"
     extra = len(steps.passes) - 1
     bound = math.ceil(math.log2(n))
-    assert extra <= bound + 1, f"{extra} extra passes for one culprit among {n}: {steps.passes}"
-    if culprit == n:  # the last one: every first half passes, the culprit is found in log2(n) passes
-        assert extra == bound, steps.passes
+    # log2(n) probes, one pass of the culprit alone when found by elimination, one of the halves set aside
+    assert extra <= bound + 2, f"{extra} extra passes for one culprit among {n}: {steps.passes}"
+    if culprit == n:  # the last one: every first half passes, found in log2(n) passes, then run alone
+        assert extra == bound + 1 and steps.passes[-1] == [n], steps.passes
     assert not steps.pinned, "prefixes left pinned"
     assert metrics.engine_failures.labels("pass")._value.get() == 1
 
@@ -108,6 +109,20 @@ def test_two_bad_requests_both_isolated():
     out = run_jobs(steps, lengths)
     assert {t for t, r in out.items() if isinstance(r, EngineFault)} == {2, 6}
     assert all(out[t].scores == [t + 0.004] for t in (1, 3, 4, 5))
+    assert not steps.pinned
+
+
+@pytest.mark.parametrize("width", [2, 3, 8])
+def test_a_pass_that_fails_only_for_its_mix_fails_nobody(width):
+    """A pass that fails for what its requests do together (a kernel's size limit, not any one
+    request) scores everyone in smaller passes: a request found by elimination runs alone before
+    it is failed. It was once failed without ever running alone (the last of the 8 here)."""
+    lengths = {t: [t + 1, 3] for t in range(1, 9)}
+    steps = FaultySteps(lambda tags, tokens: RuntimeError("grid too large") if len(tags) >= width else None)
+    out = run_jobs(steps, lengths)
+    for t, ls in lengths.items():
+        assert not isinstance(out[t], Exception), f"request {t} failed with {width}-wide passes: {out[t]!r}"
+        assert out[t].scores == [t + x / 1000 for x in ls], f"request {t}: {out[t].scores}"
     assert not steps.pinned
 
 

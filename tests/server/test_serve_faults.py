@@ -227,9 +227,10 @@ def test_one_bad_request_in_a_packed_pass_fails_alone(served, reference, fault, 
     assert len(lines) == 1 and "engine pass failed" in lines[0], f"log lines with the error id: {lines}"
     assert failures(base, "pass") - before == 1
     extra = len([p for p in inj.passes if p != ["blocker query"]]) - 1
-    # ceil(log2 4) probes + the pass of the halves set aside; an out-of-memory error first runs two
-    # passes of half the tokens, then both halves of each failing part: 2 ceil(log2 4)
-    bound = 4 if fault in (torch.OutOfMemoryError, MemoryError) else 3
+    # ceil(log2 4) probes + the culprit alone when found by elimination + the pass of the halves set
+    # aside; an out-of-memory error first runs two passes of half the tokens, then both halves of
+    # each failing part: 2 ceil(log2 4)
+    bound = 4
     assert extra <= bound, f"{extra} extra passes to isolate one of 4 (bound {bound}): {inj.passes}"
 
 
