@@ -30,8 +30,8 @@ Per pass: ``steps.score_segments`` = one forward over all its segments (the step
 ``SetwiseReranker``'s (``start_select`` / ``prefill_select`` / ``decode_select`` /
 ``finish_select`` / ``release_select``: docs/ARCHITECTURE.md, "A setwise call").
 
-Faults (docs/serving.md, "Internal faults and probes"). A packed pass that raises is retried in
-halves so one bad request fails alone (``_bisect``); a failed prefill or selection step fails
+Faults (docs/serving.md, "Internal faults and probes"). A packed pass that raises, or returns a
+score that is not a finite number, is retried in halves so one bad request fails alone (``_bisect``); a failed prefill or selection step fails
 its own request only (a prefill or a selection's prefill chunk that runs out of memory is first
 retried once at half the tokens per pass); each failure is an ``EngineFault`` with an error id, one log line and
 ``acarerank_engine_failures_total{stage}``. Anything that escapes the loop itself
@@ -575,7 +575,7 @@ class Engine:
             t = time.perf_counter()
             entries = [(job, i, item) for (job, i), item in zip(owners, items)]
             try:
-                scores = self.steps.score_segments(items)
+                scores = self._score(items)
             except Exception as e:  # noqa: BLE001 - find the request that fails and fail it alone
                 self._bisect(entries, e)
             else:
@@ -594,6 +594,19 @@ class Engine:
         self._active = keep
 
     # -- fault isolation ------------------------------------------------------------------------
+    def _score(self, items: list) -> list:
+        """``steps.score_segments(items)``, raising unless it returned one finite number per item: a
+        NaN score once left as a bare 500 at JSON encoding (its whole request, no error id, not
+        counted), and a short list left its request unanswered while the loop spun."""
+        scores = self.steps.score_segments(items)
+        if len(scores) != len(items):
+            raise RuntimeError(f"the model returned {len(scores)} scores for {len(items)} segments")
+        bad = [n for n, v in enumerate(scores) if not math.isfinite(v)]
+        if bad:
+            raise RuntimeError(f"the model returned a score that is not a finite number ({scores[bad[0]]}) "
+                               f"for {len(bad)} of the {len(items)} segments of this pass")
+        return scores
+
     @staticmethod
     def _record(entries: list, scores: list) -> None:
         for (job, i, _), s in zip(entries, scores):
@@ -607,7 +620,7 @@ class Engine:
         if not entries:
             return None
         try:
-            scores = self.steps.score_segments([item for _, _, item in entries])
+            scores = self._score([item for _, _, item in entries])
         except Exception as e:  # noqa: BLE001
             return e
         self._record(entries, scores)

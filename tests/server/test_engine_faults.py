@@ -126,6 +126,36 @@ def test_a_pass_that_fails_only_for_its_mix_fails_nobody(width):
     assert not steps.pinned
 
 
+class BadScores(FaultySteps):
+    """Passes that hold request ``culprit`` return NaN / inf for its segments, or one score too few."""
+
+    def __init__(self, culprit, how):
+        super().__init__()
+        self.culprit, self.how = culprit, how
+
+    def score_segments(self, items):
+        scores = super().score_segments(items)
+        if self.culprit not in {h.tag for h, _ in items}:
+            return scores
+        if self.how == "short":
+            return scores[:-1]
+        return [float(self.how) if h.tag == self.culprit else s for (h, _), s in zip(items, scores)]
+
+
+@pytest.mark.parametrize("how", ["nan", "inf", "short"])
+def test_a_score_that_is_not_a_finite_number_fails_its_request_alone(how):
+    """A NaN/inf score, or a pass that returns fewer scores than segments, is a fault of the model:
+    that request fails alone (its NaN once went out as the request's scores; a short list left it
+    pending for ever while the loop spun), the others keep their scores."""
+    lengths = {t: [t + 1, 3] for t in range(1, 6)}
+    out = run_jobs(BadScores(3, how), lengths)
+    assert isinstance(out[3], EngineFault) and out[3].stage == "pass", out[3]
+    assert "finite" in str(out[3]) or "scores for" in str(out[3]), out[3]
+    for t in (1, 2, 4, 5):
+        assert not isinstance(out[t], Exception), f"innocent request {t} failed: {out[t]!r}"
+        assert out[t].scores == [t + x / 1000 for x in lengths[t]], f"request {t}: {out[t].scores}"
+
+
 @pytest.mark.parametrize("oom", [MemoryError, "torch"])
 def test_out_of_memory_retries_at_half_the_tokens_and_fails_nobody(oom):
     import torch
