@@ -30,8 +30,8 @@ Per pass: ``steps.score_segments`` = one forward over all its segments (the step
 ``SetwiseReranker``'s (``start_select`` / ``prefill_select`` / ``decode_select`` /
 ``finish_select`` / ``release_select``: docs/ARCHITECTURE.md, "A setwise call").
 
-Faults (docs/serving.md, "Internal faults and probes"). A packed pass that raises is retried in
-halves so one bad request fails alone (``_bisect``); a failed prefill or selection step fails
+Faults (docs/serving.md, "Internal faults and probes"). A packed pass that raises, or returns a
+score that is not a finite number, is retried in halves so one bad request fails alone (``_bisect``); a failed prefill or selection step fails
 its own request only (a prefill or a selection's prefill chunk that runs out of memory is first
 retried once at half the tokens per pass); each failure is an ``EngineFault`` with an error id, one log line and
 ``acarerank_engine_failures_total{stage}``. Anything that escapes the loop itself
@@ -575,7 +575,7 @@ class Engine:
             t = time.perf_counter()
             entries = [(job, i, item) for (job, i), item in zip(owners, items)]
             try:
-                scores = self.steps.score_segments(items)
+                scores = self._score(items)
             except Exception as e:  # noqa: BLE001 - find the request that fails and fail it alone
                 self._bisect(entries, e)
             else:
@@ -594,6 +594,19 @@ class Engine:
         self._active = keep
 
     # -- fault isolation ------------------------------------------------------------------------
+    def _score(self, items: list) -> list:
+        """``steps.score_segments(items)``, raising unless it returned one finite number per item: a
+        NaN score once left as a bare 500 at JSON encoding (its whole request, no error id, not
+        counted), and a short list left its request unanswered while the loop spun."""
+        scores = self.steps.score_segments(items)
+        if len(scores) != len(items):
+            raise RuntimeError(f"the model returned {len(scores)} scores for {len(items)} segments")
+        bad = [n for n, v in enumerate(scores) if not math.isfinite(v)]
+        if bad:
+            raise RuntimeError(f"the model returned a score that is not a finite number ({scores[bad[0]]}) "
+                               f"for {len(bad)} of the {len(items)} segments of this pass")
+        return scores
+
     @staticmethod
     def _record(entries: list, scores: list) -> None:
         for (job, i, _), s in zip(entries, scores):
@@ -607,7 +620,7 @@ class Engine:
         if not entries:
             return None
         try:
-            scores = self.steps.score_segments([item for _, _, item in entries])
+            scores = self._score([item for _, _, item in entries])
         except Exception as e:  # noqa: BLE001
             return e
         self._record(entries, scores)
@@ -620,10 +633,13 @@ class Engine:
         passes, the culprit is in the second half, which is split again without running it
         whole; if it fails, the search goes on inside it and the second half waits, to run in
         one pass with every other half set aside this way. A request left alone in a failing
-        part gets ``EngineFault``; every other request keeps its scores. For one culprit among
-        n requests: ⌈log₂ n⌉ passes to find it, plus one for the halves set aside (none when
-        every first half passed). The pass set aside is bisected the same way if it fails too
-        (a second culprit).
+        part gets ``EngineFault``; one left alone by elimination runs alone first and fails
+        only if that pass fails too (a pass can fail for what its requests do together: a
+        kernel's size limit, a transient device error). Every other request keeps its scores.
+        For one culprit among n requests: ⌈log₂ n⌉ passes to find it, plus one to run it alone
+        when it was found by elimination, plus one for the halves set aside (none when every
+        first half passed). The pass set aside is bisected the same way if it fails too (a
+        second culprit).
 
         An out-of-memory error is first retried as two passes of half the tokens each
         (``halved``; whole requests to each): it is a pass too large, not a bad request. Then a
@@ -643,12 +659,17 @@ class Engine:
             if e is not None:
                 self._bisect(aside, e, halved=True)
 
-    def _narrow(self, entries: list, exc: Exception, aside: list) -> None:
-        """One step of ``_bisect`` on a part known to fail with ``exc``."""
+    def _narrow(self, entries: list, exc: Exception, aside: list, ran: bool = True) -> None:
+        """One step of ``_bisect`` on a part known to fail with ``exc``: ``ran`` when this very part
+        failed, else inferred (its complement passed beside it)."""
         entries = [e for e in entries if not e[0].cancelled]  # a request failed in another part is done
         jobs = list(dict.fromkeys(job for job, _, _ in entries))
         if not jobs:
             return
+        if len(jobs) == 1 and not ran:  # never run alone: the failure may have needed its partners
+            exc = self._try_pass(entries)
+            if exc is None:
+                return
         if len(jobs) == 1:
             fault = self._fault("pass", exc, jobs)
             _settle(jobs[0].future, exc=fault)
@@ -665,7 +686,7 @@ class Engine:
             if e_b is not None:
                 self._narrow(b, e_b, aside)
         elif e_a is None:
-            self._narrow(b, exc, aside)       # a passed: the culprit is in b
+            self._narrow(b, exc, aside, ran=False)  # a passed: the culprit is in b
         else:
             self._narrow(a, e_a, aside)       # the culprit is in a; b runs later with the others set aside
             aside.extend(b)

@@ -13,6 +13,7 @@ double that wraps the reranker's step methods (no switch in the package):
    work (shut down under a serving service) makes the service dead like a dead engine.
 """
 import logging
+import math
 import re
 import threading
 import time
@@ -36,13 +37,14 @@ DOCS = ["tutor hints help the reranker", "bread and rivers", "a search agent's t
 
 class FaultInjector:
     """The reranker's step API with faults on request: a pass holding a request whose query
-    contains ``POISON`` raises ``self.pass_fault()``; ``prefill_layer`` makes its prefill raise at
+    contains ``POISON`` raises ``self.pass_fault()`` (or, with ``nan_scores``, scores it NaN); ``prefill_layer`` makes its prefill raise at
     that layer; ``encode_fault`` is raised in the tokenizer worker. ``gate`` holds every pass
     while clear. Counts passes (``passes``: the queries of each)."""
 
     def __init__(self, rr):
         self.rr = rr
         self.pass_fault = None
+        self.nan_scores = False    # the poisoned request's scores come back NaN (no exception)
         self.prefill_layer = None
         self.prefill_once = False  # clear prefill_layer after its first fault
         self.prefill_chunks = []   # chunk_tokens of each acquire_prefix call
@@ -82,7 +84,10 @@ class FaultInjector:
         self.passes.append(queries)
         if self.pass_fault is not None and any(POISON in q for q in queries):
             raise self.pass_fault()
-        return self.rr.score_segments(items)
+        scores = self.rr.score_segments(items)
+        if self.nan_scores:
+            scores = [math.nan if POISON in self._query[id(h)] else v for (h, _), v in zip(items, scores)]
+        return scores
 
     def fail_here(self, layer):
         """Called from PagedKVCache.pages (patched by the test): raise at the chosen layer."""
@@ -227,10 +232,31 @@ def test_one_bad_request_in_a_packed_pass_fails_alone(served, reference, fault, 
     assert len(lines) == 1 and "engine pass failed" in lines[0], f"log lines with the error id: {lines}"
     assert failures(base, "pass") - before == 1
     extra = len([p for p in inj.passes if p != ["blocker query"]]) - 1
-    # ceil(log2 4) probes + the pass of the halves set aside; an out-of-memory error first runs two
-    # passes of half the tokens, then both halves of each failing part: 2 ceil(log2 4)
-    bound = 4 if fault in (torch.OutOfMemoryError, MemoryError) else 3
+    # ceil(log2 4) probes + the culprit alone when found by elimination + the pass of the halves set
+    # aside; an out-of-memory error first runs two passes of half the tokens, then both halves of
+    # each failing part: 2 ceil(log2 4)
+    bound = 4
     assert extra <= bound, f"{extra} extra passes to isolate one of 4 (bound {bound}): {inj.passes}"
+
+
+def test_nan_score_from_the_model_fails_its_request_alone(served, reference):
+    """A NaN score that comes out of the model with no exception is the model's fault: that request
+    gets the 500 with an error id (once a bare "internal error: ValueError" from the JSON encoder,
+    uncounted), the others in its pass their offline scores."""
+    base, inj = served["base"], served["inj"]
+    queries = ["tutor question one", f"{POISON} request", "bread question three"]
+    before = failures(base, "pass")
+    inj.nan_scores = True
+    out = hold_then_send(served, queries)
+    assert any(len(p) == len(queries) for p in inj.passes), f"the three never shared a pass: {inj.passes}"
+    for q in queries:
+        if POISON not in q:
+            assert_scores(out[q], reference.score(q, DOCS), f"innocent request {q!r} beside a NaN score")
+    r = out[f"{POISON} request"]
+    assert r.status_code == 500, f"the culprit got {r.status_code}: {r.text}"
+    msg = r.json()["error"]["message"]
+    assert re.search(r"error id [0-9a-f]{16}", msg) and "not a finite number" in msg, msg
+    assert failures(base, "pass") - before == 1
 
 
 # -- 2: a prefill that fails at a layer gives back every page ----------------------------------------
