@@ -23,20 +23,15 @@
 // scratch, so no fp32 copy of the prefix ever exists. The own keys of a segment's piece are
 // packed once by the task that needs them (a few hundred rows).
 // A decode-like row block (a few rows, direct_rows_limit()) whose keys nobody packed is not packed
-// at all: attn_direct_avx512.h reads its K/V rows where they lie, its prefix cut into chunks of
-// kDirectChunk keys, one task each (over several kv heads), their softmax states merged by the
-// task that finishes last — so one group's decode step keeps every thread busy.
+// at all: attn_direct_avx512.h reads its K/V rows where they lie.
 //
 // Balance: tasks are dealt to threads longest first (LPT) by their cost rows × (P_g + own keys),
 // then one at::parallel_for runs each thread's list; brgemm_release() ends each thread's chunk.
-// No choice that changes the order of a sum depends on the thread count: the output's bits do not.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
-#include <memory>
 #include <numeric>
 #include <optional>
 #include <vector>
@@ -77,25 +72,7 @@ struct Task {
   double cost;
   int64_t nh = 1;       // kv heads h .. h + nh (more than one on the direct path only)
   bool direct = false;  // decode-like: K/V read where they lie (attn_direct_avx512.h)
-  // direct path only: prefix keys [k0, k1) of this task; whether it also takes the own keys (the
-  // group's last chunk); its slot in the partial-state buffer (-1: it writes the output itself)
-  int64_t k0 = 0, k1 = 0;
-  bool own = true;
-  int64_t part = -1;
 };
-
-// Direct-path tasks of one (group, kv heads) split over prefix chunks: their partial states
-// (m, l, acc) sit in parts [first, first + chunks) and are merged into the output after the tasks.
-struct Merge {
-  int64_t task;  // the tasks of the chunks are [task, task + chunks)
-  int64_t chunks;
-};
-
-// Prefix keys per direct-path task: a decode-like group's prefix is cut into chunks of this many
-// keys, each a task over all the heads it can hold (whole slot rows, one stream per task), their
-// softmax states merged after. A fixed length, never one from the thread count, so the output's
-// bits do not depend on how many threads ran it.
-constexpr int64_t kDirectChunk = 512;
 
 template <typename T>
 std::vector<int64_t> to_host(const at::Tensor& t) {
@@ -106,10 +83,9 @@ std::vector<int64_t> to_host(const at::Tensor& t) {
 
 // Row blocks of every group: consecutive tokens of its segments, up to ROWS / r tokens each; a task
 // per (row block, kv head). A group of one row block of at most direct_rows rows (decode-like) is
-// direct instead: its prefix in chunks of kDirectChunk keys (the last chunk's task takes the own
-// keys too), each chunk in tasks of several kv heads — as many heads as leave ~4 tasks per thread
-// over all such chunks, and at most ROWS rows (the task's scratch). Split groups get a Merge each.
-std::vector<Task> make_tasks(const Meta& mt, int64_t direct_rows, int64_t nthreads, std::vector<Merge>& merges) {
+// direct instead, in tasks of several kv heads each: as many heads as leave ~4 tasks per thread
+// over all such groups, and at most ROWS rows (the task's scratch).
+std::vector<Task> make_tasks(const Meta& mt, int64_t direct_rows, int64_t nthreads) {
   const int64_t S = static_cast<int64_t>(mt.sg.size());
   const int64_t G = static_cast<int64_t>(mt.cp.size()) - 1;
   std::vector<std::vector<int64_t>> segs(G);
@@ -139,36 +115,21 @@ std::vector<Task> make_tasks(const Meta& mt, int64_t direct_rows, int64_t nthrea
     if (cur.M) blocks.push_back(std::move(cur));
   }
   auto is_direct = [&](const std::vector<Task>& b) { return b.size() == 1 && b[0].M <= direct_rows; };
-  auto chunks_of = [&](int64_t g) { return std::max<int64_t>(1, (mt.cp[g + 1] - mt.cp[g] + kDirectChunk - 1) / kDirectChunk); };
-  int64_t direct_chunks = 0;
-  for (int64_t g = 0; g < G; ++g)
-    if (is_direct(group_blocks[g])) direct_chunks += chunks_of(g);
+  const int64_t direct_groups = std::count_if(group_blocks.begin(), group_blocks.end(), is_direct);
   const int64_t heads_per_task =
-      std::clamp<int64_t>(mt.Hkv * direct_chunks / std::max<int64_t>(1, 4 * nthreads), 1, mt.Hkv);
+      std::clamp<int64_t>(mt.Hkv * direct_groups / std::max<int64_t>(1, 4 * nthreads), 1, mt.Hkv);
   std::vector<Task> tasks;
-  int64_t parts = 0;
   for (int64_t g = 0; g < G; ++g) {
     const std::vector<Task>& blocks = group_blocks[g];
     if (is_direct(blocks)) {
-      const Task& b = blocks[0];
-      const int64_t P = mt.cp[g + 1] - mt.cp[g], chunks = chunks_of(g);
-      const double own_cost = b.cost - static_cast<double>(b.M) * static_cast<double>(P);
-      const int64_t nh = std::min(heads_per_task, std::max<int64_t>(1, ROWS / b.M));
+      const int64_t nh = std::min(heads_per_task, std::max<int64_t>(1, ROWS / blocks[0].M));
       for (int64_t h = 0; h < mt.Hkv; h += nh) {
-        if (chunks > 1) merges.push_back({static_cast<int64_t>(tasks.size()), chunks});
-        for (int64_t c = 0; c < chunks; ++c) {
-          Task tk = b;
-          tk.h = h;
-          tk.nh = std::min(nh, mt.Hkv - h);
-          tk.direct = true;
-          tk.k0 = c * kDirectChunk;
-          tk.k1 = std::min(P, tk.k0 + kDirectChunk);
-          tk.own = c == chunks - 1;
-          tk.part = chunks > 1 ? parts++ : -1;
-          tk.cost = static_cast<double>(tk.nh) *
-                    (static_cast<double>(b.M) * static_cast<double>(tk.k1 - tk.k0) + (tk.own ? own_cost : 0.0));
-          tasks.push_back(std::move(tk));
-        }
+        Task tk = blocks[0];
+        tk.h = h;
+        tk.nh = std::min(nh, mt.Hkv - h);
+        tk.cost *= static_cast<double>(tk.nh);
+        tk.direct = true;
+        tasks.push_back(std::move(tk));
       }
       continue;
     }
@@ -239,12 +200,12 @@ int64_t direct_rows_limit() {
   return 0;
 }
 
-// One decode-like task on the direct path: its rows' fp32 q (head hh's M rows at hh·M), then its
-// chunk of the prefix, keys [tk.k0, tk.k1) (every row sees every key), then, if tk.own, each
-// piece's own keys causally (row (t, i) sees a_s .. t). pk / pv / own_k / own_v give the task's
-// first kv head's row of a key; the next heads follow at the given strides. Fills m, l, acc.
+// One decode-like task on the direct path: its rows' fp32 q (head hh's M rows at hh·M), then the
+// prefix (every row sees every key), then each piece's own keys causally (row (t, i) sees a_s .. t).
+// pk / pv / own_k / own_v give the task's first kv head's row of a key; the next heads follow at
+// the given strides. Fills m, l, acc.
 template <typename s_t, typename c_t, typename PK, typename PV, typename OK, typename OV>
-void run_direct_rows(const Task& tk, const Meta& mt, float scale, const c_t* Q, float* Qf, float* S,
+void run_direct_rows(const Task& tk, const Meta& mt, int64_t P, float scale, const c_t* Q, float* Qf, float* S,
                      float* m, float* l, float* acc, PK&& pk, PV&& pv, int64_t pk_stride, int64_t pv_stride,
                      OK&& own_k, OV&& own_v, int64_t ok_stride, int64_t ov_stride) {
 #ifdef ACR_HAVE_AVX512_BF16_CODE
@@ -255,10 +216,8 @@ void run_direct_rows(const Task& tk, const Meta& mt, float scale, const c_t* Q, 
       qf = Q;
     else if (d != 128 && d != 64)  // else direct_keys dots the bf16 rows as they are
       for (int64_t i = 0; i < nh * M; ++i) row_f32(Q + i * d, d, Qf + i * d);
-    const int64_t k0 = tk.k0, n = tk.k1 - tk.k0;
-    direct_keys<s_t>(qf, Q, nh, M, M, pk_stride, pv_stride, d, scale, n, [&](int64_t j) { return pk(k0 + j); },
-                     [&](int64_t j) { return pv(k0 + j); }, [n](int64_t) { return n; }, m, l, acc, S);
-    if (!tk.own) return;
+    direct_keys<s_t>(qf, Q, nh, M, M, pk_stride, pv_stride, d, scale, P, pk, pv, [P](int64_t) { return P; }, m, l, acc,
+                     S);
     for (const Piece& pc : tk.pieces) {
       const int64_t a = mt.cs[pc.seg];
       direct_keys<s_t>(qf + pc.m0 * d, Q + pc.m0 * d, nh, M, (pc.t1 - pc.t0) * r, ok_stride, ov_stride, d, scale, pc.t1 - a,
@@ -296,10 +255,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // prefixes that buffer was ~10x the inputs).
   constexpr bool shared = std::is_same_v<s_t, c_t>;
   const int64_t direct_rows = direct_rows_limit<s_t, c_t>();
-  std::vector<Merge> merges;
-  const std::vector<Task> tasks = make_tasks(mt, direct_rows, at::get_num_threads(), merges);
-  std::vector<int64_t> blocks(G, 0);  // tile-path row blocks of group g (per kv head)
-  for (const Task& tk : tasks) blocks[tk.g] += tk.h == 0 && !tk.direct;
+  const std::vector<Task> tasks = make_tasks(mt, direct_rows, at::get_num_threads());
+  std::vector<int64_t> blocks(G, 0);  // row blocks of group g (per kv head)
+  for (const Task& tk : tasks) blocks[tk.g] += tk.h == 0;
   std::vector<int64_t> tile0(G + 1, 0);  // group g's first tile in the buffer (none: tile0[g+1] == tile0[g])
   for (int64_t g = 0; g < G; ++g)
     tile0[g + 1] = tile0[g] + (shared && blocks[g] > 1 ? (mt.cp[g + 1] - mt.cp[g] + KT - 1) / KT : 0);
@@ -355,54 +313,6 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     });
   }
 
-  // out = acc / l for a task's rows (row hh·M + (token, i)), in q's dtype
-  auto write_rows = [&](const Task& tk, const float* acc, const float* l) {
-    for (int64_t hh = 0; hh < tk.nh; ++hh)
-      for (const Piece& pc : tk.pieces)
-        for (int64_t t = pc.t0; t < pc.t1; ++t)
-          for (int64_t i = 0; i < r; ++i) {
-            const int64_t row = hh * tk.M + pc.m0 + (t - pc.t0) * r + i;
-            scale_row_out<s_t>(acc + row * d, 1.f / l[row], d, op + t * os0 + ((tk.h + hh) * r + i) * os1);
-          }
-  };
-  // partial states of split direct groups: part p's acc [R·d], m [R], l [R] at part_off[p], R = nh·M
-  std::vector<int64_t> part_off(1, 0);
-  for (const Task& tk : tasks)
-    if (tk.part >= 0) part_off.push_back(part_off.back() + tk.nh * tk.M * (d + 2));
-  scratch<float> partial(part_off.back());
-  // The chunks' states of a split group merged in chunk order (FlashAttention-2's rescale), by the
-  // task that finishes its group's last chunk (no second pass over the threads):
-  //   m = max_c m_c;  w_c = exp(scale·(m_c − m));  out = Σ_c w_c·acc_c / Σ_c w_c·l_c
-  // A row whose scores were all NaN has m_c = −inf in every chunk: w_c is NaN, so is its output,
-  // as in one pass.
-  std::vector<int64_t> merge_of(tasks.size(), -1);  // task -> its Merge
-  for (int64_t mi = 0; mi < static_cast<int64_t>(merges.size()); ++mi)
-    for (int64_t c = 0; c < merges[mi].chunks; ++c) merge_of[merges[mi].task + c] = mi;
-  std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[merges.size()]);
-  for (size_t mi = 0; mi < merges.size(); ++mi) chunks_left[mi].store(merges[mi].chunks, std::memory_order_relaxed);
-  auto merge = [&](const Merge& mg, float* acc, float* l) {
-    const Task& t0 = tasks[mg.task];
-    const int64_t R = t0.nh * t0.M;
-    std::fill(acc, acc + R * d, 0.f);
-    std::fill(l, l + R, 0.f);
-    for (int64_t i = 0; i < R; ++i) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < mg.chunks; ++c) {
-        const float mc = partial[part_off[tasks[mg.task + c].part] + R * d + i];
-        mx = mc > mx ? mc : mx;
-      }
-      float* a = acc + i * d;
-      for (int64_t c = 0; c < mg.chunks; ++c) {
-        const float* part = partial.data() + part_off[tasks[mg.task + c].part];
-        const float w = std::exp(scale * (part[R * d + i] - mx));
-        l[i] += w * part[R * d + R + i];
-        const float* ac = part + i * d;
-        for (int64_t col = 0; col < d; ++col) a[col] += w * ac[col];
-      }
-    }
-    write_rows(t0, acc, l);
-  };
-
   // -- 2. row tasks
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   const auto lists = deal(tasks, nthreads);
@@ -443,29 +353,28 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         std::fill(m.begin(), m.begin() + nh * M, -std::numeric_limits<float>::infinity());
         std::fill(l.begin(), l.begin() + nh * M, 0.f);
         std::fill(acc.begin(), acc.begin() + nh * M * d, 0.f);
+        // out = acc / l, in q's dtype
+        auto write_out = [&] {
+          for (int64_t hh = 0; hh < nh; ++hh)
+            for (const Piece& pc : tk.pieces)
+              for (int64_t t = pc.t0; t < pc.t1; ++t)
+                for (int64_t i = 0; i < r; ++i) {
+                  const int64_t row = hh * M + pc.m0 + (t - pc.t0) * r + i;
+                  scale_row_out<s_t>(acc.data() + row * d, 1.f / l[row], d, op + t * os0 + ((h + hh) * r + i) * os1);
+                }
+        };
 
         const int64_t P = mt.cp[g + 1] - mt.cp[g];
         const bool in_pbuf = tile0[g + 1] > tile0[g];  // packed in 1
         // a decode-like group (one row block, so nobody packed its keys): straight from the K/V rows
         // (attn_direct_avx512.h)
         if (tk.direct) {
-          run_direct_rows<s_t, c_t>(tk, mt, scale, Q.data(), Qf.data(), Sd.data(), m.data(), l.data(),
+          run_direct_rows<s_t, c_t>(tk, mt, P, scale, Q.data(), Qf.data(), Sd.data(), m.data(), l.data(),
                                     acc.data(), [&](int64_t j) { return pk(g, j, h); },
                                     [&](int64_t j) { return pv(g, j, h); }, pk.st_head, pv.st_head,
                                     [&](int64_t j) { return kp + j * ks0 + h * ks1; },
                                     [&](int64_t j) { return vp + j * vs0 + h * vs1; }, ks1, vs1);
-          if (tk.part < 0) {
-            write_rows(tk, acc.data(), l.data());
-          } else {  // one chunk of a split group: its state, merged below
-            const int64_t R = nh * M;
-            float* dst = partial.data() + part_off[tk.part];
-            std::copy(acc.begin(), acc.begin() + R * d, dst);
-            std::copy(m.begin(), m.begin() + R, dst + R * d);
-            std::copy(l.begin(), l.begin() + R, dst + R * d + R);
-            // the last chunk of its group to finish merges them (acq_rel: it sees the others' states)
-            const int64_t mi = merge_of[ti];
-            if (chunks_left[mi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(merges[mi], acc.data(), l.data());
-          }
+          write_out();
           continue;
         }
 
@@ -551,7 +460,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           }
         }
 
-        write_rows(tk, acc.data(), l.data());
+        write_out();
       }
     }
     gemm_release<c_t>();

@@ -61,11 +61,11 @@ DECODE = [
     ("two-token-and-empty-segments", [2, 1, 0, 2, 1, 2], [70, 3, 31], [0, 0, 1, 1, 2, 2], 16, 8, 128),
     ("one-kv-head-16-groups", [1] * 16, [33 + 7 * i for i in range(16)], list(range(16)), 4, 1, 64),
     ("d72-9-groups", [1] * 9, [5 * i + 1 for i in range(9)], list(range(9)), 6, 3, 72),
-    # prefixes cut into 512-key chunks whose states are merged: one group (the setwise decode step),
-    # lengths at and either side of the chunk edges, two-token segments, d 64 with r 4
-    ("split-prefix-one-group", [1], [2100], [0], 16, 8, 128),
-    ("split-at-chunk-edges", [1, 2, 1, 1], [512, 513, 1024, 1537], [0, 1, 2, 3], 32, 8, 128),
-    ("split-d64-two-tokens", [2], [1300], [0], 8, 2, 64),
+    # long prefixes: one group (a setwise decode step over its whole prompt), lengths at and either
+    # side of powers of two, two-token segments, d 64 with r 4
+    ("long-prefix-one-group", [1], [2100], [0], 16, 8, 128),
+    ("long-prefixes-at-edges", [1, 2, 1, 1], [512, 513, 1024, 1537], [0, 1, 2, 3], 32, 8, 128),
+    ("long-prefix-d64-two-tokens", [2], [1300], [0], 8, 2, 64),
 ]
 decode_rule = []
 for name, *case in DECODE:
@@ -198,8 +198,8 @@ def test_a_bad_limit_is_an_error_naming_the_variable(value):
     assert want in done.stdout and f"'{value}'" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
-def _split_batch(dtype, seed=3):
-    """A decode batch whose groups' prefixes span several 512-key chunks, and a prefill group."""
+def _long_prefix_batch(dtype, seed=3):
+    """A decode batch of long prefixes (one- and two-token segments) and a prefill group."""
     from test_op_cpu_attention_native import make
 
     return make([1, 2, 1, 40], [1500, 1030, 600, 700], [0, 1, 2, 3], 16, 8, 128, 16, dtype=dtype, seed=seed)
@@ -207,12 +207,13 @@ def _split_batch(dtype, seed=3):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_output_bits_do_not_depend_on_the_thread_count(dtype):
-    """The kernel deals its tasks to however many threads run it, and splits a decode-like group's
-    prefix into chunks of a fixed length: the same call gives the same bits on 1, 2 and 3 threads
-    (a chunk length taken from the thread count would change the order of the sums)."""
+    """The kernel deals its tasks to however many threads run it (and groups kv heads into direct
+    tasks by the thread count), but no choice that changes the order of a sum may depend on it: the
+    same call gives the same bits on 1, 2 and 3 threads, so a score does not depend on the machine's
+    core count (a split of the keys by thread count would fail here)."""
     from acarerank.ops import prefix_shared_attention_paged
 
-    paged, _ = _split_batch(dtype)
+    paged, _ = _long_prefix_batch(dtype)
     before = torch.get_num_threads()
     outs = {}
     try:
@@ -227,19 +228,19 @@ def test_output_bits_do_not_depend_on_the_thread_count(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nan_in_a_split_group_reaches_only_its_rows(dtype):
-    """A NaN in one row's q, and a NaN in one prefix value of the second chunk: exactly the rows
-    that read them come out NaN (the q row wholly; the value only in its dim, for the query heads of
-    its kv head), every other row matches the NaN-free oracle — through the chunks' merge."""
+def test_nan_in_a_long_prefix_group_reaches_only_its_rows(dtype):
+    """A NaN in one row's q, and a NaN in one prefix value 700 keys in: exactly the rows that read
+    them come out NaN (the q row wholly; the value only in its dim, for the query heads of its kv
+    head), every other row matches the NaN-free oracle."""
     from test_op_cpu_attention_native import ref32
 
     from acarerank.ops import prefix_shared_attention_paged
 
-    paged, packed = _split_batch(dtype)
+    paged, packed = _long_prefix_batch(dtype)
     ref = ref32(packed)
     q, k, v, cu, kc, vc, bt, pl, sg = paged
     q[0, 3, 5] = float("nan")                                  # group 0's token, query head 3
-    blk, slot = int(bt[1, 700 // 16]), 700 % 16                # group 1's prefix key 700 (chunk 2)
+    blk, slot = int(bt[1, 700 // 16]), 700 % 16                # group 1's prefix key 700
     vc[blk, slot, 6, 9] = float("nan")                         # kv head 6 = query heads 12, 13 (r 2)
     out = prefix_shared_attention_paged(*paged, backend="native").float()
     want = torch.zeros(out.shape, dtype=torch.bool)
