@@ -32,6 +32,7 @@ import torch
 
 from ._validate import check_int, positive_int
 from .model import Qwen3Runner
+from .model.numerics import NonFiniteOutputError, nonfinite_rows
 from .model.runner import bounded_runs
 from .model.cached_prefill import CacheSlot, default_budget_tokens, prefill_cached
 from .ops import backend_for, yes_no_score
@@ -236,7 +237,16 @@ class PointwiseReranker(RerankerBase):
             try:
                 for e in window:
                     handles.append(self.acquire_prefix(e))
-                flat = self.score_segments([(h, ids) for h in handles for ids in h.encoding.segment_ids])
+                try:
+                    flat = self.score_segments([(h, ids) for h in handles for ids in h.encoding.segment_ids])
+                except NonFiniteOutputError as e:
+                    # item k of this window -> (request, document) of the call
+                    where = [(len(out) + r, d) for r, enc in enumerate(window) for d in range(len(enc.segment_ids))]
+                    rows = [where[k] for k in e.rows]
+                    more = f" (and (request, document) {rows[1:5]}{', ...' if len(rows) > 5 else ''})" \
+                        if len(rows) > 1 else ""
+                    raise NonFiniteOutputError(f"no score for request {rows[0][0]} document {rows[0][1]}{more}: "
+                                               f"{e.reason}", rows) from None
             finally:
                 for h in handles:
                     self.release_prefix(h)
@@ -315,7 +325,8 @@ class PointwiseReranker(RerankerBase):
 
         Segments of handles in the same pool go in one packed pass (split only at
         ``max_batch_tokens``: ``Qwen3Runner.forward_segments``); equal to ``score`` of the same
-        request (≤ 1e-6 fp32).
+        request (≤ 1e-6 fp32). A score whose logit difference is NaN/inf (a head or final norm
+        weight that is not finite, or overflows) raises ``NonFiniteOutputError`` naming the items.
         """
         checked = []
         for n, item in enumerate(items):
@@ -329,11 +340,36 @@ class PointwiseReranker(RerankerBase):
             checked.append((h, list(ids)))
         out = [0.0] * len(items)
         for indices, hidden in self.runner.forward_segments(checked, self.max_batch_tokens):
-            s, _ = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
-                                eps=self.runner.arch.rms_norm_eps, backend=backend_for("yes_no_score", self.backend))
+            s, diff = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
+                                   eps=self.runner.arch.rms_norm_eps, backend=backend_for("yes_no_score", self.backend))
+            # S numbers, one sync: a NaN/inf difference (sigmoid gives NaN, or exactly 0 or 1) or score
+            bad = nonfinite_rows(diff + s)
+            if bad:
+                rows = [indices[i] for i in bad]
+                reason = self._score_fault(diff[bad[0]].item())
+                err = NonFiniteOutputError(f"score_segments: no score for item(s) {rows[:5]}"
+                                           f"{f' ({len(rows)} in all)' if len(rows) > 5 else ''}: {reason}", rows)
+                err.reason = reason  # score_encodings names the (request, document) pairs with it
+                raise err
             for n, v in zip(indices, s.tolist()):
                 out[n] = v
         return out
+
+    def _score_fault(self, diff: float) -> str:
+        """Why a score came out NaN/inf: which of the weights it reads is not finite."""
+        if self.token_yes is None:
+            head = {"score.weight (its yes row)": self._w_yes, "score.weight (its no row)": self._w_no}
+        else:
+            head = {f"lm_head row {self.token_yes} ('yes')": self._w_yes,
+                    f"lm_head row {self.token_no} ('no')": self._w_no}
+        bad = [name for name, w in {"the final norm weight": self.runner.final_norm_weight, **head}.items()
+               if not bool(torch.isfinite(w).all())]
+        if bad:
+            why = (f"{' and '.join(bad)} {'holds' if len(bad) == 1 else 'hold'} NaN/inf (loading refuses such "
+                   f"weights: these were changed after it)")
+        else:
+            why = "the final norm weight and the head's rows are finite: their product overflows fp32"
+        return f"logit_yes − logit_no is {diff} from a finite hidden state; {why}. No score is computed from it"
 
     def cache_stats(self) -> dict:
         """Prefix-cache counters (monotonic) and gauges, in tokens: lookup_tokens, hit_tokens,

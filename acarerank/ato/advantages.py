@@ -82,7 +82,8 @@ def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Opt
       format_ok: [N] bool m_i.
       lam: λ in [0, 1] (paper: 0.7).
       response_mask: optional [N, L] bool; positions outside it are set to 0.
-    Returns: [N, L] fp32.
+    Returns: [N, L] fp32. Raises ValueError when a result is NaN/inf (a non-finite a_grpo, or
+    a_atd where m_i = 1, inside the response mask), naming the (rollout, token) positions.
     """
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lam must be in [0, 1], got {lam}")
@@ -106,6 +107,14 @@ def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Opt
         if response_mask.shape != (N, L):
             raise ValueError(f"response_mask must be [N, L]={N, L}, got shape {tuple(response_mask.shape)}")
         out = torch.where(response_mask.to(atd.device).bool(), out, torch.zeros((), device=atd.device))
+    bad = ~torch.isfinite(out)  # [N, L]: a NaN/inf input where it is used, never a silent NaN loss
+    if bool(bad.any()):
+        pos = [tuple(p) for p in bad.nonzero().tolist()]
+        n, l = pos[0]
+        g = grpo[n, 0] if grpo.shape[1] == 1 else grpo[n, l]
+        raise ValueError(f"ato_advantage: the advantage of token {l} of rollout {n} is not finite (a_grpo there is "
+                         f"{g.item()}, a_atd {atd[n, l].item()}, format_ok {bool(m[n])}; {len(pos)} such positions, "
+                         f"first {pos[:5]}): a non-finite input where it is used")
     return out
 
 

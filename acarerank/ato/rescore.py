@@ -29,6 +29,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
+from ..model.numerics import NonFiniteHiddenError, NonFiniteOutputError, check_scorable, nonfinite_rows
 from ..ops.linear_logprob import linear_logprob
 from ..ops.topk_logprobs import OUTSIDE_MODES, topk_logprobs
 from ..ops.vocab_parallel import VocabShard
@@ -144,6 +145,8 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
         logp_old = _snapshot_logprobs(snapshot, batch, temperature, chunk, snapshot_head)
         logp_t, in_topk = _teacher_logprobs(teacher, batch, k, chunk, outside, floor, renormalize, temperature,
                                             backend, teacher_head)
+        for who, lp in (("snapshot", logp_old), ("teacher", logp_t)):
+            _check_finite(batch, who, lp)
         padded = _padded(batch, logp_old, logp_t, in_topk, outside)
     return RescoreResult(*padded, torch.tensor(batch.qidx, dtype=torch.long), batch.lengths)
 
@@ -166,6 +169,29 @@ class _Batch:
     @property
     def targets(self) -> torch.Tensor:
         return torch.tensor([t for y in self.rolls for t in y], dtype=torch.long)
+
+    def rollout_token(self, rows) -> list:
+        """(rollout, token position) of each packed token row."""
+        where = [(n, pos) for n, y in enumerate(self.rolls) for pos in range(len(y))]
+        return [where[r] for r in rows]
+
+    def describe(self, pairs) -> str:
+        """Human words for (rollout, token) pairs: the first with its query, and how many more."""
+        n, pos = pairs[0]
+        more = f" (and {len(pairs) - 1} more (rollout, token) pair(s), first {pairs[1:5]})" if len(pairs) > 1 else ""
+        return f"token {pos} of rollout {n} (query {self.qidx[n]}){more}"
+
+
+def _check_finite(b: _Batch, who: str, logp: torch.Tensor) -> None:
+    """The last check before the log-probs are returned (ΣL numbers): the ops refuse non-finite
+    logits, but a target whose own logit is −inf (``outside="full"``, or a top-k reaching past
+    the finite logits) would still give −inf, and an advantage of ±inf."""
+    bad = nonfinite_rows(logp)
+    if bad:
+        pairs = b.rollout_token(bad)
+        raise NonFiniteOutputError(f"rescore: the {who}'s log-prob of {b.describe(pairs)} is {logp[bad[0]].item()}: "
+                                   f"its output layer gives that token a non-finite logit (NaN/inf weights, changed "
+                                   f"after loading, which refuses them); no advantage is computed from it", pairs)
 
 
 def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Batch:
@@ -205,7 +231,7 @@ def _snapshot_logprobs(snapshot, b: _Batch, temperature, chunk, shard) -> torch.
     last token; each segment = that token ++ y_i[:-1]."""
     ctx = [h + t for h, t in zip(b.heads, b.tails)]
     segments = [ctx[q][-1:] + y[:-1] for q, y in zip(b.qidx, b.rolls)]
-    hidden = _predicting_rows(snapshot, [c[:-1] for c in ctx], segments, b.qidx, b.lengths)
+    hidden = _predicting_rows(snapshot, [c[:-1] for c in ctx], segments, b.qidx, b.lengths, b, "snapshot")
     targets = b.targets.to(snapshot.device)
     weight, parallel = _head(snapshot, shard)
     if not targets.numel():
@@ -218,7 +244,7 @@ def _teacher_logprobs(teacher, b: _Batch, k, chunk, outside, floor, renormalize,
     """Step 3: (log π̃_φ(y_i,l | head, h_i, tail, y_i,<l) [ΣL], in_topk [ΣL]) under the top-k
     truncated teacher. Group prefix = head but its last token; the hint rides in the segment."""
     segments = [h + b.tails[q] + y[:-1] for q, h, y in zip(b.qidx, b.hints, b.rolls)]
-    hidden = _predicting_rows(teacher, [h[:-1] for h in b.heads], segments, b.qidx, b.lengths)
+    hidden = _predicting_rows(teacher, [h[:-1] for h in b.heads], segments, b.qidx, b.lengths, b, "teacher")
     targets = b.targets.to(teacher.device)
     if not targets.numel():
         return torch.zeros(0), torch.zeros(0, dtype=torch.bool)
@@ -257,16 +283,26 @@ def _head(runner, shard: Optional[VocabShard]):
     return shard.weight, dict(process_group=shard.process_group, vocab_start=shard.vocab_start, vocab_size=vocab)
 
 
-def _predicting_rows(runner, prefixes, segments, groups, n_pred):
+def _predicting_rows(runner, prefixes, segments, groups, n_pred, b: _Batch, who: str):
     """Hidden states (before the final norm) that predict each rollout's tokens, packed [ΣL, H]:
-    the last n_pred[i] rows of segment i."""
+    the last n_pred[i] rows of segment i. A row that is NaN/inf or too large for fp32's RMSNorm
+    (which would make its logits NaN, or all 0: log-probs of exactly −log V, with no error) is a
+    ``NonFiniteHiddenError`` naming the (rollout, token) pairs, as ``output="last"`` passes are."""
     cache = runner.prefill(prefixes)
     hid = runner.forward(cache, segments, groups, output="all")
     rows, off = [], 0
     for seg, n in zip(segments, n_pred):
         off += len(seg)
         rows.extend(range(off - n, off))
-    return hid[torch.tensor(rows, dtype=torch.long, device=hid.device)]
+    hid = hid[torch.tensor(rows, dtype=torch.long, device=hid.device)]
+    try:
+        check_scorable(hid)  # one [ΣL, H] pass: a fraction of the [ΣL, V] logits that follow
+    except NonFiniteHiddenError as e:
+        pairs = b.rollout_token(e.rows)
+        raise NonFiniteHiddenError(f"rescore: the {who}'s final hidden state predicting {b.describe(pairs)} is NaN/inf "
+                                   f"or too large for fp32's RMSNorm: its activations overflowed (broken weights, or a "
+                                   f"dtype too narrow: try float32); no log-prob is computed from it", pairs) from None
+    return hid
 
 
 __all__ = ["RescoreQuery", "RescoreResult", "rescore", "split_student_prompt"]

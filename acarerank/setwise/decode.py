@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .._validate import positive_int
+from ..model.numerics import NonFiniteOutputError, nonfinite_rows
 from ..tokenizer import TOKEN_IM_END
 from .grammar import GrammarState, IdentifierGrammar
 
@@ -117,11 +118,15 @@ class GreedyStepper:
         hidden = self.runner.forward(self.cache, [feed[g] for g in running], running, output="last",
                                      append=True)                                          # [S, H]
         if self.grammar is None:
-            nxt = self.runner.logits(hidden).argmax(-1).tolist()
+            logits = self.runner.logits(hidden)                                # [S, V]
+            self._check_finite(logits.amax(-1), running)
+            nxt = logits.argmax(-1).tolist()
         else:
             logits = (self.runner.final_norm(hidden) @ self.head.T).float()  # [S, 14]; same dtype path as runner.logits
             mask = self.grammar.mask([states[g] for g in running]).to(logits.device)
-            cols = logits.masked_fill(~mask, float("-inf")).argmax(-1).tolist()
+            masked = logits.masked_fill(~mask, float("-inf"))
+            self._check_finite(masked.amax(-1), running)
+            cols = masked.argmax(-1).tolist()
             nxt = [int(self.vocab[c]) for c in cols]
         still = []
         for g, tok in zip(running, nxt):
@@ -134,6 +139,22 @@ class GreedyStepper:
                 still.append(g)
         self.running = still
         return fed
+
+    def _check_finite(self, best, running) -> None:
+        """``best`` [S]: each running sequence's largest (allowed) logit. NaN propagates through
+        the max, so a NaN among the tokens the step chooses from — which argmax would pick, or
+        the grammar's first allowed token — shows up here, as does an inf; S numbers, one sync."""
+        bad = nonfinite_rows(best)
+        if bad:
+            rows = [running[i] for i in bad]
+            where = "allowed by the grammar" if self.grammar is not None else "of the vocabulary"
+            reason = (f"the largest next-token logit {where} is {best[bad[0]].item()} at output token "
+                      f"{len(self.outputs[rows[0]])} although the hidden state is finite: lm_head's rows or the final "
+                      f"norm weight hold NaN/inf (loading refuses such weights: these were changed after it) or "
+                      f"overflow fp32; no token is chosen from them")
+            err = NonFiniteOutputError(f"greedy decoding of prompt(s) {rows[:5]}: {reason}", rows)
+            err.reason = reason  # select_batch names its queries with it
+            raise err
 
 
 def _force(g, states, outputs, feed, max_new_tokens) -> bool:

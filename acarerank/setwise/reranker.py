@@ -29,6 +29,7 @@ from typing import List, Optional, Sequence
 from .._validate import check_int, positive_int
 from ..model import Qwen3Runner
 from ..model.block_pool import PoolExhausted
+from ..model.numerics import NonFiniteOutputError
 from ..model.cached_prefill import CacheSlot, ChunkedPrefill, prefill_cached
 from ..reranker_base import RerankerBase
 from .selection import parse_selection
@@ -255,7 +256,12 @@ class SetwiseReranker(RerankerBase):
                    for q, d, it in zip(queries, documents, intents)]
         out: List[Selection] = []
         for b in range(0, len(prompts), batch_size):
-            out.extend(self._select_prompts(prompts[b:b + batch_size], max_select, constrained))
+            try:
+                out.extend(self._select_prompts(prompts[b:b + batch_size], max_select, constrained))
+            except NonFiniteOutputError as e:  # name the queries of this call, not the prompts of the batch
+                rows = [b + g for g in e.rows]
+                raise NonFiniteOutputError(f"select_batch: no selection for query(ies) {rows[:5]}: {e.reason}",
+                                           rows) from None
         return out
 
     def cache_stats(self) -> dict:

@@ -214,3 +214,34 @@ def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
     _raise_in_run(monkeypatch, BrokenPipeError(32, "Broken pipe"))
     rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
     assert rc == 141 and err == [], (rc, err)
+
+
+def test_nonfinite_weights_are_one_line_and_never_a_nan_score(capsys, files, tmp_path, monkeypatch):
+    """A NaN in the "yes" row once printed {"score": NaN} (not even JSON) with exit 0. At load it is
+    bad input (exit 2) naming file and tensor; weights that turn non-finite after loading are a
+    runtime failure (exit 1): one line, no score printed."""
+    import acarerank.model.runner as runner_module
+    from acarerank.tokenizer import TOKEN_YES
+
+    m = tiny_causal(seed=4, tie=False)
+    with torch.no_grad():
+        m.lm_head.weight[TOKEN_YES, 0] = float("nan")  # untied: every hidden state stays finite
+    m.save_pretrained(tmp_path / "nan")
+    capsys.readouterr()  # transformers' progress bar
+    base = ["--query", "q", "--docs", str(files / "docs.jsonl")]
+    for cmd in ("score", "select"):
+        rc, err, out = run(capsys, [cmd, "--model", str(tmp_path / "nan")] + base)
+        assert rc == 2 and len(err) == 1 and out == "", (rc, err, out)
+        assert "model.safetensors" in err[0] and "holds NaN" in err[0], err
+
+    load = runner_module.load_checkpoint
+
+    def load_then_break(*a, **kw):  # weights finite at load, the final norm inf afterwards
+        w = load(*a, **kw)
+        w.final_norm[0] = float("inf")
+        return w
+
+    monkeypatch.setattr(runner_module, "load_checkpoint", load_then_break)
+    for cmd in ("score", "select"):
+        rc, err, out = run(capsys, [cmd, "--model", str(files / "ckpt")] + base)
+        assert rc == 1 and len(err) == 1 and out == "" and "NonFiniteOutputError" in err[0], (rc, err, out)

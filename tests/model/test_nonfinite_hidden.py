@@ -14,6 +14,7 @@ import torch
 from _optional import require
 
 from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
+from acarerank.model import Qwen3Runner
 from acarerank.model.numerics import NonFiniteHiddenError, check_scorable
 from acarerank.tokenizer import TOKEN_NO, TOKEN_YES
 from serve_util import tiny_model
@@ -44,10 +45,12 @@ def _own_token(rr) -> int:
 
 @pytest.fixture(scope="module")
 def poisoned(model, clean):
-    m = copy.deepcopy(model)
-    with torch.no_grad():
-        m.get_input_embeddings().weight[_own_token(clean)] = float("nan")
-    return m
+    """A runner whose embedding row of the poisoned document's own token is NaN. Set after
+    loading: loading refuses NaN weights (tests/model/test_nonfinite_output.py), but an in-memory
+    model's tensors are shared with the runner and may change later."""
+    runner = Qwen3Runner.from_hf(copy.deepcopy(model))
+    runner.weights.embed[_own_token(clean)] = float("nan")
+    return runner
 
 
 def test_check_scorable_names_the_bad_rows():
@@ -66,7 +69,7 @@ def test_check_scorable_names_the_bad_rows():
 
 
 def test_pointwise_refuses_the_nan_document_and_scores_the_others(clean, poisoned):
-    rr = PointwiseReranker(model=poisoned)
+    rr = PointwiseReranker(runner=poisoned)
     with pytest.raises(NonFiniteHiddenError) as e:
         rr.score(QUERY, DOCS)
     assert e.value.rows == [POISONED], f"refused rows {e.value.rows}, the NaN is only in document {POISONED}"
@@ -91,7 +94,7 @@ def test_overflowing_activations_are_refused_not_scored_half(model):
 
 
 def test_setwise_refuses_a_prompt_whose_last_state_is_nan(poisoned):
-    sr = SetwiseReranker(model=poisoned)
+    sr = SetwiseReranker(runner=poisoned)
     with pytest.raises(NonFiniteHiddenError):
         sr.select(QUERY, DOCS, max_select=2)
 
@@ -100,7 +103,7 @@ def test_engine_fails_the_nan_request_alone(clean, poisoned):
     require("fastapi")
     from acarerank.server.engine import Engine, EngineFault
 
-    rr = PointwiseReranker(model=poisoned)
+    rr = PointwiseReranker(runner=poisoned)
     requests = {"a": ScoreRequest("tutoring question", DOCS[:1] + DOCS[2:]),
                 "bad": ScoreRequest(QUERY, DOCS),
                 "b": ScoreRequest("agent question", DOCS[2:])}
