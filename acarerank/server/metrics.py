@@ -20,6 +20,12 @@ acarerank_documents_scored_total            counter    documents scored
 acarerank_requests_cancelled_total          counter    requests dropped because the client left
 acarerank_engine_failures_total             counter    model-side failures, by stage (pass, prefill,
                                                        select, call, scheduler, tokenize, engine)
+acarerank_engine_failures_in_a_row          gauge      failures since the last success, by kind (model:
+                                                       requests the model failed; iteration: failed
+                                                       scheduler iterations); the canary runs at
+                                                       ``--canary-after-failures``
+acarerank_engine_canary_total               counter    canary runs, by outcome (passed: the failures were
+                                                       the requests'; failed: the engine died)
 acarerank_prefix_cache_<x>_tokens_total     counter    lookup / hit / computed / evicted tokens
 acarerank_prefix_cache_<x>_tokens           gauge      resident / budget tokens
 ==========================================  =========  ==============================================
@@ -89,6 +95,17 @@ class ServerMetrics:
                                        "engine: the engine died)", ["stage"], registry=r)
         for stage in ("pass", "prefill", "select", "engine"):
             self.engine_failures.labels(stage)  # present at 0 from the start (a rate needs a first sample)
+        self.failures_in_a_row = Gauge("acarerank_engine_failures_in_a_row", "failures since the last success, "
+                                       "by kind (model: requests the model failed since a scoring pass or "
+                                       "selection step succeeded; iteration: scheduler iterations that raised in a row)",
+                                       ["kind"], registry=r)
+        self.canary = Counter("acarerank_engine_canary", "canary runs after --canary-after-failures failures in "
+                              "a row, by outcome (passed: the failures were the requests'; failed: the engine "
+                              "died)", ["outcome"], registry=r)
+        for kind in ("model", "iteration"):
+            self.failures_in_a_row.labels(kind)
+        for outcome in ("passed", "failed"):
+            self.canary.labels(outcome)
         if cache_stats is not None:
             r.register(_CacheCollector(cache_stats))
 
