@@ -8,7 +8,7 @@ double that wraps the reranker's step methods (no switch in the package):
 3. an exception that escapes the scheduler loop makes the service dead: /health and /ready
    503 with the reason, waiting and new requests 503 at once;
 4. each failure is counted in ``acarerank_engine_failures_total{stage}``;
-5. a client that leaves while its request waits is a 499, not a 500;
+5. a client that leaves while its request waits is a 499, not a 500, counted as a disconnect, not an error;
 6. a ``SystemExit`` in a tokenizer worker is a JSON 500; a tokenizer pool that can take no more
    work (shut down under a serving service) makes the service dead like a dead engine;
 7. a sticky fault (every pass raises) runs the canary after three failures, the canary fails and
@@ -396,6 +396,11 @@ def test_client_leaving_while_waiting_is_499(served):
     key500 = ("acarerank_requests_total", (("code", "500"), ("endpoint", "/v1/rerank")))
     assert after.get(key499, 0) - before.get(key499, 0) == 1, "the disconnect was not counted as 499"
     assert after.get(key500, 0) == before.get(key500, 0), "the disconnect was counted as 500"
+    # a client that left is no error of the server's: its own counter, not errors_total (error-rate alerts)
+    gone = ("acarerank_client_disconnects_total", (("endpoint", "/v1/rerank"),))
+    assert after.get(gone, 0) - before.get(gone, 0) == 1, "the disconnect was not counted as one"
+    assert not any(k[0] == "acarerank_errors_total" and after[k] != before.get(k, 0) for k in after), \
+        "the disconnect was counted in acarerank_errors_total"
     assert svc.admitted == 0
 
 
