@@ -51,6 +51,11 @@ class ServeConfig:
                                        "prompt cache each (default: 1 GiB of KV on CPU, 8 GiB on GPU, at most "
                                        "65,536 tokens, each)", default=None, type=int)
     tokenize_workers: int = _opt("threads of the tokenization pool (one request uses at most one)", default=2)
+    canary_after_failures: int = _opt("requests failed by the model (or failed scheduler iterations) in a row, "
+                                      "no successful pass between, "
+                                      "after which a known-good canary request runs alone; if it fails too the "
+                                      "engine is dead (503, exit status 70; docs/serving.md, 'A broken engine "
+                                      "is found')", default=3)
     # -- admission and per-request limits
     max_queue: int = _opt("requests admitted and unanswered at once; one more gets 429 (before its body is read)",
                           default=DEFAULT_MAX_QUEUE)

@@ -34,9 +34,14 @@ Faults (docs/serving.md, "Internal faults and probes"). A packed pass that raise
 score that is not a finite number, is retried in halves so one bad request fails alone (``_bisect``); a failed prefill or selection step fails
 its own request only (a prefill or a selection's prefill chunk that runs out of memory is first
 retried once at half the tokens per pass); each failure is an ``EngineFault`` with an error id, one log line and
-``acarerank_engine_failures_total{stage}``. Anything that escapes the loop itself
-(``BaseException`` included: ``KeyboardInterrupt``, ``SystemExit``) kills the engine: every
-waiting and later job fails with ``EngineDead`` at once and ``on_dead`` callbacks run.
+``acarerank_engine_failures_total{stage}``. A scheduler iteration that raises outside that
+handling (a bug of ours) fails every job it held — scoring, selections, queued calls — and the
+loop goes on. ``canary_after`` requests failed by the model in a row (no scoring pass or selection
+step succeeded in between), or as many failed iterations in a row, run the ``canary`` request alone
+(``_run_canary``): if it fails too, the engine is broken, not the requests. Anything that escapes
+the loop itself (``BaseException`` included: ``KeyboardInterrupt``, ``SystemExit``, a failed
+canary) kills the engine: every waiting and later job fails with ``EngineDead`` at once and
+``on_dead`` callbacks run.
 """
 from __future__ import annotations
 
@@ -93,6 +98,7 @@ class _CallJob:
     future: concurrent.futures.Future
     submitted: float
     cancelled: bool = False
+    rid: str = "call"
 
 
 log = logging.getLogger("acarerank.server")
@@ -102,6 +108,8 @@ DEFAULT_MAX_RUNNING = 64
 #: "shortest" policy: a running request that no pass moved for this many passes gets a segment
 STARVATION_PASSES = 8
 POLICIES = ("shortest", "round_robin")
+#: requests failed by the model (or scheduler iterations) in a row before the canary runs (``--canary-after-failures``)
+DEFAULT_CANARY_AFTER = 3
 
 
 class EngineStopped(RuntimeError):
@@ -110,6 +118,12 @@ class EngineStopped(RuntimeError):
 
 class EngineDead(EngineStopped):
     """The scheduler loop ended on an exception: the engine serves nothing any more (``reason``)."""
+
+
+class _Broken(BaseException):
+    """The canary failed after ``canary_after`` failures in a row: raised on the scheduler thread so it
+    escapes every per-request handler and ends the loop through ``_run`` → ``_die`` (the message is
+    the dead engine's reason). A ``BaseException`` like ``KeyboardInterrupt``: nothing on the way catches it."""
 
 
 class EngineFault(RuntimeError):
@@ -140,7 +154,7 @@ class _FailureLog:
         self.dropped = 0
         self._lock = threading.Lock()
 
-    def __call__(self, msg: str, *args) -> None:
+    def __call__(self, msg: str, *args, exc_info=None) -> None:
         now = time.monotonic()
         with self._lock:
             if now - self.window_start >= self.every:
@@ -151,7 +165,7 @@ class _FailureLog:
                 self.dropped += 1
                 return
             self.lines += 1
-        log.error(msg, *args)
+        log.error(msg, *args, exc_info=exc_info)
 
 
 def _settle(fut: concurrent.futures.Future, result=None, exc: Optional[BaseException] = None) -> None:
@@ -182,11 +196,20 @@ class Engine:
         thread of the engine's own.
       select_steps: the setwise step API (a ``SetwiseReranker`` on the same model) that
         ``submit_select`` jobs run on; None: ``submit_select`` is refused.
+      canary: an encoding known to score (a short query and document, within every limit), run
+        alone after ``canary_after`` failures in a row; None: no canary, the engine never
+        declares itself broken (the service sets its warm-up request here).
+      canary_after: requests failed by the model (a pass's culprit, a prefix prefill, a selection
+        step) with no successful scoring pass or selection step in between, or failed scheduler
+        iterations in a row, before the canary runs. Requests, not failed calls: one culprit among
+        n requests fails ⌈log₂ n⌉ + 1 nested passes in a row, and that is no broken engine.
     """
 
     def __init__(self, steps, max_batch_tokens: int, metrics=None, max_running: int = DEFAULT_MAX_RUNNING,
-                 model_thread=None, policy: str = "shortest", select_steps=None):
-        for name, v in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+                 model_thread=None, policy: str = "shortest", select_steps=None, canary=None,
+                 canary_after: int = DEFAULT_CANARY_AFTER):
+        for name, v in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running),
+                        ("canary_after", canary_after)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if policy not in POLICIES:
@@ -213,6 +236,11 @@ class Engine:
         self.on_dead: list = []                 # callables(reason) run once, on the loop's thread, when it dies
         self._step_since: Optional[float] = None  # monotonic start of the model work in progress (None: idle)
         self.iterations = 0                     # scheduler iterations completed (a heartbeat)
+        self.canary = canary
+        self.canary_after = canary_after
+        self.model_failures_in_a_row = 0        # requests the model failed since the last successful pass or step
+        self.iteration_failures_in_a_row = 0    # scheduler iterations that raised since the last clean one
+        self._in_canary = False
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -316,7 +344,8 @@ class Engine:
 
     def _die(self, exc: BaseException) -> None:
         """Mark the engine dead, log the traceback, fail every job at once, run ``on_dead``."""
-        reason = f"the model thread's scheduler loop ended on {type(exc).__name__}: {exc}".rstrip(": ")
+        reason = str(exc) if isinstance(exc, _Broken) else \
+            f"the model thread's scheduler loop ended on {type(exc).__name__}: {exc}".rstrip(": ")
         with self._cv:
             self.dead = reason
             self._stopping = True
@@ -351,35 +380,113 @@ class Engine:
                     queue.append(job)
             self._step_since = time.monotonic()
             try:
-                self._drop_cancelled()
-                if self._calls:
-                    self._run_call(self._calls.popleft())
-                if self._active:  # first, so a request that arrived during a selection step waits for that one only
-                    self._pass(self.max_batch_tokens - self._select_share())
-                if self._selects:
-                    self._select_step()
-                self._report_depth()
-            except Exception as e:  # noqa: BLE001 - a bug of ours: fail what is in flight, keep the thread
-                fault = self._fault("scheduler", e, self._active)
-                log.exception("scheduler iteration failed (error id %s); failing %d active requests",
-                              fault.error_id, len(self._active))
-                for job in self._active:
-                    _settle(job.future, exc=fault)
-                    if job.handle is not None:
-                        try:
-                            self.steps.release_prefix(job.handle)
-                        except Exception:  # noqa: BLE001
-                            log.exception("release_prefix failed")
-                self._active = []
+                self._iteration()
+            except Exception as e:  # noqa: BLE001 - a bug of ours: fail what it held, keep the thread
+                self._iteration_failed(e)
+            else:
+                if self.iteration_failures_in_a_row:
+                    self._set_in_a_row(iterations=0)
             self.iterations += 1
 
-    def _fault(self, stage: str, exc: BaseException, jobs) -> EngineFault:
-        """An ``EngineFault`` for ``jobs`` (counted; one rate-limited log line naming them)."""
+    def _iteration(self) -> None:
+        """One pass budget: drop cancelled work, one call, one scoring pass, one selection step."""
+        self._drop_cancelled()
+        if self._calls:
+            self._run_call(self._calls.popleft())
+        if self._active:  # first, so a request that arrived during a selection step waits for that one only
+            self._pass(self.max_batch_tokens - self._select_share())
+        if self._selects:
+            self._select_step()
+        self._report_depth()
+
+    def _iteration_failed(self, exc: Exception) -> None:
+        """An iteration raised outside the per-request handling: its state is not to be trusted, so
+        every job it held (scoring, selections, queued calls) fails with one ``EngineFault``
+        (one rate-limited log line with the traceback); jobs that arrived meanwhile wait in the
+        inbox. ``canary_after`` of these in a row run the canary through an iteration of its own."""
+        jobs = list(self._active) + list(self._selects) + list(self._calls)
+        fault = self._fault("scheduler", exc, jobs, exc_info=exc)
+        self._fail_in_flight(fault)
+        self._set_in_a_row(iterations=self.iteration_failures_in_a_row + 1)
+        if self._canary_due(self.iteration_failures_in_a_row):
+            self._run_canary(f"{self.iteration_failures_in_a_row} scheduler iterations failed in a row (the last: "
+                             f"{type(exc).__name__}: {exc})", self._canary_iteration)
+            self._set_in_a_row(iterations=0)
+
+    # -- the canary: are the failures the requests' or the engine's? -------------------------------
+    def _set_in_a_row(self, model: Optional[int] = None, iterations: Optional[int] = None) -> None:
+        if model is not None:
+            self.model_failures_in_a_row = model
+        if iterations is not None:
+            self.iteration_failures_in_a_row = iterations
+        if self.metrics is not None:
+            self.metrics.failures_in_a_row.labels("model").set(self.model_failures_in_a_row)
+            self.metrics.failures_in_a_row.labels("iteration").set(self.iteration_failures_in_a_row)
+
+    def _model_ok(self) -> None:
+        """A scoring pass or selection step succeeded: the model works (a prefix prefill proves
+        nothing, it may be served from the cache without a forward)."""
+        if self.model_failures_in_a_row:
+            self._set_in_a_row(model=0)
+
+    def _model_failed(self, exc: BaseException) -> None:
+        """The model failed a request (before it is answered); the ``canary_after``-th in a row runs
+        the canary now, before any more culprit search."""
+        self._set_in_a_row(model=self.model_failures_in_a_row + 1)
+        if self._canary_due(self.model_failures_in_a_row):
+            self._run_canary(f"the model failed {self.model_failures_in_a_row} requests in a row (the last: "
+                             f"{type(exc).__name__}: {exc})", self._canary_alone)
+
+    def _canary_due(self, in_a_row: int) -> bool:
+        return self.canary is not None and not self._in_canary and in_a_row >= self.canary_after
+
+    def _run_canary(self, why: str, run: Callable[[], None]) -> None:
+        """Run the known-good canary request (``run``); if it fails, raise ``_Broken`` (the engine dies
+        through ``_die``: 503 everywhere, ``on_dead``); if it passes, the failures were the
+        requests' own: the counts start again."""
+        self._in_canary = True
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 - the engine cannot score a request known to score
+            if self.metrics is not None:
+                self.metrics.canary.labels("failed").inc()
+            raise _Broken(f"the engine is broken: {why}, then a known-good canary request run alone failed "
+                          f"too ({type(e).__name__}: {e})") from e
+        finally:
+            self._in_canary = False
+        if self.metrics is not None:
+            self.metrics.canary.labels("passed").inc()
+        self._set_in_a_row(model=0)
+        self._failure_log("engine canary passed after %s: the failures were the requests' own; serving on", why)
+
+    def _canary_alone(self) -> None:
+        """The canary through the model's scoring path in a pass of its own: its prefix prefill, one
+        packed pass over its documents (finite scores, one each), its pages given back."""
+        h = self.steps.acquire_prefix(self.canary)
+        try:
+            self._checked_scores([(h, seg) for seg in self.canary.segment_ids])
+        finally:
+            self.steps.release_prefix(h)
+
+    def _canary_iteration(self) -> None:
+        """The canary as the only job of one scheduler iteration (the failed iteration left no other;
+        new arrivals wait in the inbox): the loop's own code, not only the model's, must answer it."""
+        job = _ScoreJob(enc=self.canary, future=concurrent.futures.Future(), submitted=time.perf_counter(),
+                        scores=[0.0] * len(self.canary.segment_ids), rid="canary")
+        self._active = [job]   # on failure it stays there: _die gives its pages back with the others'
+        self._iteration()
+        if not job.future.done():
+            raise RuntimeError("one iteration left the canary unanswered")
+        job.future.result(0)   # the canary's EngineFault, if its prefill or pass failed
+
+    def _fault(self, stage: str, exc: BaseException, jobs, exc_info=None) -> EngineFault:
+        """An ``EngineFault`` for ``jobs`` (counted; one rate-limited log line naming them, with the
+        traceback of ``exc_info`` if given)."""
         fault = EngineFault(stage, uuid.uuid4().hex[:16], exc)
         if self.metrics is not None:
             self.metrics.engine_failures.labels(stage).inc()
         self._failure_log("engine %s failed (error id %s) for request(s) %s: %s: %s", stage, fault.error_id,
-                          ",".join(j.rid for j in jobs) or "-", type(exc).__name__, exc)
+                          ",".join(j.rid for j in jobs) or "-", type(exc).__name__, exc, exc_info=exc_info)
         return fault
 
     def _report_depth(self) -> None:
@@ -458,8 +565,11 @@ class Engine:
                 self._end_select(job, result=steps.finish_select(st))
                 self._selects.popleft()
         except Exception as e:  # noqa: BLE001 - fail this selection only (its pages released); a 500
+            self._model_failed(e)   # first: if the canary fails too, this selection gets the dead engine's 503
             self._end_select(job, exc=self._fault("select", e, [job]))
             self._selects.popleft()
+        else:
+            self._model_ok()
         finally:
             self._busy("call", t)
         return used
@@ -501,6 +611,7 @@ class Engine:
         try:
             job.handle = self._acquire_prefix(job.enc)
         except Exception as e:  # noqa: BLE001 - fail this request only (acquire_prefix gave its pages back)
+            self._model_failed(e)   # first: if the canary fails too, this request gets the dead engine's 503
             _settle(job.future, exc=self._fault("prefill", e, [job]))
             job.cancelled = True
             return False
@@ -595,6 +706,13 @@ class Engine:
 
     # -- fault isolation ------------------------------------------------------------------------
     def _score(self, items: list) -> list:
+        """``_checked_scores(items)``; a success starts the canary's count again (a failure counts
+        only once the culprit search fails a request: ``_narrow``)."""
+        scores = self._checked_scores(items)
+        self._model_ok()
+        return scores
+
+    def _checked_scores(self, items: list) -> list:
         """``steps.score_segments(items)``, raising unless it returned one finite number per item: a
         NaN score once left as a bare 500 at JSON encoding (its whole request, no error id, not
         counted), and a short list left its request unanswered while the loop spun."""
@@ -671,6 +789,7 @@ class Engine:
             if exc is None:
                 return
         if len(jobs) == 1:
+            self._model_failed(exc)   # first: if the canary fails too, this request gets the 503
             fault = self._fault("pass", exc, jobs)
             _settle(jobs[0].future, exc=fault)
             jobs[0].cancelled = True  # its pages go back in _pass's clean-up
@@ -709,18 +828,29 @@ class Engine:
             self.metrics.documents.inc(len(job.scores))
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Fail every job, queued in the inbox or in flight, with ``exc`` (the loop has ended)."""
         with self._cv:
-            pending = list(self._inbox) + list(self._calls)
+            pending = list(self._inbox)
             self._inbox.clear()
-        for job in self._selects:
-            self._end_select(job, exc=exc)
-        self._selects = collections.deque()
-        for job in self._active:
-            if job.handle is not None:
-                self.steps.release_prefix(job.handle)
-        for job in pending + self._active:
+        self._fail_in_flight(exc)
+        for job in pending:
             _settle(job.future, exc=exc)
-        self._active, self._calls = [], collections.deque()
+
+    def _fail_in_flight(self, exc: BaseException) -> None:
+        """Fail every job the loop holds (scoring, selections, calls) with ``exc``, pages given back;
+        a release that raises is logged (rate-limited) and the futures are failed all the same."""
+        selects, active, calls = self._selects, self._active, self._calls
+        self._selects, self._active, self._calls = collections.deque(), [], collections.deque()
+        for job in selects:
+            self._end_select(job, exc=exc)
+        for job in active:
+            if job.handle is not None:
+                try:
+                    self.steps.release_prefix(job.handle)
+                except Exception as e:  # noqa: BLE001 - the future matters more than the pages
+                    self._failure_log("release_prefix failed for request %s: %s: %s", job.rid, type(e).__name__, e)
+        for job in list(active) + list(calls):
+            _settle(job.future, exc=exc)
 
 
 def _halves_by_tokens(entries: list) -> list:

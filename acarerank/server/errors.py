@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+#: nginx's status for "client closed request": counted in the metrics, never sent (nobody is there)
+CLIENT_CLOSED = 499
+
 #: status -> error type
 ERROR_TYPES = {
     400: "invalid_request_error",

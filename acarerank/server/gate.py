@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import MAX_HEAD_BYTES
-from .errors import APIError, error_bytes
+from .errors import CLIENT_CLOSED, APIError, error_bytes
 
 log = logging.getLogger("acarerank.server")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 RERANK_PATHS = ("/v1/rerank", "/v2/rerank", "/rerank")
 API_PATHS = frozenset(RERANK_PATHS + ("/v1/select",))
-CLIENT_CLOSED = 499                         # nginx's status for "client closed request" (metrics only)
 LINGER_BYTES = 64 * 1024    # an early answer (401, 413, 429) first reads and drops a declared body up to this
 LINGER_S = 2.0              # ... for at most this many seconds
 

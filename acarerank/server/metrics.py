@@ -9,7 +9,10 @@ name                                        type       meaning
 ==========================================  =========  ==============================================
 acarerank_request_duration_seconds          histogram  HTTP request latency, by endpoint
 acarerank_requests_total                    counter    HTTP responses, by endpoint and status code
-acarerank_errors_total                      counter    error responses (status ≥ 400), by code
+acarerank_errors_total                      counter    error responses (status ≥ 400), by code; a
+                                                       client that left (499) is not one
+acarerank_client_disconnects_total          counter    requests whose client left before the answer
+                                                       (499 in requests_total), by endpoint
 acarerank_queue_time_seconds                histogram  admission → first pass (or selection start)
 acarerank_queue_size                        gauge      requests waiting for their first pass
 acarerank_requests_running                  gauge      requests with documents in flight
@@ -20,6 +23,12 @@ acarerank_documents_scored_total            counter    documents scored
 acarerank_requests_cancelled_total          counter    requests dropped because the client left
 acarerank_engine_failures_total             counter    model-side failures, by stage (pass, prefill,
                                                        select, call, scheduler, tokenize, engine)
+acarerank_engine_failures_in_a_row          gauge      failures since the last success, by kind (model:
+                                                       requests the model failed; iteration: failed
+                                                       scheduler iterations); the canary runs at
+                                                       ``--canary-after-failures``
+acarerank_engine_canary_total               counter    canary runs, by outcome (passed: the failures were
+                                                       the requests'; failed: the engine died)
 acarerank_prefix_cache_<x>_tokens_total     counter    lookup / hit / computed / evicted tokens
 acarerank_prefix_cache_<x>_tokens           gauge      resident / budget tokens
 ==========================================  =========  ==============================================
@@ -32,6 +41,8 @@ from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .errors import CLIENT_CLOSED
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -67,7 +78,10 @@ class ServerMetrics:
         self.request_duration = Histogram("acarerank_request_duration_seconds", "HTTP request latency",
                                           ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("acarerank_requests", "HTTP responses", ["endpoint", "code"], registry=r)
-        self.errors = Counter("acarerank_errors", "error responses (status >= 400)", ["code"], registry=r)
+        self.errors = Counter("acarerank_errors", "error responses (status >= 400) but 499 (the client left)",
+                              ["code"], registry=r)
+        self.disconnects = Counter("acarerank_client_disconnects", "requests whose client left before the "
+                                   "answer (499: during the upload or while waiting)", ["endpoint"], registry=r)
         self.queue_time = Histogram("acarerank_queue_time_seconds", "admission to first pass",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_size = Gauge("acarerank_queue_size", "requests waiting for their first pass", registry=r)
@@ -89,6 +103,17 @@ class ServerMetrics:
                                        "engine: the engine died)", ["stage"], registry=r)
         for stage in ("pass", "prefill", "select", "engine"):
             self.engine_failures.labels(stage)  # present at 0 from the start (a rate needs a first sample)
+        self.failures_in_a_row = Gauge("acarerank_engine_failures_in_a_row", "failures since the last success, "
+                                       "by kind (model: requests the model failed since a scoring pass or "
+                                       "selection step succeeded; iteration: scheduler iterations that raised in a row)",
+                                       ["kind"], registry=r)
+        self.canary = Counter("acarerank_engine_canary", "canary runs after --canary-after-failures failures in "
+                              "a row, by outcome (passed: the failures were the requests'; failed: the engine "
+                              "died)", ["outcome"], registry=r)
+        for kind in ("model", "iteration"):
+            self.failures_in_a_row.labels(kind)
+        for outcome in ("passed", "failed"):
+            self.canary.labels(outcome)
         if cache_stats is not None:
             r.register(_CacheCollector(cache_stats))
 
@@ -103,7 +128,9 @@ class ServerMetrics:
     def observe_response(self, endpoint: str, code: int, seconds: float) -> None:
         self.request_duration.labels(endpoint).observe(seconds)
         self.requests.labels(endpoint, str(code)).inc()
-        if code >= 400:
+        if code == CLIENT_CLOSED:   # nobody got an answer: not an error of the server's, nor a response
+            self.disconnects.labels(endpoint).inc()
+        elif code >= 400:
             self.errors.labels(str(code)).inc()
 
     def render(self) -> bytes:

@@ -35,11 +35,13 @@ from typing import Awaitable, Callable, Optional
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE
 from .disconnect import ClientGone, wait_or_drop
-from .engine import Engine, EngineDead, EngineFault, EngineStopped
+from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped
 from .errors import APIError
 from .metrics import ServerMetrics
 from .schemas import RerankRequest, SelectRequest
 
+#: the warm-up request, and the engine's canary: short, within every limit, known to score
+CANARY = ScoreRequest("warm-up query", ["warm-up document"])
 DOCS_PER_SEARCH_UNIT = 100       # Cohere bills one search unit per query with up to 100 documents
 #: a request of more characters is "large": large requests share tokenize_workers - 1 workers,
 #: so one worker is always left for the small ones (a 32 MB body tokenizes for seconds)
@@ -75,11 +77,13 @@ class RerankService:
       tokenize_workers: threads of the tokenization pool.
       model_thread: the ``ModelThread`` that built ``reranker``; the scheduler loop runs on it
         (one OpenMP team for all model work: ``model_thread.py``). None: a thread of its own.
+      canary_after_failures: failures in a row after which the engine runs ``CANARY`` alone and,
+        if that fails too, dies (``Engine``'s ``canary_after``).
     """
 
     def __init__(self, reranker, model_name: str, *, setwise=None, max_batch_tokens: Optional[int] = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
-                 tokenize_workers: int = 2, model_thread=None):
+                 tokenize_workers: int = 2, model_thread=None, canary_after_failures: int = DEFAULT_CANARY_AFTER):
         for name, v in (("max_queue", max_queue), ("max_documents", max_documents),
                         ("tokenize_workers", tokenize_workers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -93,7 +97,7 @@ class RerankService:
         # the engine drives the reranker's step API (acquire_prefix / score_segments / release_prefix);
         # this service calls its encode (thread-safe) from the tokenizer pool
         self.engine = Engine(reranker, max_batch_tokens or reranker.max_batch_tokens, self.metrics,
-                             model_thread=model_thread, select_steps=setwise)
+                             model_thread=model_thread, select_steps=setwise, canary_after=canary_after_failures)
         self.model_thread = model_thread
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
         self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))
@@ -106,11 +110,12 @@ class RerankService:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, warmup: bool = True, timeout: float = 600.0) -> "RerankService":
-        """Start the scheduler; with ``warmup`` run one scoring pass first (then ``ready``)."""
+        """Start the scheduler; with ``warmup`` run one scoring pass of ``CANARY`` first (then ``ready``).
+        ``CANARY`` is the engine's canary (encoded here, by the reranker that serves)."""
+        self.engine.canary = self.reranker.encode(CANARY)
         self.engine.start()
         if warmup:
-            enc = self.reranker.encode(ScoreRequest("warm-up query", ["warm-up document"]))
-            self.engine.submit(enc).future.result(timeout)
+            self.engine.submit(self.engine.canary, rid="warm-up").future.result(timeout)
         self.ready = True
         return self
 

@@ -1,6 +1,8 @@
 """``acarerank serve`` with a test double around the reranker's scoring pass (for
 ``test_serve_dead_exit.py``; nothing in the package changes): a pass holding a request whose query
-contains "poison" raises the ``BaseException`` named by ``FAULT`` (KeyboardInterrupt or SystemExit).
+contains "poison" raises the ``BaseException`` named by ``FAULT`` (KeyboardInterrupt or SystemExit);
+``FAULT=sticky``: that pass raises a ``RuntimeError`` and so does every pass after it (a device
+broken for good by a device-side assert), the canary's included.
 
     python tests/server/fault_serve.py serve --model DIR --port N ...
 """
@@ -10,7 +12,10 @@ import sys
 from acarerank.pointwise import PointwiseReranker
 from acarerank.server import front
 
-FAULT = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[os.environ.get("FAULT", "SystemExit")]
+FAULT = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit,
+         "sticky": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
+STICKY = os.environ.get("FAULT") == "sticky"
+broken = []
 front.DEAD_GRACE_S = 3.0   # long enough for the test's probes on a loaded machine
 encode, score_segments = PointwiseReranker.encode, PointwiseReranker.score_segments
 
@@ -22,7 +27,9 @@ def encode_marked(self, request):
 
 
 def score_or_die(self, items):
-    if any(getattr(h.encoding, "poison", False) for h, _ in items):
+    if broken or any(getattr(h.encoding, "poison", False) for h, _ in items):
+        if STICKY:
+            broken.append(True)
         raise FAULT("injected into the scoring pass")
     return score_segments(self, items)
 

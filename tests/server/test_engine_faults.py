@@ -318,3 +318,221 @@ def test_health_reports_how_long_the_current_step_runs():
         gate.set()
         eng.stop()
     assert eng.health()["state"] == "stopped"
+
+
+# -- the canary: a sticky fault kills the engine, bad requests do not -----------------------------------
+CANARY = Enc([0], [[1, 1]])      # request tag 0: the canary (tags of real requests start at 1)
+
+
+def canary_runs(metrics) -> dict:
+    return {o: metrics.canary.labels(o)._value.get() for o in ("passed", "failed")}
+
+
+def one_by_one(eng, tags, seg_len=2):
+    """Submit one request per tag, each after the previous one is answered: one pass each."""
+    out = {}
+    for t in tags:
+        try:
+            out[t] = eng.submit(Enc([t], [[1] * seg_len]), rid=f"r{t}").future.result(30)
+        except (EngineFault, EngineDead) as e:
+            out[t] = e
+    return out
+
+
+def test_a_sticky_fault_kills_the_engine_after_n_failures_and_a_failed_canary(caplog):
+    """Every pass raises (a device-side assert after which every kernel fails): the culprit search
+    fails two requests, the third runs the canary, it fails, and the engine dies at once — that
+    request and the five others of the pass get EngineDead (503), not a 500 each after a whole
+    culprit search; later submissions too."""
+    steps = FaultySteps(lambda tags, tokens: RuntimeError("CUDA error: an illegal memory access"))
+    metrics = ServerMetrics()
+    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3)
+    dead = []
+    eng.on_dead.append(dead.append)
+    with caplog.at_level(logging.ERROR, logger="acarerank.server"):
+        jobs = {t: eng.submit(Enc([t], [[1] * 3]), rid=f"r{t}") for t in range(1, 9)}
+        eng.start()
+        out = {}
+        for t, job in jobs.items():
+            with pytest.raises((EngineFault, EngineDead)) as e:
+                job.future.result(30)
+            out[t] = type(e.value).__name__
+    assert out == {1: "EngineFault", 2: "EngineFault"} | {t: "EngineDead" for t in range(3, 9)}, out
+    assert steps.passes[-1] == [0], f"the canary never ran alone: {steps.passes}"
+    assert len(steps.passes) <= 12, f"a whole culprit search before the canary: {steps.passes}"
+    assert eng.dead and "failed 3 requests in a row" in eng.dead and "illegal memory access" in eng.dead, eng.dead
+    assert eng.health()["state"] == "dead"
+    for _ in range(500):   # on_dead runs right after the futures fail
+        if dead:
+            break
+        threading.Event().wait(0.01)
+    assert dead == [eng.dead]
+    with pytest.raises(EngineDead):
+        eng.submit(Enc([9], [[1]]))
+    assert canary_runs(metrics) == {"passed": 0, "failed": 1}
+    assert metrics.engine_failures.labels("engine")._value.get() == 1
+    crit = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert len(crit) == 1 and "canary" in crit[0].getMessage() and "illegal memory access" in crit[0].getMessage()
+    assert not steps.pinned, "prefixes (the canary's included) left pinned"
+    eng.stop(5)
+
+
+def test_a_sticky_prefill_fault_kills_the_engine_too():
+    """A device that fails every kernel fails each new request's prefix prefill before any pass:
+    prefill failures count toward the canary as pass failures do."""
+    class Broken(FaultySteps):
+        def acquire_prefix(self, enc):
+            raise RuntimeError("device-side assert triggered")
+
+    metrics = ServerMetrics()
+    eng = Engine(Broken(), max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
+    try:
+        out = one_by_one(eng, [1, 2, 3])
+    finally:
+        eng.stop(5)
+    assert [type(out[t]).__name__ for t in (1, 2, 3)] == ["EngineFault", "EngineFault", "EngineDead"], out
+    assert "canary" in eng.dead and "device-side assert" in eng.dead, eng.dead
+    assert canary_runs(metrics) == {"passed": 0, "failed": 1}
+
+
+def test_a_client_that_sends_only_bad_requests_does_not_kill_the_engine():
+    """Every pass holding a poisoned request raises; the canary is clean: each third failure runs it,
+    it passes, the count starts again, and a clean request afterwards scores as ever."""
+    steps = FaultySteps(lambda tags, tokens: RuntimeError("poisoned input") if tags & set(range(100, 200)) else None)
+    metrics = ServerMetrics()
+    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
+    try:
+        out = one_by_one(eng, range(100, 107))
+        assert all(isinstance(out[t], EngineFault) for t in out), out
+        assert eng.dead is None and eng.health()["state"] in ("idle", "busy")
+        assert canary_runs(metrics) == {"passed": 2, "failed": 0}   # after the 3rd and the 6th
+        assert eng.model_failures_in_a_row == 1
+        assert metrics.failures_in_a_row.labels("model")._value.get() == 1
+        assert one_by_one(eng, [7])[7].scores == [7.002]
+        assert eng.model_failures_in_a_row == 0
+    finally:
+        eng.stop(5)
+    assert not steps.pinned
+
+
+def test_a_success_between_failures_starts_the_count_again():
+    """fail, fail, pass, fail, fail with canary_after=3: never three in a row, so no canary runs."""
+    steps = FaultySteps(lambda tags, tokens: RuntimeError("poisoned input") if tags & {1, 2, 4, 5} else None)
+    metrics = ServerMetrics()
+    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
+    try:
+        out = one_by_one(eng, [1, 2, 3, 4, 5])
+    finally:
+        eng.stop(5)
+    assert [isinstance(out[t], EngineFault) for t in (1, 2, 3, 4, 5)] == [True, True, False, True, True], out
+    assert canary_runs(metrics) == {"passed": 0, "failed": 0}
+    assert eng.model_failures_in_a_row == 2 and [0] not in steps.passes, steps.passes
+
+
+@pytest.mark.parametrize("culprit", [1, 8])
+def test_one_culprit_search_runs_no_canary(culprit):
+    """One bad request among eight fails four nested passes in a row (the pass, its half, its quarter,
+    itself): that is one failed request, not a broken engine — no canary pass is added to the search."""
+    lengths = {t: [t + 1, 3] for t in range(1, 9)}
+    steps = FaultySteps(lambda tags, tokens: RuntimeError("bad kernel input") if culprit in tags else None)
+    metrics = ServerMetrics()
+    out = run_encodings(Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3),
+                        {t: Enc([t], [[1] * n for n in ls]) for t, ls in lengths.items()})
+    assert isinstance(out[culprit], EngineFault) and sum(isinstance(r, Exception) for r in out.values()) == 1, out
+    assert [0] not in steps.passes and canary_runs(metrics) == {"passed": 0, "failed": 0}, steps.passes
+
+
+# -- the scheduler's catch-all ---------------------------------------------------------------------------
+class BadRelease(FaultySteps):
+    """``release_prefix`` raises for the tags in ``bad`` (a bug outside the per-pass handling: it runs in
+    the pass's clean-up, so the scheduler iteration raises)."""
+
+    def __init__(self, bad):
+        super().__init__()
+        self.bad = bad
+
+    def release_prefix(self, h):
+        if self.bad is True or h.tag in self.bad:
+            raise RuntimeError(f"release bug for request {h.tag}")
+        super().release_prefix(h)
+
+
+class IdleSelect:
+    """A setwise step API whose selections never run: they only wait in the queue."""
+
+    def start_select(self, enc):
+        raise AssertionError("the selection ran: the iteration that failed should have failed it")
+
+    def release_select(self, st):
+        pass
+
+
+def test_a_failed_iteration_fails_every_job_it_held_selections_and_calls_included():
+    eng = Engine(BadRelease({2}), max_batch_tokens=1000, select_steps=IdleSelect())
+    first = eng.submit_call(lambda: "ran")
+    second = eng.submit_call(lambda: "ran")           # one call per iteration: this one is still queued
+    score = eng.submit(Enc([2], [[1, 1]]), rid="r2")
+    select = eng.submit_select(object(), rid="s1")
+    eng.start()
+    try:
+        assert first.future.result(30) == "ran"
+        faults = []
+        for job in (score, second, select):
+            with pytest.raises(EngineFault) as e:
+                job.future.result(30)
+            faults.append(e.value)
+        assert {f.stage for f in faults} == {"scheduler"} and len({f.error_id for f in faults}) == 1, faults
+        assert eng.dead is None
+    finally:
+        eng.stop(5)
+
+
+def test_failed_iterations_log_at_the_failure_rate_limit(caplog):
+    """Fifteen iterations that raise write at most the failure log's burst of lines (each with its
+    traceback), not one unlimited ``log.exception`` each."""
+    eng = Engine(BadRelease(True), max_batch_tokens=1000)   # no canary: it never dies
+    eng._failure_log.every = 3600.0   # one window, however slow the machine
+    eng.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="acarerank.server"):
+            out = one_by_one(eng, range(1, 16))
+    finally:
+        eng.stop(5)
+    assert all(isinstance(r, EngineFault) and r.stage == "scheduler" for r in out.values()), out
+    lines = [r for r in caplog.records if r.name == "acarerank.server"]
+    assert len(lines) <= eng._failure_log.burst, [r.getMessage() for r in lines]
+    sched = [r for r in lines if "engine scheduler failed" in r.getMessage()]
+    assert sched and all(r.exc_info for r in sched), "the scheduler's failure line lost its traceback"
+
+
+def test_iterations_that_fail_whatever_the_input_kill_the_engine_after_the_canary():
+    """A scheduler bug that fires on every iteration (the model works: every pass scores) fails
+    the canary run through an iteration of its own, so the engine dies instead of running wedged."""
+    steps = BadRelease(True)
+    metrics = ServerMetrics()
+    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
+    try:
+        out = one_by_one(eng, [1, 2, 3, 4])
+    finally:
+        eng.stop(5)
+    assert [type(out[t]).__name__ for t in (1, 2, 3)] == ["EngineFault"] * 3, out
+    assert isinstance(out[4], EngineDead), out[4]
+    assert eng.dead and "3 scheduler iterations failed in a row" in eng.dead and "canary" in eng.dead, eng.dead
+    assert steps.passes[-1] == [0], "the canary never ran its pass"
+    assert canary_runs(metrics) == {"passed": 0, "failed": 1}
+
+
+def test_iterations_that_fail_for_one_input_leave_the_engine_serving():
+    """The same bug hit only by one client's requests: the canary's own iteration is clean, the
+    count starts again, and the engine serves a clean request afterwards."""
+    bad = set(range(100, 110))
+    metrics = ServerMetrics()
+    eng = Engine(BadRelease(bad), max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
+    try:
+        out = one_by_one(eng, range(100, 107))
+        assert all(isinstance(r, EngineFault) and r.stage == "scheduler" for r in out.values()), out
+        assert eng.dead is None and canary_runs(metrics) == {"passed": 2, "failed": 0}
+        assert one_by_one(eng, [7])[7].scores == [7.002]
+        assert eng.iteration_failures_in_a_row == 0
+    finally:
+        eng.stop(5)

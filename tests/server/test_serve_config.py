@@ -34,7 +34,8 @@ def test_flags_round_trip_with_the_dataclass_defaults():
 
 @pytest.mark.parametrize("field,value,flag", [("max_queue", 0, "--max-queue"), ("body_timeout", -1.0, "--body-timeout"),
                                               ("max_connections", True, "--max-connections"),
-                                              ("max_salt_chars", 2.5, "--max-salt-chars"), ("port", 70000, "--port")])
+                                              ("max_salt_chars", 2.5, "--max-salt-chars"), ("port", 70000, "--port"),
+                                              ("canary_after_failures", 0, "--canary-after-failures")])
 def test_bad_values_name_their_flag(field, value, flag):
     with pytest.raises(ValueError, match=flag):
         ServeConfig(**{field: value})
@@ -88,3 +89,19 @@ def test_cache_budget_bounds_the_select_cache_too():
 
     rr, sr = build_rerankers(ServeConfig(cache_budget=256, dtype="float32"))
     assert rr.cache_stats()["budget_tokens"] == sr.cache_stats()["budget_tokens"] == 256
+
+
+def test_canary_after_failures_reaches_the_engine():
+    """``--canary-after-failures`` is the engine's ``canary_after``; the canary is the warm-up request,
+    encoded at start by the reranker that serves."""
+    pytest.importorskip("torch")
+    from acarerank.server.build import build_service
+    from acarerank.server.service import CANARY
+
+    svc = build_service(ServeConfig(canary_after_failures=5, dtype="float32", cache_budget=256))
+    try:
+        assert svc.engine.canary_after == 5 and svc.engine.canary is None
+        svc.start(warmup=False)
+        assert svc.engine.canary.segment_ids == svc.reranker.encode(CANARY).segment_ids
+    finally:
+        svc.stop()

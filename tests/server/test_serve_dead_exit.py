@@ -1,6 +1,7 @@
 """``acarerank serve`` as a process whose engine dies (a ``BaseException`` escapes the scoring
-pass, injected by ``fault_serve.py``): the waiting request, the probes and a later request get
-503 with the reason, the traceback is logged, and the process exits non-zero on its own."""
+pass, injected by ``fault_serve.py``, or every pass fails and so does the canary): the waiting
+request, the probes and a later request get 503 with the reason, the traceback is logged, and the
+process exits non-zero on its own."""
 import os
 import subprocess
 import sys
@@ -14,16 +15,24 @@ require("fastapi", "uvicorn", "httpx")
 import httpx  # noqa: E402
 
 from acarerank.server.front import EXIT_ENGINE_DEAD  # noqa: E402
+from _repo import ROOT  # noqa: E402
 from serve_util import free_port, tiny_model, wait_until  # noqa: E402
 
 HELPER = Path(__file__).with_name("fault_serve.py")
+
+
+def helper_env(fault: str) -> dict:
+    """The helper's environment: this checkout's package first (run as a script, the helper would
+    import whichever acarerank is installed — another checkout's, in a git worktree)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, FAULT=fault, OMP_NUM_THREADS="1", PYTHONPATH=path)
 
 
 @pytest.mark.parametrize("fault", ["SystemExit", "KeyboardInterrupt"])
 def test_dead_engine_answers_503_then_the_process_exits_nonzero(tmp_path, fault):
     tiny_model().save_pretrained(tmp_path)
     port = free_port()
-    env = dict(os.environ, FAULT=fault, OMP_NUM_THREADS="1")
+    env = helper_env(fault)
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen([sys.executable, str(HELPER), "serve", "--model", str(tmp_path), "--dtype",
                                  "float32", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -48,3 +57,36 @@ def test_dead_engine_answers_503_then_the_process_exits_nonzero(tmp_path, fault)
             out = log.read()
         assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
         assert "engine dead" in out and "Traceback" in out and "injected into the scoring pass" in out, out[-3000:]
+
+
+def test_sticky_fault_fails_the_canary_then_the_process_exits_nonzero(tmp_path):
+    """Every pass fails once a poisoned one has (a device broken for good): with
+    ``--canary-after-failures 2`` the first request gets its 500, the second failure runs the canary,
+    it fails, and the server answers 503 and exits with EXIT_ENGINE_DEAD, as for a dead loop."""
+    tiny_model().save_pretrained(tmp_path)
+    port = free_port()
+    env = helper_env("sticky")
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen([sys.executable, str(HELPER), "serve", "--model", str(tmp_path), "--dtype",
+                                 "float32", "--port", str(port), "--canary-after-failures", "2"], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(base + "/ready", timeout=180, proc=proc)
+            r = httpx.post(base + "/v1/rerank", json=dict(query="poison", documents=["a", "b"]), timeout=30)
+            assert r.status_code == 500, r.text
+            assert httpx.get(base + "/health", timeout=5).status_code == 200
+            r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=["a"]), timeout=30)
+            assert r.status_code == 503 and "canary" in r.json()["error"]["message"], r.text
+            for path in ("/health", "/ready"):
+                r = httpx.get(base + path, timeout=5)
+                assert r.status_code == 503 and "canary" in r.json()["error"]["message"], f"{path}: {r.text}"
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+            log.seek(0)
+            out = log.read()
+        assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
+        assert out.count("engine dead: the engine is broken: the model failed 2 requests in a row") == 1, out[-3000:]

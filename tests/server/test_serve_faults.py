@@ -8,9 +8,12 @@ double that wraps the reranker's step methods (no switch in the package):
 3. an exception that escapes the scheduler loop makes the service dead: /health and /ready
    503 with the reason, waiting and new requests 503 at once;
 4. each failure is counted in ``acarerank_engine_failures_total{stage}``;
-5. a client that leaves while its request waits is a 499, not a 500;
+5. a client that leaves while its request waits is a 499, not a 500, counted as a disconnect, not an error;
 6. a ``SystemExit`` in a tokenizer worker is a JSON 500; a tokenizer pool that can take no more
-   work (shut down under a serving service) makes the service dead like a dead engine.
+   work (shut down under a serving service) makes the service dead like a dead engine;
+7. a sticky fault (every pass raises) runs the canary after three failures, the canary fails and
+   the service is dead (503 everywhere, at once); a client that sends only poisoned requests
+   runs a canary that passes, and the service stays healthy.
 """
 import logging
 import math
@@ -37,13 +40,15 @@ DOCS = ["tutor hints help the reranker", "bread and rivers", "a search agent's t
 
 class FaultInjector:
     """The reranker's step API with faults on request: a pass holding a request whose query
-    contains ``POISON`` raises ``self.pass_fault()`` (or, with ``nan_scores``, scores it NaN); ``prefill_layer`` makes its prefill raise at
+    contains ``POISON`` raises ``self.pass_fault()`` (or, with ``nan_scores``, scores it NaN); every pass raises
+    ``self.every_pass_fault()`` when set (a device broken for good); ``prefill_layer`` makes its prefill raise at
     that layer; ``encode_fault`` is raised in the tokenizer worker. ``gate`` holds every pass
     while clear. Counts passes (``passes``: the queries of each)."""
 
     def __init__(self, rr):
         self.rr = rr
         self.pass_fault = None
+        self.every_pass_fault = None
         self.nan_scores = False    # the poisoned request's scores come back NaN (no exception)
         self.prefill_layer = None
         self.prefill_once = False  # clear prefill_layer after its first fault
@@ -82,6 +87,8 @@ class FaultInjector:
         self.at_gate.clear()
         queries = sorted({self._query[id(h)] for h, _ in items})
         self.passes.append(queries)
+        if self.every_pass_fault is not None:
+            raise self.every_pass_fault()
         if self.pass_fault is not None and any(POISON in q for q in queries):
             raise self.pass_fault()
         scores = self.rr.score_segments(items)
@@ -389,6 +396,11 @@ def test_client_leaving_while_waiting_is_499(served):
     key500 = ("acarerank_requests_total", (("code", "500"), ("endpoint", "/v1/rerank")))
     assert after.get(key499, 0) - before.get(key499, 0) == 1, "the disconnect was not counted as 499"
     assert after.get(key500, 0) == before.get(key500, 0), "the disconnect was counted as 500"
+    # a client that left is no error of the server's: its own counter, not errors_total (error-rate alerts)
+    gone = ("acarerank_client_disconnects_total", (("endpoint", "/v1/rerank"),))
+    assert after.get(gone, 0) - before.get(gone, 0) == 1, "the disconnect was not counted as one"
+    assert not any(k[0] == "acarerank_errors_total" and after[k] != before.get(k, 0) for k in after), \
+        "the disconnect was counted in acarerank_errors_total"
     assert svc.admitted == 0
 
 
@@ -427,3 +439,50 @@ def test_tokenizer_pool_that_refuses_work_makes_the_service_dead(served):
     assert len(calls) == 1, f"on_dead ran {len(calls)} times"
     assert failures(base, "engine") == 1
     assert svc.admitted == 0, "admission slots held after the pool broke"
+
+
+# -- 7: a broken engine is found by its canary; bad requests alone never kill it -----------------------
+def canary_runs(base) -> dict:
+    m = metrics(base)
+    return {o: m.get(("acarerank_engine_canary_total", (("outcome", o),)), 0.0) for o in ("passed", "failed")}
+
+
+def test_sticky_fault_fails_the_canary_and_the_probes_turn_503(served):
+    """Every pass raises (a CUDA illegal memory access after which every kernel fails): two requests
+    get their 500s, the third failed pass runs the warm-up request as the canary, it fails, and the
+    engine is dead — that request, /health, /ready and a later request answer 503 at once."""
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    inj.every_pass_fault = lambda: RuntimeError("CUDA error: an illegal memory access was encountered")
+    codes = [httpx.post(base + "/v1/rerank", json=dict(query=f"q{i}", documents=DOCS), timeout=60).status_code
+             for i in range(3)]
+    assert codes == [500, 500, 503], codes
+    assert inj.passes[-1] == ["warm-up query"], f"the canary never ran alone: {inj.passes}"
+    assert svc.dead is not None and "canary" in svc.dead and "illegal memory access" in svc.dead, svc.dead
+    for path in ("/health", "/ready"):
+        r = httpx.get(base + path, timeout=5)
+        assert r.status_code == 503 and "canary" in r.json()["error"]["message"], f"{path}: {r.text}"
+    t0 = time.monotonic()
+    r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=DOCS), timeout=5)
+    assert r.status_code == 503 and time.monotonic() - t0 < 5, r.text
+    assert canary_runs(base) == {"passed": 0, "failed": 1}
+    assert failures(base, "engine") == 1
+    assert svc.admitted == 0
+
+
+def test_a_client_sending_only_poisoned_requests_keeps_the_server_healthy(served, reference):
+    """Seven poisoned requests in a row, each failing its pass: the canary runs after the 3rd and the
+    6th, passes both times, and the server stays up; a clean request then scores as offline."""
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    inj.pass_fault = lambda: RuntimeError("injected kernel fault")
+    for i in range(7):
+        r = httpx.post(base + "/v1/rerank", json=dict(query=f"{POISON} {i}", documents=DOCS), timeout=60)
+        assert r.status_code == 500, r.text
+    assert canary_runs(base) == {"passed": 2, "failed": 0}
+    m = metrics(base)
+    assert m[("acarerank_engine_failures_in_a_row", (("kind", "model"),))] == 1
+    assert svc.dead is None
+    for path in ("/health", "/ready"):
+        assert httpx.get(base + path, timeout=5).status_code == 200, path
+    assert_scores(httpx.post(base + "/v1/rerank", json=dict(query="clean", documents=DOCS), timeout=60),
+                  reference.score("clean", DOCS), "a clean request after the poisoned ones")
+    assert metrics(base)[("acarerank_engine_failures_in_a_row", (("kind", "model"),))] == 0
