@@ -8,7 +8,7 @@ defines ``add_parser(subparsers)`` (registering its parser with ``set_defaults(r
 Failures: one line on stderr, ``acarerank <command>: error: <what>``, never a traceback.
 Exit status 2 for bad usage or input (arguments, files, checkpoint, a backend that cannot
 run, an optional package the command needs that is not installed — the line names the
-``pip install 'acarerank[extra]'`` that brings it), 1 for a failure while running (anything
+``pip install 'acarerank[extra]'`` that brings it —, ``score``/``select`` started with stdout closed), 1 for a failure while running (anything
 else), 130 on Ctrl-C, 141 (128 + SIGPIPE, as a shell reports a process its closed pipe killed)
 without a message when stdout's reader has gone (``| head``). Arguments and input files are
 checked before the model loads.
@@ -103,6 +103,10 @@ def _stdout_to_devnull() -> None:
         pass
 
 
+#: the subcommands whose results are the lines they print (the others write files or serve)
+_PRINTS_RESULTS = ("score", "select")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = chosen_command(argv)
@@ -116,6 +120,9 @@ def main(argv=None) -> int:
         if hint is None:
             raise
         print(f"acarerank {command}: error: {hint}", file=sys.stderr)
+        return 2
+    if sys.stdout is None and args.command in _PRINTS_RESULTS:  # started with stdout closed (>&-)
+        print(f"acarerank {args.command}: error: stdout is closed: the results would be lost", file=sys.stderr)
         return 2
     try:
         return int(args.run(args) or 0)

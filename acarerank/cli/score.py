@@ -40,6 +40,10 @@ def run(args) -> int:
     check_common(args)
     positive("--top-n", args.top_n)
     positive("--min-doc-tokens", args.min_doc_tokens)
+    if args.min_doc_tokens is not None and args.max_length is not None and args.min_doc_tokens >= args.max_length:
+        # the exact fit (the template's own tokens too) needs the tokenizer, after loading
+        raise ValueError(f"--min-doc-tokens {args.min_doc_tokens} leaves no room in --max-length {args.max_length}: "
+                         "the prompt's fixed strings need tokens too; lower it or raise --max-length")
     docs = read_documents(args.docs)
     trace = read_text_file(args.trace_file, "--trace-file") if args.trace_file else None
     from ..pointwise import PointwiseReranker

@@ -31,9 +31,10 @@ Per pass: ``steps.score_segments`` = one forward over all its segments (the step
 ``finish_select`` / ``release_select``: docs/ARCHITECTURE.md, "A setwise call").
 
 Faults (docs/serving.md, "Internal faults and probes"). A packed pass that raises, or returns a
-score that is not a finite number, is retried in halves so one bad request fails alone (``_bisect``); a failed prefill or selection step fails
-its own request only (a prefill or a selection's prefill chunk that runs out of memory is first
-retried once at half the tokens per pass); each failure is an ``EngineFault`` with an error id, one log line and
+score that is not a finite number, is retried in halves so one bad request fails alone
+(``_bisect``); a failed prefill or selection step fails its own request only (a prefill or a
+selection's prefill chunk that runs out of memory is first retried once at half the tokens per
+pass); each failure is an ``EngineFault`` with an error id, one log line and
 ``acarerank_engine_failures_total{stage}``. A scheduler iteration that raises outside that
 handling (a bug of ours) fails every job it held — scoring, selections, queued calls — and the
 loop goes on. ``canary_after`` requests failed by the model in a row (no scoring pass or selection

@@ -52,6 +52,7 @@ def run(capsys, argv):
     (["--top-n", "0"], 2, "--top-n"),
     (["--max-length", "0"], 2, "--max-length"),
     (["--min-doc-tokens", "0"], 2, "--min-doc-tokens"),
+    (["--max-length", "300", "--min-doc-tokens", "300"], 2, "leaves no room"),  # once after the model loaded
     (["--trace-file", "DIR"], 2, "--trace-file"),
     (["--docs", "DIR"], 2, "--docs"),
     (["--docs", "DIR/missing.jsonl"], 2, "--docs"),
@@ -214,6 +215,15 @@ def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
     _raise_in_run(monkeypatch, BrokenPipeError(32, "Broken pipe"))
     rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
     assert rc == 141 and err == [], (rc, err)
+
+
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_closed_stdout_is_refused_before_loading(capsys, files, no_load, monkeypatch, command):
+    """Started with stdout closed (``>&-``), Python has no sys.stdout and print() writes nothing:
+    the results were lost with exit 0. Now exit 2, one line, before the model loads."""
+    monkeypatch.setattr("sys.stdout", None)
+    rc, err, _ = run(capsys, [command, "--query", "q", "--docs", str(files / "docs.jsonl")])
+    assert rc == 2 and err == [f"acarerank {command}: error: stdout is closed: the results would be lost"], (rc, err)
 
 
 def test_nonfinite_weights_are_one_line_and_never_a_nan_score(capsys, files, tmp_path, monkeypatch):
