@@ -1,7 +1,8 @@
 """Build and install acarerank.
 
-Python packages: ``acarerank`` (the API, ops, model runner) and ``kernels/`` installed as
-``acarerank.kernels`` (the Triton kernels; the layout keeps them at the repository top).
+Python package: ``acarerank`` (the API, ops, model runner, and ``acarerank/kernels/``, the Triton
+kernels; once a top-level ``kernels/`` folder, which shadowed the PyPI package ``kernels`` that
+transformers >= 5.25 imports, whenever the repository root was on sys.path).
 
 The compiled parts are built by CMake with the ninja generator from ``CMakeLists.txt``:
 
@@ -170,7 +171,7 @@ def _ext_modules() -> list:
     return mods
 
 
-packages = find_packages(include=["acarerank", "acarerank.*"]) + ["acarerank.kernels"]
+packages = find_packages(include=["acarerank", "acarerank.*"])
 
 
 # uvicorn and its HTTP parsers, pinned to the minor versions the server tests ran on (uvicorn 0.54.0,
@@ -185,12 +186,11 @@ setup(
     description="Prefix-shared Triton/CUDA kernels and a thin API for Qwen3 LLM rerankers (ACARe, AdaTutoRank)",
     python_requires=">=3.10",
     packages=packages,
-    package_dir={"acarerank.kernels": "kernels"},
     package_data={"acarerank.kernels": ["*.json"]},  # the fixed Triton config table
     ext_modules=_ext_modules(),
     cmdclass={"build_ext": CMakeBuild},
     install_requires=[
-        # triton >= 3.5: kernels/topk_logprobs.py uses triton.constexpr_function (new in 3.5);
+        # triton >= 3.5: acarerank/kernels/topk_logprobs.py uses triton.constexpr_function (new in 3.5);
         # torch 2.9 is the first release built against Triton 3.5. Triton has Linux wheels only:
         # elsewhere the Triton backends are unavailable and the torch ones run.
         "torch>=2.9",

@@ -6,7 +6,7 @@ and read the compiler's own resource report: registers, stack/local bytes (spill
 
 What is compiled (docs/ARCHITECTURE.md, "Kernel configs"): the attention kernel at its rule
 config (``_rule_config``) for each dtype, head_dim class and arch, packed and paged, plus every
-entry of ``kernels/attention_configs.json``; the Triton top-k tile and merge kernels at
+entry of ``acarerank/kernels/attention_configs.json``; the Triton top-k tile and merge kernels at
 ``gpu_tile_config`` / ``gpu_merge_config`` for each K class and dtype; the yes/no head at the
 config its wrapper launches. ``triton.compile`` with a ``GPUTarget`` runs Triton's own pipeline
 and its bundled ``ptxas``; the cubin's resource usage comes from Triton's bundled ``cuobjdump

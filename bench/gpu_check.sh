@@ -194,12 +194,8 @@ if [ "$DRY" = 0 ] && [ -d "$WHEELS" ]; then
     export PATH="$WORK/tools/bin:$PATH" PYTHONPATH="$WORK/tools${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
-# The package from this checkout, installed or not: without an install, acarerank.kernels
-# (kept at the top as kernels/) is reached through a link. Never through the extension build.
+# The package from this checkout, installed or not. Never through the extension build.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import acarerank.kernels" 2> /dev/null; then
-  ln -sfn ../kernels "$ROOT/acarerank/kernels" && log "not installed: linked acarerank/kernels -> kernels/"
-fi
 
 # ------------------------------------------------------------------------------ the plan and its budget
 # Selected steps: STEPS, then the --also ones, less the --skip ones; their limits must fit the

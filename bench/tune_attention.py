@@ -1,4 +1,4 @@
-"""Write the fixed Triton attention configs (kernels/attention_configs.json) on a GPU.
+"""Write the fixed Triton attention configs (acarerank/kernels/attention_configs.json) on a GPU.
 
 For each (head_dim, GQA ratio, dtype) of the Qwen3 family on this GPU's architecture, time
 every candidate config (``candidate_configs``: the non-spilling rule config and its

@@ -1,6 +1,6 @@
 """The package's import graph is a tree of layers: no cycle, and the command line on top.
 
-Every module under ``acarerank/`` and ``kernels/`` (as ``acarerank.kernels``) is parsed, and
+Every module under ``acarerank/`` (``acarerank/kernels/`` included) is parsed, and
 every ``import`` statement it holds — at the top or inside a function, a method or an
 ``if`` — becomes an edge to the module it names (``from .x import y`` names ``x``, or
 ``x.y`` when ``y`` is a submodule); so does a module's full name given as a string to
@@ -11,20 +11,20 @@ every cycle it finds (each once, as ``a -> b -> a``) so a failure says what to c
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"acarerank": ROOT / "acarerank", "acarerank.kernels": ROOT / "kernels"}
+PACKAGES = {"acarerank": ROOT / "acarerank"}
 
 
 def _modules() -> dict:
-    """{dotted module name: path} for every .py file of the two trees (the kernels symlink skipped)."""
+    """{dotted module name: path} for every .py file of the package."""
     mods = {}
     for pkg, base in PACKAGES.items():
         for path in sorted(base.rglob("*.py")):
             rel = path.relative_to(base).with_suffix("")
-            if pkg == "acarerank" and rel.parts[0] == "kernels":
-                continue  # acarerank/kernels is the symlink to kernels/, listed once as acarerank.kernels
             parts = [p for p in rel.parts if p != "__init__"]
             mods[".".join([pkg, *parts])] = path
     return mods
@@ -165,7 +165,7 @@ def test_only_the_cli_imports_the_cli():
 
 
 def test_kernels_import_only_leaves():
-    """``kernels/`` sits below the ops: it may import only leaf modules (ones that import none of
+    """``acarerank/kernels/`` sits below the ops: it may import only leaf modules (ones that import none of
     ours), never ``acarerank.ops`` (whose ``__init__`` loads every op)."""
     graph = import_graph()
     bad = []
@@ -178,3 +178,15 @@ def test_kernels_import_only_leaves():
             if t == "acarerank.ops" or t.startswith("acarerank.ops.") or graph[t]:
                 bad.append(f"{m} imports {t} (which imports {sorted(graph[t]) or 'nothing of ours'})")
     assert not bad, "kernels importing more than a leaf:\n  " + "\n  ".join(bad)
+
+
+def test_the_repository_root_holds_no_package_but_acarerank():
+    """``python -m pytest`` (and any ``python`` run from the checkout) puts the repository root first
+    on sys.path, so a package folder there shadows an installed one of the same name: the Triton
+    kernels once sat in a top-level ``kernels/``, and transformers 5.25, which imports the PyPI
+    package ``kernels``, then failed to import Qwen3's modeling code from the checkout."""
+    packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").exists())
+    assert packages == ["acarerank"], f"package folders at the repository root: {packages}"
+    done = subprocess.run([sys.executable, "-c", "from transformers import Qwen3ForCausalLM"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -8,7 +8,7 @@ segments. RoPE is applied by the caller with the positions of the unshared seque
     out[t] = softmax(scale · q[t] · [prefix_k[g]; k[s_0..t]]ᵀ) · [prefix_v[g]; v[s_0..t]]
 
 Backends (declared in ``OP``): "native" (the CPU default where acarerank._cpu is built:
-cpu_attention.py, the same kernel as the paged op's), "torch" (below), "triton" (kernels/prefix_shared_attention.py),
+cpu_attention.py, the same kernel as the paged op's), "torch" (below), "triton" (acarerank/kernels/prefix_shared_attention.py),
 "flash_attn_cascade" (cascade.py). ``prefix_shared_attention_ref`` is the plain oracle.
 
 Plan / run (FlashInfer's split): ``plan_prefix_shared_attention`` turns the batch metadata

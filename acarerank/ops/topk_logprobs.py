@@ -36,7 +36,7 @@ Structure: a backend *core* that never holds [T, V] and returns
 and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``; in the leaf
 ``acarerank.topk_contract`` with the result type, ``DEFAULT_CHUNK`` and the per-backend k
 limits ``MAX_K``). Cores, declared in ``OP``: "torch" (below: per-chunk GEMM, chunk top-k,
-exact merge; any k <= V), "triton" (kernels/topk_logprobs.py; k <= 512), "cpp"/"cuda"
+exact merge; any k <= V), "triton" (acarerank/kernels/topk_logprobs.py; k <= 512), "cpp"/"cuda"
 (below: a GEMM per chunk merged into topk_merge.py's streaming state, csrc/topk_merge.*;
 k <= 4,096). Defaults: "torch" on CPU; on CUDA the
 cuBLAS GEMM + CUDA merge ("cuda") until the Triton core is measured faster, then "triton".

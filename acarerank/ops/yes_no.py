@@ -4,7 +4,7 @@
     logit_diff = h̄ · (w_yes − w_no)                          (= logit_yes − logit_no)
     score = softmax([logit_no, logit_yes])[1] = sigmoid(logit_diff)
 
-Backends: "torch" (below), "triton" (kernels/yes_no_head.py), "cpp"/"cuda" (csrc/yes_no.cuh);
+Backends: "torch" (below), "triton" (acarerank/kernels/yes_no_head.py), "cpp"/"cuda" (csrc/yes_no.cuh);
 declared in ``OP`` below.
 """
 from __future__ import annotations

@@ -46,7 +46,7 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "console", "shell"}
 SKIP_REASONS = {"needs checkpoint", "needs gpu", "needs server", "needs cluster", "runs a model"}
 #: top-level folders of the repository whose paths a command may name (they must exist)
-REPO_DIRS = ("acarerank/", "bench/", "csrc/", "docs/", "examples/", "kernels/", "scripts/", "tests/")
+REPO_DIRS = ("acarerank/", "bench/", "csrc/", "docs/", "examples/", "scripts/", "tests/")
 #: shell scripts whose flags are another command's: main.sh passes them to `acarerank bench`;
 #: test.sh passes them to pytest (not checked)
 FORWARDS_TO = {"scripts/main.sh": ["bench"], "scripts/test.sh": None}
