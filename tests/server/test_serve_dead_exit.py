@@ -28,26 +28,19 @@ def helper_env(fault: str) -> dict:
     return dict(os.environ, FAULT=fault, OMP_NUM_THREADS="1", PYTHONPATH=path)
 
 
-@pytest.mark.parametrize("fault", ["SystemExit", "KeyboardInterrupt"])
-def test_dead_engine_answers_503_then_the_process_exits_nonzero(tmp_path, fault):
+def serve_until_exit(tmp_path, fault: str, drive, *flags) -> tuple:
+    """Start the helper server with ``fault`` injected, ``drive(base_url)`` once it is ready, then
+    wait for the process to exit on its own: (its exit status, its log)."""
     tiny_model().save_pretrained(tmp_path)
     port = free_port()
-    env = helper_env(fault)
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen([sys.executable, str(HELPER), "serve", "--model", str(tmp_path), "--dtype",
-                                 "float32", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                text=True)
-        base = f"http://127.0.0.1:{port}"
+                                 "float32", "--port", str(port), *flags], env=helper_env(fault), stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
         try:
+            base = f"http://127.0.0.1:{port}"
             wait_until(base + "/ready", timeout=180, proc=proc)
-            assert httpx.get(base + "/health", timeout=5).status_code == 200
-            r = httpx.post(base + "/v1/rerank", json=dict(query="poison", documents=["a", "b"]), timeout=30)
-            assert r.status_code == 503 and fault in r.json()["error"]["message"], r.text
-            for path in ("/health", "/ready"):
-                r = httpx.get(base + path, timeout=5)
-                assert r.status_code == 503 and fault in r.json()["error"]["message"], f"{path}: {r.text}"
-            r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=["a"]), timeout=5)
-            assert r.status_code == 503, r.text
+            drive(base)
             code = proc.wait(60)
         finally:
             if proc.poll() is None:
@@ -55,38 +48,40 @@ def test_dead_engine_answers_503_then_the_process_exits_nonzero(tmp_path, fault)
                 proc.wait(30)
             log.seek(0)
             out = log.read()
-        assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
-        assert "engine dead" in out and "Traceback" in out and "injected into the scoring pass" in out, out[-3000:]
+    return code, out
+
+
+@pytest.mark.parametrize("fault", ["SystemExit", "KeyboardInterrupt"])
+def test_dead_engine_answers_503_then_the_process_exits_nonzero(tmp_path, fault):
+    def drive(base):
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+        r = httpx.post(base + "/v1/rerank", json=dict(query="poison", documents=["a", "b"]), timeout=30)
+        assert r.status_code == 503 and fault in r.json()["error"]["message"], r.text
+        for path in ("/health", "/ready"):
+            r = httpx.get(base + path, timeout=5)
+            assert r.status_code == 503 and fault in r.json()["error"]["message"], f"{path}: {r.text}"
+        r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=["a"]), timeout=5)
+        assert r.status_code == 503, r.text
+
+    code, out = serve_until_exit(tmp_path, fault, drive)
+    assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
+    assert "engine dead" in out and "Traceback" in out and "injected into the scoring pass" in out, out[-3000:]
 
 
 def test_sticky_fault_fails_the_canary_then_the_process_exits_nonzero(tmp_path):
     """Every pass fails once a poisoned one has (a device broken for good): with
     ``--canary-after-failures 2`` the first request gets its 500, the second failure runs the canary,
     it fails, and the server answers 503 and exits with EXIT_ENGINE_DEAD, as for a dead loop."""
-    tiny_model().save_pretrained(tmp_path)
-    port = free_port()
-    env = helper_env("sticky")
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen([sys.executable, str(HELPER), "serve", "--model", str(tmp_path), "--dtype",
-                                 "float32", "--port", str(port), "--canary-after-failures", "2"], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, text=True)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_until(base + "/ready", timeout=180, proc=proc)
-            r = httpx.post(base + "/v1/rerank", json=dict(query="poison", documents=["a", "b"]), timeout=30)
-            assert r.status_code == 500, r.text
-            assert httpx.get(base + "/health", timeout=5).status_code == 200
-            r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=["a"]), timeout=30)
-            assert r.status_code == 503 and "canary" in r.json()["error"]["message"], r.text
-            for path in ("/health", "/ready"):
-                r = httpx.get(base + path, timeout=5)
-                assert r.status_code == 503 and "canary" in r.json()["error"]["message"], f"{path}: {r.text}"
-            code = proc.wait(60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
-            log.seek(0)
-            out = log.read()
-        assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
-        assert out.count("engine dead: the engine is broken: the model failed 2 requests in a row") == 1, out[-3000:]
+    def drive(base):
+        r = httpx.post(base + "/v1/rerank", json=dict(query="poison", documents=["a", "b"]), timeout=30)
+        assert r.status_code == 500, r.text
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+        r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=["a"]), timeout=30)
+        assert r.status_code == 503 and "canary" in r.json()["error"]["message"], r.text
+        for path in ("/health", "/ready"):
+            r = httpx.get(base + path, timeout=5)
+            assert r.status_code == 503 and "canary" in r.json()["error"]["message"], f"{path}: {r.text}"
+
+    code, out = serve_until_exit(tmp_path, "sticky", drive, "--canary-after-failures", "2")
+    assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
+    assert out.count("engine dead: the engine is broken: the model failed 2 requests in a row") == 1, out[-3000:]
