@@ -265,7 +265,9 @@ def test_ato_advantage_refuses_a_nonfinite_input_where_used():
         ato_advantage(a_grpo, a_atd, torch.tensor([True, True]))
     # not used: a malformed rollout's ATD, or a position outside the response mask
     ok = ato_advantage(a_grpo, a_atd, torch.tensor([False, True]))
-    assert torch.allclose(ok, torch.tensor([[0.35, 0.35], [-0.29, -0.26]]), atol=1e-6), ok
+    lam = 0.7  # Eq. 10: λ·A^GRPO + (1 − λ)·m·A^ATD; rollout 0 (m = 0) is the outcome term alone, NaN unused
+    want = torch.stack([lam * a_grpo[0].expand(2), lam * a_grpo[1] + (1 - lam) * a_atd[1]])
+    assert torch.allclose(ok, want, atol=1e-6), (ok, want)
     masked = ato_advantage(a_grpo, a_atd, torch.tensor([True, True]), response_mask=torch.tensor([[1, 0], [1, 1]]).bool())
     assert masked[0, 1] == 0 and torch.isfinite(masked).all()
     with pytest.raises(ValueError, match=r"a_grpo there is inf"):
