@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -48,6 +47,7 @@ from .disconnect import ClientGone
 from .errors import APIError, error_body
 from .gate import CLIENT_CLOSED, RERANK_PATHS, Gate, GateState
 from .parsing import parse_body, validation_message
+from .probes import check_max_pass_s, health_problem
 from .schemas import ErrorResponse, RerankRequest, RerankResponse, SelectRequest, SelectResponse, TEIRank
 
 log = logging.getLogger("acarerank.server")
@@ -143,17 +143,14 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     @app.get("/health")
     async def health(max_pass_s: Optional[float] = None):
         """Answered on the event loop from the engine's heartbeat: it never waits for the model."""
-        if max_pass_s is not None and not (math.isfinite(max_pass_s) and max_pass_s >= 0):
-            return JSONResponse(error_body(422, f"max_pass_s must be a finite number >= 0 (seconds), got {max_pass_s}"),
-                                status_code=422)
+        try:
+            check_max_pass_s(max_pass_s)
+        except ValueError as e:
+            return JSONResponse(error_body(422, str(e)), status_code=422)
         h = service.health() if hasattr(service, "health") else {"state": "idle", "busy_s": 0.0}
-        if h["state"] in ("dead", "stopped"):
-            why = h.get("reason", "the scheduler loop is not running")
-            return JSONResponse(dict(error_body(503, f"engine {h['state']}: {why}"), engine=h), status_code=503)
-        if max_pass_s is not None and h["busy_s"] > max_pass_s:
-            return JSONResponse(dict(error_body(503, f"the model thread has been in one step for {h['busy_s']:.1f} s "
-                                                     f"(more than max_pass_s={max_pass_s:g})"), engine=h),
-                                status_code=503)
+        problem = health_problem(h, max_pass_s)
+        if problem is not None:
+            return JSONResponse(dict(error_body(503, problem), engine=h), status_code=503)
         return {"status": "ok", "engine": h}
 
     @app.get("/ready")

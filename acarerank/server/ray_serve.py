@@ -33,6 +33,7 @@ from .config import DEFAULT_MAX_QUEUE, ServeConfig
 from .disconnect import wait_or_drop
 from .errors import APIError, error_body
 from .metrics import ServerMetrics
+from .probes import check_max_pass_s, health_problem
 from .schemas import RerankRequest, SelectRequest
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
@@ -56,9 +57,21 @@ async def _never_disconnected() -> bool:
 class RerankReplica:
     """One engine, as ``config`` asks (the same ``ServeConfig`` as ``acarerank serve``)."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, health_max_pass_s: Optional[float] = None):
+        check_max_pass_s(health_max_pass_s)
         self.service = build_service(config).start(warmup=True)
         self.replica = serve.get_replica_context().replica_id.unique_id
+        self.health_max_pass_s = health_max_pass_s
+
+    def check_health(self) -> None:
+        """Ray Serve's liveness probe of this replica (every ``health_check_period_s``, 10 s by
+        default): raising marks it unhealthy and Ray replaces it with a fresh one. The rule of
+        ``GET /health`` (``probes.health_problem``): a dead or stopped engine, or, when
+        ``health_max_pass_s`` is set, one model step running longer than that. Without this a dead
+        engine would answer 503 to every request routed to it for as long as the replica lived."""
+        problem = health_problem(self.service.health(), self.health_max_pass_s)
+        if problem is not None:
+            raise RuntimeError(f"replica {self.replica}: {problem}")
 
     async def call(self, method: str, body: dict):
         """(status, JSON body, headers) of ``rerank`` or ``select``; errors as values, not exceptions."""
@@ -131,13 +144,17 @@ class RerankIngress:
 
 
 def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_options: Optional[dict] = None,
-              ingress_replicas: int = 1, **options):
+              ingress_replicas: int = 1, health_max_pass_s: Optional[float] = None, **options):
     """The bound application: ``ingress_replicas`` HTTP fronts over ``num_replicas`` engines.
 
     replica_options: Ray actor options of each engine replica (e.g. ``{"num_gpus": 1}``).
+    health_max_pass_s: Ray replaces a replica whose engine is dead, or, with this bound (seconds),
+    one whose model step has run longer (``/health?max_pass_s=`` of ``acarerank serve``).
     options: ``ServeConfig`` fields (dtype, device, max_batch_tokens, max_queue, api_key, limits, ...),
     the same defaults as ``acarerank serve``; host, port and the connection timeouts are Ray's.
     """
+    check_max_pass_s(health_max_pass_s)
     config = ServeConfig(model=model, **options)
-    replicas = RerankReplica.options(num_replicas=num_replicas, ray_actor_options=replica_options or {}).bind(config)
+    replicas = RerankReplica.options(num_replicas=num_replicas, ray_actor_options=replica_options or {}) \
+        .bind(config, health_max_pass_s)
     return RerankIngress.options(num_replicas=ingress_replicas).bind(replicas, config)

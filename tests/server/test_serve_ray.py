@@ -78,3 +78,50 @@ def test_context_affinity_scores_and_errors(ray_app):
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
         r = c.post("/v1/rerank", json=dict(query=3, documents=["a"]))
         assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error", r.text
+
+
+class _FakeService:
+    """A service with the health() a replica reads; nothing else of it is called."""
+
+    def __init__(self, **health):
+        self.h = dict(dict(state="idle", busy_s=0.0, iterations=3), **health)
+
+    def health(self):
+        return self.h
+
+    def stop(self):  # the replica's __del__ stops its service
+        pass
+
+
+def _replica(service, health_max_pass_s=None):
+    """The deployment's class without Ray: its __init__ would build an engine."""
+    from acarerank.server.ray_serve import RerankReplica
+    replica = object.__new__(RerankReplica.func_or_class)
+    replica.service, replica.replica, replica.health_max_pass_s = service, "r1", health_max_pass_s
+    return replica
+
+
+@pytest.mark.parametrize("health, bound, problem", [
+    (dict(state="dead", reason="the canary failed too"), None, "engine dead: the canary failed too"),
+    (dict(state="stopped"), None, "engine stopped"),
+    (dict(state="busy", busy_s=12.5), 10.0, "in one step for 12.5 s (more than max_pass_s=10)"),
+])
+def test_replica_health_check_fails_for_a_dead_or_wedged_engine(health, bound, problem):
+    """Ray replaces a replica whose check_health raises; without it a dead engine would answer 503
+    to everything routed to it for as long as the replica lived."""
+    with pytest.raises(RuntimeError, match="replica r1: ") as e:
+        _replica(_FakeService(**health), bound).check_health()
+    assert problem in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("health, bound", [(dict(state="idle"), None), (dict(state="busy", busy_s=600.0), None),
+                                           (dict(state="busy", busy_s=9.0), 10.0)])
+def test_replica_health_check_passes_a_live_engine(health, bound):
+    """A long pass is legitimate: only a bound the deployment set makes it unhealthy."""
+    assert _replica(_FakeService(**health), bound).check_health() is None
+
+
+@pytest.mark.parametrize("bound", [-1.0, float("nan"), float("inf"), True, "300"])
+def test_build_app_refuses_a_bad_health_bound(bound):
+    with pytest.raises(ValueError, match="max_pass_s must be a finite number >= 0"):
+        build_app(model=None, health_max_pass_s=bound)

@@ -1,0 +1,31 @@
+"""What makes an engine unhealthy: the one rule behind ``GET /health`` and Ray Serve's health check.
+
+docs/serving.md, "What to probe": dead or stopped is unhealthy; a step running longer than the
+caller's ``max_pass_s`` is unhealthy only when the caller asks for that bound (a long pass is
+legitimate, so there is no default).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+
+def check_max_pass_s(max_pass_s: Optional[float]) -> None:
+    """ValueError unless ``max_pass_s`` is None or a finite number >= 0 (seconds): a negative or NaN
+    bound would make the probe always fail or never."""
+    if max_pass_s is None:
+        return
+    if isinstance(max_pass_s, bool) or not isinstance(max_pass_s, (int, float)) \
+            or not (math.isfinite(max_pass_s) and max_pass_s >= 0):
+        raise ValueError(f"max_pass_s must be a finite number >= 0 (seconds), got {max_pass_s!r}")
+
+
+def health_problem(health: dict, max_pass_s: Optional[float] = None) -> Optional[str]:
+    """Why an engine with this ``health()`` (state, busy_s, reason) should be restarted; None when
+    it should not."""
+    if health["state"] in ("dead", "stopped"):
+        why = health.get("reason", "the scheduler loop is not running")
+        return f"engine {health['state']}: {why}"
+    if max_pass_s is not None and health["busy_s"] > max_pass_s:
+        return f"the model thread has been in one step for {health['busy_s']:.1f} s (more than max_pass_s={max_pass_s:g})"
+    return None
