@@ -56,6 +56,10 @@ class ServeConfig:
                                       "after which a known-good canary request runs alone; if it fails too the "
                                       "engine is dead (503, exit status 70; docs/serving.md, 'A broken engine "
                                       "is found')", default=3)
+    request_timeout: Optional[float] = _opt("seconds from a parsed request to its answer (waiting to tokenize, "
+                                            "the queue and the passes); past it 504 and its remaining work is "
+                                            "dropped (default: none; docs/serving.md, 'Limits and timeouts')",
+                                            default=None, type=float)
     # -- admission and per-request limits
     max_queue: int = _opt("requests admitted and unanswered at once; one more gets 429 (before its body is read)",
                           default=DEFAULT_MAX_QUEUE)

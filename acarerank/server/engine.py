@@ -311,7 +311,7 @@ class Engine:
         return job
 
     def cancel(self, job) -> None:
-        """Drop a job's remaining work (its client is gone); its future is cancelled."""
+        """Drop a job's remaining work (its client is gone, or its deadline passed); its future is cancelled."""
         if not job.cancelled and self.metrics is not None:
             self.metrics.cancelled.inc()
         job.cancelled = True

@@ -24,6 +24,7 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
+    504: "timeout",
 }
 
 

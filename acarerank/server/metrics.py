@@ -20,7 +20,8 @@ acarerank_requests_in_flight                gauge      requests admitted and not
 acarerank_batch_tokens                      histogram  segment tokens per packed pass
 acarerank_batch_requests                    histogram  requests sharing a packed pass
 acarerank_documents_scored_total            counter    documents scored
-acarerank_requests_cancelled_total          counter    requests dropped because the client left
+acarerank_requests_cancelled_total          counter    requests whose remaining work was dropped: the
+                                                       client left, or --request-timeout passed
 acarerank_engine_failures_total             counter    model-side failures, by stage (pass, prefill,
                                                        select, call, scheduler, tokenize, engine)
 acarerank_engine_failures_in_a_row          gauge      failures since the last success, by kind (model:
@@ -95,7 +96,8 @@ class ServerMetrics:
                                      "calls, by kind (prefill: a request's shared part; pass: a packed scoring "
                                      "pass; call: a setwise selection)", ["kind"], registry=r)
         self.documents = Counter("acarerank_documents_scored", "documents scored", registry=r)
-        self.cancelled = Counter("acarerank_requests_cancelled", "requests dropped because the client left",
+        self.cancelled = Counter("acarerank_requests_cancelled", "requests whose remaining work was dropped (the "
+                                 "client left, or --request-timeout passed)",
                                  registry=r)
         self.engine_failures = Counter("acarerank_engine_failures", "model-side failures by stage (pass: a packed "
                                        "scoring pass, prefill: a request's shared part, select: a selection "

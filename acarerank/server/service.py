@@ -12,7 +12,9 @@ errors) and the scheduler (``engine.py``, which owns the model):
   ``max_tokens_per_doc`` cuts each document's tokens from its end, first; ``truncate: false``
   then turns any other cut into a 400;
 * submits to the engine and waits, polling the client: a client that disconnects has its
-  remaining work dropped (499);
+  remaining work dropped (499), and so has a request still unanswered ``request_timeout`` seconds
+  after it arrived (504; a tokenization already running finishes first: the worker cannot be
+  interrupted, and the large lane must not count it gone while it runs);
 * maps the engine's failures: a request the model failed on (``EngineFault``) is a 500 naming
   the error id of the failure's log line; a dead engine (``EngineDead``) a 503 at once, for it
   and every later request (``dead``); anything raised in a tokenizer worker other than an input
@@ -34,7 +36,7 @@ from typing import Awaitable, Callable, Optional
 
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE
-from .disconnect import ClientGone, wait_or_drop
+from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
 from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -79,15 +81,22 @@ class RerankService:
         (one OpenMP team for all model work: ``model_thread.py``). None: a thread of its own.
       canary_after_failures: failures in a row after which the engine runs ``CANARY`` alone and,
         if that fails too, dies (``Engine``'s ``canary_after``).
+      request_timeout: seconds a request may take from ``rerank``/``select`` being called to its
+        answer; then 504 and its remaining work dropped. None: no deadline.
     """
 
     def __init__(self, reranker, model_name: str, *, setwise=None, max_batch_tokens: Optional[int] = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
-                 tokenize_workers: int = 2, model_thread=None, canary_after_failures: int = DEFAULT_CANARY_AFTER):
+                 tokenize_workers: int = 2, model_thread=None, canary_after_failures: int = DEFAULT_CANARY_AFTER,
+                 request_timeout: Optional[float] = None):
         for name, v in (("max_queue", max_queue), ("max_documents", max_documents),
                         ("tokenize_workers", tokenize_workers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if request_timeout is not None and (isinstance(request_timeout, bool) or
+                                            not isinstance(request_timeout, (int, float)) or not request_timeout > 0):
+            raise ValueError(f"request_timeout must be a number of seconds > 0 or None, got {request_timeout!r}")
+        self.request_timeout = request_timeout
         self.reranker = reranker
         self.setwise = setwise
         self.model_name = model_name
@@ -234,18 +243,19 @@ class RerankService:
             raise APIError(400, "raw_scores=true is not supported: this server returns relevance probabilities "
                                 "(sigmoid of the yes/no logit difference)")
         self._check_alive()
+        deadline = self._deadline()
         rid = uuid.uuid4().hex
         with self.admit():
             request = ScoreRequest(req.query, docs, question=req.question, trace=req.trace,
                                    instruction=req.instruction, cache_salt=req.cache_salt)
             try:
-                async with self._tokenize_lane(request.query, request.question, request.trace, request.instruction,
-                                               *request.documents):
-                    enc = await self._in_pool(self._encode, request, req.max_tokens_per_doc, req.truncate)
+                enc = await self._tokenize(deadline, (request.query, request.question, request.trace,
+                                                      request.instruction, *request.documents),
+                                           self._encode, request, req.max_tokens_per_doc, req.truncate)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             job = self._submit(self.engine.submit, enc, rid)
-            result = await self._wait(job, is_disconnected)
+            result = await self._wait(job, is_disconnected, deadline)
         if headers is not None:  # TEI's header: milliseconds from admission to the first pass
             headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
         return self._rerank_body(req, docs, result, rid)
@@ -258,12 +268,41 @@ class RerankService:
         except EngineStopped as e:
             raise APIError(503, f"server shutting down: {e}") from None
 
-    def _tokenize_lane(self, *texts: Optional[str]):
-        """What a request of these texts (None: absent) waits on before it takes a tokenizer worker:
-        the large lane (at most ``tokenize_workers - 1`` large requests, rerank and select alike,
-        tokenize at once) or nothing."""
+    def _deadline(self) -> Optional[float]:
+        """The event loop's time by which this request must be answered (None: no deadline)."""
+        if self.request_timeout is None:
+            return None
+        return asyncio.get_running_loop().time() + self.request_timeout
+
+    def _check_deadline(self, deadline: Optional[float]) -> None:
+        if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+            raise self._timed_out()
+
+    def _timed_out(self) -> APIError:
+        return APIError(504, f"request not answered within --request-timeout {self.request_timeout:g} s; "
+                             f"its remaining work was dropped")
+
+    async def _tokenize(self, deadline: Optional[float], texts: tuple, fn, *args):
+        """``fn(*args)`` in the tokenizer pool, in the large lane when ``texts`` (None: absent) are
+        large: at most ``tokenize_workers - 1`` large requests, rerank and select alike, tokenize at
+        once. The deadline bounds the wait for the lane, and is checked once more after
+        tokenizing; the tokenization itself is not abandoned (its worker would run on, and the lane
+        would count it gone)."""
         chars = sum(len(x) for x in texts if x)
-        return self._large_lane if chars > self.large_request_chars else contextlib.nullcontext()
+        lane = self._large_lane if chars > self.large_request_chars else None
+        if lane is not None:
+            try:
+                await asyncio.wait_for(lane.acquire(), None if deadline is None else
+                                       max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                raise self._timed_out() from None
+        try:
+            enc = await self._in_pool(fn, *args)
+        finally:
+            if lane is not None:
+                lane.release()
+        self._check_deadline(deadline)
+        return enc
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
         """Tokenize (pool thread) with ``truncate`` and ``max_tokens_per_doc``.
@@ -281,16 +320,19 @@ class RerankService:
             kw["max_doc_tokens"] = max_tokens_per_doc
         return self.reranker.encode(request, **kw)
 
-    async def _wait(self, job, is_disconnected: Callable[[], Awaitable[bool]]):
-        """The job's result; drops the job (ClientGone, answered 499) if the client disconnects first.
+    async def _wait(self, job, is_disconnected: Callable[[], Awaitable[bool]], deadline: Optional[float] = None):
+        """The job's result; drops the job if the client disconnects first (ClientGone, answered 499)
+        or the deadline passes first (504).
 
         Everything the engine raises is the server's fault (input was checked before it): a dead
         engine is 503, any other failure 500 with the error id of its log line."""
         try:
             return await wait_or_drop(asyncio.wrap_future(job.future), is_disconnected,
-                                      lambda: self.engine.cancel(job))
+                                      lambda: self.engine.cancel(job), deadline=deadline)
         except ClientGone:
             raise
+        except DeadlinePassed:
+            raise self._timed_out() from None
         except EngineDead as e:
             raise APIError(503, f"server cannot serve: {e}; it needs a restart", {"Connection": "close"}) from None
         except EngineStopped as e:
@@ -332,15 +374,15 @@ class RerankService:
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         self._check_alive()
+        deadline = self._deadline()
         rid = uuid.uuid4().hex
         with self.admit():
             try:  # the prompt is built in the tokenizer pool; the model work runs as engine steps
-                async with self._tokenize_lane(req.query, req.intent, *docs):
-                    enc = await self._in_pool(self._encode_select, req, docs)
+                enc = await self._tokenize(deadline, (req.query, req.intent, *docs), self._encode_select, req, docs)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             job = self._submit(self.engine.submit_select, enc, rid)
-            sel = await self._wait(job, is_disconnected)
+            sel = await self._wait(job, is_disconnected, deadline)
         return dict(id=rid, model=self.model_name, ids=sel.ids, indices=sel.indices, text=sel.text,
                     valid=sel.valid, usage=dict(prompt_tokens=sel.prompt_tokens, completion_tokens=sel.num_tokens,
                                                 total_tokens=sel.prompt_tokens + sel.num_tokens))

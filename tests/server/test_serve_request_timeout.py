@@ -1,0 +1,148 @@
+"""``--request-timeout``: a request still unanswered that many seconds after it arrived gets a 504
+naming the flag, its remaining work is dropped and its admission slot freed, and the engine serves
+on. The wait for the large tokenizer lane is bounded too, and the lane is never leaked.
+
+A real server (uvicorn over loopback, a tiny random model); the model's steps are wrapped by a
+test double that holds them at a gate, as a hung or very slow pass would.
+"""
+import threading
+import time
+
+import pytest
+from _optional import require
+
+require("fastapi", "uvicorn", "httpx", "prometheus_client")
+import httpx  # noqa: E402
+
+from acarerank import PointwiseReranker, SetwiseReranker  # noqa: E402
+from acarerank.server import RerankService, create_app  # noqa: E402
+from acarerank.server.config import ServeConfig  # noqa: E402
+from serve_util import thread_server, tiny_model  # noqa: E402
+
+TIMEOUT = 0.5
+DOCS = ["tutor hints help the reranker", "bread and rivers", "a search agent's trace"]
+
+
+class Held:
+    """A step API (the reranker's or the setwise reranker's) whose ``held`` methods wait at ``gate``
+    while it is clear; ``encode`` also waits at ``encode_gate`` for a query containing "hold"."""
+
+    def __init__(self, inner, held):
+        self.inner, self.held = inner, set(held)
+        self.gate, self.encode_gate = threading.Event(), threading.Event()
+        self.gate.set()
+        self.encode_gate.set()
+        self.at_gate, self.encoding = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+        if name not in self.held:
+            return fn
+
+        def held(*args, **kw):
+            self.at_gate.set()
+            assert self.gate.wait(60), "test gate never opened"
+            return fn(*args, **kw)
+        return held
+
+    def encode(self, request, **kw):
+        if "hold" in request.query:
+            self.encoding.set()
+            assert self.encode_gate.wait(60), "test encode gate never opened"
+        return self.inner.encode(request, **kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def served(model):
+    rr = PointwiseReranker(model=model)
+    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer)
+    steps, select_steps = Held(rr, {"score_segments"}), Held(sr, {"decode_select"})
+    svc = RerankService(rr, "tiny-timeout", setwise=sr, max_queue=16, request_timeout=TIMEOUT)
+    svc.reranker = svc.engine.steps = steps
+    svc.setwise = svc.engine.select_steps = select_steps
+    svc.start()
+    try:
+        with thread_server(create_app(svc)) as base:
+            yield dict(base=base, svc=svc, steps=steps, select_steps=select_steps)
+    finally:
+        steps.gate.set()
+        steps.encode_gate.set()
+        select_steps.gate.set()
+        svc.stop()
+
+
+def cancelled(base) -> float:
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("acarerank_requests_cancelled_total "):
+            return float(line.split()[1])
+    raise AssertionError("acarerank_requests_cancelled_total not in /metrics")
+
+
+def assert_timed_out(r, took):
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == 504 and err["type"] == "timeout" and "--request-timeout 0.5 s" in err["message"], err
+    assert took < TIMEOUT + 5, f"504 came {took:.1f} s after the request (--request-timeout {TIMEOUT})"
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/v1/select"])
+def test_a_held_pass_answers_504_drops_the_work_and_the_engine_serves_on(served, path):
+    base, svc = served["base"], served["svc"]
+    held = served["steps"] if path == "/v1/rerank" else served["select_steps"]
+    before = cancelled(base)
+    held.gate.clear()
+    t0 = time.monotonic()
+    r = httpx.post(base + path, json=dict(query="slow", documents=DOCS), timeout=30)
+    assert_timed_out(r, time.monotonic() - t0)
+    assert held.at_gate.is_set(), "the request timed out before its work reached the model"
+    assert cancelled(base) == before + 1, "the timed-out request's work was not dropped"
+    assert svc.admitted == 0, "a timed-out request kept its admission slot"
+    held.gate.set()
+    deadline = time.monotonic() + 30
+    while svc.engine.num_jobs and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert svc.engine.num_jobs == 0, "the dropped job never left the engine"
+    r = httpx.post(base + path, json=dict(query="after", documents=DOCS), timeout=30)
+    assert r.status_code == 200, r.text
+    assert httpx.get(base + "/health", timeout=5).status_code == 200
+
+
+def test_the_wait_for_the_large_lane_is_bounded_and_the_lane_is_not_leaked(served):
+    """Two tokenizer workers: one large request at a time. A large request held in its tokenizer
+    worker holds the lane; a second one waits for the lane and gets its 504 at the deadline; the
+    first, released after its deadline, gets its 504 once tokenized (never submitted); then the
+    lane is free for a third."""
+    base, svc, steps = served["base"], served["svc"], served["steps"]
+    svc.large_request_chars = 100
+    big = ["x " * 100] * 2
+    steps.encode_gate.clear()
+    first = {}
+    t = threading.Thread(target=lambda: first.update(r=httpx.post(
+        base + "/v1/rerank", json=dict(query="hold", documents=big), timeout=30)))
+    t.start()
+    assert steps.encoding.wait(30), "the first large request never reached its tokenizer worker"
+    t0 = time.monotonic()
+    r = httpx.post(base + "/v1/rerank", json=dict(query="second", documents=big), timeout=30)
+    assert_timed_out(r, time.monotonic() - t0)
+    time.sleep(TIMEOUT)
+    steps.encode_gate.set()
+    t.join(30)
+    assert first["r"].status_code == 504 and "--request-timeout" in first["r"].text, first["r"].text
+    assert svc.engine.num_jobs == 0, "a request past its deadline after tokenizing was submitted"
+    r = httpx.post(base + "/v1/rerank", json=dict(query="third", documents=big), timeout=30)
+    assert r.status_code == 200, r.text
+    assert svc.admitted == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "5"])
+def test_a_timeout_that_is_not_a_duration_is_refused(model, bad):
+    with pytest.raises(ValueError, match="request_timeout"):
+        RerankService(PointwiseReranker(model=model), "tiny", request_timeout=bad)
+    if not isinstance(bad, (bool, str)):
+        with pytest.raises(ValueError, match="--request-timeout"):
+            ServeConfig(request_timeout=bad)
