@@ -96,7 +96,8 @@ class RerankService:
         if request_timeout is not None and (isinstance(request_timeout, bool) or
                                             not isinstance(request_timeout, (int, float)) or not request_timeout > 0):
             raise ValueError(f"request_timeout must be a number of seconds > 0 or None, got {request_timeout!r}")
-        self.request_timeout = request_timeout
+        # inf: no deadline (an infinite timer is not something asyncio's wait_for should be handed)
+        self.request_timeout = None if request_timeout == math.inf else request_timeout
         self.reranker = reranker
         self.setwise = setwise
         self.model_name = model_name

@@ -146,3 +146,7 @@ def test_a_timeout_that_is_not_a_duration_is_refused(model, bad):
     if not isinstance(bad, (bool, str)):
         with pytest.raises(ValueError, match="--request-timeout"):
             ServeConfig(request_timeout=bad)
+
+
+def test_an_infinite_timeout_is_no_deadline(model):
+    assert RerankService(PointwiseReranker(model=model), "tiny", request_timeout=float("inf")).request_timeout is None
