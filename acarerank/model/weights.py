@@ -82,10 +82,11 @@ _FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model", id2label=None,
-                     config_source: str = "the config") -> Qwen3Weights:
+                     config_source: str = "the config", label2id=None) -> Qwen3Weights:
     """Build the runner's layout from a name -> tensor mapping (``sd.where(name)``, if present,
     names the file a tensor lives in). Every error is a CheckpointError naming ``source``/the file
-    and the tensor. ``id2label``: the config's, naming ``score.weight``'s rows (score_labels).
+    and the tensor. ``id2label`` (and ``label2id``, checked against it): the config's, naming
+    ``score.weight``'s rows (score_labels).
     Stored tensors the model does not read: ``stored_names``."""
     shapes = _expected_shapes(arch)
     where = getattr(sd, "where", lambda name: source)
@@ -148,7 +149,7 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
                 f"{tuple(score_head.shape)}; a yes/no reranker head has 1 row (the yes−no direction) or 2 rows "
                 f"(no and yes, as id2label names them) of hidden size {arch.hidden_size}")
         try:
-            rows = yes_no_rows(id2label, score_head.shape[0])
+            rows = yes_no_rows(id2label, score_head.shape[0], label2id)
         except ValueError as e:
             raise CheckpointError(f"{config_source}: {e}") from None
         used.add("score.weight")
@@ -214,7 +215,8 @@ def weights_from_hf(model) -> Qwen3Weights:
         raise CheckpointError(f"{type(model).__name__} has no parameters")
     p = next(iter(sd.values()))
     return _from_state_dict(arch, sd, p.dtype, p.device, source=f"in-memory {type(model).__name__}",
-                            id2label=getattr(model.config, "id2label", None), config_source="the model's config")
+                            id2label=getattr(model.config, "id2label", None), config_source="the model's config",
+                            label2id=getattr(model.config, "label2id", None))
 
 
 class _LazyTensors:
@@ -330,4 +332,4 @@ def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weight
     sd = _LazyTensors(handles, location, raw)
     source = f"checkpoint {path!r} ({os.path.basename(index) if index else 'model.safetensors'})"
     return _from_state_dict(arch, sd, dtype, torch.device(device), source=source, id2label=cfg.get("id2label"),
-                            config_source=cfg_path)
+                            config_source=cfg_path, label2id=cfg.get("label2id"))
