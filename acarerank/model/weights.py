@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .._validate import check_file_size
 from .arch import Qwen3Arch
 from .score_labels import yes_no_rows
 from .stored_names import refuse_foreign, warn_unused
@@ -32,6 +33,12 @@ class LayerWeights:
     w_gate_up: torch.Tensor       # [2·I, H]
     w_down: torch.Tensor          # [H, I]
     b_o: Optional[torch.Tensor] = None  # [H] when attention_bias: transformers' Qwen3 gives o_proj a bias too
+
+
+#: bytes of config.json (and of model.safetensors.index.json) read with json, which holds the whole
+#: file and every object in it in memory: Qwen3's config.json is ~1 kB, a 36-layer index ~30 kB,
+#: so 16 MiB only refuses a file that is not a config (docs/input-safety.md)
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
 class CheckpointError(ValueError):
@@ -256,6 +263,7 @@ def _checkpoint_files(path: str):
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
+        check_file_size(index, MAX_CONFIG_BYTES, "a safetensors index (a real one is ~30 kB)", CheckpointError)
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
@@ -295,6 +303,7 @@ def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weight
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json")
+    check_file_size(cfg_path, MAX_CONFIG_BYTES, "config.json (a Qwen3 config is ~1 kB)", CheckpointError)
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
