@@ -2,13 +2,24 @@
 
 An integer argument accepts any ``numbers.Integral`` (so ``numpy.int64(3)`` works like ``3``)
 but never a ``bool`` (``True`` is an int to Python, never a count to a caller).
+A file another library reads whole gets its size checked first (``check_file_size``).
 """
 from __future__ import annotations
 
 import numbers
+import os
 from typing import Optional
 
-__all__ = ["check_int", "is_positive_int", "positive_int"]
+__all__ = ["check_file_size", "check_int", "is_positive_int", "positive_int"]
+
+
+def check_file_size(path: str, cap: int, what: str, error=ValueError) -> None:
+    """``error`` (a ValueError by default) naming ``path``, its size and ``cap`` when the file holds
+    more than ``cap`` bytes: a stat, before a parser (json, the tokenizers library) reads it whole.
+    ``what``: the file's kind and why the cap is what it is, for the message."""
+    size = os.path.getsize(path)
+    if size > cap:
+        raise error(f"{path}: {size:,} bytes, more than the {cap:,}-byte cap on {what}; not read")
 
 
 def check_int(name: str, value, minimum: Optional[int] = None, allow_none: bool = False) -> Optional[int]:

@@ -100,5 +100,18 @@ def checkpoint_tokenizer(path: str):
         return path
     if os.path.isfile(os.path.join(path, "vocab.json")):
         from transformers import AutoTokenizer
+
+        from ._validate import check_file_size
+        from .model.weights import MAX_CONFIG_BYTES
+        from .tokenizer import MAX_TOKENIZER_BYTES
+
+        # transformers reads these whole (config.json too, for the tokenizer class, when
+        # tokenizer_config.json does not name it): the caps of the files we read ourselves
+        for name, cap, real in (("vocab.json", MAX_TOKENIZER_BYTES, "2.8 MB"),
+                                ("merges.txt", MAX_TOKENIZER_BYTES, "1.8 MB"),
+                                ("tokenizer_config.json", MAX_CONFIG_BYTES, "10 kB"),
+                                ("config.json", MAX_CONFIG_BYTES, "1 kB")):
+            if os.path.isfile(os.path.join(path, name)):
+                check_file_size(os.path.join(path, name), cap, f"{name} (Qwen3's is {real})")
         return AutoTokenizer.from_pretrained(path)
     return None

@@ -384,9 +384,18 @@ def _state(component, drop: Optional[str] = None):
         return None
 
 
+#: bytes of a tokenizer.json, which the tokenizers library reads and parses whole: Qwen3's is
+#: 11 MB (151,669 tokens and their merges); 256 MiB leaves room for vocabularies 20x larger
+#: (docs/input-safety.md). Also the cap on vocab.json and merges.txt.
+MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
+
+
 def _from_file(path: str):
     from tokenizers import Tokenizer
 
+    from ._validate import check_file_size
+
+    check_file_size(path, MAX_TOKENIZER_BYTES, "tokenizer.json (Qwen3's is 11 MB)")
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # the Rust parser's own error type

@@ -78,7 +78,7 @@ from acarerank.benchmark.measure import machine_info, percentile, timed_call
 from acarerank.benchmark.gemm_peak import best_of, gemm_peak
 from acarerank.benchmark.report import Shapes, plan_flops
 from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body, resolve
-from acarerank.benchmark.workload import WorkloadSpec, make_workload
+from acarerank.benchmark.workload import MAX_DOCS, MAX_TEXT_TOKENS, WorkloadSpec, make_workload
 from acarerank.server.launch import serve_subprocess
 
 TRACE_STEP_TOKENS = 600
@@ -379,6 +379,16 @@ def parse_args(argv=None):
         v = getattr(args, flag)
         if v is not None and v < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    # the caps of `acarerank bench` (docs/benchmarks.md): every request is built in memory before
+    # anything is timed, so a typo (--depth 1000000) would build a million documents first
+    count = "(the cap of `acarerank bench` on a count: the server's documents per request)"
+    for flag, cap, what in (("depth", MAX_DOCS, "documents (the server's documents per request)"),
+                            ("requests", MAX_DOCS, count), ("sessions", MAX_DOCS, count),
+                            ("steps", MAX_TEXT_TOKENS // TRACE_STEP_TOKENS,
+                             f"(a session's whole trace, {TRACE_STEP_TOKENS} tokens a step, at most "
+                             f"{MAX_TEXT_TOKENS:,} tokens: Qwen3-Reranker's context length)")):
+        if getattr(args, flag) > cap:
+            ap.error(f"--{flag} must be at most {cap:,} {what}, got {getattr(args, flag):,}")
     if any(c < 1 for c in args.concurrency):
         ap.error(f"--concurrency values must be >= 1, got {args.concurrency}")
     if not all(0 < f < math.inf for f in args.loads):  # a rate of 0 or NaN has no Poisson arrivals

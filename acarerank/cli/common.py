@@ -9,11 +9,14 @@ import json
 import os
 import sys
 
-from ..server.config import DEFAULT_MAX_BODY_BYTES  # stdlib-only module: --help stays light
+from ..server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DOCUMENTS  # stdlib-only module: --help stays light
 
 #: bytes one input file (--docs, --trace-file, stdin) may hold: what one server request may carry
 #: (docs/input-safety.md, "What is guaranteed"); only this + 1 bytes are ever read
 MAX_INPUT_BYTES = DEFAULT_MAX_BODY_BYTES
+#: default of ``score --max-documents``: what one server request may carry (``serve --max-documents``;
+#: docs/input-safety.md); MAX_INPUT_BYTES alone admits ~2.8 M empty documents, each a prompt to score
+MAX_DOCUMENTS = DEFAULT_MAX_DOCUMENTS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKEND_HELP = ("backend preference: torch | triton | cpp | cuda, used by every op that has it, "
                 "or per op: attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")
@@ -83,8 +86,9 @@ def read_text_file(path: str, flag: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def read_documents(path: str) -> list:
-    """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings."""
+def read_documents(path: str, max_docs: int | None = None) -> list:
+    """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings.
+    ValueError naming the file and the cap (``--max-documents``) at the first document past ``max_docs``."""
     data = read_input_bytes(path, "--docs")  # bytes: a decode error names its line
     docs = []
     for n, raw in enumerate(io.BytesIO(data), 1):
@@ -111,6 +115,9 @@ def read_documents(path: str) -> list:
         except UnicodeEncodeError as e:
             raise ValueError(f"{path}:{n}: the text is not valid Unicode ({e.reason} at character "
                              f"{e.start}, e.g. a lone \\ud800 escape)") from None
+        if max_docs is not None and len(docs) == max_docs:  # stop at the first one past the cap, parse no more
+            raise ValueError(f"--docs {'stdin' if path == '-' else repr(path)} holds more than {max_docs:,} "
+                             f"documents (line {n}), the cap --max-documents; raise --max-documents to score more")
         docs.append(item)
     if not docs:
         raise ValueError(f"{path}: no documents")

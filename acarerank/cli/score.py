@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from . import SUBCOMMANDS
-from .common import add_model_flags, load_reranker, read_documents
+from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, read_documents
 
 
 def add_parser(sub) -> None:
@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--trace-file", help="file holding the agent's reasoning trace (ACARe modes M1/M3)")
     p.add_argument("--instruction", help="override the default instruction")
     p.add_argument("--top-n", type=int, help="print only the best N, best first")
+    p.add_argument("--max-documents", type=int, default=MAX_DOCUMENTS,
+                   help=f"documents --docs may hold, refused before loading (default {MAX_DOCUMENTS:,}, "
+                        "the server's --max-documents)")
     p.add_argument("--max-length", type=int, default=8192, help="token cap per document prompt (default 8192)")
     p.add_argument("--min-doc-tokens", type=int, default=None,
                    help="document tokens kept free when the context is cut (default 512, at most max-length/2); "
@@ -39,12 +42,13 @@ def run(args) -> int:
 
     check_common(args)
     positive("--top-n", args.top_n)
+    positive("--max-documents", args.max_documents)
     positive("--min-doc-tokens", args.min_doc_tokens)
     if args.min_doc_tokens is not None and args.max_length is not None and args.min_doc_tokens >= args.max_length:
         # the exact fit (the template's own tokens too) needs the tokenizer, after loading
         raise ValueError(f"--min-doc-tokens {args.min_doc_tokens} leaves no room in --max-length {args.max_length}: "
                          "the prompt's fixed strings need tokens too; lower it or raise --max-length")
-    docs = read_documents(args.docs)
+    docs = read_documents(args.docs, args.max_documents)
     trace = read_text_file(args.trace_file, "--trace-file") if args.trace_file else None
     from ..pointwise import PointwiseReranker
 

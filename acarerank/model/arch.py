@@ -9,6 +9,9 @@ from .._validate import positive_int
 #: an absent head_dim is 128 (not hidden_size / num_attention_heads) and an absent
 #: num_key_value_heads is 32 (an explicit null is num_attention_heads)
 QWEN3_SHAPE_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32}
+#: layer_types entries Qwen3's decoder runs (its forward picks each layer's mask by this name and has
+#: only these two); "attention": transformers' legacy name, read as "full_attention"
+QWEN3_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Qwen3Arch:
         act = get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU too
             raise ValueError(f"hidden_act {act!r} is not supported: the runner's MLP is SiLU(gate)·up, as Qwen3's")
+        _check_layer_types(get("layer_types"), get("num_hidden_layers"))
         _check_no_sliding_window(get, get("num_hidden_layers"))
         defaulted = tuple(k for k in QWEN3_SHAPE_DEFAULTS if not has(k))
         head_dim = positive_int("config field 'head_dim'", get("head_dim", QWEN3_SHAPE_DEFAULTS["head_dim"]))
@@ -99,6 +103,24 @@ class Qwen3Arch:
         return "".join(f"; the config has no {k!r}, so it is transformers' Qwen3Config default "
                        f"{QWEN3_SHAPE_DEFAULTS[k]} — is {k} missing from config.json?"
                        for k in keys if k in self.defaulted)
+
+
+def _check_layer_types(types, num_layers: int) -> None:
+    """ValueError when ``layer_types`` is not one Qwen3 layer type per layer: transformers'
+    Qwen3Config refuses a length other than ``num_hidden_layers`` (and names outside its list);
+    a shorter list once left the missing layers' sliding window unchecked, a longer one named
+    layers the model does not have."""
+    if types is None:
+        return
+    if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
+        raise ValueError(f"config field 'layer_types' must be a list of layer type names, got {types!r}")
+    if len(types) != num_layers:
+        raise ValueError(f"config field 'layer_types' has {len(types)} entries but num_hidden_layers is {num_layers}: "
+                         "one per layer (transformers' Qwen3Config refuses it too)")
+    unknown = sorted(set(types) - set(QWEN3_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"config field 'layer_types' has {unknown}, not a Qwen3 layer type "
+                         f"({', '.join(QWEN3_LAYER_TYPES)}): the runner computes Qwen3's attention layers only")
 
 
 def _check_no_sliding_window(get, num_layers: int) -> None:

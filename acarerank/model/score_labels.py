@@ -11,7 +11,12 @@ The rule (docs/input-safety.md, "A score head's rows follow the config's id2labe
   ("positive"/"negative", "true"/"false", "entailment"/...) are not guessed at;
 * transformers' generic names (``LABEL_<i>`` at index i) or no ``id2label``: label 1 is the
   positive class (the [no, yes] conversion of Qwen3-Reranker; a 1-row head is yes−no);
-* anything else, or a label count other than the rows: ValueError naming the labels.
+* anything else, or a label count other than the rows: ValueError naming the labels;
+* ``label2id`` beside ``id2label`` must name the rows alike: each of its labels at the row
+  ``id2label`` gives that label, or a yes / no name at the row read as yes / no (so "relevant"
+  beside "yes" agrees); transformers' generic ``LABEL_<i>`` at i is no claim (it stays in a config
+  whose ``id2label`` was renamed after construction). transformers reads only ``id2label``, but a
+  config whose two maps disagree was written by someone who meant one of them: ValueError naming both.
 """
 from __future__ import annotations
 
@@ -45,9 +50,38 @@ def _labels(id2label, rows: int) -> list:
     return [by_row[i] for i in range(rows)]
 
 
-def yes_no_rows(id2label, rows: int) -> list:
+def yes_no_rows(id2label, rows: int, label2id=None) -> list:
     """Row indices of ``score.weight`` ([rows, H], rows 1 or 2) in the runner's order:
-    [yes] for 1 row, [no, yes] for 2. ``id2label``: the config's (None when it has none)."""
+    [yes] for 1 row, [no, yes] for 2. ``id2label``, ``label2id``: the config's (None when it has none)."""
+    order = _yes_no_rows(id2label, rows)
+    if id2label is not None and label2id is not None:
+        _check_label2id(label2id, _labels(id2label, rows), order)
+    return order
+
+
+def _check_label2id(label2id, labels: list, order: list) -> None:
+    """ValueError naming both maps when ``label2id`` puts a label at another row than id2label
+    (``labels``, by row) or, for a yes / no name, than the row ``order`` reads as yes / no."""
+    if not isinstance(label2id, Mapping):
+        raise ValueError(f"label2id must map label names to row indices, got {label2id!r}")
+    rows = len(order)
+    both = f"label2id {dict(label2id)} disagrees with id2label {dict(enumerate(labels))}"
+    for label, idx in label2id.items():
+        try:  # JSON keeps ints; transformers' type hint allows their strings too
+            row = int(idx) if isinstance(idx, (int, str)) and not isinstance(idx, bool) else None
+        except ValueError:
+            row = None
+        if row is None or not 0 <= row < rows:
+            raise ValueError(f"{both}: label2id maps {label!r} to {idx!r}, not a row of score.weight (0..{rows - 1})")
+        n = _norm(label)
+        if (n in (f"label {row}", _norm(labels[row])) or (n in YES and row == order[-1])
+                or (n in NO and rows == 2 and row == order[0])):
+            continue
+        raise ValueError(f"{both}: label2id maps {label!r} to row {row}, where id2label has {labels[row]!r} "
+                         f"(row {order[-1]} is read as 'yes'); make label2id the inverse of id2label")
+
+
+def _yes_no_rows(id2label, rows: int) -> list:
     if id2label is None:
         return list(range(rows))
     labels = _labels(id2label, rows)

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .._validate import check_file_size
 from .arch import Qwen3Arch
 from .score_labels import yes_no_rows
 from .stored_names import refuse_foreign, warn_unused
@@ -32,6 +33,12 @@ class LayerWeights:
     w_gate_up: torch.Tensor       # [2·I, H]
     w_down: torch.Tensor          # [H, I]
     b_o: Optional[torch.Tensor] = None  # [H] when attention_bias: transformers' Qwen3 gives o_proj a bias too
+
+
+#: bytes of config.json (and of model.safetensors.index.json) read with json, which holds the whole
+#: file and every object in it in memory: Qwen3's config.json is ~1 kB, a 36-layer index ~30 kB,
+#: so 16 MiB only refuses a file that is not a config (docs/input-safety.md)
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 
 class CheckpointError(ValueError):
@@ -82,10 +89,11 @@ _FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model", id2label=None,
-                     config_source: str = "the config") -> Qwen3Weights:
+                     config_source: str = "the config", label2id=None) -> Qwen3Weights:
     """Build the runner's layout from a name -> tensor mapping (``sd.where(name)``, if present,
     names the file a tensor lives in). Every error is a CheckpointError naming ``source``/the file
-    and the tensor. ``id2label``: the config's, naming ``score.weight``'s rows (score_labels).
+    and the tensor. ``id2label`` (and ``label2id``, checked against it): the config's, naming
+    ``score.weight``'s rows (score_labels).
     Stored tensors the model does not read: ``stored_names``."""
     shapes = _expected_shapes(arch)
     where = getattr(sd, "where", lambda name: source)
@@ -148,7 +156,7 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
                 f"{tuple(score_head.shape)}; a yes/no reranker head has 1 row (the yes−no direction) or 2 rows "
                 f"(no and yes, as id2label names them) of hidden size {arch.hidden_size}")
         try:
-            rows = yes_no_rows(id2label, score_head.shape[0])
+            rows = yes_no_rows(id2label, score_head.shape[0], label2id)
         except ValueError as e:
             raise CheckpointError(f"{config_source}: {e}") from None
         used.add("score.weight")
@@ -214,7 +222,8 @@ def weights_from_hf(model) -> Qwen3Weights:
         raise CheckpointError(f"{type(model).__name__} has no parameters")
     p = next(iter(sd.values()))
     return _from_state_dict(arch, sd, p.dtype, p.device, source=f"in-memory {type(model).__name__}",
-                            id2label=getattr(model.config, "id2label", None), config_source="the model's config")
+                            id2label=getattr(model.config, "id2label", None), config_source="the model's config",
+                            label2id=getattr(model.config, "label2id", None))
 
 
 class _LazyTensors:
@@ -254,6 +263,7 @@ def _checkpoint_files(path: str):
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
+        check_file_size(index, MAX_CONFIG_BYTES, "a safetensors index (a real one is ~30 kB)", CheckpointError)
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
@@ -293,6 +303,7 @@ def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weight
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path!r} has no config.json")
+    check_file_size(cfg_path, MAX_CONFIG_BYTES, "config.json (a Qwen3 config is ~1 kB)", CheckpointError)
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
@@ -330,4 +341,4 @@ def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weight
     sd = _LazyTensors(handles, location, raw)
     source = f"checkpoint {path!r} ({os.path.basename(index) if index else 'model.safetensors'})"
     return _from_state_dict(arch, sd, dtype, torch.device(device), source=source, id2label=cfg.get("id2label"),
-                            config_source=cfg_path)
+                            config_source=cfg_path, label2id=cfg.get("label2id"))

@@ -129,7 +129,11 @@ def test_a_target_without_capacity_gets_a_failed_open_row_not_a_crash(monkeypatc
 
 @pytest.mark.parametrize("flags, needle", [(["--loads", "0"], "--loads"), (["--loads", "nan"], "--loads"),
                                            (["--concurrency", "0"], "--concurrency"), (["--requests", "0"], "--requests"),
-                                           (["--peer-tolerance", "nan"], "--peer-tolerance")])
+                                           (["--peer-tolerance", "nan"], "--peer-tolerance"),
+                                           (["--depth", "1000000"], "--depth must be at most 1,000 documents"),
+                                           (["--requests", "1001"], "--requests must be at most 1,000"),
+                                           (["--sessions", "1001"], "--sessions must be at most 1,000"),
+                                           (["--steps", "55"], "--steps must be at most 54 (a session's whole trace")])
 def test_bench_serve_flags_without_a_run_are_usage_errors(capsys, flags, needle):
     from bench_serve import parse_args
 
@@ -137,6 +141,20 @@ def test_bench_serve_flags_without_a_run_are_usage_errors(capsys, flags, needle)
         parse_args(flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and needle in err[-1], err
+
+
+def test_bench_serve_sizes_are_capped_like_acarerank_bench():
+    """The caps are ``acarerank bench``'s (``MAX_DOCS`` documents or requests, an agent trace of at
+    most ``MAX_TEXT_TOKENS``): the largest accepted values parse, and build a spec the workload takes."""
+    from bench_serve import TRACE_STEP_TOKENS, parse_args
+
+    from acarerank.benchmark.workload import MAX_DOCS, MAX_TEXT_TOKENS, WorkloadSpec
+
+    steps = MAX_TEXT_TOKENS // TRACE_STEP_TOKENS
+    a = parse_args(["--depth", str(MAX_DOCS), "--requests", str(MAX_DOCS), "--sessions", str(MAX_DOCS),
+                    "--steps", str(steps)])
+    assert (a.depth, a.requests, a.sessions, a.steps) == (MAX_DOCS, MAX_DOCS, MAX_DOCS, steps)
+    WorkloadSpec(trace_tokens=TRACE_STEP_TOKENS * a.steps, num_docs=a.depth)  # what agent_requests builds
 
 
 def test_peer_calls_never_share_an_acarerank_servers_prefix_cache(monkeypatch):

@@ -119,6 +119,36 @@ def test_score_labels_that_say_no_row_is_yes_are_refused(causal, rows, id2label,
             PointwiseReranker(model=seq)
 
 
+@pytest.mark.parametrize("rows, id2label, label2id, match", [
+    (2, {"0": "no", "1": "yes"}, {"no": 1, "yes": 0}, "maps 'no' to row 1, where id2label has 'yes'"),
+    (2, {"0": "LABEL_0", "1": "LABEL_1"}, {"yes": 0, "no": 1}, "maps 'yes' to row 0, where id2label has 'LABEL_0'"),
+    (2, {"0": "no", "1": "yes"}, {"no": 0, "yes": 2}, "maps 'yes' to 2, not a row of score.weight"),
+    (1, {"0": "yes"}, {"no": 0}, "maps 'no' to row 0, where id2label has 'yes'"),
+], ids=["swapped", "generic-id2label", "no-such-row", "one-row-no"])
+def test_label2id_that_disagrees_with_id2label_is_refused(causal, rows, id2label, label2id, match, tmp_path):
+    """transformers reads only id2label; a label2id that puts "yes" on another row was loaded
+    without a word, whichever of the two the config's writer meant. Now a CheckpointError
+    naming config.json and both maps, from disk and in memory."""
+    tiny_seq_cls(causal, rows).save_pretrained(tmp_path / "seq")
+    _edit_config(tmp_path / "seq", id2label=id2label, label2id=label2id)
+    with pytest.raises(CheckpointError, match=rf"config\.json: label2id .* disagrees with id2label .*{match}"):
+        PointwiseReranker.from_pretrained(str(tmp_path / "seq"))
+    seq = tiny_seq_cls(causal, rows)
+    seq.config.id2label, seq.config.label2id = {int(k): v for k, v in id2label.items()}, label2id
+    with pytest.raises(CheckpointError, match=rf"model's config: label2id .*{match}"):
+        PointwiseReranker(model=seq)
+
+
+@pytest.mark.parametrize("label2id", [{"no": 0, "yes": 1}, {"Not_Relevant": 0, "relevant": 1},
+                                      {"LABEL_0": 0, "LABEL_1": 1}, {"yes": 1}])
+def test_label2id_that_agrees_with_id2label_loads(causal, card_scores, label2id, tmp_path):
+    """The inverse map, yes / no names at the rows read as yes / no, and transformers' generic
+    names (left in a config whose id2label was renamed) say the same rows."""
+    tiny_seq_cls(causal, 2).save_pretrained(tmp_path / "seq")
+    _edit_config(tmp_path / "seq", id2label={"0": "no", "1": "yes"}, label2id=label2id)
+    assert close(_quiet_load(tmp_path / "seq").score("q", DOCS), card_scores)
+
+
 def test_one_row_head_labelled_yes_is_the_yes_no_direction(causal, card_scores, tmp_path):
     tiny_seq_cls(causal, 1).save_pretrained(tmp_path / "seq")
     _edit_config(tmp_path / "seq", id2label={"0": "yes"}, label2id={"yes": 0})
@@ -188,6 +218,47 @@ def test_flag_or_number_of_the_wrong_type_is_refused(saved, field, value, tmp_pa
         Qwen3ForCausalLM.from_pretrained(str(ckpt))
     with pytest.raises(CheckpointError, match=rf"config\.json: config field '{field}' must be"):
         PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def _layer_types(ckpt, types):
+    """config.json's layer_types set to ``types(num_hidden_layers)``."""
+    n = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    _edit_config(ckpt, layer_types=types(n))
+    return n
+
+
+@pytest.mark.parametrize("types, match", [
+    (lambda n: ["full_attention"] * (n + 1), "'layer_types' has {m} entries but num_hidden_layers is {n}"),
+    (lambda n: ["full_attention"] * (n - 1), "'layer_types' has {m} entries but num_hidden_layers is {n}"),
+    (lambda n: ["full_attention"] * (n - 1) + ["bogus"], r"'layer_types' has \['bogus'\], not a Qwen3 layer type"),
+], ids=["longer", "shorter", "unknown"])
+def test_layer_types_not_one_qwen3_type_per_layer_is_refused(saved, types, match, tmp_path):
+    """layer_types of another length than num_hidden_layers, or naming a type no model has,
+    loaded without a word; transformers' Qwen3Config refuses both."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    n = _layer_types(ckpt, types)
+    with pytest.raises(Exception, match="layer_types"):
+        Qwen3ForCausalLM.from_pretrained(str(ckpt))
+    with pytest.raises(CheckpointError, match=rf"config\.json: config field {match.format(m=len(types(n)), n=n)}"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_layer_types_qwen3_cannot_run_is_refused(saved, tmp_path):
+    """A layer type transformers knows from other models (its Qwen3Config takes it) that Qwen3's
+    decoder has no mask for: refused before any weight is read."""
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _layer_types(ckpt, lambda n: ["full_attention"] * (n - 1) + ["linear_attention"])
+    with pytest.raises(CheckpointError, match=r"'layer_types' has \['linear_attention'\], not a Qwen3 layer type"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_legacy_layer_type_name_loads(saved, card_scores, tmp_path):
+    """transformers reads the legacy "attention" as "full_attention"."""
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _layer_types(ckpt, lambda n: ["attention"] * n)
+    assert close(_quiet_load(ckpt).score("q", DOCS), card_scores)
 
 
 # -- 3. stored tensors the model does not read ----------------------------------------------

@@ -297,3 +297,50 @@ def test_unreadable_weights_files_are_named(saved, causal, tmp_path):
     os.symlink(loop / "model.safetensors", loop / "model.safetensors")
     with pytest.raises(FileNotFoundError, match="symlink"):
         PointwiseReranker.from_pretrained(str(loop))
+
+
+# -- files a parser reads whole are size-capped -----------------------------------------------------
+def _sparse(path, size):
+    """A file of ``size`` zero bytes that takes no disk (and no read: the caps stat it first)."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+def test_config_json_over_the_cap_is_refused_before_reading(saved, card_scores, tmp_path):
+    """config.json (and a safetensors index) went whole into json.load, whatever its size; now a
+    CheckpointError naming the file, its size and the cap. The cap itself loads: the padding is
+    JSON whitespace."""
+    from acarerank.model import CheckpointError
+    from acarerank.model.weights import MAX_CONFIG_BYTES
+
+    ckpt = _copy(saved, tmp_path / "cfg")
+    text = (saved / "config.json").read_text()
+    (ckpt / "config.json").write_text(text + " " * (MAX_CONFIG_BYTES - len(text)))
+    assert close(load(ckpt).score("q", DOCS), card_scores)
+    (ckpt / "config.json").write_text(text + " " * (MAX_CONFIG_BYTES + 1 - len(text)))
+    with pytest.raises(CheckpointError, match=rf"config\.json: {MAX_CONFIG_BYTES + 1:,} bytes, more than the "
+                                              rf"{MAX_CONFIG_BYTES:,}-byte cap on config\.json"):
+        load(ckpt)
+    ckpt = _copy(saved, tmp_path / "index")
+    _sparse(ckpt / "model.safetensors.index.json", MAX_CONFIG_BYTES + 1)
+    with pytest.raises(CheckpointError, match=rf"index\.json: {MAX_CONFIG_BYTES + 1:,} bytes, more than the "
+                                              rf"{MAX_CONFIG_BYTES:,}-byte cap on a safetensors index"):
+        load(ckpt)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.json"])
+def test_tokenizer_file_over_the_cap_is_refused_before_reading(saved, name, tmp_path):
+    """A checkpoint's tokenizer.json went whole to the tokenizers library (vocab.json to
+    transformers); now a ValueError naming the file, its size and the cap, checked with a stat."""
+    from acarerank.reranker_base import checkpoint_tokenizer
+    from acarerank.tokenizer import MAX_TOKENIZER_BYTES, TextEncoder
+
+    ckpt = _copy(saved, tmp_path / "tok")
+    _sparse(ckpt / name, MAX_TOKENIZER_BYTES + 1)
+    if name == "vocab.json":
+        (ckpt / "merges.txt").write_text("#version: 0.2\n")
+    match = rf"{name}: {MAX_TOKENIZER_BYTES + 1:,} bytes, more than the {MAX_TOKENIZER_BYTES:,}-byte cap on {name}"
+    with pytest.raises(ValueError, match=match):
+        TextEncoder.of(checkpoint_tokenizer(str(ckpt)))  # what from_pretrained and `select`'s early check run
+    with pytest.raises(ValueError, match=match):
+        load(ckpt)
