@@ -11,7 +11,7 @@ import json
 import sys
 
 from . import SUBCOMMANDS
-from .common import add_model_flags, load_reranker, read_documents
+from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, read_documents
 
 
 def add_parser(sub) -> None:
@@ -21,6 +21,9 @@ def add_parser(sub) -> None:
     p.add_argument("--query", required=True, help="the user question (RAG) or the agent's search query")
     p.add_argument("--docs", required=True, help="JSONL file of candidate documents ('-' for stdin)")
     p.add_argument("--intent", help="the agent's query intent (deep-research prompt, Appendix F.2)")
+    p.add_argument("--max-documents", type=int, default=MAX_DOCUMENTS,
+                   help=f"documents --docs may hold, refused before the tokenizer or the model loads (default "
+                        f"{MAX_DOCUMENTS:,}, the server's --max-documents)")
     p.add_argument("--max-select", type=int, default=10, help="at most this many documents (default 10)")
     p.add_argument("--max-length", type=int, default=16000, help="prompt token cap; documents are cut evenly")
     p.add_argument("--max-new-tokens", type=int, default=64,
@@ -54,7 +57,8 @@ def run(args) -> int:
     check_common(args)
     positive("--max-select", args.max_select)
     positive("--max-new-tokens", args.max_new_tokens)
-    docs = read_documents(args.docs)
+    positive("--max-documents", args.max_documents)
+    docs = read_documents(args.docs, args.max_documents)
     texts = [d["text"] if isinstance(d, dict) else d for d in docs]
     need = max_output_tokens(len(texts), args.max_select)
     if not args.unconstrained and need > args.max_new_tokens:

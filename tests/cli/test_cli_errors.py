@@ -132,14 +132,15 @@ def test_input_file_over_the_cap_names_flag_file_and_cap(capsys, files, no_load,
     assert flag in err[0] and "big.txt" in err[0] and f"{MAX_INPUT_BYTES:,} bytes" in err[0], err
 
 
-def test_score_document_count_is_capped_before_loading(capsys, files, no_load, tmp_path):
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_document_count_is_capped_before_loading(capsys, files, no_load, tmp_path, command):
     """More documents than --max-documents (default: the server's 1,000) is one line naming the
     file, the line and the cap, before loading; the cap itself loads, and the flag raises it."""
     from acarerank.cli.common import MAX_DOCUMENTS
 
     many = tmp_path / "many.jsonl"
     many.write_text("\n".join(['""'] * MAX_DOCUMENTS + ["", '""']))  # a blank line is no document
-    argv = ["score", "--query", "q", "--docs", str(many)]
+    argv = [command, "--query", "q", "--docs", str(many)]
     rc, err, _ = run(capsys, argv)
     assert rc == 2 and len(err) == 1, (rc, err)
     assert "many.jsonl" in err[0] and f"more than {MAX_DOCUMENTS:,} documents (line {MAX_DOCUMENTS + 2})" in err[0] \
@@ -147,8 +148,8 @@ def test_score_document_count_is_capped_before_loading(capsys, files, no_load, t
     for flags in (["--max-documents", str(MAX_DOCUMENTS + 1)], ["--docs", str(files / "docs.jsonl"), "--max-documents", "2"]):
         with pytest.raises(ModelLoaded):
             main(argv + flags)
-    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", str(files / "docs.jsonl"), "--max-documents", "1"])
-    assert rc == 2 and len(err) == 1 and "more than 1 documents (line 2)" in err[0], err
+    rc, err, _ = run(capsys, [command, "--query", "q", "--docs", str(files / "docs.jsonl"), "--max-documents", "1"])
+    assert rc == 2 and len(err) == 1 and "more than 1 document (line 2)" in err[0], err
     rc, err, _ = run(capsys, argv + ["--max-documents", "0"])
     assert rc == 2 and len(err) == 1 and "--max-documents must be >= 1, got 0" in err[0], err
 
