@@ -32,7 +32,7 @@ import torch
 
 from ._validate import check_int, positive_int
 from .model import Qwen3Runner
-from .model.numerics import NonFiniteOutputError, nonfinite_rows
+from .model.numerics import NonFiniteError, NonFiniteOutputError, nonfinite_rows
 from .model.runner import bounded_runs
 from .model.cached_prefill import CacheSlot, default_budget_tokens, prefill_cached
 from .ops import backend_for, yes_no_score
@@ -239,14 +239,14 @@ class PointwiseReranker(RerankerBase):
                     handles.append(self.acquire_prefix(e))
                 try:
                     flat = self.score_segments([(h, ids) for h in handles for ids in h.encoding.segment_ids])
-                except NonFiniteOutputError as e:
+                except NonFiniteError as e:  # a hidden state or a score: the same error, named by its documents
                     # item k of this window -> (request, document) of the call
                     where = [(len(out) + r, d) for r, enc in enumerate(window) for d in range(len(enc.segment_ids))]
                     rows = [where[k] for k in e.rows]
                     more = f" (and (request, document) {rows[1:5]}{', ...' if len(rows) > 5 else ''})" \
                         if len(rows) > 1 else ""
-                    raise NonFiniteOutputError(f"no score for request {rows[0][0]} document {rows[0][1]}{more}: "
-                                               f"{e.reason}", rows) from None
+                    raise type(e)(f"no score for request {rows[0][0]} document {rows[0][1]}{more}: "
+                                  f"{getattr(e, 'reason', e)}", rows) from None
             finally:
                 for h in handles:
                     self.release_prefix(h)
@@ -326,7 +326,8 @@ class PointwiseReranker(RerankerBase):
         Segments of handles in the same pool go in one packed pass (split only at
         ``max_batch_tokens``: ``Qwen3Runner.forward_segments``); equal to ``score`` of the same
         request (≤ 1e-6 fp32). A score whose logit difference is NaN/inf (a head or final norm
-        weight that is not finite, or overflows) raises ``NonFiniteOutputError`` naming the items.
+        weight that is not finite, or overflows) raises ``NonFiniteOutputError`` naming the items;
+        a final hidden state that cannot be scored, ``NonFiniteHiddenError`` naming them too.
         """
         checked = []
         for n, item in enumerate(items):

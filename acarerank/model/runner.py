@@ -35,7 +35,7 @@ from ..ops.rms_norm import OP_RMS_NORM
 from .block_pool import BlockPool
 from .layer_ops import CompiledLayers, OpsLayers, resolve_layer_backends
 from .linear_weights import weights_for_linear
-from .numerics import check_scorable
+from .numerics import NonFiniteHiddenError, check_scorable
 from .paged_cache import PagedKVCache
 from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 
@@ -252,7 +252,9 @@ class Qwen3Runner:
         cache, so a deep batch must not carry all of its prefixes into every pass.
 
         Yields, per pass, (item indices, hidden [n, H] at each segment's last token, before the
-        final norm). The caller keeps the prefixes' pages alive; the pass's cache is freed.
+        final norm). The caller keeps the prefixes' pages alive; the pass's cache is freed. A
+        hidden state that cannot be scored raises ``NonFiniteHiddenError`` whose ``rows`` are the
+        item indices (not rows of the pass).
         """
         by_pool: dict = {}
         for n, (prefix, ids) in enumerate(items):
@@ -267,6 +269,10 @@ class Qwen3Runner:
                             group_of[id(prefix)] = cache.add_group(prefix.blocks, prefix.length)
                     hidden = self.forward(cache, [ids for _, _, ids in run],
                                           [group_of[id(prefix)] for _, prefix, _ in run], output="last")
+                except NonFiniteHiddenError as e:
+                    items = [run[i][0] for i in e.rows]
+                    raise NonFiniteHiddenError(f"item(s) {items[:5]}{f' ({len(items)} in all)' if len(items) > 5 else ''}"
+                                               f": {e}", items) from None
                 finally:
                     cache.free()
                 yield [n for n, _, _ in run], hidden

@@ -72,12 +72,25 @@ def test_pointwise_refuses_the_nan_document_and_scores_the_others(clean, poisone
     rr = PointwiseReranker(runner=poisoned)
     with pytest.raises(NonFiniteHiddenError) as e:
         rr.score(QUERY, DOCS)
-    assert e.value.rows == [POISONED], f"refused rows {e.value.rows}, the NaN is only in document {POISONED}"
+    assert e.value.rows == [(0, POISONED)], f"refused rows {e.value.rows}, the NaN is only in document {POISONED}"
+    assert f"request 0 document {POISONED}" in str(e.value), str(e.value)
     # the NaN row stays in its own segment: the other documents score as on the clean model
     rest = [d for i, d in enumerate(DOCS) if i != POISONED]
     got, want = rr.score(QUERY, rest), clean.score(QUERY, rest)
     diff = max(abs(a - b) for a, b in zip(got, want))
     assert diff <= 1e-6, f"documents beside a refused one: max |poisoned model - clean| = {diff:.3g}"
+
+
+@pytest.mark.parametrize("max_batch_tokens", [4096, 8])
+def test_score_batch_names_the_nan_document_by_request_and_document(poisoned, max_batch_tokens):
+    """Rows of the pass (or of the call's items) are no use to a caller: the error names the
+    (request, document) pair, whichever pass the document ran in (8 tokens: one pass each)."""
+    rr = PointwiseReranker(runner=poisoned, max_batch_tokens=max_batch_tokens)
+    batch = [ScoreRequest(QUERY, [DOCS[0], DOCS[2]]), ScoreRequest(QUERY, [DOCS[0], DOCS[2], DOCS[POISONED]])]
+    with pytest.raises(NonFiniteHiddenError) as e:
+        rr.score_batch(batch)
+    assert e.value.rows == [(1, 2)], f"refused {e.value.rows}; the NaN is in request 1's document 2"
+    assert "request 1 document 2" in str(e.value), str(e.value)
 
 
 def test_overflowing_activations_are_refused_not_scored_half(model):
