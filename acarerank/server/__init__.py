@@ -9,7 +9,9 @@ Layers, each knowing only the one below:
 - ``protocol.py`` per connection: header timeout, head size, connection cap, JSON for malformed HTTP
 - ``gate.py``     ASGI middleware before the routes: drain, API key, admission (429), body size and timer
 - ``app.py``      FastAPI routes, parsing, errors, /health /ready /metrics
-- ``service.py``  checks, admission (429), tokenization pool, waiting on the engine, responses
+- ``probes.py``   the one rule of what is unhealthy: ``/health`` and Ray's ``check_health``
+- ``service.py``  checks, admission (429), tokenization pool, waiting on the engine (client gone:
+                  499; ``--request-timeout``: 504), responses
 - ``engine.py``   the scheduler thread that owns the model: continuous batching of documents
 - the step API    ``PointwiseReranker.encode / acquire_prefix / score_segments / release_prefix /
                   cache_stats`` (the prefix cache shared by all requests, kept apart by cache_salt)
