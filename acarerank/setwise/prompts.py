@@ -36,7 +36,7 @@ import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from .._validate import positive_int
+from .._validate import check_int, positive_int
 from ..prompts.pointwise import check_documents, check_query
 
 DEFAULT_MAX_LENGTH = 16000      # AdaTutoRank (2026), Appendix C.4: maximum prompt length 16,000 tokens
@@ -243,10 +243,12 @@ def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Option
     """Tokenized F.1/F.2 chat prompt of at most ``max_length`` tokens (None: no limit); see the module rule.
 
     ``special_tokens``: "escape" (default) or "parse", see :func:`chat_ids`. Thread-safe.
+    TypeError / ValueError naming the argument for bad inputs, ``max_length`` included (an int >= 1).
     """
     from ..tokenizer import TextEncoder
 
     check_inputs(query, documents, intent, max_select)
+    max_length = check_int("max_length", max_length, 1, allow_none=True)
     intent = normalize_intent(intent)
     encoder = TextEncoder.of(tokenizer, special_tokens)
     system = system_prompt(intent)

@@ -227,6 +227,11 @@ def test_truncated_document_is_its_head(qwen3_tokenizer):
     (("q", ["a"]), {"intent": 5}, TypeError, "intent"),
     (("q", ["a"]), {"max_select": 0}, ValueError, "max_select"),
     (("q", ["a"]), {"max_length": 100}, ValueError, "max_length=100"),
+    (("q", ["a"]), {"max_length": 0}, ValueError, "max_length must be >= 1"),
+    (("q", ["a"]), {"max_length": 2000.0}, TypeError, "max_length must be an int"),  # was accepted
+    (("q", ["a"]), {"max_length": 1500.5}, TypeError, "max_length must be an int"),  # crashed in user_heads
+    (("q", ["a"]), {"max_length": "2000"}, TypeError, "max_length must be an int"),  # crashed on max_length + 1
+    (("q", ["a"]), {"max_length": True}, TypeError, "max_length must be an int"),
 ])
 def test_bad_input(qwen3_tokenizer, args, kw, err, msg):
     with pytest.raises(err, match=msg):
