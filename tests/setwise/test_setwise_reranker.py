@@ -129,6 +129,7 @@ def test_long_pool_is_truncated_not_dropped(reranker, qwen3_tokenizer):
     (lambda sr: sr.select("q", "a single string"), TypeError, "documents"),
     (lambda sr: sr.select("q", ["a"], max_select=0), ValueError, "max_select"),
     (lambda sr: sr.select("q", ["a"], intent=3), TypeError, "intent"),
+    (lambda sr: sr.select("q", ["a"], cache_salt=3), TypeError, "cache_salt"),
     (lambda sr: sr.select_batch(["q"], [["a"], ["b"]]), ValueError, "one document list per query"),
     (lambda sr: sr.select_batch([], []), ValueError, "non-empty"),
 ])
