@@ -243,20 +243,29 @@ class SetwiseReranker(RerankerBase):
     def select_batch(self, queries: Sequence[str], documents: Sequence[Sequence[str]],
                      intents: Optional[Sequence[Optional[str]]] = None, max_select: int = 10,
                      constrained: bool = True, batch_size: int = 8) -> List[Selection]:
-        """Several queries decoded together (one KV-cache group each), ``batch_size`` at a time."""
+        """Several queries decoded together (one KV-cache group each), ``batch_size`` at a time.
+
+        A bad query, document list or intent is a TypeError / ValueError that names the query
+        ("query 1 of the batch: documents[0] must be a str"; ``documents[0]`` is that query's list's).
+        """
         if isinstance(queries, str) or not isinstance(queries, Sequence) or len(queries) == 0:
             raise ValueError("queries must be a non-empty list of str")
         if isinstance(documents, str) or not isinstance(documents, Sequence) or len(documents) != len(queries):
             raise ValueError(f"documents must be a list with one document list per query ({len(queries)})")
         if intents is None:
             intents = [None] * len(queries)
-        if isinstance(intents, str) or len(intents) != len(queries):
+        if isinstance(intents, str) or not isinstance(intents, Sequence) or len(intents) != len(queries):
             raise ValueError(f"intents must be None or a list with one entry per query ({len(queries)})")
         positive_int("batch_size", batch_size)
+        positive_int("max_select", max_select)
         if not isinstance(constrained, bool):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
-        for q, d, it in zip(queries, documents, intents):
-            check_inputs(q, d, it, max_select)
+        for i, (q, d, it) in enumerate(zip(queries, documents, intents)):
+            try:
+                check_inputs(q, d, it, max_select)
+            except (TypeError, ValueError) as e:
+                # check_inputs names a field of one selection; say which query of the batch it is
+                raise type(e)(f"query {i} of the batch: {e}") from None
         max_select, batch_size = int(max_select), int(batch_size)
         self._check_output_room(documents, max_select, constrained)
         prompts = [build_prompt(self.tokenizer, q, d, it, max_select, self.max_length)
