@@ -111,6 +111,7 @@ class SelectRequest(BaseModel):
     documents: List[Document]
     intent: Optional[StrictStr] = Field(None, description="the agent's query intent: the deep-research prompt")
     max_select: StrictInt = Field(10, ge=1)
+    cache_salt: Optional[StrictStr] = Field(None, description="prefix-cache namespace (tenant key), as /v1/rerank's")
 
     def document_texts(self) -> list:
         return [d if isinstance(d, str) else d.text for d in self.documents]

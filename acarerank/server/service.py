@@ -361,7 +361,8 @@ class RerankService:
     # -- select ------------------------------------------------------------------------------
     def _encode_select(self, req: SelectRequest, docs: list):
         """The selection's tokenized prompt (pool thread)."""
-        return self.setwise.encode_select(req.query, docs, intent=req.intent, max_select=req.max_select)
+        return self.setwise.encode_select(req.query, docs, intent=req.intent, max_select=req.max_select,
+                                          cache_salt=req.cache_salt)
 
     async def select(self, req: SelectRequest, is_disconnected: Callable[[], Awaitable[bool]],
                      headers: Optional[dict] = None) -> dict:

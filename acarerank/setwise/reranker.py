@@ -56,11 +56,13 @@ class Selection:
 
 @dataclass(frozen=True)
 class SelectEncoding:
-    """One selection's tokenized prompt and decoding settings (``encode_select``)."""
+    """One selection's tokenized prompt and decoding settings (``encode_select``); ``cache_salt``:
+    the prefix-cache namespace its prompt is matched and cached under (None: the shared one)."""
 
     prompt: SetwisePrompt
     max_select: int
     constrained: bool
+    cache_salt: Optional[str] = None
 
 
 class SelectState:
@@ -102,7 +104,8 @@ class SetwiseReranker(RerankerBase):
       special_tokens: "escape" (default; special-token strings in the query, intent and
         documents are plain text) or "parse" (they become control tokens), see ``acarerank.tokenizer``.
       prefix_cache, cache_budget_tokens: the prompt prefill starts from the longest prefix
-        cached by earlier calls, as in ``PointwiseReranker``; ``cache_stats()`` reads it.
+        cached by earlier calls, as in ``PointwiseReranker``; ``cache_stats()`` reads it. A
+        selection with a ``cache_salt`` reuses only prompts cached under the same salt.
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None,
@@ -132,12 +135,13 @@ class SetwiseReranker(RerankerBase):
 
     # -- public API ---------------------------------------------------------------------
     def select(self, query: str, documents: Sequence[str], intent: Optional[str] = None, max_select: int = 10,
-               constrained: bool = True) -> Selection:
+               constrained: bool = True, cache_salt: Optional[str] = None) -> Selection:
         """Select at most ``max_select`` of ``documents`` for ``query``, most useful first.
 
         intent: the deep-research agent's query intent (F.2 prompt); None: the RAG prompt (F.1).
+        cache_salt: prefix-cache namespace (per tenant / caller), as ``PointwiseReranker.score``'s.
         """
-        st = self.start_select(self.encode_select(query, documents, intent, max_select, constrained))
+        st = self.start_select(self.encode_select(query, documents, intent, max_select, constrained, cache_salt))
         try:
             while not st.done:
                 if st.prefilling:
@@ -150,22 +154,25 @@ class SetwiseReranker(RerankerBase):
 
     # -- step API -------------------------------------------------------------------------
     def encode_select(self, query: str, documents: Sequence[str], intent: Optional[str] = None,
-                      max_select: int = 10, constrained: bool = True) -> SelectEncoding:
+                      max_select: int = 10, constrained: bool = True,
+                      cache_salt: Optional[str] = None) -> SelectEncoding:
         """Check the inputs and build the tokenized prompt (no model access; safe from several threads)."""
         if not isinstance(constrained, bool):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         check_inputs(query, documents, intent, max_select)
         max_select = int(max_select)
         self._check_output_room([documents], max_select, constrained)
         return SelectEncoding(build_prompt(self.tokenizer, query, documents, intent, max_select, self.max_length),
-                              max_select, constrained)
+                              max_select, constrained, cache_salt)
 
     def start_select(self, enc: SelectEncoding) -> SelectState:
         """Match the prompt's longest cached prefix (pinned until ``release_select``); nothing computed yet."""
         if not isinstance(enc, SelectEncoding):
             raise TypeError(f"start_select needs a SelectEncoding (from encode_select), got {type(enc).__name__}")
         return SelectState(enc, ChunkedPrefill(self.runner, self._cache_slot, enc.prompt.input_ids[:-1],
-                                               reserve_tokens=self.max_new_tokens + 1))
+                                               enc.cache_salt, reserve_tokens=self.max_new_tokens + 1))
 
     def prefill_select(self, st: SelectState, max_tokens: int) -> int:
         """Compute up to ``max_tokens`` more prompt tokens (one pass per ``runner.prefill_chunk``);
@@ -236,20 +243,29 @@ class SetwiseReranker(RerankerBase):
     def select_batch(self, queries: Sequence[str], documents: Sequence[Sequence[str]],
                      intents: Optional[Sequence[Optional[str]]] = None, max_select: int = 10,
                      constrained: bool = True, batch_size: int = 8) -> List[Selection]:
-        """Several queries decoded together (one KV-cache group each), ``batch_size`` at a time."""
+        """Several queries decoded together (one KV-cache group each), ``batch_size`` at a time.
+
+        A bad query, document list or intent is a TypeError / ValueError that names the query
+        ("query 1 of the batch: documents[0] must be a str"; ``documents[0]`` is that query's list's).
+        """
         if isinstance(queries, str) or not isinstance(queries, Sequence) or len(queries) == 0:
             raise ValueError("queries must be a non-empty list of str")
         if isinstance(documents, str) or not isinstance(documents, Sequence) or len(documents) != len(queries):
             raise ValueError(f"documents must be a list with one document list per query ({len(queries)})")
         if intents is None:
             intents = [None] * len(queries)
-        if isinstance(intents, str) or len(intents) != len(queries):
+        if isinstance(intents, str) or not isinstance(intents, Sequence) or len(intents) != len(queries):
             raise ValueError(f"intents must be None or a list with one entry per query ({len(queries)})")
         positive_int("batch_size", batch_size)
+        positive_int("max_select", max_select)
         if not isinstance(constrained, bool):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
-        for q, d, it in zip(queries, documents, intents):
-            check_inputs(q, d, it, max_select)
+        for i, (q, d, it) in enumerate(zip(queries, documents, intents)):
+            try:
+                check_inputs(q, d, it, max_select)
+            except (TypeError, ValueError) as e:
+                # check_inputs names a field of one selection; say which query of the batch it is
+                raise type(e)(f"query {i} of the batch: {e}") from None
         max_select, batch_size = int(max_select), int(batch_size)
         self._check_output_room(documents, max_select, constrained)
         prompts = [build_prompt(self.tokenizer, q, d, it, max_select, self.max_length)

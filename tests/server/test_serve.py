@@ -426,6 +426,31 @@ def test_prefix_cache_hits_within_a_salt_only(servers):
     assert after[("acarerank_prefix_cache_hit_tokens_total", ())] > before[("acarerank_prefix_cache_hit_tokens_total", ())]
 
 
+def test_select_prefix_cache_hits_within_a_salt_only(servers):
+    """/v1/select's prompt cache is kept apart by cache_salt too: the field was ignored (unknown
+    fields are), so a tenant that sent one still shared every other caller's cached prompts —
+    the response time told whether another caller had sent the same query and documents."""
+    base, sr, main = servers["base"], servers["sr"], servers["main"]
+    docs = ["tutor hints for rerankers", "bread", "setwise passage selection", "rivers"]
+    want = sr.select("which passages teach a reranker?", docs, max_select=2)
+
+    def call(salt):
+        before = main.setwise.cache_stats()["hit_tokens"]
+        r = httpx.post(base + "/v1/select", headers=AUTH, timeout=60,
+                       json=dict(query="which passages teach a reranker?", documents=docs, max_select=2,
+                                 cache_salt=salt))
+        assert r.status_code == 200, r.text
+        assert (r.json()["ids"], r.json()["text"]) == (want.ids, want.text)
+        return main.setwise.cache_stats()["hit_tokens"] - before
+
+    call(None)                          # the shared namespace holds this prompt now
+    assert call("select-tenant-x") == 0
+    assert call("select-tenant-x") > 0
+    assert call("select-tenant-y") == 0
+    with httpx.Client(base_url=base, headers=AUTH, timeout=60) as c:
+        expect_error(c.post("/v1/select", json=dict(query="q", documents=["d"], cache_salt=5)), 422, ["cache_salt"])
+
+
 @pytest.mark.parametrize("endpoint", ["/v1/rerank", "/v1/select"])
 def test_large_requests_leave_a_tokenizer_worker(servers, endpoint):
     """Two large requests (rerank or select) tokenizing at once never hold both tokenizer workers:

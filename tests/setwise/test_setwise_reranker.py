@@ -129,8 +129,15 @@ def test_long_pool_is_truncated_not_dropped(reranker, qwen3_tokenizer):
     (lambda sr: sr.select("q", "a single string"), TypeError, "documents"),
     (lambda sr: sr.select("q", ["a"], max_select=0), ValueError, "max_select"),
     (lambda sr: sr.select("q", ["a"], intent=3), TypeError, "intent"),
+    (lambda sr: sr.select("q", ["a"], cache_salt=3), TypeError, "cache_salt"),
     (lambda sr: sr.select_batch(["q"], [["a"], ["b"]]), ValueError, "one document list per query"),
     (lambda sr: sr.select_batch([], []), ValueError, "non-empty"),
+    # the batch's query named: "documents[1]" alone pointed at the second query's whole list
+    (lambda sr: sr.select_batch(["q", "r"], [["a"], ["b", None]]), TypeError, r"^query 1 of the batch: documents\[1\]"),
+    (lambda sr: sr.select_batch(["q", "r"], [["a"], "b"]), TypeError, "^query 1 of the batch: documents must be"),
+    (lambda sr: sr.select_batch(["q", 3], [["a"], ["b"]]), TypeError, "^query 1 of the batch: query must be a str"),
+    (lambda sr: sr.select_batch(["q"], [["a"]], intents=iter([None])), ValueError, "intents"),  # was len() of it
+    (lambda sr: sr.select_batch(["q"], [["a"]], intents={0: None}), ValueError, "intents"),  # was its keys
 ])
 def test_bad_input(reranker, call, err, msg):
     with pytest.raises(err, match=msg):
