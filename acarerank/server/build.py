@@ -38,6 +38,7 @@ def build_rerankers(config: ServeConfig):
     # cache has the same budget: without one it would take the device default (8 GiB on a GPU)
     # on the first /v1/select, whatever --cache-budget the deployment was sized with.
     sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=rr.backend,
+                         max_length=config.select_max_length, max_new_tokens=config.select_max_new_tokens,
                          **{k: v for k, v in kw.items() if k == "cache_budget_tokens"})
     return rr, sr
 

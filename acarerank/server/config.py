@@ -44,6 +44,11 @@ class ServeConfig:
                                   "attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)",
                                   default=None)
     max_length: int = _opt("token cap per document prompt", default=8192)
+    # /v1/select's own caps: the setwise prompt holds every document (AdaTutoRank, Appendix C.4)
+    select_max_length: int = _opt("/v1/select: prompt token cap; documents are cut evenly to fit (default 16,000, "
+                                  "the paper's)", default=16000)
+    select_max_new_tokens: int = _opt("/v1/select: output token cap (default 64, the paper's); a max_select above "
+                                      "15 can need more, and is refused (400) when it could", default=64)
     # -- the engine
     max_batch_tokens: Optional[int] = _opt("segment tokens per packed pass (default: 2,048 on CPU, 16,384 on GPU)",
                                            default=None, type=int)

@@ -238,7 +238,8 @@ class SetwiseReranker(RerankerBase):
                 raise ValueError(
                     f"max_select={max_select} over {len(d)} documents can need {need} output tokens (query {i}), "
                     f"more than max_new_tokens={self.max_new_tokens}; raise max_new_tokens "
-                    f"(SetwiseReranker(max_new_tokens=...), CLI --max-new-tokens) or lower max_select")
+                    f"(SetwiseReranker(max_new_tokens=...), acarerank select --max-new-tokens, acarerank serve "
+                    f"--select-max-new-tokens) or lower max_select")
 
     def select_batch(self, queries: Sequence[str], documents: Sequence[Sequence[str]],
                      intents: Optional[Sequence[Optional[str]]] = None, max_select: int = 10,

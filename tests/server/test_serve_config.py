@@ -91,6 +91,21 @@ def test_cache_budget_bounds_the_select_cache_too():
     assert rr.cache_stats()["budget_tokens"] == sr.cache_stats()["budget_tokens"] == 256
 
 
+def test_select_caps_reach_the_setwise_reranker():
+    """--select-max-length / --select-max-new-tokens are the setwise reranker's; their defaults
+    are the paper's (the setwise module's constants: config.py imports nothing of the model)."""
+    pytest.importorskip("torch")
+    from acarerank.server.build import build_rerankers
+    from acarerank.setwise.decode import MAX_NEW_TOKENS
+    from acarerank.setwise.prompts import DEFAULT_MAX_LENGTH
+
+    default = ServeConfig()
+    assert (default.select_max_length, default.select_max_new_tokens) == (DEFAULT_MAX_LENGTH, MAX_NEW_TOKENS)
+    _, sr = build_rerankers(ServeConfig(select_max_length=3000, select_max_new_tokens=200, dtype="float32",
+                                        cache_budget=256))
+    assert (sr.max_length, sr.max_new_tokens) == (3000, 200)
+
+
 def test_canary_after_failures_reaches_the_engine():
     """``--canary-after-failures`` is the engine's ``canary_after``; the canary is the warm-up request,
     encoded at start by the reranker that serves."""
