@@ -51,6 +51,7 @@ import torch
 from ..topk_contract import MAX_K, OUTSIDE_MODES, TopKLogprobs, check_k, default_chunk, finalize, logsumexp_of
 from . import _backend
 from ._checks import check_projection_inputs, finite_real
+from .linear_logprob import fp32_math
 from .topk_merge import UPDATE_OP, topk_merge_init
 
 
@@ -325,7 +326,10 @@ def topk_logprobs_core_op(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           temperature: float, backend: str
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32); chunk 0 = default."""
-    return tuple(OP.impl(backend)(hidden, weight, targets, k, chunk or None, temperature))
+    # autocast off: under torch.autocast the cpp/cuda cores' chunk GEMM (torch.mm without out=)
+    # gave bf16/fp16 logits — other top-k ids and log-probs off by ~0.05, with no error
+    with fp32_math(hidden.device):
+        return tuple(OP.impl(backend)(hidden, weight, targets, k, chunk or None, temperature))
 
 
 @topk_logprobs_core_op.register_fake
@@ -380,8 +384,8 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
         ``acarerank.ops.vocab_parallel``. None (default): this single-process op.
     Returns: TopKLogprobs(target_logprob [T] fp32, topk_ids [T,k] int64 (best first; ties:
       lower id first), topk_logprobs [T,k] fp32, in_topk [T] bool).
-    Math in fp32 (inputs upcast per chunk); the result does not depend on ``chunk`` except
-    through fp32 summation order (≤ 1e-6 in log-probs). Not differentiable: the teacher is
+    Math in fp32 (inputs upcast per chunk), inside a ``torch.autocast`` region too; the result
+    does not depend on ``chunk`` except through fp32 summation order (≤ 1e-6 in log-probs). Not differentiable: the teacher is
     frozen (use ``linear_logprob`` for the policy).
     """
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank

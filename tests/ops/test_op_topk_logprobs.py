@@ -377,6 +377,20 @@ def test_every_backend_exact_on_dyadic_inputs(backend):
         _check(got, want, f"{backend} outside={outside} renormalize={renorm}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_keeps_fp32_math_under_autocast(backend, dtype):
+    """A teacher scored inside ``torch.autocast`` (a training loop's forward): the result is the
+    one outside it. The cpp/cuda cores' chunk GEMM once ran in bf16 there (other ids, log-probs
+    off by ~0.05, no error)."""
+    h, w = _dyadic(19, 32, 1543, seed=9, device=DEVICE, dtype=dtype)
+    tg = _targets(h.cpu(), w.cpu(), 32).to(DEVICE)
+    want = topk_logprobs_ref(h, w, tg, k=32, temperature=0.5)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got = topk_logprobs(h, w, tg, k=32, temperature=0.5, backend=backend)
+    _check(got, want, f"{backend} {dtype} under autocast")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_k_limit_of_every_backend_is_enforced_by_name(backend):
     limit = MAX_K[backend]
