@@ -218,7 +218,9 @@ def linear_logprob_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 @linear_logprob_backward_op.register_fake
 def _(hidden, weight, targets, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
-    return (torch.empty_like(hidden) if need_h else hidden.new_empty(0),
+    # the strides the real op returns: ∂hidden is always contiguous (empty_like would copy a
+    # transposed hidden's strides: torch.compile's stride assert then failed), ∂W empty_like(weight)
+    return (hidden.new_empty(hidden.shape) if need_h else hidden.new_empty(0),
             torch.empty_like(weight) if need_w else weight.new_empty(0))
 
 
