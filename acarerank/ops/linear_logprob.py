@@ -121,13 +121,17 @@ def _forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
         if rows.numel():
             tz[rows] = x[rows, tg[rows] - c0]
         m_new = torch.maximum(m, x.max(dim=1).values)
-        scale = torch.exp((m - m_new).double())
+        # ±inf max: shift by 0 (as topk_merge's fold). A row whose logits so far are all −inf
+        # (products overflowing fp32) made −inf − (−inf) a NaN: an error or not depending on
+        # where the chunks start
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        scale = torch.exp((m - shift).double())
         if with_entropy:
-            e = torch.sub(x, m_new[:, None], out=chunks.second(c1 - c0)).exp_()
+            e = torch.sub(x, shift[:, None], out=chunks.second(c1 - c0)).exp_()
             s = s * scale + e.sum(dim=1).double()
             a = a * scale + e.mul_(x).sum(dim=1).double()
         else:
-            s = s * scale + x.sub_(m_new[:, None]).exp_().sum(dim=1).double()
+            s = s * scale + x.sub_(shift[:, None]).exp_().sum(dim=1).double()
         m = m_new
     return m, s, a, tz
 

@@ -204,9 +204,12 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
             pend_v, pend_i, pending = [], [], 0
         # -- online log-sum-exp; x is consumed in place. The new running max is the max of the
         #    old one and this chunk's top entry (any chunk entry above it is a candidate).
+        #    ±inf max: shift by 0, as topk_merge's fold (a row whose logits so far all overflowed
+        #    to −inf gave −inf − (−inf) = NaN: an error or not depending on the chunk size)
         m_new = torch.maximum(m, vals.max(dim=1).values) if vals is not None else m
-        csum = x.sub_(m_new[:, None]).exp_().sum(dim=1)
-        s = s * torch.exp((m - m_new).double()) + csum.double()
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        csum = x.sub_(shift[:, None]).exp_().sum(dim=1)
+        s = s * torch.exp((m - shift).double()) + csum.double()
         m = m_new
     return run_v, run_i, tgt, logsumexp_of(m, s)
 

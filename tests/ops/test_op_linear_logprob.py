@@ -142,6 +142,25 @@ def test_bad_input():
         linear_logprob(h, w, tg, chunk=0)
 
 
+@pytest.mark.parametrize("chunk", [64, 100, None])
+def test_leading_overflowed_logits_do_not_depend_on_chunk(chunk):
+    """Logits of ids [0, 64) overflow fp32 to −inf (finite weights, products beyond fp32), the
+    rest are finite: the log-probs and gradients are the materialised ones whatever the chunk.
+    With chunk=64 the first chunk once held only −inf: −inf − (−inf) = NaN, a "non-finite
+    logits" error that chunk=100 did not raise."""
+    h, w, tg = _inputs(4, 8, 300, seed=8)
+    with torch.no_grad():
+        h[:, 0] = h[:, 0].abs() + 2.0
+        w[:64, 0] = -3e38  # · ≥ 2: beyond −3.4e38
+    tg = 64 + tg % 236
+    g_lp = torch.randn(4, generator=torch.Generator().manual_seed(9))
+    ours = _run(lambda *a: linear_logprob(*a, chunk=chunk), h, w, tg, 1.0, False, g_lp, None)
+    ref = _run(linear_logprob_ref, h, w, tg, 1.0, False, g_lp, None)
+    assert torch.isfinite(ref[0]).all()  # the test's premise
+    for name, a, b in zip(("logprob", "grad_hidden", "grad_weight"), ours[:1] + ours[2:], ref[:1] + ref[2:]):
+        _close(a, b, 1e-5, 1e-5, f"chunk={chunk} {name}")
+
+
 def test_non_finite_logits_raise_with_entropy_too():
     """inf/NaN in hidden or weight is an error naming the rows. A -inf logit alone leaves every
     log-prob finite, but the entropy's 0·log 0 is NaN there (the materialised reference gives

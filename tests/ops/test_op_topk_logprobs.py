@@ -391,6 +391,36 @@ def test_every_backend_keeps_fp32_math_under_autocast(backend, dtype):
     _check(got, want, f"{backend} {dtype} under autocast")
 
 
+def _overflowing_head(V, n_inf, seed):
+    """Dyadic inputs whose logits of ids [0, n_inf) overflow fp32 to −inf in every row (finite
+    weights, products beyond fp32: docs/input-safety.md), the rest finite; targets among the rest."""
+    h, w = _dyadic(9, 32, V, seed=seed)
+    h[:, 0] = 2.0
+    w[:n_inf, 0] = -3e38  # 2 · −3e38 < −3.4e38
+    tg = torch.randint(n_inf, V, (9,), generator=torch.Generator().manual_seed(seed))
+    return h.to(DEVICE), w.to(DEVICE), tg.to(DEVICE)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy GEMM: intended
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_overflowed_logits_do_not_depend_on_chunks(backend):
+    """A row whose first chunks (tiles, splits) hold only −inf logits: the log-sum-exp is that of
+    the finite rest, whatever the chunking. It was −inf − (−inf) = NaN in the torch and Triton
+    cores, a "non-finite logits" error at chunk=64 and the right value at chunk=2048."""
+    h, w, tg = _overflowing_head(1531, 1024, seed=21)
+    want = topk_logprobs_ref(h, w, tg, k=16, outside="full", renormalize=False)
+    assert torch.isfinite(want.target_logprob).all()  # the test's premise
+    if backend == "triton":
+        from acarerank.kernels.topk_logprobs import topk_logprobs_core_triton
+        # 64-wide tiles, 3 splits: the first two splits see only −inf (the merge kernel's case too)
+        core = topk_logprobs_core_triton(h, w, tg, 16, None, 1.0, num_splits=3, block_v_override=64)
+        got = finalize(*core, tg, outside="full", renormalize=False)
+    else:
+        got = topk_logprobs(h, w, tg, k=16, chunk=64, outside="full", renormalize=False, backend=backend)
+    assert torch.isfinite(got.target_logprob).all() and torch.isfinite(got.topk_logprobs).all(), got  # NaN passes _check
+    _check(got, want, f"{backend}, ids [0, 1024) overflowing")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_k_limit_of_every_backend_is_enforced_by_name(backend):
     limit = MAX_K[backend]
