@@ -163,6 +163,8 @@ def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[in
     on the real prompts. Token-id hints pass through (after ``lead_token`` if given).
     """
     lead = [] if lead_token is None else [int(lead_token)]
+    if isinstance(text, (bytes, bytearray)):  # its items are ints: b"ok" would pass as ids 111, 107
+        raise TypeError(f"hint_ids: a hint is a str or token ids, got {type(text).__name__} (decode it first)")
     if not isinstance(text, str):
         return lead + [int(t) for t in text]
     if not text:

@@ -87,3 +87,5 @@ def test_hint_ids_equal_joint_tokenization(qwen3_tokenizer):
         assert naive != joint  # why lead_token exists
     assert hint_ids(qwen3_tokenizer, "", lead_token=13) == [13]
     assert hint_ids(qwen3_tokenizer, [5, 6], lead_token=13) == [13, 5, 6]
+    with pytest.raises(TypeError, match="got bytes"):  # was ids [13, 111, 107]: bytes iterate as ints
+        hint_ids(qwen3_tokenizer, b"ok", lead_token=13)

@@ -156,3 +156,14 @@ def test_rescore_bad_input(models):
         rescore(snap, teach, [RescoreQuery([1], [3], [[4]], [[True]])])
     with pytest.raises(TypeError, match="query 0 rollout 0: token ids must be a 1-D integer sequence"):
         rescore(snap, teach, [RescoreQuery([1], [3], [torch.tensor([True])], [""])])
+    # bytes are ints item by item: never read as ids (b"ab" was re-scored as ids 97, 98)
+    with pytest.raises(TypeError, match="query 0 hint 0: expected token ids, got a bytes"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [[4]], [b"ab"])])
+    with pytest.raises(TypeError, match="query 0 rollout 0: expected token ids, got a bytearray"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [bytearray(b"ab")], [""])])
+    # an id outside the vocabulary names its input, not the runner's "segment 0" / "prefix 0"
+    for q, where in ((RescoreQuery([1, 151669], [3], [[4]], [""]), "query 0 prompt_head"),
+                     (RescoreQuery([1], [-1], [[4]], [""]), "query 0 prompt_tail"),
+                     (RescoreQuery([1], [3], [[4], [5]], [[], torch.tensor([-2])]), "query 0 hint 1")):
+        with pytest.raises(ValueError, match=f"{where} has token id -?\\d+ outside \\[0, 151669\\)"):
+            rescore(snap, teach, [q])
