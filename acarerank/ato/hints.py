@@ -28,6 +28,8 @@ HINT_SEPARATOR = "\n\n"
 
 
 def _floats(x, name) -> List[float]:
+    if isinstance(x, (str, bytes, bytearray)):  # float() of each character: "56" was rewards [5.0, 6.0]
+        raise TypeError(f"{name} must be numbers, got a {type(x).__name__}")
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().flatten().tolist()
     elif isinstance(x, (int, float)):

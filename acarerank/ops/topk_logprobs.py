@@ -57,8 +57,12 @@ from .topk_merge import UPDATE_OP, topk_merge_init
 
 # ----------------------------------------------------------------------------- checks
 def _check_inputs(hidden, weight, targets, k, chunk, temperature, backend, op="topk_logprobs"):
+    """The inputs, then k against the resolved ``backend`` (name or mapping); returns its name.
+    Tensors first: resolving a backend reads hidden.device (a numpy array's is the str "cpu")."""
     V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
-    check_k(k, V, backend, op)
+    name = OP.resolve(backend, hidden.device)
+    check_k(k, V, name, op)
+    return name
 
 
 def _check_result_finite(lse, op="topk_logprobs"):
@@ -355,8 +359,7 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
     under the tie rule and the log-sum-exps by logaddexp. k: within the backend's limit
     (``MAX_K``: torch any, triton 512, cpp/cuda 4,096), else ValueError naming the limit.
     """
-    name = OP.resolve(backend, hidden.device)
-    _check_inputs(hidden, weight, targets, k, chunk, temperature, name)
+    name = _check_inputs(hidden, weight, targets, k, chunk, temperature, backend)
     with torch.no_grad():  # the teacher is frozen: its log-probs are constants (stop-gradient)
         out = topk_logprobs_core_op(hidden, weight, targets, k, chunk or 0, float(temperature), name)
     _check_result_finite(out[3])

@@ -244,6 +244,8 @@ def test_bad_tensors():
     tg = torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"hidden must be \[T, H\]"):
         topk_logprobs(h[0], w, tg)
+    with pytest.raises(TypeError, match="hidden must be a tensor, got ndarray"):  # was AttributeError (backend lookup)
+        topk_logprobs(h.numpy(), w, tg)
     with pytest.raises(ValueError, match="H=16 but weight has H=8"):
         topk_logprobs(h, w[:, :8], tg)
     with pytest.raises(TypeError, match="floating point"):
