@@ -140,7 +140,9 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
             rescore(snapshot, teacher, queries, teacher_head=head)
         Megatron's rule (rank · V_pad / tp) is the default ``vocab_start``. The weight must be
         in the runner's dtype; the hidden states come from the runner on every rank.
-    Returns: RescoreResult (constants: computed under inference_mode, the sg[·] of line 39).
+    Returns: RescoreResult (constants, the sg[·] of line 39: the models run under inference_mode,
+      but the results are ordinary tensors without grad, so training code may edit them in
+      place or multiply them into a loss — inference tensors refuse both).
 
     Steps: ``_flatten`` (check and flatten the queries), ``_snapshot_logprobs``,
     ``_teacher_logprobs``, ``_padded`` (pad to [N, L], Eq. 9).
@@ -157,7 +159,10 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
                                             backend, teacher_head)
         for who, lp in (("snapshot", logp_old), ("teacher", logp_t)):
             _check_finite(batch, who, lp)
-        padded = _padded(batch, logp_old, logp_t, in_topk, outside)
+    # outside inference_mode: fresh tensors filled from the [ΣL] ones. Built inside, res.atd.clamp_()
+    # or (res.atd * logp).sum().backward() raised "Inplace update to inference tensor" / "Inference
+    # tensors cannot be saved for backward"
+    padded = _padded(batch, logp_old, logp_t, in_topk, outside)
     return RescoreResult(*padded, torch.tensor(batch.qidx, dtype=torch.long), batch.lengths)
 
 
