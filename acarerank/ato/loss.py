@@ -37,7 +37,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
         raise ValueError(f"agg_loss: loss_mat and mask must both be [N, L]; got {tuple(loss_mat.shape)} and "
                          f"{tuple(mask.shape)}")
     valid = mask.bool()
-    m = valid.to(loss_mat.dtype)  # the numerator's mask: a mask of 0.5 once counted 1 token above, 0.5 below
+    m = valid.to(loss_mat.dtype)  # counts the tokens the numerator sums (a 0.5 entry once counted 1 there, 0.5 here)
     per_tok = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     if agg == "token-mean":
         return per_tok.sum() / m.sum().clamp(min=1)

@@ -391,8 +391,8 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
     Returns: TopKLogprobs(target_logprob [T] fp32, topk_ids [T,k] int64 (best first; ties:
       lower id first), topk_logprobs [T,k] fp32, in_topk [T] bool).
     Math in fp32 (inputs upcast per chunk), inside a ``torch.autocast`` region too; the result
-    does not depend on ``chunk`` except through fp32 summation order (≤ 1e-6 in log-probs). Not differentiable: the teacher is
-    frozen (use ``linear_logprob`` for the policy).
+    does not depend on ``chunk`` except through fp32 summation order (≤ 1e-6 in log-probs).
+    Not differentiable: the teacher is frozen (use ``linear_logprob`` for the policy).
     """
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
         sharded = _backend.process_group_impl("topk_logprobs")  # acarerank.ops.vocab_parallel
