@@ -104,6 +104,7 @@ def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Opt
     distill = torch.where(m[:, None], atd.float(), torch.zeros((), device=atd.device))
     out = lam * grpo + (1.0 - lam) * distill
     if response_mask is not None:
+        response_mask = torch.as_tensor(response_mask)  # a nested list, as every other argument may be
         if response_mask.shape != (N, L):
             raise ValueError(f"response_mask must be [N, L]={N, L}, got shape {tuple(response_mask.shape)}")
         out = torch.where(response_mask.to(atd.device).bool(), out, torch.zeros((), device=atd.device))

@@ -28,6 +28,8 @@ HINT_SEPARATOR = "\n\n"
 
 
 def _floats(x, name) -> List[float]:
+    if isinstance(x, (str, bytes, bytearray)):  # float() of each character: "56" was rewards [5.0, 6.0]
+        raise TypeError(f"{name} must be numbers, got a {type(x).__name__}")
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().flatten().tolist()
     elif isinstance(x, (int, float)):
@@ -163,6 +165,8 @@ def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[in
     on the real prompts. Token-id hints pass through (after ``lead_token`` if given).
     """
     lead = [] if lead_token is None else [int(lead_token)]
+    if isinstance(text, (bytes, bytearray)):  # its items are ints: b"ok" would pass as ids 111, 107
+        raise TypeError(f"hint_ids: a hint is a str or token ids, got {type(text).__name__} (decode it first)")
     if not isinstance(text, str):
         return lead + [int(t) for t in text]
     if not text:

@@ -21,14 +21,24 @@ LOG_RATIO_CLAMP = 20.0  # as verl: exp(±20) keeps ρ finite; no gradient flows 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
     """Scalar from [N, L] per-token losses (formulas in the module docstring).
 
-    Denominators are clamped to ≥ 1, so a batch or a sequence without valid tokens contributes 0
-    (verl divides by Σ M + 1e-8 in token-mean, and yields NaN for an empty sequence in
-    seq-mean-token-mean); otherwise the values equal verl's.
+    ``mask``: [N, L] like ``loss_mat``, read as bool (nonzero = valid) in numerator and
+    denominator alike. Denominators are clamped to ≥ 1, so a batch or a sequence without valid
+    tokens contributes 0 (verl divides by Σ M + 1e-8 in token-mean, and yields NaN for an empty
+    sequence in seq-mean-token-mean); otherwise the values equal verl's.
     """
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
-    m = mask.to(loss_mat.dtype)
-    per_tok = torch.where(mask.bool(), loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
+    for name, t in (("loss_mat", loss_mat), ("mask", mask)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"agg_loss: {name} must be a tensor, got {type(t).__name__}")
+    # equal shapes, not broadcastable ones: a [L] mask against [N, L] losses divided the sum of
+    # N·L terms by L tokens (token-mean N times too large), with no error
+    if loss_mat.dim() != 2 or mask.shape != loss_mat.shape:
+        raise ValueError(f"agg_loss: loss_mat and mask must both be [N, L]; got {tuple(loss_mat.shape)} and "
+                         f"{tuple(mask.shape)}")
+    valid = mask.bool()
+    m = valid.to(loss_mat.dtype)  # counts the tokens the numerator sums (a 0.5 entry once counted 1 there, 0.5 here)
+    per_tok = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     if agg == "token-mean":
         return per_tok.sum() / m.sum().clamp(min=1)
     seq_sum = per_tok.sum(dim=-1)
@@ -58,8 +68,11 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
         raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
-    shapes = {name: tuple(t.shape) for name, t in
-              (("logp", logp), ("logp_old", logp_old), ("advantage", advantage), ("mask", mask))}
+    named = (("logp", logp), ("logp_old", logp_old), ("advantage", advantage), ("mask", mask))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"clipped_policy_loss: {name} must be a tensor, got {type(t).__name__}")
+    shapes = {name: tuple(t.shape) for name, t in named}
     if len(set(shapes.values())) != 1 or logp.dim() != 2:
         raise ValueError(f"logp, logp_old, advantage and mask must all be [N, L]; got {shapes}")
     valid = mask.bool()

@@ -81,15 +81,16 @@ def split_student_prompt(prompt_ids: Ids, close_token: int = TOKEN_IM_END):
     raise ValueError(f"prompt has no token {close_token} (<|im_end|>) closing the user turn; split it yourself")
 
 
-def _ids(x, what: str) -> List[int]:
-    """Token ids as ints: integers only (int, numpy or 0-d torch integers), never a float or a
-    bool — int() would silently truncate 1.7 to 1 and read True as id 1."""
+def _ids(x, what: str, vocab_size: int) -> List[int]:
+    """Token ids as ints in [0, vocab_size): integers only (int, numpy or 0-d torch integers),
+    never a float or a bool — int() would silently truncate 1.7 to 1 and read True as id 1 —
+    nor bytes, whose items are ints too (b"ok" would be read as ids 111, 107)."""
     if isinstance(x, torch.Tensor):
         if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{what}: token ids must be a 1-D integer sequence, got {x.dtype} {tuple(x.shape)}")
-        return [int(t) for t in x.tolist()]
-    if isinstance(x, str):
-        raise TypeError(f"{what}: expected token ids, got a str")
+        return _in_vocab([int(t) for t in x.tolist()], what, vocab_size)
+    if isinstance(x, (str, bytes, bytearray)):
+        raise TypeError(f"{what}: expected token ids, got a {type(x).__name__}")
     out = []
     for t in x:
         try:
@@ -98,7 +99,16 @@ def _ids(x, what: str) -> List[int]:
             out.append(operator.index(t))
         except TypeError:
             raise TypeError(f"{what}: token ids must be integers, got {t!r} ({type(t).__name__})") from None
-    return out
+    return _in_vocab(out, what, vocab_size)
+
+
+def _in_vocab(ids: List[int], what: str, vocab_size: int) -> List[int]:
+    """``ids``, or a ValueError naming the input: the runner's own check would name only its
+    "segment n" / "prefix n" of the packed pass."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} has token id {bad[0]} outside [0, {vocab_size})")
+    return ids
 
 
 def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, k: int = 128,
@@ -130,7 +140,9 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
             rescore(snapshot, teacher, queries, teacher_head=head)
         Megatron's rule (rank · V_pad / tp) is the default ``vocab_start``. The weight must be
         in the runner's dtype; the hidden states come from the runner on every rank.
-    Returns: RescoreResult (constants: computed under inference_mode, the sg[·] of line 39).
+    Returns: RescoreResult (constants, the sg[·] of line 39: the models run under inference_mode,
+      but the results are ordinary tensors without grad, so training code may edit them in
+      place or multiply them into a loss — inference tensors refuse both).
 
     Steps: ``_flatten`` (check and flatten the queries), ``_snapshot_logprobs``,
     ``_teacher_logprobs``, ``_padded`` (pad to [N, L], Eq. 9).
@@ -147,7 +159,10 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
                                             backend, teacher_head)
         for who, lp in (("snapshot", logp_old), ("teacher", logp_t)):
             _check_finite(batch, who, lp)
-        padded = _padded(batch, logp_old, logp_t, in_topk, outside)
+    # outside inference_mode: fresh tensors filled from the [ΣL] ones. Built inside, res.atd.clamp_()
+    # or (res.atd * logp).sum().backward() raised "Inplace update to inference tensor" / "Inference
+    # tensors cannot be saved for backward"
+    padded = _padded(batch, logp_old, logp_t, in_topk, outside)
     return RescoreResult(*padded, torch.tensor(batch.qidx, dtype=torch.long), batch.lengths)
 
 
@@ -201,8 +216,8 @@ def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Ba
         raise ValueError("rescore: no queries")
     b = _Batch([], [], [], [], [])
     for q, item in enumerate(queries):
-        head = _ids(item.prompt_head, f"query {q} prompt_head")
-        tail = _ids(item.prompt_tail, f"query {q} prompt_tail")
+        head = _ids(item.prompt_head, f"query {q} prompt_head", vocab_size)
+        tail = _ids(item.prompt_tail, f"query {q} prompt_tail", vocab_size)
         if not head:
             raise ValueError(f"query {q}: prompt_head is empty (the shared part must hold at least one token)")
         if len(item.hints) != len(item.rollouts):
@@ -210,19 +225,16 @@ def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Ba
         b.heads.append(head)
         b.tails.append(tail)
         for i, (y, h) in enumerate(zip(item.rollouts, item.hints)):
-            b.rolls.append(_ids(y, f"query {q} rollout {i}"))
+            b.rolls.append(_ids(y, f"query {q} rollout {i}", vocab_size))
             if isinstance(h, str) and h and tokenizer is None:
                 from ..tokenizer import load_qwen3_tokenizer
                 tokenizer = load_qwen3_tokenizer()
             # the segment's first tokens: head[-1] + hint, the seam re-tokenized for text hints
-            h = h if isinstance(h, str) else _ids(h, f"query {q} hint {i}")
+            h = h if isinstance(h, str) else _ids(h, f"query {q} hint {i}", vocab_size)
             b.hints.append(hint_ids(tokenizer, h, lead_token=head[-1]))
             b.qidx.append(q)
     if not b.rolls:
         raise ValueError("rescore: no rollouts")
-    bad = [(i, t) for i, y in enumerate(b.rolls) for t in y if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"rollout {bad[0][0]} has token id {bad[0][1]} outside [0, {vocab_size})")
     return b
 
 

@@ -160,9 +160,11 @@ def _topk_tiles_kernel(Hid, W, Tgt, KeysOut, MaxOut, SumOut, TgtOut,
         if HAS_TEMP:
             acc = tl.math.div_rn(acc, temperature)  # IEEE division, as torch's x / τ
         x = tl.where(col_ok[None, :], acc, float("-inf"))
-        # -- online log-sum-exp
+        # -- online log-sum-exp; shifted by 0 while a row has seen only −inf (logits overflowing
+        #    fp32): −inf − (−inf) would be NaN, an error that depended on the tiling
         m_new = tl.maximum(m, tl.max(x, 1))
-        s = s * tl.exp(m - m_new).to(tl.float64) + tl.sum(tl.exp(x - m_new[:, None]), 1).to(tl.float64)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift).to(tl.float64) + tl.sum(tl.exp(x - shift[:, None]), 1).to(tl.float64)
         m = m_new
         # -- target logit (exactly one tile of one split holds it)
         hit = cols[None, :] == tgt[:, None]
@@ -204,7 +206,8 @@ def _topk_merge_kernel(KeysIn, MaxIn, SumIn, TopVal, TopId, Lse, T, k, NSPLIT,
         m2 = tl.load(MaxIn + base + sp, mask=row_ok, other=0.0)
         s2 = tl.load(SumIn + base + sp, mask=row_ok, other=1.0)
         m_new = tl.maximum(m, m2)
-        s = s * tl.exp(m - m_new).to(tl.float64) + s2 * tl.exp(m2 - m_new).to(tl.float64)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split of −inf only (s = 0): as above
+        s = s * tl.exp(m - shift).to(tl.float64) + s2 * tl.exp(m2 - shift).to(tl.float64)
         m = m_new
     tl.store(Lse + rows, (m.to(tl.float64) + tl.log(s)).to(tl.float32), mask=row_ok)
     # -- decode; slot j of the ascending state is rank K−1−j

@@ -28,7 +28,8 @@ Precision rule: all math in fp32. fp16/bf16 inputs are upcast one chunk at a tim
 product of two bf16 numbers is exact in fp32), so outputs equal the fp32 reference on the
 same (rounded) inputs to fp32 tolerance; gradients are accumulated in fp32 and rounded once
 to the input dtype, i.e. they are within one rounding (2⁻⁸ relative for bf16) of the fp32
-gradient of the same inputs.
+gradient of the same inputs. The rule holds inside a ``torch.autocast`` region too: the passes
+turn autocast off, which would otherwise run the chunk GEMMs in bf16/fp16.
 """
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ DEFAULT_CHUNK = 2048  # vocabulary rows per step: [T, 2048] fp32 is 1.35 % of [T
 
 def _check(hidden, weight, targets, temperature, chunk):
     check_projection_inputs(hidden, weight, targets, "linear_logprob", temperature=temperature, chunk=chunk)
+
+
+def fp32_math(device):
+    """Autocast off on ``device`` for the body of a pass: under ``torch.autocast`` an out-of-place
+    GEMM (``x.T @ h32``, ``torch.mm(h, w.t())``) would run in bf16/fp16 whatever its fp32
+    inputs, against the precision rule (module doc; ``topk_logprobs`` uses it too)."""
+    return torch.autocast(torch.device(device).type, enabled=False)
 
 
 def compute_copy(x):
@@ -95,6 +103,11 @@ def forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
     Returns (m [T] in h32's dtype, s [T] fp64, a [T] fp64 (zeros without entropy), tz [T]). Also
     the per-shard half of ``acarerank.ops.vocab_parallel`` (which combines the ranks' stats).
     """
+    with fp32_math(h32.device):
+        return _forward_stats(h32, weight, tg, temperature, chunk, with_entropy)
+
+
+def _forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
     T = h32.shape[0]
     dev = h32.device
     m = torch.full((T,), -math.inf, dtype=h32.dtype, device=dev)
@@ -108,13 +121,17 @@ def forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
         if rows.numel():
             tz[rows] = x[rows, tg[rows] - c0]
         m_new = torch.maximum(m, x.max(dim=1).values)
-        scale = torch.exp((m - m_new).double())
+        # ±inf max: shift by 0 (as topk_merge's fold). A row whose logits so far are all −inf
+        # (products overflowing fp32) made −inf − (−inf) a NaN: an error or not depending on
+        # where the chunks start
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        scale = torch.exp((m - shift).double())
         if with_entropy:
-            e = torch.sub(x, m_new[:, None], out=chunks.second(c1 - c0)).exp_()
+            e = torch.sub(x, shift[:, None], out=chunks.second(c1 - c0)).exp_()
             s = s * scale + e.sum(dim=1).double()
             a = a * scale + e.mul_(x).sum(dim=1).double()
         else:
-            s = s * scale + x.sub_(m_new[:, None]).exp_().sum(dim=1).double()
+            s = s * scale + x.sub_(shift[:, None]).exp_().sum(dim=1).double()
         m = m_new
     return m, s, a, tz
 
@@ -124,6 +141,11 @@ def backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, n
     of ``weight``, given the softmax statistics ``lse`` and ``ez`` = E_p[z] of the whole vocabulary
     (module doc formulas). ``g_ent`` None: no entropy term. Targets outside [0, V) get no
     one-hot term (another shard owns them). Also the per-shard half of ``vocab_parallel``."""
+    with fp32_math(h32.device):
+        return _backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w)
+
+
+def _backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
     T = h32.shape[0]
     cd = h32.dtype
     grad_h = torch.zeros(T, h32.shape[1], dtype=cd, device=h32.device) if need_h else None
@@ -200,7 +222,9 @@ def linear_logprob_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targe
 
 @linear_logprob_backward_op.register_fake
 def _(hidden, weight, targets, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
-    return (torch.empty_like(hidden) if need_h else hidden.new_empty(0),
+    # the strides the real op returns: ∂hidden is always contiguous (empty_like would copy a
+    # transposed hidden's strides: torch.compile's stride assert then failed), ∂W empty_like(weight)
+    return (hidden.new_empty(hidden.shape) if need_h else hidden.new_empty(0),
             torch.empty_like(weight) if need_w else weight.new_empty(0))
 
 

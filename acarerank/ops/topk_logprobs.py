@@ -51,13 +51,18 @@ import torch
 from ..topk_contract import MAX_K, OUTSIDE_MODES, TopKLogprobs, check_k, default_chunk, finalize, logsumexp_of
 from . import _backend
 from ._checks import check_projection_inputs, finite_real
+from .linear_logprob import fp32_math
 from .topk_merge import UPDATE_OP, topk_merge_init
 
 
 # ----------------------------------------------------------------------------- checks
 def _check_inputs(hidden, weight, targets, k, chunk, temperature, backend, op="topk_logprobs"):
+    """The inputs, then k against the resolved ``backend`` (name or mapping); returns its name.
+    Tensors first: resolving a backend reads hidden.device (a numpy array's is the str "cpu")."""
     V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
-    check_k(k, V, backend, op)
+    name = OP.resolve(backend, hidden.device)
+    check_k(k, V, name, op)
+    return name
 
 
 def _check_result_finite(lse, op="topk_logprobs"):
@@ -203,9 +208,12 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
             pend_v, pend_i, pending = [], [], 0
         # -- online log-sum-exp; x is consumed in place. The new running max is the max of the
         #    old one and this chunk's top entry (any chunk entry above it is a candidate).
+        #    ±inf max: shift by 0, as topk_merge's fold (a row whose logits so far all overflowed
+        #    to −inf gave −inf − (−inf) = NaN: an error or not depending on the chunk size)
         m_new = torch.maximum(m, vals.max(dim=1).values) if vals is not None else m
-        csum = x.sub_(m_new[:, None]).exp_().sum(dim=1)
-        s = s * torch.exp((m - m_new).double()) + csum.double()
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        csum = x.sub_(shift[:, None]).exp_().sum(dim=1)
+        s = s * torch.exp((m - shift).double()) + csum.double()
         m = m_new
     return run_v, run_i, tgt, logsumexp_of(m, s)
 
@@ -325,7 +333,10 @@ def topk_logprobs_core_op(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           temperature: float, backend: str
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32); chunk 0 = default."""
-    return tuple(OP.impl(backend)(hidden, weight, targets, k, chunk or None, temperature))
+    # autocast off: under torch.autocast the cpp/cuda cores' chunk GEMM (torch.mm without out=)
+    # gave bf16/fp16 logits — other top-k ids and log-probs off by ~0.05, with no error
+    with fp32_math(hidden.device):
+        return tuple(OP.impl(backend)(hidden, weight, targets, k, chunk or None, temperature))
 
 
 @topk_logprobs_core_op.register_fake
@@ -348,8 +359,7 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
     under the tie rule and the log-sum-exps by logaddexp. k: within the backend's limit
     (``MAX_K``: torch any, triton 512, cpp/cuda 4,096), else ValueError naming the limit.
     """
-    name = OP.resolve(backend, hidden.device)
-    _check_inputs(hidden, weight, targets, k, chunk, temperature, name)
+    name = _check_inputs(hidden, weight, targets, k, chunk, temperature, backend)
     with torch.no_grad():  # the teacher is frozen: its log-probs are constants (stop-gradient)
         out = topk_logprobs_core_op(hidden, weight, targets, k, chunk or 0, float(temperature), name)
     _check_result_finite(out[3])
@@ -380,9 +390,9 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
         ``acarerank.ops.vocab_parallel``. None (default): this single-process op.
     Returns: TopKLogprobs(target_logprob [T] fp32, topk_ids [T,k] int64 (best first; ties:
       lower id first), topk_logprobs [T,k] fp32, in_topk [T] bool).
-    Math in fp32 (inputs upcast per chunk); the result does not depend on ``chunk`` except
-    through fp32 summation order (≤ 1e-6 in log-probs). Not differentiable: the teacher is
-    frozen (use ``linear_logprob`` for the policy).
+    Math in fp32 (inputs upcast per chunk), inside a ``torch.autocast`` region too; the result
+    does not depend on ``chunk`` except through fp32 summation order (≤ 1e-6 in log-probs).
+    Not differentiable: the teacher is frozen (use ``linear_logprob`` for the policy).
     """
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
         sharded = _backend.process_group_impl("topk_logprobs")  # acarerank.ops.vocab_parallel

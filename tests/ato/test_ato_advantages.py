@@ -69,6 +69,7 @@ def test_ato_advantage_formula_and_format_mask():
     got_m = ato_advantage(a_grpo, a_atd, m, lam=0.7, response_mask=mask)
     assert torch.allclose(got_m, torch.where(mask, want, torch.zeros(())), atol=1e-6)
     assert torch.all(got_m[~mask] == 0)
+    assert torch.equal(ato_advantage(a_grpo, a_atd, m, lam=0.7, response_mask=mask.tolist()), got_m)  # nested list
     # λ = 1: pure GRPO; λ = 0: pure distillation (m = 1 rows)
     assert torch.allclose(ato_advantage(a_grpo, a_atd, m, lam=1.0), a_grpo[:, None].expand(3, 3))
     assert torch.allclose(ato_advantage(a_grpo, a_atd, m, lam=0.0)[:2], a_atd[:2])

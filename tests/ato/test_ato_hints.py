@@ -43,6 +43,11 @@ def test_route_hints_bad_input():
         route_hints([1.0, 2.0, 3.0], [5.0, 6.0])
     with pytest.raises(ValueError, match="NaN"):
         route_hints([float("nan")], 5.0)
+    # a str is not numbers: "56" was read character by character as rewards [5.0, 6.0]
+    with pytest.raises(TypeError, match="rewards must be numbers, got a str"):
+        route_hints("56", 2.0)
+    with pytest.raises(TypeError, match="sibling_reward must be numbers, got a str"):
+        route_hints([5.0, 6.0], "78")
 
 
 RUBRICS = {
@@ -87,3 +92,5 @@ def test_hint_ids_equal_joint_tokenization(qwen3_tokenizer):
         assert naive != joint  # why lead_token exists
     assert hint_ids(qwen3_tokenizer, "", lead_token=13) == [13]
     assert hint_ids(qwen3_tokenizer, [5, 6], lead_token=13) == [13, 5, 6]
+    with pytest.raises(TypeError, match="got bytes"):  # was ids [13, 111, 107]: bytes iterate as ints
+        hint_ids(qwen3_tokenizer, b"ok", lead_token=13)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from acarerank.ato import AGG_MODES, clipped_policy_loss
+from acarerank.ato import AGG_MODES, agg_loss, clipped_policy_loss
 
 
 def _plain(logp, old, adv, mask, eps, agg):
@@ -86,3 +86,20 @@ def test_bad_input():
         clipped_policy_loss(logp, old[:, :3], adv, mask)
     with pytest.raises(ValueError, match="eps_clip"):
         clipped_policy_loss(logp, old, adv, mask, eps_clip=0.0)
+
+
+def test_agg_loss_takes_its_mask_as_bool_of_the_same_shape():
+    """agg_loss is public: a [L] mask against [N, L] losses broadcast (token-mean 2.0 for all-ones
+    losses of 2 sequences, instead of 1.0), and a mask of 0.5 counted a whole token in the
+    numerator but half of one in the denominator. Now: the same shape, read as bool throughout."""
+    ones = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"must both be \[N, L\]; got \(2, 3\) and \(3,\)"):
+        agg_loss(ones, torch.ones(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask must be a tensor, got list"):
+        agg_loss(ones, [[1, 1, 1], [1, 1, 1]])
+    with pytest.raises(TypeError, match="logp_old must be a tensor, got list"):
+        clipped_policy_loss(ones, [[0.0] * 3] * 2, ones, ones.bool())
+    half = torch.tensor([[0.5, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    for agg in AGG_MODES:
+        assert agg_loss(ones, half, agg) == agg_loss(ones, half.bool(), agg), agg
+    assert agg_loss(ones, half, "token-mean") == 1.0

@@ -136,6 +136,23 @@ def test_rescore_matches_unshared_transformers(models, cases, qwen3_tokenizer, t
     assert torch.all(res.atd[~res.response_mask] == 0)
 
 
+def test_rescore_results_are_ordinary_constants(models):
+    """The results are constants a training loop edits and multiplies into its loss: ordinary
+    tensors without grad, not inference tensors (which refused an in-place clamp and being
+    saved for backward, though the models do run under inference_mode)."""
+    snap, teach = (Qwen3Runner.from_hf(m) for m in models)
+    res = rescore(snap, teach, [RescoreQuery([1, 2, 3], [4], [[5, 6, 7], [8]], [[9], []])])
+    for name in ("logp_old", "logp_teacher", "atd", "response_mask", "teacher_in_topk", "atd_mask"):
+        t = getattr(res, name)
+        assert not t.is_inference() and not t.requires_grad, name
+    want = res.atd.clone().clamp(-0.5, 0.5)
+    res.atd.clamp_(-0.5, 0.5)  # in place
+    assert torch.equal(res.atd, want)
+    logp = torch.zeros_like(res.logp_old, requires_grad=True)
+    (g,) = torch.autograd.grad((logp * res.atd).sum(), logp)  # saved for backward
+    assert torch.equal(g, res.atd)
+
+
 def test_rescore_bad_input(models):
     snap_hf, teach_hf = models
     snap, teach = Qwen3Runner.from_hf(snap_hf), Qwen3Runner.from_hf(teach_hf)
@@ -156,3 +173,14 @@ def test_rescore_bad_input(models):
         rescore(snap, teach, [RescoreQuery([1], [3], [[4]], [[True]])])
     with pytest.raises(TypeError, match="query 0 rollout 0: token ids must be a 1-D integer sequence"):
         rescore(snap, teach, [RescoreQuery([1], [3], [torch.tensor([True])], [""])])
+    # bytes are ints item by item: never read as ids (b"ab" was re-scored as ids 97, 98)
+    with pytest.raises(TypeError, match="query 0 hint 0: expected token ids, got a bytes"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [[4]], [b"ab"])])
+    with pytest.raises(TypeError, match="query 0 rollout 0: expected token ids, got a bytearray"):
+        rescore(snap, teach, [RescoreQuery([1], [3], [bytearray(b"ab")], [""])])
+    # an id outside the vocabulary names its input, not the runner's "segment 0" / "prefix 0"
+    for q, where in ((RescoreQuery([1, 151669], [3], [[4]], [""]), "query 0 prompt_head"),
+                     (RescoreQuery([1], [-1], [[4]], [""]), "query 0 prompt_tail"),
+                     (RescoreQuery([1], [3], [[4], [5]], [[], torch.tensor([-2])]), "query 0 hint 1")):
+        with pytest.raises(ValueError, match=f"{where} has token id -?\\d+ outside \\[0, 151669\\)"):
+            rescore(snap, teach, [q])

@@ -244,6 +244,8 @@ def test_bad_tensors():
     tg = torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"hidden must be \[T, H\]"):
         topk_logprobs(h[0], w, tg)
+    with pytest.raises(TypeError, match="hidden must be a tensor, got ndarray"):  # was AttributeError (backend lookup)
+        topk_logprobs(h.numpy(), w, tg)
     with pytest.raises(ValueError, match="H=16 but weight has H=8"):
         topk_logprobs(h, w[:, :8], tg)
     with pytest.raises(TypeError, match="floating point"):
@@ -375,6 +377,50 @@ def test_every_backend_exact_on_dyadic_inputs(backend):
         got = topk_logprobs(h, w, tg, k=32, outside=outside, renormalize=renorm, temperature=0.5, backend=backend)
         want = topk_logprobs_ref(h, w, tg, k=32, outside=outside, renormalize=renorm, temperature=0.5)
         _check(got, want, f"{backend} outside={outside} renormalize={renorm}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_keeps_fp32_math_under_autocast(backend, dtype):
+    """A teacher scored inside ``torch.autocast`` (a training loop's forward): the result is the
+    one outside it. The cpp/cuda cores' chunk GEMM once ran in bf16 there (other ids, log-probs
+    off by ~0.05, no error)."""
+    h, w = _dyadic(19, 32, 1543, seed=9, device=DEVICE, dtype=dtype)
+    tg = _targets(h.cpu(), w.cpu(), 32).to(DEVICE)
+    want = topk_logprobs_ref(h, w, tg, k=32, temperature=0.5)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got = topk_logprobs(h, w, tg, k=32, temperature=0.5, backend=backend)
+    _check(got, want, f"{backend} {dtype} under autocast")
+
+
+def _overflowing_head(V, n_inf, seed):
+    """Dyadic inputs whose logits of ids [0, n_inf) overflow fp32 to −inf in every row (finite
+    weights, products beyond fp32: docs/input-safety.md), the rest finite; targets among the rest."""
+    h, w = _dyadic(9, 32, V, seed=seed)
+    h[:, 0] = 2.0
+    w[:n_inf, 0] = -3e38  # 2 · −3e38 < −3.4e38
+    tg = torch.randint(n_inf, V, (9,), generator=torch.Generator().manual_seed(seed))
+    return h.to(DEVICE), w.to(DEVICE), tg.to(DEVICE)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy GEMM: intended
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_overflowed_logits_do_not_depend_on_chunks(backend):
+    """A row whose first chunks (tiles, splits) hold only −inf logits: the log-sum-exp is that of
+    the finite rest, whatever the chunking. It was −inf − (−inf) = NaN in the torch and Triton
+    cores, a "non-finite logits" error at chunk=64 and the right value at chunk=2048."""
+    h, w, tg = _overflowing_head(1531, 1024, seed=21)
+    want = topk_logprobs_ref(h, w, tg, k=16, outside="full", renormalize=False)
+    assert torch.isfinite(want.target_logprob).all()  # the test's premise
+    if backend == "triton":
+        from acarerank.kernels.topk_logprobs import topk_logprobs_core_triton
+        # 64-wide tiles, 3 splits: the first two splits see only −inf (the merge kernel's case too)
+        core = topk_logprobs_core_triton(h, w, tg, 16, None, 1.0, num_splits=3, block_v_override=64)
+        got = finalize(*core, tg, outside="full", renormalize=False)
+    else:
+        got = topk_logprobs(h, w, tg, k=16, chunk=64, outside="full", renormalize=False, backend=backend)
+    assert torch.isfinite(got.target_logprob).all() and torch.isfinite(got.topk_logprobs).all(), got  # _check: NaN ok
+    _check(got, want, f"{backend}, ids [0, 1024) overflowing")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

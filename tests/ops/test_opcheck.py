@@ -109,6 +109,19 @@ def test_opcheck_linear_logprob_backward():
     torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, lse, ez, g, None, 1.0, 8, True, True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_linear_logprob_backward_strided(dtype):
+    """Transposed hidden and weight (hidden states sliced out of a [H, T] buffer): the fake
+    kernel's gradients have the real strides, or torch.compile's stride assert fails (it did:
+    empty_like copied the transposed hidden's strides, the real gradient is contiguous)."""
+    from acarerank.ops.linear_logprob import linear_logprob_backward_op, linear_logprob_op
+    h, w, tg = _projection_args(dtype)
+    h, w = h.T.contiguous().T, w.T.contiguous().T
+    lp, _, lse, ez = linear_logprob_op(h, w, tg, 1.0, 8, True)
+    g = torch.ones_like(lp)
+    torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, lse, ez, g, 0.5 * g, 1.0, 8, True, True))
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_opcheck_topk_merge_update(backend):
     """The in-place update: the schema declares the five state tensors mutated, and only those."""
