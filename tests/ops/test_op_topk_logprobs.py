@@ -64,8 +64,9 @@ def _check(out, ref, what, exact_ids=True):
         assert torch.equal(out.in_topk.cpu(), ref.in_topk.cpu()), f"{what}: in_topk differs"
     for name in ("topk_logprobs", "target_logprob"):
         a, b = getattr(out, name).cpu(), getattr(ref, name).cpu()
-        err = (a - b).abs()
-        bad = (err > LP_TOL).nonzero()
+        # equal values (the same ±inf included) match; a NaN on either side never does (NaN > tol is False)
+        err = torch.where(a == b, torch.zeros_like(a), (a - b).abs())
+        bad = (~(err <= LP_TOL)).nonzero()
         assert bad.numel() == 0, f"{what}: {name} mismatch at {bad[:5].tolist()}, max err {err.max().item():.3e}"
 
 
