@@ -122,10 +122,19 @@ def format_rubrics(rubrics: Mapping[str, Sequence[Mapping]]) -> str:
     """Rubric set R_q (Appendix F.3 JSON: {dimension: [{"rubric": str, "weight": int}, ...]}) as
     Fig. 3 shows it: one block per level, one line "- Dimension (weight w): question" per rubric.
     Unknown dimensions go to the set level (they are rated once for the whole set)."""
+    if not isinstance(rubrics, Mapping):
+        raise TypeError(f"rubrics must be a mapping {{dimension: [{{'rubric': ..., 'weight': ...}}]}}, "
+                        f"got {type(rubrics).__name__}")
     lines = {lvl: [] for lvl in _LEVEL_TITLE}
     for dim, items in rubrics.items():
-        for it in items or []:
-            lines[DIMENSION_LEVEL.get(dim, "set")].append(f"- {dim} (weight {it['weight']}): {it['rubric']}")
+        if isinstance(items, (str, bytes, Mapping)):
+            raise TypeError(f"rubrics[{dim!r}] must be a list of rubric objects, got {type(items).__name__}")
+        for i, it in enumerate(items or []):
+            # the hint shows both fields: a missing one is the caller's data, named (not a KeyError)
+            text, w = (it.get("rubric"), it.get("weight")) if isinstance(it, Mapping) else (None, None)
+            if not isinstance(text, str) or isinstance(w, bool) or not isinstance(w, (int, float)):
+                raise ValueError(f"rubrics[{dim!r}][{i}] must be {{'rubric': str, 'weight': number}}, got {it!r:.200}")
+            lines[DIMENSION_LEVEL.get(dim, "set")].append(f"- {dim} (weight {w}): {text}")
     return "\n".join(f"{_LEVEL_TITLE[lvl]}\n" + "\n".join(ls) for lvl, ls in lines.items() if ls)
 
 

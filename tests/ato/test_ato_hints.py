@@ -77,6 +77,19 @@ def test_hint_texts_follow_figure3():
         hint_text(HINT_SIBLING, sibling_ids=[2])
 
 
+@pytest.mark.parametrize("rubrics, error, match", [
+    ({"Relevance": [{"rubric": "Does it answer?"}]}, ValueError, r"rubrics\['Relevance'\]\[0\] must be"),
+    ({"Relevance": [{"weight": 5}]}, ValueError, r"rubrics\['Relevance'\]\[0\] must be"),
+    ({"Relevance": [{"rubric": "ok", "weight": 5}, "Is it short?"]}, ValueError, r"rubrics\['Relevance'\]\[1\]"),
+    ({"Relevance": "Does it answer?"}, TypeError, r"rubrics\['Relevance'\] must be a list"),
+    ([("Relevance", [])], TypeError, "rubrics must be a mapping"),
+])
+def test_rubric_hint_names_a_malformed_rubric(rubrics, error, match):
+    """The caller's rubric set, not a KeyError/AttributeError from inside the template."""
+    with pytest.raises(error, match=match):
+        hint_text(HINT_RUBRIC, rubrics=rubrics)
+
+
 def test_hint_ids_equal_joint_tokenization(qwen3_tokenizer):
     """A hint spliced in with ``lead_token`` (the head's last token, re-tokenized with the seam)
     gives exactly the joint tokenization of the teacher text. Without it the seam differs:
