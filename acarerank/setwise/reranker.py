@@ -243,8 +243,10 @@ class SetwiseReranker(RerankerBase):
 
     def select_batch(self, queries: Sequence[str], documents: Sequence[Sequence[str]],
                      intents: Optional[Sequence[Optional[str]]] = None, max_select: int = 10,
-                     constrained: bool = True, batch_size: int = 8) -> List[Selection]:
+                     constrained: bool = True, batch_size: int = 8,
+                     cache_salt: Optional[str] = None) -> List[Selection]:
         """Several queries decoded together (one KV-cache group each), ``batch_size`` at a time.
+        ``cache_salt``: the prefix-cache namespace of every query of the batch, as ``select``'s.
 
         A bad query, document list or intent is a TypeError / ValueError that names the query
         ("query 1 of the batch: documents[0] must be a str"; ``documents[0]`` is that query's list's).
@@ -259,6 +261,8 @@ class SetwiseReranker(RerankerBase):
             raise ValueError(f"intents must be None or a list with one entry per query ({len(queries)})")
         positive_int("batch_size", batch_size)
         positive_int("max_select", max_select)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         if not isinstance(constrained, bool):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
         for i, (q, d, it) in enumerate(zip(queries, documents, intents)):
@@ -274,7 +278,7 @@ class SetwiseReranker(RerankerBase):
         out: List[Selection] = []
         for b in range(0, len(prompts), batch_size):
             try:
-                out.extend(self._select_prompts(prompts[b:b + batch_size], max_select, constrained))
+                out.extend(self._select_prompts(prompts[b:b + batch_size], max_select, constrained, cache_salt))
             except NonFiniteOutputError as e:  # name the queries of this call, not the prompts of the batch
                 rows = [b + g for g in e.rows]
                 raise NonFiniteOutputError(f"select_batch: no selection for query(ies) {rows[:5]}: {e.reason}",
@@ -285,7 +289,8 @@ class SetwiseReranker(RerankerBase):
         """Prompt prefix-cache counters and gauges in tokens (as ``PointwiseReranker.cache_stats``)."""
         return self._cache_slot.stats()
 
-    def _select_prompts(self, prompts, max_select: int, constrained: bool) -> List[Selection]:
+    def _select_prompts(self, prompts, max_select: int, constrained: bool,
+                        cache_salt: Optional[str] = None) -> List[Selection]:
         ids = [p.input_ids for p in prompts]
 
         def decode(cache):
@@ -296,7 +301,7 @@ class SetwiseReranker(RerankerBase):
             return greedy_decode(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=self.grammar.tokens.end,
                                  cache=cache)
 
-        cache, _ = prefill_cached(self.runner, self._cache_slot, [i[:-1] for i in ids],
+        cache, _ = prefill_cached(self.runner, self._cache_slot, [i[:-1] for i in ids], salt=cache_salt,
                                   reserve_tokens=self.max_new_tokens + 1)
         try:
             gen = decode(cache)

@@ -132,6 +132,7 @@ def test_long_pool_is_truncated_not_dropped(reranker, qwen3_tokenizer):
     (lambda sr: sr.select("q", ["a"], cache_salt=3), TypeError, "cache_salt"),
     (lambda sr: sr.select_batch(["q"], [["a"], ["b"]]), ValueError, "one document list per query"),
     (lambda sr: sr.select_batch([], []), ValueError, "non-empty"),
+    (lambda sr: sr.select_batch(["q"], [["a"]], cache_salt=b"t"), TypeError, "cache_salt"),
     # the batch's query named: "documents[1]" alone pointed at the second query's whole list
     (lambda sr: sr.select_batch(["q", "r"], [["a"], ["b", None]]), TypeError, r"^query 1 of the batch: documents\[1\]"),
     (lambda sr: sr.select_batch(["q", "r"], [["a"], "b"]), TypeError, "^query 1 of the batch: documents must be"),
@@ -200,3 +201,24 @@ def test_cli_default_model_says_it_means_nothing(tmp_path, capsys, monkeypatch):
     assert NO_MEANING.format(preset=default.DEFAULT_PRESET) in err
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == 1 and rows[0]["text"] in ("alpha", "beta")
+
+
+def test_select_batch_cache_salt_keeps_prompts_apart(model, qwen3_tokenizer):
+    """A batch under a salt reuses only prompts cached under that salt (as select's cache_salt),
+    and the selections are the same whatever the cache served."""
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    queries, docs = ["tutoring rerankers", "bread"], [[f"document {i} about tutors" for i in range(12)]] * 2
+
+    def hits(**kw):
+        before = sr.cache_stats()["hit_tokens"]
+        out = sr.select_batch(queries, docs, **kw)
+        return sr.cache_stats()["hit_tokens"] - before, [s.ids for s in out]
+
+    cold, want = hits(cache_salt="tenant-a")
+    assert cold == 0
+    other, got = hits(cache_salt="tenant-b")
+    assert other == 0 and got == want, f"tenant-b was served {other} tokens cached under tenant-a"
+    same, got = hits(cache_salt="tenant-a")
+    assert same > 0 and got == want
+    unsalted, got = hits()
+    assert unsalted == 0 and got == want, f"an unsalted batch was served {unsalted} salted tokens"
