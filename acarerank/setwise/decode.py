@@ -6,7 +6,7 @@ One group per prompt (docs/ARCHITECTURE.md, "The one primitive", "greedy decode"
 2. step: one 1-token segment per still-running group -- the last prompt token first, then
    each sequence's previous output -- with ``append=True``, so the cache grows by one row;
 3. next token = argmax of the step's logits, masked by the sequence's ``GrammarState``
-   when constrained; a sequence stops at ``eos_id`` or after ``max_new_tokens``.
+   when constrained; a sequence stops at ``eos_id`` (one id or several) or after ``max_new_tokens``.
    Tokens the grammar forces (a single allowed token) are emitted without a step of their
    own and sent along with the next step's segment (``_force``), so a segment may hold a
    few tokens; the output is unchanged.
@@ -25,7 +25,8 @@ at every step, the same mask, argmax.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import numbers
+from typing import FrozenSet, List, Optional, Sequence, Union
 
 import torch
 
@@ -35,6 +36,18 @@ from ..tokenizer import TOKEN_IM_END
 from .grammar import GrammarState, IdentifierGrammar
 
 MAX_NEW_TOKENS = 64     # AdaTutoRank (2026), Appendix C.4: maximum response length
+
+
+def stop_ids(eos_id: Union[int, Sequence[int]]) -> FrozenSet[int]:
+    """The token ids a sequence stops at: ``eos_id`` is one id or several (free decoding of a Qwen3
+    checkpoint stops at ``<|im_end|>`` and ``<|endoftext|>``, as its generation config says)."""
+    def is_id(x):
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+    ids = [eos_id] if is_id(eos_id) else list(eos_id) if isinstance(eos_id, (list, tuple, set, frozenset)) else []
+    if not ids or not all(is_id(i) for i in ids):
+        raise TypeError(f"eos_id must be a token id or a non-empty sequence of them, got {eos_id!r}")
+    return frozenset(int(i) for i in ids)
 
 
 def _check(prompts, states, max_new_tokens):
@@ -55,12 +68,12 @@ def _check(prompts, states, max_new_tokens):
 
 def greedy_decode(runner, prompts: Sequence[Sequence[int]], grammar: Optional[IdentifierGrammar] = None,
                   states: Optional[Sequence[GrammarState]] = None, max_new_tokens: int = MAX_NEW_TOKENS,
-                  eos_id: int = TOKEN_IM_END, cache=None) -> List[List[int]]:
-    """Greedy continuation of each prompt; returns the new token ids (``eos_id`` included when emitted).
+                  eos_id: Union[int, Sequence[int]] = TOKEN_IM_END, cache=None) -> List[List[int]]:
+    """Greedy continuation of each prompt; returns the new token ids (the stop token included when emitted).
 
     runner: ``acarerank.model.Qwen3Runner``. prompts: token-id lists (>= 1 token each).
     grammar + states: constrained decoding, one fresh ``GrammarState`` per prompt (advanced
-    in place); both None: free decoding. The grammar's END must be ``eos_id``.
+    in place); both None: free decoding. The grammar's END must be ``eos_id`` (or one of them).
     cache: a cache already holding every prompt but its last token, group g = prompt g (e.g.
     from ``acarerank.model.cached_prefill.prefill_cached``); the caller frees it. None: prefilled here.
     """
@@ -81,10 +94,11 @@ class GreedyStepper:
     @torch.inference_mode()
     def __init__(self, runner, prompts: Sequence[Sequence[int]], grammar: Optional[IdentifierGrammar] = None,
                  states: Optional[Sequence[GrammarState]] = None, max_new_tokens: int = MAX_NEW_TOKENS,
-                 eos_id: int = TOKEN_IM_END, cache=None):
+                 eos_id: Union[int, Sequence[int]] = TOKEN_IM_END, cache=None):
         if (grammar is None) != (states is None):
             raise ValueError("pass both grammar and states (constrained) or neither (free decoding)")
-        if grammar is not None and grammar.tokens.end != eos_id:
+        stops = stop_ids(eos_id)
+        if grammar is not None and grammar.tokens.end not in stops:
             raise ValueError(f"the grammar ends on token {grammar.tokens.end} but eos_id is {eos_id}")
         _check(prompts, states, max_new_tokens)
         prompts = [list(map(int, p)) for p in prompts]
@@ -95,7 +109,7 @@ class GreedyStepper:
             raise ValueError(f"cache holds {cache.lengths} tokens per group; the prompts need "
                              f"{[len(p) - 1 for p in prompts]}")
         self.runner, self.cache, self.grammar, self.states = runner, cache, grammar, states
-        self.max_new_tokens, self.eos_id = max_new_tokens, eos_id
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stops
         if grammar is not None:
             self.vocab = grammar.vocab.to(runner.device)
             self.head = runner.lm_head[self.vocab]                     # [14, H]: the only rows a mask lets through
@@ -134,7 +148,7 @@ class GreedyStepper:
             feed[g] = [tok]
             if states is not None:
                 states[g].advance(tok)
-            if tok != self.eos_id and len(outputs[g]) < self.max_new_tokens and not _force(
+            if tok not in self.stop_ids and len(outputs[g]) < self.max_new_tokens and not _force(
                     g, states, outputs, feed, self.max_new_tokens):
                 still.append(g)
         self.running = still
@@ -184,7 +198,7 @@ def _force(g, states, outputs, feed, max_new_tokens) -> bool:
 @torch.inference_mode()
 def greedy_decode_ref(model, prompt: Sequence[int], grammar: Optional[IdentifierGrammar] = None,
                       state: Optional[GrammarState] = None, max_new_tokens: int = MAX_NEW_TOKENS,
-                      eos_id: int = TOKEN_IM_END) -> List[int]:
+                      eos_id: Union[int, Sequence[int]] = TOKEN_IM_END) -> List[int]:
     """Oracle for one prompt: transformers ``model`` forward on the whole sequence every step.
 
     Full-vocabulary logits at the last position (fp32), every token the grammar state does
@@ -193,6 +207,7 @@ def greedy_decode_ref(model, prompt: Sequence[int], grammar: Optional[Identifier
     if (grammar is None) != (state is None):
         raise ValueError("pass both grammar and state (constrained) or neither (free decoding)")
     _check([prompt], None if state is None else [state], max_new_tokens)
+    stops = stop_ids(eos_id)
     device = next(model.parameters()).device
     seq = list(map(int, prompt))
     out: List[int] = []
@@ -205,7 +220,7 @@ def greedy_decode_ref(model, prompt: Sequence[int], grammar: Optional[Identifier
         seq.append(tok)
         if state is not None:
             state.advance(tok)
-        if tok == eos_id:
+        if tok in stops:
             break
     return out
 

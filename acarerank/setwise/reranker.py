@@ -6,7 +6,8 @@
 
 The prompt is Appendix F.1 (no intent) or F.2 (with the agent's query intent), see
 ``prompts.py`` for the wording and the truncation rule; the output is decoded greedily, at
-most 64 new tokens, stopping at ``<|im_end|>``. ``constrained=True`` masks every step with
+most 64 new tokens, stopping at ``<|im_end|>`` (free decoding: also at ``<|endoftext|>``, as a Qwen3
+checkpoint's generation config stops ``generate``). ``constrained=True`` masks every step with
 the identifier grammar (``grammar.py``), so the output always parses strictly;
 ``constrained=False`` decodes freely and the output is parsed leniently (``valid`` then
 says whether it happened to follow the strict format).
@@ -43,7 +44,7 @@ class Selection:
     """One selection. ``indices``: 0-based positions in ``documents``, ranked; ``ids``: the same,
     1-based, as emitted; ``text``: the raw output (special tokens removed); ``valid``: the
     output follows the strict format (always True when constrained); ``num_tokens``: new
-    tokens generated, ``<|im_end|>`` included; ``prompt_tokens``: prompt length after truncation.
+    tokens generated, the stop token (``<|im_end|>``) included; ``prompt_tokens``: prompt length after truncation.
     """
 
     indices: List[int]
@@ -121,6 +122,10 @@ class SetwiseReranker(RerankerBase):
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.grammar = IdentifierGrammar.from_tokenizer(self.tokenizer)
+        # free decoding stops where a Qwen3 checkpoint's generation config stops generate():
+        # <|im_end|> and <|endoftext|> (the grammar allows only <|im_end|>, so constrained is unchanged)
+        eot = self.tokenizer.token_id("<|endoftext|>")
+        self.free_stop_ids = (self.grammar.tokens.end,) + ((eot,) if eot is not None else ())
         # prompts share their instructions (and an agent's repeated query) across calls: the
         # prompt prefill starts from the longest cached prefix (acarerank.model.cached_prefill)
         self._cache_slot = CacheSlot(self.runner, prefix_cache, cache_budget_tokens)
@@ -226,7 +231,7 @@ class SetwiseReranker(RerankerBase):
             return GreedyStepper(self.runner, ids, self.grammar,
                                  [self.grammar.start(enc.prompt.n_candidates, enc.max_select)],
                                  self.max_new_tokens, eos_id=self.grammar.tokens.end, cache=cache)
-        return GreedyStepper(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=self.grammar.tokens.end,
+        return GreedyStepper(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=self.free_stop_ids,
                              cache=cache)
 
     def _check_output_room(self, documents, max_select: int, constrained: bool) -> None:
@@ -298,7 +303,7 @@ class SetwiseReranker(RerankerBase):
                 states = [self.grammar.start(p.n_candidates, max_select) for p in prompts]
                 return greedy_decode(self.runner, ids, self.grammar, states, self.max_new_tokens,
                                      eos_id=self.grammar.tokens.end, cache=cache)
-            return greedy_decode(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=self.grammar.tokens.end,
+            return greedy_decode(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=self.free_stop_ids,
                                  cache=cache)
 
         cache, _ = prefill_cached(self.runner, self._cache_slot, [i[:-1] for i in ids], salt=cache_salt,

@@ -158,6 +158,9 @@ def test_decode_argument_errors(qwen3_tokenizer, grammar):
         greedy_decode(runner, p, grammar, [grammar.start(3, 2)] * 2)
     with pytest.raises(ValueError, match="eos_id"):
         greedy_decode(runner, p, grammar, [grammar.start(3, 2)], eos_id=0)
+    for bad in ("<|im_end|>", [], [1.0], True, None):
+        with pytest.raises(TypeError, match="eos_id must be a token id"):
+            greedy_decode(runner, p, eos_id=bad)
     with pytest.raises(ValueError, match="max_new_tokens"):
         greedy_decode(runner, p, grammar, [grammar.start(10_000, 10)])   # 10 five-digit ids need 71 tokens
     with pytest.raises(ValueError, match="max_new_tokens"):

@@ -111,6 +111,29 @@ def test_unconstrained_is_free_decoding_parsed_leniently(model, qwen3_tokenizer)
     assert sel.ids == lenient.ids and sel.valid == lenient.valid
 
 
+def test_unconstrained_stops_at_endoftext_as_generate_does(model, qwen3_tokenizer):
+    """A Qwen3 checkpoint's generation config stops generate() at <|im_end|> and <|endoftext|>:
+    free decoding stops at both (it went on to max_new_tokens past <|endoftext|>, and the lenient
+    parse read whatever followed); constrained decoding never allows <|endoftext|>."""
+    import copy
+
+    eot = qwen3_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        m.lm_head.weight[eot] = m.lm_head.weight[TOKEN_IM_END] * 0
+        m.lm_head.weight[eot, 0] = 5.0  # with embed column 0 at 2.0: <|endoftext|> is every step's argmax
+    sr = SetwiseReranker(model=m, tokenizer=qwen3_tokenizer, max_new_tokens=24)
+    p = build_prompt(qwen3_tokenizer, "capital?", DOCS[:4])
+    toks = m.generate(torch.tensor([p.input_ids]), do_sample=False, max_new_tokens=24,
+                      eos_token_id=[TOKEN_IM_END, eot], pad_token_id=TOKEN_IM_END)[0, len(p.input_ids):].tolist()
+    assert toks == [eot], toks
+    sel = sr.select("capital?", DOCS[:4], constrained=False)
+    assert sel.num_tokens == 1 and sel.ids == [] and not sel.valid, sel
+    assert sr.select_batch(["capital?"], [DOCS[:4]], constrained=False)[0] == sel
+    constrained = sr.select("capital?", DOCS[:4], max_select=2)
+    assert constrained.valid and 1 <= len(constrained.ids) <= 2, constrained
+
+
 def test_long_pool_is_truncated_not_dropped(reranker, qwen3_tokenizer):
     docs = [f"Document {i}: " + "filler words here " * (20 + 7 * i) for i in range(30)]
     sr = SetwiseReranker(runner=reranker.runner, tokenizer=qwen3_tokenizer, max_length=1200)
