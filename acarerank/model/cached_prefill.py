@@ -104,7 +104,9 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
         hits = []
         try:
             for ids in prefixes:
-                matched = pc.match(salt, ids)
+                # hits are counted once they are served: on PoolExhausted below they are computed
+                # again, and a counter a scraper read mid-prefill must not go back down
+                matched = pc.match(salt, ids, count_hits=False)
                 try:
                     cache.add_group(matched, len(matched) * pc.block_size)
                 finally:
@@ -113,15 +115,14 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
             runner.extend(cache, list(range(len(prefixes))), [ids[h:] for ids, h in zip(prefixes, hits)],
                           chunk_tokens)
         except PoolExhausted:
-            cache.free()
-            with pc.pool.lock:
-                pc.hit_tokens -= sum(hits)  # recomputed below: not hits
+            cache.free()  # recomputed below: no hits
         except BaseException:
             cache.free()  # matched pages and the pages reserved for new rows: nothing stays pinned
             raise
         else:
             for g, ids in enumerate(prefixes):
                 pc.insert(salt, ids, cache.block_tables[g])
+            pc.add_hits(sum(hits))
             slot.count(computed=sum(len(ids) - h for ids, h in zip(prefixes, hits)))
             return cache, hits
     else:
@@ -153,7 +154,7 @@ class ChunkedPrefill:
         self.hit = 0
         if self.pc is not None:
             self.cache = PagedKVCache(self.pc.pool, allocate=self.pc.allocate)
-            matched = self.pc.match(salt, self.prefix)
+            matched = self.pc.match(salt, self.prefix, count_hits=False)  # counted when done (_complete)
             try:
                 self.cache.add_group(matched, len(matched) * self.pc.block_size)
             finally:
@@ -163,6 +164,8 @@ class ChunkedPrefill:
             slot.count(uncached_lookup=len(self.prefix))
             self._private()
         self.pos = self.hit
+        if self.done:  # all of it cached: nothing left to compute
+            self._complete()
 
     def _private(self) -> None:
         bs = self.runner.block_size
@@ -185,16 +188,19 @@ class ChunkedPrefill:
         except PoolExhausted:
             if self.pc is None:
                 raise
-            self.cache.free()
-            with self.pc.pool.lock:
-                self.pc.hit_tokens -= self.hit  # recomputed privately: not hits
+            self.cache.free()  # recomputed privately: no hits (none were counted yet)
             self._private()
             return self.step(max_tokens)
         self.pos += n
         if self.done:
-            if self.pc is not None:
-                self.pc.insert(self.salt, self.prefix, self.cache.block_tables[0])
-                self.slot.count(computed=len(self.prefix) - self.hit)
-            else:
-                self.slot.count(computed=len(self.prefix))
+            self._complete()
         return n
+
+    def _complete(self) -> None:
+        """The prefix is in ``cache``: its full pages enter the cache; its hits and computed tokens count."""
+        if self.pc is not None:
+            self.pc.insert(self.salt, self.prefix, self.cache.block_tables[0])
+            self.pc.add_hits(self.hit)
+            self.slot.count(computed=len(self.prefix) - self.hit)
+        else:
+            self.slot.count(computed=len(self.prefix))

@@ -59,11 +59,13 @@ class PrefixCache:
         bs = self.block_size
         return [tuple(tokens[i:i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
 
-    def match(self, salt: Optional[Hashable], tokens: Sequence[int]) -> list:
+    def match(self, salt: Optional[Hashable], tokens: Sequence[int], count_hits: bool = True) -> list:
         """Block ids of the longest cached prefix of ``tokens`` (full blocks only), pinned.
 
         Each returned block gets one reference the caller must give back (``pool.decref``).
-        Counts ``len(tokens)`` looked up and the matched tokens as hits.
+        Counts ``len(tokens)`` looked up and the matched tokens as hits; ``count_hits=False``
+        leaves the hits to ``add_hits``, for a caller that may still compute them itself (a
+        prefill whose pool runs out): hit_tokens is monotonic, never taken back.
         """
         with self.pool.lock:
             now = next(self._clock)
@@ -78,8 +80,14 @@ class PrefixCache:
                     blocks.append(node.block)
             self.pool.incref(blocks)
             self.lookup_tokens += len(tokens)
-            self.hit_tokens += len(blocks) * self.block_size
+            if count_hits:
+                self.hit_tokens += len(blocks) * self.block_size
             return blocks
+
+    def add_hits(self, tokens: int) -> None:
+        """Count ``tokens`` served from the tree (matched with ``count_hits=False``, then used)."""
+        with self.pool.lock:
+            self.hit_tokens += tokens
 
     def insert(self, salt: Optional[Hashable], tokens: Sequence[int], blocks: Sequence[int]) -> int:
         """Record that ``blocks[i]`` holds the K/V of ``tokens``' i-th full block; returns nodes added.

@@ -224,6 +224,46 @@ def test_eviction_pressure_never_changes_a_score_or_passes_the_budget(model, qwe
     assert close(tiny.score_batch(session(2)[-1]), plain.score_batch(session(2)[-1]))
 
 
+def test_hit_tokens_never_go_down_when_a_hit_is_recomputed(model, qwen3_tokenizer, monkeypatch):
+    """A prefix that hits the cache and then runs out of pages is computed again in a private pool:
+    its matched tokens are no hits. ``hit_tokens`` is a monotonic counter (a Prometheus counter
+    in the server, scraped from another thread at any time): a scrape during that prefill must
+    never see hits that a later scrape takes back (a decrease reads as a counter reset)."""
+    from acarerank.setwise import SetwiseReranker
+
+    reqs = session(3)
+    short = len(PointwiseReranker(model=model, tokenizer=qwen3_tokenizer).encode(reqs[0][0]).shared_ids)
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=(short // 16 + 1) * 16)
+    rr.score_batch(reqs[0])  # caches the short context: the long one's start hits it, the rest does not fit
+    seen, extend = [], rr.runner.extend
+
+    def scraped(*args, **kw):  # a /metrics scrape while the prefill runs
+        seen.append(rr.cache_stats()["hit_tokens"])
+        return extend(*args, **kw)
+
+    monkeypatch.setattr(rr.runner, "extend", scraped)
+    plain = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    assert close(rr.score_batch(reqs[2]), plain.score_batch(reqs[2]))
+    st_ = rr.cache_stats()
+    assert max(seen) <= st_["hit_tokens"], (seen, st_)
+    assert st_["hit_tokens"] + st_["computed_tokens"] == st_["lookup_tokens"], st_
+
+    # the setwise step API: hits pinned at start_select, the pool runs out in prefill_select
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=8)
+    n = len(sr.encode_select(QUESTION, DOCS[:1], max_select=1).prompt.input_ids)
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=8,
+                         cache_budget_tokens=(n // 16 + 1) * 16)
+    sr.select(QUESTION, DOCS[:1], max_select=1)
+    st = sr.start_select(sr.encode_select(QUESTION, DOCS[:1] + [STEP.format(i=0) * 4], max_select=1))
+    before = sr.cache_stats()["hit_tokens"]
+    while st.prefilling:
+        sr.prefill_select(st, 10_000)
+    sr.release_select(st)
+    st_ = sr.cache_stats()
+    assert before <= st_["hit_tokens"], (before, st_)
+    assert st_["hit_tokens"] + st_["computed_tokens"] == st_["lookup_tokens"], st_
+
+
 def test_cache_salt_isolation(model, qwen3_tokenizer):
     rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
     req = session(1)[0][0]
