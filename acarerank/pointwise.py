@@ -315,10 +315,11 @@ class PointwiseReranker(RerankerBase):
         """Unpin the handle's pages (idempotent); cached ones stay until evicted."""
         if not isinstance(handle, PrefixHandle):
             raise TypeError(f"release_prefix needs a PrefixHandle, got {type(handle).__name__}")
-        if handle.released:
-            return
-        handle.released = True
-        handle.pool.decref(handle.blocks)
+        with handle.pool.lock:  # check and set at once: two threads releasing one handle release it once
+            if handle.released:
+                return
+            handle.released = True
+            handle.pool.decref(handle.blocks)
 
     def score_segments(self, items: Sequence) -> list:
         """Scores of ``(handle, segment token ids)`` items, in item order, any mix of handles.

@@ -50,10 +50,11 @@ class PagedKVCache:
 
     def free(self) -> None:
         """Give back every block reference (idempotent)."""
-        tables, self.block_tables = self.block_tables, [[] for _ in self.block_tables]
-        self.lengths = [0] * len(self.lengths)
-        for t in tables:
-            self.pool.decref(t)
+        with self.pool.lock:  # taking the tables and giving them back at once: two threads free them once
+            tables, self.block_tables = self.block_tables, [[] for _ in self.block_tables]
+            self.lengths = [0] * len(self.lengths)
+            for t in tables:
+                self.pool.decref(t)
 
     # -- the pass --------------------------------------------------------------------
     def plan(self, cu_seqlens: torch.Tensor, segment_group: torch.Tensor, num_heads: int, num_kv_heads: int,
