@@ -74,8 +74,10 @@ class ContextTemplate:
     Context always sits before ``"<Document>:"``, i.e. in the shared part.
 
     Attributes:
-        question: format string of the question line; exactly one field, ``{question}``.
-        trace: format string of the reasoning-trace line; exactly one field, ``{trace}``.
+        question: format string of the question line; exactly one field, ``{question}``, bare:
+            a format spec or conversion (``{question:.30}``, ``{question!r}``) would change the
+            text, e.g. cut the question, which is never cut (``acarerank.prompts.truncation``).
+        trace: format string of the reasoning-trace line; exactly one field, ``{trace}``, bare.
         order: the order of the two lines, a permutation of ``("question", "trace")``.
         context_instruction: instruction used in M1–M3 when the caller passes none
             (``None``: :data:`DEFAULT_INSTRUCTION`, as in M0).
@@ -87,20 +89,32 @@ class ContextTemplate:
     context_instruction: Optional[str] = None
 
     def __post_init__(self):
+        from ..tokenizer import check_text
+
         for name in ("question", "trace"):
             fmt = getattr(self, name)
             if not isinstance(fmt, str):
                 raise TypeError(f"ContextTemplate.{name} must be a format string, got {type(fmt).__name__}")
-            fields = [f for _, f, _, _ in string.Formatter().parse(fmt) if f is not None]
+            try:
+                parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(fmt) if f is not None]
+            except ValueError as e:  # an unmatched brace
+                raise ValueError(f"ContextTemplate.{name} is not a format string: {e}; {fmt!r}") from None
+            fields = [f for f, _, _ in parsed]
             if fields != [name]:
                 raise ValueError(f"ContextTemplate.{name} must contain the field {{{name}}} exactly once and no "
                                  f"other field; {fmt!r} has {fields}")
+            if parsed[0][1] or parsed[0][2]:  # else "{question:.30}" cut the question silently, "{question:d}" failed in encode
+                raise ValueError(f"ContextTemplate.{name} must hold the field bare, {{{name}}}, without a format spec "
+                                 f"or conversion (they change the text); {fmt!r}")
+            check_text(f"ContextTemplate.{name}", fmt)
         if tuple(self.order) not in (("question", "trace"), ("trace", "question")):
             raise ValueError(f"ContextTemplate.order must be ('question', 'trace') or ('trace', 'question'), "
                              f"got {self.order!r}")
         if self.context_instruction is not None and not isinstance(self.context_instruction, str):
             raise TypeError(f"ContextTemplate.context_instruction must be a str or None, "
                             f"got {type(self.context_instruction).__name__}")
+        if self.context_instruction is not None:
+            check_text("ContextTemplate.context_instruction", self.context_instruction)
 
 
 DEFAULT_TEMPLATE = ContextTemplate()

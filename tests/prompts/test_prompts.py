@@ -122,6 +122,21 @@ def test_template_validation(kwargs, err):
         ContextTemplate(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(question="<Question>: {question:.30}\n"), r"ContextTemplate\.question .*bare"),  # would cut the question
+    (dict(trace="<Reasoning>: {trace!r}\n"), r"ContextTemplate\.trace .*bare"),           # would quote and escape it
+    (dict(question="{question:d}"), r"ContextTemplate\.question .*bare"),          # failed only in encode, unnamed
+    (dict(trace="{trace"), r"ContextTemplate\.trace is not a format string"),
+    (dict(question="<Q\udc00>: {question}\n"), r"ContextTemplate\.question is not valid Unicode"),
+    (dict(context_instruction="\ud800"), r"ContextTemplate\.context_instruction is not valid Unicode"),
+])
+def test_template_refuses_what_would_change_or_break_the_prompt_later(kwargs, match):
+    # each was accepted and then cut the question silently, or failed inside encode_pointwise
+    # (a format error or the tokenizer's TypeError) without naming the template
+    with pytest.raises(ValueError, match=match):
+        ContextTemplate(**kwargs)
+
+
 # -- the split equals the joint tokenization -----------------------------------------------------
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
