@@ -35,6 +35,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .._validate import check_int, positive_int
 from .truncation import DEFAULT_MIN_DOC_TOKENS, TRACE_CUT_CHUNK, cut_oldest, cut_tail
 
 # -- Qwen3-Reranker model card strings, character for character (docs/ARCHITECTURE.md, "Scoring facts") --------
@@ -247,14 +248,6 @@ class PointwiseEncoding:
         return len(self.segment_ids)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def default_min_doc_tokens(max_length: int) -> int:
     """The document reserve when the caller gives none: 512 tokens, at most half of ``max_length``.
 
@@ -319,15 +312,17 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
 
     f = _checked_fields(query, documents, question, trace, instruction, template, max_length, min_doc_tokens,
                         truncate, max_doc_tokens)
+    # checked here, not only where a trace is cut: a bad value fails every call, named as the caller wrote it
+    trace_cut_chunk = positive_int("trace_cut_chunk", trace_cut_chunk)
     enc = TextEncoder.of(tokenizer, special_tokens)
     prefix_ids, suffix_ids = enc.template([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX])
     shared_ids, trace_used, trace_dropped = _encode_shared(enc, f, prefix_ids, len(suffix_ids), trace_cut_chunk)
-    room = max_length - len(shared_ids) - len(suffix_ids)
+    room = f.max_length - len(shared_ids) - len(suffix_ids)
     segments, truncated, dropped, exact = _encode_documents(enc, f, room, len(shared_ids), suffix_ids)
     return PointwiseEncoding(shared_ids=shared_ids, segment_ids=segments, mode=context_mode(f.question, trace_used),
                              trace_tokens_dropped=trace_dropped, doc_truncated=truncated,
                              doc_tokens_dropped=dropped, doc_tokens_exact=exact, num_suffix_tokens=len(suffix_ids),
-                             max_length=max_length, trace_used=trace_used)
+                             max_length=f.max_length, trace_used=trace_used)
 
 
 @dataclass(frozen=True)
@@ -366,14 +361,15 @@ def _checked_fields(query, documents, question, trace, instruction, template, ma
     t = _check_optional_str("trace", trace)
     if not isinstance(template, ContextTemplate):
         raise TypeError(f"template must be a ContextTemplate, got {type(template).__name__}")
-    _check_int("max_length", max_length, 1)
+    # the package's one integer rule (numpy ints as ints, never bools; acarerank._validate), as
+    # PointwiseReranker's own arguments, which reach here
+    max_length = check_int("max_length", max_length, 1)
     if min_doc_tokens is None:
         min_doc_tokens = default_min_doc_tokens(max_length)
-    _check_int("min_doc_tokens", min_doc_tokens, 1)
+    min_doc_tokens = check_int("min_doc_tokens", min_doc_tokens, 1)
     if not isinstance(truncate, bool):
         raise TypeError(f"truncate must be a bool, got {type(truncate).__name__}")
-    if max_doc_tokens is not None:
-        _check_int("max_doc_tokens", max_doc_tokens, 1)
+    max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 1, allow_none=True)
     if instruction is not None and not isinstance(instruction, str):
         raise TypeError(f"instruction must be a str or None, got {type(instruction).__name__}")
     for name, value in (("question", q), ("trace", t), ("instruction", instruction)):

@@ -397,6 +397,22 @@ def test_bad_input(tok, kwargs, err, match):
         encode_pointwise(tok, **args)
 
 
+def test_integer_arguments_follow_the_package_rule(tok):
+    # numpy ints count as ints, as everywhere in the API (acarerank._validate): PointwiseReranker
+    # accepted them and encode_pointwise refused max_doc_tokens=np.int64(...) with a TypeError
+    np = pytest.importorskip("numpy")
+    args = dict(trace=TRACE, question="Q?", min_doc_tokens=20)
+    want = encode_pointwise(tok, "q", ["d " * 300], max_length=400, max_doc_tokens=50, trace_cut_chunk=7, **args)
+    got = encode_pointwise(tok, "q", ["d " * 300], max_length=np.int64(400), max_doc_tokens=np.int32(50),
+                           trace_cut_chunk=np.int64(7), **args)
+    assert got == want and want.trace_tokens_dropped > 0 and want.doc_truncated == [True]
+    assert type(got.max_length) is int
+    # a bad trace_cut_chunk is refused on every call, by its name (was "chunk", and only once a trace was cut)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="trace_cut_chunk"):
+            encode_pointwise(tok, "q", ["d"], trace_cut_chunk=bad)
+
+
 def test_documents_in_one_batched_call(tok):
     calls = []
 
