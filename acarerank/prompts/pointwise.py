@@ -399,6 +399,8 @@ def _encode_shared(enc, f: _Fields, prefix_ids: list, n_suffix: int, trace_cut_c
                                       budget, current_len=shared_len, chunk=trace_cut_chunk)
         head_ids = enc.user([f.head(t)])[0]
         shared_len = len(prefix_ids) + len(head_ids)
+        if shared_len > budget:  # the trace went whole, and its lower mode's instruction is the longer one
+            _raise_never_cut(enc, f, n_suffix, shared_len)
         assert shared_len <= budget, (shared_len, budget)  # cut_oldest verified it; guard the invariant
     return list(prefix_ids) + list(head_ids), t, trace_dropped
 
@@ -448,18 +450,32 @@ def _raise_shared_over(enc, f: _Fields, prefix_ids: list, n_suffix: int, budget:
             f"{fixed + n_suffix + reserve} tokens; raise max_length" + knob)
     base = len(prefix_ids) + len(enc.user([f.head(None)])[0])
     if base > budget:
-        n_query, n_question, n_instr = (len(x) for x in enc.user(
-            [f.query, q or "", resolve_instruction(f.instruction, context_mode(q, None), f.template)]))
-        raise ValueError(
-            f"the query and question are never truncated, but with the instruction and fixed strings they "
-            f"make a {base}-token shared context (query {n_query}, question {n_question}, "
-            f"instruction {n_instr} tokens); with suffix {n_suffix}{tail} that exceeds "
-            f"max_length={f.max_length}. Shorten the query/question or raise max_length" + knob)
+        # Without its trace line the prompt drops a mode (M1 -> M0), and M0's instruction is the model
+        # card's: a ContextTemplate.context_instruction shorter than it can make a cut trace fit where
+        # no trace does, so then cutting decides (``_encode_shared`` raises if the trace goes whole).
+        instr = resolve_instruction(f.instruction, context_mode(q, "trace"), f.template)
+        if instr == resolve_instruction(f.instruction, context_mode(q, None), f.template) or \
+                len(prefix_ids) + len(enc.user([shared_body_text(f.query, q, "", instr, f.template)])[0]) > budget:
+            _raise_never_cut(enc, f, n_suffix, base)
     if not f.truncate:  # only the trace is over
         n_trace = enc.user_count(t)
         raise ValueError(
             f"trace is {n_trace} tokens; with it the shared context is {shared_len} tokens + suffix {n_suffix} "
             f"= {shared_len + n_suffix} > max_length={f.max_length} (truncate=False)")
+
+
+def _raise_never_cut(enc, f: _Fields, n_suffix: int, base: int) -> None:
+    """ValueError: the shared part without its trace line (``base`` tokens) is over its budget."""
+    q = f.question
+    tail = f" + min_doc_tokens {f.min_doc_tokens}" if f.truncate else ""
+    knob = " or lower min_doc_tokens (CLI: --min-doc-tokens)" if f.truncate else ""
+    n_query, n_question, n_instr = (len(x) for x in enc.user(
+        [f.query, q or "", resolve_instruction(f.instruction, context_mode(q, None), f.template)]))
+    raise ValueError(
+        f"the query and question are never truncated, but with the instruction and fixed strings they "
+        f"make a {base}-token shared context (query {n_query}, question {n_question}, "
+        f"instruction {n_instr} tokens); with suffix {n_suffix}{tail} that exceeds "
+        f"max_length={f.max_length}. Shorten the query/question or raise max_length" + knob)
 
 
 def _encode_documents(enc, f: _Fields, room: int, shared_len: int, suffix_ids: list) -> tuple:

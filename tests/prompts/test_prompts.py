@@ -318,6 +318,31 @@ def test_trace_dropped_entirely_lowers_mode(tok):
         assert enc.trace_tokens_dropped == len(tok.encode(TRACE, add_special_tokens=False))
 
 
+def test_a_short_context_instruction_lets_a_cut_trace_fit_where_m0_does_not(tok):
+    # The trace's mode (M1) uses the template's context_instruction, its lower mode (M0) the model
+    # card's longer one: at a cap where M0's shared part is over the budget but M1's with a few
+    # trace tokens is not, a short trace was scored and a longer one refused ("never truncated")
+    # instead of being cut oldest-first like any trace.
+    tpl = ContextTemplate(context_instruction="Rank.")
+    query = "word " * 100
+    short = encode_pointwise(tok, query, ["d"], trace="x", template=tpl, min_doc_tokens=20)
+    m0 = encode_pointwise(tok, query, ["d"], template=tpl, min_doc_tokens=20)
+    assert short.mode == "M1" and len(short.shared_ids) < len(m0.shared_ids)
+    max_length = len(short.shared_ids) + 9 + 20          # shared + suffix (9) + min_doc_tokens (20)
+    enc = encode_pointwise(tok, query, ["d"], trace=TRACE, template=tpl, max_length=max_length, min_doc_tokens=20,
+                           trace_cut_chunk=1)
+    assert enc.mode == "M1" and TRACE.endswith(enc.trace_used) and enc.trace_tokens_dropped > 0
+    assert len(enc.shared_ids) <= max_length - 9 - 20
+    assert enc.shared_ids == shared_reference(tok, query, None, enc.trace_used, "Rank.")
+    # in 512-token chunks no tail of this trace fits: it goes whole, and M0 does not fit either
+    with pytest.raises(ValueError, match="never truncated"):
+        encode_pointwise(tok, query, ["d"], trace=TRACE, template=tpl, max_length=max_length, min_doc_tokens=20)
+    # nor does the trace line itself a few tokens lower: refused before any cut, as before
+    with pytest.raises(ValueError, match="never truncated"):
+        encode_pointwise(tok, query, ["d"], trace=TRACE, template=tpl, max_length=max_length - 6, min_doc_tokens=20,
+                         trace_cut_chunk=1)
+
+
 def test_query_and_question_never_cut(tok):
     long = " ".join(["very long query"] * 400)
     with pytest.raises(ValueError, match=r"query and question are never truncated.*query \d+"):
