@@ -35,6 +35,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .._validate import check_int, positive_int
 from .truncation import DEFAULT_MIN_DOC_TOKENS, TRACE_CUT_CHUNK, cut_oldest, cut_tail
 
 # -- Qwen3-Reranker model card strings, character for character (docs/ARCHITECTURE.md, "Scoring facts") --------
@@ -74,8 +75,10 @@ class ContextTemplate:
     Context always sits before ``"<Document>:"``, i.e. in the shared part.
 
     Attributes:
-        question: format string of the question line; exactly one field, ``{question}``.
-        trace: format string of the reasoning-trace line; exactly one field, ``{trace}``.
+        question: format string of the question line; exactly one field, ``{question}``, bare:
+            a format spec or conversion (``{question:.30}``, ``{question!r}``) would change the
+            text, e.g. cut the question, which is never cut (``acarerank.prompts.truncation``).
+        trace: format string of the reasoning-trace line; exactly one field, ``{trace}``, bare.
         order: the order of the two lines, a permutation of ``("question", "trace")``.
         context_instruction: instruction used in M1–M3 when the caller passes none
             (``None``: :data:`DEFAULT_INSTRUCTION`, as in M0).
@@ -87,20 +90,32 @@ class ContextTemplate:
     context_instruction: Optional[str] = None
 
     def __post_init__(self):
+        from ..tokenizer import check_text
+
         for name in ("question", "trace"):
             fmt = getattr(self, name)
             if not isinstance(fmt, str):
                 raise TypeError(f"ContextTemplate.{name} must be a format string, got {type(fmt).__name__}")
-            fields = [f for _, f, _, _ in string.Formatter().parse(fmt) if f is not None]
+            try:
+                parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(fmt) if f is not None]
+            except ValueError as e:  # an unmatched brace
+                raise ValueError(f"ContextTemplate.{name} is not a format string: {e}; {fmt!r}") from None
+            fields = [f for f, _, _ in parsed]
             if fields != [name]:
                 raise ValueError(f"ContextTemplate.{name} must contain the field {{{name}}} exactly once and no "
                                  f"other field; {fmt!r} has {fields}")
+            if parsed[0][1] or parsed[0][2]:  # else "{question:.30}" cut the question silently, "{question:d}" failed in encode
+                raise ValueError(f"ContextTemplate.{name} must hold the field bare, {{{name}}}, without a format spec "
+                                 f"or conversion (they change the text); {fmt!r}")
+            check_text(f"ContextTemplate.{name}", fmt)
         if tuple(self.order) not in (("question", "trace"), ("trace", "question")):
             raise ValueError(f"ContextTemplate.order must be ('question', 'trace') or ('trace', 'question'), "
                              f"got {self.order!r}")
         if self.context_instruction is not None and not isinstance(self.context_instruction, str):
             raise TypeError(f"ContextTemplate.context_instruction must be a str or None, "
                             f"got {type(self.context_instruction).__name__}")
+        if self.context_instruction is not None:
+            check_text("ContextTemplate.context_instruction", self.context_instruction)
 
 
 DEFAULT_TEMPLATE = ContextTemplate()
@@ -233,14 +248,6 @@ class PointwiseEncoding:
         return len(self.segment_ids)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def default_min_doc_tokens(max_length: int) -> int:
     """The document reserve when the caller gives none: 512 tokens, at most half of ``max_length``.
 
@@ -305,15 +312,17 @@ def encode_pointwise(tokenizer, query: str, documents: Sequence[str], question: 
 
     f = _checked_fields(query, documents, question, trace, instruction, template, max_length, min_doc_tokens,
                         truncate, max_doc_tokens)
+    # checked here, not only where a trace is cut: a bad value fails every call, named as the caller wrote it
+    trace_cut_chunk = positive_int("trace_cut_chunk", trace_cut_chunk)
     enc = TextEncoder.of(tokenizer, special_tokens)
     prefix_ids, suffix_ids = enc.template([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX])
     shared_ids, trace_used, trace_dropped = _encode_shared(enc, f, prefix_ids, len(suffix_ids), trace_cut_chunk)
-    room = max_length - len(shared_ids) - len(suffix_ids)
+    room = f.max_length - len(shared_ids) - len(suffix_ids)
     segments, truncated, dropped, exact = _encode_documents(enc, f, room, len(shared_ids), suffix_ids)
     return PointwiseEncoding(shared_ids=shared_ids, segment_ids=segments, mode=context_mode(f.question, trace_used),
                              trace_tokens_dropped=trace_dropped, doc_truncated=truncated,
                              doc_tokens_dropped=dropped, doc_tokens_exact=exact, num_suffix_tokens=len(suffix_ids),
-                             max_length=max_length, trace_used=trace_used)
+                             max_length=f.max_length, trace_used=trace_used)
 
 
 @dataclass(frozen=True)
@@ -352,14 +361,15 @@ def _checked_fields(query, documents, question, trace, instruction, template, ma
     t = _check_optional_str("trace", trace)
     if not isinstance(template, ContextTemplate):
         raise TypeError(f"template must be a ContextTemplate, got {type(template).__name__}")
-    _check_int("max_length", max_length, 1)
+    # the package's one integer rule (numpy ints as ints, never bools; acarerank._validate), as
+    # PointwiseReranker's own arguments, which reach here
+    max_length = check_int("max_length", max_length, 1)
     if min_doc_tokens is None:
         min_doc_tokens = default_min_doc_tokens(max_length)
-    _check_int("min_doc_tokens", min_doc_tokens, 1)
+    min_doc_tokens = check_int("min_doc_tokens", min_doc_tokens, 1)
     if not isinstance(truncate, bool):
         raise TypeError(f"truncate must be a bool, got {type(truncate).__name__}")
-    if max_doc_tokens is not None:
-        _check_int("max_doc_tokens", max_doc_tokens, 1)
+    max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 1, allow_none=True)
     if instruction is not None and not isinstance(instruction, str):
         raise TypeError(f"instruction must be a str or None, got {type(instruction).__name__}")
     for name, value in (("question", q), ("trace", t), ("instruction", instruction)):
@@ -389,6 +399,8 @@ def _encode_shared(enc, f: _Fields, prefix_ids: list, n_suffix: int, trace_cut_c
                                       budget, current_len=shared_len, chunk=trace_cut_chunk)
         head_ids = enc.user([f.head(t)])[0]
         shared_len = len(prefix_ids) + len(head_ids)
+        if shared_len > budget:  # the trace went whole, and its lower mode's instruction is the longer one
+            _raise_never_cut(enc, f, n_suffix, shared_len)
         assert shared_len <= budget, (shared_len, budget)  # cut_oldest verified it; guard the invariant
     return list(prefix_ids) + list(head_ids), t, trace_dropped
 
@@ -438,18 +450,32 @@ def _raise_shared_over(enc, f: _Fields, prefix_ids: list, n_suffix: int, budget:
             f"{fixed + n_suffix + reserve} tokens; raise max_length" + knob)
     base = len(prefix_ids) + len(enc.user([f.head(None)])[0])
     if base > budget:
-        n_query, n_question, n_instr = (len(x) for x in enc.user(
-            [f.query, q or "", resolve_instruction(f.instruction, context_mode(q, None), f.template)]))
-        raise ValueError(
-            f"the query and question are never truncated, but with the instruction and fixed strings they "
-            f"make a {base}-token shared context (query {n_query}, question {n_question}, "
-            f"instruction {n_instr} tokens); with suffix {n_suffix}{tail} that exceeds "
-            f"max_length={f.max_length}. Shorten the query/question or raise max_length" + knob)
+        # Without its trace line the prompt drops a mode (M1 -> M0), and M0's instruction is the model
+        # card's: a ContextTemplate.context_instruction shorter than it can make a cut trace fit where
+        # no trace does, so then cutting decides (``_encode_shared`` raises if the trace goes whole).
+        instr = resolve_instruction(f.instruction, context_mode(q, "trace"), f.template)
+        if instr == resolve_instruction(f.instruction, context_mode(q, None), f.template) or \
+                len(prefix_ids) + len(enc.user([shared_body_text(f.query, q, "", instr, f.template)])[0]) > budget:
+            _raise_never_cut(enc, f, n_suffix, base)
     if not f.truncate:  # only the trace is over
         n_trace = enc.user_count(t)
         raise ValueError(
             f"trace is {n_trace} tokens; with it the shared context is {shared_len} tokens + suffix {n_suffix} "
             f"= {shared_len + n_suffix} > max_length={f.max_length} (truncate=False)")
+
+
+def _raise_never_cut(enc, f: _Fields, n_suffix: int, base: int) -> None:
+    """ValueError: the shared part without its trace line (``base`` tokens) is over its budget."""
+    q = f.question
+    tail = f" + min_doc_tokens {f.min_doc_tokens}" if f.truncate else ""
+    knob = " or lower min_doc_tokens (CLI: --min-doc-tokens)" if f.truncate else ""
+    n_query, n_question, n_instr = (len(x) for x in enc.user(
+        [f.query, q or "", resolve_instruction(f.instruction, context_mode(q, None), f.template)]))
+    raise ValueError(
+        f"the query and question are never truncated, but with the instruction and fixed strings they "
+        f"make a {base}-token shared context (query {n_query}, question {n_question}, "
+        f"instruction {n_instr} tokens); with suffix {n_suffix}{tail} that exceeds "
+        f"max_length={f.max_length}. Shorten the query/question or raise max_length" + knob)
 
 
 def _encode_documents(enc, f: _Fields, room: int, shared_len: int, suffix_ids: list) -> tuple:

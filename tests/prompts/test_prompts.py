@@ -122,6 +122,21 @@ def test_template_validation(kwargs, err):
         ContextTemplate(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(question="<Question>: {question:.30}\n"), r"ContextTemplate\.question .*bare"),  # would cut the question
+    (dict(trace="<Reasoning>: {trace!r}\n"), r"ContextTemplate\.trace .*bare"),           # would quote and escape it
+    (dict(question="{question:d}"), r"ContextTemplate\.question .*bare"),          # failed only in encode, unnamed
+    (dict(trace="{trace"), r"ContextTemplate\.trace is not a format string"),
+    (dict(question="<Q\udc00>: {question}\n"), r"ContextTemplate\.question is not valid Unicode"),
+    (dict(context_instruction="\ud800"), r"ContextTemplate\.context_instruction is not valid Unicode"),
+])
+def test_template_refuses_what_would_change_or_break_the_prompt_later(kwargs, match):
+    # each was accepted and then cut the question silently, or failed inside encode_pointwise
+    # (a format error or the tokenizer's TypeError) without naming the template
+    with pytest.raises(ValueError, match=match):
+        ContextTemplate(**kwargs)
+
+
 # -- the split equals the joint tokenization -----------------------------------------------------
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -303,6 +318,31 @@ def test_trace_dropped_entirely_lowers_mode(tok):
         assert enc.trace_tokens_dropped == len(tok.encode(TRACE, add_special_tokens=False))
 
 
+def test_a_short_context_instruction_lets_a_cut_trace_fit_where_m0_does_not(tok):
+    # The trace's mode (M1) uses the template's context_instruction, its lower mode (M0) the model
+    # card's longer one: at a cap where M0's shared part is over the budget but M1's with a few
+    # trace tokens is not, a short trace was scored and a longer one refused ("never truncated")
+    # instead of being cut oldest-first like any trace.
+    tpl = ContextTemplate(context_instruction="Rank.")
+    query = "word " * 100
+    short = encode_pointwise(tok, query, ["d"], trace="x", template=tpl, min_doc_tokens=20)
+    m0 = encode_pointwise(tok, query, ["d"], template=tpl, min_doc_tokens=20)
+    assert short.mode == "M1" and len(short.shared_ids) < len(m0.shared_ids)
+    max_length = len(short.shared_ids) + 9 + 20          # shared + suffix (9) + min_doc_tokens (20)
+    enc = encode_pointwise(tok, query, ["d"], trace=TRACE, template=tpl, max_length=max_length, min_doc_tokens=20,
+                           trace_cut_chunk=1)
+    assert enc.mode == "M1" and TRACE.endswith(enc.trace_used) and enc.trace_tokens_dropped > 0
+    assert len(enc.shared_ids) <= max_length - 9 - 20
+    assert enc.shared_ids == shared_reference(tok, query, None, enc.trace_used, "Rank.")
+    # in 512-token chunks no tail of this trace fits: it goes whole, and M0 does not fit either
+    with pytest.raises(ValueError, match="never truncated"):
+        encode_pointwise(tok, query, ["d"], trace=TRACE, template=tpl, max_length=max_length, min_doc_tokens=20)
+    # nor does the trace line itself a few tokens lower: refused before any cut, as before
+    with pytest.raises(ValueError, match="never truncated"):
+        encode_pointwise(tok, query, ["d"], trace=TRACE, template=tpl, max_length=max_length - 6, min_doc_tokens=20,
+                         trace_cut_chunk=1)
+
+
 def test_query_and_question_never_cut(tok):
     long = " ".join(["very long query"] * 400)
     with pytest.raises(ValueError, match=r"query and question are never truncated.*query \d+"):
@@ -380,6 +420,22 @@ def test_bad_input(tok, kwargs, err, match):
     args.update(kwargs)
     with pytest.raises(err, match=match):
         encode_pointwise(tok, **args)
+
+
+def test_integer_arguments_follow_the_package_rule(tok):
+    # numpy ints count as ints, as everywhere in the API (acarerank._validate): PointwiseReranker
+    # accepted them and encode_pointwise refused max_doc_tokens=np.int64(...) with a TypeError
+    np = pytest.importorskip("numpy")
+    args = dict(trace=TRACE, question="Q?", min_doc_tokens=20)
+    want = encode_pointwise(tok, "q", ["d " * 300], max_length=400, max_doc_tokens=50, trace_cut_chunk=7, **args)
+    got = encode_pointwise(tok, "q", ["d " * 300], max_length=np.int64(400), max_doc_tokens=np.int32(50),
+                           trace_cut_chunk=np.int64(7), **args)
+    assert got == want and want.trace_tokens_dropped > 0 and want.doc_truncated == [True]
+    assert type(got.max_length) is int
+    # a bad trace_cut_chunk is refused on every call, by its name (was "chunk", and only once a trace was cut)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="trace_cut_chunk"):
+            encode_pointwise(tok, "q", ["d"], trace_cut_chunk=bad)
 
 
 def test_documents_in_one_batched_call(tok):
