@@ -43,6 +43,9 @@ def _check(op: str, x, weight, residual=None):
         # (empty tensors hold no memory to share: both storages' pointers are null)
         if x.numel() and residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             raise ValueError(f"{op}: residual and input must not share memory")
+        # a weight inside the residual stream would be read after the add updated it
+        if x.numel() and residual.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+            raise ValueError(f"{op}: residual and weight must not share memory")
 
 
 # -- references ---------------------------------------------------------------------------
@@ -116,7 +119,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        backend=None) -> torch.Tensor:
     """``residual += x`` in place, then RMSNorm of it; returns y (module docstring).
 
-    x, residual [..., H] same shape and dtype (residual contiguous, not sharing x's memory).
+    x, residual [..., H] same shape and dtype (residual contiguous, not sharing x's or weight's memory).
     """
     _check("fused_add_rms_norm", x, weight, residual)
     name = resolve_elementwise(OP_FUSED_ADD, backend, x.device, x.dtype)

@@ -291,8 +291,12 @@ inline bool pack_kv_tile(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_
 // cnt(i) is row i's number of visible key columns in this tile (all of them on the prefix, the
 // causal count on the diagonal); a row with cnt 0 is left as it is. A NaN score (a NaN in q)
 // is never the max, so m' stays −inf on an all-NaN row and every later value is NaN: the row
-// comes out NaN, as plain softmax gives. P is written for j < width (the columns its GEMM reads):
-// p_ij, then zeros.
+// comes out NaN, as plain softmax gives. A row whose visible scores so far are all −inf (a key
+// holding a −inf, or a q·k past fp32's range) keeps m' = −inf with α = 1 and no offset, so those
+// weights are exactly 0 (FlashAttention's Check_inf): scale·(m − m') and s − m' were
+// −inf − (−inf) = NaN, and the row came out NaN where plain softmax gives those keys weight 0
+// and is finite once the row sees a finite score (NaN still if it never does: l stays 0).
+// P is written for j < width (the columns its GEMM reads): p_ij, then zeros.
 
 #if defined(__x86_64__)
 // AVX2+FMA row step, chosen at run time (cpu_has_avx2): the function carries its own target
@@ -329,6 +333,14 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* s,
   for (int k = 1; k < 8; ++k) mx = lanes[k] > mx ? lanes[k] : mx;
   for (; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
   const float m_new = m > mx ? m : mx;
+  if (m_new == -std::numeric_limits<float>::infinity()) {
+    // every visible score so far −inf (see softmax_step): weights exp(−inf) = 0 exactly (exp_avx2
+    // clamps to ~1e-38), a NaN stays NaN; α = 1
+    float sum = 0.f;
+    for (j = 0; j < n; ++j) sum += p[j] = std::exp(scale * s[j]);
+    l += sum;
+    return;
+  }
   const float alpha = std::exp(scale * (m - m_new));
   const float off = scale * m_new;
   const __m256 vs = _mm256_set1_ps(scale), voff = _mm256_set1_ps(off);
@@ -394,9 +406,12 @@ ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float sc
   }
   const float mx = _mm512_reduce_max_ps(vmx);
   const float m_new = m > mx ? m : mx;
+  // every visible score so far −inf (see softmax_step): α = 1, no offset, and 2^−inf is
+  // exp2_avx512(−150) = 0 exactly
+  const bool none = m_new == -std::numeric_limits<float>::infinity();
   constexpr float kLog2e = 1.44269504088896341f;
-  return {m_new, std::exp(scale * (m - m_new)), _mm512_set1_ps(scale * kLog2e),
-          _mm512_set1_ps(scale * kLog2e * m_new)};
+  return {m_new, none ? 1.f : std::exp(scale * (m - m_new)), _mm512_set1_ps(scale * kLog2e),
+          _mm512_set1_ps(none ? 0.f : scale * kLog2e * m_new)};
 }
 
 // Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).
@@ -507,8 +522,9 @@ void softmax_step(int64_t M, int64_t KT, int64_t width, int64_t d, float scale, 
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
     const float m_new = m[i] > mx ? m[i] : mx;
-    const float alpha = std::exp(scale * (m[i] - m_new));  // 0 at the first visible tile (m = −inf)
-    const float off = scale * m_new;
+    const bool none = m_new == -std::numeric_limits<float>::infinity();  // every score so far −inf (above)
+    const float alpha = none ? 1.f : std::exp(scale * (m[i] - m_new));  // 0 at the first visible tile (m = −inf)
+    const float off = none ? 0.f : scale * m_new;
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
       p[j] = static_cast<c_t>(std::exp(scale * s[j] - off));

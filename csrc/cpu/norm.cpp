@@ -9,6 +9,7 @@
 // of exactly the residual stream that is stored (as in transformers' Qwen3 layer, where the add
 // happens in the activation dtype). Rows are split over at::parallel_for (torch's OpenMP pool); the
 // row kernels are layer_kernels.h's (AVX-512, AVX2 or baseline build, chosen at run time).
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "layer_glue.h"
@@ -82,9 +83,13 @@ at::Tensor fused_add_rms_norm_cpu(const at::Tensor& x, at::Tensor& residual, con
   TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "fused_add_rms_norm_cpu: residual dtype ",
               residual.scalar_type(), " differs from the input's ", x.scalar_type());
   TORCH_CHECK(residual.is_contiguous(), "fused_add_rms_norm_cpu: residual must be contiguous (it is updated in place)");
-  // empty tensors hold no memory to share (both data pointers are null): a pass of no rows is legal
-  TORCH_CHECK(x.numel() == 0 || (!residual.is_same(x) && residual.data_ptr() != x.data_ptr()),
+  // any overlap, not only the same first element: rows are written in place while later rows (and
+  // other threads' rows) are still read, so x one row behind residual summed already-updated rows
+  // without an error. Empty tensors hold no memory to share: a pass of no rows is legal.
+  TORCH_CHECK(x.numel() == 0 || at::get_overlap_status(residual, x) == at::MemOverlapStatus::No,
               "fused_add_rms_norm_cpu: residual and input must not share memory");
+  TORCH_CHECK(x.numel() == 0 || at::get_overlap_status(residual, w) == at::MemOverlapStatus::No,
+              "fused_add_rms_norm_cpu: residual and weight must not share memory");
   auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (x.numel() == 0) return y;
   if (x.scalar_type() == at::kFloat) fused_add_rms_norm_kernel<float, float>(x, residual, w, y, eps);

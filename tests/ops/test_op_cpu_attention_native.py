@@ -152,6 +152,32 @@ def test_nan_value_reaches_only_the_rows_that_see_it():
     assert (out[~sees] - ref[~sees]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_scoring_minus_inf_first_gets_weight_zero_not_nan(dtype):
+    """A key whose score is −inf (a −inf in K against a positive q) gets softmax weight 0: the
+    oracle and plain PyTorch stay finite. When such keys were all a row had seen so far (here the
+    whole one-key prefix, so the first softmax step), the online softmax computed −inf − (−inf):
+    the row came out NaN. Group 0 (one token) runs the direct path, group 1 (40 tokens × 4 query
+    heads) the tiles; the rule of the suite holds on both, and no row is NaN."""
+    paged, packed = make([1, 40], [1, 1], [0, 1], 4, 2, 64, 16, dtype=dtype)
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    q.abs_()
+    for g in (0, 1):
+        kc[int(bt[g, 0]), 0, :, 5] = float("-inf")  # prefix key 0 of each group, both kv heads
+    pk = packed[4].clone()
+    pk[:, :, 5] = float("-inf")
+    packed = (q, k, v, cu, pk, *packed[5:])
+    ref = ref32(packed)
+    assert torch.isfinite(ref).all()
+    base = plain(packed, 1.0 / math.sqrt(64))
+    bound = 1e-5 if dtype == torch.float32 else \
+        2 * (base.float() - ref).abs().max().item() + 2 * (ref + 0.3 - 0.3 - ref).abs().max().item()
+    for name, out in (("paged", prefix_shared_attention_paged(*paged, backend="native")),
+                      ("packed", prefix_shared_attention(*packed, backend="native"))):
+        assert not torch.isnan(out).any(), f"{name}: NaN rows {torch.nonzero(torch.isnan(out).any(-1))[:6].tolist()}"
+        assert (out.float() - ref).abs().max().item() <= bound, f"{name}: " + report(out, ref)
+
+
 def test_non_contiguous_q_and_strided_pool():
     paged, packed = make([7, 59], [63, 300], [0, 1], 4, 2, 64, 32)
     q, k, v, cu, kc, vc, bt, pl, sg = paged

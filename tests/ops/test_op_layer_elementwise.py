@@ -161,6 +161,9 @@ def test_norm_bad_inputs_name_the_problem():
         fused_add_rms_norm(x, torch.zeros(4, 9), torch.ones(8))
     with pytest.raises(ValueError, match="share memory"):
         fused_add_rms_norm(x, x, torch.ones(8))
+    res = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="residual and weight must not share memory"):
+        fused_add_rms_norm(x, res, res[1])  # on either backend: the add would change the weight
     with pytest.raises(ValueError, match="must be contiguous"):
         fused_add_rms_norm(x, torch.zeros(8, 4).t(), torch.ones(8))
     with pytest.raises(BackendError, match="no 'cuda' backend"):
@@ -345,6 +348,34 @@ def test_native_kernels_refuse_non_contiguous_with_a_clear_error():
         ops.rms_norm_cpu(torch.randn(3, 4), torch.ones(4, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.silu_and_mul_cpu(torch.zeros(2, 4, dtype=torch.float64))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_fused_add_refuses_residual_overlapping_input_or_weight(dtype):
+    """The raw kernel updates residual rows in place while other rows of x are still read. It
+    refused only an x starting at residual's first element: x one row behind residual (a view of
+    the same buffer) was accepted and summed rows it had already overwritten (wrong y and residual,
+    no error). Any overlap with x, or with the weight, is now an error; disjoint views of one
+    buffer still run."""
+    from acarerank.ops import _native
+
+    _native.load()
+    kern = torch.ops.acarerank.fused_add_rms_norm_cpu
+    buf, w = _rand(9, 64, dtype=dtype), _weight(64, dtype)
+    for x, res in ((buf[:-1], buf[1:]), (buf[1:], buf[:-1]), (buf[2:6], buf[4:8])):
+        before = buf.clone()
+        with pytest.raises(RuntimeError, match="residual and input must not share memory"):
+            kern(x, res, w, 1e-6)
+        assert torch.equal(buf, before)
+    with pytest.raises(RuntimeError, match="residual and weight must not share memory"):
+        kern(_rand(9, 64, dtype=dtype), buf, buf[3], 1e-6)
+    x, res = buf[:4], buf[4:8]  # one buffer, no overlap: legal
+    want_y, want_sum = fused_add_rms_norm_ref(x.clone(), res.clone(), w, 1e-6)
+    got = kern(x, res, w, 1e-6)
+    assert torch.equal(res, want_sum)
+    _one_ulp("fused_add_rms_norm", got, want_y) if dtype == torch.bfloat16 else \
+        _check("fused_add_rms_norm", got, want_y, dtype)
 
 
 @needs_native
