@@ -78,6 +78,7 @@ class _ScoreJob:
     done: int = 0                    # segments scored
     handle: object = None
     started: Optional[float] = None
+    canary: bool = False             # the engine's own check (``_canary_iteration``): no request metrics
     cancelled: bool = False
     moved: int = 0                   # the last pass that scored one of its segments
     rid: str = ""                    # request id (log lines)
@@ -473,7 +474,7 @@ class Engine:
         """The canary as the only job of one scheduler iteration (the failed iteration left no other;
         new arrivals wait in the inbox): the loop's own code, not only the model's, must answer it."""
         job = _ScoreJob(enc=self.canary, future=concurrent.futures.Future(), submitted=time.perf_counter(),
-                        scores=[0.0] * len(self.canary.segment_ids), rid="canary")
+                        scores=[0.0] * len(self.canary.segment_ids), rid="canary", canary=True)
         self._active = [job]   # on failure it stays there: _die gives its pages back with the others'
         self._iteration()
         if not job.future.done():
@@ -607,7 +608,7 @@ class Engine:
             job.cancelled = True
             return False
         job.started = time.perf_counter()  # queue time ends here; the prefill is work
-        if self.metrics is not None:
+        if self.metrics is not None and not job.canary:
             self.metrics.queue_time.observe(job.started - job.submitted)
         try:
             job.handle = self._acquire_prefix(job.enc)
@@ -825,7 +826,7 @@ class Engine:
         _settle(job.future, ScoreResult(scores=job.scores, prompt_tokens=h.prompt_tokens,
                                           cached_tokens=h.cached_tokens,
                                           queue_time=(job.started or job.submitted) - job.submitted))
-        if self.metrics is not None:
+        if self.metrics is not None and not job.canary:
             self.metrics.documents.inc(len(job.scores))
 
     def _fail_all(self, exc: BaseException) -> None:

@@ -522,6 +522,22 @@ def test_iterations_that_fail_whatever_the_input_kill_the_engine_after_the_canar
     assert canary_runs(metrics) == {"passed": 0, "failed": 1}
 
 
+def test_the_canary_iteration_adds_no_request_metrics():
+    """The canary is the engine's own check, not a request: its passing iteration adds no queue-time
+    sample and no scored documents (only the real requests' do)."""
+    bad = set(range(100, 110))
+    metrics = ServerMetrics()
+    eng = Engine(BadRelease(bad), max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
+    try:
+        out = one_by_one(eng, [100, 101, 102, 7])
+    finally:
+        eng.stop(5)
+    assert out[7].scores == [7.002] and canary_runs(metrics) == {"passed": 1, "failed": 0}, out
+    samples = {s.name: s.value for s in metrics.queue_time.collect()[0].samples}
+    assert samples["acarerank_queue_time_seconds_count"] == 4, samples   # 4 requests, the canary not one
+    assert metrics.documents._value.get() == 1, "the canary's document was counted as scored"
+
+
 def test_iterations_that_fail_for_one_input_leave_the_engine_serving():
     """The same bug hit only by one client's requests: the canary's own iteration is clean, the
     count starts again, and the engine serves a clean request afterwards."""
