@@ -23,7 +23,7 @@ optional (without it the module holds the C++ CPU twins only). The CUDA runtime 
 statically: the module needs only the NVIDIA driver at run time, and a driver new enough for
 the nvcc that built it (CUDA 13.x: driver >= 580; CUDA 12.x: >= 525).
 
-Environment knobs (read by CMakeBuild, documented in the README):
+Environment knobs (read by CMakeBuild, documented in docs/install.md):
   ACARERANK_NO_CPU_EXT=1        skip acarerank._cpu even when torch is importable
   ACARERANK_NO_CUDA=1           build the C++ CPU part only, even when nvcc is found
   ACARERANK_CUDA_ARCHS="80;90"  CUDA architectures (CMake CUDA_ARCHITECTURES syntax)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install acarerank with its test extras, on a fresh CPU machine.
-# torch is pinned to its 2.13.0 CPU wheel (an unpinned torch pulls a
-# multi-GB CUDA build). The extension acarerank._C is built by CMake + ninja during the
-# editable install (C++ always; CUDA when nvcc is found unless ACARERANK_NO_CUDA=1).
+# torch is pinned to 2.13.0, from the configured pip index; PyPI's Linux wheel is the multi-GB
+# CUDA build, pinned or not (docs/install.md: put the CPU wheel in .venv first). The extensions
+# acarerank._C and acarerank._cpu are built by CMake + ninja during the editable install
+# (C++ always; CUDA when nvcc is found unless ACARERANK_NO_CUDA=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then

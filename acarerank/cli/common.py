@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-from ..server.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DOCUMENTS  # stdlib-only module: --help stays light
+from ..server.config import (BACKEND_NAMES, DEFAULT_MAX_BODY_BYTES,  # stdlib-only module: --help stays light
+                             DEFAULT_MAX_DOCUMENTS)
 
 #: bytes one input file (--docs, --trace-file, stdin) may hold: what one server request may carry
 #: (docs/input-safety.md, "What is guaranteed"); only this + 1 bytes are ever read
@@ -18,7 +19,7 @@ MAX_INPUT_BYTES = DEFAULT_MAX_BODY_BYTES
 #: docs/input-safety.md); MAX_INPUT_BYTES alone admits ~2.8 M empty documents, each a prompt to score
 MAX_DOCUMENTS = DEFAULT_MAX_DOCUMENTS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-BACKEND_HELP = ("backend preference: torch | triton | cpp | cuda, used by every op that has it, "
+BACKEND_HELP = (f"backend preference: {BACKEND_NAMES}, used by every op that has it, "
                 "or per op: attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)")
 
 

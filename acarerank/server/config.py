@@ -23,6 +23,9 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024   # 1,000 documents of ~32 kB each
 DEFAULT_MAX_QUEUE = 512                      # TEI's default max_concurrent_requests
 DEFAULT_MAX_DOCUMENTS = 1000                 # Cohere's recommended ceiling per request
 MAX_HEAD_BYTES = 16 * 1024                   # request line + headers: h11's default (nginx: 4 x 8 kB buffers)
+#: the names a backend preference takes (acarerank.ops._backend.KNOWN_BACKENDS, spelled out here so
+#: that --help imports no torch; a test keeps the two equal)
+BACKEND_NAMES = "torch | triton | cpp | cuda | flash_attn_cascade | native | onednn"
 
 
 def _opt(help: str, **kw):
@@ -40,7 +43,7 @@ class ServeConfig:
     dtype: str = _opt("auto: bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32", default="auto",
                       choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("torch device of the model", default="cpu")
-    backend: Optional[str] = _opt("backend preference: torch | triton | cpp | cuda, or per op: "
+    backend: Optional[str] = _opt(f"backend preference: {BACKEND_NAMES}, or per op: "
                                   "attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)",
                                   default=None)
     max_length: int = _opt("token cap per document prompt", default=8192)

@@ -277,3 +277,20 @@ def test_nonfinite_weights_are_one_line_and_never_a_nan_score(capsys, files, tmp
     for cmd in ("score", "select"):
         rc, err, out = run(capsys, [cmd, "--model", str(files / "ckpt")] + base)
         assert rc == 1 and len(err) == 1 and out == "" and "NonFiniteOutputError" in err[0], (rc, err, out)
+
+
+@pytest.mark.parametrize("command", ["score", "select", "serve"])
+def test_backend_help_names_every_backend(command):
+    """``--backend``'s help lists every name the preference takes (``acarerank.ops._backend.KNOWN_BACKENDS``;
+    docs/install.md, ``ACARERANK_BACKEND``): it named torch | triton | cpp | cuda only, not the CPU
+    defaults ``native`` and ``onednn``."""
+    import argparse
+    import re
+
+    from acarerank.cli import build_parser
+    from acarerank.ops._backend import KNOWN_BACKENDS
+
+    sub = next(a for a in build_parser(command)._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    help_text = sub._option_string_actions["--backend"].help
+    listed = re.search(r"backend preference: ([\w |]+?),", help_text).group(1).split(" | ")
+    assert sorted(listed) == sorted(KNOWN_BACKENDS), help_text

@@ -13,6 +13,10 @@ What is read: every fenced block of README.md and docs/*.md.
   prints; a shell script given by path exists and is given only flags its ``case`` parser
   (or that of a file it sources) accepts; every argument naming a path in the repository
   (``bench/``, ``scripts/``, ``tests/``, ...) exists.
+- Commands quoted inline in prose (a code span starting ``acarerank ``, ``python -m acarerank.cli``,
+  ``python bench/X.py``, ``bash ``, ``bench/X.sh`` or ``scripts/X.sh``; a span may wrap lines):
+  the same checks of flag names and paths, but no full parse, since prose quotes fragments
+  (`` `acarerank score` `` alone, `` `--skip pytest --also peers` `` after a command named before).
 - Placeholders are values, never flags: ``PATH``, ``N``, ``KEY`` (upper-case words),
   ``...``, ``$VAR``; optional parts written ``[--flag VALUE]`` are checked like the rest.
 - Python blocks: each is compiled; each runs (in a subprocess, with a timeout) unless the
@@ -215,14 +219,17 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise LookupError(name)
 
 
-def check_cli(args: List[str]) -> List[str]:
-    """Problems of ``acarerank ARGS`` against the CLI's own parser ([] when it parses)."""
+def check_cli(args: List[str], full_parse: bool = True) -> List[str]:
+    """Problems of ``acarerank ARGS`` against the CLI's own parser ([] when it parses). Without
+    ``full_parse`` only the subcommand and the flag names are checked (a fragment quoted in prose)."""
     from acarerank.cli import SUBCOMMANDS, build_parser, chosen_command
 
     args = _unbracket(args)
     command = chosen_command(args)
     if command is None:
-        return [] if any(a in ("-h", "--help") for a in args) else ["no subcommand"]
+        return [] if any(a in ("-h", "--help") for a in args) or not full_parse else ["no subcommand"]
+    if is_placeholder(command):  # python -m acarerank.cli ...
+        return []
     if command not in SUBCOMMANDS:
         return [f"unknown subcommand {command!r} (known: {', '.join(SUBCOMMANDS)})"]
     parser = build_parser(command)
@@ -233,7 +240,7 @@ def check_cli(args: List[str]) -> List[str]:
             break
         if a.startswith("--") and a.split("=", 1)[0] not in sub._option_string_actions:
             problems.append(f"acarerank {command} has no flag {a.split('=', 1)[0]}")
-    if problems:
+    if problems or not full_parse:
         return problems
     for action in sub._actions:
         if action.type is not None:
@@ -315,8 +322,9 @@ def _repo_path(word: str) -> Optional[str]:
     return w if w.startswith(REPO_DIRS) and not is_placeholder(w) else None
 
 
-def check_command(words: List[str]) -> List[str]:
-    """Problems of one simple command from a doc ([] when it matches the code)."""
+def check_command(words: List[str], full_parse: bool = True) -> List[str]:
+    """Problems of one simple command from a doc ([] when it matches the code); ``full_parse``:
+    as ``check_cli``'s."""
     if words[0] == "<unparsable>":
         return [f"cannot split the line: {words[1]}: {words[2]}"]
     problems = []
@@ -326,11 +334,11 @@ def check_command(words: List[str]) -> List[str]:
             problems.append(f"no such file in the repository: {p}")
     head = words[0]
     if head == "acarerank":
-        return problems + check_cli(words[1:])
+        return problems + check_cli(words[1:], full_parse)
     if head in ("python", "python3") or head.endswith("/python"):
         rest = words[1:]
         if rest[:2] == ["-m", "acarerank.cli"]:
-            return problems + check_cli(rest[2:])
+            return problems + check_cli(rest[2:], full_parse)
         if rest and rest[0].endswith(".py") and _repo_path(rest[0]):
             rel = _repo_path(rest[0])
             if not (ROOT / rel).is_file():
@@ -350,7 +358,7 @@ def check_command(words: List[str]) -> List[str]:
         return problems if _repo_path(script) else problems + [f"no such script: {script}"]
     if rel in FORWARDS_TO:
         target = FORWARDS_TO[rel]
-        return problems + (check_cli(target + rest) if target is not None else [])
+        return problems + (check_cli(target + rest, full_parse) if target is not None else [])
     known = shell_script_flags(rel)
     return problems + [f"{rel} accepts no flag {f} (it accepts: {', '.join(sorted(known)) or 'none'})"
                        for f in _flags_of(rest) if f not in known]
@@ -377,16 +385,21 @@ def github_anchors(text: str) -> set:
     return anchors
 
 
-def _prose(text: str) -> List[tuple]:
-    """(line number, line) of the text outside fenced blocks, inline code blanked."""
+def _prose_lines(text: str) -> List[tuple]:
+    """(line number, line) of the text outside fenced blocks."""
     out, in_code = [], False
     for n, line in enumerate(text.split("\n"), 1):
         if _FENCE.match(line):
             in_code = not in_code
             continue
         if not in_code:
-            out.append((n, re.sub(r"`[^`]*`", "", line)))
+            out.append((n, line))
     return out
+
+
+def _prose(text: str) -> List[tuple]:
+    """(line number, line) of the text outside fenced blocks, inline code blanked."""
+    return [(n, re.sub(r"`[^`]*`", "", line)) for n, line in _prose_lines(text)]
 
 
 def check_links(text: str, path: Path) -> List[str]:
@@ -417,6 +430,27 @@ def command_problems(text: str, path: Path) -> List[str]:
             continue
         for cmd in shell_commands(block):
             problems += [f"{cmd.line}: {p}   [{' '.join(cmd.words)[:120]}]" for p in check_command(cmd.words)]
+    return problems
+
+
+_INLINE_COMMAND = re.compile(r"^(acarerank |python3? (-m acarerank\.cli|bench/|scripts/)|bash |bench/\S*\.sh|scripts/\S*\.sh)")
+
+
+def inline_command_problems(text: str, path: Path) -> List[str]:
+    """'LINE: problem' for every command quoted in a code span of the prose (flag names and paths;
+    LINE: where the span starts)."""
+    prose = [""] * len(text.split("\n"))
+    for n, line in _prose_lines(text):
+        prose[n - 1] = line
+    joined = "\n".join(prose)
+    problems = []
+    for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", joined):
+        span = " ".join(m.group(1).split())
+        if not _INLINE_COMMAND.match(span):
+            continue
+        line = joined.count("\n", 0, m.start()) + 1
+        for cmd in shell_commands(Block(path, line, "bash", span, None)):
+            problems += [f"{line}: {p}   [`{span[:120]}`]" for p in check_command(cmd.words, full_parse=False)]
     return problems
 
 
@@ -464,6 +498,12 @@ def _report(path: Path, problems: List[str]) -> str:
 @pytest.mark.parametrize("path", DOC_FILES, ids=_rel)
 def test_doc_commands_match_the_code(path):
     problems = command_problems(path.read_text(), path)
+    assert not problems, _report(path, problems)
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=_rel)
+def test_doc_inline_commands_match_the_code(path):
+    problems = inline_command_problems(path.read_text(), path)
     assert not problems, _report(path, problems)
 
 
@@ -529,6 +569,20 @@ def test_checker_reports_a_wrong_flag_or_path(body, expected):
 ])
 def test_checker_accepts_what_parses(body):
     assert command_problems(_one_block("bash", body), FAKE) == []
+
+
+def test_checker_reports_inline_commands():
+    """A command quoted in prose: its flags and paths are checked, fragments are not parsed whole."""
+    text = ("Run `acarerank score --query q --docs d.jsonl\n--top-k 3` first; `acarerank serve` alone is\n"
+            "fine, as is `python -m acarerank.cli ...`; `python bench/bench_setwise.py --pool-size 10` is not,\n"
+            "nor `bash scripts/mian.sh`, nor `acarerank bench --depths 10 --depth 20`.\n"
+            "```bash\nacarerank score --not-inline 1\n```\n")
+    problems = inline_command_problems(text, FAKE)
+    assert any(p.startswith("1: acarerank score has no flag --top-k") for p in problems), problems
+    assert any(p.startswith("3: python bench/bench_setwise.py has no flag --pool-size") for p in problems), problems
+    assert any(p.startswith("4: no such file in the repository: scripts/mian.sh") for p in problems), problems
+    assert any(p.startswith("4: acarerank bench has no flag --depth ") for p in problems), problems
+    assert len(problems) == 4, problems  # the fenced block is test_doc_commands_match_the_code's
 
 
 def test_checker_reports_a_python_script_flag():
