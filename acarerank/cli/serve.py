@@ -21,9 +21,20 @@ from ..server.config import ServeConfig
 SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "msgspec")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" where the help does not already say its default, and never
+    "(default: None)": an unset flag's help says what unset means."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="HTTP rerank server: /v1/rerank (Cohere/Jina/vLLM/TEI bodies), /v1/select",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_DefaultsFormatter)
     ServeConfig.add_cli_args(p)
     p.set_defaults(run=run)
 

@@ -294,3 +294,18 @@ def test_backend_help_names_every_backend(command):
     help_text = sub._option_string_actions["--backend"].help
     listed = re.search(r"backend preference: ([\w |]+?),", help_text).group(1).split(" | ")
     assert sorted(listed) == sorted(KNOWN_BACKENDS), help_text
+
+
+def test_serve_help_states_each_default_once():
+    """``serve --help`` adds argparse's "(default: X)" only where the flag's own help does not
+    already state its default, and never "(default: None)" (it read "(default: 2,048 on CPU,
+    16,384 on GPU) (default: None)")."""
+    import argparse
+
+    from acarerank.cli import build_parser
+
+    sub = next(a for a in build_parser("serve")._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    text = " ".join(sub.format_help().split())
+    assert "(default: None)" not in text, text
+    assert "16,384 on GPU) (default" not in text, text
+    assert "(default: 8000)" in text, "a plain default lost its '(default: X)'"
