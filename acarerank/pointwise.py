@@ -14,6 +14,7 @@ Step API (what a serving engine drives, one scheduler thread owning the model)::
     enc = rr.encode(request)                    # tokenize + truncate; thread-safe, no model
     h = rr.acquire_prefix(enc)                  # longest cached prefix + compute the rest; pins it
     scores = rr.score_segments([(h, ids), ...]) # one packed pass (per max_batch_tokens) over any mix
+                                                # of handles of this reranker's runner
     rr.release_prefix(h)                        # unpin (idempotent)
     rr.cache_stats()                            # lookup/hit/computed/evicted tokens, resident/budget
     rr.score_encodings([enc, ...])              # all of the above for a batch: (scores, cached tokens)
@@ -60,6 +61,10 @@ class PrefixHandle:
 
     prompt_tokens: shared + every segment's tokens; cached_tokens: shared tokens served from
     the prefix cache; computed_tokens: shared tokens computed by ``acquire_prefix``.
+
+    The handle carries its own pages (``pool``, ``blocks``) and the runner that computed them
+    (``runner``): ``score_segments`` takes only handles whose runner is its reranker's own, since
+    the KV in the pages is only valid for the weights that wrote it.
     """
     encoding: PointwiseEncoding
     pool: object
@@ -69,6 +74,7 @@ class PrefixHandle:
     cached_tokens: int
     computed_tokens: int
     released: bool = field(default=False)
+    runner: object = field(default=None, repr=False)
 
 
 def _as_requests(requests) -> list:
@@ -309,7 +315,7 @@ class PointwiseReranker(RerankerBase):
                                        chunk_tokens)
         # the handle takes over the cache's page references (released in release_prefix)
         return PrefixHandle(enc, cache.pool, cache.block_tables[0], len(ids),
-                            len(ids) + sum(len(x) for x in enc.segment_ids), hit, len(ids) - hit)
+                            len(ids) + sum(len(x) for x in enc.segment_ids), hit, len(ids) - hit, runner=self.runner)
 
     def release_prefix(self, handle: PrefixHandle) -> None:
         """Unpin the handle's pages (idempotent); cached ones stay until evicted."""
@@ -322,7 +328,14 @@ class PointwiseReranker(RerankerBase):
             handle.pool.decref(handle.blocks)
 
     def score_segments(self, items: Sequence) -> list:
-        """Scores of ``(handle, segment token ids)`` items, in item order, any mix of handles.
+        """Scores of ``(handle, segment token ids)`` items, in item order, any mix of handles
+        that share this reranker's runner.
+
+        A handle holds KV that its runner's weights computed, read from its own pages: it is
+        taken only when its runner is this reranker's (``acquire_prefix`` of this reranker, or
+        of another built on the same ``Qwen3Runner`` object: same weights, same page layout).
+        Any other handle — from a reranker of other weights, other settings (a runner copy), or
+        made by hand — is a ValueError naming the item: its scores would be silently wrong.
 
         Segments of handles in the same pool go in one packed pass (split only at
         ``max_batch_tokens``: ``Qwen3Runner.forward_segments``); equal to ``score`` of the same
@@ -335,6 +348,10 @@ class PointwiseReranker(RerankerBase):
             if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], PrefixHandle)):
                 raise TypeError(f"score_segments: item {n} must be (PrefixHandle, token ids)")
             h, ids = item
+            if h.runner is not self.runner:
+                raise ValueError(f"score_segments: item {n}'s handle was not made by this reranker's runner "
+                                 f"(acquire_prefix of a reranker with other weights or settings, or by hand); "
+                                 f"its KV pages were computed by other weights and would give wrong scores")
             if h.released:
                 raise ValueError(f"score_segments: item {n}'s handle was released")
             if len(ids) == 0:

@@ -304,7 +304,9 @@ def test_reranker_salts_leave_no_trees_behind(model, qwen3_tokenizer):
 
 def test_step_api_mixed_items_equal_score(model, qwen3_tokenizer):
     rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_batch_tokens=40)
-    off = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    # a second reranker on the same runner (its handles are rr's to score: same weights), whose
+    # handles live in other pages (no cache: private pools)
+    off = PointwiseReranker(runner=rr.runner, tokenizer=qwen3_tokenizer, prefix_cache=False)
     reqs = [session(2)[1][0], ScoreRequest("plain query", DOCS[::-1])]
     handles = [rr.acquire_prefix(rr.encode(r)) for r in reqs] + [off.acquire_prefix(off.encode(reqs[0]))]
     items = [(handles[i % 3], handles[i % 3].encoding.segment_ids[i % 3]) for i in range(7)]
@@ -323,6 +325,30 @@ def test_step_api_mixed_items_equal_score(model, qwen3_tokenizer):
     assert set(rr.cache_stats()) == {"lookup_tokens", "hit_tokens", "computed_tokens", "evicted_tokens",
                                      "resident_tokens", "budget_tokens"}
     assert all(rr._prefix_cache.pool.refcount[b] <= 1 for b in range(rr._prefix_cache.pool.num_blocks))
+
+
+def test_step_api_refuses_handles_of_another_runner(model, qwen3_tokenizer):
+    """A handle's pages hold KV its runner's weights computed: another reranker's handle (other
+    weights, or the same model loaded into another runner) is refused by item, never scored with
+    this reranker's head over the other's KV; the same request's own handle still scores as
+    ``score``."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    other = PointwiseReranker(model=random_reranker_model(2, 4, 2, 32, seed=7), tokenizer=qwen3_tokenizer)
+    twin = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)  # same weights, another runner
+    req = ScoreRequest("plain query", DOCS)
+    mine, theirs, twins = (r.acquire_prefix(r.encode(req)) for r in (rr, other, twin))
+    try:
+        seg = mine.encoding.segment_ids[0]
+        # the other model's KV under this model's layers: a score, silently wrong, before the check
+        for foreign in (theirs, twins):
+            with pytest.raises(ValueError, match=r"item 1's handle was not made by this reranker's runner"):
+                rr.score_segments([(mine, seg), (foreign, seg)])
+        got = rr.score_segments([(mine, ids) for ids in mine.encoding.segment_ids])
+        want = rr.score("plain query", DOCS)
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
+    finally:
+        for r, h in ((rr, mine), (other, theirs), (twin, twins)):
+            r.release_prefix(h)
 
 
 def test_encode_is_thread_safe(model, qwen3_tokenizer):
