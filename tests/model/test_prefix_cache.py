@@ -1,5 +1,6 @@
 """Prefix cache across calls: radix tree vs a brute-force model, thread safety, and scores
 that never depend on what was cached (agent sessions, sub-queries, eviction, salts)."""
+import dataclasses
 import random
 import threading
 
@@ -349,6 +350,37 @@ def test_step_api_refuses_handles_of_another_runner(model, qwen3_tokenizer):
     finally:
         for r, h in ((rr, mine), (other, theirs), (twin, twins)):
             r.release_prefix(h)
+
+
+def test_block_ids_out_of_the_pool_are_refused(model, qwen3_tokenizer):
+    """A block id is a page of one pool: -1 was the pool's last page (Python and torch indexing
+    wrap around), so a table holding it pinned and read another page, a wrong score without a
+    word. The pool refuses it when a table takes its reference, before any count changes."""
+    pool = BlockPool(1, 3, 16, 1, 8, torch.float32, "cpu")
+    ids = pool.allocate(3)
+    for bad in ([-1], [3], [0, -3], [True], [1.0]):
+        for op in (pool.incref, pool.decref):
+            with pytest.raises(ValueError, match="is not a block of this pool"):
+                op(bad)
+    assert pool.refcount == [1, 1, 1], pool.refcount
+    pool.decref(ids)
+    # through the step API: a budget of exactly the shared part's pages, so -1 is one of its own
+    # (held) pages — the old read got a score from the wrong page
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    enc = rr.encode(ScoreRequest("plain query", DOCS))
+    pages = -(-len(enc.shared_ids) // rr.runner.block_size)
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=pages * rr.runner.block_size)
+    h = rr.acquire_prefix(enc)
+    assert h.pool is rr._prefix_cache.pool and h.pool.num_free == 0
+    try:
+        tampered = dataclasses.replace(h, blocks=[-1] + h.blocks[1:])
+        with pytest.raises(ValueError, match="block id -1 is not a block of this pool"):
+            rr.score_segments([(tampered, enc.segment_ids[0])])
+        assert rr.score_segments([(h, enc.segment_ids[0])])[0] == pytest.approx(rr.score("plain query", DOCS)[0],
+                                                                                abs=1e-6)
+    finally:
+        rr.release_prefix(h)
+    assert all(c <= 1 for c in rr._prefix_cache.pool.refcount)
 
 
 def test_encode_is_thread_safe(model, qwen3_tokenizer):
