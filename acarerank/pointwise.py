@@ -276,8 +276,9 @@ class PointwiseReranker(RerankerBase):
 
         ``truncate=False``: nothing is cut and no document room is reserved; a prompt over
         ``max_length`` is a ValueError naming the document or the trace (``encode_pointwise``).
-        ``max_doc_tokens``: each document cut to that many tokens first (the rerank APIs'
-        ``max_tokens_per_doc``), with ``truncate=False`` too.
+        ``max_doc_tokens``: each document cut to that many of its own tokens first (the rerank
+        APIs' ``max_tokens_per_doc``; the separator space before it is not one), with
+        ``truncate=False`` too.
         """
         if not isinstance(request, ScoreRequest):
             raise TypeError(f"encode needs a ScoreRequest, got {type(request).__name__}")
