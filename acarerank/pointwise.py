@@ -27,7 +27,7 @@ sub-query under the same context, computes only what the tree does not hold.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -338,13 +338,21 @@ class PointwiseReranker(RerankerBase):
         Any other handle — from a reranker of other weights, other settings (a runner copy), or
         made by hand — is a ValueError naming the item: its scores would be silently wrong.
 
+        ``items``: any iterable of pairs; token ids a 1-D int tensor or any iterable of ints
+        (not a str). Each handle's pages are pinned for the call, so a handle another thread
+        releases meanwhile still reads its own pages (released before the call: ValueError).
+
         Segments of handles in the same pool go in one packed pass (split only at
         ``max_batch_tokens``: ``Qwen3Runner.forward_segments``); equal to ``score`` of the same
         request (≤ 1e-6 fp32). A score whose logit difference is NaN/inf (a head or final norm
         weight that is not finite, or overflows) raises ``NonFiniteOutputError`` naming the items;
         a final hidden state that cannot be scored, ``NonFiniteHiddenError`` naming them too.
         """
-        checked = []
+        if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+            raise TypeError(f"score_segments takes a list of (PrefixHandle, token ids) items, "
+                            f"got {type(items).__name__}")
+        items = list(items)
+        checked, first_item = [], {}
         for n, item in enumerate(items):
             if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], PrefixHandle)):
                 raise TypeError(f"score_segments: item {n} must be (PrefixHandle, token ids)")
@@ -355,10 +363,38 @@ class PointwiseReranker(RerankerBase):
                                  f"its KV pages were computed by other weights and would give wrong scores")
             if h.released:
                 raise ValueError(f"score_segments: item {n}'s handle was released")
+            if isinstance(ids, torch.Tensor) and ids.dim() == 1:
+                ids = ids.tolist()
+            elif isinstance(ids, (str, bytes, Mapping, torch.Tensor)) or not isinstance(ids, Iterable):
+                shape = f" of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else ""
+                raise TypeError(f"score_segments: item {n}'s token ids must be a 1-D sequence of ints, got "
+                                f"{type(ids).__name__}{shape}")
+            ids = list(ids)
             if len(ids) == 0:
                 raise ValueError(f"score_segments: item {n}'s segment is empty")
-            checked.append((h, list(ids)))
+            checked.append((h, ids))
+            first_item.setdefault(id(h), (n, h))
         out = [0.0] * len(items)
+        pinned = []
+        try:
+            # each handle's pages pinned for the call, checked and taken under its pool's lock as
+            # release_prefix gives them back: a handle released by another thread meanwhile
+            # keeps its pages until the pass is done (given back, a page could be handed to
+            # another request and overwritten before the pass read it: a wrong score)
+            for n, h in first_item.values():
+                with h.pool.lock:
+                    if h.released:
+                        raise ValueError(f"score_segments: item {n}'s handle was released")
+                    h.pool.incref(h.blocks)
+                pinned.append(h)
+            self._score_pinned(checked, out)
+        finally:
+            for h in pinned:
+                h.pool.decref(h.blocks)
+        return out
+
+    def _score_pinned(self, checked: list, out: list) -> None:
+        """``score_segments``' passes over checked items whose pages are pinned; fills ``out``."""
         for indices, hidden in self.runner.forward_segments(checked, self.max_batch_tokens):
             s, diff = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
                                    eps=self.runner.arch.rms_norm_eps, backend=backend_for("yes_no_score", self.backend))
@@ -373,7 +409,6 @@ class PointwiseReranker(RerankerBase):
                 raise err
             for n, v in zip(indices, s.tolist()):
                 out[n] = v
-        return out
 
     def _score_fault(self, diff: float) -> str:
         """Why a score came out NaN/inf: which of the weights it reads is not finite."""

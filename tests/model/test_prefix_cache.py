@@ -383,6 +383,55 @@ def test_block_ids_out_of_the_pool_are_refused(model, qwen3_tokenizer):
     assert all(c <= 1 for c in rr._prefix_cache.pool.refcount)
 
 
+def test_score_segments_pins_its_handles_pages_for_the_call(model, qwen3_tokenizer, monkeypatch):
+    """A handle released by another thread while score_segments runs: its last page (partly
+    filled, so the handle's alone, not the tree's) went back to the pool after the released check,
+    another request took it and wrote its own KV there, and the pass read that — a wrong score with
+    no error. The call pins its handles' pages, so the pass still reads the handle's own."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    enc = rr.encode(ScoreRequest("plain query", DOCS))
+    assert len(enc.shared_ids) % rr.runner.block_size, "the last page must be partly filled"
+    want = rr.score("plain query", DOCS)
+    h = rr.acquire_prefix(enc)
+    other = []
+    forward = rr.runner.forward_segments
+
+    def release_meanwhile(items, max_batch_tokens):  # what another thread may do after the check
+        rr.release_prefix(h)
+        other.append(rr.acquire_prefix(rr.encode(ScoreRequest("another tenant's query, longer " * 3, DOCS))))
+        return forward(items, max_batch_tokens)
+
+    monkeypatch.setattr(rr.runner, "forward_segments", release_meanwhile)
+    got = rr.score_segments([(h, ids) for ids in enc.segment_ids])
+    monkeypatch.undo()
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
+    rr.release_prefix(other[0])
+    assert all(c <= 1 for c in rr._prefix_cache.pool.refcount), "a pin was not given back"
+    with pytest.raises(ValueError, match="item 0's handle was released"):
+        rr.score_segments([(h, enc.segment_ids[0])])
+
+
+def test_score_segments_takes_iterables_and_names_bad_ids(model, qwen3_tokenizer):
+    """Items and token ids as any iterable (a generator was 'object of type generator has no
+    len()'), 1-D tensors of ids; anything else a TypeError naming the item."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    enc = rr.encode(ScoreRequest("plain query", DOCS))
+    h = rr.acquire_prefix(enc)
+    try:
+        want = rr.score_segments([(h, ids) for ids in enc.segment_ids])
+        assert rr.score_segments((h, iter(ids)) for ids in enc.segment_ids) == want
+        assert rr.score_segments([(h, torch.tensor(enc.segment_ids[1]))]) == [want[1]]
+        for bad, what in ((None, "NoneType"), ("abc", "str"), (torch.tensor([[1, 2]]), r"Tensor of shape \(1, 2\)"),
+                          (7, "int")):
+            with pytest.raises(TypeError, match=f"item 1's token ids must be a 1-D sequence of ints, got {what}"):
+                rr.score_segments([(h, enc.segment_ids[0]), (h, bad)])
+        with pytest.raises(TypeError, match="takes a list of .* items, got NoneType"):
+            rr.score_segments(None)
+        assert rr.score_segments([]) == []
+    finally:
+        rr.release_prefix(h)
+
+
 def test_encode_is_thread_safe(model, qwen3_tokenizer):
     rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
     reqs = [r for step in session(3, 2) for r in step]
