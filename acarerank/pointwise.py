@@ -14,6 +14,7 @@ Step API (what a serving engine drives, one scheduler thread owning the model)::
     enc = rr.encode(request)                    # tokenize + truncate; thread-safe, no model
     h = rr.acquire_prefix(enc)                  # longest cached prefix + compute the rest; pins it
     scores = rr.score_segments([(h, ids), ...]) # one packed pass (per max_batch_tokens) over any mix
+                                                # of handles of this reranker's runner
     rr.release_prefix(h)                        # unpin (idempotent)
     rr.cache_stats()                            # lookup/hit/computed/evicted tokens, resident/budget
     rr.score_encodings([enc, ...])              # all of the above for a batch: (scores, cached tokens)
@@ -26,7 +27,7 @@ sub-query under the same context, computes only what the tree does not hold.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -60,6 +61,10 @@ class PrefixHandle:
 
     prompt_tokens: shared + every segment's tokens; cached_tokens: shared tokens served from
     the prefix cache; computed_tokens: shared tokens computed by ``acquire_prefix``.
+
+    The handle carries its own pages (``pool``, ``blocks``) and the runner that computed them
+    (``runner``): ``score_segments`` takes only handles whose runner is its reranker's own, since
+    the KV in the pages is only valid for the weights that wrote it.
     """
     encoding: PointwiseEncoding
     pool: object
@@ -69,6 +74,7 @@ class PrefixHandle:
     cached_tokens: int
     computed_tokens: int
     released: bool = field(default=False)
+    runner: object = field(default=None, repr=False)
 
 
 def _as_requests(requests) -> list:
@@ -270,8 +276,9 @@ class PointwiseReranker(RerankerBase):
 
         ``truncate=False``: nothing is cut and no document room is reserved; a prompt over
         ``max_length`` is a ValueError naming the document or the trace (``encode_pointwise``).
-        ``max_doc_tokens``: each document cut to that many tokens first (the rerank APIs'
-        ``max_tokens_per_doc``), with ``truncate=False`` too.
+        ``max_doc_tokens``: each document cut to that many of its own tokens first (the rerank
+        APIs' ``max_tokens_per_doc``; the separator space before it is not one), with
+        ``truncate=False`` too.
         """
         if not isinstance(request, ScoreRequest):
             raise TypeError(f"encode needs a ScoreRequest, got {type(request).__name__}")
@@ -309,7 +316,7 @@ class PointwiseReranker(RerankerBase):
                                        chunk_tokens)
         # the handle takes over the cache's page references (released in release_prefix)
         return PrefixHandle(enc, cache.pool, cache.block_tables[0], len(ids),
-                            len(ids) + sum(len(x) for x in enc.segment_ids), hit, len(ids) - hit)
+                            len(ids) + sum(len(x) for x in enc.segment_ids), hit, len(ids) - hit, runner=self.runner)
 
     def release_prefix(self, handle: PrefixHandle) -> None:
         """Unpin the handle's pages (idempotent); cached ones stay until evicted."""
@@ -322,7 +329,18 @@ class PointwiseReranker(RerankerBase):
             handle.pool.decref(handle.blocks)
 
     def score_segments(self, items: Sequence) -> list:
-        """Scores of ``(handle, segment token ids)`` items, in item order, any mix of handles.
+        """Scores of ``(handle, segment token ids)`` items, in item order, any mix of handles
+        that share this reranker's runner.
+
+        A handle holds KV that its runner's weights computed, read from its own pages: it is
+        taken only when its runner is this reranker's (``acquire_prefix`` of this reranker, or
+        of another built on the same ``Qwen3Runner`` object: same weights, same page layout).
+        Any other handle — from a reranker of other weights, other settings (a runner copy), or
+        made by hand — is a ValueError naming the item: its scores would be silently wrong.
+
+        ``items``: any iterable of pairs; token ids a 1-D int tensor or any iterable of ints
+        (not a str). Each handle's pages are pinned for the call, so a handle another thread
+        releases meanwhile still reads its own pages (released before the call: ValueError).
 
         Segments of handles in the same pool go in one packed pass (split only at
         ``max_batch_tokens``: ``Qwen3Runner.forward_segments``); equal to ``score`` of the same
@@ -330,17 +348,53 @@ class PointwiseReranker(RerankerBase):
         weight that is not finite, or overflows) raises ``NonFiniteOutputError`` naming the items;
         a final hidden state that cannot be scored, ``NonFiniteHiddenError`` naming them too.
         """
-        checked = []
+        if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+            raise TypeError(f"score_segments takes a list of (PrefixHandle, token ids) items, "
+                            f"got {type(items).__name__}")
+        items = list(items)
+        checked, first_item = [], {}
         for n, item in enumerate(items):
             if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], PrefixHandle)):
                 raise TypeError(f"score_segments: item {n} must be (PrefixHandle, token ids)")
             h, ids = item
+            if h.runner is not self.runner:
+                raise ValueError(f"score_segments: item {n}'s handle was not made by this reranker's runner "
+                                 f"(acquire_prefix of a reranker with other weights or settings, or by hand); "
+                                 f"its KV pages were computed by other weights and would give wrong scores")
             if h.released:
                 raise ValueError(f"score_segments: item {n}'s handle was released")
+            if isinstance(ids, torch.Tensor) and ids.dim() == 1:
+                ids = ids.tolist()
+            elif isinstance(ids, (str, bytes, Mapping, torch.Tensor)) or not isinstance(ids, Iterable):
+                shape = f" of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else ""
+                raise TypeError(f"score_segments: item {n}'s token ids must be a 1-D sequence of ints, got "
+                                f"{type(ids).__name__}{shape}")
+            ids = list(ids)
             if len(ids) == 0:
                 raise ValueError(f"score_segments: item {n}'s segment is empty")
-            checked.append((h, list(ids)))
+            checked.append((h, ids))
+            first_item.setdefault(id(h), (n, h))
         out = [0.0] * len(items)
+        pinned = []
+        try:
+            # each handle's pages pinned for the call, checked and taken under its pool's lock as
+            # release_prefix gives them back: a handle released by another thread meanwhile
+            # keeps its pages until the pass is done (given back, a page could be handed to
+            # another request and overwritten before the pass read it: a wrong score)
+            for n, h in first_item.values():
+                with h.pool.lock:
+                    if h.released:
+                        raise ValueError(f"score_segments: item {n}'s handle was released")
+                    h.pool.incref(h.blocks)
+                pinned.append(h)
+            self._score_pinned(checked, out)
+        finally:
+            for h in pinned:
+                h.pool.decref(h.blocks)
+        return out
+
+    def _score_pinned(self, checked: list, out: list) -> None:
+        """``score_segments``' passes over checked items whose pages are pinned; fills ``out``."""
         for indices, hidden in self.runner.forward_segments(checked, self.max_batch_tokens):
             s, diff = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
                                    eps=self.runner.arch.rms_norm_eps, backend=backend_for("yes_no_score", self.backend))
@@ -355,7 +409,6 @@ class PointwiseReranker(RerankerBase):
                 raise err
             for n, v in zip(indices, s.tolist()):
                 out[n] = v
-        return out
 
     def _score_fault(self, diff: float) -> str:
         """Why a score came out NaN/inf: which of the weights it reads is not finite."""

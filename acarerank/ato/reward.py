@@ -9,7 +9,13 @@ For a selected set S and the query's rubrics R_q (each criterion c with weight w
 
 A criterion the judge returns as ``null`` (its applicability prerequisite is unmet, e.g.
 Conflict with fewer than two comparable statements) is dropped from both numerator and
-denominator, so the weights renormalise over the applicable criteria (Appendix C.1).
+denominator, so the weights renormalise over the applicable criteria (Appendix C.1). Null is
+read as "inapplicable" at two levels: a whole dimension (``"Conflict": null``, F.5's form) makes
+each of its criteria inapplicable; a single criterion (its entry ``null``, ``"per_doc": null``,
+``"set_level": null`` or ``"set_level": {"score": null}``) is inapplicable alone — C.1 defines
+null per criterion. Two nulls are errors (``JudgeOutputError``, naming the rubric): a
+per-document score (F.5: "no N/A or empty per-item values") and any Relevance criterion
+("Relevance is never null", C.1 and F.5 — dropping it would score the set without relevance).
 
 Inputs:
   rubrics  Appendix F.3 JSON: {"Relevance": [{"rubric": "...", "weight": 5}, ...], ...};
@@ -181,6 +187,10 @@ def criterion_scores(judge_output, rubrics: Mapping[str, Sequence[Mapping]], sel
                                        f"{'per_doc' if is_doc else 'set_level'}")
             score = _doc_level_score(entry, docs, where) if is_doc else _set_level_score(entry, where)
             out.append((dim, i, float(it["weight"]), score))
+    for dim, i, _, score in out:
+        if dim == "Relevance" and score is None:
+            raise JudgeOutputError(f"Relevance[{i}] is null; Relevance is never null (Appendix C.1, F.5): "
+                                   f"dropping it would score the set without its relevance")
     return out
 
 
@@ -199,8 +209,8 @@ def rubric_reward(judge_output, rubrics: Mapping[str, Sequence[Mapping]],
     Raises (the only exception types, whatever the input):
       JudgeOutputError (a ValueError) when the judge's output is unusable — not JSON, not UTF-8,
         nested too deeply, not the F.5 shape, a score outside [0, 10], a missing or repeated
-        doc_id (not the rollout's fault: retry the judge) — or when every criterion is null (the
-        paper guarantees Relevance never is);
+        doc_id, a null Relevance criterion (not the rollout's fault: retry the judge) — or when
+        every criterion is null (the paper guarantees Relevance never is);
       TypeError for arguments of the wrong type (``selected`` a str — ``"12"`` is not ids [1, 2] —
         or holding non-int ids such as 1.5; ``rubrics`` not a mapping of lists);
       ValueError for bad caller data (repeated or < 1 ids, rubric weights not > 0).

@@ -14,6 +14,7 @@ Thread safety: every method takes ``lock`` (re-entrant), which the prefix cache 
 """
 from __future__ import annotations
 
+import numbers
 import threading
 from typing import Iterable
 
@@ -66,8 +67,20 @@ class BlockPool:
                 self.refcount[b] = 1
             return ids
 
+    def _check_id(self, b) -> None:
+        # refcount[-1] is the last block: a negative id would pin (and a block table then read)
+        # another request's page without a word
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or not 0 <= b < len(self.refcount):
+            raise ValueError(f"BlockPool: block id {b!r} is not a block of this pool (ids are ints in "
+                             f"[0, {len(self.refcount)}))")
+
     def incref(self, ids: Iterable[int]) -> None:
+        """One more reference to each id (each a held block of this pool: ValueError if out of
+        range, so every block table built over the pool only holds ids its pages have)."""
         with self.lock:
+            ids = list(ids)
+            for b in ids:
+                self._check_id(b)
             for b in ids:
                 if self.refcount[b] <= 0:
                     raise RuntimeError(f"BlockPool: incref of free block {b}")
@@ -76,6 +89,9 @@ class BlockPool:
     def decref(self, ids: Iterable[int]) -> None:
         """Give back one reference per id; a block whose count reaches 0 is free again."""
         with self.lock:
+            ids = list(ids)
+            for b in ids:
+                self._check_id(b)
             freed = []
             for b in ids:
                 if self.refcount[b] <= 0:

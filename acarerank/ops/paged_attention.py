@@ -117,7 +117,16 @@ def _check_tables(block_table, prefix_lens, block_size, num_blocks, device, vali
     if prefix_lens.numel() != G:
         raise ValueError(f"prefix_shared_attention_paged: prefix_lens has {prefix_lens.numel()} entries for "
                          f"{G} block-table rows")
-    if not validate_values or G == 0:
+    if G == 0:
+        return
+    if not validate_values:
+        # A block id out of range reads another page (a negative one wraps around in torch's
+        # indexing) and gives a wrong answer with no error — the worst outcome — so a table on
+        # the host is checked even here: O(blocks), no device sync. On a GPU validate=False
+        # trusts the table (no sync, docs/input-safety.md); the package's own callers only pass
+        # ids their BlockPool checked on the host when the pages were taken.
+        if block_table.device.type == "cpu":
+            _check_block_ids(block_table, prefix_lens.clamp(min=0), block_size, num_blocks, device)
         return
     pl = prefix_lens.tolist()
     cap = block_table.shape[1] * block_size
@@ -127,6 +136,11 @@ def _check_tables(block_table, prefix_lens, block_size, num_blocks, device, vali
         if n > cap:
             raise ValueError(f"prefix_shared_attention_paged: prefix_lens[{g}] = {n} is longer than its "
                              f"{block_table.shape[1]} blocks of {block_size} tokens")
+    _check_block_ids(block_table, prefix_lens, block_size, num_blocks, device)
+
+
+def _check_block_ids(block_table, prefix_lens, block_size, num_blocks, device):
+    """Every block id a group reads (its first ceil(P_g / block_size) entries) in [0, num_blocks)."""
     used = torch.arange(block_table.shape[1], device=device)[None, :] < \
         ((prefix_lens.long() + block_size - 1) // block_size)[:, None]
     ids = block_table[used]
@@ -144,7 +158,8 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
 
     Args: as ``prefix_shared_attention_paged``; num_heads/num_kv_heads/head_dim/dtype describe
     q and the pages (the Triton work list depends on the GQA ratio and the tile size);
-    validate: read the metadata values on the host (one sync) and check them;
+    validate: read the metadata values on the host (one sync) and check them; when False, a
+    block table on the CPU still has its used ids range-checked (O(blocks), no sync);
     num_tokens: T = cu_seqlens[-1] when the caller knows it (else read: one sync on CUDA).
 
     Host<->device syncs on CUDA (validate=False, num_tokens given): "triton" none; "torch" and
@@ -286,6 +301,8 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
         when None); ``backend`` must then be None (the plan's backend runs), and cu_seqlens,
         block_table, prefix_lens, segment_group must be the tensors the plan was built from.
       validate: check shapes/dtypes (always cheap) and, without a plan, the metadata values.
+        Block ids are range-checked without a plan even when False if the table is on the CPU
+        (no sync; an id out of range would read another page); on a GPU, False trusts them.
 
     Returns: out [T, Hq, d], contiguous, in q's dtype; softmax accumulated in fp32.
     """

@@ -480,16 +480,29 @@ def _raise_never_cut(enc, f: _Fields, n_suffix: int, base: int) -> None:
 
 def _encode_documents(enc, f: _Fields, room: int, shared_len: int, suffix_ids: list) -> tuple:
     """Step 3: each document's segment ``tokens(" " + doc)[:keep] + suffix``, keep = the room, or
-    ``max_doc_tokens`` when smaller; returns (segments, truncated, tokens dropped, whether each
-    dropped count is exact).
+    the caller's ``max_doc_tokens`` when that fits in it; returns (segments, truncated, tokens
+    dropped, whether each dropped count is exact).
+
+    ``max_doc_tokens`` counts the document's own tokens as they are in the prompt: the tokens of
+    ``" " + doc`` that hold any of its characters. The separator usually merges into the first
+    one (``" hello"``), but before a digit or a space it is a token of its own (``" "``, ``"1"``),
+    which is the prompt's, not the document's: it does not count. The room (``max_length``)
+    counts every token.
 
     One token past ``keep`` tells a cut from a fit, so only that head of a long document is
     tokenized; its dropped count is then a lower bound (the rest was never tokenized). A cut to
-    ``max_doc_tokens`` was asked for: never an error, ``truncate`` or not."""
-    asked = f.max_doc_tokens is not None and f.max_doc_tokens <= room  # the caller's cut makes it fit
-    keep = f.max_doc_tokens if asked else room
+    ``max_doc_tokens`` was asked for: never an error, ``truncate`` or not, when it fits."""
+    cap = f.max_doc_tokens
+    heads = enc.user_heads([DOC_SEP + d for d in f.docs], (room if cap is None else min(cap + 1, room)) + 1,
+                           offsets=cap is not None)
     segments, truncated, dropped, exact = [], [], [], []
-    for i, (doc_ids, _, complete) in enumerate(enc.user_heads([DOC_SEP + d for d in f.docs], keep + 1)):
+    for i, (doc_ids, offsets, complete) in enumerate(heads):
+        keep, asked = room, False
+        if cap is not None:
+            # a first token spanning only the separator's characters is not the document's
+            sep = 1 if offsets and offsets[0][1] <= len(DOC_SEP) else 0
+            asked = cap + sep <= room  # the caller's cut makes it fit
+            keep = cap + sep if asked else room
         if len(doc_ids) > room and not asked and not f.truncate:
             at_least = "" if complete else "at least "
             raise ValueError(

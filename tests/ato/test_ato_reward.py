@@ -68,6 +68,33 @@ def test_several_rubrics_per_dimension_and_rubric_level_null():
     assert rubric_reward(judged, rubrics, [5, 2]) == pytest.approx(60 / 8, abs=1e-12)
 
 
+@pytest.mark.parametrize("form", ["entry", "set_level", "set_level score"])
+def test_criterion_level_null_is_inapplicable_in_each_spelling(form):
+    """C.1 defines null per criterion: each spelling of one null criterion leaves numerator and
+    denominator alone, exactly as the whole dimension's null does (F.5's form)."""
+    judged = _case_judge()
+    judged["score"]["Conflict"] = {"level": "set", "rubrics": [
+        {"entry": None, "set_level": {"rubric": "", "set_level": None},
+         "set_level score": {"rubric": "", "set_level": {"score": None}}}[form]]}
+    assert rubric_reward(judged, RUBRICS, [A, B, C]) == pytest.approx(193 / 30, abs=1e-12)
+
+
+@pytest.mark.parametrize("form", ["dimension", "entry", "per_doc"])
+def test_relevance_is_never_null(form):
+    """Relevance is never null (C.1, F.5): a null Relevance was dropped and the set scored on the
+    other dimensions alone — 168 / 25 = 6.72 here, not 193 / 30 = 6.43 — with no error."""
+    judged = _case_judge()
+    rel = judged["score"]["Relevance"]
+    if form == "dimension":
+        judged["score"]["Relevance"] = None
+    elif form == "entry":
+        rel["rubrics"][0] = None
+    else:
+        rel["rubrics"][0]["per_doc"] = None
+    with pytest.raises(JudgeOutputError, match=r"Relevance\[0\] is null; Relevance is never null"):
+        rubric_reward(judged, RUBRICS, [A, B, C])
+
+
 def test_malformed_selection_is_minus_one_without_reading_the_judge():
     bad = parse_selection("[4], [2]", n_candidates=20)
     assert not bad.valid
@@ -102,7 +129,10 @@ def test_bad_judge_output_raises(mutate, msg):
 def test_bad_json_all_null_and_bad_weights():
     with pytest.raises(JudgeOutputError, match="not valid JSON"):
         rubric_reward("{score: 1", RUBRICS, [A])
-    with pytest.raises(JudgeOutputError, match="every criterion is null"):
+    with pytest.raises(JudgeOutputError, match="Relevance is never null"):
         rubric_reward({"score": {d: None for d in WEIGHTS}}, RUBRICS, [A])
+    no_relevance = {d: r for d, r in RUBRICS.items() if d != "Relevance"}
+    with pytest.raises(JudgeOutputError, match="every criterion is null"):
+        rubric_reward({"score": {d: None for d in WEIGHTS}}, no_relevance, [A])
     with pytest.raises(ValueError, match="weights must be numbers > 0"):
         rubric_reward(_case_judge(), {"Relevance": [{"rubric": "r", "weight": 0}]}, [A])

@@ -1,5 +1,6 @@
 """Prefix cache across calls: radix tree vs a brute-force model, thread safety, and scores
 that never depend on what was cached (agent sessions, sub-queries, eviction, salts)."""
+import dataclasses
 import random
 import threading
 
@@ -304,7 +305,9 @@ def test_reranker_salts_leave_no_trees_behind(model, qwen3_tokenizer):
 
 def test_step_api_mixed_items_equal_score(model, qwen3_tokenizer):
     rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_batch_tokens=40)
-    off = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    # a second reranker on the same runner (its handles are rr's to score: same weights), whose
+    # handles live in other pages (no cache: private pools)
+    off = PointwiseReranker(runner=rr.runner, tokenizer=qwen3_tokenizer, prefix_cache=False)
     reqs = [session(2)[1][0], ScoreRequest("plain query", DOCS[::-1])]
     handles = [rr.acquire_prefix(rr.encode(r)) for r in reqs] + [off.acquire_prefix(off.encode(reqs[0]))]
     items = [(handles[i % 3], handles[i % 3].encoding.segment_ids[i % 3]) for i in range(7)]
@@ -323,6 +326,110 @@ def test_step_api_mixed_items_equal_score(model, qwen3_tokenizer):
     assert set(rr.cache_stats()) == {"lookup_tokens", "hit_tokens", "computed_tokens", "evicted_tokens",
                                      "resident_tokens", "budget_tokens"}
     assert all(rr._prefix_cache.pool.refcount[b] <= 1 for b in range(rr._prefix_cache.pool.num_blocks))
+
+
+def test_step_api_refuses_handles_of_another_runner(model, qwen3_tokenizer):
+    """A handle's pages hold KV its runner's weights computed: another reranker's handle (other
+    weights, or the same model loaded into another runner) is refused by item, never scored with
+    this reranker's head over the other's KV; the same request's own handle still scores as
+    ``score``."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    other = PointwiseReranker(model=random_reranker_model(2, 4, 2, 32, seed=7), tokenizer=qwen3_tokenizer)
+    twin = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)  # same weights, another runner
+    req = ScoreRequest("plain query", DOCS)
+    mine, theirs, twins = (r.acquire_prefix(r.encode(req)) for r in (rr, other, twin))
+    try:
+        seg = mine.encoding.segment_ids[0]
+        # the other model's KV under this model's layers: a score, silently wrong, before the check
+        for foreign in (theirs, twins):
+            with pytest.raises(ValueError, match=r"item 1's handle was not made by this reranker's runner"):
+                rr.score_segments([(mine, seg), (foreign, seg)])
+        got = rr.score_segments([(mine, ids) for ids in mine.encoding.segment_ids])
+        want = rr.score("plain query", DOCS)
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
+    finally:
+        for r, h in ((rr, mine), (other, theirs), (twin, twins)):
+            r.release_prefix(h)
+
+
+def test_block_ids_out_of_the_pool_are_refused(model, qwen3_tokenizer):
+    """A block id is a page of one pool: -1 was the pool's last page (Python and torch indexing
+    wrap around), so a table holding it pinned and read another page, a wrong score without a
+    word. The pool refuses it when a table takes its reference, before any count changes."""
+    pool = BlockPool(1, 3, 16, 1, 8, torch.float32, "cpu")
+    ids = pool.allocate(3)
+    for bad in ([-1], [3], [0, -3], [True], [1.0]):
+        for op in (pool.incref, pool.decref):
+            with pytest.raises(ValueError, match="is not a block of this pool"):
+                op(bad)
+    assert pool.refcount == [1, 1, 1], pool.refcount
+    pool.decref(ids)
+    # through the step API: a budget of exactly the shared part's pages, so -1 is one of its own
+    # (held) pages — the old read got a score from the wrong page
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    enc = rr.encode(ScoreRequest("plain query", DOCS))
+    pages = -(-len(enc.shared_ids) // rr.runner.block_size)
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=pages * rr.runner.block_size)
+    h = rr.acquire_prefix(enc)
+    assert h.pool is rr._prefix_cache.pool and h.pool.num_free == 0
+    try:
+        tampered = dataclasses.replace(h, blocks=[-1] + h.blocks[1:])
+        with pytest.raises(ValueError, match="block id -1 is not a block of this pool"):
+            rr.score_segments([(tampered, enc.segment_ids[0])])
+        assert rr.score_segments([(h, enc.segment_ids[0])])[0] == pytest.approx(rr.score("plain query", DOCS)[0],
+                                                                                abs=1e-6)
+    finally:
+        rr.release_prefix(h)
+    assert all(c <= 1 for c in rr._prefix_cache.pool.refcount)
+
+
+def test_score_segments_pins_its_handles_pages_for_the_call(model, qwen3_tokenizer, monkeypatch):
+    """A handle released by another thread while score_segments runs: its last page (partly
+    filled, so the handle's alone, not the tree's) went back to the pool after the released check,
+    another request took it and wrote its own KV there, and the pass read that — a wrong score with
+    no error. The call pins its handles' pages, so the pass still reads the handle's own."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    enc = rr.encode(ScoreRequest("plain query", DOCS))
+    assert len(enc.shared_ids) % rr.runner.block_size, "the last page must be partly filled"
+    want = rr.score("plain query", DOCS)
+    h = rr.acquire_prefix(enc)
+    other = []
+    forward = rr.runner.forward_segments
+
+    def release_meanwhile(items, max_batch_tokens):  # what another thread may do after the check
+        rr.release_prefix(h)
+        other.append(rr.acquire_prefix(rr.encode(ScoreRequest("another tenant's query, longer " * 3, DOCS))))
+        return forward(items, max_batch_tokens)
+
+    monkeypatch.setattr(rr.runner, "forward_segments", release_meanwhile)
+    got = rr.score_segments([(h, ids) for ids in enc.segment_ids])
+    monkeypatch.undo()
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (got, want)
+    rr.release_prefix(other[0])
+    assert all(c <= 1 for c in rr._prefix_cache.pool.refcount), "a pin was not given back"
+    with pytest.raises(ValueError, match="item 0's handle was released"):
+        rr.score_segments([(h, enc.segment_ids[0])])
+
+
+def test_score_segments_takes_iterables_and_names_bad_ids(model, qwen3_tokenizer):
+    """Items and token ids as any iterable (a generator was 'object of type generator has no
+    len()'), 1-D tensors of ids; anything else a TypeError naming the item."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    enc = rr.encode(ScoreRequest("plain query", DOCS))
+    h = rr.acquire_prefix(enc)
+    try:
+        want = rr.score_segments([(h, ids) for ids in enc.segment_ids])
+        assert rr.score_segments((h, iter(ids)) for ids in enc.segment_ids) == want
+        assert rr.score_segments([(h, torch.tensor(enc.segment_ids[1]))]) == [want[1]]
+        for bad, what in ((None, "NoneType"), ("abc", "str"), (torch.tensor([[1, 2]]), r"Tensor of shape \(1, 2\)"),
+                          (7, "int")):
+            with pytest.raises(TypeError, match=f"item 1's token ids must be a 1-D sequence of ints, got {what}"):
+                rr.score_segments([(h, enc.segment_ids[0]), (h, bad)])
+        with pytest.raises(TypeError, match="takes a list of .* items, got NoneType"):
+            rr.score_segments(None)
+        assert rr.score_segments([]) == []
+    finally:
+        rr.release_prefix(h)
 
 
 def test_encode_is_thread_safe(model, qwen3_tokenizer):

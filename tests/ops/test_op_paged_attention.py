@@ -263,6 +263,28 @@ def test_bad_input_is_a_clear_error(mutate, match):
         prefix_shared_attention_paged(*a, backend="torch")
 
 
+@pytest.mark.parametrize("backend", [b for b in ("torch", "native", "triton") if b in available_backends(
+    "prefix_shared_attention_paged", "cpu")])
+@pytest.mark.parametrize("which", ["-1", "-num_blocks", "num_blocks"])
+def test_block_id_out_of_range_is_refused_without_validate_on_the_host(backend, which):
+    """validate=False skips the metadata checks that need a device sync, but a block id out of
+    range in a host table read another page (torch indexing wraps -1 to the last page): a wrong
+    output with no error. On the CPU the used ids are range-checked whatever ``validate``."""
+    a = on(_args(), "cpu")
+    nb = a[4].shape[0]
+    bad = {"-1": -1, "-num_blocks": -nb, "num_blocks": nb}[which]
+    a[6] = a[6].clone()
+    a[6][1, 0] = bad  # group 1's first block: read by every one of its rows
+    with pytest.raises(ValueError, match=f"block id {bad} in block_table is out of range"):
+        prefix_shared_attention_paged(*a, backend=backend, validate=False)
+    # an unused entry (past ceil(P_g / block_size)) is never read, so never refused
+    a = on(_args(), "cpu")
+    a[6] = torch.cat([a[6], torch.full((2, 1), bad, dtype=torch.int32)], 1)
+    got = prefix_shared_attention_paged(*a, backend=backend, validate=False)
+    want = prefix_shared_attention_paged_ref(*a)
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), report(got, want)
+
+
 def test_unknown_backend_is_a_backend_error():
     with pytest.raises(BackendError, match="has no 'cpp' backend"):
         prefix_shared_attention_paged(*_args(), backend="cpp")

@@ -388,6 +388,40 @@ def test_max_doc_tokens_cuts_first_truncate_or_not(tok):
         encode_pointwise(tok, "q", ["d"], max_doc_tokens=0)
 
 
+@pytest.mark.parametrize("doc", ["1234567 is the answer", " leading space then words", "plain words here too",
+                                 "(parenthesised) start", "中文文档开始", "\nnewline first"])
+def test_max_doc_tokens_counts_the_documents_own_tokens(tok, doc):
+    """max_doc_tokens counts the tokens of the document as they are in the prompt after
+    "<Document>:": the tokens of " " + doc holding any of its characters. Before a digit or a
+    space, " " is a token of its own (" ", "1", ...): it was counted, so such a document kept one
+    token fewer than asked. At the cap n: the kept tokens are the document's first n (their
+    characters cover exactly the decoded text), and n - 1 cuts one more."""
+    whole = encode_pointwise(tok, "q", [doc], max_length=2000)
+    ns = whole.num_suffix_tokens
+    seg = whole.segment_ids[0][:-ns]
+    e = tok(" " + doc, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = e["input_ids"], e["offset_mapping"]
+    assert ids == seg
+    own = [i for i, (_, end) in zip(ids, offsets) if end > 1]  # tokens holding document characters
+    sep = len(ids) - len(own)
+    assert sep == (1 if doc[0].isdigit() or doc[0] == " " else 0), (doc, ids[:3])
+    n = len(own)
+    for cap in (n, n - 1, 3):
+        enc = encode_pointwise(tok, "q", [doc], max_length=2000, max_doc_tokens=cap)
+        kept = enc.segment_ids[0][:-ns]
+        assert kept == seg[:sep + cap], (cap, kept, seg)
+        assert enc.doc_truncated == [cap < n] and enc.doc_tokens_dropped == [n - cap]
+    # the room (max_length) counts every prompt token, the separator's too: a cap that fits only
+    # without it is not the caller's cut, and truncate=False refuses it
+    room = len(seg) - 1
+    shared = len(whole.shared_ids)
+    if sep:
+        with pytest.raises(ValueError, match=r"documents\[0\] is \d+ tokens"):
+            encode_pointwise(tok, "q", [doc], max_length=shared + room + ns, max_doc_tokens=n, truncate=False)
+    enc = encode_pointwise(tok, "q", [doc], max_length=shared + room + ns, max_doc_tokens=n - 1, truncate=False)
+    assert enc.segment_ids[0][:-ns] == seg[:sep + n - 1]
+
+
 def test_max_length_too_small_for_fixed_strings(tok):
     with pytest.raises(ValueError, match="too small for the prompt's fixed strings"):
         encode_pointwise(tok, "", [""], max_length=40, min_doc_tokens=1)
