@@ -6,6 +6,11 @@ temperature τ:
     z_t        = (h_t · Wᵀ) / τ
     logprob_t  = z_ty − logsumexp_j z_tj                         (log π(y_t | ·))
     entropy_t  = logsumexp_j z_tj − Σ_j p_tj z_tj,   p_t = softmax(z_t)      (optional)
+               = log s_t − a_t / s_t,
+                 m_t = max_j z_tj,  s_t = Σ_j e^{z_tj − m_t},  a_t = Σ_j e^{z_tj − m_t} (z_tj − m_t)
+
+(the second form is the one computed: every term is relative to the row's max, so a common
+offset of a row's logits does not cost precision; the first lost ~|offset| · 2⁻²⁴).
 
 Gradients, with g = ∂L/∂logprob and e = ∂L/∂entropy per row:
 
@@ -97,8 +102,12 @@ class _Chunks:
 def forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
     """One pass over the rows of ``weight`` [V, H]: per row t of ``h32`` [T, H] (fp32/fp64)
 
-        m_t = max_j z_tj,   s_t = Σ_j exp(z_tj − m_t),   a_t = Σ_j exp(z_tj − m_t) · z_tj   (entropy only)
+        m_t = max_j z_tj,   s_t = Σ_j exp(z_tj − m_t),
+        a_t = Σ_j exp(z_tj − m_t) · (z_tj − m_t)   (entropy only)
         tz_t = z_t,tg_t   for targets tg_t in [0, V); 0 for a target outside (another shard owns it)
+
+    so that log Σ exp z = m + log s, E_p[z] = m + a/s and the entropy log s − a/s: a is built
+    from z − m only, so the entropy does not lose precision to a common offset of the logits.
 
     Returns (m [T] in h32's dtype, s [T] fp64, a [T] fp64 (zeros without entropy), tz [T]). Also
     the per-shard half of ``acarerank.ops.vocab_parallel`` (which combines the ranks' stats).
@@ -112,7 +121,7 @@ def _forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
     dev = h32.device
     m = torch.full((T,), -math.inf, dtype=h32.dtype, device=dev)
     s = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m)
-    a = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m) · z   (entropy only)
+    a = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m) · (z − m)   (entropy only)
     tz = torch.zeros(T, dtype=h32.dtype, device=dev)
     chunks = _Chunks(h32, weight, chunk, second=with_entropy)
     for c0, c1, w in chunks:
@@ -125,11 +134,18 @@ def _forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
         # (products overflowing fp32) made −inf − (−inf) a NaN: an error or not depending on
         # where the chunks start
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        scale = torch.exp((m - shift).double())
+        d = (m - shift).double()  # m_old − m_new ≤ 0 (−inf while nothing is held yet)
+        scale = torch.exp(d)
         if with_entropy:
-            e = torch.sub(x, shift[:, None], out=chunks.second(c1 - c0)).exp_()
+            # -- a relative to the new max: Σ e^{z−m_new}(z−m_new) = scale · (a_old + (m_old − m_new) s_old);
+            #    terms of z − m, never of z itself: a common offset c of the logits cancels before
+            #    any rounding (Σ e^z · z then lse − a/s lost ~c · 2⁻²⁴: 3.5e-3 at c = 1e4, 6× the
+            #    materialised path)
+            a = scale * (a + torch.where(s > 0, d * s, torch.zeros_like(s)))
+            x.sub_(shift[:, None])
+            e = torch.exp(x, out=chunks.second(c1 - c0))
             s = s * scale + e.sum(dim=1).double()
-            a = a * scale + e.mul_(x).sum(dim=1).double()
+            a = a + e.mul_(x).sum(dim=1).double()
         else:
             s = s * scale + x.sub_(shift[:, None]).exp_().sum(dim=1).double()
         m = m_new
@@ -195,8 +211,8 @@ def linear_logprob_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     out = h32.dtype
     lse = m.double() + torch.log(s)
     logprob = (tz.double() - lse).to(out)
-    ez = (a / s).to(out) if with_entropy else torch.zeros_like(tz)
-    entropy = (lse - a / s).to(out) if with_entropy else torch.zeros_like(tz)
+    ez = (m.double() + a / s).to(out) if with_entropy else torch.zeros_like(tz)
+    entropy = (torch.log(s) - a / s).to(out) if with_entropy else torch.zeros_like(tz)  # shift-free (forward_stats)
     return logprob, entropy, lse.to(out), ez
 
 

@@ -45,14 +45,14 @@ of each rank travels as one number, lse_r, so no separate max round is needed.
 
 linear_logprob (differentiable, Megatron's vocab-parallel cross-entropy fused with the
 projection): forward gathers per rank and row (m_r, s_r, a_r, target logit) in fp64, m_r the
-shard's max logit, s_r = Σ exp(z − m_r), a_r = Σ exp(z − m_r)·z, and combines
-M = max_r m_r, S = Σ_r s_r e^{m_r−M}, lse = M + log S, E_p[z] = Σ_r a_r e^{m_r−M} / S — the
-single-process formulas of ``linear_logprob``. Backward: each rank's weight gradient is local
-(its shard's rows); the hidden gradient is the sum over shards, one all_reduce(SUM) of
-[T, H] — what the backward of Megatron's ``copy_to_tensor_model_parallel_region`` does in
-front of its output layer (so do not add that region as well: the gradient would be summed
-twice). Every rank must run the backward with the same incoming gradient (Megatron's loss is
-the same on every rank of the group).
+shard's max logit, s_r = Σ exp(z − m_r), a_r = Σ exp(z − m_r)·(z − m_r), and combines
+M = max_r m_r, S = Σ_r s_r e^{m_r−M}, A = Σ_r e^{m_r−M} (a_r + (m_r − M) s_r), lse = M + log S,
+E_p[z] = M + A/S, entropy = log S − A/S — the single-process formulas of ``linear_logprob``.
+Backward: each rank's weight gradient is local (its shard's rows); the hidden gradient is the
+sum over shards, one all_reduce(SUM) of [T, H] — what the backward of Megatron's
+``copy_to_tensor_model_parallel_region`` does in front of its output layer (so do not add that
+region as well: the gradient would be summed twice). Every rank must run the backward with the
+same incoming gradient (Megatron's loss is the same on every rank of the group).
 
 Precision: top-k ids and logits, and the renormalised (top-k) log-probs, are those of the
 single-process op bit for bit whenever the GEMM gives each logit the same bits (tests use
@@ -353,15 +353,20 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
         _raise_if_failed("linear_logprob", g[:, 0], err, layout)
         m_r, s_r, a_r, tz_r = g[:, 1:].reshape(W, 4, T).unbind(1)
         M = m_r.max(dim=0).values
-        scale = torch.exp(m_r - M)  # 0 for an empty shard (m_r = −inf)
+        d = m_r - M
+        scale = torch.exp(d)  # 0 for an empty shard (m_r = −inf)
         S = (s_r * scale).sum(0)
         lse = M + torch.log(S)
         tz_all = tz_r.gather(0, layout.owner(tg)[None, :]).squeeze(0)
         logprob = (tz_all - lse).to(cd)
-        ez = ((a_r * scale).sum(0) / S) if with_entropy else torch.zeros_like(lse)
+        if with_entropy:  # a_r is relative to m_r: move it to M (an empty shard adds nothing)
+            A = (scale * (a_r + torch.where(s_r > 0, d * s_r, torch.zeros_like(s_r)))).sum(0)
+            ez, entropy = M + A / S, torch.log(S) - A / S
+        else:
+            ez = entropy = torch.zeros_like(lse)
         # as the single-process op: inf/NaN in hidden or weight is an error, never a silent NaN
         # loss or entropy; every rank holds the same gathered numbers, so every rank raises alike
-        bad = ~torch.isfinite(logprob) | ~torch.isfinite(ez)
+        bad = ~torch.isfinite(logprob) | ~torch.isfinite(ez) | ~torch.isfinite(entropy)
         if T and bad.any():
             rows = bad.nonzero().flatten().tolist()[:8]
             raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
@@ -369,7 +374,7 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, cd
         ctx.start, ctx.n, ctx.group = start, n, group
         if with_entropy:
-            return logprob, (lse - ez).to(cd)
+            return logprob, entropy.to(cd)
         return logprob
 
     @staticmethod

@@ -223,6 +223,28 @@ def test_linear_logprob_forward_backward(groups, name, world, T, H, rows, V, rul
         assert torch.equal(res[0], out[0][0]) and torch.equal(res[2], out[0][2]), f"{name}: ranks differ"
 
 
+@pytest.mark.parametrize("c", [0.0, 1e4])
+def test_linear_logprob_entropy_of_offset_logits(groups, c):
+    """Entropy of logits + c (a ones column of hidden against a column of c): the shards' sums are
+    relative to their own max and moved to the global one, so the offset cancels before any
+    rounding: within the fp32 rule (1e-5 abs + rel + 2× the materialised path's error) of the
+    fp64 oracle. Combining Σ e^{z−m_r}·z per shard lost ~c · 2⁻²⁴ (1.9e-3 at c = 1e4, the
+    materialised path 8.8e-4)."""
+    h, w = _gauss(17, 64, 1000, seed=2)
+    h, w = torch.cat([h, torch.ones(17, 1)], 1), torch.cat([w, torch.full((1000, 1), c)], 1)
+    bounds = shard_bounds(1000, 2)
+    tg = _targets(h, w, 16, 1000, bounds)
+    out = _ok(groups(2).run("linear", hidden=h, weight=w, targets=tg, bounds=bounds, return_entropy=True,
+                            temperature=0.7, chunk=128), "offset")
+    ref = linear_logprob_ref(h, w, tg, 0.7, return_entropy=True)[1].double()
+    oracle = linear_logprob_ref(h.double(), w.double(), tg, 0.7, return_entropy=True)[1]
+    for r, res in enumerate(out):
+        err = (res[1].double() - oracle).abs()
+        bad = err > 1e-5 + 1e-5 * oracle.abs() + 2 * (ref - oracle).abs()
+        assert not bad.any(), (f"rank {r} entropy at offset {c}: max err {err.max():.3e} "
+                               f"(materialised fp32: {(ref - oracle).abs().max():.3e})")
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_linear_logprob_gradcheck_fp64(groups, world):
     """torch.autograd.gradcheck of (hidden, full weight) → (logprob, entropy) on every rank,
