@@ -20,7 +20,11 @@ Gradients, with g = ∂L/∂logprob and e = ∂L/∂entropy per row:
 Forward and backward both walk the vocabulary in chunks of ``chunk`` rows of W: one [T, C]
 fp32 logits buffer, reused by every chunk (the backward recomputes the logits: one extra
 GEMM instead of keeping [T, V]; ∂W is written by the GEMM straight into its rows). Forward
-saves only hidden, weight, targets and two [T] vectors (logsumexp, E_p[z]).
+saves only hidden, weight, targets and three [T] vectors: the row max m, lse − m and E_p[z] − m.
+The backward takes its softmax terms relative to m (p = exp((z − m) − (lse − m)), z − E_p[z] =
+(z − m) − (E_p[z] − m)): z − m is exact near the max, so a common offset c of a row's logits
+costs no precision (lse and E_p[z] rounded to fp32 carried ~c · 2⁻²⁴ into every p: gradients
+1,000× the materialised path's error at c = 1e4).
 Both directions are registered custom ops (``acarerank::linear_logprob`` and
 ``acarerank::linear_logprob_backward``, joined by ``register_autograd``), opaque to torch.compile.
 Peers: Liger's fused linear cross-entropy and verl's ``linear_cross_entropy`` chunk the same
@@ -152,29 +156,30 @@ def _forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
     return m, s, a, tz
 
 
-def backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
+def backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, chunk, need_h, need_w):
     """∂L/∂h (un-reduced, [T, H] in h32's dtype) and ∂L/∂W ([V, H] in weight's dtype) over the rows
-    of ``weight``, given the softmax statistics ``lse`` and ``ez`` = E_p[z] of the whole vocabulary
-    (module doc formulas). ``g_ent`` None: no entropy term. Targets outside [0, V) get no
-    one-hot term (another shard owns them). Also the per-shard half of ``vocab_parallel``."""
+    of ``weight``, given the softmax statistics of the whole vocabulary relative to ``m`` [T] (a
+    logit of the row, its max): ``lse_m`` = lse − m and ``ez_m`` = E_p[z] − m (module doc
+    formulas). ``g_ent`` None: no entropy term. Targets outside [0, V) get no one-hot term
+    (another shard owns them). Also the per-shard half of ``vocab_parallel``."""
     with fp32_math(h32.device):
-        return _backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w)
+        return _backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, chunk, need_h, need_w)
 
 
-def _backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
+def _backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, chunk, need_h, need_w):
     T = h32.shape[0]
     cd = h32.dtype
     grad_h = torch.zeros(T, h32.shape[1], dtype=cd, device=h32.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     chunks = _Chunks(h32, weight, chunk, second=g_ent is not None)
     for c0, c1, w in chunks:
-        x = chunks.logits(w, temperature)
+        x = chunks.logits(w, temperature).sub_(m[:, None])  # z − m, exact near the max (module doc)
         # -- ∂L/∂z for this chunk, built in x's buffer
         if g_ent is not None:
-            p = torch.sub(x, lse[:, None], out=chunks.second(c1 - c0)).exp_()
-            x.sub_(ez[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()  # −p (g + e (z − E z))
+            p = torch.sub(x, lse_m[:, None], out=chunks.second(c1 - c0)).exp_()
+            x.sub_(ez_m[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()  # −p (g + e (z − E z))
         else:
-            x.sub_(lse[:, None]).exp_().mul_(-g_lp[:, None])  # −g p
+            x.sub_(lse_m[:, None]).exp_().mul_(-g_lp[:, None])  # −g p
         rows = ((tg >= c0) & (tg < c1)).nonzero().flatten()
         if rows.numel():
             x[rows, tg[rows] - c0] += g_lp[rows]
@@ -203,41 +208,42 @@ def grad_inputs(ctx, g_lp, g_ent, T, device):
 @torch.library.custom_op("acarerank::linear_logprob", mutates_args=())
 def linear_logprob_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                       chunk: int, with_entropy: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprob [T], entropy [T] (zeros without ``with_entropy``), logsumexp [T], E_p[z] [T]), all in
-    the compute dtype (fp32; fp64 for fp64 inputs). The last two are what the backward needs."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob [T], entropy [T] (zeros without ``with_entropy``), m [T] the row's max logit,
+    logsumexp − m [T], E_p[z] − m [T] (zeros without ``with_entropy``)), all in the compute dtype
+    (fp32; fp64 for fp64 inputs). The last three are what the backward needs (module doc)."""
     h32 = compute_copy(hidden)
     m, s, a, tz = forward_stats(h32, weight, targets.long(), temperature, chunk, with_entropy)
     out = h32.dtype
-    lse = m.double() + torch.log(s)
-    logprob = (tz.double() - lse).to(out)
-    ez = (m.double() + a / s).to(out) if with_entropy else torch.zeros_like(tz)
-    entropy = (torch.log(s) - a / s).to(out) if with_entropy else torch.zeros_like(tz)  # shift-free (forward_stats)
-    return logprob, entropy, lse.to(out), ez
+    log_s = torch.log(s)  # lse − m
+    logprob = (tz.double() - (m.double() + log_s)).to(out)
+    ez_m = (a / s).to(out) if with_entropy else torch.zeros_like(tz)
+    entropy = (log_s - a / s).to(out) if with_entropy else torch.zeros_like(tz)  # shift-free (forward_stats)
+    return logprob, entropy, m, log_s.to(out), ez_m
 
 
 @linear_logprob_op.register_fake
 def _(hidden, weight, targets, temperature, chunk, with_entropy):
     T = hidden.shape[0]
     out = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return tuple(hidden.new_empty(T, dtype=out) for _ in range(4))
+    return tuple(hidden.new_empty(T, dtype=out) for _ in range(5))
 
 
 @torch.library.custom_op("acarerank::linear_logprob_backward", mutates_args=())
-def linear_logprob_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                               ez: torch.Tensor, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
-                               temperature: float, chunk: int, need_h: bool, need_w: bool
+def linear_logprob_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, m: torch.Tensor,
+                               lse_m: torch.Tensor, ez_m: torch.Tensor, g_lp: torch.Tensor,
+                               g_ent: Optional[torch.Tensor], temperature: float, chunk: int, need_h: bool, need_w: bool
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(∂L/∂hidden in hidden's dtype, ∂L/∂weight in weight's dtype); an empty tensor for a
     gradient not asked for. ``g_ent`` None: no entropy term (module doc formulas)."""
-    grad_h, grad_w = backward_chunks(compute_copy(hidden), weight, targets.long(), lse, ez, g_lp, g_ent, temperature,
-                                     chunk, need_h, need_w)
+    grad_h, grad_w = backward_chunks(compute_copy(hidden), weight, targets.long(), m, lse_m, ez_m, g_lp, g_ent,
+                                     temperature, chunk, need_h, need_w)
     grad_h = grad_h.to(hidden.dtype) if need_h else hidden.new_empty(0)
     return grad_h, (grad_w if need_w else weight.new_empty(0))
 
 
 @linear_logprob_backward_op.register_fake
-def _(hidden, weight, targets, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
+def _(hidden, weight, targets, m, lse_m, ez_m, g_lp, g_ent, temperature, chunk, need_h, need_w):
     # the strides the real op returns: ∂hidden is always contiguous (empty_like would copy a
     # transposed hidden's strides: torch.compile's stride assert then failed), ∂W empty_like(weight)
     return (hidden.new_empty(hidden.shape) if need_h else hidden.new_empty(0),
@@ -246,17 +252,17 @@ def _(hidden, weight, targets, lse, ez, g_lp, g_ent, temperature, chunk, need_h,
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, targets, temperature, chunk, with_entropy = inputs
-    _, _, lse, ez = output
-    ctx.save_for_backward(hidden, weight, targets, lse, ez)
-    ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, lse.dtype
+    _, _, m, lse_m, ez_m = output
+    ctx.save_for_backward(hidden, weight, targets, m, lse_m, ez_m)
+    ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, m.dtype
 
 
-def _backward(ctx, g_lp, g_ent, _g_lse, _g_ez):
-    hidden, weight, targets, lse, ez = ctx.saved_tensors
+def _backward(ctx, g_lp, g_ent, _g_m, _g_lse, _g_ez):
+    hidden, weight, targets, m, lse_m, ez_m = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     g_lp, g_ent = grad_inputs(ctx, g_lp, g_ent, hidden.shape[0], hidden.device)
-    grad_h, grad_w = linear_logprob_backward_op(hidden, weight, targets, lse, ez, g_lp, g_ent, ctx.temperature,
-                                                ctx.chunk, need_h, need_w)
+    grad_h, grad_w = linear_logprob_backward_op(hidden, weight, targets, m, lse_m, ez_m, g_lp, g_ent,
+                                                ctx.temperature, ctx.chunk, need_h, need_w)
     return (grad_h if need_h else None), (grad_w if need_w else None), None, None, None, None
 
 
@@ -289,7 +295,7 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     if vocab_start is not None or vocab_size is not None:
         raise ValueError("linear_logprob: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
     _check(hidden, weight, targets, temperature, chunk)
-    lp, entropy, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
+    lp, entropy, _, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
                                           bool(return_entropy))
     out = (lp, entropy) if return_entropy else lp
     # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host

@@ -356,21 +356,23 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
         d = m_r - M
         scale = torch.exp(d)  # 0 for an empty shard (m_r = −inf)
         S = (s_r * scale).sum(0)
-        lse = M + torch.log(S)
+        log_S = torch.log(S)  # lse − M
         tz_all = tz_r.gather(0, layout.owner(tg)[None, :]).squeeze(0)
-        logprob = (tz_all - lse).to(cd)
+        logprob = (tz_all - (M + log_S)).to(cd)
         if with_entropy:  # a_r is relative to m_r: move it to M (an empty shard adds nothing)
             A = (scale * (a_r + torch.where(s_r > 0, d * s_r, torch.zeros_like(s_r)))).sum(0)
-            ez, entropy = M + A / S, torch.log(S) - A / S
+            ez_m, entropy = A / S, log_S - A / S  # E_p[z] − M, the entropy
         else:
-            ez = entropy = torch.zeros_like(lse)
+            ez_m = entropy = torch.zeros_like(S)
         # as the single-process op: inf/NaN in hidden or weight is an error, never a silent NaN
         # loss or entropy; every rank holds the same gathered numbers, so every rank raises alike
-        bad = ~torch.isfinite(logprob) | ~torch.isfinite(ez) | ~torch.isfinite(entropy)
+        bad = ~torch.isfinite(logprob) | ~torch.isfinite(ez_m + M) | ~torch.isfinite(entropy)
         if T and bad.any():
             rows = bad.nonzero().flatten().tolist()[:8]
             raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
-        ctx.save_for_backward(hidden, weight_shard, tg, lse.to(cd), ez.to(cd))
+        # the backward's statistics relative to M (linear_logprob's module doc); M is one shard's
+        # fp32 max logit, exact in cd
+        ctx.save_for_backward(hidden, weight_shard, tg, M.to(cd), log_S.to(cd), ez_m.to(cd))
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, cd
         ctx.start, ctx.n, ctx.group = start, n, group
         if with_entropy:
@@ -379,7 +381,7 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
-        hidden, weight_shard, tg, lse, ez = ctx.saved_tensors
+        hidden, weight_shard, tg, m, lse_m, ez_m = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         T = hidden.shape[0]
         g_lp, g_ent = grad_inputs(ctx, g_lp, g_ent, T, hidden.device)
@@ -388,7 +390,7 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
         grad_h = torch.zeros_like(h32) if need_h else None
         grad_w = None
         if T and n:
-            grad_h, gw = backward_chunks(h32, weight_shard[:n], tg - ctx.start, lse, ez, g_lp, g_ent,
+            grad_h, gw = backward_chunks(h32, weight_shard[:n], tg - ctx.start, m, lse_m, ez_m, g_lp, g_ent,
                                          ctx.temperature, ctx.chunk, need_h, need_w)
             if need_w:
                 grad_w = gw if n == weight_shard.shape[0] else \

@@ -225,24 +225,39 @@ def test_linear_logprob_forward_backward(groups, name, world, T, H, rows, V, rul
 
 @pytest.mark.parametrize("c", [0.0, 1e4])
 def test_linear_logprob_entropy_of_offset_logits(groups, c):
-    """Entropy of logits + c (a ones column of hidden against a column of c): the shards' sums are
-    relative to their own max and moved to the global one, so the offset cancels before any
-    rounding: within the fp32 rule (1e-5 abs + rel + 2× the materialised path's error) of the
+    """Entropy and gradients of logits + c (a ones column of hidden against a column of c): the
+    shards' sums are relative to their own max and moved to the global one, and the backward
+    works relative to the global max, so the offset cancels before any rounding: within the fp32
+    rule (1e-5 abs + rel + 2× the materialised path's error; max errors for gradients) of the
     fp64 oracle. Combining Σ e^{z−m_r}·z per shard lost ~c · 2⁻²⁴ (1.9e-3 at c = 1e4, the
-    materialised path 8.8e-4)."""
+    materialised path 8.8e-4); the backward from an fp32 lse, ∂hidden 9.6 against 0.05."""
     h, w = _gauss(17, 64, 1000, seed=2)
     h, w = torch.cat([h, torch.ones(17, 1)], 1), torch.cat([w, torch.full((1000, 1), c)], 1)
     bounds = shard_bounds(1000, 2)
     tg = _targets(h, w, 16, 1000, bounds)
     out = _ok(groups(2).run("linear", hidden=h, weight=w, targets=tg, bounds=bounds, return_entropy=True,
                             temperature=0.7, chunk=128), "offset")
-    ref = linear_logprob_ref(h, w, tg, 0.7, return_entropy=True)[1].double()
-    oracle = linear_logprob_ref(h.double(), w.double(), tg, 0.7, return_entropy=True)[1]
+    g = torch.Generator().manual_seed(0)  # the ranks' loss: Σ g·logprob + Σ e·entropy
+    g_lp, g_ent = torch.randn(17, generator=g), torch.randn(17, generator=g)
+
+    def ref(dtype):
+        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        lp, ent = linear_logprob_ref(hh, ww, tg, 0.7, return_entropy=True)
+        return (ent.detach().double(), *torch.autograd.grad((g_lp.to(dtype) * lp + g_ent.to(dtype) * ent).sum(),
+                                                            (hh, ww)))
+
+    mat, oracle = ref(torch.float32), ref(torch.float64)
     for r, res in enumerate(out):
-        err = (res[1].double() - oracle).abs()
-        bad = err > 1e-5 + 1e-5 * oracle.abs() + 2 * (ref - oracle).abs()
-        assert not bad.any(), (f"rank {r} entropy at offset {c}: max err {err.max():.3e} "
-                               f"(materialised fp32: {(ref - oracle).abs().max():.3e})")
+        s, e = bounds[r]
+        for name, got, m, o in zip(("entropy", "grad_hidden", "grad_weight"), res[1:], mat,
+                                   (oracle[0], oracle[1], oracle[2][s:e])):
+            m = m[s:e] if name == "grad_weight" else m
+            err, ref_err = (got.double() - o).abs(), (m.double() - o).abs()
+            if name != "entropy":
+                err, ref_err, o = err.max(), ref_err.max(), o.abs().max()
+            bad = err > 1e-5 + 1e-5 * o.abs() + 2 * ref_err
+            assert not bad.any(), (f"rank {r} {name} at offset {c}: max err {err.max():.3e} "
+                                   f"(materialised fp32: {ref_err.max():.3e})")
 
 
 @pytest.mark.parametrize("world", [2, 4])
