@@ -39,6 +39,10 @@ same (rounded) inputs to fp32 tolerance; gradients are accumulated in fp32 and r
 to the input dtype, i.e. they are within one rounding (2⁻⁸ relative for bf16) of the fp32
 gradient of the same inputs. The rule holds inside a ``torch.autocast`` region too: the passes
 turn autocast off, which would otherwise run the chunk GEMMs in bf16/fp16.
+
+First derivatives only: a second backward through the gradients (``torch.autograd.grad(...,
+create_graph=True)`` then a backward of those gradients) raises a RuntimeError naming the op;
+use ``linear_logprob_ref`` where second derivatives are needed.
 """
 from __future__ import annotations
 
@@ -268,6 +272,34 @@ def _backward(ctx, g_lp, g_ent, _g_m, _g_lse, _g_ez):
 
 linear_logprob_op.register_autograd(_backward, setup_context=_setup_context)
 
+NO_DOUBLE_BACKWARD = ("linear_logprob: no second derivative — its backward is not differentiable (a backward of "
+                      "gradients taken with create_graph=True reached it); use linear_logprob_ref, which "
+                      "materialises the logits, where second derivatives are needed")
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(NO_DOUBLE_BACKWARD)
+
+
+# without it the error named the internal op and advised register_autograd
+linear_logprob_backward_op.register_autograd(_no_double_backward)
+
+
+class FirstOrderOnly(torch.autograd.Function):
+    """``FirstOrderOnly.apply(anchor, *grads)``: ``grads`` unchanged, joined to the graph through
+    ``anchor`` (an input that requires grad) by a node whose backward raises
+    ``NO_DOUBLE_BACKWARD``. For an ``autograd.Function`` whose backward runs under no_grad
+    (``vocab_parallel``): under create_graph=True its gradients would otherwise carry no graph,
+    and a second backward would silently miss this op's part."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(NO_DOUBLE_BACKWARD)
+
 
 def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False,
                    chunk: Optional[int] = None, process_group=None, vocab_start: Optional[int] = None,
@@ -317,4 +349,5 @@ def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return
     return lp, -(lsm.exp() * lsm).sum(dim=1)
 
 
-__all__ = ["linear_logprob", "linear_logprob_ref", "linear_logprob_op", "linear_logprob_backward_op"]
+__all__ = ["linear_logprob", "linear_logprob_ref", "linear_logprob_op", "linear_logprob_backward_op",
+           "NO_DOUBLE_BACKWARD"]

@@ -82,7 +82,7 @@ from ..topk_contract import OUTSIDE_MODES, check_k, finalize
 from . import _backend
 from ._checks import check_projection_inputs, finite_real
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
-from .linear_logprob import backward_chunks, compute_copy, forward_stats, grad_inputs
+from .linear_logprob import FirstOrderOnly, backward_chunks, compute_copy, forward_stats, grad_inputs
 from .topk_logprobs import OP as _TOPK_OP
 from .topk_logprobs import order_keys, topk_logprobs_core
 
@@ -381,6 +381,20 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():  # first derivatives only (module doc of linear_logprob)
+            grad_h, grad_w = _VocabParallelLinearLogprob._grads(ctx, g_lp, g_ent)
+        if create_graph:  # a backward of these gradients must raise, not silently skip this op
+            hidden, weight_shard = ctx.saved_tensors[:2]
+            anchor = next((t for t in (hidden, weight_shard, g_lp, g_ent) if t is not None and t.requires_grad), None)
+            out = [t for t in (grad_h, grad_w) if t is not None]
+            if anchor is not None and out:
+                wrapped = iter(FirstOrderOnly.apply(anchor, *out))
+                grad_h, grad_w = (None if t is None else next(wrapped) for t in (grad_h, grad_w))
+        return grad_h, grad_w, None, None, None, None, None, None
+
+    @staticmethod
+    def _grads(ctx, g_lp, g_ent):
         hidden, weight_shard, tg, m, lse_m, ez_m = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         T = hidden.shape[0]
@@ -402,7 +416,7 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
             buf = grad_h.to(comm)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group)
             grad_h = buf.to(hidden.device, hidden.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w
 
 
 def linear_logprob_vocab_parallel(hidden, weight_shard, targets, temperature=1.0, return_entropy=False, chunk=None,

@@ -224,3 +224,22 @@ def test_grads_do_not_depend_on_a_common_offset(c):
         bad = err > 1e-5 + 1e-5 * o.abs() + 2 * ref_err
         assert not bad.any(), (f"{name} at offset {c}: {int(bad.sum())} mismatches at {bad.nonzero()[:3].tolist()}, "
                                f"max err {err.max().item():.3e} (materialised fp32: {ref_err.max().item():.3e})")
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_double_backward_raises_naming_the_op(entropy):
+    """First derivatives only: gradients taken with create_graph=True are the right first
+    derivatives, and a backward through them raises a RuntimeError naming linear_logprob (it
+    named the internal linear_logprob_backward op and advised register_autograd) — never a
+    silently missing second-order term."""
+    h, w, tg = _inputs(5, 6, 37, dtype=torch.float64, seed=12)
+    out = linear_logprob(h, w, tg, 0.8, entropy, chunk=8)
+    loss = out[0].sum() + out[1].sum() if entropy else out.sum()
+    gh, gw = torch.autograd.grad(loss, (h, w), create_graph=True)
+    ref = linear_logprob_ref(h, w, tg, 0.8, entropy)
+    ref_gh, ref_gw = torch.autograd.grad(ref[0].sum() + ref[1].sum() if entropy else ref.sum(), (h, w))
+    _close(gh.detach(), ref_gh, 1e-10, 1e-10, "grad_hidden with create_graph")
+    _close(gw.detach(), ref_gw, 1e-10, 1e-10, "grad_weight with create_graph")
+    for second in ((gh ** 2).sum() + h.sum(), gw.sum()):
+        with pytest.raises(RuntimeError, match="linear_logprob: no second derivative"):
+            torch.autograd.grad(second, (h, w))

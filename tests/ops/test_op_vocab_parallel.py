@@ -274,6 +274,32 @@ def test_linear_logprob_gradcheck_fp64(groups, world):
     assert out == [True] * world
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+def test_linear_logprob_double_backward_raises_naming_the_op(groups, entropy):
+    """Gradients taken with create_graph=True are the single-process op's; a backward through them
+    raises a RuntimeError naming linear_logprob on every rank — even a backward in which they
+    only appear multiplied by 0 (the graph is followed, not the values). The backward's
+    out= GEMMs once raised 'functions with out=... arguments don't support automatic
+    differentiation' already at the create_graph=True step."""
+    g = torch.Generator().manual_seed(4)
+    T, H, V = 5, 6, 37
+    h, w = torch.randn(T, H, generator=g, dtype=torch.float64), torch.randn(V, H, generator=g, dtype=torch.float64)
+    tg = torch.tensor([0, 36, 5, 20, 17])
+    bounds = shard_bounds(V, 2)
+    out = _ok(groups(2).run("double_backward", hidden=h, weight=w, targets=tg, bounds=bounds,
+                            return_entropy=entropy), "double backward")
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    res = linear_logprob(hh, ww, tg, return_entropy=entropy, chunk=7)
+    want_h, want_w = torch.autograd.grad(res[0].sum() + res[1].sum() if entropy else res.sum(), (hh, ww))
+    for r, (gh, gw, errors) in enumerate(out):
+        s, e = bounds[r]
+        _close(gh, want_h, f"rank {r} grad_hidden", rel=1e-12)
+        _close(gw, want_w[s:e], f"rank {r} grad_weight", rel=1e-12)
+        for i, err in enumerate(errors):
+            assert err is not None and "linear_logprob: no second derivative" in err[1], \
+                f"rank {r} second loss {i}: {err}"
+
+
 # --------------------------------------------------------------------- rescore
 def test_rescore_with_sharded_output_layers(groups):
     """Both models' output layers split over 2 ranks, Megatron-padded to 1,024 rows (997 real)."""

@@ -105,8 +105,8 @@ def test_opcheck_linear_logprob_backward():
     lp, _, m, lse_m, ez_m = linear_logprob_op(h, w, tg, 1.0, 8, True)
     g = torch.ones_like(lp)
     for need_h, need_w in ((True, True), (True, False), (False, True)):
-        torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, m, lse_m, ez_m, g, 0.5 * g, 1.0, 8, need_h,
-                                                                need_w))
+        args = (h, w, tg, m, lse_m, ez_m, g, 0.5 * g, 1.0, 8, need_h, need_w)
+        torch.library.opcheck(linear_logprob_backward_op, args)
     torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, m, lse_m, ez_m, g, None, 1.0, 8, True, True))
 
 
