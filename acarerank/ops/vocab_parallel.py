@@ -84,7 +84,7 @@ from ._checks import check_projection_inputs, finite_real
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
 from .linear_logprob import FirstOrderOnly, backward_chunks, compute_copy, forward_stats, grad_inputs
 from .topk_logprobs import OP as _TOPK_OP
-from .topk_logprobs import order_keys, topk_logprobs_core
+from .topk_logprobs import _check_result_finite, order_keys, topk_logprobs_core
 
 HEADER = 256       # int64 words per rank in the check collective
 _NFIELDS = 16      # fields in front; the rest holds the rank's error message, one byte per word
@@ -303,7 +303,10 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
         try:
             local = torch.where((tg >= start) & (tg < start + n), tg - start, 0)  # non-owners: any valid id
             kr = min(k, n)
-            v, i, tz, lse = topk_logprobs_core(hidden, weight_shard[:n], local, kr, chunk, temperature, backend)
+            # shard=True: a row all −inf on this shard (masked vocabulary) is fine; the combined lse
+            # is checked below, as the single-process op checks its own
+            v, i, tz, lse = topk_logprobs_core(hidden, weight_shard[:n], local, kr, chunk, temperature, backend,
+                                               shard=True)
             tv[:, :kr], ti[:, :kr] = v, i + start
         except Exception as e:  # joins step 3 anyway; raised after it
             err = e
@@ -323,6 +326,7 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
     pos = order_keys(cand_v, cand_i).topk(k, dim=1, sorted=True).indices
     top_v, top_i = cand_v.gather(1, pos), cand_i.gather(1, pos)
     lse_all = torch.logsumexp(lse_r.double(), dim=0).float()
+    _check_result_finite(lse_all)  # −inf on every shard; the same gathered bytes on every rank: all raise
     tz_all = tz_r.gather(0, layout.owner(tg)[None, :]).squeeze(0)
     return finalize(top_v, top_i, tz_all, lse_all, targets, outside, floor, renormalize)
 

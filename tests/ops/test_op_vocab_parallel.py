@@ -156,6 +156,71 @@ def test_topk_logprobs_equals_single_process(groups, name, world, T, H, V, k, ki
         assert tied.any(), "the ties case must tie at the k-th place"
 
 
+MASKED_CASES = [
+    # id, world, masked shards, k, keyword arguments
+    ("last-shard", 2, [1], 8, {}),
+    ("first-shard-k>finite", 2, [0], 600, {"outside": "full", "renormalize": False}),
+    ("two-of-four", 4, [1, 3], 300, {"temperature": 0.5}),
+]
+
+
+@pytest.mark.parametrize("name,world,masked,k,kw", MASKED_CASES, ids=[c[0] for c in MASKED_CASES])
+def test_topk_logprobs_with_a_shard_all_minus_inf(groups, name, world, masked, k, kw):
+    """Rows whose logits are −inf on a whole shard (a masked part of the vocabulary: finite
+    weights, products overflowing fp32): the single-process op's result on the full row, the −inf
+    entries ranked last in id order where k reaches them. The shard's own lse is −inf there,
+    which its local pass took for non-finite input: a ValueError on every rank."""
+    T, H, V = 17, 64, 1000
+    h, w = _dyadic(T, H, V, seed=7)
+    bounds = shard_bounds(V, world)
+    h[:, 0], w[:, 0] = 0.0, 0.0
+    h[::2, 0] = 2.0                                  # even rows: every logit of the masked shards is −inf
+    for r in masked:
+        w[bounds[r][0]:bounds[r][1], 0] = -3e38
+    tg = _targets(h, w, 4, V, bounds)
+    z = h @ w.T
+    assert torch.isneginf(z[::2, bounds[masked[0]][0]:bounds[masked[0]][1]]).all() and torch.isfinite(z[1::2]).all()
+    want = topk_logprobs(h, w, tg, k=k, **kw)
+    oracle = topk_logprobs_ref(h, w, tg, k=k, **kw)
+    assert torch.equal(want.topk_ids, oracle.topk_ids), "single-process op vs oracle (test premise)"
+    assert torch.isneginf(want.topk_logprobs[::2, -1]).all() == (k > V - sum(e - s for s, e in
+                                                                               (bounds[r] for r in masked)))
+    out = _ok(groups(world).run("topk", hidden=h, weight=w, targets=tg, bounds=bounds, k=k, **kw), name)
+    full_norm = {"topk_logprobs": not kw.get("renormalize", True),
+                 "target_logprob": not kw.get("renormalize", True) or kw.get("outside") == "full"}
+    exact = dict(zip(("topk_logprobs", "target_logprob"), _exact(h, w, tg, want.topk_ids, **kw)))
+    for r, res in enumerate(out):
+        got = type(want)(*res)
+        assert torch.equal(got.topk_ids, want.topk_ids), f"{name} rank {r}: ids differ"
+        assert torch.equal(got.in_topk, want.in_topk), f"{name} rank {r}: in_topk differs"
+        for field in ("topk_logprobs", "target_logprob"):
+            a, b = getattr(got, field), getattr(want, field)
+            fin = torch.isfinite(b)
+            assert torch.equal(a[~fin], b[~fin]) and torch.isfinite(a[fin]).all(), \
+                f"{name} rank {r} {field}: infinities differ (or NaN)"
+            if full_norm[field]:  # the whole-vocabulary sum in another order: the rule of _check_topk
+                x = exact[field][fin]
+                e_single, e_dist = (b[fin].double() - x).abs().max(), (a[fin].double() - x).abs().max()
+                assert e_dist <= 2 * e_single + REL, f"{name} rank {r} {field}: {e_dist:.3e} vs {e_single:.3e}"
+            else:
+                _close(a[fin], b[fin], f"{name} rank {r} {field}")
+
+
+def test_topk_logprobs_row_minus_inf_everywhere_raises_on_every_rank(groups):
+    """A row −inf on every shard: the single-process op's ValueError (non-finite logits, the
+    row named), on every rank."""
+    h, w = _dyadic(5, 64, 1000, seed=8)
+    h[:, 0], w[:, 0] = 0.0, -3e38
+    h[3, 0] = 2.0                                    # row 3: −inf everywhere
+    tg = _targets(h, w, 4, 1000)
+    with pytest.raises(ValueError, match=r"non-finite logits .* rows \[3\]"):
+        topk_logprobs(h, w, tg, k=4)
+    out = groups(2).run("topk", hidden=h, weight=w, targets=tg, bounds=shard_bounds(1000, 2), k=4)
+    for r, (status, payload) in enumerate(out):
+        assert status == "error" and re.search(r"non-finite logits .* rows \[3\]", payload[1]), \
+            f"rank {r}: {status} {payload[:2] if status == 'error' else ''}"
+
+
 def test_topk_logprobs_on_subgroups(groups):
     """Two independent groups of 2 inside the 4 ranks, as Megatron's tensor-parallel groups are."""
     h, w = _dyadic(9, 64, 1000, seed=5)
