@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -91,11 +92,22 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
     return S, G
 
 
+def _as_fp32(x: float) -> float:
+    """``x`` rounded to fp32 (inf beyond its range, 0 below its smallest subnormal)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:  # struct refuses what rounds to ±inf
+        return math.copysign(math.inf, x)
+
+
 def check_softmax_scale(softmax_scale, d: int, op: str = "prefix_shared_attention") -> float:
-    """``softmax_scale`` as a float (None: 1/sqrt(d)); ValueError unless it is finite and > 0.
+    """``softmax_scale`` as a float (None: 1/sqrt(d)); ValueError unless it is finite and > 0 as
+    the fp32 number every backend computes with.
 
     A scale ≤ 0 inverts or flattens the attention (and made the fused CPU kernel return NaN
     where plain softmax is finite); NaN/inf make every output NaN. Neither is a usable scale.
+    A float finite in double but beyond fp32 (1e39: inf in the kernels) or below its smallest
+    subnormal (1e-50: 0) gave NaN rows on the native and torch backends, with no error.
     """
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
@@ -104,6 +116,10 @@ def check_softmax_scale(softmax_scale, d: int, op: str = "prefix_shared_attentio
                         f"{type(softmax_scale).__name__}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"{op}: softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    s32 = _as_fp32(float(softmax_scale))
+    if not (math.isfinite(s32) and s32 > 0):
+        raise ValueError(f"{op}: softmax_scale must be finite and > 0 in float32 (the kernels' precision), got "
+                         f"{softmax_scale!r}, which is {s32!r} in float32")
     return float(softmax_scale)
 
 

@@ -325,10 +325,13 @@ def test_tables_beside_a_plan_must_be_the_plans():
 
 
 @pytest.mark.parametrize("scale,error", [(0.0, ValueError), (-0.25, ValueError), (float("nan"), ValueError),
-                                         (float("inf"), ValueError), (True, TypeError), ("0.25", TypeError)])
+                                         (float("inf"), ValueError), (1e39, ValueError), (1e-50, ValueError),
+                                         (True, TypeError), ("0.25", TypeError)])
 def test_bad_softmax_scale_is_refused_as_by_the_packed_op(scale, error):
     """The paged op took any scale: on the torch backend a scale <= 0 or NaN gave NaN rows and no
-    error (the native kernel refused it; the packed op refuses it before any backend)."""
+    error (the native kernel refused it; the packed op refuses it before any backend). 1e39 and
+    1e-50 are finite and > 0 in double but inf / 0 in the kernels' fp32: NaN rows on the native
+    and torch backends, no error."""
     a = _args()
     for backend in [b for b in available_backends("prefix_shared_attention_paged", "cpu") if b != "triton"]:
         with pytest.raises(error, match="prefix_shared_attention_paged: softmax_scale"):
