@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +33,7 @@ import torch
 
 from . import _backend
 from . import cpu_attention as _native_attn
+from ._checks import as_fp32, positive_in_fp32
 
 # Rows of the prefix score matrix computed at once in the torch backend: bounds the
 # temporary [Hkv, rows, P] fp32 block to ~64 MB whatever the depth.
@@ -92,14 +92,6 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
     return S, G
 
 
-def _as_fp32(x: float) -> float:
-    """``x`` rounded to fp32 (inf beyond its range, 0 below its smallest subnormal)."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", x))[0]
-    except OverflowError:  # struct refuses what rounds to ±inf
-        return math.copysign(math.inf, x)
-
-
 def check_softmax_scale(softmax_scale, d: int, op: str = "prefix_shared_attention") -> float:
     """``softmax_scale`` as a float (None: 1/sqrt(d)); ValueError unless it is finite and > 0 as
     the fp32 number every backend computes with.
@@ -116,10 +108,9 @@ def check_softmax_scale(softmax_scale, d: int, op: str = "prefix_shared_attentio
                         f"{type(softmax_scale).__name__}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"{op}: softmax_scale must be finite and > 0, got {softmax_scale!r}")
-    s32 = _as_fp32(float(softmax_scale))
-    if not (math.isfinite(s32) and s32 > 0):
+    if not positive_in_fp32(softmax_scale):
         raise ValueError(f"{op}: softmax_scale must be finite and > 0 in float32 (the kernels' precision), got "
-                         f"{softmax_scale!r}, which is {s32!r} in float32")
+                         f"{softmax_scale!r}, which is {as_fp32(float(softmax_scale))!r} in float32")
     return float(softmax_scale)
 
 

@@ -138,6 +138,10 @@ def test_bad_input():
         linear_logprob(h, w.detach().double(), tg)
     with pytest.raises(ValueError, match="temperature"):
         linear_logprob(h, w, tg, temperature=-1.0)
+    # 0 in fp32 (the chunk logits are divided by fp32(τ)): every logit inf/NaN, once refused as
+    # "non-finite logits (inf/NaN in hidden or weight)"
+    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0 \(in float32 too\)"):
+        linear_logprob(h, w, tg, temperature=1e-50)
     with pytest.raises(ValueError, match="chunk"):
         linear_logprob(h, w, tg, chunk=0)
 
