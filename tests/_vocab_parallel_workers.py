@@ -142,6 +142,28 @@ def _linear(ctx, hidden, weight, targets, bounds, pass_start=False, vocab_size=N
     return lp.detach(), (ent.detach() if ent is not None else None), h.grad, w.grad
 
 
+def _double_backward(ctx, hidden, weight, targets, bounds, return_entropy=False):
+    """Gradients with create_graph=True (returned), then a backward through them: its error
+    (type, message) for each of the three second losses, or None where none was raised."""
+    from acarerank.ops import linear_logprob
+
+    s, e = bounds[ctx.rank]
+    h = hidden.clone().requires_grad_(True)
+    w = weight[s:e].clone().requires_grad_(True)
+    out = linear_logprob(h, w, targets, return_entropy=return_entropy, chunk=7, process_group=ctx.group,
+                         vocab_start=s)
+    loss = out[0].sum() + out[1].sum() if return_entropy else out.sum()
+    gh, gw = torch.autograd.grad(loss, (h, w), create_graph=True)
+    errors = []
+    for second in ((gh ** 2).sum() + h.sum(), gw.sum(), (gh.sum() + gw.sum()) * 0 + w.sum()):
+        try:
+            torch.autograd.grad(second, (h, w), allow_unused=True)
+            errors.append(None)
+        except RuntimeError as err:
+            errors.append((type(err).__name__, str(err)))
+    return gh.detach(), gw.detach(), errors
+
+
 class _ShardOf(torch.autograd.Function):
     """Rows [s, e) of a weight replicated on every rank; backward all-gathers every rank's rows
     of the gradient, so each rank holds the full weight gradient: the function of the
@@ -235,6 +257,7 @@ def _rescore(ctx, bounds, vocab_size, k, outside, temperature, pad_rows):
     return res.logp_old, res.logp_teacher, res.teacher_in_topk, res.atd
 
 
-CASES = {"topk": _topk, "topk_subgroups": _topk_subgroups, "linear": _linear, "gradcheck": _gradcheck, "bad": _bad, "rescore": _rescore}
+CASES = {"topk": _topk, "topk_subgroups": _topk_subgroups, "linear": _linear, "gradcheck": _gradcheck, "bad": _bad,
+         "rescore": _rescore, "double_backward": _double_backward}
 
 __all__ = ["Group", "shard_bounds", "tiny_runner", "rescore_queries", "CASES"]

@@ -189,10 +189,13 @@ def test_attention_non_finite_like_the_reference(backend):
         assert torch.equal(torch.isnan(out), torch.isnan(ref)), f"NaN in {name}: NaN pattern differs"
         fin = ~torch.isnan(ref)
         assert torch.allclose(out[fin], ref[fin], atol=1e-4)
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
+    # 1e39 / 1e-50: finite and > 0 in double, inf / 0 in the kernels' fp32 (NaN rows, no error)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e39, -1e39, 1e-50):
         for fn in (prefix_shared_attention_ref, lambda *a, **kw: prefix_shared_attention(*a, backend=backend, **kw)):
-            with pytest.raises(ValueError, match="softmax_scale"):
+            with pytest.raises(ValueError, match="softmax_scale must be finite and > 0"):
                 fn(q, k, v, cs, pk, pv, cp, sg, softmax_scale=bad)
+    tiny = prefix_shared_attention(q, k, v, cs, pk, pv, cp, sg, softmax_scale=1e-40, backend=backend)  # subnormal
+    assert torch.isfinite(tiny).all()
 
 
 def test_linear_logprob_and_topk_errors():

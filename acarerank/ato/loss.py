@@ -12,6 +12,8 @@ aggregated over the valid tokens with one of verl's ``loss_agg_mode`` names (M =
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -21,10 +23,11 @@ LOG_RATIO_CLAMP = 20.0  # as verl: exp(±20) keeps ρ finite; no gradient flows 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
     """Scalar from [N, L] per-token losses (formulas in the module docstring).
 
-    ``mask``: [N, L] like ``loss_mat``, read as bool (nonzero = valid) in numerator and
-    denominator alike. Denominators are clamped to ≥ 1, so a batch or a sequence without valid
-    tokens contributes 0 (verl divides by Σ M + 1e-8 in token-mean, and yields NaN for an empty
-    sequence in seq-mean-token-mean); otherwise the values equal verl's.
+    ``loss_mat``: [N, L] floating point. ``mask``: [N, L] like ``loss_mat``, read as bool
+    (nonzero = valid) in numerator and denominator alike. Denominators are clamped to ≥ 1, so a
+    batch or a sequence without valid tokens contributes 0 — an empty batch (N = 0) or padded
+    length (L = 0) included (verl divides by Σ M + 1e-8 in token-mean, and yields NaN for an
+    empty sequence in seq-mean-token-mean); otherwise the values equal verl's.
     """
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
@@ -36,17 +39,22 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
     if loss_mat.dim() != 2 or mask.shape != loss_mat.shape:
         raise ValueError(f"agg_loss: loss_mat and mask must both be [N, L]; got {tuple(loss_mat.shape)} and "
                          f"{tuple(mask.shape)}")
+    if not loss_mat.is_floating_point():  # an int64 one failed inside mean() for the seq-mean modes
+        raise TypeError(f"agg_loss: loss_mat must be floating point, got {loss_mat.dtype}")
+    N, L = loss_mat.shape
     valid = mask.bool()
     m = valid.to(loss_mat.dtype)  # counts the tokens the numerator sums (a 0.5 entry once counted 1 there, 0.5 here)
     per_tok = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     if agg == "token-mean":
         return per_tok.sum() / m.sum().clamp(min=1)
     seq_sum = per_tok.sum(dim=-1)
+    # over max(N, 1) sequences / max(L, 1) positions: mean() of no sequence, or a sum over L = 0,
+    # was 0/0 = NaN
     if agg == "seq-mean-token-sum":
-        return seq_sum.mean()
+        return seq_sum.sum() / max(N, 1)
     if agg == "seq-mean-token-mean":
-        return (seq_sum / m.sum(dim=-1).clamp(min=1)).mean()
-    return seq_sum.sum() / mask.shape[-1]
+        return (seq_sum / m.sum(dim=-1).clamp(min=1)).sum() / max(N, 1)
+    return seq_sum.sum() / max(L, 1)
 
 
 def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, agg: str = "token-mean"):
@@ -64,8 +72,8 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
     Masked positions are excluded before the exponential, so padding with any values
     (even ±inf) cannot produce NaN.
     """
-    if not eps_clip > 0:
-        raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
+    if isinstance(eps_clip, bool) or not isinstance(eps_clip, numbers.Real) or not eps_clip > 0:
+        raise ValueError(f"eps_clip must be a number > 0, got {eps_clip!r}")
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
     named = (("logp", logp), ("logp_old", logp_old), ("advantage", advantage), ("mask", mask))

@@ -399,6 +399,9 @@ def _launch(q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt, p
     gqa = Hq // Hkv
     block_m, block_n, num_warps, num_stages = config or attention_config(d, gqa, q.dtype, q.device)
     block_d = max(16, triton.next_power_of_2(d))
+    # the kernel reads the 1-D metadata at unit stride: a strided view (every other entry of a
+    # buffer) was read as other offsets and groups, wrong rows with no error; no copy when contiguous
+    cu_seqlens, cu_pre, segment_group = (t.contiguous() for t in (cu_seqlens, cu_pre, segment_group))
     _prefix_shared_attn_fwd[(work.shape[0], Hkv)](
         q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt,
         *q.stride(), *k.stride(), *v.stride(), *pk_strides, *pv_strides, *out.stride(), *page_strides,

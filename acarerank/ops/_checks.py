@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 
 import torch
 
@@ -15,6 +16,21 @@ def finite_real(x) -> bool:
     """Whether ``x`` is a finite real scalar: int, float or a numpy one (np.float32 is not a
     Python float), never a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def as_fp32(x: float) -> float:
+    """``x`` rounded to fp32 (±inf beyond its range, 0 below its smallest subnormal)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:  # struct refuses what rounds to ±inf
+        return math.copysign(math.inf, x)
+
+
+def positive_in_fp32(x) -> bool:
+    """Whether the real scalar ``x`` is finite and > 0 also as the fp32 number the kernels use
+    (1e-50 is 0 there, 1e39 inf)."""
+    s = as_fp32(float(x))
+    return math.isfinite(s) and s > 0
 
 
 def check_float_tensors(op: str, *named) -> None:
@@ -63,8 +79,10 @@ def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, c
     if V == 0 and not shard:
         raise ValueError(f"{op}: weight has an empty vocabulary")
     positive_int(f"{op}: chunk", chunk, allow_none=True)
-    if not finite_real(temperature) or temperature <= 0:
-        raise ValueError(f"{op}: temperature must be a finite number > 0, got {temperature!r}")
+    # fp32 too: logits are divided by fp32(τ), and a τ of 1e-50 (0 there) made every logit
+    # inf/NaN, refused as "non-finite logits (inf/NaN in hidden or weight)"
+    if not finite_real(temperature) or temperature <= 0 or not positive_in_fp32(temperature):
+        raise ValueError(f"{op}: temperature must be a finite number > 0 (in float32 too), got {temperature!r}")
     if targets.numel() and not shard:
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= V:

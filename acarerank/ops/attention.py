@@ -33,6 +33,7 @@ import torch
 
 from . import _backend
 from . import cpu_attention as _native_attn
+from ._checks import as_fp32, positive_in_fp32
 
 # Rows of the prefix score matrix computed at once in the torch backend: bounds the
 # temporary [Hkv, rows, P] fp32 block to ~64 MB whatever the depth.
@@ -92,10 +93,13 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
 
 
 def check_softmax_scale(softmax_scale, d: int, op: str = "prefix_shared_attention") -> float:
-    """``softmax_scale`` as a float (None: 1/sqrt(d)); ValueError unless it is finite and > 0.
+    """``softmax_scale`` as a float (None: 1/sqrt(d)); ValueError unless it is finite and > 0 as
+    the fp32 number every backend computes with.
 
     A scale ≤ 0 inverts or flattens the attention (and made the fused CPU kernel return NaN
     where plain softmax is finite); NaN/inf make every output NaN. Neither is a usable scale.
+    A float finite in double but beyond fp32 (1e39: inf in the kernels) or below its smallest
+    subnormal (1e-50: 0) gave NaN rows on the native and torch backends, with no error.
     """
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
@@ -104,6 +108,9 @@ def check_softmax_scale(softmax_scale, d: int, op: str = "prefix_shared_attentio
                         f"{type(softmax_scale).__name__}")
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"{op}: softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    if not positive_in_fp32(softmax_scale):
+        raise ValueError(f"{op}: softmax_scale must be finite and > 0 in float32 (the kernels' precision), got "
+                         f"{softmax_scale!r}, which is {as_fp32(float(softmax_scale))!r} in float32")
     return float(softmax_scale)
 
 

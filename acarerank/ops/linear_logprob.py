@@ -6,6 +6,11 @@ temperature τ:
     z_t        = (h_t · Wᵀ) / τ
     logprob_t  = z_ty − logsumexp_j z_tj                         (log π(y_t | ·))
     entropy_t  = logsumexp_j z_tj − Σ_j p_tj z_tj,   p_t = softmax(z_t)      (optional)
+               = log s_t − a_t / s_t,
+                 m_t = max_j z_tj,  s_t = Σ_j e^{z_tj − m_t},  a_t = Σ_j e^{z_tj − m_t} (z_tj − m_t)
+
+(the second form is the one computed: every term is relative to the row's max, so a common
+offset of a row's logits does not cost precision; the first lost ~|offset| · 2⁻²⁴).
 
 Gradients, with g = ∂L/∂logprob and e = ∂L/∂entropy per row:
 
@@ -15,7 +20,11 @@ Gradients, with g = ∂L/∂logprob and e = ∂L/∂entropy per row:
 Forward and backward both walk the vocabulary in chunks of ``chunk`` rows of W: one [T, C]
 fp32 logits buffer, reused by every chunk (the backward recomputes the logits: one extra
 GEMM instead of keeping [T, V]; ∂W is written by the GEMM straight into its rows). Forward
-saves only hidden, weight, targets and two [T] vectors (logsumexp, E_p[z]).
+saves only hidden, weight, targets and three [T] vectors: the row max m, lse − m and E_p[z] − m.
+The backward takes its softmax terms relative to m (p = exp((z − m) − (lse − m)), z − E_p[z] =
+(z − m) − (E_p[z] − m)): z − m is exact near the max, so a common offset c of a row's logits
+costs no precision (lse and E_p[z] rounded to fp32 carried ~c · 2⁻²⁴ into every p: gradients
+1,000× the materialised path's error at c = 1e4).
 Both directions are registered custom ops (``acarerank::linear_logprob`` and
 ``acarerank::linear_logprob_backward``, joined by ``register_autograd``), opaque to torch.compile.
 Peers: Liger's fused linear cross-entropy and verl's ``linear_cross_entropy`` chunk the same
@@ -30,6 +39,10 @@ same (rounded) inputs to fp32 tolerance; gradients are accumulated in fp32 and r
 to the input dtype, i.e. they are within one rounding (2⁻⁸ relative for bf16) of the fp32
 gradient of the same inputs. The rule holds inside a ``torch.autocast`` region too: the passes
 turn autocast off, which would otherwise run the chunk GEMMs in bf16/fp16.
+
+First derivatives only: a second backward through the gradients (``torch.autograd.grad(...,
+create_graph=True)`` then a backward of those gradients) raises a RuntimeError naming the op;
+use ``linear_logprob_ref`` where second derivatives are needed.
 """
 from __future__ import annotations
 
@@ -97,8 +110,12 @@ class _Chunks:
 def forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
     """One pass over the rows of ``weight`` [V, H]: per row t of ``h32`` [T, H] (fp32/fp64)
 
-        m_t = max_j z_tj,   s_t = Σ_j exp(z_tj − m_t),   a_t = Σ_j exp(z_tj − m_t) · z_tj   (entropy only)
+        m_t = max_j z_tj,   s_t = Σ_j exp(z_tj − m_t),
+        a_t = Σ_j exp(z_tj − m_t) · (z_tj − m_t)   (entropy only)
         tz_t = z_t,tg_t   for targets tg_t in [0, V); 0 for a target outside (another shard owns it)
+
+    so that log Σ exp z = m + log s, E_p[z] = m + a/s and the entropy log s − a/s: a is built
+    from z − m only, so the entropy does not lose precision to a common offset of the logits.
 
     Returns (m [T] in h32's dtype, s [T] fp64, a [T] fp64 (zeros without entropy), tz [T]). Also
     the per-shard half of ``acarerank.ops.vocab_parallel`` (which combines the ranks' stats).
@@ -112,7 +129,7 @@ def _forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
     dev = h32.device
     m = torch.full((T,), -math.inf, dtype=h32.dtype, device=dev)
     s = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m)
-    a = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m) · z   (entropy only)
+    a = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m) · (z − m)   (entropy only)
     tz = torch.zeros(T, dtype=h32.dtype, device=dev)
     chunks = _Chunks(h32, weight, chunk, second=with_entropy)
     for c0, c1, w in chunks:
@@ -125,40 +142,48 @@ def _forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
         # (products overflowing fp32) made −inf − (−inf) a NaN: an error or not depending on
         # where the chunks start
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        scale = torch.exp((m - shift).double())
+        d = (m - shift).double()  # m_old − m_new ≤ 0 (−inf while nothing is held yet)
+        scale = torch.exp(d)
         if with_entropy:
-            e = torch.sub(x, shift[:, None], out=chunks.second(c1 - c0)).exp_()
+            # -- a relative to the new max: Σ e^{z−m_new}(z−m_new) = scale · (a_old + (m_old − m_new) s_old);
+            #    terms of z − m, never of z itself: a common offset c of the logits cancels before
+            #    any rounding (Σ e^z · z then lse − a/s lost ~c · 2⁻²⁴: 3.5e-3 at c = 1e4, 6× the
+            #    materialised path)
+            a = scale * (a + torch.where(s > 0, d * s, torch.zeros_like(s)))
+            x.sub_(shift[:, None])
+            e = torch.exp(x, out=chunks.second(c1 - c0))
             s = s * scale + e.sum(dim=1).double()
-            a = a * scale + e.mul_(x).sum(dim=1).double()
+            a = a + e.mul_(x).sum(dim=1).double()
         else:
             s = s * scale + x.sub_(shift[:, None]).exp_().sum(dim=1).double()
         m = m_new
     return m, s, a, tz
 
 
-def backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
+def backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, chunk, need_h, need_w):
     """∂L/∂h (un-reduced, [T, H] in h32's dtype) and ∂L/∂W ([V, H] in weight's dtype) over the rows
-    of ``weight``, given the softmax statistics ``lse`` and ``ez`` = E_p[z] of the whole vocabulary
-    (module doc formulas). ``g_ent`` None: no entropy term. Targets outside [0, V) get no
-    one-hot term (another shard owns them). Also the per-shard half of ``vocab_parallel``."""
+    of ``weight``, given the softmax statistics of the whole vocabulary relative to ``m`` [T] (a
+    logit of the row, its max): ``lse_m`` = lse − m and ``ez_m`` = E_p[z] − m (module doc
+    formulas). ``g_ent`` None: no entropy term. Targets outside [0, V) get no one-hot term
+    (another shard owns them). Also the per-shard half of ``vocab_parallel``."""
     with fp32_math(h32.device):
-        return _backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w)
+        return _backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, chunk, need_h, need_w)
 
 
-def _backward_chunks(h32, weight, tg, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
+def _backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, chunk, need_h, need_w):
     T = h32.shape[0]
     cd = h32.dtype
     grad_h = torch.zeros(T, h32.shape[1], dtype=cd, device=h32.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     chunks = _Chunks(h32, weight, chunk, second=g_ent is not None)
     for c0, c1, w in chunks:
-        x = chunks.logits(w, temperature)
+        x = chunks.logits(w, temperature).sub_(m[:, None])  # z − m, exact near the max (module doc)
         # -- ∂L/∂z for this chunk, built in x's buffer
         if g_ent is not None:
-            p = torch.sub(x, lse[:, None], out=chunks.second(c1 - c0)).exp_()
-            x.sub_(ez[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()  # −p (g + e (z − E z))
+            p = torch.sub(x, lse_m[:, None], out=chunks.second(c1 - c0)).exp_()
+            x.sub_(ez_m[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p).neg_()  # −p (g + e (z − E z))
         else:
-            x.sub_(lse[:, None]).exp_().mul_(-g_lp[:, None])  # −g p
+            x.sub_(lse_m[:, None]).exp_().mul_(-g_lp[:, None])  # −g p
         rows = ((tg >= c0) & (tg < c1)).nonzero().flatten()
         if rows.numel():
             x[rows, tg[rows] - c0] += g_lp[rows]
@@ -187,41 +212,42 @@ def grad_inputs(ctx, g_lp, g_ent, T, device):
 @torch.library.custom_op("acarerank::linear_logprob", mutates_args=())
 def linear_logprob_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                       chunk: int, with_entropy: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprob [T], entropy [T] (zeros without ``with_entropy``), logsumexp [T], E_p[z] [T]), all in
-    the compute dtype (fp32; fp64 for fp64 inputs). The last two are what the backward needs."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob [T], entropy [T] (zeros without ``with_entropy``), m [T] the row's max logit,
+    logsumexp − m [T], E_p[z] − m [T] (zeros without ``with_entropy``)), all in the compute dtype
+    (fp32; fp64 for fp64 inputs). The last three are what the backward needs (module doc)."""
     h32 = compute_copy(hidden)
     m, s, a, tz = forward_stats(h32, weight, targets.long(), temperature, chunk, with_entropy)
     out = h32.dtype
-    lse = m.double() + torch.log(s)
-    logprob = (tz.double() - lse).to(out)
-    ez = (a / s).to(out) if with_entropy else torch.zeros_like(tz)
-    entropy = (lse - a / s).to(out) if with_entropy else torch.zeros_like(tz)
-    return logprob, entropy, lse.to(out), ez
+    log_s = torch.log(s)  # lse − m
+    logprob = (tz.double() - (m.double() + log_s)).to(out)
+    ez_m = (a / s).to(out) if with_entropy else torch.zeros_like(tz)
+    entropy = (log_s - a / s).to(out) if with_entropy else torch.zeros_like(tz)  # shift-free (forward_stats)
+    return logprob, entropy, m, log_s.to(out), ez_m
 
 
 @linear_logprob_op.register_fake
 def _(hidden, weight, targets, temperature, chunk, with_entropy):
     T = hidden.shape[0]
     out = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return tuple(hidden.new_empty(T, dtype=out) for _ in range(4))
+    return tuple(hidden.new_empty(T, dtype=out) for _ in range(5))
 
 
 @torch.library.custom_op("acarerank::linear_logprob_backward", mutates_args=())
-def linear_logprob_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                               ez: torch.Tensor, g_lp: torch.Tensor, g_ent: Optional[torch.Tensor],
-                               temperature: float, chunk: int, need_h: bool, need_w: bool
+def linear_logprob_backward_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, m: torch.Tensor,
+                               lse_m: torch.Tensor, ez_m: torch.Tensor, g_lp: torch.Tensor,
+                               g_ent: Optional[torch.Tensor], temperature: float, chunk: int, need_h: bool, need_w: bool
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """(∂L/∂hidden in hidden's dtype, ∂L/∂weight in weight's dtype); an empty tensor for a
     gradient not asked for. ``g_ent`` None: no entropy term (module doc formulas)."""
-    grad_h, grad_w = backward_chunks(compute_copy(hidden), weight, targets.long(), lse, ez, g_lp, g_ent, temperature,
-                                     chunk, need_h, need_w)
+    grad_h, grad_w = backward_chunks(compute_copy(hidden), weight, targets.long(), m, lse_m, ez_m, g_lp, g_ent,
+                                     temperature, chunk, need_h, need_w)
     grad_h = grad_h.to(hidden.dtype) if need_h else hidden.new_empty(0)
     return grad_h, (grad_w if need_w else weight.new_empty(0))
 
 
 @linear_logprob_backward_op.register_fake
-def _(hidden, weight, targets, lse, ez, g_lp, g_ent, temperature, chunk, need_h, need_w):
+def _(hidden, weight, targets, m, lse_m, ez_m, g_lp, g_ent, temperature, chunk, need_h, need_w):
     # the strides the real op returns: ∂hidden is always contiguous (empty_like would copy a
     # transposed hidden's strides: torch.compile's stride assert then failed), ∂W empty_like(weight)
     return (hidden.new_empty(hidden.shape) if need_h else hidden.new_empty(0),
@@ -230,21 +256,49 @@ def _(hidden, weight, targets, lse, ez, g_lp, g_ent, temperature, chunk, need_h,
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, targets, temperature, chunk, with_entropy = inputs
-    _, _, lse, ez = output
-    ctx.save_for_backward(hidden, weight, targets, lse, ez)
-    ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, lse.dtype
+    _, _, m, lse_m, ez_m = output
+    ctx.save_for_backward(hidden, weight, targets, m, lse_m, ez_m)
+    ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, m.dtype
 
 
-def _backward(ctx, g_lp, g_ent, _g_lse, _g_ez):
-    hidden, weight, targets, lse, ez = ctx.saved_tensors
+def _backward(ctx, g_lp, g_ent, _g_m, _g_lse, _g_ez):
+    hidden, weight, targets, m, lse_m, ez_m = ctx.saved_tensors
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     g_lp, g_ent = grad_inputs(ctx, g_lp, g_ent, hidden.shape[0], hidden.device)
-    grad_h, grad_w = linear_logprob_backward_op(hidden, weight, targets, lse, ez, g_lp, g_ent, ctx.temperature,
-                                                ctx.chunk, need_h, need_w)
+    grad_h, grad_w = linear_logprob_backward_op(hidden, weight, targets, m, lse_m, ez_m, g_lp, g_ent,
+                                                ctx.temperature, ctx.chunk, need_h, need_w)
     return (grad_h if need_h else None), (grad_w if need_w else None), None, None, None, None
 
 
 linear_logprob_op.register_autograd(_backward, setup_context=_setup_context)
+
+NO_DOUBLE_BACKWARD = ("linear_logprob: no second derivative — its backward is not differentiable (a backward of "
+                      "gradients taken with create_graph=True reached it); use linear_logprob_ref, which "
+                      "materialises the logits, where second derivatives are needed")
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(NO_DOUBLE_BACKWARD)
+
+
+# without it the error named the internal op and advised register_autograd
+linear_logprob_backward_op.register_autograd(_no_double_backward)
+
+
+class FirstOrderOnly(torch.autograd.Function):
+    """``FirstOrderOnly.apply(anchor, *grads)``: ``grads`` unchanged, joined to the graph through
+    ``anchor`` (an input that requires grad) by a node whose backward raises
+    ``NO_DOUBLE_BACKWARD``. For an ``autograd.Function`` whose backward runs under no_grad
+    (``vocab_parallel``): under create_graph=True its gradients would otherwise carry no graph,
+    and a second backward would silently miss this op's part."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(NO_DOUBLE_BACKWARD)
 
 
 def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False,
@@ -273,7 +327,7 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     if vocab_start is not None or vocab_size is not None:
         raise ValueError("linear_logprob: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
     _check(hidden, weight, targets, temperature, chunk)
-    lp, entropy, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
+    lp, entropy, _, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
                                           bool(return_entropy))
     out = (lp, entropy) if return_entropy else lp
     # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host
@@ -295,4 +349,5 @@ def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return
     return lp, -(lsm.exp() * lsm).sum(dim=1)
 
 
-__all__ = ["linear_logprob", "linear_logprob_ref", "linear_logprob_op", "linear_logprob_backward_op"]
+__all__ = ["linear_logprob", "linear_logprob_ref", "linear_logprob_op", "linear_logprob_backward_op",
+           "NO_DOUBLE_BACKWARD"]

@@ -65,9 +65,14 @@ def _check_inputs(hidden, weight, targets, k, chunk, temperature, backend, op="t
     return name
 
 
-def _check_result_finite(lse, op="topk_logprobs"):
-    if lse.numel() and not torch.isfinite(lse).all():
-        rows = (~torch.isfinite(lse)).nonzero().flatten().tolist()[:8]
+def _check_result_finite(lse, op="topk_logprobs", shard=False):
+    """ValueError naming the rows whose log-sum-exp is not finite (inf/NaN logits). ``shard``: a
+    vocabulary shard's lse, where −inf only says that the row's logits on the shard are all −inf
+    (a masked part of the vocabulary), which the other shards may make up for; NaN and +inf
+    are errors there too."""
+    ok = (torch.isfinite(lse) | torch.isneginf(lse)) if shard else torch.isfinite(lse)
+    if lse.numel() and not ok.all():
+        rows = (~ok).nonzero().flatten().tolist()[:8]
         raise ValueError(f"{op}: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
 
 
@@ -347,7 +352,7 @@ def _(hidden, weight, targets, k, chunk, temperature, backend):
 
 
 def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[int] = None, temperature: float = 1.0,
-                       backend=None):
+                       backend=None, *, shard: bool = False):
     """The local core, narrow on purpose (a vocabulary-parallel top-k builds on exactly this):
 
         (hidden [T, H], weight [V, H], targets [T], k, chunk, temperature)
@@ -358,11 +363,14 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
     then local to it (add the shard's offset), and shards combine by merging the top-k lists
     under the tie rule and the log-sum-exps by logaddexp. k: within the backend's limit
     (``MAX_K``: torch any, triton 512, cpp/cuda 4,096), else ValueError naming the limit.
+    A row with non-finite logits is a ValueError; ``shard=True`` lets a row whose logits are
+    all −inf here through (logsumexp −inf, its top-k −inf in id order): the caller checks the
+    combined log-sum-exp.
     """
     name = _check_inputs(hidden, weight, targets, k, chunk, temperature, backend)
     with torch.no_grad():  # the teacher is frozen: its log-probs are constants (stop-gradient)
         out = topk_logprobs_core_op(hidden, weight, targets, k, chunk or 0, float(temperature), name)
-    _check_result_finite(out[3])
+    _check_result_finite(out[3], shard=shard)
     return out
 
 

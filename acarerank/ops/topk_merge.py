@@ -36,6 +36,7 @@ import torch
 from ..topk_contract import (DEFAULT_CHUNK, MAX_K, OUTSIDE_MODES, TOPK_MAX_K, TopKLogprobs,  # noqa: F401 (re-exported)
                              check_k, default_chunk, finalize, logsumexp_of)
 from . import _backend
+from ._checks import positive_in_fp32
 
 
 @dataclass
@@ -73,8 +74,8 @@ class TopKMergeState:
 
 def _check_temperature(temperature, op: str) -> float:
     t = float(temperature)
-    if not (t > 0.0 and math.isfinite(t)):
-        raise ValueError(f"{op}: temperature must be finite and > 0, got {temperature}")
+    if not (t > 0.0 and math.isfinite(t) and positive_in_fp32(t)):  # the merge divides by fp32(τ)
+        raise ValueError(f"{op}: temperature must be finite and > 0 (in float32 too), got {temperature}")
     return t
 
 

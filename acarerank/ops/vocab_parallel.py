@@ -45,14 +45,14 @@ of each rank travels as one number, lse_r, so no separate max round is needed.
 
 linear_logprob (differentiable, Megatron's vocab-parallel cross-entropy fused with the
 projection): forward gathers per rank and row (m_r, s_r, a_r, target logit) in fp64, m_r the
-shard's max logit, s_r = Σ exp(z − m_r), a_r = Σ exp(z − m_r)·z, and combines
-M = max_r m_r, S = Σ_r s_r e^{m_r−M}, lse = M + log S, E_p[z] = Σ_r a_r e^{m_r−M} / S — the
-single-process formulas of ``linear_logprob``. Backward: each rank's weight gradient is local
-(its shard's rows); the hidden gradient is the sum over shards, one all_reduce(SUM) of
-[T, H] — what the backward of Megatron's ``copy_to_tensor_model_parallel_region`` does in
-front of its output layer (so do not add that region as well: the gradient would be summed
-twice). Every rank must run the backward with the same incoming gradient (Megatron's loss is
-the same on every rank of the group).
+shard's max logit, s_r = Σ exp(z − m_r), a_r = Σ exp(z − m_r)·(z − m_r), and combines
+M = max_r m_r, S = Σ_r s_r e^{m_r−M}, A = Σ_r e^{m_r−M} (a_r + (m_r − M) s_r), lse = M + log S,
+E_p[z] = M + A/S, entropy = log S − A/S — the single-process formulas of ``linear_logprob``.
+Backward: each rank's weight gradient is local (its shard's rows); the hidden gradient is the
+sum over shards, one all_reduce(SUM) of [T, H] — what the backward of Megatron's
+``copy_to_tensor_model_parallel_region`` does in front of its output layer (so do not add that
+region as well: the gradient would be summed twice). Every rank must run the backward with the
+same incoming gradient (Megatron's loss is the same on every rank of the group).
 
 Precision: top-k ids and logits, and the renormalised (top-k) log-probs, are those of the
 single-process op bit for bit whenever the GEMM gives each logit the same bits (tests use
@@ -82,9 +82,9 @@ from ..topk_contract import OUTSIDE_MODES, check_k, finalize
 from . import _backend
 from ._checks import check_projection_inputs, finite_real
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
-from .linear_logprob import backward_chunks, compute_copy, forward_stats, grad_inputs
+from .linear_logprob import FirstOrderOnly, backward_chunks, compute_copy, forward_stats, grad_inputs
 from .topk_logprobs import OP as _TOPK_OP
-from .topk_logprobs import order_keys, topk_logprobs_core
+from .topk_logprobs import _check_result_finite, order_keys, topk_logprobs_core
 
 HEADER = 256       # int64 words per rank in the check collective
 _NFIELDS = 16      # fields in front; the rest holds the rank's error message, one byte per word
@@ -303,7 +303,10 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
         try:
             local = torch.where((tg >= start) & (tg < start + n), tg - start, 0)  # non-owners: any valid id
             kr = min(k, n)
-            v, i, tz, lse = topk_logprobs_core(hidden, weight_shard[:n], local, kr, chunk, temperature, backend)
+            # shard=True: a row all −inf on this shard (masked vocabulary) is fine; the combined lse
+            # is checked below, as the single-process op checks its own
+            v, i, tz, lse = topk_logprobs_core(hidden, weight_shard[:n], local, kr, chunk, temperature, backend,
+                                               shard=True)
             tv[:, :kr], ti[:, :kr] = v, i + start
         except Exception as e:  # joins step 3 anyway; raised after it
             err = e
@@ -323,6 +326,7 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
     pos = order_keys(cand_v, cand_i).topk(k, dim=1, sorted=True).indices
     top_v, top_i = cand_v.gather(1, pos), cand_i.gather(1, pos)
     lse_all = torch.logsumexp(lse_r.double(), dim=0).float()
+    _check_result_finite(lse_all)  # −inf on every shard; the same gathered bytes on every rank: all raise
     tz_all = tz_r.gather(0, layout.owner(tg)[None, :]).squeeze(0)
     return finalize(top_v, top_i, tz_all, lse_all, targets, outside, floor, renormalize)
 
@@ -353,28 +357,49 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
         _raise_if_failed("linear_logprob", g[:, 0], err, layout)
         m_r, s_r, a_r, tz_r = g[:, 1:].reshape(W, 4, T).unbind(1)
         M = m_r.max(dim=0).values
-        scale = torch.exp(m_r - M)  # 0 for an empty shard (m_r = −inf)
+        d = m_r - M
+        scale = torch.exp(d)  # 0 for an empty shard (m_r = −inf)
         S = (s_r * scale).sum(0)
-        lse = M + torch.log(S)
+        log_S = torch.log(S)  # lse − M
         tz_all = tz_r.gather(0, layout.owner(tg)[None, :]).squeeze(0)
-        logprob = (tz_all - lse).to(cd)
-        ez = ((a_r * scale).sum(0) / S) if with_entropy else torch.zeros_like(lse)
+        logprob = (tz_all - (M + log_S)).to(cd)
+        if with_entropy:  # a_r is relative to m_r: move it to M (an empty shard adds nothing)
+            A = (scale * (a_r + torch.where(s_r > 0, d * s_r, torch.zeros_like(s_r)))).sum(0)
+            ez_m, entropy = A / S, log_S - A / S  # E_p[z] − M, the entropy
+        else:
+            ez_m = entropy = torch.zeros_like(S)
         # as the single-process op: inf/NaN in hidden or weight is an error, never a silent NaN
         # loss or entropy; every rank holds the same gathered numbers, so every rank raises alike
-        bad = ~torch.isfinite(logprob) | ~torch.isfinite(ez)
+        bad = ~torch.isfinite(logprob) | ~torch.isfinite(ez_m + M) | ~torch.isfinite(entropy)
         if T and bad.any():
             rows = bad.nonzero().flatten().tolist()[:8]
             raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
-        ctx.save_for_backward(hidden, weight_shard, tg, lse.to(cd), ez.to(cd))
+        # the backward's statistics relative to M (linear_logprob's module doc); M is one shard's
+        # fp32 max logit, exact in cd
+        ctx.save_for_backward(hidden, weight_shard, tg, M.to(cd), log_S.to(cd), ez_m.to(cd))
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, cd
         ctx.start, ctx.n, ctx.group = start, n, group
         if with_entropy:
-            return logprob, (lse - ez).to(cd)
+            return logprob, entropy.to(cd)
         return logprob
 
     @staticmethod
     def backward(ctx, g_lp, g_ent=None):
-        hidden, weight_shard, tg, lse, ez = ctx.saved_tensors
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():  # first derivatives only (module doc of linear_logprob)
+            grad_h, grad_w = _VocabParallelLinearLogprob._grads(ctx, g_lp, g_ent)
+        if create_graph:  # a backward of these gradients must raise, not silently skip this op
+            hidden, weight_shard = ctx.saved_tensors[:2]
+            anchor = next((t for t in (hidden, weight_shard, g_lp, g_ent) if t is not None and t.requires_grad), None)
+            out = [t for t in (grad_h, grad_w) if t is not None]
+            if anchor is not None and out:
+                wrapped = iter(FirstOrderOnly.apply(anchor, *out))
+                grad_h, grad_w = (None if t is None else next(wrapped) for t in (grad_h, grad_w))
+        return grad_h, grad_w, None, None, None, None, None, None
+
+    @staticmethod
+    def _grads(ctx, g_lp, g_ent):
+        hidden, weight_shard, tg, m, lse_m, ez_m = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         T = hidden.shape[0]
         g_lp, g_ent = grad_inputs(ctx, g_lp, g_ent, T, hidden.device)
@@ -383,7 +408,7 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
         grad_h = torch.zeros_like(h32) if need_h else None
         grad_w = None
         if T and n:
-            grad_h, gw = backward_chunks(h32, weight_shard[:n], tg - ctx.start, lse, ez, g_lp, g_ent,
+            grad_h, gw = backward_chunks(h32, weight_shard[:n], tg - ctx.start, m, lse_m, ez_m, g_lp, g_ent,
                                          ctx.temperature, ctx.chunk, need_h, need_w)
             if need_w:
                 grad_w = gw if n == weight_shard.shape[0] else \
@@ -395,7 +420,7 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
             buf = grad_h.to(comm)
             dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=ctx.group)
             grad_h = buf.to(hidden.device, hidden.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w
 
 
 def linear_logprob_vocab_parallel(hidden, weight_shard, targets, temperature=1.0, return_entropy=False, chunk=None,

@@ -103,3 +103,26 @@ def test_agg_loss_takes_its_mask_as_bool_of_the_same_shape():
     for agg in AGG_MODES:
         assert agg_loss(ones, half, agg) == agg_loss(ones, half.bool(), agg), agg
     assert agg_loss(ones, half, "token-mean") == 1.0
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_agg_loss_of_an_empty_batch_or_length_is_zero(agg):
+    """As the docstring says of a batch without valid tokens: 0, with a zero gradient. N = 0 made
+    the seq-mean modes a mean of nothing and L = 0 seq-mean-token-sum-norm a division by 0: NaN."""
+    for shape in ((0, 5), (3, 0), (0, 0)):
+        loss_mat = torch.randn(shape).requires_grad_()
+        out = agg_loss(loss_mat, torch.ones(shape, dtype=torch.bool), agg)
+        (g,) = torch.autograd.grad(out, loss_mat)
+        assert out.item() == 0.0 and g.shape == shape, (agg, shape, out)
+    logp = torch.zeros(0, 4, requires_grad=True)
+    assert clipped_policy_loss(logp, torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.bool),
+                               agg=agg) == 0
+
+
+def test_agg_loss_and_eps_clip_name_their_bad_type():
+    with pytest.raises(TypeError, match="loss_mat must be floating point, got torch.int64"):
+        agg_loss(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3), "seq-mean-token-sum")
+    logp, old, adv, mask = _batch()
+    for bad in ("0.2", None, True):
+        with pytest.raises(ValueError, match="eps_clip must be a number > 0"):
+            clipped_policy_loss(logp, old, adv, mask, eps_clip=bad)

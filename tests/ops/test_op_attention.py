@@ -478,3 +478,22 @@ def test_attention_configs_are_fixed_and_do_not_spill():
         _, dt, dd, _ = key.split("/")
         assert A.fits(cfg, int(dd[1:]), dtypes[dt]), (key, cfg)
     assert not A.fits((128, 64, 4, 2), 128, torch.bfloat16)
+
+
+def _every_other(t):
+    """``t`` (1-D) as a strided view: every other entry of a buffer whose other entries are garbage."""
+    buf = torch.full((2 * t.numel(),), 99, dtype=t.dtype, device=t.device)
+    buf[::2] = t
+    return buf[::2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_metadata(backend):
+    """cu_seqlens / cu_prefix_lens / segment_group as strided views equal their contiguous copies.
+    The Triton kernel read them at unit stride: the garbage entries were taken for segment
+    offsets and groups (wrong rows with no error, max error 2.8; here a segfault)."""
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([3, 0, 4], [4, 5], [1, 0, 1], 4, 2, 16)
+    meta = [_every_other(t) for t in (cu, cp, sg)]
+    assert not any(t.is_contiguous() for t in meta)
+    out = prefix_shared_attention(q, k, v, meta[0], pk, pv, meta[1], meta[2], backend=backend)
+    _assert_close_fp32(out, prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg), f"{backend}, strided metadata")

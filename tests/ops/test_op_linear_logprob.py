@@ -138,6 +138,10 @@ def test_bad_input():
         linear_logprob(h, w.detach().double(), tg)
     with pytest.raises(ValueError, match="temperature"):
         linear_logprob(h, w, tg, temperature=-1.0)
+    # 0 in fp32 (the chunk logits are divided by fp32(τ)): every logit inf/NaN, once refused as
+    # "non-finite logits (inf/NaN in hidden or weight)"
+    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0 \(in float32 too\)"):
+        linear_logprob(h, w, tg, temperature=1e-50)
     with pytest.raises(ValueError, match="chunk"):
         linear_logprob(h, w, tg, chunk=0)
 
@@ -176,3 +180,70 @@ def test_non_finite_logits_raise_with_entropy_too():
     w[7, 0] = float("inf")                         # +inf: the log-probs are NaN, entropy or not
     with pytest.raises(ValueError, match=r"non-finite logits .* rows \[0, 1, 2, 3\]"):
         linear_logprob(h, w, tg)
+
+
+def _offset_inputs(c, T=37, H=32, V=3001, seed=10):
+    """fp32 hidden [T, H+1] and weight [V, H+1] whose logits are those of ``_inputs`` plus c in every
+    entry (a ones column of hidden against a column of c in weight): a common offset per row."""
+    h, w, tg = (x.detach() for x in _inputs(T, H, V, seed=seed))
+    return torch.cat([h, torch.ones(T, 1)], 1), torch.cat([w, torch.full((V, 1), c)], 1), tg
+
+
+@pytest.mark.parametrize("c", [0.0, 100.0, 1e4])
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+def test_entropy_does_not_depend_on_a_common_offset(c, tau):
+    """Entropy of logits + c vs the fp64 oracle: the rule of the fp32 test above (1e-5 abs + rel +
+    2× the materialised fp32 path's error). As lse − Σ p·z the entropy cancelled two numbers of
+    size c computed in fp32: 6× the materialised path's error at c = 1e4 (3.5e-3 vs 5.8e-4)."""
+    h, w, tg = _offset_inputs(c)
+    _, ent = linear_logprob(h, w, tg, tau, return_entropy=True, chunk=500)
+    _, ref = linear_logprob_ref(h, w, tg, tau, return_entropy=True)
+    _, oracle = linear_logprob_ref(h.double(), w.double(), tg, tau, return_entropy=True)
+    ref_err, err = (ref.double() - oracle).abs(), (ent.double() - oracle).abs()
+    bad = err > 1e-5 + 1e-5 * oracle.abs() + 2 * ref_err
+    assert not bad.any(), (f"entropy at offset {c}: {int(bad.sum())} mismatches at {bad.nonzero()[:3].tolist()}, "
+                           f"max err {err.max().item():.3e} (materialised fp32: {ref_err.max().item():.3e})")
+
+
+@pytest.mark.parametrize("c", [0.0, 100.0, 1e4])
+def test_grads_do_not_depend_on_a_common_offset(c):
+    """Gradients of logits + c vs the fp64 oracle, the same rule (1e-5 abs + rel + 2× the
+    materialised path's error). With lse and E_p[z] rounded to fp32, each p = exp(z − lse) carried
+    an error of ~c · 2⁻²⁴: ∂hidden 3.6e-3 against the materialised 3.8e-4 at c = 100, 22 (of
+    gradients ≤ 6) against 0.02 at c = 1e4. The backward now works relative to the row's max.
+    Gradients compare max errors (the ones column's entries are c · Σ_j ∂L/∂z_j, sums that cancel
+    to ~0: their fp32 error follows the summation grouping, entry by entry)."""
+    h, w, tg = _offset_inputs(c)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    g = torch.Generator().manual_seed(11)
+    g_lp, g_ent = torch.randn(h.shape[0], generator=g), torch.randn(h.shape[0], generator=g)
+    ours = _run(lambda *a: linear_logprob(*a, chunk=500), h, w, tg, 0.7, True, g_lp, g_ent)
+    ref = _run(linear_logprob_ref, h, w, tg, 0.7, True, g_lp, g_ent)
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    oracle = _run(linear_logprob_ref, h64, w64, tg, 0.7, True, g_lp.double(), g_ent.double())
+    for name, a, b, o in zip(("logprob", "entropy", "grad_hidden", "grad_weight"), ours, ref, oracle):
+        ref_err, err = (b.double() - o).abs(), (a.double() - o).abs()
+        if name.startswith("grad"):
+            ref_err, err, o = ref_err.max(), err.max(), o.abs().max()
+        bad = err > 1e-5 + 1e-5 * o.abs() + 2 * ref_err
+        assert not bad.any(), (f"{name} at offset {c}: {int(bad.sum())} mismatches at {bad.nonzero()[:3].tolist()}, "
+                               f"max err {err.max().item():.3e} (materialised fp32: {ref_err.max().item():.3e})")
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_double_backward_raises_naming_the_op(entropy):
+    """First derivatives only: gradients taken with create_graph=True are the right first
+    derivatives, and a backward through them raises a RuntimeError naming linear_logprob (it
+    named the internal linear_logprob_backward op and advised register_autograd) — never a
+    silently missing second-order term."""
+    h, w, tg = _inputs(5, 6, 37, dtype=torch.float64, seed=12)
+    out = linear_logprob(h, w, tg, 0.8, entropy, chunk=8)
+    loss = out[0].sum() + out[1].sum() if entropy else out.sum()
+    gh, gw = torch.autograd.grad(loss, (h, w), create_graph=True)
+    ref = linear_logprob_ref(h, w, tg, 0.8, entropy)
+    ref_gh, ref_gw = torch.autograd.grad(ref[0].sum() + ref[1].sum() if entropy else ref.sum(), (h, w))
+    _close(gh.detach(), ref_gh, 1e-10, 1e-10, "grad_hidden with create_graph")
+    _close(gw.detach(), ref_gw, 1e-10, 1e-10, "grad_weight with create_graph")
+    for second in ((gh ** 2).sum() + h.sum(), gw.sum()):
+        with pytest.raises(RuntimeError, match="linear_logprob: no second derivative"):
+            torch.autograd.grad(second, (h, w))

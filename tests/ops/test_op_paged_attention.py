@@ -347,10 +347,13 @@ def test_tables_beside_a_plan_must_be_the_plans():
 
 
 @pytest.mark.parametrize("scale,error", [(0.0, ValueError), (-0.25, ValueError), (float("nan"), ValueError),
-                                         (float("inf"), ValueError), (True, TypeError), ("0.25", TypeError)])
+                                         (float("inf"), ValueError), (1e39, ValueError), (1e-50, ValueError),
+                                         (True, TypeError), ("0.25", TypeError)])
 def test_bad_softmax_scale_is_refused_as_by_the_packed_op(scale, error):
     """The paged op took any scale: on the torch backend a scale <= 0 or NaN gave NaN rows and no
-    error (the native kernel refused it; the packed op refuses it before any backend)."""
+    error (the native kernel refused it; the packed op refuses it before any backend). 1e39 and
+    1e-50 are finite and > 0 in double but inf / 0 in the kernels' fp32: NaN rows on the native
+    and torch backends, no error."""
     a = _args()
     for backend in [b for b in available_backends("prefix_shared_attention_paged", "cpu") if b != "triton"]:
         with pytest.raises(error, match="prefix_shared_attention_paged: softmax_scale"):
@@ -376,3 +379,21 @@ def test_paged_flash_cascade_on_cuda():
     err, err_plain = (out - ref).abs().max().item(), (plain - ref).abs().max().item()
     atol = 2 * (ref + 0.3 - 0.3 - ref).abs().max().item()
     assert err <= 2 * err_plain + atol, f"paged cascade err {err:.3e} vs plain bf16 {err_plain:.3e}"
+
+
+@pytest.mark.parametrize("backend", available_backends("prefix_shared_attention_paged", "cpu"))
+def test_strided_metadata(backend):
+    """cu_seqlens / prefix_lens / segment_group as strided views (every other entry of a buffer
+    of garbage) give the packed reference: the Triton kernel read them at unit stride (here a
+    segfault: garbage offsets)."""
+    (q, k, v, cu, kc, vc, bt, pl, sg), packed = make_case([5, 9], [3, 0, 4], [0, 1, 1], 4, 2, 16, 16)
+
+    def every_other(t):
+        buf = torch.full((2 * t.numel(),), 99, dtype=t.dtype)
+        buf[::2] = t
+        return buf[::2]
+
+    cu2, pl2, sg2 = (every_other(t) for t in (cu, pl, sg))
+    out = prefix_shared_attention_paged(q, k, v, cu2, kc, vc, bt, pl2, sg2, backend=backend)
+    ref = prefix_shared_attention_ref(*packed)
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), report(out, ref)

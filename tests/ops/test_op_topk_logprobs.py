@@ -219,6 +219,8 @@ def test_bf16_inputs_upcast_exactly():
     (dict(floor=float("-inf")), ValueError, "floor"),
     (dict(floor=True), ValueError, "floor"),
     (dict(temperature=True), ValueError, "temperature"),
+    # 0 in fp32, the kernels' division: every logit inf/NaN, once blamed on hidden or weight
+    (dict(temperature=1e-50), ValueError, "temperature must be a finite number > 0 \\(in float32 too\\)"),
     (dict(chunk=0), ValueError, "chunk"),
     (dict(backend="nope"), BackendError, "unknown backend"),
 ])

@@ -156,6 +156,71 @@ def test_topk_logprobs_equals_single_process(groups, name, world, T, H, V, k, ki
         assert tied.any(), "the ties case must tie at the k-th place"
 
 
+MASKED_CASES = [
+    # id, world, masked shards, k, keyword arguments
+    ("last-shard", 2, [1], 8, {}),
+    ("first-shard-k>finite", 2, [0], 600, {"outside": "full", "renormalize": False}),
+    ("two-of-four", 4, [1, 3], 300, {"temperature": 0.5}),
+]
+
+
+@pytest.mark.parametrize("name,world,masked,k,kw", MASKED_CASES, ids=[c[0] for c in MASKED_CASES])
+def test_topk_logprobs_with_a_shard_all_minus_inf(groups, name, world, masked, k, kw):
+    """Rows whose logits are −inf on a whole shard (a masked part of the vocabulary: finite
+    weights, products overflowing fp32): the single-process op's result on the full row, the −inf
+    entries ranked last in id order where k reaches them. The shard's own lse is −inf there,
+    which its local pass took for non-finite input: a ValueError on every rank."""
+    T, H, V = 17, 64, 1000
+    h, w = _dyadic(T, H, V, seed=7)
+    bounds = shard_bounds(V, world)
+    h[:, 0], w[:, 0] = 0.0, 0.0
+    h[::2, 0] = 2.0                                  # even rows: every logit of the masked shards is −inf
+    for r in masked:
+        w[bounds[r][0]:bounds[r][1], 0] = -3e38
+    tg = _targets(h, w, 4, V, bounds)
+    z = h @ w.T
+    assert torch.isneginf(z[::2, bounds[masked[0]][0]:bounds[masked[0]][1]]).all() and torch.isfinite(z[1::2]).all()
+    want = topk_logprobs(h, w, tg, k=k, **kw)
+    oracle = topk_logprobs_ref(h, w, tg, k=k, **kw)
+    assert torch.equal(want.topk_ids, oracle.topk_ids), "single-process op vs oracle (test premise)"
+    assert torch.isneginf(want.topk_logprobs[::2, -1]).all() == (k > V - sum(e - s for s, e in
+                                                                               (bounds[r] for r in masked)))
+    out = _ok(groups(world).run("topk", hidden=h, weight=w, targets=tg, bounds=bounds, k=k, **kw), name)
+    full_norm = {"topk_logprobs": not kw.get("renormalize", True),
+                 "target_logprob": not kw.get("renormalize", True) or kw.get("outside") == "full"}
+    exact = dict(zip(("topk_logprobs", "target_logprob"), _exact(h, w, tg, want.topk_ids, **kw)))
+    for r, res in enumerate(out):
+        got = type(want)(*res)
+        assert torch.equal(got.topk_ids, want.topk_ids), f"{name} rank {r}: ids differ"
+        assert torch.equal(got.in_topk, want.in_topk), f"{name} rank {r}: in_topk differs"
+        for field in ("topk_logprobs", "target_logprob"):
+            a, b = getattr(got, field), getattr(want, field)
+            fin = torch.isfinite(b)
+            assert torch.equal(a[~fin], b[~fin]) and torch.isfinite(a[fin]).all(), \
+                f"{name} rank {r} {field}: infinities differ (or NaN)"
+            if full_norm[field]:  # the whole-vocabulary sum in another order: the rule of _check_topk
+                x = exact[field][fin]
+                e_single, e_dist = (b[fin].double() - x).abs().max(), (a[fin].double() - x).abs().max()
+                assert e_dist <= 2 * e_single + REL, f"{name} rank {r} {field}: {e_dist:.3e} vs {e_single:.3e}"
+            else:
+                _close(a[fin], b[fin], f"{name} rank {r} {field}")
+
+
+def test_topk_logprobs_row_minus_inf_everywhere_raises_on_every_rank(groups):
+    """A row −inf on every shard: the single-process op's ValueError (non-finite logits, the
+    row named), on every rank."""
+    h, w = _dyadic(5, 64, 1000, seed=8)
+    h[:, 0], w[:, 0] = 0.0, -3e38
+    h[3, 0] = 2.0                                    # row 3: −inf everywhere
+    tg = _targets(h, w, 4, 1000)
+    with pytest.raises(ValueError, match=r"non-finite logits .* rows \[3\]"):
+        topk_logprobs(h, w, tg, k=4)
+    out = groups(2).run("topk", hidden=h, weight=w, targets=tg, bounds=shard_bounds(1000, 2), k=4)
+    for r, (status, payload) in enumerate(out):
+        assert status == "error" and re.search(r"non-finite logits .* rows \[3\]", payload[1]), \
+            f"rank {r}: {status} {payload[:2] if status == 'error' else ''}"
+
+
 def test_topk_logprobs_on_subgroups(groups):
     """Two independent groups of 2 inside the 4 ranks, as Megatron's tensor-parallel groups are."""
     h, w = _dyadic(9, 64, 1000, seed=5)
@@ -223,6 +288,43 @@ def test_linear_logprob_forward_backward(groups, name, world, T, H, rows, V, rul
         assert torch.equal(res[0], out[0][0]) and torch.equal(res[2], out[0][2]), f"{name}: ranks differ"
 
 
+@pytest.mark.parametrize("c", [0.0, 1e4])
+def test_linear_logprob_entropy_of_offset_logits(groups, c):
+    """Entropy and gradients of logits + c (a ones column of hidden against a column of c): the
+    shards' sums are relative to their own max and moved to the global one, and the backward
+    works relative to the global max, so the offset cancels before any rounding: within the fp32
+    rule (1e-5 abs + rel + 2× the materialised path's error; max errors for gradients) of the
+    fp64 oracle. Combining Σ e^{z−m_r}·z per shard lost ~c · 2⁻²⁴ (1.9e-3 at c = 1e4, the
+    materialised path 8.8e-4); the backward from an fp32 lse, ∂hidden 9.6 against 0.05."""
+    h, w = _gauss(17, 64, 1000, seed=2)
+    h, w = torch.cat([h, torch.ones(17, 1)], 1), torch.cat([w, torch.full((1000, 1), c)], 1)
+    bounds = shard_bounds(1000, 2)
+    tg = _targets(h, w, 16, 1000, bounds)
+    out = _ok(groups(2).run("linear", hidden=h, weight=w, targets=tg, bounds=bounds, return_entropy=True,
+                            temperature=0.7, chunk=128), "offset")
+    g = torch.Generator().manual_seed(0)  # the ranks' loss: Σ g·logprob + Σ e·entropy
+    g_lp, g_ent = torch.randn(17, generator=g), torch.randn(17, generator=g)
+
+    def ref(dtype):
+        hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        lp, ent = linear_logprob_ref(hh, ww, tg, 0.7, return_entropy=True)
+        return (ent.detach().double(), *torch.autograd.grad((g_lp.to(dtype) * lp + g_ent.to(dtype) * ent).sum(),
+                                                            (hh, ww)))
+
+    mat, oracle = ref(torch.float32), ref(torch.float64)
+    for r, res in enumerate(out):
+        s, e = bounds[r]
+        for name, got, m, o in zip(("entropy", "grad_hidden", "grad_weight"), res[1:], mat,
+                                   (oracle[0], oracle[1], oracle[2][s:e])):
+            m = m[s:e] if name == "grad_weight" else m
+            err, ref_err = (got.double() - o).abs(), (m.double() - o).abs()
+            if name != "entropy":
+                err, ref_err, o = err.max(), ref_err.max(), o.abs().max()
+            bad = err > 1e-5 + 1e-5 * o.abs() + 2 * ref_err
+            assert not bad.any(), (f"rank {r} {name} at offset {c}: max err {err.max():.3e} "
+                                   f"(materialised fp32: {ref_err.max():.3e})")
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_linear_logprob_gradcheck_fp64(groups, world):
     """torch.autograd.gradcheck of (hidden, full weight) → (logprob, entropy) on every rank,
@@ -235,6 +337,32 @@ def test_linear_logprob_gradcheck_fp64(groups, world):
     out = _ok(groups(world).run("gradcheck", hidden=h, weight=w, targets=tg, bounds=shard_bounds(rows, world),
                                 vocab_size=V, temperature=0.9), "gradcheck")
     assert out == [True] * world
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_linear_logprob_double_backward_raises_naming_the_op(groups, entropy):
+    """Gradients taken with create_graph=True are the single-process op's; a backward through them
+    raises a RuntimeError naming linear_logprob on every rank — even a backward in which they
+    only appear multiplied by 0 (the graph is followed, not the values). The backward's
+    out= GEMMs once raised 'functions with out=... arguments don't support automatic
+    differentiation' already at the create_graph=True step."""
+    g = torch.Generator().manual_seed(4)
+    T, H, V = 5, 6, 37
+    h, w = torch.randn(T, H, generator=g, dtype=torch.float64), torch.randn(V, H, generator=g, dtype=torch.float64)
+    tg = torch.tensor([0, 36, 5, 20, 17])
+    bounds = shard_bounds(V, 2)
+    out = _ok(groups(2).run("double_backward", hidden=h, weight=w, targets=tg, bounds=bounds,
+                            return_entropy=entropy), "double backward")
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    res = linear_logprob(hh, ww, tg, return_entropy=entropy, chunk=7)
+    want_h, want_w = torch.autograd.grad(res[0].sum() + res[1].sum() if entropy else res.sum(), (hh, ww))
+    for r, (gh, gw, errors) in enumerate(out):
+        s, e = bounds[r]
+        _close(gh, want_h, f"rank {r} grad_hidden", rel=1e-12)
+        _close(gw, want_w[s:e], f"rank {r} grad_weight", rel=1e-12)
+        for i, err in enumerate(errors):
+            assert err is not None and "linear_logprob: no second derivative" in err[1], \
+                f"rank {r} second loss {i}: {err}"
 
 
 # --------------------------------------------------------------------- rescore

@@ -102,11 +102,12 @@ def test_opcheck_linear_logprob(with_entropy):
 def test_opcheck_linear_logprob_backward():
     from acarerank.ops.linear_logprob import linear_logprob_backward_op, linear_logprob_op
     h, w, tg = _projection_args()
-    lp, _, lse, ez = linear_logprob_op(h, w, tg, 1.0, 8, True)
+    lp, _, m, lse_m, ez_m = linear_logprob_op(h, w, tg, 1.0, 8, True)
     g = torch.ones_like(lp)
     for need_h, need_w in ((True, True), (True, False), (False, True)):
-        torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, lse, ez, g, 0.5 * g, 1.0, 8, need_h, need_w))
-    torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, lse, ez, g, None, 1.0, 8, True, True))
+        args = (h, w, tg, m, lse_m, ez_m, g, 0.5 * g, 1.0, 8, need_h, need_w)
+        torch.library.opcheck(linear_logprob_backward_op, args)
+    torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, m, lse_m, ez_m, g, None, 1.0, 8, True, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -117,9 +118,9 @@ def test_opcheck_linear_logprob_backward_strided(dtype):
     from acarerank.ops.linear_logprob import linear_logprob_backward_op, linear_logprob_op
     h, w, tg = _projection_args(dtype)
     h, w = h.T.contiguous().T, w.T.contiguous().T
-    lp, _, lse, ez = linear_logprob_op(h, w, tg, 1.0, 8, True)
+    lp, _, m, lse_m, ez_m = linear_logprob_op(h, w, tg, 1.0, 8, True)
     g = torch.ones_like(lp)
-    torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, lse, ez, g, 0.5 * g, 1.0, 8, True, True))
+    torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, m, lse_m, ez_m, g, 0.5 * g, 1.0, 8, True, True))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
