@@ -557,11 +557,12 @@ at::Tensor prefix_shared_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& prefix_v, const std::optional<at::Tensor>& block_table,
                                        const at::Tensor& cu_prefix_lens, const at::Tensor& segment_group,
                                        double scale) {
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, kOp, ": scale must be finite and > 0, got ", scale);
+  // checked as the fp32 number the tiles use: 1e39 is finite in double but inf in fp32, 1e-50 is 0
+  const float sc = static_cast<float>(scale);
+  TORCH_CHECK(std::isfinite(sc) && sc > 0, kOp, ": scale must be finite and > 0 in fp32, got ", scale);
   const Meta mt = check_and_read(q, k, v, cu_seqlens, prefix_k, prefix_v, block_table, cu_prefix_lens, segment_group);
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (mt.T == 0) return out;
-  const float sc = static_cast<float>(scale);
   switch (q.scalar_type()) {
     case at::kFloat:
       run<float, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);

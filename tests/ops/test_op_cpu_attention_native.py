@@ -283,6 +283,8 @@ def _set(i, f):
     (lambda a: (a.__setitem__(4, a[4][:, :, :1]), a.__setitem__(5, a[5][:, :, :1])), "k_cache must be"),
     (_set(5, lambda t: t[:-1]), "prefix_k .* and prefix_v .* differ"),
     (_set(9, lambda s: float("nan")), "scale must be finite"),
+    (_set(9, lambda s: 1e39), "scale must be finite and > 0 in fp32"),    # finite in double, inf in fp32
+    (_set(9, lambda s: 1e-50), "scale must be finite and > 0 in fp32"),   # > 0 in double, 0 in fp32
 ])
 def test_raw_kernel_bad_input_is_a_clear_error(mutate, match):
     fn = _kernel()
