@@ -33,6 +33,13 @@ def positive_in_fp32(x) -> bool:
     return math.isfinite(s) and s > 0
 
 
+def check_flag(op: str, name: str, x) -> None:
+    """TypeError unless ``x`` is a bool (Python's or numpy's): a truthy value such as the string
+    "no" would switch the flag on without a word."""
+    if not (isinstance(x, bool) or type(x).__name__ == "bool_"):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(x).__name__} {x!r}")
+
+
 def check_float_tensors(op: str, *named) -> None:
     """Each ``(name, tensor)`` of ``named`` is a floating-point tensor on the first one's device;
     else TypeError (not a tensor, not floating point) / ValueError (device) naming ``op`` and it."""

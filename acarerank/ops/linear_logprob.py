@@ -52,13 +52,14 @@ from typing import Optional
 import torch
 
 from . import _backend
-from ._checks import check_projection_inputs
+from ._checks import check_flag, check_projection_inputs
 
 DEFAULT_CHUNK = 2048  # vocabulary rows per step: [T, 2048] fp32 is 1.35 % of [T, 151,669]
 
 
-def _check(hidden, weight, targets, temperature, chunk):
+def _check(hidden, weight, targets, temperature, chunk, return_entropy):
     check_projection_inputs(hidden, weight, targets, "linear_logprob", temperature=temperature, chunk=chunk)
+    check_flag("linear_logprob", "return_entropy", return_entropy)   # "no" returned the entropy too
 
 
 def fp32_math(device):
@@ -326,7 +327,7 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
                        vocab_start=vocab_start, vocab_size=vocab_size)
     if vocab_start is not None or vocab_size is not None:
         raise ValueError("linear_logprob: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
-    _check(hidden, weight, targets, temperature, chunk)
+    _check(hidden, weight, targets, temperature, chunk, return_entropy)
     lp, entropy, _, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
                                           bool(return_entropy))
     out = (lp, entropy) if return_entropy else lp

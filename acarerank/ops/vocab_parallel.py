@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from ..topk_contract import OUTSIDE_MODES, check_k, finalize
 from . import _backend
-from ._checks import check_projection_inputs, finite_real
+from ._checks import check_flag, check_projection_inputs, finite_real
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
 from .linear_logprob import FirstOrderOnly, backward_chunks, compute_copy, forward_stats, grad_inputs
 from .topk_logprobs import OP as _TOPK_OP
@@ -433,6 +433,7 @@ def linear_logprob_vocab_parallel(hidden, weight_shard, targets, temperature=1.0
 
     def local_check():
         check_projection_inputs(hidden, weight_shard, targets, op, temperature=temperature, chunk=chunk, shard=True)
+        check_flag(op, "return_entropy", return_entropy)
 
     flags = int(bool(return_entropy)) | (2 if isinstance(hidden, torch.Tensor) and hidden.requires_grad
                                          and torch.is_grad_enabled() else 0)

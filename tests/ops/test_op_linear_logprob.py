@@ -144,6 +144,9 @@ def test_bad_input():
         linear_logprob(h, w, tg, temperature=1e-50)
     with pytest.raises(ValueError, match="chunk"):
         linear_logprob(h, w, tg, chunk=0)
+    # a flag, not a truthy value: "no" returned the entropy too
+    with pytest.raises(TypeError, match="return_entropy must be a bool, got str"):
+        linear_logprob(h, w, tg, return_entropy="no")
 
 
 @pytest.mark.parametrize("chunk", [64, 100, None])

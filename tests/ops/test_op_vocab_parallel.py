@@ -428,6 +428,8 @@ def _bad_cases():
                     {1: "k must be <= 512 with the 'triton' backend", 0: "rank 1 .* rejected its input"}),
         "k-world4": (4, "topk", *topk({3: {"k": 7}}, bounds=shard_bounds(1000, 4)), "disagree on k"),
         "entropy": (2, "linear", dict(lin), {1: {"return_entropy": True}}, "disagree on flags"),
+        "entropy-not-bool": (2, "linear", dict(lin), {1: {"return_entropy": "no"}},
+                             {1: "return_entropy must be a bool, got str", 0: "rank 1 .* rejected its input"}),
         # as the single-process op: an error on every rank, never a silent NaN log-prob
         "linear-nonfinite-one-rank": (2, "linear", dict(lin, weight=inf_w), {}, "non-finite logits"),
         # a -inf logit: finite log-probs, but a NaN entropy (0·log 0), an error too
