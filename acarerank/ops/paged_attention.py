@@ -235,6 +235,10 @@ def _torch_backend(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix
 def _triton_backend(kernel):
     """The op's calling convention over ``prefix_shared_attention_paged_triton`` (aux: the work list)."""
     def run(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
+        # the kernel steps one block id per int32 along a row: a column-strided table (a slice of a
+        # wider one) is copied once, as the other backends take any strides ([G, blocks]: small)
+        if block_table.dim() == 2 and block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            block_table = block_table.contiguous()
         return kernel(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, scale,
                       work=aux[0])
     return run
