@@ -19,6 +19,7 @@ tiles on its own.
 """
 from __future__ import annotations
 
+import numbers
 from collections import namedtuple
 from typing import Optional
 
@@ -44,8 +45,16 @@ def default_chunk(device) -> int:
     return DEFAULT_CHUNK.get(torch.device(device).type, DEFAULT_CHUNK["cpu"])
 
 
+def as_int(k):
+    """``int(k)`` for an integer that is not a bool (``numpy.int64(4)`` is 4, as everywhere in the
+    API: ``acarerank._validate``); anything else unchanged, for ``check_k`` to name."""
+    return int(k) if isinstance(k, numbers.Integral) and not isinstance(k, bool) else k
+
+
 def check_k(k, V: Optional[int], backend: str, op: str) -> int:
-    """k an int in [1, V] and within ``backend``'s limit (``MAX_K``); the error names both."""
+    """k an int in [1, V] and within ``backend``'s limit (``MAX_K``); the error names both.
+    Returns it as a Python int (numpy integers are ints here too)."""
+    k = as_int(k)
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"{op}: k must be an int, got {type(k).__name__}")
     if k < 1:

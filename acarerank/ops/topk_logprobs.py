@@ -48,7 +48,8 @@ from typing import Optional
 
 import torch
 
-from ..topk_contract import MAX_K, OUTSIDE_MODES, TopKLogprobs, check_k, default_chunk, finalize, logsumexp_of
+from ..topk_contract import (MAX_K, OUTSIDE_MODES, TopKLogprobs, as_int, check_k, default_chunk, finalize,
+                             logsumexp_of)
 from . import _backend
 from ._checks import check_projection_inputs, finite_real
 from .linear_logprob import fp32_math
@@ -402,6 +403,7 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
     does not depend on ``chunk`` except through fp32 summation order (≤ 1e-6 in log-probs).
     Not differentiable: the teacher is frozen (use ``linear_logprob`` for the policy).
     """
+    k = as_int(k)   # numpy.int64(128) is 128; anything else is named by check_k
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
         sharded = _backend.process_group_impl("topk_logprobs")  # acarerank.ops.vocab_parallel
         return sharded(hidden, weight, targets, k, chunk, outside, floor, renormalize, temperature, backend,

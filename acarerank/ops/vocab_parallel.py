@@ -78,7 +78,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..topk_contract import OUTSIDE_MODES, check_k, finalize
+from ..topk_contract import OUTSIDE_MODES, as_int, check_k, finalize
 from . import _backend
 from ._checks import check_flag, check_projection_inputs, finite_real
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
@@ -277,6 +277,7 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
     rank's rows, ``process_group``, ``vocab_start``, ``vocab_size``. Collective: every rank
     of the group calls it with the same hidden, targets, k and temperature."""
     op = "topk_logprobs"
+    k = as_int(k)   # numpy.int64(128) is 128 (the header and the buffers need an int); else check_k names it
 
     def local_check():
         check_projection_inputs(hidden, weight_shard, targets, op, temperature=temperature, chunk=chunk, shard=True)

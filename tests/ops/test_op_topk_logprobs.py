@@ -242,6 +242,19 @@ def test_numpy_scalars_are_numbers():
     _check(got, want, "numpy scalars")
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_numpy_integer_k_is_an_int(backend):
+    """k as a numpy integer (``np.int64(4)``, what ``np.argmax`` or a config array gives) is 4, as
+    every count argument of the API takes it (acarerank._validate); it was "k must be an int"."""
+    h, w = _dyadic(3, 16, 769)
+    tg = _targets(h, w, 4)
+    want = topk_logprobs(h, w, tg, k=4, backend=backend)
+    for k in (np.int64(4), np.int32(4)):
+        _check(topk_logprobs(h, w, tg, k=k, backend=backend), want, f"k={k!r}")
+    with pytest.raises(TypeError, match="k must be an int, got bool"):
+        topk_logprobs(h, w, tg, k=np.bool_(True), backend=backend)
+
+
 def test_bad_tensors():
     h, w = _dyadic(3, 16, 769)
     tg = torch.zeros(3, dtype=torch.long)
