@@ -33,6 +33,11 @@ def positive_in_fp32(x) -> bool:
     return math.isfinite(s) and s > 0
 
 
+#: why a row's logits came out inf/NaN: the inputs, or a product h·w (over a small temperature) past
+#: fp32's range — a temperature of 1e-45 passes the fp32 check and still overflows every logit
+NONFINITE_LOGITS = "non-finite logits (inf/NaN in hidden or weight, or h·w / temperature past fp32's range)"
+
+
 def check_flag(op: str, name: str, x) -> None:
     """TypeError unless ``x`` is a bool (Python's or numpy's): a truthy value such as the string
     "no" would switch the flag on without a word."""

@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 
 from . import _backend
-from ._checks import check_flag, check_projection_inputs
+from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs
 
 DEFAULT_CHUNK = 2048  # vocabulary rows per step: [T, 2048] fp32 is 1.35 % of [T, 151,669]
 
@@ -336,7 +336,7 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     bad = ~torch.isfinite(lp) | ~torch.isfinite(entropy) if return_entropy else ~torch.isfinite(lp)
     if bad.any():
         rows = bad.nonzero().flatten().tolist()[:8]
-        raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
+        raise ValueError(f"linear_logprob: {NONFINITE_LOGITS} in rows {rows}")
     return out
 
 

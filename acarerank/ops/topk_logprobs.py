@@ -51,7 +51,7 @@ import torch
 from ..topk_contract import (MAX_K, OUTSIDE_MODES, TopKLogprobs, as_int, check_k, default_chunk, finalize,
                              logsumexp_of)
 from . import _backend
-from ._checks import check_projection_inputs, finite_real
+from ._checks import NONFINITE_LOGITS, check_projection_inputs, finite_real
 from .linear_logprob import fp32_math
 from .topk_merge import UPDATE_OP, topk_merge_init
 
@@ -74,7 +74,7 @@ def _check_result_finite(lse, op="topk_logprobs", shard=False):
     ok = (torch.isfinite(lse) | torch.isneginf(lse)) if shard else torch.isfinite(lse)
     if lse.numel() and not ok.all():
         rows = (~ok).nonzero().flatten().tolist()[:8]
-        raise ValueError(f"{op}: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
+        raise ValueError(f"{op}: {NONFINITE_LOGITS} in rows {rows}")
 
 
 # ----------------------------------------------------------------------------- exact order

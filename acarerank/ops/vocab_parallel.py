@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from ..topk_contract import OUTSIDE_MODES, as_int, check_k, finalize
 from . import _backend
-from ._checks import check_flag, check_projection_inputs, finite_real
+from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, finite_real
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
 from .linear_logprob import FirstOrderOnly, backward_chunks, compute_copy, forward_stats, grad_inputs
 from .topk_logprobs import OP as _TOPK_OP
@@ -374,7 +374,7 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
         bad = ~torch.isfinite(logprob) | ~torch.isfinite(ez_m + M) | ~torch.isfinite(entropy)
         if T and bad.any():
             rows = bad.nonzero().flatten().tolist()[:8]
-            raise ValueError(f"linear_logprob: non-finite logits (inf/NaN in hidden or weight) in rows {rows}")
+            raise ValueError(f"linear_logprob: {NONFINITE_LOGITS} in rows {rows}")
         # the backward's statistics relative to M (linear_logprob's module doc); M is one shard's
         # fp32 max logit, exact in cd
         ctx.save_for_backward(hidden, weight_shard, tg, M.to(cd), log_S.to(cd), ez_m.to(cd))

@@ -144,6 +144,10 @@ def test_bad_input():
         linear_logprob(h, w, tg, temperature=1e-50)
     with pytest.raises(ValueError, match="chunk"):
         linear_logprob(h, w, tg, chunk=0)
+    # nonzero in fp32 (a denormal), so accepted, but every h·w / τ overflows: the error names the
+    # temperature as a cause, not only "inf/NaN in hidden or weight"
+    with pytest.raises(ValueError, match=r"non-finite logits .* h·w / temperature past fp32's range"):
+        linear_logprob(h, w, tg, temperature=1e-45)
     # a flag, not a truthy value: "no" returned the entropy too
     with pytest.raises(TypeError, match="return_entropy must be a bool, got str"):
         linear_logprob(h, w, tg, return_entropy="no")

@@ -243,6 +243,15 @@ def test_numpy_scalars_are_numbers():
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_overflow_from_a_tiny_temperature_names_the_temperature(backend):
+    """τ = 1e-45 is > 0 in fp32 (a denormal) and passes the check, but every logit h·w / τ overflows:
+    the error gives that cause too (it said only "inf/NaN in hidden or weight", which they are not)."""
+    h, w = _dyadic(3, 16, 769)
+    with pytest.raises(ValueError, match=r"non-finite logits .* h·w / temperature past fp32's range"):
+        topk_logprobs(h, w, _targets(h, w, 4), k=4, temperature=1e-45, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_numpy_integer_k_is_an_int(backend):
     """k as a numpy integer (``np.int64(4)``, what ``np.argmax`` or a config array gives) is 4, as
     every count argument of the API takes it (acarerank._validate); it was "k must be an int"."""
