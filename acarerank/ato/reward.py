@@ -15,7 +15,9 @@ each of its criteria inapplicable; a single criterion (its entry ``null``, ``"pe
 ``"set_level": null`` or ``"set_level": {"score": null}``) is inapplicable alone — C.1 defines
 null per criterion. Two nulls are errors (``JudgeOutputError``, naming the rubric): a
 per-document score (F.5: "no N/A or empty per-item values") and any Relevance criterion
-("Relevance is never null", C.1 and F.5 — dropping it would score the set without relevance).
+("Relevance is never null", C.1 and F.5 — dropping it would score the set without relevance);
+so is a null Completeness or Reachability criterion once a selected document scores Relevance
+>= 1 on every Relevance rubric (F.5's CASE B: they are 0 then, "NEVER null").
 
 Inputs:
   rubrics  Appendix F.3 JSON: {"Relevance": [{"rubric": "...", "weight": 5}, ...], ...};
@@ -39,6 +41,8 @@ from ..setwise.selection import ParsedSelection
 from .hints import DIMENSION_LEVEL
 
 MALFORMED_REWARD = -1.0  # Eq. 6
+#: dimensions F.5 says are never null once a document is relevant (CASE B)
+_NEVER_NULL_WHEN_RELEVANT = ("Completeness", "Reachability")
 
 
 class JudgeOutputError(ValueError):
@@ -120,6 +124,12 @@ def _check_ids(selected, name: str = "selected") -> list:
 
 
 def _doc_level_score(entry: Mapping, docs: Sequence[int], where: str) -> Optional[float]:
+    got = _per_doc_scores(entry, docs, where)
+    return None if got is None else sum(got[d] for d in docs) / len(docs)  # Eq. 4: over the selected documents
+
+
+def _per_doc_scores(entry: Mapping, docs: Sequence[int], where: str) -> Optional[dict]:
+    """{doc id: score} of a doc-level rubric's entry, every selected document scored; None: null."""
     per_doc = entry.get("per_doc")
     if per_doc is None:
         return None
@@ -141,7 +151,7 @@ def _doc_level_score(entry: Mapping, docs: Sequence[int], where: str) -> Optiona
     missing = [d for d in docs if d not in got]
     if missing:
         raise JudgeOutputError(f"{where}: no score for selected document(s) {missing}")
-    return sum(got[d] for d in docs) / len(docs)  # Eq. 4: averaged over the selected documents
+    return got
 
 
 def _set_level_score(entry: Mapping, where: str) -> Optional[float]:
@@ -158,7 +168,7 @@ def criterion_scores(judge_output, rubrics: Mapping[str, Sequence[Mapping]], sel
     _check_rubrics(rubrics)
     docs = _check_ids(selected_ids, "selected_ids")
     scores = _load_judge(judge_output)
-    out = []
+    out, relevance = [], []   # relevance: {doc: score} of each Relevance rubric
     for dim, items in rubrics.items():
         items = list(items or [])
         if not items:
@@ -185,12 +195,31 @@ def criterion_scores(judge_output, rubrics: Mapping[str, Sequence[Mapping]], sel
             if is_doc and "per_doc" not in entry or not is_doc and "set_level" not in entry:
                 raise JudgeOutputError(f"{where}: a {'doc' if is_doc else 'set/global'}-level rubric needs "
                                        f"{'per_doc' if is_doc else 'set_level'}")
-            score = _doc_level_score(entry, docs, where) if is_doc else _set_level_score(entry, where)
+            if is_doc:
+                per_doc = _per_doc_scores(entry, docs, where)
+                score = None if per_doc is None else sum(per_doc[d] for d in docs) / len(docs)  # Eq. 4
+                if dim == "Relevance" and per_doc is not None:
+                    relevance.append(per_doc)
+            else:
+                score = _set_level_score(entry, where)
             out.append((dim, i, float(it["weight"]), score))
     for dim, i, _, score in out:
         if dim == "Relevance" and score is None:
             raise JudgeOutputError(f"Relevance[{i}] is null; Relevance is never null (Appendix C.1, F.5): "
                                    f"dropping it would score the set without its relevance")
+    # F.5's CASE B (some document relevant, Relevance >= 1): Completeness and Reachability measure a
+    # gap / derivability and are then "NEVER null" (0 when nothing is covered); dropping them
+    # would score a set that misses the answer without the two criteria that say so. A document
+    # counts as relevant here when every Relevance rubric scores it >= 1, relevant under any way
+    # of combining several Relevance rubrics; a set whose documents are relevant only on some
+    # rubrics is not judged here (F.5 does not say which combination it means)
+    relevant = [d for d in docs if relevance and all(r[d] >= 1 for r in relevance)]
+    if relevant:
+        for dim, i, _, score in out:
+            if dim in _NEVER_NULL_WHEN_RELEVANT and score is None:
+                raise JudgeOutputError(f"{dim}[{i}] is null while document(s) {relevant[:10]} score Relevance >= 1: "
+                                       f"{dim} is never null then (Appendix F.5, CASE B: 0 when nothing is "
+                                       f"covered, not null)")
     return out
 
 

@@ -95,6 +95,36 @@ def test_relevance_is_never_null(form):
         rubric_reward(judged, RUBRICS, [A, B, C])
 
 
+@pytest.mark.parametrize("dim", ["Completeness", "Reachability"])
+@pytest.mark.parametrize("form", ["dimension", "entry", "set_level score"])
+def test_completeness_and_reachability_are_never_null_once_a_document_is_relevant(dim, form):
+    """F.5, CASE B (a document with Relevance >= 1): Completeness and Reachability are "NEVER null"
+    (0 when nothing is covered). A null one was dropped and raised the reward: with Doc A relevant
+    and Completeness null the set scored (193 - 50) / 25 = 5.72 instead of an error."""
+    judged = _case_judge()
+    judged["score"][dim] = {"dimension": None, "entry": {"level": "set", "rubrics": [None]},
+                            "set_level score": {"level": "set", "rubrics": [{"rubric": "", "set_level": {"score": None}}]}
+                            }[form]
+    with pytest.raises(JudgeOutputError, match=rf"{dim}\[0\] is null while document\(s\) \[9, 18\] score Relevance >= 1"):
+        rubric_reward(judged, RUBRICS, [A, B, C])
+
+
+def test_completeness_may_be_null_when_no_document_is_relevant_on_every_relevance_rubric():
+    """CASE A (no relevant document) nulls every other dimension, Completeness included; and with
+    several Relevance rubrics a document relevant on one only is not taken as relevant (F.5 does
+    not say how rubrics combine), so a null Completeness is still read as inapplicable there."""
+    judged = {"score": {d: None for d in WEIGHTS}}
+    judged["score"]["Relevance"] = _doc({A: 0, B: 0})
+    assert rubric_reward(judged, RUBRICS, [A, B]) == 0.0
+    rubrics = {"Relevance": [{"rubric": "r1", "weight": 1}, {"rubric": "r2", "weight": 1}],
+               "Completeness": [{"rubric": "c", "weight": 1}]}
+    judged = {"score": {
+        "Relevance": {"level": "doc", "rubrics": [{"rubric": "r1", "per_doc": [{"doc_id": 2, "score": 6}]},
+                                                  {"rubric": "r2", "per_doc": [{"doc_id": 2, "score": 0}]}]},
+        "Completeness": None}}
+    assert rubric_reward(judged, rubrics, [2]) == pytest.approx(3.0, abs=1e-12)
+
+
 def test_malformed_selection_is_minus_one_without_reading_the_judge():
     bad = parse_selection("[4], [2]", n_candidates=20)
     assert not bad.valid
