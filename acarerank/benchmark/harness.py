@@ -106,6 +106,10 @@ class BenchConfig:
         from ..model.placement import check_dtype_device
 
         check_dtype_device(torch.float32, self.device)  # cpu or an existing cuda[:N], as every subcommand
+        if self.model_path is not None and os.path.isdir(self.model_path):
+            from ..reranker_base import check_transformers_files
+
+            check_transformers_files(self.model_path)  # before the run sets anything up (load_model checks again)
         return replace(self, depths=tuple(sorted(set(self.depths))),
                        spec=replace(self.spec, num_docs=max(self.depths)))
 
@@ -247,8 +251,11 @@ def load_model(cfg: BenchConfig):
     if cfg.model_path is not None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from acarerank.reranker_base import check_transformers_files
+
         if not os.path.isdir(cfg.model_path):
             raise FileNotFoundError(f"--model {cfg.model_path!r} is not a folder (config.json + *.safetensors)")
+        check_transformers_files(cfg.model_path)  # the caps of our own loader: transformers reads these whole
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(device).eval()
         has_tok = any(os.path.isfile(os.path.join(cfg.model_path, f)) for f in ("tokenizer.json", "vocab.json"))
         tok = AutoTokenizer.from_pretrained(cfg.model_path) if has_tok else load_qwen3_tokenizer()

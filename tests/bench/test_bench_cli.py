@@ -106,6 +106,41 @@ def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monke
     assert len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.parametrize("name, workload", [("config.json", "depth"), ("config.json", "agent"),
+                                            ("model.safetensors.index.json", "depth"), ("tokenizer.json", "depth"),
+                                            ("vocab.json", "depth"), ("merges.txt", "agent")])
+def test_bench_model_files_over_the_caps_are_refused_before_transformers_reads_them(
+        tiny_model, tmp_path, capsys, monkeypatch, name, workload):
+    """``bench --model`` loads through transformers, which reads config.json, the safetensors index
+    and the tokenizer files whole: each over our loader's cap (a sparse file: no disk, no read) is a
+    usage error naming the file, its size and the cap, before transformers opens the folder."""
+    import transformers
+
+    from acarerank.model.weights import MAX_CONFIG_BYTES
+    from acarerank.tokenizer import MAX_TOKENIZER_BYTES
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model.save_pretrained(ckpt)
+    capsys.readouterr()  # save_pretrained's progress bar
+    cap = MAX_CONFIG_BYTES if name.endswith("json") and name not in ("tokenizer.json", "vocab.json") \
+        else MAX_TOKENIZER_BYTES
+    with open(ckpt / name, "wb") as f:
+        f.truncate(cap + 1)
+
+    def boom(*a, **kw):
+        raise AssertionError("transformers read the folder")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
+    rc = main(["bench", "--quick", "--workload", workload, "--model", str(ckpt), "--dtype", "float32",
+               "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, (rc, err)
+    assert err[0].startswith(f"acarerank bench: error: {ckpt / name}: {cap + 1:,} bytes, more than the "
+                             f"{cap:,}-byte cap on {name} (Qwen3's is "), err
+    assert err[0].endswith("); not read"), err
+
+
 def test_a_provider_failing_mid_table_leaves_its_cell_marked_in_the_csv(tmp_path, capsys, monkeypatch):
     """The provider raises at depth 3: exit 1 with one line naming it, and bench.csv holds the cells
     measured before it, then the failing cell with its ``error`` set and no figures."""
