@@ -132,12 +132,18 @@ class ProviderFailed(RuntimeError):
         self.provider = provider
 
 
+def call_provider(name: str, fn: Callable, *args, **kw):
+    """``fn(*args, **kw)``; any exception becomes ProviderFailed naming the provider ``name``
+    (the benchmark marks that cell and stops; a KeyboardInterrupt passes through)."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:
+        raise ProviderFailed(name, e) from e
+
+
 def _score(p, **kw) -> list:
     """``p.score(**kw)``; any exception becomes ProviderFailed naming ``p``."""
-    try:
-        return p.score(**kw)
-    except Exception as e:
-        raise ProviderFailed(p.name, e) from e
+    return call_provider(p.name, p.score, **kw)
 
 
 class AcarerankProvider:

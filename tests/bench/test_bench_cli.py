@@ -167,6 +167,51 @@ def test_a_provider_failing_mid_table_leaves_its_cell_marked_in_the_csv(tmp_path
     assert rows[-1]["median_ms"] == "" and rows[-1]["dtype"] == "float32", rows[-1]
 
 
+@pytest.mark.parametrize("exc, rc", [(RuntimeError("boom\nat step 2"), 1), (KeyboardInterrupt(), 130)])
+def test_agent_workload_leaves_its_measured_steps_in_the_csv_when_a_step_fails(tmp_path, capsys, monkeypatch,
+                                                                               exc, rc):
+    """agent.csv was written only at the very end: a provider raising in the second session (or a
+    Ctrl-C there) left nothing of the first. Now it is rewritten after every step, as bench.csv after
+    every cell, and a failing step gets a last row with its ``error`` set and no figures."""
+    from acarerank.benchmark.agent import COLUMNS
+    from acarerank.benchmark.baselines import PrefixCacheTransformers
+
+    real, calls = PrefixCacheTransformers.score, []
+
+    def score(self, *a, **kw):
+        # --subqueries 1: warm-up + 1 call per step (calls 1-3); --subqueries 2: warm-up (4),
+        # step 1 (5, 6), step 2 (7): raise there
+        calls.append(1)
+        if len(calls) == 7:
+            raise exc
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(PrefixCacheTransformers, "score", score)
+    got = main(["bench", "--quick", "--workload", "agent", "--subqueries", "1,2", "--steps", "2",
+                "--trace-step-tokens", "20", "--docs-per-call", "2", "--dtype", "float32", "--override", TINY,
+                "--backends", "torch", "--output", str(tmp_path)])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("acarerank bench:")]
+    want_err = ("acarerank bench: runtime error: ProviderFailed: transformers+prefix-cache: RuntimeError: boom "
+                "at step 2" if rc == 1 else "acarerank bench: interrupted")
+    assert got == rc and err == [want_err], (got, err)
+    with open(tmp_path / "agent.csv") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == COLUMNS
+        rows = list(reader)
+    provs = ("acarerank+cache", "acarerank", "transformers+prefix-cache")
+    want = [("1", p, str(k), "") for p in provs for k in (1, 2)] + \
+           [("2", p, str(k), "") for p in provs[:2] for k in (1, 2)] + [("2", provs[2], "1", "")]
+    if rc == 1:
+        want.append(("2", provs[2], "2", "RuntimeError: boom at step 2"))
+    assert [(r["subqueries"], r["provider"], r["step"], r["error"]) for r in rows] == want, rows
+    for r in rows:
+        assert int(r["trace_tokens"]) == 20 * int(r["step"]), r
+        if not r["error"]:
+            assert float(r["latency_s"]) > 0 and int(r["tokens_computed"]) > 0, r
+    if rc == 1:
+        assert rows[-1]["latency_s"] == rows[-1]["tokens_computed"] == "", rows[-1]
+
+
 def test_workload_token_counts_are_exact(qwen3_tokenizer):
     spec = WorkloadSpec(query_tokens=11, question_tokens=23, trace_tokens=157, doc_tokens=(5, 41), num_docs=12, seed=3)
     w = make_workload(qwen3_tokenizer, spec)
