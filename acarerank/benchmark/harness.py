@@ -101,6 +101,13 @@ class BenchConfig:
             raise ValueError(f"peer names must be unique and not start with 'transformers' or 'acarerank', got {names}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+        # warm-up calls have no time bound (max_cell_seconds ends the timed ones only): a typo
+        # (--warmup 10**22) would never end; the count cap of the workload, as bench_serve's
+        for name in ("repeats", "warmup"):
+            if getattr(self, name) > MAX_DOCS:
+                raise ValueError(f"{name} must be at most {MAX_DOCS:,} (the cap on a count), got {getattr(self, name):,}")
+        if not -2 ** 63 <= self.seed < 2 ** 64:  # torch.manual_seed's range (past it: 'Overflow when unpacking long')
+            raise ValueError(f"seed must be in [-2**63, 2**64), torch.manual_seed's range, got {self.seed}")
         if not self.max_cell_seconds >= 0:  # NaN compares false: the cell would never stop repeating
             raise ValueError(f"max_cell_seconds must be a number >= 0, got {self.max_cell_seconds!r}")
         from ..model.placement import check_dtype_device

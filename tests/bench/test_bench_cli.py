@@ -91,6 +91,10 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     (["--workload", "agent", "--docs-per-call", "100000"], "AgentSpec.docs must be at most 1,000"),
     (["--workload", "agent", "--steps", "1000000"], "steps x trace_step_tokens must be at most 32,768"),
     (["--workload", "agent", "--subqueries", "0"], "AgentSpec.subqueries must be a positive int"),
+    (["--warmup", "99999999999999999999999"], "warmup must be at most 1,000 (the cap on a count)"),
+    (["--repeats", "1001"], "repeats must be at most 1,000 (the cap on a count)"),
+    (["--seed", str(2 ** 64)], "seed must be in [-2**63, 2**64), torch.manual_seed's range"),
+    (["--workload", "agent", "--seed", str(-2 ** 63 - 1)], "seed must be in [-2**63, 2**64)"),
 ])
 def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monkeypatch, flags, needle):
     """Every document and text of the workload is built in memory: a huge depth or length is refused
