@@ -117,6 +117,10 @@ class BenchConfig:
             from ..reranker_base import check_transformers_files
 
             check_transformers_files(self.model_path)  # before the run sets anything up (load_model checks again)
+        if self.model_path is None:
+            from ..model.default import qwen3_config
+
+            qwen3_config(self.preset, **self.overrides)  # the preset and --override checked as a config.json is
         return replace(self, depths=tuple(sorted(set(self.depths))),
                        spec=replace(self.spec, num_docs=max(self.depths)))
 

@@ -95,6 +95,11 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     (["--repeats", "1001"], "repeats must be at most 1,000 (the cap on a count)"),
     (["--seed", str(2 ** 64)], "seed must be in [-2**63, 2**64), torch.manual_seed's range"),
     (["--workload", "agent", "--seed", str(-2 ** 63 - 1)], "seed must be in [-2**63, 2**64)"),
+    # torch's 'negative dimension', transformers' StrictDataclassFieldValidationError, a ZeroDivisionError
+    # in the RoPE set-up: exit 1 after the set-up, now the config checks of a checkpoint
+    (["--override", "hidden_size=-1"], "config field 'hidden_size' must be a positive int, got -1"),
+    (["--override", "hidden_size=nan"], "config field 'hidden_size' must be a positive int, got nan"),
+    (["--workload", "agent", "--override", "head_dim=0"], "config field 'head_dim' must be a positive int, got 0"),
 ])
 def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monkeypatch, flags, needle):
     """Every document and text of the workload is built in memory: a huge depth or length is refused
