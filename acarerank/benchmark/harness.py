@@ -89,6 +89,8 @@ class BenchConfig:
         bad = [m for m in self.modes if m not in MODES]
         if not self.modes or bad:
             raise ValueError(f"unknown context mode(s) {bad}; modes: {', '.join(MODES)}")
+        if self.backends is not None and not self.backends:  # --backends "" or ",": not the default (None)
+            raise ValueError("backends names no backend (--backends: e.g. torch,cpp; omit it for every one that runs)")
         bad = [p for p in self.providers if p not in PROVIDERS]
         if not self.providers or bad:
             raise ValueError(f"unknown provider(s) {bad}; providers: {', '.join(PROVIDERS)}")

@@ -100,6 +100,8 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     (["--override", "hidden_size=-1"], "config field 'hidden_size' must be a positive int, got -1"),
     (["--override", "hidden_size=nan"], "config field 'hidden_size' must be a positive int, got nan"),
     (["--workload", "agent", "--override", "head_dim=0"], "config field 'head_dim' must be a positive int, got 0"),
+    (["--backends", ""], "backends names no backend"),  # was an IndexError once the set-up had run
+    (["--workload", "agent", "--backends", ","], "backends names no backend"),
 ])
 def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monkeypatch, flags, needle):
     """Every document and text of the workload is built in memory: a huge depth or length is refused
