@@ -124,7 +124,13 @@ class RerankService:
         self.engine.canary = self.reranker.encode(CANARY)
         self.engine.start()
         if warmup:
-            self.engine.submit(self.engine.canary, rid="warm-up").future.result(timeout)
+            try:
+                self.engine.submit(self.engine.canary, rid="warm-up").future.result(timeout)
+            except BaseException:
+                # a service that never became ready stops its threads: the scheduler and the model
+                # thread left running kept `acarerank serve` from exiting after its error line
+                self.stop()
+                raise
         self.ready = True
         return self
 
