@@ -107,7 +107,8 @@ class BenchConfig:
         # (--warmup 10**22) would never end; the count cap of the workload, as bench_serve's
         for name in ("repeats", "warmup"):
             if getattr(self, name) > MAX_DOCS:
-                raise ValueError(f"{name} must be at most {MAX_DOCS:,} (the cap on a count), got {getattr(self, name):,}")
+                raise ValueError(f"{name} must be at most {MAX_DOCS:,} (the cap on a count), "
+                                 f"got {getattr(self, name):,}")
         if not -2 ** 63 <= self.seed < 2 ** 64:  # torch.manual_seed's range (past it: 'Overflow when unpacking long')
             raise ValueError(f"seed must be in [-2**63, 2**64), torch.manual_seed's range, got {self.seed}")
         if not self.max_cell_seconds >= 0:  # NaN compares false: the cell would never stop repeating
