@@ -2,15 +2,37 @@
 
 An integer argument accepts any ``numbers.Integral`` (so ``numpy.int64(3)`` works like ``3``)
 but never a ``bool`` (``True`` is an int to Python, never a count to a caller).
-A file another library reads whole gets its size checked first (``check_file_size``).
+A file another library reads whole gets its size checked first (``check_file_size``). A duration
+(a timeout, a health bound) is checked by one rule too (``check_seconds``).
 """
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from typing import Optional
 
-__all__ = ["check_file_size", "check_int", "is_positive_int", "positive_int"]
+__all__ = ["check_file_size", "check_int", "check_seconds", "is_positive_int", "positive_int"]
+
+
+def check_seconds(name: str, value, *, zero: bool = False, inf: bool = True, none: bool = False) -> Optional[float]:
+    """``value`` as a duration in seconds, a float: an int or a float (never a bool or a str),
+    > 0 (>= 0 when ``zero``), finite unless ``inf`` (where inf means no limit), never NaN (it
+    compares false with every bound: a timer that never fires, a probe that never fails); None
+    passes when ``none``. An int too large for a float is inf (refused when ``inf`` is False).
+    ValueError naming ``name`` (a field, or the ``--flag`` it comes from) and the value."""
+    if value is None and none:
+        return None
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past 1.8e308: no float holds it, no timer could use it
+            seconds = math.inf
+    if not ((seconds >= 0 if zero else seconds > 0) and (inf or math.isfinite(seconds))):
+        raise ValueError(f"{name} must be a {'' if inf else 'finite '}number {'>= 0' if zero else '> 0'} "
+                         f"(seconds{'; inf: no limit' if inf else ''}){' or None' if none else ''}, got {value!r}")
+    return seconds
 
 
 def check_file_size(path: str, cap: int, what: str, error=ValueError) -> None:

@@ -101,17 +101,41 @@ def checkpoint_tokenizer(path: str):
     if os.path.isfile(os.path.join(path, "vocab.json")):
         from transformers import AutoTokenizer
 
-        from ._validate import check_file_size
-        from .model.weights import MAX_CONFIG_BYTES
-        from .tokenizer import MAX_TOKENIZER_BYTES
-
-        # transformers reads these whole (config.json too, for the tokenizer class, when
-        # tokenizer_config.json does not name it): the caps of the files we read ourselves
-        for name, cap, real in (("vocab.json", MAX_TOKENIZER_BYTES, "2.8 MB"),
-                                ("merges.txt", MAX_TOKENIZER_BYTES, "1.8 MB"),
-                                ("tokenizer_config.json", MAX_CONFIG_BYTES, "10 kB"),
-                                ("config.json", MAX_CONFIG_BYTES, "1 kB")):
-            if os.path.isfile(os.path.join(path, name)):
-                check_file_size(os.path.join(path, name), cap, f"{name} (Qwen3's is {real})")
+        # config.json too: transformers reads it for the tokenizer class when
+        # tokenizer_config.json does not name it
+        check_transformers_files(path)
         return AutoTokenizer.from_pretrained(path)
     return None
+
+
+def _whole_files() -> tuple:
+    """(file name, cap in bytes, the size of Qwen3-Reranker's own) for each file of a checkpoint
+    folder that transformers' ``from_pretrained`` (model or tokenizer) reads whole — json, the
+    tokenizers library or one text read; the weights are memory-mapped, not read whole."""
+    from .model.weights import MAX_CONFIG_BYTES
+    from .tokenizer import MAX_TOKENIZER_BYTES
+
+    return (("config.json", MAX_CONFIG_BYTES, "1 kB"),
+            ("model.safetensors.index.json", MAX_CONFIG_BYTES, "30 kB (36 layers)"),
+            ("generation_config.json", MAX_CONFIG_BYTES, "under 1 kB"),
+            ("tokenizer_config.json", MAX_CONFIG_BYTES, "10 kB"),
+            ("special_tokens_map.json", MAX_CONFIG_BYTES, "under 1 kB"),
+            ("added_tokens.json", MAX_CONFIG_BYTES, "under 1 kB"),
+            ("chat_template.jinja", MAX_CONFIG_BYTES, "4 kB"),
+            ("tokenizer.json", MAX_TOKENIZER_BYTES, "11 MB"),
+            ("vocab.json", MAX_TOKENIZER_BYTES, "2.8 MB"),
+            ("merges.txt", MAX_TOKENIZER_BYTES, "1.8 MB"))
+
+
+def check_transformers_files(path: str) -> None:
+    """Before transformers reads the folder ``path``: CheckpointError (a ValueError) naming the
+    first file it would read whole that is over the cap of the files we read ourselves
+    (``MAX_CONFIG_BYTES`` for the JSON configs and templates, ``MAX_TOKENIZER_BYTES`` for the
+    vocabulary files; docs/input-safety.md). A stat each, nothing read: a multi-GB config.json
+    is refused at once, not parsed into memory."""
+    from ._validate import check_file_size
+    from .model.weights import CheckpointError
+
+    for name, cap, real in _whole_files():
+        if os.path.isfile(os.path.join(path, name)):
+            check_file_size(os.path.join(path, name), cap, f"{name} (Qwen3's is {real})", CheckpointError)

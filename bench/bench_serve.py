@@ -79,6 +79,7 @@ from acarerank.benchmark.gemm_peak import best_of, gemm_peak
 from acarerank.benchmark.report import Shapes, plan_flops
 from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body, resolve
 from acarerank.benchmark.workload import MAX_DOCS, MAX_TEXT_TOKENS, WorkloadSpec, make_workload
+from acarerank.server.config import DEFAULT_MAX_QUEUE
 from acarerank.server.launch import serve_subprocess
 
 TRACE_STEP_TOKENS = 600
@@ -384,13 +385,19 @@ def parse_args(argv=None):
     count = "(the cap of `acarerank bench` on a count: the server's documents per request)"
     for flag, cap, what in (("depth", MAX_DOCS, "documents (the server's documents per request)"),
                             ("requests", MAX_DOCS, count), ("sessions", MAX_DOCS, count),
+                            ("repeats", MAX_DOCS, count), ("agreement_requests", MAX_DOCS, count),
                             ("steps", MAX_TEXT_TOKENS // TRACE_STEP_TOKENS,
                              f"(a session's whole trace, {TRACE_STEP_TOKENS} tokens a step, at most "
                              f"{MAX_TEXT_TOKENS:,} tokens: Qwen3-Reranker's context length)")):
         if getattr(args, flag) > cap:
-            ap.error(f"--{flag} must be at most {cap:,} {what}, got {getattr(args, flag):,}")
+            ap.error(f"--{flag.replace('_', '-')} must be at most {cap:,} {what}, got {getattr(args, flag):,}")
     if any(c < 1 for c in args.concurrency):
         ap.error(f"--concurrency values must be >= 1, got {args.concurrency}")
+    # a closed loop runs one client task per unit of concurrency; past the queue of the server this
+    # script starts (serve --max-queue), the extra clients' requests are answered 429: errors, not load
+    if max(args.concurrency) > DEFAULT_MAX_QUEUE:
+        ap.error(f"--concurrency values must be at most {DEFAULT_MAX_QUEUE:,} (the requests the acarerank server "
+                 f"admits at once, serve --max-queue), got {max(args.concurrency):,}")
     if not all(0 < f < math.inf for f in args.loads):  # a rate of 0 or NaN has no Poisson arrivals
         ap.error(f"--loads fractions must be > 0 and finite, got {args.loads}")
     if not 0 <= args.peer_tolerance < math.inf:

@@ -23,7 +23,7 @@ import math
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 from .._validate import positive_int
 from .workload import _cut_to_tokens, _text, _trace, check_sizes, token_count, vocab_words
@@ -72,24 +72,43 @@ def make_session(tokenizer, spec: AgentSpec) -> list:
     return steps
 
 
+#: agent.csv's columns, one row per (sub-queries, provider, step); ``error`` (``<type>: <message>``)
+#: is set only in the row of the step where a provider raised, which has no figures (as bench.csv's)
+COLUMNS = ("provider", "step", "tokens_computed", "flops", "latency_s", "trace_tokens", "subqueries", "error")
+
+
 def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callable[[str], None] = print,
-                    providers=("acarerank+cache", "acarerank", "transformers+prefix-cache")) -> dict:
+                    providers=("acarerank+cache", "acarerank", "transformers+prefix-cache"),
+                    partial_csv: Optional[str] = None, rows_before: Sequence[dict] = ()) -> dict:
     """Run the session once per provider (after one untimed warm-up call each); returns
-    {"rows": [per provider per step], "totals": {provider: {...}}, "spec": spec}."""
+    {"rows": [per provider per step], "totals": {provider: {...}}, "spec": spec}.
+
+    partial_csv: rewritten (``COLUMNS``; ``rows_before`` — earlier sessions' rows — first) after
+    every step, so a run cut short leaves the steps it measured. A provider that raises stops the
+    run with ``harness.ProviderFailed``, after a last row for its failing step (the warm-up's
+    failure is step 1's) is written there with ``error`` set."""
     from acarerank.pointwise import PointwiseReranker
 
     from .baselines import PrefixCacheTransformers
-
-    from .report import Shapes
+    from .harness import ProviderFailed, call_provider
+    from .report import Shapes, write_csv
 
     shapes = Shapes.from_config(model.config)
     session = make_session(tokenizer, spec)
     rows, totals, scores = [], {}, {}
+
+    def save(extra=()):
+        if partial_csv is not None:
+            write_csv(list(rows_before) + rows + list(extra), partial_csv, COLUMNS)
+
     for name in providers:
         if name in ("acarerank+cache", "acarerank"):
             rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend,
                                    prefix_cache=name == "acarerank+cache")
-            rr.score_batch(session[0][:1])  # warm-up (allocations, kernels), then a fresh cache
+
+            def warm_up(rr=rr):  # allocations, kernels; the timed steps get a fresh cache
+                rr.score_batch(session[0][:1])
+
             rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend,
                                    prefix_cache=name == "acarerank+cache")
 
@@ -97,30 +116,40 @@ def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callab
                 return rr.score_encodings([rr.encode(r) for r in reqs])
         elif name == "transformers+prefix-cache":
             tr = PrefixCacheTransformers(model, tokenizer)
-            r0 = session[0][0]
-            tr.score(r0.query, r0.documents[:2], question=r0.question, trace=r0.trace)
+
+            def warm_up(tr=tr, r0=session[0][0]):
+                tr.score(r0.query, r0.documents[:2], question=r0.question, trace=r0.trace)
 
             def call(reqs, tr=tr):
                 return [tr.score(r.query, r.documents, question=r.question, trace=r.trace) for r in reqs], None
         else:
             raise ValueError(f"unknown provider {name!r}")
         t_total, tok_total, flop_total, got = 0.0, 0, 0.0, []
-        for k, reqs in enumerate(session, start=1):
-            t0 = time.perf_counter()
-            out, n_tok = call(reqs)
-            dt = time.perf_counter() - t0
-            encs = [_enc(tokenizer, r) for r in reqs]  # untimed: token counts only
-            hits = n_tok if n_tok is not None else [0] * len(reqs)  # transformers: nothing across calls
-            n_tok = sum(len(e.shared_ids) - h + sum(map(len, e.segment_ids)) for e, h in zip(encs, hits))
-            flops = sum(_call_flops(shapes, len(e.shared_ids), h, [len(x) for x in e.segment_ids])
-                        for e, h in zip(encs, hits))
-            rows.append(dict(provider=name, step=k, tokens_computed=n_tok, flops=flops, latency_s=dt,
-                             trace_tokens=k * spec.trace_step_tokens))
-            log(f"  {name:28s} step {k}: {n_tok:6d} tokens computed, {dt * 1e3:9.1f} ms")
-            t_total += dt
-            tok_total += n_tok
-            flop_total += flops
-            got.append(out)
+        k = 1
+        try:
+            call_provider(name, warm_up)
+            for k, reqs in enumerate(session, start=1):
+                t0 = time.perf_counter()
+                out, n_tok = call_provider(name, call, reqs)
+                dt = time.perf_counter() - t0
+                encs = [_enc(tokenizer, r) for r in reqs]  # untimed: token counts only
+                hits = n_tok if n_tok is not None else [0] * len(reqs)  # transformers: nothing across calls
+                n_tok = sum(len(e.shared_ids) - h + sum(map(len, e.segment_ids)) for e, h in zip(encs, hits))
+                flops = sum(_call_flops(shapes, len(e.shared_ids), h, [len(x) for x in e.segment_ids])
+                            for e, h in zip(encs, hits))
+                rows.append(dict(provider=name, step=k, tokens_computed=n_tok, flops=flops, latency_s=dt,
+                                 trace_tokens=k * spec.trace_step_tokens, subqueries=spec.subqueries))
+                save()
+                log(f"  {name:28s} step {k}: {n_tok:6d} tokens computed, {dt * 1e3:9.1f} ms")
+                t_total += dt
+                tok_total += n_tok
+                flop_total += flops
+                got.append(out)
+        except ProviderFailed as e:
+            log(f"  {name:28s} step {k}: FAILED {e}")
+            save([dict(provider=name, step=k, trace_tokens=k * spec.trace_step_tokens, subqueries=spec.subqueries,
+                       error=str(e).partition(": ")[2])])
+            raise
         totals[name] = dict(latency_s=t_total, tokens_computed=tok_total, flops=flop_total)
         scores[name] = got
     return dict(rows=rows, totals=totals, scores=scores, spec=spec)
@@ -210,4 +239,4 @@ def check(res: dict, tol_vs_transformers: float = 1e-5) -> bool:
     return bool(ok)
 
 
-__all__ = ["AgentSpec", "make_session", "run_agent_bench", "format_report", "check", "token_count"]
+__all__ = ["COLUMNS", "AgentSpec", "make_session", "run_agent_bench", "format_report", "check", "token_count"]

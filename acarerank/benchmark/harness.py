@@ -89,6 +89,8 @@ class BenchConfig:
         bad = [m for m in self.modes if m not in MODES]
         if not self.modes or bad:
             raise ValueError(f"unknown context mode(s) {bad}; modes: {', '.join(MODES)}")
+        if self.backends is not None and not self.backends:  # --backends "" or ",": not the default (None)
+            raise ValueError("backends names no backend (--backends: e.g. torch,cpp; omit it for every one that runs)")
         bad = [p for p in self.providers if p not in PROVIDERS]
         if not self.providers or bad:
             raise ValueError(f"unknown provider(s) {bad}; providers: {', '.join(PROVIDERS)}")
@@ -101,11 +103,27 @@ class BenchConfig:
             raise ValueError(f"peer names must be unique and not start with 'transformers' or 'acarerank', got {names}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+        # warm-up calls have no time bound (max_cell_seconds ends the timed ones only): a typo
+        # (--warmup 10**22) would never end; the count cap of the workload, as bench_serve's
+        for name in ("repeats", "warmup"):
+            if getattr(self, name) > MAX_DOCS:
+                raise ValueError(f"{name} must be at most {MAX_DOCS:,} (the cap on a count), "
+                                 f"got {getattr(self, name):,}")
+        if not -2 ** 63 <= self.seed < 2 ** 64:  # torch.manual_seed's range (past it: 'Overflow when unpacking long')
+            raise ValueError(f"seed must be in [-2**63, 2**64), torch.manual_seed's range, got {self.seed}")
         if not self.max_cell_seconds >= 0:  # NaN compares false: the cell would never stop repeating
             raise ValueError(f"max_cell_seconds must be a number >= 0, got {self.max_cell_seconds!r}")
         from ..model.placement import check_dtype_device
 
         check_dtype_device(torch.float32, self.device)  # cpu or an existing cuda[:N], as every subcommand
+        if self.model_path is not None and os.path.isdir(self.model_path):
+            from ..reranker_base import check_transformers_files
+
+            check_transformers_files(self.model_path)  # before the run sets anything up (load_model checks again)
+        if self.model_path is None:
+            from ..model.default import qwen3_config
+
+            qwen3_config(self.preset, **self.overrides)  # the preset and --override checked as a config.json is
         return replace(self, depths=tuple(sorted(set(self.depths))),
                        spec=replace(self.spec, num_docs=max(self.depths)))
 
@@ -128,12 +146,18 @@ class ProviderFailed(RuntimeError):
         self.provider = provider
 
 
+def call_provider(name: str, fn: Callable, *args, **kw):
+    """``fn(*args, **kw)``; any exception becomes ProviderFailed naming the provider ``name``
+    (the benchmark marks that cell and stops; a KeyboardInterrupt passes through)."""
+    try:
+        return fn(*args, **kw)
+    except Exception as e:
+        raise ProviderFailed(name, e) from e
+
+
 def _score(p, **kw) -> list:
     """``p.score(**kw)``; any exception becomes ProviderFailed naming ``p``."""
-    try:
-        return p.score(**kw)
-    except Exception as e:
-        raise ProviderFailed(p.name, e) from e
+    return call_provider(p.name, p.score, **kw)
 
 
 class AcarerankProvider:
@@ -247,8 +271,11 @@ def load_model(cfg: BenchConfig):
     if cfg.model_path is not None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from acarerank.reranker_base import check_transformers_files
+
         if not os.path.isdir(cfg.model_path):
             raise FileNotFoundError(f"--model {cfg.model_path!r} is not a folder (config.json + *.safetensors)")
+        check_transformers_files(cfg.model_path)  # the caps of our own loader: transformers reads these whole
         model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(device).eval()
         has_tok = any(os.path.isfile(os.path.join(cfg.model_path, f)) for f in ("tokenizer.json", "vocab.json"))
         tok = AutoTokenizer.from_pretrained(cfg.model_path) if has_tok else load_qwen3_tokenizer()

@@ -197,8 +197,6 @@ def equivalent_command(cfg, dtypes=None, extra_depths=None) -> str:
 def run_agent(args) -> int:
     """``--workload agent``: one session per --subqueries value, in the first ``--dtype``; prints
     and writes agent.txt / agent.csv."""
-    import csv
-
     from acarerank.benchmark.agent import AgentSpec, check, format_report, run_agent_bench
     from acarerank.benchmark.harness import load_model
 
@@ -214,11 +212,13 @@ def run_agent(args) -> int:
     os.makedirs(out_dir, exist_ok=True)
     texts, rows, ok = [], [], True
     backend = cfg.backends[0] if cfg.backends else None
-    for n, spec in zip(args.subqueries, specs):
-        res = run_agent_bench(model, tok, spec, backend=backend, log=lambda m: print(m, flush=True))
+    csv_path = os.path.join(out_dir, "agent.csv")
+    for spec in specs:  # agent.csv is rewritten after every step, a failing step marked (as bench.csv)
+        res = run_agent_bench(model, tok, spec, backend=backend, log=lambda m: print(m, flush=True),
+                              partial_csv=csv_path, rows_before=rows)
         texts.append(format_report(res))
         ok &= check(res)
-        rows += [dict(r, subqueries=n) for r in res["rows"]]
+        rows += res["rows"]
         print(texts[-1], flush=True)
     cmd = (f"acarerank bench --workload agent --subqueries {','.join(map(str, args.subqueries))} --steps {args.steps} "
            f"--trace-step-tokens {args.trace_step_tokens} --docs-per-call {args.docs_per_call} "
@@ -232,10 +232,6 @@ def run_agent(args) -> int:
     text = head + "\n\n".join(texts) + f"\ncommand: {cmd}"
     with open(os.path.join(out_dir, "agent.txt"), "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(out_dir, "agent.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
     print(f"command: {cmd}\nwrote {out_dir}/agent.txt, agent.csv")
     return 0 if ok else 1
 

@@ -60,6 +60,13 @@ def run(args) -> int:
     positive("--max-documents", args.max_documents)
     docs = read_documents(args.docs, args.max_documents)
     texts = [d["text"] if isinstance(d, dict) else d for d in docs]
+    # free decoding (--unconstrained) runs to --max-new-tokens unless the model stops itself (a
+    # random-weight one never does): past the longest selection any pool this size allows, the
+    # output is no selection, and 10**22 tokens never end
+    n = max(MAX_DOCUMENTS, len(texts))
+    if args.max_new_tokens > max_output_tokens(n, n):
+        raise ValueError(f"--max-new-tokens must be at most {max_output_tokens(n, n):,}, the longest selection of "
+                         f"{n:,} documents, got {args.max_new_tokens:,}")
     need = max_output_tokens(len(texts), args.max_select)
     if not args.unconstrained and need > args.max_new_tokens:
         raise ValueError(f"--max-select {args.max_select} over {len(texts)} documents can need {need} output tokens, "

@@ -6,6 +6,7 @@ from their longest cached prefixes (docs/ARCHITECTURE.md, "Paged KV and the pref
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Hashable, Optional, Sequence
 
@@ -22,11 +23,25 @@ DEFAULT_CACHE_BYTES = {"cpu": 1 << 30, "cuda": 8 << 30}
 DEFAULT_CACHE_MAX_TOKENS = 65536
 
 
-def default_budget_tokens(runner) -> int:
+def kv_bytes_per_token(runner) -> int:
+    """Bytes of KV pages one cached token takes: K and V, every layer, ``num_kv_heads × head_dim``."""
     a = runner.arch
-    per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.tensor([], dtype=runner.dtype).element_size()
+    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.tensor([], dtype=runner.dtype).element_size()
+
+
+def default_budget_tokens(runner) -> int:
     return min(DEFAULT_CACHE_MAX_TOKENS,
-               DEFAULT_CACHE_BYTES.get(runner.device.type, DEFAULT_CACHE_BYTES["cpu"]) // per_token)
+               DEFAULT_CACHE_BYTES.get(runner.device.type, DEFAULT_CACHE_BYTES["cpu"]) // kv_bytes_per_token(runner))
+
+
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """The memory of ``device``: a GPU's total, or the host's physical memory; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: no check
+        return None
 
 
 class CacheSlot:
@@ -42,6 +57,16 @@ class CacheSlot:
             raise ValueError(f"cache_budget_tokens must be a non-negative int or None, got {budget_tokens!r}")
         self.runner = runner
         self.enabled = bool(enabled)
+        if budget_tokens is not None and self.enabled:
+            # the pool is allocated whole on first use: a budget past the device's memory failed
+            # there, inside the first request's prefill (10**23 tokens: torch's 'Overflow when
+            # unpacking long'), after a server had started
+            per_token, total = kv_bytes_per_token(runner), device_memory_bytes(runner.device)
+            if total is not None and budget_tokens * per_token > total:
+                raise ValueError(f"cache_budget_tokens={budget_tokens:,} (serve --cache-budget) is "
+                                 f"{budget_tokens * per_token / 2 ** 30:.4g} GiB of KV pages for this model "
+                                 f"({per_token:,} bytes a token), more than the {total / 2 ** 30:.4g} GiB of "
+                                 f"{runner.device.type} memory")
         budget = default_budget_tokens(runner) if budget_tokens is None else budget_tokens
         self.budget_blocks = budget // runner.block_size if self.enabled else 0
         self._cache: Optional[PrefixCache] = None

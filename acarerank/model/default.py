@@ -36,6 +36,12 @@ def qwen3_config(preset: str = DEFAULT_PRESET, **overrides):
               attention_bias=False, attn_implementation="eager")
     kw.update(PRESETS[preset])
     kw.update(overrides)
+    # the shape checks of a checkpoint's config.json, before Qwen3Config and the model see it: an
+    # override such as hidden_size=-1, head_dim=0 or hidden_size=nan was an unnamed error from
+    # inside torch's or transformers' constructors (`acarerank bench --override`: exit 1, not 2)
+    from .arch import Qwen3Arch
+
+    Qwen3Arch.from_config(kw)
     return Qwen3Config(**kw)
 
 

@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .._validate import check_seconds  # stdlib only, as this module
+
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024   # 1,000 documents of ~32 kB each
 DEFAULT_MAX_QUEUE = 512                      # TEI's default max_concurrent_requests
 DEFAULT_MAX_DOCUMENTS = 1000                 # Cohere's recommended ceiling per request
@@ -112,8 +114,8 @@ class ServeConfig:
                     raise ValueError(f"{_flag(f.name)} must be an integer, got {v!r}")
                 if v < 1 and f.name != "port":
                     raise ValueError(f"{_flag(f.name)} must be >= 1, got {v}")
-            elif not v > 0:
-                raise ValueError(f"{_flag(f.name)} must be > 0 seconds, got {v}")
+            else:  # a duration; stored as the float the timers get (an int past a float's range: inf)
+                setattr(self, f.name, check_seconds(_flag(f.name), v))
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
 

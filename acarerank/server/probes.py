@@ -6,18 +6,15 @@ legitimate, so there is no default).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
+
+from .._validate import check_seconds
 
 
 def check_max_pass_s(max_pass_s: Optional[float]) -> None:
     """ValueError unless ``max_pass_s`` is None or a finite number >= 0 (seconds): a negative or NaN
-    bound would make the probe always fail or never."""
-    if max_pass_s is None:
-        return
-    if isinstance(max_pass_s, bool) or not isinstance(max_pass_s, (int, float)) \
-            or not (math.isfinite(max_pass_s) and max_pass_s >= 0):
-        raise ValueError(f"max_pass_s must be a finite number >= 0 (seconds), got {max_pass_s!r}")
+    bound would make the probe always fail or never, an infinite one never."""
+    check_seconds("max_pass_s", max_pass_s, zero=True, inf=False, none=True)
 
 
 def health_problem(health: dict, max_pass_s: Optional[float] = None) -> Optional[str]:

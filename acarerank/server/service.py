@@ -34,6 +34,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, Optional
 
+from .._validate import check_seconds
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE
 from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
@@ -93,9 +94,7 @@ class RerankService:
                         ("tokenize_workers", tokenize_workers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if request_timeout is not None and (isinstance(request_timeout, bool) or
-                                            not isinstance(request_timeout, (int, float)) or not request_timeout > 0):
-            raise ValueError(f"request_timeout must be a number of seconds > 0 or None, got {request_timeout!r}")
+        request_timeout = check_seconds("request_timeout", request_timeout, none=True)
         # inf: no deadline (an infinite timer is not something asyncio's wait_for should be handed)
         self.request_timeout = None if request_timeout == math.inf else request_timeout
         self.reranker = reranker
@@ -125,7 +124,13 @@ class RerankService:
         self.engine.canary = self.reranker.encode(CANARY)
         self.engine.start()
         if warmup:
-            self.engine.submit(self.engine.canary, rid="warm-up").future.result(timeout)
+            try:
+                self.engine.submit(self.engine.canary, rid="warm-up").future.result(timeout)
+            except BaseException:
+                # a service that never became ready stops its threads: the scheduler and the model
+                # thread left running kept `acarerank serve` from exiting after its error line
+                self.stop()
+                raise
         self.ready = True
         return self
 

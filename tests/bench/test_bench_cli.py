@@ -91,6 +91,17 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     (["--workload", "agent", "--docs-per-call", "100000"], "AgentSpec.docs must be at most 1,000"),
     (["--workload", "agent", "--steps", "1000000"], "steps x trace_step_tokens must be at most 32,768"),
     (["--workload", "agent", "--subqueries", "0"], "AgentSpec.subqueries must be a positive int"),
+    (["--warmup", "99999999999999999999999"], "warmup must be at most 1,000 (the cap on a count)"),
+    (["--repeats", "1001"], "repeats must be at most 1,000 (the cap on a count)"),
+    (["--seed", str(2 ** 64)], "seed must be in [-2**63, 2**64), torch.manual_seed's range"),
+    (["--workload", "agent", "--seed", str(-2 ** 63 - 1)], "seed must be in [-2**63, 2**64)"),
+    # torch's 'negative dimension', transformers' StrictDataclassFieldValidationError, a ZeroDivisionError
+    # in the RoPE set-up: exit 1 after the set-up, now the config checks of a checkpoint
+    (["--override", "hidden_size=-1"], "config field 'hidden_size' must be a positive int, got -1"),
+    (["--override", "hidden_size=nan"], "config field 'hidden_size' must be a positive int, got nan"),
+    (["--workload", "agent", "--override", "head_dim=0"], "config field 'head_dim' must be a positive int, got 0"),
+    (["--backends", ""], "backends names no backend"),  # was an IndexError once the set-up had run
+    (["--workload", "agent", "--backends", ","], "backends names no backend"),
 ])
 def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monkeypatch, flags, needle):
     """Every document and text of the workload is built in memory: a huge depth or length is refused
@@ -104,6 +115,41 @@ def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monke
     assert main(["bench", "--quick"] + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.parametrize("name, workload", [("config.json", "depth"), ("config.json", "agent"),
+                                            ("model.safetensors.index.json", "depth"), ("tokenizer.json", "depth"),
+                                            ("vocab.json", "depth"), ("merges.txt", "agent")])
+def test_bench_model_files_over_the_caps_are_refused_before_transformers_reads_them(
+        tiny_model, tmp_path, capsys, monkeypatch, name, workload):
+    """``bench --model`` loads through transformers, which reads config.json, the safetensors index
+    and the tokenizer files whole: each over our loader's cap (a sparse file: no disk, no read) is a
+    usage error naming the file, its size and the cap, before transformers opens the folder."""
+    import transformers
+
+    from acarerank.model.weights import MAX_CONFIG_BYTES
+    from acarerank.tokenizer import MAX_TOKENIZER_BYTES
+
+    ckpt = tmp_path / "ckpt"
+    tiny_model.save_pretrained(ckpt)
+    capsys.readouterr()  # save_pretrained's progress bar
+    cap = MAX_CONFIG_BYTES if name.endswith("json") and name not in ("tokenizer.json", "vocab.json") \
+        else MAX_TOKENIZER_BYTES
+    with open(ckpt / name, "wb") as f:
+        f.truncate(cap + 1)
+
+    def boom(*a, **kw):
+        raise AssertionError("transformers read the folder")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
+    rc = main(["bench", "--quick", "--workload", workload, "--model", str(ckpt), "--dtype", "float32",
+               "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, (rc, err)
+    assert err[0].startswith(f"acarerank bench: error: {ckpt / name}: {cap + 1:,} bytes, more than the "
+                             f"{cap:,}-byte cap on {name} (Qwen3's is "), err
+    assert err[0].endswith("); not read"), err
 
 
 def test_a_provider_failing_mid_table_leaves_its_cell_marked_in_the_csv(tmp_path, capsys, monkeypatch):
@@ -130,6 +176,51 @@ def test_a_provider_failing_mid_table_leaves_its_cell_marked_in_the_csv(tmp_path
         ("M0", "2", "transformers", ""), ("M0", "2", "acarerank-torch", ""),
         ("M0", "3", "acarerank-torch", "RuntimeError: boom at depth 3")], rows
     assert rows[-1]["median_ms"] == "" and rows[-1]["dtype"] == "float32", rows[-1]
+
+
+@pytest.mark.parametrize("exc, rc", [(RuntimeError("boom\nat step 2"), 1), (KeyboardInterrupt(), 130)])
+def test_agent_workload_leaves_its_measured_steps_in_the_csv_when_a_step_fails(tmp_path, capsys, monkeypatch,
+                                                                               exc, rc):
+    """agent.csv was written only at the very end: a provider raising in the second session (or a
+    Ctrl-C there) left nothing of the first. Now it is rewritten after every step, as bench.csv after
+    every cell, and a failing step gets a last row with its ``error`` set and no figures."""
+    from acarerank.benchmark.agent import COLUMNS
+    from acarerank.benchmark.baselines import PrefixCacheTransformers
+
+    real, calls = PrefixCacheTransformers.score, []
+
+    def score(self, *a, **kw):
+        # --subqueries 1: warm-up + 1 call per step (calls 1-3); --subqueries 2: warm-up (4),
+        # step 1 (5, 6), step 2 (7): raise there
+        calls.append(1)
+        if len(calls) == 7:
+            raise exc
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(PrefixCacheTransformers, "score", score)
+    got = main(["bench", "--quick", "--workload", "agent", "--subqueries", "1,2", "--steps", "2",
+                "--trace-step-tokens", "20", "--docs-per-call", "2", "--dtype", "float32", "--override", TINY,
+                "--backends", "torch", "--output", str(tmp_path)])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("acarerank bench:")]
+    want_err = ("acarerank bench: runtime error: ProviderFailed: transformers+prefix-cache: RuntimeError: boom "
+                "at step 2" if rc == 1 else "acarerank bench: interrupted")
+    assert got == rc and err == [want_err], (got, err)
+    with open(tmp_path / "agent.csv") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == COLUMNS
+        rows = list(reader)
+    provs = ("acarerank+cache", "acarerank", "transformers+prefix-cache")
+    want = [("1", p, str(k), "") for p in provs for k in (1, 2)] + \
+           [("2", p, str(k), "") for p in provs[:2] for k in (1, 2)] + [("2", provs[2], "1", "")]
+    if rc == 1:
+        want.append(("2", provs[2], "2", "RuntimeError: boom at step 2"))
+    assert [(r["subqueries"], r["provider"], r["step"], r["error"]) for r in rows] == want, rows
+    for r in rows:
+        assert int(r["trace_tokens"]) == 20 * int(r["step"]), r
+        if not r["error"]:
+            assert float(r["latency_s"]) > 0 and int(r["tokens_computed"]) > 0, r
+    if rc == 1:
+        assert rows[-1]["latency_s"] == rows[-1]["tokens_computed"] == "", rows[-1]
 
 
 def test_workload_token_counts_are_exact(qwen3_tokenizer):

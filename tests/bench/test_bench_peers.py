@@ -133,7 +133,14 @@ def test_a_target_without_capacity_gets_a_failed_open_row_not_a_crash(monkeypatc
                                            (["--depth", "1000000"], "--depth must be at most 1,000 documents"),
                                            (["--requests", "1001"], "--requests must be at most 1,000"),
                                            (["--sessions", "1001"], "--sessions must be at most 1,000"),
-                                           (["--steps", "55"], "--steps must be at most 54 (a session's whole trace")])
+                                           (["--steps", "55"], "--steps must be at most 54 (a session's whole trace"),
+                                           (["--repeats", "1001"], "--repeats must be at most 1,000"),
+                                           (["--repeats", str(10 ** 30)], "--repeats must be at most 1,000"),
+                                           (["--agreement-requests", "1001"],
+                                            "--agreement-requests must be at most 1,000"),
+                                           (["--concurrency", "1", "513"],
+                                            "--concurrency values must be at most 512 (the requests the "
+                                            "acarerank server admits at once, serve --max-queue), got 513")])
 def test_bench_serve_flags_without_a_run_are_usage_errors(capsys, flags, needle):
     from bench_serve import parse_args
 
@@ -150,10 +157,16 @@ def test_bench_serve_sizes_are_capped_like_acarerank_bench():
 
     from acarerank.benchmark.workload import MAX_DOCS, MAX_TEXT_TOKENS, WorkloadSpec
 
+    from acarerank.server.config import DEFAULT_MAX_QUEUE, ServeConfig
+
     steps = MAX_TEXT_TOKENS // TRACE_STEP_TOKENS
     a = parse_args(["--depth", str(MAX_DOCS), "--requests", str(MAX_DOCS), "--sessions", str(MAX_DOCS),
-                    "--steps", str(steps)])
+                    "--steps", str(steps), "--repeats", str(MAX_DOCS), "--agreement-requests", str(MAX_DOCS),
+                    "--concurrency", "1", str(DEFAULT_MAX_QUEUE)])
     assert (a.depth, a.requests, a.sessions, a.steps) == (MAX_DOCS, MAX_DOCS, MAX_DOCS, steps)
+    assert (a.repeats, a.agreement_requests, a.concurrency) == (MAX_DOCS, MAX_DOCS, [1, DEFAULT_MAX_QUEUE])
+    # the server bench_serve starts passes no --max-queue: the cap on concurrency is what it admits
+    assert ServeConfig().max_queue == DEFAULT_MAX_QUEUE
     WorkloadSpec(trace_tokens=TRACE_STEP_TOKENS * a.steps, num_docs=a.depth)  # what agent_requests builds
 
 

@@ -77,6 +77,30 @@ def test_select_max_select_names_max_new_tokens(capsys, files, no_load):
     assert rc == 2 and len(err) == 1 and "--max-new-tokens" in err[0], err
 
 
+@pytest.mark.parametrize("unconstrained", [[], ["--unconstrained"]])
+def test_select_max_new_tokens_is_capped_at_the_longest_selection(capsys, files, no_load, unconstrained):
+    """--unconstrained decodes until the model stops or --max-new-tokens: with 10**22 (a random model
+    never stops) it ran for ever, its KV cache growing. The cap is the longest selection of 1,000
+    documents (max_output_tokens(1000, 1000) = 6,001 tokens), or of all --docs when there are more."""
+    from acarerank.setwise.grammar import max_output_tokens
+
+    cap = max_output_tokens(1000, 1000)
+    assert cap == 6001
+    for value in (str(cap + 1), "99999999999999999999999"):
+        rc, err, _ = run(capsys, ["select", "--query", "q", "--docs", str(files / "docs.jsonl"), "--max-new-tokens",
+                                  value] + unconstrained)
+        assert rc == 2 and err == [f"acarerank select: error: --max-new-tokens must be at most {cap:,}, the longest "
+                                   f"selection of 1,000 documents, got {int(value):,}"], (rc, err)
+    # the cap itself passes the check (the model is next: no_load stops there)
+    with pytest.raises(ModelLoaded):
+        main(["select", "--query", "q", "--docs", str(files / "docs.jsonl"), "--max-new-tokens", str(cap)]
+             + unconstrained)
+    (files / "pool.jsonl").write_text("\n".join(json.dumps(f"doc {i}") for i in range(1001)))
+    with pytest.raises(ModelLoaded):  # a pool past 1,000 documents: its own longest selection
+        main(["select", "--query", "q", "--docs", str(files / "pool.jsonl"), "--max-documents", "1001",
+              "--max-select", "1001", "--max-new-tokens", str(max_output_tokens(1001, 1001))] + unconstrained)
+
+
 def test_runtime_failures_after_loading(capsys, files, monkeypatch):
     ckpt = files / "ckpt"
     base = ["score", "--model", str(ckpt), "--query", "q", "--docs", str(files / "docs.jsonl")]

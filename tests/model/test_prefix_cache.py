@@ -466,6 +466,27 @@ def test_decode_writes_only_new_rows(model):
     assert changed == 2 * len(ptrs), f"{changed} rows changed, expected one per group per layer"
 
 
+def test_a_cache_budget_past_the_devices_memory_is_refused_at_construction(model, qwen3_tokenizer):
+    """The pool is allocated whole on first use: a budget no device holds (10**23 tokens) failed
+    there, in the first request (torch's 'Overflow when unpacking long'; serve's warm-up), and a
+    merely huge one would allocate until the host ran out. Now a ValueError at construction naming
+    the budget, its bytes (K and V of every layer, per token) and the device's memory."""
+    from acarerank.model.cached_prefill import device_memory_bytes
+    from acarerank.setwise import SetwiseReranker
+
+    a = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer).runner.arch
+    per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # fp32
+    total = device_memory_bytes(torch.device("cpu"))
+    over = total // per_token + 1
+    for cls, budget in ((PointwiseReranker, over), (SetwiseReranker, 10 ** 23)):
+        with pytest.raises(ValueError, match=rf"^cache_budget_tokens={budget:,} \(serve --cache-budget\) is .* GiB of "
+                                             rf"KV pages for this model \({per_token:,} bytes a token\), more than "):
+            cls(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget)
+    # at the device's memory it is taken (allocated on first use only), and with no cache it is ignored
+    assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=total // per_token)
+    assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False, cache_budget_tokens=over)
+
+
 def test_agent_bench_smoke(model, qwen3_tokenizer):
     """The agent workload runs end to end on a tiny session; cached tokens < uncached, same scores."""
     from acarerank.benchmark.agent import AgentSpec, check, format_report, run_agent_bench

@@ -2,7 +2,8 @@
 ``test_serve_dead_exit.py``; nothing in the package changes): a pass holding a request whose query
 contains "poison" raises the ``BaseException`` named by ``FAULT`` (KeyboardInterrupt or SystemExit);
 ``FAULT=sticky``: that pass raises a ``RuntimeError`` and so does every pass after it (a device
-broken for good by a device-side assert), the canary's included.
+broken for good by a device-side assert), the canary's included. ``FAULT=always``: every pass
+raises a ``RuntimeError``, the warm-up's first.
 
     python tests/server/fault_serve.py serve --model DIR --port N ...
 """
@@ -13,9 +14,9 @@ from acarerank.pointwise import PointwiseReranker
 from acarerank.server import front
 
 FAULT = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit,
-         "sticky": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
+         "sticky": RuntimeError, "always": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
 STICKY = os.environ.get("FAULT") == "sticky"
-broken = []
+broken = [True] if os.environ.get("FAULT") == "always" else []
 front.DEAD_GRACE_S = 3.0   # long enough for the test's probes on a loaded machine
 encode, score_segments = PointwiseReranker.encode, PointwiseReranker.score_segments
 

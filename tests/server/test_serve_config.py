@@ -41,6 +41,40 @@ def test_bad_values_name_their_flag(field, value, flag):
         ServeConfig(**{field: value})
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("value, max_pass_s, timeout", [
+    # value: (accepted by /health's max_pass_s, accepted as a --*-timeout)
+    (NAN, False, False), (-1.0, False, False), (0, True, False), (0.0, True, False), (0.25, True, True),
+    (1e30, True, True), (INF, False, True), (-INF, False, False), pytest.param(10 ** 400, False, True, id="10**400"),
+    (True, False, False), ("5", False, False)])
+def test_the_duration_checks_are_one_rule(value, max_pass_s, timeout):
+    """/health's max_pass_s, RerankService's request_timeout and ServeConfig's durations were three
+    hand-written checks; now one (``acarerank._validate.check_seconds``): NaN never, inf only as a
+    timeout (no limit), 0 only as a health bound, each message naming its field or flag."""
+    from acarerank.server.probes import check_max_pass_s
+
+    if max_pass_s:
+        check_max_pass_s(value)
+    else:
+        with pytest.raises(ValueError, match=r"^max_pass_s must be a finite number >= 0 \(seconds\) or None, got "):
+            check_max_pass_s(value)
+    for field in ("request_timeout", "header_timeout", "body_timeout", "keepalive_timeout", "drain_timeout"):
+        flag = "--" + field.replace("_", "-")
+        if timeout:
+            got = getattr(ServeConfig(**{field: value}), field)
+            # the float the timers are given: an int past a float's range is no limit, not an OverflowError
+            # in loop.time() + timeout when the first request arrives
+            assert type(got) is float and got == (INF if value == 10 ** 400 else value), (field, got)
+        elif isinstance(value, str) or isinstance(value, bool):
+            with pytest.raises(ValueError, match=rf"^{flag} must be a number, got "):
+                ServeConfig(**{field: value})
+        else:
+            with pytest.raises(ValueError, match=rf"^{flag} must be a number > 0 \(seconds; inf: no limit\), got "):
+                ServeConfig(**{field: value})
+
+
 def test_cli_parser_imports_neither_torch_nor_fastapi():
     code = ("import sys, argparse; from acarerank.cli import serve; p = argparse.ArgumentParser(); "
             "sub = p.add_subparsers(); serve.add_parser(sub); p.parse_args(['serve', '--max-queue', '2']); "

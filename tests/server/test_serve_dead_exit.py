@@ -85,3 +85,16 @@ def test_sticky_fault_fails_the_canary_then_the_process_exits_nonzero(tmp_path):
     code, out = serve_until_exit(tmp_path, "sticky", drive, "--canary-after-failures", "2")
     assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
     assert out.count("engine dead: the engine is broken: the model failed 2 requests in a row") == 1, out[-3000:]
+
+
+def test_a_failed_warm_up_exits_with_its_error_line(tmp_path):
+    """The warm-up pass fails (every pass does): one runtime-error line and exit 1, at once. The
+    scheduler and model threads were left running, so the process printed its error and then hung
+    at interpreter exit (until killed)."""
+    tiny_model().save_pretrained(tmp_path)
+    proc = subprocess.run([sys.executable, str(HELPER), "serve", "--model", str(tmp_path), "--dtype", "float32",
+                           "--port", str(free_port())], env=helper_env("always"), capture_output=True, text=True,
+                          timeout=120)
+    err = [x for x in proc.stderr.splitlines() if x.startswith("acarerank serve:")]
+    assert proc.returncode == 1 and err == ["acarerank serve: runtime error: EngineFault: RuntimeError: injected into "
+                                            "the scoring pass"], (proc.returncode, proc.stderr[-3000:])

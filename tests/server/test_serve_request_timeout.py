@@ -148,5 +148,8 @@ def test_a_timeout_that_is_not_a_duration_is_refused(model, bad):
             ServeConfig(request_timeout=bad)
 
 
-def test_an_infinite_timeout_is_no_deadline(model):
-    assert RerankService(PointwiseReranker(model=model), "tiny", request_timeout=float("inf")).request_timeout is None
+@pytest.mark.parametrize("forever", [float("inf"), 10 ** 400], ids=["inf", "10**400"])
+def test_an_infinite_timeout_is_no_deadline(model, forever):
+    """An int past a float's range is no deadline too (it was kept, and loop.time() + it raised
+    OverflowError in the request)."""
+    assert RerankService(PointwiseReranker(model=model), "tiny", request_timeout=forever).request_timeout is None
