@@ -6,6 +6,8 @@ torch: ≤ 1e-6 fp32 against the packed op and the plain oracle; Triton (interpr
 shapes) or on CUDA where a GPU is present (the module is then marked ``cuda``): bitwise equal to
 the packed Triton kernel.
 """
+import math
+
 import pytest
 import torch
 
@@ -223,9 +225,12 @@ def test_triton_paged_bf16_bitwise_equals_packed():
     assert torch.equal(out, want), report(out, want)
 
 
-def test_triton_refuses_a_strided_block_table_torch_reads_it():
-    """The kernel reads block ids at unit stride along a row: a strided view is a clear error
-    there (never ids of another column); the torch backend gathers through it correctly."""
+def test_the_triton_kernel_refuses_a_strided_block_table_the_op_copies_it():
+    """The kernel reads block ids at unit stride along a row: a strided view given to it directly is
+    a clear error (never ids of another column); the op's triton backend copies such a table
+    once, so it reads it as the torch backend does (every backend: test_strided_metadata)."""
+    from acarerank.kernels.prefix_shared_attention import prefix_shared_attention_paged_triton
+
     paged, packed = make_case([37, 70], [5, 1, 9], [0, 1, 1], 4, 2, 64, 16)
     paged = on(paged)
     bt = paged[6]
@@ -233,11 +238,15 @@ def test_triton_refuses_a_strided_block_table_torch_reads_it():
     wide[:, ::2] = bt
     paged[6] = wide[:, ::2]  # same values, stride (2·max_blocks, 2)
     assert paged[6].stride(1) == 2 and torch.equal(paged[6], bt)
+    q, k, v, cu, kc, vc, table, pl, sg = paged
+    cp = torch.zeros(pl.numel() + 1, dtype=torch.int32, device=pl.device)
+    cp[1:] = pl.cumsum(0)
     with pytest.raises(ValueError, match="block_table must be unit-stride"):
-        prefix_shared_attention_paged(*paged, backend="triton")
-    out = prefix_shared_attention_paged(*paged, backend="torch")
+        prefix_shared_attention_paged_triton(q, k, v, cu, kc, vc, table, cp, sg, 1.0 / math.sqrt(q.shape[-1]))
     ref = prefix_shared_attention_ref(*packed)
-    assert torch.allclose(out.cpu(), ref, atol=2e-5, rtol=1e-5), report(out.cpu(), ref)
+    for backend in ("triton", "torch"):
+        out = prefix_shared_attention_paged(*paged, backend=backend)
+        assert torch.allclose(out.cpu(), ref, atol=2e-5, rtol=1e-5), (backend, report(out.cpu(), ref))
 
 
 def _args():
