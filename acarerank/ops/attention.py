@@ -378,7 +378,7 @@ def plan_prefix_shared_attention(cu_seqlens, cu_prefix_lens, segment_group, *, n
         raise ValueError(f"plan_prefix_shared_attention: query heads {num_q_heads} are not a multiple of "
                          f"kv heads {num_kv_heads}")
     device = cu_seqlens.device
-    name = OP.resolve(backend, device)
+    name = _native_attn.resolve(OP, backend, device, int(head_dim))
     plan = AttentionPlan(cu_seqlens, cu_prefix_lens, segment_group, int(num_tokens), int(num_q_heads),
                          int(num_kv_heads), int(head_dim), dtype, name)
     if validate:
@@ -470,7 +470,7 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
     if plan is not None:
         name, work, host_meta = plan.backend, plan.work, plan.host_meta
     else:
-        name, work, host_meta = OP.resolve(backend, q.device), None, None
+        name, work, host_meta = _native_attn.resolve(OP, backend, q.device, q.shape[-1]), None, None
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     return prefix_shared_attention_op(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
                                       float(scale), name, work, host_meta)
