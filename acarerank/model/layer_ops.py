@@ -35,11 +35,13 @@ from ..ops.silu_and_mul import OP as SILU_AND_MUL
 from . import layer_blocks
 
 
-def resolve_layer_backends(preference, device: torch.device, dtype: torch.dtype) -> dict:
-    """{op name: backend} for the layer's element-wise ops on ``dtype`` activations under a backend
-    preference (the native kernels run float32 and bfloat16: float16 takes "torch" by default)."""
+def resolve_layer_backends(preference, device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
+    """{op name: backend} for the layer's element-wise ops on ``dtype`` activations and heads of
+    ``head_dim`` under a backend preference (the native kernels run float32 and bfloat16, and
+    qk_norm_rope's heads up to 512: past either, the default is "torch")."""
     decls = (OP_RMS_NORM, OP_FUSED_ADD, QK_NORM_ROPE, SILU_AND_MUL)
-    return {d.name: resolve_elementwise(d, backend_for(d.name, preference), device, dtype) for d in decls}
+    return {d.name: resolve_elementwise(d, backend_for(d.name, preference), device, dtype,
+                                        head_dim if d is QK_NORM_ROPE else None) for d in decls}
 
 
 class OpsLayers:

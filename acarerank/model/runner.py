@@ -100,7 +100,7 @@ class Qwen3Runner:
         per_op_backends(backend)  # a bad preference fails here, by name
         self.backend = backend
         # the layer's element-wise ops: native CPU kernels when built, else the torch references
-        self._layer_backends = resolve_layer_backends(backend, weights.device, weights.dtype)
+        self._layer_backends = resolve_layer_backends(backend, weights.device, weights.dtype, weights.arch.head_dim)
         self.linear_backend, self.linear_fallback = resolve_linear_backend(backend, weights.device, weights.dtype)
         self.weights = weights_for_linear(weights, self.linear_backend)
         self.prefill_chunk = prefill_chunk

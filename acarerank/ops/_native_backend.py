@@ -65,21 +65,46 @@ def native_first_decl(name: str, torch_impl: Callable, fake: Callable, aliases: 
 NATIVE_LAYER_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def resolve_elementwise(decl: OpDecl, backend, device: torch.device, dtype: torch.dtype) -> str:
-    """``decl.resolve(backend, device)`` for an element-wise op on ``dtype``: the device default
-    walks past "native" to "torch" for a dtype the kernel lacks (float16); "native" asked for by
-    name (argument, mapping or ``ACARERANK_BACKEND``) is then a BackendError naming the dtype."""
+#: the largest head_dim the native attention and qk_norm_rope kernels take (their per-row buffers:
+#: MAX_HEAD_DIM in csrc/cpu/prefix_attention.cpp, kMaxHeadDim in csrc/cpu/layer_kernels.h)
+NATIVE_MAX_HEAD_DIM = 512
+
+
+def resolve_past_native(decl: OpDecl, backend, device: torch.device, why_not: Optional[str]) -> str:
+    """``decl.resolve(backend, device)`` for a call the native kernel may not take; ``why_not``
+    completes "the native backend ..." with the reason it cannot (None: it can). The device default
+    then walks past "native" to "torch"; "native" asked for by name (argument, mapping or
+    ``ACARERANK_BACKEND``) is a BackendError naming the reason, never the kernel's own check."""
     name = decl.resolve(backend, device)
-    if name != "native" or dtype in NATIVE_LAYER_DTYPES:
+    if name != "native" or why_not is None:
         return name
     if isinstance(backend, str):
         asked = backend
     else:
         asked = backend_for(decl.name, backend if backend is not None else _env_preference())
     if asked == "native":
-        raise BackendError(f"{decl.name}: the native backend runs float32 and bfloat16, not {dtype}; "
-                           f"use the 'torch' backend for it")
+        raise BackendError(f"{decl.name}: the native backend {why_not}; use the 'torch' backend for it")
     return "torch"
+
+
+def head_dim_limit(head_dim: int) -> Optional[str]:
+    """``resolve_past_native``'s reason for a head_dim past ``NATIVE_MAX_HEAD_DIM``, else None."""
+    return None if head_dim <= NATIVE_MAX_HEAD_DIM else \
+        f"takes head_dim up to {NATIVE_MAX_HEAD_DIM}, got {head_dim}"
+
+
+def resolve_elementwise(decl: OpDecl, backend, device: torch.device, dtype: torch.dtype,
+                        head_dim: Optional[int] = None) -> str:
+    """``decl.resolve(backend, device)`` for an element-wise op on ``dtype`` (and, for
+    qk_norm_rope, heads of ``head_dim``): the device default walks past "native" to "torch" for a
+    dtype the kernel lacks (float16) or a head_dim past ``NATIVE_MAX_HEAD_DIM``; "native" asked for
+    by name (argument, mapping or ``ACARERANK_BACKEND``) is then a BackendError naming it."""
+    why_not = None
+    if dtype not in NATIVE_LAYER_DTYPES:
+        why_not = f"runs float32 and bfloat16, not {dtype}"
+    elif head_dim is not None:
+        why_not = head_dim_limit(head_dim)
+    return resolve_past_native(decl, backend, device, why_not)
 
 
 def register_op(decl: OpDecl, fake: Callable, mutates_args: tuple = ()) -> Callable:

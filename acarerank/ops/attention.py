@@ -154,9 +154,39 @@ def flash_cpu(qh, kh, vh, scale: float, causal: bool):
     The private aten kernel reads head_dim at unit stride whatever the tensor's stride there
     (torch 2.13: a transposed K gives a wrong result, no error; the public SDPA checks it before
     calling), so an input whose last dim is not unit-stride is copied once first.
+
+    A row whose every visible score is −inf (a ±inf in q or k, or a q·k past fp32's range)
+    comes back with lse = −inf and o = 0 (FlashAttention's rule: those keys weigh nothing in a
+    merge). The kernel itself ends such a row with max 0 and sum 1, i.e. lse = 0 and o = 0, and
+    the log-sum-exp merge then gave its keys the weight of one score 0: a wrong finite row, no
+    error. lse = 0 exactly is the kernel's mark of it, so only those rows are redone
+    (``_plain_rows``; a genuine lse of exactly 0, rare, is recomputed to the same value).
     """
     qh, kh, vh = (t if t.stride(-1) == 1 else t.contiguous() for t in (qh, kh, vh))
-    return _FLASH_CPU(qh, kh, vh, 0.0, causal, scale=scale)
+    o, lse = _FLASH_CPU(qh, kh, vh, 0.0, causal, scale=scale)[:2]
+    if int(lse.count_nonzero()) < lse.numel():  # one reduction, ~1-2 µs; a CPU tensor: no device sync
+        _plain_rows(qh, kh, vh, scale, causal, o, lse, lse == 0)
+    return o, lse
+
+
+def _plain_rows(qh, kh, vh, scale: float, causal: bool, o, lse, rows):
+    """Overwrite o[b, h, m] and lse[b, h, m] where ``rows`` [B, H, M] is True by plain
+    matmul + logsumexp in fp32, with FlashAttention's rule for a row without a score above −inf:
+    lse = −inf, o = 0. At most ``_TORCH_SCORE_BUDGET`` scores at once."""
+    N = kh.shape[-2]
+    step = max(1, _TORCH_SCORE_BUDGET // max(1, N))
+    for b, h in rows.any(-1).nonzero().tolist():
+        ms = rows[b, h].nonzero()[:, 0]
+        kt, vb = kh[b, h].float().transpose(0, 1), vh[b, h].float()
+        for i in range(0, ms.numel(), step):
+            m = ms[i:i + step]
+            s = (qh[b, h, m].float() @ kt).mul_(scale)                                   # [n, N]
+            if causal:  # row m sees keys 0..m (M == N)
+                s.masked_fill_(torch.arange(N, device=s.device)[None, :] > m[:, None], float("-inf"))
+            l = torch.logsumexp(s, dim=-1)
+            out = (s - l[:, None]).exp_() @ vb                                         # NaN where l = −inf
+            o[b, h, m] = out.masked_fill_(torch.isneginf(l)[:, None], 0.0).to(o.dtype)
+            lse[b, h, m] = l.to(lse.dtype)
 
 
 def _partial_attention(qh, kh, vh, scale: float, causal: bool):
@@ -165,6 +195,8 @@ def _partial_attention(qh, kh, vh, scale: float, causal: bool):
     qh [B, H, M, d], kh/vh [B, H, N, d] (any strides, stride 0 included) ->
     (o [B, H, M, d], lse [B, H, M]) with lse = log Σ_j exp(scale·q·k_j) and
     o = Σ_j exp(scale·q·k_j − lse)·v_j; ``causal`` aligns row i with key i (M == N).
+    A row with no score above −inf: lse = −inf and o = 0 (FlashAttention's rule), so a
+    log-sum-exp merge gives it weight e^(−inf − lse) · 0 = 0, not NaN · 0.
     """
     if _FLASH_CPU is not None and qh.device.type == "cpu":
         return flash_cpu(qh, kh, vh, scale, causal)
@@ -173,7 +205,9 @@ def _partial_attention(qh, kh, vh, scale: float, causal: bool):
         M = s.shape[-1]
         s.masked_fill_(torch.ones(M, M, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(s.sub_(lse[..., None]).exp_(), vh), lse
+    o = torch.matmul(s.sub_(lse[..., None]).exp_(), vh)      # −inf − (−inf): NaN on such a row
+    # unconditionally: an .any() would be a device sync per call off the CPU; O(M·d) beside the GEMMs
+    return o.masked_fill_(torch.isneginf(lse)[..., None], 0.0), lse
 
 
 def _prefix_part(qf, pk, pv, scale):
@@ -262,6 +296,10 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
         # torch's fused CPU kernel drops a NaN query (its row max ignores NaN) and returns a finite
         # row; the reference's softmax gives NaN there. Put it back: a NaN in q[t, h] makes out[t, h] NaN.
         q_nan = torch.isnan(qf).any(-1)                                            # [Tg, Hq]
+        if cp[g + 1] == cp[g]:
+            # no prefix: a row whose own scores are all −inf is 0/0 in plain softmax (o_o holds 0);
+            # with one, the merge makes it NaN (e^(−inf − logaddexp(−inf, −inf)) = NaN)
+            q_nan |= torch.isneginf(lse_o)
         res = res.masked_fill(q_nan[..., None], float("nan"))
         if rows is not None:
             out[rows] = res.to(q.dtype)
@@ -340,7 +378,7 @@ def plan_prefix_shared_attention(cu_seqlens, cu_prefix_lens, segment_group, *, n
         raise ValueError(f"plan_prefix_shared_attention: query heads {num_q_heads} are not a multiple of "
                          f"kv heads {num_kv_heads}")
     device = cu_seqlens.device
-    name = OP.resolve(backend, device)
+    name = _native_attn.resolve(OP, backend, device, int(head_dim))
     plan = AttentionPlan(cu_seqlens, cu_prefix_lens, segment_group, int(num_tokens), int(num_q_heads),
                          int(num_kv_heads), int(head_dim), dtype, name)
     if validate:
@@ -432,7 +470,7 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
     if plan is not None:
         name, work, host_meta = plan.backend, plan.work, plan.host_meta
     else:
-        name, work, host_meta = OP.resolve(backend, q.device), None, None
+        name, work, host_meta = _native_attn.resolve(OP, backend, q.device, q.shape[-1]), None, None
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     return prefix_shared_attention_op(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
                                       float(scale), name, work, host_meta)

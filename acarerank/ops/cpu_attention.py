@@ -24,15 +24,15 @@ group and segment of one layer in one call:
   * output in q's dtype. A NaN in q[t, h] makes out[t, h] NaN, as the reference's softmax.
 
 Inputs the kernel takes as they are: any strides except on head_dim (a head_dim stride ≠ 1 is
-copied once here), any head_dim up to 512, GQA ratios, empty prefixes/segments, scattered blocks.
-docs/ARCHITECTURE.md, "Native CPU kernels".
+copied once here), any head_dim up to 512 (``resolve``: past it the CPU default is "torch"), GQA
+ratios, empty prefixes/segments, scattered blocks. docs/ARCHITECTURE.md, "Native CPU kernels".
 """
 from __future__ import annotations
 
 import torch
 
-from ._backend import Backend
-from ._native_backend import native_backend, native_kernel
+from ._backend import Backend, OpDecl
+from ._native_backend import head_dim_limit, native_backend, native_kernel, resolve_past_native
 
 KERNEL = "prefix_shared_attention_cpu"
 
@@ -66,6 +66,13 @@ def _paged(fn):
         return fn(*map(_unit_last, (q, k, v)), cu_seqlens, _unit_last(k_cache), _unit_last(v_cache), block_table,
                   cu_prefix_lens, segment_group, float(scale))
     return run
+
+
+def resolve(decl: OpDecl, backend, device: torch.device, head_dim: int) -> str:
+    """``decl.resolve(backend, device)`` for a call with heads of ``head_dim``: past the kernel's
+    512 the device default walks on to "torch", and "native" asked for by name is a BackendError
+    naming the limit (the kernel's own check was a RuntimeError from inside the call)."""
+    return resolve_past_native(decl, backend, device, head_dim_limit(head_dim))
 
 
 def packed_backend() -> Backend:

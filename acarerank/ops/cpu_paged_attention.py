@@ -127,6 +127,10 @@ def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_p
         # the fused kernel drops a NaN query (its row max ignores NaN) and returns a finite row;
         # the reference's softmax gives NaN there: a NaN in q[t, h] makes out[t, h] NaN
         q_nan = torch.isnan(qh).any(-1)                                               # [Hkv, r, Tg]
+        if not P:
+            # no prefix: a row whose own scores are all −inf is 0/0 in plain softmax (o_own holds
+            # 0, flash_cpu's rule); with one, _merge makes it NaN (sigmoid(−inf − (−inf)) = NaN)
+            q_nan |= torch.isneginf(lse_own)
         if bool(q_nan.any()):
             res = res.masked_fill(q_nan[..., None], float("nan"))
         res = res.permute(2, 0, 1, 3)                                                 # [Tg, Hkv, r, d] view

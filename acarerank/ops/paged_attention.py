@@ -173,7 +173,7 @@ def plan_prefix_shared_attention_paged(cu_seqlens, block_table, prefix_lens, seg
     if num_kv_heads <= 0 or num_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"prefix_shared_attention_paged: query heads {num_heads} are not a multiple of kv heads "
                          f"{num_kv_heads}")
-    name = OP.resolve(backend, device)
+    name = _native_attn.resolve(OP, backend, device, int(head_dim))
     G = block_table.shape[0]
     cu_pre = torch.zeros(G + 1, dtype=torch.int32, device=device)
     if G:

@@ -193,7 +193,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     """
     _check(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads)
     _check_pages(qkv, k_cache, v_cache, slots, num_kv_heads, q_weight.shape[0])
-    name = resolve_elementwise(OP, backend, qkv.device, qkv.dtype)
+    name = resolve_elementwise(OP, backend, qkv.device, qkv.dtype, head_dim=q_weight.shape[0])
     if name == "native":
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     return qk_norm_rope_op(qkv, q_weight.contiguous(), k_weight.contiguous(), cos, sin, num_heads, num_kv_heads,

@@ -50,6 +50,14 @@ def stop_ids(eos_id: Union[int, Sequence[int]]) -> FrozenSet[int]:
     return frozenset(int(i) for i in ids)
 
 
+def decode_reserve(max_new_tokens: int, longest: Optional[int] = None) -> int:
+    """KV rows to reserve per sequence before a greedy decode, so its pool never grows mid-decode:
+    the prompt's last token and every new token (+1 spare): ``max_new_tokens``, or ``longest``
+    when a grammar bounds the output below it (``grammar.max_output_tokens``: pool 20, cap 10
+    is 41 tokens, not 64)."""
+    return min(max_new_tokens, max_new_tokens if longest is None else longest) + 1
+
+
 def _check(prompts, states, max_new_tokens):
     if len(prompts) == 0:
         raise ValueError("no prompts to decode")
@@ -103,8 +111,9 @@ class GreedyStepper:
         _check(prompts, states, max_new_tokens)
         prompts = [list(map(int, p)) for p in prompts]
         if cache is None:
-            # room for the last prompt token and every new token: the pool never grows mid-decode
-            cache = runner.prefill([p[:-1] for p in prompts], reserve_tokens=max_new_tokens + 1)
+            # room for the last prompt token and every new token the grammar (or the cap) allows
+            longest = None if states is None else max(st.max_tokens() for st in states)
+            cache = runner.prefill([p[:-1] for p in prompts], reserve_tokens=decode_reserve(max_new_tokens, longest))
         elif cache.lengths != [len(p) - 1 for p in prompts]:
             raise ValueError(f"cache holds {cache.lengths} tokens per group; the prompts need "
                              f"{[len(p) - 1 for p in prompts]}")

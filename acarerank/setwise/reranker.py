@@ -34,7 +34,7 @@ from ..model.numerics import NonFiniteOutputError
 from ..model.cached_prefill import CacheSlot, ChunkedPrefill, prefill_cached
 from ..reranker_base import RerankerBase
 from .selection import parse_selection
-from .decode import MAX_NEW_TOKENS, GreedyStepper, greedy_decode
+from .decode import MAX_NEW_TOKENS, GreedyStepper, decode_reserve, greedy_decode
 from .grammar import IdentifierGrammar, max_output_tokens
 from .prompts import CHAT_CONTROL_TOKENS, DEFAULT_MAX_LENGTH, SetwisePrompt, build_prompt, check_inputs, control_ids
 
@@ -176,8 +176,9 @@ class SetwiseReranker(RerankerBase):
         """Match the prompt's longest cached prefix (pinned until ``release_select``); nothing computed yet."""
         if not isinstance(enc, SelectEncoding):
             raise TypeError(f"start_select needs a SelectEncoding (from encode_select), got {type(enc).__name__}")
+        reserve = self._reserve([enc.prompt], enc.max_select, enc.constrained)
         return SelectState(enc, ChunkedPrefill(self.runner, self._cache_slot, enc.prompt.input_ids[:-1],
-                                               enc.cache_salt, reserve_tokens=self.max_new_tokens + 1))
+                                               enc.cache_salt, reserve_tokens=reserve))
 
     def prefill_select(self, st: SelectState, max_tokens: int) -> int:
         """Compute up to ``max_tokens`` more prompt tokens (one pass per ``runner.prefill_chunk``);
@@ -198,8 +199,9 @@ class SetwiseReranker(RerankerBase):
             return st.decoder.step()
         except PoolExhausted:
             st.prefill.cache.free()
+            enc = st.encoding
             st.prefill = ChunkedPrefill(self.runner, CacheSlot(self.runner, enabled=False), st.prefill.prefix,
-                                        reserve_tokens=self.max_new_tokens + 1)
+                                        reserve_tokens=self._reserve([enc.prompt], enc.max_select, enc.constrained))
             st.decoder = None
             return 0
 
@@ -233,6 +235,12 @@ class SetwiseReranker(RerankerBase):
                                  self.max_new_tokens, eos_id=self.grammar.tokens.end, cache=cache)
         return GreedyStepper(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=self.free_stop_ids,
                              cache=cache)
+
+    def _reserve(self, prompts: Sequence[SetwisePrompt], max_select: int, constrained: bool) -> int:
+        """KV rows a private pool reserves per prompt for the decode (``decode_reserve``): constrained,
+        the grammar's longest output over these pools when shorter than max_new_tokens."""
+        longest = max(max_output_tokens(p.n_candidates, max_select) for p in prompts) if constrained else None
+        return decode_reserve(self.max_new_tokens, longest)
 
     def _check_output_room(self, documents, max_select: int, constrained: bool) -> None:
         if not constrained:
@@ -307,7 +315,7 @@ class SetwiseReranker(RerankerBase):
                                  cache=cache)
 
         cache, _ = prefill_cached(self.runner, self._cache_slot, [i[:-1] for i in ids], salt=cache_salt,
-                                  reserve_tokens=self.max_new_tokens + 1)
+                                  reserve_tokens=self._reserve(prompts, max_select, constrained))
         try:
             gen = decode(cache)
         except PoolExhausted:  # the cache's pool filled up with pinned pages mid-decode: redo privately

@@ -332,3 +332,13 @@ def test_real_layouts_load_without_a_word(causal, card_scores, saved, tmp_path):
         sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     _edit_tensors(ckpt, old_export)
     assert close(_quiet_load(ckpt).score("q", DOCS), card_scores)
+
+
+def test_head_dim_past_the_native_kernels_limit_scores_as_transformers(tok):
+    """head_dim 576 (> the native attention and qk_norm_rope kernels' 512): the runner's CPU
+    defaults walk on to the torch backends for those two ops and score as transformers' forward.
+    The defaults were native whatever the shape: the model raised the kernel's RuntimeError."""
+    m = random_qwen3(seed=5, spread_yes_no=40, head_dim=576)
+    ref = official_scores(m, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    rr = PointwiseReranker(model=m)
+    assert close(rr.score("q", DOCS), ref)

@@ -497,3 +497,60 @@ def test_strided_metadata(backend):
     assert not any(t.is_contiguous() for t in meta)
     out = prefix_shared_attention(q, k, v, meta[0], pk, pv, meta[1], meta[2], backend=backend)
     _assert_close_fp32(out, prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg), f"{backend}, strided metadata")
+
+
+def _minus_inf_case(case):
+    """Packed fp32 inputs (CPU) where some rows' scores over their own keys, their prefix or both
+    are all −inf: a −inf in k or in the prefix's k against a positive q, a q holding +inf against
+    keys negative there, or a q·k past fp32's range from finite inputs (1e20 · −1e20). Segments
+    [3, 3, 3]; segments 0 and 1 in group 0 (prefix of 5), segment 2 in group 1 (no prefix)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(9, 4, 16, generator=g).abs()
+    k, v = torch.randn(9, 2, 16, generator=g), torch.randn(9, 2, 16, generator=g)
+    pk, pv = torch.randn(5, 2, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+    ninf = float("-inf")
+    if case == "own-key":        # row 0: its one own key; row 6 (no prefix), kv head 0: NaN as plain softmax
+        k[0, :, 0] = ninf
+        k[6, 0, 0] = ninf
+    elif case == "prefix":       # every prefix key: group 0's rows see their own keys only
+        pk[:, :, 0] = ninf
+    elif case == "both":         # row 3 sees no key above −inf: NaN
+        pk[:, :, 0] = ninf
+        k[3, :, 0] = ninf
+    elif case == "q-inf":        # +inf · (−1) on every key: rows (1, 0) and (4, 3) NaN
+        k[:, :, 0], pk[:, :, 0] = -1.0, -1.0
+        q[1, 0, 0] = q[4, 3, 0] = float("inf")
+    elif case == "overflow-prefix":  # finite inputs, the prefix's products overflow to −inf
+        q[:, :, 0], pk[:, :, 0], k[:, :, 0] = 1e20, -1e20, 0.0
+    elif case == "overflow-own":
+        q[:, :, 0], k[:, :, 0], pk[:, :, 0] = 1e20, -1e20, 0.0
+    meta = (torch.tensor([0, 3, 6, 9], dtype=torch.int32), torch.tensor([0, 5, 5], dtype=torch.int32),
+            torch.tensor([0, 0, 1], dtype=torch.int32))
+    return q, k, v, pk, pv, meta
+
+
+MINUS_INF_CASES = ["own-key", "prefix", "both", "q-inf", "overflow-prefix", "overflow-own"]
+
+
+@pytest.mark.parametrize("case", MINUS_INF_CASES)
+@pytest.mark.parametrize("path", ["torch-cpu-flash", "torch-matmul", "native"])
+def test_scores_all_minus_inf_in_one_part_weigh_nothing(case, path, monkeypatch):
+    """A row whose own (causal) keys, or whose prefix keys, all score −inf: those keys get weight 0
+    (FlashAttention's rule) and the row is the softmax over its other keys, as the reference; no
+    finite key at all: NaN, as the reference. torch's fused CPU flash kernel returned lse 0 (not
+    −inf) for such a block and the log-sum-exp merge gave its keys the weight of a score 0: a
+    wrong finite row (max error 1.8) with no error; the matmul path gave NaN · 0 = NaN rows."""
+    import acarerank.ops.attention as att
+    backend = "native" if path == "native" else "torch"
+    if backend not in available_backends("prefix_shared_attention", "cpu"):
+        pytest.skip(f"{backend} does not run here")
+    if path == "torch-matmul":
+        monkeypatch.setattr(att, "_FLASH_CPU", None)
+    q, k, v, pk, pv, (cs, cp, sg) = _minus_inf_case(case)
+    ref = prefix_shared_attention_ref(q, k, v, cs, pk, pv, cp, sg)
+    nan = torch.isnan(ref)
+    assert (~nan).any() and (case in ("prefix", "overflow-prefix")) == (not nan.any())
+    out = prefix_shared_attention(q, k, v, cs, pk, pv, cp, sg, backend=backend)
+    assert torch.equal(torch.isnan(out), nan), \
+        f"NaN rows {torch.nonzero(torch.isnan(out).any(-1)).tolist()}, want {torch.nonzero(nan.any(-1)).tolist()}"
+    _assert_close_fp32(out.masked_fill(nan, 0), ref.masked_fill(nan, 0), f"{path}, {case}")

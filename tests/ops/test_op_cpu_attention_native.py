@@ -401,3 +401,59 @@ def test_output_is_contiguous_as_the_fake_says_for_a_head_major_q():
     # inductor checks the custom op's output strides against the fake's (aot_eager does not)
     out = torch.compile(f, fullgraph=True)(q, *packed[1:3], *packed[4:6])
     assert (out - 2 * ref).abs().max().item() <= 2e-5, report(out, 2 * ref)
+
+
+@pytest.mark.parametrize("d", [576, 640])
+def test_head_dim_past_the_kernels_limit_runs_torch_by_default(d, monkeypatch):
+    """head_dim > 512 (the kernel's per-row buffers): the CPU default walks on to "torch" and equals
+    the oracle, both ops, with and without a plan; "native" asked for by name (argument or
+    ACARERANK_BACKEND) is a BackendError naming the limit. The default was "native" whatever the
+    shape: a d-576 model raised the kernel's RuntimeError from inside the call."""
+    from acarerank.ops import (BackendError, plan_prefix_shared_attention, plan_prefix_shared_attention_paged)
+
+    paged, packed = make([3, 1, 2], [5, 17], [0, 1, 1], 4, 2, d, 16)
+    ref = ref32(packed)
+    q, k = packed[0], packed[1]
+    plan = plan_prefix_shared_attention(*packed[3:4], packed[6], packed[7], num_tokens=q.shape[0],
+                                        num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=d, dtype=q.dtype)
+    pplan = plan_prefix_shared_attention_paged(paged[3], paged[6], paged[7], paged[8], num_heads=q.shape[1],
+                                               num_kv_heads=k.shape[1], head_dim=d, block_size=16,
+                                               num_blocks=paged[4].shape[0], dtype=q.dtype)
+    assert plan.backend == pplan.backend == "torch"
+    for name, out in (("packed", prefix_shared_attention(*packed)),
+                      ("packed, plan", prefix_shared_attention(*packed[:3], None, *packed[4:6], None, None, plan=plan)),
+                      ("paged", prefix_shared_attention_paged(*paged)),
+                      ("paged, plan", prefix_shared_attention_paged(*paged, plan=pplan))):
+        assert (out - ref).abs().max().item() <= 1e-5, f"{name}: " + report(out, ref)
+    limit = f"native backend takes head_dim up to 512, got {d}"
+    with pytest.raises(BackendError, match=limit):
+        prefix_shared_attention(*packed, backend="native")
+    with pytest.raises(BackendError, match=limit):
+        prefix_shared_attention_paged(*paged, backend="native")
+    monkeypatch.setenv("ACARERANK_BACKEND", "native")
+    with pytest.raises(BackendError, match=limit):
+        prefix_shared_attention(*packed)
+    with pytest.raises(BackendError, match=limit):
+        plan_prefix_shared_attention_paged(paged[3], paged[6], paged[7], paged[8], num_heads=q.shape[1],
+                                           num_kv_heads=k.shape[1], head_dim=d, block_size=16,
+                                           num_blocks=paged[4].shape[0], dtype=q.dtype)
+
+
+def test_native_max_head_dim_is_the_kernels():
+    """``NATIVE_MAX_HEAD_DIM`` (what the ops' choice reads) is the kernel's own limit: 512 runs
+    natively by default and equals the oracle, the raw kernel refuses 514."""
+    from acarerank.ops._native_backend import NATIVE_MAX_HEAD_DIM
+    from acarerank.ops.attention import plan_prefix_shared_attention
+
+    d = NATIVE_MAX_HEAD_DIM
+    paged, packed = make([2, 1], [3, 0], [0, 1], 2, 1, d, 16)
+    q = packed[0]
+    plan = plan_prefix_shared_attention(packed[3], packed[6], packed[7], num_tokens=q.shape[0], num_q_heads=2,
+                                        num_kv_heads=1, head_dim=d, dtype=q.dtype)
+    assert plan.backend == "native"
+    out = prefix_shared_attention(*packed)
+    assert (out - ref32(packed)).abs().max().item() <= 1e-5, report(out, ref32(packed))
+    paged, packed = make([2, 1], [3, 0], [0, 1], 2, 1, d + 2, 16)
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    with pytest.raises(RuntimeError, match=f"head_dim {d + 2} is outside"):
+        _kernel()(q, k, v, cu, kc, vc, bt, packed[6], sg, 0.1)

@@ -286,6 +286,29 @@ def test_qk_norm_rope_bad_inputs_name_the_problem():
         qk_norm_rope(qkv, qw, kw, cos, sin, 4, 0)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_head_dim_past_the_kernels_limit_runs_torch_by_default(dtype, monkeypatch):
+    """head_dim 576 > the native kernel's 512: the CPU default is "torch" (equal to the reference);
+    "native" asked for by name is a BackendError naming the limit. The default was "native", whose
+    kernel raised its own RuntimeError (a d-576 model did not run)."""
+    from acarerank.ops._native_backend import NATIVE_MAX_HEAD_DIM
+
+    for d in (NATIVE_MAX_HEAD_DIM, 576):
+        qkv, qw, kw = _qkv_case(5, 2, 1, d, dtype)
+        cos, sin = _rope_tables(5, d, start=100)
+        got = qk_norm_rope(qkv, qw, kw, cos, sin, 2, 1)
+        want = qk_norm_rope_ref(qkv, qw, kw, cos, sin, 2, 1, 1e-6)
+        truth = qk_norm_rope_ref(qkv.float(), qw.float(), kw.float(), cos, sin, 2, 1, 1e-6)
+        for name, g, w_, t in zip("qk", got, want, truth):
+            _check(f"qk_norm_rope {name}, d {d}", g, w_, dtype, w_, t)
+    with pytest.raises(BackendError, match="native backend takes head_dim up to 512, got 576"):
+        qk_norm_rope(qkv, qw, kw, cos, sin, 2, 1, backend="native")
+    monkeypatch.setenv("ACARERANK_BACKEND", "qk_norm_rope=native")
+    with pytest.raises(BackendError, match="native backend takes head_dim up to 512, got 576"):
+        qk_norm_rope(qkv, qw, kw, cos, sin, 2, 1)
+
+
 # -- silu_and_mul ---------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)

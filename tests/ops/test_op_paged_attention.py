@@ -412,3 +412,55 @@ def test_strided_metadata(backend):
     wide[:, ::2] = bt
     out = prefix_shared_attention_paged(q, k, v, cu, kc, vc, wide[:, ::2], pl, sg, backend=backend)
     assert torch.allclose(out, ref, atol=2e-5, rtol=1e-5), report(out, ref)
+
+
+def _minus_inf_pages(case, consecutive):
+    """Paged fp32 inputs (CPU) where some rows' scores over their own keys, their prefix pages or
+    both are all −inf (a −inf in k or in the pages against a positive q, a q holding +inf against
+    keys negative there, or 1e20 · −1e20 past fp32's range from finite inputs). Segments
+    [3, 3, 3]: segments 0 and 1 in group 0 (a prefix of 37 tokens, mid-block), 2 in group 1 (none)."""
+    paged, _ = make_case([37, 0], [3, 3, 3], [0, 0, 1], 4, 2, 16, 16, consecutive=consecutive)
+    q, k, v, cu, kc, vc, bt, pl, sg = on(paged, "cpu")
+    q.abs_()
+    ninf = float("-inf")
+    if case == "own-key":        # row 0: its one own key; row 6 (no prefix), kv head 0: NaN as plain softmax
+        k[0, :, 0] = ninf
+        k[6, 0, 0] = ninf
+    elif case == "prefix":       # every page: group 0's rows see their own keys only
+        kc[..., 0] = ninf
+    elif case == "both":         # row 3 sees no key above −inf: NaN
+        kc[..., 0] = ninf
+        k[3, :, 0] = ninf
+    elif case == "q-inf":        # +inf · (−1) on every key: rows (1, 0) and (4, 3) NaN
+        k[..., 0], kc[..., 0] = -1.0, -1.0
+        q[1, 0, 0] = q[4, 3, 0] = float("inf")
+    elif case == "overflow-prefix":
+        q[..., 0], kc[..., 0], k[..., 0] = 1e20, -1e20, 0.0
+    elif case == "overflow-own":
+        q[..., 0], k[..., 0], kc[..., 0] = 1e20, -1e20, 0.0
+    return q, k, v, cu, kc, vc, bt, pl, sg
+
+
+@pytest.mark.parametrize("case", ["own-key", "prefix", "both", "q-inf", "overflow-prefix", "overflow-own"])
+@pytest.mark.parametrize("path", ["torch-pages", "torch-gathered", "native"])
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_scores_all_minus_inf_in_one_part_weigh_nothing(case, path, consecutive, monkeypatch):
+    """As the packed op's test of the same name: keys whose scores are all −inf in the prefix part
+    or the own part of a row weigh nothing (the reference's softmax), a row without a finite
+    score is NaN. The CPU torch path took torch's fused flash kernel's lse 0 for such a block
+    (it is −inf) and merged a wrong finite row, no error. "torch-gathered": the path other devices
+    take (prefix rows gathered into the packed torch backend)."""
+    from acarerank.ops import cpu_paged_attention
+    backend = "native" if path == "native" else "torch"
+    if backend not in available_backends("prefix_shared_attention_paged", "cpu"):
+        pytest.skip(f"{backend} does not run here")
+    if path == "torch-gathered":
+        monkeypatch.setattr(cpu_paged_attention, "available", lambda q: False)
+    paged = _minus_inf_pages(case, consecutive)
+    ref = prefix_shared_attention_paged_ref(*paged)
+    nan = torch.isnan(ref)
+    assert (~nan).any() and (case in ("prefix", "overflow-prefix")) == (not nan.any())
+    out = prefix_shared_attention_paged(*paged, backend=backend)
+    assert torch.equal(torch.isnan(out), nan), \
+        f"NaN rows {torch.nonzero(torch.isnan(out).any(-1)).tolist()}, want {torch.nonzero(nan.any(-1)).tolist()}"
+    assert (out.masked_fill(nan, 0) - ref.masked_fill(nan, 0)).abs().max().item() <= 1e-5, report(out, ref)

@@ -145,6 +145,43 @@ def test_forced_tokens_skip_steps(qwen3_tokenizer, grammar):
     assert calls == [[2], [2], [1], [2], [1]], calls
 
 
+def test_constrained_decoding_reserves_only_the_grammars_longest_output(qwen3_tokenizer, grammar, monkeypatch):
+    """The prompts' pool reserves min(max_new_tokens, the grammar's longest output) + 1 rows per
+    sequence: pool 50 with cap 10 is at most 10·(2 + 2) + 1 = 41 tokens (pool 7: 22), so 42 rows,
+    not max_new_tokens + 1 = 65 (3 pages of 16 per prompt here, not 5). Selections that run to
+    the cap (END disfavoured) never grow the pool, and give the tokens decoded over the 65-row
+    reservation and the reference's."""
+    from acarerank.model import block_pool
+
+    grown, reserved = [], []
+    real = block_pool.BlockPool._grow
+    monkeypatch.setattr(block_pool.BlockPool, "_grow", lambda self, extra: (grown.append(extra), real(self, extra)))
+    model = tiny_model(seed=1, token_bias={TOKEN_IM_END: -0.3})
+    runner = Qwen3Runner.from_hf(model)
+    prefill = runner.prefill
+
+    def spy(prefixes, chunk_tokens=None, reserve_tokens=1):
+        reserved.append(reserve_tokens)
+        cache = prefill(prefixes, chunk_tokens, reserve_tokens)
+        reserved.append(cache.pool.num_blocks)
+        return cache
+
+    monkeypatch.setattr(runner, "prefill", spy)
+    prompts = _prompts(qwen3_tokenizer, ["Pick the passages.", "x"])
+    jobs = [(50, 10), (7, 10)]
+    ours = greedy_decode(runner, prompts, grammar, [grammar.start(n, c) for n, c in jobs])
+    blocks = sum(-(-(len(p) - 1 + 42) // runner.block_size) for p in prompts)
+    assert reserved == [42, blocks] and grown == [], (reserved, grown)
+    old_cache = prefill([p[:-1] for p in prompts], reserve_tokens=65)
+    assert blocks == 6 and old_cache.pool.num_blocks == 10
+    old = greedy_decode(runner, prompts, grammar, [grammar.start(n, c) for n, c in jobs], cache=old_cache)
+    old_cache.free()
+    assert ours == old
+    for (n, c), p, o in zip(jobs, prompts, ours):
+        assert o == greedy_decode_ref(model, p, grammar, grammar.start(n, c))
+        assert len(parse_selection(qwen3_tokenizer.decode(o, skip_special_tokens=True), n, c).ids) == min(n, c)
+
+
 def test_decode_argument_errors(qwen3_tokenizer, grammar):
     runner = Qwen3Runner.from_hf(tiny_model(seed=0))
     p = [[1, 2, 3]]

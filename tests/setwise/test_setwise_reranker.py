@@ -245,3 +245,45 @@ def test_select_batch_cache_salt_keeps_prompts_apart(model, qwen3_tokenizer):
     assert same > 0 and got == want
     unsalted, got = hits()
     assert unsalted == 0 and got == want, f"an unsalted batch was served {unsalted} salted tokens"
+
+
+def test_private_pools_reserve_only_the_grammars_longest_output(model, qwen3_tokenizer, monkeypatch):
+    """Without a prefix cache, a constrained selection's private pool reserves min(max_new_tokens,
+    the grammar's longest output) + 1 rows per prompt (select_batch over pools of 12 and 5 with
+    max_select 4: at most 4·(2 + 2) + 1 = 17 tokens, so 18 rows; the step API over the pool of 5:
+    4·3 + 1 + 1 = 14), not max_new_tokens + 1 = 65; free decoding keeps 65. No pool grows, and
+    the selections equal those decoded over the 65-row reservation."""
+    from acarerank.model import block_pool
+    from acarerank.setwise import reranker as reranker_module
+
+    grown, reserved = [], []
+    real = block_pool.BlockPool._grow
+    monkeypatch.setattr(block_pool.BlockPool, "_grow", lambda self, extra: (grown.append(extra), real(self, extra)))
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    prefill = sr.runner.prefill
+    monkeypatch.setattr(sr.runner, "prefill", lambda prefixes, chunk_tokens=None, reserve_tokens=1: (
+        reserved.append(reserve_tokens), prefill(prefixes, chunk_tokens, reserve_tokens))[1])
+    queries, docs = ["capital of France?", "Olympics 2024 host?"], [DOCS, DOCS[:5]]
+
+    def run():
+        batch = sr.select_batch(queries, docs, max_select=4)
+        st = sr.start_select(sr.encode_select(queries[1], docs[1], max_select=4))
+        try:
+            while st.prefilling:
+                sr.prefill_select(st, 64)
+            while not st.done:
+                sr.decode_select(st)
+            return batch, sr.finish_select(st), st.prefill.reserve_tokens
+        finally:
+            sr.release_select(st)
+
+    batch, stepped, step_reserve = run()
+    assert reserved == [18] and step_reserve == 14 and grown == [], (reserved, step_reserve, grown)
+    free = sr.start_select(sr.encode_select(queries[1], docs[1], max_select=4, constrained=False))
+    assert free.prefill.reserve_tokens == 65
+    sr.release_select(free)
+    monkeypatch.setattr(reranker_module, "decode_reserve", lambda max_new_tokens, longest=None: max_new_tokens + 1)
+    old_batch, old_stepped, old_reserve = run()
+    assert reserved[1:] == [65] and old_reserve == 65
+    assert batch == old_batch and stepped == old_stepped == batch[1]
+    assert all(1 <= len(s.ids) <= 4 for s in batch)
