@@ -172,11 +172,11 @@ ACR_AVX512_BF16 inline void softmax_row_direct(float* s, int64_t n, int64_t d, f
                                                float* acc) {
   const RowMax rm = row_max_avx512(s, n, scale, m);
   const float m_new = rm.m_new, alpha = rm.alpha;
-  const __m512 vs = rm.vs, voff = rm.voff;
+  const __m512 vs = rm.vs, vm = rm.vm;
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 mk = tail_mask(n - j);
-    const __m512 p = _mm512_maskz_mov_ps(mk, exp2_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + j), vs, voff)));
+    const __m512 p = _mm512_maskz_mov_ps(mk, exp2_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), vm), vs)));
     vsum = _mm512_add_ps(vsum, p);
     _mm512_mask_storeu_ps(s + j, mk, p);
   }

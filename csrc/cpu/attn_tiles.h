@@ -342,18 +342,19 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* s,
     return;
   }
   const float alpha = std::exp(scale * (m - m_new));
-  const float off = scale * m_new;
-  const __m256 vs = _mm256_set1_ps(scale), voff = _mm256_set1_ps(off);
+  // scale·(s − m'), the difference first: s·scale − m'·scale rounded m'·scale, off by up to half its
+  // ulp — ~4e6 at scores of 1e15, enough to overflow exp — where s − m' is exact near the max
+  const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(m_new);
   __m256 vsum = _mm256_setzero_ps();
   for (j = 0; j + 8 <= n; j += 8) {
-    const __m256 e = exp_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vs, voff));
+    const __m256 e = exp_avx2(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm), vs));
     _mm256_storeu_ps(p + j, e);
     vsum = _mm256_add_ps(vsum, e);
   }
   _mm256_store_ps(lanes, vsum);
   float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
   for (; j < n; ++j) {
-    const float e = std::exp(scale * s[j] - off);
+    const float e = std::exp(scale * (s[j] - m_new));
     p[j] = e;
     sum += e;
   }
@@ -391,10 +392,13 @@ ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
 // The online softmax's new running max of a row over its n >= 1 visible scores s[0, n) (a NaN
 // score loses), the factor alpha = exp(scale·(m − m')) its old sums are rescaled by (0 at the first
 // visible step, m = −inf), and the operands of the weights in base 2:
-// exp(scale·(s − m')) = 2^(s·vs − voff), vs = scale·log2(e), voff = m'·scale·log2(e).
+// exp(scale·(s − m')) = 2^((s − vm)·vs), vs = scale·log2(e), vm = m' (0 while every score is −inf).
+// The difference comes first: s·vs − m'·vs rounded m'·vs, off by up to half its ulp — ~4e6 in
+// the exponent at scores of 1e15, an overflow to inf and a NaN row where plain softmax is finite —
+// while s − m' is exact near the max.
 struct RowMax {
   float m_new, alpha;
-  __m512 vs, voff;
+  __m512 vs, vm;
 };
 ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float scale, float m) {
   __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -411,7 +415,7 @@ ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float sc
   const bool none = m_new == -std::numeric_limits<float>::infinity();
   constexpr float kLog2e = 1.44269504088896341f;
   return {m_new, none ? 1.f : std::exp(scale * (m - m_new)), _mm512_set1_ps(scale * kLog2e),
-          _mm512_set1_ps(none ? 0.f : scale * kLog2e * m_new)};
+          _mm512_set1_ps(none ? 0.f : m_new)};
 }
 
 // Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).
@@ -419,7 +423,7 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
                                                     float& m, float& l, float* acc, BFloat16* p) {
   const RowMax rm = row_max_avx512(s, n, scale, m);
   const float m_new = rm.m_new, alpha = rm.alpha;
-  const __m512 vs = rm.vs, voff = rm.voff;
+  const __m512 vs = rm.vs, vm = rm.vm;
   // l sums the rounded weights P·V will use, so the output is an exact weighted mean of V: the
   // bf16 P summed by vdpbf16ps against ones (one instruction; pairs first, then the 8 lanes)
   __m256 vsum = _mm256_setzero_ps();
@@ -429,7 +433,7 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
     const int64_t left = n - j;
     const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
     // masked-off columns load 0 and convert to 0 (zero-masking), never exp(−offset)
-    const __m256bh pb = _mm512_maskz_cvtneps_pbh(mk, exp2_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(mk, s + j), vs, voff)));
+    const __m256bh pb = _mm512_maskz_cvtneps_pbh(mk, exp2_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), vm), vs)));
     vsum = _mm256_dpbf16_ps(vsum, pb, ones);
     const int64_t w = width - j;
     if (w >= 16)
@@ -524,10 +528,10 @@ void softmax_step(int64_t M, int64_t KT, int64_t width, int64_t d, float scale, 
     const float m_new = m[i] > mx ? m[i] : mx;
     const bool none = m_new == -std::numeric_limits<float>::infinity();  // every score so far −inf (above)
     const float alpha = none ? 1.f : std::exp(scale * (m[i] - m_new));  // 0 at the first visible tile (m = −inf)
-    const float off = none ? 0.f : scale * m_new;
+    const float mo = none ? 0.f : m_new;  // the difference first (RowMax)
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
-      p[j] = static_cast<c_t>(std::exp(scale * s[j] - off));
+      p[j] = static_cast<c_t>(std::exp(scale * (s[j] - mo)));
       sum += static_cast<float>(p[j]);  // the weight P·V uses (bf16: rounded), so acc / l is a weighted mean
     }
     for (int64_t j = n; j < width; ++j) p[j] = c_t(0);
