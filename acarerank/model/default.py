@@ -27,6 +27,18 @@ NO_MEANING = ("NOTE: no --model given; using the embedded default, a seeded RAND
               "({preset}). Its scores and selections carry no meaning.")
 
 
+def _config_fields(base: dict) -> set:
+    """The keywords a Qwen3Config reads: its constructor's parameters and attributes (this
+    transformers' version), and those the presets pass (``rope_theta``, which newer versions fold
+    into ``rope_parameters``; ``attn_implementation``)."""
+    import inspect
+
+    from transformers import Qwen3Config
+
+    params = set(inspect.signature(Qwen3Config.__init__).parameters) - {"self", "args", "kwargs"}
+    return params | set(Qwen3Config().to_dict()) | set(base)
+
+
 def qwen3_config(preset: str = DEFAULT_PRESET, **overrides):
     from transformers import Qwen3Config
 
@@ -35,6 +47,15 @@ def qwen3_config(preset: str = DEFAULT_PRESET, **overrides):
     kw = dict(vocab_size=QWEN3_VOCAB, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
               attention_bias=False, attn_implementation="eager")
     kw.update(PRESETS[preset])
+    unknown = sorted(set(overrides) - _config_fields(kw))
+    if unknown:
+        # Qwen3Config keeps any keyword as an attribute that nothing reads: a typo
+        # (num_hidden_layer=2) benchmarked the preset unchanged, under the typo's name
+        import difflib
+
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, _config_fields(kw), 1))
+                 else repr(k) for k in unknown]
+        raise ValueError(f"unknown Qwen3Config field(s) in the overrides: {', '.join(hints)}")
     kw.update(overrides)
     # the shape checks of a checkpoint's config.json, before Qwen3Config and the model see it: an
     # override such as hidden_size=-1, head_dim=0 or hidden_size=nan was an unnamed error from
