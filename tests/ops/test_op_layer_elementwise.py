@@ -512,12 +512,15 @@ def test_every_build_of_the_kernels_matches_too(build, env):
 
     if not BUILD_FLAGS[build] <= cpu_flags():
         pytest.skip(f"this CPU cannot run the {build} build (needs {sorted(BUILD_FLAGS[build])})")
-    probe = _run_child(env, ["-c", "from acarerank.ops import _native; print(_native.layer_kernel_isa())"])
-    assert probe.returncode == 0 and probe.stdout.split()[-1:] == [build], probe.stdout + probe.stderr[-2000:]
     here = os.path.dirname(os.path.abspath(__file__))
-    run = _run_child(env, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
+    # one child: it reports its build (chosen once per process) on its first line, then runs the
+    # tests on that build — one interpreter start per build, not one to ask and one to test
+    code = ("import sys, pytest\nfrom acarerank.ops import _native\nprint('layer build:', _native.layer_kernel_isa())\n"
+            "sys.exit(pytest.main(sys.argv[1:]))")
+    run = _run_child(env, ["-c", code, "-q", "-p", "no:cacheprovider", "-x", "-k",
                            "native and (matches_reference or magnitudes or non_contiguous or page_write) and not build",
                            os.path.abspath(__file__), os.path.join(here, "test_op_qk_norm_rope_pages.py")])
+    assert run.stdout.splitlines()[:1] == [f"layer build: {build}"], run.stdout[:2000] + run.stderr[-2000:]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "failed" not in run.stdout, run.stdout[-2000:]
 
