@@ -72,11 +72,13 @@ def _setup(tok, teacher_hf):
 
 
 def _oracle_rows(model, prompt, y, temperature):
-    """fp32 log-softmax rows that predict y's tokens, from transformers on prompt ++ y."""
+    """fp32 log-softmax rows that predict y's tokens, from transformers on prompt ++ y. Only the
+    rows read are made (logits_to_keep: the last len(y) + 1 positions, P - 1 .. P + len(y) - 1; the
+    last predicts past y and is dropped) — the same rows, bit for bit, as slicing all P + len(y)
+    rows of the real vocabulary."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + y])).logits[0].float()
-    P = len(prompt)
-    return (logits[P - 1:P - 1 + len(y)] / temperature)
+        logits = model(input_ids=torch.tensor([prompt + y]), logits_to_keep=len(y) + 1).logits[0].float()
+    return logits[:-1] / temperature
 
 
 @pytest.fixture(scope="module")
