@@ -107,7 +107,9 @@ def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_kd, stride
         elif MASK_COLS:
             qk = tl.where(col_ok[None, :], qk, float("-inf"))
         # -- update m_i and l_i; a tile fully masked for a row leaves it exactly unchanged
-        # (alpha = 1, p = 0): every row has seen >= 1 key before such a tile.
+        # (alpha = 1, p = 0): every row has seen >= 1 key before such a tile. m_i starts at
+        # −FLT_MAX, not −inf (the caller), so m_new is always finite: a −inf score gets p = 0 and
+        # a row whose scores so far are all −inf keeps alpha = 1, p = 0, l = 0
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
@@ -163,7 +165,11 @@ def _prefix_shared_attn_fwd(
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # the running max starts at the most negative finite float, not −inf: a row whose first keys
+    # all score −inf (a −inf key, or a q·k past fp32's range) then keeps a finite max, where
+    # −inf − (−inf) made it NaN although plain softmax gives those keys weight 0 (FlashAttention
+    # checks for −inf instead: a select per row and tile, one more live vector)
+    m_i = tl.full([BLOCK_M], -3.4028234663852886e38, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
@@ -199,8 +205,9 @@ def _prefix_shared_attn_fwd(
                                   own_full, tok_last + 1, L, tok, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
                                   MASK_COLS=True, CAUSAL=True, DOT_FP32=DOT_FP32, IEEE=IEEE)
 
-    # every real row saw its own token 0, so l_i > 0; rows of a spare slot have l_i = 0 (not stored)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    # l_i is 0 only for a row whose every key scored −inf: 0 / 0 = NaN there, as plain softmax
+    # gives (a spare slot's rows score q = 0 against real keys: l_i > 0; they are not stored)
+    out = acc / l_i[:, None]
     o_ptrs = Out + tok64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 

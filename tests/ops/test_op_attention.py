@@ -533,15 +533,17 @@ MINUS_INF_CASES = ["own-key", "prefix", "both", "q-inf", "overflow-prefix", "ove
 
 
 @pytest.mark.parametrize("case", MINUS_INF_CASES)
-@pytest.mark.parametrize("path", ["torch-cpu-flash", "torch-matmul", "native"])
+@pytest.mark.parametrize("path", ["torch-cpu-flash", "torch-matmul", "native", "triton"])
 def test_scores_all_minus_inf_in_one_part_weigh_nothing(case, path, monkeypatch):
     """A row whose own (causal) keys, or whose prefix keys, all score −inf: those keys get weight 0
     (FlashAttention's rule) and the row is the softmax over its other keys, as the reference; no
     finite key at all: NaN, as the reference. torch's fused CPU flash kernel returned lse 0 (not
     −inf) for such a block and the log-sum-exp merge gave its keys the weight of a score 0: a
-    wrong finite row (max error 1.8) with no error; the matmul path gave NaN · 0 = NaN rows."""
+    wrong finite row (max error 1.8) with no error; the matmul path gave NaN · 0 = NaN rows; the
+    Triton kernel (interpreter here) computed −inf − (−inf) for a row whose prefix keys were all
+    −inf and gave NaN rows, and 0 for a row with no finite key."""
     import acarerank.ops.attention as att
-    backend = "native" if path == "native" else "torch"
+    backend = path if path in ("native", "triton") else "torch"
     if backend not in available_backends("prefix_shared_attention", "cpu"):
         pytest.skip(f"{backend} does not run here")
     if path == "torch-matmul":

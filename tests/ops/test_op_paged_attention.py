@@ -442,7 +442,7 @@ def _minus_inf_pages(case, consecutive):
 
 
 @pytest.mark.parametrize("case", ["own-key", "prefix", "both", "q-inf", "overflow-prefix", "overflow-own"])
-@pytest.mark.parametrize("path", ["torch-pages", "torch-gathered", "native"])
+@pytest.mark.parametrize("path", ["torch-pages", "torch-gathered", "native", "triton"])
 @pytest.mark.parametrize("consecutive", [False, True])
 def test_scores_all_minus_inf_in_one_part_weigh_nothing(case, path, consecutive, monkeypatch):
     """As the packed op's test of the same name: keys whose scores are all −inf in the prefix part
@@ -451,7 +451,7 @@ def test_scores_all_minus_inf_in_one_part_weigh_nothing(case, path, consecutive,
     (it is −inf) and merged a wrong finite row, no error. "torch-gathered": the path other devices
     take (prefix rows gathered into the packed torch backend)."""
     from acarerank.ops import cpu_paged_attention
-    backend = "native" if path == "native" else "torch"
+    backend = path if path in ("native", "triton") else "torch"
     if backend not in available_backends("prefix_shared_attention_paged", "cpu"):
         pytest.skip(f"{backend} does not run here")
     if path == "torch-gathered":
