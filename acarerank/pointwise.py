@@ -26,6 +26,7 @@ sub-query under the same context, computes only what the tree does not hold.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, fields
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -306,11 +307,16 @@ class PointwiseReranker(RerankerBase):
         The handle pins its pages (cached and new) until ``release_prefix``; the new full
         pages enter the cache. Scores never depend on what was cached. ``chunk_tokens``: prefix
         tokens per pass (default the runner's ``prefill_chunk``; a server retries an
-        out-of-memory prefill at half).
+        out-of-memory prefill at half). A shared part of ``max_length`` tokens or more leaves no
+        room for a document: a ValueError before anything is computed (``encode`` never makes one).
         """
         if not isinstance(enc, PointwiseEncoding):
             raise TypeError(f"acquire_prefix needs a PointwiseEncoding (from encode), got {type(enc).__name__}")
         chunk_tokens = check_int("chunk_tokens", chunk_tokens, 1, allow_none=True)
+        if len(enc.shared_ids) >= self.max_length:  # before the prefill: its pages grow with the length
+            raise ValueError(f"acquire_prefix: the encoding's shared part of {len(enc.shared_ids)} tokens leaves no "
+                             f"room for a document under max_length={self.max_length} tokens (encode keeps it "
+                             f"below; this encoding was built for max_length={enc.max_length} or by hand)")
         ids = list(enc.shared_ids)
         cache, (hit,) = prefill_cached(self.runner, self._cache_slot, [ids], getattr(enc, "cache_salt", None),
                                        chunk_tokens)
@@ -342,6 +348,14 @@ class PointwiseReranker(RerankerBase):
         (not a str). Each handle's pages are pinned for the call, so a handle another thread
         releases meanwhile still reads its own pages (released before the call: ValueError).
 
+        Bounds: a segment is at most ``max_length − handle.length`` tokens (the handle's shared
+        part and the segment make one document's prompt, which ``encode`` caps at ``max_length``):
+        a longer one is a ValueError naming the item, its length and the cap, raised while the
+        items are checked, before any page is pinned or pass run. The number of items and their
+        total tokens are not capped, as ``score``'s documents are not: they run in passes of at
+        most ``max_batch_tokens`` segment tokens, so memory grows by one score and one id list per
+        item, never by a pass over all of them.
+
         Segments of handles in the same pool go in one packed pass (split only at
         ``max_batch_tokens``: ``Qwen3Runner.forward_segments``); equal to ``score`` of the same
         request (≤ 1e-6 fp32). A score whose logit difference is NaN/inf (a head or final norm
@@ -363,13 +377,12 @@ class PointwiseReranker(RerankerBase):
                                  f"its KV pages were computed by other weights and would give wrong scores")
             if h.released:
                 raise ValueError(f"score_segments: item {n}'s handle was released")
-            if isinstance(ids, torch.Tensor) and ids.dim() == 1:
-                ids = ids.tolist()
-            elif isinstance(ids, (str, bytes, Mapping, torch.Tensor)) or not isinstance(ids, Iterable):
+            if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable) or \
+                    (isinstance(ids, torch.Tensor) and ids.dim() != 1):
                 shape = f" of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else ""
                 raise TypeError(f"score_segments: item {n}'s token ids must be a 1-D sequence of ints, got "
                                 f"{type(ids).__name__}{shape}")
-            ids = list(ids)
+            ids = self._bounded_segment(n, h, ids)
             if len(ids) == 0:
                 raise ValueError(f"score_segments: item {n}'s segment is empty")
             checked.append((h, ids))
@@ -392,6 +405,24 @@ class PointwiseReranker(RerankerBase):
             for h in pinned:
                 h.pool.decref(h.blocks)
         return out
+
+    def _bounded_segment(self, n: int, h: PrefixHandle, ids) -> list:
+        """Item ``n``'s token ids as a list, refused (ValueError) when ``h.length + len(ids)`` is
+        over ``max_length`` — the cap ``encode`` puts on every document's prompt, so no segment of
+        ``encode``'s is refused. It is read before any copy: a tensor's or a sequence's length, an
+        iterator only up to the first id past the room (a pass holds a whole segment's activations
+        and attention at once, whatever ``max_batch_tokens`` says: a segment of 10**7 ids was taken)."""
+        room = self.max_length - h.length
+        if isinstance(ids, (torch.Tensor, Sequence)):
+            size, more = (ids.numel() if isinstance(ids, torch.Tensor) else len(ids)), ""
+        else:
+            ids = list(itertools.islice(ids, max(room, 0) + 1))
+            size, more = len(ids), "+"  # an iterator read no further
+        if size > room:
+            raise ValueError(f"score_segments: item {n}'s segment of {size}{more} tokens after its handle's "
+                             f"{h.length} shared tokens is over max_length={self.max_length} tokens, the "
+                             f"reranker's cap on a document's prompt (encode cuts documents to fit it)")
+        return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
 
     def _score_pinned(self, checked: list, out: list) -> None:
         """``score_segments``' passes over checked items whose pages are pinned; fills ``out``."""

@@ -574,3 +574,58 @@ def test_score_and_rerank_take_a_cache_salt(model, qwen3_tokenizer):
     assert hits() > 0 and max(abs(s - first[i]) for i, s in ranked) <= 1e-6  # a hit: same scores, other rounding
     with pytest.raises(TypeError, match="cache_salt"):
         rr.score(req.query, req.documents, cache_salt=7)
+
+
+def test_step_api_refuses_segments_and_shared_parts_past_max_length(model, qwen3_tokenizer, monkeypatch):
+    """A segment and its handle's shared part are one document's prompt, which ``encode`` caps at
+    ``max_length``: score_segments took a segment of any length (one pass held all of it), and
+    acquire_prefix a shared part of any length (a private pool of that size). At the cap both
+    score as ``score``; one token past it is a ValueError naming the item, its length and the cap,
+    before any page is pinned or pass run — an iterator read no further than the first id past."""
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    enc = rr.encode(ScoreRequest("plain query", DOCS))
+    want = rr.score("plain query", DOCS)
+    seg = enc.segment_ids[0]
+    h = rr.acquire_prefix(enc)
+    try:
+        # a reranker on the same runner whose cap is exactly this handle's shared part + seg
+        cap = len(enc.shared_ids) + len(seg)
+        tight = PointwiseReranker(runner=rr.runner, tokenizer=qwen3_tokenizer, max_length=cap)
+        for at_cap in (seg, torch.tensor(seg), iter(seg)):
+            assert tight.score_segments([(h, at_cap)])[0] == pytest.approx(want[0], abs=1e-6)
+        refcount = list(h.pool.refcount)
+
+        def no_pass(*args):
+            raise AssertionError("a pass ran for an item past the cap")
+
+        monkeypatch.setattr(rr.runner, "forward_segments", no_pass)
+        over = seg + [seg[-1]]
+
+        def counted():  # an iterator that fails the test if read past the first id over the cap
+            for k, t in enumerate(over + [seg[-1]] * 10):
+                assert k <= len(seg), f"id {k} read: past the first one over the cap"
+                yield t
+
+        for past, size in ((over, f"{len(seg) + 1}"), (torch.tensor(over), f"{len(seg) + 1}"),
+                           (counted(), rf"{len(seg) + 1}\+")):
+            with pytest.raises(ValueError, match=rf"item 1's segment of {size} tokens after its handle's "
+                                                 rf"{len(enc.shared_ids)} shared tokens is over max_length={cap}"):
+                tight.score_segments([(h, seg), (h, past)])
+        assert h.pool.refcount == refcount, "pages stayed pinned"
+        monkeypatch.undo()
+        # acquire_prefix: a shared part one token short of the cap is taken, one of the cap's length not
+        for max_length, ok in ((len(enc.shared_ids) + 1, True), (len(enc.shared_ids), False)):
+            short = PointwiseReranker(runner=rr.runner, tokenizer=qwen3_tokenizer, max_length=max_length)
+            if ok:
+                h2 = short.acquire_prefix(enc)
+                assert short.score_segments([(h2, seg[-1:])])[0] == pytest.approx(
+                    rr.score_segments([(h, seg[-1:])])[0], abs=1e-6)
+                short.release_prefix(h2)
+            else:
+                with pytest.raises(ValueError, match=rf"acquire_prefix: the encoding's shared part of "
+                                                     rf"{len(enc.shared_ids)} tokens leaves no room for a document "
+                                                     rf"under max_length={max_length}"):
+                    short.acquire_prefix(enc)
+                assert short.cache_stats()["lookup_tokens"] == 0, "a prefill ran"
+    finally:
+        rr.release_prefix(h)
