@@ -121,9 +121,11 @@ class BenchConfig:
 
             check_transformers_files(self.model_path)  # before the run sets anything up (load_model checks again)
         if self.model_path is None:
-            from ..model.default import qwen3_config
+            from ..model.default import check_model_fits, qwen3_config
 
-            qwen3_config(self.preset, **self.overrides)  # the preset and --override checked as a config.json is
+            # the preset and --override checked as a config.json is, and its weights against the
+            # device's memory (hidden_size=10**6 allocated until the host ran out)
+            check_model_fits(qwen3_config(self.preset, **self.overrides), self.device)
         return replace(self, depths=tuple(sorted(set(self.depths))),
                        spec=replace(self.spec, num_docs=max(self.depths)))
 
@@ -281,15 +283,17 @@ def load_model(cfg: BenchConfig):
         tok = AutoTokenizer.from_pretrained(cfg.model_path) if has_tok else load_qwen3_tokenizer()
         random_weights = False
     else:
-        from acarerank.model.default import build_default_model, qwen3_config
+        from acarerank.model.default import build_default_model, check_model_fits, qwen3_config
 
         if device.type == "cuda":
             # initialised on the GPU itself: 4B parameters initialised on the host take minutes
             from transformers import Qwen3ForCausalLM
 
             torch.manual_seed(cfg.seed)
+            config = qwen3_config(cfg.preset, **cfg.overrides)
+            check_model_fits(config, device)
             with torch.device(device):
-                model = Qwen3ForCausalLM(qwen3_config(cfg.preset, **cfg.overrides))
+                model = Qwen3ForCausalLM(config)
             model = model.to(dtype).eval()
         else:
             model = build_default_model(cfg.preset, seed=cfg.seed, dtype=dtype, device=device, **cfg.overrides)

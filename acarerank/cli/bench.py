@@ -84,7 +84,8 @@ def add_parser(subparsers) -> None:
                    help="random-weight model shape (default tiny-cpu: 2 CPU cores finish in minutes)")
     p.add_argument("--model", default=None, help="a local HF checkpoint folder instead of random weights")
     p.add_argument("--override", action="append", metavar="KEY=VALUE[,...]",
-                   help="Qwen3Config fields over the preset, e.g. num_hidden_layers=2 (repeatable)")
+                   help="Qwen3Config fields over the preset, e.g. num_hidden_layers=2 (repeatable); a shape whose "
+                        "float32 weights exceed the device's memory is refused before the set-up")
     p.add_argument("--providers", type=_names, default=None,
                    help="subset of transformers,transformers+prefix-cache,acarerank (default all)")
     p.add_argument("--peer", action="append", default=None, metavar="NAME=[API@]URL",

@@ -98,6 +98,20 @@ class Qwen3Arch:
                              f"{arch.num_kv_heads}" + arch.default_note("num_key_value_heads"))
         return arch
 
+    def num_parameters(self) -> int:
+        """Parameters of transformers' ``Qwen3ForCausalLM`` of this shape (H hidden, I intermediate,
+        V vocab, d head_dim, L layers; tied embeddings counted once)::
+
+            V·H·(1 if tied else 2) + H + L·(H·(Hq + 2·Hkv)·d + Hq·d·H + 3·H·I + 2·d + 2·H
+                                            + (Hq + 2·Hkv)·d + H if attention_bias)
+
+        (q/k/v/o projections, gate/up/down, q/k norms, the two layer norms, the final norm)."""
+        H, d, hq, hkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        layer = H * (hq + 2 * hkv) * d + hq * d * H + 3 * H * self.intermediate_size + 2 * d + 2 * H
+        if self.attention_bias:
+            layer += (hq + 2 * hkv) * d + H
+        return self.vocab_size * H * (1 if self.tie_word_embeddings else 2) + H + self.num_layers * layer
+
     def default_note(self, *keys) -> str:
         """A sentence for an error message about ``keys``: which of them the config did not give."""
         return "".join(f"; the config has no {k!r}, so it is transformers' Qwen3Config default "

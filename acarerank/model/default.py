@@ -66,11 +66,37 @@ def qwen3_config(preset: str = DEFAULT_PRESET, **overrides):
     return Qwen3Config(**kw)
 
 
+def check_model_fits(config, device) -> None:
+    """ValueError when a ``Qwen3ForCausalLM`` of ``config`` cannot be built on ``device``: its
+    float32 weights (it is built in float32, then cast to the run's dtype) take more than the
+    device's memory (a GPU's total, the host's physical memory; ``device_memory_bytes``).
+
+    Computed from the shape (``Qwen3Arch.num_parameters``) before anything is allocated: an
+    override such as ``hidden_size=10**6`` (151,669 × 10**6 embedding weights alone, 565 GiB)
+    allocated until the host ran out. A model under the cap may still not fit beside its
+    activations and KV pages; the cap refuses what can never be built.
+    """
+    from .arch import Qwen3Arch
+    from .cached_prefill import device_memory_bytes
+
+    arch = Qwen3Arch.from_config(config)
+    device = torch.device(device)
+    n, total = arch.num_parameters(), device_memory_bytes(device)
+    if total is not None and 4 * n > total:
+        raise ValueError(f"a Qwen3 of hidden_size={arch.hidden_size}, intermediate_size={arch.intermediate_size}, "
+                         f"num_hidden_layers={arch.num_layers}, vocab_size={arch.vocab_size} has {n:,} parameters: "
+                         f"{4 * n / 2 ** 30:.4g} GiB as the float32 weights it is built with, more than the "
+                         f"{total / 2 ** 30:.4g} GiB of {device.type} memory")
+
+
 def build_default_model(preset: str = DEFAULT_PRESET, seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
-    """A transformers ``Qwen3ForCausalLM`` with seeded random weights (eval mode)."""
+    """A transformers ``Qwen3ForCausalLM`` with seeded random weights (eval mode); a shape whose
+    weights cannot fit the device's memory is a ValueError before any is allocated
+    (``check_model_fits``)."""
     from transformers import Qwen3ForCausalLM
 
     cfg = qwen3_config(preset, **overrides)
+    check_model_fits(cfg, device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(cfg)

@@ -104,6 +104,10 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     (["--override", "num_hidden_layer=1"], "unknown Qwen3Config field(s) in the overrides: 'num_hidden_layer' "
                                            "(did you mean 'num_hidden_layers'?)"),
     (["--workload", "agent", "--override", "bogus_field=3"], "unknown Qwen3Config field(s) in the overrides: 'bogus_field'"),
+    # allocated until the host ran out (hidden_size=10**6: 665 GiB of fp32 weights); 10**8 passes no host's memory
+    (["--override", "hidden_size=100000000"], "has 17,856,200,000,768 parameters: 6.652e+04 GiB as the float32 weights "
+                                             "it is built with, more than the"),
+    (["--workload", "agent", "--override", "hidden_size=100000000"], "has 17,856,200,000,768 parameters"),
     (["--backends", ""], "backends names no backend"),  # was an IndexError once the set-up had run
     (["--workload", "agent", "--backends", ","], "backends names no backend"),
 ])
@@ -119,6 +123,52 @@ def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monke
     assert main(["bench", "--quick"] + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.parametrize("kw", [
+    dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    dict(vocab_size=59, hidden_size=48, intermediate_size=7, num_hidden_layers=3, num_attention_heads=6,
+         num_key_value_heads=3, head_dim=10, tie_word_embeddings=False, attention_bias=True),
+    dict(vocab_size=7, hidden_size=8, intermediate_size=1, num_hidden_layers=1, num_attention_heads=1,
+         num_key_value_heads=1, head_dim=2, tie_word_embeddings=False),
+])
+def test_num_parameters_counts_transformers_parameters(kw):
+    """Qwen3Arch.num_parameters (the size check's count, computed before building) is the number of
+    parameters transformers' Qwen3ForCausalLM allocates: tied / untied head, attention bias, GQA."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from acarerank.model.arch import Qwen3Arch
+
+    config = Qwen3Config(**kw)
+    assert Qwen3Arch.from_config(config).num_parameters() == sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
+
+
+def test_bench_override_whose_weights_pass_the_devices_memory_is_a_usage_error(capsys, monkeypatch):
+    """bench --override hidden_size=10**6 built a 665 GiB model until the host ran out: the float32
+    weights the model is built with are checked against the device's memory before the set-up.
+    At exactly the memory the run goes on to load the model; one byte less is exit 2, one line."""
+    from transformers import Qwen3ForCausalLM
+
+    from acarerank.benchmark import harness
+    from acarerank.model import cached_prefill
+    from acarerank.model.default import qwen3_config
+
+    overrides = dict(kv.split("=") for kv in TINY.split(","))
+    weights = 4 * sum(p.numel() for p in Qwen3ForCausalLM(qwen3_config("tiny-cpu", **{k: int(v) for k, v in
+                                                                                       overrides.items()})).parameters())
+
+    def loaded(*a, **kw):
+        raise RuntimeError("load_model reached")
+
+    monkeypatch.setattr(harness, "load_model", loaded)
+    monkeypatch.setattr(cached_prefill, "device_memory_bytes", lambda device: weights)
+    assert main(["bench", "--quick", "--override", TINY]) == 1  # the set-up ran: the stand-in's error
+    assert "load_model reached" in capsys.readouterr().err
+    monkeypatch.setattr(cached_prefill, "device_memory_bytes", lambda device: weights - 1)
+    assert main(["bench", "--quick", "--override", TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{weights / 4:,.0f} parameters" in err[0] and "of cpu memory" in err[0], err
 
 
 @pytest.mark.parametrize("name, workload", [("config.json", "depth"), ("config.json", "agent"),
