@@ -6,8 +6,8 @@ Backend choice (``_backend``): an op's ``backend=`` takes a name or a per-op map
 ``{"attention": "triton", "yes_no": "cuda"}``) to each op; ``available_backends(op, device)``
 lists what runs here. Importing this package registers ``torch.ops.acarerank.*``.
 """
-from ._backend import (KNOWN_BACKENDS, BackendError, available_backends, backend_for, parse_preference,
-                       per_op_backends, triton_interpreted)
+from ._backend import (KNOWN_BACKENDS, BackendError, BackendLimitError, available_backends, backend_for,
+                       parse_preference, per_op_backends, triton_interpreted)
 from .attention import (AttentionPlan, plan_prefix_shared_attention, prefix_shared_attention,
                         prefix_shared_attention_op, prefix_shared_attention_ref)
 from .yes_no import yes_no_score, yes_no_score_op, yes_no_score_ref
@@ -26,8 +26,8 @@ from .silu_and_mul import silu_and_mul, silu_and_mul_ref
 from .linear import PackedLinearWeight, linear, linear_ref, prepare_linear_weight
 
 __all__ = [
-    "BackendError", "KNOWN_BACKENDS", "available_backends", "backend_for", "parse_preference", "per_op_backends",
-    "triton_interpreted",
+    "BackendError", "BackendLimitError", "KNOWN_BACKENDS", "available_backends", "backend_for", "parse_preference",
+    "per_op_backends", "triton_interpreted",
     "AttentionPlan", "plan_prefix_shared_attention", "prefix_shared_attention", "prefix_shared_attention_op",
     "prefix_shared_attention_ref",
     "yes_no_score", "yes_no_score_op", "yes_no_score_ref",

@@ -49,6 +49,12 @@ class BackendError(RuntimeError):
     """An op was asked for a backend it does not have or that cannot run here."""
 
 
+class BackendLimitError(BackendError, ValueError):
+    """A backend asked for by name cannot take this call's input (a head_dim past its kernel's
+    limit, a dtype it lacks): a ``BackendError`` (that backend cannot run the call) and a
+    ``ValueError`` (the input is why). The device default walks past such a backend instead."""
+
+
 @dataclass(frozen=True)
 class Backend:
     """One implementation of an op: ``load()`` imports it (raising BackendError with the reason

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _native
-from ._backend import Backend, BackendError, OpDecl, _env_preference, backend_for
+from ._backend import Backend, BackendError, BackendLimitError, OpDecl, _env_preference, backend_for
 from ._native import register_fake_once
 
 
@@ -70,25 +70,32 @@ NATIVE_LAYER_DTYPES = (torch.float32, torch.bfloat16)
 NATIVE_MAX_HEAD_DIM = 512
 
 
-def resolve_past_native(decl: OpDecl, backend, device: torch.device, why_not: Optional[str]) -> str:
-    """``decl.resolve(backend, device)`` for a call the native kernel may not take; ``why_not``
-    completes "the native backend ..." with the reason it cannot (None: it can). The device default
-    then walks past "native" to "torch"; "native" asked for by name (argument, mapping or
-    ``ACARERANK_BACKEND``) is a BackendError naming the reason, never the kernel's own check."""
+def resolve_within_limits(decl: OpDecl, backend, device: torch.device, why_not: dict) -> str:
+    """``decl.resolve(backend, device)`` for a call some backends' kernels may not take: ``why_not``
+    maps a backend name to the reason completing "the <name> backend ..." (None: it can). The
+    device default then walks past that backend to "torch" (which takes any input); the backend
+    asked for by name (argument, mapping or ``ACARERANK_BACKEND``) is a ``BackendLimitError`` naming
+    the reason, never the kernel's own check from inside the call."""
     name = decl.resolve(backend, device)
-    if name != "native" or why_not is None:
+    if why_not.get(name) is None:
         return name
     if isinstance(backend, str):
         asked = backend
     else:
         asked = backend_for(decl.name, backend if backend is not None else _env_preference())
-    if asked == "native":
-        raise BackendError(f"{decl.name}: the native backend {why_not}; use the 'torch' backend for it")
+    if asked == name:
+        raise BackendLimitError(f"{decl.name}: the {name} backend {why_not[name]}; use the 'torch' backend for it")
     return "torch"
 
 
+def resolve_past_native(decl: OpDecl, backend, device: torch.device, why_not: Optional[str]) -> str:
+    """``resolve_within_limits`` for the native kernel alone: ``why_not`` completes "the native
+    backend ..." with the reason it cannot take the call (None: it can)."""
+    return resolve_within_limits(decl, backend, device, {"native": why_not})
+
+
 def head_dim_limit(head_dim: int) -> Optional[str]:
-    """``resolve_past_native``'s reason for a head_dim past ``NATIVE_MAX_HEAD_DIM``, else None."""
+    """``resolve_within_limits``' reason for a head_dim past ``NATIVE_MAX_HEAD_DIM``, else None."""
     return None if head_dim <= NATIVE_MAX_HEAD_DIM else \
         f"takes head_dim up to {NATIVE_MAX_HEAD_DIM}, got {head_dim}"
 

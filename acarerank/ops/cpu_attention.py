@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import Backend, OpDecl
-from ._native_backend import head_dim_limit, native_backend, native_kernel, resolve_past_native
+from ._native_backend import head_dim_limit, native_backend, native_kernel, resolve_within_limits
 
 KERNEL = "prefix_shared_attention_cpu"
 
@@ -68,11 +68,18 @@ def _paged(fn):
     return run
 
 
+#: the largest head_dim the Triton attention kernels take (``_MAX_HEAD_DIM`` in
+#: acarerank/kernels/prefix_shared_attention.py: its register tiles)
+TRITON_MAX_HEAD_DIM = 256
+
+
 def resolve(decl: OpDecl, backend, device: torch.device, head_dim: int) -> str:
-    """``decl.resolve(backend, device)`` for a call with heads of ``head_dim``: past the kernel's
-    512 the device default walks on to "torch", and "native" asked for by name is a BackendError
-    naming the limit (the kernel's own check was a RuntimeError from inside the call)."""
-    return resolve_past_native(decl, backend, device, head_dim_limit(head_dim))
+    """``decl.resolve(backend, device)`` for a call with heads of ``head_dim``: past a kernel's
+    limit (native 512, triton 256) the device default walks on to "torch" (a d-320 model on CUDA,
+    whose default is triton, raised the kernel's ValueError from inside the call), and that
+    backend asked for by name is a ``BackendLimitError`` naming the limit, before any work."""
+    triton = None if head_dim <= TRITON_MAX_HEAD_DIM else f"takes head_dim up to {TRITON_MAX_HEAD_DIM}, got {head_dim}"
+    return resolve_within_limits(decl, backend, device, {"native": head_dim_limit(head_dim), "triton": triton})
 
 
 def packed_backend() -> Backend:

@@ -236,8 +236,97 @@ def test_flops_counts_visible_query_key_pairs():
 
 def test_triton_rejects_head_dim_over_256():
     (q, k, v), cu, (pk, pv), cp, sg = _pack([2], [1], [0], 1, 1, 512)
-    with pytest.raises(ValueError, match="head_dim 512"):
+    with pytest.raises(ValueError, match="the triton backend takes head_dim up to 256, got 512"):
         prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton")
+
+
+def _paged(cu, pk, pv, cp, sg, bs=16):
+    """The packed prefixes of ``_pack`` in pages of ``bs`` tokens (group g's pages after g-1's):
+    (k_cache, v_cache, block_table, prefix_lens) for ``prefix_shared_attention_paged``."""
+    lens = (cp[1:] - cp[:-1]).tolist()
+    nblk = [-(-n // bs) for n in lens]
+    Hkv, d = pk.shape[1], pk.shape[2]
+    kc, vc = pk.new_zeros(sum(nblk) + 1, bs, Hkv, d), pv.new_zeros(sum(nblk) + 1, bs, Hkv, d)
+    bt = torch.zeros(len(lens), max(nblk + [1]), dtype=torch.int32)
+    first = 0
+    for g, (n, nb) in enumerate(zip(lens, nblk)):
+        bt[g, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+        rows = torch.arange(n)
+        kc[first + rows // bs, rows % bs] = pk[int(cp[g]):int(cp[g]) + n]
+        vc[first + rows // bs, rows % bs] = pv[int(cp[g]):int(cp[g]) + n]
+        first += nb
+    return kc, vc, bt.to(pk.device), torch.tensor(lens, dtype=torch.int32, device=pk.device)
+
+
+@pytest.mark.parametrize("d", [256, 264])
+def test_triton_default_takes_torch_past_its_head_dim_limit(d, monkeypatch):
+    """CUDA's default attention backend is triton, whose kernel takes head_dim <= 256: a Qwen3 of
+    head_dim 264 raised the kernel's ValueError from inside the call. Past the limit the default
+    walks on to "torch" (packed and paged ops, with and without a plan) and equals the oracle; at
+    256 triton runs. "triton" asked for by name (argument or ACARERANK_BACKEND) is a
+    BackendLimitError (a ValueError) naming the limit, before any work. Off a GPU, the CPU default
+    list is made CUDA's (triton, torch) and triton runs under the interpreter."""
+    from acarerank.ops import (BackendLimitError, paged_attention, plan_prefix_shared_attention,
+                               plan_prefix_shared_attention_paged, prefix_shared_attention_paged)
+    from acarerank.ops import attention, cpu_attention
+
+    monkeypatch.delenv("ACARERANK_BACKEND", raising=False)
+    for decl in (attention.OP, paged_attention.OP):  # the selection on a CUDA device, no tensor needed
+        assert decl.defaults["cuda"][0] == "triton"
+        assert cpu_attention.resolve(decl, None, torch.device("cuda"), d) == ("triton" if d <= 256 else "torch")
+        monkeypatch.setitem(decl.defaults, DEVICE, ("triton", "torch"))
+    want = "triton" if d <= 256 else "torch"
+    ran = []
+    real = attention.OP.impl.__func__
+
+    def impl(self, name):  # records the backends that run (why_not loads them too, without running)
+        fn = real(self, name)
+
+        def recorded(*args, **kw):
+            ran.append((self.name, name))
+            return fn(*args, **kw)
+        return recorded
+
+    monkeypatch.setattr(type(attention.OP), "impl", impl)
+    torch.manual_seed(0)
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([3, 1, 2], [5, 17], [0, 1, 1], 4, 2, d)
+    kc, vc, bt, pl = _paged(cu, pk, pv, cp, sg)
+    ref = prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg)
+    plan = plan_prefix_shared_attention(cu, cp, sg, num_tokens=q.shape[0], num_q_heads=4, num_kv_heads=2,
+                                        head_dim=d, dtype=q.dtype)
+    pplan = plan_prefix_shared_attention_paged(cu, bt, pl, sg, num_heads=4, num_kv_heads=2, head_dim=d,
+                                               block_size=16, num_blocks=kc.shape[0], dtype=q.dtype)
+    assert plan.backend == pplan.backend == want
+    for name, out in (("packed", prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg)),
+                      ("packed, plan", prefix_shared_attention(q, k, v, None, pk, pv, None, None, plan=plan)),
+                      ("paged", prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, pl, sg)),
+                      ("paged, plan", prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, pl, sg, plan=pplan))):
+        _assert_close_fp32(out, ref, name)
+    assert {b for _, b in ran} == {want}, ran
+    if d <= 256:
+        return
+    limit = f"the triton backend takes head_dim up to 256, got {d}; use the 'torch' backend"
+    ran.clear()
+    for call in (lambda: prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend="triton"),
+                 lambda: prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, pl, sg, backend="triton"),
+                 lambda: plan_prefix_shared_attention(cu, cp, sg, num_tokens=q.shape[0], num_q_heads=4,
+                                                      num_kv_heads=2, head_dim=d, dtype=q.dtype,
+                                                      backend={"attention": "triton"})):
+        with pytest.raises(BackendLimitError, match=limit) as e:
+            call()
+        assert isinstance(e.value, ValueError) and isinstance(e.value, BackendError)
+    monkeypatch.setenv("ACARERANK_BACKEND", "triton")
+    with pytest.raises(BackendLimitError, match=limit):
+        prefix_shared_attention_paged(q, k, v, cu, kc, vc, bt, pl, sg)
+    assert ran == [], ran
+
+
+def test_triton_max_head_dim_is_the_kernels():
+    """``TRITON_MAX_HEAD_DIM`` (what the ops' choice reads) is the Triton kernel's own limit."""
+    from acarerank.kernels.prefix_shared_attention import _MAX_HEAD_DIM
+    from acarerank.ops.cpu_attention import TRITON_MAX_HEAD_DIM
+
+    assert TRITON_MAX_HEAD_DIM == _MAX_HEAD_DIM
 
 
 _SM90_COMPILE = r"""
