@@ -77,6 +77,9 @@ class Qwen3Arch:
         _check_no_sliding_window(get, get("num_hidden_layers"))
         defaulted = tuple(k for k in QWEN3_SHAPE_DEFAULTS if not has(k))
         head_dim = positive_int("config field 'head_dim'", get("head_dim", QWEN3_SHAPE_DEFAULTS["head_dim"]))
+        if head_dim % 2:  # RoPE rotates the two halves of a head into each other
+            raise ValueError(f"config field 'head_dim' must be even (RoPE rotates a head's two halves), got {head_dim} "
+                             "(transformers' Qwen3Config refuses it too)")
         kv_heads = get("num_key_value_heads", QWEN3_SHAPE_DEFAULTS["num_key_value_heads"])
         kv_heads = heads if kv_heads is None else positive_int("config field 'num_key_value_heads'", kv_heads)
         arch = cls(

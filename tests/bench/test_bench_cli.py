@@ -100,6 +100,8 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     (["--override", "hidden_size=-1"], "config field 'hidden_size' must be a positive int, got -1"),
     (["--override", "hidden_size=nan"], "config field 'hidden_size' must be a positive int, got nan"),
     (["--workload", "agent", "--override", "head_dim=0"], "config field 'head_dim' must be a positive int, got 0"),
+    # transformers' StrictDataclassClassValidationError after the set-up (exit 1)
+    (["--override", "head_dim=7"], "config field 'head_dim' must be even (RoPE rotates a head's two halves), got 7"),
     # Qwen3Config kept an unknown keyword as an unread attribute: the preset ran unchanged
     (["--override", "num_hidden_layer=1"], "unknown Qwen3Config field(s) in the overrides: 'num_hidden_layer' "
                                            "(did you mean 'num_hidden_layers'?)"),

@@ -194,6 +194,15 @@ def test_shape_field_transformers_cannot_build_is_refused(saved, field, value, t
         PointwiseReranker.from_pretrained(str(ckpt))
 
 
+def test_odd_head_dim_is_refused(saved, tmp_path):
+    """RoPE rotates a head's two halves into each other: an odd head_dim has no such halves
+    (transformers' Qwen3Config refuses it; it is named before any tensor is read)."""
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, head_dim=7)
+    with pytest.raises(CheckpointError, match=r"config\.json: config field 'head_dim' must be even .*got 7"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
 def test_absent_num_key_value_heads_that_cannot_divide_is_named(saved, tmp_path):
     ckpt = shutil.copytree(saved, tmp_path / "c")
     _edit_config(ckpt, drop=["num_key_value_heads"])
