@@ -78,15 +78,12 @@ class RerankReplica:
         default): raising marks it unhealthy and Ray replaces it with a fresh one. The rule of
         ``GET /health`` (``probes.health_problem``): a dead or stopped engine, or, when
         ``health_max_pass_s`` is set, one model step running longer than that. Without this a dead
-        engine would answer 503 to every request routed to it for as long as the replica lived."""
+        engine would answer 503 to every request routed to it for as long as the replica lived.
+        The ingress's ``/ready`` calls it on every replica too (``RemoteService.readiness``): Ray
+        takes a replica out of routing only after three failed checks. Never waits for the model."""
         problem = health_problem(self.service.health(), self.health_max_pass_s)
         if problem is not None:
             raise RuntimeError(f"replica {self.replica}: {problem}")
-
-    async def health(self) -> dict:
-        """This replica's engine ``health()`` (state, busy_s, iterations, reason) and its id: the
-        ingress's ``/ready`` asks every replica (``RemoteService.readiness``). Never waits for the model."""
-        return dict(self.service.health(), replica=self.replica)
 
     async def call(self, method: str, body: dict):
         """(status, JSON body, headers) of ``rerank`` or ``select``; errors as values, not exceptions."""
@@ -109,6 +106,14 @@ class RerankReplica:
         service = getattr(self, "service", None)
         if service is not None:
             service.stop()
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    """One line for an exception a replica raised: its cause's type and message (Ray wraps it in a
+    ``RayTaskError`` whose text holds the whole remote traceback), cut at ``limit`` characters."""
+    cause = getattr(exc, "cause", None) or exc
+    text = f"{type(cause).__name__}: {cause}".splitlines()[0] if str(cause) else type(cause).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class RemoteService:
@@ -136,9 +141,10 @@ class RemoteService:
     async def readiness(self) -> Optional[str]:
         """None while at least one engine replica can serve; else why not (the ``/ready`` 503).
 
-        One broadcast of ``RerankReplica.health`` to every replica the handle's router knows, shared
-        by all the probes of ``READY_PROBE_TTL_S`` seconds (a single probe in flight); awaited, so
-        the event loop never blocks on it."""
+        One broadcast of ``RerankReplica.check_health`` (the rule of ``/health`` and of Ray's own
+        health check) to every replica the handle's router knows, shared by all the probes of
+        ``READY_PROBE_TTL_S`` seconds (a single probe in flight); awaited, so the event loop never
+        blocks on it."""
         if self._probed is not None and time.monotonic() - self._probed[0] < READY_PROBE_TTL_S:
             return self._probed[1]
         if self._probing is None or self._probing.done():
@@ -147,26 +153,19 @@ class RemoteService:
 
     async def _probe_replicas(self) -> Optional[str]:
         try:
-            answers = await self.handle.broadcast("health").results_async(
+            answers = await self.handle.broadcast("check_health").results_async(
                 timeout_s=READY_PROBE_TIMEOUT_S, return_exceptions=True)
         except DeploymentUnavailableError as e:   # no replica running (all gone, or starting)
             problem = f"no engine replica is running ({e})"
         except TimeoutError:
             problem = f"the engine replicas did not all answer the readiness probe within {READY_PROBE_TIMEOUT_S:g} s"
         except RayError as e:
-            problem = f"the engine replicas could not be probed ({type(e).__name__}: {e})"
+            problem = f"the engine replicas could not be probed ({_short(e)})"
         else:
-            problems = []
-            for h in answers:
-                if isinstance(h, BaseException):   # a replica that died since the router last heard
-                    problems.append(f"{type(h).__name__}: {h}")
-                    continue
-                why = health_problem(h)
-                if why is None:
-                    problems = None
-                    break
-                problems.append(f"replica {h.get('replica', '?')}: {why}")
-            problem = None if problems is None else \
+            # check_health returns None for a replica that can serve, raises why not (or the replica
+            # is gone: ActorDiedError)
+            problems = [_short(a) for a in answers if isinstance(a, BaseException)]
+            problem = None if len(problems) < len(answers) else \
                 f"no engine replica can serve ({len(answers)} probed: {'; '.join(problems)})"
         self._probed = (time.monotonic(), problem)
         return problem
@@ -192,7 +191,7 @@ class RemoteService:
         except (DeploymentUnavailableError, ReplicaUnavailableError, RayActorError) as e:
             # no replica, or the one routed to died under the request: the server's state, not this
             # request's fault (once a 500 "internal error: ActorDiedError"); a retry reaches a live one
-            raise APIError(503, f"no engine replica could answer ({type(e).__name__}: {e}); retry",
+            raise APIError(503, f"no engine replica could answer ({_short(e)}); retry",
                            {"Retry-After": "1"}) from None
         if status != 200:
             raise APIError(status, body["error"]["message"], headers=extra, type=body["error"]["type"])

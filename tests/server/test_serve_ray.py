@@ -148,7 +148,7 @@ class _Handle:
         self.answers, self.call_error, self.broadcasts = answers, call_error, 0
 
     def broadcast(self, method):
-        assert method == "health"
+        assert method == "check_health"
         self.broadcasts += 1
         return _Broadcast(self.answers)
 
@@ -169,8 +169,14 @@ class _Handle:
         return Response()
 
 
-def _h(state="idle", **kw):
-    return dict(state=state, busy_s=kw.pop("busy_s", 0.0), iterations=3, replica=kw.pop("replica", "r1"), **kw)
+def _unhealthy(problem, replica="r1"):
+    """What a replica's check_health raises, as Ray hands it to the caller (a RayTaskError whose text
+    holds the remote traceback)."""
+    return ray.exceptions.RayTaskError("check_health", "Traceback (most recent call last):\n ...",
+                                       RuntimeError(f"replica {replica}: {problem}")).as_instanceof_cause()
+
+
+HEALTHY = None   # check_health's answer for an engine that can serve
 
 
 def _ready(handle):
@@ -178,45 +184,48 @@ def _ready(handle):
         return httpx.get(base + "/ready", timeout=10)
 
 
+_NO_DEPLOYMENT = ray.serve.exceptions.DeploymentUnavailableError(
+    ray.serve._private.common.DeploymentID("RerankReplica", "app"))
+
+
 @pytest.mark.parametrize("answers, problem", [
-    ([_h("dead", reason="the canary failed too"), _h("stopped", replica="r2")],
-     "replica r1: engine dead: the canary failed too; replica r2: engine stopped"),
+    ([_unhealthy("engine dead: the canary failed too"), _unhealthy("engine stopped", "r2")],
+     "RuntimeError: replica r1: engine dead: the canary failed too; RuntimeError: replica r2: engine stopped"),
     ([ray.exceptions.ActorDiedError()], "ActorDiedError"),
     ([], "0 probed"),
-    (ray.serve.exceptions.DeploymentUnavailableError(ray.serve._private.common.DeploymentID("RerankReplica", "app")),
-     "no engine replica is running"),
+    (_NO_DEPLOYMENT, "no engine replica is running"),
     (TimeoutError("Timed out waiting for broadcast results."), "did not all answer the readiness probe"),
 ])
 def test_front_is_unready_while_no_replica_can_serve(answers, problem):
     """The front's /ready was 200 whatever its replicas were (RemoteService.ready = True)."""
     r = _ready(_Handle(answers))
     assert r.status_code == 503 and problem in r.json()["error"]["message"], r.text
+    assert "Traceback" not in r.text, "the remote traceback went into the probe's answer"
 
 
-@pytest.mark.parametrize("answers", [[_h("dead", reason="x"), _h("idle", replica="r2")],
-                                     [_h("busy", busy_s=600.0)]])
+@pytest.mark.parametrize("answers", [[_unhealthy("engine dead: x"), HEALTHY], [HEALTHY]])
 def test_front_is_ready_while_one_replica_can_serve(answers):
     """One engine serving is enough (requests of a dead one's contexts go to the next on the ring
-    once Ray replaces it); a long pass is legitimate, as on /health."""
+    once Ray replaces it)."""
     r = _ready(_Handle(answers))
     assert r.status_code == 200 and r.json()["status"] == "ready", r.text
 
 
 def test_front_probes_the_replicas_at_most_once_per_ttl(monkeypatch):
-    handle = _Handle([_h()])
+    handle = _Handle([HEALTHY])
     monkeypatch.setattr(ray_serve, "READY_PROBE_TTL_S", 0.5)
     with thread_server(create_app(RemoteService(handle, "m"))) as base:
         for _ in range(5):
             assert httpx.get(base + "/ready", timeout=10).status_code == 200
         assert handle.broadcasts == 1, handle.broadcasts
-        handle.answers = [_h("dead", reason="gone bad")]
+        handle.answers = [_unhealthy("engine dead: gone bad")]
         time.sleep(0.6)
         r = httpx.get(base + "/ready", timeout=10)
         assert r.status_code == 503 and "gone bad" in r.text and handle.broadcasts == 2, r.text
 
 
 def test_concurrent_probes_share_one_broadcast():
-    handle = _Handle([_h()])
+    handle = _Handle([HEALTHY])
     service = RemoteService(handle, "m")
 
     async def main():
@@ -225,9 +234,7 @@ def test_concurrent_probes_share_one_broadcast():
     assert asyncio.run(main()) == [None] * 8 and handle.broadcasts == 1
 
 
-@pytest.mark.parametrize("error", [ray.exceptions.ActorDiedError(),
-                                   ray.serve.exceptions.DeploymentUnavailableError(
-                                       ray.serve._private.common.DeploymentID("RerankReplica", "app"))])
+@pytest.mark.parametrize("error", [ray.exceptions.ActorDiedError(), _NO_DEPLOYMENT])
 def test_a_replica_gone_under_a_request_is_a_503(error):
     """Was the app's catch-all 500 "internal error: ActorDiedError": no fault of the request."""
     with thread_server(create_app(RemoteService(_Handle(call_error=error), "m"))) as base:
