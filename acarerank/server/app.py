@@ -11,7 +11,8 @@ Endpoints (see ``schemas.py`` for the bodies):
                                            step has run); 503 once the engine is dead, or with
                                            ``?max_pass_s=S`` when a step has run longer than S
 ``GET /ready``                             200 once weights are loaded and a warm-up pass ran;
-                                           503 before that, while draining and once dead
+                                           503 before that, while draining and once dead (on
+                                           Ray Serve's front: while no engine replica can serve)
 ``GET /v1/models``                         the one model, OpenAI list shape
 ``GET /metrics``                           Prometheus text format
 =========================================  ===================================================
@@ -162,6 +163,10 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
             return JSONResponse(error_body(503, "draining"), status_code=503)
         if not service.ready:
             return JSONResponse(error_body(503, "loading: weights or warm-up pass not done yet"), status_code=503)
+        readiness = getattr(service, "readiness", None)   # engines elsewhere (Ray Serve's front): ask them
+        problem = await readiness() if readiness is not None else None
+        if problem is not None:
+            return JSONResponse(error_body(503, problem), status_code=503)
         return {"status": "ready", "model": service.model_name}
 
     @app.get("/v1/models")

@@ -39,7 +39,8 @@ pass); each failure is an ``EngineFault`` with an error id, one log line and
 handling (a bug of ours) fails every job it held — scoring, selections, queued calls — and the
 loop goes on. ``canary_after`` requests failed by the model in a row (no scoring pass or selection
 step succeeded in between), or as many failed iterations in a row, run the ``canary`` request alone
-(``_run_canary``): if it fails too, the engine is broken, not the requests. Anything that escapes
+(``_run_canary``): if it fails too, the engine is broken, not the requests (a canary out of memory
+runs once more after cached memory is freed). Anything that escapes
 the loop itself (``BaseException`` included: ``KeyboardInterrupt``, ``SystemExit``, a failed
 canary) kills the engine: every waiting and later job fails with ``EngineDead`` at once and
 ``on_dead`` callbacks run.
@@ -48,9 +49,11 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import gc
 import itertools
 import logging
 import math
+import sys
 import threading
 import time
 import traceback
@@ -141,8 +144,21 @@ class EngineFault(RuntimeError):
 
 
 def _is_oom(exc: BaseException) -> bool:
-    """An out-of-memory error (host ``MemoryError`` or torch's device ``OutOfMemoryError``)."""
+    """An out-of-memory error (host ``MemoryError`` or torch's device ``OutOfMemoryError``), or an
+    ``EngineFault`` that one caused."""
+    if isinstance(exc, EngineFault):
+        exc = exc.__cause__
     return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+
+
+def _free_cached_memory() -> None:
+    """Collect garbage and give torch's cached device blocks back (``torch.cuda.empty_cache``) when
+    torch has initialised CUDA: after out-of-memory errors the caching allocator can hold enough
+    free but fragmented blocks that a small request fails while the device has room for it."""
+    gc.collect()
+    torch = sys.modules.get("torch")   # no import: the engine itself never needs torch
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 class _FailureLog:
@@ -448,12 +464,24 @@ class Engine:
         requests' own: the counts start again."""
         self._in_canary = True
         try:
-            run()
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001 - out of memory: freed, once more; anything else: broken
+                if not _is_oom(e):
+                    raise
+                # memory the failed requests or a neighbour held, or a fragmented cache, is no broken
+                # engine: one more run once the cached memory is freed (docs/serving.md, "A broken
+                # engine is found"); out of memory again for one short document is
+                self._failure_log("engine canary ran out of memory (%s: %s); freeing cached memory and running "
+                                  "it once more", type(e).__name__, e)
+                _free_cached_memory()
+                run()
         except Exception as e:  # noqa: BLE001 - the engine cannot score a request known to score
             if self.metrics is not None:
                 self.metrics.canary.labels("failed").inc()
+            again = " (run twice: out of memory both times, cached memory freed between)" if _is_oom(e) else ""
             raise _Broken(f"the engine is broken: {why}, then a known-good canary request run alone failed "
-                          f"too ({type(e).__name__}: {e})") from e
+                          f"too{again} ({type(e).__name__}: {e})") from e
         finally:
             self._in_canary = False
         if self.metrics is not None:
@@ -473,6 +501,9 @@ class Engine:
     def _canary_iteration(self) -> None:
         """The canary as the only job of one scheduler iteration (the failed iteration left no other;
         new arrivals wait in the inbox): the loop's own code, not only the model's, must answer it."""
+        # the failed iteration failed every job it held: what is left is a previous run's canary (out of
+        # memory, run once more), whose pages go back here
+        self._fail_in_flight(EngineStopped("the canary runs again"))
         job = _ScoreJob(enc=self.canary, future=concurrent.futures.Future(), submitted=time.perf_counter(),
                         scores=[0.0] * len(self.canary.segment_ids), rid="canary", canary=True)
         self._active = [job]   # on failure it stays there: _die gives its pages back with the others'

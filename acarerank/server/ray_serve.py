@@ -8,7 +8,8 @@ Two deployments:
   hitting; when that replica is saturated Ray falls back to the next one on the ring.
 * ``RerankIngress`` — the HTTP app of ``app.py`` unchanged (routes, schemas, ``gate.py``, errors,
   metrics of its own requests), whose service forwards each parsed request to the replicas
-  with ``session_id = routing_key(request)``.
+  with ``session_id = routing_key(request)``. Its ``/ready`` asks every replica's engine
+  (``RemoteService.readiness``): 503 while none can serve (docs/serving.md, "Past one machine").
 
 The routing key is the stable part of a request's context: ``cache_salt``, ``question`` and
 ``instruction``, the same on every call of an agent session (the trace is left out: it grows
@@ -22,10 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from typing import Optional
 
 from ray import serve
+from ray.exceptions import RayActorError, RayError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from .app import create_app
 from .build import build_service
@@ -38,6 +42,12 @@ from .schemas import RerankRequest, SelectRequest
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 REPLICA_HEADER = "x-acarerank-replica"
+#: the ingress's ``/ready`` answers from a probe of the replicas at most this old (seconds): a
+#: probe every second at most per ingress, however often the orchestrator asks
+READY_PROBE_TTL_S = 1.0
+#: a probe whose replicas have not all answered by then is a 503: a replica answers its ``health``
+#: on its event loop, never waiting for the model, in milliseconds
+READY_PROBE_TIMEOUT_S = 5.0
 
 
 def routing_key(req) -> Optional[str]:
@@ -68,7 +78,9 @@ class RerankReplica:
         default): raising marks it unhealthy and Ray replaces it with a fresh one. The rule of
         ``GET /health`` (``probes.health_problem``): a dead or stopped engine, or, when
         ``health_max_pass_s`` is set, one model step running longer than that. Without this a dead
-        engine would answer 503 to every request routed to it for as long as the replica lived."""
+        engine would answer 503 to every request routed to it for as long as the replica lived.
+        The ingress's ``/ready`` calls it on every replica too (``RemoteService.readiness``): Ray
+        takes a replica out of routing only after three failed checks. Never waits for the model."""
         problem = health_problem(self.service.health(), self.health_max_pass_s)
         if problem is not None:
             raise RuntimeError(f"replica {self.replica}: {problem}")
@@ -96,15 +108,67 @@ class RerankReplica:
             service.stop()
 
 
-class RemoteService:
-    """The ingress's service: forwards parsed requests to ``RerankReplica`` through a handle."""
+def _short(exc: BaseException, limit: int = 300) -> str:
+    """One line for an exception a replica raised: its cause's type and message (Ray wraps it in a
+    ``RayTaskError`` whose text holds the whole remote traceback), cut at ``limit`` characters."""
+    cause = getattr(exc, "cause", None) or exc
+    text = f"{type(cause).__name__}: {cause}".splitlines()[0] if str(cause) else type(cause).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
-    ready = True  # Ray sends traffic to a replica only after its constructor (and warm-up) returned
+
+class RemoteService:
+    """The ingress's service: forwards parsed requests to ``RerankReplica`` through a handle.
+
+    ``/ready`` asks the replicas (``readiness``): Ray keeps a replica whose engine died in its
+    routing table until three of its health checks failed (30 s and more at Ray's defaults), and
+    while it restarts every replica none runs; all that time requests would get 503s from a front
+    that said it was ready."""
+
+    ready = True  # loaded: the ingress is built after a replica answered; whether one can serve is readiness()
 
     def __init__(self, handle, model_name: str):
         self.handle = handle
         self.model_name = model_name
         self.metrics = ServerMetrics()
+        self._probed: Optional[tuple] = None        # (monotonic time, problem or None) of the last probe
+        self._probing: Optional[asyncio.Future] = None
+
+    def health(self) -> dict:
+        """``/health`` on the front: its own liveness (it runs); the engines' is Ray's ``check_health``
+        of each replica, and whether any can serve is ``/ready``."""
+        return dict(state="ingress", busy_s=0.0)
+
+    async def readiness(self) -> Optional[str]:
+        """None while at least one engine replica can serve; else why not (the ``/ready`` 503).
+
+        One broadcast of ``RerankReplica.check_health`` (the rule of ``/health`` and of Ray's own
+        health check) to every replica the handle's router knows, shared by all the probes of
+        ``READY_PROBE_TTL_S`` seconds (a single probe in flight); awaited, so the event loop never
+        blocks on it."""
+        if self._probed is not None and time.monotonic() - self._probed[0] < READY_PROBE_TTL_S:
+            return self._probed[1]
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.ensure_future(self._probe_replicas())
+        return await asyncio.shield(self._probing)   # a probe client that leaves does not cancel it
+
+    async def _probe_replicas(self) -> Optional[str]:
+        try:
+            answers = await self.handle.broadcast("check_health").results_async(
+                timeout_s=READY_PROBE_TIMEOUT_S, return_exceptions=True)
+        except DeploymentUnavailableError as e:   # no replica running (all gone, or starting)
+            problem = f"no engine replica is running ({e})"
+        except TimeoutError:
+            problem = f"the engine replicas did not all answer the readiness probe within {READY_PROBE_TIMEOUT_S:g} s"
+        except RayError as e:
+            problem = f"the engine replicas could not be probed ({_short(e)})"
+        else:
+            # check_health returns None for a replica that can serve, raises why not (or the replica
+            # is gone: ActorDiedError)
+            problems = [_short(a) for a in answers if isinstance(a, BaseException)]
+            problem = None if len(problems) < len(answers) else \
+                f"no engine replica can serve ({len(answers)} probed: {'; '.join(problems)})"
+        self._probed = (time.monotonic(), problem)
+        return problem
 
     async def rerank(self, req: RerankRequest, is_disconnected, headers: Optional[dict] = None):
         return await self._forward("rerank", req, is_disconnected, headers)
@@ -121,7 +185,14 @@ class RemoteService:
         async def result():
             return await response
 
-        status, body, extra = await wait_or_drop(asyncio.ensure_future(result()), is_disconnected, response.cancel)
+        try:
+            status, body, extra = await wait_or_drop(asyncio.ensure_future(result()), is_disconnected,
+                                                     response.cancel)
+        except (DeploymentUnavailableError, ReplicaUnavailableError, RayActorError) as e:
+            # no replica, or the one routed to died under the request: the server's state, not this
+            # request's fault (once a 500 "internal error: ActorDiedError"); a retry reaches a live one
+            raise APIError(503, f"no engine replica could answer ({_short(e)}); retry",
+                           {"Retry-After": "1"}) from None
         if status != 200:
             raise APIError(status, body["error"]["message"], headers=extra, type=body["error"]["type"])
         if headers is not None:

@@ -552,3 +552,92 @@ def test_iterations_that_fail_for_one_input_leave_the_engine_serving():
         assert eng.iteration_failures_in_a_row == 0
     finally:
         eng.stop(5)
+
+
+# -- the canary out of memory: freed and run once more, not a broken engine at once ---------------------
+class CanaryOom(FaultySteps):
+    """Requests tagged 100+ fail: their passes raise (``mode="model"``) or the release of their
+    prefix does (``"iteration"``, a scheduler bug); the canary's passes (tag 0) run out of memory
+    (``oom``) ``canary_ooms`` times, then score."""
+
+    def __init__(self, canary_ooms, mode="model", oom=MemoryError):
+        super().__init__(self._fault)
+        self.canary_ooms, self.mode, self.oom, self.handles = canary_ooms, mode, oom, []
+
+    def _fault(self, tags, tokens):
+        if self.mode == "model" and tags & set(range(100, 200)):
+            return RuntimeError("poisoned input")
+        if 0 in tags:
+            self.canary_ooms -= 1
+            if self.canary_ooms >= 0:
+                return self.oom("out of memory")
+        return None
+
+    def acquire_prefix(self, enc):
+        h = super().acquire_prefix(enc)
+        self.handles.append(h)
+        return h
+
+    def release_prefix(self, h):
+        if self.mode == "iteration" and h.tag >= 100:
+            raise RuntimeError(f"release bug for request {h.tag}")
+        super().release_prefix(h)
+
+    def canary_pinned(self):
+        return [h for h in self.handles if h.tag == 0 and id(h) in self.pinned]
+
+
+@pytest.mark.parametrize("oom", [MemoryError, "torch"])
+@pytest.mark.parametrize("mode", ["model", "iteration"])
+def test_a_canary_out_of_memory_once_is_freed_and_run_again(oom, mode, monkeypatch):
+    """Three requests failed in a row, then the canary ran out of memory once (the failed requests'
+    memory, a neighbour's, a fragmented cache): the engine died at once, a restart for a transient
+    error. Now the engine frees cached memory, runs the canary once more, it scores, and serving goes on."""
+    import torch
+    from acarerank.server import engine as engine_mod
+    freed = []
+    monkeypatch.setattr(engine_mod, "_free_cached_memory", lambda: freed.append(1))
+    steps = CanaryOom(1, mode, torch.OutOfMemoryError if oom == "torch" else oom)
+    metrics = ServerMetrics()
+    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
+    try:
+        out = one_by_one(eng, [100, 101, 102])
+        assert all(isinstance(out[t], EngineFault) for t in out), out
+        # served after the canary (an iteration's jobs are failed before its canary runs)
+        assert one_by_one(eng, [7])[7].scores == [7.002]
+        assert eng.dead is None, eng.dead
+        assert freed == [1] and [p for p in steps.passes if p == [0]] == [[0], [0]], steps.passes
+        assert canary_runs(metrics) == {"passed": 1, "failed": 0}
+    finally:
+        eng.stop(5)
+    assert not steps.canary_pinned(), "the canary's prefixes (its first run's included) left pinned"
+
+
+@pytest.mark.parametrize("mode", ["model", "iteration"])
+def test_a_canary_out_of_memory_twice_is_a_broken_engine(mode):
+    """Out of memory again for one short document, cached memory freed: nothing can be served, the
+    engine dies (503 everywhere, a restart) and its reason says the canary ran out of memory twice."""
+    steps = CanaryOom(2, mode)
+    metrics = ServerMetrics()
+    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
+    try:
+        out = one_by_one(eng, [100, 101, 102, 103])
+    finally:
+        eng.stop(5)
+    assert isinstance(out[103], EngineDead), out
+    assert eng.dead and "out of memory both times" in eng.dead and "MemoryError" in eng.dead, eng.dead
+    assert [p for p in steps.passes if p == [0]] == [[0], [0]], steps.passes
+    assert canary_runs(metrics) == {"passed": 0, "failed": 1}
+    assert not steps.canary_pinned(), "the canary's prefixes left pinned"
+
+
+def test_a_canary_that_fails_otherwise_is_not_run_again():
+    """Only out of memory earns the second run: a kernel error of the canary is a broken engine at once."""
+    steps = FaultySteps(lambda tags, tokens: RuntimeError("CUDA error: an illegal memory access"))
+    eng = Engine(steps, max_batch_tokens=1000, canary=CANARY, canary_after=3).start()
+    try:
+        one_by_one(eng, [1, 2, 3])
+    finally:
+        eng.stop(5)
+    assert eng.dead and "both times" not in eng.dead
+    assert [p for p in steps.passes if p == [0]] == [[0]], steps.passes

@@ -13,7 +13,10 @@ double that wraps the reranker's step methods (no switch in the package):
    work (shut down under a serving service) makes the service dead like a dead engine;
 7. a sticky fault (every pass raises) runs the canary after three failures, the canary fails and
    the service is dead (503 everywhere, at once); a client that sends only poisoned requests
-   runs a canary that passes, and the service stays healthy.
+   runs a canary that passes, and the service stays healthy;
+8. hostile mixes: a client that leaves while its documents are in a running pass (beside a
+   poisoned request or not), one failing selection among several queued, and GeneratorExit /
+   asyncio.CancelledError raised in model code (BaseExceptions: a dead, loud engine).
 """
 import logging
 import math
@@ -57,6 +60,9 @@ class FaultInjector:
         self.gate = threading.Event()
         self.gate.set()
         self.at_gate = threading.Event()
+        self.hold = None           # (substring, Event): a pass holding a query with it waits for the event
+        self.live = {}             # id -> query of the prefix handles acquired and not released
+        self.held = threading.Event()
         self.passes = []
         self._query = {}
         self._in_prefill = threading.local()
@@ -79,13 +85,21 @@ class FaultInjector:
         finally:
             self._in_prefill.layer = None
         self._query[id(h)] = enc.fault_query
+        self.live[id(h)] = enc.fault_query
         return h
+
+    def release_prefix(self, h):
+        self.rr.release_prefix(h)
+        self.live.pop(id(h), None)
 
     def score_segments(self, items):
         self.at_gate.set()
         assert self.gate.wait(60), "test gate never opened"
         self.at_gate.clear()
         queries = sorted({self._query[id(h)] for h, _ in items})
+        if self.hold is not None and any(self.hold[0] in q for q in queries):
+            self.held.set()
+            assert self.hold[1].wait(60), "test hold never released"
         self.passes.append(queries)
         if self.every_pass_fault is not None:
             raise self.every_pass_fault()
@@ -486,3 +500,109 @@ def test_a_client_sending_only_poisoned_requests_keeps_the_server_healthy(served
     assert_scores(httpx.post(base + "/v1/rerank", json=dict(query="clean", documents=DOCS), timeout=60),
                   reference.score("clean", DOCS), "a clean request after the poisoned ones")
     assert metrics(base)[("acarerank_engine_failures_in_a_row", (("kind", "model"),))] == 0
+
+
+# -- hostile cases: a fault beside a client that leaves, a selection among several, odd BaseExceptions ---
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_a_client_leaving_mid_pass_costs_the_others_nothing(served, reference, poisoned):
+    """A client gives up while its documents are in a running pass (and, with ``poisoned``, the pass
+    also fails for another request and is bisected): the others get their offline scores, the culprit
+    its 500, the leaver a 499, and every page goes back."""
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    inj.pass_fault = lambda: RuntimeError("injected kernel fault")
+    release = threading.Event()
+    inj.hold = ("leaving", release)
+    queries = ["leaving query", "tutor question one", "bread question three"] + ([f"{POISON} q"] if poisoned else [])
+    inj.gate.clear()
+    blocker, out = post_all(base, ["blocker query"])
+    assert inj.at_gate.wait(30)
+    leaving = {}
+
+    def leave():
+        try:
+            httpx.post(base + "/v1/rerank", json=dict(query="leaving query", documents=DOCS), timeout=1.5)
+        except httpx.TimeoutException as e:
+            leaving["gone"] = e
+
+    threads = [threading.Thread(target=leave)]
+    threads[0].start()
+    more_threads, more = post_all(base, queries[1:])
+    deadline = time.monotonic() + 30
+    while svc.engine.num_jobs < 1 + len(queries) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert svc.engine.num_jobs == 1 + len(queries), "the requests never queued behind the blocker"
+    inj.gate.set()
+    assert inj.held.wait(30), "the leaver's pass never ran"
+    threads[0].join(30)
+    assert "gone" in leaving, "the leaving client got an answer"
+    deadline = time.monotonic() + 10
+    while not any(j.cancelled for j in svc.engine._active) and time.monotonic() < deadline:
+        time.sleep(0.01)   # the server notices within its disconnect poll
+    release.set()
+    for t in blocker + more_threads:
+        t.join(60)
+    assert any("leaving query" in p and len(p) == len(queries) for p in inj.passes), inj.passes
+    for q in queries[1:]:
+        if POISON in q:
+            assert more[q].status_code == 500 and "error id" in more[q].text, more[q].text
+        else:
+            assert_scores(more[q], reference.score(q, DOCS), f"{q!r} beside a client that left mid-pass")
+    deadline = time.monotonic() + 10
+    while svc.engine.num_jobs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not inj.live, f"prefixes left pinned after a client left mid-pass: {inj.live}"
+    assert svc.admitted == 0
+
+
+def test_a_failing_selection_among_several_fails_alone(served, model):
+    """Three selections queued at once, the middle one raising in its decode: the other two get the
+    offline selection, the middle one its 500; the selections' pages go back."""
+    base, sel, sr = served["base"], served["sel"], served["sr"]
+    docs = ["tutor hints", "bread", "rivers", "agent traces"]
+    sel.fault = RuntimeError("injected decode fault")
+    queries = ["which helps a tutor?", f"{POISON} which?", "which is about rivers?"]
+    out = {}
+
+    def one(q):
+        out[q] = httpx.post(base + "/v1/select", json=dict(query=q, documents=docs, max_select=2), timeout=120)
+
+    threads = [threading.Thread(target=one, args=(q,)) for q in queries]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    ref_rr = PointwiseReranker(model=model)
+    ref = SetwiseReranker(runner=ref_rr.runner, tokenizer=ref_rr.tokenizer)
+    for q in queries:
+        r = out[q]
+        if POISON in q:
+            assert r.status_code == 500 and "injected decode fault" in r.text and "error id" in r.text, r.text
+            continue
+        want = ref.select(q, docs, max_select=2)
+        assert r.status_code == 200 and r.json()["indices"] == want.indices and r.json()["text"] == want.text, r.text
+    pool = sr._cache_slot.get().pool
+    assert all(c <= 1 for c in pool.refcount), "a selection left pages pinned beyond the tree's"
+
+
+@pytest.mark.parametrize("fault", [GeneratorExit, StopIteration, "cancelled"])
+def test_odd_exceptions_in_model_code(served, reference, fault):
+    """A ``GeneratorExit`` or ``asyncio.CancelledError`` (BaseExceptions, not Exceptions) raised in a
+    model call ends the scheduler loop: the engine is dead and loud (503 everywhere, probes 503), as
+    for SystemExit. A ``StopIteration`` is an ordinary Exception: that request's 500, the others scored."""
+    import asyncio
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    exc_type = asyncio.CancelledError if fault == "cancelled" else fault
+    inj.pass_fault = lambda: exc_type("injected")
+    out = hold_then_send(served, [f"{POISON} request", "an innocent waiting request"])
+    if exc_type is StopIteration:
+        assert out[f"{POISON} request"].status_code == 500, out[f"{POISON} request"].text
+        assert_scores(out["an innocent waiting request"], reference.score("an innocent waiting request", DOCS),
+                      "beside a StopIteration")
+        assert svc.dead is None and httpx.get(base + "/ready", timeout=5).status_code == 200
+        return
+    for q in (f"{POISON} request", "an innocent waiting request"):
+        assert out[q].status_code == 503 and exc_type.__name__ in out[q].json()["error"]["message"], out[q].text
+    for path in ("/health", "/ready"):
+        r = httpx.get(base + path, timeout=5)
+        assert r.status_code == 503 and exc_type.__name__ in r.json()["error"]["message"], f"{path}: {r.text}"
+    assert svc.admitted == 0

@@ -2,9 +2,15 @@
 
 Checks that requests of one context (same cache_salt and question, growing trace) always land on
 the same replica, that context-free traffic still works, that scores equal the offline
-reranker's, and that errors keep their code and shape through Ray. Starting Ray, Serve and three
-replica processes dominates: ~50 s on 2 quiet cores (2+ min on a loaded machine).
+reranker's, that errors keep their code and shape through Ray, and that the front's /ready turns
+503 once no replica's engine can serve (stopped engines, then killed replicas) and 200 again once
+Ray has replaced them. Starting Ray, Serve and three replica processes dominates: ~50 s on 2 quiet cores
+(2+ min on a loaded machine). The front's readiness rules themselves run without Ray, over a
+stand-in handle.
 """
+import asyncio
+import time
+
 import pytest
 from _optional import require
 
@@ -17,7 +23,10 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from acarerank import PointwiseReranker  # noqa: E402
-from acarerank.server.ray_serve import REPLICA_HEADER, build_app  # noqa: E402
+from acarerank.server import create_app  # noqa: E402
+from acarerank.server import ray_serve  # noqa: E402
+from acarerank.server.ray_serve import REPLICA_HEADER, RemoteService, build_app  # noqa: E402
+from serve_util import thread_server  # noqa: E402
 
 DOCS = ["the tutor gives hints", "a recipe for bread", "setwise rerankers select documents", "weather today"]
 
@@ -78,6 +87,160 @@ def test_context_affinity_scores_and_errors(ray_app):
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
         r = c.post("/v1/rerank", json=dict(query=3, documents=["a"]))
         assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error", r.text
+
+
+def wait_for_status(url, status, timeout=60.0):
+    """Poll ``url`` until it answers ``status``; the last response."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(url, timeout=10)
+        if r.status_code == status or time.monotonic() > deadline:
+            return r
+        time.sleep(0.1)
+
+
+def test_front_is_unready_once_no_replica_can_serve(ray_app):
+    """Ray keeps a replica whose engine stopped or died in its routing table until three health
+    checks failed (30 s and more), and a killed one until its controller notices: the front's
+    /ready said 200 all that time while requests failed (503) or waited. Runs after the test above
+    (the module's replicas are replaced here)."""
+    base, _ = ray_app
+    replicas = serve.get_deployment_handle("RerankReplica", app_name="acarerank")
+    assert httpx.get(base + "/ready", timeout=10).status_code == 200
+    # every engine stopped (a replica's __del__ stops its service), the replicas still running
+    replicas.broadcast("__del__").results(timeout_s=60)
+    t0 = time.monotonic()
+    r = wait_for_status(base + "/ready", 503)
+    assert r.status_code == 503 and "engine stopped" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < 10, "the front took more than its probe's age to notice"
+    r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=DOCS[:2]), timeout=60)
+    assert r.status_code == 503, r.text
+    assert httpx.get(base + "/health", timeout=10).status_code == 200, "the front itself is alive"
+    # the replicas gone: killed, before Ray's controller has replaced them
+    for name in ray.util.list_named_actors(all_namespaces=True):
+        if "RerankReplica" in name["name"]:
+            ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
+    r = httpx.get(base + "/ready", timeout=10)
+    assert r.status_code == 503, r.text
+    # a request meanwhile waits for the replicas Ray starts in their place; then the front is ready again
+    r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=DOCS[:2]), timeout=120)
+    assert r.status_code == 200, r.text
+    r = wait_for_status(base + "/ready", 200, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+# -- the front's /ready without Ray: a stand-in handle -------------------------------------------------
+class _Broadcast:
+    def __init__(self, answers):
+        self.answers = answers
+
+    async def results_async(self, timeout_s=None, return_exceptions=False):
+        assert return_exceptions and timeout_s is not None
+        if isinstance(self.answers, BaseException):
+            raise self.answers
+        return list(self.answers)
+
+
+class _Handle:
+    """What RemoteService uses of a DeploymentHandle: ``broadcast`` (counted) and ``options().remote()``."""
+
+    def __init__(self, answers=(), call_error=None):
+        self.answers, self.call_error, self.broadcasts = answers, call_error, 0
+
+    def broadcast(self, method):
+        assert method == "check_health"
+        self.broadcasts += 1
+        return _Broadcast(self.answers)
+
+    def options(self, **kw):
+        return self
+
+    def remote(self, *args):
+        error = self.call_error
+
+        class Response:
+            def __await__(self):
+                async def fail():
+                    raise error
+                return fail().__await__()
+
+            def cancel(self):
+                pass
+        return Response()
+
+
+def _unhealthy(problem, replica="r1"):
+    """What a replica's check_health raises, as Ray hands it to the caller (a RayTaskError whose text
+    holds the remote traceback)."""
+    return ray.exceptions.RayTaskError("check_health", "Traceback (most recent call last):\n ...",
+                                       RuntimeError(f"replica {replica}: {problem}")).as_instanceof_cause()
+
+
+HEALTHY = None   # check_health's answer for an engine that can serve
+
+
+def _ready(handle):
+    with thread_server(create_app(RemoteService(handle, "m"))) as base:
+        return httpx.get(base + "/ready", timeout=10)
+
+
+_NO_DEPLOYMENT = ray.serve.exceptions.DeploymentUnavailableError(
+    ray.serve._private.common.DeploymentID("RerankReplica", "app"))
+
+
+@pytest.mark.parametrize("answers, problem", [
+    ([_unhealthy("engine dead: the canary failed too"), _unhealthy("engine stopped", "r2")],
+     "RuntimeError: replica r1: engine dead: the canary failed too; RuntimeError: replica r2: engine stopped"),
+    ([ray.exceptions.ActorDiedError()], "ActorDiedError"),
+    ([], "0 probed"),
+    (_NO_DEPLOYMENT, "no engine replica is running"),
+    (TimeoutError("Timed out waiting for broadcast results."), "did not all answer the readiness probe"),
+])
+def test_front_is_unready_while_no_replica_can_serve(answers, problem):
+    """The front's /ready was 200 whatever its replicas were (RemoteService.ready = True)."""
+    r = _ready(_Handle(answers))
+    assert r.status_code == 503 and problem in r.json()["error"]["message"], r.text
+    assert "Traceback" not in r.text, "the remote traceback went into the probe's answer"
+
+
+@pytest.mark.parametrize("answers", [[_unhealthy("engine dead: x"), HEALTHY], [HEALTHY]])
+def test_front_is_ready_while_one_replica_can_serve(answers):
+    """One engine serving is enough (requests of a dead one's contexts go to the next on the ring
+    once Ray replaces it)."""
+    r = _ready(_Handle(answers))
+    assert r.status_code == 200 and r.json()["status"] == "ready", r.text
+
+
+def test_front_probes_the_replicas_at_most_once_per_ttl(monkeypatch):
+    handle = _Handle([HEALTHY])
+    monkeypatch.setattr(ray_serve, "READY_PROBE_TTL_S", 0.5)
+    with thread_server(create_app(RemoteService(handle, "m"))) as base:
+        for _ in range(5):
+            assert httpx.get(base + "/ready", timeout=10).status_code == 200
+        assert handle.broadcasts == 1, handle.broadcasts
+        handle.answers = [_unhealthy("engine dead: gone bad")]
+        time.sleep(0.6)
+        r = httpx.get(base + "/ready", timeout=10)
+        assert r.status_code == 503 and "gone bad" in r.text and handle.broadcasts == 2, r.text
+
+
+def test_concurrent_probes_share_one_broadcast():
+    handle = _Handle([HEALTHY])
+    service = RemoteService(handle, "m")
+
+    async def main():
+        return await asyncio.gather(*[service.readiness() for _ in range(8)])
+
+    assert asyncio.run(main()) == [None] * 8 and handle.broadcasts == 1
+
+
+@pytest.mark.parametrize("error", [ray.exceptions.ActorDiedError(), _NO_DEPLOYMENT])
+def test_a_replica_gone_under_a_request_is_a_503(error):
+    """Was the app's catch-all 500 "internal error: ActorDiedError": no fault of the request."""
+    with thread_server(create_app(RemoteService(_Handle(call_error=error), "m"))) as base:
+        r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["a"]), timeout=10)
+    assert r.status_code == 503 and type(error).__name__ in r.json()["error"]["message"], r.text
+    assert r.headers.get("retry-after") == "1"
 
 
 class _FakeService:
