@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 
 from . import _backend
-from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs
+from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, check_target_range
 
 DEFAULT_CHUNK = 2048  # vocabulary rows per step: [T, 2048] fp32 is 1.35 % of [T, 151,669]
 
@@ -216,7 +216,12 @@ def linear_logprob_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob [T], entropy [T] (zeros without ``with_entropy``), m [T] the row's max logit,
     logsumexp − m [T], E_p[z] − m [T] (zeros without ``with_entropy``)), all in the compute dtype
-    (fp32; fp64 for fp64 inputs). The last three are what the backward needs (module doc)."""
+    (fp32; fp64 for fp64 inputs). The last three are what the backward needs (module doc).
+
+    The checks that read the data — targets in [0, V), finite outputs — are ValueErrors raised
+    here, on the real tensors: in the Python wrapper each was a host sync that torch.compile
+    cannot trace (two graph breaks; a UserError about a data-dependent guard under fullgraph=True)."""
+    check_target_range(targets, weight.shape[0], "linear_logprob")
     h32 = compute_copy(hidden)
     m, s, a, tz = forward_stats(h32, weight, targets.long(), temperature, chunk, with_entropy)
     out = h32.dtype
@@ -224,6 +229,12 @@ def linear_logprob_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     logprob = (tz.double() - (m.double() + log_s)).to(out)
     ez_m = (a / s).to(out) if with_entropy else torch.zeros_like(tz)
     entropy = (log_s - a / s).to(out) if with_entropy else torch.zeros_like(tz)  # shift-free (forward_stats)
+    # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host
+    # sync). The entropy too: a -inf logit leaves the log-prob finite but makes 0·log 0 a NaN there
+    bad = ~torch.isfinite(logprob) | ~torch.isfinite(entropy)
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()[:8]
+        raise ValueError(f"linear_logprob: {NONFINITE_LOGITS} in rows {rows}")
     return logprob, entropy, m, log_s.to(out), ez_m
 
 
@@ -330,14 +341,7 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     _check(hidden, weight, targets, temperature, chunk, return_entropy)
     lp, entropy, _, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
                                           bool(return_entropy))
-    out = (lp, entropy) if return_entropy else lp
-    # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host
-    # sync). The entropy too: a -inf logit leaves the log-prob finite but makes 0·log 0 a NaN there
-    bad = ~torch.isfinite(lp) | ~torch.isfinite(entropy) if return_entropy else ~torch.isfinite(lp)
-    if bad.any():
-        rows = bad.nonzero().flatten().tolist()[:8]
-        raise ValueError(f"linear_logprob: {NONFINITE_LOGITS} in rows {rows}")
-    return out
+    return (lp, entropy) if return_entropy else lp
 
 
 def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False):
