@@ -42,7 +42,10 @@ turn autocast off, which would otherwise run the chunk GEMMs in bf16/fp16.
 
 First derivatives only: a second backward through the gradients (``torch.autograd.grad(...,
 create_graph=True)`` then a backward of those gradients) raises a RuntimeError naming the op;
-use ``linear_logprob_ref`` where second derivatives are needed.
+use ``linear_logprob_ref`` where second derivatives are needed. Reverse mode through
+torch.autograd only: under torch.func.grad / jvp / jacrev or with a forward-mode AD tangent the
+op raises a RuntimeError naming it (``NO_FUNC_TRANSFORM``); torch.func.vmap works (torch's
+per-sample fallback loop).
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _backend
 from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, check_target_range
@@ -297,6 +301,31 @@ def _no_double_backward(ctx, *grads):
 linear_logprob_backward_op.register_autograd(_no_double_backward)
 
 
+NO_FUNC_TRANSFORM = ("linear_logprob: no torch.func.grad / jvp / jacrev / hessian and no forward-mode AD — its "
+                     "backward is a registered autograd formula that these transforms cannot call, and it has no "
+                     "forward-mode formula (a jvp came out 0); differentiate it with torch.autograd (loss.backward(), "
+                     "torch.autograd.grad), or use linear_logprob_ref, which materialises the logits; "
+                     "torch.func.vmap works")
+
+
+def _refuse_func_transforms(*tensors):
+    """RuntimeError ``NO_FUNC_TRANSFORM`` when a tensor is traced by a torch.func gradient
+    transform (grad, jvp, jacrev, ...: a functorch grad-tracking wrapper, at any depth under
+    vmap's batched ones) or carries a forward-mode tangent (torch.autograd.forward_ad). Without
+    it torch.func.grad failed deep in torch ("an autograd.Function ... must override the
+    setup_context staticmethod", naming no op) and a jvp or forward-AD tangent was silently 0."""
+    if torch.compiler.is_compiling():  # dynamo traces transforms on its own terms; these checks read no tensor data
+        return
+    F = torch._C._functorch
+    for t in tensors:
+        while F.is_functorch_wrapped_tensor(t):
+            if F.is_gradtrackingtensor(t):
+                raise RuntimeError(NO_FUNC_TRANSFORM)
+            t = F.get_unwrapped(t)
+        if forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError(NO_FUNC_TRANSFORM)
+
+
 class FirstOrderOnly(torch.autograd.Function):
     """``FirstOrderOnly.apply(anchor, *grads)``: ``grads`` unchanged, joined to the graph through
     ``anchor`` (an input that requires grad) by a node whose backward raises
@@ -330,8 +359,10 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
         gradient stays local; see ``acarerank.ops.vocab_parallel``. None: this single-process op.
     Returns: logprob [T] fp32 (and entropy [T] fp32); fp64 inputs give fp64 (for gradcheck).
     Raises ValueError when a row's logits are not finite (inf/NaN in hidden or weight), as
-    ``topk_logprobs`` does. Formulas and precision rule: module doc.
+    ``topk_logprobs`` does; RuntimeError under a torch.func gradient transform or forward-mode
+    AD (``NO_FUNC_TRANSFORM``: use torch.autograd; vmap works). Formulas and precision rule: module doc.
     """
+    _refuse_func_transforms(hidden, weight)
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
         sharded = _backend.process_group_impl("linear_logprob")  # acarerank.ops.vocab_parallel
         return sharded(hidden, weight, targets, temperature, return_entropy, chunk, process_group=process_group,
@@ -355,4 +386,4 @@ def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return
 
 
 __all__ = ["linear_logprob", "linear_logprob_ref", "linear_logprob_op", "linear_logprob_backward_op",
-           "NO_DOUBLE_BACKWARD"]
+           "NO_DOUBLE_BACKWARD", "NO_FUNC_TRANSFORM"]
