@@ -176,6 +176,17 @@ def test_opcheck_topk_merge_update(backend):
                                                      st.targets, st.temperature, chunk.contiguous(), c0, backend))
 
 
+def test_opcheck_topk_merge_ids_lse():
+    """The finalize's checked conversion: a complete state, with and without targets."""
+    from acarerank.ops import topk_merge_init, topk_merge_update
+    from acarerank.ops.topk_merge import topk_merge_ids_lse_op
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    st = topk_merge_init(3, 4, DEVICE, targets=torch.tensor([3, 0, 9], device=DEVICE))
+    topk_merge_update(st, logits, 0, backend="torch")
+    for has_targets in (True, False):
+        torch.library.opcheck(topk_merge_ids_lse_op, (st.ids, st.row_max, st.row_sumexp, st.target_logit, has_targets))
+
+
 # every torch.ops.acarerank op -> the test that runs torch.library.opcheck on it
 OPCHECKED = {
     "prefix_shared_attention": "test_opcheck.py::test_opcheck_prefix_shared_attention",
@@ -184,6 +195,7 @@ OPCHECKED = {
     "linear_logprob": "test_opcheck.py::test_opcheck_linear_logprob",
     "linear_logprob_backward": "test_opcheck.py::test_opcheck_linear_logprob_backward",
     "topk_merge_update": "test_opcheck.py::test_opcheck_topk_merge_update",
+    "topk_merge_ids_lse": "test_opcheck.py::test_opcheck_topk_merge_ids_lse",
     "topk_logprobs_core": "test_op_topk_logprobs.py::test_core_is_a_checked_custom_op",
     "prefix_shared_attention_paged": "test_op_paged_attention.py::test_registered_op_passes_opcheck",
     "rms_norm": "test_op_layer_elementwise.py::test_opcheck",
