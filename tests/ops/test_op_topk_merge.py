@@ -314,3 +314,26 @@ def test_streaming_merge_compiles_in_one_graph(backend):
         compiled(logits[:, :5], targets % 5, (5,))
     with pytest.raises(ValueError, match="a row's target id was in no merged chunk"):
         compiled(logits[:, :64], targets % 64 + torch.tensor([0, 0, 0, 64]), (32, 32))
+
+
+def test_the_default_backend_first_used_in_compiled_code(monkeypatch):
+    """The device default ("cpp" on CPU with the extension, "cuda" on CUDA) chosen for the first
+    time inside torch.compile(fullgraph=True): the walk over the defaults loaded each inside the
+    trace (importlib.import_module: an error under fullgraph=True); now it runs while Dynamo
+    traces and the name is a constant of the graph."""
+    monkeypatch.setattr(tm.UPDATE_OP, "_loaded", {})   # as in a fresh process: nothing loaded yet
+    monkeypatch.delenv("ACARERANK_BACKEND", raising=False)
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(22))
+    targets = torch.tensor([1, 39, 20])
+
+    def stream(logits, targets):
+        state = tm.topk_merge_init(3, 4, logits.device, targets=targets)
+        tm.topk_merge_update(state, logits[:, :25], 0)
+        tm.topk_merge_update(state, logits[:, 25:], 25)
+        return tm.topk_merge_finalize(state)
+
+    got = torch.compile(stream, backend="aot_eager", fullgraph=True)(logits, targets)
+    ref = topk_logprobs_ref(logits, None, targets, k=4)
+    assert torch.equal(got.topk_ids, ref.topk_ids), (got.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(got.topk_logprobs, ref.topk_logprobs, atol=LOGPROB_ATOL, rtol=0)
+    assert tm.UPDATE_OP.resolve(None, logits.device) in tm.UPDATE_OP._loaded, "the default was not loaded"
