@@ -61,7 +61,8 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
     """PPO-clip loss of Eq. 11 on the ATO advantage (Eq. 10); differentiable in ``logp``.
 
     Args:
-      logp: [N, L] log π_θ of the sampled tokens (requires grad; e.g. ``linear_logprob``).
+      logp: [N, L] floating-point log π_θ of the sampled tokens (requires grad; e.g. ``linear_logprob``);
+        the ratio and the loss are computed in its dtype (an integer one is a TypeError).
       logp_old: [N, L] log π_old of the same tokens (``rescore(...).logp_old``), a constant.
       advantage: [N, L] A^ATO (``ato_advantage``), a constant.
       mask: [N, L] bool, valid response tokens.
@@ -83,6 +84,9 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
     shapes = {name: tuple(t.shape) for name, t in named}
     if len(set(shapes.values())) != 1 or logp.dim() != 2:
         raise ValueError(f"logp, logp_old, advantage and mask must all be [N, L]; got {shapes}")
+    # the math runs in logp's dtype: an int64 logp truncated logp_old to integers (a loss, no error)
+    if not logp.is_floating_point():
+        raise TypeError(f"clipped_policy_loss: logp must be floating point, got {logp.dtype}")
     valid = mask.bool()
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     log_ratio = torch.where(valid, logp - logp_old.detach().to(logp.dtype), zero)

@@ -158,7 +158,21 @@ class OpDecl:
         raise BackendError(f"{self.name}: no backend runs on {device} here ({'; '.join(reasons) or 'none declared'})")
 
     def resolve(self, backend: Preference, device: torch.device) -> str:
-        """The backend this call runs (module docstring); BackendError if it cannot run here."""
+        """The backend this call runs (module docstring); BackendError if it cannot run here.
+
+        Under torch.compile (eager calls are unchanged) the choice is made once, when the graph
+        is traced, and kept in it as a constant (``_resolve``; docs/ARCHITECTURE.md, "Backend
+        rules"): the choice imports the backend on first use and reads ``ACARERANK_BACKEND``,
+        and Dynamo cannot trace ``importlib.import_module`` (a graph break, an error under
+        fullgraph=True, whenever a compiled call was the first to ask)."""
+        if not torch.compiler.is_compiling():
+            return self._resolve_now(backend, device)
+        name, error, why = _resolve(self.name, backend, device)
+        if error is not None:  # raised here, in traced code: Dynamo re-raises it as itself
+            raise error(why)
+        return name
+
+    def _resolve_now(self, backend: Preference, device: torch.device) -> str:
         if isinstance(backend, str):
             name, where = _known(backend, "backend="), "backend="
         elif backend is not None:
@@ -171,6 +185,18 @@ class OpDecl:
         if why is not None:
             raise BackendError(why if where == "backend=" else f"{why} (asked for by {where})")
         return name
+
+
+@torch.compiler.assume_constant_result
+def _resolve(op: str, backend: Preference, device: torch.device) -> tuple:
+    """(``OpDecl.resolve``'s name, None, None), or (None, its BackendError's class, message).
+    Dynamo runs it as plain Python while tracing and puts the result in the graph as a constant
+    (the graph never changes backend); an exception raised in it would reach the caller as an
+    InternalTorchDynamoError, hence the class and message for the caller to raise."""
+    try:
+        return _REGISTRY[op]._resolve_now(backend, device), None, None
+    except BackendError as e:
+        return None, type(e), str(e)
 
 
 def _known(name: str, where: str) -> str:

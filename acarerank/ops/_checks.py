@@ -14,8 +14,9 @@ from .._validate import positive_int
 
 def finite_real(x) -> bool:
     """Whether ``x`` is a finite real scalar: int, float or a numpy one (np.float32 is not a
-    Python float), never a bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    Python float), never a bool. Comparisons, not math.isfinite: torch.compile(dynamic=True) makes a
+    float argument (a default included) a SymFloat, which math.isfinite cannot trace."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and -math.inf < x < math.inf
 
 
 def as_fp32(x: float) -> float:
@@ -26,11 +27,16 @@ def as_fp32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
+#: the open interval of reals that round (to nearest, ties to even) to a finite fp32 number > 0:
+#: 2⁻¹⁵⁰ is half the smallest subnormal (a tie, rounded to 0), 2¹²⁸ − 2¹⁰³ half an ulp past the
+#: largest finite fp32 (a tie, rounded to inf)
+FP32_POSITIVE = (2.0 ** -150, 2.0 ** 128 - 2.0 ** 103)
+
+
 def positive_in_fp32(x) -> bool:
     """Whether the real scalar ``x`` is finite and > 0 also as the fp32 number the kernels use
-    (1e-50 is 0 there, 1e39 inf)."""
-    s = as_fp32(float(x))
-    return math.isfinite(s) and s > 0
+    (1e-50 is 0 there, 1e39 inf). Comparisons only, so torch.compile traces it on a SymFloat."""
+    return FP32_POSITIVE[0] < x < FP32_POSITIVE[1]
 
 
 #: why a row's logits came out inf/NaN: the inputs, or a product h·w (over a small temperature) past
@@ -60,12 +66,13 @@ def check_float_tensors(op: str, *named) -> None:
 
 def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, chunk=None, shard=False) -> int:
     """hidden [T, H] and weight [V, H] of one floating dtype, targets [T] int64/int32 ids in
-    [0, V), all on one device; temperature finite > 0; chunk a positive int or None.
+    [0, V) (``check_target_range``, called by the ops themselves), all on one device;
+    temperature finite > 0; chunk a positive int or None.
 
     ``shard=True``: weight is one rank's rows of a vocabulary-parallel lm_head
     (``vocab_parallel``): it may be empty and targets are global ids, range-checked there.
-    Raises TypeError/ValueError naming ``op`` and the problem; returns V. One host sync (the
-    target range).
+    Raises TypeError/ValueError naming ``op`` and the problem; returns V. No host sync: only
+    shapes, dtypes and devices are read, so torch.compile traces it without a graph break.
     """
     for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
         if not isinstance(t, torch.Tensor):
@@ -95,8 +102,15 @@ def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, c
     # inf/NaN, refused as "non-finite logits (inf/NaN in hidden or weight)"
     if not finite_real(temperature) or temperature <= 0 or not positive_in_fp32(temperature):
         raise ValueError(f"{op}: temperature must be a finite number > 0 (in float32 too), got {temperature!r}")
-    if targets.numel() and not shard:
+    return V
+
+
+def check_target_range(targets: torch.Tensor, V: int, op: str) -> None:
+    """ValueError naming ``op`` and an id of ``targets`` outside [0, V). One host sync, so the
+    single-process ops call it inside their registered custom ops' bodies, which run on the real
+    tensors in eager and compiled code alike: in the Python wrapper it was a data-dependent
+    branch, a graph break under torch.compile and an error under fullgraph=True."""
+    if targets.numel():
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= V:
             raise ValueError(f"{op}: target id {lo if lo < 0 else hi} is out of range [0, V={V})")
-    return V

@@ -42,7 +42,10 @@ turn autocast off, which would otherwise run the chunk GEMMs in bf16/fp16.
 
 First derivatives only: a second backward through the gradients (``torch.autograd.grad(...,
 create_graph=True)`` then a backward of those gradients) raises a RuntimeError naming the op;
-use ``linear_logprob_ref`` where second derivatives are needed.
+use ``linear_logprob_ref`` where second derivatives are needed. Reverse mode through
+torch.autograd only: under torch.func.grad / jvp / jacrev or with a forward-mode AD tangent the
+op raises a RuntimeError naming it (``NO_FUNC_TRANSFORM``); torch.func.vmap works (torch's
+per-sample fallback loop).
 """
 from __future__ import annotations
 
@@ -50,9 +53,10 @@ import math
 from typing import Optional
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _backend
-from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs
+from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, check_target_range
 
 DEFAULT_CHUNK = 2048  # vocabulary rows per step: [T, 2048] fp32 is 1.35 % of [T, 151,669]
 
@@ -216,7 +220,12 @@ def linear_logprob_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob [T], entropy [T] (zeros without ``with_entropy``), m [T] the row's max logit,
     logsumexp − m [T], E_p[z] − m [T] (zeros without ``with_entropy``)), all in the compute dtype
-    (fp32; fp64 for fp64 inputs). The last three are what the backward needs (module doc)."""
+    (fp32; fp64 for fp64 inputs). The last three are what the backward needs (module doc).
+
+    The checks that read the data — targets in [0, V), finite outputs — are ValueErrors raised
+    here, on the real tensors: in the Python wrapper each was a host sync that torch.compile
+    cannot trace (two graph breaks; a UserError about a data-dependent guard under fullgraph=True)."""
+    check_target_range(targets, weight.shape[0], "linear_logprob")
     h32 = compute_copy(hidden)
     m, s, a, tz = forward_stats(h32, weight, targets.long(), temperature, chunk, with_entropy)
     out = h32.dtype
@@ -224,6 +233,12 @@ def linear_logprob_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     logprob = (tz.double() - (m.double() + log_s)).to(out)
     ez_m = (a / s).to(out) if with_entropy else torch.zeros_like(tz)
     entropy = (log_s - a / s).to(out) if with_entropy else torch.zeros_like(tz)  # shift-free (forward_stats)
+    # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host
+    # sync). The entropy too: a -inf logit leaves the log-prob finite but makes 0·log 0 a NaN there
+    bad = ~torch.isfinite(logprob) | ~torch.isfinite(entropy)
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()[:8]
+        raise ValueError(f"linear_logprob: {NONFINITE_LOGITS} in rows {rows}")
     return logprob, entropy, m, log_s.to(out), ez_m
 
 
@@ -286,6 +301,31 @@ def _no_double_backward(ctx, *grads):
 linear_logprob_backward_op.register_autograd(_no_double_backward)
 
 
+NO_FUNC_TRANSFORM = ("linear_logprob: no torch.func.grad / jvp / jacrev / hessian and no forward-mode AD — its "
+                     "backward is a registered autograd formula that these transforms cannot call, and it has no "
+                     "forward-mode formula (a jvp came out 0); differentiate it with torch.autograd (loss.backward(), "
+                     "torch.autograd.grad), or use linear_logprob_ref, which materialises the logits; "
+                     "torch.func.vmap works")
+
+
+def _refuse_func_transforms(*tensors):
+    """RuntimeError ``NO_FUNC_TRANSFORM`` when a tensor is traced by a torch.func gradient
+    transform (grad, jvp, jacrev, ...: a functorch grad-tracking wrapper, at any depth under
+    vmap's batched ones) or carries a forward-mode tangent (torch.autograd.forward_ad). Without
+    it torch.func.grad failed deep in torch ("an autograd.Function ... must override the
+    setup_context staticmethod", naming no op) and a jvp or forward-AD tangent was silently 0."""
+    if torch.compiler.is_compiling():  # dynamo traces transforms on its own terms; these checks read no tensor data
+        return
+    F = torch._C._functorch
+    for t in tensors:
+        while F.is_functorch_wrapped_tensor(t):
+            if F.is_gradtrackingtensor(t):
+                raise RuntimeError(NO_FUNC_TRANSFORM)
+            t = F.get_unwrapped(t)
+        if forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError(NO_FUNC_TRANSFORM)
+
+
 class FirstOrderOnly(torch.autograd.Function):
     """``FirstOrderOnly.apply(anchor, *grads)``: ``grads`` unchanged, joined to the graph through
     ``anchor`` (an input that requires grad) by a node whose backward raises
@@ -319,8 +359,10 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
         gradient stays local; see ``acarerank.ops.vocab_parallel``. None: this single-process op.
     Returns: logprob [T] fp32 (and entropy [T] fp32); fp64 inputs give fp64 (for gradcheck).
     Raises ValueError when a row's logits are not finite (inf/NaN in hidden or weight), as
-    ``topk_logprobs`` does. Formulas and precision rule: module doc.
+    ``topk_logprobs`` does; RuntimeError under a torch.func gradient transform or forward-mode
+    AD (``NO_FUNC_TRANSFORM``: use torch.autograd; vmap works). Formulas and precision rule: module doc.
     """
+    _refuse_func_transforms(hidden, weight)
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
         sharded = _backend.process_group_impl("linear_logprob")  # acarerank.ops.vocab_parallel
         return sharded(hidden, weight, targets, temperature, return_entropy, chunk, process_group=process_group,
@@ -330,14 +372,7 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     _check(hidden, weight, targets, temperature, chunk, return_entropy)
     lp, entropy, _, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
                                           bool(return_entropy))
-    out = (lp, entropy) if return_entropy else lp
-    # like topk_logprobs: inf/NaN in hidden or weight is an error, never a silent NaN loss (one host
-    # sync). The entropy too: a -inf logit leaves the log-prob finite but makes 0·log 0 a NaN there
-    bad = ~torch.isfinite(lp) | ~torch.isfinite(entropy) if return_entropy else ~torch.isfinite(lp)
-    if bad.any():
-        rows = bad.nonzero().flatten().tolist()[:8]
-        raise ValueError(f"linear_logprob: {NONFINITE_LOGITS} in rows {rows}")
-    return out
+    return (lp, entropy) if return_entropy else lp
 
 
 def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False):
@@ -351,4 +386,4 @@ def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return
 
 
 __all__ = ["linear_logprob", "linear_logprob_ref", "linear_logprob_op", "linear_logprob_backward_op",
-           "NO_DOUBLE_BACKWARD"]
+           "NO_DOUBLE_BACKWARD", "NO_FUNC_TRANSFORM"]

@@ -51,7 +51,7 @@ import torch
 from ..topk_contract import (MAX_K, OUTSIDE_MODES, TopKLogprobs, as_int, check_k, default_chunk, finalize,
                              logsumexp_of)
 from . import _backend
-from ._checks import NONFINITE_LOGITS, check_projection_inputs, finite_real
+from ._checks import NONFINITE_LOGITS, check_projection_inputs, check_target_range, finite_real
 from .linear_logprob import fp32_math
 from .topk_merge import UPDATE_OP, topk_merge_init
 
@@ -336,17 +336,25 @@ OP = _backend.OpDecl(
 
 @torch.library.custom_op("acarerank::topk_logprobs_core", mutates_args=())
 def topk_logprobs_core_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, k: int, chunk: int,
-                          temperature: float, backend: str
+                          temperature: float, backend: str, shard: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32); chunk 0 = default."""
+    """(topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32); chunk 0 = default.
+
+    The two checks that read the data — targets in [0, V), a finite log-sum-exp per row (−inf
+    too with ``shard``, ``topk_logprobs_core``) — are ValueErrors raised here, on the real
+    tensors: in the Python wrapper each was a host sync that torch.compile cannot trace (two
+    graph breaks; a UserError about a data-dependent guard under fullgraph=True)."""
+    check_target_range(targets, weight.shape[0], "topk_logprobs")
     # autocast off: under torch.autocast the cpp/cuda cores' chunk GEMM (torch.mm without out=)
     # gave bf16/fp16 logits — other top-k ids and log-probs off by ~0.05, with no error
     with fp32_math(hidden.device):
-        return tuple(OP.impl(backend)(hidden, weight, targets, k, chunk or None, temperature))
+        out = tuple(OP.impl(backend)(hidden, weight, targets, k, chunk or None, temperature))
+    _check_result_finite(out[3], shard=shard)
+    return out
 
 
 @topk_logprobs_core_op.register_fake
-def _(hidden, weight, targets, k, chunk, temperature, backend):
+def _(hidden, weight, targets, k, chunk, temperature, backend, shard=False):
     T = hidden.shape[0]
     return (hidden.new_empty(T, k, dtype=torch.float32), hidden.new_empty(T, k, dtype=torch.int64),
             hidden.new_empty(T, dtype=torch.float32), hidden.new_empty(T, dtype=torch.float32))
@@ -370,9 +378,7 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
     """
     name = _check_inputs(hidden, weight, targets, k, chunk, temperature, backend)
     with torch.no_grad():  # the teacher is frozen: its log-probs are constants (stop-gradient)
-        out = topk_logprobs_core_op(hidden, weight, targets, k, chunk or 0, float(temperature), name)
-    _check_result_finite(out[3], shard=shard)
-    return out
+        return topk_logprobs_core_op(hidden, weight, targets, k, chunk or 0, float(temperature), name, shard)
 
 
 def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = None, outside: str = "floor",

@@ -189,18 +189,41 @@ def topk_merge_update(state: TopKMergeState, chunk_logits: torch.Tensor, c0: int
                          state.temperature, chunk_logits, c0, UPDATE_OP.resolve(backend, state.device))
 
 
+@torch.library.custom_op("acarerank::topk_merge_ids_lse", mutates_args=())
+def topk_merge_ids_lse_op(ids: torch.Tensor, row_max: torch.Tensor, row_sumexp: torch.Tensor,
+                          target_logit: torch.Tensor, has_targets: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids [T,k] int64, logsumexp [T] fp32) of a state's ids, row_max and row_sumexp.
+
+    ValueError when fewer than k logits were merged into some row (a negative id: an empty
+    slot), or (``has_targets``) when a row's target logit is still NaN (its id in no merged
+    chunk). Both read the data (a host sync), so they run here, on the real tensors: as
+    branches in ``topk_merge_core`` they were three graph breaks under torch.compile and a
+    UserError about a data-dependent guard under fullgraph=True.
+    """
+    k = ids.shape[1]
+    if ids.numel() and int(ids.min()) < 0:
+        raise ValueError(f"topk_merge_finalize: k={k} exceeds the number of logits merged into some row")
+    if has_targets and target_logit.numel() and bool(torch.isnan(target_logit).any()):
+        raise ValueError("topk_merge_finalize: a row's target id was in no merged chunk (or its logit is NaN)")
+    return ids.long(), logsumexp_of(row_max, row_sumexp)
+
+
+@topk_merge_ids_lse_op.register_fake
+def _(ids, row_max, row_sumexp, target_logit, has_targets):
+    return ids.new_empty(ids.shape, dtype=torch.int64), row_max.new_empty(row_max.shape, dtype=torch.float32)
+
+
 def topk_merge_core(state: TopKMergeState):
     """The core tuple of a state every vocabulary column has been merged into:
     (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32).
 
     Raises ValueError when fewer than k logits were merged into some row, or (with targets)
-    when a row's target id lay in no merged chunk. Syncs with the device for those checks.
+    when a row's target id lay in no merged chunk (``topk_merge_ids_lse_op``, one registered
+    op: no graph break under torch.compile). Syncs with the device for those checks.
     """
-    if state.rows and int(state.ids.min()) < 0:
-        raise ValueError(f"topk_merge_finalize: k={state.k} exceeds the number of logits merged into some row")
-    if state.targets is not None and state.rows and bool(torch.isnan(state.target_logit).any()):
-        raise ValueError("topk_merge_finalize: a row's target id was in no merged chunk (or its logit is NaN)")
-    return state.values, state.ids.long(), state.target_logit, logsumexp_of(state.row_max, state.row_sumexp)
+    ids, lse = topk_merge_ids_lse_op(state.ids, state.row_max, state.row_sumexp, state.target_logit,
+                                     state.targets is not None)
+    return state.values, ids, state.target_logit, lse
 
 
 def topk_merge_finalize(state: TopKMergeState, outside: str = "floor", floor: float = -20.0,
@@ -212,4 +235,4 @@ def topk_merge_finalize(state: TopKMergeState, outside: str = "floor", floor: fl
 
 
 __all__ = ["TopKMergeState", "UPDATE_OP", "topk_merge_init", "topk_merge_update", "topk_merge_update_op",
-           "topk_merge_core", "topk_merge_finalize"]
+           "topk_merge_ids_lse_op", "topk_merge_core", "topk_merge_finalize"]

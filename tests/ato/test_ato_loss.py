@@ -126,3 +126,7 @@ def test_agg_loss_and_eps_clip_name_their_bad_type():
     for bad in ("0.2", None, True):
         with pytest.raises(ValueError, match="eps_clip must be a number > 0"):
             clipped_policy_loss(logp, old, adv, mask, eps_clip=bad)
+    # the ratio is computed in logp's dtype: an int64 logp once truncated logp_old (-0.9 -> 0)
+    # and returned a loss
+    with pytest.raises(TypeError, match="logp must be floating point, got torch.int64"):
+        clipped_policy_loss(logp.detach().long(), old, adv, mask)

@@ -254,3 +254,34 @@ def test_double_backward_raises_naming_the_op(entropy):
     for second in ((gh ** 2).sum() + h.sum(), gw.sum()):
         with pytest.raises(RuntimeError, match="linear_logprob: no second derivative"):
             torch.autograd.grad(second, (h, w))
+
+
+def test_func_transforms_vmap_works_gradient_transforms_raise_naming_the_op():
+    """torch.func.vmap (over hidden, or over targets) equals the reference per sample; the
+    gradient transforms (grad, jacrev, jvp; under vmap too) and forward-mode AD raise a
+    RuntimeError naming linear_logprob. torch.func.grad failed deep in torch ("an
+    autograd.Function ... must override the setup_context staticmethod"), and jvp / forward AD
+    gave a tangent of 0 where the reference's is ~-10, with no error."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import grad, jacrev, jvp, vmap
+
+    h, w, tg = (t.detach() for t in _inputs(5, 6, 37, seed=13))
+    hb = torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(14))
+    tb = torch.randint(0, 37, (3, 5), generator=torch.Generator().manual_seed(15))
+    _close(vmap(lambda x: linear_logprob(x, w, tg, 0.8, chunk=8))(hb),
+           torch.stack([linear_logprob_ref(x, w, tg, 0.8) for x in hb]), 1e-5, 1e-5, "vmap over hidden")
+    _close(vmap(lambda t: linear_logprob(h, w, t, 0.8, chunk=8))(tb),
+           torch.stack([linear_logprob_ref(h, w, t, 0.8) for t in tb]), 1e-5, 1e-5, "vmap over targets")
+    transforms = {
+        "grad": lambda: grad(lambda x: linear_logprob(x, w, tg).sum())(h),
+        "grad over w": lambda: grad(lambda v: linear_logprob(h, v, tg).sum())(w),
+        "jacrev": lambda: jacrev(lambda x: linear_logprob(x, w, tg))(h),
+        "jvp": lambda: jvp(lambda x: linear_logprob(x, w, tg), (h,), (h,)),
+        "grad of vmap": lambda: grad(lambda x: vmap(lambda y: linear_logprob(y, w, tg))(x).sum())(hb),
+        "vmap of grad": lambda: vmap(grad(lambda x: linear_logprob(x, w, tg).sum()))(hb),
+    }
+    for name, run in transforms.items():
+        with pytest.raises(RuntimeError, match="linear_logprob: no torch.func.grad"):
+            run()
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="linear_logprob: no torch.func.grad .* forward-mode AD"):
+        linear_logprob(fwAD.make_dual(h, torch.ones_like(h)), w, tg)

@@ -482,3 +482,41 @@ def test_triton_launch_constants_do_not_depend_on_T(monkeypatch):
         h, w = _dyadic(T, 16, 300, device=DEVICE)
         K.topk_logprobs_core_triton(h, w, torch.zeros(T, dtype=torch.long, device=DEVICE), 8, None, 1.0)
     assert seen[0] == seen[2] and seen[1] == seen[3], seen
+
+
+def test_fp32_positivity_interval_is_the_rounding_rule():
+    """positive_in_fp32 is two comparisons (torch.compile traces them on a SymFloat temperature);
+    on the interval's edges and around them it agrees with rounding to fp32 (struct) itself."""
+    import math
+
+    from acarerank.ops._checks import FP32_POSITIVE, as_fp32, positive_in_fp32
+
+    def by_rounding(x):
+        s = as_fp32(float(x))
+        return math.isfinite(s) and s > 0
+
+    edges = [e for b in FP32_POSITIVE for e in (math.nextafter(b, 0), b, math.nextafter(b, math.inf))]
+    others = [0.0, -0.0, -1.0, 1e-50, 1e-45, 1.0, 3.4028234663852886e38, 1e39, math.inf, -math.inf, math.nan]
+    values = edges + others + [10.0 ** (e / 7) for e in range(-7 * 46, 7 * 39)]
+    wrong = [x for x in values if positive_in_fp32(x) != by_rounding(x)]
+    assert not wrong, f"positive_in_fp32 disagrees with fp32 rounding at {wrong[:5]}"
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+def test_a_backend_first_used_in_compiled_code(backend, monkeypatch):
+    """A training step compiled with fullgraph=True that is the first to ask for a lazily loaded
+    backend (cpp / cuda / triton; "cuda" is the CUDA default): the choice is made while Dynamo
+    traces, as a constant of the graph. It imported the backend inside the trace, which Dynamo
+    cannot follow (importlib.import_module: a graph break, an error under fullgraph=True).
+    A backend that cannot run is still the BackendError, from the eager fallback without
+    fullgraph."""
+    from acarerank.ops.topk_logprobs import OP
+    monkeypatch.setattr(OP, "_loaded", {})   # as in a fresh process: nothing loaded yet
+    h, w = _dyadic(5, 16, 97, device=DEVICE)
+    tg = _targets(h, w, 4)
+    step = torch.compile(lambda h, w, tg: topk_logprobs(h, w, tg, k=4, backend=backend), backend="aot_eager",
+                         fullgraph=True)
+    _check(step(h, w, tg), topk_logprobs_ref(h, w, tg, k=4), f"{backend}, compiled")
+    other = "cuda" if DEVICE == "cpu" else "cpp"
+    with pytest.raises(BackendError, match=f"backend '{other}' needs .* tensors"):
+        torch.compile(lambda h, w, tg: topk_logprobs(h, w, tg, k=4, backend=other), backend="aot_eager")(h, w, tg)

@@ -283,3 +283,57 @@ def test_state_errors():
         tm.topk_merge_finalize(state, outside="drop")
     with pytest.raises(TypeError, match="targets must be an int64 tensor"):
         tm.topk_merge_init(2, 4, "cpu", targets=torch.tensor([0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streaming_merge_compiles_in_one_graph(backend):
+    """init, a chunk loop of updates and finalize under torch.compile(fullgraph=True): the same
+    result as eager and the oracle, and the finalize checks (fewer than k logits merged, a target
+    in no merged chunk) still raise their ValueError. They were host syncs in topk_merge_core: a
+    UserError about a data-dependent guard under fullgraph=True (three graph breaks without it)."""
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(21))
+    targets = torch.tensor([0, 99, 37, 64])
+
+    def stream(logits, targets, widths):
+        state = tm.topk_merge_init(4, 8, logits.device, targets=targets, temperature=0.5)
+        c0 = 0
+        for n in widths:
+            tm.topk_merge_update(state, logits[:, c0:c0 + n], c0, backend=backend)
+            c0 += n
+        return tm.topk_merge_finalize(state, outside="full")
+
+    compiled = torch.compile(stream, backend="aot_eager", fullgraph=True)
+    got, want = compiled(logits, targets, (32, 32, 36)), stream(logits, targets, (32, 32, 36))
+    for name, a, b in zip(got._fields, got, want):
+        assert torch.equal(a, b), f"{name}: compiled != eager"
+    ref = topk_logprobs_ref(logits, None, targets, k=8, outside="full", temperature=0.5)
+    assert torch.equal(got.topk_ids, ref.topk_ids), (got.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(got.topk_logprobs, ref.topk_logprobs, atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(got.target_logprob, ref.target_logprob, atol=LOGPROB_ATOL, rtol=0)
+    with pytest.raises(ValueError, match="k=8 exceeds the number of logits merged into some row"):
+        compiled(logits[:, :5], targets % 5, (5,))
+    with pytest.raises(ValueError, match="a row's target id was in no merged chunk"):
+        compiled(logits[:, :64], targets % 64 + torch.tensor([0, 0, 0, 64]), (32, 32))
+
+
+def test_the_default_backend_first_used_in_compiled_code(monkeypatch):
+    """The device default ("cpp" on CPU with the extension, "cuda" on CUDA) chosen for the first
+    time inside torch.compile(fullgraph=True): the walk over the defaults loaded each inside the
+    trace (importlib.import_module: an error under fullgraph=True); now it runs while Dynamo
+    traces and the name is a constant of the graph."""
+    monkeypatch.setattr(tm.UPDATE_OP, "_loaded", {})   # as in a fresh process: nothing loaded yet
+    monkeypatch.delenv("ACARERANK_BACKEND", raising=False)
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(22))
+    targets = torch.tensor([1, 39, 20])
+
+    def stream(logits, targets):
+        state = tm.topk_merge_init(3, 4, logits.device, targets=targets)
+        tm.topk_merge_update(state, logits[:, :25], 0)
+        tm.topk_merge_update(state, logits[:, 25:], 25)
+        return tm.topk_merge_finalize(state)
+
+    got = torch.compile(stream, backend="aot_eager", fullgraph=True)(logits, targets)
+    ref = topk_logprobs_ref(logits, None, targets, k=4)
+    assert torch.equal(got.topk_ids, ref.topk_ids), (got.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(got.topk_logprobs, ref.topk_logprobs, atol=LOGPROB_ATOL, rtol=0)
+    assert tm.UPDATE_OP.resolve(None, logits.device) in tm.UPDATE_OP._loaded, "the default was not loaded"

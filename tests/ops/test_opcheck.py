@@ -123,6 +123,45 @@ def test_opcheck_linear_logprob_backward_strided(dtype):
     torch.library.opcheck(linear_logprob_backward_op, (h, w, tg, m, lse_m, ez_m, g, 0.5 * g, 1.0, 8, True, True))
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_projection_ops_compile_in_one_graph(dynamic):
+    """A training step compiled with fullgraph=True, static and dynamic shapes: topk_logprobs and
+    linear_logprob (log-prob, entropy and both gradients) equal eager and their references, and
+    the checks that read the data (target range, non-finite logits) still raise their ValueError,
+    from inside the registered ops. The wrappers once made host syncs (a UserError about a
+    data-dependent guard under fullgraph=True, two graph breaks each without it), and
+    dynamic=True's SymFloat temperature (a default argument too) failed in math.isfinite."""
+    from acarerank.ops import linear_logprob, linear_logprob_ref, topk_logprobs, topk_logprobs_ref
+    h, w, tg = (t.to(DEVICE) for t in _projection_args())
+
+    def step(h, w, tg, tau):
+        teacher = topk_logprobs(h.detach(), w.detach(), tg, k=4, chunk=8, temperature=tau)
+        lp, ent = linear_logprob(h, w, tg, temperature=tau, return_entropy=True, chunk=8)
+        return lp, ent, teacher
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    # dynamic: a second row count and temperature run the same graph
+    for T, tau in ((5, 0.7), (3, 1.3))[:2 if dynamic else 1]:
+        hc, wc = h[:T].clone().requires_grad_(), w.clone().requires_grad_()
+        he, we = h[:T].clone().requires_grad_(), w.clone().requires_grad_()
+        got, want = compiled(hc, wc, tg[:T], tau), step(he, we, tg[:T], tau)
+        (got[0].sum() + 0.5 * got[1].sum()).backward()
+        (want[0].sum() + 0.5 * want[1].sum()).backward()
+        for name, a, b in (("logprob", got[0], want[0]), ("entropy", got[1], want[1]), ("grad h", hc.grad, he.grad),
+                           ("grad w", wc.grad, we.grad), *zip(got[2]._fields, got[2], want[2])):
+            assert torch.equal(a, b), f"{name} T={T} compiled != eager: max err {(a.float() - b.float()).abs().max()}"
+        ref_lp, ref_ent = linear_logprob_ref(h[:T], w, tg[:T], temperature=tau, return_entropy=True)
+        torch.testing.assert_close(got[0], ref_lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], ref_ent, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[2].topk_ids, topk_logprobs_ref(h[:T], w, tg[:T], k=4, temperature=tau).topk_ids)
+    with pytest.raises(ValueError, match=r"topk_logprobs: target id 37 is out of range \[0, V=37\)"):
+        compiled(h, w, torch.tensor([0, 1, 2, 3, 37], device=DEVICE), 0.7)
+    w_nan = w.clone()
+    w_nan[3, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"topk_logprobs: non-finite logits .* rows \[0, 1, 2, 3, 4\]"):
+        compiled(h, w_nan, tg, 0.7)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
 def test_opcheck_topk_merge_update(backend):
     """The in-place update: the schema declares the five state tensors mutated, and only those."""
@@ -137,6 +176,17 @@ def test_opcheck_topk_merge_update(backend):
                                                      st.targets, st.temperature, chunk.contiguous(), c0, backend))
 
 
+def test_opcheck_topk_merge_ids_lse():
+    """The finalize's checked conversion: a complete state, with and without targets."""
+    from acarerank.ops import topk_merge_init, topk_merge_update
+    from acarerank.ops.topk_merge import topk_merge_ids_lse_op
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    st = topk_merge_init(3, 4, DEVICE, targets=torch.tensor([3, 0, 9], device=DEVICE))
+    topk_merge_update(st, logits, 0, backend="torch")
+    for has_targets in (True, False):
+        torch.library.opcheck(topk_merge_ids_lse_op, (st.ids, st.row_max, st.row_sumexp, st.target_logit, has_targets))
+
+
 # every torch.ops.acarerank op -> the test that runs torch.library.opcheck on it
 OPCHECKED = {
     "prefix_shared_attention": "test_opcheck.py::test_opcheck_prefix_shared_attention",
@@ -145,6 +195,7 @@ OPCHECKED = {
     "linear_logprob": "test_opcheck.py::test_opcheck_linear_logprob",
     "linear_logprob_backward": "test_opcheck.py::test_opcheck_linear_logprob_backward",
     "topk_merge_update": "test_opcheck.py::test_opcheck_topk_merge_update",
+    "topk_merge_ids_lse": "test_opcheck.py::test_opcheck_topk_merge_ids_lse",
     "topk_logprobs_core": "test_op_topk_logprobs.py::test_core_is_a_checked_custom_op",
     "prefix_shared_attention_paged": "test_op_paged_attention.py::test_registered_op_passes_opcheck",
     "rms_norm": "test_op_layer_elementwise.py::test_opcheck",
