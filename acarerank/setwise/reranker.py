@@ -24,6 +24,8 @@ Step API (what the server's engine drives between scoring passes; docs/ARCHITECT
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -67,13 +69,20 @@ class SelectEncoding:
 
 
 class SelectState:
-    """One selection in progress: its prompt prefill, then its greedy decoder (``start_select``)."""
+    """One selection in progress: its prompt prefill, then its greedy decoder (``start_select``).
+
+    ``lock`` is held by every step and by the release: a ``release_select`` from another thread
+    waits for the step in progress (one forward), and two steps of one selection run one after
+    the other. Freed under a running step, its pages went back to the pool while the step still
+    wrote its new K/V rows into them — into pages another request had been given meanwhile.
+    """
 
     def __init__(self, enc: SelectEncoding, prefill: ChunkedPrefill):
         self.encoding = enc
         self.prefill = prefill
         self.decoder: Optional[GreedyStepper] = None
         self.released = False
+        self.lock = threading.RLock()  # re-entrant: finish_select releases while it holds it
 
     @property
     def prefilling(self) -> bool:
@@ -183,49 +192,61 @@ class SetwiseReranker(RerankerBase):
     def prefill_select(self, st: SelectState, max_tokens: int) -> int:
         """Compute up to ``max_tokens`` more prompt tokens (one pass per ``runner.prefill_chunk``);
         returns how many. When the prompt is complete the decoder is set up (``st.prefilling`` False)."""
-        self._live(st)
-        n = st.prefill.step(max_tokens)
-        if st.prefill.done and st.decoder is None:
-            st.decoder = self._decoder(st.encoding, st.prefill.cache)
-        return n
+        with self._live(st):
+            n = st.prefill.step(max_tokens)
+            if st.prefill.done and st.decoder is None:
+                st.decoder = self._decoder(st.encoding, st.prefill.cache)
+            return n
 
     def decode_select(self, st: SelectState) -> int:
         """One greedy step (one forward of one short segment); returns the tokens it fed. If the cache's
         pool fills up with pinned pages mid-decode, the selection restarts in a private pool (as ``select``)."""
-        self._live(st)
-        if st.decoder is None:
-            raise ValueError("decode_select: the prompt is not prefilled yet (prefill_select until not st.prefilling)")
-        try:
-            return st.decoder.step()
-        except PoolExhausted:
-            st.prefill.cache.free()
-            enc = st.encoding
-            st.prefill = ChunkedPrefill(self.runner, CacheSlot(self.runner, enabled=False), st.prefill.prefix,
-                                        reserve_tokens=self._reserve([enc.prompt], enc.max_select, enc.constrained))
-            st.decoder = None
-            return 0
+        with self._live(st):
+            if st.decoder is None:
+                raise ValueError("decode_select: the prompt is not prefilled yet (prefill_select until not "
+                                 "st.prefilling)")
+            try:
+                return st.decoder.step()
+            except PoolExhausted:
+                st.prefill.cache.free()
+                enc = st.encoding
+                st.prefill = ChunkedPrefill(self.runner, CacheSlot(self.runner, enabled=False), st.prefill.prefix,
+                                            reserve_tokens=self._reserve([enc.prompt], enc.max_select,
+                                                                         enc.constrained))
+                st.decoder = None
+                return 0
 
     def finish_select(self, st: SelectState) -> Selection:
         """The finished selection's ``Selection``; releases its pages."""
-        self._live(st)
-        if not st.done:
-            raise ValueError("finish_select: the selection is not done (decode_select until st.done)")
-        self.release_select(st)
+        with self._live(st):
+            if not st.done:
+                raise ValueError("finish_select: the selection is not done (decode_select until st.done)")
+            self.release_select(st)
         return self._selection(st.encoding.prompt, st.decoder.outputs[0], st.encoding.max_select,
                                st.encoding.constrained)
 
     def release_select(self, st: SelectState) -> None:
-        """Give back the selection's pages (idempotent); cached prompt pages stay in the tree."""
-        if not st.released:
-            st.released = True
-            st.prefill.cache.free()
+        """Give back the selection's pages (idempotent); cached prompt pages stay in the tree.
+        From another thread while a step of ``st`` runs: waits for that step to end."""
+        self._check_state(st)
+        with st.lock:
+            if not st.released:
+                st.released = True
+                st.prefill.cache.free()
 
     @staticmethod
-    def _live(st) -> None:
+    def _check_state(st) -> None:
         if not isinstance(st, SelectState):
             raise TypeError(f"expected a SelectState (from start_select), got {type(st).__name__}")
-        if st.released:
-            raise ValueError("this selection was released")
+
+    @contextmanager
+    def _live(self, st):
+        """Holds ``st.lock`` for a step: ValueError if ``st`` was released (before or while waiting)."""
+        self._check_state(st)
+        with st.lock:
+            if st.released:
+                raise ValueError("this selection was released")
+            yield
 
     def _decoder(self, enc: SelectEncoding, cache) -> GreedyStepper:
         ids = [enc.prompt.input_ids]
