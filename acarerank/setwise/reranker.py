@@ -175,7 +175,7 @@ class SetwiseReranker(RerankerBase):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
-        check_inputs(query, documents, intent, max_select)
+        documents = check_inputs(query, documents, intent, max_select)  # the checked copy, used from here on
         max_select = int(max_select)
         self._check_output_room([documents], max_select, constrained)
         return SelectEncoding(build_prompt(self.tokenizer, query, documents, intent, max_select, self.max_length),
@@ -285,14 +285,21 @@ class SetwiseReranker(RerankerBase):
         A bad query, document list or intent is a TypeError / ValueError that names the query
         ("query 1 of the batch: documents[0] must be a str"; ``documents[0]`` is that query's list's).
         """
+        # each list is read once, into a copy that is checked and then used (check_documents)
         if isinstance(queries, str) or not isinstance(queries, Sequence) or len(queries) == 0:
             raise ValueError("queries must be a non-empty list of str")
+        queries = list(queries)
         if isinstance(documents, str) or not isinstance(documents, Sequence) or len(documents) != len(queries):
             raise ValueError(f"documents must be a list with one document list per query ({len(queries)})")
+        documents = list(documents)
         if intents is None:
             intents = [None] * len(queries)
         if isinstance(intents, str) or not isinstance(intents, Sequence) or len(intents) != len(queries):
             raise ValueError(f"intents must be None or a list with one entry per query ({len(queries)})")
+        intents = list(intents)
+        if not len(queries) == len(documents) == len(intents):  # one changed while it was read
+            raise ValueError(f"select_batch: {len(queries)} queries, {len(documents)} document lists and "
+                             f"{len(intents)} intents; give one of each per query")
         positive_int("batch_size", batch_size)
         positive_int("max_select", max_select)
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -301,7 +308,7 @@ class SetwiseReranker(RerankerBase):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
         for i, (q, d, it) in enumerate(zip(queries, documents, intents)):
             try:
-                check_inputs(q, d, it, max_select)
+                documents[i] = check_inputs(q, d, it, max_select)
             except (TypeError, ValueError) as e:
                 # check_inputs names a field of one selection; say which query of the batch it is
                 raise type(e)(f"query {i} of the batch: {e}") from None
