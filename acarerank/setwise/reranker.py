@@ -75,11 +75,14 @@ class SelectState:
     waits for the step in progress (one forward), and two steps of one selection run one after
     the other. Freed under a running step, its pages went back to the pool while the step still
     wrote its new K/V rows into them — into pages another request had been given meanwhile.
+    ``owner``: the reranker that started it, the only one whose steps take it (its pages hold
+    KV of that reranker's weights).
     """
 
-    def __init__(self, enc: SelectEncoding, prefill: ChunkedPrefill):
+    def __init__(self, enc: SelectEncoding, prefill: ChunkedPrefill, owner=None):
         self.encoding = enc
         self.prefill = prefill
+        self.owner = owner
         self.decoder: Optional[GreedyStepper] = None
         self.released = False
         self.lock = threading.RLock()  # re-entrant: finish_select releases while it holds it
@@ -187,7 +190,7 @@ class SetwiseReranker(RerankerBase):
             raise TypeError(f"start_select needs a SelectEncoding (from encode_select), got {type(enc).__name__}")
         reserve = self._reserve([enc.prompt], enc.max_select, enc.constrained)
         return SelectState(enc, ChunkedPrefill(self.runner, self._cache_slot, enc.prompt.input_ids[:-1],
-                                               enc.cache_salt, reserve_tokens=reserve))
+                                               enc.cache_salt, reserve_tokens=reserve), owner=self)
 
     def prefill_select(self, st: SelectState, max_tokens: int) -> int:
         """Compute up to ``max_tokens`` more prompt tokens (one pass per ``runner.prefill_chunk``);
@@ -241,8 +244,13 @@ class SetwiseReranker(RerankerBase):
 
     @contextmanager
     def _live(self, st):
-        """Holds ``st.lock`` for a step: ValueError if ``st`` was released (before or while waiting)."""
+        """Holds ``st.lock`` for a step: ValueError if ``st`` was released (before or while waiting),
+        or was started by another reranker: its prompt's KV came from that one's runner, and this
+        one's would decode over it (other weights: a wrong selection, no error)."""
         self._check_state(st)
+        if st.owner is not self:
+            raise ValueError("this selection was started by another SetwiseReranker (start_select of that one); "
+                             "step and finish it with that reranker: its KV pages hold that model's keys and values")
         with st.lock:
             if st.released:
                 raise ValueError("this selection was released")

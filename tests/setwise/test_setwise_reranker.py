@@ -330,3 +330,29 @@ def test_release_from_another_thread_waits_for_the_running_step(model, qwen3_tok
         sr.decode_select(st)
     with pytest.raises(TypeError, match="expected a SelectState"):
         sr.release_select(None)
+
+
+def test_steps_refuse_a_selection_another_reranker_started(model, qwen3_tokenizer):
+    """A SelectState stepped by another SetwiseReranker: its prompt's KV came from the first
+    reranker's weights and the second one's decoded over it — a different selection than either
+    model makes, with no error. Each step (and finish) refuses it by name, leaving it untouched:
+    the reranker that started it still finishes it as select does."""
+    from _tiny import tiny_causal
+
+    a = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    b = SetwiseReranker(model=tiny_causal(seed=9), tokenizer=qwen3_tokenizer)
+    want = a.select("capital of France?", DOCS[:6], max_select=3)
+    st = a.start_select(a.encode_select("capital of France?", DOCS[:6], max_select=3))
+    try:
+        with pytest.raises(ValueError, match="started by another SetwiseReranker"):
+            b.prefill_select(st, 10_000)
+        a.prefill_select(st, st.prompt_tokens_left)
+        with pytest.raises(ValueError, match="started by another SetwiseReranker"):
+            b.decode_select(st)
+        while not st.done:
+            a.decode_select(st)
+        with pytest.raises(ValueError, match="started by another SetwiseReranker"):
+            b.finish_select(st)
+        assert a.finish_select(st) == want
+    finally:
+        a.release_select(st)
