@@ -118,3 +118,36 @@ def test_handles_released_and_used_across_threads(model):
         with pytest.raises(ValueError, match="was released"):
             rr.score_segments([(h, h.encoding.segment_ids[0])])
     assert_pages_at_rest(rr)
+
+
+@pytest.mark.parametrize("backend", [None, "torch"], ids=["default", "torch"])
+def test_a_callers_autocast_region_changes_nothing(model, backend, monkeypatch):
+    """torch.autocast is per thread: a reranker called from a thread inside a bf16 autocast region
+    (a training loop's) ran its fp32 GEMMs in bf16 — scores off by ~2e-3 from the same call
+    elsewhere, the torch attention backend a ValueError about the plan's dtype. The passes, the
+    yes/no head and the decoder's logits (each step's best allowed logit, recorded) now run in the
+    weights' dtype wherever they are called from: the very same numbers."""
+    import torch
+
+    from acarerank.setwise import decode
+
+    steps = []
+    check = decode.GreedyStepper._check_finite
+    monkeypatch.setattr(decode.GreedyStepper, "_check_finite",
+                        lambda self, best, running: (steps.append(best.clone()), check(self, best, running))[1])
+    pw = PointwiseReranker(model=model, backend=backend, prefix_cache=False)
+    sw = SetwiseReranker(runner=pw.runner, prefix_cache=False)
+    hidden = torch.randn(3, pw.runner.arch.hidden_size)
+
+    def calls():
+        steps.clear()
+        out = ([pw.score(**c) for c in CALLS[:4]], [sw.select(**c) for c in SELECTS[:3]],
+               sw.select(**SELECTS[0], constrained=False))
+        return out, list(steps), pw.runner.logits(hidden)
+
+    want, want_steps, want_logits = calls()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, got_steps, got_logits = calls()
+    assert got == want
+    assert len(got_steps) == len(want_steps) and all(torch.equal(g, w) for g, w in zip(got_steps, want_steps))
+    assert torch.equal(got_logits, want_logits)
