@@ -6,9 +6,16 @@ without loading ``acarerank.ops``, and the ops re-export ``triton_interpreted``
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 ENV_VAR = "TRITON_INTERPRET"
+
+# Triton's interpreter keeps the position of the program it runs (grid index, builder) in
+# module state: two threads inside interpreted kernels at once read each other's and fail with
+# an InterpreterError (docs/api.md, "Threads"). Re-entrant: a launch never waits on itself.
+_INTERPRETER_LOCK = threading.RLock()
 
 
 def triton_interpreted(kernel=None) -> bool:
@@ -23,10 +30,17 @@ def triton_interpreted(kernel=None) -> bool:
     return kernel is None or type(kernel).__name__ == "InterpretedFunction"
 
 
+def interpreter_lock():
+    """What a kernel launch holds: under the interpreter one process-wide lock, so interpreted
+    launches from several threads run one at a time; else nothing (compiled launches from several
+    threads are Triton's ordinary use, and cost no lock)."""
+    return _INTERPRETER_LOCK if triton_interpreted() else contextlib.nullcontext()
+
+
 def enable_interpreter() -> None:
     """Ask for the interpreter unless the environment already says otherwise; call it before
     ``acarerank.kernels`` (and so triton.jit) is imported, or it changes nothing."""
     os.environ.setdefault(ENV_VAR, "1")
 
 
-__all__ = ["triton_interpreted", "enable_interpreter"]
+__all__ = ["triton_interpreted", "enable_interpreter", "interpreter_lock"]

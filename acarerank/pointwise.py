@@ -35,7 +35,7 @@ import torch
 from ._validate import check_int, positive_int
 from .model import Qwen3Runner
 from .model.numerics import NonFiniteError, NonFiniteOutputError, nonfinite_rows
-from .model.runner import bounded_runs
+from .model.runner import autocast_off, bounded_runs
 from .model.cached_prefill import CacheSlot, default_budget_tokens, prefill_cached
 from .ops import backend_for, yes_no_score
 from .prompts import DEFAULT_TEMPLATE, ContextTemplate, PointwiseEncoding, encode_pointwise
@@ -427,8 +427,10 @@ class PointwiseReranker(RerankerBase):
     def _score_pinned(self, checked: list, out: list) -> None:
         """``score_segments``' passes over checked items whose pages are pinned; fills ``out``."""
         for indices, hidden in self.runner.forward_segments(checked, self.max_batch_tokens):
-            s, diff = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
-                                   eps=self.runner.arch.rms_norm_eps, backend=backend_for("yes_no_score", self.backend))
+            with autocast_off(hidden.device):  # the head in fp32 also inside a caller's autocast region
+                s, diff = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
+                                       eps=self.runner.arch.rms_norm_eps,
+                                       backend=backend_for("yes_no_score", self.backend))
             # S numbers, one sync: a NaN/inf difference (sigmoid gives NaN, or exactly 0 or 1) or score
             bad = nonfinite_rows(diff + s)
             if bad:

@@ -71,6 +71,36 @@ def test_lone_surrogate_names_the_field(rr, model):
         SetwiseReranker(model=model).select("q", ["\ud800"])
 
 
+class _ChangedAfterFirstRead(list):
+    """A document list another thread changes right after the call first reads it whole: every
+    later read sees ``later``."""
+
+    def __init__(self, items, later):
+        super().__init__(items)
+        self.later, self.reads = later, 0
+
+    def __iter__(self):
+        self.reads += 1
+        return super().__iter__() if self.reads == 1 else iter(self.later)
+
+
+@pytest.mark.parametrize("later", [[5, "x", "y"], [None] * 3, [b"bytes", "x", "y"], ["bad \ud800"] * 3,
+                                   DOCS + ["more"] * 50], ids=["int", "None", "bytes", "surrogate", "grown"])
+def test_a_list_changed_during_the_call_is_used_as_it_was_checked(rr, model, later):
+    """The documents were checked, then read again to be encoded: an int put in by another thread
+    meanwhile was AttributeError: 'int' object has no attribute 'isascii' (bytes: a TypeError about
+    str concatenation; a grown setwise list: a message counting the old length). The list is read
+    once; the call scores (selects from) the documents as checked."""
+    want = rr.score("q", list(DOCS))
+    got = rr.score("q", _ChangedAfterFirstRead(DOCS, later))
+    assert len(got) == len(want) and torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0), \
+        (got, want)
+    sr = SetwiseReranker(model=model)
+    want = sr.select("q", list(DOCS), max_select=2)
+    assert sr.select("q", _ChangedAfterFirstRead(DOCS, later), max_select=2) == want
+    assert sr.select_batch(["q"], [_ChangedAfterFirstRead(DOCS, later)], max_select=2) == [want]
+
+
 def test_empty_intent_is_no_intent(qwen3_tokenizer):
     rag = build_prompt(qwen3_tokenizer, "q", ["a", "b"], None).input_ids
     assert build_prompt(qwen3_tokenizer, "q", ["a", "b"], "").input_ids == rag

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from acarerank._triton_env import triton_interpreted
+from acarerank._triton_env import interpreter_lock, triton_interpreted
 
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
@@ -409,13 +409,14 @@ def _launch(q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt, p
     # the kernel reads the 1-D metadata at unit stride: a strided view (every other entry of a
     # buffer) was read as other offsets and groups, wrong rows with no error; no copy when contiguous
     cu_seqlens, cu_pre, segment_group = (t.contiguous() for t in (cu_seqlens, cu_pre, segment_group))
-    _prefix_shared_attn_fwd[(work.shape[0], Hkv)](
-        q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt,
-        *q.stride(), *k.stride(), *v.stride(), *pk_strides, *pv_strides, *out.stride(), *page_strides,
-        float(scale) * _LOG2E,
-        HEAD_DIM=d, BLOCK_D=block_d, GQA=gqa, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=(not on_gpu) and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32, PAGE=page,
-        num_warps=num_warps, num_stages=num_stages)
+    with interpreter_lock():
+        _prefix_shared_attn_fwd[(work.shape[0], Hkv)](
+            q, k, v, pk, pv, out, cu_seqlens, cu_pre, segment_group, work, bt,
+            *q.stride(), *k.stride(), *v.stride(), *pk_strides, *pv_strides, *out.stride(), *page_strides,
+            float(scale) * _LOG2E,
+            HEAD_DIM=d, BLOCK_D=block_d, GQA=gqa, BLOCK_M=block_m, BLOCK_N=block_n,
+            DOT_FP32=(not on_gpu) and q.dtype == torch.bfloat16, IEEE=q.dtype == torch.float32, PAGE=page,
+            num_warps=num_warps, num_stages=num_stages)
 
 
 def prefix_shared_attention_paged_triton(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from acarerank._triton_env import triton_interpreted
+from acarerank._triton_env import interpreter_lock, triton_interpreted
 from acarerank.topk_contract import MAX_K as _LIMITS
 
 _SENTINEL = tl.constexpr(-(2 ** 63))  # an order key below every real one (masked columns, empty slots)
@@ -308,15 +308,16 @@ def topk_logprobs_core_triton(hidden, weight, targets, k: int, chunk, temperatur
     mx = torch.empty(T, num_splits, dtype=torch.float32, device=dev)
     sm = torch.empty(T, num_splits, dtype=torch.float64, device=dev)
     tg = targets.to(torch.int64).contiguous()
-    _topk_tiles_kernel[(row_blocks, num_splits)](
-        hidden, weight, tg, keys, mx, sm, tgt, T, V, H, span, float(temperature),
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        NSPLIT=num_splits, K=K, KT=KT, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_H=block_h,
-        HAS_TEMP=temperature != 1.0, IEEE=hidden.dtype == torch.float32 or not on_gpu,
-        UPCAST=not on_gpu and hidden.dtype != torch.float32, num_warps=nw)
     block_t2, nw2 = gpu_merge_config(K) if on_gpu else (32, 4)
-    _topk_merge_kernel[(triton.cdiv(T, block_t2),)](
-        keys, mx, sm, top_v, top_i, lse, T, k, NSPLIT=num_splits, K=K, BLOCK_T=block_t2, num_warps=nw2)
+    with interpreter_lock():
+        _topk_tiles_kernel[(row_blocks, num_splits)](
+            hidden, weight, tg, keys, mx, sm, tgt, T, V, H, span, float(temperature),
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            NSPLIT=num_splits, K=K, KT=KT, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_H=block_h,
+            HAS_TEMP=temperature != 1.0, IEEE=hidden.dtype == torch.float32 or not on_gpu,
+            UPCAST=not on_gpu and hidden.dtype != torch.float32, num_warps=nw)
+        _topk_merge_kernel[(triton.cdiv(T, block_t2),)](
+            keys, mx, sm, top_v, top_i, lse, T, k, NSPLIT=num_splits, K=K, BLOCK_T=block_t2, num_warps=nw2)
     return top_v, top_i, tgt, lse
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from acarerank._triton_env import triton_interpreted
+from acarerank._triton_env import interpreter_lock, triton_interpreted
 
 
 @triton.jit
@@ -79,9 +79,10 @@ def yes_no_score_triton(hidden_last, norm_weight, w_yes, w_no, eps):
     else:  # interpreter: fewer, larger programs are faster
         block_s, block_h, warps = 16, min(1024, max(16, triton.next_power_of_2(H))), 4
     nw, wy, wn = norm_weight.contiguous(), w_yes.contiguous(), w_no.contiguous()
-    _yes_no_head_kernel[(triton.cdiv(S, block_s),)](
-        hidden_last, nw, wy, wn, score, diff, S, H, hidden_last.stride(0), hidden_last.stride(1), float(eps),
-        BLOCK_S=block_s, BLOCK_H=block_h, num_warps=warps)
+    with interpreter_lock():
+        _yes_no_head_kernel[(triton.cdiv(S, block_s),)](
+            hidden_last, nw, wy, wn, score, diff, S, H, hidden_last.stride(0), hidden_last.stride(1), float(eps),
+            BLOCK_S=block_s, BLOCK_H=block_h, num_warps=warps)
     return score, diff
 
 

@@ -58,6 +58,15 @@ def _linear_fixed_tiles(x: torch.Tensor, w, b: Optional[torch.Tensor] = None) ->
     return out[:T]
 
 
+def autocast_off(device: torch.device):
+    """A region where a caller's ``torch.autocast`` does not apply on ``device``: the model computes
+    in its weights' dtype wherever it is called from. Autocast is per thread, so a pass run inside
+    a bf16 autocast region (a training loop's) had its fp32 GEMMs in bf16 — scores off by ~2e-3
+    from the same call elsewhere, or, on the torch attention backend, a ValueError about the plan's
+    dtype (docs/api.md, "Threads")."""
+    return torch.autocast(device.type, enabled=False)
+
+
 #: tokens per KV page of the runner's caches (a power of two, 16..256): the prefix cache
 #: reuses whole pages only, so small pages lose at most 15 tokens of a hit
 DEFAULT_BLOCK_SIZE = 16
@@ -166,7 +175,8 @@ class Qwen3Runner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 [N, V] next-token logits for a few rows (final norm + lm_head)."""
-        return (self.final_norm(hidden) @ self.weights.lm_head.T).float()
+        with autocast_off(self.device):
+            return (self.final_norm(hidden) @ self.weights.lm_head.T).float()
 
     # -- public passes ------------------------------------------------------------------
     def new_pool(self, num_blocks: int, growable: bool = False) -> BlockPool:
@@ -306,6 +316,10 @@ class Qwen3Runner:
         return emb.cos(), emb.sin()
 
     def _forward(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
+        with autocast_off(self.device):
+            return self._pass(cache, ids, groups, output, append)
+
+    def _pass(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
         a, W = self.arch, self.weights
         dev = self.device
         lens = [t.numel() for t in ids]

@@ -149,15 +149,20 @@ def check_query(query) -> str:
 
 
 def check_documents(documents) -> list:
-    """A list of str; TypeError naming the first bad item's index, ValueError("no documents")."""
+    """A copy of ``documents``, a list of str; TypeError naming the first bad item's index,
+    ValueError("no documents"). The sequence is read once and the copy is what is checked:
+    callers use the copy, so a list another thread changes meanwhile is used as it was checked
+    (read again after the check, a non-str put in by then reached the tokenizer: an
+    AttributeError or a TypeError naming nothing)."""
     if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence):
         raise TypeError(f"documents must be a list of str, got {type(documents).__name__}")
-    if len(documents) == 0:
+    docs = list(documents)
+    if len(docs) == 0:
         raise ValueError("no documents: the document list is empty")
-    for i, doc in enumerate(documents):
+    for i, doc in enumerate(docs):
         if not isinstance(doc, str):
             raise TypeError(f"documents[{i}] must be a str, got {type(doc).__name__}")
-    return list(documents)
+    return docs
 
 
 def resolve_instruction(instruction, mode: str, template: ContextTemplate) -> str:

@@ -32,6 +32,7 @@ import torch
 
 from .._validate import positive_int
 from ..model.numerics import NonFiniteOutputError, nonfinite_rows
+from ..model.runner import autocast_off
 from ..tokenizer import TOKEN_IM_END
 from .grammar import GrammarState, IdentifierGrammar
 
@@ -145,7 +146,8 @@ class GreedyStepper:
             self._check_finite(logits.amax(-1), running)
             nxt = logits.argmax(-1).tolist()
         else:
-            logits = (self.runner.final_norm(hidden) @ self.head.T).float()  # [S, 14]; same dtype path as runner.logits
+            with autocast_off(hidden.device):  # as runner.logits: the caller's autocast does not apply
+                logits = (self.runner.final_norm(hidden) @ self.head.T).float()  # [S, 14]; runner.logits' dtype path
             mask = self.grammar.mask([states[g] for g in running]).to(logits.device)
             masked = logits.masked_fill(~mask, float("-inf"))
             self._check_finite(masked.amax(-1), running)

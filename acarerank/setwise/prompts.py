@@ -123,17 +123,20 @@ def normalize_intent(intent) -> Optional[str]:
     return intent if intent.strip() else None
 
 
-def check_inputs(query, documents, intent=None, max_select=10) -> None:
-    """Raise TypeError / ValueError naming the bad argument (a lone surrogate names its field)."""
+def check_inputs(query, documents, intent=None, max_select=10) -> list:
+    """Raise TypeError / ValueError naming the bad argument (a lone surrogate names its field);
+    returns the checked copy of ``documents`` (``check_documents``), the list to use from then on."""
     from ..tokenizer import check_text
 
     check_text("query", check_query(query))
-    for i, d in enumerate(check_documents(documents)):
+    docs = check_documents(documents)
+    for i, d in enumerate(docs):
         check_text(f"documents[{i}]", d)
     intent = normalize_intent(intent)
     if intent is not None:
         check_text("intent", intent)
     positive_int("max_select", max_select)
+    return docs
 
 
 def system_prompt(intent: Optional[str] = None) -> str:
@@ -143,7 +146,7 @@ def system_prompt(intent: Optional[str] = None) -> str:
 
 def user_prompt(query: str, documents: Sequence[str], intent: Optional[str] = None, max_select: int = 10) -> str:
     """F.1 / F.2 user text with candidates ``[1]..[n]`` (documents used as given, no truncation)."""
-    check_inputs(query, documents, intent, max_select)
+    documents = check_inputs(query, documents, intent, max_select)
     intent = normalize_intent(intent)
     max_select = int(max_select)
     passages = "\n".join(PASSAGE_TEMPLATE.format(id=i + 1, text=d) for i, d in enumerate(documents))
@@ -247,7 +250,7 @@ def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Option
     """
     from ..tokenizer import TextEncoder
 
-    check_inputs(query, documents, intent, max_select)
+    documents = check_inputs(query, documents, intent, max_select)
     max_length = check_int("max_length", max_length, 1, allow_none=True)
     intent = normalize_intent(intent)
     encoder = TextEncoder.of(tokenizer, special_tokens)

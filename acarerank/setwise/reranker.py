@@ -24,6 +24,8 @@ Step API (what the server's engine drives between scoring passes; docs/ARCHITECT
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -67,13 +69,23 @@ class SelectEncoding:
 
 
 class SelectState:
-    """One selection in progress: its prompt prefill, then its greedy decoder (``start_select``)."""
+    """One selection in progress: its prompt prefill, then its greedy decoder (``start_select``).
 
-    def __init__(self, enc: SelectEncoding, prefill: ChunkedPrefill):
+    ``lock`` is held by every step and by the release: a ``release_select`` from another thread
+    waits for the step in progress (one forward), and two steps of one selection run one after
+    the other. Freed under a running step, its pages went back to the pool while the step still
+    wrote its new K/V rows into them — into pages another request had been given meanwhile.
+    ``owner``: the reranker that started it, the only one whose steps take it (its pages hold
+    KV of that reranker's weights).
+    """
+
+    def __init__(self, enc: SelectEncoding, prefill: ChunkedPrefill, owner=None):
         self.encoding = enc
         self.prefill = prefill
+        self.owner = owner
         self.decoder: Optional[GreedyStepper] = None
         self.released = False
+        self.lock = threading.RLock()  # re-entrant: finish_select releases while it holds it
 
     @property
     def prefilling(self) -> bool:
@@ -166,7 +178,7 @@ class SetwiseReranker(RerankerBase):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
-        check_inputs(query, documents, intent, max_select)
+        documents = check_inputs(query, documents, intent, max_select)  # the checked copy, used from here on
         max_select = int(max_select)
         self._check_output_room([documents], max_select, constrained)
         return SelectEncoding(build_prompt(self.tokenizer, query, documents, intent, max_select, self.max_length),
@@ -178,54 +190,71 @@ class SetwiseReranker(RerankerBase):
             raise TypeError(f"start_select needs a SelectEncoding (from encode_select), got {type(enc).__name__}")
         reserve = self._reserve([enc.prompt], enc.max_select, enc.constrained)
         return SelectState(enc, ChunkedPrefill(self.runner, self._cache_slot, enc.prompt.input_ids[:-1],
-                                               enc.cache_salt, reserve_tokens=reserve))
+                                               enc.cache_salt, reserve_tokens=reserve), owner=self)
 
     def prefill_select(self, st: SelectState, max_tokens: int) -> int:
         """Compute up to ``max_tokens`` more prompt tokens (one pass per ``runner.prefill_chunk``);
         returns how many. When the prompt is complete the decoder is set up (``st.prefilling`` False)."""
-        self._live(st)
-        n = st.prefill.step(max_tokens)
-        if st.prefill.done and st.decoder is None:
-            st.decoder = self._decoder(st.encoding, st.prefill.cache)
-        return n
+        with self._live(st):
+            n = st.prefill.step(max_tokens)
+            if st.prefill.done and st.decoder is None:
+                st.decoder = self._decoder(st.encoding, st.prefill.cache)
+            return n
 
     def decode_select(self, st: SelectState) -> int:
         """One greedy step (one forward of one short segment); returns the tokens it fed. If the cache's
         pool fills up with pinned pages mid-decode, the selection restarts in a private pool (as ``select``)."""
-        self._live(st)
-        if st.decoder is None:
-            raise ValueError("decode_select: the prompt is not prefilled yet (prefill_select until not st.prefilling)")
-        try:
-            return st.decoder.step()
-        except PoolExhausted:
-            st.prefill.cache.free()
-            enc = st.encoding
-            st.prefill = ChunkedPrefill(self.runner, CacheSlot(self.runner, enabled=False), st.prefill.prefix,
-                                        reserve_tokens=self._reserve([enc.prompt], enc.max_select, enc.constrained))
-            st.decoder = None
-            return 0
+        with self._live(st):
+            if st.decoder is None:
+                raise ValueError("decode_select: the prompt is not prefilled yet (prefill_select until not "
+                                 "st.prefilling)")
+            try:
+                return st.decoder.step()
+            except PoolExhausted:
+                st.prefill.cache.free()
+                enc = st.encoding
+                st.prefill = ChunkedPrefill(self.runner, CacheSlot(self.runner, enabled=False), st.prefill.prefix,
+                                            reserve_tokens=self._reserve([enc.prompt], enc.max_select,
+                                                                         enc.constrained))
+                st.decoder = None
+                return 0
 
     def finish_select(self, st: SelectState) -> Selection:
         """The finished selection's ``Selection``; releases its pages."""
-        self._live(st)
-        if not st.done:
-            raise ValueError("finish_select: the selection is not done (decode_select until st.done)")
-        self.release_select(st)
+        with self._live(st):
+            if not st.done:
+                raise ValueError("finish_select: the selection is not done (decode_select until st.done)")
+            self.release_select(st)
         return self._selection(st.encoding.prompt, st.decoder.outputs[0], st.encoding.max_select,
                                st.encoding.constrained)
 
     def release_select(self, st: SelectState) -> None:
-        """Give back the selection's pages (idempotent); cached prompt pages stay in the tree."""
-        if not st.released:
-            st.released = True
-            st.prefill.cache.free()
+        """Give back the selection's pages (idempotent); cached prompt pages stay in the tree.
+        From another thread while a step of ``st`` runs: waits for that step to end."""
+        self._check_state(st)
+        with st.lock:
+            if not st.released:
+                st.released = True
+                st.prefill.cache.free()
 
     @staticmethod
-    def _live(st) -> None:
+    def _check_state(st) -> None:
         if not isinstance(st, SelectState):
             raise TypeError(f"expected a SelectState (from start_select), got {type(st).__name__}")
-        if st.released:
-            raise ValueError("this selection was released")
+
+    @contextmanager
+    def _live(self, st):
+        """Holds ``st.lock`` for a step: ValueError if ``st`` was released (before or while waiting),
+        or was started by another reranker: its prompt's KV came from that one's runner, and this
+        one's would decode over it (other weights: a wrong selection, no error)."""
+        self._check_state(st)
+        if st.owner is not self:
+            raise ValueError("this selection was started by another SetwiseReranker (start_select of that one); "
+                             "step and finish it with that reranker: its KV pages hold that model's keys and values")
+        with st.lock:
+            if st.released:
+                raise ValueError("this selection was released")
+            yield
 
     def _decoder(self, enc: SelectEncoding, cache) -> GreedyStepper:
         ids = [enc.prompt.input_ids]
@@ -264,14 +293,21 @@ class SetwiseReranker(RerankerBase):
         A bad query, document list or intent is a TypeError / ValueError that names the query
         ("query 1 of the batch: documents[0] must be a str"; ``documents[0]`` is that query's list's).
         """
+        # each list is read once, into a copy that is checked and then used (check_documents)
         if isinstance(queries, str) or not isinstance(queries, Sequence) or len(queries) == 0:
             raise ValueError("queries must be a non-empty list of str")
+        queries = list(queries)
         if isinstance(documents, str) or not isinstance(documents, Sequence) or len(documents) != len(queries):
             raise ValueError(f"documents must be a list with one document list per query ({len(queries)})")
+        documents = list(documents)
         if intents is None:
             intents = [None] * len(queries)
         if isinstance(intents, str) or not isinstance(intents, Sequence) or len(intents) != len(queries):
             raise ValueError(f"intents must be None or a list with one entry per query ({len(queries)})")
+        intents = list(intents)
+        if not len(queries) == len(documents) == len(intents):  # one changed while it was read
+            raise ValueError(f"select_batch: {len(queries)} queries, {len(documents)} document lists and "
+                             f"{len(intents)} intents; give one of each per query")
         positive_int("batch_size", batch_size)
         positive_int("max_select", max_select)
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -280,7 +316,7 @@ class SetwiseReranker(RerankerBase):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
         for i, (q, d, it) in enumerate(zip(queries, documents, intents)):
             try:
-                check_inputs(q, d, it, max_select)
+                documents[i] = check_inputs(q, d, it, max_select)
             except (TypeError, ValueError) as e:
                 # check_inputs names a field of one selection; say which query of the batch it is
                 raise type(e)(f"query {i} of the batch: {e}") from None

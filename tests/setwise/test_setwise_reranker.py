@@ -287,3 +287,72 @@ def test_private_pools_reserve_only_the_grammars_longest_output(model, qwen3_tok
     assert reserved[1:] == [65] and old_reserve == 65
     assert batch == old_batch and stepped == old_stepped == batch[1]
     assert all(1 <= len(s.ids) <= 4 for s in batch)
+
+
+def test_release_from_another_thread_waits_for_the_running_step(model, qwen3_tokenizer, monkeypatch):
+    """release_select from another thread while decode_select runs: the pages went back to the pool
+    mid-step, another request was given them, and the step then wrote its new K/V row into that
+    request's page (no error; its KV, or the prefix tree's, silently wrong). The release now waits
+    for the step (one forward); the pages are free once it is done, and the state is dead."""
+    import threading
+
+    from acarerank.model import runner as runner_module
+
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    st = sr.start_select(sr.encode_select("capital of France?", DOCS[:5], max_select=3))
+    sr.prefill_select(st, st.prompt_tokens_left)
+    pool = sr._cache_slot.get().pool
+    attention, released, taken = runner_module.prefix_shared_attention_paged, threading.Event(), []
+
+    def release():
+        sr.release_select(st)
+        released.set()
+
+    def attention_of_the_step(*args, **kw):  # layer 0 of the step: its new rows' pages are reserved
+        if not taken:
+            taken.append(threading.Thread(target=release))
+            taken[0].start()
+            if released.wait(0.5):  # released mid-step: another request takes every free page
+                taken.extend(pool.allocate(pool.num_free))
+                for t in pool.k + pool.v:
+                    t[taken[1:]] = 7.0
+        return attention(*args, **kw)
+
+    monkeypatch.setattr(runner_module, "prefix_shared_attention_paged", attention_of_the_step)
+    sr.decode_select(st)
+    monkeypatch.undo()
+    taken[0].join()
+    written = [b for b in taken[1:] if not all(bool((t[b] == 7.0).all()) for t in pool.k + pool.v)]
+    assert not written, f"the step wrote into page(s) {written} after the release had handed them out"
+    assert len(taken) == 1, "the release did not wait for the step"
+    assert st.released and all(c <= 1 for c in pool.refcount), "the selection's pages were not given back"
+    with pytest.raises(ValueError, match="this selection was released"):
+        sr.decode_select(st)
+    with pytest.raises(TypeError, match="expected a SelectState"):
+        sr.release_select(None)
+
+
+def test_steps_refuse_a_selection_another_reranker_started(model, qwen3_tokenizer):
+    """A SelectState stepped by another SetwiseReranker: its prompt's KV came from the first
+    reranker's weights and the second one's decoded over it — a different selection than either
+    model makes, with no error. Each step (and finish) refuses it by name, leaving it untouched:
+    the reranker that started it still finishes it as select does."""
+    from _tiny import tiny_causal
+
+    a = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    b = SetwiseReranker(model=tiny_causal(seed=9), tokenizer=qwen3_tokenizer)
+    want = a.select("capital of France?", DOCS[:6], max_select=3)
+    st = a.start_select(a.encode_select("capital of France?", DOCS[:6], max_select=3))
+    try:
+        with pytest.raises(ValueError, match="started by another SetwiseReranker"):
+            b.prefill_select(st, 10_000)
+        a.prefill_select(st, st.prompt_tokens_left)
+        with pytest.raises(ValueError, match="started by another SetwiseReranker"):
+            b.decode_select(st)
+        while not st.done:
+            a.decode_select(st)
+        with pytest.raises(ValueError, match="started by another SetwiseReranker"):
+            b.finish_select(st)
+        assert a.finish_select(st) == want
+    finally:
+        a.release_select(st)
