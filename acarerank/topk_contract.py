@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 #: the largest k of each top-k backend (None: k <= V only); see the module docstring
-MAX_K = {"torch": None, "triton": 512, "cpp": 4096, "cuda": 4096}
+MAX_K = {"torch": None, "native": None, "triton": 512, "cpp": 4096, "cuda": 4096}
 TOPK_MAX_K = MAX_K["cpp"]  # the streaming state's limit (csrc kTopKMax)
 
 #: vocabulary columns per GEMM when the caller passes chunk=None, per device type

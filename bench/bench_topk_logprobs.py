@@ -7,9 +7,10 @@ hidden 1,024, vocabulary 151,669, k = 128, fp32. On a GPU: 16 queries (8,192 row
   gemm          ``hidden @ weight.T`` and nothing else — the time yardstick (target: ≤ 1.2×)
   materialised  logits = hidden @ weight.T, then topk, logsumexp and gathers on [T, V] — the
                 memory yardstick (target: peak extra memory ≤ 5 %)
-  torch, cpp, triton, cuda
-                ``topk_logprobs(backend=...)`` (triton/cuda on GPU; triton on CPU only in
-                --quick mode, under TRITON_INTERPRET=1)
+  torch, native, cpp, triton, cuda
+                ``topk_logprobs(backend=...)`` (native on CPU where acarerank._cpu is built: on
+                bf16 its chunk GEMM is csrc/cpu/logits_gemm.cpp where the CPU has AVX512_BF16;
+                triton/cuda on GPU; triton on CPU only in --quick mode, under TRITON_INTERPRET=1)
 
 Time (``acarerank.benchmark.measure.time_ms``): median / 20 % / 80 % wall-clock ms of
 --repeats runs after a warm-up, and the median CPU time of the process over the same runs
@@ -94,13 +95,17 @@ def providers(names, k, temperature):
         return torch.where(inside, tz - lse_k, torch.full_like(tz, -20.0)), top.indices, lse
 
     table = {"gemm": gemm, "materialised": materialised}
-    for b in ("torch", "cpp", "triton", "cuda"):
+    for b in ("torch", "native", "cpp", "triton", "cuda"):
         table[b] = (lambda b: lambda h, w, tg: topk_logprobs(h, w, tg, k=k, temperature=temperature, backend=b))(b)
     return {n: table[n] for n in names}
 
 
 def default_provider_names(on_gpu, quick):
     names = ["gemm", "materialised", "torch"]
+    from acarerank.ops import _native
+
+    if not on_gpu and _native.available():
+        names.append("native")
     try:
         import acarerank._C  # noqa: F401
         names.append("cpp" if not on_gpu else "cuda")

@@ -87,6 +87,13 @@ def could_pack_bf16() -> bool:
     return bool(load().could_pack_bf16())
 
 
+def bf16_logits_gemm() -> bool:
+    """Whether the top-k ops' bf16 chunk GEMM runs ``acarerank::mm_bf16_f32`` (fp32 logits from
+    bf16 rows, csrc/cpu/logits_gemm.cpp) here: the CPU has AVX512_BF16 and ACARERANK_CPU_BASELINE
+    is not 1; elsewhere the chunk is upcast to an fp32 GEMM."""
+    return bool(load().bf16_logits_gemm())
+
+
 def layer_kernel_isa() -> str:
     """The build of the element-wise row kernels (rms_norm, fused_add_rms_norm, qk_norm_rope,
     silu_and_mul) this process runs, chosen once: "avx512", "avx2" or "baseline" — the widest

@@ -136,7 +136,8 @@ def _chunk_topk(x, kc, c0, mask):
 
 
 # ----------------------------------------------------------------------------- torch core
-def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
+def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float,
+                             bf16_gemm=None):
     """Chunked core: per chunk of ``chunk`` vocabulary rows, one GEMM [T,H]×[H,C] in fp32, the
     chunk's candidates, an exact merge into the running top-k, and an online log-sum-exp.
 
@@ -159,14 +160,15 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     malloc/free, so no page faults or heap growth per chunk), + O(T·k) + 64·C int64 for the
     counts and ~4 · 64·C int64 for a tie repair (64 rows at a time); the log-sum-exp
     exponentiates the chunk in place. Inputs of other dtypes are upcast to fp32 one chunk at a
-    time into a third reused buffer [C, H].
+    time into a third reused buffer [C, H] — unless ``bf16_gemm(a, b, out)`` is given (the
+    "native" core, bf16 inputs): ``out = a·bᵀ`` in fp32 from the bf16 rows, no fp32 copy.
     Returns (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, lse [T] fp32).
     """
     T, H = hidden.shape
     V = weight.shape[0]
     C = min(chunk or default_chunk(hidden.device), V)
     dev = hidden.device
-    h = hidden if hidden.dtype == torch.float32 else hidden.float()
+    h = hidden if hidden.dtype == torch.float32 or bf16_gemm is not None else hidden.float()
     tg = targets.to(torch.int64)
     run_v = torch.empty(T, 0, dtype=torch.float32, device=dev)
     run_i = torch.empty(T, 0, dtype=torch.int64, device=dev)
@@ -179,14 +181,19 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
                 tgt, m)
     xbuf = torch.empty(T * C, dtype=torch.float32, device=dev)
     mbuf = torch.empty(T * C, dtype=torch.bool, device=dev)
-    wbuf = None if weight.dtype == torch.float32 else torch.empty(C * H, dtype=torch.float32, device=dev)
+    upcast = weight.dtype != torch.float32 and bf16_gemm is None
+    wbuf = torch.empty(C * H, dtype=torch.float32, device=dev) if upcast else None
     for c0 in range(0, V, C):
         c1 = min(V, c0 + C)
         n = c1 - c0
         w = weight[c0:c1]
-        if wbuf is not None:
-            w = wbuf[:n * H].view(n, H).copy_(w)
-        x = torch.mm(h, w.T, out=xbuf[:T * n].view(T, n))  # [T, n] fp32
+        x = xbuf[:T * n].view(T, n)  # [T, n] fp32
+        if bf16_gemm is not None:
+            bf16_gemm(h, w, x)
+        else:
+            if wbuf is not None:
+                w = wbuf[:n * H].view(n, H).copy_(w)
+            torch.mm(h, w.T, out=x)
         mask = mbuf[:T * n].view(T, n)
         if temperature != 1.0:
             x.div_(temperature)  # division (not × 1/τ) so every backend rounds identically
@@ -222,6 +229,37 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
         s = s * torch.exp((m - shift).double()) + csum.double()
         m = m_new
     return run_v, run_i, tgt, logsumexp_of(m, s)
+
+
+# ----------------------------------------------------------------------------- native core
+def _mm_bf16_f32_fake(a, b, out):
+    return None
+
+
+def native_bf16_gemm_for(hidden, weight):
+    """``acarerank::mm_bf16_f32`` (csrc/cpu/logits_gemm.cpp: fp32 logits from bf16 rows) when it
+    can take this call — bf16 CPU inputs, an even hidden size, weight rows contiguous, a CPU with
+    AVX512_BF16 (``_native.bf16_logits_gemm``) — else None (the fp32 GEMM of the upcast chunk)."""
+    from . import _native
+    from ._native_backend import native_kernel
+
+    if not (hidden.dtype == weight.dtype == torch.bfloat16 and hidden.device.type == "cpu"
+            and hidden.shape[1] % 2 == 0 and weight.stride(1) == 1 and _native.bf16_logits_gemm()):
+        return None
+    return native_kernel("mm_bf16_f32", _mm_bf16_f32_fake)
+
+
+def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
+    """``topk_logprobs_core_torch`` whose chunk GEMM, on bf16 inputs where the CPU has
+    AVX512_BF16, is ``acarerank::mm_bf16_f32``: fp32 logits straight from the bf16 rows, at the
+    bf16 GEMM's rate (the torch core upcasts each chunk and runs an fp32 GEMM, ~4.5× the time on
+    such a CPU: docs/benchmarks.md, "Ops and kernels"); elsewhere exactly the torch core. The
+    products are exact in fp32 either way; the sums differ in order (and the instruction flushes
+    subnormals), so logits agree with the torch core's to fp32 rounding, as two GEMMs do."""
+    gemm = native_bf16_gemm_for(hidden, weight)
+    if gemm is not None and hidden.stride(1) != 1:
+        hidden = hidden.contiguous()  # [T, H]: small beside the weight
+    return topk_logprobs_core_torch(hidden, weight, targets, k, chunk, temperature, bf16_gemm=gemm)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -320,9 +358,19 @@ def topk_logprobs_core_cuda(hidden, weight, targets, k: int, chunk: Optional[int
 
 
 # ----------------------------------------------------------------------------- declaration
+def _load_native():
+    """The native core, once acarerank._cpu loads (BackendError naming why not: the CPU default
+    then walks on to "torch")."""
+    from ._native_backend import native_kernel
+
+    native_kernel("mm_bf16_f32", _mm_bf16_f32_fake)
+    return topk_logprobs_core_native
+
+
 OP = _backend.OpDecl(
     "topk_logprobs", aliases=("topk",),
     backends={"torch": _backend.Backend(lambda: topk_logprobs_core_torch),
+              "native": _backend.Backend(_load_native, ("cpu",)),
               "triton": _backend.lazy_backend("topk_logprobs", "triton", "acarerank.kernels.topk_logprobs",
                                               "topk_logprobs_core_triton"),
               # the cpp / cuda cores are below; what they need is the built extension
@@ -330,7 +378,7 @@ OP = _backend.OpDecl(
                                            wrap=lambda _: topk_logprobs_core_cpp),
               "cuda": _backend.lazy_backend("topk_logprobs", "cuda", "acarerank.ops._cpp", "topk_update", ("cuda",),
                                             needs_cuda_build=True, wrap=lambda _: topk_logprobs_core_cuda)},
-    defaults={"cpu": ("torch",), "cuda": ("cuda", "triton", "torch")},
+    defaults={"cpu": ("native", "torch"), "cuda": ("cuda", "triton", "torch")},
 )
 
 

@@ -43,10 +43,11 @@ ACR_AVX512_BF16 inline void transpose_16x16_epi32(__m512i r[16]) {
 inline __mmask32 low_bits32(int64_t w) { return w >= 32 ? ~__mmask32(0) : (__mmask32(1) << w) - 1; }
 inline __mmask16 low_bits16(int64_t w) { return w >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << w) - 1); }
 
-// krow(j) / vrow(j): key j's d bf16 values (d even, n <= KT, KT a multiple of 16).
-template <typename KRow, typename VRow>
-ACR_AVX512_BF16 inline bool pack_kv_rows_vnni_avx512(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_t d,
-                                                     c10::BFloat16* kt, c10::BFloat16* vt) {
+// The K layout alone: row(j)'s d bf16 values (d even, n <= KT, KT a multiple of 16) as the columns
+// j of B[d][KT] (pair p of row j at 32-bit lane p·KT + j). Also the weight panels of the logits
+// GEMM (logits_gemm.cpp), whose weight rows are its columns as keys are here.
+template <typename Row>
+ACR_AVX512_BF16 inline void pack_pair_columns_avx512(Row&& krow, int64_t n, int64_t KT, int64_t d, c10::BFloat16* kt) {
   const int64_t d2 = d / 2;
   uint32_t* k32 = reinterpret_cast<uint32_t*>(kt);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -62,6 +63,13 @@ ACR_AVX512_BF16 inline bool pack_kv_rows_vnni_avx512(KRow&& krow, VRow&& vrow, i
         _mm512_storeu_si512(k32 + (p0 + i) * KT + j0, r[i]);
     }
   }
+}
+
+// krow(j) / vrow(j): key j's d bf16 values (d even, n <= KT, KT a multiple of 16).
+template <typename KRow, typename VRow>
+ACR_AVX512_BF16 inline bool pack_kv_rows_vnni_avx512(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_t d,
+                                                     c10::BFloat16* kt, c10::BFloat16* vt) {
+  pack_pair_columns_avx512(krow, n, KT, d, kt);
   // V: pairs of rows; lo takes columns c0..c0+15 of both rows, hi c0+16..c0+31, as (row j, row j+1)
   alignas(64) uint16_t lo_idx[32], hi_idx[32];
   for (int i = 0; i < 16; ++i) {

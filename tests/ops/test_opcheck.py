@@ -212,6 +212,7 @@ OPCHECKED_NATIVE = {
     "fused_add_rms_norm_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
     "qk_norm_rope_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
     "silu_and_mul_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
+    "mm_bf16_f32": "test_logits_gemm.py::test_opcheck_mm_bf16_f32",
 }
 
 

@@ -1,0 +1,184 @@
+"""The bf16 logits GEMM of acarerank._cpu (csrc/cpu/logits_gemm.cpp) and the "native" top-k core
+that runs it (acarerank/ops/topk_logprobs.py).
+
+    acarerank::mm_bf16_f32(a [M, K] bf16, b [N, K] bf16, out [M, N] fp32):  out = a · bᵀ
+
+Reference: the product in fp64. Bound: an fp32 GEMM's, K · 2⁻²⁴ · (|a| · |b|ᵀ) per entry — the
+bf16 products are exact in fp32, so only the fp32 sums round (in another order than MKL's).
+"""
+import importlib
+
+import pytest
+import torch
+
+from _ext import needs_native
+from acarerank.ops import _native, topk_logprobs, topk_logprobs_ref
+
+pytestmark = needs_native
+TOPK = importlib.import_module("acarerank.ops.topk_logprobs")  # the module (the package exports the function)
+
+
+def _has_gemm():
+    return _native.available() and _native.bf16_logits_gemm()
+
+
+needs_bf16_gemm = pytest.mark.skipif(not _has_gemm(), reason="this CPU has no AVX512_BF16 (or "
+                                     "ACARERANK_CPU_BASELINE=1): the top-k ops upcast to an fp32 GEMM there")
+
+
+def _mm():
+    from acarerank.ops._native_backend import native_kernel
+
+    return native_kernel("mm_bf16_f32", TOPK._mm_bf16_f32_fake)
+
+
+def _check_gemm(out, a, b, what):
+    ref = a.double() @ b.double().T
+    bound = (a.double().abs() @ b.double().abs().T) * a.shape[1] * 2.0 ** -24
+    err = (out.double() - ref).abs()
+    bad = (err > bound).nonzero()
+    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} entries past K·2⁻²⁴·|a||b|, first (row, col) "
+                              f"{bad[:5].tolist()}, max err {err.max().item():.3e}")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("M,N,K", [
+    (1, 1, 2), (5, 17, 30), (6, 64, 256), (7, 65, 258), (13, 130, 1024), (3, 200, 2),
+    (64, 100, 4096), (12, 63, 512), (1, 2049, 64),
+])
+def test_gemm_is_an_fp32_gemm_of_the_bf16_inputs(M, N, K):
+    """Row blocks of 6 and their tails, panels of 64 columns and their masked tails, K in blocks
+    of 256 and a last partial one."""
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    a = torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(N, K, generator=g).bfloat16()
+    out = torch.full((M, N), float("nan"))
+    _mm()(a, b, out)
+    _check_gemm(out, a, b, f"M={M} N={N} K={K}")
+
+
+@needs_bf16_gemm
+def test_gemm_reads_strided_rows_and_writes_every_entry():
+    """a and b as row slices of wider tensors (the weight chunk of a vocabulary walk, a hidden
+    state's columns), every entry of out written whatever it held."""
+    g = torch.Generator().manual_seed(3)
+    wide_a = torch.randn(9, 300, generator=g).bfloat16()
+    wide_b = torch.randn(150, 260, generator=g).bfloat16()
+    a, b = wide_a[:, 10:138], wide_b[20:, :128]
+    out = torch.full((9, 130), float("nan"))
+    _mm()(a, b, out)
+    _check_gemm(out, a, b, "strided rows")
+
+
+@needs_bf16_gemm
+def test_gemm_empty_and_zero_k():
+    out = torch.empty(0, 5)
+    _mm()(torch.empty(0, 8, dtype=torch.bfloat16), torch.ones(5, 8, dtype=torch.bfloat16), out)
+    out = torch.full((3, 4), 7.0)
+    _mm()(torch.empty(3, 0, dtype=torch.bfloat16), torch.empty(4, 0, dtype=torch.bfloat16), out)
+    assert torch.equal(out, torch.zeros(3, 4))
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("a,b,out,match", [
+    (torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(4, 3, dtype=torch.bfloat16), torch.empty(2, 4),
+     "K must be even"),
+    (torch.ones(2, 4), torch.ones(4, 4, dtype=torch.bfloat16), torch.empty(2, 4), "a must be BFloat16"),
+    (torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16), torch.empty(2, 4, dtype=torch.bfloat16),
+     "out must be Float"),
+    (torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 6, dtype=torch.bfloat16), torch.empty(2, 4), "the same K"),
+    (torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16), torch.empty(4, 2), r"out must be \[2, 4\]"),
+    (torch.ones(4, 2, dtype=torch.bfloat16).T, torch.ones(4, 4, dtype=torch.bfloat16).T, torch.empty(2, 4),
+     "rows must be contiguous"),
+    (torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 4, dtype=torch.bfloat16), torch.empty(4, 2).T,
+     "out must be contiguous"),
+])
+def test_gemm_names_bad_input(a, b, out, match):
+    with pytest.raises(RuntimeError, match=match):
+        _mm()(a, b, out)
+
+
+@needs_bf16_gemm
+def test_opcheck_mm_bf16_f32():
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(7, 34, generator=g).bfloat16(), torch.randn(70, 34, generator=g).bfloat16()
+    _mm()  # loads it, registers its fake
+    torch.library.opcheck(torch.ops.acarerank.mm_bf16_f32.default, (a, b, torch.empty(7, 70)))
+
+
+def _spy(monkeypatch):
+    """Counts the chunk GEMMs the native core runs through mm_bf16_f32."""
+    calls = []
+    real = TOPK.native_bf16_gemm_for
+
+    def spying(hidden, weight):
+        fn = real(hidden, weight)
+        if fn is None:
+            return None
+
+        def gemm(a, b, out):
+            calls.append(tuple(out.shape))
+            return fn(a, b, out)
+        return gemm
+    monkeypatch.setattr(TOPK, "native_bf16_gemm_for", spying)
+    return calls
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("T,H,V,chunk", [(1, 64, 1543, None), (13, 30, 1543, 100), (70, 258, 4099, 2048)])
+def test_native_core_runs_the_bf16_gemm_and_equals_the_reference(T, H, V, chunk, monkeypatch):
+    """Dyadic bf16 inputs (quarters in [-2, 2]): every logit is exact in fp32 whatever the sum
+    order, so ids and log-probs equal the fp64 oracle's and the torch core's bitwise."""
+    calls = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(T + H + V)
+    h = (torch.randint(-8, 9, (T, H), generator=g).float() / 4).bfloat16()
+    w = (torch.randint(-8, 9, (V, H), generator=g).float() / 4).bfloat16()
+    tg = torch.randint(0, V, (T,), generator=g)
+    got = topk_logprobs(h, w, tg, k=32, chunk=chunk, temperature=0.5, backend="native")
+    assert calls and all(c[0] == T for c in calls), calls
+    want = topk_logprobs_ref(h, w, tg, k=32, temperature=0.5)
+    torch_core = topk_logprobs(h, w, tg, k=32, chunk=chunk, temperature=0.5, backend="torch")
+    for res, what in ((want, "fp64 oracle"), (torch_core, "torch core")):
+        assert torch.equal(got.topk_ids, res.topk_ids), what
+        assert torch.equal(got.in_topk, res.in_topk), what
+        assert (got.topk_logprobs - res.topk_logprobs).abs().max() <= 1e-6, what
+        assert (got.target_logprob - res.target_logprob).abs().max() <= 1e-6, what
+
+
+@needs_bf16_gemm
+def test_native_core_on_gaussian_bf16_is_within_the_fp32_rule(monkeypatch):
+    """Random bf16 (non-dyadic): the logits differ from the upcast GEMM's by summation order only;
+    the log-probs agree with the oracle's to fp32 rounding."""
+    calls = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    h, w = torch.randn(9, 128, generator=g).bfloat16(), (0.1 * torch.randn(3001, 128, generator=g)).bfloat16()
+    tg = torch.randint(0, 3001, (9,), generator=g)
+    got = topk_logprobs(h, w, tg, k=16, outside="full", backend="native")
+    want = topk_logprobs_ref(h, w, tg, k=16, outside="full")
+    assert calls
+    assert torch.equal(got.topk_ids, want.topk_ids)
+    assert (got.topk_logprobs - want.topk_logprobs).abs().max() <= 1e-5
+    assert (got.target_logprob - want.target_logprob).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["fp32", "odd hidden", "transposed weight", "baseline"])
+def test_native_core_is_the_torch_core_where_the_gemm_cannot_run(case, monkeypatch):
+    """fp32 inputs, an odd hidden size, weight rows that are not contiguous, or
+    ACARERANK_CPU_BASELINE=1 (and a CPU without AVX512_BF16): the upcast fp32 GEMM, bitwise the
+    torch core's result."""
+    calls = _spy(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    H = 31 if case == "odd hidden" else 32
+    h, w = torch.randn(5, H, generator=g), torch.randn(777, H, generator=g)
+    if case != "fp32":
+        h, w = h.bfloat16(), w.bfloat16()
+    if case == "transposed weight":
+        w = w.T.contiguous().T
+    if case == "baseline":
+        monkeypatch.setenv("ACARERANK_CPU_BASELINE", "1")
+    tg = torch.randint(0, 777, (5,), generator=g)
+    got = topk_logprobs(h, w, tg, k=8, backend="native")
+    want = topk_logprobs(h, w, tg, k=8, backend="torch")
+    assert not calls, calls
+    assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_logprobs, want.topk_logprobs)
+    assert torch.equal(got.target_logprob, want.target_logprob)
