@@ -36,9 +36,11 @@ Structure: a backend *core* that never holds [T, V] and returns
 and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``; in the leaf
 ``acarerank.topk_contract`` with the result type, ``DEFAULT_CHUNK`` and the per-backend k
 limits ``MAX_K``). Cores, declared in ``OP``: "torch" (below: per-chunk GEMM, chunk top-k,
-exact merge; any k <= V), "triton" (acarerank/kernels/topk_logprobs.py; k <= 512), "cpp"/"cuda"
+exact merge; any k <= V), "native" (the torch core whose bf16 chunk GEMM is
+``acarerank::mm_bf16_f32``, csrc/cpu/logits_gemm.cpp, on CPUs with AVX512_BF16; any k),
+"triton" (acarerank/kernels/topk_logprobs.py; k <= 512), "cpp"/"cuda"
 (below: a GEMM per chunk merged into topk_merge.py's streaming state, csrc/topk_merge.*;
-k <= 4,096). Defaults: "torch" on CPU; on CUDA the
+k <= 4,096). Defaults: "native" on CPU where acarerank._cpu loads, else "torch"; on CUDA the
 cuBLAS GEMM + CUDA merge ("cuda") until the Triton core is measured faster, then "triton".
 """
 from __future__ import annotations
@@ -419,7 +421,7 @@ def topk_logprobs_core(hidden, weight, targets, k: int = 128, chunk: Optional[in
     all of z = (hidden · weightᵀ) / temperature. ``weight`` may be a vocabulary shard: ids are
     then local to it (add the shard's offset), and shards combine by merging the top-k lists
     under the tie rule and the log-sum-exps by logaddexp. k: within the backend's limit
-    (``MAX_K``: torch any, triton 512, cpp/cuda 4,096), else ValueError naming the limit.
+    (``MAX_K``: torch/native any, triton 512, cpp/cuda 4,096), else ValueError naming the limit.
     A row with non-finite logits is a ValueError; ``shard=True`` lets a row whose logits are
     all −inf here through (logsumexp −inf, its top-k −inf in id order): the caller checks the
     combined log-sum-exp.
@@ -439,8 +441,8 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
       hidden: [T, H] hidden states AFTER the final RMSNorm (fp32/bf16/fp16).
       weight: [V, H] lm_head weight, same dtype and device as ``hidden``.
       targets: [T] int64 (or int32) sampled token ids in [0, V).
-      k: 1 <= k <= V (ATO: 128) and within the backend's limit (``MAX_K``: torch any, triton
-         512, cpp/cuda 4,096). chunk: vocabulary rows per GEMM (default ``DEFAULT_CHUNK`` of
+      k: 1 <= k <= V (ATO: 128) and within the backend's limit (``MAX_K``: torch/native any,
+         triton 512, cpp/cuda 4,096). chunk: vocabulary rows per GEMM (default ``DEFAULT_CHUNK`` of
          the device: 2,048 on CPU, 16,384 on CUDA; the triton core tiles on its own).
          temperature τ > 0 divides the logits before truncation.
       backend: a name, a per-op mapping or None (``acarerank.ops._backend``).
