@@ -139,7 +139,7 @@ def _chunk_topk(x, kc, c0, mask):
 
 # ----------------------------------------------------------------------------- torch core
 def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float,
-                             bf16_gemm=None):
+                             bf16_gemm=None, candidates=None):
     """Chunked core: per chunk of ``chunk`` vocabulary rows, one GEMM [T,H]×[H,C] in fp32, the
     chunk's candidates, an exact merge into the running top-k, and an online log-sum-exp.
 
@@ -164,6 +164,10 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     exponentiates the chunk in place. Inputs of other dtypes are upcast to fp32 one chunk at a
     time into a third reused buffer [C, H] — unless ``bf16_gemm(a, b, out)`` is given (the
     "native" core, bf16 inputs): ``out = a·bᵀ`` in fp32 from the bf16 rows, no fp32 copy.
+    ``candidates(x, theta, c0, vals, ids, counts)`` (the native core): a chunk's entries above
+    each row's θ in one compare per entry (``acarerank::topk_candidates``), in place of the
+    count and the narrow ``topk`` (which reads every entry of the row, whatever its k); it fills
+    two reused [T, k] buffers, padding (−inf, 2³¹ − 1), which never enters a full top-k.
     Returns (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, lse [T] fp32).
     """
     T, H = hidden.shape
@@ -184,6 +188,10 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     xbuf = torch.empty(T * C, dtype=torch.float32, device=dev)
     mbuf = torch.empty(T * C, dtype=torch.bool, device=dev)
     upcast = weight.dtype != torch.float32 and bf16_gemm is None
+    if candidates is not None:  # [T, k] candidate buffers and [T] counts, reused by every chunk
+        cand_v = torch.empty(T, k, dtype=torch.float32, device=dev)
+        cand_i = torch.empty(T, k, dtype=torch.int64, device=dev)
+        counts = torch.empty(T, dtype=torch.int64, device=dev)
     wbuf = torch.empty(C * H, dtype=torch.float32, device=dev) if upcast else None
     for c0 in range(0, V, C):
         c1 = min(V, c0 + C)
@@ -208,9 +216,15 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
         if run_v.shape[1] < k:
             vals, ids = _chunk_topk(x, min(k, n), c0, mask)
         else:
-            kc = int(_row_counts(torch.gt(x, run_v[:, k - 1:], out=mask)).max())
+            if candidates is not None:
+                candidates(x, run_v[:, k - 1].contiguous(), c0, cand_v, cand_i, counts)
+                kc = int(counts.max())
+            else:
+                kc = int(_row_counts(torch.gt(x, run_v[:, k - 1:], out=mask)).max())
             if kc > k:  # at most k of them can enter: the chunk's exact top-k, never kc (up to C) wide
                 vals, ids = _chunk_topk(x, k, c0, mask)
+            elif kc and candidates is not None:  # copies: the buffers are the next chunk's
+                vals, ids = cand_v[:, :kc].clone(), cand_i[:, :kc].clone()
             elif kc:
                 vals, ids = x.topk(kc, dim=1, sorted=False)
                 ids = ids + c0
@@ -238,6 +252,10 @@ def _mm_bf16_f32_fake(a, b, out):
     return None
 
 
+def _topk_candidates_fake(x, theta, id0, vals, ids, counts):
+    return None
+
+
 def native_bf16_gemm_for(hidden, weight):
     """``acarerank::mm_bf16_f32`` (csrc/cpu/logits_gemm.cpp: fp32 logits from bf16 rows) when it
     can take this call — bf16 CPU inputs, an even hidden size, weight rows contiguous, a CPU with
@@ -258,10 +276,14 @@ def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[i
     such a CPU: docs/benchmarks.md, "Ops and kernels"); elsewhere exactly the torch core. The
     products are exact in fp32 either way; the sums differ in order (and the instruction flushes
     subnormals), so logits agree with the torch core's to fp32 rounding, as two GEMMs do."""
+    from ._native_backend import native_kernel
+
     gemm = native_bf16_gemm_for(hidden, weight)
     if gemm is not None and hidden.stride(1) != 1:
         hidden = hidden.contiguous()  # [T, H]: small beside the weight
-    return topk_logprobs_core_torch(hidden, weight, targets, k, chunk, temperature, bf16_gemm=gemm)
+    candidates = native_kernel("topk_candidates", _topk_candidates_fake)
+    return topk_logprobs_core_torch(hidden, weight, targets, k, chunk, temperature, bf16_gemm=gemm,
+                                    candidates=candidates)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -366,6 +388,7 @@ def _load_native():
     from ._native_backend import native_kernel
 
     native_kernel("mm_bf16_f32", _mm_bf16_f32_fake)
+    native_kernel("topk_candidates", _topk_candidates_fake)
     return topk_logprobs_core_native
 
 

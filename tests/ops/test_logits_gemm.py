@@ -182,3 +182,108 @@ def test_native_core_is_the_torch_core_where_the_gemm_cannot_run(case, monkeypat
     assert not calls, calls
     assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_logprobs, want.topk_logprobs)
     assert torch.equal(got.target_logprob, want.target_logprob)
+
+
+# --------------------------------------------------------------------- topk_candidates
+PAD_ID = 2 ** 31 - 1
+
+
+def _candidates():
+    from acarerank.ops._native_backend import native_kernel
+
+    return native_kernel("topk_candidates", TOPK._topk_candidates_fake)
+
+
+def _candidates_ref(x, theta, id0, cap):
+    """Per row: the entries above theta in id order, padded with (−inf, 2³¹ − 1); and the count."""
+    T = x.shape[0]
+    vals = torch.full((T, cap), float("-inf"))
+    ids = torch.full((T, cap), PAD_ID, dtype=torch.int64)
+    counts = torch.zeros(T, dtype=torch.int64)
+    for t in range(T):
+        j = (x[t] > theta[t]).nonzero().flatten()
+        counts[t] = j.numel()
+        j = j[:cap]
+        vals[t, :j.numel()], ids[t, :j.numel()] = x[t, j], j + id0
+    return vals, ids, counts
+
+
+@pytest.mark.parametrize("T,n,cap", [(1, 1, 1), (7, 2048, 16), (33, 100, 128), (5, 64, 4)])
+def test_candidates_are_the_entries_above_theta_in_id_order(T, n, cap):
+    """Rows with none, some, and more than cap entries above θ (then the first cap by id and the
+    full count); θ of −inf (everything finite is above it) and +inf (nothing); NaN never above."""
+    g = torch.Generator().manual_seed(T * n + cap)
+    x = torch.randn(T, n, generator=g)
+    x[0, : min(3, n)] = float("nan")
+    theta = torch.randn(T, generator=g) + 1.5
+    theta[-1] = float("-inf")
+    if T > 2:
+        theta[1] = float("inf")
+    vals = torch.full((T, cap), 123.0)
+    ids = torch.full((T, cap), -5, dtype=torch.int64)
+    counts = torch.full((T,), -1, dtype=torch.int64)
+    _candidates()(x, theta, 4096, vals, ids, counts)
+    want = _candidates_ref(x, theta, 4096, cap)
+    assert torch.equal(counts, want[2]), (counts, want[2])
+    assert torch.equal(ids, want[1]), (ids != want[1]).nonzero()[:5]
+    assert torch.equal(vals, want[0]), (vals != want[0]).nonzero()[:5]
+
+
+def test_candidates_read_strided_rows_and_empty_shapes():
+    wide = torch.randn(6, 300)
+    x, theta = wide[:, 7:207], torch.zeros(6)
+    vals, ids, counts = torch.empty(6, 8), torch.empty(6, 8, dtype=torch.int64), torch.empty(6, dtype=torch.int64)
+    _candidates()(x, theta, 0, vals, ids, counts)
+    for got, want in zip((vals, ids, counts), _candidates_ref(x, theta, 0, 8)):
+        assert torch.equal(got, want)
+    _candidates()(torch.empty(0, 5), torch.empty(0), 0, torch.empty(0, 3), torch.empty(0, 3, dtype=torch.int64),
+                  torch.empty(0, dtype=torch.int64))
+    counts = torch.full((2,), 9, dtype=torch.int64)
+    vals, ids = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64)
+    _candidates()(torch.empty(2, 0), torch.zeros(2), 0, vals, ids, counts)
+    assert counts.tolist() == [0, 0] and (ids == PAD_ID).all() and torch.isneginf(vals).all()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(x=torch.ones(2, 4, dtype=torch.float64)), "x must be Float"),
+    (dict(theta=torch.ones(3)), r"theta and counts must be \[2\]"),
+    (dict(ids=torch.zeros(2, 3, dtype=torch.int32)), "ids must be Long"),
+    (dict(vals=torch.zeros(2, 5)), "vals and ids must be"),
+    (dict(x=torch.ones(4, 2).T), "rows must be contiguous"),
+    (dict(id0=2 ** 31 - 3), "below 2\\*\\*31 - 1"),
+])
+def test_candidates_name_bad_input(change, match):
+    args = dict(x=torch.ones(2, 4), theta=torch.zeros(2), id0=0, vals=torch.zeros(2, 3),
+                ids=torch.zeros(2, 3, dtype=torch.int64), counts=torch.zeros(2, dtype=torch.int64))
+    args.update(change)
+    with pytest.raises(RuntimeError, match=match):
+        _candidates()(**args)
+
+
+def test_opcheck_topk_candidates():
+    x = torch.randn(5, 70)
+    args = (x, torch.zeros(5), 100, torch.empty(5, 8), torch.empty(5, 8, dtype=torch.int64),
+            torch.empty(5, dtype=torch.int64))
+    _candidates()
+    torch.library.opcheck(torch.ops.acarerank.topk_candidates.default, args)
+
+
+@pytest.mark.parametrize("order", ["random", "rising", "ties"])
+def test_native_core_in_fp32_is_the_torch_core_bitwise(order):
+    """fp32: the native core differs from the torch core only in how a chunk's candidates are
+    found, so every output is bitwise the same — random logits, logits rising with the id (more
+    than k candidates per chunk: the exact chunk top-k) and integer logits (ties everywhere)."""
+    g = torch.Generator().manual_seed(7)
+    T, H, V = 11, 16, 5000
+    h = torch.randn(T, H, generator=g)
+    w = torch.randn(V, H, generator=g)
+    if order == "rising":
+        h[:, 0], w[:, 0] = 1.0, torch.linspace(-50, 50, V)
+    if order == "ties":
+        h, w = torch.randint(-2, 3, (T, H), generator=g).float(), torch.randint(-2, 3, (V, H), generator=g).float()
+    tg = torch.randint(0, V, (T,), generator=g)
+    for chunk in (None, 300):
+        got = topk_logprobs(h, w, tg, k=64, chunk=chunk, outside="full", backend="native")
+        want = topk_logprobs(h, w, tg, k=64, chunk=chunk, outside="full", backend="torch")
+        for name in ("topk_ids", "topk_logprobs", "target_logprob", "in_topk"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (order, chunk, name)
