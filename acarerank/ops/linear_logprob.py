@@ -34,8 +34,10 @@ from the forward until the backward runs); here the backward recomputes the logi
 allocated before the backward.
 
 Precision rule: all math in fp32. fp16/bf16 inputs are upcast one chunk at a time (the
-product of two bf16 numbers is exact in fp32), so outputs equal the fp32 reference on the
-same (rounded) inputs to fp32 tolerance; gradients are accumulated in fp32 and rounded once
+product of two bf16 numbers is exact in fp32) — on a CPU with AVX512_BF16 the bf16 logits
+instead come from ``acarerank::mm_bf16_f32`` (fp32 products and sums of the bf16 rows, another
+summation order; csrc/cpu/logits_gemm.cpp) where acarerank._cpu is built — so outputs equal the
+fp32 reference on the same (rounded) inputs to fp32 tolerance; gradients are accumulated in fp32 and rounded once
 to the input dtype, i.e. they are within one rounding (2⁻⁸ relative for bf16) of the fp32
 gradient of the same inputs. The rule holds inside a ``torch.autocast`` region too: the passes
 turn autocast off, which would otherwise run the chunk GEMMs in bf16/fp16.
@@ -57,6 +59,7 @@ from torch.autograd import forward_ad
 
 from . import _backend
 from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, check_target_range
+from ._logits_gemm import native_bf16_gemm_for
 
 DEFAULT_CHUNK = 2048  # vocabulary rows per step: [T, 2048] fp32 is 1.35 % of [T, 151,669]
 
@@ -81,7 +84,12 @@ def compute_copy(x):
 class _Chunks:
     """Reused scratch for the vocabulary walk: a [T, C] logits buffer (+ a second one for the
     entropy terms) and, for half-precision weights, a [C, H] upcast buffer. Allocated once per
-    pass: no per-chunk malloc/free (page faults, heap growth) in the loop."""
+    pass: no per-chunk malloc/free (page faults, heap growth) in the loop.
+
+    bf16 on a CPU with AVX512_BF16: the logits come from ``acarerank::mm_bf16_f32`` (fp32 out of
+    the bf16 rows, at the bf16 GEMM's rate; ``_logits_gemm``) with h32 rounded back to bf16 —
+    exact, h32 is the upcast of a bf16 hidden state — and the weight chunk is upcast only for
+    the backward's GEMMs that take fp32 ∂z (``w``)."""
 
     def __init__(self, h32, weight, chunk, second: bool):
         T, H = h32.shape
@@ -90,20 +98,29 @@ class _Chunks:
         self.xbuf = torch.empty(T * C, dtype=cd, device=dev)
         self.ebuf = torch.empty(T * C, dtype=cd, device=dev) if second else None
         self.wbuf = None if weight.dtype == cd else torch.empty(C * H, dtype=cd, device=dev)
+        self.hb, self.bf16_gemm = None, None
+        if weight.dtype == torch.bfloat16 and cd == torch.float32:
+            hb = h32.to(torch.bfloat16)  # exact: h32 is the upcast of a bf16 hidden state
+            self.bf16_gemm = native_bf16_gemm_for(hb, weight)
+            self.hb = hb if self.bf16_gemm is not None else None
 
     def __iter__(self):
         V = self.weight.shape[0]
         for c0 in range(0, V, self.chunk):
-            c1 = min(V, c0 + self.chunk)
-            yield c0, c1, self.w(c0, c1)
+            yield c0, min(V, c0 + self.chunk)
 
     def w(self, c0, c1):
+        """Rows [c0, c1) of the weight in the compute dtype (a copy into the reused buffer)."""
         w = self.weight[c0:c1]
         return w if self.wbuf is None else self.wbuf[:(c1 - c0) * self.H].view(c1 - c0, self.H).copy_(w)
 
-    def logits(self, w, temperature):
-        n = w.shape[0]
-        x = torch.mm(self.h32, w.T, out=self.xbuf[:self.T * n].view(self.T, n))
+    def logits(self, c0, c1, temperature):
+        """z = h · W[c0:c1]ᵀ / τ, [T, c1 − c0] in the compute dtype, in the reused buffer."""
+        x = self.xbuf[:self.T * (c1 - c0)].view(self.T, c1 - c0)
+        if self.bf16_gemm is not None:
+            self.bf16_gemm(self.hb, self.weight[c0:c1], x)
+        else:
+            torch.mm(self.h32, self.w(c0, c1).T, out=x)
         if temperature != 1.0:
             x.div_(temperature)
         return x
@@ -137,8 +154,8 @@ def _forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
     a = torch.zeros(T, dtype=torch.float64, device=dev)   # Σ exp(z − m) · (z − m)   (entropy only)
     tz = torch.zeros(T, dtype=h32.dtype, device=dev)
     chunks = _Chunks(h32, weight, chunk, second=with_entropy)
-    for c0, c1, w in chunks:
-        x = chunks.logits(w, temperature)
+    for c0, c1 in chunks:
+        x = chunks.logits(c0, c1, temperature)
         rows = ((tg >= c0) & (tg < c1)).nonzero().flatten()
         if rows.numel():
             tz[rows] = x[rows, tg[rows] - c0]
@@ -181,8 +198,8 @@ def _backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, 
     grad_h = torch.zeros(T, h32.shape[1], dtype=cd, device=h32.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     chunks = _Chunks(h32, weight, chunk, second=g_ent is not None)
-    for c0, c1, w in chunks:
-        x = chunks.logits(w, temperature).sub_(m[:, None])  # z − m, exact near the max (module doc)
+    for c0, c1 in chunks:
+        x = chunks.logits(c0, c1, temperature).sub_(m[:, None])  # z − m, exact near the max (module doc)
         # -- ∂L/∂z for this chunk, built in x's buffer
         if g_ent is not None:
             p = torch.sub(x, lse_m[:, None], out=chunks.second(c1 - c0)).exp_()
@@ -195,7 +212,7 @@ def _backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, 
         if temperature != 1.0:
             x.div_(temperature)  # ∂z/∂logits = 1/τ
         if need_h:
-            grad_h.addmm_(x, w)
+            grad_h.addmm_(x, chunks.w(c0, c1))
         if need_w:
             if grad_w.dtype == cd:
                 torch.mm(x.T, h32, out=grad_w[c0:c1])  # straight into the gradient, no [C, H] temporary

@@ -56,6 +56,8 @@ from ..topk_contract import (MAX_K, OUTSIDE_MODES, TopKLogprobs, as_int, check_k
 from . import _backend
 from ._checks import NONFINITE_LOGITS, check_projection_inputs, check_target_range, finite_real
 from .linear_logprob import fp32_math
+from ._logits_gemm import mm_bf16_f32_fake as _mm_bf16_f32_fake
+from ._logits_gemm import native_bf16_gemm_for
 from .topk_merge import UPDATE_OP, topk_merge_init
 
 
@@ -249,25 +251,8 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
 
 
 # ----------------------------------------------------------------------------- native core
-def _mm_bf16_f32_fake(a, b, out):
-    return None
-
-
 def _topk_candidates_fake(x, theta, id0, vals, ids, counts):
     return None
-
-
-def native_bf16_gemm_for(hidden, weight):
-    """``acarerank::mm_bf16_f32`` (csrc/cpu/logits_gemm.cpp: fp32 logits from bf16 rows) when it
-    can take this call — bf16 CPU inputs, an even hidden size, weight rows contiguous, a CPU with
-    AVX512_BF16 (``_native.bf16_logits_gemm``) — else None (the fp32 GEMM of the upcast chunk)."""
-    from . import _native
-    from ._native_backend import native_kernel
-
-    if not (hidden.dtype == weight.dtype == torch.bfloat16 and hidden.device.type == "cpu"
-            and hidden.shape[1] % 2 == 0 and weight.stride(1) == 1 and _native.bf16_logits_gemm()):
-        return None
-    return native_kernel("mm_bf16_f32", _mm_bf16_f32_fake)
 
 
 def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):

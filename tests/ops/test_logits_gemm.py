@@ -287,3 +287,51 @@ def test_native_core_in_fp32_is_the_torch_core_bitwise(order):
         want = topk_logprobs(h, w, tg, k=64, chunk=chunk, outside="full", backend="torch")
         for name in ("topk_ids", "topk_logprobs", "target_logprob", "in_topk"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (order, chunk, name)
+
+
+# --------------------------------------------------------------------- linear_logprob on bf16
+@needs_bf16_gemm
+def test_linear_logprob_bf16_logits_come_from_the_bf16_gemm(monkeypatch):
+    """bf16 policy log-probs: the forward's and the backward's logits chunks run mm_bf16_f32 (no
+    fp32 copy of the weight for them), and the op keeps its rule — log-probs and entropy within
+    fp32 tolerance of the fp32 oracle on the same rounded inputs, gradients within one bf16
+    rounding of its gradient; under ACARERANK_CPU_BASELINE=1 (the upcast GEMM) the same."""
+    from acarerank.ops import linear_logprob, linear_logprob_ref
+    LLP = importlib.import_module("acarerank.ops.linear_logprob")
+    calls = []
+    real = LLP.native_bf16_gemm_for
+
+    def spying(hidden, weight):
+        fn = real(hidden, weight)
+        if fn is None:
+            return None
+
+        def gemm(a, b, out):
+            calls.append(tuple(out.shape))
+            return fn(a, b, out)
+        return gemm
+    monkeypatch.setattr(LLP, "native_bf16_gemm_for", spying)
+    g = torch.Generator().manual_seed(4)
+    T, H, V = 17, 64, 1031
+    h0, w0 = torch.randn(T, H, generator=g).bfloat16(), (0.2 * torch.randn(V, H, generator=g)).bfloat16()
+    tg = torch.randint(0, V, (T,), generator=g)
+    g_lp, g_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
+
+    def run(fn, h, w):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = fn(h, w, tg, temperature=0.8, return_entropy=True)
+        (lp * g_lp + ent * g_ent).sum().backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad
+
+    ref = run(linear_logprob_ref, h0.float(), w0.float())
+    for mode in ("native", "baseline"):
+        calls.clear()
+        if mode == "baseline":
+            monkeypatch.setenv("ACARERANK_CPU_BASELINE", "1")
+        got = run(lambda *a, **kw: linear_logprob(*a, chunk=300, **kw), h0, w0)
+        assert (len(calls) == 2 * 4) if mode == "native" else not calls, (mode, calls)  # 4 chunks, forward + backward
+        for name, a, b, rel in zip(("logprob", "entropy", "grad_hidden", "grad_weight"), got, ref,
+                                   (1e-5, 1e-5, 2.0 ** -8, 2.0 ** -8)):
+            err = (a.double() - b.double()).abs()
+            bad = err > 1e-5 + rel * b.double().abs()
+            assert not bad.any(), f"{mode} {name}: max err {err.max().item():.3e} at {bad.nonzero()[:3].tolist()}"
