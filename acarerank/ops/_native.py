@@ -88,9 +88,11 @@ def could_pack_bf16() -> bool:
 
 
 def bf16_logits_gemm() -> bool:
-    """Whether the top-k ops' bf16 chunk GEMM runs ``acarerank::mm_bf16_f32`` (fp32 logits from
-    bf16 rows, csrc/cpu/logits_gemm.cpp) here: the CPU has AVX512_BF16 and ACARERANK_CPU_BASELINE
-    is not 1; elsewhere the chunk is upcast to an fp32 GEMM."""
+    """Whether the ops' bf16 logits chunks run ``acarerank::mm_bf16_f32`` (fp32 logits from bf16
+    rows, csrc/cpu/logits_gemm.cpp; ``ops/_logits_gemm.py``) here: the CPU has AVX512_BF16,
+    ACARERANK_CPU_BASELINE is not 1 and the attention's bf16 path (``bf16_attention_path``, whose
+    tile GEMM it shares: brgemm on AMX) is not "fp32-convert"; elsewhere the chunk is upcast to an
+    fp32 GEMM. RuntimeError if ACARERANK_CPU_BF16_PATH names a path this CPU cannot take."""
     return bool(load().bf16_logits_gemm())
 
 

@@ -12,13 +12,17 @@
 // where _cpu.bf16_logits_gemm() (also off under ACARERANK_CPU_BASELINE=1).
 //
 // b's rows are the GEMM's columns: a task packs a panel of kPanel of them into the VNNI layout
-// (pack_pair_columns_avx512) once and runs the avx512-bf16 tiles (gemm_bf16_avx512.h) over every
-// row of a, kKBlock values of K at a time, so the panel's slice of the k loop stays in L1.
+// (pack_pair_columns_avx512) once and runs the attention's bf16 tile GEMM (attn_tiles.h's gemm:
+// cpublas::brgemm on AMX, or when ACARERANK_CPU_BF16_PATH=brgemm; else the avx512-bf16 tiles of
+// gemm_bf16_avx512.h) over every row of a, kKBlock values of K at a time, so the panel's slice
+// of the k loop stays in L1. brgemm's kernels are keyed by shape: M is cut into powers of two,
+// N is 64 but for a chunk's last panel and K 256 but for H's remainder, so a model brings few.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <memory>
 
+#include "attn_tiles.h"
 #include "common.h"
 #include "pack_vnni_avx512.h"
 
@@ -46,8 +50,9 @@ void mm_bf16_f32(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   TORCH_CHECK((M == 0 || a.stride(1) == 1) && (N == 0 || b.stride(1) == 1),
               op, ": a's and b's rows must be contiguous, got strides ", a.strides(), " and ", b.strides());
   TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous, got strides ", out.strides());
-  TORCH_CHECK(acr_attn::cpu_has_avx512_bf16(), op, ": this CPU has no AVX512_BF16 (acarerank/ops/topk_logprobs.py "
+  TORCH_CHECK(acr_attn::cpu_has_avx512_bf16(), op, ": this CPU has no AVX512_BF16 (acarerank/ops/_logits_gemm.py "
               "upcasts to an fp32 GEMM there)");
+  acr_attn::bf16_path();  // chosen once per process; an ACARERANK_CPU_BF16_PATH this CPU cannot take is named here
   if (M == 0 || N == 0) return;
   if (K == 0) {
     out.zero_();
@@ -66,10 +71,10 @@ void mm_bf16_f32(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
       acr_attn::pack_pair_columns_avx512([&](int64_t j) { return B + (n0 + j) * ldb; }, nn, kPanel, K, packed.get());
       for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
         const int64_t kk = std::min(kKBlock, K - k0);  // even: K and kKBlock are
-        acr_attn::gemm_bf16_vnni_avx512(M, nn, kk, A + k0, lda, packed.get() + k0 * kPanel, kPanel, C + n0, N,
-                                        /*add_C=*/k0 > 0);
+        acr_attn::gemm(M, nn, kk, A + k0, lda, packed.get() + k0 * kPanel, kPanel, C + n0, N, /*add_C=*/k0 > 0);
       }
     }
+    acr_attn::gemm_release<c10::BFloat16>();  // brgemm's per-thread tile state (AMX), as the attention does
   });
 #endif
 }

@@ -5,6 +5,8 @@
 #include <ATen/native/CPUBlas.h>
 #include <pybind11/pybind11.h>
 
+#include <cstring>
+
 #include "attn_tiles.h"
 #include "layer_glue.h"
 
@@ -29,8 +31,11 @@ PYBIND11_MODULE(_cpu, m) {
   }, "How this module was built: torch_version, cxx11_abi, openmp.");
   m.def("could_pack_bf16", [] { return at::native::cpublas::could_pack(at::kBFloat16); },
         "Whether cpublas::brgemm has a fast (VNNI-packed, AVX512_BF16/AMX) bf16 path on this CPU.");
-  m.def("bf16_logits_gemm", [] { return acr_attn::cpu_has_avx512_bf16() && !acr_attn::cpu_baseline_forced(); },
-        "Whether the top-k ops' bf16 chunk GEMM runs mm_bf16_f32 here: AVX512_BF16, and no ACARERANK_CPU_BASELINE=1.");
+  m.def("bf16_logits_gemm", [] {
+    return acr_attn::cpu_has_avx512_bf16() && !acr_attn::cpu_baseline_forced() &&
+           std::strcmp(acr_attn::bf16_path(), "fp32-convert") != 0;
+  }, "Whether the ops' bf16 logits chunks run mm_bf16_f32 here: AVX512_BF16 (brgemm on AMX), not "
+     "ACARERANK_CPU_BASELINE=1, not ACARERANK_CPU_BF16_PATH=fp32-convert.");
   m.def("bf16_attention_path", [] { return std::string(acr_attn::bf16_path()); },
         "The bf16 compute path of the attention kernel: amx-brgemm, avx512-bf16, fp32-convert or brgemm.");
   m.def("layer_kernel_isa", [] { return std::string(acr_layer::isa_name(acarerank_cpu::checked_layer_isa())); },

@@ -7,6 +7,9 @@ Reference: the product in fp64. Bound: an fp32 GEMM's, K · 2⁻²⁴ · (|a| ·
 bf16 products are exact in fp32, so only the fp32 sums round (in another order than MKL's).
 """
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +26,29 @@ def _has_gemm():
 
 
 needs_bf16_gemm = pytest.mark.skipif(not _has_gemm(), reason="this CPU has no AVX512_BF16 (or "
-                                     "ACARERANK_CPU_BASELINE=1): the top-k ops upcast to an fp32 GEMM there")
+                                     "ACARERANK_CPU_BASELINE=1 / ACARERANK_CPU_BF16_PATH=fp32-convert): the ops "
+                                     "upcast to an fp32 GEMM there")
+
+
+@needs_bf16_gemm
+@pytest.mark.skipif(os.environ.get("ACARERANK_LOGITS_GEMM_CHILD") == "1", reason="the child's own run")
+@pytest.mark.parametrize("path,uses_gemm", [("brgemm", True), ("fp32-convert", False)])
+def test_the_gemm_follows_the_attention_bf16_path(path, uses_gemm):
+    """The GEMM's tiles are the attention's (attn_tiles.h's gemm): ACARERANK_CPU_BF16_PATH=brgemm runs
+    them through cpublas::brgemm (AMX's code, oneDNN's AVX-512 ukernel on this CPU) and this
+    module's GEMM and native-core tests pass there too; fp32-convert turns the GEMM off (the upcast
+    fp32 GEMM). The path is read once per process: a child process runs them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH")}
+    env.update(ACARERANK_CPU_BF16_PATH=path, ACARERANK_LOGITS_GEMM_CHILD="1", OMP_NUM_THREADS="2")
+    probe = ("import acarerank.ops._native as n; print(n.bf16_attention_path(), n.bf16_logits_gemm())")
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == [path, str(uses_gemm)], done.stdout + done.stderr[-2000:]
+    if not uses_gemm:
+        return
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "gemm_is or strided_rows or empty_and_zero or native_core_runs or gaussian or linear_logprob_bf16"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
 
 
 def _mm():
