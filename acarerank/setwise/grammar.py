@@ -31,6 +31,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 
 from .._validate import positive_int
+from ..server.config import DEFAULT_MAX_DOCUMENTS  # stdlib-only module: one request's document cap
 
 # Phases of the machine.
 _START, _NUMBER, _AFTER_CLOSE, _DONE = range(4)
@@ -40,6 +41,16 @@ def max_output_tokens(n: int, max_select: int) -> int:
     """Longest constrained output for a pool of ``n`` and ``max_select`` ids, END included: each
     entry is 2 + digits(id) tokens, bounded by the widest id (e.g. pool 20, cap 16: 16·4 + 1 = 65)."""
     return min(max_select, n) * (2 + len(str(n))) + 1
+
+
+def max_new_tokens_cap(n: int) -> int:
+    """The most ``max_new_tokens`` a selection over ``n`` documents may ask for: the longest
+    selection of ``max(1000, n)`` documents (``max_output_tokens``; 6,001 tokens up to 1,000,
+    1,000 being the server's ``--max-documents``). Free decoding reserves ``max_new_tokens + 1``
+    KV rows per prompt up front and runs until the model stops; past any selection the pool allows,
+    its output is no selection (docs/api.md, "Setwise")."""
+    m = max(DEFAULT_MAX_DOCUMENTS, n)
+    return max_output_tokens(m, m)
 
 
 @dataclass(frozen=True)
