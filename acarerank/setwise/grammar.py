@@ -185,7 +185,7 @@ class IdentifierGrammar:
 
     def __init__(self, tokens: IdentifierTokens):
         self.tokens = tokens
-        self.vocab = torch.tensor(tokens.vocab, dtype=torch.long)          # [14] mask columns
+        self.vocab = torch.tensor(tokens.vocab, dtype=torch.long, device="cpu")          # [14] mask columns
         self._col = {tok: c for c, tok in enumerate(tokens.vocab)}
 
     @classmethod
@@ -197,7 +197,7 @@ class IdentifierGrammar:
 
     def mask(self, states: List[GrammarState]) -> torch.Tensor:
         """Bool [S, 14]: ``mask[s, c]`` is True when ``self.vocab[c]`` is allowed for ``states[s]``."""
-        m = torch.zeros(len(states), len(self.vocab), dtype=torch.bool)
+        m = torch.zeros(len(states), len(self.vocab), dtype=torch.bool, device="cpu")  # filled on the host
         for s, st in enumerate(states):
             for tok in st.allowed():
                 m[s, self._col[tok]] = True
