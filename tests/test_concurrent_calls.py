@@ -151,3 +151,38 @@ def test_a_callers_autocast_region_changes_nothing(model, backend, monkeypatch):
     assert got == want
     assert len(got_steps) == len(want_steps) and all(torch.equal(g, w) for g, w in zip(got_steps, want_steps))
     assert torch.equal(got_logits, want_logits)
+
+
+@pytest.mark.parametrize("how", ["torch.device", "set_default_device"])
+@pytest.mark.parametrize("backend", [None, "torch"], ids=["default", "torch"])
+def test_a_callers_default_device_changes_nothing(model, backend, how):
+    """A default device is per thread too (``with torch.device(...)`` or ``torch.set_default_device``):
+    the package's own factory calls without a device (token ids, block tables, slots, grammar
+    masks, the cascade's host plan) landed on it — under "meta" every score and select was a
+    RuntimeError from ``.item()``, under "cuda" a CPU model would get CUDA metadata. Each names
+    its device now: the same selections and bit-identical scores (fp32, the prefix cache on, with
+    evictions: the same calls on fresh rerankers over one runner), and the default is the
+    caller's again afterwards."""
+    import torch
+
+    runner = PointwiseReranker(model=model, backend=backend).runner
+
+    def calls():
+        pw = PointwiseReranker(runner=runner, cache_budget_tokens=512)
+        sw = SetwiseReranker(runner=runner, cache_budget_tokens=512, max_new_tokens=24)
+        return ([pw.score(**c) for c in CALLS], pw.score_batch([ScoreRequest(**c) for c in CALLS[:3]]),
+                [sw.select(**c) for c in SELECTS], sw.select(**SELECTS[0], constrained=False),
+                sw.select_batch([c["query"] for c in SELECTS[:2]], [c["documents"] for c in SELECTS[:2]]))
+
+    want = calls()
+    if how == "torch.device":
+        with torch.device("meta"):
+            got = calls()
+    else:
+        torch.set_default_device("meta")
+        try:
+            got = calls()
+        finally:
+            torch.set_default_device(None)
+    assert got == want
+    assert torch.empty(0).device == torch.device("cpu")

@@ -51,7 +51,7 @@ def check_prompt_fits(args, texts) -> None:
 
 
 def run(args) -> int:
-    from ..setwise.grammar import max_output_tokens
+    from ..setwise.grammar import max_new_tokens_cap, max_output_tokens
     from .common import check_common, positive
 
     check_common(args)
@@ -62,11 +62,10 @@ def run(args) -> int:
     texts = [d["text"] if isinstance(d, dict) else d for d in docs]
     # free decoding (--unconstrained) runs to --max-new-tokens unless the model stops itself (a
     # random-weight one never does): past the longest selection any pool this size allows, the
-    # output is no selection, and 10**22 tokens never end
-    n = max(MAX_DOCUMENTS, len(texts))
-    if args.max_new_tokens > max_output_tokens(n, n):
-        raise ValueError(f"--max-new-tokens must be at most {max_output_tokens(n, n):,}, the longest selection of "
-                         f"{n:,} documents, got {args.max_new_tokens:,}")
+    # output is no selection, and 10**22 tokens never end (SetwiseReranker applies the same cap)
+    if args.max_new_tokens > max_new_tokens_cap(len(texts)):
+        raise ValueError(f"--max-new-tokens must be at most {max_new_tokens_cap(len(texts)):,}, the longest selection "
+                         f"of {max(MAX_DOCUMENTS, len(texts)):,} documents, got {args.max_new_tokens:,}")
     need = max_output_tokens(len(texts), args.max_select)
     if not args.unconstrained and need > args.max_new_tokens:
         raise ValueError(f"--max-select {args.max_select} over {len(texts)} documents can need {need} output tokens, "

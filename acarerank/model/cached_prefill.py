@@ -26,7 +26,7 @@ DEFAULT_CACHE_MAX_TOKENS = 65536
 def kv_bytes_per_token(runner) -> int:
     """Bytes of KV pages one cached token takes: K and V, every layer, ``num_kv_heads × head_dim``."""
     a = runner.arch
-    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.tensor([], dtype=runner.dtype).element_size()
+    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * runner.dtype.itemsize
 
 
 def default_budget_tokens(runner) -> int:

@@ -62,9 +62,11 @@ class PagedKVCache:
         """The paged-attention plan of one packed forward (built once, used by every layer)."""
         dev = cu_seqlens.device
         width = max([len(t) for t in self.block_tables] + [1])
-        bt = torch.zeros(self.num_groups, width, dtype=torch.int32)
+        # built on the host (named: a caller's torch.set_default_device / torch.device context
+        # would place them, docs/api.md "Threads"), then copied to the pass's device once
+        bt = torch.zeros(self.num_groups, width, dtype=torch.int32, device="cpu")
         for g, t in enumerate(self.block_tables):
-            bt[g, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            bt[g, :len(t)] = torch.tensor(t, dtype=torch.int32, device="cpu")
         return plan_prefix_shared_attention_paged(
             cu_seqlens, bt.to(dev), torch.tensor(self.lengths, dtype=torch.int32, device=dev), segment_group,
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=self.block_size,
@@ -91,7 +93,7 @@ class PagedKVCache:
             if need > 0:
                 table.extend(self._allocate(need))
             slots.extend(table[c // bs] * bs + c % bs for c in range(P, P + n))
-        return torch.tensor(slots, dtype=torch.long)
+        return torch.tensor(slots, dtype=torch.long, device="cpu")
 
     def pages(self, layer: int) -> tuple:
         """``(k_cache, v_cache)`` of ``layer``, ``[num_blocks, block_size, Hkv, d]``: what attention

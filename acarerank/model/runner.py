@@ -296,7 +296,8 @@ class Qwen3Runner:
             # token 1 and read True as token 1 without a word
             vals = list(x)
             try:
-                t = torch.as_tensor(vals) if vals else torch.empty(0, dtype=torch.long)
+                # on the host whatever the caller's default device (docs/api.md, "Threads")
+                t = torch.as_tensor(vals, device="cpu") if vals else torch.empty(0, dtype=torch.long, device="cpu")
             except (TypeError, ValueError, RuntimeError) as e:
                 raise TypeError(f"{what}: token ids must be a 1-D integer sequence ({e})") from None
         integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)

@@ -130,12 +130,12 @@ def plan_flash_cascade(cu_seqlens: torch.Tensor, cu_prefix_lens: torch.Tensor, s
     n = int(lens.sum())
     # perm[j] = starts[i] + (j − first row of segment i in the permuted order)
     first = torch.cumsum(lens, 0) - lens
-    perm = torch.repeat_interleave(starts - first, lens) + torch.arange(n)
-    identity = n == num_tokens and bool(torch.equal(perm, torch.arange(num_tokens)))
+    perm = torch.repeat_interleave(starts - first, lens) + torch.arange(n, device=host.device)
+    identity = n == num_tokens and bool(torch.equal(perm, torch.arange(num_tokens, device=host.device)))
     # per kept group: its query rows (possibly 0) and its prefix keys; dropped groups hold no keys
-    rows_per_group = torch.zeros(pre_len.numel(), dtype=torch.int64).index_add_(0, sg[segs], lens)
+    rows_per_group = torch.zeros(pre_len.numel(), dtype=torch.int64, device=host.device).index_add_(0, sg[segs], lens)
     q_counts, k_counts = rows_per_group[keep_group], pre_len[keep_group]
-    zero = torch.zeros(1, dtype=torch.int64)
+    zero = torch.zeros(1, dtype=torch.int64, device=host.device)
     cu_q = torch.cat([zero, torch.cumsum(q_counts, 0)]).to(dev, torch.int32)
     cu_k = torch.cat([zero, torch.cumsum(k_counts, 0)]).to(dev, torch.int32)
     return CascadePlan(num_tokens, cu_seqlens, max_seg, None if identity else perm.to(dev), cu_q, cu_k,

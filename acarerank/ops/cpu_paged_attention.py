@@ -50,7 +50,7 @@ def first_blocks(block_table: torch.Tensor, prefix_lens: torch.Tensor, block_siz
             continue
         ids = row[:nb]
         out.append(ids[0] if ids == list(range(ids[0], ids[0] + nb)) else SCATTERED)
-    return torch.tensor(out, dtype=torch.int64)
+    return torch.tensor(out, dtype=torch.int64, device="cpu")
 
 
 def _prefix_view(cache: torch.Tensor, first_block: int, length: int, block_size: int) -> Optional[torch.Tensor]:
@@ -88,7 +88,7 @@ def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_p
 
     for g, segs in by_group.items():
         contiguous = all(cs[a + 1] == cs[b] for a, b in zip(segs, segs[1:]))
-        rows = None if contiguous else torch.cat([torch.arange(cs[s], cs[s + 1]) for s in segs])
+        rows = None if contiguous else torch.cat([torch.arange(cs[s], cs[s + 1], device=q.device) for s in segs])
         t0, t1 = cs[segs[0]], cs[segs[-1] + 1]
         qg = q[rows] if rows is not None else q[t0:t1]
         Tg = qg.shape[0]

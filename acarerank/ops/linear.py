@@ -137,11 +137,11 @@ def onednn_why_unavailable(dtype: torch.dtype) -> str:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"linear: onednn backend: {dtype} weights are not supported (float32, bfloat16, float16)"
     try:
-        w = torch.ones(16, 16, dtype=dtype)
-        y = _onednn_linear(torch.ones(1, 16, dtype=dtype), PackedLinearWeight(w).packed, None)
+        w = torch.ones(16, 16, dtype=dtype, device="cpu")
+        y = _onednn_linear(torch.ones(1, 16, dtype=dtype, device="cpu"), PackedLinearWeight(w).packed, None)
     except RuntimeError as e:
         return f"linear: onednn backend cannot run {dtype} on this CPU: {str(e).splitlines()[0]}"
-    if not torch.equal(y, torch.full((1, 16), 16.0, dtype=dtype)):
+    if not torch.equal(y, torch.full((1, 16), 16.0, dtype=dtype, device="cpu")):
         return f"linear: onednn backend gave a wrong {dtype} result on a probe; not used"
     return ""
 

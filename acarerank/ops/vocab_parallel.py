@@ -165,7 +165,7 @@ def _optional_int(x, name, op, lo):
 
 
 def _header(op, err, hidden, weight, targets, k, vocab_start, vocab_size, temperature, flags) -> torch.Tensor:
-    h = torch.zeros(HEADER, dtype=torch.int64)
+    h = torch.zeros(HEADER, dtype=torch.int64, device="cpu")
     h[1] = _OPCODES[op]
     if err is None:
         tg = targets.long()
@@ -183,7 +183,7 @@ def _header(op, err, hidden, weight, targets, k, vocab_start, vocab_size, temper
     else:
         h[0] = 1
         msg = f"{type(err).__name__}: {err}".encode("utf-8")[:HEADER - _NFIELDS]
-        h[_NFIELDS:_NFIELDS + len(msg)] = torch.tensor(list(msg), dtype=torch.int64)
+        h[_NFIELDS:_NFIELDS + len(msg)] = torch.tensor(list(msg), dtype=torch.int64, device="cpu")
     return h
 
 

@@ -186,6 +186,25 @@ class _FailureLog:
         log.error(msg, *args, exc_info=exc_info)
 
 
+def run_on_dead(callbacks, reason: str) -> None:
+    """Call every ``on_dead`` callback with ``reason``, in order, each once. One that raises is
+    logged and the next still runs: ``acarerank serve``'s own callback (it ends the process with
+    ``EXIT_ENGINE_DEAD``) is never skipped because an embedder's ran first and failed. A
+    ``BaseException`` that is no ``Exception`` (an embedder's ``sys.exit``, a ``KeyboardInterrupt``)
+    is raised again after the last callback, the first one if several, on the thread that noticed
+    the death (docs/serving.md, "A dead engine is loud")."""
+    pending: Optional[BaseException] = None
+    for fn in list(callbacks):
+        try:
+            fn(reason)
+        except BaseException as e:  # noqa: BLE001 - every callback runs; a BaseException is raised below
+            log.error("on_dead callback failed: %r", fn, exc_info=e)
+            if pending is None and not isinstance(e, Exception):
+                pending = e
+    if pending is not None:
+        raise pending
+
+
 def _settle(fut: concurrent.futures.Future, result=None, exc: Optional[BaseException] = None) -> None:
     """Complete ``fut`` unless it is already done (the waiting side may have cancelled it)."""
     try:
@@ -361,7 +380,7 @@ class Engine:
         self._fail_all(EngineStopped("the engine stopped before this request ran"))
 
     def _die(self, exc: BaseException) -> None:
-        """Mark the engine dead, log the traceback, fail every job at once, run ``on_dead``."""
+        """Mark the engine dead, log the traceback, fail every job at once, run ``on_dead`` (``run_on_dead``)."""
         reason = str(exc) if isinstance(exc, _Broken) else \
             f"the model thread's scheduler loop ended on {type(exc).__name__}: {exc}".rstrip(": ")
         with self._cv:
@@ -378,11 +397,7 @@ class Engine:
             log.exception("failing the jobs of the dead engine")
             for job in list(self._inbox) + list(self._calls) + list(self._selects) + list(self._active):
                 _settle(job.future, exc=EngineDead(reason))
-        for fn in list(self.on_dead):
-            try:
-                fn(reason)
-            except Exception:  # noqa: BLE001
-                log.exception("on_dead callback failed")
+        run_on_dead(self.on_dead, reason)  # a BaseException from one is raised after all ran: it ends this thread
 
     def _loop_until_stopped(self) -> None:
         while True:

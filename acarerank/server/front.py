@@ -160,14 +160,20 @@ def run_server(service, config: ServeConfig, api_key=None) -> int:
         server.run()
     finally:
         app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
-        code = EXIT_ENGINE_DEAD if service.dead is not None else 0
-        _stop_bounded(service, SHUTDOWN_GRACE_S + 1.0, code)
-    return code
+        _stop_bounded(service, SHUTDOWN_GRACE_S + 1.0)
+    # read after the final stop: the engine's last pass runs during it and may kill the engine
+    return exit_status(service)
 
 
-def _stop_bounded(service, timeout: float, code: int = 0) -> None:
+def exit_status(service) -> int:
+    """``EXIT_ENGINE_DEAD`` if ``service`` is dead (at any point, its final stop included), else 0."""
+    return EXIT_ENGINE_DEAD if service.dead is not None else 0
+
+
+def _stop_bounded(service, timeout: float) -> None:
     """``service.stop()``; if model work still runs after ``timeout`` seconds (a model call is not
-    interruptible), exit the process now rather than wait for it: the drain deadline is a bound."""
+    interruptible), exit the process now rather than wait for it: the drain deadline is a bound.
+    The status is ``exit_status`` then, as ``run_server``'s."""
     service.engine.stop(timeout)
     service.stop()
     deadline = time.monotonic() + timeout
@@ -180,4 +186,4 @@ def _stop_bounded(service, timeout: float, code: int = 0) -> None:
               file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)
+        os._exit(exit_status(service))

@@ -38,7 +38,7 @@ from .._validate import check_seconds
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE
 from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
-from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped
+from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped, run_on_dead
 from .errors import APIError
 from .metrics import ServerMetrics
 from .schemas import RerankRequest, SelectRequest
@@ -163,11 +163,7 @@ class RerankService:
         self._dead = reason
         log.critical("service dead: %s; every waiting and later request gets 503", reason)
         self.metrics.engine_failures.labels("engine").inc()
-        for fn in list(self.on_dead):
-            try:
-                fn(reason)
-            except Exception:  # noqa: BLE001
-                log.exception("on_dead callback failed")
+        run_on_dead(self.on_dead, reason)
 
     def _check_alive(self) -> None:
         if self.dead is not None:

@@ -31,6 +31,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 
 from .._validate import positive_int
+from ..server.config import DEFAULT_MAX_DOCUMENTS  # stdlib-only module: one request's document cap
 
 # Phases of the machine.
 _START, _NUMBER, _AFTER_CLOSE, _DONE = range(4)
@@ -40,6 +41,16 @@ def max_output_tokens(n: int, max_select: int) -> int:
     """Longest constrained output for a pool of ``n`` and ``max_select`` ids, END included: each
     entry is 2 + digits(id) tokens, bounded by the widest id (e.g. pool 20, cap 16: 16·4 + 1 = 65)."""
     return min(max_select, n) * (2 + len(str(n))) + 1
+
+
+def max_new_tokens_cap(n: int) -> int:
+    """The most ``max_new_tokens`` a selection over ``n`` documents may ask for: the longest
+    selection of ``max(1000, n)`` documents (``max_output_tokens``; 6,001 tokens up to 1,000,
+    1,000 being the server's ``--max-documents``). Free decoding reserves ``max_new_tokens + 1``
+    KV rows per prompt up front and runs until the model stops; past any selection the pool allows,
+    its output is no selection (docs/api.md, "Setwise")."""
+    m = max(DEFAULT_MAX_DOCUMENTS, n)
+    return max_output_tokens(m, m)
 
 
 @dataclass(frozen=True)
@@ -174,7 +185,7 @@ class IdentifierGrammar:
 
     def __init__(self, tokens: IdentifierTokens):
         self.tokens = tokens
-        self.vocab = torch.tensor(tokens.vocab, dtype=torch.long)          # [14] mask columns
+        self.vocab = torch.tensor(tokens.vocab, dtype=torch.long, device="cpu")          # [14] mask columns
         self._col = {tok: c for c, tok in enumerate(tokens.vocab)}
 
     @classmethod
@@ -186,7 +197,7 @@ class IdentifierGrammar:
 
     def mask(self, states: List[GrammarState]) -> torch.Tensor:
         """Bool [S, 14]: ``mask[s, c]`` is True when ``self.vocab[c]`` is allowed for ``states[s]``."""
-        m = torch.zeros(len(states), len(self.vocab), dtype=torch.bool)
+        m = torch.zeros(len(states), len(self.vocab), dtype=torch.bool, device="cpu")  # filled on the host
         for s, st in enumerate(states):
             for tok in st.allowed():
                 m[s, self._col[tok]] = True

@@ -35,9 +35,10 @@ from ..model.block_pool import PoolExhausted
 from ..model.numerics import NonFiniteOutputError
 from ..model.cached_prefill import CacheSlot, ChunkedPrefill, prefill_cached
 from ..reranker_base import RerankerBase
+from ..server.config import DEFAULT_MAX_DOCUMENTS  # stdlib-only module
 from .selection import parse_selection
 from .decode import MAX_NEW_TOKENS, GreedyStepper, decode_reserve, greedy_decode
-from .grammar import IdentifierGrammar, max_output_tokens
+from .grammar import IdentifierGrammar, max_new_tokens_cap, max_output_tokens
 from .prompts import CHAT_CONTROL_TOKENS, DEFAULT_MAX_LENGTH, SetwisePrompt, build_prompt, check_inputs, control_ids
 
 
@@ -111,7 +112,10 @@ class SetwiseReranker(RerankerBase):
       max_length: cap on prompt tokens (16,000 as in the paper's training); documents are
         cut to an equal per-document budget to fit, never dropped.
       max_new_tokens: output cap (64 in the paper); ``max_select`` above 15 can need more
-        (each id of 10..99 takes 4 tokens), raise it then.
+        (each id of 10..99 takes 4 tokens), raise it then. At most ``max_new_tokens_cap(n)``
+        for a call over ``n`` documents (6,001 up to 1,000 documents, as ``acarerank select``):
+        a call past it is a ValueError before any KV row is reserved; past the cap of
+        ``max_length`` documents (no prompt holds more) the constructor refuses it.
       backend: one preference name or a per-op mapping, as ``PointwiseReranker`` takes it
         (the runner maps it to the attention op); None = ACARERANK_BACKEND / device default.
       special_tokens: "escape" (default; special-token strings in the query, intent and
@@ -127,6 +131,11 @@ class SetwiseReranker(RerankerBase):
                  cache_budget_tokens: Optional[int] = None):
         max_length = check_int("max_length", max_length, 1, allow_none=True)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+        # every candidate takes a prompt token, so no call has more than max_length documents
+        if max_length is not None and max_new_tokens > max_new_tokens_cap(max_length):
+            raise ValueError(f"max_new_tokens must be at most {max_new_tokens_cap(max_length):,}, the longest "
+                             f"selection of max_length={max_length:,} documents (more cannot fit a prompt), got "
+                             f"{max_new_tokens:,}")
         self._setup(model, tokenizer, runner, backend, special_tokens)
         if self.runner.weights.lm_head is None:
             raise ValueError("this model has a sequence-classification score head and no language-model head; "
@@ -188,6 +197,7 @@ class SetwiseReranker(RerankerBase):
         """Match the prompt's longest cached prefix (pinned until ``release_select``); nothing computed yet."""
         if not isinstance(enc, SelectEncoding):
             raise TypeError(f"start_select needs a SelectEncoding (from encode_select), got {type(enc).__name__}")
+        self._check_max_new_tokens([enc.prompt.n_candidates])  # a hand-built encoding too
         reserve = self._reserve([enc.prompt], enc.max_select, enc.constrained)
         return SelectState(enc, ChunkedPrefill(self.runner, self._cache_slot, enc.prompt.input_ids[:-1],
                                                enc.cache_salt, reserve_tokens=reserve), owner=self)
@@ -271,7 +281,18 @@ class SetwiseReranker(RerankerBase):
         longest = max(max_output_tokens(p.n_candidates, max_select) for p in prompts) if constrained else None
         return decode_reserve(self.max_new_tokens, longest)
 
+    def _check_max_new_tokens(self, pools: Sequence[int]) -> None:
+        """ValueError if ``max_new_tokens`` is past ``max_new_tokens_cap`` of a pool of the call (each
+        prompt reserves up to max_new_tokens + 1 KV rows up front; free decoding runs to it)."""
+        for i, n in enumerate(pools):
+            if self.max_new_tokens > max_new_tokens_cap(n):
+                which = f" (query {i})" if len(pools) > 1 else ""
+                raise ValueError(f"max_new_tokens must be at most {max_new_tokens_cap(n):,} for {n:,} "
+                                 f"documents{which}, the longest selection of {max(n, DEFAULT_MAX_DOCUMENTS):,} "
+                                 f"documents, got {self.max_new_tokens:,}")
+
     def _check_output_room(self, documents, max_select: int, constrained: bool) -> None:
+        self._check_max_new_tokens([len(d) for d in documents])
         if not constrained:
             return
         for i, d in enumerate(documents):

@@ -3,18 +3,23 @@
 contains "poison" raises the ``BaseException`` named by ``FAULT`` (KeyboardInterrupt or SystemExit);
 ``FAULT=sticky``: that pass raises a ``RuntimeError`` and so does every pass after it (a device
 broken for good by a device-side assert), the canary's included. ``FAULT=always``: every pass
-raises a ``RuntimeError``, the warm-up's first.
+raises a ``RuntimeError``, the warm-up's first. ``FAULT=at_shutdown``: the poisoned pass waits until
+uvicorn has stopped (the final ``_stop_bounded`` begins), then raises ``SystemExit``: the engine
+dies during the shutdown.
 
     python tests/server/fault_serve.py serve --model DIR --port N ...
 """
 import os
 import sys
+import threading
 
 from acarerank.pointwise import PointwiseReranker
 from acarerank.server import front
 
-FAULT = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit,
+FAULT = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit, "at_shutdown": SystemExit,
          "sticky": RuntimeError, "always": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
+AT_SHUTDOWN = os.environ.get("FAULT") == "at_shutdown"
+uvicorn_stopped = threading.Event()
 STICKY = os.environ.get("FAULT") == "sticky"
 broken = [True] if os.environ.get("FAULT") == "always" else []
 front.DEAD_GRACE_S = 3.0   # long enough for the test's probes on a loaded machine
@@ -31,10 +36,19 @@ def score_or_die(self, items):
     if broken or any(getattr(h.encoding, "poison", False) for h, _ in items):
         if STICKY:
             broken.append(True)
+        if AT_SHUTDOWN:
+            assert uvicorn_stopped.wait(60)
         raise FAULT("injected into the scoring pass")
     return score_segments(self, items)
 
 
+def stop_after_uvicorn(*args, **kwargs):
+    uvicorn_stopped.set()
+    return stop_bounded(*args, **kwargs)
+
+
+stop_bounded = front._stop_bounded
+front._stop_bounded = stop_after_uvicorn
 PointwiseReranker.encode = encode_marked
 PointwiseReranker.score_segments = score_or_die
 

@@ -292,6 +292,72 @@ def test_base_exception_in_a_pass_kills_the_engine_loudly(exc_type, caplog):
     eng.stop(5)
 
 
+def test_every_on_dead_callback_runs_and_a_base_exception_is_raised_after_the_last(monkeypatch, caplog):
+    """An ``on_dead`` callback that raised SystemExit (an embedder's sys.exit) or KeyboardInterrupt
+    stopped the callbacks after it: ``acarerank serve``'s own (which ends the process with status
+    70) could be skipped and the server stayed up, answering 503 for ever. Every callback runs now;
+    an Exception is logged, and the first BaseException is raised again after the last callback,
+    on the thread that noticed (here the scheduler's: its thread ends with it)."""
+    from acarerank.server.engine import run_on_dead
+
+    def raiser(exc):
+        def fn(reason):
+            calls.append((type(exc).__name__, reason))
+            raise exc
+        return fn
+
+    calls = []
+    callbacks = [raiser(SystemExit(3)), raiser(ValueError("bug")), calls.append, raiser(KeyboardInterrupt()),
+                 calls.append]
+    with pytest.raises(SystemExit) as e:
+        run_on_dead(callbacks, "why")
+    assert e.value.code == 3
+    assert calls == [("SystemExit", "why"), ("ValueError", "why"), "why", ("KeyboardInterrupt", "why"), "why"]
+    calls.clear()
+    run_on_dead([raiser(ValueError("bug")), calls.append], "why")  # an Exception is logged, not raised
+    assert calls == [("ValueError", "why"), "why"]
+
+    class Deadly(FaultySteps):
+        def score_segments(self, items):
+            raise KeyboardInterrupt("injected")
+
+    ended = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: ended.append(args.exc_type))
+    calls.clear()
+    caplog.clear()
+    eng = Engine(Deadly(), max_batch_tokens=100)
+    eng.on_dead.extend(callbacks)
+    job = eng.submit(Enc([1], [[1, 1]]))
+    with caplog.at_level(logging.ERROR, logger="acarerank.server"):
+        eng.start()
+        with pytest.raises(EngineDead):
+            job.future.result(30)
+        eng._thread.join(30)
+    assert calls == [("SystemExit", eng.dead), ("ValueError", eng.dead), eng.dead, ("KeyboardInterrupt", eng.dead),
+                     eng.dead], calls
+    assert ended == [SystemExit]
+    assert sum("on_dead callback failed" in r.getMessage() for r in caplog.records) == 3
+    eng.stop(5)
+
+    # the service's own death (a tokenizer pool that refuses work) runs the same callbacks
+    from acarerank.server.service import RerankService
+
+    class Steps(FaultySteps):
+        max_batch_tokens = 100
+
+        def cache_stats(self):
+            return {}
+
+    svc = RerankService(Steps(), "fake")
+    svc.on_dead.extend(callbacks)
+    calls.clear()
+    with pytest.raises(SystemExit):
+        svc._mark_dead("the tokenizer pool cannot run work")
+    assert calls == [("SystemExit", svc.dead), ("ValueError", svc.dead), svc.dead, ("KeyboardInterrupt", svc.dead),
+                     svc.dead] and "tokenizer pool" in svc.dead, calls
+    svc.stop()
+
+
 def test_health_reports_how_long_the_current_step_runs():
     gate = threading.Event()
 

@@ -29,7 +29,7 @@ def helper_env(fault: str) -> dict:
 
 
 def serve_until_exit(tmp_path, fault: str, drive, *flags) -> tuple:
-    """Start the helper server with ``fault`` injected, ``drive(base_url)`` once it is ready, then
+    """Start the helper server with ``fault`` injected, ``drive(base_url, proc)`` once it is ready, then
     wait for the process to exit on its own: (its exit status, its log)."""
     tiny_model().save_pretrained(tmp_path)
     port = free_port()
@@ -40,7 +40,7 @@ def serve_until_exit(tmp_path, fault: str, drive, *flags) -> tuple:
         try:
             base = f"http://127.0.0.1:{port}"
             wait_until(base + "/ready", timeout=180, proc=proc)
-            drive(base)
+            drive(base, proc)
             code = proc.wait(60)
         finally:
             if proc.poll() is None:
@@ -53,7 +53,7 @@ def serve_until_exit(tmp_path, fault: str, drive, *flags) -> tuple:
 
 @pytest.mark.parametrize("fault", ["SystemExit", "KeyboardInterrupt"])
 def test_dead_engine_answers_503_then_the_process_exits_nonzero(tmp_path, fault):
-    def drive(base):
+    def drive(base, _proc):
         assert httpx.get(base + "/health", timeout=5).status_code == 200
         r = httpx.post(base + "/v1/rerank", json=dict(query="poison", documents=["a", "b"]), timeout=30)
         assert r.status_code == 503 and fault in r.json()["error"]["message"], r.text
@@ -72,7 +72,7 @@ def test_sticky_fault_fails_the_canary_then_the_process_exits_nonzero(tmp_path):
     """Every pass fails once a poisoned one has (a device broken for good): with
     ``--canary-after-failures 2`` the first request gets its 500, the second failure runs the canary,
     it fails, and the server answers 503 and exits with EXIT_ENGINE_DEAD, as for a dead loop."""
-    def drive(base):
+    def drive(base, _proc):
         r = httpx.post(base + "/v1/rerank", json=dict(query="poison", documents=["a", "b"]), timeout=30)
         assert r.status_code == 500, r.text
         assert httpx.get(base + "/health", timeout=5).status_code == 200
@@ -85,6 +85,32 @@ def test_sticky_fault_fails_the_canary_then_the_process_exits_nonzero(tmp_path):
     code, out = serve_until_exit(tmp_path, "sticky", drive, "--canary-after-failures", "2")
     assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
     assert out.count("engine dead: the engine is broken: the model failed 2 requests in a row") == 1, out[-3000:]
+
+
+def test_an_engine_that_dies_during_the_shutdown_exits_nonzero(tmp_path):
+    """SIGTERM with a request in its pass: the drain gives up (--drain-timeout 0.2, a 503), uvicorn
+    stops, and the pass, still running, raises SystemExit during the final stop — the engine dies
+    after uvicorn. The exit status was computed before that stop: 0, as for a clean shutdown."""
+    import signal
+    import threading
+    import time
+
+    def drive(base, proc):
+        answers = []
+        poisoned = threading.Thread(target=lambda: answers.append(httpx.post(
+            base + "/v1/rerank", json=dict(query="poison", documents=["a"]), timeout=30).status_code))
+        poisoned.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health", timeout=5).json()["engine"]["state"] != "busy":  # the pass holds it
+            assert time.monotonic() < deadline and proc.poll() is None, "the poisoned pass never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        poisoned.join(30)
+        assert answers == [503], answers
+
+    code, out = serve_until_exit(tmp_path, "at_shutdown", drive, "--drain-timeout", "0.2")
+    assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
+    assert "engine dead" in out and "SystemExit: injected into the scoring pass" in out, out[-3000:]
 
 
 def test_a_failed_warm_up_exits_with_its_error_line(tmp_path):

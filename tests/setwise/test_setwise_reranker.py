@@ -356,3 +356,55 @@ def test_steps_refuse_a_selection_another_reranker_started(model, qwen3_tokenize
         assert a.finish_select(st) == want
     finally:
         a.release_select(st)
+
+
+def test_max_new_tokens_past_its_cap_is_refused_before_any_kv_is_reserved(model, qwen3_tokenizer, monkeypatch):
+    """Free decoding reserves max_new_tokens + 1 KV rows per prompt up front, so an uncapped
+    max_new_tokens was an allocation of any size (10**9: the private pool asked for ~10**9 rows).
+    The cap is ``acarerank select --max-new-tokens``'s: the longest selection of max(1,000, n)
+    documents (6,001 up to 1,000). A call past it is a ValueError naming the value and the cap
+    before any pool is made (select, select_batch naming its query, start_select); the
+    constructor refuses what no prompt of max_length tokens could use (one token per candidate)."""
+    from acarerank.setwise.grammar import max_new_tokens_cap, max_output_tokens
+
+    assert max_new_tokens_cap(12) == max_new_tokens_cap(1000) == max_output_tokens(1000, 1000) == 6001
+    assert max_new_tokens_cap(1001) == max_output_tokens(1001, 1001) == 6007
+    for value, max_length in ((10**22, 16000), (max_new_tokens_cap(1200) + 1, 1200)):
+        with pytest.raises(ValueError, match=f"^max_new_tokens must be at most {max_new_tokens_cap(max_length):,}, "
+                                             f"the longest selection of max_length={max_length:,} documents "
+                                             rf"\(more cannot fit a prompt\), got {value:,}$"):
+            SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=value, max_length=max_length)
+    SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=max_new_tokens_cap(1200), max_length=1200)
+
+    made = []
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=10**9, max_length=None,
+                         prefix_cache=False)
+    for name in ("prefill", "new_pool"):
+        real = getattr(sr.runner, name)
+        monkeypatch.setattr(sr.runner, name, lambda *a, _real=real, _name=name, **k: (made.append(_name),
+                                                                                    _real(*a, **k))[1])
+    at_cap = SetwiseReranker(runner=sr.runner, tokenizer=qwen3_tokenizer, max_new_tokens=6001, max_length=None,
+                             prefix_cache=False)
+    msg = "^max_new_tokens must be at most 6,001 for {n} documents{q}, the longest selection of 1,000 documents, " \
+          "got 1,000,000,000$"
+    for constrained in (True, False):
+        with pytest.raises(ValueError, match=msg.format(n=12, q="")):
+            sr.select("capital of France?", DOCS, max_select=2, constrained=constrained)
+        with pytest.raises(ValueError, match=msg.format(n=12, q=r" \(query 0\)")):
+            sr.select_batch(["a", "b"], [DOCS, DOCS[:5]], max_select=2, constrained=constrained)
+        with pytest.raises(ValueError, match=msg.format(n=5, q="")):  # an encoding the capped reranker made
+            sr.start_select(at_cap.encode_select("capital of France?", DOCS[:5], max_select=2,
+                                                 constrained=constrained))
+    assert made == []
+    # a pool past 1,000 documents has its own longest selection as its cap
+    many = [f"d{i}" for i in range(1001)]
+    big = SetwiseReranker(runner=sr.runner, tokenizer=qwen3_tokenizer, max_new_tokens=6008, max_length=None)
+    with pytest.raises(ValueError, match="^max_new_tokens must be at most 6,007 for 1,001 documents, the longest "
+                                         "selection of 1,001 documents, got 6,008$"):
+        big.encode_select("q", many, max_select=1001)
+    big.max_new_tokens = 6007
+    assert big.encode_select("q", many, max_select=1001).prompt.n_candidates == 1001
+    # at the cap a selection runs (constrained: the grammar bounds its reservation)
+    assert at_cap.select("capital of France?", DOCS, max_select=2) == SetwiseReranker(
+        runner=sr.runner, tokenizer=qwen3_tokenizer, max_new_tokens=64).select("capital of France?", DOCS,
+                                                                               max_select=2)
