@@ -131,10 +131,10 @@ def test_opcheck_mm_bf16_f32():
     torch.library.opcheck(torch.ops.acarerank.mm_bf16_f32.default, (a, b, torch.empty(7, 70)))
 
 
-def _spy(monkeypatch):
-    """Counts the chunk GEMMs the native core runs through mm_bf16_f32."""
+def _spy(monkeypatch, module=TOPK):
+    """Counts the chunk GEMMs ``module`` (the top-k op's, or linear_logprob's) runs through mm_bf16_f32."""
     calls = []
-    real = TOPK.native_bf16_gemm_for
+    real = module.native_bf16_gemm_for
 
     def spying(hidden, weight):
         fn = real(hidden, weight)
@@ -145,7 +145,7 @@ def _spy(monkeypatch):
             calls.append(tuple(out.shape))
             return fn(a, b, out)
         return gemm
-    monkeypatch.setattr(TOPK, "native_bf16_gemm_for", spying)
+    monkeypatch.setattr(module, "native_bf16_gemm_for", spying)
     return calls
 
 
@@ -322,20 +322,7 @@ def test_linear_logprob_bf16_logits_come_from_the_bf16_gemm(monkeypatch):
     fp32 tolerance of the fp32 oracle on the same rounded inputs, gradients within one bf16
     rounding of its gradient; under ACARERANK_CPU_BASELINE=1 (the upcast GEMM) the same."""
     from acarerank.ops import linear_logprob, linear_logprob_ref
-    LLP = importlib.import_module("acarerank.ops.linear_logprob")
-    calls = []
-    real = LLP.native_bf16_gemm_for
-
-    def spying(hidden, weight):
-        fn = real(hidden, weight)
-        if fn is None:
-            return None
-
-        def gemm(a, b, out):
-            calls.append(tuple(out.shape))
-            return fn(a, b, out)
-        return gemm
-    monkeypatch.setattr(LLP, "native_bf16_gemm_for", spying)
+    calls = _spy(monkeypatch, importlib.import_module("acarerank.ops.linear_logprob"))
     g = torch.Generator().manual_seed(4)
     T, H, V = 17, 64, 1031
     h0, w0 = torch.randn(T, H, generator=g).bfloat16(), (0.2 * torch.randn(V, H, generator=g)).bfloat16()
