@@ -6,10 +6,10 @@
 //   acarerank::mm_bf16_f32(Tensor a, Tensor b, Tensor(a!) out) -> ()
 //     out[M×N] = a[M×K] · b[N×K]ᵀ     a, b bf16 with contiguous rows, K even; out fp32 contiguous
 //
-// Exact bf16 products (they fit fp32) summed in fp32 by vdpbf16ps, two products per step, so the
-// sum order differs from an fp32 GEMM's; the instruction flushes bf16 subnormal inputs and fp32
-// subnormal results to zero (|x| < 1.2e-38). Only on CPUs with AVX512_BF16; the ops call it
-// where _cpu.bf16_logits_gemm() (also off under ACARERANK_CPU_BASELINE=1).
+// Exact bf16 products (they fit fp32) summed in fp32 — by vdpbf16ps, two products per step, on the
+// AVX-512 tiles (which flush bf16 subnormal inputs and fp32 subnormal results, |x| < 1.2e-38, to
+// zero), by oneDNN's brgemm on AMX — so the sum order differs from an fp32 GEMM's. Only on CPUs
+// with AVX512_BF16; the ops call it where _cpu.bf16_logits_gemm() (acarerank/ops/_logits_gemm.py).
 //
 // b's rows are the GEMM's columns: a task packs a panel of kPanel of them into the VNNI layout
 // (pack_pair_columns_avx512) once and runs the attention's bf16 tile GEMM (attn_tiles.h's gemm:
