@@ -13,7 +13,8 @@ targets it feeds "not measured" and the others still run):
   env        CPU model and flags (avx2 / avx512f / avx512_bf16 / amx_bf16), torch, threads, the
              bf16 attention path and element-wise build the kernels pick here
   pytest     the native kernels' tests and the reranker's end to end against transformers, on the
-             paths this CPU takes by default (on AMX: the amx-brgemm tiles)
+             paths this CPU takes by default (on AMX: the amx-brgemm tiles, the top-k ops' bf16
+             logits GEMM included)
   attention  bench_cpu_attention.py: bf16 and fp32 at the 0.6B and 4B shapes, M3 (1,600-token
              prefix), depth 20: native vs the torch backend vs FlexAttention, % of the GEMM peak
              measured in the same run
@@ -60,6 +61,8 @@ PYTEST_FILES = [
     "tests/ops/test_cpu_kernel_caches.py", "tests/ops/test_op_layer_elementwise.py",
     "tests/ops/test_op_linear.py", "tests/ops/test_op_qk_norm_rope_pages.py", "tests/model",
     "tests/test_pointwise.py",
+    # the top-k / policy log-prob ops' bf16 logits GEMM (brgemm's AMX tiles on AMX) and candidates
+    "tests/ops/test_logits_gemm.py", "tests/ops/test_op_topk_logprobs.py",
 ]
 QUICK_PYTEST = ["tests/ops/test_native_ext.py"]
 
