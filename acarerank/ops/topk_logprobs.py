@@ -167,10 +167,12 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     exponentiates the chunk in place. Inputs of other dtypes are upcast to fp32 one chunk at a
     time into a third reused buffer [C, H] — unless ``bf16_gemm(a, b, out)`` is given (the
     "native" core, bf16 inputs): ``out = a·bᵀ`` in fp32 from the bf16 rows, no fp32 copy.
-    ``candidates(x, theta, c0, vals, ids, counts)`` (the native core): a chunk's entries above
-    each row's θ in one compare per entry (``acarerank::topk_candidates``), in place of the
-    count and the narrow ``topk`` (which reads every entry of the row, whatever its k); it fills
-    two reused [T, k] buffers, padding (−inf, 2³¹ − 1), which never enters a full top-k.
+    ``candidates(x, theta, m_old, c0, vals, ids, counts, m_new, csum)`` (the native core,
+    ``acarerank::topk_candidates``): once k logits are held, one pass per row finds the chunk's
+    entries above each row's θ (in place of a count and a narrow ``topk``, which reads every
+    entry of the row whatever its k; into two reused [T, k] buffers, padded (−inf, 2³¹ − 1),
+    which never enters a full top-k) and the chunk's log-sum-exp terms (the new max, Σ exp(x −
+    shift) in fp32: in place of the subtract, exp and sum passes).
     Returns (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, lse [T] fp32).
     """
     T, H = hidden.shape
@@ -191,10 +193,12 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     xbuf = torch.empty(T * C, dtype=torch.float32, device=dev)
     mbuf = torch.empty(T * C, dtype=torch.bool, device=dev)
     upcast = weight.dtype != torch.float32 and bf16_gemm is None
-    if candidates is not None:  # [T, k] candidate buffers and [T] counts, reused by every chunk
+    if candidates is not None:  # [T, k] candidate buffers, [T] counts and LSE terms, reused by every chunk
         cand_v = torch.empty(T, k, dtype=torch.float32, device=dev)
         cand_i = torch.empty(T, k, dtype=torch.int64, device=dev)
         counts = torch.empty(T, dtype=torch.int64, device=dev)
+        m_buf = torch.empty(T, dtype=torch.float32, device=dev)
+        csum_buf = torch.empty(T, dtype=torch.float32, device=dev)
     wbuf = torch.empty(C * H, dtype=torch.float32, device=dev) if upcast else None
     for c0 in range(0, V, C):
         c1 = min(V, c0 + C)
@@ -215,13 +219,14 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
         if rows.numel():
             tgt[rows] = x[rows, tg[rows] - c0]
         # -- this chunk's candidates
-        vals = None
+        vals, lse_terms = None, None
         if run_v.shape[1] < k:
             vals, ids = _chunk_topk(x, min(k, n), c0, mask)
         else:
             if candidates is not None:
-                candidates(x, run_v[:, k - 1].contiguous(), c0, cand_v, cand_i, counts)
+                candidates(x, run_v[:, k - 1].contiguous(), m, c0, cand_v, cand_i, counts, m_buf, csum_buf)
                 kc = int(counts.max())
+                lse_terms = m_buf.clone(), csum_buf  # m_buf is the next chunk's: m keeps its own
             else:
                 kc = int(_row_counts(torch.gt(x, run_v[:, k - 1:], out=mask)).max())
             if kc > k:  # at most k of them can enter: the chunk's exact top-k, never kc (up to C) wide
@@ -242,16 +247,20 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
         #    old one and this chunk's top entry (any chunk entry above it is a candidate).
         #    ±inf max: shift by 0, as topk_merge's fold (a row whose logits so far all overflowed
         #    to −inf gave −inf − (−inf) = NaN: an error or not depending on the chunk size)
-        m_new = torch.maximum(m, vals.max(dim=1).values) if vals is not None else m
+        if lse_terms is not None:  # the candidates kernel's: the same max, the same shift rule
+            m_new, csum = lse_terms
+        else:
+            m_new = torch.maximum(m, vals.max(dim=1).values) if vals is not None else m
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        csum = x.sub_(shift[:, None]).exp_().sum(dim=1)
+        if lse_terms is None:
+            csum = x.sub_(shift[:, None]).exp_().sum(dim=1)
         s = s * torch.exp((m - shift).double()) + csum.double()
         m = m_new
     return run_v, run_i, tgt, logsumexp_of(m, s)
 
 
 # ----------------------------------------------------------------------------- native core
-def _topk_candidates_fake(x, theta, id0, vals, ids, counts):
+def _topk_candidates_fake(x, theta, m_old, id0, vals, ids, counts, m_new, csum):
     return None
 
 

@@ -1,5 +1,5 @@
 // Row kernels of the decoder layer's element-wise ops (docs/ARCHITECTURE.md, "Native CPU ops
-// around attention"), compiled three times from layer_kernels_impl.h: for AVX-512
+// around attention") and of the top-k core's logits chunks (topk_candidates.cpp), compiled three times from layer_kernels_impl.h: for AVX-512
 // (layer_kernels_avx512.cpp), for AVX2+FMA (layer_kernels_avx2.cpp) and for baseline x86-64 / any
 // other CPU (layer_kernels_base.cpp). The op glue (norm.cpp, qk_norm_rope.cpp, activation.cpp)
 // checks the inputs, takes the build chosen once per process (layer_glue.h, checked_layer_isa()),
@@ -30,7 +30,10 @@
                          const uint16_t* sin, uint16_t* q, uint16_t* k, uint16_t* v, int64_t rows,          \
                          int64_t Hq, int64_t Hkv, int64_t d, float eps, const PageWrite<uint16_t>& pages);  \
   void silu_and_mul_rows(const float* x, float* y, int64_t rows, int64_t I);                                \
-  void silu_and_mul_rows(const uint16_t* x, uint16_t* y, int64_t rows, int64_t I);
+  void silu_and_mul_rows(const uint16_t* x, uint16_t* y, int64_t rows, int64_t I);                          \
+  void topk_chunk_rows(const float* x, int64_t ldx, const float* theta, const float* m_old, int64_t rows,    \
+                       int64_t n, int64_t id0, float* vals, int64_t* ids, int64_t cap, int64_t* counts,      \
+                       float* m_new, float* csum);
 
 namespace acr_layer {
 
@@ -45,6 +48,10 @@ struct PageWrite {
   T* v_pages;
   const int64_t* slots;
 };
+
+//: the id topk_chunk_rows pads a row's unused candidate slots with (2³¹ − 1, the largest id the
+//: top-k's order keys take: it loses every tie)
+constexpr int64_t kTopkPadId = (int64_t{1} << 31) - 1;
 
 //: largest head_dim qk_norm_rope_rows takes (the normalised head is kept in a stack buffer)
 constexpr int64_t kMaxHeadDim = 512;

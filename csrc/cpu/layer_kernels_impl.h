@@ -115,6 +115,71 @@ inline void silu_mul_row(const T* g, const T* u, T* y, int64_t I) {
   }
 }
 
+// One row of a logits chunk for the top-k core (topk_candidates.cpp has the contract): the first
+// `cap` entries above theta in id order, padded (−inf, kTopkPadId); their count; m_new = max(m_old, the
+// row's max); csum = Σ_j exp(x_j − shift), shift = m_new unless it is ±inf (then 0), NaN if the
+// row holds a NaN. exp_f32 is within 2 ulp; a difference below −87.3 counts 0 (its true exp is
+// below 1.2e-38 and a row's sum is at least 1 where its max lies, e^0).
+inline void topk_chunk_row(const float* x, int64_t n, float theta, float m_old, int64_t id0, float* vals,
+                           int64_t* ids, int64_t cap, int64_t* count, float* m_new, float* csum) {
+  const float inf = __builtin_inff();
+  float mx[kAcc];
+  int nan[kAcc];
+  for (int j = 0; j < kAcc; ++j) mx[j] = -inf, nan[j] = 0;
+  int64_t c = 0;
+  // blocks of kAcc: the max, NaN and "any above theta" are vector work; only a block holding an
+  // entry above theta (rare once k are held) is scanned entry by entry for the candidates
+  for (int64_t i = 0; i < n; i += kAcc) {
+    int hit = 0;
+    if (i + kAcc <= n) {
+      for (int j = 0; j < kAcc; ++j) {
+        const float v = x[i + j];
+        mx[j] = v > mx[j] ? v : mx[j];
+        nan[j] |= v != v;
+        hit |= v > theta;
+      }
+    } else {
+      for (int j = 0; i + j < n; ++j) {
+        const float v = x[i + j];
+        mx[j] = v > mx[j] ? v : mx[j];
+        nan[j] |= v != v;
+        hit |= v > theta;
+      }
+    }
+    if (!hit) continue;
+    for (int64_t j = i; j < n && j < i + kAcc; ++j)
+      if (x[j] > theta) {
+        if (c < cap) vals[c] = x[j], ids[c] = id0 + j;
+        ++c;
+      }
+  }
+  float m = m_old;
+  int any_nan = 0;
+  for (int j = 0; j < kAcc; ++j) m = mx[j] > m ? mx[j] : m, any_nan |= nan[j];
+  *m_new = m;
+  *count = c;
+  for (int64_t s = c < cap ? c : cap; s < cap; ++s) vals[s] = -inf, ids[s] = kTopkPadId;
+  const float shift = (m == inf || m == -inf) ? 0.f : m;
+  float acc[kAcc] = {};
+  float e[kChunk];
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {  // three loops per chunk: each vectorises (silu_mul_row)
+    const int64_t w = n - i0 < kChunk ? n - i0 : kChunk;
+    for (int64_t j = 0; j < w; ++j) {
+      const float d = x[i0 + j] - shift;
+      e[j] = d < -87.3f ? -87.3f : (d > 88.7f ? 88.7f : d);
+    }
+    for (int64_t j = 0; j < w; ++j) e[j] = exp_f32(e[j]);
+    for (int64_t j = 0; j < w; ++j) e[j] = x[i0 + j] - shift < -87.3f ? 0.f : e[j];
+    int64_t j = 0;
+    for (; j + kAcc <= w; j += kAcc)
+      for (int l = 0; l < kAcc; ++l) acc[l] += e[j + l];
+    for (int l = 0; j + l < w; ++l) acc[l] += e[j + l];
+  }
+  float sum = 0.f;
+  for (int l = 0; l < kAcc; ++l) sum += acc[l];
+  *csum = any_nan ? __builtin_nanf("") : sum;
+}
+
 template <typename T>
 void rms_norm_t(const T* x, const T* w, T* y, int64_t rows, int64_t H, float eps) {
   for (int64_t r = 0; r < rows; ++r) norm_row(x + r * H, w, y + r * H, H, eps);
@@ -181,6 +246,12 @@ void qk_norm_rope_rows(const uint16_t* qkv, const uint16_t* qw, const uint16_t* 
 }
 void silu_and_mul_rows(const float* x, float* y, int64_t rows, int64_t I) { silu_and_mul_t(x, y, rows, I); }
 void silu_and_mul_rows(const uint16_t* x, uint16_t* y, int64_t rows, int64_t I) { silu_and_mul_t(x, y, rows, I); }
+void topk_chunk_rows(const float* x, int64_t ldx, const float* theta, const float* m_old, int64_t rows, int64_t n,
+                     int64_t id0, float* vals, int64_t* ids, int64_t cap, int64_t* counts, float* m_new, float* csum) {
+  for (int64_t r = 0; r < rows; ++r)
+    topk_chunk_row(x + r * ldx, n, theta[r], m_old[r], id0, vals + r * cap, ids + r * cap, cap, counts + r, m_new + r,
+                   csum + r);
+}
 
 }  // namespace ACR_LAYER_ISA
 }  // namespace acr_layer

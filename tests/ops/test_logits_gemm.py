@@ -189,8 +189,9 @@ def test_native_core_on_gaussian_bf16_is_within_the_fp32_rule(monkeypatch):
 @pytest.mark.parametrize("case", ["fp32", "odd hidden", "transposed weight", "baseline"])
 def test_native_core_is_the_torch_core_where_the_gemm_cannot_run(case, monkeypatch):
     """fp32 inputs, an odd hidden size, weight rows that are not contiguous, or
-    ACARERANK_CPU_BASELINE=1 (and a CPU without AVX512_BF16): the upcast fp32 GEMM, bitwise the
-    torch core's result."""
+    ACARERANK_CPU_BASELINE=1 (and a CPU without AVX512_BF16): the upcast fp32 GEMM, so the torch
+    core's logits: its ids bitwise, its log-probs within the fp32 rounding of the log-sum-exp
+    (the candidates kernel's exp and sum order)."""
     calls = _spy(monkeypatch)
     g = torch.Generator().manual_seed(2)
     H = 31 if case == "odd hidden" else 32
@@ -205,8 +206,9 @@ def test_native_core_is_the_torch_core_where_the_gemm_cannot_run(case, monkeypat
     got = topk_logprobs(h, w, tg, k=8, backend="native")
     want = topk_logprobs(h, w, tg, k=8, backend="torch")
     assert not calls, calls
-    assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.topk_logprobs, want.topk_logprobs)
-    assert torch.equal(got.target_logprob, want.target_logprob)
+    assert torch.equal(got.topk_ids, want.topk_ids) and torch.equal(got.in_topk, want.in_topk)
+    assert (got.topk_logprobs - want.topk_logprobs).abs().max() <= 1e-6
+    assert (got.target_logprob - want.target_logprob).abs().max() <= 1e-6
 
 
 # --------------------------------------------------------------------- topk_candidates
@@ -219,18 +221,45 @@ def _candidates():
     return native_kernel("topk_candidates", TOPK._topk_candidates_fake)
 
 
-def _candidates_ref(x, theta, id0, cap):
-    """Per row: the entries above theta in id order, padded with (−inf, 2³¹ − 1); and the count."""
+def _candidates_ref(x, theta, m_old, id0, cap):
+    """Per row: the entries above theta in id order, padded with (−inf, 2³¹ − 1); the count; the
+    new max max(m_old, max x) (NaN ignored) and Σ exp(x − shift) in fp64 (shift the new max,
+    0 when it is ±inf; NaN when the row holds one)."""
     T = x.shape[0]
     vals = torch.full((T, cap), float("-inf"))
     ids = torch.full((T, cap), PAD_ID, dtype=torch.int64)
     counts = torch.zeros(T, dtype=torch.int64)
+    m_new, csum = m_old.clone(), torch.zeros(T, dtype=torch.float64)
     for t in range(T):
         j = (x[t] > theta[t]).nonzero().flatten()
         counts[t] = j.numel()
         j = j[:cap]
         vals[t, :j.numel()], ids[t, :j.numel()] = x[t, j], j + id0
-    return vals, ids, counts
+        finite = x[t][~torch.isnan(x[t])]
+        if finite.numel():
+            m_new[t] = torch.maximum(m_old[t], finite.max())
+        shift = 0.0 if torch.isinf(m_new[t]) else float(m_new[t])
+        csum[t] = torch.exp(x[t].double() - shift).sum()
+    return vals, ids, counts, m_new, csum
+
+
+def _run_candidates(x, theta, m_old, id0, cap):
+    T = x.shape[0]
+    out = (torch.full((T, cap), 123.0), torch.full((T, cap), -5, dtype=torch.int64),
+           torch.full((T,), -1, dtype=torch.int64), torch.full((T,), 7.0), torch.full((T,), 7.0))
+    _candidates()(x, theta, m_old, id0, *out)
+    return out
+
+
+def _check_candidates(got, want, what):
+    names = ("vals", "ids", "counts", "m_new")
+    for name, a, b in zip(names, got, want):
+        assert torch.equal(a, b), f"{what}: {name} differs at {(a != b).nonzero()[:5].tolist()}"
+    # csum: fp32 sums of a 2-ulp exp; equal NaN / inf, else within 1e-6 relative of the fp64 sum
+    a, b = got[4].double(), want[4]
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    err = torch.where(same, torch.zeros_like(a), (a - b).abs() / b.abs().clamp_min(1e-300))
+    assert (err <= 1e-6).all(), f"{what}: csum off by {err.max().item():.2e} (rel) at {(err > 1e-6).nonzero()[:5].tolist()}"
 
 
 @pytest.mark.parametrize("T,n,cap", [(1, 1, 1), (7, 2048, 16), (33, 100, 128), (5, 64, 4)])
@@ -244,42 +273,52 @@ def test_candidates_are_the_entries_above_theta_in_id_order(T, n, cap):
     theta[-1] = float("-inf")
     if T > 2:
         theta[1] = float("inf")
-    vals = torch.full((T, cap), 123.0)
-    ids = torch.full((T, cap), -5, dtype=torch.int64)
-    counts = torch.full((T,), -1, dtype=torch.int64)
-    _candidates()(x, theta, 4096, vals, ids, counts)
-    want = _candidates_ref(x, theta, 4096, cap)
-    assert torch.equal(counts, want[2]), (counts, want[2])
-    assert torch.equal(ids, want[1]), (ids != want[1]).nonzero()[:5]
-    assert torch.equal(vals, want[0]), (vals != want[0]).nonzero()[:5]
+    m_old = torch.randn(T, generator=g) + 2.0  # some rows' max is held, some the chunk's
+    m_old[-1] = float("-inf")
+    _check_candidates(_run_candidates(x, theta, m_old, 4096, cap), _candidates_ref(x, theta, m_old, 4096, cap),
+                      f"T={T} n={n} cap={cap}")
+
+
+def test_candidates_log_sum_exp_terms_at_the_edges():
+    """Rows of only −inf (sum 0, max −inf: shift 0), a +inf (max +inf: shift 0, the sum overflows
+    to a huge or inf value — the op's log-sum-exp check then names the row), entries 100 below the
+    max (exp under fp32's range: they count 0 here, ~1e-44 in fp64) and a held max above the chunk's."""
+    x = torch.randn(4, 300)
+    x[0] = float("-inf")
+    x[1, 5] = float("inf")
+    x[2, :100] = x[2].max() - 100.0
+    m_old = torch.tensor([float("-inf"), 0.0, float("-inf"), 50.0])
+    got = _run_candidates(x, torch.full((4,), float("inf")), m_old, 0, 2)
+    want = _candidates_ref(x, torch.full((4,), float("inf")), m_old, 0, 2)
+    assert got[3].tolist()[:2] == [float("-inf"), float("inf")] and got[4][0] == 0.0
+    assert got[4][1] >= 3e38  # exp(+inf - 0) clamped: never a finite row sum a log-sum-exp could pass
+    for r in (2, 3):
+        assert abs(got[4][r].item() - want[4][r].item()) <= 1e-6 * want[4][r].item() + 1e-38, (r, got[4][r], want[4][r])
 
 
 def test_candidates_read_strided_rows_and_empty_shapes():
     wide = torch.randn(6, 300)
-    x, theta = wide[:, 7:207], torch.zeros(6)
-    vals, ids, counts = torch.empty(6, 8), torch.empty(6, 8, dtype=torch.int64), torch.empty(6, dtype=torch.int64)
-    _candidates()(x, theta, 0, vals, ids, counts)
-    for got, want in zip((vals, ids, counts), _candidates_ref(x, theta, 0, 8)):
-        assert torch.equal(got, want)
-    _candidates()(torch.empty(0, 5), torch.empty(0), 0, torch.empty(0, 3), torch.empty(0, 3, dtype=torch.int64),
-                  torch.empty(0, dtype=torch.int64))
-    counts = torch.full((2,), 9, dtype=torch.int64)
-    vals, ids = torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64)
-    _candidates()(torch.empty(2, 0), torch.zeros(2), 0, vals, ids, counts)
-    assert counts.tolist() == [0, 0] and (ids == PAD_ID).all() and torch.isneginf(vals).all()
+    x, theta, m_old = wide[:, 7:207], torch.zeros(6), torch.full((6,), float("-inf"))
+    _check_candidates(_run_candidates(x, theta, m_old, 0, 8), _candidates_ref(x, theta, m_old, 0, 8), "strided")
+    _run_candidates(torch.empty(0, 5), torch.empty(0), torch.empty(0), 0, 3)
+    got = _run_candidates(torch.empty(2, 0), torch.zeros(2), torch.tensor([1.0, float("-inf")]), 0, 3)
+    assert got[2].tolist() == [0, 0] and (got[1] == PAD_ID).all() and torch.isneginf(got[0]).all()
+    assert got[3].tolist() == [1.0, float("-inf")] and got[4].tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("change,match", [
     (dict(x=torch.ones(2, 4, dtype=torch.float64)), "x must be Float"),
-    (dict(theta=torch.ones(3)), r"theta and counts must be \[2\]"),
+    (dict(theta=torch.ones(3)), r"theta, m_old, counts, m_new and csum must be \[2\]"),
+    (dict(csum=torch.ones(2, dtype=torch.float64)), "csum must be Float"),
     (dict(ids=torch.zeros(2, 3, dtype=torch.int32)), "ids must be Long"),
     (dict(vals=torch.zeros(2, 5)), "vals and ids must be"),
     (dict(x=torch.ones(4, 2).T), "rows must be contiguous"),
     (dict(id0=2 ** 31 - 3), "below 2\\*\\*31 - 1"),
 ])
 def test_candidates_name_bad_input(change, match):
-    args = dict(x=torch.ones(2, 4), theta=torch.zeros(2), id0=0, vals=torch.zeros(2, 3),
-                ids=torch.zeros(2, 3, dtype=torch.int64), counts=torch.zeros(2, dtype=torch.int64))
+    args = dict(x=torch.ones(2, 4), theta=torch.zeros(2), m_old=torch.zeros(2), id0=0, vals=torch.zeros(2, 3),
+                ids=torch.zeros(2, 3, dtype=torch.int64), counts=torch.zeros(2, dtype=torch.int64),
+                m_new=torch.zeros(2), csum=torch.zeros(2))
     args.update(change)
     with pytest.raises(RuntimeError, match=match):
         _candidates()(**args)
@@ -287,17 +326,18 @@ def test_candidates_name_bad_input(change, match):
 
 def test_opcheck_topk_candidates():
     x = torch.randn(5, 70)
-    args = (x, torch.zeros(5), 100, torch.empty(5, 8), torch.empty(5, 8, dtype=torch.int64),
-            torch.empty(5, dtype=torch.int64))
+    args = (x, torch.zeros(5), torch.full((5,), -1.0), 100, torch.empty(5, 8), torch.empty(5, 8, dtype=torch.int64),
+            torch.empty(5, dtype=torch.int64), torch.empty(5), torch.empty(5))
     _candidates()
     torch.library.opcheck(torch.ops.acarerank.topk_candidates.default, args)
 
 
 @pytest.mark.parametrize("order", ["random", "rising", "ties"])
-def test_native_core_in_fp32_is_the_torch_core_bitwise(order):
-    """fp32: the native core differs from the torch core only in how a chunk's candidates are
-    found, so every output is bitwise the same — random logits, logits rising with the id (more
-    than k candidates per chunk: the exact chunk top-k) and integer logits (ties everywhere)."""
+def test_native_core_in_fp32_is_the_torch_core(order):
+    """fp32: the native core differs from the torch core only in how a chunk's candidates and
+    log-sum-exp terms are found, so the top-k ids and in_topk are bitwise the same and the
+    log-probs within fp32 rounding of the log-sum-exp — random logits, logits rising with the id
+    (more than k candidates per chunk: the exact chunk top-k) and integer logits (ties everywhere)."""
     g = torch.Generator().manual_seed(7)
     T, H, V = 11, 16, 5000
     h = torch.randn(T, H, generator=g)
@@ -310,8 +350,11 @@ def test_native_core_in_fp32_is_the_torch_core_bitwise(order):
     for chunk in (None, 300):
         got = topk_logprobs(h, w, tg, k=64, chunk=chunk, outside="full", backend="native")
         want = topk_logprobs(h, w, tg, k=64, chunk=chunk, outside="full", backend="torch")
-        for name in ("topk_ids", "topk_logprobs", "target_logprob", "in_topk"):
+        for name in ("topk_ids", "in_topk"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (order, chunk, name)
+        for name in ("topk_logprobs", "target_logprob"):
+            err = (getattr(got, name) - getattr(want, name)).abs().max().item()
+            assert err <= 1e-5, (order, chunk, name, err)
 
 
 # --------------------------------------------------------------------- linear_logprob on bf16
@@ -347,3 +390,20 @@ def test_linear_logprob_bf16_logits_come_from_the_bf16_gemm(monkeypatch):
             err = (a.double() - b.double()).abs()
             bad = err > 1e-5 + rel * b.double().abs()
             assert not bad.any(), f"{mode} {name}: max err {err.max().item():.3e} at {bad.nonzero()[:3].tolist()}"
+
+
+@pytest.mark.skipif(os.environ.get("ACARERANK_LOGITS_GEMM_CHILD") == "1", reason="the child's own run")
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_candidates_in_every_layer_build(isa):
+    """The candidates' row kernel is compiled per ISA with the element-wise ones (layer_kernels.h):
+    the AVX2 and baseline builds (ACARERANK_CPU_LAYER_ISA, read once per process: a child) pass the
+    candidates tests and the fp32 native core's agreement with the torch core too."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_LAYER_ISA")}
+    env.update(ACARERANK_CPU_LAYER_ISA=isa, ACARERANK_LOGITS_GEMM_CHILD="1", OMP_NUM_THREADS="2")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "candidates or native_core_in_fp32"], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(__file__))
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
+    probe = "import acarerank.ops._native as n; print(n.layer_kernel_isa())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == [isa], done.stdout + done.stderr[-2000:]
