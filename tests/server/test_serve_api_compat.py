@@ -57,6 +57,59 @@ def expect_error(r, code: int, words):
         assert w in err["message"], f"{w!r} not in {err['message']!r}"
 
 
+def test_cohere_v1_object_documents_come_back_with_their_fields(server):
+    """Cohere v1: "If a document is provided the text field is required and all other fields will
+    be preserved in the response" (the SDK's ``rerank`` docstring); only ``text`` is scored."""
+    want = server["ref"].score(QUERY, DOCS)
+    objects = [{"text": d, "title": f"t{i}", "id": str(i)} for i, d in enumerate(DOCS)]
+    co = cohere.Client(base_url=server["base"], api_key=KEY)
+    res = co.rerank(model="rerank-english-v3.0", query=QUERY, documents=objects, return_documents=True)
+    assert_scores({x.index: x.relevance_score for x in res.results}, want, "cohere v1 objects")
+    for x in res.results:
+        assert x.document.text == DOCS[x.index]
+        assert x.document.dict() == objects[x.index], f"document {x.index} came back as {x.document.dict()}"
+    # strings still come back as {"text": ...}; without return_documents there is no document
+    r = server["client"].post("/v1/rerank", json=dict(query=QUERY, documents=DOCS, return_documents=True))
+    assert [x["document"] for x in r.json()["results"]] == [{"text": DOCS[x["index"]]} for x in r.json()["results"]]
+    r = server["client"].post("/v1/rerank", json=dict(query=QUERY, documents=objects))
+    assert all("document" not in x for x in r.json()["results"]), r.text
+
+
+@pytest.mark.parametrize("field, refused, accepted", [
+    ("rank_fields", ["title", "text"], ["text"]),          # Cohere v1: rank on other keys
+    ("truncation_direction", "Left", "Right"),             # TEI: keep the end of the text
+    ("truncate_prompt_tokens", 512, -1),                   # vLLM: keep the last 512 prompt tokens
+])
+def test_options_that_change_the_scores_are_refused_not_ignored(server, field, refused, accepted):
+    """A peer's option that would change what is scored, and that this server cannot honour, is a
+    400 naming it; ignored, the client got scores of another input with no sign of it."""
+    want = server["ref"].score(QUERY, DOCS)
+    objects = [{"text": d, "title": "bread"} for d in DOCS]
+    body = dict(query=QUERY, documents=objects) if field == "rank_fields" else dict(query=QUERY, texts=DOCS) \
+        if field == "truncation_direction" else dict(query=QUERY, documents=DOCS)
+    expect_error(server["client"].post("/rerank", json=body | {field: refused}), 400, [field, str(refused)])
+    r = server["client"].post("/rerank", json=body | {field: accepted})
+    assert r.status_code == 200, r.text
+    results = r.json() if field == "truncation_direction" else r.json()["results"]
+    assert_scores(scores_of(results, "score" if field == "truncation_direction" else "relevance_score"), want, field)
+
+
+def test_null_is_the_field_left_out(server):
+    """TEI declares ``truncate`` as ``Option<bool>`` and Cohere ``return_documents`` as
+    ``Optional[bool]``: a client that writes ``null`` gets the default, not a 422."""
+    want = server["ref"].score(QUERY, DOCS)
+    c = server["client"]
+    r = c.post("/rerank", json=dict(query=QUERY, texts=DOCS, truncate=None, return_text=None, raw_scores=None))
+    assert r.status_code == 200, r.text
+    assert_scores(scores_of(r.json(), "score"), want, "TEI nulls")
+    assert all("text" not in x for x in r.json())
+    r = c.post("/v1/rerank", json=dict(query=QUERY, documents=DOCS, return_documents=None, top_n=None))
+    assert r.status_code == 200, r.text
+    assert_scores(scores_of(r.json()["results"]), want, "Cohere nulls")
+    assert all("document" not in x for x in r.json()["results"])
+    expect_error(c.post("/v1/rerank", json=dict(query=QUERY, documents=DOCS, truncate="yes")), 422, ["truncate"])
+
+
 def test_a_compressed_body_is_415_naming_the_encoding(server):
     """A gzip body reached the JSON decoder and came back as a 422 'malformed JSON' that hides the
     cause; it is refused before the body is read, naming Content-Encoding."""
