@@ -10,7 +10,8 @@
   keys come back with ``return_documents`` as Cohere v1 keeps them; ``rank_fields`` other than
   ``["text"]`` (Cohere v1) is refused, not ignored; ``top_n: 0`` means all (vLLM); vLLM's
   ``truncate_prompt_tokens`` is accepted as -1 (cut to the model's length: what
-  ``truncate: true`` does) and refused otherwise;
+  ``truncate: true`` does) and refused otherwise, its ``use_activation: false`` (also
+  ``activation``, ``softmax``: logits) refused as TEI's ``raw_scores``;
 * text-embeddings-inference (``POST /rerank``): ``texts`` instead of ``documents``,
   ``truncate``, ``truncation_direction`` (only ``Right``: documents are cut from their end),
   ``raw_scores``, ``return_text`` — answered with TEI's bare list;
@@ -61,6 +62,10 @@ class RerankRequest(BaseModel):
         None, description="Cohere v1: only ['text'] (the field scored); any other field is a 400")
     truncate_prompt_tokens: Optional[StrictInt] = Field(
         None, description="vLLM: only -1 (cut to the model's length, as truncate: true); a token count is a 400")
+    use_activation: Optional[StrictBool] = Field(
+        None, description="vLLM: false asks for logits instead of probabilities (not supported: 400, as raw_scores)")
+    activation: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
+    softmax: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
     question: Optional[StrictStr] = None
     trace: Optional[StrictStr] = None
     instruction: Optional[StrictStr] = None

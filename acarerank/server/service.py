@@ -6,7 +6,8 @@ errors) and the scheduler (``engine.py``, which owns the model):
 * checks the types cannot express — empty ``documents`` → 400, more than ``max_documents``
   → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves), and a peer's
   option that would change the scores and that we cannot honour (``rank_fields``,
-  ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1) → 400;
+  ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation:
+  false``) → 400;
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
   ``Retry-After``;
 * tokenizes in a thread pool (``reranker.encode``) — the event loop never tokenizes and the
@@ -77,6 +78,10 @@ def _check_peer_options(req: RerankRequest) -> None:
     if req.truncation_direction is not None and req.truncation_direction.lower() != "right":
         raise APIError(400, f"truncation_direction={req.truncation_direction!r} is not supported: documents are cut "
                             f"from their end ('Right'); send truncate: false to refuse over-long inputs instead")
+    for name in ("use_activation", "activation", "softmax"):
+        if getattr(req, name) is False:
+            raise APIError(400, f"{name}=false is not supported: this server returns relevance probabilities "
+                                f"(sigmoid of the yes/no logit difference), not logits")
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens != -1:
         raise APIError(400, f"truncate_prompt_tokens={req.truncate_prompt_tokens} is not supported (only -1: cut to "
                             f"the model's length, which truncate: true does); send max_tokens_per_doc to cut each "

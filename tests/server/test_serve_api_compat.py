@@ -79,6 +79,8 @@ def test_cohere_v1_object_documents_come_back_with_their_fields(server):
     ("rank_fields", ["title", "text"], ["text"]),          # Cohere v1: rank on other keys
     ("truncation_direction", "Left", "Right"),             # TEI: keep the end of the text
     ("truncate_prompt_tokens", 512, -1),                   # vLLM: keep the last 512 prompt tokens
+    ("use_activation", False, True),                       # vLLM: logits, not probabilities
+    ("softmax", False, None),                              # vLLM's older name of it
 ])
 def test_options_that_change_the_scores_are_refused_not_ignored(server, field, refused, accepted):
     """A peer's option that would change what is scored, and that this server cannot honour, is a
@@ -87,7 +89,8 @@ def test_options_that_change_the_scores_are_refused_not_ignored(server, field, r
     objects = [{"text": d, "title": "bread"} for d in DOCS]
     body = dict(query=QUERY, documents=objects) if field == "rank_fields" else dict(query=QUERY, texts=DOCS) \
         if field == "truncation_direction" else dict(query=QUERY, documents=DOCS)
-    expect_error(server["client"].post("/rerank", json=body | {field: refused}), 400, [field, str(refused)])
+    expect_error(server["client"].post("/rerank", json=body | {field: refused}), 400,
+                 [field, json.dumps(refused) if isinstance(refused, bool) else str(refused)])
     r = server["client"].post("/rerank", json=body | {field: accepted})
     assert r.status_code == 200, r.text
     results = r.json() if field == "truncation_direction" else r.json()["results"]
