@@ -127,6 +127,17 @@ def test_a_compressed_body_is_415_naming_the_encoding(server):
     assert r.status_code == 200, r.text
 
 
+def test_a_body_with_a_utf8_byte_order_mark_is_read(server):
+    """RFC 8259 lets a parser ignore a leading BOM and ``json.loads`` of bytes does (so FastAPI
+    servers such as vLLM accept it); it was a 422 'malformed JSON ... (byte 0)'."""
+    want = server["ref"].score(QUERY, DOCS)
+    body = b"\xef\xbb\xbf" + json.dumps(dict(query=QUERY, documents=DOCS)).encode()
+    r = server["client"].post("/v2/rerank", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert_scores(scores_of(r.json()["results"]), want, "BOM")
+    expect_error(server["client"].post("/v2/rerank", content=b"\xef\xbb" + body[3:]), 422, ["malformed JSON"])
+
+
 def test_models_list_has_the_openai_model_fields(server):
     """OpenAI's ``Model`` (and vLLM's model card) carries ``created``, Unix seconds."""
     data = server["client"].get("/v1/models").json()
