@@ -73,8 +73,7 @@ def _check_peer_options(req: RerankRequest) -> None:
     scores that silently differ from what the client asked for are worse than an error."""
     if req.rank_fields is not None and any(f != "text" for f in req.rank_fields):
         raise APIError(400, f"rank_fields={req.rank_fields!r} is not supported: only each document's 'text' is "
-                            f"scored; put the fields to rank on into 'text' (Cohere v1 joins them as 'key: value' "
-                            f"lines)")
+                            f"scored; put what should be ranked into 'text'")
     if req.truncation_direction is not None and req.truncation_direction.lower() != "right":
         raise APIError(400, f"truncation_direction={req.truncation_direction!r} is not supported: documents are cut "
                             f"from their end ('Right'); send truncate: false to refuse over-long inputs instead")
