@@ -13,7 +13,8 @@ Endpoints (see ``schemas.py`` for the bodies):
 ``GET /ready``                             200 once weights are loaded and a warm-up pass ran;
                                            503 before that, while draining and once dead (on
                                            Ray Serve's front: while no engine replica can serve)
-``GET /v1/models``                         the one model, OpenAI list shape
+``GET /v1/models``                         the one model, OpenAI list shape (``id``, ``object``,
+                                           ``created``, ``owned_by``)
 ``GET /metrics``                           Prometheus text format
 =========================================  ===================================================
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -85,7 +87,7 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     # the event loop free between bodies and bounds how many parse at once.
     parse_pool = ThreadPoolExecutor(2, thread_name_prefix="acarerank-parse")
     app = FastAPI(title="acarerank", summary="Qwen3 LLM rerankers: pointwise (ACARe) and setwise (AdaTutoRank)",
-                  responses={code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 422, 429, 503)})
+                  responses={code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 415, 422, 429, 503)})
     app.state.gate = state
     app.state.service = service
     app.state.parse_pool = parse_pool
@@ -169,9 +171,12 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
             return JSONResponse(error_body(503, problem), status_code=503)
         return {"status": "ready", "model": service.model_name}
 
+    created = int(time.time())   # OpenAI's Model has a required `created` (Unix seconds); vLLM sends its start
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "acarerank"}]}
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": created,
+                                            "owned_by": "acarerank"}]}
 
     @app.get("/metrics")
     async def metrics():

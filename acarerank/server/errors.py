@@ -19,6 +19,7 @@ ERROR_TYPES = {
     405: "method_not_allowed",
     408: "request_timeout",
     413: "request_too_large",
+    415: "unsupported_media_type",
     422: "validation_error",
     431: "request_header_fields_too_large",
     429: "rate_limit_error",

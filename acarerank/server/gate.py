@@ -3,16 +3,16 @@
 It runs before FastAPI reads anything, in this order: a head (request line and headers) over
 ``MAX_HEAD_BYTES`` gets 431; while draining, every API request gets 503; with an API key set, a
 request without ``Authorization: Bearer <key>`` (or ``X-API-Key``) gets 401; a declared body over
-``max_body_bytes`` gets 413; a full queue gets 429 (admission, before the body is read); then the
-body is read within ``body_timeout`` seconds (408 after), and one over ``max_body_bytes`` gets
-413. Only a POST to an API path is admitted, so only it may send up to ``max_body_bytes``; any
-other request's body (an unknown path, a wrong method) is capped at ``LINGER_BYTES`` (413), else
-such requests, uncounted by ``--max-queue``, could each hold ``max_body_bytes``. An early answer
-first reads and drops a small declared body (nginx's lingering close, bounded by ``LINGER_BYTES``
-and ``LINGER_S``). A client that leaves during the upload is
-counted as 499 (nginx's "client closed request") and logged in one line. ``GateState`` is
-shared with the SIGTERM drain (``front.py``). ``/health``, ``/ready`` and ``/metrics`` pass
-straight through (probes and scrapers carry no key).
+``max_body_bytes`` gets 413; an API POST with a ``Content-Encoding`` (gzip, ...) gets 415; a full
+queue gets 429 (admission, before the body is read); then the body is read within ``body_timeout``
+seconds (408 after), and one over ``max_body_bytes`` gets 413. Only a POST to an API path is
+admitted, so only it may send up to ``max_body_bytes``; any other request's body (an unknown path,
+a wrong method) is capped at ``LINGER_BYTES`` (413), else such requests, uncounted by
+``--max-queue``, could each hold ``max_body_bytes``. An early answer first reads and drops a small
+declared body (nginx's lingering close, bounded by ``LINGER_BYTES`` and ``LINGER_S``). A client
+that leaves during the upload is counted as 499 (nginx's "client closed request") and logged in one
+line. ``GateState`` is shared with the SIGTERM drain (``front.py``). ``/health``, ``/ready`` and
+``/metrics`` pass straight through (probes and scrapers carry no key).
 """
 from __future__ import annotations
 
@@ -133,6 +133,13 @@ class Gate:
         if length is not None and length > limit:
             return await self._refuse(receive, send, status, length, 413, f"request body of {length} bytes "
                                       f"exceeds the limit of {limit} bytes{flag}")
+        encoding = headers.get("content-encoding", b"").strip().lower()
+        if api_post and encoding not in (b"", b"identity"):
+            # a compressed body would reach the JSON decoder as bytes it calls malformed (a 422 that
+            # hides the cause); inflating it would let a small upload exceed --max-body-bytes
+            return await self._refuse(receive, send, status, length, 415, f"Content-Encoding "
+                                      f"{encoding.decode('latin-1')!r} is not supported: send the JSON body "
+                                      f"uncompressed", {"Accept-Encoding": "identity"})
         slot = contextlib.ExitStack()
         if self.admit is not None and api_post:
             try:

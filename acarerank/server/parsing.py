@@ -21,6 +21,8 @@ import pydantic
 
 from .errors import APIError
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
 
 @functools.lru_cache(maxsize=None)
 def _wire(model_cls):
@@ -39,7 +41,13 @@ def validation_message(errors) -> str:
 
 
 def parse_body(body: bytes, model_cls):
-    """``model_cls`` (a pydantic model) from a JSON body, or ``APIError(422)``. Blocking: run it in a worker."""
+    """``model_cls`` (a pydantic model) from a JSON body, or ``APIError(422)``. Blocking: run it in a worker.
+
+    A leading UTF-8 byte order mark is skipped (RFC 8259 section 8.1 lets a parser ignore it, and
+    ``json.loads`` of bytes does, so FastAPI servers such as vLLM accept it; some Windows clients
+    send it); msgspec called it malformed JSON at byte 0."""
+    if body[:3] == UTF8_BOM:
+        body = memoryview(body)[3:]   # no copy of a body of up to --max-body-bytes
     try:
         wire = msgspec.json.decode(body, type=_wire(model_cls))
     except RecursionError:

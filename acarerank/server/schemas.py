@@ -5,26 +5,38 @@
 * Cohere v2 (``POST /v2/rerank``, the ``cohere`` SDK's ``ClientV2.rerank``): ``model``,
   ``query``, ``documents`` (strings), ``top_n``, ``max_tokens_per_doc`` (+ ``priority``,
   ``relevant_spans``: accepted and ignored);
-* Jina / vLLM (``POST /v1/rerank``, ``/rerank``): the same plus ``return_documents``;
-  documents may be ``{"text": ...}`` objects; ``top_n: 0`` means all (vLLM);
+* Cohere v1 / Jina / vLLM (``POST /v1/rerank``, ``/rerank``): the same plus
+  ``return_documents``; documents may be ``{"text": ...}`` objects (Cohere v1, Jina), whose other
+  keys come back with ``return_documents`` as Cohere v1 keeps them; ``rank_fields`` other than
+  ``["text"]`` (Cohere v1) is refused, not ignored; ``top_n: 0`` means all (vLLM); vLLM's
+  ``truncate_prompt_tokens`` is accepted as -1 (cut to the model's length: what
+  ``truncate: true`` does) and refused otherwise, its ``use_activation: false`` (also
+  ``activation``, ``softmax``: logits) refused as TEI's ``raw_scores``;
 * text-embeddings-inference (``POST /rerank``): ``texts`` instead of ``documents``,
-  ``truncate``, ``raw_scores``, ``return_text`` — answered with TEI's bare list;
+  ``truncate``, ``truncation_direction`` (only ``Right``: documents are cut from their end),
+  ``raw_scores``, ``return_text`` — answered with TEI's bare list;
 * ACARe context: ``question``, ``trace``, ``instruction`` and ``cache_salt`` (tenant key of
   the prefix cache).
 
-Types are strict (a number where a string belongs is a 422, never coerced). Unknown fields
-are ignored, as the peers do. Emptiness and size limits are checked by the service so that
+Types are strict (a number where a string belongs is a 422, never coerced); ``null`` in an
+optional field is the field left out (TEI's ``truncate`` is an ``Option<bool>``). Unknown
+fields are ignored, as the peers do; a known field we cannot honour is a 400, never
+silently ignored. Emptiness and size limits are checked by the service so that
 they get their own codes (400, 413) instead of a generic 422.
 """
 from __future__ import annotations
 
 from typing import List, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 
 class TextDocument(BaseModel):
-    """A document given as ``{"text": ...}`` (Jina / vLLM); other keys are ignored."""
+    """A document given as ``{"text": ...}`` (Cohere v1 / Jina). Only ``text`` is scored; the
+    other keys are kept, so ``return_documents`` answers the object as sent (Cohere v1: "all
+    other fields will be preserved in the response")."""
+    model_config = ConfigDict(extra="allow")
+
     text: StrictStr
 
 
@@ -44,10 +56,27 @@ class RerankRequest(BaseModel):
     truncate: StrictBool = Field(True, description="false: an over-long input is a 400 instead of being cut")
     return_text: StrictBool = False   # TEI
     raw_scores: StrictBool = False    # TEI: logits instead of probabilities (not supported: 400)
+    truncation_direction: Optional[StrictStr] = Field(
+        None, description="TEI: 'Right' (or absent) only; documents are cut from their end ('Left': 400)")
+    rank_fields: Optional[List[StrictStr]] = Field(
+        None, description="Cohere v1: only ['text'] (the field scored); any other field is a 400")
+    truncate_prompt_tokens: Optional[StrictInt] = Field(
+        None, description="vLLM: only -1 (cut to the model's length, as truncate: true); a token count is a 400")
+    use_activation: Optional[StrictBool] = Field(
+        None, description="vLLM: false asks for logits instead of probabilities (not supported: 400, as raw_scores)")
+    activation: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
+    softmax: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
     question: Optional[StrictStr] = None
     trace: Optional[StrictStr] = None
     instruction: Optional[StrictStr] = None
     cache_salt: Optional[StrictStr] = None
+
+    @field_validator("return_documents", "truncate", "return_text", "raw_scores", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, v, info):
+        # a client's null is the field left out: TEI declares truncate Option<bool>, Cohere's
+        # return_documents is Optional[bool]; without this a null was a 422
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @model_validator(mode="after")
     def _documents_or_texts(self):
@@ -64,8 +93,16 @@ class RerankRequest(BaseModel):
             return list(self.texts)
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
+    def response_document(self, i: int) -> dict:
+        """Result ``i``'s ``document`` with ``return_documents``: ``{"text": ...}`` for a string,
+        the object as sent (its other keys included) for a ``{"text": ...}`` object."""
+        d = self.documents[i]
+        return {"text": d} if isinstance(d, str) else d.model_dump()
+
 
 class DocumentText(BaseModel):
+    model_config = ConfigDict(extra="allow")   # an object document's other keys (Cohere v1)
+
     text: str
 
 

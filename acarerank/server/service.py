@@ -4,7 +4,10 @@
 errors) and the scheduler (``engine.py``, which owns the model):
 
 * checks the types cannot express — empty ``documents`` → 400, more than ``max_documents``
-  → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves);
+  → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves), and a peer's
+  option that would change the scores and that we cannot honour (``rank_fields``,
+  ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation:
+  false``) → 400;
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
   ``Retry-After``;
 * tokenizes in a thread pool (``reranker.encode``) — the event loop never tokenizes and the
@@ -63,6 +66,25 @@ class WorkerFault(Exception):
     def __init__(self, error_id: str, exc: BaseException):
         super().__init__(f"{type(exc).__name__}: {exc}")
         self.error_id = error_id
+
+
+def _check_peer_options(req: RerankRequest) -> None:
+    """A peer's option that would change the scores is honoured or refused (400), never ignored:
+    scores that silently differ from what the client asked for are worse than an error."""
+    if req.rank_fields is not None and any(f != "text" for f in req.rank_fields):
+        raise APIError(400, f"rank_fields={req.rank_fields!r} is not supported: only each document's 'text' is "
+                            f"scored; put what should be ranked into 'text'")
+    if req.truncation_direction is not None and req.truncation_direction.lower() != "right":
+        raise APIError(400, f"truncation_direction={req.truncation_direction!r} is not supported: documents are cut "
+                            f"from their end ('Right'); send truncate: false to refuse over-long inputs instead")
+    for name in ("use_activation", "activation", "softmax"):
+        if getattr(req, name) is False:
+            raise APIError(400, f"{name}=false is not supported: this server returns relevance probabilities "
+                                f"(sigmoid of the yes/no logit difference), not logits")
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens != -1:
+        raise APIError(400, f"truncate_prompt_tokens={req.truncate_prompt_tokens} is not supported (only -1: cut to "
+                            f"the model's length, which truncate: true does); send max_tokens_per_doc to cut each "
+                            f"document to that many tokens")
 
 
 class RerankService:
@@ -244,6 +266,7 @@ class RerankService:
         if req.raw_scores:
             raise APIError(400, "raw_scores=true is not supported: this server returns relevance probabilities "
                                 "(sigmoid of the yes/no logit difference)")
+        _check_peer_options(req)
         self._check_alive()
         deadline = self._deadline()
         rid = uuid.uuid4().hex
@@ -353,7 +376,7 @@ class RerankService:
             return [dict(index=i, score=scores[i], **({"text": docs[i]} if req.return_text else {}))
                     for i in order]
         results = [dict(index=i, relevance_score=scores[i],
-                        **({"document": {"text": docs[i]}} if req.return_documents else {})) for i in order]
+                        **({"document": req.response_document(i)} if req.return_documents else {})) for i in order]
         return dict(id=rid, model=self.model_name, results=results,
                     usage=dict(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens,
                                cached_tokens=result.cached_tokens),

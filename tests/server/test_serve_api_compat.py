@@ -1,0 +1,202 @@
+"""The rerank endpoints as each peer's client calls them: the bodies the Cohere (v1 and v2), Jina,
+vLLM and TEI clients send, their optional fields, and HTTP as clients speak it.
+
+One uvicorn over a tiny random model for the module; every score is compared with the offline
+``PointwiseReranker.score`` of the same request (1e-6), every error with its status, shape and
+the field it names. What each peer documents: docs/serving.md, "Endpoints".
+"""
+import gzip
+import json
+import socket
+
+import pytest
+from _optional import require
+
+require("fastapi", "uvicorn", "httpx", "cohere")
+import cohere  # noqa: E402
+import httpx  # noqa: E402
+
+from acarerank import PointwiseReranker
+from acarerank.server import RerankService, create_app
+from serve_util import thread_server, tiny_model
+
+KEY = "compat-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+QUERY = "tutor reranker"
+DOCS = ["Adaptive tutoring optimization for rerankers", "bread baking at home", "setwise selection of passages"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = tiny_model()
+    service = RerankService(PointwiseReranker(model=model), "tiny-compat", max_batch_tokens=256,
+                            max_documents=16).start()
+    ref = PointwiseReranker(model=model)   # its own prefix cache: the server's reranker is its scheduler's
+    try:
+        with thread_server(create_app(service, api_key=KEY)) as base:
+            yield dict(base=base, ref=ref, client=httpx.Client(base_url=base, headers=AUTH, timeout=60))
+    finally:
+        service.stop()
+
+
+def scores_of(results, key="relevance_score") -> dict:
+    return {r["index"]: r[key] for r in results}
+
+
+def assert_scores(got: dict, want: list, what: str):
+    assert sorted(got) == list(range(len(want))), f"{what}: indices {sorted(got)} for {len(want)} documents"
+    diff = max(abs(got[i] - want[i]) for i in range(len(want)))
+    assert diff <= 1e-6, f"{what}: max |server - offline| = {diff:.3g}"
+
+
+def expect_error(r, code: int, words):
+    assert r.status_code == code, f"expected {code}, got {r.status_code}: {r.text}"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code"} and err["code"] == code, err
+    for w in words:
+        assert w in err["message"], f"{w!r} not in {err['message']!r}"
+
+
+def test_cohere_v1_object_documents_come_back_with_their_fields(server):
+    """Cohere v1: "If a document is provided the text field is required and all other fields will
+    be preserved in the response" (the SDK's ``rerank`` docstring); only ``text`` is scored."""
+    want = server["ref"].score(QUERY, DOCS)
+    objects = [{"text": d, "title": f"t{i}", "id": str(i)} for i, d in enumerate(DOCS)]
+    co = cohere.Client(base_url=server["base"], api_key=KEY)
+    res = co.rerank(model="rerank-english-v3.0", query=QUERY, documents=objects, return_documents=True)
+    assert_scores({x.index: x.relevance_score for x in res.results}, want, "cohere v1 objects")
+    for x in res.results:
+        assert x.document.text == DOCS[x.index]
+        assert x.document.dict() == objects[x.index], f"document {x.index} came back as {x.document.dict()}"
+    # strings still come back as {"text": ...}; without return_documents there is no document
+    r = server["client"].post("/v1/rerank", json=dict(query=QUERY, documents=DOCS, return_documents=True))
+    assert [x["document"] for x in r.json()["results"]] == [{"text": DOCS[x["index"]]} for x in r.json()["results"]]
+    r = server["client"].post("/v1/rerank", json=dict(query=QUERY, documents=objects))
+    assert all("document" not in x for x in r.json()["results"]), r.text
+
+
+@pytest.mark.parametrize("field, refused, accepted", [
+    ("rank_fields", ["title", "text"], ["text"]),          # Cohere v1: rank on other keys
+    ("truncation_direction", "Left", "Right"),             # TEI: keep the end of the text
+    ("truncate_prompt_tokens", 512, -1),                   # vLLM: keep the last 512 prompt tokens
+    ("use_activation", False, True),                       # vLLM: logits, not probabilities
+    ("softmax", False, None),                              # vLLM's older name of it
+])
+def test_options_that_change_the_scores_are_refused_not_ignored(server, field, refused, accepted):
+    """A peer's option that would change what is scored, and that this server cannot honour, is a
+    400 naming it; ignored, the client got scores of another input with no sign of it."""
+    want = server["ref"].score(QUERY, DOCS)
+    objects = [{"text": d, "title": "bread"} for d in DOCS]
+    body = dict(query=QUERY, documents=objects) if field == "rank_fields" else dict(query=QUERY, texts=DOCS) \
+        if field == "truncation_direction" else dict(query=QUERY, documents=DOCS)
+    expect_error(server["client"].post("/rerank", json=body | {field: refused}), 400,
+                 [field, json.dumps(refused) if isinstance(refused, bool) else str(refused)])
+    r = server["client"].post("/rerank", json=body | {field: accepted})
+    assert r.status_code == 200, r.text
+    results = r.json() if field == "truncation_direction" else r.json()["results"]
+    assert_scores(scores_of(results, "score" if field == "truncation_direction" else "relevance_score"), want, field)
+
+
+def test_null_is_the_field_left_out(server):
+    """TEI declares ``truncate`` as ``Option<bool>`` and Cohere ``return_documents`` as
+    ``Optional[bool]``: a client that writes ``null`` gets the default, not a 422."""
+    want = server["ref"].score(QUERY, DOCS)
+    c = server["client"]
+    r = c.post("/rerank", json=dict(query=QUERY, texts=DOCS, truncate=None, return_text=None, raw_scores=None))
+    assert r.status_code == 200, r.text
+    assert_scores(scores_of(r.json(), "score"), want, "TEI nulls")
+    assert all("text" not in x for x in r.json())
+    r = c.post("/v1/rerank", json=dict(query=QUERY, documents=DOCS, return_documents=None, top_n=None))
+    assert r.status_code == 200, r.text
+    assert_scores(scores_of(r.json()["results"]), want, "Cohere nulls")
+    assert all("document" not in x for x in r.json()["results"])
+    expect_error(c.post("/v1/rerank", json=dict(query=QUERY, documents=DOCS, truncate="yes")), 422, ["truncate"])
+
+
+def test_a_compressed_body_is_415_naming_the_encoding(server):
+    """A gzip body reached the JSON decoder and came back as a 422 'malformed JSON' that hides the
+    cause; it is refused before the body is read, naming Content-Encoding."""
+    body = json.dumps(dict(query=QUERY, documents=DOCS)).encode()
+    c = server["client"]
+    for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
+        r = c.post(path, content=gzip.compress(body),
+                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+        expect_error(r, 415, ["Content-Encoding", "gzip"])
+        assert r.json()["error"]["type"] == "unsupported_media_type"
+    r = c.post("/v1/rerank", content=body, headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_body_with_a_utf8_byte_order_mark_is_read(server):
+    """RFC 8259 lets a parser ignore a leading BOM and ``json.loads`` of bytes does (so FastAPI
+    servers such as vLLM accept it); it was a 422 'malformed JSON ... (byte 0)'."""
+    want = server["ref"].score(QUERY, DOCS)
+    body = b"\xef\xbb\xbf" + json.dumps(dict(query=QUERY, documents=DOCS)).encode()
+    r = server["client"].post("/v2/rerank", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert_scores(scores_of(r.json()["results"]), want, "BOM")
+    expect_error(server["client"].post("/v2/rerank", content=b"\xef\xbb" + body[3:]), 422, ["malformed JSON"])
+
+
+def test_models_list_has_the_openai_model_fields(server):
+    """OpenAI's ``Model`` (and vLLM's model card) carries ``created``, Unix seconds."""
+    data = server["client"].get("/v1/models").json()
+    assert data["object"] == "list" and len(data["data"]) == 1, data
+    model = data["data"][0]
+    assert set(model) == {"id", "object", "created", "owned_by"}, model
+    assert (model["id"], model["object"]) == ("tiny-compat", "model")
+    assert isinstance(model["created"], int) and model["created"] > 1_600_000_000, model
+
+
+def test_the_documented_choices_hold_as_clients_send_them(server):
+    """A guard of what docs/serving.md promises each client (this passed before the fixes above):
+    ``top_n`` 0 / absent = all, past n = all, negative = 422; ties in input order; unknown
+    fields and another ``model`` name ignored; empty documents 400; unicode round trip."""
+    c, ref = server["client"], server["ref"]
+    docs = DOCS + [DOCS[0], "naïve café ☕ 日本語 \u202e", ""]
+    want = ref.score(QUERY, docs)
+    order = sorted(range(len(docs)), key=lambda i: (-want[i], i))
+    for top_n, n in ((0, len(docs)), (None, len(docs)), (2, 2), (10**18, len(docs))):
+        r = c.post("/v1/rerank", json=dict(model="some-other-model", query=QUERY, documents=docs, top_n=top_n,
+                                           return_documents=True, priority=0, unknown={"nested": [1, 2]}))
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["model"] == "tiny-compat"
+        assert [x["index"] for x in out["results"]] == order[:n], f"top_n={top_n}"
+        assert [x["document"]["text"] for x in out["results"]] == [docs[i] for i in order[:n]]
+        assert_scores(scores_of(out["results"]) | {i: want[i] for i in order[n:]}, want, f"top_n={top_n}")
+    assert want[0] == want[3] and order.index(0) < order.index(3), "a duplicate document ties after the first"
+    expect_error(c.post("/v1/rerank", json=dict(query=QUERY, documents=docs, top_n=-1)), 422, ["top_n"])
+    expect_error(c.post("/v1/rerank", json=dict(query=QUERY, documents=[])), 400, ["empty"])
+    expect_error(c.post("/rerank", json=dict(query=QUERY, texts=[])), 400, ["empty"])
+
+
+def _raw_exchange(port: int, version: str, count: int) -> tuple:
+    """``count`` identical rerank requests written at once on one socket: (bytes read, closed by the
+    server). Reads until the server closes or ``count`` whole responses arrived."""
+    body = json.dumps(dict(query=QUERY, documents=DOCS)).encode()
+    head = (f"POST /v1/rerank {version}\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    data = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall((head + body) * count)
+        while not (data.count(b"HTTP/1.1 ") == count and data.endswith(b"}")):
+            chunk = s.recv(65536)
+            if not chunk:
+                return data, True
+            data += chunk
+        s.settimeout(2.0)
+        try:
+            return data, s.recv(1) == b""
+        except socket.timeout:
+            return data, False
+
+
+def test_http_10_and_keep_alive(server):
+    """HTTP/1.0 gets its answer and the connection closes (a second request on it is not read);
+    HTTP/1.1 answers two pipelined requests on one kept-alive connection."""
+    port = int(server["base"].rsplit(":", 1)[1])
+    data, closed = _raw_exchange(port, "HTTP/1.0", 1)
+    assert data.count(b"HTTP/1.1 200 OK") == 1 and closed, data[:300]
+    data, closed = _raw_exchange(port, "HTTP/1.1", 2)
+    assert data.count(b"HTTP/1.1 200 OK") == 2 and not closed, data[:300]
