@@ -198,6 +198,36 @@ def test_m0_equals_official(tok, max_length):
                 assert 1 <= enc.doc_tokens_dropped[i] <= full_len - max_length
 
 
+def test_m0_differs_from_the_card_only_by_refusing_below_the_document_reserve(tok):
+    """docs/input-safety.md, Truncation: in M0 the card's truncation token for token wherever the
+    instruction and query leave the document its reserve; below it a ValueError naming
+    min_doc_tokens, never another prompt; with min_doc_tokens=1 the card's prompt wherever the card
+    keeps a document token. Queries of 200 words (200 tokens) up to past the cap, at max_length 512."""
+    doc = " ".join(f"w{i}" for i in range(300))
+    n_prefix, n_suffix = (len(tok.encode(x, add_special_tokens=False)) for x in (CARD_PREFIX, CARD_SUFFIX))
+
+    def shared_len(query):  # prefix + the card's body up to "<Document>:"
+        return n_prefix + len(tok.encode(card_body(CARD_INSTRUCTION, query, "")[:-1], add_special_tokens=False))
+
+    fixed = shared_len("query") - 1
+    long_query = " ".join(["query"] * 200)
+    assert len(tok.encode(long_query, add_special_tokens=False)) == 200
+    with pytest.raises(ValueError, match="min_doc_tokens 256"):
+        encode_pointwise(tok, long_query, [doc], max_length=512)
+    for words in (200, 512 - fixed - n_suffix - 2, 512 - fixed - n_suffix - 1, 512 - fixed - n_suffix):
+        query = " ".join(["query"] * words)
+        card = official_input_ids(tok, query, doc, max_length=512)
+        shared = shared_len(query)
+        assert shared == fixed + words  # each word one token: the words above sit at the boundary
+        if shared + n_suffix < 512:  # the card keeps 512 - shared - suffix >= 1 document tokens
+            got = encode_pointwise(tok, query, [doc], max_length=512, min_doc_tokens=1, special_tokens="parse")
+            assert got.input_ids(0) == card, f"{words} words: " + first_diff(tok, got.input_ids(0), card)
+        else:  # the card scores a prompt without a document token
+            assert card[-n_suffix - 1] != tok.encode(" w0", add_special_tokens=False)[0]
+            with pytest.raises(ValueError, match="never truncated"):
+                encode_pointwise(tok, query, [doc], max_length=512, min_doc_tokens=1)
+
+
 def test_document_cut_boundary(tok):
     doc = " ".join(f"w{i}" for i in range(200))
     full = len(joint_input_ids(tok, "q", doc))
