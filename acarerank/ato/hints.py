@@ -238,6 +238,9 @@ def _checked_seam(encoder, head: List[int], text: str) -> List[int]:
 
     added = set(encoder.added_tokens.values())
     floor = max((i + 1 for i, t in enumerate(head) if t in added), default=0)  # text after the last control token
+    if floor == len(head):
+        raise ValueError(f"the prompt head ends in the control token {head[-1]}, not in the user's text; the hint "
+                         f"follows the user's text (split_student_prompt) or pass it as token ids")
     cut = _head_cut_pattern(encoder.special_tokens) if encoder._cuttable else None
     window = SEAM_WINDOW
     while True:

@@ -140,6 +140,8 @@ def test_hint_ids_head_names_its_bad_input(qwen3_tokenizer):
     head = tok.encode("do not explain.", add_special_tokens=False)
     with pytest.raises(ValueError, match="head is empty"):
         hint_ids(tok, "hint", head=[])
+    with pytest.raises(ValueError, match="ends in the control token 151644"):
+        hint_ids(tok, "hint", head=head + [151644])
     with pytest.raises(ValueError, match="is not head's last token"):
         hint_ids(tok, "hint", head=head, lead_token=head[0])
     # an end that is not the tokenization of its text ("..." as "." "." "."): the seam cannot be checked
