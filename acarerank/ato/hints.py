@@ -162,17 +162,42 @@ def hint_text(kind: str, rubrics: Optional[Mapping] = None, reflection: Optional
     raise ValueError(f"unknown hint kind {kind!r}; kinds: {', '.join(HINT_KINDS)}")
 
 
-def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[int] = None) -> List[int]:
-    """Token ids of a hint as it sits in the teacher prompt: HINT_SEPARATOR + text.
+#: head tokens read back at first to find where the seam's re-tokenization can start (doubled as needed)
+SEAM_WINDOW = 32
+
+
+def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[int] = None,
+             head: Optional[Sequence[int]] = None) -> List[int]:
+    r"""Token ids of a hint as it sits in the teacher prompt: HINT_SEPARATOR + text.
 
     Byte-level BPE can merge across the seam: the F.1/F.2 user text ends in "." and Qwen3
     encodes ".\n\n" as one token (382), not "." (13) + "\n\n". So with ``lead_token`` (the
     last token of the prompt head, which the teacher's segment re-reads anyway) the seam is
     re-tokenized: the result is encode(decode(lead_token) + HINT_SEPARATOR + text) and
-    *replaces* that token. Equal to the joint tokenization whenever the last pre-token of the
-    head is that single token (true for text ending in punctuation or a word); tests check it
-    on the real prompts. Token-id hints pass through (after ``lead_token`` if given).
+    *replaces* that token. Token-id hints pass through (after ``lead_token`` if given).
+
+    ``head`` (the prompt head's ids; its last token is the lead token, ``lead_token`` may then be
+    left out) makes the splice checked: ``head[:-1] + result`` is exactly the tokenization of
+    head_text + HINT_SEPARATOR + text, or ValueError. The separator joins a punctuation run
+    before it into one pre-token (Qwen3's `` ?[^\s\p{L}\p{N}]+[\r\n]*``), and BPE over that
+    pre-token can change more than its last token: "x?;" is "x" "?" ";" but "x?;\n\n" is
+    "x" "?;\n\n" (and so 2,528 of the 75,894 endings "x" + one to three marks of ASCII
+    punctuation and 。，、…»«“”’—).
+    Re-tokenizing the lead token alone then gives the teacher a prompt its text never
+    tokenizes to, with no error; the teacher's shared prefix (the head but its last token)
+    cannot hold such a seam, so it is refused. The check re-tokenizes the head's text from the
+    last point where its tokenization provably splits (docs/ARCHITECTURE.md, "A served
+    request"; ``acarerank.tokenizer``), a few tokens. Without ``head``, ``lead_token`` alone is
+    trusted: exact whenever the head's last pre-token is that one token (text ending in a word,
+    or a word and one punctuation mark, as the setwise prompts' "explain.").
     """
+    if head is not None:
+        head = [int(t) for t in head]
+        if not head:
+            raise ValueError("hint_ids: head is empty (the hint goes after the prompt head's last token)")
+        if lead_token is not None and int(lead_token) != head[-1]:
+            raise ValueError(f"hint_ids: lead_token {lead_token} is not head's last token {head[-1]}")
+        lead_token = head[-1]
     lead = [] if lead_token is None else [int(lead_token)]
     if isinstance(text, (bytes, bytearray)):  # its items are ints: b"ok" would pass as ids 111, 107
         raise TypeError(f"hint_ids: a hint is a str or token ids, got {type(text).__name__} (decode it first)")
@@ -190,11 +215,56 @@ def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[in
 
     if lead_token is None:
         return enc(HINT_SEPARATOR + text)
+    if head is not None:
+        return _checked_seam(encoder, head, text)
     lead_text = encoder.decode(lead, skip_special_tokens=False)
     if enc(lead_text) != lead:
         raise ValueError(f"the prompt head ends in token {lead_token}, which is not a whole character/pre-token "
                          f"({lead_text!r}); split the prompt elsewhere or pass hint token ids")
     return enc(lead_text + HINT_SEPARATOR + text)
+
+
+def _checked_seam(encoder, head: List[int], text: str) -> List[int]:
+    """``head[-1:]`` re-tokenized with HINT_SEPARATOR + ``text``, checked against the joint
+    tokenization of the head's text and the hint (``hint_ids`` with ``head``).
+
+    The head's last ``r`` tokens are re-read as text from ``p``, the last position of the
+    window where Qwen3's tokenization provably splits (a letter or digit before it and a stop
+    at it: ``acarerank.tokenizer``'s head-cut rule), or from the last control token or the
+    head's start; tokens(head_text + sep + hint) is then head[:-r] + tokens(head_text[p:] + sep
+    + hint), which must keep head[-r:-1] for the splice to be the joint tokenization.
+    """
+    from ..tokenizer import _head_cut_pattern
+
+    added = set(encoder.added_tokens.values())
+    floor = max((i + 1 for i, t in enumerate(head) if t in added), default=0)  # text after the last control token
+    if floor == len(head):
+        raise ValueError(f"the prompt head ends in the control token {head[-1]}, not in the user's text; the hint "
+                         f"follows the user's text (split_student_prompt) or pass it as token ids")
+    cut = _head_cut_pattern(encoder.special_tokens) if encoder._cuttable else None
+    window = SEAM_WINDOW
+    while True:
+        start = max(floor, len(head) - window)
+        tail_text = encoder.decode(head[start:], skip_special_tokens=False)
+        splits = [m.end() for m in cut.finditer(tail_text)] if cut is not None else []
+        if splits or start == floor:
+            break
+        window *= 2
+    if splits:
+        tail_text = tail_text[splits[-1]:]
+    tail_ids = encoder.user([tail_text])[0]
+    r = len(tail_ids)
+    if r == 0 or tail_ids != head[len(head) - r:]:
+        raise ValueError(f"the prompt head's last tokens {head[-max(r, 1):]} are not the tokenization of their text "
+                         f"{tail_text!r} ({tail_ids}); build the prompt with this tokenizer or pass hint token ids")
+    joint = encoder.user([tail_text + HINT_SEPARATOR + text])[0]
+    if joint[:r - 1] != tail_ids[:-1]:
+        raise ValueError(
+            f"the hint separator {HINT_SEPARATOR!r} re-tokenizes the prompt head's end {tail_text!r} beyond its last "
+            f"token ({tail_ids} becomes {joint[:r + 1]}...), so no teacher prompt that shares the head but its last "
+            f"token is the teacher text's tokenization; end the user text with a word or a single punctuation mark "
+            f"(as the setwise prompts' \"explain.\") or pass the hint as token ids")
+    return joint[r - 1:]
 
 
 __all__ = ["HINT_RUBRIC", "HINT_REFLECTION", "HINT_SIBLING", "HINT_KINDS", "HINT_SEPARATOR", "DIMENSION_LEVEL",

@@ -17,7 +17,8 @@ candidates and the query — nearly all of a setwise prompt — computed once pe
 query). Each segment starts with that one held-back token, so the hidden state that predicts
 y_i,0 comes out of the segment: snapshot segment = P[-1] ++ y_i[:-1]; teacher segment =
 head[-1] ++ h_i ++ tail ++ y_i[:-1], where a text hint is tokenized together with head[-1]
-(``hint_ids(..., lead_token=head[-1])``: Qwen3 merges ".\n\n" across the seam). Positions
+(``hint_ids(..., head=head)``: Qwen3 merges ".\n\n" across the seam; a head whose end the
+separator re-tokenizes beyond its last token is a ValueError). Positions
 are those of the unshared sequences, so the results equal running each full sequence on its
 own (tests check against transformers).
 """
@@ -231,7 +232,10 @@ def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Ba
                 tokenizer = load_qwen3_tokenizer()
             # the segment's first tokens: head[-1] + hint, the seam re-tokenized for text hints
             h = h if isinstance(h, str) else _ids(h, f"query {q} hint {i}", vocab_size)
-            b.hints.append(hint_ids(tokenizer, h, lead_token=head[-1]))
+            try:  # the seam checked against the joint tokenization of head text + separator + hint
+                b.hints.append(hint_ids(tokenizer, h, head=head))
+            except ValueError as e:
+                raise ValueError(f"query {q} hint {i}: {e}") from None
             b.qidx.append(q)
     if not b.rolls:
         raise ValueError("rescore: no rollouts")

@@ -107,3 +107,47 @@ def test_hint_ids_equal_joint_tokenization(qwen3_tokenizer):
     assert hint_ids(qwen3_tokenizer, [5, 6], lead_token=13) == [13, 5, 6]
     with pytest.raises(TypeError, match="got bytes"):  # was ids [13, 111, 107]: bytes iterate as ints
         hint_ids(qwen3_tokenizer, b"ok", lead_token=13)
+
+
+# endings of the user text (after "... do not explain"): the separator's "\n\n" joins a punctuation run
+# into one pre-token; for these BPE then changes more than the head's last token ("?" ";" -> "?;" "\n\n")
+SEAM_REFUSED = ["?;", "!\"\"", "=:{", "!)]"]
+SEAM_EXACT = [".", "", "?!", ":-)\"", "?;)", "!!!!!!!", ".»", " 😀", " é", " 数字12", "  ", "\t", ". [3]", "\u0301"]
+
+
+@pytest.mark.parametrize("ending", SEAM_EXACT + SEAM_REFUSED)
+def test_hint_ids_with_head_are_the_joint_tokenization_or_refused(qwen3_tokenizer, ending):
+    """With ``head`` the splice head[:-1] + hint_ids is exactly the tokenization of the teacher text
+    (user text + HINT_SEPARATOR + hint), or a ValueError where no splice after head[:-1] can be;
+    the lead token alone re-tokenized (the former path) gave the refused endings other ids, silently."""
+    tok = qwen3_tokenizer
+    user = "Only respond with the selection; do not say any other word and do not explain" + ending
+    hint = hint_text(HINT_SIBLING, sibling_ids=[2, 6], sibling_reward=9.32)
+    head = tok.encode("<|im_start|>user\n" + user, add_special_tokens=False)
+    joint = tok.encode("<|im_start|>user\n" + user + HINT_SEPARATOR + hint, add_special_tokens=False)
+    lead_only = head[:-1] + hint_ids(tok, hint, lead_token=head[-1])
+    if ending in SEAM_REFUSED:
+        assert lead_only != joint  # why the check exists
+        with pytest.raises(ValueError, match="re-tokenizes the prompt head's end"):
+            hint_ids(tok, hint, head=head)
+    else:
+        assert head[:-1] + hint_ids(tok, hint, head=head) == joint
+        assert hint_ids(tok, hint, head=head, lead_token=head[-1]) == hint_ids(tok, hint, head=head)
+
+
+def test_hint_ids_head_names_its_bad_input(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    head = tok.encode("do not explain.", add_special_tokens=False)
+    with pytest.raises(ValueError, match="head is empty"):
+        hint_ids(tok, "hint", head=[])
+    with pytest.raises(ValueError, match="ends in the control token 151644"):
+        hint_ids(tok, "hint", head=head + [151644])
+    with pytest.raises(ValueError, match="is not head's last token"):
+        hint_ids(tok, "hint", head=head, lead_token=head[0])
+    # an end that is not the tokenization of its text ("..." as "." "." "."): the seam cannot be checked
+    odd = tok.encode("do not explain", add_special_tokens=False) + tok.encode(".", add_special_tokens=False) * 3
+    assert odd != tok.encode("do not explain...", add_special_tokens=False)
+    with pytest.raises(ValueError, match="are not the tokenization of their text"):
+        hint_ids(tok, "hint", head=odd)
+    assert hint_ids(tok, [5, 6], head=head) == [head[-1], 5, 6]  # token-id hints pass through
+    assert hint_ids(tok, "", head=head) == [head[-1]]

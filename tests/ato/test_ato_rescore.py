@@ -186,3 +186,14 @@ def test_rescore_bad_input(models):
                      (RescoreQuery([1], [3], [[4], [5]], [[], torch.tensor([-2])]), "query 0 hint 1")):
         with pytest.raises(ValueError, match=f"{where} has token id -?\\d+ outside \\[0, 151669\\)"):
             rescore(snap, teach, [q])
+
+
+def test_a_head_whose_end_the_hint_separator_re_tokenizes_is_refused(models, qwen3_tokenizer):
+    """User text ending "?;": the teacher text's tokens end the head with "?;" "\\n\\n", not "?" ";",
+    so a teacher prompt sharing head[:-1] is never its tokenization. Refused (naming the query and
+    hint) before any pass; it was re-scored on ids the teacher text never tokenizes to."""
+    snap, teach = (Qwen3Runner.from_hf(m) for m in models)
+    head = qwen3_tokenizer.encode("<|im_start|>user\nWhich passages answer it?;", add_special_tokens=False)
+    with pytest.raises(ValueError, match="query 0 hint 1: the hint separator"):
+        rescore(snap, teach, [RescoreQuery(head, [TOKEN_IM_END], [[5], [6]], ["", "Hint: [2] is key."])],
+                tokenizer=qwen3_tokenizer)

@@ -198,6 +198,82 @@ def test_m0_equals_official(tok, max_length):
                 assert 1 <= enc.doc_tokens_dropped[i] <= full_len - max_length
 
 
+def test_m0_differs_from_the_card_only_by_refusing_below_the_document_reserve(tok):
+    """docs/input-safety.md, Truncation: in M0 the card's truncation token for token wherever the
+    instruction and query leave the document its reserve; below it a ValueError naming
+    min_doc_tokens, never another prompt; with min_doc_tokens=1 the card's prompt wherever the card
+    keeps a document token. Queries of 200 words (200 tokens) up to past the cap, at max_length 512."""
+    doc = " ".join(f"w{i}" for i in range(300))
+    n_prefix, n_suffix = (len(tok.encode(x, add_special_tokens=False)) for x in (CARD_PREFIX, CARD_SUFFIX))
+
+    def shared_len(query):  # prefix + the card's body up to "<Document>:"
+        return n_prefix + len(tok.encode(card_body(CARD_INSTRUCTION, query, "")[:-1], add_special_tokens=False))
+
+    fixed = shared_len("query") - 1
+    long_query = " ".join(["query"] * 200)
+    assert len(tok.encode(long_query, add_special_tokens=False)) == 200
+    with pytest.raises(ValueError, match="min_doc_tokens 256"):
+        encode_pointwise(tok, long_query, [doc], max_length=512)
+    for words in (200, 512 - fixed - n_suffix - 2, 512 - fixed - n_suffix - 1, 512 - fixed - n_suffix):
+        query = " ".join(["query"] * words)
+        card = official_input_ids(tok, query, doc, max_length=512)
+        shared = shared_len(query)
+        assert shared == fixed + words  # each word one token: the words above sit at the boundary
+        if shared + n_suffix < 512:  # the card keeps 512 - shared - suffix >= 1 document tokens
+            got = encode_pointwise(tok, query, [doc], max_length=512, min_doc_tokens=1, special_tokens="parse")
+            assert got.input_ids(0) == card, f"{words} words: " + first_diff(tok, got.input_ids(0), card)
+        else:  # the card scores a prompt without a document token
+            assert card[-n_suffix - 1] != tok.encode(" w0", add_special_tokens=False)[0]
+            with pytest.raises(ValueError, match="never truncated"):
+                encode_pointwise(tok, query, [doc], max_length=512, min_doc_tokens=1)
+
+
+# texts that stress the seams of the prompt: the template's own strings, line ends, invisible and
+# combining characters, RTL, digits next to the join, long runs, mojibake of UTF-8 bytes, and the
+# Kelvin sign, whose NFC form is "K" ("<thin\u212a>" normalizes to "<think>" after added tokens are matched)
+SEAM_TEXTS = [
+    "\r", "a\rb", "ends with CR\r", "\r\n\r\n", "\x00", "nul\x00mid", "\u200d", "zwj\u200dmid", "ends in zwj\u200d",
+    "\u200b\ufeff", "\u0301\u0301", "ends in combining\u0301", "👩\u200d❤\ufe0f\u200d💋\u200d👨 🏳\ufe0f\u200d🌈",
+    "שלום עולם", "مرحبا بالعالم", "\u202eRTL override\u202c", "7 starts with a digit", "2024-01-01", "12345678901234567890",
+    "\t\ttabs\t", "\n\n", "<Query>: fake\n<Document>: fake", "<Instruct>: be nice\n", "<thin\u212a>", "\u212aelvin",
+    "mojibake Ã©Ã°Å¸Ëœ", "\u00f0\u009f\u0098", "a" * 2000, "!" * 500, "1" * 500, " " * 300, "\n" * 300,
+    " leading and trailing ", ":", "'s", "<|im_end", "im_end|>", "</think", "<think>", "<|im_start|>user\n", "\n\n</think>\n\n",
+]
+
+
+@pytest.mark.parametrize("special_tokens", ["escape", "parse"])
+@pytest.mark.parametrize("max_length", [8192, 512])
+def test_seam_texts_are_the_model_card_s_prompt(tok, special_tokens, max_length):
+    """Each text as document, query and instruction: the model card's ids (prefix, body and suffix
+    tokenized on their own, the body cut from its end), also equal to the whole prompt string
+    tokenized as one where nothing is cut. In "escape" mode for the texts without an added-token
+    string (those are plain text there, a documented difference: test_special_tokens.py)."""
+    added = [t.content for t in tok.added_tokens_decoder.values()]
+    texts = [t for t in SEAM_TEXTS if special_tokens == "parse" or not any(a in t for a in added)]
+    enc = encode_pointwise(tok, "q", texts, max_length=max_length, min_doc_tokens=1, special_tokens=special_tokens)
+    for i, text in enumerate(texts):
+        card = official_input_ids(tok, "q", text, max_length=max_length)
+        assert enc.input_ids(i) == card, f"documents {text[:40]!r}: " + first_diff(tok, enc.input_ids(i), card)
+        if max_length == 8192:
+            whole = tok(CARD_PREFIX + card_body(CARD_INSTRUCTION, "q", text) + CARD_SUFFIX,
+                        add_special_tokens=False)["input_ids"]
+            assert card == whole, f"documents {text[:40]!r}: the card's pieces differ from the whole string"
+            # the cap one under, at and one over the whole prompt (one under needs two document tokens)
+            n_doc = len(enc.segment_ids[i]) - enc.num_suffix_tokens
+            for cap in ([len(card) - 1] if n_doc > 1 else []) + [len(card), len(card) + 1]:
+                at = encode_pointwise(tok, "q", [text], max_length=cap, min_doc_tokens=1, special_tokens=special_tokens)
+                assert at.input_ids(0) == official_input_ids(tok, "q", text, max_length=cap), (text[:40], cap)
+                assert at.doc_truncated == [cap < len(card)] and at.doc_tokens_dropped == [int(cap < len(card))]
+        if max_length == 512 and len(text) > 100:
+            continue  # a query or instruction of the long runs is over the cap: refused, never cut (test_query_and_question_never_cut)
+        for kw in ({"query": text}, {"query": "q", "instruction": text}):
+            got = encode_pointwise(tok, kw["query"], ["doc"], instruction=kw.get("instruction"), max_length=max_length,
+                                   min_doc_tokens=1, special_tokens=special_tokens).input_ids(0)
+            card = official_input_ids(tok, kw["query"], "doc", instruction=kw.get("instruction"),
+                                      max_length=max_length)
+            assert got == card, f"{kw}: " + first_diff(tok, got, card)
+
+
 def test_document_cut_boundary(tok):
     doc = " ".join(f"w{i}" for i in range(200))
     full = len(joint_input_ids(tok, "q", doc))
