@@ -36,8 +36,8 @@ Structure: a backend *core* that never holds [T, V] and returns
 and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``; in the leaf
 ``acarerank.topk_contract`` with the result type, ``DEFAULT_CHUNK`` and the per-backend k
 limits ``MAX_K``). Cores, declared in ``OP``: "torch" (below: per-chunk GEMM, chunk top-k,
-exact merge; any k <= V), "native" (the torch core with csrc/cpu's chunk candidates,
-``acarerank::topk_candidates``, and, on bf16 where the CPU has AVX512_BF16, its chunk GEMM
+exact merge; any k <= V), "native" (the torch core with csrc/cpu's chunk candidates and
+log-sum-exp terms, ``acarerank::topk_candidates``, and, on bf16 where the CPU has AVX512_BF16, its chunk GEMM
 ``acarerank::mm_bf16_f32``; any k),
 "triton" (acarerank/kernels/topk_logprobs.py; k <= 512), "cpp"/"cuda"
 (below: a GEMM per chunk merged into topk_merge.py's streaming state, csrc/topk_merge.*;
@@ -265,9 +265,10 @@ def _topk_candidates_fake(x, theta, m_old, id0, vals, ids, counts, m_new, csum):
 
 
 def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
-    """``topk_logprobs_core_torch`` with two kernels of acarerank._cpu: each chunk's candidates
-    from ``acarerank::topk_candidates`` (the same entries as the torch core's, so fp32 results
-    are bitwise its own), and, on bf16 inputs where the CPU has AVX512_BF16, the chunk GEMM
+    """``topk_logprobs_core_torch`` with two kernels of acarerank._cpu: each chunk's candidates and
+    log-sum-exp terms from ``acarerank::topk_candidates`` (the same entries as the torch core's,
+    so fp32 top-k ids are bitwise its own; log-probs agree to fp32 rounding of the log-sum-exp),
+    and, on bf16 inputs where the CPU has AVX512_BF16, the chunk GEMM
     ``acarerank::mm_bf16_f32``: fp32 logits straight from the bf16 rows, at the bf16 GEMM's rate
     (the torch core upcasts each chunk and runs an fp32 GEMM, ~4.5× the time on such a CPU:
     docs/benchmarks.md, "Ops and kernels"). Its products are exact in fp32; the sums differ in
