@@ -24,6 +24,10 @@ from .._validate import check_seconds  # stdlib only, as this module
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024   # 1,000 documents of ~32 kB each
 DEFAULT_MAX_QUEUE = 512                      # TEI's default max_concurrent_requests
 DEFAULT_MAX_DOCUMENTS = 1000                 # Cohere's recommended ceiling per request
+#: the most --select-max-new-tokens a server takes: setwise.grammar.max_new_tokens_cap(n) for every
+#: pool of up to 1,000 documents (the longest selection of 1,000: 1,000 × (2 + 4 digits) + 1), the
+#: cap each /v1/select of such a pool is checked against; a test keeps the two equal
+MAX_SELECT_NEW_TOKENS = DEFAULT_MAX_DOCUMENTS * (2 + len(str(DEFAULT_MAX_DOCUMENTS))) + 1
 MAX_HEAD_BYTES = 16 * 1024                   # request line + headers: h11's default (nginx: 4 x 8 kB buffers)
 #: the names a backend preference takes (acarerank.ops._backend.KNOWN_BACKENDS, spelled out here so
 #: that --help imports no torch; a test keeps the two equal)
@@ -118,6 +122,10 @@ class ServeConfig:
                 setattr(self, f.name, check_seconds(_flag(f.name), v))
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.select_max_new_tokens > MAX_SELECT_NEW_TOKENS:  # it started, then refused every /v1/select (400)
+            raise ValueError(f"--select-max-new-tokens must be at most {MAX_SELECT_NEW_TOKENS:,} (the longest selection "
+                             f"of {DEFAULT_MAX_DOCUMENTS:,} documents; past it every /v1/select of up to "
+                             f"{DEFAULT_MAX_DOCUMENTS:,} documents is refused), got {self.select_max_new_tokens:,}")
 
     # -- the command line ----------------------------------------------------------------------
     @classmethod

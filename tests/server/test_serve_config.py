@@ -41,6 +41,19 @@ def test_bad_values_name_their_flag(field, value, flag):
         ServeConfig(**{field: value})
 
 
+def test_select_max_new_tokens_is_capped_at_startup_as_every_select_is():
+    """A server with --select-max-new-tokens past the setwise cap started, then answered every
+    /v1/select of up to 1,000 documents with a 400 naming that cap: it is a flag error now, the
+    same number as the reranker's per-call cap."""
+    from acarerank.server.config import MAX_SELECT_NEW_TOKENS
+    from acarerank.setwise.grammar import max_new_tokens_cap
+
+    assert MAX_SELECT_NEW_TOKENS == max_new_tokens_cap(1) == max_new_tokens_cap(1000) == 6001
+    assert ServeConfig(select_max_new_tokens=6001).select_max_new_tokens == 6001
+    with pytest.raises(ValueError, match=r"^--select-max-new-tokens must be at most 6,001 .*got 6,002$"):
+        ServeConfig(select_max_new_tokens=6002)
+
+
 NAN, INF = float("nan"), float("inf")
 
 
