@@ -210,6 +210,14 @@ def _check_finite(b: _Batch, who: str, logp: torch.Tensor) -> None:
                                    f"after loading, which refuses them); no advantage is computed from it", pairs)
 
 
+def _starts_with_control(tokenizer, tail: List[int]) -> bool:
+    """Whether ``tail`` starts with one of the tokenizer's control (added) tokens, which
+    tokenization never merges with the text before them."""
+    from ..tokenizer import TextEncoder
+
+    return bool(tail) and tail[0] in set(TextEncoder.of(tokenizer).added_tokens.values())
+
+
 def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Batch:
     """Step 1: check the queries and flatten them into one batch (text hints tokenized across
     the seam with head[-1]; the Qwen3 tokenizer is loaded only when a text hint needs it)."""
@@ -232,6 +240,13 @@ def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Ba
                 tokenizer = load_qwen3_tokenizer()
             # the segment's first tokens: head[-1] + hint, the seam re-tokenized for text hints
             h = h if isinstance(h, str) else _ids(h, f"query {q} hint {i}", vocab_size)
+            if isinstance(h, str) and h and not _starts_with_control(tokenizer, tail):
+                # the teacher text is head_text + sep + hint + tail_text: a tail starting with plain
+                # text would merge with the hint's end there, not in these ids (no error otherwise)
+                raise ValueError(f"query {q} hint {i}: a text hint needs prompt_tail to start with a control token "
+                                 f"(<|im_end|>, as split_student_prompt splits), got "
+                                 f"{tail[:1] or 'an empty tail'}; the hint's last characters and the tail's first "
+                                 f"would tokenize together in the teacher's text; pass the hint as token ids")
             try:  # the seam checked against the joint tokenization of head text + separator + hint
                 b.hints.append(hint_ids(tokenizer, h, head=head))
             except ValueError as e:

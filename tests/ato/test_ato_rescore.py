@@ -197,3 +197,21 @@ def test_a_head_whose_end_the_hint_separator_re_tokenizes_is_refused(models, qwe
     with pytest.raises(ValueError, match="query 0 hint 1: the hint separator"):
         rescore(snap, teach, [RescoreQuery(head, [TOKEN_IM_END], [[5], [6]], ["", "Hint: [2] is key."])],
                 tokenizer=qwen3_tokenizer)
+
+
+@pytest.mark.parametrize("tail", [[], "text"])
+def test_a_text_hint_before_a_tail_of_plain_text_is_refused(models, qwen3_tokenizer, tail):
+    """The teacher text is head_text + separator + hint + tail_text: a tail that starts with plain
+    text (or no tail, the rollout next) would tokenize together with the hint's end there, so the
+    spliced ids are no tokenization of the teacher's text. Refused, naming the query and hint;
+    token-id hints and tails starting with <|im_end|> (split_student_prompt's) go on as before."""
+    snap, teach = (Qwen3Runner.from_hf(m) for m in models)
+    head = qwen3_tokenizer.encode("<|im_start|>user\nWhich passages answer it?", add_special_tokens=False)
+    tail = qwen3_tokenizer.encode(" Think.", add_special_tokens=False) if tail == "text" else tail
+    with pytest.raises(ValueError, match="query 0 hint 1: a text hint needs prompt_tail to start with a control token"):
+        rescore(snap, teach, [RescoreQuery(head, tail, [[5], [6]], ["", "Hint: [2] is key."])],
+                tokenizer=qwen3_tokenizer)
+    out = rescore(snap, teach, [RescoreQuery(head, tail or [TOKEN_IM_END], [[5], [6]], [[7, 8], ""])],
+                  tokenizer=qwen3_tokenizer)
+    assert out.logp_teacher.shape == (2, 1)
+
