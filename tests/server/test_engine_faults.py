@@ -405,6 +405,16 @@ def one_by_one(eng, tags, seg_len=2):
     return out
 
 
+def run_with_canary(steps, tags, metrics):
+    """``one_by_one`` on an engine whose canary runs after 3 failures in a row; (engine, answers),
+    the engine stopped."""
+    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
+    try:
+        return eng, one_by_one(eng, tags)
+    finally:
+        eng.stop(5)
+
+
 def test_a_sticky_fault_kills_the_engine_after_n_failures_and_a_failed_canary(caplog):
     """Every pass raises (a device-side assert after which every kernel fails): the culprit search
     fails two requests, the third runs the canary, it fails, and the engine dies at once — that
@@ -485,11 +495,7 @@ def test_a_success_between_failures_starts_the_count_again():
     """fail, fail, pass, fail, fail with canary_after=3: never three in a row, so no canary runs."""
     steps = FaultySteps(lambda tags, tokens: RuntimeError("poisoned input") if tags & {1, 2, 4, 5} else None)
     metrics = ServerMetrics()
-    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
-    try:
-        out = one_by_one(eng, [1, 2, 3, 4, 5])
-    finally:
-        eng.stop(5)
+    eng, out = run_with_canary(steps, [1, 2, 3, 4, 5], metrics)
     assert [isinstance(out[t], EngineFault) for t in (1, 2, 3, 4, 5)] == [True, True, False, True, True], out
     assert canary_runs(metrics) == {"passed": 0, "failed": 0}
     assert eng.model_failures_in_a_row == 2 and [0] not in steps.passes, steps.passes
@@ -576,11 +582,7 @@ def test_iterations_that_fail_whatever_the_input_kill_the_engine_after_the_canar
     the canary run through an iteration of its own, so the engine dies instead of running wedged."""
     steps = BadRelease(True)
     metrics = ServerMetrics()
-    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
-    try:
-        out = one_by_one(eng, [1, 2, 3, 4])
-    finally:
-        eng.stop(5)
+    eng, out = run_with_canary(steps, [1, 2, 3, 4], metrics)
     assert [type(out[t]).__name__ for t in (1, 2, 3)] == ["EngineFault"] * 3, out
     assert isinstance(out[4], EngineDead), out[4]
     assert eng.dead and "3 scheduler iterations failed in a row" in eng.dead and "canary" in eng.dead, eng.dead
@@ -685,11 +687,7 @@ def test_a_canary_out_of_memory_twice_is_a_broken_engine(mode):
     engine dies (503 everywhere, a restart) and its reason says the canary ran out of memory twice."""
     steps = CanaryOom(2, mode)
     metrics = ServerMetrics()
-    eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
-    try:
-        out = one_by_one(eng, [100, 101, 102, 103])
-    finally:
-        eng.stop(5)
+    eng, out = run_with_canary(steps, [100, 101, 102, 103], metrics)
     assert isinstance(out[103], EngineDead), out
     assert eng.dead and "out of memory both times" in eng.dead and "MemoryError" in eng.dead, eng.dead
     assert [p for p in steps.passes if p == [0]] == [[0], [0]], steps.passes
