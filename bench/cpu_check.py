@@ -20,6 +20,9 @@ targets it feeds "not measured" and the others still run):
              measured in the same run
   e2e        `acarerank bench`, 0.6B shape, full depth: bf16 M0 and M3 at depth 20 (% of the bf16
              GEMM peak), then M3 at depth 50 in bf16 and fp32 (the bf16 / fp32 ratio)
+  topk       bench_topk_logprobs.py in bf16 (T 512, H 1,024, V 151,669, k 128): the native core
+             (its bf16 logits GEMM: brgemm's AMX tiles on AMX) beside the bare bf16 GEMM and the
+             torch core — the op's target, time <= 1.2x the bare GEMM
 Optional (--also peers; ~45 min on 2 cores, +10 the first time, which sets vLLM up):
   peers      vLLM's CPU build (bench/peers/vllm_cpu.sh) beside acarerank's server
              (bench_serve.py), 0.6B shape, depth 20: bf16 M0 and M3 at concurrency 1 and 4, then
@@ -91,6 +94,9 @@ TARGETS = [
     Target("end to end bf16 0.6B M3 d20: % of the bf16 GEMM peak", "e2e.M3.d20.bfloat16.pct_peak", 50, "%"),
     Target("end to end 0.6B M3 d50: bf16 / our fp32", "e2e.M3.d50.bf16_over_fp32", 3, "x",
            bound="e2e.gemm_peak.bf16_over_fp32"),
+    # the op's own target (time <= 1.2x the bare GEMM), as a ratio that must be >= 1 / 1.2
+    Target("top-k log-probs bf16 T512 V151,669: bare bf16 GEMM time / native", "topk.bfloat16.gemm_over_native",
+           0.83, "x"),
     Target("vLLM bf16 0.6B M0 d20 c1: acarerank / vLLM", "peers.bfloat16.m0.c1", 1.0, "x"),
     Target("vLLM bf16 0.6B M0 d20 c4: acarerank / vLLM", "peers.bfloat16.m0.c4", 1.0, "x"),
     Target("vLLM bf16 0.6B M3 d20 c1: acarerank / vLLM", "peers.bfloat16.m3.c1", 1.5, "x"),
@@ -252,6 +258,26 @@ def e2e_figures(rows: list, name: str) -> dict:
     return figs
 
 
+def step_topk(ctx: Context) -> dict:
+    path = os.path.join(ctx.out, "topk-bf16.csv")
+    cmd = [PY, "bench/bench_topk_logprobs.py", "--dtype", "bfloat16", "--providers", "gemm,torch,native", "--no-rss",
+           "--csv", path] + (["--quick"] if ctx.quick else [])
+    ctx.sh(cmd, ctx.limit)
+    return topk_figures(list(csv.DictReader(open(path))))
+
+
+def topk_figures(rows: list) -> dict:
+    """topk.bfloat16.{native_ms, gemm_over_native, vs_torch} from bench_topk_logprobs.py's rows."""
+    ms = {r["provider"]: float(r["median_ms"]) for r in rows if r.get("median_ms")}
+    figs = {}
+    if "native" in ms:
+        figs["topk.bfloat16.native_ms"] = ms["native"]
+        for other, key in (("gemm", "gemm_over_native"), ("torch", "vs_torch")):
+            if other in ms:
+                figs[f"topk.bfloat16.{key}"] = ms[other] / ms["native"]
+    return figs
+
+
 def step_peers(ctx: Context) -> dict:
     preset = "tiny-cpu" if ctx.quick else "qwen3-reranker-0.6b"
     script = "bench/peers/vllm_cpu.sh"
@@ -292,7 +318,7 @@ def peer_figures(rows: list, dtype: str) -> dict:
 
 # name, limit (s), function; the limits are for a 2-core machine at the full shapes
 STEPS = [Step("env", 60, step_env), Step("pytest", 900, step_pytest),
-         Step("attention", 1200, step_attention), Step("e2e", 1800, step_e2e)]
+         Step("attention", 1200, step_attention), Step("e2e", 1800, step_e2e), Step("topk", 600, step_topk)]
 OPTIONAL = [Step("peers", 5400, step_peers)]
 
 

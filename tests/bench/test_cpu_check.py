@@ -50,6 +50,17 @@ def test_every_target_reads_a_figure_some_step_writes():
         assert t.figure.split(".")[0] in steps, t
 
 
+def test_topk_figures_from_the_benchmarks_rows():
+    m = _load()
+    rows = [dict(provider=p, median_ms=ms) for p, ms in (("gemm", "200"), ("torch", "1000"), ("native", "250"))]
+    f = m.topk_figures(rows)
+    assert f == {"topk.bfloat16.native_ms": 250.0, "topk.bfloat16.gemm_over_native": 0.8,
+                 "topk.bfloat16.vs_torch": 4.0}
+    t = next(t for t in m.TARGETS if t.figure == "topk.bfloat16.gemm_over_native")
+    assert m.verdict(t, f, {"topk": "passed"}, False) == "0.80x: NOT met"   # 1.25x the GEMM
+    assert m.verdict(t, {t.figure: 200 / 240}, {"topk": "passed"}, False) == "0.83x: met"  # 1.2x
+
+
 def test_figures_from_the_benchmarks_rows():
     m = _load()
     rows = [dict(model="0.6b", dtype="bfloat16", provider=p, ms=ms, pct_gemm_peak=pct)
@@ -100,14 +111,16 @@ def test_plan_and_unknown_steps():
 
 
 @needs_native
-def test_quick_run_of_env_and_attention(tmp_path):
+def test_quick_run_of_env_attention_and_topk(tmp_path):
     p = subprocess.run([sys.executable, SCRIPT, "--quick", "--skip", "pytest,e2e", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     figures = json.loads((tmp_path / "figures.json").read_text())
-    assert figures["steps"] == {"env": "passed", "attention": "passed"}, figures
+    assert figures["steps"] == {"env": "passed", "attention": "passed", "topk": "passed"}, figures
     for key in ("pct_peak", "vs_torch", "vs_flex"):
         assert figures["figures"][f"attention.0.6b.bfloat16.{key}"] > 0, figures
+    for key in ("native_ms", "gemm_over_native", "vs_torch"):
+        assert figures["figures"][f"topk.bfloat16.{key}"] > 0, figures
     summary = (tmp_path / "summary.txt").read_text()
     assert f"flags: {figures['flags']}" in summary and "no verdict" in summary, summary
     assert (tmp_path / "attention.csv").is_file() and (tmp_path / "steps" / "01-attention.log").is_file()
