@@ -119,7 +119,8 @@ inline void silu_mul_row(const T* g, const T* u, T* y, int64_t I) {
 // `cap` entries above theta in id order, padded (−inf, kTopkPadId); their count; m_new = max(m_old, the
 // row's max); csum = Σ_j exp(x_j − shift), shift = m_new unless it is ±inf (then 0), NaN if the
 // row holds a NaN. exp_f32 is within 2 ulp; a difference below −87.3 counts 0 (its true exp is
-// below 1.2e-38 and a row's sum is at least 1 where its max lies, e^0).
+// below 1.2e-38 and a row's sum is at least 1 where its max lies, e^0); fp32 partial sums of at
+// most 16 terms, added in double.
 inline void topk_chunk_row(const float* x, int64_t n, float theta, float m_old, int64_t id0, float* vals,
                            int64_t* ids, int64_t cap, int64_t* count, float* m_new, float* csum) {
   const float inf = __builtin_inff();
@@ -160,10 +161,11 @@ inline void topk_chunk_row(const float* x, int64_t n, float theta, float m_old, 
   *count = c;
   for (int64_t s = c < cap ? c : cap; s < cap; ++s) vals[s] = -inf, ids[s] = kTopkPadId;
   const float shift = (m == inf || m == -inf) ? 0.f : m;
-  float acc[kAcc] = {};
+  double total = 0.0;  // each kChunk's fp32 lanes (16 terms each) summed into a double: no long fp32 run
   float e[kChunk];
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {  // three loops per chunk: each vectorises (silu_mul_row)
     const int64_t w = n - i0 < kChunk ? n - i0 : kChunk;
+    float acc[kAcc] = {};
     for (int64_t j = 0; j < w; ++j) {
       const float d = x[i0 + j] - shift;
       e[j] = d < -87.3f ? -87.3f : (d > 88.7f ? 88.7f : d);
@@ -174,10 +176,11 @@ inline void topk_chunk_row(const float* x, int64_t n, float theta, float m_old, 
     for (; j + kAcc <= w; j += kAcc)
       for (int l = 0; l < kAcc; ++l) acc[l] += e[j + l];
     for (int l = 0; j + l < w; ++l) acc[l] += e[j + l];
+    float part = 0.f;
+    for (int l = 0; l < kAcc; ++l) part += acc[l];
+    total += part;
   }
-  float sum = 0.f;
-  for (int l = 0; l < kAcc; ++l) sum += acc[l];
-  *csum = any_nan ? __builtin_nanf("") : sum;
+  *csum = any_nan ? __builtin_nanf("") : static_cast<float>(total);
 }
 
 template <typename T>
