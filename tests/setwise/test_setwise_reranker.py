@@ -74,6 +74,18 @@ def test_select_batch_equals_single_selects(reranker):
     assert batch[2].ids == [1]                      # a pool of one: the grammar forces "[1]"
 
 
+def _finish_by_steps(sr, st):
+    """The step API's whole run of a started selection: prefill 64 tokens at a time, decode to the
+    end, finish; released whatever happens."""
+    try:
+        while st.prefilling:
+            sr.prefill_select(st, 64)
+        while not st.done:
+            sr.decode_select(st)
+        return sr.finish_select(st)
+    finally:
+        sr.release_select(st)
+
 def test_selections_without_a_prefix_cache_never_grow_their_pool(model, qwen3_tokenizer, monkeypatch):
     """Without a prefix cache each selection's prompt is prefilled into a private pool with room
     for max_new_tokens more (select_batch, and the server's start/prefill/decode_select steps):
@@ -86,15 +98,7 @@ def test_selections_without_a_prefix_cache_never_grow_their_pool(model, qwen3_to
     sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
     queries, docs = ["capital of France?", "Olympics 2024 host?"], [DOCS, DOCS[:5]]
     batch = sr.select_batch(queries, docs, max_select=4)
-    st = sr.start_select(sr.encode_select(queries[0], docs[0], max_select=4))
-    try:
-        while st.prefilling:
-            sr.prefill_select(st, 64)
-        while not st.done:
-            sr.decode_select(st)
-        stepped = sr.finish_select(st)
-    finally:
-        sr.release_select(st)
+    stepped = _finish_by_steps(sr, sr.start_select(sr.encode_select(queries[0], docs[0], max_select=4)))
     assert grown == [], f"a private pool grew by {grown} blocks"
     cached = SetwiseReranker(runner=sr.runner, tokenizer=qwen3_tokenizer)
     assert batch == [cached.select(q, d, max_select=4) for q, d in zip(queries, docs)] and stepped == batch[0]
@@ -268,14 +272,7 @@ def test_private_pools_reserve_only_the_grammars_longest_output(model, qwen3_tok
     def run():
         batch = sr.select_batch(queries, docs, max_select=4)
         st = sr.start_select(sr.encode_select(queries[1], docs[1], max_select=4))
-        try:
-            while st.prefilling:
-                sr.prefill_select(st, 64)
-            while not st.done:
-                sr.decode_select(st)
-            return batch, sr.finish_select(st), st.prefill.reserve_tokens
-        finally:
-            sr.release_select(st)
+        return batch, _finish_by_steps(sr, st), st.prefill.reserve_tokens
 
     batch, stepped, step_reserve = run()
     assert reserved == [18] and step_reserve == 14 and grown == [], (reserved, step_reserve, grown)
