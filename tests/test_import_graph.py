@@ -164,6 +164,16 @@ def test_only_the_cli_imports_the_cli():
     assert not bad, "modules below the command line that import it:\n  " + "\n  ".join(bad)
 
 
+def test_only_the_cli_imports_the_server():
+    """The library (setwise, benchmark workloads, ops, model) never imports the server: a limit both
+    need lives below them (``acarerank.limits``)."""
+    def in_server(t):
+        return t == "acarerank.server" or t.startswith("acarerank.server.")
+    bad = sorted(f"{m} imports {t}" for m, ts in import_graph().items()
+                 if not (in_server(m) or m.startswith("acarerank.cli")) for t in ts if in_server(t))
+    assert not bad, "library modules that import the server:\n  " + "\n  ".join(bad)
+
+
 def test_kernels_import_only_leaves():
     """``acarerank/kernels/`` sits below the ops: it may import only leaf modules (ones that import none of
     ours), never ``acarerank.ops`` (whose ``__init__`` loads every op)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .._validate import positive_int
-from ..server.config import DEFAULT_MAX_DOCUMENTS  # stdlib-only module
+from ..limits import DEFAULT_MAX_DOCUMENTS
 
 MAX_DOCS = DEFAULT_MAX_DOCUMENTS  # documents per call (a depth; not a pool): what one server request may carry
 MAX_TEXT_TOKENS = 32_768          # tokens of one synthetic text: Qwen3-Reranker's context length

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .._validate import check_seconds  # stdlib only, as this module
+from ..limits import DEFAULT_MAX_DOCUMENTS  # stdlib only; the CLI and the service read it here
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024   # 1,000 documents of ~32 kB each
 DEFAULT_MAX_QUEUE = 512                      # TEI's default max_concurrent_requests
-DEFAULT_MAX_DOCUMENTS = 1000                 # Cohere's recommended ceiling per request
 #: the most --select-max-new-tokens a server takes: setwise.grammar.max_new_tokens_cap(n) for every
 #: pool of up to 1,000 documents (the longest selection of 1,000: 1,000 × (2 + 4 digits) + 1), the
 #: cap each /v1/select of such a pool is checked against; a test keeps the two equal

@@ -31,7 +31,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 
 from .._validate import positive_int
-from ..server.config import DEFAULT_MAX_DOCUMENTS  # stdlib-only module: one request's document cap
+from ..limits import DEFAULT_MAX_DOCUMENTS  # one request's document cap
 
 # Phases of the machine.
 _START, _NUMBER, _AFTER_CLOSE, _DONE = range(4)

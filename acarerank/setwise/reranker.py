@@ -35,7 +35,7 @@ from ..model.block_pool import PoolExhausted
 from ..model.numerics import NonFiniteOutputError
 from ..model.cached_prefill import CacheSlot, ChunkedPrefill, prefill_cached
 from ..reranker_base import RerankerBase
-from ..server.config import DEFAULT_MAX_DOCUMENTS  # stdlib-only module
+from ..limits import DEFAULT_MAX_DOCUMENTS
 from .selection import parse_selection
 from .decode import MAX_NEW_TOKENS, GreedyStepper, decode_reserve, greedy_decode
 from .grammar import IdentifierGrammar, max_new_tokens_cap, max_output_tokens
