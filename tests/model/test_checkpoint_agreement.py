@@ -263,6 +263,36 @@ def test_layer_types_qwen3_cannot_run_is_refused(saved, tmp_path):
         PointwiseReranker.from_pretrained(str(ckpt))
 
 
+def test_sliding_window_left_out_is_qwen3configs_default_window(saved, tmp_path):
+    """use_sliding_window true with no sliding_window key: transformers' Qwen3Config takes its
+    default window, 4,096, and slides layers from max_window_layers on; the loader once read the
+    absent key as no window and attended to every token, with no error."""
+    from transformers import Qwen3Config
+
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, drop=("sliding_window", "layer_types"), use_sliding_window=True, max_window_layers=0)
+    hf = Qwen3Config.from_pretrained(str(ckpt))
+    assert hf.sliding_window == 4096 and set(hf.layer_types) == {"sliding_attention"}
+    with pytest.raises(CheckpointError, match=r"config\.json: sliding-window attention .*sliding_window=4096"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_sliding_layer_without_a_window_is_refused(saved, tmp_path):
+    """layer_types naming a sliding_attention layer while use_sliding_window is false: transformers'
+    forward raises (no window to slide); the loader once ran the layer as full attention."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, use_sliding_window=False, sliding_window=8)
+    _layer_types(ckpt, lambda n: ["full_attention"] * (n - 1) + ["sliding_attention"])
+    hf = Qwen3ForCausalLM.from_pretrained(str(ckpt)).eval()
+    with pytest.raises(ValueError, match="sliding_window"):
+        hf(torch.tensor([[1, 2, 3]]), use_cache=False)
+    with pytest.raises(CheckpointError, match=r"config\.json: layer_types makes layers \[\d+\] sliding_attention but "
+                                              r"the config gives no window \(use_sliding_window False"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
 def test_legacy_layer_type_name_loads(saved, card_scores, tmp_path):
     """transformers reads the legacy "attention" as "full_attention"."""
     ckpt = shutil.copytree(saved, tmp_path / "c")
