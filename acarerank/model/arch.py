@@ -57,18 +57,23 @@ class Qwen3Arch:
         eps = get("rms_norm_eps", 1e-6)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
             raise ValueError(f"config field 'rms_norm_eps' must be a finite number >= 0, got {eps!r}")
-        # transformers >= 5 keeps RoPE in rope_parameters, which wins over a top-level rope_theta
-        # (4.x's key, still read) and takes rope_scaling's type; neither given: Qwen3Config's
-        # default, 10,000 (Qwen3-Reranker's config says 1,000,000)
-        params = get("rope_parameters")
-        for key, value in (("rope_parameters", params), ("rope_scaling", get("rope_scaling"))):
+        # transformers >= 5 keeps RoPE in rope_parameters, but a non-empty rope_scaling (4.x's name)
+        # replaces it whole; rope_theta is the chosen object's, else the top-level key (4.x's), else
+        # Qwen3Config's default, 10,000 (Qwen3-Reranker's config says 1,000,000). So a
+        # rope_scaling {"rope_type": "default"} beside rope_parameters' theta runs at 10,000 there.
+        params, scaling = get("rope_parameters"), get("rope_scaling")
+        for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
             if value is None:
                 continue
             if not isinstance(value, dict):
                 raise ValueError(f"config field {key!r} must be an object, got {value!r}")
+            per_type = sorted(k for k, v in value.items() if isinstance(v, dict))
+            if per_type:  # transformers' form for models whose layer types rotate differently
+                raise ValueError(f"{key} {value} gives RoPE per layer type ({per_type}), which is not supported: "
+                                 "Qwen3 has one RoPE for every layer (transformers' Qwen3 cannot run it either)")
             if value.get("rope_type", value.get("type", "default")) != "default":
                 raise ValueError(f"{key} {value} is not supported (Qwen3-Reranker uses the default RoPE)")
-        rope_theta = (params or {}).get("rope_theta", get("rope_theta"))
+        rope_theta = (scaling or params or {}).get("rope_theta", get("rope_theta"))
         rope_theta = 10000.0 if rope_theta is None else rope_theta
         if (isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float))
                 or not 0 < rope_theta < float("inf")):
