@@ -12,6 +12,9 @@ QWEN3_SHAPE_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 32}
 #: layer_types entries Qwen3's decoder runs (its forward picks each layer's mask by this name and has
 #: only these two); "attention": transformers' legacy name, read as "full_attention"
 QWEN3_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
+#: Qwen3Config's sliding_window when use_sliding_window is true and config.json has no sliding_window
+#: key (transformers 4.51+ and 5.x alike; an explicit null is no window)
+QWEN3_SLIDING_WINDOW = 4096
 
 
 @dataclass(frozen=True)
@@ -54,18 +57,23 @@ class Qwen3Arch:
         eps = get("rms_norm_eps", 1e-6)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
             raise ValueError(f"config field 'rms_norm_eps' must be a finite number >= 0, got {eps!r}")
-        # transformers >= 5 keeps RoPE in rope_parameters, which wins over a top-level rope_theta
-        # (4.x's key, still read) and takes rope_scaling's type; neither given: Qwen3Config's
-        # default, 10,000 (Qwen3-Reranker's config says 1,000,000)
-        params = get("rope_parameters")
-        for key, value in (("rope_parameters", params), ("rope_scaling", get("rope_scaling"))):
+        # transformers >= 5 keeps RoPE in rope_parameters, but a non-empty rope_scaling (4.x's name)
+        # replaces it whole; rope_theta is the chosen object's, else the top-level key (4.x's), else
+        # Qwen3Config's default, 10,000 (Qwen3-Reranker's config says 1,000,000). So a
+        # rope_scaling {"rope_type": "default"} beside rope_parameters' theta runs at 10,000 there.
+        params, scaling = get("rope_parameters"), get("rope_scaling")
+        for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
             if value is None:
                 continue
             if not isinstance(value, dict):
                 raise ValueError(f"config field {key!r} must be an object, got {value!r}")
+            per_type = sorted(k for k, v in value.items() if isinstance(v, dict))
+            if per_type:  # transformers' form for models whose layer types rotate differently
+                raise ValueError(f"{key} {value} gives RoPE per layer type ({per_type}), which is not supported: "
+                                 "Qwen3 has one RoPE for every layer (transformers' Qwen3 cannot run it either)")
             if value.get("rope_type", value.get("type", "default")) != "default":
                 raise ValueError(f"{key} {value} is not supported (Qwen3-Reranker uses the default RoPE)")
-        rope_theta = (params or {}).get("rope_theta", get("rope_theta"))
+        rope_theta = (scaling or params or {}).get("rope_theta", get("rope_theta"))
         rope_theta = 10000.0 if rope_theta is None else rope_theta
         if (isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float))
                 or not 0 < rope_theta < float("inf")):
@@ -143,22 +151,29 @@ def _check_layer_types(types, num_layers: int) -> None:
 def _check_no_sliding_window(get, num_layers: int) -> None:
     """ValueError when the config makes transformers run sliding-window attention in some layer.
 
-    transformers' Qwen3 rule: the window is ``sliding_window`` when ``use_sliding_window`` is true
-    (else none), and a layer uses it when ``layer_types`` says "sliding_attention" (default: the
-    layers from ``max_window_layers``, 28, on). The runner attends to every earlier token, so such
-    a checkpoint would score differently from transformers' forward on inputs past the window.
-    Qwen3 and Qwen3-Reranker set ``use_sliding_window: false``.
+    transformers' Qwen3 rule: the window is ``sliding_window`` (4,096 when the key is absent) when
+    ``use_sliding_window`` is true (else none), and a layer uses it when ``layer_types`` says
+    "sliding_attention" (default: the layers from ``max_window_layers``, 28, on, if there is a
+    window). The runner attends to every earlier token, so such a checkpoint would score
+    differently from transformers' forward on inputs past the window; a "sliding_attention" layer
+    with no window is refused too (transformers' forward raises on it). Qwen3 and Qwen3-Reranker
+    set ``use_sliding_window: false``.
     """
-    window = get("sliding_window") if get("use_sliding_window", False) else None
-    if window is None:
-        return
+    # an absent sliding_window is Qwen3Config's default window (4,096), an explicit null none
+    window = get("sliding_window", QWEN3_SLIDING_WINDOW) if get("use_sliding_window", False) else None
     types = get("layer_types")
     if types is None:
         first = get("max_window_layers", 28)
-        sliding = [i for i in range(num_layers) if i >= first]
+        sliding = [i for i in range(num_layers) if i >= first] if window is not None else []
     else:
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    if sliding:
-        raise ValueError(f"sliding-window attention (use_sliding_window with sliding_window={window}, in layers "
-                         f"{sliding[:8]}{'...' if len(sliding) > 8 else ''}) is not supported: the runner attends to "
-                         f"every earlier token, as Qwen3-Reranker (use_sliding_window: false) does")
+    if not sliding:
+        return
+    named = f"{sliding[:8]}{'...' if len(sliding) > 8 else ''}"
+    if window is None:
+        raise ValueError(f"layer_types makes layers {named} sliding_attention but the config gives no window "
+                         f"(use_sliding_window {get('use_sliding_window', False)!r}, sliding_window "
+                         f"{get('sliding_window')!r}): transformers' Qwen3 cannot run it either")
+    raise ValueError(f"sliding-window attention (use_sliding_window with sliding_window={window}, in layers "
+                     f"{named}) is not supported: the runner attends to every earlier token, as Qwen3-Reranker "
+                     f"(use_sliding_window: false) does")

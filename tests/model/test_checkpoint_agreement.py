@@ -263,6 +263,36 @@ def test_layer_types_qwen3_cannot_run_is_refused(saved, tmp_path):
         PointwiseReranker.from_pretrained(str(ckpt))
 
 
+def test_sliding_window_left_out_is_qwen3configs_default_window(saved, tmp_path):
+    """use_sliding_window true with no sliding_window key: transformers' Qwen3Config takes its
+    default window, 4,096, and slides layers from max_window_layers on; the loader once read the
+    absent key as no window and attended to every token, with no error."""
+    from transformers import Qwen3Config
+
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, drop=("sliding_window", "layer_types"), use_sliding_window=True, max_window_layers=0)
+    hf = Qwen3Config.from_pretrained(str(ckpt))
+    assert hf.sliding_window == 4096 and set(hf.layer_types) == {"sliding_attention"}
+    with pytest.raises(CheckpointError, match=r"config\.json: sliding-window attention .*sliding_window=4096"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_sliding_layer_without_a_window_is_refused(saved, tmp_path):
+    """layer_types naming a sliding_attention layer while use_sliding_window is false: transformers'
+    forward raises (no window to slide); the loader once ran the layer as full attention."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, use_sliding_window=False, sliding_window=8)
+    _layer_types(ckpt, lambda n: ["full_attention"] * (n - 1) + ["sliding_attention"])
+    hf = Qwen3ForCausalLM.from_pretrained(str(ckpt)).eval()
+    with pytest.raises(ValueError, match="sliding_window"):
+        hf(torch.tensor([[1, 2, 3]]), use_cache=False)
+    with pytest.raises(CheckpointError, match=r"config\.json: layer_types makes layers \[\d+\] sliding_attention but "
+                                              r"the config gives no window \(use_sliding_window False"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
 def test_legacy_layer_type_name_loads(saved, card_scores, tmp_path):
     """transformers reads the legacy "attention" as "full_attention"."""
     ckpt = shutil.copytree(saved, tmp_path / "c")
@@ -341,6 +371,27 @@ def test_real_layouts_load_without_a_word(causal, card_scores, saved, tmp_path):
         sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     _edit_tensors(ckpt, old_export)
     assert close(_quiet_load(ckpt).score("q", DOCS), card_scores)
+
+
+def test_fields_that_change_the_math_at_other_values_score_as_transformers(tok, tmp_path):
+    """Every Qwen3Config field the forward reads, off its usual value at once — rms_norm_eps 0.05,
+    head_dim 24 (not hidden / heads = 16), rope_theta 5,000 in rope_parameters, a vocabulary padded
+    past the tokenizer's (151,936), max_position_embeddings 8 (the inputs are longer: default RoPE
+    does not read it), pad_token_id and attention_dropout (inference reads neither), weights
+    stored in bfloat16 over three shards — loads without a warning and scores as transformers'
+    forward on the same files. Guard: no change behind it."""
+    from transformers import Qwen3ForCausalLM
+
+    m = random_qwen3(seed=5, spread_yes_no=40, perturb_norms=True, layers=2, hidden=64, intermediate=96, heads=4,
+                     kv_heads=2, head_dim=24, vocab=151936, rms_norm_eps=0.05, max_position_embeddings=8,
+                     pad_token_id=0, attention_dropout=0.3)
+    m.config.rope_parameters["rope_theta"] = 5000.0
+    m.to(torch.bfloat16).save_pretrained(tmp_path / "c", max_shard_size="2MB")
+    assert len(list((tmp_path / "c").glob("model-*.safetensors"))) == 3
+    hf = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "c"), dtype=torch.float32, attn_implementation="eager").eval()
+    docs = ["retrieval " * 40 + "tail"] + DOCS
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in docs], batch_size=1)
+    assert close(_quiet_load(tmp_path / "c").score("q", docs), want)
 
 
 def test_head_dim_past_the_native_kernels_limit_scores_as_transformers(tok):

@@ -198,12 +198,18 @@ def test_attention_bias_checkpoint_scores_as_transformers(tmp_path):
     assert close(load(tmp_path / "bias").score("q", DOCS), want)
 
 
-@pytest.mark.parametrize("rope", [{}, {"rope_theta": 5000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 70.0}}],
-                         ids=["absent", "both"])
+@pytest.mark.parametrize("rope", [
+    {},
+    {"rope_theta": 5000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 70.0}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_scaling": {"rope_type": "default",
+                                                                                      "rope_theta": 70.0}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 70.0}, "rope_scaling": {"type": "default"}},
+], ids=["absent", "both", "scaling-theta", "scaling-without-theta"])
 def test_rope_theta_is_read_as_transformers_reads_it(saved, rope, tmp_path):
     """config.json without any RoPE field runs at Qwen3Config's default theta (10,000; the loader
-    once took 1,000,000), and rope_parameters wins over a top-level rope_theta (transformers 5) —
-    both once gave scores unlike transformers' forward with no error."""
+    once took 1,000,000), rope_parameters wins over a top-level rope_theta, and a non-empty
+    rope_scaling replaces rope_parameters whole, its theta or else the default with it
+    (transformers 5) — each once gave scores unlike transformers' forward with no error."""
     from transformers import Qwen3ForCausalLM
 
     ckpt = _copy(saved, tmp_path / "rope")
@@ -220,6 +226,15 @@ def test_rope_theta_is_read_as_transformers_reads_it(saved, rope, tmp_path):
 @pytest.mark.parametrize("rope, match", [
     ({"rope_theta": 5000.0, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters"),
     ({"rope_scaling": "yarn"}, "rope_scaling"),
+    # Qwen3's own long-context recipe (its model card), and transformers' other scaled kinds
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     "rope_scaling .*'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}, "rope_parameters .*'dynamic'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192, "rope_theta": 1e6}}, "rope_parameters .*'llama3'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling .*'linear'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 70.0}}},
+     r"rope_parameters .* gives RoPE per layer type \(\['full_attention'\]\)"),
     ({"rope_theta": 0}, "rope_theta"),
     ({"rope_theta": "1e6"}, "rope_theta"),
 ])
