@@ -276,9 +276,9 @@ def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[i
     fp32 rounding, as two GEMMs do."""
     from ._native_backend import native_kernel
 
+    if hidden.dtype == torch.bfloat16 and hidden.stride(1) != 1:
+        hidden = hidden.contiguous()  # the GEMM takes contiguous rows; [T, H]: small beside the weight
     gemm = native_bf16_gemm_for(hidden, weight)
-    if gemm is not None and hidden.stride(1) != 1:
-        hidden = hidden.contiguous()  # [T, H]: small beside the weight
     candidates = native_kernel("topk_candidates", _topk_candidates_fake)
     return topk_logprobs_core_torch(hidden, weight, targets, k, chunk, temperature, bf16_gemm=gemm,
                                     candidates=candidates)

@@ -46,7 +46,8 @@ def test_the_gemm_follows_the_attention_bf16_path(path, uses_gemm):
     if not uses_gemm:
         return
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "gemm_is or strided_rows or empty_and_zero or native_core_runs or gaussian or linear_logprob_bf16"],
+                           "gemm_is or strided_rows or empty_and_zero or native_core_runs or gaussian or linear_logprob_bf16 "
+                           "or transposed_bf16"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
 
@@ -407,3 +408,37 @@ def test_candidates_in_every_layer_build(isa):
     probe = "import acarerank.ops._native as n; print(n.layer_kernel_isa())"
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == [isa], done.stdout + done.stderr[-2000:]
+
+
+@needs_bf16_gemm
+def test_a_transposed_bf16_hidden_takes_the_gemm_with_contiguous_rows(monkeypatch):
+    """A transposed hidden (strides (1, T); .float() and .to() keep them) reached mm_bf16_f32 from
+    linear_logprob as it came — a RuntimeError from inside the kernel ("rows must be contiguous"),
+    forward and backward. Both ops now give the kernel contiguous rows and keep their rule:
+    log-probs within fp32 tolerance of the fp32 oracle, gradients within one bf16 rounding; the
+    rule itself refuses rows the kernel cannot read."""
+    from acarerank.ops import linear_logprob, linear_logprob_ref
+    from acarerank.ops._logits_gemm import native_bf16_gemm_for
+    LP = importlib.import_module("acarerank.ops.linear_logprob")
+    g = torch.Generator().manual_seed(6)
+    T, H, V = 7, 64, 300
+    h_t = torch.randn(H, T, generator=g).bfloat16().T  # [T, H], strides (1, T)
+    w = (0.2 * torch.randn(V, H, generator=g)).bfloat16()
+    tg = torch.randint(0, V, (T,), generator=g)
+    assert h_t.stride() == (1, T) and native_bf16_gemm_for(h_t, w) is None
+    calls = _spy(monkeypatch, LP)
+    h = h_t.detach().requires_grad_()
+    lp = linear_logprob(h, w, tg, chunk=100)
+    lp.sum().backward()
+    assert len(calls) == 2 * 3, calls  # 3 chunks, forward + backward
+    h32 = h_t.float().requires_grad_()
+    ref = linear_logprob_ref(h32, w.float(), tg)
+    ref.sum().backward()
+    assert (lp.detach() - ref.detach()).abs().max() <= 1e-5
+    assert ((h.grad.double() - h32.grad.double()).abs() <= 1e-5 + 2.0 ** -8 * h32.grad.double().abs()).all()
+    calls = _spy(monkeypatch)
+    got = topk_logprobs(h_t, w, tg, k=16, chunk=100, backend="native")
+    want = topk_logprobs_ref(h_t, w, tg, k=16)
+    assert len(calls) == 3, calls
+    assert torch.equal(got.topk_ids, want.topk_ids)
+    assert (got.topk_logprobs - want.topk_logprobs).abs().max() <= 1e-5
