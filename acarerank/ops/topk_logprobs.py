@@ -62,10 +62,17 @@ from .topk_merge import UPDATE_OP, topk_merge_init
 
 
 # ----------------------------------------------------------------------------- checks
+#: the bound on V: ids are int32 in the cpp/cuda cores' merge state and 2³¹ − 1 is the native
+#: core's filler id (csrc/cpu/topk_candidates.cpp) and the order keys' range (``order_keys``)
+MAX_IDS = 2 ** 31 - 1
+
 def _check_inputs(hidden, weight, targets, k, chunk, temperature, backend, op="topk_logprobs"):
     """The inputs, then k against the resolved ``backend`` (name or mapping); returns its name.
     Tensors first: resolving a backend reads hidden.device (a numpy array's is the str "cpu")."""
     V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
+    if V >= MAX_IDS:  # an expanded (stride-0) weight has any number of rows for no memory
+        raise ValueError(f"{op}: weight has V={V} rows; ids must stay below 2**31 - 1 (the cpp/cuda cores keep "
+                         f"int32 ids, the native core pads with id 2**31 - 1), so V must be < {MAX_IDS}")
     name = OP.resolve(backend, hidden.device)
     check_k(k, V, name, op)
     return name
@@ -460,7 +467,7 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
 
     Args:
       hidden: [T, H] hidden states AFTER the final RMSNorm (fp32/bf16/fp16).
-      weight: [V, H] lm_head weight, same dtype and device as ``hidden``.
+      weight: [V, H] lm_head weight, same dtype and device as ``hidden``; V < 2**31 - 1.
       targets: [T] int64 (or int32) sampled token ids in [0, V).
       k: 1 <= k <= V (ATO: 128) and within the backend's limit (``MAX_K``: torch/native any,
          triton 512, cpp/cuda 4,096). chunk: vocabulary rows per GEMM (default ``DEFAULT_CHUNK`` of
