@@ -100,7 +100,9 @@ class _Chunks:
         self.wbuf = None if weight.dtype == cd else torch.empty(C * H, dtype=cd, device=dev)
         self.hb, self.bf16_gemm = None, None
         if weight.dtype == torch.bfloat16 and cd == torch.float32:
-            hb = h32.to(torch.bfloat16)  # exact: h32 is the upcast of a bf16 hidden state
+            # exact: h32 is the upcast of a bf16 hidden state. Contiguous rows, as the kernel takes
+            # them: .float() and .to() keep a transposed hidden's strides (1, T)
+            hb = h32.to(torch.bfloat16, memory_format=torch.contiguous_format)
             self.bf16_gemm = native_bf16_gemm_for(hb, weight)
             self.hb = hb if self.bf16_gemm is not None else None
 

@@ -62,10 +62,17 @@ from .topk_merge import UPDATE_OP, topk_merge_init
 
 
 # ----------------------------------------------------------------------------- checks
+#: the bound on V: ids are int32 in the cpp/cuda cores' merge state and 2³¹ − 1 is the native
+#: core's filler id (csrc/cpu/topk_candidates.cpp) and the order keys' range (``order_keys``)
+MAX_IDS = 2 ** 31 - 1
+
 def _check_inputs(hidden, weight, targets, k, chunk, temperature, backend, op="topk_logprobs"):
     """The inputs, then k against the resolved ``backend`` (name or mapping); returns its name.
     Tensors first: resolving a backend reads hidden.device (a numpy array's is the str "cpu")."""
     V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
+    if V >= MAX_IDS:  # an expanded (stride-0) weight has any number of rows for no memory
+        raise ValueError(f"{op}: weight has V={V} rows; ids must stay below 2**31 - 1 (the cpp/cuda cores keep "
+                         f"int32 ids, the native core pads with id 2**31 - 1), so V must be < {MAX_IDS}")
     name = OP.resolve(backend, hidden.device)
     check_k(k, V, name, op)
     return name
@@ -276,9 +283,9 @@ def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[i
     fp32 rounding, as two GEMMs do."""
     from ._native_backend import native_kernel
 
+    if hidden.dtype == torch.bfloat16 and hidden.stride(1) != 1:
+        hidden = hidden.contiguous()  # the GEMM takes contiguous rows; [T, H]: small beside the weight
     gemm = native_bf16_gemm_for(hidden, weight)
-    if gemm is not None and hidden.stride(1) != 1:
-        hidden = hidden.contiguous()  # [T, H]: small beside the weight
     candidates = native_kernel("topk_candidates", _topk_candidates_fake)
     return topk_logprobs_core_torch(hidden, weight, targets, k, chunk, temperature, bf16_gemm=gemm,
                                     candidates=candidates)
@@ -460,7 +467,7 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
 
     Args:
       hidden: [T, H] hidden states AFTER the final RMSNorm (fp32/bf16/fp16).
-      weight: [V, H] lm_head weight, same dtype and device as ``hidden``.
+      weight: [V, H] lm_head weight, same dtype and device as ``hidden``; V < 2**31 - 1.
       targets: [T] int64 (or int32) sampled token ids in [0, V).
       k: 1 <= k <= V (ATO: 128) and within the backend's limit (``MAX_K``: torch/native any,
          triton 512, cpp/cuda 4,096). chunk: vocabulary rows per GEMM (default ``DEFAULT_CHUNK`` of

@@ -7,6 +7,7 @@ Reference: the product in fp64. Bound: an fp32 GEMM's, K · 2⁻²⁴ · (|a| ·
 bf16 products are exact in fp32, so only the fp32 sums round (in another order than MKL's).
 """
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -46,7 +47,8 @@ def test_the_gemm_follows_the_attention_bf16_path(path, uses_gemm):
     if not uses_gemm:
         return
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "gemm_is or strided_rows or empty_and_zero or native_core_runs or gaussian or linear_logprob_bf16"],
+                           "gemm_is or strided_rows or empty_and_zero or native_core_runs or gaussian or linear_logprob_bf16 "
+                           "or transposed_bf16 or gemm_writes_nothing"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
 
@@ -93,6 +95,20 @@ def test_gemm_reads_strided_rows_and_writes_every_entry():
     out = torch.full((9, 130), float("nan"))
     _mm()(a, b, out)
     _check_gemm(out, a, b, "strided rows")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("M,N,K", [(1, 1, 2), (7, 65, 258), (13, 127, 66), (6, 64, 512)])
+def test_gemm_writes_nothing_outside_out(M, N, K):
+    """out as a window of a larger buffer (a row block of 6 and its tail, a panel's masked last
+    vector, a K tail): the guard values before and after it stay as they were, on every path."""
+    g = torch.Generator().manual_seed(M + N + K)
+    a, b = torch.randn(M, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
+    buf = torch.full((M * N + 2 * 67,), 7.0)
+    out = buf[67:67 + M * N].view(M, N)
+    _mm()(a, b, out)
+    _check_gemm(out, a, b, f"M={M} N={N} K={K}")
+    assert (buf[:67] == 7.0).all() and (buf[67 + M * N:] == 7.0).all()
 
 
 @needs_bf16_gemm
@@ -296,6 +312,28 @@ def test_candidates_log_sum_exp_terms_at_the_edges():
         assert abs(got[4][r].item() - want[4][r].item()) <= 1e-6 * want[4][r].item() + 1e-38, (r, got[4][r], want[4][r])
 
 
+@pytest.mark.parametrize("T,n,cap", [(1, 17, 1), (5, 300, 4), (3, 16, 0)])
+def test_candidates_write_nothing_outside_their_outputs(T, n, cap):
+    """Every output as a window of a larger buffer, rows with more entries above θ than cap and
+    rows with none: the guard values around each stay as they were."""
+    g = torch.Generator().manual_seed(T * n + cap)
+    x = torch.randn(T, n, generator=g)
+    theta, m_old = torch.full((T,), -1.0), torch.full((T,), float("-inf"))
+    theta[0] = float("inf")
+    pad = 33
+
+    def window(shape, dtype, fill):
+        buf = torch.full((math.prod(shape) + 2 * pad,), fill, dtype=dtype)
+        return buf, buf[pad:pad + math.prod(shape)].view(shape)
+
+    bufs = [window((T, cap), torch.float32, 7.0), window((T, cap), torch.int64, 7),
+            window((T,), torch.int64, 7), window((T,), torch.float32, 7.0), window((T,), torch.float32, 7.0)]
+    _candidates()(x, theta, m_old, 100, *(o for _, o in bufs))
+    _check_candidates([o for _, o in bufs], _candidates_ref(x, theta, m_old, 100, cap), f"T={T} n={n} cap={cap}")
+    for buf, _ in bufs:
+        assert (buf[:pad] == 7).all() and (buf[-pad:] == 7).all()
+
+
 def test_candidates_read_strided_rows_and_empty_shapes():
     wide = torch.randn(6, 300)
     x, theta, m_old = wide[:, 7:207], torch.zeros(6), torch.full((6,), float("-inf"))
@@ -407,3 +445,37 @@ def test_candidates_in_every_layer_build(isa):
     probe = "import acarerank.ops._native as n; print(n.layer_kernel_isa())"
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.split() == [isa], done.stdout + done.stderr[-2000:]
+
+
+@needs_bf16_gemm
+def test_a_transposed_bf16_hidden_takes_the_gemm_with_contiguous_rows(monkeypatch):
+    """A transposed hidden (strides (1, T); .float() and .to() keep them) reached mm_bf16_f32 from
+    linear_logprob as it came — a RuntimeError from inside the kernel ("rows must be contiguous"),
+    forward and backward. Both ops now give the kernel contiguous rows and keep their rule:
+    log-probs within fp32 tolerance of the fp32 oracle, gradients within one bf16 rounding; the
+    rule itself refuses rows the kernel cannot read."""
+    from acarerank.ops import linear_logprob, linear_logprob_ref
+    from acarerank.ops._logits_gemm import native_bf16_gemm_for
+    LP = importlib.import_module("acarerank.ops.linear_logprob")
+    g = torch.Generator().manual_seed(6)
+    T, H, V = 7, 64, 300
+    h_t = torch.randn(H, T, generator=g).bfloat16().T  # [T, H], strides (1, T)
+    w = (0.2 * torch.randn(V, H, generator=g)).bfloat16()
+    tg = torch.randint(0, V, (T,), generator=g)
+    assert h_t.stride() == (1, T) and native_bf16_gemm_for(h_t, w) is None
+    calls = _spy(monkeypatch, LP)
+    h = h_t.detach().requires_grad_()
+    lp = linear_logprob(h, w, tg, chunk=100)
+    lp.sum().backward()
+    assert len(calls) == 2 * 3, calls  # 3 chunks, forward + backward
+    h32 = h_t.float().requires_grad_()
+    ref = linear_logprob_ref(h32, w.float(), tg)
+    ref.sum().backward()
+    assert (lp.detach() - ref.detach()).abs().max() <= 1e-5
+    assert ((h.grad.double() - h32.grad.double()).abs() <= 1e-5 + 2.0 ** -8 * h32.grad.double().abs()).all()
+    calls = _spy(monkeypatch)
+    got = topk_logprobs(h_t, w, tg, k=16, chunk=100, backend="native")
+    want = topk_logprobs_ref(h_t, w, tg, k=16)
+    assert len(calls) == 3, calls
+    assert torch.equal(got.topk_ids, want.topk_ids)
+    assert (got.topk_logprobs - want.topk_logprobs).abs().max() <= 1e-5

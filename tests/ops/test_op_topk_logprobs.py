@@ -292,6 +292,18 @@ def test_bad_tensors():
         topk_logprobs(bad, w, tg, backend="torch")
 
 
+def test_a_vocabulary_past_the_int32_ids_is_refused_up_front():
+    """A weight of 2³¹ − 1 rows or more (an expanded, stride-0 one costs no memory): the cpp/cuda
+    cores keep int32 ids and the native core pads with id 2³¹ − 1, whose kernel refused the last
+    chunk only after walking the whole vocabulary (T = 0 passed with no word). A ValueError naming
+    V before any GEMM, every T."""
+    w = torch.zeros(1, 16).expand(2 ** 31 - 1, 16)
+    for T in (0, 3):
+        for backend in ("native", "torch", "cpp"):
+            with pytest.raises(ValueError, match=r"weight has V=2147483647 rows; .* V must be < 2147483647"):
+                topk_logprobs(torch.zeros(T, 16), w, torch.zeros(T, dtype=torch.long), k=4, backend=backend)
+
+
 def test_finalize_is_shared_and_core_contract():
     """The torch core alone: sorted (value desc, id asc), target logit, full-vocabulary lse."""
     h, w = _dyadic(9, 16, 769, seed=5)
