@@ -39,6 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -126,7 +127,8 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
             return Response(status_code=CLIENT_CLOSED)
         if isinstance(body, dict) and req.cache_salt is None and not config.trust_cache:
             body["usage"].pop("cached_tokens", None)   # the module docstring says why
-        return JSONResponse(body, headers=headers)
+        # msgspec: an object document goes back as the raw JSON it came in (schemas.py, parsing.py)
+        return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)
 
     for path in RERANK_PATHS:
         app.add_api_route(path, _rerank, methods=["POST"], response_model=None,

@@ -83,11 +83,14 @@ class ServeConfig:
                                   "per request (413)", default=4_000_000)
     max_salt_chars: int = _opt("characters of a cache_salt (422): the prefix cache keeps one tree per salt",
                                default=256)
-    # -- connections (nginx's client_header_timeout / client_body_timeout / keepalive_timeout / worker_connections)
+    # -- connections (nginx's client_header_timeout / client_body_timeout / keepalive_timeout / send_timeout /
+    #    worker_connections)
     header_timeout: float = _opt("seconds a connection may take to send a request's headers, then it is closed",
                                  default=60.0)
     body_timeout: float = _opt("seconds a request may take to send its whole body, then 408", default=60.0)
     keepalive_timeout: float = _opt("seconds an idle keep-alive connection stays open", default=5.0)
+    send_timeout: float = _opt("seconds a client may leave a response unread once the socket's buffers are full "
+                               "(it reads nothing, or too slowly); then the connection is closed", default=60.0)
     max_connections: int = _opt("open client connections at once; more are closed at once (kept under the "
                                 "process's file-descriptor limit)", default=1024)
     # -- the HTTP front

@@ -278,6 +278,8 @@ class Engine:
         self.model_failures_in_a_row = 0        # requests the model failed since the last successful pass or step
         self.iteration_failures_in_a_row = 0    # scheduler iterations that raised since the last clean one
         self._in_canary = False
+        if metrics is not None:
+            metrics.track_depth(self.depth)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -353,6 +355,17 @@ class Engine:
         job.cancelled = True
         with self._cv:
             self._cv.notify()
+
+    def depth(self) -> tuple:
+        """``(waiting, running)``: jobs not yet in their first pass or selection step (queued calls
+        included), and jobs whose prefix or selection holds pages. Any thread (a metrics scrape):
+        it reads copies of the scheduler's lists (each made in one step under the GIL), under the
+        lock the loop holds while it moves arrivals out of the inbox, so none is counted twice."""
+        with self._cv:
+            inbox, calls = len(self._inbox), len(self._calls)
+            active, selects = list(self._active), list(self._selects)
+        running = sum(1 for j in active if j.handle is not None) + sum(1 for j in selects if j.state is not None)
+        return inbox + calls + len(active) + len(selects) - running, running
 
     @property
     def num_jobs(self) -> int:
@@ -430,7 +443,6 @@ class Engine:
             self._pass(self.max_batch_tokens - self._select_share())
         if self._selects:
             self._select_step()
-        self._report_depth()
 
     def _iteration_failed(self, exc: Exception) -> None:
         """An iteration raised outside the per-request handling: its state is not to be trusted, so
@@ -536,15 +548,6 @@ class Engine:
         self._failure_log("engine %s failed (error id %s) for request(s) %s: %s: %s", stage, fault.error_id,
                           ",".join(j.rid for j in jobs) or "-", type(exc).__name__, exc, exc_info=exc_info)
         return fault
-
-    def _report_depth(self) -> None:
-        if self.metrics is not None:
-            running = sum(1 for j in self._active if j.handle is not None)
-            selecting = sum(1 for j in self._selects if j.state is not None)
-            with self._cv:
-                waiting = len(self._inbox) + len(self._calls)
-            self.metrics.set_depth(waiting + len(self._active) - running + len(self._selects) - selecting,
-                                   running + selecting)
 
     def _drop_cancelled(self) -> None:
         keep = []

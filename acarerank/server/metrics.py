@@ -119,9 +119,12 @@ class ServerMetrics:
         if cache_stats is not None:
             r.register(_CacheCollector(cache_stats))
 
-    def set_depth(self, waiting: int, running: int) -> None:
-        self.queue_size.set(waiting)
-        self.running.set(running)
+    def track_depth(self, depth: Callable[[], tuple]) -> None:
+        """``acarerank_queue_size`` and ``acarerank_requests_running`` read ``depth()`` → ``(waiting,
+        running)`` at each scrape: set once per scheduler iteration, they missed every arrival during
+        a long pass and kept a failed iteration's last values while no more work came."""
+        self.queue_size.set_function(lambda: depth()[0])
+        self.running.set_function(lambda: depth()[1])
 
     def observe_pass(self, tokens: int, num_requests: int) -> None:
         self.batch_tokens.observe(tokens)

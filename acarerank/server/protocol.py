@@ -14,6 +14,11 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   which httptools lacks; a head that arrived whole is measured by the gate, ``gate.py``);
 * ``max_connections`` open at once: one more is closed as soon as it is accepted, with one log
   line per ``LOG_EVERY_S`` at most (nginx's ``worker_connections``);
+* ``send_timeout``: once a response fills the socket's buffers (the transport pauses writing), the
+  client must take enough of it for writing to resume within this many seconds, else the
+  connection is aborted (nginx's ``send_timeout``). A client that never reads otherwise held its
+  connection, and the unsent part of its response in memory, for good: the keep-alive timer's
+  close waits for the buffer to drain, and an idle TCP peer is never timed out;
 * a malformed request (bad syntax, duplicate ``Content-Length``) is answered with the JSON
   error shape;
 * a timer that fires after a stall of the event loop gives bytes already received
@@ -65,6 +70,7 @@ def http_protocol_with_limits(base, config: ServeConfig):
     methods it overrides — which is why setup.py pins ``uvicorn`` (and ``h11``/``httptools``) to the
     versions tested, and a test fails loudly if they move."""
     refused_log = _RateLimited()
+    unread_log = _RateLimited()
 
     class HTTPProtocolWithLimits(base):
         _refused = False
@@ -73,6 +79,7 @@ def http_protocol_with_limits(base, config: ServeConfig):
         _head_bytes = 0
         _head_grace = False
         _keepalive_grace = False
+        _send_timer = None
 
         def connection_made(self, transport):
             if len(self.server_state.connections) >= config.max_connections:
@@ -87,7 +94,28 @@ def http_protocol_with_limits(base, config: ServeConfig):
             if self._refused:
                 return
             self._cancel_head_timer()
+            self._cancel_send_timer()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._send_timer is None:
+                self._send_timer = self.loop.call_later(config.send_timeout, self._send_timed_out)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._cancel_send_timer()
+
+        def _cancel_send_timer(self) -> None:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+
+        def _send_timed_out(self) -> None:
+            self._send_timer = None
+            unread_log(f"a client left a response unread for {config.send_timeout:g} s (--send-timeout): "
+                       f"connection closed")
+            self.transport.abort()   # close() would wait for the buffer to drain
 
         def data_received(self, data: bytes) -> None:
             waiting = self._head_timer is not None

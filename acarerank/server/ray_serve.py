@@ -180,7 +180,7 @@ class RemoteService:
         key = routing_key(req)
         handle = self.handle.options(method_name="call", session_id=key) if key else \
             self.handle.options(method_name="call")
-        response = handle.remote(method, req.model_dump())
+        response = handle.remote(method, req.dump_as_sent() if method == "rerank" else req.model_dump())
 
         async def result():
             return await response

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 
 class TextDocument(BaseModel):
@@ -70,6 +71,9 @@ class RerankRequest(BaseModel):
     trace: Optional[StrictStr] = None
     instruction: Optional[StrictStr] = None
     cache_salt: Optional[StrictStr] = None
+    #: each object document's raw JSON (``msgspec.Raw``; None for a string), set by ``parse_body``,
+    #: which never builds an object's other keys (parsing.py says why)
+    _as_sent: Optional[list] = PrivateAttr(None)
 
     @field_validator("return_documents", "truncate", "return_text", "raw_scores", mode="before")
     @classmethod
@@ -93,11 +97,25 @@ class RerankRequest(BaseModel):
             return list(self.texts)
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
-    def response_document(self, i: int) -> dict:
+    def response_document(self, i: int):
         """Result ``i``'s ``document`` with ``return_documents``: ``{"text": ...}`` for a string,
-        the object as sent (its other keys included) for a ``{"text": ...}`` object."""
+        the object as sent (its other keys included) for a ``{"text": ...}`` object — its raw JSON
+        (``msgspec.Raw``: the response is encoded by ``msgspec.json.encode``) when ``parse_body``
+        read it, else the model's dump."""
         d = self.documents[i]
-        return {"text": d} if isinstance(d, str) else d.model_dump()
+        if isinstance(d, str):
+            return {"text": d}
+        raw = self._as_sent[i] if self._as_sent is not None else None
+        return raw if raw is not None else d.model_dump()
+
+    def dump_as_sent(self) -> dict:
+        """``model_dump()`` with each object document as sent, its other keys included (the Ray
+        front forwards this to a replica, which answers ``return_documents`` from it)."""
+        out = self.model_dump()
+        if self._as_sent is not None:
+            out["documents"] = [d if raw is None else msgspec.json.decode(raw)
+                                for d, raw in zip(out["documents"], self._as_sent)]
+        return out
 
 
 class DocumentText(BaseModel):

@@ -6,10 +6,12 @@ request can be held in the engine while the test acts: queue full, client discon
 Every score is compared with the offline ``PointwiseReranker.score`` of the same request.
 """
 import asyncio
+import gc
 import json
 import random
 import threading
 import time
+import tracemalloc
 
 import pytest
 from _optional import require
@@ -19,7 +21,7 @@ import cohere  # noqa: E402
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from acarerank import PointwiseReranker, SetwiseReranker
+from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
 from acarerank.server import RerankService, create_app
 from acarerank.server.service import LARGE_REQUEST_CHARS
 from serve_util import thread_server, tiny_model
@@ -507,3 +509,26 @@ def test_openapi_documents_the_request_bodies(servers):
         assert ref == f"#/components/schemas/{model}", (path, ref)
     assert {"query", "documents", "texts", "cache_salt", "top_n"} <= set(schemas["RerankRequest"]["properties"])
     assert "TextDocument" in schemas and schemas["SelectRequest"]["required"] == ["query", "documents"]
+
+
+def test_a_queued_requests_token_ids_take_4_bytes_a_token(servers):
+    """A request holds its token ids from tokenizing to its answer, queued behind others: as Python
+    ints a list took ~29 bytes a token (a request of 4 M characters, 1.7 M tokens: 50 MB, times
+    --max-queue); the service keeps each document's ids as array('i'). Its scores are the offline
+    ones (test_64_concurrent_requests_equal_offline_scores)."""
+    main = servers["main"]
+    words = ["tutor", "7", "%", "rerank", "ü", "x!"]
+    docs = [" ".join(words[(i * 7 + j) % len(words)] for j in range(800)) for i in range(100)]
+    request = ScoreRequest("which reranker learns from a tutor?", docs)
+    main._encode(request, None, True)   # warm: the tokenizer's own caches are not the request's
+    gc.collect()
+    tracemalloc.start()
+    try:
+        enc = main._encode(request, None, True)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    tokens = sum(map(len, enc.segment_ids))
+    assert tokens > 50_000, tokens
+    assert held < 8 * tokens, f"the encoding of {tokens:,} tokens holds {held / tokens:.1f} bytes a token"

@@ -73,7 +73,8 @@ def test_the_duration_checks_are_one_rule(value, max_pass_s, timeout):
     else:
         with pytest.raises(ValueError, match=r"^max_pass_s must be a finite number >= 0 \(seconds\) or None, got "):
             check_max_pass_s(value)
-    for field in ("request_timeout", "header_timeout", "body_timeout", "keepalive_timeout", "drain_timeout"):
+    for field in ("request_timeout", "header_timeout", "body_timeout", "keepalive_timeout", "send_timeout",
+                  "drain_timeout"):
         flag = "--" + field.replace("_", "-")
         if timeout:
             got = getattr(ServeConfig(**{field: value}), field)

@@ -124,6 +124,46 @@ def test_cancel_drops_remaining_work_and_stop_fails_queued():
     assert not steps.pinned
 
 
+def test_queue_gauges_are_current_during_a_pass_and_zero_once_idle():
+    """``acarerank_queue_size`` / ``acarerank_requests_running`` at a scrape during a held pass
+    count what is queued and running then, and return to 0 once the cancelled work is dropped.
+    They were set at the end of each iteration only: every arrival during a long pass read 0."""
+    from acarerank.server.metrics import ServerMetrics
+
+    def gauges():   # as a scrape reads them
+        return tuple(metrics.registry.get_sample_value(name) for name in
+                     ("acarerank_queue_size", "acarerank_requests_running"))
+
+    steps = FakeSteps()
+    steps.gate.clear()
+    metrics = ServerMetrics()
+    eng = Engine(steps, max_batch_tokens=2, max_running=2, metrics=metrics).start()
+    try:
+        first = eng.submit(enc(1, [2, 2]))
+        for _ in range(3000):  # until its first pass waits at the gate, its prefix pinned
+            if steps.pinned:
+                break
+            threading.Event().wait(0.01)
+        assert steps.pinned, "the first pass never started"
+        later = [eng.submit(enc(10 + i, [1])) for i in range(3)]   # arrive during the held pass
+        assert gauges() == (3, 1), f"(waiting, running) during a held pass: {gauges()}, want (3, 1)"
+        for job in [first, *later]:
+            eng.cancel(job)
+        steps.gate.set()
+        for job in [first, *later]:
+            with pytest.raises(concurrent.futures.CancelledError):
+                job.future.result(30)
+        for _ in range(3000):
+            if eng.num_jobs == 0:
+                break
+            threading.Event().wait(0.01)
+        assert gauges() == (0, 0), f"(waiting, running) once every job was dropped: {gauges()}"
+    finally:
+        steps.gate.set()
+        eng.stop(5)
+    assert not steps.pinned
+
+
 class ThreadRecordingSteps(FakeSteps):
     """FakeSteps that records which thread runs each model call."""
 

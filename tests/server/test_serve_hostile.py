@@ -3,7 +3,7 @@ tiny checkpoint) with short timeouts and small limits, driven over raw loopback 
 
 The server runs with a descriptor limit of 256 (``RLIMIT_NOFILE``), so its connection cap is
 lowered to 256 - 128 = 128; a test opens more connections than that. Timeouts: header 2 s,
-body 3 s, keep-alive 2 s. Every bound is checked against a wall clock with a margin for a
+body 3 s, keep-alive 2 s, send 2 s. Every bound is checked against a wall clock with a margin for a
 loaded 2-core machine.
 """
 import asyncio
@@ -26,6 +26,7 @@ from serve_util import rss_mb, serve_subprocess, tiny_model  # noqa: E402
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 3.0
 KEEPALIVE_TIMEOUT = 2.0
+SEND_TIMEOUT = 2.0
 NOFILE = 256
 CAP = NOFILE - 128            # front.FD_RESERVE
 MAX_QUEUE = 16
@@ -46,6 +47,7 @@ def server(tmp_path_factory):
                           "--cache-budget", "512", "--max-queue", str(MAX_QUEUE), "--max-salt-chars", str(MAX_SALT),
                           "--max-request-chars", str(MAX_CHARS), "--header-timeout", str(HEADER_TIMEOUT),
                           "--body-timeout", str(BODY_TIMEOUT), "--keepalive-timeout", str(KEEPALIVE_TIMEOUT),
+                          "--send-timeout", str(SEND_TIMEOUT),
                           "--log-level", "info", preexec_fn=_low_nofile) as (base, proc):
         port = int(base.rsplit(":", 1)[1])
         yield dict(base=base, proc=proc, port=port)
@@ -167,6 +169,39 @@ def test_slow_body_gets_408(server):
         assert took is not None, "a slow body was never cut off"
         expect_json_error(data, 408, ["body-timeout"])
         assert time.monotonic() - t0 <= BODY_TIMEOUT + MARGIN
+
+
+def test_a_client_that_never_reads_its_response_is_cut_off(server):
+    """A response of ~10 MB (an object document's other key, sent back with return_documents) to a
+    client that reads nothing: once the socket's buffers are full (~4 MB here), the rest waits in
+    the server's memory; --send-timeout later the connection is aborted. Before, the keep-alive
+    timer's close waited for the buffer to drain, forever: connection and memory held for good."""
+    port = server["port"]
+    junk = b"[" + b"[]," * 3_300_000 + b"[]]"
+    body = b'{"query": "q", "documents": [{"text": "d", "junk": %s}], "return_documents": true}' % junk
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # before connecting: a small window
+        s.settimeout(10)
+        s.connect(("127.0.0.1", port))
+        s.sendall(request_head(length=len(body)) + body)
+        time.sleep(SEND_TIMEOUT + KEEPALIVE_TIMEOUT + MARGIN)   # the answer, then the timeout, then slack
+        data, status = b"", None
+        try:
+            while True:
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    break
+                data += chunk
+        except ConnectionResetError:
+            status = "reset"
+    head, _, got = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), data[:300]
+    length = int(parse_response(head + b"\r\n\r\n")[1]["content-length"])
+    assert length > len(body) - 1000, (length, len(body))
+    assert len(got) < length, (f"the whole {length}-byte response was still there after {SEND_TIMEOUT} s "
+                               f"unread (--send-timeout): the connection was held ({status})")
+    assert "response unread" in server["proc"].output(), server["proc"].output()[-2000:]
+    assert health_ok(server["base"])
 
 
 def test_connection_cap_under_descriptor_limit_without_log_storm(server):

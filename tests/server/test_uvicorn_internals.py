@@ -25,7 +25,7 @@ from acarerank.server.config import ServeConfig  # noqa: E402
 from acarerank.server.protocol import http_protocol_with_limits, uvicorn_http_protocol  # noqa: E402
 
 OVERRIDDEN = ("connection_made", "connection_lost", "data_received", "on_response_complete",
-              "timeout_keep_alive_handler", "send_400_response")
+              "timeout_keep_alive_handler", "send_400_response", "pause_writing", "resume_writing")
 SETUP = Path(__file__).resolve().parents[2] / "setup.py"
 
 
