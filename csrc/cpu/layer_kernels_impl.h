@@ -86,9 +86,11 @@ inline float exp_f32(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  int32_t ti;
+  // in uint32: a NaN x (its result is discarded by every caller) puts any bits in t, and the
+  // same sum in int32 would overflow, which C++ leaves undefined
+  uint32_t ti;
   __builtin_memcpy(&ti, &t, 4);
-  const int32_t bits = (ti - 0x4B400000 + 127) * (1 << 23);  // 0x4B400000: the bits of `shifter`
+  const uint32_t bits = (ti - 0x4B400000u + 127u) << 23;  // 0x4B400000: the bits of `shifter`
   float two_n;
   __builtin_memcpy(&two_n, &bits, 4);
   return p * two_n;
