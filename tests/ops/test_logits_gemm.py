@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _ext import needs_native
+from _repo import ROOT
 from acarerank.ops import _native, topk_logprobs, topk_logprobs_ref
 
 pytestmark = needs_native
@@ -40,6 +41,8 @@ def test_the_gemm_follows_the_attention_bf16_path(path, uses_gemm):
     fp32 GEMM). The path is read once per process: a child process runs them."""
     env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH")}
     env.update(ACARERANK_CPU_BF16_PATH=path, ACARERANK_LOGITS_GEMM_CHILD="1", OMP_NUM_THREADS="2")
+    # this checkout's package first: from tests/ops an editable install of another checkout would win
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     probe = ("import acarerank.ops._native as n; print(n.bf16_attention_path(), n.bf16_logits_gemm())")
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.split() == [path, str(uses_gemm)], done.stdout + done.stderr[-2000:]
@@ -93,6 +96,27 @@ def test_gemm_reads_strided_rows_and_writes_every_entry():
     out = torch.full((9, 130), float("nan"))
     _mm()(a, b, out)
     _check_gemm(out, a, b, "strided rows")
+
+
+@needs_bf16_gemm
+def test_gemm_is_an_fp32_gemm_with_mkldnn_turned_off_after_the_first_call():
+    """cpublas' bf16 brgemm runs only while torch.backends.mkldnn is enabled; the path is chosen at
+    the first call. On the brgemm paths (AMX's default; this module's child run under
+    ACARERANK_CPU_BF16_PATH=brgemm) a call with mkldnn off raised cpublas' "BFloat16 Brgemm VNNI
+    format is only supported ..."; now the avx512-bf16 tiles do it, the same GEMM."""
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(70, 258, generator=g).bfloat16()
+    b = torch.randn(130, 258, generator=g).bfloat16()
+    out = torch.full((70, 130), float("nan"))
+    _mm()(a, b, out)
+    _check_gemm(out, a, b, "mkldnn on")
+    out = torch.full((70, 130), float("nan"))
+    torch.backends.mkldnn.enabled = False
+    try:
+        _mm()(a, b, out)
+    finally:
+        torch.backends.mkldnn.enabled = True
+    _check_gemm(out, a, b, "mkldnn off")
 
 
 @needs_bf16_gemm

@@ -155,6 +155,43 @@ def test_brgemm_switch_runs_the_amx_code_within_the_rule():
         assert done.returncode != 0 and "refuses VNNI tiles on this CPU" in done.stderr, done.stderr[-3000:]
 
 
+_CHILD_MKLDNN_OFF = r"""
+import json, sys
+sys.path[:0] = sys.argv[1:]
+import torch
+from acarerank.ops import _native
+from test_op_cpu_attention_bf16_paths import EDGE_CASES, _rule
+cases = EDGE_CASES[:4] + EDGE_CASES[-3:]
+_rule(tuple(cases[0].values))  # the path is chosen with mkldnn on
+torch.backends.mkldnn.enabled = False
+rows = [list(_rule(tuple(c.values))) for c in cases]
+print(json.dumps({"path": _native.bf16_attention_path(), "rows": rows}))
+"""
+
+
+def test_brgemm_paths_with_mkldnn_turned_off_after_the_first_call_stay_within_the_rule():
+    """cpublas runs its bf16 brgemm only while torch.backends.mkldnn is enabled and raises on a VNNI
+    B while it is off; the path is chosen once per process. Turned off after the first bf16 call,
+    every later call on the brgemm paths (amx-brgemm: AMX's default) raised cpublas' "BFloat16 Brgemm
+    VNNI format is only supported ..." from inside the kernel; now those tiles run the avx512-bf16
+    ones while it is off, within the same rule. ACARERANK_CPU_BF16_PATH=brgemm runs it here."""
+    from acarerank.ops import _native
+
+    env = dict(os.environ)
+    for name in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH"):
+        env.pop(name, None)
+    env["ACARERANK_CPU_BF16_PATH"] = "brgemm"
+    tests = os.path.join(ROOT, "tests")
+    done = subprocess.run([sys.executable, "-c", _CHILD_MKLDNN_OFF, tests, os.path.join(tests, "ops")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if _native.could_pack_bf16() or _has_avx512_bf16():
+        assert _rows_within_the_rule(done) == ("amx-brgemm" if _native.could_pack_bf16() else "brgemm")
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():  # no own tiles to fall back to
+        assert done.returncode != 0 and "torch.backends.mkldnn is disabled" in done.stderr, done.stderr[-3000:]
+    else:
+        assert done.returncode != 0 and "refuses VNNI tiles on this CPU" in done.stderr, done.stderr[-3000:]
+
+
 def test_brgemm_switch_where_cpublas_refuses_vnni_is_an_error_not_a_crash():
     """With oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA, as on a CPU without AVX-512) cpublas' bf16
     brgemm raises on a VNNI B; asking for the brgemm path there says so and names the variable."""
