@@ -66,8 +66,8 @@ using scratch = std::vector<T, Aligned64<T>>;
 // -- which bf16 compute path this CPU takes (read once; docs/cpu.md, "Attention")
 //   "amx-brgemm"      cpublas::could_pack(kBFloat16): brgemm on VNNI tiles (AMX)
 //   "avx512-bf16"     AVX512_BF16 without AMX: gemm_bf16_avx512.h on the same VNNI tiles
-//   "fp32-convert"    neither, or ACARERANK_CPU_BASELINE=1: tiles converted to fp32 as they are
-//                     packed, fp32 brgemm
+//   "fp32-convert"    neither, or ACARERANK_CPU_BASELINE=1 without AMX: tiles converted to fp32 as
+//                     they are packed, fp32 brgemm
 //   "brgemm"          ACARERANK_CPU_BF16_PATH=brgemm on a CPU without AMX: the amx-brgemm code
 //                     (packing, row chunks, leading dimensions, release) on cpublas' non-AMX bf16
 //                     brgemm (oneDNN's ukernel, which takes a VNNI B from AVX-512 on; without

@@ -72,11 +72,15 @@ def _check_gemm(out, a, b, what):
 @needs_bf16_gemm
 @pytest.mark.parametrize("M,N,K", [
     (1, 1, 2), (5, 17, 30), (6, 64, 256), (7, 65, 258), (13, 130, 1024), (3, 200, 2),
-    (64, 100, 4096), (12, 63, 512), (1, 2049, 64),
+    (64, 100, 4096), (12, 63, 512), (1, 2049, 64), (300, 70, 290),
 ])
 def test_gemm_is_an_fp32_gemm_of_the_bf16_inputs(M, N, K):
     """Row blocks of 6 and their tails, panels of 64 columns and their masked tails, K in blocks
-    of 256 and a last partial one."""
+    of 256 and a last partial one. On the brgemm path (AMX, or ACARERANK_CPU_BF16_PATH=brgemm:
+    test_the_gemm_follows_the_attention_bf16_path) M 300 is the only M past one 256-row chunk
+    (256 + 32 + 8 + 4 rows, A and C advanced between them; the attention's row blocks stop at 256
+    rows up to a GQA ratio of 256), its last panel 6 columns read at ldb 64, and its last K block
+    34 (= 2·17, which no AMX tile width of 32 bf16 divides)."""
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     a = torch.randn(M, K, generator=g).bfloat16()
     b = torch.randn(N, K, generator=g).bfloat16()

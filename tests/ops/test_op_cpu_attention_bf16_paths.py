@@ -3,7 +3,7 @@
 One kernel, three ways to multiply bf16 tiles, chosen once per process from the CPU:
   amx-brgemm    cpublas::brgemm on VNNI tiles (where cpublas can pack bf16: AMX)
   avx512-bf16   our vdpbf16ps tiles on the same VNNI layout (csrc/cpu/gemm_bf16_avx512.h)
-  fp32-convert  tiles converted to fp32 as they are packed (no native bf16, or ACARERANK_CPU_BASELINE=1)
+  fp32-convert  tiles converted to fp32 as they are packed (no native bf16, or ACARERANK_CPU_BASELINE=1 without AMX)
 and a fourth, ``ACARERANK_CPU_BF16_PATH=brgemm`` on a CPU without AMX: the amx-brgemm code (VNNI
 packing, row chunks, leading dimensions, release) on cpublas' non-AMX bf16 brgemm, so that code
 is tested on every CPU; only oneDNN's AMX ukernel underneath is not.
@@ -147,6 +147,23 @@ def test_brgemm_switch_runs_the_amx_code_within_the_rule():
     from acarerank.ops import _native
 
     done = _run_child("all", ACARERANK_CPU_BF16_PATH="brgemm")
+    if _native.could_pack_bf16():
+        assert _rows_within_the_rule(done) == "amx-brgemm"
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
+        assert _rows_within_the_rule(done) == "brgemm"
+    else:
+        assert done.returncode != 0 and "refuses VNNI tiles on this CPU" in done.stderr, done.stderr[-3000:]
+
+
+def test_brgemm_switch_with_the_baseline_switch_runs_the_amx_baseline_code_within_the_rule():
+    """ACARERANK_CPU_BASELINE=1 on an AMX CPU keeps the amx-brgemm products (the path is chosen by
+    cpublas' could_pack first) but turns off the AVX-512 code around them: the K/V tiles are packed
+    into the VNNI layout by the scalar loop, the softmax writes bf16 P in its scalar loop, and no
+    row block takes the direct path, so decode rows go through brgemm too. That mix
+    runs nowhere but an AMX CPU; both switches together run it here on cpublas' AVX-512 ukernel."""
+    from acarerank.ops import _native
+
+    done = _run_child("all", ACARERANK_CPU_BF16_PATH="brgemm", ACARERANK_CPU_BASELINE="1")
     if _native.could_pack_bf16():
         assert _rows_within_the_rule(done) == "amx-brgemm"
     elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
