@@ -66,8 +66,8 @@ using scratch = std::vector<T, Aligned64<T>>;
 // -- which bf16 compute path this CPU takes (read once; docs/cpu.md, "Attention")
 //   "amx-brgemm"      cpublas::could_pack(kBFloat16): brgemm on VNNI tiles (AMX)
 //   "avx512-bf16"     AVX512_BF16 without AMX: gemm_bf16_avx512.h on the same VNNI tiles
-//   "fp32-convert"    neither, or ACARERANK_CPU_BASELINE=1: tiles converted to fp32 as they are
-//                     packed, fp32 brgemm
+//   "fp32-convert"    neither, or ACARERANK_CPU_BASELINE=1 without AMX: tiles converted to fp32 as
+//                     they are packed, fp32 brgemm
 //   "brgemm"          ACARERANK_CPU_BF16_PATH=brgemm on a CPU without AMX: the amx-brgemm code
 //                     (packing, row chunks, leading dimensions, release) on cpublas' non-AMX bf16
 //                     brgemm (oneDNN's ukernel, which takes a VNNI B from AVX-512 on; without
@@ -180,6 +180,13 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
                  float* C, int64_t ldc, bool add_C) {
   brgemm_pow2_rows(M, N, K, A, lda, B, ldb, C, ldc, add_C, /*is_vnni=*/false);
 }
+// cpublas runs its bf16 brgemm on oneDNN's ukernel only while torch.backends.mkldnn is enabled (it
+// reads at::globalContext().userEnabledMkldnn() on every call) and raises on a VNNI B while it is
+// off. The path is chosen once, so turning mkldnn off after the first bf16 call made every later
+// bf16 call (on AMX, by default) fail inside the kernel; while it is off, the brgemm paths run the
+// avx512-bf16 tiles on the same VNNI operands (docs/cpu.md, "Native CPU kernels").
+inline bool brgemm_takes_bf16_now() { return at::globalContext().userEnabledMkldnn(); }
+
 inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B, int64_t ldb,
                  float* C, int64_t ldc, bool add_C) {
 #ifdef ACR_VNNI_REFERENCE_GEMM
@@ -194,11 +201,17 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const BFloat16* A, int64_t lda
     }
 #else
   if (bf16_brgemm()) {
-    brgemm_pow2_rows(M, N, K, A, lda, B, ldb, C, ldc, add_C, /*is_vnni=*/true);
-    return;
+    if (brgemm_takes_bf16_now()) {
+      brgemm_pow2_rows(M, N, K, A, lda, B, ldb, C, ldc, add_C, /*is_vnni=*/true);
+      return;
+    }
+    // forced brgemm on an AVX-512 CPU without AVX512_BF16: no own tiles to fall back to
+    TORCH_CHECK(cpu_has_avx512_bf16(), "bf16 path '", bf16_path(), "' runs cpublas' oneDNN brgemm, but "
+                "torch.backends.mkldnn is disabled and this CPU has no AVX512_BF16 for the kernel's own bf16 "
+                "tiles; enable torch.backends.mkldnn, or set ACARERANK_CPU_BF16_PATH=fp32-convert");
   }
 #ifdef ACR_HAVE_AVX512_BF16_CODE
-  gemm_bf16_vnni_avx512(M, N, K, A, lda, B, ldb, C, ldc, add_C);  // bf16_path() chose this path
+  gemm_bf16_vnni_avx512(M, N, K, A, lda, B, ldb, C, ldc, add_C);  // bf16_path(), or a brgemm path with mkldnn off
 #else
   TORCH_CHECK(false, "prefix_shared_attention_cpu: bf16 tiles need AMX or AVX512_BF16; bf16_path() is ", bf16_path());
 #endif

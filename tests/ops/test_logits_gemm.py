@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _ext import needs_native
+from _repo import ROOT
 from acarerank.ops import _native, topk_logprobs, topk_logprobs_ref
 
 pytestmark = needs_native
@@ -41,6 +42,8 @@ def test_the_gemm_follows_the_attention_bf16_path(path, uses_gemm):
     fp32 GEMM). The path is read once per process: a child process runs them."""
     env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH")}
     env.update(ACARERANK_CPU_BF16_PATH=path, ACARERANK_LOGITS_GEMM_CHILD="1", OMP_NUM_THREADS="2")
+    # this checkout's package first: from tests/ops an editable install of another checkout would win
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     probe = ("import acarerank.ops._native as n; print(n.bf16_attention_path(), n.bf16_logits_gemm())")
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.split() == [path, str(uses_gemm)], done.stdout + done.stderr[-2000:]
@@ -71,11 +74,15 @@ def _check_gemm(out, a, b, what):
 @needs_bf16_gemm
 @pytest.mark.parametrize("M,N,K", [
     (1, 1, 2), (5, 17, 30), (6, 64, 256), (7, 65, 258), (13, 130, 1024), (3, 200, 2),
-    (64, 100, 4096), (12, 63, 512), (1, 2049, 64),
+    (64, 100, 4096), (12, 63, 512), (1, 2049, 64), (300, 70, 290),
 ])
 def test_gemm_is_an_fp32_gemm_of_the_bf16_inputs(M, N, K):
     """Row blocks of 6 and their tails, panels of 64 columns and their masked tails, K in blocks
-    of 256 and a last partial one."""
+    of 256 and a last partial one. On the brgemm path (AMX, or ACARERANK_CPU_BF16_PATH=brgemm:
+    test_the_gemm_follows_the_attention_bf16_path) M 300 is the only M past one 256-row chunk
+    (256 + 32 + 8 + 4 rows, A and C advanced between them; the attention's row blocks stop at 256
+    rows up to a GQA ratio of 256), its last panel 6 columns read at ldb 64, and its last K block
+    34 (= 2·17, which no AMX tile width of 32 bf16 divides)."""
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     a = torch.randn(M, K, generator=g).bfloat16()
     b = torch.randn(N, K, generator=g).bfloat16()
@@ -109,6 +116,27 @@ def test_gemm_writes_nothing_outside_out(M, N, K):
     _mm()(a, b, out)
     _check_gemm(out, a, b, f"M={M} N={N} K={K}")
     assert (buf[:67] == 7.0).all() and (buf[67 + M * N:] == 7.0).all()
+
+
+@needs_bf16_gemm
+def test_gemm_is_an_fp32_gemm_with_mkldnn_turned_off_after_the_first_call():
+    """cpublas' bf16 brgemm runs only while torch.backends.mkldnn is enabled; the path is chosen at
+    the first call. On the brgemm paths (AMX's default; this module's child run under
+    ACARERANK_CPU_BF16_PATH=brgemm) a call with mkldnn off raised cpublas' "BFloat16 Brgemm VNNI
+    format is only supported ..."; now the avx512-bf16 tiles do it, the same GEMM."""
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(70, 258, generator=g).bfloat16()
+    b = torch.randn(130, 258, generator=g).bfloat16()
+    out = torch.full((70, 130), float("nan"))
+    _mm()(a, b, out)
+    _check_gemm(out, a, b, "mkldnn on")
+    out = torch.full((70, 130), float("nan"))
+    torch.backends.mkldnn.enabled = False
+    try:
+        _mm()(a, b, out)
+    finally:
+        torch.backends.mkldnn.enabled = True
+    _check_gemm(out, a, b, "mkldnn off")
 
 
 @needs_bf16_gemm

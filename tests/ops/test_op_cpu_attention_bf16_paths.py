@@ -3,7 +3,7 @@
 One kernel, three ways to multiply bf16 tiles, chosen once per process from the CPU:
   amx-brgemm    cpublas::brgemm on VNNI tiles (where cpublas can pack bf16: AMX)
   avx512-bf16   our vdpbf16ps tiles on the same VNNI layout (csrc/cpu/gemm_bf16_avx512.h)
-  fp32-convert  tiles converted to fp32 as they are packed (no native bf16, or ACARERANK_CPU_BASELINE=1)
+  fp32-convert  tiles converted to fp32 as they are packed (no native bf16, or ACARERANK_CPU_BASELINE=1 without AMX)
 and a fourth, ``ACARERANK_CPU_BF16_PATH=brgemm`` on a CPU without AMX: the amx-brgemm code (VNNI
 packing, row chunks, leading dimensions, release) on cpublas' non-AMX bf16 brgemm, so that code
 is tested on every CPU; only oneDNN's AMX ukernel underneath is not.
@@ -151,6 +151,60 @@ def test_brgemm_switch_runs_the_amx_code_within_the_rule():
         assert _rows_within_the_rule(done) == "amx-brgemm"
     elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
         assert _rows_within_the_rule(done) == "brgemm"
+    else:
+        assert done.returncode != 0 and "refuses VNNI tiles on this CPU" in done.stderr, done.stderr[-3000:]
+
+
+def test_brgemm_switch_with_the_baseline_switch_runs_the_amx_baseline_code_within_the_rule():
+    """ACARERANK_CPU_BASELINE=1 on an AMX CPU keeps the amx-brgemm products (the path is chosen by
+    cpublas' could_pack first) but turns off the AVX-512 code around them: the K/V tiles are packed
+    into the VNNI layout by the scalar loop, the softmax writes bf16 P in its scalar loop, and no
+    row block takes the direct path, so decode rows go through brgemm too. That mix
+    runs nowhere but an AMX CPU; both switches together run it here on cpublas' AVX-512 ukernel."""
+    from acarerank.ops import _native
+
+    done = _run_child("all", ACARERANK_CPU_BF16_PATH="brgemm", ACARERANK_CPU_BASELINE="1")
+    if _native.could_pack_bf16():
+        assert _rows_within_the_rule(done) == "amx-brgemm"
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
+        assert _rows_within_the_rule(done) == "brgemm"
+    else:
+        assert done.returncode != 0 and "refuses VNNI tiles on this CPU" in done.stderr, done.stderr[-3000:]
+
+
+_CHILD_MKLDNN_OFF = r"""
+import json, sys
+sys.path[:0] = sys.argv[1:]
+import torch
+from acarerank.ops import _native
+from test_op_cpu_attention_bf16_paths import EDGE_CASES, _rule
+cases = EDGE_CASES[:4] + EDGE_CASES[-3:]
+_rule(tuple(cases[0].values))  # the path is chosen with mkldnn on
+torch.backends.mkldnn.enabled = False
+rows = [list(_rule(tuple(c.values))) for c in cases]
+print(json.dumps({"path": _native.bf16_attention_path(), "rows": rows}))
+"""
+
+
+def test_brgemm_paths_with_mkldnn_turned_off_after_the_first_call_stay_within_the_rule():
+    """cpublas runs its bf16 brgemm only while torch.backends.mkldnn is enabled and raises on a VNNI
+    B while it is off; the path is chosen once per process. Turned off after the first bf16 call,
+    every later call on the brgemm paths (amx-brgemm: AMX's default) raised cpublas' "BFloat16 Brgemm
+    VNNI format is only supported ..." from inside the kernel; now those tiles run the avx512-bf16
+    ones while it is off, within the same rule. ACARERANK_CPU_BF16_PATH=brgemm runs it here."""
+    from acarerank.ops import _native
+
+    env = dict(os.environ)
+    for name in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH"):
+        env.pop(name, None)
+    env["ACARERANK_CPU_BF16_PATH"] = "brgemm"
+    tests = os.path.join(ROOT, "tests")
+    done = subprocess.run([sys.executable, "-c", _CHILD_MKLDNN_OFF, tests, os.path.join(tests, "ops")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if _native.could_pack_bf16() or _has_avx512_bf16():
+        assert _rows_within_the_rule(done) == ("amx-brgemm" if _native.could_pack_bf16() else "brgemm")
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():  # no own tiles to fall back to
+        assert done.returncode != 0 and "torch.backends.mkldnn is disabled" in done.stderr, done.stderr[-3000:]
     else:
         assert done.returncode != 0 and "refuses VNNI tiles on this CPU" in done.stderr, done.stderr[-3000:]
 
