@@ -225,6 +225,30 @@ inline void gemm_release() {
 #endif
 }
 
+// gemm_release() for a thread's chunk of an at::parallel_for: ``now()`` at its normal end (a
+// release error propagates), the destructor when an exception leaves the chunk first (an
+// allocation failing after a brgemm): a skipped release left this thread's tile configuration for
+// the next brgemm of the same shape to trust (AMX: an illegal instruction if other code released
+// the tiles meanwhile). A release error while unwinding is dropped: the first exception goes on.
+template <typename c_t>
+struct GemmReleaseAtExit {
+  bool released = false;
+  GemmReleaseAtExit() = default;
+  GemmReleaseAtExit(const GemmReleaseAtExit&) = delete;
+  GemmReleaseAtExit& operator=(const GemmReleaseAtExit&) = delete;
+  void now() {
+    released = true;
+    gemm_release<c_t>();
+  }
+  ~GemmReleaseAtExit() {
+    if (released) return;
+    try {
+      gemm_release<c_t>();
+    } catch (...) {  // unwinding already: a second exception would be std::terminate
+    }
+  }
+};
+
 template <typename c_t>
 constexpr bool kVnni = std::is_same_v<c_t, BFloat16>;
 

@@ -64,6 +64,7 @@ void mm_bf16_f32(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   float* C = out.data_ptr<float>();
   const int64_t lda = a.stride(0), ldb = b.stride(0), panels = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    acr_attn::GemmReleaseAtExit<c10::BFloat16> release;  // brgemm's per-thread tile state (AMX), as the attention's
     // the whole panel, [K/2 pairs][kPanel columns][2]: 128 KB at K = 1,024, in L2
     std::unique_ptr<c10::BFloat16[]> packed(new c10::BFloat16[K * kPanel]);
     for (int64_t p = p0; p < p1; ++p) {
@@ -74,7 +75,7 @@ void mm_bf16_f32(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
         acr_attn::gemm(M, nn, kk, A + k0, lda, packed.get() + k0 * kPanel, kPanel, C + n0, N, /*add_C=*/k0 > 0);
       }
     }
-    acr_attn::gemm_release<c10::BFloat16>();  // brgemm's per-thread tile state (AMX), as the attention does
+    release.now();
   });
 #endif
 }

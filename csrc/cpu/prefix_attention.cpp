@@ -26,7 +26,8 @@
 // at all: attn_direct_avx512.h reads its K/V rows where they lie.
 //
 // Balance: tasks are dealt to threads longest first (LPT) by their cost rows × (P_g + own keys),
-// then one at::parallel_for runs each thread's list; brgemm_release() ends each thread's chunk.
+// then one at::parallel_for runs each thread's list; brgemm_release() ends each thread's chunk
+// (GemmReleaseAtExit: also when it throws).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -317,6 +318,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
   const auto lists = deal(tasks, nthreads);
   at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
+    GemmReleaseAtExit<c_t> release;  // brgemm's per-thread tile state, also when a task throws
     // scratch for this thread's tasks only (sized by their rows; the tiles' only if one takes the
     // tile path): a decode step's call is ~1 ms, where zero-filling and faulting in ~700 KB of
     // unused tile scratch per thread was a tenth of it
@@ -463,7 +465,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         write_out();
       }
     }
-    gemm_release<c_t>();
+    release.now();
   });
 }
 
