@@ -275,9 +275,9 @@ class RerankService:
             request = ScoreRequest(req.query, docs, question=req.question, trace=req.trace,
                                    instruction=req.instruction, cache_salt=req.cache_salt)
             try:
-                enc = await self._tokenize(deadline, (request.query, request.question, request.trace,
-                                                      request.instruction, *request.documents),
-                                           self._encode, request, req.max_tokens_per_doc, req.truncate)
+                texts = (request.query, request.question, request.trace, request.instruction, *request.documents)
+                enc = await self._tokenize(deadline, is_disconnected, texts, self._encode, request,
+                                           req.max_tokens_per_doc, req.truncate)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             job = self._submit(self.engine.submit, enc, rid)
@@ -308,20 +308,19 @@ class RerankService:
         return APIError(504, f"request not answered within --request-timeout {self.request_timeout:g} s; "
                              f"its remaining work was dropped")
 
-    async def _tokenize(self, deadline: Optional[float], texts: tuple, fn, *args):
+    async def _tokenize(self, deadline: Optional[float], is_disconnected: Callable[[], Awaitable[bool]],
+                        texts: tuple, fn, *args):
         """``fn(*args)`` in the tokenizer pool, in the large lane when ``texts`` (None: absent) are
         large: at most ``tokenize_workers - 1`` large requests, rerank and select alike, tokenize at
-        once. The deadline bounds the wait for the lane, and is checked once more after
-        tokenizing; the tokenization itself is not abandoned (its worker would run on, and the lane
-        would count it gone)."""
+        once. The wait for the lane ends at the deadline (504) or when the client leaves
+        (``ClientGone``, 499: a gone client's megabytes are never tokenized, which took a worker for
+        seconds and held the lane from the requests behind it); the deadline is checked once more
+        after tokenizing. The tokenization itself is not abandoned (its worker would run on, and
+        the lane would count it gone)."""
         chars = sum(len(x) for x in texts if x)
         lane = self._large_lane if chars > self.large_request_chars else None
         if lane is not None:
-            try:
-                await asyncio.wait_for(lane.acquire(), None if deadline is None else
-                                       max(0.0, deadline - asyncio.get_running_loop().time()))
-            except asyncio.TimeoutError:
-                raise self._timed_out() from None
+            await self._acquire_lane(lane, is_disconnected, deadline)
         try:
             enc = await self._in_pool(fn, *args)
         finally:
@@ -329,6 +328,22 @@ class RerankService:
                 lane.release()
         self._check_deadline(deadline)
         return enc
+
+    async def _acquire_lane(self, lane: asyncio.Semaphore, is_disconnected: Callable[[], Awaitable[bool]],
+                            deadline: Optional[float]) -> None:
+        """``lane.acquire()``, watching the client and the deadline meanwhile (``wait_or_drop``).
+        A lane granted at the moment the wait is given up goes back at once: never leaked."""
+        acquiring = asyncio.ensure_future(lane.acquire())
+
+        def give_up():
+            if acquiring.done() and not acquiring.cancelled():
+                lane.release()
+            else:
+                acquiring.cancel()  # asyncio.Semaphore passes a grant it cannot deliver to the next waiter
+        try:
+            await wait_or_drop(acquiring, is_disconnected, give_up, deadline=deadline)
+        except DeadlinePassed:
+            raise self._timed_out() from None
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
         """Tokenize (pool thread) with ``truncate`` and ``max_tokens_per_doc``.
@@ -410,7 +425,8 @@ class RerankService:
         rid = uuid.uuid4().hex
         with self.admit():
             try:  # the prompt is built in the tokenizer pool; the model work runs as engine steps
-                enc = await self._tokenize(deadline, (req.query, req.intent, *docs), self._encode_select, req, docs)
+                enc = await self._tokenize(deadline, is_disconnected, (req.query, req.intent, *docs),
+                                           self._encode_select, req, docs)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             job = self._submit(self.engine.submit_select, enc, rid)

@@ -139,6 +139,48 @@ def test_the_wait_for_the_large_lane_is_bounded_and_the_lane_is_not_leaked(serve
     assert svc.admitted == 0
 
 
+def test_a_client_gone_while_waiting_for_the_large_lane_is_never_tokenized(model):
+    """No --request-timeout (the default): a large request whose client leaves while another holds
+    the large lane is dropped there. It was tokenized once the lane came free (seconds of a worker
+    for megabytes, the lane held from the requests behind it), then submitted, and only the wait
+    for its scores noticed the client had gone."""
+    rr = PointwiseReranker(model=model)
+    steps = Held(rr, ())
+    encoded = []
+    inner_encode = steps.encode
+    steps.encode = lambda request, **kw: (encoded.append(request.query), inner_encode(request, **kw))[1]
+    svc = RerankService(rr, "tiny-lane", max_queue=16, tokenize_workers=2)
+    svc.reranker = svc.engine.steps = steps
+    svc.large_request_chars = 100
+    big = ["x " * 100] * 2
+    svc.start()
+    try:
+        with thread_server(create_app(svc)) as base:
+            steps.encode_gate.clear()
+            first = {}
+            t = threading.Thread(target=lambda: first.update(r=httpx.post(
+                base + "/v1/rerank", json=dict(query="hold", documents=big), timeout=30)))
+            t.start()
+            assert steps.encoding.wait(30), "the first large request never reached its tokenizer worker"
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+                httpx.post(base + "/v1/rerank", json=dict(query="gone", documents=big), timeout=0.5)
+            time.sleep(0.5)  # the service's disconnect poll (0.1 s) sees it while the lane is held
+            steps.encode_gate.set()
+            t.join(30)
+            assert first["r"].status_code == 200, first["r"].text
+            r = httpx.post(base + "/v1/rerank", json=dict(query="third", documents=big), timeout=30)
+            assert r.status_code == 200, r.text
+            assert [q for q in encoded if q != "warm-up query"] == ["hold", "third"], \
+                f"tokenized: {encoded} (a gone client's request was tokenized)"
+            deadline = time.monotonic() + 10
+            while svc.admitted and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert svc.admitted == 0 and svc.engine.num_jobs == 0
+    finally:
+        steps.encode_gate.set()
+        svc.stop()
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "5"])
 def test_a_timeout_that_is_not_a_duration_is_refused(model, bad):
     with pytest.raises(ValueError, match="request_timeout"):
