@@ -257,6 +257,86 @@ def test_ctrl_c_rewrapped_by_an_import_is_still_an_interrupt(capsys, monkeypatch
     assert rc == 130 and err == ["acarerank score: interrupted"], (rc, err)
 
 
+def test_ctrl_c_while_the_subcommand_imports_is_an_interrupt(capsys, monkeypatch):
+    """Ctrl-C while ``build_parser`` imports the chosen subcommand's module (torch-free, but a few
+    hundred ms of imports) escaped main: a traceback, and the process killed by SIGINT."""
+    import acarerank.cli as cli
+
+    def interrupted_import(command=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted_import)
+    try:
+        rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
+    except KeyboardInterrupt:  # not raised on: pytest would stop the whole session
+        pytest.fail("KeyboardInterrupt escaped main")
+    assert rc == 130 and err == ["acarerank score: interrupted"], (rc, err)
+
+
+def test_ctrl_c_swallowed_by_a_callback_still_exits_130(capsys, monkeypatch):
+    """A KeyboardInterrupt raised inside a weakref callback (importlib's module-lock cleanup is
+    one) is 'Exception ignored' to Python: it printed a traceback and the command ran on to exit 0."""
+    import weakref
+
+    import acarerank.cli.score as score
+
+    def throw(_ref):
+        raise KeyboardInterrupt
+
+    def run_with_a_lost_interrupt(args):
+        class Obj:
+            pass
+
+        obj = Obj()
+        ref = weakref.ref(obj, throw)
+        del obj  # the callback runs here; its KeyboardInterrupt goes to sys.unraisablehook
+        assert ref() is None
+        return 0
+
+    monkeypatch.setattr(score, "run", run_with_a_lost_interrupt)
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
+    assert rc == 130 and err == ["acarerank score: interrupted"], (rc, err)
+
+
+# the child runs ``score`` with a run() that imports a slow module; the parent sends SIGINT during it
+_SLOW_IMPORT_CHILD = """
+import sys
+import acarerank.cli.score as score
+sys.path.insert(0, sys.argv[1])
+
+def run(args):
+    import slow_module
+    return 0
+
+score.run = run
+from acarerank.cli import main
+sys.exit(main(["score", "--query", "q", "--docs", "x"]))
+"""
+
+
+def test_ctrl_c_during_an_import_waits_for_the_import_then_exits_130(tmp_path):
+    """SIGINT inside an import raised KeyboardInterrupt in the middle of it (inside torch's, a
+    SIGABRT from pybind11; after it, 'cannot load module more than once', exit 1). It is raised
+    once the import has finished: the module is whole, the exit is 130 with one line."""
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "slow_module.py").write_text(
+        "import sys, time\nsys.stderr.write('importing\\n'); sys.stderr.flush()\ntime.sleep(1.5)\n"
+        "sys.stderr.write('imported\\n')\n")
+    child = subprocess.Popen([sys.executable, "-c", _SLOW_IMPORT_CHILD, str(tmp_path)], stderr=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert child.stderr.readline() == "importing\n"
+        child.send_signal(signal.SIGINT)
+        err = child.stderr.read().splitlines()
+        rc = child.wait(timeout=30)
+    finally:
+        child.kill()
+    assert rc == 130 and err == ["imported", "acarerank score: interrupted"], (rc, err)
+
+
 def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
     _raise_in_run(monkeypatch, BrokenPipeError(32, "Broken pipe"))
     rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
