@@ -4,6 +4,7 @@ Imports only the standard library at module level: a subcommand's ``--help`` nee
 """
 from __future__ import annotations
 
+import codecs
 import io
 import json
 import os
@@ -123,6 +124,19 @@ def read_documents(path: str, max_docs: int | None = None) -> list:
     if not docs:
         raise ValueError(f"{path}: no documents")
     return docs
+
+
+def json_line(obj) -> str:
+    """``obj`` as one JSON line for stdout. Non-ASCII characters are written as they are where
+    stdout's encoding is UTF-8, else as ``\\uXXXX`` escapes (the same JSON once parsed): under
+    ``PYTHONIOENCODING=ascii`` or a Latin-1 locale the raw characters made the first such line fail
+    to encode after the whole run (a UnicodeEncodeError, exit 2, the lines before it printed)."""
+    encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        utf8 = codecs.lookup(encoding).name == "utf-8"
+    except LookupError:
+        utf8 = False
+    return json.dumps(obj, ensure_ascii=not utf8)
 
 
 def load_reranker(cls, args, **kw):

@@ -8,10 +8,8 @@ checked before the model loads.
 """
 from __future__ import annotations
 
-import json
-
 from . import SUBCOMMANDS
-from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, read_documents
+from .common import MAX_DOCUMENTS, add_model_flags, json_line, load_reranker, read_documents
 
 
 def add_parser(sub) -> None:
@@ -61,5 +59,5 @@ def run(args) -> int:
     for i, s in ranked:
         extra = ({k: v for k, v in docs[i].items() if k not in ("index", "score")}
                  if isinstance(docs[i], dict) else {"text": docs[i]})
-        print(json.dumps({"index": i, "score": s, **extra}, ensure_ascii=False))
+        print(json_line({"index": i, "score": s, **extra}))
     return 0

@@ -7,11 +7,10 @@ plain JSON strings. Output: one JSON object per selected document, most useful f
 """
 from __future__ import annotations
 
-import json
 import sys
 
 from . import SUBCOMMANDS
-from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, read_documents
+from .common import MAX_DOCUMENTS, add_model_flags, json_line, load_reranker, read_documents
 
 
 def add_parser(sub) -> None:
@@ -79,7 +78,7 @@ def run(args) -> int:
     for rank, (i, ident) in enumerate(zip(sel.indices, sel.ids), 1):
         extra = ({k: v for k, v in docs[i].items() if k not in ("rank", "index", "id")}
                  if isinstance(docs[i], dict) else {"text": docs[i]})
-        print(json.dumps({"rank": rank, "index": i, "id": ident, **extra}, ensure_ascii=False))
+        print(json_line({"rank": rank, "index": i, "id": ident, **extra}))
     if not args.quiet:
         print(f"output {sel.text!r} ({sel.num_tokens} tokens, prompt {sel.prompt_tokens} tokens, "
               f"{'valid' if sel.valid else 'INVALID, leniently parsed'})", file=sys.stderr)

@@ -135,6 +135,26 @@ def test_score_output_has_text_and_short_max_length_works(capsys, files):
     assert rc == 0 and [r["text"] for r in rows] == ["plain string doc", "object doc"] and rows[1]["id"] == 7, (err, rows)
 
 
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_output_is_json_in_any_stdout_encoding(files, tmp_path, monkeypatch, capsys, command, encoding):
+    """Under PYTHONIOENCODING=ascii (or a Latin-1 locale) the first document with a character
+    stdout cannot encode failed its line after the whole run: a UnicodeEncodeError, exit 2. Now
+    such characters are JSON escapes there, the same text once parsed."""
+    import io
+
+    texts = ["caf\u00e9 \u4e2d\u6587", "plain"]
+    (tmp_path / "uni.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts), encoding="utf-8")
+    out = io.TextIOWrapper(io.BytesIO(), encoding=encoding, errors="strict")
+    monkeypatch.setattr("sys.stdout", out)
+    rc = main([command, "--model", str(files / "ckpt"), "--query", "q", "--docs", str(tmp_path / "uni.jsonl")])
+    err = capsys.readouterr().err
+    out.flush()
+    rows = [json.loads(x) for x in out.buffer.getvalue().decode(encoding).splitlines()]
+    assert rc == 0 and rows, (rc, err)
+    assert all(r["text"] == texts[r["index"]] for r in rows) and (command == "select" or len(rows) == 2), rows
+
+
 @pytest.mark.parametrize("argv, needle", [(["bench", "--device", "garbage", "--quick"], "garbage"),
                                           (["bench", "--device", "xpu", "--quick"], "cpu or cuda"),
                                           (["bench", "--depths", "x"], "--depths")])
