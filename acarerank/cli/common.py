@@ -57,8 +57,13 @@ def check_common(args) -> None:
 
 
 def read_input_bytes(path: str, flag: str, cap: int = MAX_INPUT_BYTES) -> bytes:
-    """The bytes of ``path`` ('-': stdin); ValueError naming the flag, the file and the cap when it
-    holds more than ``cap`` bytes (at most ``cap`` + 1 are read: /dev/zero is refused at once)."""
+    """The bytes of ``path`` ('-': stdin) without a leading UTF-8 byte order mark; ValueError naming
+    the flag, the file and the cap when it holds more than ``cap`` bytes (at most ``cap`` + 1 are
+    read: /dev/zero is refused at once).
+
+    The mark (EF BB BF, which Windows editors write) is dropped as the server drops it from a body
+    (RFC 8259 8.1 lets a parser ignore it): ``--docs`` refused its first line as invalid JSON, and
+    ``--trace-file`` put an invisible U+FEFF at the start of the trace the model read."""
     if path == "-":
         if sys.stdin is None:  # started with stdin closed (<&-)
             raise ValueError(f"{flag} -: stdin is closed")
@@ -74,7 +79,7 @@ def read_input_bytes(path: str, flag: str, cap: int = MAX_INPUT_BYTES) -> bytes:
     if len(data) > cap:
         raise ValueError(f"{flag} {'stdin' if path == '-' else repr(path)} holds more than {cap:,} bytes, "
                          f"the cap on one input file (the server's request body cap)")
-    return data
+    return data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
 
 
 def read_text_file(path: str, flag: str) -> str:

@@ -208,6 +208,27 @@ def test_read_input_bytes_takes_the_cap_and_refuses_one_more(tmp_path):
         read_input_bytes(str(f), "--docs", cap=9)
 
 
+def test_a_leading_utf8_byte_order_mark_is_dropped(tmp_path, monkeypatch):
+    """A file saved by a Windows editor starts with EF BB BF: --docs refused its line 1 as invalid
+    JSON ('Unexpected UTF-8 BOM'), --trace-file gave the model a trace starting with U+FEFF. The mark
+    is dropped, as the server drops it from a body; one later in the file is still an error."""
+    import io
+    import types
+
+    from acarerank.cli.common import read_documents, read_text_file
+
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "docs.jsonl").write_bytes(bom + b'"a"\r\n{"text": "b"}\r\n')
+    (tmp_path / "trace.txt").write_bytes(bom + b"step 1\r\nstep 2")
+    assert read_documents(str(tmp_path / "docs.jsonl")) == ["a", {"text": "b"}]
+    assert read_text_file(str(tmp_path / "trace.txt"), "--trace-file") == "step 1\nstep 2"
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(bom + b'"from stdin"\n')))
+    assert read_documents("-") == ["from stdin"]
+    (tmp_path / "two.jsonl").write_bytes(bom + b'"a"\n' + bom + b'"b"\n')
+    with pytest.raises(ValueError, match="two.jsonl:2: not valid JSON"):
+        read_documents(str(tmp_path / "two.jsonl"))
+
+
 # the child measures the memory the read adds: torch and the ops are imported before it
 _CHILD = """
 import resource, sys
