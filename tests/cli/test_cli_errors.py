@@ -163,6 +163,36 @@ def test_bench_usage_errors_are_one_line(capsys, argv, needle):
     assert rc == 2 and len(err) == 1 and needle in err[0], (rc, err)
 
 
+@pytest.fixture()
+def no_bench(monkeypatch):
+    """A bench run that got past its checks stops here, before loading or measuring anything."""
+    import acarerank.benchmark.harness as harness
+
+    def boom(*a, **kw):
+        raise ModelLoaded()
+
+    monkeypatch.setattr(harness, "run_bench", boom)
+    monkeypatch.setattr(harness, "load_model", boom)
+
+
+@pytest.mark.parametrize("flag", ["--providers", "--modes"])
+def test_bench_an_empty_name_list_is_a_usage_error(capsys, no_bench, flag):
+    """``--providers ''`` ran every provider (an empty list read as the default); ``--modes ''``
+    said 'unknown context mode(s) []'."""
+    rc, err, _ = run(capsys, ["bench", "--quick", flag, " , "])
+    assert rc == 2 and err == [f"acarerank bench: error: argument {flag}: expected comma-separated names, "
+                               f"got ' , ' (see --help)"], (rc, err)
+
+
+@pytest.mark.parametrize("workload", ["depth", "agent"])
+def test_bench_output_that_is_a_file_names_the_flag(capsys, no_bench, tmp_path, workload):
+    """It was '[Errno 17] File exists: ...' (the agent workload's after loading the model)."""
+    (tmp_path / "f").write_text("")
+    rc, err, _ = run(capsys, ["bench", "--quick", "--workload", workload, "--output", str(tmp_path / "f")])
+    assert rc == 2 and err == [f"acarerank bench: error: --output {str(tmp_path / 'f')!r} is a file, not a folder"], \
+        (rc, err)
+
+
 # -- input files are read with a byte cap ---------------------------------------------------------
 @pytest.mark.parametrize("flag", ["--docs", "--trace-file"])
 def test_input_file_over_the_cap_names_flag_file_and_cap(capsys, files, no_load, tmp_path, flag):
