@@ -144,6 +144,27 @@ def json_line(obj) -> str:
     return json.dumps(obj, ensure_ascii=not utf8)
 
 
+def print_results(rows) -> None:
+    """Each row (a dict) as a JSON line on stdout (``json_line``), flushed before returning.
+
+    stdout to a file or a pipe is block-buffered: unflushed, a reader that left (``| true``) or a
+    full disk surfaced at the interpreter's exit flush as "Exception ignored ... BrokenPipeError"
+    with exit 120. Flushed here, a gone reader is ``main``'s quiet 141, and another write error
+    a RuntimeError naming stdout (exit 1), stdout then pointed at /dev/null so the exit flush
+    cannot fail again."""
+    try:
+        for row in rows:
+            print(json_line(row))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        from . import _stdout_to_devnull
+
+        _stdout_to_devnull()
+        raise RuntimeError(f"cannot write the results to stdout: {e.strerror or e}") from None
+
+
 def load_reranker(cls, args, **kw):
     """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask (``acarerank.loading``)."""
     from ..loading import load_reranker as load

@@ -9,7 +9,7 @@ checked before the model loads.
 from __future__ import annotations
 
 from . import SUBCOMMANDS
-from .common import MAX_DOCUMENTS, add_model_flags, json_line, load_reranker, read_documents
+from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, print_results, read_documents
 
 
 def add_parser(sub) -> None:
@@ -56,8 +56,8 @@ def run(args) -> int:
                        instruction=args.instruction)
     if args.top_n is None:
         ranked.sort()  # input order
-    for i, s in ranked:
-        extra = ({k: v for k, v in docs[i].items() if k not in ("index", "score")}
-                 if isinstance(docs[i], dict) else {"text": docs[i]})
-        print(json_line({"index": i, "score": s, **extra}))
+    print_results({"index": i, "score": s,
+                   **({k: v for k, v in docs[i].items() if k not in ("index", "score")}
+                      if isinstance(docs[i], dict) else {"text": docs[i]})}
+                  for i, s in ranked)
     return 0

@@ -414,6 +414,38 @@ def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
     assert rc == 141 and err == [], (rc, err)
 
 
+@pytest.mark.parametrize("sink", ["reader gone", "disk full"])
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_a_failed_write_of_buffered_results_is_one_line_and_its_own_status(files, command, sink):
+    """stdout to a pipe or a file is block-buffered (no PYTHONUNBUFFERED): the results were
+    written at the interpreter's exit flush, where a reader that had left (``| true``) or a full
+    disk printed "Exception ignored in: <_io.TextIOWrapper name='<stdout>'...>" and exited 120.
+    Now a gone reader is the quiet 141, another write error one line and exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    import acarerank
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(acarerank.__file__))
+    argv = [sys.executable, "-m", "acarerank.cli", command, "--model", str(files / "ckpt"), "--query", "q",
+            "--docs", str(files / "docs.jsonl")]
+    if sink == "reader gone":
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        with os.fdopen(write_end, "wb") as out:
+            r = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+        expected = (141, [])
+    else:
+        with open("/dev/full", "wb") as out:
+            r = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+        expected = (1, [f"acarerank {command}: runtime error: RuntimeError: cannot write the results to stdout: "
+                        "No space left on device"])
+    err = [x for x in r.stderr.splitlines() if not x.startswith(("NOTE:", "dtype:", "output "))]
+    assert (r.returncode, err) == expected, (r.returncode, r.stderr[-2000:])
+
+
 @pytest.mark.parametrize("command", ["score", "select"])
 def test_closed_stdout_is_refused_before_loading(capsys, files, no_load, monkeypatch, command):
     """Started with stdout closed (``>&-``), Python has no sys.stdout and print() writes nothing:
