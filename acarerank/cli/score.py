@@ -46,6 +46,8 @@ def run(args) -> int:
         # the exact fit (the template's own tokens too) needs the tokenizer, after loading
         raise ValueError(f"--min-doc-tokens {args.min_doc_tokens} leaves no room in --max-length {args.max_length}: "
                          "the prompt's fixed strings need tokens too; lower it or raise --max-length")
+    if args.docs == "-" and args.trace_file == "-":  # --docs would read all of stdin, the trace none: M0, no sign
+        raise ValueError("--docs - and --trace-file - cannot both read stdin: give one of them a file")
     docs = read_documents(args.docs, args.max_documents)
     trace = read_text_file(args.trace_file, "--trace-file") if args.trace_file else None
     from ..pointwise import PointwiseReranker

@@ -71,6 +71,18 @@ def test_score_input_errors_before_loading(capsys, files, no_load, extra, code, 
     assert rc == code and len(err) == 1 and needle in err[0], (rc, err)
 
 
+def test_docs_and_trace_cannot_both_read_stdin(capsys, no_load, monkeypatch):
+    """--docs read all of stdin and --trace-file then read nothing: an empty trace, so M0 scores
+    where M1 was asked for, exit 0."""
+    import io
+    import types
+
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(b'"doc"\n')))
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "-", "--trace-file", "-"])
+    assert rc == 2 and err == ["acarerank score: error: --docs - and --trace-file - cannot both read stdin: give one "
+                               "of them a file"], (rc, err)
+
+
 def test_select_max_select_names_max_new_tokens(capsys, files, no_load):
     (files / "many.jsonl").write_text("\n".join(json.dumps(f"doc {i}") for i in range(20)))
     rc, err, _ = run(capsys, ["select", "--query", "q", "--docs", str(files / "many.jsonl"), "--max-select", "16"])
