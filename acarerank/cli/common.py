@@ -97,37 +97,38 @@ def read_documents(path: str, max_docs: int | None = None) -> list:
     """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings.
     ValueError naming the file and the cap (``--max-documents``) at the first document past ``max_docs``."""
     data = read_input_bytes(path, "--docs")  # bytes: a decode error names its line
+    name = "stdin" if path == "-" else path  # the file:line prefix of each error ('-:2:' named nothing)
     docs = []
     for n, raw in enumerate(io.BytesIO(data), 1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start} of the line: {e.reason})") from None
+            raise ValueError(f"{name}:{n}: not UTF-8 text (byte {e.start} of the line: {e.reason})") from None
         if not line.strip():
             continue
         try:
             item = json.loads(line)
         except ValueError as e:  # JSONDecodeError, or an over-long integer literal
-            raise ValueError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
+            raise ValueError(f"{name}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
         except RecursionError:
-            raise ValueError(f"{path}:{n}: JSON nested too deeply") from None
+            raise ValueError(f"{name}:{n}: JSON nested too deeply") from None
         if isinstance(item, dict):
             if not isinstance(item.get("text"), str):
-                raise ValueError(f"{path}:{n}: a JSON object needs a string field 'text'")
+                raise ValueError(f"{name}:{n}: a JSON object needs a string field 'text'")
         elif not isinstance(item, str):
-            raise ValueError(f"{path}:{n}: expected a JSON object with 'text' or a JSON string")
+            raise ValueError(f"{name}:{n}: expected a JSON object with 'text' or a JSON string")
         text = item["text"] if isinstance(item, dict) else item
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"{path}:{n}: the text is not valid Unicode ({e.reason} at character "
+            raise ValueError(f"{name}:{n}: the text is not valid Unicode ({e.reason} at character "
                              f"{e.start}, e.g. a lone \\ud800 escape)") from None
         if max_docs is not None and len(docs) == max_docs:  # stop at the first one past the cap, parse no more
             raise ValueError(f"--docs {'stdin' if path == '-' else repr(path)} holds more than {max_docs:,} "
                              f"document{'s' if max_docs != 1 else ''} (line {n}), the cap --max-documents; raise --max-documents to score more")
         docs.append(item)
     if not docs:
-        raise ValueError(f"{path}: no documents")
+        raise ValueError(f"{name}: no documents")
     return docs
 
 

@@ -83,6 +83,19 @@ def test_docs_and_trace_cannot_both_read_stdin(capsys, no_load, monkeypatch):
                                "of them a file"], (rc, err)
 
 
+@pytest.mark.parametrize("data, line", [(b"", "stdin: no documents"),
+                                        (b'"a"\n{bad\n', "stdin:2: not valid JSON"),
+                                        (b'"a"\n"\xff"\n', "stdin:2: not UTF-8 text")])
+def test_errors_in_documents_from_stdin_say_stdin(capsys, no_load, monkeypatch, data, line):
+    """They read '-: no documents' and '-:2: not valid JSON (...)'."""
+    import io
+    import types
+
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(data)))
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "-"])
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"acarerank score: error: {line}"), (rc, err)
+
+
 def test_select_max_select_names_max_new_tokens(capsys, files, no_load):
     (files / "many.jsonl").write_text("\n".join(json.dumps(f"doc {i}") for i in range(20)))
     rc, err, _ = run(capsys, ["select", "--query", "q", "--docs", str(files / "many.jsonl"), "--max-select", "16"])
