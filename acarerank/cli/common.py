@@ -93,6 +93,21 @@ def read_text_file(path: str, flag: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def _not_json(constant: str):
+    """``json.loads``' ``parse_constant``: NaN, Infinity and -Infinity are not JSON (RFC 8259 6).
+    Python reads them, and a passed-through field then came out as the same invalid JSON."""
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    """``json.loads``' ``parse_float``: a number past a double's range (1e999) read as inf and came
+    out as ``Infinity``, which is not JSON."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:40]} is past a double's range")
+    return value
+
+
 def read_documents(path: str, max_docs: int | None = None) -> list:
     """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings.
     ValueError naming the file and the cap (``--max-documents``) at the first document past ``max_docs``."""
@@ -107,8 +122,8 @@ def read_documents(path: str, max_docs: int | None = None) -> list:
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
-        except ValueError as e:  # JSONDecodeError, or an over-long integer literal
+            item = json.loads(line, parse_constant=_not_json, parse_float=_finite_float)
+        except ValueError as e:  # JSONDecodeError, an over-long integer literal, NaN / Infinity / 1e999
             raise ValueError(f"{name}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
         except RecursionError:
             raise ValueError(f"{name}:{n}: JSON nested too deeply") from None

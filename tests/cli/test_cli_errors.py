@@ -96,6 +96,17 @@ def test_errors_in_documents_from_stdin_say_stdin(capsys, no_load, monkeypatch, 
     assert rc == 2 and len(err) == 1 and err[0].startswith(f"acarerank score: error: {line}"), (rc, err)
 
 
+@pytest.mark.parametrize("line, reason", [('{"text": "a", "id": NaN}', "NaN is not a JSON number"),
+                                          ('{"text": "a", "w": -Infinity}', "-Infinity is not a JSON number"),
+                                          ('{"text": "a", "w": 1e999}', "the number 1e999 is past a double's range")])
+def test_documents_with_numbers_json_has_not_are_refused(capsys, no_load, tmp_path, line, reason):
+    """Python's json reads NaN, Infinity and 1e999 (as inf); a passed-through field then came out
+    as NaN / Infinity, which no strict JSON reader (jq, JSON.parse) accepts."""
+    (tmp_path / "d.jsonl").write_text('"ok"\n' + line + "\n")
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", str(tmp_path / "d.jsonl")])
+    assert rc == 2 and err == [f"acarerank score: error: {tmp_path / 'd.jsonl'}:2: not valid JSON ({reason})"], (rc, err)
+
+
 def test_select_max_select_names_max_new_tokens(capsys, files, no_load):
     (files / "many.jsonl").write_text("\n".join(json.dumps(f"doc {i}") for i in range(20)))
     rc, err, _ = run(capsys, ["select", "--query", "q", "--docs", str(files / "many.jsonl"), "--max-select", "16"])
