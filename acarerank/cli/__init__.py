@@ -18,6 +18,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -98,8 +99,6 @@ def _interrupted(e: BaseException) -> bool:
 
 def _stdout_to_devnull() -> None:
     """Point stdout's descriptor at /dev/null, so the interpreter's last flush cannot fail again."""
-    import os
-
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture): nothing to flush there
@@ -174,6 +173,8 @@ class _Interrupts:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if sys.stderr is None:  # started with stderr closed (2>&-): print(file=None) writes to stdout, so
+        sys.stderr = open(os.devnull, "w")  # the NOTE, dtype and error lines went in among the JSON results
     command = chosen_command(argv)
     with _Interrupts() as interrupts:
         status = _main(argv, command)

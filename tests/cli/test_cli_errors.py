@@ -491,6 +491,18 @@ def test_closed_stdout_is_refused_before_loading(capsys, files, no_load, monkeyp
     assert rc == 2 and err == [f"acarerank {command}: error: stdout is closed: the results would be lost"], (rc, err)
 
 
+def test_closed_stderr_keeps_diagnostics_out_of_the_results(capsys, files, monkeypatch):
+    """Started with stderr closed (``2>&-``), Python has no sys.stderr and print(file=None) writes
+    to stdout: the dtype and NOTE lines, and an error's line, came out among the JSON results."""
+    monkeypatch.setattr("sys.stderr", None)
+    rc = main(["score", "--query", "q", "--docs", str(files / "missing.jsonl")])
+    assert rc == 2 and capsys.readouterr().out == ""
+    monkeypatch.setattr("sys.stderr", None)
+    rc = main(["score", "--query", "q", "--docs", str(files / "docs.jsonl")])  # the embedded default: a NOTE
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and [r["index"] for r in rows] == [0, 1], rows
+
+
 def test_nonfinite_weights_are_one_line_and_never_a_nan_score(capsys, files, tmp_path, monkeypatch):
     """A NaN in the "yes" row once printed {"score": NaN} (not even JSON) with exit 0. At load it is
     bad input (exit 2) naming file and tensor; weights that turn non-finite after loading are a
