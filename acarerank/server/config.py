@@ -162,10 +162,10 @@ def check_api_key(key: str, source: str) -> None:
     if key != key.strip():
         raise ValueError(f"{source} starts or ends with whitespace, which no client's header can carry "
                          "(HTTP strips it): every request would get 401")
-    bad = next((c for c in key if not " " <= c <= "~"), None)
-    if bad is not None:
-        raise ValueError(f"{source} holds {bad!r}: a key is printable ASCII (HTTP clients do not send other "
-                         "characters in a header as UTF-8), else every request would get 401")
+    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+    if bad is not None:  # its position, not the character: the key is never printed
+        raise ValueError(f"{source} holds a character outside printable ASCII (at position {bad + 1}): HTTP clients "
+                         "do not send other characters in a header as UTF-8, so every request would get 401")
 
 
 def _flag(name: str) -> str:
