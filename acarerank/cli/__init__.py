@@ -124,25 +124,38 @@ class _Interrupts:
     A KeyboardInterrupt raised in the middle of an import leaves a half-initialised module: a
     C extension then fails its next import ("cannot load module more than once per process", exit
     1), transformers rewraps it as ModuleNotFoundError with the interrupt off the chain (exit 1),
-    and inside torch's import pybind11 turns it into std::terminate (SIGABRT, no message). So
-    SIGINT inside an import is re-posted every ``RETRY_S`` until the import has finished, then
-    raised. One raised inside a callback whose exceptions Python swallows (a weakref callback,
-    ``__del__``) prints "Exception ignored in ..." and is lost: ``sys.unraisablehook`` drops it
-    quietly, and every interrupt seen is exit 130 at the end (``main``)."""
+    and inside torch's import pybind11 turns it into std::terminate (SIGABRT, no message). So a
+    SIGINT inside an import is held: a watcher thread re-posts it once the main thread is out of
+    the import (checked every ``RETRY_S``); a second Ctrl-C raises at once, inside an import too
+    (one that hangs would hold the first for ever). One raised inside a callback whose exceptions
+    Python swallows (a weakref callback, ``__del__``) prints "Exception ignored in ..." and is
+    lost: ``sys.unraisablehook`` drops it quietly, and every interrupt seen is exit 130 at the end
+    (``main``)."""
 
     RETRY_S = 0.05
 
     def __init__(self):
         self.seen = False
         self._installed = False
-        self._retry = None
+        self._posting = False  # the next SIGINT is the held one, posted by the watcher
+        self._stop = threading.Event()
+
+    def _post_after_import(self):
+        main = threading.main_thread().ident
+        while not self._stop.wait(self.RETRY_S):
+            frame = sys._current_frames().get(main)
+            if frame is None or not _in_import(frame):
+                self._posting = True
+                _thread.interrupt_main()
+                return
 
     def _on_sigint(self, signum, frame):
+        posted, self._posting = self._posting, False
+        if self.seen and not posted:  # a second Ctrl-C
+            raise KeyboardInterrupt
         self.seen = True
         if _in_import(frame):
-            self._retry = threading.Timer(self.RETRY_S, _thread.interrupt_main)
-            self._retry.daemon = True
-            self._retry.start()
+            threading.Thread(target=self._post_after_import, daemon=True, name="acarerank-ctrl-c").start()
             return
         raise KeyboardInterrupt
 
@@ -165,8 +178,7 @@ class _Interrupts:
 
     def __exit__(self, *exc):
         sys.unraisablehook = self._previous_hook
-        if self._retry is not None:  # not after the command: Python's handler would raise it at exit
-            self._retry.cancel()
+        self._stop.set()  # a held Ctrl-C is not posted after the command: Python's handler would raise it at exit
         if self._installed:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
