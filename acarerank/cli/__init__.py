@@ -15,9 +15,13 @@ checked before the model loads.
 """
 from __future__ import annotations
 
+import _thread
 import argparse
 import importlib
+import os
+import signal
 import sys
+import threading
 
 #: subcommand -> one-line help (its module is acarerank.cli.<name>)
 SUBCOMMANDS = {
@@ -95,8 +99,6 @@ def _interrupted(e: BaseException) -> bool:
 
 def _stdout_to_devnull() -> None:
     """Point stdout's descriptor at /dev/null, so the interpreter's last flush cannot fail again."""
-    import os
-
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture): nothing to flush there
@@ -107,15 +109,111 @@ def _stdout_to_devnull() -> None:
 _PRINTS_RESULTS = ("score", "select")
 
 
+def _in_import(frame) -> bool:
+    """Whether ``frame`` runs under an import (a frame of importlib's bootstrap on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Interrupts:
+    """Ctrl-C while a command runs, made an exit 130 wherever it lands.
+
+    A KeyboardInterrupt raised in the middle of an import leaves a half-initialised module: a
+    C extension then fails its next import ("cannot load module more than once per process", exit
+    1), transformers rewraps it as ModuleNotFoundError with the interrupt off the chain (exit 1),
+    and inside torch's import pybind11 turns it into std::terminate (SIGABRT, no message). So a
+    SIGINT inside an import is held: a watcher thread re-posts it once the main thread is out of
+    the import (checked every ``RETRY_S``); a second Ctrl-C raises at once, inside an import too
+    (one that hangs would hold the first for ever). One raised inside a callback whose exceptions
+    Python swallows (a weakref callback, ``__del__``) prints "Exception ignored in ..." and is
+    lost: ``sys.unraisablehook`` drops it quietly, and every interrupt seen is exit 130 at the end
+    (``main``)."""
+
+    RETRY_S = 0.05
+
+    def __init__(self):
+        self.seen = False
+        self._installed = False
+        self._posting = False  # the next SIGINT is the held one, posted by the watcher
+        self._stop = threading.Event()
+
+    def _post_after_import(self):
+        main = threading.main_thread().ident
+        while not self._stop.wait(self.RETRY_S):
+            frame = sys._current_frames().get(main)
+            if frame is None or not _in_import(frame):
+                self._posting = True
+                _thread.interrupt_main()
+                return
+
+    def _on_sigint(self, signum, frame):
+        posted, self._posting = self._posting, False
+        if self.seen and not posted:  # a second Ctrl-C
+            raise KeyboardInterrupt
+        self.seen = True
+        if _in_import(frame):
+            threading.Thread(target=self._post_after_import, daemon=True, name="acarerank-ctrl-c").start()
+            return
+        raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            self.seen = True
+            return
+        self._previous_hook(unraisable)
+
+    def __enter__(self):
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+        # only where Python's own Ctrl-C handler is in place: a shell's background job ignores
+        # SIGINT (SIG_IGN), and signal handlers can be set from the main thread only
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc):
+        sys.unraisablehook = self._previous_hook
+        self._stop.set()  # a held Ctrl-C is not posted after the command: Python's handler would raise it at exit
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if sys.stderr is None:  # started with stderr closed (2>&-): print(file=None) writes to stdout, so
+        sys.stderr = open(os.devnull, "w")  # the NOTE, dtype and error lines went in among the JSON results
     command = chosen_command(argv)
+    with _Interrupts() as interrupts:
+        status = _main(argv, command)
+    if interrupts.seen and status != 130:  # an interrupt swallowed or rewrapped on its way out
+        print(f"{_label(command)}: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+def _label(command: str | None) -> str:
+    """``acarerank <command>``, the prefix of the command's stderr lines (``acarerank`` before one is chosen)."""
+    return f"acarerank {command}" if command in SUBCOMMANDS else "acarerank"
+
+
+def _main(argv: list, command: str | None) -> int:
     try:
         parser = build_parser(command if command in SUBCOMMANDS else None)
         args = parser.parse_args(argv)
     except SystemExit as e:  # usage error (one line already printed, 2) or --help (0)
         return e.code if isinstance(e.code, int) else 2
+    except KeyboardInterrupt:  # Ctrl-C while the chosen subcommand's module imports
+        print(f"{_label(command)}: interrupted", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as e:  # the chosen subcommand's parser needs an extra that is absent
+        if _interrupted(e):  # Ctrl-C inside an import that rewraps it (transformers' lazy modules)
+            print(f"{_label(command)}: interrupted", file=sys.stderr)
+            return 130
         hint = missing_extra(e)
         if hint is None:
             raise

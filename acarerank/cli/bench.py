@@ -35,7 +35,24 @@ def _ints(text: str) -> tuple:
 
 
 def _names(text: str) -> tuple:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+    """Comma-separated names; none at all is a usage error (``--providers ''`` ran every provider,
+    ``--modes ''`` said 'unknown context mode(s) []')."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def _output_dir(path: str) -> str:
+    """``path`` made a folder (``--output`` or the default), before anything is measured or loaded;
+    OSError naming the flag (it was '[Errno 17] File exists: ...', the agent workload's after the
+    model had loaded)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        what = "is a file, not a folder" if os.path.isfile(path) else f"cannot be made a folder: {e.strerror or e}"
+        raise OSError(f"--output {path!r} {what}") from None
+    return path
 
 
 def _range(text: str) -> tuple:
@@ -207,10 +224,9 @@ def run_agent(args) -> int:
                        question_tokens=cfg.spec.question_tokens, query_tokens=cfg.spec.query_tokens,
                        docs=args.docs_per_call, doc_tokens=(lo, hi), subqueries=n, seed=args.seed)
              for n in args.subqueries]
+    out_dir = _output_dir(args.output or os.path.join(
+        "results", f"bench-agent-{cfg.preset}-{cfg.dtype}-{cfg.device.replace(':', '')}"))
     model, tok, random_weights = load_model(cfg)
-    out_dir = args.output or os.path.join(
-        "results", f"bench-agent-{cfg.preset}-{cfg.dtype}-{cfg.device.replace(':', '')}")
-    os.makedirs(out_dir, exist_ok=True)
     texts, rows, ok = [], [], True
     backend = cfg.backends[0] if cfg.backends else None
     csv_path = os.path.join(out_dir, "agent.csv")
@@ -254,7 +270,7 @@ def run(args) -> int:
     out_dir = args.output or os.path.join(
         "results", f"bench-{cfg.preset if cfg.model_path is None else 'model'}-{'+'.join(names)}-"
                    f"{cfg.device.replace(':', '')}")
-    os.makedirs(out_dir, exist_ok=True)
+    _output_dir(out_dir)
     for name, why in dtypes:
         print(f"[bench] dtype {name}: {why}", file=sys.stderr, flush=True)
     rows, scores, results = [], {}, []

@@ -4,6 +4,7 @@ Imports only the standard library at module level: a subcommand's ``--help`` nee
 """
 from __future__ import annotations
 
+import codecs
 import io
 import json
 import os
@@ -56,8 +57,13 @@ def check_common(args) -> None:
 
 
 def read_input_bytes(path: str, flag: str, cap: int = MAX_INPUT_BYTES) -> bytes:
-    """The bytes of ``path`` ('-': stdin); ValueError naming the flag, the file and the cap when it
-    holds more than ``cap`` bytes (at most ``cap`` + 1 are read: /dev/zero is refused at once)."""
+    """The bytes of ``path`` ('-': stdin) without a leading UTF-8 byte order mark; ValueError naming
+    the flag, the file and the cap when it holds more than ``cap`` bytes (at most ``cap`` + 1 are
+    read: /dev/zero is refused at once).
+
+    The mark (EF BB BF, which Windows editors write) is dropped as the server drops it from a body
+    (RFC 8259 8.1 lets a parser ignore it): ``--docs`` refused its first line as invalid JSON, and
+    ``--trace-file`` put an invisible U+FEFF at the start of the trace the model read."""
     if path == "-":
         if sys.stdin is None:  # started with stdin closed (<&-)
             raise ValueError(f"{flag} -: stdin is closed")
@@ -73,7 +79,7 @@ def read_input_bytes(path: str, flag: str, cap: int = MAX_INPUT_BYTES) -> bytes:
     if len(data) > cap:
         raise ValueError(f"{flag} {'stdin' if path == '-' else repr(path)} holds more than {cap:,} bytes, "
                          f"the cap on one input file (the server's request body cap)")
-    return data
+    return data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
 
 
 def read_text_file(path: str, flag: str) -> str:
@@ -87,42 +93,92 @@ def read_text_file(path: str, flag: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def _not_json(constant: str):
+    """``json.loads``' ``parse_constant``: NaN, Infinity and -Infinity are not JSON (RFC 8259 6).
+    Python reads them, and a passed-through field then came out as the same invalid JSON."""
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    """``json.loads``' ``parse_float``: a number past a double's range (1e999) read as inf and came
+    out as ``Infinity``, which is not JSON."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:40]} is past a double's range")
+    return value
+
+
 def read_documents(path: str, max_docs: int | None = None) -> list:
     """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings.
     ValueError naming the file and the cap (``--max-documents``) at the first document past ``max_docs``."""
     data = read_input_bytes(path, "--docs")  # bytes: a decode error names its line
+    name = "stdin" if path == "-" else path  # the file:line prefix of each error ('-:2:' named nothing)
     docs = []
     for n, raw in enumerate(io.BytesIO(data), 1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}:{n}: not UTF-8 text (byte {e.start} of the line: {e.reason})") from None
+            raise ValueError(f"{name}:{n}: not UTF-8 text (byte {e.start} of the line: {e.reason})") from None
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
-        except ValueError as e:  # JSONDecodeError, or an over-long integer literal
-            raise ValueError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
+            item = json.loads(line, parse_constant=_not_json, parse_float=_finite_float)
+        except ValueError as e:  # JSONDecodeError, an over-long integer literal, NaN / Infinity / 1e999
+            raise ValueError(f"{name}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
         except RecursionError:
-            raise ValueError(f"{path}:{n}: JSON nested too deeply") from None
+            raise ValueError(f"{name}:{n}: JSON nested too deeply") from None
         if isinstance(item, dict):
             if not isinstance(item.get("text"), str):
-                raise ValueError(f"{path}:{n}: a JSON object needs a string field 'text'")
+                raise ValueError(f"{name}:{n}: a JSON object needs a string field 'text'")
         elif not isinstance(item, str):
-            raise ValueError(f"{path}:{n}: expected a JSON object with 'text' or a JSON string")
+            raise ValueError(f"{name}:{n}: expected a JSON object with 'text' or a JSON string")
         text = item["text"] if isinstance(item, dict) else item
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"{path}:{n}: the text is not valid Unicode ({e.reason} at character "
+            raise ValueError(f"{name}:{n}: the text is not valid Unicode ({e.reason} at character "
                              f"{e.start}, e.g. a lone \\ud800 escape)") from None
         if max_docs is not None and len(docs) == max_docs:  # stop at the first one past the cap, parse no more
             raise ValueError(f"--docs {'stdin' if path == '-' else repr(path)} holds more than {max_docs:,} "
                              f"document{'s' if max_docs != 1 else ''} (line {n}), the cap --max-documents; raise --max-documents to score more")
         docs.append(item)
     if not docs:
-        raise ValueError(f"{path}: no documents")
+        raise ValueError(f"{name}: no documents")
     return docs
+
+
+def json_line(obj) -> str:
+    """``obj`` as one JSON line for stdout. Non-ASCII characters are written as they are where
+    stdout's encoding is UTF-8, else as ``\\uXXXX`` escapes (the same JSON once parsed): under
+    ``PYTHONIOENCODING=ascii`` or a Latin-1 locale the raw characters made the first such line fail
+    to encode after the whole run (a UnicodeEncodeError, exit 2, the lines before it printed)."""
+    encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+    try:
+        utf8 = codecs.lookup(encoding).name == "utf-8"
+    except LookupError:
+        utf8 = False
+    return json.dumps(obj, ensure_ascii=not utf8)
+
+
+def print_results(rows) -> None:
+    """Each row (a dict) as a JSON line on stdout (``json_line``), flushed before returning.
+
+    stdout to a file or a pipe is block-buffered: unflushed, a reader that left (``| true``) or a
+    full disk surfaced at the interpreter's exit flush as "Exception ignored ... BrokenPipeError"
+    with exit 120. Flushed here, a gone reader is ``main``'s quiet 141, and another write error
+    a RuntimeError naming stdout (exit 1), stdout then pointed at /dev/null so the exit flush
+    cannot fail again."""
+    try:
+        for row in rows:
+            print(json_line(row))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        from . import _stdout_to_devnull
+
+        _stdout_to_devnull()
+        raise RuntimeError(f"cannot write the results to stdout: {e.strerror or e}") from None
 
 
 def load_reranker(cls, args, **kw):

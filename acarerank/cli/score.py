@@ -8,10 +8,8 @@ checked before the model loads.
 """
 from __future__ import annotations
 
-import json
-
 from . import SUBCOMMANDS
-from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, read_documents
+from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, print_results, read_documents
 
 
 def add_parser(sub) -> None:
@@ -48,6 +46,8 @@ def run(args) -> int:
         # the exact fit (the template's own tokens too) needs the tokenizer, after loading
         raise ValueError(f"--min-doc-tokens {args.min_doc_tokens} leaves no room in --max-length {args.max_length}: "
                          "the prompt's fixed strings need tokens too; lower it or raise --max-length")
+    if args.docs == "-" and args.trace_file == "-":  # --docs would read all of stdin, the trace none: M0, no sign
+        raise ValueError("--docs - and --trace-file - cannot both read stdin: give one of them a file")
     docs = read_documents(args.docs, args.max_documents)
     trace = read_text_file(args.trace_file, "--trace-file") if args.trace_file else None
     from ..pointwise import PointwiseReranker
@@ -58,8 +58,8 @@ def run(args) -> int:
                        instruction=args.instruction)
     if args.top_n is None:
         ranked.sort()  # input order
-    for i, s in ranked:
-        extra = ({k: v for k, v in docs[i].items() if k not in ("index", "score")}
-                 if isinstance(docs[i], dict) else {"text": docs[i]})
-        print(json.dumps({"index": i, "score": s, **extra}, ensure_ascii=False))
+    print_results({"index": i, "score": s,
+                   **({k: v for k, v in docs[i].items() if k not in ("index", "score")}
+                      if isinstance(docs[i], dict) else {"text": docs[i]})}
+                  for i, s in ranked)
     return 0

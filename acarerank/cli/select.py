@@ -7,11 +7,10 @@ plain JSON strings. Output: one JSON object per selected document, most useful f
 """
 from __future__ import annotations
 
-import json
 import sys
 
 from . import SUBCOMMANDS
-from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, read_documents
+from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, print_results, read_documents
 
 
 def add_parser(sub) -> None:
@@ -76,10 +75,10 @@ def run(args) -> int:
     sr = load_reranker(SetwiseReranker, args, max_new_tokens=args.max_new_tokens, special_tokens=args.special_tokens)
     sel = sr.select(args.query, texts, intent=args.intent, max_select=args.max_select,
                     constrained=not args.unconstrained)
-    for rank, (i, ident) in enumerate(zip(sel.indices, sel.ids), 1):
-        extra = ({k: v for k, v in docs[i].items() if k not in ("rank", "index", "id")}
-                 if isinstance(docs[i], dict) else {"text": docs[i]})
-        print(json.dumps({"rank": rank, "index": i, "id": ident, **extra}, ensure_ascii=False))
+    print_results({"rank": rank, "index": i, "id": ident,
+                   **({k: v for k, v in docs[i].items() if k not in ("rank", "index", "id")}
+                      if isinstance(docs[i], dict) else {"text": docs[i]})}
+                  for rank, (i, ident) in enumerate(zip(sel.indices, sel.ids), 1))
     if not args.quiet:
         print(f"output {sel.text!r} ({sel.num_tokens} tokens, prompt {sel.prompt_tokens} tokens, "
               f"{'valid' if sel.valid else 'INVALID, leniently parsed'})", file=sys.stderr)

@@ -125,6 +125,8 @@ class ServeConfig:
                 setattr(self, f.name, check_seconds(_flag(f.name), v))
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.api_key is not None:
+            check_api_key(self.api_key, "--api-key")
         if self.select_max_new_tokens > MAX_SELECT_NEW_TOKENS:  # it started, then refused every /v1/select (400)
             raise ValueError(f"--select-max-new-tokens must be at most {MAX_SELECT_NEW_TOKENS:,} (the longest selection "
                              f"of {DEFAULT_MAX_DOCUMENTS:,} documents; past it every /v1/select of up to "
@@ -150,6 +152,23 @@ class ServeConfig:
 
     def replace(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_api_key(key: str, source: str) -> None:
+    """ValueError naming ``source`` (the flag or variable) unless a client can send ``key``: the
+    gate compares it with the header value, which HTTP strips of surrounding whitespace and
+    clients encode as ASCII (or Latin-1), so a key with a trailing newline or a non-ASCII
+    character refused every request (401), and an empty ``--api-key`` (``--api-key "$UNSET"``)
+    left the server open."""
+    if not key:
+        raise ValueError(f"{source} is empty: give the key, or leave {source} out for an open server")
+    if key != key.strip():
+        raise ValueError(f"{source} starts or ends with whitespace, which no client's header can carry "
+                         "(HTTP strips it): every request would get 401")
+    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+    if bad is not None:  # its position, not the character: the key is never printed
+        raise ValueError(f"{source} holds a character outside printable ASCII (at position {bad + 1}): HTTP clients "
+                         "do not send other characters in a header as UTF-8, so every request would get 401")
 
 
 def _flag(name: str) -> str:

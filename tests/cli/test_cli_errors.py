@@ -71,6 +71,42 @@ def test_score_input_errors_before_loading(capsys, files, no_load, extra, code, 
     assert rc == code and len(err) == 1 and needle in err[0], (rc, err)
 
 
+def test_docs_and_trace_cannot_both_read_stdin(capsys, no_load, monkeypatch):
+    """--docs read all of stdin and --trace-file then read nothing: an empty trace, so M0 scores
+    where M1 was asked for, exit 0."""
+    import io
+    import types
+
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(b'"doc"\n')))
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "-", "--trace-file", "-"])
+    assert rc == 2 and err == ["acarerank score: error: --docs - and --trace-file - cannot both read stdin: give one "
+                               "of them a file"], (rc, err)
+
+
+@pytest.mark.parametrize("data, line", [(b"", "stdin: no documents"),
+                                        (b'"a"\n{bad\n', "stdin:2: not valid JSON"),
+                                        (b'"a"\n"\xff"\n', "stdin:2: not UTF-8 text")])
+def test_errors_in_documents_from_stdin_say_stdin(capsys, no_load, monkeypatch, data, line):
+    """They read '-: no documents' and '-:2: not valid JSON (...)'."""
+    import io
+    import types
+
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(data)))
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "-"])
+    assert rc == 2 and len(err) == 1 and err[0].startswith(f"acarerank score: error: {line}"), (rc, err)
+
+
+@pytest.mark.parametrize("line, reason", [('{"text": "a", "id": NaN}', "NaN is not a JSON number"),
+                                          ('{"text": "a", "w": -Infinity}', "-Infinity is not a JSON number"),
+                                          ('{"text": "a", "w": 1e999}', "the number 1e999 is past a double's range")])
+def test_documents_with_numbers_json_has_not_are_refused(capsys, no_load, tmp_path, line, reason):
+    """Python's json reads NaN, Infinity and 1e999 (as inf); a passed-through field then came out
+    as NaN / Infinity, which no strict JSON reader (jq, JSON.parse) accepts."""
+    (tmp_path / "d.jsonl").write_text('"ok"\n' + line + "\n")
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", str(tmp_path / "d.jsonl")])
+    assert rc == 2 and err == [f"acarerank score: error: {tmp_path / 'd.jsonl'}:2: not valid JSON ({reason})"], (rc, err)
+
+
 def test_select_max_select_names_max_new_tokens(capsys, files, no_load):
     (files / "many.jsonl").write_text("\n".join(json.dumps(f"doc {i}") for i in range(20)))
     rc, err, _ = run(capsys, ["select", "--query", "q", "--docs", str(files / "many.jsonl"), "--max-select", "16"])
@@ -135,12 +171,62 @@ def test_score_output_has_text_and_short_max_length_works(capsys, files):
     assert rc == 0 and [r["text"] for r in rows] == ["plain string doc", "object doc"] and rows[1]["id"] == 7, (err, rows)
 
 
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_output_is_json_in_any_stdout_encoding(files, tmp_path, monkeypatch, capsys, command, encoding):
+    """Under PYTHONIOENCODING=ascii (or a Latin-1 locale) the first document with a character
+    stdout cannot encode failed its line after the whole run: a UnicodeEncodeError, exit 2. Now
+    such characters are JSON escapes there, the same text once parsed."""
+    import io
+
+    texts = ["caf\u00e9 \u4e2d\u6587", "plain"]
+    (tmp_path / "uni.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts), encoding="utf-8")
+    out = io.TextIOWrapper(io.BytesIO(), encoding=encoding, errors="strict")
+    monkeypatch.setattr("sys.stdout", out)
+    rc = main([command, "--model", str(files / "ckpt"), "--query", "q", "--docs", str(tmp_path / "uni.jsonl")])
+    err = capsys.readouterr().err
+    out.flush()
+    rows = [json.loads(x) for x in out.buffer.getvalue().decode(encoding).splitlines()]
+    assert rc == 0 and rows, (rc, err)
+    assert all(r["text"] == texts[r["index"]] for r in rows) and (command == "select" or len(rows) == 2), rows
+
+
 @pytest.mark.parametrize("argv, needle", [(["bench", "--device", "garbage", "--quick"], "garbage"),
                                           (["bench", "--device", "xpu", "--quick"], "cpu or cuda"),
                                           (["bench", "--depths", "x"], "--depths")])
 def test_bench_usage_errors_are_one_line(capsys, argv, needle):
     rc, err, _ = run(capsys, argv)
     assert rc == 2 and len(err) == 1 and needle in err[0], (rc, err)
+
+
+@pytest.fixture()
+def no_bench(monkeypatch):
+    """A bench run that got past its checks stops here, before loading or measuring anything."""
+    import acarerank.benchmark.harness as harness
+
+    def boom(*a, **kw):
+        raise ModelLoaded()
+
+    monkeypatch.setattr(harness, "run_bench", boom)
+    monkeypatch.setattr(harness, "load_model", boom)
+
+
+@pytest.mark.parametrize("flag", ["--providers", "--modes"])
+def test_bench_an_empty_name_list_is_a_usage_error(capsys, no_bench, flag):
+    """``--providers ''`` ran every provider (an empty list read as the default); ``--modes ''``
+    said 'unknown context mode(s) []'."""
+    rc, err, _ = run(capsys, ["bench", "--quick", flag, " , "])
+    assert rc == 2 and err == [f"acarerank bench: error: argument {flag}: expected comma-separated names, "
+                               f"got ' , ' (see --help)"], (rc, err)
+
+
+@pytest.mark.parametrize("workload", ["depth", "agent"])
+def test_bench_output_that_is_a_file_names_the_flag(capsys, no_bench, tmp_path, workload):
+    """It was '[Errno 17] File exists: ...' (the agent workload's after loading the model)."""
+    (tmp_path / "f").write_text("")
+    rc, err, _ = run(capsys, ["bench", "--quick", "--workload", workload, "--output", str(tmp_path / "f")])
+    assert rc == 2 and err == [f"acarerank bench: error: --output {str(tmp_path / 'f')!r} is a file, not a folder"], \
+        (rc, err)
 
 
 # -- input files are read with a byte cap ---------------------------------------------------------
@@ -186,6 +272,27 @@ def test_read_input_bytes_takes_the_cap_and_refuses_one_more(tmp_path):
     assert read_input_bytes(str(f), "--docs", cap=10) == b"0123456789"
     with pytest.raises(ValueError, match="--docs .* more than 9 bytes"):
         read_input_bytes(str(f), "--docs", cap=9)
+
+
+def test_a_leading_utf8_byte_order_mark_is_dropped(tmp_path, monkeypatch):
+    """A file saved by a Windows editor starts with EF BB BF: --docs refused its line 1 as invalid
+    JSON ('Unexpected UTF-8 BOM'), --trace-file gave the model a trace starting with U+FEFF. The mark
+    is dropped, as the server drops it from a body; one later in the file is still an error."""
+    import io
+    import types
+
+    from acarerank.cli.common import read_documents, read_text_file
+
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "docs.jsonl").write_bytes(bom + b'"a"\r\n{"text": "b"}\r\n')
+    (tmp_path / "trace.txt").write_bytes(bom + b"step 1\r\nstep 2")
+    assert read_documents(str(tmp_path / "docs.jsonl")) == ["a", {"text": "b"}]
+    assert read_text_file(str(tmp_path / "trace.txt"), "--trace-file") == "step 1\nstep 2"
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(buffer=io.BytesIO(bom + b'"from stdin"\n')))
+    assert read_documents("-") == ["from stdin"]
+    (tmp_path / "two.jsonl").write_bytes(bom + b'"a"\n' + bom + b'"b"\n')
+    with pytest.raises(ValueError, match="two.jsonl:2: not valid JSON"):
+        read_documents(str(tmp_path / "two.jsonl"))
 
 
 # the child measures the memory the read adds: torch and the ops are imported before it
@@ -257,10 +364,129 @@ def test_ctrl_c_rewrapped_by_an_import_is_still_an_interrupt(capsys, monkeypatch
     assert rc == 130 and err == ["acarerank score: interrupted"], (rc, err)
 
 
+def test_ctrl_c_while_the_subcommand_imports_is_an_interrupt(capsys, monkeypatch):
+    """Ctrl-C while ``build_parser`` imports the chosen subcommand's module (torch-free, but a few
+    hundred ms of imports) escaped main: a traceback, and the process killed by SIGINT."""
+    import acarerank.cli as cli
+
+    def interrupted_import(command=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted_import)
+    try:
+        rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
+    except KeyboardInterrupt:  # not raised on: pytest would stop the whole session
+        pytest.fail("KeyboardInterrupt escaped main")
+    assert rc == 130 and err == ["acarerank score: interrupted"], (rc, err)
+
+
+def test_ctrl_c_swallowed_by_a_callback_still_exits_130(capsys, monkeypatch):
+    """A KeyboardInterrupt raised inside a weakref callback (importlib's module-lock cleanup is
+    one) is 'Exception ignored' to Python: it printed a traceback and the command ran on to exit 0."""
+    import weakref
+
+    import acarerank.cli.score as score
+
+    def throw(_ref):
+        raise KeyboardInterrupt
+
+    def run_with_a_lost_interrupt(args):
+        class Obj:
+            pass
+
+        obj = Obj()
+        ref = weakref.ref(obj, throw)
+        del obj  # the callback runs here; its KeyboardInterrupt goes to sys.unraisablehook
+        assert ref() is None
+        return 0
+
+    monkeypatch.setattr(score, "run", run_with_a_lost_interrupt)
+    rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
+    assert rc == 130 and err == ["acarerank score: interrupted"], (rc, err)
+
+
+# the child runs ``score`` with a run() that imports a slow module; the parent sends SIGINT during it
+_SLOW_IMPORT_CHILD = """
+import sys
+import acarerank.cli.score as score
+sys.path.insert(0, sys.argv[1])
+
+def run(args):
+    import slow_module
+    return 0
+
+score.run = run
+from acarerank.cli import main
+sys.exit(main(["score", "--query", "q", "--docs", "x"]))
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_during_an_import_waits_for_the_import_then_exits_130(tmp_path, presses):
+    """SIGINT inside an import raised KeyboardInterrupt in the middle of it (inside torch's, a
+    SIGABRT from pybind11; after it, 'cannot load module more than once', exit 1). It is raised
+    once the import has finished: the module is whole, the exit is 130 with one line. A second
+    Ctrl-C raises at once (an import that hangs cannot hold the interrupt for ever)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sleep_s = 1.5 if presses == 1 else 8
+    (tmp_path / "slow_module.py").write_text(
+        f"import sys, time\nsys.stderr.write('importing\\n'); sys.stderr.flush()\ntime.sleep({sleep_s})\n"
+        "sys.stderr.write('imported\\n')\n")
+    child = subprocess.Popen([sys.executable, "-c", _SLOW_IMPORT_CHILD, str(tmp_path)], stderr=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert child.stderr.readline() == "importing\n"
+        for _ in range(presses):
+            child.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        err = child.stderr.read().splitlines()
+        rc = child.wait(timeout=30)
+    finally:
+        child.kill()
+    expected = ["imported"] if presses == 1 else []
+    assert rc == 130 and err == expected + ["acarerank score: interrupted"], (rc, err)
+
+
 def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
     _raise_in_run(monkeypatch, BrokenPipeError(32, "Broken pipe"))
     rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
     assert rc == 141 and err == [], (rc, err)
+
+
+@pytest.mark.parametrize("sink", ["reader gone", "disk full"])
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_a_failed_write_of_buffered_results_is_one_line_and_its_own_status(files, command, sink):
+    """stdout to a pipe or a file is block-buffered (no PYTHONUNBUFFERED): the results were
+    written at the interpreter's exit flush, where a reader that had left (``| true``) or a full
+    disk printed "Exception ignored in: <_io.TextIOWrapper name='<stdout>'...>" and exited 120.
+    Now a gone reader is the quiet 141, another write error one line and exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    import acarerank
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(acarerank.__file__))
+    argv = [sys.executable, "-m", "acarerank.cli", command, "--model", str(files / "ckpt"), "--query", "q",
+            "--docs", str(files / "docs.jsonl")]
+    if sink == "reader gone":
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        with os.fdopen(write_end, "wb") as out:
+            r = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+        expected = (141, [])
+    else:
+        with open("/dev/full", "wb") as out:
+            r = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+        expected = (1, [f"acarerank {command}: runtime error: RuntimeError: cannot write the results to stdout: "
+                        "No space left on device"])
+    err = [x for x in r.stderr.splitlines() if not x.startswith(("NOTE:", "dtype:", "output "))]
+    assert (r.returncode, err) == expected, (r.returncode, r.stderr[-2000:])
 
 
 @pytest.mark.parametrize("command", ["score", "select"])
@@ -270,6 +496,18 @@ def test_closed_stdout_is_refused_before_loading(capsys, files, no_load, monkeyp
     monkeypatch.setattr("sys.stdout", None)
     rc, err, _ = run(capsys, [command, "--query", "q", "--docs", str(files / "docs.jsonl")])
     assert rc == 2 and err == [f"acarerank {command}: error: stdout is closed: the results would be lost"], (rc, err)
+
+
+def test_closed_stderr_keeps_diagnostics_out_of_the_results(capsys, files, monkeypatch):
+    """Started with stderr closed (``2>&-``), Python has no sys.stderr and print(file=None) writes
+    to stdout: the dtype and NOTE lines, and an error's line, came out among the JSON results."""
+    monkeypatch.setattr("sys.stderr", None)
+    rc = main(["score", "--query", "q", "--docs", str(files / "missing.jsonl")])
+    assert rc == 2 and capsys.readouterr().out == ""
+    monkeypatch.setattr("sys.stderr", None)
+    rc = main(["score", "--query", "q", "--docs", str(files / "docs.jsonl")])  # the embedded default: a NOTE
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and [r["index"] for r in rows] == [0, 1], rows
 
 
 def test_nonfinite_weights_are_one_line_and_never_a_nan_score(capsys, files, tmp_path, monkeypatch):

@@ -1,0 +1,96 @@
+"""``acarerank serve``'s listening address and API key are checked before the model loads: one
+line on stderr, exit 2 (cli/__init__.py), never a server that listens where it was not asked to,
+or that no client can pass."""
+import socket
+
+import pytest
+
+from _optional import require
+from acarerank.cli import main
+
+require("fastapi", "uvicorn", "pydantic", "prometheus_client", "msgspec")
+
+
+class ModelLoaded(BaseException):
+    """Raised where the model would load (not an Exception: main cannot swallow it)."""
+
+
+@pytest.fixture()
+def no_load(monkeypatch):
+    import acarerank.server.build as build
+
+    def boom(*a, **kw):
+        raise ModelLoaded()
+
+    monkeypatch.setattr(build, "build_service", boom)
+    monkeypatch.delenv("ACARERANK_API_KEY", raising=False)
+
+
+def serve(capsys, argv):
+    rc = main(["serve"] + argv)
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith(("NOTE:", "dtype:"))]
+    return rc, err
+
+
+@pytest.fixture()
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("host, needle", [
+    ("", "--host is empty, which would listen on every interface"),  # asyncio: '' is every interface
+    ("bogus host", "--host 'bogus host' is not an address or a name this machine resolves"),
+    ("192.0.2.1", "cannot listen on 192.0.2.1 port"),  # TEST-NET-1 (RFC 5737): no machine's own address
+])
+def test_a_host_that_cannot_listen_is_refused_before_loading(capsys, no_load, host, needle):
+    """They loaded the whole model, then uvicorn logged its error and exited 3; '' listened on
+    0.0.0.0 and :: (``--host "$UNSET"`` served the network)."""
+    rc, err = serve(capsys, ["--host", host, "--port", "0"])
+    assert rc == 2 and len(err) == 1 and err[0].startswith("acarerank serve: error: ") and needle in err[0], (rc, err)
+
+
+def test_a_port_in_use_is_refused_before_loading(capsys, no_load, busy_port):
+    rc, err = serve(capsys, ["--port", str(busy_port)])
+    assert rc == 2 and err == [f"acarerank serve: error: --host 127.0.0.1 --port {busy_port}: cannot listen on "
+                               f"127.0.0.1 port {busy_port}: address already in use"], (rc, err)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_a_free_address_reaches_the_model(capsys, no_load, host):
+    with pytest.raises(ModelLoaded):
+        main(["serve", "--host", host, "--port", "0"])
+
+
+@pytest.mark.parametrize("key, needle", [
+    ("", "--api-key is empty"),  # it served with no key at all ('api key off')
+    (" s3cr3t", "starts or ends with whitespace"),  # the gate strips the header: every request 401
+    ("s3cr3t\n", "starts or ends with whitespace"),
+    ("s3cr\u00e9t", "outside printable ASCII (at position 5)"),
+    ("s3\tcr3t", "outside printable ASCII (at position 3)"),
+])
+def test_an_api_key_no_client_can_send_is_refused(capsys, no_load, key, needle):
+    rc, err = serve(capsys, ["--port", "0", "--api-key", key])
+    assert rc == 2 and len(err) == 1 and needle in err[0] and "--api-key" in err[0], (rc, err)
+    assert "s3" not in err[0] and "cr3t" not in err[0], f"the key is never printed: {err[0]}"
+
+
+def test_the_api_key_variable_is_checked_too(capsys, no_load, monkeypatch):
+    monkeypatch.setenv("ACARERANK_API_KEY", "key\r")  # an env file with CRLF line ends
+    rc, err = serve(capsys, ["--port", "0"])
+    assert rc == 2 and len(err) == 1 and "ACARERANK_API_KEY starts or ends with whitespace" in err[0], (rc, err)
+    for value in ("", "a key-with_symbols.~!"):  # empty: unset, an open server (docs/install.md)
+        monkeypatch.setenv("ACARERANK_API_KEY", value)
+        with pytest.raises(ModelLoaded):
+            main(["serve", "--port", "0"])
+
+
+def test_serve_config_refuses_the_key_for_every_front():
+    """ServeConfig is also what the Ray front builds from its options."""
+    from acarerank.server.config import ServeConfig
+
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        ServeConfig(api_key="")
+    assert ServeConfig(api_key="k").api_key == "k"
