@@ -25,7 +25,7 @@ done
 
 rm -rf "$TREE" "$OUT/reports"
 mkdir -p "$TREE" "$OUT/reports"
-cp -r acarerank tests pyproject.toml "$TREE"/
+cp -r acarerank tests csrc pyproject.toml "$TREE"/   # csrc: a test compiles a kernel source itself
 find "$TREE" -name '__pycache__' -prune -exec rm -rf {} +
 rm -f "$TREE"/acarerank/_C*.so "$TREE"/acarerank/_cpu*.so
 
