@@ -139,31 +139,22 @@ def test_baseline_switch_runs_the_fp32_tiles_within_the_rule():
     assert path == ("amx-brgemm" if _native.could_pack_bf16() else "fp32-convert")
 
 
-def test_brgemm_switch_runs_the_amx_code_within_the_rule():
+@pytest.mark.parametrize("baseline", [False, True], ids=["brgemm", "brgemm+baseline"])
+def test_brgemm_switch_runs_the_amx_code_within_the_rule(baseline):
     """ACARERANK_CPU_BF16_PATH=brgemm runs the amx-brgemm path's code on any AVX-512 CPU: every edge
     case within the rule. On AMX it is that path; elsewhere cpublas' non-AMX bf16 brgemm (oneDNN's
     ukernel) does the products, on the same VNNI operands. Without AVX-512 cpublas refuses them:
-    then the switch is a clear error."""
+    then the switch is a clear error.
+
+    With ACARERANK_CPU_BASELINE=1 too: on an AMX CPU the baseline switch keeps the amx-brgemm
+    products (the path is chosen by cpublas' could_pack first) but turns off the AVX-512 code
+    around them: the K/V tiles are packed into the VNNI layout by the scalar loop, the softmax
+    writes bf16 P in its scalar loop, and no row block takes the direct path, so decode rows go
+    through brgemm too. That mix runs nowhere but an AMX CPU; both switches together run it here
+    on cpublas' AVX-512 ukernel."""
     from acarerank.ops import _native
 
-    done = _run_child("all", ACARERANK_CPU_BF16_PATH="brgemm")
-    if _native.could_pack_bf16():
-        assert _rows_within_the_rule(done) == "amx-brgemm"
-    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():
-        assert _rows_within_the_rule(done) == "brgemm"
-    else:
-        assert done.returncode != 0 and "refuses VNNI tiles on this CPU" in done.stderr, done.stderr[-3000:]
-
-
-def test_brgemm_switch_with_the_baseline_switch_runs_the_amx_baseline_code_within_the_rule():
-    """ACARERANK_CPU_BASELINE=1 on an AMX CPU keeps the amx-brgemm products (the path is chosen by
-    cpublas' could_pack first) but turns off the AVX-512 code around them: the K/V tiles are packed
-    into the VNNI layout by the scalar loop, the softmax writes bf16 P in its scalar loop, and no
-    row block takes the direct path, so decode rows go through brgemm too. That mix
-    runs nowhere but an AMX CPU; both switches together run it here on cpublas' AVX-512 ukernel."""
-    from acarerank.ops import _native
-
-    done = _run_child("all", ACARERANK_CPU_BF16_PATH="brgemm", ACARERANK_CPU_BASELINE="1")
+    done = _run_child("all", ACARERANK_CPU_BF16_PATH="brgemm", **({"ACARERANK_CPU_BASELINE": "1"} if baseline else {}))
     if _native.could_pack_bf16():
         assert _rows_within_the_rule(done) == "amx-brgemm"
     elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags():

@@ -112,29 +112,38 @@ def test_a_held_pass_answers_504_drops_the_work_and_the_engine_serves_on(served,
     assert httpx.get(base + "/health", timeout=5).status_code == 200
 
 
+BIG = ["x " * 100] * 2   # a large request once large_request_chars is 100
+
+
+def hold_the_large_lane(base, svc, steps):
+    """Make BIG a large request and send one ("hold") that stops in its tokenizer worker with the
+    large lane held, until ``steps.encode_gate`` opens. Returns (its thread, {"r": its response})."""
+    svc.large_request_chars = 100
+    steps.encode_gate.clear()
+    first = {}
+    t = threading.Thread(target=lambda: first.update(r=httpx.post(
+        base + "/v1/rerank", json=dict(query="hold", documents=BIG), timeout=30)))
+    t.start()
+    assert steps.encoding.wait(30), "the first large request never reached its tokenizer worker"
+    return t, first
+
+
 def test_the_wait_for_the_large_lane_is_bounded_and_the_lane_is_not_leaked(served):
     """Two tokenizer workers: one large request at a time. A large request held in its tokenizer
     worker holds the lane; a second one waits for the lane and gets its 504 at the deadline; the
     first, released after its deadline, gets its 504 once tokenized (never submitted); then the
     lane is free for a third."""
     base, svc, steps = served["base"], served["svc"], served["steps"]
-    svc.large_request_chars = 100
-    big = ["x " * 100] * 2
-    steps.encode_gate.clear()
-    first = {}
-    t = threading.Thread(target=lambda: first.update(r=httpx.post(
-        base + "/v1/rerank", json=dict(query="hold", documents=big), timeout=30)))
-    t.start()
-    assert steps.encoding.wait(30), "the first large request never reached its tokenizer worker"
+    t, first = hold_the_large_lane(base, svc, steps)
     t0 = time.monotonic()
-    r = httpx.post(base + "/v1/rerank", json=dict(query="second", documents=big), timeout=30)
+    r = httpx.post(base + "/v1/rerank", json=dict(query="second", documents=BIG), timeout=30)
     assert_timed_out(r, time.monotonic() - t0)
     time.sleep(TIMEOUT)
     steps.encode_gate.set()
     t.join(30)
     assert first["r"].status_code == 504 and "--request-timeout" in first["r"].text, first["r"].text
     assert svc.engine.num_jobs == 0, "a request past its deadline after tokenizing was submitted"
-    r = httpx.post(base + "/v1/rerank", json=dict(query="third", documents=big), timeout=30)
+    r = httpx.post(base + "/v1/rerank", json=dict(query="third", documents=BIG), timeout=30)
     assert r.status_code == 200, r.text
     assert svc.admitted == 0
 
@@ -151,24 +160,17 @@ def test_a_client_gone_while_waiting_for_the_large_lane_is_never_tokenized(model
     steps.encode = lambda request, **kw: (encoded.append(request.query), inner_encode(request, **kw))[1]
     svc = RerankService(rr, "tiny-lane", max_queue=16, tokenize_workers=2)
     svc.reranker = svc.engine.steps = steps
-    svc.large_request_chars = 100
-    big = ["x " * 100] * 2
     svc.start()
     try:
         with thread_server(create_app(svc)) as base:
-            steps.encode_gate.clear()
-            first = {}
-            t = threading.Thread(target=lambda: first.update(r=httpx.post(
-                base + "/v1/rerank", json=dict(query="hold", documents=big), timeout=30)))
-            t.start()
-            assert steps.encoding.wait(30), "the first large request never reached its tokenizer worker"
+            t, first = hold_the_large_lane(base, svc, steps)
             with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
-                httpx.post(base + "/v1/rerank", json=dict(query="gone", documents=big), timeout=0.5)
+                httpx.post(base + "/v1/rerank", json=dict(query="gone", documents=BIG), timeout=0.5)
             time.sleep(0.5)  # the service's disconnect poll (0.1 s) sees it while the lane is held
             steps.encode_gate.set()
             t.join(30)
             assert first["r"].status_code == 200, first["r"].text
-            r = httpx.post(base + "/v1/rerank", json=dict(query="third", documents=big), timeout=30)
+            r = httpx.post(base + "/v1/rerank", json=dict(query="third", documents=BIG), timeout=30)
             assert r.status_code == 200, r.text
             assert [q for q in encoded if q != "warm-up query"] == ["hold", "third"], \
                 f"tokenized: {encoded} (a gone client's request was tokenized)"
