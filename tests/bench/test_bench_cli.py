@@ -110,8 +110,9 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     (["--override", "hidden_size=100000000"], "has 17,856,200,000,768 parameters: 6.652e+04 GiB as the float32 weights "
                                              "it is built with, more than the"),
     (["--workload", "agent", "--override", "hidden_size=100000000"], "has 17,856,200,000,768 parameters"),
-    (["--backends", ""], "backends names no backend"),  # was an IndexError once the set-up had run
-    (["--workload", "agent", "--backends", ","], "backends names no backend"),
+    # was an IndexError once the set-up had run; now the flag's own usage error, as --providers ''
+    (["--backends", ""], "argument --backends: expected comma-separated names, got ''"),
+    (["--workload", "agent", "--backends", ","], "argument --backends: expected comma-separated names, got ','"),
 ])
 def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monkeypatch, flags, needle):
     """Every document and text of the workload is built in memory: a huge depth or length is refused
@@ -125,6 +126,14 @@ def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monke
     assert main(["bench", "--quick"] + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_a_bench_config_with_no_backend_is_refused():
+    """The API's own check, now that the command line refuses an empty --backends first."""
+    from acarerank.benchmark.harness import BenchConfig
+
+    with pytest.raises(ValueError, match="backends names no backend"):
+        BenchConfig(backends=()).validate()
 
 
 @pytest.mark.parametrize("kw", [
