@@ -4,7 +4,7 @@ against their plain-PyTorch oracles, on shapes hypothesis draws.
 Attention (``prefix_shared_attention_paged`` and ``prefix_shared_attention``, backend "native"):
 1–5 groups, prefixes of 0..~300 tokens (block multiples and ±1 likely), pages of every size the
 op takes at shuffled ids in a pool with spare pages, some groups sharing their first blocks, NaN
-in every page slot no group reads; 0–6 segments of 1..70 tokens per group (at least one in all)
+in every page slot no group reads and -1 / ±2^31 ids in every block-table entry none reads; 0–6 segments of 1..70 tokens per group (at least one in all)
 in any order, GQA 1/2/4/8, head_dim 64/128/80, fp32 and bf16; q, the pools and the packed op's
 prefix rows contiguous or strided views with NaN between their elements. fp32 within 1e-5 of
 ``prefix_shared_attention_ref``, bf16 by flash-attn's rule (both in
@@ -52,19 +52,21 @@ def prefix_len(draw, block_size, most=300):
 
 
 @st.composite
-def attention_case(draw, decode=False):
-    """(make's args, make's keyword args, dtype, head_dim) of one call of the attention ops."""
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+def attention_case(draw, decode=False, most=300, longest=70, dtypes=(torch.float32, torch.bfloat16)):
+    """(make's args, make's keyword args, dtype, head_dim, the value of the block-table entries no
+    group reads) of one call of the attention ops: prefixes of 0..most tokens, segments of
+    1..longest tokens (wider ranges, other dtypes: for an ad hoc deep run)."""
+    dtype = draw(st.sampled_from(dtypes))
     d = draw(st.sampled_from([64, 128, 80]))
     Hkv = draw(st.integers(1, 2))
     Hq = Hkv * draw(st.sampled_from([1, 2, 4, 8]))
     bs = draw(st.sampled_from(BLOCK_SIZES))
     G = draw(st.integers(1, 5 if not decode else 8))
-    prefix = [draw(prefix_len(bs)) for _ in range(G)]
+    prefix = [draw(prefix_len(bs, most)) for _ in range(G)]
     if decode:  # one-token segments, 1-2 per group: r or 2r rows against the whole prefix
         segs = [(g, 1) for g in range(G) for _ in range(draw(st.integers(1, 2)))]
     else:
-        length = st.one_of(st.sampled_from(PRIMES), st.integers(1, 70))
+        length = st.one_of(st.sampled_from(PRIMES), st.integers(1, longest))
         segs = [(g, draw(length)) for g in range(G) for _ in range(draw(st.integers(0, 6)))]
         if not segs:
             segs = [(draw(st.integers(0, G - 1)), draw(length))]
@@ -79,7 +81,8 @@ def attention_case(draw, decode=False):
     args = ([n for _, n in segs], prefix, [g for g, _ in segs], Hq, Hkv, d, bs)
     kwargs = dict(dtype=dtype, seed=draw(st.integers(0, 2**31 - 1)), spare=draw(st.integers(1, 4)),
                   share=share, unused=float("nan"))
-    return args, kwargs, dtype, d
+    junk = draw(st.sampled_from([-1, -(2**31), 2**31 - 1]))  # block-table entries no group reads
+    return args, kwargs, dtype, d, junk
 
 
 def _in_nan(t, steps):
@@ -96,9 +99,11 @@ def _in_nan(t, steps):
 
 def _check_case(case, layout):
     """layout: (q's, the pools', the packed prefix rows') strides as ``_in_nan`` steps."""
-    args, kwargs, dtype, d = case
+    args, kwargs, dtype, d, junk = case
     q_steps, pool_steps, prefix_steps = layout
     (q, k, v, cu, kc, vc, bt, pl, sg), (_, _, _, _, pk, pv, cp, _) = make(*args, **kwargs)
+    unread = torch.arange(bt.shape[1])[None, :] >= (pl[:, None] + kc.shape[1] - 1) // kc.shape[1]
+    bt[unread] = junk  # entries past a group's ceil(P / block_size) are never read (nor checked)
     q, kc, vc = _in_nan(q, q_steps), _in_nan(kc, pool_steps), _in_nan(vc, pool_steps)
     pk, pv = _in_nan(pk, prefix_steps), _in_nan(pv, prefix_steps)
     _finite_and_within_the_rule((q, k, v, cu, kc, vc, bt, pl, sg), (q, k, v, cu, pk, pv, cp, sg), dtype, d)
