@@ -4,9 +4,10 @@ against their plain-PyTorch oracles, on shapes hypothesis draws.
 Attention (``prefix_shared_attention_paged`` and ``prefix_shared_attention``, backend "native"):
 1–5 groups, prefixes of 0..~300 tokens (block multiples and ±1 likely), pages of every size the
 op takes at shuffled ids in a pool with spare pages, some groups sharing their first blocks, NaN
-in every page slot no group reads and -1 / ±2^31 ids in every block-table entry none reads; 0–6 segments of 1..70 tokens per group (at least one in all)
-in any order, GQA 1/2/4/8, head_dim 64/128/80, fp32 and bf16; q, the pools and the packed op's
-prefix rows contiguous or strided views with NaN between their elements. fp32 within 1e-5 of
+in every page slot no group reads and -1 / ±2^31 ids in every block-table entry none reads; 0–6
+segments of 1..70 tokens per group (at least one in all) in any order, GQA 1/2/4/8, head_dim
+64/128/80, fp32 and bf16; q, the pools and the packed op's prefix rows contiguous or strided views
+with NaN between their elements. fp32 within 1e-5 of
 ``prefix_shared_attention_ref``, bf16 by flash-attn's rule (both in
 ``test_op_cpu_attention_native._finite_and_within_the_rule``). The decode-like shape (one-token
 segments: the direct-rows path where the CPU has AVX512_BF16) has its own test.
@@ -27,7 +28,6 @@ import torch
 
 from _ext import needs_native
 from _hypothesis import HealthCheck, given, settings, st
-from acarerank.ops import prefix_shared_attention, prefix_shared_attention_paged
 from acarerank.ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref, write_pages_ref
 from test_op_cpu_attention_native import _finite_and_within_the_rule, make
 from test_op_qk_norm_rope_pages import _close_to_ref, _tables
@@ -143,14 +143,15 @@ def page_write_case(draw):
     cap = num_blocks * bs
     if draw(st.booleans()):  # any distinct slots
         slots = draw(st.lists(st.integers(0, cap - 1), min_size=T, max_size=T, unique=True))
-    else:  # runs of consecutive slots from a start in each page, pages in shuffled order
+    else:  # consecutive slots through the pages in a shuffled order, from any start (as appends fill pages)
         order = draw(st.permutations(range(num_blocks)))
         slots = [b * bs + o for b in order for o in range(bs)]
         start = draw(st.integers(0, cap - T))
         slots = slots[start:start + T]
     return dict(dtype=dtype, d=d, Hq=Hq, Hkv=Hkv, T=T, bs=bs, num_blocks=num_blocks, slots=slots,
-                pos0=draw(st.integers(0, 40000)), shuffle=draw(st.booleans()), tables=draw(st.sampled_from(["fp32", "dtype"])),
-                strided=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+                pos0=draw(st.integers(0, 40000)), shuffle=draw(st.booleans()),
+                tables=draw(st.sampled_from(["fp32", "dtype"])), strided=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**31 - 1)))
 
 
 @FUZZ
