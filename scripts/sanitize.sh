@@ -42,7 +42,8 @@ cmake --build "$OUT/cmake" -j "${ACARERANK_BUILD_JOBS:-$(nproc)}"
 
 if [ "$#" -eq 0 ]; then
   set -- tests/ops/test_native_ext.py tests/ops/test_logits_gemm.py tests/ops/test_op_cpu_attention_native.py \
-    tests/ops/test_op_cpu_attention_vnni.py tests/ops/test_op_cpu_attention_direct.py \
+    tests/ops/test_op_cpu_attention_property.py tests/ops/test_op_cpu_attention_vnni.py \
+    tests/ops/test_op_cpu_attention_direct.py \
     tests/ops/test_op_cpu_attention_bf16_paths.py tests/ops/test_op_layer_elementwise.py \
     tests/ops/test_op_qk_norm_rope_pages.py tests/ops/test_cpu_kernel_caches.py tests/ops/test_op_topk_logprobs.py \
     tests/ops/test_op_linear_logprob.py tests/ops/test_ext_yes_no.py tests/ops/test_op_topk_merge.py \

@@ -25,21 +25,38 @@ def _kernel():
     return cpu_attention.kernel()
 
 
-def make(seg_lens, prefix_lens, groups, Hq, Hkv, d, block_size=16, dtype=torch.float32, seed=0):
-    """(paged args, packed args): pages at shuffled ids with a garbage spare page between groups."""
+def make(seg_lens, prefix_lens, groups, Hq, Hkv, d, block_size=16, dtype=torch.float32, seed=0, *, spare=3,
+         share=(), unused=None):
+    """(paged args, packed args): pages at shuffled ids with garbage spare pages between groups.
+
+    spare: pages no group is given (beside the pool's used ones); share: (g, h, n) triples — group
+    g's first n blocks are group h's (a shared prefix, as the prefix cache hands out; n at most
+    h's full blocks and g's blocks); unused: a value (e.g. NaN) written into every page slot no
+    group reads (spare pages, pages freed by sharing, the tail of a group's last block), so any
+    read of one shows in the output.
+    """
     g = torch.Generator().manual_seed(seed)
     G = len(prefix_lens)
     nblk = [-(-p // block_size) for p in prefix_lens]
-    num_blocks = sum(nblk) + 3
+    num_blocks = sum(nblk) + spare
     perm = torch.randperm(num_blocks, generator=g).tolist()
     bt = torch.full((G, max(nblk + [1]) + 1), -1, dtype=torch.int32)
     i = 0
     for gi, n in enumerate(nblk):
         bt[gi, :n] = torch.tensor(perm[i:i + n], dtype=torch.int32)
         i += n
+    for gi, h, n in share:
+        assert n <= min(prefix_lens[h] // block_size, nblk[gi]), f"group {gi} cannot share {n} blocks of group {h}"
+        bt[gi, :n] = bt[h, :n]
     kc = torch.randn(num_blocks, block_size, Hkv, d, generator=g).to(dtype)
     vc = torch.randn(num_blocks, block_size, Hkv, d, generator=g).to(dtype)
     rows = [(int(bt[gi, c // block_size]), c % block_size) for gi in range(G) for c in range(prefix_lens[gi])]
+    if unused is not None:
+        read = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+        for b, s in rows:
+            read[b, s] = True
+        kc[~read] = unused
+        vc[~read] = unused
     pk = torch.stack([kc[b, s] for b, s in rows]) if rows else kc.new_empty(0, Hkv, d)
     pv = torch.stack([vc[b, s] for b, s in rows]) if rows else vc.new_empty(0, Hkv, d)
     T = sum(seg_lens)
