@@ -324,11 +324,18 @@ def run_decode(a, info, models, modes, rounds):
                         med = statistics.median(times[p])
                         gbs = kv_bytes / med
                         print(f"  {p:7s} {med * 1e3:10.2f} ms  {gbs / 1e9:7.2f} GB/s  {100 * gbs / bw:5.1f} % of streaming read")
+                        # rates in 4 significant digits, not fixed decimals: --quick's tiny K/V on a busy machine
+                        # rounded to 0.000 GB/s
                         rows.append(dict(_machine(info), dtype=dt_name, model=model, mode=mode, prefix=P, groups=G,
-                                         kv_mb=round(kv_bytes / 1e6, 2), provider=p, ms=round(med * 1e3, 3),
-                                         gb_per_s=round(gbs / 1e9, 3), pct_stream=round(100 * gbs / bw, 1),
-                                         stream_gb_per_s=round(bw / 1e9, 2)))
+                                         kv_mb=_sig(kv_bytes / 1e6), provider=p, ms=round(med * 1e3, 3),
+                                         gb_per_s=_sig(gbs / 1e9), pct_stream=_sig(100 * gbs / bw),
+                                         stream_gb_per_s=_sig(bw / 1e9)))
     return rows, failed
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` rounded to ``digits`` significant digits."""
+    return float(f"{x:.{digits}g}")
 
 
 def run_prefill(a, info, models, modes, depths, rounds):
@@ -371,9 +378,9 @@ def run_prefill(a, info, models, modes, depths, rounds):
                         print(f"  {p:7s} {med * 1e3:10.1f} ms  {tf / 1e12:7.3f} TFLOP/s  {100 * tf / peak:5.1f} % of GEMM peak")
                         rows.append(dict(_machine(info), dtype=dt_name, model=model, mode=mode, prefix=P,
                                          depth=depth, tokens=sum(lens),
-                                         provider=p, ms=round(med * 1e3, 2), tflops=round(tf / 1e12, 4),
-                                         pct_gemm_peak=round(100 * tf / peak, 1),
-                                         gemm_peak_tflops=round(peak / 1e12, 4)))
+                                         provider=p, ms=round(med * 1e3, 2), tflops=_sig(tf / 1e12),
+                                         pct_gemm_peak=_sig(100 * tf / peak),
+                                         gemm_peak_tflops=_sig(peak / 1e12)))
     return rows, failed
 
 
