@@ -152,6 +152,7 @@ class _Interrupts:
     def _on_sigint(self, signum, frame):
         posted, self._posting = self._posting, False
         if self.seen and not posted:  # a second Ctrl-C
+            self._stop.set()  # it raises now: a watcher still holding the first must not post a third while it unwinds
             raise KeyboardInterrupt
         self.seen = True
         if _in_import(frame):

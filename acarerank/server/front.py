@@ -1,12 +1,12 @@
 """The HTTP front: uvicorn with nginx-like connection hygiene, and SIGTERM as a bounded drain.
 
-uvicorn lacks a header timeout, a body timeout and a connection cap, and answers malformed HTTP
-in ``text/plain``. Rather than change servers (Hypercorn and Granian have header timeouts but
-not all of the rest, and the app, the drain and the tests are uvicorn's), the missing pieces are
-added at the layer that owns them: the protocol (``protocol.py``) for the head of a request and
-the connection count, the gate (``gate.py``) for the body. Here: the uvicorn configuration, the
-connection cap kept under the process's descriptor limit, repeated log lines kept to one per
-10 s, and the drain.
+uvicorn lacks a header timeout, a body timeout, a send timeout and a connection cap, and answers
+malformed HTTP in ``text/plain``. Rather than change servers (Hypercorn and Granian have header
+timeouts but not all of the rest, and the app, the drain and the tests are uvicorn's), the
+missing pieces are added at the layer that owns them: the protocol (``protocol.py``) for the
+head of a request, a response the client leaves unread and the connection count, the gate
+(``gate.py``) for the body. Here: the uvicorn configuration, the connection cap kept under the
+process's descriptor limit, repeated log lines kept to one per 10 s, and the drain.
 
 Idle keep-alive connections close after ``keepalive_timeout`` (uvicorn's ``timeout_keep_alive``).
 

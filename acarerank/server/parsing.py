@@ -44,7 +44,8 @@ class _TextWire(msgspec.Struct):
     text: msgspec.Raw = msgspec.UNSET
 
 
-def _decode(raw, where: str):
+def decode_raw(raw, where: str):
+    """``raw`` (JSON bytes or ``msgspec.Raw``) built; APIError 422 naming ``$.where`` if msgspec cannot."""
     try:
         return msgspec.json.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:   # a number out of range
@@ -65,7 +66,7 @@ def _stand_in(raw, where: str):
         return []
     if first == b"{":
         return {}
-    return _decode(raw, where)
+    return decode_raw(raw, where)
 
 
 def _documents(raw):

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from typing import List, Optional, Union
 
-import msgspec
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+
+from .parsing import decode_raw
 
 
 class TextDocument(BaseModel):
@@ -110,11 +111,15 @@ class RerankRequest(BaseModel):
 
     def dump_as_sent(self) -> dict:
         """``model_dump()`` with each object document as sent, its other keys included (the Ray
-        front forwards this to a replica, which answers ``return_documents`` from it)."""
+        front forwards this to a replica, which answers ``return_documents`` from it).
+
+        Building those keys here is their first full decode: a number msgspec cannot build (past a
+        double's range, ``1e400``; skipped, it passed ``parse_body``) is the 422 it was when every
+        key was built at parsing, never the front's 500."""
         out = self.model_dump()
         if self._as_sent is not None:
-            out["documents"] = [d if raw is None else msgspec.json.decode(raw)
-                                for d, raw in zip(out["documents"], self._as_sent)]
+            out["documents"] = [d if raw is None else decode_raw(raw, f"documents[{i}]")
+                                for i, (d, raw) in enumerate(zip(out["documents"], self._as_sent))]
         return out
 
 

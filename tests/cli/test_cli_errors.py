@@ -451,6 +451,32 @@ def test_ctrl_c_during_an_import_waits_for_the_import_then_exits_130(tmp_path, p
     assert rc == 130 and err == expected + ["acarerank score: interrupted"], (rc, err)
 
 
+def test_a_second_ctrl_c_stops_the_watcher_of_the_first(monkeypatch):
+    """The first Ctrl-C inside an import is held by a watcher thread, which posts it once the main
+    thread is out of the import; a second one raises at once. The watcher then posted a third as
+    soon as the unwinding left the import (a KeyboardInterrupt the user never pressed, raised in
+    the command's cleanup or in main's own except clause: a traceback instead of exit 130)."""
+    import threading
+    import types
+
+    import acarerank.cli as cli
+
+    posted = []
+    monkeypatch.setattr(cli._thread, "interrupt_main", lambda *a: posted.append(a))
+    in_import = types.SimpleNamespace(f_code=types.SimpleNamespace(co_filename="<frozen importlib._bootstrap>"),
+                                      f_back=None)
+    interrupts = cli._Interrupts()
+    interrupts._on_sigint(2, in_import)  # the first press: held, a watcher started
+    watchers = [t for t in threading.enumerate() if t.name == "acarerank-ctrl-c"]
+    assert interrupts.seen and watchers, "the first Ctrl-C inside an import starts no watcher"
+    with pytest.raises(KeyboardInterrupt):
+        interrupts._on_sigint(2, in_import)  # the second press: raised at once
+    for t in watchers:  # this test's main thread is in no import: a watcher still running posts at once
+        t.join(5 * cli._Interrupts.RETRY_S + 1)
+    interrupts._stop.set()
+    assert posted == [], "the watcher posted a Ctrl-C after the second one had raised"
+
+
 def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
     _raise_in_run(monkeypatch, BrokenPipeError(32, "Broken pipe"))
     rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])

@@ -243,6 +243,16 @@ def test_a_replica_gone_under_a_request_is_a_503(error):
     assert r.headers.get("retry-after") == "1"
 
 
+def test_a_number_no_replica_can_build_in_an_object_documents_other_key_is_a_422():
+    """An object document's other keys are skipped at parsing and built only when the front forwards
+    the request (``dump_as_sent``): a number past a double's range there (``1e400``, valid JSON)
+    raised msgspec's ValidationError out of the front, the app's catch-all 500."""
+    body = b'{"query": "q", "documents": [{"text": "a", "k": [1e400]}], "return_documents": true}'
+    with thread_server(create_app(RemoteService(_Handle(call_error=AssertionError("never forwarded")), "m"))) as base:
+        r = httpx.post(base + "/v1/rerank", content=body, headers={"Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 422 and "documents[0]" in r.json()["error"]["message"], r.text
+
+
 class _FakeService:
     """A service with the health() a replica reads; nothing else of it is called."""
 
