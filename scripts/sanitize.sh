@@ -4,7 +4,7 @@
 # or a bad shift in a kernel stops the run with its report, where the plain build would go on with
 # a wrong value or none (docs/cpu.md, "Checking the kernels under sanitizers").
 #
-#   bash scripts/sanitize.sh                     # the native kernels' tests (~6 min build + ~6 min on 2 cores)
+#   bash scripts/sanitize.sh                     # the native kernels' tests (~3 min build + ~4 min on 2 cores)
 #   bash scripts/sanitize.sh tests/ops/test_op_attention.py -k cpp   # any pytest arguments instead
 #
 # Needs `bash scripts/setup.sh` first (its .venv: torch, pybind11, cmake, ninja) and gcc's

@@ -34,10 +34,11 @@ MAX_HEAD_BYTES = 16 * 1024                   # request line + headers: h11's def
 BACKEND_NAMES = "torch | triton | cpp | cuda | flash_attn_cascade | native | onednn"
 
 
-def _opt(help: str, **kw):
-    """A field whose metadata carries its ``--flag`` help (and argparse extras: choices, type)."""
+def _opt(help: str, *, repr: bool = True, **kw):
+    """A field whose metadata carries its ``--flag`` help (and argparse extras: choices, type);
+    ``repr=False`` keeps its value out of the config's repr (a secret)."""
     default = kw.pop("default")
-    return field(default=default, metadata=dict(help=help, **kw))
+    return field(default=default, repr=repr, metadata=dict(help=help, **kw))
 
 
 @dataclass
@@ -97,7 +98,7 @@ class ServeConfig:
     host: str = _opt("address to listen on", default="127.0.0.1")
     port: int = _opt("port to listen on", default=8000)
     api_key: Optional[str] = _opt("require 'Authorization: Bearer KEY'; unset: $ACARERANK_API_KEY, else open",
-                                  default=None)
+                                  default=None, repr=False)   # never in a log line of the config
     trust_cache: bool = _opt("report usage.cached_tokens to requests without a cache_salt (all callers trust "
                              "each other; docs/serving.md, 'Tenancy')", default=False)
     drain_timeout: float = _opt("seconds SIGTERM waits for in-flight requests; then they get 503 and the "

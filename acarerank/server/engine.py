@@ -360,10 +360,12 @@ class Engine:
         """``(waiting, running)``: jobs not yet in their first pass or selection step (queued calls
         included), and jobs whose prefix or selection holds pages. Any thread (a metrics scrape):
         it reads copies of the scheduler's lists (each made in one step under the GIL), under the
-        lock the loop holds while it moves arrivals out of the inbox, so none is counted twice."""
+        lock the loop holds while it moves arrivals out of the inbox, so none is counted twice. The
+        canary is the engine's own job, not a request: never counted (as in every request metric)."""
         with self._cv:
             inbox, calls = len(self._inbox), len(self._calls)
             active, selects = list(self._active), list(self._selects)
+        active = [j for j in active if not j.canary]
         running = sum(1 for j in active if j.handle is not None) + sum(1 for j in selects if j.state is not None)
         return inbox + calls + len(active) + len(selects) - running, running
 

@@ -34,8 +34,18 @@ from test_op_qk_norm_rope_pages import _close_to_ref, _tables
 
 pytestmark = [needs_native, pytest.mark.usefixtures("one_thread")]
 
-_FUZZ = os.environ.get("ACARERANK_FUZZ_EXAMPLES")
-FUZZ = settings(max_examples=int(_FUZZ or 25), deadline=None, derandomize=_FUZZ is None, print_blob=True,
+def _fuzz_examples():
+    """ACARERANK_FUZZ_EXAMPLES: None (unset, 25 fixed examples) or a positive count, drawn afresh."""
+    raw = os.environ.get("ACARERANK_FUZZ_EXAMPLES")
+    if raw is None:
+        return None
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"ACARERANK_FUZZ_EXAMPLES must be a positive number of examples, got {raw!r}")
+    return int(raw)
+
+
+_FUZZ = _fuzz_examples()
+FUZZ = settings(max_examples=_FUZZ or 25, deadline=None, derandomize=_FUZZ is None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
 

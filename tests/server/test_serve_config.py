@@ -168,3 +168,10 @@ def test_canary_after_failures_reaches_the_engine():
         assert svc.engine.canary.segment_ids == svc.reranker.encode(CANARY).segment_ids
     finally:
         svc.stop()
+
+
+def test_the_api_key_is_not_in_the_configs_repr():
+    """A log line or traceback that shows the config must not show the key."""
+    config = ServeConfig(api_key="s3cret-key-42")
+    assert "s3cret" not in repr(config) and "api_key" not in repr(config), repr(config)
+    assert config.api_key == "s3cret-key-42"

@@ -164,6 +164,21 @@ def test_queue_gauges_are_current_during_a_pass_and_zero_once_idle():
     assert not steps.pinned
 
 
+def test_queue_gauges_leave_the_canary_out():
+    """The canary (the engine's own check, run as an iteration's only job) is no request: the
+    gauges do not count it, as no request metric does."""
+    from acarerank.server.engine import _ScoreJob
+
+    eng = Engine(FakeSteps(), max_batch_tokens=2, max_running=2)   # not started: the lists alone
+    canary = _ScoreJob(enc=enc(1, [2]), future=concurrent.futures.Future(), submitted=0.0, scores=[0.0],
+                       handle=object(), rid="canary", canary=True)
+    eng._active = [canary]
+    assert eng.depth() == (0, 0), eng.depth()
+    eng._active = [canary, _ScoreJob(enc=enc(2, [1]), future=concurrent.futures.Future(), submitted=0.0,
+                                     scores=[0.0])]
+    assert eng.depth() == (1, 0), eng.depth()
+
+
 class ThreadRecordingSteps(FakeSteps):
     """FakeSteps that records which thread runs each model call."""
 
