@@ -139,6 +139,7 @@ class _Interrupts:
         self._installed = False
         self._posting = False  # the next SIGINT is the held one, posted by the watcher
         self._stop = threading.Event()
+        self._watcher = None
 
     def _post_after_import(self):
         main = threading.main_thread().ident
@@ -151,12 +152,15 @@ class _Interrupts:
 
     def _on_sigint(self, signum, frame):
         posted, self._posting = self._posting, False
+        if posted and self._stop.is_set():  # the held one, posted as the command ended: it counted already
+            return
         if self.seen and not posted:  # a second Ctrl-C
             self._stop.set()  # it raises now: a watcher still holding the first must not post a third while it unwinds
             raise KeyboardInterrupt
         self.seen = True
         if _in_import(frame):
-            threading.Thread(target=self._post_after_import, daemon=True, name="acarerank-ctrl-c").start()
+            self._watcher = threading.Thread(target=self._post_after_import, daemon=True, name="acarerank-ctrl-c")
+            self._watcher.start()
             return
         raise KeyboardInterrupt
 
@@ -180,6 +184,11 @@ class _Interrupts:
     def __exit__(self, *exc):
         sys.unraisablehook = self._previous_hook
         self._stop.set()  # a held Ctrl-C is not posted after the command: Python's handler would raise it at exit
+        if self._watcher is not None:
+            # it may have decided to post just before the stop (at most RETRY_S to notice it): that
+            # post is still pending, and signal.signal runs pending handlers before it swaps them,
+            # so it reaches _on_sigint, which drops it, never Python's handler (a traceback)
+            self._watcher.join()
         if self._installed:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 

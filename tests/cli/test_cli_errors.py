@@ -477,6 +477,28 @@ def test_a_second_ctrl_c_stops_the_watcher_of_the_first(monkeypatch):
     assert posted == [], "the watcher posted a Ctrl-C after the second one had raised"
 
 
+def test_a_held_ctrl_c_posted_as_the_command_ends_is_dropped(monkeypatch):
+    """The watcher may decide to post the held Ctrl-C just as the command ends. __exit__ waits
+    for it, so the post lands in our handler (signal.signal runs a pending one before the swap),
+    which drops it: the press counted already (exit 130), and Python's own handler would have
+    raised it after main's ``with`` (a traceback)."""
+    import acarerank.cli as cli
+
+    interrupts = cli._Interrupts()
+    interrupts.seen = True
+    interrupts._posting = True      # the watcher's post, delivered ...
+    interrupts._stop.set()          # ... after __exit__ stopped it
+    try:  # a KeyboardInterrupt escaping here would stop the whole pytest run, not fail this test
+        interrupts._on_sigint(2, None)
+    except KeyboardInterrupt:
+        pytest.fail("a held Ctrl-C posted after the command ended was raised (a traceback after main's with)")
+    assert not interrupts._posting
+    interrupts._posting = True      # a post while the command still runs is raised, as before
+    interrupts._stop.clear()
+    with pytest.raises(KeyboardInterrupt):
+        interrupts._on_sigint(2, None)
+
+
 def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
     _raise_in_run(monkeypatch, BrokenPipeError(32, "Broken pipe"))
     rc, err, _ = run(capsys, ["score", "--query", "q", "--docs", "x"])
