@@ -23,6 +23,8 @@ import signal
 import sys
 import threading
 
+from .. import __version__
+
 #: subcommand -> one-line help (its module is acarerank.cli.<name>)
 SUBCOMMANDS = {
     "score": "score documents against a query (ACARe / Qwen3-Reranker)",
@@ -53,6 +55,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser with ``command``'s full parser (its module imported) and a stub for each other
     subcommand (name and help only, nothing imported)."""
     parser = _Parser(prog="acarerank", description="Prefix-shared Qwen3 rerankers: score, select, bench, serve.")
+    parser.add_argument("--version", action="version", version=f"acarerank {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, help_line in SUBCOMMANDS.items():
         if name == command:

@@ -8,6 +8,8 @@ checked before the model loads.
 """
 from __future__ import annotations
 
+import sys
+
 from . import SUBCOMMANDS
 from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, print_results, read_documents
 
@@ -50,6 +52,7 @@ def run(args) -> int:
         raise ValueError("--docs - and --trace-file - cannot both read stdin: give one of them a file")
     docs = read_documents(args.docs, args.max_documents)
     trace = read_text_file(args.trace_file, "--trace-file") if args.trace_file else None
+    _note_blank_context(args.question, args.trace_file, trace)
     from ..pointwise import PointwiseReranker
 
     rr = load_reranker(PointwiseReranker, args, min_doc_tokens=args.min_doc_tokens, special_tokens=args.special_tokens)
@@ -63,3 +66,18 @@ def run(args) -> int:
                       if isinstance(docs[i], dict) else {"text": docs[i]})}
                   for i, s in ranked)
     return 0
+
+
+def _note_blank_context(question, trace_file, trace) -> None:
+    """One NOTE on stderr for a context flag given with no text in it: the API reads "" and
+    whitespace as absent (docs/api.md), so an empty --trace-file scored a different ACARe mode
+    (M0 for M1, M2 for M3) with no sign in the output — an agent's first step with an empty trace
+    is a fair use, so it is a note, not an error."""
+    blank = [name for name, given, value in (("--question", question is not None, question),
+                                              (f"--trace-file {trace_file!r}", trace_file, trace))
+             if given and not value.strip()]
+    if blank:
+        has_question, has_trace = bool(question and question.strip()), bool(trace and trace.strip())
+        mode = "M" + str(int(has_trace) + 2 * int(has_question))
+        print(f"NOTE: {' and '.join(blank)} {'hold' if len(blank) > 1 else 'holds'} no text: "
+              f"scored without {'them' if len(blank) > 1 else 'it'} (ACARe mode {mode})", file=sys.stderr)
