@@ -2,7 +2,8 @@
 
 Two servers over the same reranker, started once for the module: ``main`` (API key, limits
 small enough to reach) and ``gated`` (max_queue 2; its step API waits on an event, so a
-request can be held in the engine while the test acts: queue full, client disconnect).
+request can be held in the engine while the test acts: queue full, client disconnect); the
+token-budget tests add ``budgeted`` (gated too, ``max_queue_tokens=BUDGET``).
 Every score is compared with the offline ``PointwiseReranker.score`` of the same request.
 """
 import asyncio
@@ -597,6 +598,9 @@ def test_a_request_past_the_token_budget_is_429_and_one_over_it_alone_413(server
     huge = request_tokens(rr, "huge", [f"document {i} about tutors and bread" for i in range(40)])
     assert held + fit <= BUDGET < held + over and over <= BUDGET < huge, (held, fit, over, huge)
     assert queue_tokens(base) == 0   # the warm-up (the engine's canary) is no request
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_queue_tokens must be a positive int"):
+            RerankService(rr, "x", max_queue_tokens=bad)
     gate.clear()
     out = {}
     threads = [threading.Thread(target=lambda q=q, d=d: out.setdefault(q, httpx.post(
