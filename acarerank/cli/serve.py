@@ -108,5 +108,6 @@ def run(args) -> int:
     service.start(warmup=True)
     print(f"acarerank serve: model {service.model_name!r} ready in {time.perf_counter() - t0:.1f} s "
           f"(max_batch_tokens {service.engine.max_batch_tokens}, max_queue {service.max_queue}, "
+          f"max_queue_tokens {service.max_queue_tokens or 'off'}, "
           f"api key {'on' if api_key else 'off'})", file=sys.stderr)
     return run_server(service, config, api_key=api_key)

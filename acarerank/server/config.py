@@ -78,6 +78,12 @@ class ServeConfig:
     # -- admission and per-request limits
     max_queue: int = _opt("requests admitted and unanswered at once; one more gets 429 (before its body is read)",
                           default=DEFAULT_MAX_QUEUE)
+    max_queue_tokens: Optional[int] = _opt("tokens of the requests tokenized and unanswered at once (each counted "
+                                           "as the engine computes it: the shared part once, every document's "
+                                           "segment; a /v1/select's prompt and output cap); one that would pass it "
+                                           "gets 429, one over it alone 413 (default: none, only --max-queue "
+                                           "bounds the queue; docs/serving.md, 'Admission by tokens')",
+                                           default=None, type=int)
     max_documents: int = _opt("documents per request; more gets 413", default=DEFAULT_MAX_DOCUMENTS)
     max_body_bytes: int = _opt("request body cap in bytes (413)", default=DEFAULT_MAX_BODY_BYTES)
     max_request_chars: int = _opt("characters of query, question, trace, instruction and documents together "

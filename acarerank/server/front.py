@@ -65,23 +65,41 @@ def fit_connections_to_descriptors(config: ServeConfig) -> ServeConfig:
 
 class _OncePerInterval(logging.Filter):
     """Drops repeats of one log message within ``every`` seconds (asyncio's accept errors, uvicorn's
-    line per malformed request); ``only``: the messages it applies to (None: all)."""
+    line per malformed request); ``only``: the messages it applies to (None: all).
 
-    def __init__(self, every: float = LOG_EVERY_S, only=None):
+    ``seen`` maps each message let through to when, oldest first, and keeps only those of the last
+    ``every`` seconds (an older one no longer stops a repeat), at most ``max_keys`` of them: the key
+    is the message as logged, and asyncio's exception handler logs text that names the task or
+    the connection, so a long-running server met a new key with every such error and the map grew
+    for as long as the process lived. Past ``max_keys`` distinct messages in one interval the
+    oldest is forgotten (its repeat may be logged once more)."""
+
+    def __init__(self, every: float = LOG_EVERY_S, only=None, max_keys: int = 1024):
         super().__init__()
         self.every = every
         self.only = only
+        self.max_keys = max_keys
         self.seen = {}
+        self._lock = threading.Lock()   # filters run on whichever thread logs
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.only is not None and record.msg not in self.only:
             return True
         key = (record.name, record.msg)
         now = time.monotonic()
-        if now - self.seen.get(key, -float("inf")) < self.every:
-            return False
-        self.seen[key] = now
-        return True
+        with self._lock:
+            # insertion order is the order they were let through: the stale ones are at the front
+            while self.seen:
+                oldest = next(iter(self.seen))
+                if now - self.seen[oldest] < self.every:
+                    break
+                del self.seen[oldest]
+            if key in self.seen:   # let through less than `every` seconds ago
+                return False
+            self.seen[key] = now
+            if len(self.seen) > self.max_keys:
+                del self.seen[next(iter(self.seen))]
+            return True
 
 
 def uvicorn_config(app, config: ServeConfig):

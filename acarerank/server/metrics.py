@@ -17,6 +17,8 @@ acarerank_queue_time_seconds                histogram  admission → first pass 
 acarerank_queue_size                        gauge      requests waiting for their first pass
 acarerank_requests_running                  gauge      requests with documents in flight
 acarerank_requests_in_flight                gauge      requests admitted and not yet answered
+acarerank_queue_tokens                      gauge      tokens of the tokenized requests not yet answered
+                                                       (what --max-queue-tokens bounds; shared part once)
 acarerank_batch_tokens                      histogram  segment tokens per packed pass
 acarerank_batch_requests                    histogram  requests sharing a packed pass
 acarerank_documents_scored_total            counter    documents scored
@@ -88,6 +90,9 @@ class ServerMetrics:
         self.queue_size = Gauge("acarerank_queue_size", "requests waiting for their first pass", registry=r)
         self.running = Gauge("acarerank_requests_running", "requests with documents in flight", registry=r)
         self.in_flight = Gauge("acarerank_requests_in_flight", "requests admitted and not yet answered", registry=r)
+        self.queue_tokens = Gauge("acarerank_queue_tokens", "tokens of the tokenized requests not yet answered, "
+                                  "each counted as the engine computes it (shared part once); --max-queue-tokens "
+                                  "bounds it", registry=r)
         self.batch_tokens = Histogram("acarerank_batch_tokens", "segment tokens per packed pass",
                                       buckets=_TOKEN_BUCKETS, registry=r)
         self.batch_requests = Histogram("acarerank_batch_requests", "requests sharing a packed pass",

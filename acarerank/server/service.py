@@ -9,7 +9,10 @@ errors) and the scheduler (``engine.py``, which owns the model):
   ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation:
   false``) → 400;
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
-  ``Retry-After``;
+  ``Retry-After``; with ``max_queue_tokens``, at most that many tokens (``score_tokens`` /
+  ``select_tokens``: what the engine computes, counted once tokenized) of requests unanswered at
+  once, else 429 with ``Retry-After`` — and 413 for one request over the whole budget, which could
+  never fit;
 * tokenizes in a thread pool (``reranker.encode``) — the event loop never tokenizes and the
   model thread never waits for it; the truncation policy is the reranker's own;
   ``max_tokens_per_doc`` cuts each document's tokens from its end, first; ``truncate: false``
@@ -60,6 +63,22 @@ _holding_slot = contextvars.ContextVar("acarerank_holding_slot", default=False)
 log = logging.getLogger("acarerank.server")
 
 
+def score_tokens(enc) -> int:
+    """Tokens the engine computes for one tokenized rerank (a ``PointwiseEncoding``), what
+    ``--max-queue-tokens`` counts: ``len(shared_ids) + Σ_d len(segment_ids[d])`` — the shared part
+    (instruction, question, trace, query) once, as it is prefilled once per request and its ids are
+    held once, then every document's segment (its tokens and the suffix). Prefix-cache hits are not
+    subtracted: whether the prefix is still cached when the request's turn comes is not known at
+    admission (docs/serving.md, "Admission by tokens")."""
+    return len(enc.shared_ids) + sum(len(seg) for seg in enc.segment_ids)
+
+
+def select_tokens(enc, max_new_tokens: int) -> int:
+    """Tokens the engine computes for one tokenized selection (a ``SelectEncoding``): its prompt,
+    plus ``max_new_tokens``, the most it may decode (an upper bound: the output is often shorter)."""
+    return len(enc.prompt.input_ids) + max_new_tokens
+
+
 class WorkerFault(Exception):
     """A tokenizer worker raised something other than an input error (``BaseException`` included):
     a fault of the server, answered 500 with ``error_id``."""
@@ -99,6 +118,9 @@ class RerankService:
         steps of the engine, between scoring passes (``engine.py``).
       max_batch_tokens: segment tokens per packed pass (None: the reranker's own).
       max_queue: requests admitted and not yet answered; one more gets 429.
+      max_queue_tokens: tokens (``score_tokens`` / ``select_tokens``) of the tokenized requests not
+        yet answered; a request that would take the total past it gets 429, one over it alone 413
+        (``hold_tokens``). None: no token budget (the total is still the ``queue_tokens`` gauge).
       max_documents: documents per request; more gets 413.
       tokenize_workers: threads of the tokenization pool.
       model_thread: the ``ModelThread`` that built ``reranker``; the scheduler loop runs on it
@@ -112,9 +134,11 @@ class RerankService:
     def __init__(self, reranker, model_name: str, *, setwise=None, max_batch_tokens: Optional[int] = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
                  tokenize_workers: int = 2, model_thread=None, canary_after_failures: int = DEFAULT_CANARY_AFTER,
-                 request_timeout: Optional[float] = None):
+                 request_timeout: Optional[float] = None, max_queue_tokens: Optional[int] = None):
         for name, v in (("max_queue", max_queue), ("max_documents", max_documents),
-                        ("tokenize_workers", tokenize_workers)):
+                        ("tokenize_workers", tokenize_workers), ("max_queue_tokens", max_queue_tokens)):
+            if v is None and name == "max_queue_tokens":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         request_timeout = check_seconds("request_timeout", request_timeout, none=True)
@@ -124,6 +148,7 @@ class RerankService:
         self.setwise = setwise
         self.model_name = model_name
         self.max_queue = max_queue
+        self.max_queue_tokens = max_queue_tokens
         self.max_documents = max_documents
         self.metrics = ServerMetrics(reranker.cache_stats)
         # the engine drives the reranker's step API (acquire_prefix / score_segments / release_prefix);
@@ -136,6 +161,7 @@ class RerankService:
         self.large_request_chars = LARGE_REQUEST_CHARS
         self._lock = threading.Lock()
         self._admitted = 0
+        self._queued_tokens = 0
         self.ready = False
         self._dead: Optional[str] = None   # set by a tokenizer pool that can no longer run work
         self.on_dead = self.engine.on_dead  # callables(reason), run once when the service dies
@@ -247,6 +273,40 @@ class RerankService:
                 self._admitted -= 1
                 self.metrics.in_flight.set(self._admitted)
 
+    @property
+    def queued_tokens(self) -> int:
+        """Tokens of the requests holding ``hold_tokens``: tokenized and not yet answered."""
+        return self._queued_tokens
+
+    @contextlib.contextmanager
+    def hold_tokens(self, tokens: int):
+        """Count a tokenized request's ``tokens`` against ``max_queue_tokens`` until it is answered.
+
+        Held from its submission to the engine until the handler returns, whatever ends it (an
+        answer, a 500, a 503, a client gone, ``--request-timeout``, the drain's cancellation): the
+        ``finally`` gives them back. A dropped request's remaining documents are dropped by the
+        engine's next iteration, so what it no longer counts runs at most to the end of the pass
+        in progress. Raises ``APIError`` 413 when ``tokens`` alone exceed the budget (no wait can
+        admit it) and 429 with ``Retry-After`` when the total would pass it."""
+        budget = self.max_queue_tokens
+        if budget is not None and tokens > budget:
+            raise APIError(413, f"this request is {tokens:,} tokens once tokenized, more than the whole queue "
+                                f"budget of {budget:,} tokens (--max-queue-tokens): it can never be admitted; "
+                                f"send fewer or shorter documents")
+        with self._lock:
+            if budget is not None and self._queued_tokens + tokens > budget:
+                raise APIError(429, f"server busy: {self._queued_tokens:,} tokens queued, and this request's "
+                                    f"{tokens:,} would pass the budget of {budget:,} (--max-queue-tokens); "
+                                    f"retry later", headers={"Retry-After": "1"})
+            self._queued_tokens += tokens
+            self.metrics.queue_tokens.set(self._queued_tokens)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._queued_tokens -= tokens
+                self.metrics.queue_tokens.set(self._queued_tokens)
+
     # -- rerank ------------------------------------------------------------------------------
     def _check_documents(self, docs: list) -> None:
         if len(docs) == 0:
@@ -280,8 +340,9 @@ class RerankService:
                                            req.max_tokens_per_doc, req.truncate)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
-            job = self._submit(self.engine.submit, enc, rid)
-            result = await self._wait(job, is_disconnected, deadline)
+            with self.hold_tokens(score_tokens(enc)):
+                job = self._submit(self.engine.submit, enc, rid)
+                result = await self._wait(job, is_disconnected, deadline)
         if headers is not None:  # TEI's header: milliseconds from admission to the first pass
             headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
         return self._rerank_body(req, docs, result, rid)
@@ -429,8 +490,9 @@ class RerankService:
                                            self._encode_select, req, docs)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
-            job = self._submit(self.engine.submit_select, enc, rid)
-            sel = await self._wait(job, is_disconnected, deadline)
+            with self.hold_tokens(select_tokens(enc, self.setwise.max_new_tokens)):
+                job = self._submit(self.engine.submit_select, enc, rid)
+                sel = await self._wait(job, is_disconnected, deadline)
         return dict(id=rid, model=self.model_name, ids=sel.ids, indices=sel.indices, text=sel.text,
                     valid=sel.valid, usage=dict(prompt_tokens=sel.prompt_tokens, completion_tokens=sel.num_tokens,
                                                 total_tokens=sel.prompt_tokens + sel.num_tokens))

@@ -2,7 +2,8 @@
 
 Two servers over the same reranker, started once for the module: ``main`` (API key, limits
 small enough to reach) and ``gated`` (max_queue 2; its step API waits on an event, so a
-request can be held in the engine while the test acts: queue full, client disconnect).
+request can be held in the engine while the test acts: queue full, client disconnect); the
+token-budget tests add ``budgeted`` (gated too, ``max_queue_tokens=BUDGET``).
 Every score is compared with the offline ``PointwiseReranker.score`` of the same request.
 """
 import asyncio
@@ -49,6 +50,7 @@ class GatedSteps:
         self.gate.set()
         self.waiting = threading.Event()   # set while a pass waits at the gate
         self.passes = []
+        self.fail = False                  # set: every pass raises (a model fault, answered 500)
         self._depth = {}
 
     def __getattr__(self, name):
@@ -63,6 +65,8 @@ class GatedSteps:
         self.waiting.set()
         assert self.gate.wait(60), "test gate never opened"
         self.waiting.clear()
+        if self.fail:
+            raise RuntimeError("injected pass failure")
         self.passes.append([self._depth[id(h)] for h, _ in items])
         return self.steps.score_segments(items)
 
@@ -532,3 +536,191 @@ def test_a_queued_requests_token_ids_take_4_bytes_a_token(servers):
     tokens = sum(map(len, enc.segment_ids))
     assert tokens > 50_000, tokens
     assert held < 8 * tokens, f"the encoding of {tokens:,} tokens holds {held / tokens:.1f} bytes a token"
+
+
+# -- admission by tokens (--max-queue-tokens) -------------------------------------------------------
+BUDGET = 300    # tokens; a request of q and a few short documents is ~90 (64 shared + ~11 a document)
+
+
+class Recorded:
+    """A gauge whose every ``set`` value is kept (in order) and passed on to the real one."""
+
+    def __init__(self, gauge):
+        self.gauge, self.values = gauge, []
+
+    def set(self, v):
+        self.values.append(v)
+        self.gauge.set(v)
+
+
+@pytest.fixture(scope="module")
+def budgeted(servers):
+    """A gated service (``GatedSteps``) with ``max_queue_tokens=BUDGET`` and room for 16 requests."""
+    rr = PointwiseReranker(model=servers["model"])
+    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer)
+    svc = RerankService(rr, "tiny-budget", setwise=sr, max_batch_tokens=64, max_queue=16, max_queue_tokens=BUDGET)
+    svc.reranker = svc.engine.steps = GatedSteps(rr)
+    svc.start()
+    try:
+        with thread_server(create_app(svc)) as base:
+            yield dict(base=base, svc=svc, steps=svc.reranker)
+    finally:
+        svc.reranker.gate.set()
+        svc.stop()
+
+
+def request_tokens(rr, query, docs) -> int:
+    """What --max-queue-tokens counts for a rerank: the shared part once, then every segment."""
+    enc = rr.encode(ScoreRequest(query, docs))
+    return len(enc.shared_ids) + sum(map(len, enc.segment_ids))
+
+
+def queue_tokens(base) -> float:
+    return metrics(base)[("acarerank_queue_tokens", ())]
+
+
+def wait_for(cond, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+def test_a_request_past_the_token_budget_is_429_and_one_over_it_alone_413(servers, budgeted):
+    """Tokens of admitted, unanswered requests are bounded by --max-queue-tokens: one that would
+    pass it waits outside (429, Retry-After), one that could never fit is told so (413); the gauge
+    shows the held tokens, the shared part counted once."""
+    base, svc, gate, rr = budgeted["base"], budgeted["svc"], budgeted["steps"].gate, servers["rr"]
+    held_docs, fit_docs = ["tutor hints", "river bread", "agent trace"], ["bread", "river"]
+    over_docs = [f"document {i} about bread" for i in range(16)]
+    held, fit, over = (request_tokens(rr, q, d) for q, d in (("held", held_docs), ("fits", fit_docs),
+                                                             ("over", over_docs)))
+    huge = request_tokens(rr, "huge", [f"document {i} about tutors and bread" for i in range(40)])
+    assert held + fit <= BUDGET < held + over and over <= BUDGET < huge, (held, fit, over, huge)
+    assert queue_tokens(base) == 0   # the warm-up (the engine's canary) is no request
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_queue_tokens must be a positive int"):
+            RerankService(rr, "x", max_queue_tokens=bad)
+    gate.clear()
+    out = {}
+    threads = [threading.Thread(target=lambda q=q, d=d: out.setdefault(q, httpx.post(
+        base + "/v1/rerank", json=dict(query=q, documents=d), timeout=60))) for q, d in (("held", held_docs),)]
+    try:
+        threads[0].start()
+        wait_for(lambda: svc.queued_tokens == held, "the held request's tokens counted")
+        assert queue_tokens(base) == held
+        r = expect_error(httpx.post(base + "/v1/rerank", json=dict(query="over", documents=over_docs), timeout=30),
+                         429, ["--max-queue-tokens", f"{BUDGET:,}", f"{over:,}", f"{held:,} tokens queued"])
+        assert r.headers["Retry-After"] == "1"
+        expect_error(httpx.post(base + "/v1/rerank", timeout=30, json=dict(
+            query="huge", documents=[f"document {i} about tutors and bread" for i in range(40)])),
+            413, ["--max-queue-tokens", f"{BUDGET:,}", f"{huge:,}", "never"])
+        threads.append(threading.Thread(target=lambda: out.setdefault("fits", httpx.post(
+            base + "/v1/rerank", json=dict(query="fits", documents=fit_docs), timeout=60))))
+        threads[1].start()
+        wait_for(lambda: svc.queued_tokens == held + fit, "the request that fits admitted beside it")
+        assert queue_tokens(base) == held + fit
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(60)
+    for q, d in (("held", held_docs), ("fits", fit_docs)):
+        assert out[q].status_code == 200, out[q].text
+        assert_scores(by_index(out[q].json()["results"]), rr.score(q, d), q)
+    assert queue_tokens(base) == 0 and svc.admitted == 0
+    # the request refused with 429 fits now that the others are answered
+    r = httpx.post(base + "/v1/rerank", json=dict(query="over", documents=over_docs), timeout=60)
+    assert r.status_code == 200, r.text
+    assert queue_tokens(base) == 0
+
+
+def test_held_tokens_come_back_on_every_ending(servers, budgeted, monkeypatch):
+    """A model fault (500), a client that leaves (499), --request-timeout (504) and a /v1/select
+    each give their tokens back: the gauge returns to 0, with the gate still closed for the two
+    that are dropped (given back when the request ends, not when the engine gets to it)."""
+    base, svc, steps, rr, sr = budgeted["base"], budgeted["svc"], budgeted["steps"], servers["rr"], servers["sr"]
+    recorded = Recorded(svc.metrics.queue_tokens)
+    monkeypatch.setattr(svc.metrics, "queue_tokens", recorded)
+    docs = ["tutor hints", "river bread"]
+    n = request_tokens(rr, "q", docs)
+    # a model fault: 500, its tokens back
+    steps.fail = True
+    try:
+        expect_error(httpx.post(base + "/v1/rerank", json=dict(query="q", documents=docs), timeout=60), 500,
+                     ["internal error"])
+    finally:
+        steps.fail = False
+    assert recorded.values == [n, 0] and queue_tokens(base) == 0
+    # a client that leaves while its request waits in the engine
+    steps.gate.clear()
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(base + "/v1/rerank", json=dict(query="q", documents=docs), timeout=0.5)
+        wait_for(lambda: svc.queued_tokens == 0, "the gone client's tokens given back")
+        assert recorded.values[-2:] == [n, 0] and queue_tokens(base) == 0
+        # --request-timeout: 504, its tokens back
+        monkeypatch.setattr(svc, "request_timeout", 0.5)
+        expect_error(httpx.post(base + "/v1/rerank", json=dict(query="q", documents=docs), timeout=30), 504,
+                     ["--request-timeout"])
+        assert recorded.values[-2:] == [n, 0] and queue_tokens(base) == 0
+        monkeypatch.setattr(svc, "request_timeout", None)
+    finally:
+        steps.gate.set()
+    assert svc.admitted == 0
+    # a selection counts its prompt and its output cap (max_new_tokens); a setwise prompt is ~650
+    # tokens, past BUDGET: 413; the main server (no budget) counts it all the same
+    sel_docs = ["tutor hints", "river bread", "agent trace"]
+    prompt = len(sr.encode_select("q", sel_docs).prompt.input_ids)
+    expect_error(httpx.post(base + "/v1/select", json=dict(query="q", documents=sel_docs), timeout=60), 413,
+                 [f"{prompt + svc.setwise.max_new_tokens:,} tokens", "--max-queue-tokens"])
+    main = servers["main"]
+    recorded = Recorded(main.metrics.queue_tokens)
+    monkeypatch.setattr(main.metrics, "queue_tokens", recorded)
+    r = httpx.post(servers["base"] + "/v1/select", headers=AUTH, json=dict(query="q", documents=sel_docs), timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["ids"] == sr.select("q", sel_docs).ids
+    assert recorded.values == [prompt + main.setwise.max_new_tokens, 0] and queue_tokens(servers["base"]) == 0
+
+
+def test_the_token_budget_holds_under_concurrent_requests(servers, budgeted, monkeypatch):
+    """12 requests at once against a budget that holds 2 or 3 of them: every value the gauge took
+    is within the budget, the requests refused got 429, those admitted their offline scores, and
+    the refused ones are admitted once the others are answered."""
+    base, svc, gate, rr = budgeted["base"], budgeted["svc"], budgeted["steps"].gate, servers["rr"]
+    recorded = Recorded(svc.metrics.queue_tokens)
+    monkeypatch.setattr(svc.metrics, "queue_tokens", recorded)
+    rng = random.Random(11)
+    bodies = [dict(query=f"request {k}", documents=[words(rng, rng.randint(1, 4)) for _ in range(rng.randint(2, 5))])
+              for k in range(12)]
+    tokens = [request_tokens(rr, b["query"], b["documents"]) for b in bodies]
+    assert max(tokens) <= BUDGET < sum(sorted(tokens)[:4]), tokens
+    out = {}
+
+    def send(k):
+        out[k] = httpx.post(base + "/v1/rerank", json=bodies[k], timeout=120)
+
+    gate.clear()
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(len(bodies))]
+    try:
+        for t in threads:
+            t.start()
+        # every request either refused or held in the engine (the gate keeps them all unanswered)
+        wait_for(lambda: len(out) + svc.engine.num_jobs == len(bodies), "every request refused or queued")
+        queued = [k for k in range(len(bodies)) if k not in out]
+        assert len(queued) >= 2 and svc.queued_tokens == sum(tokens[k] for k in queued) <= BUDGET, queued
+        assert queue_tokens(base) == svc.queued_tokens
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(120)
+    assert max(recorded.values) <= BUDGET, recorded.values
+    assert recorded.values[-1] == 0 and queue_tokens(base) == 0
+    refused = [k for k in range(len(bodies)) if out[k].status_code == 429]
+    assert refused and set(refused) | set(queued) == set(range(len(bodies))), {k: r.status_code for k, r in out.items()}
+    for k in refused:
+        expect_error(out[k], 429, ["--max-queue-tokens"])
+        out[k] = httpx.post(base + "/v1/rerank", json=bodies[k], timeout=120)
+    for k, body in enumerate(bodies):
+        assert out[k].status_code == 200, out[k].text
+        assert_scores(by_index(out[k].json()["results"]), rr.score(body["query"], body["documents"]), f"request {k}")
+    assert queue_tokens(base) == 0

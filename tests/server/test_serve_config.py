@@ -23,10 +23,10 @@ def test_flags_round_trip_with_the_dataclass_defaults():
     parser = ServeConfig.add_cli_args(argparse.ArgumentParser())
     assert ServeConfig.from_cli_args(parser.parse_args([])) == ServeConfig()
     args = parser.parse_args(["--max-queue", "3", "--trust-cache", "--header-timeout", "1.5", "--dtype", "float32",
-                              "--max-batch-tokens", "64", "--model", "/m"])
+                              "--max-batch-tokens", "64", "--model", "/m", "--max-queue-tokens", "50000"])
     config = ServeConfig.from_cli_args(args)
     want = dataclasses.replace(ServeConfig(), max_queue=3, trust_cache=True, header_timeout=1.5, dtype="float32",
-                               max_batch_tokens=64, model="/m")
+                               max_batch_tokens=64, model="/m", max_queue_tokens=50000)
     assert config == want
     flags = {a.dest for a in parser._actions} - {"help"}
     assert flags == {f.name for f in dataclasses.fields(ServeConfig)}
@@ -35,7 +35,9 @@ def test_flags_round_trip_with_the_dataclass_defaults():
 @pytest.mark.parametrize("field,value,flag", [("max_queue", 0, "--max-queue"), ("body_timeout", -1.0, "--body-timeout"),
                                               ("max_connections", True, "--max-connections"),
                                               ("max_salt_chars", 2.5, "--max-salt-chars"), ("port", 70000, "--port"),
-                                              ("canary_after_failures", 0, "--canary-after-failures")])
+                                              ("canary_after_failures", 0, "--canary-after-failures"),
+                                              ("max_queue_tokens", 0, "--max-queue-tokens"),
+                                              ("max_queue_tokens", 1.5, "--max-queue-tokens")])
 def test_bad_values_name_their_flag(field, value, flag):
     with pytest.raises(ValueError, match=flag):
         ServeConfig(**{field: value})
@@ -156,14 +158,18 @@ def test_select_caps_reach_the_setwise_reranker():
 
 def test_canary_after_failures_reaches_the_engine():
     """``--canary-after-failures`` is the engine's ``canary_after``; the canary is the warm-up request,
-    encoded at start by the reranker that serves."""
+    encoded at start by the reranker that serves. ``--max-queue-tokens`` reaches the service (the Ray
+    replicas build theirs from the same config); unset, no token budget."""
     pytest.importorskip("torch")
     from acarerank.server.build import build_service
     from acarerank.server.service import CANARY
 
-    svc = build_service(ServeConfig(canary_after_failures=5, dtype="float32", cache_budget=256))
+    assert ServeConfig().max_queue_tokens is None
+    svc = build_service(ServeConfig(canary_after_failures=5, dtype="float32", cache_budget=256,
+                                    max_queue_tokens=4096))
     try:
         assert svc.engine.canary_after == 5 and svc.engine.canary is None
+        assert svc.max_queue_tokens == 4096
         svc.start(warmup=False)
         assert svc.engine.canary.segment_ids == svc.reranker.encode(CANARY).segment_ids
     finally:

@@ -429,3 +429,36 @@ def test_thousands_of_salts_grow_memory_under_a_per_salt_bound(server):
     grown = rss_mb(pid) - baseline
     print(f"200 salts of 1 MB (refused): {grown:+.1f} MB above the baseline")
     assert grown < 64, f"the 1 MB salts left the server {grown:.0f} MB above its baseline ({baseline:.0f} MB)"
+
+
+def test_the_repeated_line_filter_forgets_what_it_no_longer_needs(monkeypatch):
+    """``_OncePerInterval`` (one line per 10 s for asyncio's errors and uvicorn's malformed-request
+    line) keyed every message it let through for as long as the process lived; asyncio's lines
+    name the task or connection, so each was new and the map grew with every error. It keeps the
+    last interval's messages only, at most ``max_keys``, and still drops a repeat within it."""
+    import logging
+    from types import SimpleNamespace
+
+    from acarerank.server import front
+
+    clock = [1000.0]
+    monkeypatch.setattr(front, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    f = front._OncePerInterval(every=10.0, max_keys=64)
+
+    def let_through(msg):
+        return f.filter(logging.LogRecord("asyncio", logging.ERROR, __file__, 1, msg, None, None))
+
+    assert let_through("accept failed") and not let_through("accept failed")
+    clock[0] += 9.9
+    assert not let_through("accept failed")
+    clock[0] += 0.1
+    assert let_through("accept failed")   # a repeat once the interval is over
+    for k in range(5000):                 # one new message a second: only the last 10 s are kept
+        clock[0] += 1.0
+        assert let_through(f"Task exception was never retrieved: task {k}")
+    assert len(f.seen) == 10, len(f.seen)
+    assert not let_through("Task exception was never retrieved: task 4999")
+    for k in range(5000):                 # a burst of new messages in one instant: at most max_keys
+        assert let_through(f"connection {k} lost")
+    assert len(f.seen) == 64, len(f.seen)
+    assert not let_through("connection 4999 lost")
