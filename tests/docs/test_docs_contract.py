@@ -13,7 +13,8 @@ What is read:
 - every ``acarerank_*`` metric named in serving.md (``{a,b}`` expanded; a trailing ``{x,y}`` is the
   label names) against ``ServerMetrics``, both ways.
 - install.md's environment-variable table against the ``ACARERANK_*`` variables the package,
-  setup.py, csrc/, bench/ and scripts/ read, both ways.
+  setup.py, csrc/, bench/ and scripts/ read, both ways; its "Dependencies" against every lowest
+  version setup.py and pyproject.toml ask for.
 """
 from __future__ import annotations
 
@@ -331,3 +332,29 @@ def test_install_md_environment_table_is_what_the_code_reads():
     in_tests = variables_read([("tests", "*.py"), ("scripts", "*.sh")])
     assert documented - read - in_tests == set(), f"documented, read nowhere: {sorted(documented - read - in_tests)}"
     assert read - documented == set(), f"read, not in install.md's table: {sorted(read - documented)}"
+
+
+_SPEC = re.compile(r"""["']([A-Za-z0-9_.\-]+(?:\[[a-z,]+\])?)>=([\d.]+)(?:,<([\d.]+))?""")
+
+
+def version_floors() -> set:
+    """(name, lowest version, upper bound or None) of every ``name>=V`` the package asks for: setup.py's
+    requirements and extras, pyproject.toml's build requirements."""
+    setup = (ROOT / "setup.py").read_text()
+    reqs = setup[setup.index("\nRAY = "):setup.index("entry_points=")]
+    build = (ROOT / "pyproject.toml").read_text().split("requires = ", 1)[1].split("\n", 1)[0]
+    return {m.groups() for m in _SPEC.finditer(reqs + build)}
+
+
+def test_install_md_names_every_version_floor():
+    """A reader of install.md's "Dependencies" learns each lowest version pip will insist on (a
+    pinned minor version as ``0.54.x``)."""
+    text = " ".join((ROOT / "docs" / "install.md").read_text().split())
+    floors = version_floors()
+    assert {"torch", "transformers", "uvicorn"} <= {name for name, _, _ in floors}, floors
+    missing = []
+    for name, low, high in sorted(floors):
+        said = (re.escape(f"{low}.x") if high else rf"(?:≥ |>=){re.escape(low)}(?![\d.])")
+        if not re.search(rf"{re.escape(name)}`?\W{{0,3}}(?:\w+ ){{0,4}}{said}", text):
+            missing.append(f"{name}>={low}" + (f",<{high}" if high else ""))
+    assert not missing, f"docs/install.md does not state: {', '.join(missing)}"
