@@ -358,3 +358,13 @@ def test_install_md_names_every_version_floor():
         if not re.search(rf"{re.escape(name)}`?\W{{0,3}}(?:\w+ ){{0,4}}{said}", text):
             missing.append(f"{name}>={low}" + (f",<{high}" if high else ""))
     assert not missing, f"docs/install.md does not state: {', '.join(missing)}"
+
+
+def test_engine_failure_stages_in_serving_md_are_the_ones_counted():
+    """``acarerank_engine_failures_total{stage=...}``: the values serving.md lists are those the
+    server counts (an alert written from the docs matches a series that exists)."""
+    m = re.search(r'acarerank_engine_failures_total\{stage=([^}]*)\}', SERVING.read_text())
+    documented = set(re.findall(r'"(\w+)"', m.group(1)))
+    source = "".join(p.read_text() for p in (ROOT / "acarerank" / "server").glob("*.py"))
+    counted = set(re.findall(r'_fault\("(\w+)"', source)) | set(re.findall(r'engine_failures\.labels\("(\w+)"\)', source))
+    assert documented == counted, f"serving.md lists {sorted(documented)}, the server counts {sorted(counted)}"
