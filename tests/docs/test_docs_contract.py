@@ -180,7 +180,8 @@ def test_limits_table_is_the_serve_defaults():
         got = None if number == "none" else float(number.replace(",", "")) * (2 ** 20 if unit == " MiB" else 1)
         seen.add(flag)
         if got != want:
-            problems.append(f"serving.md limits table: {flag} {number}{unit or ''} but ServeConfig's default is {want!r}")
+            problems.append(f"serving.md limits table: {flag} {number}{unit or ''}, "
+                            f"but ServeConfig's default is {want!r}")
     assert not problems, "\n".join(problems)
     assert len(seen) == len(rows), (seen, rows)   # every row was read
 
@@ -366,5 +367,6 @@ def test_engine_failure_stages_in_serving_md_are_the_ones_counted():
     m = re.search(r'acarerank_engine_failures_total\{stage=([^}]*)\}', SERVING.read_text())
     documented = set(re.findall(r'"(\w+)"', m.group(1)))
     source = "".join(p.read_text() for p in (ROOT / "acarerank" / "server").glob("*.py"))
-    counted = set(re.findall(r'_fault\("(\w+)"', source)) | set(re.findall(r'engine_failures\.labels\("(\w+)"\)', source))
+    counted = set(re.findall(r'_fault\("(\w+)"', source))
+    counted |= set(re.findall(r'engine_failures\.labels\("(\w+)"\)', source))
     assert documented == counted, f"serving.md lists {sorted(documented)}, the server counts {sorted(counted)}"
