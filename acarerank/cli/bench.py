@@ -125,7 +125,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--extra-dtype-depths", type=_ints, default=None,
                    help="depths of the second and later dtypes (default: 50 if the first dtype runs it, "
                         "else the same depths)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                    help="attention of the transformers providers (default sdpa, transformers' own default)")
     p.add_argument("--query-tokens", type=int, default=None, help="sub-query length (default 20)")
@@ -134,7 +134,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--doc-tokens", type=_range, default=None,
                    help="document length range LOW-HIGH, uniform, or N for equal lengths (default 60-380); every "
                         "text length at most 32,768 tokens")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload (default 0)")
     p.add_argument("--output", default=None, help="results folder (default results/bench-<preset>-<dtype>-<device>)")
     p.add_argument("--workload", choices=("depth", "agent"), default="depth",
                    help="depth: latency vs depth (default); agent: a growing-trace agent session, prefix cache "

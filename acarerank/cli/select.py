@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
                    help=f"documents --docs may hold, refused before the tokenizer or the model loads (default "
                         f"{MAX_DOCUMENTS:,}, the server's --max-documents)")
     p.add_argument("--max-select", type=int, default=10, help="at most this many documents (default 10)")
-    p.add_argument("--max-length", type=int, default=16000, help="prompt token cap; documents are cut evenly")
+    p.add_argument("--max-length", type=int, default=16000, help="prompt token cap; documents are cut evenly (default 16,000, the paper's)")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="output token cap (default 64, the paper's); --max-select above 15 may need more")
     p.add_argument("--special-tokens", choices=("escape", "parse"), default="escape",

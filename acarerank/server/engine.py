@@ -132,7 +132,7 @@ class _Broken(BaseException):
 
 
 class EngineFault(RuntimeError):
-    """The model raised while running this job: ``stage`` ("pass", "prefill", "select", "call",
+    """The model raised while running this job: ``stage`` ("pass", "prefill", "select",
     "scheduler"), ``error_id`` (also in the failure's log line) and the original exception as
     ``__cause__``."""
 

@@ -25,7 +25,7 @@ acarerank_documents_scored_total            counter    documents scored
 acarerank_requests_cancelled_total          counter    requests whose remaining work was dropped: the
                                                        client left, or --request-timeout passed
 acarerank_engine_failures_total             counter    model-side failures, by stage (pass, prefill,
-                                                       select, call, scheduler, tokenize, engine)
+                                                       select, scheduler, tokenize, engine)
 acarerank_engine_failures_in_a_row          gauge      failures since the last success, by kind (model:
                                                        requests the model failed; iteration: failed
                                                        scheduler iterations); the canary runs at

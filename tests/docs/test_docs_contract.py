@@ -1,0 +1,372 @@
+"""The docs as a contract: values README.md and docs/ state — each command's flags and defaults,
+the HTTP endpoints, the response fields, the metric names and labels, the environment variables —
+are read from the docs and compared with the code, so neither can change alone.
+
+What is read:
+- usage lines of ``acarerank SUBCOMMAND`` in fenced shell blocks: every flag of the subcommand must
+  be in one, and ``[--flag VALUE]`` with a literal VALUE (not a placeholder such as ``N``, ``PATH``)
+  is the flag's default, converted by the flag's own ``type``; a flag with a default other than
+  None must be shown with it at least once. Each flag's ``--help`` names its default too.
+- serving.md's "Limits and timeouts" table (`` `--flag` VALUE``, units MiB and s) against ``ServeConfig``.
+- serving.md's endpoint table against the routes of ``create_app``; its response shapes against the
+  pydantic response models.
+- every ``acarerank_*`` metric named in serving.md (``{a,b}`` expanded; a trailing ``{x,y}`` is the
+  label names) against ``ServerMetrics``, both ways.
+- install.md's environment-variable table against the ``ACARERANK_*`` variables the package,
+  setup.py, csrc/, bench/ and scripts/ read, both ways; its "Dependencies" against every lowest
+  version setup.py and pyproject.toml ask for.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from types import SimpleNamespace
+
+import pytest
+
+import _repo
+from test_docs_commands import DOC_FILES, SHELL_LANGS, fenced_blocks, is_placeholder, shell_commands
+
+ROOT = _repo.ROOT
+SUBCOMMANDS = ("score", "select", "bench", "serve")
+
+
+def _sub(command: str) -> argparse.ArgumentParser:
+    from acarerank.cli import build_parser
+
+    parser = build_parser(command)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise LookupError(command)
+
+
+def _flags(command: str) -> dict:
+    """--flag -> its argparse action (help excluded)."""
+    return {a.option_strings[-1]: a for a in _sub(command)._actions if a.option_strings and a.dest != "help"}
+
+
+def usage_lines(command: str):
+    """(doc, line, [(flag, value or None, bracketed)]) for each fenced ``acarerank COMMAND`` line."""
+    out = []
+    for path in DOC_FILES:
+        for block in fenced_blocks(path.read_text(), path):
+            if block.lang not in SHELL_LANGS:
+                continue
+            for cmd in shell_commands(block):
+                words = cmd.words
+                if words[:2] != ["acarerank", command]:
+                    continue
+                opts, i = [], 2
+                while i < len(words):
+                    w = words[i]
+                    bracketed = w.startswith("[--")
+                    flag = w.lstrip("[").rstrip("]")
+                    if not flag.startswith("--"):
+                        i += 1
+                        continue
+                    value = None
+                    if not w.endswith("]") and i + 1 < len(words) and not words[i + 1].lstrip("[").startswith("--"):
+                        value = words[i + 1].rstrip("]") if bracketed else words[i + 1]
+                        i += 1
+                    opts.append((flag, value, bracketed))
+                    i += 1
+                out.append((path.relative_to(ROOT), cmd.line, opts))
+    return out
+
+
+def _placeholder(value: str) -> bool:
+    """``N``, ``PATH``, and placeholders joined as a value's syntax: ``KEY=VALUE``, ``LOW-HIGH``."""
+    return all(is_placeholder(part) for part in re.split(r"[=@-]", value) if part)
+
+
+def _no_default(action) -> bool:
+    """None (set later) or a switch's False (``0 == False``: a default of 0 is a default)."""
+    return action.default is None or action.default is False
+
+
+def _as_default(action, value: str):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return value
+    return action.type(value) if action.type is not None else value
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_flag_is_in_a_usage_line_with_its_default(command):
+    """The docs show every flag of ``acarerank COMMAND`` in a usage line, and a literal value there
+    is the code's default (so a changed default, or a new flag, changes the docs too)."""
+    flags = _flags(command)
+    lines = usage_lines(command)
+    assert lines, f"no usage line of acarerank {command} in the docs"
+    problems, shown, shown_literal = [], set(), set()
+    for doc, line, opts in lines:
+        for flag, value, bracketed in opts:
+            shown.add(flag)
+            if not bracketed or value is None or _placeholder(value) or flag not in flags:
+                continue
+            action = flags[flag]
+            shown_literal.add(flag)
+            if action.default is None:
+                problems.append(f"{doc}:{line}: [{flag} {value}] shows a default, but the code's is None "
+                                f"(set later): write a placeholder")
+            elif _as_default(action, value) != action.default:
+                problems.append(f"{doc}:{line}: [{flag} {value}] is not the default, {action.default!r}")
+    for flag, action in flags.items():
+        if flag not in shown:
+            problems.append(f"acarerank {command} {flag} is in no usage line of the docs")
+        elif not _no_default(action) and flag not in shown_literal:
+            problems.append(f"acarerank {command} {flag}: no usage line shows its default {action.default!r}")
+    assert not problems, "\n".join(problems)
+
+
+def _default_spellings(default) -> set:
+    if isinstance(default, (tuple, list)):
+        return {",".join(map(str, default))}
+    if isinstance(default, float) and default.is_integer():
+        return {str(default), str(int(default)), f"{int(default):,}"}
+    if isinstance(default, int) and not isinstance(default, bool):
+        return {str(default), f"{default:,}"}
+    return {str(default)}
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_flags_help_names_its_default(command):
+    """``--help`` is the first doc a user reads: a flag with a default says it."""
+    parser = _sub(command)
+    missing = []
+    for flag, action in _flags(command).items():
+        if _no_default(action):
+            continue
+        text = parser._get_formatter()._expand_help(action)  # with what the formatter class adds
+        if not any(s in text for s in _default_spellings(action.default)):
+            missing.append(f"{flag} (default {action.default!r}): {action.help!r}")
+    assert not missing, f"acarerank {command} --help does not name these defaults:\n" + "\n".join(missing)
+
+
+# --------------------------------------------------------------------------- serving.md
+
+SERVING = ROOT / "docs" / "serving.md"
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def _table_rows(section: str):
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.split("\n")
+            if line.startswith("|") and not line.startswith("|---")][1:]
+
+
+_LIMIT = re.compile(r"`(--[\w-]+)` (none|[\d,.]+)( MiB| s)?")
+
+
+def test_limits_table_is_the_serve_defaults():
+    from acarerank.server.config import MAX_HEAD_BYTES, ServeConfig
+
+    defaults = ServeConfig()
+    rows = _table_rows(_section(SERVING.read_text(), "Limits and timeouts"))
+    seen, problems = set(), []
+    for row in rows:
+        m = _LIMIT.match(row[1])
+        if m is None:
+            if row[0] == "request line + headers":
+                assert row[1].startswith(f"{MAX_HEAD_BYTES // 1024} kB"), row
+                seen.add("head")
+            continue
+        flag, number, unit = m.groups()
+        want = getattr(defaults, flag[2:].replace("-", "_"))
+        got = None if number == "none" else float(number.replace(",", "")) * (2 ** 20 if unit == " MiB" else 1)
+        seen.add(flag)
+        if got != want:
+            problems.append(f"serving.md limits table: {flag} {number}{unit or ''}, "
+                            f"but ServeConfig's default is {want!r}")
+    assert not problems, "\n".join(problems)
+    assert len(seen) == len(rows), (seen, rows)   # every row was read
+
+
+def _documented_routes() -> set:
+    rows = _table_rows(_section(SERVING.read_text(), "Endpoints"))
+    routes = set()
+    for row in rows:
+        method = None
+        for span in re.findall(r"`([^`]+)`", row[0]):
+            parts = span.split()
+            if len(parts) == 2:
+                method, path = parts
+            else:
+                path = parts[0]
+            routes.add((method, path.split("?")[0]))
+    return routes
+
+
+def _app():
+    from acarerank.server.app import create_app
+    from acarerank.server.metrics import ServerMetrics
+
+    return create_app(SimpleNamespace(metrics=ServerMetrics()))
+
+
+def test_endpoint_table_is_every_route():
+    """Each documented endpoint is served with its method, and each route served is documented."""
+    pytest.importorskip("fastapi")
+    served = {(m, r.path) for r in _app().routes for m in (getattr(r, "methods", None) or ()) if m in ("GET", "POST")}
+    documented = _documented_routes()
+    assert documented == served, (f"documented, not served: {sorted(documented - served)}; "
+                                  f"served, not documented: {sorted(served - documented)}")
+
+
+def _shape_keys(shape: str) -> set:
+    """Top-level keys of a ``{a, b: {...}, c?}`` shape written in the docs."""
+    depth, keys, word = 0, set(), ""
+    for ch in shape.strip()[1:-1] + ",":
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            keys.add(word.split(":")[0].strip().rstrip("?"))
+            word = ""
+            continue
+        if depth == 0 or ch not in "{[":
+            word += ch if depth == 0 else ""
+    return keys
+
+
+def test_documented_response_shapes_are_the_schemas():
+    pytest.importorskip("pydantic")
+    from acarerank.server.schemas import RerankResponse, SelectResponse, TEIRank
+
+    rows = {row[0]: row[1] for row in _table_rows(_section(SERVING.read_text(), "Endpoints"))}
+    rerank = next(v for k, v in rows.items() if "/v1/rerank" in k)
+    select = next(v for k, v in rows.items() if "/v1/select" in k)
+    shape = re.search(r"Response (`\{.*?\}`), best first", rerank).group(1).strip("`")
+    assert _shape_keys(shape) == set(RerankResponse.model_fields), shape
+    tei = re.search(r"bare list `\[(\{[^`]*\})\]`", rerank).group(1)
+    assert _shape_keys(tei) == set(TEIRank.model_fields), tei
+    shape = re.search(r"→ `(\{.*?\})`", select).group(1)
+    assert _shape_keys(shape) == set(SelectResponse.model_fields), shape
+    usage = re.search(r"usage: (\{[^}]*\})", shape)
+    assert usage, f"/v1/select's usage fields are not shown: {shape}"
+    usage = usage.group(1)
+    assert _shape_keys(usage) == set(SelectResponse.model_fields["usage"].annotation.model_fields), usage
+
+
+_METRIC = re.compile(r"acarerank_[a-z_]*(?:\{[a-z_,]+\}[a-z_]*)*(?:\{[^}]*\})?")
+
+
+def _expand(name: str) -> list:
+    m = re.search(r"\{([a-z_,]+)\}(?=[a-z_])", name)
+    if m is None:
+        return [name]
+    return [x for alt in m.group(1).split(",") for x in _expand(name[:m.start()] + alt + name[m.end():])]
+
+
+def documented_metrics() -> dict:
+    """metric name -> documented label names (None where the doc names none)."""
+    out = {}
+    for span in re.findall(r"`([^`]*)`", SERVING.read_text().replace("\n", " ")):
+        for m in _METRIC.finditer(span):
+            text = m.group(0)
+            labels = None
+            if text.endswith("}"):
+                text, _, inner = text[:-1].rpartition("{")
+                if not re.search(r"[a-z_]$", text):   # braces of an expansion, not labels
+                    text, inner = m.group(0), None
+                if inner is not None:
+                    labels = {part.split("=")[0].strip() for part in inner.split(",")} if "=" not in inner else \
+                        {re.match(r"\s*([a-z_]+)", inner).group(1)}
+            for name in _expand(text):
+                out[name] = labels if labels is not None else out.get(name)
+    return out
+
+
+def served_metrics() -> dict:
+    """metric name (as it appears at /metrics: counters with _total) -> label names."""
+    from acarerank.server.metrics import CACHE_COUNTERS, CACHE_GAUGES, ServerMetrics
+
+    out = {}
+    for metric in vars(ServerMetrics()).values():
+        name = getattr(metric, "_name", None)
+        if name is None:
+            continue
+        out[name + ("_total" if metric._type == "counter" else "")] = set(metric._labelnames)
+    out.update({f"acarerank_prefix_cache_{n}_tokens_total": set() for n in CACHE_COUNTERS})
+    out.update({f"acarerank_prefix_cache_{n}_tokens": set() for n in CACHE_GAUGES})
+    return out
+
+
+def test_metric_names_and_labels_in_serving_md_are_served():
+    pytest.importorskip("prometheus_client")
+    documented, served = documented_metrics(), served_metrics()
+    assert set(documented) == set(served), (f"documented, not served: {sorted(set(documented) - set(served))}; "
+                                            f"served, not documented: {sorted(set(served) - set(documented))}")
+    wrong = {n: (labels, served[n]) for n, labels in documented.items() if labels is not None and labels != served[n]}
+    assert not wrong, f"documented labels differ from the served ones: {wrong}"
+
+
+# --------------------------------------------------------------------------- install.md
+
+_READ_ENV = re.compile(r"""(?:environ(?:\.get|\.setdefault|\.pop)?\(?\[?|getenv\()\s*["'](ACARERANK_[A-Z0-9_]+)|"""
+                       r"""\$\{?(ACARERANK_[A-Z0-9_]+)|ENV_VAR\s*=\s*["'](ACARERANK_[A-Z0-9_]+)""")
+#: what a user sets: the package, its build and its scripts (tests/' own variables are named in the
+#: install.md rows that concern users, ACARERANK_REQUIRE_EXT and ACARERANK_FUZZ_EXAMPLES)
+_READERS = [("acarerank", "*.py"), ("csrc", "*.cpp"), ("csrc", "*.h"), ("csrc", "*.cu"), ("bench", "*.py"),
+            ("bench", "*.sh"), ("scripts", "*.sh"), (".", "setup.py")]
+
+
+def variables_read(roots=_READERS) -> set:
+    names = set()
+    for folder, pattern in roots:
+        for path in (ROOT / folder).rglob(pattern) if folder != "." else [ROOT / pattern]:
+            for m in _READ_ENV.finditer(path.read_text(errors="replace")):
+                names.add(m.group(1) or m.group(2) or m.group(3))
+    return names
+
+
+def test_install_md_environment_table_is_what_the_code_reads():
+    text = (ROOT / "docs" / "install.md").read_text()
+    documented = {v for row in _table_rows(_section(text, "Environment knobs"))
+                  for v in re.findall(r"`(ACARERANK_[A-Z0-9_]+)", row[0])}
+    read = variables_read()
+    in_tests = variables_read([("tests", "*.py"), ("scripts", "*.sh")])
+    assert documented - read - in_tests == set(), f"documented, read nowhere: {sorted(documented - read - in_tests)}"
+    assert read - documented == set(), f"read, not in install.md's table: {sorted(read - documented)}"
+
+
+_SPEC = re.compile(r"""["']([A-Za-z0-9_.\-]+(?:\[[a-z,]+\])?)>=([\d.]+)(?:,<([\d.]+))?""")
+
+
+def version_floors() -> set:
+    """(name, lowest version, upper bound or None) of every ``name>=V`` the package asks for: setup.py's
+    requirements and extras, pyproject.toml's build requirements."""
+    setup = (ROOT / "setup.py").read_text()
+    reqs = setup[setup.index("\nRAY = "):setup.index("entry_points=")]
+    build = (ROOT / "pyproject.toml").read_text().split("requires = ", 1)[1].split("\n", 1)[0]
+    return {m.groups() for m in _SPEC.finditer(reqs + build)}
+
+
+def test_install_md_names_every_version_floor():
+    """A reader of install.md's "Dependencies" learns each lowest version pip will insist on (a
+    pinned minor version as ``0.54.x``)."""
+    text = " ".join((ROOT / "docs" / "install.md").read_text().split())
+    floors = version_floors()
+    assert {"torch", "transformers", "uvicorn"} <= {name for name, _, _ in floors}, floors
+    missing = []
+    for name, low, high in sorted(floors):
+        said = (re.escape(f"{low}.x") if high else rf"(?:≥ |>=){re.escape(low)}(?![\d.])")
+        if not re.search(rf"{re.escape(name)}`?\W{{0,3}}(?:\w+ ){{0,4}}{said}", text):
+            missing.append(f"{name}>={low}" + (f",<{high}" if high else ""))
+    assert not missing, f"docs/install.md does not state: {', '.join(missing)}"
+
+
+def test_engine_failure_stages_in_serving_md_are_the_ones_counted():
+    """``acarerank_engine_failures_total{stage=...}``: the values serving.md lists are those the
+    server counts (an alert written from the docs matches a series that exists)."""
+    m = re.search(r'acarerank_engine_failures_total\{stage=([^}]*)\}', SERVING.read_text())
+    documented = set(re.findall(r'"(\w+)"', m.group(1)))
+    source = "".join(p.read_text() for p in (ROOT / "acarerank" / "server").glob("*.py"))
+    counted = set(re.findall(r'_fault\("(\w+)"', source))
+    counted |= set(re.findall(r'engine_failures\.labels\("(\w+)"\)', source))
+    assert documented == counted, f"serving.md lists {sorted(documented)}, the server counts {sorted(counted)}"
