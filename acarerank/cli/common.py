@@ -140,7 +140,7 @@ def read_documents(path: str, max_docs: int | None = None) -> list:
                              f"{e.start}, e.g. a lone \\ud800 escape)") from None
         if max_docs is not None and len(docs) == max_docs:  # stop at the first one past the cap, parse no more
             raise ValueError(f"--docs {'stdin' if path == '-' else repr(path)} holds more than {max_docs:,} "
-                             f"document{'s' if max_docs != 1 else ''} (line {n}), the cap --max-documents; raise --max-documents to score more")
+                             f"document{'s' if max_docs != 1 else ''} (line {n}), the cap --max-documents; raise --max-documents to read more")
         docs.append(item)
     if not docs:
         raise ValueError(f"{name}: no documents")
