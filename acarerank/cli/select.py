@@ -3,7 +3,8 @@
 Input lines are JSON objects with a "text" field (other fields are passed through) or
 plain JSON strings. Output: one JSON object per selected document, most useful first:
 {"rank", "index" (0-based line among the documents), "id" (1-based, as the model emitted it),
-...passed-through fields}; then, unless --quiet, a summary line on stderr with the raw output.
+...passed-through fields} — a document's own "rank", "index" or "id" field is replaced (docs/api.md,
+"Setwise"); then, unless --quiet, a summary line on stderr with the raw output.
 """
 from __future__ import annotations
 
