@@ -2,8 +2,9 @@
 
 Input lines are JSON objects with a "text" field (other fields are passed through) or
 plain JSON strings. Output: one JSON object per selected document, most useful first:
-{"rank", "index" (0-based line among the documents), "id" (1-based, as the model emitted it),
-...passed-through fields}; then, unless --quiet, a summary line on stderr with the raw output.
+{"rank", "index" (0-based line among the documents; the model names it [index + 1]),
+...passed-through fields, an "id" included} — a document's own "rank" or "index" is replaced
+(docs/api.md, "Setwise"); then, unless --quiet, a summary line on stderr with the raw output.
 """
 from __future__ import annotations
 
@@ -75,10 +76,12 @@ def run(args) -> int:
     sr = load_reranker(SetwiseReranker, args, max_new_tokens=args.max_new_tokens, special_tokens=args.special_tokens)
     sel = sr.select(args.query, texts, intent=args.intent, max_select=args.max_select,
                     constrained=not args.unconstrained)
-    print_results({"rank": rank, "index": i, "id": ident,
-                   **({k: v for k, v in docs[i].items() if k not in ("rank", "index", "id")}
+    # no "id" of ours: the model's identifier is always index + 1, and an output "id" replaced the
+    # document's own (a corpus numbered 1..n read as another document's number, with no error)
+    print_results({"rank": rank, "index": i,
+                   **({k: v for k, v in docs[i].items() if k not in ("rank", "index")}
                       if isinstance(docs[i], dict) else {"text": docs[i]})}
-                  for rank, (i, ident) in enumerate(zip(sel.indices, sel.ids), 1))
+                  for rank, i in enumerate(sel.indices, 1))
     if not args.quiet:
         print(f"output {sel.text!r} ({sel.num_tokens} tokens, prompt {sel.prompt_tokens} tokens, "
               f"{'valid' if sel.valid else 'INVALID, leniently parsed'})", file=sys.stderr)

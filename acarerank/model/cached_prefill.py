@@ -167,15 +167,17 @@ class ChunkedPrefill:
     One ``step(len(prefix))`` runs the very passes ``prefill_cached`` runs. The caller frees ``cache``
     — also after a ``step`` that raised: its pages (pinned and reserved) are all in ``cache``, and
     a later ``step`` may retry (rows reserved and not committed are simply written again).
-    ``reserve_tokens`` as in ``prefill_cached``.
+    ``reserve_tokens`` as in ``prefill_cached``. ``private``: skip the cache and compute the whole
+    prefix in a private pool, counted on ``slot`` as computed but not as a lookup — the redo of a
+    prefix already looked up (a selection whose decode ran out of the cache's pages).
     """
 
     def __init__(self, runner, slot: CacheSlot, prefix: Sequence[int], salt: Optional[Hashable] = None,
-                 reserve_tokens: int = 1):
+                 reserve_tokens: int = 1, private: bool = False):
         self.runner, self.slot, self.salt = runner, slot, salt
         self.reserve_tokens = reserve_tokens
         self.prefix = [int(t) for t in prefix]
-        self.pc = slot.get()
+        self.pc = None if private else slot.get()
         self.hit = 0
         if self.pc is not None:
             self.cache = PagedKVCache(self.pc.pool, allocate=self.pc.allocate)
@@ -186,7 +188,8 @@ class ChunkedPrefill:
                 self.pc.pool.decref(matched)  # the cache's own reference replaces the match's
             self.hit = len(matched) * self.pc.block_size
         else:
-            slot.count(uncached_lookup=len(self.prefix))
+            if not private:
+                slot.count(uncached_lookup=len(self.prefix))
             self._private()
         self.pos = self.hit
         if self.done:  # all of it cached: nothing left to compute

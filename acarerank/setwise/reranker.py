@@ -223,9 +223,10 @@ class SetwiseReranker(RerankerBase):
             except PoolExhausted:
                 st.prefill.cache.free()
                 enc = st.encoding
-                st.prefill = ChunkedPrefill(self.runner, CacheSlot(self.runner, enabled=False), st.prefill.prefix,
+                # the prompt is computed again (counted as computed: the same lookup, not a new one)
+                st.prefill = ChunkedPrefill(self.runner, self._cache_slot, st.prefill.prefix,
                                             reserve_tokens=self._reserve([enc.prompt], enc.max_select,
-                                                                         enc.constrained))
+                                                                         enc.constrained), private=True)
                 st.decoder = None
                 return 0
 
@@ -371,12 +372,16 @@ class SetwiseReranker(RerankerBase):
             return greedy_decode(self.runner, ids, max_new_tokens=self.max_new_tokens, eos_id=self.free_stop_ids,
                                  cache=cache)
 
-        cache, _ = prefill_cached(self.runner, self._cache_slot, [i[:-1] for i in ids], salt=cache_salt,
-                                  reserve_tokens=self._reserve(prompts, max_select, constrained))
+        prefixes, reserve = [i[:-1] for i in ids], self._reserve(prompts, max_select, constrained)
+        cache, _ = prefill_cached(self.runner, self._cache_slot, prefixes, salt=cache_salt, reserve_tokens=reserve)
         try:
-            gen = decode(cache)
-        except PoolExhausted:  # the cache's pool filled up with pinned pages mid-decode: redo privately
-            gen = decode(None)
+            try:
+                gen = decode(cache)
+            except PoolExhausted:  # the cache's pool filled up with pinned pages mid-decode: redo privately
+                cache.free()
+                cache = self.runner.prefill(prefixes, reserve_tokens=reserve)
+                self._cache_slot.count(computed=sum(map(len, prefixes)))  # as prefill_cached counts a private one
+                gen = decode(cache)
         finally:
             cache.free()  # decoded rows were private pages; cached prompt pages stay in the tree
         return [self._selection(p, toks, max_select, constrained) for p, toks in zip(prompts, gen)]

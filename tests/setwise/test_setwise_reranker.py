@@ -192,14 +192,17 @@ def test_from_pretrained_and_cli(model, reranker, qwen3_tokenizer, tmp_path, cap
     assert sr.select("capital of France?", DOCS, max_select=5) == want
 
     docs_file = tmp_path / "docs.jsonl"
-    lines = [json.dumps({"text": d, "url": f"u{i}"}) if i % 2 == 0 else json.dumps(d) for i, d in enumerate(DOCS)]
+    # a corpus id numbered like the model's identifiers, in another order: it must come back as it was
+    lines = [json.dumps({"text": d, "url": f"u{i}", "id": len(DOCS) - i}) if i % 2 == 0 else json.dumps(d)
+             for i, d in enumerate(DOCS)]
     docs_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
     capsys.readouterr()
     assert main(["select", "--model", str(tmp_path / "ckpt"), "--query", "capital of France?", "--docs",
                  str(docs_file), "--max-select", "5", "--dtype", "float32"]) == 0
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [r["index"] for r in rows] == want.indices and [r["id"] for r in rows] == want.ids
+    assert [r["index"] for r in rows] == want.indices and [r["index"] + 1 for r in rows] == want.ids
+    assert all(r.get("id") == (len(DOCS) - r["index"] if r["index"] % 2 == 0 else None) for r in rows), rows
     assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
     assert all(r["text"] == DOCS[r["index"]] for r in rows)
     assert all(("url" in r) == (r["index"] % 2 == 0) for r in rows)
@@ -405,3 +408,47 @@ def test_max_new_tokens_past_its_cap_is_refused_before_any_kv_is_reserved(model,
     assert at_cap.select("capital of France?", DOCS, max_select=2) == SetwiseReranker(
         runner=sr.runner, tokenizer=qwen3_tokenizer, max_new_tokens=64).select("capital of France?", DOCS,
                                                                                max_select=2)
+
+
+def _steps_until_done(sr, st):
+    """The server engine's loop: a prefill chunk while the selection is prefilling (again, after a
+    decode step that restarted it in a private pool), else a decode step."""
+    try:
+        while not st.done:
+            if st.prefilling:
+                sr.prefill_select(st, 64)
+            else:
+                sr.decode_select(st)
+        return sr.finish_select(st)
+    finally:
+        sr.release_select(st)
+
+
+RESTARTS = {"select": lambda sr, q, docs: sr.select(q, docs, max_select=12),
+            "select_batch": lambda sr, q, docs: sr.select_batch([q], [docs], max_select=12)[0],
+            "steps": lambda sr, q, docs: _steps_until_done(sr, sr.start_select(sr.encode_select(q, docs,
+                                                                                             max_select=12)))}
+
+
+@pytest.mark.parametrize("how", RESTARTS)
+def test_a_selection_restarted_privately_counts_its_recomputed_prompt(model, qwen3_tokenizer, how):
+    """A prefix cache of exactly the prompt's pages: the prompt prefills there, and the decode's
+    first new page finds every page pinned (PoolExhausted), so the selection restarts in a private
+    pool (select_batch; select and the step API in decode_select) with the result a reranker
+    without a prefix cache gives. The restart computes the whole prompt again; those tokens count
+    as computed (the counters read the same with the cache or without it, docs/ARCHITECTURE.md
+    "Paged KV and the prefix cache"): they went uncounted, so computed_tokens said 889 after a
+    call that ran 1,778 prompt tokens through the model."""
+    docs, q = [f"doc {i} about {i % 5}" for i in range(23)], "which?"
+    plain = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    want = plain.select(q, docs, max_select=12)
+    prompt = want.prompt_tokens - 1  # the last prompt token is the decode's first segment
+    assert plain.cache_stats()["computed_tokens"] == prompt
+    bs = plain.runner.block_size
+    assert prompt % bs == 9, "the decode's rows must need a page the prompt's pages leave no room for"
+    sr = SetwiseReranker(runner=plain.runner, tokenizer=qwen3_tokenizer, cache_budget_tokens=-(-prompt // bs) * bs)
+    assert RESTARTS[how](sr, q, docs) == want
+    stats = sr.cache_stats()
+    assert stats["hit_tokens"] == 0 and stats["computed_tokens"] == 2 * prompt, stats  # cached, then private
+    assert stats["lookup_tokens"] == prompt, stats  # the restart is the same lookup, not a new one
+    assert all(c <= 1 for c in sr._cache_slot.get().pool.refcount), "a page is still pinned"  # the tree's only
