@@ -28,6 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from .. import _fork
 from .._validate import positive_int
 from ..ops import backend_for, per_op_backends, prefix_shared_attention_paged
 from ..ops.linear import linear, resolve_linear_backend
@@ -103,6 +104,7 @@ class Qwen3Runner:
         ``from_hf`` hand theirs over and pack them one at a time). The same packed matrices serve
         every mode (eager, ``batch_invariant``, ``compile_layers``).
         """
+        _fork.enter("Qwen3Runner")  # a forked child's stale OpenMP pool: an error, not a hang
         self.compile_layers = compile_layers
         self.batch_invariant = batch_invariant
         self.arch = weights.arch
@@ -123,10 +125,12 @@ class Qwen3Runner:
     def from_hf(cls, model, backend: Optional[str] = None, **kw) -> "Qwen3Runner":
         """From an in-memory transformers Qwen3 model (its tensors are shared where the layouts
         agree and never modified; packed matrices are the runner's own)."""
+        _fork.enter("Qwen3Runner.from_hf")
         return cls._owning(weights_from_hf(model), backend, kw)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", backend: Optional[str] = None, **kw):
+        _fork.enter("Qwen3Runner.from_pretrained")
         return cls._owning(load_checkpoint(path, dtype=dtype, device=device), backend, kw)
 
     @classmethod
@@ -317,6 +321,7 @@ class Qwen3Runner:
         return emb.cos(), emb.sin()
 
     def _forward(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
+        _fork.enter("a model pass")  # every pass of every reranker comes here first
         with autocast_off(self.device):
             return self._pass(cache, ids, groups, output, append)
 

@@ -1,0 +1,96 @@
+"""acarerank inside someone else's process (docs/api.md, "Embedding in your process"): the
+host's process-wide torch state and lifecycle — fork after use, pickling, the embedded default
+model under a changed default dtype / device. Process-wide state is changed in a fresh
+interpreter (``run_script``), never in the test process.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+DOCS = ["a document about tutoring", "", "数字 12345", "line one\nline two"]
+
+
+def run_script(body: str, timeout: float = 60) -> str:
+    """``body`` in a fresh interpreter (this checkout and tests/ on its path); its stdout.
+    A child that hangs is the script's own report (it joins with a timeout), never this one's."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
+    env.pop("OMP_NUM_THREADS", None)  # the parent must run torch on a real OpenMP team
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(body)], env=env, cwd=TESTS, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+FORK_PRELUDE = """
+    import json, multiprocessing as mp, threading, torch
+    from _tiny import tiny_causal
+    from acarerank import PointwiseReranker
+    from acarerank import ForkedThreadPoolError
+    DOCS = {docs!r}
+    torch.set_num_threads(2)
+    model = tiny_causal(seed=3)
+    rr = PointwiseReranker(model=model)
+    parent = rr.score("tutoring", DOCS)
+
+    def report(q, fn):
+        try:
+            q.put(("ok", fn()))
+        except ForkedThreadPoolError as e:
+            q.put(("refused", str(e)))
+
+    def in_child(fn, timeout=10):
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=report, args=(q, fn))
+        p.start()
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            return ("hang", None)
+        return q.get(timeout=5)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+def test_a_forked_child_of_a_thread_that_scored_refuses_then_scores_on_one_thread():
+    """The gunicorn --preload / celery prefork pattern: torch's OpenMP pool does not survive fork,
+    so a child scoring on 2 threads from the forking thread hung for ever. Now it is a
+    ForkedThreadPoolError naming the remedies, at once; on one torch thread, or from a new thread
+    of the child, it scores what the parent scored (fp32: ≤ 1e-5, the other thread count's tiling)."""
+    out = run_script(FORK_PRELUDE.format(docs=DOCS) + """
+    def one_thread():
+        refused = None
+        try:
+            rr.score("tutoring", DOCS)
+        except ForkedThreadPoolError as e:
+            refused = str(e)
+        torch.set_num_threads(1)
+        return refused, rr.score("tutoring", DOCS)
+
+    def new_thread():
+        box = []
+        t = threading.Thread(target=lambda: box.append(rr.score("tutoring", DOCS)))
+        t.start(); t.join()
+        return box[0]
+
+    print(json.dumps({"parent": parent, "two": in_child(lambda: rr.score("tutoring", DOCS)),
+                      "build": in_child(lambda: PointwiseReranker(model=model) and None),
+                      "one": in_child(one_thread), "thread": in_child(new_thread)}))
+    """, timeout=120)
+    res = json.loads(out)
+    parent = res["parent"]
+    for case in ("two", "build"):
+        status, msg = res[case]
+        assert status == "refused", f"{case}: {status} (a hang is the bug this test is about)"
+        assert "forked" in msg and "torch.set_num_threads(1)" in msg and "spawn" in msg
+    status, (refused, scores) = res["one"]
+    assert status == "ok" and refused and "forked" in refused
+    assert max(abs(a - b) for a, b in zip(scores, parent)) <= 1e-5
+    status, scores = res["thread"]
+    assert status == "ok" and max(abs(a - b) for a, b in zip(scores, parent)) <= 1e-5
