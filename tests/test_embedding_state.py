@@ -3,13 +3,18 @@ host's process-wide torch state and lifecycle — fork after use, pickling, the 
 model under a changed default dtype / device. Process-wide state is changed in a fresh
 interpreter (``run_script``), never in the test process.
 """
+import copy
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from _tiny import tiny_causal
+from acarerank import PointwiseReranker
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -94,3 +99,15 @@ def test_a_forked_child_of_a_thread_that_scored_refuses_then_scores_on_one_threa
     assert max(abs(a - b) for a, b in zip(scores, parent)) <= 1e-5
     status, scores = res["thread"]
     assert status == "ok" and max(abs(a - b) for a, b in zip(scores, parent)) <= 1e-5
+
+
+def test_a_reranker_or_runner_refuses_pickling_by_name_and_copy_copy_still_shares():
+    """pickle (a 'spawn' child's argument) and deepcopy were torch's NotImplementedError about an
+    OpaqueTensorImpl (the packed weights) or "cannot pickle '_thread.lock'"."""
+    rr = PointwiseReranker(model=tiny_causal(seed=3))
+    for obj, name in ((rr, "PointwiseReranker"), (rr.runner, "Qwen3Runner")):
+        for attempt in (pickle.dumps, copy.deepcopy):
+            with pytest.raises(TypeError, match=f"a {name} cannot be pickled.*from_pretrained"):
+                attempt(obj)
+    twin = copy.copy(rr)
+    assert twin.runner is rr.runner and twin.score("q", DOCS) == rr.score("q", DOCS)

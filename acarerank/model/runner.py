@@ -50,6 +50,14 @@ from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 INVARIANT_ROWS = 64
 
 
+def not_picklable(name: str) -> str:
+    """The message of the TypeError that pickling or deep-copying a reranker or runner raises."""
+    return (f"a {name} cannot be pickled or deep-copied: it holds packed weights, KV pages and locks of this "
+            "process. Build one in each process (from_pretrained(path) or model=; with multiprocessing's "
+            "'spawn' or 'forkserver', pass the checkpoint path, not the object); a 'fork' child inherits the "
+            "parent's (docs/api.md, \"Embedding in your process\")")
+
+
 def _linear_fixed_tiles(x: torch.Tensor, w, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     T = x.shape[0]
     pad = (-T) % INVARIANT_ROWS
@@ -140,6 +148,17 @@ class Qwen3Runner:
         per_op_backends(backend)
         weights_for_linear(weights, resolve_linear_backend(backend, weights.device, weights.dtype)[0], in_place=True)
         return cls(weights, backend=backend, **kw)
+
+    def __reduce_ex__(self, protocol):
+        # as RerankerBase.__reduce_ex__: a clear TypeError, not torch's NotImplementedError about
+        # the packed weights' OpaqueTensorImpl
+        raise TypeError(not_picklable(type(self).__name__))
+
+    def __copy__(self):
+        """copy.copy: a second runner object over the same weights (shallow, as before)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
 
     def with_settings(self, **changes) -> "Qwen3Runner":
         """A runner over the same weights with some constructor settings changed (``backend``,
