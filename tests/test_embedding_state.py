@@ -12,9 +12,11 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from _tiny import tiny_causal
 from acarerank import PointwiseReranker
+from acarerank.model.default import build_default_model
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -111,3 +113,40 @@ def test_a_reranker_or_runner_refuses_pickling_by_name_and_copy_copy_still_share
                 attempt(obj)
     twin = copy.copy(rr)
     assert twin.runner is rr.runner and twin.score("q", DOCS) == rr.score("q", DOCS)
+
+
+STATES = ["torch.set_default_dtype(torch.float64)", "torch.set_default_dtype(torch.bfloat16)",
+          "torch.set_default_device('meta')"]
+SMALL = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=64,
+             intermediate_size=96, vocab_size=512)
+
+
+def test_the_default_model_is_the_same_under_a_callers_default_dtype_or_device():
+    """The embedded default model's seeded weights drew other numbers under a float64 / bf16
+    default dtype (another model under the same seed); a "meta" default device could not be
+    moved to the host (NotImplementedError). The caller's default is kept."""
+    def digest(m):
+        return {k: [v.dtype == torch.float32, str(v.device), float(v.double().sum()), float(v.double().abs().sum())]
+                for k, v in m.state_dict().items()}
+
+    out = run_script(f"""
+    import json, torch
+    from acarerank.model.default import build_default_model
+    out = {{}}
+    for state in {STATES!r}:
+        eval(state)
+        before = (torch.get_default_dtype(), torch.empty(0).device)
+        try:
+            m = build_default_model(**{SMALL!r})
+            out[state] = {{k: [v.dtype == torch.float32, str(v.device), float(v.double().sum()),
+                               float(v.double().abs().sum())] for k, v in m.state_dict().items()}}
+        except RuntimeError as e:  # NotImplementedError from a meta tensor: reported by the test, per state
+            out[state] = repr(e)
+        assert (torch.get_default_dtype(), torch.empty(0).device) == before, state
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device("cpu")
+    print(json.dumps(out))
+    """)
+    here = digest(build_default_model(**SMALL))
+    for state, theirs in json.loads(out).items():
+        assert theirs == here, f"{state}: {theirs if isinstance(theirs, str) else 'other weights'}"
