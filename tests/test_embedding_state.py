@@ -1,7 +1,7 @@
 """acarerank inside someone else's process (docs/api.md, "Embedding in your process"): the
-host's process-wide torch state and lifecycle — fork after use, pickling, the embedded default
-model under a changed default dtype / device. Process-wide state is changed in a fresh
-interpreter (``run_script``), never in the test process.
+host's process-wide torch state and lifecycle — fork after use, pickling, deterministic mode,
+the embedded default model under a changed default dtype / device. Process-wide state is
+changed in a fresh interpreter (``run_script``), never in the test process.
 """
 import copy
 import json
@@ -150,3 +150,25 @@ def test_the_default_model_is_the_same_under_a_callers_default_dtype_or_device()
     here = digest(build_default_model(**SMALL))
     for state, theirs in json.loads(out).items():
         assert theirs == here, f"{state}: {theirs if isinstance(theirs, str) else 'other weights'}"
+
+
+def test_deterministic_mode_is_not_refused_and_an_uncached_call_repeats_bit_for_bit():
+    """torch.use_deterministic_algorithms(True) is not read (docs/api.md, "Embedding in your
+    process"): nothing raises, an uncached call repeats bit for bit on the same thread count, and
+    a call served from the prefix cache agrees to rounding (fp32: ≤ 1e-5)."""
+    out = run_script(f"""
+    import json, torch
+    from _tiny import tiny_causal
+    from acarerank import PointwiseReranker
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(2)
+    model = tiny_causal(seed=3)
+    plain, cached = PointwiseReranker(model=model, prefix_cache=False), PointwiseReranker(model=model)
+    trace = "the agent searched for tutors and hints. " * 4
+    print(json.dumps({{"plain": [plain.score("q", {DOCS!r}, trace=trace) for _ in range(2)],
+                      "cached": [cached.score("q", {DOCS!r}, trace=trace) for _ in range(2)]}}))
+    """)
+    res = json.loads(out)
+    assert res["plain"][0] == res["plain"][1]
+    for scores in res["cached"]:
+        assert max(abs(a - b) for a, b in zip(scores, res["plain"][0])) <= 1e-5
