@@ -12,7 +12,7 @@ bound_onednn_caches()   # before anything runs a oneDNN op (acarerank/_onednn_en
 __version__ = "0.1.0"
 
 _LAZY = {"PointwiseReranker": "pointwise", "ScoreRequest": "pointwise", "PrefixHandle": "pointwise", "SetwiseReranker": "setwise",
-         "Selection": "setwise"}
+         "Selection": "setwise", "ForkedThreadPoolError": "_fork"}
 
 
 def __getattr__(name):  # lazy: importing acarerank.ops must not pull in transformers

@@ -21,6 +21,7 @@ from typing import Optional
 from .hardware import resolve_dtype
 from .model import Qwen3Runner
 from .model.placement import FLOAT_DTYPES, check_dtype_device
+from .model.runner import not_picklable
 from .tokenizer import TextEncoder, check_special_tokens
 
 
@@ -63,6 +64,19 @@ class RerankerBase:
         self.runner = runner
         self.backend = backend
         self.tokenizer = TextEncoder.of(tokenizer, special_tokens)
+
+    def __reduce_ex__(self, protocol):
+        # pickle (multiprocessing's spawn / forkserver arguments, a Queue) and copy.deepcopy come
+        # here: without this, a deep NotImplementedError about an OpaqueTensorImpl (the packed
+        # oneDNN weights) or "cannot pickle '_thread.lock'" (docs/api.md, "Embedding in your process")
+        raise TypeError(not_picklable(type(self).__name__))
+
+    def __copy__(self):
+        """copy.copy: a second reranker object over the same runner, prefix cache and encoder
+        (as before ``__reduce_ex__`` refused pickling, which copy.copy would otherwise reach)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, device="cpu", backend=None, tokenizer=None, **kw):

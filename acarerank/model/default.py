@@ -92,12 +92,33 @@ def check_model_fits(config, device) -> None:
 def build_default_model(preset: str = DEFAULT_PRESET, seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
     """A transformers ``Qwen3ForCausalLM`` with seeded random weights (eval mode); a shape whose
     weights cannot fit the device's memory is a ValueError before any is allocated
-    (``check_model_fits``)."""
+    (``check_model_fits``).
+
+    The weights are a function of (preset, overrides, seed) alone: they are drawn in float32 on
+    the host from a seeded copy of the RNG state (the caller's stream is untouched), whatever
+    the caller's ``torch.set_default_dtype`` / default device — a float64 default drew other
+    numbers (a different model under the same seed), a "meta" default had no data to move.
+    """
     from transformers import Qwen3ForCausalLM
 
     cfg = qwen3_config(preset, **overrides)
     check_model_fits(cfg, device)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _float32_default(), torch.device("cpu"):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(cfg)
     return model.to(dtype=dtype, device=device).eval()
+
+
+class _float32_default:
+    """float32 as torch's default dtype inside the block, the caller's back after it. The
+    default dtype is process-wide (torch has no per-thread one), so it is changed only where it
+    is not float32 already: the usual caller sees nothing."""
+
+    def __enter__(self):
+        self.before = torch.get_default_dtype()
+        if self.before != torch.float32:
+            torch.set_default_dtype(torch.float32)
+
+    def __exit__(self, *exc):
+        if self.before != torch.float32:
+            torch.set_default_dtype(self.before)

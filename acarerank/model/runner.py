@@ -28,6 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from .. import _fork
 from .._validate import positive_int
 from ..ops import backend_for, per_op_backends, prefix_shared_attention_paged
 from ..ops.linear import linear, resolve_linear_backend
@@ -47,6 +48,14 @@ from .weights import Qwen3Weights, load_checkpoint, weights_from_hf
 # with either linear backend: oneDNN on a packed weight runs one kernel for one shape too
 # (tests/model/test_linear_runner.py checks a row's result at every position of the tile).
 INVARIANT_ROWS = 64
+
+
+def not_picklable(name: str) -> str:
+    """The message of the TypeError that pickling or deep-copying a reranker or runner raises."""
+    return (f"a {name} cannot be pickled or deep-copied: it holds packed weights, KV pages and locks of this "
+            "process. Build one in each process (from_pretrained(path) or model=; with multiprocessing's "
+            "'spawn' or 'forkserver', pass the checkpoint path, not the object); a 'fork' child inherits the "
+            "parent's (docs/api.md, \"Embedding in your process\")")
 
 
 def _linear_fixed_tiles(x: torch.Tensor, w, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -103,6 +112,7 @@ class Qwen3Runner:
         ``from_hf`` hand theirs over and pack them one at a time). The same packed matrices serve
         every mode (eager, ``batch_invariant``, ``compile_layers``).
         """
+        _fork.enter("Qwen3Runner")  # a forked child's stale OpenMP pool: an error, not a hang
         self.compile_layers = compile_layers
         self.batch_invariant = batch_invariant
         self.arch = weights.arch
@@ -123,10 +133,12 @@ class Qwen3Runner:
     def from_hf(cls, model, backend: Optional[str] = None, **kw) -> "Qwen3Runner":
         """From an in-memory transformers Qwen3 model (its tensors are shared where the layouts
         agree and never modified; packed matrices are the runner's own)."""
+        _fork.enter("Qwen3Runner.from_hf")
         return cls._owning(weights_from_hf(model), backend, kw)
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", backend: Optional[str] = None, **kw):
+        _fork.enter("Qwen3Runner.from_pretrained")
         return cls._owning(load_checkpoint(path, dtype=dtype, device=device), backend, kw)
 
     @classmethod
@@ -136,6 +148,17 @@ class Qwen3Runner:
         per_op_backends(backend)
         weights_for_linear(weights, resolve_linear_backend(backend, weights.device, weights.dtype)[0], in_place=True)
         return cls(weights, backend=backend, **kw)
+
+    def __reduce_ex__(self, protocol):
+        # as RerankerBase.__reduce_ex__: a clear TypeError, not torch's NotImplementedError about
+        # the packed weights' OpaqueTensorImpl
+        raise TypeError(not_picklable(type(self).__name__))
+
+    def __copy__(self):
+        """copy.copy: a second runner object over the same weights (shallow, as before)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
 
     def with_settings(self, **changes) -> "Qwen3Runner":
         """A runner over the same weights with some constructor settings changed (``backend``,
@@ -317,6 +340,7 @@ class Qwen3Runner:
         return emb.cos(), emb.sin()
 
     def _forward(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
+        _fork.enter("a model pass")  # every pass of every reranker comes here first
         with autocast_off(self.device):
             return self._pass(cache, ids, groups, output, append)
 
