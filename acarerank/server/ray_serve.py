@@ -33,7 +33,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 
 from .app import create_app
 from .build import build_service
-from .config import DEFAULT_MAX_QUEUE, ServeConfig
+from .config import ServeConfig
 from .disconnect import wait_or_drop
 from .errors import APIError, error_body
 from .metrics import ServerMetrics
@@ -48,6 +48,15 @@ READY_PROBE_TTL_S = 1.0
 #: a probe whose replicas have not all answered by then is a 503: a replica answers its ``health``
 #: on its event loop, never waiting for the model, in milliseconds
 READY_PROBE_TIMEOUT_S = 5.0
+#: requests an ingress replica takes beyond what the engine replicas can hold: probes, scrapes and
+#: refusals are answered while every engine is full (Ray queues what is over a deployment's
+#: ``max_ongoing_requests`` at its proxy, with no bound and no answer)
+INGRESS_SPARE_REQUESTS = 64
+#: ``ServeConfig`` fields of the HTTP connection that Ray Serve's proxy owns (``serve.start(http_options=...)``:
+#: host, port, ``keep_alive_timeout_s``, ``request_timeout_s``) or its replicas' lifecycle
+#: (``graceful_shutdown_timeout_s``, ``logging_config``): ``build_app`` refuses them rather than ignore them
+RAY_OWNED_OPTIONS = ("host", "port", "header_timeout", "keepalive_timeout", "send_timeout", "max_connections",
+                     "drain_timeout", "log_level")
 
 
 def routing_key(req) -> Optional[str]:
@@ -62,8 +71,7 @@ async def _never_disconnected() -> bool:
     return False  # a replica call is cancelled by Ray when its HTTP client leaves
 
 
-@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER),
-                  max_ongoing_requests=DEFAULT_MAX_QUEUE)
+@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER))
 class RerankReplica:
     """One engine, as ``config`` asks (the same ``ServeConfig`` as ``acarerank serve``)."""
 
@@ -222,10 +230,28 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     health_max_pass_s: Ray replaces a replica whose engine is dead, or, with this bound (seconds),
     one whose model step has run longer (``/health?max_pass_s=`` of ``acarerank serve``).
     options: ``ServeConfig`` fields (dtype, device, max_batch_tokens, max_queue, api_key, limits, ...),
-    the same defaults as ``acarerank serve``; host, port and the connection timeouts are Ray's.
+    the same defaults as ``acarerank serve``; those of the connection (``RAY_OWNED_OPTIONS``: host,
+    port, the header, keep-alive and send timeouts, max_connections, drain_timeout, log_level) are
+    Ray's and are a ValueError naming Ray's setting.
+
+    Admission as ``acarerank serve``'s: each engine replica refuses (429) the request past its
+    ``max_queue``, so Ray must deliver it: a replica takes ``max_queue + 1`` requests at once (Ray's
+    ``max_ongoing_requests``; one over it waits in Ray's queue) and an ingress replica every
+    request the engines can hold plus ``INGRESS_SPARE_REQUESTS`` (Ray's default of 5 held the
+    sixth request at the proxy, unanswered, whatever ``max_queue`` said).
     """
     check_max_pass_s(health_max_pass_s)
+    owned = [name for name in RAY_OWNED_OPTIONS if name in options]
+    if owned:
+        raise ValueError(f"build_app: {', '.join(owned)} {'is' if len(owned) == 1 else 'are'} not applied on Ray "
+                         f"Serve: its HTTP proxy owns the connections (serve.start(http_options=...): host, port, "
+                         f"keep_alive_timeout_s, request_timeout_s) and Ray the replicas' shutdown "
+                         f"(graceful_shutdown_timeout_s) and logs (logging_config); leave "
+                         f"{'it' if len(owned) == 1 else 'them'} out (docs/serving.md, 'Past one machine: Ray Serve')")
     config = ServeConfig(model=model, **options)
-    replicas = RerankReplica.options(num_replicas=num_replicas, ray_actor_options=replica_options or {}) \
-        .bind(config, health_max_pass_s)
-    return RerankIngress.options(num_replicas=ingress_replicas).bind(replicas, config)
+    per_replica = config.max_queue + 1   # the one past max_queue reaches the replica, which answers 429
+    replicas = RerankReplica.options(num_replicas=num_replicas, max_ongoing_requests=per_replica,
+                                     ray_actor_options=replica_options or {}).bind(config, health_max_pass_s)
+    return RerankIngress.options(num_replicas=ingress_replicas,
+                                 max_ongoing_requests=num_replicas * per_replica + INGRESS_SPARE_REQUESTS) \
+        .bind(replicas, config)

@@ -10,6 +10,7 @@ stand-in handle.
 """
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _optional import require
@@ -29,6 +30,7 @@ from acarerank.server.ray_serve import REPLICA_HEADER, RemoteService, build_app 
 from serve_util import thread_server  # noqa: E402
 
 DOCS = ["the tutor gives hints", "a recipe for bread", "setwise rerankers select documents", "weather today"]
+MAX_QUEUE = 6   # above Ray's default max_ongoing_requests (5), which held the rest at the proxy
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,8 @@ def ray_app(tmp_path_factory):
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(model=path, num_replicas=2, max_batch_tokens=256, dtype="float32"), name="acarerank",
-                  route_prefix="/",
-                  blocking=False)
+        serve.run(build_app(model=path, num_replicas=2, max_batch_tokens=256, dtype="float32", max_queue=MAX_QUEUE),
+                  name="acarerank", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_until(base + "/ready", timeout=240)
         yield base, PointwiseReranker(model=model)
@@ -87,6 +88,23 @@ def test_context_affinity_scores_and_errors(ray_app):
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
         r = c.post("/v1/rerank", json=dict(query=3, documents=["a"]))
         assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error", r.text
+
+
+def test_a_replica_past_its_max_queue_answers_429(ray_app):
+    """A burst of one context (one replica) past --max-queue gets acarerank serve's 429 with
+    Retry-After. Ray's default max_ongoing_requests (5) let only five requests into the ingress:
+    the others waited at Ray's proxy, so no replica ever saw more than five and no 429 ever came."""
+    base, _ = ray_app
+    body = dict(query="q", documents=["word " * 100] * 400, cache_salt="burst")  # ~0.3 s each on 2 cores
+    with ThreadPoolExecutor(2 * MAX_QUEUE + 2) as pool:
+        answers = list(pool.map(lambda _: httpx.post(base + "/v1/rerank", json=body, timeout=300),
+                                range(2 * MAX_QUEUE + 2)))
+    codes = sorted(r.status_code for r in answers)
+    assert set(codes) == {200, 429}, codes
+    for r in answers:
+        if r.status_code == 429:
+            assert f"--max-queue {MAX_QUEUE}" in r.json()["error"]["message"], r.text
+            assert r.headers.get("retry-after") == "1", r.headers
 
 
 def wait_for_status(url, status, timeout=60.0):
@@ -292,6 +310,16 @@ def test_replica_health_check_fails_for_a_dead_or_wedged_engine(health, bound, p
 def test_replica_health_check_passes_a_live_engine(health, bound):
     """A long pass is legitimate: only a bound the deployment set makes it unhealthy."""
     assert _replica(_FakeService(**health), bound).check_health() is None
+
+
+@pytest.mark.parametrize("options", [dict(send_timeout=5.0), dict(host="0.0.0.0", port=9000),
+                                     dict(drain_timeout=10.0), dict(header_timeout=1.0, max_connections=8)])
+def test_build_app_refuses_the_options_of_the_connection(options):
+    """Ray's proxy owns the connections and Ray the replicas' shutdown: build_app took these
+    ServeConfig fields and applied none of them, so --send-timeout 5 silently stayed Ray's."""
+    with pytest.raises(ValueError, match="not applied on Ray Serve") as e:
+        build_app(model=None, **options)
+    assert all(name in str(e.value) for name in options), str(e.value)
 
 
 @pytest.mark.parametrize("bound", [-1.0, float("nan"), float("inf"), True, "300"])
