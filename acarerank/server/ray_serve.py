@@ -137,7 +137,7 @@ class RemoteService:
     def __init__(self, handle, model_name: str):
         self.handle = handle
         self.model_name = model_name
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine=False)   # its HTTP requests; the engines' series are the replicas'
         self._probed: Optional[tuple] = None        # (monotonic time, problem or None) of the last probe
         self._probing: Optional[asyncio.Future] = None
 

@@ -271,6 +271,21 @@ def test_a_number_no_replica_can_build_in_an_object_documents_other_key_is_a_422
     assert r.status_code == 422 and "documents[0]" in r.json()["error"]["message"], r.text
 
 
+def test_the_fronts_metrics_are_its_http_series_only():
+    """The front served every engine series of acarerank serve, held at 0 (its ServerMetrics was
+    never fed by an engine): documents_scored_total 0 under load read as an idle engine."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with thread_server(create_app(RemoteService(_Handle(), "m"))) as base:
+        httpx.post(base + "/v1/rerank", content=b"{", timeout=10)   # the front's own 422: counted
+        text = httpx.get(base + "/metrics", timeout=10).text
+    names = {fam.name for fam in text_string_to_metric_families(text)} - {
+        name + "_created" for name in ("acarerank_request_duration_seconds", "acarerank_requests", "acarerank_errors")}
+    assert names == {"acarerank_request_duration_seconds", "acarerank_requests", "acarerank_errors",
+                     "acarerank_client_disconnects"}, names
+    assert 'acarerank_errors_total{code="422"} 1.0' in text, text
+
+
 class _FakeService:
     """A service with the health() a replica reads; nothing else of it is called."""
 
