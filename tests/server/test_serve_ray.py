@@ -286,6 +286,24 @@ def test_the_fronts_metrics_are_its_http_series_only():
     assert 'acarerank_errors_total{code="422"} 1.0' in text, text
 
 
+def test_an_object_document_reaches_the_replica_equal_as_json():
+    """What docs/serving.md says of return_documents on the Ray front: the replica answers from the
+    forwarded dump (dump_as_sent -> model_validate), equal to what was sent as JSON values, text first."""
+    import json
+
+    import msgspec
+    from acarerank.server.parsing import parse_body
+    from acarerank.server.schemas import RerankRequest
+
+    doc = b'{"id": 7, "n": 1e5, "text": "a", "s": "\\u00e9", "m": {"x": [1.5, null, true]}}'
+    req = parse_body(b'{"query": "q", "return_documents": true, "documents": [' + doc + b', "b"]}', RerankRequest)
+    at_replica = RerankRequest.model_validate(req.dump_as_sent())
+    for i in range(2):
+        assert json.loads(msgspec.json.encode(at_replica.response_document(i))) == \
+            json.loads(msgspec.json.encode(req.response_document(i)))
+    assert list(at_replica.response_document(0)) == ["text", "id", "n", "s", "m"]
+
+
 class _FakeService:
     """A service with the health() a replica reads; nothing else of it is called."""
 
