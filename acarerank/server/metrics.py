@@ -76,8 +76,8 @@ class _CacheCollector:
 class ServerMetrics:
     """All series of one server. ``cache_stats``: the step API's ``cache_stats`` (None: not exported).
     ``engine=False``: the HTTP series only (request_duration, requests, errors, client_disconnects),
-    for a front whose engines are elsewhere (Ray Serve's ingress): their series held at 0 there
-    would read as an idle engine."""
+    for a front whose engines are elsewhere (Ray Serve's ingress, which adds theirs at each scrape):
+    engine series of its own would stay at 0 and read as an idle engine."""
 
     def __init__(self, cache_stats: Optional[Callable[[], dict]] = None, engine: bool = True):
         self.registry = r = CollectorRegistry()

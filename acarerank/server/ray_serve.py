@@ -9,7 +9,8 @@ Two deployments:
 * ``RerankIngress`` — the HTTP app of ``app.py`` unchanged (routes, schemas, ``gate.py``, errors,
   metrics of its own requests), whose service forwards each parsed request to the replicas
   with ``session_id = routing_key(request)``. Its ``/ready`` asks every replica's engine
-  (``RemoteService.readiness``): 503 while none can serve (docs/serving.md, "Past one machine").
+  (``RemoteService.readiness``): 503 while none can serve (docs/serving.md, "Past one machine");
+  its ``/metrics`` adds every replica's series, labelled ``replica`` (``RemoteService.render_metrics``).
 
 The routing key is the stable part of a request's context: ``cache_salt``, ``question`` and
 ``instruction``, the same on every call of an agent session (the trace is left out: it grows
@@ -26,6 +27,8 @@ import hashlib
 import time
 from typing import Optional
 
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 from ray.serve.config import RequestRouterConfig
@@ -48,6 +51,9 @@ READY_PROBE_TTL_S = 1.0
 #: a probe whose replicas have not all answered by then is a 503: a replica answers its ``health``
 #: on its event loop, never waiting for the model, in milliseconds
 READY_PROBE_TIMEOUT_S = 5.0
+#: a scrape of the front's ``/metrics`` waits at most this long for the replicas' series (seconds);
+#: a replica that has not answered by then is left out of that scrape
+METRICS_TIMEOUT_S = 5.0
 #: requests an ingress replica takes beyond what the engine replicas can hold: probes, scrapes and
 #: refusals are answered while every engine is full (Ray queues what is over a deployment's
 #: ``max_ongoing_requests`` at its proxy, with no bound and no answer)
@@ -110,6 +116,12 @@ class RerankReplica:
     def model_name(self) -> str:
         return self.service.model_name
 
+    def metrics(self) -> tuple:
+        """(this replica's id, its engine's metric families: ``ServerMetrics.registry.collect()``),
+        for the front's ``/metrics`` (``RemoteService.render_metrics``). Read at the call, on the
+        replica's event loop: it never waits for the model."""
+        return self.replica, list(self.service.metrics.registry.collect())
+
     def __del__(self):
         service = getattr(self, "service", None)
         if service is not None:
@@ -137,7 +149,7 @@ class RemoteService:
     def __init__(self, handle, model_name: str):
         self.handle = handle
         self.model_name = model_name
-        self.metrics = ServerMetrics(engine=False)   # its HTTP requests; the engines' series are the replicas'
+        self.metrics = ServerMetrics(engine=False)   # its HTTP requests; the engines' series: render_metrics
         self._probed: Optional[tuple] = None        # (monotonic time, problem or None) of the last probe
         self._probing: Optional[asyncio.Future] = None
 
@@ -178,6 +190,28 @@ class RemoteService:
         self._probed = (time.monotonic(), problem)
         return problem
 
+    async def render_metrics(self) -> bytes:
+        """The front's ``/metrics``: its own HTTP series, then every replica's series (the engine's
+        queue, passes, prefix cache, failures) with a ``replica`` label, one broadcast of
+        ``RerankReplica.metrics`` per scrape. A replica that fails or has not answered within
+        ``METRICS_TIMEOUT_S`` is left out of that scrape (its series reappear at the next)."""
+        families = {f.name: f for f in self.metrics.registry.collect()}
+        try:
+            answers = await self.handle.broadcast("metrics").results_async(
+                timeout_s=METRICS_TIMEOUT_S, return_exceptions=True)
+        except (DeploymentUnavailableError, TimeoutError, RayError):
+            answers = []
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                continue
+            replica, replica_families = answer
+            for fam in replica_families:
+                merged = families.get(fam.name)
+                if merged is None:
+                    merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                merged.samples.extend(s._replace(labels={**s.labels, "replica": replica}) for s in fam.samples)
+        return generate_latest(_Families(list(families.values())))
+
     async def rerank(self, req: RerankRequest, is_disconnected, headers: Optional[dict] = None):
         return await self._forward("rerank", req, is_disconnected, headers)
 
@@ -206,6 +240,16 @@ class RemoteService:
         if headers is not None:
             headers.update(extra)
         return body
+
+
+class _Families:
+    """What ``generate_latest`` reads of a registry: ``collect()``."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return self.families
 
 
 @serve.deployment

@@ -90,6 +90,17 @@ def test_context_affinity_scores_and_errors(ray_app):
         assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error", r.text
 
 
+def test_the_fronts_metrics_carry_each_replicas_engine_series(ray_app):
+    """Runs after the affinity test: both replicas scored documents, and their series reach the front's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base, _ = ray_app
+    text = httpx.get(base + "/metrics", timeout=30).text
+    scored = {s.labels["replica"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+              if s.name == "acarerank_documents_scored_total"}
+    assert len(scored) == 2 and sum(scored.values()) >= 4 * len(DOCS) + 2, text
+
+
 def test_a_replica_past_its_max_queue_answers_429(ray_app):
     """A burst of one context (one replica) past --max-queue gets acarerank serve's 429 with
     Retry-After. Ray's default max_ongoing_requests (5) let only five requests into the ingress:
@@ -162,10 +173,12 @@ class _Broadcast:
 class _Handle:
     """What RemoteService uses of a DeploymentHandle: ``broadcast`` (counted) and ``options().remote()``."""
 
-    def __init__(self, answers=(), call_error=None):
-        self.answers, self.call_error, self.broadcasts = answers, call_error, 0
+    def __init__(self, answers=(), call_error=None, metrics=()):
+        self.answers, self.call_error, self.broadcasts, self.metrics = answers, call_error, 0, metrics
 
     def broadcast(self, method):
+        if method == "metrics":   # the front's /metrics (not counted: the probes' count)
+            return _Broadcast(self.metrics)
         assert method == "check_health"
         self.broadcasts += 1
         return _Broadcast(self.answers)
@@ -271,19 +284,41 @@ def test_a_number_no_replica_can_build_in_an_object_documents_other_key_is_a_422
     assert r.status_code == 422 and "documents[0]" in r.json()["error"]["message"], r.text
 
 
-def test_the_fronts_metrics_are_its_http_series_only():
-    """The front served every engine series of acarerank serve, held at 0 (its ServerMetrics was
-    never fed by an engine): documents_scored_total 0 under load read as an idle engine."""
+def _engine_families(documents: int):
+    """A replica's metric families (RerankReplica.metrics' second item) after scoring ``documents``."""
+    from acarerank.server.metrics import ServerMetrics
+
+    m = ServerMetrics(lambda: {"hit_tokens": 3})
+    m.documents.inc(documents)
+    return list(m.registry.collect())
+
+
+def test_the_fronts_metrics_are_its_own_and_each_replicas():
+    """The front served every engine series of acarerank serve held at 0 (its ServerMetrics was never
+    fed by an engine), and the replicas' were nowhere: documents_scored_total 0 under load read as an
+    idle engine. Now its own HTTP series, then each replica's with a replica label; a replica that
+    fails the scrape is left out of it."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with thread_server(create_app(RemoteService(_Handle(), "m"))) as base:
-        httpx.post(base + "/v1/rerank", content=b"{", timeout=10)   # the front's own 422: counted
+    replicas = [("r1", _engine_families(5)), ("r2", _engine_families(7)), ray.exceptions.ActorDiedError()]
+    with thread_server(create_app(RemoteService(_Handle(metrics=replicas), "m"))) as base:
+        httpx.post(base + "/v1/rerank", content=b"{", timeout=10)   # the front's own 422
         text = httpx.get(base + "/metrics", timeout=10).text
-    names = {fam.name for fam in text_string_to_metric_families(text)} - {
-        name + "_created" for name in ("acarerank_request_duration_seconds", "acarerank_requests", "acarerank_errors")}
-    assert names == {"acarerank_request_duration_seconds", "acarerank_requests", "acarerank_errors",
-                     "acarerank_client_disconnects"}, names
-    assert 'acarerank_errors_total{code="422"} 1.0' in text, text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("acarerank_documents_scored_total", (("replica", "r1"),))] == 5, text
+    assert samples[("acarerank_documents_scored_total", (("replica", "r2"),))] == 7, text
+    assert samples[("acarerank_prefix_cache_hit_tokens_total", (("replica", "r2"),))] == 3, text
+    assert samples[("acarerank_errors_total", (("code", "422"),))] == 1, text
+    unlabeled = {name for name, labels in samples if name.startswith("acarerank_") and "replica" not in dict(labels)}
+    assert {n.rsplit("_", 1)[0] for n in unlabeled} <= {"acarerank_request_duration_seconds", "acarerank_requests",
+                                                        "acarerank_errors", "acarerank_client_disconnects"}, unlabeled
+
+
+def test_the_fronts_metrics_without_replicas_are_its_own():
+    with thread_server(create_app(RemoteService(_Handle(metrics=_NO_DEPLOYMENT), "m"))) as base:
+        r = httpx.get(base + "/metrics", timeout=10)
+    assert r.status_code == 200 and "acarerank_requests_total" in r.text and "replica=" not in r.text, r.text
 
 
 def test_an_object_document_reaches_the_replica_equal_as_json():
