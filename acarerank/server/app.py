@@ -182,7 +182,9 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
 
     @app.get("/metrics")
     async def metrics():
-        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        render = getattr(service, "render_metrics", None)   # engines elsewhere (Ray Serve's front): theirs too
+        body = await render() if render is not None else service.metrics.render()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(Gate, state=state, service=service, api_key=api_key, max_body_bytes=max_body_bytes,
                        body_timeout=config.body_timeout)

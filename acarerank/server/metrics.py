@@ -74,9 +74,12 @@ class _CacheCollector:
 
 
 class ServerMetrics:
-    """All series of one server. ``cache_stats``: the step API's ``cache_stats`` (None: not exported)."""
+    """All series of one server. ``cache_stats``: the step API's ``cache_stats`` (None: not exported).
+    ``engine=False``: the HTTP series only (request_duration, requests, errors, client_disconnects),
+    for a front whose engines are elsewhere (Ray Serve's ingress, which adds theirs at each scrape):
+    engine series of its own would stay at 0 and read as an idle engine."""
 
-    def __init__(self, cache_stats: Optional[Callable[[], dict]] = None):
+    def __init__(self, cache_stats: Optional[Callable[[], dict]] = None, engine: bool = True):
         self.registry = r = CollectorRegistry()
         self.request_duration = Histogram("acarerank_request_duration_seconds", "HTTP request latency",
                                           ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
@@ -85,6 +88,8 @@ class ServerMetrics:
                               ["code"], registry=r)
         self.disconnects = Counter("acarerank_client_disconnects", "requests whose client left before the "
                                    "answer (499: during the upload or while waiting)", ["endpoint"], registry=r)
+        if not engine:
+            return
         self.queue_time = Histogram("acarerank_queue_time_seconds", "admission to first pass",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_size = Gauge("acarerank_queue_size", "requests waiting for their first pass", registry=r)

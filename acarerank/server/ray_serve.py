@@ -9,7 +9,8 @@ Two deployments:
 * ``RerankIngress`` — the HTTP app of ``app.py`` unchanged (routes, schemas, ``gate.py``, errors,
   metrics of its own requests), whose service forwards each parsed request to the replicas
   with ``session_id = routing_key(request)``. Its ``/ready`` asks every replica's engine
-  (``RemoteService.readiness``): 503 while none can serve (docs/serving.md, "Past one machine").
+  (``RemoteService.readiness``): 503 while none can serve (docs/serving.md, "Past one machine");
+  its ``/metrics`` adds every replica's series, labelled ``replica`` (``RemoteService.render_metrics``).
 
 The routing key is the stable part of a request's context: ``cache_salt``, ``question`` and
 ``instruction``, the same on every call of an agent session (the trace is left out: it grows
@@ -26,6 +27,8 @@ import hashlib
 import time
 from typing import Optional
 
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
 from ray import serve
 from ray.exceptions import RayActorError, RayError
 from ray.serve.config import RequestRouterConfig
@@ -33,7 +36,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 
 from .app import create_app
 from .build import build_service
-from .config import DEFAULT_MAX_QUEUE, ServeConfig
+from .config import ServeConfig
 from .disconnect import wait_or_drop
 from .errors import APIError, error_body
 from .metrics import ServerMetrics
@@ -48,6 +51,18 @@ READY_PROBE_TTL_S = 1.0
 #: a probe whose replicas have not all answered by then is a 503: a replica answers its ``health``
 #: on its event loop, never waiting for the model, in milliseconds
 READY_PROBE_TIMEOUT_S = 5.0
+#: a scrape of the front's ``/metrics`` waits at most this long for the replicas' series (seconds);
+#: a replica that has not answered by then is left out of that scrape
+METRICS_TIMEOUT_S = 5.0
+#: requests an ingress replica takes beyond what the engine replicas can hold: probes, scrapes and
+#: refusals are answered while every engine is full (Ray queues what is over a deployment's
+#: ``max_ongoing_requests`` at its proxy, with no bound and no answer)
+INGRESS_SPARE_REQUESTS = 64
+#: ``ServeConfig`` fields of the HTTP connection that Ray Serve's proxy owns (``serve.start(http_options=...)``:
+#: host, port, ``keep_alive_timeout_s``, ``request_timeout_s``) or its replicas' lifecycle
+#: (``graceful_shutdown_timeout_s``, ``logging_config``): ``build_app`` refuses them rather than ignore them
+RAY_OWNED_OPTIONS = ("host", "port", "header_timeout", "keepalive_timeout", "send_timeout", "max_connections",
+                     "drain_timeout", "log_level")
 
 
 def routing_key(req) -> Optional[str]:
@@ -62,8 +77,7 @@ async def _never_disconnected() -> bool:
     return False  # a replica call is cancelled by Ray when its HTTP client leaves
 
 
-@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER),
-                  max_ongoing_requests=DEFAULT_MAX_QUEUE)
+@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=CONSISTENT_HASH_ROUTER))
 class RerankReplica:
     """One engine, as ``config`` asks (the same ``ServeConfig`` as ``acarerank serve``)."""
 
@@ -102,6 +116,12 @@ class RerankReplica:
     def model_name(self) -> str:
         return self.service.model_name
 
+    def metrics(self) -> tuple:
+        """(this replica's id, its engine's metric families: ``ServerMetrics.registry.collect()``),
+        for the front's ``/metrics`` (``RemoteService.render_metrics``). Read at the call, on the
+        replica's event loop: it never waits for the model."""
+        return self.replica, list(self.service.metrics.registry.collect())
+
     def __del__(self):
         service = getattr(self, "service", None)
         if service is not None:
@@ -129,7 +149,7 @@ class RemoteService:
     def __init__(self, handle, model_name: str):
         self.handle = handle
         self.model_name = model_name
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine=False)   # its HTTP requests; the engines' series: render_metrics
         self._probed: Optional[tuple] = None        # (monotonic time, problem or None) of the last probe
         self._probing: Optional[asyncio.Future] = None
 
@@ -170,6 +190,28 @@ class RemoteService:
         self._probed = (time.monotonic(), problem)
         return problem
 
+    async def render_metrics(self) -> bytes:
+        """The front's ``/metrics``: its own HTTP series, then every replica's series (the engine's
+        queue, passes, prefix cache, failures) with a ``replica`` label, one broadcast of
+        ``RerankReplica.metrics`` per scrape. A replica that fails or has not answered within
+        ``METRICS_TIMEOUT_S`` is left out of that scrape (its series reappear at the next)."""
+        families = {f.name: f for f in self.metrics.registry.collect()}
+        try:
+            answers = await self.handle.broadcast("metrics").results_async(
+                timeout_s=METRICS_TIMEOUT_S, return_exceptions=True)
+        except (DeploymentUnavailableError, TimeoutError, RayError):
+            answers = []
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                continue
+            replica, replica_families = answer
+            for fam in replica_families:
+                merged = families.get(fam.name)
+                if merged is None:
+                    merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                merged.samples.extend(s._replace(labels={**s.labels, "replica": replica}) for s in fam.samples)
+        return generate_latest(_Families(list(families.values())))
+
     async def rerank(self, req: RerankRequest, is_disconnected, headers: Optional[dict] = None):
         return await self._forward("rerank", req, is_disconnected, headers)
 
@@ -200,6 +242,16 @@ class RemoteService:
         return body
 
 
+class _Families:
+    """What ``generate_latest`` reads of a registry: ``collect()``."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
 @serve.deployment
 @serve.ingress()
 class RerankIngress:
@@ -222,10 +274,28 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     health_max_pass_s: Ray replaces a replica whose engine is dead, or, with this bound (seconds),
     one whose model step has run longer (``/health?max_pass_s=`` of ``acarerank serve``).
     options: ``ServeConfig`` fields (dtype, device, max_batch_tokens, max_queue, api_key, limits, ...),
-    the same defaults as ``acarerank serve``; host, port and the connection timeouts are Ray's.
+    the same defaults as ``acarerank serve``; those of the connection (``RAY_OWNED_OPTIONS``: host,
+    port, the header, keep-alive and send timeouts, max_connections, drain_timeout, log_level) are
+    Ray's and are a ValueError naming Ray's setting.
+
+    Admission as ``acarerank serve``'s: each engine replica refuses (429) the request past its
+    ``max_queue``, so Ray must deliver it: a replica takes ``max_queue + 1`` requests at once (Ray's
+    ``max_ongoing_requests``; one over it waits in Ray's queue) and an ingress replica every
+    request the engines can hold plus ``INGRESS_SPARE_REQUESTS`` (Ray's default of 5 held the
+    sixth request at the proxy, unanswered, whatever ``max_queue`` said).
     """
     check_max_pass_s(health_max_pass_s)
+    owned = [name for name in RAY_OWNED_OPTIONS if name in options]
+    if owned:
+        raise ValueError(f"build_app: {', '.join(owned)} {'is' if len(owned) == 1 else 'are'} not applied on Ray "
+                         f"Serve: its HTTP proxy owns the connections (serve.start(http_options=...): host, port, "
+                         f"keep_alive_timeout_s, request_timeout_s) and Ray the replicas' shutdown "
+                         f"(graceful_shutdown_timeout_s) and logs (logging_config); leave "
+                         f"{'it' if len(owned) == 1 else 'them'} out (docs/serving.md, 'Past one machine: Ray Serve')")
     config = ServeConfig(model=model, **options)
-    replicas = RerankReplica.options(num_replicas=num_replicas, ray_actor_options=replica_options or {}) \
-        .bind(config, health_max_pass_s)
-    return RerankIngress.options(num_replicas=ingress_replicas).bind(replicas, config)
+    per_replica = config.max_queue + 1   # the one past max_queue reaches the replica, which answers 429
+    replicas = RerankReplica.options(num_replicas=num_replicas, max_ongoing_requests=per_replica,
+                                     ray_actor_options=replica_options or {}).bind(config, health_max_pass_s)
+    return RerankIngress.options(num_replicas=ingress_replicas,
+                                 max_ongoing_requests=num_replicas * per_replica + INGRESS_SPARE_REQUESTS) \
+        .bind(replicas, config)

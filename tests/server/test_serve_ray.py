@@ -10,6 +10,7 @@ stand-in handle.
 """
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from _optional import require
@@ -29,6 +30,7 @@ from acarerank.server.ray_serve import REPLICA_HEADER, RemoteService, build_app 
 from serve_util import thread_server  # noqa: E402
 
 DOCS = ["the tutor gives hints", "a recipe for bread", "setwise rerankers select documents", "weather today"]
+MAX_QUEUE = 6   # above Ray's default max_ongoing_requests (5), which held the rest at the proxy
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,8 @@ def ray_app(tmp_path_factory):
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(model=path, num_replicas=2, max_batch_tokens=256, dtype="float32"), name="acarerank",
-                  route_prefix="/",
-                  blocking=False)
+        serve.run(build_app(model=path, num_replicas=2, max_batch_tokens=256, dtype="float32", max_queue=MAX_QUEUE),
+                  name="acarerank", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_until(base + "/ready", timeout=240)
         yield base, PointwiseReranker(model=model)
@@ -87,6 +88,34 @@ def test_context_affinity_scores_and_errors(ray_app):
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
         r = c.post("/v1/rerank", json=dict(query=3, documents=["a"]))
         assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error", r.text
+
+
+def test_the_fronts_metrics_carry_each_replicas_engine_series(ray_app):
+    """Runs after the affinity test: both replicas scored documents, and their series reach the front's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base, _ = ray_app
+    text = httpx.get(base + "/metrics", timeout=30).text
+    scored = {s.labels["replica"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+              if s.name == "acarerank_documents_scored_total"}
+    assert len(scored) == 2 and sum(scored.values()) >= 4 * len(DOCS) + 2, text
+
+
+def test_a_replica_past_its_max_queue_answers_429(ray_app):
+    """A burst of one context (one replica) past --max-queue gets acarerank serve's 429 with
+    Retry-After. Ray's default max_ongoing_requests (5) let only five requests into the ingress:
+    the others waited at Ray's proxy, so no replica ever saw more than five and no 429 ever came."""
+    base, _ = ray_app
+    body = dict(query="q", documents=["word " * 100] * 400, cache_salt="burst")  # ~0.3 s each on 2 cores
+    with ThreadPoolExecutor(2 * MAX_QUEUE + 2) as pool:
+        answers = list(pool.map(lambda _: httpx.post(base + "/v1/rerank", json=body, timeout=300),
+                                range(2 * MAX_QUEUE + 2)))
+    codes = sorted(r.status_code for r in answers)
+    assert set(codes) == {200, 429}, codes
+    for r in answers:
+        if r.status_code == 429:
+            assert f"--max-queue {MAX_QUEUE}" in r.json()["error"]["message"], r.text
+            assert r.headers.get("retry-after") == "1", r.headers
 
 
 def wait_for_status(url, status, timeout=60.0):
@@ -144,10 +173,12 @@ class _Broadcast:
 class _Handle:
     """What RemoteService uses of a DeploymentHandle: ``broadcast`` (counted) and ``options().remote()``."""
 
-    def __init__(self, answers=(), call_error=None):
-        self.answers, self.call_error, self.broadcasts = answers, call_error, 0
+    def __init__(self, answers=(), call_error=None, metrics=()):
+        self.answers, self.call_error, self.broadcasts, self.metrics = answers, call_error, 0, metrics
 
     def broadcast(self, method):
+        if method == "metrics":   # the front's /metrics (not counted: the probes' count)
+            return _Broadcast(self.metrics)
         assert method == "check_health"
         self.broadcasts += 1
         return _Broadcast(self.answers)
@@ -253,6 +284,61 @@ def test_a_number_no_replica_can_build_in_an_object_documents_other_key_is_a_422
     assert r.status_code == 422 and "documents[0]" in r.json()["error"]["message"], r.text
 
 
+def _engine_families(documents: int):
+    """A replica's metric families (RerankReplica.metrics' second item) after scoring ``documents``."""
+    from acarerank.server.metrics import ServerMetrics
+
+    m = ServerMetrics(lambda: {"hit_tokens": 3})
+    m.documents.inc(documents)
+    return list(m.registry.collect())
+
+
+def test_the_fronts_metrics_are_its_own_and_each_replicas():
+    """The front served every engine series of acarerank serve held at 0 (its ServerMetrics was never
+    fed by an engine), and the replicas' were nowhere: documents_scored_total 0 under load read as an
+    idle engine. Now its own HTTP series, then each replica's with a replica label; a replica that
+    fails the scrape is left out of it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    replicas = [("r1", _engine_families(5)), ("r2", _engine_families(7)), ray.exceptions.ActorDiedError()]
+    with thread_server(create_app(RemoteService(_Handle(metrics=replicas), "m"))) as base:
+        httpx.post(base + "/v1/rerank", content=b"{", timeout=10)   # the front's own 422
+        text = httpx.get(base + "/metrics", timeout=10).text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("acarerank_documents_scored_total", (("replica", "r1"),))] == 5, text
+    assert samples[("acarerank_documents_scored_total", (("replica", "r2"),))] == 7, text
+    assert samples[("acarerank_prefix_cache_hit_tokens_total", (("replica", "r2"),))] == 3, text
+    assert samples[("acarerank_errors_total", (("code", "422"),))] == 1, text
+    unlabeled = {name for name, labels in samples if name.startswith("acarerank_") and "replica" not in dict(labels)}
+    assert {n.rsplit("_", 1)[0] for n in unlabeled} <= {"acarerank_request_duration_seconds", "acarerank_requests",
+                                                        "acarerank_errors", "acarerank_client_disconnects"}, unlabeled
+
+
+def test_the_fronts_metrics_without_replicas_are_its_own():
+    with thread_server(create_app(RemoteService(_Handle(metrics=_NO_DEPLOYMENT), "m"))) as base:
+        r = httpx.get(base + "/metrics", timeout=10)
+    assert r.status_code == 200 and "acarerank_requests_total" in r.text and "replica=" not in r.text, r.text
+
+
+def test_an_object_document_reaches_the_replica_equal_as_json():
+    """What docs/serving.md says of return_documents on the Ray front: the replica answers from the
+    forwarded dump (dump_as_sent -> model_validate), equal to what was sent as JSON values, text first."""
+    import json
+
+    import msgspec
+    from acarerank.server.parsing import parse_body
+    from acarerank.server.schemas import RerankRequest
+
+    doc = b'{"id": 7, "n": 1e5, "text": "a", "s": "\\u00e9", "m": {"x": [1.5, null, true]}}'
+    req = parse_body(b'{"query": "q", "return_documents": true, "documents": [' + doc + b', "b"]}', RerankRequest)
+    at_replica = RerankRequest.model_validate(req.dump_as_sent())
+    for i in range(2):
+        assert json.loads(msgspec.json.encode(at_replica.response_document(i))) == \
+            json.loads(msgspec.json.encode(req.response_document(i)))
+    assert list(at_replica.response_document(0)) == ["text", "id", "n", "s", "m"]
+
+
 class _FakeService:
     """A service with the health() a replica reads; nothing else of it is called."""
 
@@ -292,6 +378,16 @@ def test_replica_health_check_fails_for_a_dead_or_wedged_engine(health, bound, p
 def test_replica_health_check_passes_a_live_engine(health, bound):
     """A long pass is legitimate: only a bound the deployment set makes it unhealthy."""
     assert _replica(_FakeService(**health), bound).check_health() is None
+
+
+@pytest.mark.parametrize("options", [dict(send_timeout=5.0), dict(host="0.0.0.0", port=9000),
+                                     dict(drain_timeout=10.0), dict(header_timeout=1.0, max_connections=8)])
+def test_build_app_refuses_the_options_of_the_connection(options):
+    """Ray's proxy owns the connections and Ray the replicas' shutdown: build_app took these
+    ServeConfig fields and applied none of them, so --send-timeout 5 silently stayed Ray's."""
+    with pytest.raises(ValueError, match="not applied on Ray Serve") as e:
+        build_app(model=None, **options)
+    assert all(name in str(e.value) for name in options), str(e.value)
 
 
 @pytest.mark.parametrize("bound", [-1.0, float("nan"), float("inf"), True, "300"])
