@@ -187,6 +187,9 @@ class Soak:
             body["return_documents"] = True
         if rng.random() < 0.2:
             body["top_n"] = rng.randint(1, n)
+        if not poison and rng.random() < 0.15:   # object documents: return_documents sends them back as sent
+            body["documents"] = [{"text": d, "id": f"doc-{k}", "meta": [k, None, {"x": 1.5}]}
+                                 for k, d in enumerate(body["documents"])]
         return body
 
     def post_with_retry(self, client, path, kind, body=None, content=None):
@@ -217,8 +220,12 @@ class Soak:
                     else:
                         poison = roll > 0.97
                         body = self.rerank_body(rng, poison)
-                        r = self.post_with_retry(c, rng.choice(["/v1/rerank", "/v2/rerank", "/rerank"]),
-                                                 "poison" if poison else "rerank", body)
+                        path = rng.choice(["/v1/rerank", "/v2/rerank", "/rerank"])
+                        if path == "/rerank" and rng.random() < 0.5:   # TEI's body: texts, a bare list back
+                            body["texts"] = [d["text"] if isinstance(d, dict) else d for d in body.pop("documents")]
+                            body["return_text"] = body.pop("return_documents", False)
+                            body.pop("top_n", None)
+                        r = self.post_with_retry(c, path, "poison" if poison else "rerank", body)
                         if r.status_code == 200:
                             with self.lock:
                                 self.answers.append((body, r.json()))
@@ -361,16 +368,28 @@ class Soak:
             kw = {}
             if "max_tokens_per_doc" in body:
                 kw["max_doc_tokens"] = body["max_tokens_per_doc"]
-            enc = rr.encode(ScoreRequest(body["query"], body["documents"], question=body.get("question"),
+            sent_docs = body["documents"] if "documents" in body else body["texts"]
+            docs = [d["text"] if isinstance(d, dict) else d for d in sent_docs]
+            enc = rr.encode(ScoreRequest(body["query"], docs, question=body.get("question"),
                                          trace=body.get("trace"), cache_salt=body.get("cache_salt")), **kw)
             want = rr.score_encodings([enc])[0][0]
             results = resp if isinstance(resp, list) else resp["results"]
             key = "score" if isinstance(resp, list) else "relevance_score"
-            n = len(body["documents"])
+            n = len(docs)
             if len(results) != min(n, body.get("top_n") or n):
                 self.problem(f"{len(results)} results for {n} documents, top_n {body.get('top_n')}")
+            got = [(-x[key], x["index"]) for x in results]
+            if got != sorted(got):
+                self.problem(f"results not best first (ties in input order): {got[:5]}...")
             for x in results:
                 worst = max(worst, abs(x[key] - want[x["index"]]))
+                if body.get("return_documents") or body.get("return_text"):
+                    back = x.get("text") if isinstance(resp, list) else x.get("document")
+                    want_back = sent_docs[x["index"]]
+                    if isinstance(resp, dict) and isinstance(want_back, str):
+                        want_back = {"text": want_back}
+                    if back != want_back:
+                        self.problem(f"result {x['index']} came back with document {str(back)[:80]!r}")
         if worst > TOL:
             self.problem(f"rerank scores: max |server - offline| = {worst:.3g} > {TOL}")
         for body, resp in self.selections:
