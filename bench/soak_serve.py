@@ -96,8 +96,9 @@ class Soak:
     # -- the server ------------------------------------------------------------------------
     def start(self):
         a = self.args
+        budget = ["--max-queue-tokens", str(a.max_queue_tokens)] if a.max_queue_tokens else []
         cmd = [sys.executable, str(HELPER), "serve", "--dtype", "float32", "--port", str(self.port),
-               "--max-queue", str(a.max_queue), "--max-queue-tokens", str(a.max_queue_tokens),
+               "--max-queue", str(a.max_queue), *budget,
                "--request-timeout", str(a.request_timeout), "--max-documents", "200",
                "--max-body-bytes", str(a.max_body_bytes), "--cache-budget", str(a.cache_budget),
                "--drain-timeout", str(a.drain_timeout), "--tokenize-workers", "2",
@@ -326,7 +327,7 @@ class Soak:
                         which = rng.random()
                         if which < 0.4:
                             body = dict(query="q", documents=["d"] * 201)
-                        elif which < 0.7:
+                        elif which < 0.7 or not self.args.max_queue_tokens:
                             body = dict(query="q", documents=["x" * 1000] * (self.args.max_body_bytes // 1000 + 1))
                         else:           # one request over the whole token budget
                             body = dict(query="q", documents=[words(rng, 150) for _ in range(200)])
@@ -514,13 +515,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=300.0, help="load duration (default 300)")
     p.add_argument("--quick", action="store_true", help="30 s, 3 + 2 clients, --max-queue 4, --max-queue-tokens "
-                                                          "8000: a CI-sized run")
+                                                          "10000: a CI-sized run")
     p.add_argument("--clients", type=int, default=4, help="threads sending reranks and selections (default 4)")
     p.add_argument("--chaos", type=int, default=2, help="threads abandoning, reading slowly, sending bad "
                                                          "or oversized bodies (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-queue", type=int, default=6)
-    p.add_argument("--max-queue-tokens", type=int, default=12000)
+    p.add_argument("--max-queue-tokens", type=int, default=12000, help="0: the flag off (admission by count only)")
     p.add_argument("--request-timeout", type=float, default=8.0)
     p.add_argument("--max-body-bytes", type=int, default=512 * 1024)
     p.add_argument("--cache-budget", type=int, default=4096)
@@ -529,7 +530,7 @@ def main(argv=None):
     p.add_argument("--json", help="write the figures here too")
     a = p.parse_args(argv)
     if a.quick:
-        a.seconds, a.clients, a.chaos, a.max_queue, a.max_queue_tokens = 30.0, 3, 2, 4, 8000
+        a.seconds, a.clients, a.chaos, a.max_queue, a.max_queue_tokens = 30.0, 3, 2, 4, 10000
     soak = Soak(a)
     try:
         out = soak.run()
