@@ -92,6 +92,7 @@ class Soak:
         self.samples = []                             # (t, rss_kb, threads, fds)
         self.stop = threading.Event()
         self.draining = False
+        self.proc = None
 
     # -- the server ------------------------------------------------------------------------
     def start(self):
@@ -535,7 +536,7 @@ def main(argv=None):
     try:
         out = soak.run()
     finally:
-        if soak.proc.poll() is None:
+        if soak.proc is not None and soak.proc.poll() is None:
             soak.proc.kill()
             soak.proc.wait(30)
     text = json.dumps(out, indent=1, default=str)
