@@ -3,9 +3,11 @@
 contains "poison" raises the ``BaseException`` named by ``FAULT`` (KeyboardInterrupt or SystemExit);
 ``FAULT=sticky``: that pass raises a ``RuntimeError`` and so does every pass after it (a device
 broken for good by a device-side assert), the canary's included. ``FAULT=always``: every pass
-raises a ``RuntimeError``, the warm-up's first. ``FAULT=at_shutdown``: the poisoned pass waits until
-uvicorn has stopped (the final ``_stop_bounded`` begins), then raises ``SystemExit``: the engine
-dies during the shutdown.
+raises a ``RuntimeError``, the warm-up's first. ``FAULT=RuntimeError``: only a pass holding a
+poisoned request raises a ``RuntimeError`` (a fault the engine's culprit search isolates: that
+request gets its 500, every other one its scores; ``bench/soak_serve.py``).
+``FAULT=at_shutdown``: the poisoned pass waits until uvicorn has stopped (the final
+``_stop_bounded`` begins), then raises ``SystemExit``: the engine dies during the shutdown.
 
     python tests/server/fault_serve.py serve --model DIR --port N ...
 """
@@ -17,7 +19,8 @@ from acarerank.pointwise import PointwiseReranker
 from acarerank.server import front
 
 FAULT = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit, "at_shutdown": SystemExit,
-         "sticky": RuntimeError, "always": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
+         "sticky": RuntimeError, "always": RuntimeError,
+         "RuntimeError": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
 AT_SHUTDOWN = os.environ.get("FAULT") == "at_shutdown"
 uvicorn_stopped = threading.Event()
 STICKY = os.environ.get("FAULT") == "sticky"
@@ -26,8 +29,8 @@ front.DEAD_GRACE_S = 3.0   # long enough for the test's probes on a loaded machi
 encode, score_segments = PointwiseReranker.encode, PointwiseReranker.score_segments
 
 
-def encode_marked(self, request):
-    enc = encode(self, request)
+def encode_marked(self, request, **kw):
+    enc = encode(self, request, **kw)   # the service passes truncate / max_doc_tokens
     enc.poison = "poison" in request.query
     return enc
 
