@@ -160,6 +160,21 @@ def json_line(obj) -> str:
     return json.dumps(obj, ensure_ascii=not utf8)
 
 
+def note_replaced_fields(docs: list, fields: tuple) -> None:
+    """One NOTE on stderr per output field (``fields``: the command's own, e.g. "index", "score")
+    that some documents also carry: the output's value replaces theirs, and a pipeline that joins on
+    its own ``"index"`` (a corpus position, or a previous ``score``'s) would otherwise join on the
+    line number with no sign. Called before loading, with the documents as read."""
+    for field in fields:
+        at = [i for i, d in enumerate(docs) if isinstance(d, dict) and field in d]
+        if at:
+            many = len(at) != 1
+            where = ", ".join(map(str, at[:3])) + (", ..." if len(at) > 3 else "")
+            print(f"NOTE: {len(at):,} document{'s' if many else ''} (index {where}) "
+                  f"{'carry their' if many else 'carries its'} own \"{field}\": the output's \"{field}\" replaces "
+                  f"{'theirs' if many else 'it'}; rename the field to keep it", file=sys.stderr)
+
+
 def print_results(rows) -> None:
     """Each row (a dict) as a JSON line on stdout (``json_line``), flushed before returning.
 

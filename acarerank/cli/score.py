@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 
 from . import SUBCOMMANDS
-from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, print_results, read_documents
+from .common import (MAX_DOCUMENTS, add_model_flags, load_reranker, note_replaced_fields, print_results,
+                     read_documents)
 
 
 def add_parser(sub) -> None:
@@ -51,6 +52,7 @@ def run(args) -> int:
     if args.docs == "-" and args.trace_file == "-":  # --docs would read all of stdin, the trace none: M0, no sign
         raise ValueError("--docs - and --trace-file - cannot both read stdin: give one of them a file")
     docs = read_documents(args.docs, args.max_documents)
+    note_replaced_fields(docs, ("index", "score"))
     trace = read_text_file(args.trace_file, "--trace-file") if args.trace_file else None
     _note_blank_context(args.question, args.trace_file, trace)
     from ..pointwise import PointwiseReranker

@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 
 from . import SUBCOMMANDS
-from .common import MAX_DOCUMENTS, add_model_flags, load_reranker, print_results, read_documents
+from .common import (MAX_DOCUMENTS, add_model_flags, load_reranker, note_replaced_fields, print_results,
+                     read_documents)
 
 
 def add_parser(sub) -> None:
@@ -59,6 +60,7 @@ def run(args) -> int:
     positive("--max-new-tokens", args.max_new_tokens)
     positive("--max-documents", args.max_documents)
     docs = read_documents(args.docs, args.max_documents)
+    note_replaced_fields(docs, ("rank", "index"))
     texts = [d["text"] if isinstance(d, dict) else d for d in docs]
     # free decoding (--unconstrained) runs to --max-new-tokens unless the model stops itself (a
     # random-weight one never does): past the longest selection any pool this size allows, the

@@ -60,3 +60,29 @@ def test_context_with_text_gives_no_note(capsys, ckpt_and_docs):
     d = ckpt_and_docs
     _, notes = _score(capsys, d, "--question", "the question", "--trace-file", str(d / "trace.txt"))
     assert notes == [], notes
+
+
+@pytest.mark.parametrize("command, fields", [("score", ("index", "score")), ("select", ("rank", "index"))])
+def test_a_documents_own_field_that_the_output_replaces_is_noted(capsys, ckpt_and_docs, command, fields):
+    """A document's own "index" (a corpus position, or a previous ``score``'s output piped in) was
+    replaced by the line number with no sign: a join on it then picked other documents."""
+    d = ckpt_and_docs
+    docs = d / f"own-fields-{command}.jsonl"
+    docs.write_text("\n".join(json.dumps(x) for x in (
+        {"text": "a", "index": 5012, "score": 3.5, "rank": 9}, "plain", {"text": "c", "index": 7})) + "\n")
+    rc = main([command, "--model", str(d / "ckpt"), "--dtype", "float32", "--query", "q", "--docs", str(docs)])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    notes = [line for line in cap.err.splitlines() if line.startswith("NOTE:") and "own" in line]
+    want = {"index": "2 documents (index 0, 2)", "score": "1 document (index 0)", "rank": "1 document (index 0)"}
+    assert len(notes) == len(fields), notes
+    for field, note in zip(fields, notes):
+        assert note.startswith(f"NOTE: {want[field]}") and f'own "{field}"' in note, (field, note)
+    rows = [json.loads(line) for line in cap.out.splitlines()]
+    assert all(r["index"] in (0, 1, 2) for r in rows), rows  # the output's own, as documented
+
+
+def test_documents_without_those_fields_give_no_note(capsys, ckpt_and_docs):
+    d = ckpt_and_docs
+    _, notes = _score(capsys, d)
+    assert notes == [], notes
