@@ -219,13 +219,16 @@ class RerankService:
             raise APIError(503, f"server cannot serve: {self.dead}; it needs a restart", {"Connection": "close"})
 
     async def _in_pool(self, fn, *args):
-        """``fn(*args)`` in the tokenizer pool. ValueError/TypeError (bad input) pass through; anything
-        else it raises, ``BaseException`` included, becomes ``WorkerFault``; a pool that cannot take
-        work any more (shut down, broken) marks the service dead and answers 503."""
+        """``fn(*args)`` in the tokenizer pool. ValueError (bad input: too long, nothing left after
+        truncation, a lone surrogate) passes through; anything else it raises, ``BaseException``
+        included, becomes ``WorkerFault``. A TypeError too: the schemas have checked every type
+        before the request gets here, so one raised while tokenizing is a fault of ours (a 400
+        naming internal functions told the client to fix a request that was fine). A pool that
+        cannot take work any more (shut down, broken) marks the service dead and answers 503."""
         def run():
             try:
                 return fn(*args)
-            except (ValueError, TypeError):
+            except ValueError:
                 raise
             except BaseException as e:  # noqa: BLE001 - a SystemExit in a worker must not escape as plain text
                 error_id = uuid.uuid4().hex[:16]

@@ -419,7 +419,10 @@ def test_client_leaving_while_waiting_is_499(served):
 
 
 # -- 6: a BaseException in a tokenizer worker is a JSON 500 --------------------------------------------
-@pytest.mark.parametrize("fault", [SystemExit("injected exit"), RuntimeError("injected tokenizer bug")])
+@pytest.mark.parametrize("fault", [SystemExit("injected exit"), RuntimeError("injected tokenizer bug"),
+                                   # the schemas checked every type first: a TypeError here is ours, never
+                                   # a 400 telling the client to fix a request that was fine
+                                   TypeError("encode() got an unexpected keyword argument 'x'")])
 def test_tokenizer_worker_fault_is_a_json_500(served, reference, fault):
     base, inj = served["base"], served["inj"]
     inj.encode_fault = fault
