@@ -13,6 +13,8 @@ Layers, each knowing only the one below:
 - ``service.py``  checks, admission (429), tokenization pool, waiting on the engine (client gone:
                   499; ``--request-timeout``: 504), responses
 - ``engine.py``   the scheduler thread that owns the model: continuous batching of documents
+  ``engine_faults.py``  its fault side: a failed pass narrowed to its request, the canary, dying
+  ``engine_jobs.py``    its job and result types and errors (all importable from ``engine.py``)
 - the step API    ``PointwiseReranker.encode / acquire_prefix / score_segments / release_prefix /
                   cache_stats`` (the prefix cache shared by all requests, kept apart by cache_salt)
 - ``ray_serve.py`` the same service as Ray Serve replicas, routed by context for cache hits

@@ -662,9 +662,9 @@ def test_a_canary_out_of_memory_once_is_freed_and_run_again(oom, mode, monkeypat
     memory, a neighbour's, a fragmented cache): the engine died at once, a restart for a transient
     error. Now the engine frees cached memory, runs the canary once more, it scores, and serving goes on."""
     import torch
-    from acarerank.server import engine as engine_mod
+    from acarerank.server import engine_faults   # where _run_canary reads it
     freed = []
-    monkeypatch.setattr(engine_mod, "_free_cached_memory", lambda: freed.append(1))
+    monkeypatch.setattr(engine_faults, "_free_cached_memory", lambda: freed.append(1))
     steps = CanaryOom(1, mode, torch.OutOfMemoryError if oom == "torch" else oom)
     metrics = ServerMetrics()
     eng = Engine(steps, max_batch_tokens=1000, metrics=metrics, canary=CANARY, canary_after=3).start()
