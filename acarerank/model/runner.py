@@ -164,7 +164,9 @@ class Qwen3Runner:
     @classmethod
     def from_hf(cls, model, backend: Optional[str] = None, **kw) -> "Qwen3Runner":
         """From an in-memory transformers Qwen3 model (its tensors are shared where the layouts
-        agree and never modified; packed matrices are the runner's own)."""
+        agree and never modified; packed matrices are the runner's own). The runner stands for
+        the model as it is now: a pass after the model changed in place (an optimizer step) is a
+        ``SourceModelChangedError``; build a new runner then (docs/api.md, "ATO re-scoring")."""
         _fork.enter("Qwen3Runner.from_hf")
         runner = cls._owning(weights_from_hf(model), backend, kw)
         runner._source = _SourceWatch(model)

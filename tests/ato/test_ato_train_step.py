@@ -251,3 +251,63 @@ def test_the_example_runs(example):
     losses = example.main(["--steps", "2", "--inner", "2", "--group", "3", "--layers", "1", "--hidden", "32"])
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert time.perf_counter() - t0 < 15
+
+
+def test_the_step_from_the_hidden_rows_on_compiles(example):
+    """docs/api.md: linear_logprob, the scatter and clipped_policy_loss under torch.compile
+    (fullgraph, dynamic shapes) give eager's loss and gradients, at two padded lengths."""
+    from acarerank.ato import linear_logprob
+
+    def step(h, w, tg, rows, cols, logp_old, adv, mask):
+        lp = linear_logprob(h, w, tg)
+        logp = torch.zeros(logp_old.shape, dtype=lp.dtype).index_put((rows, cols), lp)
+        return clipped_policy_loss(logp, logp_old, adv, mask)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for L in (5, 7):
+        mask = torch.ones(3, L, dtype=torch.bool)
+        mask[1, 3:] = False
+        mask[2] = False
+        rows, cols = mask.nonzero(as_tuple=True)
+        h = torch.randn(rows.numel(), 32, generator=g).requires_grad_()
+        w = torch.randn(4099, 32, generator=g).requires_grad_()
+        args = (h, w, torch.randint(0, 4099, (rows.numel(),), generator=g), rows, cols,
+                torch.randn(3, L, generator=g) - 8, torch.randn(3, L, generator=g), mask)
+        got, want = compiled(*args), step(*args)
+        for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w))):
+            _close(a, b, 1e-6, 1e-6, f"compiled gradient, L={L}")
+        _close(got.detach(), want.detach(), 1e-6, 1e-6, f"compiled loss, L={L}")
+
+
+_PEAK = """
+import sys, torch
+from acarerank.ato import linear_logprob, topk_logprobs
+def hwm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+T, V, H = 2048, 151669, 64
+g = torch.Generator().manual_seed(0)
+h = torch.randn(T, H, generator=g).requires_grad_()
+w = (torch.randn(V, H, generator=g) * 0.1).requires_grad_()
+tg = torch.randint(0, V, (T,), generator=g)
+w.grad = torch.zeros_like(w); h.grad = torch.zeros_like(h)  # the gradients' own memory, before the baseline
+base = hwm()
+linear_logprob(h, w, tg).sum().backward()
+with torch.no_grad():
+    topk_logprobs(h.detach(), w.detach(), tg, k=128)
+print(hwm() - base, T * V * 4)
+"""
+
+
+def test_neither_op_holds_tokens_times_vocabulary_in_forward_or_backward():
+    """T = 2,048, V = 151,669: the policy's forward + backward and the teacher's top-128 raise the
+    process's peak (VmHWM, a fresh process) by far less than one fp32 [T, V] (1.2 GiB)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rise, tv = map(int, out.stdout.split())
+    assert rise < tv / 8, f"peak rose by {rise / 2**20:.0f} MiB; one [T, V] fp32 is {tv / 2**20:.0f} MiB"
