@@ -16,7 +16,7 @@ advantage 0), the judge is a function of the selected ids, and the sibling set i
 
     python examples/ato_train_step.py [--steps 3] [--group 4] [--layers 2] [--hidden 64]
 
-``main(argv)`` returns the per-step losses (tests/ato/test_ato_example.py runs it tiny).
+``main(argv)`` returns the per-step losses (tests/ato/test_ato_train_step.py runs it tiny).
 """
 
 import argparse

@@ -242,7 +242,8 @@ def test_a_runner_refuses_a_pass_after_its_source_model_changed_in_place(setup):
     assert torch.equal(rescore(kept, Qwen3Runner.from_hf(teacher), q).logp_old, before)
     fresh = rescore(Qwen3Runner.from_hf(student), Qwen3Runner.from_hf(teacher), q).logp_old
     with torch.no_grad():
-        want = _ref_rows(student, prompt, [58, 17, 60]).log_softmax(-1).gather(1, torch.tensor([[58], [17], [60]]))[:, 0]
+        rows = _ref_rows(student, prompt, [58, 17, 60]).log_softmax(-1)
+        want = rows.gather(1, torch.tensor([[58], [17], [60]]))[:, 0]
     _close(fresh[0], want, 1e-5, 1e-5, "a runner built after the step")
 
 
