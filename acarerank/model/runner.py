@@ -24,6 +24,7 @@ of the plan (see ``acarerank.ops.attention`` and ``acarerank.ops.paged_attention
 """
 from __future__ import annotations
 
+import weakref
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -56,6 +57,36 @@ def not_picklable(name: str) -> str:
             "process. Build one in each process (from_pretrained(path) or model=; with multiprocessing's "
             "'spawn' or 'forkserver', pass the checkpoint path, not the object); a 'fork' child inherits the "
             "parent's (docs/api.md, \"Embedding in your process\")")
+
+
+class SourceModelChangedError(RuntimeError):
+    """The in-memory model a runner was built from (``Qwen3Runner.from_hf``) changed in place
+    after the build (an optimizer step, ``load_state_dict``, an edit under ``torch.no_grad``)."""
+
+
+class _SourceWatch:
+    """Weak references to an in-memory model's tensors and their version counters at build time.
+
+    ``from_hf`` shares some of the model's tensors (norms, embedding, lm_head) and packs others
+    into the runner's own form, so after an in-place change of the model a pass would mix old
+    and new weights (a snapshot π_old that is neither θ_old nor θ), with no error. torch bumps a
+    tensor's ``_version`` on every in-place write, an optimizer step's included. Weak: the runner
+    does not keep a model alive that its caller dropped (a dropped model cannot change).
+    """
+
+    def __init__(self, model):
+        self._refs = [(name, weakref.ref(t), t._version) for name, t in model.state_dict(keep_vars=True).items()]
+
+    def check(self) -> None:
+        for name, ref, version in self._refs:
+            t = ref()
+            if t is not None and t._version != version:
+                raise SourceModelChangedError(
+                    f"the model this runner was built from changed in place after Qwen3Runner.from_hf ({name!r}: an "
+                    f"optimizer step, load_state_dict or an edit): the runner holds its own packed copy of some "
+                    f"matrices and shares the others, so a pass would mix old and new weights. Build a new runner "
+                    f"from the model as it is now (ATO: a snapshot per update), or from a copy "
+                    f"(copy.deepcopy(model)) to keep the old weights")
 
 
 def _linear_fixed_tiles(x: torch.Tensor, w, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -124,6 +155,7 @@ class Qwen3Runner:
         self.weights = weights_for_linear(weights, self.linear_backend)
         self.prefill_chunk = prefill_chunk
         self.block_size = block_size
+        self._source: Optional[_SourceWatch] = None  # from_hf's model, checked before each pass
         a = self.arch
         self._inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64, device=self.device)
                                                 .float() / a.head_dim))
@@ -132,9 +164,13 @@ class Qwen3Runner:
     @classmethod
     def from_hf(cls, model, backend: Optional[str] = None, **kw) -> "Qwen3Runner":
         """From an in-memory transformers Qwen3 model (its tensors are shared where the layouts
-        agree and never modified; packed matrices are the runner's own)."""
+        agree and never modified; packed matrices are the runner's own). The runner stands for
+        the model as it is now: a pass after the model changed in place (an optimizer step) is a
+        ``SourceModelChangedError``; build a new runner then (docs/api.md, "ATO re-scoring")."""
         _fork.enter("Qwen3Runner.from_hf")
-        return cls._owning(weights_from_hf(model), backend, kw)
+        runner = cls._owning(weights_from_hf(model), backend, kw)
+        runner._source = _SourceWatch(model)
+        return runner
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", backend: Optional[str] = None, **kw):
@@ -171,7 +207,9 @@ class Qwen3Runner:
         if unknown:
             raise TypeError(f"with_settings: unknown setting(s) {sorted(unknown)}; known: {sorted(settings)}")
         settings.update(changes)
-        return type(self)(self.weights, **settings)
+        new = type(self)(self.weights, **settings)
+        new._source = self._source
+        return new
 
     @property
     def dtype(self) -> torch.dtype:
@@ -341,6 +379,8 @@ class Qwen3Runner:
 
     def _forward(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
         _fork.enter("a model pass")  # every pass of every reranker comes here first
+        if self._source is not None:
+            self._source.check()
         with autocast_off(self.device):
             return self._pass(cache, ids, groups, output, append)
 
