@@ -8,11 +8,17 @@ aggregated over the valid tokens with one of verl's ``loss_agg_mode`` names (M =
     "token-mean"               Σ ℓ·M / Σ M                       (over the whole batch)
     "seq-mean-token-sum"       mean_i Σ_l ℓ·M
     "seq-mean-token-mean"      mean_i (Σ_l ℓ·M / Σ_l M)
-    "seq-mean-token-sum-norm"  Σ ℓ·M / L      (L = the padded length, mask.shape[-1]; Dr. GRPO)
+    "seq-mean-token-sum-norm"  Σ ℓ·M / L      (Dr. GRPO; L = ``norm_length``, else the padded
+                                              length mask.shape[-1])
+
+verl pads every response to the rollout's fixed response length, so its L is a constant; ``rescore``
+pads to the batch's longest rollout, so without ``norm_length`` the divisor (and the gradient's
+scale) changes from batch to batch: pass the response budget (``max_new_tokens``) as verl does.
 """
 from __future__ import annotations
 
 import numbers
+from typing import Optional
 
 import torch
 
@@ -20,8 +26,12 @@ AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 LOG_RATIO_CLAMP = 20.0  # as verl: exp(±20) keeps ρ finite; no gradient flows through a clamped ratio
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
+             norm_length: Optional[int] = None) -> torch.Tensor:
     """Scalar from [N, L] per-token losses (formulas in the module docstring).
+
+    ``norm_length``: the constant L of "seq-mean-token-sum-norm" (≥ the padded length; None: the
+    padded length); given with another mode it is a ValueError, never ignored.
 
     ``loss_mat``: [N, L] floating point. ``mask``: [N, L] like ``loss_mat``, read as bool
     (nonzero = valid) in numerator and denominator alike. Denominators are clamped to ≥ 1, so a
@@ -42,6 +52,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
     if not loss_mat.is_floating_point():  # an int64 one failed inside mean() for the seq-mean modes
         raise TypeError(f"agg_loss: loss_mat must be floating point, got {loss_mat.dtype}")
     N, L = loss_mat.shape
+    norm = _norm_length(norm_length, agg, L)
     valid = mask.bool()
     m = valid.to(loss_mat.dtype)  # counts the tokens the numerator sums (a 0.5 entry once counted 1 there, 0.5 here)
     per_tok = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
@@ -54,10 +65,26 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
         return seq_sum.sum() / max(N, 1)
     if agg == "seq-mean-token-mean":
         return (seq_sum / m.sum(dim=-1).clamp(min=1)).sum() / max(N, 1)
-    return seq_sum.sum() / max(L, 1)
+    return seq_sum.sum() / max(norm, 1)
 
 
-def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, agg: str = "token-mean"):
+def _norm_length(norm_length, agg: str, padded: int) -> int:
+    """``norm_length`` checked (module docstring), or the padded length when it is None."""
+    if norm_length is None:
+        return padded
+    if agg != "seq-mean-token-sum-norm":
+        raise ValueError(f"norm_length is the divisor of agg='seq-mean-token-sum-norm' only; agg={agg!r} does "
+                         f"not use it")
+    if isinstance(norm_length, bool) or not isinstance(norm_length, numbers.Integral) or norm_length < 1:
+        raise ValueError(f"norm_length must be a positive int, got {norm_length!r}")
+    if norm_length < padded:
+        raise ValueError(f"norm_length {norm_length} is shorter than the padded length {padded}: the rollouts are "
+                         f"longer than the response budget it stands for")
+    return int(norm_length)
+
+
+def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, agg: str = "token-mean",
+                        norm_length: Optional[int] = None):
     """PPO-clip loss of Eq. 11 on the ATO advantage (Eq. 10); differentiable in ``logp``.
 
     Args:
@@ -68,6 +95,8 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
       mask: [N, L] bool, valid response tokens.
       eps_clip: ε (ratio clipped to [1 − ε, 1 + ε]).
       agg: one of AGG_MODES (verl's names).
+      norm_length: the constant divisor of "seq-mean-token-sum-norm" (``agg_loss``; the response
+        budget, as verl's fixed response length), else None.
     Returns: scalar loss (dtype of logp). At logp == logp_old its gradient is −A·M/ΣM for
     "token-mean" (Lemma 1: the clip is inactive at the snapshot).
     Masked positions are excluded before the exponential, so padding with any values
@@ -87,6 +116,7 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
     # the math runs in logp's dtype: an int64 logp truncated logp_old to integers (a loss, no error)
     if not logp.is_floating_point():
         raise TypeError(f"clipped_policy_loss: logp must be floating point, got {logp.dtype}")
+    _norm_length(norm_length, agg, logp.shape[-1])  # before any work: a bad one is the caller's error
     valid = mask.bool()
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     log_ratio = torch.where(valid, logp - logp_old.detach().to(logp.dtype), zero)
@@ -95,7 +125,7 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip) * adv
     loss_mat = -torch.minimum(unclipped, clipped)
-    return agg_loss(loss_mat, valid, agg)
+    return agg_loss(loss_mat, valid, agg, norm_length)
 
 
 __all__ = ["AGG_MODES", "agg_loss", "clipped_policy_loss"]

@@ -130,3 +130,38 @@ def test_agg_loss_and_eps_clip_name_their_bad_type():
     # and returned a loss
     with pytest.raises(TypeError, match="logp must be floating point, got torch.int64"):
         clipped_policy_loss(logp.detach().long(), old, adv, mask)
+
+
+def test_norm_length_is_a_constant_divisor_whatever_the_padding():
+    """seq-mean-token-sum-norm divided by the padded length: the same rollouts padded to the
+    batch's longest (``rescore``) gave another loss, and gradient scale, in each batch. With
+    ``norm_length`` (the response budget, verl's fixed response length) it is Σ ℓ·M / norm_length."""
+    logp, old, adv, mask = _batch()
+    N, L = logp.shape
+    pad = 7  # the same rollouts, padded further (a batch whose longest rollout is longer)
+    wide = [torch.cat([t, torch.zeros(N, pad, dtype=t.dtype)], dim=1) for t in (logp, old, adv, mask)]
+    budget = L + pad + 5
+    short = clipped_policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum-norm", norm_length=budget)
+    long = clipped_policy_loss(*wide, agg="seq-mean-token-sum-norm", norm_length=budget)
+    plain = _plain(logp, old, adv, mask, 0.2, "seq-mean-token-sum-norm") * L / budget
+    torch.testing.assert_close(short, long, rtol=1e-6, atol=0)
+    torch.testing.assert_close(short, torch.as_tensor(plain, dtype=short.dtype), rtol=1e-5, atol=1e-7)
+    # without it the divisor is the padded length (documented), so the two batches differ
+    default = [clipped_policy_loss(*t, agg="seq-mean-token-sum-norm") for t in ((logp, old, adv, mask), wide)]
+    assert not torch.allclose(default[0], default[1]), default
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(agg="token-mean", norm_length=10), "only"),            # given where it is not used: never ignored
+    (dict(agg="seq-mean-token-sum-norm", norm_length=0), "positive"),
+    (dict(agg="seq-mean-token-sum-norm", norm_length=True), "positive"),
+    (dict(agg="seq-mean-token-sum-norm", norm_length=2.0), "positive"),
+    (dict(agg="seq-mean-token-sum-norm", norm_length=1), "shorter than the padded length"),
+])
+def test_a_bad_norm_length_is_named(kw, needle):
+    logp, old, adv, mask = _batch()
+    with pytest.raises(ValueError, match="norm_length") as e:
+        clipped_policy_loss(logp, old, adv, mask, **kw)
+    assert needle in str(e.value), e.value
+    with pytest.raises(ValueError, match="norm_length"):
+        agg_loss(logp.detach(), mask, **kw)
