@@ -139,6 +139,21 @@ def test_a_bench_config_with_no_backend_is_refused():
         BenchConfig(backends=()).validate()
 
 
+def test_the_automatic_backends_on_a_cpu_leave_cuda_out_in_plain_words():
+    """A CPU run leaves the GPU-only backends out with one line each saying why, not the probe's
+    "BackendError: yes_no_score: backend 'cuda' needs CUDA tensors" (read as a failure in a
+    newcomer's `bash scripts/main.sh --quick`)."""
+    from acarerank.benchmark.harness import BenchConfig, pick_backends
+    from acarerank.ops import available_backends
+
+    said = []
+    chosen = pick_backends(BenchConfig(), torch.device("cpu"), said.append)
+    assert "cuda" not in chosen and "triton" not in chosen
+    assert set(chosen) == {b for b in ("torch", "cpp") if b in available_backends("yes_no", "cpu")}, chosen
+    assert "backend cuda: left out on cpu (it runs on CUDA devices only)" in said, said
+    assert not any("Error" in s for s in said), said
+
+
 @pytest.mark.parametrize("kw", [
     dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
          num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
