@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 from setuptools import Extension, find_packages, setup
@@ -56,7 +57,12 @@ def torch_for_cpu_ext():
     if os.environ.get("ACARERANK_NO_CPU_EXT") == "1":
         return None, "ACARERANK_NO_CPU_EXT=1"
     try:
-        import torch
+        # The build reads torch's folder, version and ABI only. torch warns "Failed to initialize
+        # NumPy" at import where numpy is not installed yet (a fresh venv: numpy is one of our
+        # dependencies, installed after the build), a warning a newcomer reads as a failure.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+            import torch
     except Exception as e:  # not installed, or broken: the one-line reason is all we need
         return None, (f"torch is not importable at build time ({type(e).__name__}: {e}); install torch first, then "
                       "pip install --no-build-isolation (scripts/setup.sh does)")

@@ -241,7 +241,8 @@ def pick_backends(cfg: BenchConfig, device: torch.device, log: Callable) -> list
     """The backends to run: those asked for (each must run here), or every one that does.
 
     Triton on a CPU runs only under TRITON_INTERPRET (an interpreter, far too slow to time),
-    so the automatic choice leaves it out there.
+    so the automatic choice leaves it out there; CUDA kernels take CUDA tensors only, so it
+    leaves "cuda" out off a CUDA device (said in one line, not as the probe's BackendError).
     """
     dtype = DTYPES[cfg.dtype]
     if cfg.backends is not None:
@@ -254,6 +255,9 @@ def pick_backends(cfg: BenchConfig, device: torch.device, log: Callable) -> list
     for b in AUTO_BACKENDS:
         if b == "triton" and device.type != "cuda":
             log(f"backend triton: left out on {device.type} (only the interpreter runs it there)")
+            continue
+        if b == "cuda" and device.type != "cuda":
+            log(f"backend cuda: left out on {device.type} (it runs on CUDA devices only)")
             continue
         why = backend_runs(b, device, dtype)
         if why is None:

@@ -68,6 +68,9 @@ def test_bench_quick_run_writes_csv_png_and_checks_scores(tmp_path, capsys):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "scores agree: max |score - score[transformers]|" in out
     assert "depth scaling M3 acarerank-torch" in out and "RANDOM-weight" in out
+    # a smoke run's one cold call per cell is not judged: no "NOT within 15%" / "NOT met" noise
+    assert "within 15%" not in out and "target M3 depth 50" not in out, out
+    assert "targets: not judged in a --quick run" in out, out
     assert (tmp_path / "bench.txt").read_text().strip() == out.strip()
 
 
@@ -134,6 +137,21 @@ def test_a_bench_config_with_no_backend_is_refused():
 
     with pytest.raises(ValueError, match="backends names no backend"):
         BenchConfig(backends=()).validate()
+
+
+def test_the_automatic_backends_on_a_cpu_leave_cuda_out_in_plain_words():
+    """A CPU run leaves the GPU-only backends out with one line each saying why, not the probe's
+    "BackendError: yes_no_score: backend 'cuda' needs CUDA tensors" (read as a failure in a
+    newcomer's `bash scripts/main.sh --quick`)."""
+    from acarerank.benchmark.harness import BenchConfig, pick_backends
+    from acarerank.ops import available_backends
+
+    said = []
+    chosen = pick_backends(BenchConfig(), torch.device("cpu"), said.append)
+    assert "cuda" not in chosen and "triton" not in chosen
+    assert set(chosen) == {b for b in ("torch", "cpp") if b in available_backends("yes_no", "cpu")}, chosen
+    assert "backend cuda: left out on cpu (it runs on CUDA devices only)" in said, said
+    assert not any("Error" in s for s in said), said
 
 
 @pytest.mark.parametrize("kw", [
@@ -405,6 +423,19 @@ def test_depth_scaling_figure():
     assert s["depths"] == (10, 50, 100)
     assert s["ms_per_doc_low"] == pytest.approx(5.0) and s["ms_per_doc_high"] == pytest.approx(5.2)
     assert s["ratio"] == pytest.approx(1.04) and s["within_target"]
+    assert "ratio 1.04 (within 15%)" in report.format_scaling([s])
+    assert "ratio 1.04;" in report.format_scaling([s], judge=False)
+
+
+def test_depth_scaling_line_of_a_falling_latency_reads_n_a():
+    """A cold first call (--quick: no warm-up) can make the shallow slope negative: its ratio is
+    n/a, not "nan"."""
+    rows = [dict(mode="M0", provider="p", depth=d, median_ms=v, doc_tokens=d * 40)
+            for d, v in ((2, 625.7), (4, 211.8), (8, 184.0))]
+    (s,) = report.depth_scaling(rows)
+    assert s["ms_per_doc_low"] < 0 and s["ratio"] != s["ratio"]
+    line = report.format_scaling([s])
+    assert "ratio n/a (NOT within 15%)" in line and "nan" not in line, line
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="RSS high-water reset needs Linux /proc")
