@@ -30,7 +30,7 @@ the prefix cache within its budget, threads and descriptors back to their count 
 then SIGTERM during a last burst: exit 0 within ``--drain-timeout`` (plus the stop's margin).
 
     OMP_NUM_THREADS=1 python bench/soak_serve.py --seconds 300      # a soak
-    OMP_NUM_THREADS=1 python bench/soak_serve.py --quick            # ~40 s, for CI
+    OMP_NUM_THREADS=1 python bench/soak_serve.py --quick            # ~40-80 s, a smoke run (not part of CI)
 
 Exits 1 with the list of problems found, 0 with the figures (requests by status, RSS curve,
 descriptors, threads, duration) when there were none.
