@@ -102,6 +102,7 @@ def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callab
             write_csv(list(rows_before) + rows + list(extra), partial_csv, COLUMNS)
 
     for name in providers:
+        padded_batch = None  # acarerank's packed runner (_call_flops)
         if name in ("acarerank+cache", "acarerank"):
             rr = PointwiseReranker(model=model, tokenizer=tokenizer, backend=backend,
                                    prefix_cache=name == "acarerank+cache")
@@ -116,6 +117,7 @@ def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callab
                 return rr.score_encodings([rr.encode(r) for r in reqs])
         elif name == "transformers+prefix-cache":
             tr = PrefixCacheTransformers(model, tokenizer)
+            padded_batch = tr.batch_size
 
             def warm_up(tr=tr, r0=session[0][0]):
                 tr.score(r0.query, r0.documents[:2], question=r0.question, trace=r0.trace)
@@ -135,7 +137,7 @@ def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callab
                 encs = [_enc(tokenizer, r) for r in reqs]  # untimed: token counts only
                 hits = n_tok if n_tok is not None else [0] * len(reqs)  # transformers: nothing across calls
                 n_tok = sum(len(e.shared_ids) - h + sum(map(len, e.segment_ids)) for e, h in zip(encs, hits))
-                flops = sum(_call_flops(shapes, len(e.shared_ids), h, [len(x) for x in e.segment_ids])
+                flops = sum(_call_flops(shapes, len(e.shared_ids), h, [len(x) for x in e.segment_ids], padded_batch)
                             for e, h in zip(encs, hits))
                 rows.append(dict(provider=name, step=k, tokens_computed=n_tok, flops=flops, latency_s=dt,
                                  trace_tokens=k * spec.trace_step_tokens, subqueries=spec.subqueries))
@@ -155,13 +157,21 @@ def run_agent_bench(model, tokenizer, spec: AgentSpec, backend=None, log: Callab
     return dict(rows=rows, totals=totals, scores=scores, spec=spec)
 
 
-def _call_flops(sh, shared: int, hit: int, seg_lens) -> float:
-    """Linear + attention FLOPs of one request: the shared tokens not served from the cache
-    (after ``hit`` cached ones), then every segment over the whole shared part."""
-    from .report import _attn, _linear
+def _call_flops(sh, shared: int, hit: int, seg_lens, padded_batch: Optional[int] = None) -> float:
+    """Linear + attention FLOPs of one request as its provider computes it.
 
-    new = shared - hit
-    return (_linear(sh, new + sum(seg_lens)) + _attn(sh, new, hit) + sum(_attn(sh, n, shared) for n in seg_lens))
+    acarerank (cache on or off; ``padded_batch`` None): the shared tokens not served from the cache (after ``hit``
+    cached ones), then every segment over the whole shared part, the runner's last-layer
+    savings included (``report.packed_flop_parts``). transformers+prefix-cache: the whole
+    shared part, then right-padded batches of ``padded_batch`` documents (its batch_size),
+    every layer on every row (``report.plan_flop_parts``' "prefix_padded")."""
+    from .report import packed_flop_parts, plan_flop_parts
+
+    if padded_batch is not None:
+        parts = plan_flop_parts("prefix_padded", sh, shared, seg_lens, padded_batch)
+    else:
+        parts = packed_flop_parts(sh, shared, seg_lens, cached=hit)
+    return parts["linear"] + parts["attn"]
 
 
 def _enc(tokenizer, r):

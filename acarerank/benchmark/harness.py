@@ -24,7 +24,8 @@ Providers: "transformers" (a), "transformers+prefix-cache" (b) (``baselines``),
 server (``BenchConfig.peers``: vLLM, llama.cpp, TEI, another acarerank; ``peers.PeerProvider``)
 timed over HTTP. A peer gets the context folded into its query (``peers.fold_context``) and is
 compared with the first provider scoring that same folded prompt; its FLOPs are those of the
-full, unshared prompts, and its memory is its server's (NaN here). An acarerank peer gets a
+full, unshared prompts (an acarerank peer's: the shared part once, as the in-process provider),
+and its memory is its server's (NaN here). An acarerank peer gets a
 fresh ``cache_salt`` per call (no cross-call prefix-cache hits, as the in-process providers).
 """
 from __future__ import annotations

@@ -173,8 +173,10 @@ class PeerProvider:
     context an in-process reference must score to see the same prompt.
     """
 
-    # FLOPs of the full prompts one at a time (batch 1: no padding), what a server that shares
-    # nothing between a request's documents computes (vLLM's prefix cache may compute less)
+    # FLOPs credited to the peer (``report.plan_flops``): by default those of the full prompts one
+    # at a time (batch 1: no padding), what a server that shares nothing between a request's
+    # documents computes (vLLM's prefix cache may compute less); an acarerank server runs the
+    # shared part once per request, packed, as the in-process provider ("prefix_packed").
     flop_plan, flop_batch = "full_padded", 1
 
     def __init__(self, target: Target, timeout: float = 600.0):
@@ -183,6 +185,8 @@ class PeerProvider:
         target, self.version = resolve(target)
         if target.api == "vllm" and target.model is None:
             target = Target(target.name, target.url, target.api, served_model(target.url))
+        if target.api == "acarerank":
+            self.flop_plan = "prefix_packed"
         self.target, self.name = target, target.name
         self._client = httpx.Client(base_url=target.url, timeout=timeout)
 

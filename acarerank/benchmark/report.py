@@ -110,13 +110,28 @@ def plan_flop_parts(plan: str, sh: Shapes, shared_len: int, seg_lens: Sequence[i
             att += len(rows) * _attn(sh, n, P)
         return {"linear": lin, "attn": att, "head": 2.0 * sh.hidden * 2 * S}
     if plan == "prefix_packed":
-        T = sum(seg_lens)
-        per_layer = _linear(sh, 1) / sh.layers  # all of one layer's linears, per token
-        rest = per_layer - _qkv(sh, 1)           # o_proj + MLP per token
-        lin = (sh.layers - 1) * per_layer * (P + T) + _qkv(sh, P + T) + rest * S
-        att = _attn(sh, P, 0) * (sh.layers - 1) / sh.layers + sum(_attn(sh, n, P) for n in seg_lens)
-        return {"linear": lin, "attn": att, "head": 2.0 * sh.hidden * 2 * S}
+        return packed_flop_parts(sh, P, seg_lens)
     raise ValueError(f"unknown FLOP plan {plan!r}")
+
+
+def packed_flop_parts(sh: Shapes, shared_len: int, seg_lens: Sequence[int], cached: int = 0) -> dict:
+    """{"linear", "attn", "head"} FLOPs of acarerank's runner when ``cached`` of the
+    ``shared_len`` shared tokens are already in its KV cache (a prefix-cache hit; 0: none).
+
+    The new shared tokens n = shared_len − cached go through a pass that stops at the last
+    layer's q/k/v projections (nothing reads its output), attending to the cached ones
+    (n·cached + n(n+1)/2 pairs in each of the first L − 1 layers); the T = Σ seg_lens segment
+    tokens go through every layer, attending to the whole shared part, except that the last
+    layer's o_proj and MLP run on the S scored rows only; the head is the [no, yes] rows.
+    """
+    if not 0 <= cached <= shared_len:
+        raise ValueError(f"cached must be in [0, shared_len={shared_len}], got {cached}")
+    new, T, S = shared_len - cached, sum(seg_lens), len(seg_lens)
+    per_layer = _linear(sh, 1) / sh.layers  # all of one layer's linears, per token
+    rest = per_layer - _qkv(sh, 1)           # o_proj + MLP per token
+    lin = (sh.layers - 1) * per_layer * (new + T) + _qkv(sh, new + T) + rest * S
+    att = _attn(sh, new, cached) * (sh.layers - 1) / sh.layers + sum(_attn(sh, n, shared_len) for n in seg_lens)
+    return {"linear": lin, "attn": att, "head": 2.0 * sh.hidden * 2 * S}
 
 
 def plan_flops(plan: str, sh: Shapes, shared_len: int, seg_lens: Sequence[int], batch: int) -> float:

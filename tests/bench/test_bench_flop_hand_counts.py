@@ -1,0 +1,85 @@
+"""The FLOPs the benchmarks credit a provider with, against hand counts and the runner's own work.
+
+References: hand counts on a tiny shape (H = 8, I = 16, 2 layers, 2/1 heads, d = 4, V = 50),
+each GEMM [m, k] x [k, n] = 2·m·n·k and each attended (query, key) pair 4·d·Hq (QKᵀ and PV);
+and the linear calls and attended pairs of acarerank's runner itself, counted while it scores.
+Per token and layer: q 2·8·8 = 128, k + v 2·2·8·4 = 128, o 128, MLP 3·2·8·16 = 768, so
+1,152 in all (q/k/v 256, o + MLP 896); a pair is 4·4·2 = 32 per layer.
+"""
+import pytest
+import torch
+
+from acarerank.benchmark import agent, peers, report
+from acarerank.benchmark.peers import Target
+
+SH = report.Shapes(hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=50)
+P, SEGS = 5, [3, 2]  # shared tokens, segment lengths
+
+
+def test_an_acarerank_peer_is_credited_with_its_shared_part_once(monkeypatch):
+    # acarerank serve runs the shared part once per request, packed, as the in-process runner:
+    #   linear: layer 1 on all 10 tokens 11,520 + last layer's q/k/v on 10 2,560 + its o+MLP on
+    #           the 2 scored rows 1,792 = 15,872
+    #   attn:   prefix 5·6/2 = 15 pairs in layer 1 only (480); segments 3·5 + 6 = 21 and
+    #           2·5 + 3 = 13 pairs in both layers (34·2·32 = 2,176)
+    #   head:   [no, yes] rows 2·8·2 per document, 64
+    # a server sharing nothing (llama.cpp): the two full prompts (8 and 7 tokens) alone:
+    #   linear 15·2·1,152 = 34,560; attn (36 + 28)·2·32 = 4,096; head 2·8·50·2 = 1,600
+    monkeypatch.setattr(peers, "resolve", lambda t: (t, ""))
+    expected = {"acarerank": 15_872 + 480 + 2_176 + 64, "llama.cpp": 34_560 + 4_096 + 1_600}
+    for api, flops in expected.items():
+        p = peers.PeerProvider(Target("p", "http://x", api))
+        assert report.plan_flops(p.flop_plan, SH, P, SEGS, p.flop_batch) == flops, api
+
+
+def test_agent_call_flops_follow_what_each_provider_computes():
+    # acarerank after a 2-token cache hit: 3 new shared tokens
+    #   linear: layer 1 on 3 + 5 tokens 9,216 + last layer's q/k/v on 8 2,048 + o+MLP on 2 rows 1,792
+    #   attn:   new shared 3·2 + 3·4/2 = 12 pairs in layer 1 (384); segments 34 pairs, 2 layers (2,176)
+    assert agent._call_flops(SH, P, 2, SEGS) == 9_216 + 2_048 + 1_792 + 384 + 2_176
+    # transformers+prefix-cache (batch 16): all 5 shared tokens through both layers, then one batch
+    # of 2 rows padded to 3 tokens, every layer on every row
+    #   linear: (5 + 2·3)·2·1,152 = 25,344; attn: 15·64 + 2·(3·5 + 6)·64 = 960 + 2,688
+    assert agent._call_flops(SH, P, 0, SEGS, padded_batch=16) == 25_344 + 960 + 2_688
+    with pytest.raises(ValueError, match="cached"):
+        report.packed_flop_parts(SH, P, SEGS, cached=P + 1)
+
+
+def test_packed_flop_parts_equal_the_runners_own_work_after_a_cache_hit(monkeypatch, qwen3_tokenizer):
+    """Every linear call's 2·m·n·k and every attention call's (query, key) pairs while a
+    PointwiseReranker with its prefix cache scores a context that extends one it scored."""
+    import acarerank.model.runner as runner
+    from acarerank import PointwiseReranker
+    from acarerank.model.default import build_default_model
+    from acarerank.prompts import encode_pointwise
+
+    model = build_default_model("tiny-cpu", num_hidden_layers=2)
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, backend="torch", prefix_cache=True)
+    docs = ["a short document about rivers", "another one, on mountains and the snow on them"]
+    trace = "Thought: the user asks about water. Search: rivers of Europe. " * 8
+    rr.score_encodings([encode_pointwise(qwen3_tokenizer, "rivers", docs, question="Which river?", trace=trace)])
+
+    counted = {"linear": 0.0, "pairs": 0.0}
+    lin, att = runner.linear, runner.prefix_shared_attention_paged
+
+    def counting_linear(x, w, *a, **kw):
+        y = lin(x, w, *a, **kw)
+        counted["linear"] += 2.0 * x.shape[0] * x.shape[-1] * y.shape[-1]
+        return y
+
+    def counting_attention(q, k, v, cu, kp, vp, bt, prefix_lens, groups, **kw):  # one call per layer
+        ends, pl = cu.tolist(), prefix_lens.tolist()
+        for s, g in enumerate(groups.tolist()):
+            counted["pairs"] += report.attended_pairs(ends[s + 1] - ends[s], pl[g])
+        return att(q, k, v, cu, kp, vp, bt, prefix_lens, groups, **kw)
+
+    monkeypatch.setattr(runner, "linear", counting_linear)
+    monkeypatch.setattr(runner, "prefix_shared_attention_paged", counting_attention)
+    enc = encode_pointwise(qwen3_tokenizer, "rivers", docs, question="Which river?",
+                           trace=trace + "Observation: the Danube flows east. " * 4)
+    _, (hit,) = rr.score_encodings([enc])
+    assert 0 < hit < len(enc.shared_ids)
+    sh = report.Shapes.from_config(model.config)
+    parts = report.packed_flop_parts(sh, len(enc.shared_ids), [len(s) for s in enc.segment_ids], cached=hit)
+    assert counted["linear"] == pytest.approx(parts["linear"], rel=1e-12)
+    assert 4.0 * sh.heads * sh.head_dim * counted["pairs"] == pytest.approx(parts["attn"], rel=1e-12)
