@@ -3,7 +3,8 @@
     out [M, N] fp32 = a [M, K] bf16 · b [N, K]ᵀ bf16      (fp32 products and sums)
 
 Torch's bf16 ``mm`` on a CPU rounds its output to bf16 (``mm``'s ``out_dtype`` is CUDA-only), so
-the ops that need fp32 logits of bf16 rows — the top-k core ("native") and ``linear_logprob`` —
+the ops that need fp32 logits of bf16 rows — the top-k core ("native") and ``linear_logprob``
+(whose bf16 backward also runs its ∂hidden GEMM of bf16 ∂z here, summing the chunks in fp32) —
 upcast each weight chunk and ran an fp32 GEMM, ~4.5× the time of the bf16 GEMM on a CPU with
 AVX512_BF16 (docs/benchmarks.md, "Ops and kernels"). This kernel gives them the fp32 logits at
 the bf16 rate where it runs.

@@ -37,10 +37,24 @@ Precision rule: all math in fp32. fp16/bf16 inputs are upcast one chunk at a tim
 product of two bf16 numbers is exact in fp32) — on a CPU with AVX512_BF16 the bf16 logits
 instead come from ``acarerank::mm_bf16_f32`` (fp32 products and sums of the bf16 rows, another
 summation order; csrc/cpu/logits_gemm.cpp) where acarerank._cpu is built — so outputs equal the
-fp32 reference on the same (rounded) inputs to fp32 tolerance; gradients are accumulated in fp32 and rounded once
-to the input dtype, i.e. they are within one rounding (2⁻⁸ relative for bf16) of the fp32
-gradient of the same inputs. The rule holds inside a ``torch.autocast`` region too: the passes
-turn autocast off, which would otherwise run the chunk GEMMs in bf16/fp16.
+fp32 reference on the same (rounded) inputs to fp32 tolerance; gradients are accumulated in fp32
+and rounded once to the input dtype, i.e. they are within one rounding (2⁻⁸ relative for bf16)
+of the fp32 gradient of the same inputs.
+
+One exception, where that GEMM runs (bf16 on a CPU with AVX512_BF16): the two gradient GEMMs
+take ∂L/∂z rounded to bf16 — ∂h chunk by chunk through ``mm_bf16_f32`` (fp32 out, summed over
+the chunks in fp32), ∂W through torch's bf16 ``mm`` (fp32 sums, rounded once) — at the bf16
+GEMM's rate, where the fp32 GEMMs of ∂z and an upcast chunk take ~4.5× it (docs/benchmarks.md,
+"Ops and kernels"). Each gradient entry then moves by at most 2⁻⁷ · Σ_j |∂z_tj| |W_j| (∂h) or
+2⁻⁷ · Σ_t |∂z_tj| |h_t| (∂W) beyond its one rounding, and against the fp32 reference the
+gradients stay within 2× the error of plain bf16 autograd (``log_softmax(hidden @ weight.T)`` in
+bf16), in max and in norm: 0.07–0.72× its max error and 0.10–0.61× its norm error, the norm
+error 1.2–1.7× the fp32-∂z path's (tests/ops/test_op_linear_logprob.py's cases).
+``ACARERANK_LINEAR_LOGPROB_FP32_GRAD=1``, read at each backward, keeps fp32 ∂z there
+(``grad_gemms_bf16``).
+
+The rule holds inside a ``torch.autocast`` region too: the passes turn autocast off, which
+would otherwise run the chunk GEMMs in bf16/fp16.
 
 First derivatives only: a second backward through the gradients (``torch.autograd.grad(...,
 create_graph=True)`` then a backward of those gradients) raises a RuntimeError naming the op;
@@ -52,6 +66,7 @@ per-sample fallback loop).
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -88,23 +103,30 @@ class _Chunks:
 
     bf16 on a CPU with AVX512_BF16: the logits come from ``acarerank::mm_bf16_f32`` (fp32 out of
     the bf16 rows, at the bf16 GEMM's rate; ``_logits_gemm``) with h32 rounded back to bf16 —
-    exact, h32 is the upcast of a bf16 hidden state — and the weight chunk is upcast only for
-    the backward's GEMMs that take fp32 ∂z (``w``)."""
+    exact, h32 is the upcast of a bf16 hidden state. There the backward (``grads``) also runs its
+    two gradient GEMMs on bf16 ∂z (``grad_gemms_bf16``); with ``ACARERANK_LINEAR_LOGPROB_FP32_GRAD=1``
+    they take fp32 ∂z and the upcast weight chunk (``w``), as everywhere else."""
 
-    def __init__(self, h32, weight, chunk, second: bool):
+    def __init__(self, h32, weight, chunk, second: bool, grads: bool = False):
         T, H = h32.shape
         self.h32, self.weight, self.T, self.H, self.chunk = h32, weight, T, H, min(chunk, weight.shape[0])
         C, dev, cd = self.chunk, h32.device, h32.dtype
         self.xbuf = torch.empty(T * C, dtype=cd, device=dev)
         self.ebuf = torch.empty(T * C, dtype=cd, device=dev) if second else None
-        self.wbuf = None if weight.dtype == cd else torch.empty(C * H, dtype=cd, device=dev)
-        self.hb, self.bf16_gemm = None, None
+        self.upcast, self.wbuf = weight.dtype != cd, None  # wbuf: allocated by the first w()
+        self.hb, self.bf16_gemm, self.bf16_grads = None, None, False
         if weight.dtype == torch.bfloat16 and cd == torch.float32:
             # exact: h32 is the upcast of a bf16 hidden state. Contiguous rows, as the kernel takes
             # them: .float() and .to() keep a transposed hidden's strides (1, T)
             hb = h32.to(torch.bfloat16, memory_format=torch.contiguous_format)
             self.bf16_gemm = native_bf16_gemm_for(hb, weight)
             self.hb = hb if self.bf16_gemm is not None else None
+        if grads and grad_gemms_bf16() and self.bf16_gemm is not None:  # the variable is checked on every path
+            self.bf16_grads = True
+            Ce = C + C % 2  # the GEMM takes K (here the chunk's columns) in pairs: an odd chunk gets a zero column
+            self.dzbuf = torch.empty(T * Ce, dtype=torch.bfloat16, device=dev)  # ∂z rounded to bf16
+            self.wtbuf = torch.empty(H * Ce, dtype=torch.bfloat16, device=dev)  # W[c0:c1]ᵀ, rows along the chunk
+            self.ghbuf = torch.empty(T * H, dtype=torch.float32, device=dev)    # one chunk's ∂h, fp32
 
     def __iter__(self):
         V = self.weight.shape[0]
@@ -114,7 +136,11 @@ class _Chunks:
     def w(self, c0, c1):
         """Rows [c0, c1) of the weight in the compute dtype (a copy into the reused buffer)."""
         w = self.weight[c0:c1]
-        return w if self.wbuf is None else self.wbuf[:(c1 - c0) * self.H].view(c1 - c0, self.H).copy_(w)
+        if not self.upcast:
+            return w
+        if self.wbuf is None:
+            self.wbuf = torch.empty(self.chunk * self.H, dtype=self.h32.dtype, device=self.h32.device)
+        return self.wbuf[:(c1 - c0) * self.H].view(c1 - c0, self.H).copy_(w)
 
     def logits(self, c0, c1, temperature):
         """z = h · W[c0:c1]ᵀ / τ, [T, c1 − c0] in the compute dtype, in the reused buffer."""
@@ -129,6 +155,48 @@ class _Chunks:
 
     def second(self, n):
         return self.ebuf[:self.T * n].view(self.T, n)
+
+    def grads_bf16(self, dz, c0, c1, grad_h, grad_w):
+        """The chunk's share of both gradients from ∂z [T, c1 − c0] fp32 (``bf16_grads`` only):
+
+            grad_h += bf16(∂z) · W[c0:c1]        fp32 out (mm_bf16_f32), summed over chunks in fp32
+            grad_w[c0:c1] = bf16(∂z)ᵀ · h        torch's bf16 mm: fp32 sums, rounded once to bf16
+
+        bf16(∂z) is the one rounding this adds (module doc, precision rule); the products of bf16
+        numbers are exact in fp32. grad_h / grad_w None: not asked for."""
+        T, H, n = self.T, self.H, c1 - c0
+        ne = n + n % 2
+        dzb = self.dzbuf[:T * ne].view(T, ne)
+        dzb[:, :n].copy_(dz)
+        if ne != n:
+            dzb[:, n].zero_()
+        if grad_h is not None:
+            # the kernel reads b's rows along K: W's chunk transposed, [H, n] (a bf16 copy, as the
+            # fp32 path's upcast copy of the chunk)
+            wt = self.wtbuf[:H * ne].view(H, ne)
+            wt[:, :n].copy_(self.weight[c0:c1].T)
+            if ne != n:
+                wt[:, n].zero_()
+            gh = self.ghbuf.view(T, H)
+            self.bf16_gemm(dzb, wt, gh)
+            grad_h.add_(gh)
+        if grad_w is not None:
+            torch.mm(dzb[:, :n].T, self.hb, out=grad_w[c0:c1])
+
+
+FP32_GRAD_ENV_VAR = "ACARERANK_LINEAR_LOGPROB_FP32_GRAD"
+
+
+def grad_gemms_bf16() -> bool:
+    """Whether a bf16 backward that has the bf16 logits GEMM runs its two gradient GEMMs on ∂z
+    rounded to bf16 (the default) — False under ``ACARERANK_LINEAR_LOGPROB_FP32_GRAD=1``: fp32 ∂z
+    and fp32 GEMMs of the upcast weight chunk, gradients within one bf16 rounding of the fp32
+    gradient (module doc, precision rule). Read at each backward, so the two paths can be timed
+    interleaved in one process. Any value but unset, "0" or "1" is a ValueError naming it."""
+    v = os.environ.get(FP32_GRAD_ENV_VAR, "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"linear_logprob: {FP32_GRAD_ENV_VAR} must be 0 or 1, got {v!r}")
+    return v == "0"
 
 
 def forward_stats(h32, weight, tg, temperature, chunk, with_entropy):
@@ -199,7 +267,7 @@ def _backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, 
     cd = h32.dtype
     grad_h = torch.zeros(T, h32.shape[1], dtype=cd, device=h32.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
-    chunks = _Chunks(h32, weight, chunk, second=g_ent is not None)
+    chunks = _Chunks(h32, weight, chunk, second=g_ent is not None, grads=True)
     for c0, c1 in chunks:
         x = chunks.logits(c0, c1, temperature).sub_(m[:, None])  # z − m, exact near the max (module doc)
         # -- ∂L/∂z for this chunk, built in x's buffer
@@ -213,6 +281,9 @@ def _backward_chunks(h32, weight, tg, m, lse_m, ez_m, g_lp, g_ent, temperature, 
             x[rows, tg[rows] - c0] += g_lp[rows]
         if temperature != 1.0:
             x.div_(temperature)  # ∂z/∂logits = 1/τ
+        if chunks.bf16_grads:
+            chunks.grads_bf16(x, c0, c1, grad_h, grad_w)
+            continue
         if need_h:
             grad_h.addmm_(x, chunks.w(c0, c1))
         if need_w:
