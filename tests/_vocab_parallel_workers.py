@@ -124,10 +124,14 @@ def _topk_subgroups(ctx, hidden, weight, targets, k):
 
 
 def _linear(ctx, hidden, weight, targets, bounds, pass_start=False, vocab_size=None, temperature=1.0,
-            return_entropy=False, chunk=None, grad_seed=0):
-    """Forward, then backward of Σ g·logprob (+ Σ e·entropy) with the same g, e on every rank."""
+            return_entropy=False, chunk=None, grad_seed=0, inference_targets=False):
+    """Forward, then backward of Σ g·logprob (+ Σ e·entropy) with the same g, e on every rank;
+    ``inference_targets``: the targets an inference tensor (sampled under torch.inference_mode())."""
     from acarerank.ops import linear_logprob
 
+    if inference_targets:
+        with torch.inference_mode():
+            targets = targets.clone()
     s, e = bounds[ctx.rank]
     h = hidden.clone().requires_grad_(True)
     w = weight[s:e].clone().requires_grad_(True)

@@ -53,7 +53,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
         raise TypeError(f"agg_loss: loss_mat must be floating point, got {loss_mat.dtype}")
     N, L = loss_mat.shape
     norm = _norm_length(norm_length, agg, L)
-    valid = mask.bool()
+    valid = _valid(mask)
     m = valid.to(loss_mat.dtype)  # counts the tokens the numerator sums (a 0.5 entry once counted 1 there, 0.5 here)
     per_tok = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     if agg == "token-mean":
@@ -66,6 +66,13 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
     if agg == "seq-mean-token-mean":
         return (seq_sum / m.sum(dim=-1).clamp(min=1)).sum() / max(N, 1)
     return seq_sum.sum() / max(norm, 1)
+
+
+def _valid(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as bool, always a new tensor: torch.where saves its condition for the backward, and
+    autograd refuses to save an inference tensor (a mask made under torch.inference_mode(), e.g.
+    ``topk_logprobs(...).in_topk`` there), which ``mask.bool()`` returned unchanged."""
+    return mask.to(torch.bool, copy=True)
 
 
 def _norm_length(norm_length, agg: str, padded: int) -> int:
@@ -100,7 +107,8 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
     Returns: scalar loss (dtype of logp). At logp == logp_old its gradient is −A·M/ΣM for
     "token-mean" (Lemma 1: the clip is inactive at the snapshot).
     Masked positions are excluded before the exponential, so padding with any values
-    (even ±inf) cannot produce NaN.
+    (even ±inf) cannot produce NaN. ``logp_old``, ``advantage`` and ``mask`` may be inference
+    tensors (made under ``torch.inference_mode()``).
     """
     if isinstance(eps_clip, bool) or not isinstance(eps_clip, numbers.Real) or not eps_clip > 0:
         raise ValueError(f"eps_clip must be a number > 0, got {eps_clip!r}")
@@ -117,7 +125,7 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
     if not logp.is_floating_point():
         raise TypeError(f"clipped_policy_loss: logp must be floating point, got {logp.dtype}")
     _norm_length(norm_length, agg, logp.shape[-1])  # before any work: a bad one is the caller's error
-    valid = mask.bool()
+    valid = _valid(mask)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     log_ratio = torch.where(valid, logp - logp_old.detach().to(logp.dtype), zero)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))

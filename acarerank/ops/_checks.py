@@ -105,12 +105,20 @@ def check_projection_inputs(hidden, weight, targets, op: str, temperature=1.0, c
     return V
 
 
+#: appended to a negative target's error: cross_entropy's ignore_index=-100 padding has no
+#: counterpart here (docs/api.md, "Training modes")
+PADDING_HINT = ("; there is no ignore_index: leave padding rows out, or give them any id in [0, V) and "
+                "drop them with the loss's mask")
+
+
 def check_target_range(targets: torch.Tensor, V: int, op: str) -> None:
-    """ValueError naming ``op`` and an id of ``targets`` outside [0, V). One host sync, so the
+    """ValueError naming ``op`` and an id of ``targets`` outside [0, V) (a negative one with
+    ``PADDING_HINT``, -100 being cross_entropy's ignore_index padding). One host sync, so the
     single-process ops call it inside their registered custom ops' bodies, which run on the real
     tensors in eager and compiled code alike: in the Python wrapper it was a data-dependent
     branch, a graph break under torch.compile and an error under fullgraph=True."""
     if targets.numel():
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= V:
-            raise ValueError(f"{op}: target id {lo if lo < 0 else hi} is out of range [0, V={V})")
+            raise ValueError(f"{op}: target id {lo if lo < 0 else hi} is out of range [0, V={V})"
+                             + (PADDING_HINT if lo < 0 else ""))

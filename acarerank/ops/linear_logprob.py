@@ -363,7 +363,9 @@ def _(hidden, weight, targets, m, lse_m, ez_m, g_lp, g_ent, temperature, chunk, 
 def _setup_context(ctx, inputs, output):
     hidden, weight, targets, temperature, chunk, with_entropy = inputs
     _, _, m, lse_m, ez_m = output
-    ctx.save_for_backward(hidden, weight, targets, m, lse_m, ez_m)
+    # targets copied ([T] ids): rollout tokens sampled under torch.inference_mode() are inference
+    # tensors, which autograd refuses to save ("Inference tensors cannot be saved for backward")
+    ctx.save_for_backward(hidden, weight, targets.clone(), m, lse_m, ez_m)
     ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, m.dtype
 
 
@@ -432,6 +434,24 @@ class FirstOrderOnly(torch.autograd.Function):
         raise RuntimeError(NO_DOUBLE_BACKWARD)
 
 
+INFERENCE_TENSOR = ("linear_logprob: {name} is an inference tensor (made under torch.inference_mode()), and the "
+                    "backward needs it saved, which autograd refuses; make it under torch.no_grad() instead, or "
+                    "pass {name}.clone() made outside inference mode")
+
+
+def _refuse_inference_tensors(hidden, weight):
+    """ValueError ``INFERENCE_TENSOR`` naming hidden or weight when it is an inference tensor and
+    the op will record a backward (either input requires grad, grad mode on): torch's own error
+    came from the save, naming neither the op nor the argument. The targets are copied instead
+    (``_setup_context``): [T] ids, where hidden and weight may be [V, H]."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not (hidden.requires_grad or
+                                                                             weight.requires_grad):
+        return
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if t.is_inference():
+            raise ValueError(INFERENCE_TENSOR.format(name=name))
+
+
 def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False,
                    chunk: Optional[int] = None, process_group=None, vocab_start: Optional[int] = None,
                    vocab_size: Optional[int] = None):
@@ -450,7 +470,9 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     Returns: logprob [T] fp32 (and entropy [T] fp32); fp64 inputs give fp64 (for gradcheck).
     Raises ValueError when a row's logits are not finite (inf/NaN in hidden or weight), as
     ``topk_logprobs`` does; RuntimeError under a torch.func gradient transform or forward-mode
-    AD (``NO_FUNC_TRANSFORM``: use torch.autograd; vmap works). Formulas and precision rule: module doc.
+    AD (``NO_FUNC_TRANSFORM``: use torch.autograd; vmap works); ValueError when hidden or weight is
+    an inference tensor and a backward is recorded (``INFERENCE_TENSOR``; targets may be one).
+    Formulas and precision rule: module doc.
     """
     _refuse_func_transforms(hidden, weight)
     if process_group is not None:  # every check happens collectively there, so bad input never hangs a rank
@@ -460,6 +482,7 @@ def linear_logprob(hidden, weight, targets, temperature: float = 1.0, return_ent
     if vocab_start is not None or vocab_size is not None:
         raise ValueError("linear_logprob: vocab_start / vocab_size describe a vocabulary shard; pass process_group too")
     _check(hidden, weight, targets, temperature, chunk, return_entropy)
+    _refuse_inference_tensors(hidden, weight)
     lp, entropy, _, _, _ = linear_logprob_op(hidden, weight, targets, float(temperature), chunk or DEFAULT_CHUNK,
                                           bool(return_entropy))
     return (lp, entropy) if return_entropy else lp
@@ -476,4 +499,4 @@ def linear_logprob_ref(hidden, weight, targets, temperature: float = 1.0, return
 
 
 __all__ = ["linear_logprob", "linear_logprob_ref", "linear_logprob_op", "linear_logprob_backward_op",
-           "NO_DOUBLE_BACKWARD", "NO_FUNC_TRANSFORM"]
+           "NO_DOUBLE_BACKWARD", "NO_FUNC_TRANSFORM", "INFERENCE_TENSOR"]

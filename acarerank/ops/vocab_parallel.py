@@ -377,7 +377,8 @@ class _VocabParallelLinearLogprob(torch.autograd.Function):
             raise ValueError(f"linear_logprob: {NONFINITE_LOGITS} in rows {rows}")
         # the backward's statistics relative to M (linear_logprob's module doc); M is one shard's
         # fp32 max logit, exact in cd
-        ctx.save_for_backward(hidden, weight_shard, tg, M.to(cd), log_S.to(cd), ez_m.to(cd))
+        # tg copied: an inference tensor's ids (sampled under torch.inference_mode()) cannot be saved
+        ctx.save_for_backward(hidden, weight_shard, tg.clone(), M.to(cd), log_S.to(cd), ez_m.to(cd))
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.compute_dtype = temperature, chunk, with_entropy, cd
         ctx.start, ctx.n, ctx.group = start, n, group
         if with_entropy:

@@ -288,6 +288,21 @@ def test_linear_logprob_forward_backward(groups, name, world, T, H, rows, V, rul
         assert torch.equal(res[0], out[0][0]) and torch.equal(res[2], out[0][2]), f"{name}: ranks differ"
 
 
+def test_linear_logprob_takes_targets_made_under_inference_mode(groups):
+    """Rollout ids sampled under torch.inference_mode() are inference tensors; the op saved them
+    for its backward as given, which autograd refuses (a RuntimeError naming neither the op nor
+    the argument). Now the same log-probs and gradients as plain targets."""
+    h, w = _gauss(9, 16, 200)
+    bounds = shard_bounds(200, 2)
+    tg = _targets(h, w, 16, 200, bounds)
+    kw = dict(hidden=h, weight=w, targets=tg, bounds=bounds, return_entropy=True, chunk=64)
+    plain = _ok(groups(2).run("linear", **kw), "plain targets")
+    got = _ok(groups(2).run("linear", inference_targets=True, **kw), "inference-mode targets")
+    for r in range(2):
+        for i, nm in enumerate(("logprob", "entropy", "grad_hidden", "grad_weight")):
+            assert torch.equal(got[r][i], plain[r][i]), f"rank {r} {nm}: inference-mode targets differ"
+
+
 @pytest.mark.parametrize("c", [0.0, 1e4])
 def test_linear_logprob_entropy_of_offset_logits(groups, c):
     """Entropy and gradients of logits + c (a ones column of hidden against a column of c): the
