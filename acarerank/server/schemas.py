@@ -11,7 +11,10 @@
   ``["text"]`` (Cohere v1) is refused, not ignored; ``top_n: 0`` means all (vLLM); vLLM's
   ``truncate_prompt_tokens`` is accepted as -1 (cut to the model's length: what
   ``truncate: true`` does) and refused otherwise, its ``use_activation: false`` (also
-  ``activation``, ``softmax``: logits) refused as TEI's ``raw_scores``;
+  ``activation``, ``softmax``: logits) refused as TEI's ``raw_scores``, and its other options of
+  ``VLLMOptions`` (``max_tokens_per_query``, ``truncation_side``, ``padding``,
+  ``chat_template_kwargs``) honoured at their defaults and refused otherwise; its
+  ``max_tokens_per_doc: 0`` is no cut;
 * text-embeddings-inference (``POST /rerank``): ``texts`` instead of ``documents``,
   ``truncate``, ``truncation_direction`` (only ``Right``: documents are cut from their end),
   ``raw_scores``, ``return_text`` — answered with TEI's bare list;
@@ -45,7 +48,28 @@ class TextDocument(BaseModel):
 Document = Union[StrictStr, TextDocument]
 
 
-class RerankRequest(BaseModel):
+class VLLMOptions(BaseModel):
+    """vLLM's options of its rerank and score requests (vllm/entrypoints/pooling/, 0.32) that would
+    change the scores: honoured where they can be, else refused by the service (400 naming them),
+    never ignored. A client built on vLLM's request models sends every one, at its default."""
+
+    truncate_prompt_tokens: Optional[StrictInt] = Field(
+        None, description="vLLM: only -1 (cut to the model's length, as truncate: true); a token count is a 400")
+    use_activation: Optional[StrictBool] = Field(
+        None, description="vLLM: false asks for logits instead of probabilities (not supported: 400, as raw_scores)")
+    activation: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
+    softmax: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
+    max_tokens_per_query: Optional[StrictInt] = Field(
+        None, ge=0, description="vLLM: only 0 (no cut); a query is never cut here (a count is a 400)")
+    truncation_side: Optional[StrictStr] = Field(
+        None, description="vLLM: 'right' (or absent) only; documents are cut from their end ('left': 400)")
+    padding: Optional[StrictStr] = Field(None, description="vLLM: 'do_not_pad' (or absent) only ('max_length': 400)")
+    chat_template_kwargs: Optional[dict] = Field(
+        None, description="vLLM: only 'instruction' (as the instruction field, which it wins over); any other key "
+                          "is a 400")
+
+
+class RerankRequest(VLLMOptions):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[StrictStr] = Field(None, description="accepted for compatibility; the server has one model")
@@ -54,7 +78,8 @@ class RerankRequest(BaseModel):
     texts: Optional[List[StrictStr]] = Field(None, description="TEI: documents; the response is TEI's bare list")
     top_n: Optional[StrictInt] = Field(None, ge=0, description="best n results; None or 0: all")
     return_documents: StrictBool = False
-    max_tokens_per_doc: Optional[StrictInt] = Field(None, ge=1, description="cut each document to this many tokens")
+    max_tokens_per_doc: Optional[StrictInt] = Field(
+        None, ge=0, description="cut each document to this many tokens; 0 (vLLM's default): no cut")
     truncate: StrictBool = Field(True, description="false: an over-long input is a 400 instead of being cut")
     return_text: StrictBool = False   # TEI
     raw_scores: StrictBool = False    # TEI: logits instead of probabilities (not supported: 400)
@@ -62,12 +87,6 @@ class RerankRequest(BaseModel):
         None, description="TEI: 'Right' (or absent) only; documents are cut from their end ('Left': 400)")
     rank_fields: Optional[List[StrictStr]] = Field(
         None, description="Cohere v1: only ['text'] (the field scored); any other field is a 400")
-    truncate_prompt_tokens: Optional[StrictInt] = Field(
-        None, description="vLLM: only -1 (cut to the model's length, as truncate: true); a token count is a 400")
-    use_activation: Optional[StrictBool] = Field(
-        None, description="vLLM: false asks for logits instead of probabilities (not supported: 400, as raw_scores)")
-    activation: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
-    softmax: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
     question: Optional[StrictStr] = None
     trace: Optional[StrictStr] = None
     instruction: Optional[StrictStr] = None
@@ -129,7 +148,7 @@ SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_
 ScoreText = Union[StrictStr, List[StrictStr]]
 
 
-class ScorePairsRequest(BaseModel):
+class ScorePairsRequest(VLLMOptions):
     """vLLM's score API (``POST /score``, ``/v1/score``): the relevance of query/document pairs.
 
     The two sides are one of the pairs of ``SCORE_PAIRS``, each a string or a list of strings:
@@ -152,20 +171,7 @@ class ScorePairsRequest(BaseModel):
     request_id: Optional[StrictStr] = Field(None, description="vLLM: the response's id is 'score-<request_id>'")
     max_tokens_per_doc: Optional[StrictInt] = Field(
         None, ge=0, description="cut each document to this many tokens; 0 (vLLM's default): no cut")
-    max_tokens_per_query: Optional[StrictInt] = Field(
-        None, ge=0, description="vLLM: only 0 (no cut); a query is never cut here (a count is a 400)")
     truncate: StrictBool = Field(True, description="false: an over-long input is a 400 instead of being cut")
-    truncate_prompt_tokens: Optional[StrictInt] = Field(
-        None, description="vLLM: only -1 (cut to the model's length, as truncate: true); a token count is a 400")
-    truncation_side: Optional[StrictStr] = Field(
-        None, description="vLLM: 'right' (or absent) only; documents are cut from their end ('left': 400)")
-    padding: Optional[StrictStr] = Field(None, description="vLLM: 'do_not_pad' (or absent) only ('max_length': 400)")
-    use_activation: Optional[StrictBool] = Field(
-        None, description="vLLM: false asks for logits instead of probabilities (not supported: 400)")
-    activation: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
-    softmax: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
-    chat_template_kwargs: Optional[dict] = Field(
-        None, description="vLLM: only 'instruction' (as the instruction field); any other key is a 400")
     question: Optional[StrictStr] = None
     trace: Optional[StrictStr] = None
     instruction: Optional[StrictStr] = None

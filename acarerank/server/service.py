@@ -7,7 +7,7 @@ errors) and the scheduler (``engine.py``, which owns the model):
   → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves), and a peer's
   option that would change the scores and that we cannot honour (``rank_fields``,
   ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation:
-  false``) → 400;
+  false``, vLLM's other options off their defaults: ``_check_vllm_options``) → 400;
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
   ``Retry-After``; with ``max_queue_tokens``, at most that many tokens (``score_tokens`` /
   ``select_tokens``: what the engine computes, counted once tokenized) of requests unanswered at
@@ -112,10 +112,10 @@ def _check_peer_options(req: RerankRequest) -> None:
                             f"document to that many tokens")
 
 
-def _check_score_options(req: ScorePairsRequest) -> Optional[str]:
-    """vLLM's score options beyond the rerank route's (``_check_peer_options``): honoured or a 400
-    naming them. Returns the instruction to use: ``chat_template_kwargs["instruction"]`` wins over
-    the ``instruction`` field, as vLLM merges them."""
+def _check_vllm_options(req) -> Optional[str]:
+    """vLLM's options beyond ``_check_peer_options`` (``VLLMOptions``, on the rerank and score
+    routes): honoured or a 400 naming them. Returns the instruction to use:
+    ``chat_template_kwargs["instruction"]`` wins over the ``instruction`` field, as vLLM merges them."""
     if req.max_tokens_per_query:
         raise APIError(400, f"max_tokens_per_query={req.max_tokens_per_query} is not supported: a query is never "
                             f"cut here; send a shorter query (max_tokens_per_doc cuts each document)")
@@ -372,16 +372,17 @@ class RerankService:
             raise APIError(400, "raw_scores=true is not supported: this server returns relevance probabilities "
                                 "(sigmoid of the yes/no logit difference)")
         _check_peer_options(req)
+        instruction = _check_vllm_options(req)
         self._check_alive()
         deadline = self._deadline()
         rid = uuid.uuid4().hex
         with self.admit():
             request = ScoreRequest(req.query, docs, question=req.question, trace=req.trace,
-                                   instruction=req.instruction, cache_salt=req.cache_salt)
+                                   instruction=instruction, cache_salt=req.cache_salt)
             try:
                 texts = (request.query, request.question, request.trace, request.instruction, *request.documents)
                 enc = await self._tokenize(deadline, is_disconnected, texts, self._encode, request,
-                                           req.max_tokens_per_doc, req.truncate)
+                                           req.max_tokens_per_doc or None, req.truncate)   # 0: vLLM's "no cut"
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             with self.hold_tokens(score_tokens(enc)):
@@ -565,7 +566,7 @@ class RerankService:
         queries, docs = req.query_texts(), req.document_texts()
         self._check_pairs(req, queries, docs)
         _check_peer_options(req)
-        instruction = _check_score_options(req)
+        instruction = _check_vllm_options(req)
         self._check_alive()
         deadline = self._deadline()
         rid = uuid.uuid4().hex
