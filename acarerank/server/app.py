@@ -5,6 +5,8 @@ Endpoints (see ``schemas.py`` for the bodies):
 =========================================  ===================================================
 ``POST /v1/rerank``, ``/v2/rerank``,       rerank (Cohere v2 / Jina / vLLM shape; ``texts`` →
 ``/rerank``                                TEI's bare list)
+``POST /score``, ``/v1/score``             vLLM's score API: query/document pairs (1 to N, N to N),
+                                           scores in input order
 ``POST /v1/select``                        setwise selection (AdaTutoRank)
 ``GET /health``                            liveness: 200 while the model thread's loop runs
                                            (with its state and how long the current model
@@ -49,10 +51,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .config import ServeConfig
 from .disconnect import ClientGone
 from .errors import APIError, error_body
-from .gate import CLIENT_CLOSED, RERANK_PATHS, Gate, GateState
+from .gate import CLIENT_CLOSED, RERANK_PATHS, SCORE_PATHS, Gate, GateState
 from .parsing import parse_body, validation_message
 from .probes import check_max_pass_s, health_problem
-from .schemas import ErrorResponse, RerankRequest, RerankResponse, SelectRequest, SelectResponse, TEIRank
+from .schemas import (ErrorResponse, RerankRequest, RerankResponse, ScorePairsRequest, ScoreResponse, SelectRequest,
+                      SelectResponse, TEIRank)
 
 log = logging.getLogger("acarerank.server")
 
@@ -67,6 +70,8 @@ def check_limits(req, config: ServeConfig) -> None:
                             f"characters (--max-salt-chars); send a short tenant or session key (e.g. a hash)")
     chars = sum(len(getattr(req, name, None) or "") for name in CONTEXT_FIELDS)
     chars += sum(map(len, req.document_texts()))
+    if isinstance(req, ScorePairsRequest):   # its query side is a list (the others' query is a context field)
+        chars += sum(map(len, req.query_texts()))
     if chars > config.max_request_chars:
         raise APIError(413, f"request of {chars} characters (query, documents and context together) exceeds the "
                             f"limit of {config.max_request_chars} characters per request (--max-request-chars)")
@@ -135,6 +140,23 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
                           responses={200: {"model": RerankResponse | list[TEIRank]}},
                           summary="Rerank documents against a query (Cohere v2 / Jina / vLLM / TEI bodies)")
 
+    async def _score(request: Request):
+        req = await parse(request, ScorePairsRequest)
+        headers = {}
+        try:
+            body = await service.score(req, request.is_disconnected, headers)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        if req.cache_salt is None and not config.trust_cache:
+            body["usage"].pop("cached_tokens", None)   # the module docstring says why
+        return JSONResponse(body, headers=headers)
+
+    for path in SCORE_PATHS:
+        app.add_api_route(path, _score, methods=["POST"], response_model=None,
+                          responses={200: {"model": ScoreResponse}},
+                          summary="Score query/document pairs (vLLM's score API: text_1/text_2, queries/documents, "
+                                  "data_1/data_2)")
+
     @app.post("/v1/select", responses={200: {"model": SelectResponse}})
     async def select(request: Request):
         req = await parse(request, SelectRequest)
@@ -188,7 +210,8 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
 
     app.add_middleware(Gate, state=state, service=service, api_key=api_key, max_body_bytes=max_body_bytes,
                        body_timeout=config.body_timeout)
-    _document_bodies(app, {path: RerankRequest for path in RERANK_PATHS} | {"/v1/select": SelectRequest})
+    _document_bodies(app, {path: RerankRequest for path in RERANK_PATHS} | {path: ScorePairsRequest for path in SCORE_PATHS}
+                     | {"/v1/select": SelectRequest})
     return app
 
 

@@ -31,7 +31,8 @@ log = logging.getLogger("acarerank.server")
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 RERANK_PATHS = ("/v1/rerank", "/v2/rerank", "/rerank")
-API_PATHS = frozenset(RERANK_PATHS + ("/v1/select",))
+SCORE_PATHS = ("/score", "/v1/score")   # vLLM's score API (vLLM serves both)
+API_PATHS = frozenset(RERANK_PATHS + SCORE_PATHS + ("/v1/select",))
 LINGER_BYTES = 64 * 1024    # an early answer (401, 413, 429) first reads and drops a declared body up to this
 LINGER_S = 2.0              # ... for at most this many seconds
 

@@ -41,7 +41,7 @@ from .disconnect import wait_or_drop
 from .errors import APIError, error_body
 from .metrics import ServerMetrics
 from .probes import check_max_pass_s, health_problem
-from .schemas import RerankRequest, SelectRequest
+from .schemas import RerankRequest, ScorePairsRequest, SelectRequest
 
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 REPLICA_HEADER = "x-acarerank-replica"
@@ -100,11 +100,13 @@ class RerankReplica:
             raise RuntimeError(f"replica {self.replica}: {problem}")
 
     async def call(self, method: str, body: dict):
-        """(status, JSON body, headers) of ``rerank`` or ``select``; errors as values, not exceptions."""
+        """(status, JSON body, headers) of ``rerank``, ``score`` or ``select``; errors as values, not exceptions."""
         headers = {REPLICA_HEADER: self.replica}
         try:
             if method == "rerank":
                 out = await self.service.rerank(RerankRequest.model_validate(body), _never_disconnected, headers)
+            elif method == "score":
+                out = await self.service.score(ScorePairsRequest.model_validate(body), _never_disconnected, headers)
             elif method == "select":
                 out = await self.service.select(SelectRequest.model_validate(body), _never_disconnected, headers)
             else:
@@ -214,6 +216,9 @@ class RemoteService:
 
     async def rerank(self, req: RerankRequest, is_disconnected, headers: Optional[dict] = None):
         return await self._forward("rerank", req, is_disconnected, headers)
+
+    async def score(self, req: ScorePairsRequest, is_disconnected, headers: Optional[dict] = None):
+        return await self._forward("score", req, is_disconnected, headers)
 
     async def select(self, req: SelectRequest, is_disconnected, headers: Optional[dict] = None):
         return await self._forward("select", req, is_disconnected, headers)

@@ -11,7 +11,10 @@
   ``["text"]`` (Cohere v1) is refused, not ignored; ``top_n: 0`` means all (vLLM); vLLM's
   ``truncate_prompt_tokens`` is accepted as -1 (cut to the model's length: what
   ``truncate: true`` does) and refused otherwise, its ``use_activation: false`` (also
-  ``activation``, ``softmax``: logits) refused as TEI's ``raw_scores``;
+  ``activation``, ``softmax``: logits) refused as TEI's ``raw_scores``, and its other options of
+  ``VLLMOptions`` (``max_tokens_per_query``, ``truncation_side``, ``padding``,
+  ``chat_template_kwargs``) honoured at their defaults and refused otherwise; its
+  ``max_tokens_per_doc: 0`` is no cut;
 * text-embeddings-inference (``POST /rerank``): ``texts`` instead of ``documents``,
   ``truncate``, ``truncation_direction`` (only ``Right``: documents are cut from their end),
   ``raw_scores``, ``return_text`` — answered with TEI's bare list;
@@ -45,7 +48,28 @@ class TextDocument(BaseModel):
 Document = Union[StrictStr, TextDocument]
 
 
-class RerankRequest(BaseModel):
+class VLLMOptions(BaseModel):
+    """vLLM's options of its rerank and score requests (vllm/entrypoints/pooling/, 0.32) that would
+    change the scores: honoured where they can be, else refused by the service (400 naming them),
+    never ignored. A client built on vLLM's request models sends every one, at its default."""
+
+    truncate_prompt_tokens: Optional[StrictInt] = Field(
+        None, description="vLLM: only -1 (cut to the model's length, as truncate: true); a token count is a 400")
+    use_activation: Optional[StrictBool] = Field(
+        None, description="vLLM: false asks for logits instead of probabilities (not supported: 400, as raw_scores)")
+    activation: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
+    softmax: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
+    max_tokens_per_query: Optional[StrictInt] = Field(
+        None, ge=0, description="vLLM: only 0 (no cut); a query is never cut here (a count is a 400)")
+    truncation_side: Optional[StrictStr] = Field(
+        None, description="vLLM: 'right' (or absent) only; documents are cut from their end ('left': 400)")
+    padding: Optional[StrictStr] = Field(None, description="vLLM: 'do_not_pad' (or absent) only ('max_length': 400)")
+    chat_template_kwargs: Optional[dict] = Field(
+        None, description="vLLM: only 'instruction' (as the instruction field, which it wins over); any other key "
+                          "is a 400")
+
+
+class RerankRequest(VLLMOptions):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[StrictStr] = Field(None, description="accepted for compatibility; the server has one model")
@@ -54,7 +78,8 @@ class RerankRequest(BaseModel):
     texts: Optional[List[StrictStr]] = Field(None, description="TEI: documents; the response is TEI's bare list")
     top_n: Optional[StrictInt] = Field(None, ge=0, description="best n results; None or 0: all")
     return_documents: StrictBool = False
-    max_tokens_per_doc: Optional[StrictInt] = Field(None, ge=1, description="cut each document to this many tokens")
+    max_tokens_per_doc: Optional[StrictInt] = Field(
+        None, ge=0, description="cut each document to this many tokens; 0 (vLLM's default): no cut")
     truncate: StrictBool = Field(True, description="false: an over-long input is a 400 instead of being cut")
     return_text: StrictBool = False   # TEI
     raw_scores: StrictBool = False    # TEI: logits instead of probabilities (not supported: 400)
@@ -62,12 +87,6 @@ class RerankRequest(BaseModel):
         None, description="TEI: 'Right' (or absent) only; documents are cut from their end ('Left': 400)")
     rank_fields: Optional[List[StrictStr]] = Field(
         None, description="Cohere v1: only ['text'] (the field scored); any other field is a 400")
-    truncate_prompt_tokens: Optional[StrictInt] = Field(
-        None, description="vLLM: only -1 (cut to the model's length, as truncate: true); a token count is a 400")
-    use_activation: Optional[StrictBool] = Field(
-        None, description="vLLM: false asks for logits instead of probabilities (not supported: 400, as raw_scores)")
-    activation: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
-    softmax: Optional[StrictBool] = Field(None, description="vLLM's older name of use_activation")
     question: Optional[StrictStr] = None
     trace: Optional[StrictStr] = None
     instruction: Optional[StrictStr] = None
@@ -121,6 +140,104 @@ class RerankRequest(BaseModel):
             out["documents"] = [d if raw is None else decode_raw(raw, f"documents[{i}]")
                                 for i, (d, raw) in enumerate(zip(out["documents"], self._as_sent))]
         return out
+
+
+#: vLLM's score API names its two sides in four ways (vllm/entrypoints/pooling/scoring/protocol.py, 0.32):
+#: the first of each pair is the query side, the second the document side
+SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+ScoreText = Union[StrictStr, List[StrictStr]]
+
+
+class ScorePairsRequest(VLLMOptions):
+    """vLLM's score API (``POST /score``, ``/v1/score``): the relevance of query/document pairs.
+
+    The two sides are one of the pairs of ``SCORE_PAIRS``, each a string or a list of strings:
+    1 query with N documents (N >= 1), or N queries with N documents (pair i: query i with
+    document i); the pairing rule and the limits are ``RerankService.score``'s. vLLM's multi-modal
+    ``{"content": [...]}`` items are a 422 (this is a text model). Its options that would change the
+    scores are refused (400) by the service as on the rerank route; ``truncate`` and ACARe's
+    ``question``, ``trace``, ``instruction``, ``cache_salt`` apply to every pair.
+    """
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = Field(None, description="accepted for compatibility; the server has one model")
+    queries: Optional[ScoreText] = Field(None, description="the query side (with documents or items)")
+    documents: Optional[ScoreText] = Field(None, description="the document side (with queries)")
+    items: Optional[ScoreText] = Field(None, description="the document side (with queries)")
+    data_1: Optional[ScoreText] = Field(None, description="the query side (with data_2)")
+    data_2: Optional[ScoreText] = Field(None, description="the document side (with data_1)")
+    text_1: Optional[ScoreText] = Field(None, description="the query side (with text_2)")
+    text_2: Optional[ScoreText] = Field(None, description="the document side (with text_1)")
+    request_id: Optional[StrictStr] = Field(None, description="vLLM: the response's id is 'score-<request_id>'")
+    max_tokens_per_doc: Optional[StrictInt] = Field(
+        None, ge=0, description="cut each document to this many tokens; 0 (vLLM's default): no cut")
+    truncate: StrictBool = Field(True, description="false: an over-long input is a 400 instead of being cut")
+    question: Optional[StrictStr] = None
+    trace: Optional[StrictStr] = None
+    instruction: Optional[StrictStr] = None
+    cache_salt: Optional[StrictStr] = None
+
+    @field_validator("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2", mode="before")
+    @classmethod
+    def _text_only(cls, v, info):
+        # vLLM's ScoreInput is also {"content": [parts]} (images, video): named, not a bare type error
+        if isinstance(v, dict) or (isinstance(v, list) and any(isinstance(x, dict) for x in v)):
+            raise ValueError(f"multi-modal items ({{'content': [...]}}) are not supported: this is a text model, "
+                             f"send {info.field_name} as a string or a list of strings")
+        return v
+
+    @field_validator("truncate", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, v):
+        return True if v is None else v
+
+    @model_validator(mode="after")
+    def _one_pair(self):
+        sent = [name for name in dict.fromkeys(n for pair in SCORE_PAIRS for n in pair) if getattr(self, name) is not None]
+        pairs = [pair for pair in SCORE_PAIRS if set(sent) == set(pair)]
+        if len(pairs) != 1:
+            names = ", ".join(f"{a} and {b}" for a, b in SCORE_PAIRS)
+            raise ValueError(f"send the texts to score as exactly one pair of fields ({names}); got "
+                             f"{', '.join(sent) if sent else 'none of them'}")
+        return self
+
+    @property
+    def pair_names(self) -> tuple:
+        """The two field names this request used, e.g. ``("text_1", "text_2")``."""
+        return next(pair for pair in SCORE_PAIRS if getattr(self, pair[0]) is not None
+                    and getattr(self, pair[1]) is not None)
+
+    def query_texts(self) -> list:
+        """The query side as a list (a single string is a list of one)."""
+        v = getattr(self, self.pair_names[0])
+        return [v] if isinstance(v, str) else list(v)
+
+    def document_texts(self) -> list:
+        """The document side as a list (a single string is a list of one)."""
+        v = getattr(self, self.pair_names[1])
+        return [v] if isinstance(v, str) else list(v)
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: str = "score"
+    score: float
+
+
+class ScoreUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: List[ScoreData]
+    usage: ScoreUsage
 
 
 class DocumentText(BaseModel):

@@ -7,7 +7,7 @@ errors) and the scheduler (``engine.py``, which owns the model):
   → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves), and a peer's
   option that would change the scores and that we cannot honour (``rank_fields``,
   ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation:
-  false``) → 400;
+  false``, vLLM's other options off their defaults: ``_check_vllm_options``) → 400;
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
   ``Retry-After``; with ``max_queue_tokens``, at most that many tokens (``score_tokens`` /
   ``select_tokens``: what the engine computes, counted once tokenized) of requests unanswered at
@@ -26,7 +26,9 @@ errors) and the scheduler (``engine.py``, which owns the model):
   and every later request (``dead``); anything raised in a tokenizer worker other than an input
   error (``ValueError``/``TypeError``: 400), ``BaseException`` included, is a 500 — and a pool
   that can no longer run work marks the service dead (docs/serving.md, "Internal faults and probes");
-* builds the response (results best first, ties in input order).
+* builds the response (results best first, ties in input order);
+* vLLM's score API (``score``): the pairs' scores in input order, 1 query with N documents run as
+  the rerank route's request, N queries with N documents as one engine job per distinct query.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import contextvars
 import logging
 import math
 import threading
+import time
 import uuid
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +51,7 @@ from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
 from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped, run_on_dead
 from .errors import APIError
 from .metrics import ServerMetrics
-from .schemas import RerankRequest, SelectRequest
+from .schemas import RerankRequest, ScorePairsRequest, SelectRequest
 
 #: the warm-up request, and the engine's canary: short, within every limit, known to score
 CANARY = ScoreRequest("warm-up query", ["warm-up document"])
@@ -91,11 +94,13 @@ class WorkerFault(Exception):
 def _check_peer_options(req: RerankRequest) -> None:
     """A peer's option that would change the scores is honoured or refused (400), never ignored:
     scores that silently differ from what the client asked for are worse than an error."""
-    if req.rank_fields is not None and any(f != "text" for f in req.rank_fields):
-        raise APIError(400, f"rank_fields={req.rank_fields!r} is not supported: only each document's 'text' is "
+    rank_fields = getattr(req, "rank_fields", None)   # the score route (ScorePairsRequest) has none
+    if rank_fields is not None and any(f != "text" for f in rank_fields):
+        raise APIError(400, f"rank_fields={rank_fields!r} is not supported: only each document's 'text' is "
                             f"scored; put what should be ranked into 'text'")
-    if req.truncation_direction is not None and req.truncation_direction.lower() != "right":
-        raise APIError(400, f"truncation_direction={req.truncation_direction!r} is not supported: documents are cut "
+    direction = getattr(req, "truncation_direction", None)
+    if direction is not None and direction.lower() != "right":
+        raise APIError(400, f"truncation_direction={direction!r} is not supported: documents are cut "
                             f"from their end ('Right'); send truncate: false to refuse over-long inputs instead")
     for name in ("use_activation", "activation", "softmax"):
         if getattr(req, name) is False:
@@ -107,8 +112,44 @@ def _check_peer_options(req: RerankRequest) -> None:
                             f"document to that many tokens")
 
 
+def _check_vllm_options(req) -> Optional[str]:
+    """vLLM's options beyond ``_check_peer_options`` (``VLLMOptions``, on the rerank and score
+    routes): honoured or a 400 naming them. Returns the instruction to use:
+    ``chat_template_kwargs["instruction"]`` wins over the ``instruction`` field, as vLLM merges them."""
+    if req.max_tokens_per_query:
+        raise APIError(400, f"max_tokens_per_query={req.max_tokens_per_query} is not supported: a query is never "
+                            f"cut here; send a shorter query (max_tokens_per_doc cuts each document)")
+    if req.truncation_side is not None and req.truncation_side.lower() != "right":
+        raise APIError(400, f"truncation_side={req.truncation_side!r} is not supported: documents are cut from "
+                            f"their end ('right'); send truncate: false to refuse over-long inputs instead")
+    if req.padding is not None and req.padding != "do_not_pad":
+        raise APIError(400, f"padding={req.padding!r} is not supported: prompts are never padded ('do_not_pad')")
+    kwargs = req.chat_template_kwargs or {}
+    other = sorted(k for k in kwargs if k != "instruction")
+    if other:
+        raise APIError(400, f"chat_template_kwargs {other} not supported: the prompt template is fixed; only "
+                            f"'instruction' is read (as the instruction field)")
+    instruction = kwargs.get("instruction", req.instruction)
+    if instruction is not None and not isinstance(instruction, str):
+        raise APIError(400, f"chat_template_kwargs['instruction'] must be a string, got "
+                            f"{type(instruction).__name__}")
+    return instruction
+
+
+def score_groups(queries: list) -> dict:
+    """``{query: [pair indices]}`` for the pairs of a score request, in first-appearance order.
+
+    1 query with N documents is one group (every pair); N queries with N documents make one group
+    per distinct query, pair ``i`` (query ``i``, document ``i``) in its query's group, so each
+    query's prefix is prefilled once, as the rerank route's is (a query's documents in one job)."""
+    groups: dict = {}
+    for i, q in enumerate(queries):
+        groups.setdefault(q, []).append(i)
+    return groups
+
+
 class RerankService:
-    """One engine (one model) behind the rerank and select endpoints.
+    """One engine (one model) behind the rerank, score and select endpoints.
 
     Args:
       reranker: a ``PointwiseReranker``.
@@ -331,16 +372,17 @@ class RerankService:
             raise APIError(400, "raw_scores=true is not supported: this server returns relevance probabilities "
                                 "(sigmoid of the yes/no logit difference)")
         _check_peer_options(req)
+        instruction = _check_vllm_options(req)
         self._check_alive()
         deadline = self._deadline()
         rid = uuid.uuid4().hex
         with self.admit():
             request = ScoreRequest(req.query, docs, question=req.question, trace=req.trace,
-                                   instruction=req.instruction, cache_salt=req.cache_salt)
+                                   instruction=instruction, cache_salt=req.cache_salt)
             try:
                 texts = (request.query, request.question, request.trace, request.instruction, *request.documents)
                 enc = await self._tokenize(deadline, is_disconnected, texts, self._encode, request,
-                                           req.max_tokens_per_doc, req.truncate)
+                                           req.max_tokens_per_doc or None, req.truncate)   # 0: vLLM's "no cut"
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             with self.hold_tokens(score_tokens(enc)):
@@ -436,9 +478,33 @@ class RerankService:
 
         Everything the engine raises is the server's fault (input was checked before it): a dead
         engine is 503, any other failure 500 with the error id of its log line."""
+        return await self._wait_for(asyncio.wrap_future(job.future), lambda: self.engine.cancel(job),
+                                    is_disconnected, deadline)
+
+    async def _wait_all(self, jobs: list, is_disconnected: Callable[[], Awaitable[bool]],
+                        deadline: Optional[float] = None) -> list:
+        """``_wait`` over several jobs of one request: their results in order. Whatever ends the
+        wait early (a job failed, the client left, the deadline, a cancellation) drops every job
+        not finished, so no group of a request that was answered keeps the engine busy."""
+        if len(jobs) == 1:
+            return [await self._wait(jobs[0], is_disconnected, deadline)]
+
+        def drop():
+            for job in jobs:
+                if not job.future.done():
+                    self.engine.cancel(job)
+        fut = asyncio.gather(*(asyncio.wrap_future(job.future) for job in jobs))
         try:
-            return await wait_or_drop(asyncio.wrap_future(job.future), is_disconnected,
-                                      lambda: self.engine.cancel(job), deadline=deadline)
+            return await self._wait_for(fut, drop, is_disconnected, deadline)
+        except BaseException:
+            drop()
+            raise
+
+    async def _wait_for(self, fut, drop: Callable[[], None], is_disconnected: Callable[[], Awaitable[bool]],
+                        deadline: Optional[float]):
+        """``fut``'s result, errors mapped as ``_wait`` says; ``drop`` gives up the work."""
+        try:
+            return await wait_or_drop(fut, is_disconnected, drop, deadline=deadline)
         except ClientGone:
             raise
         except DeadlinePassed:
@@ -466,6 +532,79 @@ class RerankService:
                     usage=dict(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens,
                                cached_tokens=result.cached_tokens),
                     meta=dict(billed_units=dict(search_units=math.ceil(len(docs) / DOCS_PER_SEARCH_UNIT))))
+
+    # -- score (vLLM's score API) ------------------------------------------------------------
+    def _check_pairs(self, req: ScorePairsRequest, queries: list, docs: list) -> None:
+        """vLLM's pairing rule: 1 query with N >= 1 documents, or N queries with N documents; then the
+        rerank route's limit on documents (413)."""
+        first, second = req.pair_names
+        if len(queries) == 0:
+            raise APIError(400, f"{first} is empty: send at least one query")
+        if len(docs) == 0:
+            raise APIError(400, f"{second} is empty: send at least one document")
+        if len(queries) > 1 and len(queries) != len(docs):
+            raise APIError(400, f"{first} has {len(queries)} texts and {second} {len(docs)}: pair them 1 to 1, "
+                                f"1 to N or N to N (as many {first} as {second})")
+        self._check_documents(docs)
+
+    def _encode_groups(self, requests: list, max_tokens_per_doc: Optional[int], truncate: bool) -> list:
+        """``_encode`` of each group's request (one pool task for the whole score request)."""
+        return [self._encode(r, max_tokens_per_doc, truncate) for r in requests]
+
+    async def score(self, req: ScorePairsRequest, is_disconnected: Callable[[], Awaitable[bool]],
+                    headers: Optional[dict] = None) -> dict:
+        """The response body of one score request (vLLM's ``ScoreResponse``): ``data[i].score`` is
+        pair ``i``'s relevance probability, the rerank route's ``relevance_score`` for that query and
+        document, in input order (not sorted).
+
+        The pairs run as one engine job per distinct query (``score_groups``): 1 query with N
+        documents is the rerank route's request exactly; N queries with N documents are at most N
+        jobs, admitted as one request (one ``--max-queue`` slot, their tokens together against
+        ``--max-queue-tokens``). ``usage`` sums the groups' tokens (each distinct query's shared part
+        once, as the rerank route counts it); ``x-queue-time`` is the first group's.
+        """
+        queries, docs = req.query_texts(), req.document_texts()
+        self._check_pairs(req, queries, docs)
+        _check_peer_options(req)
+        instruction = _check_vllm_options(req)
+        self._check_alive()
+        deadline = self._deadline()
+        rid = uuid.uuid4().hex
+        if len(queries) == 1:
+            queries = queries * len(docs)
+        groups = score_groups(queries)
+        max_doc = req.max_tokens_per_doc or None   # 0: vLLM's "no cut"
+        with self.admit():
+            requests = [ScoreRequest(q, [docs[i] for i in idx], question=req.question, trace=req.trace,
+                                     instruction=instruction, cache_salt=req.cache_salt) for q, idx in groups.items()]
+            try:
+                texts = (*groups, req.question, req.trace, instruction, *docs)
+                encs = await self._tokenize(deadline, is_disconnected, texts, self._encode_groups, requests,
+                                            max_doc, req.truncate)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e)) from None
+            with self.hold_tokens(sum(score_tokens(enc) for enc in encs)):
+                jobs = []
+                try:
+                    for k, enc in enumerate(encs):
+                        jobs.append(self._submit(self.engine.submit, enc, rid if len(encs) == 1 else f"{rid}-{k}"))
+                except BaseException:
+                    for job in jobs:   # a later group could not be queued: the earlier ones are dropped
+                        self.engine.cancel(job)
+                    raise
+                results = await self._wait_all(jobs, is_disconnected, deadline)
+        scores = [0.0] * len(docs)
+        for idx, result in zip(groups.values(), results):
+            for i, s in zip(idx, result.scores):
+                scores[i] = s
+        if headers is not None:
+            headers["x-queue-time"] = f"{min(r.queue_time for r in results) * 1e3:.3f}"
+        prompt_tokens = sum(r.prompt_tokens for r in results)
+        return dict(id=f"score-{req.request_id if req.request_id is not None else rid}", object="list",
+                    created=int(time.time()), model=self.model_name,
+                    data=[dict(index=i, object="score", score=s) for i, s in enumerate(scores)],
+                    usage=dict(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens, completion_tokens=0,
+                               cached_tokens=sum(r.cached_tokens for r in results)))
 
     # -- select ------------------------------------------------------------------------------
     def _encode_select(self, req: SelectRequest, docs: list):

@@ -236,7 +236,7 @@ def _shape_keys(shape: str) -> set:
 
 def test_documented_response_shapes_are_the_schemas():
     pytest.importorskip("pydantic")
-    from acarerank.server.schemas import RerankResponse, SelectResponse, TEIRank
+    from acarerank.server.schemas import RerankResponse, ScoreData, ScoreResponse, ScoreUsage, SelectResponse, TEIRank
 
     rows = {row[0]: row[1] for row in _table_rows(_section(SERVING.read_text(), "Endpoints"))}
     rerank = next(v for k, v in rows.items() if "/v1/rerank" in k)
@@ -251,6 +251,11 @@ def test_documented_response_shapes_are_the_schemas():
     assert usage, f"/v1/select's usage fields are not shown: {shape}"
     usage = usage.group(1)
     assert _shape_keys(usage) == set(SelectResponse.model_fields["usage"].annotation.model_fields), usage
+    score = next(v for k, v in rows.items() if "/score" in k)
+    shape = re.search(r"Response `(\{.*?\})` \(", score).group(1)
+    assert _shape_keys(shape) == set(ScoreResponse.model_fields), shape
+    assert _shape_keys(re.search(r"data: \[(\{[^}]*\})\]", shape).group(1)) == set(ScoreData.model_fields), shape
+    assert _shape_keys(re.search(r"usage: (\{[^}]*\})", shape).group(1)) == set(ScoreUsage.model_fields), shape
 
 
 _METRIC = re.compile(r"acarerank_[a-z_]*(?:\{[a-z_,]+\}[a-z_]*)*(?:\{[^}]*\})?")

@@ -98,6 +98,43 @@ def test_options_that_change_the_scores_are_refused_not_ignored(server, field, r
     assert_scores(scores_of(results, "score" if field == "truncation_direction" else "relevance_score"), want, field)
 
 
+@pytest.mark.parametrize("field, refused, accepted", [
+    ("max_tokens_per_query", 5, 0),                           # vLLM: cut the query to 5 tokens
+    ("truncation_side", "left", "right"),                     # vLLM: keep the end of the prompt
+    ("padding", "max_length", "do_not_pad"),                  # vLLM: pad the prompt to the model's length
+    ("chat_template_kwargs", {"enable_thinking": True}, {}),  # vLLM: render the template otherwise
+])
+def test_vllms_other_options_are_refused_not_ignored(server, field, refused, accepted):
+    """vLLM's rerank request (vllm/entrypoints/pooling/scoring/protocol.py, 0.32) carries these too;
+    they were unknown fields here, ignored: scores of another prompt with no sign of it."""
+    c = server["client"]
+    body = dict(query=QUERY, documents=DOCS)
+    expect_error(c.post("/rerank", json=body | {field: refused}), 400, [field])
+    r = c.post("/rerank", json=body | {field: accepted})
+    assert r.status_code == 200, r.text
+    assert_scores(scores_of(r.json()["results"]), server["ref"].score(QUERY, DOCS), field)
+
+
+def test_a_body_from_vllms_request_model_is_served(server):
+    """A client built on vLLM's RerankRequest sends every field at its default: max_tokens_per_doc
+    0 (no cut) was a 422 'greater than or equal to 1'; chat_template_kwargs' instruction is the
+    instruction (it wins over the field, as vLLM merges them)."""
+    c, ref = server["client"], server["ref"]
+    long_docs = [d + " and more words" * 30 for d in DOCS]
+    defaults = dict(model=None, user=None, truncate_prompt_tokens=None, padding=None, truncation_side=None,
+                    request_id="0f3a", priority=0, mm_processor_kwargs=None, cache_salt=None, use_activation=None,
+                    max_tokens_per_query=0, max_tokens_per_doc=0, instruction=None, chat_template_kwargs=None,
+                    top_n=0)
+    r = c.post("/rerank", json=dict(query=QUERY, documents=long_docs, **defaults))
+    assert r.status_code == 200, r.text
+    assert_scores(scores_of(r.json()["results"]), ref.score(QUERY, long_docs), "vLLM's defaults")
+    r = c.post("/rerank", json=dict(query=QUERY, documents=DOCS, instruction="not this one",
+                                    chat_template_kwargs={"instruction": "Judge the passage."}))
+    assert r.status_code == 200, r.text
+    assert_scores(scores_of(r.json()["results"]), ref.score(QUERY, DOCS, instruction="Judge the passage."),
+                  "chat_template_kwargs' instruction")
+
+
 def test_null_is_the_field_left_out(server):
     """TEI declares ``truncate`` as ``Option<bool>`` and Cohere ``return_documents`` as
     ``Optional[bool]``: a client that writes ``null`` gets the default, not a 422."""

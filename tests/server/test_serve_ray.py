@@ -90,6 +90,27 @@ def test_context_affinity_scores_and_errors(ray_app):
         assert r.status_code == 422 and r.json()["error"]["type"] == "validation_error", r.text
 
 
+def test_the_score_routes_through_ray(ray_app):
+    """vLLM's /score and /v1/score on the Ray front: 1 to N the rerank route's scores, N to N each
+    pair's offline score, the pairing error's 400 through Ray (test_serve_score.py checks the rest
+    on acarerank serve; test_the_score_routes_answer_as_acarerank_serves, without Ray, the parity)."""
+    base, rr = ray_app
+    with httpx.Client(base_url=base, timeout=60) as c:
+        rerank = c.post("/v1/rerank", json=dict(query="q", documents=DOCS, cache_salt="score-a")).json()
+        r = c.post("/score", json=dict(text_1="q", text_2=DOCS, cache_salt="score-a"))
+        assert r.status_code == 200 and r.json()["object"] == "list", r.text
+        by_index = {x["index"]: x["relevance_score"] for x in rerank["results"]}
+        assert [d["score"] for d in r.json()["data"]] == [by_index[i] for i in range(len(DOCS))]
+        queries = ["q", "another q", "q", "a third"]
+        r = c.post("/v1/score", json=dict(queries=queries, documents=DOCS))
+        assert r.status_code == 200, r.text
+        want = [rr.score(q, [d])[0] for q, d in zip(queries, DOCS)]
+        diff = max(abs(d["score"] - w) for d, w in zip(r.json()["data"], want))
+        assert diff <= 1e-6 and [d["index"] for d in r.json()["data"]] == [0, 1, 2, 3], r.text
+        r = c.post("/score", json=dict(queries=["a", "b"], documents=DOCS))
+        assert r.status_code == 400 and "queries has 2 texts and documents 4" in r.json()["error"]["message"], r.text
+
+
 def test_the_fronts_metrics_carry_each_replicas_engine_series(ray_app):
     """Runs after the affinity test: both replicas scored documents, and their series reach the front's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -337,6 +358,67 @@ def test_an_object_document_reaches_the_replica_equal_as_json():
         assert json.loads(msgspec.json.encode(at_replica.response_document(i))) == \
             json.loads(msgspec.json.encode(req.response_document(i)))
     assert list(at_replica.response_document(0)) == ["text", "id", "n", "s", "m"]
+
+
+class _LocalHandle:
+    """A handle whose ``call`` runs ``RerankReplica.call`` of a replica in this process (no Ray): the
+    front's forwarding (dump, validate at the replica, errors as values) over a real service."""
+
+    def __init__(self, replica):
+        self.replica = replica
+
+    def options(self, **kw):
+        return self
+
+    def remote(self, method, body):
+        call = self.replica.call(method, body)
+
+        class Response:
+            def __await__(self):
+                return call.__await__()
+
+            def cancel(self):
+                pass
+        return Response()
+
+
+@pytest.fixture(scope="module")
+def fronts():
+    """(acarerank serve's app, the Ray front's app over a replica of the same service): base URLs."""
+    from acarerank.server import RerankService
+
+    service = RerankService(PointwiseReranker(model=tiny_model()), "tiny", max_batch_tokens=256,
+                            max_documents=8).start()
+    try:
+        with thread_server(create_app(service)) as direct, \
+                thread_server(create_app(RemoteService(_LocalHandle(_replica(service)), "tiny"))) as front:
+            yield direct, front
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/score", dict(text_1="q", text_2=DOCS), 200),
+    ("/v1/score", dict(queries=["q", "r", "q", "s"], documents=DOCS, request_id="r-1"), 200),
+    ("/score", dict(data_1=["q"], data_2=DOCS[:1], question="why?", cache_salt="t",
+                    chat_template_kwargs={"instruction": "Judge."}, max_tokens_per_doc=2), 200),
+    ("/score", dict(queries=["a", "b"], documents=DOCS), 400),
+    ("/score", dict(text_1="q", text_2=[f"d{i}" for i in range(9)]), 413),
+    ("/score", dict(text_1="q", text_2=DOCS, use_activation=False), 400),
+    ("/v1/score", dict(text_1="q"), 422),
+])
+def test_the_score_routes_answer_as_acarerank_serves(fronts, path, body, status):
+    """The Ray front serves /score and /v1/score with acarerank serve's answers: status, error, data
+    and usage (the id and created time are each response's own)."""
+    answers = []
+    for base in fronts:
+        for _ in range(2):   # the second from the cached prefix on both: bit for bit the same passes
+            r = httpx.post(base + path, json=body, timeout=60)
+        out = r.json()
+        if r.status_code == 200:
+            assert out.pop("id").startswith("score-") and isinstance(out.pop("created"), int), out
+        answers.append((r.status_code, out))
+    assert answers[0][0] == status and answers[0] == answers[1], answers
 
 
 class _FakeService:

@@ -1,0 +1,255 @@
+"""vLLM's score API (``POST /score``, ``/v1/score``) as its clients send it.
+
+One uvicorn over a tiny random model for the module. Every score is compared with the offline
+``PointwiseReranker.score`` of the same query and document (1e-6) and with the rerank route's
+``relevance_score``; every error with its status, shape and the field it names. The pairing rule,
+the field names and the response shape are vLLM 0.32's (vllm/entrypoints/pooling/scoring/:
+``ScoreRequest``'s four namings, ``_validate_score_input_lens``, ``ScoreResponse``);
+docs/serving.md, "Endpoints".
+"""
+import pytest
+from _optional import require
+
+require("fastapi", "uvicorn", "httpx")
+import httpx  # noqa: E402
+
+from acarerank import PointwiseReranker
+from acarerank.server import RerankService, create_app
+from acarerank.server.config import ServeConfig
+from serve_util import thread_server, tiny_model
+
+QUERY = "tutor reranker"
+DOCS = ["Adaptive tutoring optimization for rerankers", "bread baking at home", "setwise selection of passages",
+        "a tutor gives hints to the reranker"]
+MAX_DOCUMENTS = 8
+MAX_CHARS = 8000
+#: tokens of the queue budget: the module's requests fit, MAX_DOCUMENTS long documents do not
+BUDGET = 800
+PAIRS = [("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2")]
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = tiny_model()
+    service = RerankService(PointwiseReranker(model=model), "tiny-score", max_batch_tokens=256,
+                            max_documents=MAX_DOCUMENTS, max_queue_tokens=BUDGET).start()
+    ref = PointwiseReranker(model=model)   # its own prefix cache: the server's reranker is its scheduler's
+    try:
+        with thread_server(create_app(service, ServeConfig(max_request_chars=MAX_CHARS))) as base:
+            yield dict(base=base, ref=ref, service=service, client=httpx.Client(base_url=base, timeout=60))
+    finally:
+        service.stop()
+
+
+def expect_error(r, code: int, words):
+    assert r.status_code == code, f"expected {code}, got {r.status_code}: {r.text}"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code"} and err["code"] == code, err
+    for w in words:
+        assert w in err["message"], f"{w!r} not in {err['message']!r}"
+
+
+def score_body(r) -> list:
+    """The scores of a 200 ``/score`` answer, in ``data`` order, after checking vLLM's shape."""
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"id", "object", "created", "model", "data", "usage"}, out
+    assert out["object"] == "list" and out["model"] == "tiny-score" and out["id"].startswith("score-"), out
+    assert isinstance(out["created"], int) and out["created"] > 1_600_000_000, out
+    assert [d["index"] for d in out["data"]] == list(range(len(out["data"]))), "data is in input order"
+    assert all(set(d) == {"index", "object", "score"} and d["object"] == "score" for d in out["data"]), out["data"]
+    usage = out["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] > 0 and usage["completion_tokens"] == 0, usage
+    assert "cached_tokens" not in usage, "cached_tokens goes only to a request with a cache_salt (Tenancy)"
+    return [d["score"] for d in out["data"]]
+
+
+def assert_close(got: list, want: list, what: str):
+    assert len(got) == len(want), f"{what}: {len(got)} scores for {len(want)} pairs"
+    diff = max(abs(g - w) for g, w in zip(got, want))
+    assert diff <= 1e-6, f"{what}: max |server - offline| = {diff:.3g}"
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+@pytest.mark.parametrize("first, second", PAIRS)
+def test_one_query_with_n_documents_in_input_order(server, path, first, second):
+    """1 to N, in each of vLLM's four namings, the query side a string or a list of one; scores in
+    input order (not sorted), each the offline reranker's."""
+    want = server["ref"].score(QUERY, DOCS)
+    for query in (QUERY, [QUERY]):
+        got = score_body(server["client"].post(path, json={first: query, second: DOCS}))
+        assert_close(got, want, f"{path} {first}/{second}")
+    assert sorted(want) != want, "the documents are not already in score order: input order is checked"
+
+
+def test_one_to_n_is_the_rerank_routes_request(server):
+    """1 to N is one group, the rerank route's request: the same scores (bit for bit, both from the
+    same cached prefix) and the same usage."""
+    c = server["client"]
+    c.post("/v1/rerank", json=dict(query=QUERY, documents=DOCS, question="why?"))   # the prefix cached
+    r = c.post("/v1/rerank", json=dict(query=QUERY, documents=DOCS, question="why?"))
+    rerank = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    s = c.post("/score", json=dict(text_1=QUERY, text_2=DOCS, question="why?"))
+    assert score_body(s) == [rerank[i] for i in range(len(DOCS))]
+    assert s.json()["usage"]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert_close(score_body(s), server["ref"].score(QUERY, DOCS, question="why?"), "1 to N with a question")
+
+
+def test_n_queries_with_n_documents_pair_i_with_i(server):
+    """N to N: pair i is query i with document i. A repeated query is one group (its prefix once);
+    each pair's score is a 1 to 1 request's, and the usage is the sum of its groups'."""
+    c = server["client"]
+    queries = ["q zero", "q one", "q zero", "q three"]
+    got = score_body(c.post("/score", json=dict(queries=queries, documents=DOCS)))
+    alone = [score_body(c.post("/score", json=dict(text_1=q, text_2=d))) for q, d in zip(queries, DOCS)]
+    assert_close(got, [a[0] for a in alone], "N to N against 1 to 1")
+    assert_close(got, [server["ref"].score(q, [d])[0] for q, d in zip(queries, DOCS)], "N to N against offline")
+    groups = {"q zero": [DOCS[0], DOCS[2]], "q one": [DOCS[1]], "q three": [DOCS[3]]}
+    usage = sum(c.post("/v1/rerank", json=dict(query=q, documents=d)).json()["usage"]["prompt_tokens"]
+                for q, d in groups.items())
+    r = c.post("/score", json=dict(queries=queries, documents=DOCS))
+    assert r.json()["usage"]["prompt_tokens"] == usage, (r.json()["usage"], usage)
+    # one to one, and N to N with every query the same (one group): the 1 to N scores
+    assert_close(score_body(c.post("/score", json=dict(data_1=[QUERY] * 4, data_2=DOCS))),
+                 server["ref"].score(QUERY, DOCS), "N to N of one query")
+
+
+@pytest.mark.parametrize("body, code, words", [
+    (dict(queries=["a", "b"], documents=DOCS), 400, ["queries has 2 texts and documents 4", "1 to N or N to N"]),
+    (dict(text_1=["a", "b", "c"], text_2="d"), 400, ["text_1 has 3 texts and text_2 1"]),
+    (dict(text_1=[], text_2=DOCS), 400, ["text_1 is empty"]),
+    (dict(data_1="q", data_2=[]), 400, ["data_2 is empty"]),
+    (dict(text_1="q"), 422, ["exactly one pair of fields", "got text_1"]),
+    (dict(queries="q", documents=DOCS, items=DOCS), 422, ["exactly one pair", "got queries, documents, items"]),
+    (dict(text_1="q", documents=DOCS), 422, ["exactly one pair"]),
+    (dict(query="q", documents=DOCS), 422, ["exactly one pair", "got documents"]),   # a rerank body
+    (dict(text_1=3, text_2=DOCS), 422, ["text_1"]),
+    (dict(text_1="q", text_2=[{"content": [{"type": "text", "text": "d"}]}]), 422, ["text_2", "multi-modal"]),
+    (dict(queries="q", documents=[{"text": "d"}]), 422, ["documents", "multi-modal"]),
+])
+def test_bad_pairs_are_named(server, body, code, words):
+    expect_error(server["client"].post("/score", json=body), code, words)
+
+
+def test_limits_are_the_rerank_routes(server):
+    """--max-documents (413, the rerank route's message), --max-request-chars counting both sides
+    (413), --max-queue-tokens (413 for a request over the whole budget)."""
+    c = server["client"]
+    many = [f"d{i}" for i in range(MAX_DOCUMENTS + 1)]
+    want = c.post("/v1/rerank", json=dict(query="q", documents=many))
+    for body in (dict(text_1="q", text_2=many), dict(queries=many, documents=many)):
+        r = c.post("/score", json=body)
+        expect_error(r, 413, [f"{MAX_DOCUMENTS + 1} documents exceed the limit of {MAX_DOCUMENTS}"])
+        assert r.json() == want.json()
+    half = "x" * (MAX_CHARS // 2)
+    expect_error(c.post("/score", json=dict(queries=[half, half], documents=["a", "b"])), 413,
+                 ["--max-request-chars"])
+    long_docs = ["word " * 150] * MAX_DOCUMENTS   # 6,000 characters, ~1,200 tokens
+    expect_error(c.post("/score", json=dict(text_1="q", text_2=long_docs)), 413,
+                 ["--max-queue-tokens"])
+
+
+@pytest.mark.parametrize("field, refused, accepted", [
+    ("truncate_prompt_tokens", 512, -1),
+    ("use_activation", False, True),
+    ("activation", False, None),
+    ("softmax", False, True),
+    ("max_tokens_per_query", 5, 0),
+    ("truncation_side", "left", "right"),
+    ("padding", "max_length", "do_not_pad"),
+    ("chat_template_kwargs", {"enable_thinking": True}, {}),
+])
+def test_options_that_change_the_scores_are_refused_not_ignored(server, field, refused, accepted):
+    """vLLM's options that would change the scores and that are not served: a 400 naming them, as
+    the rerank route refuses truncate_prompt_tokens and use_activation: false."""
+    c = server["client"]
+    body = dict(text_1=QUERY, text_2=DOCS)
+    r = c.post("/score", json=body | {field: refused})
+    expect_error(r, 400, [field])
+    assert_close(score_body(c.post("/score", json=body | {field: accepted})), server["ref"].score(QUERY, DOCS), field)
+
+
+def test_the_options_that_are_served(server):
+    """max_tokens_per_doc (0: vLLM's "no cut"), chat_template_kwargs' instruction (over the field,
+    as vLLM merges them), cache_salt's cached_tokens, request_id in the id; vLLM's request-model
+    defaults (priority, user, mm_processor_kwargs, nulls) and unknown fields accepted."""
+    c, ref = server["client"], server["ref"]
+    long_docs = [d + " and more words " * 20 for d in DOCS]
+    cut = c.post("/v1/rerank", json=dict(query=QUERY, documents=long_docs, max_tokens_per_doc=4))
+    want = {x["index"]: x["relevance_score"] for x in cut.json()["results"]}
+    assert_close(score_body(c.post("/score", json=dict(text_1=QUERY, text_2=long_docs, max_tokens_per_doc=4))),
+                 [want[i] for i in range(len(DOCS))], "max_tokens_per_doc")
+    assert_close(score_body(c.post("/score", json=dict(text_1=QUERY, text_2=long_docs, max_tokens_per_doc=0))),
+                 ref.score(QUERY, long_docs), "max_tokens_per_doc 0")
+    got = score_body(c.post("/score", json=dict(text_1=QUERY, text_2=DOCS, instruction="ignored",
+                                                chat_template_kwargs={"instruction": "Judge the passage."})))
+    assert_close(got, ref.score(QUERY, DOCS, instruction="Judge the passage."), "chat_template_kwargs instruction")
+    assert_close(got, score_body(c.post("/score", json=dict(text_1=QUERY, text_2=DOCS,
+                                                            instruction="Judge the passage."))), "instruction")
+    expect_error(c.post("/score", json=dict(text_1=QUERY, text_2=DOCS, chat_template_kwargs={"instruction": 3})),
+                 400, ["instruction"])
+    vllm_defaults = dict(model="other", user=None, truncate_prompt_tokens=None, padding=None, truncation_side=None,
+                         request_id="abc-1", priority=0, mm_processor_kwargs=None, cache_salt=None,
+                         use_activation=None, max_tokens_per_query=0, max_tokens_per_doc=0, instruction=None,
+                         chat_template_kwargs=None, unknown={"x": [1]})
+    r = c.post("/score", json=dict(text_1=QUERY, text_2=DOCS, **vllm_defaults))
+    assert_close(score_body(r), ref.score(QUERY, DOCS), "vLLM's defaults")
+    assert r.json()["id"] == "score-abc-1"
+    r = c.post("/score", json=dict(text_1=QUERY, text_2=DOCS, cache_salt="tenant"))
+    c.post("/score", json=dict(text_1=QUERY, text_2=DOCS, cache_salt="tenant"))
+    r = c.post("/score", json=dict(text_1=QUERY, text_2=DOCS, cache_salt="tenant"))
+    assert r.json()["usage"]["cached_tokens"] > 0, r.json()["usage"]
+
+
+def test_a_score_body_larger_than_a_non_api_body_is_read(server):
+    """The score routes are API paths of the gate: admitted (--max-queue) and read up to
+    --max-body-bytes. Outside them a body over 64 KiB was a 413 naming the other paths."""
+    doc = "word " * 20_000   # 100 kB of JSON, truncated to the model's length
+    r = httpx.post(server["base"] + "/score", json=dict(text_1="q", text_2=[doc]), timeout=60)
+    expect_error(r, 413, ["--max-request-chars"])   # read, then refused by the per-request limit, not the gate's
+    assert "only a POST to" not in r.text
+
+
+def test_openapi_shows_the_score_routes_with_their_schemas(server):
+    spec = server["client"].get("/openapi.json").json()
+    for path in ("/score", "/v1/score"):
+        post = spec["paths"][path]["post"]
+        assert post["requestBody"]["content"]["application/json"]["schema"] == \
+            {"$ref": "#/components/schemas/ScorePairsRequest"}, post
+        assert post["responses"]["200"]["content"]["application/json"]["schema"] == \
+            {"$ref": "#/components/schemas/ScoreResponse"}, post["responses"]["200"]
+    fields = spec["components"]["schemas"]["ScorePairsRequest"]["properties"]
+    assert {"queries", "documents", "items", "data_1", "data_2", "text_1", "text_2"} <= set(fields), fields
+    assert set(spec["components"]["schemas"]["ScoreResponse"]["properties"]) == \
+        {"id", "object", "created", "model", "data", "usage"}
+
+
+def test_a_client_gone_drops_every_group_of_its_request(server):
+    """N to N runs one engine job per distinct query: a client that leaves while they wait has all
+    of them dropped (counted once each in acarerank_requests_cancelled_total), none left to run."""
+    import asyncio
+    import threading
+    import time
+
+    from acarerank.server.disconnect import ClientGone
+    from acarerank.server.parsing import parse_body
+    from acarerank.server.schemas import ScorePairsRequest
+
+    service = server["service"]
+    block = threading.Event()
+    service.engine.submit_call(lambda: block.wait(30))   # holds the scheduler: the groups stay queued
+    before = service.metrics.cancelled._value.get()
+    req = parse_body(b'{"queries": ["a", "b", "a"], "documents": ["x", "y", "z"]}', ScorePairsRequest)
+
+    async def gone():
+        return True
+    try:
+        with pytest.raises(ClientGone):
+            asyncio.run(service.score(req, gone))
+    finally:
+        block.set()
+    deadline = time.monotonic() + 30
+    while service.engine.num_jobs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.engine.num_jobs == 0
+    assert service.metrics.cancelled._value.get() - before == 2, "one cancellation per group"
