@@ -157,8 +157,9 @@ class Qwen3Runner:
         self.block_size = block_size
         self._source: Optional[_SourceWatch] = None  # from_hf's model, checked before each pass
         a = self.arch
-        self._inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64, device=self.device)
-                                                .float() / a.head_dim))
+        # [d/2] fp32, and the factor both tables are scaled by (YaRN's; 1 otherwise): rope.py
+        self._inv_freq = a.rope.inv_freq(a.rope_theta, a.head_dim, self.device)
+        self._rope_scale = a.rope.attention_factor
 
     # -- construction -----------------------------------------------------------------
     @classmethod
@@ -372,10 +373,13 @@ class Qwen3Runner:
         return t.to(device=self.device, dtype=torch.long)
 
     def _rope(self, positions: torch.Tensor):
-        """fp32 [T, d] cos, sin at ``positions`` (the layers cast them once per pass if they need to)."""
+        """fp32 [T, d] cos, sin at ``positions`` (the layers cast them once per pass if they need to):
+        cos(cat(p·f, p·f))·s, sin(...)·s, f the config's inverse frequencies, s its attention factor."""
         freqs = positions.float()[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        if self._rope_scale == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self._rope_scale, emb.sin() * self._rope_scale
 
     def _forward(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
         _fork.enter("a model pass")  # every pass of every reranker comes here first
