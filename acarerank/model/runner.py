@@ -61,32 +61,56 @@ def not_picklable(name: str) -> str:
 
 class SourceModelChangedError(RuntimeError):
     """The in-memory model a runner was built from (``Qwen3Runner.from_hf``) changed in place
-    after the build (an optimizer step, ``load_state_dict``, an edit under ``torch.no_grad``)."""
+    after the build (an optimizer step, ``load_state_dict``, an edit under ``torch.no_grad``) in a
+    tensor the runner shares with it."""
 
 
 class _SourceWatch:
-    """Weak references to an in-memory model's tensors and their version counters at build time.
+    """Weak references to the model tensors a runner shares (the same storage) and their
+    version counters at build time.
 
     ``from_hf`` shares some of the model's tensors (norms, embedding, lm_head) and packs others
     into the runner's own form, so after an in-place change of the model a pass would mix old
     and new weights (a snapshot π_old that is neither θ_old nor θ), with no error. torch bumps a
-    tensor's ``_version`` on every in-place write, an optimizer step's included. Weak: the runner
-    does not keep a model alive that its caller dropped (a dropped model cannot change).
+    tensor's ``_version`` on every in-place write, an optimizer step's included. Only tensors
+    still in the storage the runner holds are compared: ``model.to(dtype)`` (or ``param.data =``)
+    gives a Parameter new storage and leaves the runner's untouched, so a later edit of it changes
+    nothing the runner reads (the Parameter object, and its version counter, are the same).
+    The runner keeps each shared storage alive, so no other tensor can take its address. Weak:
+    the runner does not keep a model alive that its caller dropped (a dropped model cannot change).
     """
 
-    def __init__(self, model):
-        self._refs = [(name, weakref.ref(t), t._version) for name, t in model.state_dict(keep_vars=True).items()]
+    def __init__(self, model, weights: Qwen3Weights):
+        shared = {_storage_ptr(t) for t in _tensors_of(weights)} - {None}
+        self._refs = [(name, weakref.ref(t), ptr, t._version)
+                      for name, t in model.state_dict(keep_vars=True).items()
+                      if (ptr := _storage_ptr(t)) in shared]
 
     def check(self) -> None:
-        for name, ref, version in self._refs:
+        for name, ref, ptr, version in self._refs:
             t = ref()
-            if t is not None and t._version != version:
+            if t is not None and _storage_ptr(t) == ptr and t._version != version:
                 raise SourceModelChangedError(
                     f"the model this runner was built from changed in place after Qwen3Runner.from_hf ({name!r}: an "
                     f"optimizer step, load_state_dict or an edit): the runner holds its own packed copy of some "
                     f"matrices and shares the others, so a pass would mix old and new weights. Build a new runner "
                     f"from the model as it is now (ATO: a snapshot per update), or from a copy "
                     f"(copy.deepcopy(model)) to keep the old weights")
+
+
+def _storage_ptr(t) -> Optional[int]:
+    """The address of a dense tensor's storage (None for an empty one, or a packed weight, which
+    is the runner's own)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
+        return None
+    return t.untyped_storage().data_ptr()
+
+
+def _tensors_of(weights: Qwen3Weights):
+    """Every tensor the runner computes with (packed weights included; ``_storage_ptr`` skips them)."""
+    yield from (weights.embed, weights.final_norm, weights.lm_head, weights.score_head)
+    for layer in weights.layers:
+        yield from vars(layer).values()
 
 
 def _linear_fixed_tiles(x: torch.Tensor, w, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -166,11 +190,12 @@ class Qwen3Runner:
     def from_hf(cls, model, backend: Optional[str] = None, **kw) -> "Qwen3Runner":
         """From an in-memory transformers Qwen3 model (its tensors are shared where the layouts
         agree and never modified; packed matrices are the runner's own). The runner stands for
-        the model as it is now: a pass after the model changed in place (an optimizer step) is a
-        ``SourceModelChangedError``; build a new runner then (docs/api.md, "ATO re-scoring")."""
+        the model as it is now: a pass after the model changed in place where the runner shares its
+        tensors (an optimizer step) is a ``SourceModelChangedError``; build a new runner then
+        (docs/api.md, "ATO re-scoring")."""
         _fork.enter("Qwen3Runner.from_hf")
         runner = cls._owning(weights_from_hf(model), backend, kw)
-        runner._source = _SourceWatch(model)
+        runner._source = _SourceWatch(model, runner.weights)
         return runner
 
     @classmethod
