@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._validate import positive_int
+from .rope import RopeScaling, rope_scaling_from
 
 #: transformers' Qwen3Config defaults (4.x and 5.x alike) for shape fields a config.json may omit:
 #: an absent head_dim is 128 (not hidden_size / num_attention_heads) and an absent
@@ -30,6 +31,8 @@ class Qwen3Arch:
     rope_theta: float
     tie_word_embeddings: bool
     attention_bias: bool = False
+    #: the RoPE kind and its parameters (default RoPE: ``RopeScaling()``); see rope.py
+    rope: RopeScaling = RopeScaling()
     #: config keys that were absent and took ``QWEN3_SHAPE_DEFAULTS``' value (named in shape errors)
     defaulted: tuple = field(default=(), compare=False)
 
@@ -61,6 +64,8 @@ class Qwen3Arch:
         # replaces it whole; rope_theta is the chosen object's, else the top-level key (4.x's), else
         # Qwen3Config's default, 10,000 (Qwen3-Reranker's config says 1,000,000). So a
         # rope_scaling {"rope_type": "default"} beside rope_parameters' theta runs at 10,000 there.
+        # Scaled kinds (rope.py) are read as transformers 5.x reads them; 4.x differed (its YaRN
+        # replaced an explicit factor by max_position_embeddings / original_max_position_embeddings).
         params, scaling = get("rope_parameters"), get("rope_scaling")
         for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
             if value is None:
@@ -71,8 +76,11 @@ class Qwen3Arch:
             if per_type:  # transformers' form for models whose layer types rotate differently
                 raise ValueError(f"{key} {value} gives RoPE per layer type ({per_type}), which is not supported: "
                                  "Qwen3 has one RoPE for every layer (transformers' Qwen3 cannot run it either)")
-            if value.get("rope_type", value.get("type", "default")) != "default":
-                raise ValueError(f"{key} {value} is not supported (Qwen3-Reranker uses the default RoPE)")
+        chosen = "rope_scaling" if scaling else "rope_parameters"
+        if scaling and params and scaling != params and _rope_type(params) != "default":
+            raise ValueError(f"rope_scaling {scaling} replaces rope_parameters {params} whole (transformers 5), so "
+                             f"its rope_type {_rope_type(params)!r} would be ignored: give the RoPE in one of them")
+        rope = rope_scaling_from(chosen, scaling or params or {}, get)
         rope_theta = (scaling or params or {}).get("rope_theta", get("rope_theta"))
         rope_theta = 10000.0 if rope_theta is None else rope_theta
         if (isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float))
@@ -102,6 +110,7 @@ class Qwen3Arch:
             rope_theta=float(rope_theta),
             tie_word_embeddings=get("tie_word_embeddings", False),
             attention_bias=get("attention_bias", False),
+            rope=rope,
             defaulted=defaulted,
         )
         if arch.num_heads % arch.num_kv_heads:
@@ -128,6 +137,10 @@ class Qwen3Arch:
         return "".join(f"; the config has no {k!r}, so it is transformers' Qwen3Config default "
                        f"{QWEN3_SHAPE_DEFAULTS[k]} — is {k} missing from config.json?"
                        for k in keys if k in self.defaulted)
+
+
+def _rope_type(rope: dict) -> str:
+    return rope.get("rope_type", rope.get("type", "default"))
 
 
 def _check_layer_types(types, num_layers: int) -> None:

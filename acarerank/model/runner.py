@@ -61,32 +61,56 @@ def not_picklable(name: str) -> str:
 
 class SourceModelChangedError(RuntimeError):
     """The in-memory model a runner was built from (``Qwen3Runner.from_hf``) changed in place
-    after the build (an optimizer step, ``load_state_dict``, an edit under ``torch.no_grad``)."""
+    after the build (an optimizer step, ``load_state_dict``, an edit under ``torch.no_grad``) in a
+    tensor the runner shares with it."""
 
 
 class _SourceWatch:
-    """Weak references to an in-memory model's tensors and their version counters at build time.
+    """Weak references to the model tensors a runner shares (the same storage) and their
+    version counters at build time.
 
     ``from_hf`` shares some of the model's tensors (norms, embedding, lm_head) and packs others
     into the runner's own form, so after an in-place change of the model a pass would mix old
     and new weights (a snapshot π_old that is neither θ_old nor θ), with no error. torch bumps a
-    tensor's ``_version`` on every in-place write, an optimizer step's included. Weak: the runner
-    does not keep a model alive that its caller dropped (a dropped model cannot change).
+    tensor's ``_version`` on every in-place write, an optimizer step's included. Only tensors
+    still in the storage the runner holds are compared: ``model.to(dtype)`` (or ``param.data =``)
+    gives a Parameter new storage and leaves the runner's untouched, so a later edit of it changes
+    nothing the runner reads (the Parameter object, and its version counter, are the same).
+    The runner keeps each shared storage alive, so no other tensor can take its address. Weak:
+    the runner does not keep a model alive that its caller dropped (a dropped model cannot change).
     """
 
-    def __init__(self, model):
-        self._refs = [(name, weakref.ref(t), t._version) for name, t in model.state_dict(keep_vars=True).items()]
+    def __init__(self, model, weights: Qwen3Weights):
+        shared = {_storage_ptr(t) for t in _tensors_of(weights)} - {None}
+        self._refs = [(name, weakref.ref(t), ptr, t._version)
+                      for name, t in model.state_dict(keep_vars=True).items()
+                      if (ptr := _storage_ptr(t)) in shared]
 
     def check(self) -> None:
-        for name, ref, version in self._refs:
+        for name, ref, ptr, version in self._refs:
             t = ref()
-            if t is not None and t._version != version:
+            if t is not None and _storage_ptr(t) == ptr and t._version != version:
                 raise SourceModelChangedError(
                     f"the model this runner was built from changed in place after Qwen3Runner.from_hf ({name!r}: an "
                     f"optimizer step, load_state_dict or an edit): the runner holds its own packed copy of some "
                     f"matrices and shares the others, so a pass would mix old and new weights. Build a new runner "
                     f"from the model as it is now (ATO: a snapshot per update), or from a copy "
                     f"(copy.deepcopy(model)) to keep the old weights")
+
+
+def _storage_ptr(t) -> Optional[int]:
+    """The address of a dense tensor's storage (None for an empty one, or a packed weight, which
+    is the runner's own)."""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.numel() == 0:
+        return None
+    return t.untyped_storage().data_ptr()
+
+
+def _tensors_of(weights: Qwen3Weights):
+    """Every tensor the runner computes with (packed weights included; ``_storage_ptr`` skips them)."""
+    yield from (weights.embed, weights.final_norm, weights.lm_head, weights.score_head)
+    for layer in weights.layers:
+        yield from vars(layer).values()
 
 
 def _linear_fixed_tiles(x: torch.Tensor, w, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -157,19 +181,21 @@ class Qwen3Runner:
         self.block_size = block_size
         self._source: Optional[_SourceWatch] = None  # from_hf's model, checked before each pass
         a = self.arch
-        self._inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, dtype=torch.int64, device=self.device)
-                                                .float() / a.head_dim))
+        # [d/2] fp32, and the factor both tables are scaled by (YaRN's; 1 otherwise): rope.py
+        self._inv_freq = a.rope.inv_freq(a.rope_theta, a.head_dim, self.device)
+        self._rope_scale = a.rope.attention_factor
 
     # -- construction -----------------------------------------------------------------
     @classmethod
     def from_hf(cls, model, backend: Optional[str] = None, **kw) -> "Qwen3Runner":
         """From an in-memory transformers Qwen3 model (its tensors are shared where the layouts
         agree and never modified; packed matrices are the runner's own). The runner stands for
-        the model as it is now: a pass after the model changed in place (an optimizer step) is a
-        ``SourceModelChangedError``; build a new runner then (docs/api.md, "ATO re-scoring")."""
+        the model as it is now: a pass after the model changed in place where the runner shares its
+        tensors (an optimizer step) is a ``SourceModelChangedError``; build a new runner then
+        (docs/api.md, "ATO re-scoring")."""
         _fork.enter("Qwen3Runner.from_hf")
         runner = cls._owning(weights_from_hf(model), backend, kw)
-        runner._source = _SourceWatch(model)
+        runner._source = _SourceWatch(model, runner.weights)
         return runner
 
     @classmethod
@@ -372,10 +398,13 @@ class Qwen3Runner:
         return t.to(device=self.device, dtype=torch.long)
 
     def _rope(self, positions: torch.Tensor):
-        """fp32 [T, d] cos, sin at ``positions`` (the layers cast them once per pass if they need to)."""
+        """fp32 [T, d] cos, sin at ``positions`` (the layers cast them once per pass if they need to):
+        cos(cat(p·f, p·f))·s, sin(...)·s, f the config's inverse frequencies, s its attention factor."""
         freqs = positions.float()[:, None] * self._inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        if self._rope_scale == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self._rope_scale, emb.sin() * self._rope_scale
 
     def _forward(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
         _fork.enter("a model pass")  # every pass of every reranker comes here first

@@ -87,14 +87,51 @@ def _expected_shapes(arch: Qwen3Arch) -> dict:
 
 _FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
+#: the transformers classes whose stored tensors the loader reads as their class means them
+READ_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification")
+#: Qwen3 classes whose head the loader would misread, and why each is refused
+MISREAD_ARCHITECTURES = {
+    "Qwen3ForTokenClassification": "its score head (with a bias) labels every token for a tagging task; read as a "
+                                   "reranker's yes/no head it would give scores with no meaning",
+    "Qwen3ForQuestionAnswering": "its qa_outputs head gives answer-span start/end logits, not yes/no, and it has no "
+                                 "language-model head",
+}
+
+
+def _architectures_note(names, place: str, error=None) -> Optional[str]:
+    """The check of a checkpoint's declared classes (config.json's ``architectures``; an in-memory
+    model's class and its bases): CheckpointError for a Qwen3 head the loader would misread
+    (``MISREAD_ARCHITECTURES``); None when a class is one the loader reads (or none is named);
+    else a sentence naming them, for the warning given when the tensors still read as a Qwen3
+    model (transformers' Auto classes pick the class by model_type, not by this list) and for the
+    error when they do not."""
+    if names is None:
+        return None
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{place}: 'architectures' must be a list of class names, got {names!r}")
+    misread = [n for n in names if n in MISREAD_ARCHITECTURES]
+    if misread:
+        raise CheckpointError(f"{place}: architectures names {misread[0]!r}, which is not supported: "
+                              f"{MISREAD_ARCHITECTURES[misread[0]]}. acarerank reads a Qwen3ForCausalLM or a "
+                              f"Qwen3ForSequenceClassification yes/no reranker")
+    if not names or any(n in READ_ARCHITECTURES for n in names):
+        return None
+    if "Qwen3Model" in names:
+        return f"{place}: architectures names 'Qwen3Model', a Qwen3 decoder without an output head"
+    return (f"{place}: architectures names {list(names)}, not a class acarerank reads "
+            f"({', '.join(READ_ARCHITECTURES)})")
+
 
 def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model", id2label=None,
-                     config_source: str = "the config", label2id=None) -> Qwen3Weights:
+                     config_source: str = "the config", label2id=None, architectures=None,
+                     architectures_source: Optional[str] = None) -> Qwen3Weights:
     """Build the runner's layout from a name -> tensor mapping (``sd.where(name)``, if present,
     names the file a tensor lives in). Every error is a CheckpointError naming ``source``/the file
     and the tensor. ``id2label`` (and ``label2id``, checked against it): the config's, naming
-    ``score.weight``'s rows (score_labels).
+    ``score.weight``'s rows (score_labels). ``architectures``: the declared class names
+    (``_architectures_note``; named as ``architectures_source``, else ``config_source``).
     Stored tensors the model does not read: ``stored_names``."""
+    note = _architectures_note(architectures, architectures_source or config_source)
     shapes = _expected_shapes(arch)
     where = getattr(sd, "where", lambda name: source)
     names = list(sd.keys())
@@ -103,7 +140,8 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
 
     def take(name):
         if name not in sd:
-            raise CheckpointError(f"{source}: no tensor {name!r} (a missing shard, or not a Qwen3 checkpoint)")
+            raise CheckpointError(f"{source}: no tensor {name!r} (a missing shard, or not a Qwen3 checkpoint)"
+                                  + (f"; {note}" if note else ""))
         used.add(name)
         t = sd[name]
         want, why = shapes.get(name) or shapes.get(name.split(".", 3)[-1]) or (None, [])
@@ -176,8 +214,13 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
     else:
         raise CheckpointError(f"{source}: tie_word_embeddings is false but there is no tensor 'lm_head.weight' (nor a "
                               "sequence-classification 'score.weight'); the output layer is missing — a lost shard? "
-                              "(it is never replaced by the embedding)")
+                              "(it is never replaced by the embedding)" + (f"; {note}" if note else ""))
     final_norm = take("model.norm.weight")
+    if note:  # every tensor a Qwen3 model reads is there: read as transformers' Auto classes would
+        read_as = ("Qwen3ForSequenceClassification (score.weight)" if score_head is not None else
+                   "Qwen3ForCausalLM" + (" with the tied embedding as its output layer" if lm_head is embed else ""))
+        warnings.warn(f"{note}; its tensors are read as a {read_as}, as transformers reads a model_type qwen3 "
+                      "checkpoint — check that this is the model you meant", stacklevel=3)
     warn_unused(names, used, source, stacklevel=3)
     return Qwen3Weights(arch=arch, embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head,
                         score_head=score_head)
@@ -221,9 +264,13 @@ def weights_from_hf(model) -> Qwen3Weights:
     if not sd:
         raise CheckpointError(f"{type(model).__name__} has no parameters")
     p = next(iter(sd.values()))
+    # the class that runs in transformers (and its bases: a subclass of Qwen3ForCausalLM is read as one)
+    classes = [c.__name__ for c in type(model).__mro__]
     return _from_state_dict(arch, sd, p.dtype, p.device, source=f"in-memory {type(model).__name__}",
                             id2label=getattr(model.config, "id2label", None), config_source="the model's config",
-                            label2id=getattr(model.config, "label2id", None))
+                            label2id=getattr(model.config, "label2id", None),
+                            architectures=[c for c in classes if c.startswith("Qwen3")] or None,
+                            architectures_source=f"in-memory {type(model).__name__}")
 
 
 class _LazyTensors:
@@ -338,7 +385,13 @@ def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weight
         if missing:
             raise CheckpointError(f"{index} lists tensor {missing[0]!r} in {weight_map[missing[0]]!r}, which does not "
                                   f"contain it ({len(missing)} such tensors)")
+    if "embed_tokens.weight" in location and "model.embed_tokens.weight" not in location:
+        # a bare Qwen3Model's names (save_pretrained of the decoder alone), read under the
+        # Qwen3ForCausalLM prefix as transformers' from_pretrained reads them
+        location = {"model." + k: v for k, v in location.items()}
+        raw = {"model." + k: v for k, v in raw.items()}
     sd = _LazyTensors(handles, location, raw)
     source = f"checkpoint {path!r} ({os.path.basename(index) if index else 'model.safetensors'})"
     return _from_state_dict(arch, sd, dtype, torch.device(device), source=source, id2label=cfg.get("id2label"),
-                            config_source=cfg_path, label2id=cfg.get("label2id"))
+                            config_source=cfg_path, label2id=cfg.get("label2id"),
+                            architectures=cfg.get("architectures"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _tiny import random_qwen3, tiny_seq_cls
+from _tiny import random_qwen3, tiny_config, tiny_seq_cls
 from acarerank import PointwiseReranker
 from acarerank.model import CheckpointError
 from acarerank.prompts import joint_input_ids, official_scores
@@ -402,3 +402,94 @@ def test_head_dim_past_the_native_kernels_limit_scores_as_transformers(tok):
     ref = official_scores(m, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
     rr = PointwiseReranker(model=m)
     assert close(rr.score("q", DOCS), ref)
+
+
+# -- 4. the classes config.json's architectures declares --------------------------------------
+
+def _headed(cls_name, causal):
+    """A ``cls_name`` (transformers) over the causal LM's decoder, with a 2-label head."""
+    import transformers
+
+    m = getattr(transformers, cls_name)(tiny_config(num_labels=2, pad_token_id=0)).eval()
+    m.base_model.load_state_dict(causal.model.state_dict())
+    return m
+
+
+@pytest.mark.parametrize("cls_name", ["Qwen3ForTokenClassification", "Qwen3ForQuestionAnswering"])
+def test_a_qwen3_head_the_loader_would_misread_is_refused_by_its_class(causal, cls_name, tmp_path):
+    """A token-classification checkpoint's score.weight (+ bias) was read as a reranker's yes/no
+    head (scores with no meaning, a warning about the bias only); a question-answering one was a
+    'missing shard'. Both are a CheckpointError naming the class, from disk and in memory."""
+    m = _headed(cls_name, causal)
+    m.save_pretrained(tmp_path / "c")
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["architectures"] == [cls_name]
+    for load in (lambda: PointwiseReranker.from_pretrained(str(tmp_path / "c")), lambda: PointwiseReranker(model=m)):
+        with pytest.raises(CheckpointError, match=f"architectures names '{cls_name}', which is not supported"):
+            load()
+
+
+def test_architectures_that_is_not_a_list_of_names_is_refused(saved, tmp_path):
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, architectures="Qwen3ForCausalLM")
+    with pytest.raises(CheckpointError, match=r"config\.json: 'architectures' must be a list of class names"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+
+
+def test_a_headless_qwen3model_reads_as_transformers_causal_lm_with_a_warning(tok, tmp_path):
+    """A Qwen3Model (the decoder alone) with tied embeddings is what transformers'
+    Qwen3ForCausalLM.from_pretrained makes of it: the embedding as the output layer. It loads
+    with a warning naming the class and scores as that (fp32: 1e-5) — from disk its unprefixed
+    tensor names were a 'missing shard', in memory it loaded without a word. Untied, the missing
+    output layer is a CheckpointError that names the class."""
+    from transformers import Qwen3ForCausalLM, Qwen3Model
+
+    tied = random_qwen3(seed=5, spread_yes_no=40, tie=True, perturb_norms=True)
+    bare = Qwen3Model(tied.config).eval()
+    bare.load_state_dict(tied.model.state_dict())
+    bare.save_pretrained(tmp_path / "bare")
+    assert json.loads((tmp_path / "bare" / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    hf = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "bare"), dtype=torch.float32,
+                                          attn_implementation="eager").eval()
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    for load in (lambda: PointwiseReranker.from_pretrained(str(tmp_path / "bare"), dtype=torch.float32),
+                 lambda: PointwiseReranker(model=bare)):
+        with pytest.warns(UserWarning, match="architectures names 'Qwen3Model'.*tied embedding as its output layer"):
+            rr = load()
+        assert close(rr.score("q", DOCS), want)
+    untied = Qwen3Model(tiny_config(tie=False)).eval()
+    untied.save_pretrained(tmp_path / "untied")
+    for load in (lambda: PointwiseReranker.from_pretrained(str(tmp_path / "untied")),
+                 lambda: PointwiseReranker(model=untied)):
+        with pytest.raises(CheckpointError, match="no tensor 'lm_head.weight'.*architectures names 'Qwen3Model'"):
+            load()
+
+
+def test_another_family_named_over_qwen3_tensors_warns_and_scores_as_transformers(saved, tok, tmp_path):
+    """architectures ['Qwen2ForCausalLM'] beside model_type qwen3 and a Qwen3's tensors: transformers'
+    Auto classes pick Qwen3ForCausalLM by model_type, so it loads (it did, without a word) — now
+    with a warning naming the declared class — and scores as that (fp32: 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_config(ckpt, architectures=["Qwen2ForCausalLM"])
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager").eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    with pytest.warns(UserWarning, match=r"architectures names \['Qwen2ForCausalLM'\].*read as a Qwen3ForCausalLM"):
+        rr = PointwiseReranker.from_pretrained(str(ckpt), dtype=torch.float32)
+    assert close(rr.score("q", DOCS), want)
+
+
+def test_another_familys_tensors_under_model_type_qwen3_are_refused_naming_it(tmp_path):
+    """A Qwen2ForCausalLM whose config says model_type qwen3 (transformers would load it as Qwen3
+    with fresh q/k norms and drop the q/k/v biases): the missing q_norm is a CheckpointError that
+    names the declared class, not only 'a missing shard'."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=503, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "q2")
+    _edit_config(tmp_path / "q2", model_type="qwen3", head_dim=16)
+    with pytest.raises(CheckpointError, match=r"no tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'.*"
+                                              r"architectures names \['Qwen2ForCausalLM'\]"):
+        PointwiseReranker.from_pretrained(str(tmp_path / "q2"))

@@ -224,15 +224,12 @@ def test_rope_theta_is_read_as_transformers_reads_it(saved, rope, tmp_path):
 
 
 @pytest.mark.parametrize("rope, match", [
-    ({"rope_theta": 5000.0, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters"),
     ({"rope_scaling": "yarn"}, "rope_scaling"),
-    # Qwen3's own long-context recipe (its model card), and transformers' other scaled kinds
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-     "rope_scaling .*'yarn'"),
+    # a kind whose frequencies follow the call's length beside a top-level rope_theta (the scaled
+    # kinds computed are tests/model/test_rope_scaling.py's)
+    ({"rope_theta": 5000.0, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_parameters .*'dynamic'"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}, "rope_parameters .*'dynamic'"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                          "original_max_position_embeddings": 8192, "rope_theta": 1e6}}, "rope_parameters .*'llama3'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling .*'linear'"),
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 70.0}}},
      r"rope_parameters .* gives RoPE per layer type \(\['full_attention'\]\)"),
     ({"rope_theta": 0}, "rope_theta"),

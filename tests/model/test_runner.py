@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from _tiny import random_qwen3
-from acarerank.model import Qwen3Runner
+from acarerank.model import Qwen3Runner, SourceModelChangedError
 
 
 def tiny_qwen3(layers=2, heads=4, kv_heads=2, head_dim=32, hidden=64, vocab=503, seed=0, dtype=torch.float32, **kw):
@@ -131,3 +131,38 @@ def test_runner_rejects_bad_input():
     want = r.forward(cache, [[4, 5]], [0])
     for ok in ([np.int64(4), 5], list(np.array([4, 5], dtype=np.uint16)), torch.tensor([4, 5], dtype=torch.int16)):
         torch.testing.assert_close(r.forward(cache, [ok], [0]), want, rtol=0, atol=0)
+
+
+def _last_hidden(r, ids):
+    cache = r.prefill([ids[:30]])
+    return r.forward(cache, [ids[30:]], [0], output="last")
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_the_source_watch_compares_what_the_runner_shares(backend):
+    """from_hf shares norms, embedding, lm_head (and, on the torch linear backend, o_proj / down_proj)
+    with the model. After model.to(bfloat16) the model's Parameters hold new storage and the runner
+    its own references (its output unchanged): an in-place edit then changes nothing it reads, yet
+    was a SourceModelChangedError (the Parameter and its version counter are the same objects). Now
+    it runs and still gives the model-as-built's output bit for bit; an edit of a tensor it does
+    share is still refused, and an edit of a matrix it holds its own copy of changes nothing it reads."""
+    ids = torch.randint(0, 503, (40,), generator=torch.Generator().manual_seed(3))
+    m = tiny_qwen3(layers=2)
+    r = Qwen3Runner.from_hf(m, backend=backend)
+    before = _last_hidden(r, ids)
+    m.to(torch.bfloat16)
+    assert torch.equal(_last_hidden(r, ids), before)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(2)
+    assert torch.equal(_last_hidden(r, ids), before)
+
+    m = tiny_qwen3(layers=2)
+    r = Qwen3Runner.from_hf(m, backend=backend)
+    with torch.no_grad():
+        m.model.layers[1].self_attn.q_proj.weight.mul_(2)  # packed with k, v into the runner's own matrix
+    assert torch.equal(_last_hidden(r, ids), before)
+    with torch.no_grad():
+        m.model.layers[1].post_attention_layernorm.weight.mul_(2)  # shared
+    with pytest.raises(SourceModelChangedError, match="'model.layers.1.post_attention_layernorm.weight'"):
+        _last_hidden(r, ids)
