@@ -19,6 +19,8 @@ acarerank_requests_running                  gauge      requests with documents i
 acarerank_requests_in_flight                gauge      requests admitted and not yet answered
 acarerank_queue_tokens                      gauge      tokens of the tokenized requests not yet answered
                                                        (what --max-queue-tokens bounds; shared part once)
+acarerank_requests_waiting_for_tokens       gauge      requests tokenized and waiting, in arrival order,
+                                                       for room in --max-queue-tokens
 acarerank_batch_tokens                      histogram  segment tokens per packed pass
 acarerank_batch_requests                    histogram  requests sharing a packed pass
 acarerank_documents_scored_total            counter    documents scored
@@ -98,6 +100,9 @@ class ServerMetrics:
         self.queue_tokens = Gauge("acarerank_queue_tokens", "tokens of the tokenized requests not yet answered, "
                                   "each counted as the engine computes it (shared part once); --max-queue-tokens "
                                   "bounds it", registry=r)
+        self.token_waiting = Gauge("acarerank_requests_waiting_for_tokens", "requests tokenized and waiting, in "
+                                   "arrival order, for room in --max-queue-tokens (each holds its --max-queue "
+                                   "slot and its token ids meanwhile)", registry=r)
         self.batch_tokens = Histogram("acarerank_batch_tokens", "segment tokens per packed pass",
                                       buckets=_TOKEN_BUCKETS, registry=r)
         self.batch_requests = Histogram("acarerank_batch_requests", "requests sharing a packed pass",
