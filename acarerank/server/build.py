@@ -56,6 +56,7 @@ def build_service(config: ServeConfig):
         raise
     return RerankService(rr, model_name(config), setwise=sr, max_batch_tokens=rr.max_batch_tokens,
                          max_queue=config.max_queue, max_queue_tokens=config.max_queue_tokens,
+                         token_wait_timeout=config.token_wait_timeout,
                          max_documents=config.max_documents,
                          tokenize_workers=config.tokenize_workers, model_thread=mt,
                          canary_after_failures=config.canary_after_failures, request_timeout=config.request_timeout)

@@ -24,6 +24,9 @@ from ..limits import DEFAULT_MAX_DOCUMENTS  # stdlib only; the CLI and the servi
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024   # 1,000 documents of ~32 kB each
 DEFAULT_MAX_QUEUE = 512                      # TEI's default max_concurrent_requests
+#: seconds a request waits for room in --max-queue-tokens before its 429 (docs/serving.md,
+#: "Admission by tokens": under a clients' timeout of 60 s, with time left for the passes)
+DEFAULT_TOKEN_WAIT_TIMEOUT = 30.0
 #: the most --select-max-new-tokens a server takes: setwise.grammar.max_new_tokens_cap(n) for every
 #: pool of up to 1,000 documents (the longest selection of 1,000: 1,000 × (2 + 4 digits) + 1), the
 #: cap each /v1/select of such a pool is checked against; a test keeps the two equal
@@ -81,9 +84,14 @@ class ServeConfig:
     max_queue_tokens: Optional[int] = _opt("tokens of the requests tokenized and unanswered at once (each counted "
                                            "as the engine computes it: the shared part once, every document's "
                                            "segment; a /v1/select's prompt and output cap); one that would pass it "
-                                           "gets 429, one over it alone 413 (default: none, only --max-queue "
-                                           "bounds the queue; docs/serving.md, 'Admission by tokens')",
+                                           "waits for room in arrival order (--token-wait-timeout, then 429), one "
+                                           "over it alone gets 413 (default: none, only --max-queue bounds the "
+                                           "queue; docs/serving.md, 'Admission by tokens')",
                                            default=None, type=int)
+    token_wait_timeout: float = _opt("seconds a request that does not fit --max-queue-tokens now waits for room, "
+                                     "in arrival order (no later request goes first), holding its --max-queue "
+                                     "slot; then 429 with Retry-After (inf: until --request-timeout)",
+                                     default=DEFAULT_TOKEN_WAIT_TIMEOUT)
     max_documents: int = _opt("documents per request; more gets 413", default=DEFAULT_MAX_DOCUMENTS)
     max_body_bytes: int = _opt("request body cap in bytes (413)", default=DEFAULT_MAX_BODY_BYTES)
     max_request_chars: int = _opt("characters of query, question, trace, instruction and documents together "

@@ -85,7 +85,7 @@ class Gate:
         self.app = app
         self.state = state
         self.metrics = service.metrics
-        self.admit = getattr(service, "admit", None)   # the Ray front admits in the replicas
+        self.admit = getattr(service, "admit", None)
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout

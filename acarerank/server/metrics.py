@@ -19,6 +19,8 @@ acarerank_requests_running                  gauge      requests with documents i
 acarerank_requests_in_flight                gauge      requests admitted and not yet answered
 acarerank_queue_tokens                      gauge      tokens of the tokenized requests not yet answered
                                                        (what --max-queue-tokens bounds; shared part once)
+acarerank_requests_waiting_for_tokens       gauge      requests tokenized and waiting, in arrival order,
+                                                       for room in --max-queue-tokens
 acarerank_batch_tokens                      histogram  segment tokens per packed pass
 acarerank_batch_requests                    histogram  requests sharing a packed pass
 acarerank_documents_scored_total            counter    documents scored
@@ -52,6 +54,10 @@ _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 CACHE_COUNTERS = ("lookup", "hit", "computed", "evicted")
 CACHE_GAUGES = ("resident", "budget")
+#: every stage ``acarerank_engine_failures_total`` counts (docs/serving.md lists the same; a test keeps
+#: them equal): each series is present at 0 from the start, as ``rate()`` over a missing series is
+#: empty, not 0, and an alert on a stage that never failed yet would have nothing to read
+ENGINE_FAILURE_STAGES = ("pass", "prefill", "select", "scheduler", "tokenize", "engine")
 
 
 class _CacheCollector:
@@ -98,6 +104,9 @@ class ServerMetrics:
         self.queue_tokens = Gauge("acarerank_queue_tokens", "tokens of the tokenized requests not yet answered, "
                                   "each counted as the engine computes it (shared part once); --max-queue-tokens "
                                   "bounds it", registry=r)
+        self.token_waiting = Gauge("acarerank_requests_waiting_for_tokens", "requests tokenized and waiting, in "
+                                   "arrival order, for room in --max-queue-tokens (each holds its --max-queue "
+                                   "slot and its token ids meanwhile)", registry=r)
         self.batch_tokens = Histogram("acarerank_batch_tokens", "segment tokens per packed pass",
                                       buckets=_TOKEN_BUCKETS, registry=r)
         self.batch_requests = Histogram("acarerank_batch_requests", "requests sharing a packed pass",
@@ -113,7 +122,7 @@ class ServerMetrics:
                                        "scoring pass, prefill: a request's shared part, select: a selection "
                                        "step, scheduler: the scheduler iteration, tokenize: a tokenizer worker, "
                                        "engine: the engine died)", ["stage"], registry=r)
-        for stage in ("pass", "prefill", "select", "engine"):
+        for stage in ENGINE_FAILURE_STAGES:
             self.engine_failures.labels(stage)  # present at 0 from the start (a rate needs a first sample)
         self.failures_in_a_row = Gauge("acarerank_engine_failures_in_a_row", "failures since the last success, "
                                        "by kind (model: requests the model failed since a scoring pass or "

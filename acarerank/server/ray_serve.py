@@ -8,7 +8,8 @@ Two deployments:
   hitting; when that replica is saturated Ray falls back to the next one on the ring.
 * ``RerankIngress`` — the HTTP app of ``app.py`` unchanged (routes, schemas, ``gate.py``, errors,
   metrics of its own requests), whose service forwards each parsed request to the replicas
-  with ``session_id = routing_key(request)``. Its ``/ready`` asks every replica's engine
+  with ``session_id = routing_key(request)``, after admitting it before its body is read
+  (``RemoteService.admit``: every replica's ``max_queue`` together). Its ``/ready`` asks every replica's engine
   (``RemoteService.readiness``): 503 while none can serve (docs/serving.md, "Past one machine");
   its ``/metrics`` adds every replica's series, labelled ``replica`` (``RemoteService.render_metrics``).
 
@@ -23,6 +24,7 @@ an agent without a question gets affinity by sending a ``cache_salt`` (per sessi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from typing import Optional
@@ -148,12 +150,37 @@ class RemoteService:
 
     ready = True  # loaded: the ingress is built after a replica answered; whether one can serve is readiness()
 
-    def __init__(self, handle, model_name: str):
+    def __init__(self, handle, model_name: str, max_queue: Optional[int] = None, num_replicas: int = 1):
         self.handle = handle
         self.model_name = model_name
+        # the front's own count: every engine replica's max_queue together (None: not counted here)
+        self.max_queue, self.num_replicas = max_queue, num_replicas
+        self.admitted = 0
         self.metrics = ServerMetrics(engine=False)   # its HTTP requests; the engines' series: render_metrics
         self._probed: Optional[tuple] = None        # (monotonic time, problem or None) of the last probe
         self._probing: Optional[asyncio.Future] = None
+
+    @contextlib.contextmanager
+    def admit(self):
+        """Hold one of this front's ``max_queue × num_replicas`` slots for the duration of a request,
+        or raise 429 — taken by the gate before it reads the body, as ``RerankService.admit`` is on
+        ``acarerank serve``. Each replica still applies its own ``max_queue`` (a context's requests
+        go to one replica); this bounds the bodies the front reads and holds at once, which only
+        Ray's ``max_ongoing_requests`` bounded before, and past which Ray's proxy held requests
+        with no answer. On the event loop only (the gate's)."""
+        if self.max_queue is None:
+            yield
+            return
+        limit = self.max_queue * self.num_replicas
+        if self.admitted >= limit:
+            raise APIError(429, f"server busy: {self.admitted} requests in flight at this front (--max-queue "
+                                f"{self.max_queue} × {self.num_replicas} engine replicas); retry later",
+                           headers={"Retry-After": "1"})
+        self.admitted += 1
+        try:
+            yield
+        finally:
+            self.admitted -= 1
 
     def health(self) -> dict:
         """``/health`` on the front: its own liveness (it runs); the engines' is Ray's ``check_health``
@@ -262,13 +289,15 @@ class _Families:
 class RerankIngress:
     """The HTTP front (``app.py``) of a set of ``RerankReplica``."""
 
-    def __init__(self, replicas, config: ServeConfig):
+    def __init__(self, replicas, config: ServeConfig, num_replicas: int = 1):
         self.replicas = replicas
         self.config = config
+        self.num_replicas = num_replicas
 
     async def __serve_build_asgi_app__(self):
         name = await self.replicas.model_name.remote()
-        return create_app(RemoteService(self.replicas, name), self.config)
+        return create_app(RemoteService(self.replicas, name, max_queue=self.config.max_queue,
+                                        num_replicas=self.num_replicas), self.config)
 
 
 def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_options: Optional[dict] = None,
@@ -283,8 +312,10 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     port, the header, keep-alive and send timeouts, max_connections, drain_timeout, log_level) are
     Ray's and are a ValueError naming Ray's setting.
 
-    Admission as ``acarerank serve``'s: each engine replica refuses (429) the request past its
-    ``max_queue``, so Ray must deliver it: a replica takes ``max_queue + 1`` requests at once (Ray's
+    Admission as ``acarerank serve``'s: each front refuses (429) a request past every replica's
+    ``max_queue`` together before it reads the body (``RemoteService.admit``), each engine replica
+    the request past its own ``max_queue`` (and waits for room in its ``max_queue_tokens``), so Ray
+    must deliver it: a replica takes ``max_queue + 1`` requests at once (Ray's
     ``max_ongoing_requests``; one over it waits in Ray's queue) and an ingress replica every
     request the engines can hold plus ``INGRESS_SPARE_REQUESTS`` (Ray's default of 5 held the
     sixth request at the proxy, unanswered, whatever ``max_queue`` said).
@@ -303,4 +334,4 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
                                      ray_actor_options=replica_options or {}).bind(config, health_max_pass_s)
     return RerankIngress.options(num_replicas=ingress_replicas,
                                  max_ongoing_requests=num_replicas * per_replica + INGRESS_SPARE_REQUESTS) \
-        .bind(replicas, config)
+        .bind(replicas, config, num_replicas)

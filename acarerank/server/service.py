@@ -11,8 +11,9 @@ errors) and the scheduler (``engine.py``, which owns the model):
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
   ``Retry-After``; with ``max_queue_tokens``, at most that many tokens (``score_tokens`` /
   ``select_tokens``: what the engine computes, counted once tokenized) of requests unanswered at
-  once, else 429 with ``Retry-After`` — and 413 for one request over the whole budget, which could
-  never fit;
+  once: a request that does not fit now waits for room in arrival order (``admission.py``), for
+  at most ``token_wait_timeout`` seconds, then 429 with ``Retry-After`` — and 413 for one request
+  over the whole budget, which could never fit;
 * tokenizes in a thread pool (``reranker.encode``) — the event loop never tokenizes and the
   model thread never waits for it; the truncation policy is the reranker's own;
   ``max_tokens_per_doc`` cuts each document's tokens from its end, first; ``truncate: false``
@@ -46,7 +47,8 @@ from typing import Awaitable, Callable, Optional
 
 from .._validate import check_seconds
 from ..pointwise import ScoreRequest
-from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE
+from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DEFAULT_TOKEN_WAIT_TIMEOUT
+from .admission import TokenBudget
 from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
 from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped, run_on_dead
 from .errors import APIError
@@ -160,8 +162,11 @@ class RerankService:
       max_batch_tokens: segment tokens per packed pass (None: the reranker's own).
       max_queue: requests admitted and not yet answered; one more gets 429.
       max_queue_tokens: tokens (``score_tokens`` / ``select_tokens``) of the tokenized requests not
-        yet answered; a request that would take the total past it gets 429, one over it alone 413
-        (``hold_tokens``). None: no token budget (the total is still the ``queue_tokens`` gauge).
+        yet answered; a request that would take the total past it waits for room in arrival order,
+        one over it alone gets 413 (``hold_tokens``). None: no token budget (the total is still the
+        ``queue_tokens`` gauge).
+      token_wait_timeout: seconds a request may wait for room in ``max_queue_tokens``; then 429
+        with ``Retry-After``. None or ``inf``: it waits until answered or ``request_timeout``.
       max_documents: documents per request; more gets 413.
       tokenize_workers: threads of the tokenization pool.
       model_thread: the ``ModelThread`` that built ``reranker``; the scheduler loop runs on it
@@ -175,7 +180,8 @@ class RerankService:
     def __init__(self, reranker, model_name: str, *, setwise=None, max_batch_tokens: Optional[int] = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
                  tokenize_workers: int = 2, model_thread=None, canary_after_failures: int = DEFAULT_CANARY_AFTER,
-                 request_timeout: Optional[float] = None, max_queue_tokens: Optional[int] = None):
+                 request_timeout: Optional[float] = None, max_queue_tokens: Optional[int] = None,
+                 token_wait_timeout: Optional[float] = DEFAULT_TOKEN_WAIT_TIMEOUT):
         for name, v in (("max_queue", max_queue), ("max_documents", max_documents),
                         ("tokenize_workers", tokenize_workers), ("max_queue_tokens", max_queue_tokens)):
             if v is None and name == "max_queue_tokens":
@@ -183,6 +189,8 @@ class RerankService:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         request_timeout = check_seconds("request_timeout", request_timeout, none=True)
+        token_wait_timeout = check_seconds("token_wait_timeout", token_wait_timeout, none=True)
+        self.token_wait_timeout = None if token_wait_timeout == math.inf else token_wait_timeout
         # inf: no deadline (an infinite timer is not something asyncio's wait_for should be handed)
         self.request_timeout = None if request_timeout == math.inf else request_timeout
         self.reranker = reranker
@@ -202,7 +210,9 @@ class RerankService:
         self.large_request_chars = LARGE_REQUEST_CHARS
         self._lock = threading.Lock()
         self._admitted = 0
-        self._queued_tokens = 0
+        # tokens of the requests tokenized and unanswered, handed out in arrival order (admission.py);
+        # without a budget, only counted (the queue_tokens gauge)
+        self._tokens = TokenBudget(math.inf if max_queue_tokens is None else max_queue_tokens, self._tokens_changed)
         self.ready = False
         self._dead: Optional[str] = None   # set by a tokenizer pool that can no longer run work
         self.on_dead = self.engine.on_dead  # callables(reason), run once when the service dies
@@ -320,10 +330,20 @@ class RerankService:
     @property
     def queued_tokens(self) -> int:
         """Tokens of the requests holding ``hold_tokens``: tokenized and not yet answered."""
-        return self._queued_tokens
+        return self._tokens.held
 
-    @contextlib.contextmanager
-    def hold_tokens(self, tokens: int):
+    @property
+    def waiting_for_tokens(self) -> int:
+        """Requests tokenized and waiting for room in ``max_queue_tokens`` (0 without a budget)."""
+        return self._tokens.waiting
+
+    def _tokens_changed(self, held: int, waiting: int) -> None:
+        self.metrics.queue_tokens.set(held)
+        self.metrics.token_waiting.set(waiting)
+
+    @contextlib.asynccontextmanager
+    async def hold_tokens(self, tokens: int, is_disconnected: Callable[[], Awaitable[bool]],
+                          deadline: Optional[float] = None):
         """Count a tokenized request's ``tokens`` against ``max_queue_tokens`` until it is answered.
 
         Held from its submission to the engine until the handler returns, whatever ends it (an
@@ -331,25 +351,48 @@ class RerankService:
         ``finally`` gives them back. A dropped request's remaining documents are dropped by the
         engine's next iteration, so what it no longer counts runs at most to the end of the pass
         in progress. Raises ``APIError`` 413 when ``tokens`` alone exceed the budget (no wait can
-        admit it) and 429 with ``Retry-After`` when the total would pass it."""
+        admit it).
+
+        One that fits the budget alone but not now waits for it in arrival order (``TokenBudget``:
+        no later request goes first), holding its admission slot and its token ids meanwhile, for
+        at most ``token_wait_timeout`` seconds (then 429 with ``Retry-After``), never past
+        ``deadline`` (504); a client that leaves meanwhile gives its place up at once
+        (``ClientGone``, 499), and so does a task cancelled by the drain. On the event loop only."""
         budget = self.max_queue_tokens
         if budget is not None and tokens > budget:
             raise APIError(413, f"this request is {tokens:,} tokens once tokenized, more than the whole queue "
                                 f"budget of {budget:,} tokens (--max-queue-tokens): it can never be admitted; "
                                 f"send fewer or shorter documents")
-        with self._lock:
-            if budget is not None and self._queued_tokens + tokens > budget:
-                raise APIError(429, f"server busy: {self._queued_tokens:,} tokens queued, and this request's "
-                                    f"{tokens:,} would pass the budget of {budget:,} (--max-queue-tokens); "
-                                    f"retry later", headers={"Retry-After": "1"})
-            self._queued_tokens += tokens
-            self.metrics.queue_tokens.set(self._queued_tokens)
+        granted = self._tokens.acquire(tokens)
+        if granted is not None:
+            await self._wait_for_tokens(granted, tokens, is_disconnected, deadline)
         try:
             yield
         finally:
-            with self._lock:
-                self._queued_tokens -= tokens
-                self.metrics.queue_tokens.set(self._queued_tokens)
+            self._tokens.release(tokens)
+
+    async def _wait_for_tokens(self, granted: asyncio.Future, tokens: int,
+                               is_disconnected: Callable[[], Awaitable[bool]], deadline: Optional[float]) -> None:
+        """Wait for ``granted`` (``TokenBudget.acquire``'s future) up to ``token_wait_timeout`` and
+        ``deadline``, watching the client (``wait_or_drop``); whatever ends the wait early gives the
+        place (or the tokens granted meanwhile) back."""
+        loop = asyncio.get_running_loop()
+        ends = [t for t in (deadline, None if self.token_wait_timeout is None else
+                            loop.time() + self.token_wait_timeout) if t is not None]
+        seen = {}
+
+        def give_up():   # what the 429 reports: the queue as it stood when the wait ran out
+            seen.update(held=self._tokens.held, ahead=self._tokens.ahead_of(granted))
+            self._tokens.abandon(granted, tokens)
+        try:
+            await wait_or_drop(granted, is_disconnected, give_up, deadline=min(ends) if ends else None)
+        except DeadlinePassed:
+            if deadline is not None and loop.time() >= deadline:
+                raise self._timed_out() from None
+            raise APIError(429, f"server busy: {seen['held']:,} tokens queued and {seen['ahead']} request(s) waiting "
+                                f"ahead; this request's {tokens:,} did not fit the budget of "
+                                f"{self.max_queue_tokens:,} (--max-queue-tokens) within {self.token_wait_timeout:g} s "
+                                f"(--token-wait-timeout); retry later", headers={"Retry-After": "1"}) from None
 
     # -- rerank ------------------------------------------------------------------------------
     def _check_documents(self, docs: list) -> None:
@@ -385,7 +428,7 @@ class RerankService:
                                            req.max_tokens_per_doc or None, req.truncate)   # 0: vLLM's "no cut"
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
-            with self.hold_tokens(score_tokens(enc)):
+            async with self.hold_tokens(score_tokens(enc), is_disconnected, deadline):
                 job = self._submit(self.engine.submit, enc, rid)
                 result = await self._wait(job, is_disconnected, deadline)
         if headers is not None:  # TEI's header: milliseconds from admission to the first pass
@@ -632,7 +675,7 @@ class RerankService:
                                            self._encode_select, req, docs)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
-            with self.hold_tokens(select_tokens(enc, self.setwise.max_new_tokens)):
+            async with self.hold_tokens(select_tokens(enc, self.setwise.max_new_tokens), is_disconnected, deadline):
                 job = self._submit(self.engine.submit_select, enc, rid)
                 sel = await self._wait(job, is_disconnected, deadline)
         return dict(id=rid, model=self.model_name, ids=sel.ids, indices=sel.indices, text=sel.text,

@@ -382,3 +382,20 @@ def test_engine_failure_stages_in_serving_md_are_the_ones_counted():
     counted = set(re.findall(r'_fault\("(\w+)"', source))
     counted |= set(re.findall(r'engine_failures\.labels\("(\w+)"\)', source))
     assert documented == counted, f"serving.md lists {sorted(documented)}, the server counts {sorted(counted)}"
+
+
+def test_every_engine_failure_stage_is_served_at_0_before_any_failure():
+    """Each stage serving.md lists is a series of a fresh server's /metrics, at 0: ``rate()`` over a
+    series that does not exist yet is empty, not 0, so an alert on a stage that never failed had
+    nothing to read (scheduler and tokenize appeared only at their first failure)."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from acarerank.server.metrics import ENGINE_FAILURE_STAGES, ServerMetrics
+
+    m = re.search(r'acarerank_engine_failures_total\{stage=([^}]*)\}', SERVING.read_text())
+    documented = set(re.findall(r'"(\w+)"', m.group(1)))
+    served = {s.labels["stage"]: s.value for fam in text_string_to_metric_families(ServerMetrics().render().decode())
+              for s in fam.samples if s.name == "acarerank_engine_failures_total"}
+    assert served == {stage: 0.0 for stage in documented}, served
+    assert set(ENGINE_FAILURE_STAGES) == documented

@@ -37,7 +37,9 @@ def test_flags_round_trip_with_the_dataclass_defaults():
                                               ("max_salt_chars", 2.5, "--max-salt-chars"), ("port", 70000, "--port"),
                                               ("canary_after_failures", 0, "--canary-after-failures"),
                                               ("max_queue_tokens", 0, "--max-queue-tokens"),
-                                              ("max_queue_tokens", 1.5, "--max-queue-tokens")])
+                                              ("max_queue_tokens", 1.5, "--max-queue-tokens"),
+                                              ("token_wait_timeout", 0, "--token-wait-timeout"),
+                                              ("token_wait_timeout", float("nan"), "--token-wait-timeout")])
 def test_bad_values_name_their_flag(field, value, flag):
     with pytest.raises(ValueError, match=flag):
         ServeConfig(**{field: value})
@@ -158,18 +160,18 @@ def test_select_caps_reach_the_setwise_reranker():
 
 def test_canary_after_failures_reaches_the_engine():
     """``--canary-after-failures`` is the engine's ``canary_after``; the canary is the warm-up request,
-    encoded at start by the reranker that serves. ``--max-queue-tokens`` reaches the service (the Ray
-    replicas build theirs from the same config); unset, no token budget."""
+    encoded at start by the reranker that serves. ``--max-queue-tokens`` and ``--token-wait-timeout``
+    reach the service (the Ray replicas build theirs from the same config); unset, no token budget."""
     pytest.importorskip("torch")
     from acarerank.server.build import build_service
     from acarerank.server.service import CANARY
 
-    assert ServeConfig().max_queue_tokens is None
+    assert ServeConfig().max_queue_tokens is None and ServeConfig().token_wait_timeout == 30.0
     svc = build_service(ServeConfig(canary_after_failures=5, dtype="float32", cache_budget=256,
-                                    max_queue_tokens=4096))
+                                    max_queue_tokens=4096, token_wait_timeout=2.5))
     try:
         assert svc.engine.canary_after == 5 and svc.engine.canary is None
-        assert svc.max_queue_tokens == 4096
+        assert svc.max_queue_tokens == 4096 and svc.token_wait_timeout == 2.5
         svc.start(warmup=False)
         assert svc.engine.canary.segment_ids == svc.reranker.encode(CANARY).segment_ids
     finally:

@@ -6,6 +6,8 @@ One subprocess server (the CLI, a tiny checkpoint, ``--drain-timeout 2``). Three
 the engine busy far past the deadline — one alone takes ~6 s on a 2-core EPYC (2026-12-02), where
 documents of ~370 characters took 1.8 s, too close to the deadline once passes stopped paying for
 a new GEMM kernel per shape; a fourth client sends its head and half of its body, then nothing.
+``--max-queue-tokens`` holds two of the three: the third waits for room in it (a wait the drain
+ends as it ends the rest, 503).
 """
 import json
 import signal
@@ -20,6 +22,7 @@ require("httpx", "fastapi", "uvicorn")
 
 import httpx  # noqa: E402
 
+from acarerank import PointwiseReranker, ScoreRequest  # noqa: E402
 from serve_util import serve_subprocess, tiny_model  # noqa: E402
 
 DRAIN = 2.0
@@ -27,11 +30,14 @@ MARGIN = 5.0   # seconds of slack for the exit on a loaded machine
 
 
 def test_drain_deadline_answers_503_and_exits(tmp_path):
-    tiny_model().save_pretrained(tmp_path)
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
     docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 40 for i in range(1000)]
+    enc = PointwiseReranker(model=model).encode(ScoreRequest("drain 0", docs))
+    tokens = len(enc.shared_ids) + sum(map(len, enc.segment_ids))   # what --max-queue-tokens counts
     out = {}
     with serve_subprocess("--model", str(tmp_path), "--dtype", "float32", "--max-batch-tokens", "64",
-                          "--drain-timeout", str(DRAIN)) as (base, proc):
+                          "--drain-timeout", str(DRAIN), "--max-queue-tokens", str(tokens * 5 // 2)) as (base, proc):
         port = int(base.rsplit(":", 1)[1])
 
         def long_request(k):
@@ -45,12 +51,13 @@ def test_drain_deadline_answers_503_and_exits(tmp_path):
         slow.sendall(f"POST /v1/rerank HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:   # all four admitted (bounded wait)
-            if "acarerank_requests_in_flight 4.0" in httpx.get(base + "/metrics").text:
+        while time.monotonic() < deadline:   # all four admitted, one waiting for tokens (bounded wait)
+            m = httpx.get(base + "/metrics").text
+            if "acarerank_requests_in_flight 4.0" in m and "acarerank_requests_waiting_for_tokens 1.0" in m:
                 break
             time.sleep(0.05)
         else:
-            raise AssertionError("the four requests were never in flight together")
+            raise AssertionError("the four requests were never in flight together, one waiting for tokens")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(DRAIN + MARGIN)

@@ -2,13 +2,15 @@
 
 Checks that requests of one context (same cache_salt and question, growing trace) always land on
 the same replica, that context-free traffic still works, that scores equal the offline
-reranker's, that errors keep their code and shape through Ray, and that the front's /ready turns
+reranker's, that errors keep their code and shape through Ray, that each replica applies its
+--max-queue (429) and --max-queue-tokens (a wait for room; 413 alone over it), and that the front's /ready turns
 503 once no replica's engine can serve (stopped engines, then killed replicas) and 200 again once
 Ray has replaced them. Starting Ray, Serve and three replica processes dominates: ~50 s on 2 quiet cores
 (2+ min on a loaded machine). The front's readiness rules themselves run without Ray, over a
 stand-in handle.
 """
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +25,7 @@ from serve_util import free_port, tiny_model, wait_until
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from acarerank import PointwiseReranker  # noqa: E402
+from acarerank import PointwiseReranker, ScoreRequest  # noqa: E402
 from acarerank.server import create_app  # noqa: E402
 from acarerank.server import ray_serve  # noqa: E402
 from acarerank.server.ray_serve import REPLICA_HEADER, RemoteService, build_app  # noqa: E402
@@ -31,6 +33,7 @@ from serve_util import thread_server  # noqa: E402
 
 DOCS = ["the tutor gives hints", "a recipe for bread", "setwise rerankers select documents", "weather today"]
 MAX_QUEUE = 6   # above Ray's default max_ongoing_requests (5), which held the rest at the proxy
+BURST_DOCS = ["word " * 100] * 400   # ~0.3 s a request on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -39,22 +42,32 @@ def ray_app(tmp_path_factory):
     model = tiny_model()
     model.save_pretrained(path)
     port = free_port()
+    rr = PointwiseReranker(model=model)
+    # every replica's token budget holds MAX_QUEUE burst requests: the burst test meets --max-queue first
+    budget = MAX_QUEUE * _tokens(rr, "q", BURST_DOCS)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(model=path, num_replicas=2, max_batch_tokens=256, dtype="float32", max_queue=MAX_QUEUE),
+        serve.run(build_app(model=path, num_replicas=2, max_batch_tokens=256, dtype="float32", max_queue=MAX_QUEUE,
+                            max_queue_tokens=budget),
                   name="acarerank", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_until(base + "/ready", timeout=240)
-        yield base, PointwiseReranker(model=model)
+        yield base, rr, budget
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
+def _tokens(rr, query, docs) -> int:
+    """What --max-queue-tokens counts for a rerank: the shared part once, then every segment."""
+    enc = rr.encode(ScoreRequest(query, docs))
+    return len(enc.shared_ids) + sum(map(len, enc.segment_ids))
+
+
 def test_context_affinity_scores_and_errors(ray_app):
-    base, rr = ray_app
+    base, rr, _ = ray_app
     with httpx.Client(base_url=base, timeout=60) as c:
         # distinct contexts spread over both replicas. Run first: once both have answered, the
         # front's router knows both, so the ring no longer changes under the session below.
@@ -115,7 +128,7 @@ def test_the_fronts_metrics_carry_each_replicas_engine_series(ray_app):
     """Runs after the affinity test: both replicas scored documents, and their series reach the front's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    base, _ = ray_app
+    base, _, _ = ray_app
     text = httpx.get(base + "/metrics", timeout=30).text
     scored = {s.labels["replica"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
               if s.name == "acarerank_documents_scored_total"}
@@ -126,8 +139,8 @@ def test_a_replica_past_its_max_queue_answers_429(ray_app):
     """A burst of one context (one replica) past --max-queue gets acarerank serve's 429 with
     Retry-After. Ray's default max_ongoing_requests (5) let only five requests into the ingress:
     the others waited at Ray's proxy, so no replica ever saw more than five and no 429 ever came."""
-    base, _ = ray_app
-    body = dict(query="q", documents=["word " * 100] * 400, cache_salt="burst")  # ~0.3 s each on 2 cores
+    base, _, _ = ray_app
+    body = dict(query="q", documents=BURST_DOCS, cache_salt="burst")
     with ThreadPoolExecutor(2 * MAX_QUEUE + 2) as pool:
         answers = list(pool.map(lambda _: httpx.post(base + "/v1/rerank", json=body, timeout=300),
                                 range(2 * MAX_QUEUE + 2)))
@@ -137,6 +150,48 @@ def test_a_replica_past_its_max_queue_answers_429(ray_app):
         if r.status_code == 429:
             assert f"--max-queue {MAX_QUEUE}" in r.json()["error"]["message"], r.text
             assert r.headers.get("retry-after") == "1", r.headers
+
+
+def test_a_replica_past_its_token_budget_makes_requests_wait_and_refuses_one_over_it_alone(ray_app):
+    """--max-queue-tokens on the Ray front, as on acarerank serve: a burst of one context (one
+    replica) whose tokens pass the replica's budget waits for room there (every request 200,
+    the replica's acarerank_requests_waiting_for_tokens seen above 0 through the front's
+    /metrics), and a request over the budget alone is a 413 naming it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base, rr, budget = ray_app
+    docs = ["word " * 300] * 400
+    each = _tokens(rr, "q", docs)
+    assert 2 * each <= budget < 3 * each, (each, budget)   # two at once; the others wait
+    waiting = []
+
+    def waiting_now():   # both replicas', summed
+        text = httpx.get(base + "/metrics", timeout=30).text
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == "acarerank_requests_waiting_for_tokens")
+
+    def watch(stop):
+        while not stop.is_set():
+            waiting.append(waiting_now())
+            time.sleep(0.1)
+
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(stop,))
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            answers = list(pool.map(lambda k: httpx.post(base + "/v1/rerank", timeout=300, json=dict(
+                query="q", documents=docs, cache_salt="tokens")), range(5)))
+    finally:
+        stop.set()
+        watcher.join(60)
+    assert [r.status_code for r in answers] == [200] * 5, [r.text[:200] for r in answers]
+    assert len({r.headers[REPLICA_HEADER] for r in answers}) == 1
+    assert max(waiting) >= 1 and waiting_now() == 0, waiting
+    over = ["word " * 300] * 1000
+    assert _tokens(rr, "q", over) > budget
+    r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=over), timeout=300)
+    assert r.status_code == 413 and "--max-queue-tokens" in r.json()["error"]["message"], r.text
 
 
 def wait_for_status(url, status, timeout=60.0):
@@ -154,7 +209,7 @@ def test_front_is_unready_once_no_replica_can_serve(ray_app):
     checks failed (30 s and more), and a killed one until its controller notices: the front's
     /ready said 200 all that time while requests failed (503) or waited. Runs after the test above
     (the module's replicas are replaced here)."""
-    base, _ = ray_app
+    base, _, _ = ray_app
     replicas = serve.get_deployment_handle("RerankReplica", app_name="acarerank")
     assert httpx.get(base + "/ready", timeout=10).status_code == 200
     # every engine stopped (a replica's __del__ stops its service), the replicas still running
@@ -293,6 +348,54 @@ def test_a_replica_gone_under_a_request_is_a_503(error):
         r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["a"]), timeout=10)
     assert r.status_code == 503 and type(error).__name__ in r.json()["error"]["message"], r.text
     assert r.headers.get("retry-after") == "1"
+
+
+class _HeldHandle(_Handle):
+    """A handle whose calls are answered (200) once ``release`` is set; ``calls``: how many reached it."""
+
+    def __init__(self, release):
+        super().__init__()
+        self.release, self.calls = release, 0
+
+    def remote(self, method, body):
+        self.calls += 1
+        release = self.release
+
+        class Response:
+            def __await__(self):
+                async def held():
+                    while not release.is_set():
+                        await asyncio.sleep(0.01)
+                    return 200, dict(id="x", results=[], usage={}), {}
+                return held().__await__()
+
+            def cancel(self):
+                pass
+        return Response()
+
+
+def test_the_front_counts_max_queue_before_reading_the_body():
+    """The Ray front admitted nothing itself: every request's body was read and held (up to
+    --max-body-bytes each) until a replica refused it. Now the request past every replica's
+    --max-queue together is a 429 with Retry-After from the front, before its body is read (the
+    handle never sees it), and the slots come back once the others are answered."""
+    release = threading.Event()
+    handle = _HeldHandle(release)
+    service = RemoteService(handle, "m", max_queue=2, num_replicas=2)
+    body = dict(query="q", documents=["a"])
+    with thread_server(create_app(service)) as base, ThreadPoolExecutor(4) as pool:
+        held = [pool.submit(httpx.post, base + "/v1/rerank", json=body, timeout=30) for _ in range(4)]
+        deadline = time.monotonic() + 30
+        while handle.calls < 4:
+            assert time.monotonic() < deadline, f"{handle.calls} of 4 requests reached the handle"
+            time.sleep(0.01)
+        r = httpx.post(base + "/v1/rerank", json=body, timeout=30)
+        assert r.status_code == 429 and "--max-queue 2 × 2 engine replicas" in r.json()["error"]["message"], r.text
+        assert r.headers.get("retry-after") == "1" and handle.calls == 4 and service.admitted == 4
+        release.set()
+        assert [f.result().status_code for f in held] == [200] * 4
+        assert httpx.post(base + "/v1/rerank", json=body, timeout=30).status_code == 200
+    assert service.admitted == 0
 
 
 def test_a_number_no_replica_can_build_in_an_object_documents_other_key_is_a_422():

@@ -1,0 +1,95 @@
+"""Admission by tokens (``--max-queue-tokens``): a budget of queued tokens that requests wait for in arrival order.
+
+``TokenBudget`` holds ``held`` (the tokens of the requests tokenized and not yet answered) at most
+``budget``. A request that fits the budget alone but not now waits, in strict FIFO order, until
+the requests ahead of it have given back enough (docs/serving.md, "Admission by tokens"):
+
+* a later request never overtakes a waiting one, even one that would fit at once: with a
+  first-fit rule a stream of small requests kept the budget partly used and a request near the
+  budget got through 11 tries of 63 (docs/benchmarks.md, "Soak and chaos"); in FIFO order its
+  wait is bounded by the tokens ahead of it;
+* each waiter is an ``asyncio`` future, resolved on the event loop when tokens come back (no
+  thread per waiter); it is granted as soon as it is at the head and fits, and a waiter that
+  leaves the head (its client left, its wait ran out) lets the ones behind it try at once;
+* everything runs on the one event loop of the server: ``acquire``, ``release`` and ``abandon``
+  are not thread-safe, the caller (``RerankService``) calls them from its request tasks only.
+
+Invariant, after every call: ``held <= budget``, and either no one waits or the head does not fit
+(``held + waiters[0].tokens > budget``).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Callable, Optional
+
+
+class TokenBudget:
+    """``budget`` tokens handed out in FIFO order.
+
+    Args:
+      budget: the most tokens held at once (``--max-queue-tokens``; ``math.inf``: none, only counted).
+      on_change: called with ``(held, waiting)`` after each change (the service's gauges).
+    """
+
+    def __init__(self, budget: int, on_change: Callable[[int, int], None] = lambda held, waiting: None):
+        self.budget = budget
+        self.held = 0
+        self._waiters: collections.deque = collections.deque()   # (tokens, future), oldest first
+        self._on_change = on_change
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for tokens."""
+        return len(self._waiters)
+
+    @property
+    def waiting_tokens(self) -> int:
+        """Tokens the waiting requests ask for, all together."""
+        return sum(t for t, _ in self._waiters)
+
+    def ahead_of(self, fut: asyncio.Future) -> int:
+        """Requests waiting ahead of ``fut``'s (all of them if it no longer waits)."""
+        return next((i for i, (_, f) in enumerate(self._waiters) if f is fut), len(self._waiters))
+
+    def acquire(self, tokens: int) -> Optional[asyncio.Future]:
+        """Take ``tokens`` now (None), or join the queue: the future is resolved once they are held.
+
+        ``tokens`` must be at most ``budget`` (a larger request can never fit: the caller answers 413).
+        Taken now only when nobody waits: a request that arrives after a waiting one never goes first."""
+        if tokens > self.budget:
+            raise ValueError(f"tokens ({tokens}) exceed the budget ({self.budget}): it can never be admitted")
+        if not self._waiters and self.held + tokens <= self.budget:
+            self.held += tokens
+            self._changed()
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((tokens, fut))
+        self._changed()
+        return fut
+
+    def release(self, tokens: int) -> None:
+        """Give back ``tokens`` that were held, and grant the waiters that now fit, in order."""
+        self.held -= tokens
+        self._grant()
+
+    def abandon(self, fut: asyncio.Future, tokens: int) -> None:
+        """The request of ``fut`` stops waiting (its client left, its wait or deadline ran out, its
+        task was cancelled): out of the queue, or, granted meanwhile, its tokens given back. Then the
+        ones behind it may fit."""
+        if fut.done() and not fut.cancelled():
+            self.release(tokens)
+            return
+        fut.cancel()
+        self._waiters = collections.deque((t, f) for t, f in self._waiters if f is not fut)
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self.held + self._waiters[0][0] <= self.budget:
+            tokens, fut = self._waiters.popleft()
+            self.held += tokens
+            fut.set_result(None)
+        self._changed()
+
+    def _changed(self) -> None:
+        self._on_change(self.held, len(self._waiters))
