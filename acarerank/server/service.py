@@ -626,7 +626,7 @@ class RerankService:
                                             max_doc, req.truncate)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
-            with self.hold_tokens(sum(score_tokens(enc) for enc in encs)):
+            async with self.hold_tokens(sum(score_tokens(enc) for enc in encs), is_disconnected, deadline):
                 jobs = []
                 try:
                     for k, enc in enumerate(encs):
