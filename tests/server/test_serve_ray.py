@@ -107,7 +107,7 @@ def test_the_score_routes_through_ray(ray_app):
     """vLLM's /score and /v1/score on the Ray front: 1 to N the rerank route's scores, N to N each
     pair's offline score, the pairing error's 400 through Ray (test_serve_score.py checks the rest
     on acarerank serve; test_the_score_routes_answer_as_acarerank_serves, without Ray, the parity)."""
-    base, rr = ray_app
+    base, rr, _ = ray_app
     with httpx.Client(base_url=base, timeout=60) as c:
         rerank = c.post("/v1/rerank", json=dict(query="q", documents=DOCS, cache_salt="score-a")).json()
         r = c.post("/score", json=dict(text_1="q", text_2=DOCS, cache_salt="score-a"))
