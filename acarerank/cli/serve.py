@@ -87,6 +87,11 @@ def check_listen(host: str, port: int) -> None:
             sock.close()
 
 
+def _token_wait(seconds) -> str:
+    """The start-up line's note on how long a request waits for room in the token budget."""
+    return " (a request waits for room with no limit)" if seconds is None else f" (a request waits up to {seconds:g} s)"
+
+
 def run(args) -> int:
     missing = missing_serve_modules()
     if missing:  # one line, no traceback (cli/__init__.py's rule)
@@ -108,6 +113,7 @@ def run(args) -> int:
     service.start(warmup=True)
     print(f"acarerank serve: model {service.model_name!r} ready in {time.perf_counter() - t0:.1f} s "
           f"(max_batch_tokens {service.engine.max_batch_tokens}, max_queue {service.max_queue}, "
-          f"max_queue_tokens {service.max_queue_tokens or 'off'}, "
+          f"max_queue_tokens {service.max_queue_tokens or 'off'}"
+          f"{'' if not service.max_queue_tokens else _token_wait(service.token_wait_timeout)}, "
           f"api key {'on' if api_key else 'off'})", file=sys.stderr)
     return run_server(service, config, api_key=api_key)

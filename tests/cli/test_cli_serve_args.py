@@ -94,3 +94,12 @@ def test_serve_config_refuses_the_key_for_every_front():
     with pytest.raises(ValueError, match="--api-key is empty"):
         ServeConfig(api_key="")
     assert ServeConfig(api_key="k").api_key == "k"
+
+
+@pytest.mark.parametrize("seconds,words", [(30.0, "waits up to 30 s"), (0.5, "waits up to 0.5 s"),
+                                           (None, "waits for room with no limit")])
+def test_the_start_up_line_says_how_long_a_request_waits_for_tokens(seconds, words):
+    """With --max-queue-tokens the start-up line names --token-wait-timeout (None: inf)."""
+    from acarerank.cli.serve import _token_wait
+
+    assert words in _token_wait(seconds), _token_wait(seconds)
