@@ -32,9 +32,10 @@ models that cannot yet write a selection (a random model: ``examples/ato_train_s
 Not offered: top-k / top-p. The recipe's rollouts (verl's GRPO defaults) use neither, and a truncated
 sampler's draws and log-probs are not π_old's, which the ratio would again not account for.
 
-Memory: a step holds the running rollouts' logits and their probabilities, two [S, V] fp32 tensors
-(S ≤ prompts × G: 8 × 151,669 × 4 bytes = 4.6 MiB each for one query), never [G · steps, V]; the
-log-probs are kept as one float per token.
+Memory: a step holds at most three [S, V] fp32 tensors — the running rollouts' logits (turned into
+log-probs in place), their exp, and ``torch.multinomial``'s draw (S ≤ prompts × G: 8 × 151,669 ×
+4 bytes = 4.6 MiB each for one query) — never [G · steps, V]; the log-probs are kept as one float
+per token.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import torch
 from .._validate import positive_int
 from ..model.paged_cache import PagedKVCache
 from ..ops._checks import finite_real, positive_in_fp32
-from ..setwise.decode import MAX_NEW_TOKENS, GreedyStepper, decode_reserve, stop_ids as _stop_set
+from ..setwise.decode import MAX_NEW_TOKENS, GreedyStepper, _check, decode_reserve, stop_ids as _stop_set
 from ..setwise.grammar import IdentifierGrammar
 from ..tokenizer import TOKEN_IM_END
 from .rescore import _ids
@@ -150,9 +151,15 @@ def sample_rollouts(runner, prompts: Sequence[Sequence[int]], group_size: int = 
     ids = _prompt_ids(prompts, runner.arch.vocab_size)
     states = _grammar_states(grammar, pools, len(ids), G)
     gen = _generator(generator, seed, runner.device)
+    repeated = [p for p in ids for _ in range(G)]
+    # before the prompts are computed: a grammar whose longest output passes max_new_tokens, or whose
+    # END is no stop id (GreedyStepper checks both again)
+    _check(repeated, states, max_new_tokens)
+    if grammar is not None and grammar.tokens.end not in stops:
+        raise ValueError(f"sample_rollouts: the grammar ends on token {grammar.tokens.end} but stop_ids are "
+                         f"{sorted(stops)}")
     longest = None if states is None else max(st.max_tokens() for st in states)
     reserve = decode_reserve(max_new_tokens, longest)
-    repeated = [p for p in ids for _ in range(G)]
     cache = _shared_prompt_cache(runner, ids, G, reserve)
     try:
         dec = _SampleStepper(runner, repeated, grammar, states, max_new_tokens, tuple(stops), cache,

@@ -236,9 +236,13 @@ def test_each_prompt_is_computed_once_not_g_times(prompts, monkeypatch):
     assert sum(sum(n) for _, n in passes) == sum(len(p) - 1 for p in prompts) + sum(ro.lengths)
 
 
-def test_bad_input_is_named(prompts, grammar):
+def test_bad_input_is_named(prompts, grammar, monkeypatch):
+    """Each refused before any model pass (no prompt computed for a call that cannot run)."""
     runner = Qwen3Runner.from_hf(random_qwen3(seed=0, **SHAPE))
     V = runner.arch.vocab_size
+    passes = []
+    real = runner._forward
+    monkeypatch.setattr(runner, "_forward", lambda *a, **k: (passes.append(a), real(*a, **k))[1])
     with pytest.raises(ValueError, match="group_size must be a positive int"):
         sample_rollouts(runner, prompts, 0)
     for t in (0, 0.0):
@@ -273,5 +277,5 @@ def test_bad_input_is_named(prompts, grammar):
         sample_rollouts(runner, prompts, 2, seed=1, generator=torch.Generator())
     with pytest.raises(TypeError, match="eos_id must be a token id"):
         sample_rollouts(runner, prompts, 2, stop_ids="<|im_end|>")
-    # nothing above leaked a page or left a half-made cache behind: a call after them works
+    assert passes == []
     assert sample_rollouts(runner, prompts, 2, max_new_tokens=2, seed=0).lengths == [2] * 4
