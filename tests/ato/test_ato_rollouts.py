@@ -215,7 +215,13 @@ def test_first_token_frequencies_follow_softmax_over_temperature():
 def test_each_prompt_is_computed_once_not_g_times(prompts, monkeypatch):
     """Counted at the runner's packed pass: the prefill computes Σ (P_q − 1) tokens once for all G
     rollouts (G full prefills would be G times that), and every later pass is a decode step of
-    one-token segments, one per running rollout."""
+    one-token segments, one per running rollout. The pool is sized for every rollout's rows up front:
+    it never grows (a doubling copies every page)."""
+    from acarerank.model import block_pool
+
+    grown = []
+    grow = block_pool.BlockPool._grow
+    monkeypatch.setattr(block_pool.BlockPool, "_grow", lambda self, extra: (grown.append(extra), grow(self, extra)))
     runner = Qwen3Runner.from_hf(biased(0, {TOKEN_IM_END: 0.05}))
     passes = []
     real = runner._forward
@@ -234,6 +240,7 @@ def test_each_prompt_is_computed_once_not_g_times(prompts, monkeypatch):
     assert steps[0][1] == [1] * (G * len(prompts)) and all(set(s[1]) == {1} for s in steps)
     # tokens computed: each prompt once, then one per sampled token but the last of each rollout
     assert sum(sum(n) for _, n in passes) == sum(len(p) - 1 for p in prompts) + sum(ro.lengths)
+    assert grown == [] and max(ro.lengths) == 6, (grown, ro.lengths)
 
 
 def test_bad_input_is_named(prompts, grammar, monkeypatch):
