@@ -6,15 +6,23 @@ score each rollout (Eq. 4–6), standardise within the group (Eq. 7), route a hi
 teacher π_φ = θ_sft (Eq. 9, the teacher truncated to its top-128 logits), combine the two
 advantages (Eq. 10) and take clipped policy-gradient steps (Eq. 11–12).
 
-What is real here: the prompts (Appendix F.1), the hints (Fig. 3), the rubric reward's
+What is real here: the prompts (Appendix F.1), the rollouts (``sample_rollouts``: G samples of the
+snapshot, the prompt computed once for all G), the hints (Fig. 3), the rubric reward's
 aggregation, ``rescore`` (prefix-shared passes of both models, top-128 truncation without
 [T, V] logits), the advantages and the loss, the policy's log-probs with ``linear_logprob`` (no
 [T, V] logits in forward or backward either), backward and an optimizer step. What is a stand-in:
-the models are tiny and random, the rollouts are drawn selection strings instead of samples of
-π_old (a random model never writes a valid selection, so every reward would be −1 and every
-advantage 0), the judge is a function of the selected ids, and the sibling set is fixed.
+the models are tiny and random, the judge is a function of the selected ids, and the sibling set
+is fixed.
 
-    python examples/ato_train_step.py [--steps 3] [--group 4] [--layers 2] [--hidden 64]
+The rollouts are sampled under the identifier grammar by default. The paper samples π_old
+unconstrained (``--free``), so that a malformed rollout gets r = −1 and no distillation (Eq. 6):
+that is how RL keeps teaching the format, and it is ``sample_rollouts``' default. But a random
+model never writes a valid selection: unconstrained, every reward here would be −1 and every
+advantage 0 (try ``--free``). Constrained draws give rewards that differ within the group. The
+loss's ratio is over the full vocabulary either way, so ``logp_old`` comes from ``rescore``
+(a constrained draw's own log-prob is renormalised over the allowed tokens: not π_old's).
+
+    python examples/ato_train_step.py [--steps 3] [--group 4] [--layers 2] [--hidden 64] [--free]
 
 ``main(argv)`` returns the per-step losses (tests/ato/test_ato_train_step.py runs it tiny).
 """
@@ -22,7 +30,6 @@ advantage 0), the judge is a function of the selected ids, and the sibling set i
 import argparse
 import copy
 import json
-import random
 from typing import List, Sequence
 
 import torch
@@ -30,9 +37,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from acarerank.ato import (
     RescoreQuery, clipped_policy_loss, grpo_advantage, ato_advantage, hint_text, linear_logprob,
-    parse_selection, rescore, route_hints, rubric_reward, split_student_prompt,
+    parse_selection, rescore, route_hints, rubric_reward, sample_rollouts, split_student_prompt,
 )
 from acarerank.model import Qwen3Runner
+from acarerank.setwise.grammar import IdentifierGrammar
 from acarerank.setwise.prompts import build_prompt
 from acarerank.tokenizer import load_qwen3_tokenizer
 
@@ -99,19 +107,6 @@ def policy_logprobs(model, prompt: List[int], rollouts: List[List[int]], L: int,
     return out.index_put((rows, cols), lp)
 
 
-def draw_rollouts(tok, n_docs: int, G: int, rng: random.Random) -> List[List[int]]:
-    """Stand-in for G samples of π_old: selection strings, one malformed, ending in <|im_end|>."""
-    out = []
-    for g in range(G):
-        if g == G - 1:
-            text = "I think [2"                                     # malformed: r = −1, m = 0
-        else:
-            ids = rng.sample(range(1, n_docs + 1), rng.randint(1, n_docs))
-            text = " ".join(f"[{i}]" for i in ids)
-        out.append(tok.encode(text) + [tok.convert_tokens_to_ids("<|im_end|>")])
-    return out
-
-
 def main(argv=None) -> List[float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="policy updates (each a new snapshot)")
@@ -122,15 +117,18 @@ def main(argv=None) -> List[float]:
     ap.add_argument("--lam", type=float, default=0.7)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--free", action="store_true",
+                    help="sample unconstrained, as the paper does (a random model: every reward -1)")
     args = ap.parse_args(argv)
 
     tok = load_qwen3_tokenizer()
-    rng = random.Random(args.seed)
+    grammar = None if args.free else IdentifierGrammar.from_tokenizer(tok)
     student = tiny_qwen3(len(tok), args.layers, args.hidden, args.seed)      # θ = θ_sft
     teacher = Qwen3Runner.from_hf(copy.deepcopy(student).eval())            # π_φ = θ_sft, frozen
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr)
 
-    prompt = build_prompt(tok, "How tall is the Eiffel Tower?", DOCS, max_select=4).input_ids
+    max_select = 4
+    prompt = build_prompt(tok, "How tall is the Eiffel Tower?", DOCS, max_select=max_select).input_ids
     head, tail = split_student_prompt(prompt)
     n = len(DOCS)
     sibling_reward = rubric_reward(judge(SIBLING), RUBRICS, SIBLING)
@@ -139,7 +137,9 @@ def main(argv=None) -> List[float]:
         # Algorithm 1 line 5: θ_old ← θ. The runner shares the model's tensors (from_hf), and the
         # optimizer below changes them in place, so the snapshot is built from a copy.
         snapshot = Qwen3Runner.from_hf(copy.deepcopy(student).eval())
-        rollouts = draw_rollouts(tok, n, args.group, rng)
+        # Algorithm 1 line 7: G rollouts of π_old (at most 64 new tokens, stopping at <|im_end|>)
+        rollouts = sample_rollouts(snapshot, [prompt], args.group, grammar=grammar,
+                                   pools=None if args.free else [(n, max_select)], seed=args.seed + step).tokens
         scored = [reward(tok.decode(r, skip_special_tokens=True), n) for r in rollouts]
         rewards = torch.tensor([r for r, _ in scored])
         format_ok = torch.tensor([m for _, m in scored])

@@ -98,7 +98,11 @@ class GreedyStepper:
     Same arguments as ``greedy_decode``; ``step()`` runs one forward of every running sequence
     (one segment each: its previous output plus any forced tokens) and returns the tokens it
     fed; ``done`` once every sequence has stopped; ``outputs`` holds the new tokens so far.
+    Subclasses change how a token is picked from the step's logits (``_choose``;
+    ``acarerank.ato.rollouts`` samples).
     """
+
+    _kind = "greedy decoding"  # what errors call the loop
 
     @torch.inference_mode()
     def __init__(self, runner, prompts: Sequence[Sequence[int]], grammar: Optional[IdentifierGrammar] = None,
@@ -141,18 +145,7 @@ class GreedyStepper:
         fed = sum(len(feed[g]) for g in running)
         hidden = self.runner.forward(self.cache, [feed[g] for g in running], running, output="last",
                                      append=True)                                          # [S, H]
-        if self.grammar is None:
-            logits = self.runner.logits(hidden)                                # [S, V]
-            self._check_finite(logits.amax(-1), running)
-            nxt = logits.argmax(-1).tolist()
-        else:
-            with autocast_off(hidden.device):  # as runner.logits: the caller's autocast does not apply
-                logits = (self.runner.final_norm(hidden) @ self.head.T).float()  # [S, 14]; runner.logits' dtype path
-            mask = self.grammar.mask([states[g] for g in running]).to(logits.device)
-            masked = logits.masked_fill(~mask, float("-inf"))
-            self._check_finite(masked.amax(-1), running)
-            cols = masked.argmax(-1).tolist()
-            nxt = [int(self.vocab[c]) for c in cols]
+        nxt = self._choose(self._next_logits(hidden, running), running)
         still = []
         for g, tok in zip(running, nxt):
             outputs[g].append(tok)
@@ -164,6 +157,24 @@ class GreedyStepper:
                 still.append(g)
         self.running = still
         return fed
+
+    def _next_logits(self, hidden: torch.Tensor, running) -> torch.Tensor:
+        """fp32 next-token logits of the running sequences: [S, V] free, or [S, 14] (the grammar's
+        columns, ``self.vocab`` order) with every token the grammar does not allow at -inf."""
+        if self.grammar is None:
+            logits = self.runner.logits(hidden)                                # [S, V]
+        else:
+            with autocast_off(hidden.device):  # as runner.logits: the caller's autocast does not apply
+                logits = (self.runner.final_norm(hidden) @ self.head.T).float()  # [S, 14]; runner.logits' dtype path
+            mask = self.grammar.mask([self.states[g] for g in running]).to(logits.device)
+            logits = logits.masked_fill(~mask, float("-inf"))
+        self._check_finite(logits.amax(-1), running)
+        return logits
+
+    def _choose(self, logits: torch.Tensor, running) -> List[int]:
+        """The next token of each running sequence from ``_next_logits``: the argmax (ties to the lower id)."""
+        cols = logits.argmax(-1).tolist()
+        return cols if self.grammar is None else [int(self.vocab[c]) for c in cols]
 
     def _check_finite(self, best, running) -> None:
         """``best`` [S]: each running sequence's largest (allowed) logit. NaN propagates through
@@ -177,7 +188,7 @@ class GreedyStepper:
                       f"{len(self.outputs[rows[0]])} although the hidden state is finite: lm_head's rows or the final "
                       f"norm weight hold NaN/inf (loading refuses such weights: these were changed after it) or "
                       f"overflow fp32; no token is chosen from them")
-            err = NonFiniteOutputError(f"greedy decoding of prompt(s) {rows[:5]}: {reason}", rows)
+            err = NonFiniteOutputError(f"{self._kind} of prompt(s) {rows[:5]}: {reason}", rows)
             err.reason = reason  # select_batch names its queries with it
             raise err
 

@@ -1,0 +1,260 @@
+"""Rollouts of π_old: G samples per prompt through the runner's paged KV cache, with their log-probs.
+
+AdaTutoRank (2026), Algorithm 1 line 7: for each query, G rollouts y_i ~ π_old(· | q, C), at most
+64 new tokens (Appendix C.4), the setwise prompt. The G rollouts of one prompt share it whole, the
+best case of prefix sharing (docs/ARCHITECTURE.md, "A rollout call"):
+
+1. each prompt but its last token is computed once, one group per prompt, in one private pool;
+2. G groups per prompt are made over those pages (``PagedKVCache.add_group`` takes a reference to
+   each block: nothing copied, nothing recomputed); the partly filled last page is copied on a
+   rollout's first write (copy-on-write), so the rollouts never see each other's tokens;
+3. decoding as ``GreedyStepper`` (one 1-token segment per running rollout per step, stop ids,
+   ``max_new_tokens``, the grammar's forced tokens), but the next token is drawn from
+   softmax(z / T) instead of taken as the argmax.
+
+Sampled log-probs. ``Rollouts.logprobs[i, l]`` is the log-probability of token l under the
+distribution it was drawn from: log_softmax(z / T) over the full vocabulary when unconstrained,
+or over the grammar's allowed tokens when constrained (0 for a token the grammar forces). Unconstrained,
+this is ``rescore``'s ``logp_old`` at the same temperature (the same model, prompt and tokens):
+within fp32 rounding (tests: 1e-5), not bitwise — the decode step's hidden state comes from a
+1-token segment over the cache and its log-softmax from ``runner.logits``, ``rescore``'s from
+one packed segment per rollout and ``linear_logprob``'s chunked pass, so the GEMMs sum in
+other orders. Constrained, it is not π_old's log-prob (the renormalisation over allowed tokens adds
+log 1/Σ_allowed p); the loss's ratio π_θ / π_old is over the full vocabulary, so take ``logp_old``
+from ``rescore`` then.
+
+Why unconstrained is the default: the paper samples π_old as it is, and a malformed rollout gets
+reward −1 and no distillation (Eq. 6, Algorithm 1 lines 9–10) — that is how the policy is taught
+the format during RL; under the grammar no rollout is ever malformed, and the samples come from a
+distribution other than π_old's, which the ratio does not account for. Constrained sampling is for
+models that cannot yet write a selection (a random model: ``examples/ato_train_step.py``).
+
+Not offered: top-k / top-p. The recipe's rollouts (verl's GRPO defaults) use neither, and a truncated
+sampler's draws and log-probs are not π_old's, which the ratio would again not account for.
+
+Memory: a step holds at most three [S, V] fp32 tensors — the running rollouts' logits (turned into
+log-probs in place), their exp, and ``torch.multinomial``'s draw (S ≤ prompts × G: 8 × 151,669 ×
+4 bytes = 4.6 MiB each for one query) — never [G · steps, V]; the log-probs are kept as one float
+per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .._validate import positive_int
+from ..model.paged_cache import PagedKVCache
+from ..ops._checks import finite_real, positive_in_fp32
+from ..setwise.decode import MAX_NEW_TOKENS, GreedyStepper, _check, decode_reserve, stop_ids as _stop_set
+from ..setwise.grammar import IdentifierGrammar
+from ..tokenizer import TOKEN_IM_END
+from .rescore import _ids
+
+#: <|endoftext|> of the Qwen3 tokenizer; with <|im_end|> the stop ids of its generation config
+TOKEN_ENDOFTEXT = 151643
+#: where an unconstrained rollout stops (as ``SetwiseReranker``'s free decoding)
+DEFAULT_STOP_IDS = (TOKEN_IM_END, TOKEN_ENDOFTEXT)
+
+
+@dataclass
+class Rollouts:
+    """G rollouts per prompt, in ``rescore``'s layout (``RescoreResult``): rollout i of prompt q is row
+    q·G + i; rows padded to L = the longest rollout.
+
+    tokens: the N = Q·G rollouts' new token ids (the stop token included when emitted);
+    logprobs: [N, L] fp32, the log-probability each token was sampled with (0 at padding; module
+      docstring); response_mask: [N, L] bool; query_index: [N] int64 (``grpo_advantage``'s
+      group_index); lengths: len(tokens[n]); group_size: G; temperature: T.
+    """
+    tokens: List[List[int]]
+    logprobs: torch.Tensor
+    response_mask: torch.Tensor
+    query_index: torch.Tensor
+    lengths: List[int]
+    group_size: int
+    temperature: float
+
+    def of_query(self, q: int) -> List[List[int]]:
+        """The G rollouts of prompt q (``RescoreQuery.rollouts``)."""
+        G = self.group_size
+        return self.tokens[q * G:(q + 1) * G]
+
+
+class _SampleStepper(GreedyStepper):
+    """``GreedyStepper`` drawing each next token from softmax(z / T) (over the allowed tokens when
+    constrained) with ``generator``, and keeping the log-probability of each draw."""
+
+    _kind = "sampling"
+
+    def __init__(self, runner, prompts, grammar, states, max_new_tokens, eos_id, cache, temperature, generator):
+        self.temperature, self.generator = temperature, generator
+        self.logprobs: List[List[float]] = [[] for _ in prompts]
+        super().__init__(runner, prompts, grammar, states, max_new_tokens, eos_id, cache)
+
+    def _choose(self, logits: torch.Tensor, running) -> List[int]:
+        z = logits.div_(self.temperature)                                     # [S, V] or [S, 14], fp32
+        if not bool(torch.isfinite(z.amax(-1)).all()):  # the logits are finite (_next_logits checked)
+            raise ValueError(f"sample_rollouts: temperature={self.temperature!r} is too small for these logits: "
+                             f"logits / temperature overflow fp32; use greedy_decode for the argmax")
+        logp = z.sub_(torch.logsumexp(z, -1, keepdim=True))                   # log_softmax, in place
+        col = torch.multinomial(logp.exp(), 1, generator=self.generator)      # [S, 1]
+        lp = logp.gather(1, col)[:, 0].tolist()
+        cols = col[:, 0].tolist()
+        for g, v in zip(running, lp):
+            self._pad_forced(g)
+            self.logprobs[g].append(v)
+        return cols if self.grammar is None else [int(self.vocab[c]) for c in cols]
+
+    def _pad_forced(self, g: int) -> None:
+        """Tokens the grammar forced since the last draw were emitted with probability 1: log-prob 0."""
+        lps = self.logprobs[g]
+        lps.extend([0.0] * (len(self.outputs[g]) - len(lps)))
+
+
+def sample_rollouts(runner, prompts: Sequence[Sequence[int]], group_size: int = 8, *, temperature: float = 1.0,
+                    max_new_tokens: int = MAX_NEW_TOKENS, stop_ids: Union[int, Sequence[int]] = DEFAULT_STOP_IDS,
+                    grammar: Optional[IdentifierGrammar] = None, pools: Optional[Sequence[Tuple[int, int]]] = None,
+                    generator: Optional[torch.Generator] = None, seed: Optional[int] = None) -> Rollouts:
+    """``group_size`` samples of π_old for each prompt, with the log-probability of every sampled token.
+
+    Args:
+      runner: ``acarerank.model.Qwen3Runner`` of the snapshot (``Qwen3Runner.from_hf(snapshot)``).
+      prompts: Q token-id sequences (integers in [0, V), >= 1 token each), e.g. ``build_prompt(...).input_ids``.
+      group_size: G >= 1 rollouts per prompt (the paper's G = 8).
+      temperature: T, finite and > 0 (in fp32 too); the draws follow softmax(logits / T). T = 0 is
+        refused: it is greedy decoding (``acarerank.setwise.decode.greedy_decode``), whose tokens'
+        log-probs at T → 0 are 0 or −∞, no ratio a loss can use.
+      max_new_tokens: at most this many new tokens per rollout (the paper's 64).
+      stop_ids: a rollout ends at any of these (emitted, and kept in ``tokens``); default <|im_end|>
+        and <|endoftext|>.
+      grammar, pools: constrained sampling (both or neither): ``pools[q] = (n_candidates, max_select)``
+        of prompt q; each rollout starts a fresh ``grammar.start(n, max_select)`` and draws over the
+        allowed tokens only (every rollout then parses strictly). Default: unconstrained, the full
+        vocabulary (module docstring: why training samples so).
+      generator: a ``torch.Generator`` on ``runner.device``, or ``seed``: an int seeding a new one;
+        neither: torch's global generator (``torch.manual_seed``). The same seed, runner, prompts and
+        settings give the same rollouts.
+
+    Returns: ``Rollouts`` in ``rescore``'s layout; ``Rollouts.of_query(q)`` is ``RescoreQuery.rollouts``.
+    The log-probs are unconstrained π_old's at T, as ``rescore(..., temperature=T).logp_old``
+    (within fp32 rounding; module docstring).
+    """
+    G = positive_int("group_size", group_size)
+    max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
+    if not finite_real(temperature) or temperature <= 0 or not positive_in_fp32(temperature):
+        hint = " (0 is greedy decoding: use acarerank.setwise.decode.greedy_decode)" if temperature == 0 else ""
+        raise ValueError(f"sample_rollouts: temperature must be a finite number > 0 (in float32 too), got "
+                         f"{temperature!r}{hint}")
+    stops = _stop_set(stop_ids)
+    ids = _prompt_ids(prompts, runner.arch.vocab_size)
+    states = _grammar_states(grammar, pools, len(ids), G)
+    gen = _generator(generator, seed, runner.device)
+    repeated = [p for p in ids for _ in range(G)]
+    # before the prompts are computed: a grammar whose longest output passes max_new_tokens, or whose
+    # END is no stop id (GreedyStepper checks both again)
+    _check(repeated, states, max_new_tokens)
+    if grammar is not None and grammar.tokens.end not in stops:
+        raise ValueError(f"sample_rollouts: the grammar ends on token {grammar.tokens.end} but stop_ids are "
+                         f"{sorted(stops)}")
+    longest = None if states is None else max(st.max_tokens() for st in states)
+    reserve = decode_reserve(max_new_tokens, longest)
+    cache = _shared_prompt_cache(runner, ids, G, reserve)
+    try:
+        dec = _SampleStepper(runner, repeated, grammar, states, max_new_tokens, tuple(stops), cache,
+                             float(temperature), gen)
+        while not dec.done:
+            dec.step()
+    finally:
+        cache.free()
+    for g in range(len(repeated)):
+        dec._pad_forced(g)
+    return _padded(dec.outputs, dec.logprobs, G, float(temperature))
+
+
+def _prompt_ids(prompts, vocab_size: int) -> List[List[int]]:
+    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
+        raise TypeError(f"sample_rollouts: prompts must be a list of token-id lists (one per query), got "
+                        f"{type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("sample_rollouts: no prompts")
+    if not isinstance(prompts[0], (Sequence, torch.Tensor)) or isinstance(prompts[0], (str, bytes)):
+        raise TypeError(f"sample_rollouts: prompts must be a list of token-id lists (one per query); prompt 0 is a "
+                        f"{type(prompts[0]).__name__} (wrap a single prompt in a list: [prompt])")
+    out = []
+    for q, p in enumerate(prompts):
+        p = _ids(p, f"prompt {q}", vocab_size)
+        if not p:
+            raise ValueError(f"sample_rollouts: prompt {q} is empty; a rollout continues at least one prompt token")
+        out.append(p)
+    return out
+
+
+def _grammar_states(grammar, pools, Q: int, G: int):
+    """One fresh grammar state per rollout (prompt-major), or None when unconstrained."""
+    if (grammar is None) != (pools is None):
+        raise ValueError("sample_rollouts: pass both grammar and pools (constrained) or neither (unconstrained)")
+    if grammar is None:
+        return None
+    if not isinstance(grammar, IdentifierGrammar):
+        raise TypeError(f"sample_rollouts: grammar must be an IdentifierGrammar, got {type(grammar).__name__}")
+    pools = list(pools)
+    if len(pools) != Q:
+        raise ValueError(f"sample_rollouts: {len(pools)} pools (n_candidates, max_select) for {Q} prompts")
+    return [grammar.start(n, cap) for n, cap in pools for _ in range(G)]
+
+
+def _generator(generator, seed, device: torch.device) -> Optional[torch.Generator]:
+    if generator is not None and seed is not None:
+        raise ValueError("sample_rollouts: pass a generator or a seed, not both")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"sample_rollouts: seed must be an int, got {seed!r}")
+        return torch.Generator(device=device).manual_seed(seed)
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"sample_rollouts: generator must be a torch.Generator, got {type(generator).__name__}")
+        if torch.device(generator.device).type != device.type:
+            raise ValueError(f"sample_rollouts: the generator is on {generator.device}, the runner on {device}; "
+                             f"torch.multinomial draws with a generator of the runner's device")
+    return generator
+
+
+@torch.inference_mode()
+def _shared_prompt_cache(runner, prompts: List[List[int]], G: int, reserve: int) -> PagedKVCache:
+    """A cache of Q·G groups, group q·G + i holding prompt q but its last token: each prompt computed once
+    (one pass of all Q, chunked as ``prefill``), then G groups per prompt over the same pages.
+
+    The pool has room for every rollout's ``reserve`` rows from the start (the partly filled last
+    prompt page copied once per rollout, then its own pages), so it never grows mid-sampling.
+    """
+    bs = runner.block_size
+    lens = [len(p) - 1 for p in prompts]
+    own = sum(G * (-(-(P + reserve) // bs) - P // bs) for P in lens)
+    pool = runner.new_pool(sum(-(-P // bs) for P in lens) + own, growable=True)
+    shared = PagedKVCache(pool)
+    for _ in prompts:
+        shared.add_group()
+    try:
+        runner.extend(shared, list(range(len(prompts))), [p[:-1] for p in prompts])
+        cache = PagedKVCache(pool)
+        for q in range(len(prompts)):
+            for _ in range(G):
+                cache.add_group(shared.block_tables[q], shared.lengths[q])
+    finally:
+        shared.free()  # the rollouts' groups hold their own references
+    return cache
+
+
+def _padded(outputs: List[List[int]], logprobs: List[List[float]], G: int, temperature: float) -> Rollouts:
+    lengths = [len(o) for o in outputs]
+    N, L = len(outputs), max(lengths)
+    mask = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    lp = torch.zeros(N, L)
+    lp[mask] = torch.tensor([v for row in logprobs for v in row], dtype=torch.float32)
+    qidx = torch.arange(N, dtype=torch.long) // G
+    return Rollouts(outputs, lp, mask, qidx, lengths, G, temperature)
+
+
+__all__ = ["Rollouts", "sample_rollouts", "DEFAULT_STOP_IDS"]
