@@ -201,6 +201,23 @@ def test_the_options_that_are_served(server):
     assert r.json()["usage"]["cached_tokens"] > 0, r.json()["usage"]
 
 
+def test_the_request_id_is_bounded_and_echoed_as_sent(server):
+    """vLLM's request_id comes back in the id and counts in no character limit: past
+    MAX_REQUEST_ID_CHARS it is a 422 naming it (a 4 MB id was echoed whole, 200), at the bound and
+    with control or markup characters it is echoed exactly (JSON-escaped on the way back)."""
+    from acarerank.server.schemas import MAX_REQUEST_ID_CHARS
+
+    c = server["client"]
+    body = dict(text_1=QUERY, text_2=DOCS[:1])
+    expect_error(c.post("/score", json=body | {"request_id": "x" * (MAX_REQUEST_ID_CHARS + 1)}), 422,
+                 ["request_id", str(MAX_REQUEST_ID_CHARS)])
+    expect_error(c.post("/score", json=body | {"request_id": "x" * 4_000_000}), 422, ["request_id"])
+    for rid in ("x" * MAX_REQUEST_ID_CHARS, "a\x00\n\r\"<script>\u2028é"):
+        r = c.post("/score", json=body | {"request_id": rid})
+        score_body(r)
+        assert r.json()["id"] == "score-" + rid
+
+
 def test_a_score_body_larger_than_a_non_api_body_is_read(server):
     """The score routes are API paths of the gate: admitted (--max-queue) and read up to
     --max-body-bytes. Outside them a body over 64 KiB was a 413 naming the other paths."""
