@@ -509,6 +509,7 @@ def fronts():
     ("/score", dict(text_1="q", text_2=[f"d{i}" for i in range(9)]), 413),
     ("/score", dict(text_1="q", text_2=DOCS, use_activation=False), 400),
     ("/v1/score", dict(text_1="q"), 422),
+    ("/score", dict(text_1="q", text_2=DOCS, request_id="x" * 257), 422),   # past MAX_REQUEST_ID_CHARS
 ])
 def test_the_score_routes_answer_as_acarerank_serves(fronts, path, body, status):
     """The Ray front serves /score and /v1/score with acarerank serve's answers: status, error, data
