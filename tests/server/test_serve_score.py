@@ -204,7 +204,8 @@ def test_the_options_that_are_served(server):
 def test_the_request_id_is_bounded_and_echoed_as_sent(server):
     """vLLM's request_id comes back in the id and counts in no character limit: past
     MAX_REQUEST_ID_CHARS it is a 422 naming it (a 4 MB id was echoed whole, 200), at the bound and
-    with control or markup characters it is echoed exactly (JSON-escaped on the way back)."""
+    with control or markup characters it is echoed exactly (JSON-escaped on the way back). An
+    X-Request-Id header, as vLLM reads it, wins over the body's (the same bound)."""
     from acarerank.server.schemas import MAX_REQUEST_ID_CHARS
 
     c = server["client"]
@@ -216,6 +217,13 @@ def test_the_request_id_is_bounded_and_echoed_as_sent(server):
         r = c.post("/score", json=body | {"request_id": rid})
         score_body(r)
         assert r.json()["id"] == "score-" + rid
+    # vLLM's X-Request-Id header wins over the body's request_id (its _base_request_id); it was ignored
+    for sent in (body, body | {"request_id": "from-the-body"}):
+        r = c.post("/score", json=sent, headers={"X-Request-Id": "from-the-header"})
+        score_body(r)
+        assert r.json()["id"] == "score-from-the-header"
+    expect_error(c.post("/score", json=body, headers={"X-Request-Id": "x" * (MAX_REQUEST_ID_CHARS + 1)}), 422,
+                 ["X-Request-Id", str(MAX_REQUEST_ID_CHARS)])
 
 
 def test_a_score_body_larger_than_a_non_api_body_is_read(server):
