@@ -54,8 +54,8 @@ from .errors import APIError, error_body
 from .gate import CLIENT_CLOSED, RERANK_PATHS, SCORE_PATHS, Gate, GateState
 from .parsing import parse_body, validation_message
 from .probes import check_max_pass_s, health_problem
-from .schemas import (ErrorResponse, RerankRequest, RerankResponse, ScorePairsRequest, ScoreResponse, SelectRequest,
-                      SelectResponse, TEIRank)
+from .schemas import (MAX_REQUEST_ID_CHARS, ErrorResponse, RerankRequest, RerankResponse, ScorePairsRequest,
+                      ScoreResponse, SelectRequest, SelectResponse, TEIRank)
 
 log = logging.getLogger("acarerank.server")
 
@@ -142,6 +142,12 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
 
     async def _score(request: Request):
         req = await parse(request, ScorePairsRequest)
+        header_id = request.headers.get("x-request-id")
+        if header_id is not None:   # vLLM's score id: its X-Request-Id header wins over the body's request_id
+            if len(header_id) > MAX_REQUEST_ID_CHARS:
+                raise APIError(422, f"X-Request-Id of {len(header_id)} characters exceeds the limit of "
+                                    f"{MAX_REQUEST_ID_CHARS} (it is echoed in the response's id)")
+            req.request_id = header_id
         headers = {}
         try:
             body = await service.score(req, request.is_disconnected, headers)

@@ -68,8 +68,16 @@ RAY_OWNED_OPTIONS = ("host", "port", "header_timeout", "keepalive_timeout", "sen
 
 
 def routing_key(req) -> Optional[str]:
-    """sha1 of the request's stable context (``cache_salt``, ``question``, ``instruction``); None without."""
-    parts = [getattr(req, name, None) for name in ("cache_salt", "question", "instruction")]
+    """sha1 of the request's stable context (``cache_salt``, ``question``, ``instruction``); None without.
+
+    The instruction is the one scored: vLLM's ``chat_template_kwargs["instruction"]`` wins over the
+    field (``service._check_vllm_options``); read from the field alone, a context sent that way had
+    no key and its requests were spread over the replicas, each prefilling it again."""
+    kwargs = getattr(req, "chat_template_kwargs", None)
+    instruction = getattr(req, "instruction", None)
+    if isinstance(kwargs, dict) and isinstance(kwargs.get("instruction"), str):
+        instruction = kwargs["instruction"]
+    parts = [getattr(req, "cache_salt", None), getattr(req, "question", None), instruction]
     if all(p is None for p in parts):
         return None
     return hashlib.sha1("\x00".join(p or "" for p in parts).encode()).hexdigest()

@@ -148,6 +148,10 @@ SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_
 ScoreText = Union[StrictStr, List[StrictStr]]
 
 
+#: characters of a score request's ``request_id`` (422 past it): a client's id (vLLM sends a uuid)
+MAX_REQUEST_ID_CHARS = 256
+
+
 class ScorePairsRequest(VLLMOptions):
     """vLLM's score API (``POST /score``, ``/v1/score``): the relevance of query/document pairs.
 
@@ -168,7 +172,9 @@ class ScorePairsRequest(VLLMOptions):
     data_2: Optional[ScoreText] = Field(None, description="the document side (with data_1)")
     text_1: Optional[ScoreText] = Field(None, description="the query side (with text_2)")
     text_2: Optional[ScoreText] = Field(None, description="the document side (with text_1)")
-    request_id: Optional[StrictStr] = Field(None, description="vLLM: the response's id is 'score-<request_id>'")
+    # echoed into the response's id and counted in no other limit: a 30 MB id came back whole
+    request_id: Optional[StrictStr] = Field(None, max_length=MAX_REQUEST_ID_CHARS,
+                                            description="vLLM: the response's id is 'score-<request_id>'")
     max_tokens_per_doc: Optional[StrictInt] = Field(
         None, ge=0, description="cut each document to this many tokens; 0 (vLLM's default): no cut")
     truncate: StrictBool = Field(True, description="false: an over-long input is a 400 instead of being cut")

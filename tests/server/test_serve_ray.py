@@ -509,6 +509,7 @@ def fronts():
     ("/score", dict(text_1="q", text_2=[f"d{i}" for i in range(9)]), 413),
     ("/score", dict(text_1="q", text_2=DOCS, use_activation=False), 400),
     ("/v1/score", dict(text_1="q"), 422),
+    ("/score", dict(text_1="q", text_2=DOCS, request_id="x" * 257), 422),   # past MAX_REQUEST_ID_CHARS
 ])
 def test_the_score_routes_answer_as_acarerank_serves(fronts, path, body, status):
     """The Ray front serves /score and /v1/score with acarerank serve's answers: status, error, data
@@ -522,6 +523,25 @@ def test_the_score_routes_answer_as_acarerank_serves(fronts, path, body, status)
             assert out.pop("id").startswith("score-") and isinstance(out.pop("created"), int), out
         answers.append((r.status_code, out))
     assert answers[0][0] == status and answers[0] == answers[1], answers
+
+
+@pytest.mark.parametrize("route", ["rerank", "score"])
+def test_the_routing_key_reads_the_instruction_that_is_scored(route):
+    """vLLM's chat_template_kwargs instruction is the request's instruction (it wins over the field):
+    the routing key is that of the same context sent in the field, so its requests meet their cached
+    prefix on one replica; routing_key read the field alone (None: no affinity)."""
+    from acarerank.server.ray_serve import routing_key
+    from acarerank.server.schemas import RerankRequest, ScorePairsRequest
+
+    def req(**kw):
+        if route == "rerank":
+            return RerankRequest.model_validate(dict(query="q", documents=DOCS, **kw))
+        return ScorePairsRequest.model_validate(dict(text_1="q", text_2=DOCS, **kw))
+    by_field = routing_key(req(instruction="Judge the passage."))
+    assert by_field is not None
+    assert routing_key(req(chat_template_kwargs={"instruction": "Judge the passage."})) == by_field
+    assert routing_key(req(instruction="other", chat_template_kwargs={"instruction": "Judge the passage."})) == by_field
+    assert routing_key(req(chat_template_kwargs={})) is None
 
 
 class _FakeService:

@@ -201,6 +201,31 @@ def test_the_options_that_are_served(server):
     assert r.json()["usage"]["cached_tokens"] > 0, r.json()["usage"]
 
 
+def test_the_request_id_is_bounded_and_echoed_as_sent(server):
+    """vLLM's request_id comes back in the id and counts in no character limit: past
+    MAX_REQUEST_ID_CHARS it is a 422 naming it (a 4 MB id was echoed whole, 200), at the bound and
+    with control or markup characters it is echoed exactly (JSON-escaped on the way back). An
+    X-Request-Id header, as vLLM reads it, wins over the body's (the same bound)."""
+    from acarerank.server.schemas import MAX_REQUEST_ID_CHARS
+
+    c = server["client"]
+    body = dict(text_1=QUERY, text_2=DOCS[:1])
+    expect_error(c.post("/score", json=body | {"request_id": "x" * (MAX_REQUEST_ID_CHARS + 1)}), 422,
+                 ["request_id", str(MAX_REQUEST_ID_CHARS)])
+    expect_error(c.post("/score", json=body | {"request_id": "x" * 4_000_000}), 422, ["request_id"])
+    for rid in ("x" * MAX_REQUEST_ID_CHARS, "a\x00\n\r\"<script>\u2028é"):
+        r = c.post("/score", json=body | {"request_id": rid})
+        score_body(r)
+        assert r.json()["id"] == "score-" + rid
+    # vLLM's X-Request-Id header wins over the body's request_id (its _base_request_id); it was ignored
+    for sent in (body, body | {"request_id": "from-the-body"}):
+        r = c.post("/score", json=sent, headers={"X-Request-Id": "from-the-header"})
+        score_body(r)
+        assert r.json()["id"] == "score-from-the-header"
+    expect_error(c.post("/score", json=body, headers={"X-Request-Id": "x" * (MAX_REQUEST_ID_CHARS + 1)}), 422,
+                 ["X-Request-Id", str(MAX_REQUEST_ID_CHARS)])
+
+
 def test_a_score_body_larger_than_a_non_api_body_is_read(server):
     """The score routes are API paths of the gate: admitted (--max-queue) and read up to
     --max-body-bytes. Outside them a body over 64 KiB was a 413 naming the other paths."""
@@ -253,3 +278,87 @@ def test_a_client_gone_drops_every_group_of_its_request(server):
         time.sleep(0.01)
     assert service.engine.num_jobs == 0
     assert service.metrics.cancelled._value.get() - before == 2, "one cancellation per group"
+
+
+def test_a_score_requests_groups_leave_later_requests_room_in_the_passes():
+    """The engine's pass takes documents from its first max_running jobs in arrival order: N to N's
+    groups all queued at once filled that window, and a rerank sent after them waited until all but
+    the last few groups had ended (38 of 40 here, with a window of 8). At most half the window is one
+    score request's, so the later rerank is answered after a few of its groups; both are scored as
+    offline."""
+    import asyncio
+    import json
+    import threading
+
+    from acarerank.server.parsing import parse_body
+    from acarerank.server.schemas import RerankRequest, ScorePairsRequest
+
+    model = tiny_model()
+    service = RerankService(PointwiseReranker(model=model), "tiny-window", max_batch_tokens=256,
+                            max_documents=64).start()
+    service.engine.max_running = 8   # the window (64 by default: a 40-group request would not fill it)
+    ref = PointwiseReranker(model=model)
+    n = 40
+    queries, docs = [f"query {i} about tutors" for i in range(n)], [f"document {i} on rerankers" for i in range(n)]
+    score = parse_body(json.dumps(dict(queries=queries, documents=docs)).encode(), ScorePairsRequest)
+    later = parse_body(json.dumps(dict(query=QUERY, documents=DOCS[:2])).encode(), RerankRequest)
+
+    async def here():
+        return False
+
+    async def until_jobs_past(count: int):
+        while service.engine.num_jobs <= count:
+            await asyncio.sleep(0.005)
+
+    async def run():
+        block = threading.Event()
+        service.engine.submit_call(lambda: block.wait(30))   # holds the scheduler while both queue
+        try:
+            scoring = asyncio.ensure_future(service.score(score, here))
+            await until_jobs_past(1)        # its groups are queued (submitted in one step)
+            queued = service.engine.num_jobs
+            reranking = asyncio.ensure_future(service.rerank(later, here))
+            await until_jobs_past(queued)   # and the rerank behind them
+            before = service.metrics.documents._value.get()
+        finally:
+            block.set()
+        ranked = await reranking
+        groups_done = service.metrics.documents._value.get() - before - 2
+        return groups_done, scoring.done(), ranked, await scoring
+    try:
+        groups_done, score_done, ranked, scored = asyncio.run(run())
+    finally:
+        service.stop()
+    assert not score_done and groups_done < n // 2, \
+        f"the later rerank was answered after {groups_done} of the score request's {n} groups"
+    assert_close([d["score"] for d in scored["data"]], [ref.score(q, [d])[0] for q, d in zip(queries, docs)], "N to N")
+    got = {x["index"]: x["relevance_score"] for x in ranked["results"]}
+    assert_close([got[0], got[1]], ref.score(QUERY, DOCS[:2]), "the later rerank")
+
+
+def test_a_group_that_cannot_be_queued_answers_as_the_engine_says(server, monkeypatch):
+    """Groups past the window are queued as earlier ones end: an engine that died or stopped by then
+    is the 503 it is for a rerank (not a 500), and the groups already queued are dropped."""
+    import time
+
+    from acarerank.server.engine import EngineDead
+
+    service = server["service"]
+    submit, calls = service.engine.submit, []
+
+    def submit_then_die(enc, rid=None):
+        calls.append(rid)
+        if len(calls) > service.engine.max_running // 2:
+            raise EngineDead("injected: the engine died")
+        return submit(enc, rid)
+    monkeypatch.setattr(service.engine, "submit", submit_then_die)
+    n = MAX_DOCUMENTS
+    monkeypatch.setattr(service.engine, "max_running", 4)   # a window of 2 groups: the third is queued later
+    r = server["client"].post("/score", json=dict(queries=[f"q{i}" for i in range(n)], documents=DOCS * 2))
+    expect_error(r, 503, ["injected: the engine died"])
+    assert len(calls) == 3 and service.admitted == 0
+    deadline = time.monotonic() + 30
+    while service.engine.num_jobs and time.monotonic() < deadline:   # dropped at the next iteration
+        time.sleep(0.01)
+    assert service.engine.num_jobs == 0
+    assert service.queued_tokens == 0 and service.waiting_for_tokens == 0
