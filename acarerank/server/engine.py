@@ -69,6 +69,12 @@ class Engine(_FaultIsolation):
       max_batch_tokens: segment tokens per packed pass (a longer single segment runs alone).
       metrics: optional ``ServerMetrics`` (queue time, pass sizes, queue depth, cancellations).
       max_running: requests with a prefilled (pinned) prefix at once; later ones wait their turn.
+      max_running_tokens: shared-prefix tokens the running requests pin at once, all together
+        (``len(enc.shared_ids)`` each, counted per request even where two share pages: a bound,
+        not an estimate); a later request waits its turn, but the first in arrival order always
+        runs, whatever its length. None: only ``max_running`` bounds them. The service sets the
+        prefix cache's budget (``--cache-budget``): pinned pages are outside what the cache may
+        evict, so without it 64 long contexts held 64 × their KV however small the budget.
       policy: "shortest" or "round_robin": which documents fill a pass (module docstring).
       model_thread: a ``ModelThread`` to run the scheduler loop on — the thread that built the
         model, so one OpenMP team serves every pass (``model_thread.py`` says why); None: a
@@ -86,11 +92,13 @@ class Engine(_FaultIsolation):
 
     def __init__(self, steps, max_batch_tokens: int, metrics=None, max_running: int = DEFAULT_MAX_RUNNING,
                  model_thread=None, policy: str = "shortest", select_steps=None, canary=None,
-                 canary_after: int = DEFAULT_CANARY_AFTER):
+                 canary_after: int = DEFAULT_CANARY_AFTER, max_running_tokens: Optional[int] = None):
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running),
-                        ("canary_after", canary_after)):
+                        ("canary_after", canary_after),
+                        *((("max_running_tokens", max_running_tokens),) if max_running_tokens is not None else ())):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.max_running_tokens = max_running_tokens
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
@@ -394,6 +402,21 @@ class Engine(_FaultIsolation):
         if self.metrics is not None:
             self.metrics.model_seconds.labels(kind).inc(time.perf_counter() - since)
 
+    def _window(self) -> list:
+        """The running jobs: the longest run of ``_active`` (arrival order) within ``max_running``
+        jobs and ``max_running_tokens`` shared-prefix tokens, never empty while a job is active.
+        A prefix of the list: a job already pinned stays in it (the jobs ahead of it only end,
+        so the tokens before it only shrink), and a later job never overtakes a waiting one."""
+        if self.max_running_tokens is None:
+            return self._active[:self.max_running]
+        window, tokens = [], 0
+        for job in self._active[:self.max_running]:
+            tokens += len(job.enc.shared_ids)
+            if window and tokens > self.max_running_tokens:
+                break
+            window.append(job)
+        return window
+
     def _pass(self, budget: Optional[int] = None) -> None:
         """Build and run one packed pass of at most ``budget`` segment tokens (default
         ``max_batch_tokens``; always at least one segment). Policy: the module docstring."""
@@ -420,7 +443,7 @@ class Engine(_FaultIsolation):
             return not job.cancelled and job.next < len(job.scores)
 
         self._pass_no += 1
-        window = self._active[:self.max_running]
+        window = self._window()
         if self.policy == "round_robin":
             # round 1: one segment of every running job; round 2: fill in arrival order
             first, fill = window, window

@@ -204,8 +204,11 @@ class RerankService:
         self.metrics = ServerMetrics(reranker.cache_stats)
         # the engine drives the reranker's step API (acquire_prefix / score_segments / release_prefix);
         # this service calls its encode (thread-safe) from the tokenizer pool
+        # the running requests pin their shared parts outside what the prefix cache may evict: the
+        # same bound as the reranker's own score_encodings (its cache's budget, --cache-budget)
         self.engine = Engine(reranker, max_batch_tokens or reranker.max_batch_tokens, self.metrics,
-                             model_thread=model_thread, select_steps=setwise, canary_after=canary_after_failures)
+                             model_thread=model_thread, select_steps=setwise, canary_after=canary_after_failures,
+                             max_running_tokens=getattr(reranker, "max_pinned_tokens", None))
         self.model_thread = model_thread
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
         self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))

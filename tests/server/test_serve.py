@@ -864,3 +864,17 @@ def test_a_client_that_leaves_while_waiting_for_tokens_frees_its_place(servers, 
             t.join(120)
     assert out["held"].status_code == 200 and out["small"].status_code == 200, (out["held"].text, out["small"].text)
     assert queue_tokens(base) == 0 and svc.admitted == 0
+
+
+@pytest.mark.parametrize("budget", [None, 300_000])
+def test_the_engine_pins_at_most_the_prefix_caches_budget(budget):
+    """The service's engine bounds the shared parts its running requests pin by the reranker's
+    max_pinned_tokens (--cache-budget, and at least the default budget), as score_encodings does
+    offline (tests/server/test_serve_engine.py checks the bound itself); it had no such bound."""
+    rr = PointwiseReranker(model=tiny_model(), cache_budget_tokens=budget)
+    service = RerankService(rr, "tiny")   # not started: the engine's settings alone
+    try:
+        assert service.engine.max_running_tokens == rr.max_pinned_tokens, service.engine.max_running_tokens
+        assert budget is None or rr.max_pinned_tokens >= budget
+    finally:
+        service.stop()

@@ -260,3 +260,43 @@ def test_shortest_policy_finishes_short_requests_first_and_starves_none():
             assert p - last <= STARVATION_PASSES + 1, f"the long request waited {p - last} passes: {tags}"
             last = p
     assert not steps.pinned
+
+
+def test_the_running_requests_pin_at_most_max_running_tokens_of_shared_parts():
+    """max_running_tokens bounds the shared-part tokens the running requests pin together (the
+    service sets the prefix cache's budget): a later request waits until those ahead of it end,
+    in arrival order, and the first always runs, however long. Without it 8 requests of 50
+    shared tokens were all pinned at once against a bound of 120."""
+    steps = FakeSteps()
+    peak = []
+    acquire = steps.acquire_prefix
+
+    def counting_acquire(enc):
+        handle = acquire(enc)
+        peak.append(sum(pinned_len.get(h, 0) for h in steps.pinned) + len(enc.shared_ids))
+        pinned_len[id(handle)] = len(enc.shared_ids)
+        return handle
+
+    pinned_len = {}
+    steps.acquire_prefix = counting_acquire
+    steps.gate.clear()
+    eng = Engine(steps, max_batch_tokens=64, max_running=8, max_running_tokens=120)
+    huge = eng.submit(Enc(shared_ids=[1] * 500, segment_ids=[[1]]))       # alone over the bound: runs
+    jobs = [eng.submit(Enc(shared_ids=[t] + [0] * 49, segment_ids=[[1] * 3] * 4)) for t in range(2, 10)]
+    eng.start()
+    steps.gate.set()
+    try:
+        assert huge.future.result(30).scores == [1.001]
+        for t, job in zip(range(2, 10), jobs):
+            assert job.future.result(30).scores == [t + 0.003] * 4
+    finally:
+        eng.stop()
+    assert peak[0] == 500, peak
+    assert max(peak[1:]) <= 120, f"shared tokens pinned at once: {peak}"
+    assert not steps.pinned
+
+
+def test_max_running_tokens_must_be_a_positive_int():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_running_tokens must be a positive int"):
+            Engine(FakeSteps(), max_batch_tokens=2, max_running_tokens=bad)
