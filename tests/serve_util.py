@@ -40,3 +40,14 @@ def rss_mb(pid) -> float:
     """Resident memory of process ``pid`` in MB (VmRSS)."""
     with open(f"/proc/{pid}/status") as f:
         return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
+
+
+def expect_error(r, code: int, words=()):
+    """``r`` (an httpx response) is the documented error shape ``{"error": {message, type, code}}``
+    with status ``code`` and each of ``words`` in its message (docs/serving.md, "Errors")."""
+    assert r.status_code == code, f"expected {code}, got {r.status_code}: {r.text}"
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code"} and err["code"] == code, err
+    for w in words:
+        assert w in err["message"], f"{w!r} not in {err['message']!r}"
+    return r

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
 from acarerank.server import RerankService, create_app
 from acarerank.server.service import LARGE_REQUEST_CHARS
-from serve_util import thread_server, tiny_model
+from serve_util import expect_error, thread_server, tiny_model
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -212,13 +212,6 @@ def test_select_equals_offline(servers):
 
 
 # -- errors: code, shape, message ------------------------------------------------------------------
-def expect_error(r, code, words_in_message):
-    assert r.status_code == code, f"expected {code}, got {r.status_code}: {r.text}"
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "code"} and err["code"] == code, err
-    for w in words_in_message:
-        assert w in err["message"], f"{w!r} not in {err['message']!r}"
-    return r
 
 
 def test_error_paths(servers):

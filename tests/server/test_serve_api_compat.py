@@ -19,7 +19,7 @@ import httpx  # noqa: E402
 
 from acarerank import PointwiseReranker
 from acarerank.server import RerankService, create_app
-from serve_util import thread_server, tiny_model
+from serve_util import expect_error, thread_server, tiny_model
 
 KEY = "compat-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -48,14 +48,6 @@ def assert_scores(got: dict, want: list, what: str):
     assert sorted(got) == list(range(len(want))), f"{what}: indices {sorted(got)} for {len(want)} documents"
     diff = max(abs(got[i] - want[i]) for i in range(len(want)))
     assert diff <= 1e-6, f"{what}: max |server - offline| = {diff:.3g}"
-
-
-def expect_error(r, code: int, words):
-    assert r.status_code == code, f"expected {code}, got {r.status_code}: {r.text}"
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "code"} and err["code"] == code, err
-    for w in words:
-        assert w in err["message"], f"{w!r} not in {err['message']!r}"
 
 
 def test_cohere_v1_object_documents_come_back_with_their_fields(server):

@@ -16,7 +16,7 @@ import httpx  # noqa: E402
 from acarerank import PointwiseReranker
 from acarerank.server import RerankService, create_app
 from acarerank.server.config import ServeConfig
-from serve_util import thread_server, tiny_model
+from serve_util import expect_error, thread_server, tiny_model
 
 QUERY = "tutor reranker"
 DOCS = ["Adaptive tutoring optimization for rerankers", "bread baking at home", "setwise selection of passages",
@@ -39,14 +39,6 @@ def server():
             yield dict(base=base, ref=ref, service=service, client=httpx.Client(base_url=base, timeout=60))
     finally:
         service.stop()
-
-
-def expect_error(r, code: int, words):
-    assert r.status_code == code, f"expected {code}, got {r.status_code}: {r.text}"
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "code"} and err["code"] == code, err
-    for w in words:
-        assert w in err["message"], f"{w!r} not in {err['message']!r}"
 
 
 def score_body(r) -> list:
