@@ -122,6 +122,21 @@ def _architectures_note(names, place: str, error=None) -> Optional[str]:
             f"({', '.join(READ_ARCHITECTURES)})")
 
 
+def _warn_declared_head_differs(names, has_score_head: bool, place: str) -> None:
+    """Warn when the declared classes name only the head the tensors do not carry: a
+    Qwen3ForCausalLM config over a ``score.weight`` and no ``lm_head`` (transformers' class would
+    drop the score head and put the tied embedding in its place), or a
+    Qwen3ForSequenceClassification config over an ``lm_head`` (it would start a random score
+    head). The loader reads what the tensors are; the scores then differ from that class's."""
+    declared = [n for n in (names or ()) if n in READ_ARCHITECTURES]
+    read = READ_ARCHITECTURES[1] if has_score_head else READ_ARCHITECTURES[0]
+    if declared and read not in declared:
+        tensors = "a score.weight head" if has_score_head else "an lm_head and no score.weight"
+        warnings.warn(f"{place}: architectures names {declared} but the tensors carry {tensors}: read as a {read} "
+                      f"(what the tensors are); transformers' {declared[0]} would read them otherwise (its scores "
+                      "would differ) — check that this is the model you meant", stacklevel=4)
+
+
 def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model", id2label=None,
                      config_source: str = "the config", label2id=None, architectures=None,
                      architectures_source: Optional[str] = None) -> Qwen3Weights:
@@ -216,6 +231,7 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
                               "sequence-classification 'score.weight'); the output layer is missing — a lost shard? "
                               "(it is never replaced by the embedding)" + (f"; {note}" if note else ""))
     final_norm = take("model.norm.weight")
+    _warn_declared_head_differs(architectures, score_head is not None, architectures_source or config_source)
     if note:  # every tensor a Qwen3 model reads is there: read as transformers' Auto classes would
         read_as = ("Qwen3ForSequenceClassification (score.weight)" if score_head is not None else
                    "Qwen3ForCausalLM" + (" with the tied embedding as its output layer" if lm_head is embed else ""))

@@ -493,3 +493,25 @@ def test_another_familys_tensors_under_model_type_qwen3_are_refused_naming_it(tm
     with pytest.raises(CheckpointError, match=r"no tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'.*"
                                               r"architectures names \['Qwen2ForCausalLM'\]"):
         PointwiseReranker.from_pretrained(str(tmp_path / "q2"))
+
+
+def test_a_declared_head_the_tensors_do_not_carry_warns(causal, card_scores, saved, tmp_path):
+    """config.json naming Qwen3ForCausalLM over a score.weight head (or Qwen3ForSequenceClassification
+    over an lm_head) loaded without a word; transformers' named class would read those tensors
+    otherwise. It still scores as the tensors say (the card's scores, 1e-5), now with a warning
+    naming both; a checkpoint whose class matches its tensors loads silently."""
+    tiny_seq_cls(causal, 2).save_pretrained(tmp_path / "seq")
+    ckpt = shutil.copytree(saved, tmp_path / "causal")
+    for path in (tmp_path / "seq", ckpt):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # the classes match the tensors: no warning
+            PointwiseReranker.from_pretrained(str(path), dtype=torch.float32)
+    _edit_config(tmp_path / "seq", architectures=["Qwen3ForCausalLM"])
+    _edit_config(ckpt, architectures=["Qwen3ForSequenceClassification"])
+    for path, match in ((tmp_path / "seq", r"\['Qwen3ForCausalLM'\] but the tensors carry a score\.weight head: "
+                                           r"read as a Qwen3ForSequenceClassification"),
+                        (ckpt, r"\['Qwen3ForSequenceClassification'\] but the tensors carry an lm_head and no "
+                               r"score\.weight: read as a Qwen3ForCausalLM")):
+        with pytest.warns(UserWarning, match=match):
+            rr = PointwiseReranker.from_pretrained(str(path), dtype=torch.float32)
+        assert close(rr.score("q", DOCS), card_scores), path
