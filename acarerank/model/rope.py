@@ -28,6 +28,7 @@ keys across calls of any length); other kinds are not Qwen3's.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -108,6 +109,14 @@ def _number(key: str, value, *, minimum: Optional[float] = None, above: Optional
     return float(value)
 
 
+#: the keys transformers 5.x's RoPE validation knows per kind (required and optional)
+_COMMON_KEYS = {"rope_type", "type", "factor", "rope_theta", "partial_rotary_factor"}
+_KNOWN_KEYS = {"linear": _COMMON_KEYS,
+               "yarn": _COMMON_KEYS | {"original_max_position_embeddings", "attention_factor", "beta_fast",
+                                       "beta_slow", "mscale", "mscale_all_dim", "truncate"},
+               "llama3": _COMMON_KEYS | {"original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}}
+
+
 def rope_scaling_from(name: str, rope: dict, get) -> RopeScaling:
     """The ``RopeScaling`` of ``rope`` (the config's ``rope_scaling`` or ``rope_parameters`` object,
     called ``name`` in errors); ``get(key, default)`` reads the config's top level. ValueError
@@ -122,6 +131,10 @@ def rope_scaling_from(name: str, rope: dict, get) -> RopeScaling:
         raise ValueError(f"{name} {rope} is not supported: rope_type {rope_type!r} ({why}); the runner computes "
                          f"{', '.join(repr(t) for t in SUPPORTED_ROPE_TYPES)}")
     where = f"{name} {rope}: "
+    unknown = sorted(set(rope) - _KNOWN_KEYS[rope_type])
+    if unknown:  # a misspelt parameter would silently take its default (transformers logs them too)
+        warnings.warn(f"{where}unrecognised key(s) {unknown} for rope_type {rope_type!r}: ignored, their parameters "
+                      f"take their defaults (known: {sorted(_KNOWN_KEYS[rope_type])})", stacklevel=2)
     partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0))
     if partial != 1.0:  # transformers' Qwen3 then rotates with tables narrower than a head: it raises
         raise ValueError(f"{where}partial_rotary_factor {partial!r} is not supported: Qwen3 rotates the whole head")

@@ -169,3 +169,27 @@ def test_a_scaled_rope_parameters_that_rope_scaling_replaces_is_refused(tmp_path
     (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="rope_scaling .* replaces rope_parameters .* 'yarn' would be ignored"):
         Qwen3Runner.from_pretrained(str(tmp_path / "c"))
+
+
+def test_a_misspelt_rope_key_is_named(tmp_path):
+    """A key transformers' RoPE validation does not know (a misspelt "beta_fats") left its
+    parameter at the default with no word; now a warning names it and the known ones. The
+    model card's keys load silently."""
+    import warnings
+
+    m = random_qwen3(seed=0, vocab=503)
+    m.save_pretrained(tmp_path / "c")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    cfg.pop("rope_parameters")
+    for rope, match in (({**CARD_YARN, "rope_theta": 1e6}, None),
+                        ({**CARD_YARN, "beta_fats": 8}, r"unrecognised key\(s\) \['beta_fats'\] for rope_type 'yarn'"),
+                        ({"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 64},
+                         r"\['original_max_position_embeddings'\] for rope_type 'linear'")):
+        (tmp_path / "c" / "config.json").write_text(json.dumps({**cfg, "rope_scaling": rope}))
+        if match is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                Qwen3Runner.from_pretrained(str(tmp_path / "c"))
+        else:
+            with pytest.warns(UserWarning, match=match):
+                Qwen3Runner.from_pretrained(str(tmp_path / "c"))
