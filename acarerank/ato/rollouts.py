@@ -32,10 +32,12 @@ models that cannot yet write a selection (a random model: ``examples/ato_train_s
 Not offered: top-k / top-p. The recipe's rollouts (verl's GRPO defaults) use neither, and a truncated
 sampler's draws and log-probs are not π_old's, which the ratio would again not account for.
 
-Memory: a step holds at most three [S, V] fp32 tensors — the running rollouts' logits (turned into
-log-probs in place), their exp, and ``torch.multinomial``'s draw (S ≤ prompts × G: 8 × 151,669 ×
-4 bytes = 4.6 MiB each for one query) — never [G · steps, V]; the log-probs are kept as one float
-per token.
+Memory: a step computes its S running rollouts' logits (S ≤ prompts × G) in row chunks of at most
+``SAMPLE_LOGITS_ELEMENTS`` fp32 numbers (27 rows of Qwen3's 151,669), so it holds at most three
+such [rows, V] tensors — the logits (turned into log-probs in place), their exp, and
+``torch.multinomial``'s draw: 16 MiB each, whatever the number of prompts and G (the whole
+[S, V] at once was 296 MiB each for 64 prompts × 8) — never [G · steps, V]; the log-probs are
+kept as one float per token.
 """
 from __future__ import annotations
 
@@ -56,6 +58,9 @@ from .rescore import _ids
 TOKEN_ENDOFTEXT = 151643
 #: where an unconstrained rollout stops (as ``SetwiseReranker``'s free decoding)
 DEFAULT_STOP_IDS = (TOKEN_IM_END, TOKEN_ENDOFTEXT)
+#: fp32 logits per chunk of a sampling step's rows (4 Mi: 16 MiB; 27 rows at V = 151,669, all rows
+#: under the grammar's 14 columns): the step's memory is bounded by it, not by prompts × G
+SAMPLE_LOGITS_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -92,6 +97,17 @@ class _SampleStepper(GreedyStepper):
         self.temperature, self.generator = temperature, generator
         self.logprobs: List[List[float]] = [[] for _ in prompts]
         super().__init__(runner, prompts, grammar, states, max_new_tokens, eos_id, cache)
+
+    def _next_tokens(self, hidden: torch.Tensor, running) -> List[int]:
+        """Draw the running rollouts' next tokens in row chunks (module docstring, "Memory"); the
+        chunks follow one another in row order, so a seed still fixes every draw."""
+        width = self.runner.lm_head.shape[0] if self.grammar is None else len(self.vocab)
+        rows = max(1, SAMPLE_LOGITS_ELEMENTS // width)
+        out: List[int] = []
+        for i in range(0, len(running), rows):
+            part = running[i:i + rows]
+            out += self._choose(self._next_logits(hidden[i:i + rows], part), part)
+        return out
 
     def _choose(self, logits: torch.Tensor, running) -> List[int]:
         z = logits.div_(self.temperature)                                     # [S, V] or [S, 14], fp32
@@ -257,4 +273,4 @@ def _padded(outputs: List[List[int]], logprobs: List[List[float]], G: int, tempe
     return Rollouts(outputs, lp, mask, qidx, lengths, G, temperature)
 
 
-__all__ = ["Rollouts", "sample_rollouts", "DEFAULT_STOP_IDS"]
+__all__ = ["Rollouts", "sample_rollouts", "DEFAULT_STOP_IDS", "SAMPLE_LOGITS_ELEMENTS"]

@@ -286,3 +286,24 @@ def test_bad_input_is_named(prompts, grammar, monkeypatch):
         sample_rollouts(runner, prompts, 2, stop_ids="<|im_end|>")
     assert passes == []
     assert sample_rollouts(runner, prompts, 2, max_new_tokens=2, seed=0).lengths == [2] * 4
+
+
+def test_a_steps_logits_are_computed_in_bounded_row_chunks(prompts, monkeypatch):
+    """40 running rollouts at V = 151,669: each step's [rows, V] logits hold at most
+    SAMPLE_LOGITS_ELEMENTS numbers (27 rows), not all 40 rows at once (64 prompts × 8 held 296 MiB per
+    [S, V] tensor, three of them), and the chunked draws' log-probs are still rescore's logp_old."""
+    from acarerank.ato.rollouts import SAMPLE_LOGITS_ELEMENTS
+
+    runner = Qwen3Runner.from_hf(biased(0, {TOKEN_IM_END: 0.05}))
+    V = runner.arch.vocab_size
+    rows = []
+    real = runner.logits
+    monkeypatch.setattr(runner, "logits", lambda h: (rows.append(h.shape[0]), real(h))[1])
+    G = 20
+    ro = sample_rollouts(runner, prompts, G, max_new_tokens=3, seed=5)
+    assert max(rows) == SAMPLE_LOGITS_ELEMENTS // V == 27 and sum(rows[:2]) == 2 * G, rows
+    queries = [RescoreQuery(p[:1], p[1:], ro.of_query(q), [[]] * G) for q, p in enumerate(prompts)]
+    res = rescore(runner, runner, queries)
+    assert torch.equal(res.response_mask, ro.response_mask)
+    assert (res.logp_old - ro.logprobs).abs().max() <= 1e-5
+    assert len({tuple(y) for y in ro.tokens}) > G  # the chunks draw on, not repeat one another
