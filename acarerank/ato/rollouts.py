@@ -61,6 +61,12 @@ DEFAULT_STOP_IDS = (TOKEN_IM_END, TOKEN_ENDOFTEXT)
 #: fp32 logits per chunk of a sampling step's rows (4 Mi: 16 MiB; 27 rows at V = 151,669, all rows
 #: under the grammar's 14 columns): the step's memory is bounded by it, not by prompts × G
 SAMPLE_LOGITS_ELEMENTS = 1 << 22
+#: KV rows reserved up front for the rollouts' own tokens (beyond the prompts' pages): 126 prompts ×
+#: G = 8 × 65 rows (the paper's 64 new tokens + 1). A call that may need more (a large G ×
+#: max_new_tokens) reserves this many and the pool grows by doubling as its rollouts reach them, so
+#: memory follows the tokens actually drawn: up front, G = 8 × max_new_tokens = 10⁹ asked for 5·10⁸
+#: pages and their Python free list (tens of GiB) before the first token
+ROLLOUT_RESERVE_ROWS = 65_536
 
 
 @dataclass
@@ -243,11 +249,13 @@ def _shared_prompt_cache(runner, prompts: List[List[int]], G: int, reserve: int)
     (one pass of all Q, chunked as ``prefill``), then G groups per prompt over the same pages.
 
     The pool has room for every rollout's ``reserve`` rows from the start (the partly filled last
-    prompt page copied once per rollout, then its own pages), so it never grows mid-sampling.
+    prompt page copied once per rollout, then its own pages), so it never grows mid-sampling — up
+    to ``ROLLOUT_RESERVE_ROWS`` rows of them; past that it grows as the rollouts reach it.
     """
     bs = runner.block_size
     lens = [len(p) - 1 for p in prompts]
     own = sum(G * (-(-(P + reserve) // bs) - P // bs) for P in lens)
+    own = min(own, -(-ROLLOUT_RESERVE_ROWS // bs))
     pool = runner.new_pool(sum(-(-P // bs) for P in lens) + own, growable=True)
     shared = PagedKVCache(pool)
     for _ in prompts:
@@ -273,4 +281,4 @@ def _padded(outputs: List[List[int]], logprobs: List[List[float]], G: int, tempe
     return Rollouts(outputs, lp, mask, qidx, lengths, G, temperature)
 
 
-__all__ = ["Rollouts", "sample_rollouts", "DEFAULT_STOP_IDS", "SAMPLE_LOGITS_ELEMENTS"]
+__all__ = ["Rollouts", "sample_rollouts", "DEFAULT_STOP_IDS", "SAMPLE_LOGITS_ELEMENTS", "ROLLOUT_RESERVE_ROWS"]

@@ -307,3 +307,34 @@ def test_a_steps_logits_are_computed_in_bounded_row_chunks(prompts, monkeypatch)
     assert torch.equal(res.response_mask, ro.response_mask)
     assert (res.logp_old - ro.logprobs).abs().max() <= 1e-5
     assert len({tuple(y) for y in ro.tokens}) > G  # the chunks draw on, not repeat one another
+
+
+def test_the_pool_reserved_up_front_is_bounded(prompts, monkeypatch):
+    """max_new_tokens = 10⁶ with G = 8: the pool made up front holds the prompts' pages and at most
+    ROLLOUT_RESERVE_ROWS rows for the rollouts (not 8 × 10⁶ rows: 500,000 pages and their free list
+    before the first token); a call past the reserve grows the pool as its rollouts reach it and
+    gives rescore's log-probs."""
+    from acarerank.ato import rollouts as R
+    from acarerank.model import block_pool
+
+    runner = Qwen3Runner.from_hf(biased(0, {TOKEN_IM_END: 40.0}))   # p(<|im_end|>) ~ 1: one token each
+    made = []
+    new_pool = runner.new_pool
+    monkeypatch.setattr(runner, "new_pool", lambda n, growable=False: (made.append(n), new_pool(n, growable))[1])
+    ro = sample_rollouts(runner, prompts, 8, max_new_tokens=10**6, seed=0)
+    assert ro.lengths == [1] * 16
+    bs = runner.block_size
+    prompt_pages = sum(-(-(len(p) - 1) // bs) for p in prompts)
+    assert made == [prompt_pages + R.ROLLOUT_RESERVE_ROWS // bs], made
+
+    runner = Qwen3Runner.from_hf(biased(0, {TOKEN_IM_END: 0.05}))
+    grown = []
+    real_grow = block_pool.BlockPool._grow
+    monkeypatch.setattr(block_pool.BlockPool, "_grow", lambda self, extra: (grown.append(extra), real_grow(self, extra)))
+    monkeypatch.setattr(R, "ROLLOUT_RESERVE_ROWS", 2 * bs)
+    ro = sample_rollouts(runner, prompts, 4, max_new_tokens=20, seed=0)
+    assert grown, ro.lengths   # 8 rollouts past 2 pages of reserve
+    queries = [RescoreQuery(p[:1], p[1:], ro.of_query(q), [[]] * 4) for q, p in enumerate(prompts)]
+    res = rescore(runner, runner, queries)
+    assert torch.equal(res.response_mask, ro.response_mask)
+    assert (res.logp_old - ro.logprobs).abs().max() <= 1e-5
