@@ -149,7 +149,8 @@ def sample_rollouts(runner, prompts: Sequence[Sequence[int]], group_size: int = 
         refused: it is greedy decoding (``acarerank.setwise.decode.greedy_decode``), whose tokens'
         log-probs at T → 0 are 0 or −∞, no ratio a loss can use.
       max_new_tokens: at most this many new tokens per rollout (the paper's 64).
-      stop_ids: a rollout ends at any of these (emitted, and kept in ``tokens``); default <|im_end|>
+      stop_ids: a rollout ends at any of these (emitted, and kept in ``tokens``): one id or a non-empty
+        list/tuple/set, each in [0, V) (an id the model cannot emit is refused); default <|im_end|>
         and <|endoftext|>.
       grammar, pools: constrained sampling (both or neither): ``pools[q] = (n_candidates, max_select)``
         of prompt q; each rollout starts a fresh ``grammar.start(n, max_select)`` and draws over the
@@ -169,7 +170,7 @@ def sample_rollouts(runner, prompts: Sequence[Sequence[int]], group_size: int = 
         hint = " (0 is greedy decoding: use acarerank.setwise.decode.greedy_decode)" if temperature == 0 else ""
         raise ValueError(f"sample_rollouts: temperature must be a finite number > 0 (in float32 too), got "
                          f"{temperature!r}{hint}")
-    stops = _stop_set(stop_ids)
+    stops = _stop_ids(stop_ids, runner.arch.vocab_size)
     ids = _prompt_ids(prompts, runner.arch.vocab_size)
     states = _grammar_states(grammar, pools, len(ids), G)
     gen = _generator(generator, seed, runner.device)
@@ -213,6 +214,23 @@ def _prompt_ids(prompts, vocab_size: int) -> List[List[int]]:
     return out
 
 
+def _stop_ids(stop_ids, vocab_size: int):
+    """The stop set: one id or a non-empty list/tuple/set of ids, each in [0, V) — an id the model
+    cannot emit (another tokenizer's, or Qwen3's defaults on a smaller vocabulary) would leave every
+    rollout running to max_new_tokens without a word."""
+    try:
+        stops = _stop_set(stop_ids)
+    except TypeError:
+        raise TypeError(f"sample_rollouts: stop_ids must be a token id or a non-empty list/tuple/set of them, got "
+                        f"{stop_ids!r}") from None
+    outside = sorted(i for i in stops if not 0 <= i < vocab_size)
+    if outside:
+        raise ValueError(f"sample_rollouts: stop id {outside[0]} is outside the vocabulary [0, {vocab_size}): no "
+                         f"rollout could stop there (the default stop ids are Qwen3's {list(DEFAULT_STOP_IDS)}; "
+                         f"pass stop_ids= ids of this model's vocabulary)")
+    return stops
+
+
 def _grammar_states(grammar, pools, Q: int, G: int):
     """One fresh grammar state per rollout (prompt-major), or None when unconstrained."""
     if (grammar is None) != (pools is None):
@@ -233,6 +251,8 @@ def _generator(generator, seed, device: torch.device) -> Optional[torch.Generato
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"sample_rollouts: seed must be an int, got {seed!r}")
+        if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator.manual_seed's range
+            raise ValueError(f"sample_rollouts: seed must be in [-2**63, 2**64), got {seed}")
         return torch.Generator(device=device).manual_seed(seed)
     if generator is not None:
         if not isinstance(generator, torch.Generator):

@@ -282,8 +282,17 @@ def test_bad_input_is_named(prompts, grammar, monkeypatch):
         sample_rollouts(runner, prompts[:1], 2, grammar=grammar, pools=[(3, 2)], stop_ids=[5])
     with pytest.raises(ValueError, match="a generator or a seed, not both"):
         sample_rollouts(runner, prompts, 2, seed=1, generator=torch.Generator())
-    with pytest.raises(TypeError, match="eos_id must be a token id"):
-        sample_rollouts(runner, prompts, 2, stop_ids="<|im_end|>")
+    for bad in ("<|im_end|>", [], torch.tensor([1, 2])):
+        with pytest.raises(TypeError, match="stop_ids must be a token id or a non-empty"):
+            sample_rollouts(runner, prompts, 2, stop_ids=bad)
+    for bad, first in (([TOKEN_IM_END, V], V), (-1, -1)):
+        with pytest.raises(ValueError, match=rf"stop id {first} is outside the vocabulary \[0, {V}\)"):
+            sample_rollouts(runner, prompts, 2, stop_ids=bad)
+    small = Qwen3Runner.from_hf(random_qwen3(seed=0, vocab=8, **SHAPE))
+    with pytest.raises(ValueError, match=r"stop id 151643 is outside the vocabulary \[0, 8\).*pass stop_ids="):
+        sample_rollouts(small, [[1, 2]], 2)   # Qwen3's default stop ids on a vocabulary of 8
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64\)"):
+        sample_rollouts(runner, prompts, 2, seed=2 ** 64)
     assert passes == []
     assert sample_rollouts(runner, prompts, 2, max_new_tokens=2, seed=0).lengths == [2] * 4
 
