@@ -16,7 +16,7 @@ Sampled log-probs. ``Rollouts.logprobs[i, l]`` is the log-probability of token l
 distribution it was drawn from: log_softmax(z / T) over the full vocabulary when unconstrained,
 or over the grammar's allowed tokens when constrained (0 for a token the grammar forces). Unconstrained,
 this is ``rescore``'s ``logp_old`` at the same temperature (the same model, prompt and tokens):
-within fp32 rounding (tests: 1e-5), not bitwise — the decode step's hidden state comes from a
+within fp32 rounding (tests: 1e-5) on an fp32 runner, not bitwise — the decode step's hidden state comes from a
 1-token segment over the cache and its log-softmax from ``runner.logits``, ``rescore``'s from
 one packed segment per rollout and ``linear_logprob``'s chunked pass, so the GEMMs sum in
 other orders. Constrained, it is not π_old's log-prob (the renormalisation over allowed tokens adds
@@ -162,7 +162,7 @@ def sample_rollouts(runner, prompts: Sequence[Sequence[int]], group_size: int = 
 
     Returns: ``Rollouts`` in ``rescore``'s layout; ``Rollouts.of_query(q)`` is ``RescoreQuery.rollouts``.
     The log-probs are unconstrained π_old's at T, as ``rescore(..., temperature=T).logp_old``
-    (within fp32 rounding; module docstring).
+    (within fp32 rounding on an fp32 runner; in bf16 take ``logp_old`` from ``rescore``: docs/api.md).
     """
     G = positive_int("group_size", group_size)
     max_new_tokens = positive_int("max_new_tokens", max_new_tokens)

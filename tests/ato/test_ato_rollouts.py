@@ -347,3 +347,65 @@ def test_the_pool_reserved_up_front_is_bounded(prompts, monkeypatch):
     res = rescore(runner, runner, queries)
     assert torch.equal(res.response_mask, ro.response_mask)
     assert (res.logp_old - ro.logprobs).abs().max() <= 1e-5
+
+
+def test_every_page_is_given_back_and_threads_sample_as_alone(prompts, monkeypatch):
+    """Each call samples in a pool of its own: after 100 calls, a KeyboardInterrupt from the draw
+    and NaN logits mid-sampling, every page of every call's pool is free and no pool outlives its
+    call; the runner then samples as a fresh one. Two threads on one runner get what each gets alone
+    (docs/api.md, "Threads")."""
+    import gc
+    import threading
+    import weakref
+
+    from acarerank.ato import rollouts as R
+    from acarerank.model.numerics import NonFiniteOutputError
+
+    model = biased(0, {TOKEN_IM_END: 0.05})
+    runner = Qwen3Runner.from_hf(model)
+    pools = []
+    new_pool = runner.new_pool
+    monkeypatch.setattr(runner, "new_pool", lambda *a, **k: (pools.append(new_pool(*a, **k)), pools[-1])[1])
+
+    def all_free():
+        return all(p.num_free == p.num_blocks and not any(p.refcount) for p in pools)
+
+    for i in range(100):
+        sample_rollouts(runner, prompts, 2, max_new_tokens=2, seed=i)
+    assert len(pools) == 100 and all_free()
+    choose, calls = R._SampleStepper._choose, []
+
+    def interrupted(self, logits, running):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return choose(self, logits, running)
+
+    monkeypatch.setattr(R._SampleStepper, "_choose", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sample_rollouts(runner, prompts, 3, max_new_tokens=6, seed=0)
+    monkeypatch.setattr(R._SampleStepper, "_choose", choose)
+    logits = runner.logits
+    monkeypatch.setattr(runner, "logits", lambda h: logits(h).fill_(float("nan")))
+    with pytest.raises(NonFiniteOutputError, match="sampling of prompt"):
+        sample_rollouts(runner, prompts, 3, max_new_tokens=6, seed=0)
+    monkeypatch.setattr(runner, "logits", logits)
+    assert len(pools) == 102 and all_free()
+    refs = [weakref.ref(p) for p in pools]
+    pools.clear()
+    gc.collect()
+    assert not any(r() for r in refs)
+
+    fresh = Qwen3Runner.from_hf(model)
+    want = {s: sample_rollouts(fresh, prompts, 3, max_new_tokens=8, seed=s) for s in (0, 1)}
+    got = {}
+    threads = [threading.Thread(target=lambda s=s: got.__setitem__(s, sample_rollouts(runner, prompts, 3,
+                                                                                      max_new_tokens=8, seed=s)))
+               for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in (0, 1):
+        assert got[s].tokens == want[s].tokens and torch.equal(got[s].logprobs, want[s].logprobs)
+    assert all_free()
