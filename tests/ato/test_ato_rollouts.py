@@ -409,3 +409,26 @@ def test_every_page_is_given_back_and_threads_sample_as_alone(prompts, monkeypat
     for s in (0, 1):
         assert got[s].tokens == want[s].tokens and torch.equal(got[s].logprobs, want[s].logprobs)
     assert all_free()
+
+
+def test_page_edges_and_mixed_lengths_in_one_call():
+    """Prompts whose shared part (all but the last token) is 0, 15, 16, 17 and 32 tokens — inside,
+    at and past a 16-token page edge, where a rollout's first write copies the shared last page or
+    opens its own — in one call, G = 1 and G = 3: every log-prob is transformers' teacher-forced one
+    and rescore's logp_old, and max_new_tokens = 1 gives one token each."""
+    model = biased(6, {TOKEN_IM_END: 1.2})
+    runner = Qwen3Runner.from_hf(model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (1, 16, 17, 18, 33)]
+    assert runner.block_size == 16
+    for G, new in ((1, 1), (3, 20)):
+        ro = sample_rollouts(runner, prompts, G, max_new_tokens=new, seed=G)
+        assert len(ro.tokens) == 5 * G and (new > 1 or ro.lengths == [1] * (5 * G))
+        with torch.no_grad():
+            for n, y in enumerate(ro.tokens):
+                err = (ro.logprobs[n, :len(y)] - _teacher_forced(model, prompts[n // G], y, 1.0)).abs().max()
+                assert err <= 1e-5, (n, len(prompts[n // G]), err.item())
+        queries = [RescoreQuery(p[:1], p[1:], ro.of_query(q), [[]] * G) for q, p in enumerate(prompts)]
+        res = rescore(runner, runner, queries)
+        assert torch.equal(res.response_mask, ro.response_mask)
+        assert (res.logp_old - ro.logprobs).abs().max() <= 1e-5
