@@ -16,7 +16,7 @@ Sampled log-probs. ``Rollouts.logprobs[i, l]`` is the log-probability of token l
 distribution it was drawn from: log_softmax(z / T) over the full vocabulary when unconstrained,
 or over the grammar's allowed tokens when constrained (0 for a token the grammar forces). Unconstrained,
 this is ``rescore``'s ``logp_old`` at the same temperature (the same model, prompt and tokens):
-within fp32 rounding (tests: 1e-5), not bitwise — the decode step's hidden state comes from a
+within fp32 rounding (tests: 1e-5) on an fp32 runner, not bitwise — the decode step's hidden state comes from a
 1-token segment over the cache and its log-softmax from ``runner.logits``, ``rescore``'s from
 one packed segment per rollout and ``linear_logprob``'s chunked pass, so the GEMMs sum in
 other orders. Constrained, it is not π_old's log-prob (the renormalisation over allowed tokens adds
@@ -32,10 +32,12 @@ models that cannot yet write a selection (a random model: ``examples/ato_train_s
 Not offered: top-k / top-p. The recipe's rollouts (verl's GRPO defaults) use neither, and a truncated
 sampler's draws and log-probs are not π_old's, which the ratio would again not account for.
 
-Memory: a step holds at most three [S, V] fp32 tensors — the running rollouts' logits (turned into
-log-probs in place), their exp, and ``torch.multinomial``'s draw (S ≤ prompts × G: 8 × 151,669 ×
-4 bytes = 4.6 MiB each for one query) — never [G · steps, V]; the log-probs are kept as one float
-per token.
+Memory: a step computes its S running rollouts' logits (S ≤ prompts × G) in row chunks of at most
+``SAMPLE_LOGITS_ELEMENTS`` fp32 numbers (27 rows of Qwen3's 151,669), so it holds at most three
+such [rows, V] tensors — the logits (turned into log-probs in place), their exp, and
+``torch.multinomial``'s draw: 16 MiB each, whatever the number of prompts and G (the whole
+[S, V] at once was 296 MiB each for 64 prompts × 8) — never [G · steps, V]; the log-probs are
+kept as one float per token.
 """
 from __future__ import annotations
 
@@ -56,6 +58,15 @@ from .rescore import _ids
 TOKEN_ENDOFTEXT = 151643
 #: where an unconstrained rollout stops (as ``SetwiseReranker``'s free decoding)
 DEFAULT_STOP_IDS = (TOKEN_IM_END, TOKEN_ENDOFTEXT)
+#: fp32 logits per chunk of a sampling step's rows (4 Mi: 16 MiB; 27 rows at V = 151,669, all rows
+#: under the grammar's 14 columns): the step's memory is bounded by it, not by prompts × G
+SAMPLE_LOGITS_ELEMENTS = 1 << 22
+#: KV rows reserved up front for the rollouts' own tokens (beyond the prompts' pages): 126 prompts ×
+#: G = 8 × 65 rows (the paper's 64 new tokens + 1). A call that may need more (a large G ×
+#: max_new_tokens) reserves this many and the pool grows by doubling as its rollouts reach them, so
+#: memory follows the tokens actually drawn: up front, G = 8 × max_new_tokens = 10⁹ asked for 5·10⁸
+#: pages and their Python free list (tens of GiB) before the first token
+ROLLOUT_RESERVE_ROWS = 65_536
 
 
 @dataclass
@@ -93,6 +104,17 @@ class _SampleStepper(GreedyStepper):
         self.logprobs: List[List[float]] = [[] for _ in prompts]
         super().__init__(runner, prompts, grammar, states, max_new_tokens, eos_id, cache)
 
+    def _next_tokens(self, hidden: torch.Tensor, running) -> List[int]:
+        """Draw the running rollouts' next tokens in row chunks (module docstring, "Memory"); the
+        chunks follow one another in row order, so a seed still fixes every draw."""
+        width = self.runner.lm_head.shape[0] if self.grammar is None else len(self.vocab)
+        rows = max(1, SAMPLE_LOGITS_ELEMENTS // width)
+        out: List[int] = []
+        for i in range(0, len(running), rows):
+            part = running[i:i + rows]
+            out += self._choose(self._next_logits(hidden[i:i + rows], part), part)
+        return out
+
     def _choose(self, logits: torch.Tensor, running) -> List[int]:
         z = logits.div_(self.temperature)                                     # [S, V] or [S, 14], fp32
         if not bool(torch.isfinite(z.amax(-1)).all()):  # the logits are finite (_next_logits checked)
@@ -127,7 +149,8 @@ def sample_rollouts(runner, prompts: Sequence[Sequence[int]], group_size: int = 
         refused: it is greedy decoding (``acarerank.setwise.decode.greedy_decode``), whose tokens'
         log-probs at T → 0 are 0 or −∞, no ratio a loss can use.
       max_new_tokens: at most this many new tokens per rollout (the paper's 64).
-      stop_ids: a rollout ends at any of these (emitted, and kept in ``tokens``); default <|im_end|>
+      stop_ids: a rollout ends at any of these (emitted, and kept in ``tokens``): one id or a non-empty
+        list/tuple/set, each in [0, V) (an id the model cannot emit is refused); default <|im_end|>
         and <|endoftext|>.
       grammar, pools: constrained sampling (both or neither): ``pools[q] = (n_candidates, max_select)``
         of prompt q; each rollout starts a fresh ``grammar.start(n, max_select)`` and draws over the
@@ -139,7 +162,7 @@ def sample_rollouts(runner, prompts: Sequence[Sequence[int]], group_size: int = 
 
     Returns: ``Rollouts`` in ``rescore``'s layout; ``Rollouts.of_query(q)`` is ``RescoreQuery.rollouts``.
     The log-probs are unconstrained π_old's at T, as ``rescore(..., temperature=T).logp_old``
-    (within fp32 rounding; module docstring).
+    (within fp32 rounding on an fp32 runner; in bf16 take ``logp_old`` from ``rescore``: docs/api.md).
     """
     G = positive_int("group_size", group_size)
     max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
@@ -147,7 +170,7 @@ def sample_rollouts(runner, prompts: Sequence[Sequence[int]], group_size: int = 
         hint = " (0 is greedy decoding: use acarerank.setwise.decode.greedy_decode)" if temperature == 0 else ""
         raise ValueError(f"sample_rollouts: temperature must be a finite number > 0 (in float32 too), got "
                          f"{temperature!r}{hint}")
-    stops = _stop_set(stop_ids)
+    stops = _stop_ids(stop_ids, runner.arch.vocab_size)
     ids = _prompt_ids(prompts, runner.arch.vocab_size)
     states = _grammar_states(grammar, pools, len(ids), G)
     gen = _generator(generator, seed, runner.device)
@@ -191,6 +214,23 @@ def _prompt_ids(prompts, vocab_size: int) -> List[List[int]]:
     return out
 
 
+def _stop_ids(stop_ids, vocab_size: int):
+    """The stop set: one id or a non-empty list/tuple/set of ids, each in [0, V) — an id the model
+    cannot emit (another tokenizer's, or Qwen3's defaults on a smaller vocabulary) would leave every
+    rollout running to max_new_tokens without a word."""
+    try:
+        stops = _stop_set(stop_ids)
+    except TypeError:
+        raise TypeError(f"sample_rollouts: stop_ids must be a token id or a non-empty list/tuple/set of them, got "
+                        f"{stop_ids!r}") from None
+    outside = sorted(i for i in stops if not 0 <= i < vocab_size)
+    if outside:
+        raise ValueError(f"sample_rollouts: stop id {outside[0]} is outside the vocabulary [0, {vocab_size}): no "
+                         f"rollout could stop there (the default stop ids are Qwen3's {list(DEFAULT_STOP_IDS)}; "
+                         f"pass stop_ids= ids of this model's vocabulary)")
+    return stops
+
+
 def _grammar_states(grammar, pools, Q: int, G: int):
     """One fresh grammar state per rollout (prompt-major), or None when unconstrained."""
     if (grammar is None) != (pools is None):
@@ -211,6 +251,8 @@ def _generator(generator, seed, device: torch.device) -> Optional[torch.Generato
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"sample_rollouts: seed must be an int, got {seed!r}")
+        if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator.manual_seed's range
+            raise ValueError(f"sample_rollouts: seed must be in [-2**63, 2**64), got {seed}")
         return torch.Generator(device=device).manual_seed(seed)
     if generator is not None:
         if not isinstance(generator, torch.Generator):
@@ -227,11 +269,13 @@ def _shared_prompt_cache(runner, prompts: List[List[int]], G: int, reserve: int)
     (one pass of all Q, chunked as ``prefill``), then G groups per prompt over the same pages.
 
     The pool has room for every rollout's ``reserve`` rows from the start (the partly filled last
-    prompt page copied once per rollout, then its own pages), so it never grows mid-sampling.
+    prompt page copied once per rollout, then its own pages), so it never grows mid-sampling — up
+    to ``ROLLOUT_RESERVE_ROWS`` rows of them; past that it grows as the rollouts reach it.
     """
     bs = runner.block_size
     lens = [len(p) - 1 for p in prompts]
     own = sum(G * (-(-(P + reserve) // bs) - P // bs) for P in lens)
+    own = min(own, -(-ROLLOUT_RESERVE_ROWS // bs))
     pool = runner.new_pool(sum(-(-P // bs) for P in lens) + own, growable=True)
     shared = PagedKVCache(pool)
     for _ in prompts:
@@ -257,4 +301,4 @@ def _padded(outputs: List[List[int]], logprobs: List[List[float]], G: int, tempe
     return Rollouts(outputs, lp, mask, qidx, lengths, G, temperature)
 
 
-__all__ = ["Rollouts", "sample_rollouts", "DEFAULT_STOP_IDS"]
+__all__ = ["Rollouts", "sample_rollouts", "DEFAULT_STOP_IDS", "SAMPLE_LOGITS_ELEMENTS", "ROLLOUT_RESERVE_ROWS"]

@@ -145,7 +145,7 @@ class GreedyStepper:
         fed = sum(len(feed[g]) for g in running)
         hidden = self.runner.forward(self.cache, [feed[g] for g in running], running, output="last",
                                      append=True)                                          # [S, H]
-        nxt = self._choose(self._next_logits(hidden, running), running)
+        nxt = self._next_tokens(hidden, running)
         still = []
         for g, tok in zip(running, nxt):
             outputs[g].append(tok)
@@ -157,6 +157,11 @@ class GreedyStepper:
                 still.append(g)
         self.running = still
         return fed
+
+    def _next_tokens(self, hidden: torch.Tensor, running) -> List[int]:
+        """The next token of each running sequence from the step's hidden rows [S, H] (a subclass may
+        split the rows: ``acarerank.ato.rollouts`` bounds its [rows, V] tensors)."""
+        return self._choose(self._next_logits(hidden, running), running)
 
     def _next_logits(self, hidden: torch.Tensor, running) -> torch.Tensor:
         """fp32 next-token logits of the running sequences: [S, V] free, or [S, 14] (the grammar's

@@ -282,7 +282,153 @@ def test_bad_input_is_named(prompts, grammar, monkeypatch):
         sample_rollouts(runner, prompts[:1], 2, grammar=grammar, pools=[(3, 2)], stop_ids=[5])
     with pytest.raises(ValueError, match="a generator or a seed, not both"):
         sample_rollouts(runner, prompts, 2, seed=1, generator=torch.Generator())
-    with pytest.raises(TypeError, match="eos_id must be a token id"):
-        sample_rollouts(runner, prompts, 2, stop_ids="<|im_end|>")
+    for bad in ("<|im_end|>", [], torch.tensor([1, 2])):
+        with pytest.raises(TypeError, match="stop_ids must be a token id or a non-empty"):
+            sample_rollouts(runner, prompts, 2, stop_ids=bad)
+    for bad, first in (([TOKEN_IM_END, V], V), (-1, -1)):
+        with pytest.raises(ValueError, match=rf"stop id {first} is outside the vocabulary \[0, {V}\)"):
+            sample_rollouts(runner, prompts, 2, stop_ids=bad)
+    small = Qwen3Runner.from_hf(random_qwen3(seed=0, vocab=8, **SHAPE))
+    with pytest.raises(ValueError, match=r"stop id 151643 is outside the vocabulary \[0, 8\).*pass stop_ids="):
+        sample_rollouts(small, [[1, 2]], 2)   # Qwen3's default stop ids on a vocabulary of 8
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64\)"):
+        sample_rollouts(runner, prompts, 2, seed=2 ** 64)
     assert passes == []
     assert sample_rollouts(runner, prompts, 2, max_new_tokens=2, seed=0).lengths == [2] * 4
+
+
+def test_a_steps_logits_are_computed_in_bounded_row_chunks(prompts, monkeypatch):
+    """40 running rollouts at V = 151,669: each step's [rows, V] logits hold at most
+    SAMPLE_LOGITS_ELEMENTS numbers (27 rows), not all 40 rows at once (64 prompts × 8 held 296 MiB per
+    [S, V] tensor, three of them), and the chunked draws' log-probs are still rescore's logp_old."""
+    from acarerank.ato.rollouts import SAMPLE_LOGITS_ELEMENTS
+
+    runner = Qwen3Runner.from_hf(biased(0, {TOKEN_IM_END: 0.05}))
+    V = runner.arch.vocab_size
+    rows = []
+    real = runner.logits
+    monkeypatch.setattr(runner, "logits", lambda h: (rows.append(h.shape[0]), real(h))[1])
+    G = 20
+    ro = sample_rollouts(runner, prompts, G, max_new_tokens=3, seed=5)
+    assert max(rows) == SAMPLE_LOGITS_ELEMENTS // V == 27 and sum(rows[:2]) == 2 * G, rows
+    queries = [RescoreQuery(p[:1], p[1:], ro.of_query(q), [[]] * G) for q, p in enumerate(prompts)]
+    res = rescore(runner, runner, queries)
+    assert torch.equal(res.response_mask, ro.response_mask)
+    assert (res.logp_old - ro.logprobs).abs().max() <= 1e-5
+    assert len({tuple(y) for y in ro.tokens}) > G  # the chunks draw on, not repeat one another
+
+
+def test_the_pool_reserved_up_front_is_bounded(prompts, monkeypatch):
+    """max_new_tokens = 10⁶ with G = 8: the pool made up front holds the prompts' pages and at most
+    ROLLOUT_RESERVE_ROWS rows for the rollouts (not 8 × 10⁶ rows: 500,000 pages and their free list
+    before the first token); a call past the reserve grows the pool as its rollouts reach it and
+    gives rescore's log-probs."""
+    from acarerank.ato import rollouts as R
+    from acarerank.model import block_pool
+
+    runner = Qwen3Runner.from_hf(biased(0, {TOKEN_IM_END: 40.0}))   # p(<|im_end|>) ~ 1: one token each
+    made = []
+    new_pool = runner.new_pool
+    monkeypatch.setattr(runner, "new_pool", lambda n, growable=False: (made.append(n), new_pool(n, growable))[1])
+    ro = sample_rollouts(runner, prompts, 8, max_new_tokens=10**6, seed=0)
+    assert ro.lengths == [1] * 16
+    bs = runner.block_size
+    prompt_pages = sum(-(-(len(p) - 1) // bs) for p in prompts)
+    assert made == [prompt_pages + R.ROLLOUT_RESERVE_ROWS // bs], made
+
+    runner = Qwen3Runner.from_hf(biased(0, {TOKEN_IM_END: 0.05}))
+    grown = []
+    real_grow = block_pool.BlockPool._grow
+    monkeypatch.setattr(block_pool.BlockPool, "_grow", lambda self, extra: (grown.append(extra), real_grow(self, extra)))
+    monkeypatch.setattr(R, "ROLLOUT_RESERVE_ROWS", 2 * bs)
+    ro = sample_rollouts(runner, prompts, 4, max_new_tokens=20, seed=0)
+    assert grown, ro.lengths   # 8 rollouts past 2 pages of reserve
+    queries = [RescoreQuery(p[:1], p[1:], ro.of_query(q), [[]] * 4) for q, p in enumerate(prompts)]
+    res = rescore(runner, runner, queries)
+    assert torch.equal(res.response_mask, ro.response_mask)
+    assert (res.logp_old - ro.logprobs).abs().max() <= 1e-5
+
+
+def test_every_page_is_given_back_and_threads_sample_as_alone(prompts, monkeypatch):
+    """Each call samples in a pool of its own: after 100 calls, a KeyboardInterrupt from the draw
+    and NaN logits mid-sampling, every page of every call's pool is free and no pool outlives its
+    call; the runner then samples as a fresh one. Two threads on one runner get what each gets alone
+    (docs/api.md, "Threads")."""
+    import gc
+    import threading
+    import weakref
+
+    from acarerank.ato import rollouts as R
+    from acarerank.model.numerics import NonFiniteOutputError
+
+    model = biased(0, {TOKEN_IM_END: 0.05})
+    runner = Qwen3Runner.from_hf(model)
+    pools = []
+    new_pool = runner.new_pool
+    monkeypatch.setattr(runner, "new_pool", lambda *a, **k: (pools.append(new_pool(*a, **k)), pools[-1])[1])
+
+    def all_free():
+        return all(p.num_free == p.num_blocks and not any(p.refcount) for p in pools)
+
+    for i in range(100):
+        sample_rollouts(runner, prompts, 2, max_new_tokens=2, seed=i)
+    assert len(pools) == 100 and all_free()
+    choose, calls = R._SampleStepper._choose, []
+
+    def interrupted(self, logits, running):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return choose(self, logits, running)
+
+    monkeypatch.setattr(R._SampleStepper, "_choose", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sample_rollouts(runner, prompts, 3, max_new_tokens=6, seed=0)
+    monkeypatch.setattr(R._SampleStepper, "_choose", choose)
+    logits = runner.logits
+    monkeypatch.setattr(runner, "logits", lambda h: logits(h).fill_(float("nan")))
+    with pytest.raises(NonFiniteOutputError, match="sampling of prompt"):
+        sample_rollouts(runner, prompts, 3, max_new_tokens=6, seed=0)
+    monkeypatch.setattr(runner, "logits", logits)
+    assert len(pools) == 102 and all_free()
+    refs = [weakref.ref(p) for p in pools]
+    pools.clear()
+    gc.collect()
+    assert not any(r() for r in refs)
+
+    fresh = Qwen3Runner.from_hf(model)
+    want = {s: sample_rollouts(fresh, prompts, 3, max_new_tokens=8, seed=s) for s in (0, 1)}
+    got = {}
+    threads = [threading.Thread(target=lambda s=s: got.__setitem__(s, sample_rollouts(runner, prompts, 3,
+                                                                                      max_new_tokens=8, seed=s)))
+               for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in (0, 1):
+        assert got[s].tokens == want[s].tokens and torch.equal(got[s].logprobs, want[s].logprobs)
+    assert all_free()
+
+
+def test_page_edges_and_mixed_lengths_in_one_call():
+    """Prompts whose shared part (all but the last token) is 0, 15, 16, 17 and 32 tokens — inside,
+    at and past a 16-token page edge, where a rollout's first write copies the shared last page or
+    opens its own — in one call, G = 1 and G = 3: every log-prob is transformers' teacher-forced one
+    and rescore's logp_old, and max_new_tokens = 1 gives one token each."""
+    model = biased(6, {TOKEN_IM_END: 1.2})
+    runner = Qwen3Runner.from_hf(model)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (1, 16, 17, 18, 33)]
+    assert runner.block_size == 16
+    for G, new in ((1, 1), (3, 20)):
+        ro = sample_rollouts(runner, prompts, G, max_new_tokens=new, seed=G)
+        assert len(ro.tokens) == 5 * G and (new > 1 or ro.lengths == [1] * (5 * G))
+        with torch.no_grad():
+            for n, y in enumerate(ro.tokens):
+                err = (ro.logprobs[n, :len(y)] - _teacher_forced(model, prompts[n // G], y, 1.0)).abs().max()
+                assert err <= 1e-5, (n, len(prompts[n // G]), err.item())
+        queries = [RescoreQuery(p[:1], p[1:], ro.of_query(q), [[]] * G) for q, p in enumerate(prompts)]
+        res = rescore(runner, runner, queries)
+        assert torch.equal(res.response_mask, ro.response_mask)
+        assert (res.logp_old - ro.logprobs).abs().max() <= 1e-5
