@@ -48,7 +48,7 @@ from typing import Awaitable, Callable, Optional
 from .._validate import check_seconds
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DEFAULT_TOKEN_WAIT_TIMEOUT
-from .admission import TokenBudget
+from .admission import TokenBudget, retry_after_s
 from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
 from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped, run_on_dead
 from .errors import APIError
@@ -385,10 +385,15 @@ class RerankService:
         ends = [t for t in (deadline, None if self.token_wait_timeout is None else
                             loop.time() + self.token_wait_timeout) if t is not None]
         seen = {}
+        start, released = loop.time(), self._tokens.released
 
         def give_up():   # what the 429 reports: the queue as it stood when the wait ran out
             seen.update(held=self._tokens.held, ahead=self._tokens.ahead_of(granted))
+            drained = self._tokens.released - released   # given back by the others during its wait
             self._tokens.abandon(granted, tokens)
+            # its retry joins the back: what is held and waiting now, then its own, must fit the budget
+            queued = self._tokens.held + self._tokens.waiting_tokens
+            seen["retry"] = retry_after_s(queued + tokens - self._tokens.budget, drained, loop.time() - start)
         try:
             await wait_or_drop(granted, is_disconnected, give_up, deadline=min(ends) if ends else None)
         except DeadlinePassed:
@@ -397,7 +402,8 @@ class RerankService:
             raise APIError(429, f"server busy: {seen['held']:,} tokens queued and {seen['ahead']} request(s) waiting "
                                 f"ahead; this request's {tokens:,} did not fit the budget of "
                                 f"{self.max_queue_tokens:,} (--max-queue-tokens) within {self.token_wait_timeout:g} s "
-                                f"(--token-wait-timeout); retry later", headers={"Retry-After": "1"}) from None
+                                f"(--token-wait-timeout); retry in {seen['retry']} s",
+                           headers={"Retry-After": str(seen["retry"])}) from None
 
     # -- rerank ------------------------------------------------------------------------------
     def _check_documents(self, docs: list) -> None:
