@@ -522,7 +522,10 @@ class RerankService:
         enc = self.reranker.encode(request, **kw)
         # the token ids wait in the queue until the request is answered: a list of Python ints
         # takes ~29 bytes a token (a request of 4 M characters, 1.7 M tokens: 50 MB), array('i')
-        # 4; a pass reads one segment at a time (docs/serving.md, "Limits and timeouts")
+        # 4; a pass reads one segment at a time (docs/serving.md, "Limits and timeouts"). The
+        # shared part too: an N-to-N /score request holds one per distinct query, up to the whole
+        # request's tokens (acquire_prefix copies it into a list for the prefill alone)
+        enc.shared_ids = array("i", enc.shared_ids)
         enc.segment_ids = [array("i", seg) for seg in enc.segment_ids]
         return enc
 

@@ -363,3 +363,33 @@ def test_a_group_that_cannot_be_queued_answers_as_the_engine_says(server, monkey
         time.sleep(0.01)
     assert service.engine.num_jobs == 0
     assert service.queued_tokens == 0 and service.waiting_for_tokens == 0
+
+
+def test_a_score_requests_token_ids_take_4_bytes_a_token(server):
+    """N to N holds every group's tokenized prompt until the request is answered, and the shared
+    parts (one per distinct query) are most of its tokens: they were lists of Python ints, ~36
+    bytes a token (1,000 queries of 3.3 k tokens: ~120 MB), where docs/serving.md ("Limits and
+    timeouts") bounds the ids at 4 bytes a token (array('i'), as the documents' segments were)."""
+    import tracemalloc
+
+    from acarerank.pointwise import ScoreRequest
+    from acarerank.server.service import score_tokens
+
+    service = server["service"]
+    # words whose ids are past CPython's cached small ints, as most tokens' are
+    requests = [ScoreRequest(f"query {i}: " + "adaptive tutoring for rerankers " * 100, [DOCS[i % len(DOCS)]])
+                for i in range(40)]
+    tracemalloc.start()
+    try:
+        encs = service._encode_groups(requests, None, True)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    tokens = sum(score_tokens(e) for e in encs)
+    shared = sum(len(e.shared_ids) for e in encs)
+    assert shared > 0.9 * tokens > 15_000, (shared, tokens)
+    assert held / tokens < 6, f"{held:,} bytes held for {tokens:,} tokens: {held / tokens:.1f} a token"
+    # what the engine computes from them is the offline score (shorter queries: the module's budget)
+    queries = [f"query {i}: " + "adaptive tutoring for rerankers " * 20 for i in range(3)]
+    out = server["client"].post("/score", json=dict(queries=queries, documents=DOCS[:3]))
+    assert_close(score_body(out), [server["ref"].score(q, [d])[0] for q, d in zip(queries, DOCS)], "long queries")
