@@ -554,7 +554,10 @@ class RerankService:
         if len(encs) == 1:
             return [await self._wait(self._submit(self.engine.submit, encs[0], rid), is_disconnected, deadline)]
         window = max(1, self.engine.max_running // SCORE_GROUPS_SHARE)
-        jobs = []
+        # the jobs not finished, only: a finished job keeps its prefix handle, and a handle whose
+        # prefix did not fit the cache's pool holds a private pool of its KV (docs/serving.md,
+        # "Engine"), so a list of every job held the KV of all the request's groups till the end
+        jobs = {}
 
         async def run() -> list:
             results, running, queued = [None] * len(encs), {}, iter(range(len(encs)))
@@ -562,13 +565,15 @@ class RerankService:
                 while True:
                     while len(running) < window and (k := next(queued, None)) is not None:
                         job = self._submit(self.engine.submit, encs[k], f"{rid}-{k}")
-                        jobs.append(job)
+                        jobs[k] = job
                         running[asyncio.wrap_future(job.future)] = k
                     if not running:
                         return results
                     done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     for fut in done:
-                        results[running.pop(fut)] = fut.result()
+                        k = running.pop(fut)
+                        del jobs[k]
+                        results[k] = fut.result()
             finally:
                 for fut in running:   # dropped: their outcome is read when it comes (disconnect.py)
                     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -582,7 +587,7 @@ class RerankService:
                 self.metrics.cancelled.inc()
             dropped.append(True)
             task.cancel()
-            for job in jobs:
+            for job in list(jobs.values()):
                 if not job.future.done():
                     self.engine.cancel(job, count=False)
         task = asyncio.ensure_future(run())
