@@ -21,7 +21,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 from typing import Callable, Optional
+
+#: the bounds of the ``Retry-After`` a request whose token wait ran out is sent (``retry_after_s``)
+RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60
+
+
+def retry_after_s(excess: int, released: int, waited_s: float) -> int:
+    """Seconds a request refused after its token wait should wait before it retries: how long the
+    engine takes to give back ``excess`` tokens at the rate it gave them back during the wait,
+    ``ceil(excess / (released / waited_s))``, clamped to [``RETRY_AFTER_MIN_S``, ``RETRY_AFTER_MAX_S``].
+
+    ``excess``: tokens that must leave before the retry fits — the tokens held, plus those of every
+    request still waiting (the retry joins the back of the queue), plus its own, less the budget.
+    ``released``: tokens given back (requests answered) during its wait of ``waited_s`` seconds.
+    Nothing given back in the whole wait: the most (the engine is stuck on long work or stalled;
+    a retry at once would only wait again)."""
+    if excess <= 0:
+        return RETRY_AFTER_MIN_S
+    if released <= 0 or waited_s <= 0:
+        return RETRY_AFTER_MAX_S
+    return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(excess * waited_s / released))))
 
 
 class TokenBudget:
@@ -35,6 +56,7 @@ class TokenBudget:
     def __init__(self, budget: int, on_change: Callable[[int, int], None] = lambda held, waiting: None):
         self.budget = budget
         self.held = 0
+        self.released = 0          # tokens given back since the start, all together (a throughput gauge)
         self._waiters: collections.deque = collections.deque()   # (tokens, future), oldest first
         self._on_change = on_change
 
@@ -71,6 +93,7 @@ class TokenBudget:
     def release(self, tokens: int) -> None:
         """Give back ``tokens`` that were held, and grant the waiters that now fit, in order."""
         self.held -= tokens
+        self.released += tokens
         self._grant()
 
     def abandon(self, fut: asyncio.Future, tokens: int) -> None:

@@ -198,9 +198,13 @@ class Engine(_FaultIsolation):
         self._put(job)
         return job
 
-    def cancel(self, job) -> None:
-        """Drop a job's remaining work (its client is gone, or its deadline passed); its future is cancelled."""
-        if not job.cancelled and self.metrics is not None:
+    def cancel(self, job, count: bool = True) -> None:
+        """Drop a job's remaining work (its client is gone, or its deadline passed); its future is cancelled.
+
+        ``count``: the job is a request, counted once in ``acarerank_requests_cancelled_total``;
+        False for one of several jobs of one request (a ``/score`` request's groups), which the
+        caller counts once itself."""
+        if count and not job.cancelled and self.metrics is not None:
             self.metrics.cancelled.inc()
         job.cancelled = True
         with self._cv:

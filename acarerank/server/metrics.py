@@ -25,7 +25,8 @@ acarerank_batch_tokens                      histogram  segment tokens per packed
 acarerank_batch_requests                    histogram  requests sharing a packed pass
 acarerank_documents_scored_total            counter    documents scored
 acarerank_requests_cancelled_total          counter    requests whose remaining work was dropped: the
-                                                       client left, or --request-timeout passed
+                                                       client left, or --request-timeout passed (a
+                                                       /score request once, not once per group)
 acarerank_engine_failures_total             counter    model-side failures, by stage (pass, prefill,
                                                        select, scheduler, tokenize, engine)
 acarerank_engine_failures_in_a_row          gauge      failures since the last success, by kind (model:

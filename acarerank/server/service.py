@@ -48,7 +48,7 @@ from typing import Awaitable, Callable, Optional
 from .._validate import check_seconds
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DEFAULT_TOKEN_WAIT_TIMEOUT
-from .admission import TokenBudget
+from .admission import TokenBudget, retry_after_s
 from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
 from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped, run_on_dead
 from .errors import APIError
@@ -385,10 +385,15 @@ class RerankService:
         ends = [t for t in (deadline, None if self.token_wait_timeout is None else
                             loop.time() + self.token_wait_timeout) if t is not None]
         seen = {}
+        start, released = loop.time(), self._tokens.released
 
         def give_up():   # what the 429 reports: the queue as it stood when the wait ran out
             seen.update(held=self._tokens.held, ahead=self._tokens.ahead_of(granted))
+            drained = self._tokens.released - released   # given back by the others during its wait
             self._tokens.abandon(granted, tokens)
+            # its retry joins the back: what is held and waiting now, then its own, must fit the budget
+            queued = self._tokens.held + self._tokens.waiting_tokens
+            seen["retry"] = retry_after_s(queued + tokens - self._tokens.budget, drained, loop.time() - start)
         try:
             await wait_or_drop(granted, is_disconnected, give_up, deadline=min(ends) if ends else None)
         except DeadlinePassed:
@@ -397,7 +402,8 @@ class RerankService:
             raise APIError(429, f"server busy: {seen['held']:,} tokens queued and {seen['ahead']} request(s) waiting "
                                 f"ahead; this request's {tokens:,} did not fit the budget of "
                                 f"{self.max_queue_tokens:,} (--max-queue-tokens) within {self.token_wait_timeout:g} s "
-                                f"(--token-wait-timeout); retry later", headers={"Retry-After": "1"}) from None
+                                f"(--token-wait-timeout); retry in {seen['retry']} s",
+                           headers={"Retry-After": str(seen["retry"])}) from None
 
     # -- rerank ------------------------------------------------------------------------------
     def _check_documents(self, docs: list) -> None:
@@ -516,7 +522,10 @@ class RerankService:
         enc = self.reranker.encode(request, **kw)
         # the token ids wait in the queue until the request is answered: a list of Python ints
         # takes ~29 bytes a token (a request of 4 M characters, 1.7 M tokens: 50 MB), array('i')
-        # 4; a pass reads one segment at a time (docs/serving.md, "Limits and timeouts")
+        # 4; a pass reads one segment at a time (docs/serving.md, "Limits and timeouts"). The
+        # shared part too: an N-to-N /score request holds one per distinct query, up to the whole
+        # request's tokens (acquire_prefix copies it into a list for the prefill alone)
+        enc.shared_ids = array("i", enc.shared_ids)
         enc.segment_ids = [array("i", seg) for seg in enc.segment_ids]
         return enc
 
@@ -539,11 +548,16 @@ class RerankService:
         request out of the passes until all but the last few had ended (a 2-document rerank sent
         during a 1,000-query score waited 0.79 s, 0.03 s during a 1,000-document rerank).
         Whatever ends the wait early (a job failed, the client left, the deadline, a cancellation)
-        drops every job not finished, so no group of a request that was answered keeps the engine busy."""
+        drops every job not finished, so no group of a request that was answered keeps the engine busy;
+        a request dropped with work left (not one that failed) is one in
+        ``acarerank_requests_cancelled_total``, as a rerank is, not one per group then in the engine."""
         if len(encs) == 1:
             return [await self._wait(self._submit(self.engine.submit, encs[0], rid), is_disconnected, deadline)]
         window = max(1, self.engine.max_running // SCORE_GROUPS_SHARE)
-        jobs = []
+        # the jobs not finished, only: a finished job keeps its prefix handle, and a handle whose
+        # prefix did not fit the cache's pool holds a private pool of its KV (docs/serving.md,
+        # "Engine"), so a list of every job held the KV of all the request's groups till the end
+        jobs = {}
 
         async def run() -> list:
             results, running, queued = [None] * len(encs), {}, iter(range(len(encs)))
@@ -551,22 +565,31 @@ class RerankService:
                 while True:
                     while len(running) < window and (k := next(queued, None)) is not None:
                         job = self._submit(self.engine.submit, encs[k], f"{rid}-{k}")
-                        jobs.append(job)
+                        jobs[k] = job
                         running[asyncio.wrap_future(job.future)] = k
                     if not running:
                         return results
                     done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     for fut in done:
-                        results[running.pop(fut)] = fut.result()
+                        k = running.pop(fut)
+                        del jobs[k]
+                        results[k] = fut.result()
             finally:
                 for fut in running:   # dropped: their outcome is read when it comes (disconnect.py)
                     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
+        dropped = []
+
         def drop():
+            # one request, however many of its groups were in the engine: counted once, as the
+            # rerank route counts its one job (acarerank_requests_cancelled_total counts requests)
+            if not task.done() and not dropped:
+                self.metrics.cancelled.inc()
+            dropped.append(True)
             task.cancel()
-            for job in jobs:
+            for job in list(jobs.values()):
                 if not job.future.done():
-                    self.engine.cancel(job)
+                    self.engine.cancel(job, count=False)
         task = asyncio.ensure_future(run())
         try:
             return await self._wait_for(task, drop, is_disconnected, deadline)

@@ -78,3 +78,64 @@ def test_a_granted_waiter_that_is_abandoned_gives_its_tokens_back():
             gate.acquire(11)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("excess, released, waited, want", [
+    (450, 100, 0.5, 3),      # 200 tokens/s given back: 450 more take 2.25 s
+    (1000, 1000, 30.0, 30),  # 33 tokens/s: 30 s
+    (10, 10_000, 30.0, 1),   # drains at once: the least
+    (0, 0, 30.0, 1),         # fits now that the others left: at once, whatever the rate
+    (-5, 100, 1.0, 1),
+    (10, 1, 30.0, 60),       # 300 s at that rate: the most
+    (10, 0, 30.0, 60),       # nothing given back during the whole wait: the most
+])
+def test_retry_after_is_the_time_the_queue_takes_to_make_room(excess, released, waited, want):
+    """``retry_after_s``: ceil(excess / (released / waited)) clamped to [1, 60] s."""
+    from acarerank.server.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, retry_after_s
+
+    assert (RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S) == (1, 60)
+    assert retry_after_s(excess, released, waited) == want
+
+
+def test_a_request_whose_token_wait_ran_out_is_told_when_the_queue_will_have_room():
+    """A request refused after --token-wait-timeout gets a Retry-After from the tokens given back
+    during its wait: the requests held and waiting, then its own, must fit before its retry can
+    (it joins the back). It said 1 s whatever the queue, and a retry 1 s later waited again."""
+    from types import SimpleNamespace
+
+    from acarerank.server.errors import APIError
+    from acarerank.server.service import RerankService
+
+    stub = SimpleNamespace(cache_stats=lambda: {}, max_batch_tokens=64)   # hold_tokens needs no model
+    svc = RerankService(stub, "stub", max_queue_tokens=1000, token_wait_timeout=0.5)
+
+    async def here():
+        return False
+
+    async def refused(free_after: float, free: int):
+        assert svc._tokens.acquire(100) is None and svc._tokens.acquire(500) is None   # 600 held
+
+        async def answer():
+            await asyncio.sleep(free_after)
+            svc._tokens.release(free)
+        answering = asyncio.ensure_future(answer())
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(APIError) as e:
+            async with svc.hold_tokens(950, here):
+                pass
+        waited = asyncio.get_running_loop().time() - t0
+        await answering
+        svc._tokens.release(600 - free)
+        assert svc._tokens.held == 0 and svc._tokens.waiting == 0
+        return e.value, waited
+    try:
+        # 100 of the 600 held are given back during the 0.5 s wait: the other 500 and its 950 pass
+        # the budget by 450, at 200 tokens/s -> 2.25 s (2.7 s if the wait ran to 0.6 s): 3
+        err, waited = asyncio.run(refused(0.2, 100))
+        assert err.status == 429 and 0.5 <= waited < 0.6, (err.status, waited)
+        assert err.headers["Retry-After"] == "3" and "retry in 3 s" in err.message, (err.headers, err.message)
+        # nothing given back during the wait: the most
+        err, _ = asyncio.run(refused(0.7, 0))
+        assert err.status == 429 and err.headers["Retry-After"] == "60", err.headers
+    finally:
+        svc.stop()

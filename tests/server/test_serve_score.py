@@ -16,6 +16,7 @@ import httpx  # noqa: E402
 from acarerank import PointwiseReranker
 from acarerank.server import RerankService, create_app
 from acarerank.server.config import ServeConfig
+from acarerank.server.schemas import RerankRequest
 from serve_util import expect_error, thread_server, tiny_model
 
 QUERY = "tutor reranker"
@@ -241,9 +242,11 @@ def test_openapi_shows_the_score_routes_with_their_schemas(server):
         {"id", "object", "created", "model", "data", "usage"}
 
 
-def test_a_client_gone_drops_every_group_of_its_request(server):
+def test_a_client_gone_drops_every_group_of_its_request(server, monkeypatch):
     """N to N runs one engine job per distinct query: a client that leaves while they wait has all
-    of them dropped (counted once each in acarerank_requests_cancelled_total), none left to run."""
+    of them dropped, none left to run, and the request counted once in
+    acarerank_requests_cancelled_total, as a rerank is (docs/serving.md, "Metrics") — it counted the
+    groups then in the engine, at most half its window (2 of the 5 groups here: the window is 4)."""
     import asyncio
     import threading
     import time
@@ -253,23 +256,29 @@ def test_a_client_gone_drops_every_group_of_its_request(server):
     from acarerank.server.schemas import ScorePairsRequest
 
     service = server["service"]
+    monkeypatch.setattr(service.engine, "max_running", 4)   # 2 groups in the engine, 3 still to submit
     block = threading.Event()
     service.engine.submit_call(lambda: block.wait(30))   # holds the scheduler: the groups stay queued
-    before = service.metrics.cancelled._value.get()
-    req = parse_body(b'{"queries": ["a", "b", "a"], "documents": ["x", "y", "z"]}', ScorePairsRequest)
+    req = parse_body(b'{"queries": ["a", "b", "a", "c", "d", "e"], "documents": ["x", "y", "z", "u", "v", "w"]}',
+                     ScorePairsRequest)
+    rerank = parse_body(b'{"query": "a", "documents": ["x", "y", "z"]}', RerankRequest)
+    counts = []
 
     async def gone():
         return True
     try:
-        with pytest.raises(ClientGone):
-            asyncio.run(service.score(req, gone))
+        for call in (service.score, service.rerank):
+            before = service.metrics.cancelled._value.get()
+            with pytest.raises(ClientGone):
+                asyncio.run(call(req if call == service.score else rerank, gone))
+            counts.append(service.metrics.cancelled._value.get() - before)
     finally:
         block.set()
     deadline = time.monotonic() + 30
     while service.engine.num_jobs and time.monotonic() < deadline:
         time.sleep(0.01)
     assert service.engine.num_jobs == 0
-    assert service.metrics.cancelled._value.get() - before == 2, "one cancellation per group"
+    assert counts == [1, 1], f"cancelled requests counted {counts[0]} for the score request, {counts[1]} for the rerank"
 
 
 def test_a_score_requests_groups_leave_later_requests_room_in_the_passes():
@@ -354,3 +363,60 @@ def test_a_group_that_cannot_be_queued_answers_as_the_engine_says(server, monkey
         time.sleep(0.01)
     assert service.engine.num_jobs == 0
     assert service.queued_tokens == 0 and service.waiting_for_tokens == 0
+
+
+def test_a_score_requests_token_ids_take_4_bytes_a_token(server):
+    """N to N holds every group's tokenized prompt until the request is answered, and the shared
+    parts (one per distinct query) are most of its tokens: they were lists of Python ints, ~36
+    bytes a token (1,000 queries of 3.3 k tokens: ~120 MB), where docs/serving.md ("Limits and
+    timeouts") bounds the ids at 4 bytes a token (array('i'), as the documents' segments were)."""
+    import tracemalloc
+
+    from acarerank.pointwise import ScoreRequest
+    from acarerank.server.service import score_tokens
+
+    service = server["service"]
+    # words whose ids are past CPython's cached small ints, as most tokens' are
+    requests = [ScoreRequest(f"query {i}: " + "adaptive tutoring for rerankers " * 100, [DOCS[i % len(DOCS)]])
+                for i in range(40)]
+    tracemalloc.start()
+    try:
+        encs = service._encode_groups(requests, None, True)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    tokens = sum(score_tokens(e) for e in encs)
+    shared = sum(len(e.shared_ids) for e in encs)
+    assert shared > 0.9 * tokens > 15_000, (shared, tokens)
+    assert held / tokens < 6, f"{held:,} bytes held for {tokens:,} tokens: {held / tokens:.1f} a token"
+    # what the engine computes from them is the offline score (shorter queries: the module's budget)
+    queries = [f"query {i}: " + "adaptive tutoring for rerankers " * 20 for i in range(3)]
+    out = server["client"].post("/score", json=dict(queries=queries, documents=DOCS[:3]))
+    assert_close(score_body(out), [server["ref"].score(q, [d])[0] for q, d in zip(queries, DOCS)], "long queries")
+
+
+def test_a_finished_group_is_not_held_until_the_request_ends(server, monkeypatch):
+    """A finished group's engine job keeps its prefix handle, and a handle whose prefix did not fit
+    the cache's pool holds a private pool of its KV: the request kept every job it had submitted
+    until its answer, so with --cache-budget below the default (the engine pins up to the default)
+    1,000 groups of 3.2 k tokens held ~10 GB at the end. Groups run one at a time here (a window of
+    1); when group k is submitted, groups 0..k-2 must be gone (k-1 the engine may still hold)."""
+    import gc
+    import weakref
+
+    service = server["service"]
+    monkeypatch.setattr(service.engine, "max_running", 2)   # a window of 1 group
+    submit, refs, alive = service.engine.submit, [], []
+
+    def submit_and_look(enc, rid=None):
+        gc.collect()
+        alive.append(sum(r() is not None for r in refs[:-1]))
+        job = submit(enc, rid)
+        refs.append(weakref.ref(job))
+        return job
+    monkeypatch.setattr(service.engine, "submit", submit_and_look)
+    n = MAX_DOCUMENTS
+    queries, docs = [f"q{i}" for i in range(n)], [DOCS[i % len(DOCS)] for i in range(n)]
+    out = server["client"].post("/score", json=dict(queries=queries, documents=docs))
+    assert_close(score_body(out), [server["ref"].score(q, [d])[0] for q, d in zip(queries, docs)], "one at a time")
+    assert len(alive) == n and alive == [0] * n, f"finished groups still held at each submission: {alive}"
