@@ -538,6 +538,50 @@ def test_docs_show_commands_at_all():
     assert any(s.startswith("acarerank serve") for s in seen), seen
 
 
+#: the README's first screen: what a newcomer reads before scrolling (a terminal or a GitHub page)
+README_FIRST_SCREEN_LINES = 60
+
+
+def readme_first_screen_problems(text: str, path: Path) -> List[str]:
+    """What the README's first ``README_FIRST_SCREEN_LINES`` lines lack: the two set-up commands
+    (the main job, the tests), a serve example that asks the server something, and a Python
+    example that scores."""
+    head = "\n".join(text.split("\n")[:README_FIRST_SCREEN_LINES])
+    blocks = fenced_blocks(head + "\n```\n", path)  # a block cut by the limit still counts, closed
+    shell = [" ".join(c.words) for b in blocks if b.lang in SHELL_LANGS for c in shell_commands(b)]
+    python = [b.text for b in blocks if b.lang in ("python", "py")]
+    problems = [f"no `{cmd}`" for cmd in ("bash scripts/main.sh", "bash scripts/test.sh") if cmd not in shell]
+    if not any(s.startswith("acarerank serve") for s in shell) or not any(s.startswith("curl ") for s in shell):
+        problems.append("no serve example (`acarerank serve` and a request to it)")
+    if not any(re.search(r"\.(score|rerank)\(", b) for b in python):
+        problems.append("no Python example that scores (`.score(` or `.rerank(`)")
+    return [f"first {README_FIRST_SCREEN_LINES} lines: {p}" for p in problems]
+
+
+def test_readme_first_screen_has_the_two_commands_and_one_serve_and_one_python_example():
+    readme = ROOT / "README.md"
+    problems = readme_first_screen_problems(readme.read_text(), readme)
+    assert not problems, _report(readme, problems)
+
+
+def test_readme_headline_figures_are_in_benchmarks_md():
+    """Every figure of the README's results table (ms, tokens/s, ratios, dates) is in
+    docs/benchmarks.md's "Summary" table, whose rows point at the command, versions and machine:
+    a re-measured figure changes both."""
+    readme = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    start = text.index("\n## Summary\n")
+    bench = text[start:text.index("\n## ", start + 1)]
+    rows = [line for line in readme.split("\n") if line.startswith("|") and re.search(r"\*\*[\d.]+×", line)]
+    assert rows, "no results table (rows with a **N×** ratio) in README.md"
+    missing = []
+    for row in rows:
+        for figure in re.findall(r"\d{4}-\d{2}-\d{2}|\d+(?:,\d{3})*(?:\.\d+)?×?", row):
+            if len(figure.strip("×")) > 1 and figure not in bench:
+                missing.append(f"{figure!r} in {row[:90]!r}")
+    assert not missing, "README figures not in docs/benchmarks.md's Summary:\n" + "\n".join(missing)
+
+
 # --------------------------------------------------------------------------- the checker can fail
 
 FAKE = ROOT / "docs" / "fake.md"
@@ -636,3 +680,19 @@ def test_checker_reports_links_whose_text_wraps_a_line():
 def test_github_anchors():
     text = "# A b\n## Beside vLLM and llama.cpp\n## `x` (y / z)\n## A b\n```\n# not a heading\n```\n"
     assert github_anchors(text) == {"a-b", "beside-vllm-and-llamacpp", "x-y--z", "a-b-1"}
+
+
+@pytest.mark.parametrize("drop, expected", [
+    ("bash scripts/test.sh", "no `bash scripts/test.sh`"),
+    ("acarerank serve", "no serve example"),
+    ("rr.rerank(", "no Python example that scores"),
+])
+def test_checker_reports_a_first_screen_without_an_essential(drop, expected):
+    text = ("# x\n\n```bash\nbash scripts/main.sh\nbash scripts/test.sh\n```\n\n"
+            "```bash\nacarerank serve --port 8000 &\ncurl -s localhost:8000/v1/rerank\n```\n\n"
+            "```python\nprint(rr.rerank(\"q\", docs))\n```\n")
+    assert readme_first_screen_problems(text, FAKE) == []
+    problems = readme_first_screen_problems(text.replace(drop, "echo"), FAKE)
+    assert any(expected in p for p in problems), problems
+    pushed_down = "\n" * README_FIRST_SCREEN_LINES + text
+    assert len(readme_first_screen_problems(pushed_down, FAKE)) == 4
