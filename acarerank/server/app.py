@@ -118,13 +118,14 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_for(request.scope, exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(error_for(request.scope, exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_for(request.scope, 500, f"internal error: {type(exc).__name__}"), status_code=500)
+        return JSONResponse(error_for(request.scope, 500, f"internal error: {type(exc).__name__}"),
+                            status_code=500)
 
     async def _rerank(request: Request):
         req = await parse(request, RerankRequest)

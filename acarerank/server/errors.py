@@ -16,7 +16,7 @@ The status is ours on every route; ``error_type`` is TEI's word for it (``TEI_ER
 from __future__ import annotations
 
 import json
-from typing import Optional, Union
+from typing import Optional
 
 #: nginx's status for "client closed request": counted in the metrics, never sent (nobody is there)
 CLIENT_CLOSED = 499
@@ -85,7 +85,3 @@ def error_for(scope: dict, status: int, message: str, type: Optional[str] = None
     if speaks_tei(scope.get("path", ""), scope.get("state")):
         return {"error": message, "error_type": tei_error_type(status)}
     return error_body(status, message, type)
-
-
-def error_json(body: Union[dict, list]) -> bytes:
-    return json.dumps(body).encode()

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import MAX_HEAD_BYTES
-from .errors import CLIENT_CLOSED, APIError, error_for, error_json
+from .errors import CLIENT_CLOSED, APIError, error_for
 
 log = logging.getLogger("acarerank.server")
 
@@ -57,7 +58,7 @@ def _endpoint(path: str) -> str:
 
 
 async def _send_error(scope, send, status: int, message: str, headers: Optional[dict] = None) -> None:
-    body = error_json(error_for(scope, status, message))   # TEI's shape on its route (errors.py)
+    body = json.dumps(error_for(scope, status, message)).encode()   # TEI's shape on its route (errors.py)
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     hdrs += [(k.lower().encode(), str(v).encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
@@ -114,14 +115,14 @@ class Gate:
         if scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self.state.draining:
-            return await _send_error(scope, send, 503, "server is draining (shutting down); retry on another replica",
-                                     {"Retry-After": "1", "Connection": "close"})
+            return await _send_error(scope, send, 503, "server is draining (shutting down); retry on another "
+                                                       "replica", {"Retry-After": "1", "Connection": "close"})
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         length = headers.get("content-length")
         length = int(length) if length is not None and length.isdigit() else None
         if self.api_key is not None and not self._authorized(headers):
-            return await self._refuse(scope, receive, send, status, length, 401, "missing or wrong API key: send "
-                                      "'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
+            return await self._refuse(scope, receive, send, status, length, 401, "missing or wrong API key: "
+                                      "send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
         # only a POST to an API path takes a body worth reading, and only it is admitted (counted
         # against --max-queue): any other request's body is capped at LINGER_BYTES, so requests that
         # bypass admission (an unknown path, a wrong method) cannot hold max_body_bytes each
@@ -132,8 +133,8 @@ class Gate:
             limit = LINGER_BYTES
             flag = f" for {scope['method']} {scope['path']} (only a POST to {', '.join(sorted(API_PATHS))} takes more)"
         if length is not None and length > limit:
-            return await self._refuse(scope, receive, send, status, length, 413, f"request body of {length} bytes "
-                                      f"exceeds the limit of {limit} bytes{flag}")
+            return await self._refuse(scope, receive, send, status, length, 413, f"request body of {length} "
+                                      f"bytes exceeds the limit of {limit} bytes{flag}")
         encoding = headers.get("content-encoding", b"").strip().lower()
         if api_post and encoding not in (b"", b"identity"):
             # a compressed body would reach the JSON decoder as bytes it calls malformed (a 422 that
@@ -163,14 +164,16 @@ class Gate:
                 raise
             task.uncancel()
             if status["code"] == 500:   # no response started: the drain deadline answers it
-                await _send_error(scope, send, 503, "server shut down before this request finished (--drain-timeout); "
-                                             "retry on another replica", {"Connection": "close"})
+                await _send_error(scope, send, 503, "server shut down before this request finished "
+                                                    "(--drain-timeout); retry on another replica",
+                                  {"Connection": "close"})
         finally:
             slot.close()
             self.state.in_flight -= 1
             self.state.tasks.discard(task)
 
-    async def _refuse(self, scope, receive, send, status, length: Optional[int], code: int, message: str, headers=None):
+    async def _refuse(self, scope, receive, send, status, length: Optional[int], code: int, message: str,
+                      headers=None):
         """An answer before the body is read. A small declared body is read and dropped first (nginx's
         lingering close, bounded): the connection stays usable and the client, still writing, never
         meets a reset instead of the answer. A larger one (or none declared) closes the connection."""
