@@ -147,7 +147,7 @@ class Soak:
             if len(self.problems) < 200:
                 self.problems.append(what)
 
-    def record(self, kind, status, body=None, raw=None, headers=None):
+    def record(self, kind, status, body=None, raw=None, headers=None, path=None):
         with self.lock:
             self.status[(kind, status)] += 1
         allowed = ALLOWED[kind] | ({503} if self.draining else set())
@@ -155,9 +155,13 @@ class Soak:
             self.problem(f"{kind}: status {status} not among {sorted(allowed)}: {str(raw)[:300]}")
         if status >= 400 and raw is not None:
             try:
-                err = json.loads(raw)["error"]
-                ok = (isinstance(err["message"], str) and err["code"] == status
-                      and isinstance(err["type"], str) and set(err) == {"message", "type", "code"})
+                answer = json.loads(raw)
+                err = answer["error"]
+                if path == "/rerank" and isinstance(err, str):   # TEI's shape on its route (docs/serving.md, "Errors")
+                    ok = set(answer) == {"error", "error_type"} and isinstance(answer["error_type"], str)
+                else:
+                    ok = (isinstance(err["message"], str) and err["code"] == status
+                          and isinstance(err["type"], str) and set(err) == {"message", "type", "code"})
             except (ValueError, KeyError, TypeError):
                 ok = False
             if not ok:
@@ -197,7 +201,7 @@ class Soak:
     def post_with_retry(self, client, path, kind, body=None, content=None):
         for attempt in range(RETRIES):
             r = client.post(path, json=body) if content is None else client.post(path, content=content)
-            self.record(kind, r.status_code, body, r.text, r.headers)
+            self.record(kind, r.status_code, body, r.text, r.headers, path)
             if r.status_code == 503 and self.draining:
                 self.stop.set()   # the drain has begun: this burst is over
             if r.status_code != 429:

@@ -36,6 +36,18 @@ def thread_server(app):
         assert not thread.is_alive(), "uvicorn thread did not stop"
 
 
+def expect_tei_error(r, code: int, error_type: str, words=()):
+    """``r`` is Text Embeddings Inference's error shape ``{"error": message, "error_type": type}``
+    (its router's ``ErrorResponse``), what ``/rerank`` answers a TEI request (docs/serving.md, "Errors")."""
+    assert r.status_code == code, f"expected {code}, got {r.status_code}: {r.text}"
+    body = r.json()
+    assert set(body) == {"error", "error_type"} and isinstance(body["error"], str), body
+    assert body["error_type"] == error_type, body
+    for w in words:
+        assert w in body["error"], f"{w!r} not in {body['error']!r}"
+    return r
+
+
 def rss_mb(pid) -> float:
     """Resident memory of process ``pid`` in MB (VmRSS)."""
     with open(f"/proc/{pid}/status") as f:

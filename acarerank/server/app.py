@@ -31,7 +31,8 @@ namespace of the prefix cache) unless the server trusts all its callers (``trust
 otherwise a caller could learn whether another one sent a given context (docs/serving.md, "Tenancy").
 
 ``/health``, ``/ready`` and ``/metrics`` are open (probes and scrapers carry no key). Every
-error is ``{"error": {"message", "type", "code"}}``; only a fault of the server itself is a 500.
+error is ``{"error": {"message", "type", "code"}}`` but on TEI's ``/rerank``, which answers TEI's
+``{"error", "error_type"}`` (``errors.py`` says when); only a fault of the server itself is a 500.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServeConfig
 from .disconnect import ClientGone
-from .errors import APIError, error_body
+from .errors import APIError, error_body, error_for
 from .gate import CLIENT_CLOSED, RERANK_PATHS, SCORE_PATHS, Gate, GateState
 from .parsing import parse_body, validation_message
 from .probes import check_max_pass_s, health_problem
@@ -100,28 +101,31 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
 
     async def parse(request: Request, model_cls):
         body = await request.body()
-        req = await asyncio.get_running_loop().run_in_executor(parse_pool, parse_body, body, model_cls)
+        # the body's top-level fields pick the error shape on TEI's route (errors.speaks_tei)
+        fields = request.state.body_fields = set()
+        req = await asyncio.get_running_loop().run_in_executor(parse_pool, parse_body, body, model_cls, fields)
         check_limits(req, config)
         return req
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(error_body(exc.status, exc.message, exc.type), status_code=exc.status,
+        return JSONResponse(error_for(request.scope, exc.status, exc.message, exc.type), status_code=exc.status,
                             headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return JSONResponse(error_body(422, validation_message(exc.errors())), status_code=422)
+        return JSONResponse(error_for(request.scope, 422, validation_message(exc.errors())), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(error_for(request.scope, exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+        return JSONResponse(error_for(request.scope, 500, f"internal error: {type(exc).__name__}"),
+                            status_code=500)
 
     async def _rerank(request: Request):
         req = await parse(request, RerankRequest)

@@ -1,7 +1,17 @@
-"""One JSON error shape for every failure: ``{"error": {"message", "type", "code"}}``.
+"""The JSON error shapes: ``{"error": {"message", "type", "code"}}``, and TEI's on its route.
 
-``code`` is the HTTP status (as vLLM and Infinity send it), ``type`` a stable machine word.
-Input never causes a 500: bad input is 400/413/422, load is 429, shutdown 503.
+``code`` is the HTTP status (as vLLM and Infinity send it), ``type`` a stable machine word. It is
+vLLM's ``ErrorResponse`` less its optional ``param``, so an OpenAI-style client reads
+``error.message`` on every route. Input never causes a 500: bad input is 400/413/422, load is 429,
+shutdown 503.
+
+Text Embeddings Inference answers ``{"error": "<message>", "error_type": "<ErrorType>"}``
+(router/src/lib.rs ``ErrorResponse``), and its clients read ``error`` as the message: our object
+there is no message. So ``/rerank``, TEI's one route, answers errors in TEI's shape unless the
+body was read and is not TEI's (``documents`` and no ``texts``: the Cohere, Jina and vLLM clients
+that also call ``/rerank`` keep ours); before its body is read (drain, key, size, admission) or
+when it does not parse, a ``/rerank`` request is taken for TEI's (docs/serving.md, "Errors").
+The status is ours on every route; ``error_type`` is TEI's word for it (``TEI_ERROR_TYPES``).
 """
 from __future__ import annotations
 
@@ -46,3 +56,32 @@ def error_body(status: int, message: str, type: Optional[str] = None) -> dict:
 
 def error_bytes(status: int, message: str) -> bytes:
     return json.dumps(error_body(status, message)).encode()
+
+
+#: TEI's route: its errors are TEI's shape (module docstring)
+TEI_PATH = "/rerank"
+#: status -> TEI's ErrorType (router/src/lib.rs): TEI answers Overloaded 429, Unhealthy 503, Backend
+#: 424 and Validation 422 (a batch too large included); a 504 here is the wait or the run outlasting
+#: --request-timeout, a load problem; every other 4xx is the request's (Validation), 5xx the model's
+TEI_ERROR_TYPES = {429: "Overloaded", 503: "Unhealthy", 504: "Overloaded"}
+
+
+def tei_error_type(status: int) -> str:
+    return TEI_ERROR_TYPES.get(status, "Validation" if status < 500 else "Backend")
+
+
+def speaks_tei(path: str, state: Optional[dict]) -> bool:
+    """Whether an error on ``path`` goes in TEI's shape: on ``TEI_PATH`` unless the request's body
+    was read and names ``documents`` and no ``texts`` (``state["body_fields"]``: the top-level
+    fields the body had, set by the app once it is read; absent before)."""
+    if path != TEI_PATH:
+        return False
+    fields = (state or {}).get("body_fields")
+    return fields is None or "texts" in fields or "documents" not in fields
+
+
+def error_for(scope: dict, status: int, message: str, type: Optional[str] = None) -> dict:
+    """The error body for a request (its ASGI ``scope``): TEI's on TEI's route, else ours."""
+    if speaks_tei(scope.get("path", ""), scope.get("state")):
+        return {"error": message, "error_type": tei_error_type(status)}
+    return error_body(status, message, type)

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import MAX_HEAD_BYTES
-from .errors import CLIENT_CLOSED, APIError, error_bytes
+from .errors import CLIENT_CLOSED, APIError, error_for
 
 log = logging.getLogger("acarerank.server")
 
@@ -56,8 +57,8 @@ def _endpoint(path: str) -> str:
     return path if path in OPEN_PATHS or path in API_PATHS or path == "/v1/models" else "other"
 
 
-async def _send_error(send, status: int, message: str, headers: Optional[dict] = None) -> None:
-    body = error_bytes(status, message)
+async def _send_error(scope, send, status: int, message: str, headers: Optional[dict] = None) -> None:
+    body = json.dumps(error_for(scope, status, message)).encode()   # TEI's shape on its route (errors.py)
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     hdrs += [(k.lower().encode(), str(v).encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": hdrs})
@@ -109,19 +110,19 @@ class Gate:
     async def _gate(self, scope, receive, send, status):
         head = len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         if head > MAX_HEAD_BYTES:
-            return await _send_error(send, 431, f"request line and headers of {head} bytes exceed {MAX_HEAD_BYTES} "
-                                                f"bytes", {"Connection": "close"})
+            return await _send_error(scope, send, 431, f"request line and headers of {head} bytes exceed "
+                                                       f"{MAX_HEAD_BYTES} bytes", {"Connection": "close"})
         if scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self.state.draining:
-            return await _send_error(send, 503, "server is draining (shutting down); retry on another replica",
-                                     {"Retry-After": "1", "Connection": "close"})
+            return await _send_error(scope, send, 503, "server is draining (shutting down); retry on another "
+                                                       "replica", {"Retry-After": "1", "Connection": "close"})
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         length = headers.get("content-length")
         length = int(length) if length is not None and length.isdigit() else None
         if self.api_key is not None and not self._authorized(headers):
-            return await self._refuse(receive, send, status, length, 401, "missing or wrong API key: send "
-                                      "'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
+            return await self._refuse(scope, receive, send, status, length, 401, "missing or wrong API key: "
+                                      "send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
         # only a POST to an API path takes a body worth reading, and only it is admitted (counted
         # against --max-queue): any other request's body is capped at LINGER_BYTES, so requests that
         # bypass admission (an unknown path, a wrong method) cannot hold max_body_bytes each
@@ -132,13 +133,13 @@ class Gate:
             limit = LINGER_BYTES
             flag = f" for {scope['method']} {scope['path']} (only a POST to {', '.join(sorted(API_PATHS))} takes more)"
         if length is not None and length > limit:
-            return await self._refuse(receive, send, status, length, 413, f"request body of {length} bytes "
-                                      f"exceeds the limit of {limit} bytes{flag}")
+            return await self._refuse(scope, receive, send, status, length, 413, f"request body of {length} "
+                                      f"bytes exceeds the limit of {limit} bytes{flag}")
         encoding = headers.get("content-encoding", b"").strip().lower()
         if api_post and encoding not in (b"", b"identity"):
             # a compressed body would reach the JSON decoder as bytes it calls malformed (a 422 that
             # hides the cause); inflating it would let a small upload exceed --max-body-bytes
-            return await self._refuse(receive, send, status, length, 415, f"Content-Encoding "
+            return await self._refuse(scope, receive, send, status, length, 415, f"Content-Encoding "
                                       f"{encoding.decode('latin-1')!r} is not supported: send the JSON body "
                                       f"uncompressed", {"Accept-Encoding": "identity"})
         slot = contextlib.ExitStack()
@@ -146,7 +147,7 @@ class Gate:
             try:
                 slot.enter_context(self.admit())   # 429 before a byte of the body is read
             except APIError as e:
-                return await self._refuse(receive, send, status, length, e.status, e.message, e.headers)
+                return await self._refuse(scope, receive, send, status, length, e.status, e.message, e.headers)
 
         async def send_releasing(message):
             await send(message)
@@ -163,14 +164,16 @@ class Gate:
                 raise
             task.uncancel()
             if status["code"] == 500:   # no response started: the drain deadline answers it
-                await _send_error(send, 503, "server shut down before this request finished (--drain-timeout); "
-                                             "retry on another replica", {"Connection": "close"})
+                await _send_error(scope, send, 503, "server shut down before this request finished "
+                                                    "(--drain-timeout); retry on another replica",
+                                  {"Connection": "close"})
         finally:
             slot.close()
             self.state.in_flight -= 1
             self.state.tasks.discard(task)
 
-    async def _refuse(self, receive, send, status, length: Optional[int], code: int, message: str, headers=None):
+    async def _refuse(self, scope, receive, send, status, length: Optional[int], code: int, message: str,
+                      headers=None):
         """An answer before the body is read. A small declared body is read and dropped first (nginx's
         lingering close, bounded): the connection stays usable and the client, still writing, never
         meets a reset instead of the answer. A larger one (or none declared) closes the connection."""
@@ -189,7 +192,7 @@ class Gate:
                 headers["Connection"] = "close"
         else:
             headers["Connection"] = "close"
-        await _send_error(send, code, message, headers)
+        await _send_error(scope, send, code, message, headers)
 
     async def _read_and_run(self, scope, receive, send, status, limit: int, flag: str):
         try:
@@ -200,7 +203,7 @@ class Gate:
                 log.info("client %s closed the connection during the upload of %s %s", _client(scope),
                          scope["method"], scope["path"])
                 return
-            return await _send_error(send, e.status, e.message, {"Connection": "close"})
+            return await _send_error(scope, send, e.status, e.message, {"Connection": "close"})
         replayed = False
 
         async def replay():

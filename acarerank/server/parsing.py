@@ -20,7 +20,7 @@ range in a known field, a top level that is not an object.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional
 
 import msgspec
 import pydantic
@@ -100,8 +100,11 @@ def validation_message(errors) -> str:
     return "invalid request: " + "; ".join(problems)
 
 
-def parse_body(body: bytes, model_cls):
+def parse_body(body: bytes, model_cls, fields: Optional[set] = None):
     """``model_cls`` (a pydantic model) from a JSON body, or ``APIError(422)``. Blocking: run it in a worker.
+
+    fields: if given, gets the body's top-level fields of ``model_cls`` once the JSON is decoded,
+    also when validation then fails (the app picks an error's shape by them: errors.speaks_tei).
 
     A leading UTF-8 byte order mark is skipped (RFC 8259 section 8.1 lets a parser ignore it, and
     ``json.loads`` of bytes does, so FastAPI servers such as vLLM accept it; some Windows clients
@@ -117,6 +120,8 @@ def parse_body(body: bytes, model_cls):
     except msgspec.DecodeError as e:       # not JSON, invalid UTF-8, truncated
         raise APIError(422, f"malformed JSON body: {e}") from None
     data = {name: v for name in model_cls.model_fields if (v := getattr(wire, name)) is not msgspec.UNSET}
+    if fields is not None:
+        fields.update(data)
     raws = None
     if "documents" in data:
         data["documents"], raws = _documents(data["documents"])

@@ -262,7 +262,10 @@ class RemoteService:
         key = routing_key(req)
         handle = self.handle.options(method_name="call", session_id=key) if key else \
             self.handle.options(method_name="call")
-        response = handle.remote(method, req.dump_as_sent() if method == "rerank" else req.model_dump())
+        # an object document's other keys never leave the front: parse_body kept each as the raw JSON
+        # sent, the replica gets its text alone, and the front puts the object back into the answer
+        # below (response_document, as acarerank serve answers), so both fronts answer the same bytes
+        response = handle.remote(method, req.model_dump())
 
         async def result():
             return await response
@@ -277,6 +280,9 @@ class RemoteService:
                            {"Retry-After": "1"}) from None
         if status != 200:
             raise APIError(status, body["error"]["message"], headers=extra, type=body["error"]["type"])
+        if method == "rerank" and req.return_documents and isinstance(body, dict):
+            for result in body["results"]:
+                result["document"] = req.response_document(result["index"])
         if headers is not None:
             headers.update(extra)
         return body

@@ -33,7 +33,6 @@ from typing import List, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-from .parsing import decode_raw
 
 
 class TextDocument(BaseModel):
@@ -127,19 +126,6 @@ class RerankRequest(VLLMOptions):
             return {"text": d}
         raw = self._as_sent[i] if self._as_sent is not None else None
         return raw if raw is not None else d.model_dump()
-
-    def dump_as_sent(self) -> dict:
-        """``model_dump()`` with each object document as sent, its other keys included (the Ray
-        front forwards this to a replica, which answers ``return_documents`` from it).
-
-        Building those keys here is their first full decode: a number msgspec cannot build (past a
-        double's range, ``1e400``; skipped, it passed ``parse_body``) is the 422 it was when every
-        key was built at parsing, never the front's 500."""
-        out = self.model_dump()
-        if self._as_sent is not None:
-            out["documents"] = [d if raw is None else decode_raw(raw, f"documents[{i}]")
-                                for i, (d, raw) in enumerate(zip(out["documents"], self._as_sent))]
-        return out
 
 
 #: vLLM's score API names its two sides in four ways (vllm/entrypoints/pooling/scoring/protocol.py, 0.32):

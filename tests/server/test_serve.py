@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
 from acarerank.server import RerankService, create_app
 from acarerank.server.service import LARGE_REQUEST_CHARS
-from serve_util import expect_error, thread_server, tiny_model
+from serve_util import expect_error, expect_tei_error, thread_server, tiny_model
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -234,7 +234,8 @@ def test_error_paths(servers):
         expect_error(c.post("/v1/rerank", json=dict(query="q", documents=["ok", long_doc], truncate=False)), 400,
                      ["documents[1]", "truncate"])
         expect_error(c.post("/v1/rerank", json=dict(query="tutor " * 9000, documents=["d"])), 400, ["query"])
-        expect_error(c.post("/rerank", json=dict(query="q", texts=["d"], raw_scores=True)), 400, ["raw_scores"])
+        expect_tei_error(c.post("/rerank", json=dict(query="q", texts=["d"], raw_scores=True)), 400, "Validation",
+                         ["raw_scores"])
         expect_error(c.post("/v1/select", json=dict(query="q", documents=[])), 400, ["empty"])
         expect_error(c.get("/nope"), 404, [])
     # the API key: missing or wrong -> 401; probes and metrics stay open

@@ -19,7 +19,7 @@ import httpx  # noqa: E402
 
 from acarerank import PointwiseReranker
 from acarerank.server import RerankService, create_app
-from serve_util import expect_error, thread_server, tiny_model
+from serve_util import expect_error, expect_tei_error, thread_server, tiny_model
 
 KEY = "compat-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -82,8 +82,9 @@ def test_options_that_change_the_scores_are_refused_not_ignored(server, field, r
     objects = [{"text": d, "title": "bread"} for d in DOCS]
     body = dict(query=QUERY, documents=objects) if field == "rank_fields" else dict(query=QUERY, texts=DOCS) \
         if field == "truncation_direction" else dict(query=QUERY, documents=DOCS)
-    expect_error(server["client"].post("/rerank", json=body | {field: refused}), 400,
-                 [field, json.dumps(refused) if isinstance(refused, bool) else str(refused)])
+    words = [field, json.dumps(refused) if isinstance(refused, bool) else str(refused)]
+    r = server["client"].post("/rerank", json=body | {field: refused})
+    expect_tei_error(r, 400, "Validation", words) if "texts" in body else expect_error(r, 400, words)
     r = server["client"].post("/rerank", json=body | {field: accepted})
     assert r.status_code == 200, r.text
     results = r.json() if field == "truncation_direction" else r.json()["results"]
@@ -151,6 +152,9 @@ def test_a_compressed_body_is_415_naming_the_encoding(server):
     for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
         r = c.post(path, content=gzip.compress(body),
                    headers={"content-type": "application/json", "content-encoding": "gzip"})
+        if path == "/rerank":   # refused before the body is read: TEI's route answers in TEI's shape
+            expect_tei_error(r, 415, "Validation", ["Content-Encoding", "gzip"])
+            continue
         expect_error(r, 415, ["Content-Encoding", "gzip"])
         assert r.json()["error"]["type"] == "unsupported_media_type"
     r = c.post("/v1/rerank", content=body, headers={"content-type": "application/json", "content-encoding": "identity"})
@@ -198,7 +202,33 @@ def test_the_documented_choices_hold_as_clients_send_them(server):
     assert want[0] == want[3] and order.index(0) < order.index(3), "a duplicate document ties after the first"
     expect_error(c.post("/v1/rerank", json=dict(query=QUERY, documents=docs, top_n=-1)), 422, ["top_n"])
     expect_error(c.post("/v1/rerank", json=dict(query=QUERY, documents=[])), 400, ["empty"])
-    expect_error(c.post("/rerank", json=dict(query=QUERY, texts=[])), 400, ["empty"])
+    expect_tei_error(c.post("/rerank", json=dict(query=QUERY, texts=[])), 400, "Validation", ["empty"])
+
+
+def test_teis_route_answers_errors_in_teis_shape(server):
+    """TEI's clients read ``error`` as the message (its router's ``{"error", "error_type"}``); our
+    object there was no message. /rerank answers a TEI body, or one not read or not parsed, in TEI's
+    shape; a body with ``documents`` (Cohere, Jina, vLLM) and every other route keep ours."""
+    c = server["client"]
+    raw = {"content-type": "application/json"}
+    expect_tei_error(c.post("/rerank", content=b"{", headers=raw), 422, "Validation", ["malformed JSON"])
+    expect_tei_error(c.post("/rerank", content=b"[]", headers=raw), 422, "Validation", ["malformed JSON"])
+    expect_tei_error(c.post("/rerank", json=dict(query=QUERY, texts=[1])), 422, "Validation", ["texts"])
+    expect_tei_error(c.post("/rerank", json=dict(query=QUERY, texts=DOCS, truncate="yes")), 422, "Validation",
+                     ["truncate"])
+    expect_tei_error(c.post("/rerank", json=dict(query=QUERY, texts=["d"] * 17)), 413, "Validation",
+                     ["17 documents", "16"])
+    expect_tei_error(httpx.post(server["base"] + "/rerank", json=dict(query=QUERY, texts=DOCS), timeout=30), 401,
+                     "Validation", ["API key"])
+    expect_tei_error(c.get("/rerank"), 405, "Validation")
+    # the same mistakes in a documents body, or on another route: our shape, as before
+    expect_error(c.post("/rerank", json=dict(query=QUERY, documents=[1])), 422, ["documents"])
+    expect_error(c.post("/rerank", json=dict(query=QUERY, documents=DOCS, truncate="yes")), 422, ["truncate"])
+    expect_error(c.post("/rerank", json=dict(query=QUERY, documents=[])), 400, ["empty"])
+    expect_error(c.post("/v1/rerank", content=b"{", headers=raw), 422, ["malformed JSON"])
+    expect_error(c.post("/v1/rerank", json=dict(query=QUERY, texts=[])), 400, ["empty"])
+    expect_error(c.post("/v2/rerank", json=dict(query=QUERY, texts=[1])), 422, ["texts"])
+    expect_error(c.post("/score", content=b"{", headers=raw), 422, ["malformed JSON"])
 
 
 def _raw_exchange(port: int, version: str, count: int) -> tuple:

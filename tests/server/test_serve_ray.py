@@ -124,6 +124,69 @@ def test_the_score_routes_through_ray(ray_app):
         assert r.status_code == 400 and "queries has 2 texts and documents 4" in r.json()["error"]["message"], r.text
 
 
+#: bodies whose object documents take another JSON path than strings: (path, body, status, bytes that
+#: both fronts' answers carry: the object document as sent). The Ray front built an object's other
+#: keys to forward them (1e400: its 422, acarerank serve's 200; re-encoded: 1e5 as 100000.0, "\u00e9"
+#: as "é", text first, a duplicate key once)
+ODD_BODIES = [
+    ("/v1/rerank", b'{"query": "q", "documents": [{"text": "a", "k": [1e400]}], "return_documents": true}', 200,
+     b'{"text": "a", "k": [1e400]}'),
+    ("/v1/rerank", b'{"query": "q", "documents": [{"text": "a", "k": [1e400]}, "b"]}', 200, None),
+    ("/rerank", b'{"query": "q", "return_documents": true, "documents": [{"id": 7, "n": 1e5, "text": "a", '
+                b'"s": "\\u00e9", "m": {"x": [1.5, null, true]}}, "b"]}', 200,
+     b'{"id": 7, "n": 1e5, "text": "a", "s": "\\u00e9", "m": {"x": [1.5, null, true]}}'),
+    ("/v2/rerank", b'{"query": "q", "return_documents": true, "documents": '
+                   b'[{"text": "a", "k": 1, "k": 2, "big": 123456789012345678901234567890}]}', 200,
+     b'{"text": "a", "k": 1, "k": 2, "big": 123456789012345678901234567890}'),
+    ("/v1/rerank", b'{"query": "q", "return_documents": true, "documents": [{"text": "a", "k": "\\ud800"}]}', 422,
+     None),   # a lone surrogate escape: msgspec refuses it even in a key it skips
+    ("/v1/rerank", b'{"query": "q", "documents": [{"text": "a", "k": "\xff"}]}', 422, None),
+    ("/v1/rerank", b'{"query": "q", "documents": [{"text": 1e400}]}', 422, None),
+    ("/v1/rerank", b'{"query": "q", "documents": [{"k": "a"}]}', 422, None),
+    ("/rerank", b'{"query": "q", "texts": []}', 400, None),   # TEI's shape on both
+    ("/rerank", b'{"query": "q", "texts": [1]}', 422, None),
+]
+
+
+def _odd_answers(bases, path, body, status, sent):
+    """Post ``body`` to each front; assert they answer alike (status, error or each result's index and
+    document, scores within 1e-6) and that each answer carries ``sent``."""
+    answers = []
+    for base in bases:
+        r = httpx.post(base + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == status, (base, r.text)
+        assert sent is None or sent in r.content, (base, r.content)
+        answers.append(r.json())
+    if status != 200:
+        assert answers[0] == answers[1], answers
+        return
+    results = [a if isinstance(a, list) else a["results"] for a in answers]
+    assert [[(x["index"], x.get("document")) for x in rs] for rs in results][0] == \
+        [[(x["index"], x.get("document")) for x in rs] for rs in results][1], answers
+    diff = max(abs(x["relevance_score"] - y["relevance_score"]) for x, y in zip(*results))
+    assert diff <= 1e-6, answers
+
+
+@pytest.fixture(scope="module")
+def direct_front(ray_app):
+    """acarerank serve's app over the tiny model the Ray replicas load (the same weights)."""
+    from acarerank.server import RerankService
+
+    service = RerankService(PointwiseReranker(model=tiny_model()), "tiny", max_batch_tokens=256).start()
+    try:
+        with thread_server(create_app(service)) as base:
+            yield base
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("path, body, status, sent", ODD_BODIES)
+def test_both_fronts_answer_odd_bodies_alike(ray_app, direct_front, path, body, status, sent):
+    """acarerank serve and the Ray front (through Ray: the forwarded request is pickled) parse the same
+    bodies to the same answer: an object document's other keys never leave the front."""
+    _odd_answers([direct_front, ray_app[0]], path, body, status, sent)
+
+
 def test_the_fronts_metrics_carry_each_replicas_engine_series(ray_app):
     """Runs after the affinity test: both replicas scored documents, and their series reach the front's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -398,16 +461,6 @@ def test_the_front_counts_max_queue_before_reading_the_body():
     assert service.admitted == 0
 
 
-def test_a_number_no_replica_can_build_in_an_object_documents_other_key_is_a_422():
-    """An object document's other keys are skipped at parsing and built only when the front forwards
-    the request (``dump_as_sent``): a number past a double's range there (``1e400``, valid JSON)
-    raised msgspec's ValidationError out of the front, the app's catch-all 500."""
-    body = b'{"query": "q", "documents": [{"text": "a", "k": [1e400]}], "return_documents": true}'
-    with thread_server(create_app(RemoteService(_Handle(call_error=AssertionError("never forwarded")), "m"))) as base:
-        r = httpx.post(base + "/v1/rerank", content=body, headers={"Content-Type": "application/json"}, timeout=10)
-    assert r.status_code == 422 and "documents[0]" in r.json()["error"]["message"], r.text
-
-
 def _engine_families(documents: int):
     """A replica's metric families (RerankReplica.metrics' second item) after scoring ``documents``."""
     from acarerank.server.metrics import ServerMetrics
@@ -443,24 +496,6 @@ def test_the_fronts_metrics_without_replicas_are_its_own():
     with thread_server(create_app(RemoteService(_Handle(metrics=_NO_DEPLOYMENT), "m"))) as base:
         r = httpx.get(base + "/metrics", timeout=10)
     assert r.status_code == 200 and "acarerank_requests_total" in r.text and "replica=" not in r.text, r.text
-
-
-def test_an_object_document_reaches_the_replica_equal_as_json():
-    """What docs/serving.md says of return_documents on the Ray front: the replica answers from the
-    forwarded dump (dump_as_sent -> model_validate), equal to what was sent as JSON values, text first."""
-    import json
-
-    import msgspec
-    from acarerank.server.parsing import parse_body
-    from acarerank.server.schemas import RerankRequest
-
-    doc = b'{"id": 7, "n": 1e5, "text": "a", "s": "\\u00e9", "m": {"x": [1.5, null, true]}}'
-    req = parse_body(b'{"query": "q", "return_documents": true, "documents": [' + doc + b', "b"]}', RerankRequest)
-    at_replica = RerankRequest.model_validate(req.dump_as_sent())
-    for i in range(2):
-        assert json.loads(msgspec.json.encode(at_replica.response_document(i))) == \
-            json.loads(msgspec.json.encode(req.response_document(i)))
-    assert list(at_replica.response_document(0)) == ["text", "id", "n", "s", "m"]
 
 
 class _LocalHandle:
@@ -523,6 +558,58 @@ def test_the_score_routes_answer_as_acarerank_serves(fronts, path, body, status)
             assert out.pop("id").startswith("score-") and isinstance(out.pop("created"), int), out
         answers.append((r.status_code, out))
     assert answers[0][0] == status and answers[0] == answers[1], answers
+
+
+@pytest.mark.parametrize("path, body, status, sent", ODD_BODIES)
+def test_the_fronts_answer_odd_bodies_alike_without_ray(fronts, path, body, status, sent):
+    """The same table over the Ray front's forwarding without a cluster (the replica in this process)."""
+    _odd_answers(fronts, path, body, status, sent)
+
+
+class _Refusing:
+    """A service whose rerank refuses with the status its query names: an APIError (the engine's
+    413, 429, 503, 504, with Retry-After on 429 and 503), or at 500 an exception nobody expected
+    (the app's catch-all; through Ray, the replica's exception)."""
+    ready = True
+    model_name = "stub"
+
+    def __init__(self):
+        from acarerank.server.metrics import ServerMetrics
+        self.metrics = ServerMetrics(engine=False)
+
+    async def rerank(self, req, is_disconnected, headers=None):
+        from acarerank.server.errors import APIError
+
+        status = int(req.query)
+        if status == 500:
+            raise RuntimeError("the model raised")
+        raise APIError(status, f"refused: {status}", {"Retry-After": "3"} if status in (429, 503) else None)
+
+
+@pytest.fixture(scope="module")
+def refusing_fronts():
+    service = _Refusing()
+    with thread_server(create_app(service)) as direct, \
+            thread_server(create_app(RemoteService(_LocalHandle(_replica(service)), "stub"))) as front:
+        yield direct, front
+
+
+@pytest.mark.parametrize("status, error_type", [(413, "Validation"), (429, "Overloaded"), (503, "Unhealthy"),
+                                                (504, "Overloaded"), (500, "Backend")])
+@pytest.mark.parametrize("front", [0, 1], ids=["acarerank-serve", "ray-front"])
+def test_teis_route_answers_the_engines_errors_in_teis_shape(refusing_fronts, front, status, error_type):
+    """TEI's clients read ``error`` as the message: on /rerank a TEI body's refusal is TEI's
+    ``{"error", "error_type"}`` with the same status and Retry-After, on both fronts; a documents
+    body there, and /v1/rerank, keep ours."""
+    from serve_util import expect_error, expect_tei_error
+
+    base = refusing_fronts[front]
+    words = [] if status == 500 else [f"refused: {status}"]
+    r = httpx.post(base + "/rerank", json=dict(query=str(status), texts=["a"]), timeout=30)
+    expect_tei_error(r, status, error_type, words)
+    assert r.headers.get("retry-after") == ("3" if status in (429, 503) else None), r.headers
+    expect_error(httpx.post(base + "/rerank", json=dict(query=str(status), documents=["a"]), timeout=30), status, words)
+    expect_error(httpx.post(base + "/v1/rerank", json=dict(query=str(status), texts=["a"]), timeout=30), status, words)
 
 
 @pytest.mark.parametrize("route", ["rerank", "score"])
