@@ -140,6 +140,22 @@ def _check_vllm_options(req) -> Optional[str]:
     return instruction
 
 
+def pinned_tokens_bound(reranker) -> Optional[int]:
+    """Shared-part tokens the engine's running requests may pin together (``Engine``'s
+    ``max_running_tokens``): the prefix cache's budget (``--cache-budget``, whole pages), the
+    memory the operator sized — at least 1, so under a budget below one page the requests run one
+    at a time (the first in line always runs, however long). A shared part that does not fit the
+    pool is computed in a private pool of its own, so a bound past the budget (the reranker's
+    ``max_pinned_tokens``, at least the default budget of 65,536 tokens) let 16 contexts of 3 k
+    tokens run at once under ``--cache-budget 4096``, 49 k tokens of KV (docs/serving.md, "Engine"). With
+    the cache off (``prefix_cache=False``, no budget): ``max_pinned_tokens``; None for a reranker
+    with neither (a test double): only the count bounds them."""
+    budget = getattr(reranker, "cache_budget_tokens", None)
+    if budget is None:
+        return getattr(reranker, "max_pinned_tokens", None)
+    return max(1, budget)
+
+
 def score_groups(queries: list) -> dict:
     """``{query: [pair indices]}`` for the pairs of a score request, in first-appearance order.
 
@@ -204,11 +220,10 @@ class RerankService:
         self.metrics = ServerMetrics(reranker.cache_stats)
         # the engine drives the reranker's step API (acquire_prefix / score_segments / release_prefix);
         # this service calls its encode (thread-safe) from the tokenizer pool
-        # the running requests pin their shared parts outside what the prefix cache may evict: the
-        # same bound as the reranker's own score_encodings (its cache's budget, --cache-budget)
+        # the running requests pin their shared parts outside what the prefix cache may evict
         self.engine = Engine(reranker, max_batch_tokens or reranker.max_batch_tokens, self.metrics,
                              model_thread=model_thread, select_steps=setwise, canary_after=canary_after_failures,
-                             max_running_tokens=getattr(reranker, "max_pinned_tokens", None))
+                             max_running_tokens=pinned_tokens_bound(reranker))
         self.model_thread = model_thread
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
         self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))
