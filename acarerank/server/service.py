@@ -236,6 +236,8 @@ class RerankService:
         self.ready = False
         self._dead: Optional[str] = None   # set by a tokenizer pool that can no longer run work
         self.on_dead = self.engine.on_dead  # callables(reason), run once when the service dies
+        self._loop: Optional[asyncio.AbstractEventLoop] = None   # the event loop of the token waiters
+        self.on_dead.append(self._wake_token_waiters)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, warmup: bool = True, timeout: float = 600.0) -> "RerankService":
@@ -285,9 +287,34 @@ class RerankService:
         self.metrics.engine_failures.labels("engine").inc()
         run_on_dead(self.on_dead, reason)
 
+    def _wake_token_waiters(self, reason: str) -> None:
+        """``on_dead``: every request waiting for room in ``max_queue_tokens`` gets the dead
+        service's 503 now, as a new request does (docs/serving.md, "A dead engine is loud") — it
+        waited out ``token_wait_timeout`` for tokens the engine might never give back (a tokenizer
+        pool that broke under a wedged engine), then got a 429 inviting a retry. Called on the
+        thread that noticed (the scheduler's or the event loop); the waiters live on the loop."""
+        loop = self._loop
+        if loop is None:   # no request has waited for tokens yet
+            return
+
+        def wake():
+            self._tokens.fail_waiters(lambda: self._unavailable(reason))
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:   # not on an event loop: the scheduler thread
+            running = None
+        if running is loop:
+            wake()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(wake)
+
+    @staticmethod
+    def _unavailable(reason: str) -> APIError:
+        return APIError(503, f"server cannot serve: {reason}; it needs a restart", {"Connection": "close"})
+
     def _check_alive(self) -> None:
         if self.dead is not None:
-            raise APIError(503, f"server cannot serve: {self.dead}; it needs a restart", {"Connection": "close"})
+            raise self._unavailable(self.dead)
 
     async def _in_pool(self, fn, *args):
         """``fn(*args)`` in the tokenizer pool. ValueError (bad input: too long, nothing left after
@@ -383,6 +410,9 @@ class RerankService:
             raise APIError(413, f"this request is {tokens:,} tokens once tokenized, more than the whole queue "
                                 f"budget of {budget:,} tokens (--max-queue-tokens): it can never be admitted; "
                                 f"send fewer or shorter documents")
+        # first the loop, then the check: a death after the check wakes this request's wait (on_dead)
+        self._loop = asyncio.get_running_loop()
+        self._check_alive()   # a request tokenized while the service died waits for nothing
         granted = self._tokens.acquire(tokens)
         if granted is not None:
             await self._wait_for_tokens(granted, tokens, is_disconnected, deadline)
