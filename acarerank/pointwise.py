@@ -265,6 +265,13 @@ class PointwiseReranker(RerankerBase):
         return out, cached
 
     @property
+    def cache_budget_tokens(self) -> Optional[int]:
+        """The prefix cache's budget in tokens: ``cache_budget_tokens`` (or the default budget)
+        rounded down to whole pages, what its pool holds; None with ``prefix_cache=False``."""
+        slot = self._cache_slot
+        return slot.budget_blocks * self.runner.block_size if slot.enabled else None
+
+    @property
     def max_pinned_tokens(self) -> int:
         """Shared-part tokens ``score_encodings`` pins at once: the prefix cache's budget, and at least
         what the default budget holds (``acarerank.model.cached_prefill.default_budget_tokens``)."""

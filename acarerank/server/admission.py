@@ -101,11 +101,22 @@ class TokenBudget:
         task was cancelled): out of the queue, or, granted meanwhile, its tokens given back. Then the
         ones behind it may fit."""
         if fut.done() and not fut.cancelled():
-            self.release(tokens)
+            if fut.exception() is None:   # granted: it holds them (failed by fail_waiters: never held)
+                self.release(tokens)
             return
         fut.cancel()
         self._waiters = collections.deque((t, f) for t, f in self._waiters if f is not fut)
         self._grant()
+
+    def fail_waiters(self, error: Callable[[], BaseException]) -> None:
+        """Every waiting request gets ``error()`` now, as its future's exception, and leaves the
+        queue with nothing held (the service that can no longer serve: its waiters would
+        otherwise wait for tokens, then get a 429 inviting a retry)."""
+        waiters, self._waiters = self._waiters, collections.deque()
+        for _, fut in waiters:
+            if not fut.done():
+                fut.set_exception(error())
+        self._changed()
 
     def _grant(self) -> None:
         while self._waiters and self.held + self._waiters[0][0] <= self.budget:

@@ -67,7 +67,9 @@ class ServeConfig:
                                            default=None, type=int)
     cache_budget: Optional[int] = _opt("prefix-cache budget in tokens, of the rerank cache and of the /v1/select "
                                        "prompt cache each (default: 1 GiB of KV on CPU, 8 GiB on GPU, at most "
-                                       "65,536 tokens, each)", default=None, type=int)
+                                       "65,536 tokens, each); the running requests pin at most that many "
+                                       "shared-part tokens together, the first in line always runs",
+                                       default=None, type=int)
     tokenize_workers: int = _opt("threads of the tokenization pool (one request uses at most one)", default=2)
     canary_after_failures: int = _opt("requests failed by the model (or failed scheduler iterations) in a row, "
                                       "no successful pass between, "

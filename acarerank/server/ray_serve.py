@@ -9,7 +9,8 @@ Two deployments:
 * ``RerankIngress`` — the HTTP app of ``app.py`` unchanged (routes, schemas, ``gate.py``, errors,
   metrics of its own requests), whose service forwards each parsed request to the replicas
   with ``session_id = routing_key(request)``, after admitting it before its body is read
-  (``RemoteService.admit``: every replica's ``max_queue`` together). Its ``/ready`` asks every replica's engine
+  (``RemoteService.admit``: its share of every replica's ``max_queue`` together, split over the
+  ingress replicas). Its ``/ready`` asks every replica's engine
   (``RemoteService.readiness``): 503 while none can serve (docs/serving.md, "Past one machine");
   its ``/metrics`` adds every replica's series, labelled ``replica`` (``RemoteService.render_metrics``).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 import time
 from typing import Optional
 
@@ -158,31 +160,48 @@ class RemoteService:
 
     ready = True  # loaded: the ingress is built after a replica answered; whether one can serve is readiness()
 
-    def __init__(self, handle, model_name: str, max_queue: Optional[int] = None, num_replicas: int = 1):
+    def __init__(self, handle, model_name: str, max_queue: Optional[int] = None, num_replicas: int = 1,
+                 ingress_replicas: int = 1):
         self.handle = handle
         self.model_name = model_name
-        # the front's own count: every engine replica's max_queue together (None: not counted here)
-        self.max_queue, self.num_replicas = max_queue, num_replicas
+        # the front's own count: its share of every engine replica's max_queue together (None: not counted here)
+        self.max_queue, self.num_replicas, self.ingress_replicas = max_queue, num_replicas, ingress_replicas
         self.admitted = 0
         self.metrics = ServerMetrics(engine=False)   # its HTTP requests; the engines' series: render_metrics
         self._probed: Optional[tuple] = None        # (monotonic time, problem or None) of the last probe
         self._probing: Optional[asyncio.Future] = None
 
+    @property
+    def limit(self) -> Optional[int]:
+        """Requests this front admits at once: its share of every engine replica's ``max_queue``
+        together, ``ceil(max_queue × num_replicas / ingress_replicas)`` (at least 1). Each front
+        counts alone (a shared count would cost a Ray call before every body), so with the whole
+        ``max_queue × num_replicas`` each, ``ingress_replicas`` fronts together admitted that many
+        times what the engines hold, the rest read and held at the fronts until an engine refused
+        it. Ray's proxy sends each request to the less loaded of two ingress replicas, so the
+        shares fill about evenly; rounded up, the fronts together admit at most
+        ``ingress_replicas - 1`` more than the engines hold. None: not counted."""
+        if self.max_queue is None:
+            return None
+        return max(1, math.ceil(self.max_queue * self.num_replicas / self.ingress_replicas))
+
     @contextlib.contextmanager
     def admit(self):
-        """Hold one of this front's ``max_queue × num_replicas`` slots for the duration of a request,
-        or raise 429 — taken by the gate before it reads the body, as ``RerankService.admit`` is on
-        ``acarerank serve``. Each replica still applies its own ``max_queue`` (a context's requests
-        go to one replica); this bounds the bodies the front reads and holds at once, which only
-        Ray's ``max_ongoing_requests`` bounded before, and past which Ray's proxy held requests
-        with no answer. On the event loop only (the gate's)."""
-        if self.max_queue is None:
+        """Hold one of this front's ``limit`` slots for the duration of a request, or raise 429 —
+        taken by the gate before it reads the body, as ``RerankService.admit`` is on ``acarerank
+        serve``. Each replica still applies its own ``max_queue`` (a context's requests go to one
+        replica); this bounds the bodies the front reads and holds at once, which only Ray's
+        ``max_ongoing_requests`` bounded before, and past which Ray's proxy held requests with no
+        answer. On the event loop only (the gate's)."""
+        limit = self.limit
+        if limit is None:
             yield
             return
-        limit = self.max_queue * self.num_replicas
         if self.admitted >= limit:
+            share = f"; this front's share of {self.ingress_replicas} ingress replicas: {limit}" \
+                if self.ingress_replicas > 1 else ""
             raise APIError(429, f"server busy: {self.admitted} requests in flight at this front (--max-queue "
-                                f"{self.max_queue} × {self.num_replicas} engine replicas); retry later",
+                                f"{self.max_queue} × {self.num_replicas} engine replicas{share}); retry later",
                            headers={"Retry-After": "1"})
         self.admitted += 1
         try:
@@ -303,15 +322,17 @@ class _Families:
 class RerankIngress:
     """The HTTP front (``app.py``) of a set of ``RerankReplica``."""
 
-    def __init__(self, replicas, config: ServeConfig, num_replicas: int = 1):
+    def __init__(self, replicas, config: ServeConfig, num_replicas: int = 1, ingress_replicas: int = 1):
         self.replicas = replicas
         self.config = config
         self.num_replicas = num_replicas
+        self.ingress_replicas = ingress_replicas
 
     async def __serve_build_asgi_app__(self):
         name = await self.replicas.model_name.remote()
         return create_app(RemoteService(self.replicas, name, max_queue=self.config.max_queue,
-                                        num_replicas=self.num_replicas), self.config)
+                                        num_replicas=self.num_replicas, ingress_replicas=self.ingress_replicas),
+                          self.config)
 
 
 def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_options: Optional[dict] = None,
@@ -326,8 +347,9 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     port, the header, keep-alive and send timeouts, max_connections, drain_timeout, log_level) are
     Ray's and are a ValueError naming Ray's setting.
 
-    Admission as ``acarerank serve``'s: each front refuses (429) a request past every replica's
-    ``max_queue`` together before it reads the body (``RemoteService.admit``), each engine replica
+    Admission as ``acarerank serve``'s: each front refuses (429) a request past its share of every
+    replica's ``max_queue`` together (``ceil(max_queue × num_replicas / ingress_replicas)``) before
+    it reads the body (``RemoteService.admit``), each engine replica
     the request past its own ``max_queue`` (and waits for room in its ``max_queue_tokens``), so Ray
     must deliver it: a replica takes ``max_queue + 1`` requests at once (Ray's
     ``max_ongoing_requests``; one over it waits in Ray's queue) and an ingress replica every
@@ -335,6 +357,9 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     sixth request at the proxy, unanswered, whatever ``max_queue`` said).
     """
     check_max_pass_s(health_max_pass_s)
+    for name, n in (("num_replicas", num_replicas), ("ingress_replicas", ingress_replicas)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:   # each front's share divides by it
+            raise ValueError(f"build_app: {name} must be a positive int, got {n!r}")
     owned = [name for name in RAY_OWNED_OPTIONS if name in options]
     if owned:
         raise ValueError(f"build_app: {', '.join(owned)} {'is' if len(owned) == 1 else 'are'} not applied on Ray "
@@ -348,4 +373,4 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
                                      ray_actor_options=replica_options or {}).bind(config, health_max_pass_s)
     return RerankIngress.options(num_replicas=ingress_replicas,
                                  max_ongoing_requests=num_replicas * per_replica + INGRESS_SPARE_REQUESTS) \
-        .bind(replicas, config, num_replicas)
+        .bind(replicas, config, num_replicas, ingress_replicas)

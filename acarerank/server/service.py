@@ -140,6 +140,22 @@ def _check_vllm_options(req) -> Optional[str]:
     return instruction
 
 
+def pinned_tokens_bound(reranker) -> Optional[int]:
+    """Shared-part tokens the engine's running requests may pin together (``Engine``'s
+    ``max_running_tokens``): the prefix cache's budget (``--cache-budget``, whole pages), the
+    memory the operator sized — at least 1, so under a budget below one page the requests run one
+    at a time (the first in line always runs, however long). A shared part that does not fit the
+    pool is computed in a private pool of its own, so a bound past the budget (the reranker's
+    ``max_pinned_tokens``, at least the default budget of 65,536 tokens) let 16 contexts of 3 k
+    tokens run at once under ``--cache-budget 4096``, 49 k tokens of KV (docs/serving.md, "Engine"). With
+    the cache off (``prefix_cache=False``, no budget): ``max_pinned_tokens``; None for a reranker
+    with neither (a test double): only the count bounds them."""
+    budget = getattr(reranker, "cache_budget_tokens", None)
+    if budget is None:
+        return getattr(reranker, "max_pinned_tokens", None)
+    return max(1, budget)
+
+
 def score_groups(queries: list) -> dict:
     """``{query: [pair indices]}`` for the pairs of a score request, in first-appearance order.
 
@@ -204,11 +220,10 @@ class RerankService:
         self.metrics = ServerMetrics(reranker.cache_stats)
         # the engine drives the reranker's step API (acquire_prefix / score_segments / release_prefix);
         # this service calls its encode (thread-safe) from the tokenizer pool
-        # the running requests pin their shared parts outside what the prefix cache may evict: the
-        # same bound as the reranker's own score_encodings (its cache's budget, --cache-budget)
+        # the running requests pin their shared parts outside what the prefix cache may evict
         self.engine = Engine(reranker, max_batch_tokens or reranker.max_batch_tokens, self.metrics,
                              model_thread=model_thread, select_steps=setwise, canary_after=canary_after_failures,
-                             max_running_tokens=getattr(reranker, "max_pinned_tokens", None))
+                             max_running_tokens=pinned_tokens_bound(reranker))
         self.model_thread = model_thread
         self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
         self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))
@@ -221,6 +236,8 @@ class RerankService:
         self.ready = False
         self._dead: Optional[str] = None   # set by a tokenizer pool that can no longer run work
         self.on_dead = self.engine.on_dead  # callables(reason), run once when the service dies
+        self._loop: Optional[asyncio.AbstractEventLoop] = None   # the event loop of the token waiters
+        self.on_dead.append(self._wake_token_waiters)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, warmup: bool = True, timeout: float = 600.0) -> "RerankService":
@@ -270,9 +287,34 @@ class RerankService:
         self.metrics.engine_failures.labels("engine").inc()
         run_on_dead(self.on_dead, reason)
 
+    def _wake_token_waiters(self, reason: str) -> None:
+        """``on_dead``: every request waiting for room in ``max_queue_tokens`` gets the dead
+        service's 503 now, as a new request does (docs/serving.md, "A dead engine is loud") — it
+        waited out ``token_wait_timeout`` for tokens the engine might never give back (a tokenizer
+        pool that broke under a wedged engine), then got a 429 inviting a retry. Called on the
+        thread that noticed (the scheduler's or the event loop); the waiters live on the loop."""
+        loop = self._loop
+        if loop is None:   # no request has waited for tokens yet
+            return
+
+        def wake():
+            self._tokens.fail_waiters(lambda: self._unavailable(reason))
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:   # not on an event loop: the scheduler thread
+            running = None
+        if running is loop:
+            wake()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(wake)
+
+    @staticmethod
+    def _unavailable(reason: str) -> APIError:
+        return APIError(503, f"server cannot serve: {reason}; it needs a restart", {"Connection": "close"})
+
     def _check_alive(self) -> None:
         if self.dead is not None:
-            raise APIError(503, f"server cannot serve: {self.dead}; it needs a restart", {"Connection": "close"})
+            raise self._unavailable(self.dead)
 
     async def _in_pool(self, fn, *args):
         """``fn(*args)`` in the tokenizer pool. ValueError (bad input: too long, nothing left after
@@ -368,6 +410,9 @@ class RerankService:
             raise APIError(413, f"this request is {tokens:,} tokens once tokenized, more than the whole queue "
                                 f"budget of {budget:,} tokens (--max-queue-tokens): it can never be admitted; "
                                 f"send fewer or shorter documents")
+        # first the loop, then the check: a death after the check wakes this request's wait (on_dead)
+        self._loop = asyncio.get_running_loop()
+        self._check_alive()   # a request tokenized while the service died waits for nothing
         granted = self._tokens.acquire(tokens)
         if granted is not None:
             await self._wait_for_tokens(granted, tokens, is_disconnected, deadline)

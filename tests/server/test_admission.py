@@ -139,3 +139,54 @@ def test_a_request_whose_token_wait_ran_out_is_told_when_the_queue_will_have_roo
         assert err.status == 429 and err.headers["Retry-After"] == "60", err.headers
     finally:
         svc.stop()
+
+
+@pytest.mark.parametrize("noticed_on", ["event loop", "scheduler thread"])
+def test_a_request_waiting_for_tokens_gets_the_dead_services_503_at_once(noticed_on):
+    """The service dies (a tokenizer pool that broke, noticed on the event loop; an engine that
+    died, noticed on the scheduler thread) while a request waits for room in --max-queue-tokens
+    behind tokens the engine does not give back (it is wedged, or it is the engine that died): the
+    waiter gets the 503 a new request gets, at once. It waited out --token-wait-timeout (30 s
+    here), then got a 429 inviting a retry; nothing it did not hold is given back."""
+    import threading
+    from types import SimpleNamespace
+
+    from acarerank.server.errors import APIError
+    from acarerank.server.service import RerankService
+
+    stub = SimpleNamespace(cache_stats=lambda: {}, max_batch_tokens=64)   # hold_tokens needs no model
+    svc = RerankService(stub, "stub", max_queue_tokens=1000, token_wait_timeout=30.0)
+    reason = "the tokenizer pool cannot run work (RuntimeError: broken)"
+
+    async def here():
+        return False
+
+    async def die():
+        await asyncio.sleep(0.2)
+        if noticed_on == "event loop":
+            svc._mark_dead(reason)
+        else:   # as Engine._die: the reason first, then on_dead on the thread that noticed
+            svc.engine.dead = reason
+            t = threading.Thread(target=lambda: [fn(reason) for fn in svc.on_dead])
+            t.start()
+            t.join()
+
+    async def run():
+        assert svc._tokens.acquire(600) is None   # held by a request the engine never answers
+        dying = asyncio.ensure_future(die())
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(APIError) as e:
+            await asyncio.wait_for(svc.hold_tokens(500, here).__aenter__(), 5.0)
+        waited = asyncio.get_running_loop().time() - t0
+        await dying
+        assert svc._tokens.held == 600 and svc._tokens.waiting == 0, (svc._tokens.held, svc._tokens.waiting)
+        with pytest.raises(APIError) as later:   # and one that comes after it, before any wait
+            await asyncio.wait_for(svc.hold_tokens(10, here).__aenter__(), 5.0)
+        return e.value, waited, later.value
+    try:
+        err, waited, later = asyncio.run(run())
+        assert err.status == 503 and reason in err.message and waited < 1.0, (err.status, err.message, waited)
+        assert err.headers.get("Connection") == "close", err.headers
+        assert later.status == 503 and reason in later.message, later.message
+    finally:
+        svc.stop()

@@ -369,6 +369,43 @@ def test_dead_engine_answers_503_everywhere_at_once(served, fault):
     assert svc.admitted == 0, "admission slots held by a dead engine's requests"
 
 
+@pytest.mark.parametrize("fault", ["KeyboardInterrupt", "failed canary"])
+def test_a_request_waiting_for_tokens_gets_the_dead_engines_503_at_once(served, monkeypatch, fault):
+    """A request waiting for room in --max-queue-tokens behind the request in a pass when the
+    engine dies (an exception out of the loop, or a canary that fails) gets the dead engine's 503
+    within a second, not a 429 after --token-wait-timeout (60 s here); tests/server/test_admission.py
+    covers a death behind tokens that never come back."""
+    from acarerank.server.service import score_tokens
+
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    held = score_tokens(svc.reranker.encode(ScoreRequest("blocker query", DOCS)))
+    monkeypatch.setattr(svc, "max_queue_tokens", held + held // 2)   # the waiter fits alone, not beside it
+    monkeypatch.setattr(svc._tokens, "budget", held + held // 2)
+    monkeypatch.setattr(svc, "token_wait_timeout", 60.0)
+    inj.gate.clear()
+    blocker, out = post_all(base, ["blocker query"])
+    assert inj.at_gate.wait(30), "the blocker never reached a pass"
+    waiter, more = post_all(base, ["waiting query"])
+    deadline = time.monotonic() + 30
+    while svc.waiting_for_tokens < 1:
+        assert time.monotonic() < deadline, "the second request never waited for tokens"
+        time.sleep(0.01)
+    if fault == "KeyboardInterrupt":
+        inj.every_pass_fault = lambda: KeyboardInterrupt("injected")
+    else:
+        monkeypatch.setattr(svc.engine, "canary_after", 1)
+        inj.every_pass_fault = lambda: RuntimeError("CUDA error: an illegal memory access was encountered")
+    t0 = time.monotonic()
+    inj.gate.set()
+    for t in blocker + waiter:
+        t.join(60)
+    out.update(more)
+    assert time.monotonic() - t0 < 5, "the waiter waited out its token wait"
+    for q, r in out.items():
+        assert r.status_code == 503 and "cannot serve" in r.json()["error"]["message"], f"{q}: {r.status_code} {r.text}"
+    assert svc.dead is not None and svc.waiting_for_tokens == 0 and svc.queued_tokens == 0 and svc.admitted == 0
+
+
 def test_health_reports_a_long_step_without_calling_it_dead(served):
     base, inj = served["base"], served["inj"]
     inj.gate.clear()

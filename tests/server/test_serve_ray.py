@@ -461,6 +461,36 @@ def test_the_front_counts_max_queue_before_reading_the_body():
     assert service.admitted == 0
 
 
+def test_several_fronts_together_admit_what_the_engines_hold():
+    """Each ingress replica counted the whole max_queue × num_replicas, so 3 fronts together admitted
+    3 × what the engines hold, reading and holding every body until an engine refused it. Each now
+    admits its share, ceil(max_queue × num_replicas / ingress_replicas): 2 × 3 / 4 -> 2 here, the
+    third concurrent request a 429 before its body is read; build_app hands the share on."""
+    release = threading.Event()
+    handle = _HeldHandle(release)
+    service = RemoteService(handle, "m", max_queue=3, num_replicas=2, ingress_replicas=4)
+    assert [RemoteService(handle, "m", max_queue=q, num_replicas=r, ingress_replicas=i).limit
+            for q, r, i in ((3, 2, 1), (3, 2, 3), (3, 2, 4), (1, 1, 5), (None, 2, 2))] == [6, 2, 2, 1, None]
+    body = dict(query="q", documents=["a"])
+    with thread_server(create_app(service)) as base, ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(httpx.post, base + "/v1/rerank", json=body, timeout=30) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while handle.calls < 2:
+            assert time.monotonic() < deadline, f"{handle.calls} of 2 requests reached the handle"
+            time.sleep(0.01)
+        r = httpx.post(base + "/v1/rerank", json=body, timeout=30)
+        assert r.status_code == 429 and "share of 4 ingress replicas: 2" in r.json()["error"]["message"], r.text
+        assert handle.calls == 2 and service.admitted == 2
+        release.set()
+        assert [f.result().status_code for f in held] == [200] * 2
+    assert service.admitted == 0
+    app = build_app(model=None, num_replicas=2, ingress_replicas=3, max_queue=5)
+    assert app._bound_deployment.init_args[2:] == (2, 3), app._bound_deployment.init_args[2:]
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="ingress_replicas must be a positive int"):
+            build_app(model=None, ingress_replicas=bad)
+
+
 def _engine_families(documents: int):
     """A replica's metric families (RerankReplica.metrics' second item) after scoring ``documents``."""
     from acarerank.server.metrics import ServerMetrics

@@ -398,7 +398,7 @@ def test_a_score_requests_token_ids_take_4_bytes_a_token(server):
 def test_a_finished_group_is_not_held_until_the_request_ends(server, monkeypatch):
     """A finished group's engine job keeps its prefix handle, and a handle whose prefix did not fit
     the cache's pool holds a private pool of its KV: the request kept every job it had submitted
-    until its answer, so with --cache-budget below the default (the engine pins up to the default)
+    until its answer, so with --cache-budget below the default (the engine pinned up to the default then)
     1,000 groups of 3.2 k tokens held ~10 GB at the end. Groups run one at a time here (a window of
     1); when group k is submitted, groups 0..k-2 must be gone (k-1 the engine may still hold)."""
     import gc
