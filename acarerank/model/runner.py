@@ -70,8 +70,8 @@ def position_limit_error(what: str, tokens: int, limit: int, how: str = "") -> C
     """The one message for a sequence of ``tokens`` past ``limit`` positions: ``what`` names it
     (a document, a prompt and its new tokens, a flag), ``how`` says what to lower."""
     return ContextLengthError(f"{what} is {tokens:,} tokens, more than the model's maximum context length of "
-                              f"{limit:,} tokens (max_position_embeddings; positions past it are not ones the "
-                              f"model was trained on){'; ' + how if how else ''}")
+                              f"{limit:,} tokens (from its max_position_embeddings: positions past it are not "
+                              f"ones the model was trained on){'; ' + how if how else ''}")
 
 
 class SourceModelChangedError(RuntimeError):
