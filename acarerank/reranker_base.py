@@ -21,7 +21,7 @@ from typing import Optional
 from .hardware import resolve_dtype
 from .model import Qwen3Runner
 from .model.placement import FLOAT_DTYPES, check_dtype_device
-from .model.runner import not_picklable
+from .model.runner import ContextLengthError, not_picklable, position_limit_error
 from .tokenizer import TextEncoder, check_special_tokens
 
 
@@ -103,6 +103,44 @@ class RerankerBase:
         if tokenizer is None:
             tokenizer = checkpoint_tokenizer(path)
         return cls(runner=runner, tokenizer=tokenizer, backend=backend, **kw)
+
+
+#: a prompt cap left to the reranker: the paper's value, or less on a model of fewer positions
+AUTO = "auto"
+
+
+def check_max_length(value, allow_none: bool = False):
+    """``max_length`` as given: ``AUTO``, an int >= 1 (or None when ``allow_none``); TypeError /
+    ValueError naming it otherwise (before the model is read)."""
+    if isinstance(value, str) and value == AUTO:
+        return AUTO
+    from ._validate import check_int
+
+    return check_int("max_length", value, 1, allow_none=allow_none)
+
+
+def fit_max_length(value, default: int, limit: int, new_tokens: int = 0, name: str = "max_length",
+                   new_name: str = "max_new_tokens"):
+    """The prompt cap a reranker runs with, bounded by the model's ``limit`` positions
+    (``Qwen3Runner.max_positions``) with room for ``new_tokens`` generated after the prompt:
+
+    * ``AUTO`` -> min(``default``, ``limit`` − ``new_tokens``) (vLLM's ``max_model_len`` default is
+      the model's too): the paper's cap, clamped on a model of fewer positions;
+    * an int with int + ``new_tokens`` > ``limit`` -> ContextLengthError (a ValueError) naming both
+      numbers: it is set explicitly, and a cap past the model would score positions it never saw;
+    * None (no cap) -> None: each call checks its prompt against ``limit`` instead.
+    """
+    room = limit - new_tokens
+    extra = f" + {new_name}={new_tokens:,}" if new_tokens else ""
+    if room < 1:
+        raise ContextLengthError(f"{new_name}={new_tokens:,} leaves no room for a prompt in the model's maximum "
+                                 f"context length of {limit:,} tokens (from its max_position_embeddings): lower {new_name}")
+    if value == AUTO:
+        return min(default, room)
+    if value is not None and value > room:
+        raise position_limit_error(f"{name}={value:,}{extra}", value + new_tokens, limit,
+                                   f"lower {name} to at most {room:,}, or leave it out (the cap is then {min(default, room):,})")
+    return value
 
 
 def checkpoint_tokenizer(path: str):

@@ -31,6 +31,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from ..model.numerics import NonFiniteHiddenError, NonFiniteOutputError, check_scorable, nonfinite_rows
+from ..model.runner import position_limit_error
 from ..ops.linear_logprob import linear_logprob
 from ..ops.topk_logprobs import OUTSIDE_MODES, topk_logprobs
 from ..ops.vocab_parallel import VocabShard
@@ -154,6 +155,7 @@ def rescore(snapshot, teacher, queries: Sequence[RescoreQuery], tokenizer=None, 
         raise ValueError(f"snapshot and teacher vocabularies differ ({snapshot.arch.vocab_size} vs "
                          f"{teacher.arch.vocab_size})")
     batch = _flatten(queries, tokenizer, snapshot.arch.vocab_size)
+    _check_positions(batch, snapshot, teacher)
     with torch.inference_mode():
         logp_old = _snapshot_logprobs(snapshot, batch, temperature, chunk, snapshot_head)
         logp_t, in_topk = _teacher_logprobs(teacher, batch, k, chunk, outside, floor, renormalize, temperature,
@@ -255,6 +257,23 @@ def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Ba
     if not b.rolls:
         raise ValueError("rescore: no rollouts")
     return b
+
+
+def _check_positions(b: _Batch, snapshot, teacher) -> None:
+    """ContextLengthError (a ValueError) naming the first rollout whose sequence is past its
+    model's maximum context length (``max_positions``), before either model runs. The snapshot
+    reads head ++ tail ++ y[:-1], the teacher head ++ hint ++ tail ++ y[:-1]: a longer rollout or
+    hint is not cut, and past its positions the model's log-probs would be plausible and wrong."""
+    seen: dict = {}
+    for n, (q, y, h) in enumerate(zip(b.qidx, b.rolls, b.hints)):
+        i = seen[q] = seen.get(q, -1) + 1  # the rollout's index within its query
+        prompt, rest = len(b.heads[q]) + len(b.tails[q]), max(len(y) - 1, 0)
+        for who, runner, n_tokens in (("snapshot", snapshot, prompt + rest),
+                                      ("teacher", teacher, prompt - 1 + len(h) + rest)):
+            if n_tokens > runner.max_positions:
+                raise position_limit_error(f"rescore: query {q} rollout {i}'s {who} sequence (prompt"
+                                           f"{' + hint' if who == 'teacher' else ''} + rollout but its last token)",
+                                           n_tokens, runner.max_positions, "shorten the prompt, the hint or the rollout")
 
 
 def _snapshot_logprobs(snapshot, b: _Batch, temperature, chunk, shard) -> torch.Tensor:

@@ -49,7 +49,7 @@ import torch
 from .._validate import positive_int
 from ..model.paged_cache import PagedKVCache
 from ..ops._checks import finite_real, positive_in_fp32
-from ..setwise.decode import MAX_NEW_TOKENS, GreedyStepper, _check, decode_reserve, stop_ids as _stop_set
+from ..setwise.decode import MAX_NEW_TOKENS, GreedyStepper, _check, check_positions, decode_reserve, stop_ids as _stop_set
 from ..setwise.grammar import IdentifierGrammar
 from ..tokenizer import TOKEN_IM_END
 from .rescore import _ids
@@ -172,6 +172,7 @@ def sample_rollouts(runner, prompts: Sequence[Sequence[int]], group_size: int = 
                          f"{temperature!r}{hint}")
     stops = _stop_ids(stop_ids, runner.arch.vocab_size)
     ids = _prompt_ids(prompts, runner.arch.vocab_size)
+    check_positions(runner, ids, max_new_tokens, "sample_rollouts: prompt")  # before anything is computed
     states = _grammar_states(grammar, pools, len(ids), G)
     gen = _generator(generator, seed, runner.device)
     repeated = [p for p in ids for _ in range(G)]

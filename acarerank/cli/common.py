@@ -199,6 +199,11 @@ def print_results(rows) -> None:
 def load_reranker(cls, args, **kw):
     """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask (``acarerank.loading``)."""
     from ..loading import load_reranker as load
+    from ..model import ContextLengthError
 
-    return load(cls, model=args.model, dtype=args.dtype, device=args.device, backend=args.backend,
-                max_length=args.max_length, **kw)
+    try:
+        return load(cls, model=args.model, dtype=args.dtype, device=args.device, backend=args.backend,
+                    max_length="auto" if args.max_length is None else args.max_length, **kw)
+    except ContextLengthError as e:  # the constructor names its argument; the user gave a flag
+        flags = "--max-length / --max-new-tokens" if "max_new_tokens" in kw else "--max-length"
+        raise ContextLengthError(f"{flags}: {e}") from None

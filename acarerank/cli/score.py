@@ -28,7 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-documents", type=int, default=MAX_DOCUMENTS,
                    help=f"documents --docs may hold, refused before loading (default {MAX_DOCUMENTS:,}, "
                         "the server's --max-documents)")
-    p.add_argument("--max-length", type=int, default=8192, help="token cap per document prompt (default 8192)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="token cap per document prompt (default 8192, or the model's maximum context length when "
+                        "less; past it is refused)")
     p.add_argument("--min-doc-tokens", type=int, default=None,
                    help="document tokens kept free when the context is cut (default 512, at most max-length/2); "
                         "lower it to run short --max-length with long context")

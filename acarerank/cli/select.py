@@ -26,7 +26,9 @@ def add_parser(sub) -> None:
                    help=f"documents --docs may hold, refused before the tokenizer or the model loads (default "
                         f"{MAX_DOCUMENTS:,}, the server's --max-documents)")
     p.add_argument("--max-select", type=int, default=10, help="at most this many documents (default 10)")
-    p.add_argument("--max-length", type=int, default=16000, help="prompt token cap; documents are cut evenly (default 16,000, the paper's)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="prompt token cap; documents are cut evenly (default 16,000, the paper's, or the model's "
+                        "maximum context length less --max-new-tokens when less; past it is refused)")
     p.add_argument("--max-new-tokens", type=int, default=64,
                    help="output token cap (default 64, the paper's); --max-select above 15 may need more")
     p.add_argument("--special-tokens", choices=("escape", "parse"), default="escape",
@@ -43,12 +45,13 @@ def check_prompt_fits(args, texts) -> None:
     over it), raised by the same ``build_prompt`` the selection runs, before the model loads:
     the tokenizer loads in a fraction of the model's time."""
     from ..reranker_base import checkpoint_tokenizer
-    from ..setwise.prompts import build_prompt
+    from ..setwise.prompts import DEFAULT_MAX_LENGTH, build_prompt
     from ..tokenizer import TextEncoder
 
     tokenizer = checkpoint_tokenizer(args.model) if args.model else None
+    # unset: the paper's cap, which the model's positions can only lower (checked again once it loads)
     build_prompt(TextEncoder.of(tokenizer, args.special_tokens), args.query, texts, args.intent, args.max_select,
-                 args.max_length)
+                 DEFAULT_MAX_LENGTH if args.max_length is None else args.max_length)
 
 
 def run(args) -> int:

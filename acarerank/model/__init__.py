@@ -3,8 +3,8 @@ from .arch import Qwen3Arch
 from .block_pool import BlockPool, PoolExhausted
 from .paged_cache import PagedKVCache
 from .prefix_cache import PrefixCache
-from .runner import Qwen3Runner, SourceModelChangedError
+from .runner import ContextLengthError, Qwen3Runner, SourceModelChangedError
 from .weights import CheckpointError, Qwen3Weights, load_checkpoint, weights_from_hf
 
-__all__ = ["CheckpointError", "Qwen3Arch", "KVCache", "BlockPool", "PoolExhausted", "PagedKVCache", "PrefixCache",
+__all__ = ["CheckpointError", "ContextLengthError", "Qwen3Arch", "KVCache", "BlockPool", "PoolExhausted", "PagedKVCache", "PrefixCache",
            "Qwen3Runner", "Qwen3Weights", "SourceModelChangedError", "load_checkpoint", "weights_from_hf"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._validate import positive_int
-from .rope import RopeScaling, rope_scaling_from
+from .rope import QWEN3_MAX_POSITIONS, RopeScaling, rope_scaling_from
 
 #: transformers' Qwen3Config defaults (4.x and 5.x alike) for shape fields a config.json may omit:
 #: an absent head_dim is 128 (not hidden_size / num_attention_heads) and an absent
@@ -35,6 +35,9 @@ class Qwen3Arch:
     rope: RopeScaling = RopeScaling()
     #: config keys that were absent and took ``QWEN3_SHAPE_DEFAULTS``' value (named in shape errors)
     defaulted: tuple = field(default=(), compare=False)
+    #: the positions the model is made for (``max_positions_of``): no pass of the runner reaches
+    #: past it, and every reranker's prompt caps are checked against it (docs/input-safety.md)
+    max_positions: int = QWEN3_MAX_POSITIONS
 
     @classmethod
     def from_config(cls, cfg) -> "Qwen3Arch":
@@ -89,6 +92,7 @@ class Qwen3Arch:
         act = get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU too
             raise ValueError(f"hidden_act {act!r} is not supported: the runner's MLP is SiLU(gate)·up, as Qwen3's")
+        max_positions = max_positions_of(get("max_position_embeddings", QWEN3_MAX_POSITIONS), rope)
         _check_layer_types(get("layer_types"), get("num_hidden_layers"))
         _check_no_sliding_window(get, get("num_hidden_layers"))
         defaulted = tuple(k for k in QWEN3_SHAPE_DEFAULTS if not has(k))
@@ -112,6 +116,7 @@ class Qwen3Arch:
             attention_bias=get("attention_bias", False),
             rope=rope,
             defaulted=defaulted,
+            max_positions=max_positions,
         )
         if arch.num_heads % arch.num_kv_heads:
             raise ValueError(f"num_attention_heads {arch.num_heads} is not a multiple of num_key_value_heads "
@@ -137,6 +142,21 @@ class Qwen3Arch:
         return "".join(f"; the config has no {k!r}, so it is transformers' Qwen3Config default "
                        f"{QWEN3_SHAPE_DEFAULTS[k]} — is {k} missing from config.json?"
                        for k in keys if k in self.defaulted)
+
+
+def max_positions_of(max_position_embeddings, rope: RopeScaling) -> int:
+    """The longest sequence (prompt + generated tokens) the model is made for, vLLM's
+    ``max_model_len`` rule: ``max_position_embeddings`` (Qwen3Config's 32,768 when absent); with
+    ``linear`` RoPE times ``factor``; with ``yarn`` / ``llama3`` at least
+    ``original_max_position_embeddings`` × ``factor`` (Qwen3's card: 32,768 × 4 = 131,072 over its
+    40,960; transformers 5.x's own form, ``factor: null``, gives max_position_embeddings itself).
+    Past it RoPE rotates by angles the model never saw: a plausible score and no error."""
+    n = positive_int("config field 'max_position_embeddings'", max_position_embeddings)
+    if rope.rope_type == "linear":
+        return int(n * rope.factor)
+    if rope.rope_type in ("yarn", "llama3"):
+        return max(n, int(rope.original_max_position_embeddings * rope.factor))
+    return n
 
 
 def _rope_type(rope: dict) -> str:

@@ -59,6 +59,21 @@ def not_picklable(name: str) -> str:
             "parent's (docs/api.md, \"Embedding in your process\")")
 
 
+class ContextLengthError(ValueError):
+    """A sequence (prompt, plus the tokens generated after it) longer than the model's positions
+    (``Qwen3Arch.max_positions``, from ``max_position_embeddings``): past them RoPE rotates by
+    angles the model was never trained on and the output is plausible and wrong, so it is refused,
+    as vLLM refuses a request past its ``max_model_len`` (docs/input-safety.md, "Positions")."""
+
+
+def position_limit_error(what: str, tokens: int, limit: int, how: str = "") -> ContextLengthError:
+    """The one message for a sequence of ``tokens`` past ``limit`` positions: ``what`` names it
+    (a document, a prompt and its new tokens, a flag), ``how`` says what to lower."""
+    return ContextLengthError(f"{what} is {tokens:,} tokens, more than the model's maximum context length of "
+                              f"{limit:,} tokens (from its max_position_embeddings: positions past it are not "
+                              f"ones the model was trained on){'; ' + how if how else ''}")
+
+
 class SourceModelChangedError(RuntimeError):
     """The in-memory model a runner was built from (``Qwen3Runner.from_hf``) changed in place
     after the build (an optimizer step, ``load_state_dict``, an edit under ``torch.no_grad``) in a
@@ -242,6 +257,12 @@ class Qwen3Runner:
         return self.weights.dtype
 
     @property
+    def max_positions(self) -> int:
+        """The model's maximum context length in tokens (``Qwen3Arch.max_positions``: the config's
+        ``max_position_embeddings``, scaled by its RoPE): no pass computes a position at or past it."""
+        return self.arch.max_positions
+
+    @property
     def device(self) -> torch.device:
         return self.weights.device
 
@@ -408,6 +429,11 @@ class Qwen3Runner:
 
     def _forward(self, cache: PagedKVCache, ids: list, groups: list, output: str, append: bool):
         _fork.enter("a model pass")  # every pass of every reranker comes here first
+        # the last line of defence: the callers refuse a too-long input where it is set, by name
+        for g, t in zip(groups, ids):
+            if cache.lengths[g] + t.numel() > self.arch.max_positions:
+                raise position_limit_error(f"group {g}'s sequence ({cache.lengths[g]:,} cached + {t.numel():,} new)",
+                                           cache.lengths[g] + t.numel(), self.arch.max_positions)
         if self._source is not None:
             self._source.check()
         with autocast_off(self.device):

@@ -25,21 +25,31 @@ def build_rerankers(config: ServeConfig):
     """(pointwise, setwise on the same weights) as ``config`` asks; notes on stderr say the dtype
     and, for the embedded default, that its scores carry no meaning."""
     from ..loading import load_reranker
+    from ..model import ContextLengthError
     from ..pointwise import PointwiseReranker
     from ..setwise import SetwiseReranker
 
-    kw = dict(max_length=config.max_length,
+    # unset caps are the rerankers' "auto" (the paper's, bounded by the model's positions); a set one
+    # past the model's positions is their ContextLengthError, so the server does not start
+    kw = dict(max_length="auto" if config.max_length is None else config.max_length,
               max_batch_tokens=config.max_batch_tokens)  # the reranker's own passes match the engine's
     if config.cache_budget is not None:
         kw["cache_budget_tokens"] = config.cache_budget
-    rr = load_reranker(PointwiseReranker, model=config.model, dtype=config.dtype, device=config.device,
-                       backend=config.backend, **kw)
+    try:
+        rr = load_reranker(PointwiseReranker, model=config.model, dtype=config.dtype, device=config.device,
+                           backend=config.backend, **kw)
+    except ContextLengthError as e:  # the constructor names its argument; the user gave a flag
+        raise ContextLengthError(f"--max-length: {e}") from None
     # The setwise endpoint decodes on the same weights and the same scheduler thread. Its prompt
     # cache has the same budget: without one it would take the device default (8 GiB on a GPU)
     # on the first /v1/select, whatever --cache-budget the deployment was sized with.
-    sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=rr.backend,
-                         max_length=config.select_max_length, max_new_tokens=config.select_max_new_tokens,
-                         **{k: v for k, v in kw.items() if k == "cache_budget_tokens"})
+    try:
+        sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer, backend=rr.backend,
+                             max_length="auto" if config.select_max_length is None else config.select_max_length,
+                             max_new_tokens=config.select_max_new_tokens,
+                             **{k: v for k, v in kw.items() if k == "cache_budget_tokens"})
+    except ContextLengthError as e:
+        raise ContextLengthError(f"--select-max-length / --select-max-new-tokens: {e}") from None
     return rr, sr
 
 

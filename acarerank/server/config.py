@@ -56,10 +56,13 @@ class ServeConfig:
     backend: Optional[str] = _opt(f"backend preference: {BACKEND_NAMES}, or per op: "
                                   "attention=triton,yes_no=cuda (default: ACARERANK_BACKEND, else by device)",
                                   default=None)
-    max_length: int = _opt("token cap per document prompt", default=8192)
+    max_length: Optional[int] = _opt("token cap per document prompt (default 8,192, or the model's maximum context "
+                                     "length when less; past it the server does not start)", default=None, type=int)
     # /v1/select's own caps: the setwise prompt holds every document (AdaTutoRank, Appendix C.4)
-    select_max_length: int = _opt("/v1/select: prompt token cap; documents are cut evenly to fit (default 16,000, "
-                                  "the paper's)", default=16000)
+    select_max_length: Optional[int] = _opt("/v1/select: prompt token cap; documents are cut evenly to fit (default "
+                                            "16,000, the paper's, or the model's maximum context length less "
+                                            "--select-max-new-tokens when less; past it the server does not start)",
+                                            default=None, type=int)
     select_max_new_tokens: int = _opt("/v1/select: output token cap (default 64, the paper's); a max_select above "
                                       "15 can need more, and is refused (400) when it could", default=64)
     # -- the engine

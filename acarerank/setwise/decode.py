@@ -32,7 +32,7 @@ import torch
 
 from .._validate import positive_int
 from ..model.numerics import NonFiniteOutputError, nonfinite_rows
-from ..model.runner import autocast_off
+from ..model.runner import autocast_off, position_limit_error
 from ..tokenizer import TOKEN_IM_END
 from .grammar import GrammarState, IdentifierGrammar
 
@@ -75,6 +75,17 @@ def _check(prompts, states, max_new_tokens):
                                  f"{st.max_tokens()} tokens, more than max_new_tokens={max_new_tokens}")
 
 
+def check_positions(runner, prompts, max_new_tokens: int, who: str = "prompt") -> None:
+    """ContextLengthError (a ValueError) naming the first prompt whose length + ``max_new_tokens``
+    is past the model's maximum context length (``runner.max_positions``; vLLM's rule for a
+    prompt and its ``max_tokens``): the new tokens take the positions after the prompt."""
+    limit = runner.max_positions
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > limit:
+            raise position_limit_error(f"{who} {i} ({len(p):,} tokens) + max_new_tokens={max_new_tokens:,}",
+                                       len(p) + max_new_tokens, limit, "shorten the prompt or lower max_new_tokens")
+
+
 def greedy_decode(runner, prompts: Sequence[Sequence[int]], grammar: Optional[IdentifierGrammar] = None,
                   states: Optional[Sequence[GrammarState]] = None, max_new_tokens: int = MAX_NEW_TOKENS,
                   eos_id: Union[int, Sequence[int]] = TOKEN_IM_END, cache=None) -> List[List[int]]:
@@ -114,6 +125,7 @@ class GreedyStepper:
         if grammar is not None and grammar.tokens.end not in stops:
             raise ValueError(f"the grammar ends on token {grammar.tokens.end} but eos_id is {eos_id}")
         _check(prompts, states, max_new_tokens)
+        check_positions(runner, prompts, max_new_tokens)
         prompts = [list(map(int, p)) for p in prompts]
         if cache is None:
             # room for the last prompt token and every new token the grammar (or the cap) allows

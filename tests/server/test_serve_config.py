@@ -144,15 +144,20 @@ def test_cache_budget_bounds_the_select_cache_too():
 
 
 def test_select_caps_reach_the_setwise_reranker():
-    """--select-max-length / --select-max-new-tokens are the setwise reranker's; their defaults
-    are the paper's (the setwise module's constants: config.py imports nothing of the model)."""
+    """--select-max-length / --select-max-new-tokens are the setwise reranker's; unset, the caps
+    are the paper's (the rerankers' constants: config.py imports nothing of the model), bounded by
+    the model's positions (the embedded model's 40,960 leave them; tests/test_positions.py)."""
     pytest.importorskip("torch")
+    from acarerank.prompts.pointwise import DEFAULT_MAX_LENGTH as POINTWISE_MAX_LENGTH
     from acarerank.server.build import build_rerankers
     from acarerank.setwise.decode import MAX_NEW_TOKENS
     from acarerank.setwise.prompts import DEFAULT_MAX_LENGTH
 
-    default = ServeConfig()
-    assert (default.select_max_length, default.select_max_new_tokens) == (DEFAULT_MAX_LENGTH, MAX_NEW_TOKENS)
+    default = ServeConfig(dtype="float32", cache_budget=256)
+    assert (default.max_length, default.select_max_length, default.select_max_new_tokens) == (None, None,
+                                                                                              MAX_NEW_TOKENS)
+    rr, sr = build_rerankers(default)
+    assert (rr.max_length, sr.max_length) == (POINTWISE_MAX_LENGTH, DEFAULT_MAX_LENGTH)
     _, sr = build_rerankers(ServeConfig(select_max_length=3000, select_max_new_tokens=200, dtype="float32",
                                         cache_budget=256))
     assert (sr.max_length, sr.max_new_tokens) == (3000, 200)

@@ -1,0 +1,225 @@
+"""The model's maximum context length (``max_position_embeddings``, scaled by its RoPE) bounds
+every entry point: a cap past it is refused where it is set, naming both numbers; a default cap
+is clamped to it; a sequence exactly at it scores as transformers' forward (docs/input-safety.md,
+"Positions"). Past it RoPE rotates by angles the model never saw: a plausible score, no error —
+vLLM refuses such input ("maximum context length is N tokens").
+
+One 1-layer random Qwen3 of 1,024 positions (the real vocabulary and tokenizer), built once.
+"""
+import pytest
+import torch
+from _tiny import random_qwen3
+
+from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
+from acarerank.ato import RescoreQuery, rescore, sample_rollouts
+from acarerank.model import ContextLengthError, Qwen3Runner
+from acarerank.model.arch import Qwen3Arch
+from acarerank.prompts import official_input_ids, official_scores
+from acarerank.setwise.decode import greedy_decode, greedy_decode_ref
+
+LIMIT = 1024                                                  # a setwise prompt's template alone is ~640
+LONG_DOC = "retrieval augmented generation " * 500          # ~2,000 tokens: always cut
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_qwen3(seed=3, spread_yes_no=40, max_position_embeddings=LIMIT)
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    return Qwen3Runner.from_hf(model)
+
+
+def _ids(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 5000, (n,), generator=g).tolist()
+
+
+def _config(**kw):
+    return dict(model_type="qwen3", vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=1, num_key_value_heads=1, head_dim=8, **kw)
+
+
+@pytest.mark.parametrize("config, want", [
+    ({}, 32768),                                                  # Qwen3Config's default
+    ({"max_position_embeddings": 40960}, 40960),                  # Qwen3's own
+    # Qwen3's card for 131,072 tokens: YaRN factor 4 over 32,768, max_position_embeddings left at 40,960
+    ({"max_position_embeddings": 40960, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32768}}, 131072),
+    # transformers 5.x's own form: factor null = max_position_embeddings / original
+    ({"max_position_embeddings": 1024, "rope_parameters": {"rope_type": "yarn", "factor": None,
+                                                           "original_max_position_embeddings": 256,
+                                                           "rope_theta": 1e6}}, 1024),
+    ({"max_position_embeddings": 2048, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, 4096),
+    # Llama 3.1's form: max_position_embeddings is already the scaled length
+    ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                          "original_max_position_embeddings": 8192,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0}}, 131072),
+])
+def test_the_limit_is_max_position_embeddings_scaled_by_the_rope(config, want):
+    assert Qwen3Arch.from_config(_config(**config)).max_positions == want
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "4096", True])
+def test_a_bad_max_position_embeddings_is_named(bad):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Qwen3Arch.from_config(_config(max_position_embeddings=bad))
+
+
+def test_the_runner_exposes_the_limit_and_refuses_a_pass_past_it(model, runner):
+    """At the limit the prefill's last hidden state is transformers'; one token more is refused
+    before any pass (the last line of defence behind every entry point's own check)."""
+    assert runner.max_positions == LIMIT
+    ids = _ids(LIMIT)
+    cache = runner.prefill([ids[:-1]])
+    try:
+        hidden = runner.final_norm(runner.forward(cache, [ids[-1:]], [0], output="last"))
+    finally:
+        cache.free()
+    with torch.no_grad():
+        want = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+    torch.testing.assert_close(hidden[0], want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ContextLengthError, match=f"{LIMIT + 1:,} tokens, more than the model's maximum context length of "
+                                                 f"{LIMIT:,} tokens"):
+        runner.prefill([_ids(LIMIT + 1)])
+    cache = runner.prefill([ids[:-1]])
+    try:
+        with pytest.raises(ContextLengthError, match=rf"{LIMIT - 1:,} cached \+ 2 new"):
+            runner.forward(cache, [[1, 2]], [0], output="last", append=True)
+    finally:
+        cache.free()
+
+
+def test_pointwise_refuses_a_cap_past_the_limit_and_clamps_its_default(model, runner, qwen3_tokenizer):
+    """max_length past the model's 1,024 positions is refused at construction, naming both numbers;
+    the default (8,192) becomes 1,024; a document cut to exactly 1,024 tokens scores as transformers."""
+    tok = qwen3_tokenizer
+    for cap in (LIMIT + 1, 8192):
+        with pytest.raises(ContextLengthError, match=f"max_length={cap:,} is {cap:,} tokens, more than the model's "
+                                                     f"maximum context length of {LIMIT:,} tokens"):
+            PointwiseReranker(runner=runner, tokenizer=tok, max_length=cap)
+    rr = PointwiseReranker(runner=runner, tokenizer=tok)
+    assert rr.max_length == LIMIT
+    docs = [LONG_DOC, "a short document"]
+    enc = rr.encode(ScoreRequest("q", docs))
+    assert len(enc.input_ids(0)) == LIMIT
+    ids = [official_input_ids(tok, "q", d, max_length=LIMIT) for d in docs]
+    assert ids[0] == enc.input_ids(0)
+    want = official_scores(model, tok, ids, batch_size=1)
+    torch.testing.assert_close(torch.tensor(rr.score("q", docs)), torch.tensor(want), rtol=0, atol=1e-5)
+    assert PointwiseReranker(runner=runner, tokenizer=tok, max_length=LIMIT).max_length == LIMIT
+
+
+def test_setwise_bounds_prompt_plus_new_tokens(model, runner, qwen3_tokenizer):
+    """max_length + max_new_tokens past the limit is refused at construction (the new tokens take
+    positions after the prompt); the default (16,000) becomes limit − max_new_tokens;
+    max_length=None (no cap, nothing cut) refuses each call whose prompt does not leave room."""
+    tok = qwen3_tokenizer
+    with pytest.raises(ContextLengthError, match=rf"max_length=1,000 \+ max_new_tokens=64 is 1,064 tokens, more "
+                                                 rf"than the model's maximum context length of {LIMIT:,} tokens"):
+        SetwiseReranker(runner=runner, tokenizer=tok, max_length=1000)
+    with pytest.raises(ContextLengthError, match=f"max_new_tokens=1,024 leaves no room for a prompt in the model's "
+                                                 f"maximum context length of {LIMIT:,} tokens"):
+        SetwiseReranker(runner=runner, tokenizer=tok, max_new_tokens=LIMIT)
+    sr = SetwiseReranker(runner=runner, tokenizer=tok, max_new_tokens=16)
+    assert sr.max_length == LIMIT - 16
+    docs = [LONG_DOC, LONG_DOC[::-1], "short"]
+    enc = sr.encode_select("q", docs, max_select=2, constrained=False)
+    assert LIMIT - 16 - 3 <= len(enc.prompt.input_ids) <= LIMIT - 16
+    got = sr.select("q", docs, max_select=2, constrained=False)
+    assert got.text == tok.decode(greedy_decode_ref(model, enc.prompt.input_ids, max_new_tokens=16,
+                                                    eos_id=sr.free_stop_ids))
+    free = SetwiseReranker(runner=runner, tokenizer=tok, max_length=None, max_new_tokens=16)
+    n = len(free.encode_select("q", ["short"]).prompt.input_ids)
+    with pytest.raises(ContextLengthError, match=rf"the query's prompt of [\d,]+ tokens \+ max_new_tokens=16"):
+        free.select("q", docs)
+    with pytest.raises(ContextLengthError, match=r"query 1 of the batch's prompt"):
+        free.select_batch(["q", "q"], [["short"], docs])
+    assert free.select("q", ["short"]).prompt_tokens == n
+
+
+def test_greedy_decoding_at_the_limit_is_transformers_and_past_it_is_refused(model, runner):
+    prompt = _ids(LIMIT - 8, seed=1)
+    got = greedy_decode(runner, [prompt], max_new_tokens=8)
+    assert got[0] == greedy_decode_ref(model, prompt, max_new_tokens=8)
+    with pytest.raises(ContextLengthError, match=rf"prompt 1 \({LIMIT - 7:,} tokens\) \+ max_new_tokens=8 is {LIMIT + 1:,} tokens"):
+        greedy_decode(runner, [prompt, prompt + [5]], max_new_tokens=8)
+
+
+def test_sample_rollouts_bounds_prompt_plus_new_tokens(model, runner):
+    """A prompt + max_new_tokens past the limit is refused before any pass; at the limit the sampled
+    tokens' log-probs are transformers' on prompt ++ rollout."""
+    prompt = _ids(LIMIT - 6, seed=2)
+    with pytest.raises(ContextLengthError, match=rf"sample_rollouts: prompt 0 \({LIMIT - 6:,} tokens\) \+ max_new_tokens=7 "
+                                                 rf"is {LIMIT + 1:,} tokens"):
+        sample_rollouts(runner, [prompt], 2, max_new_tokens=7, seed=0)
+    r = sample_rollouts(runner, [prompt], 2, max_new_tokens=6, stop_ids=[0], seed=0)
+    for n, y in enumerate(r.tokens):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + y])).logits[0, len(prompt) - 1:-1].float()
+        want = torch.log_softmax(logits, -1)[torch.arange(len(y)), torch.tensor(y)]
+        torch.testing.assert_close(r.logprobs[n, :len(y)], want, rtol=0, atol=1e-4)
+
+
+def test_rescore_refuses_a_sequence_past_either_models_limit(model, runner):
+    """The snapshot reads prompt ++ rollout[:-1], the teacher prompt ++ hint ++ rollout[:-1]: each is
+    checked against its own model's limit before either runs; exactly at it, logp_old is transformers'."""
+    head, tail = _ids(LIMIT - 56, seed=3), _ids(6, seed=4)
+    y = _ids(51, seed=5)                                  # snapshot sequence: exactly LIMIT
+    wide = Qwen3Runner.from_hf(random_qwen3(seed=3, spread_yes_no=40, max_position_embeddings=4 * LIMIT))
+    res = rescore(runner, wide, [RescoreQuery(head, tail, [y], [[]])])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([head + tail + y])).logits[0, len(head + tail) - 1:-1].float()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(y)), torch.tensor(y)]
+    torch.testing.assert_close(res.logp_old[0], want, rtol=0, atol=1e-4)
+    with pytest.raises(ContextLengthError, match=rf"query 0 rollout 1's snapshot sequence .* is {LIMIT + 1:,} tokens"):
+        rescore(runner, wide, [RescoreQuery(head, tail, [y, y + [7]], [[], []])])
+    with pytest.raises(ContextLengthError, match=rf"query 0 rollout 0's teacher sequence .* is {LIMIT + 3:,} tokens"):
+        rescore(wide, runner, [RescoreQuery(head, tail, [y], [[1, 2, 3]])])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("positions") / "ckpt"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("command, flags, needle", [
+    ("score", ["--max-length", "1025"], "--max-length: max_length=1,025 is 1,025 tokens"),
+    ("select", ["--max-length", "1000"], r"--max-length / --max-new-tokens: max_length=1,000 \+ max_new_tokens=64 "
+                                         r"is 1,064 tokens"),
+    ("select", ["--max-new-tokens", "1024", "--unconstrained"],
+     "--max-length / --max-new-tokens: max_new_tokens=1,024 leaves no room for a prompt in the model's"),
+])
+def test_the_cli_refuses_a_cap_past_the_limit_in_one_line(capsys, checkpoint, tmp_path, command, flags, needle):
+    import re
+
+    from acarerank.cli import main
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('"a document"\n')
+    rc = main([command, "--model", str(checkpoint), "--dtype", "float32", "--query", "q", "--docs", str(docs),
+               *flags])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and not x.startswith(("NOTE:", "dtype:"))]
+    assert rc == 2 and len(err) == 1, err
+    assert re.search(needle, err[0]) and f"maximum context length of {LIMIT:,} tokens" in err[0], err[0]
+
+
+def test_serve_refuses_a_cap_past_the_limit_at_start_up_and_clamps_its_defaults(checkpoint):
+    """--max-length, --select-max-length (+ --select-max-new-tokens) past the model's positions stop
+    the start-up (build_rerankers: the CLI's and the Ray replicas' one builder); unset, they are
+    clamped to the model, so no request can reach a position past it."""
+    from acarerank.server.build import build_rerankers
+    from acarerank.server.config import ServeConfig
+
+    base = dict(model=str(checkpoint), dtype="float32", cache_budget=256)
+    with pytest.raises(ContextLengthError, match=f"^--max-length: max_length=1,025 is 1,025 tokens, more than the "
+                                                 f"model's maximum context length of {LIMIT:,} tokens"):
+        build_rerankers(ServeConfig(max_length=LIMIT + 1, **base))
+    with pytest.raises(ContextLengthError, match=r"^--select-max-length / --select-max-new-tokens: max_length=1,000 "
+                                                 r"\+ max_new_tokens=64 is 1,064 tokens"):
+        build_rerankers(ServeConfig(select_max_length=1000, **base))
+    rr, sr = build_rerankers(ServeConfig(**base))
+    assert (rr.max_length, sr.max_length, sr.max_new_tokens) == (LIMIT, LIMIT - 64, 64)
