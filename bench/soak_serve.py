@@ -54,6 +54,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from acarerank.server.errors import tei_error_type  # noqa: E402 (stdlib only: no torch)
 HELPER = ROOT / "tests" / "server" / "fault_serve.py"
 WORDS = ("tutor hint reranker setwise document query agent trace search answer bread river model score "
          "token cache prefix batch server engine paging kernel attention budget drain canary").split()
@@ -157,10 +159,13 @@ class Soak:
             try:
                 answer = json.loads(raw)
                 err = answer["error"]
-                if path == "/rerank" and isinstance(err, str):   # TEI's shape on its route (docs/serving.md, "Errors")
-                    ok = set(answer) == {"error", "error_type"} and isinstance(answer["error_type"], str)
+                # TEI's shape on its route (docs/serving.md, "Errors"): always for a TEI body (texts), for a
+                # documents body only when refused before it was read (admission, drain); error_type by status
+                tei_body = path == "/rerank" and isinstance(body, dict) and body.get("texts") is not None
+                if path == "/rerank" and isinstance(err, str):
+                    ok = set(answer) == {"error", "error_type"} and answer["error_type"] == tei_error_type(status)
                 else:
-                    ok = (isinstance(err["message"], str) and err["code"] == status
+                    ok = (not tei_body and isinstance(err["message"], str) and err["code"] == status
                           and isinstance(err["type"], str) and set(err) == {"message", "type", "code"})
             except (ValueError, KeyError, TypeError):
                 ok = False

@@ -132,6 +132,12 @@ class ServeConfig:
         """ValueError naming the flag for a value no server can run with (no import beyond stdlib)."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if v is None and not f.type.startswith("Optional"):
+                # a field with no 'off' (max_queue, max_documents, the timeouts: inf is none): None reached
+                # the Ray front's arithmetic (build_app's max_queue + 1: a TypeError) or a replica's start
+                off = "; inf: no limit" if f.type == "float" else ""
+                raise ValueError(f"{_flag(f.name)} must be set (None is not a value of it; leave it out for its "
+                                 f"default, {f.default!r}{off})")
             if v is None or f.type in ("str", "Optional[str]", "bool"):
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):

@@ -73,7 +73,8 @@ def tei_error_type(status: int) -> str:
 def speaks_tei(path: str, state: Optional[dict]) -> bool:
     """Whether an error on ``path`` goes in TEI's shape: on ``TEI_PATH`` unless the request's body
     was read and names ``documents`` and no ``texts`` (``state["body_fields"]``: the top-level
-    fields the body had, set by the app once it is read; absent before)."""
+    fields the body had, null ones left out as validation leaves them, set by the app once it is
+    read; absent before)."""
     if path != TEI_PATH:
         return False
     fields = (state or {}).get("body_fields")

@@ -103,8 +103,9 @@ def validation_message(errors) -> str:
 def parse_body(body: bytes, model_cls, fields: Optional[set] = None):
     """``model_cls`` (a pydantic model) from a JSON body, or ``APIError(422)``. Blocking: run it in a worker.
 
-    fields: if given, gets the body's top-level fields of ``model_cls`` once the JSON is decoded,
-    also when validation then fails (the app picks an error's shape by them: errors.speaks_tei).
+    fields: if given, gets the body's top-level fields of ``model_cls`` that are not null once the
+    JSON is decoded, also when validation then fails (the app picks an error's shape by them:
+    errors.speaks_tei; ``"texts": null`` beside ``documents`` is a documents body, as it is validated).
 
     A leading UTF-8 byte order mark is skipped (RFC 8259 section 8.1 lets a parser ignore it, and
     ``json.loads`` of bytes does, so FastAPI servers such as vLLM accept it; some Windows clients
@@ -120,8 +121,9 @@ def parse_body(body: bytes, model_cls, fields: Optional[set] = None):
     except msgspec.DecodeError as e:       # not JSON, invalid UTF-8, truncated
         raise APIError(422, f"malformed JSON body: {e}") from None
     data = {name: v for name in model_cls.model_fields if (v := getattr(wire, name)) is not msgspec.UNSET}
-    if fields is not None:
-        fields.update(data)
+    if fields is not None:   # null is the field left out, as validation reads it (docs/serving.md, "Endpoints")
+        fields.update(name for name, v in data.items()
+                      if v is not None and not (isinstance(v, msgspec.Raw) and _first(v) == b"n"))
     raws = None
     if "documents" in data:
         data["documents"], raws = _documents(data["documents"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import math
 import time
@@ -345,7 +346,9 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     options: ``ServeConfig`` fields (dtype, device, max_batch_tokens, max_queue, api_key, limits, ...),
     the same defaults as ``acarerank serve``; those of the connection (``RAY_OWNED_OPTIONS``: host,
     port, the header, keep-alive and send timeouts, max_connections, drain_timeout, log_level) are
-    Ray's and are a ValueError naming Ray's setting.
+    Ray's and are a ValueError naming Ray's setting; any other name is a ValueError too (Ray's
+    ``autoscaling_config`` included: ``num_replicas`` and ``ingress_replicas`` are fixed counts,
+    which each front's share of ``max_queue`` divides by).
 
     Admission as ``acarerank serve``'s: each front refuses (429) a request past its share of every
     replica's ``max_queue`` together (``ceil(max_queue × num_replicas / ingress_replicas)``) before
@@ -359,7 +362,16 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     check_max_pass_s(health_max_pass_s)
     for name, n in (("num_replicas", num_replicas), ("ingress_replicas", ingress_replicas)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:   # each front's share divides by it
-            raise ValueError(f"build_app: {name} must be a positive int, got {n!r}")
+            raise ValueError(f"build_app: {name} must be a positive int (a fixed count: no autoscaling), got {n!r}")
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(ServeConfig)})
+    if unknown:
+        # autoscaling would change num_replicas under each front's share of max_queue (RemoteService.limit),
+        # computed once from the fixed counts: a front would admit for replicas that are gone or not yet there
+        why = ("; autoscaling (autoscaling_config, num_replicas='auto') is not supported: each front's share of "
+               "every engine's max_queue is computed from fixed num_replicas and ingress_replicas") \
+            if "autoscaling_config" in unknown else ""
+        what = "is not a ServeConfig field" if len(unknown) == 1 else "are not ServeConfig fields"
+        raise ValueError(f"build_app: {', '.join(unknown)} {what} (the options of acarerank serve){why}")
     owned = [name for name in RAY_OWNED_OPTIONS if name in options]
     if owned:
         raise ValueError(f"build_app: {', '.join(owned)} {'is' if len(owned) == 1 else 'are'} not applied on Ray "

@@ -231,6 +231,20 @@ def test_teis_route_answers_errors_in_teis_shape(server):
     expect_error(c.post("/score", content=b"{", headers=raw), 422, ["malformed JSON"])
 
 
+
+def test_a_null_field_picks_no_error_shape(server):
+    """``null`` in an optional field is the field left out (docs/serving.md, "Endpoints"): a body with
+    ``documents`` and ``"texts": null`` is a documents body, answered in our shape when it is
+    refused as when it scores (Cohere's object); the error shape read the key alone, so such a
+    body's 200 was Cohere's and its 422 TEI's. ``"documents": null`` beside ``texts`` is TEI's."""
+    c = server["client"]
+    ok = c.post("/rerank", json=dict(query=QUERY, documents=DOCS, texts=None))
+    assert ok.status_code == 200 and isinstance(ok.json(), dict), ok.text   # scored as a documents body
+    expect_error(c.post("/rerank", json=dict(query=1, documents=DOCS, texts=None)), 422, ["query"])
+    expect_error(c.post("/rerank", json=dict(query=QUERY, documents=DOCS, texts=None, top_n=-1)), 422, ["top_n"])
+    assert isinstance(c.post("/rerank", json=dict(query=QUERY, texts=DOCS, documents=None)).json(), list)
+    expect_tei_error(c.post("/rerank", json=dict(query=1, texts=DOCS, documents=None)), 422, "Validation", ["query"])
+
 def _raw_exchange(port: int, version: str, count: int) -> tuple:
     """``count`` identical rerank requests written at once on one socket: (bytes read, closed by the
     server). Reads until the server closes or ``count`` whole responses arrived."""

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from acarerank.server.config import ServeConfig
+from acarerank.server.config import ServeConfig, _flag
 
 from _repo import ROOT
 
@@ -43,6 +43,17 @@ def test_flags_round_trip_with_the_dataclass_defaults():
 def test_bad_values_name_their_flag(field, value, flag):
     with pytest.raises(ValueError, match=flag):
         ServeConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["max_queue", "max_documents", "tokenize_workers", "max_body_bytes",
+                                   "token_wait_timeout", "dtype"])
+def test_none_is_refused_where_a_field_has_no_off(field):
+    """None passed the check of every field, so build_app(max_queue=None) failed on its own arithmetic
+    (TypeError: NoneType + int) and build_app(max_documents=None) deployed, each replica then failing
+    to start; only the Optional fields (max_queue_tokens, cache_budget, ...) take None."""
+    with pytest.raises(ValueError, match=rf"^{_flag(field)} must be set \(None is not a value of it"):
+        ServeConfig(**{field: None})
+    assert ServeConfig(max_queue_tokens=None, cache_budget=None, request_timeout=None).max_queue_tokens is None
 
 
 def test_select_max_new_tokens_is_capped_at_startup_as_every_select_is():

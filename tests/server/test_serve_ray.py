@@ -712,6 +712,21 @@ def test_build_app_refuses_the_options_of_the_connection(options):
     assert all(name in str(e.value) for name in options), str(e.value)
 
 
+@pytest.mark.parametrize("options, words", [
+    (dict(autoscaling_config={"min_replicas": 1, "max_replicas": 4}), ["autoscaling_config", "fixed num_replicas"]),
+    (dict(num_replicas="auto"), ["num_replicas must be a positive int", "no autoscaling", "'auto'"]),
+    (dict(max_queu=4), ["max_queu is not a ServeConfig field"]),
+    (dict(max_queue=None), ["--max-queue must be set"]),
+    (dict(max_queue=2, ingres_replicas=2, max_document=3), ["ingres_replicas, max_document are not ServeConfig"])])
+def test_build_app_names_what_it_cannot_apply(options, words):
+    """Ray's autoscaling_config and any unknown option were ServeConfig's TypeError (unexpected keyword
+    argument), max_queue=None build_app's own (NoneType + int): each front's share of max_queue needs
+    fixed replica counts and a max_queue, so build_app names what it cannot apply."""
+    with pytest.raises(ValueError) as e:
+        build_app(model=None, **options)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
 @pytest.mark.parametrize("bound", [-1.0, float("nan"), float("inf"), True, "300"])
 def test_build_app_refuses_a_bad_health_bound(bound):
     with pytest.raises(ValueError, match="max_pass_s must be a finite number >= 0"):
