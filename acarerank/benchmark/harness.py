@@ -14,9 +14,9 @@ included, as a serving stack pays it). Per (mode, depth, provider) the harness r
 * peak memory above the starting point of each call, the largest over its calls (``PeakMemory``);
 * the largest |score − score of the first provider| (the official path when it runs);
 * FLOPs each in-process provider's algorithm performs for these shapes (``report.plan_flops``),
-  a peer's the least work (``credited_flops``), the FLOP rate they give (GFLOP/s = FLOPs / median) and that rate as a fraction of the
-  machine's GEMM peak in the run's dtype, measured in the same run at the model's linear
-  shapes (``gemm_peak``);
+  a peer's the least work (``credited_flops``), the FLOP rate they give (GFLOP/s = FLOPs /
+  median) and that rate as a fraction of the machine's GEMM peak in the run's dtype, measured
+  in the same run at the model's linear shapes (``gemm_peak``);
 * every provider's scores per cell (``BenchResult.scores``), for rank agreement across dtypes.
 
 Providers: "transformers" (a), "transformers+prefix-cache" (b) (``baselines``),
