@@ -277,9 +277,17 @@ class PointwiseReranker(RerankerBase):
 
     @property
     def max_pinned_tokens(self) -> int:
-        """Shared-part tokens ``score_encodings`` pins at once: the prefix cache's budget, and at least
-        what the default budget holds (``acarerank.model.cached_prefill.default_budget_tokens``)."""
-        return max(self._cache_slot.budget_blocks * self.runner.block_size, default_budget_tokens(self.runner))
+        """Shared-part tokens pinned at once, by ``score_encodings``'s windows and by the server's
+        engine (``acarerank.server.service.pinned_tokens_bound``): the prefix cache's budget in
+        whole pages (``cache_budget_tokens``), at least 1 — under one page the requests go one at a
+        time, and a window always takes its first request, however long. A shared part that does
+        not fit the pool is computed in a private pool of its own, so a bound past the budget holds
+        KV past it: it was at least the default budget (65,536 tokens), and 16 shared parts of 3 k
+        tokens under ``cache_budget_tokens=4096`` were all pinned at once (docs/ARCHITECTURE.md,
+        "Step API"). With ``prefix_cache=False`` (no budget): what the default budget holds
+        (``acarerank.model.cached_prefill.default_budget_tokens``)."""
+        budget = self.cache_budget_tokens
+        return default_budget_tokens(self.runner) if budget is None else max(1, budget)
 
     # -- step API (docs/ARCHITECTURE.md, "Paged KV and the prefix cache") -----------------
     def encode(self, request: ScoreRequest, truncate: bool = True,

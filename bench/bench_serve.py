@@ -43,9 +43,9 @@ queue time (acarerank's ``x-queue-time``), the tokens the server says it process
 (``usage``: acarerank counts shared + segments once, vLLM and llama.cpp every full prompt),
 prefix-cache hit tokens, errors, max |Δ score|, ``acarerank_speedup`` (acarerank's tokens/s
 ÷ this target's, same load), acarerank's ``model_busy``, and ``gflop_per_s``: the FLOPs of
-scoring each request with its shared part computed once (``report.plan_flops``,
-"prefix_packed": the least work an exact server can do) ÷ wall time, with ``peak_fraction``
-= that ÷ the GEMM peak in ``--dtype`` at the model's layer shapes (``gemm_peak``, measured
+scoring each request with its shared part computed once (``report.least_work_flops``: the
+least work an exact server can do, what ``acarerank bench`` credits its peers with too) ÷ wall
+time, with ``peak_fraction`` = that ÷ the GEMM peak in ``--dtype`` at the model's layer shapes (``gemm_peak``, measured
 before and after the loads, each shape's faster kept). End to end nothing beats the GEMMs it
 is made of, so ``peak_fraction`` says how much faster any server could still be on this
 machine. Writes ``serve.csv``, ``serve.txt`` and ``serve.png`` into ``--out``. Checks the CPU
@@ -76,7 +76,7 @@ import torch
 from acarerank.benchmark.harness import max_abs_diff
 from acarerank.benchmark.measure import machine_info, percentile, timed_call
 from acarerank.benchmark.gemm_peak import best_of, gemm_peak
-from acarerank.benchmark.report import Shapes, plan_flops
+from acarerank.benchmark.report import Shapes, least_work_flops
 from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body, resolve
 from acarerank.benchmark.workload import MAX_DOCS, MAX_TEXT_TOKENS, WorkloadSpec, make_workload
 from acarerank.server.config import DEFAULT_MAX_QUEUE
@@ -98,7 +98,7 @@ class Req:
     body: dict
     session: int = -1          # agent workload: session index (calls of one session are sequential)
     workload_tokens: int = 0   # Σ over documents of the full prompt's tokens
-    flops: float = 0.0         # FLOPs of scoring it with the shared part computed once (report.plan_flops)
+    flops: float = 0.0         # FLOPs of scoring it with the shared part computed once (report.least_work_flops)
 
 
 @dataclass
@@ -186,7 +186,7 @@ def with_tokens(tok, reqs: list, shapes=None) -> list:
                                         r.body.get("trace"))
         r.workload_tokens = len(shared) * len(segs) + sum(len(s) for s in segs)
         if shapes is not None:
-            r.flops = plan_flops("prefix_packed", shapes, len(shared), [len(s) for s in segs], 1)
+            r.flops = least_work_flops(shapes, len(shared), [len(s) for s in segs])
     return reqs
 
 

@@ -136,15 +136,23 @@ def test_each_pass_attends_only_to_its_own_requests_prefixes(qwen3_tokenizer, mo
 def test_score_batch_pins_a_bounded_number_of_shared_tokens(qwen3_tokenizer, monkeypatch, prefix_cache):
     """Every prefix a score_batch acquires stays pinned until it is scored: a batch of many requests
     must not hold all of their KV at once. Its requests go in windows of at most max_pinned_tokens
-    shared tokens (here lowered to about two requests' worth), with the scores of separate calls."""
+    shared tokens (about two requests' worth here: the cache's budget, or with the cache off the
+    default budget, lowered), with the scores of separate calls. Under a budget the bound was at
+    least the default budget (65,536 tokens), so all 7 requests were pinned at once, past the pool."""
     import acarerank.pointwise as pointwise
 
-    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64),
-                           tokenizer=qwen3_tokenizer, prefix_cache=prefix_cache, cache_budget_tokens=64)
+    model = random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64)
     reqs = [ScoreRequest(f"query {i}", DOCS[:2], question=QUESTION, trace=TRACE) for i in range(7)]
-    shared = len(rr.encode(reqs[0]).shared_ids)
-    bound = 2 * shared + 5
-    monkeypatch.setattr(pointwise, "default_budget_tokens", lambda runner: bound, raising=False)
+    probe = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    shared = len(probe.encode(reqs[0]).shared_ids)
+    page = probe.runner.block_size
+    bound = (2 * shared + 5) // page * page    # whole pages: what a cache budget holds
+    assert shared <= bound < 3 * shared
+    if prefix_cache:
+        rr = PointwiseReranker(runner=probe.runner, tokenizer=qwen3_tokenizer, cache_budget_tokens=bound + page - 1)
+    else:
+        rr = probe
+        monkeypatch.setattr(pointwise, "default_budget_tokens", lambda runner: bound, raising=False)
     live, peak = set(), [0]
     acquire, release = rr.acquire_prefix, rr.release_prefix
 
@@ -161,10 +169,26 @@ def test_score_batch_pins_a_bounded_number_of_shared_tokens(qwen3_tokenizer, mon
     monkeypatch.setattr(rr, "acquire_prefix", acquire_spy)
     monkeypatch.setattr(rr, "release_prefix", release_spy)
     batched = rr.score_batch(reqs)
-    assert not live and peak[0] <= bound, f"{peak[0]} shared tokens pinned at once, bound {bound}"
+    assert not live and shared <= peak[0] <= bound, f"{peak[0]} shared tokens pinned at once, bound {bound}"
     assert rr.max_pinned_tokens == bound
     separate = [rr.score(r.query, r.documents, question=r.question, trace=r.trace) for r in reqs]
     assert max(abs(a - b) for x, y in zip(batched, separate) for a, b in zip(x, y)) <= 1e-6
+
+
+@pytest.mark.parametrize("budget, cache", [(None, True), (4096, True), (4100, True), (8, True), (0, True),
+                                           (4096, False)])
+def test_max_pinned_tokens_is_the_prefix_caches_budget(qwen3_tokenizer, budget, cache):
+    """score_encodings and the server's engine pin at most the same bound: the prefix cache's budget
+    in whole pages, at least 1 (under one page the windows take one request each); with the cache
+    off, the default budget. It was at least the default budget (65,536 tokens) offline."""
+    from acarerank.model.cached_prefill import default_budget_tokens
+    from acarerank.server.service import pinned_tokens_bound
+
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64),
+                           tokenizer=qwen3_tokenizer, prefix_cache=cache, cache_budget_tokens=budget)
+    page, default = rr.runner.block_size, default_budget_tokens(rr.runner)
+    want = default if not cache else max(1, (default if budget is None else budget) // page * page)
+    assert rr.max_pinned_tokens == want == pinned_tokens_bound(rr), (rr.max_pinned_tokens, want)
 
 
 def test_score_encodings_reports_cache_hits_and_equals_score_batch(qwen3_tokenizer):

@@ -13,19 +13,20 @@ included, as a serving stack pays it). Per (mode, depth, provider) the harness r
   for every provider, so tokens/s ratios equal latency ratios;
 * peak memory above the starting point of each call, the largest over its calls (``PeakMemory``);
 * the largest |score − score of the first provider| (the official path when it runs);
-* FLOPs each provider's algorithm performs for these shapes (``report.plan_flops``), the
-  FLOP rate they give (GFLOP/s = FLOPs / median) and that rate as a fraction of the
-  machine's GEMM peak in the run's dtype, measured in the same run at the model's linear
-  shapes (``gemm_peak``);
+* FLOPs each in-process provider's algorithm performs for these shapes (``report.plan_flops``),
+  a peer's the least work (``credited_flops``), the FLOP rate they give (GFLOP/s = FLOPs /
+  median) and that rate as a fraction of the machine's GEMM peak in the run's dtype, measured
+  in the same run at the model's linear shapes (``gemm_peak``);
 * every provider's scores per cell (``BenchResult.scores``), for rank agreement across dtypes.
 
 Providers: "transformers" (a), "transformers+prefix-cache" (b) (``baselines``),
 "acarerank-<backend>" — the public ``PointwiseReranker`` with that backend — and any peer
 server (``BenchConfig.peers``: vLLM, llama.cpp, TEI, another acarerank; ``peers.PeerProvider``)
 timed over HTTP. A peer gets the context folded into its query (``peers.fold_context``) and is
-compared with the first provider scoring that same folded prompt; its FLOPs are those of the
-full, unshared prompts (an acarerank peer's: the shared part once, as the in-process provider),
-and its memory is its server's (NaN here). An acarerank peer gets a
+compared with the first provider scoring that same folded prompt; it is credited with the least
+work (the shared part once, ``report.least_work_flops``), whatever server it is, as
+``bench/bench_serve.py`` credits every server; its tokens/s counts the full prompts' tokens, as
+every provider's; and its memory is its server's (NaN here). An acarerank peer gets a
 fresh ``cache_salt`` per call (no cross-call prefix-cache hits, as the in-process providers).
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .baselines import OfficialTransformers, PrefixCacheTransformers, split_prom
 from .gemm_peak import gemm_peak
 from .measure import PeakMemory, machine_info, percentile, sync, timed_call
 from .peers import PeerProvider, Target
-from .report import Shapes, plan_flops
+from .report import Shapes, least_work_flops, plan_flops
 from .workload import MAX_DOCS, MODES, Workload, WorkloadSpec, make_workload
 
 PROVIDERS = ("transformers", "transformers+prefix-cache", "acarerank")
@@ -407,6 +408,18 @@ def _reference_scores(providers: list, docs: list, ctx: dict, scores: dict) -> d
     return refs
 
 
+def credited_flops(p, shapes: Shapes, shared_len: int, seg_lens: list, cfg: BenchConfig) -> float:
+    """The FLOPs provider ``p``'s row is credited with (its ``gflop``, GFLOP/s and %peak): a peer
+    server's, the least work (``report.least_work_flops``, as ``bench/bench_serve.py`` credits
+    every server: what it computes is not seen from here); an in-process provider's, what its
+    algorithm computes (``report.plan_flops`` of its ``flop_plan``, padding included), which for
+    acarerank's is the least work."""
+    if isinstance(p, PeerProvider):
+        return least_work_flops(shapes, shared_len, seg_lens)
+    batch = cfg.batch_official if p.flop_plan == "full_padded" else cfg.batch_prefix_cache
+    return plan_flops(p.flop_plan, shapes, shared_len, seg_lens, batch)
+
+
 def _cell_rows(cfg: BenchConfig, su: _Setup, mode: str, depth: int, times: dict, scores: dict, peaks: dict,
                refs: dict, shared: list, seg_lens: list) -> list:
     """One row per provider of a (mode, depth) cell (keys: report.COLUMNS)."""
@@ -417,9 +430,7 @@ def _cell_rows(cfg: BenchConfig, su: _Setup, mode: str, depth: int, times: dict,
     for p in su.providers:
         ts = times[p.name]
         med = percentile(ts, 50)
-        batch = getattr(p, "flop_batch", None) or (cfg.batch_official if p.flop_plan == "full_padded"
-                                                   else cfg.batch_prefix_cache)
-        flops = plan_flops(p.flop_plan, su.shapes, len(shared), seg_lens, batch)
+        flops = credited_flops(p, su.shapes, len(shared), seg_lens, cfg)
         rows.append({
             "mode": mode, "depth": depth, "provider": p.name,
             "median_ms": med * 1e3, "p10_ms": percentile(ts, 10) * 1e3, "p90_ms": percentile(ts, 90) * 1e3,

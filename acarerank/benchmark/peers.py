@@ -170,14 +170,9 @@ class PeerProvider:
     the in-process ones, over HTTP (the HTTP round trip is part of what it costs).
 
     The context of M1–M3 is folded into the query (module docstring); ``folded(ctx)`` gives the
-    context an in-process reference must score to see the same prompt.
+    context an in-process reference must score to see the same prompt. Its row is credited with
+    the least work whatever the server (``harness.credited_flops``, ``report.least_work_flops``).
     """
-
-    # FLOPs credited to the peer (``report.plan_flops``): by default those of the full prompts one
-    # at a time (batch 1: no padding), what a server that shares nothing between a request's
-    # documents computes (vLLM's prefix cache may compute less); an acarerank server runs the
-    # shared part once per request, packed, as the in-process provider ("prefix_packed").
-    flop_plan, flop_batch = "full_padded", 1
 
     def __init__(self, target: Target, timeout: float = 600.0):
         import httpx
@@ -185,8 +180,6 @@ class PeerProvider:
         target, self.version = resolve(target)
         if target.api == "vllm" and target.model is None:
             target = Target(target.name, target.url, target.api, served_model(target.url))
-        if target.api == "acarerank":
-            self.flop_plan = "prefix_packed"
         self.target, self.name = target, target.name
         self._client = httpx.Client(base_url=target.url, timeout=timeout)
 

@@ -114,6 +114,20 @@ def plan_flop_parts(plan: str, sh: Shapes, shared_len: int, seg_lens: Sequence[i
     raise ValueError(f"unknown FLOP plan {plan!r}")
 
 
+def least_work_flops(sh: Shapes, shared_len: int, seg_lens: Sequence[int]) -> float:
+    """FLOPs of the least work an exact server does to score documents of segment lengths
+    ``seg_lens`` after a ``shared_len``-token shared part: the shared part once, every document
+    packed, unpadded, nothing cached (``packed_flop_parts``, acarerank's runner).
+
+    The work every server is credited with, whatever it computes (docs/benchmarks.md, "A
+    server's GFLOP/s"): ``acarerank bench``'s peers and ``bench/bench_serve.py``'s targets alike.
+    What a server computes is not seen from outside (vLLM's block cache may compute a shared
+    part once or not at all; another server pads or recomputes it per document), so GFLOP/s is
+    useful work ÷ wall time: the same numerator for every server, so GFLOP/s ratios are
+    throughput ratios, and a fraction of the GEMM peak that no server doing more work can beat."""
+    return sum(packed_flop_parts(sh, shared_len, seg_lens).values())
+
+
 def packed_flop_parts(sh: Shapes, shared_len: int, seg_lens: Sequence[int], cached: int = 0) -> dict:
     """{"linear", "attn", "head"} FLOPs of acarerank's runner when ``cached`` of the
     ``shared_len`` shared tokens are already in its KV cache (a prefix-cache hit; 0: none).

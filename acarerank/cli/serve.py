@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
 import sys
 import time
 
 from ..server.config import ServeConfig, check_api_key
+from ..server.listen import listen_sockets
 
 #: what ``acarerank serve`` needs beyond the base install (the ``serve`` extra)
 SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "msgspec")
@@ -53,38 +53,13 @@ def missing_serve_modules() -> list:
 
 
 def check_listen(host: str, port: int) -> None:
-    """Bind ``host``:``port`` as uvicorn will (asyncio's ``create_server``: every address
-    ``getaddrinfo`` gives, SO_REUSEADDR, IPv6-only sockets) and let go, before the model loads.
-    An unknown host, a port in use or one this user may not bind failed after the whole load, in
-    uvicorn's words and its exit status 3. An empty host is refused: asyncio reads it as every
-    interface, so ``--host "$UNSET"`` served the network."""
-    if not host.strip():
-        raise ValueError("--host is empty, which would listen on every interface: give 0.0.0.0 (or ::) for that, "
-                         "127.0.0.1 for this machine only")
-    try:
-        infos = set(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
-    except (socket.gaierror, UnicodeError) as e:  # UnicodeError: a label IDNA cannot encode
-        raise ValueError(f"--host {host!r} is not an address or a name this machine resolves "
-                         f"({getattr(e, 'strerror', None) or e})") from None
-    held = []
-    try:
-        for family, kind, proto, _, address in infos:
-            try:
-                sock = socket.socket(family, kind, proto)
-            except OSError:  # a family this machine lacks: asyncio skips it too
-                continue
-            held.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as e:
-                raise OSError(f"--host {host} --port {port}: cannot listen on {address[0]} port {address[1]}: "
-                              f"{(e.strerror or str(e)).lower()}") from None
-    finally:
-        for sock in held:
-            sock.close()
+    """Bind ``host``:``port`` as uvicorn will and let go, before the model loads
+    (``acarerank.server.listen.listen_sockets``: ValueError, OSError naming the flags). An unknown
+    host, a port in use or one this user may not bind failed after the whole load, in uvicorn's
+    words and its exit status 3. ``run_server`` binds it again after the load, refusing a port
+    taken in between in the same words."""
+    for sock in listen_sockets(host, port):
+        sock.close()
 
 
 def _token_wait(seconds) -> str:

@@ -31,6 +31,7 @@ import threading
 import time
 
 from .config import MAX_HEAD_BYTES, ServeConfig
+from .listen import listen_sockets
 from .protocol import LOG_EVERY_S, http_protocol_with_limits, uvicorn_http_protocol
 
 log = logging.getLogger("acarerank.server")
@@ -131,6 +132,13 @@ class DrainingServer:
                 self.loop = asyncio.get_running_loop()
                 await super().serve(sockets)
 
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                for sock in sockets or ():  # uvicorn names only the addresses it bound itself
+                    host, port = sock.getsockname()[:2]
+                    log.info("listening on http://%s:%d (Press CTRL+C to quit)",
+                             f"[{host}]" if ":" in host else host, port)
+
             def handle_exit(self, sig, frame):
                 if sig == signal.SIGTERM and not state.draining:
                     state.draining = True
@@ -156,7 +164,8 @@ class DrainingServer:
 
 def run_server(service, config: ServeConfig, api_key=None) -> int:
     """Serve ``service`` (started) over HTTP until SIGTERM/SIGINT or its death, then stop it,
-    bounded in time. Returns the process's exit status: 0, or ``EXIT_ENGINE_DEAD``."""
+    bounded in time. Returns the process's exit status: 0, or ``EXIT_ENGINE_DEAD``. Raises
+    ``listen_sockets``' OSError (the service stopped) when ``config``'s address cannot be bound."""
     from .app import create_app
     from .gate import GateState
 
@@ -175,7 +184,10 @@ def run_server(service, config: ServeConfig, api_key=None) -> int:
     if service.dead is not None:  # died before the callback was in place
         on_dead(service.dead)
     try:
-        server.run()
+        # bound here, not by uvicorn: a port taken since acarerank serve's check (during the
+        # model's load) is an OSError naming it, one line and exit 2 as that check's, where
+        # uvicorn logged its own error over several lines and exited 3 (docs/serving.md)
+        server.run(sockets=listen_sockets(config.host, config.port, backlog=server.config.backlog))
     finally:
         app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
         _stop_bounded(service, SHUTDOWN_GRACE_S + 1.0)

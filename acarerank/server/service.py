@@ -142,18 +142,11 @@ def _check_vllm_options(req) -> Optional[str]:
 
 def pinned_tokens_bound(reranker) -> Optional[int]:
     """Shared-part tokens the engine's running requests may pin together (``Engine``'s
-    ``max_running_tokens``): the prefix cache's budget (``--cache-budget``, whole pages), the
-    memory the operator sized — at least 1, so under a budget below one page the requests run one
-    at a time (the first in line always runs, however long). A shared part that does not fit the
-    pool is computed in a private pool of its own, so a bound past the budget (the reranker's
-    ``max_pinned_tokens``, at least the default budget of 65,536 tokens) let 16 contexts of 3 k
-    tokens run at once under ``--cache-budget 4096``, 49 k tokens of KV (docs/serving.md, "Engine"). With
-    the cache off (``prefix_cache=False``, no budget): ``max_pinned_tokens``; None for a reranker
-    with neither (a test double): only the count bounds them."""
-    budget = getattr(reranker, "cache_budget_tokens", None)
-    if budget is None:
-        return getattr(reranker, "max_pinned_tokens", None)
-    return max(1, budget)
+    ``max_running_tokens``): the reranker's ``max_pinned_tokens``, the rule ``score_encodings``
+    follows offline — the prefix cache's budget (``--cache-budget``, whole pages, at least 1), the
+    default budget with the cache off (docs/serving.md, "Engine"); None for a reranker without one
+    (a test double): only the count bounds them."""
+    return getattr(reranker, "max_pinned_tokens", None)
 
 
 def score_groups(queries: list) -> dict:

@@ -16,20 +16,46 @@ SH = report.Shapes(hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, hea
 P, SEGS = 5, [3, 2]  # shared tokens, segment lengths
 
 
-def test_an_acarerank_peer_is_credited_with_its_shared_part_once(monkeypatch):
-    # acarerank serve runs the shared part once per request, packed, as the in-process runner:
+def test_least_work_flops_against_a_hand_count():
+    # the shared part once, both documents packed (acarerank's runner):
     #   linear: layer 1 on all 10 tokens 11,520 + last layer's q/k/v on 10 2,560 + its o+MLP on
     #           the 2 scored rows 1,792 = 15,872
     #   attn:   prefix 5·6/2 = 15 pairs in layer 1 only (480); segments 3·5 + 6 = 21 and
     #           2·5 + 3 = 13 pairs in both layers (34·2·32 = 2,176)
     #   head:   [no, yes] rows 2·8·2 per document, 64
-    # a server sharing nothing (llama.cpp): the two full prompts (8 and 7 tokens) alone:
-    #   linear 15·2·1,152 = 34,560; attn (36 + 28)·2·32 = 4,096; head 2·8·50·2 = 1,600
+    assert report.least_work_flops(SH, P, SEGS) == 15_872 + 480 + 2_176 + 64
+    # no documents: the prefix pass alone, layer 1's linears on 5 tokens, the last layer's q/k/v, 15 pairs
+    assert report.least_work_flops(SH, P, []) == 5 * 1_152 + 5 * 256 + 480
+
+
+@pytest.mark.parametrize("api", ["acarerank", "vllm", "llama.cpp", "tei"])
+def test_every_peer_is_credited_with_the_least_work(monkeypatch, api):
+    """acarerank bench credits a peer server with the least work, as bench/bench_serve.py credits
+    every server (docs/benchmarks.md): a vLLM, llama.cpp or TEI peer was credited with its full
+    prompts one at a time, 34,560 + 4,096 + 1,600 FLOPs here (the two 8- and 7-token prompts
+    through both layers, and the full-vocabulary head), so its GFLOP/s read 2.2x an acarerank
+    server's at the same latency."""
+    from acarerank.benchmark.harness import BenchConfig, credited_flops
+
     monkeypatch.setattr(peers, "resolve", lambda t: (t, ""))
-    expected = {"acarerank": 15_872 + 480 + 2_176 + 64, "llama.cpp": 34_560 + 4_096 + 1_600}
-    for api, flops in expected.items():
-        p = peers.PeerProvider(Target("p", "http://x", api))
-        assert report.plan_flops(p.flop_plan, SH, P, SEGS, p.flop_batch) == flops, api
+    monkeypatch.setattr(peers, "served_model", lambda url: "m")
+    p = peers.PeerProvider(Target("p", "http://x", api))
+    assert credited_flops(p, SH, P, SEGS, BenchConfig()) == report.least_work_flops(SH, P, SEGS) == 18_592
+
+
+def test_bench_serve_credits_a_request_with_the_least_work(qwen3_tokenizer, monkeypatch):
+    """bench_serve's per-request FLOPs are the same function's, on the request's own split."""
+    import _repo
+    from acarerank.benchmark.baselines import split_prompt_ids
+
+    monkeypatch.syspath_prepend(str(_repo.ROOT / "bench"))
+    import bench_serve
+
+    body = dict(query="what is a reranker", documents=["one short document", "a second one"],
+                question="why", trace="an earlier step")
+    (req,) = bench_serve.with_tokens(qwen3_tokenizer, [bench_serve.Req(body)], SH)
+    shared, segs = split_prompt_ids(qwen3_tokenizer, body["query"], body["documents"], body["question"], body["trace"])
+    assert req.flops == report.least_work_flops(SH, len(shared), [len(s) for s in segs]) > 0
 
 
 def test_agent_call_flops_follow_what_each_provider_computes():

@@ -58,6 +58,37 @@ def test_a_port_in_use_is_refused_before_loading(capsys, no_load, busy_port):
                                f"127.0.0.1 port {busy_port}: address already in use"], (rc, err)
 
 
+def test_a_port_taken_while_the_model_loads_is_refused_as_before_it(capsys, monkeypatch):
+    """The check before the load passes, then another process takes the port while the model
+    loads: uvicorn bound it itself, logged its error over several lines and exited 3 (a SystemExit
+    out of main). Now the server binds it: the check's one line, exit 2, the service stopped."""
+    import threading
+
+    import acarerank.server.build as build
+    from acarerank.server.launch import free_port
+
+    real, port, built = build.build_service, free_port(), []
+    taker = socket.socket()
+
+    def build_then_take(config):
+        built.append(real(config))
+        taker.bind(("127.0.0.1", port))
+        taker.listen()
+        return built[-1]
+
+    monkeypatch.setattr(build, "build_service", build_then_take)
+    monkeypatch.delenv("ACARERANK_API_KEY", raising=False)
+    try:
+        rc, err = serve(capsys, ["--port", str(port), "--dtype", "float32", "--log-level", "warning"])
+    finally:
+        taker.close()
+    assert built and rc == 2 and len(err) == 2 and err[0].startswith("acarerank serve: model "), (rc, err)
+    assert err[1] == (f"acarerank serve: error: --host 127.0.0.1 --port {port}: cannot listen on 127.0.0.1 port "
+                      f"{port}: address already in use"), err
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    assert not left, f"the service was not stopped: {left}"
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_a_free_address_reaches_the_model(capsys, no_load, host):
     with pytest.raises(ModelLoaded):
