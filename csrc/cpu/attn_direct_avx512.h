@@ -43,7 +43,11 @@ ACR_AVX512_BF16 inline __mmask16 tail_mask(int64_t left) {
 // block_size keys), where the hardware prefetcher loses the stream. Into L2 (prefetcht1), not L1:
 // a step's V rows are up to kDirectKeys × 2 KB (all heads of a 4B slot row), several times L1, so
 // prefetcht0 evicted its own lines before they were read (one group over 1,600 keys: 25-35 %
-// faster into L2; EPYC Zen 4, 2 threads, docs/cpu.md "Decode-like blocks").
+// faster into L2; EPYC Zen 4, 2 threads, docs/cpu.md "Decode-like blocks"). A whole step ahead,
+// head by head beside the step's own work: fetched 16 keys ahead (K) or just before the softmax
+// (V), the rows came a few hundred cycles before their loads, which stalled on them (perf: the P·V
+// loads of V were the kernel's hottest instructions), and a burst of a step's V rows stalled on
+// the prefetches themselves.
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
 }
@@ -207,8 +211,11 @@ ACR_AVX512_BF16 void direct_keys(const float* q, const T* qt, int64_t nh, int64_
   const T* kr[kDirectKeys];  // this step's key rows (head 0 of the task)
   const T* vr[kDirectKeys];
   const T* hr[kDirectKeys];  // one head's rows
+  const T* fk[kDirectKeys];  // the next step's key rows (head 0 of the task), fetched ahead
+  const T* fv[kDirectKeys];
   const int64_t kspan = ((nh - 1) * kstride + d) * static_cast<int64_t>(sizeof(T));  // bytes of a key's rows
   const int64_t vspan = ((nh - 1) * vstride + d) * static_cast<int64_t>(sizeof(T));
+  const int64_t hbytes = d * static_cast<int64_t>(sizeof(T));
   auto dots = d == 128 ? dots16<8, T> : d == 64 ? dots16<4, T> : dots16<0, T>;
   // bf16 rows of d 64 / 128 (Qwen3's): q and K as bf16 pairs (qt), q as fp32 (q) not used
   constexpr bool bf16 = std::is_same_v<T, BFloat16>;
@@ -224,14 +231,24 @@ ACR_AVX512_BF16 void direct_keys(const float* q, const T* qt, int64_t nh, int64_
       kr[j] = static_cast<const T*>(krow(j0 + j));
       vr[j] = static_cast<const T*>(vrow(j0 + j));
     }
+    // K/V rows one step ahead (kDirectKeys keys), fetched head by head inside this step's work
+    // (docs/cpu.md "Decode-like blocks"): the first step's rows at once, then step j0 + 1's K rows
+    // beside step j0's scores and its V rows beside step j0's P·V
     if (j0 == 0)
-      for (int64_t j = 0; j < std::min<int64_t>(widest, 16); ++j) prefetch_row(kr[j], kspan);
-    // S = Q·Kᵀ, 16 keys at a time (the next 16 fetched meanwhile); scores of keys a row cannot see
-    // are computed and never read
+      for (int64_t j = 0; j < std::min(nkeys, kDirectKeys); ++j) {
+        prefetch_row(krow(j), kspan);
+        prefetch_row(vrow(j), vspan);
+      }
+    const int64_t nf = std::clamp<int64_t>(nkeys - j0 - kDirectKeys, 0, kDirectKeys);  // keys of the next step
+    for (int64_t j = 0; j < nf; ++j) {
+      fk[j] = static_cast<const T*>(krow(j0 + kDirectKeys + j));
+      fv[j] = static_cast<const T*>(vrow(j0 + kDirectKeys + j));
+    }
+    // S = Q·Kᵀ, 16 keys at a time; scores of keys a row cannot see are computed and never read
     for (int64_t jb = 0; jb < widest; jb += 16) {
       const int64_t nk = std::min<int64_t>(16, widest - jb);
-      for (int64_t j = jb + 16; j < std::min(widest, jb + 32); ++j) prefetch_row(kr[j], kspan);
       for (int64_t hh = 0; hh < nh; ++hh) {
+        for (int64_t j = jb; j < std::min(nf, jb + 16); ++j) prefetch_row(fk[j] + hh * kstride, hbytes);
         for (int64_t jj = 0; jj < nk; ++jj) hr[jj] = kr[jb + jj] + hh * kstride;
         for (int64_t i = 0; i < M; ++i) {
           float* si = s + (hh * M + i) * kDirectKeys + jb;
@@ -246,7 +263,6 @@ ACR_AVX512_BF16 void direct_keys(const float* q, const T* qt, int64_t nh, int64_
         }
       }
     }
-    for (int64_t j = 0; j < widest; ++j) prefetch_row(vr[j], vspan);  // arriving during the softmax
     for (int64_t hh = 0; hh < nh; ++hh)
       for (int64_t i = 0; i < M; ++i) {
         const int64_t row = hh * hrows + i;
@@ -255,6 +271,7 @@ ACR_AVX512_BF16 void direct_keys(const float* q, const T* qt, int64_t nh, int64_
       }
     // acc += P·V, four rows at a time
     for (int64_t hh = 0; hh < nh; ++hh) {
+      for (int64_t j = 0; j < nf; ++j) prefetch_row(fv[j] + hh * vstride, hbytes);
       for (int64_t j = 0; j < widest; ++j) hr[j] = vr[j] + hh * vstride;
       for (int64_t i = 0; i < M; i += 4) {
         const float* p = s + (hh * M + i) * kDirectKeys;
@@ -267,8 +284,6 @@ ACR_AVX512_BF16 void direct_keys(const float* q, const T* qt, int64_t nh, int64_
         }
       }
     }
-    for (int64_t j = j0 + kDirectKeys; j < std::min(nkeys, j0 + kDirectKeys + 16); ++j)  // the next step's first keys
-      prefetch_row(krow(j), kspan);
   }
 }
 #endif

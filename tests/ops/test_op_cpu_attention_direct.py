@@ -66,6 +66,13 @@ DECODE = [
     ("long-prefix-one-group", [1], [2100], [0], 16, 8, 128),
     ("long-prefixes-at-edges", [1, 2, 1, 1], [512, 513, 1024, 1537], [0, 1, 2, 3], 32, 8, 128),
     ("long-prefix-d64-two-tokens", [2], [1300], [0], 8, 2, 64),
+    # K/V rows are fetched one 64-key step ahead: prefixes either side of the step edges and of one
+    # page, prime lengths, GQA 1 / 2 / 4 / 8 at d 64 and 128 (the next step's rows exist only up to
+    # the prefix's end)
+    ("gqa1-d64-step-edges", [1] * 7, [16, 63, 64, 65, 127, 128, 129], list(range(7)), 8, 8, 64),
+    ("gqa2-d64-primes", [1] * 4, [61, 191, 67, 1021], list(range(4)), 4, 2, 64),
+    ("gqa4-d128-primes", [1] * 5, [16, 61, 131, 257, 1031], list(range(5)), 32, 8, 128),
+    ("gqa8-d64-one-page-and-long", [1, 1, 2], [16, 1, 1601], [0, 1, 2], 64, 8, 64),
 ]
 decode_rule = []
 for name, *case in DECODE:
