@@ -157,6 +157,46 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     assert not bad, f"scores differ from alone, no cache ({want.tolist()}): {bad}"
 
 
+def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_model, qwen3_tokenizer):
+    """ChunkedPrefill (a scheduler's prefill, setwise's) in batch-invariant mode: steps of 7 tokens
+    over a prefix whose first 3 pages are cached write every page bitwise as one prefill of the
+    whole prefix does — the hit is cut to Qwen3Runner.prefix_align tokens and every step that does
+    not finish computes a multiple of it. Without that, each step's pass started where the last
+    ended and the pages came out in other bits."""
+    from acarerank.model.cached_prefill import CacheSlot, ChunkedPrefill
+
+    rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="triton", batch_invariant=True)
+    runner, bs = rr.runner, rr.runner.block_size
+    align = runner.prefix_align
+    assert align % bs == 0 and align % (3 * bs) != 0, align  # a 3-page hit is not aligned
+    prefix = list(range(1000, 1000 + 2 * align + 19))
+    slot = CacheSlot(runner, True, 4 * len(prefix))
+    first = ChunkedPrefill(runner, slot, prefix[:3 * bs] + [7] * bs)  # caches the first 3 pages
+    first.step(len(prefix))
+    first.cache.free()
+
+    def rows(cache, n):  # every layer's K and V of the group's first n tokens
+        out = []
+        for layer in range(runner.arch.num_layers):
+            for pages in cache.pages(layer):
+                out.append(torch.cat([pages[b] for b in cache.block_tables[0]])[:n])
+        return out
+
+    whole = runner.prefill([prefix])
+    chunked = ChunkedPrefill(runner, slot, prefix)
+    steps = []
+    while not chunked.done:
+        steps.append(chunked.step(7))
+    try:
+        bad = [i for i, (a, b) in enumerate(zip(rows(chunked.cache, len(prefix)), rows(whole, len(prefix))))
+               if not torch.equal(a, b)]
+        assert not bad, f"layer K/V {bad} differ from one prefill's (steps {steps}, hit {chunked.hit})"
+        assert chunked.hit == 2 * bs and all(n % align == 0 for n in steps[:-1]), (chunked.hit, steps)
+    finally:
+        chunked.cache.free()
+        whole.free()
+
+
 # ---------------------------------------------------------------- backend preference end to end
 def test_one_preference_name_or_a_mapping_per_op(tiny_model, qwen3_tokenizer):
     """backend="cpp" (on a GPU: "cuda"): the head runs its csrc kernel, attention (no such backend)

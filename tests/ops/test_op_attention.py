@@ -230,9 +230,9 @@ def test_triton_token_output_same_wherever_an_aligned_prefix_ends(Hq, Hkv, d):
     whole = split_at(0)
     for P in (Q, 2 * Q, 3 * Q):
         diff = split_at(P) != whole[P:]
-        assert not diff.any(), (f"prefix of {P} (aligned to {Q}): tokens {sorted(set(diff.nonzero()[:, 0].tolist()))[:8]}"
-                                f" after it differ from the one-segment pass")
-    assert any((split_at(P) != whole[P:]).any() for P in (1, Q // 2 + 3)), "unaligned prefixes were expected to move bits"
+        tokens = sorted(set(diff.nonzero()[:, 0].tolist()))[:8]
+        assert not diff.any(), f"prefix of {P} (aligned to {Q}): tokens {tokens} after it differ from one pass"
+    assert any((split_at(P) != whole[P:]).any() for P in (1, Q // 2 + 3)), "an unaligned prefix moved no bits"
 
 
 def test_work_list_covers_every_row_once_heaviest_first():
