@@ -132,8 +132,12 @@ class PointwiseReranker(RerankerBase):
         {"attention": "triton", "yes_no": "cuda"}; None = ACARERANK_BACKEND, else device defaults.
         A backend asked for that cannot run is a BackendError (``acarerank.ops.backend_for``).
       template: the ACARe context template (``acarerank.prompts.ContextTemplate``).
-      batch_invariant: bitwise-identical scores for a document whatever the batch around it
-        (fixed-tile GEMMs in the runner; needs a batch-invariant attention backend: "triton").
+      batch_invariant: bitwise-identical scores for a document whatever the batch around it —
+        the other requests and documents of its passes, ``score_encodings``' windows, what the
+        prefix cache held, the prefill's chunks (fixed-tile GEMMs in the runner; prefill passes
+        that start at multiples of ``runner.prefix_align`` tokens, a cache hit cut down to one).
+        Needs the batch-invariant attention backend, "triton"; with another ("native", the CPU
+        default, or "torch") only the GEMMs are fixed-tile and a score may differ in its last bits.
       min_doc_tokens: document tokens the shared part always leaves room for when the
         context has to be truncated (the trace is cut oldest-first to keep them free); None:
         512, at most ``max_length // 2`` (``acarerank.prompts.default_min_doc_tokens``).

@@ -99,6 +99,104 @@ def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer)
     assert reversed_[::-1] == full, f"reversed order {reversed_[::-1]} vs {full}"
 
 
+# attention backends that claim batch_invariant=True on this device (PointwiseReranker's docstring)
+INVARIANT_BACKENDS = ["triton"]
+
+
+@pytest.mark.parametrize("backend", INVARIANT_BACKENDS)
+def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_model, qwen3_tokenizer, backend):
+    """batch_invariant=True: a document's score is bitwise the same alone with no cache and in every
+    other composition score_encodings and the step API make — other groups in its packed pass,
+    windows of a small cache budget (evictions), a hit of the whole shared part, a hit of the
+    system prompt's pages only, a prefill asked for in chunks of 37 tokens.
+
+    The attention tiles a token's keys from the start of its pass's prefix and of its own rows, and
+    its rows into blocks from its first: a hit of 3 pages (48 tokens) or a chunk of 37 moved the
+    tile boundaries (and, under the interpreter's GEMM, a row's place in its block), up to 3e-7
+    apart in fp32. Hits and chunks are now cut to Qwen3Runner.prefix_align tokens in this mode.
+    """
+    from acarerank import ScoreRequest
+
+    def make(**kw):
+        return PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend=backend, batch_invariant=True,
+                                 **kw)
+
+    target = ScoreRequest(QUERY, DOCS[:3], question=QUESTION, trace=TRACE)
+    same_context = ScoreRequest("another sub-query on the same context", DOCS[3:], question=QUESTION, trace=TRACE)
+    other_context = ScoreRequest("unrelated", DOCS[3:], question="Something else entirely?")
+    rr = make(prefix_cache=False)
+    enc, same, other = (rr.encode(r) for r in (target, same_context, other_context))
+    want = torch.tensor(rr.score_encodings([enc])[0][0], dtype=torch.float64)
+
+    got = {}
+    cached = make()
+    scores, hits = cached.score_encodings([same, enc, other])  # one pass of three groups; a partial hit
+    got[f"in a batch (hit {hits[1]})"] = scores[1]
+    scores, hits = cached.score_encodings([enc])
+    got[f"whole shared part cached (hit {hits[0]})"] = scores[0]
+    small = make(cache_budget_tokens=2 * len(enc.shared_ids))  # windows of one or two requests, evictions
+    scores, hits = small.score_encodings([other, enc, same, enc])
+    got[f"small budget, windows (hits {hits[1]}, {hits[3]})"] = scores[1]
+    got["small budget, second time"] = scores[3]
+    sys_only = make()
+    sys_only.score_encodings([other])
+    scores, hits = sys_only.score_encodings([enc])
+    assert 0 < hits[0] < len(enc.shared_ids) // 2, hits  # the system prompt's pages only
+    got[f"system prefix cached (hit {hits[0]})"] = scores[0]
+    step = make(prefix_cache=False)
+    h, h2 = step.acquire_prefix(enc, chunk_tokens=37), step.acquire_prefix(same, chunk_tokens=51)
+    try:
+        flat = step.score_segments([(h2, ids) for ids in same.segment_ids] + [(h, ids) for ids in enc.segment_ids])
+    finally:
+        step.release_prefix(h)
+        step.release_prefix(h2)
+    got["prefill in chunks of 37"] = flat[len(same.segment_ids):]
+
+    bad = {name: [f"{a - b:.2e}" for a, b in zip(v, want.tolist())] for name, v in got.items()
+           if not torch.equal(torch.tensor(v, dtype=torch.float64), want)}
+    assert not bad, f"scores differ from alone, no cache ({want.tolist()}): {bad}"
+
+
+def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_model, qwen3_tokenizer):
+    """ChunkedPrefill (a scheduler's prefill, setwise's) in batch-invariant mode: steps of 7 tokens
+    over a prefix whose first 3 pages are cached write every page bitwise as one prefill of the
+    whole prefix does — the hit is cut to Qwen3Runner.prefix_align tokens and every step that does
+    not finish computes a multiple of it. Without that, each step's pass started where the last
+    ended and the pages came out in other bits."""
+    from acarerank.model.cached_prefill import CacheSlot, ChunkedPrefill
+
+    rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="triton", batch_invariant=True)
+    runner, bs = rr.runner, rr.runner.block_size
+    align = runner.prefix_align
+    assert align % bs == 0 and align % (3 * bs) != 0, align  # a 3-page hit is not aligned
+    prefix = list(range(1000, 1000 + 2 * align + 19))
+    slot = CacheSlot(runner, True, 4 * len(prefix))
+    first = ChunkedPrefill(runner, slot, prefix[:3 * bs] + [7] * bs)  # caches the first 3 pages
+    first.step(len(prefix))
+    first.cache.free()
+
+    def rows(cache, n):  # every layer's K and V of the group's first n tokens
+        out = []
+        for layer in range(runner.arch.num_layers):
+            for pages in cache.pages(layer):
+                out.append(torch.cat([pages[b] for b in cache.block_tables[0]])[:n])
+        return out
+
+    whole = runner.prefill([prefix])
+    chunked = ChunkedPrefill(runner, slot, prefix)
+    steps = []
+    while not chunked.done:
+        steps.append(chunked.step(7))
+    try:
+        bad = [i for i, (a, b) in enumerate(zip(rows(chunked.cache, len(prefix)), rows(whole, len(prefix))))
+               if not torch.equal(a, b)]
+        assert not bad, f"layer K/V {bad} differ from one prefill's (steps {steps}, hit {chunked.hit})"
+        assert chunked.hit == 2 * bs and all(n % align == 0 for n in steps[:-1]), (chunked.hit, steps)
+    finally:
+        chunked.cache.free()
+        whole.free()
+
+
 # ---------------------------------------------------------------- backend preference end to end
 def test_one_preference_name_or_a_mapping_per_op(tiny_model, qwen3_tokenizer):
     """backend="cpp" (on a GPU: "cuda"): the head runs its csrc kernel, attention (no such backend)

@@ -25,7 +25,8 @@ BLOCK_N) that depends only on its own segment and group; the config is a fixed f
 (head_dim, GQA ratio, dtype, GPU architecture) — ``attention_config``, no timing-based
 autotune, so every process picks the same one and the first call does not stall; no
 atomics. So a segment's output is bitwise the same whatever else is in the batch and in what
-order (tests/ops/test_op_attention.py).
+order (tests/ops/test_op_attention.py). Where its prefix ends does move the tiles:
+``aligned_prefix_tokens`` says at which prefix lengths it does not.
 
 Interpreter note (triton 3.9): the interpreter stores bfloat16 as uint16 and its ``tl.dot``
 multiplies the raw bit patterns (triton-lang/triton#11584; bf16 is documented as unsupported
@@ -36,6 +37,7 @@ are still rounded to bf16 before P·V, as on the GPU.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -314,6 +316,24 @@ def attention_config(head_dim: int, gqa: int, dtype: torch.dtype, device: torch.
     return _TABLE.get(config_key(head_dim, gqa, dtype, arch)) or _rule_config(head_dim, dtype, arch)
 
 
+def aligned_prefix_tokens(head_dim: int, gqa: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Q: a token's output is bitwise the same whether the prefix before its segment ends at any
+    multiple of Q tokens — a prefix-cache hit of k·Q tokens, an earlier prefill chunk, or none
+    (the whole sequence one segment).
+
+    The kernel tiles a row's keys from the start of its prefix and from the start of its own
+    rows, and cuts a segment's rows into blocks from its first row (row = token·gqa + head). So
+    where the prefix ends moves the tile boundaries (another online-softmax order) and a row's
+    place in its block (where a dot rounds a row by its place: the interpreter's numpy GEMM
+    does). With P a multiple of BLOCK_N and P·gqa of BLOCK_M, neither moves: Q = lcm(BLOCK_N,
+    BLOCK_M / gcd(BLOCK_M, gqa)) at this config (32 under the interpreter; 64 at the sm90
+    bf16 d128 GQA-2/4 rule config). The runner's batch-invariant mode starts every prefill pass
+    at a multiple of it (``Qwen3Runner.prefix_align``).
+    """
+    block_m, block_n = attention_config(head_dim, gqa, dtype, torch.device(device))[:2]
+    return math.lcm(block_n, block_m // math.gcd(block_m, gqa))
+
+
 def _work_list(cu_seqlens: torch.Tensor, cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
                total_tokens: int, gqa: int, block_m: int) -> torch.Tensor:
     """int32 [W, 2] on the metadata's device: (segment, first row) of every block, heaviest first.
@@ -471,4 +491,4 @@ def flops(cu_seqlens, cu_prefix_lens, segment_group, num_heads: int, head_dim: i
 
 
 __all__ = ["prefix_shared_attention_triton", "prefix_shared_attention_paged_triton", "plan_work", "attention_config",
-           "candidate_configs", "fits", "flops"]
+           "aligned_prefix_tokens", "candidate_configs", "fits", "flops"]

@@ -105,6 +105,19 @@ class CacheSlot:
         }
 
 
+def _aligned_match(runner, pc: PrefixCache, salt, ids: Sequence[int]) -> list:
+    """``pc.match`` (pinned blocks of the longest cached prefix, hits not counted) cut down to a
+    multiple of ``runner.prefix_align`` tokens (batch-invariant mode; whole pages, so a cut of
+    whole blocks): the pages past it are given back and computed again, in the same tiles as a
+    prefill of the whole prefix, hence to the same bits (``Qwen3Runner.prefix_align``)."""
+    matched = pc.match(salt, ids, count_hits=False)
+    keep = len(matched) - len(matched) % max(1, runner.prefix_align // pc.block_size)  # align 1: all
+    if keep < len(matched):
+        pc.pool.decref(matched[keep:])
+        del matched[keep:]
+    return matched
+
+
 def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
                    salt: Optional[Hashable] = None, chunk_tokens: Optional[int] = None,
                    reserve_tokens: int = 1) -> tuple:
@@ -131,7 +144,7 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
             for ids in prefixes:
                 # hits are counted once they are served: on PoolExhausted below they are computed
                 # again, and a counter a scraper read mid-prefill must not go back down
-                matched = pc.match(salt, ids, count_hits=False)
+                matched = _aligned_match(runner, pc, salt, ids)
                 try:
                     cache.add_group(matched, len(matched) * pc.block_size)
                 finally:
@@ -181,7 +194,7 @@ class ChunkedPrefill:
         self.hit = 0
         if self.pc is not None:
             self.cache = PagedKVCache(self.pc.pool, allocate=self.pc.allocate)
-            matched = self.pc.match(salt, self.prefix, count_hits=False)  # counted when done (_complete)
+            matched = _aligned_match(runner, self.pc, salt, self.prefix)  # hits counted when done (_complete)
             try:
                 self.cache.add_group(matched, len(matched) * self.pc.block_size)
             finally:
@@ -207,10 +220,15 @@ class ChunkedPrefill:
         return self.pos >= len(self.prefix)
 
     def step(self, max_tokens: int) -> int:
-        """Compute up to ``max_tokens`` (>= 1) more prefix tokens; returns how many were computed."""
+        """Compute up to ``max_tokens`` (>= 1) more prefix tokens; returns how many were computed.
+        In batch-invariant mode a step that does not finish the prefix computes a multiple of
+        ``runner.prefix_align`` tokens: at least that many, whatever ``max_tokens`` says."""
         if self.done:
             return 0
         n = min(max(1, max_tokens), len(self.prefix) - self.pos)
+        align = self.runner.prefix_align  # batch-invariant mode: passes start at its multiples
+        if n < len(self.prefix) - self.pos:
+            n = min(max(align, n - n % align), len(self.prefix) - self.pos)
         try:
             self.runner.extend(self.cache, [0], [self.prefix[self.pos:self.pos + n]])
         except PoolExhausted:

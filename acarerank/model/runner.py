@@ -24,6 +24,7 @@ of the plan (see ``acarerank.ops.attention`` and ``acarerank.ops.paged_attention
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Iterator, Optional, Sequence
 
@@ -164,8 +165,11 @@ class Qwen3Runner:
             None = ACARERANK_BACKEND / device default.
           prefill_chunk: tokens per group per prefill pass.
           batch_invariant: run every GEMM on fixed tiles of ``INVARIANT_ROWS`` rows, so a
-            segment's output is bitwise independent of the other segments in its batch (with a
-            batch-invariant attention backend: "triton"). Costs some speed; off by default.
+            segment's output is bitwise independent of the other segments in its batch, and start
+            every prefill pass at a multiple of ``prefix_align`` tokens, so it is independent of
+            what the prefix cache held too (with a batch-invariant attention backend: "triton").
+            Costs some speed (and up to ``prefix_align`` − 1 tokens of each cache hit); off by
+            default.
           compile_layers: fuse the element-wise work around the GEMMs with torch.compile
             (``layer_blocks``; the first pass compiles, ~tens of seconds) instead of running the
             layer's element-wise ops (``layer_ops.OpsLayers``: the native CPU kernels when
@@ -195,6 +199,7 @@ class Qwen3Runner:
         self.prefill_chunk = prefill_chunk
         self.block_size = block_size
         self._source: Optional[_SourceWatch] = None  # from_hf's model, checked before each pass
+        self._prefix_align: Optional[int] = None  # prefix_align, resolved on first use
         a = self.arch
         # [d/2] fp32, and the factor both tables are scaled by (YaRN's; 1 otherwise): rope.py
         self._inv_freq = a.rope.inv_freq(a.rope_theta, a.head_dim, self.device)
@@ -263,6 +268,32 @@ class Qwen3Runner:
         return self.arch.max_positions
 
     @property
+    def prefix_align(self) -> int:
+        """Tokens at a multiple of which every prefill pass starts in batch-invariant mode: a
+        prefix-cache hit is cut down to it and prefill chunks are multiples of it
+        (``acarerank.model.cached_prefill``), so each token of a shared part is computed over a
+        prefix that ends where its tiles do and gets the same bits as in one prefill of the whole
+        part — whatever was cached, whatever the pass's chunks (docs/ARCHITECTURE.md, "Linear
+        layers": Modes). The Triton attention's ``aligned_prefix_tokens`` at this model's heads and
+        dtype, in whole pages. 1 (no constraint) without ``batch_invariant`` or with another
+        attention backend, which claims no invariance."""
+        if self._prefix_align is None:
+            align = 1
+            if self.batch_invariant:
+                from ..ops import cpu_attention, paged_attention
+
+                pref = (backend_for("prefix_shared_attention_paged", self.backend)
+                        or backend_for("prefix_shared_attention", self.backend))
+                a = self.arch
+                if cpu_attention.resolve(paged_attention.OP, pref, self.device, a.head_dim) == "triton":
+                    from ..kernels.prefix_shared_attention import aligned_prefix_tokens
+
+                    q = aligned_prefix_tokens(a.head_dim, a.num_heads // a.num_kv_heads, self.dtype, self.device)
+                    align = math.lcm(q, self.block_size)
+            self._prefix_align = align
+        return self._prefix_align
+
+    @property
     def device(self) -> torch.device:
         return self.weights.device
 
@@ -319,9 +350,12 @@ class Qwen3Runner:
         """Append ``tokens[i]`` (computed over the cache) to group ``groups[i]``, in chunks.
 
         The chunked prefill of ``prefill``, for a cache that already holds part of each prefix
-        (a prefix-cache hit): only the new tokens are computed.
+        (a prefix-cache hit): only the new tokens are computed. In batch-invariant mode the chunk
+        is a multiple of ``prefix_align`` (and the caller's cached lengths are: ``prefill_cached``).
         """
         chunk = chunk_tokens or self.prefill_chunk
+        align = self.prefix_align  # batch-invariant mode: every chunk starts at a multiple of it
+        chunk = max(align, chunk - chunk % align)
         ids = [self._as_ids(p, f"prefix {g}", allow_empty=True) for g, p in zip(groups, tokens)]
         if len(set(groups)) != len(groups):
             raise ValueError("extend: at most one token run per group")

@@ -209,6 +209,32 @@ def test_triton_segment_output_independent_of_batch_composition():
         assert not diff.any(), f"batch {i}: {int(diff.sum())} elements differ, first at {diff.nonzero()[0].tolist()}"
 
 
+@pytest.mark.parametrize("Hq,Hkv,d", [(4, 2, 32), (6, 2, 64), (2, 2, 16)], ids=["gqa2", "gqa3", "gqa1-d16"])
+def test_triton_token_output_same_wherever_an_aligned_prefix_ends(Hq, Hkv, d):
+    """Bitwise: a token's output is the same whether the keys before it are its own segment's rows
+    (one prefill) or a prefix ending at any multiple of aligned_prefix_tokens (a cache hit, an
+    earlier chunk: the runner's batch-invariant mode starts its passes there); a prefix ending
+    elsewhere moves the key tiles and the row blocks (the runner never makes one in that mode)."""
+    from acarerank.kernels.prefix_shared_attention import aligned_prefix_tokens
+
+    Q = aligned_prefix_tokens(d, Hq // Hkv, torch.float32, torch.device(DEVICE))
+    N = 3 * Q + 11
+    q, k, v = (torch.randn(N, h, d, device=DEVICE) for h in (Hq, Hkv, Hkv))
+
+    def split_at(P):
+        cu = torch.tensor([0, N - P], dtype=torch.int32, device=DEVICE)
+        cp = torch.tensor([0, P], dtype=torch.int32, device=DEVICE)
+        sg = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        return prefix_shared_attention(q[P:], k[P:], v[P:], cu, k[:P], v[:P], cp, sg, backend="triton")
+
+    whole = split_at(0)
+    for P in (Q, 2 * Q, 3 * Q):
+        diff = split_at(P) != whole[P:]
+        tokens = sorted(set(diff.nonzero()[:, 0].tolist()))[:8]
+        assert not diff.any(), f"prefix of {P} (aligned to {Q}): tokens {tokens} after it differ from one pass"
+    assert any((split_at(P) != whole[P:]).any() for P in (1, Q // 2 + 3)), "an unaligned prefix moved no bits"
+
+
 def test_work_list_covers_every_row_once_heaviest_first():
     from acarerank.kernels.prefix_shared_attention import _work_list
 
