@@ -25,6 +25,7 @@ of the plan (see ``acarerank.ops.attention`` and ``acarerank.ops.paged_attention
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Iterator, Optional, Sequence
 
@@ -198,6 +199,13 @@ class Qwen3Runner:
         self.weights = weights_for_linear(weights, self.linear_backend)
         self.prefill_chunk = prefill_chunk
         self.block_size = block_size
+        if batch_invariant and (attention := self._attention_backend()) != "triton":
+            # the GEMMs alone are fixed-tile: a cache hit or another prefill chunking moves a
+            # shared-part token's attention tiles (docs/ARCHITECTURE.md, "Linear layers": Modes)
+            warnings.warn(f"batch_invariant=True with the {attention!r} attention backend: the GEMMs run on fixed "
+                          "tiles, but this attention claims no invariance, so a score may move in its last bits "
+                          "with a prefix-cache hit or the prefill's chunks; the 'triton' attention backend holds "
+                          "the whole promise (docs/ARCHITECTURE.md, \"Linear layers\": Modes)", stacklevel=2)
         self._source: Optional[_SourceWatch] = None  # from_hf's model, checked before each pass
         self._prefix_align: Optional[int] = None  # prefix_align, resolved on first use
         a = self.arch
@@ -267,6 +275,14 @@ class Qwen3Runner:
         ``max_position_embeddings``, scaled by its RoPE): no pass computes a position at or past it."""
         return self.arch.max_positions
 
+    def _attention_backend(self) -> str:
+        """The name of the backend the paged attention op runs on for this runner."""
+        from ..ops import cpu_attention, paged_attention
+
+        pref = (backend_for("prefix_shared_attention_paged", self.backend)
+                or backend_for("prefix_shared_attention", self.backend))
+        return cpu_attention.resolve(paged_attention.OP, pref, self.device, self.arch.head_dim)
+
     @property
     def prefix_align(self) -> int:
         """Tokens at a multiple of which every prefill pass starts in batch-invariant mode: a
@@ -280,12 +296,8 @@ class Qwen3Runner:
         if self._prefix_align is None:
             align = 1
             if self.batch_invariant:
-                from ..ops import cpu_attention, paged_attention
-
-                pref = (backend_for("prefix_shared_attention_paged", self.backend)
-                        or backend_for("prefix_shared_attention", self.backend))
                 a = self.arch
-                if cpu_attention.resolve(paged_attention.OP, pref, self.device, a.head_dim) == "triton":
+                if self._attention_backend() == "triton":
                     from ..kernels.prefix_shared_attention import aligned_prefix_tokens
 
                     q = aligned_prefix_tokens(a.head_dim, a.num_heads // a.num_kv_heads, self.dtype, self.device)

@@ -5,6 +5,7 @@ transformers' to 1e-5 (the runner's existing rule, tests/model/test_runner.py); 
 in bytes of live tensors: a packed matrix replaces its dense one, never sits beside it.
 """
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -174,6 +175,20 @@ def test_batch_invariant_runner_uses_the_packed_weights():
     _, _, h = _hidden(r_inv)
     _, _, h_ref = _hidden(Qwen3Runner.from_hf(m, backend={"linear": "torch"}))
     assert (h - h_ref).abs().max().item() <= 1e-5
+
+
+def test_batch_invariant_names_an_attention_that_claims_no_invariance():
+    """batch_invariant=True with the CPU default attention ("native") built silently, while only
+    the GEMMs are fixed-tile there: a cache hit or another prefill chunking moves a score's last
+    bits (docs/ARCHITECTURE.md, "Linear layers": Modes). It warns, naming the backend; the
+    "triton" attention, which holds the whole promise, does not."""
+    m = _model()
+    with pytest.warns(UserWarning, match=r"batch_invariant=True with the '(native|torch)' attention backend"):
+        Qwen3Runner.from_hf(m, batch_invariant=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Qwen3Runner.from_hf(m, batch_invariant=True, backend={"prefix_shared_attention_paged": "triton"})
+        Qwen3Runner.from_hf(m)
 
 
 @pytest.mark.slow
