@@ -437,6 +437,16 @@ class _HeldHandle(_Handle):
         return Response()
 
 
+def _held_at_the_handle(base: str, pool, handle, body: dict, n: int) -> list:
+    """``n`` /v1/rerank requests sent at once, returned (futures) once all have reached ``handle``."""
+    held = [pool.submit(httpx.post, base + "/v1/rerank", json=body, timeout=30) for _ in range(n)]
+    deadline = time.monotonic() + 30
+    while handle.calls < n:
+        assert time.monotonic() < deadline, f"{handle.calls} of {n} requests reached the handle"
+        time.sleep(0.01)
+    return held
+
+
 def test_the_front_counts_max_queue_before_reading_the_body():
     """The Ray front admitted nothing itself: every request's body was read and held (up to
     --max-body-bytes each) until a replica refused it. Now the request past every replica's
@@ -447,11 +457,7 @@ def test_the_front_counts_max_queue_before_reading_the_body():
     service = RemoteService(handle, "m", max_queue=2, num_replicas=2)
     body = dict(query="q", documents=["a"])
     with thread_server(create_app(service)) as base, ThreadPoolExecutor(4) as pool:
-        held = [pool.submit(httpx.post, base + "/v1/rerank", json=body, timeout=30) for _ in range(4)]
-        deadline = time.monotonic() + 30
-        while handle.calls < 4:
-            assert time.monotonic() < deadline, f"{handle.calls} of 4 requests reached the handle"
-            time.sleep(0.01)
+        held = _held_at_the_handle(base, pool, handle, body, 4)
         r = httpx.post(base + "/v1/rerank", json=body, timeout=30)
         assert r.status_code == 429 and "--max-queue 2 × 2 engine replicas" in r.json()["error"]["message"], r.text
         assert r.headers.get("retry-after") == "1" and handle.calls == 4 and service.admitted == 4
@@ -473,11 +479,7 @@ def test_several_fronts_together_admit_what_the_engines_hold():
             for q, r, i in ((3, 2, 1), (3, 2, 3), (3, 2, 4), (1, 1, 5), (None, 2, 2))] == [6, 2, 2, 1, None]
     body = dict(query="q", documents=["a"])
     with thread_server(create_app(service)) as base, ThreadPoolExecutor(2) as pool:
-        held = [pool.submit(httpx.post, base + "/v1/rerank", json=body, timeout=30) for _ in range(2)]
-        deadline = time.monotonic() + 30
-        while handle.calls < 2:
-            assert time.monotonic() < deadline, f"{handle.calls} of 2 requests reached the handle"
-            time.sleep(0.01)
+        held = _held_at_the_handle(base, pool, handle, body, 2)
         r = httpx.post(base + "/v1/rerank", json=body, timeout=30)
         assert r.status_code == 429 and "share of 4 ingress replicas: 2" in r.json()["error"]["message"], r.text
         assert handle.calls == 2 and service.admitted == 2
