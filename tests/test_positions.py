@@ -56,6 +56,10 @@ def _config(**kw):
     ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                           "original_max_position_embeddings": 8192,
                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0}}, 131072),
+    # llama3 never scales max_position_embeddings (vLLM's rule): 8,192 × 8 is no licence past 8,192
+    ({"max_position_embeddings": 8192, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                        "original_max_position_embeddings": 8192,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0}}, 8192),
 ])
 def test_the_limit_is_max_position_embeddings_scaled_by_the_rope(config, want):
     assert Qwen3Arch.from_config(_config(**config)).max_positions == want
