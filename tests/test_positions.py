@@ -227,3 +227,22 @@ def test_serve_refuses_a_cap_past_the_limit_at_start_up_and_clamps_its_defaults(
         build_rerankers(ServeConfig(select_max_length=1000, **base))
     rr, sr = build_rerankers(ServeConfig(**base))
     assert (rr.max_length, sr.max_length, sr.max_new_tokens) == (LIMIT, LIMIT - 64, 64)
+
+
+def test_serve_names_a_model_too_short_for_its_warm_up_request(qwen3_tokenizer):
+    """A model of 128 positions clamps the pointwise cap to 128, under its template, a query and
+    min_doc_tokens: the start-up names the model's limit (the encoder's own advice, "shorten the
+    query", is a client's) and stops the model thread, as a failed warm-up does."""
+    from acarerank.server.model_thread import ModelThread
+    from acarerank.server.service import RerankService
+
+    mt = ModelThread()
+    rr = mt.call(PointwiseReranker, model=random_qwen3(seed=0, max_position_embeddings=128), tokenizer=qwen3_tokenizer)
+    assert rr.max_length == 128
+    svc = RerankService(rr, "short", model_thread=mt)
+    with pytest.raises(ValueError, match=r"^the server cannot score its own warm-up request .* under max_length="
+                                         r"128 \(the model's maximum context length is 128 tokens\): no request "
+                                         r"could be served; serve a model of more positions"):
+        svc.start()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        mt.submit(int)
