@@ -116,7 +116,11 @@ def check_max_length(value, allow_none: bool = False):
         return AUTO
     from ._validate import check_int
 
-    return check_int("max_length", value, 1, allow_none=allow_none)
+    try:
+        return check_int("max_length", value, 1, allow_none=allow_none)
+    except TypeError:  # check_int's words name only the int: "AUTO" or True did not say "auto" is the default
+        raise TypeError(f"max_length must be an int, {'None, ' if allow_none else ''}or {AUTO!r}, got {value!r} "
+                        f"({type(value).__name__})") from None
 
 
 def fit_max_length(value, default: int, limit: int, new_tokens: int = 0, name: str = "max_length",

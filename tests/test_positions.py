@@ -246,3 +246,14 @@ def test_serve_names_a_model_too_short_for_its_warm_up_request(qwen3_tokenizer):
         svc.start()
     with pytest.raises(RuntimeError, match="shutdown"):
         mt.submit(int)
+
+
+@pytest.mark.parametrize("bad", ["AUTO", "8192", True, 8192.0, None])
+def test_a_max_length_of_the_wrong_type_names_auto(runner, qwen3_tokenizer, bad):
+    """A bool, a float or a string other than "auto" is a TypeError that names every accepted form
+    (None too where it is one: setwise's "no cap"); 0 stays a ValueError."""
+    for cls, forms in ((PointwiseReranker, "an int, or 'auto'"), (SetwiseReranker, "an int, None, or 'auto'")):
+        if bad is None and cls is SetwiseReranker:
+            continue
+        with pytest.raises(TypeError, match=rf"^max_length must be {forms}, got {bad!r}"):
+            cls(runner=runner, tokenizer=qwen3_tokenizer, max_length=bad)
