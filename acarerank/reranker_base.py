@@ -28,10 +28,34 @@ from .tokenizer import TextEncoder, check_special_tokens
 class RerankerBase:
     """Base of the rerankers; subclasses call ``_setup`` first in their ``__init__``.
 
+    ``_cap_note``: "" unless ``max_length="auto"`` was clamped to the model's positions, then why
+    (``_explain_cap`` adds it to a prompt's "raise max_length" error, which cannot be followed).
+
     Attributes set by ``_setup``: ``runner`` (the reranker's own, possibly a copy of the one
     passed), ``backend``, ``special_tokens`` ("escape" / "parse"), ``tokenizer`` (the
     reranker's private, read-only :class:`~acarerank.tokenizer.TextEncoder`).
     """
+
+    _cap_note = ""
+
+    def _note_clamp(self, asked, default: int, new_tokens: int = 0) -> None:
+        """Set ``_cap_note`` when ``asked`` ("auto") gave a ``max_length`` below ``default``: the model's
+        positions (less ``new_tokens``) set it, so no flag can raise it (docs/input-safety.md)."""
+        if asked == AUTO and self.max_length < default:
+            limit = self.runner.max_positions
+            if new_tokens:
+                how = (f"this model's maximum context length of {limit:,} tokens less max_new_tokens={new_tokens:,} "
+                       f"(the default cap here): lower max_new_tokens (acarerank select --max-new-tokens, serve "
+                       f"--select-max-new-tokens) or use a model of more positions")
+            else:
+                how = "this model's maximum context length (the default cap here): use a model of more positions"
+            self._cap_note = f"max_length={self.max_length:,} is {how}; a larger cap is refused"
+
+    def _explain_cap(self, e: ValueError) -> ValueError:
+        """``e`` (a prompt over ``max_length``) with ``_cap_note`` added when the cap was clamped."""
+        if self._cap_note and "max_length" in str(e):
+            return type(e)(f"{e} ({self._cap_note})")
+        return e
 
     def _setup(self, model, tokenizer, runner: Optional[Qwen3Runner], backend, special_tokens: str = "escape",
                batch_invariant: bool = False, compile_layers: bool = False) -> None:

@@ -257,3 +257,24 @@ def test_a_max_length_of_the_wrong_type_names_auto(runner, qwen3_tokenizer, bad)
             continue
         with pytest.raises(TypeError, match=rf"^max_length must be {forms}, got {bad!r}"):
             cls(runner=runner, tokenizer=qwen3_tokenizer, max_length=bad)
+
+
+def test_a_prompt_over_a_clamped_cap_says_the_cap_is_the_models(runner, qwen3_tokenizer):
+    """The prompt builders' "raise max_length" cannot be followed where "auto" took the model's
+    positions: the error adds what set the cap and what to change (setwise: max_new_tokens);
+    a cap the caller set keeps the builder's words alone."""
+    tok = qwen3_tokenizer
+    long_query = "what is the thing " * 300                       # ~1,200 tokens: over any cap here
+    note = rf"\(max_length=1,024 is this model's maximum context length \(the default cap here\): use a model"
+    with pytest.raises(ValueError, match=rf"raise max_length.* {note}"):
+        PointwiseReranker(runner=runner, tokenizer=tok).encode(ScoreRequest(long_query, ["d"]))
+    with pytest.raises(ValueError, match="raise max_length") as given:
+        PointwiseReranker(runner=runner, tokenizer=tok, max_length=1000).encode(ScoreRequest(long_query, ["d"]))
+    assert "default cap" not in str(given.value)
+    sr = SetwiseReranker(runner=runner, tokenizer=tok, max_new_tokens=1000)   # the template alone is ~640
+    note = (r"\(max_length=24 is this model's maximum context length of 1,024 tokens less max_new_tokens=1,000 "
+            r"\(the default cap here\): lower max_new_tokens")
+    with pytest.raises(ValueError, match=rf"raise max_length {note}"):
+        sr.encode_select("q", ["a", "b"], constrained=False)
+    with pytest.raises(ValueError, match=rf"raise max_length {note}"):
+        sr.select_batch(["q"], [["a", "b"]], constrained=False)
