@@ -50,6 +50,16 @@ class RerankerBase:
             else:
                 how = "this model's maximum context length (the default cap here): use a model of more positions"
             self._cap_note = f"max_length={self.max_length:,} is {how}; a larger cap is refused"
+            self._cap_default = default
+
+    def default_cap_line(self, flag: str, new_flag: str = "") -> str:
+        """A NOTE line for a CLI that left ``flag`` (the cap) out, when "auto" clamped it to the
+        model's positions (less ``new_flag``'s tokens); "" when the default held."""
+        if not self._cap_note:
+            return ""
+        less = f" less {new_flag}" if new_flag else ""
+        return (f"NOTE: {flag} left out: the cap is {self.max_length:,} tokens, this model's maximum context "
+                f"length{less} (the default {self._cap_default:,} is past it)")
 
     def _explain_cap(self, e: ValueError) -> ValueError:
         """``e`` (a prompt over ``max_length``) with ``_cap_note`` added when the cap was clamped."""

@@ -278,3 +278,29 @@ def test_a_prompt_over_a_clamped_cap_says_the_cap_is_the_models(runner, qwen3_to
         sr.encode_select("q", ["a", "b"], constrained=False)
     with pytest.raises(ValueError, match=rf"raise max_length {note}"):
         sr.select_batch(["q"], [["a", "b"]], constrained=False)
+
+
+def test_a_cap_clamped_by_the_model_is_noted_where_the_run_is_watched(capsys, checkpoint, tmp_path):
+    """acarerank score / select and serve's start-up with the caps left out: one NOTE line each on
+    stderr says the cap is the model's, not the documented default; none once a cap is given."""
+    from acarerank.cli import main
+    from acarerank.server.build import build_rerankers
+    from acarerank.server.config import ServeConfig
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('"a document"\n')
+    common = ["--model", str(checkpoint), "--dtype", "float32", "--query", "q", "--docs", str(docs)]
+    point = (f"NOTE: --max-length left out: the cap is {LIMIT:,} tokens, this model's maximum context length "
+             f"(the default 8,192 is past it)")
+    assert main(["score", *common]) == 0
+    assert point in capsys.readouterr().err.splitlines()
+    assert main(["select", *common, "--max-new-tokens", "32"]) == 0
+    assert (f"NOTE: --max-length left out: the cap is {LIMIT - 32:,} tokens, this model's maximum context length "
+            f"less --max-new-tokens (the default 16,000 is past it)") in capsys.readouterr().err.splitlines()
+    assert main(["score", *common, "--max-length", "512"]) == 0
+    assert "NOTE: --max-length" not in capsys.readouterr().err
+    build_rerankers(ServeConfig(model=str(checkpoint), dtype="float32", cache_budget=256))
+    err = capsys.readouterr().err.splitlines()
+    assert point in err and (f"NOTE: --select-max-length left out: the cap is {LIMIT - 64:,} tokens, this model's "
+                             f"maximum context length less --select-max-new-tokens (the default 16,000 is past "
+                             f"it)") in err
