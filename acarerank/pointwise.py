@@ -174,6 +174,7 @@ class PointwiseReranker(RerankerBase):
         if max_batch_tokens is None:
             max_batch_tokens = DEFAULT_BATCH_TOKENS.get(self.runner.device.type, DEFAULT_BATCH_TOKENS["cpu"])
         self.max_length = fit_max_length(max_length, DEFAULT_MAX_LENGTH, self.runner.max_positions)
+        self._note_clamp(max_length, DEFAULT_MAX_LENGTH)
         self.template = template
         self.max_batch_tokens = max_batch_tokens
         self.min_doc_tokens = min_doc_tokens
@@ -307,10 +308,13 @@ class PointwiseReranker(RerankerBase):
         if not isinstance(request, ScoreRequest):
             raise TypeError(f"encode needs a ScoreRequest, got {type(request).__name__}")
         _check_salt(request.cache_salt)
-        enc = encode_pointwise(self.tokenizer, request.query, request.documents, question=request.question,
-                               trace=request.trace, instruction=request.instruction, max_length=self.max_length,
-                               template=self.template, min_doc_tokens=self.min_doc_tokens, truncate=truncate,
-                               max_doc_tokens=max_doc_tokens)
+        try:
+            enc = encode_pointwise(self.tokenizer, request.query, request.documents, question=request.question,
+                                   trace=request.trace, instruction=request.instruction, max_length=self.max_length,
+                                   template=self.template, min_doc_tokens=self.min_doc_tokens, truncate=truncate,
+                                   max_doc_tokens=max_doc_tokens)
+        except ValueError as e:
+            raise self._explain_cap(e) from None
         enc.cache_salt = request.cache_salt
         return enc
 

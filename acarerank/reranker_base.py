@@ -28,10 +28,44 @@ from .tokenizer import TextEncoder, check_special_tokens
 class RerankerBase:
     """Base of the rerankers; subclasses call ``_setup`` first in their ``__init__``.
 
+    ``_cap_note``: "" unless ``max_length="auto"`` was clamped to the model's positions, then why
+    (``_explain_cap`` adds it to a prompt's "raise max_length" error, which cannot be followed).
+
     Attributes set by ``_setup``: ``runner`` (the reranker's own, possibly a copy of the one
     passed), ``backend``, ``special_tokens`` ("escape" / "parse"), ``tokenizer`` (the
     reranker's private, read-only :class:`~acarerank.tokenizer.TextEncoder`).
     """
+
+    _cap_note = ""
+
+    def _note_clamp(self, asked, default: int, new_tokens: int = 0) -> None:
+        """Set ``_cap_note`` when ``asked`` ("auto") gave a ``max_length`` below ``default``: the model's
+        positions (less ``new_tokens``) set it, so no flag can raise it (docs/input-safety.md)."""
+        if asked == AUTO and self.max_length < default:
+            limit = self.runner.max_positions
+            if new_tokens:
+                how = (f"this model's maximum context length of {limit:,} tokens less max_new_tokens={new_tokens:,} "
+                       f"(the default cap here): lower max_new_tokens (acarerank select --max-new-tokens, serve "
+                       f"--select-max-new-tokens) or use a model of more positions")
+            else:
+                how = "this model's maximum context length (the default cap here): use a model of more positions"
+            self._cap_note = f"max_length={self.max_length:,} is {how}; a larger cap is refused"
+            self._cap_default = default
+
+    def default_cap_line(self, flag: str, new_flag: str = "") -> str:
+        """A NOTE line for a CLI that left ``flag`` (the cap) out, when "auto" clamped it to the
+        model's positions (less ``new_flag``'s tokens); "" when the default held."""
+        if not self._cap_note:
+            return ""
+        less = f" less {new_flag}" if new_flag else ""
+        return (f"NOTE: {flag} left out: the cap is {self.max_length:,} tokens, this model's maximum context "
+                f"length{less} (the default {self._cap_default:,} is past it)")
+
+    def _explain_cap(self, e: ValueError) -> ValueError:
+        """``e`` (a prompt over ``max_length``) with ``_cap_note`` added when the cap was clamped."""
+        if self._cap_note and "max_length" in str(e):
+            return type(e)(f"{e} ({self._cap_note})")
+        return e
 
     def _setup(self, model, tokenizer, runner: Optional[Qwen3Runner], backend, special_tokens: str = "escape",
                batch_invariant: bool = False, compile_layers: bool = False) -> None:
@@ -116,7 +150,11 @@ def check_max_length(value, allow_none: bool = False):
         return AUTO
     from ._validate import check_int
 
-    return check_int("max_length", value, 1, allow_none=allow_none)
+    try:
+        return check_int("max_length", value, 1, allow_none=allow_none)
+    except TypeError:  # check_int's words name only the int: "AUTO" or True did not say "auto" is the default
+        raise TypeError(f"max_length must be an int, {'None, ' if allow_none else ''}or {AUTO!r}, got {value!r} "
+                        f"({type(value).__name__})") from None
 
 
 def fit_max_length(value, default: int, limit: int, new_tokens: int = 0, name: str = "max_length",

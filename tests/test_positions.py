@@ -56,6 +56,10 @@ def _config(**kw):
     ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                           "original_max_position_embeddings": 8192,
                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0}}, 131072),
+    # llama3 never scales max_position_embeddings (vLLM's rule): 8,192 × 8 is no licence past 8,192
+    ({"max_position_embeddings": 8192, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                        "original_max_position_embeddings": 8192,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0}}, 8192),
 ])
 def test_the_limit_is_max_position_embeddings_scaled_by_the_rope(config, want):
     assert Qwen3Arch.from_config(_config(**config)).max_positions == want
@@ -223,3 +227,80 @@ def test_serve_refuses_a_cap_past_the_limit_at_start_up_and_clamps_its_defaults(
         build_rerankers(ServeConfig(select_max_length=1000, **base))
     rr, sr = build_rerankers(ServeConfig(**base))
     assert (rr.max_length, sr.max_length, sr.max_new_tokens) == (LIMIT, LIMIT - 64, 64)
+
+
+def test_serve_names_a_model_too_short_for_its_warm_up_request(qwen3_tokenizer):
+    """A model of 128 positions clamps the pointwise cap to 128, under its template, a query and
+    min_doc_tokens: the start-up names the model's limit (the encoder's own advice, "shorten the
+    query", is a client's) and stops the model thread, as a failed warm-up does."""
+    from acarerank.server.model_thread import ModelThread
+    from acarerank.server.service import RerankService
+
+    mt = ModelThread()
+    rr = mt.call(PointwiseReranker, model=random_qwen3(seed=0, max_position_embeddings=128), tokenizer=qwen3_tokenizer)
+    assert rr.max_length == 128
+    svc = RerankService(rr, "short", model_thread=mt)
+    with pytest.raises(ValueError, match=r"^the server cannot score its own warm-up request .* under max_length="
+                                         r"128 \(the model's maximum context length is 128 tokens\): no request "
+                                         r"could be served; serve a model of more positions"):
+        svc.start()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        mt.submit(int)
+
+
+@pytest.mark.parametrize("bad", ["AUTO", "8192", True, 8192.0, None])
+def test_a_max_length_of_the_wrong_type_names_auto(runner, qwen3_tokenizer, bad):
+    """A bool, a float or a string other than "auto" is a TypeError that names every accepted form
+    (None too where it is one: setwise's "no cap"); 0 stays a ValueError."""
+    for cls, forms in ((PointwiseReranker, "an int, or 'auto'"), (SetwiseReranker, "an int, None, or 'auto'")):
+        if bad is None and cls is SetwiseReranker:
+            continue
+        with pytest.raises(TypeError, match=rf"^max_length must be {forms}, got {bad!r}"):
+            cls(runner=runner, tokenizer=qwen3_tokenizer, max_length=bad)
+
+
+def test_a_prompt_over_a_clamped_cap_says_the_cap_is_the_models(runner, qwen3_tokenizer):
+    """The prompt builders' "raise max_length" cannot be followed where "auto" took the model's
+    positions: the error adds what set the cap and what to change (setwise: max_new_tokens);
+    a cap the caller set keeps the builder's words alone."""
+    tok = qwen3_tokenizer
+    long_query = "what is the thing " * 300                       # ~1,200 tokens: over any cap here
+    note = rf"\(max_length=1,024 is this model's maximum context length \(the default cap here\): use a model"
+    with pytest.raises(ValueError, match=rf"raise max_length.* {note}"):
+        PointwiseReranker(runner=runner, tokenizer=tok).encode(ScoreRequest(long_query, ["d"]))
+    with pytest.raises(ValueError, match="raise max_length") as given:
+        PointwiseReranker(runner=runner, tokenizer=tok, max_length=1000).encode(ScoreRequest(long_query, ["d"]))
+    assert "default cap" not in str(given.value)
+    sr = SetwiseReranker(runner=runner, tokenizer=tok, max_new_tokens=1000)   # the template alone is ~640
+    note = (r"\(max_length=24 is this model's maximum context length of 1,024 tokens less max_new_tokens=1,000 "
+            r"\(the default cap here\): lower max_new_tokens")
+    with pytest.raises(ValueError, match=rf"raise max_length {note}"):
+        sr.encode_select("q", ["a", "b"], constrained=False)
+    with pytest.raises(ValueError, match=rf"raise max_length {note}"):
+        sr.select_batch(["q"], [["a", "b"]], constrained=False)
+
+
+def test_a_cap_clamped_by_the_model_is_noted_where_the_run_is_watched(capsys, checkpoint, tmp_path):
+    """acarerank score / select and serve's start-up with the caps left out: one NOTE line each on
+    stderr says the cap is the model's, not the documented default; none once a cap is given."""
+    from acarerank.cli import main
+    from acarerank.server.build import build_rerankers
+    from acarerank.server.config import ServeConfig
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('"a document"\n')
+    common = ["--model", str(checkpoint), "--dtype", "float32", "--query", "q", "--docs", str(docs)]
+    point = (f"NOTE: --max-length left out: the cap is {LIMIT:,} tokens, this model's maximum context length "
+             f"(the default 8,192 is past it)")
+    assert main(["score", *common]) == 0
+    assert point in capsys.readouterr().err.splitlines()
+    assert main(["select", *common, "--max-new-tokens", "32"]) == 0
+    assert (f"NOTE: --max-length left out: the cap is {LIMIT - 32:,} tokens, this model's maximum context length "
+            f"less --max-new-tokens (the default 16,000 is past it)") in capsys.readouterr().err.splitlines()
+    assert main(["score", *common, "--max-length", "512"]) == 0
+    assert "NOTE: --max-length" not in capsys.readouterr().err
+    build_rerankers(ServeConfig(model=str(checkpoint), dtype="float32", cache_budget=256))
+    err = capsys.readouterr().err.splitlines()
+    assert point in err and (f"NOTE: --select-max-length left out: the cap is {LIMIT - 64:,} tokens, this model's "
+                             f"maximum context length less --select-max-new-tokens (the default 16,000 is past "
+                             f"it)") in err

@@ -202,8 +202,12 @@ def load_reranker(cls, args, **kw):
     from ..model import ContextLengthError
 
     try:
-        return load(cls, model=args.model, dtype=args.dtype, device=args.device, backend=args.backend,
-                    max_length="auto" if args.max_length is None else args.max_length, **kw)
+        rr = load(cls, model=args.model, dtype=args.dtype, device=args.device, backend=args.backend,
+                  max_length="auto" if args.max_length is None else args.max_length, **kw)
     except ContextLengthError as e:  # the constructor names its argument; the user gave a flag
         flags = "--max-length / --max-new-tokens" if "max_new_tokens" in kw else "--max-length"
         raise ContextLengthError(f"{flags}: {e}") from None
+    note = rr.default_cap_line("--max-length", "--max-new-tokens" if "max_new_tokens" in kw else "")
+    if note:  # a short model's cap is below the documented default: said where the run is watched
+        print(note, file=sys.stderr)
+    return rr

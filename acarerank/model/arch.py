@@ -147,14 +147,15 @@ class Qwen3Arch:
 def max_positions_of(max_position_embeddings, rope: RopeScaling) -> int:
     """The longest sequence (prompt + generated tokens) the model is made for, vLLM's
     ``max_model_len`` rule: ``max_position_embeddings`` (Qwen3Config's 32,768 when absent); with
-    ``linear`` RoPE times ``factor``; with ``yarn`` / ``llama3`` at least
-    ``original_max_position_embeddings`` × ``factor`` (Qwen3's card: 32,768 × 4 = 131,072 over its
-    40,960; transformers 5.x's own form, ``factor: null``, gives max_position_embeddings itself).
-    Past it RoPE rotates by angles the model never saw: a plausible score and no error."""
+    ``linear`` RoPE times ``factor``; with ``yarn`` at least ``original_max_position_embeddings`` ×
+    ``factor`` (Qwen3's card: 32,768 × 4 = 131,072 over its 40,960; transformers 5.x's own form,
+    ``factor: null``, gives max_position_embeddings itself); with ``llama3`` max_position_embeddings
+    unscaled (Llama 3.1's is already the long length, 131,072 over 8,192 × 8; vLLM scales no
+    llama3 config). Past it RoPE rotates by angles the model never saw: a plausible score and no error."""
     n = positive_int("config field 'max_position_embeddings'", max_position_embeddings)
     if rope.rope_type == "linear":
         return int(n * rope.factor)
-    if rope.rope_type in ("yarn", "llama3"):
+    if rope.rope_type == "yarn":
         return max(n, int(rope.original_max_position_embeddings * rope.factor))
     return n
 

@@ -50,6 +50,10 @@ def build_rerankers(config: ServeConfig):
                              **{k: v for k, v in kw.items() if k == "cache_budget_tokens"})
     except ContextLengthError as e:
         raise ContextLengthError(f"--select-max-length / --select-max-new-tokens: {e}") from None
+    for note in (rr.default_cap_line("--max-length"),
+                 sr.default_cap_line("--select-max-length", "--select-max-new-tokens")):
+        if note:  # a short model's caps are below the documented defaults: said at start-up
+            print(note, file=sys.stderr)
     return rr, sr
 
 

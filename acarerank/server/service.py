@@ -235,8 +235,23 @@ class RerankService:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, warmup: bool = True, timeout: float = 600.0) -> "RerankService":
         """Start the scheduler; with ``warmup`` run one scoring pass of ``CANARY`` first (then ``ready``).
-        ``CANARY`` is the engine's canary (encoded here, by the reranker that serves)."""
-        self.engine.canary = self.reranker.encode(CANARY)
+        ``CANARY`` is the engine's canary (encoded here, by the reranker that serves). ValueError
+        naming the model's maximum context length when even ``CANARY`` does not fit ``max_length``
+        (a model of a few hundred positions: the cap is clamped to them, docs/input-safety.md)."""
+        try:
+            self.engine.canary = self.reranker.encode(CANARY)
+        except ValueError as e:
+            self.stop()   # the model thread that built the reranker, as after a failed warm-up
+            # its own words ("shorten the query", "raise max_length") are advice to a client, not to
+            # the operator whose model has too few positions for any request
+            cap = getattr(self.reranker, "max_length", None)
+            limit = getattr(getattr(self.reranker, "runner", None), "max_positions", None)
+            model = f" (the model's maximum context length is {limit:,} tokens)" if isinstance(limit, int) else ""
+            how = ("serve a model of more positions" if isinstance(limit, int) and isinstance(cap, int)
+                   and cap >= limit else "raise --max-length (max_length)")
+            raise ValueError(f"the server cannot score its own warm-up request ({len(CANARY.query.split())}-word "
+                             f"query, one {len(CANARY.documents[0].split())}-word document) under max_length="
+                             f"{cap}{model}: no request could be served; {how} ({e})") from None
         self.engine.start()
         if warmup:
             try:

@@ -147,6 +147,7 @@ class SetwiseReranker(RerankerBase):
             raise ValueError("this model has a sequence-classification score head and no language-model head; "
                              "setwise selection generates text and needs a Qwen3ForCausalLM checkpoint")
         self.max_length = fit_max_length(max_length, DEFAULT_MAX_LENGTH, self.runner.max_positions, max_new_tokens)
+        self._note_clamp(max_length, DEFAULT_MAX_LENGTH, max_new_tokens)
         if max_length == "auto" and max_new_tokens > max_new_tokens_cap(self.max_length):  # as for a given one
             raise ValueError(f"max_new_tokens must be at most {max_new_tokens_cap(self.max_length):,}, the longest "
                              f"selection of max_length={self.max_length:,} documents (the default cap on this "
@@ -200,7 +201,10 @@ class SetwiseReranker(RerankerBase):
         documents = check_inputs(query, documents, intent, max_select)  # the checked copy, used from here on
         max_select = int(max_select)
         self._check_output_room([documents], max_select, constrained)
-        prompt = build_prompt(self.tokenizer, query, documents, intent, max_select, self.max_length)
+        try:
+            prompt = build_prompt(self.tokenizer, query, documents, intent, max_select, self.max_length)
+        except ValueError as e:
+            raise self._explain_cap(e) from None
         self._check_positions([prompt])
         return SelectEncoding(prompt, max_select, constrained, cache_salt)
 
@@ -369,8 +373,11 @@ class SetwiseReranker(RerankerBase):
                 raise type(e)(f"query {i} of the batch: {e}") from None
         max_select, batch_size = int(max_select), int(batch_size)
         self._check_output_room(documents, max_select, constrained)
-        prompts = [build_prompt(self.tokenizer, q, d, it, max_select, self.max_length)
-                   for q, d, it in zip(queries, documents, intents)]
+        try:
+            prompts = [build_prompt(self.tokenizer, q, d, it, max_select, self.max_length)
+                       for q, d, it in zip(queries, documents, intents)]
+        except ValueError as e:
+            raise self._explain_cap(e) from None
         self._check_positions(prompts, "query {} of the batch")
         out: List[Selection] = []
         for b in range(0, len(prompts), batch_size):
