@@ -100,7 +100,12 @@ def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer)
 
 
 # attention backends that claim batch_invariant=True on this device (PointwiseReranker's docstring)
-INVARIANT_BACKENDS = ["triton"]
+INVARIANT_BACKENDS = ["triton"] + (["native"] if DEVICE == "cpu" else [])
+# the native kernel's key tile is 256 tokens, so its shared parts pass 256 (a hit of fewer is cut
+# to none): a question of 319 shared tokens with the system prompt, a shared part of 2·256 + 7
+# (a whole-part hit of 512 would leave 7 tokens, a pass on the kernel's direct path)
+LONG_QUESTION = QUESTION + "".join(f" Page {i} of the runbook says more." for i in range(22))
+LONG_TRACE = TRACE + "".join(f"\nStep {i}: it read another trace." for i in range(18))
 
 
 @pytest.mark.parametrize("backend", INVARIANT_BACKENDS)
@@ -114,6 +119,9 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     its rows into blocks from its first: a hit of 3 pages (48 tokens) or a chunk of 37 moved the
     tile boundaries (and, under the interpreter's GEMM, a row's place in its block), up to 3e-7
     apart in fp32. Hits and chunks are now cut to Qwen3Runner.prefix_align tokens in this mode.
+    Native (256-key tiles): the same, up to 8e-7; and a pass of at most 8 tokens (16 rows at GQA
+    2: a whole-part hit cut to 512 of 519 tokens, the last chunk) took the kernel's direct path,
+    other bits than one prefill's tiles: such a pass is never made (Qwen3Runner.min_prefill_pass).
     """
     from acarerank import ScoreRequest
 
@@ -121,11 +129,16 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
         return PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend=backend, batch_invariant=True,
                                  **kw)
 
-    target = ScoreRequest(QUERY, DOCS[:3], question=QUESTION, trace=TRACE)
-    same_context = ScoreRequest("another sub-query on the same context", DOCS[3:], question=QUESTION, trace=TRACE)
-    other_context = ScoreRequest("unrelated", DOCS[3:], question="Something else entirely?")
+    question, trace, other_question = QUESTION, TRACE, "Something else entirely?"
+    if backend == "native":
+        question, trace, other_question = LONG_QUESTION, LONG_TRACE, LONG_QUESTION
+    target = ScoreRequest(QUERY, DOCS[:3], question=question, trace=trace)
+    same_context = ScoreRequest("another sub-query on the same context", DOCS[3:], question=question, trace=trace)
+    other_context = ScoreRequest("unrelated", DOCS[3:], question=other_question)
     rr = make(prefix_cache=False)
     enc, same, other = (rr.encode(r) for r in (target, same_context, other_context))
+    if backend == "native":  # a whole-part hit cut to 512 leaves a pass of 7 tokens (the direct path's 8 or fewer)
+        assert len(enc.shared_ids) == 2 * rr.runner.prefix_align + 7
     want = torch.tensor(rr.score_encodings([enc])[0][0], dtype=torch.float64)
 
     got = {}
@@ -141,7 +154,7 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     sys_only = make()
     sys_only.score_encodings([other])
     scores, hits = sys_only.score_encodings([enc])
-    assert 0 < hits[0] < len(enc.shared_ids) // 2, hits  # the system prompt's pages only
+    assert 0 < hits[0] < len(enc.shared_ids) // 2, hits  # the system prompt's pages only (native: and question's)
     got[f"system prefix cached (hit {hits[0]})"] = scores[0]
     step = make(prefix_cache=False)
     h, h2 = step.acquire_prefix(enc, chunk_tokens=37), step.acquire_prefix(same, chunk_tokens=51)
