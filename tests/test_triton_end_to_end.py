@@ -170,21 +170,24 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     assert not bad, f"scores differ from alone, no cache ({want.tolist()}): {bad}"
 
 
-def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_model, qwen3_tokenizer):
+@pytest.mark.parametrize("backend", INVARIANT_BACKENDS)
+def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_model, qwen3_tokenizer, backend):
     """ChunkedPrefill (a scheduler's prefill, setwise's) in batch-invariant mode: steps of 7 tokens
-    over a prefix whose first 3 pages are cached write every page bitwise as one prefill of the
-    whole prefix does — the hit is cut to Qwen3Runner.prefix_align tokens and every step that does
-    not finish computes a multiple of it. Without that, each step's pass started where the last
-    ended and the pages came out in other bits."""
+    over a prefix whose first prefix_align + 16 tokens are cached write every page bitwise as one
+    prefill of the whole prefix does — the hit is cut to Qwen3Runner.prefix_align tokens and every
+    step that does not finish computes a multiple of it. Without that, each step's pass started
+    where the last ended and the pages came out in other bits. Native: the prefix ends 5 tokens past
+    a multiple of it, and a last step of 5 (the kernel's direct path) wrote other bits; a step that
+    would leave fewer than min_prefill_pass tokens computes them too."""
     from acarerank.model.cached_prefill import CacheSlot, ChunkedPrefill
 
-    rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="triton", batch_invariant=True)
+    rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend=backend, batch_invariant=True)
     runner, bs = rr.runner, rr.runner.block_size
-    align = runner.prefix_align
-    assert align % bs == 0 and align % (3 * bs) != 0, align  # a 3-page hit is not aligned
-    prefix = list(range(1000, 1000 + 2 * align + 19))
+    align, least = runner.prefix_align, runner.min_prefill_pass
+    assert align % bs == 0 and align > bs, align  # a hit of align + one page is not aligned
+    prefix = list(range(1000, 1000 + 2 * align + (19 if least == 1 else least - 4)))
     slot = CacheSlot(runner, True, 4 * len(prefix))
-    first = ChunkedPrefill(runner, slot, prefix[:3 * bs] + [7] * bs)  # caches the first 3 pages
+    first = ChunkedPrefill(runner, slot, prefix[:align + bs] + [7] * bs)  # caches align + 1 page
     first.step(len(prefix))
     first.cache.free()
 
@@ -204,7 +207,8 @@ def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_mo
         bad = [i for i, (a, b) in enumerate(zip(rows(chunked.cache, len(prefix)), rows(whole, len(prefix))))
                if not torch.equal(a, b)]
         assert not bad, f"layer K/V {bad} differ from one prefill's (steps {steps}, hit {chunked.hit})"
-        assert chunked.hit == 2 * bs and all(n % align == 0 for n in steps[:-1]), (chunked.hit, steps)
+        assert chunked.hit == align and all(n % align == 0 for n in steps[:-1]) and steps[-1] >= least, \
+            (chunked.hit, steps)
     finally:
         chunked.cache.free()
         whole.free()
