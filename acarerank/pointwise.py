@@ -136,8 +136,9 @@ class PointwiseReranker(RerankerBase):
         the other requests and documents of its passes, ``score_encodings``' windows, what the
         prefix cache held, the prefill's chunks (fixed-tile GEMMs in the runner; prefill passes
         that start at multiples of ``runner.prefix_align`` tokens, a cache hit cut down to one).
-        Needs the batch-invariant attention backend, "triton"; with another ("native", the CPU
-        default, or "torch") only the GEMMs are fixed-tile and a score may differ in its last bits.
+        Needs a batch-invariant attention backend, "triton" or "native" (the CPU default; its
+        passes also never as short as its direct path's, ``runner.min_prefill_pass``); with
+        "torch" only the GEMMs are fixed-tile and a score may differ in its last bits.
       min_doc_tokens: document tokens the shared part always leaves room for when the
         context has to be truncated (the trace is cut oldest-first to keep them free); None:
         512, at most ``max_length // 2`` (``acarerank.prompts.default_min_doc_tokens``).

@@ -100,7 +100,12 @@ def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer)
 
 
 # attention backends that claim batch_invariant=True on this device (PointwiseReranker's docstring)
-INVARIANT_BACKENDS = ["triton"]
+INVARIANT_BACKENDS = ["triton"] + (["native"] if DEVICE == "cpu" else [])
+# the native kernel's key tile is 256 tokens, so its shared parts pass 256 (a hit of fewer is cut
+# to none): a question of 319 shared tokens with the system prompt, a shared part of 2·256 + 7
+# (a whole-part hit of 512 would leave 7 tokens, a pass on the kernel's direct path)
+LONG_QUESTION = QUESTION + "".join(f" Page {i} of the runbook says more." for i in range(22))
+LONG_TRACE = TRACE + "".join(f"\nStep {i}: it read another trace." for i in range(18))
 
 
 @pytest.mark.parametrize("backend", INVARIANT_BACKENDS)
@@ -114,6 +119,9 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     its rows into blocks from its first: a hit of 3 pages (48 tokens) or a chunk of 37 moved the
     tile boundaries (and, under the interpreter's GEMM, a row's place in its block), up to 3e-7
     apart in fp32. Hits and chunks are now cut to Qwen3Runner.prefix_align tokens in this mode.
+    Native (256-key tiles): the same, up to 8e-7; and a pass of at most 8 tokens (16 rows at GQA
+    2: a whole-part hit cut to 512 of 519 tokens, the last chunk) took the kernel's direct path,
+    other bits than one prefill's tiles: such a pass is never made (Qwen3Runner.min_prefill_pass).
     """
     from acarerank import ScoreRequest
 
@@ -121,11 +129,16 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
         return PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend=backend, batch_invariant=True,
                                  **kw)
 
-    target = ScoreRequest(QUERY, DOCS[:3], question=QUESTION, trace=TRACE)
-    same_context = ScoreRequest("another sub-query on the same context", DOCS[3:], question=QUESTION, trace=TRACE)
-    other_context = ScoreRequest("unrelated", DOCS[3:], question="Something else entirely?")
+    question, trace, other_question = QUESTION, TRACE, "Something else entirely?"
+    if backend == "native":
+        question, trace, other_question = LONG_QUESTION, LONG_TRACE, LONG_QUESTION
+    target = ScoreRequest(QUERY, DOCS[:3], question=question, trace=trace)
+    same_context = ScoreRequest("another sub-query on the same context", DOCS[3:], question=question, trace=trace)
+    other_context = ScoreRequest("unrelated", DOCS[3:], question=other_question)
     rr = make(prefix_cache=False)
     enc, same, other = (rr.encode(r) for r in (target, same_context, other_context))
+    if backend == "native":  # a whole-part hit cut to 512 leaves a pass of 7 tokens (the direct path's 8 or fewer)
+        assert len(enc.shared_ids) == 2 * rr.runner.prefix_align + 7
     want = torch.tensor(rr.score_encodings([enc])[0][0], dtype=torch.float64)
 
     got = {}
@@ -141,7 +154,7 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     sys_only = make()
     sys_only.score_encodings([other])
     scores, hits = sys_only.score_encodings([enc])
-    assert 0 < hits[0] < len(enc.shared_ids) // 2, hits  # the system prompt's pages only
+    assert 0 < hits[0] < len(enc.shared_ids) // 2, hits  # the system prompt's pages only (native: and question's)
     got[f"system prefix cached (hit {hits[0]})"] = scores[0]
     step = make(prefix_cache=False)
     h, h2 = step.acquire_prefix(enc, chunk_tokens=37), step.acquire_prefix(same, chunk_tokens=51)
@@ -157,21 +170,24 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     assert not bad, f"scores differ from alone, no cache ({want.tolist()}): {bad}"
 
 
-def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_model, qwen3_tokenizer):
+@pytest.mark.parametrize("backend", INVARIANT_BACKENDS)
+def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_model, qwen3_tokenizer, backend):
     """ChunkedPrefill (a scheduler's prefill, setwise's) in batch-invariant mode: steps of 7 tokens
-    over a prefix whose first 3 pages are cached write every page bitwise as one prefill of the
-    whole prefix does — the hit is cut to Qwen3Runner.prefix_align tokens and every step that does
-    not finish computes a multiple of it. Without that, each step's pass started where the last
-    ended and the pages came out in other bits."""
+    over a prefix whose first prefix_align + 16 tokens are cached write every page bitwise as one
+    prefill of the whole prefix does — the hit is cut to Qwen3Runner.prefix_align tokens and every
+    step that does not finish computes a multiple of it. Without that, each step's pass started
+    where the last ended and the pages came out in other bits. Native: the prefix ends 5 tokens past
+    a multiple of it, and a last step of 5 (the kernel's direct path) wrote other bits; a step that
+    would leave fewer than min_prefill_pass tokens computes them too."""
     from acarerank.model.cached_prefill import CacheSlot, ChunkedPrefill
 
-    rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend="triton", batch_invariant=True)
+    rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend=backend, batch_invariant=True)
     runner, bs = rr.runner, rr.runner.block_size
-    align = runner.prefix_align
-    assert align % bs == 0 and align % (3 * bs) != 0, align  # a 3-page hit is not aligned
-    prefix = list(range(1000, 1000 + 2 * align + 19))
+    align, least = runner.prefix_align, runner.min_prefill_pass
+    assert align % bs == 0 and align > bs, align  # a hit of align + one page is not aligned
+    prefix = list(range(1000, 1000 + 2 * align + (19 if least == 1 else least - 4)))
     slot = CacheSlot(runner, True, 4 * len(prefix))
-    first = ChunkedPrefill(runner, slot, prefix[:3 * bs] + [7] * bs)  # caches the first 3 pages
+    first = ChunkedPrefill(runner, slot, prefix[:align + bs] + [7] * bs)  # caches align + 1 page
     first.step(len(prefix))
     first.cache.free()
 
@@ -191,7 +207,8 @@ def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_mo
         bad = [i for i, (a, b) in enumerate(zip(rows(chunked.cache, len(prefix)), rows(whole, len(prefix))))
                if not torch.equal(a, b)]
         assert not bad, f"layer K/V {bad} differ from one prefill's (steps {steps}, hit {chunked.hit})"
-        assert chunked.hit == 2 * bs and all(n % align == 0 for n in steps[:-1]), (chunked.hit, steps)
+        assert chunked.hit == align and all(n % align == 0 for n in steps[:-1]) and steps[-1] >= least, \
+            (chunked.hit, steps)
     finally:
         chunked.cache.free()
         whole.free()

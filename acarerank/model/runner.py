@@ -168,9 +168,10 @@ class Qwen3Runner:
           batch_invariant: run every GEMM on fixed tiles of ``INVARIANT_ROWS`` rows, so a
             segment's output is bitwise independent of the other segments in its batch, and start
             every prefill pass at a multiple of ``prefix_align`` tokens, so it is independent of
-            what the prefix cache held too (with a batch-invariant attention backend: "triton").
-            Costs some speed (and up to ``prefix_align`` − 1 tokens of each cache hit); off by
-            default.
+            what the prefix cache held too (with a batch-invariant attention backend: "triton" or
+            "native", whose passes are also at least ``min_prefill_pass`` tokens). Costs some
+            speed (and up to ``prefix_align`` − 1 tokens of each cache hit, native: 256 − 1, or
+            one more ``prefix_align`` where less would be left); off by default.
           compile_layers: fuse the element-wise work around the GEMMs with torch.compile
             (``layer_blocks``; the first pass compiles, ~tens of seconds) instead of running the
             layer's element-wise ops (``layer_ops.OpsLayers``: the native CPU kernels when
@@ -199,15 +200,17 @@ class Qwen3Runner:
         self.weights = weights_for_linear(weights, self.linear_backend)
         self.prefill_chunk = prefill_chunk
         self.block_size = block_size
-        if batch_invariant and (attention := self._attention_backend()) != "triton":
+        if batch_invariant and (attention := self._attention_backend()) not in ("triton", "native"):
             # the GEMMs alone are fixed-tile: a cache hit or another prefill chunking moves a
             # shared-part token's attention tiles (docs/ARCHITECTURE.md, "Linear layers": Modes)
             warnings.warn(f"batch_invariant=True with the {attention!r} attention backend: the GEMMs run on fixed "
                           "tiles, but this attention claims no invariance, so a score may move in its last bits "
-                          "with a prefix-cache hit or the prefill's chunks; the 'triton' attention backend holds "
-                          "the whole promise (docs/ARCHITECTURE.md, \"Linear layers\": Modes)", stacklevel=2)
+                          "with a prefix-cache hit or the prefill's chunks; the 'triton' and 'native' attention "
+                          "backends hold the whole promise (docs/ARCHITECTURE.md, \"Linear layers\": Modes)",
+                          stacklevel=2)
         self._source: Optional[_SourceWatch] = None  # from_hf's model, checked before each pass
         self._prefix_align: Optional[int] = None  # prefix_align, resolved on first use
+        self._min_prefill_pass: Optional[int] = None  # min_prefill_pass, resolved on first use
         a = self.arch
         # [d/2] fp32, and the factor both tables are scaled by (YaRN's; 1 otherwise): rope.py
         self._inv_freq = a.rope.inv_freq(a.rope_theta, a.head_dim, self.device)
@@ -290,20 +293,44 @@ class Qwen3Runner:
         (``acarerank.model.cached_prefill``), so each token of a shared part is computed over a
         prefix that ends where its tiles do and gets the same bits as in one prefill of the whole
         part — whatever was cached, whatever the pass's chunks (docs/ARCHITECTURE.md, "Linear
-        layers": Modes). The Triton attention's ``aligned_prefix_tokens`` at this model's heads and
-        dtype, in whole pages. 1 (no constraint) without ``batch_invariant`` or with another
-        attention backend, which claims no invariance."""
+        layers": Modes). The attention's ``aligned_prefix_tokens`` at this model's heads and
+        dtype (Triton's; the native kernel's key tile, 256), in whole pages. 1 (no constraint)
+        without ``batch_invariant`` or with another attention backend, which claims no
+        invariance."""
         if self._prefix_align is None:
             align = 1
             if self.batch_invariant:
                 a = self.arch
-                if self._attention_backend() == "triton":
+                attention = self._attention_backend()
+                if attention == "triton":
                     from ..kernels.prefix_shared_attention import aligned_prefix_tokens
 
-                    q = aligned_prefix_tokens(a.head_dim, a.num_heads // a.num_kv_heads, self.dtype, self.device)
-                    align = math.lcm(q, self.block_size)
+                    align = math.lcm(aligned_prefix_tokens(a.head_dim, a.num_heads // a.num_kv_heads, self.dtype,
+                                                           self.device), self.block_size)
+                elif attention == "native":
+                    from ..ops.cpu_attention import aligned_prefix_tokens as native_aligned_prefix_tokens
+
+                    align = math.lcm(native_aligned_prefix_tokens(), self.block_size)
             self._prefix_align = align
         return self._prefix_align
+
+    @property
+    def min_prefill_pass(self) -> int:
+        """Tokens every prefill pass of a group computes at least in batch-invariant mode, unless
+        the whole prefix is shorter: a cache hit that would leave fewer is cut by one more
+        ``prefix_align``, and a last chunk of fewer joins the pass before it
+        (``acarerank.model.cached_prefill``, ``extend``). The native attention takes its direct
+        path for a group of so few rows, whose bits are not the tile path's that one prefill of
+        the whole prefix takes (``acarerank.ops.cpu_attention.direct_path_tokens`` + 1). 1 in
+        every other case."""
+        if self._min_prefill_pass is None:
+            least = 1
+            if self.batch_invariant and self._attention_backend() == "native":
+                from ..ops.cpu_attention import direct_path_tokens
+
+                least = direct_path_tokens(self.arch.num_heads // self.arch.num_kv_heads) + 1
+            self._min_prefill_pass = least
+        return self._min_prefill_pass
 
     @property
     def device(self) -> torch.device:
@@ -368,12 +395,19 @@ class Qwen3Runner:
         chunk = chunk_tokens or self.prefill_chunk
         align = self.prefix_align  # batch-invariant mode: every chunk starts at a multiple of it
         chunk = max(align, chunk - chunk % align)
+        least = self.min_prefill_pass  # and no pass of a group computes fewer tokens unless all are fewer
         ids = [self._as_ids(p, f"prefix {g}", allow_empty=True) for g, p in zip(groups, tokens)]
         if len(set(groups)) != len(groups):
             raise ValueError("extend: at most one token run per group")
         start = 0
         while True:
-            pieces = [(g, t[start:start + chunk]) for g, t in zip(groups, ids) if t.numel() > start]
+            pieces = []
+            for g, t in zip(groups, ids):
+                n = t.numel()
+                if n <= start or (start and n - start < least):  # done, or its tail joined the last pass
+                    continue
+                end = n if n - (start + chunk) < least else start + chunk
+                pieces.append((g, t[start:end]))
             if not pieces:
                 return
             self._forward(cache, [p for _, p in pieces], [g for g, _ in pieces], output="none", append=True)

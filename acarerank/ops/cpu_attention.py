@@ -68,6 +68,41 @@ def _paged(fn):
     return run
 
 
+#: keys per tile of the native kernel (``KT`` in csrc/cpu/prefix_attention.cpp)
+TILE_KEYS = 256
+#: a group whose rows (tokens × gqa) are one row block of at most this many takes the direct path
+#: (``kDirectRows`` in csrc/cpu/attn_direct_avx512.h; ACARERANK_CPU_DIRECT_ROWS may only lower it)
+DIRECT_ROWS = 16
+
+
+def aligned_prefix_tokens() -> int:
+    """Q: a token's output is bitwise the same whether the prefix before its segment ends at any
+    multiple of Q tokens — a prefix-cache hit of k·Q tokens, an earlier prefill chunk, or none
+    (the whole sequence one segment) — as long as its group takes the tile path
+    (``direct_path_tokens``).
+
+    The tile path runs one fp32 online softmax per row over the prefix's keys in tiles of
+    ``TILE_KEYS`` from the prefix's first key, then over its own keys in tiles of ``TILE_KEYS``
+    from its segment's first key, continuing the same running max and sum (no merge step): with
+    the prefix a multiple of ``TILE_KEYS`` the tiles, the softmax order and every tile's column
+    count are those of one pass over the whole sequence. A row's place in its row block does not
+    change its bits (each row's dots and sums are its own), so unlike the Triton kernel's no
+    factor of gqa enters. The runner's batch-invariant mode starts every prefill pass at a
+    multiple of it (``Qwen3Runner.prefix_align``).
+    """
+    return TILE_KEYS
+
+
+def direct_path_tokens(gqa: int) -> int:
+    """The most tokens a group's only segment may have and still take the kernel's direct path
+    (decode-like blocks: keys in 64-key steps from the K/V rows as they lie, base-2 exp, P not
+    rounded to bf16; csrc/cpu/attn_direct_avx512.h) — other bits than the tile path's, so a
+    prefill pass of so few tokens gets other bits than one prefill of the whole prefix
+    (fp32 ~1e-6, bf16 ~1e-2 in the attention output). The runner's batch-invariant mode computes
+    at least one more token in every prefill pass (``Qwen3Runner.min_prefill_pass``)."""
+    return DIRECT_ROWS // gqa
+
+
 #: the largest head_dim the Triton attention kernels take (``_MAX_HEAD_DIM`` in
 #: acarerank/kernels/prefix_shared_attention.py: its register tiles)
 TRITON_MAX_HEAD_DIM = 256

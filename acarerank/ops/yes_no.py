@@ -38,7 +38,9 @@ def _torch_backend(hidden_last, norm_weight, w_yes, w_no, eps):
     h = hidden_last.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     w = norm_weight.float() * (w_yes.float() - w_no.float())  # fold the norm weight into the difference
-    diff = h @ w
+    # a row's own multiply-and-sum, not h @ w: the GEMV's kernel is picked by S, so a row's bits moved
+    # with the rows beside it (S 1 vs 5 differ in ~half the rows) and batch-invariant scores with them
+    diff = (h * w).sum(-1)
     return torch.sigmoid(diff), diff
 
 
@@ -50,7 +52,7 @@ OP = _backend.OpDecl(
               "cpp": _backend.lazy_backend("yes_no_score", "cpp", "acarerank.ops._cpp", "yes_no_score_cpp", ("cpu",)),
               "cuda": _backend.lazy_backend("yes_no_score", "cuda", "acarerank.ops._cpp", "yes_no_score_cuda", ("cuda",),
                                             needs_cuda_build=True)},
-    # CPU: torch (one fp32 GEMV; the C++ twin is no faster at S <= 100); CUDA: the Triton kernel
+    # CPU: torch (one fp32 multiply-and-sum; the C++ twin is no faster at S <= 100); CUDA: the Triton kernel
     defaults={"cpu": ("torch",), "cuda": ("triton", "cuda", "torch")},
 )
 

@@ -178,16 +178,17 @@ def test_batch_invariant_runner_uses_the_packed_weights():
 
 
 def test_batch_invariant_names_an_attention_that_claims_no_invariance():
-    """batch_invariant=True with the CPU default attention ("native") built silently, while only
-    the GEMMs are fixed-tile there: a cache hit or another prefill chunking moves a score's last
-    bits (docs/ARCHITECTURE.md, "Linear layers": Modes). It warns, naming the backend; the
-    "triton" attention, which holds the whole promise, does not."""
+    """batch_invariant=True with the "torch" attention, where only the GEMMs are fixed-tile: a cache
+    hit or another prefill chunking moves a score's last bits (docs/ARCHITECTURE.md, "Linear
+    layers": Modes). It warns, naming the backend; "triton" and "native" (the CPU default), which
+    hold the whole promise with their prefill passes aligned, do not."""
     m = _model()
-    with pytest.warns(UserWarning, match=r"batch_invariant=True with the '(native|torch)' attention backend"):
-        Qwen3Runner.from_hf(m, batch_invariant=True)
+    with pytest.warns(UserWarning, match=r"batch_invariant=True with the 'torch' attention backend"):
+        Qwen3Runner.from_hf(m, batch_invariant=True, backend={"prefix_shared_attention_paged": "torch"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Qwen3Runner.from_hf(m, batch_invariant=True, backend={"prefix_shared_attention_paged": "triton"})
+        Qwen3Runner.from_hf(m, batch_invariant=True, backend={"prefix_shared_attention_paged": "native"})
         Qwen3Runner.from_hf(m)
 
 

@@ -9,14 +9,16 @@ segments, one-token segments, GQA 1/2/4/8, head_dim 64/128 (and an odd one), pag
 tokens at scattered ids, non-contiguous q.
 """
 import math
+import os
 
 import pytest
 import torch
 
-from _ext import needs_native
+from _ext import cpu_flags, needs_native
 from acarerank.ops import (prefix_shared_attention, prefix_shared_attention_paged, prefix_shared_attention_ref)
 
 pytestmark = needs_native
+_AVX512_BF16 = {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"}  # the direct path's CPU
 
 
 def _kernel():
@@ -492,3 +494,41 @@ def test_native_max_head_dim_is_the_kernels():
     q, k, v, cu, kc, vc, bt, pl, sg = paged
     with pytest.raises(RuntimeError, match=f"head_dim {d + 2} is outside"):
         _kernel()(q, k, v, cu, kc, vc, bt, packed[6], sg, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,d", [(4, 2, 32), (3, 1, 64), (16, 4, 128)])
+def test_native_token_output_same_wherever_an_aligned_prefix_ends(dtype, Hq, Hkv, d):
+    """Bitwise: a token's output is the same whether the keys before it are its own segment's rows
+    (one prefill) or a prefix ending at a multiple of ``aligned_prefix_tokens`` (a cache hit, an
+    earlier chunk) — for a pass of more than ``direct_path_tokens`` tokens (the runner's
+    batch-invariant mode makes no shorter one, ``Qwen3Runner.min_prefill_pass``); where the CPU runs
+    the direct path a pass that short gets other bits, and a prefix ending elsewhere moves the key
+    tiles. The two constants are the kernel's (KT, kDirectRows), which this pins."""
+    from acarerank.ops._native import bf16_attention_path
+    from acarerank.ops.cpu_attention import DIRECT_ROWS, aligned_prefix_tokens, direct_path_tokens
+
+    Q, short = aligned_prefix_tokens(), direct_path_tokens(Hq // Hkv)
+    N = 2 * Q + 40
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(N, h, d, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+
+    def pass_of(P, n):  # tokens [P, P + n) over a prefix of the first P
+        cu, cp = torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, P], dtype=torch.int32)
+        return prefix_shared_attention(q[P:P + n], k[P:P + n], v[P:P + n], cu, k[:P], v[:P], cp,
+                                       torch.zeros(1, dtype=torch.int32), backend="native")
+
+    whole = pass_of(0, N)
+    for P, n in ((Q, N - Q), (2 * Q, N - 2 * Q), (Q, short + 1), (2 * Q, short + 1)):
+        diff = pass_of(P, n) != whole[P:P + n]
+        tokens = sorted(set(diff.nonzero()[:, 0].tolist()))[:8]
+        assert not diff.any(), f"pass [{P}, {P + n}) after an aligned prefix: tokens {[P + t for t in tokens]} differ"
+    # where bf16 tiles are converted to fp32, the bf16 output's rounding hides most fp32 moves, and
+    # the direct path does not run (it takes blocks whose compute type is the input's)
+    own_type = dtype == torch.float32 or bf16_attention_path() != "fp32-convert"
+    if own_type:
+        assert (pass_of(Q // 2 + 3, 60) != whole[Q // 2 + 3:Q // 2 + 63]).any(), "an unaligned prefix moved no bits"
+    direct = os.environ.get("ACARERANK_CPU_DIRECT_ROWS", "") in ("", str(DIRECT_ROWS)) and \
+        os.environ.get("ACARERANK_CPU_BASELINE") != "1" and _AVX512_BF16 <= cpu_flags()
+    if own_type and direct and short:  # the direct path's steps and exp: the tail's rows move
+        assert (pass_of(Q, short) != whole[Q:Q + short]).any(), f"a pass of {short} tokens took the tile path"
