@@ -28,7 +28,8 @@ CHILD = textwrap.dedent('''
          extra_include_paths=[root + "/csrc/cpu"], extra_cflags=["-O1", "-DACR_VNNI_REFERENCE_GEMM", "-fopenmp"],
          is_python_module=False, build_directory=build)
     sys.path[:0] = [root + "/tests/ops", root + "/tests"]
-    sys.modules["_ext"] = types.SimpleNamespace(needs_native=pytest.mark.skipif(False, reason=""))  # keep _cpu out
+    # keep _cpu out: the names test_op_cpu_attention_native imports from _ext, none that loads it
+    sys.modules["_ext"] = types.SimpleNamespace(needs_native=pytest.mark.skipif(False, reason=""), cpu_flags=set)
     from test_op_cpu_attention_native import CASES, make, plain, ref32
     fn = torch.ops.acarerank.prefix_shared_attention_cpu
     failed = []
