@@ -12,6 +12,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+_PYTEST_PID = os.getpid()
+_real_exit = os._exit
+
+
+def _exit_outside_pytest(status):
+    """os._exit, except in the pytest process itself: there it would end the whole run with the
+    status it was given — 0 from a server's bounded stop read as a passing suite. A forked
+    child (another pid) exits as asked."""
+    if os.getpid() == _PYTEST_PID:
+        raise RuntimeError(f"os._exit({status}) called in the pytest process: run this code in a child process")
+    _real_exit(status)
+
+
+os._exit = _exit_outside_pytest
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

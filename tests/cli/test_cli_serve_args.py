@@ -1,7 +1,11 @@
 """``acarerank serve``'s listening address and API key are checked before the model loads: one
 line on stderr, exit 2 (cli/__init__.py), never a server that listens where it was not asked to,
 or that no client can pass."""
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -58,35 +62,41 @@ def test_a_port_in_use_is_refused_before_loading(capsys, no_load, busy_port):
                                f"127.0.0.1 port {busy_port}: address already in use"], (rc, err)
 
 
-def test_a_port_taken_while_the_model_loads_is_refused_as_before_it(capsys, monkeypatch):
-    """The check before the load passes, then another process takes the port while the model
-    loads: uvicorn bound it itself, logged its error over several lines and exited 3 (a SystemExit
-    out of main). Now the server binds it: the check's one line, exit 2, the service stopped."""
-    import threading
-
+# run in a child process: acarerank serve's bounded stop exits the process (os._exit) while any
+# non-daemon thread runs, and a pytest process holds other tests' threads
+_TAKE_PORT_WHILE_LOADING = textwrap.dedent("""
+    import socket, sys
     import acarerank.server.build as build
-    from acarerank.server.launch import free_port
+    from acarerank.cli import main
 
-    real, port, built = build.build_service, free_port(), []
-    taker = socket.socket()
+    port, real, taker = int(sys.argv[1]), build.build_service, socket.socket()
 
     def build_then_take(config):
-        built.append(real(config))
+        service = real(config)
         taker.bind(("127.0.0.1", port))
         taker.listen()
-        return built[-1]
+        return service
 
-    monkeypatch.setattr(build, "build_service", build_then_take)
-    monkeypatch.delenv("ACARERANK_API_KEY", raising=False)
-    try:
-        rc, err = serve(capsys, ["--port", str(port), "--dtype", "float32", "--log-level", "warning"])
-    finally:
-        taker.close()
-    assert built and rc == 2 and len(err) == 2 and err[0].startswith("acarerank serve: model "), (rc, err)
+    build.build_service = build_then_take
+    sys.exit(main(["serve", "--port", str(port), "--dtype", "float32", "--log-level", "warning"]))
+""")
+
+
+def test_a_port_taken_while_the_model_loads_is_refused_as_before_it():
+    """The check before the load passes, then another process takes the port while the model
+    loads: uvicorn bound it itself, logged its error over several lines and exited 3. Now the
+    server binds it: the check's one line, exit 2 — through the service's stop, not past it (a
+    stop cut short exits 0 or 70 from inside it)."""
+    from acarerank.server.launch import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "ACARERANK_API_KEY"}
+    r = subprocess.run([sys.executable, "-c", _TAKE_PORT_WHILE_LOADING, str(port)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    err = [x for x in r.stderr.splitlines() if x.strip() and not x.startswith(("NOTE:", "dtype:"))]
+    assert r.returncode == 2 and len(err) == 2 and err[0].startswith("acarerank serve: model "), (r.returncode, err)
     assert err[1] == (f"acarerank serve: error: --host 127.0.0.1 --port {port}: cannot listen on 127.0.0.1 port "
                       f"{port}: address already in use"), err
-    left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    assert not left, f"the service was not stopped: {left}"
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
