@@ -140,6 +140,7 @@ class Engine(_FaultIsolation):
             else:
                 self._thread = threading.Thread(target=self._run, name="acarerank-scheduler", daemon=True)
                 self._thread.start()
+                self._scheduler = self._thread   # kept past stop(), which forgets _thread: threads()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -153,6 +154,12 @@ class Engine(_FaultIsolation):
         if self._loop is not None:
             concurrent.futures.wait([self._loop], timeout)
             self._loop = None
+
+    def threads(self) -> list:
+        """The scheduler thread of the engine's own while it is alive (none on a ``model_thread``:
+        that one is its owner's)."""
+        t = getattr(self, "_scheduler", None)
+        return [t] if t is not None and t.is_alive() else []
 
     @property
     def alive(self) -> bool:
