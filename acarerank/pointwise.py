@@ -352,6 +352,29 @@ class PointwiseReranker(RerankerBase):
         return PrefixHandle(enc, cache.pool, cache.block_tables[0], len(ids),
                             len(ids) + sum(len(x) for x in enc.segment_ids), hit, len(ids) - hit, runner=self.runner)
 
+    def check_encoding(self, enc: PointwiseEncoding) -> None:
+        """Refuse, before any model work, an encoding that ``acquire_prefix`` or ``score_segments``
+        would refuse: not a ``PointwiseEncoding`` (TypeError); a shared part of ``max_length``
+        tokens or more, a segment with ``len(shared_ids) + len(segment) > max_length`` or an empty
+        one (ValueError naming the document) — an encoding built for a longer cap, by another
+        reranker, or by hand. ``encode``'s own always pass. A server calls it when a request is
+        submitted, so such a request is the caller's error, not a model failure (docs/serving.md,
+        "A broken engine is found")."""
+        if not isinstance(enc, PointwiseEncoding):
+            raise TypeError(f"expected a PointwiseEncoding (from encode), got {type(enc).__name__}")
+        shared = len(enc.shared_ids)
+        built = getattr(enc, "max_length", None)
+        built = f"; it was built for max_length={built}" if built != self.max_length else ""
+        if shared >= self.max_length:
+            raise ValueError(f"the encoding's shared part of {shared} tokens leaves no room for a document under "
+                             f"this reranker's max_length={self.max_length} tokens{built}")
+        for n, seg in enumerate(enc.segment_ids):
+            if len(seg) == 0:
+                raise ValueError(f"the encoding's document {n} has no tokens (encode never makes one)")
+            if shared + len(seg) > self.max_length:
+                raise ValueError(f"the encoding's document {n} makes a prompt of {shared + len(seg)} tokens, over "
+                                 f"this reranker's max_length={self.max_length} tokens{built}")
+
     def release_prefix(self, handle: PrefixHandle) -> None:
         """Unpin the handle's pages (idempotent); cached ones stay until evicted."""
         if not isinstance(handle, PrefixHandle):

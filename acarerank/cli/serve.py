@@ -91,4 +91,4 @@ def run(args) -> int:
           f"max_queue_tokens {service.max_queue_tokens or 'off'}"
           f"{'' if not service.max_queue_tokens else _token_wait(service.token_wait_timeout)}, "
           f"api key {'on' if api_key else 'off'})", file=sys.stderr)
-    return run_server(service, config, api_key=api_key)
+    return run_server(service, config, api_key=api_key, exit_if_stuck=True)  # this process is ours

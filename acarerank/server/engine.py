@@ -65,7 +65,8 @@ class Engine(_FaultIsolation):
 
     Args:
       steps: object with ``acquire_prefix``, ``score_segments``, ``release_prefix`` (``encode``
-        and ``cache_stats`` are called from other threads by the service).
+        and ``cache_stats`` are called from other threads by the service) and optionally
+        ``check_encoding(enc)``, which ``submit`` calls on the caller's thread.
       max_batch_tokens: segment tokens per packed pass (a longer single segment runs alone).
       metrics: optional ``ServerMetrics`` (queue time, pass sizes, queue depth, cancellations).
       max_running: requests with a prefilled (pinned) prefix at once; later ones wait their turn.
@@ -139,6 +140,7 @@ class Engine(_FaultIsolation):
             else:
                 self._thread = threading.Thread(target=self._run, name="acarerank-scheduler", daemon=True)
                 self._thread.start()
+                self._scheduler = self._thread   # kept past stop(), which forgets _thread: threads()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -152,6 +154,12 @@ class Engine(_FaultIsolation):
         if self._loop is not None:
             concurrent.futures.wait([self._loop], timeout)
             self._loop = None
+
+    def threads(self) -> list:
+        """The scheduler thread of the engine's own while it is alive (none on a ``model_thread``:
+        that one is its owner's)."""
+        t = getattr(self, "_scheduler", None)
+        return [t] if t is not None and t.is_alive() else []
 
     @property
     def alive(self) -> bool:
@@ -175,7 +183,15 @@ class Engine(_FaultIsolation):
     # -- submission (any thread) -------------------------------------------------------------
     def submit(self, enc, rid: Optional[str] = None) -> _ScoreJob:
         """Queue one encoded request; ``job.future`` resolves to a ``ScoreResult`` (or raises
-        ``EngineFault`` / ``EngineDead``). rid: the request id its failure line names."""
+        ``EngineFault`` / ``EngineDead``). rid: the request id its failure line names.
+
+        An encoding the model would refuse by name (``steps.check_encoding``, where the steps
+        have one: built for a longer cap, by another reranker or by hand) is a ValueError or
+        TypeError here, the caller's error: queued, it failed in a pass as an ``EngineFault`` and
+        counted toward the canary (docs/serving.md, "A broken engine is found")."""
+        check = getattr(self.steps, "check_encoding", None)
+        if check is not None:
+            check(enc)
         job = _ScoreJob(enc=enc, future=concurrent.futures.Future(), submitted=time.perf_counter(),
                         scores=[0.0] * len(enc.segment_ids))
         job.rid = rid or f"job-{next(self._ids)}"

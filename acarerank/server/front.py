@@ -162,35 +162,43 @@ class DrainingServer:
         return _Server(uv_config)
 
 
-def run_server(service, config: ServeConfig, api_key=None) -> int:
+def run_server(service, config: ServeConfig, api_key=None, *, exit_if_stuck: bool = False) -> int:
     """Serve ``service`` (started) over HTTP until SIGTERM/SIGINT or its death, then stop it,
-    bounded in time. Returns the process's exit status: 0, or ``EXIT_ENGINE_DEAD``. Raises
-    ``listen_sockets``' OSError (the service stopped) when ``config``'s address cannot be bound."""
-    from .app import create_app
-    from .gate import GateState
+    bounded in time. Returns the exit status: 0, or ``EXIT_ENGINE_DEAD``. Raises
+    ``listen_sockets``' OSError (the service stopped) when ``config``'s address cannot be bound.
 
-    config = fit_connections_to_descriptors(config)
-    state = GateState()
-    app = create_app(service, config, api_key=api_key, state=state)
-    server = DrainingServer(uvicorn_config(app, config), state, config.drain_timeout)
+    ``exit_if_stuck``: when the service's threads (``service.threads()``: a model call cannot be
+    interrupted) still run ``SHUTDOWN_GRACE_S + 1`` s after the stop, exit the process at once
+    with that status (``os._exit``) — ``acarerank serve``'s choice, which owns its process. False
+    (an application embedding the server): one warning naming those threads, and the status is
+    returned; the process and its other threads are the application's (docs/serving.md)."""
+    app = None
+    try:   # from here on the service is ours to stop, whatever is raised (a Ctrl-C before uvicorn's handler)
+        from .app import create_app
+        from .gate import GateState
 
-    def on_dead(reason: str) -> None:  # on the thread that noticed: stop serving after the grace
-        log.critical("exiting in %g s with status %d: %s", DEAD_GRACE_S, EXIT_ENGINE_DEAD, reason)
-        timer = threading.Timer(DEAD_GRACE_S, lambda: setattr(server, "should_exit", True))
-        timer.daemon = True
-        timer.start()
+        config = fit_connections_to_descriptors(config)
+        state = GateState()
+        app = create_app(service, config, api_key=api_key, state=state)
+        server = DrainingServer(uvicorn_config(app, config), state, config.drain_timeout)
 
-    service.on_dead.append(on_dead)
-    if service.dead is not None:  # died before the callback was in place
-        on_dead(service.dead)
-    try:
+        def on_dead(reason: str) -> None:  # on the thread that noticed: stop serving after the grace
+            log.critical("exiting in %g s with status %d: %s", DEAD_GRACE_S, EXIT_ENGINE_DEAD, reason)
+            timer = threading.Timer(DEAD_GRACE_S, lambda: setattr(server, "should_exit", True))
+            timer.daemon = True
+            timer.start()
+
+        service.on_dead.append(on_dead)
+        if service.dead is not None:  # died before the callback was in place
+            on_dead(service.dead)
         # bound here, not by uvicorn: a port taken since acarerank serve's check (during the
         # model's load) is an OSError naming it, one line and exit 2 as that check's, where
         # uvicorn logged its own error over several lines and exited 3 (docs/serving.md)
         server.run(sockets=listen_sockets(config.host, config.port, backlog=server.config.backlog))
     finally:
-        app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
-        _stop_bounded(service, SHUTDOWN_GRACE_S + 1.0)
+        if app is not None:
+            app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
+        _stop_bounded(service, SHUTDOWN_GRACE_S + 1.0, exit_if_stuck)
     # read after the final stop: the engine's last pass runs during it and may kill the engine
     return exit_status(service)
 
@@ -200,20 +208,25 @@ def exit_status(service) -> int:
     return EXIT_ENGINE_DEAD if service.dead is not None else 0
 
 
-def _stop_bounded(service, timeout: float) -> None:
-    """``service.stop()``; if model work still runs after ``timeout`` seconds (a model call is not
-    interruptible), exit the process now rather than wait for it: the drain deadline is a bound.
-    The status is ``exit_status`` then, as ``run_server``'s."""
+def _stop_bounded(service, timeout: float, exit_if_stuck: bool = False) -> list:
+    """``service.stop()``, then wait up to ``timeout`` seconds for its threads (``service.threads()``;
+    a model call is not interruptible). Returns those still running, after one warning naming
+    them; with ``exit_if_stuck`` (``acarerank serve``) it exits the process instead, status
+    ``exit_status``: the drain deadline is a bound. Only the service's threads are waited for:
+    an embedding application's own are none of its business."""
     service.engine.stop(timeout)
     service.stop()
     deadline = time.monotonic() + timeout
-    busy = lambda: [t for t in threading.enumerate()  # noqa: E731
-                    if t is not threading.main_thread() and not t.daemon and t.is_alive()]
-    while busy() and time.monotonic() < deadline:
+    while service.threads() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if busy():
-        print(f"acarerank serve: exiting with model work still running ({', '.join(t.name for t in busy())})",
+    busy = service.threads()
+    if busy and exit_if_stuck:
+        print(f"acarerank serve: exiting with model work still running ({', '.join(t.name for t in busy)})",
               file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_status(service))
+    if busy:
+        log.warning("stopped with model work still running after %g s (%s): those threads end when their "
+                    "call returns", timeout, ", ".join(t.name for t in busy))
+    return busy

@@ -15,6 +15,7 @@ builds its reranker on this thread and then runs the engine's scheduler loop on 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Callable
 
 
@@ -22,7 +23,13 @@ class ModelThread:
     """A single worker thread that runs callables in submission order."""
 
     def __init__(self, name: str = "acarerank-model"):
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._threads: list = []   # the worker, once started (a bounded stop waits for it: front.py)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=name, initializer=lambda: self._threads.append(threading.current_thread()))
+
+    def threads(self) -> list:
+        """The worker thread while it is alive (a list: empty before its first call and once it ended)."""
+        return [t for t in self._threads if t.is_alive()]
 
     def call(self, fn: Callable, *args, **kwargs):
         """``fn(*args, **kwargs)`` on the model thread; waits and returns (or raises) its result."""

@@ -218,7 +218,9 @@ class RerankService:
                              model_thread=model_thread, select_steps=setwise, canary_after=canary_after_failures,
                              max_running_tokens=pinned_tokens_bound(reranker))
         self.model_thread = model_thread
-        self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize")
+        self._pool_threads: list = []   # the tokenizer workers, for threads()
+        self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize",
+                                       initializer=lambda: self._pool_threads.append(threading.current_thread()))
         self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))
         self.large_request_chars = LARGE_REQUEST_CHARS
         self._lock = threading.Lock()
@@ -270,6 +272,13 @@ class RerankService:
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.model_thread is not None:
             self.model_thread.shutdown()
+
+    def threads(self) -> list:
+        """The threads this service started that are still alive: the engine's scheduler (or the
+        model thread it runs on) and the tokenizer workers. A bounded stop waits for these only,
+        never for the embedding application's own threads (``front.run_server``)."""
+        mt = self.model_thread.threads() if self.model_thread is not None else []
+        return self.engine.threads() + mt + [t for t in self._pool_threads if t.is_alive()]
 
     @property
     def dead(self) -> Optional[str]:

@@ -6,6 +6,7 @@ broken for good by a device-side assert), the canary's included. ``FAULT=always`
 raises a ``RuntimeError``, the warm-up's first. ``FAULT=RuntimeError``: only a pass holding a
 poisoned request raises a ``RuntimeError`` (a fault the engine's culprit search isolates: that
 request gets its 500, every other one its scores; ``bench/soak_serve.py``).
+``FAULT=hang``: a pass holding a poisoned request never returns (a model call that hangs).
 ``FAULT=at_shutdown``: the poisoned pass waits until uvicorn has stopped (the final
 ``_stop_bounded`` begins), then raises ``SystemExit``: the engine dies during the shutdown.
 
@@ -20,8 +21,9 @@ from acarerank.server import front
 
 FAULT = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit, "at_shutdown": SystemExit,
          "sticky": RuntimeError, "always": RuntimeError,
-         "RuntimeError": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
+         "RuntimeError": RuntimeError, "hang": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
 AT_SHUTDOWN = os.environ.get("FAULT") == "at_shutdown"
+HANG = os.environ.get("FAULT") == "hang"
 uvicorn_stopped = threading.Event()
 STICKY = os.environ.get("FAULT") == "sticky"
 broken = [True] if os.environ.get("FAULT") == "always" else []
@@ -39,6 +41,8 @@ def score_or_die(self, items):
     if broken or any(getattr(h.encoding, "poison", False) for h, _ in items):
         if STICKY:
             broken.append(True)
+        if HANG:
+            threading.Event().wait()
         if AT_SHUTDOWN:
             assert uvicorn_stopped.wait(60)
         raise FAULT("injected into the scoring pass")
