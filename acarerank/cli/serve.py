@@ -15,6 +15,7 @@ import importlib.util
 import os
 import sys
 import time
+from typing import NoReturn
 
 from ..server.config import ServeConfig, check_api_key
 from ..server.listen import listen_sockets
@@ -84,11 +85,28 @@ def run(args) -> int:
         check_api_key(api_key, "ACARERANK_API_KEY")
     check_listen(config.host, config.port)
     t0 = time.perf_counter()
-    service = build_service(config)
-    service.start(warmup=True)
-    print(f"acarerank serve: model {service.model_name!r} ready in {time.perf_counter() - t0:.1f} s "
-          f"(max_batch_tokens {service.engine.max_batch_tokens}, max_queue {service.max_queue}, "
-          f"max_queue_tokens {service.max_queue_tokens or 'off'}"
-          f"{'' if not service.max_queue_tokens else _token_wait(service.token_wait_timeout)}, "
-          f"api key {'on' if api_key else 'off'})", file=sys.stderr)
-    return run_server(service, config, api_key=api_key, exit_if_stuck=True)  # this process is ours
+    service = None
+    try:
+        service = build_service(config)
+        service.start(warmup=True)
+        print(f"acarerank serve: model {service.model_name!r} ready in {time.perf_counter() - t0:.1f} s "
+              f"(max_batch_tokens {service.engine.max_batch_tokens}, max_queue {service.max_queue}, "
+              f"max_queue_tokens {service.max_queue_tokens or 'off'}"
+              f"{'' if not service.max_queue_tokens else _token_wait(service.token_wait_timeout)}, "
+              f"api key {'on' if api_key else 'off'})", file=sys.stderr)
+        return run_server(service, config, api_key=api_key, exit_if_stuck=True)  # this process is ours
+    except KeyboardInterrupt:   # before uvicorn's own SIGINT handler (which drains) or after its stop
+        if service is None or service.threads():   # a model call still runs: the load, or the started service
+            _exit_interrupted()
+        raise   # everything stopped (run_server's bounded stop): main's exit 130
+
+
+def _exit_interrupted() -> NoReturn:
+    """Ctrl-C while the model loads or warms up, or before uvicorn took over SIGINT: exit 130 now,
+    as ``main`` would after its one line. The model thread's call cannot be interrupted, and
+    Python's exit waits for that thread (the whole load; for ever once the started service's loop
+    runs on it); nothing has been served, so there is nothing to drain."""
+    print("acarerank serve: interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from _optional import require
 
 require("httpx", "fastapi", "uvicorn")
@@ -82,3 +84,59 @@ def test_acarerank_serve_exits_within_its_bound_when_a_model_call_hangs(tmp_path
     assert child.returncode == 0, (child.returncode, err[-2000:])
     assert took < 0.5 + 2.0 + 2.0 + 5.0, f"exited {took:.1f} s after SIGTERM"
     assert "exiting with model work still running (acarerank-model" in err, err[-2000:]
+
+
+# ``acarerank serve`` with a slow model load (``load``) or a pause between the service's start and
+# run_server (``gap``: uvicorn's SIGINT handler not yet in place); argv: WHERE MODEL PORT
+_SLOW_START = """
+import sys, time
+import acarerank.server.build as build
+import acarerank.server.front as front
+
+where, model, port = sys.argv[1:4]
+load, run_server = build.build_rerankers, front.run_server
+
+def slow_load(config):   # on the model thread: a call Ctrl-C cannot interrupt
+    sys.stderr.write("MARK\\n"); sys.stderr.flush()
+    time.sleep(60)
+    return load(config)
+
+def late_run_server(*a, **kw):
+    sys.stderr.write("MARK\\n"); sys.stderr.flush()
+    time.sleep(60)
+    return run_server(*a, **kw)
+
+if where == "load":
+    build.build_rerankers = slow_load
+else:
+    front.run_server = late_run_server
+from acarerank.cli import main
+sys.exit(main(["serve", "--model", model, "--dtype", "float32", "--port", port]))
+"""
+
+
+@pytest.mark.parametrize("where", ["load", "gap"])
+def test_ctrl_c_before_serving_exits_130_at_once(tmp_path, where):
+    """Ctrl-C during the model's load printed "interrupted" and then waited for the load to finish
+    (Python's exit joins the model thread: 7.5 s after it for a 6 s load); after the service had
+    started but before uvicorn's handler it hung for ever (the service's loop holds the model
+    thread). Both exit 130 at once, one line, no traceback (docs/serving.md, "A dead engine is loud")."""
+    tiny_model().save_pretrained(tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", _SLOW_START, where, str(tmp_path), str(free_port())],
+                             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        lines = []
+        while not lines or lines[-1] not in ("MARK\n", ""):
+            lines.append(child.stderr.readline())
+        assert lines[-1] == "MARK\n", "".join(lines)[-2000:]
+        t0 = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        err = child.communicate(timeout=30)[1]
+        took = time.monotonic() - t0
+    finally:
+        child.kill()
+    assert child.returncode == 130 and err.splitlines()[-1:] == ["acarerank serve: interrupted"], (child.returncode, err)
+    assert "Traceback" not in err, err
+    assert took < 10, f"exited {took:.1f} s after SIGINT"
