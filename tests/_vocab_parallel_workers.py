@@ -124,9 +124,10 @@ def _topk_subgroups(ctx, hidden, weight, targets, k):
 
 
 def _linear(ctx, hidden, weight, targets, bounds, pass_start=False, vocab_size=None, temperature=1.0,
-            return_entropy=False, chunk=None, grad_seed=0, inference_targets=False):
+            return_entropy=False, chunk=None, grad_seed=0, inference_targets=False, inference=None):
     """Forward, then backward of Σ g·logprob (+ Σ e·entropy) with the same g, e on every rank;
-    ``inference_targets``: the targets an inference tensor (sampled under torch.inference_mode())."""
+    ``inference_targets``: the targets an inference tensor (sampled under torch.inference_mode());
+    ``inference``: "hidden" or "weight" made there instead (without grad; the other one has it)."""
     from acarerank.ops import linear_logprob
 
     if inference_targets:
@@ -135,6 +136,10 @@ def _linear(ctx, hidden, weight, targets, bounds, pass_start=False, vocab_size=N
     s, e = bounds[ctx.rank]
     h = hidden.clone().requires_grad_(True)
     w = weight[s:e].clone().requires_grad_(True)
+    if inference is not None:
+        with torch.inference_mode():
+            made = {"hidden": hidden.clone(), "weight": weight[s:e].clone()}[inference]
+        h, w = (made, w) if inference == "hidden" else (h, made)
     out = linear_logprob(h, w, targets, temperature=temperature, return_entropy=return_entropy, chunk=chunk,
                          process_group=ctx.group, vocab_start=s if pass_start else None, vocab_size=vocab_size)
     lp, ent = (out if return_entropy else (out, None))

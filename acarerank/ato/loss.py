@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from ..ops._checks import check_flag, check_float_tensors
+
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LOG_RATIO_CLAMP = 20.0  # as verl: exp(±20) keeps ρ finite; no gradient flows through a clamped ratio
 
@@ -68,6 +70,46 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
     return seq_sum.sum() / max(norm, 1)
 
 
+@torch.library.custom_op("acarerank::policy_loss_valid", mutates_args=())
+def policy_loss_valid(logp: torch.Tensor, logp_old: torch.Tensor, advantage: torch.Tensor, mask: torch.Tensor,
+                      validate: bool) -> torch.Tensor:
+    """[N, L] bool: ``mask`` read as bool (nonzero = valid), a new contiguous tensor; with
+    ``validate``, a ValueError naming the first NaN/inf entry of ``mask`` (anywhere: it is neither
+    valid nor padding) or of ``logp_old``, ``advantage``, ``logp`` at a valid token.
+
+    A registered op so that the check, which reads the data, runs on the real tensors in eager
+    and compiled code alike (as ``topk_logprobs``' range check does): in the loss's Python body it
+    was a data-dependent branch, an error under torch.compile(fullgraph=True). Its output is the
+    mask the loss uses, so no compiler drops it. Cost: one elementwise pass over the four [N, L]
+    tensors and, on a GPU, one host sync (skipped while a CUDA graph is captured, where a sync is
+    an error, and with ``validate=False``, which is sync-free).
+    """
+    valid = torch.empty(mask.shape, dtype=torch.bool, device=mask.device)
+    valid.copy_(mask)  # nonzero (NaN included) -> True
+    capturing = valid.is_cuda and torch.cuda.is_current_stream_capturing()
+    if validate and valid.numel() and not capturing:
+        named = [("mask", ~torch.isfinite(mask) if mask.is_floating_point() else None)]
+        named += [(name, valid & ~torch.isfinite(t)) for name, t in
+                  (("logp_old", logp_old), ("advantage", advantage), ("logp", logp))]
+        named = [(name, bad) for name, bad in named if bad is not None]
+        found = torch.stack([bad.any() for _, bad in named]).tolist()  # the one host sync
+        for (name, bad), hit in zip(named, found):
+            if hit:
+                pos = bad.nonzero()
+                i, j = pos[0].tolist()
+                value = {"mask": mask, "logp_old": logp_old, "advantage": advantage, "logp": logp}[name][i, j].item()
+                where = "" if name == "mask" else " at a valid token (mask nonzero there)"
+                raise ValueError(f"clipped_policy_loss: {name}[{i}, {j}] is {value}{where}; {pos.shape[0]} such "
+                                 f"position(s), first {[tuple(p) for p in pos[:5].tolist()]}. A NaN/inf there makes "
+                                 f"the loss NaN or silently wrong (the ratio is clamped); padding may hold anything")
+    return valid
+
+
+@policy_loss_valid.register_fake
+def _(logp, logp_old, advantage, mask, validate):
+    return mask.new_empty(mask.shape, dtype=torch.bool)
+
+
 def _valid(mask: torch.Tensor) -> torch.Tensor:
     """``mask`` as bool, always a new tensor: torch.where saves its condition for the backward, and
     autograd refuses to save an inference tensor (a mask made under torch.inference_mode(), e.g.
@@ -91,7 +133,7 @@ def _norm_length(norm_length, agg: str, padded: int) -> int:
 
 
 def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, agg: str = "token-mean",
-                        norm_length: Optional[int] = None):
+                        norm_length: Optional[int] = None, *, validate: bool = True):
     """PPO-clip loss of Eq. 11 on the ATO advantage (Eq. 10); differentiable in ``logp``.
 
     Args:
@@ -104,11 +146,18 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
       agg: one of AGG_MODES (verl's names).
       norm_length: the constant divisor of "seq-mean-token-sum-norm" (``agg_loss``; the response
         budget, as verl's fixed response length), else None.
+      validate: refuse (ValueError naming the tensor and its first bad [i, l]) a NaN/inf in
+        ``logp_old``, ``advantage`` or ``logp`` at a valid token, or in a floating-point ``mask``
+        anywhere: NaN gave a NaN loss with no error, and ±inf a finite, wrong one (the log-ratio
+        is clamped to ±20). One pass over the [N, L] inputs and, on a GPU, one host sync per
+        call; it runs under torch.compile too (``policy_loss_valid``), not while a CUDA graph is
+        captured. False: no check, no sync.
     Returns: scalar loss (dtype of logp). At logp == logp_old its gradient is −A·M/ΣM for
     "token-mean" (Lemma 1: the clip is inactive at the snapshot).
     Masked positions are excluded before the exponential, so padding with any values
     (even ±inf) cannot produce NaN. ``logp_old``, ``advantage`` and ``mask`` may be inference
-    tensors (made under ``torch.inference_mode()``).
+    tensors (made under ``torch.inference_mode()``). ``logp_old`` and ``advantage`` must be
+    floating point (TypeError) and every input on ``logp``'s device (ValueError).
     """
     if isinstance(eps_clip, bool) or not isinstance(eps_clip, numbers.Real) or not eps_clip > 0:
         raise ValueError(f"eps_clip must be a number > 0, got {eps_clip!r}")
@@ -121,11 +170,14 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
     shapes = {name: tuple(t.shape) for name, t in named}
     if len(set(shapes.values())) != 1 or logp.dim() != 2:
         raise ValueError(f"logp, logp_old, advantage and mask must all be [N, L]; got {shapes}")
-    # the math runs in logp's dtype: an int64 logp truncated logp_old to integers (a loss, no error)
-    if not logp.is_floating_point():
-        raise TypeError(f"clipped_policy_loss: logp must be floating point, got {logp.dtype}")
+    # the math runs in logp's dtype: an int64 logp truncated logp_old to integers (a loss, no
+    # error); an integer logp_old or advantage (token ids passed by mistake) was cast silently
+    check_float_tensors("clipped_policy_loss", ("logp", logp), ("logp_old", logp_old), ("advantage", advantage))
+    if mask.device != logp.device:
+        raise ValueError(f"clipped_policy_loss: mask is on {mask.device}, logp is on {logp.device}")
+    check_flag("clipped_policy_loss", "validate", validate)
     _norm_length(norm_length, agg, logp.shape[-1])  # before any work: a bad one is the caller's error
-    valid = _valid(mask)
+    valid = policy_loss_valid(logp.detach(), logp_old.detach(), advantage.detach(), mask, bool(validate))
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     log_ratio = torch.where(valid, logp - logp_old.detach().to(logp.dtype), zero)
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))

@@ -82,7 +82,8 @@ from ..topk_contract import OUTSIDE_MODES, as_int, check_k, finalize
 from . import _backend
 from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, finite_real
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
-from .linear_logprob import FirstOrderOnly, backward_chunks, compute_copy, forward_stats, grad_inputs
+from .linear_logprob import (FirstOrderOnly, _refuse_inference_tensors, backward_chunks, compute_copy, forward_stats,
+                             grad_inputs)
 from .topk_logprobs import OP as _TOPK_OP
 from .topk_logprobs import _check_result_finite, order_keys, topk_logprobs_core
 
@@ -436,6 +437,10 @@ def linear_logprob_vocab_parallel(hidden, weight_shard, targets, temperature=1.0
     def local_check():
         check_projection_inputs(hidden, weight_shard, targets, op, temperature=temperature, chunk=chunk, shard=True)
         check_flag(op, "return_entropy", return_entropy)
+        # here, not at the save after the forward's collectives: torch's error from there named
+        # neither the op nor the argument, and one rank's inference tensor left the others with
+        # a flags disagreement
+        _refuse_inference_tensors(hidden, weight_shard)
 
     flags = int(bool(return_entropy)) | (2 if isinstance(hidden, torch.Tensor) and hidden.requires_grad
                                          and torch.is_grad_enabled() else 0)

@@ -165,3 +165,70 @@ def test_a_bad_norm_length_is_named(kw, needle):
     assert needle in str(e.value), e.value
     with pytest.raises(ValueError, match="norm_length"):
         agg_loss(logp.detach(), mask, **kw)
+
+
+@pytest.mark.parametrize("name", ["logp_old", "advantage", "logp"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_nonfinite_input_at_a_valid_token_is_named(name, value):
+    """A NaN logp_old (or advantage, or logp) at a valid token gave a NaN loss with no error, and
+    ±inf a finite wrong one (the log-ratio is clamped to ±20: logp_old = +inf made ρ = e⁻²⁰).
+    Now a ValueError naming the tensor and its first bad position; padding may still hold
+    anything, and validate=False is the unchecked loss."""
+    logp, old, adv, mask = _batch(3)
+    args = {"logp": logp.clone(), "logp_old": old.clone(), "advantage": adv.clone()}
+    args[name][1, 2] = value
+    args[name][3, 0] = value
+    args[name][2, 5] = value  # padding: not an error
+    with pytest.raises(ValueError, match=rf"clipped_policy_loss: {name}\[1, 2\] is {value} at a valid token.*"
+                                         rf"2 such position\(s\), first \[\(1, 2\), \(3, 0\)\]"):
+        clipped_policy_loss(args["logp"].clone().requires_grad_(), args["logp_old"], args["advantage"], mask)
+    unchecked = clipped_policy_loss(args["logp"], args["logp_old"], args["advantage"], mask, validate=False)
+    if value != value:  # NaN: the loss the check stands in front of
+        assert torch.isnan(unchecked)
+    args[name][1, 2] = args[name][3, 0] = 0.0
+    loss = clipped_policy_loss(args["logp"], args["logp_old"], args["advantage"], mask)
+    want = _plain(args["logp"], args["logp_old"], args["advantage"], mask, 0.2, "token-mean")
+    assert torch.allclose(loss, torch.as_tensor(want, dtype=loss.dtype), atol=1e-6)
+
+
+def test_a_float_mask_with_nan_and_inputs_of_the_wrong_type_are_named():
+    """A NaN in a float mask read as valid (nonzero); an integer logp_old or advantage (ids passed
+    by mistake) was cast to logp's dtype; a mask on another device failed inside torch.where."""
+    logp, old, adv, mask = _batch(4)
+    fmask = mask.float()
+    fmask[0, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"clipped_policy_loss: mask\[0, 4\] is nan;"):
+        clipped_policy_loss(logp, old, adv, fmask)
+    want = clipped_policy_loss(logp, old, adv, mask)
+    assert torch.equal(clipped_policy_loss(logp, old, adv, mask.float()), want)
+    assert torch.equal(clipped_policy_loss(logp, old, adv, mask.to(torch.uint8)), want)
+    with pytest.raises(TypeError, match="clipped_policy_loss: logp_old must be floating point, got torch.int64"):
+        clipped_policy_loss(logp, old.long(), adv, mask)
+    with pytest.raises(TypeError, match="clipped_policy_loss: advantage must be floating point, got torch.int32"):
+        clipped_policy_loss(logp, old, adv.int(), mask)
+    with pytest.raises(ValueError, match="clipped_policy_loss: mask is on meta, logp is on cpu"):
+        clipped_policy_loss(logp, old, adv, mask.to("meta"))
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        clipped_policy_loss(logp, old, adv, mask, validate="no")
+
+
+def test_the_check_runs_in_a_compiled_loss():
+    """The check reads the data: as a Python branch it was an error under fullgraph=True. It runs
+    inside a registered op, so the compiled loss raises the eager error and otherwise equals it."""
+    logp, old, adv, mask = _batch(5)
+    step = torch.compile(clipped_policy_loss, backend="aot_eager", fullgraph=True, dynamic=True)
+    assert torch.allclose(step(logp, old, adv, mask), clipped_policy_loss(logp, old, adv, mask), rtol=1e-6, atol=0)
+    old[2, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"logp_old\[2, 0\] is nan at a valid token"):
+        step(logp, old, adv, mask)
+
+
+def test_opcheck_policy_loss_valid():
+    """The check's registered op: its fake kernel agrees with the real one (shape, dtype, strides),
+    on a transposed float mask and an empty batch too."""
+    from acarerank.ato.loss import policy_loss_valid
+
+    logp, old, adv, mask = _batch(6)
+    for m in (mask, mask.float().t().contiguous().t(), mask[:0]):
+        n = m.shape[0]
+        torch.library.opcheck(policy_loss_valid, (logp[:n], old[:n], adv[:n], m, True))

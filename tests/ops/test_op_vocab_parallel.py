@@ -450,6 +450,14 @@ def _bad_cases():
         # a -inf logit: finite log-probs, but a NaN entropy (0·log 0), an error too
         "linear-entropy-ninf": (2, "linear", dict(lin, hidden=pos_h, weight=ninf_w, return_entropy=True), {},
                                 "non-finite logits"),
+        # as the single-process op: named before any collective work, not torch's error from the save
+        "linear-inference-hidden-one-rank": (2, "linear", dict(lin), {1: {"inference": "hidden"}},
+                                             {1: "linear_logprob: hidden is an inference tensor .*torch.no_grad",
+                                              0: "rank 1 .* rejected its input: ValueError: linear_logprob: hidden "
+                                                 "is an inference tensor"}),
+        "linear-inference-weight": (2, "linear", dict(lin, inference="weight"), {},
+                                    {1: "linear_logprob: weight is an inference tensor",
+                                     0: "linear_logprob: weight is an inference tensor"}),
         "linear-gap": (2, "linear", dict(lin), {1: {"bounds": [(0, 500), (501, 1000)], "pass_start": True}},
                        "do not tile"),
     }
