@@ -8,6 +8,7 @@ Pure tensor functions; no autograd is needed (advantages are constants, Assumpti
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -79,14 +80,15 @@ def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Opt
     Args:
       a_grpo: [N] per-rollout (or [N, L] per-token) outcome advantage.
       a_atd: [N, L] per-token distillation advantage (``rescore(...).atd``).
-      format_ok: [N] bool m_i.
+      format_ok: [N] bool m_i (or 0/1 numbers; any other value is a ValueError).
       lam: λ in [0, 1] (paper: 0.7).
       response_mask: optional [N, L] bool; positions outside it are set to 0.
     Returns: [N, L] fp32. Raises ValueError when a result is NaN/inf (a non-finite a_grpo, or
     a_atd where m_i = 1, inside the response mask), naming the (rollout, token) positions.
     """
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"lam must be in [0, 1], got {lam}")
+    # a bool is a Real: lam=True mixed as λ = 1 (pure GRPO) with no word said
+    if isinstance(lam, bool) or not isinstance(lam, numbers.Real) or not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must be a number in [0, 1], got {lam!r}")
     atd = a_atd if isinstance(a_atd, torch.Tensor) else torch.as_tensor(a_atd)
     if atd.dim() != 2:
         raise ValueError(f"a_atd must be [N, L], got shape {tuple(atd.shape)}")
@@ -100,6 +102,10 @@ def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Opt
     m = format_ok if isinstance(format_ok, torch.Tensor) else torch.as_tensor(format_ok)
     if m.shape != (N,):
         raise ValueError(f"format_ok must be [N={N}], got shape {tuple(m.shape)}")
+    if m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any()):  # 0.5 read as True: a soft mask is not m_i
+        bad = [(i, v) for i, v in enumerate(m.tolist()) if v not in (0, 1)]
+        raise ValueError(f"format_ok must be bool or 0/1 per rollout (m_i of Eq. 10), got {len(bad)} other value(s), "
+                         f"first (rollout, value) {bad[:5]}")
     m = m.to(atd.device).bool()
     distill = torch.where(m[:, None], atd.float(), torch.zeros((), device=atd.device))
     out = lam * grpo + (1.0 - lam) * distill

@@ -82,3 +82,11 @@ def test_ato_advantage_bad_input():
         ato_advantage(torch.zeros(3), torch.zeros(2, 3), torch.ones(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="format_ok must be"):
         ato_advantage(torch.zeros(2), torch.zeros(2, 3), torch.ones(3, dtype=torch.bool))
+    # λ = True (a bool is a Real) mixed as λ = 1, a NaN λ passed; a soft format mask read 0.5 as 1
+    for lam in (True, float("nan"), "0.7", None):
+        with pytest.raises(ValueError, match="lam must be a number"):
+            ato_advantage(torch.zeros(2), torch.zeros(2, 3), torch.ones(2, dtype=torch.bool), lam=lam)
+    with pytest.raises(ValueError, match=r"format_ok must be bool or 0/1.*\(1, 0\.5\)"):
+        ato_advantage(torch.zeros(2), torch.zeros(2, 3), torch.tensor([1.0, 0.5]))
+    got = ato_advantage(torch.zeros(2), torch.ones(2, 3), torch.tensor([1, 0]), lam=0.5)   # 0/1 ints: as bool
+    assert torch.equal(got, torch.tensor([[0.5] * 3, [0.0] * 3])), got
