@@ -128,6 +128,37 @@ def least_work_flops(sh: Shapes, shared_len: int, seg_lens: Sequence[int]) -> fl
     return sum(packed_flop_parts(sh, shared_len, seg_lens).values())
 
 
+def least_work_select_flops(sh: Shapes, prompt_len: int, new_tokens: int, head_width: int, cached: int = 0) -> float:
+    """FLOPs of the least work an exact server does to generate ``new_tokens`` (k >= 1) greedy
+    tokens after a ``prompt_len``-token (n >= 1) prompt whose first ``cached`` (c <= n − 1) tokens
+    are in the KV cache already (a batch's common prefix, computed for another of its prompts;
+    0: none): the setwise counterpart of ``least_work_flops`` (docs/benchmarks.md, "A server's
+    GFLOP/s"), credited to every server.
+
+    The other n − 1 − c prompt tokens only fill the KV cache: their pass stops at the last layer's
+    q/k/v projections and attention runs in the first L − 1 layers; the k fed tokens (the prompt's
+    last, then the first k − 1 new ones: the last new token is never fed) go through every layer,
+    attending to everything before them (``attended_pairs(k, n − 1)``), and each of their rows
+    gets the head over ``head_width`` vocabulary rows (a constrained decoder needs only the
+    grammar's tokens; the full vocabulary is more than the least work):
+
+        linear = (L − 1)·lin1·(p + k) + qkv1·(p + k) + (lin1 − qkv1)·k,   p = n − 1 − c
+        attn   = 4·Hq·d·((L − 1)·(p·c + p(p + 1)/2) + L·(k·(n − 1) + k(k + 1)/2))
+        head   = 2·H·head_width·k
+
+    with lin1 / qkv1 one layer's linear / q-k-v FLOPs per token (``_linear``, ``_qkv``)."""
+    if prompt_len < 1 or new_tokens < 1 or head_width < 1:
+        raise ValueError(f"prompt_len, new_tokens and head_width must be >= 1, got {prompt_len}, {new_tokens}, "
+                         f"{head_width}")
+    if not 0 <= cached <= prompt_len - 1:
+        raise ValueError(f"cached must be in [0, prompt_len - 1 = {prompt_len - 1}], got {cached}")
+    fill, fed = prompt_len - 1 - cached, prompt_len - 1 - cached + new_tokens
+    per_layer = _linear(sh, 1) / sh.layers
+    lin = (sh.layers - 1) * per_layer * fed + _qkv(sh, fed) + (per_layer - _qkv(sh, 1)) * new_tokens
+    att = _attn(sh, fill, cached) * (sh.layers - 1) / sh.layers + _attn(sh, new_tokens, prompt_len - 1)
+    return lin + att + 2.0 * sh.hidden * head_width * new_tokens
+
+
 def packed_flop_parts(sh: Shapes, shared_len: int, seg_lens: Sequence[int], cached: int = 0) -> dict:
     """{"linear", "attn", "head"} FLOPs of acarerank's runner when ``cached`` of the
     ``shared_len`` shared tokens are already in its KV cache (a prefix-cache hit; 0: none).

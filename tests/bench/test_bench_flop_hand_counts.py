@@ -109,3 +109,22 @@ def test_packed_flop_parts_equal_the_runners_own_work_after_a_cache_hit(monkeypa
     parts = report.packed_flop_parts(sh, len(enc.shared_ids), [len(s) for s in enc.segment_ids], cached=hit)
     assert counted["linear"] == pytest.approx(parts["linear"], rel=1e-12)
     assert 4.0 * sh.heads * sh.head_dim * counted["pairs"] == pytest.approx(parts["attn"], rel=1e-12)
+
+
+def test_least_work_select_flops_against_a_hand_count():
+    # a 5-token prompt, 3 new tokens, a head of 14 rows (the setwise grammar's):
+    #   linear: the 4 prompt tokens before the last fill the cache, the 3 fed tokens (the prompt's
+    #           last and 2 new ones) run every layer: layer 1 on 7 tokens 8,064 + the last layer's
+    #           q/k/v on 7 1,792 + its o+MLP on the 3 fed rows 2,688 = 12,544
+    #   attn:   the 4 filled: 4·5/2 = 10 pairs in layer 1 only (320); the fed 3 after 4:
+    #           3·4 + 3·4/2 = 18 pairs in both layers (1,152)
+    #   head:   2·8·14 per fed row, 672
+    assert report.least_work_select_flops(SH, 5, 3, 14) == 12_544 + 320 + 1_152 + 672
+    # 2 prompt tokens cached (a batch's common head): 2 filled after them, 2·2 + 3 = 7 pairs in layer 1
+    assert report.least_work_select_flops(SH, 5, 3, 14, cached=2) == 5 * 1_152 + 5 * 256 + 3 * 896 + 224 + 1_152 + 672
+    # a 1-token prompt and 1 new token: one fed token through both layers, 1 pair each, one head row
+    assert report.least_work_select_flops(SH, 1, 1, 14) == 1_152 * 2 + 2 * 32 + 2 * 8 * 14
+    for bad in (dict(prompt_len=0, new_tokens=1), dict(prompt_len=5, new_tokens=0), dict(prompt_len=5, new_tokens=1,
+                                                                                          cached=5)):
+        with pytest.raises(ValueError, match="must be"):
+            report.least_work_select_flops(SH, head_width=14, **bad)

@@ -1,0 +1,150 @@
+"""bench/bench_setwise_peer.py without a vLLM: its arguments, the completion body it sends for a
+prompt and the check of vLLM's answer, the least work it credits a round with (the common head of
+a batch once), and vllm_cpu.sh's generate runner from its dry run.
+
+References: hand-written bodies and answers of vLLM's /v1/completions (prompt as token ids,
+usage.prompt_tokens / completion_tokens); ``report.least_work_select_flops`` (hand-counted in
+test_bench_flop_hand_counts.py) per prompt; the script's commands printed by ``--dry-run``.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import _repo
+from acarerank.benchmark import report
+
+ROOT = str(_repo.ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+SH = report.Shapes(hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=50)
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return str(tmp_path)
+
+
+def test_arguments_and_their_defaults(model_dir):
+    from bench_setwise_peer import parse_args
+
+    a = parse_args(["--model", model_dir, "--peer", "http://127.0.0.1:8001/"])
+    assert (a.pools, a.batches, a.dtype, a.repeats, a.doc_tokens) == ([20, 50], [1, 8], "float32", 3, [60, 380])
+    assert a.peer == "http://127.0.0.1:8001" and a.end_bias == -0.3
+    a = parse_args(["--model", model_dir, "--peer", "http://x:1", "--pools", "10", "--batches", "2,4",
+                    "--dtype", "bfloat16", "--end-bias", "nan"])
+    assert (a.pools, a.batches, a.dtype) == ([10], [2, 4], "bfloat16") and a.end_bias != a.end_bias
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--pools", "1"], "--pools values must be in [2, 1000]"), (["--pools", "a"], "comma-separated ints"),
+    (["--batches", "0"], "--batches values must be in [1, 64]"), (["--repeats", "0"], "--repeats must be in"),
+    (["--doc-tokens", "380,60"], "low <= high"), (["--doc-tokens", "60"], "low,high"),
+    (["--dtype", "float16"], "invalid choice"), (["--peer", "127.0.0.1:8001"], "--peer must be an http(s) URL"),
+    (["--model", "/nowhere"], "has no config.json")])
+def test_bad_arguments_are_usage_errors(model_dir, capsys, flags, needle):
+    from bench_setwise_peer import parse_args
+
+    with pytest.raises(SystemExit) as e:  # a flag given twice: argparse keeps the last
+        parse_args(["--model", model_dir, "--peer", "http://127.0.0.1:8001"] + flags)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_the_completion_body_asks_for_the_same_work():
+    from bench_setwise_peer import check_completion, completion_body
+
+    body = completion_body("m", [151644, 8948, 198], 7, "salt")
+    assert body == {"model": "m", "prompt": [151644, 8948, 198], "max_tokens": 7, "temperature": 0.0,
+                    "ignore_eos": True, "stream": False, "cache_salt": "salt"}
+    for bad in (([], 7), ([1], 0)):
+        with pytest.raises(ValueError, match="max_tokens >= 1"):
+            completion_body("m", *bad, "salt")
+    answer = {"choices": [{"text": " [3] [1]", "finish_reason": "length"}],
+              "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}}
+    check_completion(answer, 3, 7)
+    for usage in ({"prompt_tokens": 3, "completion_tokens": 2}, {"prompt_tokens": 2, "completion_tokens": 7}, {}):
+        with pytest.raises(ValueError, match="other work than asked"):  # stopped early, cut prompt, no usage
+            check_completion(dict(answer, usage=usage), 3, 7)
+
+
+def test_a_round_is_credited_with_its_common_head_once():
+    from bench_setwise_peer import batch_flops
+
+    one = report.least_work_select_flops
+    assert batch_flops(SH, [[1, 2, 3, 4, 5]], [3], 14) == one(SH, 5, 3, 14)
+    # two prompts sharing [1, 2]: the second's 2 head tokens are cached
+    two = batch_flops(SH, [[1, 2, 3, 4, 5], [1, 2, 9, 9]], [3, 2], 14)
+    assert two == one(SH, 5, 3, 14) + one(SH, 4, 2, 14, cached=2)
+    # identical prompts: all but the last token is common (the last is fed, it makes the first new token)
+    assert batch_flops(SH, [[1, 2, 3], [1, 2, 3]], [1, 1], 14) == one(SH, 3, 1, 14) + one(SH, 3, 1, 14, cached=2)
+
+
+def test_vllm_script_serves_the_causal_lm_for_generate(tmp_path):
+    path = os.path.join(ROOT, "bench", "peers", "vllm_cpu.sh")
+    env = dict(os.environ, PYTHON=sys.executable, ACARERANK_PEERS_CACHE=str(tmp_path / "cache"))
+
+    def run(*a):
+        return subprocess.run(["bash", path, *a], env=env, capture_output=True, text=True, timeout=60)
+
+    d = run("--dry-run", "--port", "18999", "--runner", "generate", "--dtype", "bfloat16", "--preset",
+            "qwen3-reranker-0.6b")
+    assert d.returncode == 0 and d.stdout.strip() == "http://127.0.0.1:18999", d.stderr
+    serve = [line for line in d.stderr.splitlines() if "api_server" in line]
+    assert len(serve) == 1, d.stderr
+    for want in ("--runner generate", "--max-model-len 16384", "--dtype bfloat16",
+                 "models/qwen3-reranker-0.6b-seed0 --served-model-name qwen3-reranker-0.6b-seed0"):
+        assert want in serve[0], (want, serve[0])
+    for pooling_only in ("--hf-overrides", "--chat-template", "--runner pooling"):
+        assert pooling_only not in serve[0], serve[0]
+    # the same folder as the reranker's: prepare_model writes the preset's Qwen3ForCausalLM once
+    assert "prepare_model.py --out " + str(tmp_path / "cache" / "models" / "qwen3-reranker-0.6b-seed0") in d.stderr
+    assert "--max-model-len 4096" in run("--dry-run", "--runner", "generate", "--max-model-len", "4096").stderr
+    assert "--max-model-len 8192" in run("--dry-run").stderr  # pooling keeps its length
+    for bad, needle in ((["--runner", "score"], "--runner must be pooling or generate"),
+                        (["--max-model-len", "0"], "--max-model-len must be a positive number"),
+                        (["--max-model-len", "x"], "--max-model-len must be a positive number")):
+        p = run("--dry-run", *bad)
+        assert p.returncode == 2 and needle in p.stderr, p.stderr
+    assert "--runner R" in run("--help").stdout
+
+
+def test_a_round_posts_every_body_and_refuses_other_work():
+    """``vllm_round`` against a stand-in for vLLM's /v1/completions (a local HTTP server answering
+    with the usage a body asks for, or one token short: an early stop, which is other work)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bench_setwise_peer import completion_body, vllm_round
+
+    seen, short = [], [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, body))
+            usage = dict(prompt_tokens=len(body["prompt"]), completion_tokens=body["max_tokens"] - short[0])
+            out = json.dumps(dict(choices=[dict(text="x")], usage=usage)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        bodies = [completion_body("m", list(range(1, 4 + i)), 2 + i, "s") for i in range(8)]
+        assert vllm_round(url, bodies) > 0
+        assert sorted(b["max_tokens"] for _, b in seen) == list(range(2, 10)) and {p for p, _ in seen} == {
+            "/v1/completions"}
+        short[0] = 1
+        with pytest.raises(ValueError, match="other work than asked"):
+            vllm_round(url, bodies[:1])
+    finally:
+        server.shutdown()
+        server.server_close()
