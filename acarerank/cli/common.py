@@ -108,6 +108,32 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _not_unicode(item) -> str:
+    """Where a parsed JSON value holds a string that is not Unicode (a lone surrogate, which
+    ``json.loads`` makes of a \\ud800 escape): 'the field "meta"', 'a field name', ... or ""."""
+    stack = [(item, None)]  # iterative: json.loads takes nesting deeper than a recursion would
+    while stack:
+        value, field = stack.pop()
+        pairs = ()
+        if isinstance(value, dict):
+            pairs = value.items()
+        elif isinstance(value, list):
+            pairs = ((None, v) for v in value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"the field {field!r}" if field is not None else "the text"
+        for key, v in pairs:
+            if key is not None:
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "a field name"
+            stack.append((v, field if field is not None else key))
+    return ""
+
+
 def read_documents(path: str, max_docs: int | None = None) -> list:
     """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings.
     ValueError naming the file and the cap (``--max-documents``) at the first document past ``max_docs``."""
@@ -138,6 +164,11 @@ def read_documents(path: str, max_docs: int | None = None) -> list:
         except UnicodeEncodeError as e:
             raise ValueError(f"{name}:{n}: the text is not valid Unicode ({e.reason} at character "
                              f"{e.start}, e.g. a lone \\ud800 escape)") from None
+        if "\\u" in line:  # a \ud800 escape: the one way valid UTF-8 JSON holds text that is not Unicode
+            where = _not_unicode(item)
+            if where:  # passed through to the output, whose UTF-8 print failed after the whole run
+                raise ValueError(f"{name}:{n}: {where} is not valid Unicode (a lone surrogate escape such as "
+                                 f"\\ud800): it could not be written to the output")
         if max_docs is not None and len(docs) == max_docs:  # stop at the first one past the cap, parse no more
             raise ValueError(f"--docs {'stdin' if path == '-' else repr(path)} holds more than {max_docs:,} "
                              f"document{'s' if max_docs != 1 else ''} (line {n}), the cap --max-documents; raise --max-documents to read more")
