@@ -56,6 +56,20 @@ def check_common(args) -> None:
             raise FileNotFoundError(f"--model {args.model!r} has no config.json")
 
 
+def check_text_flags(args, *flags: str) -> None:
+    """ValueError naming the first of ``flags`` (e.g. "--query") whose text is not Unicode: bytes in
+    the command line that are not UTF-8 reach Python as lone surrogates (U+DC80-U+DCFF for bytes
+    0x80-0xFF), which the reranker refused only after the model had loaded."""
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        try:
+            value is None or value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            c = ord(value[e.start])
+            what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
+            raise ValueError(f"{flag} is not UTF-8 text ({what} at character {e.start})") from None
+
+
 def read_input_bytes(path: str, flag: str, cap: int = MAX_INPUT_BYTES) -> bytes:
     """The bytes of ``path`` ('-': stdin) without a leading UTF-8 byte order mark; ValueError naming
     the flag, the file and the cap when it holds more than ``cap`` bytes (at most ``cap`` + 1 are

@@ -636,3 +636,17 @@ def test_a_passed_through_field_that_is_not_unicode_is_refused_before_loading(ca
     assert rc == 2 and out == "" and err == [
         f"acarerank {command}: error: {tmp_path / 'd.jsonl'}:2: {where} is not valid Unicode (a lone surrogate "
         f"escape such as \\ud800): it could not be written to the output"], (rc, err)
+
+
+@pytest.mark.parametrize("command, flag", [("score", "--query"), ("score", "--question"), ("score", "--instruction"),
+                                           ("select", "--query"), ("select", "--intent")])
+def test_a_text_flag_that_is_not_utf8_is_refused_before_loading(capsys, files, no_load, command, flag):
+    """Bytes that are not UTF-8 in the command line (a Latin-1 shell: 'caf\\xe9') reach Python as
+    lone surrogates; the reranker refused them (clearly) only once the model had loaded."""
+    argv = [command, "--query", "q", "--docs", str(files / "docs.jsonl")]
+    argv += [flag, "caf\udce9 au lait"] if flag != "--query" else []
+    if flag == "--query":
+        argv[2] = "caf\udce9 au lait"
+    rc, err, _ = run(capsys, argv)
+    assert rc == 2 and err == [f"acarerank {command}: error: {flag} is not UTF-8 text (byte 0xe9 at character 3)"], \
+        (rc, err)
