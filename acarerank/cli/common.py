@@ -56,6 +56,20 @@ def check_common(args) -> None:
             raise FileNotFoundError(f"--model {args.model!r} has no config.json")
 
 
+def check_text_flags(args, *flags: str) -> None:
+    """ValueError naming the first of ``flags`` (e.g. "--query") whose text is not Unicode: bytes in
+    the command line that are not UTF-8 reach Python as lone surrogates (U+DC80-U+DCFF for bytes
+    0x80-0xFF), which the reranker refused only after the model had loaded."""
+    for flag in flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        try:
+            value is None or value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            c = ord(value[e.start])
+            what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
+            raise ValueError(f"{flag} is not UTF-8 text ({what} at character {e.start})") from None
+
+
 def read_input_bytes(path: str, flag: str, cap: int = MAX_INPUT_BYTES) -> bytes:
     """The bytes of ``path`` ('-': stdin) without a leading UTF-8 byte order mark; ValueError naming
     the flag, the file and the cap when it holds more than ``cap`` bytes (at most ``cap`` + 1 are
@@ -108,6 +122,32 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _not_unicode(item) -> str:
+    """Where a parsed JSON value holds a string that is not Unicode (a lone surrogate, which
+    ``json.loads`` makes of a \\ud800 escape): 'the field "meta"', 'a field name', ... or ""."""
+    stack = [(item, None)]  # iterative: json.loads takes nesting deeper than a recursion would
+    while stack:
+        value, field = stack.pop()
+        pairs = ()
+        if isinstance(value, dict):
+            pairs = value.items()
+        elif isinstance(value, list):
+            pairs = ((None, v) for v in value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"the field {field!r}" if field is not None else "the text"
+        for key, v in pairs:
+            if key is not None:
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "a field name"
+            stack.append((v, field if field is not None else key))
+    return ""
+
+
 def read_documents(path: str, max_docs: int | None = None) -> list:
     """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings.
     ValueError naming the file and the cap (``--max-documents``) at the first document past ``max_docs``."""
@@ -138,6 +178,11 @@ def read_documents(path: str, max_docs: int | None = None) -> list:
         except UnicodeEncodeError as e:
             raise ValueError(f"{name}:{n}: the text is not valid Unicode ({e.reason} at character "
                              f"{e.start}, e.g. a lone \\ud800 escape)") from None
+        if "\\u" in line:  # a \ud800 escape: the one way valid UTF-8 JSON holds text that is not Unicode
+            where = _not_unicode(item)
+            if where:  # passed through to the output, whose UTF-8 print failed after the whole run
+                raise ValueError(f"{name}:{n}: {where} is not valid Unicode (a lone surrogate escape such as "
+                                 f"\\ud800): it could not be written to the output")
         if max_docs is not None and len(docs) == max_docs:  # stop at the first one past the cap, parse no more
             raise ValueError(f"--docs {'stdin' if path == '-' else repr(path)} holds more than {max_docs:,} "
                              f"document{'s' if max_docs != 1 else ''} (line {n}), the cap --max-documents; raise --max-documents to read more")

@@ -41,9 +41,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from .common import check_common, positive, read_text_file
+    from .common import check_common, check_text_flags, positive, read_text_file
 
     check_common(args)
+    check_text_flags(args, "--query", "--question", "--instruction")
     positive("--top-n", args.top_n)
     positive("--max-documents", args.max_documents)
     positive("--min-doc-tokens", args.min_doc_tokens)

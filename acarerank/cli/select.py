@@ -56,9 +56,10 @@ def check_prompt_fits(args, texts) -> None:
 
 def run(args) -> int:
     from ..setwise.grammar import max_new_tokens_cap, max_output_tokens
-    from .common import check_common, positive
+    from .common import check_common, check_text_flags, positive
 
     check_common(args)
+    check_text_flags(args, "--query", "--intent")
     positive("--max-select", args.max_select)
     positive("--max-new-tokens", args.max_new_tokens)
     positive("--max-documents", args.max_documents)

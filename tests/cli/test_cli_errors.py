@@ -619,3 +619,34 @@ def test_serve_help_states_each_default_once():
     assert "(default: None)" not in text, text
     assert "16,384 on GPU) (default" not in text, text
     assert "(default: 8000)" in text, "a plain default lost its '(default: X)'"
+
+
+@pytest.mark.parametrize("command", ["score", "select"])
+@pytest.mark.parametrize("line, where", [('{"text": "a", "meta": "x \\ud800"}', "the field 'meta'"),
+                                         ('{"text": "a", "tags": [1, {"k": "\\udfff"}]}', "the field 'tags'"),
+                                         ('{"text": "a", "\\ud83d": 1}', "a field name")])
+def test_a_passed_through_field_that_is_not_unicode_is_refused_before_loading(capsys, no_load, tmp_path, command,
+                                                                              line, where):
+    """A lone surrogate escape anywhere in a document (not only its text) is refused with the
+    file's line: such a field is written to the output as it is, and the UTF-8 print failed
+    after the model had loaded and scored every document — one line printed, then exit 2
+    naming nothing ("'utf-8' codec can't encode character '\\ud800' in position 56")."""
+    (tmp_path / "d.jsonl").write_text('{"text": "ok", "meta": "caf\\u00e9 \\ud83d\\ude00"}\n' + line + "\n")
+    rc, err, out = run(capsys, [command, "--query", "q", "--docs", str(tmp_path / "d.jsonl")])
+    assert rc == 2 and out == "" and err == [
+        f"acarerank {command}: error: {tmp_path / 'd.jsonl'}:2: {where} is not valid Unicode (a lone surrogate "
+        f"escape such as \\ud800): it could not be written to the output"], (rc, err)
+
+
+@pytest.mark.parametrize("command, flag", [("score", "--query"), ("score", "--question"), ("score", "--instruction"),
+                                           ("select", "--query"), ("select", "--intent")])
+def test_a_text_flag_that_is_not_utf8_is_refused_before_loading(capsys, files, no_load, command, flag):
+    """Bytes that are not UTF-8 in the command line (a Latin-1 shell: 'caf\\xe9') reach Python as
+    lone surrogates; the reranker refused them (clearly) only once the model had loaded."""
+    argv = [command, "--query", "q", "--docs", str(files / "docs.jsonl")]
+    argv += [flag, "caf\udce9 au lait"] if flag != "--query" else []
+    if flag == "--query":
+        argv[2] = "caf\udce9 au lait"
+    rc, err, _ = run(capsys, argv)
+    assert rc == 2 and err == [f"acarerank {command}: error: {flag} is not UTF-8 text (byte 0xe9 at character 3)"], \
+        (rc, err)

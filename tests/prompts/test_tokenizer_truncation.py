@@ -210,6 +210,29 @@ def test_huge_never_cut_fields_are_refused_after_their_heads(counted):
         assert counter.chars <= HEAD_WORK_CHARS, (field, counter.chars)
 
 
+
+def test_a_dense_document_costs_its_kept_tokens_not_six_times_them(counted):
+    """Documents of one token per character (digits) shorter than 6 characters per kept token:
+    each costs about the tokens it keeps, pointwise and setwise, with the whole tokenization's
+    head. Such documents were tokenized whole (the head's first reach was 6 characters a token):
+    200 of 48,000 digits under max_length 8,192 took 30 s and 856 MB to keep 1.6 M tokens."""
+    enc, counter = counted
+    docs = [("1234567890" * 4800)[:-1] + str(i) for i in range(3)]  # 48,000 characters, < 6 × 8,192
+    want = [enc.user([" " + d])[0] for d in docs]
+    counter.chars = 0
+    got = encode_pointwise(enc, "q", docs, max_length=8192)
+    kept = [len(s) - got.num_suffix_tokens for s in got.segment_ids]
+    assert got.doc_truncated == [True] * 3 and all(k > 8000 for k in kept), kept
+    assert [s[:k] for s, k in zip(got.segment_ids, kept)] == [w[:k] for w, k in zip(want, kept)]
+    assert counter.chars <= 2 * sum(kept), (counter.chars, sum(kept), sum(map(len, docs)))
+    setwise_docs = ["1234567890" * 9000] * 2  # 90,000 characters, < 6 × 16,001 (the default cap + 1)
+    counter.chars = 0
+    prompt = build_prompt(enc, "q", setwise_docs, max_length=16000)
+    assert prompt.truncated == [True, True]
+    # the heads, then the prompt rendered from them and from the cut documents (module docstring of
+    # acarerank.setwise.prompts): about 3.5 heads' worth; the documents whole were 180,000 more
+    assert counter.chars <= 4 * 2 * 16001, (counter.chars, sum(map(len, setwise_docs)))
+
 @pytest.mark.parametrize("seed", range(4))
 def test_pieces_concatenate_to_the_whole_tokenization(encoder, seed):
     text = awkward_text(seed, 1500)
