@@ -23,11 +23,27 @@ tokens evicted; the caller adds computed tokens. Thread-safe: every method holds
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from typing import Hashable, Optional, Sequence
 
 from .block_pool import BlockPool, PoolExhausted
+
+
+#: a str salt longer than this is kept as its SHA-256 digest (``_root_key``)
+SALT_KEY_CHARS = 64
+
+
+def _root_key(salt: Optional[Hashable]) -> Optional[Hashable]:
+    """The tree's key for ``salt``: the salt itself, or for a str over ``SALT_KEY_CHARS`` characters
+    its SHA-256 digest. A root lives as long as its pages, so a salt kept as given held its string
+    for that long: 1,024 distinct 5 MB salts (the Python API does not cap their length; the
+    server caps them at ``--max-salt-chars``) held ~5 GB after the calls returned. Distinct salts
+    stay apart (a digest collision is not a practical event)."""
+    if isinstance(salt, str) and len(salt) > SALT_KEY_CHARS:
+        return ("sha256", hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest())
+    return salt
 
 
 class _Node:
@@ -69,7 +85,7 @@ class PrefixCache:
         """
         with self.pool.lock:
             now = next(self._clock)
-            node = self._roots.get(salt)
+            node = self._roots.get(_root_key(salt))
             blocks = []
             if node is not None:
                 for key in self._keys(tokens):
@@ -102,9 +118,10 @@ class PrefixCache:
             return 0
         with self.pool.lock:
             now = next(self._clock)
-            node = self._roots.get(salt)
+            key = _root_key(salt)
+            node = self._roots.get(key)
             if node is None:
-                node = self._roots[salt] = _Node(salt, None, None)  # a root's key is its salt
+                node = self._roots[key] = _Node(key, None, None)  # a root's key is its salt's
             added = 0
             for key, b in zip(keys, blocks):
                 child = node.children.get(key)

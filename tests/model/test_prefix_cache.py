@@ -165,6 +165,35 @@ def test_distinct_salts_leave_no_trees_behind():
     assert tree.evict(nblocks) == nblocks and tree.num_trees == 0 and pool.num_free == nblocks
 
 
+
+def test_a_long_salt_is_not_held_by_the_tree():
+    """A root lives as long as its pages: a salt kept as given held its string for that long
+    (1,024 distinct 5 MB salts through the Python API, ~5 GB after the calls). A str salt past
+    SALT_KEY_CHARS is keyed by its digest: the tree holds no reference to it, it still matches
+    itself, and two long salts that differ only in their last character stay apart."""
+    import sys
+
+    bs = 4
+    pool = BlockPool(1, 8, bs, 1, 1, torch.float32, "cpu")
+    tree = PrefixCache(pool)
+    salt, other = "t" * 1_000_000 + "a", "t" * 1_000_000 + "b"
+    tokens = list(range(2 * bs))
+    before = sys.getrefcount(salt)
+    blocks = tree.allocate(2)
+    tree.insert(salt, tokens, blocks)
+    pool.decref(blocks)
+    assert sys.getrefcount(salt) == before, "the tree holds the salt string"
+    assert all(sys.getsizeof(k) < 1_000 for k, _ in tree.paths()), "a root key is the size of the salt"
+    got = tree.match(salt, tokens)
+    assert got == blocks, (got, blocks)
+    pool.decref(got)
+    assert tree.match(other, tokens) == [] and tree.match("t" * 1_000_000, tokens) == []
+    short = "tenant-7"   # short salts are kept as given (paths() shows them)
+    more = tree.allocate(1)
+    tree.insert(short, tokens[:bs], more)
+    pool.decref(more)
+    assert short in {k for k, _ in tree.paths()}
+
 # -- the reranker: cached == uncached ----------------------------------------------------
 QUESTION = "Which optimisation lets a setwise reranker learn from a tutor's hints during RL?"
 STEP = ("Step {i}: I searched for reranker training with hints and read source {i}; it says the "
