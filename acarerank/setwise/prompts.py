@@ -278,7 +278,8 @@ def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Option
     room = max_length - fixed
     if room < n:
         raise ValueError(f"the prompt without document text is already {fixed} tokens (template, query, intent and "
-                         f"{n} identifiers); max_length={max_length} leaves {room} tokens for {n} documents. "
+                         f"{n} identifiers); max_length={max_length} leaves "
+                         f"{'no tokens' if room <= 0 else f'only {room} token(s)'} for {n} documents (at least one each). "
                          "Shorten the query/intent or raise max_length")
     # Joint tokenization can differ from the per-document counts by a token at each seam, so
     # shrink the room by the overshoot until the real prompt fits. Every room down to

@@ -187,6 +187,17 @@ def _passages(text, n):
     return [line[len(f"[{i + 1}] "):] for i, line in enumerate(lines)]
 
 
+def test_a_cap_under_the_template_says_how_short_it_is(qwen3_tokenizer):
+    """A max_length under the prompt's fixed part said it "leaves -637 tokens"; it names the fixed
+    part and says there is no room (or how little) for the documents."""
+    docs = ["alpha " * 50, "beta " * 50]
+    fixed = len(P.build_prompt(qwen3_tokenizer, "query?", [""] * 2, None, max_length=None).input_ids)
+    with pytest.raises(ValueError, match=rf"already {fixed} tokens .*max_length=100 leaves no tokens for 2 documents"):
+        P.build_prompt(qwen3_tokenizer, "query?", docs, None, max_length=100)
+    with pytest.raises(ValueError, match=rf"max_length={fixed + 1} leaves only 1 token\(s\) for 2 documents"):
+        P.build_prompt(qwen3_tokenizer, "query?", docs, None, max_length=fixed + 1)
+
+
 @pytest.mark.parametrize("intent", [None, "intent text"])
 def test_truncation_equal_budget_never_drops(qwen3_tokenizer, intent):
     docs = ["alpha " * 300, "short one", "gamma delta " * 120, "", "épée 日本語 " * 80, "x" * 10]
