@@ -124,6 +124,17 @@ def _aligned_match(runner, pc: PrefixCache, salt, ids: Sequence[int]) -> list:
     return matched
 
 
+def _fits(pc: PrefixCache, lengths: Sequence[int], hits: Sequence[int], reserve_tokens: int) -> bool:
+    """Whether the pages the prefixes still need (past their hits, with ``reserve_tokens`` − 1
+    rows of each group's decode: a private pool's one spare row is not asked of the cache) could
+    be allocated from ``pc`` now, evicting whatever eviction reaches. A prefill that cannot fit
+    is computed privately from the start: tried in the cache, it ran chunk after chunk until the
+    pool ran out and then computed every one of them again (docs/ARCHITECTURE.md, "Prefix cache")."""
+    bs = pc.block_size
+    need = sum(-(-(n + reserve_tokens - 1) // bs) - h // bs for n, h in zip(lengths, hits))
+    return need <= pc.available_blocks()
+
+
 def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
                    salt: Optional[Hashable] = None, chunk_tokens: Optional[int] = None,
                    reserve_tokens: int = 1) -> tuple:
@@ -133,8 +144,10 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
     its pages stay pinned until then) and the tokens of each prefix served from the cache.
     Full pages computed here enter the cache. Without a usable cache (off, or no room even
     after evicting every unpinned page) the prefixes are computed in full in a private pool.
-    All groups' new tokens go through one chunked packed pass, ``chunk_tokens`` per group per
-    pass (default ``runner.prefill_chunk``). A private pool has room for ``reserve_tokens`` more
+    All groups' new tokens go through ``runner.extend``: chunks of ``chunk_tokens`` per group
+    (default ``runner.prefill_chunk``), packed into passes of at most that many rows. Prefixes
+    whose pages (and ``reserve_tokens`` − 1 rows each) cannot fit the cache's pool even after
+    evicting every unpinned page go to the private pool at once, before any pass (``_fits``). A private pool has room for ``reserve_tokens`` more
     tokens per group (a decode loop's) before it grows (``Qwen3Runner.prefill``).
 
     Page ownership: on any exception (an out-of-memory error at some layer, a kernel error,
@@ -156,6 +169,8 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
                 finally:
                     pc.pool.decref(matched)  # the cache's own reference replaces the match's
                 hits.append(len(matched) * pc.block_size)
+            if not _fits(pc, list(map(len, prefixes)), hits, reserve_tokens):
+                raise PoolExhausted("the prefixes cannot fit the prefix cache's pool")  # private, below
             runner.extend(cache, list(range(len(prefixes))), [ids[h:] for ids, h in zip(prefixes, hits)],
                           chunk_tokens)
         except PoolExhausted:
@@ -206,6 +221,9 @@ class ChunkedPrefill:
             finally:
                 self.pc.pool.decref(matched)  # the cache's own reference replaces the match's
             self.hit = len(matched) * self.pc.block_size
+            if not _fits(self.pc, [len(self.prefix)], [self.hit], reserve_tokens):
+                self.cache.free()  # computed privately from the start, as a step would after PoolExhausted
+                self._private()
         else:
             if not private:
                 slot.count(uncached_lookup=len(self.prefix))

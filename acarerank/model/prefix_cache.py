@@ -168,6 +168,29 @@ class PrefixCache:
             self.evicted_tokens += freed * self.block_size
             return freed
 
+    def available_blocks(self) -> int:
+        """Blocks ``allocate`` could hand out now: the free ones and every cached block that
+        eviction would reach (a node the tree alone holds, under which nothing is pinned).
+        O(nodes); a caller uses it to skip a prefill that cannot fit before computing any of it."""
+        with self.pool.lock:
+            reclaimable = 0
+            # post-order over (node, children done?): a node is reclaimable when the tree holds its
+            # only reference and every child is (a pinned page below keeps its ancestors)
+            ok = {}
+            stack = [(r, False) for r in self._roots.values()]
+            while stack:
+                n, seen = stack.pop()
+                if not seen:
+                    stack.append((n, True))
+                    stack.extend((c, False) for c in n.children.values())
+                    continue
+                good = all(ok.pop(id(c)) for c in n.children.values())
+                if n.block is not None:
+                    good = good and self.pool.refcount[n.block] == 1
+                    reclaimable += good
+                ok[id(n)] = good
+            return self.pool.num_free + reclaimable
+
     def allocate(self, n: int) -> list:
         """``n`` fresh blocks (reference count 1), evicting LRU leaves if the pool is short."""
         with self.pool.lock:

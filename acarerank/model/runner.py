@@ -164,7 +164,8 @@ class Qwen3Runner:
           weights: see ``Qwen3Weights``; backend: a backend preference (a name, or a per-op
             mapping) of which the attention op's part is used (``acarerank.ops.backend_for``);
             None = ACARERANK_BACKEND / device default.
-          prefill_chunk: tokens per group per prefill pass.
+          prefill_chunk: prefix tokens per group per prefill chunk, and rows per prefill pass:
+            several groups' chunks share a pass up to this many rows (``extend``).
           batch_invariant: run every GEMM on fixed tiles of ``INVARIANT_ROWS`` rows, so a
             segment's output is bitwise independent of the other segments in its batch, and start
             every prefill pass at a multiple of ``prefix_align`` tokens, so it is independent of
@@ -369,8 +370,10 @@ class Qwen3Runner:
         """Compute every group's prefix once; returns their paged cache (a private, growable pool).
 
         prefixes: one token-id list / 1-D LongTensor per group (may be empty). Long
-        prefixes go in chunks of ``chunk_tokens`` (all groups' chunks in one pass each), so
-        a 16k-token prompt never needs 16k tokens of activations at once. The pool has room
+        prefixes go in chunks of ``chunk_tokens``, the groups' chunks in passes of at most
+        ``chunk_tokens`` rows (one group's chunk alone where it is longer: ``extend``), so
+        neither a 16k-token prompt nor 8 of them ever need more than a chunk of activations
+        at once. The pool has room
         for ``reserve_tokens`` more tokens per group (a decode loop's), beyond which it grows by
         doubling, copying every page once (setwise decoding of 8 pool-20 prompts at the default
         shape: 255 ms, a quarter of its decode loop, and twice the cache's memory).
@@ -389,7 +392,10 @@ class Qwen3Runner:
         """Append ``tokens[i]`` (computed over the cache) to group ``groups[i]``, in chunks.
 
         The chunked prefill of ``prefill``, for a cache that already holds part of each prefix
-        (a prefix-cache hit): only the new tokens are computed. In batch-invariant mode the chunk
+        (a prefix-cache hit): only the new tokens are computed. Each group's tokens go in chunks of
+        ``chunk_tokens`` (default ``prefill_chunk``; a last piece shorter than ``min_prefill_pass``
+        joins the one before), and the groups' chunks in packed passes of at most
+        ``chunk_tokens`` rows, a group's chunk never split. In batch-invariant mode the chunk
         is a multiple of ``prefix_align`` (and the caller's cached lengths are: ``prefill_cached``).
         """
         chunk = chunk_tokens or self.prefill_chunk
@@ -410,7 +416,12 @@ class Qwen3Runner:
                 pieces.append((g, t[start:end]))
             if not pieces:
                 return
-            self._forward(cache, [p for _, p in pieces], [g for g, _ in pieces], output="none", append=True)
+            # one pass holds about ``chunk`` rows, not ``chunk`` per group: 8 groups' chunks packed
+            # made passes of 32k rows whose activations (hundreds of MB) the element-wise ops
+            # streamed through memory, 10-15 % slower a row and +700 MB (docs/ARCHITECTURE.md,
+            # "Prefix cache"); a group's piece is never split, so its passes start where they did
+            for run in bounded_runs(pieces, chunk, lambda p: p[1].numel()):
+                self._forward(cache, [p for _, p in run], [g for g, _ in run], output="none", append=True)
             start += chunk
 
     @torch.inference_mode()

@@ -326,7 +326,11 @@ def test_reranker_salts_leave_no_trees_behind(model, qwen3_tokenizer):
         assert pc.num_trees <= pc.resident_tokens // rr.runner.block_size <= 16, (i, pc.num_trees)
     big = ScoreRequest("q", ["d"], trace=" ".join(f"step {i}: searched and read." for i in range(60)))
     assert len(rr.encode(big).shared_ids) > 256
-    rr.release_prefix(rr.acquire_prefix(rr.encode(big)))  # too big to cache whole: evicts every salt's pages
+    before = (pc.num_trees, pc.resident_tokens)
+    rr.release_prefix(rr.acquire_prefix(rr.encode(big)))  # too big for the pool: private, nothing evicted
+    assert (pc.num_trees, pc.resident_tokens) == before  # it evicted every salt's pages for nothing
+    pc.evict(pc.pool.num_blocks)  # every salt's pages gone: their roots too
+    assert pc.num_trees == 0
     h = rr.acquire_prefix(rr.encode(ScoreRequest("q", ["d"], trace="short")))  # unsalted, fits
     rr.release_prefix(h)
     assert rr._prefix_cache.num_trees == 1, rr._prefix_cache.num_trees

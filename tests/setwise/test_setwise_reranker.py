@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from acarerank.model import cached_prefill
 from acarerank.model.default import NO_MEANING, build_default_model
 from acarerank.setwise.selection import parse_selection
 from acarerank.setwise import Selection, SetwiseReranker
@@ -440,14 +441,16 @@ RESTARTS = {"select": lambda sr, q, docs: sr.select(q, docs, max_select=12),
 
 
 @pytest.mark.parametrize("how", RESTARTS)
-def test_a_selection_restarted_privately_counts_its_recomputed_prompt(model, qwen3_tokenizer, how):
-    """A prefix cache of exactly the prompt's pages: the prompt prefills there, and the decode's
+def test_a_selection_restarted_privately_counts_its_recomputed_prompt(model, qwen3_tokenizer, how, monkeypatch):
+    """A prefix cache of exactly the prompt's pages, the fit check off (as when another request
+    pins pages after it): the prompt prefills there, and the decode's
     first new page finds every page pinned (PoolExhausted), so the selection restarts in a private
     pool (select_batch; select and the step API in decode_select) with the result a reranker
     without a prefix cache gives. The restart computes the whole prompt again; those tokens count
     as computed (the counters read the same with the cache or without it, docs/ARCHITECTURE.md
     "Paged KV and the prefix cache"): they went uncounted, so computed_tokens said 889 after a
     call that ran 1,778 prompt tokens through the model."""
+    monkeypatch.setattr(cached_prefill, "_fits", lambda *a: True)
     docs, q = [f"doc {i} about {i % 5}" for i in range(23)], "which?"
     plain = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
     want = plain.select(q, docs, max_select=12)
@@ -461,3 +464,38 @@ def test_a_selection_restarted_privately_counts_its_recomputed_prompt(model, qwe
     assert stats["hit_tokens"] == 0 and stats["computed_tokens"] == 2 * prompt, stats  # cached, then private
     assert stats["lookup_tokens"] == prompt, stats  # the restart is the same lookup, not a new one
     assert all(c <= 1 for c in sr._cache_slot.get().pool.refcount), "a page is still pinned"  # the tree's only
+
+
+@pytest.mark.parametrize("how", RESTARTS)
+@pytest.mark.parametrize("room", ["prompt", "half"])
+def test_a_prompt_that_cannot_fit_the_cache_is_computed_privately_once(model, qwen3_tokenizer, how, room):
+    """A prompt whose pages and decode rows cannot fit the cache's pool (after evicting all it
+    can) goes to a private pool before any pass: tried in the cache, it was computed up to where
+    the pool ran out (a chunk of 64 in the steps' case, half the prompt, or all of it and then the
+    decode's first page) and then all over again — select_batch of 8 pool-50 prompts over the
+    default budget computed 154k rows for 93k tokens (docs/ARCHITECTURE.md, "Prefix cache")."""
+    docs, q = [f"doc {i} about {i % 5}" for i in range(23)], "which?"
+    plain = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    want = plain.select(q, docs, max_select=12)
+    prompt = want.prompt_tokens - 1
+    bs = plain.runner.block_size
+    budget = -(-prompt // bs) * bs if room == "prompt" else (prompt // 2) // bs * bs
+    sr = SetwiseReranker(runner=plain.runner, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget)
+    rows = []
+    real = type(sr.runner)._forward
+
+    def counting(self, cache, ids, groups, output, append):
+        if output == "none":
+            rows.append(sum(t.numel() for t in ids))
+        return real(self, cache, ids, groups, output, append)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(type(sr.runner), "_forward", counting)
+    try:
+        assert RESTARTS[how](sr, q, docs) == want
+    finally:
+        mp.undo()
+    assert sum(rows) == prompt, rows  # every prompt token computed once
+    stats = sr.cache_stats()
+    assert stats["computed_tokens"] == prompt and stats["lookup_tokens"] == prompt, stats
+    assert all(c <= 1 for c in sr._cache_slot.get().pool.refcount), "a page is still pinned"
