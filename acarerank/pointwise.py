@@ -148,7 +148,8 @@ class PointwiseReranker(RerankerBase):
         depth 100 of the default model 4.98 s vs 5.70 s at 8,192), 16,384 on GPU.
       prefix_cache: keep shared parts' KV across calls (radix tree over token ids, LRU
         eviction, per ``cache_salt``); False computes every shared part in full.
-      cache_budget_tokens: tokens of KV the cache may hold (rounded down to whole pages);
+      cache_budget_tokens: tokens of KV the cache may hold (rounded down to whole pages; under
+        one page, ``runner.block_size`` tokens, is a ValueError: it would hold nothing);
         None: ``acarerank.model.cached_prefill.DEFAULT_CACHE_BYTES`` of the device worth, at most
         ``DEFAULT_CACHE_MAX_TOKENS``. The pages are allocated once, on
         first use, so memory never exceeds it. A shared part larger than the free room (all
@@ -285,8 +286,8 @@ class PointwiseReranker(RerankerBase):
     def max_pinned_tokens(self) -> int:
         """Shared-part tokens pinned at once, by ``score_encodings``'s windows and by the server's
         engine (``acarerank.server.service.pinned_tokens_bound``): the prefix cache's budget in
-        whole pages (``cache_budget_tokens``), at least 1 — under one page the requests go one at a
-        time, and a window always takes its first request, however long. A shared part that does
+        whole pages (``cache_budget_tokens``, at least one page: ``CacheSlot`` refuses less), and a
+        window always takes its first request, however long. A shared part that does
         not fit the pool is computed in a private pool of its own, so a bound past the budget holds
         KV past it: it was at least the default budget (65,536 tokens), and 16 shared parts of 3 k
         tokens under ``cache_budget_tokens=4096`` were all pinned at once (docs/ARCHITECTURE.md,

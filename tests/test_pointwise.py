@@ -6,7 +6,7 @@ import pytest
 import torch
 from _tiny import random_qwen3
 
-from acarerank import PointwiseReranker, ScoreRequest
+from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
 from acarerank.prompts import encode_pointwise, joint_input_ids, official_input_ids, official_scores
 
 DOCS = [
@@ -175,12 +175,12 @@ def test_score_batch_pins_a_bounded_number_of_shared_tokens(qwen3_tokenizer, mon
     assert max(abs(a - b) for x, y in zip(batched, separate) for a, b in zip(x, y)) <= 1e-6
 
 
-@pytest.mark.parametrize("budget, cache", [(None, True), (4096, True), (4100, True), (8, True), (0, True),
+@pytest.mark.parametrize("budget, cache", [(None, True), (4096, True), (4100, True), (16, True), (8, False),
                                            (4096, False)])
 def test_max_pinned_tokens_is_the_prefix_caches_budget(qwen3_tokenizer, budget, cache):
     """score_encodings and the server's engine pin at most the same bound: the prefix cache's budget
-    in whole pages, at least 1 (under one page the windows take one request each); with the cache
-    off, the default budget. It was at least the default budget (65,536 tokens) offline."""
+    in whole pages (at least one: a budget under a page is refused); with the cache off, the default
+    budget, whatever budget was given. It was at least the default budget (65,536 tokens) offline."""
     from acarerank.model.cached_prefill import default_budget_tokens
     from acarerank.server.service import pinned_tokens_bound
 
@@ -189,6 +189,24 @@ def test_max_pinned_tokens_is_the_prefix_caches_budget(qwen3_tokenizer, budget, 
     page, default = rr.runner.block_size, default_budget_tokens(rr.runner)
     want = default if not cache else max(1, (default if budget is None else budget) // page * page)
     assert rr.max_pinned_tokens == want == pinned_tokens_bound(rr), (rr.max_pinned_tokens, want)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 15])
+def test_a_cache_budget_under_one_page_is_refused(qwen3_tokenizer, budget):
+    """The cache's pool is whole pages (16 tokens): a budget under one held nothing and bounded the
+    pinned shared parts to one request, so every request ran alone (score_encodings' windows of
+    one, the server's engine one request at a time) — silently. Both rerankers refuse it by name
+    (serve --cache-budget builds them: tests/server/test_serve_config.py); the cache turned off
+    is prefix_cache=False, and one page is the least budget."""
+    model = random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64)
+    words = (rf"^cache_budget_tokens={budget} \(serve --cache-budget\) is under one page of the prefix cache "
+             r"\(16 tokens\): .* one at a time; give at least 16 \(no cache: prefix_cache=False")
+    for cls in (PointwiseReranker, SetwiseReranker):
+        with pytest.raises(ValueError, match=words):
+            cls(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget)
+    assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=16).max_pinned_tokens == 16
+    assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget,
+                             prefix_cache=False).cache_budget_tokens is None
 
 
 def test_score_encodings_reports_cache_hits_and_equals_score_batch(qwen3_tokenizer):

@@ -304,3 +304,48 @@ def test_a_cap_clamped_by_the_model_is_noted_where_the_run_is_watched(capsys, ch
     assert point in err and (f"NOTE: --select-max-length left out: the cap is {LIMIT - 64:,} tokens, this model's "
                              f"maximum context length less --select-max-new-tokens (the default 16,000 is past "
                              f"it)") in err
+
+
+def test_a_model_too_short_for_the_setwise_template_serves_reranks_and_refuses_selections(tmp_path, capfd):
+    """A model of 650 positions leaves /v1/select a cap of 650 - 64 = 586 prompt tokens, under
+    the 631 its template alone takes: serve started silently and answered every selection with the
+    prompt builder's 400, as if the request were too long. Now the start-up says it once (one NOTE
+    line, not the cap's), each /v1/select is a 400 naming the model's limit and what the template
+    needs, and reranks serve (/ready 200); a --select-max-length under the template stops the start-up."""
+    for name in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(name)
+    import httpx
+    from acarerank.server.app import create_app
+    from acarerank.server.build import build_rerankers, build_service
+    from acarerank.server.config import ServeConfig
+    from serve_util import thread_server
+
+    random_qwen3(seed=3, spread_yes_no=40, max_position_embeddings=650).save_pretrained(tmp_path)
+    config = ServeConfig(model=str(tmp_path), dtype="float32", cache_budget=256, max_batch_tokens=256)
+    service = build_service(config)
+    need = service.setwise.min_prompt_tokens()
+    assert service.setwise.max_length == 586 < need
+    notes = [ln for ln in capfd.readouterr().err.splitlines() if "select" in ln]
+    assert notes == [f"NOTE: /v1/select is unavailable: the setwise prompt cap of 586 tokens (this model's maximum "
+                     f"context length of 650 tokens less --select-max-new-tokens=64; a --select-max-new-tokens of at "
+                     f"most {650 - need} leaves the template room) is under the {need} tokens the setwise prompt's template alone "
+                     f"takes (an empty query, one empty document), so no selection fits; each /v1/select is answered "
+                     f"400 (context_length), /v1/rerank and /score are served"], notes
+    try:
+        service.start()
+        with thread_server(create_app(service, config)) as base:
+            assert httpx.get(base + "/ready", timeout=30).status_code == 200
+            r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["a", "b"]), timeout=60)
+            assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
+            r = httpx.post(base + "/v1/select", json=dict(query="q", documents=["a", "b"]), timeout=60)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["type"] == "context_length" and err["code"] == 400, err
+            assert err["message"].startswith("this server's model cannot serve /v1/select at all: the setwise prompt "
+                                             "cap of 586 tokens (this model's maximum context length of 650"), err
+            assert f"under the {need} tokens the setwise prompt's template alone takes" in err["message"], err
+    finally:
+        service.stop()
+    with pytest.raises(ValueError, match=rf"^--select-max-length 500: the setwise prompt cap of 500 tokens "
+                                         rf"\(--select-max-length\) is under the {need} tokens .* give at least {need}"):
+        build_rerankers(config.replace(select_max_length=500))

@@ -57,6 +57,15 @@ class CacheSlot:
             raise ValueError(f"cache_budget_tokens must be a non-negative int or None, got {budget_tokens!r}")
         self.runner = runner
         self.enabled = bool(enabled)
+        page = runner.block_size
+        if budget_tokens is not None and self.enabled and budget_tokens < page:
+            # the pool is whole pages: under one it holds nothing, and the running requests' pinned
+            # shared parts are bounded by it (max_pinned_tokens: at least 1), so every request ran
+            # alone, the next one waiting for the last to end (docs/serving.md, "Engine")
+            raise ValueError(f"cache_budget_tokens={budget_tokens:,} (serve --cache-budget) is under one page of "
+                             f"the prefix cache ({page} tokens): the cache would hold nothing and requests would run "
+                             f"one at a time; give at least {page} (no cache: prefix_cache=False in the Python API; "
+                             f"acarerank serve always keeps one)")
         if budget_tokens is not None and self.enabled:
             # the pool is allocated whole on first use: a budget past the device's memory failed
             # there, inside the first request's prefill (10**23 tokens: torch's 'Overflow when

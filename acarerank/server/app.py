@@ -101,9 +101,16 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
 
     async def parse(request: Request, model_cls):
         body = await request.body()
-        # the body's top-level fields pick the error shape on TEI's route (errors.speaks_tei)
-        fields = request.state.body_fields = set()
-        req = await asyncio.get_running_loop().run_in_executor(parse_pool, parse_body, body, model_cls, fields)
+        # the body's top-level fields pick the error shape on TEI's route (errors.speaks_tei), once
+        # the parse has ended: set before it, a request cut during it (the drain deadline's 503)
+        # got the shape of however far the worker thread had got
+        fields = set()
+        try:
+            req = await asyncio.get_running_loop().run_in_executor(parse_pool, parse_body, body, model_cls, fields)
+        except APIError:   # the worker ended: the fields it found, if any (none: not parsed)
+            request.state.body_fields = fields
+            raise
+        request.state.body_fields = fields
         check_limits(req, config)
         return req
 

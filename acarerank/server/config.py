@@ -69,7 +69,7 @@ class ServeConfig:
     max_batch_tokens: Optional[int] = _opt("segment tokens per packed pass (default: 2,048 on CPU, 16,384 on GPU)",
                                            default=None, type=int)
     cache_budget: Optional[int] = _opt("prefix-cache budget in tokens, of the rerank cache and of the /v1/select "
-                                       "prompt cache each (default: 1 GiB of KV on CPU, 8 GiB on GPU, at most "
+                                       "prompt cache each, at least one page of 16 (default: 1 GiB of KV on CPU, 8 GiB on GPU, at most "
                                        "65,536 tokens, each); the running requests pin at most that many "
                                        "shared-part tokens together, the first in line always runs",
                                        default=None, type=int)

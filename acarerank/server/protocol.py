@@ -11,7 +11,10 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   connection, the head of the next request must arrive within this many seconds, else 408 (when
   part of a head arrived) and close (nginx's ``client_header_timeout``);
 * a head still arriving may take at most ``MAX_HEAD_BYTES`` (431 past it; h11's own limit,
-  which httptools lacks; a head that arrived whole is measured by the gate, ``gate.py``);
+  which httptools lacks; a head that arrived whole is measured by the gate, ``gate.py``). Its
+  body is in the shape the gate's would be (TEI's on ``/rerank``: ``errors.error_for``), the path
+  read from the request line's first bytes as uvicorn reads it (``_request_path``), so how the
+  head's TCP segments fell does not pick the shape;
 * ``max_connections`` open at once: one more is closed as soon as it is accepted, with one log
   line per ``LOG_EVERY_S`` at most (nginx's ``worker_connections``);
 * ``send_timeout``: once a response fills the socket's buffers (the transport pauses writing), the
@@ -26,21 +29,44 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
+import urllib.parse
+from typing import Optional
 
 from .config import MAX_HEAD_BYTES, ServeConfig
-from .errors import error_bytes
+from .errors import error_bytes, error_for
 
 log = logging.getLogger("acarerank.server")
 
 LOG_EVERY_S = 10.0               # at most one "connection cap reached" line per this many seconds
 HEAD_GRACE_S = 0.1               # a head timer that fires gets this long for bytes already received
+#: a head's first bytes kept to read its path from: a target whose path decodes to an API path
+#: ("/rerank", at most 3 bytes a character percent-encoded) is whole well within them
+HEAD_START_BYTES = 256
 
 
-def _raw_error(status: int, reason: str, message: str) -> bytes:
-    """A complete HTTP/1.1 error response with the JSON error body; the connection closes after it."""
-    body = error_bytes(status, message)
+def _request_path(start: bytes, absolute_form: bool) -> Optional[str]:
+    """The path of the request whose head begins with ``start``, as uvicorn gives it in
+    ``scope["path"]`` (the target before ``?``, percent-decoded; with httptools, ``absolute_form``,
+    an ``http://host/path`` target's path); None when ``start`` holds no whole path (then it is
+    none of the API paths: those are whole in ``HEAD_START_BYTES``)."""
+    line = start.lstrip(b"\r\n").split(b"\n", 1)[0]
+    parts = line.split(b" ")
+    if len(parts) < 2 or (len(parts) == 2 and b"?" not in parts[1]):
+        return None
+    target = parts[1].decode("latin-1")
+    if absolute_form and not target.startswith("/"):
+        target = urllib.parse.urlsplit(target).path
+    return urllib.parse.unquote(target.partition("?")[0])
+
+
+def _raw_error(status: int, reason: str, message: str, path: Optional[str] = None) -> bytes:
+    """A complete HTTP/1.1 error response with the JSON error body (its shape by ``path``, as the
+    gate's: ``errors.error_for``); the connection closes after it."""
+    body = error_bytes(status, message) if path is None else \
+        json.dumps(error_for({"path": path}, status, message)).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"connection: close\r\n\r\n").encode() + body
 
@@ -71,12 +97,14 @@ def http_protocol_with_limits(base, config: ServeConfig):
     versions tested, and a test fails loudly if they move."""
     refused_log = _RateLimited()
     unread_log = _RateLimited()
+    absolute_form = base.__name__ == "HttpToolsProtocol"   # h11's scope["path"] is the whole target
 
     class HTTPProtocolWithLimits(base):
         _refused = False
         _head_timer = None
         _head_for = None       # the request cycle that was current when the timer was armed
         _head_bytes = 0
+        _head_start = b""      # the head's first HEAD_START_BYTES (its path, for the 431's shape)
         _head_grace = False
         _keepalive_grace = False
         _send_timer = None
@@ -126,10 +154,13 @@ def http_protocol_with_limits(base, config: ServeConfig):
                 self._cancel_head_timer()
                 return
             self._head_bytes += len(data)
+            if len(self._head_start) < HEAD_START_BYTES:
+                self._head_start += data[:HEAD_START_BYTES - len(self._head_start)]
             if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._cancel_head_timer()
                 self.transport.write(_raw_error(431, "Request Header Fields Too Large",
-                                                f"request line and headers exceed {MAX_HEAD_BYTES} bytes"))
+                                                f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
+                                                _request_path(self._head_start, absolute_form) or ""))
                 self.transport.close()
 
         def on_response_complete(self) -> None:
@@ -156,6 +187,7 @@ def http_protocol_with_limits(base, config: ServeConfig):
             self._cancel_head_timer()
             self._head_for = self.cycle
             self._head_bytes = 0
+            self._head_start = b""
             self._head_grace = False
             self._head_timer = self.loop.call_later(config.header_timeout, self._head_timed_out)
 

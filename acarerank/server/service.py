@@ -149,6 +149,26 @@ def pinned_tokens_bound(reranker) -> Optional[int]:
     return getattr(reranker, "max_pinned_tokens", None)
 
 
+def select_unavailable(setwise) -> Optional[str]:
+    """Why ``setwise`` (a ``SetwiseReranker``) can serve no selection at all, or None: its prompt cap
+    is under ``min_prompt_tokens()``, the template alone, so every prompt is over it whatever the
+    request holds (a model of fewer than ~700 positions: its cap is its maximum context length less
+    ``--select-max-new-tokens``). ``build_rerankers`` says it once at start-up; ``select`` answers
+    each request with it (docs/serving.md, "Selections and long inputs")."""
+    cap, need = setwise.max_length, setwise.min_prompt_tokens()
+    if cap is None or cap >= need:
+        return None
+    limit, new = setwise.runner.max_positions, setwise.max_new_tokens
+    if cap == limit - new:
+        fix = (f"a --select-max-new-tokens of at most {limit - need:,} leaves the template room" if limit > need
+               else "serve a model of more positions")
+        why = f"this model's maximum context length of {limit:,} tokens less --select-max-new-tokens={new:,}; {fix}"
+    else:
+        why = "--select-max-length"
+    return (f"the setwise prompt cap of {cap:,} tokens ({why}) is under the {need:,} tokens the setwise prompt's "
+            f"template alone takes (an empty query, one empty document), so no selection fits")
+
+
 def score_groups(queries: list) -> dict:
     """``{query: [pair indices]}`` for the pairs of a score request, in first-appearance order.
 
@@ -206,6 +226,8 @@ class RerankService:
         self.request_timeout = None if request_timeout == math.inf else request_timeout
         self.reranker = reranker
         self.setwise = setwise
+        # a model too short for the setwise template serves reranks and refuses every selection
+        self.select_unavailable = None if setwise is None else select_unavailable(setwise)
         self.model_name = model_name
         self.max_queue = max_queue
         self.max_queue_tokens = max_queue_tokens
@@ -768,6 +790,9 @@ class RerankService:
                      headers: Optional[dict] = None) -> dict:
         if self.setwise is None:
             raise APIError(404, "this server has no setwise model: /v1/select is not available")
+        if self.select_unavailable is not None:   # no request can change it: not the request's fault
+            raise APIError(400, f"this server's model cannot serve /v1/select at all: {self.select_unavailable} "
+                                f"(/v1/rerank and /score are served)", type="context_length")
         docs = req.document_texts()
         self._check_documents(docs)
         from ..setwise.prompts import check_inputs

@@ -190,6 +190,15 @@ class SetwiseReranker(RerankerBase):
             self.release_select(st)
 
     # -- step API -------------------------------------------------------------------------
+    def min_prompt_tokens(self) -> int:
+        """The fewest tokens any prompt of this reranker takes: the F.1 chat prompt (no intent) of an
+        empty query and one empty candidate, ``max_select=1`` — the template alone. A ``max_length``
+        under it refuses every call (a model of a few hundred positions, whose "auto" cap is its
+        maximum context length less ``max_new_tokens``: docs/serving.md, "Selections and long inputs")."""
+        from .prompts import chat_ids, system_prompt, user_prompt
+
+        return len(chat_ids(self.tokenizer, system_prompt(None), user_prompt("", [""], None, 1)))
+
     def encode_select(self, query: str, documents: Sequence[str], intent: Optional[str] = None,
                       max_select: int = 10, constrained: bool = True,
                       cache_salt: Optional[str] = None) -> SelectEncoding:

@@ -861,13 +861,12 @@ def test_a_client_that_leaves_while_waiting_for_tokens_frees_its_place(servers, 
     assert queue_tokens(base) == 0 and svc.admitted == 0
 
 
-@pytest.mark.parametrize("budget, cache", [(None, True), (300_000, True), (4096, True), (4100, True), (8, True),
+@pytest.mark.parametrize("budget, cache", [(None, True), (300_000, True), (4096, True), (4100, True), (16, True),
                                            (4096, False)])
 def test_the_engine_pins_at_most_the_prefix_caches_budget(budget, cache):
     """The service's engine bounds the shared parts its running requests pin by the prefix cache's
-    budget (--cache-budget in whole pages, at least 1: under one page the requests run one at a
-    time). It took the reranker's max_pinned_tokens, at least the default budget (65,536 tokens),
-    so under --cache-budget 4096 16 contexts of 3 k tokens all ran at once, the KV past the pool's
+    budget (--cache-budget in whole pages; under one page is refused: tests/test_pointwise.py). It
+    took the reranker's max_pinned_tokens, at least the default budget (65,536 tokens), so under --cache-budget 4096 16 contexts of 3 k tokens all ran at once, the KV past the pool's
     4,096 tokens in private pools. With the cache off there is no budget: max_pinned_tokens, as
     score_encodings offline (tests/server/test_serve_engine.py checks the bound itself)."""
     from acarerank.model.cached_prefill import default_budget_tokens

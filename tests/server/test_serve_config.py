@@ -154,6 +154,27 @@ def test_cache_budget_bounds_the_select_cache_too():
     assert rr.cache_stats()["budget_tokens"] == sr.cache_stats()["budget_tokens"] == 256
 
 
+def test_a_cache_budget_under_one_page_stops_the_start_up(tmp_path):
+    """--cache-budget under one page of the prefix cache (16 tokens) held nothing and ran every
+    request alone (its pinned-token window was one request), silently: acarerank serve now stops
+    before it listens, one line naming the flag, the page and the least budget, exit 2."""
+    pytest.importorskip("torch")
+    from serve_util import tiny_model
+
+    tiny_model().save_pretrained(tmp_path)
+    # a child process: a server that started would serve until the timeout, never return
+    cmd = [sys.executable, "-c", "import sys; from acarerank.cli import main; sys.exit(main())", "serve",
+           "--model", str(tmp_path), "--dtype", "float32", "--port", "0", "--cache-budget", "8"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=90)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"acarerank serve --cache-budget 8 started: {e.stderr}") from None
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and err, (out.returncode, out.stderr[-2000:])
+    assert "cache_budget_tokens=8 (serve --cache-budget) is under one page of the prefix cache (16 tokens)" in err[-1]
+    assert "give at least 16" in err[-1], err
+
+
 def test_select_caps_reach_the_setwise_reranker():
     """--select-max-length / --select-max-new-tokens are the setwise reranker's; unset, the caps
     are the paper's (the rerankers' constants: config.py imports nothing of the model), bounded by

@@ -82,3 +82,45 @@ def test_drain_deadline_answers_503_and_exits(tmp_path):
         assert err["code"] == 503 and "drain-timeout" in err["message"], err
     assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
     assert b"drain-timeout" in answer, answer[:400]
+
+
+def test_a_request_cut_during_its_parse_is_answered_as_one_not_parsed(monkeypatch):
+    """On TEI's /rerank a body's fields pick the error shape (docs/serving.md, "Errors"); the app
+    set the field set before the parse and the worker thread filled it, so a Cohere body cut by
+    the drain deadline during its parse got our shape or TEI's by how far the worker had got.
+    Now the fields count once the parse has ended: cut during it, the body is one not parsed
+    (TEI's shape), whatever the worker had read."""
+    from acarerank.server import RerankService, create_app
+    from acarerank.server import app as app_module
+    from acarerank.server.gate import GateState
+    from serve_util import expect_tei_error, thread_server
+
+    parsing, release = threading.Event(), threading.Event()
+    real = app_module.parse_body
+
+    def slow_parse(body, model_cls, fields=None):
+        req = real(body, model_cls, fields)   # the fields are known here: "documents"
+        parsing.set()
+        release.wait(30)
+        return req
+
+    monkeypatch.setattr(app_module, "parse_body", slow_parse)
+    service = RerankService(PointwiseReranker(model=tiny_model()), "tiny").start(warmup=False)   # never reached
+    state = GateState()
+    out = {}
+    try:
+        with thread_server(create_app(service, state=state)) as base:
+            def post():
+                out["r"] = httpx.post(base + "/rerank", json=dict(query="q", documents=["d"]), timeout=30)
+
+            t = threading.Thread(target=post)
+            t.start()
+            assert parsing.wait(30), "the parse never started"
+            loop = next(iter(state.tasks)).get_loop()
+            loop.call_soon_threadsafe(state.expire)   # the drain deadline, as DrainingServer calls it
+            t.join(30)
+            release.set()
+        expect_tei_error(out["r"], 503, "Unhealthy", ["--drain-timeout"])
+    finally:
+        release.set()
+        service.stop()

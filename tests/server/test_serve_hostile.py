@@ -259,6 +259,39 @@ def test_every_error_is_json(server):
     assert health_ok(server["base"])
 
 
+def _send_head_in_two_writes(port, path: str, split: int) -> bytes:
+    """A POST to ``path`` whose head (over 16 kB) goes in two writes 0.3 s apart, cut at byte
+    ``split`` (None: one write); what the server answered before it closed."""
+    body = json.dumps(dict(query="q", texts=["d"])).encode()
+    raw = request_head(path, length=len(body), extra="X-Big: " + "a" * 20000 + "\r\n") + body
+    with connect(port) as s:
+        s.sendall(raw[:split])
+        if split is not None:
+            time.sleep(0.3)   # the server has read (and judged) the first part alone
+            try:
+                s.sendall(raw[split:])
+            except (BrokenPipeError, ConnectionResetError):   # it answered and closed already
+                pass
+        return read_until_closed(s, 10)[0]
+
+
+def test_a_431_has_the_routes_shape_however_the_head_arrives(server):
+    """A head over 16 kB is measured by the gate when it arrives whole and by the protocol while it
+    arrives: the gate's 431 on TEI's /rerank was TEI's shape, the protocol's ours, so how the
+    head's TCP segments fell picked the shape a TEI client got. Both now read the route (the
+    protocol from the request line's first bytes): TEI's on /rerank, ours elsewhere."""
+    port = server["port"]
+    for split in (None, 17_000, 100):   # whole; past 16 kB in the first write; the request line cut
+        status, _, body = parse_response(_send_head_in_two_writes(port, "/rerank", split))
+        assert status == 431, (split, status, body[:200])
+        assert json.loads(body) == {"error": json.loads(body)["error"], "error_type": "Validation"}, (split, body)
+        assert "16384 bytes" in json.loads(body)["error"], body
+        expect_json_error(_send_head_in_two_writes(port, "/v1/rerank", split), 431, ["16384 bytes"])
+    status, _, body = parse_response(_send_head_in_two_writes(port, "/%72erank?x=1", 17_000))   # as uvicorn decodes it
+    assert status == 431 and json.loads(body)["error_type"] == "Validation", body
+    assert health_ok(server["base"])
+
+
 def test_request_limits(server):
     base = server["base"]
     r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["d"], cache_salt="s" * (MAX_SALT + 1)))
