@@ -399,3 +399,21 @@ def test_every_engine_failure_stage_is_served_at_0_before_any_failure():
               for s in fam.samples if s.name == "acarerank_engine_failures_total"}
     assert served == {stage: 0.0 for stage in documented}, served
     assert set(ENGINE_FAILURE_STAGES) == documented
+
+
+def test_no_merge_conflict_markers_in_tracked_files():
+    """A merge committed with its conflict markers (docs/ARCHITECTURE.md, 2026-12-06) read as
+    prose and passed every other test; a marker line at the start of a line is never content."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+    found = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in (".py", ".md", ".cpp", ".h", ".cu", ".cuh", ".sh", ".toml", ".txt", ".cfg", ".yaml", ".yml",
+                               ".json", ".in") or not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        found += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in marker.finditer(text)]
+    assert not found, f"merge conflict markers: {found[:10]}"
