@@ -169,9 +169,9 @@ class Qwen3Runner:
             segment's output is bitwise independent of the other segments in its batch, and start
             every prefill pass at a multiple of ``prefix_align`` tokens, so it is independent of
             what the prefix cache held too (with a batch-invariant attention backend: "triton" or
-            "native", whose passes are also at least ``min_prefill_pass`` tokens). Costs some
-            speed (and up to ``prefix_align`` − 1 tokens of each cache hit, native: 256 − 1, or
-            one more ``prefix_align`` where less would be left); off by default.
+            "native", which then runs every group on its tile path, never its decode-like direct
+            path, whose bits differ: ``tiles_only``). Costs some speed (and up to
+            ``prefix_align`` − 1 tokens of each cache hit, native: 256 − 1); off by default.
           compile_layers: fuse the element-wise work around the GEMMs with torch.compile
             (``layer_blocks``; the first pass compiles, ~tens of seconds) instead of running the
             layer's element-wise ops (``layer_ops.OpsLayers``: the native CPU kernels when
@@ -210,7 +210,6 @@ class Qwen3Runner:
                           stacklevel=2)
         self._source: Optional[_SourceWatch] = None  # from_hf's model, checked before each pass
         self._prefix_align: Optional[int] = None  # prefix_align, resolved on first use
-        self._min_prefill_pass: Optional[int] = None  # min_prefill_pass, resolved on first use
         a = self.arch
         # [d/2] fp32, and the factor both tables are scaled by (YaRN's; 1 otherwise): rope.py
         self._inv_freq = a.rope.inv_freq(a.rope_theta, a.head_dim, self.device)
@@ -315,24 +314,6 @@ class Qwen3Runner:
         return self._prefix_align
 
     @property
-    def min_prefill_pass(self) -> int:
-        """Tokens every prefill pass of a group computes at least in batch-invariant mode, unless
-        the whole prefix is shorter: a cache hit that would leave fewer is cut by one more
-        ``prefix_align``, and a last chunk of fewer joins the pass before it
-        (``acarerank.model.cached_prefill``, ``extend``). The native attention takes its direct
-        path for a group of so few rows, whose bits are not the tile path's that one prefill of
-        the whole prefix takes (``acarerank.ops.cpu_attention.direct_path_tokens`` + 1). 1 in
-        every other case."""
-        if self._min_prefill_pass is None:
-            least = 1
-            if self.batch_invariant and self._attention_backend() == "native":
-                from ..ops.cpu_attention import direct_path_tokens
-
-                least = direct_path_tokens(self.arch.num_heads // self.arch.num_kv_heads) + 1
-            self._min_prefill_pass = least
-        return self._min_prefill_pass
-
-    @property
     def device(self) -> torch.device:
         return self.weights.device
 
@@ -395,19 +376,12 @@ class Qwen3Runner:
         chunk = chunk_tokens or self.prefill_chunk
         align = self.prefix_align  # batch-invariant mode: every chunk starts at a multiple of it
         chunk = max(align, chunk - chunk % align)
-        least = self.min_prefill_pass  # and no pass of a group computes fewer tokens unless all are fewer
         ids = [self._as_ids(p, f"prefix {g}", allow_empty=True) for g, p in zip(groups, tokens)]
         if len(set(groups)) != len(groups):
             raise ValueError("extend: at most one token run per group")
         start = 0
         while True:
-            pieces = []
-            for g, t in zip(groups, ids):
-                n = t.numel()
-                if n <= start or (start and n - start < least):  # done, or its tail joined the last pass
-                    continue
-                end = n if n - (start + chunk) < least else start + chunk
-                pieces.append((g, t[start:end]))
+            pieces = [(g, t[start:start + chunk]) for g, t in zip(groups, ids) if t.numel() > start]
             if not pieces:
                 return
             self._forward(cache, [p for _, p in pieces], [g for g, _ in pieces], output="none", append=True)
@@ -561,9 +535,11 @@ class Qwen3Runner:
             is_last_layer = i == len(W.layers) - 1
             if is_last_layer and output == "none":
                 break  # the last layer's output feeds nothing that is asked for
+            # batch-invariant: the native kernel's tile path for every group (its direct path, taken
+            # for a group of a few rows, rounds otherwise: a token's bits would follow its group's size)
             attn = prefix_shared_attention_paged(q, k, v, cu_seqlens, k_pages, v_pages,
                                                  plan.block_table, plan.prefix_lens, seg_group, plan=plan,
-                                                 validate=False).reshape(T, Hq * d)
+                                                 validate=False, tiles_only=self.batch_invariant).reshape(T, Hq * d)
             if is_last_layer and output == "last":
                 layers.select(last)  # only the rows asked for go through o_proj and the MLP
                 attn = attn[last]
