@@ -332,10 +332,20 @@ class Qwen3Runner:
         norm = OP_RMS_NORM.impl(self._layer_backends["rms_norm"])
         return norm(hidden.contiguous(), self.weights.final_norm, self.arch.rms_norm_eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 [N, V] next-token logits for a few rows (final norm + lm_head)."""
+    def logits(self, hidden: torch.Tensor, head: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """fp32 [N, V] next-token logits for a few rows: final norm, then lm_head [V, H] (or
+        ``head`` [K, H], some of its rows: [N, K]), in the weights' dtype.
+
+        In batch-invariant mode each row is its own [1, H] × [H, V] product: a GEMM picks its
+        kernel and blocking by the rows beside a row (fp32 on CPU: 1, 3 and 5 rows gave a row other
+        bits), so a prompt's logits followed the prompts decoded with it. It reads the head once
+        per row instead of once per call (free decoding over the whole vocabulary: N reads)."""
+        W = self.lm_head if head is None else head
         with autocast_off(self.device):
-            return (self.final_norm(hidden) @ self.weights.lm_head.T).float()
+            x = self.final_norm(hidden)
+            if self.batch_invariant and x.shape[0] > 1:
+                return torch.cat([x[i:i + 1] @ W.T for i in range(x.shape[0])]).float()
+            return (x @ W.T).float()
 
     # -- public passes ------------------------------------------------------------------
     def new_pool(self, num_blocks: int, growable: bool = False) -> BlockPool:
