@@ -136,8 +136,8 @@ class PointwiseReranker(RerankerBase):
         the other requests and documents of its passes, ``score_encodings``' windows, what the
         prefix cache held, the prefill's chunks (fixed-tile GEMMs in the runner; prefill passes
         that start at multiples of ``runner.prefix_align`` tokens, a cache hit cut down to one).
-        Needs a batch-invariant attention backend, "triton" or "native" (the CPU default; its
-        passes also never as short as its direct path's, ``runner.min_prefill_pass``); with
+        Needs a batch-invariant attention backend, "triton" or "native" (the CPU default, then
+        on its tile path only, never its decode-like direct path: ``tiles_only``); with
         "torch" only the GEMMs are fixed-tile and a score may differ in its last bits.
       min_doc_tokens: document tokens the shared part always leaves room for when the
         context has to be truncated (the trace is cut oldest-first to keep them free); None:

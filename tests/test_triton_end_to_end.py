@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from _tiny import qwen3_config, random_qwen3
-from acarerank import PointwiseReranker
+from acarerank import PointwiseReranker, ScoreRequest
 from acarerank.prompts import encode_pointwise
 from acarerank.tokenizer import TOKEN_NO as NO_ID, TOKEN_YES as YES_ID
 
@@ -121,7 +121,7 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     apart in fp32. Hits and chunks are now cut to Qwen3Runner.prefix_align tokens in this mode.
     Native (256-key tiles): the same, up to 8e-7; and a pass of at most 8 tokens (16 rows at GQA
     2: a whole-part hit cut to 512 of 519 tokens, the last chunk) took the kernel's direct path,
-    other bits than one prefill's tiles: such a pass is never made (Qwen3Runner.min_prefill_pass).
+    other bits than one prefill's tiles: the runner now passes tiles_only in this mode.
     """
     from acarerank import ScoreRequest
 
@@ -170,6 +170,37 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     assert not bad, f"scores differ from alone, no cache ({want.tolist()}): {bad}"
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the native attention runs CPU tensors")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_short_segments_score_the_same_alone_and_beside_longer_ones(tiny_model, qwen3_tokenizer,
+                                                                                    dtype):
+    """batch_invariant=True, native attention: segments of at most 8 tokens (16 rows at GQA 2, the
+    kernel's direct-path size) handed to score_segments alone in their group, and the same segments
+    beside a longer one of the same handle (one group of more rows: the tile path), score bitwise
+    the same. The runner passes tiles_only to the kernel in this mode; without it the short ones
+    alone took the direct path (64-key steps, base-2 exp, unrounded P) and moved in their last bits."""
+    from acarerank.ops.cpu_attention import direct_path_tokens
+
+    model = tiny_model if dtype == torch.float32 else random_qwen3(
+        perturb_norms=True, spread_yes_no=40, hidden=64, intermediate=134, layers=2, heads=4, kv_heads=2,
+        head_dim=32, tie=True, dtype=dtype)
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, backend="native", batch_invariant=True,
+                           prefix_cache=False)
+    enc = rr.encode(ScoreRequest(QUERY, DOCS[:1], question=QUESTION, trace=TRACE))
+    short = direct_path_tokens(rr.runner.arch.num_heads // rr.runner.arch.num_kv_heads)
+    assert short == 8, short
+    pieces = [[9906, 374], [13, 279, 1060, 315, 264, 11], list(range(2000, 2000 + short))]
+    longer = list(enc.segment_ids[0]) + list(range(3000, 3020))
+    h = rr.acquire_prefix(enc)
+    try:
+        alone = [rr.score_segments([(h, p)])[0] for p in pieces]
+        beside = rr.score_segments([(h, longer)] + [(h, p) for p in pieces])[1:]
+    finally:
+        rr.release_prefix(h)
+    assert torch.equal(torch.tensor(alone, dtype=torch.float64), torch.tensor(beside, dtype=torch.float64)), \
+        f"{dtype}: alone {alone} vs beside a longer segment {beside}"
+
+
 @pytest.mark.parametrize("backend", INVARIANT_BACKENDS)
 def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_model, qwen3_tokenizer, backend):
     """ChunkedPrefill (a scheduler's prefill, setwise's) in batch-invariant mode: steps of 7 tokens
@@ -177,15 +208,15 @@ def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_mo
     prefill of the whole prefix does — the hit is cut to Qwen3Runner.prefix_align tokens and every
     step that does not finish computes a multiple of it. Without that, each step's pass started
     where the last ended and the pages came out in other bits. Native: the prefix ends 5 tokens past
-    a multiple of it, and a last step of 5 (the kernel's direct path) wrote other bits; a step that
-    would leave fewer than min_prefill_pass tokens computes them too."""
+    a multiple of it, and a last step of 5 (the kernel's direct path) wrote other bits; in this mode
+    the runner passes tiles_only, so that step runs on the tile path."""
     from acarerank.model.cached_prefill import CacheSlot, ChunkedPrefill
 
     rr = PointwiseReranker(model=tiny_model, tokenizer=qwen3_tokenizer, backend=backend, batch_invariant=True)
     runner, bs = rr.runner, rr.runner.block_size
-    align, least = runner.prefix_align, runner.min_prefill_pass
+    align, tail = runner.prefix_align, 5 if backend == "native" else 19
     assert align % bs == 0 and align > bs, align  # a hit of align + one page is not aligned
-    prefix = list(range(1000, 1000 + 2 * align + (19 if least == 1 else least - 4)))
+    prefix = list(range(1000, 1000 + 2 * align + tail))
     slot = CacheSlot(runner, True, 4 * len(prefix))
     first = ChunkedPrefill(runner, slot, prefix[:align + bs] + [7] * bs)  # caches align + 1 page
     first.step(len(prefix))
@@ -207,7 +238,7 @@ def test_batch_invariant_chunked_prefill_writes_the_pages_of_one_prefill(tiny_mo
         bad = [i for i, (a, b) in enumerate(zip(rows(chunked.cache, len(prefix)), rows(whole, len(prefix))))
                if not torch.equal(a, b)]
         assert not bad, f"layer K/V {bad} differ from one prefill's (steps {steps}, hit {chunked.hit})"
-        assert chunked.hit == align and all(n % align == 0 for n in steps[:-1]) and steps[-1] >= least, \
+        assert chunked.hit == align and all(n % align == 0 for n in steps[:-1]) and steps[-1] == tail, \
             (chunked.hit, steps)
     finally:
         chunked.cache.free()

@@ -118,15 +118,10 @@ def _aligned_match(runner, pc: PrefixCache, salt, ids: Sequence[int]) -> list:
     """``pc.match`` (pinned blocks of the longest cached prefix, hits not counted) cut down to a
     multiple of ``runner.prefix_align`` tokens (batch-invariant mode; whole pages, so a cut of
     whole blocks): the pages past it are given back and computed again, in the same tiles as a
-    prefill of the whole prefix, hence to the same bits (``Qwen3Runner.prefix_align``). A cut
-    that would leave fewer than ``runner.min_prefill_pass`` tokens to compute (but some) is
-    cut by one more ``prefix_align``: the native attention computes so short a pass on its
-    direct path, in other bits."""
+    prefill of the whole prefix, hence to the same bits (``Qwen3Runner.prefix_align``)."""
     matched = pc.match(salt, ids, count_hits=False)
     unit = max(1, runner.prefix_align // pc.block_size)  # align 1: all
     keep = len(matched) - len(matched) % unit
-    if keep and 0 < len(ids) - keep * pc.block_size < runner.min_prefill_pass:
-        keep -= unit
     if keep < len(matched):
         pc.pool.decref(matched[keep:])
         del matched[keep:]
@@ -255,8 +250,7 @@ class ChunkedPrefill:
     def step(self, max_tokens: int) -> int:
         """Compute up to ``max_tokens`` (>= 1) more prefix tokens; returns how many were computed.
         In batch-invariant mode a step that does not finish the prefix computes a multiple of
-        ``runner.prefix_align`` tokens: at least that many, whatever ``max_tokens`` says; and
-        one that would leave fewer than ``runner.min_prefill_pass`` computes them too."""
+        ``runner.prefix_align`` tokens: at least that many, whatever ``max_tokens`` says."""
         if self.done:
             return 0
         rest = len(self.prefix) - self.pos
@@ -264,8 +258,6 @@ class ChunkedPrefill:
         align = self.runner.prefix_align  # batch-invariant mode: passes start at its multiples
         if n < rest:
             n = min(max(align, n - n % align), rest)
-        if rest - n < self.runner.min_prefill_pass:  # no last pass too short for the tile path
-            n = rest
         try:
             self.runner.extend(self.cache, [0], [self.prefix[self.pos:self.pos + n]])
         except PoolExhausted:

@@ -170,9 +170,9 @@ class Qwen3Runner:
             segment's output is bitwise independent of the other segments in its batch, and start
             every prefill pass at a multiple of ``prefix_align`` tokens, so it is independent of
             what the prefix cache held too (with a batch-invariant attention backend: "triton" or
-            "native", whose passes are also at least ``min_prefill_pass`` tokens). Costs some
-            speed (and up to ``prefix_align`` − 1 tokens of each cache hit, native: 256 − 1, or
-            one more ``prefix_align`` where less would be left); off by default.
+            "native", which then runs every group on its tile path, never its decode-like direct
+            path, whose bits differ: ``tiles_only``). Costs some speed (and up to
+            ``prefix_align`` − 1 tokens of each cache hit, native: 256 − 1); off by default.
           compile_layers: fuse the element-wise work around the GEMMs with torch.compile
             (``layer_blocks``; the first pass compiles, ~tens of seconds) instead of running the
             layer's element-wise ops (``layer_ops.OpsLayers``: the native CPU kernels when
@@ -211,7 +211,6 @@ class Qwen3Runner:
                           stacklevel=2)
         self._source: Optional[_SourceWatch] = None  # from_hf's model, checked before each pass
         self._prefix_align: Optional[int] = None  # prefix_align, resolved on first use
-        self._min_prefill_pass: Optional[int] = None  # min_prefill_pass, resolved on first use
         a = self.arch
         # [d/2] fp32, and the factor both tables are scaled by (YaRN's; 1 otherwise): rope.py
         self._inv_freq = a.rope.inv_freq(a.rope_theta, a.head_dim, self.device)
@@ -316,24 +315,6 @@ class Qwen3Runner:
         return self._prefix_align
 
     @property
-    def min_prefill_pass(self) -> int:
-        """Tokens every prefill pass of a group computes at least in batch-invariant mode, unless
-        the whole prefix is shorter: a cache hit that would leave fewer is cut by one more
-        ``prefix_align``, and a last chunk of fewer joins the pass before it
-        (``acarerank.model.cached_prefill``, ``extend``). The native attention takes its direct
-        path for a group of so few rows, whose bits are not the tile path's that one prefill of
-        the whole prefix takes (``acarerank.ops.cpu_attention.direct_path_tokens`` + 1). 1 in
-        every other case."""
-        if self._min_prefill_pass is None:
-            least = 1
-            if self.batch_invariant and self._attention_backend() == "native":
-                from ..ops.cpu_attention import direct_path_tokens
-
-                least = direct_path_tokens(self.arch.num_heads // self.arch.num_kv_heads) + 1
-            self._min_prefill_pass = least
-        return self._min_prefill_pass
-
-    @property
     def device(self) -> torch.device:
         return self.weights.device
 
@@ -352,10 +333,23 @@ class Qwen3Runner:
         norm = OP_RMS_NORM.impl(self._layer_backends["rms_norm"])
         return norm(hidden.contiguous(), self.weights.final_norm, self.arch.rms_norm_eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 [N, V] next-token logits for a few rows (final norm + lm_head)."""
+    def logits(self, hidden: torch.Tensor, head: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """fp32 [N, V] next-token logits for a few rows: final norm, then lm_head [V, H] (or
+        ``head`` [K, H], some of its rows: [N, K]), in the weights' dtype.
+
+        In batch-invariant mode the rows go in fixed tiles of ``INVARIANT_ROWS`` (zero-padded), as
+        every GEMM of the layers (``_linear_fixed_tiles``): a GEMM picks its kernel and blocking by
+        the rows beside a row (fp32 on CPU: 1, 3 and 5 rows gave a row other bits), so a prompt's
+        logits followed the prompts decoded with it. The head is read once per tile, not once per
+        row (free decoding over the whole vocabulary: 310 MB of bf16 lm_head at the 0.6B shape)."""
+        W = self.lm_head if head is None else head
         with autocast_off(self.device):
-            return (self.final_norm(hidden) @ self.weights.lm_head.T).float()
+            x = self.final_norm(hidden)
+            if not self.batch_invariant:
+                return (x @ W.T).float()
+            N = x.shape[0]
+            x = torch.cat([x, x.new_zeros((-N) % INVARIANT_ROWS, x.shape[1])])
+            return torch.cat([x[i:i + INVARIANT_ROWS] @ W.T for i in range(0, x.shape[0], INVARIANT_ROWS)])[:N].float()
 
     # -- public passes ------------------------------------------------------------------
     def new_pool(self, num_blocks: int, growable: bool = False) -> BlockPool:
@@ -393,27 +387,19 @@ class Qwen3Runner:
 
         The chunked prefill of ``prefill``, for a cache that already holds part of each prefix
         (a prefix-cache hit): only the new tokens are computed. Each group's tokens go in chunks of
-        ``chunk_tokens`` (default ``prefill_chunk``; a last piece shorter than ``min_prefill_pass``
-        joins the one before), and the groups' chunks in packed passes of at most
+        ``chunk_tokens`` (default ``prefill_chunk``), and the groups' chunks in packed passes of at most
         ``chunk_tokens`` rows, a group's chunk never split. In batch-invariant mode the chunk
         is a multiple of ``prefix_align`` (and the caller's cached lengths are: ``prefill_cached``).
         """
         chunk = chunk_tokens or self.prefill_chunk
         align = self.prefix_align  # batch-invariant mode: every chunk starts at a multiple of it
         chunk = max(align, chunk - chunk % align)
-        least = self.min_prefill_pass  # and no pass of a group computes fewer tokens unless all are fewer
         ids = [self._as_ids(p, f"prefix {g}", allow_empty=True) for g, p in zip(groups, tokens)]
         if len(set(groups)) != len(groups):
             raise ValueError("extend: at most one token run per group")
         start = 0
         while True:
-            pieces = []
-            for g, t in zip(groups, ids):
-                n = t.numel()
-                if n <= start or (start and n - start < least):  # done, or its tail joined the last pass
-                    continue
-                end = n if n - (start + chunk) < least else start + chunk
-                pieces.append((g, t[start:end]))
+            pieces = [(g, t[start:start + chunk]) for g, t in zip(groups, ids) if t.numel() > start]
             if not pieces:
                 return
             # one pass holds about ``chunk`` rows, not ``chunk`` per group: 8 groups' chunks packed
@@ -572,9 +558,11 @@ class Qwen3Runner:
             is_last_layer = i == len(W.layers) - 1
             if is_last_layer and output == "none":
                 break  # the last layer's output feeds nothing that is asked for
+            # batch-invariant: the native kernel's tile path for every group (its direct path, taken
+            # for a group of a few rows, rounds otherwise: a token's bits would follow its group's size)
             attn = prefix_shared_attention_paged(q, k, v, cu_seqlens, k_pages, v_pages,
                                                  plan.block_table, plan.prefix_lens, seg_group, plan=plan,
-                                                 validate=False).reshape(T, Hq * d)
+                                                 validate=False, tiles_only=self.batch_invariant).reshape(T, Hq * d)
             if is_last_layer and output == "last":
                 layers.select(last)  # only the rows asked for go through o_proj and the MLP
                 attn = attn[last]

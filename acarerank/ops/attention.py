@@ -410,7 +410,7 @@ def prefix_shared_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                prefix_k: torch.Tensor, prefix_v: torch.Tensor, cu_prefix_lens: torch.Tensor,
                                segment_group: torch.Tensor, softmax_scale: float, backend: str,
                                work: Optional[torch.Tensor] = None,
-                               host_meta: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               host_meta: Optional[torch.Tensor] = None, tiles_only: bool = False) -> torch.Tensor:
     """The registered op (torch.compile-opaque); ``backend`` resolved; work / host_meta from a plan or None.
 
     The output is contiguous whatever q's strides, on every backend, as the fake says (the native
@@ -418,19 +418,20 @@ def prefix_shared_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     torch.compile's stride assertion).
     """
     fn = OP.impl(backend)
+    native = {"tiles_only": True} if tiles_only and backend == "native" else {}  # the others have no such switch
     return fn(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale,
-              work=work, host_meta=host_meta).contiguous()
+              work=work, host_meta=host_meta, **native).contiguous()
 
 
 @prefix_shared_attention_op.register_fake
 def _(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, softmax_scale, backend, work=None,
-      host_meta=None):
+      host_meta=None, tiles_only=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=None, cu_prefix_lens=None,
                             segment_group=None, softmax_scale: Optional[float] = None, backend=None,
-                            validate: bool = True, plan: Optional[AttentionPlan] = None):
+                            validate: bool = True, plan: Optional[AttentionPlan] = None, tiles_only: bool = False):
     """Causal attention of packed segments over their group's shared prefix.
 
     Args:
@@ -445,6 +446,10 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
       plan: an ``AttentionPlan`` of this batch: the metadata arguments may then be None, and
         ``backend`` must be None (the plan's backend runs). No host sync and no per-call
         metadata work (module docstring).
+      tiles_only: "native" only: every group on the kernel's tile path, never its direct path
+        (``cpu_attention``), so a row's bits do not depend on how many rows its group has in the
+        call (batch-invariant mode). The other backends ignore it: Triton's rows are so already,
+        "torch" and "flash_attn_cascade" claim no invariance.
 
     Returns: out [T, Hq, d], contiguous, in q's dtype; softmax accumulated in fp32.
 
@@ -473,4 +478,4 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
         name, work, host_meta = _native_attn.resolve(OP, backend, q.device, q.shape[-1]), None, None
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     return prefix_shared_attention_op(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
-                                      float(scale), name, work, host_meta)
+                                      float(scale), name, work, host_meta, bool(tiles_only))

@@ -21,7 +21,11 @@ group and segment of one layer in one call:
     (``ACARERANK_CPU_BF16_PATH`` overrides it, docs/cpu.md);
   * work split with ``at::parallel_for`` over (group, kv head, row block), dealt to threads by
     cost (rows × keys);
-  * output in q's dtype. A NaN in q[t, h] makes out[t, h] NaN, as the reference's softmax.
+  * output in q's dtype. A NaN in q[t, h] makes out[t, h] NaN, as the reference's softmax;
+  * a group whose rows (tokens × gqa) are one block of at most ``DIRECT_ROWS`` (a decode step's)
+    takes the direct path instead (K/V read where they lie, no packed tile: faster, other bits),
+    unless the call passes ``tiles_only=True`` (the runner's batch-invariant mode): a row's bits
+    then never depend on how many rows its group has in the call (docs/cpu.md).
 
 Inputs the kernel takes as they are: any strides except on head_dim (a head_dim stride ≠ 1 is
 copied once here), any head_dim up to 512 (``resolve``: past it the CPU default is "torch"), GQA
@@ -37,7 +41,8 @@ from ._native_backend import head_dim_limit, native_backend, native_kernel, reso
 KERNEL = "prefix_shared_attention_cpu"
 
 
-def _fake(q, k, v, cu_seqlens, prefix_k, prefix_v, block_table, cu_prefix_lens, segment_group, scale):
+def _fake(q, k, v, cu_seqlens, prefix_k, prefix_v, block_table, cu_prefix_lens, segment_group, scale,
+          tiles_only=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -54,17 +59,18 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 def _packed(fn):
     """The packed op's calling convention (``attention.OP``)."""
     def run(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, scale, work=None,
-            host_meta=None):
+            host_meta=None, tiles_only=False):
         return fn(*map(_unit_last, (q, k, v)), cu_seqlens, _unit_last(prefix_k), _unit_last(prefix_v), None,
-                  cu_prefix_lens, segment_group, float(scale))
+                  cu_prefix_lens, segment_group, float(scale), bool(tiles_only))
     return run
 
 
 def _paged(fn):
     """The paged op's calling convention (``paged_attention.OP``; its plan has no aux for it)."""
-    def run(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale):
+    def run(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, scale,
+            tiles_only=False):
         return fn(*map(_unit_last, (q, k, v)), cu_seqlens, _unit_last(k_cache), _unit_last(v_cache), block_table,
-                  cu_prefix_lens, segment_group, float(scale))
+                  cu_prefix_lens, segment_group, float(scale), bool(tiles_only))
     return run
 
 
@@ -88,7 +94,7 @@ def aligned_prefix_tokens() -> int:
     count are those of one pass over the whole sequence. A row's place in its row block does not
     change its bits (each row's dots and sums are its own), so unlike the Triton kernel's no
     factor of gqa enters. The runner's batch-invariant mode starts every prefill pass at a
-    multiple of it (``Qwen3Runner.prefix_align``).
+    multiple of it (``Qwen3Runner.prefix_align``) and passes ``tiles_only=True``.
     """
     return TILE_KEYS
 
@@ -96,10 +102,9 @@ def aligned_prefix_tokens() -> int:
 def direct_path_tokens(gqa: int) -> int:
     """The most tokens a group's only segment may have and still take the kernel's direct path
     (decode-like blocks: keys in 64-key steps from the K/V rows as they lie, base-2 exp, P not
-    rounded to bf16; csrc/cpu/attn_direct_avx512.h) — other bits than the tile path's, so a
-    prefill pass of so few tokens gets other bits than one prefill of the whole prefix
-    (fp32 ~1e-6, bf16 ~1e-2 in the attention output). The runner's batch-invariant mode computes
-    at least one more token in every prefill pass (``Qwen3Runner.min_prefill_pass``)."""
+    rounded to bf16; csrc/cpu/attn_direct_avx512.h) — other bits than the tile path's (fp32
+    ~1e-6, bf16 ~1e-2 in the attention output), so the same token computed in a group of more rows
+    gets other bits. ``tiles_only=True`` (the runner's batch-invariant mode) never takes it."""
     return DIRECT_ROWS // gqa
 
 

@@ -274,23 +274,26 @@ OP = _backend.OpDecl(
 def prefix_shared_attention_paged_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                                      cu_prefix_lens: torch.Tensor, segment_group: torch.Tensor,
-                                     aux: list[torch.Tensor], softmax_scale: float, backend: str) -> torch.Tensor:
+                                     aux: list[torch.Tensor], softmax_scale: float, backend: str,
+                                     tiles_only: bool = False) -> torch.Tensor:
     """Registered form (opaque to torch.compile); ``aux`` = the plan's index tensors. The output is
     contiguous on every backend, as the fake says (``attention.prefix_shared_attention_op``)."""
     fn = OP.impl(backend)
+    native = {"tiles_only": True} if tiles_only and backend == "native" else {}  # the others have no such switch
     return fn(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, tuple(aux),
-              softmax_scale).contiguous()
+              softmax_scale, **native).contiguous()
 
 
 @prefix_shared_attention_paged_op.register_fake
 def _(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, aux, softmax_scale,
-      backend):
+      backend, tiles_only=False):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, segment_group,
                                   softmax_scale: Optional[float] = None, backend: Optional[str] = None, *,
-                                  plan: Optional[PagedAttentionPlan] = None, validate: bool = True):
+                                  plan: Optional[PagedAttentionPlan] = None, validate: bool = True,
+                                  tiles_only: bool = False):
     """Causal attention of packed segments over their group's prefix, read from pages.
 
     Args:
@@ -307,6 +310,8 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
       validate: check shapes/dtypes (always cheap) and, without a plan, the metadata values.
         Block ids are range-checked without a plan even when False if the table is on the CPU
         (no sync; an id out of range would read another page); on a GPU, False trusts them.
+      tiles_only: "native" only: no group on the kernel's direct path, as
+        ``prefix_shared_attention``'s (the runner's batch-invariant mode); the others ignore it.
 
     Returns: out [T, Hq, d], contiguous, in q's dtype; softmax accumulated in fp32.
     """
@@ -344,7 +349,7 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
     scale = _attention.check_softmax_scale(softmax_scale, d, "prefix_shared_attention_paged")
     return prefix_shared_attention_paged_op(q, k, v, plan.cu_seqlens, k_cache, v_cache, plan.block_table,
                                             plan.cu_prefix_lens, plan.segment_group, list(plan.aux), float(scale),
-                                            plan.backend)
+                                            plan.backend, bool(tiles_only))
 
 
 def prefix_shared_attention_paged_ref(q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, segment_group,

@@ -32,7 +32,7 @@ import torch
 
 from .._validate import positive_int
 from ..model.numerics import NonFiniteOutputError, nonfinite_rows
-from ..model.runner import autocast_off, position_limit_error
+from ..model.runner import position_limit_error
 from ..tokenizer import TOKEN_IM_END
 from .grammar import GrammarState, IdentifierGrammar
 
@@ -181,8 +181,7 @@ class GreedyStepper:
         if self.grammar is None:
             logits = self.runner.logits(hidden)                                # [S, V]
         else:
-            with autocast_off(hidden.device):  # as runner.logits: the caller's autocast does not apply
-                logits = (self.runner.final_norm(hidden) @ self.head.T).float()  # [S, 14]; runner.logits' dtype path
+            logits = self.runner.logits(hidden, self.head)                     # [S, 14]
             mask = self.grammar.mask([self.states[g] for g in running]).to(logits.device)
             logits = logits.masked_fill(~mask, float("-inf"))
         self._check_finite(logits.amax(-1), running)

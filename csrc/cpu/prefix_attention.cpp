@@ -23,7 +23,8 @@
 // scratch, so no fp32 copy of the prefix ever exists. The own keys of a segment's piece are
 // packed once by the task that needs them (a few hundred rows).
 // A decode-like row block (a few rows, direct_rows_limit()) whose keys nobody packed is not packed
-// at all: attn_direct_avx512.h reads its K/V rows where they lie.
+// at all: attn_direct_avx512.h reads its K/V rows where they lie — unless the call passes
+// tiles_only (batch-invariant mode: that path rounds otherwise, docs/cpu.md "Decode-like blocks").
 //
 // Balance: tasks are dealt to threads longest first (LPT) by their cost rows × (P_g + own keys),
 // then one at::parallel_for runs each thread's list; brgemm_release() ends each thread's chunk
@@ -180,7 +181,7 @@ struct PrefixRows {
 // prefix keys in 16-token pages, 0.6B heads; EPYC Zen 4, avx512_bf16, 2 threads): fp32 2-4x faster
 // up to 16 rows; bf16 (q·K as vdpbf16ps pairs) 1.6-2x up to 8 rows, 1.3-1.8x at 16 with many
 // groups and equal with one (docs/cpu.md). ACARERANK_CPU_DIRECT_ROWS=0..16 sets the limit (0:
-// never; the tests run both paths so), read once.
+// never; the tests run both paths so), read once; a call's tiles_only makes it 0 for that call.
 template <typename s_t, typename c_t>
 int64_t direct_rows_limit() {
   if constexpr (std::is_same_v<s_t, c_t> && (std::is_same_v<s_t, float> || std::is_same_v<s_t, at::BFloat16>)) {
@@ -233,7 +234,7 @@ void run_direct_rows(const Task& tk, const Meta& mt, int64_t P, float scale, con
 
 template <typename s_t, typename c_t>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc, const at::Tensor& vc,
-         const Meta& mt, float scale, at::Tensor& out) {
+         const Meta& mt, float scale, bool tiles_only, at::Tensor& out) {
   const int64_t d = mt.d, r = mt.r, Hkv = mt.Hkv;
   const int64_t G = static_cast<int64_t>(mt.cp.size()) - 1;
   const bool paged = mt.bt != nullptr;
@@ -255,7 +256,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // the same work, and no buffer padded to whole KT-key tiles per group (with thousands of one-token
   // prefixes that buffer was ~10x the inputs).
   constexpr bool shared = std::is_same_v<s_t, c_t>;
-  const int64_t direct_rows = direct_rows_limit<s_t, c_t>();
+  // tiles_only: no direct path, whatever a group's rows — its bits differ from the tile path's, so
+  // a row's output would depend on how many rows its group has in this call (docs/cpu.md)
+  const int64_t direct_rows = tiles_only ? 0 : direct_rows_limit<s_t, c_t>();
   const std::vector<Task> tasks = make_tasks(mt, direct_rows, at::get_num_threads());
   std::vector<int64_t> blocks(G, 0);  // row blocks of group g (per kv head)
   for (const Task& tk : tasks) blocks[tk.g] += tk.h == 0;
@@ -558,7 +561,7 @@ at::Tensor prefix_shared_attention_cpu(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& cu_seqlens, const at::Tensor& prefix_k,
                                        const at::Tensor& prefix_v, const std::optional<at::Tensor>& block_table,
                                        const at::Tensor& cu_prefix_lens, const at::Tensor& segment_group,
-                                       double scale) {
+                                       double scale, bool tiles_only) {
   // checked as the fp32 number the tiles use: 1e39 is finite in double but inf in fp32, 1e-50 is 0
   const float sc = static_cast<float>(scale);
   TORCH_CHECK(std::isfinite(sc) && sc > 0, kOp, ": scale must be finite and > 0 in fp32, got ", scale);
@@ -567,19 +570,19 @@ at::Tensor prefix_shared_attention_cpu(const at::Tensor& q, const at::Tensor& k,
   if (mt.T == 0) return out;
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);
+      run<float, float>(q, k, v, prefix_k, prefix_v, mt, sc, tiles_only, out);
       break;
     case at::kBFloat16:
       // bf16 tiles where this CPU multiplies bf16 natively (AMX brgemm, or our AVX512_BF16 tiles)
       // and head_dim pairs up for VNNI; else fp32 tiles (without AVX512_BF16, cpublas' bf16 brgemm
       // is a ~0.3 GFLOP/s loop)
       if (std::strcmp(bf16_path(), "fp32-convert") != 0 && mt.d % 2 == 0)
-        run<at::BFloat16, at::BFloat16>(q, k, v, prefix_k, prefix_v, mt, sc, out);
+        run<at::BFloat16, at::BFloat16>(q, k, v, prefix_k, prefix_v, mt, sc, tiles_only, out);
       else
-        run<at::BFloat16, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);
+        run<at::BFloat16, float>(q, k, v, prefix_k, prefix_v, mt, sc, tiles_only, out);
       break;
     default:
-      run<at::Half, float>(q, k, v, prefix_k, prefix_v, mt, sc, out);
+      run<at::Half, float>(q, k, v, prefix_k, prefix_v, mt, sc, tiles_only, out);
   }
   return out;
 }
@@ -588,7 +591,8 @@ at::Tensor prefix_shared_attention_cpu(const at::Tensor& q, const at::Tensor& k,
 
 TORCH_LIBRARY_FRAGMENT(acarerank, m) {
   m.def("prefix_shared_attention_cpu(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor prefix_k, "
-        "Tensor prefix_v, Tensor? block_table, Tensor cu_prefix_lens, Tensor segment_group, float scale) -> Tensor");
+        "Tensor prefix_v, Tensor? block_table, Tensor cu_prefix_lens, Tensor segment_group, float scale, "
+        "bool tiles_only=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(acarerank, CPU, m) {

@@ -192,6 +192,26 @@ def test_batch_invariant_names_an_attention_that_claims_no_invariance():
         Qwen3Runner.from_hf(m)
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_the_runner_asks_for_the_attention_tiles_only_in_batch_invariant_mode(monkeypatch, invariant):
+    """The native attention's direct path (a group of at most 16 rows: every decode step's) is its
+    fast one and rounds otherwise than its tiles; the runner turns it off (tiles_only=True) in
+    every pass of batch_invariant=True and only then, so default prefill and decoding keep it
+    (tests/ops/test_op_cpu_attention_native.py: tiles_only=False takes it)."""
+    seen = []
+    real = runner_mod.prefix_shared_attention_paged
+
+    def spy(*args, **kw):
+        seen.append(kw.get("tiles_only"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(runner_mod, "prefix_shared_attention_paged", spy)
+    r = Qwen3Runner.from_hf(_model(), batch_invariant=invariant)
+    cache = r.prefill([list(range(40))])
+    r.forward(cache, [[5]], [0], output="last", append=True)  # a decode step: 2 rows, direct-path size
+    assert seen and set(seen) == {invariant}, seen
+
+
 @pytest.mark.slow
 def test_compiled_layers_run_the_packed_weights():
     """compile_layers=True traces the packed weights through the opaque acarerank::linear_onednn op."""

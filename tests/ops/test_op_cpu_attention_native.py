@@ -501,10 +501,11 @@ def test_native_max_head_dim_is_the_kernels():
 def test_native_token_output_same_wherever_an_aligned_prefix_ends(dtype, Hq, Hkv, d):
     """Bitwise: a token's output is the same whether the keys before it are its own segment's rows
     (one prefill) or a prefix ending at a multiple of ``aligned_prefix_tokens`` (a cache hit, an
-    earlier chunk) — for a pass of more than ``direct_path_tokens`` tokens (the runner's
-    batch-invariant mode makes no shorter one, ``Qwen3Runner.min_prefill_pass``); where the CPU runs
-    the direct path a pass that short gets other bits, and a prefix ending elsewhere moves the key
-    tiles. The two constants are the kernel's (KT, kDirectRows), which this pins."""
+    earlier chunk) — for a pass of more than ``direct_path_tokens`` tokens, or of any length with
+    ``tiles_only=True`` (the runner's batch-invariant mode: the paged op too); where the CPU runs the
+    direct path a pass that short gets other bits by default (decode keeps its faster path), and a
+    prefix ending elsewhere moves the key tiles. The two constants are the kernel's (KT,
+    kDirectRows), which this pins."""
     from acarerank.ops._native import bf16_attention_path
     from acarerank.ops.cpu_attention import DIRECT_ROWS, aligned_prefix_tokens, direct_path_tokens
 
@@ -513,16 +514,28 @@ def test_native_token_output_same_wherever_an_aligned_prefix_ends(dtype, Hq, Hkv
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(N, h, d, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
 
-    def pass_of(P, n):  # tokens [P, P + n) over a prefix of the first P
+    def pass_of(P, n, tiles_only=False):  # tokens [P, P + n) over a prefix of the first P
         cu, cp = torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, P], dtype=torch.int32)
         return prefix_shared_attention(q[P:P + n], k[P:P + n], v[P:P + n], cu, k[:P], v[:P], cp,
-                                       torch.zeros(1, dtype=torch.int32), backend="native")
+                                       torch.zeros(1, dtype=torch.int32), backend="native", tiles_only=tiles_only)
+
+    def paged_of(P, n):  # the same pass through the paged op, tiles only, the prefix in 16-token pages
+        bs = 16
+        pages = [t[:P].reshape(P // bs, bs, Hkv, d) for t in (k, v)]
+        return prefix_shared_attention_paged(q[P:P + n], k[P:P + n], v[P:P + n], torch.tensor([0, n], dtype=torch.int32),
+                                             *pages, torch.arange(P // bs, dtype=torch.int32)[None],
+                                             torch.tensor([P], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                             backend="native", tiles_only=True)
 
     whole = pass_of(0, N)
-    for P, n in ((Q, N - Q), (2 * Q, N - 2 * Q), (Q, short + 1), (2 * Q, short + 1)):
-        diff = pass_of(P, n) != whole[P:P + n]
-        tokens = sorted(set(diff.nonzero()[:, 0].tolist()))[:8]
-        assert not diff.any(), f"pass [{P}, {P + n}) after an aligned prefix: tokens {[P + t for t in tokens]} differ"
+    cases = [(Q, N - Q, False), (2 * Q, N - 2 * Q, False), (Q, short + 1, False), (2 * Q, short + 1, False)]
+    cases += [(P, n, True) for P in (Q, 2 * Q) for n in (1, short)]  # decode-like passes, tiles only
+    for P, n, tiles_only in cases:
+        for name, out in (("packed", pass_of(P, n, tiles_only)),) + ((("paged", paged_of(P, n)),) if tiles_only else ()):
+            diff = out != whole[P:P + n]
+            tokens = sorted(set(diff.nonzero()[:, 0].tolist()))[:8]
+            assert not diff.any(), (f"{name} pass [{P}, {P + n}) after an aligned prefix (tiles_only={tiles_only}): "
+                                    f"tokens {[P + t for t in tokens]} differ")
     # where bf16 tiles are converted to fp32, the bf16 output's rounding hides most fp32 moves, and
     # the direct path does not run (it takes blocks whose compute type is the input's)
     own_type = dtype == torch.float32 or bf16_attention_path() != "fp32-convert"

@@ -499,3 +499,38 @@ def test_a_prompt_that_cannot_fit_the_cache_is_computed_privately_once(model, qw
     stats = sr.cache_stats()
     assert stats["computed_tokens"] == prompt and stats["lookup_tokens"] == prompt, stats
     assert all(c <= 1 for c in sr._cache_slot.get().pool.refcount), "a page is still pinned"
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_batch_invariant_step_logits_the_same_alone_and_in_a_batch(model, qwen3_tokenizer, monkeypatch, constrained):
+    """A runner with batch_invariant=True: every decode step's logits of a query are bitwise the
+    same from ``select`` (a GreedyStepper of 1 group) and from ``select_batch`` beside two other
+    queries (one GreedyStepper of 3 groups), constrained (the 14-row head) and free (the whole
+    vocabulary). The step's hidden rows were already so; the head's GEMM picked its kernel by the
+    rows beside a row (fp32, 1 vs 3 rows: up to 6e-8 constrained, 3e-7 free), so a near-tie could pick another token
+    by what the query was batched with. The logits are read through GreedyStepper._next_logits."""
+    from acarerank.model.runner import Qwen3Runner
+    from acarerank.setwise.decode import GreedyStepper
+
+    runner = Qwen3Runner.from_hf(model, batch_invariant=True)
+    rr = SetwiseReranker(runner=runner, tokenizer=qwen3_tokenizer, prefix_cache=False, max_new_tokens=12)
+    steps = []
+    plain = GreedyStepper._next_logits
+
+    def record(self, hidden, running):
+        out = plain(self, hidden, running)
+        steps.append((list(running), out.clone()))
+        return out
+
+    monkeypatch.setattr(GreedyStepper, "_next_logits", record)
+    queries = ["What is the capital of France?", "Which city is a port?", "Where is the Seine?"]
+    docs = [DOCS[:6], DOCS[3:9], DOCS[6:]]
+    alone = rr.select(queries[0], docs[0], max_select=3, constrained=constrained)
+    want = [logits[0] for _, logits in steps]
+    steps.clear()
+    batch = rr.select_batch(queries, docs, max_select=3, constrained=constrained)
+    got = [logits[running.index(0)] for running, logits in steps if 0 in running]
+    assert batch[0].text == alone.text and len(got) == len(want) > 0, (batch[0].text, alone.text, len(got), len(want))
+    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    assert not bad, (f"steps {bad} of query 0 differ alone and in a batch of 3 (constrained={constrained}): max "
+                     f"{max((got[i] - want[i]).nan_to_num().abs().max().item() for i in bad):.2e}")
