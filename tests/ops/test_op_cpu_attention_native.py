@@ -291,8 +291,9 @@ def test_opcheck_raw_kernel():
     paged, packed = make([5, 1, 9], [37, 70], [0, 1, 1], 4, 2, 32, 16)
     q, k, v, cu, kc, vc, bt, pl, sg = paged
     cp = packed[6]
-    torch.library.opcheck(fn, (q, k, v, cu, kc, vc, bt, cp, sg, 0.25))
-    torch.library.opcheck(fn, (q, k, v, cu, packed[4], packed[5], None, cp, sg, 0.25))
+    for tiles_only in (False, True):   # the batch-invariant mode's tile path too
+        torch.library.opcheck(fn, (q, k, v, cu, kc, vc, bt, cp, sg, 0.25, tiles_only))
+        torch.library.opcheck(fn, (q, k, v, cu, packed[4], packed[5], None, cp, sg, 0.25, tiles_only))
 
 
 def _raw_args():
