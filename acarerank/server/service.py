@@ -7,7 +7,7 @@ errors) and the scheduler (``engine.py``, which owns the model):
   → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves), and a peer's
   option that would change the scores and that we cannot honour (``rank_fields``,
   ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation:
-  false``, vLLM's other options off their defaults: ``_check_vllm_options``) → 400;
+  false``, vLLM's other options off their defaults) → 400: ``request_checks.py``;
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
   ``Retry-After``; with ``max_queue_tokens``, at most that many tokens (``score_tokens`` /
   ``select_tokens``: what the engine computes, counted once tokenized) of requests unanswered at
@@ -53,6 +53,9 @@ from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
 from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped, run_on_dead
 from .errors import APIError
 from .metrics import ServerMetrics
+# select_unavailable, score_groups: build.py and the tests import them from here
+from .request_checks import (check_documents, check_pairs, check_peer_options, check_vllm_options,  # noqa: F401
+                             score_groups, select_unavailable)
 from .schemas import RerankRequest, ScorePairsRequest, SelectRequest
 
 #: the warm-up request, and the engine's canary: short, within every limit, known to score
@@ -95,51 +98,6 @@ class WorkerFault(Exception):
         self.error_id = error_id
 
 
-def _check_peer_options(req: RerankRequest) -> None:
-    """A peer's option that would change the scores is honoured or refused (400), never ignored:
-    scores that silently differ from what the client asked for are worse than an error."""
-    rank_fields = getattr(req, "rank_fields", None)   # the score route (ScorePairsRequest) has none
-    if rank_fields is not None and any(f != "text" for f in rank_fields):
-        raise APIError(400, f"rank_fields={rank_fields!r} is not supported: only each document's 'text' is "
-                            f"scored; put what should be ranked into 'text'")
-    direction = getattr(req, "truncation_direction", None)
-    if direction is not None and direction.lower() != "right":
-        raise APIError(400, f"truncation_direction={direction!r} is not supported: documents are cut "
-                            f"from their end ('Right'); send truncate: false to refuse over-long inputs instead")
-    for name in ("use_activation", "activation", "softmax"):
-        if getattr(req, name) is False:
-            raise APIError(400, f"{name}=false is not supported: this server returns relevance probabilities "
-                                f"(sigmoid of the yes/no logit difference), not logits")
-    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens != -1:
-        raise APIError(400, f"truncate_prompt_tokens={req.truncate_prompt_tokens} is not supported (only -1: cut to "
-                            f"the model's length, which truncate: true does); send max_tokens_per_doc to cut each "
-                            f"document to that many tokens")
-
-
-def _check_vllm_options(req) -> Optional[str]:
-    """vLLM's options beyond ``_check_peer_options`` (``VLLMOptions``, on the rerank and score
-    routes): honoured or a 400 naming them. Returns the instruction to use:
-    ``chat_template_kwargs["instruction"]`` wins over the ``instruction`` field, as vLLM merges them."""
-    if req.max_tokens_per_query:
-        raise APIError(400, f"max_tokens_per_query={req.max_tokens_per_query} is not supported: a query is never "
-                            f"cut here; send a shorter query (max_tokens_per_doc cuts each document)")
-    if req.truncation_side is not None and req.truncation_side.lower() != "right":
-        raise APIError(400, f"truncation_side={req.truncation_side!r} is not supported: documents are cut from "
-                            f"their end ('right'); send truncate: false to refuse over-long inputs instead")
-    if req.padding is not None and req.padding != "do_not_pad":
-        raise APIError(400, f"padding={req.padding!r} is not supported: prompts are never padded ('do_not_pad')")
-    kwargs = req.chat_template_kwargs or {}
-    other = sorted(k for k in kwargs if k != "instruction")
-    if other:
-        raise APIError(400, f"chat_template_kwargs {other} not supported: the prompt template is fixed; only "
-                            f"'instruction' is read (as the instruction field)")
-    instruction = kwargs.get("instruction", req.instruction)
-    if instruction is not None and not isinstance(instruction, str):
-        raise APIError(400, f"chat_template_kwargs['instruction'] must be a string, got "
-                            f"{type(instruction).__name__}")
-    return instruction
-
-
 def pinned_tokens_bound(reranker) -> Optional[int]:
     """Shared-part tokens the engine's running requests may pin together (``Engine``'s
     ``max_running_tokens``): the reranker's ``max_pinned_tokens``, the rule ``score_encodings``
@@ -147,38 +105,6 @@ def pinned_tokens_bound(reranker) -> Optional[int]:
     default budget with the cache off (docs/serving.md, "Engine"); None for a reranker without one
     (a test double): only the count bounds them."""
     return getattr(reranker, "max_pinned_tokens", None)
-
-
-def select_unavailable(setwise) -> Optional[str]:
-    """Why ``setwise`` (a ``SetwiseReranker``) can serve no selection at all, or None: its prompt cap
-    is under ``min_prompt_tokens()``, the template alone, so every prompt is over it whatever the
-    request holds (a model of fewer than ~700 positions: its cap is its maximum context length less
-    ``--select-max-new-tokens``). ``build_rerankers`` says it once at start-up; ``select`` answers
-    each request with it (docs/serving.md, "Selections and long inputs")."""
-    cap, need = setwise.max_length, setwise.min_prompt_tokens()
-    if cap is None or cap >= need:
-        return None
-    limit, new = setwise.runner.max_positions, setwise.max_new_tokens
-    if cap == limit - new:
-        fix = (f"a --select-max-new-tokens of at most {limit - need:,} leaves the template room" if limit > need
-               else "serve a model of more positions")
-        why = f"this model's maximum context length of {limit:,} tokens less --select-max-new-tokens={new:,}; {fix}"
-    else:
-        why = "--select-max-length"
-    return (f"the setwise prompt cap of {cap:,} tokens ({why}) is under the {need:,} tokens the setwise prompt's "
-            f"template alone takes (an empty query, one empty document), so no selection fits")
-
-
-def score_groups(queries: list) -> dict:
-    """``{query: [pair indices]}`` for the pairs of a score request, in first-appearance order.
-
-    1 query with N documents is one group (every pair); N queries with N documents make one group
-    per distinct query, pair ``i`` (query ``i``, document ``i``) in its query's group, so each
-    query's prefix is prefilled once, as the rerank route's is (a query's documents in one job)."""
-    groups: dict = {}
-    for i, q in enumerate(queries):
-        groups.setdefault(q, []).append(i)
-    return groups
 
 
 class RerankService:
@@ -490,13 +416,6 @@ class RerankService:
                            headers={"Retry-After": str(seen["retry"])}) from None
 
     # -- rerank ------------------------------------------------------------------------------
-    def _check_documents(self, docs: list) -> None:
-        if len(docs) == 0:
-            raise APIError(400, "documents is empty: send at least one document")
-        if len(docs) > self.max_documents:
-            raise APIError(413, f"{len(docs)} documents exceed the limit of {self.max_documents} per request "
-                                f"(--max-documents)")
-
     async def rerank(self, req: RerankRequest, is_disconnected: Callable[[], Awaitable[bool]],
                      headers: Optional[dict] = None):
         """The response body for one rerank request (a dict, or TEI's list).
@@ -505,12 +424,12 @@ class RerankService:
         response headers (``x-queue-time``: ms from admission to the first pass, as TEI sends).
         """
         docs = req.document_texts()
-        self._check_documents(docs)
+        check_documents(docs, self.max_documents)
         if req.raw_scores:
             raise APIError(400, "raw_scores=true is not supported: this server returns relevance probabilities "
                                 "(sigmoid of the yes/no logit difference)")
-        _check_peer_options(req)
-        instruction = _check_vllm_options(req)
+        check_peer_options(req)
+        instruction = check_vllm_options(req)
         self._check_alive()
         deadline = self._deadline()
         rid = uuid.uuid4().hex
@@ -715,19 +634,6 @@ class RerankService:
                     meta=dict(billed_units=dict(search_units=math.ceil(len(docs) / DOCS_PER_SEARCH_UNIT))))
 
     # -- score (vLLM's score API) ------------------------------------------------------------
-    def _check_pairs(self, req: ScorePairsRequest, queries: list, docs: list) -> None:
-        """vLLM's pairing rule: 1 query with N >= 1 documents, or N queries with N documents; then the
-        rerank route's limit on documents (413)."""
-        first, second = req.pair_names
-        if len(queries) == 0:
-            raise APIError(400, f"{first} is empty: send at least one query")
-        if len(docs) == 0:
-            raise APIError(400, f"{second} is empty: send at least one document")
-        if len(queries) > 1 and len(queries) != len(docs):
-            raise APIError(400, f"{first} has {len(queries)} texts and {second} {len(docs)}: pair them 1 to 1, "
-                                f"1 to N or N to N (as many {first} as {second})")
-        self._check_documents(docs)
-
     def _encode_groups(self, requests: list, max_tokens_per_doc: Optional[int], truncate: bool) -> list:
         """``_encode`` of each group's request (one pool task for the whole score request)."""
         return [self._encode(r, max_tokens_per_doc, truncate) for r in requests]
@@ -746,9 +652,9 @@ class RerankService:
         once, as the rerank route counts it); ``x-queue-time`` is the least of the groups'.
         """
         queries, docs = req.query_texts(), req.document_texts()
-        self._check_pairs(req, queries, docs)
-        _check_peer_options(req)
-        instruction = _check_vllm_options(req)
+        check_pairs(req, queries, docs, self.max_documents)
+        check_peer_options(req)
+        instruction = check_vllm_options(req)
         self._check_alive()
         deadline = self._deadline()
         rid = uuid.uuid4().hex
@@ -794,7 +700,7 @@ class RerankService:
             raise APIError(400, f"this server's model cannot serve /v1/select at all: {self.select_unavailable} "
                                 f"(/v1/rerank and /score are served)", type="context_length")
         docs = req.document_texts()
-        self._check_documents(docs)
+        check_documents(docs, self.max_documents)
         from ..setwise.prompts import check_inputs
         try:
             check_inputs(req.query, docs, req.intent, req.max_select)
