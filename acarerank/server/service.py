@@ -48,7 +48,8 @@ from typing import Awaitable, Callable, Optional
 from .._validate import check_seconds
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DEFAULT_TOKEN_WAIT_TIMEOUT
-from .admission import TokenBudget, retry_after_s
+# score_tokens, select_tokens: the tests import them from here
+from .admission import TokenBudget, retry_after_s, score_tokens, select_tokens  # noqa: F401
 from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
 from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped, run_on_dead
 from .errors import APIError
@@ -71,22 +72,6 @@ SCORE_GROUPS_SHARE = 2
 _holding_slot = contextvars.ContextVar("acarerank_holding_slot", default=False)
 
 log = logging.getLogger("acarerank.server")
-
-
-def score_tokens(enc) -> int:
-    """Tokens the engine computes for one tokenized rerank (a ``PointwiseEncoding``), what
-    ``--max-queue-tokens`` counts: ``len(shared_ids) + Σ_d len(segment_ids[d])`` — the shared part
-    (instruction, question, trace, query) once, as it is prefilled once per request and its ids are
-    held once, then every document's segment (its tokens and the suffix). Prefix-cache hits are not
-    subtracted: whether the prefix is still cached when the request's turn comes is not known at
-    admission (docs/serving.md, "Admission by tokens")."""
-    return len(enc.shared_ids) + sum(len(seg) for seg in enc.segment_ids)
-
-
-def select_tokens(enc, max_new_tokens: int) -> int:
-    """Tokens the engine computes for one tokenized selection (a ``SelectEncoding``): its prompt,
-    plus ``max_new_tokens``, the most it may decode (an upper bound: the output is often shorter)."""
-    return len(enc.prompt.input_ids) + max_new_tokens
 
 
 class WorkerFault(Exception):
