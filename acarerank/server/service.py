@@ -18,13 +18,13 @@ errors) and the scheduler (``engine.py``, which owns the model):
   model thread never waits for it; the truncation policy is the reranker's own;
   ``max_tokens_per_doc`` cuts each document's tokens from its end, first; ``truncate: false``
   then turns any other cut into a 400;
-* submits to the engine and waits, polling the client: a client that disconnects has its
-  remaining work dropped (499), and so has a request still unanswered ``request_timeout`` seconds
-  after it arrived (504; a tokenization already running finishes first: the worker cannot be
-  interrupted, and the large lane must not count it gone while it runs);
-* maps the engine's failures: a request the model failed on (``EngineFault``) is a 500 naming
-  the error id of the failure's log line; a dead engine (``EngineDead``) a 503 at once, for it
-  and every later request (``dead``); anything raised in a tokenizer worker other than an input
+* submits to the engine and waits, polling the client (``waiting.py``): a client that
+  disconnects has its remaining work dropped (499), and so has a request still unanswered
+  ``request_timeout`` seconds after it arrived (504; a tokenization already running finishes
+  first: the worker cannot be interrupted, and the large lane must not count it gone while it runs);
+* maps the engine's failures (``waiting.py``): a request the model failed on (``EngineFault``) is
+  a 500 naming the error id of the failure's log line; a dead engine (``EngineDead``) a 503 at
+  once, for it and every later request (``dead``); anything raised in a tokenizer worker other than an input
   error (``ValueError``/``TypeError``: 400), ``BaseException`` included, is a 500 — and a pool
   that can no longer run work marks the service dead (docs/serving.md, "Internal faults and probes");
 * builds the response (results best first, ties in input order);
@@ -49,15 +49,15 @@ from .._validate import check_seconds
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DEFAULT_TOKEN_WAIT_TIMEOUT
 # score_tokens, select_tokens: the tests import them from here
-from .admission import TokenBudget, retry_after_s, score_tokens, select_tokens  # noqa: F401
-from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
-from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped, run_on_dead
+from .admission import TokenBudget, score_tokens, select_tokens  # noqa: F401
+from .engine import DEFAULT_CANARY_AFTER, Engine, run_on_dead
 from .errors import APIError
 from .metrics import ServerMetrics
 # select_unavailable, score_groups: build.py and the tests import them from here
 from .request_checks import (check_documents, check_pairs, check_peer_options, check_vllm_options,  # noqa: F401
                              score_groups, select_unavailable)
 from .schemas import RerankRequest, ScorePairsRequest, SelectRequest
+from .waiting import acquire_lane, submit, wait_for_tokens, wait_groups, wait_job
 
 #: the warm-up request, and the engine's canary: short, within every limit, known to score
 CANARY = ScoreRequest("warm-up query", ["warm-up document"])
@@ -65,8 +65,6 @@ DOCS_PER_SEARCH_UNIT = 100       # Cohere bills one search unit per query with u
 #: a request of more characters is "large": large requests share tokenize_workers - 1 workers,
 #: so one worker is always left for the small ones (a 32 MB body tokenizes for seconds)
 LARGE_REQUEST_CHARS = 256 * 1024
-#: a score request's groups take at most 1/SCORE_GROUPS_SHARE of the engine's running window at once
-SCORE_GROUPS_SHARE = 2
 
 #: set while the current request holds an admission slot (taken by the HTTP gate before it reads the body)
 _holding_slot = contextvars.ContextVar("acarerank_holding_slot", default=False)
@@ -365,40 +363,12 @@ class RerankService:
         self._check_alive()   # a request tokenized while the service died waits for nothing
         granted = self._tokens.acquire(tokens)
         if granted is not None:
-            await self._wait_for_tokens(granted, tokens, is_disconnected, deadline)
+            await wait_for_tokens(self._tokens, granted, tokens, is_disconnected, deadline, self.token_wait_timeout,
+                                  self._timed_out)
         try:
             yield
         finally:
             self._tokens.release(tokens)
-
-    async def _wait_for_tokens(self, granted: asyncio.Future, tokens: int,
-                               is_disconnected: Callable[[], Awaitable[bool]], deadline: Optional[float]) -> None:
-        """Wait for ``granted`` (``TokenBudget.acquire``'s future) up to ``token_wait_timeout`` and
-        ``deadline``, watching the client (``wait_or_drop``); whatever ends the wait early gives the
-        place (or the tokens granted meanwhile) back."""
-        loop = asyncio.get_running_loop()
-        ends = [t for t in (deadline, None if self.token_wait_timeout is None else
-                            loop.time() + self.token_wait_timeout) if t is not None]
-        seen = {}
-        start, released = loop.time(), self._tokens.released
-
-        def give_up():   # what the 429 reports: the queue as it stood when the wait ran out
-            seen.update(held=self._tokens.held, ahead=self._tokens.ahead_of(granted))
-            drained = self._tokens.released - released   # given back by the others during its wait
-            self._tokens.abandon(granted, tokens)
-            # its retry joins the back: what is held and waiting now, then its own, must fit the budget
-            queued = self._tokens.held + self._tokens.waiting_tokens
-            seen["retry"] = retry_after_s(queued + tokens - self._tokens.budget, drained, loop.time() - start)
-        try:
-            await wait_or_drop(granted, is_disconnected, give_up, deadline=min(ends) if ends else None)
-        except DeadlinePassed:
-            if deadline is not None and loop.time() >= deadline:
-                raise self._timed_out() from None
-            raise APIError(429, f"server busy: {seen['held']:,} tokens queued and {seen['ahead']} request(s) waiting "
-                                f"ahead; this request's {tokens:,} did not fit the budget of "
-                                f"{self.max_queue_tokens:,} (--max-queue-tokens) within {self.token_wait_timeout:g} s "
-                                f"(--token-wait-timeout); retry in {seen['retry']} s",
-                           headers={"Retry-After": str(seen["retry"])}) from None
 
     # -- rerank ------------------------------------------------------------------------------
     async def rerank(self, req: RerankRequest, is_disconnected: Callable[[], Awaitable[bool]],
@@ -428,19 +398,11 @@ class RerankService:
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             async with self.hold_tokens(score_tokens(enc), is_disconnected, deadline):
-                job = self._submit(self.engine.submit, enc, rid)
-                result = await self._wait(job, is_disconnected, deadline)
+                job = submit(self.engine.submit, enc, rid)
+                result = await wait_job(self.engine, job, is_disconnected, deadline, self._timed_out)
         if headers is not None:  # TEI's header: milliseconds from admission to the first pass
             headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
         return self._rerank_body(req, docs, result, rid)
-
-    def _submit(self, submit, enc, rid: str):
-        try:
-            return submit(enc, rid)
-        except EngineDead as e:
-            raise APIError(503, f"server cannot serve: {e}; it needs a restart", {"Connection": "close"}) from None
-        except EngineStopped as e:
-            raise APIError(503, f"server shutting down: {e}") from None
 
     def _deadline(self) -> Optional[float]:
         """The event loop's time by which this request must be answered (None: no deadline)."""
@@ -468,7 +430,7 @@ class RerankService:
         chars = sum(len(x) for x in texts if x)
         lane = self._large_lane if chars > self.large_request_chars else None
         if lane is not None:
-            await self._acquire_lane(lane, is_disconnected, deadline)
+            await acquire_lane(lane, is_disconnected, deadline, self._timed_out)
         try:
             enc = await self._in_pool(fn, *args)
         finally:
@@ -476,22 +438,6 @@ class RerankService:
                 lane.release()
         self._check_deadline(deadline)
         return enc
-
-    async def _acquire_lane(self, lane: asyncio.Semaphore, is_disconnected: Callable[[], Awaitable[bool]],
-                            deadline: Optional[float]) -> None:
-        """``lane.acquire()``, watching the client and the deadline meanwhile (``wait_or_drop``).
-        A lane granted at the moment the wait is given up goes back at once: never leaked."""
-        acquiring = asyncio.ensure_future(lane.acquire())
-
-        def give_up():
-            if acquiring.done() and not acquiring.cancelled():
-                lane.release()
-            else:
-                acquiring.cancel()  # asyncio.Semaphore passes a grant it cannot deliver to the next waiter
-        try:
-            await wait_or_drop(acquiring, is_disconnected, give_up, deadline=deadline)
-        except DeadlinePassed:
-            raise self._timed_out() from None
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
         """Tokenize (pool thread) with ``truncate`` and ``max_tokens_per_doc``.
@@ -516,92 +462,6 @@ class RerankService:
         enc.shared_ids = array("i", enc.shared_ids)
         enc.segment_ids = [array("i", seg) for seg in enc.segment_ids]
         return enc
-
-    async def _wait(self, job, is_disconnected: Callable[[], Awaitable[bool]], deadline: Optional[float] = None):
-        """The job's result; drops the job if the client disconnects first (ClientGone, answered 499)
-        or the deadline passes first (504).
-
-        Everything the engine raises is the server's fault (input was checked before it): a dead
-        engine is 503, any other failure 500 with the error id of its log line."""
-        return await self._wait_for(asyncio.wrap_future(job.future), lambda: self.engine.cancel(job),
-                                    is_disconnected, deadline)
-
-    async def _wait_groups(self, encs: list, rid: str, is_disconnected: Callable[[], Awaitable[bool]],
-                           deadline: Optional[float] = None) -> list:
-        """The results of one request's engine jobs (``encs``: a score request's groups), in order.
-
-        At most ``engine.max_running // SCORE_GROUPS_SHARE`` of them are in the engine at once, the
-        next submitted as one ends: the engine's pass takes its documents from its first
-        ``max_running`` jobs in arrival order, so 1,000 groups submitted together kept every later
-        request out of the passes until all but the last few had ended (a 2-document rerank sent
-        during a 1,000-query score waited 0.79 s, 0.03 s during a 1,000-document rerank).
-        Whatever ends the wait early (a job failed, the client left, the deadline, a cancellation)
-        drops every job not finished, so no group of a request that was answered keeps the engine busy;
-        a request dropped with work left (not one that failed) is one in
-        ``acarerank_requests_cancelled_total``, as a rerank is, not one per group then in the engine."""
-        if len(encs) == 1:
-            return [await self._wait(self._submit(self.engine.submit, encs[0], rid), is_disconnected, deadline)]
-        window = max(1, self.engine.max_running // SCORE_GROUPS_SHARE)
-        # the jobs not finished, only: a finished job keeps its prefix handle, and a handle whose
-        # prefix did not fit the cache's pool holds a private pool of its KV (docs/serving.md,
-        # "Engine"), so a list of every job held the KV of all the request's groups till the end
-        jobs = {}
-
-        async def run() -> list:
-            results, running, queued = [None] * len(encs), {}, iter(range(len(encs)))
-            try:
-                while True:
-                    while len(running) < window and (k := next(queued, None)) is not None:
-                        job = self._submit(self.engine.submit, encs[k], f"{rid}-{k}")
-                        jobs[k] = job
-                        running[asyncio.wrap_future(job.future)] = k
-                    if not running:
-                        return results
-                    done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                    for fut in done:
-                        k = running.pop(fut)
-                        del jobs[k]
-                        results[k] = fut.result()
-            finally:
-                for fut in running:   # dropped: their outcome is read when it comes (disconnect.py)
-                    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-        dropped = []
-
-        def drop():
-            # one request, however many of its groups were in the engine: counted once, as the
-            # rerank route counts its one job (acarerank_requests_cancelled_total counts requests)
-            if not task.done() and not dropped:
-                self.metrics.cancelled.inc()
-            dropped.append(True)
-            task.cancel()
-            for job in list(jobs.values()):
-                if not job.future.done():
-                    self.engine.cancel(job, count=False)
-        task = asyncio.ensure_future(run())
-        try:
-            return await self._wait_for(task, drop, is_disconnected, deadline)
-        except BaseException:
-            drop()
-            raise
-
-    async def _wait_for(self, fut, drop: Callable[[], None], is_disconnected: Callable[[], Awaitable[bool]],
-                        deadline: Optional[float]):
-        """``fut``'s result, errors mapped as ``_wait`` says; ``drop`` gives up the work."""
-        try:
-            return await wait_or_drop(fut, is_disconnected, drop, deadline=deadline)
-        except (ClientGone, APIError):   # APIError: a group could not be submitted (_wait_groups)
-            raise
-        except DeadlinePassed:
-            raise self._timed_out() from None
-        except EngineDead as e:
-            raise APIError(503, f"server cannot serve: {e}; it needs a restart", {"Connection": "close"}) from None
-        except EngineStopped as e:
-            raise APIError(503, f"server shutting down: {e}") from None
-        except EngineFault as e:
-            raise APIError(500, f"internal error while running the model (error id {e.error_id}): {e}") from None
-        except Exception as e:  # noqa: BLE001 - a fault of ours, not of the input
-            raise APIError(500, f"internal error while scoring: {type(e).__name__}: {e}") from None
 
     def _rerank_body(self, req: RerankRequest, docs: list, result, rid: str):
         scores = result.scores
@@ -633,7 +493,7 @@ class RerankService:
         documents is the rerank route's request exactly; N queries with N documents are at most N
         jobs, admitted as one request (one ``--max-queue`` slot, their tokens together against
         ``--max-queue-tokens``) and run at most half the engine's running window at a time
-        (``_wait_groups``). ``usage`` sums the groups' tokens (each distinct query's shared part
+        (``waiting.wait_groups``). ``usage`` sums the groups' tokens (each distinct query's shared part
         once, as the rerank route counts it); ``x-queue-time`` is the least of the groups'.
         """
         queries, docs = req.query_texts(), req.document_texts()
@@ -657,7 +517,8 @@ class RerankService:
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             async with self.hold_tokens(sum(score_tokens(enc) for enc in encs), is_disconnected, deadline):
-                results = await self._wait_groups(encs, rid, is_disconnected, deadline)
+                results = await wait_groups(self.engine, encs, rid, is_disconnected, deadline, self._timed_out,
+                                            self.metrics.cancelled)
         scores = [0.0] * len(docs)
         for idx, result in zip(groups.values(), results):
             for i, s in zip(idx, result.scores):
@@ -701,8 +562,8 @@ class RerankService:
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             async with self.hold_tokens(select_tokens(enc, self.setwise.max_new_tokens), is_disconnected, deadline):
-                job = self._submit(self.engine.submit_select, enc, rid)
-                sel = await self._wait(job, is_disconnected, deadline)
+                job = submit(self.engine.submit_select, enc, rid)
+                sel = await wait_job(self.engine, job, is_disconnected, deadline, self._timed_out)
         return dict(id=rid, model=self.model_name, ids=sel.ids, indices=sel.indices, text=sel.text,
                     valid=sel.valid, usage=dict(prompt_tokens=sel.prompt_tokens, completion_tokens=sel.num_tokens,
                                                 total_tokens=sel.prompt_tokens + sel.num_tokens))
