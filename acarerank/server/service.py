@@ -27,7 +27,7 @@ errors) and the scheduler (``engine.py``, which owns the model):
   once, for it and every later request (``dead``); anything raised in a tokenizer worker other than an input
   error (``ValueError``/``TypeError``: 400), ``BaseException`` included, is a 500 — and a pool
   that can no longer run work marks the service dead (docs/serving.md, "Internal faults and probes");
-* builds the response (results best first, ties in input order);
+* builds the response (results best first, ties in input order: ``responses.py``);
 * vLLM's score API (``score``): the pairs' scores in input order, 1 query with N documents run as
   the rerank route's request, N queries with N documents as one engine job per distinct query.
 """
@@ -39,7 +39,6 @@ import contextvars
 import logging
 import math
 import threading
-import time
 import uuid
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -56,12 +55,12 @@ from .metrics import ServerMetrics
 # select_unavailable, score_groups: build.py and the tests import them from here
 from .request_checks import (check_documents, check_pairs, check_peer_options, check_vllm_options,  # noqa: F401
                              score_groups, select_unavailable)
+from .responses import rerank_body, score_body, select_body
 from .schemas import RerankRequest, ScorePairsRequest, SelectRequest
 from .waiting import acquire_lane, submit, wait_for_tokens, wait_groups, wait_job
 
 #: the warm-up request, and the engine's canary: short, within every limit, known to score
 CANARY = ScoreRequest("warm-up query", ["warm-up document"])
-DOCS_PER_SEARCH_UNIT = 100       # Cohere bills one search unit per query with up to 100 documents
 #: a request of more characters is "large": large requests share tokenize_workers - 1 workers,
 #: so one worker is always left for the small ones (a 32 MB body tokenizes for seconds)
 LARGE_REQUEST_CHARS = 256 * 1024
@@ -402,7 +401,7 @@ class RerankService:
                 result = await wait_job(self.engine, job, is_disconnected, deadline, self._timed_out)
         if headers is not None:  # TEI's header: milliseconds from admission to the first pass
             headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
-        return self._rerank_body(req, docs, result, rid)
+        return rerank_body(req, docs, result, rid, self.model_name)
 
     def _deadline(self) -> Optional[float]:
         """The event loop's time by which this request must be answered (None: no deadline)."""
@@ -463,21 +462,6 @@ class RerankService:
         enc.segment_ids = [array("i", seg) for seg in enc.segment_ids]
         return enc
 
-    def _rerank_body(self, req: RerankRequest, docs: list, result, rid: str):
-        scores = result.scores
-        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-        if req.top_n:
-            order = order[:req.top_n]
-        if req.is_tei:
-            return [dict(index=i, score=scores[i], **({"text": docs[i]} if req.return_text else {}))
-                    for i in order]
-        results = [dict(index=i, relevance_score=scores[i],
-                        **({"document": req.response_document(i)} if req.return_documents else {})) for i in order]
-        return dict(id=rid, model=self.model_name, results=results,
-                    usage=dict(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens,
-                               cached_tokens=result.cached_tokens),
-                    meta=dict(billed_units=dict(search_units=math.ceil(len(docs) / DOCS_PER_SEARCH_UNIT))))
-
     # -- score (vLLM's score API) ------------------------------------------------------------
     def _encode_groups(self, requests: list, max_tokens_per_doc: Optional[int], truncate: bool) -> list:
         """``_encode`` of each group's request (one pool task for the whole score request)."""
@@ -519,18 +503,9 @@ class RerankService:
             async with self.hold_tokens(sum(score_tokens(enc) for enc in encs), is_disconnected, deadline):
                 results = await wait_groups(self.engine, encs, rid, is_disconnected, deadline, self._timed_out,
                                             self.metrics.cancelled)
-        scores = [0.0] * len(docs)
-        for idx, result in zip(groups.values(), results):
-            for i, s in zip(idx, result.scores):
-                scores[i] = s
         if headers is not None:
             headers["x-queue-time"] = f"{min(r.queue_time for r in results) * 1e3:.3f}"
-        prompt_tokens = sum(r.prompt_tokens for r in results)
-        return dict(id=f"score-{req.request_id if req.request_id is not None else rid}", object="list",
-                    created=int(time.time()), model=self.model_name,
-                    data=[dict(index=i, object="score", score=s) for i, s in enumerate(scores)],
-                    usage=dict(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens, completion_tokens=0,
-                               cached_tokens=sum(r.cached_tokens for r in results)))
+        return score_body(req, len(docs), groups, results, rid, self.model_name)
 
     # -- select ------------------------------------------------------------------------------
     def _encode_select(self, req: SelectRequest, docs: list):
@@ -564,6 +539,4 @@ class RerankService:
             async with self.hold_tokens(select_tokens(enc, self.setwise.max_new_tokens), is_disconnected, deadline):
                 job = submit(self.engine.submit_select, enc, rid)
                 sel = await wait_job(self.engine, job, is_disconnected, deadline, self._timed_out)
-        return dict(id=rid, model=self.model_name, ids=sel.ids, indices=sel.indices, text=sel.text,
-                    valid=sel.valid, usage=dict(prompt_tokens=sel.prompt_tokens, completion_tokens=sel.num_tokens,
-                                                total_tokens=sel.prompt_tokens + sel.num_tokens))
+        return select_body(sel, rid, self.model_name)
