@@ -14,7 +14,7 @@ errors) and the scheduler (``engine.py``, which owns the model):
   once: a request that does not fit now waits for room in arrival order (``admission.py``), for
   at most ``token_wait_timeout`` seconds, then 429 with ``Retry-After`` — and 413 for one request
   over the whole budget, which could never fit;
-* tokenizes in a thread pool (``reranker.encode``) — the event loop never tokenizes and the
+* tokenizes in a thread pool (``reranker.encode``, ``tokenize_pool.py``) — the event loop never tokenizes and the
   model thread never waits for it; the truncation policy is the reranker's own;
   ``max_tokens_per_doc`` cuts each document's tokens from its end, first; ``truncate: false``
   then turns any other cut into a 400;
@@ -41,7 +41,6 @@ import math
 import threading
 import uuid
 from array import array
-from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, Optional
 
 from .._validate import check_seconds
@@ -57,27 +56,17 @@ from .request_checks import (check_documents, check_pairs, check_peer_options, c
                              score_groups, select_unavailable)
 from .responses import rerank_body, score_body, select_body
 from .schemas import RerankRequest, ScorePairsRequest, SelectRequest
+# LARGE_REQUEST_CHARS: the tests import it from here
+from .tokenize_pool import LARGE_REQUEST_CHARS, TokenizerPool  # noqa: F401
 from .waiting import acquire_lane, submit, wait_for_tokens, wait_groups, wait_job
 
 #: the warm-up request, and the engine's canary: short, within every limit, known to score
 CANARY = ScoreRequest("warm-up query", ["warm-up document"])
-#: a request of more characters is "large": large requests share tokenize_workers - 1 workers,
-#: so one worker is always left for the small ones (a 32 MB body tokenizes for seconds)
-LARGE_REQUEST_CHARS = 256 * 1024
 
 #: set while the current request holds an admission slot (taken by the HTTP gate before it reads the body)
 _holding_slot = contextvars.ContextVar("acarerank_holding_slot", default=False)
 
 log = logging.getLogger("acarerank.server")
-
-
-class WorkerFault(Exception):
-    """A tokenizer worker raised something other than an input error (``BaseException`` included):
-    a fault of the server, answered 500 with ``error_id``."""
-
-    def __init__(self, error_id: str, exc: BaseException):
-        super().__init__(f"{type(exc).__name__}: {exc}")
-        self.error_id = error_id
 
 
 def pinned_tokens_bound(reranker) -> Optional[int]:
@@ -148,10 +137,7 @@ class RerankService:
                              model_thread=model_thread, select_steps=setwise, canary_after=canary_after_failures,
                              max_running_tokens=pinned_tokens_bound(reranker))
         self.model_thread = model_thread
-        self._pool_threads: list = []   # the tokenizer workers, for threads()
-        self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize",
-                                       initializer=lambda: self._pool_threads.append(threading.current_thread()))
-        self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))
+        self.pool = TokenizerPool(tokenize_workers, self.metrics, self._pool_broke)
         self.large_request_chars = LARGE_REQUEST_CHARS
         self._lock = threading.Lock()
         self._admitted = 0
@@ -208,7 +194,7 @@ class RerankService:
         model thread it runs on) and the tokenizer workers. A bounded stop waits for these only,
         never for the embedding application's own threads (``front.run_server``)."""
         mt = self.model_thread.threads() if self.model_thread is not None else []
-        return self.engine.threads() + mt + [t for t in self._pool_threads if t.is_alive()]
+        return self.engine.threads() + mt + self.pool.threads()
 
     @property
     def dead(self) -> Optional[str]:
@@ -263,35 +249,9 @@ class RerankService:
         if self.dead is not None:
             raise self._unavailable(self.dead)
 
-    async def _in_pool(self, fn, *args):
-        """``fn(*args)`` in the tokenizer pool. ValueError (bad input: too long, nothing left after
-        truncation, a lone surrogate) passes through; anything else it raises, ``BaseException``
-        included, becomes ``WorkerFault``. A TypeError too: the schemas have checked every type
-        before the request gets here, so one raised while tokenizing is a fault of ours (a 400
-        naming internal functions told the client to fix a request that was fine). A pool that
-        cannot take work any more (shut down, broken) marks the service dead and answers 503."""
-        def run():
-            try:
-                return fn(*args)
-            except ValueError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - a SystemExit in a worker must not escape as plain text
-                error_id = uuid.uuid4().hex[:16]
-                self.metrics.engine_failures.labels("tokenize").inc()
-                log.error("tokenizer worker failed (error id %s): %s: %s", error_id, type(e).__name__, e)
-                raise WorkerFault(error_id, e) from None
-
-        try:
-            fut = self.pool.submit(run)
-        except RuntimeError as e:  # "cannot schedule new futures after shutdown" / BrokenThreadPool
-            if self.ready:  # not our own stop(): the pool broke under a serving service
-                self._mark_dead(f"the tokenizer pool cannot run work ({type(e).__name__}: {e})")
-            raise APIError(503, f"server cannot serve: tokenizer pool unavailable ({e})",
-                           {"Connection": "close"}) from None
-        try:
-            return await asyncio.wrap_future(fut)
-        except WorkerFault as e:
-            raise APIError(500, f"internal error while tokenizing (error id {e.error_id}): {e}") from None
+    def _pool_broke(self, reason: str) -> None:
+        if self.ready:  # not our own stop(): the pool broke under a serving service
+            self._mark_dead(reason)
 
     @property
     def admitted(self) -> int:
@@ -427,11 +387,11 @@ class RerankService:
         after tokenizing. The tokenization itself is not abandoned (its worker would run on, and
         the lane would count it gone)."""
         chars = sum(len(x) for x in texts if x)
-        lane = self._large_lane if chars > self.large_request_chars else None
+        lane = self.pool.large_lane if chars > self.large_request_chars else None
         if lane is not None:
             await acquire_lane(lane, is_disconnected, deadline, self._timed_out)
         try:
-            enc = await self._in_pool(fn, *args)
+            enc = await self.pool.run(fn, *args)
         finally:
             if lane is not None:
                 lane.release()
