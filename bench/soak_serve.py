@@ -62,7 +62,7 @@ WORDS = ("tutor hint reranker setwise document query agent trace search answer b
 TRACES = [" ".join(random.Random(k).choice(WORDS) for _ in range(300)) for k in range(3)]
 SALTS = [None, "tenant-a", "tenant-b", "session-0123456789abcdef"]
 RETRIES = 8
-LARGE_CHARS = 300_000   # over the large lane's 256 k characters (service.LARGE_REQUEST_CHARS)
+LARGE_CHARS = 300_000   # over the large lane's 256 k characters (tokenize_pool.LARGE_REQUEST_CHARS)
 TOL = 1e-6        # fp32: the server tests' tolerance (tests/server/test_serve.py, assert_scores)
 #: statuses a request of each kind may get (docs/serving.md, "Errors"); 503 only during the drain
 ALLOWED = {"rerank": {200, 429, 504}, "select": {200, 429, 504}, "poison": {500, 429, 504},

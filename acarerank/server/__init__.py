@@ -10,8 +10,13 @@ Layers, each knowing only the one below:
 - ``gate.py``     ASGI middleware before the routes: drain, API key, admission (429), body size and timer
 - ``app.py``      FastAPI routes, parsing, errors, /health /ready /metrics
 - ``probes.py``   the one rule of what is unhealthy: ``/health`` and Ray's ``check_health``
-- ``service.py``  checks, admission (429), tokenization pool, waiting on the engine (client gone:
-                  499; ``--request-timeout``: 504), responses
+- ``service.py``  ``RerankService``: admission (429), the rerank, score and select flows, its life and death
+  ``request_checks.py``  what a schema cannot express: empty (400), too many documents (413), peers' options
+  ``admission.py``       the token budget (``--max-queue-tokens``) and what a request counts in it
+  ``tokenize_pool.py``   the tokenizer workers and their large lane
+  ``waiting.py``         waits for the lane, the tokens and the engine (client gone: 499;
+                         ``--request-timeout``: 504), the engine's errors as 500/503
+  ``responses.py``       the response bodies
 - ``engine.py``   the scheduler thread that owns the model: continuous batching of documents
   ``engine_faults.py``  its fault side: a failed pass narrowed to its request, the canary, dying
   ``engine_jobs.py``    its job and result types and errors (all importable from ``engine.py``)

@@ -14,6 +14,9 @@ the requests ahead of it have given back enough (docs/serving.md, "Admission by 
 * everything runs on the one event loop of the server: ``acquire``, ``release`` and ``abandon``
   are not thread-safe, the caller (``RerankService``) calls them from its request tasks only.
 
+What a request counts (``score_tokens``, ``select_tokens``) is what the engine computes for it,
+counted once it is tokenized.
+
 Invariant, after every call: ``held <= budget``, and either no one waits or the head does not fit
 (``held + waiters[0].tokens > budget``).
 """
@@ -43,6 +46,22 @@ def retry_after_s(excess: int, released: int, waited_s: float) -> int:
     if released <= 0 or waited_s <= 0:
         return RETRY_AFTER_MAX_S
     return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(excess * waited_s / released))))
+
+
+def score_tokens(enc) -> int:
+    """Tokens the engine computes for one tokenized rerank (a ``PointwiseEncoding``), what
+    ``--max-queue-tokens`` counts: ``len(shared_ids) + Σ_d len(segment_ids[d])`` — the shared part
+    (instruction, question, trace, query) once, as it is prefilled once per request and its ids are
+    held once, then every document's segment (its tokens and the suffix). Prefix-cache hits are not
+    subtracted: whether the prefix is still cached when the request's turn comes is not known at
+    admission (docs/serving.md, "Admission by tokens")."""
+    return len(enc.shared_ids) + sum(len(seg) for seg in enc.segment_ids)
+
+
+def select_tokens(enc, max_new_tokens: int) -> int:
+    """Tokens the engine computes for one tokenized selection (a ``SelectEncoding``): its prompt,
+    plus ``max_new_tokens``, the most it may decode (an upper bound: the output is often shorter)."""
+    return len(enc.prompt.input_ids) + max_new_tokens
 
 
 class TokenBudget:

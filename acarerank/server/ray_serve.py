@@ -74,7 +74,7 @@ def routing_key(req) -> Optional[str]:
     """sha1 of the request's stable context (``cache_salt``, ``question``, ``instruction``); None without.
 
     The instruction is the one scored: vLLM's ``chat_template_kwargs["instruction"]`` wins over the
-    field (``service._check_vllm_options``); read from the field alone, a context sent that way had
+    field (``request_checks.check_vllm_options``); read from the field alone, a context sent that way had
     no key and its requests were spread over the replicas, each prefilling it again."""
     kwargs = getattr(req, "chat_template_kwargs", None)
     instruction = getattr(req, "instruction", None)

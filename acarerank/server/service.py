@@ -7,27 +7,27 @@ errors) and the scheduler (``engine.py``, which owns the model):
   → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves), and a peer's
   option that would change the scores and that we cannot honour (``rank_fields``,
   ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation:
-  false``, vLLM's other options off their defaults: ``_check_vllm_options``) → 400;
+  false``, vLLM's other options off their defaults) → 400: ``request_checks.py``;
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
   ``Retry-After``; with ``max_queue_tokens``, at most that many tokens (``score_tokens`` /
   ``select_tokens``: what the engine computes, counted once tokenized) of requests unanswered at
   once: a request that does not fit now waits for room in arrival order (``admission.py``), for
   at most ``token_wait_timeout`` seconds, then 429 with ``Retry-After`` — and 413 for one request
   over the whole budget, which could never fit;
-* tokenizes in a thread pool (``reranker.encode``) — the event loop never tokenizes and the
+* tokenizes in a thread pool (``reranker.encode``, ``tokenize_pool.py``) — the event loop never tokenizes and the
   model thread never waits for it; the truncation policy is the reranker's own;
   ``max_tokens_per_doc`` cuts each document's tokens from its end, first; ``truncate: false``
   then turns any other cut into a 400;
-* submits to the engine and waits, polling the client: a client that disconnects has its
-  remaining work dropped (499), and so has a request still unanswered ``request_timeout`` seconds
-  after it arrived (504; a tokenization already running finishes first: the worker cannot be
-  interrupted, and the large lane must not count it gone while it runs);
-* maps the engine's failures: a request the model failed on (``EngineFault``) is a 500 naming
-  the error id of the failure's log line; a dead engine (``EngineDead``) a 503 at once, for it
-  and every later request (``dead``); anything raised in a tokenizer worker other than an input
+* submits to the engine and waits, polling the client (``waiting.py``): a client that
+  disconnects has its remaining work dropped (499), and so has a request still unanswered
+  ``request_timeout`` seconds after it arrived (504; a tokenization already running finishes
+  first: the worker cannot be interrupted, and the large lane must not count it gone while it runs);
+* maps the engine's failures (``waiting.py``): a request the model failed on (``EngineFault``) is
+  a 500 naming the error id of the failure's log line; a dead engine (``EngineDead``) a 503 at
+  once, for it and every later request (``dead``); anything raised in a tokenizer worker other than an input
   error (``ValueError``/``TypeError``: 400), ``BaseException`` included, is a 500 — and a pool
   that can no longer run work marks the service dead (docs/serving.md, "Internal faults and probes");
-* builds the response (results best first, ties in input order);
+* builds the response (results best first, ties in input order: ``responses.py``);
 * vLLM's score API (``score``): the pairs' scores in input order, 1 query with N documents run as
   the rerank route's request, N queries with N documents as one engine job per distinct query.
 """
@@ -39,105 +39,34 @@ import contextvars
 import logging
 import math
 import threading
-import time
 import uuid
 from array import array
-from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, Optional
 
 from .._validate import check_seconds
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DEFAULT_TOKEN_WAIT_TIMEOUT
-from .admission import TokenBudget, retry_after_s
-from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
-from .engine import DEFAULT_CANARY_AFTER, Engine, EngineDead, EngineFault, EngineStopped, run_on_dead
+# score_tokens, select_tokens: the tests import them from here
+from .admission import TokenBudget, score_tokens, select_tokens  # noqa: F401
+from .engine import DEFAULT_CANARY_AFTER, Engine, run_on_dead
 from .errors import APIError
 from .metrics import ServerMetrics
+# select_unavailable, score_groups: build.py and the tests import them from here
+from .request_checks import (check_documents, check_pairs, check_peer_options, check_vllm_options,  # noqa: F401
+                             score_groups, select_unavailable)
+from .responses import rerank_body, score_body, select_body
 from .schemas import RerankRequest, ScorePairsRequest, SelectRequest
+# LARGE_REQUEST_CHARS: the tests import it from here
+from .tokenize_pool import LARGE_REQUEST_CHARS, TokenizerPool  # noqa: F401
+from .waiting import acquire_lane, submit, wait_for_tokens, wait_groups, wait_job
 
 #: the warm-up request, and the engine's canary: short, within every limit, known to score
 CANARY = ScoreRequest("warm-up query", ["warm-up document"])
-DOCS_PER_SEARCH_UNIT = 100       # Cohere bills one search unit per query with up to 100 documents
-#: a request of more characters is "large": large requests share tokenize_workers - 1 workers,
-#: so one worker is always left for the small ones (a 32 MB body tokenizes for seconds)
-LARGE_REQUEST_CHARS = 256 * 1024
-#: a score request's groups take at most 1/SCORE_GROUPS_SHARE of the engine's running window at once
-SCORE_GROUPS_SHARE = 2
 
 #: set while the current request holds an admission slot (taken by the HTTP gate before it reads the body)
 _holding_slot = contextvars.ContextVar("acarerank_holding_slot", default=False)
 
 log = logging.getLogger("acarerank.server")
-
-
-def score_tokens(enc) -> int:
-    """Tokens the engine computes for one tokenized rerank (a ``PointwiseEncoding``), what
-    ``--max-queue-tokens`` counts: ``len(shared_ids) + Σ_d len(segment_ids[d])`` — the shared part
-    (instruction, question, trace, query) once, as it is prefilled once per request and its ids are
-    held once, then every document's segment (its tokens and the suffix). Prefix-cache hits are not
-    subtracted: whether the prefix is still cached when the request's turn comes is not known at
-    admission (docs/serving.md, "Admission by tokens")."""
-    return len(enc.shared_ids) + sum(len(seg) for seg in enc.segment_ids)
-
-
-def select_tokens(enc, max_new_tokens: int) -> int:
-    """Tokens the engine computes for one tokenized selection (a ``SelectEncoding``): its prompt,
-    plus ``max_new_tokens``, the most it may decode (an upper bound: the output is often shorter)."""
-    return len(enc.prompt.input_ids) + max_new_tokens
-
-
-class WorkerFault(Exception):
-    """A tokenizer worker raised something other than an input error (``BaseException`` included):
-    a fault of the server, answered 500 with ``error_id``."""
-
-    def __init__(self, error_id: str, exc: BaseException):
-        super().__init__(f"{type(exc).__name__}: {exc}")
-        self.error_id = error_id
-
-
-def _check_peer_options(req: RerankRequest) -> None:
-    """A peer's option that would change the scores is honoured or refused (400), never ignored:
-    scores that silently differ from what the client asked for are worse than an error."""
-    rank_fields = getattr(req, "rank_fields", None)   # the score route (ScorePairsRequest) has none
-    if rank_fields is not None and any(f != "text" for f in rank_fields):
-        raise APIError(400, f"rank_fields={rank_fields!r} is not supported: only each document's 'text' is "
-                            f"scored; put what should be ranked into 'text'")
-    direction = getattr(req, "truncation_direction", None)
-    if direction is not None and direction.lower() != "right":
-        raise APIError(400, f"truncation_direction={direction!r} is not supported: documents are cut "
-                            f"from their end ('Right'); send truncate: false to refuse over-long inputs instead")
-    for name in ("use_activation", "activation", "softmax"):
-        if getattr(req, name) is False:
-            raise APIError(400, f"{name}=false is not supported: this server returns relevance probabilities "
-                                f"(sigmoid of the yes/no logit difference), not logits")
-    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens != -1:
-        raise APIError(400, f"truncate_prompt_tokens={req.truncate_prompt_tokens} is not supported (only -1: cut to "
-                            f"the model's length, which truncate: true does); send max_tokens_per_doc to cut each "
-                            f"document to that many tokens")
-
-
-def _check_vllm_options(req) -> Optional[str]:
-    """vLLM's options beyond ``_check_peer_options`` (``VLLMOptions``, on the rerank and score
-    routes): honoured or a 400 naming them. Returns the instruction to use:
-    ``chat_template_kwargs["instruction"]`` wins over the ``instruction`` field, as vLLM merges them."""
-    if req.max_tokens_per_query:
-        raise APIError(400, f"max_tokens_per_query={req.max_tokens_per_query} is not supported: a query is never "
-                            f"cut here; send a shorter query (max_tokens_per_doc cuts each document)")
-    if req.truncation_side is not None and req.truncation_side.lower() != "right":
-        raise APIError(400, f"truncation_side={req.truncation_side!r} is not supported: documents are cut from "
-                            f"their end ('right'); send truncate: false to refuse over-long inputs instead")
-    if req.padding is not None and req.padding != "do_not_pad":
-        raise APIError(400, f"padding={req.padding!r} is not supported: prompts are never padded ('do_not_pad')")
-    kwargs = req.chat_template_kwargs or {}
-    other = sorted(k for k in kwargs if k != "instruction")
-    if other:
-        raise APIError(400, f"chat_template_kwargs {other} not supported: the prompt template is fixed; only "
-                            f"'instruction' is read (as the instruction field)")
-    instruction = kwargs.get("instruction", req.instruction)
-    if instruction is not None and not isinstance(instruction, str):
-        raise APIError(400, f"chat_template_kwargs['instruction'] must be a string, got "
-                            f"{type(instruction).__name__}")
-    return instruction
 
 
 def pinned_tokens_bound(reranker) -> Optional[int]:
@@ -147,38 +76,6 @@ def pinned_tokens_bound(reranker) -> Optional[int]:
     default budget with the cache off (docs/serving.md, "Engine"); None for a reranker without one
     (a test double): only the count bounds them."""
     return getattr(reranker, "max_pinned_tokens", None)
-
-
-def select_unavailable(setwise) -> Optional[str]:
-    """Why ``setwise`` (a ``SetwiseReranker``) can serve no selection at all, or None: its prompt cap
-    is under ``min_prompt_tokens()``, the template alone, so every prompt is over it whatever the
-    request holds (a model of fewer than ~700 positions: its cap is its maximum context length less
-    ``--select-max-new-tokens``). ``build_rerankers`` says it once at start-up; ``select`` answers
-    each request with it (docs/serving.md, "Selections and long inputs")."""
-    cap, need = setwise.max_length, setwise.min_prompt_tokens()
-    if cap is None or cap >= need:
-        return None
-    limit, new = setwise.runner.max_positions, setwise.max_new_tokens
-    if cap == limit - new:
-        fix = (f"a --select-max-new-tokens of at most {limit - need:,} leaves the template room" if limit > need
-               else "serve a model of more positions")
-        why = f"this model's maximum context length of {limit:,} tokens less --select-max-new-tokens={new:,}; {fix}"
-    else:
-        why = "--select-max-length"
-    return (f"the setwise prompt cap of {cap:,} tokens ({why}) is under the {need:,} tokens the setwise prompt's "
-            f"template alone takes (an empty query, one empty document), so no selection fits")
-
-
-def score_groups(queries: list) -> dict:
-    """``{query: [pair indices]}`` for the pairs of a score request, in first-appearance order.
-
-    1 query with N documents is one group (every pair); N queries with N documents make one group
-    per distinct query, pair ``i`` (query ``i``, document ``i``) in its query's group, so each
-    query's prefix is prefilled once, as the rerank route's is (a query's documents in one job)."""
-    groups: dict = {}
-    for i, q in enumerate(queries):
-        groups.setdefault(q, []).append(i)
-    return groups
 
 
 class RerankService:
@@ -240,10 +137,7 @@ class RerankService:
                              model_thread=model_thread, select_steps=setwise, canary_after=canary_after_failures,
                              max_running_tokens=pinned_tokens_bound(reranker))
         self.model_thread = model_thread
-        self._pool_threads: list = []   # the tokenizer workers, for threads()
-        self.pool = ThreadPoolExecutor(tokenize_workers, thread_name_prefix="acarerank-tokenize",
-                                       initializer=lambda: self._pool_threads.append(threading.current_thread()))
-        self._large_lane = asyncio.Semaphore(max(1, tokenize_workers - 1))
+        self.pool = TokenizerPool(tokenize_workers, self.metrics, self._pool_broke)
         self.large_request_chars = LARGE_REQUEST_CHARS
         self._lock = threading.Lock()
         self._admitted = 0
@@ -300,7 +194,7 @@ class RerankService:
         model thread it runs on) and the tokenizer workers. A bounded stop waits for these only,
         never for the embedding application's own threads (``front.run_server``)."""
         mt = self.model_thread.threads() if self.model_thread is not None else []
-        return self.engine.threads() + mt + [t for t in self._pool_threads if t.is_alive()]
+        return self.engine.threads() + mt + self.pool.threads()
 
     @property
     def dead(self) -> Optional[str]:
@@ -355,35 +249,9 @@ class RerankService:
         if self.dead is not None:
             raise self._unavailable(self.dead)
 
-    async def _in_pool(self, fn, *args):
-        """``fn(*args)`` in the tokenizer pool. ValueError (bad input: too long, nothing left after
-        truncation, a lone surrogate) passes through; anything else it raises, ``BaseException``
-        included, becomes ``WorkerFault``. A TypeError too: the schemas have checked every type
-        before the request gets here, so one raised while tokenizing is a fault of ours (a 400
-        naming internal functions told the client to fix a request that was fine). A pool that
-        cannot take work any more (shut down, broken) marks the service dead and answers 503."""
-        def run():
-            try:
-                return fn(*args)
-            except ValueError:
-                raise
-            except BaseException as e:  # noqa: BLE001 - a SystemExit in a worker must not escape as plain text
-                error_id = uuid.uuid4().hex[:16]
-                self.metrics.engine_failures.labels("tokenize").inc()
-                log.error("tokenizer worker failed (error id %s): %s: %s", error_id, type(e).__name__, e)
-                raise WorkerFault(error_id, e) from None
-
-        try:
-            fut = self.pool.submit(run)
-        except RuntimeError as e:  # "cannot schedule new futures after shutdown" / BrokenThreadPool
-            if self.ready:  # not our own stop(): the pool broke under a serving service
-                self._mark_dead(f"the tokenizer pool cannot run work ({type(e).__name__}: {e})")
-            raise APIError(503, f"server cannot serve: tokenizer pool unavailable ({e})",
-                           {"Connection": "close"}) from None
-        try:
-            return await asyncio.wrap_future(fut)
-        except WorkerFault as e:
-            raise APIError(500, f"internal error while tokenizing (error id {e.error_id}): {e}") from None
+    def _pool_broke(self, reason: str) -> None:
+        if self.ready:  # not our own stop(): the pool broke under a serving service
+            self._mark_dead(reason)
 
     @property
     def admitted(self) -> int:
@@ -454,49 +322,14 @@ class RerankService:
         self._check_alive()   # a request tokenized while the service died waits for nothing
         granted = self._tokens.acquire(tokens)
         if granted is not None:
-            await self._wait_for_tokens(granted, tokens, is_disconnected, deadline)
+            await wait_for_tokens(self._tokens, granted, tokens, is_disconnected, deadline, self.token_wait_timeout,
+                                  self._timed_out)
         try:
             yield
         finally:
             self._tokens.release(tokens)
 
-    async def _wait_for_tokens(self, granted: asyncio.Future, tokens: int,
-                               is_disconnected: Callable[[], Awaitable[bool]], deadline: Optional[float]) -> None:
-        """Wait for ``granted`` (``TokenBudget.acquire``'s future) up to ``token_wait_timeout`` and
-        ``deadline``, watching the client (``wait_or_drop``); whatever ends the wait early gives the
-        place (or the tokens granted meanwhile) back."""
-        loop = asyncio.get_running_loop()
-        ends = [t for t in (deadline, None if self.token_wait_timeout is None else
-                            loop.time() + self.token_wait_timeout) if t is not None]
-        seen = {}
-        start, released = loop.time(), self._tokens.released
-
-        def give_up():   # what the 429 reports: the queue as it stood when the wait ran out
-            seen.update(held=self._tokens.held, ahead=self._tokens.ahead_of(granted))
-            drained = self._tokens.released - released   # given back by the others during its wait
-            self._tokens.abandon(granted, tokens)
-            # its retry joins the back: what is held and waiting now, then its own, must fit the budget
-            queued = self._tokens.held + self._tokens.waiting_tokens
-            seen["retry"] = retry_after_s(queued + tokens - self._tokens.budget, drained, loop.time() - start)
-        try:
-            await wait_or_drop(granted, is_disconnected, give_up, deadline=min(ends) if ends else None)
-        except DeadlinePassed:
-            if deadline is not None and loop.time() >= deadline:
-                raise self._timed_out() from None
-            raise APIError(429, f"server busy: {seen['held']:,} tokens queued and {seen['ahead']} request(s) waiting "
-                                f"ahead; this request's {tokens:,} did not fit the budget of "
-                                f"{self.max_queue_tokens:,} (--max-queue-tokens) within {self.token_wait_timeout:g} s "
-                                f"(--token-wait-timeout); retry in {seen['retry']} s",
-                           headers={"Retry-After": str(seen["retry"])}) from None
-
     # -- rerank ------------------------------------------------------------------------------
-    def _check_documents(self, docs: list) -> None:
-        if len(docs) == 0:
-            raise APIError(400, "documents is empty: send at least one document")
-        if len(docs) > self.max_documents:
-            raise APIError(413, f"{len(docs)} documents exceed the limit of {self.max_documents} per request "
-                                f"(--max-documents)")
-
     async def rerank(self, req: RerankRequest, is_disconnected: Callable[[], Awaitable[bool]],
                      headers: Optional[dict] = None):
         """The response body for one rerank request (a dict, or TEI's list).
@@ -505,12 +338,12 @@ class RerankService:
         response headers (``x-queue-time``: ms from admission to the first pass, as TEI sends).
         """
         docs = req.document_texts()
-        self._check_documents(docs)
+        check_documents(docs, self.max_documents)
         if req.raw_scores:
             raise APIError(400, "raw_scores=true is not supported: this server returns relevance probabilities "
                                 "(sigmoid of the yes/no logit difference)")
-        _check_peer_options(req)
-        instruction = _check_vllm_options(req)
+        check_peer_options(req)
+        instruction = check_vllm_options(req)
         self._check_alive()
         deadline = self._deadline()
         rid = uuid.uuid4().hex
@@ -524,19 +357,11 @@ class RerankService:
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             async with self.hold_tokens(score_tokens(enc), is_disconnected, deadline):
-                job = self._submit(self.engine.submit, enc, rid)
-                result = await self._wait(job, is_disconnected, deadline)
+                job = submit(self.engine.submit, enc, rid)
+                result = await wait_job(self.engine, job, is_disconnected, deadline, self._timed_out)
         if headers is not None:  # TEI's header: milliseconds from admission to the first pass
             headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
-        return self._rerank_body(req, docs, result, rid)
-
-    def _submit(self, submit, enc, rid: str):
-        try:
-            return submit(enc, rid)
-        except EngineDead as e:
-            raise APIError(503, f"server cannot serve: {e}; it needs a restart", {"Connection": "close"}) from None
-        except EngineStopped as e:
-            raise APIError(503, f"server shutting down: {e}") from None
+        return rerank_body(req, docs, result, rid, self.model_name)
 
     def _deadline(self) -> Optional[float]:
         """The event loop's time by which this request must be answered (None: no deadline)."""
@@ -562,32 +387,16 @@ class RerankService:
         after tokenizing. The tokenization itself is not abandoned (its worker would run on, and
         the lane would count it gone)."""
         chars = sum(len(x) for x in texts if x)
-        lane = self._large_lane if chars > self.large_request_chars else None
+        lane = self.pool.large_lane if chars > self.large_request_chars else None
         if lane is not None:
-            await self._acquire_lane(lane, is_disconnected, deadline)
+            await acquire_lane(lane, is_disconnected, deadline, self._timed_out)
         try:
-            enc = await self._in_pool(fn, *args)
+            enc = await self.pool.run(fn, *args)
         finally:
             if lane is not None:
                 lane.release()
         self._check_deadline(deadline)
         return enc
-
-    async def _acquire_lane(self, lane: asyncio.Semaphore, is_disconnected: Callable[[], Awaitable[bool]],
-                            deadline: Optional[float]) -> None:
-        """``lane.acquire()``, watching the client and the deadline meanwhile (``wait_or_drop``).
-        A lane granted at the moment the wait is given up goes back at once: never leaked."""
-        acquiring = asyncio.ensure_future(lane.acquire())
-
-        def give_up():
-            if acquiring.done() and not acquiring.cancelled():
-                lane.release()
-            else:
-                acquiring.cancel()  # asyncio.Semaphore passes a grant it cannot deliver to the next waiter
-        try:
-            await wait_or_drop(acquiring, is_disconnected, give_up, deadline=deadline)
-        except DeadlinePassed:
-            raise self._timed_out() from None
 
     def _encode(self, request: ScoreRequest, max_tokens_per_doc: Optional[int], truncate: bool):
         """Tokenize (pool thread) with ``truncate`` and ``max_tokens_per_doc``.
@@ -613,121 +422,7 @@ class RerankService:
         enc.segment_ids = [array("i", seg) for seg in enc.segment_ids]
         return enc
 
-    async def _wait(self, job, is_disconnected: Callable[[], Awaitable[bool]], deadline: Optional[float] = None):
-        """The job's result; drops the job if the client disconnects first (ClientGone, answered 499)
-        or the deadline passes first (504).
-
-        Everything the engine raises is the server's fault (input was checked before it): a dead
-        engine is 503, any other failure 500 with the error id of its log line."""
-        return await self._wait_for(asyncio.wrap_future(job.future), lambda: self.engine.cancel(job),
-                                    is_disconnected, deadline)
-
-    async def _wait_groups(self, encs: list, rid: str, is_disconnected: Callable[[], Awaitable[bool]],
-                           deadline: Optional[float] = None) -> list:
-        """The results of one request's engine jobs (``encs``: a score request's groups), in order.
-
-        At most ``engine.max_running // SCORE_GROUPS_SHARE`` of them are in the engine at once, the
-        next submitted as one ends: the engine's pass takes its documents from its first
-        ``max_running`` jobs in arrival order, so 1,000 groups submitted together kept every later
-        request out of the passes until all but the last few had ended (a 2-document rerank sent
-        during a 1,000-query score waited 0.79 s, 0.03 s during a 1,000-document rerank).
-        Whatever ends the wait early (a job failed, the client left, the deadline, a cancellation)
-        drops every job not finished, so no group of a request that was answered keeps the engine busy;
-        a request dropped with work left (not one that failed) is one in
-        ``acarerank_requests_cancelled_total``, as a rerank is, not one per group then in the engine."""
-        if len(encs) == 1:
-            return [await self._wait(self._submit(self.engine.submit, encs[0], rid), is_disconnected, deadline)]
-        window = max(1, self.engine.max_running // SCORE_GROUPS_SHARE)
-        # the jobs not finished, only: a finished job keeps its prefix handle, and a handle whose
-        # prefix did not fit the cache's pool holds a private pool of its KV (docs/serving.md,
-        # "Engine"), so a list of every job held the KV of all the request's groups till the end
-        jobs = {}
-
-        async def run() -> list:
-            results, running, queued = [None] * len(encs), {}, iter(range(len(encs)))
-            try:
-                while True:
-                    while len(running) < window and (k := next(queued, None)) is not None:
-                        job = self._submit(self.engine.submit, encs[k], f"{rid}-{k}")
-                        jobs[k] = job
-                        running[asyncio.wrap_future(job.future)] = k
-                    if not running:
-                        return results
-                    done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                    for fut in done:
-                        k = running.pop(fut)
-                        del jobs[k]
-                        results[k] = fut.result()
-            finally:
-                for fut in running:   # dropped: their outcome is read when it comes (disconnect.py)
-                    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-        dropped = []
-
-        def drop():
-            # one request, however many of its groups were in the engine: counted once, as the
-            # rerank route counts its one job (acarerank_requests_cancelled_total counts requests)
-            if not task.done() and not dropped:
-                self.metrics.cancelled.inc()
-            dropped.append(True)
-            task.cancel()
-            for job in list(jobs.values()):
-                if not job.future.done():
-                    self.engine.cancel(job, count=False)
-        task = asyncio.ensure_future(run())
-        try:
-            return await self._wait_for(task, drop, is_disconnected, deadline)
-        except BaseException:
-            drop()
-            raise
-
-    async def _wait_for(self, fut, drop: Callable[[], None], is_disconnected: Callable[[], Awaitable[bool]],
-                        deadline: Optional[float]):
-        """``fut``'s result, errors mapped as ``_wait`` says; ``drop`` gives up the work."""
-        try:
-            return await wait_or_drop(fut, is_disconnected, drop, deadline=deadline)
-        except (ClientGone, APIError):   # APIError: a group could not be submitted (_wait_groups)
-            raise
-        except DeadlinePassed:
-            raise self._timed_out() from None
-        except EngineDead as e:
-            raise APIError(503, f"server cannot serve: {e}; it needs a restart", {"Connection": "close"}) from None
-        except EngineStopped as e:
-            raise APIError(503, f"server shutting down: {e}") from None
-        except EngineFault as e:
-            raise APIError(500, f"internal error while running the model (error id {e.error_id}): {e}") from None
-        except Exception as e:  # noqa: BLE001 - a fault of ours, not of the input
-            raise APIError(500, f"internal error while scoring: {type(e).__name__}: {e}") from None
-
-    def _rerank_body(self, req: RerankRequest, docs: list, result, rid: str):
-        scores = result.scores
-        order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-        if req.top_n:
-            order = order[:req.top_n]
-        if req.is_tei:
-            return [dict(index=i, score=scores[i], **({"text": docs[i]} if req.return_text else {}))
-                    for i in order]
-        results = [dict(index=i, relevance_score=scores[i],
-                        **({"document": req.response_document(i)} if req.return_documents else {})) for i in order]
-        return dict(id=rid, model=self.model_name, results=results,
-                    usage=dict(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens,
-                               cached_tokens=result.cached_tokens),
-                    meta=dict(billed_units=dict(search_units=math.ceil(len(docs) / DOCS_PER_SEARCH_UNIT))))
-
     # -- score (vLLM's score API) ------------------------------------------------------------
-    def _check_pairs(self, req: ScorePairsRequest, queries: list, docs: list) -> None:
-        """vLLM's pairing rule: 1 query with N >= 1 documents, or N queries with N documents; then the
-        rerank route's limit on documents (413)."""
-        first, second = req.pair_names
-        if len(queries) == 0:
-            raise APIError(400, f"{first} is empty: send at least one query")
-        if len(docs) == 0:
-            raise APIError(400, f"{second} is empty: send at least one document")
-        if len(queries) > 1 and len(queries) != len(docs):
-            raise APIError(400, f"{first} has {len(queries)} texts and {second} {len(docs)}: pair them 1 to 1, "
-                                f"1 to N or N to N (as many {first} as {second})")
-        self._check_documents(docs)
-
     def _encode_groups(self, requests: list, max_tokens_per_doc: Optional[int], truncate: bool) -> list:
         """``_encode`` of each group's request (one pool task for the whole score request)."""
         return [self._encode(r, max_tokens_per_doc, truncate) for r in requests]
@@ -742,13 +437,13 @@ class RerankService:
         documents is the rerank route's request exactly; N queries with N documents are at most N
         jobs, admitted as one request (one ``--max-queue`` slot, their tokens together against
         ``--max-queue-tokens``) and run at most half the engine's running window at a time
-        (``_wait_groups``). ``usage`` sums the groups' tokens (each distinct query's shared part
+        (``waiting.wait_groups``). ``usage`` sums the groups' tokens (each distinct query's shared part
         once, as the rerank route counts it); ``x-queue-time`` is the least of the groups'.
         """
         queries, docs = req.query_texts(), req.document_texts()
-        self._check_pairs(req, queries, docs)
-        _check_peer_options(req)
-        instruction = _check_vllm_options(req)
+        check_pairs(req, queries, docs, self.max_documents)
+        check_peer_options(req)
+        instruction = check_vllm_options(req)
         self._check_alive()
         deadline = self._deadline()
         rid = uuid.uuid4().hex
@@ -766,19 +461,11 @@ class RerankService:
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             async with self.hold_tokens(sum(score_tokens(enc) for enc in encs), is_disconnected, deadline):
-                results = await self._wait_groups(encs, rid, is_disconnected, deadline)
-        scores = [0.0] * len(docs)
-        for idx, result in zip(groups.values(), results):
-            for i, s in zip(idx, result.scores):
-                scores[i] = s
+                results = await wait_groups(self.engine, encs, rid, is_disconnected, deadline, self._timed_out,
+                                            self.metrics.cancelled)
         if headers is not None:
             headers["x-queue-time"] = f"{min(r.queue_time for r in results) * 1e3:.3f}"
-        prompt_tokens = sum(r.prompt_tokens for r in results)
-        return dict(id=f"score-{req.request_id if req.request_id is not None else rid}", object="list",
-                    created=int(time.time()), model=self.model_name,
-                    data=[dict(index=i, object="score", score=s) for i, s in enumerate(scores)],
-                    usage=dict(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens, completion_tokens=0,
-                               cached_tokens=sum(r.cached_tokens for r in results)))
+        return score_body(req, len(docs), groups, results, rid, self.model_name)
 
     # -- select ------------------------------------------------------------------------------
     def _encode_select(self, req: SelectRequest, docs: list):
@@ -794,7 +481,7 @@ class RerankService:
             raise APIError(400, f"this server's model cannot serve /v1/select at all: {self.select_unavailable} "
                                 f"(/v1/rerank and /score are served)", type="context_length")
         docs = req.document_texts()
-        self._check_documents(docs)
+        check_documents(docs, self.max_documents)
         from ..setwise.prompts import check_inputs
         try:
             check_inputs(req.query, docs, req.intent, req.max_select)
@@ -810,8 +497,6 @@ class RerankService:
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             async with self.hold_tokens(select_tokens(enc, self.setwise.max_new_tokens), is_disconnected, deadline):
-                job = self._submit(self.engine.submit_select, enc, rid)
-                sel = await self._wait(job, is_disconnected, deadline)
-        return dict(id=rid, model=self.model_name, ids=sel.ids, indices=sel.indices, text=sel.text,
-                    valid=sel.valid, usage=dict(prompt_tokens=sel.prompt_tokens, completion_tokens=sel.num_tokens,
-                                                total_tokens=sel.prompt_tokens + sel.num_tokens))
+                job = submit(self.engine.submit_select, enc, rid)
+                sel = await wait_job(self.engine, job, is_disconnected, deadline, self._timed_out)
+        return select_body(sel, rid, self.model_name)

@@ -1,0 +1,116 @@
+"""The checks of a request's shape that its schema cannot express: each a 400 or 413 before any work.
+
+Empty ``documents`` (400) and more than ``max_documents`` (413); a score request's pairing (vLLM's
+rule: 1 query with N documents or N with N); a peer's option that would change the scores and that
+we cannot honour (``rank_fields``, ``truncation_direction: Left``, ``truncate_prompt_tokens``
+other than -1, ``use_activation: false``, vLLM's other options off their defaults) — refused, never
+ignored (docs/serving.md, "Errors"); a score request's groups (``score_groups``); and why a setwise
+model can serve no selection at all (``select_unavailable``: docs/serving.md, "Selections and long
+inputs"). Plain functions of the request: no state, no model.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .errors import APIError
+from .schemas import RerankRequest, ScorePairsRequest
+
+
+def check_documents(docs: list, max_documents: int) -> None:
+    """At least one document (400), at most ``max_documents`` (413, ``--max-documents``)."""
+    if len(docs) == 0:
+        raise APIError(400, "documents is empty: send at least one document")
+    if len(docs) > max_documents:
+        raise APIError(413, f"{len(docs)} documents exceed the limit of {max_documents} per request "
+                            f"(--max-documents)")
+
+
+def check_pairs(req: ScorePairsRequest, queries: list, docs: list, max_documents: int) -> None:
+    """vLLM's pairing rule: 1 query with N >= 1 documents, or N queries with N documents; then the
+    rerank route's limit on documents (413)."""
+    first, second = req.pair_names
+    if len(queries) == 0:
+        raise APIError(400, f"{first} is empty: send at least one query")
+    if len(docs) == 0:
+        raise APIError(400, f"{second} is empty: send at least one document")
+    if len(queries) > 1 and len(queries) != len(docs):
+        raise APIError(400, f"{first} has {len(queries)} texts and {second} {len(docs)}: pair them 1 to 1, "
+                            f"1 to N or N to N (as many {first} as {second})")
+    check_documents(docs, max_documents)
+
+
+def check_peer_options(req: RerankRequest) -> None:
+    """A peer's option that would change the scores is honoured or refused (400), never ignored:
+    scores that silently differ from what the client asked for are worse than an error."""
+    rank_fields = getattr(req, "rank_fields", None)   # the score route (ScorePairsRequest) has none
+    if rank_fields is not None and any(f != "text" for f in rank_fields):
+        raise APIError(400, f"rank_fields={rank_fields!r} is not supported: only each document's 'text' is "
+                            f"scored; put what should be ranked into 'text'")
+    direction = getattr(req, "truncation_direction", None)
+    if direction is not None and direction.lower() != "right":
+        raise APIError(400, f"truncation_direction={direction!r} is not supported: documents are cut "
+                            f"from their end ('Right'); send truncate: false to refuse over-long inputs instead")
+    for name in ("use_activation", "activation", "softmax"):
+        if getattr(req, name) is False:
+            raise APIError(400, f"{name}=false is not supported: this server returns relevance probabilities "
+                                f"(sigmoid of the yes/no logit difference), not logits")
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens != -1:
+        raise APIError(400, f"truncate_prompt_tokens={req.truncate_prompt_tokens} is not supported (only -1: cut to "
+                            f"the model's length, which truncate: true does); send max_tokens_per_doc to cut each "
+                            f"document to that many tokens")
+
+
+def check_vllm_options(req) -> Optional[str]:
+    """vLLM's options beyond ``check_peer_options`` (``VLLMOptions``, on the rerank and score
+    routes): honoured or a 400 naming them. Returns the instruction to use:
+    ``chat_template_kwargs["instruction"]`` wins over the ``instruction`` field, as vLLM merges them."""
+    if req.max_tokens_per_query:
+        raise APIError(400, f"max_tokens_per_query={req.max_tokens_per_query} is not supported: a query is never "
+                            f"cut here; send a shorter query (max_tokens_per_doc cuts each document)")
+    if req.truncation_side is not None and req.truncation_side.lower() != "right":
+        raise APIError(400, f"truncation_side={req.truncation_side!r} is not supported: documents are cut from "
+                            f"their end ('right'); send truncate: false to refuse over-long inputs instead")
+    if req.padding is not None and req.padding != "do_not_pad":
+        raise APIError(400, f"padding={req.padding!r} is not supported: prompts are never padded ('do_not_pad')")
+    kwargs = req.chat_template_kwargs or {}
+    other = sorted(k for k in kwargs if k != "instruction")
+    if other:
+        raise APIError(400, f"chat_template_kwargs {other} not supported: the prompt template is fixed; only "
+                            f"'instruction' is read (as the instruction field)")
+    instruction = kwargs.get("instruction", req.instruction)
+    if instruction is not None and not isinstance(instruction, str):
+        raise APIError(400, f"chat_template_kwargs['instruction'] must be a string, got "
+                            f"{type(instruction).__name__}")
+    return instruction
+
+
+def select_unavailable(setwise) -> Optional[str]:
+    """Why ``setwise`` (a ``SetwiseReranker``) can serve no selection at all, or None: its prompt cap
+    is under ``min_prompt_tokens()``, the template alone, so every prompt is over it whatever the
+    request holds (a model of fewer than ~700 positions: its cap is its maximum context length less
+    ``--select-max-new-tokens``). ``build_rerankers`` says it once at start-up; ``select`` answers
+    each request with it (docs/serving.md, "Selections and long inputs")."""
+    cap, need = setwise.max_length, setwise.min_prompt_tokens()
+    if cap is None or cap >= need:
+        return None
+    limit, new = setwise.runner.max_positions, setwise.max_new_tokens
+    if cap == limit - new:
+        fix = (f"a --select-max-new-tokens of at most {limit - need:,} leaves the template room" if limit > need
+               else "serve a model of more positions")
+        why = f"this model's maximum context length of {limit:,} tokens less --select-max-new-tokens={new:,}; {fix}"
+    else:
+        why = "--select-max-length"
+    return (f"the setwise prompt cap of {cap:,} tokens ({why}) is under the {need:,} tokens the setwise prompt's "
+            f"template alone takes (an empty query, one empty document), so no selection fits")
+
+
+def score_groups(queries: list) -> dict:
+    """``{query: [pair indices]}`` for the pairs of a score request, in first-appearance order.
+
+    1 query with N documents is one group (every pair); N queries with N documents make one group
+    per distinct query, pair ``i`` (query ``i``, document ``i``) in its query's group, so each
+    query's prefix is prefilled once, as the rerank route's is (a query's documents in one job)."""
+    groups: dict = {}
+    for i, q in enumerate(queries):
+        groups.setdefault(q, []).append(i)
+    return groups
