@@ -39,6 +39,14 @@ done.set()
 """
 
 
+
+def _signal_and_wait(child, sig) -> tuple:
+    """Send ``sig`` to ``child`` and wait (30 s at most) for it to exit: (its stderr, seconds taken)."""
+    t0 = time.monotonic()
+    child.send_signal(sig)
+    err = child.communicate(timeout=30)[1]
+    return err, time.monotonic() - t0
+
 def test_an_embedding_process_survives_the_stop_and_gets_the_status(tmp_path):
     tiny_model().save_pretrained(tmp_path)
     port = free_port()
@@ -75,10 +83,7 @@ def test_acarerank_serve_exits_within_its_bound_when_a_model_call_hangs(tmp_path
                 client.post(base + "/v1/rerank", json={"query": "poison", "documents": ["d"]}, timeout=1.5)
             except httpx.TimeoutException:
                 pass   # the pass hangs, as meant
-        t0 = time.monotonic()
-        child.send_signal(signal.SIGTERM)
-        err = child.communicate(timeout=30)[1]
-        took = time.monotonic() - t0
+        err, took = _signal_and_wait(child, signal.SIGTERM)
     finally:
         child.kill()
     assert child.returncode == 0, (child.returncode, err[-2000:])
@@ -131,10 +136,7 @@ def test_ctrl_c_before_serving_exits_130_at_once(tmp_path, where):
         while not lines or lines[-1] not in ("MARK\n", ""):
             lines.append(child.stderr.readline())
         assert lines[-1] == "MARK\n", "".join(lines)[-2000:]
-        t0 = time.monotonic()
-        child.send_signal(signal.SIGINT)
-        err = child.communicate(timeout=30)[1]
-        took = time.monotonic() - t0
+        err, took = _signal_and_wait(child, signal.SIGINT)
     finally:
         child.kill()
     assert child.returncode == 130 and err.splitlines()[-1:] == ["acarerank serve: interrupted"], (child.returncode, err)
