@@ -546,3 +546,37 @@ def test_native_token_output_same_wherever_an_aligned_prefix_ends(dtype, Hq, Hkv
         os.environ.get("ACARERANK_CPU_BASELINE") != "1" and _AVX512_BF16 <= cpu_flags()
     if own_type and direct and short:  # the direct path's steps and exp: the tail's rows move
         assert (pass_of(Q, short) != whole[Q:Q + short]).any(), f"a pass of {short} tokens took the tile path"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,d", [(4, 2, 128), (8, 2, 64)])
+def test_native_causal_rows_same_bits_when_the_segment_is_cut_after_them(dtype, Hq, Hkv, d):
+    """Bitwise: the outputs of a long causal segment's first c tokens are the same whether the
+    segment goes on after them or is cut at c, for c at the end of an own-part sub-block (every
+    64 tokens here: the kernel's row blocks are 256 / r tokens, its causal sub-blocks 64 / r).
+    A row's arithmetic is then its sub-block's alone — the same GEMM and softmax calls on the same
+    key tiles in the same order, whichever order the kernel walks (tile, sub-block) pairs in and
+    whatever rows follow. Segments span several 256-key tiles and row blocks; two groups, one
+    with a prefix and an earlier segment, so the tasks hold several pieces."""
+    g = torch.Generator().manual_seed(11)
+    lens = [128, 1100, 900]  # segments: group 0's two (the first whole row blocks at r 2 and 4), group 1's
+    N = sum(lens)
+    Q, K, V = (torch.randn(N, h, d, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    KP, VP = (torch.randn(300, Hkv, d, generator=g).to(dtype) for _ in range(2))
+    cp, sg = torch.tensor([0, 300, 300], dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.int32)
+    first = [0, 128, 1228]  # each segment's first token in the uncut call
+
+    def call(ns):  # each segment cut to its first ns[i] tokens
+        rows = torch.cat([torch.arange(f, f + n) for f, n in zip(first, ns)])
+        cu = torch.tensor([0] + torch.tensor(ns).cumsum(0).tolist(), dtype=torch.int32)
+        return prefix_shared_attention(Q[rows], K[rows], V[rows], cu, KP, VP, cp, sg, backend="native"), rows
+
+    whole, _ = call(lens)
+    # the uncut call against the oracle, so that the cut calls are held to the right output too
+    ref = prefix_shared_attention_ref(Q, K, V, torch.tensor([0, 128, 1228, 2128], dtype=torch.int32), KP, VP, cp, sg)
+    assert (whole.float() - ref.float()).abs().max() < (1e-4 if dtype == torch.float32 else 5e-2)
+    for c1, c2 in ((64, 900), (1100, 64), (576, 512), (1024, 320)):  # cuts of group 0's last segment, group 1's
+        cut, rows = call([128, c1, c2])
+        diff = (cut != whole[rows]).flatten(1).any(1)
+        tokens = rows[diff].tolist()[:8]
+        assert not diff.any(), f"cut at ({c1}, {c2}): tokens {tokens} differ from the uncut call's"
