@@ -580,3 +580,46 @@ def test_native_causal_rows_same_bits_when_the_segment_is_cut_after_them(dtype, 
         diff = (cut != whole[rows]).flatten(1).any(1)
         tokens = rows[diff].tolist()[:8]
         assert not diff.any(), f"cut at ({c1}, {c2}): tokens {tokens} differ from the uncut call's"
+
+
+def test_fp32_masked_keys_of_a_partial_tile_get_weight_exactly_zero():
+    """fp32 tiles whose rows see n keys, n not a multiple of 16 (the softmax's vector tail: 8 lanes
+    on AVX2, 16 masked on AVX-512): a key a row does not see, in the same tile, gets weight exactly
+    0. Each segment's last key has a value of 1.7e38, so a weight as small as fp32's least normal
+    (1.2e-38) adds ~2 to a row before it; those rows must stay within 1e-5 of the oracle. NaN q
+    rows (one per segment, early) stay NaN alone: their NaN P, left in the P scratch a later row
+    reuses, must not reach its padding columns. Last tiles of 37, 44 and 21 keys."""
+    paged, packed = make([37, 300, 533], [5, 0, 19], [0, 1, 2], 4, 2, 64, 16)
+    q, k, v, cu = packed[:4]
+    big = torch.finfo(torch.float32).max / 2
+    last = (cu[1:] - 1).tolist()
+    for t in last:
+        v[t] = big
+    nan_rows = [(3, 1), (37 + 257, 2), (337 + 2, 0)]
+    ref = ref32(packed)
+    for t, h in nan_rows:
+        q[t, h] = float("nan")
+    out = prefix_shared_attention(*packed, backend="native")  # tiles: every segment has > 16 rows
+    nan = torch.zeros(out.shape[:2], dtype=torch.bool)
+    for t, h in nan_rows:
+        nan[t, h] = True
+    assert torch.equal(torch.isnan(out).any(-1), nan), f"NaN rows: {torch.nonzero(torch.isnan(out).any(-1))[:6].tolist()}"
+    keep = ~nan
+    keep[last] = False  # the rows that see the huge value
+    err = (out[keep] - ref[keep]).abs().max().item()
+    assert err <= 1e-5, f"a masked key's weight is not 0: max |diff| {err:.3g} off the oracle"
+
+
+def test_fp32_tests_pass_on_the_avx2_softmax_too():
+    """The fp32 tiles' softmax is AVX-512 where the CPU has it and AVX2 under
+    ACARERANK_CPU_BASELINE=1 (read once per process): this file's fp32 oracle, masking and NaN tests
+    in a fresh process with it set, so that both run on an AVX-512 CPU."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH")}
+    env["ACARERANK_CPU_BASELINE"] = "1"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "fp32_paged_and_packed or partial_tile or nan_in_q or nan_value or minus_inf or huge_finite"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
