@@ -490,6 +490,76 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
     for (; c < d; ++c) acc[c] *= alpha;
   }
 }
+// The fp32 step (P in fp32) on AVX-512F, 16 lanes: the AVX2 code's Cephes exp and order of work
+// (exp_avx2, softmax_row_avx2) on twice the lanes, 2^n applied by vscalefps; the tail of a row
+// masked (masked-off lanes load 0 and are zeroed after the exp, never exp(−offset)) and the
+// stores run to width, so P's padding columns are written 0 in the same pass. Rounding differs
+// from the AVX2 step in the row sum's order (16 lanes) and in a row's tail (the polynomial, where
+// AVX2 takes std::exp one score at a time). Where the CPU has AVX-512F, unless
+// ACARERANK_CPU_BASELINE=1 (f32_avx512()); fp32-convert's bf16 tiles take it too, the other
+// bf16 paths their own step above.
+#define ACR_AVX512F __attribute__((target("avx512f")))
+ACR_AVX512F inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x);  // NaN kept: min/max return x then
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3365478515625f), x);
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, fx);
+}
+
+// Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).
+ACR_AVX512F inline void softmax_row_avx512_f32(const float* s, int64_t n, int64_t width, int64_t d, float scale,
+                                               float& m, float& l, float* acc, float* p) {
+  auto mask = [](int64_t left) {
+    return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : static_cast<__mmask16>((1u << left) - 1);
+  };
+  __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(s + j), vmx);  // a NaN score loses
+  if (j < n) vmx = _mm512_mask_max_ps(vmx, mask(n - j), _mm512_maskz_loadu_ps(mask(n - j), s + j), vmx);
+  const float mx = _mm512_reduce_max_ps(vmx);
+  const float m_new = m > mx ? m : mx;
+  if (m_new == -std::numeric_limits<float>::infinity()) {
+    // every visible score so far −inf (see softmax_step): weights exp(−inf) = 0 exactly, a NaN
+    // stays NaN; α = 1
+    float sum = 0.f;
+    for (j = 0; j < n; ++j) sum += p[j] = std::exp(scale * s[j]);
+    for (; j < width; ++j) p[j] = 0.f;
+    l += sum;
+    return;
+  }
+  const float alpha = std::exp(scale * (m - m_new));
+  // scale·(s − m'), the difference first (softmax_row_avx2)
+  const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m_new);
+  __m512 vsum = _mm512_setzero_ps();
+  for (j = 0; j < width; j += 16) {
+    const __mmask16 mk = mask(n - j);
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), vm), vs)));
+    _mm512_mask_storeu_ps(p + j, mask(width - j), e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  l = l * alpha + _mm512_reduce_add_ps(vsum);
+  m = m_new;
+  if (alpha != 1.f) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int64_t c = 0; c < d; c += 16) _mm512_mask_storeu_ps(acc + c, mask(d - c), _mm512_mul_ps(_mm512_maskz_loadu_ps(mask(d - c), acc + c), va));
+  }
+}
+
+inline bool f32_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && !cpu_baseline_forced();
+  return ok;
+}
+
 // One output row: dst[c] = acc[c] · inv in the output dtype. bf16 with AVX-512 (vcvtneps2bf16,
 // round to nearest even as c10's conversion; a NaN stays NaN) where the softmax writes its P so.
 ACR_AVX512_BF16 inline void scale_row_to_bf16_avx512(const float* acc, float inv, int64_t d, BFloat16* dst) {
@@ -542,6 +612,18 @@ void softmax_step(int64_t M, int64_t KT, int64_t width, int64_t d, float scale, 
   }
 #endif
   if constexpr (std::is_same_v<c_t, float>) {
+#ifdef ACR_HAVE_AVX512_BF16_CODE
+    if (f32_avx512()) {
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t n = std::max<int64_t>(0, cnt(i));
+        if (n > 0)
+          softmax_row_avx512_f32(S + i * KT, n, width, d, scale, m[i], l[i], acc + i * d, P + i * KT);
+        else
+          std::memset(static_cast<void*>(P + i * KT), 0, sizeof(float) * width);
+      }
+      return;
+    }
+#endif
     if (cpu_has_avx2()) {
       for (int64_t i = 0; i < M; ++i) {
         const int64_t n = std::max<int64_t>(0, cnt(i));

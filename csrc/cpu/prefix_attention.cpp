@@ -434,16 +434,22 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
                   OwnK.data() + tile * tile_elems, OwnV.data() + tile * tile_elems);
             }
           }
+          // tile-major: each key tile meets every sub-block that sees it (those whose last token is
+          // ≥ its first key) while its K and V stay in L2, instead of each sub-block walking all the
+          // tiles. A row still gets the same calls with the same arguments in the same tile order,
+          // so its output bits are those of the sub-block-major order (docs/cpu.md).
           const int64_t sub_tok = std::max<int64_t>(1, OWN_ROWS / r);
-          for (int64_t u0 = pc.t0; u0 < pc.t1; u0 += sub_tok) {
-            const int64_t u1 = std::min(pc.t1, u0 + sub_tok);
-            const int64_t m0 = pc.m0 + (u0 - pc.t0) * r, Mp = (u1 - u0) * r;
-            c_t* Qp = Q.data() + m0 * d;
-            float* accp = acc.data() + m0 * d;
-            for (int64_t tile = 0, j0 = a; j0 < u1; ++tile, j0 += KT) {
+          for (int64_t tile = 0, j0 = a; tile < ntiles; ++tile, j0 += KT) {
+            const c_t* kt = own_k(tile);
+            const c_t* vt = own_v(tile);
+            // first sub-block whose last token u1 - 1 reaches j0
+            const int64_t sb0 = j0 > pc.t0 ? (j0 - pc.t0) / sub_tok : 0;
+            for (int64_t u0 = pc.t0 + sb0 * sub_tok; u0 < pc.t1; u0 += sub_tok) {
+              const int64_t u1 = std::min(pc.t1, u0 + sub_tok);
+              const int64_t m0 = pc.m0 + (u0 - pc.t0) * r, Mp = (u1 - u0) * r;
+              c_t* Qp = Q.data() + m0 * d;
+              float* accp = acc.data() + m0 * d;
               const int64_t n = std::min(KT, u1 - j0);
-              const c_t* kt = own_k(tile);
-              const c_t* vt = own_v(tile);
               // visible columns of sub-block row i: keys j0.. up to its token
               auto cnt = [&](int64_t i) { return std::min(n, u0 + i / r - j0 + 1); };
               const int64_t nc = gemm_cols<c_t>(n, KT);

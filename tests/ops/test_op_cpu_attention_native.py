@@ -546,3 +546,80 @@ def test_native_token_output_same_wherever_an_aligned_prefix_ends(dtype, Hq, Hkv
         os.environ.get("ACARERANK_CPU_BASELINE") != "1" and _AVX512_BF16 <= cpu_flags()
     if own_type and direct and short:  # the direct path's steps and exp: the tail's rows move
         assert (pass_of(Q, short) != whole[Q:Q + short]).any(), f"a pass of {short} tokens took the tile path"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,d", [(4, 2, 128), (8, 2, 64)])
+def test_native_causal_rows_same_bits_when_the_segment_is_cut_after_them(dtype, Hq, Hkv, d):
+    """Bitwise: the outputs of a long causal segment's first c tokens are the same whether the
+    segment goes on after them or is cut at c, for c at the end of an own-part sub-block (every
+    64 tokens here: the kernel's row blocks are 256 / r tokens, its causal sub-blocks 64 / r).
+    A row's arithmetic is then its sub-block's alone — the same GEMM and softmax calls on the same
+    key tiles in the same order, whichever order the kernel walks (tile, sub-block) pairs in and
+    whatever rows follow. Segments span several 256-key tiles and row blocks; two groups, one
+    with a prefix and an earlier segment, so the tasks hold several pieces."""
+    g = torch.Generator().manual_seed(11)
+    lens = [128, 1100, 900]  # segments: group 0's two (the first whole row blocks at r 2 and 4), group 1's
+    N = sum(lens)
+    Q, K, V = (torch.randn(N, h, d, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    KP, VP = (torch.randn(300, Hkv, d, generator=g).to(dtype) for _ in range(2))
+    cp, sg = torch.tensor([0, 300, 300], dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.int32)
+    first = [0, 128, 1228]  # each segment's first token in the uncut call
+
+    def call(ns):  # each segment cut to its first ns[i] tokens
+        rows = torch.cat([torch.arange(f, f + n) for f, n in zip(first, ns)])
+        cu = torch.tensor([0] + torch.tensor(ns).cumsum(0).tolist(), dtype=torch.int32)
+        return prefix_shared_attention(Q[rows], K[rows], V[rows], cu, KP, VP, cp, sg, backend="native"), rows
+
+    whole, _ = call(lens)
+    # the uncut call against the oracle, so that the cut calls are held to the right output too
+    ref = prefix_shared_attention_ref(Q, K, V, torch.tensor([0, 128, 1228, 2128], dtype=torch.int32), KP, VP, cp, sg)
+    assert (whole.float() - ref.float()).abs().max() < (1e-4 if dtype == torch.float32 else 5e-2)
+    for c1, c2 in ((64, 900), (1100, 64), (576, 512), (1024, 320)):  # cuts of group 0's last segment, group 1's
+        cut, rows = call([128, c1, c2])
+        diff = (cut != whole[rows]).flatten(1).any(1)
+        tokens = rows[diff].tolist()[:8]
+        assert not diff.any(), f"cut at ({c1}, {c2}): tokens {tokens} differ from the uncut call's"
+
+
+def test_fp32_masked_keys_of_a_partial_tile_get_weight_exactly_zero():
+    """fp32 tiles whose rows see n keys, n not a multiple of 16 (the softmax's vector tail: 8 lanes
+    on AVX2, 16 masked on AVX-512): a key a row does not see, in the same tile, gets weight exactly
+    0. Each segment's last key has a value of 1.7e38, so a weight as small as fp32's least normal
+    (1.2e-38) adds ~2 to a row before it; those rows must stay within 1e-5 of the oracle. NaN q
+    rows (one per segment, early) stay NaN alone: their NaN P, left in the P scratch a later row
+    reuses, must not reach its padding columns. Last tiles of 37, 44 and 21 keys."""
+    paged, packed = make([37, 300, 533], [5, 0, 19], [0, 1, 2], 4, 2, 64, 16)
+    q, k, v, cu = packed[:4]
+    big = torch.finfo(torch.float32).max / 2
+    last = (cu[1:] - 1).tolist()
+    for t in last:
+        v[t] = big
+    nan_rows = [(3, 1), (37 + 257, 2), (337 + 2, 0)]
+    ref = ref32(packed)
+    for t, h in nan_rows:
+        q[t, h] = float("nan")
+    out = prefix_shared_attention(*packed, backend="native")  # tiles: every segment has > 16 rows
+    nan = torch.zeros(out.shape[:2], dtype=torch.bool)
+    for t, h in nan_rows:
+        nan[t, h] = True
+    assert torch.equal(torch.isnan(out).any(-1), nan), f"NaN rows: {torch.nonzero(torch.isnan(out).any(-1))[:6].tolist()}"
+    keep = ~nan
+    keep[last] = False  # the rows that see the huge value
+    err = (out[keep] - ref[keep]).abs().max().item()
+    assert err <= 1e-5, f"a masked key's weight is not 0: max |diff| {err:.3g} off the oracle"
+
+
+def test_fp32_tests_pass_on_the_avx2_softmax_too():
+    """The fp32 tiles' softmax is AVX-512 where the CPU has it and AVX2 under
+    ACARERANK_CPU_BASELINE=1 (read once per process): this file's fp32 oracle, masking and NaN tests
+    in a fresh process with it set, so that both run on an AVX-512 CPU."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH")}
+    env["ACARERANK_CPU_BASELINE"] = "1"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "fp32_paged_and_packed or partial_tile or nan_in_q or nan_value or minus_inf or huge_finite"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
