@@ -2,10 +2,12 @@
 dropped) and the process exits 0, even with a client still sending its body.
 
 One subprocess server (the CLI, a tiny checkpoint, ``--drain-timeout 2``). Three requests of
-1,000 documents of ~2,400 characters each (one document per pass: ``--max-batch-tokens 64``) keep
-the engine busy far past the deadline — one alone takes ~6 s on a 2-core EPYC (2026-12-02), where
-documents of ~370 characters took 1.8 s, too close to the deadline once passes stopped paying for
-a new GEMM kernel per shape; a fourth client sends its head and half of its body, then nothing.
+1,000 documents of ~7,200 characters each (one document per pass: ``--max-batch-tokens 64``;
+``--max-request-chars`` raised to let them in) keep the engine busy far past the deadline — one
+alone takes ~11 s on a 2-core Zen 5 EPYC (2026-12-06). Documents of ~2,400 characters took ~6 s
+on 2026-12-02 but 2.5–2.7 s on the Zen 5 with 2 threads, and a request finished inside the drain
+(a 200 where the test wants 503: fresh-clone CI at a0cb05b); ~370 characters took 1.8 s. A
+fourth client sends its head and half of its body, then nothing.
 ``--max-queue-tokens`` holds two of the three: the third waits for room in it (a wait the drain
 ends as it ends the rest, 503).
 """
@@ -32,12 +34,13 @@ MARGIN = 5.0   # seconds of slack for the exit on a loaded machine
 def test_drain_deadline_answers_503_and_exits(tmp_path):
     model = tiny_model()
     model.save_pretrained(tmp_path)
-    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 40 for i in range(1000)]
+    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 120 for i in range(1000)]
     enc = PointwiseReranker(model=model).encode(ScoreRequest("drain 0", docs))
     tokens = len(enc.shared_ids) + sum(map(len, enc.segment_ids))   # what --max-queue-tokens counts
     out = {}
     with serve_subprocess("--model", str(tmp_path), "--dtype", "float32", "--max-batch-tokens", "64",
-                          "--drain-timeout", str(DRAIN), "--max-queue-tokens", str(tokens * 5 // 2)) as (base, proc):
+                          "--drain-timeout", str(DRAIN), "--max-queue-tokens", str(tokens * 5 // 2),
+                          "--max-request-chars", "8000000") as (base, proc):
         port = int(base.rsplit(":", 1)[1])
 
         def long_request(k):
