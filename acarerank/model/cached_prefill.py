@@ -136,7 +136,9 @@ def _fits(pc: PrefixCache, lengths: Sequence[int], hits: Sequence[int], reserve_
     pool ran out and then computed every one of them again (docs/ARCHITECTURE.md, "Prefix cache")."""
     bs = pc.block_size
     need = sum(-(-(n + reserve_tokens - 1) // bs) - h // bs for n, h in zip(lengths, hits))
-    return need <= pc.available_blocks()
+    # the free blocks first: available_blocks walks the whole tree (O(nodes), under the pool's
+    # lock), and every cached prefill asks; a snapshot either way (PoolExhausted stays the net)
+    return need <= pc.pool.num_free or need <= pc.available_blocks()
 
 
 def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
