@@ -341,19 +341,29 @@ inline bool pack_kv_tile(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_
 // exp: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial, 2^n by exponent
 // bits), ~2 ulp on [-87, 88]; clamped below so exp of a very negative score is 0-ish, NaN kept
 // (max/min return their second operand, x, when it is NaN).
+// Its constants, shared with the AVX-512 width (exp_avx512): n = round(x·log2 e), r = x − n·(C1 + C2)
+// (ln 2 in two parts, n·C1 exact), e^r ≈ 1 + r + r²·P(r), times 2^n.
+namespace cephes_exp {
+constexpr float kMaxX = 88.3762626647949f, kMinX = -87.3365478515625f, kLog2e = 1.44269504088896341f;
+constexpr float kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+}  // namespace cephes_exp
+
 __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
-  x = _mm256_max_ps(_mm256_set1_ps(-87.3365478515625f), x);
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  using namespace cephes_exp;
+  x = _mm256_min_ps(_mm256_set1_ps(kMaxX), x);
+  x = _mm256_max_ps(_mm256_set1_ps(kMinX), x);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kC1), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kC2), r);
+  __m256 y = _mm256_set1_ps(kP0);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP1));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP2));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP3));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP4));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP5));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
@@ -500,18 +510,19 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
 // bf16 paths their own step above.
 #define ACR_AVX512F __attribute__((target("avx512f")))
 ACR_AVX512F inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x);  // NaN kept: min/max return x then
-  x = _mm512_max_ps(_mm512_set1_ps(-87.3365478515625f), x);
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  using namespace cephes_exp;
+  x = _mm512_min_ps(_mm512_set1_ps(kMaxX), x);  // NaN kept: min/max return x then
+  x = _mm512_max_ps(_mm512_set1_ps(kMinX), x);
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kC1), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kC2), r);
+  __m512 y = _mm512_set1_ps(kP0);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP1));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP2));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP3));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP4));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP5));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(y, fx);
 }
