@@ -91,7 +91,8 @@ def test_bad_input():
 def test_agg_loss_takes_its_mask_as_bool_of_the_same_shape():
     """agg_loss is public: a [L] mask against [N, L] losses broadcast (token-mean 2.0 for all-ones
     losses of 2 sequences, instead of 1.0), and a mask of 0.5 counted a whole token in the
-    numerator but half of one in the denominator. Now: the same shape, read as bool throughout."""
+    numerator but half of one in the denominator. Now: the same shape, read as bool throughout
+    (a 0.5 entry is refused unless validate=False: test_agg_loss_refuses_a_mask_entry_other_than_0_or_1)."""
     ones = torch.ones(2, 3)
     with pytest.raises(ValueError, match=r"must both be \[N, L\]; got \(2, 3\) and \(3,\)"):
         agg_loss(ones, torch.ones(3, dtype=torch.bool))
@@ -101,8 +102,8 @@ def test_agg_loss_takes_its_mask_as_bool_of_the_same_shape():
         clipped_policy_loss(ones, [[0.0] * 3] * 2, ones, ones.bool())
     half = torch.tensor([[0.5, 1.0, 0.0], [1.0, 1.0, 0.0]])
     for agg in AGG_MODES:
-        assert agg_loss(ones, half, agg) == agg_loss(ones, half.bool(), agg), agg
-    assert agg_loss(ones, half, "token-mean") == 1.0
+        assert agg_loss(ones, half, agg, validate=False) == agg_loss(ones, half.bool(), agg), agg
+    assert agg_loss(ones, half, "token-mean", validate=False) == 1.0
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
@@ -130,6 +131,75 @@ def test_agg_loss_and_eps_clip_name_their_bad_type():
     # and returned a loss
     with pytest.raises(TypeError, match="logp must be floating point, got torch.int64"):
         clipped_policy_loss(logp.detach().long(), old, adv, mask)
+
+
+def _plain_agg(loss_mat, mask, agg):
+    """verl's formulas (module docstring) by loops over the valid tokens only."""
+    N, L = loss_mat.shape
+    rows = [[float(loss_mat[i, j]) for j in range(L) if mask[i, j]] for i in range(N)]
+    if agg == "token-mean":
+        return sum(map(sum, rows)) / max(sum(map(len, rows)), 1)
+    if agg == "seq-mean-token-sum":
+        return sum(map(sum, rows)) / N
+    if agg == "seq-mean-token-mean":
+        return sum(sum(r) / max(len(r), 1) for r in rows) / N
+    return sum(map(sum, rows)) / L
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_agg_loss_refuses_a_nonfinite_loss_at_a_valid_token(value, agg):
+    """agg_loss is public (a user's own per-token loss): a NaN at a valid token gave a NaN loss
+    with no error, ±inf an infinite one, where clipped_policy_loss named its bad input. Now the
+    same ValueError naming loss_mat and its first bad [i, l]; at a masked token it is padding
+    (never read: the loss equals the masked reference, its gradient finite), and validate=False
+    is the unchecked loss."""
+    _, _, loss, mask = _batch(7)
+    loss = loss.clone()
+    loss[1, 2] = loss[3, 0] = value
+    with pytest.raises(ValueError, match=rf"agg_loss: loss_mat\[1, 2\] is {value} at a valid token.*"
+                                         rf"2 such position\(s\), first \[\(1, 2\), \(3, 0\)\]"):
+        agg_loss(loss.clone().requires_grad_(), mask, agg)
+    unchecked = agg_loss(loss, mask, agg, validate=False)
+    assert not torch.isfinite(unchecked), (agg, unchecked)  # the number the check stands in front of
+    loss[1, 2] = loss[3, 0] = 0.5
+    loss[2, 5] = value  # padding
+    padded = loss.clone().requires_grad_()
+    got = agg_loss(padded, mask, agg)
+    (g,) = torch.autograd.grad(got, padded)
+    torch.testing.assert_close(got, torch.tensor(_plain_agg(loss, mask, agg)), rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(g).all() and (g[~mask] == 0).all(), g
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_agg_loss_refuses_a_mask_entry_other_than_0_or_1(agg):
+    """verl's agg_loss multiplies by the mask: a weighted mask ported from it (0.5) gave another
+    loss here, read as bool, with no error. Now a ValueError naming the first such valid entry and
+    the rule; 0/1 floats and integers are the bool mask (values within 1e-6), a 0.5 at a masked
+    token cannot exist (0 is the masked value), and validate=False reads the mask as bool."""
+    _, _, loss, mask = _batch(8)
+    want = agg_loss(loss, mask, agg)
+    for ok in (mask.float(), mask.double(), mask.to(torch.uint8), mask.long()):
+        torch.testing.assert_close(agg_loss(loss, ok, agg), want, rtol=1e-6, atol=1e-6)
+    weighted = mask.float()
+    weighted[1, 1] = weighted[3, 4] = 0.5
+    with pytest.raises(ValueError, match=r"agg_loss: mask\[1, 1\] is 0\.5; 2 such position\(s\), first "
+                                         r"\[\(1, 1\), \(3, 4\)\]\. A mask entry must be 0 or 1: acarerank "
+                                         r"reads a mask as bool.*unlike verl's agg_loss, which multiplies by it"):
+        agg_loss(loss, weighted, agg)
+    for bad, shown in ((2, "2"), (-1, "-1")):  # not a 0/1 mask either, in a float or an integer one
+        for dtype in (torch.float32, torch.int64):
+            m = mask.to(dtype)
+            m[0, 3] = bad
+            with pytest.raises(ValueError, match=rf"agg_loss: mask\[0, 3\] is {shown}(\.0)?; 1 such"):
+                agg_loss(loss, m, agg)
+    assert torch.equal(agg_loss(loss, weighted, agg, validate=False), want)
+    with pytest.raises(ValueError, match=r"clipped_policy_loss: mask\[1, 1\] is 0\.5;"):
+        clipped_policy_loss(*_batch(8)[:3], weighted, agg=agg)
+    with pytest.raises(TypeError, match="agg_loss: validate must be a bool"):
+        agg_loss(loss, mask, agg, validate=1)
+    with pytest.raises(ValueError, match="agg_loss: mask is on meta, loss_mat is on cpu"):
+        agg_loss(loss, mask.to("meta"), agg)
 
 
 def test_norm_length_is_a_constant_divisor_whatever_the_padding():
@@ -221,6 +291,24 @@ def test_the_check_runs_in_a_compiled_loss():
     old[2, 0] = float("nan")
     with pytest.raises(ValueError, match=r"logp_old\[2, 0\] is nan at a valid token"):
         step(logp, old, adv, mask)
+    # agg_loss on its own, validate on (the default), its mask and loss_mat checks included
+    agg = torch.compile(agg_loss, backend="aot_eager", fullgraph=True, dynamic=True)
+    loss_mat = adv.clone().requires_grad_()
+    fmask = mask.float()
+    for mode in AGG_MODES:
+        got = agg(loss_mat, fmask, mode)
+        (g,) = torch.autograd.grad(got, loss_mat)
+        want = agg_loss(loss_mat, fmask, mode)
+        (want_g,) = torch.autograd.grad(want, loss_mat)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(g, want_g, rtol=1e-6, atol=0)
+    nan = adv.clone()
+    nan[3, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"agg_loss: loss_mat\[3, 1\] is nan at a valid token"):
+        agg(nan, fmask)
+    fmask[1, 0] = 0.5
+    with pytest.raises(ValueError, match=r"agg_loss: mask\[1, 0\] is 0\.5;"):
+        agg(adv, fmask)
 
 
 def test_opcheck_policy_loss_valid():
@@ -232,3 +320,14 @@ def test_opcheck_policy_loss_valid():
     for m in (mask, mask.float().t().contiguous().t(), mask[:0]):
         n = m.shape[0]
         torch.library.opcheck(policy_loss_valid, (logp[:n], old[:n], adv[:n], m, True))
+
+
+def test_opcheck_agg_loss_valid():
+    """agg_loss's check op, as policy_loss_valid's: fake and real kernels agree (a transposed
+    float mask, an integer one, an empty batch; validate off too)."""
+    from acarerank.ato.loss import agg_loss_valid
+
+    _, _, loss, mask = _batch(6)
+    for m in (mask, mask.float().t().contiguous().t(), mask.to(torch.uint8), mask[:0]):
+        for validate in (True, False):
+            torch.library.opcheck(agg_loss_valid, (loss[:m.shape[0]], m, validate))

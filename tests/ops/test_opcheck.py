@@ -204,6 +204,7 @@ OPCHECKED = {
     "silu_and_mul": "test_op_layer_elementwise.py::test_opcheck",
     "linear_onednn": "test_op_linear.py::test_opcheck",
     "policy_loss_valid": "ato/test_ato_loss.py::test_opcheck_policy_loss_valid",
+    "agg_loss_valid": "ato/test_ato_loss.py::test_opcheck_agg_loss_valid",
 }
 # the C++ ops of acarerank._cpu (registered when it loads: only where it is built)
 OPCHECKED_NATIVE = {
@@ -220,7 +221,7 @@ OPCHECKED_NATIVE = {
 
 def test_every_registered_op_is_opchecked():
     """The namespace as the dispatcher sees it: a new custom op fails here until it has an opcheck."""
-    import acarerank.ato  # noqa: F401  (registers them, and clipped_policy_loss's acarerank::policy_loss_valid)
+    import acarerank.ato  # noqa: F401  (registers them, and the loss's policy_loss_valid and agg_loss_valid)
     import acarerank.ops  # noqa: F401
     from acarerank.ops import _native
 
