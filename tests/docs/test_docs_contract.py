@@ -417,3 +417,91 @@ def test_no_merge_conflict_markers_in_tracked_files():
         text = path.read_text(encoding="utf-8", errors="replace")
         found += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in marker.finditer(text)]
     assert not found, f"merge conflict markers: {found[:10]}"
+
+
+# --------------------------------------------------------------------------- README's headline table
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+_FIGURE = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?×?")
+
+
+def summary_rows(text: str) -> list:
+    """benchmarks.md's "Summary" rows as [peer, workload, machine, ...] with each ``same`` resolved:
+    a cell that is ``same`` is the row above's; a workload holding ``same`` ("M3, same") gets the row
+    above's workload appended (its dtype, shape and document count)."""
+    rows, prev = [], None
+    for row in _table_rows(_section(text, "Summary")):
+        if prev is not None:
+            row = [p if c == "same" else c for c, p in zip(row, prev)]
+            if "same" in row[1].split(", "):
+                row[1] = f"{row[1]}, {prev[1]}"
+        rows.append(row)
+        prev = row
+    return rows
+
+
+def headline_problems(readme: str, benchmarks: str) -> list:
+    """Each README results row (a ``**N×**`` ratio) against the Summary rows of the same peer and date:
+    its figures are theirs (not only somewhere in the table: a Zen 5 figure beside a Zen 4 date passed
+    that), its machine is theirs, each dtype it names is in their workloads; a count of the Summary's
+    rows the README states is the count."""
+    summary = summary_rows(benchmarks)
+    problems = []
+    for said in re.findall(r"(\d+) rows in all", readme):
+        if int(said) != len(summary):
+            problems.append(f"README says the Summary has {said} rows; it has {len(summary)}")
+    header = next(line for line in readme.split("\n") if line.startswith("| acarerank beside"))
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in readme.split("\n")
+            if line.startswith("|") and re.search(r"\*\*[\d.]+×", line)]
+    assert header and rows, "no results table in README.md"
+    prev = None
+    for row in rows:
+        row = [p if c == "same" else c for c, p in zip(row, prev or row)]
+        prev = row
+        peer, workload, machine_date = row[0], row[1], row[2]
+        date = _DATE.search(machine_date)
+        if date is None:
+            problems.append(f"README row {peer!r} / {workload!r}: no date")
+            continue
+        matched = [r for r in summary if r[0] == peer and date.group(0) in r[2]]
+        if not matched:
+            problems.append(f"README row {peer!r} dated {date.group(0)}: no Summary row of that peer and date")
+            continue
+        machine = machine_date[:date.start()].rstrip(", ")
+        if not all(machine in r[2] for r in matched):
+            problems.append(f"README row {peer!r} {date.group(0)}: machine {machine!r} is not the Summary's "
+                            f"{sorted({r[2] for r in matched})}")
+        for dtype in sorted(set(re.findall(r"\b(fp32|bf16)\b", workload.split("(")[0]))):
+            if not any(dtype in r[1] for r in matched):
+                problems.append(f"README row {peer!r} {date.group(0)}: {dtype} is in none of the Summary's "
+                                f"workloads {[r[1] for r in matched]}")
+        theirs = " | ".join(" | ".join(r[3:]) for r in matched)
+        for cell in row[3:]:
+            for figure in _FIGURE.findall(cell):
+                if len(figure.strip("×")) > 1 and not re.search(rf"(?<![\d,.]){re.escape(figure)}(?![\d,])", theirs):
+                    problems.append(f"README row {peer!r} {date.group(0)}: {figure} is not in the Summary's rows of "
+                                    f"that peer and date")
+    return problems
+
+
+def test_readme_headline_rows_are_the_summary_rows_of_their_machine_and_date():
+    problems = headline_problems((ROOT / "README.md").read_text(), (ROOT / "docs" / "benchmarks.md").read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_headline_checker_reports_a_figure_of_another_machine():
+    """The checker can fail: a README row that moves a Zen 5 figure to the Zen 4 date, a machine that
+    is not the Summary's, a dtype the rows do not have, a wrong row count."""
+    readme = (ROOT / "README.md").read_text()
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    zen5 = next(line for line in readme.split("\n") if "2026-12-05" in line and line.startswith("|"))
+    cases = [
+        (zen5.replace("2026-12-05", "2026-12-03").replace("Zen 5", "Zen 4"), "1,145 is not in the Summary"),
+        (zen5.replace("Zen 5", "Zen 3"), "machine 'AMD EPYC Zen 3"),
+        (zen5.replace("**bf16**", "**fp32**"), "fp32 is in none of the Summary's workloads"),
+    ]
+    for changed, expected in cases:
+        problems = headline_problems(readme.replace(zen5, changed), bench)
+        assert any(expected in p for p in problems), (expected, problems)
+    problems = headline_problems(readme + "\nThe Summary, 3 rows in all.\n", bench)
+    assert any("README says the Summary has 3 rows" in p for p in problems), problems
