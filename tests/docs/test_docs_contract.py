@@ -505,3 +505,60 @@ def test_headline_checker_reports_a_figure_of_another_machine():
         assert any(expected in p for p in problems), (expected, problems)
     problems = headline_problems(readme + "\nThe Summary, 3 rows in all.\n", bench)
     assert any("README says the Summary has 3 rows" in p for p in problems), problems
+
+
+# --------------------------------------------------------------------------- serving.md's error types
+
+_OUR_TYPE = re.compile(r'"type": "([a-z_]+)"|type `([a-z_]+)`|`([a-z_]+_error)`')
+_STATUS = re.compile(r"→ (\d{3})\b|\b(\d{3}) \{\"error\"|`(\d{3})`")
+
+
+def error_type_problems(text: str) -> list:
+    """What serving.md says of error bodies against acarerank/server: each ``type`` word it names
+    (``"type": "timeout"``, ``type `context_length```, ``validation_error``) is one the server sends
+    (``ERROR_TYPES`` or a ``type="..."`` it passes), each status it answers (``→ 413``, ``504 {"error"``)
+    has its type, and the TEI ``error_type`` sentence ("`Overloaded` for 429 and 504, ..., `Validation`
+    for every other 4xx") is ``tei_error_type``'s mapping."""
+    from acarerank.server.errors import ERROR_TYPES, tei_error_type
+
+    source = "".join(p.read_text() for p in (ROOT / "acarerank" / "server").glob("*.py"))
+    sent = set(ERROR_TYPES.values()) | set(re.findall(r'\btype="([a-z_]+)"', source))
+    flat = " ".join(text.split())
+    problems = [f"serving.md names the error type {t!r}; the server sends {sorted(sent)}"
+                for m in _OUR_TYPE.finditer(flat) for t in [next(g for g in m.groups() if g)] if t not in sent]
+    problems += [f"serving.md answers {s}, which has no error type in ERROR_TYPES"
+                 for m in _STATUS.finditer(flat) for s in [next(g for g in m.groups() if g)]
+                 if s[0] in "45" and int(s) not in ERROR_TYPES]
+    m = re.search(r"`error_type` (.*?) \|", flat)
+    if m is None:
+        return problems + ["serving.md: no TEI `error_type` sentence in the Errors table"]
+    listed = set()
+    for word, statuses in re.findall(r"`(\w+)` for ([^,`]+)", m.group(1)):
+        codes = [int(c) for c in re.findall(r"\b\d{3}\b", statuses)]
+        if "every other 4xx" in statuses:
+            codes = [c for c in ERROR_TYPES if 400 <= c < 500 and c not in listed]
+        listed |= set(codes)
+        problems += [f"serving.md: TEI error_type {word!r} for {c}; the server sends {tei_error_type(c)!r}"
+                     for c in codes if tei_error_type(c) != word]
+    problems += [f"serving.md's TEI error_type sentence does not cover {c}" for c in ERROR_TYPES
+                 if c not in listed and c >= 400]
+    return problems
+
+
+def test_error_types_in_serving_md_are_the_ones_sent():
+    problems = error_type_problems(SERVING.read_text())
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    ('"type": "timeout"', '"type": "deadline_exceeded"', "names the error type 'deadline_exceeded'"),
+    ("type `context_length`", "type `context_too_long`", "names the error type 'context_too_long'"),
+    ("`Unhealthy` for 503", "`Overloaded` for 503", "TEI error_type 'Overloaded' for 503"),
+    ("`Backend` for 500, ", "", "does not cover 500"),
+    ("→ 415", "→ 416", "answers 416"),
+])
+def test_error_type_checker_reports_a_word_the_server_does_not_send(old, new, expected):
+    text = SERVING.read_text()
+    assert old in text, old
+    problems = error_type_problems(text.replace(old, new, 1))
+    assert any(expected in p for p in problems), (expected, problems)
