@@ -562,3 +562,34 @@ def test_error_type_checker_reports_a_word_the_server_does_not_send(old, new, ex
     assert old in text, old
     problems = error_type_problems(text.replace(old, new, 1))
     assert any(expected in p for p in problems), (expected, problems)
+
+
+# --------------------------------------------------------------------------- the README's set-up facts
+
+def setup_fact_problems(docs: dict) -> list:
+    """The versions a newcomer is told before installing (``Python 3.10+``, ``torch==2.13.0``) are
+    the ones setup.py's ``python_requires`` and scripts/setup.sh's pin ask for. ``docs``: file name ->
+    text."""
+    setup = (ROOT / "setup.py").read_text()
+    python = re.search(r'python_requires=">=([\d.]+)"', setup).group(1)
+    pin = re.search(r'"torch==([\d.]+)"', (ROOT / "scripts" / "setup.sh").read_text()).group(1)
+    problems = []
+    for name, text in docs.items():
+        flat = " ".join(text.split())
+        problems += [f"{name}: Python {v}+, but setup.py asks for >={python}"
+                     for v in re.findall(r"\bPython (\d+\.\d+)\+", flat) if v != python]
+        problems += [f"{name}: torch=={v}, but scripts/setup.sh pins torch=={pin}"
+                     for v in re.findall(r"torch==([\d.]+\d)", flat) if v != pin]
+    return problems
+
+
+def test_readme_and_install_md_state_the_python_and_torch_setup_asks_for():
+    docs = {name: (ROOT / name).read_text() for name in ("README.md", "docs/install.md")}
+    assert "Python 3" in docs["README.md"] and "torch==" in docs["docs/install.md"]
+    problems = setup_fact_problems(docs)
+    assert not problems, "\n".join(problems)
+
+
+def test_setup_fact_checker_reports_another_version():
+    problems = setup_fact_problems({"x.md": "On Linux with Python 3.9+ and `torch==2.12.0`."})
+    assert any("Python 3.9+" in p for p in problems) and any("torch==2.12.0" in p for p in problems), problems
