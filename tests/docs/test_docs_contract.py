@@ -593,3 +593,46 @@ def test_readme_and_install_md_state_the_python_and_torch_setup_asks_for():
 def test_setup_fact_checker_reports_another_version():
     problems = setup_fact_problems({"x.md": "On Linux with Python 3.9+ and `torch==2.12.0`."})
     assert any("Python 3.9+" in p for p in problems) and any("torch==2.12.0" in p for p in problems), problems
+
+
+# --------------------------------------------------------------------------- acarerank bench's results folder
+
+_RESULTS = re.compile(r"results/bench-(?:agent-)?<[a-z]+>-<[a-z]+>-<[a-z]+>|results/bench-tiny-cpu-<[a-z]+>-cpu")
+
+
+def results_folder_problems(texts: dict) -> list:
+    """Each ``results/bench-<preset>-<dtypes>-<device>`` pattern the docs and ``--help`` name, filled in
+    for a two-dtype run (and the agent workload's), is the folder ``acarerank bench`` writes
+    (``default_output``). ``texts``: where -> text."""
+    from acarerank.cli.bench import default_output
+
+    fill = {"<preset>": "tiny-cpu", "<device>": "cpu", "<dtypes>": "float32+bfloat16", "<dtype>": "float32"}
+    problems = []
+    for where, text in texts.items():
+        for pattern in _RESULTS.findall(" ".join(text.split())):
+            agent = "bench-agent-" in pattern
+            filled = re.sub(r"<[a-z]+>", lambda m: fill.get(m.group(0), m.group(0)), pattern)
+            want = default_output("tiny-cpu", ["float32"] if agent else ["float32", "bfloat16"], "cpu", agent=agent)
+            if filled != want:
+                problems.append(f"{where}: {pattern} reads {filled}; bench writes {want}")
+    return problems
+
+
+def test_results_folder_named_in_the_docs_is_the_one_bench_writes():
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in DOC_FILES}
+    texts["acarerank bench --help"] = _sub("bench").format_help()
+    texts["scripts/main.sh"] = (ROOT / "scripts" / "main.sh").read_text()
+    named = [w for w, t in texts.items() if _RESULTS.search(" ".join(t.split()))]
+    assert {"README.md", "docs/benchmarks.md", "acarerank bench --help"} <= set(named), named
+    problems = results_folder_problems(texts)
+    assert not problems, "\n".join(problems)
+
+
+def test_default_output_is_the_folder_bench_wrote_before_it_was_a_function():
+    """``default_output`` is the expression run() and run_agent() had inline (a refactor, no change):
+    the folder names of earlier runs (results/bench-tiny-cpu-float32+bfloat16-cpu)."""
+    from acarerank.cli.bench import default_output
+
+    assert default_output("tiny-cpu", ["float32", "bfloat16"], "cpu") == "results/bench-tiny-cpu-float32+bfloat16-cpu"
+    assert default_output("tiny-cpu", ["bfloat16"], "cuda:0", model=True) == "results/bench-model-bfloat16-cuda0"
+    assert default_output("tiny-cpu", ["float32"], "cpu", agent=True) == "results/bench-agent-tiny-cpu-float32-cpu"
