@@ -636,3 +636,45 @@ def test_default_output_is_the_folder_bench_wrote_before_it_was_a_function():
     assert default_output("tiny-cpu", ["float32", "bfloat16"], "cpu") == "results/bench-tiny-cpu-float32+bfloat16-cpu"
     assert default_output("tiny-cpu", ["bfloat16"], "cuda:0", model=True) == "results/bench-model-bfloat16-cuda0"
     assert default_output("tiny-cpu", ["float32"], "cpu", agent=True) == "results/bench-agent-tiny-cpu-float32-cpu"
+
+
+# --------------------------------------------------------------------------- gpu.md's plan
+
+def gpu_plan_problems(doc: str, script: str) -> list:
+    """gpu.md's step table (name, limit) is bench/gpu_check.sh's ``STEPS``, its "within N s" the
+    script's ``DEADLINE``, its "add up to N s" their sum, and ``--also A,B`` its ``OPTIONAL_STEPS``."""
+    def table(name):
+        body = re.search(rf"^{name}=\(\n(.*?)^\)", script, re.M | re.S).group(1)
+        return [(n, int(s)) for n, s in re.findall(r'"(\w+)\s+(\d+)"', body)]
+
+    steps, optional = table("STEPS"), table("OPTIONAL_STEPS")
+    deadline = int(re.search(r"^DEADLINE=(\d+)", script, re.M).group(1))
+    rows = [(r[0], r[1]) for r in _table_rows(doc) if re.fullmatch(r"\d+ s", r[1])]
+    documented = [(name, int(limit.split()[0])) for name, limit in rows]
+    flat = " ".join(doc.split())
+    problems = []
+    if documented != steps:
+        problems.append(f"gpu.md's step table {documented}; gpu_check.sh's STEPS {steps}")
+    for said in re.findall(r"within (\d+) s", flat):
+        if int(said) != deadline:
+            problems.append(f"gpu.md: within {said} s; gpu_check.sh's DEADLINE is {deadline}")
+    for said in re.findall(r"add up to (\d+) s", flat):
+        if int(said) != sum(s for _, s in steps):
+            problems.append(f"gpu.md: the limits add up to {said} s; STEPS add up to {sum(s for _, s in steps)}")
+    also = re.search(r"`--also ([\w,]+)`", flat)
+    if also is None or set(also.group(1).split(",")) != {n for n, _ in optional}:
+        problems.append(f"gpu.md's --also {also and also.group(1)}; OPTIONAL_STEPS {[n for n, _ in optional]}")
+    return problems
+
+
+def test_gpu_md_plan_is_gpu_check_sh():
+    doc = (ROOT / "docs" / "gpu.md").read_text()
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    problems = gpu_plan_problems(doc, script)
+    assert not problems, "\n".join(problems)
+    for old, new, expected in [("| build | 120 s |", "| build | 100 s |", "step table"),
+                               ("within 540 s", "within 600 s", "within 600 s"),
+                               ("add up to 520 s", "add up to 500 s", "add up to 500 s"),
+                               ("`--also kernels,agent`", "`--also kernels`", "--also kernels")]:
+        assert old in doc, old
+        assert any(expected in p for p in gpu_plan_problems(doc.replace(old, new), script)), (old, new)
