@@ -135,7 +135,10 @@ def add_parser(subparsers) -> None:
                    help="document length range LOW-HIGH, uniform, or N for equal lengths (default 60-380); every "
                         "text length at most 32,768 tokens")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the workload (default 0)")
-    p.add_argument("--output", default=None, help="results folder (default results/bench-<preset>-<dtype>-<device>)")
+    p.add_argument("--output", default=None,
+                   help="results folder (default results/bench-<preset>-<dtypes>-<device>: the dtypes run, joined "
+                        "by '+', <preset> 'model' with --model; --workload agent: "
+                        "results/bench-agent-<preset>-<dtype>-<device>, the first dtype)")
     p.add_argument("--workload", choices=("depth", "agent"), default="depth",
                    help="depth: latency vs depth (default); agent: a growing-trace agent session, prefix cache "
                         "on vs off vs transformers with a per-request prefix cache")
@@ -148,6 +151,17 @@ def add_parser(subparsers) -> None:
                    help="smoke run: depths 2,4,8, short texts (trace 200, docs 20-60 tokens), 1 repeat, no warmup, "
                         "no target judged")
     p.set_defaults(run=run)
+
+
+def default_output(preset: str, dtypes, device: str, model: bool = False, agent: bool = False) -> str:
+    """The results folder without ``--output``: ``results/bench-<preset>-<dtypes>-<device>``, the
+    dtypes run joined by '+' and the preset ``model`` for a checkpoint; the agent workload's
+    ``results/bench-agent-<preset>-<dtype>-<device>`` (it runs the first dtype only). ``--help``
+    and docs/benchmarks.md name this pattern."""
+    device = device.replace(":", "")
+    if agent:
+        return os.path.join("results", f"bench-agent-{preset}-{dtypes[0]}-{device}")
+    return os.path.join("results", f"bench-{'model' if model else preset}-{'+'.join(dtypes)}-{device}")
 
 
 def resolve_dtypes(names, device: str) -> list:
@@ -225,8 +239,7 @@ def run_agent(args) -> int:
                        question_tokens=cfg.spec.question_tokens, query_tokens=cfg.spec.query_tokens,
                        docs=args.docs_per_call, doc_tokens=(lo, hi), subqueries=n, seed=args.seed)
              for n in args.subqueries]
-    out_dir = _output_dir(args.output or os.path.join(
-        "results", f"bench-agent-{cfg.preset}-{cfg.dtype}-{cfg.device.replace(':', '')}"))
+    out_dir = _output_dir(args.output or default_output(cfg.preset, [cfg.dtype], cfg.device, agent=True))
     model, tok, random_weights = load_model(cfg)
     texts, rows, ok = [], [], True
     backend = cfg.backends[0] if cfg.backends else None
@@ -268,9 +281,7 @@ def run(args) -> int:
     cfgs = [first] + [config_from_args(args, name, extra_depths) for name, _ in dtypes[1:]]
     names = [name for name, _ in dtypes]
     cfg = first
-    out_dir = args.output or os.path.join(
-        "results", f"bench-{cfg.preset if cfg.model_path is None else 'model'}-{'+'.join(names)}-"
-                   f"{cfg.device.replace(':', '')}")
+    out_dir = args.output or default_output(cfg.preset, names, cfg.device, model=cfg.model_path is not None)
     _output_dir(out_dir)
     for name, why in dtypes:
         print(f"[bench] dtype {name}: {why}", file=sys.stderr, flush=True)

@@ -19,6 +19,9 @@ What is read: every fenced block of README.md and docs/*.md.
   (`` `acarerank score` `` alone, `` `--skip pytest --also peers` `` after a command named before).
 - Placeholders are values, never flags: ``PATH``, ``N``, ``KEY`` (upper-case words),
   ``...``, ``$VAR``; optional parts written ``[--flag VALUE]`` are checked like the rest.
+- Python blocks, run or not: each ``from acarerank... import NAME`` resolves, and the calls and
+  attributes of those names (and of objects built from them: ``rr = PointwiseReranker(...)``,
+  then ``rr.score(...)``) exist and bind to the code's signatures.
 - Python blocks: each is compiled; each runs (in a subprocess, with a timeout) unless the
   line before its fence is a marker ``<!-- docs-test: REASON -->`` with a REASON from
   ``SKIP_REASONS`` (a block that needs a checkpoint, a GPU, a running server, a cluster, or
@@ -496,6 +499,137 @@ def python_problems(text: str, path: Path, run: bool = True) -> List[str]:
     return problems
 
 
+def _signature(obj):
+    """The signature a call of ``obj`` binds to (a class: its ``__init__``'s), or None where it
+    cannot say (a builtin, ``**kwargs``: anything goes)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    return sig
+
+
+def _instance_attribute(cls, name: str) -> bool:
+    """Whether a method of ``cls`` (or of a base in the package) sets ``self.NAME``."""
+    import inspect
+
+    for base in inspect.getmro(cls):
+        if base.__module__.split(".")[0] != "acarerank":
+            continue
+        try:
+            source = inspect.getsource(base)
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"\bself\.{re.escape(name)}\s*(?::[^=\n]*)?=(?!=)", source):
+            return True
+    return False
+
+
+def python_api_problems(text: str, path: Path) -> List[str]:
+    """'LINE: problem' for the package names every Python block uses, run or not (a block marked
+    ``needs checkpoint`` or ``runs a model`` is only compiled, so a renamed class or keyword there
+    passed): each ``from acarerank... import NAME`` resolves, and each call of such a name, of its
+    attributes (``PointwiseReranker.from_pretrained``) or of a method of an object one built
+    (``rr = PointwiseReranker(...)``, then ``rr.score(...)``) names attributes that exist and binds
+    its arguments to the signature (no unknown keyword, no more positional arguments than it takes)."""
+    import ast
+    import importlib
+    import inspect
+
+    problems = []
+    for block in fenced_blocks(text, path):
+        if block.lang not in ("python", "py"):
+            continue
+        try:
+            tree = ast.parse(block.text)
+        except SyntaxError:
+            continue  # python_problems reports it
+        names = {}      # local name -> an object of the package (module, class, function)
+        instances = {}  # local name -> the class of the object it holds
+
+        def where(node):
+            return block.line + node.lineno - 1
+
+        def resolve(node):
+            """(object, its class when it is an instance built here) for a Name / Attribute, or None."""
+            if isinstance(node, ast.Name):
+                if node.id in names:
+                    return names[node.id], None
+                if node.id in instances:
+                    return None, instances[node.id]
+                return None
+            if isinstance(node, ast.Attribute):
+                base = resolve(node.value)
+                if base is None:
+                    return None
+                obj, cls = base
+                owner = obj if obj is not None else cls
+                if hasattr(owner, node.attr):
+                    return getattr(owner, node.attr), None
+                if obj is None and _instance_attribute(cls, node.attr):
+                    return None  # set in a method (self.NAME = ...): no object to look into
+                problems.append(f"{where(node)}: {getattr(owner, '__name__', owner)!s} has no attribute "
+                                f"{node.attr!r}")
+            return None
+
+        def built_class(value):
+            """The class an expression builds: ``Cls(...)`` or a classmethod ``Cls.from_x(...)`` of it."""
+            if not isinstance(value, ast.Call):
+                return None
+            f = value.func
+            if isinstance(f, ast.Name) and inspect.isclass(names.get(f.id)):
+                return names[f.id]
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and inspect.isclass(names.get(f.value.id)):
+                cls = names[f.value.id]
+                if isinstance(inspect.getattr_static(cls, f.attr, None), classmethod):
+                    return cls
+            return None
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "acarerank":
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if not hasattr(module, alias.name):
+                        problems.append(f"{where(node)}: {node.module} has no {alias.name!r}")
+                    else:
+                        names[alias.asname or alias.name] = getattr(module, alias.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                pairs = []
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        pairs.append((target, node.value))
+                    elif isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                        pairs += list(zip(target.elts, node.value.elts))
+                for target, value in pairs:
+                    cls = built_class(value)
+                    if isinstance(target, ast.Name) and cls is not None:
+                        instances[target.id] = cls
+        inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        calls = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        for node in ast.walk(tree):   # attributes read or set outside a call (``rr.runner.x = ...``)
+            if isinstance(node, ast.Attribute) and id(node) not in inner and id(node) not in calls:
+                resolve(node)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            found = resolve(node.func)
+            if found is None or found[0] is None:
+                continue
+            sig = _signature(found[0])
+            if sig is None or any(isinstance(a, ast.Starred) for a in node.args):
+                continue
+            try:
+                sig.bind_partial(*node.args, **{k.arg: k.value for k in node.keywords if k.arg})
+            except TypeError as e:
+                problems.append(f"{where(node)}: {ast.unparse(node.func)}(...): {e}")
+    return problems
+
+
 def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
@@ -519,6 +653,12 @@ def test_doc_inline_commands_match_the_code(path):
 @pytest.mark.parametrize("path", DOC_FILES, ids=_rel)
 def test_doc_links_resolve(path):
     problems = check_links(path.read_text(), path)
+    assert not problems, _report(path, problems)
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=_rel)
+def test_doc_python_blocks_use_names_and_arguments_the_package_has(path):
+    problems = python_api_problems(path.read_text(), path)
     assert not problems, _report(path, problems)
 
 
@@ -696,3 +836,25 @@ def test_checker_reports_a_first_screen_without_an_essential(drop, expected):
     assert any(expected in p for p in problems), problems
     pushed_down = "\n" * README_FIRST_SCREEN_LINES + text
     assert len(readme_first_screen_problems(pushed_down, FAKE)) == 4
+
+
+@pytest.mark.parametrize("body, expected", [
+    ("from acarerank import PointwiseRanker", "acarerank has no 'PointwiseRanker'"),
+    ("from acarerank import PointwiseReranker\nrr = PointwiseReranker(model=None, max_len=512)",
+     "PointwiseReranker(...): got an unexpected keyword argument 'max_len'"),
+    ("from acarerank import SetwiseReranker\nsr = SetwiseReranker.from_pretrained('p')\nsr.select('q', [], max_selected=2)",
+     "sr.select(...): got an unexpected keyword argument 'max_selected'"),
+    ("from acarerank.model import Qwen3Runner\na, b = Qwen3Runner.from_hf(m), Qwen3Runner.from_hf(m)\nb.min_prefill_pass = 4",
+     "Qwen3Runner has no attribute 'min_prefill_pass'"),
+    ("from acarerank.ato import rescore\nrescore(s, t, q, tok, 128, 'floor', -20.0, True, 1.0, None, None, None, None, 1)",
+     "rescore(...): too many positional arguments"),
+])
+def test_checker_reports_a_python_name_or_argument_the_package_lacks(body, expected):
+    """Blocks that never run (a checkpoint, a model run) are checked too: the marker does not hide
+    a renamed class, keyword or attribute."""
+    text = _one_block("python", body, "<!-- docs-test: needs checkpoint -->")
+    problems = python_api_problems(text, FAKE)
+    assert any(expected in p for p in problems), f"expected {expected!r} in {problems}"
+    ok = _one_block("python", "from acarerank import SetwiseReranker\nsr = SetwiseReranker(model=None)\n"
+                              "sr.select('q', ['a'], intent=None, max_select=2)")
+    assert python_api_problems(ok, FAKE) == []

@@ -417,3 +417,264 @@ def test_no_merge_conflict_markers_in_tracked_files():
         text = path.read_text(encoding="utf-8", errors="replace")
         found += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}" for m in marker.finditer(text)]
     assert not found, f"merge conflict markers: {found[:10]}"
+
+
+# --------------------------------------------------------------------------- README's headline table
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+_FIGURE = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?×?")
+
+
+def summary_rows(text: str) -> list:
+    """benchmarks.md's "Summary" rows as [peer, workload, machine, ...] with each ``same`` resolved:
+    a cell that is ``same`` is the row above's; a workload holding ``same`` ("M3, same") gets the row
+    above's workload appended (its dtype, shape and document count)."""
+    rows, prev = [], None
+    for row in _table_rows(_section(text, "Summary")):
+        if prev is not None:
+            row = [p if c == "same" else c for c, p in zip(row, prev)]
+            if "same" in row[1].split(", "):
+                row[1] = f"{row[1]}, {prev[1]}"
+        rows.append(row)
+        prev = row
+    return rows
+
+
+def headline_problems(readme: str, benchmarks: str) -> list:
+    """Each README results row (a ``**N×**`` ratio) against the Summary rows of the same peer and date:
+    its figures are theirs (not only somewhere in the table: a Zen 5 figure beside a Zen 4 date passed
+    that), its machine is theirs, each dtype it names is in their workloads; a count of the Summary's
+    rows the README states is the count."""
+    summary = summary_rows(benchmarks)
+    problems = []
+    for said in re.findall(r"(\d+) rows in all", readme):
+        if int(said) != len(summary):
+            problems.append(f"README says the Summary has {said} rows; it has {len(summary)}")
+    header = next(line for line in readme.split("\n") if line.startswith("| acarerank beside"))
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in readme.split("\n")
+            if line.startswith("|") and re.search(r"\*\*[\d.]+×", line)]
+    assert header and rows, "no results table in README.md"
+    prev = None
+    for row in rows:
+        row = [p if c == "same" else c for c, p in zip(row, prev or row)]
+        prev = row
+        peer, workload, machine_date = row[0], row[1], row[2]
+        date = _DATE.search(machine_date)
+        if date is None:
+            problems.append(f"README row {peer!r} / {workload!r}: no date")
+            continue
+        matched = [r for r in summary if r[0] == peer and date.group(0) in r[2]]
+        if not matched:
+            problems.append(f"README row {peer!r} dated {date.group(0)}: no Summary row of that peer and date")
+            continue
+        machine = machine_date[:date.start()].rstrip(", ")
+        if not all(machine in r[2] for r in matched):
+            problems.append(f"README row {peer!r} {date.group(0)}: machine {machine!r} is not the Summary's "
+                            f"{sorted({r[2] for r in matched})}")
+        for dtype in sorted(set(re.findall(r"\b(fp32|bf16)\b", workload.split("(")[0]))):
+            if not any(dtype in r[1] for r in matched):
+                problems.append(f"README row {peer!r} {date.group(0)}: {dtype} is in none of the Summary's "
+                                f"workloads {[r[1] for r in matched]}")
+        theirs = " | ".join(" | ".join(r[3:]) for r in matched)
+        for cell in row[3:]:
+            for figure in _FIGURE.findall(cell):
+                if len(figure.strip("×")) > 1 and not re.search(rf"(?<![\d,.]){re.escape(figure)}(?![\d,])", theirs):
+                    problems.append(f"README row {peer!r} {date.group(0)}: {figure} is not in the Summary's rows of "
+                                    f"that peer and date")
+    return problems
+
+
+def test_readme_headline_rows_are_the_summary_rows_of_their_machine_and_date():
+    problems = headline_problems((ROOT / "README.md").read_text(), (ROOT / "docs" / "benchmarks.md").read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_headline_checker_reports_a_figure_of_another_machine():
+    """The checker can fail: a README row that moves a Zen 5 figure to the Zen 4 date, a machine that
+    is not the Summary's, a dtype the rows do not have, a wrong row count."""
+    readme = (ROOT / "README.md").read_text()
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    zen5 = next(line for line in readme.split("\n") if "2026-12-05" in line and line.startswith("|"))
+    cases = [
+        (zen5.replace("2026-12-05", "2026-12-03").replace("Zen 5", "Zen 4"), "1,145 is not in the Summary"),
+        (zen5.replace("Zen 5", "Zen 3"), "machine 'AMD EPYC Zen 3"),
+        (zen5.replace("**bf16**", "**fp32**"), "fp32 is in none of the Summary's workloads"),
+    ]
+    for changed, expected in cases:
+        problems = headline_problems(readme.replace(zen5, changed), bench)
+        assert any(expected in p for p in problems), (expected, problems)
+    problems = headline_problems(readme + "\nThe Summary, 3 rows in all.\n", bench)
+    assert any("README says the Summary has 3 rows" in p for p in problems), problems
+
+
+# --------------------------------------------------------------------------- serving.md's error types
+
+_OUR_TYPE = re.compile(r'"type": "([a-z_]+)"|type `([a-z_]+)`|`([a-z_]+_error)`')
+_STATUS = re.compile(r"→ (\d{3})\b|\b(\d{3}) \{\"error\"|`(\d{3})`")
+
+
+def error_type_problems(text: str) -> list:
+    """What serving.md says of error bodies against acarerank/server: each ``type`` word it names
+    (``"type": "timeout"``, ``type `context_length```, ``validation_error``) is one the server sends
+    (``ERROR_TYPES`` or a ``type="..."`` it passes), each status it answers (``→ 413``, ``504 {"error"``)
+    has its type, and the TEI ``error_type`` sentence ("`Overloaded` for 429 and 504, ..., `Validation`
+    for every other 4xx") is ``tei_error_type``'s mapping."""
+    from acarerank.server.errors import ERROR_TYPES, tei_error_type
+
+    source = "".join(p.read_text() for p in (ROOT / "acarerank" / "server").glob("*.py"))
+    sent = set(ERROR_TYPES.values()) | set(re.findall(r'\btype="([a-z_]+)"', source))
+    flat = " ".join(text.split())
+    problems = [f"serving.md names the error type {t!r}; the server sends {sorted(sent)}"
+                for m in _OUR_TYPE.finditer(flat) for t in [next(g for g in m.groups() if g)] if t not in sent]
+    problems += [f"serving.md answers {s}, which has no error type in ERROR_TYPES"
+                 for m in _STATUS.finditer(flat) for s in [next(g for g in m.groups() if g)]
+                 if s[0] in "45" and int(s) not in ERROR_TYPES]
+    m = re.search(r"`error_type` (.*?) \|", flat)
+    if m is None:
+        return problems + ["serving.md: no TEI `error_type` sentence in the Errors table"]
+    listed = set()
+    for word, statuses in re.findall(r"`(\w+)` for ([^,`]+)", m.group(1)):
+        codes = [int(c) for c in re.findall(r"\b\d{3}\b", statuses)]
+        if "every other 4xx" in statuses:
+            codes = [c for c in ERROR_TYPES if 400 <= c < 500 and c not in listed]
+        listed |= set(codes)
+        problems += [f"serving.md: TEI error_type {word!r} for {c}; the server sends {tei_error_type(c)!r}"
+                     for c in codes if tei_error_type(c) != word]
+    problems += [f"serving.md's TEI error_type sentence does not cover {c}" for c in ERROR_TYPES
+                 if c not in listed and c >= 400]
+    return problems
+
+
+def test_error_types_in_serving_md_are_the_ones_sent():
+    problems = error_type_problems(SERVING.read_text())
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    ('"type": "timeout"', '"type": "deadline_exceeded"', "names the error type 'deadline_exceeded'"),
+    ("type `context_length`", "type `context_too_long`", "names the error type 'context_too_long'"),
+    ("`Unhealthy` for 503", "`Overloaded` for 503", "TEI error_type 'Overloaded' for 503"),
+    ("`Backend` for 500, ", "", "does not cover 500"),
+    ("→ 415", "→ 416", "answers 416"),
+])
+def test_error_type_checker_reports_a_word_the_server_does_not_send(old, new, expected):
+    text = SERVING.read_text()
+    assert old in text, old
+    problems = error_type_problems(text.replace(old, new, 1))
+    assert any(expected in p for p in problems), (expected, problems)
+
+
+# --------------------------------------------------------------------------- the README's set-up facts
+
+def setup_fact_problems(docs: dict) -> list:
+    """The versions a newcomer is told before installing (``Python 3.10+``, ``torch==2.13.0``) are
+    the ones setup.py's ``python_requires`` and scripts/setup.sh's pin ask for. ``docs``: file name ->
+    text."""
+    setup = (ROOT / "setup.py").read_text()
+    python = re.search(r'python_requires=">=([\d.]+)"', setup).group(1)
+    pin = re.search(r'"torch==([\d.]+)"', (ROOT / "scripts" / "setup.sh").read_text()).group(1)
+    problems = []
+    for name, text in docs.items():
+        flat = " ".join(text.split())
+        problems += [f"{name}: Python {v}+, but setup.py asks for >={python}"
+                     for v in re.findall(r"\bPython (\d+\.\d+)\+", flat) if v != python]
+        problems += [f"{name}: torch=={v}, but scripts/setup.sh pins torch=={pin}"
+                     for v in re.findall(r"torch==([\d.]+\d)", flat) if v != pin]
+    return problems
+
+
+def test_readme_and_install_md_state_the_python_and_torch_setup_asks_for():
+    docs = {name: (ROOT / name).read_text() for name in ("README.md", "docs/install.md")}
+    assert "Python 3" in docs["README.md"] and "torch==" in docs["docs/install.md"]
+    problems = setup_fact_problems(docs)
+    assert not problems, "\n".join(problems)
+
+
+def test_setup_fact_checker_reports_another_version():
+    problems = setup_fact_problems({"x.md": "On Linux with Python 3.9+ and `torch==2.12.0`."})
+    assert any("Python 3.9+" in p for p in problems) and any("torch==2.12.0" in p for p in problems), problems
+
+
+# --------------------------------------------------------------------------- acarerank bench's results folder
+
+_RESULTS = re.compile(r"results/bench-(?:agent-)?<[a-z]+>-<[a-z]+>-<[a-z]+>|results/bench-tiny-cpu-<[a-z]+>-cpu")
+
+
+def results_folder_problems(texts: dict) -> list:
+    """Each ``results/bench-<preset>-<dtypes>-<device>`` pattern the docs and ``--help`` name, filled in
+    for a two-dtype run (and the agent workload's), is the folder ``acarerank bench`` writes
+    (``default_output``). ``texts``: where -> text."""
+    from acarerank.cli.bench import default_output
+
+    fill = {"<preset>": "tiny-cpu", "<device>": "cpu", "<dtypes>": "float32+bfloat16", "<dtype>": "float32"}
+    problems = []
+    for where, text in texts.items():
+        for pattern in _RESULTS.findall(" ".join(text.split())):
+            agent = "bench-agent-" in pattern
+            filled = re.sub(r"<[a-z]+>", lambda m: fill.get(m.group(0), m.group(0)), pattern)
+            want = default_output("tiny-cpu", ["float32"] if agent else ["float32", "bfloat16"], "cpu", agent=agent)
+            if filled != want:
+                problems.append(f"{where}: {pattern} reads {filled}; bench writes {want}")
+    return problems
+
+
+def test_results_folder_named_in_the_docs_is_the_one_bench_writes():
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in DOC_FILES}
+    texts["acarerank bench --help"] = _sub("bench").format_help()
+    texts["scripts/main.sh"] = (ROOT / "scripts" / "main.sh").read_text()
+    named = [w for w, t in texts.items() if _RESULTS.search(" ".join(t.split()))]
+    assert {"README.md", "docs/benchmarks.md", "acarerank bench --help"} <= set(named), named
+    problems = results_folder_problems(texts)
+    assert not problems, "\n".join(problems)
+
+
+def test_default_output_is_the_folder_bench_wrote_before_it_was_a_function():
+    """``default_output`` is the expression run() and run_agent() had inline (a refactor, no change):
+    the folder names of earlier runs (results/bench-tiny-cpu-float32+bfloat16-cpu)."""
+    from acarerank.cli.bench import default_output
+
+    assert default_output("tiny-cpu", ["float32", "bfloat16"], "cpu") == "results/bench-tiny-cpu-float32+bfloat16-cpu"
+    assert default_output("tiny-cpu", ["bfloat16"], "cuda:0", model=True) == "results/bench-model-bfloat16-cuda0"
+    assert default_output("tiny-cpu", ["float32"], "cpu", agent=True) == "results/bench-agent-tiny-cpu-float32-cpu"
+
+
+# --------------------------------------------------------------------------- gpu.md's plan
+
+def gpu_plan_problems(doc: str, script: str) -> list:
+    """gpu.md's step table (name, limit) is bench/gpu_check.sh's ``STEPS``, its "within N s" the
+    script's ``DEADLINE``, its "add up to N s" their sum, and ``--also A,B`` its ``OPTIONAL_STEPS``."""
+    def table(name):
+        body = re.search(rf"^{name}=\(\n(.*?)^\)", script, re.M | re.S).group(1)
+        return [(n, int(s)) for n, s in re.findall(r'"(\w+)\s+(\d+)"', body)]
+
+    steps, optional = table("STEPS"), table("OPTIONAL_STEPS")
+    deadline = int(re.search(r"^DEADLINE=(\d+)", script, re.M).group(1))
+    rows = [(r[0], r[1]) for r in _table_rows(doc) if re.fullmatch(r"\d+ s", r[1])]
+    documented = [(name, int(limit.split()[0])) for name, limit in rows]
+    flat = " ".join(doc.split())
+    problems = []
+    if documented != steps:
+        problems.append(f"gpu.md's step table {documented}; gpu_check.sh's STEPS {steps}")
+    for said in re.findall(r"within (\d+) s", flat):
+        if int(said) != deadline:
+            problems.append(f"gpu.md: within {said} s; gpu_check.sh's DEADLINE is {deadline}")
+    for said in re.findall(r"add up to (\d+) s", flat):
+        if int(said) != sum(s for _, s in steps):
+            problems.append(f"gpu.md: the limits add up to {said} s; STEPS add up to {sum(s for _, s in steps)}")
+    also = re.search(r"`--also ([\w,]+)`", flat)
+    if also is None or set(also.group(1).split(",")) != {n for n, _ in optional}:
+        problems.append(f"gpu.md's --also {also and also.group(1)}; OPTIONAL_STEPS {[n for n, _ in optional]}")
+    return problems
+
+
+def test_gpu_md_plan_is_gpu_check_sh():
+    doc = (ROOT / "docs" / "gpu.md").read_text()
+    script = (ROOT / "bench" / "gpu_check.sh").read_text()
+    problems = gpu_plan_problems(doc, script)
+    assert not problems, "\n".join(problems)
+    for old, new, expected in [("| build | 120 s |", "| build | 100 s |", "step table"),
+                               ("within 540 s", "within 600 s", "within 600 s"),
+                               ("add up to 520 s", "add up to 500 s", "add up to 500 s"),
+                               ("`--also kernels,agent`", "`--also kernels`", "--also kernels")]:
+        assert old in doc, old
+        assert any(expected in p for p in gpu_plan_problems(doc.replace(old, new), script)), (old, new)
