@@ -5,8 +5,9 @@ this module only parses them, checks that the serving extra is installed, and ru
 ``acarerank.server.front.run_server``. SIGTERM drains (``front.py``): new API requests get 503
 and ``/ready`` turns 503 at once, requests already admitted get up to ``--drain-timeout``
 seconds (then 503), then the process exits 0. If the engine dies (an exception escapes the model
-thread's scheduler loop), at any point up to the final stop, every request gets 503 and the process
-exits 70 (``front.EXIT_ENGINE_DEAD``).
+thread's scheduler loop, or with ``--max-pass-timeout S`` one model step runs longer than S seconds),
+at any point up to the final stop, every request gets 503 and the process exits 70
+(``front.EXIT_ENGINE_DEAD``; a wedged model thread through ``exit_if_stuck``'s hard exit).
 """
 from __future__ import annotations
 

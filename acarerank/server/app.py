@@ -10,7 +10,8 @@ Endpoints (see ``schemas.py`` for the bodies):
 ``POST /v1/select``                        setwise selection (AdaTutoRank)
 ``GET /health``                            liveness: 200 while the model thread's loop runs
                                            (with its state and how long the current model
-                                           step has run); 503 once the engine is dead, or with
+                                           step has run); 503 once the engine is dead (a step
+                                           past ``--max-pass-timeout`` included), or with
                                            ``?max_pass_s=S`` when a step has run longer than S
 ``GET /ready``                             200 once weights are loaded and a warm-up pass ran;
                                            503 before that, while draining and once dead (on

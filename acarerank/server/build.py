@@ -81,4 +81,5 @@ def build_service(config: ServeConfig):
                          token_wait_timeout=config.token_wait_timeout,
                          max_documents=config.max_documents,
                          tokenize_workers=config.tokenize_workers, model_thread=mt,
-                         canary_after_failures=config.canary_after_failures, request_timeout=config.request_timeout)
+                         canary_after_failures=config.canary_after_failures, request_timeout=config.request_timeout,
+                         max_pass_timeout=config.max_pass_timeout)

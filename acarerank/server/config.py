@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -83,6 +84,10 @@ class ServeConfig:
                                             "the queue and the passes); past it 504 and its remaining work is "
                                             "dropped (default: none; docs/serving.md, 'Limits and timeouts')",
                                             default=None, type=float)
+    max_pass_timeout: float = _opt("seconds one model step (a scheduler pass) may run; past it the engine is "
+                                   "dead: /health and /ready 503, every waiting and new request 503 at once, and "
+                                   "the process exits 70 for its supervisor to restart (inf: no bound; "
+                                   "docs/serving.md, 'What to probe')", default=math.inf)
     # -- admission and per-request limits
     max_queue: int = _opt("requests admitted and unanswered at once; one more gets 429 (before its body is read)",
                           default=DEFAULT_MAX_QUEUE)

@@ -40,10 +40,12 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import math
 import threading
 import time
 from typing import Callable, Optional
 
+from .._validate import check_seconds
 # EngineDead, EngineFault, EngineStopped, ScoreResult, run_on_dead: the service and the tests import them from here
 from .engine_faults import _FailureLog, _FaultIsolation, _is_oom, run_on_dead  # noqa: F401
 from .engine_jobs import (EngineDead, EngineFault, EngineStopped, ScoreResult,  # noqa: F401
@@ -89,17 +91,26 @@ class Engine(_FaultIsolation):
         step) with no successful scoring pass or selection step in between, or failed scheduler
         iterations in a row, before the canary runs. Requests, not failed calls: one culprit among
         n requests fails ⌈log₂ n⌉ + 1 nested passes in a row, and that is no broken engine.
+      max_pass_s: seconds one step (a scheduler iteration: ``health()``'s ``busy_s``) may run; once
+        one has run longer, a watchdog thread declares the engine dead (``_wedged``: every job
+        ``EngineDead`` at once, ``on_dead``) — ``--max-pass-timeout``. None or ``inf``: no bound,
+        no watchdog (a long pass is legitimate; only ``/health?max_pass_s=`` then reports it).
     """
 
     def __init__(self, steps, max_batch_tokens: int, metrics=None, max_running: int = DEFAULT_MAX_RUNNING,
                  model_thread=None, policy: str = "shortest", select_steps=None, canary=None,
-                 canary_after: int = DEFAULT_CANARY_AFTER, max_running_tokens: Optional[int] = None):
+                 canary_after: int = DEFAULT_CANARY_AFTER, max_running_tokens: Optional[int] = None,
+                 max_pass_s: Optional[float] = None):
         for name, v in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running),
                         ("canary_after", canary_after),
                         *((("max_running_tokens", max_running_tokens),) if max_running_tokens is not None else ())):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.max_running_tokens = max_running_tokens
+        max_pass_s = check_seconds("max_pass_s", max_pass_s, none=True)
+        self.max_pass_s = None if max_pass_s == math.inf else max_pass_s
+        self._watchdog_stop = threading.Event()
+        self._loop_thread: Optional[threading.Thread] = None   # the thread running _run (the watchdog's stack dump)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
@@ -141,13 +152,31 @@ class Engine(_FaultIsolation):
                 self._thread = threading.Thread(target=self._run, name="acarerank-scheduler", daemon=True)
                 self._thread.start()
                 self._scheduler = self._thread   # kept past stop(), which forgets _thread: threads()
+            if self.max_pass_s is not None:
+                threading.Thread(target=self._watch, name="acarerank-watchdog", daemon=True).start()
         return self
+
+    def _watch(self) -> None:
+        """The watchdog (``max_pass_s``): wakes when the step in progress would pass the bound (or,
+        idle, ``max_pass_s`` from now: no step that starts later can pass it sooner) and calls
+        ``_wedged`` once one has; ends with ``stop()`` or the engine's death. It reads
+        ``_step_since`` only, so it never waits for the model thread."""
+        bound = self.max_pass_s
+        while self.dead is None:
+            since = self._step_since
+            busy = 0.0 if since is None else time.monotonic() - since
+            if busy > bound:
+                self._wedged(busy)
+                return
+            if self._watchdog_stop.wait(bound - busy + 0.01):
+                return
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the loop after the current pass; queued and active jobs fail with EngineStopped."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
+        self._watchdog_stop.set()   # the stop's own bounded wait, not a wedge, ends a step that outlives it
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -257,6 +286,7 @@ class Engine(_FaultIsolation):
     # -- the scheduler thread ----------------------------------------------------------------
     def _run(self) -> None:
         """The scheduler thread: ``_loop`` until stopped; anything escaping it kills the engine."""
+        self._loop_thread = threading.current_thread()
         try:
             self._loop_until_stopped()
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt / SystemExit / a bug: the engine is dead

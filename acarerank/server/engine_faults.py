@@ -113,25 +113,64 @@ class _FaultIsolation:
     ``_fail_all`` and ``_fail_in_flight``; it runs on the scheduler thread only."""
 
     # -- dying, and an iteration that raised -----------------------------------------------------
-    def _die(self, exc: BaseException) -> None:
-        """Mark the engine dead, log the traceback, fail every job at once, run ``on_dead`` (``run_on_dead``)."""
-        reason = str(exc) if isinstance(exc, _Broken) else \
-            f"the model thread's scheduler loop ended on {type(exc).__name__}: {exc}".rstrip(": ")
+    def _declare_dead(self, reason: str, detail: str) -> bool:
+        """Set ``dead`` to ``reason`` (no later job is taken) and, the first time only, log it at
+        CRITICAL with ``detail`` (a traceback, or the wedged thread's stack) and count it in
+        ``acarerank_engine_failures_total{stage="engine"}``. True the first time: the caller then runs
+        ``on_dead``. Any thread: the scheduler's (``_die``) or the watchdog's (``_wedged``)."""
         with self._cv:
+            if self.dead is not None:
+                return False
             self.dead = reason
             self._stopping = True
-        self._step_since = None
-        log.critical("engine dead: %s; every waiting and later request gets 503\n%s", reason,
-                     "".join(traceback.format_exception(exc)).rstrip())
+            self._cv.notify()
+        log.critical("engine dead: %s; every waiting and later request gets 503\n%s", reason, detail)
         if self.metrics is not None:
             self.metrics.engine_failures.labels("engine").inc()
+        return True
+
+    def _die(self, exc: BaseException) -> None:
+        """Mark the engine dead, log the traceback, fail every job at once, run ``on_dead`` (``run_on_dead``).
+        An engine the watchdog already declared dead (``_wedged``: its step then raised) keeps that
+        reason; its jobs' pages are given back here, on the thread that held them, and nothing is
+        logged, counted or called a second time."""
+        reason = str(exc) if isinstance(exc, _Broken) else \
+            f"the model thread's scheduler loop ended on {type(exc).__name__}: {exc}".rstrip(": ")
+        first = self._declare_dead(reason, "".join(traceback.format_exception(exc)).rstrip())
+        if not first:
+            log.error("the step that outlived --max-pass-timeout ended on %s: %s", type(exc).__name__, exc)
+        reason = self.dead
+        self._step_since = None
         try:
             self._fail_all(EngineDead(reason))
         except BaseException:  # noqa: BLE001 - releasing pages of a dead engine may fail too; the futures matter
             log.exception("failing the jobs of the dead engine")
             for job in list(self._inbox) + list(self._calls) + list(self._selects) + list(self._active):
                 _settle(job.future, exc=EngineDead(reason))
-        run_on_dead(self.on_dead, reason)  # a BaseException from one is raised after all ran: it ends this thread
+        if first:
+            run_on_dead(self.on_dead, reason)  # a BaseException from one is raised after all ran: it ends this thread
+
+    def _wedged(self, busy: float) -> None:
+        """The watchdog saw one step run ``busy`` seconds, past ``max_pass_s`` (``--max-pass-timeout``):
+        the engine is dead as if its loop had ended (docs/serving.md, "A dead engine is loud"). The
+        scheduler thread is inside that step and cannot be interrupted, so this runs on the watchdog's
+        thread: every job's future fails with ``EngineDead`` now, without giving its pages back (the
+        wedged step may still be using them; should it ever return, the loop sees ``_stopping``,
+        ends and gives them back), and ``on_dead`` runs here. The log line carries the wedged
+        thread's stack, the one clue to where it hangs."""
+        reason = (f"the model thread has been in one step for {busy:.1f} s, more than --max-pass-timeout "
+                  f"{self.max_pass_s:g} s (a model call that does not return)")
+        thread = getattr(self, "_loop_thread", None)
+        frame = sys._current_frames().get(thread.ident) if thread is not None else None
+        stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(no stack)"
+        if not self._declare_dead(reason, f"stack of the model thread ({thread.name if thread else '?'}):\n{stack}"):
+            return
+        dead = EngineDead(reason)
+        with self._cv:   # copies, each in one step under the GIL (as ``depth``): the scheduler owns the lists
+            jobs = list(self._inbox) + list(self._calls) + list(self._selects) + list(self._active)
+        for job in jobs:
+            _settle(job.future, exc=dead)
+        run_on_dead(self.on_dead, reason)
 
     def _iteration_failed(self, exc: Exception) -> None:
         """An iteration raised outside the per-request handling: its state is not to be trusted, so

@@ -103,13 +103,17 @@ class RerankService:
         if that fails too, dies (``Engine``'s ``canary_after``).
       request_timeout: seconds a request may take from ``rerank``/``select`` being called to its
         answer; then 504 and its remaining work dropped. None: no deadline.
+      max_pass_timeout: seconds one model step may run; past it the engine is dead (``dead``, 503
+        everywhere, ``on_dead``: ``Engine``'s ``max_pass_s``, ``--max-pass-timeout``). None or
+        ``inf``: no bound.
     """
 
     def __init__(self, reranker, model_name: str, *, setwise=None, max_batch_tokens: Optional[int] = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, max_documents: int = DEFAULT_MAX_DOCUMENTS,
                  tokenize_workers: int = 2, model_thread=None, canary_after_failures: int = DEFAULT_CANARY_AFTER,
                  request_timeout: Optional[float] = None, max_queue_tokens: Optional[int] = None,
-                 token_wait_timeout: Optional[float] = DEFAULT_TOKEN_WAIT_TIMEOUT):
+                 token_wait_timeout: Optional[float] = DEFAULT_TOKEN_WAIT_TIMEOUT,
+                 max_pass_timeout: Optional[float] = None):
         for name, v in (("max_queue", max_queue), ("max_documents", max_documents),
                         ("tokenize_workers", tokenize_workers), ("max_queue_tokens", max_queue_tokens)):
             if v is None and name == "max_queue_tokens":
@@ -135,7 +139,8 @@ class RerankService:
         # the running requests pin their shared parts outside what the prefix cache may evict
         self.engine = Engine(reranker, max_batch_tokens or reranker.max_batch_tokens, self.metrics,
                              model_thread=model_thread, select_steps=setwise, canary_after=canary_after_failures,
-                             max_running_tokens=pinned_tokens_bound(reranker))
+                             max_running_tokens=pinned_tokens_bound(reranker),
+                             max_pass_s=check_seconds("max_pass_timeout", max_pass_timeout, none=True))
         self.model_thread = model_thread
         self.pool = TokenizerPool(tokenize_workers, self.metrics, self._pool_broke)
         self.large_request_chars = LARGE_REQUEST_CHARS

@@ -62,6 +62,15 @@ def test_a_port_in_use_is_refused_before_loading(capsys, no_load, busy_port):
                                f"127.0.0.1 port {busy_port}: address already in use"], (rc, err)
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_max_pass_timeout_that_is_no_duration_is_refused_before_loading(capsys, no_load, value):
+    """--max-pass-timeout is a timeout flag as the others: 0, a negative number or NaN would make
+    every step a fault or none; one line naming the flag, exit 2."""
+    rc, err = serve(capsys, ["--max-pass-timeout", value, "--port", "0"])
+    assert rc == 2 and err == [f"acarerank serve: error: --max-pass-timeout must be a number > 0 (seconds; inf: no "
+                               f"limit), got {float(value)!r}"], (rc, err)
+
+
 # run in a child process: acarerank serve's bounded stop exits the process (os._exit) while any
 # non-daemon thread runs, and a pytest process holds other tests' threads
 _TAKE_PORT_WHILE_LOADING = textwrap.dedent("""

@@ -159,7 +159,8 @@ def _table_rows(section: str):
             if line.startswith("|") and not line.startswith("|---")][1:]
 
 
-_LIMIT = re.compile(r"`(--[\w-]+)` (none|[\d,.]+)( MiB| s)?")
+# inf: a timeout whose default is no limit (--max-pass-timeout); float() reads it
+_LIMIT = re.compile(r"`(--[\w-]+)` (none|inf|[\d,.]+)( MiB| s)?")
 
 
 def test_limits_table_is_the_serve_defaults():

@@ -358,6 +358,54 @@ def test_every_on_dead_callback_runs_and_a_base_exception_is_raised_after_the_la
     svc.stop()
 
 
+@pytest.mark.parametrize("then", ["returns", "raises"])
+def test_a_step_past_max_pass_s_kills_the_engine_once(caplog, then):
+    """max_pass_s=0.3 (--max-pass-timeout) and a pass held past it: the watchdog makes the engine
+    dead — the job in the pass and one queued behind it fail with EngineDead naming the flag at once,
+    health() is dead, a new submit is refused, on_dead runs once. When the held step then returns,
+    or raises a BaseException (which alone would kill the engine through _die), the reason stays,
+    and nothing is logged, counted or called a second time; the pages are given back."""
+    gate = threading.Event()
+
+    class Held(FaultySteps):
+        def score_segments(self, items):
+            assert gate.wait(30)
+            if then == "raises":
+                raise SystemExit("the wedged call ends")
+            return super().score_segments(items)
+
+    metrics = ServerMetrics(lambda: {})
+    steps = Held()
+    eng = Engine(steps, max_batch_tokens=100, max_pass_s=0.3, metrics=metrics)
+    calls = []
+    eng.on_dead.append(calls.append)
+    eng.start()
+    try:
+        first = eng.submit(Enc([1], [[1]]))
+        for _ in range(300):   # the first pass holds it before the second arrives
+            if eng.health()["state"] == "busy":
+                break
+            threading.Event().wait(0.01)
+        second = eng.submit(Enc([2], [[2]]))
+        for job in (first, second):
+            with pytest.raises(EngineDead, match=r"in one step for 0\.\d s, more than --max-pass-timeout 0\.3 s"):
+                job.future.result(10)
+        assert eng.health()["state"] == "dead" and "--max-pass-timeout" in eng.health()["reason"]
+        with pytest.raises(EngineDead):
+            eng.submit(Enc([3], [[3]]))
+        reason = eng.dead
+        gate.set()
+        eng.stop(10)
+        assert eng.dead == reason and calls == [reason], (eng.dead, calls)
+        assert metrics.engine_failures.labels("engine")._value.get() == 1
+        dead_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine dead:")]
+        assert len(dead_lines) == 1 and "in score_segments" in dead_lines[0], dead_lines   # the wedged stack
+        assert not steps.pinned, "the dead engine's prefixes were not released"
+    finally:
+        gate.set()
+        eng.stop()
+
+
 def test_health_reports_how_long_the_current_step_runs():
     gate = threading.Event()
 

@@ -39,7 +39,10 @@ def test_flags_round_trip_with_the_dataclass_defaults():
                                               ("max_queue_tokens", 0, "--max-queue-tokens"),
                                               ("max_queue_tokens", 1.5, "--max-queue-tokens"),
                                               ("token_wait_timeout", 0, "--token-wait-timeout"),
-                                              ("token_wait_timeout", float("nan"), "--token-wait-timeout")])
+                                              ("token_wait_timeout", float("nan"), "--token-wait-timeout"),
+                                              ("max_pass_timeout", 0, "--max-pass-timeout"),
+                                              ("max_pass_timeout", -1.0, "--max-pass-timeout"),
+                                              ("max_pass_timeout", float("nan"), "--max-pass-timeout")])
 def test_bad_values_name_their_flag(field, value, flag):
     with pytest.raises(ValueError, match=flag):
         ServeConfig(**{field: value})
@@ -198,17 +201,19 @@ def test_select_caps_reach_the_setwise_reranker():
 def test_canary_after_failures_reaches_the_engine():
     """``--canary-after-failures`` is the engine's ``canary_after``; the canary is the warm-up request,
     encoded at start by the reranker that serves. ``--max-queue-tokens`` and ``--token-wait-timeout``
-    reach the service (the Ray replicas build theirs from the same config); unset, no token budget."""
+    reach the service (the Ray replicas build theirs from the same config); unset, no token budget.
+    ``--max-pass-timeout`` is the engine's ``max_pass_s`` (its default, inf: no bound)."""
     pytest.importorskip("torch")
     from acarerank.server.build import build_service
     from acarerank.server.service import CANARY
 
     assert ServeConfig().max_queue_tokens is None and ServeConfig().token_wait_timeout == 30.0
     svc = build_service(ServeConfig(canary_after_failures=5, dtype="float32", cache_budget=256,
-                                    max_queue_tokens=4096, token_wait_timeout=2.5))
+                                    max_queue_tokens=4096, token_wait_timeout=2.5, max_pass_timeout=7.5))
     try:
         assert svc.engine.canary_after == 5 and svc.engine.canary is None
         assert svc.max_queue_tokens == 4096 and svc.token_wait_timeout == 2.5
+        assert svc.engine.max_pass_s == 7.5 and ServeConfig().max_pass_timeout == float("inf")
         svc.start(warmup=False)
         assert svc.engine.canary.segment_ids == svc.reranker.encode(CANARY).segment_ids
     finally:

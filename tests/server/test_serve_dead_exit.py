@@ -113,6 +113,31 @@ def test_an_engine_that_dies_during_the_shutdown_exits_nonzero(tmp_path):
     assert "engine dead" in out and "SystemExit: injected into the scoring pass" in out, out[-3000:]
 
 
+def test_a_step_past_max_pass_timeout_answers_503_then_the_process_exits_nonzero(tmp_path):
+    """--max-pass-timeout 2 and a pass that never returns (a wedged kernel): the request in it gets
+    the dead engine's 503 naming the flag once the step passed 2 s, as do the probes and a later
+    request; the process exits EXIT_ENGINE_DEAD on its own (the wedged model thread cannot be
+    joined: the stop's hard exit), one 'engine dead' line with the wedged thread's stack. Without
+    the flag the request waited for ever, /health and /ready stayed 200 and the process served on."""
+    import time
+
+    def drive(base, _proc):
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/rerank", json=dict(query="poison", documents=["a", "b"]), timeout=30)
+        assert r.status_code == 503 and "--max-pass-timeout 2 s" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 15, f"answered after {time.monotonic() - t0:.1f} s"
+        for path in ("/health", "/ready"):
+            r = httpx.get(base + path, timeout=5)
+            assert r.status_code == 503 and "--max-pass-timeout" in r.json()["error"]["message"], f"{path}: {r.text}"
+        r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=["a"]), timeout=5)
+        assert r.status_code == 503, r.text
+
+    code, out = serve_until_exit(tmp_path, "hang", drive, "--max-pass-timeout", "2")
+    assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
+    assert out.count("engine dead: the model thread has been in one step for") == 1, out[-3000:]
+    assert "score_or_die" in out and "exiting with model work still running" in out, out[-3000:]
+
+
 def test_a_failed_warm_up_exits_with_its_error_line(tmp_path):
     """The warm-up pass fails (every pass does): one runtime-error line and exit 1, at once. The
     scheduler and model threads were left running, so the process printed its error and then hung

@@ -153,13 +153,15 @@ def reference(model):
 
 
 @pytest.fixture
-def served(model, monkeypatch):
-    """A fresh service per test (a dead engine cannot leak into the next test)."""
+def served(model, monkeypatch, request):
+    """A fresh service per test (a dead engine cannot leak into the next test); an indirect
+    parameter is a dict of more ``RerankService`` arguments (``max_pass_timeout``)."""
     rr = PointwiseReranker(model=model)
     sr = SetwiseReranker(runner=rr.runner, tokenizer=rr.tokenizer)
     inj = FaultInjector(rr)
     sel = SelectFaults(sr)
-    svc = RerankService(rr, "tiny-faults", setwise=sr, max_batch_tokens=4096, max_queue=64)
+    svc = RerankService(rr, "tiny-faults", setwise=sr, max_batch_tokens=4096, max_queue=64,
+                        **getattr(request, "param", {}))
     svc.reranker = svc.engine.steps = inj
     svc.setwise = svc.engine.select_steps = sel
     pages = PagedKVCache.pages
@@ -421,6 +423,73 @@ def test_health_reports_a_long_step_without_calling_it_dead(served):
     threads[0].join(60)
     assert out["long pass"].status_code == 200
     assert httpx.get(base + "/health", params={"max_pass_s": 0.2}, timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("served", [dict(max_pass_timeout=3.0)], indirect=True)
+def test_a_step_past_max_pass_timeout_makes_the_engine_dead(served, monkeypatch):
+    """--max-pass-timeout 3: a pass held past 3 s (a model call that does not return) makes the engine
+    dead, as one whose loop ended: the request in the pass and one waiting for tokens behind it get
+    the dead engine's 503 at once (not the 429 after --token-wait-timeout), /health and /ready 503
+    naming the flag and the step's duration, a new request 503, the failure counted and on_dead run
+    once. The step that ends after it leaves the engine dead. Without the bound the blocker waited
+    for the gate (60 s) and the waiter for its 429."""
+    from acarerank.server.service import score_tokens
+
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    calls = []
+    svc.on_dead.append(calls.append)
+    held = score_tokens(svc.reranker.encode(ScoreRequest("blocker query", DOCS)))
+    monkeypatch.setattr(svc, "max_queue_tokens", held + held // 2)   # the waiter fits alone, not beside it
+    monkeypatch.setattr(svc._tokens, "budget", held + held // 2)
+    monkeypatch.setattr(svc, "token_wait_timeout", 60.0)
+    inj.gate.clear()
+    t0 = time.monotonic()
+    blocker, out = post_all(base, ["blocker query"])
+    assert inj.at_gate.wait(30), "the blocker never reached a pass"
+    waiter, more = post_all(base, ["waiting query"])
+    while svc.waiting_for_tokens < 1:
+        assert svc.dead is None, "the bound passed before the second request waited for tokens"
+        time.sleep(0.01)
+    for t in blocker + waiter:
+        t.join(30)
+    out.update(more)
+    took = time.monotonic() - t0
+    assert took < 15, f"answered after {took:.1f} s: the requests waited out the wedged step"
+    for q, r in out.items():
+        assert r.status_code == 503 and "--max-pass-timeout 3 s" in r.json()["error"]["message"], \
+            f"{q}: {r.status_code} {r.text}"
+    for path in ("/health", "/ready"):
+        r = httpx.get(base + path, timeout=5)
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 503 and re.search(r"in one step for \d+\.\d s, more than --max-pass-timeout 3 s",
+                                                  msg), f"{path}: {r.text}"
+    r = httpx.post(base + "/v1/rerank", json=dict(query="later", documents=DOCS), timeout=5)
+    assert r.status_code == 503 and "--max-pass-timeout" in r.json()["error"]["message"], r.text
+    inj.gate.set()   # the wedged step returns: the engine stays dead (a restart is the fix)
+    deadline = time.monotonic() + 30
+    while svc.engine.threads() or (svc.engine._loop is not None and not svc.engine._loop.done()):
+        assert time.monotonic() < deadline, "the loop did not end after its step returned"
+        time.sleep(0.02)
+    h = httpx.get(base + "/health", timeout=5)
+    assert h.status_code == 503 and "--max-pass-timeout" in h.json()["error"]["message"], h.text
+    assert failures(base, "engine") == 1 and len(calls) == 1, (failures(base, "engine"), calls)
+    assert svc.admitted == 0 and svc.waiting_for_tokens == 0 and svc.queued_tokens == 0
+    assert not inj.live, f"pages of the dead engine's requests not given back: {inj.live}"
+
+
+@pytest.mark.parametrize("served", [dict(max_pass_timeout=5.0)], indirect=True)
+def test_a_step_under_max_pass_timeout_changes_nothing(served):
+    """Under the bound a long step is a long step: its request is answered 200 and /health stays 200."""
+    base, inj, svc = served["base"], served["inj"], served["svc"]
+    inj.gate.clear()
+    threads, out = post_all(base, ["long pass"])
+    assert inj.at_gate.wait(30)
+    time.sleep(0.5)
+    assert httpx.get(base + "/health", timeout=5).status_code == 200
+    inj.gate.set()
+    threads[0].join(60)
+    assert out["long pass"].status_code == 200, out["long pass"].text
+    assert svc.dead is None and httpx.get(base + "/health", timeout=5).status_code == 200
 
 
 @pytest.mark.parametrize("bound", ["-1", "nan", "inf", "abc"])
