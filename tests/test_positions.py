@@ -349,3 +349,54 @@ def test_a_model_too_short_for_the_setwise_template_serves_reranks_and_refuses_s
     with pytest.raises(ValueError, match=rf"^--select-max-length 500: the setwise prompt cap of 500 tokens "
                                          rf"\(--select-max-length\) is under the {need} tokens .* give at least {need}"):
         build_rerankers(config.replace(select_max_length=500))
+
+
+def test_a_model_with_little_room_beyond_the_setwise_template_is_noted_and_served(tmp_path, capfd, checkpoint):
+    """A model of 720 positions leaves /v1/select a cap of 720 - 64 = 656 tokens, 25 past the 631
+    its template alone takes: serve started with only the cap's NOTE ("the cap is 656 tokens") and
+    fit selections of a few words. Now the start-up says how many tokens a selection may hold (one
+    NOTE, in place of the cap's) whenever that room is under SELECT_MIN_ROOM, for a cap left to the
+    model or set by the operator; selections are served as before."""
+    for name in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(name)
+    import httpx
+    from acarerank.server.app import create_app
+    from acarerank.server.build import build_rerankers, build_service
+    from acarerank.server.config import ServeConfig
+    from acarerank.server.request_checks import SELECT_MIN_ROOM
+    from serve_util import thread_server
+
+    random_qwen3(seed=3, spread_yes_no=40, max_position_embeddings=720).save_pretrained(tmp_path)
+    config = ServeConfig(model=str(tmp_path), dtype="float32", cache_budget=256, max_batch_tokens=256)
+    service = build_service(config)
+    sr = service.setwise
+    need = sr.min_prompt_tokens()
+    room = 656 - need
+    assert sr.max_length == 656 and 0 < room < SELECT_MIN_ROOM
+    notes = [ln for ln in capfd.readouterr().err.splitlines() if "select" in ln]
+    assert notes == [f"NOTE: /v1/select has room for {room} tokens of query and documents: the setwise prompt cap of "
+                     f"656 tokens (this model's maximum context length of 720 tokens less --select-max-new-tokens=64) "
+                     f"less the {need} tokens of the setwise prompt's template alone (an empty query, one empty "
+                     f"document); the query is in the prompt twice and each document past the first adds its "
+                     f"identifier's tokens, so longer documents are cut to fit and a pool that cannot fit is a 400; a "
+                     f"smaller --select-max-new-tokens or a model of more positions leaves more"], notes
+    # the room is what a query and one document get: a long document is cut to it, within a seam's token
+    enc = sr.encode_select("q", ["word " * 1000], max_select=1)
+    assert 656 - 1 <= len(enc.prompt.input_ids) <= 656, len(enc.prompt.input_ids)
+    try:
+        service.start()
+        with thread_server(create_app(service, config)) as base:
+            r = httpx.post(base + "/v1/select", json=dict(query="q", documents=["a", "b"], max_select=1), timeout=60)
+            assert r.status_code == 200 and r.json()["indices"][0] in (0, 1), r.text
+    finally:
+        service.stop()
+    # an operator's cap: the same NOTE naming the flag, under SELECT_MIN_ROOM only (the 1,024-position model)
+    build_rerankers(ServeConfig(model=str(checkpoint), dtype="float32", cache_budget=256,
+                                select_max_length=need + SELECT_MIN_ROOM - 1))
+    notes = [ln for ln in capfd.readouterr().err.splitlines() if "select" in ln]
+    assert len(notes) == 1 and notes[0].startswith(
+        f"NOTE: /v1/select has room for {SELECT_MIN_ROOM - 1} tokens of query and documents: the setwise prompt cap "
+        f"of {need + SELECT_MIN_ROOM - 1:,} tokens (--select-max-length) less the {need} tokens"), notes
+    build_rerankers(ServeConfig(model=str(checkpoint), dtype="float32", cache_budget=256,
+                                select_max_length=need + SELECT_MIN_ROOM))
+    assert "select" not in capfd.readouterr().err

@@ -50,15 +50,17 @@ def build_rerankers(config: ServeConfig):
                              **{k: v for k, v in kw.items() if k == "cache_budget_tokens"})
     except ContextLengthError as e:
         raise ContextLengthError(f"--select-max-length / --select-max-new-tokens: {e}") from None
+    from .request_checks import select_room_note
     from .service import select_unavailable
 
     unavailable = select_unavailable(sr)
     if unavailable is not None and config.select_max_length is not None:  # the operator's own cap: a usage error
         raise ValueError(f"--select-max-length {config.select_max_length:,}: {unavailable}; every /v1/select would "
                          f"be refused: give at least {sr.min_prompt_tokens():,}, or leave it out")
-    select_note = (sr.default_cap_line("--select-max-length", "--select-max-new-tokens") if unavailable is None else
-                   f"NOTE: /v1/select is unavailable: {unavailable}; each /v1/select is answered 400 "
-                   f"(context_length), /v1/rerank and /score are served")
+    # one line on the /v1/select cap: unavailable, or little room (either names the cap), or the cap's own
+    select_note = (f"NOTE: /v1/select is unavailable: {unavailable}; each /v1/select is answered 400 "
+                   f"(context_length), /v1/rerank and /score are served" if unavailable is not None else
+                   select_room_note(sr) or sr.default_cap_line("--select-max-length", "--select-max-new-tokens"))
     for note in (rr.default_cap_line("--max-length"), select_note):
         if note:  # a short model's caps are below the documented defaults: said at start-up
             print(note, file=sys.stderr)

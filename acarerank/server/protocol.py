@@ -14,7 +14,8 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   which httptools lacks; a head that arrived whole is measured by the gate, ``gate.py``). Its
   body is in the shape the gate's would be (TEI's on ``/rerank``: ``errors.error_for``), the path
   read from the request line's first bytes as uvicorn reads it (``_request_path``), so how the
-  head's TCP segments fell does not pick the shape;
+  head's TCP segments fell does not pick the shape. h11 gets a head still arriving in pieces of
+  ``MAX_HEAD_BYTES``, so its own limit (twice that, ``front.py``) never answers it first (a 400);
 * ``max_connections`` open at once: one more is closed as soon as it is accepted, with one log
   line per ``LOG_EVERY_S`` at most (nginx's ``worker_connections``);
 * ``send_timeout``: once a response fills the socket's buffers (the transport pauses writing), the
@@ -98,6 +99,10 @@ def http_protocol_with_limits(base, config: ServeConfig):
     refused_log = _RateLimited()
     unread_log = _RateLimited()
     absolute_form = base.__name__ == "HttpToolsProtocol"   # h11's scope["path"] is the whole target
+    # the most bytes of a head still arriving handed to the parser at once: httptools has no limit
+    # of its own; h11's is 2 x MAX_HEAD_BYTES (front.py), so a head judged under MAX_HEAD_BYTES plus
+    # one such piece stays within it (data_received)
+    head_piece = float("inf") if absolute_form else MAX_HEAD_BYTES
 
     class HTTPProtocolWithLimits(base):
         _refused = False
@@ -146,6 +151,23 @@ def http_protocol_with_limits(base, config: ServeConfig):
             self.transport.abort()   # close() would wait for the buffer to drain
 
         def data_received(self, data: bytes) -> None:
+            if self._head_timer is None or len(data) <= head_piece:
+                self._receive(data)
+                return
+            # h11 refuses an incomplete head over its own limit (front.py: 2 x MAX_HEAD_BYTES) as
+            # malformed, a 400, before the 431 below could see it: one read of 40 kB that did not
+            # end the head was a 400 on h11 and a 431 on httptools. Fed in pieces of MAX_HEAD_BYTES,
+            # a head still arriving is judged here after each one, while under h11's limit.
+            for start in range(0, len(data), head_piece):
+                self._receive(data[start:start + head_piece])
+                if self.transport.is_closing():
+                    return
+                if self._head_timer is None:   # the head arrived: the rest is its body (or the next request)
+                    if start + head_piece < len(data):
+                        super().data_received(data[start + head_piece:])
+                    return
+
+        def _receive(self, data: bytes) -> None:
             waiting = self._head_timer is not None
             super().data_received(data)
             if not waiting:

@@ -5,8 +5,8 @@ rule: 1 query with N documents or N with N); a peer's option that would change t
 we cannot honour (``rank_fields``, ``truncation_direction: Left``, ``truncate_prompt_tokens``
 other than -1, ``use_activation: false``, vLLM's other options off their defaults) — refused, never
 ignored (docs/serving.md, "Errors"); a score request's groups (``score_groups``); and why a setwise
-model can serve no selection at all (``select_unavailable``: docs/serving.md, "Selections and long
-inputs"). Plain functions of the request: no state, no model.
+model can serve no selection at all (``select_unavailable``), or only tiny ones (``select_room_note``:
+docs/serving.md, "Selections and long inputs"). Plain functions of the request: no state, no model.
 """
 from __future__ import annotations
 
@@ -84,6 +84,20 @@ def check_vllm_options(req) -> Optional[str]:
     return instruction
 
 
+#: a /v1/select cap that leaves fewer tokens than this beyond the setwise template (the query, the
+#: documents and their identifiers) is said at start-up (``select_room_note``): ten passages of about
+#: 20 tokens, a query of ten; a model of up to ~950 positions at the default --select-max-new-tokens
+SELECT_MIN_ROOM = 256
+
+
+def _cap_source(setwise) -> str:
+    """Where ``setwise``'s prompt cap comes from, in the flags' words."""
+    limit, new = setwise.runner.max_positions, setwise.max_new_tokens
+    if setwise.max_length == limit - new:
+        return f"this model's maximum context length of {limit:,} tokens less --select-max-new-tokens={new:,}"
+    return "--select-max-length"
+
+
 def select_unavailable(setwise) -> Optional[str]:
     """Why ``setwise`` (a ``SetwiseReranker``) can serve no selection at all, or None: its prompt cap
     is under ``min_prompt_tokens()``, the template alone, so every prompt is over it whatever the
@@ -94,14 +108,29 @@ def select_unavailable(setwise) -> Optional[str]:
     if cap is None or cap >= need:
         return None
     limit, new = setwise.runner.max_positions, setwise.max_new_tokens
+    why = _cap_source(setwise)
     if cap == limit - new:
-        fix = (f"a --select-max-new-tokens of at most {limit - need:,} leaves the template room" if limit > need
-               else "serve a model of more positions")
-        why = f"this model's maximum context length of {limit:,} tokens less --select-max-new-tokens={new:,}; {fix}"
-    else:
-        why = "--select-max-length"
+        why += (f"; a --select-max-new-tokens of at most {limit - need:,} leaves the template room" if limit > need
+                else "; serve a model of more positions")
     return (f"the setwise prompt cap of {cap:,} tokens ({why}) is under the {need:,} tokens the setwise prompt's "
             f"template alone takes (an empty query, one empty document), so no selection fits")
+
+
+def select_room_note(setwise) -> Optional[str]:
+    """A start-up NOTE when ``setwise``'s prompt cap holds the template but leaves fewer than
+    ``SELECT_MIN_ROOM`` tokens beyond it, room = cap - ``min_prompt_tokens()``; else None. Such a
+    model (~695-950 positions at the default 64 new tokens) serves selections, but only tiny ones:
+    longer documents are cut to fit and a larger pool is refused (400), so the operator hears the
+    room once rather than learning it from every request (docs/serving.md, "Selections and long
+    inputs"). Requests are served as before."""
+    cap, need = setwise.max_length, setwise.min_prompt_tokens()
+    if cap is None or cap < need or cap - need >= SELECT_MIN_ROOM:
+        return None
+    return (f"NOTE: /v1/select has room for {cap - need:,} tokens of query and documents: the setwise prompt cap of "
+            f"{cap:,} tokens ({_cap_source(setwise)}) less the {need:,} tokens of the setwise prompt's template "
+            f"alone (an empty query, one empty document); the query is in the prompt twice and each document past "
+            f"the first adds its identifier's tokens, so longer documents are cut to fit and a pool that cannot fit "
+            f"is a 400; a smaller --select-max-new-tokens or a model of more positions leaves more")
 
 
 def score_groups(queries: list) -> dict:

@@ -13,6 +13,7 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from _optional import require
@@ -20,6 +21,7 @@ from _optional import require
 require("fastapi", "uvicorn", "httpx", "ray")
 import httpx  # noqa: E402
 
+from _tiny import random_qwen3
 from serve_util import free_port, tiny_model, wait_until
 
 ray = pytest.importorskip("ray")
@@ -295,6 +297,39 @@ def test_front_is_unready_once_no_replica_can_serve(ray_app):
     assert r.status_code == 200, r.text
     r = wait_for_status(base + "/ready", 200, timeout=30)
     assert r.status_code == 200, r.text
+
+
+def _replica_logs() -> str:
+    """Every Ray worker's stderr of this session (a replica's start-up notes; log_to_driver=False)."""
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    return "".join(p.read_text(errors="replace") for p in logs.glob("worker-*.err"))
+
+
+def test_a_model_too_short_for_the_setwise_template_on_the_ray_front(ray_app, tmp_path):
+    """The Ray front of a model of 650 positions (a /v1/select cap of 650 - 64 = 586 tokens, under
+    the setwise template's own): as on acarerank serve (test_positions.py), its replica says so once
+    at start-up (the NOTE, in its log), the front is ready and reranks, and each /v1/select is the
+    400 of type context_length naming the model's limit, through Ray. Runs last on the module's
+    cluster: it replaces the module's application with its own (one replica)."""
+    base, _, _ = ray_app
+    random_qwen3(seed=3, spread_yes_no=40, max_position_embeddings=650).save_pretrained(tmp_path)
+    serve.delete("acarerank")   # its three CPUs back (ray.init(num_cpus=4))
+    serve.run(build_app(model=str(tmp_path), num_replicas=1, max_batch_tokens=256, cache_budget=256, dtype="float32"),
+              name="short", route_prefix="/", blocking=False)
+    wait_until(base + "/ready", timeout=240)
+    with httpx.Client(base_url=base, timeout=60) as c:
+        r = c.post("/v1/rerank", json=dict(query="q", documents=["a", "b"]))
+        assert r.status_code == 200 and r.json()["model"] == tmp_path.name, r.text
+        for body in (dict(query="q", documents=["a", "b"]), dict(query="q", documents=["a"] * 3, max_select=1)):
+            r = c.post("/v1/select", json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["type"] == "context_length" and err["code"] == 400, err
+            assert err["message"].startswith("this server's model cannot serve /v1/select at all: the setwise "
+                                             "prompt cap of 586 tokens (this model's maximum context length of "
+                                             "650 tokens less --select-max-new-tokens=64"), err
+    notes = [ln for ln in _replica_logs().splitlines() if "NOTE: /v1/select is unavailable" in ln]
+    assert len(notes) == 1 and "the setwise prompt cap of 586 tokens" in notes[0], notes
 
 
 # -- the front's /ready without Ray: a stand-in handle -------------------------------------------------
