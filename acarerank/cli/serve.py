@@ -100,6 +100,22 @@ def run(args) -> int:
         if service is None or service.threads():   # a model call still runs: the load, or the started service
             _exit_interrupted()
         raise   # everything stopped (run_server's bounded stop): main's exit 130
+    except Exception as e:
+        if service is not None and service.threads():   # a start that failed with its model call still running
+            _exit_failed_start(e)
+        raise   # main's one line and status
+
+
+def _exit_failed_start(e: Exception) -> NoReturn:
+    """A start that failed while a model call still runs — a warm-up step past
+    ``--max-pass-timeout`` (the engine died, its step did not return): main's runtime-error line and
+    status 1, now. Python's exit would wait for that thread for ever."""
+    from . import _one_line
+
+    print(f"acarerank serve: runtime error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _exit_interrupted() -> NoReturn:

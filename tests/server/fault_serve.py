@@ -6,7 +6,8 @@ broken for good by a device-side assert), the canary's included. ``FAULT=always`
 raises a ``RuntimeError``, the warm-up's first. ``FAULT=RuntimeError``: only a pass holding a
 poisoned request raises a ``RuntimeError`` (a fault the engine's culprit search isolates: that
 request gets its 500, every other one its scores; ``bench/soak_serve.py``).
-``FAULT=hang``: a pass holding a poisoned request never returns (a model call that hangs).
+``FAULT=hang``: a pass holding a poisoned request never returns (a model call that hangs);
+``FAULT=hang_always``: every pass never returns, the warm-up's first.
 ``FAULT=at_shutdown``: the poisoned pass waits until uvicorn has stopped (the final
 ``_stop_bounded`` begins), then raises ``SystemExit``: the engine dies during the shutdown.
 
@@ -21,12 +22,13 @@ from acarerank.server import front
 
 FAULT = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit, "at_shutdown": SystemExit,
          "sticky": RuntimeError, "always": RuntimeError,
-         "RuntimeError": RuntimeError, "hang": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
+         "RuntimeError": RuntimeError, "hang": RuntimeError,
+         "hang_always": RuntimeError}[os.environ.get("FAULT", "SystemExit")]
 AT_SHUTDOWN = os.environ.get("FAULT") == "at_shutdown"
-HANG = os.environ.get("FAULT") == "hang"
+HANG = os.environ.get("FAULT") in ("hang", "hang_always")
 uvicorn_stopped = threading.Event()
 STICKY = os.environ.get("FAULT") == "sticky"
-broken = [True] if os.environ.get("FAULT") == "always" else []
+broken = [True] if os.environ.get("FAULT") in ("always", "hang_always") else []
 front.DEAD_GRACE_S = 3.0   # long enough for the test's probes on a loaded machine
 encode, score_segments = PointwiseReranker.encode, PointwiseReranker.score_segments
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,21 @@ def test_a_step_past_max_pass_timeout_answers_503_then_the_process_exits_nonzero
     assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
     assert out.count("engine dead: the model thread has been in one step for") == 1, out[-3000:]
     assert "score_or_die" in out and "exiting with model work still running" in out, out[-3000:]
+
+
+def test_a_wedged_warm_up_exits_with_its_error_line(tmp_path):
+    """The warm-up pass never returns and --max-pass-timeout ends it: one runtime-error line naming
+    the flag and exit 1, within a bounded time. The start failed, but Python's exit waited for the
+    model thread still in that pass: the process printed nothing and hung (until killed)."""
+    tiny_model().save_pretrained(tmp_path)
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(HELPER), "serve", "--model", str(tmp_path), "--dtype", "float32",
+                           "--port", str(free_port()), "--max-pass-timeout", "2"], env=helper_env("hang_always"),
+                          capture_output=True, text=True, timeout=150)
+    err = [x for x in proc.stderr.splitlines() if x.startswith("acarerank serve:")]
+    assert proc.returncode == 1 and len(err) == 1 and err[0].startswith("acarerank serve: runtime error: ") \
+        and "--max-pass-timeout" in err[0], (proc.returncode, proc.stderr[-3000:])
+    assert time.monotonic() - t0 < 120
 
 
 def test_a_failed_warm_up_exits_with_its_error_line(tmp_path):
