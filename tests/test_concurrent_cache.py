@@ -1,0 +1,253 @@
+"""The prefix cache under several callers of one reranker (docs/api.md, "Threads"): the races
+between deciding that a prefill fits (``cached_prefill._fits``) and allocating its pages, pages
+taken by another caller mid-decode, eviction while another caller holds pinned pages, and
+``cache_stats`` read while calls update it — each forced by a hook at the one place where it
+can happen, then a storm of them all. On a ``batch_invariant=True`` runner (native attention,
+the CPU default) a hit, a miss and a private recompute give the same bits (docs/api.md,
+"Embedding in your process"), so every score and selection is compared bitwise with the same
+call made alone, with no cache."""
+import random
+import threading
+
+import pytest
+
+from _tiny import tiny_causal
+from acarerank import PointwiseReranker, ScoreRequest, SetwiseReranker
+from acarerank.model import Qwen3Runner
+from acarerank.model import cached_prefill
+from acarerank.setwise import reranker as setwise_reranker
+
+from test_concurrent_calls import assert_pages_at_rest, run_threads
+
+DOCS = [f"document {i} about topic {i % 5}" + " and more text" * (i % 4) for i in range(10)]
+STEP = "the agent looked at step {i} and decided to go on. "
+LONG_SALT = "tenant-" + "x" * 80  # over prefix_cache.SALT_KEY_CHARS: keyed by its SHA-256 digest
+
+
+def trace(n):
+    return "".join(STEP.format(i=i) for i in range(n)) or None
+
+
+# an agent's calls: the same question with a growing trace (each call's shared part extends the
+# last one's, past the 256-token key tile a batch-invariant hit is cut to), sub-queries, salts
+CALLS = [dict(query=f"sub-query {j % 3}", documents=DOCS[j % 4:j % 4 + 2 + j % 3], question="what is the topic?",
+              trace=trace(6 * (j % 7)), cache_salt=[None, "tenant-1", LONG_SALT][j % 3]) for j in range(12)]
+SELECTS = [dict(query=f"query {j % 2}", documents=DOCS[j:j + 4], intent="the agent's intent" if j % 2 else None,
+                max_select=1 + j % 3, cache_salt=[None, "tenant-1", LONG_SALT][j % 3]) for j in range(6)]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return Qwen3Runner.from_hf(tiny_causal(seed=5), batch_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def alone(runner):
+    """Every call of CALLS / SELECTS made alone, with no cache: (scores, selections)."""
+    pw = PointwiseReranker(runner=runner, prefix_cache=False)
+    sw = SetwiseReranker(runner=runner, prefix_cache=False)
+    return [pw.score(**c) for c in CALLS], [sw.select(**c) for c in SELECTS]
+
+
+def pin_every_page(pc):
+    """What another caller holding pages does to ``pc``: every page eviction reaches (and every free
+    one) allocated, in a thread of its own; returns the blocks to give back (``pool.decref``)."""
+    held = []
+    t = threading.Thread(target=lambda: held.extend(pc.allocate(pc.available_blocks())))
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    assert pc.available_blocks() == 0
+    return held
+
+
+def assert_counters_add_up(stats):
+    assert stats["hit_tokens"] + stats["computed_tokens"] <= stats["lookup_tokens"], stats
+    assert stats["resident_tokens"] <= stats["budget_tokens"], stats
+
+
+# -- check-then-act: _fits said yes, another caller took the pages before the allocation ------
+@pytest.mark.parametrize("call", ["score", "select", "select_batch"])
+def test_pages_taken_between_the_fit_check_and_the_allocation(runner, alone, call, monkeypatch):
+    """``_fits`` reads the pool, then the prefill allocates: another thread may take every page in
+    between. The prefill then meets ``PoolExhausted`` in its first pass and is computed privately —
+    the same bits as alone, every page given back, the counters still adding up."""
+    pw = PointwiseReranker(runner=runner, cache_budget_tokens=4096)
+    sw = SetwiseReranker(runner=runner, cache_budget_tokens=4096)
+    rr = pw if call == "score" else sw
+    rr._cache_slot.get()
+    fits, held, said = cached_prefill._fits, [], []
+
+    def fits_then_taken(pc, *args):
+        ok = fits(pc, *args)
+        said.append(ok)
+        if ok and not held:
+            held.extend(pin_every_page(pc))
+        return ok
+
+    monkeypatch.setattr(cached_prefill, "_fits", fits_then_taken)
+    if call == "score":
+        got, want = pw.score(**CALLS[5]), alone[0][5]
+    elif call == "select":
+        got, want = sw.select(**SELECTS[1]), alone[1][1]
+    else:
+        got = sw.select_batch([c["query"] for c in SELECTS[:3]], [c["documents"] for c in SELECTS[:3]],
+                              [c["intent"] for c in SELECTS[:3]], max_select=1)
+        plain = SetwiseReranker(runner=runner, prefix_cache=False)
+        want = [plain.select(**{**c, "max_select": 1}) for c in SELECTS[:3]]
+    assert said[:1] == [True] and held, "the hook never took the pages: the test tests nothing"
+    assert got == want
+    stats = rr.cache_stats()
+    rr._cache_slot._cache.pool.decref(held)
+    assert_pages_at_rest(rr)
+    assert stats["hit_tokens"] + stats["computed_tokens"] == stats["lookup_tokens"], stats
+
+
+# -- PoolExhausted mid-decode: another caller pinned the pool after the prompt's prefill -------
+@pytest.mark.parametrize("call", ["select", "select_batch"])
+def test_pages_taken_mid_decode_restart_the_selection_privately(runner, call, monkeypatch):
+    """The prompt is prefilled in the cache, then another thread pins every page before the decode
+    needs one: the decode meets ``PoolExhausted``, the selection restarts in a private pool and
+    gives what it gives alone (the prompt's cached pages, pinned by the first try, are not read)."""
+    sw = SetwiseReranker(runner=runner, cache_budget_tokens=4096, max_new_tokens=24)
+    plain = SetwiseReranker(runner=runner, prefix_cache=False, max_new_tokens=24)
+    # long enough outputs that the decode leaves the prompt's last page (3 ids, a free decode)
+    kw = [dict(query=f"query {j}", documents=DOCS[j:j + 6], max_select=3, constrained=False) for j in range(2)]
+    held, restarts = [], []
+
+    if call == "select":
+        make = sw._decoder
+
+        def decoder_then_taken(enc, cache):  # the prefill is done: the decoder is made over its pages
+            if not held and cache.pool is sw._cache_slot._cache.pool:
+                held.extend(pin_every_page(sw._cache_slot._cache))
+            return make(enc, cache)
+
+        monkeypatch.setattr(sw, "_decoder", decoder_then_taken)
+        init = cached_prefill.ChunkedPrefill.__init__
+
+        def counted(self, *args, private=False, **kw_):  # the restart is a private ChunkedPrefill
+            restarts.append(private)
+            init(self, *args, private=private, **kw_)
+
+        monkeypatch.setattr(cached_prefill.ChunkedPrefill, "__init__", counted)
+        got, want = sw.select(**kw[0]), plain.select(**kw[0])
+        restarted = any(restarts)
+    else:
+        decode = setwise_reranker.greedy_decode
+
+        def decode_then_taken(runner_, ids, *args, cache=None, **kw_):
+            if not held:
+                held.extend(pin_every_page(sw._cache_slot._cache))
+            else:
+                restarts.append(cache)
+            return decode(runner_, ids, *args, cache=cache, **kw_)
+
+        monkeypatch.setattr(setwise_reranker, "greedy_decode", decode_then_taken)
+        got = sw.select_batch([k["query"] for k in kw], [k["documents"] for k in kw], max_select=3,
+                              constrained=False)
+        want = [plain.select(**k) for k in kw]
+        restarted = bool(restarts)
+    assert held and restarted, "the decode never ran out of pages: the test tests nothing"
+    assert got == want
+    sw._cache_slot._cache.pool.decref(held)
+    assert_pages_at_rest(sw)
+
+
+# -- eviction while another caller holds pinned pages ---------------------------------------
+def test_pinned_pages_survive_a_storm_of_evictions(runner, alone):
+    """A handle acquired in one thread, then four threads of distinct prefixes and salts that evict
+    everything they can from a 64-page cache: the handle's pages keep their bits and its
+    documents score as alone."""
+    import torch
+
+    pw = PointwiseReranker(runner=runner, cache_budget_tokens=1024)
+    h = pw.acquire_prefix(pw.encode(ScoreRequest(**CALLS[5])))
+    pool = pw._cache_slot._cache.pool
+    if h.pool is not pool:
+        pytest.fail("the handle went private: nothing of the cache's is pinned")
+
+    def rows(pages):  # the handle's rows (a partly filled last page's tail is never written: not compared)
+        return pages[h.blocks].flatten(0, 1)[:h.length].clone()
+
+    before = [(rows(pool.k[i]), rows(pool.v[i])) for i in range(len(pool.k))]
+
+    def work(i):
+        for n in range(6):
+            # short shared parts (traces of 0-12 steps) that fit beside the pinned ones and evict
+            pw.score(**{**CALLS[(i + n) % 3], "cache_salt": f"storm-{i}-{n}"})
+
+    assert run_threads(4, work) == []
+    assert pw.cache_stats()["evicted_tokens"] > 0, "nothing was evicted: the test tests nothing"
+    assert all(torch.equal(rows(pool.k[i]), k) and torch.equal(rows(pool.v[i]), v)
+               for i, (k, v) in enumerate(before)), "a pinned page was handed out and written"
+    assert pw.score_segments([(h, ids) for ids in h.encoding.segment_ids]) == alone[0][5]
+    pw.release_prefix(h)
+    assert_pages_at_rest(pw)
+
+
+# -- everything at once --------------------------------------------------------------------
+@pytest.mark.parametrize("budget", [512, 2048, 8192], ids=["32-pages", "128-pages", "512-pages"])
+def test_a_storm_of_callers_gets_the_bits_of_calls_made_alone(runner, alone, budget, monkeypatch):
+    """Six threads on one PointwiseReranker and one SetwiseReranker (one runner): score, score_batch,
+    select and select_batch over overlapping traces, sub-queries and three salts (one over 64
+    characters), with budgets that force evictions and private prefills, and a scraper reading
+    cache_stats throughout. Every score and selection is bitwise the one made alone; the counters
+    never go down and always add up; at the end no page is pinned and free + cached = the pool."""
+    want, want_sel = alone
+    pw = PointwiseReranker(runner=runner, cache_budget_tokens=budget)
+    sw = SetwiseReranker(runner=runner, cache_budget_tokens=budget)
+    fits, said = cached_prefill._fits, []
+    monkeypatch.setattr(cached_prefill, "_fits", lambda *a: said.append(fits(*a)) or said[-1])
+    bad, scrapes, stop = [], [], threading.Event()
+
+    def scrape():
+        while not stop.is_set():
+            scrapes.append(pw.cache_stats())
+
+    def work(i):
+        rnd = random.Random(i)
+        for _ in range(8):
+            kind = (i + rnd.randrange(4)) % 4
+            if kind == 0:
+                j = rnd.randrange(len(SELECTS))
+                got, exp = [sw.select(**SELECTS[j])], [want_sel[j]]
+            elif kind == 1:
+                js = rnd.sample(range(len(SELECTS)), 2)
+                got = sw.select_batch([SELECTS[j]["query"] for j in js], [SELECTS[j]["documents"] for j in js],
+                                      [SELECTS[j]["intent"] for j in js], max_select=SELECTS[js[0]]["max_select"],
+                                      cache_salt=SELECTS[js[0]]["cache_salt"])
+                exp = [SetwiseReranker(runner=runner, prefix_cache=False).select(
+                    **{**SELECTS[j], "max_select": SELECTS[js[0]]["max_select"]}) for j in js]
+            elif kind == 2:
+                j = rnd.randrange(len(CALLS))
+                got, exp = [pw.score(**CALLS[j])], [want[j]]
+            else:
+                js = [rnd.randrange(len(CALLS)) for _ in range(3)]
+                got, exp = pw.score_batch([ScoreRequest(**CALLS[j]) for j in js]), [want[j] for j in js]
+            if got != exp:
+                bad.append((i, kind, got, exp))
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    scraper.start()
+    try:
+        assert run_threads(6, work) == []
+    finally:
+        stop.set()
+        scraper.join(60)
+    assert bad == []
+    assert scrapes, "the scraper never read the stats"
+    for name in ("lookup_tokens", "hit_tokens", "computed_tokens", "evicted_tokens"):
+        seen = [s[name] for s in scrapes]
+        assert seen == sorted(seen), f"{name} went down between two scrapes"
+    for s in scrapes:
+        assert_counters_add_up(s)
+    stats = pw.cache_stats()
+    assert stats["hit_tokens"] + stats["computed_tokens"] == stats["lookup_tokens"], stats
+    assert stats["hit_tokens"] > 0, "no call was served from the cache: the storm shares nothing"
+    if budget <= 2048:
+        assert stats["evicted_tokens"] + sw.cache_stats()["evicted_tokens"] > 0, "nothing was evicted"
+    if budget == 512:
+        assert False in said, "no prefill went private: the budget does not bite"
+    assert_pages_at_rest(pw)
+    assert_pages_at_rest(sw)
