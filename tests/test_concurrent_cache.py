@@ -186,6 +186,40 @@ def test_pinned_pages_survive_a_storm_of_evictions(runner, alone):
     assert_pages_at_rest(pw)
 
 
+# -- cache_stats read while a call updates the counters --------------------------------------
+def test_a_scrape_never_sees_more_hits_and_computed_tokens_than_lookups(runner, monkeypatch):
+    """``cache_stats`` reads five counters that calls on other threads update (a /metrics scrape
+    does, from its own thread). A whole call that ran between its read of lookup_tokens and its
+    read of hit_tokens / computed_tokens gave hit + computed > lookup — a hit rate over 1. The
+    counters are read as one snapshot: a call on another thread waits for it (or it for the call)."""
+    pw = PointwiseReranker(runner=runner, cache_budget_tokens=4096)
+    pw.score(**CALLS[5])  # cached: the next call hits
+    pc = pw._cache_slot._cache
+    scraper, other = threading.get_ident(), []
+
+    class Hooked(type(pc)):
+        @property
+        def lookup_tokens(self):
+            value = self.__dict__["lookup_tokens"]
+            if threading.get_ident() == scraper and not other:  # once, after the scrape read it
+                t = threading.Thread(target=pw.score, kwargs=CALLS[5], daemon=True)
+                other.append(t)
+                t.start()
+                t.join(2)  # finishes unless the scrape holds the counters (then it waits for the scrape)
+            return value
+
+        @lookup_tokens.setter
+        def lookup_tokens(self, value):
+            self.__dict__["lookup_tokens"] = value
+
+    monkeypatch.setattr(pc, "__class__", Hooked)
+    stats = pw.cache_stats()
+    other[0].join(60)
+    assert not other[0].is_alive()
+    assert_counters_add_up(stats)
+    assert_counters_add_up(pw.cache_stats())
+
+
 # -- everything at once --------------------------------------------------------------------
 @pytest.mark.parametrize("budget", [512, 2048, 8192], ids=["32-pages", "128-pages", "512-pages"])
 def test_a_storm_of_callers_gets_the_bits_of_calls_made_alone(runner, alone, budget, monkeypatch):
