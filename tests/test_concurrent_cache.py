@@ -154,6 +154,92 @@ def test_pages_taken_mid_decode_restart_the_selection_privately(runner, call, mo
     assert_pages_at_rest(sw)
 
 
+# -- the private restart itself fails (out of memory): a retried step resumes, nothing is poisoned
+def oom_on_the_next_private_pool(runner, monkeypatch):
+    """The next growable (private) pool the runner makes fails as an allocation past the host's
+    memory does; returns the list that records it."""
+    new_pool, failed = runner.new_pool, []
+
+    def new_pool_or_oom(num_blocks, growable=False):
+        if growable and not failed:
+            failed.append(num_blocks)
+            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1 bytes")
+        return new_pool(num_blocks, growable)
+
+    monkeypatch.setattr(runner, "new_pool", new_pool_or_oom)
+    return failed
+
+
+def assert_tree_holds_the_prefix(rr, runner, prefix, salt):
+    """The K/V pages the cache keeps for ``prefix`` are bitwise those of a private prefill of it."""
+    import torch
+
+    pc = rr._cache_slot._cache
+    blocks = pc.match(salt, prefix, count_hits=False)
+    ref = runner.prefill([prefix])
+    try:
+        assert blocks, "nothing of the prefix is cached"
+        n = len(blocks) * pc.block_size
+        for layer in range(len(pc.pool.k)):
+            for got, want in ((pc.pool.k[layer], ref.pool.k[layer]), (pc.pool.v[layer], ref.pool.v[layer])):
+                assert torch.equal(got[blocks].flatten(0, 1), want[ref.block_tables[0]].flatten(0, 1)[:n]), \
+                    f"layer {layer}: the cached pages of the prefix hold other K/V"
+    finally:
+        pc.pool.decref(blocks)
+        ref.free()
+
+
+def test_a_prefill_step_whose_private_pool_fails_can_be_retried(runner, alone, monkeypatch):
+    """A selection's prefill meets ``PoolExhausted`` mid-way (another caller pinned the pool) and
+    its private restart cannot get memory: the step raises, and a retried step (the server retries
+    an out-of-memory prefill at half the chunk; ChunkedPrefill's docstring allows it) resumes. The
+    failed restart had already given back the cache's pages and kept its position: the retry
+    computed the prompt's next tokens at position 0 over nothing and entered those pages in the
+    tree under the prompt's tokens, for every later call of the salt to hit."""
+    sw = SetwiseReranker(runner=runner, cache_budget_tokens=4096)
+    call = SELECTS[1]
+    st = sw.start_select(sw.encode_select(**call))
+    pc = sw._cache_slot._cache
+    assert sw.prefill_select(st, 256) == 256 and st.prefill.pc is pc and st.prefilling
+    held = pin_every_page(pc)
+    failed = oom_on_the_next_private_pool(runner, monkeypatch)
+    with pytest.raises(RuntimeError, match="not enough memory"):
+        sw.prefill_select(st, 256)
+    assert failed, "the private restart was never tried: the test tests nothing"
+    pc.pool.decref(held)  # the other caller is done
+    while not st.done:
+        sw.prefill_select(st, 128) if st.prefilling else sw.decode_select(st)
+    assert sw.finish_select(st) == alone[1][1]
+    assert_pages_at_rest(sw)
+    assert_tree_holds_the_prefix(sw, runner, st.encoding.prompt.input_ids[:-1], call["cache_salt"])
+    assert sw.select(**call) == alone[1][1]
+    assert_pages_at_rest(sw)
+
+
+def test_a_decode_step_whose_private_pool_fails_can_be_retried(runner, monkeypatch):
+    """As above, mid-decode: the decoder's pages were given back before the private restart failed,
+    and a retried ``decode_select`` stepped the old decoder over an empty cache (lengths 0): a
+    selection decoded over no prompt, with no error."""
+    sw = SetwiseReranker(runner=runner, cache_budget_tokens=4096, max_new_tokens=24)
+    call = dict(query="query 0", documents=DOCS[0:6], max_select=3, constrained=False)
+    want = SetwiseReranker(runner=runner, prefix_cache=False, max_new_tokens=24).select(**call)
+    st = sw.start_select(sw.encode_select(**call))
+    pc = sw._cache_slot._cache
+    while st.prefilling:
+        sw.prefill_select(st, 10_000)
+    held = pin_every_page(pc)
+    failed = oom_on_the_next_private_pool(runner, monkeypatch)
+    with pytest.raises(RuntimeError, match="not enough memory"):
+        while not st.done:
+            sw.decode_select(st)
+    assert failed, "the decode never ran out of pages: the test tests nothing"
+    pc.pool.decref(held)
+    while not st.done:
+        sw.prefill_select(st, 10_000) if st.prefilling else sw.decode_select(st)
+    assert sw.finish_select(st) == want
+    assert_pages_at_rest(sw)
+
+
 # -- eviction while another caller holds pinned pages ---------------------------------------
 def test_pinned_pages_survive_a_storm_of_evictions(runner, alone):
     """A handle acquired in one thread, then four threads of distinct prefixes and salts that evict

@@ -246,6 +246,7 @@ class ChunkedPrefill:
             self._complete()
 
     def _private(self) -> None:
+        """A private pool for the whole prefix, from its start; changes nothing if the pool cannot be had."""
         bs = self.runner.block_size
         self.cache = PagedKVCache(self.runner.new_pool(-(-(len(self.prefix) + self.reserve_tokens) // bs),
                                                        growable=True))
@@ -272,8 +273,13 @@ class ChunkedPrefill:
         except PoolExhausted:
             if self.pc is None:
                 raise
-            self.cache.free()  # recomputed privately: no hits (none were counted yet)
+            # the private pool first: if it cannot be had (out of memory) the step raises with the
+            # cache's pages and position as they were, and a retried step resumes from them (freed
+            # first, the retry computed the next tokens at position 0 over nothing and put those
+            # pages in the tree under the prefix's tokens)
+            cache = self.cache
             self._private()
+            cache.free()  # recomputed privately: no hits (none were counted yet)
             return self.step(max_tokens)
         self.pos += n
         if self.done:
