@@ -306,6 +306,39 @@ def test_a_scrape_never_sees_more_hits_and_computed_tokens_than_lookups(runner, 
     assert_counters_add_up(pw.cache_stats())
 
 
+def test_a_scrape_before_the_first_call_never_sees_computed_tokens_without_their_lookups(runner, monkeypatch):
+    """The cache's pages are made by the first call. A scrape that read "no cache yet" and then the
+    slot's counters, with that first call run on another thread in between, gave lookup 0 and the
+    call's computed tokens (0 + 238 > 0, about one storm in ten): the snapshot is taken of the
+    cache that is there once the locks are held."""
+    from acarerank.model.cached_prefill import CacheSlot
+
+    pw = PointwiseReranker(runner=runner, cache_budget_tokens=4096)
+    slot = pw._cache_slot
+    scraper, other = threading.get_ident(), []
+
+    class Hooked(CacheSlot):
+        @property
+        def _cache(self):
+            value = self.__dict__["_cache"]
+            if threading.get_ident() == scraper and not other:  # once, after the scrape read it
+                t = threading.Thread(target=pw.score, kwargs=CALLS[5], daemon=True)
+                other.append(t)
+                t.start()
+                t.join(60)  # the first call, whole: the scrape holds nothing yet
+            return value
+
+        @_cache.setter
+        def _cache(self, value):
+            self.__dict__["_cache"] = value
+
+    monkeypatch.setattr(slot, "__class__", Hooked)
+    stats = pw.cache_stats()
+    assert other and not other[0].is_alive()
+    assert_counters_add_up(stats)
+    assert stats["lookup_tokens"] > 0, stats  # the call's, whole (the snapshot is after it)
+
+
 # -- everything at once --------------------------------------------------------------------
 @pytest.mark.parametrize("budget", [512, 2048, 8192], ids=["32-pages", "128-pages", "512-pages"])
 def test_a_storm_of_callers_gets_the_bits_of_calls_made_alone(runner, alone, budget, monkeypatch):
@@ -364,7 +397,8 @@ def test_a_storm_of_callers_gets_the_bits_of_calls_made_alone(runner, alone, bud
         assert_counters_add_up(s)
     stats = pw.cache_stats()
     assert stats["hit_tokens"] + stats["computed_tokens"] == stats["lookup_tokens"], stats
-    assert stats["hit_tokens"] > 0, "no call was served from the cache: the storm shares nothing"
+    if budget >= 2048:  # at 32 pages a hit, a whole 256-token key tile of 16 pages, is rare
+        assert stats["hit_tokens"] > 0, "no call was served from the cache: the storm shares nothing"
     if budget <= 2048:
         assert stats["evicted_tokens"] + sw.cache_stats()["evicted_tokens"] > 0, "nothing was evicted"
     if budget == 512:

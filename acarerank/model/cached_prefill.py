@@ -106,19 +106,24 @@ class CacheSlot:
         One snapshot: read under the pool's lock and the slot's, so a call on another thread is
         wholly before or after each counter's read — read one by one, a call that ran between the
         read of lookup_tokens and the others' gave hit + computed > lookup (a hit rate over 1 on a
-        /metrics scrape). A call in flight has its lookups counted before its hits and computed
-        tokens, so hit + computed <= lookup in every snapshot of pointwise calls."""
-        pc = self._cache
-        # the pool's lock first, then the slot's: no method takes them in the other order
-        with pc.pool.lock if pc is not None else contextlib.nullcontext(), self._lock:
-            return {
-                "lookup_tokens": self.uncached_lookup_tokens + (pc.lookup_tokens if pc else 0),
-                "hit_tokens": pc.hit_tokens if pc else 0,
-                "computed_tokens": self.computed_tokens,
-                "evicted_tokens": pc.evicted_tokens if pc else 0,
-                "resident_tokens": pc.resident_tokens if pc else 0,
-                "budget_tokens": self.budget_blocks * self.runner.block_size,
-            }
+        /metrics scrape), and a scrape that found no cache yet read the slot's counters after the
+        first call had made it and counted its computed tokens (lookup 0). A call in flight has its
+        lookups counted before its hits and computed tokens, so hit + computed <= lookup in every
+        snapshot of pointwise calls."""
+        while True:
+            pc = self._cache
+            # the pool's lock first, then the slot's: no method takes them in the other order
+            with pc.pool.lock if pc is not None else contextlib.nullcontext(), self._lock:
+                if self._cache is not pc:  # the first call made the cache meanwhile (once: it is never unset)
+                    continue
+                return {
+                    "lookup_tokens": self.uncached_lookup_tokens + (pc.lookup_tokens if pc else 0),
+                    "hit_tokens": pc.hit_tokens if pc else 0,
+                    "computed_tokens": self.computed_tokens,
+                    "evicted_tokens": pc.evicted_tokens if pc else 0,
+                    "resident_tokens": pc.resident_tokens if pc else 0,
+                    "budget_tokens": self.budget_blocks * self.runner.block_size,
+                }
 
 
 def _aligned_match(runner, pc: PrefixCache, salt, ids: Sequence[int]) -> list:
