@@ -6,6 +6,7 @@ from their longest cached prefixes (docs/ARCHITECTURE.md, "Paged KV and the pref
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Hashable, Optional, Sequence
@@ -100,18 +101,29 @@ class CacheSlot:
             self.uncached_lookup_tokens += uncached_lookup
 
     def stats(self) -> dict:
-        """lookup / hit / computed / evicted tokens (monotonic), resident / budget tokens (gauges)."""
-        pc = self._cache
-        with self._lock:
-            computed, lookup_off = self.computed_tokens, self.uncached_lookup_tokens
-        return {
-            "lookup_tokens": lookup_off + (pc.lookup_tokens if pc else 0),
-            "hit_tokens": pc.hit_tokens if pc else 0,
-            "computed_tokens": computed,
-            "evicted_tokens": pc.evicted_tokens if pc else 0,
-            "resident_tokens": pc.resident_tokens if pc else 0,
-            "budget_tokens": self.budget_blocks * self.runner.block_size,
-        }
+        """lookup / hit / computed / evicted tokens (monotonic), resident / budget tokens (gauges).
+
+        One snapshot: read under the pool's lock and the slot's, so a call on another thread is
+        wholly before or after each counter's read — read one by one, a call that ran between the
+        read of lookup_tokens and the others' gave hit + computed > lookup (a hit rate over 1 on a
+        /metrics scrape), and a scrape that found no cache yet read the slot's counters after the
+        first call had made it and counted its computed tokens (lookup 0). A call in flight has its
+        lookups counted before its hits and computed tokens, so hit + computed <= lookup in every
+        snapshot of pointwise calls."""
+        while True:
+            pc = self._cache
+            # the pool's lock first, then the slot's: no method takes them in the other order
+            with pc.pool.lock if pc is not None else contextlib.nullcontext(), self._lock:
+                if self._cache is not pc:  # the first call made the cache meanwhile (once: it is never unset)
+                    continue
+                return {
+                    "lookup_tokens": self.uncached_lookup_tokens + (pc.lookup_tokens if pc else 0),
+                    "hit_tokens": pc.hit_tokens if pc else 0,
+                    "computed_tokens": self.computed_tokens,
+                    "evicted_tokens": pc.evicted_tokens if pc else 0,
+                    "resident_tokens": pc.resident_tokens if pc else 0,
+                    "budget_tokens": self.budget_blocks * self.runner.block_size,
+                }
 
 
 def _aligned_match(runner, pc: PrefixCache, salt, ids: Sequence[int]) -> list:
@@ -239,6 +251,7 @@ class ChunkedPrefill:
             self._complete()
 
     def _private(self) -> None:
+        """A private pool for the whole prefix, from its start; changes nothing if the pool cannot be had."""
         bs = self.runner.block_size
         self.cache = PagedKVCache(self.runner.new_pool(-(-(len(self.prefix) + self.reserve_tokens) // bs),
                                                        growable=True))
@@ -265,8 +278,13 @@ class ChunkedPrefill:
         except PoolExhausted:
             if self.pc is None:
                 raise
-            self.cache.free()  # recomputed privately: no hits (none were counted yet)
+            # the private pool first: if it cannot be had (out of memory) the step raises with the
+            # cache's pages and position as they were, and a retried step resumes from them (freed
+            # first, the retry computed the next tokens at position 0 over nothing and put those
+            # pages in the tree under the prefix's tokens)
+            cache = self.cache
             self._private()
+            cache.free()  # recomputed privately: no hits (none were counted yet)
             return self.step(max_tokens)
         self.pos += n
         if self.done:

@@ -246,13 +246,16 @@ class SetwiseReranker(RerankerBase):
             try:
                 return st.decoder.step()
             except PoolExhausted:
-                st.prefill.cache.free()
                 enc = st.encoding
-                # the prompt is computed again (counted as computed: the same lookup, not a new one)
-                st.prefill = ChunkedPrefill(self.runner, self._cache_slot, st.prefill.prefix,
-                                            reserve_tokens=self._reserve([enc.prompt], enc.max_select,
-                                                                         enc.constrained), private=True)
-                st.decoder = None
+                # the prompt is computed again (counted as computed: the same lookup, not a new one);
+                # its private pool first: if that cannot be had (out of memory) the step raises with
+                # the decoder and its pages as they were, and a retried step resumes (freed first,
+                # the retry stepped the old decoder over an empty cache: a selection of no prompt)
+                prefill = ChunkedPrefill(self.runner, self._cache_slot, st.prefill.prefix,
+                                         reserve_tokens=self._reserve([enc.prompt], enc.max_select, enc.constrained),
+                                         private=True)
+                st.prefill.cache.free()
+                st.prefill, st.decoder = prefill, None
                 return 0
 
     def finish_select(self, st: SelectState) -> Selection:
