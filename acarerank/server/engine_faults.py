@@ -170,6 +170,10 @@ class _FaultIsolation:
             jobs = list(self._inbox) + list(self._calls) + list(self._selects) + list(self._active)
         for job in jobs:
             _settle(job.future, exc=dead)
+            # dropped, as ``Engine.cancel`` drops a job from any thread: should the wedged step end
+            # by raising, the culprit search (``_bisect``) skips it rather than running the dead
+            # engine's model again for a request already answered; its pages go back in the clean-up
+            job.cancelled = True
         run_on_dead(self.on_dead, reason)
 
     def _iteration_failed(self, exc: Exception) -> None:

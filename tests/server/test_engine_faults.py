@@ -406,6 +406,44 @@ def test_a_step_past_max_pass_s_kills_the_engine_once(caplog, then):
         eng.stop()
 
 
+def test_a_step_past_max_pass_s_that_then_fails_runs_no_more_model_work(caplog):
+    """Two requests in one pass held past max_pass_s=0.3: the watchdog fails both with EngineDead.
+    When the held call then raises an ordinary Exception (a device error after the hang), the dead
+    engine runs no culprit search over requests already answered: no further pass, no 'engine pass
+    failed' line, no pass failure counted; their pages are given back. Without the watchdog marking
+    them dropped, the bisection ran both halves through the model of a dead engine and logged and
+    counted a fault for a request whose client already had its 503."""
+    gate = threading.Event()
+
+    class Held(FaultySteps):
+        def score_segments(self, items):
+            first = not self.passes
+            out = super().score_segments(items)
+            if first:
+                assert gate.wait(30)
+                raise RuntimeError("the wedged call ends in a device error")
+            return out
+
+    metrics = ServerMetrics(lambda: {})
+    steps = Held()
+    eng = Engine(steps, max_batch_tokens=100, max_pass_s=0.3, metrics=metrics)
+    jobs = [eng.submit(Enc([t], [[1]]), rid=f"r{t}") for t in (1, 2)]   # both in the first pass
+    eng.start()
+    try:
+        for job in jobs:
+            with pytest.raises(EngineDead, match="--max-pass-timeout 0.3 s"):
+                job.future.result(10)
+        gate.set()
+        eng.stop(10)
+        assert steps.passes == [[1, 2]], steps.passes   # the held pass only
+        assert metrics.engine_failures.labels("pass")._value.get() == 0
+        assert not [r for r in caplog.records if "engine pass failed" in r.getMessage()]
+        assert not steps.pinned, "the dead engine's prefixes were not released"
+    finally:
+        gate.set()
+        eng.stop()
+
+
 def test_health_reports_how_long_the_current_step_runs():
     gate = threading.Event()
 
