@@ -124,6 +124,9 @@ class _FaultIsolation:
             self.dead = reason
             self._stopping = True
             self._cv.notify()
+        stop = getattr(self, "_watchdog_stop", None)
+        if stop is not None:   # a watchdog asleep until the bound ends now, not up to max_pass_s later
+            stop.set()
         log.critical("engine dead: %s; every waiting and later request gets 503\n%s", reason, detail)
         if self.metrics is not None:
             self.metrics.engine_failures.labels("engine").inc()

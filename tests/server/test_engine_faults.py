@@ -444,6 +444,26 @@ def test_a_step_past_max_pass_s_that_then_fails_runs_no_more_model_work(caplog):
         eng.stop()
 
 
+def test_the_watchdog_ends_when_the_engine_dies_another_way():
+    """max_pass_s=600 and a pass that kills the engine at once (a BaseException, through _die): the
+    watchdog thread ends with the engine, without a stop(). It slept out the bound first (600 s
+    here, the --max-pass-timeout of a deployment), holding the dead engine, its model and pages."""
+    class Dying(FaultySteps):
+        def score_segments(self, items):
+            raise SystemExit("the engine dies")
+
+    before = set(threading.enumerate())
+    eng = Engine(Dying(), max_batch_tokens=100, max_pass_s=600)
+    eng.start()
+    watchdogs = [t for t in set(threading.enumerate()) - before if t.name == "acarerank-watchdog"]
+    assert len(watchdogs) == 1, watchdogs
+    with pytest.raises(EngineDead):
+        eng.submit(Enc([1], [[1]])).future.result(10)
+    watchdogs[0].join(10)
+    assert not watchdogs[0].is_alive(), "the watchdog outlived its dead engine"
+    eng.stop()
+
+
 def test_health_reports_how_long_the_current_step_runs():
     gate = threading.Event()
 
