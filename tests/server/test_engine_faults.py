@@ -464,6 +464,25 @@ def test_the_watchdog_ends_when_the_engine_dies_another_way():
     eng.stop()
 
 
+def test_a_max_pass_s_past_the_longest_wait_keeps_its_watchdog():
+    """max_pass_s=1e10 (--max-pass-timeout 1e10: a number > 0, accepted) keeps a watchdog that runs
+    until stop(). Its first wait of the whole bound was past threading.TIMEOUT_MAX (about 9.2e9 s on
+    Linux): an OverflowError ended the thread at once, a traceback on stderr and no bound at all."""
+    before = set(threading.enumerate())
+    eng = Engine(FaultySteps(), max_batch_tokens=100, max_pass_s=1e10)
+    eng.start()
+    try:
+        watchdogs = [t for t in set(threading.enumerate()) - before if t.name == "acarerank-watchdog"]
+        assert len(watchdogs) == 1, watchdogs
+        assert eng.submit(Enc([1], [[1]])).future.result(10).scores == [1.001]
+        watchdogs[0].join(0.3)
+        assert watchdogs[0].is_alive(), "the watchdog ended before stop()"
+    finally:
+        eng.stop()
+    watchdogs[0].join(10)
+    assert not watchdogs[0].is_alive()
+
+
 def test_health_reports_how_long_the_current_step_runs():
     gate = threading.Event()
 
