@@ -181,4 +181,5 @@ def test_a_model_too_short_for_its_warm_up_request_is_a_usage_error_line_and_exi
                           text=True, timeout=120)
     err = [x for x in proc.stderr.splitlines() if x.startswith("acarerank serve:")]
     assert proc.returncode == 2 and len(err) == 1 and err[0].startswith(
-        "acarerank serve: error: the server cannot score its own warm-up request"), (proc.returncode, proc.stderr[-3000:])
+        "acarerank serve: error: the server cannot score its own warm-up request"), \
+        (proc.returncode, proc.stderr[-3000:])
