@@ -108,14 +108,18 @@ def run(args) -> int:
 
 def _exit_failed_start(e: Exception) -> NoReturn:
     """A start that failed while a model call still runs — a warm-up step past
-    ``--max-pass-timeout`` (the engine died, its step did not return): main's runtime-error line and
-    status 1, now. Python's exit would wait for that thread for ever."""
-    from . import _one_line
+    ``--max-pass-timeout`` (the engine died, its step did not return): main's line and status for
+    ``e``, now — a runtime error and 1, or for a usage error (``ValueError``: a model too short for
+    the warm-up request, whose model thread was told to end but had not yet) 'error:' and 2. Python's
+    exit would wait for that thread for ever."""
+    from . import _one_line, _usage_errors
 
-    print(f"acarerank serve: runtime error: {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+    usage = isinstance(e, _usage_errors())
+    what = f"error: {_one_line(e)}" if usage else f"runtime error: {type(e).__name__}: {_one_line(e)}"
+    print(f"acarerank serve: {what}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(2 if usage else 1)
 
 
 def _exit_interrupted() -> NoReturn:

@@ -168,7 +168,9 @@ class Engine(_FaultIsolation):
             if busy > bound:
                 self._wedged(busy)
                 return
-            if self._watchdog_stop.wait(bound - busy + 0.01):
+            # at most an hour at a time: a wait past threading.TIMEOUT_MAX (~9.2e9 s) is an
+            # OverflowError, and a bound that large (accepted: a number > 0) ended the watchdog
+            if self._watchdog_stop.wait(min(bound - busy + 0.01, 3600.0)):
                 return
 
     def stop(self, timeout: float = 30.0) -> None:

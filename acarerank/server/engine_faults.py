@@ -124,6 +124,9 @@ class _FaultIsolation:
             self.dead = reason
             self._stopping = True
             self._cv.notify()
+        stop = getattr(self, "_watchdog_stop", None)
+        if stop is not None:   # a watchdog asleep until the bound ends now, not up to max_pass_s later
+            stop.set()
         log.critical("engine dead: %s; every waiting and later request gets 503\n%s", reason, detail)
         if self.metrics is not None:
             self.metrics.engine_failures.labels("engine").inc()
@@ -170,6 +173,10 @@ class _FaultIsolation:
             jobs = list(self._inbox) + list(self._calls) + list(self._selects) + list(self._active)
         for job in jobs:
             _settle(job.future, exc=dead)
+            # dropped, as ``Engine.cancel`` drops a job from any thread: should the wedged step end
+            # by raising, the culprit search (``_bisect``) skips it rather than running the dead
+            # engine's model again for a request already answered; its pages go back in the clean-up
+            job.cancelled = True
         run_on_dead(self.on_dead, reason)
 
     def _iteration_failed(self, exc: Exception) -> None:

@@ -406,6 +406,83 @@ def test_a_step_past_max_pass_s_kills_the_engine_once(caplog, then):
         eng.stop()
 
 
+def test_a_step_past_max_pass_s_that_then_fails_runs_no_more_model_work(caplog):
+    """Two requests in one pass held past max_pass_s=0.3: the watchdog fails both with EngineDead.
+    When the held call then raises an ordinary Exception (a device error after the hang), the dead
+    engine runs no culprit search over requests already answered: no further pass, no 'engine pass
+    failed' line, no pass failure counted; their pages are given back. Without the watchdog marking
+    them dropped, the bisection ran both halves through the model of a dead engine and logged and
+    counted a fault for a request whose client already had its 503."""
+    gate = threading.Event()
+
+    class Held(FaultySteps):
+        def score_segments(self, items):
+            first = not self.passes
+            out = super().score_segments(items)
+            if first:
+                assert gate.wait(30)
+                raise RuntimeError("the wedged call ends in a device error")
+            return out
+
+    metrics = ServerMetrics(lambda: {})
+    steps = Held()
+    eng = Engine(steps, max_batch_tokens=100, max_pass_s=0.3, metrics=metrics)
+    jobs = [eng.submit(Enc([t], [[1]]), rid=f"r{t}") for t in (1, 2)]   # both in the first pass
+    eng.start()
+    try:
+        for job in jobs:
+            with pytest.raises(EngineDead, match="--max-pass-timeout 0.3 s"):
+                job.future.result(10)
+        gate.set()
+        eng.stop(10)
+        assert steps.passes == [[1, 2]], steps.passes   # the held pass only
+        assert metrics.engine_failures.labels("pass")._value.get() == 0
+        assert not [r for r in caplog.records if "engine pass failed" in r.getMessage()]
+        assert not steps.pinned, "the dead engine's prefixes were not released"
+    finally:
+        gate.set()
+        eng.stop()
+
+
+def test_the_watchdog_ends_when_the_engine_dies_another_way():
+    """max_pass_s=600 and a pass that kills the engine at once (a BaseException, through _die): the
+    watchdog thread ends with the engine, without a stop(). It slept out the bound first (600 s
+    here, the --max-pass-timeout of a deployment), holding the dead engine, its model and pages."""
+    class Dying(FaultySteps):
+        def score_segments(self, items):
+            raise SystemExit("the engine dies")
+
+    before = set(threading.enumerate())
+    eng = Engine(Dying(), max_batch_tokens=100, max_pass_s=600)
+    eng.start()
+    watchdogs = [t for t in set(threading.enumerate()) - before if t.name == "acarerank-watchdog"]
+    assert len(watchdogs) == 1, watchdogs
+    with pytest.raises(EngineDead):
+        eng.submit(Enc([1], [[1]])).future.result(10)
+    watchdogs[0].join(10)
+    assert not watchdogs[0].is_alive(), "the watchdog outlived its dead engine"
+    eng.stop()
+
+
+def test_a_max_pass_s_past_the_longest_wait_keeps_its_watchdog():
+    """max_pass_s=1e10 (--max-pass-timeout 1e10: a number > 0, accepted) keeps a watchdog that runs
+    until stop(). Its first wait of the whole bound was past threading.TIMEOUT_MAX (about 9.2e9 s on
+    Linux): an OverflowError ended the thread at once, a traceback on stderr and no bound at all."""
+    before = set(threading.enumerate())
+    eng = Engine(FaultySteps(), max_batch_tokens=100, max_pass_s=1e10)
+    eng.start()
+    try:
+        watchdogs = [t for t in set(threading.enumerate()) - before if t.name == "acarerank-watchdog"]
+        assert len(watchdogs) == 1, watchdogs
+        assert eng.submit(Enc([1], [[1]])).future.result(10).scores == [1.001]
+        watchdogs[0].join(0.3)
+        assert watchdogs[0].is_alive(), "the watchdog ended before stop()"
+    finally:
+        eng.stop()
+    watchdogs[0].join(10)
+    assert not watchdogs[0].is_alive()
+
+
 def test_health_reports_how_long_the_current_step_runs():
     gate = threading.Event()
 

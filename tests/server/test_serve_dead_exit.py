@@ -165,3 +165,21 @@ def test_a_failed_warm_up_exits_with_its_error_line(tmp_path):
     err = [x for x in proc.stderr.splitlines() if x.startswith("acarerank serve:")]
     assert proc.returncode == 1 and err == ["acarerank serve: runtime error: EngineFault: RuntimeError: injected into "
                                             "the scoring pass"], (proc.returncode, proc.stderr[-3000:])
+
+
+def test_a_model_too_short_for_its_warm_up_request_is_a_usage_error_line_and_exit_2(tmp_path):
+    """A model of 128 positions cannot score the warm-up request: the start stops its threads and
+    raises a ValueError, main's 'error:' line and exit 2 (a usage error: serve a longer model). The
+    model thread, told to end but not yet ended when the error reached the CLI, took the wedged
+    start's hard exit instead: 'runtime error: ValueError: ...' and exit 1."""
+    from _tiny import random_qwen3
+
+    random_qwen3(seed=0, spread_yes_no=20, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=32,
+                 tie=True, max_position_embeddings=128).save_pretrained(tmp_path)
+    proc = subprocess.run([sys.executable, str(HELPER), "serve", "--model", str(tmp_path), "--dtype", "float32",
+                           "--port", str(free_port())], env=helper_env("RuntimeError"), capture_output=True,
+                          text=True, timeout=120)
+    err = [x for x in proc.stderr.splitlines() if x.startswith("acarerank serve:")]
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith(
+        "acarerank serve: error: the server cannot score its own warm-up request"), \
+        (proc.returncode, proc.stderr[-3000:])
