@@ -165,7 +165,9 @@ class Engine(_FaultIsolation):
         while self.dead is None:
             since = self._step_since
             busy = 0.0 if since is None else time.monotonic() - since
-            if busy > bound:
+            # the same step still running: one that ended while this thread was paused between its
+            # two reads above (just under the bound) is no wedge
+            if busy > bound and self._step_since == since:
                 self._wedged(busy)
                 return
             # at most an hour at a time: a wait past threading.TIMEOUT_MAX (~9.2e9 s) is an

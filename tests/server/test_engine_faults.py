@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -481,6 +482,28 @@ def test_a_max_pass_s_past_the_longest_wait_keeps_its_watchdog():
         eng.stop()
     watchdogs[0].join(10)
     assert not watchdogs[0].is_alive()
+
+
+def test_a_step_that_ends_while_the_watchdog_reads_the_clock_is_no_wedge(monkeypatch):
+    """The step ends between the watchdog's read of its start and its read of the clock (a thread
+    paused there, the step just under the bound): the clock says past the bound, yet no step runs.
+    The watchdog declared that engine dead."""
+    import acarerank.server.engine as engine_mod
+
+    eng = Engine(FaultySteps(), max_batch_tokens=100, max_pass_s=1.0)
+    start = time.monotonic()
+    eng._step_since = start
+
+    class Clock:
+        @staticmethod
+        def monotonic():
+            eng._step_since = None   # the step ends here, before the clock is read
+            return start + 5.0
+
+    monkeypatch.setattr(engine_mod, "time", Clock)
+    eng._watchdog_stop.set()        # its next wait returns at once: _watch ends after one look
+    eng._watch()
+    assert eng.dead is None, eng.dead
 
 
 def test_health_reports_how_long_the_current_step_runs():
