@@ -25,6 +25,9 @@
 // A decode-like row block (a few rows, direct_rows_limit()) whose keys nobody packed is not packed
 // at all: attn_direct_avx512.h reads its K/V rows where they lie — unless the call passes
 // tiles_only (batch-invariant mode: that path rounds otherwise, docs/cpu.md "Decode-like blocks").
+// Its prefix, when longer than direct_chunk_keys(), runs in chunks, one online softmax each,
+// merged after (3.) — flash-decoding's split-K, so one long decode group keeps every thread busy
+// on whole slot rows.
 //
 // Balance: tasks are dealt to threads longest first (LPT) by their cost rows × (P_g + own keys),
 // then one at::parallel_for runs each thread's list; brgemm_release() ends each thread's chunk
