@@ -25,6 +25,9 @@
 // A decode-like row block (a few rows, direct_rows_limit()) whose keys nobody packed is not packed
 // at all: attn_direct_avx512.h reads its K/V rows where they lie — unless the call passes
 // tiles_only (batch-invariant mode: that path rounds otherwise, docs/cpu.md "Decode-like blocks").
+// Its prefix, when longer than direct_chunk_keys(), runs in chunks, one online softmax each,
+// merged after (3.) — flash-decoding's split-K, so one long decode group keeps every thread busy
+// on whole slot rows.
 //
 // Balance: tasks are dealt to threads longest first (LPT) by their cost rows × (P_g + own keys),
 // then one at::parallel_for runs each thread's list; brgemm_release() ends each thread's chunk
@@ -33,6 +36,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cstring>
 #include <numeric>
 #include <optional>
@@ -74,6 +79,10 @@ struct Task {
   double cost;
   int64_t nh = 1;       // kv heads h .. h + nh (more than one on the direct path only)
   bool direct = false;  // decode-like: K/V read where they lie (attn_direct_avx512.h)
+  // direct path: prefix keys [k0, k1) of this task, and chunk (its partial's index in the group,
+  // -1: the group is one chunk, written out by its task). The group's last chunk also reads the
+  // segments' own keys.
+  int64_t k0 = 0, k1 = 0, chunk = -1;
 };
 
 template <typename T>
@@ -83,11 +92,32 @@ std::vector<int64_t> to_host(const at::Tensor& t) {
   return std::vector<int64_t>(p, p + c.numel());
 }
 
+// Keys per chunk of each group's prefix on the direct path (P, or more: one chunk): the prefix in
+// ceil(P / chunk_keys) equal chunks, rounded up to whole kDirectKeys steps where longer than one
+// (5,291 keys in 1,024-key chunks: 5 of 896 and one of 811). chunk_keys 0: one chunk.
+std::vector<int64_t> direct_chunk_lens(const Meta& mt, int64_t chunk_keys) {
+  const int64_t G = static_cast<int64_t>(mt.cp.size()) - 1;
+  std::vector<int64_t> lens(G);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t P = mt.cp[g + 1] - mt.cp[g];
+    if (chunk_keys <= 0 || P <= chunk_keys) {
+      lens[g] = std::max<int64_t>(P, 1);
+      continue;
+    }
+    const int64_t nc = (P + chunk_keys - 1) / chunk_keys;
+    const int64_t even = (P + nc - 1) / nc;
+    lens[g] = even > kDirectKeys ? (even + kDirectKeys - 1) / kDirectKeys * kDirectKeys : even;
+  }
+  return lens;
+}
+
 // Row blocks of every group: consecutive tokens of its segments, up to ROWS / r tokens each; a task
 // per (row block, kv head). A group of one row block of at most direct_rows rows (decode-like) is
-// direct instead, in tasks of several kv heads each: as many heads as leave ~4 tasks per thread
-// over all such groups, and at most ROWS rows (the task's scratch).
-std::vector<Task> make_tasks(const Meta& mt, int64_t direct_rows, int64_t nthreads) {
+// direct instead: its prefix in chunks of about chunk_keys keys (one chunk: chunk_keys 0, or P up
+// to chunk_keys), each chunk in tasks of several kv heads: as many heads (a divisor of Hkv) as
+// leave ~4 tasks per thread over all such chunks, and at most ROWS rows (the task's scratch). The
+// chunks depend on P and chunk_keys only, so a row's bits do not depend on the thread count.
+std::vector<Task> make_tasks(const Meta& mt, int64_t direct_rows, int64_t chunk_keys, int64_t nthreads) {
   const int64_t S = static_cast<int64_t>(mt.sg.size());
   const int64_t G = static_cast<int64_t>(mt.cp.size()) - 1;
   std::vector<std::vector<int64_t>> segs(G);
@@ -117,22 +147,36 @@ std::vector<Task> make_tasks(const Meta& mt, int64_t direct_rows, int64_t nthrea
     if (cur.M) blocks.push_back(std::move(cur));
   }
   auto is_direct = [&](const std::vector<Task>& b) { return b.size() == 1 && b[0].M <= direct_rows; };
-  const int64_t direct_groups = std::count_if(group_blocks.begin(), group_blocks.end(), is_direct);
-  const int64_t heads_per_task =
-      std::clamp<int64_t>(mt.Hkv * direct_groups / std::max<int64_t>(1, 4 * nthreads), 1, mt.Hkv);
+  const std::vector<int64_t> lens = direct_chunk_lens(mt, chunk_keys);
+  auto chunks = [&](int64_t g) {
+    const int64_t P = mt.cp[g + 1] - mt.cp[g];
+    return P > lens[g] ? (P + lens[g] - 1) / lens[g] : int64_t{1};
+  };
+  int64_t direct_chunks = 0;
+  for (int64_t g = 0; g < G; ++g)
+    if (is_direct(group_blocks[g])) direct_chunks += chunks(g);
+  int64_t heads_per_task =
+      std::clamp<int64_t>(mt.Hkv * direct_chunks / std::max<int64_t>(1, 4 * nthreads), 1, mt.Hkv);
+  while (mt.Hkv % heads_per_task != 0) --heads_per_task;  // equal tasks: 6 + 2 heads balanced worse than 4 + 4
   std::vector<Task> tasks;
   for (int64_t g = 0; g < G; ++g) {
     const std::vector<Task>& blocks = group_blocks[g];
     if (is_direct(blocks)) {
       const int64_t nh = std::min(heads_per_task, std::max<int64_t>(1, ROWS / blocks[0].M));
-      for (int64_t h = 0; h < mt.Hkv; h += nh) {
-        Task tk = blocks[0];
-        tk.h = h;
-        tk.nh = std::min(nh, mt.Hkv - h);
-        tk.cost *= static_cast<double>(tk.nh);
-        tk.direct = true;
-        tasks.push_back(std::move(tk));
-      }
+      const int64_t P = mt.cp[g + 1] - mt.cp[g], nc = chunks(g), len = lens[g];
+      const double own = blocks[0].cost / static_cast<double>(blocks[0].M) - static_cast<double>(P);  // own keys per row
+      for (int64_t c = 0; c < nc; ++c)
+        for (int64_t h = 0; h < mt.Hkv; h += nh) {
+          Task tk = blocks[0];
+          tk.h = h;
+          tk.nh = std::min(nh, mt.Hkv - h);
+          tk.k0 = c * len;
+          tk.k1 = std::min(P, (c + 1) * len);
+          tk.chunk = nc == 1 ? -1 : c;
+          tk.cost = static_cast<double>(tk.M * tk.nh) * (static_cast<double>(tk.k1 - tk.k0) + (c + 1 == nc ? own : 0.0));
+          tk.direct = true;
+          tasks.push_back(std::move(tk));
+        }
       continue;
     }
     for (int64_t h = 0; h < mt.Hkv; ++h)
@@ -182,6 +226,25 @@ struct PrefixRows {
 // up to 16 rows; bf16 (q·K as vdpbf16ps pairs) 1.6-2x up to 8 rows, 1.3-1.8x at 16 with many
 // groups and equal with one (docs/cpu.md). ACARERANK_CPU_DIRECT_ROWS=0..16 sets the limit (0:
 // never; the tests run both paths so), read once; a call's tiles_only makes it 0 for that call.
+// Keys per chunk of a long prefix on the direct path (direct_chunk_lens): the chunks of a group run
+// as separate tasks, each its own online softmax, merged after (flash-decoding's split-K): a decode
+// step of one group over 5,291 keys is otherwise Hkv tasks of one kv head, each reading d of every
+// slot row (a new 4 KB page every key in fp32, docs/cpu.md "Decode-like blocks").
+// ACARERANK_CPU_DIRECT_CHUNK=0 (never split) or a key count sets it, read once (the tests split
+// short prefixes so).
+constexpr int64_t kDirectChunk = 1024;
+int64_t direct_chunk_keys() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("ACARERANK_CPU_DIRECT_CHUNK");
+    if (e == nullptr || *e == '\0') return kDirectChunk;
+    char* end = nullptr;
+    const long long x = std::strtoll(e, &end, 10);
+    TORCH_CHECK(*end == '\0' && x >= 0, "ACARERANK_CPU_DIRECT_CHUNK must be an integer >= 0, got '", e, "'");
+    return static_cast<int64_t>(x);
+  }();
+  return v;
+}
+
 template <typename s_t, typename c_t>
 int64_t direct_rows_limit() {
   if constexpr (std::is_same_v<s_t, c_t> && (std::is_same_v<s_t, float> || std::is_same_v<s_t, at::BFloat16>)) {
@@ -218,8 +281,10 @@ void run_direct_rows(const Task& tk, const Meta& mt, int64_t P, float scale, con
       qf = Q;
     else if (d != 128 && d != 64)  // else direct_keys dots the bf16 rows as they are
       for (int64_t i = 0; i < nh * M; ++i) row_f32(Q + i * d, d, Qf + i * d);
-    direct_keys<s_t>(qf, Q, nh, M, M, pk_stride, pv_stride, d, scale, P, pk, pv, [P](int64_t) { return P; }, m, l, acc,
-                     S);
+    const int64_t n = tk.k1 - tk.k0;  // the task's prefix keys (all of them unless split)
+    direct_keys<s_t>(qf, Q, nh, M, M, pk_stride, pv_stride, d, scale, n, [&](int64_t j) { return pk(tk.k0 + j); },
+                     [&](int64_t j) { return pv(tk.k0 + j); }, [n](int64_t) { return n; }, m, l, acc, S);
+    if (tk.k1 != P) return;  // the own keys: the last chunk's
     for (const Piece& pc : tk.pieces) {
       const int64_t a = mt.cs[pc.seg];
       direct_keys<s_t>(qf + pc.m0 * d, Q + pc.m0 * d, nh, M, (pc.t1 - pc.t0) * r, ok_stride, ov_stride, d, scale, pc.t1 - a,
@@ -259,9 +324,17 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // tiles_only: no direct path, whatever a group's rows — its bits differ from the tile path's, so
   // a row's output would depend on how many rows its group has in this call (docs/cpu.md)
   const int64_t direct_rows = tiles_only ? 0 : direct_rows_limit<s_t, c_t>();
-  const std::vector<Task> tasks = make_tasks(mt, direct_rows, at::get_num_threads());
+  const int64_t chunk_keys = direct_chunk_keys();
+  const std::vector<Task> tasks = make_tasks(mt, direct_rows, chunk_keys, at::get_num_threads());
   std::vector<int64_t> blocks(G, 0);  // row blocks of group g (per kv head)
-  for (const Task& tk : tasks) blocks[tk.g] += tk.h == 0;
+  for (const Task& tk : tasks) blocks[tk.g] += tk.h == 0 && tk.chunk <= 0;
+  // partial (m, l, acc) of every row of a direct group's chunks (a group of more than one): group
+  // g's rows from part0[g], chunk-major, then kv head, then the group's M rows
+  std::vector<int64_t> part0(G + 1, 0), nchunk(G, 0), gM(G, 0), gtask(G, 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i)
+    if (tasks[i].chunk >= 0 && tasks[i].h == 0) ++nchunk[tasks[i].g], gM[tasks[i].g] = tasks[i].M, gtask[tasks[i].g] = i;
+  for (int64_t g = 0; g < G; ++g) part0[g + 1] = part0[g] + nchunk[g] * Hkv * gM[g];
+  std::vector<float> part_m(part0[G]), part_l(part0[G]), part_acc(part0[G] * d);
   std::vector<int64_t> tile0(G + 1, 0);  // group g's first tile in the buffer (none: tile0[g+1] == tile0[g])
   for (int64_t g = 0; g < G; ++g)
     tile0[g + 1] = tile0[g] + (shared && blocks[g] > 1 ? (mt.cp[g + 1] - mt.cp[g] + KT - 1) / KT : 0);
@@ -316,6 +389,40 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       }
     });
   }
+
+  // -- 3. (in 2., by the group's last chunk task to finish: no second parallel region, which on a
+  // busy machine waits for another time slice of every thread) the chunks of a split group merged,
+  // per row (flash-decoding's merge of online softmaxes):
+  //   m = max_c m_c;  w_c = exp(scale·(m_c − m));  out = Σ_c w_c·acc_c / Σ_c w_c·l_c
+  // A chunk whose scores were all −inf has w_c = 0 and adds nothing; a NaN in any chunk's l or
+  // acc makes the row NaN, as in one softmax over all the keys (docs/cpu.md "Decode-like blocks").
+  std::unique_ptr<std::atomic<int64_t>[]> chunks_left(new std::atomic<int64_t>[G]);
+  for (int64_t g = 0; g < G; ++g) chunks_left[g].store(0, std::memory_order_relaxed);
+  for (const Task& tk : tasks)
+    if (tk.chunk >= 0) chunks_left[tk.g].fetch_add(1, std::memory_order_relaxed);
+  auto merge_group = [&](int64_t g, float* o) {
+    const int64_t M = gM[g], nc = nchunk[g];
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (const Piece& pc : tasks[gtask[g]].pieces)  // the group's row block: its rows' tokens
+        for (int64_t t = pc.t0; t < pc.t1; ++t)
+          for (int64_t i = 0; i < r; ++i) {
+            const int64_t row = pc.m0 + (t - pc.t0) * r + i;
+            auto at = [&](int64_t c) { return part0[g] + (c * Hkv + h) * M + row; };
+            float mx = -std::numeric_limits<float>::infinity();
+            for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, part_m[at(c)]);
+            // every score −inf: no offset, every w_c 0 (the row's 0/0 = NaN, as unsplit)
+            const float base = mx == -std::numeric_limits<float>::infinity() ? 0.f : mx;
+            float lsum = 0.f;
+            std::fill(o, o + d, 0.f);
+            for (int64_t c = 0; c < nc; ++c) {
+              const float w = std::exp(scale * (part_m[at(c)] - base));
+              lsum += w * part_l[at(c)];
+              const float* a = part_acc.data() + at(c) * d;
+              for (int64_t x = 0; x < d; ++x) o[x] += w * a[x];
+            }
+            scale_row_out<s_t>(o, 1.f / lsum, d, op + t * os0 + (h * r + i) * os1);
+          }
+  };
 
   // -- 2. row tasks
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
@@ -379,7 +486,15 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
                                     [&](int64_t j) { return pv(g, j, h); }, pk.st_head, pv.st_head,
                                     [&](int64_t j) { return kp + j * ks0 + h * ks1; },
                                     [&](int64_t j) { return vp + j * vs0 + h * vs1; }, ks1, vs1);
-          write_out();
+          if (tk.chunk < 0) {
+            write_out();
+          } else {  // a chunk: its rows' (m, l, acc) for the merge (3.)
+            const int64_t p0 = part0[g] + (tk.chunk * Hkv + h) * M;
+            std::copy(m.begin(), m.begin() + nh * M, part_m.begin() + p0);
+            std::copy(l.begin(), l.begin() + nh * M, part_l.begin() + p0);
+            std::copy(acc.begin(), acc.begin() + nh * M * d, part_acc.begin() + p0 * d);
+            if (chunks_left[g].fetch_sub(1, std::memory_order_acq_rel) == 1) merge_group(g, acc.data());
+          }
           continue;
         }
 

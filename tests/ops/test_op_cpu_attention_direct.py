@@ -95,9 +95,11 @@ print(json.dumps({"rows": rows, "fp32": fp32, "decode": decode, "decode_rule": d
 
 
 
-def _run(limit: str) -> subprocess.CompletedProcess:
+def _run(limit: str, chunk: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, ACARERANK_CPU_DIRECT_ROWS=limit)
-    for name in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH"):
+    if chunk is not None:
+        env["ACARERANK_CPU_DIRECT_CHUNK"] = chunk
+    for name in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH") + (() if chunk else ("ACARERANK_CPU_DIRECT_CHUNK",)):
         env.pop(name, None)
     tests = os.path.join(ROOT, "tests")
     return subprocess.run([sys.executable, "-c", _CHILD, tests, os.path.join(tests, "ops")], env=env,
@@ -258,3 +260,75 @@ def test_nan_in_a_long_prefix_group_reaches_only_its_rows(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = (out[~want] - ref[~want]).abs().max().item()
     assert err <= tol, f"{dtype}: rows without a NaN off by {err:.3e} > {tol}"
+
+
+@pytest.fixture(scope="module")
+def split_runs():
+    """{chunk: the child's JSON} on the direct path with ACARERANK_CPU_DIRECT_CHUNK = 0 (one chunk
+    per group: unsplit), 7 (prefixes of 8+ keys split into chunks of 7 or fewer: chunk edges off
+    the 64-key steps and the pages) and 100 (chunks of whole 64-key steps, the last one shorter)."""
+    out = {}
+    for chunk in ("0", "7", "100"):
+        done = _run("16", chunk)
+        assert done.returncode == 0, f"ACARERANK_CPU_DIRECT_CHUNK={chunk}: " + done.stderr[-3000:]
+        out[chunk] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.parametrize("chunk", ["0", "7", "100"])
+def test_split_prefixes_within_the_rules(split_runs, chunk):
+    """Every decode batch (1-2,100-key prefixes, a 1-key one, GQA 1/2/4/8, d 64/72/128, page edges)
+    with its prefixes split into chunks merged after (flash-decoding's split-K) against the fp32
+    oracle: fp32 within 1e-5, bf16 within flash-attn's rule."""
+    bad = [f"{name}: {err:.3e} > {bound:.3e}" for name, err, bound in split_runs[chunk]["decode_rule"]
+           if not err <= bound]
+    assert not bad, f"ACARERANK_CPU_DIRECT_CHUNK={chunk}: " + "; ".join(bad)
+
+
+def test_a_split_changes_the_order_only(split_runs):
+    """Split (7 keys a chunk) and unsplit outputs of the same decode batch are within the direct
+    path's rounding of each other (fp32 1e-5, bf16 2e-2), and not bitwise equal where the direct
+    path runs: the variable is read and the chunks merged."""
+    for dtype, tol in (("torch.float32", 1e-5), ("torch.bfloat16", 2e-2)):
+        a, b = torch.tensor(split_runs["0"]["decode"][dtype]), torch.tensor(split_runs["7"]["decode"][dtype])
+        assert (a - b).abs().max().item() <= tol, f"{dtype}: split differs from unsplit by more than {tol}"
+        if _AVX512_BF16 <= cpu_flags():
+            assert not torch.equal(a, b), f"{dtype}: ACARERANK_CPU_DIRECT_CHUNK=7 gave the unsplit bits"
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_a_bad_chunk_is_an_error_naming_the_variable(value):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the direct path and its chunks exist on x86-64 only")
+    code = ("import torch\nfrom acarerank.ops import prefix_shared_attention\n"
+            "q = torch.randn(1, 2, 8); k = torch.randn(1, 1, 8)\n"
+            "try:\n    prefix_shared_attention(q, k, k, torch.tensor([0, 1], dtype=torch.int32), k, k,"
+            " torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), backend='native')\n"
+            "except RuntimeError as e:\n    print('ERR', e)")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ACARERANK_CPU_DIRECT_CHUNK=value),
+                          capture_output=True, text=True, timeout=300)
+    want = "ERR ACARERANK_CPU_DIRECT_CHUNK must be an integer >= 0"
+    assert want in done.stdout and f"'{value}'" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_of_only_minus_inf_scores_adds_nothing(dtype):
+    """One group over 2,100 keys (three chunks at the default 1,024: 704 + 704 + 692) whose middle
+    chunk's keys all score −inf for every row: that chunk's weight is 0 in the merge — the output
+    is the tile path's over the same keys (which gives them weight 0 too), finite, no NaN from
+    exp(−inf − m)."""
+    from test_op_cpu_attention_native import make
+
+    from acarerank.ops import prefix_shared_attention_paged
+
+    paged, _ = make([1], [2100], [0], 16, 8, 128, 16, dtype=dtype, seed=4)
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    q[..., 0] = q[..., 0].abs() + 0.5                         # every row's q[0] > 0 ...
+    for key in range(704, 1408):                              # ... and k[0] = −inf: score −inf
+        kc[int(bt[0, key // 16]), key % 16, :, 0] = float("-inf")
+    out = prefix_shared_attention_paged(*paged, backend="native").float()
+    tiles = prefix_shared_attention_paged(*paged, backend="native", tiles_only=True).float()
+    assert not torch.isnan(out).any(), f"{dtype}: NaN in {torch.isnan(out).sum().item()} outputs"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (out - tiles).abs().max().item()
+    assert err <= tol, f"{dtype}: off the tile path's output by {err:.3e} > {tol}"
