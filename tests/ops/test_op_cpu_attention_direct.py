@@ -196,14 +196,20 @@ def test_a_bad_limit_is_an_error_naming_the_variable(value):
     take the direct path: a setting that is wrong here is wrong on the next machine too."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the direct path and its limit exist on x86-64 only")
+    _assert_one_call_refuses("ACARERANK_CPU_DIRECT_ROWS", value, "must be an integer in [0, 16]")
+
+
+def _assert_one_call_refuses(variable: str, value: str, says: str) -> None:
+    """One tiny native attention call in a child process with ``variable=value`` set: the kernel
+    refuses it with a RuntimeError naming the variable, ``says`` and the value."""
     code = ("import torch\nfrom acarerank.ops import prefix_shared_attention\n"
             "q = torch.randn(1, 2, 8); k = torch.randn(1, 1, 8)\n"
             "try:\n    prefix_shared_attention(q, k, k, torch.tensor([0, 1], dtype=torch.int32), k, k,"
             " torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), backend='native')\n"
             "except RuntimeError as e:\n    print('ERR', e)")
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ACARERANK_CPU_DIRECT_ROWS=value),
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{variable: value}),
                           capture_output=True, text=True, timeout=300)
-    want = "ERR ACARERANK_CPU_DIRECT_ROWS must be an integer in [0, 16]"
+    want = f"ERR {variable} {says}"
     assert want in done.stdout and f"'{value}'" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
@@ -300,15 +306,7 @@ def test_a_split_changes_the_order_only(split_runs):
 def test_a_bad_chunk_is_an_error_naming_the_variable(value):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the direct path and its chunks exist on x86-64 only")
-    code = ("import torch\nfrom acarerank.ops import prefix_shared_attention\n"
-            "q = torch.randn(1, 2, 8); k = torch.randn(1, 1, 8)\n"
-            "try:\n    prefix_shared_attention(q, k, k, torch.tensor([0, 1], dtype=torch.int32), k, k,"
-            " torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), backend='native')\n"
-            "except RuntimeError as e:\n    print('ERR', e)")
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ACARERANK_CPU_DIRECT_CHUNK=value),
-                          capture_output=True, text=True, timeout=300)
-    want = "ERR ACARERANK_CPU_DIRECT_CHUNK must be an integer >= 0"
-    assert want in done.stdout and f"'{value}'" in done.stdout, done.stdout + done.stderr[-2000:]
+    _assert_one_call_refuses("ACARERANK_CPU_DIRECT_CHUNK", value, "must be an integer >= 0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
