@@ -110,6 +110,7 @@ class Engine(_FaultIsolation):
         max_pass_s = check_seconds("max_pass_s", max_pass_s, none=True)
         self.max_pass_s = None if max_pass_s == math.inf else max_pass_s
         self._watchdog_stop = threading.Event()
+        self._wedged_s: Optional[float] = None   # set by _wedged: the step it timed never ended
         self._loop_thread: Optional[threading.Thread] = None   # the thread running _run (the watchdog's stack dump)
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -181,11 +182,14 @@ class Engine(_FaultIsolation):
             self._stopping = True
             self._cv.notify()
         self._watchdog_stop.set()   # the stop's own bounded wait, not a wedge, ends a step that outlives it
+        # a step the watchdog found wedged does not end: waiting for it took the whole timeout for
+        # nothing (a failed warm-up's start waited 30 s before it could say so)
+        wait = 0.0 if self._wedged_s is not None else timeout
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(wait)
             self._thread = None
         if self._loop is not None:
-            concurrent.futures.wait([self._loop], timeout)
+            concurrent.futures.wait([self._loop], wait)
             self._loop = None
 
     def threads(self) -> list:

@@ -168,6 +168,7 @@ class _FaultIsolation:
         stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(no stack)"
         if not self._declare_dead(reason, f"stack of the model thread ({thread.name if thread else '?'}):\n{stack}"):
             return
+        self._wedged_s = busy   # Engine.stop does not wait for this step
         dead = EngineDead(reason)
         with self._cv:   # copies, each in one step under the GIL (as ``depth``): the scheduler owns the lists
             jobs = list(self._inbox) + list(self._calls) + list(self._selects) + list(self._active)

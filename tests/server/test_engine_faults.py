@@ -359,6 +359,14 @@ def test_every_on_dead_callback_runs_and_a_base_exception_is_raised_after_the_la
     svc.stop()
 
 
+def _wait_for_scheduler_end(eng, timeout: float = 10.0) -> None:
+    """Until the engine's scheduler thread has ended (its held step returned, its clean-up done)."""
+    deadline = time.monotonic() + timeout
+    while eng.threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not eng.threads(), "the scheduler thread did not end after its step returned"
+
+
 @pytest.mark.parametrize("then", ["returns", "raises"])
 def test_a_step_past_max_pass_s_kills_the_engine_once(caplog, then):
     """max_pass_s=0.3 (--max-pass-timeout) and a pass held past it: the watchdog makes the engine
@@ -396,7 +404,8 @@ def test_a_step_past_max_pass_s_kills_the_engine_once(caplog, then):
             eng.submit(Enc([3], [[3]]))
         reason = eng.dead
         gate.set()
-        eng.stop(10)
+        eng.stop(10)   # returns at once after a wedge (Engine.stop): wait for the step's own end
+        _wait_for_scheduler_end(eng)
         assert eng.dead == reason and calls == [reason], (eng.dead, calls)
         assert metrics.engine_failures.labels("engine")._value.get() == 1
         dead_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine dead:")]
@@ -435,7 +444,8 @@ def test_a_step_past_max_pass_s_that_then_fails_runs_no_more_model_work(caplog):
             with pytest.raises(EngineDead, match="--max-pass-timeout 0.3 s"):
                 job.future.result(10)
         gate.set()
-        eng.stop(10)
+        eng.stop(10)   # returns at once after a wedge (Engine.stop): wait for the step's own end
+        _wait_for_scheduler_end(eng)
         assert steps.passes == [[1, 2]], steps.passes   # the held pass only
         assert metrics.engine_failures.labels("pass")._value.get() == 0
         assert not [r for r in caplog.records if "engine pass failed" in r.getMessage()]

@@ -141,7 +141,7 @@ def test_a_step_past_max_pass_timeout_answers_503_then_the_process_exits_nonzero
 
 def test_a_wedged_warm_up_exits_with_its_error_line(tmp_path):
     """The warm-up pass never returns and --max-pass-timeout ends it: one runtime-error line naming
-    the flag and exit 1, within a bounded time. The start failed, but Python's exit waited for the
+    the flag and exit 1, within seconds. The start failed, but Python's exit waited for the
     model thread still in that pass: the process printed nothing and hung (until killed)."""
     tiny_model().save_pretrained(tmp_path)
     t0 = time.monotonic()
@@ -151,7 +151,8 @@ def test_a_wedged_warm_up_exits_with_its_error_line(tmp_path):
     err = [x for x in proc.stderr.splitlines() if x.startswith("acarerank serve:")]
     assert proc.returncode == 1 and len(err) == 1 and err[0].startswith("acarerank serve: runtime error: ") \
         and "--max-pass-timeout" in err[0], (proc.returncode, proc.stderr[-3000:])
-    assert time.monotonic() - t0 < 120
+    # the start's stop does not wait for the wedged step (it took its whole 30 s timeout first)
+    assert time.monotonic() - t0 < 25, time.monotonic() - t0
 
 
 def test_a_failed_warm_up_exits_with_its_error_line(tmp_path):
