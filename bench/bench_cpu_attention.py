@@ -23,6 +23,12 @@ batched decode sends it. That is a GEMV per row, bound by reading K/V: the figur
 prefix K/V read (G·P·Hkv·d·2·bytes per call) and % of a streaming read measured in the same run
 (``stream``: a sum over 256 MB of fp32), where the prefill table gives % of the GEMM peak. flex
 is not run there (one compiled block mask per batch shape is not what a decode step can afford).
+A decode step reads every layer's K/V, far more than the L3 holds, so each timed call runs over
+several layers' caches (different seeds; as many as make ``--kv-mb``, 256 MB by default, at most
+28, the 0.6B model's layer count) and the ms are per layer: one cache reused would be timed from
+the L3. ``--prefixes`` replaces the modes' prefix lengths (a long agent context: 5,291 keys is
+setwise's pool-20 prompt); prefixes over 1,024 keys are where the kernel splits the keys
+(``ACARERANK_CPU_DIRECT_CHUNK``; 0 runs them unsplit, for an A/B in two processes).
 
 Check: every provider's output against the fp32 oracle (--quick) or the torch backend's (full
 shapes), max |diff| ≤ 2e-4 fp32 / 4e-2 bf16; a mismatch is printed and the exit status is 1.
@@ -35,12 +41,14 @@ torch and the date.
     python bench/bench_cpu_attention.py                         # the full table (slow on 2 cores)
     python bench/bench_cpu_attention.py --models 0.6b --modes M3 --depths 20 --dtypes float32 bfloat16
     python bench/bench_cpu_attention.py --workload decode --groups 1 16 --modes M3 --dtypes float32 bfloat16
+    python bench/bench_cpu_attention.py --workload decode --groups 1 --prefixes 2048 5291 11684 --providers native
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import datetime
+import math
 import platform
 import statistics
 import sys
@@ -237,10 +245,18 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=["prefill", "decode"], default="prefill",
                     help="prefill: one group, depth segments; decode: --groups groups of one token each")
     ap.add_argument("--groups", nargs="+", type=int, default=[1, 16], help="decode: groups per call")
+    ap.add_argument("--prefixes", nargs="+", type=int, default=None,
+                    help="decode: these prefix lengths instead of the modes' (80 and 1,600)")
+    ap.add_argument("--kv-mb", type=float, default=256.0,
+                    help="decode: each call runs over enough layers' caches to read this much K/V (≤ 28 layers)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--csv", default=None, help="write the rows here too")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (Hq 4 / Hkv 2, d 64, prefix 40, depth 3), one round")
     a = ap.parse_args(argv)
+    if a.prefixes is not None and (a.workload != "decode" or min(a.prefixes) < 1):
+        ap.error("--prefixes: positive prefix lengths, with --workload decode only")
+    if not a.kv_mb > 0:
+        ap.error(f"--kv-mb must be > 0, got {a.kv_mb}")
 
     info = cpu_info()
     from acarerank.ops import _native
@@ -256,6 +272,8 @@ def main(argv=None) -> int:
         a.providers.remove("native")
     models = {"quick": (4, 2, 64)} if a.quick else {m: MODELS[m] for m in a.models}
     modes = {"quick": 40} if a.quick else {m: MODES[m] for m in a.modes}
+    if a.prefixes and not a.quick:
+        modes = {f"P{P}": P for P in a.prefixes}
     depths = [3] if a.quick else a.depths
     rounds = 1 if a.quick else a.rounds
     if a.workload == "decode":
@@ -304,33 +322,59 @@ def run_decode(a, info, models, modes, rounds):
         for model, (Hq, Hkv, d) in models.items():
             for mode, P in modes.items():
                 for G in groups:
-                    args, kv_bytes = make_decode_case(Hq, Hkv, d, P, G, dtype)
+                    layers = decode_layers(a, make_decode_case(Hq, Hkv, d, P, G, dtype)[1])
+                    cases = [make_decode_case(Hq, Hkv, d, P, G, dtype, seed=i) for i in range(layers)]
+                    args, kv_bytes = cases[0]
                     variants = {"stream": stream_fn}
                     for p in a.providers:
                         if p in ("native", "torch"):
-                            variants[p] = provider_ours(args, p)
+                            variants[p] = every_layer([provider_ours(c, p) for c, _ in cases])
                         elif p == "sdpa":
-                            variants[p] = provider_sdpa_decode(args)
+                            variants[p] = every_layer([provider_sdpa_decode(c) for c, _ in cases])
                     times, outs = interleaved(variants, rounds)
                     label = f"decode {dt_name} {model} {mode} groups {G}"
                     failed |= check_outputs(a, outs, args, dtype, label)
                     bw = stream_bytes / statistics.median(times["stream"])
                     print(f"\n{dt_name} {model} (Hq {Hq}/Hkv {Hkv}, d {d}) decode {mode} prefix {P} groups {G} "
-                          f"({kv_bytes / 1e6:.1f} MB of K/V)  streaming read {bw / 1e9:.1f} GB/s")
+                          f"({kv_bytes / 1e6:.1f} MB of K/V a layer, {layers} layers a call)  "
+                          f"streaming read {bw / 1e9:.1f} GB/s")
                     for p in a.providers:
                         if p not in times:
                             print(f"  {p:7s} not run: {'no decode case' if p == 'flex' else 'unavailable'}")
                             continue
-                        med = statistics.median(times[p])
+                        med = statistics.median(times[p]) / layers
                         gbs = kv_bytes / med
                         print(f"  {p:7s} {med * 1e3:10.2f} ms  {gbs / 1e9:7.2f} GB/s  {100 * gbs / bw:5.1f} % of streaming read")
                         # rates in 4 significant digits, not fixed decimals: --quick's tiny K/V on a busy machine
                         # rounded to 0.000 GB/s
                         rows.append(dict(_machine(info), dtype=dt_name, model=model, mode=mode, prefix=P, groups=G,
-                                         kv_mb=_sig(kv_bytes / 1e6), provider=p, ms=round(med * 1e3, 3),
+                                         kv_mb=_sig(kv_bytes / 1e6), layers=layers, provider=p, ms=round(med * 1e3, 3),
                                          gb_per_s=_sig(gbs / 1e9), pct_stream=_sig(100 * gbs / bw),
                                          stream_gb_per_s=_sig(bw / 1e9)))
     return rows, failed
+
+
+MAX_LAYERS = 28   # Qwen3-0.6B's: a decode step never reads more layers' K/V than the model has
+
+
+def decode_layers(a, kv_bytes: int) -> int:
+    """How many layers' caches one timed decode call runs over: enough that their K/V together is at
+    least ``--kv-mb`` (so the L3 cannot hold them, as it cannot hold a real decode step's), at most
+    MAX_LAYERS; 2 with --quick (the cycling runs, in no time)."""
+    if a.quick:
+        return 2
+    return max(1, min(MAX_LAYERS, math.ceil(a.kv_mb * 1e6 / kv_bytes)))
+
+
+def every_layer(calls: list):
+    """One call that runs each layer's call in turn (a decode step's attention over every layer);
+    it returns the first layer's output, the one the check compares."""
+    def call():
+        first = calls[0]()
+        for c in calls[1:]:
+            c()
+        return first
+    return call
 
 
 def _sig(x: float, digits: int = 4) -> float:

@@ -55,7 +55,31 @@ def test_check_fails_on_a_wrong_result(tmp_path, monkeypatch, capsys):
 def test_quick_decode_run_checks_and_writes_its_csv(tmp_path, capsys):
     rows = _quick_rows(tmp_path, capsys, "--workload", "decode")
     for r in rows:
-        assert int(r["groups"]) == 2 and float(r["ms"]) > 0 and float(r["gb_per_s"]) > 0, r
+        assert int(r["groups"]) == 2 and int(r["layers"]) == 2, r
+        assert float(r["ms"]) > 0 and float(r["gb_per_s"]) > 0, r
+
+
+def test_decode_layers_fill_the_kv_budget_up_to_the_model_depth():
+    """Each timed decode call cycles over enough layers' caches to read --kv-mb (not one cache the L3
+    holds), never more layers than the 0.6B model has."""
+    mod = _load()
+    args = mod.argparse.Namespace(quick=False, kv_mb=256.0)
+    assert mod.decode_layers(args, 48_000_000) == 6                # ceil(256 / 48)
+    assert mod.decode_layers(args, 300_000_000) == 1
+    assert mod.decode_layers(args, 1_000) == mod.MAX_LAYERS == 28
+    ran = []
+    call = mod.every_layer([lambda i=i: ran.append(i) or i for i in range(3)])
+    assert call() == 0 and ran == [0, 1, 2]
+
+
+@pytest.mark.parametrize("flags, named", [(["--prefixes", "2048"], "--prefixes"),
+                                          (["--workload", "decode", "--prefixes", "0"], "--prefixes"),
+                                          (["--workload", "decode", "--kv-mb", "0"], "--kv-mb")])
+def test_bad_decode_flags_are_refused(flags, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        _load().main(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: {named}" in err, err
 
 
 def test_decode_check_fails_on_a_wrong_result(monkeypatch, capsys):
