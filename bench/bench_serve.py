@@ -74,7 +74,7 @@ import httpx
 import torch
 
 from acarerank.benchmark.harness import max_abs_diff
-from acarerank.benchmark.measure import machine_info, percentile, timed_call
+from acarerank.benchmark.measure import machine_info, percentile, timed_call, wait_for_quiet_cpu
 from acarerank.benchmark.gemm_peak import best_of, gemm_peak
 from acarerank.benchmark.report import Shapes, least_work_flops
 from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body, resolve
@@ -359,6 +359,9 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs of offline score_batch and rounds of each closed loop; the fastest counts (a "
                          "shared 2-core VM only ever slows a run down)")
+    ap.add_argument("--settle-s", type=float, default=5.0,
+                    help="before each target's closed-loop round, wait up to this long for idle CPUs (a server "
+                         "may still be busy after its last answer; 0: do not wait)")
     ap.add_argument("--agreement-requests", type=int, default=4,
                     help="requests (agent: sessions) of the score-agreement step, per workload")
     ap.add_argument("--dtype", choices=sorted(OWN_TOLERANCE), default="float32",
@@ -400,6 +403,8 @@ def parse_args(argv=None):
                  f"admits at once, serve --max-queue), got {max(args.concurrency):,}")
     if not all(0 < f < math.inf for f in args.loads):  # a rate of 0 or NaN has no Poisson arrivals
         ap.error(f"--loads fractions must be > 0 and finite, got {args.loads}")
+    if not 0 <= args.settle_s <= 60:
+        ap.error(f"--settle-s must be in [0, 60], got {args.settle_s}")
     if not 0 <= args.peer_tolerance < math.inf:
         ap.error(f"--peer-tolerance must be a number >= 0, got {args.peer_tolerance}")
     names = [t.name for t in args.target]
@@ -493,6 +498,9 @@ def closed_rows(targets: list, workloads: Workloads, args) -> tuple:
                 reqs = salted(workloads.make(name, f"closed-{c}-{k}"), f"closed-{c}-{k}")
                 for t in targets:
                     log(f"[closed] {name} concurrency {c} round {k + 1} of {args.repeats}: {t.name}")
+                    waited, quiet = wait_for_quiet_cpu(args.settle_s) if args.settle_s > 0 else (0.0, True)
+                    if not quiet:
+                        log(f"note: {t.name}'s round starts on busy CPUs (not idle after {waited:.1f} s)")
                     runs[t.name].append(_closed(t, name, reqs, c))
                 ours = runs[OURS][-1].scores
                 for t in targets[1:]:

@@ -30,6 +30,10 @@ selection, ``<|im_end|>`` is disfavoured in acarerank's copy of the weights (``-
 changes acarerank's tokens only, not the work either server does.
 
 Warm-up, untimed: one short selection in this process; vLLM's first request after start-up.
+Before each provider's round the machine's CPUs must be idle (``wait_for_quiet_cpu``: a window of
+0.25 s under 15 % busy, at most ``--settle-s``, 5 s; vLLM keeps a core busy for ~1 s after it
+answers), so neither starts on cores the other still uses; a round that starts without it says so
+in the log.
 Reported per (pool, B): median ms per round and per selection (÷ B), prompt tokens/s (Σ of the
 B prompts ÷ time), ``acarerank ÷ vLLM`` (vLLM's time ÷ acarerank's: a throughput ratio), and
 GFLOP/s = the least work ÷ time (``report.least_work_select_flops``: each prompt's prefill and
@@ -58,7 +62,7 @@ import httpx
 import torch
 
 from acarerank.benchmark.gemm_peak import best_of, gemm_peak
-from acarerank.benchmark.measure import machine_info
+from acarerank.benchmark.measure import machine_info, wait_for_quiet_cpu
 from acarerank.benchmark.peers import detect_api, served_model
 from acarerank.benchmark.report import Shapes, least_work_select_flops, write_csv
 from acarerank.benchmark.workload import MAX_DOCS, WorkloadSpec, make_workload
@@ -93,8 +97,12 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds per (pool, batch) and provider")
     ap.add_argument("--end-bias", type=float, default=-0.3, help="acarerank's lm_head[<|im_end|>, 0]; < 0 runs "
                                                                  "to 10 ids (nan: the weights as served)")
+    ap.add_argument("--settle-s", type=float, default=5.0,
+                    help="before each provider's round, wait up to this long for idle CPUs (0: do not wait)")
     ap.add_argument("--out", default=os.path.join("results", "bench_setwise_peer"))
     args = ap.parse_args(argv)
+    if not 0 <= args.settle_s <= 60:
+        ap.error(f"--settle-s must be in [0, 60], got {args.settle_s}")
     if len(args.doc_tokens) != 2 or args.doc_tokens[0] > args.doc_tokens[1]:
         ap.error(f"--doc-tokens must be low,high with low <= high, got {args.doc_tokens}")
     if not 1 <= args.repeats <= 100:
@@ -183,6 +191,7 @@ def measure(rr, work, args, name: str, version: str, sh: Shapes, width: int, inf
             times, news = {"acarerank": [], "vllm": []}, None
             for r in range(args.repeats):  # the providers take turns: a load change hits both
                 salt = uuid.uuid4().hex
+                _settle(f"pool {pool} x {B} round {r + 1}: acarerank", args.settle_s)
                 t0 = time.perf_counter()
                 if B == 1:
                     sels = [rr.select(work.query, lists[0], max_select=MAX_SELECT, cache_salt=salt)]
@@ -197,6 +206,7 @@ def measure(rr, work, args, name: str, version: str, sh: Shapes, width: int, inf
                     raise SystemExit(f"pool {pool} x {B}: acarerank made {k} new tokens, {news} in round 1")
                 news = k
                 bodies = [completion_body(name, p, n, salt) for p, n in zip(prompts, k)]
+                _settle(f"pool {pool} x {B} round {r + 1}: vLLM", args.settle_s)
                 times["vllm"].append(vllm_round(args.peer, bodies))
                 _log(f"[round {r + 1}/{args.repeats}] pool {pool} x {B}: acarerank {times['acarerank'][-1]:.2f} s, "
                      f"vLLM {times['vllm'][-1]:.2f} s")
@@ -210,6 +220,15 @@ def measure(rr, work, args, name: str, version: str, sh: Shapes, width: int, inf
                                  gflop_per_s=flops / med[prov] / 1e9, acarerank_x_vllm=med["vllm"] / med["acarerank"],
                                  dtype=args.dtype, model=name, peer_version=version, **info))
     return rows
+
+
+def _settle(what: str, max_wait_s: float) -> None:
+    """Wait (≤ ``max_wait_s``) for idle CPUs before ``what``'s round; log a round that starts on busy ones."""
+    if max_wait_s <= 0:
+        return
+    waited, quiet = wait_for_quiet_cpu(max_wait_s)
+    if not quiet:
+        _log(f"note: {what} starts on busy CPUs (not idle after {waited:.1f} s): another job on the machine?")
 
 
 def _log(msg: str) -> None:

@@ -12,6 +12,8 @@ One rule for all of them (``acarerank bench`` and every ``bench/*.py``):
 * ``percentile(values, q)``: q in [0, 100], linear interpolation (numpy's default). Every
   reported median / p10 / p20 / p80 / p90 comes from it.
 * ``machine_info(device)``: device name, versions, host — the same keys in every CSV.
+* ``wait_for_quiet_cpu()``: before a round of a peer comparison, wait (bounded) until the
+  machine's CPUs are idle, so no provider starts while the other's server still finishes work.
 * ``kernel_bench_device(quick)``: a kernel benchmark's start-up (device; the Triton
   interpreter on for a quick CPU run).
 * ``PeakMemory`` (one call's peak above its start: CUDA allocator or Linux RSS high-water),
@@ -191,6 +193,44 @@ def machine_info(device) -> dict:
     return {"device_name": name, "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
             "python": platform.python_version(), "torch": torch.__version__, "triton": _version("triton"),
             "transformers": _version("transformers"), "acarerank": acarerank.__version__}
+
+
+def _cpu_jiffies() -> Optional[tuple]:
+    """(busy, total) jiffies of all CPUs together, from /proc/stat's first line; None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)          # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet_cpu(max_wait_s: float = 5.0, busy_below: float = 0.15, window_s: float = 0.25,
+                       sample: Callable[[], Optional[tuple]] = _cpu_jiffies) -> tuple:
+    """Wait until one ``window_s`` window sees the machine's CPUs less than ``busy_below`` busy
+    (all cores together, from /proc/stat), at most ``max_wait_s``: (seconds waited, quiet?).
+
+    Why: a server keeps working after it answers (vLLM's CPU build keeps a core busy for ~1 s
+    after a request), so the next provider's round, started at once, shares the cores with it.
+    Not quiet within the bound (other jobs on the machine) returns False for the caller to log;
+    no /proc/stat returns (0.0, True) at once. The caller's own process must be idle meanwhile."""
+    t0 = time.perf_counter()
+    before = sample()
+    if before is None:
+        return 0.0, True
+    while True:
+        time.sleep(window_s)
+        after = sample()
+        if after is None:
+            return time.perf_counter() - t0, True
+        busy, total = after[0] - before[0], after[1] - before[1]
+        waited = time.perf_counter() - t0
+        if total > 0 and busy / total < busy_below:
+            return waited, True
+        if waited >= max_wait_s:
+            return waited, False
+        before = after
 
 
 # -- memory ---------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ def test_bench_serve_drives_another_server_through_each_api(tiny_dir, tmp_path):
         cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_serve.py"), "--model", tiny_dir,
                "--target", f"other={base}", "--target", f"tei=tei@{base}", "--target", f"llama=llama.cpp@{base}",
                "--workloads", "m3", "agent", "--requests", "2", "--depth", "2", "--sessions", "1", "--steps", "2",
-               "--concurrency", "1", "--loads", "0.7", "--repeats", "1", "--agreement-requests", "1",
+               "--concurrency", "1", "--loads", "0.7", "--repeats", "1", "--agreement-requests", "1", "--settle-s", "0",
                "--out", str(out)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)

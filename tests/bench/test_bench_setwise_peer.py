@@ -31,7 +31,7 @@ def test_arguments_and_their_defaults(model_dir):
 
     a = parse_args(["--model", model_dir, "--peer", "http://127.0.0.1:8001/"])
     assert (a.pools, a.batches, a.dtype, a.repeats, a.doc_tokens) == ([20, 50], [1, 8], "float32", 3, [60, 380])
-    assert a.peer == "http://127.0.0.1:8001" and a.end_bias == -0.3
+    assert a.peer == "http://127.0.0.1:8001" and a.end_bias == -0.3 and a.settle_s == 5.0
     a = parse_args(["--model", model_dir, "--peer", "http://x:1", "--pools", "10", "--batches", "2,4",
                     "--dtype", "bfloat16", "--end-bias", "nan"])
     assert (a.pools, a.batches, a.dtype) == ([10], [2, 4], "bfloat16") and a.end_bias != a.end_bias
@@ -42,7 +42,7 @@ def test_arguments_and_their_defaults(model_dir):
     (["--batches", "0"], "--batches values must be in [1, 64]"), (["--repeats", "0"], "--repeats must be in"),
     (["--doc-tokens", "380,60"], "low <= high"), (["--doc-tokens", "60"], "low,high"),
     (["--dtype", "float16"], "invalid choice"), (["--peer", "127.0.0.1:8001"], "--peer must be an http(s) URL"),
-    (["--model", "/nowhere"], "has no config.json")])
+    (["--model", "/nowhere"], "has no config.json"), (["--settle-s", "-1"], "--settle-s must be in [0, 60]")])
 def test_bad_arguments_are_usage_errors(model_dir, capsys, flags, needle):
     from bench_setwise_peer import parse_args
 
@@ -148,3 +148,28 @@ def test_a_round_posts_every_body_and_refuses_other_work():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_settle_wait_ends_at_the_first_quiet_window_or_at_its_bound():
+    """wait_for_quiet_cpu: busy windows keep it waiting, the first window under the threshold ends
+    it (quiet), a machine busy throughout ends it at the bound (not quiet); no /proc/stat: no wait."""
+    from acarerank.benchmark.measure import wait_for_quiet_cpu
+
+    def sampler(busy_fractions):   # (busy, total) jiffies: each window adds 100 with this busy share
+        state = {"busy": 0, "total": 0, "i": 0}
+
+        def sample():
+            if state["i"]:
+                state["busy"] += round(100 * busy_fractions[min(state["i"] - 1, len(busy_fractions) - 1)])
+                state["total"] += 100
+            state["i"] += 1
+            return state["busy"], state["total"]
+        return sample, state
+
+    sample, state = sampler([0.9, 0.6, 0.05])
+    waited, quiet = wait_for_quiet_cpu(max_wait_s=5.0, window_s=0.01, sample=sample)
+    assert quiet and state["i"] == 4 and waited < 5.0, (waited, state)
+    sample, state = sampler([0.5])
+    waited, quiet = wait_for_quiet_cpu(max_wait_s=0.05, window_s=0.01, sample=sample)
+    assert not quiet and waited >= 0.05, waited
+    assert wait_for_quiet_cpu(sample=lambda: None) == (0.0, True)
