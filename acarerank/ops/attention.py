@@ -256,16 +256,7 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
         host_meta = _device_to_host(cu_seqlens, cu_prefix_lens, segment_group)
     cs, cp, sg = _host_lists(host_meta, segment_group.numel(), cu_prefix_lens.numel() - 1)
 
-    # Segments by group, keeping packing order; a group's segments are usually contiguous.
-    by_group: dict[int, list[int]] = {}
-    for s, g in enumerate(sg):
-        if cs[s + 1] > cs[s]:
-            by_group.setdefault(g, []).append(s)
-
-    for g, segs in by_group.items():
-        contiguous = all(cs[a + 1] == cs[b] for a, b in zip(segs, segs[1:]))
-        rows = None if contiguous else torch.cat([torch.arange(cs[s], cs[s + 1], device=q.device) for s in segs])
-        t0, t1 = cs[segs[0]], cs[segs[-1] + 1]
+    for g, segs, rows, t0, t1 in _group_rows(cs, sg, q.device):
         qf = (q[rows] if rows is not None else q[t0:t1]).float()
         Tg = qf.shape[0]
 
@@ -335,6 +326,20 @@ def _host_lists(host_meta: torch.Tensor, S: int, G: int):
     """(cu_seqlens, cu_prefix_lens, segment_group) as Python lists from ``_device_to_host``'s tensor."""
     flat = host_meta.tolist()
     return flat[:S + 1], flat[S + 1:S + G + 2], flat[S + G + 2:]
+
+
+def _group_rows(cs: list, sg: list, device):
+    """Each group's non-empty segments, in packing order: yields (group, segments, rows, t0, t1) —
+    rows None when the segments are contiguous (then they are q[t0:t1]), else the [T_g] row ids
+    (int64 on ``device``) of the packed tensors they hold. cs: cu_seqlens, sg: segment_group, as lists."""
+    by_group: dict[int, list[int]] = {}
+    for s, g in enumerate(sg):
+        if cs[s + 1] > cs[s]:
+            by_group.setdefault(g, []).append(s)
+    for g, segs in by_group.items():
+        contiguous = all(cs[a + 1] == cs[b] for a, b in zip(segs, segs[1:]))
+        rows = None if contiguous else torch.cat([torch.arange(cs[s], cs[s + 1], device=device) for s in segs])
+        yield g, segs, rows, cs[segs[0]], cs[segs[-1] + 1]
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .attention import _FLASH_CPU, _host_lists, _partial_attention, flash_cpu
+from .attention import _FLASH_CPU, _group_rows, _host_lists, _partial_attention, flash_cpu
 
 
 def available(q: torch.Tensor) -> bool:
@@ -81,15 +81,7 @@ def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_p
     cs, cp, sg = _host_lists(host_meta, segment_group.numel(), cu_prefix_lens.numel() - 1)
     first = runs.tolist()
 
-    by_group: dict = {}
-    for s, g in enumerate(sg):
-        if cs[s + 1] > cs[s]:
-            by_group.setdefault(g, []).append(s)
-
-    for g, segs in by_group.items():
-        contiguous = all(cs[a + 1] == cs[b] for a, b in zip(segs, segs[1:]))
-        rows = None if contiguous else torch.cat([torch.arange(cs[s], cs[s + 1], device=q.device) for s in segs])
-        t0, t1 = cs[segs[0]], cs[segs[-1] + 1]
+    for g, segs, rows, t0, t1 in _group_rows(cs, sg, q.device):
         qg = q[rows] if rows is not None else q[t0:t1]
         Tg = qg.shape[0]
         qh = qg.float().reshape(Tg, Hkv, r, d).permute(1, 2, 0, 3).contiguous()   # [Hkv, r, Tg, d]
