@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _backend
+from ._backend import META_TOO
 from ._checks import check_float_tensors
 
 
@@ -46,14 +47,14 @@ def _torch_backend(hidden_last, norm_weight, w_yes, w_no, eps):
 
 OP = _backend.OpDecl(
     "yes_no_score", aliases=("yes_no", "head"),
-    backends={"torch": _backend.Backend(lambda: _torch_backend),
+    backends={"torch": _backend.Backend(lambda: _torch_backend, META_TOO),
               "triton": _backend.lazy_backend("yes_no_score", "triton", "acarerank.kernels.yes_no_head",
                                               "yes_no_score_triton"),
               "cpp": _backend.lazy_backend("yes_no_score", "cpp", "acarerank.ops._cpp", "yes_no_score_cpp", ("cpu",)),
               "cuda": _backend.lazy_backend("yes_no_score", "cuda", "acarerank.ops._cpp", "yes_no_score_cuda", ("cuda",),
                                             needs_cuda_build=True)},
     # CPU: torch (one fp32 multiply-and-sum; the C++ twin is no faster at S <= 100); CUDA: the Triton kernel
-    defaults={"cpu": ("torch",), "cuda": ("triton", "cuda", "torch")},
+    defaults={"cpu": ("torch",), "cuda": ("triton", "cuda", "torch"), "meta": ("torch",)},
 )
 
 
