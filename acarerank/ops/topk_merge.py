@@ -202,7 +202,8 @@ def topk_merge_ids_lse_op(ids: torch.Tensor, row_max: torch.Tensor, row_sumexp: 
     slot), when (``has_targets``) a row's target logit is still NaN (its id in no merged
     chunk), when a row's log-sum-exp is not finite (a NaN/inf logit merged, or the row −inf
     throughout: ``topk_logprobs``' rule; NaN / −inf log-probs came out), or when an id sits twice
-    in a row's top-k (a column merged twice: caught where it ranks in the top-k). All read the data (a host sync), so they run here, on the real tensors: as
+    in a row's top-k (a column merged twice: caught where it ranks in the top-k). All read
+    the data (a host sync), so they run here, on the real tensors: as
     branches in ``topk_merge_core`` they were three graph breaks under torch.compile and a
     UserError about a data-dependent guard under fullgraph=True.
     """
