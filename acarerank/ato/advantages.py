@@ -26,14 +26,29 @@ def _as_1d_float(x, name: str) -> torch.Tensor:
     return t
 
 
+def _group_ids(group_index) -> torch.Tensor:
+    """A non-tensor ``group_index`` as an int64 tensor: strings (verl keys its GRPO groups by a
+    ``uid`` string per rollout, a numpy array of str) numbered by first appearance; anything
+    else through torch.as_tensor (checked after). Strings were a bare 'too many dimensions
+    'str'' from torch.as_tensor."""
+    ids = group_index.tolist() if hasattr(group_index, "tolist") else list(group_index)
+    if ids and any(isinstance(x, (str, bytes)) for x in ids):
+        if not all(isinstance(x, (str, bytes)) for x in ids):
+            raise TypeError("group_index must be all integers or all strings, got a mix")
+        number = {}
+        return torch.tensor([number.setdefault(x, len(number)) for x in ids], dtype=torch.int64)
+    return torch.as_tensor(group_index)
+
+
 def grpo_advantage(rewards, group_index, eps: float = 1e-6, unbiased: bool = True) -> torch.Tensor:
     """Group-relative outcome advantage, Eq. 7: A_i = (r_i − mean_g r) / (std_g r + eps).
 
     Args:
       rewards: [N] rewards (malformed rollouts carry their −1 of Eq. 6; they take part in the
         group statistics, as Algorithm 1 line 18 standardises over all G rollouts).
-      group_index: [N] integer query id of each rollout (any values; rollouts sharing a value
-        form one group, in any order).
+      group_index: [N] query id of each rollout: integers (a tensor, list or array), or strings
+        (verl's ``uid``: a list or numpy array of str); any values, rollouts sharing a value
+        form one group, in any order.
       eps: added to the std (verl's default 1e-6).
       unbiased: std with Bessel's correction (÷(n−1)), as verl's ``torch.std``; False: ÷n.
     Returns: [N] fp32.
@@ -44,7 +59,7 @@ def grpo_advantage(rewards, group_index, eps: float = 1e-6, unbiased: bool = Tru
     reward leaking into a relative advantage; we do not copy that.)
     """
     r = _as_1d_float(rewards, "rewards")
-    g = group_index if isinstance(group_index, torch.Tensor) else torch.as_tensor(group_index)
+    g = group_index if isinstance(group_index, torch.Tensor) else _group_ids(group_index)
     if g.dim() != 1 or g.shape[0] != r.shape[0]:
         raise ValueError(f"group_index must be [N={r.shape[0]}], got shape {tuple(g.shape)}")
     if not eps >= 0:
@@ -68,6 +83,16 @@ def grpo_advantage(rewards, group_index, eps: float = 1e-6, unbiased: bool = Tru
     return torch.where(flat[inv], torch.zeros_like(adv), adv).float()
 
 
+def _check_0_1(m: torch.Tensor, name: str, what: str) -> None:
+    """ValueError naming ``name`` and its first entries other than 0 / 1 (NaN included) unless bool:
+    a soft or NaN entry read as bool is 1, which neither mask means."""
+    if m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any()):
+        flat = m.flatten().tolist()
+        bad = [(tuple(divmod(i, m.shape[-1])) if m.dim() == 2 else i, v) for i, v in enumerate(flat) if v not in (0, 1)]
+        raise ValueError(f"{name} must be bool or 0/1 {what}, got {len(bad)} other value(s), first (position, value) "
+                         f"{bad[:5]}")
+
+
 def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Optional[torch.Tensor] = None):
     """Combined ATO advantage, Eq. 10 with the format mask of Algorithm 1 (line 41) and Appendix A:
 
@@ -82,7 +107,8 @@ def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Opt
       a_atd: [N, L] per-token distillation advantage (``rescore(...).atd``).
       format_ok: [N] bool m_i (or 0/1 numbers; any other value is a ValueError).
       lam: λ in [0, 1] (paper: 0.7).
-      response_mask: optional [N, L] bool; positions outside it are set to 0.
+      response_mask: optional [N, L] bool (or 0/1 numbers, as ``format_ok``; any other value,
+        NaN included, is a ValueError); positions outside it are set to 0.
     Returns: [N, L] fp32. Raises ValueError when a result is NaN/inf (a non-finite a_grpo, or
     a_atd where m_i = 1, inside the response mask), naming the (rollout, token) positions.
     """
@@ -102,10 +128,7 @@ def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Opt
     m = format_ok if isinstance(format_ok, torch.Tensor) else torch.as_tensor(format_ok)
     if m.shape != (N,):
         raise ValueError(f"format_ok must be [N={N}], got shape {tuple(m.shape)}")
-    if m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any()):  # 0.5 read as True: a soft mask is not m_i
-        bad = [(i, v) for i, v in enumerate(m.tolist()) if v not in (0, 1)]
-        raise ValueError(f"format_ok must be bool or 0/1 per rollout (m_i of Eq. 10), got {len(bad)} other value(s), "
-                         f"first (rollout, value) {bad[:5]}")
+    _check_0_1(m, "format_ok", "per rollout (m_i of Eq. 10)")
     m = m.to(atd.device).bool()
     distill = torch.where(m[:, None], atd.float(), torch.zeros((), device=atd.device))
     out = lam * grpo + (1.0 - lam) * distill
@@ -113,6 +136,8 @@ def ato_advantage(a_grpo, a_atd, format_ok, lam: float = 0.7, response_mask: Opt
         response_mask = torch.as_tensor(response_mask)  # a nested list, as every other argument may be
         if response_mask.shape != (N, L):
             raise ValueError(f"response_mask must be [N, L]={N, L}, got shape {tuple(response_mask.shape)}")
+        # 0.5 or NaN was read as True (a valid token), where clipped_policy_loss refuses the same mask
+        _check_0_1(response_mask, "response_mask", "per token")
         out = torch.where(response_mask.to(atd.device).bool(), out, torch.zeros((), device=atd.device))
     bad = ~torch.isfinite(out)  # [N, L]: a NaN/inf input where it is used, never a silent NaN loss
     if bool(bad.any()):

@@ -64,6 +64,12 @@ class Backend:
     devices: tuple = ("cpu", "cuda")
 
 
+#: the devices of a "torch" backend whose op's fake kernel answers for it on "meta" tensors (the
+#: registered op's Meta kernel is its fake, so no backend code runs): shapes and dtypes without
+#: data, as ``linear_logprob`` gives them; docs/api.md, "Training modes"
+META_TOO = ("cpu", "cuda", "meta")
+
+
 def lazy_backend(op: str, backend: str, module: str, attr: str, devices: tuple = ("cpu", "cuda"),
                  needs_cuda_build: bool = False, wrap: Optional[Callable] = None) -> Backend:
     """The one backend loader: a ``Backend`` whose ``load()`` imports ``module`` (absolute name)

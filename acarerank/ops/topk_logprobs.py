@@ -54,6 +54,7 @@ import torch
 from ..topk_contract import (MAX_K, OUTSIDE_MODES, TopKLogprobs, as_int, check_k, default_chunk, finalize,
                              logsumexp_of)
 from . import _backend
+from ._backend import META_TOO
 from ._checks import NONFINITE_LOGITS, check_projection_inputs, check_target_range, finite_real
 from .linear_logprob import fp32_math
 from ._logits_gemm import mm_bf16_f32_fake as _mm_bf16_f32_fake
@@ -399,7 +400,7 @@ def _load_native():
 
 OP = _backend.OpDecl(
     "topk_logprobs", aliases=("topk",),
-    backends={"torch": _backend.Backend(lambda: topk_logprobs_core_torch),
+    backends={"torch": _backend.Backend(lambda: topk_logprobs_core_torch, META_TOO),
               "native": _backend.Backend(_load_native, ("cpu",)),
               "triton": _backend.lazy_backend("topk_logprobs", "triton", "acarerank.kernels.topk_logprobs",
                                               "topk_logprobs_core_triton"),
@@ -408,7 +409,7 @@ OP = _backend.OpDecl(
                                            wrap=lambda _: topk_logprobs_core_cpp),
               "cuda": _backend.lazy_backend("topk_logprobs", "cuda", "acarerank.ops._cpp", "topk_update", ("cuda",),
                                             needs_cuda_build=True, wrap=lambda _: topk_logprobs_core_cuda)},
-    defaults={"cpu": ("native", "torch"), "cuda": ("cuda", "triton", "torch")},
+    defaults={"cpu": ("native", "torch"), "cuda": ("cuda", "triton", "torch"), "meta": ("torch",)},
 )
 
 

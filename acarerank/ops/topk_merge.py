@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -182,6 +183,9 @@ def topk_merge_update(state: TopKMergeState, chunk_logits: torch.Tensor, c0: int
         raise ValueError(f"topk_merge_update: chunk has {chunk_logits.shape[0]} rows, the state {state.rows}")
     if chunk_logits.device != state.device:
         raise ValueError(f"topk_merge_update: chunk is on {chunk_logits.device}, the state on {state.device}")
+    # a float c0 (2.7) was truncated by int(): every id of the chunk off by the fraction, no error
+    if isinstance(c0, bool) or not isinstance(c0, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"topk_merge_update: c0 must be an int (the chunk's first vocabulary id), got {c0!r}")
     c0 = int(c0)
     if c0 < 0 or c0 + chunk_logits.shape[1] >= 2 ** 31:
         raise ValueError(f"topk_merge_update: vocabulary ids {c0}..{c0 + chunk_logits.shape[1]} must lie in [0, 2^31)")
@@ -195,8 +199,11 @@ def topk_merge_ids_lse_op(ids: torch.Tensor, row_max: torch.Tensor, row_sumexp: 
     """(topk_ids [T,k] int64, logsumexp [T] fp32) of a state's ids, row_max and row_sumexp.
 
     ValueError when fewer than k logits were merged into some row (a negative id: an empty
-    slot), or (``has_targets``) when a row's target logit is still NaN (its id in no merged
-    chunk). Both read the data (a host sync), so they run here, on the real tensors: as
+    slot), when (``has_targets``) a row's target logit is still NaN (its id in no merged
+    chunk), when a row's log-sum-exp is not finite (a NaN/inf logit merged, or the row −inf
+    throughout: ``topk_logprobs``' rule; NaN / −inf log-probs came out), or when an id sits twice
+    in a row's top-k (a column merged twice: caught where it ranks in the top-k). All read
+    the data (a host sync), so they run here, on the real tensors: as
     branches in ``topk_merge_core`` they were three graph breaks under torch.compile and a
     UserError about a data-dependent guard under fullgraph=True.
     """
@@ -205,7 +212,17 @@ def topk_merge_ids_lse_op(ids: torch.Tensor, row_max: torch.Tensor, row_sumexp: 
         raise ValueError(f"topk_merge_finalize: k={k} exceeds the number of logits merged into some row")
     if has_targets and target_logit.numel() and bool(torch.isnan(target_logit).any()):
         raise ValueError("topk_merge_finalize: a row's target id was in no merged chunk (or its logit is NaN)")
-    return ids.long(), logsumexp_of(row_max, row_sumexp)
+    # a column merged twice sits twice in the top-k, side by side (same value, same id) — when it
+    # ranks there; its log-sum-exp term is counted twice either way
+    if ids.shape[1] > 1 and bool((ids[:, 1:] == ids[:, :-1]).any()):
+        raise ValueError("topk_merge_finalize: a vocabulary id was merged more than once (each column must be "
+                         "merged exactly once; overlapping chunks?)")
+    lse = logsumexp_of(row_max, row_sumexp)
+    bad = ~torch.isfinite(lse)
+    if lse.numel() and bool(bad.any()):
+        raise ValueError(f"topk_merge_finalize: the log-sum-exp of rows {bad.nonzero().flatten().tolist()[:8]} is not "
+                         f"finite: a NaN/inf logit was merged, or the row is -inf throughout")
+    return ids.long(), lse
 
 
 @topk_merge_ids_lse_op.register_fake
@@ -217,8 +234,9 @@ def topk_merge_core(state: TopKMergeState):
     """The core tuple of a state every vocabulary column has been merged into:
     (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32).
 
-    Raises ValueError when fewer than k logits were merged into some row, or (with targets)
-    when a row's target id lay in no merged chunk (``topk_merge_ids_lse_op``, one registered
+    Raises ValueError when fewer than k logits were merged into some row, (with targets)
+    when a row's target id lay in no merged chunk, when a row's log-sum-exp is not finite, or
+    when a top-k id was merged twice (``topk_merge_ids_lse_op``, one registered
     op: no graph break under torch.compile). Syncs with the device for those checks.
     """
     ids, lse = topk_merge_ids_lse_op(state.ids, state.row_max, state.row_sumexp, state.target_logit,

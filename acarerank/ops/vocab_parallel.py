@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from ..topk_contract import OUTSIDE_MODES, as_int, check_k, finalize
 from . import _backend
-from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, finite_real
+from ._checks import NONFINITE_LOGITS, PADDING_HINT, check_flag, check_projection_inputs, finite_real
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
 from .linear_logprob import (FirstOrderOnly, _refuse_inference_tensors, backward_chunks, compute_copy, forward_stats,
                              grad_inputs)
@@ -252,7 +252,8 @@ def agree(op, group, local_check, hidden, weight, targets, k, vocab_start, vocab
     T = f[0][2]
     if T and (f[rank][10] < 0 or f[rank][11] >= V):
         bad_id = f[rank][10] if f[rank][10] < 0 else f[rank][11]
-        raise ValueError(f"{op}: target id {bad_id} is out of range [0, V={V})")
+        # -100 (cross_entropy's ignore_index) is named as the single-process ops name it
+        raise ValueError(f"{op}: target id {bad_id} is out of range [0, V={V})" + (PADDING_HINT if bad_id < 0 else ""))
     valid = [max(0, min(n, V - s)) for s, n in zip(starts, rows)]
     return Layout(rank, world, starts, rows, valid, V)
 

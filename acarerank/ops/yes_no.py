@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _backend
+from ._backend import META_TOO
 from ._checks import check_float_tensors
 
 
@@ -46,14 +47,14 @@ def _torch_backend(hidden_last, norm_weight, w_yes, w_no, eps):
 
 OP = _backend.OpDecl(
     "yes_no_score", aliases=("yes_no", "head"),
-    backends={"torch": _backend.Backend(lambda: _torch_backend),
+    backends={"torch": _backend.Backend(lambda: _torch_backend, META_TOO),
               "triton": _backend.lazy_backend("yes_no_score", "triton", "acarerank.kernels.yes_no_head",
                                               "yes_no_score_triton"),
               "cpp": _backend.lazy_backend("yes_no_score", "cpp", "acarerank.ops._cpp", "yes_no_score_cpp", ("cpu",)),
               "cuda": _backend.lazy_backend("yes_no_score", "cuda", "acarerank.ops._cpp", "yes_no_score_cuda", ("cuda",),
                                             needs_cuda_build=True)},
     # CPU: torch (one fp32 multiply-and-sum; the C++ twin is no faster at S <= 100); CUDA: the Triton kernel
-    defaults={"cpu": ("torch",), "cuda": ("triton", "cuda", "torch")},
+    defaults={"cpu": ("torch",), "cuda": ("triton", "cuda", "torch"), "meta": ("torch",)},
 )
 
 
@@ -70,6 +71,47 @@ def _(hidden_last, norm_weight, w_yes, w_no, eps, backend):
     return (hidden_last.new_empty(S, dtype=torch.float32), hidden_last.new_empty(S, dtype=torch.float32))
 
 
+def _setup_context(ctx, inputs, output):
+    hidden_last, norm_weight, w_yes, w_no, eps, _backend_name = inputs
+    ctx.save_for_backward(hidden_last, norm_weight, w_yes, w_no, output[0])
+    ctx.eps = eps
+
+
+def _backward(ctx, g_score, g_diff):
+    """First derivatives of both outputs, in fp32 as the forward, each cast to its input's dtype.
+
+    With g = ∂L/∂diff + ∂L/∂score · s(1 − s), n = h·r, r = 1/sqrt(mean(h²) + eps), u = γ ⊙ (w_yes − w_no):
+        ∂L/∂h = r · (g·u − n · mean(g·u ⊙ n))        (RMSNorm's backward, per row)
+        ∂L/∂γ = (Σ_s g·n) ⊙ (w_yes − w_no),   ∂L/∂w_yes = (Σ_s g·n) ⊙ γ = −∂L/∂w_no
+    """
+    hidden_last, norm_weight, w_yes, w_no, score = ctx.saved_tensors
+    g = torch.zeros_like(score)
+    if g_diff is not None:
+        g = g + g_diff.float()
+    if g_score is not None:
+        g = g + g_score.float() * score * (1.0 - score)
+    h = hidden_last.float()
+    r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + ctx.eps)  # [S, 1]
+    n = h * r
+    gamma, d = norm_weight.float(), w_yes.float() - w_no.float()
+    need = ctx.needs_input_grad
+    grad_h = grad_gamma = grad_yes = grad_no = None
+    if need[0]:
+        dn = g[:, None] * (gamma * d)  # [S, H]
+        grad_h = (r * (dn - n * (dn * n).mean(-1, keepdim=True))).to(hidden_last.dtype)
+    if need[1] or need[2] or need[3]:
+        du = (g[:, None] * n).sum(0)  # [H]: ∂L/∂u
+        grad_gamma = (du * d).to(norm_weight.dtype) if need[1] else None
+        grad_yes = (du * gamma).to(w_yes.dtype) if need[2] else None
+        grad_no = (-(du * gamma)).to(w_no.dtype) if need[3] else None
+    return grad_h, grad_gamma, grad_yes, grad_no, None, None
+
+
+# a pointwise training loop backpropagates a BCE on logit_diff into the hidden states (and the head):
+# without a formula the backward was torch's "no autograd formula was registered" for the internal op
+yes_no_score_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backend=None):
     """Relevance from the last hidden state of each segment.
 
@@ -82,6 +124,9 @@ def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backe
       A row whose squares overflow fp32 (|h| beyond ~1.8e19 / sqrt(H)) scores 0.5 (or NaN) on the
       torch, Triton and CUDA backends (as transformers' RMSNorm) and its exact value on cpp (double sums);
       the rerankers never pass one (acarerank.model.numerics).
+
+    Differentiable (first derivatives, every backend: one fp32 formula, ``_backward``) in
+    ``hidden_last``, ``norm_weight``, ``w_yes`` and ``w_no``; gradients come back in each input's dtype.
 
     The backend is resolved once here; the work runs inside the custom op
     ``torch.ops.acarerank.yes_no_score``, opaque to torch.compile.

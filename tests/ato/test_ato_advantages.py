@@ -90,3 +90,28 @@ def test_ato_advantage_bad_input():
         ato_advantage(torch.zeros(2), torch.zeros(2, 3), torch.tensor([1.0, 0.5]))
     got = ato_advantage(torch.zeros(2), torch.ones(2, 3), torch.tensor([1, 0]), lam=0.5)   # 0/1 ints: as bool
     assert torch.equal(got, torch.tensor([[0.5] * 3, [0.0] * 3])), got
+
+
+def test_grpo_groups_keyed_by_strings_as_verl_uids():
+    """verl keys GRPO groups by a uid string per rollout (a numpy array of str): the same
+    advantages as integer ids; strings were torch.as_tensor's 'too many dimensions 'str''."""
+    np = pytest.importorskip("numpy")
+    rewards, ints = [1.0, 0.0, 3.0, -1.0, 2.0], [7, 3, 7, 3, 7]
+    want = _plain_grpo(rewards, ints, 1e-6, True)
+    uids = ["q-7", "q-3", "q-7", "q-3", "q-7"]
+    for groups in (uids, np.array(uids), np.array(uids, dtype=object), tuple(uids)):
+        assert torch.allclose(grpo_advantage(rewards, groups), want.float(), atol=1e-6)
+    with pytest.raises(TypeError, match="all integers or all strings"):
+        grpo_advantage(rewards, ["q-7", 3, "q-7", 3, "q-7"])
+
+
+def test_ato_advantage_refuses_a_soft_or_nan_response_mask():
+    """response_mask takes bool or 0/1, as format_ok does and clipped_policy_loss's mask: 0.5 and
+    NaN were read as True (the token kept its advantage) with no error."""
+    a_grpo, a_atd, m = torch.tensor([1.0, -1.0]), torch.ones(2, 3), [1, 1]
+    for bad, where in ((0.5, r"\(0, 2\), 0\.5"), (float("nan"), r"\(0, 2\), nan")):
+        mask = torch.tensor([[1.0, 1.0, bad], [1.0, 0.0, 0.0]])
+        with pytest.raises(ValueError, match=rf"response_mask must be bool or 0/1 per token.*{where}"):
+            ato_advantage(a_grpo, a_atd, m, lam=0.5, response_mask=mask)
+    got = ato_advantage(a_grpo, a_atd, m, lam=0.5, response_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    assert torch.equal(got, torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))

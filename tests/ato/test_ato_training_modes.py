@@ -273,3 +273,27 @@ def test_padding_and_bad_values_as_a_training_loop_meets_them():
         for name, op in ops:
             with pytest.raises(ValueError, match=rf"{name}: non-finite logits .* in rows \[4\]"):
                 op(hb.requires_grad_(), w, tg)
+
+
+def test_a_step_on_meta_tensors_gives_the_real_shapes_and_dtypes():
+    """Meta tensors (shape planning, a model built on "meta"): the teacher's topk_logprobs, the
+    policy's linear_logprob, the pointwise yes_no_score and the loss give the CPU call's shapes
+    and dtypes, backward included; topk_logprobs and yes_no_score were a BackendError ('no
+    backend runs on meta') where linear_logprob and the loss ran."""
+    from acarerank.ops import yes_no_score
+
+    def step(device):
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(7, H, generator=g).to(device).requires_grad_()
+        w = torch.randn(V, H, generator=g).to(device).requires_grad_()
+        tg = torch.randint(0, V, (7,), generator=g).to(device)
+        teacher = topk_logprobs(h.detach(), w.detach(), tg, k=K, chunk=CHUNK)
+        lp, ent = linear_logprob(h, w, tg, return_entropy=True, chunk=CHUNK)
+        score, diff = yes_no_score(h, torch.ones(H, device=device), w[0], w[1])
+        mask = torch.ones(1, 7, dtype=torch.bool, device=device)
+        loss = clipped_policy_loss(lp[None], teacher.target_logprob[None], ent.detach()[None], mask) + diff.sum()
+        loss.backward()
+        return [*teacher, lp, ent, score, diff, loss, h.grad, w.grad]
+
+    for real, meta in zip(step("cpu"), step("meta")):
+        assert meta.device.type == "meta" and (meta.shape, meta.dtype) == (real.shape, real.dtype)

@@ -337,3 +337,35 @@ def test_the_default_backend_first_used_in_compiled_code(monkeypatch):
     assert torch.equal(got.topk_ids, ref.topk_ids), (got.topk_ids, ref.topk_ids)
     torch.testing.assert_close(got.topk_logprobs, ref.topk_logprobs, atol=LOGPROB_ATOL, rtol=0)
     assert tm.UPDATE_OP.resolve(None, logits.device) in tm.UPDATE_OP._loaded, "the default was not loaded"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streaming_merge_refuses_what_gave_wrong_log_probs(backend):
+    """A NaN / +inf logit merged, a row −inf throughout, a column merged twice, a float c0: each
+    a named error. They came out as NaN / −inf log-probs, an id twice in the top-k with its
+    exp counted twice, and ids off by c0's fraction, with no error."""
+    torch.manual_seed(0)
+    z, targets = torch.randn(3, 20), torch.tensor([1, 7, 15])
+
+    def merged(z, c0s=(0, 10)):
+        state = tm.topk_merge_init(3, 4, "cpu", targets=targets)
+        for c0 in c0s:
+            tm.topk_merge_update(state, z[:, c0:c0 + 10], c0, backend=backend)
+        return state
+
+    ref = topk_logprobs_ref(z, torch.eye(20), targets, k=4)  # z @ I: the logits as given
+    ok = tm.topk_merge_finalize(merged(z))
+    assert torch.equal(ok.topk_ids, ref.topk_ids) and (ok.target_logprob - ref.target_logprob).abs().max() < 1e-6
+    for row, col, bad in ((1, 3, float("nan")), (2, 17, float("inf"))):
+        zb = z.clone()
+        zb[row, col] = bad
+        with pytest.raises(ValueError, match=rf"log-sum-exp of rows \[{row}\] is not finite"):
+            tm.topk_merge_finalize(merged(zb))
+    zb = z.clone()
+    zb[0] = float("-inf")
+    with pytest.raises(ValueError, match=r"rows \[0\] is not finite"):
+        tm.topk_merge_core(merged(zb))
+    with pytest.raises(ValueError, match="merged more than once"):
+        tm.topk_merge_finalize(merged(z, (0, 10, 0)))
+    with pytest.raises(TypeError, match="c0 must be an int"):
+        tm.topk_merge_update(tm.topk_merge_init(3, 4, "cpu"), z[:, :10], 2.7, backend=backend)

@@ -437,6 +437,8 @@ def _bad_cases():
                             0: "rank 1 of the process group rejected its input: TypeError: .*hidden is torch.float64"}),
         "nonfinite-one-rank": (2, "topk", *topk(weight=inf_w), {1: "non-finite logits", 0: "rank 1 failed"}),
         "target-range": (2, "topk", *topk(targets=torch.full((17,), 1000)), "target id 1000 is out of range"),
+        "target-negative": (2, "linear", dict(lin, targets=torch.full((17,), -100)), {},
+                            r"target id -100 is out of range .*there is no ignore_index"),
         "vocab_size": (2, "topk", *topk(vocab_size=1001), "vocab_size=1001 but the shards hold only 1000 rows"),
         "k>V": (2, "topk", *topk(k=1001), "k must be <= V, got k=1001 > the vocabulary size 1000"),
         "k>MAX_K": (2, "topk", *topk({1: {"backend": "triton"}}, k=513),

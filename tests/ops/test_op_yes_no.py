@@ -6,7 +6,7 @@ tests are in test_ext_yes_no.py.
 import pytest
 import torch
 
-from acarerank.ops import available_backends, yes_no_score, yes_no_score_ref
+from acarerank.ops import available_backends, yes_no_score, yes_no_score_op, yes_no_score_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
@@ -91,3 +91,55 @@ def test_torch_head_equals_model_card_softmax():
     assert (s - p).abs().max() <= 1e-6
     with pytest.raises(ValueError, match="w_yes"):
         yes_no_score(h, nw, wy[:-1], wn)
+
+
+def _ref_grads(inputs, loss_of, dtype=torch.float64):
+    """Autograd through ``yes_no_score_ref``'s formula in ``dtype`` (the oracle's own code is fp32)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    h, nw, w_yes, w_no = leaves
+    hn = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * nw
+    diff = hn @ w_yes - hn @ w_no
+    loss_of(torch.sigmoid(diff), diff).backward()
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_head_gradients_against_the_reference(backend):
+    """A pointwise training step (BCE on logit_diff, a term on score): gradients w.r.t. every input,
+    also with only some requiring grad, as autograd through the reference formula in fp64; the
+    backward was torch's 'no autograd formula was registered' for the internal op."""
+    torch.manual_seed(0)
+    inputs = _inputs(5, 48, torch.float32)
+    inputs[0] = (torch.randn(48, 5) * 3).to(DEVICE).t()  # transposed hidden states
+    target = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], device=DEVICE)
+
+    def loss_of(score, diff):
+        return torch.nn.functional.binary_cross_entropy_with_logits(diff, target.to(diff.dtype)) + score.pow(2).sum()
+
+    want = _ref_grads(inputs, loss_of)
+    for which in ([0, 1, 2, 3], [0], [2, 3]):
+        leaves = [t.detach().clone().requires_grad_(i in which) for i, t in enumerate(inputs)]
+        loss_of(*yes_no_score(*leaves, eps=EPS, backend=backend)).backward()
+        for i, (t, ref) in enumerate(zip(leaves, want)):
+            if i not in which:
+                assert t.grad is None
+                continue
+            err = (t.grad.double() - ref).abs().max().item()
+            assert t.grad.dtype == t.dtype and err <= 1e-5 * (1 + ref.abs().max().item()), (backend, which, i, err)
+
+
+def test_head_gradients_in_bf16_and_opcheck():
+    """bf16 inputs get bf16 gradients within bf16 rounding of the fp64 ones; opcheck with inputs
+    that require grad checks the autograd registration as torch.compile traces it."""
+    torch.manual_seed(1)
+    inputs = _inputs(4, 32, torch.bfloat16)
+    want = _ref_grads(inputs, lambda s, d: d.sum())
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    yes_no_score(*leaves, eps=EPS)[1].sum().backward()
+    for t, ref in zip(leaves, want):
+        assert t.grad.dtype == torch.bfloat16
+        assert (t.grad.double() - ref).abs().max() <= 2 ** -7 * (1 + ref.abs().max()), (t.grad, ref)
+
+    # the registered formula under fake tensors and AOT autograd (torch.compile's path), w.r.t. every input
+    f32 = [t.float().detach().requires_grad_() for t in inputs]
+    torch.library.opcheck(yes_no_score_op, (*f32, EPS, "torch"))
