@@ -27,7 +27,8 @@ from .silu_and_mul import silu_and_mul, silu_and_mul_ref
 from .linear import PackedLinearWeight, linear, linear_ref, prepare_linear_weight
 
 __all__ = [
-    "BackendError", "BackendLimitError", "InferenceOnlyError", "KNOWN_BACKENDS", "available_backends", "backend_for", "parse_preference",
+    "BackendError", "BackendLimitError", "InferenceOnlyError", "KNOWN_BACKENDS", "available_backends", "backend_for",
+    "parse_preference",
     "per_op_backends", "triton_interpreted",
     "AttentionPlan", "plan_prefix_shared_attention", "prefix_shared_attention", "prefix_shared_attention_op",
     "prefix_shared_attention_ref",

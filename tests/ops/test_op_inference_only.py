@@ -7,21 +7,18 @@ no_grad / inference_mode they run and match their reference.
 import pytest
 import torch
 
-from acarerank.ops import (InferenceOnlyError, fused_add_rms_norm, fused_add_rms_norm_ref, linear, linear_ref,
-                           merge_attention_states, merge_attention_states_ref, prefix_shared_attention,
+from acarerank.ops import (BackendError, InferenceOnlyError, fused_add_rms_norm, fused_add_rms_norm_ref, linear,
+                           linear_ref, merge_attention_states, merge_attention_states_ref, prefix_shared_attention,
                            prefix_shared_attention_paged, prefix_shared_attention_paged_ref,
                            prefix_shared_attention_ref, prepare_linear_weight, qk_norm_rope, qk_norm_rope_ref,
                            rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref)
-from acarerank.ops._backend import BackendError
 
 T, HQ, HKV, D = 5, 4, 2, 16
+_GEN = torch.Generator().manual_seed(7)
 
 
 def _r(*shape):
     return torch.randn(*shape, generator=_GEN)
-
-
-_GEN = torch.Generator().manual_seed(7)
 
 
 def _cases():
@@ -41,7 +38,8 @@ def _cases():
             lambda t: (t["x"], t["residual"].clone(), t["weight"], 1e-6)),
         "silu_and_mul": (silu_and_mul, silu_and_mul_ref, dict(x=_r(T, 2 * D)), lambda t: (t["x"],)),
         "qk_norm_rope": (qk_norm_rope, qk_norm_rope_ref,
-                         dict(qkv=_r(T, (HQ + 2 * HKV) * D), q_weight=_r(D), k_weight=_r(D), cos=_r(T, D), sin=_r(T, D)),
+                         dict(qkv=_r(T, (HQ + 2 * HKV) * D), q_weight=_r(D), k_weight=_r(D), cos=_r(T, D),
+                              sin=_r(T, D)),
                          lambda t: (t["qkv"], t["q_weight"], t["k_weight"], t["cos"], t["sin"], HQ, HKV, 1e-6)),
         "merge_attention_states": (merge_attention_states, merge_attention_states_ref,
                                    dict(o_a=_r(T, HQ, D), lse_a=_r(T, HQ), o_b=_r(T, HQ, D), lse_b=_r(T, HQ)),

@@ -383,7 +383,8 @@ def _coverage_logits():
 def test_a_column_merged_twice_outside_the_topk_is_refused_before_it_counts(backend):
     """Columns 12..15 merged a second time rank below the top-4, so no id shows twice at finalize:
     their exp terms were counted twice and the log-sum-exp came out 5e-4..7e-4 high (every
-    log-prob that much low; 500x the tolerance), with no error. The overlap is refused at the update, before the state changes."""
+    log-prob that much low; 500x the tolerance), with no error. The overlap is refused at the
+    update, before the state changes."""
     z, targets = _coverage_logits()
     state = tm.topk_merge_init(3, 4, "cpu", targets=targets)
     tm.topk_merge_update(state, z[:, :10], 0, backend=backend)
@@ -445,7 +446,8 @@ def test_a_shard_state_covers_its_vocab_range(backend):
     lo, hi = 8, 20
     targets = torch.tensor([8, 13, 19])
     state = tm.topk_merge_init(3, 4, "cpu", targets=targets, vocab_range=(lo, hi))
-    with pytest.raises(ValueError, match=r"chunk columns \[4, 12\) lie outside the state's vocabulary columns \[8, 20\)"):
+    with pytest.raises(ValueError, match=r"chunk columns \[4, 12\) lie outside the state's vocabulary columns "
+                                         r"\[8, 20\)"):
         tm.topk_merge_update(state, z[:, 4:12], 4, backend=backend)
     tm.topk_merge_update(state, z[:, 14:hi], 14, backend=backend)
     with pytest.raises(ValueError, match=r"columns \[8, 14\) were never merged \(of \[8, 20\)\)"):
