@@ -8,6 +8,7 @@ lists what runs here. Importing this package registers ``torch.ops.acarerank.*``
 """
 from ._backend import (KNOWN_BACKENDS, BackendError, BackendLimitError, available_backends, backend_for,
                        parse_preference, per_op_backends, triton_interpreted)
+from ._checks import InferenceOnlyError
 from .attention import (AttentionPlan, plan_prefix_shared_attention, prefix_shared_attention,
                         prefix_shared_attention_op, prefix_shared_attention_ref)
 from .yes_no import yes_no_score, yes_no_score_op, yes_no_score_ref
@@ -26,7 +27,8 @@ from .silu_and_mul import silu_and_mul, silu_and_mul_ref
 from .linear import PackedLinearWeight, linear, linear_ref, prepare_linear_weight
 
 __all__ = [
-    "BackendError", "BackendLimitError", "KNOWN_BACKENDS", "available_backends", "backend_for", "parse_preference",
+    "BackendError", "BackendLimitError", "InferenceOnlyError", "KNOWN_BACKENDS", "available_backends", "backend_for",
+    "parse_preference",
     "per_op_backends", "triton_interpreted",
     "AttentionPlan", "plan_prefix_shared_attention", "prefix_shared_attention", "prefix_shared_attention_op",
     "prefix_shared_attention_ref",

@@ -44,6 +44,22 @@ def positive_in_fp32(x) -> bool:
 NONFINITE_LOGITS = "non-finite logits (inf/NaN in hidden or weight, or h·w / temperature past fp32's range)"
 
 
+class InferenceOnlyError(ValueError):
+    """A layer op without a backward was called on an input that requires grad, under grad
+    mode (docs/api.md, "Ops and backends"): its output would require grad and the backward fail
+    later with torch's "no autograd formula was registered" for an internal op name."""
+
+
+def check_inference_only(op: str, ref: str, *tensors) -> None:
+    """``InferenceOnlyError`` naming ``op`` and its differentiable plain-PyTorch twin ``ref`` when
+    grad mode is on and one of ``tensors`` (None and non-tensors skipped) requires grad. Two
+    attribute reads a tensor: nothing under no_grad / inference_mode beyond the first test."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise InferenceOnlyError(
+            f"{op} is inference-only (no backward) and an input requires grad: run it under torch.no_grad() or "
+            f"torch.inference_mode(), or train through {ref} (plain PyTorch, differentiable)")
+
+
 def check_flag(op: str, name: str, x) -> None:
     """TypeError unless ``x`` is a bool (Python's or numpy's): a truthy value such as the string
     "no" would switch the flag on without a word."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _backend
-from ._checks import check_float_tensors
+from ._checks import check_float_tensors, check_inference_only
 
 
 def _check_inputs(o_a, lse_a, o_b, lse_b):
@@ -97,6 +97,7 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, backend=None, validate: bool 
     Returns: (out [N, H, d] in o_a's dtype, lse [N, H] fp32); math in fp32 (fp64 in "cpp").
     """
     _check_inputs(o_a, lse_a, o_b, lse_b)
+    check_inference_only("merge_attention_states", "merge_attention_states_ref", o_a, lse_a, o_b, lse_b)
     if validate:
         for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
             bad = torch.isposinf(t)

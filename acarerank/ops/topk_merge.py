@@ -11,9 +11,17 @@ logits (``topk_logprobs_ref``; ``torch.topk``'s tie order is unspecified, so it 
 State per row (``TopKMergeState``): the k best (logit / temperature, id) pairs so far, the
 running max and Σ exp(x − max) over every logit seen, and the target's logit once its chunk
 has passed. Chunks may come in any order and any widths (k may exceed a chunk); each
-vocabulary column must be merged exactly once.
+vocabulary column must be merged exactly once, and the state keeps a host-side record of the
+merged [c0, c1) intervals to hold callers to it (a column merged twice counts its exp twice in
+the log-sum-exp, a column never merged leaves its term out: both were wrong log-probs with no
+error): ``topk_merge_update`` refuses a chunk overlapping columns already merged, and
+finalize refuses a gap — columns in [0, highest merged id), or in [0, vocab_size) /
+[lo, hi) when ``topk_merge_init`` was given ``vocab_size=`` / ``vocab_range=(lo, hi)`` (a
+vocabulary shard's state). The record is a short Python list (adjacent chunks coalesce into
+one interval): O(intervals) per update, nothing per element, traced as constants under
+torch.compile.
 
-    state = topk_merge_init(T, k, device, targets=targets, temperature=t)
+    state = topk_merge_init(T, k, device, targets=targets, temperature=t, vocab_size=V)
     for c0 in range(0, V, chunk):
         topk_merge_update(state, hidden @ weight[c0:c0 + chunk].T, c0)
     res = topk_merge_finalize(state)            # TopKLogprobs, as topk_logprobs returns
@@ -29,8 +37,8 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -51,6 +59,10 @@ class TopKMergeState:
     target_logit: [T] fp32, the target's logit / temperature (NaN until its chunk is merged)
     targets:      [T] int64 vocabulary ids, or None
     temperature:  the divisor applied to every logit
+    merged:       host-side record of the columns merged so far: sorted, disjoint, non-touching
+                  (c0, c1) intervals of Python ints (module doc)
+    vocab_range:  (lo, hi): the columns [lo, hi) the state must cover exactly, or None (then
+                  [0, highest merged id + 1))
     """
     values: torch.Tensor
     ids: torch.Tensor
@@ -59,6 +71,8 @@ class TopKMergeState:
     target_logit: torch.Tensor
     targets: Optional[torch.Tensor]
     temperature: float
+    merged: List[Tuple[int, int]] = field(default_factory=list)
+    vocab_range: Optional[Tuple[int, int]] = None
 
     @property
     def rows(self) -> int:
@@ -80,13 +94,48 @@ def _check_temperature(temperature, op: str) -> float:
     return t
 
 
+def _vocab_id(x, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"topk_merge_init: {what} must be an int, got {x!r}")
+    return int(x)
+
+
+def _check_vocab_range(k: int, vocab_size, vocab_range) -> Optional[Tuple[int, int]]:
+    """(lo, hi) from ``vocab_size=V`` ((0, V)) or ``vocab_range=(lo, hi)``; None if neither."""
+    if vocab_size is not None and vocab_range is not None:
+        raise ValueError("topk_merge_init: give vocab_size= (the state covers [0, V)) or vocab_range=(lo, hi) (a "
+                         "shard's [lo, hi)), not both")
+    if vocab_size is not None:
+        lo, hi = 0, _vocab_id(vocab_size, "vocab_size")
+    elif vocab_range is not None:
+        if not isinstance(vocab_range, (tuple, list)) or len(vocab_range) != 2:
+            raise TypeError(f"topk_merge_init: vocab_range must be a pair (lo, hi), got {vocab_range!r}")
+        lo, hi = (_vocab_id(x, "vocab_range's bounds") for x in vocab_range)
+    else:
+        return None
+    if not 0 <= lo < hi < 2 ** 31:
+        raise ValueError(f"topk_merge_init: the vocabulary columns [{lo}, {hi}) must be non-empty and lie in "
+                         f"[0, 2^31)")
+    if k > hi - lo:
+        raise ValueError(f"topk_merge_init: k={k} > the {hi - lo} vocabulary columns [{lo}, {hi})")
+    return lo, hi
+
+
 def topk_merge_init(rows: int, k: int, device, targets: Optional[torch.Tensor] = None,
-                    temperature: float = 1.0) -> TopKMergeState:
-    """Empty state for ``rows`` rows; ``targets`` [rows] int64 (ids in the vocabulary) or None."""
+                    temperature: float = 1.0, *, vocab_size: Optional[int] = None,
+                    vocab_range: Optional[Tuple[int, int]] = None) -> TopKMergeState:
+    """Empty state for ``rows`` rows; ``targets`` [rows] int64 (ids in the vocabulary) or None.
+
+    ``vocab_size=V``: finalize refuses the state unless every column of [0, V) was merged (a
+    chunk loop that stopped early). ``vocab_range=(lo, hi)``: the state of one vocabulary shard
+    — updates outside [lo, hi) are refused and finalize wants all of [lo, hi). Neither: finalize
+    wants [0, the highest merged id] covered (a trailing gap is not seen).
+    """
     k = check_k(k, None, "cpp", "topk_merge_init")
     temperature = _check_temperature(temperature, "topk_merge_init")
     if rows < 0:
         raise ValueError(f"topk_merge_init: rows must be >= 0, got {rows}")
+    vocab_range = _check_vocab_range(k, vocab_size, vocab_range)
     device = torch.device(device)
     if targets is not None:
         if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64 or targets.shape != (rows,):
@@ -105,7 +154,59 @@ def topk_merge_init(rows: int, k: int, device, targets: Optional[torch.Tensor] =
         target_logit=torch.full((rows,), float("nan"), dtype=torch.float32, device=device),
         targets=targets,
         temperature=temperature,
+        vocab_range=vocab_range,
     )
+
+
+# ---------------------------------------------------------------- coverage record (host side)
+def _fmt(intervals) -> str:
+    return ", ".join(f"[{a}, {b})" for a, b in intervals)
+
+
+def _check_claim(state: TopKMergeState, c0: int, c1: int) -> None:
+    """ValueError if columns [c0, c1) lie outside the state's vocab_range or overlap the record."""
+    if state.vocab_range is not None:
+        lo, hi = state.vocab_range
+        if c0 < lo or c1 > hi:
+            raise ValueError(f"topk_merge_update: chunk columns [{c0}, {c1}) lie outside the state's vocabulary "
+                             f"columns [{lo}, {hi}) (topk_merge_init's vocab_size / vocab_range)")
+    hit = [(a, b) for a, b in state.merged if a < c1 and c0 < b]
+    if hit:
+        raise ValueError(f"topk_merge_update: chunk columns [{c0}, {c1}) overlap columns {_fmt(hit)} already merged: "
+                         f"a vocabulary id merged more than once counts its exp twice in the log-sum-exp (each column "
+                         f"must be merged exactly once)")
+
+
+def _record(merged: List[Tuple[int, int]], c0: int, c1: int) -> None:
+    """Insert [c0, c1) (disjoint from ``merged``) into the sorted list, coalescing touching neighbours."""
+    i = 0
+    while i < len(merged) and merged[i][1] < c0:
+        i += 1
+    if i < len(merged) and merged[i][1] == c0:   # the left neighbour ends where the chunk starts
+        c0 = merged.pop(i)[0]
+    if i < len(merged) and merged[i][0] == c1:   # the right neighbour starts where it ends
+        c1 = merged.pop(i)[1]
+    merged.insert(i, (c0, c1))
+
+
+def _check_coverage(state: TopKMergeState) -> None:
+    """ValueError naming the columns never merged in [lo, hi): the vocab_range, else [0, highest merged id + 1)."""
+    if state.vocab_range is not None:
+        lo, hi = state.vocab_range
+    elif state.merged:
+        lo, hi = 0, state.merged[-1][1]
+    else:
+        return  # nothing merged, no size given: "k exceeds the number of logits merged" says it (rows > 0)
+    if state.merged == [(lo, hi)]:
+        return
+    gaps, at = [], lo
+    for a, b in state.merged + [(hi, hi)]:
+        if a > at:
+            gaps.append((at, a))
+        at = max(at, b)
+    raise ValueError(f"topk_merge_finalize: vocabulary columns {_fmt(gaps[:4])}{' ...' if len(gaps) > 4 else ''} "
+                     f"were never merged (of [{lo}, {hi})): their exp terms would be missing from the log-sum-exp "
+                     f"(a gap between chunks, or a chunk loop that stopped early?)")
 
 
 # ---------------------------------------------------------------- torch backend
@@ -173,6 +274,8 @@ def topk_merge_update(state: TopKMergeState, chunk_logits: torch.Tensor, c0: int
     """Merge ``chunk_logits`` [T, n] (fp32/fp16/bf16; vocabulary ids c0 .. c0+n−1) into ``state`` in place.
 
     Each column is divided by ``state.temperature`` (IEEE division, as ``logits / t`` in torch).
+    ValueError, with the state untouched, when [c0, c0+n) overlaps columns already merged or
+    lies outside the init's vocab_size / vocab_range.
     """
     if not isinstance(chunk_logits, torch.Tensor) or chunk_logits.dim() != 2:
         raise ValueError(f"topk_merge_update: chunk_logits must be a [T, n] tensor, got "
@@ -186,11 +289,16 @@ def topk_merge_update(state: TopKMergeState, chunk_logits: torch.Tensor, c0: int
     # a float c0 (2.7) was truncated by int(): every id of the chunk off by the fraction, no error
     if isinstance(c0, bool) or not isinstance(c0, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"topk_merge_update: c0 must be an int (the chunk's first vocabulary id), got {c0!r}")
-    c0 = int(c0)
-    if c0 < 0 or c0 + chunk_logits.shape[1] >= 2 ** 31:
-        raise ValueError(f"topk_merge_update: vocabulary ids {c0}..{c0 + chunk_logits.shape[1]} must lie in [0, 2^31)")
+    # plain ints (a SymInt specialises here): the coverage record holds Python ints only
+    c0, c1 = int(c0), int(c0) + int(chunk_logits.shape[1])
+    if c0 < 0 or c1 >= 2 ** 31:
+        raise ValueError(f"topk_merge_update: vocabulary ids {c0}..{c1} must lie in [0, 2^31)")
+    if c1 > c0:  # a zero-width chunk merges nothing
+        _check_claim(state, c0, c1)   # before the op mutates the state
     topk_merge_update_op(state.values, state.ids, state.row_max, state.row_sumexp, state.target_logit, state.targets,
                          state.temperature, chunk_logits, c0, UPDATE_OP.resolve(backend, state.device))
+    if c1 > c0:
+        _record(state.merged, c0, c1)
 
 
 @torch.library.custom_op("acarerank::topk_merge_ids_lse", mutates_args=())
@@ -234,11 +342,14 @@ def topk_merge_core(state: TopKMergeState):
     """The core tuple of a state every vocabulary column has been merged into:
     (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, logsumexp [T] fp32).
 
-    Raises ValueError when fewer than k logits were merged into some row, (with targets)
-    when a row's target id lay in no merged chunk, when a row's log-sum-exp is not finite, or
-    when a top-k id was merged twice (``topk_merge_ids_lse_op``, one registered
-    op: no graph break under torch.compile). Syncs with the device for those checks.
+    Raises ValueError when some columns were never merged (the state's coverage record: in
+    [0, highest merged id], or in the init's vocab_size / vocab_range; host-side, no sync),
+    when fewer than k logits were merged into some row, (with targets) when a row's target id
+    lay in no merged chunk, when a row's log-sum-exp is not finite, or when a top-k id was
+    merged twice (``topk_merge_ids_lse_op``, one registered op: no graph break under
+    torch.compile). Syncs with the device for those checks.
     """
+    _check_coverage(state)
     ids, lse = topk_merge_ids_lse_op(state.ids, state.row_max, state.row_sumexp, state.target_logit,
                                      state.targets is not None)
     return state.values, ids, state.target_logit, lse

@@ -369,3 +369,134 @@ def test_streaming_merge_refuses_what_gave_wrong_log_probs(backend):
         tm.topk_merge_finalize(merged(z, (0, 10, 0)))
     with pytest.raises(TypeError, match="c0 must be an int"):
         tm.topk_merge_update(tm.topk_merge_init(3, 4, "cpu"), z[:, :10], 2.7, backend=backend)
+
+
+# ---------------------------------------------------------------- coverage record
+def _coverage_logits():
+    """[3, 20] logits whose top-4 are columns 0..3 (values 5..8); the rest are N(0, 1)."""
+    z = torch.randn(3, 20, generator=torch.Generator().manual_seed(31))
+    z[:, :4] = torch.tensor([8.0, 7.0, 6.0, 5.0])
+    return z, torch.tensor([1, 7, 15])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_column_merged_twice_outside_the_topk_is_refused_before_it_counts(backend):
+    """Columns 12..15 merged a second time rank below the top-4, so no id shows twice at finalize:
+    their exp terms were counted twice and the log-sum-exp came out 5e-4..7e-4 high (every
+    log-prob that much low; 500x the tolerance), with no error. The overlap is refused at the
+    update, before the state changes."""
+    z, targets = _coverage_logits()
+    state = tm.topk_merge_init(3, 4, "cpu", targets=targets)
+    tm.topk_merge_update(state, z[:, :10], 0, backend=backend)
+    tm.topk_merge_update(state, z[:, 10:], 10, backend=backend)
+    with pytest.raises(ValueError, match=r"chunk columns \[12, 16\) overlap columns \[0, 20\) already merged"):
+        tm.topk_merge_update(state, z[:, 12:16], 12, backend=backend)
+    _, ids, _, lse = tm.topk_merge_core(state)   # untouched: the refused chunk counted nowhere
+    torch.testing.assert_close(lse, torch.logsumexp(z.double(), dim=1).float(), atol=1e-6, rtol=0)
+    ref = topk_logprobs_ref(z, None, targets, k=4)
+    assert torch.equal(ids, ref.topk_ids)
+    got = tm.topk_merge_finalize(state)
+    torch.testing.assert_close(got.target_logprob, ref.target_logprob, atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_columns_never_merged_are_refused_at_finalize(backend):
+    """A gap between chunks (columns 10..14 skipped) and, with vocab_size=, a loop that stopped
+    early (16..19): finalize names the columns. Their exp terms were left out of the log-sum-exp
+    (10..14: 6e-4..1.3e-3 low), with no error."""
+    z, targets = _coverage_logits()
+
+    def merged(pieces, **kw):
+        state = tm.topk_merge_init(3, 4, "cpu", targets=targets, **kw)
+        for a, b in pieces:
+            tm.topk_merge_update(state, z[:, a:b], a, backend=backend)
+        return state
+
+    with pytest.raises(ValueError, match=r"columns \[10, 15\) were never merged \(of \[0, 20\)\)"):
+        tm.topk_merge_finalize(merged([(0, 10), (15, 20)]))
+    with pytest.raises(ValueError, match=r"columns \[0, 4\), \[10, 15\) were never merged \(of \[0, 20\)\)"):
+        tm.topk_merge_core(merged([(4, 10), (15, 20)]))
+    with pytest.raises(ValueError, match=r"columns \[16, 20\) were never merged \(of \[0, 20\)\)"):
+        tm.topk_merge_finalize(merged([(0, 8), (8, 16)], vocab_size=20))
+    # no vocab_size: the state cannot know the vocabulary ended early (docs/ARCHITECTURE.md)
+    tm.topk_merge_finalize(merged([(0, 8), (8, 16)]))
+    # any order, any widths: the record coalesces to [0, 20) and the result is the oracle's
+    got = tm.topk_merge_finalize(merged([(13, 20), (0, 5), (9, 13), (5, 9)], vocab_size=20), outside="full")
+    ref = topk_logprobs_ref(z, None, targets, k=4, outside="full")
+    assert torch.equal(got.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(got.target_logprob, ref.target_logprob, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_the_record_coalesces_any_partition_in_any_order():
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        pieces = _random_chunks(rng, 500, 40)
+        merged = []
+        for i in rng.permutation(len(pieces)):
+            tm._record(merged, *pieces[i])
+            assert merged == sorted(merged) and all(b < c for (_, b), (c, _) in zip(merged, merged[1:])), merged
+        assert merged == [(0, 500)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shard_state_covers_its_vocab_range(backend):
+    """vocab_range=(lo, hi): one vocabulary shard's state (global ids). The columns below lo are
+    not a gap; a chunk outside [lo, hi) and a gap inside it are refused."""
+    z, _ = _coverage_logits()
+    lo, hi = 8, 20
+    targets = torch.tensor([8, 13, 19])
+    state = tm.topk_merge_init(3, 4, "cpu", targets=targets, vocab_range=(lo, hi))
+    with pytest.raises(ValueError, match=r"chunk columns \[4, 12\) lie outside the state's vocabulary columns "
+                                         r"\[8, 20\)"):
+        tm.topk_merge_update(state, z[:, 4:12], 4, backend=backend)
+    tm.topk_merge_update(state, z[:, 14:hi], 14, backend=backend)
+    with pytest.raises(ValueError, match=r"columns \[8, 14\) were never merged \(of \[8, 20\)\)"):
+        tm.topk_merge_finalize(state)
+    tm.topk_merge_update(state, z[:, lo:14], lo, backend=backend)
+    got = tm.topk_merge_finalize(state, outside="full")
+    ref = topk_logprobs_ref(z[:, lo:hi], None, targets - lo, k=4, outside="full")
+    assert torch.equal(got.topk_ids, ref.topk_ids + lo)
+    torch.testing.assert_close(got.topk_logprobs, ref.topk_logprobs, atol=LOGPROB_ATOL, rtol=0)
+    torch.testing.assert_close(got.target_logprob, ref.target_logprob, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_vocab_size_and_range_arguments_are_checked():
+    for kw, err, match in ((dict(vocab_size=20, vocab_range=(0, 20)), ValueError, "not both"),
+                           (dict(vocab_size=3), ValueError, r"k=4 > the 3 vocabulary columns \[0, 3\)"),
+                           (dict(vocab_size=0), ValueError, r"columns \[0, 0\) must be non-empty"),
+                           (dict(vocab_range=(5, 5)), ValueError, r"columns \[5, 5\) must be non-empty"),
+                           (dict(vocab_range=(-1, 9)), ValueError, r"must be non-empty and lie in \[0, 2\^31\)"),
+                           (dict(vocab_size=20.0), TypeError, "vocab_size must be an int"),
+                           (dict(vocab_range=(0, 9, 1)), TypeError, r"vocab_range must be a pair")):
+        with pytest.raises(err, match=match):
+            tm.topk_merge_init(2, 4, "cpu", **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_coverage_record_compiles_in_one_graph(backend):
+    """The record is a Python list of ints: torch.compile(fullgraph=True) traces it as constants
+    (no graph break) — the stream with vocab_size= gives eager's result. A gap or an overlap is
+    found while Dynamo traces: without fullgraph the frame falls back to eager and raises the
+    ValueError; under fullgraph=True Dynamo reports it as Unsupported carrying the message
+    (as every trace-time check of the update does)."""
+    z, targets = _coverage_logits()
+
+    def stream(z, targets, pieces):
+        state = tm.topk_merge_init(3, 4, z.device, targets=targets, vocab_size=20)
+        for a, b in pieces:
+            tm.topk_merge_update(state, z[:, a:b], a, backend=backend)
+        return tm.topk_merge_finalize(state, outside="full")
+
+    compiled = torch.compile(stream, backend="aot_eager", fullgraph=True)
+    pieces = ((8, 20), (0, 8))
+    got, want = compiled(z, targets, pieces), stream(z, targets, pieces)
+    for name, a, b in zip(got._fields, got, want):
+        assert torch.equal(a, b), f"{name}: compiled != eager"
+    lenient = torch.compile(stream, backend="aot_eager")
+    for pieces, match in ((((0, 8), (8, 16)), r"columns \[16, 20\) were never merged"),
+                          (((0, 8), (4, 12)), r"chunk columns \[4, 12\) overlap columns \[0, 8\)")):
+        # (Dynamo may already run this frame eagerly after an earlier refusal: ValueError itself)
+        with pytest.raises((ValueError, torch._dynamo.exc.Unsupported), match=match):
+            compiled(z, targets, pieces)
+        with pytest.raises(ValueError, match=match):
+            lenient(z, targets, pieces)

@@ -1,0 +1,98 @@
+"""The layer ops have no backward (docs/api.md, "Ops and backends"): called under grad mode with
+an input that requires grad, each raises InferenceOnlyError at the call, naming the op and the
+differentiable reference to train through. Their output used to require grad and the backward
+failed later with torch's "no autograd formula was registered" for an internal op name. Under
+no_grad / inference_mode they run and match their reference.
+"""
+import pytest
+import torch
+
+from acarerank.ops import (BackendError, InferenceOnlyError, fused_add_rms_norm, fused_add_rms_norm_ref, linear,
+                           linear_ref, merge_attention_states, merge_attention_states_ref, prefix_shared_attention,
+                           prefix_shared_attention_paged, prefix_shared_attention_paged_ref,
+                           prefix_shared_attention_ref, prepare_linear_weight, qk_norm_rope, qk_norm_rope_ref,
+                           rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref)
+
+T, HQ, HKV, D = 5, 4, 2, 16
+_GEN = torch.Generator().manual_seed(7)
+
+
+def _r(*shape):
+    return torch.randn(*shape, generator=_GEN)
+
+
+def _cases():
+    """name -> (the op, its reference, the tensors the grad may be asked of, call(tensors) -> op args)."""
+    i32 = dict(dtype=torch.int32)
+    cu, grp = torch.tensor([0, 2, 5], **i32), torch.tensor([0, 0], **i32)
+    attn = dict(q=_r(T, HQ, D), k=_r(T, HKV, D), v=_r(T, HKV, D), prefix_k=_r(3, HKV, D), prefix_v=_r(3, HKV, D))
+    paged = dict(q=_r(T, HQ, D), k=_r(T, HKV, D), v=_r(T, HKV, D), k_cache=_r(2, 16, HKV, D),
+                 v_cache=_r(2, 16, HKV, D))
+    table, plens = torch.tensor([[1, 0]], **i32), torch.tensor([3], **i32)
+    return {
+        "rms_norm": (rms_norm, rms_norm_ref, dict(x=_r(T, D), weight=_r(D)), lambda t: (t["x"], t["weight"], 1e-6)),
+        "fused_add_rms_norm": (
+            fused_add_rms_norm, lambda x, r, w, e: fused_add_rms_norm_ref(x, r.clone(), w, e)[0],
+            dict(x=_r(T, D), residual=_r(T, D), weight=_r(D)),
+            # a copy of the residual each call (the op adds into it); a copy of one that requires grad does too
+            lambda t: (t["x"], t["residual"].clone(), t["weight"], 1e-6)),
+        "silu_and_mul": (silu_and_mul, silu_and_mul_ref, dict(x=_r(T, 2 * D)), lambda t: (t["x"],)),
+        "qk_norm_rope": (qk_norm_rope, qk_norm_rope_ref,
+                         dict(qkv=_r(T, (HQ + 2 * HKV) * D), q_weight=_r(D), k_weight=_r(D), cos=_r(T, D),
+                              sin=_r(T, D)),
+                         lambda t: (t["qkv"], t["q_weight"], t["k_weight"], t["cos"], t["sin"], HQ, HKV, 1e-6)),
+        "merge_attention_states": (merge_attention_states, merge_attention_states_ref,
+                                   dict(o_a=_r(T, HQ, D), lse_a=_r(T, HQ), o_b=_r(T, HQ, D), lse_b=_r(T, HQ)),
+                                   lambda t: (t["o_a"], t["lse_a"], t["o_b"], t["lse_b"])),
+        "prefix_shared_attention": (
+            prefix_shared_attention, prefix_shared_attention_ref, attn,
+            lambda t: (t["q"], t["k"], t["v"], cu, t["prefix_k"], t["prefix_v"], torch.tensor([0, 3], **i32), grp)),
+        "prefix_shared_attention_paged": (
+            prefix_shared_attention_paged, prefix_shared_attention_paged_ref, paged,
+            lambda t: (t["q"], t["k"], t["v"], cu, t["k_cache"], t["v_cache"], table, plens, grp)),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_layer_op_refuses_an_input_that_requires_grad(name):
+    op, ref, tensors, args = CASES[name]
+    for which in tensors:
+        t = {n: x.detach().requires_grad_(n == which) for n, x in tensors.items()}
+        with pytest.raises(InferenceOnlyError, match=rf"^{name} is inference-only \(no backward\) and an input "
+                                                     rf"requires grad: .* train through {name}_ref "):
+            op(*args(t))
+    # the same inputs under no_grad / inference_mode: the op's result, as its reference's
+    for ctx in (torch.no_grad, torch.inference_mode):
+        t = {n: x.detach().requires_grad_(True) for n, x in tensors.items()}
+        with ctx():
+            got, want = op(*args(t)), ref(*args(t))
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for g, w in zip(got, want):
+            assert not g.requires_grad
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    # inputs that do not require grad: no error with grad mode on
+    op(*args({n: x.detach() for n, x in tensors.items()}))
+
+
+def test_the_named_reference_is_differentiable():
+    """The advice works: rms_norm_ref backpropagates where rms_norm refuses."""
+    x, w = _r(T, D).requires_grad_(), _r(D)
+    rms_norm_ref(x, w, 1e-6).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_linear_with_a_packed_weight_refuses_grad_and_the_dense_one_trains():
+    w, x = _r(12, D), _r(T, D).requires_grad_()
+    try:
+        packed = prepare_linear_weight(w, "onednn")
+    except BackendError as e:   # a torch without oneDNN: only the dense path exists
+        pytest.skip(str(e))
+    with pytest.raises(InferenceOnlyError, match=r"^linear \(oneDNN-packed weight\) is inference-only .* dense weight"):
+        linear(x, packed)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x, packed), linear_ref(x, w), atol=1e-4, rtol=1e-4)
+    linear(x, w).sum().backward()    # F.linear: differentiable
+    torch.testing.assert_close(x.grad, w.sum(0).expand(T, D))
