@@ -268,7 +268,12 @@ class Engine(_FaultIsolation):
         included), and jobs whose prefix or selection holds pages. Any thread (a metrics scrape):
         it reads copies of the scheduler's lists (each made in one step under the GIL), under the
         lock the loop holds while it moves arrivals out of the inbox, so none is counted twice. The
-        canary is the engine's own job, not a request: never counted (as in every request metric)."""
+        canary is the engine's own job, not a request: never counted (as in every request metric).
+        A dead engine: ``(0, 0)``."""
+        if self.dead is not None:
+            # every job of a dead engine has had its EngineDead; after a wedge (``_wedged``) the lists
+            # keep them until the held step returns, which may be never: they are no queue
+            return 0, 0
         with self._cv:
             inbox, calls = len(self._inbox), len(self._calls)
             active, selects = list(self._active), list(self._selects)
@@ -401,8 +406,14 @@ class Engine(_FaultIsolation):
                 self._end_select(job, result=steps.finish_select(st))
                 self._selects.popleft()
         except Exception as e:  # noqa: BLE001 - fail this selection only (its pages released); a 500
-            self._model_failed(e)   # first: if the canary fails too, this selection gets the dead engine's 503
-            self._end_select(job, exc=self._fault("select", e, [job]))
+            # dropped while the step ran (its client left: ``cancel``; or the watchdog answered it 503:
+            # ``_wedged``): as the culprit search skips dropped requests, nothing is counted or logged
+            # for it and no canary runs through a dead engine's model (docs/serving.md, --max-pass-timeout)
+            if job.cancelled:
+                self._end_select(job, cancelled=True)
+            else:
+                self._model_failed(e)   # first: if the canary fails too, this selection gets the dead engine's 503
+                self._end_select(job, exc=self._fault("select", e, [job]))
             self._selects.popleft()
         else:
             self._model_ok()
@@ -447,8 +458,9 @@ class Engine(_FaultIsolation):
         try:
             job.handle = self._acquire_prefix(job.enc)
         except Exception as e:  # noqa: BLE001 - fail this request only (acquire_prefix gave its pages back)
-            self._model_failed(e)   # first: if the canary fails too, this request gets the dead engine's 503
-            _settle(job.future, exc=self._fault("prefill", e, [job]))
+            if not job.cancelled:   # dropped while it ran: nothing counted or logged (as in ``_select_step``)
+                self._model_failed(e)   # first: if the canary fails too, this request gets the dead engine's 503
+                _settle(job.future, exc=self._fault("prefill", e, [job]))
             job.cancelled = True
             return False
         finally:
