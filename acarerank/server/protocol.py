@@ -15,7 +15,9 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   body is in the shape the gate's would be (TEI's on ``/rerank``: ``errors.error_for``), the path
   read from the request line's first bytes as uvicorn reads it (``_request_path``), so how the
   head's TCP segments fell does not pick the shape. h11 gets a head still arriving in pieces of
-  ``MAX_HEAD_BYTES``, so its own limit (twice that, ``front.py``) never answers it first (a 400);
+  ``MAX_HEAD_BYTES``, so its own limit (twice that, ``front.py``) never answers it first (a 400),
+  and a pipelined head h11 holds unparsed while the previous response runs is judged, those bytes
+  counted, when that response ends (``_judge_pipelined_head``);
 * ``max_connections`` open at once: one more is closed as soon as it is accepted, with one log
   line per ``LOG_EVERY_S`` at most (nginx's ``worker_connections``);
 * ``send_timeout``: once a response fills the socket's buffers (the transport pauses writing), the
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import urllib.parse
 from typing import Optional
@@ -46,6 +49,8 @@ HEAD_GRACE_S = 0.1               # a head timer that fires gets this long for by
 #: a head's first bytes kept to read its path from: a target whose path decodes to an API path
 #: ("/rerank", at most 3 bytes a character percent-encoded) is whole well within them
 HEAD_START_BYTES = 256
+#: where a head ends (h11's own blank-line pattern)
+_HEAD_END = re.compile(b"\n\r?\n")
 
 
 def _request_path(start: bytes, absolute_form: bool) -> Optional[str]:
@@ -187,6 +192,8 @@ def http_protocol_with_limits(base, config: ServeConfig):
 
         def on_response_complete(self) -> None:
             self._keepalive_grace = False
+            if not absolute_form and not self.transport.is_closing():
+                self._judge_pipelined_head()   # before h11 parses it (super): its own limit is a 400
             super().on_response_complete()
             if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
                 self._arm_head_timer()   # kept alive: the next head has header_timeout seconds
@@ -198,6 +205,20 @@ def http_protocol_with_limits(base, config: ServeConfig):
                 return
             super().timeout_keep_alive_handler()
 
+        def _judge_pipelined_head(self) -> None:
+            """h11: the next request's bytes that came with the previous one's (pipelined: h11 holds
+            them unparsed until this response ends) are a head over ``MAX_HEAD_BYTES`` that does not
+            end within h11's own limit: 431 and close, as when the head arrives alone. h11 answered
+            it 400 "malformed" at its limit (front.py: 2 x MAX_HEAD_BYTES) where httptools answers 431."""
+            pending = self.conn.trailing_data[0].lstrip(b"\r\n")
+            if len(pending) <= MAX_HEAD_BYTES or _HEAD_END.search(pending, 0, 2 * MAX_HEAD_BYTES):
+                return   # short, or a whole head: h11 parses it and the gate measures it (gate.py)
+            self._cancel_head_timer()
+            self.transport.write(_raw_error(431, "Request Header Fields Too Large",
+                                            f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
+                                            _request_path(pending[:HEAD_START_BYTES], absolute_form) or ""))
+            self.transport.close()
+
         def send_400_response(self, msg: str) -> None:
             self._cancel_head_timer()
             self.transport.write(_raw_error(400, "Bad Request", f"malformed HTTP request: {msg} (e.g. bad syntax, "
@@ -208,8 +229,12 @@ def http_protocol_with_limits(base, config: ServeConfig):
         def _arm_head_timer(self) -> None:
             self._cancel_head_timer()
             self._head_for = self.cycle
-            self._head_bytes = 0
-            self._head_start = b""
+            # h11 after a response: the part of the next head that came with the previous request
+            # (pipelined) is in h11's buffer, unparsed; it counts toward MAX_HEAD_BYTES (it was not
+            # counted: a head of 20 + 10 kB was never a 431 and h11 gave 400 at its own limit)
+            pending = b"" if absolute_form else self.conn.trailing_data[0]
+            self._head_bytes = len(pending)
+            self._head_start = pending[:HEAD_START_BYTES]
             self._head_grace = False
             self._head_timer = self.loop.call_later(config.header_timeout, self._head_timed_out)
 

@@ -350,6 +350,34 @@ def test_a_431_has_the_routes_shape_however_the_head_arrives(request, protocol):
         assert "Invalid HTTP request received" not in server["proc"].output(), server["proc"].output()[-2000:]
 
 
+def test_a_pipelined_head_over_the_limit_is_a_431_on_h11(h11_server):
+    """A request whose body arrives in the same read as the next request's incomplete head (pipelined):
+    uvicorn's h11 protocol holds those bytes unparsed until the first response ends, then parsed them
+    with nothing counted. A head of 40 kB in that read was h11's own 400 "malformed" (its limit: 32 kB
+    of a head still arriving); one of 20 kB was closed without a word by the keep-alive timer; 10 kB
+    there and 10 kB more later were never a 431 (the head timer counted the later bytes only). Each is
+    now the 431 a head that arrives alone gets, after the first request's 200; a short pipelined head
+    is still served."""
+    port = h11_server["port"]
+    body = json.dumps(dict(query="q", documents=["d"])).encode()
+    first = request_head(length=len(body)) + body
+    for there, later in ((40_000, 0), (20_000, 0), (10_000, 10_000)):
+        with connect(port) as s:
+            s.sendall(first + b"POST /v1/rerank HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * there)
+            if later:
+                time.sleep(0.3)   # the first response has ended: these bytes come on their own
+                s.sendall(b"a" * later)
+            raw, closed = read_until_closed(s, 4)
+        assert closed is not None and raw.startswith(b"HTTP/1.1 200 "), (there, later, closed, raw[:200])
+        second = raw[raw.index(b"HTTP/1.1 ", 1):]
+        expect_json_error(second, 431, ["16384 bytes"])
+    with connect(port) as s:   # two whole pipelined requests in one write: both served
+        s.sendall(first + request_head(length=len(body), extra="X-Pad: " + "a" * 1000 + "\r\nConnection: close\r\n")
+                  + body)
+        raw, _ = read_until_closed(s, 10)
+    assert raw.count(b"HTTP/1.1 200 ") == 2, raw[:400]
+
+
 def test_request_limits(server):
     base = server["base"]
     r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["d"], cache_salt="s" * (MAX_SALT + 1)))
