@@ -124,6 +124,7 @@ class Engine(_FaultIsolation):
         self._inbox: collections.deque = collections.deque()
         self._active: list = []          # score jobs in arrival order (scheduler thread only)
         self._calls: collections.deque = collections.deque()
+        self._call: Optional[_CallJob] = None    # the call running now (``_run_call``)
         self._selects: collections.deque = collections.deque()  # selection jobs in arrival order
         self.select_steps = select_steps
         self._stopping = False
@@ -441,10 +442,15 @@ class Engine(_FaultIsolation):
         if self.metrics is not None:
             self.metrics.queue_time.observe(time.perf_counter() - job.submitted)
         t = time.perf_counter()
+        # out of every list while it runs: the watchdog (``_wedged``) and a death (``_fail_in_flight``)
+        # fail it from here — its waiter got nothing from a call past max_pass_s, or one that ended on
+        # a BaseException, until its own timeout
+        self._call = job
         try:
-            job.future.set_result(job.fn())
+            _settle(job.future, job.fn())   # _settle: the watchdog may have failed it meanwhile
         except Exception as e:  # noqa: BLE001 - the caller maps it to an HTTP error
-            job.future.set_exception(e)
+            _settle(job.future, exc=e)
+        self._call = None   # not on a BaseException: _die's _fail_in_flight fails it
         self._busy("call", t)
 
     def _start(self, job: _ScoreJob) -> bool:
@@ -590,7 +596,9 @@ class Engine(_FaultIsolation):
     def _fail_in_flight(self, exc: BaseException) -> None:
         """Fail every job the loop holds (scoring, selections, calls) with ``exc``, pages given back;
         a release that raises is logged (rate-limited) and the futures are failed all the same."""
-        selects, active, calls = self._selects, self._active, self._calls
+        selects, active, calls = self._selects, self._active, list(self._calls)
+        if self._call is not None:   # a call that ended on a BaseException (``_die``)
+            calls.append(self._call)
         self._selects, self._active, self._calls = collections.deque(), [], collections.deque()
         for job in selects:
             self._end_select(job, exc=exc)

@@ -528,6 +528,36 @@ def test_a_wedged_select_or_prefill_step_that_then_fails_is_not_counted_again(ca
         eng.stop()
 
 
+@pytest.mark.parametrize("then", ["max_pass_s", "base_exception"])
+def test_a_call_that_never_returns_or_kills_the_engine_gets_engine_dead(then):
+    """A submit_call job is out of every queue while it runs: held past max_pass_s, the watchdog
+    failed every other job and left it pending; ending on a BaseException (the engine dies through
+    _die) left it pending too. Its waiter got nothing until its own timeout; now EngineDead."""
+    gate = threading.Event()
+
+    def call():
+        if then == "base_exception":
+            raise SystemExit("the call ends the engine")
+        assert gate.wait(30)
+        return "late"
+
+    eng = Engine(FaultySteps(), max_batch_tokens=100, max_pass_s=0.3 if then == "max_pass_s" else None)
+    eng.start()
+    try:
+        job = eng.submit_call(call)
+        with pytest.raises(EngineDead):
+            job.future.result(10)
+        gate.set()
+        if then == "max_pass_s":
+            eng.stop(10)
+            _wait_for_scheduler_end(eng)   # the late result neither replaces the 503 nor fails the loop
+            with pytest.raises(EngineDead):
+                job.future.result(0)
+    finally:
+        gate.set()
+        eng.stop()
+
+
 def test_the_watchdog_ends_when_the_engine_dies_another_way():
     """max_pass_s=600 and a pass that kills the engine at once (a BaseException, through _die): the
     watchdog thread ends with the engine, without a stop(). It slept out the bound first (600 s
