@@ -124,6 +124,7 @@ class Engine(_FaultIsolation):
         self._inbox: collections.deque = collections.deque()
         self._active: list = []          # score jobs in arrival order (scheduler thread only)
         self._calls: collections.deque = collections.deque()
+        self._call: Optional[_CallJob] = None    # the call running now (``_run_call``)
         self._selects: collections.deque = collections.deque()  # selection jobs in arrival order
         self.select_steps = select_steps
         self._stopping = False
@@ -268,7 +269,12 @@ class Engine(_FaultIsolation):
         included), and jobs whose prefix or selection holds pages. Any thread (a metrics scrape):
         it reads copies of the scheduler's lists (each made in one step under the GIL), under the
         lock the loop holds while it moves arrivals out of the inbox, so none is counted twice. The
-        canary is the engine's own job, not a request: never counted (as in every request metric)."""
+        canary is the engine's own job, not a request: never counted (as in every request metric).
+        A dead engine: ``(0, 0)``."""
+        if self.dead is not None:
+            # every job of a dead engine has had its EngineDead; after a wedge (``_wedged``) the lists
+            # keep them until the held step returns, which may be never: they are no queue
+            return 0, 0
         with self._cv:
             inbox, calls = len(self._inbox), len(self._calls)
             active, selects = list(self._active), list(self._selects)
@@ -401,8 +407,14 @@ class Engine(_FaultIsolation):
                 self._end_select(job, result=steps.finish_select(st))
                 self._selects.popleft()
         except Exception as e:  # noqa: BLE001 - fail this selection only (its pages released); a 500
-            self._model_failed(e)   # first: if the canary fails too, this selection gets the dead engine's 503
-            self._end_select(job, exc=self._fault("select", e, [job]))
+            # dropped while the step ran (its client left: ``cancel``; or the watchdog answered it 503:
+            # ``_wedged``): as the culprit search skips dropped requests, nothing is counted or logged
+            # for it and no canary runs through a dead engine's model (docs/serving.md, --max-pass-timeout)
+            if job.cancelled:
+                self._end_select(job, cancelled=True)
+            else:
+                self._model_failed(e)   # first: if the canary fails too, this selection gets the dead engine's 503
+                self._end_select(job, exc=self._fault("select", e, [job]))
             self._selects.popleft()
         else:
             self._model_ok()
@@ -430,10 +442,15 @@ class Engine(_FaultIsolation):
         if self.metrics is not None:
             self.metrics.queue_time.observe(time.perf_counter() - job.submitted)
         t = time.perf_counter()
+        # out of every list while it runs: the watchdog (``_wedged``) and a death (``_fail_in_flight``)
+        # fail it from here — its waiter got nothing from a call past max_pass_s, or one that ended on
+        # a BaseException, until its own timeout
+        self._call = job
         try:
-            job.future.set_result(job.fn())
+            _settle(job.future, job.fn())   # _settle: the watchdog may have failed it meanwhile
         except Exception as e:  # noqa: BLE001 - the caller maps it to an HTTP error
-            job.future.set_exception(e)
+            _settle(job.future, exc=e)
+        self._call = None   # not on a BaseException: _die's _fail_in_flight fails it
         self._busy("call", t)
 
     def _start(self, job: _ScoreJob) -> bool:
@@ -447,8 +464,9 @@ class Engine(_FaultIsolation):
         try:
             job.handle = self._acquire_prefix(job.enc)
         except Exception as e:  # noqa: BLE001 - fail this request only (acquire_prefix gave its pages back)
-            self._model_failed(e)   # first: if the canary fails too, this request gets the dead engine's 503
-            _settle(job.future, exc=self._fault("prefill", e, [job]))
+            if not job.cancelled:   # dropped while it ran: nothing counted or logged (as in ``_select_step``)
+                self._model_failed(e)   # first: if the canary fails too, this request gets the dead engine's 503
+                _settle(job.future, exc=self._fault("prefill", e, [job]))
             job.cancelled = True
             return False
         finally:
@@ -578,7 +596,9 @@ class Engine(_FaultIsolation):
     def _fail_in_flight(self, exc: BaseException) -> None:
         """Fail every job the loop holds (scoring, selections, calls) with ``exc``, pages given back;
         a release that raises is logged (rate-limited) and the futures are failed all the same."""
-        selects, active, calls = self._selects, self._active, self._calls
+        selects, active, calls = self._selects, self._active, list(self._calls)
+        if self._call is not None:   # a call that ended on a BaseException (``_die``)
+            calls.append(self._call)
         self._selects, self._active, self._calls = collections.deque(), [], collections.deque()
         for job in selects:
             self._end_select(job, exc=exc)

@@ -172,6 +172,9 @@ class _FaultIsolation:
         dead = EngineDead(reason)
         with self._cv:   # copies, each in one step under the GIL (as ``depth``): the scheduler owns the lists
             jobs = list(self._inbox) + list(self._calls) + list(self._selects) + list(self._active)
+        call = getattr(self, "_call", None)   # the wedged step may be a call, out of every list while it runs
+        if call is not None:
+            jobs.append(call)
         for job in jobs:
             _settle(job.future, exc=dead)
             # dropped, as ``Engine.cancel`` drops a job from any thread: should the wedged step end

@@ -15,7 +15,9 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   body is in the shape the gate's would be (TEI's on ``/rerank``: ``errors.error_for``), the path
   read from the request line's first bytes as uvicorn reads it (``_request_path``), so how the
   head's TCP segments fell does not pick the shape. h11 gets a head still arriving in pieces of
-  ``MAX_HEAD_BYTES``, so its own limit (twice that, ``front.py``) never answers it first (a 400);
+  ``MAX_HEAD_BYTES``, so its own limit (twice that, ``front.py``) never answers it first (a 400),
+  and a pipelined head h11 holds unparsed while the previous response runs is judged, those bytes
+  counted, when that response ends (``_judge_pipelined_head``);
 * ``max_connections`` open at once: one more is closed as soon as it is accepted, with one log
   line per ``LOG_EVERY_S`` at most (nginx's ``worker_connections``);
 * ``send_timeout``: once a response fills the socket's buffers (the transport pauses writing), the
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import urllib.parse
 from typing import Optional
@@ -46,6 +49,8 @@ HEAD_GRACE_S = 0.1               # a head timer that fires gets this long for by
 #: a head's first bytes kept to read its path from: a target whose path decodes to an API path
 #: ("/rerank", at most 3 bytes a character percent-encoded) is whole well within them
 HEAD_START_BYTES = 256
+#: where a head ends (h11's own blank-line pattern)
+_HEAD_END = re.compile(b"\n\r?\n")
 
 
 def _request_path(start: bytes, absolute_form: bool) -> Optional[str]:
@@ -111,6 +116,7 @@ def http_protocol_with_limits(base, config: ServeConfig):
         _head_bytes = 0
         _head_start = b""      # the head's first HEAD_START_BYTES (its path, for the 431's shape)
         _head_grace = False
+        _pipelined = None      # httptools: bytes of the next head read since the body before it ended
         _keepalive_grace = False
         _send_timer = None
 
@@ -169,8 +175,16 @@ def http_protocol_with_limits(base, config: ServeConfig):
 
         def _receive(self, data: bytes) -> None:
             waiting = self._head_timer is not None
+            pipelined = self._pipelined is not None   # httptools: this read is all of the next head's
             super().data_received(data)
             if not waiting:
+                if pipelined and self._pipelined is not None:   # its head still not whole
+                    self._pipelined += len(data)
+                    if self._pipelined > MAX_HEAD_BYTES:
+                        # no more until this response ends (h11 pauses at the first pipelined byte):
+                        # httptools kept a head arriving meanwhile whole in memory, grown by copying
+                        # (~100 MB a connection and seconds of the event loop while one request ran)
+                        self.flow.pause_reading()
                 return
             if self.cycle is not self._head_for:   # a request's head arrived
                 self._cancel_head_timer()
@@ -179,14 +193,21 @@ def http_protocol_with_limits(base, config: ServeConfig):
             if len(self._head_start) < HEAD_START_BYTES:
                 self._head_start += data[:HEAD_START_BYTES - len(self._head_start)]
             if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
-                self._cancel_head_timer()
-                self.transport.write(_raw_error(431, "Request Header Fields Too Large",
-                                                f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
-                                                _request_path(self._head_start, absolute_form) or ""))
-                self.transport.close()
+                self._head_too_large(self._head_start)
+
+        if absolute_form:   # httptools: count a pipelined head's bytes (``_pipelined``)
+            def on_message_complete(self) -> None:
+                super().on_message_complete()
+                self._pipelined = 0   # from the next read on, every byte is the next request's head
+
+            def on_headers_complete(self) -> None:
+                self._pipelined = None   # a whole head: the gate measures it (gate.py)
+                super().on_headers_complete()
 
         def on_response_complete(self) -> None:
             self._keepalive_grace = False
+            if not self.transport.is_closing():
+                self._judge_pipelined_head()   # before h11 parses it (super): its own limit is a 400
             super().on_response_complete()
             if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
                 self._arm_head_timer()   # kept alive: the next head has header_timeout seconds
@@ -198,6 +219,36 @@ def http_protocol_with_limits(base, config: ServeConfig):
                 return
             super().timeout_keep_alive_handler()
 
+        def _judge_pipelined_head(self) -> None:
+            """h11: the next request's bytes that came with the previous one's (pipelined: h11 holds
+            them unparsed until this response ends) are a head over ``MAX_HEAD_BYTES`` that does not
+            end within h11's own limit: 431 and close, as when the head arrives alone. h11 answered
+            it 400 "malformed" at its limit (front.py: 2 x MAX_HEAD_BYTES) where httptools answers 431."""
+            if absolute_form:   # httptools parsed it as it came: the bytes counted since (``_receive``)
+                if (self._pipelined or 0) > MAX_HEAD_BYTES:
+                    self._head_too_large(self._pipelined_start())
+                return
+            pending = self.conn.trailing_data[0].lstrip(b"\r\n")
+            if len(pending) <= MAX_HEAD_BYTES or _HEAD_END.search(pending, 0, 2 * MAX_HEAD_BYTES):
+                return   # short, or a whole head: h11 parses it and the gate measures it (gate.py)
+            self._head_too_large(pending[:HEAD_START_BYTES])
+
+        def _pipelined_start(self) -> bytes:
+            """httptools: a stand-in for the first bytes of a pipelined head (``_head_start``), read from
+            what the parser gave of it: its target once a header has followed it (whole), else bytes
+            that name no path (the 431 is then in our shape)."""
+            if self.headers and len(self.url) < HEAD_START_BYTES:
+                return (b"GET " + self.url + b" HTTP/1.1\r\n").ljust(HEAD_START_BYTES)
+            return b" " * HEAD_START_BYTES
+
+        def _head_too_large(self, start: bytes) -> None:
+            """431 (the route's shape, read from the head's first bytes ``start``) and close."""
+            self._cancel_head_timer()
+            self.transport.write(_raw_error(431, "Request Header Fields Too Large",
+                                            f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
+                                            _request_path(start, absolute_form) or ""))
+            self.transport.close()
+
         def send_400_response(self, msg: str) -> None:
             self._cancel_head_timer()
             self.transport.write(_raw_error(400, "Bad Request", f"malformed HTTP request: {msg} (e.g. bad syntax, "
@@ -208,8 +259,18 @@ def http_protocol_with_limits(base, config: ServeConfig):
         def _arm_head_timer(self) -> None:
             self._cancel_head_timer()
             self._head_for = self.cycle
-            self._head_bytes = 0
-            self._head_start = b""
+            # h11 after a response: the part of the next head that came with the previous request
+            # (pipelined) is in h11's buffer, unparsed; it counts toward MAX_HEAD_BYTES (it was not
+            # counted: a head of 20 + 10 kB was never a 431 and h11 gave 400 at its own limit)
+            # (httptools: the bytes counted since the previous body ended, ``_pipelined``)
+            if absolute_form:
+                self._head_bytes = self._pipelined or 0
+                self._head_start = self._pipelined_start() if self._head_bytes else b""
+                self._pipelined = None
+            else:
+                pending = self.conn.trailing_data[0]
+                self._head_bytes = len(pending)
+                self._head_start = pending[:HEAD_START_BYTES]
             self._head_grace = False
             self._head_timer = self.loop.call_later(config.header_timeout, self._head_timed_out)
 

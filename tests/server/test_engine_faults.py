@@ -455,6 +455,109 @@ def test_a_step_past_max_pass_s_that_then_fails_runs_no_more_model_work(caplog):
         eng.stop()
 
 
+class HeldSelect:
+    """A setwise step API whose first prefill chunk waits for ``gate``, then raises (a device error after
+    a hang); counts the selections it holds."""
+
+    class State:
+        prefilling, done = True, False
+
+    def __init__(self, gate):
+        self.gate, self.held = gate, set()
+
+    def start_select(self, enc):
+        st = self.State()
+        self.held.add(id(st))
+        return st
+
+    def prefill_select(self, st, chunk):
+        assert self.gate.wait(30)
+        raise RuntimeError("the wedged call ends in a device error")
+
+    def release_select(self, st):
+        self.held.discard(id(st))
+
+
+@pytest.mark.parametrize("stage", ["select", "prefill"])
+def test_a_wedged_select_or_prefill_step_that_then_fails_is_not_counted_again(caplog, stage):
+    """A /v1/select step (or a request's prefix prefill) held past max_pass_s=0.3: the watchdog fails
+    its job and one queued behind it with EngineDead, and the engine reports no queue and nothing
+    running (it is dead: the lists keep the jobs until the step returns). When the held call then
+    raises, nothing more is logged or counted for the request already answered 503 (as the scoring
+    pass's culprit search: the test above): engine_failures{stage} stays 0, no canary is due, and
+    the pages go back. Without it the dead engine logged 'engine select failed' and counted a
+    failure for it, and the gauges kept 2 jobs."""
+    gate = threading.Event()
+
+    class HeldPrefill(FaultySteps):
+        def acquire_prefix(self, enc):
+            h = super().acquire_prefix(enc)
+            if enc.shared_ids == [1]:
+                assert gate.wait(30)
+                self.pinned.discard(id(h))   # acquire_prefix gives its pages back when it fails
+                raise RuntimeError("the wedged call ends in a device error")
+            return h
+
+    metrics = ServerMetrics(lambda: {})
+    steps, select = HeldPrefill(), HeldSelect(gate)
+    eng = Engine(steps, max_batch_tokens=100, max_pass_s=0.3, metrics=metrics, select_steps=select,
+                 canary=Enc([9], [[1]]), canary_after=1)
+    first = eng.submit_select(object(), rid="s1") if stage == "select" else eng.submit(Enc([1], [[1]]), rid="r1")
+    eng.start()
+    try:
+        for _ in range(300):   # the first step holds it before the second arrives
+            if eng.health()["state"] == "busy":
+                break
+            threading.Event().wait(0.01)
+        second = eng.submit(Enc([2], [[2]]), rid="r2")
+        for job in (first, second):
+            with pytest.raises(EngineDead, match="--max-pass-timeout 0.3 s"):
+                job.future.result(10)
+        assert eng.depth() == (0, 0)
+        assert metrics.queue_size._value.get() == 0 and metrics.running._value.get() == 0
+        gate.set()
+        eng.stop(10)   # returns at once after a wedge (Engine.stop): wait for the step's own end
+        _wait_for_scheduler_end(eng)
+        assert metrics.engine_failures.labels(stage)._value.get() == 0
+        assert metrics.engine_failures.labels("engine")._value.get() == 1
+        assert eng.model_failures_in_a_row == 0 and metrics.canary.labels("failed")._value.get() == 0
+        assert not [r for r in caplog.records if f"engine {stage} failed" in r.getMessage()]
+        assert not steps.pinned and not select.held, "the dead engine's pages were not released"
+    finally:
+        gate.set()
+        eng.stop()
+
+
+@pytest.mark.parametrize("then", ["max_pass_s", "base_exception"])
+def test_a_call_that_never_returns_or_kills_the_engine_gets_engine_dead(then):
+    """A submit_call job is out of every queue while it runs: held past max_pass_s, the watchdog
+    failed every other job and left it pending; ending on a BaseException (the engine dies through
+    _die) left it pending too. Its waiter got nothing until its own timeout; now EngineDead."""
+    gate = threading.Event()
+
+    def call():
+        if then == "base_exception":
+            raise SystemExit("the call ends the engine")
+        assert gate.wait(30)
+        return "late"
+
+    eng = Engine(FaultySteps(), max_batch_tokens=100, max_pass_s=0.3 if then == "max_pass_s" else None)
+    eng.start()
+    try:
+        job = eng.submit_call(call)
+        with pytest.raises(EngineDead):
+            job.future.result(10)
+        gate.set()
+        if then == "max_pass_s":
+            eng.stop(10)
+            _wait_for_scheduler_end(eng)   # the late result neither replaces the 503 nor fails the loop
+            with pytest.raises(EngineDead):
+                job.future.result(0)
+    finally:
+        gate.set()
+        eng.stop()
+
+
 def test_the_watchdog_ends_when_the_engine_dies_another_way():
     """max_pass_s=600 and a pass that kills the engine at once (a BaseException, through _die): the
     watchdog thread ends with the engine, without a stop(). It slept out the bound first (600 s

@@ -350,6 +350,65 @@ def test_a_431_has_the_routes_shape_however_the_head_arrives(request, protocol):
         assert "Invalid HTTP request received" not in server["proc"].output(), server["proc"].output()[-2000:]
 
 
+def test_a_pipelined_head_over_the_limit_is_a_431_on_h11(h11_server):
+    """A request whose body arrives in the same read as the next request's incomplete head (pipelined):
+    uvicorn's h11 protocol holds those bytes unparsed until the first response ends, then parsed them
+    with nothing counted. A head of 40 kB in that read was h11's own 400 "malformed" (its limit: 32 kB
+    of a head still arriving); one of 20 kB was closed without a word by the keep-alive timer; 10 kB
+    there and 10 kB more later were never a 431 (the head timer counted the later bytes only). Each is
+    now the 431 a head that arrives alone gets, after the first request's 200; a short pipelined head
+    is still served."""
+    port = h11_server["port"]
+    body = json.dumps(dict(query="q", documents=["d"])).encode()
+    first = request_head(length=len(body)) + body
+    for there, later in ((40_000, 0), (20_000, 0), (10_000, 10_000)):
+        with connect(port) as s:
+            s.sendall(first + b"POST /v1/rerank HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * there)
+            if later:
+                time.sleep(0.3)   # the first response has ended: these bytes come on their own
+                s.sendall(b"a" * later)
+            raw, closed = read_until_closed(s, 4)
+        assert closed is not None and raw.startswith(b"HTTP/1.1 200 "), (there, later, closed, raw[:200])
+        second = raw[raw.index(b"HTTP/1.1 ", 1):]
+        expect_json_error(second, 431, ["16384 bytes"])
+    with connect(port) as s:   # two whole pipelined requests in one write: both served
+        s.sendall(first + request_head(length=len(body), extra="X-Pad: " + "a" * 1000 + "\r\nConnection: close\r\n")
+                  + body)
+        raw, _ = read_until_closed(s, 10)
+    assert raw.count(b"HTTP/1.1 200 ") == 2, raw[:400]
+
+
+def test_a_pipelined_head_streamed_while_a_request_runs_is_not_read_past_the_limit(server):
+    """A request, then the next request's head sent without end while the first one is scored
+    (pipelined). httptools parses a head as it comes and keeps a header value whole, grown by copying:
+    the head timer runs only between requests, so it read ~75 MB of one header into memory and held
+    the event loop for seconds (/health took 2.6 s) before the first response went out. Now it
+    stops reading once the head passed 16 kB (the socket's buffers fill and the client's send
+    blocks), and answers it 431 after the first request's 200."""
+    port = server["port"]
+    base_rss = rss_mb(server["proc"].pid)
+    body = json.dumps(dict(query="q", documents=["word " * 200] * 150)).encode()
+    chunk = b"a" * (1 << 20)
+    with connect(port) as s:
+        s.sendall(request_head(length=len(body)) + body + b"POST /v1/rerank HTTP/1.1\r\nHost: t\r\nX-Big: ")
+        s.settimeout(1.0)
+        sent, t0 = 0, time.monotonic()
+        while sent < 64 and time.monotonic() - t0 < 4:
+            try:
+                s.sendall(chunk)
+            except socket.timeout:   # the server reads no more
+                break
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += 1
+        grown = rss_mb(server["proc"].pid) - base_rss
+        raw, _ = read_until_closed(s, 5)
+    assert sent < 24 and grown < 24, (sent, grown)   # the socket's buffers (a few MB on loopback), no more
+    assert raw.startswith(b"HTTP/1.1 200 "), raw[:200]
+    expect_json_error(raw[raw.index(b"HTTP/1.1 ", 1):], 431, ["16384 bytes"])
+    assert health_ok(server["base"])
+
+
 def test_request_limits(server):
     base = server["base"]
     r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["d"], cache_salt="s" * (MAX_SALT + 1)))

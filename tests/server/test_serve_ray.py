@@ -739,6 +739,40 @@ def test_replica_health_check_passes_a_live_engine(health, bound):
     assert _replica(_FakeService(**health), bound).check_health() is None
 
 
+def test_replica_health_check_fails_once_max_pass_timeout_declared_its_engine_dead():
+    """build_app(..., max_pass_timeout=S) and one model step held past S, end to end without Ray: a real
+    RerankService (its Engine and watchdog, a fake model) under the deployment's class. Once the
+    watchdog declares the engine dead, check_health raises naming the flag, with no
+    health_max_pass_s of the replica's own, and keeps raising after the held step returns (the
+    engine stays dead): Ray replaces the replica. Before the bound it passes."""
+    from acarerank.server.engine import EngineDead
+    from acarerank.server.service import RerankService
+
+    class Steps:   # no scoring: the held step is a call on the model thread
+        max_batch_tokens = 100
+
+        def cache_stats(self):
+            return {}
+
+    gate = threading.Event()
+    service = RerankService(Steps(), "fake", max_pass_timeout=0.3)
+    service.engine.start()
+    try:
+        replica = _replica(service)
+        assert replica.check_health() is None
+        held = service.engine.submit_call(lambda: gate.wait(30))
+        with pytest.raises(EngineDead):
+            held.future.result(10)
+        for _ in range(2):   # while the step is held, and after it returned
+            with pytest.raises(RuntimeError, match=r"replica r1: engine dead: the model thread has been in one "
+                                                   r"step for 0\.\d s, more than --max-pass-timeout 0\.3 s"):
+                replica.check_health()
+            gate.set()
+    finally:
+        gate.set()
+        service.stop()
+
+
 @pytest.mark.parametrize("options", [dict(send_timeout=5.0), dict(host="0.0.0.0", port=9000),
                                      dict(drain_timeout=10.0), dict(header_timeout=1.0, max_connections=8)])
 def test_build_app_refuses_the_options_of_the_connection(options):

@@ -93,6 +93,14 @@ def test_protocol_internals_exist(base):
         assert proto.server_state is state and isinstance(state.connections, set)
         proto.connection_made(_Transport())
         assert proto in state.connections and proto.transport is not None, "connection bookkeeping moved"
+        # a pipelined head (protocol.py): h11's unparsed buffer, httptools' end-of-message and head
+        # callbacks, and the flow control both pause reading with
+        assert callable(proto.flow.pause_reading), f"uvicorn's {base.__name__} lost flow.pause_reading"
+        if base is H11Protocol:
+            assert proto.conn.trailing_data == (b"", False), "h11's Connection.trailing_data moved"
+        else:
+            for name in ("on_message_complete", "on_headers_complete"):
+                assert callable(getattr(base, name, None)), f"uvicorn's {base.__name__}.{name} is gone"
         assert proto._head_timer is not None, "the head timer was not armed on connection_made"
         proto.connection_lost(None)
         assert proto not in state.connections
