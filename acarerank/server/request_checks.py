@@ -25,6 +25,23 @@ def check_documents(docs: list, max_documents: int) -> None:
                             f"(--max-documents)")
 
 
+def check_select_output(max_new_tokens: int, n: int, max_select: int) -> None:
+    """400 when a selection of ``max_select`` ids over ``n`` documents can need more output tokens than
+    this server decodes (``--select-max-new-tokens``), with the most ``max_select`` it takes for
+    ``n``: the client's own remedy. (The reranker's error names library and CLI settings the
+    client cannot change.) Output bound: ``setwise.grammar.max_output_tokens``."""
+    from ..setwise.grammar import max_output_tokens
+
+    need = max_output_tokens(n, max_select)
+    if need <= max_new_tokens:
+        return
+    most = (max_new_tokens - 1) // (2 + len(str(n)))   # min(s, n)·(2 + digits(n)) + 1 <= max_new_tokens
+    fix = (f"send max_select of at most {most}" if most >= 1 else
+           "no selection over this many documents fits it: send fewer documents")
+    raise APIError(400, f"max_select={max_select} over {n} documents can need {need} output tokens, more than this "
+                        f"server decodes ({max_new_tokens}, its --select-max-new-tokens): {fix}")
+
+
 def check_pairs(req: ScorePairsRequest, queries: list, docs: list, max_documents: int) -> None:
     """vLLM's pairing rule: 1 query with N >= 1 documents, or N queries with N documents; then the
     rerank route's limit on documents (413)."""

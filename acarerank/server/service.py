@@ -53,7 +53,7 @@ from .errors import APIError
 from .metrics import ServerMetrics
 # select_unavailable, score_groups: build.py and the tests import them from here
 from .request_checks import (check_documents, check_pairs, check_peer_options, check_vllm_options,  # noqa: F401
-                             score_groups, select_unavailable)
+                             check_select_output, score_groups, select_unavailable)
 from .responses import rerank_body, score_body, select_body
 from .schemas import RerankRequest, ScorePairsRequest, SelectRequest
 # LARGE_REQUEST_CHARS: the tests import it from here
@@ -492,6 +492,7 @@ class RerankService:
             check_inputs(req.query, docs, req.intent, req.max_select)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
+        check_select_output(self.setwise.max_new_tokens, len(docs), req.max_select)
         self._check_alive()
         deadline = self._deadline()
         rid = uuid.uuid4().hex

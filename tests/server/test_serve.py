@@ -237,6 +237,10 @@ def test_error_paths(servers):
         expect_tei_error(c.post("/rerank", json=dict(query="q", texts=["d"], raw_scores=True)), 400, "Validation",
                          ["raw_scores"])
         expect_error(c.post("/v1/select", json=dict(query="q", documents=[])), 400, ["empty"])
+        # 16 ids over 30 documents can take 16·4 + 1 = 65 tokens, one past the default cap of 64: the
+        # client is told its own remedy, not the library's settings
+        expect_error(c.post("/v1/select", json=dict(query="q", documents=["d"] * 30, max_select=16)), 400,
+                     ["max_select=16", "65 output tokens", "--select-max-new-tokens", "at most 15"])
         expect_error(c.get("/nope"), 404, [])
     # the API key: missing or wrong -> 401; probes and metrics stay open
     expect_error(httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["d"])), 401, ["API key"])
@@ -249,7 +253,7 @@ def test_error_paths(servers):
     after = metrics(base)
     errors = {code: after.get(("acarerank_errors_total", (("code", str(code)),)), 0)
               - before.get(("acarerank_errors_total", (("code", str(code)),)), 0) for code in (400, 401, 413, 422)}
-    assert errors == {400: 5, 401: 2, 413: 2, 422: 5}, errors
+    assert errors == {400: 6, 401: 2, 413: 2, 422: 5}, errors
 
 
 def test_truncate_false_scores_a_long_context_that_fits(servers):
@@ -880,3 +884,23 @@ def test_the_engine_pins_at_most_the_prefix_caches_budget(budget, cache):
         assert service.engine.max_running_tokens == want, (service.engine.max_running_tokens, want)
     finally:
         service.stop()
+
+
+@pytest.mark.parametrize("n, cap", [(30, 64), (9, 64), (999, 64), (1000, 6001), (5, 3), (100, 10)])
+def test_the_select_output_bound_names_the_largest_max_select_that_fits(n, cap):
+    """check_select_output refuses exactly the max_select whose longest output passes the cap and names
+    the largest one that fits (setwise.grammar.max_output_tokens), or that none does."""
+    from acarerank.server.errors import APIError
+    from acarerank.server.request_checks import check_select_output
+    from acarerank.setwise.grammar import max_output_tokens
+
+    fits = [s for s in range(1, n + 2) if max_output_tokens(n, s) <= cap]
+    for s in range(1, n + 2):
+        if s in fits:
+            check_select_output(cap, n, s)
+            continue
+        with pytest.raises(APIError) as e:
+            check_select_output(cap, n, s)
+        assert e.value.status == 400, e.value
+        msg = e.value.message
+        assert (f"at most {max(fits)}" in msg) if fits else ("send fewer documents" in msg), msg
