@@ -208,27 +208,58 @@ def test_random_decode_like_batches_within_the_rules():
     assert not bad, "; ".join(bad[:5])
 
 
-@pytest.mark.parametrize("value", ["17", "-1", "two", "1.5"])
-def test_a_bad_limit_is_an_error_naming_the_variable(value):
+_BAD_ROWS = ["17", "-1", "two", "1.5"]
+_BAD_CHUNKS = ["-1", "two", "1.5"]
+
+
+@pytest.mark.parametrize("value", _BAD_ROWS)
+def test_a_bad_limit_is_an_error_naming_the_variable(refusals, value):
     """Read (and checked) on every x86-64 CPU at the first fp32/bf16 call, whether or not it can
     take the direct path: a setting that is wrong here is wrong on the next machine too."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the direct path and its limit exist on x86-64 only")
-    _assert_one_call_refuses("ACARERANK_CPU_DIRECT_ROWS", value, "must be an integer in [0, 16]")
+    _assert_one_call_refuses(refusals, "ACARERANK_CPU_DIRECT_ROWS", value, "must be an integer in [0, 16]")
 
 
-def _assert_one_call_refuses(variable: str, value: str, says: str) -> None:
+_ONE_CALL = ("import torch\nfrom acarerank.ops import prefix_shared_attention\n"
+             "q = torch.randn(1, 2, 8); k = torch.randn(1, 1, 8)\n"
+             "try:\n    prefix_shared_attention(q, k, k, torch.tensor([0, 1], dtype=torch.int32), k, k,"
+             " torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), backend='native')\n"
+             "except RuntimeError as e:\n    print('ERR', e)")
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    """``get(variable, value)``: (stdout, stderr) of one tiny native attention call in a child
+    process with ``variable=value`` set (the settings are read once per process). The first get
+    starts the children of every bad setting below at once: each is mostly the import of torch and
+    the package, one core's work, so they run side by side rather than one after another."""
+    procs, done = {}, {}
+
+    def get(variable, value):
+        if not procs:
+            for var, values in (("ACARERANK_CPU_DIRECT_ROWS", _BAD_ROWS), ("ACARERANK_CPU_DIRECT_CHUNK", _BAD_CHUNKS)):
+                for val in values:
+                    procs[var, val] = subprocess.Popen([sys.executable, "-c", _ONE_CALL],
+                                                       env=dict(os.environ, **{var: val}), stdout=subprocess.PIPE,
+                                                       stderr=subprocess.PIPE, text=True)
+        if (variable, value) not in done:
+            done[variable, value] = procs[variable, value].communicate(timeout=300)
+        return done[variable, value]
+
+    yield get
+    for proc in procs.values():   # a -k run reads only some of them
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _assert_one_call_refuses(refusals, variable: str, value: str, says: str) -> None:
     """One tiny native attention call in a child process with ``variable=value`` set: the kernel
     refuses it with a RuntimeError naming the variable, ``says`` and the value."""
-    code = ("import torch\nfrom acarerank.ops import prefix_shared_attention\n"
-            "q = torch.randn(1, 2, 8); k = torch.randn(1, 1, 8)\n"
-            "try:\n    prefix_shared_attention(q, k, k, torch.tensor([0, 1], dtype=torch.int32), k, k,"
-            " torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), backend='native')\n"
-            "except RuntimeError as e:\n    print('ERR', e)")
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{variable: value}),
-                          capture_output=True, text=True, timeout=300)
+    stdout, stderr = refusals(variable, value)
     want = f"ERR {variable} {says}"
-    assert want in done.stdout and f"'{value}'" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert want in stdout and f"'{value}'" in stdout, stdout + stderr[-2000:]
 
 
 def _long_prefix_batch(dtype, seed=3):
@@ -320,11 +351,11 @@ def test_a_split_changes_the_order_only(split_runs):
             assert not torch.equal(a, b), f"{dtype}: ACARERANK_CPU_DIRECT_CHUNK=7 gave the unsplit bits"
 
 
-@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
-def test_a_bad_chunk_is_an_error_naming_the_variable(value):
+@pytest.mark.parametrize("value", _BAD_CHUNKS)
+def test_a_bad_chunk_is_an_error_naming_the_variable(refusals, value):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the direct path and its chunks exist on x86-64 only")
-    _assert_one_call_refuses("ACARERANK_CPU_DIRECT_CHUNK", value, "must be an integer >= 0")
+    _assert_one_call_refuses(refusals, "ACARERANK_CPU_DIRECT_CHUNK", value, "must be an integer >= 0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
