@@ -112,7 +112,7 @@ print(json.dumps({"rows": rows, "fp32": fp32, "decode": decode, "decode_rule": d
 
 
 
-def _run(limit: str, chunk: str | None = None) -> subprocess.CompletedProcess:
+def _start(limit: str, chunk: str | None = None) -> subprocess.Popen:
     env = dict(os.environ, ACARERANK_CPU_DIRECT_ROWS=limit)
     if chunk is not None:
         env["ACARERANK_CPU_DIRECT_CHUNK"] = chunk
@@ -120,19 +120,33 @@ def _run(limit: str, chunk: str | None = None) -> subprocess.CompletedProcess:
         env.pop(name, None)
     tests = os.path.join(ROOT, "tests")
     part = "decode" if chunk is not None else "edges"
-    return subprocess.run([sys.executable, "-c", _CHILD, part, tests, os.path.join(tests, "ops")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.Popen([sys.executable, "-c", _CHILD, part, tests, os.path.join(tests, "ops")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _outputs(children: dict, variable: str) -> dict:
+    """{setting: the child's JSON} of children started side by side (each is mostly its imports and
+    its one-thread oracles: one core's work), read in turn; the rest killed if one failed."""
+    out = {}
+    try:
+        for value, proc in children.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{variable}={value}: " + stderr[-3000:]
+            out[value] = json.loads(stdout.strip().splitlines()[-1])
+    finally:
+        for proc in children.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """{limit: the child's JSON} for the tile path (0) and the direct path (16)."""
-    out = {}
-    for limit in ("0", "16"):
-        done = _run(limit)
-        assert done.returncode == 0, f"ACARERANK_CPU_DIRECT_ROWS={limit}: " + done.stderr[-3000:]
-        out[limit] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
+    """{limit: the child's JSON} for the tile path (0) and the direct path (16): one after the other,
+    as their tile-edge cases run the oracles at the process's thread count (side by side, two
+    children of 2 threads on 2 cores took longer than in turn)."""
+    return {limit: _outputs({limit: _start(limit)}, "ACARERANK_CPU_DIRECT_ROWS")[limit] for limit in ("0", "16")}
 
 
 @pytest.mark.parametrize("limit", ["0", "16"])
@@ -322,12 +336,7 @@ def split_runs():
     """{chunk: the child's JSON} on the direct path with ACARERANK_CPU_DIRECT_CHUNK = 0 (one chunk
     per group: unsplit), 7 (prefixes of 8+ keys split into chunks of 7 or fewer: chunk edges off
     the 64-key steps and the pages) and 100 (chunks of whole 64-key steps, the last one shorter)."""
-    out = {}
-    for chunk in ("0", "7", "100"):
-        done = _run("16", chunk)
-        assert done.returncode == 0, f"ACARERANK_CPU_DIRECT_CHUNK={chunk}: " + done.stderr[-3000:]
-        out[chunk] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
+    return _outputs({chunk: _start("16", chunk) for chunk in ("0", "7", "100")}, "ACARERANK_CPU_DIRECT_CHUNK")
 
 
 @pytest.mark.parametrize("chunk", ["0", "7", "100"])
