@@ -6,6 +6,7 @@ that runs it (acarerank/ops/topk_logprobs.py).
 Reference: the product in fp64. Bound: an fp32 GEMM's, K · 2⁻²⁴ · (|a| · |b|ᵀ) per entry — the
 bf16 products are exact in fp32, so only the fp32 sums round (in another order than MKL's).
 """
+import contextlib
 import importlib
 import math
 import os
@@ -45,15 +46,34 @@ def test_the_gemm_follows_the_attention_bf16_path(path, uses_gemm):
     # this checkout's package first: from tests/ops an editable install of another checkout would win
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     probe = ("import acarerank.ops._native as n; print(n.bf16_attention_path(), n.bf16_logits_gemm())")
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.split() == [path, str(uses_gemm)], done.stdout + done.stderr[-2000:]
-    if not uses_gemm:
+    with _side_by_side([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "gemm_is or strided_rows or empty_and_zero or native_core_runs or gaussian or linear_logprob_bf16 "
+                        "or transposed_bf16 or gemm_writes_nothing"] if uses_gemm else None, env) as tests:
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.split() == [path, str(uses_gemm)], done.stdout + done.stderr[-2000:]
+        if not uses_gemm:
+            return
+        out, _ = tests.communicate(timeout=600)
+    assert tests.returncode == 0 and " passed" in out and "skipped" not in out, out[-3000:]
+
+
+@contextlib.contextmanager
+def _side_by_side(cmd, env):
+    """``cmd`` (a child pytest run, stdout and stderr together) started now, while the caller runs
+    its probe child: each is one core's work for most of its time (mostly imports), so on 2 cores
+    the two take little more than the longer one. Yields the Popen (None for no ``cmd``); kills it
+    if the caller leaves before reading it (a failed probe)."""
+    if cmd is None:
+        yield None
         return
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "gemm_is or strided_rows or empty_and_zero or native_core_runs or gaussian or linear_logprob_bf16 "
-                           "or transposed_bf16 or gemm_writes_nothing"],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
-    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-3000:]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=os.path.dirname(__file__))
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def _mm():
@@ -490,12 +510,12 @@ def test_candidates_in_every_layer_build(isa):
     candidates tests and the fp32 native core's agreement with the torch core too."""
     env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_LAYER_ISA")}
     env.update(ACARERANK_CPU_LAYER_ISA=isa, ACARERANK_LOGITS_GEMM_CHILD="1", OMP_NUM_THREADS="2")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "candidates or native_core_in_fp32"], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(__file__))
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
     probe = "import acarerank.ops._native as n; print(n.layer_kernel_isa())"
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    with _side_by_side([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "candidates or native_core_in_fp32"], env) as tests:
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+        out, _ = tests.communicate(timeout=600)
+    assert tests.returncode == 0 and " passed" in out, out[-3000:]
     assert done.stdout.split() == [isa], done.stdout + done.stderr[-2000:]
 
 

@@ -27,24 +27,41 @@ _AVX512_BF16 = {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 
 _CHILD = r"""
 import json, math, sys
-sys.path[:0] = sys.argv[1:]
+edges = sys.argv[1] == "edges"   # the tile-edge cases too (the split runs read only the decode batches)
+sys.path[:0] = sys.argv[2:]
 import torch
 from acarerank.ops import prefix_shared_attention, prefix_shared_attention_paged
 from test_op_cpu_attention_bf16_paths import EDGE_CASES, _rule
 from test_op_cpu_attention_native import make, plain, ref32
 
-rows = [list(_rule(tuple(c.values))) for c in EDGE_CASES]
-fp32 = []
-for c in EDGE_CASES:
-    paged, packed = make(*c.values)
-    ref = ref32(packed)
-    fp32.append(max((prefix_shared_attention_paged(*paged, backend="native") - ref).abs().max().item(),
-                    (prefix_shared_attention(*packed, backend="native") - ref).abs().max().item()))
+THREADS = torch.get_num_threads()
+
+
+def native_paged(*args):
+    # the kernel at the process's thread count (its tasks split over the threads the suite runs
+    # with); the inputs and the plain-PyTorch oracles around it on one thread: small ops on a
+    # loaded 2-core machine lose most of their time to OpenMP spin-waiting
+    torch.set_num_threads(THREADS)
+    try:
+        return prefix_shared_attention_paged(*args, backend="native")
+    finally:
+        torch.set_num_threads(1)
+
+
+rows, fp32 = [], []
+if edges:
+    rows = [list(_rule(tuple(c.values))) for c in EDGE_CASES]
+    for c in EDGE_CASES:
+        paged, packed = make(*c.values)
+        ref = ref32(packed)
+        fp32.append(max((prefix_shared_attention_paged(*paged, backend="native") - ref).abs().max().item(),
+                        (prefix_shared_attention(*packed, backend="native") - ref).abs().max().item()))
+torch.set_num_threads(1)
 # a decode-like batch: 6 groups of one one-token segment (2 query rows per kv head)
 decode = {}
 for dtype in (torch.float32, torch.bfloat16):
     paged, _ = make([1] * 6, [300, 17, 1, 64, 129, 2], list(range(6)), 16, 8, 128, 16, dtype=dtype, seed=5)
-    decode[str(dtype)] = prefix_shared_attention_paged(*paged, backend="native").float().flatten().tolist()
+    decode[str(dtype)] = native_paged(*paged).float().flatten().tolist()
 
 
 def strided(x):  # x's values in a view whose kv heads lie 2·d apart (NaN rows between them)
@@ -86,7 +103,7 @@ for name, *case in DECODE:
                      + 2 * (ref + 0.3 - 0.3 - ref).abs().max().item())
         for layout, args in (("contiguous", paged),
                              ("strided", (q, strided(k), v, cu, kc, strided(vc), bt, pl, sg))):
-            out = prefix_shared_attention_paged(*args, backend="native")
+            out = native_paged(*args)
             err = (out.float() - ref).abs().nan_to_num(float("inf")).max().item()
             decode_rule.append([f"{name} {dtype} {layout}", err, bound])
 print(json.dumps({"rows": rows, "fp32": fp32, "decode": decode, "decode_rule": decode_rule}))
@@ -95,26 +112,41 @@ print(json.dumps({"rows": rows, "fp32": fp32, "decode": decode, "decode_rule": d
 
 
 
-def _run(limit: str, chunk: str | None = None) -> subprocess.CompletedProcess:
+def _start(limit: str, chunk: str | None = None) -> subprocess.Popen:
     env = dict(os.environ, ACARERANK_CPU_DIRECT_ROWS=limit)
     if chunk is not None:
         env["ACARERANK_CPU_DIRECT_CHUNK"] = chunk
     for name in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH") + (() if chunk else ("ACARERANK_CPU_DIRECT_CHUNK",)):
         env.pop(name, None)
     tests = os.path.join(ROOT, "tests")
-    return subprocess.run([sys.executable, "-c", _CHILD, tests, os.path.join(tests, "ops")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    part = "decode" if chunk is not None else "edges"
+    return subprocess.Popen([sys.executable, "-c", _CHILD, part, tests, os.path.join(tests, "ops")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _outputs(children: dict, variable: str) -> dict:
+    """{setting: the child's JSON} of children started side by side (each is mostly its imports and
+    its one-thread oracles: one core's work), read in turn; the rest killed if one failed."""
+    out = {}
+    try:
+        for value, proc in children.items():
+            stdout, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{variable}={value}: " + stderr[-3000:]
+            out[value] = json.loads(stdout.strip().splitlines()[-1])
+    finally:
+        for proc in children.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """{limit: the child's JSON} for the tile path (0) and the direct path (16)."""
-    out = {}
-    for limit in ("0", "16"):
-        done = _run(limit)
-        assert done.returncode == 0, f"ACARERANK_CPU_DIRECT_ROWS={limit}: " + done.stderr[-3000:]
-        out[limit] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
+    """{limit: the child's JSON} for the tile path (0) and the direct path (16): one after the other,
+    as their tile-edge cases run the oracles at the process's thread count (side by side, two
+    children of 2 threads on 2 cores took longer than in turn)."""
+    return {limit: _outputs({limit: _start(limit)}, "ACARERANK_CPU_DIRECT_ROWS")[limit] for limit in ("0", "16")}
 
 
 @pytest.mark.parametrize("limit", ["0", "16"])
@@ -190,27 +222,58 @@ def test_random_decode_like_batches_within_the_rules():
     assert not bad, "; ".join(bad[:5])
 
 
-@pytest.mark.parametrize("value", ["17", "-1", "two", "1.5"])
-def test_a_bad_limit_is_an_error_naming_the_variable(value):
+_BAD_ROWS = ["17", "-1", "two", "1.5"]
+_BAD_CHUNKS = ["-1", "two", "1.5"]
+
+
+@pytest.mark.parametrize("value", _BAD_ROWS)
+def test_a_bad_limit_is_an_error_naming_the_variable(refusals, value):
     """Read (and checked) on every x86-64 CPU at the first fp32/bf16 call, whether or not it can
     take the direct path: a setting that is wrong here is wrong on the next machine too."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the direct path and its limit exist on x86-64 only")
-    _assert_one_call_refuses("ACARERANK_CPU_DIRECT_ROWS", value, "must be an integer in [0, 16]")
+    _assert_one_call_refuses(refusals, "ACARERANK_CPU_DIRECT_ROWS", value, "must be an integer in [0, 16]")
 
 
-def _assert_one_call_refuses(variable: str, value: str, says: str) -> None:
+_ONE_CALL = ("import torch\nfrom acarerank.ops import prefix_shared_attention\n"
+             "q = torch.randn(1, 2, 8); k = torch.randn(1, 1, 8)\n"
+             "try:\n    prefix_shared_attention(q, k, k, torch.tensor([0, 1], dtype=torch.int32), k, k,"
+             " torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), backend='native')\n"
+             "except RuntimeError as e:\n    print('ERR', e)")
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    """``get(variable, value)``: (stdout, stderr) of one tiny native attention call in a child
+    process with ``variable=value`` set (the settings are read once per process). The first get
+    starts the children of every bad setting below at once: each is mostly the import of torch and
+    the package, one core's work, so they run side by side rather than one after another."""
+    procs, done = {}, {}
+
+    def get(variable, value):
+        if not procs:
+            for var, values in (("ACARERANK_CPU_DIRECT_ROWS", _BAD_ROWS), ("ACARERANK_CPU_DIRECT_CHUNK", _BAD_CHUNKS)):
+                for val in values:
+                    procs[var, val] = subprocess.Popen([sys.executable, "-c", _ONE_CALL],
+                                                       env=dict(os.environ, **{var: val}), stdout=subprocess.PIPE,
+                                                       stderr=subprocess.PIPE, text=True)
+        if (variable, value) not in done:
+            done[variable, value] = procs[variable, value].communicate(timeout=300)
+        return done[variable, value]
+
+    yield get
+    for proc in procs.values():   # a -k run reads only some of them
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _assert_one_call_refuses(refusals, variable: str, value: str, says: str) -> None:
     """One tiny native attention call in a child process with ``variable=value`` set: the kernel
     refuses it with a RuntimeError naming the variable, ``says`` and the value."""
-    code = ("import torch\nfrom acarerank.ops import prefix_shared_attention\n"
-            "q = torch.randn(1, 2, 8); k = torch.randn(1, 1, 8)\n"
-            "try:\n    prefix_shared_attention(q, k, k, torch.tensor([0, 1], dtype=torch.int32), k, k,"
-            " torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), backend='native')\n"
-            "except RuntimeError as e:\n    print('ERR', e)")
-    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{variable: value}),
-                          capture_output=True, text=True, timeout=300)
+    stdout, stderr = refusals(variable, value)
     want = f"ERR {variable} {says}"
-    assert want in done.stdout and f"'{value}'" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert want in stdout and f"'{value}'" in stdout, stdout + stderr[-2000:]
 
 
 def _long_prefix_batch(dtype, seed=3):
@@ -273,12 +336,7 @@ def split_runs():
     """{chunk: the child's JSON} on the direct path with ACARERANK_CPU_DIRECT_CHUNK = 0 (one chunk
     per group: unsplit), 7 (prefixes of 8+ keys split into chunks of 7 or fewer: chunk edges off
     the 64-key steps and the pages) and 100 (chunks of whole 64-key steps, the last one shorter)."""
-    out = {}
-    for chunk in ("0", "7", "100"):
-        done = _run("16", chunk)
-        assert done.returncode == 0, f"ACARERANK_CPU_DIRECT_CHUNK={chunk}: " + done.stderr[-3000:]
-        out[chunk] = json.loads(done.stdout.strip().splitlines()[-1])
-    return out
+    return _outputs({chunk: _start("16", chunk) for chunk in ("0", "7", "100")}, "ACARERANK_CPU_DIRECT_CHUNK")
 
 
 @pytest.mark.parametrize("chunk", ["0", "7", "100"])
@@ -302,11 +360,11 @@ def test_a_split_changes_the_order_only(split_runs):
             assert not torch.equal(a, b), f"{dtype}: ACARERANK_CPU_DIRECT_CHUNK=7 gave the unsplit bits"
 
 
-@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
-def test_a_bad_chunk_is_an_error_naming_the_variable(value):
+@pytest.mark.parametrize("value", _BAD_CHUNKS)
+def test_a_bad_chunk_is_an_error_naming_the_variable(refusals, value):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the direct path and its chunks exist on x86-64 only")
-    _assert_one_call_refuses("ACARERANK_CPU_DIRECT_CHUNK", value, "must be an integer >= 0")
+    _assert_one_call_refuses(refusals, "ACARERANK_CPU_DIRECT_CHUNK", value, "must be an integer >= 0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
