@@ -253,10 +253,11 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default=None, help="write the rows here too")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (Hq 4 / Hkv 2, d 64, prefix 40, depth 3), one round")
     a = ap.parse_args(argv)
-    if a.prefixes is not None and (a.workload != "decode" or min(a.prefixes) < 1):
-        ap.error("--prefixes: positive prefix lengths, with --workload decode only")
-    if not a.kv_mb > 0:
-        ap.error(f"--kv-mb must be > 0, got {a.kv_mb}")
+    if a.prefixes is not None and (a.workload != "decode" or min(a.prefixes) < 1 or a.quick):
+        # --quick has its own prefix (40): the lengths were dropped without a word
+        ap.error("--prefixes: positive prefix lengths, with --workload decode only, not with --quick")
+    if not 0 < a.kv_mb < math.inf:   # inf: math.ceil's OverflowError in decode_layers, after the set-up
+        ap.error(f"--kv-mb must be finite and > 0, got {a.kv_mb}")
 
     info = cpu_info()
     from acarerank.ops import _native

@@ -31,13 +31,23 @@ def _group_ids(group_index) -> torch.Tensor:
     ``uid`` string per rollout, a numpy array of str) numbered by first appearance; anything
     else through torch.as_tensor (checked after). Strings were a bare 'too many dimensions
     'str'' from torch.as_tensor."""
+    if getattr(getattr(group_index, "dtype", None), "kind", None) in ("U", "S"):
+        # a numpy array of str / bytes, empty ones too (an empty batch's uids: torch.as_tensor cannot
+        # read a str array, so 'can't convert np.ndarray of type numpy.str_'); its shape is kept
+        # for grpo_advantage's [N] check
+        return _number(group_index.ravel().tolist()).reshape(group_index.shape)
     ids = group_index.tolist() if hasattr(group_index, "tolist") else list(group_index)
     if ids and any(isinstance(x, (str, bytes)) for x in ids):
         if not all(isinstance(x, (str, bytes)) for x in ids):
             raise TypeError("group_index must be all integers or all strings, got a mix")
-        number = {}
-        return torch.tensor([number.setdefault(x, len(number)) for x in ids], dtype=torch.int64)
+        return _number(ids)
     return torch.as_tensor(group_index)
+
+
+def _number(ids: list) -> torch.Tensor:
+    """[len(ids)] int64: each distinct id numbered by its first appearance."""
+    number: dict = {}
+    return torch.tensor([number.setdefault(x, len(number)) for x in ids], dtype=torch.int64)
 
 
 def grpo_advantage(rewards, group_index, eps: float = 1e-6, unbiased: bool = True) -> torch.Tensor:

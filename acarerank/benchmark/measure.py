@@ -199,9 +199,16 @@ def _cpu_jiffies() -> Optional[tuple]:
     """(busy, total) jiffies of all CPUs together, from /proc/stat's first line; None off Linux."""
     try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
+            return _jiffies_of(f.readline())
     except (OSError, ValueError):
         return None
+
+
+def _jiffies_of(line: str) -> tuple:
+    """(busy, total) of a /proc/stat "cpu" line: user nice system idle iowait irq softirq steal
+    [guest guest_nice]. guest and guest_nice are left out: the kernel already counts them in user
+    and nice (proc(5)), so summing every field counted a VM host's guest time twice as busy."""
+    fields = [int(x) for x in line.split()[1:9]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)          # idle + iowait
     return sum(fields) - idle, sum(fields)
 

@@ -204,9 +204,13 @@ def _check_coverage(state: TopKMergeState) -> None:
         if a > at:
             gaps.append((at, a))
         at = max(at, b)
+    # a state of one vocabulary shard (global ids from lo > 0) made without vocab_range: the columns
+    # below its first are a gap only because the state cannot know where its vocabulary starts
+    shard = (f"; a vocabulary shard's state: topk_merge_init(..., vocab_range=({state.merged[0][0]}, hi))"
+             if state.vocab_range is None and gaps[0][0] == 0 else "")
     raise ValueError(f"topk_merge_finalize: vocabulary columns {_fmt(gaps[:4])}{' ...' if len(gaps) > 4 else ''} "
                      f"were never merged (of [{lo}, {hi})): their exp terms would be missing from the log-sum-exp "
-                     f"(a gap between chunks, or a chunk loop that stopped early?)")
+                     f"(a gap between chunks, or a chunk loop that stopped early?){shard}")
 
 
 # ---------------------------------------------------------------- torch backend

@@ -105,6 +105,20 @@ def test_grpo_groups_keyed_by_strings_as_verl_uids():
         grpo_advantage(rewards, ["q-7", 3, "q-7", 3, "q-7"])
 
 
+def test_grpo_string_uids_of_an_empty_batch_or_the_wrong_shape():
+    """An empty batch's verl uids (a numpy str / bytes array of shape (0,)) give no advantages, as
+    an empty integer group_index does: it was torch.as_tensor's "can't convert np.ndarray of type
+    numpy.str_". A 2-D uid array is the [N] shape error naming its shape."""
+    np = pytest.importorskip("numpy")
+    for empty in (np.array([], dtype=str), np.array([], dtype="S4")):
+        got = grpo_advantage([], empty)
+        assert got.shape == (0,) and got.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"group_index must be \[N=2\], got shape \(1, 2\)"):
+        grpo_advantage([1.0, 0.0], np.array([["q-1", "q-2"]]))
+    assert torch.allclose(grpo_advantage([1.0, 0.0, 3.0], np.array([b"a", b"b", b"a"])),
+                          grpo_advantage([1.0, 0.0, 3.0], [0, 1, 0]))
+
+
 def test_ato_advantage_refuses_a_soft_or_nan_response_mask():
     """response_mask takes bool or 0/1, as format_ok does and clipped_policy_loss's mask: 0.5 and
     NaN were read as True (the token kept its advantage) with no error."""

@@ -74,7 +74,10 @@ def test_decode_layers_fill_the_kv_budget_up_to_the_model_depth():
 
 @pytest.mark.parametrize("flags, named", [(["--prefixes", "2048"], "--prefixes"),
                                           (["--workload", "decode", "--prefixes", "0"], "--prefixes"),
-                                          (["--workload", "decode", "--kv-mb", "0"], "--kv-mb")])
+                                          (["--workload", "decode", "--kv-mb", "0"], "--kv-mb"),
+                                          # ignored without a word / math.ceil's OverflowError after the set-up
+                                          (["--quick", "--workload", "decode", "--prefixes", "2048"], "--prefixes"),
+                                          (["--workload", "decode", "--kv-mb", "inf"], "--kv-mb")])
 def test_bad_decode_flags_are_refused(flags, named, capsys):
     with pytest.raises(SystemExit) as e:
         _load().main(flags)

@@ -173,3 +173,15 @@ def test_the_settle_wait_ends_at_the_first_quiet_window_or_at_its_bound():
     waited, quiet = wait_for_quiet_cpu(max_wait_s=0.05, window_s=0.01, sample=sample)
     assert not quiet and waited >= 0.05, waited
     assert wait_for_quiet_cpu(sample=lambda: None) == (0.0, True)
+
+
+def test_the_settle_wait_reads_proc_stat_without_counting_guest_time_twice():
+    """/proc/stat's guest and guest_nice are already inside user and nice (proc(5)): a VM host's
+    line 100 busy of 1,000 is 10 % busy, not (100 + 400 guest) / 1,400 = 36 % (over the 15 %
+    threshold: the wait never ended quiet on such a host)."""
+    from acarerank.benchmark.measure import _jiffies_of
+
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    assert _jiffies_of("cpu  80 0 20 850 50 0 0 0 400 0") == (100, 1000)
+    assert _jiffies_of("cpu  80 0 20 850 50 0 0 0") == (100, 1000)   # a kernel without the guest fields
+    assert _jiffies_of("cpu  80 0 20 900") == (100, 1000)           # nor iowait onwards

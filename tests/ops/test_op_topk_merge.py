@@ -460,6 +460,24 @@ def test_a_shard_state_covers_its_vocab_range(backend):
     torch.testing.assert_close(got.target_logprob, ref.target_logprob, atol=LOGPROB_ATOL, rtol=0)
 
 
+def test_a_shard_state_made_without_vocab_range_is_told_to_give_it():
+    """A shard's chunks (global ids [8, 20)) merged into a state made without vocab_range: finalize
+    refuses [0, 8) as never merged (the state cannot know its vocabulary starts at 8) and names the
+    remedy, vocab_range=(8, hi); the message only guessed at a gap or a loop that stopped early."""
+    z, _ = _coverage_logits()
+    state = tm.topk_merge_init(3, 4, "cpu")
+    tm.topk_merge_update(state, z[:, 8:], 8)
+    with pytest.raises(ValueError, match=r"columns \[0, 8\) were never merged .*vocab_range=\(8, hi\)"):
+        tm.topk_merge_finalize(state)
+    # an inner gap is no shard: no such hint
+    state = tm.topk_merge_init(3, 4, "cpu")
+    for a, b in ((0, 8), (12, 20)):
+        tm.topk_merge_update(state, z[:, a:b], a)
+    with pytest.raises(ValueError, match=r"columns \[8, 12\) were never merged") as e:
+        tm.topk_merge_finalize(state)
+    assert "vocab_range" not in str(e.value)
+
+
 def test_vocab_size_and_range_arguments_are_checked():
     for kw, err, match in ((dict(vocab_size=20, vocab_range=(0, 20)), ValueError, "not both"),
                            (dict(vocab_size=3), ValueError, r"k=4 > the 3 vocabulary columns \[0, 3\)"),
