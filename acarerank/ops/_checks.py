@@ -45,19 +45,45 @@ NONFINITE_LOGITS = "non-finite logits (inf/NaN in hidden or weight, or h·w / te
 
 
 class InferenceOnlyError(ValueError):
-    """A layer op without a backward was called on an input that requires grad, under grad
-    mode (docs/api.md, "Ops and backends"): its output would require grad and the backward fail
-    later with torch's "no autograd formula was registered" for an internal op name."""
+    """The backward of a layer op that has none (docs/api.md, "Ops and backends"): raised when a
+    loss is backpropagated through its output. Without it the backward failed with torch's "no
+    autograd formula was registered" for an internal op name."""
 
 
-def check_inference_only(op: str, ref: str, *tensors) -> None:
-    """``InferenceOnlyError`` naming ``op`` and its differentiable plain-PyTorch twin ``ref`` when
-    grad mode is on and one of ``tensors`` (None and non-tensors skipped) requires grad. Two
-    attribute reads a tensor: nothing under no_grad / inference_mode beyond the first test."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+class _NoBackward(torch.autograd.Function):
+    """Identity on ``out``, joined to the grad-requiring ``inputs`` of an op without a backward:
+    the forward runs (an inference call that forgot no_grad still works), the backward raises."""
+
+    @staticmethod
+    def forward(ctx, op: str, ref: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.op, ctx.ref = op, ref
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
         raise InferenceOnlyError(
-            f"{op} is inference-only (no backward) and an input requires grad: run it under torch.no_grad() or "
-            f"torch.inference_mode(), or train through {ref} (plain PyTorch, differentiable)")
+            f"{ctx.op} is inference-only (no backward): a loss was backpropagated through its output; train "
+            f"through {ctx.ref} (plain PyTorch, differentiable), or run {ctx.op} under torch.no_grad() / "
+            f"torch.inference_mode()")
+
+
+def inference_only(op: str, ref: str, tensors, run):
+    """``run()`` (the op's call; a tensor or a tuple) for an op without a backward. Where grad mode
+    is on and one of ``tensors`` (None and non-tensors skipped) requires grad, it runs under
+    no_grad and each floating-point output comes back requiring grad, its backward an
+    ``InferenceOnlyError`` naming ``op`` and its differentiable twin ``ref``. Nothing else under
+    no_grad / inference_mode: one ``torch.is_grad_enabled()`` test."""
+    if not torch.is_grad_enabled():
+        return run()
+    need = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not need:
+        return run()
+    with torch.no_grad():
+        out = run()
+
+    def join(o):
+        return _NoBackward.apply(op, ref, o, *need) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+    return tuple(join(o) for o in out) if isinstance(out, tuple) else join(out)
 
 
 def check_flag(op: str, name: str, x) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from . import _backend
 from . import cpu_attention as _native_attn
-from ._checks import as_fp32, check_inference_only, positive_in_fp32
+from ._checks import as_fp32, inference_only, positive_in_fp32
 
 # Rows of the prefix score matrix computed at once in the torch backend: bounds the
 # temporary [Hkv, rows, P] fp32 block to ~64 MB whatever the depth.
@@ -477,11 +477,12 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
                              f"for {want}")
         validate = False
     _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, validate)
-    check_inference_only("prefix_shared_attention", "prefix_shared_attention_ref", q, k, v, prefix_k, prefix_v)
     if plan is not None:
         name, work, host_meta = plan.backend, plan.work, plan.host_meta
     else:
         name, work, host_meta = _native_attn.resolve(OP, backend, q.device, q.shape[-1]), None, None
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
-    return prefix_shared_attention_op(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group,
-                                      float(scale), name, work, host_meta, bool(tiles_only))
+    return inference_only("prefix_shared_attention", "prefix_shared_attention_ref", (q, k, v, prefix_k, prefix_v),
+                          lambda: prefix_shared_attention_op(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens,
+                                                             segment_group, float(scale), name, work, host_meta,
+                                                             bool(tiles_only)))

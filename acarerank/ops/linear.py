@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _backend
-from ._checks import check_inference_only
+from ._checks import inference_only
 
 #: the row count oneDNN is told to expect when it picks the weight's blocked layout (any row count
 #: runs on it): the lower of the two row counts the layout was measured at (512, 2,048);
@@ -226,7 +226,6 @@ def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None)
     """
     _check(x, weight, bias)
     if isinstance(weight, PackedLinearWeight):
-        check_inference_only("linear (oneDNN-packed weight)", "linear with the dense weight (F.linear) or linear_ref",
-                             x, bias)
-        return linear_onednn_op(x, weight.packed, bias, weight.out_features)
+        return inference_only("linear (oneDNN-packed weight)", "linear with the dense weight (F.linear) or linear_ref",
+                              (x, bias), lambda: linear_onednn_op(x, weight.packed, bias, weight.out_features))
     return F.linear(x, weight, bias)

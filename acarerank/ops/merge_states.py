@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _backend
-from ._checks import check_float_tensors, check_inference_only
+from ._checks import check_float_tensors, inference_only
 
 
 def _check_inputs(o_a, lse_a, o_b, lse_b):
@@ -97,7 +97,6 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, backend=None, validate: bool 
     Returns: (out [N, H, d] in o_a's dtype, lse [N, H] fp32); math in fp32 (fp64 in "cpp").
     """
     _check_inputs(o_a, lse_a, o_b, lse_b)
-    check_inference_only("merge_attention_states", "merge_attention_states_ref", o_a, lse_a, o_b, lse_b)
     if validate:
         for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
             bad = torch.isposinf(t)
@@ -105,4 +104,6 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, backend=None, validate: bool 
                 n, h = (int(i) for i in bad.nonzero()[0])
                 raise ValueError(f"merge_attention_states: {name}[{n}, {h}] is +inf; a part that saw no keys must "
                                  f"have lse = -inf (flash-attn writes +inf for such rows: map it to -inf first)")
-    return merge_attention_states_op(o_a, lse_a, o_b, lse_b, OP.resolve(backend, o_a.device))
+    name = OP.resolve(backend, o_a.device)
+    return inference_only("merge_attention_states", "merge_attention_states_ref", (o_a, lse_a, o_b, lse_b),
+                          lambda: merge_attention_states_op(o_a, lse_a, o_b, lse_b, name))

@@ -40,7 +40,7 @@ from . import _backend
 from . import attention as _attention
 from . import cpu_attention as _native_attn
 from . import cpu_paged_attention as _cpu_paged
-from ._checks import check_inference_only
+from ._checks import inference_only
 from .attention import _check_inputs as _check_packed_inputs
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
@@ -348,11 +348,12 @@ def prefix_shared_attention_paged(q, k, v, cu_seqlens, k_cache, v_cache, block_t
             validate=validate, num_tokens=T)
     # as the packed op: a scale <= 0 or NaN gave NaN rows on the torch backend, with no error
     scale = _attention.check_softmax_scale(softmax_scale, d, "prefix_shared_attention_paged")
-    check_inference_only("prefix_shared_attention_paged", "prefix_shared_attention_paged_ref", q, k, v, k_cache,
-                         v_cache)
-    return prefix_shared_attention_paged_op(q, k, v, plan.cu_seqlens, k_cache, v_cache, plan.block_table,
-                                            plan.cu_prefix_lens, plan.segment_group, list(plan.aux), float(scale),
-                                            plan.backend, bool(tiles_only))
+    return inference_only("prefix_shared_attention_paged", "prefix_shared_attention_paged_ref",
+                          (q, k, v, k_cache, v_cache),
+                          lambda: prefix_shared_attention_paged_op(q, k, v, plan.cu_seqlens, k_cache, v_cache,
+                                                                   plan.block_table, plan.cu_prefix_lens,
+                                                                   plan.segment_group, list(plan.aux), float(scale),
+                                                                   plan.backend, bool(tiles_only)))
 
 
 def prefix_shared_attention_paged_ref(q, k, v, cu_seqlens, k_cache, v_cache, block_table, prefix_lens, segment_group,

@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ._checks import check_float_tensors, check_inference_only
+from ._checks import check_float_tensors, inference_only
 from ._native_backend import native_first_decl, register_op, resolve_elementwise
 
 
@@ -193,9 +193,10 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     """
     _check(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads)
     _check_pages(qkv, k_cache, v_cache, slots, num_kv_heads, q_weight.shape[0])
-    check_inference_only("qk_norm_rope", "qk_norm_rope_ref", qkv, q_weight, k_weight, cos, sin, k_cache, v_cache)
     name = resolve_elementwise(OP, backend, qkv.device, qkv.dtype, head_dim=q_weight.shape[0])
     if name == "native":
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-    return qk_norm_rope_op(qkv, q_weight.contiguous(), k_weight.contiguous(), cos, sin, num_heads, num_kv_heads,
-                           float(eps), name, k_cache=k_cache, v_cache=v_cache, slots=slots)
+    return inference_only("qk_norm_rope", "qk_norm_rope_ref", (qkv, q_weight, k_weight, cos, sin, k_cache, v_cache),
+                          lambda: qk_norm_rope_op(qkv, q_weight.contiguous(), k_weight.contiguous(), cos, sin,
+                                                  num_heads, num_kv_heads, float(eps), name, k_cache=k_cache,
+                                                  v_cache=v_cache, slots=slots))

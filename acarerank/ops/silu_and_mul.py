@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_inference_only
+from ._checks import inference_only
 from ._native_backend import native_first_decl, register_op, resolve_elementwise
 
 
@@ -53,6 +53,6 @@ def silu_and_mul(x: torch.Tensor, backend=None) -> torch.Tensor:
     """SiLU(gate)·up (module docstring). x [..., 2·I] fp32/bf16 -> [..., I]; non-contiguous x is
     accepted (the native backend copies it once first)."""
     _check(x)
-    check_inference_only("silu_and_mul", "silu_and_mul_ref", x)
     name = resolve_elementwise(OP, backend, x.device, x.dtype)
-    return silu_and_mul_op(x.contiguous() if name == "native" else x, name)
+    return inference_only("silu_and_mul", "silu_and_mul_ref", (x,),
+                          lambda: silu_and_mul_op(x.contiguous() if name == "native" else x, name))

@@ -1,7 +1,8 @@
-"""The layer ops have no backward (docs/api.md, "Ops and backends"): called under grad mode with
-an input that requires grad, each raises InferenceOnlyError at the call, naming the op and the
-differentiable reference to train through. Their output used to require grad and the backward
-failed later with torch's "no autograd formula was registered" for an internal op name. Under
+"""The layer ops have no backward (docs/api.md, "Ops and backends"). Called under grad mode with an
+input that requires grad, each still runs (an inference call that forgot no_grad works, with the
+values it gives under no_grad) and a loss backpropagated through its output raises
+InferenceOnlyError naming the op and the differentiable reference to train through. The backward
+used to fail with torch's "no autograd formula was registered" for an internal op name. Under
 no_grad / inference_mode they run and match their reference.
 """
 import pytest
@@ -56,42 +57,53 @@ def _cases():
 CASES = _cases()
 
 
+def _outputs(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_a_layer_op_refuses_an_input_that_requires_grad(name):
+def test_a_layer_op_runs_under_grad_and_its_backward_names_the_reference(name):
     op, ref, tensors, args = CASES[name]
+    with torch.no_grad():
+        plain = _outputs(op(*args({n: x.detach() for n, x in tensors.items()})))
     for which in tensors:
         t = {n: x.detach().requires_grad_(n == which) for n, x in tensors.items()}
-        with pytest.raises(InferenceOnlyError, match=rf"^{name} is inference-only \(no backward\) and an input "
-                                                     rf"requires grad: .* train through {name}_ref "):
-            op(*args(t))
+        got = _outputs(op(*args(t)))
+        for g, p in zip(got, plain):   # the forward under grad mode: the no_grad values, requiring grad
+            torch.testing.assert_close(g, p, atol=0, rtol=0)
+        first = next(g for g in got if g.is_floating_point())
+        assert first.requires_grad, which
+        with pytest.raises(InferenceOnlyError, match=rf"^{name} is inference-only \(no backward\): a loss was "
+                                                     rf"backpropagated .* train through {name}_ref "):
+            first.float().sum().backward()
     # the same inputs under no_grad / inference_mode: the op's result, as its reference's
     for ctx in (torch.no_grad, torch.inference_mode):
         t = {n: x.detach().requires_grad_(True) for n, x in tensors.items()}
         with ctx():
-            got, want = op(*args(t)), ref(*args(t))
-        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+            got, want = _outputs(op(*args(t))), _outputs(ref(*args(t)))
         for g, w in zip(got, want):
             assert not g.requires_grad
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
-    # inputs that do not require grad: no error with grad mode on
-    op(*args({n: x.detach() for n, x in tensors.items()}))
+    # inputs that do not require grad: outputs that do not either, with grad mode on
+    assert not any(g.requires_grad for g in _outputs(op(*args({n: x.detach() for n, x in tensors.items()}))))
 
 
 def test_the_named_reference_is_differentiable():
-    """The advice works: rms_norm_ref backpropagates where rms_norm refuses."""
+    """The advice works: rms_norm_ref backpropagates where rms_norm's backward refuses."""
     x, w = _r(T, D).requires_grad_(), _r(D)
     rms_norm_ref(x, w, 1e-6).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-def test_linear_with_a_packed_weight_refuses_grad_and_the_dense_one_trains():
+def test_linear_with_a_packed_weight_has_no_backward_and_the_dense_one_trains():
     w, x = _r(12, D), _r(T, D).requires_grad_()
     try:
         packed = prepare_linear_weight(w, "onednn")
     except BackendError as e:   # a torch without oneDNN: only the dense path exists
         pytest.skip(str(e))
+    y = linear(x, packed)   # runs; its backward is the error
     with pytest.raises(InferenceOnlyError, match=r"^linear \(oneDNN-packed weight\) is inference-only .* dense weight"):
-        linear(x, packed)
+        y.sum().backward()
     with torch.no_grad():
         torch.testing.assert_close(linear(x, packed), linear_ref(x, w), atol=1e-4, rtol=1e-4)
     linear(x, w).sum().backward()    # F.linear: differentiable
