@@ -170,6 +170,38 @@ def test_triton_gpu_half_precision_shapes(Hq, Hkv, d, dtype):
         f"{dtype} Hq {Hq} Hkv {Hkv} d {d}: kernel err {err_kernel:.3e} > 2 x plain PyTorch err {err_plain:.3e}")
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="with a GPU the test above runs these configs compiled")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hq,Hkv,d", [(16, 8, 128), (32, 4, 128), (8, 8, 256), (16, 2, 256), (32, 8, 128)],
+                         ids=["0.6b-gqa2", "gqa8", "d256-gqa1", "d256-gqa8", "4b-gqa4"])
+def test_triton_gpu_configs_under_the_interpreter(Hq, Hkv, d, dtype):
+    """The shapes of the two GPU tests around this one at the tiles a GPU runs them with (sm90's
+    table entry, else its rule config: BLOCK_M 128 / BLOCK_N 64 at d 128, 64 / 32 at d 256), in
+    bf16/fp16 under the interpreter, which otherwise runs its own 32 x 32 tiles: a 70-token segment
+    (70-560 rows) and a 70-token prefix cross row and key blocks; flash-attn's 2x rule against the
+    fp32 oracle, and that segment alone with its prefix gives the same bits as in the batch."""
+    import acarerank.kernels.prefix_shared_attention as A
+
+    cfg = A._TABLE.get(A.config_key(d, Hq // Hkv, dtype, "sm90")) or A._rule_config(d, dtype, "sm90")
+    seg_lens, prefix_lens, groups = [1, 7, 70], [70, 1, 9], [0, 1, 2]
+    (q, k, v), cu, (pk, pv), cp, sg = _pack(seg_lens, prefix_lens, groups, Hq, Hkv, d, dtype)
+    out = A.prefix_shared_attention_triton(q, k, v, cu, pk, pv, cp, sg, 1.0 / math.sqrt(d), config=cfg)
+    ref = prefix_shared_attention_ref(*(t.float() for t in (q, k, v)), cu, *(t.float() for t in (pk, pv)), cp, sg)
+    plain = _plain_attention(q, k, v, cu, pk, pv, cp, sg, 1.0 / math.sqrt(d))
+    err_kernel = (out.float() - ref).abs().max().item()
+    err_plain = (plain.float() - ref).abs().max().item()
+    atol = 2 * (ref + 0.3 - 0.3 - ref).abs().max().item()
+    assert out.dtype == dtype and err_kernel <= 2 * err_plain + atol, (
+        f"{dtype} Hq {Hq} Hkv {Hkv} d {d} config {cfg}: kernel err {err_kernel:.3e} > 2 x plain PyTorch err "
+        f"{err_plain:.3e}")
+    a, b = cu[2].item(), cu[3].item()
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    alone = A.prefix_shared_attention_triton(q[a:b], k[a:b], v[a:b], torch.tensor([0, b - a], **i32), pk[71:], pv[71:],
+                                             torch.tensor([0, 9], **i32), torch.zeros(1, **i32), 1.0 / math.sqrt(d),
+                                             config=cfg)
+    assert torch.equal(alone, out[a:b]), f"{int((alone != out[a:b]).sum())} elements differ alone vs in batch"
+
+
 def test_triton_segment_output_independent_of_batch_composition():
     """Bitwise: the same segment (with its prefix) gives the same rows in any batch, any order."""
     Hq, Hkv, d = 4, 2, 64
