@@ -35,7 +35,6 @@ Default: "cuda" for CUDA tensors, "cpp" on CPU when acarerank._C is built, else 
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -88,9 +87,17 @@ class TopKMergeState:
 
 
 def _check_temperature(temperature, op: str) -> float:
+    """``temperature`` as a float, checked. Under torch.compile(dynamic=True) a float argument is a
+    SymFloat: comparisons only (``math.isfinite`` cannot trace one), and the message formats
+    ``float(t)`` (a constant; Dynamo cannot put a SymFloat into an f-string)."""
+    if isinstance(temperature, torch.Tensor) and torch.compiler.is_compiling():
+        # float(tensor) reads device data: a value the trace cannot check (a data-dependent guard)
+        raise TypeError(f"{op}: temperature is a tensor inside torch.compile, where its value cannot be checked "
+                        f"while tracing: pass a Python float (float(t) outside the compiled function)")
     t = float(temperature)
-    if not (t > 0.0 and math.isfinite(t) and positive_in_fp32(t)):  # the merge divides by fp32(τ)
-        raise ValueError(f"{op}: temperature must be finite and > 0 (in float32 too), got {temperature}")
+    # t != t first: NaN compared with the bounds is an error on a SymFloat, not False
+    if t != t or not positive_in_fp32(t):  # the merge divides by fp32(τ)
+        raise ValueError(f"{op}: temperature must be finite and > 0 (in float32 too), got {float(t)}")
     return t
 
 
@@ -134,13 +141,14 @@ def topk_merge_init(rows: int, k: int, device, targets: Optional[torch.Tensor] =
     k = check_k(k, None, "cpp", "topk_merge_init")
     temperature = _check_temperature(temperature, "topk_merge_init")
     if rows < 0:
-        raise ValueError(f"topk_merge_init: rows must be >= 0, got {rows}")
+        raise ValueError(f"topk_merge_init: rows must be >= 0, got {int(rows)}")
     vocab_range = _check_vocab_range(k, vocab_size, vocab_range)
     device = torch.device(device)
     if targets is not None:
         if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64 or targets.shape != (rows,):
-            raise TypeError(f"topk_merge_init: targets must be an int64 tensor of shape [{rows}], got "
-                            f"{getattr(targets, 'dtype', type(targets).__name__)} {tuple(getattr(targets, 'shape', ()))}")
+            raise TypeError(f"topk_merge_init: targets must be an int64 tensor of shape [{int(rows)}], got "
+                            f"{getattr(targets, 'dtype', type(targets).__name__)} "
+                            f"{tuple(int(n) for n in getattr(targets, 'shape', ()))}")
         if targets.device != device:
             raise ValueError(f"topk_merge_init: targets are on {targets.device}, the state on {device}")
         targets = targets.contiguous()
@@ -159,8 +167,12 @@ def topk_merge_init(rows: int, k: int, device, targets: Optional[torch.Tensor] =
 
 
 # ---------------------------------------------------------------- coverage record (host side)
+# The record's ints are symbolic under torch.compile(dynamic=True) when the state comes into the
+# compiled function from outside (Dynamo makes an input object's ints SymInts): the messages
+# format int(x) — a constant (it specialises), where a SymInt in an f-string is Dynamo's
+# "BUILD_STRING type error" in place of the message. Error paths only: nothing on the happy path.
 def _fmt(intervals) -> str:
-    return ", ".join(f"[{a}, {b})" for a, b in intervals)
+    return ", ".join(f"[{int(a)}, {int(b)})" for a, b in intervals)
 
 
 def _check_claim(state: TopKMergeState, c0: int, c1: int) -> None:
@@ -168,13 +180,13 @@ def _check_claim(state: TopKMergeState, c0: int, c1: int) -> None:
     if state.vocab_range is not None:
         lo, hi = state.vocab_range
         if c0 < lo or c1 > hi:
-            raise ValueError(f"topk_merge_update: chunk columns [{c0}, {c1}) lie outside the state's vocabulary "
-                             f"columns [{lo}, {hi}) (topk_merge_init's vocab_size / vocab_range)")
+            raise ValueError(f"topk_merge_update: chunk columns {_fmt([(c0, c1)])} lie outside the state's "
+                             f"vocabulary columns {_fmt([(lo, hi)])} (topk_merge_init's vocab_size / vocab_range)")
     hit = [(a, b) for a, b in state.merged if a < c1 and c0 < b]
     if hit:
-        raise ValueError(f"topk_merge_update: chunk columns [{c0}, {c1}) overlap columns {_fmt(hit)} already merged: "
-                         f"a vocabulary id merged more than once counts its exp twice in the log-sum-exp (each column "
-                         f"must be merged exactly once)")
+        raise ValueError(f"topk_merge_update: chunk columns {_fmt([(c0, c1)])} overlap columns {_fmt(hit)} already "
+                         f"merged: a vocabulary id merged more than once counts its exp twice in the log-sum-exp (each "
+                         f"column must be merged exactly once)")
 
 
 def _record(merged: List[Tuple[int, int]], c0: int, c1: int) -> None:
@@ -206,11 +218,11 @@ def _check_coverage(state: TopKMergeState) -> None:
         at = max(at, b)
     # a state of one vocabulary shard (global ids from lo > 0) made without vocab_range: the columns
     # below its first are a gap only because the state cannot know where its vocabulary starts
-    shard = (f"; a vocabulary shard's state: topk_merge_init(..., vocab_range=({state.merged[0][0]}, hi))"
+    shard = (f"; a vocabulary shard's state: topk_merge_init(..., vocab_range=({int(state.merged[0][0])}, hi))"
              if state.vocab_range is None and gaps[0][0] == 0 else "")
     raise ValueError(f"topk_merge_finalize: vocabulary columns {_fmt(gaps[:4])}{' ...' if len(gaps) > 4 else ''} "
-                     f"were never merged (of [{lo}, {hi})): their exp terms would be missing from the log-sum-exp "
-                     f"(a gap between chunks, or a chunk loop that stopped early?){shard}")
+                     f"were never merged (of {_fmt([(lo, hi)])}): their exp terms would be missing from the "
+                     f"log-sum-exp (a gap between chunks, or a chunk loop that stopped early?){shard}")
 
 
 # ---------------------------------------------------------------- torch backend
@@ -283,11 +295,11 @@ def topk_merge_update(state: TopKMergeState, chunk_logits: torch.Tensor, c0: int
     """
     if not isinstance(chunk_logits, torch.Tensor) or chunk_logits.dim() != 2:
         raise ValueError(f"topk_merge_update: chunk_logits must be a [T, n] tensor, got "
-                         f"{tuple(getattr(chunk_logits, 'shape', ())) or type(chunk_logits).__name__}")
+                         f"{tuple(int(n) for n in getattr(chunk_logits, 'shape', ())) or type(chunk_logits).__name__}")
     if not chunk_logits.is_floating_point():
         raise TypeError(f"topk_merge_update: chunk_logits must be floating point, got {chunk_logits.dtype}")
     if chunk_logits.shape[0] != state.rows:
-        raise ValueError(f"topk_merge_update: chunk has {chunk_logits.shape[0]} rows, the state {state.rows}")
+        raise ValueError(f"topk_merge_update: chunk has {int(chunk_logits.shape[0])} rows, the state {int(state.rows)}")
     if chunk_logits.device != state.device:
         raise ValueError(f"topk_merge_update: chunk is on {chunk_logits.device}, the state on {state.device}")
     # a float c0 (2.7) was truncated by int(): every id of the chunk off by the fraction, no error

@@ -518,3 +518,92 @@ def test_the_coverage_record_compiles_in_one_graph(backend):
             compiled(z, targets, pieces)
         with pytest.raises(ValueError, match=match):
             lenient(z, targets, pieces)
+
+
+def _dyn_stream(backend):
+    """init (rows, vocab size from the logits' symbolic shape; temperature a float argument: a
+    SymFloat under dynamic=True), a loop of updates over ``widths``, finalize."""
+    def stream(logits, targets, widths, temperature):
+        state = tm.topk_merge_init(logits.shape[0], 4, logits.device, targets=targets, temperature=temperature,
+                                   vocab_size=logits.shape[1])
+        c0 = 0
+        for n in widths:
+            tm.topk_merge_update(state, logits[:, c0:c0 + n], c0, backend=backend)
+            c0 += n
+        return tm.topk_merge_finalize(state, outside="full")
+    return stream
+
+
+def _loop(state, logits, pieces, backend):
+    """Updates and finalize of a state made outside the compiled function (its record's ints
+    and temperature are symbolic inside under dynamic=True)."""
+    for a, b in pieces:
+        tm.topk_merge_update(state, logits[:, a:b], a, backend=backend)
+    return tm.topk_merge_finalize(state, outside="full")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streaming_merge_compiles_with_dynamic_shapes(backend):
+    """init + update loop + finalize under torch.compile(fullgraph=True, dynamic=True), as a
+    training step compiles its loss (symbolic rows, vocabulary width and temperature): eager's
+    result bit for bit, at two shapes and two temperatures, and the oracle's within its tolerance;
+    the same for a state made outside the compiled function (its record holds plain ints after).
+    init failed in the temperature check: math.isfinite on a SymFloat ("torch.* op returned non-Tensor")."""
+    gen = torch.Generator().manual_seed(41)
+    stream = _dyn_stream(backend)
+    compiled = torch.compile(stream, backend="aot_eager", fullgraph=True, dynamic=True)
+    for T, widths, t in ((4, (16, 16, 18), 0.5), (6, (20, 30, 7), 1.3)):
+        logits = torch.randn(T, sum(widths), generator=gen)
+        targets = torch.randint(0, sum(widths), (T,), generator=gen)
+        got, want = compiled(logits, targets, widths, t), stream(logits, targets, widths, t)
+        for name, a, b in zip(got._fields, got, want):
+            assert torch.equal(a, b), f"{name}: compiled != eager (T={T}, widths={widths})"
+        ref = topk_logprobs_ref(logits, None, targets, k=4, outside="full", temperature=t)
+        assert torch.equal(got.topk_ids, ref.topk_ids), (got.topk_ids, ref.topk_ids)
+        torch.testing.assert_close(got.topk_logprobs, ref.topk_logprobs, atol=LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(got.target_logprob, ref.target_logprob, atol=LOGPROB_ATOL, rtol=0)
+    loop = torch.compile(_loop, backend="aot_eager", fullgraph=True, dynamic=True)
+    logits, targets = torch.randn(3, 30, generator=gen), torch.tensor([0, 29, 12])
+    pieces = ((10, 30), (0, 10))
+    state = tm.topk_merge_init(3, 4, "cpu", targets=targets, temperature=0.7, vocab_size=30)
+    got = loop(state, logits, pieces, backend)
+    want = _loop(tm.topk_merge_init(3, 4, "cpu", targets=targets, temperature=0.7, vocab_size=30), logits, pieces,
+                 backend)
+    for name, a, b in zip(got._fields, got, want):
+        assert torch.equal(a, b), f"{name}: compiled != eager (state made outside)"
+    assert state.merged == [(0, 30)] and all(type(x) is int for x in state.merged[0]), state.merged
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bad_loop_compiled_with_dynamic_shapes_is_refused_with_our_message(backend, dynamic):
+    """A gap, an overlap and a bad temperature under fullgraph=True, dynamic=False and True, the
+    state made inside or outside the compiled function: Dynamo's Unsupported carries our message
+    (the messages format int(x) / float(x), never a symbolic value). Under dynamic=True it was
+    the temperature check's "torch.* op returned non-Tensor" (state made inside) or "BUILD_STRING
+    type error" (made outside: its record's ints are SymInts there). A tensor temperature inside
+    the compiled function is a TypeError saying to pass a float (it was a data-dependent-guard
+    UserError); eagerly it is still taken."""
+    raised = (ValueError, TypeError, torch._dynamo.exc.Unsupported)
+    stream = torch.compile(_dyn_stream(backend), backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    loop = torch.compile(_loop, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    z, targets = _coverage_logits()
+    gap = r"columns \[16, 20\) were never merged \(of \[0, 20\)\)"
+    over = r"chunk columns \[4, 12\) overlap columns \[0, 8\)"
+    outside = lambda: tm.topk_merge_init(3, 4, "cpu", targets=targets, vocab_size=20)  # noqa: E731
+    for run, match in ((lambda: stream(z, targets, (8, 8), 1.0), gap),   # made inside: vocab_size 20, 16 merged
+                       (lambda: loop(outside(), z, ((0, 8), (8, 16)), backend), gap),
+                       (lambda: loop(outside(), z, ((0, 8), (4, 12)), backend), over)):
+        torch._dynamo.reset()  # each case traced afresh (not the frame Dynamo left to run eagerly)
+        with pytest.raises(raised, match=match):
+            run()
+    for t, match in ((-0.5, r"temperature must be finite and > 0 .* got -0\.5"),
+                     (float("nan"), r"temperature must be finite and > 0 .* got nan"),
+                     (torch.tensor(0.5), r"temperature is a tensor inside torch.compile")):
+        torch._dynamo.reset()
+        with pytest.raises(raised, match=match):
+            stream(z, targets, (20,), t)
+    want = _dyn_stream(backend)(z, targets, (8, 12), 0.5)
+    got = _dyn_stream(backend)(z, targets, (8, 12), torch.tensor(0.5))  # eager: a 0-d tensor is read as a float
+    for name, a, b in zip(got._fields, got, want):
+        assert torch.equal(a, b), f"{name}: tensor temperature != float temperature"
