@@ -185,3 +185,65 @@ def test_the_settle_wait_reads_proc_stat_without_counting_guest_time_twice():
     assert _jiffies_of("cpu  80 0 20 850 50 0 0 0 400 0") == (100, 1000)
     assert _jiffies_of("cpu  80 0 20 850 50 0 0 0") == (100, 1000)   # a kernel without the guest fields
     assert _jiffies_of("cpu  80 0 20 900") == (100, 1000)           # nor iowait onwards
+
+
+def test_malloc_env_runs_each_variant_in_its_own_child_and_a_failed_child_fails_the_bench(
+        tmp_path, model_dir, monkeypatch, capsys):
+    """--malloc-env end to end on a 1-layer random model (real vocabulary, saved as a folder), this
+    process the parent: each variant's child (the worker thread, as serve runs its model; 1 pass,
+    1 round) gives a row per (pool, B) with a positive time and fault count, the variant's MALLOC_*
+    settings (the caller's MALLOC_ARENA_MAX dropped: the child checks what it started with), the
+    ratio to default (1 for default itself); the txt's JSON line names the variants. A child that
+    fails (a folder whose config.json is ``{}``: from_pretrained raises in the child) makes the
+    bench return 1 with the child's traceback, and no CSV."""
+    import csv
+    import json
+
+    from _tiny import random_qwen3
+
+    from bench_setwise_peer import MALLOC_VARIANTS, main
+
+    random_qwen3(layers=1).save_pretrained(str(tmp_path / "model"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")   # "default" must not pass the caller's on
+
+    def run(model, out):
+        return main(["--model", model, "--pools", "4", "--batches", "1,2", "--doc-tokens", "20,40", "--repeats", "1",
+                     "--settle-s", "0", "--malloc-passes", "1", "--malloc-threads", "worker",
+                     "--malloc-env", "default,thresholds", "--out", str(out)])
+
+    assert run(str(tmp_path / "model"), tmp_path / "out") == 0, capsys.readouterr().err[-3000:]
+    with open(tmp_path / "out" / "setwise_malloc.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["thread"], r["variant"], r["pool"], r["batch"]) for r in rows] == [
+        ("worker", v, "4", b) for v in ("default", "thresholds") for b in ("1", "2")]
+    for r in rows:
+        assert float(r["ms_per_selection"]) > 0 and float(r["minflt_per_selection"]) > 0, r
+        assert float(r["peak_rss_mb"]) > 0 and r["repeats"] == "1" and float(r["s_per_selection_all"]) >= 0, r
+        assert r["malloc_env"] == " ".join(f"{k}={v}" for k, v in MALLOC_VARIANTS[r["variant"]].items()), r
+        assert int(r["new_tokens"]) >= int(r["batch"]) and int(r["prompt_tokens"]) > 0, r
+    assert all(float(r["x_default"]) == 1.0 for r in rows if r["variant"] == "default")
+    assert all(float(r["x_default"]) > 0 for r in rows)
+    head = json.loads((tmp_path / "out" / "setwise_malloc.txt").read_text().splitlines()[0])
+    assert head["variants"] == {v: MALLOC_VARIANTS[v] for v in ("default", "thresholds")}
+    capsys.readouterr()
+
+    assert run(model_dir, tmp_path / "broken") == 1
+    err = capsys.readouterr().err
+    assert "the default child (worker thread, pass 1) failed (exit 1)" in err and "Traceback" in err, err
+    assert not (tmp_path / "broken" / "setwise_malloc.csv").exists()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--malloc-env", "thresholds"], "needs default among its variants"),
+    (["--malloc-env", "default,tcmalloc"], "distinct names of default, thresholds, arena1"),
+    (["--malloc-env", "default,default"], "distinct names"),
+    (["--malloc-env", "default", "--malloc-threads", "io"], "distinct names of main, worker"),
+    (["--malloc-env", "default", "--malloc-passes", "0"], "--malloc-passes must be in [1, 20]"),
+    (["--malloc-env", "default", "--peer", "http://x:1"], "drop --peer"), ([], "--peer is required")])
+def test_bad_malloc_flags_are_usage_errors(model_dir, capsys, flags, needle):
+    from bench_setwise_peer import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", model_dir] + flags)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
