@@ -228,7 +228,7 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(Gate, state=state, service=service, api_key=api_key, max_body_bytes=max_body_bytes,
-                       body_timeout=config.body_timeout, max_uploads=config.max_uploads)
+                       body_timeout=config.body_timeout, max_uploads=config.upload_limit)
     _document_bodies(app, {path: RerankRequest for path in RERANK_PATHS} | {path: ScorePairsRequest for path in SCORE_PATHS}
                      | {"/v1/select": SelectRequest})
     return app

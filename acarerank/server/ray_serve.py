@@ -392,6 +392,6 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     replicas = RerankReplica.options(num_replicas=num_replicas, max_ongoing_requests=per_replica,
                                      ray_actor_options=replica_options or {}).bind(config, health_max_pass_s)
     return RerankIngress.options(num_replicas=ingress_replicas,
-                                 max_ongoing_requests=num_replicas * per_replica + config.max_uploads
+                                 max_ongoing_requests=num_replicas * per_replica + config.upload_limit
                                  + INGRESS_SPARE_REQUESTS) \
         .bind(replicas, config, num_replicas, ingress_replicas)

@@ -155,6 +155,24 @@ def test_uploads_past_max_uploads_get_429_before_their_body(reranker):
         settled(svc, state)
 
 
+def test_left_out_max_uploads_is_never_below_max_queue(reranker):
+    """Without --max-uploads the gate takes the larger of 64 and --max-queue: with --max-queue 70,
+    70 stalled uploads are all read and the 71st is the 429 (naming 70); a bound of 64 would let
+    fewer stalled clients refuse everyone than the 70 that filling the queue took before."""
+    with serving(reranker, max_queue=70) as (base, port, svc, state):
+        stalled = []
+        try:
+            stalled = [stall(port) for _ in range(70)]
+            wait_for(lambda: state.uploading == 70, "70 uploads in progress")
+            with stall(port, b"", None) as extra:
+                code, _, err, _ = answer(extra, 10)
+            assert code == 429 and "--max-uploads 70" in err["error"]["message"], (code, err)
+        finally:
+            for s in stalled:
+                s.close()
+        settled(svc, state)
+
+
 def test_a_full_queue_is_refused_at_the_head_and_again_after_the_upload(reranker):
     """A queue already full at the head: 429 naming --max-queue before the body is read (a look,
     no slot taken). One that fills while a body arrives: that request's 429 once its body is whole,
@@ -206,13 +224,22 @@ def test_the_drain_deadline_answers_an_upload_in_progress(reranker):
 
 
 def test_max_uploads_is_a_flag_checked_as_the_others():
+    """Left out, the bound is the larger of 64 and --max-queue: never fewer uploads than the queue's
+    slots, which uploads held before they had their own bound (64 with the default --max-queue 512
+    let 64 stalled clients refuse everyone, where it took 512); set, it is what it says."""
     from acarerank.server.config import DEFAULT_MAX_UPLOADS, ServeConfig
 
-    assert ServeConfig().max_uploads == DEFAULT_MAX_UPLOADS == 64
-    for bad in (0, -1, 2.5, None):
+    assert DEFAULT_MAX_UPLOADS == 64 and ServeConfig().max_uploads is None
+    assert ServeConfig().upload_limit == ServeConfig().max_queue == 512
+    assert ServeConfig(max_queue=4).upload_limit == 64
+    assert ServeConfig(max_queue=100).upload_limit == 100
+    assert ServeConfig(max_queue=100, max_uploads=3).upload_limit == 3
+    for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match="--max-uploads"):
             ServeConfig(max_uploads=bad)
     import argparse
 
     args = ServeConfig.add_cli_args(argparse.ArgumentParser()).parse_args(["--max-uploads", "3"])
-    assert ServeConfig.from_cli_args(args).max_uploads == 3
+    assert ServeConfig.from_cli_args(args).upload_limit == 3
+    args = ServeConfig.add_cli_args(argparse.ArgumentParser()).parse_args(["--max-queue", "200"])
+    assert ServeConfig.from_cli_args(args).upload_limit == 200

@@ -451,7 +451,7 @@ def test_bodies_that_bypass_admission_are_capped(server):
 # -- admission once the body is whole; parsing off the event loop -------------------------------------------
 def test_stalled_uploads_do_not_fill_the_queue_and_big_bodies_do_not_stall_health(server):
     """--max-queue clients that send half a body and stall hold no queue slot (one of
-    --max-uploads each, 64 by default): a whole request is answered meanwhile. Until 2026-12-06
+    --max-uploads each, by default the larger of 64 and --max-queue): a whole request is answered meanwhile. Until 2026-12-06
     they held the queue and every other request got 429 until --body-timeout (the 429 at the head
     of a queue already full: test_gate_uploads.py)."""
     base, port, pid = server["base"], server["port"], server["proc"].pid
