@@ -22,8 +22,9 @@ Endpoints (see ``schemas.py`` for the bodies):
 =========================================  ===================================================
 
 Before FastAPI reads anything, the gate (``gate.py``) answers head size (431), drain (503),
-API key (401), declared body size (413) and admission (429), then reads the body within the
-body timeout (408; 413 past the limit; a client that leaves during the upload is a 499).
+API key (401), declared body size (413), a full queue and too many uploads (429), then reads the
+body within the body timeout (408; 413 past the limit; a client that leaves during the upload is
+a 499), then admits the request (its ``--max-queue`` slot; 429 if the queue filled meanwhile).
 
 The handlers parse the body in a worker thread (``parsing.py``: never on the event loop),
 check the per-request limits (characters 413, ``cache_salt`` length 422) and call the service.
@@ -227,7 +228,7 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(Gate, state=state, service=service, api_key=api_key, max_body_bytes=max_body_bytes,
-                       body_timeout=config.body_timeout)
+                       body_timeout=config.body_timeout, max_uploads=config.upload_limit)
     _document_bodies(app, {path: RerankRequest for path in RERANK_PATHS} | {path: ScorePairsRequest for path in SCORE_PATHS}
                      | {"/v1/select": SelectRequest})
     return app

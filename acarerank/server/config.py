@@ -25,6 +25,13 @@ from ..limits import DEFAULT_MAX_DOCUMENTS  # stdlib only; the CLI and the servi
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024   # 1,000 documents of ~32 kB each
 DEFAULT_MAX_QUEUE = 512                      # TEI's default max_concurrent_requests
+#: request bodies being received at once (--max-uploads) when the flag is left out: the larger of this
+#: and --max-queue. Never below --max-queue: uploads held the queue's slots before they had their own
+#: bound, and a smaller one would let fewer stalled uploads refuse every client than it took then.
+#: Memory: that many × --max-body-bytes of bodies arriving (16 GiB at the defaults' 512 × 32 MiB,
+#: as the queue's own bound); honest uploads are short (32 MiB takes ~0.3 s at 1 Gb/s):
+#: docs/serving.md, "Limits and timeouts"
+DEFAULT_MAX_UPLOADS = 64
 #: seconds a request waits for room in --max-queue-tokens before its 429 (docs/serving.md,
 #: "Admission by tokens": under a clients' timeout of 60 s, with time left for the passes)
 DEFAULT_TOKEN_WAIT_TIMEOUT = 30.0
@@ -89,8 +96,14 @@ class ServeConfig:
                                    "the process exits 70 for its supervisor to restart (inf: no bound; "
                                    "docs/serving.md, 'What to probe')", default=math.inf)
     # -- admission and per-request limits
-    max_queue: int = _opt("requests admitted and unanswered at once; one more gets 429 (before its body is read)",
-                          default=DEFAULT_MAX_QUEUE)
+    max_queue: int = _opt("requests admitted and unanswered at once, each counted once its whole body has "
+                          "arrived; one more gets 429 (before its body is read when the queue is already full "
+                          "at its head, else once its body has arrived)", default=DEFAULT_MAX_QUEUE)
+    max_uploads: Optional[int] = _opt("request bodies being received at once (POSTs to the rerank, score and "
+                                      "select endpoints, before they count in --max-queue); one more gets 429 "
+                                      "before its body is read. Memory: up to this × --max-body-bytes of bodies "
+                                      "arriving, besides --max-queue × --max-body-bytes held (default: the larger "
+                                      f"of {DEFAULT_MAX_UPLOADS} and --max-queue)", default=None, type=int)
     max_queue_tokens: Optional[int] = _opt("tokens of the requests tokenized and unanswered at once (each counted "
                                            "as the engine computes it: the shared part once, every document's "
                                            "segment; a /v1/select's prompt and output cap); one that would pass it "
@@ -112,7 +125,8 @@ class ServeConfig:
     #    worker_connections)
     header_timeout: float = _opt("seconds a connection may take to send a request's headers, then it is closed",
                                  default=60.0)
-    body_timeout: float = _opt("seconds a request may take to send its whole body, then 408", default=60.0)
+    body_timeout: float = _opt("seconds a request may take to send its whole body, then 408 (meanwhile it holds "
+                               "one of --max-uploads, not a --max-queue slot)", default=60.0)
     keepalive_timeout: float = _opt("seconds an idle keep-alive connection stays open", default=5.0)
     send_timeout: float = _opt("seconds a client may leave a response unread once the socket's buffers are full "
                                "(it reads nothing, or too slowly); then the connection is closed", default=60.0)
@@ -183,6 +197,12 @@ class ServeConfig:
 
     def replace(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def upload_limit(self) -> int:
+        """Request bodies the gate reads at once: ``max_uploads``, or the larger of
+        ``DEFAULT_MAX_UPLOADS`` and ``max_queue`` when it is left out."""
+        return self.max_uploads if self.max_uploads is not None else max(DEFAULT_MAX_UPLOADS, self.max_queue)
 
 
 def check_api_key(key: str, source: str) -> None:

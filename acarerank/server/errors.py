@@ -9,7 +9,7 @@ Text Embeddings Inference answers ``{"error": "<message>", "error_type": "<Error
 (router/src/lib.rs ``ErrorResponse``), and its clients read ``error`` as the message: our object
 there is no message. So ``/rerank``, TEI's one route, answers errors in TEI's shape unless the
 body was read and is not TEI's (``documents`` and no ``texts``: the Cohere, Jina and vLLM clients
-that also call ``/rerank`` keep ours); before its body is read (drain, key, size, admission) or
+that also call ``/rerank`` keep ours); before its body is parsed (drain, key, size, uploads, admission) or
 when it does not parse (or its parse was cut short), a ``/rerank`` request is taken for TEI's; a
 431 too, whether the gate or the protocol measures the head (docs/serving.md, "Errors").
 The status is ours on every route; ``error_type`` is TEI's word for it (``TEI_ERROR_TYPES``).

@@ -3,15 +3,22 @@
 It runs before FastAPI reads anything, in this order: a head (request line and headers) over
 ``MAX_HEAD_BYTES`` gets 431; while draining, every API request gets 503; with an API key set, a
 request without ``Authorization: Bearer <key>`` (or ``X-API-Key``) gets 401; a declared body over
-``max_body_bytes`` gets 413; an API POST with a ``Content-Encoding`` (gzip, ...) gets 415; a full
-queue gets 429 (admission, before the body is read); then the body is read within ``body_timeout``
-seconds (408 after), and one over ``max_body_bytes`` gets 413. Only a POST to an API path is
-admitted, so only it may send up to ``max_body_bytes``; any other request's body (an unknown path,
-a wrong method) is capped at ``LINGER_BYTES`` (413), else such requests, uncounted by
-``--max-queue``, could each hold ``max_body_bytes``. An early answer first reads and drops a small
+``max_body_bytes`` gets 413; an API POST with a ``Content-Encoding`` (gzip, ...) gets 415; a queue
+already full gets 429 (``service.refuse_if_full``: a look, no slot taken), and so does one more
+upload than ``max_uploads`` (``--max-uploads``), both before the body is read; then the body is
+read within ``body_timeout`` seconds (408 after), and one over ``max_body_bytes`` gets 413; only
+then does the request take its ``--max-queue`` slot (``service.admit``), a 429 if the queue
+filled meanwhile. As nginx buffers a body before the upstream sees it: a client that sends half
+a body and stalls holds one of ``max_uploads`` until ``body_timeout``, never a queue slot, so a
+few stalled uploads cannot refuse every other client (docs/serving.md, "Limits and timeouts").
+Only a POST to an API path is admitted, so only it may send up to ``max_body_bytes``; any other
+request's body (an unknown path, a wrong method) is capped at ``LINGER_BYTES`` (413), else such
+requests, uncounted by ``--max-uploads`` and ``--max-queue``, could each hold ``max_body_bytes``.
+An early answer first reads and drops a small
 declared body (nginx's lingering close, bounded by ``LINGER_BYTES`` and ``LINGER_S``). A client
 that leaves during the upload is counted as 499 (nginx's "client closed request") and logged in one
-line. ``GateState`` is shared with the SIGTERM drain (``front.py``). ``/health``, ``/ready`` and
+line. ``GateState`` is shared with the SIGTERM drain (``front.py``), which waits for requests still
+uploading as for admitted ones. ``/health``, ``/ready`` and
 ``/metrics`` pass straight through (probes and scrapers carry no key).
 """
 from __future__ import annotations
@@ -25,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .config import MAX_HEAD_BYTES
+from .config import DEFAULT_MAX_UPLOADS, MAX_HEAD_BYTES
 from .errors import CLIENT_CLOSED, APIError, error_for
 
 log = logging.getLogger("acarerank.server")
@@ -42,7 +49,8 @@ LINGER_S = 2.0              # ... for at most this many seconds
 class GateState:
     """Shared between the gate and whoever drains the server (the SIGTERM handler)."""
     draining: bool = False
-    in_flight: int = 0     # API requests past the drain and key checks and not yet answered
+    in_flight: int = 0     # API requests past the drain, key and 429 checks and not yet answered (uploads included)
+    uploading: int = 0     # API POSTs whose body is being read (at most the gate's max_uploads)
     tasks: set = field(default_factory=set)   # their asyncio tasks (the drain deadline cancels them)
     expired: bool = False  # the drain deadline passed: what is still in flight is answered 503
 
@@ -77,16 +85,19 @@ class Gate:
     """ASGI middleware: metrics of every response, then drain / API key / admission / body checks.
 
     The body is read here (at most ``max_body_bytes`` + 1 bytes, within ``body_timeout``
-    seconds) and replayed to the app; after the replay ``receive`` is the server's own, which is
+    seconds; at most ``max_uploads`` API POST bodies at once) and replayed to the app once the
+    request holds its ``--max-queue`` slot; after the replay ``receive`` is the server's own, which is
     how a handler learns that its client disconnected.
     """
 
     def __init__(self, app, state: GateState, service, api_key: Optional[str], max_body_bytes: int,
-                 body_timeout: float):
+                 body_timeout: float, max_uploads: int = DEFAULT_MAX_UPLOADS):
         self.app = app
         self.state = state
         self.metrics = service.metrics
         self.admit = getattr(service, "admit", None)
+        self.refuse_if_full = getattr(service, "refuse_if_full", None)
+        self.max_uploads = max_uploads
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
@@ -142,12 +153,17 @@ class Gate:
             return await self._refuse(scope, receive, send, status, length, 415, f"Content-Encoding "
                                       f"{encoding.decode('latin-1')!r} is not supported: send the JSON body "
                                       f"uncompressed", {"Accept-Encoding": "identity"})
-        slot = contextlib.ExitStack()
-        if self.admit is not None and api_post:
+        if api_post:
             try:
-                slot.enter_context(self.admit())   # 429 before a byte of the body is read
+                if self.refuse_if_full is not None:
+                    self.refuse_if_full()   # a full queue: 429 before a byte of the body is read
             except APIError as e:
                 return await self._refuse(scope, receive, send, status, length, e.status, e.message, e.headers)
+            if self.state.uploading >= self.max_uploads:
+                return await self._refuse(scope, receive, send, status, length, 429, f"server busy: "
+                                          f"{self.state.uploading} request bodies being received (--max-uploads "
+                                          f"{self.max_uploads}); retry later", {"Retry-After": "1"})
+        slot = contextlib.ExitStack()   # the --max-queue slot, taken once the body has arrived
 
         async def send_releasing(message):
             await send(message)
@@ -158,7 +174,7 @@ class Gate:
         self.state.tasks.add(task)
         self.state.in_flight += 1
         try:
-            await self._read_and_run(scope, receive, send_releasing, status, limit, flag)
+            await self._read_and_run(scope, receive, send_releasing, status, limit, flag, slot if api_post else None)
         except asyncio.CancelledError:
             if not self.state.expired:
                 raise
@@ -194,16 +210,34 @@ class Gate:
             headers["Connection"] = "close"
         await _send_error(scope, send, code, message, headers)
 
-    async def _read_and_run(self, scope, receive, send, status, limit: int, flag: str):
+    async def _read_and_run(self, scope, receive, send, status, limit: int, flag: str,
+                            slot: Optional[contextlib.ExitStack]):
+        """Read the body, then (an API POST: ``slot`` given) take the ``--max-queue`` slot into
+        ``slot`` and run the app. While the body is read the request counts in
+        ``state.uploading``, whatever ends the read (408, 413, 499, the drain deadline's cancel)."""
+        if slot is not None:
+            self._count_upload(+1)
+        ended = None
         try:
             body = await self._read_body(receive, limit, flag)
         except _Upload as e:
-            if e.status == CLIENT_CLOSED:
+            ended = e
+        finally:   # before any answer is written: a client slow to read its 408 holds no upload
+            if slot is not None:
+                self._count_upload(-1)
+        if ended is not None:
+            if ended.status == CLIENT_CLOSED:
                 status["code"] = CLIENT_CLOSED
                 log.info("client %s closed the connection during the upload of %s %s", _client(scope),
                          scope["method"], scope["path"])
                 return
-            return await _send_error(scope, send, e.status, e.message, {"Connection": "close"})
+            return await _send_error(scope, send, ended.status, ended.message, {"Connection": "close"})
+        if slot is not None and self.admit is not None:
+            try:
+                slot.enter_context(self.admit())
+            except APIError as e:   # the queue filled during the upload; the body is read: the connection stays
+                return await _send_error(scope, send, e.status, f"{e.message} (the queue filled while this "
+                                         f"request's body arrived)", e.headers)
         replayed = False
 
         async def replay():
@@ -214,6 +248,10 @@ class Gate:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _count_upload(self, step: int) -> None:
+        self.state.uploading += step
+        self.metrics.uploading.set(self.state.uploading)
 
     async def _read_body(self, receive, limit: int, flag: str) -> bytes:
         chunks, size = [], 0

@@ -17,6 +17,8 @@ acarerank_queue_time_seconds                histogram  admission → first pass 
 acarerank_queue_size                        gauge      requests waiting for their first pass
 acarerank_requests_running                  gauge      requests with documents in flight
 acarerank_requests_in_flight                gauge      requests admitted and not yet answered
+acarerank_requests_uploading                gauge      requests whose body is being received, not yet
+                                                       admitted (what --max-uploads bounds)
 acarerank_queue_tokens                      gauge      tokens of the tokenized requests not yet answered
                                                        (what --max-queue-tokens bounds; shared part once)
 acarerank_requests_waiting_for_tokens       gauge      requests tokenized and waiting, in arrival order,
@@ -95,6 +97,9 @@ class ServerMetrics:
                               ["code"], registry=r)
         self.disconnects = Counter("acarerank_client_disconnects", "requests whose client left before the "
                                    "answer (499: during the upload or while waiting)", ["endpoint"], registry=r)
+        # the gate's (an ingress front has it too): its bodies are read there
+        self.uploading = Gauge("acarerank_requests_uploading", "requests whose body is being received, not yet "
+                               "admitted (--max-uploads bounds it)", registry=r)
         if not engine:
             return
         self.queue_time = Histogram("acarerank_queue_time_seconds", "admission to first pass",

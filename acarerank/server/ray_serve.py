@@ -8,9 +8,9 @@ Two deployments:
   hitting; when that replica is saturated Ray falls back to the next one on the ring.
 * ``RerankIngress`` — the HTTP app of ``app.py`` unchanged (routes, schemas, ``gate.py``, errors,
   metrics of its own requests), whose service forwards each parsed request to the replicas
-  with ``session_id = routing_key(request)``, after admitting it before its body is read
+  with ``session_id = routing_key(request)``, after admitting it once its body has arrived
   (``RemoteService.admit``: its share of every replica's ``max_queue`` together, split over the
-  ingress replicas). Its ``/ready`` asks every replica's engine
+  ingress replicas; a full front refuses at the head, before the body). Its ``/ready`` asks every replica's engine
   (``RemoteService.readiness``): 503 while none can serve (docs/serving.md, "Past one machine");
   its ``/metrics`` adds every replica's series, labelled ``replica`` (``RemoteService.render_metrics``).
 
@@ -189,26 +189,33 @@ class RemoteService:
     @contextlib.contextmanager
     def admit(self):
         """Hold one of this front's ``limit`` slots for the duration of a request, or raise 429 —
-        taken by the gate before it reads the body, as ``RerankService.admit`` is on ``acarerank
-        serve``. Each replica still applies its own ``max_queue`` (a context's requests go to one
-        replica); this bounds the bodies the front reads and holds at once, which only Ray's
-        ``max_ongoing_requests`` bounded before, and past which Ray's proxy held requests with no
-        answer. On the event loop only (the gate's)."""
+        taken by the gate once the body has arrived, as ``RerankService.admit`` is on ``acarerank
+        serve`` (a full front's 429 comes before the body: ``refuse_if_full``). Each replica still
+        applies its own ``max_queue`` (a context's requests go to one replica); this bounds the
+        bodies the front holds at once, which only Ray's ``max_ongoing_requests`` bounded before,
+        and past which Ray's proxy held requests with no answer (the bodies being read are the
+        gate's ``max_uploads``). On the event loop only (the gate's)."""
         limit = self.limit
         if limit is None:
             yield
             return
-        if self.admitted >= limit:
-            share = f"; this front's share of {self.ingress_replicas} ingress replicas: {limit}" \
-                if self.ingress_replicas > 1 else ""
-            raise APIError(429, f"server busy: {self.admitted} requests in flight at this front (--max-queue "
-                                f"{self.max_queue} × {self.num_replicas} engine replicas{share}); retry later",
-                           headers={"Retry-After": "1"})
+        self.refuse_if_full()
         self.admitted += 1
         try:
             yield
         finally:
             self.admitted -= 1
+
+    def refuse_if_full(self) -> None:
+        """``admit``'s 429 if this front has no slot free now, taking none (the gate's check at a
+        request's head, before its body is read)."""
+        limit = self.limit
+        if limit is not None and self.admitted >= limit:
+            share = f"; this front's share of {self.ingress_replicas} ingress replicas: {limit}" \
+                if self.ingress_replicas > 1 else ""
+            raise APIError(429, f"server busy: {self.admitted} requests in flight at this front (--max-queue "
+                                f"{self.max_queue} × {self.num_replicas} engine replicas{share}); retry later",
+                           headers={"Retry-After": "1"})
 
     def health(self) -> dict:
         """``/health`` on the front: its own liveness (it runs); the engines' is Ray's ``check_health``
@@ -351,13 +358,14 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     which each front's share of ``max_queue`` divides by).
 
     Admission as ``acarerank serve``'s: each front refuses (429) a request past its share of every
-    replica's ``max_queue`` together (``ceil(max_queue × num_replicas / ingress_replicas)``) before
-    it reads the body (``RemoteService.admit``), each engine replica
+    replica's ``max_queue`` together (``ceil(max_queue × num_replicas / ingress_replicas)``) at its
+    head when its share is full, else once its body has arrived (``RemoteService.admit``), and one
+    past ``max_uploads`` bodies being read at once at its head; each engine replica
     the request past its own ``max_queue`` (and waits for room in its ``max_queue_tokens``), so Ray
     must deliver it: a replica takes ``max_queue + 1`` requests at once (Ray's
     ``max_ongoing_requests``; one over it waits in Ray's queue) and an ingress replica every
-    request the engines can hold plus ``INGRESS_SPARE_REQUESTS`` (Ray's default of 5 held the
-    sixth request at the proxy, unanswered, whatever ``max_queue`` said).
+    request the engines can hold, plus ``max_uploads`` being read, plus ``INGRESS_SPARE_REQUESTS``
+    (Ray's default of 5 held the sixth request at the proxy, unanswered, whatever ``max_queue`` said).
     """
     check_max_pass_s(health_max_pass_s)
     for name, n in (("num_replicas", num_replicas), ("ingress_replicas", ingress_replicas)):
@@ -384,5 +392,6 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     replicas = RerankReplica.options(num_replicas=num_replicas, max_ongoing_requests=per_replica,
                                      ray_actor_options=replica_options or {}).bind(config, health_max_pass_s)
     return RerankIngress.options(num_replicas=ingress_replicas,
-                                 max_ongoing_requests=num_replicas * per_replica + INGRESS_SPARE_REQUESTS) \
+                                 max_ongoing_requests=num_replicas * per_replica + config.upload_limit
+                                 + INGRESS_SPARE_REQUESTS) \
         .bind(replicas, config, num_replicas, ingress_replicas)

@@ -63,7 +63,7 @@ from .waiting import acquire_lane, submit, wait_for_tokens, wait_groups, wait_jo
 #: the warm-up request, and the engine's canary: short, within every limit, known to score
 CANARY = ScoreRequest("warm-up query", ["warm-up document"])
 
-#: set while the current request holds an admission slot (taken by the HTTP gate before it reads the body)
+#: set while the current request holds an admission slot (taken by the HTTP gate once the body has arrived)
 _holding_slot = contextvars.ContextVar("acarerank_holding_slot", default=False)
 
 log = logging.getLogger("acarerank.server")
@@ -266,15 +266,13 @@ class RerankService:
     def admit(self):
         """Hold one of ``max_queue`` slots for the duration of a request, or raise 429.
 
-        Re-entrant within a request: the HTTP gate admits before reading the body, and the
+        Re-entrant within a request: the HTTP gate admits once the body has arrived, and the
         handler's own ``admit`` then holds the same slot."""
         if _holding_slot.get():
             yield
             return
         with self._lock:
-            if self._admitted >= self.max_queue:
-                raise APIError(429, f"server busy: {self._admitted} requests in flight (--max-queue "
-                                    f"{self.max_queue}); retry later", headers={"Retry-After": "1"})
+            self._refuse_if_full()
             self._admitted += 1
             self.metrics.in_flight.set(self._admitted)
         token = _holding_slot.set(True)
@@ -285,6 +283,17 @@ class RerankService:
             with self._lock:
                 self._admitted -= 1
                 self.metrics.in_flight.set(self._admitted)
+
+    def refuse_if_full(self) -> None:
+        """``admit``'s 429 if no slot is free now, taking none: the gate's check at a request's
+        head, before its body is read (the slot itself is taken once the body has arrived)."""
+        with self._lock:
+            self._refuse_if_full()
+
+    def _refuse_if_full(self) -> None:
+        if self._admitted >= self.max_queue:
+            raise APIError(429, f"server busy: {self._admitted} requests in flight (--max-queue "
+                                f"{self.max_queue}); retry later", headers={"Retry-After": "1"})
 
     @property
     def queued_tokens(self) -> int:

@@ -7,7 +7,8 @@ One subprocess server (the CLI, a tiny checkpoint, ``--drain-timeout 2``). Three
 alone takes ~11 s on a 2-core Zen 5 EPYC (2026-12-06). Documents of ~2,400 characters took ~6 s
 on 2026-12-02 but 2.5–2.7 s on the Zen 5 with 2 threads, and a request finished inside the drain
 (a 200 where the test wants 503: fresh-clone CI at a0cb05b); ~370 characters took 1.8 s. A
-fourth client sends its head and half of its body, then nothing.
+fourth client sends its head and half of its body, then nothing (in flight for the drain, not
+admitted: its body is not whole).
 ``--max-queue-tokens`` holds two of the three: the third waits for room in it (a wait the drain
 ends as it ends the rest, 503).
 """
@@ -54,13 +55,15 @@ def test_drain_deadline_answers_503_and_exits(tmp_path):
         slow.sendall(f"POST /v1/rerank HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:   # all four admitted, one waiting for tokens (bounded wait)
+        while time.monotonic() < deadline:   # three admitted, one waiting for tokens, one uploading (bounded wait)
             m = httpx.get(base + "/metrics").text
-            if "acarerank_requests_in_flight 4.0" in m and "acarerank_requests_waiting_for_tokens 1.0" in m:
+            if "acarerank_requests_in_flight 3.0" in m and "acarerank_requests_waiting_for_tokens 1.0" in m \
+                    and "acarerank_requests_uploading 1.0" in m:
                 break
             time.sleep(0.05)
         else:
-            raise AssertionError("the four requests were never in flight together, one waiting for tokens")
+            raise AssertionError("the four requests were never in flight together, one waiting for tokens and "
+                                 "one still uploading")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(DRAIN + MARGIN)

@@ -30,7 +30,8 @@ serve = pytest.importorskip("ray.serve")
 from acarerank import PointwiseReranker, ScoreRequest  # noqa: E402
 from acarerank.server import create_app  # noqa: E402
 from acarerank.server import ray_serve  # noqa: E402
-from acarerank.server.ray_serve import REPLICA_HEADER, RemoteService, build_app  # noqa: E402
+from acarerank.server.errors import APIError  # noqa: E402
+from acarerank.server.ray_serve import INGRESS_SPARE_REQUESTS, REPLICA_HEADER, RemoteService, build_app  # noqa: E402
 from serve_util import thread_server  # noqa: E402
 
 DOCS = ["the tutor gives hints", "a recipe for bread", "setwise rerankers select documents", "weather today"]
@@ -802,3 +803,22 @@ def test_build_app_names_what_it_cannot_apply(options, words):
 def test_build_app_refuses_a_bad_health_bound(bound):
     with pytest.raises(ValueError, match="max_pass_s must be a finite number >= 0"):
         build_app(model=None, health_max_pass_s=bound)
+
+
+def test_the_ingress_takes_the_bodies_being_received_besides_what_the_engines_hold():
+    """The front reads a body before the request counts against its share of max_queue, so an
+    ingress replica holds up to max_uploads requests more than the engines do: Ray's
+    max_ongoing_requests counts them (else Ray's proxy held the surplus with no answer), and
+    the front peeks at its share at the head (a 429 before the body) without taking a slot."""
+    app = build_app(model=None, num_replicas=2, max_queue=5, max_uploads=7)
+    ingress = app._bound_deployment
+    assert ingress.init_args[0]._bound_deployment.max_ongoing_requests == 5 + 1
+    assert ingress.max_ongoing_requests == 2 * (5 + 1) + 7 + INGRESS_SPARE_REQUESTS
+    service = RemoteService(_HeldHandle(threading.Event()), "m", max_queue=1, num_replicas=1)
+    service.refuse_if_full()
+    assert service.admitted == 0
+    with service.admit():
+        with pytest.raises(APIError) as e:
+            service.refuse_if_full()
+        assert e.value.status == 429 and "--max-queue 1" in e.value.message
+    assert service.admitted == 0
