@@ -152,11 +152,20 @@ def autocast_off(device: torch.device):
 #: reuses whole pages only, so small pages lose at most 15 tokens of a hit
 DEFAULT_BLOCK_SIZE = 16
 
+#: prefill rows per pass by device type when the caller gives none (``Qwen3Runner(prefill_chunk=)``).
+#: On CPU a 2,048-row pass keeps each layer's outputs (bf16 at the 0.6B shape: QKV 16 MB, gate/up
+#: 25 MB) under glibc's 32 MB mmap ceiling, so they come back from the heap in the next layer
+#: instead of as fresh, faulting pages: a bf16 setwise selection's prompt of 5,291 tokens took
+#: 10.05–10.45 s against 10.65–10.93 s in 4,096-row passes, 11,684 tokens 1.5–2 % less, fp32 a few
+#: % less, the same selections and peak RSS (docs/cpu.md, "Memory between passes"); pointwise
+#: passes are 2,048 segment tokens on CPU already (``pointwise.DEFAULT_BATCH_TOKENS``).
+DEFAULT_PREFILL_CHUNK = {"cpu": 2048, "cuda": 4096}
+
 
 class Qwen3Runner:
     """Runs a Qwen3 decoder over prefix-shared batches; holds no per-request state."""
 
-    def __init__(self, weights: Qwen3Weights, backend=None, prefill_chunk: int = 4096,
+    def __init__(self, weights: Qwen3Weights, backend=None, prefill_chunk: Optional[int] = None,
                  batch_invariant: bool = False, compile_layers: bool = False,
                  block_size: int = DEFAULT_BLOCK_SIZE):
         """
@@ -165,7 +174,8 @@ class Qwen3Runner:
             mapping) of which the attention op's part is used (``acarerank.ops.backend_for``);
             None = ACARERANK_BACKEND / device default.
           prefill_chunk: prefix tokens per group per prefill chunk, and rows per prefill pass:
-            several groups' chunks share a pass up to this many rows (``extend``).
+            several groups' chunks share a pass up to this many rows (``extend``); None: by
+            device type, ``DEFAULT_PREFILL_CHUNK`` (CPU 2,048, CUDA 4,096).
           batch_invariant: run every GEMM on fixed tiles of ``INVARIANT_ROWS`` rows, so a
             segment's output is bitwise independent of the other segments in its batch, and start
             every prefill pass at a multiple of ``prefix_align`` tokens, so it is independent of
@@ -199,7 +209,9 @@ class Qwen3Runner:
         self._layer_backends = resolve_layer_backends(backend, weights.device, weights.dtype, weights.arch.head_dim)
         self.linear_backend, self.linear_fallback = resolve_linear_backend(backend, weights.device, weights.dtype)
         self.weights = weights_for_linear(weights, self.linear_backend)
-        self.prefill_chunk = prefill_chunk
+        if prefill_chunk is None:
+            prefill_chunk = DEFAULT_PREFILL_CHUNK.get(weights.device.type, DEFAULT_PREFILL_CHUNK["cuda"])
+        self.prefill_chunk = positive_int("prefill_chunk", prefill_chunk)
         self.block_size = block_size
         if batch_invariant and (attention := self._attention_backend()) not in ("triton", "native"):
             # the GEMMs alone are fixed-tile: a cache hit or another prefill chunking moves a

@@ -191,3 +191,26 @@ def test_a_prefill_of_many_groups_passes_at_most_one_chunk_of_rows(monkeypatch):
     for i, (p, s) in enumerate(zip(prefixes, segs)):
         err = (r.final_norm(last[i]) - hf_hidden(m, torch.cat([p, s]))[-1]).abs().max().item()
         assert err <= 1e-5, f"group {i}: max |diff| {err:.2e}"
+
+
+def test_prefill_chunk_defaults_by_device_and_is_checked(monkeypatch):
+    """Left out, a CPU runner's prefill passes hold 2,048 rows (bf16 outputs under glibc's 32 MB mmap
+    ceiling: docs/cpu.md, "Memory between passes"), CUDA's 4,096; a prefill of more rows goes in
+    passes of at most that many. A count that is not a positive int is a ValueError naming it (0
+    ran one-token passes, a float failed deep in a slice)."""
+    from acarerank.model.runner import DEFAULT_PREFILL_CHUNK
+
+    assert DEFAULT_PREFILL_CHUNK == {"cpu": 2048, "cuda": 4096}
+    m = tiny_qwen3(layers=1, vocab=503)
+    r = Qwen3Runner.from_hf(m)
+    assert r.prefill_chunk == 2048
+    rows = []
+    real = Qwen3Runner._pass
+    monkeypatch.setattr(Qwen3Runner, "_pass", lambda self, cache, ids, *a: (rows.append(sum(t.numel() for t in ids)),
+                                                                             real(self, cache, ids, *a))[1])
+    r.prefill([torch.randint(0, 503, (2048 + 37,))])
+    assert rows == [2048, 37], rows
+    assert Qwen3Runner.from_hf(m, prefill_chunk=100).prefill_chunk == 100
+    for bad in (0, -1, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="prefill_chunk"):
+            Qwen3Runner.from_hf(m, prefill_chunk=bad)
