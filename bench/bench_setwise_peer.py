@@ -350,7 +350,8 @@ def _child_argv(args, thread: str) -> list:
     ints = lambda xs: ",".join(map(str, xs))  # noqa: E731
     return [sys.executable, os.path.abspath(__file__), "--model", args.model, "--dtype", args.dtype,
             "--pools", ints(args.pools), "--batches", ints(args.batches), "--doc-tokens", ints(args.doc_tokens),
-            "--repeats", str(args.repeats), "--end-bias", repr(args.end_bias), "--settle-s", str(args.settle_s),
+            # "--end-bias=" joined: argparse takes "-1e-05" (a negative in exponent form) for a flag
+            "--repeats", str(args.repeats), f"--end-bias={args.end_bias!r}", f"--settle-s={args.settle_s!r}",
             "--_child", thread]
 
 

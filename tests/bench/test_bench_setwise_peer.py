@@ -247,3 +247,18 @@ def test_bad_malloc_flags_are_usage_errors(model_dir, capsys, flags, needle):
     with pytest.raises(SystemExit) as e:
         parse_args(["--model", model_dir] + flags)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("end_bias", ["-0.3", "-1e-05", "-inf", "2.5e-07"])
+def test_a_malloc_child_gets_the_parents_arguments(model_dir, end_bias):
+    """A --malloc-env child parses back the parent's workload: its argv through parse_args gives the
+    same values (a child started with "--end-bias -1e-05" exited 2, 'expected one argument': argparse
+    takes a negative in exponent form for a flag)."""
+    from bench_setwise_peer import _child_argv, parse_args
+
+    parent = parse_args(["--model", model_dir, "--malloc-env", "default", "--end-bias=" + end_bias, "--pools", "4,6",
+                         "--batches", "1,2", "--doc-tokens", "20,40", "--repeats", "2", "--settle-s", "0.5"])
+    child = parse_args(_child_argv(parent, "worker")[2:])
+    assert child._child == "worker" and child.malloc_env is None
+    for name in ("model", "dtype", "pools", "batches", "doc_tokens", "repeats", "end_bias", "settle_s"):
+        assert getattr(child, name) == getattr(parent, name), name

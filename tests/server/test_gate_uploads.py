@@ -173,6 +173,36 @@ def test_left_out_max_uploads_is_never_below_max_queue(reranker):
         settled(svc, state)
 
 
+def test_left_out_max_uploads_follows_the_services_own_queue(reranker):
+    """create_app(service) with a config that leaves --max-uploads and --max-queue out (an embedding
+    application's: the service holds its own max_queue): the bound is the larger of 64 and the
+    service's max_queue, 70 here, not the config's default 512 — with 512, a 71st stalled upload was
+    read too, and a service with max_queue 1,000 was refused to everyone by 512 stalled uploads
+    where filling its queue took 1,000."""
+    from acarerank.server import RerankService, create_app
+    from acarerank.server.config import ServeConfig
+    from acarerank.server.gate import GateState
+
+    svc = RerankService(reranker, "tiny", max_queue=70).start(warmup=False)
+    state = GateState()
+    try:
+        with thread_server(create_app(svc, ServeConfig(body_timeout=BODY_TIMEOUT), state=state)) as base:
+            port = int(base.rsplit(":", 1)[1])
+            stalled = []
+            try:
+                stalled = [stall(port) for _ in range(70)]
+                wait_for(lambda: state.uploading == 70, "70 uploads in progress")
+                with stall(port, b"", None) as extra:
+                    code, _, err, _ = answer(extra, 5)
+                assert code == 429 and "--max-uploads 70" in err["error"]["message"], (code, err)
+            finally:
+                for s in stalled:
+                    s.close()
+            settled(svc, state)
+    finally:
+        svc.stop()
+
+
 def test_a_full_queue_is_refused_at_the_head_and_again_after_the_upload(reranker):
     """A queue already full at the head: 429 naming --max-queue before the body is read (a look,
     no slot taken). One that fills while a body arrives: that request's 429 once its body is whole,
