@@ -146,11 +146,12 @@ def parse_args(argv=None):
     ap.add_argument("--malloc-env", type=lambda s: _name_list("--malloc-env", s, MALLOC_VARIANTS),
                     help="acarerank alone under these glibc settings, a child process each, instead of vLLM: "
                          f"{', '.join(MALLOC_VARIANTS)}; default among them")
-    ap.add_argument("--malloc-threads", default="main,worker", type=lambda s: _name_list("--malloc-threads", s,
+    ap.add_argument("--malloc-threads", type=lambda s: _name_list("--malloc-threads", s,
                                                                                            MALLOC_THREADS),
-                    help="with --malloc-env: the rounds on the main thread, on one worker thread (as serve), or both")
-    ap.add_argument("--malloc-passes", type=int, default=2,
-                    help="with --malloc-env: child processes per variant and thread, the variants in turn")
+                    help="with --malloc-env: the rounds on the main thread, on one worker thread (as serve), or both "
+                         "(default main,worker)")
+    ap.add_argument("--malloc-passes", type=int,
+                    help="with --malloc-env: child processes per variant and thread, the variants in turn (default 2)")
     ap.add_argument("--_child", choices=MALLOC_THREADS, help=argparse.SUPPRESS)  # a --malloc-env child's thread
     args = ap.parse_args(argv)
     if not 0 <= args.settle_s <= 60:
@@ -161,6 +162,13 @@ def parse_args(argv=None):
         ap.error(f"--repeats must be in [1, 100], got {args.repeats}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         ap.error(f"--model {args.model!r} has no config.json (bench/peers/vllm_cpu.sh --model-dir prints the folder)")
+    if args.malloc_env is None and args._child is None:
+        given = [f for f, v in (("--malloc-threads", args.malloc_threads), ("--malloc-passes", args.malloc_passes))
+                 if v is not None]
+        if given:   # silently ignored, they would time vLLM instead of what was asked
+            ap.error(f"{' and '.join(given)} only apply with --malloc-env")
+    args.malloc_threads = args.malloc_threads or list(MALLOC_THREADS)
+    args.malloc_passes = 2 if args.malloc_passes is None else args.malloc_passes
     if not 1 <= args.malloc_passes <= 20:
         ap.error(f"--malloc-passes must be in [1, 20], got {args.malloc_passes}")
     if args.malloc_env is not None or args._child is not None:
@@ -168,6 +176,11 @@ def parse_args(argv=None):
             ap.error("--malloc-env times acarerank alone: drop --peer")
         if args._child is None and "default" not in args.malloc_env:
             ap.error(f"--malloc-env needs default among its variants (the ratios' base), got {args.malloc_env}")
+        # the children inherit them: "default" would not be glibc's own allocator (a tcmalloc preload)
+        # or settings (tunables)
+        other = [k for k in ("LD_PRELOAD", "GLIBC_TUNABLES") if os.environ.get(k)]
+        if args._child is None and other:
+            ap.error(f"--malloc-env compares glibc's own settings: unset {', '.join(other)} first")
         return args
     if args.peer is None:
         ap.error("--peer is required (or --malloc-env, which times acarerank alone)")

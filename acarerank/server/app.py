@@ -51,7 +51,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import DEFAULT_MAX_UPLOADS, ServeConfig
+from .config import ServeConfig
 from .disconnect import ClientGone
 from .errors import APIError, error_body, error_for
 from .gate import CLIENT_CLOSED, RERANK_PATHS, SCORE_PATHS, Gate, GateState
@@ -85,8 +85,9 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     """The FastAPI app over ``service`` (``RerankService`` or anything with the same methods).
 
     config: the limits (``ServeConfig``; None: the defaults); ``api_key`` and ``max_body_bytes``
-    override its fields; ``max_uploads`` left out is the larger of 64 and the service's own
-    ``max_queue`` (the queue it admits to, which ``config.max_queue`` need not be). state: the drain flag and in-flight requests, shared with a SIGTERM
+    override its fields; ``max_uploads`` left out is the larger of 64 and what the service admits at
+    once (its ``admission_limit``: a ``RerankService``'s own ``max_queue``, which ``config.max_queue``
+    need not be; a Ray front's share). state: the drain flag and in-flight requests, shared with a SIGTERM
     handler (a new one if None).
     """
     config = config or ServeConfig()
@@ -228,12 +229,9 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
         body = await render() if render is not None else service.metrics.render()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    max_uploads = config.upload_limit
-    queue = getattr(service, "max_queue", None)
-    if config.max_uploads is None and isinstance(queue, int):
-        # never below the queue the service admits to (ServeConfig.upload_limit's reason: docs/serving.md,
-        # "Limits and timeouts"): config.max_queue is only the default's 512 under create_app(service)
-        max_uploads = max(DEFAULT_MAX_UPLOADS, queue)
+    # never below the queue the service admits to (docs/serving.md, "Limits and timeouts"): under
+    # create_app(service) config.max_queue is only the default's 512, and a Ray front admits its share
+    max_uploads = config.uploads_beside(getattr(service, "admission_limit", None))
     app.add_middleware(Gate, state=state, service=service, api_key=api_key, max_body_bytes=max_body_bytes,
                        body_timeout=config.body_timeout, max_uploads=max_uploads)
     _document_bodies(app, {path: RerankRequest for path in RERANK_PATHS} | {path: ScorePairsRequest for path in SCORE_PATHS}

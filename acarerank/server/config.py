@@ -200,9 +200,17 @@ class ServeConfig:
 
     @property
     def upload_limit(self) -> int:
-        """Request bodies the gate reads at once: ``max_uploads``, or the larger of
-        ``DEFAULT_MAX_UPLOADS`` and ``max_queue`` when it is left out."""
-        return self.max_uploads if self.max_uploads is not None else max(DEFAULT_MAX_UPLOADS, self.max_queue)
+        """Request bodies the gate reads at once in front of a service admitting ``max_queue``."""
+        return self.uploads_beside(self.max_queue)
+
+    def uploads_beside(self, admits: Optional[int]) -> int:
+        """Request bodies a gate reads at once in front of a service that admits ``admits``
+        requests at once (its own ``max_queue``, or a Ray front's share; None: ``max_queue``):
+        ``max_uploads``, or when it is left out the larger of ``DEFAULT_MAX_UPLOADS`` and
+        ``admits`` — never fewer stalled uploads refuse every client than filling that queue took."""
+        if self.max_uploads is not None:
+            return self.max_uploads
+        return max(DEFAULT_MAX_UPLOADS, self.max_queue if admits is None else admits)
 
 
 def check_api_key(key: str, source: str) -> None:

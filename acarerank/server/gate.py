@@ -236,8 +236,8 @@ class Gate:
             try:
                 slot.enter_context(self.admit())
             except APIError as e:   # the queue filled during the upload; the body is read: the connection stays
-                return await _send_error(scope, send, e.status, f"{e.message} (the queue filled while this "
-                                         f"request's body arrived)", e.headers)
+                return await _send_error(scope, send, e.status, f"the queue filled while this request's body "
+                                         f"arrived: {e.message}", e.headers)
         replayed = False
 
         async def replay():

@@ -151,6 +151,13 @@ def _short(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def front_share(max_queue: int, num_replicas: int, ingress_replicas: int) -> int:
+    """Requests one ingress front admits at once: its share of every engine replica's
+    ``max_queue`` together, ``ceil(max_queue × num_replicas / ingress_replicas)``, at least 1
+    (``RemoteService.limit``)."""
+    return max(1, math.ceil(max_queue * num_replicas / ingress_replicas))
+
+
 class RemoteService:
     """The ingress's service: forwards parsed requests to ``RerankReplica`` through a handle.
 
@@ -184,7 +191,12 @@ class RemoteService:
         ``ingress_replicas - 1`` more than the engines hold. None: not counted."""
         if self.max_queue is None:
             return None
-        return max(1, math.ceil(self.max_queue * self.num_replicas / self.ingress_replicas))
+        return front_share(self.max_queue, self.num_replicas, self.ingress_replicas)
+
+    @property
+    def admission_limit(self) -> Optional[int]:
+        """``limit``: what the gate's default upload bound follows (None: not counted here)."""
+        return self.limit
 
     @contextlib.contextmanager
     def admit(self):
@@ -360,7 +372,8 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
     Admission as ``acarerank serve``'s: each front refuses (429) a request past its share of every
     replica's ``max_queue`` together (``ceil(max_queue × num_replicas / ingress_replicas)``) at its
     head when its share is full, else once its body has arrived (``RemoteService.admit``), and one
-    past ``max_uploads`` bodies being read at once at its head; each engine replica
+    past ``max_uploads`` bodies being read at once at its head (left out: the larger of 64 and
+    that share, ``ServeConfig.uploads_beside``); each engine replica
     the request past its own ``max_queue`` (and waits for room in its ``max_queue_tokens``), so Ray
     must deliver it: a replica takes ``max_queue + 1`` requests at once (Ray's
     ``max_ongoing_requests``; one over it waits in Ray's queue) and an ingress replica every
@@ -389,9 +402,10 @@ def build_app(model: Optional[str] = None, num_replicas: int = 1, replica_option
                          f"{'it' if len(owned) == 1 else 'them'} out (docs/serving.md, 'Past one machine: Ray Serve')")
     config = ServeConfig(model=model, **options)
     per_replica = config.max_queue + 1   # the one past max_queue reaches the replica, which answers 429
+    uploads = config.uploads_beside(front_share(config.max_queue, num_replicas, ingress_replicas))  # the gate's
     replicas = RerankReplica.options(num_replicas=num_replicas, max_ongoing_requests=per_replica,
                                      ray_actor_options=replica_options or {}).bind(config, health_max_pass_s)
     return RerankIngress.options(num_replicas=ingress_replicas,
-                                 max_ongoing_requests=num_replicas * per_replica + config.upload_limit
+                                 max_ongoing_requests=num_replicas * per_replica + uploads
                                  + INGRESS_SPARE_REQUESTS) \
         .bind(replicas, config, num_replicas, ingress_replicas)

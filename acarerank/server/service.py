@@ -284,6 +284,11 @@ class RerankService:
                 self._admitted -= 1
                 self.metrics.in_flight.set(self._admitted)
 
+    @property
+    def admission_limit(self) -> int:
+        """Requests admitted at once (``max_queue``): what the gate's default upload bound follows."""
+        return self.max_queue
+
     def refuse_if_full(self) -> None:
         """``admit``'s 429 if no slot is free now, taking none: the gate's check at a request's
         head, before its body is read (the slot itself is taken once the body has arrived)."""

@@ -240,10 +240,19 @@ def test_malloc_env_runs_each_variant_in_its_own_child_and_a_failed_child_fails_
     (["--malloc-env", "default,default"], "distinct names"),
     (["--malloc-env", "default", "--malloc-threads", "io"], "distinct names of main, worker"),
     (["--malloc-env", "default", "--malloc-passes", "0"], "--malloc-passes must be in [1, 20]"),
-    (["--malloc-env", "default", "--peer", "http://x:1"], "drop --peer"), ([], "--peer is required")])
-def test_bad_malloc_flags_are_usage_errors(model_dir, capsys, flags, needle):
+    (["--malloc-env", "default", "--peer", "http://x:1"], "drop --peer"), ([], "--peer is required"),
+    # without --malloc-env they were ignored: the run timed vLLM instead
+    (["--peer", "http://x:1", "--malloc-passes", "3"], "--malloc-passes only apply with --malloc-env"),
+    (["--peer", "http://x:1", "--malloc-threads", "main"], "--malloc-threads only apply with --malloc-env"),
+    # inherited by the children, they made "default" something other than glibc's own allocator
+    (["--malloc-env", "default", "LD_PRELOAD=/usr/lib/libtcmalloc.so"], "unset LD_PRELOAD first"),
+    (["--malloc-env", "default", "GLIBC_TUNABLES=glibc.malloc.arena_max=1"], "unset GLIBC_TUNABLES first")])
+def test_bad_malloc_flags_are_usage_errors(model_dir, capsys, monkeypatch, flags, needle):
     from bench_setwise_peer import parse_args
 
+    for f in [f for f in flags if "=" in f and not f.startswith("-")]:   # an environment variable, not a flag
+        monkeypatch.setenv(*f.split("=", 1))
+        flags = [x for x in flags if x != f]
     with pytest.raises(SystemExit) as e:
         parse_args(["--model", model_dir] + flags)
     assert e.value.code == 2 and needle in capsys.readouterr().err

@@ -31,6 +31,7 @@ from acarerank import PointwiseReranker, ScoreRequest  # noqa: E402
 from acarerank.server import create_app  # noqa: E402
 from acarerank.server import ray_serve  # noqa: E402
 from acarerank.server.errors import APIError  # noqa: E402
+from acarerank.server.gate import Gate  # noqa: E402
 from acarerank.server.ray_serve import INGRESS_SPARE_REQUESTS, REPLICA_HEADER, RemoteService, build_app  # noqa: E402
 from serve_util import thread_server  # noqa: E402
 
@@ -814,6 +815,15 @@ def test_the_ingress_takes_the_bodies_being_received_besides_what_the_engines_ho
     ingress = app._bound_deployment
     assert ingress.init_args[0]._bound_deployment.max_ongoing_requests == 5 + 1
     assert ingress.max_ongoing_requests == 2 * (5 + 1) + 7 + INGRESS_SPARE_REQUESTS
+    # max_uploads left out: the larger of 64 and the front's share (4 × 100 / 1), in Ray's count and
+    # the front's gate — with max_queue's 100 instead, 101 stalled uploads refused everyone where
+    # filling the front's 400 took 400
+    app = build_app(model=None, num_replicas=4, max_queue=100)
+    assert app._bound_deployment.max_ongoing_requests == 4 * (100 + 1) + 400 + INGRESS_SPARE_REQUESTS
+    front = RemoteService(_HeldHandle(threading.Event()), "m", max_queue=100, num_replicas=4)
+    assert front.admission_limit == 400
+    gate = next(m for m in create_app(front).user_middleware if m.cls is Gate)
+    assert gate.kwargs["max_uploads"] == 400
     service = RemoteService(_HeldHandle(threading.Event()), "m", max_queue=1, num_replicas=1)
     service.refuse_if_full()
     assert service.admitted == 0
