@@ -34,13 +34,15 @@ def reranker():
 
 
 @contextlib.contextmanager
-def serving(reranker, **limits):
-    """(base URL, port, service, the gate's state) of a server with ``limits`` (ServeConfig fields)."""
+def serving(reranker, service_queue=None, **limits):
+    """(base URL, port, service, the gate's state) of a server with ``limits`` (ServeConfig fields);
+    ``service_queue``: the service's own max_queue, the config's left as it is (an embedding
+    application's create_app(service))."""
     from acarerank.server import RerankService, create_app
     from acarerank.server.config import ServeConfig
     from acarerank.server.gate import GateState
 
-    svc = RerankService(reranker, "tiny", max_queue=limits.get("max_queue", 512)).start(warmup=False)
+    svc = RerankService(reranker, "tiny", max_queue=service_queue or limits.get("max_queue", 512)).start(warmup=False)
     state = GateState()
     try:
         with thread_server(create_app(svc, ServeConfig(body_timeout=BODY_TIMEOUT, **limits), state=state)) as base:
@@ -155,11 +157,15 @@ def test_uploads_past_max_uploads_get_429_before_their_body(reranker):
         settled(svc, state)
 
 
-def test_left_out_max_uploads_is_never_below_max_queue(reranker):
-    """Without --max-uploads the gate takes the larger of 64 and --max-queue: with --max-queue 70,
-    70 stalled uploads are all read and the 71st is the 429 (naming 70); a bound of 64 would let
-    fewer stalled clients refuse everyone than the 70 that filling the queue took before."""
-    with serving(reranker, max_queue=70) as (base, port, svc, state):
+@pytest.mark.parametrize("queue", [dict(max_queue=70), dict(service_queue=70)], ids=["config", "service"])
+def test_left_out_max_uploads_is_never_below_the_queue(reranker, queue):
+    """Without --max-uploads the gate takes the larger of 64 and the queue the service admits to:
+    with a queue of 70, 70 stalled uploads are all read and the 71st is the 429 (naming 70) — a
+    bound of 64 would let fewer stalled clients refuse everyone than the 70 that filling the queue
+    took before. "service": create_app(service) with a config that leaves both out (an embedding
+    application's, the service holding its own max_queue) took the config's default 512 and read
+    the 71st too; a service with max_queue 1,000 was refused to everyone by 512 stalled uploads."""
+    with serving(reranker, **queue) as (base, port, svc, state):
         stalled = []
         try:
             stalled = [stall(port) for _ in range(70)]
@@ -171,36 +177,6 @@ def test_left_out_max_uploads_is_never_below_max_queue(reranker):
             for s in stalled:
                 s.close()
         settled(svc, state)
-
-
-def test_left_out_max_uploads_follows_the_services_own_queue(reranker):
-    """create_app(service) with a config that leaves --max-uploads and --max-queue out (an embedding
-    application's: the service holds its own max_queue): the bound is the larger of 64 and the
-    service's max_queue, 70 here, not the config's default 512 — with 512, a 71st stalled upload was
-    read too, and a service with max_queue 1,000 was refused to everyone by 512 stalled uploads
-    where filling its queue took 1,000."""
-    from acarerank.server import RerankService, create_app
-    from acarerank.server.config import ServeConfig
-    from acarerank.server.gate import GateState
-
-    svc = RerankService(reranker, "tiny", max_queue=70).start(warmup=False)
-    state = GateState()
-    try:
-        with thread_server(create_app(svc, ServeConfig(body_timeout=BODY_TIMEOUT), state=state)) as base:
-            port = int(base.rsplit(":", 1)[1])
-            stalled = []
-            try:
-                stalled = [stall(port) for _ in range(70)]
-                wait_for(lambda: state.uploading == 70, "70 uploads in progress")
-                with stall(port, b"", None) as extra:
-                    code, _, err, _ = answer(extra, 5)
-                assert code == 429 and "--max-uploads 70" in err["error"]["message"], (code, err)
-            finally:
-                for s in stalled:
-                    s.close()
-            settled(svc, state)
-    finally:
-        svc.stop()
 
 
 def test_a_full_queue_is_refused_at_the_head_and_again_after_the_upload(reranker):
