@@ -198,11 +198,6 @@ class ServeConfig:
     def replace(self, **changes) -> "ServeConfig":
         return dataclasses.replace(self, **changes)
 
-    @property
-    def upload_limit(self) -> int:
-        """Request bodies the gate reads at once in front of a service admitting ``max_queue``."""
-        return self.uploads_beside(self.max_queue)
-
     def uploads_beside(self, admits: Optional[int]) -> int:
         """Request bodies a gate reads at once in front of a service that admits ``admits``
         requests at once (its own ``max_queue``, or a Ray front's share; None: ``max_queue``):

@@ -178,7 +178,7 @@ def test_limits_table_is_the_serve_defaults():
             continue
         flag, number, unit = m.groups()
         # --max-uploads left out is the larger of 64 and --max-queue: the table gives what that is
-        want = defaults.upload_limit if flag == "--max-uploads" else getattr(defaults, flag[2:].replace("-", "_"))
+        want = defaults.uploads_beside(None) if flag == "--max-uploads" else getattr(defaults, flag[2:].replace("-", "_"))
         got = None if number == "none" else float(number.replace(",", "")) * (2 ** 20 if unit == " MiB" else 1)
         seen.add(flag)
         if got != want:

@@ -236,16 +236,16 @@ def test_max_uploads_is_a_flag_checked_as_the_others():
     from acarerank.server.config import DEFAULT_MAX_UPLOADS, ServeConfig
 
     assert DEFAULT_MAX_UPLOADS == 64 and ServeConfig().max_uploads is None
-    assert ServeConfig().upload_limit == ServeConfig().max_queue == 512
-    assert ServeConfig(max_queue=4).upload_limit == 64
-    assert ServeConfig(max_queue=100).upload_limit == 100
-    assert ServeConfig(max_queue=100, max_uploads=3).upload_limit == 3
+    assert ServeConfig().uploads_beside(None) == ServeConfig().max_queue == 512
+    assert ServeConfig(max_queue=4).uploads_beside(None) == 64
+    assert ServeConfig(max_queue=100).uploads_beside(None) == 100
+    assert ServeConfig(max_queue=100, max_uploads=3).uploads_beside(None) == 3
     for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match="--max-uploads"):
             ServeConfig(max_uploads=bad)
     import argparse
 
     args = ServeConfig.add_cli_args(argparse.ArgumentParser()).parse_args(["--max-uploads", "3"])
-    assert ServeConfig.from_cli_args(args).upload_limit == 3
+    assert ServeConfig.from_cli_args(args).uploads_beside(None) == 3
     args = ServeConfig.add_cli_args(argparse.ArgumentParser()).parse_args(["--max-queue", "200"])
-    assert ServeConfig.from_cli_args(args).upload_limit == 200
+    assert ServeConfig.from_cli_args(args).uploads_beside(None) == 200
