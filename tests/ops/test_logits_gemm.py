@@ -38,7 +38,7 @@ needs_bf16_gemm = pytest.mark.skipif(not _has_gemm(), reason="this CPU has no AV
 @pytest.mark.parametrize("path,uses_gemm", [("brgemm", True), ("fp32-convert", False)])
 def test_the_gemm_follows_the_attention_bf16_path(path, uses_gemm):
     """The GEMM's tiles are the attention's (attn_tiles.h's gemm): ACARERANK_CPU_BF16_PATH=brgemm runs
-    them through cpublas::brgemm (AMX's code, oneDNN's AVX-512 ukernel on this CPU) and this
+    them through cpublas::brgemm (AMX's code; oneDNN's AVX-512 ukernel on a CPU without AMX) and this
     module's GEMM and native-core tests pass there too; fp32-convert turns the GEMM off (the upcast
     fp32 GEMM). The path is read once per process: a child process runs them."""
     env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH")}
@@ -50,7 +50,9 @@ def test_the_gemm_follows_the_attention_bf16_path(path, uses_gemm):
                         "gemm_is or strided_rows or empty_and_zero or native_core_runs or gaussian or linear_logprob_bf16 "
                         "or transposed_bf16 or gemm_writes_nothing"] if uses_gemm else None, env) as tests:
         done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0 and done.stdout.split() == [path, str(uses_gemm)], done.stdout + done.stderr[-2000:]
+        # on AMX the brgemm switch is amx-brgemm itself (attn_tiles.h's choose_bf16_path)
+        want = "amx-brgemm" if path == "brgemm" and _native.could_pack_bf16() else path
+        assert done.returncode == 0 and done.stdout.split() == [want, str(uses_gemm)], done.stdout + done.stderr[-2000:]
         if not uses_gemm:
             return
         out, _ = tests.communicate(timeout=600)
