@@ -3,10 +3,10 @@
 The targets (docs/cpu.md, "Targets") were set on a 2-core Intel Xeon with AMX-BF16, where bf16 is
 what `--dtype auto` gives and where acarerank was 0.40-0.45x vLLM's CPU build; the AMX path
 (`amx-brgemm`) first ran on such a machine on 2026-12-06 (its verdicts: docs/cpu.md, "Targets").
-This script is what a session on a new CPU runs first: correctness of the kernels on that CPU, then every speed target
-measured by the repository's own benchmarks, then one summary that says per target: met, NOT met,
-or not measured and why (a target the CPU cannot show, e.g. bf16 >= 3x fp32 where the bf16 GEMM
-itself is only ~2x fp32, is "not measurable here", never a pass).
+This script is what a session on a new CPU runs first: correctness of the kernels on that CPU,
+then every speed target measured by the repository's own benchmarks, then one summary that says
+per target: met, NOT met, or not measured and why (a target the CPU cannot show, e.g. bf16 >= 3x
+fp32 where the bf16 GEMM itself is only ~2x fp32, is "not measurable here", never a pass).
 
 Steps, in order (each a subprocess under its own time limit; a failed or timed-out step leaves the
 targets it feeds "not measured" and the others still run):
