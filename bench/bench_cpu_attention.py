@@ -30,6 +30,10 @@ the L3. ``--prefixes`` replaces the modes' prefix lengths (a long agent context:
 setwise's pool-20 prompt); prefixes over 1,024 keys are where the kernel splits the keys
 (``ACARERANK_CPU_DIRECT_CHUNK``; 0 runs them unsplit, for an A/B in two processes).
 
+A setwise prefill pass (``--segment-tokens N``): one causal segment of N tokens after the prefix
+in place of the depth segments — a long prompt's 2,048-row prefill pass over the keys before it
+(``--prefixes``, e.g. 8,192), where the softmax between the tiles, not the tiles, sets the time.
+
 Check: every provider's output against the fp32 oracle (--quick) or the torch backend's (full
 shapes), max |diff| ≤ 2e-4 fp32 / 4e-2 bf16; a mismatch is printed and the exit status is 1.
 
@@ -42,6 +46,7 @@ torch and the date.
     python bench/bench_cpu_attention.py --models 0.6b --modes M3 --depths 20 --dtypes float32 bfloat16
     python bench/bench_cpu_attention.py --workload decode --groups 1 16 --modes M3 --dtypes float32 bfloat16
     python bench/bench_cpu_attention.py --workload decode --groups 1 --prefixes 2048 5291 11684 --providers native
+    python bench/bench_cpu_attention.py --segment-tokens 2048 --prefixes 1600 8192 --models 0.6b --dtypes bfloat16
 """
 from __future__ import annotations
 
@@ -79,10 +84,12 @@ def cpu_info() -> dict:
     return {"cpu": model, "flags": " ".join(keep) or "none of avx2/avx512/amx"}
 
 
-def make_case(Hq, Hkv, d, P, depth, dtype, seed=0):
-    """One group: pages at shuffled ids, ``depth`` segments of 60-390 tokens."""
+def make_case(Hq, Hkv, d, P, depth, dtype, seed=0, segment_tokens=None):
+    """One group: pages at shuffled ids, ``depth`` segments of 60-390 tokens (or one of
+    ``segment_tokens``)."""
     g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(60, 391, (depth,), generator=g).tolist()
+    lens = [segment_tokens] if segment_tokens else torch.randint(60, 391, (depth,), generator=g).tolist()
+    depth = len(lens)
     T = sum(lens)
     nb = -(-P // BLOCK)
     num_blocks = nb + 8
@@ -245,6 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=["prefill", "decode"], default="prefill",
                     help="prefill: one group, depth segments; decode: --groups groups of one token each")
     ap.add_argument("--groups", nargs="+", type=int, default=[1, 16], help="decode: groups per call")
+    ap.add_argument("--segment-tokens", type=int, default=None,
+                    help="prefill: one causal segment of this many tokens instead of --depths' segments")
     ap.add_argument("--prefixes", nargs="+", type=int, default=None,
                     help="decode: these prefix lengths instead of the modes' (80 and 1,600)")
     ap.add_argument("--kv-mb", type=float, default=256.0,
@@ -253,9 +262,12 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default=None, help="write the rows here too")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (Hq 4 / Hkv 2, d 64, prefix 40, depth 3), one round")
     a = ap.parse_args(argv)
-    if a.prefixes is not None and (a.workload != "decode" or min(a.prefixes) < 1 or a.quick):
+    long_pass = a.segment_tokens is not None
+    if a.prefixes is not None and (not (a.workload == "decode" or long_pass) or min(a.prefixes) < 1 or a.quick):
         # --quick has its own prefix (40): the lengths were dropped without a word
-        ap.error("--prefixes: positive prefix lengths, with --workload decode only, not with --quick")
+        ap.error("--prefixes: positive prefix lengths, with --workload decode or --segment-tokens, not with --quick")
+    if long_pass and (a.workload != "prefill" or a.segment_tokens < 1 or a.quick):
+        ap.error("--segment-tokens: a positive token count, with --workload prefill, not with --quick")
     if not 0 < a.kv_mb < math.inf:   # inf: math.ceil's OverflowError in decode_layers, after the set-up
         ap.error(f"--kv-mb must be finite and > 0, got {a.kv_mb}")
 
@@ -275,7 +287,7 @@ def main(argv=None) -> int:
     modes = {"quick": 40} if a.quick else {m: MODES[m] for m in a.modes}
     if a.prefixes and not a.quick:
         modes = {f"P{P}": P for P in a.prefixes}
-    depths = [3] if a.quick else a.depths
+    depths = [3] if a.quick else [1] if long_pass else a.depths
     rounds = 1 if a.quick else a.rounds
     if a.workload == "decode":
         rows, failed = run_decode(a, info, models, modes, rounds)
@@ -394,7 +406,7 @@ def run_prefill(a, info, models, modes, depths, rounds):
         for model, (Hq, Hkv, d) in models.items():
             for mode, P in modes.items():
                 for depth in depths:
-                    args, lens, flop = make_case(Hq, Hkv, d, P, depth, dtype)
+                    args, lens, flop = make_case(Hq, Hkv, d, P, depth, dtype, segment_tokens=a.segment_tokens)
                     variants = dict(gemm_ways)
                     notes = {}
                     for p in a.providers:

@@ -29,7 +29,7 @@ def trace(n):
 
 
 # an agent's calls: the same question with a growing trace (each call's shared part extends the
-# last one's, past the 256-token key tile a batch-invariant hit is cut to), sub-queries, salts
+# last one's, past the 512-token key tile a batch-invariant hit is cut to), sub-queries, salts
 CALLS = [dict(query=f"sub-query {j % 3}", documents=DOCS[j % 4:j % 4 + 2 + j % 3], question="what is the topic?",
               trace=trace(6 * (j % 7)), cache_salt=[None, "tenant-1", LONG_SALT][j % 3]) for j in range(12)]
 SELECTS = [dict(query=f"query {j % 2}", documents=DOCS[j:j + 4], intent="the agent's intent" if j % 2 else None,
@@ -200,11 +200,12 @@ def test_a_prefill_step_whose_private_pool_fails_can_be_retried(runner, alone, m
     call = SELECTS[1]
     st = sw.start_select(sw.encode_select(**call))
     pc = sw._cache_slot._cache
-    assert sw.prefill_select(st, 256) == 256 and st.prefill.pc is pc and st.prefilling
+    step = runner.prefix_align  # a step's least in this batch-invariant mode (the native key tile)
+    assert sw.prefill_select(st, step) == step and st.prefill.pc is pc and st.prefilling
     held = pin_every_page(pc)
     failed = oom_on_the_next_private_pool(runner, monkeypatch)
     with pytest.raises(RuntimeError, match="not enough memory"):
-        sw.prefill_select(st, 256)
+        sw.prefill_select(st, step)
     assert failed, "the private restart was never tried: the test tests nothing"
     pc.pool.decref(held)  # the other caller is done
     while not st.done:
@@ -397,7 +398,7 @@ def test_a_storm_of_callers_gets_the_bits_of_calls_made_alone(runner, alone, bud
         assert_counters_add_up(s)
     stats = pw.cache_stats()
     assert stats["hit_tokens"] + stats["computed_tokens"] == stats["lookup_tokens"], stats
-    if budget >= 2048:  # at 32 pages a hit, a whole 256-token key tile of 16 pages, is rare
+    if budget >= 2048:  # at 32 pages a hit, a whole 512-token key tile of 32 pages, is rare
         assert stats["hit_tokens"] > 0, "no call was served from the cache: the storm shares nothing"
     if budget <= 2048:
         assert stats["evicted_tokens"] + sw.cache_stats()["evicted_tokens"] > 0, "nothing was evicted"

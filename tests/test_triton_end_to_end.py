@@ -108,11 +108,11 @@ def test_triton_scores_bitwise_independent_of_batch(tiny_model, qwen3_tokenizer)
 
 # attention backends that claim batch_invariant=True on this device (PointwiseReranker's docstring)
 INVARIANT_BACKENDS = ["triton"] + (["native"] if DEVICE == "cpu" else [])
-# the native kernel's key tile is 256 tokens, so its shared parts pass 256 (a hit of fewer is cut
-# to none): a question of 319 shared tokens with the system prompt, a shared part of 2·256 + 7
-# (a whole-part hit of 512 would leave 7 tokens, a pass on the kernel's direct path)
-LONG_QUESTION = QUESTION + "".join(f" Page {i} of the runbook says more." for i in range(22))
-LONG_TRACE = TRACE + "".join(f"\nStep {i}: it read another trace." for i in range(18))
+# the native kernel's key tile is 512 tokens (cpu_attention.TILE_KEYS), so its shared parts pass 512
+# (a hit of fewer is cut to none): a question of 522 shared tokens with the system prompt, a shared
+# part of 2·512 + 7 (a whole-part hit of 1,024 would leave 7 tokens, a pass on the kernel's direct path)
+LONG_QUESTION = QUESTION + "".join(f" Page {i} of the runbook says more." for i in range(41))
+LONG_TRACE = TRACE + "".join(f"\nStep {i}: it read another trace." for i in range(48)) + " It stopped."
 
 
 @pytest.mark.parametrize("backend", INVARIANT_BACKENDS)
@@ -126,7 +126,7 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     its rows into blocks from its first: a hit of 3 pages (48 tokens) or a chunk of 37 moved the
     tile boundaries (and, under the interpreter's GEMM, a row's place in its block), up to 3e-7
     apart in fp32. Hits and chunks are now cut to Qwen3Runner.prefix_align tokens in this mode.
-    Native (256-key tiles): the same, up to 8e-7; and a pass of at most 8 tokens (16 rows at GQA
+    Native (then 256-key tiles): the same, up to 8e-7; and a pass of at most 8 tokens (16 rows at GQA
     2: a whole-part hit cut to 512 of 519 tokens, the last chunk) took the kernel's direct path,
     other bits than one prefill's tiles: the runner now passes tiles_only in this mode.
     """
@@ -144,7 +144,7 @@ def test_batch_invariant_scores_bitwise_whatever_the_window_and_the_cache(tiny_m
     other_context = ScoreRequest("unrelated", DOCS[3:], question=other_question)
     rr = make(prefix_cache=False)
     enc, same, other = (rr.encode(r) for r in (target, same_context, other_context))
-    if backend == "native":  # a whole-part hit cut to 512 leaves a pass of 7 tokens (the direct path's 8 or fewer)
+    if backend == "native":  # a whole-part hit cut to 1,024 leaves a pass of 7 tokens (the direct path's 8 or fewer)
         assert len(enc.shared_ids) == 2 * rr.runner.prefix_align + 7
     want = torch.tensor(rr.score_encodings([enc])[0][0], dtype=torch.float64)
 

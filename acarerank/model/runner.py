@@ -182,7 +182,7 @@ class Qwen3Runner:
             what the prefix cache held too (with a batch-invariant attention backend: "triton" or
             "native", which then runs every group on its tile path, never its decode-like direct
             path, whose bits differ: ``tiles_only``). Costs some speed (and up to
-            ``prefix_align`` − 1 tokens of each cache hit, native: 256 − 1); off by default.
+            ``prefix_align`` − 1 tokens of each cache hit, native: 512 − 1); off by default.
           compile_layers: fuse the element-wise work around the GEMMs with torch.compile
             (``layer_blocks``; the first pass compiles, ~tens of seconds) instead of running the
             layer's element-wise ops (``layer_ops.OpsLayers``: the native CPU kernels when
@@ -306,7 +306,7 @@ class Qwen3Runner:
         prefix that ends where its tiles do and gets the same bits as in one prefill of the whole
         part — whatever was cached, whatever the pass's chunks (docs/ARCHITECTURE.md, "Linear
         layers": Modes). The attention's ``aligned_prefix_tokens`` at this model's heads and
-        dtype (Triton's; the native kernel's key tile, 256), in whole pages. 1 (no constraint)
+        dtype (Triton's; the native kernel's key tile, 512), in whole pages. 1 (no constraint)
         without ``batch_invariant`` or with another attention backend, which claims no
         invariance."""
         if self._prefix_align is None:

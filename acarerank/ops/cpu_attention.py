@@ -74,8 +74,9 @@ def _paged(fn):
     return run
 
 
-#: keys per tile of the native kernel (``KT`` in csrc/cpu/prefix_attention.cpp)
-TILE_KEYS = 256
+#: keys per tile of the native kernel (``kTileKeys`` in csrc/cpu/attn_tiles.h; acarerank._cpu's
+#: ``tile_keys()``, which the tests hold this to)
+TILE_KEYS = 512
 #: a group whose rows (tokens × gqa) are one row block of at most this many takes the direct path
 #: (``kDirectRows`` in csrc/cpu/attn_direct_avx512.h; ACARERANK_CPU_DIRECT_ROWS may only lower it)
 DIRECT_ROWS = 16

@@ -163,6 +163,13 @@ inline bool bf16_avx512() {
 // or 32, at most KT). Per thread and head_dim that is at most 9 × KT/16 kernels per GEMM shape.
 constexpr int64_t kBrgemmRows = 256;
 
+// Keys per tile of the tile path (prefix_attention.cpp's KT), also the batch-invariant alignment
+// (acarerank/ops/cpu_attention.py's TILE_KEYS, checked against the module's tile_keys()). 512 rather
+// than 256: half the per-row softmax steps (max, α, rescale) per key, 6–12 % faster on AMX and in
+// fp32, the same on the avx512-bf16 tiles (docs/cpu.md, "Targets"); S (fp32) and P of a 256-row
+// block are then 512 and 256 KB, in L2 beside the two packed tiles.
+constexpr int64_t kTileKeys = 512;
+
 template <typename T>
 inline void brgemm_pow2_rows(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
                              float* C, int64_t ldc, bool add_C, bool is_vnni) {

@@ -40,5 +40,7 @@ PYBIND11_MODULE(_cpu, m) {
         "The bf16 compute path of the attention kernel: amx-brgemm, avx512-bf16, fp32-convert or brgemm.");
   m.def("layer_kernel_isa", [] { return std::string(acr_layer::isa_name(acarerank_cpu::checked_layer_isa())); },
         "The build of the element-wise row kernels this process runs: avx512, avx2 or baseline.");
+  m.def("tile_keys", [] { return acr_attn::kTileKeys; },
+        "Keys per tile of the attention kernel's tile path: its batch-invariant alignment.");
   m.def("num_threads", [] { return at::get_num_threads(); }, "at::get_num_threads() as the kernels see it.");
 }

@@ -52,7 +52,7 @@ namespace {
 using namespace acr_attn;
 
 constexpr const char* kOp = "prefix_shared_attention_cpu";
-constexpr int64_t KT = 256;    // keys per tile: S/P tiles of ROWS × KT fp32 stay in L2 (256 KB at ROWS 256)
+constexpr int64_t KT = kTileKeys;  // keys per tile (attn_tiles.h)
 constexpr int64_t ROWS = 256;  // query rows (tokens × r) per task
 constexpr int64_t OWN_ROWS = 64;  // query rows per causal sub-block of the own part
 constexpr int64_t MAX_HEAD_DIM = 512;

@@ -5,6 +5,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from _ext import needs_native
 
@@ -77,12 +78,25 @@ def test_decode_layers_fill_the_kv_budget_up_to_the_model_depth():
                                           (["--workload", "decode", "--kv-mb", "0"], "--kv-mb"),
                                           # ignored without a word / math.ceil's OverflowError after the set-up
                                           (["--quick", "--workload", "decode", "--prefixes", "2048"], "--prefixes"),
-                                          (["--workload", "decode", "--kv-mb", "inf"], "--kv-mb")])
+                                          (["--workload", "decode", "--kv-mb", "inf"], "--kv-mb"),
+                                          (["--segment-tokens", "0"], "--segment-tokens"),
+                                          (["--workload", "decode", "--segment-tokens", "64"], "--segment-tokens"),
+                                          (["--quick", "--segment-tokens", "64"], "--segment-tokens")])
 def test_bad_decode_flags_are_refused(flags, named, capsys):
     with pytest.raises(SystemExit) as e:
         _load().main(flags)
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"error: {named}" in err, err
+
+
+def test_a_setwise_pass_is_one_causal_segment_after_the_prefix():
+    """--segment-tokens N: one group, one segment of N tokens after the prefix (a setwise prefill
+    pass), whatever --depths says; its FLOP count is the causal one."""
+    mod = _load()
+    (q, k, v, cu, kc, vc, bt, pl, sg), lens, flop = mod.make_case(4, 2, 64, 48, 20, torch.float32, segment_tokens=70)
+    assert lens == [70] and cu.tolist() == [0, 70] and sg.tolist() == [0] and pl.tolist() == [48]
+    assert q.shape == (70, 4, 64) and bt.shape == (1, 3)
+    assert flop == 4 * 64 * 4 * 70 * (48 + 71 / 2)
 
 
 def test_decode_check_fails_on_a_wrong_result(monkeypatch, capsys):

@@ -11,7 +11,7 @@ is tested on every CPU; only oneDNN's AMX ukernel underneath is not.
 Every path is held to flash-attn's rule (kernel error ≤ 2× plain bf16 PyTorch's, + twice fp32's
 rounding step near the outputs, both against the fp32 oracle on the same bf16 values) on shapes
 that reach the tiles' edges: row counts that are not a multiple of the 6-row register block,
-head_dim 72 (a masked last vector), own parts over one 256-key tile, one-token segments, empty
+head_dim 72 (a masked last vector), own parts over one key tile, one-token segments, empty
 prefixes, GQA 1..8. The path this CPU takes is checked against /proc/cpuinfo, so a build that
 silently falls back to the slow path fails here.
 """
@@ -27,14 +27,14 @@ import torch
 from _ext import cpu_flags, needs_native
 from _repo import ROOT
 from acarerank.ops import prefix_shared_attention, prefix_shared_attention_paged
-from test_op_cpu_attention_native import CASES, make, plain, ref32
+from test_op_cpu_attention_native import CASES, KT, make, plain, ref32
 
 pytestmark = needs_native
 
 # seg_lens, prefix_lens, groups, Hq, Hkv, d, block_size: the tiles' edges
 EDGE_CASES = CASES + [
     pytest.param([5, 11, 2], [29, 3], [0, 1, 1], 3, 1, 72, 16, id="gqa3-d72-masked-vector"),
-    pytest.param([263, 1], [0, 520], [0, 1], 2, 2, 128, 64, id="own-over-a-tile-no-prefix"),
+    pytest.param([KT + 7, 1], [0, KT + 8], [0, 1], 2, 2, 128, 64, id="own-over-a-tile-no-prefix"),
     pytest.param([13], [1031], [0], 16, 8, 128, 16, id="qwen3-0.6b-heads-prime-prefix"),
 ]
 

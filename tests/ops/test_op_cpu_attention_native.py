@@ -4,7 +4,7 @@ the plain fp32 oracle, through both ops and through ``torch.ops.acarerank.prefix
 fp32: ≤ 1e-5 against ``prefix_shared_attention_ref``. bf16/fp16: flash-attn's rule — kernel error
 ≤ 2× the error of plain PyTorch attention in the same dtype (+ twice fp32's rounding step near the
 outputs), both against the fp32 oracle on the same low-precision values. Shapes: prime lengths,
-prefixes and segments longer than one key tile (256) and one row block, empty prefixes and
+prefixes and segments longer than one key tile (``TILE_KEYS``) and one row block, empty prefixes and
 segments, one-token segments, GQA 1/2/4/8, head_dim 64/128 (and an odd one), pages of 16..256
 tokens at scattered ids, non-contiguous q.
 """
@@ -16,6 +16,7 @@ import torch
 
 from _ext import cpu_flags, needs_native
 from acarerank.ops import (prefix_shared_attention, prefix_shared_attention_paged, prefix_shared_attention_ref)
+from acarerank.ops.cpu_attention import TILE_KEYS as KT
 
 pytestmark = needs_native
 _AVX512_BF16 = {"avx512_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq"}  # the direct path's CPU
@@ -104,15 +105,16 @@ def report(a, b):
 
 # seg_lens, prefix_lens, groups, Hq, Hkv, d, block_size
 CASES = [
-    pytest.param([1, 7, 59, 97], [1, 63, 300], [0, 1, 2, 1], 1, 1, 64, 16, id="gqa1-d64-bs16"),
+    pytest.param([1, 7, 59, 97], [1, 63, KT + 44], [0, 1, 2, 1], 1, 1, 64, 16, id="gqa1-d64-bs16"),
     pytest.param([97, 1, 7], [63, 1], [0, 1, 1], 8, 4, 128, 32, id="gqa2-d128-bs32"),
-    pytest.param([59, 0, 13, 1], [769, 0], [0, 1, 1, 0], 8, 2, 64, 64, id="gqa4-long-prefix-empty"),
-    pytest.param([300, 5, 2], [257, 17], [1, 0, 1], 16, 2, 128, 256, id="gqa8-own-over-a-tile"),
+    pytest.param([59, 0, 13, 1], [3 * KT + 1, 0], [0, 1, 1, 0], 8, 2, 64, 64, id="gqa4-long-prefix-empty"),
+    pytest.param([KT + 44, 5, 2], [KT + 1, 17], [1, 0, 1], 16, 2, 128, 256, id="gqa8-own-over-a-tile"),
     pytest.param([1, 1, 1], [40, 0, 41], [0, 1, 2], 4, 1, 64, 16, id="decode-gqa4"),
     pytest.param([0, 0, 4], [0, 0], [0, 1, 1], 2, 2, 64, 16, id="no-prefix"),
     pytest.param([33, 9], [70, 5], [1, 0], 6, 3, 80, 128, id="gqa2-d80"),
     # groups of one row block (their prefix packed by the task) beside one of three (shared pack)
-    pytest.param([1, 2, 300, 1, 3], [5, 1, 290, 0, 257], [0, 1, 2, 3, 4], 4, 2, 64, 16, id="one-and-many-block-groups"),
+    pytest.param([1, 2, KT + 44, 1, 3], [5, 1, KT + 34, 0, KT + 1], [0, 1, 2, 3, 4], 4, 2, 64, 16,
+                 id="one-and-many-block-groups"),
 ]
 
 
@@ -216,7 +218,7 @@ def test_huge_finite_scores_give_the_finite_softmax(dtype):
 
 
 def test_non_contiguous_q_and_strided_pool():
-    paged, packed = make([7, 59], [63, 300], [0, 1], 4, 2, 64, 32)
+    paged, packed = make([7, 59], [63, KT + 44], [0, 1], 4, 2, 64, 32)
     q, k, v, cu, kc, vc, bt, pl, sg = paged
     qs = torch.randn(q.shape[0], q.shape[1] * 2, q.shape[2])[:, ::2]      # head stride 2·d
     qs.copy_(q)
@@ -236,7 +238,7 @@ def test_non_contiguous_q_and_strided_pool():
 def test_thread_count_does_not_change_a_bit(dtype, d):
     """Tasks are independent (each owns its rows), on the fp32 and the bf16 tiles alike: 1 and 2
     threads give bitwise equal outputs."""
-    paged, _ = make([97, 1, 7, 200], [300, 63], [0, 1, 1, 0], 8, 2, d, 16, dtype=dtype)
+    paged, _ = make([97, 1, 7, 200], [KT + 44, 63], [0, 1, 1, 0], 8, 2, d, 16, dtype=dtype)
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -361,7 +363,7 @@ print(json.dumps({"before": before, "after": hwm_mb(), "out_mb": out.numel() * o
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_thousands_of_one_token_prefixes_need_no_buffer_per_group(dtype):
     """A decode-like call — 2,000 groups of a one-token prefix and a one-token segment, 0.6B heads —
-    must not allocate a packed prefix buffer of whole 256-key tiles per group (2 GB here; the peak
+    must not allocate a packed prefix buffer of whole key tiles per group (2 GB here at 256 keys; the peak
     RSS grew 1.2-2.3 GB before the kernel packed one-block groups in their task). Peak RSS (VmHWM)
     of a fresh process may grow by the output plus 48 MB of per-thread scratch and noise."""
     import json
@@ -497,6 +499,15 @@ def test_native_max_head_dim_is_the_kernels():
         _kernel()(q, k, v, cu, kc, vc, bt, packed[6], sg, 0.1)
 
 
+def test_tile_keys_are_the_kernels():
+    """The Python side's tile (the batch-invariant alignment, the tests' "over one tile" shapes) is
+    the one the built kernel runs: a stale constant would cut cache hits at the wrong multiple and
+    the bitwise tests below would pass on shapes that cross no tile."""
+    from acarerank import _cpu
+
+    assert _cpu.tile_keys() == KT, f"acarerank._cpu runs {_cpu.tile_keys()}-key tiles, cpu_attention.TILE_KEYS is {KT}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("Hq,Hkv,d", [(4, 2, 32), (3, 1, 64), (16, 4, 128)])
 def test_native_token_output_same_wherever_an_aligned_prefix_ends(dtype, Hq, Hkv, d):
@@ -556,7 +567,7 @@ def test_native_causal_rows_same_bits_when_the_segment_is_cut_after_them(dtype, 
     64 tokens here: the kernel's row blocks are 256 / r tokens, its causal sub-blocks 64 / r).
     A row's arithmetic is then its sub-block's alone — the same GEMM and softmax calls on the same
     key tiles in the same order, whichever order the kernel walks (tile, sub-block) pairs in and
-    whatever rows follow. Segments span several 256-key tiles and row blocks; two groups, one
+    whatever rows follow. Segments span several key tiles and row blocks; two groups, one
     with a prefix and an earlier segment, so the tasks hold several pieces."""
     g = torch.Generator().manual_seed(11)
     lens = [128, 1100, 900]  # segments: group 0's two (the first whole row blocks at r 2 and 4), group 1's
@@ -589,13 +600,13 @@ def test_fp32_masked_keys_of_a_partial_tile_get_weight_exactly_zero():
     (1.2e-38) adds ~2 to a row before it; those rows must stay within 1e-5 of the oracle. NaN q
     rows (one per segment, early) stay NaN alone: their NaN P, left in the P scratch a later row
     reuses, must not reach its padding columns. Last tiles of 37, 44 and 21 keys."""
-    paged, packed = make([37, 300, 533], [5, 0, 19], [0, 1, 2], 4, 2, 64, 16)
+    paged, packed = make([37, KT + 44, KT + 21], [5, 0, 19], [0, 1, 2], 4, 2, 64, 16)
     q, k, v, cu = packed[:4]
     big = torch.finfo(torch.float32).max / 2
     last = (cu[1:] - 1).tolist()
     for t in last:
         v[t] = big
-    nan_rows = [(3, 1), (37 + 257, 2), (337 + 2, 0)]
+    nan_rows = [(3, 1), (37 + 257, 2), (37 + KT + 44 + 2, 0)]
     ref = ref32(packed)
     for t, h in nan_rows:
         q[t, h] = float("nan")
