@@ -36,8 +36,8 @@ Structure: a backend *core* that never holds [T, V] and returns
 and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``; in the leaf
 ``acarerank.topk_contract`` with the result type, ``DEFAULT_CHUNK`` and the per-backend k
 limits ``MAX_K``). Cores, declared in ``OP``: "torch" (below: per-chunk GEMM, chunk top-k,
-exact merge; any k <= V), "native" (the torch core with csrc/cpu's chunk candidates and
-log-sum-exp terms, ``acarerank::topk_candidates``, and, on bf16 where the CPU has AVX512_BF16, its chunk GEMM
+exact merge; any k <= V), "native" (the torch core's chunks with each one's merge, log-sum-exp
+and target in csrc/cpu, ``acarerank::topk_chunk_update``, and, on bf16 where the CPU has AVX512_BF16, its chunk GEMM
 ``acarerank::mm_bf16_f32``; any k),
 "triton" (acarerank/kernels/topk_logprobs.py; k <= 512), "cpp"/"cuda"
 (below: a GEMM per chunk merged into topk_merge.py's streaming state, csrc/topk_merge.*;
@@ -63,8 +63,8 @@ from .topk_merge import UPDATE_OP, topk_merge_init
 
 
 # ----------------------------------------------------------------------------- checks
-#: the bound on V: ids are int32 in the cpp/cuda cores' merge state and 2³¹ − 1 is the native
-#: core's filler id (csrc/cpu/topk_candidates.cpp) and the order keys' range (``order_keys``)
+#: the bound on V: ids are int32 in the cpp/cuda cores' merge state, and 2³¹ − 1 bounds the order
+#: keys' range (``order_keys``) and the native core's ids (csrc/cpu/topk_chunk_update.cpp)
 MAX_IDS = 2 ** 31 - 1
 
 def _check_inputs(hidden, weight, targets, k, chunk, temperature, backend, op="topk_logprobs"):
@@ -73,7 +73,7 @@ def _check_inputs(hidden, weight, targets, k, chunk, temperature, backend, op="t
     V = check_projection_inputs(hidden, weight, targets, op, temperature=temperature, chunk=chunk)
     if V >= MAX_IDS:  # an expanded (stride-0) weight has any number of rows for no memory
         raise ValueError(f"{op}: weight has V={V} rows; ids must stay below 2**31 - 1 (the cpp/cuda cores keep "
-                         f"int32 ids, the native core pads with id 2**31 - 1), so V must be < {MAX_IDS}")
+                         f"int32 ids, the order keys take ids below 2**31 - 1), so V must be < {MAX_IDS}")
     name = OP.resolve(backend, hidden.device)
     check_k(k, V, name, op)
     return name
@@ -149,8 +149,7 @@ def _chunk_topk(x, kc, c0, mask):
 
 
 # ----------------------------------------------------------------------------- torch core
-def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float,
-                             bf16_gemm=None, candidates=None):
+def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
     """Chunked core: per chunk of ``chunk`` vocabulary rows, one GEMM [T,H]×[H,C] in fp32, the
     chunk's candidates, an exact merge into the running top-k, and an online log-sum-exp.
 
@@ -173,21 +172,15 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     malloc/free, so no page faults or heap growth per chunk), + O(T·k) + 64·C int64 for the
     counts and ~4 · 64·C int64 for a tie repair (64 rows at a time); the log-sum-exp
     exponentiates the chunk in place. Inputs of other dtypes are upcast to fp32 one chunk at a
-    time into a third reused buffer [C, H] — unless ``bf16_gemm(a, b, out)`` is given (the
-    "native" core, bf16 inputs): ``out = a·bᵀ`` in fp32 from the bf16 rows, no fp32 copy.
-    ``candidates(x, theta, m_old, c0, vals, ids, counts, m_new, csum)`` (the native core,
-    ``acarerank::topk_candidates``): once k logits are held, one pass per row finds the chunk's
-    entries above each row's θ (in place of a count and a narrow ``topk``, which reads every
-    entry of the row whatever its k; into two reused [T, k] buffers, padded (−inf, 2³¹ − 1),
-    which never enters a full top-k) and the chunk's log-sum-exp terms (the new max, Σ exp(x −
-    shift) in fp32: in place of the subtract, exp and sum passes).
+    time into a third reused buffer [C, H]. The "native" core (below) takes the same steps with
+    the per-chunk work after the first k in C++.
     Returns (topk_logits [T,k] fp32, topk_ids [T,k] int64, target_logit [T] fp32, lse [T] fp32).
     """
     T, H = hidden.shape
     V = weight.shape[0]
     C = min(chunk or default_chunk(hidden.device), V)
     dev = hidden.device
-    h = hidden if hidden.dtype == torch.float32 or bf16_gemm is not None else hidden.float()
+    h = hidden if hidden.dtype == torch.float32 else hidden.float()
     tg = targets.to(torch.int64)
     run_v = torch.empty(T, 0, dtype=torch.float32, device=dev)
     run_i = torch.empty(T, 0, dtype=torch.int64, device=dev)
@@ -200,25 +193,16 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
                 tgt, m)
     xbuf = torch.empty(T * C, dtype=torch.float32, device=dev)
     mbuf = torch.empty(T * C, dtype=torch.bool, device=dev)
-    upcast = weight.dtype != torch.float32 and bf16_gemm is None
-    if candidates is not None:  # [T, k] candidate buffers, [T] counts and LSE terms, reused by every chunk
-        cand_v = torch.empty(T, k, dtype=torch.float32, device=dev)
-        cand_i = torch.empty(T, k, dtype=torch.int64, device=dev)
-        counts = torch.empty(T, dtype=torch.int64, device=dev)
-        m_buf = torch.empty(T, dtype=torch.float32, device=dev)
-        csum_buf = torch.empty(T, dtype=torch.float32, device=dev)
+    upcast = weight.dtype != torch.float32
     wbuf = torch.empty(C * H, dtype=torch.float32, device=dev) if upcast else None
     for c0 in range(0, V, C):
         c1 = min(V, c0 + C)
         n = c1 - c0
         w = weight[c0:c1]
         x = xbuf[:T * n].view(T, n)  # [T, n] fp32
-        if bf16_gemm is not None:
-            bf16_gemm(h, w, x)
-        else:
-            if wbuf is not None:
-                w = wbuf[:n * H].view(n, H).copy_(w)
-            torch.mm(h, w.T, out=x)
+        if wbuf is not None:
+            w = wbuf[:n * H].view(n, H).copy_(w)
+        torch.mm(h, w.T, out=x)
         mask = mbuf[:T * n].view(T, n)
         if temperature != 1.0:
             x.div_(temperature)  # division (not × 1/τ) so every backend rounds identically
@@ -227,20 +211,13 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
         if rows.numel():
             tgt[rows] = x[rows, tg[rows] - c0]
         # -- this chunk's candidates
-        vals, lse_terms = None, None
+        vals = None
         if run_v.shape[1] < k:
             vals, ids = _chunk_topk(x, min(k, n), c0, mask)
         else:
-            if candidates is not None:
-                candidates(x, run_v[:, k - 1].contiguous(), m, c0, cand_v, cand_i, counts, m_buf, csum_buf)
-                kc = int(counts.max())
-                lse_terms = m_buf.clone(), csum_buf  # m_buf is the next chunk's: m keeps its own
-            else:
-                kc = int(_row_counts(torch.gt(x, run_v[:, k - 1:], out=mask)).max())
+            kc = int(_row_counts(torch.gt(x, run_v[:, k - 1:], out=mask)).max())
             if kc > k:  # at most k of them can enter: the chunk's exact top-k, never kc (up to C) wide
                 vals, ids = _chunk_topk(x, k, c0, mask)
-            elif kc and candidates is not None:  # copies: the buffers are the next chunk's
-                vals, ids = cand_v[:, :kc].clone(), cand_i[:, :kc].clone()
             elif kc:
                 vals, ids = x.topk(kc, dim=1, sorted=False)
                 ids = ids + c0
@@ -255,41 +232,85 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
         #    old one and this chunk's top entry (any chunk entry above it is a candidate).
         #    ±inf max: shift by 0, as topk_merge's fold (a row whose logits so far all overflowed
         #    to −inf gave −inf − (−inf) = NaN: an error or not depending on the chunk size)
-        if lse_terms is not None:  # the candidates kernel's: the same max, the same shift rule
-            m_new, csum = lse_terms
-        else:
-            m_new = torch.maximum(m, vals.max(dim=1).values) if vals is not None else m
+        m_new = torch.maximum(m, vals.max(dim=1).values) if vals is not None else m
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        if lse_terms is None:
-            csum = x.sub_(shift[:, None]).exp_().sum(dim=1)
-        s = s * torch.exp((m - shift).double()) + csum.double()
+        s = s * torch.exp((m - shift).double()) + x.sub_(shift[:, None]).exp_().sum(dim=1).double()
         m = m_new
     return run_v, run_i, tgt, logsumexp_of(m, s)
 
 
 # ----------------------------------------------------------------------------- native core
-def _topk_candidates_fake(x, theta, m_old, id0, vals, ids, counts, m_new, csum):
+def _topk_chunk_update_fake(x, id0, targets, run_v, run_i, m, s, tgt):
     return None
 
 
 def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
-    """``topk_logprobs_core_torch`` with two kernels of acarerank._cpu: each chunk's candidates and
-    log-sum-exp terms from ``acarerank::topk_candidates`` (the same entries as the torch core's,
-    so fp32 top-k ids are bitwise its own; log-probs agree to fp32 rounding of the log-sum-exp),
-    and, on bf16 inputs where the CPU has AVX512_BF16, the chunk GEMM
-    ``acarerank::mm_bf16_f32``: fp32 logits straight from the bf16 rows, at the bf16 GEMM's rate
-    (the torch core upcasts each chunk and runs an fp32 GEMM, ~4.5× the time on such a CPU:
-    docs/benchmarks.md, "Ops and kernels"). Its products are exact in fp32; the sums differ in
-    order (and the instruction flushes subnormals), so bf16 logits agree with the torch core's to
-    fp32 rounding, as two GEMMs do."""
+    """The torch core's chunks and results, with its per-chunk work in acarerank._cpu: until a row
+    holds k logits the torch core's steps (``_chunk_topk``, ``_merge_topk``, usually the first
+    chunk only), then one ``acarerank::topk_chunk_update`` per chunk — the chunk's entries above
+    each row's k-th value merged into the held k in C++, the online log-sum-exp and the target's
+    logit (csrc/cpu/topk_chunk_update.cpp) — where Python ran a dozen small ops, a merge by order
+    keys and a ``torch.topk`` every k candidates. The entries and their order are the torch core's,
+    so fp32 top-k ids are bitwise its own; log-probs agree to fp32 rounding of the log-sum-exp.
+    On bf16 inputs where the CPU has AVX512_BF16 the chunk GEMM is ``acarerank::mm_bf16_f32``:
+    fp32 logits straight from the bf16 rows, at the bf16 GEMM's rate (the torch core upcasts each
+    chunk and runs an fp32 GEMM, ~4.5× the time on such a CPU: docs/benchmarks.md, "Ops and
+    kernels"). Its products are exact in fp32; the sums differ in order (and the instruction
+    flushes subnormals), so bf16 logits agree with the torch core's to fp32 rounding, as two GEMMs
+    do. Memory as the torch core's: one [T, C] fp32 buffer (and, upcasting, one [C, H]) reused by
+    every chunk, the [T, k] state."""
     from ._native_backend import native_kernel
 
     if hidden.dtype == torch.bfloat16 and hidden.stride(1) != 1:
         hidden = hidden.contiguous()  # the GEMM takes contiguous rows; [T, H]: small beside the weight
     gemm = native_bf16_gemm_for(hidden, weight)
-    candidates = native_kernel("topk_candidates", _topk_candidates_fake)
-    return topk_logprobs_core_torch(hidden, weight, targets, k, chunk, temperature, bf16_gemm=gemm,
-                                    candidates=candidates)
+    update = native_kernel("topk_chunk_update", _topk_chunk_update_fake)
+    T, H = hidden.shape
+    V = weight.shape[0]
+    C = min(chunk or default_chunk(hidden.device), V)
+    dev = hidden.device
+    h = hidden if hidden.dtype == torch.float32 or gemm is not None else hidden.float()
+    tg = targets.to(torch.int64).contiguous()
+    run_v = torch.empty(T, 0, dtype=torch.float32, device=dev)
+    run_i = torch.empty(T, 0, dtype=torch.int64, device=dev)
+    m = torch.full((T,), -math.inf, dtype=torch.float32, device=dev)
+    s = torch.zeros(T, dtype=torch.float64, device=dev)  # Σ exp(z − m): a 151,669-term sum, kept in fp64
+    tgt = torch.full((T,), math.nan, dtype=torch.float32, device=dev)
+    if T == 0:
+        return (torch.empty(0, k, dtype=torch.float32, device=dev), torch.empty(0, k, dtype=torch.int64, device=dev),
+                tgt, m)
+    xbuf = torch.empty(T * C, dtype=torch.float32, device=dev)
+    mbuf = None
+    wbuf = torch.empty(C * H, dtype=torch.float32, device=dev) if weight.dtype != torch.float32 and gemm is None \
+        else None
+    for c0 in range(0, V, C):
+        c1 = min(V, c0 + C)
+        n = c1 - c0
+        x = xbuf[:T * n].view(T, n)  # [T, n] fp32
+        if gemm is not None:
+            gemm(h, weight[c0:c1], x)
+        else:
+            w = weight[c0:c1] if wbuf is None else wbuf[:n * H].view(n, H).copy_(weight[c0:c1])
+            torch.mm(h, w.T, out=x)
+        if temperature != 1.0:
+            x.div_(temperature)  # division (not × 1/τ) so every backend rounds identically
+        if run_v.shape[1] == k:
+            update(x, c0, tg, run_v, run_i, m, s, tgt)
+            continue
+        # -- filling: the torch core's steps, until every row holds k logits
+        if mbuf is None:
+            mbuf = torch.empty(T * C, dtype=torch.bool, device=dev)
+        rows = ((tg >= c0) & (tg < c1)).nonzero().flatten()
+        if rows.numel():
+            tgt[rows] = x[rows, tg[rows] - c0]
+        vals, ids = _chunk_topk(x, min(k, n), c0, mbuf[:T * n].view(T, n))
+        run_v, run_i = _merge_topk(run_v, run_i, vals, ids, k)
+        m_new = torch.maximum(m, vals.max(dim=1).values)
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        s = s * torch.exp((m - shift).double()) + x.sub_(shift[:, None]).exp_().sum(dim=1).double()
+        m = m_new
+        run_v, run_i = run_v.contiguous(), run_i.contiguous()
+    return run_v, run_i, tgt, logsumexp_of(m, s)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -394,7 +415,7 @@ def _load_native():
     from ._native_backend import native_kernel
 
     native_kernel("mm_bf16_f32", _mm_bf16_f32_fake)
-    native_kernel("topk_candidates", _topk_candidates_fake)
+    native_kernel("topk_chunk_update", _topk_chunk_update_fake)
     return topk_logprobs_core_native
 
 

@@ -1,5 +1,5 @@
 // Row kernels of the decoder layer's element-wise ops (docs/ARCHITECTURE.md, "Native CPU ops
-// around attention") and of the top-k core's logits chunks (topk_candidates.cpp), compiled three times from layer_kernels_impl.h: for AVX-512
+// around attention") and of the top-k core's logits chunks (topk_chunk_update.cpp), compiled three times from layer_kernels_impl.h: for AVX-512
 // (layer_kernels_avx512.cpp), for AVX2+FMA (layer_kernels_avx2.cpp) and for baseline x86-64 / any
 // other CPU (layer_kernels_base.cpp). The op glue (norm.cpp, qk_norm_rope.cpp, activation.cpp)
 // checks the inputs, takes the build chosen once per process (layer_glue.h, checked_layer_isa()),
@@ -49,9 +49,8 @@ struct PageWrite {
   const int64_t* slots;
 };
 
-//: the id topk_chunk_rows pads a row's unused candidate slots with (2³¹ − 1, the largest id the
-//: top-k's order keys take: it loses every tie)
-constexpr int64_t kTopkPadId = (int64_t{1} << 31) - 1;
+//: the bound on the top-k's ids (2³¹ − 1: its order keys take ids below it; topk_chunk_update.cpp)
+constexpr int64_t kTopkIdLimit = (int64_t{1} << 31) - 1;
 
 //: largest head_dim qk_norm_rope_rows takes (the normalised head is kept in a stack buffer)
 constexpr int64_t kMaxHeadDim = 512;

@@ -156,7 +156,6 @@ inline void topk_chunk_row_avx512(const float* x, int64_t n, float theta, float 
   const float m = mx > m_old ? mx : m_old;
   *m_new = m;
   *count = c;
-  for (int64_t s = c < cap ? c : cap; s < cap; ++s) vals[s] = -__builtin_inff(), ids[s] = kTopkPadId;
   // Σ exp(x − shift): exp_f32's steps on 16 lanes; a NaN x stays NaN through them (min/max return
   // their second operand, the NaN, then) and makes the row's sum NaN
   const float shift = (m == __builtin_inff() || m == -__builtin_inff()) ? 0.f : m;
@@ -192,8 +191,8 @@ inline void topk_chunk_row_avx512(const float* x, int64_t n, float theta, float 
 }
 #endif
 
-// One row of a logits chunk for the top-k core (topk_candidates.cpp has the contract): the first
-// `cap` entries above theta in id order, padded (−inf, kTopkPadId); their count; m_new = max(m_old, the
+// One row of a logits chunk for the top-k core (topk_chunk_update.cpp's first step): the first
+// `cap` entries above theta in id order (the slots past them untouched); their count; m_new = max(m_old, the
 // row's max); csum = Σ_j exp(x_j − shift), shift = m_new unless it is ±inf (then 0), NaN if the
 // row holds a NaN. exp_f32 is within 2 ulp; a difference below −87.3 counts 0 (its true exp is
 // below 1.2e-38 and a row's sum is at least 1 where its max lies, e^0); fp32 partial sums of at
@@ -239,7 +238,6 @@ inline void topk_chunk_row(const float* x, int64_t n, float theta, float m_old, 
   for (int j = 0; j < kAcc; ++j) m = mx[j] > m ? mx[j] : m, any_nan |= nan[j];
   *m_new = m;
   *count = c;
-  for (int64_t s = c < cap ? c : cap; s < cap; ++s) vals[s] = -inf, ids[s] = kTopkPadId;
   const float shift = (m == inf || m == -inf) ? 0.f : m;
   double total = 0.0;  // each kChunk's fp32 lanes (16 terms each) summed into a double: no long fp32 run
   float e[kChunk];

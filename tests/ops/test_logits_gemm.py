@@ -277,153 +277,201 @@ def test_native_core_is_the_torch_core_where_the_gemm_cannot_run(case, monkeypat
     assert (got.target_logprob - want.target_logprob).abs().max() <= 1e-6
 
 
-# --------------------------------------------------------------------- topk_candidates
-PAD_ID = 2 ** 31 - 1
-
-
-def _candidates():
+# --------------------------------------------------------------------- topk_chunk_update
+def _update():
     from acarerank.ops._native_backend import native_kernel
 
-    return native_kernel("topk_candidates", TOPK._topk_candidates_fake)
+    return native_kernel("topk_chunk_update", TOPK._topk_chunk_update_fake)
 
 
-def _candidates_ref(x, theta, m_old, id0, cap):
-    """Per row: the entries above theta in id order, padded with (−inf, 2³¹ − 1); the count; the
-    new max max(m_old, max x) (NaN ignored) and Σ exp(x − shift) in fp64 (shift the new max,
-    0 when it is ±inf; NaN when the row holds one)."""
-    T = x.shape[0]
-    vals = torch.full((T, cap), float("-inf"))
-    ids = torch.full((T, cap), PAD_ID, dtype=torch.int64)
-    counts = torch.zeros(T, dtype=torch.int64)
-    m_new, csum = m_old.clone(), torch.zeros(T, dtype=torch.float64)
-    for t in range(T):
-        j = (x[t] > theta[t]).nonzero().flatten()
-        counts[t] = j.numel()
-        j = j[:cap]
-        vals[t, :j.numel()], ids[t, :j.numel()] = x[t, j], j + id0
-        finite = x[t][~torch.isnan(x[t])]
-        if finite.numel():
-            m_new[t] = torch.maximum(m_old[t], finite.max())
-        shift = 0.0 if torch.isinf(m_new[t]) else float(m_new[t])
-        csum[t] = torch.exp(x[t].double() - shift).sum()
-    return vals, ids, counts, m_new, csum
+def _held(T, k, id_hi, g, low=0.0):
+    """A state as the core holds it after its first chunk: k sorted entries per row with ids below id_hi."""
+    v = (torch.randn(T, k, generator=g) + low).sort(dim=1, descending=True).values
+    i = torch.stack([torch.randperm(id_hi, generator=g)[:k] for _ in range(T)])
+    m = v[:, 0] + torch.rand(T, generator=g)  # the max so far, at or above every held value
+    s = torch.rand(T, generator=g, dtype=torch.float64) + 1.0
+    return v, i, m, s
 
 
-def _run_candidates(x, theta, m_old, id0, cap):
-    T = x.shape[0]
-    out = (torch.full((T, cap), 123.0), torch.full((T, cap), -5, dtype=torch.int64),
-           torch.full((T,), -1, dtype=torch.int64), torch.full((T,), 7.0), torch.full((T,), 7.0))
-    _candidates()(x, theta, m_old, id0, *out)
-    return out
+def _update_ref(x, id0, targets, run_v, run_i, m, s, tgt):
+    """The held k and the chunk's entries sorted by (value desc, id asc) — the held ids are below the
+    chunk's, so a stable sort of [held; chunk] by value is that order — cut to k; the running max
+    ignoring NaN, Σ exp in fp64 with shift = the new max unless ±inf; the target's logit."""
+    T, n = x.shape
+    k = run_v.shape[1]
+    ids = torch.arange(id0, id0 + n).expand(T, n)
+    v, i = torch.cat([run_v, x], 1), torch.cat([run_i, ids], 1)
+    key = torch.where(torch.isnan(v), torch.full_like(v, float("-inf")), v)  # NaN never enters
+    order = key.sort(dim=1, descending=True, stable=True).indices[:, :k]
+    xm = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
+    m_new = torch.maximum(m, xm.max(dim=1).values) if n else m.clone()
+    shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    s_new = s * torch.exp((m - shift).double()) + torch.exp(x.double() - shift[:, None].double()).sum(1)
+    t_new = tgt.clone()
+    inside = (targets >= id0) & (targets < id0 + n)
+    t_new[inside] = x[inside, targets[inside] - id0]
+    return v.gather(1, order), i.gather(1, order), m_new, s_new, t_new
 
 
-def _check_candidates(got, want, what):
-    names = ("vals", "ids", "counts", "m_new")
-    for name, a, b in zip(names, got, want):
+def _run_update(x, id0, targets, run_v, run_i, m, s, tgt):
+    state = [t.clone() for t in (run_v, run_i, m, s, tgt)]
+    _update()(x, id0, targets, *state)
+    return state
+
+
+def _check_update(got, want, what):
+    for name, a, b in zip(("run_v", "run_i", "m"), got[:3], want[:3]):
         assert torch.equal(a, b), f"{what}: {name} differs at {(a != b).nonzero()[:5].tolist()}"
-    # csum: fp32 sums of a 2-ulp exp; equal NaN / inf, else within 1e-6 relative of the fp64 sum
-    a, b = got[4].double(), want[4]
+    a, b = got[4], want[4]
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), f"{what}: tgt differs"
+    # s: fp32 sums of a 2-ulp exp, rescaled in fp64; equal NaN / inf, else within 1e-6 relative
+    a, b = got[3], want[3]
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
     err = torch.where(same, torch.zeros_like(a), (a - b).abs() / b.abs().clamp_min(1e-300))
-    assert (err <= 1e-6).all(), f"{what}: csum off by {err.max().item():.2e} (rel) at {(err > 1e-6).nonzero()[:5].tolist()}"
+    assert (err <= 1e-6).all(), f"{what}: s off by {err.max().item():.2e} (rel) at {(err > 1e-6).nonzero()[:5].tolist()}"
 
 
-@pytest.mark.parametrize("T,n,cap", [(1, 1, 1), (7, 2048, 16), (33, 100, 128), (5, 64, 4)])
-def test_candidates_are_the_entries_above_theta_in_id_order(T, n, cap):
-    """Rows with none, some, and more than cap entries above θ (then the first cap by id and the
-    full count); θ of −inf (everything finite is above it) and +inf (nothing); NaN never above."""
-    g = torch.Generator().manual_seed(T * n + cap)
+@pytest.mark.parametrize("T,n,k", [(1, 1, 1), (7, 2048, 16), (33, 100, 128), (5, 64, 4), (3, 300, 40)])
+def test_update_merges_the_entries_above_the_kth_into_the_held_k(T, n, k):
+    """Rows where none, a few, and more than k of the chunk's entries beat the k-th held value
+    (then the row is read again and sorted: the row held at −1e30); NaN never enters; targets in
+    and out of the chunk."""
+    g = torch.Generator().manual_seed(T * n + k)
+    id0 = 4096
+    run_v, run_i, m, s = _held(T, k, id0, g, low=1.5)
+    run_v[-1] = -1e30  # every finite entry beats it
     x = torch.randn(T, n, generator=g)
     x[0, : min(3, n)] = float("nan")
-    theta = torch.randn(T, generator=g) + 1.5
-    theta[-1] = float("-inf")
-    if T > 2:
-        theta[1] = float("inf")
-    m_old = torch.randn(T, generator=g) + 2.0  # some rows' max is held, some the chunk's
-    m_old[-1] = float("-inf")
-    _check_candidates(_run_candidates(x, theta, m_old, 4096, cap), _candidates_ref(x, theta, m_old, 4096, cap),
-                      f"T={T} n={n} cap={cap}")
+    targets = torch.randint(id0 - n, id0 + 2 * n, (T,), generator=g)
+    tgt = torch.full((T,), float("nan"))
+    args = (x, id0, targets, run_v, run_i, m, s, tgt)
+    _check_update(_run_update(*args), _update_ref(*args), f"T={T} n={n} k={k}")
 
 
-def test_candidates_log_sum_exp_terms_at_the_edges():
-    """Rows of only −inf (sum 0, max −inf: shift 0), a +inf (max +inf: shift 0, the sum overflows
-    to a huge or inf value — the op's log-sum-exp check then names the row), entries 100 below the
-    max (exp under fp32's range: they count 0 here, ~1e-44 in fp64) and a held max above the chunk's."""
+@pytest.mark.parametrize("k", [4, 32])
+def test_update_rows_with_every_count_of_entries_above_the_kth(k):
+    """Rows with 0 to 40 entries above the k-th held value: below and above both k and the
+    kernel's one-by-one insertion limit (24), which take other ways into the held k (one by one,
+    sorted and merged, the row read again when more than k)."""
+    g = torch.Generator().manual_seed(k)
+    T, n = 41, 300
+    run_v, run_i, m, s = _held(T, k, 1000, g, low=5.0)
+    x = torch.randn(T, n, generator=g) - 10.0
+    for t in range(T):
+        cols = torch.randperm(n, generator=g)[:t]
+        x[t, cols] = run_v[t, -1] + 0.5 + 3 * torch.rand(t, generator=g)
+    args = (x, 1000, torch.arange(T) + 1000, run_v, run_i, m, s, torch.zeros(T))
+    _check_update(_run_update(*args), _update_ref(*args), f"k={k}")
+
+
+def test_update_ties_lose_to_the_held_and_go_by_id_among_themselves():
+    """An entry equal to the k-th held value does not enter (its id is higher); equal entries of
+    the chunk enter lowest id first; −0.0 and +0.0 tie as values; integer logits tie everywhere."""
+    k = 6
+    run_v = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    run_i = torch.tensor([[9, 3, 7, 1, 0, 2]])
+    x = torch.tensor([[0.0, 2.0, -0.0, 2.0, 1.0, 7.0, 2.0, 0.5]])
+    args = (x, 100, torch.tensor([103]), run_v, run_i, torch.tensor([5.0]), torch.tensor([1.0], dtype=torch.float64),
+            torch.tensor([float("nan")]))
+    got = _run_update(*args)
+    assert got[0].tolist() == [[7.0, 5.0, 4.0, 3.0, 2.0, 2.0]] and got[1].tolist() == [[105, 9, 3, 7, 1, 101]], got[:2]
+    _check_update(got, _update_ref(*args), "ties")
+    g = torch.Generator().manual_seed(3)
+    xi = torch.randint(-3, 4, (9, 500), generator=g).float()
+    run_v, run_i, m, s = _held(9, 32, 50, g)
+    run_v = run_v.round()
+    args = (xi, 50, torch.zeros(9, dtype=torch.int64), run_v.sort(dim=1, descending=True).values, run_i, m, s,
+            torch.zeros(9))
+    _check_update(_run_update(*args), _update_ref(*args), "integer logits")
+
+
+def test_update_log_sum_exp_at_the_edges():
+    """Rows of only −inf (sum unchanged, max −inf: shift 0), a +inf (max +inf: shift 0, the sum
+    overflows to a huge or inf value — the op's log-sum-exp check then names the row), entries 100
+    below the max (exp under fp32's range: they count 0, ~1e-44 in fp64) and a held max above the
+    chunk's."""
     x = torch.randn(4, 300)
     x[0] = float("-inf")
     x[1, 5] = float("inf")
     x[2, :100] = x[2].max() - 100.0
-    m_old = torch.tensor([float("-inf"), 0.0, float("-inf"), 50.0])
-    got = _run_candidates(x, torch.full((4,), float("inf")), m_old, 0, 2)
-    want = _candidates_ref(x, torch.full((4,), float("inf")), m_old, 0, 2)
-    assert got[3].tolist()[:2] == [float("-inf"), float("inf")] and got[4][0] == 0.0
-    assert got[4][1] >= 3e38  # exp(+inf - 0) clamped: never a finite row sum a log-sum-exp could pass
+    m = torch.tensor([float("-inf"), 0.0, float("-inf"), 50.0])
+    s = torch.tensor([0.0, 1.0, 0.0, 2.0], dtype=torch.float64)
+    run_v, run_i = torch.full((4, 2), float("inf")), torch.zeros(4, 2, dtype=torch.int64)  # nothing enters
+    args = (x, 10, torch.full((4,), 3), run_v, run_i, m, s, torch.zeros(4))
+    got, want = _run_update(*args), _update_ref(*args)
+    assert got[2].tolist()[:2] == [float("-inf"), float("inf")] and got[3][0] == 0.0
+    assert got[3][1] >= 3e38  # exp(+inf - 0) clamped: never a finite row sum a log-sum-exp could pass
     for r in (2, 3):
-        assert abs(got[4][r].item() - want[4][r].item()) <= 1e-6 * want[4][r].item() + 1e-38, (r, got[4][r], want[4][r])
+        assert abs(got[3][r].item() - want[3][r].item()) <= 1e-6 * want[3][r].item() + 1e-38, (r, got[3][r], want[3][r])
+    assert torch.equal(got[0], run_v) and torch.equal(got[1], run_i)
 
 
-@pytest.mark.parametrize("T,n,cap", [(1, 17, 1), (5, 300, 4), (3, 16, 0)])
-def test_candidates_write_nothing_outside_their_outputs(T, n, cap):
-    """Every output as a window of a larger buffer, rows with more entries above θ than cap and
-    rows with none: the guard values around each stay as they were."""
-    g = torch.Generator().manual_seed(T * n + cap)
+def test_update_writes_nothing_outside_its_outputs():
+    """Every state tensor a window of a larger buffer: the guard values around each stay as they were."""
+    g = torch.Generator().manual_seed(5)
+    T, n, k, pad = 5, 300, 4, 33
     x = torch.randn(T, n, generator=g)
-    theta, m_old = torch.full((T,), -1.0), torch.full((T,), float("-inf"))
-    theta[0] = float("inf")
-    pad = 33
+    run_v, run_i, m, s = _held(T, k, 100, g, low=-1.0)
 
-    def window(shape, dtype, fill):
-        buf = torch.full((math.prod(shape) + 2 * pad,), fill, dtype=dtype)
-        return buf, buf[pad:pad + math.prod(shape)].view(shape)
+    def window(t, fill):
+        buf = torch.full((t.numel() + 2 * pad,), fill, dtype=t.dtype)
+        view = buf[pad:pad + t.numel()].view(t.shape)
+        view.copy_(t)
+        return buf, view
 
-    bufs = [window((T, cap), torch.float32, 7.0), window((T, cap), torch.int64, 7),
-            window((T,), torch.int64, 7), window((T,), torch.float32, 7.0), window((T,), torch.float32, 7.0)]
-    _candidates()(x, theta, m_old, 100, *(o for _, o in bufs))
-    _check_candidates([o for _, o in bufs], _candidates_ref(x, theta, m_old, 100, cap), f"T={T} n={n} cap={cap}")
+    bufs = [window(run_v, 7.0), window(run_i, 7), window(m, 7.0), window(s, 7.0), window(torch.zeros(T), 7.0)]
+    targets = torch.arange(T) * 70 + 100
+    want = _update_ref(x, 100, targets, *(v.clone() for _, v in bufs))
+    _update()(x, 100, targets, *(v for _, v in bufs))
+    _check_update([v for _, v in bufs], want, "windows")
     for buf, _ in bufs:
         assert (buf[:pad] == 7).all() and (buf[-pad:] == 7).all()
 
 
-def test_candidates_read_strided_rows_and_empty_shapes():
-    wide = torch.randn(6, 300)
-    x, theta, m_old = wide[:, 7:207], torch.zeros(6), torch.full((6,), float("-inf"))
-    _check_candidates(_run_candidates(x, theta, m_old, 0, 8), _candidates_ref(x, theta, m_old, 0, 8), "strided")
-    _run_candidates(torch.empty(0, 5), torch.empty(0), torch.empty(0), 0, 3)
-    got = _run_candidates(torch.empty(2, 0), torch.zeros(2), torch.tensor([1.0, float("-inf")]), 0, 3)
-    assert got[2].tolist() == [0, 0] and (got[1] == PAD_ID).all() and torch.isneginf(got[0]).all()
-    assert got[3].tolist() == [1.0, float("-inf")] and got[4].tolist() == [0.0, 0.0]
+def test_update_reads_strided_rows_and_empty_shapes():
+    g = torch.Generator().manual_seed(6)
+    wide = torch.randn(6, 300, generator=g)
+    run_v, run_i, m, s = _held(6, 8, 50, g, low=-1.0)
+    args = (wide[:, 7:207], 50, torch.arange(6) + 60, run_v, run_i, m, s, torch.zeros(6))
+    _check_update(_run_update(*args), _update_ref(*args), "strided")
+    _run_update(torch.empty(0, 5), 0, torch.empty(0, dtype=torch.int64), torch.empty(0, 3),
+                torch.empty(0, 3, dtype=torch.int64), torch.empty(0), torch.empty(0, dtype=torch.float64), torch.empty(0))
+    args = (torch.empty(6, 0), 50, torch.arange(6), run_v, run_i, m, s, torch.zeros(6))
+    got = _run_update(*args)
+    assert torch.equal(got[0], run_v) and torch.equal(got[2], m) and torch.equal(got[3], s)
 
 
 @pytest.mark.parametrize("change,match", [
     (dict(x=torch.ones(2, 4, dtype=torch.float64)), "x must be Float"),
-    (dict(theta=torch.ones(3)), r"theta, m_old, counts, m_new and csum must be \[2\]"),
-    (dict(csum=torch.ones(2, dtype=torch.float64)), "csum must be Float"),
-    (dict(ids=torch.zeros(2, 3, dtype=torch.int32)), "ids must be Long"),
-    (dict(vals=torch.zeros(2, 5)), "vals and ids must be"),
+    (dict(m=torch.ones(3)), r"targets, m, s and tgt must be \[2\]"),
+    (dict(s=torch.ones(2)), "s must be Double"),
+    (dict(run_i=torch.zeros(2, 3, dtype=torch.int32)), "run_i must be Long"),
+    (dict(run_v=torch.zeros(2, 5)), "run_v and run_i must be"),
+    (dict(run_v=torch.zeros(2, 0), run_i=torch.zeros(2, 0, dtype=torch.int64)), "k >= 1"),
     (dict(x=torch.ones(4, 2).T), "rows must be contiguous"),
     (dict(id0=2 ** 31 - 3), "below 2\\*\\*31 - 1"),
 ])
-def test_candidates_name_bad_input(change, match):
-    args = dict(x=torch.ones(2, 4), theta=torch.zeros(2), m_old=torch.zeros(2), id0=0, vals=torch.zeros(2, 3),
-                ids=torch.zeros(2, 3, dtype=torch.int64), counts=torch.zeros(2, dtype=torch.int64),
-                m_new=torch.zeros(2), csum=torch.zeros(2))
+def test_update_names_bad_input(change, match):
+    args = dict(x=torch.ones(2, 4), id0=0, targets=torch.zeros(2, dtype=torch.int64), run_v=torch.zeros(2, 3),
+                run_i=torch.zeros(2, 3, dtype=torch.int64), m=torch.zeros(2), s=torch.zeros(2, dtype=torch.float64),
+                tgt=torch.zeros(2))
     args.update(change)
     with pytest.raises(RuntimeError, match=match):
-        _candidates()(**args)
+        _update()(**args)
 
 
-def test_opcheck_topk_candidates():
-    x = torch.randn(5, 70)
-    args = (x, torch.zeros(5), torch.full((5,), -1.0), 100, torch.empty(5, 8), torch.empty(5, 8, dtype=torch.int64),
-            torch.empty(5, dtype=torch.int64), torch.empty(5), torch.empty(5))
-    _candidates()
-    torch.library.opcheck(torch.ops.acarerank.topk_candidates.default, args)
+def test_opcheck_topk_chunk_update():
+    g = torch.Generator().manual_seed(8)
+    run_v, run_i, m, s = _held(5, 8, 100, g)
+    args = (torch.randn(5, 70, generator=g), 100, torch.arange(5) + 120, run_v, run_i, m, s, torch.zeros(5))
+    _update()
+    torch.library.opcheck(torch.ops.acarerank.topk_chunk_update.default, args)
 
 
 @pytest.mark.parametrize("order", ["random", "rising", "ties"])
 def test_native_core_in_fp32_is_the_torch_core(order):
-    """fp32: the native core differs from the torch core only in how a chunk's candidates and
-    log-sum-exp terms are found, so the top-k ids and in_topk are bitwise the same and the
+    """fp32: the native core differs from the torch core only in where a chunk is merged and its
+    log-sum-exp terms summed (C++), so the top-k ids and in_topk are bitwise the same and the
     log-probs within fp32 rounding of the log-sum-exp — random logits, logits rising with the id
     (more than k candidates per chunk: the exact chunk top-k) and integer logits (ties everywhere)."""
     g = torch.Generator().manual_seed(7)
@@ -506,15 +554,16 @@ def test_linear_logprob_bf16_logits_come_from_the_bf16_gemm(mode, monkeypatch):
 
 @pytest.mark.skipif(os.environ.get("ACARERANK_LOGITS_GEMM_CHILD") == "1", reason="the child's own run")
 @pytest.mark.parametrize("isa", ["avx2", "baseline"])
-def test_candidates_in_every_layer_build(isa):
-    """The candidates' row kernel is compiled per ISA with the element-wise ones (layer_kernels.h):
-    the AVX2 and baseline builds (ACARERANK_CPU_LAYER_ISA, read once per process: a child) pass the
-    candidates tests and the fp32 native core's agreement with the torch core too."""
+def test_chunk_update_in_every_layer_build(isa):
+    """The chunk update's row kernel is compiled per ISA with the element-wise ones (layer_kernels.h;
+    the AVX-512 build's in intrinsics): the AVX2 and baseline builds (ACARERANK_CPU_LAYER_ISA, read
+    once per process: a child) pass the update's tests and the fp32 native core's agreement with
+    the torch core too."""
     env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_LAYER_ISA")}
     env.update(ACARERANK_CPU_LAYER_ISA=isa, ACARERANK_LOGITS_GEMM_CHILD="1", OMP_NUM_THREADS="2")
     probe = "import acarerank.ops._native as n; print(n.layer_kernel_isa())"
     with _side_by_side([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "candidates or native_core_in_fp32"], env) as tests:
+                        "update or native_core_in_fp32"], env) as tests:
         done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
         out, _ = tests.communicate(timeout=600)
     assert tests.returncode == 0 and " passed" in out, out[-3000:]

@@ -294,7 +294,7 @@ def test_bad_tensors():
 
 def test_a_vocabulary_past_the_int32_ids_is_refused_up_front():
     """A weight of 2³¹ − 1 rows or more (an expanded, stride-0 one costs no memory): the cpp/cuda
-    cores keep int32 ids and the native core pads with id 2³¹ − 1, whose kernel refused the last
+    cores keep int32 ids and the native core's kernel takes ids below 2³¹ − 1, and refused the last
     chunk only after walking the whole vocabulary (T = 0 passed with no word). A ValueError naming
     V before any GEMM, every T."""
     w = torch.zeros(1, 16).expand(2 ** 31 - 1, 16)

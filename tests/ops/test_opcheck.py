@@ -215,7 +215,7 @@ OPCHECKED_NATIVE = {
     "qk_norm_rope_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
     "silu_and_mul_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
     "mm_bf16_f32": "test_logits_gemm.py::test_opcheck_mm_bf16_f32",
-    "topk_candidates": "test_logits_gemm.py::test_opcheck_topk_candidates",
+    "topk_chunk_update": "test_logits_gemm.py::test_opcheck_topk_chunk_update",
 }
 
 
