@@ -149,6 +149,21 @@ def _chunk_topk(x, kc, c0, mask):
 
 
 # ----------------------------------------------------------------------------- torch core
+def _initial_state(T: int, dev):
+    """The running state before the first chunk: no entries held ([T, 0] values and ids), the max
+    −inf, Σ exp(z − m) 0 in fp64 (a 151,669-term sum), the target logits NaN until their chunk."""
+    return (torch.empty(T, 0, dtype=torch.float32, device=dev), torch.empty(T, 0, dtype=torch.int64, device=dev),
+            torch.full((T,), -math.inf, dtype=torch.float32, device=dev),
+            torch.zeros(T, dtype=torch.float64, device=dev),
+            torch.full((T,), math.nan, dtype=torch.float32, device=dev))
+
+
+def _no_rows(k: int, dev):
+    """A core's result for T = 0."""
+    return (torch.empty(0, k, dtype=torch.float32, device=dev), torch.empty(0, k, dtype=torch.int64, device=dev),
+            torch.empty(0, dtype=torch.float32, device=dev), torch.empty(0, dtype=torch.float32, device=dev))
+
+
 def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
     """Chunked core: per chunk of ``chunk`` vocabulary rows, one GEMM [T,H]×[H,C] in fp32, the
     chunk's candidates, an exact merge into the running top-k, and an online log-sum-exp.
@@ -182,15 +197,10 @@ def topk_logprobs_core_torch(hidden, weight, targets, k: int, chunk: Optional[in
     dev = hidden.device
     h = hidden if hidden.dtype == torch.float32 else hidden.float()
     tg = targets.to(torch.int64)
-    run_v = torch.empty(T, 0, dtype=torch.float32, device=dev)
-    run_i = torch.empty(T, 0, dtype=torch.int64, device=dev)
+    run_v, run_i, m, s, tgt = _initial_state(T, dev)
     pend_v, pend_i, pending = [], [], 0  # candidates not merged yet
-    m = torch.full((T,), -math.inf, dtype=torch.float32, device=dev)
-    s = torch.zeros(T, dtype=torch.float64, device=dev)  # Σ exp(z − m): a 151,669-term sum, kept in fp64
-    tgt = torch.full((T,), math.nan, dtype=torch.float32, device=dev)
     if T == 0:
-        return (torch.empty(0, k, dtype=torch.float32, device=dev), torch.empty(0, k, dtype=torch.int64, device=dev),
-                tgt, m)
+        return _no_rows(k, dev)
     xbuf = torch.empty(T * C, dtype=torch.float32, device=dev)
     mbuf = torch.empty(T * C, dtype=torch.bool, device=dev)
     upcast = weight.dtype != torch.float32
@@ -271,14 +281,9 @@ def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[i
     dev = hidden.device
     h = hidden if hidden.dtype == torch.float32 or gemm is not None else hidden.float()
     tg = targets.to(torch.int64).contiguous()
-    run_v = torch.empty(T, 0, dtype=torch.float32, device=dev)
-    run_i = torch.empty(T, 0, dtype=torch.int64, device=dev)
-    m = torch.full((T,), -math.inf, dtype=torch.float32, device=dev)
-    s = torch.zeros(T, dtype=torch.float64, device=dev)  # Σ exp(z − m): a 151,669-term sum, kept in fp64
-    tgt = torch.full((T,), math.nan, dtype=torch.float32, device=dev)
+    run_v, run_i, m, s, tgt = _initial_state(T, dev)
     if T == 0:
-        return (torch.empty(0, k, dtype=torch.float32, device=dev), torch.empty(0, k, dtype=torch.int64, device=dev),
-                tgt, m)
+        return _no_rows(k, dev)
     xbuf = torch.empty(T * C, dtype=torch.float32, device=dev)
     mbuf = None
     wbuf = torch.empty(C * H, dtype=torch.float32, device=dev) if weight.dtype != torch.float32 and gemm is None \
