@@ -178,7 +178,8 @@ def step_env(ctx: Context) -> dict:
     probe = ("import torch; from acarerank.ops import _native as n; ok = n.available(); "
              "print('torch', torch.__version__, '| threads', torch.get_num_threads(), '| native',"
              " 'built' if ok else 'UNAVAILABLE: ' + n.why_unavailable(), '| bf16 attention path',"
-             " n.bf16_attention_path() if ok else '-', '| element-wise build', n.layer_kernel_isa() if ok else '-')")
+             " n.bf16_attention_path() if ok else '-', '| AMX prefix kernel', n.amx_prefix_kernel() if ok else '-',"
+             " '| element-wise build', n.layer_kernel_isa() if ok else '-')")
     out = ctx.sh([PY, "-c", probe], 60).strip()
     if "UNAVAILABLE" in out:
         raise StepFailed(f"the native kernels are not built: {out} (run `bash scripts/setup.sh`)")
@@ -260,8 +261,10 @@ def e2e_figures(rows: list, name: str) -> dict:
 
 def step_topk(ctx: Context) -> dict:
     path = os.path.join(ctx.out, "topk-bf16.csv")
+    # medians of 11 runs, not the bench's default 3: on a shared 2-core host a median of 3 moved
+    # the ratio by 0.1–0.3 run to run (1.30 and 0.99 minutes apart, 2026-12-06); ~10 s more
     cmd = [PY, "bench/bench_topk_logprobs.py", "--dtype", "bfloat16", "--providers", "gemm,torch,native", "--no-rss",
-           "--csv", path] + (["--quick"] if ctx.quick else [])
+           "--csv", path] + (["--quick"] if ctx.quick else ["--repeats", "11"])
     ctx.sh(cmd, ctx.limit)
     return topk_figures(list(csv.DictReader(open(path))))
 

@@ -96,6 +96,15 @@ def bf16_logits_gemm() -> bool:
     return bool(load().bf16_logits_gemm())
 
 
+def amx_prefix_kernel() -> bool:
+    """Whether the attention's bf16 prefix tiles run on AMX tiles directly, the softmax interleaved
+    with the tile products (csrc/cpu/attn_amx.h), chosen once per process: on the "amx-brgemm"
+    path where Linux grants this process the tile state, unless ACARERANK_CPU_AMX_PREFIX=0 (then
+    through cpublas' brgemm, as every other tile). RuntimeError if that variable is not 0 or 1.
+    docs/cpu.md, "Native CPU kernels"."""
+    return bool(load().amx_prefix_kernel())
+
+
 def layer_kernel_isa() -> str:
     """The build of the element-wise row kernels (rms_norm, fused_add_rms_norm, qk_norm_rope,
     silu_and_mul) this process runs, chosen once: "avx512", "avx2" or "baseline" — the widest

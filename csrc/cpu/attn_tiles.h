@@ -425,11 +425,12 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* s,
 #ifdef ACR_HAVE_AVX512_BF16_CODE
 // The same step on AVX-512 with P written as bf16 (vcvtneps2bf16, round to nearest even), for
 // the bf16 paths, 16 lanes, the tail of a row masked. Its exp is base 2 (log2(e) folded into the
-// scale): 2^t = 2^f · 2^n, n = round(t), |f| ≤ 1/2, 2^f by its Taylor polynomial of degree 5
-// (relative error < 3e-6, far below P's bf16 rounding, 2^-9), 2^n applied by vscalefps, which
-// also gives 0 for t far below −126. t is clamped at −150 so f is never −inf − (−inf); a NaN t
-// stays NaN (max returns its second operand, t, when it is NaN). At t = 0 (the row's max) it is
-// exactly 1. Half the instructions of a Cephes expf, which P's 8-bit mantissa cannot use.
+// scale): 2^t = 2^f · 2^n, n = round(t), |f| ≤ 1/2, 2^f by a polynomial, 2^n applied by vscalefps,
+// which also gives 0 for t far below −126. exp2_avx512 (α, and the direct path's fp32 weights):
+// Taylor of degree 5, relative error < 3e-6; the bf16 weights: exp2_bf16_weights_avx512 below.
+// t is clamped at −150 so f is never −inf − (−inf); a NaN t stays NaN (max returns its second
+// operand, t, when it is NaN). At t = 0 (the row's max) it is exactly 1. Half the instructions of
+// a Cephes expf, which P's 8-bit mantissa cannot use.
 ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
   t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -439,6 +440,21 @@ ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 3!
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2!
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718056e-1f));  // ln2
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+// exp2_avx512 for weights rounded to bf16 next (P of the bf16 paths): 2^f by a degree-3 minimax
+// polynomial with p(0) = 1 (relative error < 1.1e-4 on |f| ≤ 1/2, 35× below bf16's half-ulp of
+// 2^-8; fitted by reweighted least squares on 20,001 points, checked in fp32 Horner), two FMAs
+// fewer than exp2_avx512 — on AMX the softmax's vector work is ~40 % of the kernel and does not
+// overlap the tile products (docs/cpu.md, "Targets"). Same clamp, NaN and t = 0 behaviour.
+ACR_AVX512_BF16 inline __m512 exp2_bf16_weights_avx512(__m512 t) {
+  t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(5.5008581383e-2f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4221037427e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9328290050e-1f));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
 }
@@ -486,35 +502,52 @@ ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float sc
   return {m_new, alpha, _mm512_set1_ps(vs), _mm512_set1_ps(none ? 0.f : m_new)};
 }
 
-// Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).
-ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, int64_t width, int64_t d, float scale,
-                                                    float& m, float& l, float* acc, BFloat16* p) {
-  const RowMax rm = row_max_avx512(s, n, scale, m);
-  const float m_new = rm.m_new, alpha = rm.alpha;
-  const __m512 vs = rm.vs, vm = rm.vm;
-  // l sums the rounded weights P·V will use, so the output is an exact weighted mean of V: the
-  // bf16 P summed by vdpbf16ps against ones (one instruction; pairs first, then the 8 lanes)
-  __m256 vsum = _mm256_setzero_ps(), vsum1 = _mm256_setzero_ps();
+// Row i of the step in parts, so attn_amx.h can run a row between its tile products: row_max_avx512,
+// then softmax_row_pairs_bf16 over [0, n32) in any slices of whole 32-score pairs (n32 = n rounded
+// down to 32), then softmax_row_finish_bf16. softmax_row_avx512_bf16 runs them in one go; the
+// values are the same either way.
+//
+// l sums the rounded weights P·V will use, so the output is an exact weighted mean of V: the bf16 P
+// summed by vdpbf16ps against ones (one instruction; pairs first, then the 8 lanes). Whole vectors
+// of visible scores first, unmasked (no mask to build per vector), two at a time into two sums;
+// then the row's tail and P's zero padding, masked. With the four maxima and α above: the kernel
+// ~8 % faster on AMX at long prefixes (docs/cpu.md, "Targets").
+struct RowSums {
+  __m256 s0, s1;
+};
+ACR_AVX512_BF16 inline RowSums row_sums_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+
+// Weights of scores [j0, j1) (both multiples of 32, j1 <= n) into p, their sums into rs.
+ACR_AVX512_BF16 inline void softmax_row_pairs_bf16(const float* s, int64_t j0, int64_t j1, const RowMax& rm,
+                                                   BFloat16* p, RowSums& rs) {
   const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3F80);  // bf16 1.0
   uint16_t* pp = reinterpret_cast<uint16_t*>(p);
-  // whole vectors of visible scores first, unmasked (no mask to build per vector), two at a time
-  // into two sums; then the row's tail and P's zero padding, masked. With the four maxima and α
-  // above: the kernel ~8 % faster on AMX at long prefixes (docs/cpu.md, "Targets")
-  int64_t j0 = 0;
-  for (; j0 + 32 <= n; j0 += 32) {
-    const __m256bh p0 = _mm512_cvtneps_pbh(exp2_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j0), vm), vs)));
-    const __m256bh p1 = _mm512_cvtneps_pbh(exp2_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j0 + 16), vm), vs)));
+  const __m512 vs = rm.vs, vm = rm.vm;
+  __m256 vsum = rs.s0, vsum1 = rs.s1;
+  for (; j0 < j1; j0 += 32) {
+    const __m256bh p0 = _mm512_cvtneps_pbh(exp2_bf16_weights_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j0), vm), vs)));
+    const __m256bh p1 = _mm512_cvtneps_pbh(exp2_bf16_weights_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j0 + 16), vm), vs)));
     vsum = _mm256_dpbf16_ps(vsum, p0, ones);
     vsum1 = _mm256_dpbf16_ps(vsum1, p1, ones);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + j0), (__m256i)p0);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + j0 + 16), (__m256i)p1);
   }
-  vsum = _mm256_add_ps(vsum, vsum1);
+  rs = {vsum, vsum1};
+}
+
+// The rest of the row from j0 = n32: its tail and P's zeros to width, masked; then l, m and acc.
+ACR_AVX512_BF16 inline void softmax_row_finish_bf16(const float* s, int64_t n, int64_t width, int64_t j0, int64_t d,
+                                                    const RowMax& rm, RowSums rs, float& m, float& l, float* acc,
+                                                    BFloat16* p) {
+  const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3F80);
+  uint16_t* pp = reinterpret_cast<uint16_t*>(p);
+  const __m512 vs = rm.vs, vm = rm.vm;
+  __m256 vsum = _mm256_add_ps(rs.s0, rs.s1);
   for (int64_t j = j0; j < width; j += 16) {
     const int64_t left = n - j;
     const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
     // masked-off columns load 0 and convert to 0 (zero-masking), never exp(−offset)
-    const __m256bh pb = _mm512_maskz_cvtneps_pbh(mk, exp2_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), vm), vs)));
+    const __m256bh pb = _mm512_maskz_cvtneps_pbh(mk, exp2_bf16_weights_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), vm), vs)));
     vsum = _mm256_dpbf16_ps(vsum, pb, ones);
     const int64_t w = width - j;
     if (w >= 16)
@@ -525,14 +558,25 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
   __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
   s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  const float alpha = rm.alpha;
   l = l * alpha + _mm_cvtss_f32(s4);
-  m = m_new;
+  m = rm.m_new;
   if (alpha != 1.f) {
     const __m512 va = _mm512_set1_ps(alpha);
     int64_t c = 0;
     for (; c + 16 <= d; c += 16) _mm512_storeu_ps(acc + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), va));
     for (; c < d; ++c) acc[c] *= alpha;
   }
+}
+
+// Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).
+ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, int64_t width, int64_t d, float scale,
+                                                    float& m, float& l, float* acc, BFloat16* p) {
+  const RowMax rm = row_max_avx512(s, n, scale, m);
+  RowSums rs = row_sums_zero();
+  const int64_t n32 = n / 32 * 32;
+  softmax_row_pairs_bf16(s, 0, n32, rm, p, rs);
+  softmax_row_finish_bf16(s, n, width, n32, d, rm, rs, m, l, acc, p);
 }
 // The fp32 step (P in fp32) on AVX-512F, 16 lanes: the AVX2 code's Cephes exp and order of work
 // (exp_avx2, softmax_row_avx2) on twice the lanes, 2^n applied by vscalefps; the tail of a row

@@ -43,6 +43,7 @@
 #include <optional>
 #include <vector>
 
+#include "attn_amx.h"
 #include "attn_direct_avx512.h"
 #include "attn_tiles.h"
 #include "common.h"
@@ -325,6 +326,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // a row's output would depend on how many rows its group has in this call (docs/cpu.md)
   const int64_t direct_rows = tiles_only ? 0 : direct_rows_limit<s_t, c_t>();
   const int64_t chunk_keys = direct_chunk_keys();
+#ifdef ACR_HAVE_AMX_CODE
+  // bf16 prefix tiles on AMX directly, the softmax between the tile products (attn_amx.h)
+  const bool amx_prefix = std::is_same_v<c_t, BFloat16> && d % 32 == 0 && amx_prefix_kernel();
+#endif
   const std::vector<Task> tasks = make_tasks(mt, direct_rows, chunk_keys, at::get_num_threads());
   std::vector<int64_t> blocks(G, 0);  // row blocks of group g (per kv head)
   for (const Task& tk : tasks) blocks[tk.g] += tk.h == 0 && tk.chunk <= 0;
@@ -439,8 +444,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         rows = std::max(rows, tasks[ti].nh * tasks[ti].M);
         (tasks[ti].direct ? direct_tasks : tiles) = true;
       }
-    scratch<c_t> Q(rows * d), Pm(tiles ? rows * KT : 0), Kt(tiles ? tile_elems : 0), Vt(tiles ? tile_elems : 0);
-    scratch<float> S(tiles ? rows * KT : 0), acc(rows * d), m(rows), l(rows);
+    // whole row blocks, and S and P rows of the AMX prefix kernel's strides: it reads and writes
+    // them (attn_amx.h); the other steps use the first rows at stride KT
+    rows = (rows + kAmxBlockRows - 1) / kAmxBlockRows * kAmxBlockRows;
+    scratch<c_t> Q(rows * d), Pm(tiles ? rows * amx_weight_stride(KT) : 0), Kt(tiles ? tile_elems : 0),
+        Vt(tiles ? tile_elems : 0);
+    scratch<float> S(tiles ? rows * amx_score_stride(KT) : 0), acc(rows * d), m(rows), l(rows);
     scratch<c_t> OwnK, OwnV;  // a piece's own keys, all its tiles
     std::vector<char> finite;
     // the direct path's fp32 q rows (bf16 tasks) and scores
@@ -512,6 +521,15 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
             vt = Vt.data();
           }
           const int64_t nc = gemm_cols<c_t>(n, KT);
+#ifdef ACR_HAVE_AMX_CODE
+          if constexpr (std::is_same_v<c_t, BFloat16>) {
+            if (amx_prefix) {
+              prefix_tile_amx(M, n, nc, d, scale, Q.data(), kt, vt, KT, S.data(), Pm.data(), m.data(), l.data(),
+                              acc.data());
+              continue;
+            }
+          }
+#endif
           gemm(M, nc, d, Q.data(), d, kt, KT, S.data(), KT, false);
           softmax_step<c_t>(M, KT, nc, d, scale, S.data(), [n](int64_t) { return n; }, m.data(), l.data(), acc.data(),
                             Pm.data());

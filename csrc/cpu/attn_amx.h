@@ -1,0 +1,223 @@
+// One bf16 prefix tile of the attention on AMX tiles directly (prefix_attention.cpp's prefix loop,
+// bf16 path "amx-brgemm"), the softmax interleaved with the tile products:
+//
+//   S = Q·Kᵀ;  the online-softmax step of every row (attn_tiles.h's softmax_step);  acc += P·V
+//
+// Through cpublas::brgemm the three ran one after the other, three library calls per tile with
+// M cut into powers of two. Here the tile loops are our own (a 2×2 block of 16×16 fp32 tiles per
+// k-step of 32) and the instruction stream alternates one k-step of tile products (4 tdpbf16ps)
+// with one slice of softmax work (a row's max, or 128 of its scores), so out-of-order execution
+// can run vector work while products are in flight. Measured on the AMX Xeon (docs/cpu.md,
+// "Targets"): the kernel 8–12 % faster than through brgemm at M3 depth 20; the interleaving 5 % of
+// that (the same loops one after the other, ad hoc). The overlap is small: alone, the matrix unit
+// and the vector ports overlap fully, but tile loads and the softmax's vector work slow each
+// other, and the softmax (~40 % of the kernel) stays mostly on top of the products.
+//
+// Pipeline over the tile's 32-row blocks b = 0 .. B−1 (rows past M are padding: computed in the
+// callers' scratch, never read):
+//   step b:  tiles:   S_{b+1} = Q_{b+1}·Kᵀ,  then  acc_{b−1} += P_{b−1}·V
+//            vectors: the softmax step of block b's rows (S_b → P_b, m, l, acc_b rescaled)
+// Each row gets the softmax step softmax_step gives it, part for part (attn_tiles.h's row pieces),
+// and its products in k order, 32 at a time, accumulated in the tile (P·V from acc's values).
+//
+// Tiles (palette 1, all 16 rows × 64 bytes): 0–3 the 2×2 fp32 C block (rows 0–15 / 16–31 ×
+// columns 0–15 / 16–31 of a 32 × 32 slab), 4–5 the A rows (bf16 [16][32]), 6–7 the VNNI B
+// columns ([16 pairs][16][2]). Layouts as attn_tiles.h: Q [M][d], K [d/2][KT][2], V [KT/2][d][2],
+// acc [M][d] fp32; S [M][KT + 16] fp32 and P [M][KT + 32] bf16, rows a cache line longer than the
+// tile: at 2,048 and 1,024 bytes apart the 16 rows of a tile store or load share two or four L1
+// sets (the S/P padding: tile products ~10 % faster, ad hoc). d and the GEMM's columns nc are
+// multiples of 32.
+//
+// The thread's tile configuration is cpublas::brgemm's too: brgemm_release() before ours (so its
+// next call loads its own again: it skips that while it believes its kernel is current) and
+// tilerelease after.
+#pragma once
+
+#include "attn_tiles.h"
+
+namespace acr_attn {
+// S's and P's row strides in prefix_tile_amx (elements), and its row block: its callers' scratch
+// holds M rounded up to whole blocks of rows of each.
+constexpr int64_t amx_score_stride(int64_t KT) { return KT + 16; }
+constexpr int64_t amx_weight_stride(int64_t KT) { return KT + 32; }
+constexpr int64_t kAmxBlockRows = 32;
+}  // namespace acr_attn
+
+#if defined(ACR_HAVE_AVX512_BF16_CODE) && defined(__linux__) && !defined(ACR_VNNI_REFERENCE_GEMM)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cpuid.h>
+
+#define ACR_HAVE_AMX_CODE 1
+#define ACR_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+namespace acr_attn {
+
+// AMX-BF16 and AMX-TILE in CPUID and the tile data state granted to this process by the kernel
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA: Linux 5.16+; without it the first tile load
+// faults). oneDNN asks too; asking again is a no-op.
+inline bool amx_tiles_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, dx;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &dx)) return false;
+    const bool bf16 = (dx >> 22) & 1, tile = (dx >> 24) & 1;
+    if (!bf16 || !tile) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// The interleaved kernel for bf16 prefix tiles: on the amx-brgemm path where the tiles are usable,
+// unless ACARERANK_CPU_AMX_PREFIX=0 (brgemm then, as for every other tile; read once).
+inline bool amx_prefix_kernel() {
+  static const bool on = [] {
+    const char* e = std::getenv("ACARERANK_CPU_AMX_PREFIX");
+    const bool off = e != nullptr && std::strcmp(e, "0") == 0;
+    TORCH_CHECK(e == nullptr || *e == '\0' || off || std::strcmp(e, "1") == 0,
+                "ACARERANK_CPU_AMX_PREFIX must be 0 or 1, got '", e, "'");
+    return !off && std::strcmp(bf16_path(), "amx-brgemm") == 0 && amx_tiles_usable();
+  }();
+  return on;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Rows [i, end) of S (n visible scores each, P written to width) through the softmax step, a
+// slice per step(): a row's max, then kSliceScores of its scores at a time, its tail and l/m/acc
+// with the last slice. Slices of 32 to 512 scores measured the same.
+struct SoftmaxSlices {
+  static constexpr int64_t kSliceScores = 128;
+  const float* S;
+  BFloat16* P;
+  float *m, *l, *acc;
+  int64_t ls, lp, n, n32, width, d;
+  float scale;
+  int64_t i, end;
+  bool have_max = false;
+  int64_t j = 0;
+  RowMax rm;
+  RowSums rs;
+
+  ACR_AVX512_BF16 void step() {
+    if (i >= end) return;
+    const float* s = S + i * ls;
+    if (!have_max) {
+      rm = row_max_avx512(s, n, scale, m[i]);
+      rs = row_sums_zero();
+      j = 0;
+      have_max = true;
+      return;
+    }
+    const int64_t j1 = std::min(n32, j + kSliceScores);
+    softmax_row_pairs_bf16(s, j, j1, rm, P + i * lp, rs);
+    j = j1;
+    if (j == n32) {
+      softmax_row_finish_bf16(s, n, width, n32, d, rm, rs, m[i], l[i], acc + i * d, P + i * lp);
+      have_max = false;
+      ++i;
+    }
+  }
+  ACR_AVX512_BF16 void finish() {
+    while (i < end) step();
+  }
+};
+
+// One k-step's operands: A rows [0, 16) and [16, 32) from a (lda bytes apart), B from b0 and b1.
+ACR_AMX inline void load_operands(const void* a, int64_t lda, const void* b0, const void* b1, int64_t ldb) {
+  _tile_loadd(4, a, lda);
+  _tile_loadd(5, static_cast<const char*>(a) + 16 * lda, lda);
+  _tile_loadd(6, b0, ldb);
+  _tile_loadd(7, b1, ldb);
+}
+// The 2×2 block's products of one k-step.
+ACR_AMX inline void products_2x2() {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+ACR_AMX inline void store_2x2(float* c, int64_t ldc) {
+  _tile_stored(0, c, ldc * 4);
+  _tile_stored(1, c + 16, ldc * 4);
+  _tile_stored(2, c + 16 * ldc, ldc * 4);
+  _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+// S rows [0, 32) = Q rows [0, 32) · Kᵀ over nc key columns, one softmax slice per k-step. The next
+// 32 columns' first operands are loaded before this block's C is stored: the tiles have no renaming,
+// so the store waits for the last products and the zeroing for the store; the loads need not
+// (7.7 → 6.9 ns per tdpbf16ps in isolation on the AMX Xeon, ad hoc).
+ACR_AMX inline void amx_scores_block(const BFloat16* Q, int64_t d, const BFloat16* kt, int64_t KT, int64_t nc,
+                                     float* S, int64_t ls, SoftmaxSlices& sm) {
+  auto operands = [&](int64_t j, int64_t k) {
+    load_operands(Q + k, d * 2, kt + ((k / 2) * KT + j) * 2, kt + ((k / 2) * KT + j + 16) * 2, KT * 4);
+  };
+  operands(0, 0);
+  for (int64_t j = 0; j < nc; j += 32) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < d; k += 32) {
+      if (k > 0) operands(j, k);
+      products_2x2();
+      sm.step();
+    }
+    if (j + 32 < nc) operands(j + 32, 0);
+    store_2x2(S + j, ls);
+  }
+}
+
+// acc rows [0, 32) += P rows [0, 32) · V over nc keys, one softmax slice per k-step (the next
+// columns' first operands early, as above).
+ACR_AMX inline void amx_values_block(const BFloat16* P, int64_t lp, const BFloat16* vt, int64_t d, int64_t nc,
+                                     float* acc, SoftmaxSlices& sm) {
+  auto operands = [&](int64_t c, int64_t k) {
+    load_operands(P + k, lp * 2, vt + ((k / 2) * d + c) * 2, vt + ((k / 2) * d + c + 16) * 2, d * 4);
+  };
+  operands(0, 0);
+  for (int64_t c = 0; c < d; c += 32) {
+    _tile_loadd(0, acc + c, d * 4);
+    _tile_loadd(1, acc + c + 16, d * 4);
+    _tile_loadd(2, acc + 16 * d + c, d * 4);
+    _tile_loadd(3, acc + 16 * d + c + 16, d * 4);
+    for (int64_t k = 0; k < nc; k += 32) {
+      if (k > 0) operands(c, k);
+      products_2x2();
+      sm.step();
+    }
+    if (c + 32 < d) operands(c + 32, 0);
+    store_2x2(acc + c, d);
+  }
+}
+
+// The prefix tile for rows [0, M): every row sees the tile's n keys (nc = gemm_cols(n), a multiple
+// of 32; d a multiple of 32). Q, S, P and acc hold whole 32-row blocks (M rounded up to 32).
+ACR_AMX inline void prefix_tile_amx(int64_t M, int64_t n, int64_t nc, int64_t d, float scale, const BFloat16* Q,
+                                    const BFloat16* kt, const BFloat16* vt, int64_t KT, float* S, BFloat16* P,
+                                    float* m, float* l, float* acc) {
+  const int64_t ls = amx_score_stride(KT), lp = amx_weight_stride(KT);
+  at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  const int64_t B = (M + 31) / 32;
+  for (int64_t b = -1; b <= B; ++b) {
+    const int64_t r0 = std::max<int64_t>(b, 0) * 32;
+    SoftmaxSlices sm{S, P, m, l, acc, ls, lp, n, n / 32 * 32, nc, d, scale,
+                     b >= 0 && b < B ? r0 : 0, b >= 0 && b < B ? std::min(M, r0 + 32) : 0};
+    if (b + 1 < B) amx_scores_block(Q + (b + 1) * 32 * d, d, kt, KT, nc, S + (b + 1) * 32 * ls, ls, sm);
+    if (b >= 1) amx_values_block(P + (b - 1) * 32 * lp, lp, vt, d, nc, acc + (b - 1) * 32 * d, sm);
+    sm.finish();
+  }
+  _tile_release();
+}
+
+}  // namespace acr_attn
+#endif
