@@ -276,8 +276,8 @@ def main(argv=None) -> int:
 
     native_ok = _native.available()
     bf16_path = _native.bf16_attention_path() if native_ok else "n/a"
-    if native_ok and _native.amx_prefix_kernel():
-        bf16_path += " + AMX prefix kernel"
+    if native_ok and _native.amx_tiles_kernel():
+        bf16_path += " + AMX tile kernel"
     head = (f"# {datetime.date.today()}  {info['cpu']}  flags: {info['flags']}  threads {torch.get_num_threads()}  "
             f"torch {torch.__version__}  python {platform.python_version()}  "
             f"native {'built' if native_ok else 'unavailable: ' + _native.why_unavailable()}  "

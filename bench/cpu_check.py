@@ -178,7 +178,7 @@ def step_env(ctx: Context) -> dict:
     probe = ("import torch; from acarerank.ops import _native as n; ok = n.available(); "
              "print('torch', torch.__version__, '| threads', torch.get_num_threads(), '| native',"
              " 'built' if ok else 'UNAVAILABLE: ' + n.why_unavailable(), '| bf16 attention path',"
-             " n.bf16_attention_path() if ok else '-', '| AMX prefix kernel', n.amx_prefix_kernel() if ok else '-',"
+             " n.bf16_attention_path() if ok else '-', '| AMX tile kernel', n.amx_tiles_kernel() if ok else '-',"
              " '| element-wise build', n.layer_kernel_isa() if ok else '-')")
     out = ctx.sh([PY, "-c", probe], 60).strip()
     if "UNAVAILABLE" in out:

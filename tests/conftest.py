@@ -62,7 +62,7 @@ def pytest_terminal_summary(terminalreporter):
     try:
         from acarerank.ops import _native
         if _native.available():
-            path = (f"{_native.bf16_attention_path()}{' + AMX prefix kernel' if _native.amx_prefix_kernel() else ''}; "
+            path = (f"{_native.bf16_attention_path()}{' + AMX tile kernel' if _native.amx_tiles_kernel() else ''}; "
                     f"element-wise kernels: {_native.layer_kernel_isa()}")
         else:
             path = f"none ({_native.why_unavailable()})"

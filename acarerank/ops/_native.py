@@ -96,13 +96,13 @@ def bf16_logits_gemm() -> bool:
     return bool(load().bf16_logits_gemm())
 
 
-def amx_prefix_kernel() -> bool:
-    """Whether the attention's bf16 prefix tiles run on AMX tiles directly, the softmax interleaved
-    with the tile products (csrc/cpu/attn_amx.h), chosen once per process: on the "amx-brgemm"
-    path where Linux grants this process the tile state, unless ACARERANK_CPU_AMX_PREFIX=0 (then
-    through cpublas' brgemm, as every other tile). RuntimeError if that variable is not 0 or 1.
-    docs/cpu.md, "Native CPU kernels"."""
-    return bool(load().amx_prefix_kernel())
+def amx_tiles_kernel() -> bool:
+    """Whether the attention's bf16 key tiles (prefix and own, head_dim a multiple of 32) run on
+    AMX tiles directly, the softmax interleaved with the tile products (csrc/cpu/attn_amx.h),
+    chosen once per process: on the "amx-brgemm" path where Linux grants this process the tile
+    state, unless ACARERANK_CPU_AMX_TILES=0 (then through cpublas' brgemm). RuntimeError if that
+    variable is not 0 or 1. docs/cpu.md, "Native CPU kernels"."""
+    return bool(load().amx_tiles_kernel())
 
 
 def layer_kernel_isa() -> str:

@@ -1,5 +1,5 @@
-// One bf16 prefix tile of the attention on AMX tiles directly (prefix_attention.cpp's prefix loop,
-// bf16 path "amx-brgemm"), the softmax interleaved with the tile products:
+// One bf16 key tile of the attention on AMX tiles directly (prefix_attention.cpp's prefix tiles and
+// segments' own tiles, bf16 path "amx-brgemm"), the softmax interleaved with the tile products:
 //
 //   S = Q·Kᵀ;  the online-softmax step of every row (attn_tiles.h's softmax_step);  acc += P·V
 //
@@ -13,8 +13,7 @@
 // and the vector ports overlap fully, but tile loads and the softmax's vector work slow each
 // other, and the softmax (~40 % of the kernel) stays mostly on top of the products.
 //
-// Pipeline over the tile's 32-row blocks b = 0 .. B−1 (rows past M are padding: computed in the
-// callers' scratch, never read):
+// Pipeline over the tile's 32-row blocks b = 0 .. B−1 (rows past M: see tile_amx):
 //   step b:  tiles:   S_{b+1} = Q_{b+1}·Kᵀ,  then  acc_{b−1} += P_{b−1}·V
 //            vectors: the softmax step of block b's rows (S_b → P_b, m, l, acc_b rescaled)
 // Each row gets the softmax step softmax_step gives it, part for part (attn_tiles.h's row pieces),
@@ -36,7 +35,7 @@
 #include "attn_tiles.h"
 
 namespace acr_attn {
-// S's and P's row strides in prefix_tile_amx (elements), and its row block: its callers' scratch
+// S's and P's row strides in tile_amx (elements), and its row block: its callers' scratch
 // holds M rounded up to whole blocks of rows of each.
 constexpr int64_t amx_score_stride(int64_t KT) { return KT + 16; }
 constexpr int64_t amx_weight_stride(int64_t KT) { return KT + 32; }
@@ -69,14 +68,15 @@ inline bool amx_tiles_usable() {
   return ok;
 }
 
-// The interleaved kernel for bf16 prefix tiles: on the amx-brgemm path where the tiles are usable,
-// unless ACARERANK_CPU_AMX_PREFIX=0 (brgemm then, as for every other tile; read once).
-inline bool amx_prefix_kernel() {
+// The interleaved kernel for bf16 key tiles: on the amx-brgemm path where the tiles are usable,
+// unless ACARERANK_CPU_AMX_TILES=0 (brgemm then; read once). The caller also needs head_dim % 32 == 0
+// and, on an own tile, finite values (else its masked P·V).
+inline bool amx_tiles_kernel() {
   static const bool on = [] {
-    const char* e = std::getenv("ACARERANK_CPU_AMX_PREFIX");
+    const char* e = std::getenv("ACARERANK_CPU_AMX_TILES");
     const bool off = e != nullptr && std::strcmp(e, "0") == 0;
     TORCH_CHECK(e == nullptr || *e == '\0' || off || std::strcmp(e, "1") == 0,
-                "ACARERANK_CPU_AMX_PREFIX must be 0 or 1, got '", e, "'");
+                "ACARERANK_CPU_AMX_TILES must be 0 or 1, got '", e, "'");
     return !off && std::strcmp(bf16_path(), "amx-brgemm") == 0 && amx_tiles_usable();
   }();
   return on;
@@ -88,19 +88,23 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Rows [i, end) of S (n visible scores each, P written to width) through the softmax step, a
-// slice per step(): a row's max, then kSliceScores of its scores at a time, its tail and l/m/acc
-// with the last slice. Slices of 32 to 512 scores measured the same.
+// Rows [i, end) of S through the softmax step, a slice per step(): a row's max, then kSliceScores
+// of its scores at a time, its tail and l/m/acc with the last slice. Row i sees cnt(i) of the
+// tile's columns (the causal count on a diagonal tile; at most width); a row that sees none gets
+// P zeros to width and keeps m, l and acc, as softmax_step. Slices of 32 to 512 scores measured
+// the same.
+template <typename CntFn>
 struct SoftmaxSlices {
   static constexpr int64_t kSliceScores = 128;
   const float* S;
   BFloat16* P;
   float *m, *l, *acc;
-  int64_t ls, lp, n, n32, width, d;
+  int64_t ls, lp, width, d;
   float scale;
+  CntFn cnt;
   int64_t i, end;
   bool have_max = false;
-  int64_t j = 0;
+  int64_t n = 0, n32 = 0, j = 0;
   RowMax rm;
   RowSums rs;
 
@@ -108,6 +112,13 @@ struct SoftmaxSlices {
     if (i >= end) return;
     const float* s = S + i * ls;
     if (!have_max) {
+      n = std::max<int64_t>(0, cnt(i));
+      if (n == 0) {
+        std::memset(static_cast<void*>(P + i * lp), 0, sizeof(BFloat16) * width);
+        ++i;
+        return;
+      }
+      n32 = n / 32 * 32;
       rm = row_max_avx512(s, n, scale, m[i]);
       rs = row_sums_zero();
       j = 0;
@@ -153,8 +164,9 @@ ACR_AMX inline void store_2x2(float* c, int64_t ldc) {
 // 32 columns' first operands are loaded before this block's C is stored: the tiles have no renaming,
 // so the store waits for the last products and the zeroing for the store; the loads need not
 // (7.7 → 6.9 ns per tdpbf16ps in isolation on the AMX Xeon, ad hoc).
+template <typename Slices>
 ACR_AMX inline void amx_scores_block(const BFloat16* Q, int64_t d, const BFloat16* kt, int64_t KT, int64_t nc,
-                                     float* S, int64_t ls, SoftmaxSlices& sm) {
+                                     float* S, int64_t ls, Slices& sm) {
   auto operands = [&](int64_t j, int64_t k) {
     load_operands(Q + k, d * 2, kt + ((k / 2) * KT + j) * 2, kt + ((k / 2) * KT + j + 16) * 2, KT * 4);
   };
@@ -176,8 +188,9 @@ ACR_AMX inline void amx_scores_block(const BFloat16* Q, int64_t d, const BFloat1
 
 // acc rows [0, 32) += P rows [0, 32) · V over nc keys, one softmax slice per k-step (the next
 // columns' first operands early, as above).
+template <typename Slices>
 ACR_AMX inline void amx_values_block(const BFloat16* P, int64_t lp, const BFloat16* vt, int64_t d, int64_t nc,
-                                     float* acc, SoftmaxSlices& sm) {
+                                     float* acc, Slices& sm) {
   auto operands = [&](int64_t c, int64_t k) {
     load_operands(P + k, lp * 2, vt + ((k / 2) * d + c) * 2, vt + ((k / 2) * d + c + 16) * 2, d * 4);
   };
@@ -197,21 +210,27 @@ ACR_AMX inline void amx_values_block(const BFloat16* P, int64_t lp, const BFloat
   }
 }
 
-// The prefix tile for rows [0, M): every row sees the tile's n keys (nc = gemm_cols(n), a multiple
-// of 32; d a multiple of 32). Q, S, P and acc hold whole 32-row blocks (M rounded up to 32).
-ACR_AMX inline void prefix_tile_amx(int64_t M, int64_t n, int64_t nc, int64_t d, float scale, const BFloat16* Q,
-                                    const BFloat16* kt, const BFloat16* vt, int64_t KT, float* S, BFloat16* P,
-                                    float* m, float* l, float* acc) {
+// One key tile for rows [0, M): row i sees cnt(i) of its columns (all n on the prefix, the causal
+// count on a segment's own tile), the GEMMs run over nc = gemm_cols(n) (a multiple of 32; the
+// packed K and V are zero past n); d a multiple of 32. m, l, acc: the rows' running state, as
+// softmax_step. Q, S, P and acc hold whole 32-row blocks (M rounded up to 32); the last block's
+// rows past M may be other rows' (an own sub-block's neighbour): their Q and acc are read, and
+// their P is set to zero, so P·V adds exact zeros (V finite: the caller's check) to their acc.
+template <typename CntFn>
+ACR_AMX inline void tile_amx(int64_t M, int64_t nc, int64_t d, float scale, const BFloat16* Q, const BFloat16* kt,
+                             const BFloat16* vt, int64_t KT, float* S, BFloat16* P, float* m, float* l, float* acc,
+                             const CntFn& cnt) {
   const int64_t ls = amx_score_stride(KT), lp = amx_weight_stride(KT);
   at::native::cpublas::brgemm_release(/*is_vnni=*/true);
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
   const int64_t B = (M + 31) / 32;
+  for (int64_t i = M; i < B * 32; ++i) std::memset(static_cast<void*>(P + i * lp), 0, sizeof(BFloat16) * nc);
   for (int64_t b = -1; b <= B; ++b) {
-    const int64_t r0 = std::max<int64_t>(b, 0) * 32;
-    SoftmaxSlices sm{S, P, m, l, acc, ls, lp, n, n / 32 * 32, nc, d, scale,
-                     b >= 0 && b < B ? r0 : 0, b >= 0 && b < B ? std::min(M, r0 + 32) : 0};
+    const bool rows = b >= 0 && b < B;
+    SoftmaxSlices<const CntFn&> sm{S, P, m, l, acc, ls, lp, nc, d, scale, cnt,
+                                   rows ? b * 32 : 0, rows ? std::min(M, b * 32 + 32) : 0};
     if (b + 1 < B) amx_scores_block(Q + (b + 1) * 32 * d, d, kt, KT, nc, S + (b + 1) * 32 * ls, ls, sm);
     if (b >= 1) amx_values_block(P + (b - 1) * 32 * lp, lp, vt, d, nc, acc + (b - 1) * 32 * d, sm);
     sm.finish();

@@ -39,14 +39,15 @@ PYBIND11_MODULE(_cpu, m) {
      "ACARERANK_CPU_BASELINE=1, not ACARERANK_CPU_BF16_PATH=fp32-convert.");
   m.def("bf16_attention_path", [] { return std::string(acr_attn::bf16_path()); },
         "The bf16 compute path of the attention kernel: amx-brgemm, avx512-bf16, fp32-convert or brgemm.");
-  m.def("amx_prefix_kernel", [] {
+  m.def("amx_tiles_kernel", [] {
 #ifdef ACR_HAVE_AMX_CODE
-    return acr_attn::amx_prefix_kernel();
+    return acr_attn::amx_tiles_kernel();
 #else
     return false;
 #endif
-  }, "Whether bf16 prefix tiles run on AMX tiles directly with the softmax interleaved (attn_amx.h): the "
-     "amx-brgemm path where this process may use the tiles, unless ACARERANK_CPU_AMX_PREFIX=0.");
+  }, "Whether the attention's bf16 key tiles run on AMX tiles directly with the softmax interleaved (attn_amx.h): "
+     "the amx-brgemm path where this process may use the tiles and head_dim % 32 == 0, unless "
+     "ACARERANK_CPU_AMX_TILES=0.");
   m.def("layer_kernel_isa", [] { return std::string(acr_layer::isa_name(acarerank_cpu::checked_layer_isa())); },
         "The build of the element-wise row kernels this process runs: avx512, avx2 or baseline.");
   m.def("tile_keys", [] { return acr_attn::kTileKeys; },

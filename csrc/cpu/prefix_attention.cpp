@@ -327,8 +327,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t direct_rows = tiles_only ? 0 : direct_rows_limit<s_t, c_t>();
   const int64_t chunk_keys = direct_chunk_keys();
 #ifdef ACR_HAVE_AMX_CODE
-  // bf16 prefix tiles on AMX directly, the softmax between the tile products (attn_amx.h)
-  const bool amx_prefix = std::is_same_v<c_t, BFloat16> && d % 32 == 0 && amx_prefix_kernel();
+  // bf16 key tiles on AMX directly, the softmax between the tile products (attn_amx.h)
+  const bool amx_tiles = std::is_same_v<c_t, BFloat16> && d % 32 == 0 && amx_tiles_kernel();
 #endif
   const std::vector<Task> tasks = make_tasks(mt, direct_rows, chunk_keys, at::get_num_threads());
   std::vector<int64_t> blocks(G, 0);  // row blocks of group g (per kv head)
@@ -444,9 +444,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
         rows = std::max(rows, tasks[ti].nh * tasks[ti].M);
         (tasks[ti].direct ? direct_tasks : tiles) = true;
       }
-    // whole row blocks, and S and P rows of the AMX prefix kernel's strides: it reads and writes
-    // them (attn_amx.h); the other steps use the first rows at stride KT
-    rows = (rows + kAmxBlockRows - 1) / kAmxBlockRows * kAmxBlockRows;
+    // whole row blocks past the last row, and S and P rows of the AMX tile kernel's strides: it reads
+    // and writes them (attn_amx.h; an own sub-block starts at any row, so one block more); the
+    // other steps use the first rows at stride KT
+    rows = (rows + 2 * kAmxBlockRows - 1) / kAmxBlockRows * kAmxBlockRows;
     scratch<c_t> Q(rows * d), Pm(tiles ? rows * amx_weight_stride(KT) : 0), Kt(tiles ? tile_elems : 0),
         Vt(tiles ? tile_elems : 0);
     scratch<float> S(tiles ? rows * amx_score_stride(KT) : 0), acc(rows * d), m(rows), l(rows);
@@ -523,9 +524,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
           const int64_t nc = gemm_cols<c_t>(n, KT);
 #ifdef ACR_HAVE_AMX_CODE
           if constexpr (std::is_same_v<c_t, BFloat16>) {
-            if (amx_prefix) {
-              prefix_tile_amx(M, n, nc, d, scale, Q.data(), kt, vt, KT, S.data(), Pm.data(), m.data(), l.data(),
-                              acc.data());
+            if (amx_tiles) {
+              tile_amx(M, nc, d, scale, Q.data(), kt, vt, KT, S.data(), Pm.data(), m.data(), l.data(), acc.data(),
+                       [n](int64_t) { return n; });
               continue;
             }
           }
@@ -586,6 +587,15 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
               // visible columns of sub-block row i: keys j0.. up to its token
               auto cnt = [&](int64_t i) { return std::min(n, u0 + i / r - j0 + 1); };
               const int64_t nc = gemm_cols<c_t>(n, KT);
+#ifdef ACR_HAVE_AMX_CODE
+              if constexpr (std::is_same_v<c_t, BFloat16>) {
+                if (amx_tiles && own_finite(tile)) {  // else the masked P·V below
+                  tile_amx(Mp, nc, d, scale, Qp, kt, vt, KT, S.data(), Pm.data(), m.data() + m0, l.data() + m0, accp,
+                           cnt);
+                  continue;
+                }
+              }
+#endif
               gemm(Mp, nc, d, Qp, d, kt, KT, S.data(), KT, false);
               softmax_step<c_t>(Mp, KT, nc, d, scale, S.data(), cnt, m.data() + m0, l.data() + m0, accp, Pm.data());
               if (own_finite(tile)) {

@@ -106,7 +106,7 @@ from acarerank.ops import _native
 from test_op_cpu_attention_bf16_paths import EDGE_CASES, _rule
 cases = EDGE_CASES if sys.argv[1] == "all" else EDGE_CASES[:4] + EDGE_CASES[-3:]
 rows = [list(_rule(tuple(c.values))) for c in cases]
-print(json.dumps({"path": _native.bf16_attention_path(), "amx_prefix": _native.amx_prefix_kernel(), "rows": rows}))
+print(json.dumps({"path": _native.bf16_attention_path(), "amx_tiles": _native.amx_tiles_kernel(), "rows": rows}))
 """
 
 
@@ -114,7 +114,7 @@ def _run_child(cases: str, **variables) -> subprocess.CompletedProcess:
     """The edge cases in a fresh process (the path is read once per process) with these variables
     set and the other path variable cleared."""
     env = dict(os.environ)
-    for name in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH", "ACARERANK_CPU_AMX_PREFIX"):
+    for name in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH", "ACARERANK_CPU_AMX_TILES"):
         env.pop(name, None)
     env.update(variables)
     tests = os.path.join(ROOT, "tests")
@@ -226,29 +226,29 @@ def _amx_cpu() -> bool:
     return _native.could_pack_bf16() and {"amx_bf16", "amx_tile"} <= cpu_flags()
 
 
-def test_amx_prefix_kernel_runs_where_the_cpu_has_amx():
+def test_amx_tiles_kernel_runs_where_the_cpu_has_amx():
     """bf16 prefix tiles take the interleaved AMX kernel (csrc/cpu/attn_amx.h) on the amx-brgemm
-    path of a CPU whose /proc/cpuinfo lists amx_bf16 and amx_tile, unless ACARERANK_CPU_AMX_PREFIX=0;
+    path of a CPU whose /proc/cpuinfo lists amx_bf16 and amx_tile, unless ACARERANK_CPU_AMX_TILES=0;
     nowhere else (so on this CPU the edge cases above ran it, or could not)."""
     from acarerank.ops import _native
 
-    want = _path() == "amx-brgemm" and _amx_cpu() and os.environ.get("ACARERANK_CPU_AMX_PREFIX") != "0"
-    assert _native.amx_prefix_kernel() == want, f"path {_path()}, AMX CPU {_amx_cpu()}"
+    want = _path() == "amx-brgemm" and _amx_cpu() and os.environ.get("ACARERANK_CPU_AMX_TILES") != "0"
+    assert _native.amx_tiles_kernel() == want, f"path {_path()}, AMX CPU {_amx_cpu()}"
 
 
-def test_amx_prefix_switch_off_runs_the_brgemm_tiles_within_the_rule():
-    """ACARERANK_CPU_AMX_PREFIX=0 sends the prefix tiles through cpublas' brgemm again, as every
+def test_amx_tiles_switch_off_runs_the_brgemm_tiles_within_the_rule():
+    """ACARERANK_CPU_AMX_TILES=0 sends the prefix tiles through cpublas' brgemm again, as every
     other tile: every edge case within the rule, and the kernel reported off. With the default on
     (the in-process edge cases) and this, an AMX CPU tests both tile loops."""
-    done = _run_child("all", ACARERANK_CPU_AMX_PREFIX="0")
+    done = _run_child("all", ACARERANK_CPU_AMX_TILES="0")
     _rows_within_the_rule(done)
-    assert json.loads(done.stdout.strip().splitlines()[-1])["amx_prefix"] is False
+    assert json.loads(done.stdout.strip().splitlines()[-1])["amx_tiles"] is False
 
 
-def test_bad_amx_prefix_value_is_an_error_that_names_the_variable():
-    done = _run_child("some", ACARERANK_CPU_AMX_PREFIX="yes")
+def test_bad_amx_tiles_value_is_an_error_that_names_the_variable():
+    done = _run_child("some", ACARERANK_CPU_AMX_TILES="yes")
     assert done.returncode != 0
-    assert "ACARERANK_CPU_AMX_PREFIX must be 0 or 1, got 'yes'" in done.stderr, done.stderr[-3000:]
+    assert "ACARERANK_CPU_AMX_TILES must be 0 or 1, got 'yes'" in done.stderr, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("value", ["amx", "AVX512-BF16"])
