@@ -160,53 +160,38 @@ ACR_AMX inline void store_2x2(float* c, int64_t ldc) {
   _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
 }
 
-// S rows [0, 32) = Q rows [0, 32) · Kᵀ over nc key columns, one softmax slice per k-step. The next
-// 32 columns' first operands are loaded before this block's C is stored: the tiles have no renaming,
-// so the store waits for the last products and the zeroing for the store; the loads need not
+ACR_AMX inline void load_2x2(const float* c, int64_t ldc) {
+  _tile_loadd(0, c, ldc * 4);
+  _tile_loadd(1, c + 16, ldc * 4);
+  _tile_loadd(2, c + 16 * ldc, ldc * 4);
+  _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+}
+
+// C rows [0, 32) (+)= A · B over K (both multiples of 32), 32 columns of C at a time, one softmax
+// slice per k-step; operands(j, k) loads the k-step's A rows and B columns j .. j + 31. The next
+// columns' first operands are loaded before this block's C is stored: the tiles have no renaming,
+// so the store waits for the last products and the next C for the store; the loads need not
 // (7.7 → 6.9 ns per tdpbf16ps in isolation on the AMX Xeon, ad hoc).
-template <typename Slices>
-ACR_AMX inline void amx_scores_block(const BFloat16* Q, int64_t d, const BFloat16* kt, int64_t KT, int64_t nc,
-                                     float* S, int64_t ls, Slices& sm) {
-  auto operands = [&](int64_t j, int64_t k) {
-    load_operands(Q + k, d * 2, kt + ((k / 2) * KT + j) * 2, kt + ((k / 2) * KT + j + 16) * 2, KT * 4);
-  };
+template <typename Operands, typename Slices>
+ACR_AMX inline void gemm_32_rows(int64_t cols, int64_t K, float* C, int64_t ldc, bool accumulate,
+                                 const Operands& operands, Slices& sm) {
   operands(0, 0);
-  for (int64_t j = 0; j < nc; j += 32) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < d; k += 32) {
+  for (int64_t j = 0; j < cols; j += 32) {
+    if (accumulate) {
+      load_2x2(C + j, ldc);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t k = 0; k < K; k += 32) {
       if (k > 0) operands(j, k);
       products_2x2();
       sm.step();
     }
-    if (j + 32 < nc) operands(j + 32, 0);
-    store_2x2(S + j, ls);
-  }
-}
-
-// acc rows [0, 32) += P rows [0, 32) · V over nc keys, one softmax slice per k-step (the next
-// columns' first operands early, as above).
-template <typename Slices>
-ACR_AMX inline void amx_values_block(const BFloat16* P, int64_t lp, const BFloat16* vt, int64_t d, int64_t nc,
-                                     float* acc, Slices& sm) {
-  auto operands = [&](int64_t c, int64_t k) {
-    load_operands(P + k, lp * 2, vt + ((k / 2) * d + c) * 2, vt + ((k / 2) * d + c + 16) * 2, d * 4);
-  };
-  operands(0, 0);
-  for (int64_t c = 0; c < d; c += 32) {
-    _tile_loadd(0, acc + c, d * 4);
-    _tile_loadd(1, acc + c + 16, d * 4);
-    _tile_loadd(2, acc + 16 * d + c, d * 4);
-    _tile_loadd(3, acc + 16 * d + c + 16, d * 4);
-    for (int64_t k = 0; k < nc; k += 32) {
-      if (k > 0) operands(c, k);
-      products_2x2();
-      sm.step();
-    }
-    if (c + 32 < d) operands(c + 32, 0);
-    store_2x2(acc + c, d);
+    if (j + 32 < cols) operands(j + 32, 0);
+    store_2x2(C + j, ldc);
   }
 }
 
@@ -231,8 +216,18 @@ ACR_AMX inline void tile_amx(int64_t M, int64_t nc, int64_t d, float scale, cons
     const bool rows = b >= 0 && b < B;
     SoftmaxSlices<const CntFn&> sm{S, P, m, l, acc, ls, lp, nc, d, scale, cnt,
                                    rows ? b * 32 : 0, rows ? std::min(M, b * 32 + 32) : 0};
-    if (b + 1 < B) amx_scores_block(Q + (b + 1) * 32 * d, d, kt, KT, nc, S + (b + 1) * 32 * ls, ls, sm);
-    if (b >= 1) amx_values_block(P + (b - 1) * 32 * lp, lp, vt, d, nc, acc + (b - 1) * 32 * d, sm);
+    if (b + 1 < B) {  // S_{b+1} = Q_{b+1}·Kᵀ
+      const BFloat16* q = Q + (b + 1) * 32 * d;
+      gemm_32_rows(nc, d, S + (b + 1) * 32 * ls, ls, false, [&](int64_t j, int64_t k) {
+        load_operands(q + k, d * 2, kt + ((k / 2) * KT + j) * 2, kt + ((k / 2) * KT + j + 16) * 2, KT * 4);
+      }, sm);
+    }
+    if (b >= 1) {  // acc_{b−1} += P_{b−1}·V
+      const BFloat16* p = P + (b - 1) * 32 * lp;
+      gemm_32_rows(d, nc, acc + (b - 1) * 32 * d, d, true, [&](int64_t c, int64_t k) {
+        load_operands(p + k, lp * 2, vt + ((k / 2) * d + c) * 2, vt + ((k / 2) * d + c + 16) * 2, d * 4);
+      }, sm);
+    }
     sm.finish();
   }
   _tile_release();
