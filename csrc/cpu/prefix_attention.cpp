@@ -328,7 +328,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t chunk_keys = direct_chunk_keys();
 #ifdef ACR_HAVE_AMX_CODE
   // bf16 key tiles on AMX directly, the softmax between the tile products (attn_amx.h)
-  const bool amx_tiles = std::is_same_v<c_t, BFloat16> && d % 32 == 0 && amx_tiles_kernel();
+  // (the variable is read, and a bad value named, at the first bf16 call whatever its head dim)
+  const bool amx_tiles = std::is_same_v<c_t, BFloat16> && amx_tiles_kernel() && d % 32 == 0;
 #endif
   const std::vector<Task> tasks = make_tasks(mt, direct_rows, chunk_keys, at::get_num_threads());
   std::vector<int64_t> blocks(G, 0);  // row blocks of group g (per kv head)
