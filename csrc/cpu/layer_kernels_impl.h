@@ -118,6 +118,8 @@ inline void silu_mul_row(const T* g, const T* u, T* y, int64_t I) {
 }
 
 #ifdef ACR_LAYER_AVX512_INTRINSICS
+#include "layer_rows_avx512.h"
+
 // topk_chunk_row's AVX-512 build, in intrinsics (always-inline compiler builtins, so nothing is
 // shared with the other builds): the same contract and the same exp_f32 steps on 16 lanes, in
 // two passes over the row (it stays in L1 between them). GCC's vectorisation of the portable loops
@@ -275,13 +277,18 @@ template <typename T, typename C>
 void qk_norm_rope_t(const T* qkv, const T* qw, const T* kw, const C* cos, const C* sin, T* q, T* k, T* v,
                     int64_t rows, int64_t Hq, int64_t Hkv, int64_t d, float eps, const PageWrite<T>& pages) {
   const int64_t width = (Hq + 2 * Hkv) * d, kv = Hkv * d;
+  auto head = [&](const T* x, const T* w, const C* c, const C* s, T* out) {
+#ifdef ACR_LAYER_AVX512_INTRINSICS
+    if (d % 32 == 0) return norm_rope_head_avx512(x, w, c, s, out, d, eps);  // whole vectors per half
+#endif
+    norm_rope_head(x, w, c, s, out, d, eps);
+  };
   for (int64_t t = 0; t < rows; ++t) {
     const T* row = qkv + t * width;
     const C* c = cos + t * d;
     const C* s = sin + t * d;
-    for (int64_t hd = 0; hd < Hq; ++hd) norm_rope_head(row + hd * d, qw, c, s, q + (t * Hq + hd) * d, d, eps);
-    for (int64_t hd = 0; hd < Hkv; ++hd)
-      norm_rope_head(row + (Hq + hd) * d, kw, c, s, k + (t * Hkv + hd) * d, d, eps);
+    for (int64_t hd = 0; hd < Hq; ++hd) head(row + hd * d, qw, c, s, q + (t * Hq + hd) * d);
+    for (int64_t hd = 0; hd < Hkv; ++hd) head(row + (Hq + hd) * d, kw, c, s, k + (t * Hkv + hd) * d);
     __builtin_memcpy(v + t * kv, row + (Hq + Hkv) * d, sizeof(T) * kv);
     if (pages.k_pages) {  // the same stored bits again, while the row is still in L1
       __builtin_memcpy(pages.k_pages + pages.slots[t] * kv, k + t * kv, sizeof(T) * kv);
