@@ -37,13 +37,15 @@ from .model import Qwen3Runner
 from .model.numerics import NonFiniteError, NonFiniteOutputError, nonfinite_rows
 from .model.runner import autocast_off, bounded_runs
 from .model.cached_prefill import CacheSlot, default_budget_tokens, prefill_cached
+from .malloc_tuning import CPU_BATCH_TOKENS, cpu_batch_tokens
 from .ops import backend_for, yes_no_score
 from .prompts import DEFAULT_TEMPLATE, ContextTemplate, PointwiseEncoding, encode_pointwise
 from .prompts.pointwise import DEFAULT_MAX_LENGTH
 from .reranker_base import RerankerBase, check_max_length, fit_max_length
 
-#: segment tokens per packed pass by device type when the caller gives none (see max_batch_tokens)
-DEFAULT_BATCH_TOKENS = {"cpu": 2048, "cuda": 16384}
+#: segment tokens per packed pass by device type when the caller gives none (see max_batch_tokens);
+#: on CPU 4,096 where this process keeps freed blocks (acarerank.malloc_tuning.cpu_batch_tokens)
+DEFAULT_BATCH_TOKENS = {"cpu": CPU_BATCH_TOKENS, "cuda": 16384}
 
 
 @dataclass
@@ -143,9 +145,10 @@ class PointwiseReranker(RerankerBase):
         context has to be truncated (the trace is cut oldest-first to keep them free); None:
         512, at most ``max_length // 2`` (``acarerank.prompts.default_min_doc_tokens``).
       max_batch_tokens: segment tokens per packed pass; deeper lists run in several passes
-        with identical scores, so depth is never bounded by memory. None: 2,048 on CPU (on 2
-        cores, passes that keep the [T, 2·I] MLP activations in cache are ~10 % faster: M3
-        depth 100 of the default model 4.98 s vs 5.70 s at 8,192), 16,384 on GPU.
+        with identical scores, so depth is never bounded by memory. None: on CPU 2,048, or
+        4,096 where the process keeps freed blocks in its heap (``acarerank.malloc_tuning``:
+        ``acarerank serve`` and ``acarerank bench`` set that; larger passes lose otherwise, each
+        layer's outputs then being new pages); 16,384 on GPU.
       prefix_cache: keep shared parts' KV across calls (radix tree over token ids, LRU
         eviction, per ``cache_salt``); False computes every shared part in full.
       cache_budget_tokens: tokens of KV the cache may hold (rounded down to whole pages; under
@@ -174,7 +177,9 @@ class PointwiseReranker(RerankerBase):
         self._setup(model, tokenizer, runner, backend, special_tokens, batch_invariant=batch_invariant,
                     compile_layers=compile_layers)
         if max_batch_tokens is None:
-            max_batch_tokens = DEFAULT_BATCH_TOKENS.get(self.runner.device.type, DEFAULT_BATCH_TOKENS["cpu"])
+            device_type = self.runner.device.type
+            max_batch_tokens = cpu_batch_tokens() if device_type == "cpu" else DEFAULT_BATCH_TOKENS.get(
+                device_type, DEFAULT_BATCH_TOKENS["cpu"])
         self.max_length = fit_max_length(max_length, DEFAULT_MAX_LENGTH, self.runner.max_positions)
         self._note_clamp(max_length, DEFAULT_MAX_LENGTH)
         self.template = template

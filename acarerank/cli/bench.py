@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from ..malloc_tuning import CHOICES as MALLOC_CHOICES  # stdlib only: --help imports no torch
+
 PEER_TOLERANCE = 1e-2  # largest |peer − reference| score on the same prompt (bench_serve's --peer-tolerance)
 QUICK_SPEC = dict(query_tokens=10, question_tokens=30, trace_tokens=200, doc_tokens=(20, 60))
 
@@ -126,6 +128,9 @@ def add_parser(subparsers) -> None:
                    help="depths of the second and later dtypes (default: 50 if the first dtype runs it, "
                         "else the same depths)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--malloc", choices=MALLOC_CHOICES, default="tuned",
+                   help="glibc's malloc in this process, as acarerank serve's --malloc (default tuned: freed blocks "
+                        "kept in the heap, CPU passes of 4,096 tokens; default: glibc's own, passes of 2,048)")
     p.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
                    help="attention of the transformers providers (default sdpa, transformers' own default)")
     p.add_argument("--query-tokens", type=int, default=None, help="sub-query length (default 20)")
@@ -227,6 +232,16 @@ def equivalent_command(cfg, dtypes=None, extra_depths=None) -> str:
     return " ".join(parts)
 
 
+def _apply_malloc(args) -> str:
+    """``--malloc`` (acarerank.malloc_tuning), once the arguments are checked and before the model
+    loads, as acarerank serve; what holds then, also printed."""
+    from acarerank import malloc_tuning
+
+    malloc = malloc_tuning.apply(args.malloc)
+    print(f"[bench] malloc {malloc}", file=sys.stderr, flush=True)
+    return malloc
+
+
 def run_agent(args) -> int:
     """``--workload agent``: one session per --subqueries value, in the first ``--dtype``; prints
     and writes agent.txt / agent.csv."""
@@ -240,6 +255,7 @@ def run_agent(args) -> int:
                        docs=args.docs_per_call, doc_tokens=(lo, hi), subqueries=n, seed=args.seed)
              for n in args.subqueries]
     out_dir = _output_dir(args.output or default_output(cfg.preset, [cfg.dtype], cfg.device, agent=True))
+    _apply_malloc(args)
     model, tok, random_weights = load_model(cfg)
     texts, rows, ok = [], [], True
     backend = cfg.backends[0] if cfg.backends else None
@@ -283,6 +299,7 @@ def run(args) -> int:
     cfg = first
     out_dir = args.output or default_output(cfg.preset, names, cfg.device, model=cfg.model_path is not None)
     _output_dir(out_dir)
+    malloc = _apply_malloc(args)
     for name, why in dtypes:
         print(f"[bench] dtype {name}: {why}", file=sys.stderr, flush=True)
     rows, scores, results = [], {}, []
@@ -293,14 +310,14 @@ def run(args) -> int:
         scores.update({(c.dtype, *k): v for k, v in res.scores.items()})
     agree = report.rank_agreement(rows, scores) if "float32" in names and len(names) > 1 else []
 
-    cmd = equivalent_command(cfg, names, extra_depths)
+    cmd = equivalent_command(cfg, names, extra_depths) + (" --malloc default" if args.malloc == "default" else "")
     meta = results[0].meta
     lines = []
     if meta["random_weights"]:
         lines.append(NO_MEANING.format(preset=cfg.preset) + " Timings are real.")
     lines.append(f"machine: {meta['device_name']}; python {meta['python']}, torch {meta['torch']}, "
                  f"transformers {meta['transformers']}, acarerank {meta['acarerank']}; "
-                 f"attention of the transformers providers: {cfg.attn_implementation}")
+                 f"attention of the transformers providers: {cfg.attn_implementation}; malloc {malloc}")
     for (name, why), res in zip(dtypes, results):
         pk = res.meta["gemm_peak"]
         lines.append(f"dtype {name} ({why}); GEMM peak {pk['peak_gflops']:.1f} GFLOP/s (best of {pk.get('ways', 'F.linear')}, {pk['rows']} rows: "

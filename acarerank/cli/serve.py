@@ -75,6 +75,7 @@ def run(args) -> int:
         print(f"acarerank serve: error: {', '.join(missing)} not installed: pip install 'acarerank[serve]'",
               file=sys.stderr)
         return 2
+    from .. import malloc_tuning
     from ..server.build import build_service
     from ..server.front import run_server
     from .common import check_common
@@ -85,6 +86,7 @@ def run(args) -> int:
     if api_key is not None and config.api_key is None:  # the flag's value is checked by ServeConfig
         check_api_key(api_key, "ACARERANK_API_KEY")
     check_listen(config.host, config.port)
+    malloc = malloc_tuning.apply(config.malloc)   # before the model's first allocation
     t0 = time.perf_counter()
     service = None
     try:
@@ -94,7 +96,7 @@ def run(args) -> int:
               f"(max_batch_tokens {service.engine.max_batch_tokens}, max_queue {service.max_queue}, "
               f"max_queue_tokens {service.max_queue_tokens or 'off'}"
               f"{'' if not service.max_queue_tokens else _token_wait(service.token_wait_timeout)}, "
-              f"api key {'on' if api_key else 'off'})", file=sys.stderr)
+              f"api key {'on' if api_key else 'off'}; malloc {malloc})", file=sys.stderr)
         return run_server(service, config, api_key=api_key, exit_if_stuck=True)  # this process is ours
     except KeyboardInterrupt:   # before uvicorn's own SIGINT handler (which drains) or after its stop
         if service is None or service.threads():   # a model call still runs: the load, or the started service

@@ -22,6 +22,7 @@ from typing import Optional
 
 from .._validate import check_seconds  # stdlib only, as this module
 from ..limits import DEFAULT_MAX_DOCUMENTS  # stdlib only; the CLI and the service read it here
+from ..malloc_tuning import CHOICES as MALLOC_CHOICES  # stdlib only
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024   # 1,000 documents of ~32 kB each
 DEFAULT_MAX_QUEUE = 512                      # TEI's default max_concurrent_requests
@@ -74,7 +75,8 @@ class ServeConfig:
     select_max_new_tokens: int = _opt("/v1/select: output token cap (default 64, the paper's); a max_select above "
                                       "15 can need more, and is refused (400) when it could", default=64)
     # -- the engine
-    max_batch_tokens: Optional[int] = _opt("segment tokens per packed pass (default: 2,048 on CPU, 16,384 on GPU)",
+    max_batch_tokens: Optional[int] = _opt("segment tokens per packed pass (default: on CPU 4,096 with --malloc tuned, "
+                                           "else 2,048; 16,384 on GPU)",
                                            default=None, type=int)
     cache_budget: Optional[int] = _opt("prefix-cache budget in tokens, of the rerank cache and of the /v1/select "
                                        "prompt cache each, at least one page of 16 (default: 1 GiB of KV on CPU, 8 GiB on GPU, at most "
@@ -143,6 +145,11 @@ class ServeConfig:
                                 "process exits", default=30.0)
     log_level: str = _opt("uvicorn's log level", default="info",
                           choices=("critical", "error", "warning", "info", "debug", "trace"))
+    malloc: str = _opt("glibc's malloc in this process: 'tuned' keeps freed blocks in the heap (mmap / trim "
+                       "thresholds 512 MB / 1 GB), so a pass's layers reuse them instead of faulting in new pages; "
+                       "'default' leaves glibc's adaptive ones. MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ in "
+                       "the environment win over either (docs/cpu.md, 'Memory between passes')", default="tuned",
+                       choices=MALLOC_CHOICES)
 
     def __post_init__(self):
         self.check()
@@ -168,6 +175,8 @@ class ServeConfig:
                     raise ValueError(f"{_flag(f.name)} must be >= 1, got {v}")
             else:  # a duration; stored as the float the timers get (an int past a float's range: inf)
                 setattr(self, f.name, check_seconds(_flag(f.name), v))
+        if self.malloc not in MALLOC_CHOICES:  # argparse checks the flag; Ray's options come as keywords
+            raise ValueError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}, got {self.malloc!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.api_key is not None:

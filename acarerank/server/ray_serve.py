@@ -39,6 +39,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
+from .. import malloc_tuning
 from .app import create_app
 from .build import build_service
 from .config import ServeConfig
@@ -96,6 +97,8 @@ class RerankReplica:
 
     def __init__(self, config: ServeConfig, health_max_pass_s: Optional[float] = None):
         check_max_pass_s(health_max_pass_s)
+        if config.malloc == "tuned":  # a replica's process is ours, as acarerank serve's (--malloc)
+            malloc_tuning.tune_malloc()
         self.service = build_service(config).start(warmup=True)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.health_max_pass_s = health_max_pass_s

@@ -26,7 +26,8 @@ def helper_env(fault: str) -> dict:
     """The helper's environment: this checkout's package first (run as a script, the helper would
     import whichever acarerank is installed — another checkout's, in a git worktree)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, FAULT=fault, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # --malloc's own default holds
+    return dict(env, FAULT=fault, OMP_NUM_THREADS="1", PYTHONPATH=path)
 
 
 def serve_until_exit(tmp_path, fault: str, drive, *flags) -> tuple:
@@ -67,6 +68,9 @@ def test_dead_engine_answers_503_then_the_process_exits_nonzero(tmp_path, fault)
     code, out = serve_until_exit(tmp_path, fault, drive)
     assert code == EXIT_ENGINE_DEAD, f"exit status {code}\n{out[-3000:]}"
     assert "engine dead" in out and "Traceback" in out and "injected into the scoring pass" in out, out[-3000:]
+    # the start-up line: the server's process tuned its malloc (--malloc tuned), so CPU passes hold 4,096 tokens
+    assert "max_batch_tokens 4096" in out and "malloc tuned (mmap threshold 512 MB, trim threshold 1024 MB)" in out, \
+        out[-3000:]
 
 
 def test_sticky_fault_fails_the_canary_then_the_process_exits_nonzero(tmp_path):
