@@ -32,8 +32,8 @@ os._exit = _exit_outside_pytest
 def _keep_pytest_malloc(monkeypatch):
     """``acarerank bench`` and ``serve`` run in-process by many tests tune glibc's malloc at start
     (acarerank/malloc_tuning.py): process-wide, with no way back, and it turns the CPU pass
-    default to 4,096 tokens for every later test. Here it only records the call; the real one runs
-    in child processes (tests/test_malloc_tuning.py)."""
+    default to 4,096 tokens for every later test. Here a stand-in takes its place (it changes
+    nothing); the real one runs in child processes (tests/test_malloc_tuning.py)."""
     from acarerank import malloc_tuning
 
     monkeypatch.setattr(malloc_tuning, "tune_malloc", lambda: "tuned (not in the pytest process)")
