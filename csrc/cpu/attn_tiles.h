@@ -443,20 +443,24 @@ ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
 }
-// exp2_avx512 for weights rounded to bf16 next (P of the bf16 paths): 2^f by a degree-3 minimax
-// polynomial with p(0) = 1 (relative error < 1.1e-4 on |f| ≤ 1/2, 35× below bf16's half-ulp of
-// 2^-8; fitted by reweighted least squares on 20,001 points, checked in fp32 Horner), two FMAs
-// fewer than exp2_avx512 — on AMX the softmax's vector work is ~40 % of the kernel and does not
-// overlap the tile products (docs/cpu.md, "Targets"). Same clamp, NaN and t = 0 behaviour.
-ACR_AVX512_BF16 inline __m512 exp2_bf16_weights_avx512(__m512 t) {
-  t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(5.5008581383e-2f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4221037427e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9328290050e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
+// exp2_avx512 for weights rounded to bf16 next (P of the bf16 paths), from t1 = t + 1/2:
+//   2^t = 2^⌊t1⌋ · 2^(f − 1/2),   f = t1 − ⌊t1⌋ ∈ [0, 1]
+// f by one vreduceps (round down), 2^⌊t1⌋ by vscalefps (which floors its exponent operand
+// itself), 2^(f − 1/2) by a degree-3 polynomial: the minimax q(g) ≈ 2^g on |g| ≤ 1/2 with q(0) = 1
+// (fitted by reweighted least squares on 20,001 points), expanded at g = f − 1/2. Relative error
+// < 1.02e-4 on [0, 1] in fp32 FMA Horner (checked on 2·10⁷ points of t1 ∈ [−20, 1/2]), 38× below
+// bf16's half-ulp of 2^-8, and exactly 1 at f = 1/2 (t = 0, the row's max). No clamp: vreduceps
+// gives 0 for ±inf and vscalefps then 0 (−inf) or inf; a NaN stays NaN. Against roundscale, sub and
+// a clamp at −150 this is three vector operations fewer a vector of weights, two of them on port 0
+// (docs/cpu.md, "Targets"): on AMX the softmax's vector work is ~40 % of the kernel and does not
+// overlap the tile products.
+ACR_AVX512_BF16 inline __m512 exp2_bf16_weights_avx512(__m512 t1) {
+  const __m512 f = _mm512_reduce_ps(t1, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_set1_ps(5.5008582771e-2f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5969750285e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(4.9232897162e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(7.0703506470e-1f));
+  return _mm512_scalef_ps(y, t1);
 }
 
 // The online softmax's new running max of a row over its n >= 1 visible scores s[0, n) (a NaN
@@ -465,11 +469,20 @@ ACR_AVX512_BF16 inline __m512 exp2_bf16_weights_avx512(__m512 t) {
 // exp(scale·(s − m')) = 2^((s − vm)·vs), vs = scale·log2(e), vm = m' (0 while every score is −inf).
 // The difference comes first: s·vs − m'·vs rounded m'·vs, off by up to half its ulp — ~4e6 in
 // the exponent at scores of 1e15, an overflow to inf and a NaN row where plain softmax is finite —
-// while s − m' is exact near the max.
+// while s − m' is exact near the max. The bf16 weights' exponent t1 = (s − m')·vs + 1/2
+// (exp2_bf16_weights_avx512) is one FMA, s·vs − vc with vc = m'·vs − 1/2, where that rounding is
+// small (fused: |m'·vs| < 128; m'·vs and vc each round by at most 2^-18, so the weights move by
+// < 6e-6 relative, beside the polynomial's 1e-4); else the difference first (bf16_weight_exponent).
 struct RowMax {
   float m_new, alpha;
-  __m512 vs, vm;
+  __m512 vs, vm, vc;
+  bool fused;
 };
+template <bool kFused>
+ACR_AVX512_BF16 inline __m512 bf16_weight_exponent(__m512 s, const RowMax& rm) {
+  if constexpr (kFused) return _mm512_fmsub_ps(s, rm.vs, rm.vc);
+  return _mm512_fmadd_ps(_mm512_sub_ps(s, rm.vm), rm.vs, _mm512_set1_ps(0.5f));
+}
 ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float scale, float m) {
   // four running maxima, so the loop is not one chain of vmaxps latencies (max is exact: the
   // order cannot change the result)
@@ -494,12 +507,16 @@ ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float sc
   // exp2_avx512(−150) = 0 exactly
   const bool none = m_new == -std::numeric_limits<float>::infinity();
   constexpr float kLog2e = 1.44269504088896341f;
-  // α by the weights' own exp2 (exactly 0 at the first visible step, where (m − m')·vs = −inf),
-  // no libm call per row, and none where the max did not move: its error scales a row's l and acc
-  // alike, so acc / l keeps none of it
+  // α by the weights' own exp2, no libm call per row; none where the max did not move, and 0 at
+  // the first visible step (m = −inf) without one: that exp's chain of dependent operations held
+  // up the row's weights (the kernel ~10 % faster on the AMX Xeon without it, docs/cpu.md
+  // "Targets"). Its error scales a row's l and acc alike, so acc / l keeps none of it.
   const float vs = scale * kLog2e;
-  const float alpha = none || m == m_new ? 1.f : _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps((m - m_new) * vs)));
-  return {m_new, alpha, _mm512_set1_ps(vs), _mm512_set1_ps(none ? 0.f : m_new)};
+  const float alpha = none || m == m_new                            ? 1.f
+                      : m == -std::numeric_limits<float>::infinity() ? 0.f
+                                                                      : _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps((m - m_new) * vs)));
+  const float mo = none ? 0.f : m_new, mvs = mo * vs;
+  return {m_new, alpha, _mm512_set1_ps(vs), _mm512_set1_ps(mo), _mm512_set1_ps(mvs - 0.5f), std::fabs(mvs) < 128.f};
 }
 
 // Row i of the step in parts, so attn_amx.h can run a row between its tile products: row_max_avx512,
@@ -518,21 +535,28 @@ struct RowSums {
 ACR_AVX512_BF16 inline RowSums row_sums_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 
 // Weights of scores [j0, j1) (both multiples of 32, j1 <= n) into p, their sums into rs.
-ACR_AVX512_BF16 inline void softmax_row_pairs_bf16(const float* s, int64_t j0, int64_t j1, const RowMax& rm,
-                                                   BFloat16* p, RowSums& rs) {
+template <bool kFused>
+ACR_AVX512_BF16 inline void softmax_row_pairs_bf16_as(const float* s, int64_t j0, int64_t j1, const RowMax& rm,
+                                                      BFloat16* p, RowSums& rs) {
   const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3F80);  // bf16 1.0
   uint16_t* pp = reinterpret_cast<uint16_t*>(p);
-  const __m512 vs = rm.vs, vm = rm.vm;
   __m256 vsum = rs.s0, vsum1 = rs.s1;
   for (; j0 < j1; j0 += 32) {
-    const __m256bh p0 = _mm512_cvtneps_pbh(exp2_bf16_weights_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j0), vm), vs)));
-    const __m256bh p1 = _mm512_cvtneps_pbh(exp2_bf16_weights_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j0 + 16), vm), vs)));
+    const __m256bh p0 = _mm512_cvtneps_pbh(exp2_bf16_weights_avx512(bf16_weight_exponent<kFused>(_mm512_loadu_ps(s + j0), rm)));
+    const __m256bh p1 = _mm512_cvtneps_pbh(exp2_bf16_weights_avx512(bf16_weight_exponent<kFused>(_mm512_loadu_ps(s + j0 + 16), rm)));
     vsum = _mm256_dpbf16_ps(vsum, p0, ones);
     vsum1 = _mm256_dpbf16_ps(vsum1, p1, ones);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + j0), (__m256i)p0);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + j0 + 16), (__m256i)p1);
   }
   rs = {vsum, vsum1};
+}
+ACR_AVX512_BF16 inline void softmax_row_pairs_bf16(const float* s, int64_t j0, int64_t j1, const RowMax& rm,
+                                                   BFloat16* p, RowSums& rs) {
+  if (rm.fused)
+    softmax_row_pairs_bf16_as<true>(s, j0, j1, rm, p, rs);
+  else
+    softmax_row_pairs_bf16_as<false>(s, j0, j1, rm, p, rs);
 }
 
 // The rest of the row from j0 = n32: its tail and P's zeros to width, masked; then l, m and acc.
@@ -541,13 +565,14 @@ ACR_AVX512_BF16 inline void softmax_row_finish_bf16(const float* s, int64_t n, i
                                                     BFloat16* p) {
   const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3F80);
   uint16_t* pp = reinterpret_cast<uint16_t*>(p);
-  const __m512 vs = rm.vs, vm = rm.vm;
   __m256 vsum = _mm256_add_ps(rs.s0, rs.s1);
   for (int64_t j = j0; j < width; j += 16) {
     const int64_t left = n - j;
     const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
     // masked-off columns load 0 and convert to 0 (zero-masking), never exp(−offset)
-    const __m256bh pb = _mm512_maskz_cvtneps_pbh(mk, exp2_bf16_weights_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), vm), vs)));
+    const __m512 sj = _mm512_maskz_loadu_ps(mk, s + j);
+    const __m512 t1 = rm.fused ? bf16_weight_exponent<true>(sj, rm) : bf16_weight_exponent<false>(sj, rm);
+    const __m256bh pb = _mm512_maskz_cvtneps_pbh(mk, exp2_bf16_weights_avx512(t1));
     vsum = _mm256_dpbf16_ps(vsum, pb, ones);
     const int64_t w = width - j;
     if (w >= 16)

@@ -217,6 +217,17 @@ def test_huge_finite_scores_give_the_finite_softmax(dtype):
     _finite_and_within_the_rule(paged, packed, dtype)
 
 
+def test_large_scores_either_side_of_the_one_fma_exponent():
+    """The bf16 tiles form a weight's exponent as one FMA, s·c − (m·c − 1/2), while |m·c| < 128
+    (c = scale·log2 e, m the row's running max), and the difference first above that (attn_tiles.h,
+    RowMax). q rows scaled from 1x to ~300x put the rows' largest scaled scores on both sides of that
+    line (~4 to ~1,500): no row NaN, every row within the rule, prefix and own tiles alike."""
+    paged, packed = make([40, 97], [70, KT + 44], [0, 1], 4, 2, 64, 16, dtype=torch.bfloat16)
+    q = paged[0]
+    q.mul_(torch.logspace(0, 2.5, q.shape[0])[:, None, None].to(q.dtype))
+    _finite_and_within_the_rule(paged, packed, torch.bfloat16)
+
+
 def test_non_contiguous_q_and_strided_pool():
     paged, packed = make([7, 59], [63, KT + 44], [0, 1], 4, 2, 64, 32)
     q, k, v, cu, kc, vc, bt, pl, sg = paged
