@@ -450,10 +450,10 @@ ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
 // (fitted by reweighted least squares on 20,001 points), expanded at g = f − 1/2. Relative error
 // < 1.02e-4 on [0, 1] in fp32 FMA Horner (checked on 2·10⁷ points of t1 ∈ [−20, 1/2]), 38× below
 // bf16's half-ulp of 2^-8, and exactly 1 at f = 1/2 (t = 0, the row's max). No clamp: vreduceps
-// gives 0 for ±inf and vscalefps then 0 (−inf) or inf; a NaN stays NaN. Against roundscale, sub and
-// a clamp at −150 this is three vector operations fewer a vector of weights, two of them on port 0
-// (docs/cpu.md, "Targets"): on AMX the softmax's vector work is ~40 % of the kernel and does not
-// overlap the tile products.
+// gives 0 for ±inf and vscalefps then 0 (−inf) or inf; a NaN stays NaN. One vreduceps where a
+// clamp, a roundscale and a subtraction were, and with the one-FMA exponent (RowMax) three vector
+// operations fewer per 16 weights: no faster alone, ~4 % of the kernel on the AMX Xeon once α's
+// chain was off the first step (docs/cpu.md, "Targets", that night).
 ACR_AVX512_BF16 inline __m512 exp2_bf16_weights_avx512(__m512 t1) {
   const __m512 f = _mm512_reduce_ps(t1, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 y = _mm512_set1_ps(5.5008582771e-2f);
@@ -509,7 +509,7 @@ ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float sc
   constexpr float kLog2e = 1.44269504088896341f;
   // α by the weights' own exp2, no libm call per row; none where the max did not move, and 0 at
   // the first visible step (m = −inf) without one: that exp's chain of dependent operations held
-  // up the row's weights (the kernel ~10 % faster on the AMX Xeon without it, docs/cpu.md
+  // up the row's weights (the kernel ~5 % faster on the AMX Xeon without it, docs/cpu.md
   // "Targets"). Its error scales a row's l and acc alike, so acc / l keeps none of it.
   const float vs = scale * kLog2e;
   const float alpha = none || m == m_new                            ? 1.f
