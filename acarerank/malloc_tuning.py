@@ -6,7 +6,7 @@ heap's free top to the kernel past its trim threshold: every layer of a pass the
 pages, each a minor page fault and a zeroing (docs/cpu.md, "Memory between passes"). Raising both
 thresholds keeps freed blocks in the heap for the next layer, as the tcmalloc/jemalloc preloads
 CPU inference servers use do. It is a whole-process setting, so the library never makes it on
-import: ``acarerank serve`` (and its Ray Serve replicas) and ``acarerank bench`` call
+import: ``acarerank serve`` (and its Ray Serve replicas), ``bench``, ``score`` and ``select`` call
 ``tune_malloc()`` at start unless told ``--malloc default``; an embedding application may call it
 itself, or set glibc's own variables before Python starts
 (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``), which this module never overrides.
@@ -86,7 +86,7 @@ def tune_malloc() -> str:
 
 
 def apply(choice: str) -> str:
-    """``--malloc`` of ``acarerank serve`` / ``bench``: "tuned" runs tune_malloc, "default" changes
+    """``--malloc`` of ``acarerank serve`` / ``bench`` / ``score`` / ``select``: "tuned" runs tune_malloc, "default" changes
     nothing; what holds then, for the start-up line."""
     if choice not in CHOICES:
         raise ValueError(f"--malloc must be one of {', '.join(CHOICES)}, got {choice!r}")

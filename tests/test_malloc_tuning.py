@@ -1,4 +1,4 @@
-"""acarerank.malloc_tuning: glibc's thresholds raised for acarerank's own processes (serve, bench),
+"""acarerank.malloc_tuning: glibc's thresholds raised for acarerank's own processes (serve, bench, score, select),
 never on import, never over the environment's own; the CPU pass default that follows them.
 
 The tuning is process-wide and cannot be undone, so every test that tunes runs in a child process
@@ -97,3 +97,29 @@ def test_the_pointwise_cpu_default_follows_the_process(monkeypatch):
     monkeypatch.setattr(malloc_tuning, "_tuned", True)
     assert PointwiseReranker(model=model).max_batch_tokens == 4096
     assert PointwiseReranker(model=model, max_batch_tokens=300).max_batch_tokens == 300
+
+
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_score_and_select_apply_malloc_before_the_model_loads(command, monkeypatch, capsys):
+    """acarerank score / select take serve's --malloc (default tuned) and apply it before the model's
+    first allocation; a choice that is not one is a usage error naming the flag."""
+    import acarerank.loading as loading
+    from acarerank.cli import build_parser, common
+
+    events = []
+    monkeypatch.setattr(malloc_tuning, "apply", lambda choice: events.append(("malloc", choice)) or choice)
+
+    class Loaded:
+        def default_cap_line(self, *flags):
+            return ""
+
+    monkeypatch.setattr(loading, "load_reranker", lambda cls, **kw: events.append(("load", cls)) or Loaded())
+    for flags, want in (([], "tuned"), (["--malloc", "default"], "default"), (["--malloc", "tuned"], "tuned")):
+        events.clear()
+        args = build_parser(command).parse_args([command, "--query", "q", "--docs", "d.jsonl", *flags])
+        common.load_reranker(dict, args)
+        assert events == [("malloc", want), ("load", dict)], (flags, events)
+    with pytest.raises(SystemExit) as e:
+        build_parser(command).parse_args([command, "--query", "q", "--docs", "d.jsonl", "--malloc", "fast"])
+    assert e.value.code == 2
+    assert "--malloc: invalid choice: 'fast'" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from ..malloc_tuning import CHOICES as MALLOC_CHOICES  # stdlib only, as the next
 from ..server.config import (BACKEND_NAMES, DEFAULT_MAX_BODY_BYTES,  # stdlib-only module: --help stays light
                              DEFAULT_MAX_DOCUMENTS)
 
@@ -25,14 +26,17 @@ BACKEND_HELP = (f"backend preference: {BACKEND_NAMES}, used by every op that has
 
 
 def add_model_flags(p, *, model_help: str) -> None:
-    """``--model``, ``--dtype``, ``--device``, ``--backend``: the flags every model-loading
-    subcommand takes, with one meaning everywhere (checked by ``check_common``, used by
-    ``load_reranker``)."""
+    """``--model``, ``--dtype``, ``--device``, ``--backend``, ``--malloc``: the flags every
+    model-loading subcommand takes, with one meaning everywhere (checked by ``check_common``, used
+    by ``load_reranker``)."""
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto (default): bfloat16 on a CPU with native bf16 (AVX512_BF16/AMX), else float32")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--backend", default=None, help=BACKEND_HELP)
+    p.add_argument("--malloc", choices=MALLOC_CHOICES, default="tuned",
+                   help="glibc's malloc in this process, as acarerank serve's --malloc (default tuned: freed blocks "
+                        "kept for the next layer, 4,096-token CPU passes; default: glibc as it is, 2,048)")
 
 
 def positive(name: str, value) -> None:
@@ -243,9 +247,11 @@ def print_results(rows) -> None:
 
 def load_reranker(cls, args, **kw):
     """``cls`` (PointwiseReranker or SetwiseReranker) as the flags ask (``acarerank.loading``)."""
+    from .. import malloc_tuning
     from ..loading import load_reranker as load
     from ..model import ContextLengthError
 
+    malloc_tuning.apply(args.malloc)  # before the model's first allocation, as acarerank serve
     try:
         rr = load(cls, model=args.model, dtype=args.dtype, device=args.device, backend=args.backend,
                   max_length="auto" if args.max_length is None else args.max_length, **kw)
