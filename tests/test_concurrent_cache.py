@@ -7,6 +7,7 @@ the CPU default) a hit, a miss and a private recompute give the same bits (docs/
 "Embedding in your process"), so every score and selection is compared bitwise with the same
 call made alone, with no cache."""
 import random
+import sys
 import threading
 
 import pytest
@@ -361,7 +362,7 @@ def test_a_storm_of_callers_gets_the_bits_of_calls_made_alone(runner, alone, bud
 
     def work(i):
         rnd = random.Random(i)
-        for _ in range(4):  # 24 calls a storm: ~20 s on 2 cores (8 a thread took ~42 s in CI)
+        for _ in range(8):  # 48 calls a storm (at 4 a thread 3 storms of 15 at 128 pages had no hit)
             kind = (i + rnd.randrange(4)) % 4
             if kind == 0:
                 j = rnd.randrange(len(SELECTS))
@@ -382,6 +383,12 @@ def test_a_storm_of_callers_gets_the_bits_of_calls_made_alone(runner, alone, bud
             if got != exp:
                 bad.append((i, kind, got, exp))
 
+    # The scraper spins holding the pool's lock and the slot's; at the default GIL switch interval
+    # (5 ms) a worker that wants either lock waited out the scraper's whole turn, so the storm was
+    # a queue: 9 s of a 13 s test for 24 calls on a Xeon (16-18 s on CI's 2 cores), 0.6 s with a
+    # 0.1 ms interval, which also preempts the scraper, mid-read included, 50 times as often.
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
     scraper = threading.Thread(target=scrape, daemon=True)
     scraper.start()
     try:
@@ -389,6 +396,7 @@ def test_a_storm_of_callers_gets_the_bits_of_calls_made_alone(runner, alone, bud
     finally:
         stop.set()
         scraper.join(60)
+        sys.setswitchinterval(switch)
     assert bad == []
     assert scrapes, "the scraper never read the stats"
     for name in ("lookup_tokens", "hit_tokens", "computed_tokens", "evicted_tokens"):

@@ -309,20 +309,55 @@ print(rc, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
-@pytest.mark.parametrize("flags, stdin", [(["--docs", "/dev/zero"], None), (["--docs", "-"], "/dev/zero"),
-                                          (["--docs", "DOCS", "--trace-file", "/dev/zero"], None)])
-def test_dev_zero_is_refused_at_once_in_bounded_memory(files, flags, stdin):
+_DEV_ZERO = [(["--docs", "/dev/zero"], None), (["--docs", "-"], "/dev/zero"),
+             (["--docs", "DOCS", "--trace-file", "/dev/zero"], None)]
+
+
+def _side_by_side(start, keys, timeout):
+    """``get(key)``: (returncode, stdout, stderr) of the child ``start(key)``. The first get starts
+    the children of every key at once: each is a CLI process's imports and its run, one core's
+    work (~2.7-3 s on a Xeon), so on 2 cores they take about half as long side by side as one
+    after another. A generator for a module fixture: the children a -k run never read are killed."""
+    procs, done = {}, {}
+
+    def get(key):
+        if not procs:
+            for k in keys:
+                procs[k] = start(k)
+        if key not in done:
+            out, err = procs[key].communicate(timeout=timeout)
+            done[key] = (procs[key].returncode, out, err)
+        return done[key]
+
+    yield get
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def dev_zero_runs(files):
     import subprocess
     import sys
 
+    def start(i):
+        flags, stdin = _DEV_ZERO[i]
+        argv = ["score", "--query", "q"] + [x.replace("DOCS", str(files / "docs.jsonl")) for x in flags]
+        with open(stdin or "/dev/null", "rb") as inp:
+            return subprocess.Popen([sys.executable, "-c", _CHILD] + argv, stdin=inp, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+
+    yield from _side_by_side(start, range(len(_DEV_ZERO)), timeout=120)
+
+
+@pytest.mark.parametrize("flags, stdin", _DEV_ZERO)
+def test_dev_zero_is_refused_at_once_in_bounded_memory(dev_zero_runs, flags, stdin):
     from acarerank.cli.common import MAX_INPUT_BYTES
 
-    argv = ["score", "--query", "q"] + [x.replace("DOCS", str(files / "docs.jsonl")) for x in flags]
-    with open(stdin or "/dev/null", "rb") as inp:
-        r = subprocess.run([sys.executable, "-c", _CHILD] + argv, stdin=inp, capture_output=True, text=True,
-                           timeout=120)
-    rc, grew = map(int, r.stdout.split())
-    assert rc == 2 and "more than" in r.stderr and flags[-2] in r.stderr, (rc, r.stderr[-2000:])
+    returncode, stdout, stderr = dev_zero_runs(_DEV_ZERO.index((flags, stdin)))
+    rc, grew = map(int, stdout.split())
+    assert rc == 2 and "more than" in stderr and flags[-2] in stderr, (rc, stderr[-2000:])
     assert grew < 3 * MAX_INPUT_BYTES, f"the read grew the process by {grew / 2**20:.0f} MiB"
 
 
@@ -505,13 +540,8 @@ def test_stdout_reader_gone_is_a_quiet_141(capsys, monkeypatch):
     assert rc == 141 and err == [], (rc, err)
 
 
-@pytest.mark.parametrize("sink", ["reader gone", "disk full"])
-@pytest.mark.parametrize("command", ["score", "select"])
-def test_a_failed_write_of_buffered_results_is_one_line_and_its_own_status(files, command, sink):
-    """stdout to a pipe or a file is block-buffered (no PYTHONUNBUFFERED): the results were
-    written at the interpreter's exit flush, where a reader that had left (``| true``) or a full
-    disk printed "Exception ignored in: <_io.TextIOWrapper name='<stdout>'...>" and exited 120.
-    Now a gone reader is the quiet 141, another write error one line and exit 1."""
+@pytest.fixture(scope="module")
+def failed_write_runs(files):
     import os
     import subprocess
     import sys
@@ -520,21 +550,38 @@ def test_a_failed_write_of_buffered_results_is_one_line_and_its_own_status(files
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(acarerank.__file__))
-    argv = [sys.executable, "-m", "acarerank.cli", command, "--model", str(files / "ckpt"), "--query", "q",
-            "--docs", str(files / "docs.jsonl")]
+
+    def start(key):
+        command, sink = key
+        argv = [sys.executable, "-m", "acarerank.cli", command, "--model", str(files / "ckpt"), "--query", "q",
+                "--docs", str(files / "docs.jsonl")]
+        if sink == "reader gone":
+            read_end, write_end = os.pipe()
+            os.close(read_end)
+            with os.fdopen(write_end, "wb") as out:
+                return subprocess.Popen(argv, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+        with open("/dev/full", "wb") as out:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+
+    yield from _side_by_side(start, [(c, s) for c in ("score", "select") for s in ("reader gone", "disk full")],
+                             timeout=60)
+
+
+@pytest.mark.parametrize("sink", ["reader gone", "disk full"])
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_a_failed_write_of_buffered_results_is_one_line_and_its_own_status(failed_write_runs, command, sink):
+    """stdout to a pipe or a file is block-buffered (no PYTHONUNBUFFERED): the results were
+    written at the interpreter's exit flush, where a reader that had left (``| true``) or a full
+    disk printed "Exception ignored in: <_io.TextIOWrapper name='<stdout>'...>" and exited 120.
+    Now a gone reader is the quiet 141, another write error one line and exit 1."""
+    returncode, _, stderr = failed_write_runs((command, sink))
     if sink == "reader gone":
-        read_end, write_end = os.pipe()
-        os.close(read_end)
-        with os.fdopen(write_end, "wb") as out:
-            r = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
         expected = (141, [])
     else:
-        with open("/dev/full", "wb") as out:
-            r = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
         expected = (1, [f"acarerank {command}: runtime error: RuntimeError: cannot write the results to stdout: "
                         "No space left on device"])
-    err = [x for x in r.stderr.splitlines() if not x.startswith(("NOTE:", "dtype:", "output "))]
-    assert (r.returncode, err) == expected, (r.returncode, r.stderr[-2000:])
+    err = [x for x in stderr.splitlines() if not x.startswith(("NOTE:", "dtype:", "output "))]
+    assert (returncode, err) == expected, (returncode, stderr[-2000:])
 
 
 @pytest.mark.parametrize("command", ["score", "select"])

@@ -242,30 +242,60 @@ _ONE_CALL = ("import torch\nfrom acarerank.ops import prefix_shared_attention\n"
              "except RuntimeError as e:\n    print('ERR', e)")
 
 
+# The children of the bad settings, forked from one process that has imported torch (torch._dynamo
+# too: importing acarerank.ops pulls it in, ~1 s) and nothing of acarerank, having run no op: those
+# imports were ~2.2 s of each child's 2.6 s, and seven children side by side took 11 s on CI's 2
+# cores. Each fork sets its variable before it imports the package and makes its one call, so the
+# setting is read as in a process of its own; argv: [[variable, value, stdout path, stderr path], ...]
+_FORK_EACH = r"""
+import json, os, sys, traceback
+import torch, torch._dynamo
+children = []
+for variable, value, out, err in json.loads(sys.argv[1]):
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.environ[variable] = value
+            os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+            os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            exec(compile(sys.argv[2], "<one call>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+"""
+
+
 @pytest.fixture(scope="module")
-def refusals():
+def refusals(tmp_path_factory):
     """``get(variable, value)``: (stdout, stderr) of one tiny native attention call in a child
     process with ``variable=value`` set (the settings are read once per process). The first get
-    starts the children of every bad setting below at once: each is mostly the import of torch and
-    the package, one core's work, so they run side by side rather than one after another."""
-    procs, done = {}, {}
+    makes the children of every bad setting below at once, forked from one that has imported
+    torch (``_FORK_EACH``): what is left of each is the package's import and the call."""
+    folder = tmp_path_factory.mktemp("refusals")
+    cases = [(var, val, str(folder / f"{i}.out"), str(folder / f"{i}.err"))
+             for i, (var, val) in enumerate([("ACARERANK_CPU_DIRECT_ROWS", v) for v in _BAD_ROWS]
+                                            + [("ACARERANK_CPU_DIRECT_CHUNK", v) for v in _BAD_CHUNKS])]
+    done = {}
 
     def get(variable, value):
-        if not procs:
-            for var, values in (("ACARERANK_CPU_DIRECT_ROWS", _BAD_ROWS), ("ACARERANK_CPU_DIRECT_CHUNK", _BAD_CHUNKS)):
-                for val in values:
-                    procs[var, val] = subprocess.Popen([sys.executable, "-c", _ONE_CALL],
-                                                       env=dict(os.environ, **{var: val}), stdout=subprocess.PIPE,
-                                                       stderr=subprocess.PIPE, text=True)
-        if (variable, value) not in done:
-            done[variable, value] = procs[variable, value].communicate(timeout=300)
+        if not done:
+            p = subprocess.run([sys.executable, "-c", _FORK_EACH, json.dumps(cases), _ONE_CALL], capture_output=True,
+                               text=True, timeout=300)
+            assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+            for var, val, out, err in cases:
+                with open(out) as o, open(err) as e:
+                    done[var, val] = (o.read(), e.read())
         return done[variable, value]
 
-    yield get
-    for proc in procs.values():   # a -k run reads only some of them
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
+    return get
 
 
 def _assert_one_call_refuses(refusals, variable: str, value: str, says: str) -> None:

@@ -531,16 +531,19 @@ def test_cached_tokens_only_with_a_salt(server):
 
 # -- memory: thousands of distinct salts --------------------------------------------------------------
 def test_thousands_of_salts_grow_memory_under_a_per_salt_bound(server):
-    """Two rounds of 2,000 requests, each with its own salt at the length limit: the server's RSS
-    grows by less than 3.2 kB per salt (6.25 MB) in at least one of them; then 200 with 1 MB salts
+    """Two rounds of 1,000 requests, each with its own salt at the length limit: the server's RSS
+    grows by less than 3.2 kB per salt (3.1 MB) in at least one of them; then 200 with 1 MB salts
     (refused) leave it within 64 MB of where it was after the warm-up.
 
     What is proven is a per-salt bound: state a distinct salt leaves behind (a prefix-cache root,
     pages, a per-salt entry anywhere) must stay under 3.2 kB. A leak grows RSS in every round, so
     it fails both; a one-time step of the allocator (a new arena, a heap high-water mark; +2.5 MB
     then flat on an EPYC, +8.9 MB in one round on CI's machine) lands in one round only, and the
-    other round bounds the slope. A leak of a 4 kB string per request fails here (+8 MB a round),
-    and 200 retained 1 MB salts (200 MB) fail the last bound.
+    other round bounds the slope. The bound is per salt, so a round's size sets only how much RSS
+    noise a round must stay under (3.1 MB; a round moved +0.1 to +0.9 MB after the warm-up on a
+    Xeon), not what it catches: a leak of a 4 kB string per request fails here (+4.0 and +4.2 MB),
+    and 200 retained 1 MB salts (200 MB) fail the last bound. Rounds of 2,000 took 6 s each on
+    the Xeon and about twice that on CI's 2 cores.
     """
     base, pid = server["base"], server["proc"].pid
 
@@ -564,7 +567,7 @@ def test_thousands_of_salts_grow_memory_under_a_per_salt_bound(server):
         except httpx.TransportError as e:
             raise AssertionError(f"{e!r}; server log:\n{server['proc'].output()[-3000:]}") from e
 
-    salts, per_salt_kb, rounds = 2_000, 3.2, 2
+    salts, per_salt_kb, rounds = 1_000, 3.2, 2
     run([salt(i) for i in range(500)], 200)   # warm-up: allocator arenas, caches
     baseline = rss_mb(pid)
     grew, before, first = [], baseline, 500
