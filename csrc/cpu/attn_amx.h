@@ -139,19 +139,40 @@ struct SoftmaxSlices {
   }
 };
 
-// One k-step's operands: A rows [0, 16) and [16, 32) from a (lda bytes apart), B from b0 and b1.
-ACR_AMX inline void load_operands(const void* a, int64_t lda, const void* b0, const void* b1, int64_t ldb) {
-  _tile_loadd(4, a, lda);
-  _tile_loadd(5, static_cast<const char*>(a) + 16 * lda, lda);
-  _tile_loadd(6, b0, ldb);
-  _tile_loadd(7, b1, ldb);
+// One k-step's operands: A rows [0, 16) at a, rows [16, 32) lda bytes further on; B columns at b0
+// and b1 (ldb bytes a row).
+struct Operands32 {
+  const void* a;
+  int64_t lda;
+  const void* b0;
+  const void* b1;
+  int64_t ldb;
+  const void* a1() const { return static_cast<const char*>(a) + 16 * lda; }
+};
+ACR_AMX inline void load_operands(const Operands32& o) {
+  _tile_loadd(4, o.a, o.lda);
+  _tile_loadd(5, o.a1(), o.lda);
+  _tile_loadd(6, o.b0, o.ldb);
+  _tile_loadd(7, o.b1, o.ldb);
 }
-// The 2×2 block's products of one k-step.
-ACR_AMX inline void products_2x2() {
+// The 2×2 block's products of one k-step, the next k-step's operands loaded as soon as the
+// products before have read the tile they replace (the tiles have no renaming: a load into a tile
+// waits for the products reading it): A rows 0–15 after the second product, B columns 0–15 after
+// the third, the rest after the fourth. Against the four loads after the four products: 4B heads
+// 98.8 against 102.2 ms, 0.6B 45.8 against 46.2 (M3 depth 20, means of five interleaved rounds;
+// docs/cpu.md, "Targets"), as in a loop of S products alone (K from L2: 23–24 against 25–26 TSC
+// cycles a product, 12 with no loads at all).
+ACR_AMX inline void products_2x2_then_load(const Operands32* next) {
   _tile_dpbf16ps(0, 4, 6);
   _tile_dpbf16ps(1, 4, 7);
+  if (next) _tile_loadd(4, next->a, next->lda);
   _tile_dpbf16ps(2, 5, 6);
+  if (next) _tile_loadd(6, next->b0, next->ldb);
   _tile_dpbf16ps(3, 5, 7);
+  if (next) {
+    _tile_loadd(5, next->a1(), next->lda);
+    _tile_loadd(7, next->b1, next->ldb);
+  }
 }
 ACR_AMX inline void store_2x2(float* c, int64_t ldc) {
   _tile_stored(0, c, ldc * 4);
@@ -168,14 +189,15 @@ ACR_AMX inline void load_2x2(const float* c, int64_t ldc) {
 }
 
 // C rows [0, 32) (+)= A · B over K (both multiples of 32), 32 columns of C at a time, one softmax
-// slice per k-step; operands(j, k) loads the k-step's A rows and B columns j .. j + 31. The next
-// columns' first operands are loaded before this block's C is stored: the tiles have no renaming,
-// so the store waits for the last products and the next C for the store; the loads need not
-// (7.7 → 6.9 ns per tdpbf16ps in isolation on the AMX Xeon, ad hoc).
+// slice per k-step; operands(j, k) gives the k-step's A rows and B columns j .. j + 31. Each
+// k-step's products load the next k-step's operands (products_2x2_then_load), the next columns'
+// first ones too, before this block's C is stored: the store waits for the last products and the
+// next C for the store; the loads need not (7.7 → 6.9 ns per tdpbf16ps in isolation on the AMX
+// Xeon, ad hoc).
 template <typename Operands, typename Slices>
 ACR_AMX inline void gemm_32_rows(int64_t cols, int64_t K, float* C, int64_t ldc, bool accumulate,
                                  const Operands& operands, Slices& sm) {
-  operands(0, 0);
+  load_operands(operands(0, 0));
   for (int64_t j = 0; j < cols; j += 32) {
     if (accumulate) {
       load_2x2(C + j, ldc);
@@ -186,11 +208,11 @@ ACR_AMX inline void gemm_32_rows(int64_t cols, int64_t K, float* C, int64_t ldc,
       _tile_zero(3);
     }
     for (int64_t k = 0; k < K; k += 32) {
-      if (k > 0) operands(j, k);
-      products_2x2();
+      const bool more = k + 32 < K || j + 32 < cols;
+      const Operands32 next = k + 32 < K ? operands(j, k + 32) : more ? operands(j + 32, 0) : Operands32{};
+      products_2x2_then_load(more ? &next : nullptr);
       sm.step();
     }
-    if (j + 32 < cols) operands(j + 32, 0);
     store_2x2(C + j, ldc);
   }
 }
@@ -219,13 +241,13 @@ ACR_AMX inline void tile_amx(int64_t M, int64_t nc, int64_t d, float scale, cons
     if (b + 1 < B) {  // S_{b+1} = Q_{b+1}·Kᵀ
       const BFloat16* q = Q + (b + 1) * 32 * d;
       gemm_32_rows(nc, d, S + (b + 1) * 32 * ls, ls, false, [&](int64_t j, int64_t k) {
-        load_operands(q + k, d * 2, kt + ((k / 2) * KT + j) * 2, kt + ((k / 2) * KT + j + 16) * 2, KT * 4);
+        return Operands32{q + k, d * 2, kt + ((k / 2) * KT + j) * 2, kt + ((k / 2) * KT + j + 16) * 2, KT * 4};
       }, sm);
     }
     if (b >= 1) {  // acc_{b−1} += P_{b−1}·V
       const BFloat16* p = P + (b - 1) * 32 * lp;
       gemm_32_rows(d, nc, acc + (b - 1) * 32 * d, d, true, [&](int64_t c, int64_t k) {
-        load_operands(p + k, lp * 2, vt + ((k / 2) * d + c) * 2, vt + ((k / 2) * d + c + 16) * 2, d * 4);
+        return Operands32{p + k, lp * 2, vt + ((k / 2) * d + c) * 2, vt + ((k / 2) * d + c + 16) * 2, d * 4};
       }, sm);
     }
     sm.finish();

@@ -461,18 +461,26 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       for (int64_t ti : lists[tid]) {
         const Task& tk = tasks[ti];
         const int64_t g = tk.g, h = tk.h, M = tk.M, nh = tk.nh;
-        // Q rows of the task, head-major then token-major: row hh·M + (token, i) = q[token, (h + hh)·r + i]
+        // Q rows of the task, head-major then token-major: row hh·M + (token, i) = q[token, (h + hh)·r + i];
+        // a token's r rows are one copy where its heads lie d apart (a [T, Hq, d] q)
         for (int64_t hh = 0; hh < nh; ++hh)
           for (const Piece& pc : tk.pieces)
-            for (int64_t t = pc.t0; t < pc.t1; ++t)
-              for (int64_t i = 0; i < r; ++i) {
-                const s_t* src = qp + t * qs0 + ((h + hh) * r + i) * qs1;
-                c_t* dst = Q.data() + (hh * M + pc.m0 + (t - pc.t0) * r + i) * d;
-                if constexpr (std::is_same_v<s_t, c_t>)
-                  std::memcpy(static_cast<void*>(dst), src, sizeof(c_t) * d);  // an element loop did not vectorise
-                else
-                  for (int64_t c = 0; c < d; ++c) dst[c] = static_cast<c_t>(src[c]);
+            for (int64_t t = pc.t0; t < pc.t1; ++t) {
+              const s_t* src = qp + t * qs0 + (h + hh) * r * qs1;
+              c_t* dst = Q.data() + (hh * M + pc.m0 + (t - pc.t0) * r) * d;
+              if constexpr (std::is_same_v<s_t, c_t>) {
+                if (qs1 == d) {
+                  std::memcpy(static_cast<void*>(dst), src, sizeof(c_t) * r * d);  // an element loop did not vectorise
+                  continue;
+                }
               }
+              for (int64_t i = 0; i < r; ++i) {
+                if constexpr (std::is_same_v<s_t, c_t>)
+                  std::memcpy(static_cast<void*>(dst + i * d), src + i * qs1, sizeof(c_t) * d);
+                else
+                  for (int64_t c = 0; c < d; ++c) dst[i * d + c] = static_cast<c_t>(src[i * qs1 + c]);
+              }
+            }
         std::fill(m.begin(), m.begin() + nh * M, -std::numeric_limits<float>::infinity());
         std::fill(l.begin(), l.begin() + nh * M, 0.f);
         std::fill(acc.begin(), acc.begin() + nh * M * d, 0.f);
