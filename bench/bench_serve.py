@@ -79,6 +79,8 @@ from acarerank.benchmark.gemm_peak import best_of, gemm_peak
 from acarerank.benchmark.report import Shapes, least_work_flops
 from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body, resolve
 from acarerank.benchmark.workload import MAX_DOCS, MAX_TEXT_TOKENS, WorkloadSpec, make_workload
+from acarerank import malloc_tuning
+from acarerank.malloc_tuning import CHOICES as MALLOC_CHOICES
 from acarerank.server.config import DEFAULT_MAX_QUEUE
 from acarerank.server.launch import serve_subprocess
 
@@ -384,6 +386,10 @@ def parse_args(argv=None):
     ap.add_argument("--peer-tolerance", type=float, default=None,
                     help="largest |peer − acarerank offline| score accepted (default 1e-2 in float32: llama.cpp "
                          "f32 ~1e-3, q8_0 ~7e-3; 5e-2 in bfloat16)")
+    ap.add_argument("--malloc", choices=MALLOC_CHOICES, default="tuned",
+                    help="glibc's malloc in this process and in the server it starts, as acarerank serve's "
+                         "--malloc (default tuned: the offline rows then run as the server does, freed blocks "
+                         "kept and 4,096-token CPU passes; default: glibc as it is, 2,048)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/serve")
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 requests of depth 4, 2 sessions of 2 steps")
@@ -691,13 +697,15 @@ def write_report(rows: list, targets: list, versions: dict, args, peak: dict = N
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    # before the offline model's first allocation, so its rows and the server's run alike
+    log(f"[bench_serve] malloc {malloc_tuning.apply(args.malloc)}")
     tok, rr = load_offline(args)
     shapes = Shapes.from_arch(rr.runner.arch)
     dtype = getattr(torch, args.dtype)
     peak = gemm_peak(shapes, dtype)  # this process, all cores, before acarerank's server starts
     workloads = Workloads(tok, args, shapes)
     rows = offline_rows(rr, workloads, args)
-    cli = ["--dtype", args.dtype] + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens
+    cli = ["--dtype", args.dtype, "--malloc", args.malloc] + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens
                                     else []) + (["--model", args.model] if args.model else [])
     with serve_subprocess(*cli, omp_threads=None) as (base, _proc):  # all cores, as offline
         targets, versions = resolve_targets(base, args.target)

@@ -229,9 +229,12 @@ def test_bench_serve_drives_another_server_through_each_api(tiny_dir, tmp_path):
                "--workloads", "m3", "agent", "--requests", "2", "--depth", "2", "--sessions", "1", "--steps", "2",
                "--concurrency", "1", "--loads", "0.7", "--repeats", "1", "--agreement-requests", "1", "--settle-s", "0",
                "--out", str(out)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        env = dict({k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},  # --malloc's default holds
+                   OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the offline rows run in a process tuned as the server it starts (--malloc's default)
+    assert "[bench_serve] malloc tuned (" in proc.stderr, proc.stderr[-3000:]
     with open(out / "serve.csv") as f:
         rows = list(csv.DictReader(f))
     names = ["acarerank", "other", "tei", "llama"]
