@@ -80,7 +80,6 @@ from acarerank.benchmark.report import Shapes, least_work_flops
 from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body, resolve
 from acarerank.benchmark.workload import MAX_DOCS, MAX_TEXT_TOKENS, WorkloadSpec, make_workload
 from acarerank import malloc_tuning
-from acarerank.malloc_tuning import CHOICES as MALLOC_CHOICES
 from acarerank.server.config import DEFAULT_MAX_QUEUE
 from acarerank.server.launch import serve_subprocess
 
@@ -386,7 +385,7 @@ def parse_args(argv=None):
     ap.add_argument("--peer-tolerance", type=float, default=None,
                     help="largest |peer − acarerank offline| score accepted (default 1e-2 in float32: llama.cpp "
                          "f32 ~1e-3, q8_0 ~7e-3; 5e-2 in bfloat16)")
-    ap.add_argument("--malloc", choices=MALLOC_CHOICES, default="tuned",
+    ap.add_argument("--malloc", choices=malloc_tuning.CHOICES, default="tuned",
                     help="glibc's malloc in this process and in the server it starts, as acarerank serve's "
                          "--malloc (default tuned: the offline rows then run as the server does, freed blocks "
                          "kept and 4,096-token CPU passes; default: glibc as it is, 2,048)")
@@ -705,8 +704,9 @@ def main(argv=None) -> int:
     peak = gemm_peak(shapes, dtype)  # this process, all cores, before acarerank's server starts
     workloads = Workloads(tok, args, shapes)
     rows = offline_rows(rr, workloads, args)
-    cli = ["--dtype", args.dtype, "--malloc", args.malloc] + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens
-                                    else []) + (["--model", args.model] if args.model else [])
+    cli = (["--dtype", args.dtype, "--malloc", args.malloc]
+           + (["--max-batch-tokens", str(args.max_batch_tokens)] if args.max_batch_tokens else [])
+           + (["--model", args.model] if args.model else []))
     with serve_subprocess(*cli, omp_threads=None) as (base, _proc):  # all cores, as offline
         targets, versions = resolve_targets(base, args.target)
         rows += agreement_rows(rr, targets, workloads, args)
