@@ -254,6 +254,10 @@ def _topk_chunk_update_fake(x, id0, targets, run_v, run_i, m, s, tgt):
     return None
 
 
+def _topk_gemm_update_fake(hidden, weight, id0, temperature, targets, run_v, run_i, m, s, tgt):
+    return None
+
+
 def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[int], temperature: float):
     """The torch core's chunks and results, with its per-chunk work in acarerank._cpu: until a row
     holds k logits the torch core's steps (``_chunk_topk``, ``_merge_topk``, usually the first
@@ -267,14 +271,19 @@ def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[i
     chunk and runs an fp32 GEMM, ~4.5× the time on such a CPU: docs/benchmarks.md, "Ops and
     kernels"). Its products are exact in fp32; the sums differ in order (and the instruction
     flushes subnormals), so bf16 logits agree with the torch core's to fp32 rounding, as two GEMMs
-    do. Memory as the torch core's: one [T, C] fp32 buffer (and, upcasting, one [C, H]) reused by
-    every chunk, the [T, k] state."""
+    do. There, once every row holds k logits, the rest of the vocabulary goes to one
+    ``acarerank::topk_gemm_update`` (csrc/cpu/topk_gemm_update.cpp): the same GEMM's logits folded
+    into the state block by block while each block is in L2, never a chunk in memory; the same
+    entries, the log-sum-exp summed in another grouping. Memory as the torch core's: one [T, C]
+    fp32 buffer (and, upcasting, one [C, H]) reused by every chunk, the [T, k] state (and, in the
+    fused op, up to one copy of it per thread: csrc/cpu/topk_gemm_update.cpp)."""
     from ._native_backend import native_kernel
 
     if hidden.dtype == torch.bfloat16 and hidden.stride(1) != 1:
         hidden = hidden.contiguous()  # the GEMM takes contiguous rows; [T, H]: small beside the weight
     gemm = native_bf16_gemm_for(hidden, weight)
     update = native_kernel("topk_chunk_update", _topk_chunk_update_fake)
+    fused = native_kernel("topk_gemm_update", _topk_gemm_update_fake) if gemm is not None else None
     T, H = hidden.shape
     V = weight.shape[0]
     C = min(chunk or default_chunk(hidden.device), V)
@@ -289,6 +298,9 @@ def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[i
     wbuf = torch.empty(C * H, dtype=torch.float32, device=dev) if weight.dtype != torch.float32 and gemm is None \
         else None
     for c0 in range(0, V, C):
+        if fused is not None and run_v.shape[1] == k:  # every row holds k: the rest in one call
+            fused(h, weight, c0, float(temperature), tg, run_v, run_i, m, s, tgt)
+            break
         c1 = min(V, c0 + C)
         n = c1 - c0
         x = xbuf[:T * n].view(T, n)  # [T, n] fp32

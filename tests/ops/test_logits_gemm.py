@@ -600,6 +600,7 @@ def test_a_transposed_bf16_hidden_takes_the_gemm_with_contiguous_rows(monkeypatc
     calls = _spy(monkeypatch)
     got = topk_logprobs(h_t, w, tg, k=16, chunk=100, backend="native")
     want = topk_logprobs_ref(h_t, w, tg, k=16)
-    assert len(calls) == 3, calls
+    # the first chunk here; the rest in topk_gemm_update, which refuses rows that are not contiguous too
+    assert len(calls) == 1, calls
     assert torch.equal(got.topk_ids, want.topk_ids)
     assert (got.topk_logprobs - want.topk_logprobs).abs().max() <= 1e-5

@@ -216,6 +216,7 @@ OPCHECKED_NATIVE = {
     "silu_and_mul_cpu": "test_op_layer_elementwise.py::test_opcheck_native_kernels",
     "mm_bf16_f32": "test_logits_gemm.py::test_opcheck_mm_bf16_f32",
     "topk_chunk_update": "test_logits_gemm.py::test_opcheck_topk_chunk_update",
+    "topk_gemm_update": "test_topk_gemm_update.py::test_opcheck_topk_gemm_update",
 }
 
 
