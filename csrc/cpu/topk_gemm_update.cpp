@@ -14,15 +14,16 @@
 //     gives on the same logits chunk by chunk: the same top-k entries and target logits; the
 //     log-sum-exp summed in another grouping (fp64 partial sums of fp32 terms: fp32 rounding).
 //
-// Work: the ids are cut into P column parts and the rows into R groups (R·P ≤ threads, R as large
-// as groups of kRowBlock rows allow: row groups need no second state, but each packs the weight
-// itself; P as the threads left, while its copies fit kCopyBytes, else smaller row groups). A task (group, part) packs
-// its part's weight kBlockCols at a time into the VNNI layout (a block ≤ 512 kB: L2), and for each
-// kRowBlock rows of its group runs the GEMM into an L2 block of logits and folds it into its state
-// at once. Part 0 folds into the caller's state; part p > 0 into a copy of the held entries with
-// m = −inf, s = 0 (its own log-sum-exp), merged into the caller's at the end: the k best of the
-// parts' entries (the held ones, in every copy, counted once) and s = Σ_p s_p·exp(m_p − shift).
-// The copies: (P − 1)·T·k·12 bytes ≤ kCopyBytes (64 MB). Per thread: the packed block and ≤ 256 kB of logits.
+// Work: the ids are cut into P column parts and the rows into R groups, R·P ≤ threads: R as large
+// as groups of kGroupRows rows allow (a row group needs no second state, but reads and packs the
+// whole weight itself), P the threads left while its copies fit kCopyBytes (else smaller row
+// groups). A task (group, part) packs its part's weight a block at a time into the VNNI layout
+// (≤ 512 kB: L2) and, kRowBlock rows of its group at a time, runs the GEMM into an L2 block of
+// logits and folds it into its state at once. Part 0 folds into the caller's state; part p > 0
+// into a copy of the held entries with m = −inf, s = 0 (its own log-sum-exp), merged into the
+// caller's at the end: the k best of the parts' entries (the held ones, in every copy, counted
+// once) and s = Σ_p s_p·exp(m_p − shift). Memory: the copies, (P − 1)·T·k·12 bytes ≤ kCopyBytes
+// (64 MB); per thread the packed block and ≤ 256 kB of logits.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -42,6 +43,10 @@ using topk_rows::Entry;
 constexpr int64_t kPanel = 64;        // columns per packed panel, as logits_gemm.cpp
 constexpr int64_t kKBlock = 256;      // K per GEMM call, as logits_gemm.cpp (the same sums)
 constexpr int64_t kRowBlock = 256;    // rows per block of logits
+// rows a group needs before the rows are split among threads: a group reads and packs the whole
+// weight itself, which costs about as much as its GEMM at 256 rows (64 columns × H from memory
+// against 256 × 64 × H products), so fewer rows split the vocabulary instead
+constexpr int64_t kGroupRows = 1024;
 constexpr int64_t kPackedBytes = 512 * 1024;  // the packed weight block's budget
 constexpr int64_t kCopyBytes = 64 << 20;      // the column parts' copies of the state, at most
 
@@ -124,7 +129,7 @@ void topk_gemm_update(const at::Tensor& hidden, const at::Tensor& weight, int64_
 
   const int64_t panels = (n + kPanel - 1) / kPanel, threads = at::get_num_threads();
   const int64_t copies_allowed = kCopyBytes / std::max<int64_t>(1, T * k * 12);
-  int64_t R = std::max<int64_t>(1, std::min(threads, (T + kRowBlock - 1) / kRowBlock));
+  int64_t R = std::max<int64_t>(1, std::min(threads, (T + kGroupRows - 1) / kGroupRows));
   const int64_t P = std::max<int64_t>(1, std::min({threads / R, panels, 1 + copies_allowed}));
   if (R * P < threads) R = std::max<int64_t>(1, std::min(threads / P, T));  // copies capped: smaller row groups
   const int64_t group = (T + R - 1) / R;

@@ -114,10 +114,12 @@ def threads():
     (1, 64, 5000, 8, 2048, 2, "gaussian"),     # one row: two column parts
     (7, 96, 3001, 128, 300, 3, "gaussian"),    # three column parts, a partial last panel
     (40, 128, 9000, 64, 2048, 2, "ties"),      # equal logits across the parts: lower id wins
-    (300, 32, 4099, 16, 700, 4, "rising"),     # two row groups × two column parts; > k candidates a block
-    (600, 64, 2500, 32, 64, 2, "gaussian"),    # two row groups, one part (no copies)
+    (300, 32, 4099, 16, 700, 4, "rising"),     # four column parts; > k candidates a block
+    (600, 64, 2500, 32, 64, 2, "gaussian"),    # two column parts, three row blocks
+    (1100, 32, 3000, 16, 100, 4, "ties"),      # two row groups (1,024 rows or more) × two column parts
+    (2100, 32, 2600, 8, 64, 3, "gaussian"),    # three row groups, one part (no copy)
     (257, 1024, 4200, 128, 2048, 1, "gaussian"),  # one thread; blocks of 256 logits at H 1,024
-    (200, 32, 40000, 30000, 30000, 2, "gaussian"),  # a 72 MB state: no copy (64 MB cap), two row groups of 100
+    (200, 32, 40000, 30000, 30000, 2, "gaussian"),  # a 72 MB state: no copy (64 MB cap), row groups of 100
 ])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_equals_the_chunk_loop(T, H, V, k, id0, n_threads, kind, temperature, threads):
