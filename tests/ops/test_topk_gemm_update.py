@@ -119,7 +119,6 @@ def threads():
     (1100, 32, 3000, 16, 100, 4, "ties"),      # two row groups (1,024 rows or more) × two column parts
     (2100, 32, 2600, 8, 64, 3, "gaussian"),    # three row groups, one part (no copy)
     (257, 1024, 4200, 128, 2048, 1, "gaussian"),  # one thread; blocks of 256 logits at H 1,024
-    (200, 32, 40000, 30000, 30000, 2, "gaussian"),  # a 72 MB state: no copy (64 MB cap), row groups of 100
 ])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_equals_the_chunk_loop(T, H, V, k, id0, n_threads, kind, temperature, threads):
@@ -131,6 +130,16 @@ def test_fused_equals_the_chunk_loop(T, H, V, k, id0, n_threads, kind, temperatu
         want = _sequential(h, w, tg, state, id0, temperature, chunk)
         got = _fused(h, w, tg, state, id0, temperature)
         _check(got, want, chunk, f"T={T} V={V} k={k} id0={id0} threads={n_threads} {kind} tau={temperature} chunk={chunk}")
+
+
+def test_a_state_past_the_copy_cap_splits_the_rows(threads):
+    """k 30,000 of 40,000 at T 200: a 72 MB state, past the 64 MB the column parts' copies may take,
+    so the two threads take row groups of 100 instead (no copy) — the chunk loop's results still."""
+    threads(2)
+    g = torch.Generator().manual_seed(9)
+    h, w, tg = _inputs(200, 32, 40000, g)
+    state = _state(h, w, tg, 30000, 30000, 1.0)
+    _check(_fused(h, w, tg, state, 30000, 1.0), _sequential(h, w, tg, state, 30000, 1.0, 2048), 2048, "k=30000")
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
