@@ -18,7 +18,7 @@
 // as groups of kGroupRows rows allow (a row group needs no second state, but reads and packs the
 // whole weight itself), P the threads left while its copies fit kCopyBytes (else smaller row
 // groups). A task (group, part) packs its part's weight a block at a time into the VNNI layout
-// (≤ 512 kB: L2) and, kRowBlock rows of its group at a time, runs the GEMM into an L2 block of
+// (≤ 256 columns and ≤ 512 kB: L2) and, kRowBlock rows of its group at a time, runs the GEMM into an L2 block of
 // logits and folds it into its state at once. Part 0 folds into the caller's state; part p > 0
 // into a copy of the held entries with m = −inf, s = 0 (its own log-sum-exp), merged into the
 // caller's at the end: the k best of the parts' entries (the held ones, in every copy, counted
@@ -48,6 +48,7 @@ constexpr int64_t kRowBlock = 256;    // rows per block of logits
 // against 256 × 64 × H products), so fewer rows split the vocabulary instead
 constexpr int64_t kGroupRows = 1024;
 constexpr int64_t kPackedBytes = 512 * 1024;  // the packed weight block's budget
+constexpr int64_t kLogitsBytes = 256 * 1024;  // the block of logits' budget (kRowBlock rows)
 constexpr int64_t kCopyBytes = 64 << 20;      // the column parts' copies of the state, at most
 
 // Merge state b (its rows' k entries, m, s) into a: the k best of both under the tie rule, an id
@@ -147,7 +148,9 @@ void topk_gemm_update(const at::Tensor& hidden, const at::Tensor& weight, int64_
   const int64_t P = std::max<int64_t>(1, std::min({threads / R, panels, 1 + copies_allowed}));
   if (R * P < threads) R = std::max<int64_t>(1, std::min(threads / P, T));  // copies capped: smaller row groups
   const int64_t group = (T + R - 1) / R;
-  const int64_t block_panels = std::max<int64_t>(1, kPackedBytes / (H * kPanel * 2)), block_cols = block_panels * kPanel;
+  // a block: ≤ kPackedBytes of packed weight and ≤ kLogitsBytes of logits (256 columns), ≥ one panel
+  const int64_t block_panels = std::clamp<int64_t>(kPackedBytes / (H * kPanel * 2), 1, kLogitsBytes / (kRowBlock * kPanel * 4));
+  const int64_t block_cols = block_panels * kPanel;
 
   std::vector<topk_rows::State> states(P);
   std::vector<float> cv((P - 1) * T * k), cm((P - 1) * T, -std::numeric_limits<float>::infinity());

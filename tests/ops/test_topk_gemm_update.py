@@ -7,9 +7,9 @@ Reference: what the native core ran before it, chunk by chunk — ``mm_bf16_f32`
 fp32 logits, divided by the temperature, folded in by ``topk_chunk_update`` — on the same state.
 The logits are the same GEMM's (same panels, same K blocks), so the entries, the running max and
 the target logits must be bitwise the same. The log-sum-exp's s sums the same logits' exp terms in
-other groups (fp32 sums over blocks of up to ``max(chunk, 4,096)`` logits; another running max per
+other groups (fp32 sums over blocks of up to ``max(chunk, 256)`` logits; another running max per
 column part, so each term's 2-ulp exp at another shift, rescaled in fp64): relative bound
-``(max(chunk, 4,096) + 8) · 2⁻²⁴``.
+``(max(chunk, 256) + 8) · 2⁻²⁴``.
 """
 import importlib
 
@@ -24,7 +24,7 @@ pytestmark = [needs_native, pytest.mark.skipif(
     reason="this CPU has no AVX512_BF16 (or ACARERANK_CPU_BASELINE=1): the op refuses it and the core "
            "upcasts to an fp32 GEMM there")]
 TOPK = importlib.import_module("acarerank.ops.topk_logprobs")
-MAX_BLOCK = 4096  # the fused op's widest block of logits: 512 kB of packed weight at H = 64
+MAX_BLOCK = 256  # the fused op's widest block of logits (256 kB at 256 rows)
 
 
 def _ops():
@@ -119,6 +119,8 @@ def threads():
     (1100, 32, 3000, 16, 100, 4, "ties"),      # two row groups (1,024 rows or more) × two column parts
     (2100, 32, 2600, 8, 64, 3, "gaussian"),    # three row groups, one part (no copy)
     (257, 1024, 4200, 128, 2048, 1, "gaussian"),  # one thread; blocks of 256 logits at H 1,024
+    (5, 2, 3000, 4, 100, 2, "gaussian"),       # H 2: blocks still 256 columns (the logits' budget)
+    (3, 4096, 700, 8, 64, 2, "gaussian"),      # H 4,096: blocks of one 64-column panel (the weight's)
 ])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_equals_the_chunk_loop(T, H, V, k, id0, n_threads, kind, temperature, threads):
