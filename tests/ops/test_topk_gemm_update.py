@@ -242,3 +242,32 @@ def test_opcheck_topk_gemm_update():
     state = _state(h, w, tg, 8, 100, 1.0)
     _ops()
     torch.library.opcheck(torch.ops.acarerank.topk_gemm_update.default, (h, w, 100, 1.0, tg, *state))
+
+
+def test_calls_from_several_threads_at_once_get_their_own_results():
+    """Four Python threads, each its own inputs, through the public op at once (each call runs its
+    own parallel region: no state shared between calls): each result is that input's alone — the
+    same ids, log-probs within the fp32 rule (test_logits_gemm.py's)."""
+    import threading
+
+    g = torch.Generator().manual_seed(4)
+    cases = [_inputs(7 + i, 64, 4000 + 100 * i, g) for i in range(4)]
+    alone = [topk_logprobs(h, w, tg, k=16, outside="full", backend="native") for h, w, tg in cases]
+    got, errors = [None] * 4, []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                got[i] = topk_logprobs(*cases[i], k=16, outside="full", backend="native")
+        except Exception as e:  # reported below, with the thread's index
+            errors.append((i, e))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, (a, b) in enumerate(zip(got, alone)):  # a thread's own OpenMP team size may group the sums otherwise
+        assert torch.equal(a.topk_ids, b.topk_ids), i
+        assert (a.topk_logprobs - b.topk_logprobs).abs().max() <= 1e-5, i
+        assert (a.target_logprob - b.target_logprob).abs().max() <= 1e-5, i
