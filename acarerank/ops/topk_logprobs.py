@@ -38,7 +38,7 @@ and one shared ``finalize`` (renormalisation, ``outside``, ``in_topk``; in the l
 limits ``MAX_K``). Cores, declared in ``OP``: "torch" (below: per-chunk GEMM, chunk top-k,
 exact merge; any k <= V), "native" (the torch core's chunks with each one's merge, log-sum-exp
 and target in csrc/cpu, ``acarerank::topk_chunk_update``, and, on bf16 where the CPU has AVX512_BF16, its chunk GEMM
-``acarerank::mm_bf16_f32``; any k),
+``acarerank::mm_bf16_f32`` and, once k are held, the rest in ``acarerank::topk_gemm_update``; any k),
 "triton" (acarerank/kernels/topk_logprobs.py; k <= 512), "cpp"/"cuda"
 (below: a GEMM per chunk merged into topk_merge.py's streaming state, csrc/topk_merge.*;
 k <= 4,096). Defaults: "native" on CPU where acarerank._cpu loads, else "torch"; on CUDA the
@@ -276,7 +276,8 @@ def topk_logprobs_core_native(hidden, weight, targets, k: int, chunk: Optional[i
     into the state block by block while each block is in L2, never a chunk in memory; the same
     entries, the log-sum-exp summed in another grouping. Memory as the torch core's: one [T, C]
     fp32 buffer (and, upcasting, one [C, H]) reused by every chunk, the [T, k] state (and, in the
-    fused op, up to one copy of it per thread: csrc/cpu/topk_gemm_update.cpp)."""
+    fused op, copies of it for threads that split the vocabulary, 64 MB at most, and ~1 MB of
+    blocks a thread: csrc/cpu/topk_gemm_update.cpp)."""
     from ._native_backend import native_kernel
 
     if hidden.dtype == torch.bfloat16 and hidden.stride(1) != 1:
