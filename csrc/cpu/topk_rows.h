@@ -92,30 +92,33 @@ struct Scratch {
   std::vector<float> theta, cv, m_new, csum;
   std::vector<int64_t> ci, cnt;
   std::vector<Entry> cand, out;
-  void fit(int64_t rows, int64_t k) {
+  void fit(int64_t rows, int64_t cap) {
     theta.resize(rows), m_new.resize(rows), csum.resize(rows), cnt.resize(rows);
-    cv.resize(rows * k), ci.resize(rows * k);
-    out.reserve(k);
+    cv.resize(rows * cap), ci.resize(rows * cap);
   }
 };
 
 // Block rows x[0 .. rows) (ldx apart, n logits each, ids id0 ..) into state rows r0 .. r0 + rows.
 inline void update_rows(acr_layer::Isa isa, const float* x, int64_t ldx, int64_t n, int64_t id0, int64_t r0,
                         int64_t rows, int64_t k, const int64_t* targets, const State& st, float* tgt, Scratch& sc) {
-  sc.fit(rows, k);
+  // a row's candidates kept in id order, up to cap of them (more: merge_row reads the row again);
+  // a block brings at most n, so min(k, n) keeps every one without rows × k of scratch
+  const int64_t cap = std::min(k, n);
+  sc.fit(rows, cap);
   for (int64_t t = 0; t < rows; ++t) sc.theta[t] = st.rv[(r0 + t) * k + k - 1];
   ACR_LAYER_KERNEL(isa, topk_chunk_rows, x, ldx, sc.theta.data(), st.m + r0, rows, n, id0, sc.cv.data(),
-                   sc.ci.data(), k, sc.cnt.data(), sc.m_new.data(), sc.csum.data());
+                   sc.ci.data(), cap, sc.cnt.data(), sc.m_new.data(), sc.csum.data());
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t row = r0 + t;
     const float* xr = x + t * ldx;
     float* rv = st.rv + row * k;
     int64_t* ri = st.ri + row * k;
     const int64_t c = sc.cnt[t];
-    if (c > 0 && c <= std::min(kInsertAtMost, k))  // all of them in cv/ci (cap k)
-      insert_row(sc.cv.data() + t * k, sc.ci.data() + t * k, c, rv, ri, k);
+    if (c > 0 && c <= std::min(kInsertAtMost, cap))  // all of them in cv/ci
+      insert_row(sc.cv.data() + t * cap, sc.ci.data() + t * cap, c, rv, ri, k);
     else if (c > 0)
-      merge_row(xr, n, id0, sc.theta[t], sc.cv.data() + t * k, sc.ci.data() + t * k, c, k, rv, ri, k, sc.cand, sc.out);
+      merge_row(xr, n, id0, sc.theta[t], sc.cv.data() + t * cap, sc.ci.data() + t * cap, c, cap, rv, ri, k, sc.cand,
+                sc.out);
     const float shift = std::isinf(sc.m_new[t]) ? 0.f : sc.m_new[t];
     st.s[row] = st.s[row] * std::exp(static_cast<double>(st.m[row] - shift)) + static_cast<double>(sc.csum[t]);
     st.m[row] = sc.m_new[t];
