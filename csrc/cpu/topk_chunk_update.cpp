@@ -26,30 +26,12 @@ namespace {
 void topk_chunk_update(const at::Tensor& x, int64_t id0, const at::Tensor& targets, at::Tensor& run_v,
                        at::Tensor& run_i, at::Tensor& m, at::Tensor& s, at::Tensor& tgt) {
   constexpr const char* op = "topk_chunk_update";
-  for (const at::Tensor* t : {&x, &targets, static_cast<const at::Tensor*>(&run_v),
-                              static_cast<const at::Tensor*>(&run_i), static_cast<const at::Tensor*>(&m),
-                              static_cast<const at::Tensor*>(&s), static_cast<const at::Tensor*>(&tgt)})
-    ACR_CHECK_CPU(op, *t, "every tensor");
+  ACR_CHECK_CPU(op, x, "every tensor");
   ACR_CHECK_DTYPE(op, x, "x", at::kFloat);
-  ACR_CHECK_DTYPE(op, targets, "targets", at::kLong);
-  ACR_CHECK_DTYPE(op, run_v, "run_v", at::kFloat);
-  ACR_CHECK_DTYPE(op, run_i, "run_i", at::kLong);
-  ACR_CHECK_DTYPE(op, m, "m", at::kFloat);
-  ACR_CHECK_DTYPE(op, s, "s", at::kDouble);
-  ACR_CHECK_DTYPE(op, tgt, "tgt", at::kFloat);
   ACR_CHECK_DIM(op, x, "x", 2);
-  ACR_CHECK_DIM(op, run_v, "run_v", 2);
-  const int64_t T = x.size(0), n = x.size(1), k = run_v.size(1);
-  for (const at::Tensor* t : {&targets, static_cast<const at::Tensor*>(&m), static_cast<const at::Tensor*>(&s),
-                              static_cast<const at::Tensor*>(&tgt)})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == T, op, ": targets, m, s and tgt must be [", T,
-                "], got one of shape ", t->sizes());
-  TORCH_CHECK(run_v.size(0) == T && k >= 1 && run_i.sizes() == run_v.sizes(), op, ": run_v and run_i must be [", T,
-              ", k] with k >= 1, got ", run_v.sizes(), " and ", run_i.sizes());
+  const int64_t T = x.size(0), n = x.size(1);
+  const int64_t k = topk_rows::check_state(op, T, targets, run_v, run_i, m, s, tgt);
   TORCH_CHECK(T == 0 || n == 0 || x.stride(1) == 1, op, ": x's rows must be contiguous, got strides ", x.strides());
-  TORCH_CHECK(targets.is_contiguous() && run_v.is_contiguous() && run_i.is_contiguous() && m.is_contiguous() &&
-                  s.is_contiguous() && tgt.is_contiguous(),
-              op, ": every tensor but x must be contiguous");
   TORCH_CHECK(id0 >= 0 && id0 + n <= acr_layer::kTopkIdLimit, op,
               ": ids id0 + j must stay below 2**31 - 1, got id0=", id0, ", n=", n);
   const acr_layer::Isa isa = checked_layer_isa();

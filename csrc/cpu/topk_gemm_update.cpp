@@ -92,37 +92,20 @@ void topk_gemm_update(const at::Tensor& hidden, const at::Tensor& weight, int64_
                       const at::Tensor& targets, at::Tensor& run_v, at::Tensor& run_i, at::Tensor& m, at::Tensor& s,
                       at::Tensor& tgt) {
   constexpr const char* op = "topk_gemm_update";
-  for (const at::Tensor* t : {&hidden, &weight, &targets, static_cast<const at::Tensor*>(&run_v),
-                              static_cast<const at::Tensor*>(&run_i), static_cast<const at::Tensor*>(&m),
-                              static_cast<const at::Tensor*>(&s), static_cast<const at::Tensor*>(&tgt)})
-    ACR_CHECK_CPU(op, *t, "every tensor");
+  ACR_CHECK_CPU(op, hidden, "every tensor");
+  ACR_CHECK_CPU(op, weight, "every tensor");
   ACR_CHECK_DTYPE(op, hidden, "hidden", at::kBFloat16);
   ACR_CHECK_DTYPE(op, weight, "weight", at::kBFloat16);
-  ACR_CHECK_DTYPE(op, targets, "targets", at::kLong);
-  ACR_CHECK_DTYPE(op, run_v, "run_v", at::kFloat);
-  ACR_CHECK_DTYPE(op, run_i, "run_i", at::kLong);
-  ACR_CHECK_DTYPE(op, m, "m", at::kFloat);
-  ACR_CHECK_DTYPE(op, s, "s", at::kDouble);
-  ACR_CHECK_DTYPE(op, tgt, "tgt", at::kFloat);
   ACR_CHECK_DIM(op, hidden, "hidden", 2);
   ACR_CHECK_DIM(op, weight, "weight", 2);
-  ACR_CHECK_DIM(op, run_v, "run_v", 2);
-  const int64_t T = hidden.size(0), H = hidden.size(1), V = weight.size(0), k = run_v.size(1);
+  const int64_t T = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  const int64_t k = topk_rows::check_state(op, T, targets, run_v, run_i, m, s, tgt);
   TORCH_CHECK(weight.size(1) == H, op, ": hidden is [T, H] and weight [V, H] with the same H, got ", hidden.sizes(),
               " and ", weight.sizes());
   TORCH_CHECK(H % 2 == 0, op, ": H must be even (the bf16 products take K in pairs), got ", H);
   TORCH_CHECK((T == 0 || hidden.stride(1) == 1) && (V == 0 || weight.stride(1) == 1), op,
               ": hidden's and weight's rows must be contiguous, got strides ", hidden.strides(), " and ",
               weight.strides());
-  for (const at::Tensor* t : {&targets, static_cast<const at::Tensor*>(&m), static_cast<const at::Tensor*>(&s),
-                              static_cast<const at::Tensor*>(&tgt)})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == T, op, ": targets, m, s and tgt must be [", T,
-                "], got one of shape ", t->sizes());
-  TORCH_CHECK(run_v.size(0) == T && k >= 1 && run_i.sizes() == run_v.sizes(), op, ": run_v and run_i must be [", T,
-              ", k] with k >= 1, got ", run_v.sizes(), " and ", run_i.sizes());
-  TORCH_CHECK(targets.is_contiguous() && run_v.is_contiguous() && run_i.is_contiguous() && m.is_contiguous() &&
-                  s.is_contiguous() && tgt.is_contiguous(),
-              op, ": targets, run_v, run_i, m, s and tgt must be contiguous");
   TORCH_CHECK(id0 >= 0 && id0 <= V, op, ": id0 must be in [0, V = ", V, "], got ", id0);
   TORCH_CHECK(V <= acr_layer::kTopkIdLimit, op, ": ids must stay below 2**31 - 1, got V=", V);
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0, op, ": temperature must be finite and > 0, got ",

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common.h"
 #include "layer_glue.h"
 
 namespace acarerank_cpu {
@@ -77,6 +78,31 @@ inline void merge_row(const float* x, int64_t n, int64_t id0, float theta, const
       out.push_back({rv[a], ri[a]}), ++a;
   }
   for (int64_t j = 0; j < k; ++j) rv[j] = out[j].v, ri[j] = out[j].id;
+}
+
+// The state's tensors checked for an op named op over T rows (errors name the argument): targets
+// [T] int64, run_v [T, k] fp32 and run_i [T, k] int64 with k >= 1, m [T] fp32, s [T] fp64, tgt [T]
+// fp32, all contiguous CPU tensors. Returns k.
+inline int64_t check_state(const char* op, int64_t T, const at::Tensor& targets, const at::Tensor& run_v,
+                           const at::Tensor& run_i, const at::Tensor& m, const at::Tensor& s, const at::Tensor& tgt) {
+  for (const at::Tensor* t : {&targets, &run_v, &run_i, &m, &s, &tgt}) ACR_CHECK_CPU(op, *t, "every tensor");
+  ACR_CHECK_DTYPE(op, targets, "targets", at::kLong);
+  ACR_CHECK_DTYPE(op, run_v, "run_v", at::kFloat);
+  ACR_CHECK_DTYPE(op, run_i, "run_i", at::kLong);
+  ACR_CHECK_DTYPE(op, m, "m", at::kFloat);
+  ACR_CHECK_DTYPE(op, s, "s", at::kDouble);
+  ACR_CHECK_DTYPE(op, tgt, "tgt", at::kFloat);
+  ACR_CHECK_DIM(op, run_v, "run_v", 2);
+  const int64_t k = run_v.size(1);
+  for (const at::Tensor* t : {&targets, &m, &s, &tgt})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == T, op, ": targets, m, s and tgt must be [", T,
+                "], got one of shape ", t->sizes());
+  TORCH_CHECK(run_v.size(0) == T && k >= 1 && run_i.sizes() == run_v.sizes(), op, ": run_v and run_i must be [", T,
+              ", k] with k >= 1, got ", run_v.sizes(), " and ", run_i.sizes());
+  TORCH_CHECK(targets.is_contiguous() && run_v.is_contiguous() && run_i.is_contiguous() && m.is_contiguous() &&
+                  s.is_contiguous() && tgt.is_contiguous(),
+              op, ": targets, run_v, run_i, m, s and tgt must be contiguous");
+  return k;
 }
 
 // One state's arrays (row 0 of each; rows are k, 1, 1 apart).
