@@ -1,8 +1,9 @@
 // The rest of a bf16 top-k log-prob call in one op (docs/ARCHITECTURE.md, "Top-k stack"): every
 // logit of ids [id0, V) computed and folded into the running state block by block while the block
 // is in L2, where the "native" core's chunk loop wrote each [T, 2,048] fp32 chunk of logits to
-// memory (mm_bf16_f32) and read it back (topk_chunk_update): 4 MB a chunk at T 512, a third of
-// the call beside its GEMM on the AMX Xeon (docs/cpu.md, "Targets").
+// memory (mm_bf16_f32) and read it back (topk_chunk_update): 4 MB a chunk at T 512. On the AMX
+// Xeon the call took 1.24–1.33× the bare bf16 GEMM's time that way, 1.00–1.24× this way (docs/cpu.md,
+// "Targets", 2026-12-07).
 //
 //   acarerank::topk_gemm_update(Tensor hidden, Tensor weight, int id0, float temperature,
 //                               Tensor targets, Tensor(a!) run_v, Tensor(b!) run_i, Tensor(c!) m,
@@ -18,8 +19,8 @@
 // as groups of kGroupRows rows allow (a row group needs no second state, but reads and packs the
 // whole weight itself), P the threads left while its copies fit kCopyBytes (else smaller row
 // groups). A task (group, part) packs its part's weight a block at a time into the VNNI layout
-// (≤ 256 columns and ≤ 512 kB: L2) and, kRowBlock rows of its group at a time, runs the GEMM into an L2 block of
-// logits and folds it into its state at once. Part 0 folds into the caller's state; part p > 0
+// (≤ 256 columns and ≤ 512 kB: L2) and, kRowBlock rows of its group at a time, runs the GEMM
+// into an L2 block of logits and folds it into its state at once. Part 0 folds into the caller's state; part p > 0
 // into a copy of the held entries with m = −inf, s = 0 (its own log-sum-exp), merged into the
 // caller's at the end: the k best of the parts' entries (the held ones, in every copy, counted
 // once) and s = Σ_p s_p·exp(m_p − shift). Memory: the copies, (P − 1)·T·k·12 bytes ≤ kCopyBytes
