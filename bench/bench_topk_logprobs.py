@@ -9,7 +9,8 @@ hidden 1,024, vocabulary 151,669, k = 128, fp32. On a GPU: 16 queries (8,192 row
                 memory yardstick (target: peak extra memory ≤ 5 %)
   torch, native, cpp, triton, cuda
                 ``topk_logprobs(backend=...)`` (native on CPU where acarerank._cpu is built: on
-                bf16 its chunk GEMM is csrc/cpu/logits_gemm.cpp where the CPU has AVX512_BF16;
+                bf16 its chunk GEMM is csrc/cpu/logits_gemm.cpp where the CPU has AVX512_BF16,
+                and after the first chunk csrc/cpu/topk_gemm_update.cpp: GEMM and merge per L2 block;
                 triton/cuda on GPU; triton on CPU only in --quick mode, under TRITON_INTERPRET=1)
 
 Time (``acarerank.benchmark.measure.time_ms``): median / 20 % / 80 % wall-clock ms of
