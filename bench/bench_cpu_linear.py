@@ -13,9 +13,15 @@ max |difference| from F.linear (0 = bitwise the same result):
   MKL packed weight (fp32)   torch.ops.mkl._mkl_reorder_linear_weight once, then torch.ops.mkl._mkl_linear
 
 Shapes (hidden 1024, 16/8 heads of 128, intermediate 3072): qkv 1024→4096, o 2048→1024,
-gate_up 1024→6144, down 3072→1024; rows 512 and 2048.
+gate_up 1024→6144, down 3072→1024; rows 512 and 2048 (or ``--rows``).
 
-    python bench/bench_cpu_linear.py [--rounds 5] [--dtype float32|bfloat16|both] [--quick]
+In bf16, the MLP's first half two ways as well (``gate_up+silu``), in turn: what the unfused
+runner runs — ``linear`` (onednn) into [rows, 6144], then ``silu_and_mul`` — and
+``gate_up_silu`` on its "native" backend (csrc/cpu/gate_up_amx.cpp: AMX tiles, SiLU·up in the
+GEMM's epilogue, [rows, 3072] written), with the max |difference| between the two; n/a with the
+reason where the kernel cannot run (no AMX tiles).
+
+    python bench/bench_cpu_linear.py [--rounds 5] [--dtype float32|bfloat16|both] [--rows 512,2048] [--quick]
 
 A variant this CPU cannot run (oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX_NE_CONVERT)
 prints the reason instead of a time. The CPU's flags and torch's version are printed first.
@@ -29,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from acarerank.benchmark.measure import timed_call
-from acarerank.ops import BackendError, linear, prepare_linear_weight
+from acarerank.ops import BackendError, PackedGateUpWeight, gate_up_silu, linear, prepare_linear_weight, silu_and_mul
 
 SHAPES = {"qkv": (1024, (16 + 8 + 8) * 128), "o": (2048, 1024), "gate_up": (1024, 2 * 3072), "down": (3072, 1024)}
 
@@ -83,12 +89,40 @@ def run_case(name: str, k: int, n: int, rows: int, dtype: torch.dtype, rounds: i
     return rows_out
 
 
+def run_gate_up_silu(rows: int, rounds: int) -> None:
+    """The MLP's first half at the gate_up shape in bf16: unfused (linear + silu_and_mul) vs fused."""
+    k, n = SHAPES["gate_up"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
+    print(f"\ngate_up+silu {k}->{n}->{n // 2}, rows {rows}, torch.bfloat16: {2.0 * rows * k * n / 1e9:.2f} GFLOP per call")
+    try:
+        unfused_w, fused_w = prepare_linear_weight(w, "onednn"), PackedGateUpWeight(w)
+    except BackendError as e:
+        print(f"  n/a: {str(e).splitlines()[0]}")
+        return
+    fs = {"linear + silu_and_mul": lambda: silu_and_mul(linear(x, unfused_w)),
+          "gate_up_silu (fused)": lambda: gate_up_silu(x, fused_w)}
+    diff = (fs["gate_up_silu (fused)"]().float() - fs["linear + silu_and_mul"]().float()).abs().max().item()
+    times = {kk: [] for kk in fs}
+    for _ in range(rounds):
+        for kk, f in fs.items():
+            times[kk].append(timed_call(f, "cpu")[1])
+    base = statistics.median(times["linear + silu_and_mul"])
+    for kk in fs:
+        med = statistics.median(times[kk])
+        print(f"  {kk:<26} median {med * 1e3:8.2f} ms  min {min(times[kk]) * 1e3:8.2f} ms  "
+              f"{2.0 * rows * k * n / 1e9 / med:7.1f} GFLOP/s  {base / med:5.2f}x")
+    print(f"  max|diff| fused vs unfused {diff:.1e} (the unfused path rounds gate and up to bf16 first)")
+
+
 def main() -> None:
     from acarerank.hardware import native_bf16
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
+    ap.add_argument("--rows", default="512,2048", help="comma-separated row counts (default 512,2048)")
     ap.add_argument("--quick", action="store_true", help="rows 64 only, 2 rounds: a smoke test")
     args = ap.parse_args()
     ok, why = native_bf16()
@@ -103,11 +137,14 @@ def main() -> None:
           f"CPU flags: {' '.join(shown) or 'unknown'}")
     dtypes = {"float32": [torch.float32], "bfloat16": [torch.bfloat16],
               "both": [torch.float32, torch.bfloat16]}[args.dtype]
-    rows_list, rounds = ((64,), 2) if args.quick else ((512, 2048), args.rounds)
+    rows_list = tuple(int(r) for r in args.rows.split(","))
+    rows_list, rounds = ((64,), 2) if args.quick else (rows_list, args.rounds)
     for dtype in dtypes:
         for rows in rows_list:
             for name, (k, n) in SHAPES.items():
                 run_case(name, k, n, rows, dtype, rounds)
+            if dtype == torch.bfloat16:
+                run_gate_up_silu(rows, rounds)
 
 
 if __name__ == "__main__":

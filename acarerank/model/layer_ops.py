@@ -10,7 +10,7 @@ residual add is fused into the norm after it:
               q, k, v = qk_norm_rope(h·W_qkvᵀ + b, q_norm, k_norm, cos, sin)   (+ k, v into their pages)
               ... attention (the runner) ...
               h = fused_add_rms_norm(attn·W_oᵀ + b_o, residual)  residual += attn·W_oᵀ + b_o
-              delta = silu_and_mul(h·W_guᵀ)·W_downᵀ
+              delta = silu_and_mul(h·W_guᵀ)·W_downᵀ       (one gate_up_silu where W_gu is packed for it)
     end:      x = residual + delta
 
 With the torch backends this is bitwise the eager layer of ``layer_blocks`` (transformers'
@@ -29,6 +29,7 @@ import torch
 
 from ..ops import backend_for
 from ..ops._native_backend import resolve_elementwise
+from ..ops.gate_up_silu import PackedGateUpWeight, gate_up_silu
 from ..ops.qk_norm_rope import OP as QK_NORM_ROPE
 from ..ops.rms_norm import OP_FUSED_ADD, OP_RMS_NORM
 from ..ops.silu_and_mul import OP as SILU_AND_MUL
@@ -90,7 +91,10 @@ class OpsLayers:
     def attn_out_mlp(self, attn: torch.Tensor, L) -> None:
         eps = self.a.rms_norm_eps
         h = self.add_norm(self.linear(attn, L.w_o, L.b_o), self.residual, L.post_norm, eps)
-        self.delta = self.linear(self.silu_mul(self.linear(h, L.w_gate_up)), L.w_down)
+        w = L.w_gate_up
+        # the AMX kernel's sums do not depend on the row count: no fixed tiles needed (batch-invariant)
+        act = gate_up_silu(h, w) if isinstance(w, PackedGateUpWeight) else self.silu_mul(self.linear(h, w))
+        self.delta = self.linear(act, L.w_down)
 
     def end(self) -> torch.Tensor:
         return self.residual if self.delta is None else self.residual.add_(self.delta)

@@ -34,6 +34,7 @@ import torch
 from .. import _fork
 from .._validate import positive_int
 from ..ops import backend_for, per_op_backends, prefix_shared_attention_paged
+from ..ops.gate_up_silu import resolve_gate_up_backend
 from ..ops.linear import linear, resolve_linear_backend
 from ..ops.rms_norm import OP_RMS_NORM
 from .block_pool import BlockPool
@@ -113,6 +114,13 @@ class _SourceWatch:
                     f"matrices and shares the others, so a pass would mix old and new weights. Build a new runner "
                     f"from the model as it is now (ATO: a snapshot per update), or from a copy "
                     f"(copy.deepcopy(model)) to keep the old weights")
+
+
+def _gate_up_backend(backend, weights: Qwen3Weights) -> str:
+    """The MLP's gate/up backend (``acarerank.ops.gate_up_silu``) for these weights: "native" (AMX
+    tiles, SiLU·up fused; ``w_gate_up`` packed for it) or "torch" (linear + silu_and_mul)."""
+    a = weights.arch
+    return resolve_gate_up_backend(backend, weights.device, weights.dtype, a.hidden_size, a.intermediate_size)
 
 
 def _storage_ptr(t) -> Optional[int]:
@@ -208,7 +216,8 @@ class Qwen3Runner:
         # the layer's element-wise ops: native CPU kernels when built, else the torch references
         self._layer_backends = resolve_layer_backends(backend, weights.device, weights.dtype, weights.arch.head_dim)
         self.linear_backend, self.linear_fallback = resolve_linear_backend(backend, weights.device, weights.dtype)
-        self.weights = weights_for_linear(weights, self.linear_backend)
+        self.gate_up_backend = _gate_up_backend(backend, weights)
+        self.weights = weights_for_linear(weights, self.linear_backend, gate_up=self.gate_up_backend)
         if prefill_chunk is None:
             prefill_chunk = DEFAULT_PREFILL_CHUNK.get(weights.device.type, DEFAULT_PREFILL_CHUNK["cuda"])
         self.prefill_chunk = positive_int("prefill_chunk", prefill_chunk)
@@ -251,7 +260,8 @@ class Qwen3Runner:
         """A runner over weights nobody else holds: their matrices are packed in place, each dense
         one freed as soon as its packed form exists (peak: the model + one matrix, not two models)."""
         per_op_backends(backend)
-        weights_for_linear(weights, resolve_linear_backend(backend, weights.device, weights.dtype)[0], in_place=True)
+        weights_for_linear(weights, resolve_linear_backend(backend, weights.device, weights.dtype)[0], in_place=True,
+                           gate_up=_gate_up_backend(backend, weights))
         return cls(weights, backend=backend, **kw)
 
     def __reduce_ex__(self, protocol):

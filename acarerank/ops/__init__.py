@@ -25,6 +25,7 @@ from .rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from .silu_and_mul import silu_and_mul, silu_and_mul_ref
 from .linear import PackedLinearWeight, linear, linear_ref, prepare_linear_weight
+from .gate_up_silu import PackedGateUpWeight, gate_up_silu, gate_up_silu_ref, prepare_gate_up_weight
 
 __all__ = [
     "BackendError", "BackendLimitError", "InferenceOnlyError", "KNOWN_BACKENDS", "available_backends", "backend_for",
@@ -42,4 +43,5 @@ __all__ = [
     "linear_logprob", "linear_logprob_op", "linear_logprob_ref", "VocabShard",
     "rms_norm", "rms_norm_ref", "fused_add_rms_norm", "fused_add_rms_norm_ref", "qk_norm_rope", "qk_norm_rope_ref",
     "silu_and_mul", "silu_and_mul_ref", "linear", "linear_ref", "prepare_linear_weight", "PackedLinearWeight",
+    "gate_up_silu", "gate_up_silu_ref", "prepare_gate_up_weight", "PackedGateUpWeight",
 ]

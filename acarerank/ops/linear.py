@@ -15,7 +15,9 @@ Backends (``OP``), chosen once per weight, when it is prepared (``prepare_linear
            says why (bf16 needs AVX512BW/VL/DQ or AVX_NE_CONVERT).
 
 ``linear`` runs whatever the weight was prepared for: nothing is reordered per call, and a packed
-weight serves any row count (M = 0, 1, 7, 4097, strided x alike).
+weight serves any row count (M = 0, 1, 7, 4097, strided x alike). A weight packed for a kernel of
+ours (a ``KernelWeight``: ``gate_up_silu.PackedGateUpWeight``, the MLP's gate/up matrix on AMX
+tiles) runs that kernel.
 
 Numerics: both backends accumulate in fp32 and round once per output; oneDNN's blocked K order
 differs from MKL's, so fp32 results differ by rounding only, each within K·2⁻²⁴·(|x|·|W|ᵀ + |b|)
@@ -79,13 +81,23 @@ class PackedLinearWeight:
         return f"PackedLinearWeight(onednn, [{self.out_features}, {self.in_features}], {self.dtype})"
 
 
-Weight = Union[torch.Tensor, PackedLinearWeight]
+class KernelWeight:
+    """A layer matrix [N, K] packed for a native kernel of ours (``gate_up_silu.PackedGateUpWeight``):
+    ``linear`` calls its ``linear_forward(x, bias)``; ``shape``, ``dtype``, ``device`` and
+    ``unpack()`` (the dense tensor, bitwise) as ``PackedLinearWeight``'s."""
+    __slots__ = ()
+
+    def linear_forward(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+Weight = Union[torch.Tensor, PackedLinearWeight, KernelWeight]
 
 
 # -- reference and backends -----------------------------------------------------------------
 def linear_ref(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Oracle: x·Wᵀ + b in fp64, rounded once to x's dtype."""
-    w = weight.unpack() if isinstance(weight, PackedLinearWeight) else weight
+    w = weight.unpack() if isinstance(weight, (PackedLinearWeight, KernelWeight)) else weight
     y = x.double() @ w.double().T
     return (y if bias is None else y + bias.double()).to(x.dtype)
 
@@ -176,6 +188,8 @@ def prepare_linear_weight(weight: Weight, backend: str) -> Weight:
     returned as is. The input is never modified."""
     if backend not in OP.backends:
         raise _backend.BackendError(f"linear has no {backend!r} backend; it has: {', '.join(sorted(OP.backends))}")
+    if isinstance(weight, KernelWeight):
+        weight = weight.unpack()
     if backend == "onednn":
         if isinstance(weight, PackedLinearWeight):
             return weight
@@ -200,7 +214,7 @@ def _check_weight(w) -> None:
 def _check(x, weight, bias) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"linear: input must be a tensor, got {type(x).__name__}")
-    if not isinstance(weight, PackedLinearWeight):
+    if not isinstance(weight, (PackedLinearWeight, KernelWeight)):
         _check_weight(weight)
     N, K = weight.shape
     if x.dim() < 1 or x.shape[-1] != K:
@@ -208,7 +222,8 @@ def _check(x, weight, bias) -> None:
     if x.dtype != weight.dtype:
         raise TypeError(f"linear: input dtype {x.dtype} differs from the weight's {weight.dtype}")
     if x.device != weight.device:
-        what = "the oneDNN-packed weight" if isinstance(weight, PackedLinearWeight) else "the weight"
+        what = ("the oneDNN-packed weight" if isinstance(weight, PackedLinearWeight) else
+                "the packed weight" if isinstance(weight, KernelWeight) else "the weight")
         raise ValueError(f"linear: input is on {x.device}, {what} on {weight.device}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape != (N,):
@@ -221,10 +236,13 @@ def _check(x, weight, bias) -> None:
 def linear(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x·Wᵀ + b on the backend ``weight`` was prepared for (module docstring).
 
-    x [..., K] (any strides), weight [N, K] dense or ``PackedLinearWeight``, bias [N] or None,
-    all one dtype and device -> y [..., N]. Bad input is a TypeError/ValueError naming it.
+    x [..., K] (any strides), weight [N, K] dense, ``PackedLinearWeight`` or ``KernelWeight``,
+    bias [N] or None, all one dtype and device -> y [..., N]. Bad input is a TypeError/ValueError
+    naming it.
     """
     _check(x, weight, bias)
+    if isinstance(weight, KernelWeight):
+        return weight.linear_forward(x, bias)
     if isinstance(weight, PackedLinearWeight):
         return inference_only("linear (oneDNN-packed weight)", "linear with the dense weight (F.linear) or linear_ref",
                               (x, bias), lambda: linear_onednn_op(x, weight.packed, bias, weight.out_features))

@@ -30,3 +30,15 @@ def test_bench_cpu_linear_quick():
     for name in ("qkv 1024->4096", "o 2048->1024", "gate_up 1024->6144", "down 3072->1024"):
         assert f"{name}, rows 64, torch.float32" in out, out
     assert out.count("F.linear ") == 4 and "max|diff|" in out, out
+
+
+@pytest.mark.slow
+def test_bench_cpu_linear_quick_bf16_runs_the_fused_gate_up():
+    out = _run("bench_cpu_linear.py", "--quick", "--dtype", "bfloat16")
+    assert "gate_up+silu 1024->6144->3072, rows 64, torch.bfloat16" in out, out
+    from acarerank.ops import _native
+
+    if _native.available() and _native.amx_tiles_kernel():
+        assert "gate_up_silu (fused)" in out and "max|diff| fused vs unfused" in out, out
+    else:
+        assert "n/a:" in out, out

@@ -217,6 +217,7 @@ OPCHECKED_NATIVE = {
     "mm_bf16_f32": "test_logits_gemm.py::test_opcheck_mm_bf16_f32",
     "topk_chunk_update": "test_logits_gemm.py::test_opcheck_topk_chunk_update",
     "topk_gemm_update": "test_topk_gemm_update.py::test_opcheck_topk_gemm_update",
+    "gate_up_amx": "test_op_gate_up_silu.py::test_opcheck_gate_up_amx",
 }
 
 
