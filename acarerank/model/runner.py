@@ -217,7 +217,7 @@ class Qwen3Runner:
         self._layer_backends = resolve_layer_backends(backend, weights.device, weights.dtype, weights.arch.head_dim)
         self.linear_backend, self.linear_fallback = resolve_linear_backend(backend, weights.device, weights.dtype)
         self.gate_up_backend = _gate_up_backend(backend, weights)
-        self.weights = weights_for_linear(weights, self.linear_backend, gate_up=self.gate_up_backend)
+        self.weights = weights_for_linear(weights, self.linear_backend, fused=self._fused_fields())
         if prefill_chunk is None:
             prefill_chunk = DEFAULT_PREFILL_CHUNK.get(weights.device.type, DEFAULT_PREFILL_CHUNK["cuda"])
         self.prefill_chunk = positive_int("prefill_chunk", prefill_chunk)
@@ -260,8 +260,9 @@ class Qwen3Runner:
         """A runner over weights nobody else holds: their matrices are packed in place, each dense
         one freed as soon as its packed form exists (peak: the model + one matrix, not two models)."""
         per_op_backends(backend)
+        fused = ("w_gate_up",) if _gate_up_backend(backend, weights) == "native" else ()
         weights_for_linear(weights, resolve_linear_backend(backend, weights.device, weights.dtype)[0], in_place=True,
-                           gate_up=_gate_up_backend(backend, weights))
+                           fused=fused)
         return cls(weights, backend=backend, **kw)
 
     def __reduce_ex__(self, protocol):
@@ -299,6 +300,10 @@ class Qwen3Runner:
         """The model's maximum context length in tokens (``Qwen3Arch.max_positions``: the config's
         ``max_position_embeddings``, scaled by its RoPE): no pass computes a position at or past it."""
         return self.arch.max_positions
+
+    def _fused_fields(self) -> tuple:
+        """The layer matrices packed for an AMX kernel of ours (``linear_weights.FUSED_FORMS``)."""
+        return ("w_gate_up",) if self.gate_up_backend == "native" else ()
 
     def _attention_backend(self) -> str:
         """The name of the backend the paged attention op runs on for this runner."""

@@ -27,19 +27,21 @@ layer's matrices (``compile_layers``, the eager layer, ``unpack()``) takes it.
 
 Numerics (native): fp32 sums in a fixed k order whatever the row count, the row's position or the
 threads (batch-invariant), SiLU·up in fp32 (its exp within 3e-6 relative), one rounding to bf16
-(the "torch" backend rounds gate and up first, then the product). Each output y is within
-    2·γ·(1.1·|u| + |SiLU(g)|) + (2⁻⁸ + 4e-6)·|y|,   γ = K·2⁻²⁴·(|x|·|W|ᵀ) of its half
-of SiLU(g)·u computed exactly from the bf16 inputs (tests/ops/test_op_gate_up_silu.py derives it).
+(the "torch" backend rounds gate and up first, then the product). With G, U the exact products of
+the bf16 inputs and γ_g = K·2⁻²⁴·(|x|·|W_g|ᵀ), γ_u likewise, each output y is within
+    2·(1.1·γ_g·(|U| + γ_u) + |SiLU(G)|·γ_u) + (2⁻⁸ + 4e-6)·|SiLU(G)·U|
+of SiLU(G)·U (tests/ops/test_op_gate_up_silu.py derives it and holds every output to it).
 ``gate_up_silu_ref`` is the oracle: the formula in fp64, rounded once.
 """
 from __future__ import annotations
 
 import torch
 
-from . import _backend, _native
+from . import _backend
 from ._backend import BackendError, BackendLimitError
 from ._checks import inference_only
 from ._native_backend import native_kernel
+from .amx_weights import AmxWeight, amx_cpu_why_not, amx_why_not, pack_gate_up, unpack_gate_up
 from .linear import KernelWeight, PackedLinearWeight, linear
 from .silu_and_mul import silu_and_mul
 
@@ -50,71 +52,35 @@ def _kernel_fake(x, packed, intermediate, silu):
     return x.new_empty(x.shape[0], intermediate if silu else 2 * intermediate)
 
 
-def _kernel():
-    return native_kernel(KERNEL, _kernel_fake)
+def why_not_native(dtype: torch.dtype, in_features: int, intermediate: int) -> str:
+    """Why the native kernel cannot take a [2·intermediate, in_features] weight of ``dtype`` here;
+    "" when it can."""
+    return amx_why_not(dtype, in_features, 2 * intermediate, 32)
 
 
-def shape_limit(dtype: torch.dtype, in_features: int, intermediate: int) -> str:
-    """Why the native kernel cannot take a [2·intermediate, in_features] weight of ``dtype``; ""
-    when it can (the CPU aside: ``OP.why_not``)."""
-    if dtype != torch.bfloat16:
-        return f"runs bfloat16 weights, not {dtype}"
-    if in_features <= 0 or in_features % 32:
-        return f"needs the input size K to be a positive multiple of 32, got {in_features}"
-    if intermediate <= 0 or intermediate % 16:
-        return f"needs the intermediate size I to be a positive multiple of 16, got {intermediate}"
-    return ""
-
-
-def pack_gate_up(w: torch.Tensor) -> torch.Tensor:
-    """[W_g; W_u] [2·I, K] -> the kernel's layout, 1-D (csrc/cpu/gate_up_amx.cpp's header):
-    packed[b][s][h][kp][c][e] = w[h·I + 16b + c][32s + 2kp + e]."""
-    I, K = w.shape[0] // 2, w.shape[1]
-    return w.reshape(2, I // 16, 16, K // 32, 16, 2).permute(1, 3, 0, 4, 2, 5).contiguous().view(-1)
-
-
-def unpack_gate_up(packed: torch.Tensor, intermediate: int, in_features: int) -> torch.Tensor:
-    """``pack_gate_up``'s inverse: the dense [2·I, K] weight (a new tensor)."""
-    I, K = intermediate, in_features
-    return packed.view(I // 16, K // 32, 2, 16, 16, 2).permute(2, 0, 4, 1, 3, 5).reshape(2 * I, K)
-
-
-class PackedGateUpWeight(KernelWeight):
-    """[W_g; W_u] [2·I, K] bf16 packed once for ``acarerank::gate_up_amx`` (the "native" backend's
-    form; ``unpack()`` gives the dense tensor back, bitwise)."""
-    __slots__ = ("packed", "intermediate", "in_features", "dtype")
+class PackedGateUpWeight(AmxWeight):
+    """[W_g; W_u] [2·I, K] bf16 packed once for ``acarerank::gate_up_amx``, gate and up interleaved
+    (``amx_weights.pack_gate_up``; the "native" backend's form; ``unpack()``: bitwise the original)."""
+    __slots__ = ()
+    _pack = staticmethod(pack_gate_up)
+    _unpack = staticmethod(unpack_gate_up)
 
     def __init__(self, weight: torch.Tensor):
         _check_weight(weight)
-        why = OP.why_not("native", weight.device) or shape_limit(weight.dtype, weight.shape[1], weight.shape[0] // 2)
-        if why:
-            raise BackendError(why if why.startswith(OP.name) else f"{OP.name}: the native backend {why}")
-        self.intermediate, self.in_features = weight.shape[0] // 2, weight.shape[1]
-        self.dtype = weight.dtype
-        self.packed = pack_gate_up(weight.detach())
+        why = OP.why_not("native", weight.device) or why_not_native(weight.dtype, weight.shape[1], weight.shape[0] // 2)
+        super().__init__(weight, why if not why or why.startswith(OP.name) else f"{OP.name}: the native backend {why}")
+        native_kernel(KERNEL, _kernel_fake)  # loaded, its fake registered: forward imports nothing
 
     @property
-    def shape(self) -> torch.Size:
-        return torch.Size((2 * self.intermediate, self.in_features))
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
-
-    def unpack(self) -> torch.Tensor:
-        return unpack_gate_up(self.packed, self.intermediate, self.in_features)
+    def intermediate(self) -> int:
+        return self.out_features // 2
 
     def forward(self, x: torch.Tensor, silu: bool) -> torch.Tensor:
         """x [..., K] (checked by the caller) -> [..., I] with SiLU·up, else [..., 2·I]."""
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > 1 and (rows.stride(1) != 1 or rows.stride(0) < self.in_features):
             rows = rows.contiguous()
-        # loaded (its fake registered) when the weight was packed: nothing to import here, so
-        # torch.compile traces this (compile_layers) as one opaque op
+        # nothing imported here, so torch.compile traces this (compile_layers) as one opaque op
         y = inference_only("gate_up_silu (AMX-packed weight)", "gate_up_silu_ref", (x,),
                            lambda: torch.ops.acarerank.gate_up_amx(rows, self.packed, self.intermediate, silu))
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -124,16 +90,12 @@ class PackedGateUpWeight(KernelWeight):
             raise ValueError("linear: a PackedGateUpWeight takes no bias (the MLP's gate/up projection has none)")
         return self.forward(x, silu=False)
 
-    def __repr__(self) -> str:
-        return f"PackedGateUpWeight(native AMX, [{2 * self.intermediate}, {self.in_features}], {self.dtype})"
-
 
 def _load_native():
-    _kernel()
-    if not _native.amx_tiles_kernel():
-        raise BackendError("gate_up_silu: native backend unavailable: it runs on AMX-BF16 tiles, which this "
-                           f"process does not use (bf16 path {_native.bf16_attention_path()!r}: no AMX, tiles "
-                           "not granted, or ACARERANK_CPU_AMX_TILES=0)")
+    why = amx_cpu_why_not()
+    if why:
+        raise BackendError(f"{OP.name}: native backend unavailable: {why}")
+    native_kernel(KERNEL, _kernel_fake)
     return lambda x, w: w.forward(x, silu=True)
 
 
@@ -158,7 +120,7 @@ def resolve_gate_up_backend(preference, device, dtype: torch.dtype, in_features:
     asked = _backend.backend_for(OP.name, pref)
     if asked == "torch":
         return "torch"
-    why = OP.why_not("native", device) or shape_limit(dtype, in_features, intermediate)
+    why = OP.why_not("native", device) or why_not_native(dtype, in_features, intermediate)
     if not why:
         return "native"
     if asked == "native" and not isinstance(pref, str):

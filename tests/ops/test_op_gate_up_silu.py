@@ -20,7 +20,8 @@ from _ext import needs_native
 from acarerank.ops import (BackendError, BackendLimitError, InferenceOnlyError, PackedGateUpWeight, gate_up_silu,
                            gate_up_silu_ref, linear, prepare_gate_up_weight, prepare_linear_weight, silu_and_mul)
 from acarerank.ops import _native
-from acarerank.ops.gate_up_silu import OP, pack_gate_up, resolve_gate_up_backend, shape_limit
+from acarerank.ops.amx_weights import pack_gate_up
+from acarerank.ops.gate_up_silu import OP, resolve_gate_up_backend, why_not_native
 
 AMX = _native.available() and _native.amx_tiles_kernel()
 needs_amx = pytest.mark.skipif(not AMX, reason="the kernel runs on AMX-BF16 tiles, which this process does not use "
@@ -198,9 +199,9 @@ def test_bad_input_is_a_clear_error():
         gate_up_silu(x.to("meta"), pw)
     with pytest.raises(ValueError, match=r"\[2·I, K\]"):
         gate_up_silu(x, torch.zeros(63, 64, dtype=BF16))
-    for bad, match in [(w.float(), "runs bfloat16 weights, not torch.float32"),
+    for bad, match in [(w.float(), "runs bfloat16 weights, not torch.float32"), (w.to("meta"), "needs CPU tensors"),
                        (torch.zeros(64, 48, dtype=BF16), "multiple of 32, got 48"),
-                       (torch.zeros(40, 64, dtype=BF16), "multiple of 16, got 20")]:
+                       (torch.zeros(40, 64, dtype=BF16), "40 output columns to be a positive multiple of 32")]:
         with pytest.raises(BackendError, match=match):
             PackedGateUpWeight(bad)
     kernel = torch.ops.acarerank.gate_up_amx
@@ -239,7 +240,7 @@ def test_choice():
     assert resolve_gate_up_backend(None, "cpu", torch.float32, 1024, 3072) == "torch"
     assert resolve_gate_up_backend("native", "cpu", torch.float32, 1024, 3072) == "torch"
     assert resolve_gate_up_backend(None, "cpu", BF16, 1000, 3072) == "torch"
-    assert shape_limit(BF16, 1000, 3072).endswith("got 1000")
+    assert why_not_native(BF16, 1000, 3072).endswith("got 1000")
     with pytest.raises(BackendLimitError, match="runs bfloat16 weights" if AMX else "gate_up_silu"):
         resolve_gate_up_backend({"gate_up_silu": "native"}, "cpu", torch.float32, 1024, 3072)
     assert "native" in OP.backends and "torch" in OP.backends
