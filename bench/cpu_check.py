@@ -65,7 +65,9 @@ PYTEST_FILES = [
     "tests/ops/test_op_linear.py", "tests/ops/test_op_qk_norm_rope_pages.py", "tests/model",
     "tests/test_pointwise.py",
     # the top-k / policy log-prob ops' bf16 logits GEMM (brgemm's AMX tiles on AMX) and candidates
-    "tests/ops/test_logits_gemm.py", "tests/ops/test_op_topk_logprobs.py",
+    "tests/ops/test_logits_gemm.py", "tests/ops/test_op_topk_logprobs.py", "tests/ops/test_topk_gemm_update.py",
+    # the MLP's gate/up GEMM on AMX tiles with SiLU·up fused (skipped where this process has no tiles)
+    "tests/ops/test_op_gate_up_silu.py",
 ]
 QUICK_PYTEST = ["tests/ops/test_native_ext.py"]
 

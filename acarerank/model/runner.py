@@ -205,7 +205,9 @@ class Qwen3Runner:
         layer matrices packed, never beside their dense copies; ``weights`` itself is not
         modified (a caller that keeps it keeps its dense matrices: ``from_pretrained`` and
         ``from_hf`` hand theirs over and pack them one at a time). The same packed matrices serve
-        every mode (eager, ``batch_invariant``, ``compile_layers``).
+        every mode (eager, ``batch_invariant``, ``compile_layers``). The MLP's gate/up matrix is
+        packed for ``acarerank.ops.gate_up_silu`` instead where its AMX kernel takes it (bf16,
+        AMX tiles; ``gate_up_backend`` "native"; ``{"gate_up_silu": "torch"}`` keeps it unfused).
         """
         _fork.enter("Qwen3Runner")  # a forked child's stale OpenMP pool: an error, not a hang
         self.compile_layers = compile_layers
