@@ -69,14 +69,6 @@ class AmxWeight(KernelWeight):
         self.packed = type(self)._pack(weight.detach())
 
     @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
-
-    @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
 

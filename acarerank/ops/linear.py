@@ -46,7 +46,22 @@ from ._checks import inference_only
 PACK_ROWS_HINT = 512
 
 
-class PackedLinearWeight:
+class PackedForm:
+    """What a packed form of a layer matrix [N, K] says of itself (``PackedLinearWeight``,
+    ``KernelWeight``): ``shape`` and ``device``, from its ``out_features``, ``in_features`` and
+    ``packed`` tensor."""
+    __slots__ = ()
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+
+class PackedLinearWeight(PackedForm):
     """A linear weight [N, K] reordered once for oneDNN (the "onednn" backend's form of it).
 
     ``packed`` is an opaque mkldnn tensor (its storage cannot be read; ``nbytes`` is the dense
@@ -62,14 +77,6 @@ class PackedLinearWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
 
     @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
-
-    @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * self.packed.element_size()
 
@@ -81,7 +88,7 @@ class PackedLinearWeight:
         return f"PackedLinearWeight(onednn, [{self.out_features}, {self.in_features}], {self.dtype})"
 
 
-class KernelWeight:
+class KernelWeight(PackedForm):
     """A layer matrix [N, K] packed for a native kernel of ours (``gate_up_silu.PackedGateUpWeight``):
     ``linear`` calls its ``linear_forward(x, bias)``; ``shape``, ``dtype``, ``device`` and
     ``unpack()`` (the dense tensor, bitwise) as ``PackedLinearWeight``'s."""
