@@ -88,7 +88,8 @@ ACR_AMX void run_tasks(int64_t t0, int64_t t1, const Gemm& g, const Epilogue& ep
   const int64_t KS = g.K / 32, NB = g.N / 32, MB = (g.M + 31) / 32;
   const int64_t nb_per = kMacroCols / 32, mb_per = kChunkRows / 32, ks_per = kChunkK / 32;
   const int64_t chunks = (MB + mb_per - 1) / mb_per;
-  acr_attn::scratch<float> C(kChunkRows * kScratchLd);
+  // a chunk's sums, no more rows than the call has (a decode step's few rows: 35 kB, not 278)
+  acr_attn::scratch<float> C(std::min(kChunkRows, MB * 32) * kScratchLd);
   acr_attn::scratch<BFloat16> pad;  // the last block's rows when fewer than 32, zeros after them
   at::native::cpublas::brgemm_release(/*is_vnni=*/true);  // brgemm reloads its own config after us
   acr_attn::TileConfig cfg;
