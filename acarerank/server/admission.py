@@ -11,14 +11,21 @@ the requests ahead of it have given back enough (docs/serving.md, "Admission by 
 * each waiter is an ``asyncio`` future, resolved on the event loop when tokens come back (no
   thread per waiter); it is granted as soon as it is at the head and fits, and a waiter that
   leaves the head (its client left, its wait ran out) lets the ones behind it try at once;
-* everything runs on the one event loop of the server: ``acquire``, ``release`` and ``abandon``
-  are not thread-safe, the caller (``RerankService``) calls them from its request tasks only.
+* requests granted together reach the engine in grant order: a granted request takes its turn
+  (``take_turn``) before it submits, and it is given only once every one granted before it has
+  submitted or left. Resolving the futures in order is not enough: a waiter's task wakes when it
+  is next scheduled, and one that was checking its client at that moment woke after the ones
+  behind it (``wait_or_drop`` polls between its waits), so they went to the engine first;
+* everything runs on the one event loop of the server: ``acquire``, ``release``, ``abandon`` and
+  ``take_turn`` are not thread-safe, the caller (``RerankService``) calls them from its request
+  tasks only.
 
 What a request counts (``score_tokens``, ``select_tokens``) is what the engine computes for it,
 counted once it is tokenized.
 
 Invariant, after every call: ``held <= budget``, and either no one waits or the head does not fit
-(``held + waiters[0].tokens > budget``).
+(``held + waiters[0].tokens > budget``); the requests granted and not yet through their turn are
+``entering``, in grant order.
 """
 from __future__ import annotations
 
@@ -77,6 +84,8 @@ class TokenBudget:
         self.held = 0
         self.released = 0          # tokens given back since the start, all together (a throughput gauge)
         self._waiters: collections.deque = collections.deque()   # (tokens, future), oldest first
+        self._entering: collections.deque = collections.deque()  # granted futures before their turn, in grant order
+        self._turns: dict = {}    # granted future -> the future that wakes its take_turn
         self._on_change = on_change
 
     @property
@@ -93,17 +102,29 @@ class TokenBudget:
         """Requests waiting ahead of ``fut``'s (all of them if it no longer waits)."""
         return next((i for i, (_, f) in enumerate(self._waiters) if f is fut), len(self._waiters))
 
+    @property
+    def entering(self) -> int:
+        """Requests granted that have not yet taken their turn (``take_turn``)."""
+        return len(self._entering)
+
     def acquire(self, tokens: int) -> Optional[asyncio.Future]:
-        """Take ``tokens`` now (None), or join the queue: the future is resolved once they are held.
+        """Take ``tokens`` now (None: held, and the caller's turn), or a future resolved once they
+        are held; its holder then waits for its turn (``take_turn``) before it submits.
 
         ``tokens`` must be at most ``budget`` (a larger request can never fit: the caller answers 413).
-        Taken now only when nobody waits: a request that arrives after a waiting one never goes first."""
+        Taken now only when nobody waits: a request that arrives after a waiting one never goes first;
+        taken now while granted ones have not had their turn, it is granted (a done future) behind them."""
         if tokens > self.budget:
             raise ValueError(f"tokens ({tokens}) exceed the budget ({self.budget}): it can never be admitted")
         if not self._waiters and self.held + tokens <= self.budget:
             self.held += tokens
             self._changed()
-            return None
+            if not self._entering:
+                return None
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+            self._entering.append(fut)
+            return fut
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append((tokens, fut))
         self._changed()
@@ -121,6 +142,7 @@ class TokenBudget:
         ones behind it may fit."""
         if fut.done() and not fut.cancelled():
             if fut.exception() is None:   # granted: it holds them (failed by fail_waiters: never held)
+                self._leave(fut)
                 self.release(tokens)
             return
         fut.cancel()
@@ -137,10 +159,33 @@ class TokenBudget:
                 fut.set_exception(error())
         self._changed()
 
+    async def take_turn(self, granted: asyncio.Future) -> None:
+        """Wait until every request granted before ``granted`` (a future of ``acquire``, done) has
+        taken its turn or left, then take it: the caller submits its work before its next ``await``,
+        so the engine sees the requests in grant order. A task cancelled here leaves the line (its
+        tokens are the caller's to give back)."""
+        try:
+            while granted in self._entering and self._entering[0] is not granted:
+                turn = self._turns[granted] = asyncio.get_running_loop().create_future()
+                await turn
+        finally:
+            self._turns.pop(granted, None)
+            self._leave(granted)
+
+    def _leave(self, fut: asyncio.Future) -> None:
+        """``fut`` is out of the entering line (its turn taken, or it left); wake the new head's turn."""
+        if fut in self._entering:
+            self._entering.remove(fut)
+        if self._entering:
+            turn = self._turns.get(self._entering[0])
+            if turn is not None and not turn.done():
+                turn.set_result(None)
+
     def _grant(self) -> None:
         while self._waiters and self.held + self._waiters[0][0] <= self.budget:
             tokens, fut = self._waiters.popleft()
             self.held += tokens
+            self._entering.append(fut)
             fut.set_result(None)
         self._changed()
 

@@ -330,7 +330,10 @@ class RerankService:
         no later request goes first), holding its admission slot and its token ids meanwhile, for
         at most ``token_wait_timeout`` seconds (then 429 with ``Retry-After``), never past
         ``deadline`` (504); a client that leaves meanwhile gives its place up at once
-        (``ClientGone``, 499), and so does a task cancelled by the drain. On the event loop only."""
+        (``ClientGone``, 499), and so does a task cancelled by the drain. Granted, it takes its turn
+        (``TokenBudget.take_turn``): the body submits its first work to the engine before its
+        first ``await``, so requests granted together reach the engine in grant order. On the
+        event loop only."""
         budget = self.max_queue_tokens
         if budget is not None and tokens > budget:
             raise APIError(413, f"this request is {tokens:,} tokens once tokenized, more than the whole queue "
@@ -340,10 +343,12 @@ class RerankService:
         self._loop = asyncio.get_running_loop()
         self._check_alive()   # a request tokenized while the service died waits for nothing
         granted = self._tokens.acquire(tokens)
-        if granted is not None:
+        if granted is not None and not granted.done():
             await wait_for_tokens(self._tokens, granted, tokens, is_disconnected, deadline, self.token_wait_timeout,
                                   self._timed_out)
         try:
+            if granted is not None:   # the engine sees the requests granted together in grant order
+                await self._tokens.take_turn(granted)
             yield
         finally:
             self._tokens.release(tokens)

@@ -116,15 +116,18 @@ async def wait_groups(engine, encs: list, rid: str, is_disconnected: IsDisconnec
     # prefix did not fit the cache's pool holds a private pool of its KV (docs/serving.md,
     # "Engine"), so a list of every job held the KV of all the request's groups till the end
     jobs = {}
+    results, running, queued = [None] * len(encs), {}, iter(range(len(encs)))
+
+    def fill() -> None:   # submit the next groups while the window has room
+        while len(running) < window and (k := next(queued, None)) is not None:
+            job = submit(engine.submit, encs[k], f"{rid}-{k}")
+            jobs[k] = job
+            running[asyncio.wrap_future(job.future)] = k
 
     async def run() -> list:
-        results, running, queued = [None] * len(encs), {}, iter(range(len(encs)))
         try:
             while True:
-                while len(running) < window and (k := next(queued, None)) is not None:
-                    job = submit(engine.submit, encs[k], f"{rid}-{k}")
-                    jobs[k] = job
-                    running[asyncio.wrap_future(job.future)] = k
+                fill()
                 if not running:
                     return results
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
@@ -141,15 +144,18 @@ async def wait_groups(engine, encs: list, rid: str, is_disconnected: IsDisconnec
     def drop():
         # one request, however many of its groups were in the engine: counted once, as the
         # rerank route counts its one job (acarerank_requests_cancelled_total counts requests)
-        if not task.done() and not dropped:
+        if task is not None and not task.done() and not dropped:
             cancelled.inc()
         dropped.append(True)
-        task.cancel()
+        if task is not None:
+            task.cancel()
         for job in list(jobs.values()):
             if not job.future.done():
                 engine.cancel(job, count=False)
-    task = asyncio.ensure_future(run())
+    task = None
     try:
+        fill()   # before the first await: the caller's turn in the token budget (hold_tokens)
+        task = asyncio.ensure_future(run())
         return await wait_for(task, drop, is_disconnected, deadline, timed_out)
     except BaseException:
         drop()

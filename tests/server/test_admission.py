@@ -190,3 +190,58 @@ def test_a_request_waiting_for_tokens_gets_the_dead_services_503_at_once(noticed
         assert later.status == 503 and reason in later.message, later.message
     finally:
         svc.stop()
+
+
+def test_requests_granted_together_reach_the_engine_in_grant_order():
+    """Four waiters granted by one release, the first of them checking its client at that moment
+    (its poll takes a while): each submits (records itself) in grant order, and one that arrives
+    then and fits goes behind them. Resolving the futures in order was not enough: the one in its
+    poll woke after the three behind it, and they reached the engine first (a flaky
+    test_serve.py::test_a_large_request_is_answered_before_the_small_ones_that_came_after_it).
+    A waiter cancelled while it waits for its turn leaves the line and gives its tokens back."""
+    from types import SimpleNamespace
+
+    from acarerank.server.service import RerankService
+
+    stub = SimpleNamespace(cache_stats=lambda: {}, max_batch_tokens=64)   # hold_tokens needs no model
+    svc = RerankService(stub, "stub", max_queue_tokens=100, token_wait_timeout=30.0)
+
+    async def run(cancel_second: bool):
+        order, checking = [], asyncio.Event()
+
+        async def slow_check():   # the first waiter's client check, in progress when the grant comes
+            checking.set()
+            await asyncio.sleep(0.05)
+            return False
+
+        async def here():
+            return False
+
+        async def request(k, tokens, check):
+            async with svc.hold_tokens(tokens, check):
+                order.append(k)   # the body's submit: before its first await
+                await asyncio.sleep(0.01)
+
+        assert svc._tokens.acquire(100) is None   # held by a request being answered
+        tasks = [asyncio.ensure_future(request(k, 20, slow_check if k == 0 else here)) for k in range(4)]
+        while svc._tokens.waiting < 4:
+            await asyncio.sleep(0.001)
+        await checking.wait()
+        svc._tokens.release(100)   # all four fit now: granted together
+        assert svc._tokens.waiting == 0 and svc._tokens.entering == 4 and svc._tokens.held == 80
+        late = asyncio.ensure_future(request(4, 10, here))   # fits, nobody waits: behind the granted ones
+        if cancel_second:
+            await asyncio.sleep(0)   # the waiters wake; the second one waits for its turn
+            await asyncio.sleep(0)
+            tasks[1].cancel()
+        results = await asyncio.gather(*tasks, late, return_exceptions=True)
+        assert svc._tokens.held == 0 and svc._tokens.entering == 0, (svc._tokens.held, svc._tokens.entering)
+        return order, results
+
+    try:
+        order, _ = asyncio.run(run(False))
+        assert order == [0, 1, 2, 3, 4], order
+        order, results = asyncio.run(run(True))
+        assert isinstance(results[1], asyncio.CancelledError) and order == [0, 2, 3, 4], (order, results)
+    finally:
+        svc.stop()
