@@ -12,6 +12,10 @@ activations they read and write. Variants run one call each in turn for ``--roun
     python bench/bench_cpu_layer.py --quick     # smoke test
     ACARERANK_CPU_LAYER_ISA=avx2 python bench/bench_cpu_layer.py   # the native ops' AVX2 build (also avx512, baseline)
 
+glibc's malloc is tuned first (``--malloc tuned``, as ``acarerank serve`` runs its passes; see
+bench_cpu_linear.py: with glibc as it is, the page faults of outputs past its mmap threshold are
+timed with the layer).
+
 torch.compile's first call (compilation) is excluded and printed. The CPU's flags are printed
 first: without native bf16 (AVX512_BF16/AMX) bf16 GEMMs are emulated, so bf16 layer times there
 say little about a bf16 machine; the element-wise table still holds.
@@ -26,6 +30,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from acarerank import malloc_tuning
 from acarerank.benchmark.measure import timed_call
 from acarerank.model.arch import Qwen3Arch
 from acarerank.model.layer_ops import CompiledLayers, OpsLayers
@@ -122,6 +127,10 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--quick", action="store_true", help="7 rows, 1 round, no torch.compile: a smoke test")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--malloc", choices=malloc_tuning.CHOICES, default="tuned",
+                    help="glibc's malloc here, as acarerank serve's --malloc (default tuned: freed blocks kept, "
+                         "as the server's passes run; default: glibc as it is, where an output over its mmap "
+                         "threshold is a fresh mapping each call and its page faults are timed with the GEMM)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,6 +142,7 @@ def main() -> None:
                         if w.startswith(("avx", "amx", "fma"))})
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; native bf16: {ok} ({why}); "
           f"CPU flags: {' '.join(flags)}")
+    print(f"malloc: {malloc_tuning.apply(args.malloc)}")
     native = all("native" in available_backends(op, "cpu") for op in OPS)
     if not native:
         print("acarerank._cpu is not built: the native variant is skipped")

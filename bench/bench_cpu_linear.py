@@ -23,6 +23,11 @@ reason where the kernel cannot run (no AMX tiles).
 
     python bench/bench_cpu_linear.py [--rounds 5] [--dtype float32|bfloat16|both] [--rows 512,2048] [--quick]
 
+glibc's malloc is tuned first (``--malloc tuned``, as ``acarerank serve`` runs its passes): with
+glibc as it is, an output over its mmap threshold (gate_up's [3,996, 6,144] bf16, 49 MB) is a
+fresh mapping each call, and its page faults were timed as the GEMM's (1.4 against 2.4 TFLOP/s
+for qkv at the same rows, ad hoc on the AMX Xeon).
+
 A variant this CPU cannot run (oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX_NE_CONVERT)
 prints the reason instead of a time. The CPU's flags and torch's version are printed first.
 """
@@ -34,6 +39,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from acarerank import malloc_tuning
 from acarerank.benchmark.measure import timed_call
 from acarerank.ops import BackendError, PackedGateUpWeight, gate_up_silu, linear, prepare_linear_weight, silu_and_mul
 
@@ -124,6 +130,10 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
     ap.add_argument("--rows", default="512,2048", help="comma-separated row counts (default 512,2048)")
     ap.add_argument("--quick", action="store_true", help="rows 64 only, 2 rounds: a smoke test")
+    ap.add_argument("--malloc", choices=malloc_tuning.CHOICES, default="tuned",
+                    help="glibc's malloc here, as acarerank serve's --malloc (default tuned: freed blocks kept, "
+                         "as the server's passes run; default: glibc as it is, where an output over its mmap "
+                         "threshold is a fresh mapping each call and its page faults are timed with the GEMM)")
     args = ap.parse_args()
     ok, why = native_bf16()
     flags = set()
@@ -135,6 +145,7 @@ def main() -> None:
     shown = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; native bf16: {ok} ({why}); "
           f"CPU flags: {' '.join(shown) or 'unknown'}")
+    print(f"malloc: {malloc_tuning.apply(args.malloc)}")
     dtypes = {"float32": [torch.float32], "bfloat16": [torch.bfloat16],
               "both": [torch.float32, torch.bfloat16]}[args.dtype]
     rows_list = tuple(int(r) for r in args.rows.split(","))
