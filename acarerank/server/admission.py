@@ -138,16 +138,17 @@ class TokenBudget:
 
     def abandon(self, fut: asyncio.Future, tokens: int) -> None:
         """The request of ``fut`` stops waiting (its client left, its wait or deadline ran out, its
-        task was cancelled): out of the queue, or, granted meanwhile, its tokens given back. Then the
-        ones behind it may fit."""
-        if fut.done() and not fut.cancelled():
-            if fut.exception() is None:   # granted: it holds them (failed by fail_waiters: never held)
-                self._leave(fut)
-                self.release(tokens)
-            return
-        fut.cancel()
-        self._waiters = collections.deque((t, f) for t, f in self._waiters if f is not fut)
-        self._grant()
+        task was cancelled, its wait raised): out of the queue, or, granted meanwhile and before its
+        turn, out of that line with its tokens given back. Then the ones behind it may go. Once per
+        future has effect: a second call, or one after its turn (its tokens are the caller's to give
+        back then) or after ``fail_waiters``, changes nothing."""
+        if fut in self._entering:
+            self._leave(fut)
+            self.release(tokens)
+        elif any(f is fut for _, f in self._waiters):
+            fut.cancel()
+            self._waiters = collections.deque((t, f) for t, f in self._waiters if f is not fut)
+            self._grant()
 
     def fail_waiters(self, error: Callable[[], BaseException]) -> None:
         """Every waiting request gets ``error()`` now, as its future's exception, and leaves the

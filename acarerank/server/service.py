@@ -344,8 +344,14 @@ class RerankService:
         self._check_alive()   # a request tokenized while the service died waits for nothing
         granted = self._tokens.acquire(tokens)
         if granted is not None and not granted.done():
-            await wait_for_tokens(self._tokens, granted, tokens, is_disconnected, deadline, self.token_wait_timeout,
-                                  self._timed_out)
+            try:
+                await wait_for_tokens(self._tokens, granted, tokens, is_disconnected, deadline,
+                                      self.token_wait_timeout, self._timed_out)
+            except BaseException:
+                # whatever ended the wait (its own ends give the place up already; this also covers
+                # a client check that raised): a grant that is never used must not hold the line
+                self._tokens.abandon(granted, tokens)
+                raise
         try:
             if granted is not None:   # the engine sees the requests granted together in grant order
                 await self._tokens.take_turn(granted)

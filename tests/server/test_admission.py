@@ -70,6 +70,8 @@ def test_a_granted_waiter_that_is_abandoned_gives_its_tokens_back():
         assert a.done() and b.done() and gate.held == 10
         gate.abandon(a, 5)         # a's task was cancelled as it was granted
         assert gate.held == 5 and gate.waiting == 0
+        gate.abandon(a, 5)         # again (its give-up, then hold_tokens' own): once only
+        assert gate.held == 5 and gate.entering == 1
         c = gate.acquire(6)
         assert not c.done() and gate.ahead_of(c) == 0
         gate.abandon(c, 6)         # c leaves while waiting: out of the queue, nothing held for it
@@ -243,5 +245,50 @@ def test_requests_granted_together_reach_the_engine_in_grant_order():
         assert order == [0, 1, 2, 3, 4], order
         order, results = asyncio.run(run(True))
         assert isinstance(results[1], asyncio.CancelledError) and order == [0, 2, 3, 4], (order, results)
+    finally:
+        svc.stop()
+
+
+def test_a_waiter_whose_client_check_raises_after_its_grant_does_not_hold_the_line():
+    """Two waiters granted by one release; the first one's client check raises (a receive that
+    broke) as it is granted. Its request fails with that error, its tokens go back, and the one
+    behind it still takes its turn: a grant never used would otherwise have held the line (and
+    its tokens) for good."""
+    from types import SimpleNamespace
+
+    from acarerank.server.service import RerankService
+
+    stub = SimpleNamespace(cache_stats=lambda: {}, max_batch_tokens=64)   # hold_tokens needs no model
+    svc = RerankService(stub, "stub", max_queue_tokens=100, token_wait_timeout=30.0)
+
+    async def run():
+        order, checking = [], asyncio.Event()
+
+        async def broken_check():
+            checking.set()
+            await asyncio.sleep(0.05)
+            raise RuntimeError("receive broke")
+
+        async def here():
+            return False
+
+        async def request(k, check):
+            async with svc.hold_tokens(20, check):
+                order.append(k)
+                await asyncio.sleep(0.01)
+
+        assert svc._tokens.acquire(100) is None
+        tasks = [asyncio.ensure_future(request(k, broken_check if k == 0 else here)) for k in range(2)]
+        while svc._tokens.waiting < 2:
+            await asyncio.sleep(0.001)
+        await checking.wait()
+        svc._tokens.release(100)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5.0)
+        assert svc._tokens.held == 0 and svc._tokens.entering == 0, (svc._tokens.held, svc._tokens.entering)
+        return order, results
+
+    try:
+        order, results = asyncio.run(run())
+        assert order == [1] and isinstance(results[0], RuntimeError) and results[1] is None, (order, results)
     finally:
         svc.stop()
