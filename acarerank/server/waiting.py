@@ -154,8 +154,13 @@ async def wait_groups(engine, encs: list, rid: str, is_disconnected: IsDisconnec
                 engine.cancel(job, count=False)
     task = None
     try:
-        fill()   # before the first await: the caller's turn in the token budget (hold_tokens)
-        task = asyncio.ensure_future(run())
+        try:
+            fill()   # before the first await: the caller's turn in the token budget (hold_tokens)
+        except Exception as e:  # noqa: BLE001 - re-raised below through wait_for, as run()'s errors are
+            task = asyncio.get_running_loop().create_future()
+            task.set_exception(e)
+        else:
+            task = asyncio.ensure_future(run())
         return await wait_for(task, drop, is_disconnected, deadline, timed_out)
     except BaseException:
         drop()

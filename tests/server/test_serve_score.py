@@ -365,6 +365,36 @@ def test_a_group_that_cannot_be_queued_answers_as_the_engine_says(server, monkey
     assert service.queued_tokens == 0 and service.waiting_for_tokens == 0
 
 
+@pytest.mark.parametrize("error, status, says", [
+    ("EngineDead", 503, ["injected"]), ("ValueError", 500, ["internal error while scoring", "ValueError: injected"])])
+def test_a_first_window_that_cannot_be_queued_answers_as_a_later_one(server, monkeypatch, error, status, says):
+    """The first window of groups is submitted before the request's first await (its turn in the
+    token budget, admission.py), outside the task that queues the later ones: an error there is
+    answered as it is for a later window (the engine's 503; anything else the 500 naming it) and
+    the group already queued is dropped."""
+    import time
+
+    from acarerank.server.engine import EngineDead
+
+    service = server["service"]
+    submit, calls = service.engine.submit, []
+
+    def submit_then_fail(enc, rid=None):
+        calls.append(rid)
+        if len(calls) == 2:
+            raise {"EngineDead": EngineDead, "ValueError": ValueError}[error]("injected")
+        return submit(enc, rid)
+    monkeypatch.setattr(service.engine, "submit", submit_then_fail)
+    monkeypatch.setattr(service.engine, "max_running", 4)   # a window of 2 groups: the second fails
+    r = server["client"].post("/score", json=dict(queries=["q0", "q1", "q2"], documents=DOCS[:3]))
+    expect_error(r, status, says)
+    assert len(calls) == 2 and service.admitted == 0
+    deadline = time.monotonic() + 30
+    while service.engine.num_jobs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.engine.num_jobs == 0 and service.queued_tokens == 0
+
+
 def test_a_score_requests_token_ids_take_4_bytes_a_token(server):
     """N to N holds every group's tokenized prompt until the request is answered, and the shared
     parts (one per distinct query) are most of its tokens: they were lists of Python ints, ~36
