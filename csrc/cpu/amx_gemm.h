@@ -12,7 +12,7 @@
 // Why a GEMM of our own: what pays is writing less — an epilogue that consumes the sums where they
 // are (L1) instead of a pass reading the GEMM's output back. The GEMM itself is slower than
 // oneDNN's: plain (column order, col = 32b + 16h + c) it measured 2.0 TFLOP/s at the 0.6B model's
-// QKV and gate/up shapes and 3,996 rows against oneDNN's 2.4 (docs/cpu.md, "Targets"), so it pays
+// QKV and gate/up shapes and 3,996 rows against oneDNN's 2.4 (docs/cpu-log.md), so it pays
 // only where the epilogue saves more than that: gate/up's SiLU·up (half the output, no pass) does;
 // a QKV epilogue of q/k norm + RoPE + page write (the same output, one pass saved) did not.
 //
@@ -22,7 +22,7 @@
 // over the macro's column blocks; the block's fp32 sums in per-thread scratch between k-chunks
 // (stored and reloaded exactly). A row's sums take the same k order whatever M, the row's place or
 // the thread count: the result is batch-invariant. 256 / 256 / 256: the best of the blockings tried
-// (docs/cpu.md, "Targets").
+// (docs/cpu-log.md).
 #pragma once
 
 #include <ATen/Parallel.h>

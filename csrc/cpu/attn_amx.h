@@ -7,8 +7,8 @@
 // M cut into powers of two. Here the tile loops are our own (a 2×2 block of 16×16 fp32 tiles per
 // k-step of 32) and the instruction stream alternates one k-step of tile products (4 tdpbf16ps)
 // with one slice of softmax work (a row's max, or 128 of its scores), so out-of-order execution
-// can run vector work while products are in flight. Measured on the AMX Xeon (docs/cpu.md,
-// "Targets"): the kernel 8–12 % faster than through brgemm at M3 depth 20; the interleaving 5 % of
+// can run vector work while products are in flight. Measured on the AMX Xeon (docs/cpu-log.md):
+// the kernel 8–12 % faster than through brgemm at M3 depth 20; the interleaving 5 % of
 // that (the same loops one after the other, ad hoc). The overlap is small: alone, the matrix unit
 // and the vector ports overlap fully, but tile loads and the softmax's vector work slow each
 // other, and the softmax (~40 % of the kernel) stays mostly on top of the products.
@@ -160,7 +160,7 @@ ACR_AMX inline void load_operands(const Operands32& o) {
 // waits for the products reading it): A rows 0–15 after the second product, B columns 0–15 after
 // the third, the rest after the fourth. Against the four loads after the four products: 4B heads
 // 98.8 against 102.2 ms, 0.6B 45.8 against 46.2 (M3 depth 20, means of five interleaved rounds;
-// docs/cpu.md, "Targets"), as in a loop of S products alone (K from L2: 23–24 against 25–26 TSC
+// docs/cpu-log.md), as in a loop of S products alone (K from L2: 23–24 against 25–26 TSC
 // cycles a product, 12 with no loads at all).
 ACR_AMX inline void products_2x2_then_load(const Operands32* next) {
   _tile_dpbf16ps(0, 4, 6);

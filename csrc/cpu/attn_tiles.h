@@ -166,7 +166,7 @@ constexpr int64_t kBrgemmRows = 256;
 // Keys per tile of the tile path (prefix_attention.cpp's KT), also the batch-invariant alignment
 // (acarerank/ops/cpu_attention.py's TILE_KEYS, checked against the module's tile_keys()). 512 rather
 // than 256: half the per-row softmax steps (max, α, rescale) per key, 6–12 % faster on AMX and in
-// fp32, the same on the avx512-bf16 tiles (docs/cpu.md, "Targets"); S (fp32) and P of a 256-row
+// fp32, the same on the avx512-bf16 tiles (docs/cpu-log.md); S (fp32) and P of a 256-row
 // block are then 512 and 256 KB, in L2 beside the two packed tiles.
 constexpr int64_t kTileKeys = 512;
 
@@ -453,7 +453,7 @@ ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
 // gives 0 for ±inf and vscalefps then 0 (−inf) or inf; a NaN stays NaN. One vreduceps where a
 // clamp, a roundscale and a subtraction were, and with the one-FMA exponent (RowMax) three vector
 // operations fewer per 16 weights: no faster alone, ~4 % of the kernel on the AMX Xeon once α's
-// chain was off the first step (docs/cpu.md, "Targets", that night).
+// chain was off the first step (docs/cpu-log.md, that night).
 ACR_AVX512_BF16 inline __m512 exp2_bf16_weights_avx512(__m512 t1) {
   const __m512 f = _mm512_reduce_ps(t1, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 y = _mm512_set1_ps(5.5008582771e-2f);
@@ -509,8 +509,8 @@ ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float sc
   constexpr float kLog2e = 1.44269504088896341f;
   // α by the weights' own exp2, no libm call per row; none where the max did not move, and 0 at
   // the first visible step (m = −inf) without one: that exp's chain of dependent operations held
-  // up the row's weights (the kernel ~5 % faster on the AMX Xeon without it, docs/cpu.md
-  // "Targets"). Its error scales a row's l and acc alike, so acc / l keeps none of it.
+  // up the row's weights (the kernel ~5 % faster on the AMX Xeon without it, docs/cpu-log.md).
+  // Its error scales a row's l and acc alike, so acc / l keeps none of it.
   const float vs = scale * kLog2e;
   const float alpha = none || m == m_new                            ? 1.f
                       : m == -std::numeric_limits<float>::infinity() ? 0.f
@@ -528,7 +528,7 @@ ACR_AVX512_BF16 inline RowMax row_max_avx512(const float* s, int64_t n, float sc
 // summed by vdpbf16ps against ones (one instruction; pairs first, then the 8 lanes). Whole vectors
 // of visible scores first, unmasked (no mask to build per vector), two at a time into two sums;
 // then the row's tail and P's zero padding, masked. With the four maxima and α above: the kernel
-// ~8 % faster on AMX at long prefixes (docs/cpu.md, "Targets").
+// ~8 % faster on AMX at long prefixes (docs/cpu-log.md).
 struct RowSums {
   __m256 s0, s1;
 };

@@ -124,7 +124,7 @@ inline void silu_mul_row(const T* g, const T* u, T* y, int64_t I) {
 // shared with the other builds): the same contract and the same exp_f32 steps on 16 lanes, in
 // two passes over the row (it stays in L1 between them). GCC's vectorisation of the portable loops
 // below ran 1.26–1.29 ns a logit on one core of an AMX Xeon, this 0.34 (2048-logit rows, timed
-// ad hoc; the op's figures: docs/cpu.md, "Targets"). Sums: one 16-lane fp32 accumulator per
+// ad hoc; the op's figures: docs/cpu-log.md). Sums: one 16-lane fp32 accumulator per
 // kChunk logits (each lane at most 16 terms, as the portable code's), added in double.
 inline void topk_chunk_row_avx512(const float* x, int64_t n, float theta, float m_old, int64_t id0, float* vals,
                                   int64_t* ids, int64_t cap, int64_t* count, float* m_new, float* csum) {

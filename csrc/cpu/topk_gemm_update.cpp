@@ -2,8 +2,8 @@
 // logit of ids [id0, V) computed and folded into the running state block by block while the block
 // is in L2, where the "native" core's chunk loop wrote each [T, 2,048] fp32 chunk of logits to
 // memory (mm_bf16_f32) and read it back (topk_chunk_update): 4 MB a chunk at T 512. On the AMX
-// Xeon the call took 1.24–1.33× the bare bf16 GEMM's time that way, 1.00–1.24× this way (docs/cpu.md,
-// "Targets", 2026-12-07).
+// Xeon the call took 1.24–1.33× the bare bf16 GEMM's time that way, 1.00–1.24× this way (docs/cpu-log.md,
+// 2026-12-07).
 //
 //   acarerank::topk_gemm_update(Tensor hidden, Tensor weight, int id0, float temperature,
 //                               Tensor targets, Tensor(a!) run_v, Tensor(b!) run_i, Tensor(c!) m,
