@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from acarerank import malloc_tuning
-from acarerank.benchmark.measure import timed_call
+from acarerank.benchmark.measure import add_malloc_flag, timed_call
 from acarerank.model.arch import Qwen3Arch
 from acarerank.model.layer_ops import CompiledLayers, OpsLayers
 from acarerank.ops import available_backends
@@ -127,10 +127,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--quick", action="store_true", help="7 rows, 1 round, no torch.compile: a smoke test")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    ap.add_argument("--malloc", choices=malloc_tuning.CHOICES, default="tuned",
-                    help="glibc's malloc here, as acarerank serve's --malloc (default tuned: freed blocks kept, "
-                         "as the server's passes run; default: glibc as it is, where an output over its mmap "
-                         "threshold is a fresh mapping each call and its page faults are timed with the GEMM)")
+    add_malloc_flag(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

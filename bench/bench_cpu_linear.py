@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from acarerank import malloc_tuning
-from acarerank.benchmark.measure import timed_call
+from acarerank.benchmark.measure import add_malloc_flag, timed_call
 from acarerank.ops import BackendError, PackedGateUpWeight, gate_up_silu, linear, prepare_linear_weight, silu_and_mul
 
 SHAPES = {"qkv": (1024, (16 + 8 + 8) * 128), "o": (2048, 1024), "gate_up": (1024, 2 * 3072), "down": (3072, 1024)}
@@ -130,10 +130,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "both"), default="both")
     ap.add_argument("--rows", default="512,2048", help="comma-separated row counts (default 512,2048)")
     ap.add_argument("--quick", action="store_true", help="rows 64 only, 2 rounds: a smoke test")
-    ap.add_argument("--malloc", choices=malloc_tuning.CHOICES, default="tuned",
-                    help="glibc's malloc here, as acarerank serve's --malloc (default tuned: freed blocks kept, "
-                         "as the server's passes run; default: glibc as it is, where an output over its mmap "
-                         "threshold is a fresh mapping each call and its page faults are timed with the GEMM)")
+    add_malloc_flag(ap)
     args = ap.parse_args()
     ok, why = native_bf16()
     flags = set()

@@ -16,6 +16,8 @@ One rule for all of them (``acarerank bench`` and every ``bench/*.py``):
   machine's CPUs are idle, so no provider starts while the other's server still finishes work.
 * ``kernel_bench_device(quick)``: a kernel benchmark's start-up (device; the Triton
   interpreter on for a quick CPU run).
+* ``add_malloc_flag(parser)``: ``--malloc`` for a benchmark that times CPU GEMMs alone, so their
+  outputs' page faults are not timed with them (the caller applies it: ``malloc_tuning.apply``).
 * ``PeakMemory`` (one call's peak above its start: CUDA allocator or Linux RSS high-water),
   ``alloc_peak_extra`` (torch's CPU allocation events) and ``rss_in_subprocess`` (a fresh
   process per measurement).
@@ -35,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .. import malloc_tuning
 from .._triton_env import enable_interpreter
 
 
@@ -149,6 +152,14 @@ def kernel_bench_device(quick: bool, cpu_default_shape: bool = False) -> Optiona
 
 
 # -- machine --------------------------------------------------------------------------------
+def add_malloc_flag(parser) -> None:
+    """``--malloc {tuned,default}`` (default tuned) on an argparse parser of a CPU GEMM benchmark."""
+    parser.add_argument("--malloc", choices=malloc_tuning.CHOICES, default="tuned",
+                        help="glibc's malloc here, as acarerank serve's --malloc (default tuned: freed blocks kept, "
+                             "as the server's passes run; default: glibc as it is, where an output over its mmap "
+                             "threshold is a fresh mapping each call and its page faults are timed with the GEMM)")
+
+
 def fill_bench_args(args, shapes: dict, positive: Sequence[str], csv_name: str):
     """A kernel benchmark's flags completed: every unset flag from ``shapes`` (its QUICK, GPU or
     CPU default shape, as the caller picked), each of ``positive`` checked >= 1 (one line naming
