@@ -93,6 +93,14 @@ def check_flag(op: str, name: str, x) -> None:
         raise TypeError(f"{op}: {name} must be a bool, got {type(x).__name__} {x!r}")
 
 
+def check_eps(op: str, eps) -> None:
+    """ValueError unless ``eps`` (an RMSNorm epsilon) is a finite real number >= 0, as
+    ``config.rms_norm_eps`` is held to (acarerank.model.arch): a NaN or negative one gives NaN
+    outputs with no error (rsqrt of a mean of squares plus it)."""
+    if not finite_real(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+
+
 def check_float_tensors(op: str, *named) -> None:
     """Each ``(name, tensor)`` of ``named`` is a floating-point tensor on the first one's device;
     else TypeError (not a tensor, not floating point) / ValueError (device) naming ``op`` and it."""

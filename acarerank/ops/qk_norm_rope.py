@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ._checks import check_float_tensors, inference_only
+from ._checks import check_eps, check_float_tensors, inference_only
 from ._native_backend import native_first_decl, register_op, resolve_elementwise
 
 
@@ -192,6 +192,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     Non-contiguous qkv/cos/sin are accepted (the native backend copies them once first).
     """
     _check(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads)
+    check_eps("qk_norm_rope", eps)
     _check_pages(qkv, k_cache, v_cache, slots, num_kv_heads, q_weight.shape[0])
     name = resolve_elementwise(OP, backend, qkv.device, qkv.dtype, head_dim=q_weight.shape[0])
     if name == "native":

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_float_tensors, inference_only
+from ._checks import check_eps, check_float_tensors, inference_only
 from ._native_backend import native_first_decl, register_op, resolve_elementwise
 
 
@@ -111,6 +111,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend=N
     A non-contiguous x is accepted (the native backend copies it once first).
     """
     _check("rms_norm", x, weight)
+    check_eps("rms_norm", eps)
     name = resolve_elementwise(OP_RMS_NORM, backend, x.device, x.dtype)
     return inference_only("rms_norm", "rms_norm_ref", (x, weight),
                           lambda: rms_norm_op(_contiguous_for(name, x), weight.contiguous(), float(eps), name))
@@ -123,6 +124,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x, residual [..., H] same shape and dtype (residual contiguous, not sharing x's or weight's memory).
     """
     _check("fused_add_rms_norm", x, weight, residual)
+    check_eps("fused_add_rms_norm", eps)
     name = resolve_elementwise(OP_FUSED_ADD, backend, x.device, x.dtype)
     return inference_only("fused_add_rms_norm", "fused_add_rms_norm_ref", (x, residual, weight),
                           lambda: fused_add_rms_norm_op(_contiguous_for(name, x), residual, weight.contiguous(),

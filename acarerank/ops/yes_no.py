@@ -13,7 +13,7 @@ import torch
 
 from . import _backend
 from ._backend import META_TOO
-from ._checks import check_float_tensors
+from ._checks import check_eps, check_float_tensors
 
 
 def _check_inputs(hidden_last, norm_weight, w_yes, w_no):
@@ -118,7 +118,7 @@ def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backe
     Args:
       hidden_last: [S, H] hidden states *before* the final RMSNorm (any float dtype).
       norm_weight: [H] final RMSNorm weight; w_yes, w_no: [H] rows 9693 / 2152 of lm_head.
-      eps: RMSNorm epsilon (config.rms_norm_eps).
+      eps: RMSNorm epsilon (config.rms_norm_eps), a finite number >= 0 (else ValueError).
       backend: a name, a per-op mapping or None (``acarerank.ops._backend``).
     Returns: (score [S] fp32 in [0, 1], logit_diff [S] fp32 = logit_yes − logit_no).
       A row whose squares overflow fp32 (|h| beyond ~1.8e19 / sqrt(H)) scores 0.5 (or NaN) on the
@@ -132,5 +132,6 @@ def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backe
     ``torch.ops.acarerank.yes_no_score``, opaque to torch.compile.
     """
     _check_inputs(hidden_last, norm_weight, w_yes, w_no)
+    check_eps("yes_no_score", eps)
     name = OP.resolve(backend, hidden_last.device)
     return yes_no_score_op(hidden_last, norm_weight, w_yes, w_no, float(eps), name)

@@ -168,6 +168,12 @@ def test_norm_bad_inputs_name_the_problem():
         fused_add_rms_norm(x, torch.zeros(8, 4).t(), torch.ones(8))
     with pytest.raises(BackendError, match="no 'cuda' backend"):
         rms_norm(x, torch.ones(8), backend="cuda")
+    # a NaN or negative epsilon gives NaN rows with no error on every backend: refused first
+    for eps in (float("nan"), -1e-6, float("-inf"), "1e-6"):
+        with pytest.raises(ValueError, match=r"rms_norm: eps must be a finite number >= 0"):
+            rms_norm(x, torch.ones(8), eps)
+        with pytest.raises(ValueError, match=r"fused_add_rms_norm: eps must be a finite number >= 0"):
+            fused_add_rms_norm(x, torch.zeros(4, 8), torch.ones(8), eps)
 
 
 # -- qk_norm_rope -----------------------------------------------------------------------------
@@ -284,6 +290,9 @@ def test_qk_norm_rope_bad_inputs_name_the_problem():
         qk_norm_rope(qkv.bfloat16(), qw.bfloat16(), kw.bfloat16(), cos.half(), sin.half(), 4, 2)
     with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
         qk_norm_rope(qkv, qw, kw, cos, sin, 4, 0)
+    for eps in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match=r"qk_norm_rope: eps must be a finite number >= 0"):
+            qk_norm_rope(qkv, qw, kw, cos, sin, 4, 2, eps)
 
 
 @needs_native

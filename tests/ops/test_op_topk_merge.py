@@ -281,6 +281,9 @@ def test_state_errors():
         tm.topk_merge_finalize(state)
     with pytest.raises(ValueError, match="outside must be one of"):
         tm.topk_merge_finalize(state, outside="drop")
+    for floor in (float("nan"), float("-inf"), True):  # as topk_logprobs: NaN would be every outside row's value
+        with pytest.raises(ValueError, match="topk_merge_finalize: floor must be a finite number"):
+            tm.topk_merge_finalize(state, floor=floor)
     with pytest.raises(TypeError, match="targets must be an int64 tensor"):
         tm.topk_merge_init(2, 4, "cpu", targets=torch.tensor([0]))
 

@@ -91,6 +91,12 @@ def test_torch_head_equals_model_card_softmax():
     assert (s - p).abs().max() <= 1e-6
     with pytest.raises(ValueError, match="w_yes"):
         yes_no_score(h, nw, wy[:-1], wn)
+    # an epsilon that is NaN or negative would score NaN (or a wrong finite value) with no error
+    for eps in (float("nan"), -1.0, float("inf"), "1e-6", None):
+        with pytest.raises(ValueError, match=r"yes_no_score: eps must be a finite number >= 0, got"):
+            yes_no_score(h, nw, wy, wn, eps=eps, backend="torch")
+    assert torch.equal(yes_no_score(h, nw, wy, wn, eps=0, backend="torch")[0],
+                       yes_no_score(h, nw, wy, wn, eps=0.0, backend="torch")[0]), "eps 0 (an int) is an epsilon"
 
 
 def _ref_grads(inputs, loss_of, dtype=torch.float64):
