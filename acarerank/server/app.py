@@ -72,6 +72,9 @@ def check_limits(req, config: ServeConfig) -> None:
         raise APIError(422, f"cache_salt of {len(salt)} characters exceeds the limit of {config.max_salt_chars} "
                             f"characters (--max-salt-chars); send a short tenant or session key (e.g. a hash)")
     chars = sum(len(getattr(req, name, None) or "") for name in CONTEXT_FIELDS)
+    kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    if isinstance(kwargs.get("instruction"), str):   # vLLM's instruction, which wins over the field's
+        chars += len(kwargs["instruction"])
     chars += sum(map(len, req.document_texts()))
     if isinstance(req, ScorePairsRequest):   # its query side is a list (the others' query is a context field)
         chars += sum(map(len, req.query_texts()))
@@ -97,6 +100,9 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     # Parsing holds the GIL in C for its whole run (~0.06 s for a 30 MB body): a pool of two keeps
     # the event loop free between bodies and bounds how many parse at once.
     parse_pool = ThreadPoolExecutor(2, thread_name_prefix="acarerank-parse")
+    # no list of a request is read past the documents the service takes (parsing.py): its own limit
+    # where it has one (a RerankService built with another than config's), else config's
+    max_items = getattr(service, "max_documents", None) or config.max_documents
     app = FastAPI(title="acarerank", summary="Qwen3 LLM rerankers: pointwise (ACARe) and setwise (AdaTutoRank)",
                   responses={code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 415, 422, 429, 503)})
     app.state.gate = state
@@ -110,7 +116,8 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
         # got the shape of however far the worker thread had got
         fields = set()
         try:
-            req = await asyncio.get_running_loop().run_in_executor(parse_pool, parse_body, body, model_cls, fields)
+            req = await asyncio.get_running_loop().run_in_executor(parse_pool, parse_body, body, model_cls, fields,
+                                                                   max_items)
         except APIError:   # the worker ended: the fields it found, if any (none: not parsed)
             request.state.body_fields = fields
             raise

@@ -1,11 +1,21 @@
 """Request bodies from bytes: msgspec decodes, pydantic validates; both off the event loop.
 
-``msgspec`` decodes the body into a struct holding only the schema's own fields (typed ``Any``):
-an unknown field is skipped without building a Python object for it (a 30 MB array of ``[]``
-in an ignored field decodes in ~0.06 s and ~70 MB here, where ``json.loads`` took 2.9 s and
-800 MB, orjson 3.6 s and 940 MB, pydantic's ``model_validate_json`` 2.2 s and 600 MB). Then the
-pydantic model (``schemas.py``) validates the known fields exactly as before: strict types,
-the same messages.
+``msgspec`` decodes the body into a struct holding only the schema's own fields, each as its raw
+JSON (``msgspec.Raw``, a view of the body): an unknown field is skipped without building a Python
+object for it (a 30 MB array of ``[]`` in an ignored field decodes in ~0.06 s and ~70 MB here,
+where ``json.loads`` took 2.9 s and 800 MB, orjson 3.6 s and 940 MB, pydantic's
+``model_validate_json`` 2.2 s and 600 MB). Then the pydantic model (``schemas.py``) validates the
+known fields: strict types, the same messages.
+
+A known field is built only as deep as the schema reads it (``_field``): a string or number
+decoded; an array's items (at most ``max_items``: more is a 413 before any is built) and an
+object's keys (as many), each item or value a string or number decoded and an array or object
+stood in for by ``[]`` or ``{}``, whose type is all pydantic's message names. Every list field of
+the schemas holds strings (``documents``: strings or objects, read for their ``text``,
+``_documents``), and the one object (``chat_template_kwargs``) is read for a string. Built in
+full, 6 MB of ``[[], [], ...]`` in ``documents`` took 28 s and 3.6 GB, most of it pydantic's
+two million errors turned into dicts by one call that holds the GIL, and ``/health`` waited
+20 s on the event loop meanwhile (2026-12-07).
 
 ``documents`` is read the same way, element by element (``_documents``): a string is decoded,
 an object only for its ``text``; the object's other keys are never built: it is kept as its raw
@@ -20,7 +30,7 @@ range in a known field, a top level that is not an object.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Optional
 
 import msgspec
 import pydantic
@@ -32,16 +42,92 @@ UTF8_BOM = b"\xef\xbb\xbf"
 
 @functools.lru_cache(maxsize=None)
 def _wire(model_cls):
-    """A msgspec struct with ``model_cls``'s field names, every one ``Any`` and optional
-    (``documents``: its raw JSON, read by ``_documents``)."""
+    """A msgspec struct with ``model_cls``'s field names, every one optional and kept as its raw
+    JSON (read by ``_field``; ``documents`` by ``_documents``)."""
     return msgspec.defstruct(f"{model_cls.__name__}Wire",
-                             [(name, msgspec.Raw if name == "documents" else Any, msgspec.UNSET)
-                              for name in model_cls.model_fields])
+                             [(name, msgspec.Raw, msgspec.UNSET) for name in model_cls.model_fields])
 
 
 class _TextWire(msgspec.Struct):
     """An object document's ``text`` (raw); its other keys are skipped unread."""
     text: msgspec.Raw = msgspec.UNSET
+
+
+#: the lists of documents (the rerank routes' and a score request's document side): their 413 is
+#: request_checks.check_documents' own
+DOCUMENT_LISTS = ("documents", "texts", "items", "data_2", "text_2")
+#: an array over the bound is counted for the 413's message when its JSON is at most this long
+#: (~20 ms); a longer one is "more than"
+COUNTED_BYTES_MAX = 1 << 20
+
+
+def _too_many(raw, where: str, max_items: int) -> APIError:
+    """The 413 for an array or object ``raw`` of more than ``max_items`` items or keys."""
+    what = "documents" if where in DOCUMENT_LISTS else f"items in {where}"
+    if len(memoryview(raw)) > COUNTED_BYTES_MAX:
+        return APIError(413, f"more {what} than the limit of {max_items} per request (--max-documents)")
+    n = len(msgspec.json.decode(raw, type=list[msgspec.Raw] if _first(raw) == b"[" else dict[str, msgspec.Raw]))
+    return APIError(413, f"{n} {what} exceed the limit of {max_items} per request (--max-documents)")
+
+
+#: the largest ``max_items`` read through ``_bounded_array`` (a struct of 65,536 fields: ~0.1 s to
+#: define once, ~0.2 ms a decode); past it an array is read whole, then counted
+BOUNDED_ARRAY_MAX = 65_536
+
+
+@functools.lru_cache(maxsize=4)
+def _bounded_array(max_items: int):
+    """A msgspec type for an array of at most ``max_items`` items, each kept raw: a struct read as an
+    array (``array_like``) with one optional field per item and no extra item allowed, so msgspec
+    stops at item ``max_items + 1`` (1 ms into ten million ``""``; a list of them read whole and
+    then counted took 0.6 s and 570 MB, holding the GIL)."""
+    return msgspec.defstruct("BoundedArray", [(f"i{k}", msgspec.Raw, msgspec.UNSET) for k in range(max_items)],
+                             array_like=True, forbid_unknown_fields=True)
+
+
+def _items(raw, where: str, max_items: Optional[int]) -> list:
+    """The raw JSON of each item of the array ``raw`` (one ``msgspec.Raw`` each, a view of the
+    body); APIError 413 when there are more than ``max_items``, found before the rest are read."""
+    if max_items is None or max_items > BOUNDED_ARRAY_MAX:
+        items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+        if max_items is not None and len(items) > max_items:
+            raise _too_many(raw, where, max_items)
+        return items
+    try:   # raw is valid JSON (the body decoded): the only error left is an item past the bound
+        slots = msgspec.structs.astuple(msgspec.json.decode(raw, type=_bounded_array(max_items)))
+    except msgspec.ValidationError:
+        raise _too_many(raw, where, max_items) from None
+    lo, hi = 0, len(slots)   # the items fill the first slots: the first one left UNSET ends them
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if slots[mid] is msgspec.UNSET:
+            hi = mid
+        else:
+            lo = mid + 1
+    return list(slots[:lo])
+
+
+def _field(raw, where: str, max_items: Optional[int]):
+    """A known field's value for pydantic from its raw JSON, built as deep as the schemas read one
+    (module docstring): an array's items and an object's values each ``_stand_in``."""
+    first = _first(raw)
+    if first == b"[":
+        return [_stand_in(item, f"{where}[{i}]") for i, item in enumerate(_items(raw, where, max_items))]
+    if first == b"{":
+        # read whole, then counted (no bounded object type: a 30 MB object of distinct keys is ~1 s)
+        entries = decode_raw_as(raw, dict[str, msgspec.Raw], where)
+        if max_items is not None and len(entries) > max_items:
+            raise _too_many(raw, where, max_items)
+        return {key: _stand_in(value, f"{where}.{key}") for key, value in entries.items()}
+    return decode_raw(raw, where)
+
+
+def decode_raw_as(raw, type_, where: str):
+    """``raw`` decoded as ``type_``; APIError 422 naming ``$.where`` if msgspec cannot."""
+    try:
+        return msgspec.json.decode(raw, type=type_)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise APIError(422, f"malformed JSON body: {e} - at `$.{where}`") from None
 
 
 def decode_raw(raw, where: str):
@@ -69,12 +155,13 @@ def _stand_in(raw, where: str):
     return decode_raw(raw, where)
 
 
-def _documents(raw):
+def _documents(raw, max_items: Optional[int]):
     """``(documents for pydantic, raw JSON of each object document or None)`` from the raw
-    ``documents`` value (module docstring): objects are read for their ``text`` only."""
+    ``documents`` value (module docstring): objects are read for their ``text`` only; 413 past
+    ``max_items`` documents, before any is read."""
     if _first(raw) != b"[":
         return _stand_in(raw, "documents"), None
-    items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+    items = _items(raw, "documents", max_items)
     docs, raws = [], []
     for i, item in enumerate(items):
         if _first(item) == b"{":
@@ -100,8 +187,12 @@ def validation_message(errors) -> str:
     return "invalid request: " + "; ".join(problems)
 
 
-def parse_body(body: bytes, model_cls, fields: Optional[set] = None):
+def parse_body(body: bytes, model_cls, fields: Optional[set] = None, max_items: Optional[int] = None):
     """``model_cls`` (a pydantic model) from a JSON body, or ``APIError(422)``. Blocking: run it in a worker.
+
+    max_items: the most items a known array field (or keys a known object field) may hold, else
+    ``APIError(413)`` before they are read: the server's ``--max-documents``, which every list of a
+    request is held to (documents, texts, a score request's either side) or far below (None: no bound).
 
     fields: if given, gets the body's top-level fields of ``model_cls`` that are not null once the
     JSON is decoded, also when validation then fails (the app picks an error's shape by them:
@@ -122,11 +213,13 @@ def parse_body(body: bytes, model_cls, fields: Optional[set] = None):
         raise APIError(422, f"malformed JSON body: {e}") from None
     data = {name: v for name in model_cls.model_fields if (v := getattr(wire, name)) is not msgspec.UNSET}
     if fields is not None:   # null is the field left out, as validation reads it (docs/serving.md, "Endpoints")
-        fields.update(name for name, v in data.items()
-                      if v is not None and not (isinstance(v, msgspec.Raw) and _first(v) == b"n"))
+        fields.update(name for name, v in data.items() if _first(v) != b"n")
     raws = None
-    if "documents" in data:
-        data["documents"], raws = _documents(data["documents"])
+    for name, raw in data.items():
+        if name == "documents":
+            data[name], raws = _documents(raw, max_items)
+        else:
+            data[name] = _field(raw, name, max_items)
     try:
         req = model_cls.model_validate(data)
     except pydantic.ValidationError as e:

@@ -91,9 +91,10 @@ def check_vllm_options(req) -> Optional[str]:
         raise APIError(400, f"padding={req.padding!r} is not supported: prompts are never padded ('do_not_pad')")
     kwargs = req.chat_template_kwargs or {}
     other = sorted(k for k in kwargs if k != "instruction")
-    if other:
-        raise APIError(400, f"chat_template_kwargs {other} not supported: the prompt template is fixed; only "
-                            f"'instruction' is read (as the instruction field)")
+    if other:   # named, the first five: up to --max-documents keys reach here
+        more = f" and {len(other) - 5} more" if len(other) > 5 else ""
+        raise APIError(400, f"chat_template_kwargs {other[:5]}{more} not supported: the prompt template is fixed; "
+                            f"only 'instruction' is read (as the instruction field)")
     instruction = kwargs.get("instruction", req.instruction)
     if instruction is not None and not isinstance(instruction, str):
         raise APIError(400, f"chat_template_kwargs['instruction'] must be a string, got "

@@ -104,8 +104,8 @@ def test_a_request_cut_during_its_parse_is_answered_as_one_not_parsed(monkeypatc
     parsing, release = threading.Event(), threading.Event()
     real = app_module.parse_body
 
-    def slow_parse(body, model_cls, fields=None):
-        req = real(body, model_cls, fields)   # the fields are known here: "documents"
+    def slow_parse(body, model_cls, fields=None, max_items=None):
+        req = real(body, model_cls, fields, max_items)   # the fields are known here: "documents"
         parsing.set()
         release.wait(30)
         return req

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 import pytest
 from _optional import require
@@ -418,6 +419,12 @@ def test_request_limits(server):
     assert r.status_code == 413 and str(MAX_CHARS) in err["message"] and "characters" in err["message"], r.text
     r = httpx.post(base + "/v1/select", json=dict(query="q", documents=["x" * MAX_CHARS, "y"]))
     assert r.status_code == 413 and str(MAX_CHARS) in r.json()["error"]["message"], r.text
+    # vLLM's chat_template_kwargs instruction wins over the field (request_checks.check_vllm_options),
+    # so it is counted as the field is: it went on to the tokenizer uncounted until 2026-12-07
+    for path in ("/v1/rerank", "/score"):
+        sides = dict(query="q", documents=["d"]) if path == "/v1/rerank" else dict(text_1="q", text_2=["d"])
+        r = httpx.post(base + path, json=dict(sides, chat_template_kwargs={"instruction": "x" * (MAX_CHARS + 1)}))
+        assert r.status_code == 413 and "--max-request-chars" in r.text, (path, r.status_code, r.text[:300])
 
 
 def test_bodies_that_bypass_admission_are_capped(server):
@@ -492,6 +499,81 @@ def test_stalled_uploads_do_not_fill_the_queue_and_big_bodies_do_not_stall_healt
     # the bound leaves room for a loaded machine
     assert max(slowest) < 2.0, f"/health took {max(slowest):.2f} s during a 31 MB body ({slowest})"
     assert peak - rss0 < 300, f"a 31 MB body of ignored [] grew the server by {peak - rss0:.0f} MB"
+
+
+def _sent_while_probing_health(base, pid, path, body):
+    """POST ``body`` to ``path`` in a thread while ``/health`` is probed: (the response, the slowest
+    /health in s, the server's peak RSS growth in MB)."""
+    rss0 = rss_mb(pid)
+    out, slowest, peak = {}, [0.0], rss0
+    t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+        base + path, content=body, headers={"content-type": "application/json"}, timeout=60)))
+    t.start()
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert health_ok(base)
+        slowest.append(time.monotonic() - t0)
+        peak = max(peak, rss_mb(pid))
+        time.sleep(0.02)
+    t.join()
+    return out["r"], max(slowest), peak - rss0
+
+
+def _array(item: bytes, n: int) -> bytes:
+    return b"[" + b",".join([item] * n) + b"]"
+
+
+def _flood(head: bytes, value) -> Callable[[], bytes]:
+    """A body ``{<head>, ..., <the JSON ``value()`` gives>}``, built when its test runs."""
+    return lambda: b"{" + head + value() + b"}"
+
+
+RERANK = b'"query": "q", "documents": ["d"], '
+# route, body, status, words of the message: lists and an object in known fields, each far past
+# --max-documents (the fixture's default 1,000)
+_KNOWN_FIELD_FLOODS = {
+    "documents of []": ("/v1/rerank", _flood(b'"query": "q", "documents": ', lambda: _array(b"[]", 2_000_000)),
+                        413, ["more documents than the limit of 1000"]),
+    "ten million empty documents": ("/v1/rerank", _flood(b'"query": "q", "documents": ',
+                                                         lambda: _array(b'""', 10_000_000)),
+                                    413, ["more documents than the limit of 1000"]),
+    "texts of []": ("/rerank", _flood(b'"query": "q", "texts": ', lambda: _array(b"[]", 2_000_000)),
+                    413, ["documents"]),
+    "rank_fields of []": ("/v1/rerank", _flood(RERANK + b'"rank_fields": ', lambda: _array(b"[]", 2_000_000)),
+                          413, ["items in rank_fields"]),
+    "model as an array": ("/v1/rerank", _flood(RERANK + b'"model": ', lambda: _array(b"[]", 2_000_000)),
+                          413, ["items in model"]),
+    "text_2 of []": ("/score", _flood(b'"text_1": "q", "text_2": ', lambda: _array(b"[]", 2_000_000)),
+                     413, ["documents"]),
+    "a value of chat_template_kwargs": ("/v1/rerank", _flood(RERANK + b'"chat_template_kwargs": ',
+                                                             lambda: b'{"x": ' + _array(b"[]", 2_000_000) + b"}"),
+                                        400, ["chat_template_kwargs"]),
+    "keys of chat_template_kwargs": ("/v1/rerank",
+                                     _flood(RERANK + b'"chat_template_kwargs": ',
+                                            lambda: b"{" + b",".join(b'"k%d": 0' % i for i in range(500_000)) + b"}"),
+                                     413, ["items in chat_template_kwargs"]),
+    "1,001 documents": ("/v1/rerank", lambda: json.dumps(dict(query="q", documents=["d"] * 1001)).encode(),
+                        413, ["1001 documents exceed the limit of 1000"]),
+}
+
+
+@pytest.mark.parametrize("case", _KNOWN_FIELD_FLOODS)
+def test_a_known_field_full_of_items_is_refused_before_it_is_read(server, case):
+    """A list (or object) field of the schema holding millions of items: refused by its count before
+    any item is built, the event loop free meanwhile. Until 2026-12-07 every item was built, then
+    validated, and pydantic's error for each turned into a dict in one call that holds the GIL:
+    6 MB of [] in documents took 28 s and 3.6 GB, /health waited 20 s; ten million "" documents got
+    their 413 after 18.6 s, holding one of the two parse workers."""
+    path, make_body, status, words = _KNOWN_FIELD_FLOODS[case]
+    body = make_body()
+    t0 = time.monotonic()
+    r, slowest, grew = _sent_while_probing_health(server["base"], server["proc"].pid, path, body)
+    took = time.monotonic() - t0
+    assert r.status_code == status and all(w in r.text for w in words), (r.status_code, r.text[:300])
+    assert len(r.content) < 2000, f"a {len(r.content)}-byte error body"
+    assert took < 5.0, f"{case}: answered after {took:.1f} s"
+    assert slowest < 2.0, f"{case}: /health took {slowest:.2f} s"
+    assert grew < 300, f"{case}: the server grew by {grew:.0f} MB for a {len(body) / 1e6:.0f} MB body"
 
 
 def test_upload_cut_short_is_499_logged_once(server):

@@ -130,10 +130,13 @@ def test_limits_are_the_rerank_routes(server):
     c = server["client"]
     many = [f"d{i}" for i in range(MAX_DOCUMENTS + 1)]
     want = c.post("/v1/rerank", json=dict(query="q", documents=many))
-    for body in (dict(text_1="q", text_2=many), dict(queries=many, documents=many)):
+    for body in (dict(text_1="q", text_2=many), dict(queries=["q"], documents=many), dict(data_1="q", data_2=many)):
         r = c.post("/score", json=body)
         expect_error(r, 413, [f"{MAX_DOCUMENTS + 1} documents exceed the limit of {MAX_DOCUMENTS}"])
         assert r.json() == want.json()
+    # N to N: the query side is the first list read (parsing.py: no list is read past the limit)
+    expect_error(c.post("/score", json=dict(queries=many, documents=many)), 413,
+                 [f"{MAX_DOCUMENTS + 1} items in queries exceed the limit of {MAX_DOCUMENTS}"])
     half = "x" * (MAX_CHARS // 2)
     expect_error(c.post("/score", json=dict(queries=[half, half], documents=["a", "b"])), 413,
                  ["--max-request-chars"])
