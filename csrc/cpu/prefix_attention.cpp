@@ -678,8 +678,11 @@ Meta check_and_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(mt.cp[0] == 0, kOp, ": cu_prefix_lens must start at 0");
   for (int64_t g = 0; g < G; ++g)
     TORCH_CHECK(mt.cp[g + 1] >= mt.cp[g], kOp, ": cu_prefix_lens decreases at ", g);
+  // the head_dim's stride is read nowhere when it has one element (head_dim 1) or the tensor none:
+  // torch calls such a tensor contiguous whatever that stride, so .contiguous() leaves it as it is
+  auto unit_last = [](const at::Tensor& t) { return t.stride(-1) == 1 || t.size(-1) == 1 || t.numel() == 0; };
   for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->stride(2) == 1, kOp, ": the head_dim of q/k/v must have stride 1, got strides ", t->strides());
+    TORCH_CHECK(unit_last(*t), kOp, ": the head_dim of q/k/v must have stride 1, got strides ", t->strides());
   TORCH_CHECK(kc.sizes() == vc.sizes(), kOp, ": prefix_k ", kc.sizes(), " and prefix_v ", vc.sizes(), " differ");
   if (block_table.has_value()) {
     check_int32(*block_table, "block_table", 2);
@@ -687,7 +690,7 @@ Meta check_and_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     const at::Tensor& bt = mt.bt_owner;
     TORCH_CHECK(kc.dim() == 4 && kc.size(2) == mt.Hkv && kc.size(3) == mt.d, kOp,
                 ": k_cache must be [num_blocks, block_size, ", mt.Hkv, ", ", mt.d, "], got ", kc.sizes());
-    TORCH_CHECK(kc.stride(3) == 1 && vc.stride(3) == 1, kOp, ": the head_dim of the caches must have stride 1");
+    TORCH_CHECK(unit_last(kc) && unit_last(vc), kOp, ": the head_dim of the caches must have stride 1");
     TORCH_CHECK(bt.size(0) == G, kOp, ": block_table has ", bt.size(0), " rows for ", G, " groups");
     mt.bt = bt.const_data_ptr<int32_t>();
     mt.max_blocks = bt.size(1);
@@ -708,7 +711,7 @@ Meta check_and_read(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   } else {
     TORCH_CHECK(kc.dim() == 3 && kc.size(1) == mt.Hkv && kc.size(2) == mt.d, kOp, ": prefix_k must be [Ptot, ",
                 mt.Hkv, ", ", mt.d, "], got ", kc.sizes());
-    TORCH_CHECK(kc.stride(2) == 1 && vc.stride(2) == 1, kOp, ": the head_dim of prefix_k/v must have stride 1");
+    TORCH_CHECK(unit_last(kc) && unit_last(vc), kOp, ": the head_dim of prefix_k/v must have stride 1");
     TORCH_CHECK(mt.cp[G] == kc.size(0), kOp, ": cu_prefix_lens ends at ", mt.cp[G], " but prefix_k has ", kc.size(0),
                 " rows");
   }

@@ -245,6 +245,36 @@ def test_non_contiguous_q_and_strided_pool():
     assert (out - ref).abs().max().item() <= 1e-5, report(out, ref)
 
 
+def _unit_head_dim_odd_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [..., 1] as a tensor torch calls contiguous whose last (size-1) dim has a stride ≠ 1."""
+    c = t.contiguous()
+    odd = c.as_strided(c.shape, (*c.stride()[:-1], 7))   # the one element of each row: stride unread
+    assert odd.is_contiguous() and odd.stride(-1) == 7
+    return odd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dim_one_with_any_stride_of_its_single_element(dtype):
+    """head_dim 1: torch calls a tensor contiguous whatever its last dim's stride, so the wrappers'
+    copy left it as it was and the kernel refused it ("must have stride 1"), the CPU default too;
+    an empty batch made by arithmetic the same. That stride is read nowhere there."""
+    paged, packed = make([7, 1, 13], [20, 3], [0, 1, 1], 4, 2, 1, 16, dtype=dtype)
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    pk, pv = packed[4], packed[5]
+    odd = [_unit_head_dim_odd_strides(t) for t in (q, k, v, kc, vc, pk, pv)]
+    ref = ref32(packed)
+    for name, out in (("paged", prefix_shared_attention_paged(*odd[:3], cu, odd[3], odd[4], bt, pl, sg, backend="native")),
+                      ("packed", prefix_shared_attention(*odd[:3], cu, odd[5], odd[6], packed[6], sg)),
+                      ("packed, contiguous", prefix_shared_attention(*packed, backend="native"))):
+        assert (out.float() - ref).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2), \
+            f"{name}: " + report(out, ref)
+    empty = torch.randn(0, 4, 1, dtype=dtype) * 1.0   # strides of an empty product: not 1 in its last dim
+    out = prefix_shared_attention(empty, empty[:, :2], empty[:, :2], torch.zeros(1, dtype=torch.int32),
+                                  pk[:0], pv[:0], torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                                  backend="native")
+    assert out.shape == (0, 4, 1)
+
+
 @pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (torch.bfloat16, 128)])
 def test_thread_count_does_not_change_a_bit(dtype, d):
     """Tasks are independent (each owns its rows), on the fp32 and the bf16 tiles alike: 1 and 2
