@@ -266,6 +266,11 @@ class ChunkedPrefill:
         """Compute up to ``max_tokens`` (>= 1) more prefix tokens; returns how many were computed.
         In batch-invariant mode a step that does not finish the prefix computes a multiple of
         ``runner.prefix_align`` tokens: at least that many, whatever ``max_tokens`` says."""
+        # resume where the committed rows end: a step that raised may have committed some of its
+        # passes (extend commits each), and pos, moved only on success, then lay behind them, so a
+        # retry appended those tokens again and the tree filed their repeat under the next ones'
+        # ids (a later hit read another position's K/V with no error)
+        self.pos = self.cache.lengths[0]
         if self.done:
             return 0
         rest = len(self.prefix) - self.pos
@@ -286,7 +291,7 @@ class ChunkedPrefill:
             self._private()
             cache.free()  # recomputed privately: no hits (none were counted yet)
             return self.step(max_tokens)
-        self.pos += n
+        self.pos = self.cache.lengths[0]
         if self.done:
             self._complete()
         return n

@@ -141,6 +141,7 @@ class GreedyStepper:
             self.head = runner.lm_head[self.vocab]                     # [14, H]: the only rows a mask lets through
         self.outputs: List[List[int]] = [[] for _ in prompts]
         self.feed = [[p[-1]] for p in prompts]                        # tokens each group sends in the next step
+        self._fed_rows: Optional[torch.Tensor] = None                 # [S, H] of a step whose choice raised
         self.running = [g for g in range(len(prompts))
                         if not _force(g, states, self.outputs, self.feed, max_new_tokens)]
 
@@ -155,9 +156,15 @@ class GreedyStepper:
         if not running:
             return 0
         fed = sum(len(feed[g]) for g in running)
-        hidden = self.runner.forward(self.cache, [feed[g] for g in running], running, output="last",
-                                     append=True)                                          # [S, H]
-        nxt = self._next_tokens(hidden, running)
+        # the fed tokens are in the cache once the pass returns: a step whose choice then raised (an
+        # out-of-memory [S, V], non-finite logits) keeps the pass's rows, so a retried step chooses
+        # from them instead of feeding those tokens again at the next positions (which it did: a
+        # different selection, no error)
+        if self._fed_rows is None:
+            self._fed_rows = self.runner.forward(self.cache, [feed[g] for g in running], running, output="last",
+                                                 append=True)                              # [S, H]
+        nxt = self._next_tokens(self._fed_rows, running)
+        self._fed_rows = None
         still = []
         for g, tok in zip(running, nxt):
             outputs[g].append(tok)

@@ -118,3 +118,47 @@ def test_setwise_prefill_and_select_give_back_every_page(model, fault_at, layer)
         pc.step(30)
     pc.cache.free()
     assert all(c <= 1 for c in pool.refcount), "only the tree's own references remain"
+
+
+def test_a_step_that_failed_after_some_passes_resumes_where_they_end(model, monkeypatch):
+    """A step of several passes (``extend`` commits each) that fails in a later one, then retried:
+    the retry starts where the committed rows end. It started where the step had (its position
+    moved only on success), appended the committed tokens again, and the finished prefix went into
+    the tree with those repeats filed under the next tokens' ids: a later hit read another
+    position's K/V with no error (a /v1/select retried by the engine after an out-of-memory pass,
+    then every selection of that prompt; a next-token logit 0.375 off in a tiny fp32 model)."""
+    from acarerank.model import Qwen3Runner
+
+    runner = Qwen3Runner.from_hf(model, prefill_chunk=16)
+    sr = SetwiseReranker(runner=runner, tokenizer=PointwiseReranker(model=model).tokenizer)
+    prefix = [int(t) for t in torch.randint(100, 5000, (90,), generator=torch.Generator().manual_seed(4))]
+    passes, pages = [0], PagedKVCache.pages
+
+    def third_pass_fails(self, layer):
+        if layer == 0:
+            passes[0] += 1
+            if passes[0] == 3:
+                raise torch.OutOfMemoryError("injected on the step's third pass")
+        return pages(self, layer)
+
+    monkeypatch.setattr(PagedKVCache, "pages", third_pass_fails)
+    pc = ChunkedPrefill(runner, sr._cache_slot, prefix)
+    with pytest.raises(torch.OutOfMemoryError):
+        pc.step(64)   # passes of 16 rows: two committed, the third raised
+    assert pc.cache.lengths[0] == 32, pc.cache.lengths
+    while not pc.done:
+        pc.step(64)
+    assert pc.cache.lengths[0] == len(prefix), \
+        f"the cache holds {pc.cache.lengths[0]} rows of a {len(prefix)}-token prefix"
+    pc.cache.free()
+    monkeypatch.setattr(PagedKVCache, "pages", pages)
+    hit, hits = prefill_cached(runner, sr._cache_slot, [prefix])
+    fresh = runner.prefill([prefix])
+    try:
+        assert hits[0] >= 64, f"the prefix was not cached ({hits})"
+        got, want = (runner.logits(runner.forward(c, [[42]], [0]))[0] for c in (hit, fresh))
+        assert (got - want).abs().max().item() <= 1e-4, \
+            f"a hit on the retried prefix: next-token logits {(got - want).abs().max().item():.3g} off a fresh one's"
+    finally:
+        hit.free()
+        fresh.free()

@@ -534,3 +534,36 @@ def test_batch_invariant_step_logits_the_same_alone_and_in_a_batch(model, qwen3_
     bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
     assert not bad, (f"steps {bad} of query 0 differ alone and in a batch of 3 (constrained={constrained}): max "
                      f"{max((got[i] - want[i]).nan_to_num().abs().max().item() for i in bad):.2e}")
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_a_decode_step_whose_choice_raised_is_retried_exactly(model, qwen3_tokenizer, monkeypatch, constrained):
+    """A decode step whose pass went through (its tokens in the cache) and whose choice then raised
+    (an out-of-memory [S, V] logits tensor; non-finite logits), then retried: the retry chooses
+    from that pass's rows. It fed the same tokens again at the next positions, and the selection
+    came out different from a fresh reranker's, with no error."""
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=24)
+    fresh = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=24, prefix_cache=False)
+    args = ("capital of France?", DOCS[:6], None, 3, constrained)
+    st = sr.start_select(sr.encode_select(*args))
+    while st.prefilling:
+        sr.prefill_select(st, 10_000)
+    sr.decode_select(st)
+    real = sr.runner.logits
+
+    def out_of_memory(*a, **k):
+        raise torch.OutOfMemoryError("injected: the step's logits")
+
+    monkeypatch.setattr(sr.runner, "logits", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        sr.decode_select(st)
+    monkeypatch.setattr(sr.runner, "logits", real)
+    sr.decode_select(st)
+    dec = st.decoder   # the cache holds the prompt but its last token, then every token fed: the outputs
+    assert dec.cache.lengths[0] == len(st.encoding.prompt.input_ids) - 1 + len(dec.outputs[0]), \
+        f"{dec.cache.lengths[0]} rows cached for a {len(st.encoding.prompt.input_ids)}-token prompt and " \
+        f"{len(dec.outputs[0])} outputs"
+    while not st.done:
+        sr.decode_select(st)
+    got, want = sr.finish_select(st), fresh.select(*args)
+    assert (got.text, got.indices) == (want.text, want.indices), f"{got} after a retried step, {want} fresh"
