@@ -269,14 +269,28 @@ def check_finite_weight(t: torch.Tensor, name: str, place: str, stored: torch.Te
                           f"tokens chosen from NaN logits, so it is not loaded")
 
 
+#: a causal-LM or classifier's own tensors, beside the decoder's (``model.``) ones
+HEAD_NAMES = ("lm_head.weight", "score.weight")
+
+
+def causal_lm_names(names: dict) -> dict:
+    """``names`` (tensor name -> anything) of a bare Qwen3Model (``embed_tokens.weight``, no
+    ``model.`` prefix) under Qwen3ForCausalLM's names, as transformers' from_pretrained reads them:
+    the decoder's prefixed, a head stored beside it kept. Prefixed too, ``lm_head.weight`` became
+    ``model.lm_head.weight``, unread: a tied config then scored with the embedding as its head
+    and only an "unused tensor" warning, an untied one said there was no lm_head. Else as given."""
+    if "embed_tokens.weight" not in names or "model.embed_tokens.weight" in names:
+        return names
+    return {(k if k in HEAD_NAMES else "model." + k): v for k, v in names.items()}
+
+
 def weights_from_hf(model) -> Qwen3Weights:
     """From an in-memory ``transformers`` Qwen3ForCausalLM or Qwen3ForSequenceClassification (its dtype and device)."""
     if not hasattr(model, "config") or not hasattr(model, "state_dict"):
         raise TypeError(f"expected a transformers Qwen3ForCausalLM, got {type(model).__name__}")
     arch = Qwen3Arch.from_config(model.config)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    if "embed_tokens.weight" in sd and "model.embed_tokens.weight" not in sd:  # a bare Qwen3Model
-        sd = {"model." + k: v for k, v in sd.items()}
+    sd = causal_lm_names(sd)   # a bare Qwen3Model's
     if not sd:
         raise CheckpointError(f"{type(model).__name__} has no parameters")
     p = next(iter(sd.values()))
@@ -401,11 +415,8 @@ def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weight
         if missing:
             raise CheckpointError(f"{index} lists tensor {missing[0]!r} in {weight_map[missing[0]]!r}, which does not "
                                   f"contain it ({len(missing)} such tensors)")
-    if "embed_tokens.weight" in location and "model.embed_tokens.weight" not in location:
-        # a bare Qwen3Model's names (save_pretrained of the decoder alone), read under the
-        # Qwen3ForCausalLM prefix as transformers' from_pretrained reads them
-        location = {"model." + k: v for k, v in location.items()}
-        raw = {"model." + k: v for k, v in raw.items()}
+    # a bare Qwen3Model's names (save_pretrained of the decoder alone, a head perhaps beside it)
+    location, raw = causal_lm_names(location), causal_lm_names(raw)
     sd = _LazyTensors(handles, location, raw)
     source = f"checkpoint {path!r} ({os.path.basename(index) if index else 'model.safetensors'})"
     return _from_state_dict(arch, sd, dtype, torch.device(device), source=source, id2label=cfg.get("id2label"),

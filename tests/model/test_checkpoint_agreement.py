@@ -467,6 +467,27 @@ def test_a_headless_qwen3model_reads_as_transformers_causal_lm_with_a_warning(to
             load()
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_decoder_names_without_their_prefix_beside_an_lm_head_score_as_transformers(saved, tok, tmp_path, tie):
+    """The decoder's tensors stored without ``model.`` (a bare Qwen3Model's names) beside an
+    ``lm_head.weight``: transformers reads that head. Every name was prefixed, the head's too: untied,
+    'no tensor lm_head.weight' (it is there); tied, the embedding was the output layer and the
+    scores 0.11 off transformers', with only an "unused tensor" warning (tiny fp32 model)."""
+    from transformers import Qwen3ForCausalLM
+
+    ckpt = shutil.copytree(saved, tmp_path / "c")
+    _edit_tensors(ckpt, lambda sd: sd.update({k[6:]: sd.pop(k) for k in list(sd) if k.startswith("model.")}))
+    _edit_config(ckpt, tie_word_embeddings=tie)
+    assert {"lm_head.weight", "embed_tokens.weight"} <= set(load_file(ckpt / "model.safetensors"))
+    hf = Qwen3ForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, attn_implementation="eager").eval()
+    want = official_scores(hf, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # tied: the stored head differs from the embedding (said, and used)
+        rr = PointwiseReranker.from_pretrained(str(ckpt), dtype=torch.float32)
+    got = rr.score("q", DOCS)
+    assert close(got, want), f"{got} against transformers' {want}"
+
+
 def test_another_family_named_over_qwen3_tensors_warns_and_scores_as_transformers(saved, tok, tmp_path):
     """architectures ['Qwen2ForCausalLM'] beside model_type qwen3 and a Qwen3's tensors: transformers'
     Auto classes pick Qwen3ForCausalLM by model_type, so it loads (it did, without a word) — now
