@@ -152,6 +152,26 @@ def _not_unicode(item) -> str:
     return ""
 
 
+#: the deepest nesting a --docs line may have: its pass-through fields are written back out by
+#: json.dumps, which recurses; json.loads read up to ~1,000 levels, and a line of 990 was scored
+#: whole, then failed to print (RecursionError, exit 1). Real metadata nests a few levels.
+MAX_JSON_DEPTH = 256
+
+
+def _too_deep(item) -> bool:
+    """Whether ``item`` nests lists and objects more than ``MAX_JSON_DEPTH`` levels (iterative)."""
+    stack = [(item, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return True
+        stack.extend((v, depth + 1) for v in children)
+    return False
+
+
 def read_documents(path: str, max_docs: int | None = None) -> list:
     """Documents from JSONL ('-' = stdin): objects with a string "text" (kept whole, for pass-through) or strings.
     ValueError naming the file and the cap (``--max-documents``) at the first document past ``max_docs``."""
@@ -171,6 +191,8 @@ def read_documents(path: str, max_docs: int | None = None) -> list:
             raise ValueError(f"{name}:{n}: not valid JSON ({getattr(e, 'msg', e)})") from None
         except RecursionError:
             raise ValueError(f"{name}:{n}: JSON nested too deeply") from None
+        if isinstance(item, dict) and _too_deep(item):
+            raise ValueError(f"{name}:{n}: JSON nested more than {MAX_JSON_DEPTH} levels (it is written back out)")
         if isinstance(item, dict):
             if not isinstance(item.get("text"), str):
                 raise ValueError(f"{name}:{n}: a JSON object needs a string field 'text'")

@@ -685,6 +685,24 @@ def test_a_passed_through_field_that_is_not_unicode_is_refused_before_loading(ca
         f"escape such as \\ud800): it could not be written to the output"], (rc, err)
 
 
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_a_passed_through_field_nested_past_the_cap_is_refused_before_loading(capsys, no_load, tmp_path, command):
+    """A pass-through field nested 990 deep parsed (json.loads takes ~1,000), the model loaded and
+    scored, then the output's json.dumps ran out of stack: RecursionError, exit 1, after the
+    whole run. Now refused with its line before loading; the cap itself is written back out."""
+    from acarerank.cli.common import MAX_JSON_DEPTH, json_line, read_documents
+
+    at_cap = '{"text": "a", "m": ' + "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1) + "}"
+    (tmp_path / "ok.jsonl").write_text(at_cap + "\n")
+    assert json_line(read_documents(str(tmp_path / "ok.jsonl"))[0])
+    # 600: json.loads reads it here too (pytest's frames are on the stack); past the cap either way
+    (tmp_path / "d.jsonl").write_text('"ok"\n{"text": "a", "m": ' + "[" * 600 + "]" * 600 + "}\n")
+    rc, err, out = run(capsys, [command, "--query", "q", "--docs", str(tmp_path / "d.jsonl")])
+    assert rc == 2 and out == "" and err == [
+        f"acarerank {command}: error: {tmp_path / 'd.jsonl'}:2: JSON nested more than {MAX_JSON_DEPTH} levels "
+        f"(it is written back out)"], (rc, err)
+
+
 @pytest.mark.parametrize("command, flag", [("score", "--query"), ("score", "--question"), ("score", "--instruction"),
                                            ("select", "--query"), ("select", "--intent")])
 def test_a_text_flag_that_is_not_utf8_is_refused_before_loading(capsys, files, no_load, command, flag):
