@@ -198,12 +198,15 @@ def _check_no_sliding_window(get, num_layers: int) -> None:
     types = get("layer_types")
     if types is None:
         first = get("max_window_layers", 28)
-        sliding = [i for i in range(num_layers) if i >= first] if window is not None else []
+        if not isinstance(first, int) or isinstance(first, bool):
+            raise ValueError(f"config field 'max_window_layers' must be an int, got {first!r}")
+        # a range, not a list: num_hidden_layers is not bounded yet (10**8 built 4.5 GB here first)
+        sliding = range(min(max(first, 0), num_layers), num_layers) if window is not None else range(0)
     else:
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if not sliding:
         return
-    named = f"{sliding[:8]}{'...' if len(sliding) > 8 else ''}"
+    named = f"{list(sliding[:8])}{'...' if len(sliding) > 8 else ''}"
     if window is None:
         raise ValueError(f"layer_types makes layers {named} sliding_attention but the config gives no window "
                          f"(use_sliding_window {get('use_sliding_window', False)!r}, sliding_window "

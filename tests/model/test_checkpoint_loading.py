@@ -179,6 +179,28 @@ def test_config_the_runner_cannot_follow_is_refused(config, match, tmp_path):
         PointwiseReranker.from_pretrained(str(tmp_path / "ckpt"))
 
 
+def test_sliding_layers_of_a_huge_layer_count_are_found_in_bounded_memory(saved):
+    """num_hidden_layers is bounded by no tensor yet when the sliding-window rule is checked: its
+    list of sliding layers took 4.5 GB for 10**8 layers (40 GB for 10**9) before the refusal."""
+    import tracemalloc
+
+    from acarerank.model.arch import Qwen3Arch
+
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg.update(num_hidden_layers=10**7, use_sliding_window=True, sliding_window=4096)   # a list: ~400 MB
+    cfg.pop("layer_types", None)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"sliding-window attention .* in layers \[28, 29, .*\]\.\.\."):
+            Qwen3Arch.from_config(cfg)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10 * 2**20, f"{peak / 2**20:.0f} MB to refuse it"
+    with pytest.raises(ValueError, match="'max_window_layers' must be an int"):
+        Qwen3Arch.from_config({**cfg, "max_window_layers": "28"})
+
+
 @pytest.mark.parametrize("config", [dict(use_sliding_window=False, sliding_window=32, max_window_layers=0),
                                     dict(use_sliding_window=True, sliding_window=32, max_window_layers=1),
                                     dict(hidden_act="swish")])
