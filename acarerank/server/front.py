@@ -140,10 +140,14 @@ class DrainingServer:
                              f"[{host}]" if ":" in host else host, port)
 
             def handle_exit(self, sig, frame):
-                if sig == signal.SIGTERM and not state.draining:
-                    state.draining = True
-                    threading.Thread(target=self._drain, name="acarerank-drain", daemon=True).start()
+                if sig == signal.SIGTERM:
+                    if not state.draining:
+                        state.draining = True
+                        threading.Thread(target=self._drain, name="acarerank-drain", daemon=True).start()
+                    else:   # passed to uvicorn it ended the drain at once and the process died by the signal
+                        log.info("SIGTERM again: already draining (--drain-timeout %g s)", drain_timeout)
                     return
+                state.stopping = True   # SIGINT: uvicorn's stop; what it cancels gets our 503
                 super().handle_exit(sig, frame)
 
             def _drain(self):
@@ -184,7 +188,11 @@ def run_server(service, config: ServeConfig, api_key=None, *, exit_if_stuck: boo
 
         def on_dead(reason: str) -> None:  # on the thread that noticed: stop serving after the grace
             log.critical("exiting in %g s with status %d: %s", DEAD_GRACE_S, EXIT_ENGINE_DEAD, reason)
-            timer = threading.Timer(DEAD_GRACE_S, lambda: setattr(server, "should_exit", True))
+            def stop() -> None:
+                state.stopping = True
+                server.should_exit = True
+
+            timer = threading.Timer(DEAD_GRACE_S, stop)
             timer.daemon = True
             timer.start()
 

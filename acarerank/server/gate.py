@@ -53,6 +53,7 @@ class GateState:
     uploading: int = 0     # API POSTs whose body is being read (at most the gate's max_uploads)
     tasks: set = field(default_factory=set)   # their asyncio tasks (the drain deadline cancels them)
     expired: bool = False  # the drain deadline passed: what is still in flight is answered 503
+    stopping: bool = False  # stopping with no drain (SIGINT, a dead engine): a request the stop cancels gets 503
 
     def expire(self) -> None:
         """On the event loop: answer every request still in flight with 503 (the gate sends it)."""
@@ -176,13 +177,16 @@ class Gate:
         try:
             await self._read_and_run(scope, receive, send_releasing, status, limit, flag, slot if api_post else None)
         except asyncio.CancelledError:
-            if not self.state.expired:
+            # cancelled by the drain deadline, or by uvicorn's stop once its grace is over: answered
+            # 503 here (uvicorn's own answer to a cancelled request was a text/plain 500)
+            if not (self.state.expired or self.state.stopping):
                 raise
             task.uncancel()
-            if status["code"] == 500:   # no response started: the drain deadline answers it
-                await _send_error(scope, send, 503, "server shut down before this request finished "
-                                                    "(--drain-timeout); retry on another replica",
-                                  {"Connection": "close"})
+            if status["code"] == 500:   # no response started
+                why = ("(--drain-timeout)" if self.state.expired
+                       else "(stopped without a drain: SIGINT or a dead engine)")
+                await _send_error(scope, send, 503, f"server shut down before this request finished {why}; "
+                                                    f"retry on another replica", {"Connection": "close"})
         finally:
             slot.close()
             self.state.in_flight -= 1

@@ -1,4 +1,5 @@
-"""``acarerank serve`` as a process: SIGTERM drains (in-flight requests finish, new ones get 503).
+"""``acarerank serve`` as a process: SIGTERM drains (in-flight requests finish, new ones get 503; a
+second SIGTERM changes nothing); SIGINT stops without a drain, what it cuts answered 503.
 
 One subprocess server (the CLI itself, on a saved tiny checkpoint). A long request is held in
 flight by many small passes (``--max-batch-tokens 64``, 300 documents, one per pass); SIGTERM arrives
@@ -43,6 +44,9 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
             raise AssertionError("the long request was never admitted")
         proc.send_signal(signal.SIGTERM)
         wait_until(base + "/ready", status=503, timeout=30, proc=proc)
+        # a second SIGTERM (a wrapper's, a process group's) changes nothing: it reached uvicorn, which
+        # stopped at once, answered the request a text/plain 500 and the process died by the signal
+        proc.send_signal(signal.SIGTERM)
         r = httpx.post(base + "/v1/rerank", json=dict(query="late", documents=["d"]), headers=auth, timeout=30)
         assert t.is_alive(), "the long request finished before the drain began: the test proves nothing"
         assert r.status_code == 503, r.text
@@ -57,3 +61,28 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
     assert sorted(got) == list(range(len(docs)))
     diff = max(abs(got[i] - want[i]) for i in range(len(docs)))
     assert diff <= 1e-6, f"drained request: max |server - offline| = {diff:.3g}"
+
+
+def test_sigint_answers_what_it_cuts_503_in_json_and_exits_130(tmp_path):
+    """SIGINT is uvicorn's stop (no drain): a request still running after its one-second grace is
+    cancelled. uvicorn answered it a text/plain 500 ("Internal Server Error"); now the gate's JSON
+    503, and the process exits 130 as documented."""
+    tiny_model().save_pretrained(tmp_path)
+    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 6 for i in range(1000)]
+    out = {}
+    with serve_subprocess("--model", str(tmp_path), "--dtype", "float32", "--max-batch-tokens", "64") as (base, proc):
+        t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+            base + "/v1/rerank", json=dict(query="cut", documents=docs), timeout=120)))
+        t.start()
+        for _ in range(600):
+            if "acarerank_requests_in_flight 1.0" in httpx.get(base + "/metrics").text:
+                break
+            threading.Event().wait(0.05)
+        else:
+            raise AssertionError("the long request was never admitted")
+        proc.send_signal(signal.SIGINT)
+        t.join(120)
+        assert proc.wait(60) == 130, f"server exited with {proc.returncode}"
+    r = out["r"]
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json", (r.status_code, r.text[:200])
+    assert "server shut down before this request finished" in r.json()["error"]["message"], r.text
