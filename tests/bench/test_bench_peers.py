@@ -253,8 +253,10 @@ def test_bench_serve_drives_another_server_through_each_api(tiny_dir, tmp_path):
                 assert int(r["errors"]) == 0, r
                 if load != "agreement":
                     ours = next(o for o in sel if o["target"] == "acarerank")
+                    # written to 3 decimals (bench_serve.py): up to 5e-4 off, past rel 2e-3 of a ratio
+                    # under 0.25 (a loaded machine's 0.193 against 0.19342)
                     assert float(r["acarerank_speedup"]) == pytest.approx(
-                        float(ours["tokens_per_s"]) / float(r["tokens_per_s"]), rel=2e-3), r
+                        float(ours["tokens_per_s"]) / float(r["tokens_per_s"]), rel=2e-3, abs=5e-4), r
                 # the same requests carry the same FLOPs: FLOPs per workload token agree across targets
                 per_token = [float(o["gflop_per_s"]) / float(o["tokens_per_s"]) for o in sel]
                 assert max(per_token) == pytest.approx(min(per_token), rel=0.02), sel
