@@ -53,7 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServeConfig
 from .disconnect import ClientGone
-from .errors import APIError, error_body, error_for
+from .errors import APIError, error_body, error_for, log_safe
 from .gate import CLIENT_CLOSED, RERANK_PATHS, SCORE_PATHS, Gate, GateState
 from .parsing import parse_body, validation_message
 from .probes import check_max_pass_s, health_problem
@@ -141,7 +141,7 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s", log_safe(request.url.path))
         return JSONResponse(error_for(request.scope, 500, f"internal error: {type(exc).__name__}"),
                             status_code=500)
 

@@ -22,6 +22,16 @@ from typing import Optional
 #: nginx's status for "client closed request": counted in the metrics, never sent (nobody is there)
 CLIENT_CLOSED = 499
 
+
+def log_safe(value, limit: int = 200) -> str:
+    """``value`` (a client's path, an error naming its text) as one log line's part: characters that
+    are not printable escaped as Python writes them (a %0A in a path wrote a forged log line, an
+    %1B a terminal escape) and cut to ``limit`` characters."""
+    text = str(value)
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
 #: status -> error type
 ERROR_TYPES = {
     400: "invalid_request_error",

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import DEFAULT_MAX_UPLOADS, MAX_HEAD_BYTES
-from .errors import CLIENT_CLOSED, APIError, error_for
+from .errors import CLIENT_CLOSED, APIError, error_for, log_safe
 
 log = logging.getLogger("acarerank.server")
 
@@ -233,7 +233,7 @@ class Gate:
             if ended.status == CLIENT_CLOSED:
                 status["code"] = CLIENT_CLOSED
                 log.info("client %s closed the connection during the upload of %s %s", _client(scope),
-                         scope["method"], scope["path"])
+                         log_safe(scope["method"]), log_safe(scope["path"]))
                 return
             return await _send_error(scope, send, ended.status, ended.message, {"Connection": "close"})
         if slot is not None and self.admit is not None:

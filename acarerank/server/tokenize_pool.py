@@ -16,7 +16,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from .errors import APIError
+from .errors import APIError, log_safe
 
 #: a request of more characters is "large": large requests share tokenize_workers - 1 workers,
 #: so one worker is always left for the small ones (a 32 MB body tokenizes for seconds)
@@ -74,7 +74,7 @@ class TokenizerPool:
             except BaseException as e:  # noqa: BLE001 - a SystemExit in a worker must not escape as plain text
                 error_id = uuid.uuid4().hex[:16]
                 self._metrics.engine_failures.labels("tokenize").inc()
-                log.error("tokenizer worker failed (error id %s): %s: %s", error_id, type(e).__name__, e)
+                log.error("tokenizer worker failed (error id %s): %s: %s", error_id, type(e).__name__, log_safe(e))
                 raise WorkerFault(error_id, e) from None
 
         try:

@@ -595,6 +595,17 @@ def test_upload_cut_short_is_499_logged_once(server):
     gone = ("acarerank_client_disconnects_total", (("endpoint", "/v1/rerank"),))
     assert after.get(gone, 0) - before.get(gone, 0) == 1
     assert proc.output().count("closed the connection during the upload") == 1, proc.output()[-2000:]
+    # the line names the path, a client's: a percent-encoded newline or escape in it wrote a forged
+    # log line ("...\n2026-12-07 CRITICAL ...") or a terminal escape; now escaped, on its one line
+    with connect(port) as s:
+        s.sendall(request_head("/v1/rerank%0A2026-12-07%20CRITICAL%20FORGED%1B[31m", length=1000) + b'{"q')
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while "FORGED" not in proc.output() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = proc.output()
+    assert "\\n2026-12-07 CRITICAL FORGED\\x1b[31m" in log and "\n2026-12-07 CRITICAL FORGED" not in log, log[-2000:]
+    assert "\x1b" not in log, log[-2000:]
 
 
 # -- tenancy: cached_tokens only within a salt --------------------------------------------------------
