@@ -422,6 +422,9 @@ class RerankService:
             await acquire_lane(lane, is_disconnected, deadline, self._timed_out)
         try:
             enc = await self.pool.run(fn, *args)
+        except Exception:   # past the deadline, the 504 a tokenization that ran over it gets (documented),
+            self._check_deadline(deadline)   # not its own error (a 400 after 18 s); else that error
+            raise
         finally:
             if lane is not None:
                 lane.release()

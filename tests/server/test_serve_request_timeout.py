@@ -197,3 +197,24 @@ def test_an_infinite_timeout_is_no_deadline(model, forever):
     """An int past a float's range is no deadline too (it was kept, and loop.time() + it raised
     OverflowError in the request)."""
     assert RerankService(PointwiseReranker(model=model), "tiny", request_timeout=forever).request_timeout is None
+
+
+def test_a_tokenization_that_fails_after_the_deadline_answers_504(served):
+    """A tokenization is not abandoned at the deadline; the request is answered 504 when it ends
+    (docs/serving.md) — also when it ends in an error: that error (a 400 here) was the answer,
+    18 s after a 1 s deadline in one run."""
+    base, steps = served["base"], served["steps"]
+    too_long = dict(documents=["word " * 9000], truncate=False)   # over max_length 8,192: refused (400)
+    r = httpx.post(base + "/v1/rerank", json=dict(query="q", **too_long), timeout=30)
+    assert r.status_code == 400, r.text
+    steps.encode_gate.clear()
+    out = {}
+    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+        base + "/v1/rerank", json=dict(query="hold", **too_long), timeout=30)))
+    t.start()
+    assert steps.encoding.wait(10), "the request never reached its tokenizer"
+    time.sleep(TIMEOUT + 0.2)
+    steps.encode_gate.set()
+    t.join(30)
+    assert_timed_out(out["r"], time.monotonic() - t0)
