@@ -288,6 +288,13 @@ class TextEncoder:
     def _encode(self, texts: Sequence[str]) -> List[List[int]]:
         return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
 
+    def _encode_one(self, text: str):
+        """One text's ``Encoding``, through ``encode_batch``: it lets go of the GIL while it works,
+        where the tokenizers library's ``encode`` of one text held it throughout — a 4 M-character
+        word (no split point: tokenized whole) froze the server's event loop, /health included,
+        for 3 s and more (2026-12-07)."""
+        return self._backend.encode_batch([text], add_special_tokens=False)[0]
+
     def user(self, texts: Sequence[str]) -> List[List[int]]:
         """Ids of user-supplied texts: special-token strings escaped ("escape") or parsed ("parse")."""
         return self._encode(texts)
@@ -309,7 +316,7 @@ class TextEncoder:
         return out
 
     def user_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
-        e = self._backend.encode(text, add_special_tokens=False)
+        e = self._encode_one(text)
         return e.ids, e.offsets
 
     def user_heads(self, texts: Sequence[str], n: int, offsets: bool = False) -> list:
@@ -341,9 +348,9 @@ class TextEncoder:
         while True:
             m = cut.search(text, reach - 1)
             if m is None:  # no split point past the reach: the whole text
-                e = self._backend.encode(text, add_special_tokens=False)
+                e = self._encode_one(text)
                 return e.ids, e.offsets if offsets else None, True
-            e = self._backend.encode(text[:m.end()], add_special_tokens=False)
+            e = self._encode_one(text[:m.end()])
             if len(e.ids) >= n:
                 return e.ids, e.offsets if offsets else None, False
             # the characters per token seen so far, for n tokens and a quarter more; at least double
@@ -363,7 +370,7 @@ class TextEncoder:
         while True:
             m = cut.search(text, pos + piece_chars - 1) if cut is not None and len(text) - pos > piece_chars else None
             end = m.end() if m is not None else len(text)
-            yield pos, self._backend.encode(text[pos:end], add_special_tokens=False)
+            yield pos, self._encode_one(text[pos:end])
             if end >= len(text):
                 return
             pos = end

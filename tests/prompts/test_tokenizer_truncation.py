@@ -263,3 +263,34 @@ def test_long_trace_cut_piecewise_equals_the_whole_tokenization(encoder, chunk, 
         assert got.trace_tokens_dropped > 0
     with pytest.raises(ValueError, match=r"trace is \d+ tokens"):
         encode_pointwise(encoder, "q", ["d"], trace=trace, max_length=1000, truncate=False)
+
+
+def test_a_huge_word_is_tokenized_without_holding_the_gil(encoder):
+    """A text with no split point is tokenized whole (module docstring). The tokenizers library's
+    ``encode`` of one text held the GIL throughout: 4 M characters of one word froze the server's
+    event loop (its /health) for 3 s and more while a tokenizer worker ran it. Here another thread
+    keeps running meanwhile (its worst gap between 10 ms sleeps stays far below the encode's time)."""
+    import threading
+    import time
+
+    word = "y" * 3_000_000
+    done, took = threading.Event(), {}
+
+    def work():
+        t0 = time.monotonic()
+        heads = encoder.user_heads([word], 8193)
+        took["s"] = time.monotonic() - t0
+        took["complete"] = heads[0][2]
+        done.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worst, last = 0.0, time.monotonic()
+    while not done.is_set():
+        time.sleep(0.01)
+        now = time.monotonic()
+        worst, last = max(worst, now - last), now
+    worker.join()
+    assert took["complete"], "a word with no split point is tokenized whole"
+    assert took["s"] > 1.0, f"the encode took {took['s']:.2f} s: too quick to show anything"
+    assert worst < min(0.5, took["s"] / 2), f"another thread stalled {worst:.2f} s of the encode's {took['s']:.2f} s"
