@@ -187,7 +187,21 @@ class PointwiseReranker(RerankerBase):
         self.min_doc_tokens = min_doc_tokens
         self.token_yes = self.token_no = None  # set by _head_rows for a causal LM
         self._w_yes, self._w_no = self._head_rows()
+        self._check_template_ids()
         self._cache_slot = CacheSlot(self.runner, prefix_cache, cache_budget_tokens)  # pages on first use
+
+    def _check_template_ids(self) -> None:
+        """ValueError now when the prompt's own tokens (the chat template around every prompt, its
+        control tokens parsed by this tokenizer) are not all in the model's vocabulary: every call
+        would fail on "token id out of range" (a model of a smaller vocabulary than its tokenizer's).
+        The setwise reranker checks its chat tokens the same way."""
+        from .prompts.pointwise import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
+
+        V = self.runner.arch.vocab_size
+        ids = [i for part in self.tokenizer.template([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX]) for i in part]
+        if ids and max(ids) >= V:
+            raise ValueError(f"the prompt template's tokens reach id {max(ids)}, outside the model's vocabulary of {V} "
+                             f"(a tokenizer for a larger vocabulary than the checkpoint's?)")
 
     def _head_rows(self):
         """(w_yes, w_no) [H] each: score = sigmoid(h · (w_yes − w_no)).

@@ -405,3 +405,14 @@ def test_tokenizer_file_over_the_cap_is_refused_before_reading(saved, name, tmp_
         TextEncoder.of(checkpoint_tokenizer(str(ckpt)))  # what from_pretrained and `select`'s early check run
     with pytest.raises(ValueError, match=match):
         load(ckpt)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_at_construction(tmp_path):
+    """vocab_size 10,000 under the Qwen3 tokenizer: "yes" (9693) and "no" (2152) fit, so it loaded,
+    and then every call failed on "token id out of range" (the chat template's <|im_start|> is
+    151,644). The setwise reranker refused it at construction; the pointwise one does too now."""
+    model = random_qwen3(seed=1, vocab=10_000, spread_yes_no=40)
+    for load in (lambda: PointwiseReranker(model=model), lambda: SetwiseReranker(model=model)):
+        with pytest.raises(ValueError, match="outside the model's vocabulary of 10000|not all inside the model's "
+                                             "vocabulary of 10000"):
+            load()
