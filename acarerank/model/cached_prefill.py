@@ -247,6 +247,7 @@ class ChunkedPrefill:
                 slot.count(uncached_lookup=len(self.prefix))
             self._private()
         self.pos = self.hit
+        self._completed = False
         if self.done:  # all of it cached: nothing left to compute
             self._complete()
 
@@ -271,7 +272,9 @@ class ChunkedPrefill:
         # retry appended those tokens again and the tree filed their repeat under the next ones'
         # ids (a later hit read another position's K/V with no error)
         self.pos = self.cache.lengths[0]
-        if self.done:
+        if self.done:   # a step that raised after its last pass committed: its end not yet done
+            if not self._completed:
+                self._complete()
             return 0
         rest = len(self.prefix) - self.pos
         n = min(max(1, max_tokens), rest)
@@ -298,6 +301,7 @@ class ChunkedPrefill:
 
     def _complete(self) -> None:
         """The prefix is in ``cache``: its full pages enter the cache; its hits and computed tokens count."""
+        self._completed = True
         if self.pc is not None:
             self.pc.insert(self.salt, self.prefix, self.cache.block_tables[0])
             self.pc.add_hits(self.hit)

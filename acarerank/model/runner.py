@@ -596,13 +596,14 @@ class Qwen3Runner:
                 layers.select(last)  # only the rows asked for go through o_proj and the MLP
                 attn = attn[last]
             layers.attn_out_mlp(attn, L)
-        if append:
-            cache.commit(groups, lens)
-        if output == "none":
-            return None
-        hidden = layers.end()
+        hidden = None if output == "none" else layers.end()
         if output == "last":
             check_scorable(hidden)  # every score and next token comes from these rows (numerics.py)
+        # committed last: a pass that raises leaves its rows reserved, not committed, so a retry
+        # writes them again (committed before the checks, a decode step that then failed was fed
+        # its token twice on retry)
+        if append:
+            cache.commit(groups, lens)
         return hidden
 
 

@@ -25,7 +25,9 @@ document's other key: 1.4 GB and 2.6 s to decode, 2.9 s more on the event loop t
 
 Every malformed body is a 422 naming what is wrong: invalid JSON or UTF-8 (a lone surrogate
 escape included), nesting deeper than Python's recursion limit, an integer or float out of
-range in a known field, a top level that is not an object.
+range in a known field, a top level that is not an object — where the schema reads it: inside an
+array or object stood in for by ``[]`` / ``{}`` nothing is decoded (the type is the error; in a
+``chat_template_kwargs`` value, the 400 naming its key).
 """
 from __future__ import annotations
 

@@ -162,3 +162,31 @@ def test_a_step_that_failed_after_some_passes_resumes_where_they_end(model, monk
     finally:
         hit.free()
         fresh.free()
+
+
+def test_a_step_that_raised_once_its_last_pass_committed_still_caches_the_prefix(model, monkeypatch):
+    """The prefix's last pass committed, then the step raised (an interrupt between the commit and
+    the return): the next step found the prefix done and returned without putting its pages in
+    the tree or counting it. It finishes that end now."""
+    from acarerank.model import Qwen3Runner
+
+    runner = Qwen3Runner.from_hf(model, prefill_chunk=16)
+    sr = SetwiseReranker(runner=runner, tokenizer=PointwiseReranker(model=model).tokenizer)
+    prefix = [int(t) for t in torch.randint(100, 5000, (40,), generator=torch.Generator().manual_seed(6))]
+    commit = PagedKVCache.commit
+
+    def commit_then_interrupt(self, groups, counts):
+        commit(self, groups, counts)
+        if self.lengths[0] == len(prefix):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(PagedKVCache, "commit", commit_then_interrupt)
+    pc = ChunkedPrefill(runner, sr._cache_slot, prefix)
+    with pytest.raises(KeyboardInterrupt):
+        pc.step(64)
+    monkeypatch.setattr(PagedKVCache, "commit", commit)
+    assert pc.step(64) == 0 and pc.done
+    pc.cache.free()
+    hit, hits = prefill_cached(runner, sr._cache_slot, [prefix])
+    hit.free()
+    assert hits[0] == 32, f"the finished prefix's two full pages were not cached (hit {hits})"

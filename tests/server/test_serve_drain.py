@@ -68,9 +68,12 @@ def test_sigint_answers_what_it_cuts_503_in_json_and_exits_130(tmp_path):
     cancelled. uvicorn answered it a text/plain 500 ("Internal Server Error"); now the gate's JSON
     503, and the process exits 130 as documented."""
     tiny_model().save_pretrained(tmp_path)
-    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 6 for i in range(1000)]
+    # ~140 tokens each, one per pass: ~10 s of passes on a 2-core VM (1,000 of half the length took
+    # 1.7 s, which a faster machine would finish inside the grace)
+    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 12 for i in range(3000)]
     out = {}
-    with serve_subprocess("--model", str(tmp_path), "--dtype", "float32", "--max-batch-tokens", "64") as (base, proc):
+    with serve_subprocess("--model", str(tmp_path), "--dtype", "float32", "--max-batch-tokens", "64",
+                          "--max-documents", "3000") as (base, proc):
         t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
             base + "/v1/rerank", json=dict(query="cut", documents=docs), timeout=120)))
         t.start()

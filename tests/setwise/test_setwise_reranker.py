@@ -536,12 +536,17 @@ def test_batch_invariant_step_logits_the_same_alone_and_in_a_batch(model, qwen3_
                      f"{max((got[i] - want[i]).nan_to_num().abs().max().item() for i in bad):.2e}")
 
 
+@pytest.mark.parametrize("where", ["choice", "pass end"])
 @pytest.mark.parametrize("constrained", [True, False])
-def test_a_decode_step_whose_choice_raised_is_retried_exactly(model, qwen3_tokenizer, monkeypatch, constrained):
-    """A decode step whose pass went through (its tokens in the cache) and whose choice then raised
-    (an out-of-memory [S, V] logits tensor; non-finite logits), then retried: the retry chooses
-    from that pass's rows. It fed the same tokens again at the next positions, and the selection
-    came out different from a fresh reranker's, with no error."""
+def test_a_decode_step_whose_choice_raised_is_retried_exactly(model, qwen3_tokenizer, monkeypatch, constrained,
+                                                              where):
+    """A decode step that raised once its pass had computed the rows — in its choice (an
+    out-of-memory [S, V] logits tensor; non-finite logits) or at the pass's end (the last rows'
+    checks) — then retried: the retry chooses from that pass's rows, or writes them again. Its
+    tokens were in the cache already, so the retry fed them again at the next positions and the
+    selection came out different from a fresh reranker's, with no error."""
+    from acarerank.model.layer_ops import OpsLayers
+
     sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=24)
     fresh = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_new_tokens=24, prefix_cache=False)
     args = ("capital of France?", DOCS[:6], None, 3, constrained)
@@ -549,15 +554,16 @@ def test_a_decode_step_whose_choice_raised_is_retried_exactly(model, qwen3_token
     while st.prefilling:
         sr.prefill_select(st, 10_000)
     sr.decode_select(st)
-    real = sr.runner.logits
+    owner, name = (sr.runner, "logits") if where == "choice" else (OpsLayers, "end")
+    real = getattr(owner, name)
 
     def out_of_memory(*a, **k):
-        raise torch.OutOfMemoryError("injected: the step's logits")
+        raise torch.OutOfMemoryError(f"injected: {where}")
 
-    monkeypatch.setattr(sr.runner, "logits", out_of_memory)
+    monkeypatch.setattr(owner, name, out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         sr.decode_select(st)
-    monkeypatch.setattr(sr.runner, "logits", real)
+    monkeypatch.setattr(owner, name, real)
     sr.decode_select(st)
     dec = st.decoder   # the cache holds the prompt but its last token, then every token fed: the outputs
     assert dec.cache.lengths[0] == len(st.encoding.prompt.input_ids) - 1 + len(dec.outputs[0]), \
