@@ -35,6 +35,7 @@ import json
 import math
 import numbers
 import re
+from fractions import Fraction
 from typing import Mapping, Optional, Sequence, Union
 
 from ..setwise.selection import ParsedSelection
@@ -165,6 +166,14 @@ def _set_level_score(entry: Mapping, where: str) -> Optional[float]:
 
 def criterion_scores(judge_output, rubrics: Mapping[str, Sequence[Mapping]], selected_ids: Sequence[int]):
     """[(dimension, index, weight, score or None)] for every criterion of ``rubrics`` (None: null)."""
+    return [(dim, i, w, None if score is None else float(score))
+            for dim, i, w, score in _exact_criterion_scores(judge_output, rubrics, selected_ids)]
+
+
+def _exact_criterion_scores(judge_output, rubrics, selected_ids):
+    """``criterion_scores`` with each score an exact ``Fraction`` (Eq. 4's mean unrounded), so Eq. 5
+    rounds once: in floats a utility of exactly 3 or 6 — the hint thresholds τ2 and τ1 — came out
+    3.0000000000000004 and routed its rollout to the wrong hint (3 of 430 random judge outputs)."""
     _check_rubrics(rubrics)
     docs = _check_ids(selected_ids, "selected_ids")
     scores = _load_judge(judge_output)
@@ -197,11 +206,13 @@ def criterion_scores(judge_output, rubrics: Mapping[str, Sequence[Mapping]], sel
                                        f"{'per_doc' if is_doc else 'set_level'}")
             if is_doc:
                 per_doc = _per_doc_scores(entry, docs, where)
-                score = None if per_doc is None else sum(per_doc[d] for d in docs) / len(docs)  # Eq. 4
+                score = None if per_doc is None else Fraction(sum(map(Fraction, (per_doc[d] for d in docs))),
+                                                              len(docs))  # Eq. 4
                 if dim == "Relevance" and per_doc is not None:
                     relevance.append(per_doc)
             else:
                 score = _set_level_score(entry, where)
+                score = None if score is None else Fraction(score)
             out.append((dim, i, float(it["weight"]), score))
     for dim, i, _, score in out:
         if dim == "Relevance" and score is None:
@@ -255,15 +266,15 @@ def rubric_reward(judge_output, rubrics: Mapping[str, Sequence[Mapping]],
         ids = _check_ids(selected)
     if not ids:
         return MALFORMED_REWARD  # an empty selection is a format violation (Eq. 2 needs ≥ 1 id)
-    num = den = 0.0
-    for _, _, w, score in criterion_scores(judge_output, rubrics, ids):
+    num = den = Fraction(0)   # exact, rounded once (_exact_criterion_scores)
+    for _, _, w, score in _exact_criterion_scores(judge_output, rubrics, ids):
         if score is None:
             continue  # null: out of numerator and denominator (Appendix C.1)
-        num += w * score
-        den += w
+        num += Fraction(w) * score
+        den += Fraction(w)
     if den == 0:
         raise JudgeOutputError("every criterion is null; at least Relevance must be scored (Appendix C.1)")
-    return num / den
+    return float(num / den)
 
 
 __all__ = ["MALFORMED_REWARD", "JudgeOutputError", "criterion_scores", "rubric_reward"]

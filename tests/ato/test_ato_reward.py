@@ -166,3 +166,33 @@ def test_bad_json_all_null_and_bad_weights():
         rubric_reward({"score": {d: None for d in WEIGHTS}}, no_relevance, [A])
     with pytest.raises(ValueError, match="weights must be numbers > 0"):
         rubric_reward(_case_judge(), {"Relevance": [{"rubric": "r", "weight": 0}]}, [A])
+
+
+def test_a_utility_exactly_at_a_hint_threshold_is_that_value():
+    """Eq. 5 over Eq. 4's means in floats: a utility of exactly 3 (τ2) came out 3.0000000000000004
+    and routed its rollout to the reflection hint instead of the sibling one (Eq. 8: h̄ for
+    0 ≤ r ≤ τ2). Computed exactly (fractions.Fraction), rounded once."""
+    from fractions import Fraction
+
+    from acarerank.ato import route_hints
+
+    rubrics = {"Relevance": [{"rubric": "x", "weight": 7}],
+               "Authenticity": [{"rubric": "x", "weight": 5}, {"rubric": "x", "weight": 9}],
+               "Quality": [{"rubric": "x", "weight": 2}], "Complementarity": [{"rubric": "x", "weight": 10}],
+               "Completeness": [{"rubric": "x", "weight": 5}]}
+
+    def per_doc(*s):
+        return {"rubric": "x", "per_doc": [{"doc_id": i + 1, "score": v} for i, v in enumerate(s)]}
+
+    def set_level(v):
+        return {"rubric": "x", "set_level": {"score": v}}
+
+    judge = {"score": {"Relevance": {"rubrics": [per_doc(8, 1, 9)]},
+                       "Authenticity": {"rubrics": [per_doc(6, 5, 6), per_doc(3, 2, 0)]},
+                       "Quality": {"rubrics": [per_doc(3, 1, 9)]}, "Complementarity": {"rubrics": [set_level(1)]},
+                       "Completeness": {"rubrics": [set_level(2)]}}}
+    exact = (7 * Fraction(18, 3) + 5 * Fraction(17, 3) + 9 * Fraction(5, 3) + 2 * Fraction(13, 3) + 10 + 10) / 38
+    assert exact == 3
+    r = rubric_reward(judge, rubrics, [1, 2, 3])
+    assert r == 3.0, repr(r)
+    assert route_hints([r], 10.0) == route_hints([3.0], 10.0) == ["sibling"]
