@@ -90,6 +90,8 @@ from .topk_logprobs import _check_result_finite, order_keys, topk_logprobs_core
 HEADER = 256       # int64 words per rank in the check collective
 _NFIELDS = 16      # fields in front; the rest holds the rank's error message, one byte per word
 _OPCODES = {"topk_logprobs": 1, "linear_logprob": 2}
+_DTYPE_WORDS = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_WORDS.items()}
 _PAD_ID = 2 ** 31 - 1  # id of the −inf filler when a shard holds fewer than k valid rows
 
 
@@ -165,7 +167,19 @@ def _optional_int(x, name, op, lo):
         raise ValueError(f"{op}: {name} must be None or an int ≥ {lo}, got {x!r}")
 
 
-def _header(op, err, hidden, weight, targets, k, vocab_start, vocab_size, temperature, flags) -> torch.Tensor:
+def _outside_word(outside, renormalize) -> int:
+    """outside and renormalize as one header word (-1 for an outside local_check refuses: computed
+    before the collective, it must not raise)."""
+    return 2 * OUTSIDE_MODES.index(outside) + bool(renormalize) if outside in OUTSIDE_MODES else -1
+
+
+def _as_word(x: float) -> int:
+    """A float's bits as one int64 header word (compared exactly)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _header(op, err, hidden, weight, targets, k, vocab_start, vocab_size, temperature, flags,
+            options) -> torch.Tensor:
     h = torch.zeros(HEADER, dtype=torch.int64, device="cpu")
     h[1] = _OPCODES[op]
     if err is None:
@@ -175,12 +189,16 @@ def _header(op, err, hidden, weight, targets, k, vocab_start, vocab_size, temper
         h[5] = -1 if k is None else k
         h[6] = -1 if vocab_start is None else vocab_start
         h[7] = -1 if vocab_size is None else vocab_size
-        h[8] = struct.unpack("<q", struct.pack("<d", float(temperature)))[0]
+        h[8] = _as_word(temperature)
         if T:  # one host sync; int64 sums wrap around, identically on every rank
             pos = torch.arange(1, 2 * T, 2, device=tg.device)
             stats = torch.stack([(tg * pos).sum(), tg.min(), tg.max()]).cpu()
             h[9], h[10], h[11] = stats[0], stats[1], stats[2]
         h[12] = flags
+        # hidden's dtype: the backward's all-reduce buffer has it (fp32 on one rank and fp64 on
+        # another: gloo aborted the process on a size mismatch)
+        h[13] = _DTYPE_WORDS.get(hidden.dtype, 0)
+        h[14], h[15] = options[0], _as_word(options[1])   # topk_logprobs: outside and renormalize; floor
     else:
         h[0] = 1
         msg = f"{type(err).__name__}: {err}".encode("utf-8")[:HEADER - _NFIELDS]
@@ -199,9 +217,12 @@ def _disagree(op, name, values):
                          f"pass the same {name}")
 
 
-def agree(op, group, local_check, hidden, weight, targets, k, vocab_start, vocab_size, temperature, flags=0):
+def agree(op, group, local_check, hidden, weight, targets, k, vocab_start, vocab_size, temperature, flags=0,
+          options=(0, 0.0)):
     """Step 1 of the protocol: run ``local_check`` (raises on bad input), gather every rank's
-    header, apply the global rules. Returns the ``Layout``; raises on every rank alike."""
+    header, apply the global rules. Returns the ``Layout``; raises on every rank alike.
+    ``options``: (an int, a float) every rank must pass alike (topk_logprobs' outside mode and
+    renormalize; its floor)."""
     rank, world = _check_group(group, op)
     err = None
     try:
@@ -210,7 +231,7 @@ def agree(op, group, local_check, hidden, weight, targets, k, vocab_start, vocab
         _optional_int(vocab_size, "vocab_size", op, 1)
     except Exception as e:  # any local failure must still reach the collective, or the others hang
         err = e
-    hdr = _header(op, err, hidden, weight, targets, k, vocab_start, vocab_size, temperature, flags)
+    hdr = _header(op, err, hidden, weight, targets, k, vocab_start, vocab_size, temperature, flags, options)
     g = _all_gather(hdr, group, world, _comm_device(group, hidden)).cpu()
     if err is not None:
         raise err
@@ -225,6 +246,9 @@ def agree(op, group, local_check, hidden, weight, targets, k, vocab_start, vocab
     _disagree(op, "temperature", [struct.unpack("<d", struct.pack("<q", r[8]))[0] for r in f])
     _disagree(op, "targets (checksum)", [r[9] for r in f])
     _disagree(op, "flags (return_entropy / hidden.requires_grad)", [r[12] for r in f])
+    _disagree(op, "hidden's dtype", [_DTYPE_NAMES.get(r[13], r[13]) for r in f])
+    _disagree(op, "outside / renormalize", [r[14] for r in f])
+    _disagree(op, "floor", [struct.unpack("<d", struct.pack("<q", r[15]))[0] for r in f])
     given_v = sorted({r[7] for r in f if r[7] >= 0})
     if len(given_v) > 1 or (given_v and any(r[7] < 0 for r in f)):
         _disagree(op, "vocab_size", [r[7] if r[7] >= 0 else None for r in f])
@@ -277,7 +301,8 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
     """``topk_logprobs`` over a vocabulary-parallel lm_head (module doc); same arguments and
     result (TopKLogprobs with global ids), plus the layout: ``weight_shard`` [V_r, H] this
     rank's rows, ``process_group``, ``vocab_start``, ``vocab_size``. Collective: every rank
-    of the group calls it with the same hidden, targets, k and temperature."""
+    of the group calls it with the same hidden (its dtype too), targets, k, temperature, outside,
+    floor and renormalize (a disagreement is a ValueError on every rank)."""
     op = "topk_logprobs"
     k = as_int(k)   # numpy.int64(128) is 128 (the header and the buffers need an int); else check_k names it
 
@@ -292,7 +317,7 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
             raise ValueError(f"{op}: floor must be a finite number, got {floor!r}")
 
     layout = agree(op, process_group, local_check, hidden, weight_shard, targets, k, vocab_start, vocab_size,
-                   temperature)
+                   temperature, options=(_outside_word(outside, renormalize), floor))
     r, W = layout.rank, layout.world
     start, n = layout.starts[r], layout.valid[r]
     T, dev = hidden.shape[0], hidden.device

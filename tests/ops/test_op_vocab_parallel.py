@@ -445,6 +445,14 @@ def _bad_cases():
                     {1: "k must be <= 512 with the 'triton' backend", 0: "rank 1 .* rejected its input"}),
         "k-world4": (4, "topk", *topk({3: {"k": 7}}, bounds=shard_bounds(1000, 4)), "disagree on k"),
         "entropy": (2, "linear", dict(lin), {1: {"return_entropy": True}}, "disagree on flags"),
+        # each rank's dtype valid alone: the backward's all-reduce then met an fp64 buffer and an
+        # fp32 one, and gloo aborted the process (SIGABRT) on the size mismatch
+        "linear-dtype": (2, "linear", dict(lin), {1: {"hidden": h.double(), "weight": w.double()}},
+                         "disagree on hidden's dtype .*rank 0: float32, rank 1: float64"),
+        # every rank returned a different result with no error
+        "renormalize": (2, "topk", *topk({1: {"renormalize": False}}), "disagree on outside / renormalize"),
+        "outside": (2, "topk", *topk({0: {"outside": "mask"}}), "disagree on outside / renormalize"),
+        "floor": (2, "topk", *topk({1: {"floor": -10.0}}), "disagree on floor .*rank 0: -20.0, rank 1: -10.0"),
         "entropy-not-bool": (2, "linear", dict(lin), {1: {"return_entropy": "no"}},
                              {1: "return_entropy must be a bool, got str", 0: "rank 1 .* rejected its input"}),
         # as the single-process op: an error on every rank, never a silent NaN log-prob
