@@ -432,11 +432,22 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* s,
 // t is clamped at −150 so f is never −inf − (−inf); a NaN t stays NaN (max returns its second
 // operand, t, when it is NaN). At t = 0 (the row's max) it is exactly 1. Half the instructions of
 // a Cephes expf, which P's 8-bit mantissa cannot use.
-ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
+// Taylor of degree kDegree (5 or 7) for 2^f on that reduction; the degree-5 chain is the degree-7
+// one's last six steps, so both round alike there.
+template <int kDegree>
+ACR_AVX512_BF16 inline __m512 exp2_taylor_avx512(__m512 t) {
+  static_assert(kDegree == 5 || kDegree == 7, "degree 5 (bf16 weights, alpha) or 7 (fp32 weights)");
   t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(1.3333558146e-3f);                 // ln2^5 / 5!
+  __m512 y;
+  if constexpr (kDegree == 7) {
+    y = _mm512_set1_ps(1.5252733804e-5f);                              // ln2^7 / 7!
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530393e-4f));       // ln2^6 / 6!
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146e-3f));       // ln2^5 / 5!
+  } else {
+    y = _mm512_set1_ps(1.3333558146e-3f);
+  }
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076e-3f));  // ln2^4 / 4!
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 3!
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2!
@@ -444,24 +455,12 @@ ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) {
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
 }
+ACR_AVX512_BF16 inline __m512 exp2_avx512(__m512 t) { return exp2_taylor_avx512<5>(t); }
 // exp2_avx512 to fp32's precision, for weights kept in fp32 (the direct path's, attn_direct_avx512.h):
-// Taylor of degree 7 on the same reduction, relative error < 7.1e-9 (below half an fp32 ulp; degree
-// 5's 3.2e-6 made a weight's error 2–2.5× plain fp32 PyTorch's against fp64). Two FMAs more per 16
-// weights on a path bound by reading K/V.
-ACR_AVX512_BF16 inline __m512 exp2_f32_weights_avx512(__m512 t) {
-  t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(1.5252733804e-5f);                  // ln2^7 / 7!
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.5403530393e-4f));  // ln2^6 / 6!
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146e-3f));  // ln2^5 / 5!
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076e-3f));  // ln2^4 / 4!
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108665e-2f));  // ln2^3 / 3!
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650696e-1f));  // ln2^2 / 2!
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718056e-1f));  // ln2
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
-}
+// degree 7, relative error < 7.1e-9 (below half an fp32 ulp; degree 5's 3.2e-6 made a weight's error
+// 2–2.5× plain fp32 PyTorch's against fp64). Two FMAs more per 16 weights on a path bound by
+// reading K/V.
+ACR_AVX512_BF16 inline __m512 exp2_f32_weights_avx512(__m512 t) { return exp2_taylor_avx512<7>(t); }
 // exp2_avx512 for weights rounded to bf16 next (P of the bf16 paths), from t1 = t + 1/2:
 //   2^t = 2^⌊t1⌋ · 2^(f − 1/2),   f = t1 − ⌊t1⌋ ∈ [0, 1]
 // f by one vreduceps (round down), 2^⌊t1⌋ by vscalefps (which floors its exponent operand
