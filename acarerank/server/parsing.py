@@ -32,6 +32,7 @@ array or object stood in for by ``[]`` / ``{}`` nothing is decoded (the type is 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Optional
 
 import msgspec
@@ -40,6 +41,24 @@ import pydantic
 from .errors import APIError
 
 UTF8_BOM = b"\xef\xbb\xbf"
+#: a high-surrogate escape (``\\uD800``-``\\uDBFF``, after an even run of backslashes) with no
+#: low-surrogate escape after it: msgspec calls that "Input data was truncated"
+_LONE_HIGH_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+
+
+def _decode_error(body, e: msgspec.DecodeError) -> str:
+    """msgspec's message for a body it cannot decode, but naming a lone high surrogate escape where
+    msgspec stopped at one (it reports one followed by other text as an "unexpected end of hex
+    escape" a few bytes on, or at the body's end as truncated input)."""
+    said = str(e)
+    at = re.search(r"\(byte (\d+)\)$", said)
+    if at is None and "truncated" not in said:
+        return said
+    m = _LONE_HIGH_SURROGATE.search(body, 0, len(body) if at is None else int(at.group(1)) + 1)
+    if m is None:
+        return said
+    return (f"invalid utf-16 surrogate pair: {m.group()[-6:].decode()} at byte {m.end() - 6} is not "
+            f"followed by a low surrogate escape")
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,7 +231,7 @@ def parse_body(body: bytes, model_cls, fields: Optional[set] = None, max_items: 
     except msgspec.ValidationError as e:   # a top level that is not an object; a number out of range
         raise APIError(422, f"malformed JSON body: {e}") from None
     except msgspec.DecodeError as e:       # not JSON, invalid UTF-8, truncated
-        raise APIError(422, f"malformed JSON body: {e}") from None
+        raise APIError(422, f"malformed JSON body: {_decode_error(body, e)}") from None
     data = {name: v for name in model_cls.model_fields if (v := getattr(wire, name)) is not msgspec.UNSET}
     if fields is not None:   # null is the field left out, as validation reads it (docs/serving.md, "Endpoints")
         fields.update(name for name, v in data.items() if _first(v) != b"n")
