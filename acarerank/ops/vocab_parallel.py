@@ -178,6 +178,11 @@ def _as_word(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def _from_word(w: int) -> float:
+    """The float whose bits ``_as_word`` wrote."""
+    return struct.unpack("<d", struct.pack("<q", w))[0]
+
+
 def _header(op, err, hidden, weight, targets, k, vocab_start, vocab_size, temperature, flags,
             options) -> torch.Tensor:
     h = torch.zeros(HEADER, dtype=torch.int64, device="cpu")
@@ -243,12 +248,12 @@ def agree(op, group, local_check, hidden, weight, targets, k, vocab_start, vocab
     _disagree(op, "T (rows of hidden and targets)", [r[2] for r in f])
     _disagree(op, "H (hidden size)", [r[3] for r in f])
     _disagree(op, "k", [r[5] for r in f])
-    _disagree(op, "temperature", [struct.unpack("<d", struct.pack("<q", r[8]))[0] for r in f])
+    _disagree(op, "temperature", [_from_word(r[8]) for r in f])
     _disagree(op, "targets (checksum)", [r[9] for r in f])
     _disagree(op, "flags (return_entropy / hidden.requires_grad)", [r[12] for r in f])
     _disagree(op, "hidden's dtype", [_DTYPE_NAMES.get(r[13], r[13]) for r in f])
     _disagree(op, "outside / renormalize", [r[14] for r in f])
-    _disagree(op, "floor", [struct.unpack("<d", struct.pack("<q", r[15]))[0] for r in f])
+    _disagree(op, "floor", [_from_word(r[15]) for r in f])
     given_v = sorted({r[7] for r in f if r[7] >= 0})
     if len(given_v) > 1 or (given_v and any(r[7] < 0 for r in f)):
         _disagree(op, "vocab_size", [r[7] if r[7] >= 0 else None for r in f])
