@@ -17,13 +17,14 @@ def tiny_model(seed: int = 0):
 
 
 @contextlib.contextmanager
-def thread_server(app):
-    """uvicorn serving ``app`` on a free port in a daemon thread; yields the base URL; stops it after."""
+def thread_server(app, **uvicorn_options):
+    """uvicorn serving ``app`` on a free port in a daemon thread; yields the base URL; stops it after.
+    uvicorn_options: more of ``uvicorn.Config``'s (``root_path``)."""
     import uvicorn
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False))
+                                           access_log=False, **uvicorn_options))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -165,6 +165,8 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     async def _score(request: Request):
         req = await parse(request, ScorePairsRequest)
         header_id = request.headers.get("x-request-id")
+        if getattr(service, "proxy_sets_request_id", False) and req.request_id is not None:
+            header_id = None   # Ray Serve's proxy sets the header on every request: the body's id is the client's
         if header_id is not None:   # vLLM's score id: its X-Request-Id header wins over the body's request_id
             if len(header_id) > MAX_REQUEST_ID_CHARS:
                 raise APIError(422, f"X-Request-Id of {len(header_id)} characters exceeds the limit of "

@@ -81,6 +81,16 @@ def tei_error_type(status: int) -> str:
     return TEI_ERROR_TYPES.get(status, "Validation" if status < 500 else "Backend")
 
 
+def route_path(scope: dict) -> str:
+    """The request's path as the app routes it: ``scope["path"]`` without the ``root_path`` it
+    starts with (Ray Serve's ``route_prefix``: "/acare/v1/rerank" under "/acare" is "/v1/rerank";
+    compared whole, no API path matched there and the gate admitted nothing as an API request)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def speaks_tei(path: str, state: Optional[dict]) -> bool:
     """Whether an error on ``path`` goes in TEI's shape: on ``TEI_PATH`` unless the request's body
     was read and names ``documents`` and no ``texts`` (``state["body_fields"]``: the top-level
@@ -94,6 +104,6 @@ def speaks_tei(path: str, state: Optional[dict]) -> bool:
 
 def error_for(scope: dict, status: int, message: str, type: Optional[str] = None) -> dict:
     """The error body for a request (its ASGI ``scope``): TEI's on TEI's route, else ours."""
-    if speaks_tei(scope.get("path", ""), scope.get("state")):
+    if speaks_tei(route_path(scope), scope.get("state")):
         return {"error": message, "error_type": tei_error_type(status)}
     return error_body(status, message, type)

@@ -12,8 +12,11 @@ filled meanwhile. As nginx buffers a body before the upstream sees it: a client 
 a body and stalls holds one of ``max_uploads`` until ``body_timeout``, never a queue slot, so a
 few stalled uploads cannot refuse every other client (docs/serving.md, "Limits and timeouts").
 Only a POST to an API path is admitted, so only it may send up to ``max_body_bytes``; any other
-request's body (an unknown path, a wrong method) is capped at ``LINGER_BYTES`` (413), else such
-requests, uncounted by ``--max-uploads`` and ``--max-queue``, could each hold ``max_body_bytes``.
+request's body (an unknown path, a wrong method) is capped at ``LINGER_BYTES`` (413) and
+``LINGER_S`` (408), at most ``LINGER_READS`` read at once (429), else such requests, uncounted by
+``--max-uploads`` and ``--max-queue``, could each hold ``max_body_bytes`` for ``body_timeout``.
+Paths are compared as the app routes them (``errors.route_path``: under Ray Serve's
+``route_prefix``, without it).
 An early answer first reads and drops a small
 declared body (nginx's lingering close, bounded by ``LINGER_BYTES`` and ``LINGER_S``). A client
 that leaves during the upload is counted as 499 (nginx's "client closed request") and logged in one
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import DEFAULT_MAX_UPLOADS, MAX_HEAD_BYTES
-from .errors import CLIENT_CLOSED, APIError, error_for, log_safe
+from .errors import CLIENT_CLOSED, APIError, error_for, log_safe, route_path
 
 log = logging.getLogger("acarerank.server")
 
@@ -42,7 +45,11 @@ RERANK_PATHS = ("/v1/rerank", "/v2/rerank", "/rerank")
 SCORE_PATHS = ("/score", "/v1/score")   # vLLM's score API (vLLM serves both)
 API_PATHS = frozenset(RERANK_PATHS + SCORE_PATHS + ("/v1/select",))
 LINGER_BYTES = 64 * 1024    # an early answer (401, 413, 429) first reads and drops a declared body up to this
-LINGER_S = 2.0              # ... for at most this many seconds
+LINGER_S = 2.0              # ... for at most this many seconds (and a non-API request's body: it, at most)
+#: non-API requests (an unknown path, a wrong method) whose body is being read at once; one more is
+#: a 429 at its head. Uncounted, 140 clients stalling such bodies held every request a Ray Serve
+#: ingress takes (its max_ongoing_requests), and its proxy queued the probes behind them unanswered.
+LINGER_READS = 16
 
 
 @dataclass
@@ -51,6 +58,7 @@ class GateState:
     draining: bool = False
     in_flight: int = 0     # API requests past the drain, key and 429 checks and not yet answered (uploads included)
     uploading: int = 0     # API POSTs whose body is being read (at most the gate's max_uploads)
+    lingering: int = 0     # non-API requests whose body is being read (at most LINGER_READS)
     tasks: set = field(default_factory=set)   # their asyncio tasks (the drain deadline cancels them)
     expired: bool = False  # the drain deadline passed: what is still in flight is answered 503
     stopping: bool = False  # stopping with no drain (SIGINT, a dead engine): a request the stop cancels gets 503
@@ -117,14 +125,15 @@ class Gate:
         try:
             await self._gate(scope, receive, send_counted, status)
         finally:
-            self.metrics.observe_response(_endpoint(scope["path"]), status["code"], time.perf_counter() - t0)
+            self.metrics.observe_response(_endpoint(route_path(scope)), status["code"], time.perf_counter() - t0)
 
     async def _gate(self, scope, receive, send, status):
         head = len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
         if head > MAX_HEAD_BYTES:
             return await _send_error(scope, send, 431, f"request line and headers of {head} bytes exceed "
                                                        f"{MAX_HEAD_BYTES} bytes", {"Connection": "close"})
-        if scope["path"] in OPEN_PATHS:
+        path = route_path(scope)
+        if path in OPEN_PATHS:
             return await self.app(scope, receive, send)
         if self.state.draining:
             return await _send_error(scope, send, 503, "server is draining (shutting down); retry on another "
@@ -138,12 +147,12 @@ class Gate:
         # only a POST to an API path takes a body worth reading, and only it is admitted (counted
         # against --max-queue): any other request's body is capped at LINGER_BYTES, so requests that
         # bypass admission (an unknown path, a wrong method) cannot hold max_body_bytes each
-        api_post = scope["path"] in API_PATHS and scope["method"] == "POST"
+        api_post = path in API_PATHS and scope["method"] == "POST"
         if api_post:
             limit, flag = self.max_body_bytes, " (--max-body-bytes)"
         else:
             limit = LINGER_BYTES
-            flag = f" for {scope['method']} {scope['path']} (only a POST to {', '.join(sorted(API_PATHS))} takes more)"
+            flag = f" for {scope['method']} {log_safe(path)} (only a POST to {', '.join(sorted(API_PATHS))} takes more)"
         if length is not None and length > limit:
             return await self._refuse(scope, receive, send, status, length, 413, f"request body of {length} "
                                       f"bytes exceeds the limit of {limit} bytes{flag}")
@@ -164,6 +173,11 @@ class Gate:
                 return await self._refuse(scope, receive, send, status, length, 429, f"server busy: "
                                           f"{self.state.uploading} request bodies being received (--max-uploads "
                                           f"{self.max_uploads}); retry later", {"Retry-After": "1"})
+        lingers = not api_post and ((length or 0) > 0 or "transfer-encoding" in headers)   # a body to read
+        if lingers and self.state.lingering >= LINGER_READS:
+            return await _send_error(scope, send, 429, f"server busy: {self.state.lingering} bodies of requests "
+                                     f"to no API path being received; retry later",
+                                     {"Retry-After": "1", "Connection": "close"})
         slot = contextlib.ExitStack()   # the --max-queue slot, taken once the body has arrived
 
         async def send_releasing(message):
@@ -175,11 +189,16 @@ class Gate:
         self.state.tasks.add(task)
         self.state.in_flight += 1
         try:
-            await self._read_and_run(scope, receive, send_releasing, status, limit, flag, slot if api_post else None)
+            await self._read_and_run(scope, receive, send_releasing, status, limit, flag, slot if api_post else None,
+                                     lingers)
         except asyncio.CancelledError:
             # cancelled by the drain deadline, or by uvicorn's stop once its grace is over: answered
             # 503 here (uvicorn's own answer to a cancelled request was a text/plain 500)
             if not (self.state.expired or self.state.stopping):
+                # else by the server under us: Ray Serve's proxy cancels a request whose client left
+                # (uvicorn lets the handler see it, ClientGone); counted as 499 as there, not as a 500
+                if status["code"] == 500:   # no response started
+                    status["code"] = CLIENT_CLOSED
                 raise
             task.uncancel()
             if status["code"] == 500:   # no response started
@@ -215,20 +234,24 @@ class Gate:
         await _send_error(scope, send, code, message, headers)
 
     async def _read_and_run(self, scope, receive, send, status, limit: int, flag: str,
-                            slot: Optional[contextlib.ExitStack]):
+                            slot: Optional[contextlib.ExitStack], lingers: bool):
         """Read the body, then (an API POST: ``slot`` given) take the ``--max-queue`` slot into
         ``slot`` and run the app. While the body is read the request counts in
-        ``state.uploading``, whatever ends the read (408, 413, 499, the drain deadline's cancel)."""
+        ``state.uploading`` (an API POST) or ``state.lingering`` (``lingers``: any other request with a
+        body, read within ``LINGER_S``), whatever ends the read (408, 413, 499, the drain deadline's cancel)."""
         if slot is not None:
             self._count_upload(+1)
+        self.state.lingering += lingers
         ended = None
         try:
-            body = await self._read_body(receive, limit, flag)
+            body = await self._read_body(receive, limit, flag, self.body_timeout if slot is not None
+                                         else min(self.body_timeout, LINGER_S))
         except _Upload as e:
             ended = e
         finally:   # before any answer is written: a client slow to read its 408 holds no upload
             if slot is not None:
                 self._count_upload(-1)
+            self.state.lingering -= lingers
         if ended is not None:
             if ended.status == CLIENT_CLOSED:
                 status["code"] = CLIENT_CLOSED
@@ -257,10 +280,10 @@ class Gate:
         self.state.uploading += step
         self.metrics.uploading.set(self.state.uploading)
 
-    async def _read_body(self, receive, limit: int, flag: str) -> bytes:
+    async def _read_body(self, receive, limit: int, flag: str, timeout: float) -> bytes:
         chunks, size = [], 0
         try:
-            async with asyncio.timeout(self.body_timeout):
+            async with asyncio.timeout(timeout):
                 more = True
                 while more:
                     message = await receive()
@@ -272,8 +295,8 @@ class Gate:
                     if size > limit:
                         raise _Upload(413, f"request body exceeds the limit of {limit} bytes{flag}")
         except TimeoutError:
-            raise _Upload(408, f"request body not received within {self.body_timeout:g} s (--body-timeout); "
-                               f"{size} bytes arrived") from None
+            why = "(--body-timeout)" if timeout == self.body_timeout else flag.strip()
+            raise _Upload(408, f"request body not received within {timeout:g} s {why}; {size} bytes arrived") from None
         return b"".join(chunks)
 
     def _authorized(self, headers: dict) -> bool:

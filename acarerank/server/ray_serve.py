@@ -170,6 +170,9 @@ class RemoteService:
     that said it was ready."""
 
     ready = True  # loaded: the ingress is built after a replica answered; whether one can serve is readiness()
+    #: Ray Serve's proxy gives every request an ``X-Request-Id`` header (the client's, else its own), so the
+    #: score route's ``id`` takes the body's ``request_id`` where one is sent (app.py; header first elsewhere)
+    proxy_sets_request_id = True
 
     def __init__(self, handle, model_name: str, max_queue: Optional[int] = None, num_replicas: int = 1,
                  ingress_replicas: int = 1):

@@ -45,20 +45,20 @@ def serving(reranker, service_queue=None, **limits):
     svc = RerankService(reranker, "tiny", max_queue=service_queue or limits.get("max_queue", 512)).start(warmup=False)
     state = GateState()
     try:
-        with thread_server(create_app(svc, ServeConfig(body_timeout=BODY_TIMEOUT, **limits), state=state)) as base:
+        with thread_server(create_app(svc, ServeConfig(**{"body_timeout": BODY_TIMEOUT, **limits}), state=state)) as base:
             yield base, int(base.rsplit(":", 1)[1]), svc, state
     finally:
         svc.stop()
 
 
-def stall(port, sent: bytes = BODY[:10], length=len(BODY)) -> socket.socket:
-    """A connection that sent a POST's head and ``sent`` of its body, then nothing; ``length``
-    None: a chunked body (``sent`` is its first chunk, if any)."""
+def stall(port, sent: bytes = BODY[:10], length=len(BODY), path: str = "/v1/rerank") -> socket.socket:
+    """A connection that sent a POST's head (to ``path``) and ``sent`` of its body, then nothing;
+    ``length`` None: a chunked body (``sent`` is its first chunk, if any)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     framing = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
     if length is None and sent:
         sent = f"{len(sent):x}\r\n".encode() + sent + b"\r\n"
-    s.sendall(f"POST /v1/rerank HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
               f"{framing}\r\n\r\n".encode() + sent)
     return s
 
@@ -227,6 +227,39 @@ def test_the_drain_deadline_answers_an_upload_in_progress(reranker):
             code, _, err, _ = answer(s, 10)
             assert code == 503 and "--drain-timeout" in err["error"]["message"], (code, err)
         settled(svc, state)
+
+
+def test_bodies_of_requests_to_no_api_path_are_bounded_in_time_and_number(reranker):
+    """A POST to no API path is read within LINGER_S (408), not --body-timeout, and at most
+    LINGER_READS such bodies at once: the next is a 429 at its head. Before, each was read for the
+    whole --body-timeout, uncounted: under Ray Serve, 140 stalled ones held every request the
+    ingress takes, and its proxy queued /health behind them with no answer for 20 s."""
+    from acarerank.server.gate import LINGER_READS, LINGER_S
+
+    with serving(reranker, body_timeout=60.0) as (base, port, svc, state):
+        stalled = [stall(port, b"x", 1000, path="/nope") for _ in range(LINGER_READS)]
+        t0 = time.monotonic()
+        try:
+            wait_for(lambda: state.lingering == LINGER_READS, f"{LINGER_READS} bodies of /nope being read")
+            with stall(port, b"x", 1000, path="/nope") as extra:
+                code, headers, err, _ = answer(extra, 5)
+            assert code == 429 and "no API path" in err["error"]["message"], (code, err)
+            assert headers.get("retry-after") == "1" and headers.get("connection") == "close", headers
+            assert httpx.get(base + "/health", timeout=5).status_code == 200
+            r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["bread"]), timeout=30)
+            assert r.status_code == 200, r.text
+            for s in stalled:
+                code, _, err, _ = answer(s, LINGER_S + MARGIN)
+                assert code == 408 and "/nope" in err["error"]["message"], (code, err)
+            assert time.monotonic() - t0 <= LINGER_S + MARGIN
+        finally:
+            for s in stalled:
+                s.close()
+        settled(svc, state)
+        wait_for(lambda: state.lingering == 0, "no body of /nope being read")
+        # a small body to no API path sent whole is read and answered by the app, as before
+        r = httpx.post(base + "/nope", content=b"x" * 100, timeout=10)
+        assert r.status_code == 404, r.text
 
 
 def test_max_uploads_is_a_flag_checked_as_the_others():
