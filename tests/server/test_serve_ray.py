@@ -629,6 +629,19 @@ def test_the_score_routes_answer_as_acarerank_serves(fronts, path, body, status)
     assert answers[0][0] == status and answers[0] == answers[1], answers
 
 
+def test_the_score_id_on_the_ray_front_is_the_bodys_request_id(fronts):
+    """Ray Serve's proxy sets X-Request-Id on every request, so on the Ray front the body's
+    request_id names the score response (the header only without one); acarerank serve takes the
+    header first, as vLLM does. Before, every Ray answer's id was Ray's own (score-bedd650a-...)."""
+    direct, front = fronts
+    body = dict(text_1="q", text_2=DOCS[:1], request_id="my-id-1")
+    hdr = {"X-Request-Id": "ray-made-7"}
+    assert httpx.post(direct + "/score", json=body, headers=hdr, timeout=60).json()["id"] == "score-ray-made-7"
+    assert httpx.post(front + "/score", json=body, headers=hdr, timeout=60).json()["id"] == "score-my-id-1"
+    del body["request_id"]
+    assert httpx.post(front + "/score", json=body, headers=hdr, timeout=60).json()["id"] == "score-ray-made-7"
+
+
 @pytest.mark.parametrize("path, body, status, sent", ODD_BODIES)
 def test_the_fronts_answer_odd_bodies_alike_without_ray(fronts, path, body, status, sent):
     """The same table over the Ray front's forwarding without a cluster (the replica in this process)."""
