@@ -110,7 +110,9 @@ def linear_ref(x: torch.Tensor, weight: Weight, bias: Optional[torch.Tensor] = N
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    # oneDNN reads the bias as a dense vector whatever its strides (b[::2]: another bias, no error;
+    # an expanded one: reads past its one element, a segfault at 4M outputs)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None if bias is None else bias.contiguous(), "none", [], "")
 
 
 def _load_onednn():

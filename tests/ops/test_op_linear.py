@@ -75,6 +75,20 @@ def test_onednn_takes_strided_and_batched_input(dtype):
         _check_close(got.reshape(-1, 37), xi.reshape(-1, 61), w, b, what)
 
 
+@pytest.mark.parametrize("dtype", ONEDNN_DTYPES)
+def test_onednn_takes_a_strided_or_expanded_bias(dtype):
+    """oneDNN reads a bias as dense whatever its strides: b[::2] added another bias, no error, and an
+    expanded one (stride 0) read past its one element (a segfault at 4M outputs)."""
+    x, w, _ = _data(5, 64, 48, dtype, False)
+    pw = prepare_linear_weight(w, "onednn")
+    g = torch.Generator().manual_seed(1)
+    for what, b in (("every other element", torch.randn(96, generator=g).to(dtype)[::2]),
+                    ("expanded", torch.randn(1, generator=g).to(dtype).expand(48)),
+                    ("a column", torch.randn(48, 3, generator=g).to(dtype)[:, 1])):
+        assert not b.is_contiguous()
+        _check_close(linear(x, pw, b), x, w, b, f"bias {what}")
+
+
 def test_packing_is_once_and_lossless():
     """The packed weight is bitwise the dense one unpacked; preparing it again returns it as is."""
     _, w, _ = _data(1, 97, 131, torch.float32, False)
