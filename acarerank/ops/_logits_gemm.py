@@ -22,11 +22,11 @@ def mm_bf16_f32_fake(a, b, out):
 
 def native_bf16_gemm_for(hidden: torch.Tensor, weight: torch.Tensor):
     """``acarerank::mm_bf16_f32(a, b, out)`` when it can take ``hidden [T, H] · weight [V, H]ᵀ``:
-    both bf16 on the CPU, H even, hidden's and weight's rows contiguous (stride 1 along H),
-    acarerank._cpu built and the CPU with AVX512_BF16 (``_native.bf16_logits_gemm``; off under
+    both bf16 on the CPU, H even and > 0 (H = 0: the caller's GEMM, zeros), hidden's and weight's
+    rows contiguous (stride 1 along H), acarerank._cpu built and the CPU with AVX512_BF16 (``_native.bf16_logits_gemm``; off under
     ``ACARERANK_CPU_BASELINE=1``) — else None: the caller's fp32 GEMM of the upcast chunk."""
     if not (hidden.dtype == weight.dtype == torch.bfloat16 and hidden.device.type == "cpu"
-            and hidden.dim() == weight.dim() == 2 and hidden.shape[1] % 2 == 0
+            and hidden.dim() == weight.dim() == 2 and hidden.shape[1] % 2 == 0 and hidden.shape[1] > 0
             and hidden.stride(1) == 1 and weight.stride(1) == 1):
         return None
     if not _native.available() or not _native.bf16_logits_gemm():

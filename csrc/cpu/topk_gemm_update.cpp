@@ -103,7 +103,8 @@ void topk_gemm_update(const at::Tensor& hidden, const at::Tensor& weight, int64_
   const int64_t k = topk_rows::check_state(op, T, targets, run_v, run_i, m, s, tgt);
   TORCH_CHECK(weight.size(1) == H, op, ": hidden is [T, H] and weight [V, H] with the same H, got ", hidden.sizes(),
               " and ", weight.sizes());
-  TORCH_CHECK(H % 2 == 0, op, ": H must be even (the bf16 products take K in pairs), got ", H);
+  TORCH_CHECK(H > 0 && H % 2 == 0, op, ": H must be even and > 0 (the bf16 products take K in pairs; H = 0 "
+              "divided by zero sizing the blocks), got ", H);
   TORCH_CHECK((T == 0 || hidden.stride(1) == 1) && (V == 0 || weight.stride(1) == 1), op,
               ": hidden's and weight's rows must be contiguous, got strides ", hidden.strides(), " and ",
               weight.strides());

@@ -419,6 +419,17 @@ def test_every_backend_exact_on_dyadic_inputs(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_takes_a_hidden_size_of_zero(backend, dtype):
+    """H = 0: every logit 0, every log-prob log(1/V) (the oracle's answer). The native core's fused
+    bf16 kernel divided by H sizing its blocks: SIGFPE, the process gone."""
+    h, w = torch.zeros(3, 0, dtype=dtype, device=DEVICE), torch.zeros(64, 0, dtype=dtype, device=DEVICE)
+    tg = torch.tensor([3, 40, 63], device=DEVICE)
+    got = topk_logprobs(h, w, tg, k=4, outside="full", renormalize=False, chunk=16, backend=backend)
+    _check(got, topk_logprobs_ref(h, w, tg, k=4, outside="full", renormalize=False), f"{backend} {dtype} H=0")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_keeps_fp32_math_under_autocast(backend, dtype):
     """A teacher scored inside ``torch.autocast`` (a training loop's forward): the result is the
     one outside it. The cpp/cuda cores' chunk GEMM once ran in bf16 there (other ids, log-probs

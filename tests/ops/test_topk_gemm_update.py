@@ -221,6 +221,7 @@ def _args(**change):
     (dict(weight=torch.ones(20, 8)), "weight must be BFloat16"),
     (dict(weight=torch.ones(20, 6).bfloat16()), "same H"),
     (dict(hidden=torch.ones(2, 7).bfloat16(), weight=torch.ones(20, 7).bfloat16()), "H must be even"),
+    (dict(hidden=torch.ones(2, 0).bfloat16(), weight=torch.ones(20, 0).bfloat16()), "H must be even and > 0"),
     (dict(weight=torch.ones(8, 20).bfloat16().T), "rows must be contiguous"),
     (dict(id0=21), r"id0 must be in \[0, V = 20\]"),
     (dict(id0=-1), r"id0 must be in \[0, V = 20\]"),
