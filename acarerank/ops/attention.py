@@ -352,6 +352,9 @@ class AttentionPlan:
     backend: the resolved backend name.
     work: "triton": the [W, 2] int32 work list (segment, first row), heaviest block first.
     host_meta: "torch" / "flash_attn_cascade": the metadata on the host (``_device_to_host``).
+    prefix_rows: cu_prefix_lens[-1], the rows prefix_k and prefix_v must have, where the plan read
+      the metadata on the host (validated, or host_meta); None where it did not (checked per call:
+      the "torch" backend sliced a shorter prefix_k short, a wrong output with no error).
     A paged-KV variant adds its block table here (one more field, read by its backend).
     """
     cu_seqlens: torch.Tensor
@@ -365,6 +368,7 @@ class AttentionPlan:
     backend: str
     work: Optional[torch.Tensor] = None
     host_meta: Optional[torch.Tensor] = None
+    prefix_rows: Optional[int] = None
 
 
 def plan_prefix_shared_attention(cu_seqlens, cu_prefix_lens, segment_group, *, num_tokens: int, num_q_heads: int,
@@ -398,6 +402,7 @@ def plan_prefix_shared_attention(cu_seqlens, cu_prefix_lens, segment_group, *, n
             raise ValueError("plan_prefix_shared_attention: cu_prefix_lens must start at 0 and be non-decreasing")
         if S and (min(sgl) < 0 or max(sgl) >= G):
             raise ValueError(f"plan_prefix_shared_attention: segment_group values must lie in [0, {G})")
+        plan.prefix_rows = cp[-1]
     if name == "triton":
         from acarerank.kernels.prefix_shared_attention import plan_work
 
@@ -406,6 +411,8 @@ def plan_prefix_shared_attention(cu_seqlens, cu_prefix_lens, segment_group, *, n
                               dtype=dtype, device=device)
     else:
         plan.host_meta = _device_to_host(cu_seqlens, cu_prefix_lens, segment_group)
+        if cu_prefix_lens.numel():
+            plan.prefix_rows = int(plan.host_meta[cu_seqlens.numel() + cu_prefix_lens.numel() - 1])
     return plan
 
 
@@ -475,6 +482,10 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
         if got != want:
             raise ValueError(f"prefix_shared_attention: q/k (T, Hq, d, Hkv, dtype) = {got} but the plan was built "
                              f"for {want}")
+        for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
+            if plan.prefix_rows is not None and t.dim() >= 1 and t.shape[0] != plan.prefix_rows:
+                raise ValueError(f"prefix_shared_attention: cu_prefix_lens ends at {plan.prefix_rows} but {name} has "
+                                 f"{t.shape[0]} rows")
         validate = False
     _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segment_group, validate)
     if plan is not None:

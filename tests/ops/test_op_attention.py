@@ -595,6 +595,16 @@ def test_plan_checks_shapes_and_backend():
         prefix_shared_attention(q[:, :2], k, v, None, pk, pv, None, None, plan=plan)
     with pytest.raises(ValueError, match="pass backend= to plan_prefix_shared_attention"):
         prefix_shared_attention(q, k, v, None, pk, pv, None, None, plan=plan, backend="torch")
+    # a prefix shorter (or longer) than the plan's cu_prefix_lens: "torch" sliced it short, a wrong
+    # output with no error (the native kernel refused it); every backend of a plan that read the
+    # metadata on the host refuses it now
+    for name in ("torch",) + (("native",) if "native" in available_backends("prefix_shared_attention", "cpu") else ()):
+        p = plan_prefix_shared_attention(cu, cp, sg, num_tokens=7, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                                         dtype=torch.float32, backend=name, validate=False)
+        assert p.prefix_rows == 5, (name, p.prefix_rows)
+        for pk2, pv2, which in ((pk[:3], pv, "prefix_k has 3"), (pk, torch.cat([pv, pv]), "prefix_v has 10")):
+            with pytest.raises(ValueError, match=f"cu_prefix_lens ends at 5 but {which} rows"):
+                prefix_shared_attention(q, k, v, None, pk2, pv2, None, None, plan=p)
     with pytest.raises(ValueError, match="end at T=8"):
         plan_prefix_shared_attention(cu, cp, sg, num_tokens=8, num_q_heads=4, num_kv_heads=2, head_dim=16,
                                      dtype=torch.float32)
