@@ -118,7 +118,9 @@ def prefix_shared_attention_ref(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_pref
     """Oracle: for each segment, plain causal attention over cat(prefix_g, own) in fp32.
 
     Non-finite inputs propagate as plain softmax attention does: a NaN in q[t, h] makes
-    out[t, h] NaN; a NaN key or value makes NaN every row that sees it. Every backend agrees.
+    out[t, h] NaN; a NaN key or value makes NaN every row that sees it, and only those (a key
+    hidden by the causal mask weighs exactly 0, never 0·inf). Every backend agrees (on the CPU;
+    Triton's and CUDA's are checked on finite values).
     """
     T, Hq, d = q.shape
     r = Hq // k.shape[1]
@@ -139,7 +141,20 @@ def prefix_shared_attention_ref(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_pref
         visible = torch.ones(L, P + L, dtype=torch.bool, device=q.device)
         visible[:, P:] = torch.tril(torch.ones(L, L, dtype=torch.bool, device=q.device))
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals).to(q.dtype)
+        out[a:b] = _weighted_values(scores.softmax(-1), vals, visible).to(q.dtype)
+    return out
+
+
+def _weighted_values(w, vals, visible):
+    """Σ_k w[h, q, k] · vals[k, h] over the keys each row sees: w [Hq, L, K] (0 where hidden),
+    vals [K, Hq, d], visible [L, K] -> [L, Hq, d]. A non-finite value reaches only the rows that
+    see it: one einsum over the finite values, then the non-finite ones added where visible
+    (in one einsum, a hidden key's weight 0 times inf made the rows before it NaN)."""
+    finite = torch.isfinite(vals)
+    out = torch.einsum("hqk,khd->qhd", w, vals.where(finite, 0))
+    if not finite.all():
+        terms = w.permute(1, 2, 0)[..., None] * vals.where(~finite, 0)[None]                  # [L, K, Hq, d]
+        out = out + terms.masked_fill(~visible[:, :, None, None], 0).sum(1)
     return out
 
 
@@ -198,6 +213,8 @@ def _partial_attention(qh, kh, vh, scale: float, causal: bool):
     A row with no score above −inf: lse = −inf and o = 0 (FlashAttention's rule), so a
     log-sum-exp merge gives it weight e^(−inf − lse) · 0 = 0, not NaN · 0.
     """
+    if causal and vh.device.type == "cpu" and not bool(torch.isfinite(vh).all()):
+        return _causal_nonfinite_values(qh, kh, vh, scale)
     if _FLASH_CPU is not None and qh.device.type == "cpu":
         return flash_cpu(qh, kh, vh, scale, causal)
     s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(scale)
@@ -208,6 +225,23 @@ def _partial_attention(qh, kh, vh, scale: float, causal: bool):
     o = torch.matmul(s.sub_(lse[..., None]).exp_(), vh)      # −inf − (−inf): NaN on such a row
     # unconditionally: an .any() would be a device sync per call off the CPU; O(M·d) beside the GEMMs
     return o.masked_fill_(torch.isneginf(lse)[..., None], 0.0), lse
+
+
+def _causal_nonfinite_values(qh, kh, vh, scale: float):
+    """``_partial_attention(causal=True)`` where vh holds a ±inf or NaN: the finite values as usual,
+    then each non-finite one added to the rows that see it (row m sees keys ≤ m), with the weight
+    exp(scale·q·k − lse) of the finite pass. Both fused kernels weigh a key hidden from a row by 0
+    and multiply: 0·inf made NaN the rows before a non-finite value, which plain attention leaves
+    finite (the native kernel never reads a hidden key)."""
+    finite = torch.isfinite(vh)
+    o, lse = _partial_attention(qh, kh, vh.where(finite, 0), scale, causal=True)
+    keys = (~finite).any(-1).flatten(0, -2).any(0).nonzero()[:, 0]                 # keys with a non-finite value
+    M = qh.shape[-2]
+    w = torch.matmul(qh.float(), kh[..., keys, :].float().transpose(-1, -2)).mul_(scale).sub_(lse[..., None]).exp_()
+    w = w.masked_fill_(torch.isneginf(lse)[..., None], 0.0)                         # a row with no score: o = 0
+    seen = torch.arange(M, device=qh.device)[:, None] >= keys[None, :]               # [M, J]
+    terms = w[..., None] * vh[..., keys, :].where(~finite[..., keys, :], 0).float().unsqueeze(-3)  # [B, H, M, J, d]
+    return o + terms.masked_fill_(~seen[..., None], 0.0).sum(-2).to(o.dtype), lse
 
 
 def _prefix_part(qf, pk, pv, scale):

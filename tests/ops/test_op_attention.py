@@ -584,6 +584,28 @@ def test_runner_plans_once_per_forward(backend, syncs, plans, monkeypatch):
     assert seen[1].get("d2h", 0) == syncs and seen[1].get("work", 0) == plans, seen[1]
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), float("-inf")])
+def test_a_non_finite_value_reaches_only_the_rows_that_see_it(bad):
+    """A non-finite own value v[j] makes non-finite exactly the rows that see it (rows j.. of its
+    segment, the query heads of its kv head, that dimension); the rows before it are finite and
+    equal the oracle on the same data with that value finite. The oracle and the "torch" backend
+    multiplied a hidden key's weight 0 by it: NaN rows before j where the native kernel, which
+    never reads a hidden key, was right."""
+    torch.manual_seed(5)
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([20, 6], [37, 10], [0, 1], 4, 2, 16, device="cpu")
+    clean = prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg)
+    v[8, 1, 3] = bad   # token 8 of segment 0, kv head 1 = query heads 2 and 3
+    sees = torch.zeros(q.shape[:2], dtype=torch.bool)
+    sees[8:20, 2:4] = True
+    cpu_backends = [b for b in ("torch", "native", "cpp") if b in available_backends("prefix_shared_attention", "cpu")]
+    for name, out in [("oracle", prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg))] + \
+            [(b, prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend=b)) for b in cpu_backends]:
+        off = ~torch.isfinite(out)
+        assert torch.equal(off.any(-1), sees), f"{name}: non-finite rows {off.any(-1).nonzero()[:6].tolist()}"
+        assert off[sees][:, 3].all() and not off[sees][:, :3].any(), f"{name}: only dim 3 of the rows that see it"
+        _assert_close_fp32(out[~sees], clean[~sees], f"{name}: the rows that do not see it")
+
+
 def test_plan_checks_shapes_and_backend():
     from acarerank.ops import plan_prefix_shared_attention
     (q, k, v), cu, (pk, pv), cp, sg = _pack([3, 4], [5], [0, 0], 4, 2, 16, device="cpu")

@@ -160,8 +160,9 @@ def test_nan_in_q_makes_exactly_its_row_nan(dtype):
 
 def test_nan_value_reaches_only_the_rows_that_see_it():
     """A NaN in an own value row j makes NaN exactly the rows that see it (tokens j.. of its segment,
-    the query heads of its kv head); rows causally before j equal the oracle on NaN-free data (the
-    oracle itself multiplies the masked NaN by a zero weight and spreads it to every row)."""
+    the query heads of its kv head); rows causally before j equal the oracle on NaN-free data (as
+    the oracle's own do since 2026-12-07: it multiplied the masked NaN by a zero weight, spreading
+    it to every row of the segment)."""
     paged, packed = make([20, 6], [37, 10], [0, 1], 4, 2, 64, 16)
     ref = ref32(packed)
     paged[2][8, 1, 3] = float("nan")   # v of token 8 (segment 0), kv head 1 = query heads 2, 3
@@ -171,6 +172,12 @@ def test_nan_value_reaches_only_the_rows_that_see_it():
     assert torch.equal(torch.isnan(out).any(-1), sees), f"NaN rows: {torch.nonzero(torch.isnan(out).any(-1))[:6]}"
     assert torch.isnan(out[sees][:, 3]).all() and not torch.isnan(out[sees][:, :3]).any()  # only that dim
     assert (out[~sees] - ref[~sees]).abs().max().item() <= 1e-5
+    v = packed[2].clone()
+    v[8, 1, 3] = float("nan")
+    nan_ref = ref32((*packed[:2], v, *packed[3:]))
+    assert torch.equal(torch.isnan(nan_ref).any(-1), sees), "the oracle's NaN rows differ from the kernel's"
+    out_torch = prefix_shared_attention_paged(*paged, backend="torch")   # the paged op's fallback
+    assert torch.equal(torch.isnan(out_torch).any(-1), sees), "the torch backend's NaN rows differ from the kernel's"
 
 
 def _finite_and_within_the_rule(paged, packed, dtype, d=64):
