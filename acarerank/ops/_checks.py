@@ -172,3 +172,22 @@ def check_target_range(targets: torch.Tensor, V: int, op: str) -> None:
         if lo < 0 or hi >= V:
             raise ValueError(f"{op}: target id {lo if lo < 0 else hi} is out of range [0, V={V})"
                              + (PADDING_HINT if lo < 0 else ""))
+
+
+def refuse_func_transforms(message: str, *tensors) -> None:
+    """RuntimeError(``message``) when a tensor is traced by a torch.func gradient transform (grad,
+    jvp, jacrev, ...: a functorch grad-tracking wrapper, at any depth under vmap's batched ones) or
+    carries a forward-mode tangent (torch.autograd.forward_ad): for an op whose only derivative is
+    a registered reverse-mode formula. Without it torch.func.grad failed deep in torch ("an
+    autograd.Function ... must override the setup_context staticmethod", naming no op) and a jvp
+    or forward-AD tangent was silently 0."""
+    if torch.compiler.is_compiling():  # dynamo traces transforms on its own terms; these checks read no tensor data
+        return
+    F = torch._C._functorch
+    for t in tensors:
+        while F.is_functorch_wrapped_tensor(t):
+            if F.is_gradtrackingtensor(t):
+                raise RuntimeError(message)
+            t = F.get_unwrapped(t)
+        if torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError(message)

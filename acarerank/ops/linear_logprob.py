@@ -70,10 +70,9 @@ import os
 from typing import Optional
 
 import torch
-from torch.autograd import forward_ad
 
 from . import _backend
-from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, check_target_range
+from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, check_target_range, refuse_func_transforms
 from ._logits_gemm import native_bf16_gemm_for
 
 DEFAULT_CHUNK = 2048  # vocabulary rows per step: [T, 2048] fp32 is 1.35 % of [T, 151,669]
@@ -401,21 +400,8 @@ NO_FUNC_TRANSFORM = ("linear_logprob: no torch.func.grad / jvp / jacrev / hessia
 
 
 def _refuse_func_transforms(*tensors):
-    """RuntimeError ``NO_FUNC_TRANSFORM`` when a tensor is traced by a torch.func gradient
-    transform (grad, jvp, jacrev, ...: a functorch grad-tracking wrapper, at any depth under
-    vmap's batched ones) or carries a forward-mode tangent (torch.autograd.forward_ad). Without
-    it torch.func.grad failed deep in torch ("an autograd.Function ... must override the
-    setup_context staticmethod", naming no op) and a jvp or forward-AD tangent was silently 0."""
-    if torch.compiler.is_compiling():  # dynamo traces transforms on its own terms; these checks read no tensor data
-        return
-    F = torch._C._functorch
-    for t in tensors:
-        while F.is_functorch_wrapped_tensor(t):
-            if F.is_gradtrackingtensor(t):
-                raise RuntimeError(NO_FUNC_TRANSFORM)
-            t = F.get_unwrapped(t)
-        if forward_ad.unpack_dual(t).tangent is not None:
-            raise RuntimeError(NO_FUNC_TRANSFORM)
+    """``refuse_func_transforms`` with ``NO_FUNC_TRANSFORM``."""
+    refuse_func_transforms(NO_FUNC_TRANSFORM, *tensors)
 
 
 class FirstOrderOnly(torch.autograd.Function):

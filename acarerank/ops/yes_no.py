@@ -13,7 +13,12 @@ import torch
 
 from . import _backend
 from ._backend import META_TOO
-from ._checks import check_eps, check_float_tensors
+from ._checks import check_eps, check_float_tensors, refuse_func_transforms
+
+NO_FUNC_TRANSFORM = ("yes_no_score: no torch.func.grad / jvp / jacrev / hessian and no forward-mode AD — its "
+                     "derivative is a registered reverse-mode formula that these transforms cannot call (a jvp came "
+                     "out 0); differentiate it with torch.autograd (loss.backward(), torch.autograd.grad), or use "
+                     "yes_no_score_ref, plain PyTorch that every transform takes")
 
 
 def _check_inputs(hidden_last, norm_weight, w_yes, w_no):
@@ -127,11 +132,14 @@ def yes_no_score(hidden_last, norm_weight, w_yes, w_no, eps: float = 1e-6, backe
 
     Differentiable (first derivatives, every backend: one fp32 formula, ``_backward``) in
     ``hidden_last``, ``norm_weight``, ``w_yes`` and ``w_no``; gradients come back in each input's dtype.
+    By torch.autograd only: a torch.func gradient transform or a forward-mode tangent on an input is
+    a RuntimeError (``NO_FUNC_TRANSFORM``; a jvp was silently 0).
 
     The backend is resolved once here; the work runs inside the custom op
     ``torch.ops.acarerank.yes_no_score``, opaque to torch.compile.
     """
     _check_inputs(hidden_last, norm_weight, w_yes, w_no)
+    refuse_func_transforms(NO_FUNC_TRANSFORM, hidden_last, norm_weight, w_yes, w_no)
     check_eps("yes_no_score", eps)
     name = OP.resolve(backend, hidden_last.device)
     return yes_no_score_op(hidden_last, norm_weight, w_yes, w_no, float(eps), name)

@@ -134,6 +134,32 @@ def test_head_gradients_against_the_reference(backend):
             assert t.grad.dtype == t.dtype and err <= 1e-5 * (1 + ref.abs().max().item()), (backend, which, i, err)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_func_transforms_vmap_works_gradient_transforms_raise_naming_the_op(backend):
+    """vmap equals the reference per sample; the gradient transforms (grad, jacrev, jvp, jacfwd) and
+    forward-mode AD raise a RuntimeError naming yes_no_score. jvp, jacfwd and forward AD gave a
+    derivative of 0 (the reference's ~2-7) with no error; grad failed deep in torch, naming no op."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import grad, jacfwd, jacrev, jvp, vmap
+
+    torch.manual_seed(3)
+    h, nw, w_yes, w_no = _inputs(3, 16, torch.float32)
+    hb = torch.randn(2, 3, 16, device=DEVICE)
+    got = vmap(lambda x: yes_no_score(x, nw, w_yes, w_no, eps=EPS, backend=backend)[1])(hb)
+    want = torch.stack([yes_no_score_ref(x, nw, w_yes, w_no, EPS)[1] for x in hb])
+    assert (got - want).abs().max().item() <= 1e-5, (got, want)
+    diff = lambda x: yes_no_score(x, nw, w_yes, w_no, eps=EPS, backend=backend)[1]  # noqa: E731
+    transforms = {"grad": lambda: grad(lambda x: diff(x).sum())(h), "jacrev": lambda: jacrev(diff)(h),
+                  "jvp": lambda: jvp(diff, (h,), (h,)), "jacfwd": lambda: jacfwd(diff)(h),
+                  "grad over w_yes": lambda: grad(lambda w: yes_no_score(h, nw, w, w_no, eps=EPS,
+                                                                        backend=backend)[1].sum())(w_yes)}
+    for name, run in transforms.items():
+        with pytest.raises(RuntimeError, match="yes_no_score: no torch.func.grad"):
+            run()
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="yes_no_score: no torch.func.grad .* forward-mode AD"):
+        diff(fwAD.make_dual(h, torch.ones_like(h)))
+
+
 def test_head_gradients_in_bf16_and_opcheck():
     """bf16 inputs get bf16 gradients within bf16 rounding of the fp64 ones; opcheck with inputs
     that require grad checks the autograd registration as torch.compile traces it."""
