@@ -121,6 +121,12 @@ class ContextTemplate:
 DEFAULT_TEMPLATE = ContextTemplate()
 
 
+
+#: the advice on min_doc_tokens in a too-long-context error: a setting of the reranker, never of a
+#: request (an HTTP client was told to pass ``--min-doc-tokens``, which ``acarerank serve`` has not)
+MIN_DOC_KNOB = (" or lower min_doc_tokens (the reranker's setting, not a request's: PointwiseReranker(min_doc_tokens=...), "
+                "acarerank score --min-doc-tokens)")
+
 def _check_optional_str(name: str, value) -> Optional[str]:
     """``None`` for a missing field (None, "" or whitespace only), else the string itself."""
     if value is None:
@@ -432,7 +438,7 @@ def _check_never_cut_heads(enc, f: _Fields, n_prefix: int, n_suffix: int, budget
     for (name, _), (ids, _, complete) in zip(values, enc.user_heads([v for _, v in values], n)):
         if not complete:
             tail = f" + min_doc_tokens {f.min_doc_tokens}" if f.truncate else ""
-            knob = " or lower min_doc_tokens (CLI: --min-doc-tokens)" if f.truncate else ""
+            knob = MIN_DOC_KNOB if f.truncate else ""
             raise ValueError(
                 f"the query and question are never truncated, but the {name} alone is over the shared context's "
                 f"room ({name} {len(ids)}+ tokens; prefix {n_prefix} + suffix {n_suffix}{tail} leave {n - 1} of "
@@ -445,7 +451,7 @@ def _raise_shared_over(enc, f: _Fields, prefix_ids: list, n_suffix: int, budget:
     q, t = f.question, f.trace
     reserve = f.reserve
     tail = f" + min_doc_tokens {f.min_doc_tokens}" if f.truncate else ""
-    knob = " or lower min_doc_tokens (CLI: --min-doc-tokens)" if f.truncate else ""
+    knob = MIN_DOC_KNOB if f.truncate else ""
     empty_head = shared_body_text("", "" if q is not None else None, "" if t is not None else None, "", f.template)
     fixed = len(prefix_ids) + len(enc.user([empty_head])[0])
     if fixed + n_suffix + reserve > f.max_length:
@@ -473,7 +479,7 @@ def _raise_never_cut(enc, f: _Fields, n_suffix: int, base: int) -> None:
     """ValueError: the shared part without its trace line (``base`` tokens) is over its budget."""
     q = f.question
     tail = f" + min_doc_tokens {f.min_doc_tokens}" if f.truncate else ""
-    knob = " or lower min_doc_tokens (CLI: --min-doc-tokens)" if f.truncate else ""
+    knob = MIN_DOC_KNOB if f.truncate else ""
     n_query, n_question, n_instr = (len(x) for x in enc.user(
         [f.query, q or "", resolve_instruction(f.instruction, context_mode(q, None), f.template)]))
     raise ValueError(

@@ -296,6 +296,16 @@ def test_truncate_false_scores_a_long_context_that_fits(servers):
                  400, ["documents[0]", "truncate"])
 
 
+def test_a_query_over_the_context_is_refused_with_advice_a_client_can_read(servers):
+    """A query alone over the shared context's room: 400 naming it. Its advice on min_doc_tokens says
+    that is the reranker's setting; it told an HTTP client to pass --min-doc-tokens, a flag of
+    ``acarerank score`` that no request (nor ``acarerank serve``) has."""
+    r = httpx.post(servers["base"] + "/v1/rerank", headers=AUTH, timeout=60,
+                   json=dict(query="tutor " * 9000, documents=["hint"]))
+    expect_error(r, 400, ["never truncated", "Shorten the query", "the reranker's setting, not a request's"])
+    assert "CLI: --min-doc-tokens" not in r.text, r.text
+
+
 def test_queue_full_disconnect_and_no_interference(servers):
     gbase, gated, rr = servers["gbase"], servers["gated"], servers["rr"]
     gate = gated.reranker.gate
