@@ -56,7 +56,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # model dtype, and padded batches and packed segments round differently.
 SCORE_TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 # Backends probed for "acarerank-<backend>" when --backends is not given.
-AUTO_BACKENDS = ("torch", "cpp", "triton", "cuda")
+#: the automatic ``--backends``: "native" is the CPU's default path (every op that has a native
+#: kernel on it, the linear layers on oneDNN), what PointwiseReranker runs there; left out where
+#: acarerank._cpu is not built
+AUTO_BACKENDS = ("torch", "cpp", "native", "triton", "cuda")
 
 
 @dataclass

@@ -111,7 +111,8 @@ def add_parser(subparsers) -> None:
                    help="a rerank server timed beside the others over HTTP (repeatable): vLLM, llama.cpp, TEI or "
                         "another acarerank, e.g. started by bench/peers/*.sh on the same --model")
     p.add_argument("--backends", type=_names, default=None,
-                   help="acarerank backends (default: every one that runs on the device); an entry may override "
+                   help="acarerank backends (default: torch, cpp, native, triton, cuda where each runs on the device and "
+                        "is not an interpreter; native is the CPU's default path); an entry may override "
                         "ops, e.g. native,native+linear=torch (oneDNN vs F.linear under the native kernels)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per cell (default 3; --quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per provider and mode (default 1)")

@@ -46,9 +46,12 @@ def test_bench_quick_run_writes_csv_png_and_checks_scores(tmp_path, capsys):
         assert reader.fieldnames == report.COLUMNS
         rows = list(reader)
     # every backend preference that runs here: "cpp" runs the head's C++ twin end to end (attention
-    # keeps its device default), "triton" is left out on CPU (interpreter only)
+    # keeps its device default), "native" the CPU's default path, "triton" is left out on CPU
+    # (interpreter only)
     from acarerank.ops import available_backends
     ours = {f"acarerank-{b}" for b in ("torch", "cpp") if b in available_backends("yes_no", "cpu")}
+    if "native" in available_backends("prefix_shared_attention", "cpu"):
+        ours.add("acarerank-native")
     providers = {"transformers", "transformers+prefix-cache"} | ours
     assert {r["provider"] for r in rows} == providers
     cells = {(r["mode"], int(r["depth"]), r["provider"]) for r in rows}
@@ -149,7 +152,10 @@ def test_the_automatic_backends_on_a_cpu_leave_cuda_out_in_plain_words():
     said = []
     chosen = pick_backends(BenchConfig(), torch.device("cpu"), said.append)
     assert "cuda" not in chosen and "triton" not in chosen
-    assert set(chosen) == {b for b in ("torch", "cpp") if b in available_backends("yes_no", "cpu")}, chosen
+    want = {b for b in ("torch", "cpp") if b in available_backends("yes_no", "cpu")}
+    if "native" in available_backends("prefix_shared_attention", "cpu"):
+        want.add("native")   # the CPU's default path, timed under its own name
+    assert set(chosen) == want, chosen
     assert "backend cuda: left out on cpu (it runs on CUDA devices only)" in said, said
     assert not any("Error" in s for s in said), said
 
