@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import struct
+from typing import List
 
 import torch
 
@@ -50,6 +51,28 @@ class InferenceOnlyError(ValueError):
     autograd formula was registered" for an internal op name."""
 
 
+def _inference_only_message(op: str, ref: str) -> str:
+    return (f"{op} is inference-only (no backward): a loss was backpropagated through its output; train "
+            f"through {ref} (plain PyTorch, differentiable), or run {op} under torch.no_grad() / "
+            f"torch.inference_mode()")
+
+
+@torch.library.custom_op("acarerank::inference_only_backward", mutates_args=())
+def _inference_only_backward(grad: torch.Tensor, inputs: List[torch.Tensor], op: str, ref: str) -> List[torch.Tensor]:
+    """The backward of an inference-only op: raises ``InferenceOnlyError`` when it runs. An op (not
+    a Python raise in ``_NoBackward.backward``) so that torch.compile traces the backward through
+    its fake, and only running it raises: traced, the raise failed every compiled forward whose
+    inputs required grad (an nn.Parameter weight with grad mode on) with dynamo's "Observed
+    exception". Its results are the inputs' gradients, so a compiled backward cannot drop it as
+    unused (it did, when only the unused gradient of ``out`` came from it: no error, no gradients)."""
+    raise InferenceOnlyError(_inference_only_message(op, ref))
+
+
+@_inference_only_backward.register_fake
+def _(grad, inputs, op, ref):
+    return [torch.empty_like(t) for t in inputs]
+
+
 class _NoBackward(torch.autograd.Function):
     """Identity on ``out``, joined to the grad-requiring ``inputs`` of an op without a backward:
     the forward runs (an inference call that forgot no_grad still works), the backward raises."""
@@ -57,14 +80,12 @@ class _NoBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: str, ref: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.op, ctx.ref = op, ref
+        ctx.save_for_backward(*inputs)
         return out
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise InferenceOnlyError(
-            f"{ctx.op} is inference-only (no backward): a loss was backpropagated through its output; train "
-            f"through {ctx.ref} (plain PyTorch, differentiable), or run {ctx.op} under torch.no_grad() / "
-            f"torch.inference_mode()")
+    def backward(ctx, grad):
+        return (None, None, None, *_inference_only_backward(grad, list(ctx.saved_tensors), ctx.op, ctx.ref))
 
 
 def inference_only(op: str, ref: str, tensors, run):

@@ -5,6 +5,8 @@ InferenceOnlyError naming the op and the differentiable reference to train throu
 used to fail with torch's "no autograd formula was registered" for an internal op name. Under
 no_grad / inference_mode they run and match their reference.
 """
+import functools
+
 import pytest
 import torch
 
@@ -108,3 +110,40 @@ def test_linear_with_a_packed_weight_has_no_backward_and_the_dense_one_trains():
         torch.testing.assert_close(linear(x, packed), linear_ref(x, w), atol=1e-4, rtol=1e-4)
     linear(x, w).sum().backward()    # F.linear: differentiable
     torch.testing.assert_close(x.grad, w.sum(0).expand(T, D))
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "silu_and_mul", "prefix_shared_attention"])
+def test_a_layer_op_compiles_with_inputs_that_require_grad(name):
+    """torch.compile(fullgraph=True) of a call whose inputs require grad (an nn.Parameter weight, grad
+    mode on, as an inference forward that forgot no_grad): the eager values, and a backward still
+    raises InferenceOnlyError. Dynamo traced the backward's raise and failed every such compile
+    ("Observed exception"); a backward op whose results fed nothing was dropped from the compiled
+    backward (no error, no gradients), so the inputs' gradients come from it. (The attention ops
+    compile with validate=False, the paged one with a plan: their checks read values on the host.)"""
+    op, ref, tensors, args = CASES[name]
+    if name == "prefix_shared_attention":
+        op = functools.partial(op, validate=False)
+    t = {n: x.detach().requires_grad_(True) for n, x in tensors.items()}
+    want = _outputs(op(*args(t)))
+    torch._dynamo.reset()
+    got = _outputs(torch.compile(lambda t: op(*args(t)), backend="aot_eager", fullgraph=True)(t))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    first = next(g for g in got if g.is_floating_point())
+    with pytest.raises(InferenceOnlyError, match=rf"^{name} is inference-only \(no backward\)"):
+        first.float().sum().backward()
+    assert all(x.grad is None for x in t.values())
+
+
+def test_the_backward_op_raises_and_its_fake_gives_the_inputs_shapes():
+    """``acarerank::inference_only_backward``: run, an InferenceOnlyError naming the op and its
+    reference; traced (a fake), one gradient shaped like each input, so a compiled backward keeps it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    grad, inputs = torch.ones(3, 4), [torch.ones(4), torch.ones(2, 5, dtype=torch.bfloat16)]
+    with pytest.raises(InferenceOnlyError, match=r"^rms_norm is inference-only .* train through rms_norm_ref "):
+        torch.ops.acarerank.inference_only_backward(grad, inputs, "rms_norm", "rms_norm_ref")
+    with FakeTensorMode() as mode:
+        fakes = torch.ops.acarerank.inference_only_backward(mode.from_tensor(grad), [mode.from_tensor(t) for t in inputs],
+                                                            "rms_norm", "rms_norm_ref")
+    assert [(f.shape, f.dtype) for f in fakes] == [(t.shape, t.dtype) for t in inputs]
