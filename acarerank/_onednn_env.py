@@ -26,6 +26,16 @@ VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 def bound_onednn_caches() -> None:
-    """Set both cache capacities to ``CAPACITY`` where the environment does not set them."""
+    """Set both cache capacities to ``CAPACITY`` where the environment does not set them, and
+    ideep's where it sets one that is not an integer >= 1: ideep reads "", "abc" or "0" as a
+    capacity of 0, and its cache then crashes the process (SIGSEGV) on the first oneDNN linear,
+    with no message; a warning says what was replaced. (oneDNN's own takes 0: no cache.)"""
     for name in VARIABLES:
         os.environ.setdefault(name, str(CAPACITY))
+    given = os.environ["LRU_CACHE_CAPACITY"]
+    if not (given.strip().isdecimal() and int(given) >= 1):
+        import warnings
+
+        os.environ["LRU_CACHE_CAPACITY"] = str(CAPACITY)
+        warnings.warn(f"LRU_CACHE_CAPACITY={given!r} is not an integer >= 1: ideep's cache of oneDNN kernels "
+                      f"crashes the process at that capacity; set to {CAPACITY}", RuntimeWarning, stacklevel=2)

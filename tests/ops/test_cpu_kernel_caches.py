@@ -155,3 +155,20 @@ def test_the_cache_bound_leaves_a_users_setting_alone(monkeypatch):
     bound_onednn_caches()
     assert os.environ["LRU_CACHE_CAPACITY"] == "500"
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(CAPACITY)
+
+
+@pytest.mark.skipif(bool(onednn_why_unavailable(torch.float32)), reason="this torch has no oneDNN linear")
+@pytest.mark.parametrize("given", ["0", "", "abc", "-3"])
+def test_an_ideep_capacity_that_would_crash_is_replaced_with_a_warning(given):
+    """LRU_CACHE_CAPACITY "", "abc" or "0" is ideep's capacity 0, and its cache then crashed the
+    process (SIGSEGV, no message) at the first oneDNN linear: importing acarerank replaces it
+    with CAPACITY and warns, naming it. Checked in a child (the variable is read once per process)."""
+    code = ("import os, acarerank, torch\n"
+            "from acarerank.ops import linear, prepare_linear_weight\n"
+            "w = prepare_linear_weight(torch.randn(32, 64), 'onednn')\n"
+            "print(tuple(linear(torch.randn(4, 64), w).shape), os.environ['LRU_CACHE_CAPACITY'])\n")
+    env = dict(_env_without_cache_variables(), LRU_CACHE_CAPACITY=given, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["(4,", "32)", str(CAPACITY)], done.stdout
+    assert f"LRU_CACHE_CAPACITY={given!r} is not an integer >= 1" in done.stderr, done.stderr[-2000:]
