@@ -168,6 +168,31 @@ def test_the_source_watch_compares_what_the_runner_shares(backend):
         _last_hidden(r, ids)
 
 
+@pytest.mark.parametrize("edit", ["norm mul_", "embedding copy_", "layer norm add_"])
+def test_a_write_through_data_to_a_shared_tensor_is_refused(edit):
+    """``p.data.mul_()`` / ``p.data.copy_()`` (an EMA, an RL weight sync) write the storage the runner
+    shares without bumping the Parameter's version counter: the next pass mixed old and new weights
+    (scores matching neither model, no error). The runner compares a few elements' bits too."""
+    ids = torch.randint(0, 503, (40,), generator=torch.Generator().manual_seed(4))
+    m = tiny_qwen3(layers=2)
+    r = Qwen3Runner.from_hf(m)
+    _last_hidden(r, ids)
+    name, p = {"norm mul_": ("model.norm.weight", m.model.norm.weight),
+               "embedding copy_": ("model.embed_tokens.weight", m.model.embed_tokens.weight),
+               "layer norm add_": ("model.layers.0.input_layernorm.weight",
+                                   m.model.layers[0].input_layernorm.weight)}[edit]
+    version = p._version
+    if edit == "norm mul_":
+        p.data.mul_(1.5)
+    elif edit == "embedding copy_":
+        p.data.copy_(torch.randn_like(p))
+    else:
+        p.data.add_(0.25)
+    assert p._version == version   # what the version check alone missed
+    with pytest.raises(SourceModelChangedError, match=f"'{name}'.*through .data"):
+        _last_hidden(r, ids)
+
+
 def test_a_prefill_of_many_groups_passes_at_most_one_chunk_of_rows(monkeypatch):
     """``prefill_chunk`` bounds a prefill pass's rows, not a group's share of them: 8 pool-50
     setwise prompts (11.7k tokens each) went in passes of 8 × 4,096 rows, whose activations made
