@@ -368,9 +368,15 @@ class PointwiseReranker(RerankerBase):
         ids = list(enc.shared_ids)
         cache, (hit,) = prefill_cached(self.runner, self._cache_slot, [ids], getattr(enc, "cache_salt", None),
                                        chunk_tokens)
-        # the handle takes over the cache's page references (released in release_prefix)
-        return PrefixHandle(enc, cache.pool, cache.block_tables[0], len(ids),
-                            len(ids) + sum(len(x) for x in enc.segment_ids), hit, len(ids) - hit, runner=self.runner)
+        # the handle takes over the cache's page references (released in release_prefix); an
+        # interrupt (a signal) before it holds them gives them back
+        try:
+            return PrefixHandle(enc, cache.pool, cache.block_tables[0], len(ids),
+                                len(ids) + sum(len(x) for x in enc.segment_ids), hit, len(ids) - hit,
+                                runner=self.runner)
+        except BaseException:
+            cache.free()
+            raise
 
     def check_encoding(self, enc: PointwiseEncoding) -> None:
         """Refuse, before any model work, an encoding that ``acquire_prefix`` or ``score_segments``

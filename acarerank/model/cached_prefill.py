@@ -197,10 +197,14 @@ def prefill_cached(runner, slot: CacheSlot, prefixes: Sequence[Sequence[int]],
             cache.free()  # matched pages and the pages reserved for new rows: nothing stays pinned
             raise
         else:
-            for g, ids in enumerate(prefixes):
-                pc.insert(salt, ids, cache.block_tables[g])
-            pc.add_hits(sum(hits))
-            slot.count(computed=sum(len(ids) - h for ids, h in zip(prefixes, hits)))
+            try:   # until the caller holds the cache, an interrupt here (a signal) frees it too
+                for g, ids in enumerate(prefixes):
+                    pc.insert(salt, ids, cache.block_tables[g])
+                pc.add_hits(sum(hits))
+                slot.count(computed=sum(len(ids) - h for ids, h in zip(prefixes, hits)))
+            except BaseException:
+                cache.free()   # the tree keeps its own references to what it took
+                raise
             return cache, hits
     else:
         slot.count(uncached_lookup=sum(map(len, prefixes)))

@@ -228,8 +228,10 @@ class SetwiseReranker(RerankerBase):
                                                enc.cache_salt, reserve_tokens=reserve), owner=self)
 
     def prefill_select(self, st: SelectState, max_tokens: int) -> int:
-        """Compute up to ``max_tokens`` more prompt tokens (one pass per ``runner.prefill_chunk``);
+        """Compute up to ``max_tokens`` (an int >= 1, else TypeError / ValueError: 0, -5, True or nan
+        computed one token a call) more prompt tokens (one pass per ``runner.prefill_chunk``);
         returns how many. When the prompt is complete the decoder is set up (``st.prefilling`` False)."""
+        max_tokens = check_int("prefill_select: max_tokens", max_tokens, 1)
         with self._live(st):
             n = st.prefill.step(max_tokens)
             if st.prefill.done and st.decoder is None:

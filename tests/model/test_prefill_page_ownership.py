@@ -72,6 +72,35 @@ def test_acquire_prefix_gives_back_every_page(model, fault_at, layer, exc):
     assert abs(got[0] - want[0]) <= 1e-6, f"score after the fault {got} vs a fresh reranker's {want}"
 
 
+@pytest.mark.parametrize("where", ["insert", "add_hits", "count", "handle"])
+def test_an_interrupt_after_the_passes_pins_no_page(model, monkeypatch, where):
+    """A signal delivered once the passes are done — while the new pages enter the tree, the hits
+    are counted, or the handle is built — left the call's pages pinned for good (the cache then
+    shrank call by call: 1 of 32 pages usable after four interrupts, 0 hits). Every page is free or
+    evictable after it, and the next call scores as a fresh reranker."""
+    from acarerank import pointwise
+    from acarerank.model import prefix_cache
+    from acarerank.model.cached_prefill import CacheSlot
+
+    rr = PointwiseReranker(model=model)
+    warm(rr)
+    pc = rr._prefix_cache
+    target = {"insert": (prefix_cache.PrefixCache, "insert"), "add_hits": (prefix_cache.PrefixCache, "add_hits"),
+              "count": (CacheSlot, "count"), "handle": (pointwise, "PrefixHandle")}[where]
+    real = getattr(*target)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(*target, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rr.score("warm", ["d"], trace=TRACE + " and a step of its own.")
+    monkeypatch.setattr(*target, real)
+    assert pc.available_blocks() == pc.pool.num_blocks, f"pinned after an interrupt in {where}"
+    got = rr.score("warm", ["d"], trace=TRACE)
+    want = PointwiseReranker(model=model).score("warm", ["d"], trace=TRACE)
+    assert abs(got[0] - want[0]) <= 1e-6, (got, want)
+
+
 @pytest.mark.parametrize("layer", range(LAYERS))
 def test_prefill_cached_of_several_groups_and_score_batch(model, fault_at, layer):
     rr = PointwiseReranker(model=model)

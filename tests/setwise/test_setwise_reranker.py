@@ -573,3 +573,19 @@ def test_a_decode_step_whose_choice_raised_is_retried_exactly(model, qwen3_token
         sr.decode_select(st)
     got, want = sr.finish_select(st), fresh.select(*args)
     assert (got.text, got.indices) == (want.text, want.indices), f"{got} after a retried step, {want} fresh"
+
+
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-5, ValueError), (True, TypeError), (float("nan"), TypeError),
+                                        (2.5, TypeError), (None, TypeError), ("4", TypeError)])
+def test_prefill_select_refuses_a_budget_that_is_not_a_positive_int(model, qwen3_tokenizer, bad, error):
+    """0, -5, True and nan each computed one token a call (a scheduler's budget of 0 still ran a
+    pass); 2.5 or None failed deep in the step with a slicing or comparison error."""
+    sr = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer)
+    st = sr.start_select(sr.encode_select("capital of France?", DOCS[:3], max_select=2))
+    try:
+        left = st.prompt_tokens_left
+        with pytest.raises(error, match="prefill_select: max_tokens must be"):
+            sr.prefill_select(st, bad)
+        assert st.prompt_tokens_left == left   # nothing computed
+    finally:
+        sr.release_select(st)
