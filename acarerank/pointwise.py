@@ -38,7 +38,7 @@ from .model.numerics import NonFiniteError, NonFiniteOutputError, nonfinite_rows
 from .model.runner import autocast_off, bounded_runs
 from .model.cached_prefill import CacheSlot, default_budget_tokens, prefill_cached
 from .malloc_tuning import CPU_BATCH_TOKENS, cpu_batch_tokens
-from .ops import backend_for, yes_no_score
+from .ops import backend_choice, yes_no_score
 from .prompts import DEFAULT_TEMPLATE, ContextTemplate, PointwiseEncoding, encode_pointwise
 from .prompts.pointwise import DEFAULT_MAX_LENGTH
 from .reranker_base import RerankerBase, check_max_length, fit_max_length
@@ -507,7 +507,7 @@ class PointwiseReranker(RerankerBase):
             with autocast_off(hidden.device):  # the head in fp32 also inside a caller's autocast region
                 s, diff = yes_no_score(hidden, self.runner.final_norm_weight, self._w_yes, self._w_no,
                                        eps=self.runner.arch.rms_norm_eps,
-                                       backend=backend_for("yes_no_score", self.backend))
+                                       backend=backend_choice("yes_no_score", self.backend))
             # S numbers, one sync: a NaN/inf difference (sigmoid gives NaN, or exactly 0 or 1) or score
             bad = nonfinite_rows(diff + s)
             if bad:

@@ -53,6 +53,8 @@ def check_common(args) -> None:
     positive("--max-length", args.max_length)
     check_dtype_device(resolve_dtype(args.dtype, args.device)[0], args.device)
     per_op_backends(parse_preference(args.backend, "--backend"))  # unknown name or op: BackendError, before loading
+    if not args.backend:   # then ACARERANK_BACKEND chooses: its junk refused before loading too, not after
+        per_op_backends(parse_preference(os.environ.get("ACARERANK_BACKEND"), "ACARERANK_BACKEND"))
     if args.model is not None:
         if not os.path.isdir(args.model):
             raise FileNotFoundError(f"--model {args.model!r} is not a folder")
@@ -63,12 +65,20 @@ def check_common(args) -> None:
 def check_text_flags(args, *flags: str) -> None:
     """ValueError naming the first of ``flags`` (e.g. "--query") whose text is not Unicode: bytes in
     the command line that are not UTF-8 reach Python as lone surrogates (U+DC80-U+DCFF for bytes
-    0x80-0xFF), which the reranker refused only after the model had loaded."""
+    0x80-0xFF), which the reranker refused only after the model had loaded. Under an ASCII locale
+    (LANG=C, PYTHONUTF8=0) valid UTF-8 reaches Python so too: such a flag is decoded from its bytes
+    as UTF-8 (it was called "not UTF-8")."""
     for flag in flags:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        attr = flag.lstrip("-").replace("-", "_")
+        value = getattr(args, attr)
         try:
             value is None or value.encode("utf-8")
         except UnicodeEncodeError as e:
+            try:
+                setattr(args, attr, os.fsencode(value).decode("utf-8"))
+                continue
+            except (UnicodeError, ValueError):
+                pass
             c = ord(value[e.start])
             what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
             raise ValueError(f"{flag} is not UTF-8 text ({what} at character {e.start})") from None

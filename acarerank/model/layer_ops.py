@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ..ops import backend_for
+from ..ops import backend_choice
 from ..ops._native_backend import resolve_elementwise
 from ..ops.gate_up_silu import PackedGateUpWeight, gate_up_silu
 from ..ops.qk_norm_rope import OP as QK_NORM_ROPE
@@ -41,7 +41,7 @@ def resolve_layer_backends(preference, device: torch.device, dtype: torch.dtype,
     ``head_dim`` under a backend preference (the native kernels run float32 and bfloat16, and
     qk_norm_rope's heads up to 512: past either, the default is "torch")."""
     decls = (OP_RMS_NORM, OP_FUSED_ADD, QK_NORM_ROPE, SILU_AND_MUL)
-    return {d.name: resolve_elementwise(d, backend_for(d.name, preference), device, dtype,
+    return {d.name: resolve_elementwise(d, backend_choice(d.name, preference), device, dtype,
                                         head_dim if d is QK_NORM_ROPE else None) for d in decls}
 
 

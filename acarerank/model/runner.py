@@ -33,7 +33,7 @@ import torch
 
 from .. import _fork
 from .._validate import positive_int
-from ..ops import backend_for, per_op_backends, prefix_shared_attention_paged
+from ..ops import backend_choice, backend_for, per_op_backends, prefix_shared_attention_paged
 from ..ops.gate_up_silu import resolve_gate_up_backend
 from ..ops.linear import linear, resolve_linear_backend
 from ..ops.rms_norm import OP_RMS_NORM
@@ -334,7 +334,7 @@ class Qwen3Runner:
         from ..ops import cpu_attention, paged_attention
 
         pref = (backend_for("prefix_shared_attention_paged", self.backend)
-                or backend_for("prefix_shared_attention", self.backend))
+                or backend_choice("prefix_shared_attention", self.backend))
         return cpu_attention.resolve(paged_attention.OP, pref, self.device, self.arch.head_dim)
 
     @property
@@ -588,7 +588,7 @@ class Qwen3Runner:
         slots = cache.reserve(groups, lens).to(dev) if append else None
         plan = cache.plan(cu_seqlens, seg_group, Hq, Hkv, d, self.dtype,
                           backend_for("prefix_shared_attention_paged", self.backend)
-                          or backend_for("prefix_shared_attention", self.backend), num_tokens=T)
+                          or backend_choice("prefix_shared_attention", self.backend), num_tokens=T)
         linear_fn = _linear_fixed_tiles if self.batch_invariant else linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
         # the element-wise work around the GEMMs: the layer ops (native kernels or torch references),

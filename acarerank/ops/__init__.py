@@ -6,7 +6,7 @@ Backend choice (``_backend``): an op's ``backend=`` takes a name or a per-op map
 ``{"attention": "triton", "yes_no": "cuda"}``) to each op; ``available_backends(op, device)``
 lists what runs here. Importing this package registers ``torch.ops.acarerank.*``.
 """
-from ._backend import (KNOWN_BACKENDS, BackendError, BackendLimitError, available_backends, backend_for,
+from ._backend import (KNOWN_BACKENDS, BackendError, BackendLimitError, available_backends, backend_choice, backend_for,
                        parse_preference, per_op_backends, triton_interpreted)
 from ._checks import InferenceOnlyError
 from .attention import (AttentionPlan, plan_prefix_shared_attention, prefix_shared_attention,
@@ -28,7 +28,7 @@ from .linear import PackedLinearWeight, linear, linear_ref, prepare_linear_weigh
 from .gate_up_silu import PackedGateUpWeight, gate_up_silu, gate_up_silu_ref, prepare_gate_up_weight
 
 __all__ = [
-    "BackendError", "BackendLimitError", "InferenceOnlyError", "KNOWN_BACKENDS", "available_backends", "backend_for",
+    "BackendError", "BackendLimitError", "InferenceOnlyError", "KNOWN_BACKENDS", "available_backends", "backend_choice", "backend_for",
     "parse_preference",
     "per_op_backends", "triton_interpreted",
     "AttentionPlan", "plan_prefix_shared_attention", "prefix_shared_attention", "prefix_shared_attention_op",

@@ -268,6 +268,19 @@ def backend_for(op: str, preference: Preference) -> Optional[str]:
     return mine
 
 
+def backend_choice(op: str, preference: Preference) -> Preference:
+    """What to pass as ``op``'s ``backend=`` for a preference given to a whole reranker or runner:
+    None where there is none (``ACARERANK_BACKEND`` applies), ``backend_for``'s name where it names
+    one for ``op``, else ``{}`` — an empty mapping, which resolves to the op's device default. Passing
+    ``backend_for``'s None there let ``ACARERANK_BACKEND`` choose for the ops a ``--backend`` name or
+    mapping leaves out (``ACARERANK_BACKEND=torch`` put ``--backend native``'s linear layers on F.linear),
+    where a preference given is the whole choice (docs/ARCHITECTURE.md, "Backend rules")."""
+    if preference is None:
+        return None
+    name = backend_for(op, preference)
+    return {} if name is None else name
+
+
 def per_op_backends(preference: Preference) -> dict:
     """``{op name: backend_for(op, preference)}`` for every declared op (validates the preference)."""
     return {name: backend_for(name, preference) for name in sorted(_REGISTRY)}

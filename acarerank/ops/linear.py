@@ -178,9 +178,9 @@ def resolve_linear_backend(preference, device, dtype: torch.dtype) -> tuple:
     (argument, mapping or environment) where it cannot run ``dtype`` is a BackendError with the line.
     """
     device = torch.device(device)
-    asked = _backend.backend_for(OP.name, preference)
-    # what OP.resolve will run when nothing was asked of this op: ACARERANK_BACKEND's entry, if any
-    explicit = asked if asked is not None else _backend.backend_for(OP.name, _backend._env_preference())
+    asked = _backend.backend_choice(OP.name, preference)
+    # the name asked of this op: the preference's, or, with none given, ACARERANK_BACKEND's entry
+    explicit = asked if preference is not None else _backend.backend_for(OP.name, _backend._env_preference())
     name = OP.resolve(asked, device)
     if name == "onednn":
         why = onednn_why_unavailable(dtype)

@@ -715,3 +715,33 @@ def test_a_text_flag_that_is_not_utf8_is_refused_before_loading(capsys, files, n
     rc, err, _ = run(capsys, argv)
     assert rc == 2 and err == [f"acarerank {command}: error: {flag} is not UTF-8 text (byte 0xe9 at character 3)"], \
         (rc, err)
+
+
+@pytest.mark.parametrize("command", ["score", "select"])
+def test_a_junk_acarerank_backend_is_refused_before_loading_unless_a_backend_is_given(capsys, files, no_load,
+                                                                                      monkeypatch, command):
+    """ACARERANK_BACKEND chooses only where --backend is not given: junk in it is exit 2 before the
+    model loads (it was a runtime error after the load), and beside --backend it is not read (it
+    refused a --backend native run)."""
+    monkeypatch.setenv("ACARERANK_BACKEND", "bogus")
+    argv = [command, "--query", "q", "--docs", str(files / "docs.jsonl")]
+    rc, err, _ = run(capsys, argv)
+    assert rc == 2 and len(err) == 1 and "unknown backend 'bogus' (from ACARERANK_BACKEND)" in err[0], (rc, err)
+    with pytest.raises(ModelLoaded):
+        main(argv + ["--backend", "torch"])
+
+
+def test_utf8_text_read_under_an_ascii_locale_is_decoded():
+    """Under LANG=C with PYTHONUTF8=0 the command line's UTF-8 reaches Python as surrogate escapes
+    ('café' as 'caf\\udcc3\\udca9'): it was called "not UTF-8"; it is decoded from its bytes. Bytes
+    that are not UTF-8 are still refused, naming the first."""
+    import argparse
+
+    from acarerank.cli.common import check_text_flags
+
+    args = argparse.Namespace(query="caf\udcc3\udca9 au lait", intent=None)
+    check_text_flags(args, "--query", "--intent")
+    assert args.query == "café au lait"
+    args = argparse.Namespace(query="caf\udce9", intent=None)
+    with pytest.raises(ValueError, match=r"--query is not UTF-8 text \(byte 0xe9 at character 3\)"):
+        check_text_flags(args, "--query", "--intent")

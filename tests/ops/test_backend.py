@@ -108,6 +108,30 @@ def test_explicit_argument_overrides_environment(ran, monkeypatch):
     assert ran == [("prefix_shared_attention", "torch"), ("yes_no_score", "torch")]
 
 
+def test_a_preference_given_to_a_reranker_is_the_whole_choice(monkeypatch):
+    """A name or mapping given to a reranker leaves the ops it does not cover on their device
+    default, never on ACARERANK_BACKEND's choice (backend_choice): ACARERANK_BACKEND=torch put
+    ``backend="native"``'s linear layers on F.linear, and a junk value refused a --backend native run."""
+    from acarerank import PointwiseReranker
+    from acarerank.ops import backend_choice
+    from acarerank.ops.linear import resolve_linear_backend
+    from _tiny import random_qwen3
+
+    assert backend_choice("yes_no", None) is None and backend_choice("yes_no", "cpp") == "cpp"
+    assert backend_choice("yes_no", "native") == {} and backend_choice("yes_no", {"attention": "torch"}) == {}
+    default_linear = resolve_linear_backend(None, "cpu", torch.float32)[0]
+    model = random_qwen3(layers=1)
+    for env in ("torch", "bogus"):
+        monkeypatch.setenv(ENV_VAR, env)
+        for pref in ("torch", {"attention": "torch"}) + (() if NATIVE_MISSING else ("native",)):
+            runner = PointwiseReranker(model=model, backend=pref).runner
+            want_linear = "torch" if pref == "torch" else default_linear
+            assert runner.linear_backend == want_linear, (env, pref, runner.linear_backend)
+            want_layer = "torch" if pref == "torch" or NATIVE_MISSING else "native"
+            assert set(runner._layer_backends.values()) == {want_layer}, (env, pref, runner._layer_backends)
+            assert runner._attention_backend() == ("torch" if pref != "native" else "native"), (env, pref)
+
+
 def test_unknown_backend_argument_is_an_error(ran):
     with pytest.raises(BackendError, match=r"unknown backend 'tritn'.*backend="):
         prefix_shared_attention(*_attn_inputs(), backend="tritn")

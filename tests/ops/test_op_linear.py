@@ -125,9 +125,11 @@ def test_a_dtype_onednn_refuses_falls_back_to_f_linear_with_the_reason(dtype):
 @pytest.mark.parametrize("dtype", REFUSED_DTYPES)
 def test_onednn_asked_for_by_the_environment_is_an_error_too(dtype, monkeypatch):
     monkeypatch.setenv("ACARERANK_BACKEND", "linear=onednn")
-    for pref in (None, {"attention": "torch"}):  # a mapping that does not name linear leaves it to the env
-        with pytest.raises(BackendError, match="cannot run"):
-            resolve_linear_backend(pref, "cpu", dtype)
+    with pytest.raises(BackendError, match="cannot run"):
+        resolve_linear_backend(None, "cpu", dtype)
+    # a preference given is the whole choice: one that does not name linear leaves it on its default
+    # (F.linear for this dtype), the environment unread
+    assert resolve_linear_backend({"attention": "torch"}, "cpu", dtype)[0] == "torch"
 
 
 def test_bf16_is_refused_exactly_where_the_cpu_lacks_its_instructions():
