@@ -45,20 +45,21 @@ class Target:
     model: Optional[str] = None
 
 
-def parse_target(text: str) -> Target:
-    """``NAME=URL`` / ``NAME=API@URL`` -> Target; ValueError naming what is wrong."""
+def parse_target(text: str, flag: str = "--target") -> Target:
+    """``NAME=URL`` / ``NAME=API@URL`` -> Target; ValueError naming what is wrong and ``flag``, the
+    option it came from (bench_serve's --target, ``acarerank bench --peer``)."""
     name, sep, rest = text.partition("=")
     if not sep or not name or not rest:
-        raise ValueError(f"--target expects NAME=URL or NAME=API@URL, got {text!r}")
+        raise ValueError(f"{flag} expects NAME=URL or NAME=API@URL, got {text!r}")
     if not _NAME.match(name):
-        raise ValueError(f"--target name {name!r}: use letters, digits and _.+- only")
+        raise ValueError(f"{flag} name {name!r}: use letters, digits and _.+- only")
     api = None
     if "@" in rest and not rest.startswith("http"):
         api, _, rest = rest.partition("@")
         if api not in API_KINDS:
-            raise ValueError(f"--target {name}: unknown API {api!r}; APIs: {', '.join(API_KINDS)}")
+            raise ValueError(f"{flag} {name}: unknown API {api!r}; APIs: {', '.join(API_KINDS)}")
     if not re.match(r"^https?://[^/\s]+", rest):
-        raise ValueError(f"--target {name}: {rest!r} is not an http(s) URL")
+        raise ValueError(f"{flag} {name}: {rest!r} is not an http(s) URL")
     return Target(name, rest.rstrip("/"), api)
 
 

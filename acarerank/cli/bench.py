@@ -205,7 +205,7 @@ def config_from_args(args, dtype: str = "float32", depths=None):
         warmup=args.warmup if args.warmup is not None else (0 if args.quick else 1),
         max_cell_seconds=args.max_cell_seconds, dtype=dtype, device=args.device, attn_implementation=args.attn,
         spec=WorkloadSpec(**spec), seed=args.seed, compile_layers=args.compile_layers,
-        peers=tuple(parse_target(t) for t in args.peer or ()),
+        peers=tuple(parse_target(t, "--peer") for t in args.peer or ()),
     ).validate()
 
 

@@ -82,7 +82,10 @@ inline bool bf16_amx() {
 }
 inline bool cpu_baseline_forced() {
   const char* e = std::getenv("ACARERANK_CPU_BASELINE");
-  return e != nullptr && std::strcmp(e, "1") == 0;
+  const bool on = e != nullptr && std::strcmp(e, "1") == 0;
+  TORCH_CHECK(e == nullptr || *e == '\0' || on || std::strcmp(e, "0") == 0,
+              "ACARERANK_CPU_BASELINE must be 0 or 1 (or unset), got '", e, "'");
+  return on;
 }
 // Whether cpublas::brgemm multiplies bf16 with a VNNI-packed B here (oneDNN's ukernel: AMX, or
 // AVX-512 without it); elsewhere it raises. Asked by doing one 1×16×2 product, as cpublas exposes

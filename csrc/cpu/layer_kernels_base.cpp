@@ -28,9 +28,15 @@ bool cpu_has(Isa isa) {
 #endif
 }
 
-bool env_is(const char* name, const char* value) {
-  const char* e = std::getenv(name);
-  return e != nullptr && std::strcmp(e, value) == 0;
+// ACARERANK_CPU_BASELINE: unset, "" or "0" off, "1" on; anything else (true, yes, " 1") was read
+// as off, silently (attn_tiles.h's cpu_baseline_forced refuses it by name)
+bool baseline_env_valid() {
+  const char* e = std::getenv("ACARERANK_CPU_BASELINE");
+  return e == nullptr || *e == '\0' || std::strcmp(e, "0") == 0 || std::strcmp(e, "1") == 0;
+}
+bool baseline_env_on() {
+  const char* e = std::getenv("ACARERANK_CPU_BASELINE");
+  return e != nullptr && std::strcmp(e, "1") == 0;
 }
 
 // what chosen_isa() holds once: the build, or why there is none
@@ -41,8 +47,9 @@ struct Choice {
 
 Choice choose() {
   const char* want = std::getenv("ACARERANK_CPU_LAYER_ISA");
+  if (!baseline_env_valid()) return {Isa::base, "ACARERANK_CPU_BASELINE must be 0 or 1 (or unset)"};
   if (want == nullptr || *want == '\0' || std::strcmp(want, "auto") == 0) {
-    if (env_is("ACARERANK_CPU_BASELINE", "1")) return {Isa::base};
+    if (baseline_env_on()) return {Isa::base};
     return {cpu_has(Isa::avx512) ? Isa::avx512 : cpu_has(Isa::avx2) ? Isa::avx2 : Isa::base};
   }
   for (Isa isa : {Isa::avx512, Isa::avx2, Isa::base}) {

@@ -30,6 +30,9 @@ def test_parse_target_forms_and_errors():
                        ("a=127.0.0.1:80", "not an http")):
         with pytest.raises(ValueError, match=match):
             parse_target(bad)
+    # acarerank bench's own flag is named, not bench_serve's --target (which it has not)
+    with pytest.raises(ValueError, match=r"^--peer x: 'ftp://h' is not an http\(s\) URL"):
+        parse_target("x=ftp://h", "--peer")
 
 
 def test_fold_context_is_question_trace_query():

@@ -535,6 +535,19 @@ def test_every_build_of_the_kernels_matches_too(build, env):
 
 
 @needs_native
+@pytest.mark.parametrize("value", ["true", "yes", " 1"])
+def test_a_baseline_switch_that_is_not_0_or_1_is_an_error_naming_it(value):
+    """ACARERANK_CPU_BASELINE takes 0 or 1 (or nothing): "true", "yes" or " 1" were read as off,
+    silently, by the layer kernels and the attention alike (ACARERANK_CPU_AMX_TILES refused them)."""
+    code = ("import torch\nfrom acarerank.ops.silu_and_mul import silu_and_mul\nfrom acarerank.ops import _native\n"
+            "for run in (lambda: silu_and_mul(torch.randn(2, 8), backend='native'), _native.bf16_attention_path):\n"
+            "    try:\n        run()\n    except RuntimeError as e:\n        print('ERR', e)")
+    run = _run_child({"ACARERANK_CPU_BASELINE": value}, ["-c", code])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("ACARERANK_CPU_BASELINE must be 0 or 1") == 2, run.stdout
+
+
+@needs_native
 @pytest.mark.parametrize("value", ["avx-512", "AVX2", "none"])
 def test_unknown_layer_build_is_an_error_naming_the_variable(value):
     """A value of ACARERANK_CPU_LAYER_ISA that names no build fails the first element-wise call with
