@@ -219,10 +219,10 @@ def bench_preference(entry: str):
 def backend_runs(backend: str, device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """None if the scoring path runs with the ``--backends`` entry ``backend`` here, else the reason.
 
-    As ``PointwiseReranker(backend=...)`` takes it: each op gets ``backend_for(op, backend)``,
+    As ``PointwiseReranker(backend=...)`` takes it: each op gets ``backend_choice(op, backend)``,
     so "cpp"/"cuda" run the head on its C++/CUDA kernel and attention on its device default.
     """
-    from acarerank.ops import backend_for, prefix_shared_attention, yes_no_score
+    from acarerank.ops import backend_choice, prefix_shared_attention, yes_no_score
     from acarerank.ops.linear import resolve_linear_backend
 
     q = torch.randn(3, 2, 16, device=device, dtype=dtype)
@@ -232,10 +232,10 @@ def backend_runs(backend: str, device: torch.device, dtype: torch.dtype) -> Opti
         backend = bench_preference(backend)
         resolve_linear_backend(backend, device, dtype)
         prefix_shared_attention(q, k, k, torch.tensor([0, 3], **i32), k, k, torch.tensor([0, 3], **i32),
-                                torch.tensor([0], **i32), backend=backend_for("attention", backend))
+                                torch.tensor([0], **i32), backend=backend_choice("attention", backend))
         h = torch.randn(2, 16, device=device, dtype=dtype)
         w = torch.randn(16, device=device, dtype=dtype)
-        yes_no_score(h, w, w, w, backend=backend_for("yes_no", backend))
+        yes_no_score(h, w, w, w, backend=backend_choice("yes_no", backend))
     except Exception as e:  # BackendError, ImportError, a kernel that cannot compile here...
         return f"{type(e).__name__}: {e}"
     sync(device)

@@ -34,6 +34,7 @@ import torch
 from .. import _fork
 from .._validate import positive_int
 from ..ops import backend_choice, backend_for, per_op_backends, prefix_shared_attention_paged
+from ..ops._backend import _env_preference
 from ..ops.gate_up_silu import resolve_gate_up_backend
 from ..ops.linear import linear, resolve_linear_backend
 from ..ops.rms_norm import OP_RMS_NORM
@@ -128,14 +129,17 @@ _SAMPLES = 8
 def _samples(t: torch.Tensor) -> tuple:
     """(index, bits): ``_SAMPLES`` positions of ``t`` spread over its elements (an index tuple, for
     any strides: no copy of a strided tensor) and their values' bits as now."""
-    flat = torch.linspace(0, t.numel() - 1, min(_SAMPLES, t.numel())).round().long()
+    k = min(_SAMPLES, t.numel())
+    flat = torch.arange(k) * (t.numel() - 1) // max(k - 1, 1)   # integers: linspace's fp32 wrapped past 2²⁴
     where = torch.unravel_index(flat, t.shape)
     return where, _bits(t.detach()[where]).clone()
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """``x`` viewed as integers of its size: NaN equals NaN, -0.0 differs from 0.0."""
-    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+    size = x.element_size()
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]) if size <= 8 \
+        else x.view(torch.int64)   # complex128: two words an element
 
 
 def _gate_up_backend(backend, weights: Qwen3Weights) -> str:
@@ -333,9 +337,18 @@ class Qwen3Runner:
         """The name of the backend the paged attention op runs on for this runner."""
         from ..ops import cpu_attention, paged_attention
 
-        pref = (backend_for("prefix_shared_attention_paged", self.backend)
-                or backend_choice("prefix_shared_attention", self.backend))
-        return cpu_attention.resolve(paged_attention.OP, pref, self.device, self.arch.head_dim)
+        return cpu_attention.resolve(paged_attention.OP, self._paged_attention_preference(), self.device,
+                                     self.arch.head_dim)
+
+    def _paged_attention_preference(self):
+        """The paged attention op's ``backend=``: a preference's entry for it, else for the packed op
+        (the two take the same backends), else the default — the runner's preference, or where it
+        has none ``ACARERANK_BACKEND``'s (``ACARERANK_BACKEND=attention=torch`` reached the packed op's
+        name only, and the runner's attention stayed native)."""
+        pref = self.backend if self.backend is not None else _env_preference()
+        if pref is None:
+            return None
+        return backend_for("prefix_shared_attention_paged", pref) or backend_choice("prefix_shared_attention", pref)
 
     @property
     def prefix_align(self) -> int:
@@ -587,8 +600,7 @@ class Qwen3Runner:
         # every layer; the paged op follows a preference given for the packed one (same backends)
         slots = cache.reserve(groups, lens).to(dev) if append else None
         plan = cache.plan(cu_seqlens, seg_group, Hq, Hkv, d, self.dtype,
-                          backend_for("prefix_shared_attention_paged", self.backend)
-                          or backend_choice("prefix_shared_attention", self.backend), num_tokens=T)
+                          self._paged_attention_preference(), num_tokens=T)
         linear_fn = _linear_fixed_tiles if self.batch_invariant else linear
         x = W.embed[torch.cat(ids)] if T else W.embed.new_zeros(0, a.hidden_size)
         # the element-wise work around the GEMMs: the layer ops (native kernels or torch references),

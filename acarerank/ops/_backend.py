@@ -18,12 +18,15 @@ asked for. Declaring a backend is all it takes for
 
 Choice, per call of an op with ``backend=``:
   * a name ("cpp")        -> exactly that backend for this op;
-  * a mapping ({"attention": "triton", "yes_no": "cuda"}) -> this op's entry, else as None;
+  * a mapping ({"attention": "triton", "yes_no": "cuda"}) -> this op's entry, else the first
+                             default of the device that runs here (the environment unread:
+                             ``{}`` is "the default", what ``backend_choice`` passes);
   * None                  -> ``ACARERANK_BACKEND`` read as a *preference* (below), else the
                              first default of the device that runs here.
 A *preference* (what the rerankers and ``ACARERANK_BACKEND`` take) is a name or a mapping:
 a name is used by every op that declares that backend, the others keep their default
-(``backend_for``); ``ACARERANK_BACKEND`` holds a name or "op=name,op=name".
+(``backend_for``); ``ACARERANK_BACKEND`` holds a name or "op=name,op=name", and is read only
+where no preference was given (``backend_choice``).
 Whatever was asked for explicitly (by argument, mapping or environment) that this op cannot
 run here is a ``BackendError`` naming what is missing — never a silent fallback. Only the
 device default walks its list to the first backend that runs.
@@ -319,5 +322,5 @@ def process_group_impl(op: str) -> Callable:
                            f"(acarerank.ops.vocab_parallel registers it when acarerank.ops is imported)") from None
 
 __all__ = ["KNOWN_BACKENDS", "ENV_VAR", "BackendError", "Backend", "OpDecl", "lazy_backend", "triton_interpreted",
-           "op_decl", "backend_for", "per_op_backends", "available_backends", "parse_preference",
+           "op_decl", "backend_choice", "backend_for", "per_op_backends", "available_backends", "parse_preference",
            "register_process_group_impl", "process_group_impl"]

@@ -79,13 +79,17 @@ class _NoBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op: str, ref: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        # the inputs' shapes, dtypes and devices, not the inputs: saved, one the op then updated in
+        # place (fused_add_rms_norm's residual, by the next layer) made the backward autograd's
+        # "modified by an inplace operation" error instead of InferenceOnlyError, and held its memory
         ctx.op, ctx.ref = op, ref
-        ctx.save_for_backward(*inputs)
+        ctx.likes = [(t.shape, t.dtype, t.device) for t in inputs]
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, None, *_inference_only_backward(grad, list(ctx.saved_tensors), ctx.op, ctx.ref))
+        likes = [torch.empty((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.likes]
+        return (None, None, None, *_inference_only_backward(grad, likes, ctx.op, ctx.ref))
 
 
 def inference_only(op: str, ref: str, tensors, run):

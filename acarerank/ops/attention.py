@@ -153,9 +153,25 @@ def _weighted_values(w, vals, visible):
     finite = torch.isfinite(vals)
     out = torch.einsum("hqk,khd->qhd", w, vals.where(finite, 0))
     if not finite.all():
-        terms = w.permute(1, 2, 0)[..., None] * vals.where(~finite, 0)[None]                  # [L, K, Hq, d]
-        out = out + terms.masked_fill(~visible[:, :, None, None], 0).sum(1)
+        out = out + _nonfinite_part(w, visible, vals.where(~finite, 0).permute(1, 0, 2)).permute(1, 0, 2)
     return out
+
+
+def _nonfinite_part(w, seen, v):
+    """Σ_j w[..., m, j] · v[..., j, :] over the keys j that row m sees, for v whose entries are each
+    0, ±inf or NaN (a block's non-finite values, the rest zeroed), as IEEE arithmetic sums those
+    products: NaN where a seen NaN, a seen inf of weight 0, or seen infs of both signs meet, else
+    ±inf where a seen inf is, else 0. w [..., M, J] (finite, >= 0; a NaN row is NaN elsewhere),
+    seen [M, J] bool, v [..., J, d] -> [..., M, d] fp32. By counts — matmuls of 0/1 matrices, exact
+    below 2²⁴ keys — never the [..., M, J, d] products (~9 GB for one 1,024-token segment of the
+    0.6B shape, where an fp16 overflow makes every key inf)."""
+    seen_pos = (seen & (w > 0)).float()
+    seen_zero = (seen & (w == 0)).float()
+    plus, minus, nan = (v == math.inf).float(), (v == -math.inf).float(), v.isnan().float()
+    n_plus, n_minus = seen_pos @ plus, seen_pos @ minus
+    n_nan = (seen_pos + seen_zero) @ nan + seen_zero @ (plus + minus)
+    out = torch.zeros_like(n_plus).masked_fill_(n_plus > 0, math.inf).masked_fill_(n_minus > 0, -math.inf)
+    return out.masked_fill_((n_nan > 0) | ((n_plus > 0) & (n_minus > 0)), math.nan)
 
 
 # torch's fused CPU flash-attention kernel returns the log-sum-exp we need for the merge;
@@ -240,8 +256,8 @@ def _causal_nonfinite_values(qh, kh, vh, scale: float):
     w = torch.matmul(qh.float(), kh[..., keys, :].float().transpose(-1, -2)).mul_(scale).sub_(lse[..., None]).exp_()
     w = w.masked_fill_(torch.isneginf(lse)[..., None], 0.0)                         # a row with no score: o = 0
     seen = torch.arange(M, device=qh.device)[:, None] >= keys[None, :]               # [M, J]
-    terms = w[..., None] * vh[..., keys, :].where(~finite[..., keys, :], 0).float().unsqueeze(-3)  # [B, H, M, J, d]
-    return o + terms.masked_fill_(~seen[..., None], 0.0).sum(-2).to(o.dtype), lse
+    part = _nonfinite_part(w, seen, vh[..., keys, :].where(~finite[..., keys, :], 0).float())
+    return o + part.to(o.dtype), lse
 
 
 def _prefix_part(qf, pk, pv, scale):
@@ -517,7 +533,8 @@ def prefix_shared_attention(q, k, v, cu_seqlens=None, prefix_k=None, prefix_v=No
             raise ValueError(f"prefix_shared_attention: q/k (T, Hq, d, Hkv, dtype) = {got} but the plan was built "
                              f"for {want}")
         for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
-            if plan.prefix_rows is not None and t.dim() >= 1 and t.shape[0] != plan.prefix_rows:
+            if plan.prefix_rows is not None and isinstance(t, torch.Tensor) and t.dim() >= 1 \
+                    and t.shape[0] != plan.prefix_rows:
                 raise ValueError(f"prefix_shared_attention: cu_prefix_lens ends at {plan.prefix_rows} but {name} has "
                                  f"{t.shape[0]} rows")
         validate = False

@@ -130,6 +130,14 @@ def test_a_preference_given_to_a_reranker_is_the_whole_choice(monkeypatch):
             want_layer = "torch" if pref == "torch" or NATIVE_MISSING else "native"
             assert set(runner._layer_backends.values()) == {want_layer}, (env, pref, runner._layer_backends)
             assert runner._attention_backend() == ("torch" if pref != "native" else "native"), (env, pref)
+    # with no preference given the environment's is the runner's, its attention entry included (it
+    # reached the packed op's name only: the runner's paged attention stayed on its default)
+    monkeypatch.setenv(ENV_VAR, "attention=torch")
+    assert PointwiseReranker(model=model).runner._attention_backend() == "torch"
+    # the bench's probe of a --backends entry reads no environment either (it dropped "native")
+    from acarerank.benchmark.harness import backend_runs
+    monkeypatch.setenv(ENV_VAR, "cuda")
+    assert backend_runs("torch", torch.device("cpu"), torch.float32) is None
 
 
 def test_unknown_backend_argument_is_an_error(ran):

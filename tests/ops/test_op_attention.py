@@ -597,11 +597,15 @@ def test_a_non_finite_value_reaches_only_the_rows_that_see_it(bad):
     v[8, 1, 3] = bad   # token 8 of segment 0, kv head 1 = query heads 2 and 3
     sees = torch.zeros(q.shape[:2], dtype=torch.bool)
     sees[8:20, 2:4] = True
+    if bad == float("inf"):   # and a -inf further on: the rows that see both are NaN, the others inf
+        v[12, 1, 3] = float("-inf")
     cpu_backends = [b for b in ("torch", "native", "cpp") if b in available_backends("prefix_shared_attention", "cpu")]
     for name, out in [("oracle", prefix_shared_attention_ref(q, k, v, cu, pk, pv, cp, sg))] + \
             [(b, prefix_shared_attention(q, k, v, cu, pk, pv, cp, sg, backend=b)) for b in cpu_backends]:
         off = ~torch.isfinite(out)
         assert torch.equal(off.any(-1), sees), f"{name}: non-finite rows {off.any(-1).nonzero()[:6].tolist()}"
+        if bad == float("inf"):
+            assert (out[8:12, 2:4, 3] == float("inf")).all() and out[12:20, 2:4, 3].isnan().all(), name
         assert off[sees][:, 3].all() and not off[sees][:, :3].any(), f"{name}: only dim 3 of the rows that see it"
         _assert_close_fp32(out[~sees], clean[~sees], f"{name}: the rows that do not see it")
 

@@ -147,3 +147,18 @@ def test_the_backward_op_raises_and_its_fake_gives_the_inputs_shapes():
         fakes = torch.ops.acarerank.inference_only_backward(mode.from_tensor(grad), [mode.from_tensor(t) for t in inputs],
                                                             "rms_norm", "rms_norm_ref")
     assert [(f.shape, f.dtype) for f in fakes] == [(t.shape, t.dtype) for t in inputs]
+
+
+def test_a_chain_that_updates_the_residual_again_still_names_the_op():
+    """Two fused_add_rms_norm calls on one residual stream (as two layers) under grad mode: a backward
+    through the first is InferenceOnlyError. With the inputs saved for the backward (and held in
+    memory), the second call's in-place update of the residual made it autograd's "modified by an
+    inplace operation" error."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 16, generator=g).requires_grad_()
+    w = torch.nn.Parameter(torch.rand(16, generator=g) + 0.5)
+    residual = torch.randn(4, 16, generator=g).requires_grad_().clone()
+    first = fused_add_rms_norm(x, residual, w)
+    fused_add_rms_norm(first.detach(), residual, w)   # the next layer updates the residual in place
+    with pytest.raises(InferenceOnlyError, match=r"^fused_add_rms_norm is inference-only"):
+        first.sum().backward()   # through the first call's node, whose inputs the second changed
