@@ -122,7 +122,7 @@ class _SourceWatch:
 
 
 #: elements of each shared tensor whose bits ``_SourceWatch`` compares before a pass (first, last, and
-#: evenly between): ~10 µs a tensor, ~1 ms a pass at the 0.6B shape's ~115 shared tensors
+#: evenly between): ~5 µs a tensor, 0.6 ms a pass at the 0.6B shape's 115 shared tensors (Zen 4, 2026-12-07)
 _SAMPLES = 8
 
 
