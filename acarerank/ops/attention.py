@@ -119,8 +119,9 @@ def prefix_shared_attention_ref(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_pref
 
     Non-finite inputs propagate as plain softmax attention does: a NaN in q[t, h] makes
     out[t, h] NaN; a NaN key or value makes NaN every row that sees it, and only those (a key
-    hidden by the causal mask weighs exactly 0, never 0·inf). Every backend agrees (on the CPU;
-    Triton's and CUDA's are checked on finite values).
+    hidden by the causal mask weighs exactly 0, never 0·inf). The CPU backends agree; Triton
+    multiplies a hidden key's weight 0 by its value, so a non-finite value also reaches the rows
+    before it in its tile there: more NaN rows, never fewer.
     """
     T, Hq, d = q.shape
     r = Hq // k.shape[1]
