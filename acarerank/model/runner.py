@@ -34,6 +34,7 @@ import torch
 from .. import _fork
 from .._validate import positive_int
 from ..ops import backend_choice, backend_for, per_op_backends, prefix_shared_attention_paged
+from ..ops.paged_attention import check_block_size
 from ..ops._backend import _env_preference
 from ..ops.gate_up_silu import resolve_gate_up_backend
 from ..ops.linear import linear, resolve_linear_backend
@@ -249,7 +250,8 @@ class Qwen3Runner:
         if prefill_chunk is None:
             prefill_chunk = DEFAULT_PREFILL_CHUNK.get(weights.device.type, DEFAULT_PREFILL_CHUNK["cuda"])
         self.prefill_chunk = positive_int("prefill_chunk", prefill_chunk)
-        self.block_size = block_size
+        # refused here, by name: it was taken and refused at the first pass, by the attention op
+        self.block_size = check_block_size(block_size)
         if batch_invariant and (attention := self._attention_backend()) not in ("triton", "native"):
             # the GEMMs alone are fixed-tile: a cache hit or another prefill chunking moves a
             # shared-part token's attention tiles (docs/ARCHITECTURE.md, "Linear layers": Modes)

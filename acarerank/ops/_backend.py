@@ -225,6 +225,8 @@ def parse_preference(text: Optional[str], where: str = "backend preference") -> 
         key, sep, val = part.partition("=")
         if not sep or not key.strip():
             raise BackendError(f"{where}={raw!r}: expected a backend name or 'op=backend,op=backend'")
+        if key.strip() in out:   # a dict keeps the last: the first was dropped, silently
+            raise BackendError(f"{where}={raw!r}: {key.strip()!r} is given twice; give each op once")
         out[key.strip()] = val.strip()
     return out
 
@@ -260,9 +262,13 @@ def backend_for(op: str, preference: Preference) -> Optional[str]:
         return None
     if not isinstance(preference, Mapping):
         raise BackendError(f"a backend preference is a name or a mapping op -> name, got {type(preference).__name__}")
-    mine = None
+    mine, keys = None, {}
     for key, name in preference.items():
         other = op_decl(key)
+        if other.name in keys:   # by its name and an alias: the last entry won, silently
+            raise BackendError(f"the backend mapping names {other.name} twice ({keys[other.name]!r} and {key!r}); "
+                               f"give each op once")
+        keys[other.name] = key
         _known(name, f"backend mapping entry {key!r}")
         if name not in other.backends:
             raise BackendError(f"{other.name} has no {name!r} backend; it has: {', '.join(sorted(other.backends))}")

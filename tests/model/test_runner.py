@@ -239,3 +239,15 @@ def test_prefill_chunk_defaults_by_device_and_is_checked(monkeypatch):
     for bad in (0, -1, 2.5, True, "64"):
         with pytest.raises(ValueError, match="prefill_chunk"):
             Qwen3Runner.from_hf(m, prefill_chunk=bad)
+
+
+@pytest.mark.parametrize("size", [7, 8, 512, True])
+def test_a_block_size_the_pages_cannot_take_is_refused_when_set(size):
+    """block_size is a power of two from 16 to 256 (the paged attention's pages): a runner (or
+    with_settings) took another and refused it only at its first pass, inside the attention op."""
+    r = Qwen3Runner.from_hf(tiny_qwen3(layers=1))
+    with pytest.raises(ValueError, match="block_size must be a power of two from 16 to 256"):
+        r.with_settings(block_size=size)
+    with pytest.raises(ValueError, match="block_size must be a power of two from 16 to 256"):
+        Qwen3Runner(r.weights, block_size=size)
+    assert r.with_settings(block_size=32).block_size == 32

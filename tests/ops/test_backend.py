@@ -230,3 +230,8 @@ def test_parse_preference_as_the_cli_and_environment_read_it():
         parse_preference("=triton", "--backend")
     with pytest.raises(BackendError, match=r"unknown backend 'fast' \(from --backend\)"):
         parse_preference("fast", "--backend")
+    # one op given twice, by one key or by its name and an alias: the last entry won, silently
+    with pytest.raises(BackendError, match="'attention' is given twice"):
+        parse_preference("attention=torch,attention=native", "--backend")
+    with pytest.raises(BackendError, match="names prefix_shared_attention twice"):
+        backend_for("yes_no", parse_preference("attention=torch,prefix_shared_attention=native"))
