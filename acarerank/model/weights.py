@@ -336,9 +336,18 @@ def _open_safetensors(f: str):
 
 
 def _checkpoint_files(path: str):
-    """(files, index file or None): ``model.safetensors``, or the shards its index names."""
+    """(files, index file or None, weight map or None): ``model.safetensors``, or else the shards
+    its index names — transformers' order, so a folder holding both (``save_pretrained`` removes
+    old shards but not an old index) loads the weights transformers loads; a warning names the
+    index left unread."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        if os.path.lexists(index):
+            warnings.warn(f"{path}: reading model.safetensors and ignoring model.safetensors.index.json beside it "
+                          "(transformers reads model.safetensors first too); remove whichever a later save left "
+                          "stale", stacklevel=3)
+        return [single], None, None
     if os.path.isfile(index):
         check_file_size(index, MAX_CONFIG_BYTES, "a safetensors index (a real one is ~30 kB)", CheckpointError)
         try:
@@ -356,8 +365,6 @@ def _checkpoint_files(path: str):
             if not os.path.isfile(os.path.join(path, name)):
                 raise FileNotFoundError(f"{index} names shard {name!r}, which is not in {path!r}")
         return [os.path.join(path, n) for n in shards], index, weight_map
-    if os.path.isfile(single):
-        return [single], None, None
     if os.path.lexists(single):  # glob lists it too: "found model.safetensors; rename it" would say nothing
         raise FileNotFoundError(f"{single!r} is not a readable file (a broken or looping symlink?)")
     found = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
@@ -369,7 +376,7 @@ def _checkpoint_files(path: str):
 
 
 def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weights:
-    """From a local HF checkpoint folder: config.json + ``model.safetensors``, or the shards that
+    """From a local HF checkpoint folder: config.json + ``model.safetensors``, or else the shards that
     ``model.safetensors.index.json`` names (every tensor of every shard must be in the index, and
     every tensor of the index in its shard). Other ``*.safetensors`` files in the folder are not
     read (a warning names them). A Qwen3ForCausalLM or a Qwen3ForSequenceClassification reranker

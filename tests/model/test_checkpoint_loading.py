@@ -86,6 +86,36 @@ def test_sharded_checkpoint_reads_exactly_the_index(causal, card_scores, tmp_pat
         PointwiseReranker.from_pretrained(str(ckpt))
 
 
+def test_model_safetensors_beside_an_index_is_read_as_transformers_reads_it(causal, card_scores, tmp_path):
+    """save_pretrained removes old shards, not an old index: both files in one folder. The index
+    was read first (transformers reads model.safetensors first): a stale index naming deleted
+    shards refused a good checkpoint, and an old model.safetensors beside a newer sharded save
+    gave scores off transformers' by up to 2.7 in logit, with a warning calling the file stray."""
+    from transformers import AutoModelForCausalLM
+
+    # a sharded save, then a plain one: the index names shards that are gone
+    ckpt = tmp_path / "stale-index"
+    causal.save_pretrained(ckpt, max_shard_size="10MB")
+    causal.save_pretrained(ckpt)
+    assert (ckpt / "model.safetensors.index.json").exists() and (ckpt / "model.safetensors").exists()
+    with pytest.warns(UserWarning, match="ignoring model.safetensors.index.json"):
+        got = load(ckpt).score("q", DOCS)
+    assert close(got, card_scores), (got, card_scores)
+    # a plain save of other weights, then a sharded save: transformers reads the old single file
+    ckpt = tmp_path / "old-single"
+    other = random_qwen3(seed=6, spread_yes_no=40, perturb_norms=True)
+    other.save_pretrained(ckpt)
+    causal.save_pretrained(ckpt, max_shard_size="10MB")
+    assert (ckpt / "model.safetensors.index.json").exists() and (ckpt / "model.safetensors").exists()
+    tok = load_qwen3_tokenizer()
+    theirs = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    want = official_scores(theirs, tok, [joint_input_ids(tok, "q", d) for d in DOCS], batch_size=1)
+    assert not close(want, card_scores, tol=1e-3), "transformers read the shards: this case tests nothing"
+    with pytest.warns(UserWarning, match="ignoring model.safetensors.index.json"):
+        got = load(ckpt).score("q", DOCS)
+    assert close(got, want), (got, want)
+
+
 def test_truncated_file_is_named(saved, tmp_path):
     ckpt = _copy(saved, tmp_path / "t")
     f = ckpt / "model.safetensors"
@@ -131,6 +161,7 @@ def test_bad_config_names_the_file(saved, tmp_path):
     with pytest.raises(CheckpointError, match="config.json: not a valid JSON config"):
         PointwiseReranker.from_pretrained(str(ckpt))
     (ckpt / "config.json").write_text((saved / "config.json").read_text())
+    (ckpt / "model.safetensors").unlink()  # else model.safetensors is read and the index ignored
     (ckpt / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(CheckpointError, match="index.json: not a safetensors index"):
         PointwiseReranker.from_pretrained(str(ckpt))
@@ -383,6 +414,7 @@ def test_config_json_over_the_cap_is_refused_before_reading(saved, card_scores, 
                                               rf"{MAX_CONFIG_BYTES:,}-byte cap on config\.json"):
         load(ckpt)
     ckpt = _copy(saved, tmp_path / "index")
+    (ckpt / "model.safetensors").unlink()  # else model.safetensors is read and the index ignored
     _sparse(ckpt / "model.safetensors.index.json", MAX_CONFIG_BYTES + 1)
     with pytest.raises(CheckpointError, match=rf"index\.json: {MAX_CONFIG_BYTES + 1:,} bytes, more than the "
                                               rf"{MAX_CONFIG_BYTES:,}-byte cap on a safetensors index"):
