@@ -194,14 +194,26 @@ class PointwiseReranker(RerankerBase):
         """ValueError now when the prompt's own tokens (the chat template around every prompt, its
         control tokens parsed by this tokenizer) are not all in the model's vocabulary: every call
         would fail on "token id out of range" (a model of a smaller vocabulary than its tokenizer's).
-        The setwise reranker checks its chat tokens the same way."""
+        The setwise reranker checks its chat tokens the same way.
+
+        Also a sequence-classification checkpoint whose ``pad_token_id`` is the prompt's last token:
+        transformers' class scores the last token that is not padding, so it scores an earlier
+        token than the one every prompt ends with (which we score) — scores off its by no error."""
         from .prompts.pointwise import QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX
 
         V = self.runner.arch.vocab_size
-        ids = [i for part in self.tokenizer.template([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX]) for i in part]
+        prefix_ids, suffix_ids = self.tokenizer.template([QWEN3_RERANKER_PREFIX, QWEN3_RERANKER_SUFFIX])
+        ids = list(prefix_ids) + list(suffix_ids)
         if ids and max(ids) >= V:
             raise ValueError(f"the prompt template's tokens reach id {max(ids)}, outside the model's vocabulary of {V} "
                              f"(a tokenizer for a larger vocabulary than the checkpoint's?)")
+        pad = getattr(self.runner.weights, "score_pad_token_id", None)
+        if pad is not None and suffix_ids and pad == suffix_ids[-1]:
+            raise ValueError(f"the sequence-classification checkpoint's pad_token_id {pad} is the token every prompt "
+                             f"ends with ({self.tokenizer.decode([pad])!r}): transformers' "
+                             "Qwen3ForSequenceClassification scores the last token that is not padding, an earlier "
+                             "one than this reranker scores; set pad_token_id in its config.json to the tokenizer's "
+                             "pad token (<|endoftext|>, 151643), as converted Qwen3-Reranker checkpoints have")
 
     def _head_rows(self):
         """(w_yes, w_no) [H] each: score = sigmoid(h · (w_yes − w_no)).

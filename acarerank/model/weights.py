@@ -56,6 +56,9 @@ class Qwen3Weights:
     # [1, H] the yes−no direction, or [2, H] the [no, yes] rows: Qwen3ForSequenceClassification's
     # score.weight with its rows put in that order by the config's id2label (score_labels)
     score_head: Optional[torch.Tensor] = None
+    # a score-head model's config pad_token_id: transformers' Qwen3ForSequenceClassification scores
+    # the last token that is not this id (None for a causal LM)
+    score_pad_token_id: Optional[int] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -139,12 +142,13 @@ def _warn_declared_head_differs(names, has_score_head: bool, place: str) -> None
 
 def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the model", id2label=None,
                      config_source: str = "the config", label2id=None, architectures=None,
-                     architectures_source: Optional[str] = None) -> Qwen3Weights:
+                     architectures_source: Optional[str] = None, pad_token_id=None) -> Qwen3Weights:
     """Build the runner's layout from a name -> tensor mapping (``sd.where(name)``, if present,
     names the file a tensor lives in). Every error is a CheckpointError naming ``source``/the file
     and the tensor. ``id2label`` (and ``label2id``, checked against it): the config's, naming
     ``score.weight``'s rows (score_labels). ``architectures``: the declared class names
     (``_architectures_note``; named as ``architectures_source``, else ``config_source``).
+    ``pad_token_id``: the config's, kept for a score-head model (``score_pad_token_id``).
     Stored tensors the model does not read: ``stored_names``."""
     note = _architectures_note(architectures, architectures_source or config_source)
     shapes = _expected_shapes(arch)
@@ -238,8 +242,9 @@ def _from_state_dict(arch: Qwen3Arch, sd, dtype, device, source: str = "the mode
         warnings.warn(f"{note}; its tensors are read as a {read_as}, as transformers reads a model_type qwen3 "
                       "checkpoint — check that this is the model you meant", stacklevel=3)
     warn_unused(names, used, source, stacklevel=3)
+    pad = pad_token_id if isinstance(pad_token_id, int) and not isinstance(pad_token_id, bool) else None
     return Qwen3Weights(arch=arch, embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head,
-                        score_head=score_head)
+                        score_head=score_head, score_pad_token_id=pad if score_head is not None else None)
 
 
 def check_finite_weight(t: torch.Tensor, name: str, place: str, stored: torch.Tensor) -> None:
@@ -299,6 +304,7 @@ def weights_from_hf(model) -> Qwen3Weights:
     return _from_state_dict(arch, sd, p.dtype, p.device, source=f"in-memory {type(model).__name__}",
                             id2label=getattr(model.config, "id2label", None), config_source="the model's config",
                             label2id=getattr(model.config, "label2id", None),
+                            pad_token_id=getattr(model.config, "pad_token_id", None),
                             architectures=[c for c in classes if c.startswith("Qwen3")] or None,
                             architectures_source=f"in-memory {type(model).__name__}")
 
@@ -428,4 +434,4 @@ def load_checkpoint(path: str, dtype=torch.float32, device="cpu") -> Qwen3Weight
     source = f"checkpoint {path!r} ({os.path.basename(index) if index else 'model.safetensors'})"
     return _from_state_dict(arch, sd, dtype, torch.device(device), source=source, id2label=cfg.get("id2label"),
                             config_source=cfg_path, label2id=cfg.get("label2id"),
-                            architectures=cfg.get("architectures"))
+                            architectures=cfg.get("architectures"), pad_token_id=cfg.get("pad_token_id"))

@@ -184,6 +184,28 @@ def test_sequence_classification_reranker(causal, card_scores, rows, tmp_path):
         SetwiseReranker(model=seq)
 
 
+def test_sequence_classification_pad_token_on_the_prompts_last_token_is_refused(causal, tmp_path):
+    """transformers' Qwen3ForSequenceClassification scores the last token that is not
+    pad_token_id: with the pad id on the token every prompt ends with ("\\n\\n", 271) it scores
+    the one before, so our scores were 0.48 off its in logit with no error. Now refused, in
+    memory and from disk; the usual pad id (151643) still loads."""
+    tok = load_qwen3_tokenizer()
+    seq = tiny_seq_cls(causal, 1)
+    last = joint_input_ids(tok, "q", DOCS[0])[-1]
+    seq.config.pad_token_id = last
+    with torch.no_grad():  # the case is real: transformers scores another token than the last
+        theirs = float(seq(input_ids=torch.tensor([joint_input_ids(tok, "q", DOCS[0])])).logits[0, 0])
+    assert abs(theirs - float(torch.logit(torch.tensor(PointwiseReranker(model=tiny_seq_cls(causal, 1))
+                                                       .score("q", DOCS[:1])[0], dtype=torch.float64)))) > 1e-3
+    with pytest.raises(ValueError, match=f"pad_token_id {last} is the token every prompt ends with"):
+        PointwiseReranker(model=seq)
+    seq.save_pretrained(tmp_path / "pad")
+    with pytest.raises(ValueError, match=f"pad_token_id {last} is the token every prompt ends with"):
+        load(tmp_path / "pad")
+    seq.config.pad_token_id = 151643
+    assert len(PointwiseReranker(model=seq).score("q", DOCS)) == len(DOCS)
+
+
 def test_only_safetensors_named_model_are_read(saved, tmp_path):
     ckpt = _copy(saved, tmp_path / "n")
     os.rename(ckpt / "model.safetensors", ckpt / "weights.safetensors")
