@@ -21,6 +21,10 @@ from typing import Optional
 
 #: nginx's status for "client closed request": counted in the metrics, never sent (nobody is there)
 CLIENT_CLOSED = 499
+#: scope key: the status of the error the connection's protocol wrote itself before it closed the
+#: connection under a request being read (``protocol.py``), so that request is counted as that,
+#: not as a client that left
+ANSWERED_BY_PROTOCOL = "acarerank.answered_by_protocol"
 
 
 def log_safe(value, limit: int = 200) -> str:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import DEFAULT_MAX_UPLOADS, MAX_HEAD_BYTES
-from .errors import CLIENT_CLOSED, APIError, error_for, log_safe, route_path
+from .errors import ANSWERED_BY_PROTOCOL, CLIENT_CLOSED, APIError, error_for, log_safe, route_path
 
 log = logging.getLogger("acarerank.server")
 
@@ -128,7 +128,9 @@ class Gate:
             self.metrics.observe_response(_endpoint(route_path(scope)), status["code"], time.perf_counter() - t0)
 
     async def _gate(self, scope, receive, send, status):
-        head = len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        query = scope.get("query_string") or b""   # not in raw_path: a 60 kB query string was served
+        head = (len(scope.get("raw_path") or b"") + (len(query) + 1 if query else 0)
+                + sum(len(k) + len(v) + 4 for k, v in scope["headers"]))
         if head > MAX_HEAD_BYTES:
             return await _send_error(scope, send, 431, f"request line and headers of {head} bytes exceed "
                                                        f"{MAX_HEAD_BYTES} bytes", {"Connection": "close"})
@@ -254,7 +256,9 @@ class Gate:
             self.state.lingering -= lingers
         if ended is not None:
             if ended.status == CLIENT_CLOSED:
-                status["code"] = CLIENT_CLOSED
+                status["code"] = scope.get(ANSWERED_BY_PROTOCOL, CLIENT_CLOSED)
+                if status["code"] != CLIENT_CLOSED:   # the protocol refused it (its trailers) and closed
+                    return
                 log.info("client %s closed the connection during the upload of %s %s", _client(scope),
                          log_safe(scope["method"]), log_safe(scope["path"]))
                 return

@@ -351,6 +351,73 @@ def test_a_431_has_the_routes_shape_however_the_head_arrives(request, protocol):
         assert "Invalid HTTP request received" not in server["proc"].output(), server["proc"].output()[-2000:]
 
 
+def test_a_query_string_counts_toward_the_head_limit(server):
+    """The gate measured a whole head as its path and headers: a 60 kB query string in one write
+    was served (200)."""
+    with connect(server["port"]) as s:
+        s.sendall(b"GET /v1/models?x=" + b"a" * 60_000 + b" HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        raw, _ = read_until_closed(s, 10)
+    expect_json_error(raw, 431, ["16384 bytes"])
+    with connect(server["port"]) as s:   # a short one is served
+        s.sendall(b"GET /v1/models?x=" + b"a" * 1000 + b" HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        raw, _ = read_until_closed(s, 10)
+    assert raw.startswith(b"HTTP/1.1 200 "), raw[:200]
+
+
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
+def test_trailers_are_bounded_like_a_head(request, protocol):
+    """A chunked body's trailer section (after the last chunk) had no bound on httptools: uvicorn
+    appended every trailer field to the request's headers, and one connection streaming them grew
+    the server by 1.7 GB in 8 s until the body timeout. Past 16 kB it is now a 431 and close
+    (h11's own limit: a 400); a short trailer section is still served."""
+    server = request.getfixturevalue("server" if protocol == "httptools" else "h11_server")
+    body = json.dumps(dict(query="q", documents=["d"])).encode()
+    chunked = (b"POST /v1/rerank HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n")
+    with connect(server["port"]) as s:
+        s.sendall(chunked + b"X-Checksum: abc\r\n\r\n")
+        raw, _ = read_until_closed(s, 30)
+    assert raw.startswith(b"HTTP/1.1 200 "), raw[:200]
+    line = b"X-T: " + b"a" * 90 + b"\r\n"
+    before = metrics(server["base"])
+    with connect(server["port"]) as s:
+        s.sendall(chunked)
+        time.sleep(0.3)   # the gate has the head and waits for the body
+        sent = 0
+        try:
+            for _ in range(100):   # 1 MB at most, in 10 kB writes
+                s.sendall(line * 100)
+                sent += 1
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        raw, closed = read_until_closed(s, 10)
+    assert closed is not None, "a trailer section of 1 MB was read to its end"
+    expect_json_error(raw, 431 if protocol == "httptools" else 400)
+    assert health_ok(server["base"])
+    if protocol == "httptools":   # counted as the 431 it was, not as a client that left (499)
+        after = metrics(server["base"])
+        moved = {k: after.get(k, 0) - before.get(k, 0) for k in (
+            ("acarerank_requests_total", (("code", "431"), ("endpoint", "/v1/rerank"))),
+            ("acarerank_client_disconnects_total", (("endpoint", "/v1/rerank"),)))}
+        assert list(moved.values()) == [1, 0], moved
+        assert "closed the connection during the upload of POST /v1/rerank" not in server["proc"].output()[-3000:]
+
+
+def test_whole_pipelined_requests_are_not_taken_for_one_long_head(server):
+    """HTTP/1.1 pipelining: 1,000 whole GETs (33 kB) in each of three writes. A read that held
+    whole requests and the start of the next was counted as that head's bytes: a false 431 after
+    ~800 answers, the rest dropped. Every one is now answered."""
+    req = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+    with connect(server["port"]) as s:
+        for _ in range(3):
+            s.sendall(req * 1000)
+            time.sleep(0.2)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        raw, closed = read_until_closed(s, 60)
+    assert closed is not None and b" 431 " not in raw, raw[-300:]
+    assert raw.count(b"HTTP/1.1 200 ") == 3001, raw.count(b"HTTP/1.1 200 ")
+
+
 def test_a_pipelined_head_over_the_limit_is_a_431_on_h11(h11_server):
     """A request whose body arrives in the same read as the next request's incomplete head (pipelined):
     uvicorn's h11 protocol holds those bytes unparsed until the first response ends, then parsed them
