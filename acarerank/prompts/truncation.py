@@ -73,21 +73,39 @@ def cut_oldest(tokenizer, text: str, shared_len: Callable[[Optional[str]], int],
     n, first, tail = _tail_offsets(enc, text, budget + 2 * chunk + 64)
     starts = _Shifted([s for s, _ in tail], first)
     ends = [e for _, e in tail]
-    kept, drop = text, 0
+
+    def cut_at(d: int) -> Optional[str]:
+        """``text`` without its first ``d`` tokens; None when nothing is left."""
+        nonlocal n, first, tail, starts, ends
+        if d >= n:
+            return None
+        if d < first:  # further back than the kept offsets: take them all (never for a trace over by <= budget)
+            n, first, tail = _tail_offsets(enc, text, None)
+            starts, ends = _Shifted([s for s, _ in tail], first), [e for _, e in tail]
+        return text[starts[d]:].lstrip() or None
+
+    kept, drop, too_few = text, 0, 0   # too_few: the most tokens dropped that did not fit
     while length > budget:
         # each dropped trace token shortens the shared part by about one token; step by the
         # excess (rounded up to whole chunks) and re-check (strictly increasing, ~2 tokenizations)
-        drop += length - budget
-        drop = -(-drop // chunk) * chunk
-        if drop >= n:
-            return None, n
-        if drop < first:  # further back than the kept offsets: take them all (never for a trace over by <= budget)
-            n, first, tail = _tail_offsets(enc, text, None)
-            starts, ends = _Shifted([s for s, _ in tail], first), [e for _, e in tail]
-        kept = text[starts[drop]:].lstrip()
-        if not kept:
-            return None, n
+        too_few = drop
+        drop = -(-(drop + length - budget) // chunk) * chunk
+        kept = cut_at(drop)
+        if kept is None:
+            break
         length = shared_len(kept)
+    # A dropped token can shorten the shared part by more than one (the seam after the trace's
+    # label: a trace starting with a digit costs a lone " " token; a cut inside a run of repeated
+    # characters re-tokenizes shorter), so the step can overshoot: walk back while one chunk
+    # fewer still fits (a whole trace dropped where 89 of its 601 tokens fitted; 1,024 tokens
+    # dropped where 512 did).
+    while drop - chunk > too_few:
+        fewer = cut_at(drop - chunk)
+        if fewer is None or shared_len(fewer) > budget:
+            break
+        kept, drop = fewer, drop - chunk
+    if kept is None:
+        return None, n
     # tokens wholly before the cut; one the cut splits (its leading space stripped) counts as kept
     dropped = first + bisect.bisect_right(ends, len(text) - len(kept))
     return kept, dropped

@@ -332,6 +332,28 @@ def test_trace_loses_oldest_text_first(tok, question, max_length, min_doc, chunk
     assert len(enc.input_ids(1)) == max_length and enc.doc_truncated == [False, True]
 
 
+@pytest.mark.parametrize("words, chunk, over", [(600, 512, 0), (1200, 512, 300), (300, 1, 0), (300, 7, 40)])
+def test_trace_cut_is_the_fewest_chunks_when_a_dropped_token_saves_more_than_one(tok, words, chunk, over):
+    """A trace starting with a digit costs a lone " " token after its label, so dropping its first
+    tokens shortens the shared part by one more: the step by the excess overshot, by a chunk
+    (1,024 tokens dropped where 512 fitted) or past the whole trace (a 601-token trace dropped,
+    M1 scored as M0, where 89 of its tokens fitted)."""
+    trace = "1" + " word" * words
+    starts = [s for s, _ in tok(trace, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+
+    def shared_len(kept):
+        return len(encode_pointwise(tok, "what is it", ["d"], trace=kept, max_length=100_000).shared_ids)
+
+    n_suffix = len(tok.encode(CARD_SUFFIX, add_special_tokens=False))
+    fewest = chunk * (1 + over // chunk)        # the cut this budget is made for
+    budget = shared_len(trace[starts[fewest]:].lstrip())
+    enc = encode_pointwise(tok, "what is it", ["d"], trace=trace, max_length=budget + n_suffix + 64,
+                           min_doc_tokens=64, trace_cut_chunk=chunk)
+    assert enc.trace_tokens_dropped == fewest and enc.mode == "M1", (enc.trace_tokens_dropped, fewest, enc.mode)
+    assert len(enc.shared_ids) == budget
+    assert shared_len(trace[starts[fewest - chunk]:].lstrip()) > budget   # one chunk fewer does not fit
+
+
 def test_growing_trace_keeps_its_start_until_the_next_chunk(tok):
     """An agent's trace grows call after call past the cap: the chunked cut keeps consecutive
     calls' shared parts identical up to the end of the older trace (what the prefix cache
