@@ -5,7 +5,8 @@
 
 evaluated as m = max(lse_a, lse_b), w = e^{lse − m}, so nothing overflows. A part with
 lse = −inf (it saw no keys) has weight 0 and its o is ignored, whatever it holds; if both
-are −inf, out = 0 and lse = −inf. lse must not be +inf (flash-attn writes +inf for rows
+are −inf, out = 0 and lse = −inf. A NaN lse makes its row's out and lse NaN (every backend).
+lse must not be +inf (flash-attn writes +inf for rows
 without keys: map those to −inf first, as ``cascade.py`` does); ``validate`` refuses it.
 
 Backends: "torch" (below), "cpp" / "cuda" (csrc/merge_states.cuh), declared in ``OP``.
@@ -40,9 +41,9 @@ def merge_attention_states_ref(o_a, lse_a, o_b, lse_b):
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # both empty: weights 0, not NaN
     w_a, w_b = torch.exp(la - m), torch.exp(lb - m)
     total = w_a + w_b
-    num = (torch.where(w_a[..., None] > 0, o_a.double() * w_a[..., None], torch.zeros_like(o_a, dtype=torch.float64))
-           + torch.where(w_b[..., None] > 0, o_b.double() * w_b[..., None], torch.zeros_like(o_b, dtype=torch.float64)))
-    out = torch.where(total[..., None] > 0, num / total[..., None], torch.zeros_like(num))
+    num = (torch.where(w_a[..., None] != 0, o_a.double() * w_a[..., None], torch.zeros_like(o_a, dtype=torch.float64))
+           + torch.where(w_b[..., None] != 0, o_b.double() * w_b[..., None], torch.zeros_like(o_b, dtype=torch.float64)))
+    out = torch.where(total[..., None] == 0, torch.zeros_like(num), num / total[..., None])
     return out.to(o_a.dtype), (m + torch.log(total)).float()
 
 
@@ -52,9 +53,10 @@ def _torch_backend(o_a, lse_a, o_b, lse_b):
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     w_a, w_b = torch.exp(la - m)[..., None], torch.exp(lb - m)[..., None]
     total = w_a + w_b
-    # weight-0 parts are dropped, not multiplied: 0 · NaN would poison the sum
-    num = torch.where(w_a > 0, o_a.float() * w_a, 0.0) + torch.where(w_b > 0, o_b.float() * w_b, 0.0)
-    out = torch.where(total > 0, num / total, 0.0)
+    # weight-0 parts are dropped, not multiplied: 0 · NaN would poison the sum. A NaN weight (a NaN
+    # lse) is kept, so it propagates as in the cpp/cuda kernels (`> 0` made such a row 0, silently)
+    num = torch.where(w_a != 0, o_a.float() * w_a, 0.0) + torch.where(w_b != 0, o_b.float() * w_b, 0.0)
+    out = torch.where(total == 0, 0.0, num / total)
     return out.to(o_a.dtype), m + torch.log(total[..., 0])
 
 

@@ -63,6 +63,25 @@ def test_strided_inputs_and_poisoned_empty_parts(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_lse_makes_its_row_nan(backend):
+    """A NaN lse (a part computed from NaN scores) made the torch backend's row 0 — the other
+    part's finite output dropped, no error — while cpp (and CUDA, the same code) gave NaN. Every
+    backend and the oracle now give NaN there, and the other rows are untouched."""
+    gen = torch.Generator().manual_seed(4)
+    o_a, lse_a, o_b, lse_b = _states(6, 2, 8, torch.float32, gen, empty_frac=0.0)
+    lse_a[1, 0] = float("nan")                              # beside a finite lse_b
+    lse_b[2, 1], lse_a[2, 1] = float("nan"), float("-inf")  # beside an empty part
+    out, lse = merge_attention_states(o_a, lse_a, o_b, lse_b, backend=backend)
+    want = merge_attention_states_ref(o_a, lse_a, o_b, lse_b)
+    for got in ((out, lse), want):
+        for n, h in ((1, 0), (2, 1)):
+            assert torch.isnan(got[0][n, h]).all() and torch.isnan(got[1][n, h]), (n, h, got[0][n, h], got[1][n, h])
+    finite = ~torch.isnan(lse)
+    assert int(finite.sum()) == 6 * 2 - 2
+    torch.testing.assert_close(out[finite], want[0][finite], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_merge_of_split_keys_equals_full_attention(backend):
     """The formula's meaning: attention over K1 ∪ K2 from the two partial attentions."""
     gen = torch.Generator().manual_seed(4)
