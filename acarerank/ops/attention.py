@@ -80,16 +80,29 @@ def _check_inputs(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segme
     if segment_group.numel() != S:
         raise ValueError(f"prefix_shared_attention: segment_group has {segment_group.numel()} entries for {S} segments")
     if validate_values:
-        cs, cp, sgl = _host_lists(_device_to_host(cu_seqlens, cu_prefix_lens, segment_group), S, G)
-        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
-            raise ValueError(f"prefix_shared_attention: cu_seqlens must start at 0, be non-decreasing and end at T={T}")
-        if cp[0] != 0 or cp[-1] != prefix_k.shape[0] or any(b < a for a, b in zip(cp, cp[1:])):
-            raise ValueError(
-                f"prefix_shared_attention: cu_prefix_lens must start at 0, be non-decreasing and end at Ptot={prefix_k.shape[0]}"
-            )
-        if S and (min(sgl) < 0 or max(sgl) >= G):
-            raise ValueError(f"prefix_shared_attention: segment_group values must lie in [0, {G})")
+        check_host_lists(*_host_lists(_device_to_host(cu_seqlens, cu_prefix_lens, segment_group), S, G), T,
+                         prefix_k.shape[0])
     return S, G
+
+
+def check_host_lists(cs: list, cp: list, sg: list, T: int, prefix_rows: Optional[int],
+                     op: str = "prefix_shared_attention") -> None:
+    """ValueError unless cu_seqlens ``cs`` starts at 0, is non-decreasing and ends at ``T``,
+    cu_prefix_lens ``cp`` starts at 0, is non-decreasing (and ends at ``prefix_rows`` if given),
+    and every segment_group value in ``sg`` names one of the ``len(cp) - 1`` groups.
+
+    The torch backends run it on their host copy even with validate=False (O(S + G) on lists
+    they hold anyway): they index Python lists with these values, where a negative group read
+    another group's prefix, a negative prefix length reached torch's flash kernel with no keys
+    (SIGFPE), and a cu_seqlens ending before T left rows of uninitialised memory."""
+    G = len(cp) - 1
+    if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"{op}: cu_seqlens must start at 0, be non-decreasing and end at T={T}")
+    if cp[0] != 0 or (prefix_rows is not None and cp[-1] != prefix_rows) or any(b < a for a, b in zip(cp, cp[1:])):
+        raise ValueError(f"{op}: cu_prefix_lens must start at 0, be non-decreasing"
+                         + (f" and end at Ptot={prefix_rows}" if prefix_rows is not None else ""))
+    if sg and (min(sg) < 0 or max(sg) >= G):
+        raise ValueError(f"{op}: segment_group values must lie in [0, {G})")
 
 
 def check_softmax_scale(softmax_scale, d: int, op: str = "prefix_shared_attention") -> float:
@@ -306,6 +319,7 @@ def _torch_backend(q, k, v, cu_seqlens, prefix_k, prefix_v, cu_prefix_lens, segm
     if host_meta is None:
         host_meta = _device_to_host(cu_seqlens, cu_prefix_lens, segment_group)
     cs, cp, sg = _host_lists(host_meta, segment_group.numel(), cu_prefix_lens.numel() - 1)
+    check_host_lists(cs, cp, sg, T, prefix_k.shape[0])
 
     for g, segs, rows, t0, t1 in _group_rows(cs, sg, q.device):
         qf = (q[rows] if rows is not None else q[t0:t1]).float()

@@ -13,8 +13,8 @@ Per group g (query rows Tg of its segments, prefix of P_g tokens in pages):
                are gathered once: at these shapes one gather (P·Hkv·d values) moves less
                memory than a log-sum-exp merge per extra run of pages (Tg·Hq·d values, ×3).
   own part     each segment causally over its own rows (one small fused call per segment).
-  merge        by log-sum-exp, in one fused op:  out = o_own + σ(lse_pre − lse_own)·(o_pre − o_own)
-               (= (o_pre·e^lse_pre + o_own·e^lse_own) / (e^lse_pre + e^lse_own)).
+  merge        by log-sum-exp:  out = o_pre·e^(lse_pre − lse) + o_own·e^(lse_own − lse),
+               lse = logaddexp(lse_pre, lse_own).
 
 Everything is laid out [Hkv, r, Tg, d] (q copied into it once): the prefix call reads it as
 [Hkv, r·Tg, d] rows, each segment's own call as a [Hkv, r, L, d] slice, the merge runs on
@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .attention import _FLASH_CPU, _group_rows, _host_lists, _partial_attention, flash_cpu
+from .attention import _FLASH_CPU, _group_rows, _host_lists, _partial_attention, check_host_lists, flash_cpu
 
 
 def available(q: torch.Tensor) -> bool:
@@ -64,9 +64,12 @@ def _prefix_view(cache: torch.Tensor, first_block: int, length: int, block_size:
 
 
 def _merge(o_a, lse_a, o_b, lse_b):
-    """Two normalised partial softmaxes over disjoint key sets -> the one over their union."""
-    w_b = torch.sigmoid(lse_b - lse_a)
-    return torch.lerp(o_a, o_b, w_b[..., None]), torch.logaddexp(lse_a, lse_b)
+    """Two normalised partial softmaxes over disjoint key sets -> the one over their union:
+    o_a·e^(lse_a − lse) + o_b·e^(lse_b − lse), the packed torch backend's merge (``torch.lerp``
+    computes o_b − (o_b − o_a)·(1 − w) for w ≥ 0.5: an infinite o gave inf − inf = NaN where the
+    reference gives ±inf)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return o_a * torch.exp(lse_a - lse)[..., None] + o_b * torch.exp(lse_b - lse)[..., None], lse
 
 
 def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_prefix_lens, segment_group, scale,
@@ -79,6 +82,7 @@ def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_p
     bs = k_cache.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the op's fake says
     cs, cp, sg = _host_lists(host_meta, segment_group.numel(), cu_prefix_lens.numel() - 1)
+    check_host_lists(cs, cp, sg, T, None, "prefix_shared_attention_paged")
     first = runs.tolist()
 
     for g, segs, rows, t0, t1 in _group_rows(cs, sg, q.device):
@@ -121,7 +125,7 @@ def paged_attention_cpu(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cu_p
         q_nan = torch.isnan(qh).any(-1)                                               # [Hkv, r, Tg]
         if not P:
             # no prefix: a row whose own scores are all −inf is 0/0 in plain softmax (o_own holds
-            # 0, flash_cpu's rule); with one, _merge makes it NaN (sigmoid(−inf − (−inf)) = NaN)
+            # 0, flash_cpu's rule); with one, _merge makes it NaN (e^(−inf − (−inf)) = NaN)
             q_nan |= torch.isneginf(lse_own)
         if bool(q_nan.any()):
             res = res.masked_fill(q_nan[..., None], float("nan"))

@@ -550,6 +550,23 @@ def test_attention_bad_inputs():
         call(backend="nope")
 
 
+@pytest.mark.parametrize("backend", [b for b in ("torch", "native") if b in available_backends(
+    "prefix_shared_attention", "cpu")])
+def test_bad_metadata_is_refused_on_the_cpu_without_validate(backend):
+    """validate=False skips the checks that need a device sync; the torch backend then indexed its
+    host lists unchecked: a segment_group of -2 read group 2's prefix (the wrong output, no error)
+    and a cu_seqlens ending before T left rows of uninitialised memory. It checks the host copy it
+    reads now, as the native kernel does."""
+    (q, k, v), cu, (pk, pv), cp, sg = _pack([2, 4], [3, 2, 4], [0, 1], 2, 1, 8, device="cpu")
+    call = lambda **kw: prefix_shared_attention(**{**dict(q=q, k=k, v=v, cu_seqlens=cu, prefix_k=pk, prefix_v=pv,
+                                                            cu_prefix_lens=cp, segment_group=sg), **kw},
+                                                backend=backend, validate=False)
+    with pytest.raises((ValueError, RuntimeError), match="segment_group"):
+        call(segment_group=torch.tensor([-2, 0], dtype=torch.int32))
+    with pytest.raises((ValueError, RuntimeError), match="cu_seqlens"):
+        call(cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))
+
+
 # ---------------------------------------------------------------- plan once per forward
 def _tiny_runner(layers, backend):
     from _tiny import random_qwen3

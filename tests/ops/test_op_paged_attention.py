@@ -294,6 +294,41 @@ def test_block_id_out_of_range_is_refused_without_validate_on_the_host(backend, 
     assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), report(got, want)
 
 
+@pytest.mark.parametrize("backend", [b for b in ("torch", "native") if b in available_backends(
+    "prefix_shared_attention_paged", "cpu")])
+@pytest.mark.parametrize("field,value", [("segment_group", [-1, -1, -1]), ("segment_group", [0, 2, 1]),
+                                         ("cu_seqlens", [0, 5, 6, 12]), ("cu_seqlens", [0, 6, 5, 15])])
+def test_bad_metadata_is_refused_on_the_cpu_without_validate(backend, field, value):
+    """validate=False skips the metadata checks that need a device sync; on the CPU the torch
+    backend indexed Python lists with the values unchecked: a segment_group of -1 killed the
+    process (SIGFPE in torch's flash kernel, given no keys). It now checks the host copy it reads
+    (as the native kernel does): a clear error naming the field, on every CPU backend."""
+    a = on(_args(), "cpu")
+    a[{"cu_seqlens": 3, "segment_group": 8}[field]] = torch.tensor(value, dtype=torch.int32)
+    with pytest.raises((ValueError, RuntimeError), match=field):
+        prefix_shared_attention_paged(*a, backend=backend, validate=False)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("torch", "native") if b in available_backends(
+    "prefix_shared_attention_paged", "cpu")])
+def test_an_infinite_prefix_value_stays_infinite(backend):
+    """A −inf prefix value with a weight ≥ 0.5 gave NaN on the torch backend (its merge was
+    torch.lerp, which computes end − (end − start)·(1 − w): −inf − (−inf)); the oracle gives −inf."""
+    a = on(_args(), "cpu")
+    q, k, v, cu, kc, vc, table, pl, sg = a
+    kc, vc = kc.clone(), vc.clone()
+    kc[table[0, 0], 0] = 0.0           # group 0's first prefix key: score 0 for every query
+    k = k * 0.01                       # own keys close to score 0 too: the prefix weighs most
+    vc[table[0, 0], 0, :, 0] = float("-inf")
+    a = [q, k, v, cu, kc, vc, table, pl, sg]
+    got = prefix_shared_attention_paged(*a, backend=backend)
+    want = prefix_shared_attention_paged_ref(*a)
+    rows = slice(0, int(cu[1]))        # segment 0 (group 0)
+    assert torch.isneginf(want[rows, :, 0]).all(), want[rows, :, 0]
+    assert torch.equal(torch.isneginf(got[:, :, 0]), torch.isneginf(want[:, :, 0])), (got[:, :, 0], want[:, :, 0])
+    assert not torch.isnan(got).any(), got.isnan().nonzero()[:5]
+
+
 def test_unknown_backend_is_a_backend_error():
     with pytest.raises(BackendError, match="has no 'cpp' backend"):
         prefix_shared_attention_paged(*_args(), backend="cpp")
