@@ -349,8 +349,10 @@ inline bool pack_kv_tile(KRow&& krow, VRow&& vrow, int64_t n, int64_t KT, int64_
 // AVX2+FMA row step, chosen at run time (cpu_has_avx2): the function carries its own target
 // attribute, so the module itself stays baseline x86-64 and no torch header is compiled for AVX2.
 // exp: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial, 2^n by exponent
-// bits), ~2 ulp on [-87, 88]; clamped below so exp of a very negative score is 0-ish, NaN kept
-// (max/min return their second operand, x, when it is NaN).
+// bits), ~2 ulp on [-87, 88]; clamped to that range for the polynomial, and 0 exactly below it
+// (clamped alone it was ~1.2e-38: a key of weight e^−200 times a value of 3e38 added 3.5 to a row
+// the reference gives 0 there, and an infinite value made inf where the reference has NaN); NaN
+// kept (max/min return their second operand, x, when it is NaN; the "below" compare is false).
 // Its constants, shared with the AVX-512 width (exp_avx512): n = round(x·log2 e), r = x − n·(C1 + C2)
 // (ln 2 in two parts, n·C1 exact), e^r ≈ 1 + r + r²·P(r), times 2^n.
 namespace cephes_exp {
@@ -362,6 +364,7 @@ constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.33345190
 
 __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
   using namespace cephes_exp;
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(kMinX), _CMP_LT_OQ);
   x = _mm256_min_ps(_mm256_set1_ps(kMaxX), x);
   x = _mm256_max_ps(_mm256_set1_ps(kMinX), x);
   const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
@@ -376,7 +379,7 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP5));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
 __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* s, int64_t n, int64_t d, float scale,
@@ -391,8 +394,8 @@ __attribute__((target("avx2,fma"))) inline void softmax_row_avx2(const float* s,
   for (; j < n; ++j) mx = s[j] > mx ? s[j] : mx;
   const float m_new = m > mx ? m : mx;
   if (m_new == -std::numeric_limits<float>::infinity()) {
-    // every visible score so far −inf (see softmax_step): weights exp(−inf) = 0 exactly (exp_avx2
-    // clamps to ~1e-38), a NaN stays NaN; α = 1
+    // every visible score so far −inf (see softmax_step): weights exp(−inf) = 0 exactly, a NaN
+    // stays NaN; α = 1
     float sum = 0.f;
     for (j = 0; j < n; ++j) sum += p[j] = std::exp(scale * s[j]);
     l += sum;
@@ -635,6 +638,7 @@ ACR_AVX512_BF16 inline void softmax_row_avx512_bf16(const float* s, int64_t n, i
 #define ACR_AVX512F __attribute__((target("avx512f")))
 ACR_AVX512F inline __m512 exp_avx512(__m512 x) {
   using namespace cephes_exp;
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kMinX), _CMP_NLT_UQ);  // 0 below the range
   x = _mm512_min_ps(_mm512_set1_ps(kMaxX), x);  // NaN kept: min/max return x then
   x = _mm512_max_ps(_mm512_set1_ps(kMinX), x);
   const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
@@ -648,7 +652,7 @@ ACR_AVX512F inline __m512 exp_avx512(__m512 x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP4));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP5));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, fx);
+  return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(y, fx));
 }
 
 // Row i of the step: n visible scores (n >= 1), P written for [0, width) (p_ij, then zeros).

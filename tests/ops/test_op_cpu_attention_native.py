@@ -669,6 +669,24 @@ def test_fp32_masked_keys_of_a_partial_tile_get_weight_exactly_zero():
     assert err <= 1e-5, f"a masked key's weight is not 0: max |diff| {err:.3g} off the oracle"
 
 
+def test_fp32_a_key_far_below_the_row_max_gets_weight_exactly_zero():
+    """The fp32 tiles' exp was clamped at its range's floor (x ≥ −87.3): a key scoring 200 below
+    the row's max got weight ~1.2e-38, not 0, so a value of 3e38 there added 3.5 to every row (the
+    oracle: 0) and an infinite one made them inf (the oracle: NaN, 0·inf). Tile path: 20 rows."""
+    d, T, P = 4, 20, 2
+    cs, sg, cp = (torch.tensor(x, dtype=torch.int32) for x in ([0, T], [0], [0, P]))
+    q, k, v = torch.ones(T, 1, d), torch.full((T, 1, d), -1e4), torch.zeros(T, 1, d)
+    pk, pv = torch.zeros(P, 1, d), torch.zeros(P, 1, d)
+    pk[0, 0, 0] = 400.0   # prefix key 0 scores 200 (scale 1/2); key 1 scores 0: weight e^-200, 0 in fp32
+    for value in (3e38, float("inf")):
+        pv[1] = value
+        want = prefix_shared_attention_ref(q, k, v, cs, pk, pv, cp, sg)
+        got = prefix_shared_attention(q, k, v, cs, pk, pv, cp, sg, backend="native")
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (value, got[:2, 0], want[:2, 0])
+        finite = ~torch.isnan(want)
+        assert torch.equal(got[finite], want[finite]), (value, got[:2, 0], want[:2, 0])
+
+
 def test_fp32_tests_pass_on_the_avx2_softmax_too():
     """The fp32 tiles' softmax is AVX-512 where the CPU has it and AVX2 under
     ACARERANK_CPU_BASELINE=1 (read once per process): this file's fp32 oracle, masking and NaN tests
@@ -679,6 +697,7 @@ def test_fp32_tests_pass_on_the_avx2_softmax_too():
     env = {k: v for k, v in os.environ.items() if k not in ("ACARERANK_CPU_BASELINE", "ACARERANK_CPU_BF16_PATH")}
     env["ACARERANK_CPU_BASELINE"] = "1"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "fp32_paged_and_packed or partial_tile or nan_in_q or nan_value or minus_inf or huge_finite"],
+                           "fp32_paged_and_packed or partial_tile or nan_in_q or nan_value or minus_inf or huge_finite "
+                           "or far_below"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
