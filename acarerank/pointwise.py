@@ -275,13 +275,13 @@ class PointwiseReranker(RerankerBase):
         earlier one reuses its pages), scores all documents in packed passes, releases.
 
         Requests go in consecutive windows whose shared parts hold at most ``max_pinned_tokens``
-        tokens together (at least one request each): every handle pins its KV until its window is
+        tokens together, in whole pages (``pinned_tokens``; at least one request each): every handle pins its KV until its window is
         scored, so a batch of any size holds at most that much (plus one request) — all at once,
         400 requests of a 4k-token context would pin 1.6 M tokens of KV (~370 GB at the
         Qwen3-Reranker-0.6B shape in fp32)."""
         encodings = list(encodings)
         out, cached = [], []
-        for window in bounded_runs(encodings, self.max_pinned_tokens, lambda e: len(e.shared_ids)):
+        for window in bounded_runs(encodings, self.max_pinned_tokens, self.pinned_tokens):
             handles = []
             try:
                 for e in window:
@@ -312,6 +312,14 @@ class PointwiseReranker(RerankerBase):
         rounded down to whole pages, what its pool holds; None with ``prefix_cache=False``."""
         slot = self._cache_slot
         return slot.budget_blocks * self.runner.block_size if slot.enabled else None
+
+    def pinned_tokens(self, encoding: PointwiseEncoding) -> int:
+        """The KV ``encoding``'s shared part pins while its documents are scored, in tokens: whole
+        pages (``runner.block_size``), what ``max_pinned_tokens`` bounds. Counted as its token count,
+        a window of three 69-token parts fitted a 208-token budget while their 15 pages did not
+        fit its 13: the third was computed in a private pool past the budget, on every call."""
+        bs = self.runner.block_size
+        return -(-len(encoding.shared_ids) // bs) * bs
 
     @property
     def max_pinned_tokens(self) -> int:

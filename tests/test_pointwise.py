@@ -175,6 +175,51 @@ def test_score_batch_pins_a_bounded_number_of_shared_tokens(qwen3_tokenizer, mon
     assert max(abs(a - b) for x, y in zip(batched, separate) for a, b in zip(x, y)) <= 1e-6
 
 
+def test_score_batch_windows_count_whole_pages(qwen3_tokenizer, monkeypatch):
+    """The pinned bound is the cache's pool, whole pages; the windows counted shared tokens: three
+    parts of 16k + 1 tokens (k + 1 pages each) fitted a budget of 3k + 1 pages as tokens, their
+    3k + 3 pages did not — the third was computed in a private pool past the budget, every call.
+    Windows now count each part's whole pages (``pinned_tokens``)."""
+    model = random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64)
+    probe = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
+    page = probe.runner.block_size
+    query = next(q for q in (" ".join(["word"] * n) for n in range(1, 40))
+                 if len(probe.encode(ScoreRequest(q, ["d"], question=QUESTION)).shared_ids) % page == 1)
+    reqs = [ScoreRequest(query, DOCS[:2], question=QUESTION, cache_salt=f"tenant {i}") for i in range(3)]
+    shared = len(probe.encode(reqs[0]).shared_ids)
+    pages = -(-shared // page)
+    budget = -(-3 * shared // page) * page            # the three parts' tokens fit, their pages do not
+    assert budget < 3 * pages * page
+    rr = PointwiseReranker(runner=probe.runner, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget)
+    assert rr.pinned_tokens(rr.encode(reqs[0])) == pages * page
+    live, peak, private = set(), [0], []
+    acquire, release, prefill = rr.acquire_prefix, rr.release_prefix, rr.runner.prefill
+
+    def acquire_spy(enc, *a, **kw):
+        h = acquire(enc, *a, **kw)
+        live.add(h)
+        peak[0] = max(peak[0], sum(-(-x.length // page) for x in live))
+        return h
+
+    def release_spy(h):
+        live.discard(h)
+        release(h)
+
+    def prefill_spy(*a, **kw):   # a shared part that did not fit the pool: a private pool of its own
+        private.append(a)
+        return prefill(*a, **kw)
+
+    monkeypatch.setattr(rr, "acquire_prefix", acquire_spy)
+    monkeypatch.setattr(rr, "release_prefix", release_spy)
+    monkeypatch.setattr(rr.runner, "prefill", prefill_spy)
+    for _ in range(2):
+        scores = rr.score_batch(reqs)
+    assert peak[0] * page <= budget, f"{peak[0]} pages pinned at once, the pool holds {budget // page}"
+    assert not private, f"{len(private)} shared parts computed in private pools past the budget"
+    want = probe.score_batch(reqs)
+    assert max(abs(a - b) for x, y in zip(scores, want) for a, b in zip(x, y)) <= 1e-6
+
+
 @pytest.mark.parametrize("budget, cache", [(None, True), (4096, True), (4100, True), (16, True), (8, False),
                                            (4096, False)])
 def test_max_pinned_tokens_is_the_prefix_caches_budget(qwen3_tokenizer, budget, cache):
