@@ -215,6 +215,15 @@ class SetwisePrompt:
     truncated: List[bool]
 
 
+def _head_end(offsets: list, b: int) -> int:
+    """Where the text of a document's first ``b`` tokens ends: where token ``b`` starts, when it
+    starts past token ``b - 1``'s end. A combining mark the tokenizer's normalisation (NFC) folds
+    into token ``b - 1`` lies outside that token's offsets: cut at its end, "Ame\u0301lie" kept
+    "Ame", a token the document never had. ``offsets`` holds more than ``b`` tokens (a cut one)."""
+    end = offsets[b - 1][1]
+    return max(end, offsets[b][0]) if b < len(offsets) else end
+
+
 def _water_fill(lengths: Sequence[int], room: int) -> int:
     """Largest b with sum(min(l, b)) <= room (lengths fit entirely -> max(lengths))."""
     lo, hi = 0, max(lengths)
@@ -291,7 +300,7 @@ def build_prompt(tokenizer, query: str, documents: Sequence[str], intent: Option
     while True:
         b = _water_fill(lengths, room)
         cut = [x > b for x in lengths]
-        docs = [documents[i][:enc[i][1][b - 1][1]] if c and b > 0 else (documents[i] if not c else "")
+        docs = [documents[i][:_head_end(enc[i][1], b)] if c and b > 0 else (documents[i] if not c else "")
                 for i, c in enumerate(cut)]
         ids, text = render(docs)
         if len(ids) <= max_length:

@@ -255,6 +255,19 @@ def test_truncated_document_is_its_head(qwen3_tokenizer):
     assert len(qwen3_tokenizer.encode(kept, add_special_tokens=False)) == p.doc_token_budget
 
 
+def test_a_cut_keeps_the_combining_marks_of_its_last_character(qwen3_tokenizer):
+    """The tokenizer normalises to NFC: in "Ame\u0301lie" the token "é" has the offsets of "e"
+    alone. The cut ended there, so the prompt held "Ame" — a token the document never had — where
+    the precomposed text gives "Amé". Both now keep the document's first b tokens."""
+    fixed = len(P.build_prompt(qwen3_tokenizer, "q", ["", ""], max_length=None).input_ids)
+    first = qwen3_tokenizer.encode("Am\u00e9lie", add_special_tokens=False)[:2]
+    for doc in ("Ame\u0301lie " * 400, "Am\u00e9lie " * 400):
+        p = P.build_prompt(qwen3_tokenizer, "q", [doc, doc], max_length=fixed + 4)
+        kept = p.text.split("[1] ", 1)[1].split("\n[2] ", 1)[0]
+        assert p.doc_token_budget == 2 and doc.startswith(kept), (p.doc_token_budget, kept)
+        assert qwen3_tokenizer.encode(kept, add_special_tokens=False) == first, (kept, first)
+
+
 @pytest.mark.parametrize("args,kw,err,msg", [
     ((None, ["a"]), {}, TypeError, "query"),
     (("q", []), {}, ValueError, "empty"),
