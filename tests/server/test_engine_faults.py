@@ -966,3 +966,38 @@ def test_a_canary_that_fails_otherwise_is_not_run_again():
         eng.stop(5)
     assert eng.dead and "both times" not in eng.dead
     assert [p for p in steps.passes if p == [0]] == [[0]], steps.passes
+
+
+@pytest.mark.parametrize("slow", ["culprit_search", "prefills"])
+def test_max_pass_s_bounds_each_model_call_not_an_iteration(slow):
+    """max_pass_s=0.6 (--max-pass-timeout) and model calls of 0.15 s each, 4x under it: 16 requests
+    in one pass, one of them bad (a culprit search of 6 passes), or 8 requests joining one pass (8
+    prefix prefills before it). The bound is per model call (docs/serving.md, "What to probe"): the
+    bad request gets its EngineFault, every other one its scores, the engine lives. The timer once
+    ran over the whole scheduler iteration: 0.9 s and 1.35 s of it made the engine dead, 503 for all."""
+    per_call = 0.15
+
+    class Slow(FaultySteps):
+        def acquire_prefix(self, enc):
+            if slow == "prefills":
+                time.sleep(per_call)
+            return super().acquire_prefix(enc)
+
+        def score_segments(self, items):
+            time.sleep(per_call)
+            return super().score_segments(items)
+
+    tags = range(1, 17) if slow == "culprit_search" else range(1, 9)
+    steps = Slow(lambda tags, tokens: RuntimeError("request 1 breaks the pass") if 1 in tags else None)
+    if slow == "prefills":
+        steps.fault = lambda tags, tokens: None
+    eng = Engine(steps, max_batch_tokens=1000, max_pass_s=0.6)
+    dead = []
+    eng.on_dead.append(dead.append)
+    out = run_encodings(eng, {t: Enc([t], [[1]]) for t in tags})
+    assert not dead and eng.dead is None, f"the engine died: {eng.dead}"
+    for t in tags:
+        if slow == "culprit_search" and t == 1:
+            assert isinstance(out[t], EngineFault), out[t]
+        else:
+            assert out[t].scores == [t + 0.001], (t, out[t])
