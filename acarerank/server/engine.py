@@ -580,9 +580,16 @@ class Engine(_FaultIsolation):
             job.done += 1
 
     def _finish(self, job: _ScoreJob, cancelled: bool = False) -> None:
-        """Release the job's prefix and complete its future (result, or cancelled)."""
+        """Release the job's prefix and complete its future (result, or cancelled). A release that
+        raises is this job's alone: logged (rate-limited) with an error id and counted in
+        ``acarerank_engine_failures_total{stage="prefill"}``, and the job still gets its scores. It
+        once escaped the clean-up loop into ``_iteration_failed``, which failed every job still held,
+        later requests fully scored included (an ``acquire_prefix`` failure is per request too)."""
         if job.handle is not None:
-            self.steps.release_prefix(job.handle)
+            try:
+                self.steps.release_prefix(job.handle)
+            except Exception as e:  # noqa: BLE001 - the pages are the cache's matter; the scores stand
+                self._fault("prefill", e, [job])
         if job.future.done():  # failed (its exception is set) or cancelled by its waiter
             return
         if cancelled:

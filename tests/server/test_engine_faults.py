@@ -776,18 +776,60 @@ def test_one_culprit_search_runs_no_canary(culprit):
 
 
 # -- the scheduler's catch-all ---------------------------------------------------------------------------
+class BrokenHandle(Handle):
+    """A prefix handle whose ``prompt_tokens`` raises: read when the request's result is assembled in
+    the pass's clean-up (``Engine._finish``), outside the per-request handling, so the scheduler
+    iteration raises (a bug of ours). (A ``release_prefix`` that raises was this bug until it became
+    its request's own failure.)"""
+
+    @property
+    def prompt_tokens(self):
+        raise RuntimeError(f"result bug for request {self.tag}")
+
+    @prompt_tokens.setter
+    def prompt_tokens(self, value):
+        pass
+
+
 class BadRelease(FaultySteps):
-    """``release_prefix`` raises for the tags in ``bad`` (a bug outside the per-pass handling: it runs in
-    the pass's clean-up, so the scheduler iteration raises)."""
+    """The requests tagged in ``bad`` (True: all) get a ``BrokenHandle``: the iteration that
+    finishes them raises."""
 
     def __init__(self, bad):
         super().__init__()
         self.bad = bad
 
-    def release_prefix(self, h):
+    def acquire_prefix(self, enc):
+        h = super().acquire_prefix(enc)
         if self.bad is True or h.tag in self.bad:
-            raise RuntimeError(f"release bug for request {h.tag}")
-        super().release_prefix(h)
+            self.pinned.discard(id(h))
+            h = BrokenHandle(h.tag, 0)
+            self.pinned.add(id(h))
+        return h
+
+
+def test_a_release_that_fails_fails_no_request(caplog):
+    """Five requests in one pass; giving request 3's prefix back (``release_prefix``) raises. Every
+    request had its scores computed, and every one gets them: the failure is logged with an error id
+    naming request 3 and counted once in engine_failures{stage="prefill"}, not a failed iteration.
+    It once escaped the pass's clean-up into the scheduler's catch-all: requests 3, 4 and 5 (those
+    after it in arrival order) got a 500 although fully scored."""
+    class Steps(FaultySteps):
+        def release_prefix(self, h):
+            super().release_prefix(h)
+            if h.tag == 3:
+                raise RuntimeError("prefix cache release broke")
+
+    metrics = ServerMetrics(lambda: {})
+    eng = Engine(Steps(), max_batch_tokens=1000, metrics=metrics)
+    with caplog.at_level(logging.ERROR, logger="acarerank.server"):
+        out = run_encodings(eng, {t: Enc([t], [[1, 1]]) for t in range(1, 6)})
+    wrong = {t: r for t, r in out.items() if getattr(r, "scores", None) != [t + 0.002]}
+    assert not wrong, f"requests without their scores: {wrong}"
+    assert metrics.engine_failures.labels("prefill")._value.get() == 1
+    assert metrics.engine_failures.labels("scheduler")._value.get() == 0
+    lines = [r.getMessage() for r in caplog.records if "engine prefill failed" in r.getMessage()]
+    assert len(lines) == 1 and "r3" in lines[0] and "prefix cache release broke" in lines[0], lines
 
 
 class IdleSelect:
@@ -885,8 +927,8 @@ def test_iterations_that_fail_for_one_input_leave_the_engine_serving():
 
 # -- the canary out of memory: freed and run once more, not a broken engine at once ---------------------
 class CanaryOom(FaultySteps):
-    """Requests tagged 100+ fail: their passes raise (``mode="model"``) or the release of their
-    prefix does (``"iteration"``, a scheduler bug); the canary's passes (tag 0) run out of memory
+    """Requests tagged 100+ fail: their passes raise (``mode="model"``) or the assembly of their
+    result does (``"iteration"``, a scheduler bug: ``BrokenHandle``); the canary's passes (tag 0) run out of memory
     (``oom``) ``canary_ooms`` times, then score."""
 
     def __init__(self, canary_ooms, mode="model", oom=MemoryError):
@@ -904,13 +946,12 @@ class CanaryOom(FaultySteps):
 
     def acquire_prefix(self, enc):
         h = super().acquire_prefix(enc)
+        if self.mode == "iteration" and h.tag >= 100:
+            self.pinned.discard(id(h))
+            h = BrokenHandle(h.tag, 0)
+            self.pinned.add(id(h))
         self.handles.append(h)
         return h
-
-    def release_prefix(self, h):
-        if self.mode == "iteration" and h.tag >= 100:
-            raise RuntimeError(f"release bug for request {h.tag}")
-        super().release_prefix(h)
 
     def canary_pinned(self):
         return [h for h in self.handles if h.tag == 0 and id(h) in self.pinned]
