@@ -314,11 +314,13 @@ class _FaultIsolation:
         return scores
 
     def _checked_scores(self, items: list) -> list:
-        """``steps.score_segments(items)``, raising unless it returned one finite number per item: a
+        """``steps.score_segments(items)`` as Python floats, raising unless it returned one finite number per item: a
         NaN score once left as a bare 500 at JSON encoding (its whole request, no error id, not
         counted), and a short list left its request unanswered while the loop spun."""
         self._step_starts()   # each pass, a culprit search's and the canary's too, is one step (Engine._step_starts)
-        scores = self.steps.score_segments(items)
+        # Python floats: a step API's numpy or torch scores (float32 elements) were a bare 500 at the
+        # response's JSON encoding, after the request was counted as scored
+        scores = [float(v) for v in self.steps.score_segments(items)]
         if len(scores) != len(items):
             raise RuntimeError(f"the model returned {len(scores)} scores for {len(items)} segments")
         bad = [n for n, v in enumerate(scores) if not math.isfinite(v)]

@@ -157,6 +157,27 @@ def test_a_score_that_is_not_a_finite_number_fails_its_request_alone(how):
         assert out[t].scores == [t + x / 1000 for x in lengths[t]], f"request {t}: {out[t].scores}"
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_step_api_returning_array_scores_answers_python_floats(kind):
+    """A step API whose ``score_segments`` returns a numpy array or a torch tensor of float32: each
+    request gets its scores as Python floats, which the response's JSON encoder takes. Passed on as
+    they came, float32 scalars were a bare 500 at encoding (no error id, counted as scored)."""
+    import msgspec
+    import numpy as np
+    import torch
+
+    class ArraySteps(FaultySteps):
+        def score_segments(self, items):
+            out = np.asarray(super().score_segments(items), dtype=np.float32)
+            return out if kind == "numpy" else torch.from_numpy(out)
+
+    out = run_jobs(ArraySteps(), {1: [2, 3], 2: [1]})
+    for t, want in ((1, [1.002, 1.003]), (2, [2.001])):
+        assert [type(v) for v in out[t].scores] == [float] * len(want), out[t].scores
+        assert out[t].scores == pytest.approx(want, rel=1e-6), (t, out[t].scores)
+        msgspec.json.encode(out[t].scores)
+
+
 @pytest.mark.parametrize("oom", [MemoryError, "torch"])
 def test_out_of_memory_retries_at_half_the_tokens_and_fails_nobody(oom):
     import torch
