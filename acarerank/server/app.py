@@ -235,7 +235,8 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     @app.get("/metrics")
     async def metrics():
         render = getattr(service, "render_metrics", None)   # engines elsewhere (Ray Serve's front): theirs too
-        body = await render() if render is not None else service.metrics.render()
+        # off the event loop: a scrape waits for the prefix cache's figures (metrics._CacheCollector)
+        body = await render() if render is not None else await asyncio.to_thread(service.metrics.render)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     # never below the queue the service admits to (docs/serving.md, "Limits and timeouts"): under

@@ -91,8 +91,9 @@ class Engine(_FaultIsolation):
         step) with no successful scoring pass or selection step in between, or failed scheduler
         iterations in a row, before the canary runs. Requests, not failed calls: one culprit among
         n requests fails ⌈log₂ n⌉ + 1 nested passes in a row, and that is no broken engine.
-      max_pass_s: seconds one step (a scheduler iteration: ``health()``'s ``busy_s``) may run; once
-        one has run longer, a watchdog thread declares the engine dead (``_wedged``: every job
+      max_pass_s: seconds one step (one model call: a packed pass, a prefix prefill, a selection
+        step, a call job, each pass of a culprit search and the canary; ``health()``'s ``busy_s``)
+        may run; once one has run longer, a watchdog thread declares the engine dead (``_wedged``: every job
         ``EngineDead`` at once, ``on_dead``) — ``--max-pass-timeout``. None or ``inf``: no bound,
         no watchdog (a long pass is legitimate; only ``/health?max_pass_s=`` then reports it).
     """
@@ -320,7 +321,7 @@ class Engine(_FaultIsolation):
                     job = self._inbox.popleft()
                     queue = {_CallJob: self._calls, _SelectJob: self._selects}.get(type(job), self._active)
                     queue.append(job)
-            self._step_since = time.monotonic()
+            self._step_starts()
             try:
                 self._iteration()
             except Exception as e:  # noqa: BLE001 - a bug of ours: fail what it held, keep the thread
@@ -329,6 +330,14 @@ class Engine(_FaultIsolation):
                 if self.iteration_failures_in_a_row:
                     self._set_in_a_row(iterations=0)
             self.iterations += 1
+
+    def _step_starts(self) -> None:
+        """A model call starts: ``max_pass_s`` and ``health()``'s ``busy_s`` time it from here. Per call,
+        not per iteration: an iteration also holds the prefills of every request joining its pass and
+        a whole culprit search (about 3 passes for one bad request, and the canary), so the bound sized
+        by one pass (docs/serving.md, "What to probe") declared an engine with one poisoned request
+        among 8, or 24 long-trace requests arriving together, dead."""
+        self._step_since = time.monotonic()
 
     def _iteration(self) -> None:
         """One pass budget: drop cancelled work, one call, one scoring pass, one selection step."""
@@ -389,6 +398,7 @@ class Engine(_FaultIsolation):
                 self.metrics.queue_time.observe(time.perf_counter() - job.submitted)
         t = time.perf_counter()
         used = 0
+        self._step_starts()
         try:
             if job.state is None:
                 job.state = steps.start_select(job.enc)
@@ -400,6 +410,7 @@ class Engine(_FaultIsolation):
                 except Exception as e:  # noqa: BLE001 - out of memory: once more at half the chunk
                     if not _is_oom(e) or chunk == 1:
                         raise
+                    self._step_starts()
                     used = steps.prefill_select(st, chunk // 2)
             else:
                 used = steps.decode_select(st)
@@ -446,6 +457,7 @@ class Engine(_FaultIsolation):
         # fail it from here — its waiter got nothing from a call past max_pass_s, or one that ended on
         # a BaseException, until its own timeout
         self._call = job
+        self._step_starts()
         try:
             _settle(job.future, job.fn())   # _settle: the watchdog may have failed it meanwhile
         except Exception as e:  # noqa: BLE001 - the caller maps it to an HTTP error
@@ -568,9 +580,16 @@ class Engine(_FaultIsolation):
             job.done += 1
 
     def _finish(self, job: _ScoreJob, cancelled: bool = False) -> None:
-        """Release the job's prefix and complete its future (result, or cancelled)."""
+        """Release the job's prefix and complete its future (result, or cancelled). A release that
+        raises is this job's alone: logged (rate-limited) with an error id and counted in
+        ``acarerank_engine_failures_total{stage="prefill"}``, and the job still gets its scores. It
+        once escaped the clean-up loop into ``_iteration_failed``, which failed every job still held,
+        later requests fully scored included (an ``acquire_prefix`` failure is per request too)."""
         if job.handle is not None:
-            self.steps.release_prefix(job.handle)
+            try:
+                self.steps.release_prefix(job.handle)
+            except Exception as e:  # noqa: BLE001 - the pages are the cache's matter; the scores stand
+                self._fault("prefill", e, [job])
         if job.future.done():  # failed (its exception is set) or cancelled by its waiter
             return
         if cancelled:

@@ -110,7 +110,7 @@ class _FaultIsolation:
     what ``Engine.__init__`` made (``steps``, ``metrics``, ``canary``, ``canary_after``, the
     ``*_failures_in_a_row`` counts, ``_in_canary``, ``_failure_log``, ``dead``, ``on_dead``; ``_die``
     also the lock and the queues) and calls the scheduler's ``_iteration``, ``_record``,
-    ``_fail_all`` and ``_fail_in_flight``; it runs on the scheduler thread only."""
+    ``_fail_all`` and ``_fail_in_flight`` (and ``_step_starts`` before each model call); it runs on the scheduler thread only."""
 
     # -- dying, and an iteration that raised -----------------------------------------------------
     def _declare_dead(self, reason: str, detail: str) -> bool:
@@ -258,6 +258,7 @@ class _FaultIsolation:
     def _canary_alone(self) -> None:
         """The canary through the model's scoring path in a pass of its own: its prefix prefill, one
         packed pass over its documents (finite scores, one each), its pages given back."""
+        self._step_starts()   # each model call is one step of --max-pass-timeout (Engine._step_starts)
         h = self.steps.acquire_prefix(self.canary)
         try:
             self._checked_scores([(h, seg) for seg in self.canary.segment_ids])
@@ -292,6 +293,7 @@ class _FaultIsolation:
     def _acquire_prefix(self, enc):
         """``steps.acquire_prefix(enc)``; out of memory: once more at half the tokens per pass
         (half of the smaller of the prefill chunk and the prefix), if the steps take a chunk."""
+        self._step_starts()   # each model call is one step of --max-pass-timeout (Engine._step_starts)
         try:
             return self.steps.acquire_prefix(enc)
         except Exception as e:  # noqa: BLE001 - out of memory: once more at half; anything else fails the request
@@ -300,6 +302,7 @@ class _FaultIsolation:
             if not _is_oom(e) or half < 1:
                 raise
             log.warning("prefix prefill ran out of memory (%s); retrying at %d tokens per pass", e, half)
+            self._step_starts()
             return self.steps.acquire_prefix(enc, chunk_tokens=half)
 
     # -- a failed pass, narrowed to its request --------------------------------------------------
@@ -311,10 +314,13 @@ class _FaultIsolation:
         return scores
 
     def _checked_scores(self, items: list) -> list:
-        """``steps.score_segments(items)``, raising unless it returned one finite number per item: a
+        """``steps.score_segments(items)`` as Python floats, raising unless it returned one finite number per item: a
         NaN score once left as a bare 500 at JSON encoding (its whole request, no error id, not
         counted), and a short list left its request unanswered while the loop spun."""
-        scores = self.steps.score_segments(items)
+        self._step_starts()   # each pass, a culprit search's and the canary's too, is one step (Engine._step_starts)
+        # Python floats: a step API's numpy or torch scores (float32 elements) were a bare 500 at the
+        # response's JSON encoding, after the request was counted as scored
+        scores = [float(v) for v in self.steps.score_segments(items)]
         if len(scores) != len(items):
             raise RuntimeError(f"the model returned {len(scores)} scores for {len(items)} segments")
         bad = [n for n, v in enumerate(scores) if not math.isfinite(v)]

@@ -41,10 +41,14 @@ acarerank_prefix_cache_<x>_tokens_total     counter    lookup / hit / computed /
 acarerank_prefix_cache_<x>_tokens           gauge      resident / budget tokens
 ==========================================  =========  ==============================================
 
-The prefix-cache series are read from the step API's ``cache_stats()`` at scrape time.
+The prefix-cache series are read from the step API's ``cache_stats()`` at scrape time, on a
+thread of their own and for at most ``CACHE_STATS_WAIT_S`` (``_CacheCollector``).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import threading
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -61,16 +65,67 @@ CACHE_GAUGES = ("resident", "budget")
 #: them equal): each series is present at 0 from the start, as ``rate()`` over a missing series is
 #: empty, not 0, and an alert on a stage that never failed yet would have nothing to read
 ENGINE_FAILURE_STAGES = ("pass", "prefill", "select", "scheduler", "tokenize", "engine")
+#: seconds a scrape waits for ``cache_stats()``, which takes the prefix cache's pool lock (a model
+#: step may hold it) before it serves the last figures read
+CACHE_STATS_WAIT_S = 0.25
+
+log = logging.getLogger("acarerank.server")
 
 
 class _CacheCollector:
-    """Exports ``cache_stats()`` (monotonic counters and gauges) on every scrape."""
+    """Exports ``cache_stats()`` (monotonic counters and gauges) on every scrape.
 
-    def __init__(self, cache_stats: Callable[[], dict]):
+    The scrape must not depend on the cache (docs/serving.md, "Metrics"): ``cache_stats()`` runs on a
+    daemon thread of its own, one read at a time (a read that never returns is waited on by the
+    next scrapes, not stacked), and a scrape waits for it at most ``wait_s`` seconds, then serves
+    the last figures read (none yet: no cache series). A ``cache_stats()`` that raises leaves the
+    cache series out of that scrape and is logged once until a read succeeds again. Read inline,
+    a raise was a 500 for the whole scrape (the engine's failure counters lost with it), and a step
+    holding the pool lock blocked the event loop: no probe answered, no dead engine's exit."""
+
+    def __init__(self, cache_stats: Callable[[], dict], wait_s: float = CACHE_STATS_WAIT_S):
         self.cache_stats = cache_stats
+        self.wait_s = wait_s
+        self._lock = threading.Lock()
+        self._reading: Optional[concurrent.futures.Future] = None   # the read in progress, or the last one
+        self._last: Optional[dict] = None    # the last figures read
+        self._failing = False                # logged since the last read that succeeded
+
+    def _run(self, fut: concurrent.futures.Future) -> None:
+        try:
+            fut.set_result(self.cache_stats() or {})
+        except BaseException as e:  # noqa: BLE001 - the scrape reports it; this thread only ends
+            fut.set_exception(e)
+
+    def _read(self) -> Optional[dict]:
+        """The cache's figures: read now, or the last ones read (None: none to serve)."""
+        with self._lock:
+            fut = self._reading
+            if fut is None or fut.done():
+                fut = self._reading = concurrent.futures.Future()
+                threading.Thread(target=self._run, args=(fut,), name="acarerank-cache-stats", daemon=True).start()
+        try:
+            stats = fut.result(self.wait_s)
+        except concurrent.futures.TimeoutError:
+            self._note(f"cache_stats() did not answer within {self.wait_s:g} s (a model step holds the prefix "
+                       f"cache's lock?): the prefix-cache series serve the last figures read")
+            return self._last
+        except BaseException as e:  # noqa: BLE001 - the scrape goes on without the cache series
+            self._note(f"cache_stats() failed ({type(e).__name__}: {e}): the prefix-cache series are left out")
+            return None
+        self._failing = False
+        self._last = stats
+        return stats
+
+    def _note(self, msg: str) -> None:
+        if not self._failing:
+            self._failing = True
+            log.error("%s; logged once until a read succeeds", msg)
 
     def collect(self):
-        stats = self.cache_stats() or {}
+        stats = self._read()
+        if stats is None:
+            return
         for name in CACHE_COUNTERS:
             c = CounterMetricFamily(f"acarerank_prefix_cache_{name}_tokens",
                                     f"prefix-cache tokens {name} (shared-part tokens)")

@@ -46,6 +46,7 @@ from typing import Awaitable, Callable, Optional
 from .._validate import check_seconds
 from ..pointwise import ScoreRequest
 from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DEFAULT_TOKEN_WAIT_TIMEOUT
+from .disconnect import DeadlinePassed
 # score_tokens, select_tokens: the tests import them from here
 from .admission import TokenBudget, score_tokens, select_tokens  # noqa: F401
 from .engine import DEFAULT_CANARY_AFTER, Engine, run_on_dead
@@ -411,17 +412,19 @@ class RerankService:
                         texts: tuple, fn, *args):
         """``fn(*args)`` in the tokenizer pool, in the large lane when ``texts`` (None: absent) are
         large: at most ``tokenize_workers - 1`` large requests, rerank and select alike, tokenize at
-        once. The wait for the lane ends at the deadline (504) or when the client leaves
-        (``ClientGone``, 499: a gone client's megabytes are never tokenized, which took a worker for
-        seconds and held the lane from the requests behind it); the deadline is checked once more
-        after tokenizing. The tokenization itself is not abandoned (its worker would run on, and
-        the lane would count it gone)."""
+        once. The wait for the lane, and then for a free worker (``TokenizerPool.run``), ends at the
+        deadline (504) or when the client leaves (``ClientGone``, 499: a gone client's megabytes are
+        never tokenized, which took a worker for seconds and held the lane from the requests behind
+        it); the deadline is checked once more after tokenizing. The tokenization itself is not
+        abandoned once a worker runs it (its worker would run on, and the lane would count it gone)."""
         chars = sum(len(x) for x in texts if x)
         lane = self.pool.large_lane if chars > self.large_request_chars else None
         if lane is not None:
             await acquire_lane(lane, is_disconnected, deadline, self._timed_out)
         try:
-            enc = await self.pool.run(fn, *args)
+            enc = await self.pool.run(fn, *args, is_disconnected=is_disconnected, deadline=deadline)
+        except DeadlinePassed:   # it waited for a worker past the deadline: dropped from the pool's queue
+            raise self._timed_out() from None
         except Exception:   # past the deadline, the 504 a tokenization that ran over it gets (documented),
             self._check_deadline(deadline)   # not its own error (a 400 after 18 s); else that error
             raise

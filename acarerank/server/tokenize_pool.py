@@ -14,8 +14,9 @@ import logging
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Awaitable, Callable, Optional
 
+from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
 from .errors import APIError, log_safe
 
 #: a request of more characters is "large": large requests share tokenize_workers - 1 workers,
@@ -59,13 +60,21 @@ class TokenizerPool:
         """``ThreadPoolExecutor.shutdown``: no more work; a later ``run`` is a 503."""
         self._executor.shutdown(wait=wait, cancel_futures=cancel_futures)
 
-    async def run(self, fn, *args):
+    async def run(self, fn, *args, is_disconnected: Optional[Callable[[], Awaitable[bool]]] = None,
+                  deadline: Optional[float] = None):
         """``fn(*args)`` in the tokenizer pool. ValueError (bad input: too long, nothing left after
         truncation, a lone surrogate) passes through; anything else it raises, ``BaseException``
         included, becomes ``WorkerFault``. A TypeError too: the schemas have checked every type
         before the request gets here, so one raised while tokenizing is a fault of ours (a 400
         naming internal functions told the client to fix a request that was fine). A pool that
-        cannot take work any more (shut down, broken) calls ``on_broken`` and answers 503."""
+        cannot take work any more (shut down, broken) calls ``on_broken`` and answers 503.
+
+        While the work waits for a worker, the client leaving (``is_disconnected``) or the event
+        loop's clock reaching ``deadline`` drops it from the pool's queue and raises ``ClientGone``
+        or ``DeadlinePassed`` (``wait_or_drop``): it waited behind wedged or slow tokenizations for
+        as long as they ran, its admission slot held. Work a worker already runs cannot be
+        interrupted (docs/serving.md, "Limits and timeouts"): it is awaited to its end, then the
+        same exception is raised."""
         def run():
             try:
                 return fn(*args)
@@ -83,7 +92,21 @@ class TokenizerPool:
             self._on_broken(f"the tokenizer pool cannot run work ({type(e).__name__}: {e})")
             raise APIError(503, f"server cannot serve: tokenizer pool unavailable ({e})",
                            {"Connection": "close"}) from None
+        waiting = asyncio.wrap_future(fut)
         try:
-            return await asyncio.wrap_future(fut)
+            if is_disconnected is None and deadline is None:
+                return await waiting
+            try:
+                # fut.cancel succeeds only while the work is queued, not once a worker runs it
+                return await wait_or_drop(waiting, is_disconnected or _still_there, fut.cancel, deadline=deadline)
+            except (ClientGone, DeadlinePassed):
+                if not fut.cancelled():
+                    await asyncio.wait({waiting})   # its outcome: read by wait_or_drop's _forget
+                raise
         except WorkerFault as e:
             raise APIError(500, f"internal error while tokenizing (error id {e.error_id}): {e}") from None
+
+
+async def _still_there() -> bool:
+    """``is_disconnected`` for a caller that gave a deadline only."""
+    return False

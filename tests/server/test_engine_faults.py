@@ -157,6 +157,27 @@ def test_a_score_that_is_not_a_finite_number_fails_its_request_alone(how):
         assert out[t].scores == [t + x / 1000 for x in lengths[t]], f"request {t}: {out[t].scores}"
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_step_api_returning_array_scores_answers_python_floats(kind):
+    """A step API whose ``score_segments`` returns a numpy array or a torch tensor of float32: each
+    request gets its scores as Python floats, which the response's JSON encoder takes. Passed on as
+    they came, float32 scalars were a bare 500 at encoding (no error id, counted as scored)."""
+    import msgspec
+    import numpy as np
+    import torch
+
+    class ArraySteps(FaultySteps):
+        def score_segments(self, items):
+            out = np.asarray(super().score_segments(items), dtype=np.float32)
+            return out if kind == "numpy" else torch.from_numpy(out)
+
+    out = run_jobs(ArraySteps(), {1: [2, 3], 2: [1]})
+    for t, want in ((1, [1.002, 1.003]), (2, [2.001])):
+        assert [type(v) for v in out[t].scores] == [float] * len(want), out[t].scores
+        assert out[t].scores == pytest.approx(want, rel=1e-6), (t, out[t].scores)
+        msgspec.json.encode(out[t].scores)
+
+
 @pytest.mark.parametrize("oom", [MemoryError, "torch"])
 def test_out_of_memory_retries_at_half_the_tokens_and_fails_nobody(oom):
     import torch
@@ -776,18 +797,60 @@ def test_one_culprit_search_runs_no_canary(culprit):
 
 
 # -- the scheduler's catch-all ---------------------------------------------------------------------------
+class BrokenHandle(Handle):
+    """A prefix handle whose ``prompt_tokens`` raises: read when the request's result is assembled in
+    the pass's clean-up (``Engine._finish``), outside the per-request handling, so the scheduler
+    iteration raises (a bug of ours). (A ``release_prefix`` that raises was this bug until it became
+    its request's own failure.)"""
+
+    @property
+    def prompt_tokens(self):
+        raise RuntimeError(f"result bug for request {self.tag}")
+
+    @prompt_tokens.setter
+    def prompt_tokens(self, value):
+        pass
+
+
 class BadRelease(FaultySteps):
-    """``release_prefix`` raises for the tags in ``bad`` (a bug outside the per-pass handling: it runs in
-    the pass's clean-up, so the scheduler iteration raises)."""
+    """The requests tagged in ``bad`` (True: all) get a ``BrokenHandle``: the iteration that
+    finishes them raises."""
 
     def __init__(self, bad):
         super().__init__()
         self.bad = bad
 
-    def release_prefix(self, h):
+    def acquire_prefix(self, enc):
+        h = super().acquire_prefix(enc)
         if self.bad is True or h.tag in self.bad:
-            raise RuntimeError(f"release bug for request {h.tag}")
-        super().release_prefix(h)
+            self.pinned.discard(id(h))
+            h = BrokenHandle(h.tag, 0)
+            self.pinned.add(id(h))
+        return h
+
+
+def test_a_release_that_fails_fails_no_request(caplog):
+    """Five requests in one pass; giving request 3's prefix back (``release_prefix``) raises. Every
+    request had its scores computed, and every one gets them: the failure is logged with an error id
+    naming request 3 and counted once in engine_failures{stage="prefill"}, not a failed iteration.
+    It once escaped the pass's clean-up into the scheduler's catch-all: requests 3, 4 and 5 (those
+    after it in arrival order) got a 500 although fully scored."""
+    class Steps(FaultySteps):
+        def release_prefix(self, h):
+            super().release_prefix(h)
+            if h.tag == 3:
+                raise RuntimeError("prefix cache release broke")
+
+    metrics = ServerMetrics(lambda: {})
+    eng = Engine(Steps(), max_batch_tokens=1000, metrics=metrics)
+    with caplog.at_level(logging.ERROR, logger="acarerank.server"):
+        out = run_encodings(eng, {t: Enc([t], [[1, 1]]) for t in range(1, 6)})
+    wrong = {t: r for t, r in out.items() if getattr(r, "scores", None) != [t + 0.002]}
+    assert not wrong, f"requests without their scores: {wrong}"
+    assert metrics.engine_failures.labels("prefill")._value.get() == 1
+    assert metrics.engine_failures.labels("scheduler")._value.get() == 0
+    lines = [r.getMessage() for r in caplog.records if "engine prefill failed" in r.getMessage()]
+    assert len(lines) == 1 and "r3" in lines[0] and "prefix cache release broke" in lines[0], lines
 
 
 class IdleSelect:
@@ -885,8 +948,8 @@ def test_iterations_that_fail_for_one_input_leave_the_engine_serving():
 
 # -- the canary out of memory: freed and run once more, not a broken engine at once ---------------------
 class CanaryOom(FaultySteps):
-    """Requests tagged 100+ fail: their passes raise (``mode="model"``) or the release of their
-    prefix does (``"iteration"``, a scheduler bug); the canary's passes (tag 0) run out of memory
+    """Requests tagged 100+ fail: their passes raise (``mode="model"``) or the assembly of their
+    result does (``"iteration"``, a scheduler bug: ``BrokenHandle``); the canary's passes (tag 0) run out of memory
     (``oom``) ``canary_ooms`` times, then score."""
 
     def __init__(self, canary_ooms, mode="model", oom=MemoryError):
@@ -904,13 +967,12 @@ class CanaryOom(FaultySteps):
 
     def acquire_prefix(self, enc):
         h = super().acquire_prefix(enc)
+        if self.mode == "iteration" and h.tag >= 100:
+            self.pinned.discard(id(h))
+            h = BrokenHandle(h.tag, 0)
+            self.pinned.add(id(h))
         self.handles.append(h)
         return h
-
-    def release_prefix(self, h):
-        if self.mode == "iteration" and h.tag >= 100:
-            raise RuntimeError(f"release bug for request {h.tag}")
-        super().release_prefix(h)
 
     def canary_pinned(self):
         return [h for h in self.handles if h.tag == 0 and id(h) in self.pinned]
@@ -966,3 +1028,38 @@ def test_a_canary_that_fails_otherwise_is_not_run_again():
         eng.stop(5)
     assert eng.dead and "both times" not in eng.dead
     assert [p for p in steps.passes if p == [0]] == [[0]], steps.passes
+
+
+@pytest.mark.parametrize("slow", ["culprit_search", "prefills"])
+def test_max_pass_s_bounds_each_model_call_not_an_iteration(slow):
+    """max_pass_s=0.6 (--max-pass-timeout) and model calls of 0.15 s each, 4x under it: 16 requests
+    in one pass, one of them bad (a culprit search of 6 passes), or 8 requests joining one pass (8
+    prefix prefills before it). The bound is per model call (docs/serving.md, "What to probe"): the
+    bad request gets its EngineFault, every other one its scores, the engine lives. The timer once
+    ran over the whole scheduler iteration: 0.9 s and 1.35 s of it made the engine dead, 503 for all."""
+    per_call = 0.15
+
+    class Slow(FaultySteps):
+        def acquire_prefix(self, enc):
+            if slow == "prefills":
+                time.sleep(per_call)
+            return super().acquire_prefix(enc)
+
+        def score_segments(self, items):
+            time.sleep(per_call)
+            return super().score_segments(items)
+
+    tags = range(1, 17) if slow == "culprit_search" else range(1, 9)
+    steps = Slow(lambda tags, tokens: RuntimeError("request 1 breaks the pass") if 1 in tags else None)
+    if slow == "prefills":
+        steps.fault = lambda tags, tokens: None
+    eng = Engine(steps, max_batch_tokens=1000, max_pass_s=0.6)
+    dead = []
+    eng.on_dead.append(dead.append)
+    out = run_encodings(eng, {t: Enc([t], [[1]]) for t in tags})
+    assert not dead and eng.dead is None, f"the engine died: {eng.dead}"
+    for t in tags:
+        if slow == "culprit_search" and t == 1:
+            assert isinstance(out[t], EngineFault), out[t]
+        else:
+            assert out[t].scores == [t + 0.001], (t, out[t])

@@ -9,6 +9,7 @@ Every score is compared with the offline ``PointwiseReranker.score`` of the same
 import asyncio
 import gc
 import json
+import logging
 import random
 import threading
 import time
@@ -380,6 +381,51 @@ def test_metrics_parse_and_move(servers):
     latency = moved("acarerank_request_duration_seconds_sum", (("endpoint", "/v1/rerank"),))
     assert all(v > 0 for v in busy.values()) and sum(busy.values()) <= latency, (busy, latency)
     assert ("acarerank_queue_size", ()) in after and ("acarerank_requests_in_flight", ()) in after
+
+
+def test_a_cache_whose_figures_fail_leaves_only_its_series_out(servers, monkeypatch, caplog):
+    """The prefix cache's stats raise: /metrics still answers 200 with every other series
+    (acarerank_engine_failures_total among them), without the prefix-cache series, logged once
+    over two scrapes; the series come back once the figures can be read. The failure was a 500 for
+    the whole scrape (docs/serving.md, "Metrics")."""
+    base, rr = servers["base"], servers["main"].reranker   # the served one (servers["rr"]: the reference)
+
+    def broken():
+        raise RuntimeError("prefix cache stats broke")
+    monkeypatch.setattr(rr._cache_slot, "stats", broken)
+    with caplog.at_level(logging.ERROR, logger="acarerank.server"):
+        for _ in range(2):
+            r = httpx.get(base + "/metrics", timeout=10)
+            assert r.status_code == 200, r.text[:300]
+            assert "acarerank_engine_failures_total" in r.text and "acarerank_prefix_cache" not in r.text, r.text
+    lines = [rec.getMessage() for rec in caplog.records if "cache_stats() failed" in rec.getMessage()]
+    assert len(lines) == 1 and "prefix cache stats broke" in lines[0], lines
+    monkeypatch.undo()
+    assert ("acarerank_prefix_cache_lookup_tokens_total", ()) in metrics(base)
+
+
+def test_a_scrape_does_not_wait_for_a_held_cache_lock(servers):
+    """A model step holds the prefix cache's pool lock (the test holds it here): a /metrics scrape
+    answers within seconds with the last figures read, and /health answers meanwhile. The scrape
+    read the figures under that lock on the event loop: it blocked every request, probes included,
+    until the lock came free (docs/serving.md, "Metrics")."""
+    base, rr = servers["base"], servers["main"].reranker   # the served one (servers["rr"]: the reference)
+    r = httpx.post(base + "/v1/rerank", json=dict(query="lock", documents=["one"]), headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    cache_series = lambda m: {k: v for k, v in m.items() if k[0].startswith("acarerank_prefix_cache")}  # noqa: E731
+    before = cache_series(metrics(base))
+    lock = rr._prefix_cache.pool.lock
+    with lock:
+        t0 = time.monotonic()
+        text = httpx.get(base + "/metrics", timeout=5).text   # httpx.ReadTimeout: the scrape waited for the lock
+        took = time.monotonic() - t0
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+    after = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            after[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert cache_series(after) == before, (cache_series(after), before)
+    assert took < 3, f"the scrape took {took:.1f} s with the lock held"
 
 
 def test_new_request_joins_next_pass_and_returns_first(servers):

@@ -33,6 +33,8 @@ class Held:
         self.gate.set()
         self.encode_gate.set()
         self.at_gate, self.encoding = threading.Event(), threading.Event()
+        self.holding = 0   # "hold" requests stopped in encode (each takes a tokenizer worker)
+        self.encoded = []  # the queries encode was called for, in order
 
     def __getattr__(self, name):
         fn = getattr(self.inner, name)
@@ -46,7 +48,9 @@ class Held:
         return held
 
     def encode(self, request, **kw):
+        self.encoded.append(request.query)
         if "hold" in request.query:
+            self.holding += 1
             self.encoding.set()
             assert self.encode_gate.wait(60), "test encode gate never opened"
         return self.inner.encode(request, **kw)
@@ -218,3 +222,64 @@ def test_a_tokenization_that_fails_after_the_deadline_answers_504(served):
     steps.encode_gate.set()
     t.join(30)
     assert_timed_out(out["r"], time.monotonic() - t0)
+
+
+def hold_every_tokenizer_worker(base, steps) -> list:
+    """Send two "hold" requests (the pool's two workers, --tokenize-workers' default) that stop in
+    their tokenizer workers until ``steps.encode_gate`` opens. Returns [(thread, {"r": response})]."""
+    steps.encode_gate.clear()
+    held = []
+    for n in range(2):
+        out = {}
+        t = threading.Thread(target=lambda out=out, n=n: out.update(r=httpx.post(
+            base + "/v1/rerank", json=dict(query=f"hold {n}", documents=DOCS), timeout=30)))
+        t.start()
+        held.append((t, out))
+    deadline = time.monotonic() + 30
+    while steps.holding < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert steps.holding == 2, "the two held requests never reached their tokenizer workers"
+    return held
+
+
+@pytest.mark.parametrize("ends", ["deadline", "client_gone"])
+def test_a_request_waiting_for_a_tokenizer_worker_is_dropped_at_its_deadline_or_when_its_client_leaves(
+        model, ends):
+    """Both tokenizer workers held (a wedged or very slow tokenization); a third request queued behind
+    them in the pool. At --request-timeout it gets its 504 (ends="deadline"), or its client leaving
+    frees its admission slot (ends="client_gone", no --request-timeout), and it is never tokenized.
+    Its wait for a worker watched neither: a request with request_timeout=2 was answered after 8.4 s
+    (never, if the workers never came free), and a gone client's slot stayed held (429 for everyone
+    with --max-queue 3)."""
+    rr = PointwiseReranker(model=model)
+    steps = Held(rr, ())
+    svc = RerankService(rr, "tiny-tokwait", max_queue=16,
+                        request_timeout=TIMEOUT if ends == "deadline" else None)
+    svc.reranker = svc.engine.steps = steps
+    svc.start()
+    try:
+        with thread_server(create_app(svc)) as base:
+            held = hold_every_tokenizer_worker(base, steps)
+            t0 = time.monotonic()
+            if ends == "deadline":
+                r = httpx.post(base + "/v1/rerank", json=dict(query="queued", documents=DOCS), timeout=TIMEOUT + 5)
+                assert_timed_out(r, time.monotonic() - t0)
+            else:
+                with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+                    httpx.post(base + "/v1/rerank", json=dict(query="queued", documents=DOCS), timeout=0.5)
+                deadline = time.monotonic() + 5   # the service's disconnect poll (0.1 s) sees it
+                while svc.admitted > 2 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert svc.admitted == 2, f"{svc.admitted} requests admitted: the gone client kept its slot"
+            steps.encode_gate.set()
+            for t, out in held:
+                t.join(30)
+                assert out["r"].status_code == (504 if ends == "deadline" else 200), out["r"].text
+            assert "queued" not in steps.encoded, f"tokenized: {steps.encoded} (a dropped request was tokenized)"
+            deadline = time.monotonic() + 10
+            while svc.admitted and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert svc.admitted == 0 and svc.engine.num_jobs == 0
+    finally:
+        steps.encode_gate.set()
+        svc.stop()
