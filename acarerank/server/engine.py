@@ -73,8 +73,8 @@ class Engine(_FaultIsolation):
       metrics: optional ``ServerMetrics`` (queue time, pass sizes, queue depth, cancellations).
       max_running: requests with a prefilled (pinned) prefix at once; later ones wait their turn.
       max_running_tokens: shared-prefix tokens the running requests pin at once, all together
-        (``len(enc.shared_ids)`` each, counted per request even where two share pages: a bound,
-        not an estimate); a later request waits its turn, but the first in arrival order always
+        (``steps.pinned_tokens(enc)`` each — whole pages —, else ``len(enc.shared_ids)``; counted
+        per request even where two share pages: a bound, not an estimate); a later request waits its turn, but the first in arrival order always
         runs, whatever its length. None: only ``max_running`` bounds them. The service sets the
         prefix cache's budget (``--cache-budget``): pinned pages are outside what the cache may
         evict, so without it 64 long contexts held 64 × their KV however small the budget.
@@ -498,8 +498,9 @@ class Engine(_FaultIsolation):
         if self.max_running_tokens is None:
             return self._active[:self.max_running]
         window, tokens = [], 0
+        pinned = getattr(self.steps, "pinned_tokens", None)   # whole pages, the pool's unit
         for job in self._active[:self.max_running]:
-            tokens += len(job.enc.shared_ids)
+            tokens += pinned(job.enc) if pinned is not None else len(job.enc.shared_ids)
             if window and tokens > self.max_running_tokens:
                 break
             window.append(job)

@@ -296,6 +296,36 @@ def test_the_running_requests_pin_at_most_max_running_tokens_of_shared_parts():
     assert not steps.pinned
 
 
+def test_the_running_requests_are_counted_in_the_steps_whole_pages():
+    """The bound is the cache's pool, whole pages: a step API's ``pinned_tokens`` (the pointwise
+    reranker's) counts each shared part so. The engine counted tokens: three parts of 17 tokens
+    (two 16-token pages each) ran together under a bound of 64, 96 tokens of pages pinned."""
+    steps = FakeSteps()
+    steps.pinned_tokens = lambda enc: -(-len(enc.shared_ids) // 16) * 16
+    peak, pinned_len = [], {}
+    acquire = steps.acquire_prefix
+
+    def counting_acquire(enc):
+        handle = acquire(enc)
+        peak.append(sum(pinned_len.get(h, 0) for h in steps.pinned) + steps.pinned_tokens(enc))
+        pinned_len[id(handle)] = steps.pinned_tokens(enc)
+        return handle
+
+    steps.acquire_prefix = counting_acquire
+    steps.gate.clear()
+    eng = Engine(steps, max_batch_tokens=64, max_running=8, max_running_tokens=64)
+    jobs = [eng.submit(Enc(shared_ids=[t] + [0] * 16, segment_ids=[[1] * 3] * 2)) for t in range(2, 5)]
+    eng.start()
+    steps.gate.set()
+    try:
+        for t, job in zip(range(2, 5), jobs):
+            assert job.future.result(30).scores == [t + 0.003] * 2
+    finally:
+        eng.stop()
+    assert max(peak) <= 64, f"page tokens pinned at once: {peak}"
+    assert not steps.pinned
+
+
 def test_max_running_tokens_must_be_a_positive_int():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_running_tokens must be a positive int"):
