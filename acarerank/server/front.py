@@ -111,6 +111,9 @@ def uvicorn_config(app, config: ServeConfig):
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
                           http=http_protocol_with_limits(uvicorn_http_protocol(), config),
                           h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
+                          # no WebSocket route: an upgrade is served as HTTP (a JSON 404/405), where
+                          # uvicorn's WebSocket layer refused it in its own shape with two log lines
+                          ws="none",
                           timeout_keep_alive=config.keepalive_timeout,
                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     # the server's own lines (drain, uploads cut short, the connection cap) go where uvicorn's go

@@ -30,6 +30,9 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   close waits for the buffer to drain, and an idle TCP peer is never timed out;
 * a malformed request (bad syntax, duplicate ``Content-Length``) is answered with the JSON
   error shape;
+* a request asking to upgrade its connection (``Upgrade: h2c``, ``websocket``: the server has no
+  WebSocket route, front.py) is served as HTTP/1.1 with one log line per ``LOG_EVERY_S`` at most
+  (uvicorn wrote one or two per request);
 * a timer that fires after a stall of the event loop gives bytes already received
   ``HEAD_GRACE_S`` more before the connection is closed (uvicorn's keep-alive timer too).
 """
@@ -106,6 +109,7 @@ def http_protocol_with_limits(base, config: ServeConfig):
     versions tested, and a test fails loudly if they move."""
     refused_log = _RateLimited()
     unread_log = _RateLimited()
+    upgrade_log = _RateLimited()
     absolute_form = base.__name__ == "HttpToolsProtocol"   # h11's scope["path"] is the whole target
     # the most bytes of a head still arriving handed to the parser at once: httptools has no limit
     # of its own; h11's is 2 x MAX_HEAD_BYTES (front.py), so a head judged under MAX_HEAD_BYTES plus
@@ -281,6 +285,12 @@ def http_protocol_with_limits(base, config: ServeConfig):
                                             f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
                                             _request_path(start, absolute_form) or ""))
             self.transport.close()
+
+        def _unsupported_upgrade_warning(self) -> None:
+            # uvicorn's line per request, and with ws="none" a second one advising to install a
+            # WebSocket library: 200 requests wrote 200 to 400 lines (docs/serving.md, "Limits and timeouts")
+            upgrade_log("a request asked to upgrade its connection (Upgrade header): not supported, "
+                        "served as HTTP/1.1")
 
         def send_400_response(self, msg: str) -> None:
             self._cancel_head_timer()

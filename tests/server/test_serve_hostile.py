@@ -305,6 +305,31 @@ def test_every_error_is_json(server):
     assert health_ok(server["base"])
 
 
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
+def test_an_upgrade_request_is_served_as_http_without_a_log_line_each(request, protocol):
+    """docs/serving.md, "Limits and timeouts": the log never floods, and malformed requests get the
+    JSON shape. Until 2026-12-07 each ``Upgrade: h2c`` wrote uvicorn's "Unsupported upgrade request."
+    line and each WebSocket upgrade two INFO lines (its WebSocket layer, for a server with no
+    WebSocket route), one without ``Sec-WebSocket-Key`` a text/plain 400."""
+    server = request.getfixturevalue("server" if protocol == "httptools" else "h11_server")
+    port, proc = server["port"], server["proc"]
+    before = len(proc.output())
+    key = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+    for _ in range(30):
+        for upgrade, path, extra in (("h2c", "/health", ""), ("websocket", "/v1/rerank", key),
+                                     ("websocket", "/v1/rerank", "")):
+            with connect(port) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, close\r\n"
+                          f"Upgrade: {upgrade}\r\n{extra}\r\n".encode())
+                raw, _ = read_until_closed(s, 10)
+            if path == "/health":
+                assert parse_response(raw)[0] == 200, raw[:300]
+            else:   # the route's own answer to a GET
+                expect_json_error(raw, 405, ["Method Not Allowed"])
+    log = proc.output()[before:]
+    assert len(log.splitlines()) <= 2 and "upgrade" in log, log[-2000:]
+
+
 def _send_head_in_two_writes(port, path: str, split, big: int = 20_000) -> bytes:
     """A POST to ``path`` whose head (``big`` bytes of one header and ~100 more) goes in two writes
     0.3 s apart, cut at byte ``split`` (None: one write); what the server answered before it closed."""
