@@ -8,7 +8,8 @@ Names follow the peers' meaning (TEI ``te_request_duration``/``te_queue_size``/
 name                                        type       meaning
 ==========================================  =========  ==============================================
 acarerank_request_duration_seconds          histogram  HTTP request latency, by endpoint
-acarerank_requests_total                    counter    HTTP responses, by endpoint and status code
+acarerank_requests_total                    counter    HTTP responses, by endpoint and status code (the
+                                                       HTTP protocol's own 400, 408, 431 included)
 acarerank_errors_total                      counter    error responses (status ≥ 400), by code; a
                                                        client that left (499) is not one
 acarerank_client_disconnects_total          counter    requests whose client left before the answer
