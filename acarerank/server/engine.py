@@ -48,7 +48,7 @@ from typing import Callable, Optional
 from .._validate import check_seconds
 # EngineDead, EngineFault, EngineStopped, ScoreResult, run_on_dead: the service and the tests import them from here
 from .engine_faults import _FailureLog, _FaultIsolation, _is_oom, run_on_dead  # noqa: F401
-from .engine_jobs import (EngineDead, EngineFault, EngineStopped, ScoreResult,  # noqa: F401
+from .engine_jobs import (EngineDead, EngineFault, EngineStopped, QueueClock, ScoreResult,  # noqa: F401
                           _CallJob, _ScoreJob, _SelectJob, _settle)
 
 log = logging.getLogger("acarerank.server")
@@ -60,6 +60,11 @@ STARVATION_PASSES = 8
 POLICIES = ("shortest", "round_robin")
 #: requests failed by the model (or scheduler iterations) in a row before the canary runs (``--canary-after-failures``)
 DEFAULT_CANARY_AFTER = 3
+
+
+def _since(clock: Optional[QueueClock]) -> float:
+    """When a job's queue time starts: its request's admission (``clock``), else now."""
+    return clock.since if clock is not None else time.perf_counter()
 
 
 class Engine(_FaultIsolation):
@@ -220,9 +225,15 @@ class Engine(_FaultIsolation):
         return dict(state="idle" if since is None else "busy", busy_s=round(busy, 3), iterations=self.iterations)
 
     # -- submission (any thread) -------------------------------------------------------------
-    def submit(self, enc, rid: Optional[str] = None) -> _ScoreJob:
+    def submit(self, enc, rid: Optional[str] = None, clock: Optional[QueueClock] = None,
+               canary: bool = False) -> _ScoreJob:
         """Queue one encoded request; ``job.future`` resolves to a ``ScoreResult`` (or raises
         ``EngineFault`` / ``EngineDead``). rid: the request id its failure line names.
+
+        clock: the request's ``QueueClock`` when the job is one of its jobs, or queued after its
+        admission: its queue time (``ScoreResult.queue_time``, ``acarerank_queue_time_seconds``:
+        one sample per clock) runs from ``clock.since``; None: from now. canary: the engine's own
+        job (the warm-up), counted in no request metric.
 
         An encoding the model would refuse by name (``steps.check_encoding``, where the steps
         have one: built for a longer cap, by another reranker or by hand) is a ValueError or
@@ -231,18 +242,19 @@ class Engine(_FaultIsolation):
         check = getattr(self.steps, "check_encoding", None)
         if check is not None:
             check(enc)
-        job = _ScoreJob(enc=enc, future=concurrent.futures.Future(), submitted=time.perf_counter(),
-                        scores=[0.0] * len(enc.segment_ids))
+        job = _ScoreJob(enc=enc, future=concurrent.futures.Future(), submitted=_since(clock),
+                        scores=[0.0] * len(enc.segment_ids), clock=clock, canary=canary)
         job.rid = rid or f"job-{next(self._ids)}"
         self._put(job)
         return job
 
-    def submit_select(self, enc, rid: Optional[str] = None) -> _SelectJob:
+    def submit_select(self, enc, rid: Optional[str] = None, clock: Optional[QueueClock] = None) -> _SelectJob:
         """Queue one encoded selection (``SetwiseReranker.encode_select``); ``job.future`` resolves to a
-        ``Selection``. Its prefill and decode steps share the scheduler's passes with scoring."""
+        ``Selection``. Its prefill and decode steps share the scheduler's passes with scoring.
+        clock: as ``submit``'s."""
         if self.select_steps is None:
             raise ValueError("this engine has no setwise model (select_steps)")
-        job = _SelectJob(enc=enc, future=concurrent.futures.Future(), submitted=time.perf_counter())
+        job = _SelectJob(enc=enc, future=concurrent.futures.Future(), submitted=_since(clock), clock=clock)
         job.rid = rid or f"job-{next(self._ids)}"
         self._put(job)
         return job
@@ -394,8 +406,7 @@ class Engine(_FaultIsolation):
             if not job.future.set_running_or_notify_cancel():  # its waiter gave up
                 self._selects.popleft()
                 return 0
-            if self.metrics is not None:
-                self.metrics.queue_time.observe(time.perf_counter() - job.submitted)
+            self._queue_time_ends(job, time.perf_counter())
         t = time.perf_counter()
         used = 0
         self._step_starts()
@@ -465,14 +476,24 @@ class Engine(_FaultIsolation):
         self._call = None   # not on a BaseException: _die's _fail_in_flight fails it
         self._busy("call", t)
 
+    def _queue_time_ends(self, job, now: float) -> None:
+        """``job`` starts at ``now``: its request's queue-time sample, once per request (the first
+        of its jobs to start: ``QueueClock``), from its admission; none for the canary or warm-up."""
+        clock = job.clock
+        if clock is not None:
+            if clock.started is not None:   # another job of its request started first
+                return
+            clock.started = now
+        if self.metrics is not None and not job.canary:
+            self.metrics.queue_time.observe(now - job.submitted)
+
     def _start(self, job: _ScoreJob) -> bool:
         """Prefill ``job``'s prefix (its first pass); False if it was cancelled or failed."""
         if not job.future.set_running_or_notify_cancel():  # its waiter gave up
             job.cancelled = True
             return False
         job.started = time.perf_counter()  # queue time ends here; the prefill is work
-        if self.metrics is not None and not job.canary:
-            self.metrics.queue_time.observe(job.started - job.submitted)
+        self._queue_time_ends(job, job.started)
         try:
             job.handle = self._acquire_prefix(job.enc)
         except Exception as e:  # noqa: BLE001 - fail this request only (acquire_prefix gave its pages back)

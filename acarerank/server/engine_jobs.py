@@ -22,6 +22,15 @@ class ScoreResult:
 
 
 @dataclass(eq=False)
+class QueueClock:
+    """One request's queue time, shared by its jobs (an N-to-N ``/score`` request's groups): from
+    ``since`` (its admission, ``time.perf_counter()``) to the first start of any of them
+    (``started``: a first pass or selection step), one ``acarerank_queue_time_seconds`` sample."""
+    since: float
+    started: Optional[float] = None
+
+
+@dataclass(eq=False)
 class _ScoreJob:
     enc: object                      # PointwiseEncoding: shared_ids, segment_ids
     future: concurrent.futures.Future
@@ -31,10 +40,11 @@ class _ScoreJob:
     done: int = 0                    # segments scored
     handle: object = None
     started: Optional[float] = None
-    canary: bool = False             # the engine's own check (``_canary_iteration``): no request metrics
+    canary: bool = False             # the engine's own check (``_canary_iteration``, the warm-up): no request metrics
     cancelled: bool = False
     moved: int = 0                   # the last pass that scored one of its segments
     rid: str = ""                    # request id (log lines)
+    clock: Optional[QueueClock] = None   # its request's (None: the job is a request of its own)
 
 
 @dataclass(eq=False)
@@ -45,6 +55,8 @@ class _SelectJob:
     state: object = None             # SelectState once started (pages pinned)
     cancelled: bool = False
     rid: str = ""
+    clock: Optional[QueueClock] = None
+    canary: bool = False             # never: a selection is always a request's
 
 
 @dataclass(eq=False)

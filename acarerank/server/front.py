@@ -103,14 +103,19 @@ class _OncePerInterval(logging.Filter):
             return True
 
 
-def uvicorn_config(app, config: ServeConfig):
+def uvicorn_config(app, config: ServeConfig, metrics=None):
+    """uvicorn's configuration for ``app``; ``metrics`` (the service's ``ServerMetrics``) count the
+    error responses the HTTP protocol writes itself (``protocol.py``)."""
     import uvicorn
 
     logging.getLogger("asyncio").addFilter(_OncePerInterval())
     logging.getLogger("uvicorn.error").addFilter(_OncePerInterval(only={"Invalid HTTP request received."}))
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False,
-                          http=http_protocol_with_limits(uvicorn_http_protocol(), config),
+                          http=http_protocol_with_limits(uvicorn_http_protocol(), config, metrics),
                           h11_max_incomplete_event_size=2 * MAX_HEAD_BYTES,
+                          # no WebSocket route: an upgrade is served as HTTP (a JSON 404/405), where
+                          # uvicorn's WebSocket layer refused it in its own shape with two log lines
+                          ws="none",
                           timeout_keep_alive=config.keepalive_timeout,
                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     # the server's own lines (drain, uploads cut short, the connection cap) go where uvicorn's go
@@ -184,7 +189,7 @@ def run_server(service, config: ServeConfig, api_key=None, *, exit_if_stuck: boo
         config = fit_connections_to_descriptors(config)
         state = GateState()
         app = create_app(service, config, api_key=api_key, state=state)
-        server = DrainingServer(uvicorn_config(app, config), state, config.drain_timeout)
+        server = DrainingServer(uvicorn_config(app, config, service.metrics), state, config.drain_timeout)
 
         def on_dead(reason: str) -> None:  # on the thread that noticed: stop serving after the grace
             log.critical("exiting in %g s with status %d: %s", DEAD_GRACE_S, EXIT_ENGINE_DEAD, reason)

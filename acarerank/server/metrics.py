@@ -8,12 +8,15 @@ Names follow the peers' meaning (TEI ``te_request_duration``/``te_queue_size``/
 name                                        type       meaning
 ==========================================  =========  ==============================================
 acarerank_request_duration_seconds          histogram  HTTP request latency, by endpoint
-acarerank_requests_total                    counter    HTTP responses, by endpoint and status code
+acarerank_requests_total                    counter    HTTP responses, by endpoint and status code (the
+                                                       HTTP protocol's own 400, 408, 431 included)
 acarerank_errors_total                      counter    error responses (status ≥ 400), by code; a
                                                        client that left (499) is not one
 acarerank_client_disconnects_total          counter    requests whose client left before the answer
                                                        (499 in requests_total), by endpoint
-acarerank_queue_time_seconds                histogram  admission → first pass (or selection start)
+acarerank_queue_time_seconds                histogram  admission (the whole body; tokenization and the
+                                                       wait for --max-queue-tokens included) → first
+                                                       pass (or selection step): one sample a request
 acarerank_queue_size                        gauge      requests waiting for their first pass
 acarerank_requests_running                  gauge      requests with documents in flight
 acarerank_requests_in_flight                gauge      requests admitted and not yet answered
@@ -25,7 +28,8 @@ acarerank_requests_waiting_for_tokens       gauge      requests tokenized and wa
                                                        for room in --max-queue-tokens
 acarerank_batch_tokens                      histogram  segment tokens per packed pass
 acarerank_batch_requests                    histogram  requests sharing a packed pass
-acarerank_documents_scored_total            counter    documents scored
+acarerank_documents_scored_total            counter    documents scored (requests': not the warm-up's
+                                                       or the canary's)
 acarerank_requests_cancelled_total          counter    requests whose remaining work was dropped: the
                                                        client left, or --request-timeout passed (a
                                                        /score request once, not once per group)

@@ -8,11 +8,13 @@ where ``json.loads`` took 2.9 s and 800 MB, orjson 3.6 s and 940 MB, pydantic's
 known fields: strict types, the same messages.
 
 A known field is built only as deep as the schema reads it (``_field``): a string or number
-decoded; an array's items (at most ``max_items``: more is a 413 before any is built) and an
-object's keys (as many), each item or value a string or number decoded and an array or object
-stood in for by ``[]`` or ``{}``, whose type is all pydantic's message names. Every list field of
-the schemas holds strings (``documents``: strings or objects, read for their ``text``,
-``_documents``), and the one object (``chat_template_kwargs``) is read for a string. Built in
+decoded; an array's items (at most ``max_items``: more is a 413 before any is built), each item
+a string or number decoded and an array or object stood in for by ``[]`` or ``{}``, whose type
+is all pydantic's message names. Every list field of the schemas holds strings (``documents``:
+strings or objects, read for their ``text``, ``_documents``), and the one object
+(``chat_template_kwargs``) is read for its ``instruction`` up to its first other key, which is
+refused (``_kwargs``): read whole, 33 MB of distinct keys took 5 s holding the GIL before its
+413 (2026-12-07). Built in
 full, 6 MB of ``[[], [], ...]`` in ``documents`` took 28 s and 3.6 GB, most of it pydantic's
 two million errors turned into dicts by one call that holds the GIL, and ``/health`` waited
 20 s on the event loop meanwhile (2026-12-07).
@@ -83,11 +85,11 @@ COUNTED_BYTES_MAX = 1 << 20
 
 
 def _too_many(raw, where: str, max_items: int) -> APIError:
-    """The 413 for an array or object ``raw`` of more than ``max_items`` items or keys."""
+    """The 413 for an array ``raw`` of more than ``max_items`` items."""
     what = "documents" if where in DOCUMENT_LISTS else f"items in {where}"
     if len(memoryview(raw)) > COUNTED_BYTES_MAX:
         return APIError(413, f"more {what} than the limit of {max_items} per request (--max-documents)")
-    n = len(msgspec.json.decode(raw, type=list[msgspec.Raw] if _first(raw) == b"[" else dict[str, msgspec.Raw]))
+    n = len(msgspec.json.decode(raw, type=list[msgspec.Raw]))
     return APIError(413, f"{n} {what} exceed the limit of {max_items} per request (--max-documents)")
 
 
@@ -135,20 +137,31 @@ def _field(raw, where: str, max_items: Optional[int]):
     if first == b"[":
         return [_stand_in(item, f"{where}[{i}]") for i, item in enumerate(_items(raw, where, max_items))]
     if first == b"{":
-        # read whole, then counted (no bounded object type: a 30 MB object of distinct keys is ~1 s)
-        entries = decode_raw_as(raw, dict[str, msgspec.Raw], where)
-        if max_items is not None and len(entries) > max_items:
-            raise _too_many(raw, where, max_items)
-        return {key: _stand_in(value, f"{where}.{key}") for key, value in entries.items()}
+        return _kwargs(raw, where)
     return decode_raw(raw, where)
 
 
-def decode_raw_as(raw, type_, where: str):
-    """``raw`` decoded as ``type_``; APIError 422 naming ``$.where`` if msgspec cannot."""
+class _KwargsWire(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``chat_template_kwargs`` as served: its ``instruction`` (raw); msgspec stops at any
+    other key, unread past it."""
+    instruction: msgspec.Raw = msgspec.UNSET
+
+
+_UNKNOWN_KEY = re.compile(r"Object contains unknown field `(.*)`$", re.S)
+
+
+def _kwargs(raw, where: str) -> dict:
+    """The object field ``raw`` (``chat_template_kwargs``, the schemas' one) for pydantic: its
+    ``instruction`` stood in for (``_stand_in``), or, at its first other key, ``{key: {}}`` alone:
+    ``request_checks.check_vllm_options`` refuses any other key with a 400 naming it
+    (docs/serving.md, "Endpoints"), so the keys after it, any number of them, are never read."""
     try:
-        return msgspec.json.decode(raw, type=type_)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise APIError(422, f"malformed JSON body: {e} - at `$.{where}`") from None
+        wire = msgspec.json.decode(raw, type=_KwargsWire)
+    except msgspec.ValidationError as e:   # raw is valid JSON: the error is the first other key
+        return {_UNKNOWN_KEY.match(str(e)).group(1): {}}
+    if wire.instruction is msgspec.UNSET:
+        return {}
+    return {"instruction": _stand_in(wire.instruction, f"{where}.instruction")}
 
 
 def decode_raw(raw, where: str):
@@ -211,7 +224,7 @@ def validation_message(errors) -> str:
 def parse_body(body: bytes, model_cls, fields: Optional[set] = None, max_items: Optional[int] = None):
     """``model_cls`` (a pydantic model) from a JSON body, or ``APIError(422)``. Blocking: run it in a worker.
 
-    max_items: the most items a known array field (or keys a known object field) may hold, else
+    max_items: the most items a known array field may hold, else
     ``APIError(413)`` before they are read: the server's ``--max-documents``, which every list of a
     request is held to (documents, texts, a score request's either side) or far below (None: no bound).
 

@@ -30,6 +30,12 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   close waits for the buffer to drain, and an idle TCP peer is never timed out;
 * a malformed request (bad syntax, duplicate ``Content-Length``) is answered with the JSON
   error shape;
+* each error response written here (400, 408, 431) is counted in the metrics as the gate counts
+  its own (``_count``): a request the gate never saw, its endpoint read from the head's first bytes;
+  one whose body the gate was reading is left to the gate, told the status (``ANSWERED_BY_PROTOCOL``);
+* a request asking to upgrade its connection (``Upgrade: h2c``, ``websocket``: the server has no
+  WebSocket route, front.py) is served as HTTP/1.1 with one log line per ``LOG_EVERY_S`` at most
+  (uvicorn wrote one or two per request);
 * a timer that fires after a stall of the event loop gives bytes already received
   ``HEAD_GRACE_S`` more before the connection is closed (uvicorn's keep-alive timer too).
 """
@@ -44,6 +50,7 @@ from typing import Optional
 
 from .config import MAX_HEAD_BYTES, ServeConfig
 from .errors import ANSWERED_BY_PROTOCOL, error_bytes, error_for
+from .gate import _endpoint
 
 log = logging.getLogger("acarerank.server")
 
@@ -96,9 +103,10 @@ class _RateLimited:
             self.last, self.count = now, 0
 
 
-def http_protocol_with_limits(base, config: ServeConfig):
+def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
     """``HTTPProtocolWithLimits``: a subclass of uvicorn's HTTP protocol class ``base``
     (``uvicorn_http_protocol()``) with the module docstring's limits, for ``uvicorn.Config(http=...)``.
+    metrics: the service's ``ServerMetrics``, which count the error responses written here (None: not counted).
 
     It reaches into uvicorn's protocol internals — ``server_state.connections``, ``cycle`` (and
     ``cycle.response_complete``), ``transport``, ``loop``, ``timeout_keep_alive_task`` and the
@@ -106,6 +114,7 @@ def http_protocol_with_limits(base, config: ServeConfig):
     versions tested, and a test fails loudly if they move."""
     refused_log = _RateLimited()
     unread_log = _RateLimited()
+    upgrade_log = _RateLimited()
     absolute_form = base.__name__ == "HttpToolsProtocol"   # h11's scope["path"] is the whole target
     # the most bytes of a head still arriving handed to the parser at once: httptools has no limit
     # of its own; h11's is 2 x MAX_HEAD_BYTES (front.py), so a head judged under MAX_HEAD_BYTES plus
@@ -118,6 +127,7 @@ def http_protocol_with_limits(base, config: ServeConfig):
         _head_for = None       # the request cycle that was current when the timer was armed
         _head_bytes = 0
         _head_start = b""      # the head's first HEAD_START_BYTES (its path, for the 431's shape)
+        _head_t0 = None        # when the head's first byte came (perf_counter; None: none yet)
         _head_grace = False
         _pipelined = None      # httptools: bytes of the next head read since the body before it ended
         _trailer_bytes = None  # httptools: a chunked body's trailer bytes so far (None: not in a body)
@@ -182,6 +192,11 @@ def http_protocol_with_limits(base, config: ServeConfig):
             waiting = self._head_timer is not None
             pipelined = self._pipelined is not None   # httptools: this read is all of the next head's
             self._completed_in_read = False
+            if waiting:   # before the parser: a 400 it calls for is counted with the head's path (_count)
+                if self._head_t0 is None:
+                    self._head_t0 = time.perf_counter()
+                if len(self._head_start) < HEAD_START_BYTES:
+                    self._head_start += data[:HEAD_START_BYTES - len(self._head_start)]
             super().data_received(data)
             if not waiting:
                 # its head still not whole. A read in which a request ended held that request too
@@ -198,10 +213,9 @@ def http_protocol_with_limits(base, config: ServeConfig):
                 return
             if self.cycle is not self._head_for:   # a request's head arrived
                 self._cancel_head_timer()
+                self._head_t0 = None
                 return
             self._head_bytes += len(data)
-            if len(self._head_start) < HEAD_START_BYTES:
-                self._head_start += data[:HEAD_START_BYTES - len(self._head_start)]
             if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._head_too_large(self._head_start)
 
@@ -276,18 +290,41 @@ def http_protocol_with_limits(base, config: ServeConfig):
 
         def _head_too_large(self, start: bytes) -> None:
             """431 (the route's shape, read from the head's first bytes ``start``) and close."""
+            self._count(431, start)
             self._cancel_head_timer()
             self.transport.write(_raw_error(431, "Request Header Fields Too Large",
                                             f"request line and headers exceed {MAX_HEAD_BYTES} bytes",
                                             _request_path(start, absolute_form) or ""))
             self.transport.close()
 
+        def _unsupported_upgrade_warning(self) -> None:
+            # uvicorn's line per request, and with ws="none" a second one advising to install a
+            # WebSocket library: 200 requests wrote 200 to 400 lines (docs/serving.md, "Limits and timeouts")
+            upgrade_log("a request asked to upgrade its connection (Upgrade header): not supported, "
+                        "served as HTTP/1.1")
+
         def send_400_response(self, msg: str) -> None:
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body:
+                # in a request's body: the gate, reading it, counts that request (as this 400 unless
+                # it has answered it already: counted once); else a head the gate never saw
+                cycle.scope[ANSWERED_BY_PROTOCOL] = 400
+            else:
+                self._count(400, self._head_start)
             self._cancel_head_timer()
             self.transport.write(_raw_error(400, "Bad Request", f"malformed HTTP request: {msg} (e.g. bad syntax, "
                                                                 "a duplicate Content-Length, headers over "
                                                                 f"{MAX_HEAD_BYTES} bytes)"))
             self.transport.close()
+
+        def _count(self, status: int, start: bytes) -> None:
+            """The metrics of an error response written here for a request the gate never saw (a
+            head still arriving, or malformed): as the gate's (``observe_response``), its endpoint
+            by the path in the head's first bytes ``start`` ("other" without one), its duration
+            from the head's first byte."""
+            if metrics is not None:
+                seconds = 0.0 if self._head_t0 is None else time.perf_counter() - self._head_t0
+                metrics.observe_response(_endpoint(_request_path(start, absolute_form) or ""), status, seconds)
 
         def _arm_head_timer(self) -> None:
             self._cancel_head_timer()
@@ -304,6 +341,7 @@ def http_protocol_with_limits(base, config: ServeConfig):
                 pending = self.conn.trailing_data[0]
                 self._head_bytes = len(pending)
                 self._head_start = pending[:HEAD_START_BYTES]
+            self._head_t0 = time.perf_counter() if self._head_bytes else None
             self._head_grace = False
             self._head_timer = self.loop.call_later(config.header_timeout, self._head_timed_out)
 
@@ -324,6 +362,7 @@ def http_protocol_with_limits(base, config: ServeConfig):
                 self._head_timer = self.loop.call_later(HEAD_GRACE_S, self._head_timed_out)
                 return
             if self._head_bytes:   # part of a head arrived: say why (nginx answers 408 too)
+                self._count(408, self._head_start)
                 self.transport.write(_raw_error(408, "Request Timeout", f"request headers not received within "
                                                 f"{config.header_timeout:g} s (--header-timeout)"))
             self.transport.close()

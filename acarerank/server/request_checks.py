@@ -91,7 +91,7 @@ def check_vllm_options(req) -> Optional[str]:
         raise APIError(400, f"padding={req.padding!r} is not supported: prompts are never padded ('do_not_pad')")
     kwargs = req.chat_template_kwargs or {}
     other = sorted(k for k in kwargs if k != "instruction")
-    if other:   # named, the first five: up to --max-documents keys reach here
+    if other:   # named, the first five (from a body, parsing.parse_body stops at the first)
         more = f" and {len(other) - 5} more" if len(other) > 5 else ""
         raise APIError(400, f"chat_template_kwargs {other[:5]}{more} not supported: the prompt template is fixed; "
                             f"only 'instruction' is read (as the instruction field)")

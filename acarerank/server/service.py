@@ -39,6 +39,7 @@ import contextvars
 import logging
 import math
 import threading
+import time
 import uuid
 from array import array
 from typing import Awaitable, Callable, Optional
@@ -49,7 +50,7 @@ from .config import DEFAULT_MAX_DOCUMENTS, DEFAULT_MAX_QUEUE, DEFAULT_TOKEN_WAIT
 from .disconnect import DeadlinePassed
 # score_tokens, select_tokens: the tests import them from here
 from .admission import TokenBudget, score_tokens, select_tokens  # noqa: F401
-from .engine import DEFAULT_CANARY_AFTER, Engine, run_on_dead
+from .engine import DEFAULT_CANARY_AFTER, Engine, QueueClock, run_on_dead
 from .errors import APIError
 from .metrics import ServerMetrics
 # select_unavailable, score_groups: build.py and the tests import them from here
@@ -179,7 +180,8 @@ class RerankService:
         self.engine.start()
         if warmup:
             try:
-                self.engine.submit(self.engine.canary, rid="warm-up").future.result(timeout)
+                # the engine's own job: counted in no request metric (docs/serving.md, "Metrics")
+                self.engine.submit(self.engine.canary, rid="warm-up", canary=True).future.result(timeout)
             except BaseException:
                 # a service that never became ready stops its threads: the scheduler and the model
                 # thread left running kept `acarerank serve` from exiting after its error line
@@ -379,6 +381,7 @@ class RerankService:
         deadline = self._deadline()
         rid = uuid.uuid4().hex
         with self.admit():
+            clock = QueueClock(time.perf_counter())   # queue time runs from admission (docs/serving.md, "Metrics")
             request = ScoreRequest(req.query, docs, question=req.question, trace=req.trace,
                                    instruction=instruction, cache_salt=req.cache_salt)
             try:
@@ -388,7 +391,7 @@ class RerankService:
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             async with self.hold_tokens(score_tokens(enc), is_disconnected, deadline):
-                job = submit(self.engine.submit, enc, rid)
+                job = submit(self.engine.submit, enc, rid, clock)
                 result = await wait_job(self.engine, job, is_disconnected, deadline, self._timed_out)
         if headers is not None:  # TEI's header: milliseconds from admission to the first pass
             headers["x-queue-time"] = f"{result.queue_time * 1e3:.3f}"
@@ -474,7 +477,8 @@ class RerankService:
         jobs, admitted as one request (one ``--max-queue`` slot, their tokens together against
         ``--max-queue-tokens``) and run at most half the engine's running window at a time
         (``waiting.wait_groups``). ``usage`` sums the groups' tokens (each distinct query's shared part
-        once, as the rerank route counts it); ``x-queue-time`` is the least of the groups'.
+        once, as the rerank route counts it); ``x-queue-time`` is the least of the groups': from the
+        request's admission to its first group's first pass.
         """
         queries, docs = req.query_texts(), req.document_texts()
         check_pairs(req, queries, docs, self.max_documents)
@@ -488,6 +492,7 @@ class RerankService:
         groups = score_groups(queries)
         max_doc = req.max_tokens_per_doc or None   # 0: vLLM's "no cut"
         with self.admit():
+            clock = QueueClock(time.perf_counter())
             requests = [ScoreRequest(q, [docs[i] for i in idx], question=req.question, trace=req.trace,
                                      instruction=instruction, cache_salt=req.cache_salt) for q, idx in groups.items()]
             try:
@@ -498,7 +503,7 @@ class RerankService:
                 raise APIError(400, str(e)) from None
             async with self.hold_tokens(sum(score_tokens(enc) for enc in encs), is_disconnected, deadline):
                 results = await wait_groups(self.engine, encs, rid, is_disconnected, deadline, self._timed_out,
-                                            self.metrics.cancelled)
+                                            self.metrics.cancelled, clock)
         if headers is not None:
             headers["x-queue-time"] = f"{min(r.queue_time for r in results) * 1e3:.3f}"
         return score_body(req, len(docs), groups, results, rid, self.model_name)
@@ -528,12 +533,13 @@ class RerankService:
         deadline = self._deadline()
         rid = uuid.uuid4().hex
         with self.admit():
+            clock = QueueClock(time.perf_counter())
             try:  # the prompt is built in the tokenizer pool; the model work runs as engine steps
                 enc = await self._tokenize(deadline, is_disconnected, (req.query, req.intent, *docs),
                                            self._encode_select, req, docs)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
             async with self.hold_tokens(select_tokens(enc, self.setwise.max_new_tokens), is_disconnected, deadline):
-                job = submit(self.engine.submit_select, enc, rid)
+                job = submit(self.engine.submit_select, enc, rid, clock)
                 sel = await wait_job(self.engine, job, is_disconnected, deadline, self._timed_out)
         return select_body(sel, rid, self.model_name)

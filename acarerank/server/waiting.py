@@ -17,7 +17,7 @@ from typing import Awaitable, Callable, Optional
 
 from .admission import TokenBudget, retry_after_s
 from .disconnect import ClientGone, DeadlinePassed, wait_or_drop
-from .engine import EngineDead, EngineFault, EngineStopped
+from .engine import EngineDead, EngineFault, EngineStopped, QueueClock
 from .errors import APIError
 
 #: a score request's groups take at most 1/SCORE_GROUPS_SHARE of the engine's running window at once
@@ -74,11 +74,12 @@ async def wait_for_tokens(budget: TokenBudget, granted: asyncio.Future, tokens: 
                        headers={"Retry-After": str(seen["retry"])}) from None
 
 
-def submit(submit_fn, enc, rid: str):
-    """``submit_fn(enc, rid)`` (``Engine.submit`` / ``submit_select``): the job, or the engine's
-    refusal as a 503 (dead: it needs a restart; stopped: shutting down)."""
+def submit(submit_fn, enc, rid: str, clock: Optional[QueueClock] = None):
+    """``submit_fn(enc, rid, clock=clock)`` (``Engine.submit`` / ``submit_select``; ``clock``: the
+    request's queue time, from its admission): the job, or the engine's refusal as a 503 (dead: it
+    needs a restart; stopped: shutting down)."""
     try:
-        return submit_fn(enc, rid)
+        return submit_fn(enc, rid, clock=clock)
     except EngineDead as e:
         raise APIError(503, f"server cannot serve: {e}; it needs a restart", {"Connection": "close"}) from None
     except EngineStopped as e:
@@ -97,7 +98,7 @@ async def wait_job(engine, job, is_disconnected: IsDisconnected, deadline: Optio
 
 
 async def wait_groups(engine, encs: list, rid: str, is_disconnected: IsDisconnected, deadline: Optional[float],
-                      timed_out: Callable[[], APIError], cancelled) -> list:
+                      timed_out: Callable[[], APIError], cancelled, clock: Optional[QueueClock] = None) -> list:
     """The results of one request's engine jobs (``encs``: a score request's groups), in order.
 
     At most ``engine.max_running // SCORE_GROUPS_SHARE`` of them are in the engine at once, the
@@ -108,9 +109,11 @@ async def wait_groups(engine, encs: list, rid: str, is_disconnected: IsDisconnec
     Whatever ends the wait early (a job failed, the client left, the deadline, a cancellation)
     drops every job not finished, so no group of a request that was answered keeps the engine busy;
     a request dropped with work left (not one that failed) is one in ``cancelled``
-    (``acarerank_requests_cancelled_total``), as a rerank is, not one per group then in the engine."""
+    (``acarerank_requests_cancelled_total``), as a rerank is, not one per group then in the engine.
+    ``clock``: the request's queue time, shared by its groups (one sample, from its admission)."""
     if len(encs) == 1:
-        return [await wait_job(engine, submit(engine.submit, encs[0], rid), is_disconnected, deadline, timed_out)]
+        return [await wait_job(engine, submit(engine.submit, encs[0], rid, clock), is_disconnected, deadline,
+                               timed_out)]
     window = max(1, engine.max_running // SCORE_GROUPS_SHARE)
     # the jobs not finished, only: a finished job keeps its prefix handle, and a handle whose
     # prefix did not fit the cache's pool holds a private pool of its KV (docs/serving.md,
@@ -120,7 +123,7 @@ async def wait_groups(engine, encs: list, rid: str, is_disconnected: IsDisconnec
 
     def fill() -> None:   # submit the next groups while the window has room
         while len(running) < window and (k := next(queued, None)) is not None:
-            job = submit(engine.submit, encs[k], f"{rid}-{k}")
+            job = submit(engine.submit, encs[k], f"{rid}-{k}", clock)
             jobs[k] = job
             running[asyncio.wrap_future(job.future)] = k
 

@@ -921,6 +921,67 @@ def test_a_client_that_leaves_while_waiting_for_tokens_frees_its_place(servers, 
     assert queue_tokens(base) == 0 and svc.admitted == 0
 
 
+def _queue_time(svc) -> tuple:
+    """(samples, sum in s) of ``acarerank_queue_time_seconds``."""
+    samples = {s.name: s.value for s in svc.metrics.queue_time.collect()[0].samples}
+    return samples["acarerank_queue_time_seconds_count"], samples["acarerank_queue_time_seconds_sum"]
+
+
+def test_queue_time_is_one_sample_per_request_from_its_admission(servers, budgeted):
+    """docs/serving.md, "Metrics": ``acarerank_queue_time_seconds`` and ``x-queue-time`` run from a
+    request's admission, its wait for room in --max-queue-tokens included, to its first pass; one
+    sample per request. Until 2026-12-07 they ran from each engine job's submission: an N-to-N
+    /score of 300 queries added 300 samples, and a rerank that waited 950 ms for tokens said
+    0.187 ms. The warm-up is the engine's own job: a fresh server counted one document and one
+    queue-time sample before any request."""
+    fresh = RerankService(PointwiseReranker(model=servers["model"]), "tiny-fresh", max_batch_tokens=64).start()
+    try:
+        assert _queue_time(fresh)[0] == 0 and fresh.metrics.documents._value.get() == 0, \
+            (_queue_time(fresh), fresh.metrics.documents._value.get())
+    finally:
+        fresh.stop()
+
+    main, base = servers["main"], servers["base"]
+    n0, s0 = _queue_time(main)
+    queries = [f"query {i}" for i in range(MAX_DOCUMENTS)]
+    r = httpx.post(base + "/v1/score", json=dict(queries=queries, documents=[f"doc {i}" for i in range(MAX_DOCUMENTS)]),
+                   headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    n1, s1 = _queue_time(main)
+    assert n1 - n0 == 1, f"{n1 - n0:g} queue-time samples for one /score request of {MAX_DOCUMENTS} queries"
+    assert abs(float(r.headers["x-queue-time"]) - (s1 - s0) * 1e3) < 0.01, (r.headers["x-queue-time"], s1 - s0)
+
+    svc, gate, rr = budgeted["svc"], budgeted["steps"].gate, servers["rr"]
+    held_docs, over_docs = ["tutor hints", "river bread", "agent trace"], [f"document {i} about bread" for i in range(16)]
+    assert request_tokens(rr, "held", held_docs) + request_tokens(rr, "over", over_docs) > BUDGET
+    n0, s0 = _queue_time(svc)
+    out, threads = {}, []
+
+    def send(q, docs):
+        out[q] = httpx.post(budgeted["base"] + "/v1/rerank", json=dict(query=q, documents=docs), timeout=120)
+
+    gate.clear()
+    try:
+        threads.append(threading.Thread(target=send, args=("held", held_docs)))
+        threads[-1].start()
+        wait_for(lambda: budgeted["steps"].waiting.is_set(), "the held request in its first pass")
+        threads.append(threading.Thread(target=send, args=("over", over_docs)))
+        threads[-1].start()
+        wait_for(lambda: svc.waiting_for_tokens == 1, "the second request waiting for room")
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        waited = time.monotonic() - t0
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(120)
+    assert out["held"].status_code == 200 and out["over"].status_code == 200, (out["held"].text, out["over"].text)
+    said = float(out["over"].headers["x-queue-time"]) / 1e3
+    assert said >= waited, f"x-queue-time {said:.4f} s for a request that waited {waited:.3f} s for tokens"
+    n1, s1 = _queue_time(svc)
+    assert n1 - n0 == 2 and s1 - s0 >= said, (n1 - n0, s1 - s0, said)
+
+
 @pytest.mark.parametrize("budget, cache", [(None, True), (300_000, True), (4096, True), (4100, True), (16, True),
                                            (4096, False)])
 def test_the_engine_pins_at_most_the_prefix_caches_budget(budget, cache):

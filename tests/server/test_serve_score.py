@@ -350,11 +350,11 @@ def test_a_group_that_cannot_be_queued_answers_as_the_engine_says(server, monkey
     service = server["service"]
     submit, calls = service.engine.submit, []
 
-    def submit_then_die(enc, rid=None):
+    def submit_then_die(enc, rid=None, **kw):
         calls.append(rid)
         if len(calls) > service.engine.max_running // 2:
             raise EngineDead("injected: the engine died")
-        return submit(enc, rid)
+        return submit(enc, rid, **kw)
     monkeypatch.setattr(service.engine, "submit", submit_then_die)
     n = MAX_DOCUMENTS
     monkeypatch.setattr(service.engine, "max_running", 4)   # a window of 2 groups: the third is queued later
@@ -382,11 +382,11 @@ def test_a_first_window_that_cannot_be_queued_answers_as_a_later_one(server, mon
     service = server["service"]
     submit, calls = service.engine.submit, []
 
-    def submit_then_fail(enc, rid=None):
+    def submit_then_fail(enc, rid=None, **kw):
         calls.append(rid)
         if len(calls) == 2:
             raise {"EngineDead": EngineDead, "ValueError": ValueError}[error]("injected")
-        return submit(enc, rid)
+        return submit(enc, rid, **kw)
     monkeypatch.setattr(service.engine, "submit", submit_then_fail)
     monkeypatch.setattr(service.engine, "max_running", 4)   # a window of 2 groups: the second fails
     r = server["client"].post("/score", json=dict(queries=["q0", "q1", "q2"], documents=DOCS[:3]))
@@ -441,10 +441,10 @@ def test_a_finished_group_is_not_held_until_the_request_ends(server, monkeypatch
     monkeypatch.setattr(service.engine, "max_running", 2)   # a window of 1 group
     submit, refs, alive = service.engine.submit, [], []
 
-    def submit_and_look(enc, rid=None):
+    def submit_and_look(enc, rid=None, **kw):
         gc.collect()
         alive.append(sum(r() is not None for r in refs[:-1]))
-        job = submit(enc, rid)
+        job = submit(enc, rid, **kw)
         refs.append(weakref.ref(job))
         return job
     monkeypatch.setattr(service.engine, "submit", submit_and_look)

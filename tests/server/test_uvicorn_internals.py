@@ -2,7 +2,7 @@
 
 ``HTTPProtocolWithLimits`` subclasses uvicorn's HTTP protocol classes (httptools and h11) and
 reads or writes ``server_state.connections``, ``cycle`` / ``cycle.response_complete``,
-``transport``, ``loop`` and ``timeout_keep_alive_task``, and overrides six of their methods;
+``transport``, ``loop`` and ``timeout_keep_alive_task``, and overrides nine of their methods;
 ``DrainingServer`` overrides ``uvicorn.Server.handle_exit`` and ``serve`` and sets ``should_exit``.
 A uvicorn release that moves any of them fails here, by name, before a connection misbehaves;
 the installed versions must also be inside setup.py's pins (the versions these tests ran on)."""
@@ -25,7 +25,8 @@ from acarerank.server.config import ServeConfig  # noqa: E402
 from acarerank.server.protocol import http_protocol_with_limits, uvicorn_http_protocol  # noqa: E402
 
 OVERRIDDEN = ("connection_made", "connection_lost", "data_received", "on_response_complete",
-              "timeout_keep_alive_handler", "send_400_response", "pause_writing", "resume_writing")
+              "timeout_keep_alive_handler", "send_400_response", "pause_writing", "resume_writing",
+              "_unsupported_upgrade_warning")
 SETUP = Path(__file__).resolve().parents[2] / "setup.py"
 
 
@@ -112,7 +113,7 @@ def test_protocol_internals_exist(base):
 
 def test_server_and_config_internals_exist():
     params = inspect.signature(uvicorn.Config.__init__).parameters
-    for name in ("http", "h11_max_incomplete_event_size", "timeout_keep_alive", "timeout_graceful_shutdown"):
+    for name in ("http", "h11_max_incomplete_event_size", "timeout_keep_alive", "timeout_graceful_shutdown", "ws"):
         assert name in params, f"uvicorn.Config lost {name}="
     assert list(inspect.signature(uvicorn.Server.handle_exit).parameters) == ["self", "sig", "frame"]
     assert "sockets" in inspect.signature(uvicorn.Server.serve).parameters
