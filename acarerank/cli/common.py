@@ -112,9 +112,9 @@ def read_input_bytes(path: str, flag: str, cap: int = MAX_INPUT_BYTES) -> bytes:
 
 def read_text_file(path: str, flag: str) -> str:
     """A whole UTF-8 text file (newlines read as \\n, as ``open`` in text mode reads them) less the
-    line end that ends its last line, as ``$(cat file)`` reads it; errors name the flag and the file.
+    line ends at its end, as ``$(cat file)`` reads it; errors name the flag and the file.
 
-    That line end is the file format's, not the text's: kept, the README's own --trace-file
+    The last line end is the file format's, not the text's: kept, the README's own --trace-file
     example gave the prompt "...name.\\n\\n<Query>:", a blank line the template does not have
     and other ids (other scores) than the same trace sent to the API or the server."""
     data = read_input_bytes(path, flag)
@@ -123,7 +123,7 @@ def read_text_file(path: str, flag: str) -> str:
     except UnicodeDecodeError as e:
         raise ValueError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text[:-1] if text.endswith("\n") else text
+    return text.rstrip("\n")
 
 
 def _not_json(constant: str):

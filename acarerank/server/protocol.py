@@ -74,7 +74,10 @@ def _request_path(start: bytes, absolute_form: bool) -> Optional[str]:
         return None
     target = parts[1].decode("latin-1")
     if absolute_form and not target.startswith("/"):
-        target = urllib.parse.urlsplit(target).path
+        try:
+            target = urllib.parse.urlsplit(target).path
+        except ValueError:   # "http://[x/": no path to read (it raised inside the 400's and 408's counting)
+            return None
     return urllib.parse.unquote(target.partition("?")[0])
 
 
@@ -113,6 +116,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
     methods it overrides — which is why setup.py pins ``uvicorn`` (and ``h11``/``httptools``) to the
     versions tested, and a test fails loudly if they move."""
     refused_log = _RateLimited()
+    count_log = _RateLimited()
     unread_log = _RateLimited()
     upgrade_log = _RateLimited()
     absolute_form = base.__name__ == "HttpToolsProtocol"   # h11's scope["path"] is the whole target
@@ -310,7 +314,9 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
                 # it has answered it already: counted once); else a head the gate never saw
                 cycle.scope[ANSWERED_BY_PROTOCOL] = 400
             else:
-                self._count(400, self._head_start)
+                # the head's first bytes name its path only while that head is the one awaited: a
+                # malformed request pipelined behind a whole one is not the whole one's
+                self._count(400, self._head_start if self.cycle is self._head_for else b"")
             self._cancel_head_timer()
             self.transport.write(_raw_error(400, "Bad Request", f"malformed HTTP request: {msg} (e.g. bad syntax, "
                                                                 "a duplicate Content-Length, headers over "
@@ -322,9 +328,13 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             head still arriving, or malformed): as the gate's (``observe_response``), its endpoint
             by the path in the head's first bytes ``start`` ("other" without one), its duration
             from the head's first byte."""
-            if metrics is not None:
+            if metrics is None:
+                return
+            try:   # the error response and the close after it come first, whatever the counting does
                 seconds = 0.0 if self._head_t0 is None else time.perf_counter() - self._head_t0
                 metrics.observe_response(_endpoint(_request_path(start, absolute_form) or ""), status, seconds)
+            except Exception as e:  # noqa: BLE001 — logged; a raise here left a 408's connection open for good
+                count_log(f"counting a {status} the HTTP layer wrote failed: {type(e).__name__}: {e}")
 
         def _arm_head_timer(self) -> None:
             self._cancel_head_timer()

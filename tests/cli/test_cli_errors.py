@@ -298,12 +298,12 @@ def test_a_leading_utf8_byte_order_mark_is_dropped(tmp_path, monkeypatch):
 def test_trace_file_is_read_without_its_last_line_end(tmp_path):
     """A text file ends its last line with a newline (every editor writes one): kept, the trace's
     prompt had a blank line before "<Query>:" the template does not have — other ids, other scores
-    than the same trace sent to the API or the server. One line end is dropped, as $(cat file)
-    drops it; a second one is the text's."""
+    than the same trace sent to the API or the server. The line ends at its end are dropped, as
+    $(cat file) drops them; the others are the text's."""
     from acarerank.cli.common import read_text_file
 
     for raw, want in ((b"step 1\nstep 2\n", "step 1\nstep 2"), (b"step 1\r\nstep 2\r\n", "step 1\nstep 2"),
-                      (b"step 1\n\n", "step 1\n"), (b"step 1", "step 1"), (b"\n", "")):
+                      (b"step 1\n\n", "step 1"), (b"step 1\n\nstep 2\n", "step 1\n\nstep 2"), (b"step 1", "step 1"), (b"\n", "")):
         (tmp_path / "trace.txt").write_bytes(raw)
         assert read_text_file(str(tmp_path / "trace.txt"), "--trace-file") == want, raw
 

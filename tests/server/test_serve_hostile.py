@@ -523,6 +523,35 @@ def test_the_http_layers_own_errors_are_counted_once(request, protocol):
         assert moved(before, _counted(base)) == want(code), (case, moved(before, _counted(base)))
 
 
+def test_a_target_with_no_readable_path_still_gets_its_400_and_408(server):
+    """httptools hands an absolute-form target over as it is; reading its path for the count
+    ("http://[x/": urlsplit raises) failed inside the 400 before it was written (the connection
+    closed silently, a traceback logged each time) and inside the 408's timer before the close
+    (the connection stayed open, past --header-timeout, for good). Both are answered and counted
+    under "other"; so is a malformed request pipelined behind a whole one (it was counted under
+    the whole one's endpoint)."""
+    base, port = server["base"], server["port"]
+    for parts, code in (([b"GET http://[x/health HTTP/1.1\r\nHost: t\r\nbad header line\r\n\r\n"], 400),
+                        ([b"GET http://[x/health HTTP/1.1\r\nHost: t\r\n"], 408)):
+        before = _counted(base)
+        with connect(port) as s:
+            for part in parts:
+                s.sendall(part)
+            raw, took = read_until_closed(s, HEADER_TIMEOUT + MARGIN)
+        assert took is not None, f"{code}: the connection stayed open"
+        expect_json_error(raw, code)
+        key = ("acarerank_requests_total", (("code", str(code)), ("endpoint", "other")))
+        assert _counted(base).get(key, 0) - before.get(key, 0) == 1, (code, _counted(base))
+    before = _counted(base)
+    with connect(port) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n" + b"\x00\x01garbage\r\n\r\n")
+        raw, _ = read_until_closed(s, 10)
+    assert b"HTTP/1.1 400 " in raw, raw[:300]   # (the parser's error came before the GET's answer)
+    after = _counted(base)
+    key = ("acarerank_requests_total", (("code", "400"), ("endpoint", "other")))
+    assert after.get(key, 0) - before.get(key, 0) == 1, {k: v for k, v in after.items() if "400" in str(k)}
+
+
 def test_a_pipelined_head_streamed_while_a_request_runs_is_not_read_past_the_limit(server):
     """A request, then the next request's head sent without end while the first one is scored
     (pipelined). httptools parses a head as it comes and keeps a header value whole, grown by copying:
