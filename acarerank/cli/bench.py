@@ -329,7 +329,7 @@ def run(args) -> int:
     shared = ", ".join(f"{m} {n}" for m, n in meta["shared_tokens"].items())
     lines.append(f"model: {model_name}; workload: shared context {shared} tokens; {len(docs)} documents of "
                  f"{min(docs)}-{max(docs)} tokens (mean {sum(docs) / len(docs):.0f}); repeats {cfg.repeats}, "
-                 f"warmup {cfg.warmup}; memory: {rows[0]['mem_kind']} (peak above each call's start, max over calls, MB)")
+                 f"warmup {cfg.warmup}; memory: {rows[0]['mem_kind']} (peak above the start of one untimed call per cell, after a heap trim, MB)")
     lines.append(report.format_table(rows))
     ok = True
     for res in results:
