@@ -588,3 +588,34 @@ def test_no_timed_call_runs_on_a_freshly_trimmed_heap(monkeypatch):
     assert events[:first_timed] == [("trim",), ("call", "a"), ("trim",), ("call", "b")], events
     if os.path.exists("/proc/self/clear_refs"):  # the RSS meter sees each call's 8 MB
         assert all(v >= 4 for v in peaks.values()), peaks
+
+
+def test_agent_workload_in_bf16_is_judged_by_the_bf16_tolerance(tmp_path, capsys):
+    """The agent session's check held every dtype to fp32's 1e-5 against transformers, so a bf16
+    run (`--dtype auto` on a CPU with native bf16) always exited 1, with no line saying why. Now
+    the dtype's tolerance (the depth workload's SCORE_TOLERANCE in bf16), on a PASS/FAIL line."""
+    from acarerank.benchmark.harness import SCORE_TOLERANCE
+
+    rc = main(["bench", "--quick", "--workload", "agent", "--subqueries", "1", "--steps", "2",
+               "--trace-step-tokens", "60", "--docs-per-call", "3", "--dtype", "bfloat16", "--override", TINY,
+               "--backends", "torch", "--output", str(tmp_path)])
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("score check:")]
+    assert rc == 0 and len(lines) == 1, (rc, out[-2000:])
+    tol = SCORE_TOLERANCE["bfloat16"]
+    assert lines[0].startswith("score check: PASS:") and f"(tolerance {tol:g})" in lines[0] \
+        and lines[0].endswith("[bfloat16]"), lines[0]
+    with open(tmp_path / "agent.txt") as f:
+        assert lines[0] in f.read().splitlines()
+
+
+def test_agent_score_check_line_names_the_worst_difference_and_the_tolerance():
+    from acarerank.benchmark.agent import check_line, tolerance
+
+    a, b = [[[0.5, 0.25]]], [[[0.5, 0.28]]]
+    ok, line = check_line({"scores": {"acarerank+cache": a, "acarerank": a, "transformers+prefix-cache": b}},
+                          tolerance("float32"))
+    assert not ok and line == ("score check: FAIL: acarerank+cache vs acarerank: max |diff| 0.00e+00 (tolerance "
+                               "1e-06); acarerank+cache vs transformers+prefix-cache: max |diff| 3.00e-02 "
+                               "(tolerance 1e-05)"), line
+    assert check_line({"scores": {"acarerank+cache": a, "transformers+prefix-cache": b}}, tolerance("bfloat16"))[0]
