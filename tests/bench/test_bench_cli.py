@@ -119,6 +119,23 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     # was an IndexError once the set-up had run; now the flag's own usage error, as --providers ''
     (["--backends", ""], "argument --backends: expected comma-separated names, got ''"),
     (["--workload", "agent", "--backends", ","], "argument --backends: expected comma-separated names, got ','"),
+    # the agent workload ran without reading these (no peer, one backend, its own repeat count)
+    (["--workload", "agent", "--providers", "acarerank"], "--providers is not read by --workload agent"),
+    (["--workload", "agent", "--peer", "vllm=http://127.0.0.1:9"], "--peer is not read by --workload agent"),
+    (["--workload", "agent", "--backends", "torch,native"], "--backends: --workload agent runs one backend, got "
+                                                            "torch,native"),
+    (["--workload", "agent", "--repeats", "7"], "--repeats is not read by --workload agent"),
+    (["--workload", "agent", "--compile-layers"], "--compile-layers is not read by --workload agent"),
+    (["--workload", "agent", "--warmup", "2"], "--warmup is not read by --workload agent"),
+    (["--workload", "agent", "--depths", "4"], "--depths is not read by --workload agent"),
+    (["--workload", "agent", "--modes", "M0"], "--modes is not read by --workload agent"),
+    (["--workload", "agent", "--max-cell-seconds", "20"], "--max-cell-seconds is not read by --workload agent"),
+    (["--workload", "agent", "--trace-tokens", "100"], "--trace-tokens is not read by --workload agent"),
+    (["--workload", "agent", "--extra-dtype-depths", "4"], "--extra-dtype-depths is not read by --workload agent"),
+    (["--steps", "2"], "--steps is not read by --workload depth"),
+    (["--subqueries", "1"], "--subqueries is not read by --workload depth"),
+    (["--trace-step-tokens", "60"], "--trace-step-tokens is not read by --workload depth"),
+    (["--docs-per-call", "3"], "--docs-per-call is not read by --workload depth"),
 ])
 def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monkeypatch, flags, needle):
     """Every document and text of the workload is built in memory: a huge depth or length is refused
