@@ -520,7 +520,10 @@ def agreement_rows(rr, targets: list, workloads: Workloads, args) -> list:
 
 
 def _fastest(runs: list) -> Run:
-    run = min(runs, key=lambda r: r.wall if not r.errors else float("inf"))
+    """The round of the highest workload tokens/s (rounds have fresh requests of different sizes:
+    the smallest wall time was the lightest round, not the fastest), a round with errors last;
+    its errors and |Δ score| those of every round."""
+    run = max(runs, key=lambda r: r.workload_tokens / r.wall if r.wall > 0 and not r.errors else -math.inf)
     run.errors = sum(r.errors for r in runs)
     # NaN when a round's scores were NaN or missing: its errors are counted, its scores not hidden
     run.max_diff = _max_or_nan(r.max_diff for r in runs)
