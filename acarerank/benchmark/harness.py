@@ -133,7 +133,9 @@ class BenchConfig:
             # the preset and --override checked as a config.json is, and its weights against the
             # device's memory (hidden_size=10**6 allocated until the host ran out)
             check_model_fits(qwen3_config(self.preset, **self.overrides), self.device)
-        return replace(self, depths=tuple(sorted(set(self.depths))),
+        # a name given twice (--modes M0,M0) ran its cells twice: duplicates dropped, order kept
+        return replace(self, depths=tuple(sorted(set(self.depths))), modes=tuple(dict.fromkeys(self.modes)),
+                       providers=tuple(dict.fromkeys(self.providers)),
                        spec=replace(self.spec, num_docs=max(self.depths)))
 
 

@@ -636,3 +636,13 @@ def test_agent_score_check_line_names_the_worst_difference_and_the_tolerance():
                                "1e-06); acarerank+cache vs transformers+prefix-cache: max |diff| 3.00e-02 "
                                "(tolerance 1e-05)"), line
     assert check_line({"scores": {"acarerank+cache": a, "transformers+prefix-cache": b}}, tolerance("bfloat16"))[0]
+
+
+def test_a_mode_or_provider_given_twice_runs_once():
+    """--modes M0,M0 ran every M0 cell twice (and a provider named twice took two turns under one
+    name); depths were already deduplicated. Now duplicates are dropped, the order kept."""
+    from acarerank.benchmark.harness import BenchConfig
+
+    cfg = BenchConfig(depths=(4, 2, 4), modes=("M3", "M0", "M3"),
+                      providers=("acarerank", "transformers", "acarerank")).validate()
+    assert (cfg.depths, cfg.modes, cfg.providers) == ((2, 4), ("M3", "M0"), ("acarerank", "transformers")), cfg
