@@ -646,3 +646,22 @@ def test_a_mode_or_provider_given_twice_runs_once():
     cfg = BenchConfig(depths=(4, 2, 4), modes=("M3", "M0", "M3"),
                       providers=("acarerank", "transformers", "acarerank")).validate()
     assert (cfg.depths, cfg.modes, cfg.providers) == ((2, 4), ("M3", "M0"), ("acarerank", "transformers")), cfg
+
+
+def test_an_agent_trace_cut_on_a_newline_keeps_its_token_count(qwen3_tokenizer):
+    """A trace whose n-th token was the newline between two steps came out one token short (the
+    cut was right-stripped), so ``--workload agent --steps 2 --trace-step-tokens 30`` stopped with
+    'internal: text of 59 tokens is shorter than the 60 wanted' (exit 2). Every trace now has its
+    token count exactly."""
+    import random
+
+    from acarerank.benchmark.agent import AgentSpec, make_session
+    from acarerank.benchmark.workload import _trace, vocab_words
+
+    session = make_session(qwen3_tokenizer, AgentSpec(steps=2, trace_step_tokens=30, question_tokens=30,
+                                                      query_tokens=10, docs=3, doc_tokens=(20, 60)))
+    assert [token_count(qwen3_tokenizer, step[0].trace) for step in session] == [30, 60]
+    words = vocab_words(qwen3_tokenizer)
+    got = {seed: token_count(qwen3_tokenizer, _trace(qwen3_tokenizer, random.Random(seed), words, 60))
+           for seed in range(170, 180)}  # seed 175's 60th token is a newline
+    assert got == dict.fromkeys(range(170, 180), 60), got
