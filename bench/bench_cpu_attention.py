@@ -270,6 +270,8 @@ def main(argv=None) -> int:
         ap.error("--segment-tokens: a positive token count, with --workload prefill, not with --quick")
     if not 0 < a.kv_mb < math.inf:   # inf: math.ceil's OverflowError in decode_layers, after the set-up
         ap.error(f"--kv-mb must be finite and > 0, got {a.kv_mb}")
+    if a.rounds < 1:  # no round: a traceback (median of no times) after the set-up
+        ap.error(f"--rounds must be >= 1, got {a.rounds}")
 
     info = cpu_info()
     from acarerank.ops import _native

@@ -129,6 +129,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     add_malloc_flag(ap)
     args = ap.parse_args()
+    if args.rounds < 1:  # no round or no row: a traceback after the set-up
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    if min(args.rows) < 1:
+        ap.error(f"--rows must be >= 1, got {args.rows}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:

@@ -132,6 +132,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="rows 64 only, 2 rounds: a smoke test")
     add_malloc_flag(ap)
     args = ap.parse_args()
+    try:
+        rows_list = tuple(int(r) for r in args.rows.split(","))
+    except ValueError:
+        rows_list = ()
+    if not rows_list or min(rows_list) < 1:  # 0 rows or no round: a traceback after the set-up
+        ap.error(f"--rows must be comma-separated counts >= 1, got {args.rows!r}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     ok, why = native_bf16()
     flags = set()
     try:
@@ -145,7 +153,6 @@ def main() -> None:
     print(f"malloc: {malloc_tuning.apply(args.malloc)}")
     dtypes = {"float32": [torch.float32], "bfloat16": [torch.bfloat16],
               "both": [torch.float32, torch.bfloat16]}[args.dtype]
-    rows_list = tuple(int(r) for r in args.rows.split(","))
     rows_list, rounds = ((64,), 2) if args.quick else (rows_list, args.rounds)
     for dtype in dtypes:
         for rows in rows_list:

@@ -44,7 +44,8 @@ queue time (acarerank's ``x-queue-time``), the tokens the server says it process
 prefix-cache hit tokens, errors, max |Δ score|, ``acarerank_speedup`` (acarerank's tokens/s
 ÷ this target's, same load), acarerank's ``model_busy``, and ``gflop_per_s``: the FLOPs of
 scoring each request with its shared part computed once (``report.least_work_flops``: the
-least work an exact server can do, what ``acarerank bench`` credits its peers with too) ÷ wall
+least work an exact server can do, what ``acarerank bench`` credits its peers with too; an agent
+call's shared part past what it shares with its session's previous call, ``with_tokens``) ÷ wall
 time, with ``peak_fraction`` = that ÷ the GEMM peak in ``--dtype`` at the model's layer shapes (``gemm_peak``, measured
 before and after the loads, each shape's faster kept). End to end nothing beats the GEMMs it
 is made of, so ``peak_fraction`` says how much faster any server could still be on this
@@ -76,7 +77,7 @@ import torch
 from acarerank.benchmark.harness import max_abs_diff
 from acarerank.benchmark.measure import machine_info, percentile, timed_call, wait_for_quiet_cpu
 from acarerank.benchmark.gemm_peak import best_of, gemm_peak
-from acarerank.benchmark.report import Shapes, least_work_flops
+from acarerank.benchmark.report import Shapes
 from acarerank.benchmark.peers import Target, fold_context, parse_response, parse_target, request_body, resolve
 from acarerank.benchmark.workload import MAX_DOCS, MAX_TEXT_TOKENS, WorkloadSpec, make_workload
 from acarerank import malloc_tuning
@@ -99,7 +100,7 @@ class Req:
     body: dict
     session: int = -1          # agent workload: session index (calls of one session are sequential)
     workload_tokens: int = 0   # Σ over documents of the full prompt's tokens
-    flops: float = 0.0         # FLOPs of scoring it with the shared part computed once (report.least_work_flops)
+    flops: float = 0.0         # the least FLOPs of scoring it (with_tokens): shared part once, a session's reused
 
 
 @dataclass
@@ -174,20 +175,40 @@ def folded(reqs: list) -> list:
                      question=None, trace=None), r.session) for r in reqs]
 
 
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token-id sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def with_tokens(tok, reqs: list, shapes=None) -> list:
     """Fill each request's workload tokens, Σ_i (shared + segment_i) of its full prompts, and (given
     the model's ``Shapes``) its FLOPs with the shared part computed once: the work every exact
     server must do at least, so FLOPs ÷ wall time is a rate comparable across servers and with
     the machine's GEMM peak (a server that recomputes the shared part per document spends more
-    FLOPs than it is credited with)."""
-    from acarerank.benchmark.baselines import split_prompt_ids
+    FLOPs than it is credited with).
 
+    An agent session's call (``Req.session`` >= 0; ``reqs`` holds a session's calls in order) is
+    credited with its shared tokens past the common prefix with the session's previous call, which
+    an exact server keeps (``report.packed_flop_parts(..., cached=)``): crediting the whole shared
+    part every call read 116 % of the GEMM peak (docs/benchmarks.md, "A server's GFLOP/s")."""
+    from acarerank.benchmark.baselines import split_prompt_ids
+    from acarerank.benchmark.report import packed_flop_parts
+
+    previous = {}  # session -> the shared ids of its last call so far
     for r in reqs:
         shared, segs = split_prompt_ids(tok, r.body["query"], r.body["documents"], r.body.get("question"),
                                         r.body.get("trace"))
         r.workload_tokens = len(shared) * len(segs) + sum(len(s) for s in segs)
+        cached = common_prefix(previous[r.session], shared) if r.session in previous else 0
+        if r.session >= 0:
+            previous[r.session] = shared
         if shapes is not None:
-            r.flops = least_work_flops(shapes, len(shared), [len(s) for s in segs])
+            r.flops = sum(packed_flop_parts(shapes, len(shared), [len(s) for s in segs], cached=cached).values())
     return reqs
 
 
@@ -499,7 +520,10 @@ def agreement_rows(rr, targets: list, workloads: Workloads, args) -> list:
 
 
 def _fastest(runs: list) -> Run:
-    run = min(runs, key=lambda r: r.wall if not r.errors else float("inf"))
+    """The round of the highest workload tokens/s (rounds have fresh requests of different sizes:
+    the smallest wall time was the lightest round, not the fastest), a round with errors last;
+    its errors and |Δ score| those of every round."""
+    run = max(runs, key=lambda r: r.workload_tokens / r.wall if r.wall > 0 and not r.errors else -math.inf)
     run.errors = sum(r.errors for r in runs)
     # NaN when a round's scores were NaN or missing: its errors are counted, its scores not hidden
     run.max_diff = _max_or_nan(r.max_diff for r in runs)

@@ -404,7 +404,7 @@ step_agent() {
   "$PY" -m acarerank.cli bench --workload agent \
     --subqueries 1,3 "${args[@]}" --dtype "$DTYPE" --device "$DEVICE" --output "$WORK/data/agent"
   local rc=$?
-  grep -E "^(agent session|cache speedup|scores |acarerank\+cache vs)" "$WORK/logs/$STEP_ID.log" >> "$STEP_FIGURES"
+  grep -E "^(agent session|cache speedup|scores |score check|acarerank\+cache vs)" "$WORK/logs/$STEP_ID.log" >> "$STEP_FIGURES"
   return $rc
 }
 

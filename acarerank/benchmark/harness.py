@@ -11,7 +11,9 @@ included, as a serving stack pays it). Per (mode, depth, provider) the harness r
 * docs/s = d / median; tokens/s = workload tokens / median, where workload tokens are the
   tokens of the d full, unshared prompts (Σ_i shared + segment_i) — the same numerator
   for every provider, so tokens/s ratios equal latency ratios;
-* peak memory above the starting point of each call, the largest over its calls (``PeakMemory``);
+* peak memory above the starting point of one untimed call per provider and depth, before
+  its timed calls (``PeakMemory``: on the CPU it trims the heap first, which a timed call must
+  not follow);
 * the largest |score − score of the first provider| (the official path when it runs);
 * FLOPs each in-process provider's algorithm performs for these shapes (``report.plan_flops``),
   a peer's the least work (``credited_flops``), the FLOP rate they give (GFLOP/s = FLOPs /
@@ -131,7 +133,9 @@ class BenchConfig:
             # the preset and --override checked as a config.json is, and its weights against the
             # device's memory (hidden_size=10**6 allocated until the host ran out)
             check_model_fits(qwen3_config(self.preset, **self.overrides), self.device)
-        return replace(self, depths=tuple(sorted(set(self.depths))),
+        # a name given twice (--modes M0,M0) ran its cells twice: duplicates dropped, order kept
+        return replace(self, depths=tuple(sorted(set(self.depths))), modes=tuple(dict.fromkeys(self.modes)),
+                       providers=tuple(dict.fromkeys(self.providers)),
                        spec=replace(self.spec, num_docs=max(self.depths)))
 
 
@@ -379,22 +383,31 @@ def _set_up(cfg: BenchConfig, device: torch.device, progress: Callable) -> _Setu
 
 
 def _time_cell(cfg: BenchConfig, providers: list, docs: list, ctx: dict, meter: PeakMemory, device) -> tuple:
-    """({name: [seconds]}, {name: scores of the first call}, {name: peak MB}) of one (mode, depth).
+    """({name: [seconds]}, {name: scores of the first timed call}, {name: peak MB}) of one (mode, depth).
 
-    Round-robin: repeat r of every provider before repeat r + 1 of any, so that a load change
-    on a shared machine hits all providers alike, not one cell."""
+    Memory first: one untimed call per in-process provider between ``meter.start()`` and
+    ``meter.stop()`` (a peer's memory is its server's: NaN). The CPU meter trims the heap at its
+    start, so a call it measures page-faults its buffers again; the timed calls come after, on
+    the heap the process keeps (``--malloc tuned``: freed blocks kept, as a server's;
+    docs/benchmarks.md, "Latency vs reranking depth").
+    Then round-robin: repeat r of every provider before repeat r + 1 of any, so that a load
+    change on a shared machine hits all providers alike, not one cell."""
     times = {p.name: [] for p in providers}
-    scores, peaks = {}, {p.name: 0.0 for p in providers}
+    scores, peaks = {}, {}
+    for p in providers:
+        if isinstance(p, PeerProvider):
+            peaks[p.name] = math.nan
+            continue
+        meter.start()
+        _score(p, documents=docs, **ctx)
+        peaks[p.name] = meter.stop()
     for _ in range(cfg.repeats):
         for p in providers:
             ts = times[p.name]
             if ts and sum(ts) >= cfg.max_cell_seconds:
                 continue
-            meter.start()
             s, dt = timed_call(lambda: _score(p, documents=docs, **ctx), device)
             ts.append(dt)
-            # a peer's memory is its server's, not this process's
-            peaks[p.name] = math.nan if isinstance(p, PeerProvider) else max(peaks[p.name], meter.stop())
             scores.setdefault(p.name, s)
     return times, scores, peaks
 

@@ -269,8 +269,20 @@ def _reset_rss_peak() -> bool:
         return False
 
 
+def _malloc_trim() -> None:
+    """glibc's ``malloc_trim(0)``: freed heap pages go back to the OS (nothing off glibc)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the RSS may include freed pages
+        pass
+
+
 class PeakMemory:
     """Peak memory of a measured stretch (one call) above its starting point, in MB.
+
+    ``start()`` on the CPU trims the heap, so the call it measures page-faults every buffer it
+    touches again: measure an untimed call, never a timed one (``--malloc tuned`` keeps freed
+    blocks so that timed calls do not fault; docs/benchmarks.md, "Latency vs reranking depth").
 
     CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what
     was allocated at the start (the weights) — kind "cuda_max_allocated".
@@ -293,10 +305,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         elif self.kind == "rss_hwm":
-            try:
-                ctypes.CDLL("libc.so.6").malloc_trim(0)
-            except (OSError, AttributeError):  # not glibc: the RSS may include freed pages
-                pass
+            _malloc_trim()
             _reset_rss_peak()
             self._base = _status_kb("VmRSS") * 1024
 

@@ -273,7 +273,7 @@ def format_table(rows: Sequence[dict]) -> str:
     lines.append("speedup = median(transformers) / median (same dtype); bound = FLOP-bound speedup (FLOPs of "
                  "transformers / FLOPs of the provider); tok/s = tokens of the unshared prompts / median; "
                  "GFLOP/s = the provider's FLOPs / median; %peak = GFLOP/s / the GEMM peak measured in this run in "
-                 "that dtype; mem = peak above the call's start (max over calls); |dscore| = max |score - score of "
+                 "that dtype; mem = peak above the start of one untimed call (after a heap trim); |dscore| = max |score - score of "
                  "the first provider| (same dtype)")
     return "\n".join(lines)
 

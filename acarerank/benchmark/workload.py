@@ -168,6 +168,8 @@ def _cut_to_tokens(tokenizer, text: str, n: int) -> str:
         raise ValueError(f"internal: text of {len(enc['input_ids'])} tokens is shorter than the {n} wanted")
     end = enc["offset_mapping"][n - 1][1]
     cut = text[:end].rstrip()
+    if token_count(tokenizer, cut) < n:  # the n-th token is whitespace (the newline between trace steps): kept
+        cut = text[:end]
     while token_count(tokenizer, cut) > n:
         cut = cut[:-1].rstrip()
     return cut

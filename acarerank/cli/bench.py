@@ -45,6 +45,14 @@ def _names(text: str) -> tuple:
     return names
 
 
+class _Given(argparse._StoreAction):
+    """argparse's store, noting the flag in ``namespace.given``: a flag with a default, given or not."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
 def _output_dir(path: str) -> str:
     """``path`` made a folder (``--output`` or the default), before anything is measured or loaded;
     OSError naming the flag (it was '[Errno 17] File exists: ...', the agent workload's after the
@@ -97,15 +105,15 @@ def add_parser(subparsers) -> None:
         "bench", help=SUBCOMMANDS["bench"],
         description="End-to-end pointwise scoring latency versus depth, every provider in the same run; "
                     "CSV + PNG + table. Default model: seeded random weights (timings real, scores meaningless).")
-    p.add_argument("--depths", type=_ints, default=None, help="comma-separated depths (default 10,20,50,100; each at most 1,000)")
-    p.add_argument("--modes", type=_names, default=("M0", "M3"), help="context modes, e.g. M0,M3 (default)")
+    p.add_argument("--depths", type=_ints, default=None, action=_Given, help="comma-separated depths (default 10,20,50,100; each at most 1,000)")
+    p.add_argument("--modes", type=_names, default=("M0", "M3"), action=_Given, help="context modes, e.g. M0,M3 (default)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny-cpu",
                    help="random-weight model shape (default tiny-cpu: 2 CPU cores finish in minutes)")
     p.add_argument("--model", default=None, help="a local HF checkpoint folder instead of random weights")
     p.add_argument("--override", action="append", metavar="KEY=VALUE[,...]",
                    help="Qwen3Config fields over the preset, e.g. num_hidden_layers=2 (repeatable); a shape whose "
                         "float32 weights exceed the device's memory is refused before the set-up")
-    p.add_argument("--providers", type=_names, default=None,
+    p.add_argument("--providers", type=_names, default=None, action=_Given,
                    help="subset of transformers,transformers+prefix-cache,acarerank (default all)")
     p.add_argument("--peer", action="append", default=None, metavar="NAME=[API@]URL",
                    help="a rerank server timed beside the others over HTTP (repeatable): vLLM, llama.cpp, TEI or "
@@ -114,9 +122,9 @@ def add_parser(subparsers) -> None:
                    help="acarerank backends (default: torch, cpp, native, triton, cuda where each runs on the device and "
                         "is not an interpreter; native is the CPU's default path); an entry may override "
                         "ops, e.g. native,native+linear=torch (oneDNN vs F.linear under the native kernels)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per cell (default 3; --quick 1)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls per provider and mode (default 1)")
-    p.add_argument("--max-cell-seconds", type=float, default=20.0,
+    p.add_argument("--repeats", type=int, default=None, action=_Given, help="timed calls per cell (default 3; --quick 1)")
+    p.add_argument("--warmup", type=int, default=None, action=_Given, help="untimed calls per provider and mode (default 1)")
+    p.add_argument("--max-cell-seconds", type=float, default=20.0, action=_Given,
                    help="stop repeating a cell after this long (default 20; at least one call)")
     p.add_argument("--dtype", type=_names, default=("float32", "auto"),
                    help="comma-separated dtypes among auto,float32,bfloat16,float16 (default float32,auto: fp32, "
@@ -125,7 +133,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compile-layers", action="store_true",
                    help="also run acarerank with torch.compile'd element-wise layer work, beside the eager "
                         "one (compiles during warm-up)")
-    p.add_argument("--extra-dtype-depths", type=_ints, default=None,
+    p.add_argument("--extra-dtype-depths", type=_ints, default=None, action=_Given,
                    help="depths of the second and later dtypes (default: 50 if the first dtype runs it, "
                         "else the same depths)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
@@ -136,7 +144,7 @@ def add_parser(subparsers) -> None:
                    help="attention of the transformers providers (default sdpa, transformers' own default)")
     p.add_argument("--query-tokens", type=int, default=None, help="sub-query length (default 20)")
     p.add_argument("--question-tokens", type=int, default=None, help="original question length (default 60)")
-    p.add_argument("--trace-tokens", type=int, default=None, help="reasoning trace length (default 1500)")
+    p.add_argument("--trace-tokens", type=int, default=None, action=_Given, help="reasoning trace length (default 1500)")
     p.add_argument("--doc-tokens", type=_range, default=None,
                    help="document length range LOW-HIGH, uniform, or N for equal lengths (default 60-380); every "
                         "text length at most 32,768 tokens")
@@ -147,11 +155,12 @@ def add_parser(subparsers) -> None:
                         "results/bench-agent-<preset>-<dtype>-<device>, the first dtype)")
     p.add_argument("--workload", choices=("depth", "agent"), default="depth",
                    help="depth: latency vs depth (default); agent: a growing-trace agent session, prefix cache "
-                        "on vs off vs transformers with a per-request prefix cache")
-    p.add_argument("--steps", type=int, default=8, help="agent: calls in the session (default 8)")
-    p.add_argument("--trace-step-tokens", type=int, default=600, help="agent: trace growth per step (default 600)")
-    p.add_argument("--docs-per-call", type=int, default=20, help="agent: documents per call (default 20, at most 1,000)")
-    p.add_argument("--subqueries", type=_ints, default=(1, 3),
+                        "on vs off vs transformers with a per-request prefix cache; a flag only the other "
+                        "workload reads is a usage error")
+    p.add_argument("--steps", type=int, default=8, action=_Given, help="agent: calls in the session (default 8)")
+    p.add_argument("--trace-step-tokens", type=int, default=600, action=_Given, help="agent: trace growth per step (default 600)")
+    p.add_argument("--docs-per-call", type=int, default=20, action=_Given, help="agent: documents per call (default 20, at most 1,000)")
+    p.add_argument("--subqueries", type=_ints, default=(1, 3), action=_Given,
                    help="agent: sub-queries per step under one context, one session each (default 1,3)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: depths 2,4,8, short texts (trace 200, docs 20-60 tokens), 1 repeat, no warmup, "
@@ -243,10 +252,33 @@ def _apply_malloc(args) -> str:
     return malloc
 
 
+#: each workload's own flags (argparse dest: flag); the other workload does not read them, so one
+#: given there is a usage error (the agent workload ran without --providers, --peer, --repeats ...)
+DEPTH_ONLY = dict(depths="--depths", modes="--modes", providers="--providers", peer="--peer", repeats="--repeats",
+                  warmup="--warmup", max_cell_seconds="--max-cell-seconds", compile_layers="--compile-layers",
+                  extra_dtype_depths="--extra-dtype-depths", trace_tokens="--trace-tokens")
+AGENT_ONLY = dict(steps="--steps", trace_step_tokens="--trace-step-tokens", docs_per_call="--docs-per-call",
+                  subqueries="--subqueries")
+
+
+def check_workload_flags(args) -> None:
+    """ValueError naming the first flag given that ``args.workload`` does not use (``DEPTH_ONLY``,
+    ``AGENT_ONLY``; the agent workload runs one backend: a second in --backends is refused too)."""
+    own = "agent" if args.workload == "agent" else "depth"
+    other = DEPTH_ONLY if own == "agent" else AGENT_ONLY
+    given = getattr(args, "given", frozenset())
+    for dest, flag in other.items():
+        value = getattr(args, dest)
+        if dest in given or value is True or (isinstance(value, list) and value):  # _Given; store_true; append
+            raise ValueError(f"{flag} is not read by --workload {own}")
+    if own == "agent" and args.backends is not None and len(args.backends) > 1:
+        raise ValueError(f"--backends: --workload agent runs one backend, got {','.join(args.backends)}")
+
+
 def run_agent(args) -> int:
     """``--workload agent``: one session per --subqueries value, in the first ``--dtype``; prints
     and writes agent.txt / agent.csv."""
-    from acarerank.benchmark.agent import AgentSpec, check, format_report, run_agent_bench
+    from acarerank.benchmark.agent import AgentSpec, check_line, format_report, run_agent_bench, tolerance
     from acarerank.benchmark.harness import load_model
 
     cfg = config_from_args(args, resolve_dtypes(args.dtype, args.device)[0][0])  # the first --dtype only
@@ -264,8 +296,9 @@ def run_agent(args) -> int:
     for spec in specs:  # agent.csv is rewritten after every step, a failing step marked (as bench.csv)
         res = run_agent_bench(model, tok, spec, backend=backend, log=lambda m: print(m, flush=True),
                               partial_csv=csv_path, rows_before=rows)
-        texts.append(format_report(res))
-        ok &= check(res)
+        ok_s, line = check_line(res, tolerance(cfg.dtype))  # the dtype's: bf16 is not held to fp32's 1e-5
+        texts.append(format_report(res) + f"\n{line} [{cfg.dtype}]")
+        ok &= ok_s
         rows += res["rows"]
         print(texts[-1], flush=True)
     cmd = (f"acarerank bench --workload agent --subqueries {','.join(map(str, args.subqueries))} --steps {args.steps} "
@@ -285,6 +318,7 @@ def run_agent(args) -> int:
 
 
 def run(args) -> int:
+    check_workload_flags(args)
     if args.workload == "agent":
         return run_agent(args)
     from acarerank.benchmark import report
@@ -329,7 +363,7 @@ def run(args) -> int:
     shared = ", ".join(f"{m} {n}" for m, n in meta["shared_tokens"].items())
     lines.append(f"model: {model_name}; workload: shared context {shared} tokens; {len(docs)} documents of "
                  f"{min(docs)}-{max(docs)} tokens (mean {sum(docs) / len(docs):.0f}); repeats {cfg.repeats}, "
-                 f"warmup {cfg.warmup}; memory: {rows[0]['mem_kind']} (peak above each call's start, max over calls, MB)")
+                 f"warmup {cfg.warmup}; memory: {rows[0]['mem_kind']} (peak above the start of one untimed call per cell, after a heap trim, MB)")
     lines.append(report.format_table(rows))
     ok = True
     for res in results:

@@ -119,6 +119,23 @@ def test_bench_bad_arguments_are_clear_errors(capsys):
     # was an IndexError once the set-up had run; now the flag's own usage error, as --providers ''
     (["--backends", ""], "argument --backends: expected comma-separated names, got ''"),
     (["--workload", "agent", "--backends", ","], "argument --backends: expected comma-separated names, got ','"),
+    # the agent workload ran without reading these (no peer, one backend, its own repeat count)
+    (["--workload", "agent", "--providers", "acarerank"], "--providers is not read by --workload agent"),
+    (["--workload", "agent", "--peer", "vllm=http://127.0.0.1:9"], "--peer is not read by --workload agent"),
+    (["--workload", "agent", "--backends", "torch,native"], "--backends: --workload agent runs one backend, got "
+                                                            "torch,native"),
+    (["--workload", "agent", "--repeats", "7"], "--repeats is not read by --workload agent"),
+    (["--workload", "agent", "--compile-layers"], "--compile-layers is not read by --workload agent"),
+    (["--workload", "agent", "--warmup", "2"], "--warmup is not read by --workload agent"),
+    (["--workload", "agent", "--depths", "4"], "--depths is not read by --workload agent"),
+    (["--workload", "agent", "--modes", "M0"], "--modes is not read by --workload agent"),
+    (["--workload", "agent", "--max-cell-seconds", "20"], "--max-cell-seconds is not read by --workload agent"),
+    (["--workload", "agent", "--trace-tokens", "100"], "--trace-tokens is not read by --workload agent"),
+    (["--workload", "agent", "--extra-dtype-depths", "4"], "--extra-dtype-depths is not read by --workload agent"),
+    (["--steps", "2"], "--steps is not read by --workload depth"),
+    (["--subqueries", "1"], "--subqueries is not read by --workload depth"),
+    (["--trace-step-tokens", "60"], "--trace-step-tokens is not read by --workload depth"),
+    (["--docs-per-call", "3"], "--docs-per-call is not read by --workload depth"),
 ])
 def test_bench_sizes_past_the_caps_are_usage_errors_before_loading(capsys, monkeypatch, flags, needle):
     """Every document and text of the workload is built in memory: a huge depth or length is refused
@@ -544,3 +561,107 @@ def test_bench_two_dtypes_side_by_side(tmp_path, capsys):
     assert "dtype bfloat16 (asked for explicitly); GEMM peak" in captured.out
     assert "rank agreement M3 depth 3 acarerank-torch" in captured.out
     assert "--dtype float32,bfloat16 --extra-dtype-depths 2,3" in captured.out
+
+
+def test_no_timed_call_runs_on_a_freshly_trimmed_heap(monkeypatch):
+    """The memory meter trims glibc's heap (malloc_trim) at its start; it ran before every timed
+    call, so each one page-faulted the heap `--malloc tuned` keeps again (~41,500 faults a call,
+    2-12 % slower). Now each provider's peak comes from one untimed call before the timed ones, and
+    no trim falls between a provider's last untimed call and its timed calls."""
+    from acarerank.benchmark import harness
+
+    events = []
+
+    class Meter(PeakMemory):
+        def start(self):  # the CPU meter's start trims the heap
+            events.append(("trim",))
+            super().start()
+
+    real_timed = harness.timed_call
+
+    def timed_call(fn, device):
+        events.append(("timed",))
+        return real_timed(fn, device)
+
+    monkeypatch.setattr(harness, "timed_call", timed_call)
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def score(self, query, documents, **kw):
+            events.append(("call", self.name))
+            x = torch.ones(8 * 2**20 // 4)  # 8 MB touched: a peak the meter sees
+            return [float(x[0])] * len(documents)
+
+    cfg = harness.BenchConfig(repeats=3, max_cell_seconds=100.0)
+    providers = [Fake("a"), Fake("b")]
+    times, scores, peaks = harness._time_cell(cfg, providers, ["d1", "d2"], dict(query="q"),
+                                              Meter("cpu"), "cpu")
+    assert {n: len(t) for n, t in times.items()} == {"a": 3, "b": 3}, times
+    assert scores == {"a": [1.0, 1.0], "b": [1.0, 1.0]}, scores
+    first_timed = events.index(("timed",))
+    assert ("trim",) not in events[first_timed:], events
+    assert events[:first_timed] == [("trim",), ("call", "a"), ("trim",), ("call", "b")], events
+    if os.path.exists("/proc/self/clear_refs"):  # the RSS meter sees each call's 8 MB
+        assert all(v >= 4 for v in peaks.values()), peaks
+
+
+def test_agent_workload_in_bf16_is_judged_by_the_bf16_tolerance(tmp_path, capsys):
+    """The agent session's check held every dtype to fp32's 1e-5 against transformers, so a bf16
+    run (`--dtype auto` on a CPU with native bf16) always exited 1, with no line saying why. Now
+    the dtype's tolerance (the depth workload's SCORE_TOLERANCE in bf16), on a PASS/FAIL line."""
+    from acarerank.benchmark.harness import SCORE_TOLERANCE
+
+    rc = main(["bench", "--quick", "--workload", "agent", "--subqueries", "1", "--steps", "2",
+               "--trace-step-tokens", "60", "--docs-per-call", "3", "--dtype", "bfloat16", "--override", TINY,
+               "--backends", "torch", "--output", str(tmp_path)])
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("score check:")]
+    assert rc == 0 and len(lines) == 1, (rc, out[-2000:])
+    tol = SCORE_TOLERANCE["bfloat16"]
+    assert lines[0].startswith("score check: PASS:") and f"(tolerance {tol:g})" in lines[0] \
+        and lines[0].endswith("[bfloat16]"), lines[0]
+    with open(tmp_path / "agent.txt") as f:
+        assert lines[0] in f.read().splitlines()
+
+
+def test_agent_score_check_line_names_the_worst_difference_and_the_tolerance():
+    from acarerank.benchmark.agent import check_line, tolerance
+
+    a, b = [[[0.5, 0.25]]], [[[0.5, 0.28]]]
+    ok, line = check_line({"scores": {"acarerank+cache": a, "acarerank": a, "transformers+prefix-cache": b}},
+                          tolerance("float32"))
+    assert not ok and line == ("score check: FAIL: acarerank+cache vs acarerank: max |diff| 0.00e+00 (tolerance "
+                               "1e-06); acarerank+cache vs transformers+prefix-cache: max |diff| 3.00e-02 "
+                               "(tolerance 1e-05)"), line
+    assert check_line({"scores": {"acarerank+cache": a, "transformers+prefix-cache": b}}, tolerance("bfloat16"))[0]
+
+
+def test_a_mode_or_provider_given_twice_runs_once():
+    """--modes M0,M0 ran every M0 cell twice (and a provider named twice took two turns under one
+    name); depths were already deduplicated. Now duplicates are dropped, the order kept."""
+    from acarerank.benchmark.harness import BenchConfig
+
+    cfg = BenchConfig(depths=(4, 2, 4), modes=("M3", "M0", "M3"),
+                      providers=("acarerank", "transformers", "acarerank")).validate()
+    assert (cfg.depths, cfg.modes, cfg.providers) == ((2, 4), ("M3", "M0"), ("acarerank", "transformers")), cfg
+
+
+def test_an_agent_trace_cut_on_a_newline_keeps_its_token_count(qwen3_tokenizer):
+    """A trace whose n-th token was the newline between two steps came out one token short (the
+    cut was right-stripped), so ``--workload agent --steps 2 --trace-step-tokens 30`` stopped with
+    'internal: text of 59 tokens is shorter than the 60 wanted' (exit 2). Every trace now has its
+    token count exactly."""
+    import random
+
+    from acarerank.benchmark.agent import AgentSpec, make_session
+    from acarerank.benchmark.workload import _trace, vocab_words
+
+    session = make_session(qwen3_tokenizer, AgentSpec(steps=2, trace_step_tokens=30, question_tokens=30,
+                                                      query_tokens=10, docs=3, doc_tokens=(20, 60)))
+    assert [token_count(qwen3_tokenizer, step[0].trace) for step in session] == [30, 60]
+    words = vocab_words(qwen3_tokenizer)
+    got = {seed: token_count(qwen3_tokenizer, _trace(qwen3_tokenizer, random.Random(seed), words, 60))
+           for seed in range(170, 180)}  # seed 175's 60th token is a newline
+    assert got == dict.fromkeys(range(170, 180), 60), got

@@ -81,7 +81,9 @@ def test_decode_layers_fill_the_kv_budget_up_to_the_model_depth():
                                           (["--workload", "decode", "--kv-mb", "inf"], "--kv-mb"),
                                           (["--segment-tokens", "0"], "--segment-tokens"),
                                           (["--workload", "decode", "--segment-tokens", "64"], "--segment-tokens"),
-                                          (["--quick", "--segment-tokens", "64"], "--segment-tokens")])
+                                          (["--quick", "--segment-tokens", "64"], "--segment-tokens"),
+                                          # a traceback once the set-up had run
+                                          (["--rounds", "0"], "--rounds")])
 def test_bad_decode_flags_are_refused(flags, named, capsys):
     with pytest.raises(SystemExit) as e:
         _load().main(flags)

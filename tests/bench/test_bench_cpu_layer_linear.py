@@ -39,3 +39,15 @@ def test_bench_cpu_linear_quick():
         assert "gate_up_silu (fused)" in out and "max|diff| fused vs unfused" in out, out
     else:
         assert "n/a:" in out, out
+
+
+@pytest.mark.parametrize("script, args, named", [
+    ("bench_cpu_linear.py", ["--rounds", "0"], "--rounds"), ("bench_cpu_linear.py", ["--rows", "0"], "--rows"),
+    ("bench_cpu_linear.py", ["--rows", "a"], "--rows"), ("bench_cpu_layer.py", ["--rounds", "0"], "--rounds"),
+    ("bench_cpu_layer.py", ["--rows", "0"], "--rows")])
+def test_no_round_or_no_row_is_a_usage_error(script, args, named):
+    """--rounds 0 or --rows 0 ran the set-up, then stopped with a traceback (no time to take a
+    median of, or a GEMM of no rows): now the parser's usage error, exit 2, naming the flag."""
+    run = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and f"error: {named}" in run.stderr and "Traceback" not in run.stderr, \
+        (run.returncode, run.stderr[-2000:])

@@ -6,11 +6,17 @@ and the linear calls and attended pairs of acarerank's runner itself, counted wh
 Per token and layer: q 2·8·8 = 128, k + v 2·2·8·4 = 128, o 128, MLP 3·2·8·16 = 768, so
 1,152 in all (q/k/v 256, o + MLP 896); a pair is 4·4·2 = 32 per layer.
 """
+import os
+import sys
+
 import pytest
 import torch
 
 from acarerank.benchmark import agent, peers, report
 from acarerank.benchmark.peers import Target
+import _repo
+
+sys.path.insert(0, os.path.join(str(_repo.ROOT), "bench"))  # bench_serve
 
 SH = report.Shapes(hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=50)
 P, SEGS = 5, [3, 2]  # shared tokens, segment lengths
@@ -128,3 +134,32 @@ def test_least_work_select_flops_against_a_hand_count():
                                                                                           cached=5)):
         with pytest.raises(ValueError, match="must be"):
             report.least_work_select_flops(SH, head_width=14, **bad)
+
+
+def test_bench_serve_credits_an_agent_call_past_its_sessions_previous_call(monkeypatch):
+    """bench/bench_serve.py credited every agent call with its whole shared part, though the
+    session's previous call left most of it (its trace) in the server's cache: the least work an
+    exact server does is less, so GFLOP/s read 116 % of the GEMM peak. Now a session's call is
+    credited with its shared tokens past the common prefix with the session's previous call."""
+    from acarerank.benchmark import baselines
+    from bench_serve import Req, with_tokens
+
+    ids = {"a": [1, 2, 3, 4, 5], "b": [1, 2, 3, 4, 5, 6, 7], "c": [1, 2, 3, 9, 9, 9, 9, 9]}
+    monkeypatch.setattr(baselines, "split_prompt_ids",
+                        lambda tok, query, documents, *a: (ids[query], [list(range(n)) for n in documents]))
+    reqs = [Req(dict(query="a", documents=[3, 2]), session=0), Req(dict(query="b", documents=[3, 2]), session=0),
+            Req(dict(query="b", documents=[3, 2]), session=1), Req(dict(query="c", documents=[3, 2]), session=0),
+            Req(dict(query="b", documents=[3, 2]))]  # no session (m3): nothing cached
+    flops = [r.flops for r in with_tokens(None, reqs, SH)]
+    # call 2 of session 0: 5 of its 7 shared tokens cached, 2 new
+    #   linear: layer 1 on 2 + 5 tokens 8,064 + last layer's q/k/v on 7 1,792 + its o+MLP on 2 rows 1,792
+    #   attn:   the 2 new tokens over 5 cached + 3 pairs = 13, layer 1 only (416); segments
+    #           3·7 + 6 = 27 and 2·7 + 3 = 17 pairs in both layers (2,816); head 64
+    call2 = 8_064 + 1_792 + 1_792 + 416 + 2_816 + 64
+    # call 3 of session 0: 3 of its 8 cached (the common prefix with call 2), 5 new
+    #   linear 1,152·10 + 256·10 + 896·2 = 15,872; attn (5·3 + 15)·32 = 960 in layer 1;
+    #   segments 3·8 + 6 = 30 and 2·8 + 3 = 19 pairs, 49·2·32 = 3,136; head 64
+    call3 = 15_872 + 960 + 3_136 + 64
+    want = [report.least_work_flops(SH, 5, [3, 2]), call2, report.least_work_flops(SH, 7, [3, 2]), call3,
+            report.least_work_flops(SH, 7, [3, 2])]
+    assert flops == want, (flops, want)

@@ -97,11 +97,24 @@ def test_a_nan_score_in_any_request_or_round_is_never_agreement():
     run.scores = {0: [0.25, 0.5], 1: [0.75, 0.125]}
     assert diff_vs(run, reference) == 0.0
     assert math.isnan(diff_vs(Run("peer", "m3", "agreement", 2), reference))  # nothing answered
-    rounds = [Run("peer", "m3", "closed", 1, wall=2.0, max_diff=1e-7), Run("peer", "m3", "closed", 1, wall=1.0)]
+    rounds = [Run("peer", "m3", "closed", 1, wall=2.0, max_diff=1e-7, workload_tokens=100),
+              Run("peer", "m3", "closed", 1, wall=1.0, workload_tokens=100)]
     assert math.isnan(_fastest(rounds).max_diff)  # the second round's scores were NaN
-    rounds = [Run(OURS, "m3", "closed", 1, wall=2.0, max_diff=1e-7), Run(OURS, "m3", "closed", 1, wall=1.0,
-                                                                         max_diff=3e-7)]
+    rounds = [Run(OURS, "m3", "closed", 1, wall=2.0, max_diff=1e-7, workload_tokens=100),
+              Run(OURS, "m3", "closed", 1, wall=1.0, max_diff=3e-7, workload_tokens=100)]
     assert _fastest(rounds).max_diff == 3e-7
+
+
+def test_the_fastest_round_is_the_highest_token_rate_not_the_shortest_wall():
+    """Rounds get fresh requests of different sizes: the closed loop kept the round with the
+    smallest wall time, the lightest one (here 1,000 tokens/s over 2,000), not the fastest."""
+    from bench_serve import Run, _fastest
+
+    heavy = Run("peer", "agent", "closed", 1, wall=2.0, workload_tokens=4000)
+    light = Run("peer", "agent", "closed", 1, wall=1.5, workload_tokens=1500)
+    failed = Run("peer", "agent", "closed", 1, wall=0.1, workload_tokens=4000, errors=1)
+    assert _fastest([light, heavy, failed]) is heavy
+    assert heavy.errors == 1
 
 
 def test_a_target_without_capacity_gets_a_failed_open_row_not_a_crash(monkeypatch):

@@ -59,6 +59,8 @@ def test_topk_figures_from_the_benchmarks_rows():
     t = next(t for t in m.TARGETS if t.figure == "topk.bfloat16.gemm_over_native")
     assert m.verdict(t, f, {"topk": "passed"}, False) == "0.80x: NOT met"   # 1.25x the GEMM
     assert m.verdict(t, {t.figure: 200 / 240}, {"topk": "passed"}, False) == "0.83x: met"  # 1.2x
+    # 1.203x the GEMM is over the op's <= 1.2x target: the 0.83 written for 1 / 1.2 called it met
+    assert m.verdict(t, {t.figure: 0.831}, {"topk": "passed"}, False) == "0.83x: NOT met"
 
 
 def test_figures_from_the_benchmarks_rows():
