@@ -178,13 +178,18 @@ def test_a_client_gone_while_waiting_for_the_large_lane_is_never_tokenized(model
             assert r.status_code == 200, r.text
             assert [q for q in encoded if q != "warm-up query"] == ["hold", "third"], \
                 f"tokenized: {encoded} (a gone client's request was tokenized)"
-            deadline = time.monotonic() + 10
-            while svc.admitted and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert svc.admitted == 0 and svc.engine.num_jobs == 0
+            _assert_drained(svc)
     finally:
         steps.encode_gate.set()
         svc.stop()
+
+
+def _assert_drained(svc, timeout: float = 10.0) -> None:
+    """Every admission slot given back (within ``timeout``) and no engine job left."""
+    deadline = time.monotonic() + timeout
+    while svc.admitted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert svc.admitted == 0 and svc.engine.num_jobs == 0, (svc.admitted, svc.engine.num_jobs)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True, "5"])
@@ -276,10 +281,7 @@ def test_a_request_waiting_for_a_tokenizer_worker_is_dropped_at_its_deadline_or_
                 t.join(30)
                 assert out["r"].status_code == (504 if ends == "deadline" else 200), out["r"].text
             assert "queued" not in steps.encoded, f"tokenized: {steps.encoded} (a dropped request was tokenized)"
-            deadline = time.monotonic() + 10
-            while svc.admitted and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert svc.admitted == 0 and svc.engine.num_jobs == 0
+            _assert_drained(svc)
     finally:
         steps.encode_gate.set()
         svc.stop()
