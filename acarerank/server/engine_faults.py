@@ -361,6 +361,8 @@ class _FaultIsolation:
         (``halved``; whole requests to each): it is a pass too large, not a bad request. Then a
         part that passes proves nothing about the other, so both halves run (no inference,
         nothing set aside): at most 2⌈log₂ n⌉ extra passes for one request that always fails.
+        A request alone in a part still out of memory has its documents halved the same way; it
+        fails only when one document alone does (or another error comes).
         """
         if _is_oom(exc) and not halved and len(entries) > 1:
             for part in _halves_by_tokens(entries):
@@ -386,6 +388,15 @@ class _FaultIsolation:
             exc = self._try_pass(entries)
             if exc is None:
                 return
+        if len(jobs) == 1 and _is_oom(exc) and len(entries) > 1:
+            # a pass too large, not a bad request: the request's own documents in halves, down to
+            # one alone (a request whose half ran out of memory too got a 500, its other half
+            # never run, though each document alone scored)
+            for part in _halves_by_tokens(entries):
+                e = self._try_pass(part)
+                if e is not None:
+                    self._narrow(part, e, aside)
+            return
         if len(jobs) == 1:
             self._model_failed(exc)   # first: if the canary fails too, this request gets the 503
             fault = self._fault("pass", exc, jobs)

@@ -191,6 +191,23 @@ def test_out_of_memory_retries_at_half_the_tokens_and_fails_nobody(oom):
     assert len(steps.passes) == 3, f"one failed pass, then two of half the tokens: {steps.passes}"
 
 
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_request_whose_half_runs_out_of_memory_too_is_scored_in_smaller_passes(alone):
+    """Memory for 15 segment tokens a pass: a request of 4 documents of 10 tokens ran out of memory
+    at 40 tokens and again at 20 (its half), and got a 500 — its other half never run, though each
+    document alone scored (docs/serving.md: a pass too large is not a bad request). Its documents
+    are now halved until they fit; a document that does not fit alone still fails its request."""
+    import torch
+    lengths = {1: [10, 10, 10, 10]} if alone else {1: [10, 10, 10, 10], 2: [3], 3: [16]}
+    steps = FaultySteps(lambda tags, tokens: torch.OutOfMemoryError("oom") if tokens > 15 else None)
+    out = run_jobs(steps, lengths)
+    assert not isinstance(out[1], Exception), f"request 1 failed: {out[1]!r} after passes {steps.passes}"
+    assert out[1].scores == [1.01] * 4, out[1].scores
+    if not alone:
+        assert out[2].scores == [2.003]
+        assert isinstance(out[3], EngineFault) and isinstance(out[3].__cause__, torch.OutOfMemoryError), out[3]
+
+
 def test_out_of_memory_of_one_request_isolates_it():
     import torch
     lengths = {1: [5], 2: [50], 3: [5], 4: [5]}
