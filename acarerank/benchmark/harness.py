@@ -136,6 +136,7 @@ class BenchConfig:
         # a name given twice (--modes M0,M0) ran its cells twice: duplicates dropped, order kept
         return replace(self, depths=tuple(sorted(set(self.depths))), modes=tuple(dict.fromkeys(self.modes)),
                        providers=tuple(dict.fromkeys(self.providers)),
+                       backends=None if self.backends is None else tuple(dict.fromkeys(self.backends)),
                        spec=replace(self.spec, num_docs=max(self.depths)))
 
 
@@ -387,13 +388,15 @@ def _time_cell(cfg: BenchConfig, providers: list, docs: list, ctx: dict, meter: 
 
     Memory first: one untimed call per in-process provider between ``meter.start()`` and
     ``meter.stop()`` (a peer's memory is its server's: NaN). The CPU meter trims the heap at its
-    start, so a call it measures page-faults its buffers again; the timed calls come after, on
-    the heap the process keeps (``--malloc tuned``: freed blocks kept, as a server's;
-    docs/benchmarks.md, "Latency vs reranking depth").
-    Then round-robin: repeat r of every provider before repeat r + 1 of any, so that a load
-    change on a shared machine hits all providers alike, not one cell."""
+    start, so a call it measures page-faults its buffers again, and the heap an earlier
+    provider's call grew is gone: every in-process provider but the last then runs once more,
+    untimed, so that no timed call follows a trim — they run on the heap the process keeps
+    (``--malloc tuned``: freed blocks kept, as a server's; docs/benchmarks.md, "Latency vs
+    reranking depth"). Then round-robin: repeat r of every provider before repeat r + 1 of any,
+    so that a load change on a shared machine hits all providers alike, not one cell."""
     times = {p.name: [] for p in providers}
     scores, peaks = {}, {}
+    local = [p for p in providers if not isinstance(p, PeerProvider)]
     for p in providers:
         if isinstance(p, PeerProvider):
             peaks[p.name] = math.nan
@@ -401,6 +404,8 @@ def _time_cell(cfg: BenchConfig, providers: list, docs: list, ctx: dict, meter: 
         meter.start()
         _score(p, documents=docs, **ctx)
         peaks[p.name] = meter.stop()
+    for p in local[:-1]:   # the last one's heap is still there: it ran after the last trim
+        _score(p, documents=docs, **ctx)
     for _ in range(cfg.repeats):
         for p in providers:
             ts = times[p.name]
