@@ -79,8 +79,8 @@ class Engine(_FaultIsolation):
       max_running: requests with a prefilled (pinned) prefix at once; later ones wait their turn.
       max_running_tokens: shared-prefix tokens the running requests pin at once, all together
         (``steps.pinned_tokens(enc)`` each — whole pages —, else ``len(enc.shared_ids)``; counted
-        per request even where two share pages: a bound, not an estimate); a later request waits its turn, but the first in arrival order always
-        runs, whatever its length. None: only ``max_running`` bounds them. The service sets the
+        per request even where two share pages: a bound, not an estimate); a later request waits
+        its turn, but the first in arrival order always runs, whatever its length. None: only ``max_running`` bounds them. The service sets the
         prefix cache's budget (``--cache-budget``): pinned pages are outside what the cache may
         evict, so without it 64 long contexts held 64 × their KV however small the budget.
       policy: "shortest" or "round_robin": which documents fill a pass (module docstring).
