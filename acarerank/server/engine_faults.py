@@ -361,8 +361,9 @@ class _FaultIsolation:
         (``halved``; whole requests to each): it is a pass too large, not a bad request. Then a
         part that passes proves nothing about the other, so both halves run (no inference,
         nothing set aside): at most 2⌈log₂ n⌉ extra passes for one request that always fails.
-        A request alone in a part still out of memory has its documents halved the same way; it
-        fails only when one document alone does (or another error comes).
+        A request alone in a part still out of memory has its documents halved the same way
+        (about ⌈log₂ k⌉ more passes for k documents); it fails only when one document alone does
+        (or another error comes).
         """
         if _is_oom(exc) and not halved and len(entries) > 1:
             for part in _halves_by_tokens(entries):
