@@ -460,13 +460,7 @@ def plan_prefix_shared_attention(cu_seqlens, cu_prefix_lens, segment_group, *, n
         if cu_seqlens.numel() != S + 1 or G < 0:
             raise ValueError("plan_prefix_shared_attention: cu_seqlens needs S+1 entries for segment_group's S")
         cs, cp, sgl = _host_lists(_device_to_host(cu_seqlens, cu_prefix_lens, segment_group), S, G)
-        if cs[0] != 0 or cs[-1] != num_tokens or any(b < a for a, b in zip(cs, cs[1:])):
-            raise ValueError(f"plan_prefix_shared_attention: cu_seqlens must start at 0, be non-decreasing and "
-                             f"end at T={num_tokens}")
-        if cp[0] != 0 or any(b < a for a, b in zip(cp, cp[1:])):
-            raise ValueError("plan_prefix_shared_attention: cu_prefix_lens must start at 0 and be non-decreasing")
-        if S and (min(sgl) < 0 or max(sgl) >= G):
-            raise ValueError(f"plan_prefix_shared_attention: segment_group values must lie in [0, {G})")
+        check_host_lists(cs, cp, sgl, int(num_tokens), None, "plan_prefix_shared_attention")
         plan.prefix_rows = cp[-1]
     if name == "triton":
         from acarerank.kernels.prefix_shared_attention import plan_work
