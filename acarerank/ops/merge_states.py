@@ -24,6 +24,8 @@ def _check_inputs(o_a, lse_a, o_b, lse_b):
     check_float_tensors("merge_attention_states", ("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b))
     if o_a.dim() != 3:
         raise ValueError(f"merge_attention_states: o_a must be [tokens, heads, head_dim], got shape {tuple(o_a.shape)}")
+    if o_a.shape[2] == 0:  # an attention output with no channels: the backends disagree (values, an error)
+        raise ValueError("merge_attention_states: o_a has head_dim 0; need head_dim >= 1")
     if o_b.shape != o_a.shape:
         raise ValueError(f"merge_attention_states: o_b shape {tuple(o_b.shape)} differs from o_a {tuple(o_a.shape)}")
     if o_b.dtype != o_a.dtype:

@@ -27,6 +27,8 @@ def _check_inputs(hidden_last, norm_weight, w_yes, w_no):
     if hidden_last.dim() != 2:
         raise ValueError(f"yes_no_score: hidden_last must be [S, H], got shape {tuple(hidden_last.shape)}")
     H = hidden_last.shape[1]
+    if H == 0:  # no hidden state to score: every backend would answer something different (0.5, an error)
+        raise ValueError("yes_no_score: hidden_last has hidden size 0; need H >= 1")
     for name, t in (("norm_weight", norm_weight), ("w_yes", w_yes), ("w_no", w_no)):
         if t.shape != (H,):
             raise ValueError(f"yes_no_score: {name} must be [{H}], got shape {tuple(t.shape)}")

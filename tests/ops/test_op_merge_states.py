@@ -109,6 +109,9 @@ def test_bad_input():
         merge_attention_states(o, lse, o.half(), lse)
     with pytest.raises(ValueError, match=r"\[tokens, heads, head_dim\]"):
         merge_attention_states(o[0], lse, o[0], lse)
+    for backend in BACKENDS:  # head_dim 0: one error on every backend (torch returned values, cpp a C++ message)
+        with pytest.raises(ValueError, match="o_a has head_dim 0; need head_dim >= 1"):
+            merge_attention_states(o[..., :0], lse, o[..., :0], lse, backend=backend)
     with pytest.raises(BackendError, match="needs CUDA tensors"):
         merge_attention_states(o, lse, o, lse, backend="cuda")
     for backend in BACKENDS:  # +inf (flash-attn's "no keys") is refused by name, on every backend

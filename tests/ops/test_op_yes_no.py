@@ -56,6 +56,14 @@ def test_triton_head_strided_hidden_and_empty():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_hidden_size_zero_is_refused_by_name(backend):
+    """H = 0 has no score: torch answered 0.5 for every row, cpp a C++-worded error; one ValueError now."""
+    h, nw, w_yes, w_no = _inputs(3, 8, torch.float32)
+    with pytest.raises(ValueError, match="hidden_last has hidden size 0; need H >= 1"):
+        yes_no_score(h[:, :0], nw[:0], w_yes[:0], w_no[:0], eps=EPS, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("H", [384, 2560])
 def test_head_row_independent_of_batch(backend, H):
     """Bitwise: a row's score does not depend on the rows around it or their order (batch-invariant
