@@ -319,6 +319,13 @@ class TextEncoder:
         e = self._encode_one(text)
         return e.ids, e.offsets
 
+    def prepare_heads(self) -> None:
+        """Build what ``user_heads`` cuts long texts with now (a scan of every Unicode code point and
+        a large regex, 0.1-0.3 s once per process and mode): a server calls it before it answers
+        ready, so its first long document does not pay it while holding the GIL."""
+        if self._cuttable:
+            _head_cut_pattern(self.special_tokens)
+
     def user_heads(self, texts: Sequence[str], n: int, offsets: bool = False) -> list:
         """The first tokens of user texts, tokenizing only a prefix of each long one (module docstring).
 

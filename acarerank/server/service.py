@@ -177,6 +177,11 @@ class RerankService:
             raise ValueError(f"the server cannot score its own warm-up request ({len(CANARY.query.split())}-word "
                              f"query, one {len(CANARY.documents[0].split())}-word document) under max_length="
                              f"{cap}{model}: no request could be served; {how} ({e})") from None
+        # one-time tokenizer set-up now, off the first long request (which stalled the probes)
+        for reranker in (self.reranker, self.setwise):
+            prepare = getattr(getattr(reranker, "tokenizer", None), "prepare_heads", None)
+            if prepare is not None:
+                prepare()
         self.engine.start()
         if warmup:
             try:

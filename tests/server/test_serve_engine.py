@@ -330,3 +330,24 @@ def test_max_running_tokens_must_be_a_positive_int():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_running_tokens must be a positive int"):
             Engine(FakeSteps(), max_batch_tokens=2, max_running_tokens=bad)
+
+
+def test_start_builds_the_tokenizers_head_cut_before_ready():
+    """The head-cut regex (a scan of every code point, 0.1-0.3 s) was built by the first long
+    document after /ready, on a tokenizer thread holding the GIL: the probes stalled 180-380 ms.
+    ``start`` builds it, for the mode the served reranker's tokenizer uses."""
+    from acarerank import PointwiseReranker
+    from acarerank import tokenizer as tok
+    from acarerank.server import RerankService
+    from serve_util import tiny_model
+
+    rr = PointwiseReranker(model=tiny_model())
+    assert rr.tokenizer._cuttable, "the test needs the Qwen3 tokenizer, whose long texts are cut"
+    tok._head_cut_pattern.cache_clear()
+    tok._head_cut_classes.cache_clear()
+    svc = RerankService(rr, "tiny").start(warmup=False)
+    try:
+        built = tok._head_cut_pattern.cache_info().currsize
+        assert built == 1, f"{built} head-cut patterns built by start(); want the one for {rr.tokenizer.special_tokens!r}"
+    finally:
+        svc.stop()
