@@ -128,4 +128,5 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     name = resolve_elementwise(OP_FUSED_ADD, backend, x.device, x.dtype)
     return inference_only("fused_add_rms_norm", "fused_add_rms_norm_ref", (x, residual, weight),
                           lambda: fused_add_rms_norm_op(_contiguous_for(name, x), residual, weight.contiguous(),
-                                                        float(eps), name))
+                                                        float(eps), name),
+                          mutated=(("residual", residual),))
