@@ -114,7 +114,7 @@ def test_linear_with_a_packed_weight_has_no_backward_and_the_dense_one_trains():
     torch.testing.assert_close(x.grad, w.sum(0).expand(T, D))
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "silu_and_mul", "prefix_shared_attention"])
+@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "prefix_shared_attention"])
 def test_a_layer_op_compiles_with_inputs_that_require_grad(name):
     """torch.compile(fullgraph=True) of a call whose inputs require grad (an nn.Parameter weight, grad
     mode on, as an inference forward that forgot no_grad): the eager values, and a backward still
@@ -232,3 +232,20 @@ def test_an_argument_updated_in_place_that_is_a_leaf_requiring_grad_is_refused_u
     with torch.no_grad():
         fused_add_rms_norm(x, residual, w)
     torch.testing.assert_close(residual.detach(), before + x.detach(), atol=0, rtol=0)
+
+
+def test_a_compiled_fused_add_joins_the_updated_residual_too():
+    """Under torch.compile(fullgraph=True) as in eager code: the residual the op updated carries the
+    eager values and a loss through it raises InferenceOnlyError (x.grad stays None)."""
+    x, r0, w = _r(T, D), _r(T, D), _r(D)
+    want_res = fused_add_rms_norm_ref(x, r0, w, 1e-6)[1]
+    torch._dynamo.reset()
+    step = torch.compile(lambda x, residual, w: fused_add_rms_norm(x, residual, w), backend="aot_eager",
+                         fullgraph=True)
+    for residual_requires_grad in (False, True):
+        xg, residual = x.clone().requires_grad_(), r0.clone().requires_grad_(residual_requires_grad).clone()
+        step(xg, residual, w)
+        torch.testing.assert_close(residual, want_res, atol=0, rtol=0)
+        with pytest.raises(InferenceOnlyError, match=r"^fused_add_rms_norm is inference-only \(no backward\)"):
+            residual.sum().backward()
+        assert xg.grad is None
