@@ -207,7 +207,9 @@ def clipped_policy_loss(logp, logp_old, advantage, mask, eps_clip: float = 0.2, 
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"clipped_policy_loss: {name} must be a tensor, got {type(t).__name__}")
     shapes = {name: tuple(t.shape) for name, t in named}
-    if len(set(shapes.values())) != 1 or logp.dim() != 2:
+    # compared, not hashed into a set: hashing torch.compile(dynamic=True)'s symbolic sizes
+    # specialised N and L, a recompile for each new (N, L) and an error at the 9th (fullgraph=True)
+    if any(s != shapes["logp"] for s in shapes.values()) or logp.dim() != 2:
         raise ValueError(f"logp, logp_old, advantage and mask must all be [N, L]; got {shapes}")
     # the math runs in logp's dtype: an int64 logp truncated logp_old to integers (a loss, no
     # error); an integer logp_old or advantage (token ids passed by mistake) was cast silently

@@ -92,19 +92,33 @@ class _NoBackward(torch.autograd.Function):
         return (None, None, None, *_inference_only_backward(grad, likes, ctx.op, ctx.ref))
 
 
-def inference_only(op: str, ref: str, tensors, run):
+def inference_only(op: str, ref: str, tensors, run, mutated=()):
     """``run()`` (the op's call; a tensor or a tuple) for an op without a backward. Where grad mode
     is on and one of ``tensors`` (None and non-tensors skipped) requires grad, it runs under
     no_grad and each floating-point output comes back requiring grad, its backward an
-    ``InferenceOnlyError`` naming ``op`` and its differentiable twin ``ref``. Nothing else under
-    no_grad / inference_mode: one ``torch.is_grad_enabled()`` test."""
+    ``InferenceOnlyError`` naming ``op`` and its differentiable twin ``ref``. ``mutated``: the
+    ``(name, tensor)`` pairs (tensor None when not given) the op updates in place; each is joined
+    the same way (a loss through the updated residual or KV cache raises too), and one that is a
+    leaf requiring grad is refused before anything runs (ValueError; torch refuses an in-place op
+    on it too). Nothing else under no_grad / inference_mode: one ``torch.is_grad_enabled()`` test."""
     if not torch.is_grad_enabled():
         return run()
     need = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
     if not need:
         return run()
+    mutated = [(name, t) for name, t in mutated if t is not None]
+    for name, t in mutated:
+        if t.is_leaf and t.requires_grad:
+            raise ValueError(f"{op}: {name} is updated in place and is a leaf tensor that requires grad; "
+                             f"pass a copy ({name}.clone()) or call it under torch.no_grad()")
     with torch.no_grad():
         out = run()
+    for _, t in mutated:
+        # joined by multiplying one element in place by a 1 that carries the no-backward node: autograd
+        # rebases the whole tensor's history on that update, so a loss through any element raises (it
+        # kept its old history: no error, the inputs' gradients dropped). One element, not all of a KV
+        # cache; an in-place op, not mark_dirty, which torch.compile did not carry to a graph input
+        t.view(-1)[:1].mul_(_NoBackward.apply(op, ref, torch.ones((), dtype=t.dtype, device=t.device), *need))
 
     def join(o):
         return _NoBackward.apply(op, ref, o, *need) if isinstance(o, torch.Tensor) and o.is_floating_point() else o

@@ -59,7 +59,9 @@ def _torch_backend(o_a, lse_a, o_b, lse_b):
     # lse) is kept, so it propagates as in the cpp/cuda kernels (`> 0` made such a row 0, silently)
     num = torch.where(w_a != 0, o_a.float() * w_a, 0.0) + torch.where(w_b != 0, o_b.float() * w_b, 0.0)
     out = torch.where(total == 0, 0.0, num / total)
-    return out.to(o_a.dtype), m + torch.log(total[..., 0])
+    # contiguous, as the fake says: an lse passed as lse.t() (or o_a a view of [H, N, d]) gave the
+    # results its strides, and opcheck's fake check and torch.compile failed
+    return out.to(o_a.dtype).contiguous(), (m + torch.log(total[..., 0])).contiguous()
 
 
 OP = _backend.OpDecl(

@@ -200,4 +200,5 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     return inference_only("qk_norm_rope", "qk_norm_rope_ref", (qkv, q_weight, k_weight, cos, sin, k_cache, v_cache),
                           lambda: qk_norm_rope_op(qkv, q_weight.contiguous(), k_weight.contiguous(), cos, sin,
                                                   num_heads, num_kv_heads, float(eps), name, k_cache=k_cache,
-                                                  v_cache=v_cache, slots=slots))
+                                                  v_cache=v_cache, slots=slots),
+                          mutated=(("k_cache", k_cache), ("v_cache", v_cache)))

@@ -80,7 +80,11 @@ def _(hidden_last, norm_weight, w_yes, w_no, eps, backend):
 
 def _setup_context(ctx, inputs, output):
     hidden_last, norm_weight, w_yes, w_no, eps, _backend_name = inputs
-    ctx.save_for_backward(hidden_last, norm_weight, w_yes, w_no, output[0])
+    # an inference tensor (hidden states of a frozen backbone run under torch.inference_mode(), as
+    # rescore runs it) is copied, not saved: autograd refuses to save one, and the backward failed
+    # with torch's "Inference tensors cannot be saved" where yes_no_score_ref trains. [S, H] and [H]
+    saved = [t.clone() if t.is_inference() else t for t in (hidden_last, norm_weight, w_yes, w_no)]
+    ctx.save_for_backward(*saved, output[0])
     ctx.eps = eps
 
 

@@ -256,7 +256,11 @@ def test_the_example_runs(example):
 
 def test_the_step_from_the_hidden_rows_on_compiles(example):
     """docs/api.md: linear_logprob, the scatter and clipped_policy_loss under torch.compile
-    (fullgraph, dynamic shapes) give eager's loss and gradients, at two padded lengths."""
+    (fullgraph, dynamic shapes) give eager's loss and gradients, at ten padded lengths, and compile
+    once: the loss's shape check hashed the symbolic sizes into a set, specialising N and L, so each
+    new length recompiled and the 9th failed (fullgraph=True's recompile limit)."""
+    from torch._dynamo.utils import counters
+
     from acarerank.ato import linear_logprob
 
     def step(h, w, tg, rows, cols, logp_old, adv, mask):
@@ -264,9 +268,11 @@ def test_the_step_from_the_hidden_rows_on_compiles(example):
         logp = torch.zeros(logp_old.shape, dtype=lp.dtype).index_put((rows, cols), lp)
         return clipped_policy_loss(logp, logp_old, adv, mask)
 
+    torch._dynamo.reset()
+    counters.clear()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
     g = torch.Generator().manual_seed(0)
-    for L in (5, 7):
+    for L in range(5, 15):
         mask = torch.ones(3, L, dtype=torch.bool)
         mask[1, 3:] = False
         mask[2] = False
@@ -279,6 +285,8 @@ def test_the_step_from_the_hidden_rows_on_compiles(example):
         for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w))):
             _close(a, b, 1e-6, 1e-6, f"compiled gradient, L={L}")
         _close(got.detach(), want.detach(), 1e-6, 1e-6, f"compiled loss, L={L}")
+    # graphs, not backend calls: the first compile calls the backend twice (dynamo restarts its analysis once)
+    assert counters["stats"]["unique_graphs"] == 1, f"{counters['stats']['unique_graphs']} graphs for 10 lengths, want 1"
 
 
 _PEAK = """

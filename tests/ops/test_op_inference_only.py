@@ -1,7 +1,8 @@
 """The layer ops have no backward (docs/api.md, "Ops and backends"). Called under grad mode with an
 input that requires grad, each still runs (an inference call that forgot no_grad works, with the
 values it gives under no_grad) and a loss backpropagated through its output raises
-InferenceOnlyError naming the op and the differentiable reference to train through. The backward
+InferenceOnlyError naming the op and the differentiable reference to train through; so does a loss
+through a tensor the op updates in place (fused_add_rms_norm's residual, qk_norm_rope's caches). The backward
 used to fail with torch's "no autograd formula was registered" for an internal op name. Under
 no_grad / inference_mode they run and match their reference.
 """
@@ -9,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from _ext import NATIVE_MISSING
 
 from acarerank.ops import (BackendError, InferenceOnlyError, fused_add_rms_norm, fused_add_rms_norm_ref, linear,
                            linear_ref, merge_attention_states, merge_attention_states_ref, prefix_shared_attention,
@@ -112,7 +114,7 @@ def test_linear_with_a_packed_weight_has_no_backward_and_the_dense_one_trains():
     torch.testing.assert_close(x.grad, w.sum(0).expand(T, D))
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "silu_and_mul", "prefix_shared_attention"])
+@pytest.mark.parametrize("name", ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "prefix_shared_attention"])
 def test_a_layer_op_compiles_with_inputs_that_require_grad(name):
     """torch.compile(fullgraph=True) of a call whose inputs require grad (an nn.Parameter weight, grad
     mode on, as an inference forward that forgot no_grad): the eager values, and a backward still
@@ -162,3 +164,88 @@ def test_a_chain_that_updates_the_residual_again_still_names_the_op():
     fused_add_rms_norm(first.detach(), residual, w)   # the next layer updates the residual in place
     with pytest.raises(InferenceOnlyError, match=r"^fused_add_rms_norm is inference-only"):
         first.sum().backward()   # through the first call's node, whose inputs the second changed
+
+
+BACKENDS = ["torch"] + ([] if NATIVE_MISSING else ["native"])
+
+
+def _rope_tables(n):
+    pos = torch.arange(n, dtype=torch.float32)[:, None] / (1e6 ** (torch.arange(0, D, 2) / D))[None]
+    emb = torch.cat([pos, pos], -1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loss_through_an_argument_updated_in_place_raises(backend):
+    """fused_add_rms_norm's residual and qk_norm_rope's written k/v caches, updated in place under
+    grad mode with an input that requires grad: their values are the no_grad ones and a loss through
+    them raises InferenceOnlyError, as one through the returned output does. They kept their old
+    history: residual.sum().backward() finished with no error and x.grad None (the sum's dependence
+    on x dropped); a cache, plain or non-leaf, likewise."""
+    x, r0, w = _r(T, D), _r(T, D), _r(D)
+    want_y, want_res = fused_add_rms_norm_ref(x, r0, w, 1e-6)
+    for residual_requires_grad in (False, True):
+        xg = x.clone().requires_grad_()
+        residual = r0.clone().requires_grad_(residual_requires_grad).clone()   # a non-leaf when it requires grad
+        y = fused_add_rms_norm(xg, residual, w, backend=backend)
+        torch.testing.assert_close(residual, want_res, atol=0, rtol=0)
+        torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+        assert residual.requires_grad, residual_requires_grad
+        with pytest.raises(InferenceOnlyError, match=r"^fused_add_rms_norm is inference-only \(no backward\)"):
+            residual.sum().backward()
+        assert xg.grad is None
+
+    qkv, qw, kw = _r(T, (HQ + 2 * HKV) * D), _r(D), _r(D)
+    cos, sin = _rope_tables(T)
+    slots = torch.tensor([0, 5, 6, 2, 9])
+    _, k_ref, v_ref = qk_norm_rope_ref(qkv, qw, kw, cos, sin, HQ, HKV, 1e-6)
+    for cache_requires_grad in (False, True):
+        qkv_g = qkv.clone().requires_grad_()
+        caches = [torch.zeros(2, 8, HKV, D).requires_grad_(cache_requires_grad).clone() for _ in range(2)]
+        qk_norm_rope(qkv_g, qw, kw, cos, sin, HQ, HKV, backend=backend, k_cache=caches[0], v_cache=caches[1],
+                     slots=slots)
+        for cache, rows in zip(caches, (k_ref, v_ref)):
+            torch.testing.assert_close(cache.view(-1, HKV, D)[slots], rows, atol=1e-5, rtol=1e-5)
+            with pytest.raises(InferenceOnlyError, match=r"^qk_norm_rope is inference-only \(no backward\)"):
+                cache.sum().backward(retain_graph=True)
+        assert qkv_g.grad is None
+
+
+def test_an_argument_updated_in_place_that_is_a_leaf_requiring_grad_is_refused_untouched():
+    """A residual or cache that is a leaf requiring grad cannot be joined to the graph after an in-place
+    update (torch refuses that for its own in-place ops): refused before the op writes anything, with
+    the op and the argument named. Under no_grad the update runs, as torch's in-place ops do."""
+    x, w = _r(T, D).requires_grad_(), _r(D)
+    residual = _r(T, D).requires_grad_()
+    before = residual.detach().clone()
+    with pytest.raises(ValueError, match=r"^fused_add_rms_norm: residual is updated in place and is a leaf tensor "
+                                         r"that requires grad"):
+        fused_add_rms_norm(x, residual, w)
+    torch.testing.assert_close(residual.detach(), before, atol=0, rtol=0)
+    qkv = _r(T, (HQ + 2 * HKV) * D)
+    cos, sin = _rope_tables(T)
+    k_cache, v_cache = torch.zeros(2, 8, HKV, D).requires_grad_(), torch.zeros(2, 8, HKV, D)
+    with pytest.raises(ValueError, match=r"^qk_norm_rope: k_cache is updated in place and is a leaf tensor"):
+        qk_norm_rope(qkv, _r(D), _r(D), cos, sin, HQ, HKV, k_cache=k_cache, v_cache=v_cache,
+                     slots=torch.arange(T))
+    assert not k_cache.detach().any() and not v_cache.any()
+    with torch.no_grad():
+        fused_add_rms_norm(x, residual, w)
+    torch.testing.assert_close(residual.detach(), before + x.detach(), atol=0, rtol=0)
+
+
+def test_a_compiled_fused_add_joins_the_updated_residual_too():
+    """Under torch.compile(fullgraph=True) as in eager code: the residual the op updated carries the
+    eager values and a loss through it raises InferenceOnlyError (x.grad stays None)."""
+    x, r0, w = _r(T, D), _r(T, D), _r(D)
+    want_res = fused_add_rms_norm_ref(x, r0, w, 1e-6)[1]
+    torch._dynamo.reset()
+    step = torch.compile(lambda x, residual, w: fused_add_rms_norm(x, residual, w), backend="aot_eager",
+                         fullgraph=True)
+    for residual_requires_grad in (False, True):
+        xg, residual = x.clone().requires_grad_(), r0.clone().requires_grad_(residual_requires_grad).clone()
+        step(xg, residual, w)
+        torch.testing.assert_close(residual, want_res, atol=0, rtol=0)
+        with pytest.raises(InferenceOnlyError, match=r"^fused_add_rms_norm is inference-only \(no backward\)"):
+            residual.sum().backward()
+        assert xg.grad is None

@@ -429,6 +429,27 @@ def test_native_rows_split_over_threads_give_the_same_bits():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_public_norms_compile_in_one_graph(backend):
+    """docs/api.md: the layer ops behave the same under torch.compile(fullgraph=True): the public
+    rms_norm and fused_add_rms_norm compiled give eager's y and updated residual, bit for bit.
+    fused_add_rms_norm's overlap check read untyped_storage().data_ptr(), which dynamo cannot trace
+    (fullgraph=True raised Unsupported)."""
+    x, res, w = _rand(5, 32, dtype=torch.float32), _rand(5, 32, dtype=torch.float32), _weight(32, torch.float32)
+
+    def f(x, residual, w):
+        return rms_norm(x, w, backend=backend), fused_add_rms_norm(x, residual, w, backend=backend)
+
+    want_res, got_res = res.clone(), res.clone()
+    with torch.no_grad():
+        want = f(x, want_res, w)
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(x, got_res, w)
+    for name, g, e in (("rms_norm", got[0], want[0]), ("fused_add_rms_norm", got[1], want[1]),
+                       ("residual", got_res, want_res)):
+        assert torch.equal(g, e), f"{name}: compiled differs from eager by {(g - e).abs().max():.3e}"
+
+
 OPCHECK_CASES = {
     "rms_norm": lambda dt: (rms_norm_op, (_rand(5, 24, dtype=dt), _weight(24, dt), 1e-6)),
     "fused_add_rms_norm": lambda dt: (fused_add_rms_norm_op, (_rand(5, 24, dtype=dt), _rand(5, 24, dtype=dt),

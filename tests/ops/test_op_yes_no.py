@@ -143,6 +143,31 @@ def test_head_gradients_against_the_reference(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_head_gradients_with_inputs_made_under_inference_mode(backend):
+    """Hidden states of a frozen backbone made under torch.inference_mode() (as rescore makes them)
+    with the head trained, and a frozen head made there with the hidden states trained: gradients as
+    autograd through the reference formula. The backward raised torch's "Inference tensors cannot be
+    saved for backward" (the op saved them as given) where yes_no_score_ref trains the head."""
+    torch.manual_seed(2)
+    inputs = _inputs(5, 48, torch.float32)
+
+    def loss_of(score, diff):
+        return diff.pow(2).sum() + score.sum()
+
+    want = _ref_grads(inputs, loss_of)
+    for frozen in ([0], [1, 2, 3]):
+        with torch.inference_mode():
+            made = {i: inputs[i].clone() for i in frozen}
+        leaves = [made[i] if i in made else t.detach().clone().requires_grad_() for i, t in enumerate(inputs)]
+        loss_of(*yes_no_score(*leaves, eps=EPS, backend=backend)).backward()
+        for i, (t, ref) in enumerate(zip(leaves, want)):
+            if i in frozen:
+                continue
+            err = (t.grad.double() - ref).abs().max().item()
+            assert err <= 1e-5 * (1 + ref.abs().max().item()), (backend, frozen, i, err)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_func_transforms_vmap_works_gradient_transforms_raise_naming_the_op(backend):
     """vmap equals the reference per sample; the gradient transforms (grad, jacrev, jvp, jacfwd) and
     forward-mode AD raise a RuntimeError naming yes_no_score. jvp, jacfwd and forward AD gave a

@@ -62,14 +62,25 @@ def test_public_ops_compile_in_one_graph(backend):
     assert (score - 1 - ref_score).abs().max() <= 1e-5, f"compiled head err {(score - 1 - ref_score).abs().max():.3e}"
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("backend", ["torch", EXT_BACKEND])
-def test_opcheck_merge_attention_states(backend):
+def test_opcheck_merge_attention_states(backend, layout):
+    """``transposed``: o_a, o_b views of [H, N, d] buffers and lse_a, lse_b flash-attn's [H, N] passed
+    as ``lse.t()`` (the docstring allows any strides). The outputs are contiguous, as the fake says:
+    the torch backend returned the inputs' strides and opcheck's fake-tensor check failed."""
     if backend != "torch":
         pytest.importorskip("acarerank._C")
     from acarerank.ops.merge_states import merge_attention_states_op
-    args = tuple(t.to(DEVICE) for t in (torch.randn(5, 3, 16), torch.randn(5, 3), torch.randn(5, 3, 16),
-                                         torch.randn(5, 3)))
+    N, H, d = 5, 3, 16
+    if layout == "contiguous":
+        args = (torch.randn(N, H, d), torch.randn(N, H), torch.randn(N, H, d), torch.randn(N, H))
+    else:
+        args = (torch.randn(H, N, d).transpose(0, 1), torch.randn(H, N).t(), torch.randn(H, N, d).transpose(0, 1),
+                torch.randn(H, N).t())
+    args = tuple(t.to(DEVICE) for t in args)
     torch.library.opcheck(merge_attention_states_op, (*args, backend))
+    out, lse = merge_attention_states_op(*args, backend)
+    assert (out.stride(), lse.stride()) == ((H * d, d, 1), (H, 1)), (out.stride(), lse.stride())
 
 
 def test_opcheck_prefix_shared_attention_with_a_plan():
