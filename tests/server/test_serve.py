@@ -428,6 +428,43 @@ def test_a_scrape_does_not_wait_for_a_held_cache_lock(servers):
     assert took < 3, f"the scrape took {took:.1f} s with the lock held"
 
 
+def test_a_read_slower_than_the_wait_is_served_by_the_next_scrape():
+    """Every prefix-cache read outlasts the scrape's wait (each one blocks until the test lets it
+    end, between two scrapes): scrape k serves the figures of read k - 1, the last one read. A read
+    that ended between scrapes was dropped when the next scrape started a new one, so every scrape
+    served the first figures a scrape saw end (none here) for good (docs/serving.md, "Metrics")."""
+    from acarerank.server.metrics import _CacheCollector
+
+    let_end = threading.Semaphore(0)   # one permit ends one read
+    reads = []
+
+    def slow_stats():
+        reads.append(None)
+        n = len(reads)
+        assert let_end.acquire(timeout=30), "test never let the read end"
+        return {"lookup_tokens": 100 * n, "resident_tokens": 16 * n}
+
+    collector = _CacheCollector(slow_stats, wait_s=0.05)
+
+    def scrape():
+        return {fam.name: fam.samples[0].value for fam in collector.collect()}
+
+    served = []
+    try:
+        for _ in range(4):
+            figures = scrape()
+            served.append((figures.get("acarerank_prefix_cache_lookup_tokens"),
+                           figures.get("acarerank_prefix_cache_resident_tokens")))
+            let_end.release()   # the read this scrape started ends before the next scrape
+            deadline = time.monotonic() + 30
+            while not collector._reading.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        let_end.release(10)   # no read thread is left waiting
+    want = [(None, None)] + [(100.0 * n, 16.0 * n) for n in range(1, 4)]
+    assert served == want, f"served (lookup, resident) per scrape {served}, want {want} (the last figures read)"
+
+
 def test_new_request_joins_next_pass_and_returns_first(servers):
     """A short request arriving while a long one runs is in the very next pass and is answered
     before the long one (continuous batching, no waiting for the batch)."""
