@@ -14,6 +14,7 @@ import random
 import threading
 import time
 import tracemalloc
+import weakref
 
 import pytest
 from _optional import require
@@ -604,6 +605,43 @@ def test_openapi_documents_the_request_bodies(servers):
         assert ref == f"#/components/schemas/{model}", (path, ref)
     assert {"query", "documents", "texts", "cache_salt", "top_n"} <= set(schemas["RerankRequest"]["properties"])
     assert "TextDocument" in schemas and schemas["SelectRequest"]["required"] == ["query", "documents"]
+
+
+def test_a_dropped_app_frees_its_service_and_its_parse_threads(servers):
+    """An application builds a service and its app, serves it on its own uvicorn, stops and drops
+    both, three times (a model reload, a blue/green swap): each app's parse threads end when uvicorn
+    stops (the app's lifespan), and every service (its reranker: weights, cache pool) is freed.
+    The route handlers closed over the service, and FastAPI's module-level caches keyed by handler
+    (about 4,096 entries) kept every dropped app's service alive with one parse thread each."""
+    def parse_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("acarerank-parse")}
+
+    refs = []
+    for cycle in range(3):
+        svc = RerankService(PointwiseReranker(model=servers["model"]), "tiny-dropped", max_batch_tokens=256).start()
+        app = create_app(svc)
+        before = parse_threads()
+        with thread_server(app) as base:
+            r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["a", "b c"]), timeout=60)
+            assert r.status_code == 200, r.text
+            assert parse_threads() - before, "the request was parsed on no thread of the app's pool"
+        deadline = time.monotonic() + 30   # the app is still held here
+        while parse_threads() - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = sorted(t.name for t in parse_threads() - before)
+        assert not left, f"cycle {cycle}: the app's parse threads {left} outlived its uvicorn"
+        svc.stop()
+        refs.append((weakref.ref(svc), weakref.ref(svc.reranker)))
+        del svc, app
+
+    def alive():
+        gc.collect()
+        return [i for i, (s, r) in enumerate(refs) if s() is not None or r() is not None]
+
+    deadline = time.monotonic() + 30   # a stopped service's own threads end shortly after stop()
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(), f"services (or their rerankers) of dropped apps still alive after gc: cycles {alive()}"
 
 
 def test_a_queued_requests_token_ids_take_4_bytes_a_token(servers):
