@@ -39,6 +39,7 @@ error is ``{"error": {"message", "type", "code"}}`` but on TEI's ``/rerank``, wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +84,21 @@ def check_limits(req, config: ServeConfig) -> None:
                             f"limit of {config.max_request_chars} characters per request (--max-request-chars)")
 
 
+def _new_parse_pool() -> ThreadPoolExecutor:
+    # Parsing holds the GIL in C for its whole run (~0.06 s for a 30 MB body): a pool of two keeps
+    # the event loop free between bodies and bounds how many parse at once.
+    return ThreadPoolExecutor(2, thread_name_prefix="acarerank-parse")
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    yield
+    # the parse threads end with the serving, whoever runs the app (run_server, or an application's
+    # own uvicorn); a later serve of the same app gets a fresh pool, whose threads start on first use
+    pool, app.state.parse_pool = app.state.parse_pool, _new_parse_pool()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Optional[str] = None,
                max_body_bytes: Optional[int] = None, state: Optional[GateState] = None) -> FastAPI:
     """The FastAPI app over ``service`` (``RerankService`` or anything with the same methods).
@@ -92,152 +108,48 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     once (its ``admission_limit``: a ``RerankService``'s own ``max_queue``, which ``config.max_queue``
     need not be; a Ray front's share). state: the drain flag and in-flight requests, shared with a SIGTERM
     handler (a new one if None).
+
+    The app holds the service in ``app.state`` only: the route handlers are this module's functions
+    and read it from ``request.app.state``. FastAPI keeps module-level caches keyed by the handler
+    functions (about 4,096 entries), so handlers that closed over the service kept every dropped
+    app's service (its model weights, its cache pool) alive. The parse threads end at the app's
+    lifespan shutdown.
     """
     config = config or ServeConfig()
     api_key = api_key if api_key is not None else config.api_key
     max_body_bytes = max_body_bytes if max_body_bytes is not None else config.max_body_bytes
     state = state or GateState()
-    # Parsing holds the GIL in C for its whole run (~0.06 s for a 30 MB body): a pool of two keeps
-    # the event loop free between bodies and bounds how many parse at once.
-    parse_pool = ThreadPoolExecutor(2, thread_name_prefix="acarerank-parse")
-    # no list of a request is read past the documents the service takes (parsing.py): its own limit
-    # where it has one (a RerankService built with another than config's), else config's
-    max_items = getattr(service, "max_documents", None) or config.max_documents
     app = FastAPI(title="acarerank", summary="Qwen3 LLM rerankers: pointwise (ACARe) and setwise (AdaTutoRank)",
-                  responses={code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 415, 422, 429, 503)})
+                  responses={code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 415, 422, 429, 503)},
+                  lifespan=_lifespan)
     app.state.gate = state
     app.state.service = service
-    app.state.parse_pool = parse_pool
+    app.state.config = config
+    app.state.parse_pool = _new_parse_pool()
+    # no list of a request is read past the documents the service takes (parsing.py): its own limit
+    # where it has one (a RerankService built with another than config's), else config's
+    app.state.max_items = getattr(service, "max_documents", None) or config.max_documents
+    app.state.created = int(time.time())   # OpenAI's Model has a required `created` (Unix seconds); vLLM sends its start
 
-    async def parse(request: Request, model_cls):
-        body = await request.body()
-        # the body's top-level fields pick the error shape on TEI's route (errors.speaks_tei), once
-        # the parse has ended: set before it, a request cut during it (the drain deadline's 503)
-        # got the shape of however far the worker thread had got
-        fields = set()
-        try:
-            req = await asyncio.get_running_loop().run_in_executor(parse_pool, parse_body, body, model_cls, fields,
-                                                                   max_items)
-        except APIError:   # the worker ended: the fields it found, if any (none: not parsed)
-            request.state.body_fields = fields
-            raise
-        request.state.body_fields = fields
-        check_limits(req, config)
-        return req
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(error_for(request.scope, exc.status, exc.message, exc.type), status_code=exc.status,
-                            headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        return JSONResponse(error_for(request.scope, 422, validation_message(exc.errors())), status_code=422)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(error_for(request.scope, exc.status_code, str(exc.detail)),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", log_safe(request.url.path))
-        return JSONResponse(error_for(request.scope, 500, f"internal error: {type(exc).__name__}"),
-                            status_code=500)
-
-    async def _rerank(request: Request):
-        req = await parse(request, RerankRequest)
-        headers = {}
-        try:
-            body = await service.rerank(req, request.is_disconnected, headers)
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED)
-        if isinstance(body, dict) and req.cache_salt is None and not config.trust_cache:
-            body["usage"].pop("cached_tokens", None)   # the module docstring says why
-        # msgspec: an object document goes back as the raw JSON it came in (schemas.py, parsing.py)
-        return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)
-
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
     for path in RERANK_PATHS:
         app.add_api_route(path, _rerank, methods=["POST"], response_model=None,
                           responses={200: {"model": RerankResponse | list[TEIRank]}},
                           summary="Rerank documents against a query (Cohere v2 / Jina / vLLM / TEI bodies)")
-
-    async def _score(request: Request):
-        req = await parse(request, ScorePairsRequest)
-        header_id = request.headers.get("x-request-id")
-        if getattr(service, "proxy_sets_request_id", False) and req.request_id is not None:
-            header_id = None   # Ray Serve's proxy sets the header on every request: the body's id is the client's
-        if header_id is not None:   # vLLM's score id: its X-Request-Id header wins over the body's request_id
-            if len(header_id) > MAX_REQUEST_ID_CHARS:
-                raise APIError(422, f"X-Request-Id of {len(header_id)} characters exceeds the limit of "
-                                    f"{MAX_REQUEST_ID_CHARS} (it is echoed in the response's id)")
-            req.request_id = header_id
-        headers = {}
-        try:
-            body = await service.score(req, request.is_disconnected, headers)
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED)
-        if req.cache_salt is None and not config.trust_cache:
-            body["usage"].pop("cached_tokens", None)   # the module docstring says why
-        return JSONResponse(body, headers=headers)
-
     for path in SCORE_PATHS:
         app.add_api_route(path, _score, methods=["POST"], response_model=None,
                           responses={200: {"model": ScoreResponse}},
                           summary="Score query/document pairs (vLLM's score API: text_1/text_2, queries/documents, "
                                   "data_1/data_2)")
-
-    @app.post("/v1/select", responses={200: {"model": SelectResponse}})
-    async def select(request: Request):
-        req = await parse(request, SelectRequest)
-        headers = {}
-        try:
-            body = await service.select(req, request.is_disconnected, headers)
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(body, headers=headers)
-
-    @app.get("/health")
-    async def health(max_pass_s: Optional[float] = None):
-        """Answered on the event loop from the engine's heartbeat: it never waits for the model."""
-        try:
-            check_max_pass_s(max_pass_s)
-        except ValueError as e:
-            return JSONResponse(error_body(422, str(e)), status_code=422)
-        h = service.health() if hasattr(service, "health") else {"state": "idle", "busy_s": 0.0}
-        problem = health_problem(h, max_pass_s)
-        if problem is not None:
-            return JSONResponse(dict(error_body(503, problem), engine=h), status_code=503)
-        return {"status": "ok", "engine": h}
-
-    @app.get("/ready")
-    async def ready():
-        dead = getattr(service, "dead", None)
-        if dead is not None:
-            return JSONResponse(error_body(503, f"engine dead: {dead}"), status_code=503)
-        if state.draining:
-            return JSONResponse(error_body(503, "draining"), status_code=503)
-        if not service.ready:
-            return JSONResponse(error_body(503, "loading: weights or warm-up pass not done yet"), status_code=503)
-        readiness = getattr(service, "readiness", None)   # engines elsewhere (Ray Serve's front): ask them
-        problem = await readiness() if readiness is not None else None
-        if problem is not None:
-            return JSONResponse(error_body(503, problem), status_code=503)
-        return {"status": "ready", "model": service.model_name}
-
-    created = int(time.time())   # OpenAI's Model has a required `created` (Unix seconds); vLLM sends its start
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": created,
-                                            "owned_by": "acarerank"}]}
-
-    @app.get("/metrics")
-    async def metrics():
-        render = getattr(service, "render_metrics", None)   # engines elsewhere (Ray Serve's front): theirs too
-        # off the event loop: a scrape waits for the prefix cache's figures (metrics._CacheCollector)
-        body = await render() if render is not None else await asyncio.to_thread(service.metrics.render)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+    app.add_api_route("/v1/select", _select, methods=["POST"], name="select",
+                      responses={200: {"model": SelectResponse}})
+    app.add_api_route("/health", _health, methods=["GET"], name="health")
+    app.add_api_route("/ready", _ready, methods=["GET"], name="ready")
+    app.add_api_route("/v1/models", _models, methods=["GET"], name="models")
+    app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics")
 
     # never below the queue the service admits to (docs/serving.md, "Limits and timeouts"): under
     # create_app(service) config.max_queue is only the default's 512, and a Ray front admits its share
@@ -247,6 +159,132 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     _document_bodies(app, {path: RerankRequest for path in RERANK_PATHS} | {path: ScorePairsRequest for path in SCORE_PATHS}
                      | {"/v1/select": SelectRequest})
     return app
+
+
+async def _parse(request: Request, model_cls):
+    app_state = request.app.state
+    body = await request.body()
+    # the body's top-level fields pick the error shape on TEI's route (errors.speaks_tei), once
+    # the parse has ended: set before it, a request cut during it (the drain deadline's 503)
+    # got the shape of however far the worker thread had got
+    fields = set()
+    try:
+        req = await asyncio.get_running_loop().run_in_executor(app_state.parse_pool, parse_body, body, model_cls,
+                                                               fields, app_state.max_items)
+    except APIError:   # the worker ended: the fields it found, if any (none: not parsed)
+        request.state.body_fields = fields
+        raise
+    request.state.body_fields = fields
+    check_limits(req, app_state.config)
+    return req
+
+
+async def _api_error(request: Request, exc: APIError):
+    return JSONResponse(error_for(request.scope, exc.status, exc.message, exc.type), status_code=exc.status,
+                        headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError):
+    return JSONResponse(error_for(request.scope, 422, validation_message(exc.errors())), status_code=422)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return JSONResponse(error_for(request.scope, exc.status_code, str(exc.detail)),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(request: Request, exc: Exception):
+    log.exception("unhandled error on %s", log_safe(request.url.path))
+    return JSONResponse(error_for(request.scope, 500, f"internal error: {type(exc).__name__}"),
+                        status_code=500)
+
+
+async def _rerank(request: Request):
+    req = await _parse(request, RerankRequest)
+    service, config = request.app.state.service, request.app.state.config
+    headers = {}
+    try:
+        body = await service.rerank(req, request.is_disconnected, headers)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    if isinstance(body, dict) and req.cache_salt is None and not config.trust_cache:
+        body["usage"].pop("cached_tokens", None)   # the module docstring says why
+    # msgspec: an object document goes back as the raw JSON it came in (schemas.py, parsing.py)
+    return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)
+
+
+async def _score(request: Request):
+    req = await _parse(request, ScorePairsRequest)
+    service, config = request.app.state.service, request.app.state.config
+    header_id = request.headers.get("x-request-id")
+    if getattr(service, "proxy_sets_request_id", False) and req.request_id is not None:
+        header_id = None   # Ray Serve's proxy sets the header on every request: the body's id is the client's
+    if header_id is not None:   # vLLM's score id: its X-Request-Id header wins over the body's request_id
+        if len(header_id) > MAX_REQUEST_ID_CHARS:
+            raise APIError(422, f"X-Request-Id of {len(header_id)} characters exceeds the limit of "
+                                f"{MAX_REQUEST_ID_CHARS} (it is echoed in the response's id)")
+        req.request_id = header_id
+    headers = {}
+    try:
+        body = await service.score(req, request.is_disconnected, headers)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    if req.cache_salt is None and not config.trust_cache:
+        body["usage"].pop("cached_tokens", None)   # the module docstring says why
+    return JSONResponse(body, headers=headers)
+
+
+async def _select(request: Request):
+    req = await _parse(request, SelectRequest)
+    headers = {}
+    try:
+        body = await request.app.state.service.select(req, request.is_disconnected, headers)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(body, headers=headers)
+
+
+async def _health(request: Request, max_pass_s: Optional[float] = None):
+    """Answered on the event loop from the engine's heartbeat: it never waits for the model."""
+    try:
+        check_max_pass_s(max_pass_s)
+    except ValueError as e:
+        return JSONResponse(error_body(422, str(e)), status_code=422)
+    service = request.app.state.service
+    h = service.health() if hasattr(service, "health") else {"state": "idle", "busy_s": 0.0}
+    problem = health_problem(h, max_pass_s)
+    if problem is not None:
+        return JSONResponse(dict(error_body(503, problem), engine=h), status_code=503)
+    return {"status": "ok", "engine": h}
+
+
+async def _ready(request: Request):
+    service = request.app.state.service
+    dead = getattr(service, "dead", None)
+    if dead is not None:
+        return JSONResponse(error_body(503, f"engine dead: {dead}"), status_code=503)
+    if request.app.state.gate.draining:
+        return JSONResponse(error_body(503, "draining"), status_code=503)
+    if not service.ready:
+        return JSONResponse(error_body(503, "loading: weights or warm-up pass not done yet"), status_code=503)
+    readiness = getattr(service, "readiness", None)   # engines elsewhere (Ray Serve's front): ask them
+    problem = await readiness() if readiness is not None else None
+    if problem is not None:
+        return JSONResponse(error_body(503, problem), status_code=503)
+    return {"status": "ready", "model": service.model_name}
+
+
+async def _models(request: Request):
+    return {"object": "list", "data": [{"id": request.app.state.service.model_name, "object": "model",
+                                        "created": request.app.state.created, "owned_by": "acarerank"}]}
+
+
+async def _metrics(request: Request):
+    service = request.app.state.service
+    render = getattr(service, "render_metrics", None)   # engines elsewhere (Ray Serve's front): theirs too
+    # off the event loop: a scrape waits for the prefix cache's figures (metrics._CacheCollector)
+    body = await render() if render is not None else await asyncio.to_thread(service.metrics.render)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 def _document_bodies(app: FastAPI, bodies: dict) -> None:

@@ -209,7 +209,7 @@ def run_server(service, config: ServeConfig, api_key=None, *, exit_if_stuck: boo
         # uvicorn logged its own error over several lines and exited 3 (docs/serving.md)
         server.run(sockets=listen_sockets(config.host, config.port, backlog=server.config.backlog))
     finally:
-        if app is not None:
+        if app is not None:   # the app's lifespan shut its parse pool down, but for a forced exit (uvicorn skips it)
             app.state.parse_pool.shutdown(wait=False, cancel_futures=True)
         _stop_bounded(service, SHUTDOWN_GRACE_S + 1.0, exit_if_stuck)
     # read after the final stop: the engine's last pass runs during it and may kill the engine

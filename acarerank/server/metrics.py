@@ -92,14 +92,20 @@ class _CacheCollector:
         self.wait_s = wait_s
         self._lock = threading.Lock()
         self._reading: Optional[concurrent.futures.Future] = None   # the read in progress, or the last one
-        self._last: Optional[dict] = None    # the last figures read
+        self._last: Optional[dict] = None    # the last figures read (set by the read's thread)
         self._failing = False                # logged since the last read that succeeded
 
     def _run(self, fut: concurrent.futures.Future) -> None:
         try:
-            fut.set_result(self.cache_stats() or {})
+            stats = self.cache_stats() or {}
         except BaseException as e:  # noqa: BLE001 - the scrape reports it; this thread only ends
             fut.set_exception(e)
+            return
+        # kept as the read ends, not when a scrape sees it end: a read slower than the wait ends
+        # between scrapes, and the next scrape starts a new one (docs/serving.md, "Metrics")
+        with self._lock:
+            self._last = stats
+        fut.set_result(stats)
 
     def _read(self) -> Optional[dict]:
         """The cache's figures: read now, or the last ones read (None: none to serve)."""
@@ -113,12 +119,12 @@ class _CacheCollector:
         except concurrent.futures.TimeoutError:
             self._note(f"cache_stats() did not answer within {self.wait_s:g} s (a model step holds the prefix "
                        f"cache's lock?): the prefix-cache series serve the last figures read")
-            return self._last
+            with self._lock:
+                return self._last
         except BaseException as e:  # noqa: BLE001 - the scrape goes on without the cache series
             self._note(f"cache_stats() failed ({type(e).__name__}: {e}): the prefix-cache series are left out")
             return None
         self._failing = False
-        self._last = stats
         return stats
 
     def _note(self, msg: str) -> None:

@@ -14,6 +14,7 @@ import random
 import threading
 import time
 import tracemalloc
+import weakref
 
 import pytest
 from _optional import require
@@ -428,6 +429,43 @@ def test_a_scrape_does_not_wait_for_a_held_cache_lock(servers):
     assert took < 3, f"the scrape took {took:.1f} s with the lock held"
 
 
+def test_a_read_slower_than_the_wait_is_served_by_the_next_scrape():
+    """Every prefix-cache read outlasts the scrape's wait (each one blocks until the test lets it
+    end, between two scrapes): scrape k serves the figures of read k - 1, the last one read. A read
+    that ended between scrapes was dropped when the next scrape started a new one, so every scrape
+    served the first figures a scrape saw end (none here) for good (docs/serving.md, "Metrics")."""
+    from acarerank.server.metrics import _CacheCollector
+
+    let_end = threading.Semaphore(0)   # one permit ends one read
+    reads = []
+
+    def slow_stats():
+        reads.append(None)
+        n = len(reads)
+        assert let_end.acquire(timeout=30), "test never let the read end"
+        return {"lookup_tokens": 100 * n, "resident_tokens": 16 * n}
+
+    collector = _CacheCollector(slow_stats, wait_s=0.05)
+
+    def scrape():
+        return {fam.name: fam.samples[0].value for fam in collector.collect()}
+
+    served = []
+    try:
+        for _ in range(4):
+            figures = scrape()
+            served.append((figures.get("acarerank_prefix_cache_lookup_tokens"),
+                           figures.get("acarerank_prefix_cache_resident_tokens")))
+            let_end.release()   # the read this scrape started ends before the next scrape
+            deadline = time.monotonic() + 30
+            while not collector._reading.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        let_end.release(10)   # no read thread is left waiting
+    want = [(None, None)] + [(100.0 * n, 16.0 * n) for n in range(1, 4)]
+    assert served == want, f"served (lookup, resident) per scrape {served}, want {want} (the last figures read)"
+
+
 def test_new_request_joins_next_pass_and_returns_first(servers):
     """A short request arriving while a long one runs is in the very next pass and is answered
     before the long one (continuous batching, no waiting for the batch)."""
@@ -567,6 +605,43 @@ def test_openapi_documents_the_request_bodies(servers):
         assert ref == f"#/components/schemas/{model}", (path, ref)
     assert {"query", "documents", "texts", "cache_salt", "top_n"} <= set(schemas["RerankRequest"]["properties"])
     assert "TextDocument" in schemas and schemas["SelectRequest"]["required"] == ["query", "documents"]
+
+
+def test_a_dropped_app_frees_its_service_and_its_parse_threads(servers):
+    """An application builds a service and its app, serves it on its own uvicorn, stops and drops
+    both, three times (a model reload, a blue/green swap): each app's parse threads end when uvicorn
+    stops (the app's lifespan), and every service (its reranker: weights, cache pool) is freed.
+    The route handlers closed over the service, and FastAPI's module-level caches keyed by handler
+    (about 4,096 entries) kept every dropped app's service alive with one parse thread each."""
+    def parse_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("acarerank-parse")}
+
+    refs = []
+    for cycle in range(3):
+        svc = RerankService(PointwiseReranker(model=servers["model"]), "tiny-dropped", max_batch_tokens=256).start()
+        app = create_app(svc)
+        before = parse_threads()
+        with thread_server(app) as base:
+            r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["a", "b c"]), timeout=60)
+            assert r.status_code == 200, r.text
+            assert parse_threads() - before, "the request was parsed on no thread of the app's pool"
+        deadline = time.monotonic() + 30   # the app is still held here
+        while parse_threads() - before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = sorted(t.name for t in parse_threads() - before)
+        assert not left, f"cycle {cycle}: the app's parse threads {left} outlived its uvicorn"
+        svc.stop()
+        refs.append((weakref.ref(svc), weakref.ref(svc.reranker)))
+        del svc, app
+
+    def alive():
+        gc.collect()
+        return [i for i, (s, r) in enumerate(refs) if s() is not None or r() is not None]
+
+    deadline = time.monotonic() + 30   # a stopped service's own threads end shortly after stop()
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(), f"services (or their rerankers) of dropped apps still alive after gc: cycles {alive()}"
 
 
 def test_a_queued_requests_token_ids_take_4_bytes_a_token(servers):

@@ -667,6 +667,9 @@ class _Refusing:
             raise RuntimeError("the model raised")
         raise APIError(status, f"refused: {status}", {"Retry-After": "3"} if status in (429, 503) else None)
 
+    def stop(self):  # the replica's __del__ stops its service (once the dropped apps let it go)
+        pass
+
 
 @pytest.fixture(scope="module")
 def refusing_fronts():
