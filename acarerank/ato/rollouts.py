@@ -49,7 +49,8 @@ import torch
 from .._validate import positive_int
 from ..model.paged_cache import PagedKVCache
 from ..ops._checks import finite_real, positive_in_fp32
-from ..setwise.decode import MAX_NEW_TOKENS, GreedyStepper, _check, check_positions, decode_reserve, stop_ids as _stop_set
+from ..setwise.decode import (LOGITS_CHUNK_ELEMENTS, MAX_NEW_TOKENS, GreedyStepper, _check, check_positions,
+                              decode_reserve, stop_ids as _stop_set)
 from ..setwise.grammar import IdentifierGrammar
 from ..tokenizer import TOKEN_IM_END
 from .rescore import _ids
@@ -59,8 +60,9 @@ TOKEN_ENDOFTEXT = 151643
 #: where an unconstrained rollout stops (as ``SetwiseReranker``'s free decoding)
 DEFAULT_STOP_IDS = (TOKEN_IM_END, TOKEN_ENDOFTEXT)
 #: fp32 logits per chunk of a sampling step's rows (4 Mi: 16 MiB; 27 rows at V = 151,669, all rows
-#: under the grammar's 14 columns): the step's memory is bounded by it, not by prompts × G
-SAMPLE_LOGITS_ELEMENTS = 1 << 22
+#: under the grammar's 14 columns): the step's memory is bounded by it, not by prompts × G. The
+#: chunks are ``GreedyStepper``'s (its ``_next_tokens``), the same for greedy decoding
+SAMPLE_LOGITS_ELEMENTS = LOGITS_CHUNK_ELEMENTS
 #: KV rows reserved up front for the rollouts' own tokens (beyond the prompts' pages): 126 prompts ×
 #: G = 8 × 65 rows (the paper's 64 new tokens + 1). A call that may need more (a large G ×
 #: max_new_tokens) reserves this many and the pool grows by doubling as its rollouts reach them, so
@@ -103,17 +105,6 @@ class _SampleStepper(GreedyStepper):
         self.temperature, self.generator = temperature, generator
         self.logprobs: List[List[float]] = [[] for _ in prompts]
         super().__init__(runner, prompts, grammar, states, max_new_tokens, eos_id, cache)
-
-    def _next_tokens(self, hidden: torch.Tensor, running) -> List[int]:
-        """Draw the running rollouts' next tokens in row chunks (module docstring, "Memory"); the
-        chunks follow one another in row order, so a seed still fixes every draw."""
-        width = self.runner.lm_head.shape[0] if self.grammar is None else len(self.vocab)
-        rows = max(1, SAMPLE_LOGITS_ELEMENTS // width)
-        out: List[int] = []
-        for i in range(0, len(running), rows):
-            part = running[i:i + rows]
-            out += self._choose(self._next_logits(hidden[i:i + rows], part), part)
-        return out
 
     def _choose(self, logits: torch.Tensor, running) -> List[int]:
         z = logits.div_(self.temperature)                                     # [S, V] or [S, 14], fp32

@@ -18,7 +18,9 @@ other logit to -inf, so the argmax over those 14 equals the argmax over the full
 vocabulary (ties go to the lower token id either way: the columns are in ascending id
 order and ``torch.argmax`` returns the first maximum). For the embedded default model
 (V = 151,669, H = 384) that replaces a 58-MFLOP GEMV per row and step with a 5-kFLOP one.
-Unconstrained steps use ``runner.logits`` (full vocabulary).
+Unconstrained steps use ``runner.logits`` (full vocabulary), in row chunks of at most
+``LOGITS_CHUNK_ELEMENTS`` logits (``GreedyStepper._next_tokens``): the whole [S, V] of a batch of
+256 prompts was 148 MiB more peak memory per step.
 
 ``greedy_decode_ref`` is the plain oracle: a transformers forward over the whole sequence
 at every step, the same mask, argmax.
@@ -37,6 +39,9 @@ from ..tokenizer import TOKEN_IM_END
 from .grammar import GrammarState, IdentifierGrammar
 
 MAX_NEW_TOKENS = 64     # AdaTutoRank (2026), Appendix C.4: maximum response length
+#: fp32 logits per row chunk of a step (4 Mi: 16 MiB; 27 rows at V = 151,669, all rows under the
+#: grammar's 14 columns): a step's [rows, V] tensors are bounded by it, not by the prompts of a batch
+LOGITS_CHUNK_ELEMENTS = 1 << 22
 
 
 def stop_ids(eos_id: Union[int, Sequence[int]]) -> FrozenSet[int]:
@@ -178,9 +183,17 @@ class GreedyStepper:
         return fed
 
     def _next_tokens(self, hidden: torch.Tensor, running) -> List[int]:
-        """The next token of each running sequence from the step's hidden rows [S, H] (a subclass may
-        split the rows: ``acarerank.ato.rollouts`` bounds its [rows, V] tensors)."""
-        return self._choose(self._next_logits(hidden, running), running)
+        """The next token of each running sequence from the step's hidden rows [S, H], in row chunks
+        of at most ``LOGITS_CHUNK_ELEMENTS`` logits, so a step never holds [S, V]. A row's logits
+        and choice do not depend on the other rows of its chunk, and the chunks follow one another in
+        row order (a seeded draw, ``acarerank.ato.rollouts``, draws the same sequence)."""
+        width = self.runner.lm_head.shape[0] if self.grammar is None else len(self.vocab)
+        rows = max(1, LOGITS_CHUNK_ELEMENTS // width)
+        out: List[int] = []
+        for i in range(0, len(running), rows):
+            part = running[i:i + rows]
+            out += self._choose(self._next_logits(hidden[i:i + rows], part), part)
+        return out
 
     def _next_logits(self, hidden: torch.Tensor, running) -> torch.Tensor:
         """fp32 next-token logits of the running sequences: [S, V] free, or [S, 14] (the grammar's

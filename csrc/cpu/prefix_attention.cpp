@@ -18,10 +18,11 @@
 //
 // Packing: where the compute type is the input type (fp32; bf16 on a bf16 path) a group's
 // prefix tiles are packed once per layer per (kv head, tile), in parallel, and every row block of
-// the group reads them (when it has more than one; else its one task packs them); otherwise (bf16
-// converted to fp32 on this CPU) each task converts the tile it is about to use into its own
-// scratch, so no fp32 copy of the prefix ever exists. The own keys of a segment's piece are
-// packed once by the task that needs them (a few hundred rows).
+// the group reads them (when it has more than one and the prefix fills its whole tiles at least
+// half; else each task packs the tiles it reads); otherwise (bf16 converted to fp32 on this CPU)
+// each task converts the tile it is about to use into its own scratch, so no fp32 copy of the
+// prefix ever exists. The own keys of a segment longer than a row block are packed once the same
+// way; a piece of a shorter one is packed by the task that needs it (a few hundred rows).
 // A decode-like row block (a few rows, direct_rows_limit()) whose keys nobody packed is not packed
 // at all: attn_direct_avx512.h reads its K/V rows where they lie — unless the call passes
 // tiles_only (batch-invariant mode: that path rounds otherwise, docs/cpu.md "Decode-like blocks").
@@ -316,12 +317,14 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t tile_elems = KT * d;  // one packed K (or V) tile
 
-  // -- 1. shared prefix pack, once per (group, kv head, tile), when no conversion is involved and
-  // more than one row block of the group reads it. A group of one row block per kv head (a short
-  // segment or two: decode-like batches) packs its tiles in the task, into the thread's scratch:
-  // the same work, and no buffer padded to whole KT-key tiles per group (with thousands of one-token
-  // prefixes that buffer was ~10x the inputs).
+  // -- 1. shared prefix pack, once per (group, kv head, tile), when no conversion is involved, more
+  // than one row block of the group reads it, and its whole KT-key tiles hold at most twice its keys
+  // (worth_sharing). Otherwise each task packs the tiles it reads into its thread's scratch: the
+  // same tiles (same bits), and no buffer padded to whole tiles per group: with thousands of
+  // one-token prefixes it was ~10x the inputs; 512 groups of an 8-token prefix and a 129-token
+  // segment (two row blocks at r = 2) packed 1.2 GB of tiles (1b too) beside 0.5 GB of inputs.
   constexpr bool shared = std::is_same_v<s_t, c_t>;
+  auto worth_sharing = [](int64_t n) { return (n + KT - 1) / KT * KT <= 2 * n; };
   // tiles_only: no direct path, whatever a group's rows — its bits differ from the tile path's, so
   // a row's output would depend on how many rows its group has in this call (docs/cpu.md)
   const int64_t direct_rows = tiles_only ? 0 : direct_rows_limit<s_t, c_t>();
@@ -343,7 +346,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   std::vector<float> part_m(part0[G]), part_l(part0[G]), part_acc(part0[G] * d);
   std::vector<int64_t> tile0(G + 1, 0);  // group g's first tile in the buffer (none: tile0[g+1] == tile0[g])
   for (int64_t g = 0; g < G; ++g)
-    tile0[g + 1] = tile0[g] + (shared && blocks[g] > 1 ? (mt.cp[g + 1] - mt.cp[g] + KT - 1) / KT : 0);
+    tile0[g + 1] = tile0[g] + (shared && blocks[g] > 1 && worth_sharing(mt.cp[g + 1] - mt.cp[g])
+                                   ? (mt.cp[g + 1] - mt.cp[g] + KT - 1) / KT
+                                   : 0);
   at::Tensor packed;
   c_t* pbuf = nullptr;
   if (tile0[G] > 0) {
@@ -364,16 +369,17 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   }
 
   // -- 1b. own keys of the segments longer than one row block, once per (segment, kv head, tile),
-  // same condition: every task that reads such a segment's keys (its later row blocks, in a long
-  // prefill) reads this one copy, instead of packing all of its keys up to its rows again
-  // (O(L²/ROWS) packing per segment). A shorter segment's keys are packed by the task that reads
-  // them, into its scratch (no buffer per decode token of a batch).
+  // same conditions (no conversion, whole tiles at most twice the keys): every task that reads such
+  // a segment's keys (its later row blocks, in a long prefill) reads this one copy, instead of
+  // packing all of its keys up to its rows again (O(L²/ROWS) packing per segment). The keys of a
+  // shorter segment, or of one under KT/2 keys, are packed by each task that reads them, into its
+  // scratch (no buffer per decode token of a batch, none padded 4x for 129-token segments).
   const int64_t S = static_cast<int64_t>(mt.sg.size());
   const int64_t tok_per_block = std::max<int64_t>(1, ROWS / r);
   std::vector<int64_t> otile0(S + 1, 0);  // first shared own tile of segment s (none: otile0[s+1] == otile0[s])
   for (int64_t s = 0; s < S; ++s) {
     const int64_t L = mt.cs[s + 1] - mt.cs[s];
-    otile0[s + 1] = otile0[s] + (shared && L > tok_per_block ? (L + KT - 1) / KT : 0);
+    otile0[s + 1] = otile0[s] + (shared && L > tok_per_block && worth_sharing(L) ? (L + KT - 1) / KT : 0);
   }
   at::Tensor opacked;
   c_t* obuf = nullptr;

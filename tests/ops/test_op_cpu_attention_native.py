@@ -116,6 +116,14 @@ CASES = [
     pytest.param([1, 2, KT + 44, 1, 3], [5, 1, KT + 34, 0, KT + 1], [0, 1, 2, 3, 4], 4, 2, 64, 16,
                  id="one-and-many-block-groups"),
 ]
+# groups of several row blocks whose prefix or segment is shorter than KT / 2 keys (packed by each task,
+# not into a shared buffer of whole tiles) beside ones just long enough to share (KT / 2 + 1: 2x padding)
+PAD_CASES = [
+    pytest.param([129, 7, KT // 2 + 1, 129], [8, KT // 2 + 1, KT + 1], [0, 0, 1, 2], 8, 4, 128, 16,
+                 id="gqa2-segments-of-a-row-block-plus-1"),
+    pytest.param([33, 100, 1], [3, 200], [0, 1, 1], 16, 2, 128, 32, id="gqa8-short-prefix-many-blocks"),
+]
+CASES += PAD_CASES
 
 
 @pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d,bs", CASES)
@@ -130,7 +138,7 @@ def test_fp32_paged_and_packed_equal_the_oracle(seg_lens, prefix_lens, groups, H
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d,bs", CASES[:4])
+@pytest.mark.parametrize("seg_lens,prefix_lens,groups,Hq,Hkv,d,bs", CASES[:4] + PAD_CASES)
 def test_half_precision_flash_attn_rule(seg_lens, prefix_lens, groups, Hq, Hkv, d, bs, dtype):
     paged, packed = make(seg_lens, prefix_lens, groups, Hq, Hkv, d, bs, dtype=dtype)
     ref = ref32(packed)
@@ -425,6 +433,54 @@ def test_thousands_of_one_token_prefixes_need_no_buffer_per_group(dtype):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     grew = got["after"] - got["before"]
     assert grew <= got["out_mb"] + 48, f"{dtype}: peak RSS grew {grew:.0f} MB in one call (output {got['out_mb']:.0f} MB)"
+
+
+_SHORT_PREFIXES = r"""
+import json, re, sys
+import torch
+from acarerank.ops import cpu_attention
+
+def hwm_mb():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
+
+dtype = getattr(torch, sys.argv[1])
+G, P, L, Hq, Hkv, d = 128, 8, 129, 16, 8, 128   # 129 tokens: two row blocks at r = 2
+# drawn in the dtype: no fp32 temporary raising the peak before the call
+q = torch.randn(G * L, Hq, d, dtype=dtype)
+k, v = torch.randn(G * L, Hkv, d, dtype=dtype), torch.randn(G * L, Hkv, d, dtype=dtype)
+pk, pv = torch.randn(G * P, Hkv, d, dtype=dtype), torch.randn(G * P, Hkv, d, dtype=dtype)
+cu = torch.arange(0, G * L + 1, L, dtype=torch.int32)
+cp = torch.arange(0, G * P + 1, P, dtype=torch.int32)
+sg = torch.arange(G, dtype=torch.int32)
+kern = cpu_attention.kernel()
+kern(q[:L], k[:L], v[:L], cu[:2], pk[:P], pv[:P], None, cp[:2], sg[:1], 0.1)  # first-call set-up out of the count
+before = hwm_mb()
+out = kern(q, k, v, cu, pk, pv, None, cp, sg, 0.1)
+mb = lambda *ts: sum(t.numel() * t.element_size() for t in ts) / 2**20
+print(json.dumps({"before": before, "after": hwm_mb(), "out_mb": mb(out), "kv_mb": mb(k, v, pk, pv)}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_short_prefixes_and_segments_are_not_padded_to_whole_tiles(dtype):
+    """128 groups of an 8-token prefix and one 129-token segment (two row blocks each at r = 2), 0.6B
+    heads: a key buffer shared by a group's row blocks holds whole KT-key tiles, so it is made only where
+    those tiles are at most twice its keys; packing this prefix and segment into shared tiles took 64x
+    and 4x their keys (512 groups in bf16: peak RSS +1,248 MB at 129 tokens, +0 at 128). Peak RSS
+    (VmHWM) of a fresh process may grow by the output, twice the K/V, and 48 MB of scratch and noise."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _SHORT_PREFIXES, dtype], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    grew, bound = got["after"] - got["before"], got["out_mb"] + 2 * got["kv_mb"] + 48
+    assert grew <= bound, (f"{dtype}: peak RSS grew {grew:.0f} MB in one call (bound {bound:.0f}: output "
+                           f"{got['out_mb']:.0f} MB + 2 x K/V {got['kv_mb']:.0f} MB + 48)")
 
 
 _NO_HEADS = r"""

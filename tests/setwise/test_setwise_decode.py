@@ -222,3 +222,68 @@ def test_decoding_never_grows_the_prompts_pool(qwen3_tokenizer, monkeypatch):
     assert ours[1] == _generate(model, prompts[1], max_new_tokens=40)
     with pytest.raises(ValueError, match="reserve_tokens must be a positive int"):
         runner.prefill(prompts, reserve_tokens=0)
+
+
+def test_free_steps_choose_in_bounded_row_chunks(qwen3_tokenizer, monkeypatch):
+    """An unconstrained step over 60 prompts at V = 151,669 computes its logits in row chunks of at
+    most LOGITS_CHUNK_ELEMENTS (27 rows), not [60, V] at once (SetwiseReranker sends a whole
+    select_batch to one decode: 256 prompts held 148 MiB per step), and chooses the very tokens the
+    unchunked argmax chooses."""
+    from acarerank.setwise import decode
+
+    runner = Qwen3Runner.from_hf(tiny_model(seed=0))
+    V = runner.lm_head.shape[0]
+    prompts = _prompts(qwen3_tokenizer, [f"{i}: {TEXTS[i % 3]}" for i in range(60)])
+    rows = []
+    real = runner.logits
+    monkeypatch.setattr(runner, "logits", lambda h, *a: (rows.append(h.shape[0]), real(h, *a))[1])
+    ours = greedy_decode(runner, prompts, max_new_tokens=3)
+    assert decode.LOGITS_CHUNK_ELEMENTS // V == 27 and rows[:3] == [27, 27, 6], rows
+    rows.clear()
+    monkeypatch.setattr(decode, "LOGITS_CHUNK_ELEMENTS", 1 << 40)
+    whole = greedy_decode(runner, prompts, max_new_tokens=3)
+    assert rows[0] == 60, rows
+    bad = [i for i, (a, b) in enumerate(zip(ours, whole)) if a != b]
+    assert not bad, f"prompt {bad[0]}: chunked {ours[bad[0]]}, whole [S, V] {whole[bad[0]]}"
+    assert len({tuple(o) for o in ours}) > 1  # the rows differ: a chunk mixed up with another would show
+
+
+_GREEDY_PEAK = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from _tiny import random_qwen3
+from acarerank.model import Qwen3Runner
+from acarerank.setwise.decode import greedy_decode
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) / 1024 for l in f if l.startswith(key))
+
+runner = Qwen3Runner.from_hf(random_qwen3(seed=0))   # V = 151,669, one layer
+S = 192
+prompts = [[1 + i, 2, 3, 4] for i in range(S)]
+greedy_decode(runner, prompts[:2], max_new_tokens=2)  # first-call set-up out of the count
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")                                     # VmHWM := VmRSS
+base = status("VmRSS:")
+greedy_decode(runner, prompts, max_new_tokens=2)
+print(json.dumps({"grew": status("VmHWM:") - base, "svx4": S * runner.lm_head.shape[0] * 4 / 2**20}))
+"""
+
+
+def test_free_decoding_peak_memory_does_not_grow_with_the_prompts():
+    """Peak RSS (VmHWM) of a free greedy decode of 192 prompts at V = 151,669, in a fresh process:
+    at most three 16 MiB logit chunks (LOGITS_CHUNK_ELEMENTS), not [S, V] fp32 (111 MiB; 256
+    prompts grew the peak by 151 MiB before the steps were chunked, 19 MiB after)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, for _tiny
+    run = subprocess.run([sys.executable, "-c", _GREEDY_PEAK, here], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["grew"] <= 48, f"peak RSS grew {got['grew']:.0f} MiB in one decode ([S, V] fp32: {got['svx4']:.0f} MiB)"
