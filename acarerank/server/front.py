@@ -22,6 +22,7 @@ request 503 at once; ``DEAD_GRACE_S`` later uvicorn stops and the process exits 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -143,6 +144,16 @@ class DrainingServer:
                     host, port = sock.getsockname()[:2]
                     log.info("listening on http://%s:%d (Press CTRL+C to quit)",
                              f"[{host}]" if ":" in host else host, port)
+
+            async def shutdown(self, sockets=None):
+                await super().shutdown(sockets)
+                if self.force_exit:
+                    # a second Ctrl-C: uvicorn skips the app's lifespan shutdown, and the loop's end
+                    # then cancels the lifespan task still waiting for it, which starlette logged as a
+                    # ~40-line traceback before our "interrupted" line. Ours is quick (the parse pool,
+                    # not waited for); bounded all the same, the user asked to quit
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.lifespan.shutdown(), SHUTDOWN_GRACE_S)
 
             def handle_exit(self, sig, frame):
                 if sig == signal.SIGTERM:
