@@ -39,7 +39,7 @@ error is ``{"error": {"message", "type", "code"}}`` but on TEI's ``/rerank``, wh
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -90,11 +90,12 @@ def _new_parse_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(2, thread_name_prefix="acarerank-parse")
 
 
-@contextlib.asynccontextmanager
-async def _lifespan(app: FastAPI):
-    yield
-    # the parse threads end with the serving, whoever runs the app (run_server, or an application's
-    # own uvicorn); a later serve of the same app gets a fresh pool, whose threads start on first use
+def _end_parse_threads(app: FastAPI) -> None:
+    """The app's shutdown handler: the parse threads end with the serving, whoever runs the app
+    (run_server, or an application's own uvicorn); a later serve of the same app gets a fresh
+    pool, whose threads start on first use. A shutdown event handler, not a ``lifespan=``: with
+    one of those FastAPI runs no handler an application adds with ``add_event_handler`` /
+    ``on_event`` (its service's stop among them)."""
     pool, app.state.parse_pool = app.state.parse_pool, _new_parse_pool()
     pool.shutdown(wait=False, cancel_futures=True)
 
@@ -120,8 +121,8 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     max_body_bytes = max_body_bytes if max_body_bytes is not None else config.max_body_bytes
     state = state or GateState()
     app = FastAPI(title="acarerank", summary="Qwen3 LLM rerankers: pointwise (ACARe) and setwise (AdaTutoRank)",
-                  responses={code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 415, 422, 429, 503)},
-                  lifespan=_lifespan)
+                  responses={code: {"model": ErrorResponse} for code in (400, 401, 408, 413, 415, 422, 429, 503)})
+    app.router.add_event_handler("shutdown", functools.partial(_end_parse_threads, app))
     app.state.gate = state
     app.state.service = service
     app.state.config = config

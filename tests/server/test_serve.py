@@ -7,6 +7,7 @@ token-budget tests add ``budgeted`` (gated too, ``max_queue_tokens=BUDGET``).
 Every score is compared with the offline ``PointwiseReranker.score`` of the same request.
 """
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -610,9 +611,11 @@ def test_openapi_documents_the_request_bodies(servers):
 def test_a_dropped_app_frees_its_service_and_its_parse_threads(servers):
     """An application builds a service and its app, serves it on its own uvicorn, stops and drops
     both, three times (a model reload, a blue/green swap): each app's parse threads end when uvicorn
-    stops (the app's lifespan), and every service (its reranker: weights, cache pool) is freed.
+    stops (the app's shutdown handler), and every service (its reranker: weights, cache pool) is freed.
     The route handlers closed over the service, and FastAPI's module-level caches keyed by handler
-    (about 4,096 entries) kept every dropped app's service alive with one parse thread each."""
+    (about 4,096 entries) kept every dropped app's service alive with one parse thread each. The
+    application's own start-up and shutdown handlers still run (a ``lifespan=`` of the app's own
+    silenced them: FastAPI runs them in its default lifespan only)."""
     def parse_threads():
         return {t for t in threading.enumerate() if t.name.startswith("acarerank-parse")}
 
@@ -620,11 +623,15 @@ def test_a_dropped_app_frees_its_service_and_its_parse_threads(servers):
     for cycle in range(3):
         svc = RerankService(PointwiseReranker(model=servers["model"]), "tiny-dropped", max_batch_tokens=256).start()
         app = create_app(svc)
+        events = []
+        for event in ("startup", "shutdown"):   # docs/serving.md: an application stops its service in one
+            app.router.add_event_handler(event, functools.partial(events.append, event))
         before = parse_threads()
         with thread_server(app) as base:
             r = httpx.post(base + "/v1/rerank", json=dict(query="q", documents=["a", "b c"]), timeout=60)
             assert r.status_code == 200, r.text
             assert parse_threads() - before, "the request was parsed on no thread of the app's pool"
+        assert events == ["startup", "shutdown"], f"cycle {cycle}: the application's event handlers ran {events}"
         deadline = time.monotonic() + 30   # the app is still held here
         while parse_threads() - before and time.monotonic() < deadline:
             time.sleep(0.05)
