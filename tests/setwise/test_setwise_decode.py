@@ -248,6 +248,22 @@ def test_free_steps_choose_in_bounded_row_chunks(qwen3_tokenizer, monkeypatch):
     assert len({tuple(o) for o in ours}) > 1  # the rows differ: a chunk mixed up with another would show
 
 
+def test_batch_invariant_free_steps_chunk_in_whole_tiles(qwen3_tokenizer, monkeypatch):
+    """In batch-invariant mode the logits run on zero-padded tiles of INVARIANT_ROWS rows: chunks of
+    27 rows paid for 64 each (free decoding 2.2x slower); they are whole tiles, the same tokens."""
+    from acarerank.model.runner import INVARIANT_ROWS
+
+    runner = Qwen3Runner.from_hf(tiny_model(seed=0), batch_invariant=True)
+    prompts = _prompts(qwen3_tokenizer, [f"{i}: {TEXTS[i % 3]}" for i in range(2 * INVARIANT_ROWS + 2)])
+    rows = []
+    real = runner.logits
+    monkeypatch.setattr(runner, "logits", lambda h, *a: (rows.append(h.shape[0]), real(h, *a))[1])
+    ours = greedy_decode(runner, prompts, max_new_tokens=2)
+    assert rows[:3] == [INVARIANT_ROWS, INVARIANT_ROWS, 2], rows
+    alone = [greedy_decode(runner, [p], max_new_tokens=2)[0] for p in prompts[::43]]
+    assert alone == ours[::43], (alone, ours[::43])   # batch-invariant: a prompt decodes alone as in the batch
+
+
 _GREEDY_PEAK = r"""
 import json, sys
 import torch
