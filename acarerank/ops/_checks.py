@@ -92,6 +92,32 @@ class _NoBackward(torch.autograd.Function):
         return (None, None, None, *_inference_only_backward(grad, likes, ctx.op, ctx.ref))
 
 
+#: the input of every in-place join's no-backward node (``_join_in_place``): a leaf of no elements,
+#: made once (torch.compile cannot make a tensor that requires grad); its backward raises first,
+#: so no gradient ever reaches it
+_JOIN_LEAF = torch.empty(0, requires_grad=True)
+
+
+def _join_in_place(t: torch.Tensor, op: str, ref: str) -> None:
+    """Join ``t``, which an inference-only op is about to update in place, to a no-backward node:
+    an in-place copy into an empty slice of it, so autograd rebases the whole tensor's history on
+    that update and a loss through any of its elements raises (it kept its old history: no error,
+    the gradients of what flowed into it dropped). The node's input is a private empty leaf, not
+    the op's inputs: a KV cache joined on every step of a loop held every step's graph. Once per
+    history (a cache updated step after step is joined once). Not joinable, left as before: an
+    inference tensor, and a view made under no_grad (torch refuses an in-place op with grad on it)."""
+    if torch.compiler.is_compiling():   # neither is_inference() nor a tensor attribute traces
+        t.narrow(-1, 0, 0).copy_(_NoBackward.apply(op, ref, t.new_empty(0), _JOIN_LEAF))
+        return
+    if t.dim() == 0 or t.is_inference() or (t.grad_fn is not None and getattr(t, "_acarerank_joined", None) is t.grad_fn):
+        return
+    try:
+        t.narrow(-1, 0, 0).copy_(_NoBackward.apply(op, ref, t.new_empty(0), _JOIN_LEAF))
+    except RuntimeError:   # a view made under no_grad / inference mode: nothing was written
+        return
+    t._acarerank_joined = t.grad_fn
+
+
 def inference_only(op: str, ref: str, tensors, run, mutated=()):
     """``run()`` (the op's call; a tensor or a tuple) for an op without a backward. Where grad mode
     is on and one of ``tensors`` (None and non-tensors skipped) requires grad, it runs under
@@ -107,18 +133,16 @@ def inference_only(op: str, ref: str, tensors, run, mutated=()):
     if not need:
         return run()
     mutated = [(name, t) for name, t in mutated if t is not None]
+    compiling = torch.compiler.is_compiling()
     for name, t in mutated:
-        if t.is_leaf and t.requires_grad:
-            raise ValueError(f"{op}: {name} is updated in place and is a leaf tensor that requires grad; "
-                             f"pass a copy ({name}.clone()) or call it under torch.no_grad()")
+        base = t if compiling or t._base is None else t._base
+        if t.requires_grad and base.is_leaf and base.requires_grad:
+            raise ValueError(f"{op}: {name} is updated in place and is a leaf tensor that requires grad (or a "
+                             f"view of one); pass a copy ({name}.clone()) or call it under torch.no_grad()")
+    for _, t in mutated:   # before the op: a refusal of torch's then comes before anything is written
+        _join_in_place(t, op, ref)
     with torch.no_grad():
         out = run()
-    for _, t in mutated:
-        # joined by multiplying one element in place by a 1 that carries the no-backward node: autograd
-        # rebases the whole tensor's history on that update, so a loss through any element raises (it
-        # kept its old history: no error, the inputs' gradients dropped). One element, not all of a KV
-        # cache; an in-place op, not mark_dirty, which torch.compile did not carry to a graph input
-        t.view(-1)[:1].mul_(_NoBackward.apply(op, ref, torch.ones((), dtype=t.dtype, device=t.device), *need))
 
     def join(o):
         return _NoBackward.apply(op, ref, o, *need) if isinstance(o, torch.Tensor) and o.is_floating_point() else o

@@ -7,6 +7,8 @@ used to fail with torch's "no autograd formula was registered" for an internal o
 no_grad / inference_mode they run and match their reference.
 """
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -232,6 +234,53 @@ def test_an_argument_updated_in_place_that_is_a_leaf_requiring_grad_is_refused_u
     with torch.no_grad():
         fused_add_rms_norm(x, residual, w)
     torch.testing.assert_close(residual.detach(), before + x.detach(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_joining_in_place_updates_holds_no_graph_and_breaks_no_call_that_ran(backend):
+    """The join of an updated argument (above) must not cost what an inference loop that forgot
+    no_grad had before it: (1) a KV cache written step after step held every step's graph (its
+    join node's edges went to the op's inputs: 50 steps, 50 matmuls' saved activations alive);
+    (2) a cache made under inference_mode (as the runner's pool is) or a view of one taken under
+    no_grad failed after the op had written it. A view of a leaf that requires grad is refused
+    before anything is written, as a leaf is."""
+    cos, sin = _rope_tables(T)
+    qw, kw = torch.nn.Parameter(_r(D)), torch.nn.Parameter(_r(D))
+    k_cache, v_cache = torch.zeros(2, 8, HKV, D), torch.zeros(2, 8, HKV, D)
+    W = torch.nn.Parameter(_r((HQ + 2 * HKV) * D, D))
+    alive = []
+    for step in range(20):
+        x = _r(T, D)
+        qkv = x @ W.T   # saves x for W's gradient: held as long as the graph is
+        alive.append(weakref.ref(x))
+        qk_norm_rope(qkv, qw, kw, cos, sin, HQ, HKV, backend=backend, k_cache=k_cache, v_cache=v_cache,
+                     slots=torch.arange(T) + step % 3)
+        del x, qkv
+    gc.collect()
+    held = sum(r() is not None for r in alive)
+    assert held == 0, f"{held} of 20 steps' graphs held by the KV cache they wrote"
+    with pytest.raises(InferenceOnlyError, match=r"^qk_norm_rope is inference-only"):
+        k_cache.sum().backward()
+
+    x0 = _r(T, (HQ + 2 * HKV) * D)
+    with torch.inference_mode():
+        pool = torch.zeros(2, 8, HKV, D)
+    with torch.no_grad():
+        view = torch.zeros(4, 8, HKV, D)[:2]
+    want = qk_norm_rope_ref(x0, qw.detach(), kw.detach(), cos, sin, HQ, HKV, 1e-6)[1]
+    for name, cache in (("an inference tensor", pool), ("a view made under no_grad", view)):
+        if backend == "torch" and cache.is_inference():
+            continue   # the torch backend's own in-place ops refuse it outside inference_mode, as torch does
+        qk_norm_rope(x0, qw, kw, cos, sin, HQ, HKV, backend=backend, k_cache=cache, v_cache=torch.zeros_like(cache),
+                     slots=torch.arange(T))
+        torch.testing.assert_close(cache.view(-1, HKV, D)[:T], want, atol=1e-5, rtol=1e-5, msg=name)
+
+    leaf = _r(T + 2, D).requires_grad_()
+    residual = leaf[:T]
+    with pytest.raises(ValueError, match=r"^fused_add_rms_norm: residual is updated in place and is a leaf tensor "
+                                         r"that requires grad \(or a view of one\)"):
+        fused_add_rms_norm(_r(T, D), residual, qw, backend=backend)
+    assert torch.equal(leaf.detach()[:T], residual.detach()), "refused after writing"
 
 
 def test_a_compiled_fused_add_joins_the_updated_residual_too():
