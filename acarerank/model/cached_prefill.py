@@ -224,8 +224,10 @@ class ChunkedPrefill:
     — also after a ``step`` that raised: its pages (pinned and reserved) are all in ``cache``, and
     a later ``step`` may retry (rows reserved and not committed are simply written again).
     ``reserve_tokens`` as in ``prefill_cached``. ``private``: skip the cache and compute the whole
-    prefix in a private pool, counted on ``slot`` as computed but not as a lookup — the redo of a
-    prefix already looked up (a selection whose decode ran out of the cache's pages).
+    prefix in a private pool — the redo of a prefix already looked up (a selection whose decode ran
+    out of the cache's pages), counted on ``slot`` as another lookup served by no cache, as
+    ``prefill_cached`` counts a prefix with the cache off: counted as computed alone, it gave
+    hit + computed over lookup (1,617 tokens past, docs/ARCHITECTURE.md "Prefix cache").
     """
 
     def __init__(self, runner, slot: CacheSlot, prefix: Sequence[int], salt: Optional[Hashable] = None,
@@ -247,8 +249,7 @@ class ChunkedPrefill:
                 self.cache.free()  # computed privately from the start, as a step would after PoolExhausted
                 self._private()
         else:
-            if not private:
-                slot.count(uncached_lookup=len(self.prefix))
+            slot.count(uncached_lookup=len(self.prefix))
             self._private()
         self.pos = self.hit
         self._completed = False

@@ -108,8 +108,15 @@ class PrefixCache:
     def insert(self, salt: Optional[Hashable], tokens: Sequence[int], blocks: Sequence[int]) -> int:
         """Record that ``blocks[i]`` holds the K/V of ``tokens``' i-th full block; returns nodes added.
 
-        A block already in the tree under the same path is kept (the caller's copy stays the
-        caller's); a new node takes one reference to the caller's block.
+        A new node takes one reference to the caller's block. Where the tree already holds another
+        block under the same path (a batch-invariant match is cut down to ``prefix_align`` and the
+        pages past the cut computed again; or two calls computed one prefix at once), the node
+        adopts the caller's block when the tree held the only reference to its own: that copy is
+        freed now. Kept, it sat above the caller's pinned pages, an interior node eviction never
+        reaches while they are pinned, and ``available_blocks`` had counted it as free: a setwise
+        decode ran out of pages and computed its 1,617-token prompt again. A block someone else
+        still reads stays (the caller's copy stays the caller's). The two copies hold the same
+        K/V: in batch-invariant mode to the bit (docs/ARCHITECTURE.md, "Prefix cache").
         """
         keys = self._keys(tokens)
         if len(blocks) < len(keys):
@@ -129,6 +136,10 @@ class PrefixCache:
                     self.pool.incref([b])
                     child = node.children[key] = _Node(key, b, node)
                     added += 1
+                elif child.block != b and self.pool.refcount[child.block] == 1:
+                    self.pool.incref([b])
+                    self.pool.decref([child.block])  # the tree's only reference: the duplicate is freed
+                    child.block = b
                 child.last_access = now
                 node = child
             self._num_nodes += added

@@ -249,7 +249,7 @@ class SetwiseReranker(RerankerBase):
                 return st.decoder.step()
             except PoolExhausted:
                 enc = st.encoding
-                # the prompt is computed again (counted as computed: the same lookup, not a new one);
+                # the prompt is computed again (another lookup, served by no cache, and its tokens computed);
                 # its private pool first: if that cannot be had (out of memory) the step raises with
                 # the decoder and its pages as they were, and a retried step resumes (freed first,
                 # the retry stepped the old decoder over an empty cache: a selection of no prompt)
@@ -426,8 +426,10 @@ class SetwiseReranker(RerankerBase):
                 gen = decode(cache)
             except PoolExhausted:  # the cache's pool filled up with pinned pages mid-decode: redo privately
                 cache.free()
+                # counted as prefill_cached counts a private one: a lookup first, then its computed tokens
+                self._cache_slot.count(uncached_lookup=sum(map(len, prefixes)))
                 cache = self.runner.prefill(prefixes, reserve_tokens=reserve)
-                self._cache_slot.count(computed=sum(map(len, prefixes)))  # as prefill_cached counts a private one
+                self._cache_slot.count(computed=sum(map(len, prefixes)))
                 gen = decode(cache)
         finally:
             cache.free()  # decoded rows were private pages; cached prompt pages stay in the tree

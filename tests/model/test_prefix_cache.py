@@ -194,6 +194,44 @@ def test_a_long_salt_is_not_held_by_the_tree():
     pool.decref(more)
     assert short in {k for k, _ in tree.paths()}
 
+def test_insert_adopts_the_callers_copy_of_a_page_only_the_tree_holds():
+    """A batch-invariant match is cut down to prefix_align and the caller computes its own copy of
+    the pages past the cut. Kept, the tree's old copy sat above the caller's pinned pages, an
+    interior node eviction never reaches, though available_blocks counted it as free (a setwise
+    decode then ran out of pages and computed its prompt again). insert adopts the caller's copy
+    where the tree held the only reference to its own (that one is freed at once); a page someone
+    else still reads stays the tree's."""
+    bs = 2
+    pool = BlockPool(1, 8, bs, 1, 1, torch.float32, "cpu")
+    tree = PrefixCache(pool)
+    tokens = list(range(3 * bs))
+    old = tree.allocate(2)
+    tree.insert(None, tokens[:2 * bs], old)
+    pool.decref(old)                                 # the first call is done: only the tree holds them
+    mine = tree.allocate(3)                          # the second call's own copies (its match was cut to 0)
+    assert pool.num_free == 3 and tree.available_blocks() == 3 + 2
+    tree.insert(None, tokens, mine)
+    got = [tree.paths()[(None, tuple(tuple(tokens[i:i + bs]) for i in range(0, j, bs)))] for j in (2, 4, 6)]
+    assert got == mine, f"the tree kept {got}, not the caller's copies {mine}"
+    assert pool.num_free == 5 and all(pool.refcount[b] == 0 for b in old), [pool.refcount[b] for b in old]
+    assert tree.available_blocks() == 5, "what the fit check counted as free must be free"
+    assert tree.allocate(5) and pool.num_free == 0   # the caller's pages stay pinned; the rest all serve
+    pool.decref(mine)
+    # a page another call still reads (matched, pinned) stays the tree's; the caller's copy stays the caller's
+    tree.evict(8)
+    pool.decref([b for b in range(8) if pool.refcount[b] > 0])
+    assert pool.num_free == 8 and tree.resident_tokens == 0
+    old = tree.allocate(1)
+    tree.insert(None, tokens[:bs], old)
+    pool.decref(old)
+    reader = tree.match(None, tokens[:bs])
+    assert reader == old
+    mine = tree.allocate(2)
+    tree.insert(None, tokens[:2 * bs], mine)
+    assert list(tree.paths().values()).count(old[0]) == 1 and mine[0] not in tree.paths().values(), tree.paths()
+    assert pool.refcount[mine[0]] == 1 and pool.refcount[old[0]] == 2, (pool.refcount[mine[0]], pool.refcount[old[0]])
+
+
 # -- the reranker: cached == uncached ----------------------------------------------------
 QUESTION = "Which optimisation lets a setwise reranker learn from a tutor's hints during RL?"
 STEP = ("Step {i}: I searched for reranker training with hints and read source {i}; it says the "

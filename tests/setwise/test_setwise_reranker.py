@@ -449,7 +449,8 @@ def test_a_selection_restarted_privately_counts_its_recomputed_prompt(model, qwe
     without a prefix cache gives. The restart computes the whole prompt again; those tokens count
     as computed (the counters read the same with the cache or without it, docs/ARCHITECTURE.md
     "Paged KV and the prefix cache"): they went uncounted, so computed_tokens said 889 after a
-    call that ran 1,778 prompt tokens through the model."""
+    call that ran 1,778 prompt tokens through the model. The restart is another lookup: counted
+    as computed alone, hit + computed passed lookup by the prompt."""
     monkeypatch.setattr(cached_prefill, "_fits", lambda *a: True)
     docs, q = [f"doc {i} about {i % 5}" for i in range(23)], "which?"
     plain = SetwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False)
@@ -462,7 +463,8 @@ def test_a_selection_restarted_privately_counts_its_recomputed_prompt(model, qwe
     assert RESTARTS[how](sr, q, docs) == want
     stats = sr.cache_stats()
     assert stats["hit_tokens"] == 0 and stats["computed_tokens"] == 2 * prompt, stats  # cached, then private
-    assert stats["lookup_tokens"] == prompt, stats  # the restart is the same lookup, not a new one
+    # the restart is another lookup, served by no cache: hit + computed never passes lookup
+    assert stats["lookup_tokens"] == 2 * prompt, stats
     assert all(c <= 1 for c in sr._cache_slot.get().pool.refcount), "a page is still pinned"  # the tree's only
 
 
@@ -499,6 +501,68 @@ def test_a_prompt_that_cannot_fit_the_cache_is_computed_privately_once(model, qw
     stats = sr.cache_stats()
     assert stats["computed_tokens"] == prompt and stats["lookup_tokens"] == prompt, stats
     assert all(c <= 1 for c in sr._cache_slot.get().pool.refcount), "a page is still pinned"
+
+
+FREE = {"select": lambda sr, q, docs: sr.select(q, docs, max_select=3, constrained=False),
+        "select_batch": lambda sr, q, docs: sr.select_batch([q], [docs], max_select=3, constrained=False)[0],
+        "steps": lambda sr, q, docs: _steps_until_done(sr, sr.start_select(sr.encode_select(q, docs, max_select=3,
+                                                                                            constrained=False)))}
+
+
+@pytest.mark.parametrize("how", FREE)
+def test_a_batch_invariant_match_cut_to_the_alignment_leaves_no_page_stuck(model, qwen3_tokenizer, how):
+    """batch_invariant=True: the second prompt shares 491 tokens (30 pages) with the first, under
+    prefix_align (512), so its match is cut to nothing and it computes its own copies of those
+    pages. The tree kept its old copies, above the new prompt's pinned pages where eviction never
+    reaches, though the fit check had counted them as free: with a budget of exactly the pages the
+    check asks for, the decode ran out of pages and the whole prompt was computed again (751 tokens
+    twice, hit + computed 751 over lookup). Now the tree adopts the new copies (the same bits,
+    docs/ARCHITECTURE.md "Prefix cache": checked here against the old copies), every prompt token is
+    computed once, and the selections are those of a reranker without a cache."""
+    from acarerank.model.runner import Qwen3Runner
+
+    runner = Qwen3Runner.from_hf(model, batch_invariant=True)
+    plain = SetwiseReranker(runner=runner, tokenizer=qwen3_tokenizer, prefix_cache=False, max_new_tokens=16)
+    q = "which one one one one one?"
+    calls = [(q, DOCS[:4]), (q, DOCS[:8])]
+    want = [FREE[how](plain, *c) for c in calls]
+    first, second = (plain.encode_select(qq, d, max_select=3, constrained=False).prompt for qq, d in calls)
+    shared = next(i for i, (a, b) in enumerate(zip(first.input_ids, second.input_ids)) if a != b)
+    bs, prompt = runner.block_size, len(second.input_ids) - 1
+    assert bs <= shared < runner.prefix_align, (shared, runner.prefix_align)  # the match is cut to 0
+    need = -(-(prompt + plain._reserve([second], 3, False) - 1) // bs)  # the fit check's pages
+    assert prompt % bs == bs - 1, "the decode's second row must need a page past the prefill's"
+    sr = SetwiseReranker(runner=runner, tokenizer=qwen3_tokenizer, cache_budget_tokens=need * bs, max_new_tokens=16)
+    assert FREE[how](sr, *calls[0]) == want[0]
+    pc = sr._cache_slot.get()
+    keys = [tuple(first.input_ids[i:i + bs]) for i in range(0, shared - bs + 1, bs)]
+    old = {p: [t[b].clone() for t in pc.pool.k + pc.pool.v] for (_, p), b in pc.paths().items()
+           if p == tuple(keys[:len(p)])}
+    assert len(old) == shared // bs, (len(old), shared // bs)
+    rows = []
+    real = type(runner)._forward
+
+    def counting(self, cache, ids, groups, output, append):
+        if output == "none":
+            rows.append(sum(t.numel() for t in ids))
+        return real(self, cache, ids, groups, output, append)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(type(runner), "_forward", counting)
+    try:
+        assert FREE[how](sr, *calls[1]) == want[1]
+    finally:
+        mp.undo()
+    assert sum(rows) == prompt, f"{sum(rows)} prompt rows computed for a {prompt}-token prompt: {rows}"
+    stats = sr.cache_stats()
+    assert stats["hit_tokens"] + stats["computed_tokens"] <= stats["lookup_tokens"], stats
+    assert stats["computed_tokens"] == len(first.input_ids) - 1 + prompt, stats
+    now = {p: b for (_, p), b in pc.paths().items()}
+    assert all(p in now for p in old), "the new prompt's pages are all in the tree"
+    bad = [len(p) for p, kv in old.items()
+           if not all(torch.equal(t[now[p]], c) for t, c in zip(pc.pool.k + pc.pool.v, kv))]
+    assert not bad, f"the shared pages {bad} computed again differ from the tree's old copies"
+    assert all(c <= 1 for c in pc.pool.refcount), "a page is still pinned"
 
 
 @pytest.mark.parametrize("constrained", [True, False])
