@@ -109,13 +109,17 @@ def _join_in_place(t: torch.Tensor, op: str, ref: str) -> None:
     if torch.compiler.is_compiling():   # neither is_inference() nor a tensor attribute traces
         t.narrow(-1, 0, 0).copy_(_NoBackward.apply(op, ref, t.new_empty(0), _JOIN_LEAF))
         return
-    if t.dim() == 0 or t.is_inference() or (t.grad_fn is not None and getattr(t, "_acarerank_joined", None) is t.grad_fn):
+    # a view (a layer's pages of a pool) gets a new grad_fn at each access once its base changed:
+    # the mark goes on the base, whose history the join rebased
+    base = t._base if t._base is not None else t
+    if t.dim() == 0 or t.is_inference() or (base.grad_fn is not None
+                                            and getattr(base, "_acarerank_joined", None) is base.grad_fn):
         return
     try:
         t.narrow(-1, 0, 0).copy_(_NoBackward.apply(op, ref, t.new_empty(0), _JOIN_LEAF))
     except RuntimeError:   # a view made under no_grad / inference mode: nothing was written
         return
-    t._acarerank_joined = t.grad_fn
+    base._acarerank_joined = base.grad_fn
 
 
 def inference_only(op: str, ref: str, tensors, run, mutated=()):

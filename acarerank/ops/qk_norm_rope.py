@@ -88,14 +88,20 @@ def _check_pages(qkv, k_cache, v_cache, slots, num_kv_heads, d):
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"{op}: k_cache and v_cache must be contiguous (strides {k_cache.stride()} and "
                          f"{v_cache.stride()})")
-    ptrs = [t.untyped_storage().data_ptr() for t in (k_cache, v_cache, qkv) if t.numel()]
-    if len(set(ptrs)) != len(ptrs):  # (empty tensors hold no memory to share)
-        raise ValueError(f"{op}: k_cache, v_cache and qkv must not share memory")
-    T, capacity = qkv.shape[0], k_cache.shape[0] * k_cache.shape[1]
+    T = qkv.shape[0]
     if slots.dtype != torch.int64:
         raise TypeError(f"{op}: slots must be int64, got {slots.dtype}")
     if slots.dim() != 1 or slots.shape[0] != T:
         raise ValueError(f"{op}: slots must be [T] = [{T}], got {tuple(slots.shape)}")
+
+
+def _check_page_data(op, qkv, k_cache, v_cache, slots):
+    """The checks of the page write that read memory addresses and slot values: in the wrapper in
+    eager calls; under torch.compile (which can trace neither) inside the registered op, when it runs."""
+    ptrs = [t.untyped_storage().data_ptr() for t in (k_cache, v_cache, qkv) if t.numel()]
+    if len(set(ptrs)) != len(ptrs):  # (empty tensors hold no memory to share)
+        raise ValueError(f"{op}: k_cache, v_cache and qkv must not share memory")
+    T, capacity = qkv.shape[0], k_cache.shape[0] * k_cache.shape[1]
     if T:
         bad = ((slots < 0) | (slots >= capacity)).nonzero()
         if bad.numel():
@@ -160,7 +166,8 @@ def _torch_norm_rope(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads,
     return norm_rope(q, q_weight), norm_rope(k, k_weight), v.contiguous()
 
 
-def _fake(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps, k_cache=None, v_cache=None, slots=None):
+def _fake(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps, k_cache=None, v_cache=None, slots=None,
+          check_pages=False):
     T, d = qkv.shape[0], q_weight.shape[0]
     return (qkv.new_empty(T, num_heads, d), qkv.new_empty(T, num_kv_heads, d), qkv.new_empty(T, num_kv_heads, d))
 
@@ -172,9 +179,13 @@ OP = native_first_decl("qk_norm_rope", _torch_backend, _fake, aliases=("rope",))
 def qk_norm_rope_op(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float, backend: str,
                     k_cache: Optional[torch.Tensor] = None, v_cache: Optional[torch.Tensor] = None,
-                    slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    slots: Optional[torch.Tensor] = None,
+                    check_pages: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The registered op (torch.compile-opaque; mutates the caches when given); ``backend`` is
-    already resolved."""
+    already resolved. ``check_pages``: run ``_check_page_data`` first (a compiled caller's wrapper
+    could not)."""
+    if check_pages and k_cache is not None:
+        _check_page_data("qk_norm_rope", qkv, k_cache, v_cache, slots)
     q, k, v = OP.impl(backend)(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads, eps, k_cache=k_cache,
                                v_cache=v_cache, slots=slots)
     if v.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr():
@@ -194,11 +205,14 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     _check(qkv, q_weight, k_weight, cos, sin, num_heads, num_kv_heads)
     check_eps("qk_norm_rope", eps)
     _check_pages(qkv, k_cache, v_cache, slots, num_kv_heads, q_weight.shape[0])
+    compiling = torch.compiler.is_compiling()
+    if k_cache is not None and not compiling:
+        _check_page_data("qk_norm_rope", qkv, k_cache, v_cache, slots)
     name = resolve_elementwise(OP, backend, qkv.device, qkv.dtype, head_dim=q_weight.shape[0])
     if name == "native":
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     return inference_only("qk_norm_rope", "qk_norm_rope_ref", (qkv, q_weight, k_weight, cos, sin, k_cache, v_cache),
                           lambda: qk_norm_rope_op(qkv, q_weight.contiguous(), k_weight.contiguous(), cos, sin,
                                                   num_heads, num_kv_heads, float(eps), name, k_cache=k_cache,
-                                                  v_cache=v_cache, slots=slots),
+                                                  v_cache=v_cache, slots=slots, check_pages=compiling),
                           mutated=(("k_cache", k_cache), ("v_cache", v_cache)))

@@ -236,6 +236,17 @@ def test_an_argument_updated_in_place_that_is_a_leaf_requiring_grad_is_refused_u
     torch.testing.assert_close(residual.detach(), before + x.detach(), atol=0, rtol=0)
 
 
+def _graph_nodes(fn) -> int:
+    """The autograd nodes reachable from ``fn``."""
+    seen, todo = set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            todo += [g for g, _ in f.next_functions]
+    return len(seen)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_joining_in_place_updates_holds_no_graph_and_breaks_no_call_that_ran(backend):
     """The join of an updated argument (above) must not cost what an inference loop that forgot
@@ -246,21 +257,24 @@ def test_joining_in_place_updates_holds_no_graph_and_breaks_no_call_that_ran(bac
     before anything is written, as a leaf is."""
     cos, sin = _rope_tables(T)
     qw, kw = torch.nn.Parameter(_r(D)), torch.nn.Parameter(_r(D))
-    k_cache, v_cache = torch.zeros(2, 8, HKV, D), torch.zeros(2, 8, HKV, D)
+    k_pool, v_pool = torch.zeros(2, 2, 8, HKV, D), torch.zeros(2, 2, 8, HKV, D)   # [layer, pages, ...]
     W = torch.nn.Parameter(_r((HQ + 2 * HKV) * D, D))
-    alive = []
+    alive, nodes = [], []
     for step in range(20):
         x = _r(T, D)
         qkv = x @ W.T   # saves x for W's gradient: held as long as the graph is
         alive.append(weakref.ref(x))
-        qk_norm_rope(qkv, qw, kw, cos, sin, HQ, HKV, backend=backend, k_cache=k_cache, v_cache=v_cache,
-                     slots=torch.arange(T) + step % 3)
+        for layer in range(2):   # each layer's pages a fresh view of the pool, as a runner passes them
+            qk_norm_rope(qkv, qw, kw, cos, sin, HQ, HKV, backend=backend, k_cache=k_pool[layer],
+                         v_cache=v_pool[layer], slots=torch.arange(T) + step % 3)
+        nodes.append(_graph_nodes(k_pool.grad_fn))
         del x, qkv
     gc.collect()
     held = sum(r() is not None for r in alive)
     assert held == 0, f"{held} of 20 steps' graphs held by the KV cache they wrote"
+    assert nodes[-1] == nodes[0], f"the pool's graph grew with the calls: {nodes} nodes (a view joined each time)"
     with pytest.raises(InferenceOnlyError, match=r"^qk_norm_rope is inference-only"):
-        k_cache.sum().backward()
+        k_pool.sum().backward()
 
     x0 = _r(T, (HQ + 2 * HKV) * D)
     with torch.inference_mode():
@@ -281,6 +295,34 @@ def test_joining_in_place_updates_holds_no_graph_and_breaks_no_call_that_ran(bac
                                          r"that requires grad \(or a view of one\)"):
         fused_add_rms_norm(_r(T, D), residual, qw, backend=backend)
     assert torch.equal(leaf.detach()[:T], residual.detach()), "refused after writing"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qk_norm_rope_writing_pages_compiles_in_one_graph_and_still_refuses_bad_slots(backend):
+    """docs/api.md: the layer ops behave the same under torch.compile(fullgraph=True); the page
+    write's checks read storage addresses and slot values, which dynamo cannot trace (Unsupported).
+    Compiled, they run in the registered op: the same pages as eager, a bad slot refused unwritten."""
+    cos, sin = _rope_tables(T)
+    qkv, qw, kw = _r(T, (HQ + 2 * HKV) * D), _r(D), _r(D)
+    slots = torch.tensor([0, 5, 6, 2, 9])
+
+    def write(qkv, k_cache, v_cache, slots):
+        return qk_norm_rope(qkv, qw, kw, cos, sin, HQ, HKV, backend=backend, k_cache=k_cache, v_cache=v_cache,
+                            slots=slots)
+
+    want_k, want_v = torch.zeros(2, 8, HKV, D), torch.zeros(2, 8, HKV, D)
+    want = write(qkv, want_k, want_v, slots)
+    torch._dynamo.reset()
+    compiled = torch.compile(write, backend="aot_eager", fullgraph=True)
+    k_cache, v_cache = torch.zeros(2, 8, HKV, D), torch.zeros(2, 8, HKV, D)
+    got = compiled(qkv, k_cache, v_cache, slots)
+    for name, a, b in (("q", got[0], want[0]), ("k", got[1], want[1]), ("k_cache", k_cache, want_k),
+                       ("v_cache", v_cache, want_v)):
+        assert torch.equal(a, b), f"{name}: compiled differs from eager by {(a - b).abs().max():.3e}"
+    k_cache.zero_()
+    with pytest.raises(ValueError, match=r"slots\[1\] = 16 is outside the caches' \[0, 16\)"):
+        compiled(qkv, k_cache, v_cache, torch.tensor([0, 16, 6, 2, 9]))
+    assert not k_cache.any(), "a refused call wrote pages"
 
 
 def test_a_compiled_fused_add_joins_the_updated_residual_too():
