@@ -10,9 +10,11 @@ csrc/cpu/attn_tiles.h, "GEMMs"), and importing acarerank caps both linear caches
 
 The check is what a server would see: random lengths, one call each, in a fresh process (its
 caches start empty; the bf16 attention path is read once per process; the cache variables not
-set, so that only the package's own bound applies): 400 calls, then 400 more, and the second
+set, so that only the package's own bound applies): 200 calls, then 200 more, and the second
 round must grow RSS by less than 32 MB. Without the bounds (EPYC, 2026-12-02): attention fp32
-+280-340 MB a round, 1.2 GB over 2,000 calls; linear +200-220 MB a round.
++280-340 MB a round of 400, 1.2 GB over 2,000 calls (~0.6 MB a call: ~120-170 MB a round of
+200); linear +200-220 MB a round of 400, and +112-144 MB a round of 200 with the caches at
+oneDNN's default 1,024 entries (2026-12-07); with them, a second round of 200 grew by 0-7 MB.
 """
 import json
 import os
@@ -29,7 +31,7 @@ from acarerank.ops.linear import onednn_why_unavailable
 
 ONEDNN_DTYPES = [n for n in ("float32", "bfloat16") if not onednn_why_unavailable(getattr(torch, n))]
 
-ROUND, GROWTH_MB = 400, 32
+ROUND, GROWTH_MB = 200, 32
 
 
 

@@ -2,13 +2,19 @@
 dropped) and the process exits 0, even with a client still sending its body.
 
 One subprocess server (the CLI, a tiny checkpoint, ``--drain-timeout 2``). Three requests of
-1,000 documents of ~7,200 characters each (one document per pass: ``--max-batch-tokens 64``;
-``--max-request-chars`` raised to let them in) keep the engine busy far past the deadline — one
-alone takes ~11 s on a 2-core Zen 5 EPYC (2026-12-06). Documents of ~2,400 characters took ~6 s
-on 2026-12-02 but 2.5–2.7 s on the Zen 5 with 2 threads, and a request finished inside the drain
-(a 200 where the test wants 503: fresh-clone CI at a0cb05b); ~370 characters took 1.8 s. A
-fourth client sends its head and half of its body, then nothing (in flight for the drain, not
-admitted: its body is not whole).
+1,000 documents (``--max-documents``) of ~1,700 characters (~350 tokens) under a query of
+~32,000 characters (~6,400 tokens; one document per pass: ``--max-batch-tokens 64``;
+``--max-request-chars`` raised to let them in) keep the engine busy far past the deadline. Every
+document's pass attends to the whole query, so a document costs the engine as much as a
+~7,200-character one under a short query (one such request took ~11 s on a 2-core Zen 5 EPYC,
+2026-12-06) at a third of the tokenizing, the test's and the server's (3x): on a loaded 2-core
+box (2026-12-07) ~39 ms a document in the engine against ~0.6 ms tokenizing it, where the
+~7,200-character ones took 23-30 ms and 1.8 ms. The three are admitted sooner, so the drain
+cuts the first request earlier in the same work. Documents of ~2,400 characters under a short
+query took ~6 s on 2026-12-02 but 2.5–2.7 s on the Zen 5 with 2 threads, and a request finished
+inside the drain (a 200 where the test wants 503: fresh-clone CI at a0cb05b); ~370 characters
+took 1.8 s. A fourth client sends its head and half of its body, then nothing (in flight for
+the drain, not admitted: its body is not whole).
 ``--max-queue-tokens`` holds two of the three: the third waits for room in it (a wait the drain
 ends as it ends the rest, 503).
 """
@@ -35,8 +41,9 @@ MARGIN = 5.0   # seconds of slack for the exit on a loaded machine
 def test_drain_deadline_answers_503_and_exits(tmp_path):
     model = tiny_model()
     model.save_pretrained(tmp_path)
-    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 120 for i in range(1000)]
-    enc = PointwiseReranker(model=model).encode(ScoreRequest("drain 0", docs))
+    docs = [f"document {i}: " + "the tutor gives the reranker a hint about bread and rivers " * 28 for i in range(1000)]
+    question = " what does the tutor say about bread" * 900   # the long shared part (module docstring)
+    enc = PointwiseReranker(model=model).encode(ScoreRequest("drain 0" + question, docs))
     tokens = len(enc.shared_ids) + sum(map(len, enc.segment_ids))   # what --max-queue-tokens counts
     out = {}
     with serve_subprocess("--model", str(tmp_path), "--dtype", "float32", "--max-batch-tokens", "64",
@@ -45,7 +52,8 @@ def test_drain_deadline_answers_503_and_exits(tmp_path):
         port = int(base.rsplit(":", 1)[1])
 
         def long_request(k):
-            out[k] = httpx.post(base + "/v1/rerank", json=dict(query=f"drain {k}", documents=docs), timeout=120)
+            out[k] = httpx.post(base + "/v1/rerank", json=dict(query=f"drain {k}" + question, documents=docs),
+                                timeout=120)
 
         threads = [threading.Thread(target=long_request, args=(k,)) for k in range(3)]
         for t in threads:

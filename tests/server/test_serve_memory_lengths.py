@@ -24,13 +24,14 @@ import httpx  # noqa: E402
 from acarerank._onednn_env import VARIABLES  # noqa: E402
 from serve_util import rss_mb, serve_subprocess, tiny_model  # noqa: E402
 
-# 400 requests: passes are at most 256 tokens (--max-batch-tokens), so the row counts a cache could
+# 200 requests: passes are at most 256 tokens (--max-batch-tokens), so the row counts a cache could
 # key on are few and most have come by then. With oneDNN's default capacities (1,024 entries) the
 # server grew by +79 MB (fp32) / +83 MB (bf16) over the first 100 requests, +213 / +239 MB over
 # 400 and +263 / +283 MB over 1,200; with the package's bound it was flat after the first 100
 # (+4 to +5 MB) (Xeon, 2026-12). 1,200 requests took 14 s a dtype there and told nothing more.
-WARMUP, ROUNDS, PER_ROUND = 100, 2, 150
-BOUND_MB = 64     # growth from the server's start to the end, over 400 requests
+# These 200 (50, then 2 x 75): +159 / +158 MB at 1,024 entries, +6 / +4 MB bounded (EPYC, 2026-12-07).
+WARMUP, ROUNDS, PER_ROUND = 50, 2, 75
+BOUND_MB = 64     # growth from the server's start to the end, over 200 requests
 
 
 @contextlib.contextmanager
