@@ -106,8 +106,11 @@ def _join_in_place(t: torch.Tensor, op: str, ref: str) -> None:
     the op's inputs: a KV cache joined on every step of a loop held every step's graph. Once per
     history (a cache updated step after step is joined once). Not joinable, left as before: an
     inference tensor, and a view made under no_grad (torch refuses an in-place op with grad on it)."""
-    if torch.compiler.is_compiling():   # neither is_inference() nor a tensor attribute traces
+    def join():
         t.narrow(-1, 0, 0).copy_(_NoBackward.apply(op, ref, t.new_empty(0), _JOIN_LEAF))
+
+    if torch.compiler.is_compiling():   # neither is_inference() nor a tensor attribute traces
+        join()
         return
     # a view (a layer's pages of a pool) gets a new grad_fn at each access once its base changed:
     # the mark goes on the base, whose history the join rebased
@@ -116,7 +119,7 @@ def _join_in_place(t: torch.Tensor, op: str, ref: str) -> None:
                                             and getattr(base, "_acarerank_joined", None) is base.grad_fn):
         return
     try:
-        t.narrow(-1, 0, 0).copy_(_NoBackward.apply(op, ref, t.new_empty(0), _JOIN_LEAF))
+        join()
     except RuntimeError:   # a view made under no_grad / inference mode: nothing was written
         return
     base._acarerank_joined = base.grad_fn
