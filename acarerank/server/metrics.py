@@ -167,6 +167,13 @@ class ServerMetrics:
                                "admitted (--max-uploads bounds it)", registry=r)
         if not engine:
             return
+        # the HTTP protocol's own closes (protocol.py). No series until a first close: behind Ray
+        # Serve (its proxy holds those limits) a replica's engine series are forwarded, and a 0
+        # there would claim a limit that is not this server's
+        self.connections_closed = Counter("acarerank_connections_closed", "connections the server closed for a "
+                                          "limit, by reason (max_connections: closed as accepted, past "
+                                          "--max-connections; send_timeout: a response left unread past "
+                                          "--send-timeout)", ["reason"], registry=r)
         self.queue_time = Histogram("acarerank_queue_time_seconds", "admission to first pass",
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_size = Gauge("acarerank_queue_size", "requests waiting for their first pass", registry=r)

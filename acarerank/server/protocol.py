@@ -30,9 +30,11 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   close waits for the buffer to drain, and an idle TCP peer is never timed out;
 * a malformed request (bad syntax, duplicate ``Content-Length``) is answered with the JSON
   error shape;
-* each error response written here (400, 408, 431) is counted in the metrics as the gate counts
-  its own (``_count``): a request the gate never saw, its endpoint read from the head's first bytes;
-  one whose body the gate was reading is left to the gate, told the status (``ANSWERED_BY_PROTOCOL``);
+* each connection closed for ``max_connections`` or ``send_timeout`` is counted in
+  ``acarerank_connections_closed_total{reason}``; each error response written here (400, 408,
+  431) is counted in the metrics as the gate counts its own (``_count``): a request the gate never
+  saw, its endpoint read from the head's first bytes; one whose body the gate was reading is left
+  to the gate, told the status (``ANSWERED_BY_PROTOCOL``);
 * a request asking to upgrade its connection (``Upgrade: h2c``, ``websocket``: the server has no
   WebSocket route, front.py) is served as HTTP/1.1 with one log line per ``LOG_EVERY_S`` at most
   (uvicorn wrote one or two per request);
@@ -109,7 +111,8 @@ class _RateLimited:
 def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
     """``HTTPProtocolWithLimits``: a subclass of uvicorn's HTTP protocol class ``base``
     (``uvicorn_http_protocol()``) with the module docstring's limits, for ``uvicorn.Config(http=...)``.
-    metrics: the service's ``ServerMetrics``, which count the error responses written here (None: not counted).
+    metrics: the service's ``ServerMetrics``, which count the error responses written here and the
+    connections closed for a limit (None: not counted).
 
     It reaches into uvicorn's protocol internals — ``server_state.connections``, ``cycle`` (and
     ``cycle.response_complete``), ``transport``, ``loop``, ``timeout_keep_alive_task`` and the
@@ -119,6 +122,16 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
     count_log = _RateLimited()
     unread_log = _RateLimited()
     upgrade_log = _RateLimited()
+
+    def _count_close(reason: str) -> None:
+        """``acarerank_connections_closed_total{reason}``, after the close it counts."""
+        if metrics is None:
+            return
+        try:
+            metrics.connections_closed.labels(reason).inc()
+        except Exception as e:  # noqa: BLE001 — logged; the close came first, the count is only a figure
+            count_log(f"counting a connection closed for {reason} failed: {type(e).__name__}: {e}")
+
     absolute_form = base.__name__ == "HttpToolsProtocol"   # h11's scope["path"] is the whole target
     # the most bytes of a head still arriving handed to the parser at once: httptools has no limit
     # of its own; h11's is 2 x MAX_HEAD_BYTES (front.py), so a head judged under MAX_HEAD_BYTES plus
@@ -144,6 +157,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
                 self._refused = True
                 refused_log(f"{config.max_connections} connections open (--max-connections): closing new ones")
                 transport.abort()
+                _count_close("max_connections")
                 return
             super().connection_made(transport)
             self._arm_head_timer()
@@ -174,6 +188,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             unread_log(f"a client left a response unread for {config.send_timeout:g} s (--send-timeout): "
                        f"connection closed")
             self.transport.abort()   # close() would wait for the buffer to drain
+            _count_close("send_timeout")
 
         def data_received(self, data: bytes) -> None:
             if self._head_timer is None or len(data) <= head_piece:

@@ -158,6 +158,10 @@ def post_raw(port, body: bytes, extra="") -> bytes:
         return data
 
 
+CLOSED_AT_CAP = ("acarerank_connections_closed_total", (("reason", "max_connections"),))
+CLOSED_UNREAD = ("acarerank_connections_closed_total", (("reason", "send_timeout"),))
+
+
 def metrics(base) -> dict:
     out = {}
     for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
@@ -224,6 +228,7 @@ def test_a_client_that_never_reads_its_response_is_cut_off(server):
     the server's memory; --send-timeout later the connection is aborted. Before, the keep-alive
     timer's close waited for the buffer to drain, forever: connection and memory held for good."""
     port = server["port"]
+    counted_before = metrics(server["base"]).get(CLOSED_UNREAD, 0)
     junk = b"[" + b"[]," * 3_300_000 + b"[]]"
     body = b'{"query": "q", "documents": [{"text": "d", "junk": %s}], "return_documents": true}' % junk
     with socket.socket() as s:
@@ -249,11 +254,14 @@ def test_a_client_that_never_reads_its_response_is_cut_off(server):
                                f"unread (--send-timeout): the connection was held ({status})")
     assert "response unread" in server["proc"].output(), server["proc"].output()[-2000:]
     assert health_ok(server["base"])
+    counted = metrics(server["base"]).get(CLOSED_UNREAD, 0) - counted_before
+    assert counted == 1, f"{counted} connections counted closed for --send-timeout, one was"
 
 
 def test_connection_cap_under_descriptor_limit_without_log_storm(server):
     port, proc = server["port"], server["proc"]
     assert f"lowered to {CAP}" in proc.output(), proc.output()[-2000:]
+    counted_before = metrics(server["base"]).get(CLOSED_AT_CAP, 0)
     socks, closed = [], 0
     try:
         for _ in range(CAP + 150):   # more than the descriptor limit allows
@@ -283,6 +291,11 @@ def test_connection_cap_under_descriptor_limit_without_log_storm(server):
     log = proc.output()
     assert "Traceback" not in log and "Too many open files" not in log, log[-3000:]
     assert log.count("connections open (--max-connections)") <= 2, log[-3000:]
+    counted = metrics(server["base"]).get(CLOSED_AT_CAP, 0) - counted_before
+    # every connection closed at the cap is counted; the ones the test saw closed are a lower bound
+    # (a reset may reach the client after its recv), all it opened past the cap an upper one
+    assert closed <= counted <= len(socks), (f"{counted} connections counted closed at the cap, "
+                                             f"{closed} seen closed of {len(socks)} opened (cap {CAP})")
 
 
 # -- errors: always the JSON shape -----------------------------------------------------------------------
