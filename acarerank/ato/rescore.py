@@ -47,7 +47,7 @@ class RescoreQuery:
     the hint is inserted between the two; ``rollouts``: G response token ids (as sampled, may
     end with <|im_end|>); ``hints``: per rollout, the hint text (the teacher text is
     head_text + HINT_SEPARATOR + hint + tail_text) or token ids to insert as given ([] / ""
-    for no hint)."""
+    for no hint); a list of G, never one str (a TypeError: it would be read per character)."""
     prompt_head: Ids
     prompt_tail: Ids
     rollouts: Sequence[Ids]
@@ -231,6 +231,11 @@ def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Ba
         tail = _ids(item.prompt_tail, f"query {q} prompt_tail", vocab_size)
         if not head:
             raise ValueError(f"query {q}: prompt_head is empty (the shared part must hold at least one token)")
+        for field in ("rollouts", "hints"):
+            if isinstance(getattr(item, field), (str, bytes, bytearray)):
+                # one str is not one per rollout: iterated, hints="Keep" gave 4 rollouts 'K', 'e', 'e', 'p'
+                raise TypeError(f"query {q}: {field} must hold one entry per rollout (a list), got a "
+                                f"{type(getattr(item, field)).__name__}")
         if len(item.hints) != len(item.rollouts):
             raise ValueError(f"query {q}: {len(item.rollouts)} rollouts but {len(item.hints)} hints")
         b.heads.append(head)

@@ -215,3 +215,18 @@ def test_a_text_hint_before_a_tail_of_plain_text_is_refused(models, qwen3_tokeni
                   tokenizer=qwen3_tokenizer)
     assert out.logp_teacher.shape == (2, 1)
 
+
+
+def test_one_str_of_hints_or_rollouts_is_refused(models, qwen3_tokenizer):
+    """hints (and rollouts) hold one entry per rollout: one str "Keep" for 4 rollouts passed the
+    length check and each rollout was re-scored with a one-character hint 'K', 'e', 'e', 'p'."""
+    snap, teach = (Qwen3Runner.from_hf(m) for m in models)
+    head = qwen3_tokenizer.encode("<|im_start|>user\nWhich passages answer it?", add_special_tokens=False)
+    rolls = [[5], [6], [7], [8]]
+    for hints in ("Keep", b"Keep"):
+        with pytest.raises(TypeError, match=f"query 0: hints must hold one entry per rollout .*{type(hints).__name__}"):
+            rescore(snap, teach, [RescoreQuery(head, [TOKEN_IM_END], rolls, hints)], tokenizer=qwen3_tokenizer)
+    with pytest.raises(TypeError, match="query 0: rollouts must hold one entry per rollout .*got a str"):
+        rescore(snap, teach, [RescoreQuery(head, [TOKEN_IM_END], "ab", ["", ""])], tokenizer=qwen3_tokenizer)
+    out = rescore(snap, teach, [RescoreQuery(head, [TOKEN_IM_END], rolls, ["Keep"] * 4)], tokenizer=qwen3_tokenizer)
+    assert out.logp_teacher.shape == (4, 1)
