@@ -254,6 +254,17 @@ def test_a_cache_budget_under_one_page_is_refused(qwen3_tokenizer, budget):
                              prefix_cache=False).cache_budget_tokens is None
 
 
+def test_prefix_cache_is_a_bool(qwen3_tokenizer):
+    """prefix_cache is held to bool as batch_invariant / compile_layers are: "false" (a config
+    file's string, truthy) kept the cache on with no word, in both rerankers."""
+    model = random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64)
+    for cls in (PointwiseReranker, SetwiseReranker):
+        for flag in ("false", 0, None):
+            with pytest.raises(TypeError, match=f"prefix_cache must be a bool, got {type(flag).__name__}"):
+                cls(model=model, tokenizer=qwen3_tokenizer, prefix_cache=flag)
+    assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False).cache_budget_tokens is None
+
+
 def test_score_encodings_reports_cache_hits_and_equals_score_batch(qwen3_tokenizer):
     rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64),
                            tokenizer=qwen3_tokenizer)

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from ..ops._checks import check_flag
+
 
 def _as_1d_float(x, name: str) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.float64)
@@ -73,6 +75,7 @@ def grpo_advantage(rewards, group_index, eps: float = 1e-6, unbiased: bool = Tru
     (verl instead sets mean 0 and std 1 for a singleton, i.e. A = r / (1 + eps) — an absolute
     reward leaking into a relative advantage; we do not copy that.)
     """
+    check_flag("grpo_advantage", "unbiased", unbiased)  # "false" is truthy: Bessel's correction with no word
     r = _as_1d_float(rewards, "rewards")
     g = group_index if isinstance(group_index, torch.Tensor) else _group_ids(group_index)
     if g.dim() != 1 or g.shape[0] != r.shape[0]:

@@ -56,8 +56,10 @@ class CacheSlot:
         if budget_tokens is not None and (isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int)
                                           or budget_tokens < 0):
             raise ValueError(f"cache_budget_tokens must be a non-negative int or None, got {budget_tokens!r}")
+        if not isinstance(enabled, bool):  # as batch_invariant / compile_layers: "false" is truthy, the cache stayed on
+            raise TypeError(f"prefix_cache must be a bool, got {type(enabled).__name__} {enabled!r}")
         self.runner = runner
-        self.enabled = bool(enabled)
+        self.enabled = enabled
         page = runner.block_size
         if budget_tokens is not None and self.enabled and budget_tokens < page:
             # the pool is whole pages: under one it holds nothing, and the running requests' pinned

@@ -52,6 +52,10 @@ def test_grpo_bad_input():
     with pytest.raises(TypeError, match="integer"):
         grpo_advantage([1.0, 2.0], torch.tensor([0.0, 0.0]))
     assert grpo_advantage([], []).shape == (0,)
+    # a flag is a bool: "false" is truthy, and gave the unbiased std with no word
+    for flag in ("false", 0, None):
+        with pytest.raises(TypeError, match="grpo_advantage: unbiased must be a bool"):
+            grpo_advantage([1.0, 2.0, 4.0], [0, 0, 0], unbiased=flag)
 
 
 def test_ato_advantage_formula_and_format_mask():
