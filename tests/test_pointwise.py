@@ -250,6 +250,13 @@ def test_a_cache_budget_under_one_page_is_refused(qwen3_tokenizer, budget):
         with pytest.raises(ValueError, match=words):
             cls(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget)
     assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=16).max_pinned_tokens == 16
+    # a numpy integer is the int it holds (acarerank._validate's rule; it was refused), a bool never
+    np = pytest.importorskip("numpy")
+    for cls in (PointwiseReranker, SetwiseReranker):
+        slot = cls(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=np.int64(32))._cache_slot
+        assert slot.budget_blocks * slot.runner.block_size == 32, cls
+        with pytest.raises(ValueError, match="cache_budget_tokens must be a non-negative int or None, got True"):
+            cls(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=True)
     assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget,
                              prefix_cache=False).cache_budget_tokens is None
 

@@ -33,7 +33,9 @@ def _floats(x, name) -> List[float]:
         raise TypeError(f"{name} must be numbers, got a {type(x).__name__}")
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().flatten().tolist()
-    elif isinstance(x, (int, float)):
+    elif hasattr(x, "tolist"):  # a numpy scalar or array: Python numbers (np.float32 is no float)
+        x = x.tolist()
+    if isinstance(x, numbers.Real):
         x = [x]
     out = [float(v) for v in x]
     bad = [v for v in out if v != v]
@@ -133,7 +135,7 @@ def format_rubrics(rubrics: Mapping[str, Sequence[Mapping]]) -> str:
         for i, it in enumerate(items or []):
             # the hint shows both fields: a missing one is the caller's data, named (not a KeyError)
             text, w = (it.get("rubric"), it.get("weight")) if isinstance(it, Mapping) else (None, None)
-            if not isinstance(text, str) or isinstance(w, bool) or not isinstance(w, (int, float)):
+            if not isinstance(text, str) or isinstance(w, bool) or not isinstance(w, numbers.Real):
                 raise ValueError(f"rubrics[{dim!r}][{i}] must be {{'rubric': str, 'weight': number}}, got {it!r:.200}")
             lines[DIMENSION_LEVEL.get(dim, "set")].append(f"- {dim} (weight {w}): {text}")
     return "\n".join(f"{_LEVEL_TITLE[lvl]}\n" + "\n".join(ls) for lvl, ls in lines.items() if ls)

@@ -98,7 +98,7 @@ def _check_rubrics(rubrics) -> None:
             raise TypeError(f"rubrics[{dim!r}] must be a list of rubric objects, got {type(items).__name__}")
         for it in items:
             w = it.get("weight") if isinstance(it, Mapping) else None
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not w > 0 or not math.isfinite(w):
                 raise ValueError(f"rubric weights must be numbers > 0; {dim} has {_short(w)}")
 
 

@@ -51,6 +51,18 @@ def test_route_hints_bad_input():
         route_hints([5.0, 6.0], "78")
 
 
+def test_route_hints_takes_numpy_numbers():
+    """A numpy scalar or 0-d array sibling_reward is one number for the group, as a float is
+    (np.float32 is no Python float: it was "'numpy.float32' object is not iterable"); numpy arrays
+    of rewards are rewards."""
+    np = pytest.importorskip("numpy")
+    want = route_hints([1.0, 4.0, 7.0], 5.0)
+    assert want == [HINT_SIBLING, HINT_REFLECTION, HINT_RUBRIC]
+    for sib in (np.float32(5.0), np.float64(5.0), np.int64(5), np.array(5.0), np.array([5.0])):
+        assert route_hints([1.0, 4.0, 7.0], sib) == want, repr(sib)
+    assert route_hints(np.array([1.0, 4.0, 7.0], dtype=np.float32), np.float32(5.0)) == want
+
+
 RUBRICS = {
     "Relevance": [{"rubric": "Does each document directly discuss the director (by name) and nationality of "
                              "The Garden of Eden (1998) and/or One Night in Yoshiwara?", "weight": 5}],
