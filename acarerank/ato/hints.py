@@ -18,6 +18,8 @@ from typing import List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .._validate import check_token_ids
+
 HINT_RUBRIC = "rubric"
 HINT_REFLECTION = "reflection"
 HINT_SIBLING = "sibling"
@@ -239,7 +241,7 @@ def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[in
     or a word and one punctuation mark, as the setwise prompts' "explain.").
     """
     if head is not None:
-        head = [int(t) for t in head]
+        head = check_token_ids("hint_ids: head", head)  # 1.7 is no id 1 (docs/api.md: integers only)
         if not head:
             raise ValueError("hint_ids: head is empty (the hint goes after the prompt head's last token)")
         if lead_token is not None and int(lead_token) != head[-1]:
@@ -249,7 +251,7 @@ def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[in
     if isinstance(text, (bytes, bytearray)):  # its items are ints: b"ok" would pass as ids 111, 107
         raise TypeError(f"hint_ids: a hint is a str or token ids, got {type(text).__name__} (decode it first)")
     if not isinstance(text, str):
-        return lead + [int(t) for t in text]
+        return lead + check_token_ids("hint_ids: text", text)
     if not text:
         return lead
 

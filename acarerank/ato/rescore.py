@@ -24,12 +24,12 @@ own (tests check against transformers).
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 import torch
 
+from .._validate import check_token_ids
 from ..model.numerics import NonFiniteHiddenError, NonFiniteOutputError, check_scorable, nonfinite_rows
 from ..model.runner import position_limit_error
 from ..ops.linear_logprob import linear_logprob
@@ -76,7 +76,7 @@ class RescoreResult:
 def split_student_prompt(prompt_ids: Ids, close_token: int = TOKEN_IM_END):
     """(head, tail) of a chat prompt: tail starts at the last ``close_token`` (<|im_end|>, closing
     the user turn), so a hint lands at the end of the user's message — where Fig. 3 puts it."""
-    ids = [int(t) for t in prompt_ids]
+    ids = check_token_ids("split_student_prompt: prompt_ids", prompt_ids)  # never 151645.5 read as 151645
     for pos in range(len(ids) - 1, -1, -1):
         if ids[pos] == close_token:
             return ids[:pos], ids[pos:]
@@ -91,17 +91,7 @@ def _ids(x, what: str, vocab_size: int) -> List[int]:
         if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{what}: token ids must be a 1-D integer sequence, got {x.dtype} {tuple(x.shape)}")
         return _in_vocab([int(t) for t in x.tolist()], what, vocab_size)
-    if isinstance(x, (str, bytes, bytearray)):
-        raise TypeError(f"{what}: expected token ids, got a {type(x).__name__}")
-    out = []
-    for t in x:
-        try:
-            if isinstance(t, bool):
-                raise TypeError
-            out.append(operator.index(t))
-        except TypeError:
-            raise TypeError(f"{what}: token ids must be integers, got {t!r} ({type(t).__name__})") from None
-    return _in_vocab(out, what, vocab_size)
+    return _in_vocab(check_token_ids(what, x), what, vocab_size)
 
 
 def _in_vocab(ids: List[int], what: str, vocab_size: int) -> List[int]:

@@ -47,7 +47,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .._validate import positive_int
+from .._validate import check_int, positive_int
 from ..model.paged_cache import PagedKVCache
 from ..ops._checks import finite_real, positive_in_fp32
 from ..setwise.decode import (LOGITS_CHUNK_ELEMENTS, MAX_NEW_TOKENS, GreedyStepper, _check, check_positions,
@@ -91,8 +91,15 @@ class Rollouts:
     temperature: float
 
     def of_query(self, q: int) -> List[List[int]]:
-        """The G rollouts of prompt q (``RescoreQuery.rollouts``)."""
+        """The G rollouts of prompt q (``RescoreQuery.rollouts``): q in [-Q, Q) for Q prompts, a
+        negative q counting from the end as a list index does; else IndexError (a slice past the
+        end was [] with no word)."""
         G = self.group_size
+        Q = len(self.tokens) // G
+        q = check_int("of_query: q", q)
+        if not -Q <= q < Q:
+            raise IndexError(f"of_query: prompt {q} out of range for {Q} prompt(s)")
+        q %= Q
         return self.tokens[q * G:(q + 1) * G]
 
 

@@ -150,6 +150,13 @@ def test_hint_ids_equal_joint_tokenization(qwen3_tokenizer):
     assert hint_ids(qwen3_tokenizer, [5, 6], lead_token=13) == [13, 5, 6]
     with pytest.raises(TypeError, match="got bytes"):  # was ids [13, 111, 107]: bytes iterate as ints
         hint_ids(qwen3_tokenizer, b"ok", lead_token=13)
+    # token ids are integers, as rescore takes them (docs/api.md): [1.7, 2.9] was [1, 2], [True, False] [1, 0]
+    for bad, shown in (([1.7, 2.9], "1.7"), ([True, False], "True"), (torch.tensor([1.5]), "1.5")):
+        with pytest.raises(TypeError, match=f"hint_ids: text: token ids must be integers, got {shown}"):
+            hint_ids(qwen3_tokenizer, bad)
+    with pytest.raises(TypeError, match="hint_ids: head: token ids must be integers, got 13.5"):
+        hint_ids(qwen3_tokenizer, [5], head=[4, 13.5])
+    assert hint_ids(qwen3_tokenizer, torch.tensor([5, 6]), head=[4, 13]) == [13, 5, 6]
 
 
 # endings of the user text (after "... do not explain"): the separator's "\n\n" joins a punctuation run

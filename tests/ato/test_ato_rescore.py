@@ -168,6 +168,10 @@ def test_rescore_bad_input(models):
         rescore(snap, teach, [RescoreQuery([1], [3], [[151669]], [""])])
     with pytest.raises(ValueError, match="closing the user turn"):
         split_student_prompt([1, 2, 3])
+    # integers only, as rescore's own ids: 151645.5 was split as <|im_end|>, every float truncated
+    with pytest.raises(TypeError, match="split_student_prompt: prompt_ids: token ids must be integers, got 151644.5"):
+        split_student_prompt([151644.5, 872.5, 151645.5, 198.9])
+    assert split_student_prompt(torch.tensor([1, 151645, 2])) == ([1], [151645, 2])
     # token ids are integers: a float is never truncated to an id, a bool never read as 0 / 1
     with pytest.raises(TypeError, match="query 0 rollout 0: token ids must be integers, got 4.7"):
         rescore(snap, teach, [RescoreQuery([1], [3], [[4.7]], [""])])

@@ -297,6 +297,18 @@ def test_bad_input_is_named(prompts, grammar, monkeypatch):
     assert sample_rollouts(runner, prompts, 2, max_new_tokens=2, seed=0).lengths == [2] * 4
 
 
+def test_of_query_is_indexed_like_a_list(prompts):
+    """of_query(q) is prompt q's G rollouts for q in [-Q, Q); past the end it was [] with no word."""
+    runner = Qwen3Runner.from_hf(random_qwen3(seed=0, **SHAPE))
+    r = sample_rollouts(runner, prompts, 3, max_new_tokens=2, seed=0)
+    assert r.of_query(0) == r.tokens[:3] and r.of_query(1) == r.tokens[3:] == r.of_query(-1)
+    for q in (2, 5, -3):
+        with pytest.raises(IndexError, match=f"of_query: prompt {q} out of range for 2 prompt"):
+            r.of_query(q)
+    with pytest.raises(TypeError, match="of_query: q must be an int"):
+        r.of_query(1.0)
+
+
 def test_numpy_seeds_and_prompts(prompts):
     """A numpy integer seed is the int it holds and a numpy array of ids a prompt (as rescore reads
     both; acarerank._validate's one integer rule): seed=np.int64(0) was "seed must be an int", and
