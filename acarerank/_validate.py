@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
-from typing import Optional
+from typing import Iterable, List, Optional
 
-__all__ = ["check_file_size", "check_int", "check_seconds", "is_positive_int", "positive_int"]
+__all__ = ["check_file_size", "check_int", "check_seconds", "check_token_ids", "is_positive_int", "positive_int"]
 
 
 def check_seconds(name: str, value, *, zero: bool = False, inf: bool = True, none: bool = False) -> Optional[float]:
@@ -55,6 +56,27 @@ def check_int(name: str, value, minimum: Optional[int] = None, allow_none: bool 
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def check_token_ids(what: str, ids) -> List[int]:
+    """``ids`` (a sequence or iterable of ids, a 1-D tensor or numpy array) as a list of ints, by the
+    rule above: int, numpy or 0-d tensor integers, never a float or a bool (int() would truncate 1.7
+    to 1 and read True as id 1), nor a str / bytes (its items are characters / ints: b"ok" would be
+    ids 111, 107). TypeError naming ``what``; the vocabulary range is the caller's to check."""
+    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Iterable):
+        raise TypeError(f"{what}: expected token ids, got a {type(ids).__name__}")
+    if hasattr(ids, "tolist"):  # a tensor / numpy array: Python numbers (a float or bool one stays so)
+        ids = ids.tolist()
+    out = []
+    for t in ids:
+        v = t.tolist() if hasattr(t, "tolist") else t  # a 0-d tensor / numpy scalar: its Python value
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"{what}: token ids must be integers, got {t!r} ({type(t).__name__})") from None
+    return out
 
 
 def is_positive_int(value) -> bool:

@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ._validate import check_int, positive_int
+from ._validate import check_int, check_token_ids, positive_int
 from .model import Qwen3Runner
 from .model.numerics import NonFiniteError, NonFiniteOutputError, nonfinite_rows
 from .model.runner import autocast_off, bounded_runs
@@ -182,6 +182,11 @@ class PointwiseReranker(RerankerBase):
                 device_type, DEFAULT_BATCH_TOKENS["cpu"])
         self.max_length = fit_max_length(max_length, DEFAULT_MAX_LENGTH, self.runner.max_positions)
         self._note_clamp(max_length, DEFAULT_MAX_LENGTH)
+        if min_doc_tokens is not None and min_doc_tokens >= self.max_length:
+            # every call would fail on it; the CLI refuses the same pair before loading (cli/score.py)
+            raise self._explain_cap(ValueError(
+                f"min_doc_tokens {min_doc_tokens} leaves no room in max_length {self.max_length}: the prompt's fixed "
+                "strings need tokens too; lower it or raise max_length"))
         self.template = template
         self.max_batch_tokens = max_batch_tokens
         self.min_doc_tokens = min_doc_tokens
@@ -279,7 +284,14 @@ class PointwiseReranker(RerankerBase):
         scored, so a batch of any size holds at most that much (plus one request) — all at once,
         400 requests of a 4k-token context would pin 1.6 M tokens of KV (~370 GB at the
         Qwen3-Reranker-0.6B shape in fp32)."""
+        if isinstance(encodings, PointwiseEncoding):
+            raise TypeError("score_encodings takes a list of PointwiseEncoding (one per request), got one "
+                            "PointwiseEncoding: wrap it in a list")
         encodings = list(encodings)
+        for i, e in enumerate(encodings):
+            if not isinstance(e, PointwiseEncoding):  # a ScoreRequest was an AttributeError on 'shared_ids'
+                raise TypeError(f"score_encodings: encodings[{i}] is a {type(e).__name__}, not a PointwiseEncoding "
+                                "(encode a ScoreRequest with encode(), or call score_batch)")
         out, cached = [], []
         for window in bounded_runs(encodings, self.max_pinned_tokens, self.pinned_tokens):
             handles = []
@@ -442,7 +454,7 @@ class PointwiseReranker(RerankerBase):
         made by hand — is a ValueError naming the item: its scores would be silently wrong.
 
         ``items``: any iterable of pairs; token ids a 1-D int tensor or any iterable of ints
-        (not a str). Each handle's pages are pinned for the call, so a handle another thread
+        (not a str; a float or bool id is a TypeError). Each handle's pages are pinned for the call, so a handle another thread
         releases meanwhile still reads its own pages (released before the call: ValueError).
 
         Bounds: a segment is at most ``max_length − handle.length`` tokens (the handle's shared
@@ -479,7 +491,8 @@ class PointwiseReranker(RerankerBase):
                 shape = f" of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else ""
                 raise TypeError(f"score_segments: item {n}'s token ids must be a 1-D sequence of ints, got "
                                 f"{type(ids).__name__}{shape}")
-            ids = self._bounded_segment(n, h, ids)
+            # integers only, as rescore's ids (docs/api.md): True was read as token id 1
+            ids = check_token_ids(f"score_segments: item {n}", self._bounded_segment(n, h, ids))
             if len(ids) == 0:
                 raise ValueError(f"score_segments: item {n}'s segment is empty")
             checked.append((h, ids))

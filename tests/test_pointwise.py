@@ -250,8 +250,26 @@ def test_a_cache_budget_under_one_page_is_refused(qwen3_tokenizer, budget):
         with pytest.raises(ValueError, match=words):
             cls(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget)
     assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=16).max_pinned_tokens == 16
+    # a numpy integer is the int it holds (acarerank._validate's rule; it was refused), a bool never
+    np = pytest.importorskip("numpy")
+    for cls in (PointwiseReranker, SetwiseReranker):
+        slot = cls(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=np.int64(32))._cache_slot
+        assert slot.budget_blocks * slot.runner.block_size == 32, cls
+        with pytest.raises(ValueError, match="cache_budget_tokens must be a non-negative int or None, got True"):
+            cls(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=True)
     assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, cache_budget_tokens=budget,
                              prefix_cache=False).cache_budget_tokens is None
+
+
+def test_prefix_cache_is_a_bool(qwen3_tokenizer):
+    """prefix_cache is held to bool as batch_invariant / compile_layers are: "false" (a config
+    file's string, truthy) kept the cache on with no word, in both rerankers."""
+    model = random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64)
+    for cls in (PointwiseReranker, SetwiseReranker):
+        for flag in ("false", 0, None):
+            with pytest.raises(TypeError, match=f"prefix_cache must be a bool, got {type(flag).__name__}"):
+                cls(model=model, tokenizer=qwen3_tokenizer, prefix_cache=flag)
+    assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False).cache_budget_tokens is None
 
 
 def test_score_encodings_reports_cache_hits_and_equals_score_batch(qwen3_tokenizer):
@@ -295,6 +313,31 @@ def test_bad_input_gives_clear_errors(qwen3_tokenizer, tmp_path):
         PointwiseReranker.from_pretrained(str(tmp_path))
     with pytest.raises(TypeError, match="exactly one"):
         PointwiseReranker()
+
+
+def test_min_doc_tokens_not_below_max_length_is_refused_at_construction(qwen3_tokenizer):
+    """min_doc_tokens >= max_length leaves the prompt's fixed strings no room: every call failed,
+    after the constructor took it (the CLI refuses the same pair before loading, cli/score.py)."""
+    model = random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64)
+    for min_doc in (512, 600):
+        with pytest.raises(ValueError, match=f"min_doc_tokens {min_doc} leaves no room in max_length 512"):
+            PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_length=512, min_doc_tokens=min_doc)
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_length=512, min_doc_tokens=400)
+    assert len(rr.score("q", ["a"])) == 1
+
+
+def test_score_encodings_names_what_is_not_an_encoding(qwen3_tokenizer):
+    """score_encodings takes a list of PointwiseEncoding: a ScoreRequest was an AttributeError on
+    'shared_ids', one encoding unwrapped "not iterable"; a TypeError naming the item now."""
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64),
+                           tokenizer=qwen3_tokenizer)
+    req = ScoreRequest("q", ["a"])
+    enc = rr.encode(req)
+    with pytest.raises(TypeError, match=r"score_encodings: encodings\[1\] is a ScoreRequest, not a PointwiseEncoding"):
+        rr.score_encodings([enc, req])
+    with pytest.raises(TypeError, match="got one PointwiseEncoding: wrap it in a list"):
+        rr.score_encodings(enc)
+    assert rr.score_encodings([enc])[0] == rr.score_batch([req])
 
 
 def test_from_pretrained_folder_and_cli(qwen3_tokenizer, tmp_path, capsys):

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from ..ops._checks import check_flag
+
 
 def _as_1d_float(x, name: str) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x, dtype=torch.float64)
@@ -30,18 +32,23 @@ def _group_ids(group_index) -> torch.Tensor:
     """A non-tensor ``group_index`` as an int64 tensor: strings (verl keys its GRPO groups by a
     ``uid`` string per rollout, a numpy array of str) numbered by first appearance; anything
     else through torch.as_tensor (checked after). Strings were a bare 'too many dimensions
-    'str'' from torch.as_tensor."""
+    'str'' from torch.as_tensor. One str / bytes (not one id per rollout) is a TypeError."""
     if getattr(getattr(group_index, "dtype", None), "kind", None) in ("U", "S"):
         # a numpy array of str / bytes, empty ones too (an empty batch's uids: torch.as_tensor cannot
         # read a str array, so 'can't convert np.ndarray of type numpy.str_'); its shape is kept
         # for grpo_advantage's [N] check
         return _number(group_index.ravel().tolist()).reshape(group_index.shape)
+    if isinstance(group_index, (str, bytes, bytearray)):
+        # one uid is not one per rollout: iterated, "q7" was two groups 'q' and '7'
+        raise TypeError(f"group_index must be one id per rollout (a list, array or tensor), got a "
+                        f"{type(group_index).__name__}")
     ids = group_index.tolist() if hasattr(group_index, "tolist") else list(group_index)
     if ids and any(isinstance(x, (str, bytes)) for x in ids):
         if not all(isinstance(x, (str, bytes)) for x in ids):
             raise TypeError("group_index must be all integers or all strings, got a mix")
         return _number(ids)
-    return torch.as_tensor(group_index)
+    # ids, not group_index: a generator is spent by list() above
+    return torch.as_tensor(ids)
 
 
 def _number(ids: list) -> torch.Tensor:
@@ -68,6 +75,7 @@ def grpo_advantage(rewards, group_index, eps: float = 1e-6, unbiased: bool = Tru
     (verl instead sets mean 0 and std 1 for a singleton, i.e. A = r / (1 + eps) — an absolute
     reward leaking into a relative advantage; we do not copy that.)
     """
+    check_flag("grpo_advantage", "unbiased", unbiased)  # "false" is truthy: Bessel's correction with no word
     r = _as_1d_float(rewards, "rewards")
     g = group_index if isinstance(group_index, torch.Tensor) else _group_ids(group_index)
     if g.dim() != 1 or g.shape[0] != r.shape[0]:

@@ -13,9 +13,12 @@ system & user prompt, then the hint).
 """
 from __future__ import annotations
 
+import numbers
 from typing import List, Mapping, Optional, Sequence, Union
 
 import torch
+
+from .._validate import check_token_ids
 
 HINT_RUBRIC = "rubric"
 HINT_REFLECTION = "reflection"
@@ -32,7 +35,9 @@ def _floats(x, name) -> List[float]:
         raise TypeError(f"{name} must be numbers, got a {type(x).__name__}")
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().flatten().tolist()
-    elif isinstance(x, (int, float)):
+    elif hasattr(x, "tolist"):  # a numpy scalar or array: Python numbers (np.float32 is no float)
+        x = x.tolist()
+    if isinstance(x, numbers.Real):
         x = [x]
     out = [float(v) for v in x]
     bad = [v for v in out if v != v]
@@ -132,7 +137,7 @@ def format_rubrics(rubrics: Mapping[str, Sequence[Mapping]]) -> str:
         for i, it in enumerate(items or []):
             # the hint shows both fields: a missing one is the caller's data, named (not a KeyError)
             text, w = (it.get("rubric"), it.get("weight")) if isinstance(it, Mapping) else (None, None)
-            if not isinstance(text, str) or isinstance(w, bool) or not isinstance(w, (int, float)):
+            if not isinstance(text, str) or isinstance(w, bool) or not isinstance(w, numbers.Real):
                 raise ValueError(f"rubrics[{dim!r}][{i}] must be {{'rubric': str, 'weight': number}}, got {it!r:.200}")
             lines[DIMENSION_LEVEL.get(dim, "set")].append(f"- {dim} (weight {w}): {text}")
     return "\n".join(f"{_LEVEL_TITLE[lvl]}\n" + "\n".join(ls) for lvl, ls in lines.items() if ls)
@@ -143,22 +148,66 @@ def format_selection(ids: Sequence[int]) -> str:
     return " ".join(f"[{int(i)}]" for i in ids)
 
 
+def _short(v) -> str:
+    """``v``'s repr for a message, cut to 80 characters."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _check_ids(selected, name: str = "selected") -> list:
+    """A list of distinct 1-based int ids; TypeError for a str or non-int items, ValueError for < 1 or repeats."""
+    if isinstance(selected, (str, bytes, Mapping)) or not isinstance(selected, Sequence):
+        raise TypeError(f"{name} must be a ParsedSelection, a list of int document ids or None, "
+                        f"got {type(selected).__name__}")
+    ids = []
+    for i in selected:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"{name}: document ids must be ints, got {_short(i)} ({type(i).__name__})")
+        ids.append(int(i))
+    if any(i < 1 for i in ids):
+        raise ValueError(f"{name}: document ids are 1-based, got {min(ids)}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name}: repeated document id(s) in {ids[:20]}")
+    return ids
+
+
+def _sibling_ids(ids) -> List[int]:
+    """``ids`` as a list of distinct 1-based ints (numpy / torch integers too, as
+    ``acarerank._validate``'s one integer rule); TypeError for a str or non-int items (a float
+    was truncated, "12" read as ids 1 and 2), ValueError for ids < 1 or repeats."""
+    if isinstance(ids, torch.Tensor) or type(ids).__module__ == "numpy":
+        ids = ids.tolist()  # Python ints (floats, bools stay what they are and are refused below)
+    if isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Sequence):
+        raise TypeError(f"sibling_ids must be a list of int document ids, got {type(ids).__name__}")
+    return _check_ids(list(ids), "sibling_ids")
+
+
 def hint_text(kind: str, rubrics: Optional[Mapping] = None, reflection: Optional[str] = None,
               sibling_ids: Optional[Sequence[int]] = None, sibling_reward: Optional[float] = None) -> str:
-    """The privileged text of Fig. 3 for one rollout (kind from ``route_hints``)."""
+    """The privileged text of Fig. 3 for one rollout (kind from ``route_hints``).
+
+    ``reflection``: a str; ``sibling_ids``: the sibling set's distinct 1-based document ids
+    (a list, or a 1-D numpy / torch integer array); ``sibling_reward``: its judge reward u(h̄ | q),
+    a finite number in [0, 10] (``rubric_reward``'s range; a malformed −1 set never passes the gate).
+    """
     if kind == HINT_RUBRIC:
         if not rubrics:
             raise ValueError("a rubric hint needs the query's rubrics")
         return RUBRIC_HINT_TEMPLATE.format(rubric=format_rubrics(rubrics))
     if kind == HINT_REFLECTION:
+        if reflection is not None and not isinstance(reflection, str):
+            raise TypeError(f"reflection must be a str, got {type(reflection).__name__}")
         if not reflection:
             raise ValueError("a reflection hint needs the self-reflector's text")
         return REFLECTION_HINT_TEMPLATE.format(corrective_reflection=reflection.strip())
     if kind == HINT_SIBLING:
-        if not sibling_ids or sibling_reward is None:
+        ids = None if sibling_ids is None else _sibling_ids(sibling_ids)
+        if not ids or sibling_reward is None:
             raise ValueError("a sibling hint needs the sibling set's ids and its judge reward")
-        return SIBLING_HINT_TEMPLATE.format(reward=f"{float(sibling_reward):.2f}",
-                                            sibling_set=format_selection(sibling_ids))
+        if (isinstance(sibling_reward, bool) or not isinstance(sibling_reward, numbers.Real)
+                or not 0 <= sibling_reward <= 10):  # NaN fails the range too
+            raise ValueError(f"sibling_reward must be a number in [0, 10] (a judge reward), got {sibling_reward!r}")
+        return SIBLING_HINT_TEMPLATE.format(reward=f"{float(sibling_reward):.2f}", sibling_set=format_selection(ids))
     raise ValueError(f"unknown hint kind {kind!r}; kinds: {', '.join(HINT_KINDS)}")
 
 
@@ -192,7 +241,7 @@ def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[in
     or a word and one punctuation mark, as the setwise prompts' "explain.").
     """
     if head is not None:
-        head = [int(t) for t in head]
+        head = check_token_ids("hint_ids: head", head)  # 1.7 is no id 1 (docs/api.md: integers only)
         if not head:
             raise ValueError("hint_ids: head is empty (the hint goes after the prompt head's last token)")
         if lead_token is not None and int(lead_token) != head[-1]:
@@ -202,7 +251,7 @@ def hint_ids(tokenizer, text: Union[str, Sequence[int]], lead_token: Optional[in
     if isinstance(text, (bytes, bytearray)):  # its items are ints: b"ok" would pass as ids 111, 107
         raise TypeError(f"hint_ids: a hint is a str or token ids, got {type(text).__name__} (decode it first)")
     if not isinstance(text, str):
-        return lead + [int(t) for t in text]
+        return lead + check_token_ids("hint_ids: text", text)
     if not text:
         return lead
 

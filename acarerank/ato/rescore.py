@@ -24,12 +24,12 @@ own (tests check against transformers).
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 import torch
 
+from .._validate import check_token_ids
 from ..model.numerics import NonFiniteHiddenError, NonFiniteOutputError, check_scorable, nonfinite_rows
 from ..model.runner import position_limit_error
 from ..ops.linear_logprob import linear_logprob
@@ -47,7 +47,7 @@ class RescoreQuery:
     the hint is inserted between the two; ``rollouts``: G response token ids (as sampled, may
     end with <|im_end|>); ``hints``: per rollout, the hint text (the teacher text is
     head_text + HINT_SEPARATOR + hint + tail_text) or token ids to insert as given ([] / ""
-    for no hint)."""
+    for no hint); a list of G, never one str (a TypeError: it would be read per character)."""
     prompt_head: Ids
     prompt_tail: Ids
     rollouts: Sequence[Ids]
@@ -76,7 +76,7 @@ class RescoreResult:
 def split_student_prompt(prompt_ids: Ids, close_token: int = TOKEN_IM_END):
     """(head, tail) of a chat prompt: tail starts at the last ``close_token`` (<|im_end|>, closing
     the user turn), so a hint lands at the end of the user's message — where Fig. 3 puts it."""
-    ids = [int(t) for t in prompt_ids]
+    ids = check_token_ids("split_student_prompt: prompt_ids", prompt_ids)  # never 151645.5 read as 151645
     for pos in range(len(ids) - 1, -1, -1):
         if ids[pos] == close_token:
             return ids[:pos], ids[pos:]
@@ -91,17 +91,7 @@ def _ids(x, what: str, vocab_size: int) -> List[int]:
         if x.dim() != 1 or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{what}: token ids must be a 1-D integer sequence, got {x.dtype} {tuple(x.shape)}")
         return _in_vocab([int(t) for t in x.tolist()], what, vocab_size)
-    if isinstance(x, (str, bytes, bytearray)):
-        raise TypeError(f"{what}: expected token ids, got a {type(x).__name__}")
-    out = []
-    for t in x:
-        try:
-            if isinstance(t, bool):
-                raise TypeError
-            out.append(operator.index(t))
-        except TypeError:
-            raise TypeError(f"{what}: token ids must be integers, got {t!r} ({type(t).__name__})") from None
-    return _in_vocab(out, what, vocab_size)
+    return _in_vocab(check_token_ids(what, x), what, vocab_size)
 
 
 def _in_vocab(ids: List[int], what: str, vocab_size: int) -> List[int]:
@@ -231,6 +221,11 @@ def _flatten(queries: Sequence[RescoreQuery], tokenizer, vocab_size: int) -> _Ba
         tail = _ids(item.prompt_tail, f"query {q} prompt_tail", vocab_size)
         if not head:
             raise ValueError(f"query {q}: prompt_head is empty (the shared part must hold at least one token)")
+        for field in ("rollouts", "hints"):
+            if isinstance(getattr(item, field), (str, bytes, bytearray)):
+                # one str is not one per rollout: iterated, hints="Keep" gave 4 rollouts 'K', 'e', 'e', 'p'
+                raise TypeError(f"query {q}: {field} must hold one entry per rollout (a list), got a "
+                                f"{type(getattr(item, field)).__name__}")
         if len(item.hints) != len(item.rollouts):
             raise ValueError(f"query {q}: {len(item.rollouts)} rollouts but {len(item.hints)} hints")
         b.heads.append(head)

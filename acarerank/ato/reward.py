@@ -39,7 +39,7 @@ from fractions import Fraction
 from typing import Mapping, Optional, Sequence, Union
 
 from ..setwise.selection import ParsedSelection
-from .hints import DIMENSION_LEVEL
+from .hints import DIMENSION_LEVEL, _check_ids, _short  # one rule for document ids (sibling_ids too)
 
 MALFORMED_REWARD = -1.0  # Eq. 6
 #: dimensions F.5 says are never null once a document is relevant (CASE B)
@@ -78,11 +78,6 @@ def _load_judge(judge_output) -> Mapping:
     return judge_output["score"]
 
 
-def _short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
 def _score_value(v, where: str) -> Optional[float]:
     if v is None:
         return None
@@ -103,25 +98,8 @@ def _check_rubrics(rubrics) -> None:
             raise TypeError(f"rubrics[{dim!r}] must be a list of rubric objects, got {type(items).__name__}")
         for it in items:
             w = it.get("weight") if isinstance(it, Mapping) else None
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or not math.isfinite(w):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not w > 0 or not math.isfinite(w):
                 raise ValueError(f"rubric weights must be numbers > 0; {dim} has {_short(w)}")
-
-
-def _check_ids(selected, name: str = "selected") -> list:
-    """A list of distinct 1-based int ids; TypeError for a str or non-int items, ValueError for < 1 or repeats."""
-    if isinstance(selected, (str, bytes, Mapping)) or not isinstance(selected, Sequence):
-        raise TypeError(f"{name} must be a ParsedSelection, a list of int document ids or None, "
-                        f"got {type(selected).__name__}")
-    ids = []
-    for i in selected:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise TypeError(f"{name}: document ids must be ints, got {_short(i)} ({type(i).__name__})")
-        ids.append(int(i))
-    if any(i < 1 for i in ids):
-        raise ValueError(f"{name}: document ids are 1-based, got {min(ids)}")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{name}: repeated document id(s) in {ids[:20]}")
-    return ids
 
 
 def _doc_level_score(entry: Mapping, docs: Sequence[int], where: str) -> Optional[float]:

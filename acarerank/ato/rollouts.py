@@ -41,12 +41,13 @@ kept as one float per token.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .._validate import positive_int
+from .._validate import check_int, positive_int
 from ..model.paged_cache import PagedKVCache
 from ..ops._checks import finite_real, positive_in_fp32
 from ..setwise.decode import (LOGITS_CHUNK_ELEMENTS, MAX_NEW_TOKENS, GreedyStepper, _check, check_positions,
@@ -90,8 +91,15 @@ class Rollouts:
     temperature: float
 
     def of_query(self, q: int) -> List[List[int]]:
-        """The G rollouts of prompt q (``RescoreQuery.rollouts``)."""
+        """The G rollouts of prompt q (``RescoreQuery.rollouts``): q in [-Q, Q) for Q prompts, a
+        negative q counting from the end as a list index does; else IndexError (a slice past the
+        end was [] with no word)."""
         G = self.group_size
+        Q = len(self.tokens) // G
+        q = check_int("of_query: q", q)
+        if not -Q <= q < Q:
+            raise IndexError(f"of_query: prompt {q} out of range for {Q} prompt(s)")
+        q %= Q
         return self.tokens[q * G:(q + 1) * G]
 
 
@@ -194,7 +202,9 @@ def _prompt_ids(prompts, vocab_size: int) -> List[List[int]]:
                         f"{type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("sample_rollouts: no prompts")
-    if not isinstance(prompts[0], (Sequence, torch.Tensor)) or isinstance(prompts[0], (str, bytes)):
+    # a numpy array is a prompt too (ndim 1: _ids reads it as rescore does); a number is one prompt's id
+    first = prompts[0]
+    if isinstance(first, (str, bytes)) or not (isinstance(first, Sequence) or getattr(first, "ndim", 0) >= 1):
         raise TypeError(f"sample_rollouts: prompts must be a list of token-id lists (one per query); prompt 0 is a "
                         f"{type(prompts[0]).__name__} (wrap a single prompt in a list: [prompt])")
     out = []
@@ -241,8 +251,9 @@ def _generator(generator, seed, device: torch.device) -> Optional[torch.Generato
     if generator is not None and seed is not None:
         raise ValueError("sample_rollouts: pass a generator or a seed, not both")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # numpy ints are ints (_validate)
             raise TypeError(f"sample_rollouts: seed must be an int, got {seed!r}")
+        seed = int(seed)
         if not -2 ** 63 <= seed < 2 ** 64:  # torch.Generator.manual_seed's range
             raise ValueError(f"sample_rollouts: seed must be in [-2**63, 2**64), got {seed}")
         return torch.Generator(device=device).manual_seed(seed)

@@ -7,6 +7,7 @@ from their longest cached prefixes (docs/ARCHITECTURE.md, "Paged KV and the pref
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import threading
 from typing import Hashable, Optional, Sequence
@@ -53,11 +54,15 @@ class CacheSlot:
     """
 
     def __init__(self, runner, enabled: bool = True, budget_tokens: Optional[int] = None):
-        if budget_tokens is not None and (isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int)
-                                          or budget_tokens < 0):
+        # numpy integers are ints, bools are not (acarerank._validate's one integer rule)
+        if budget_tokens is not None and (isinstance(budget_tokens, bool)
+                                          or not isinstance(budget_tokens, numbers.Integral) or budget_tokens < 0):
             raise ValueError(f"cache_budget_tokens must be a non-negative int or None, got {budget_tokens!r}")
+        budget_tokens = None if budget_tokens is None else int(budget_tokens)
+        if not isinstance(enabled, bool):  # as batch_invariant / compile_layers: "false" is truthy, the cache stayed on
+            raise TypeError(f"prefix_cache must be a bool, got {type(enabled).__name__} {enabled!r}")
         self.runner = runner
-        self.enabled = bool(enabled)
+        self.enabled = enabled
         page = runner.block_size
         if budget_tokens is not None and self.enabled and budget_tokens < page:
             # the pool is whole pages: under one it holds nothing, and the running requests' pinned

@@ -55,7 +55,7 @@ from ..topk_contract import (MAX_K, OUTSIDE_MODES, TopKLogprobs, as_int, check_k
                              logsumexp_of)
 from . import _backend
 from ._backend import META_TOO
-from ._checks import NONFINITE_LOGITS, check_projection_inputs, check_target_range, finite_real
+from ._checks import NONFINITE_LOGITS, check_flag, check_projection_inputs, check_target_range, finite_real
 from .linear_logprob import fp32_math
 from ._logits_gemm import mm_bf16_f32_fake as _mm_bf16_f32_fake
 from ._logits_gemm import native_bf16_gemm_for
@@ -538,6 +538,7 @@ def topk_logprobs(hidden, weight, targets, k: int = 128, chunk: Optional[int] = 
         raise ValueError(f"topk_logprobs: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
     if not finite_real(floor):
         raise ValueError(f"topk_logprobs: floor must be a finite number, got {floor!r}")
+    check_flag("topk_logprobs", "renormalize", renormalize)  # 1 or "no" picked a normalisation with no word
     topk_logits, topk_ids, target_logit, lse = topk_logprobs_core(hidden, weight, targets, k, chunk, temperature,
                                                                    backend)
     return finalize(topk_logits, topk_ids, target_logit, lse, targets, outside, floor, renormalize)

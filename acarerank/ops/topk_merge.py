@@ -44,7 +44,7 @@ import torch
 from ..topk_contract import (DEFAULT_CHUNK, MAX_K, OUTSIDE_MODES, TOPK_MAX_K, TopKLogprobs,  # noqa: F401 (re-exported)
                              check_k, default_chunk, finalize, logsumexp_of)
 from . import _backend
-from ._checks import finite_real, positive_in_fp32
+from ._checks import check_flag, finite_real, positive_in_fp32
 
 
 @dataclass
@@ -378,6 +378,7 @@ def topk_merge_finalize(state: TopKMergeState, outside: str = "floor", floor: fl
         raise ValueError(f"topk_merge_finalize: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
     if not finite_real(floor):  # as topk_logprobs: a NaN floor would be every outside row's log-prob
         raise ValueError(f"topk_merge_finalize: floor must be a finite number, got {floor!r}")
+    check_flag("topk_merge_finalize", "renormalize", renormalize)
     return finalize(*topk_merge_core(state), state.targets, outside, floor, renormalize)
 
 

@@ -320,6 +320,7 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
             raise ValueError(f"{op}: outside must be one of {OUTSIDE_MODES}, got {outside!r}")
         if not finite_real(floor):
             raise ValueError(f"{op}: floor must be a finite number, got {floor!r}")
+        check_flag(op, "renormalize", renormalize)
 
     layout = agree(op, process_group, local_check, hidden, weight_shard, targets, k, vocab_start, vocab_size,
                    temperature, options=(_outside_word(outside, renormalize), floor))

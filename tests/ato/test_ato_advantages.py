@@ -52,6 +52,10 @@ def test_grpo_bad_input():
     with pytest.raises(TypeError, match="integer"):
         grpo_advantage([1.0, 2.0], torch.tensor([0.0, 0.0]))
     assert grpo_advantage([], []).shape == (0,)
+    # a flag is a bool: "false" is truthy, and gave the unbiased std with no word
+    for flag in ("false", 0, None):
+        with pytest.raises(TypeError, match="grpo_advantage: unbiased must be a bool"):
+            grpo_advantage([1.0, 2.0, 4.0], [0, 0, 0], unbiased=flag)
 
 
 def test_ato_advantage_formula_and_format_mask():
@@ -129,3 +133,18 @@ def test_ato_advantage_refuses_a_soft_or_nan_response_mask():
             ato_advantage(a_grpo, a_atd, m, lam=0.5, response_mask=mask)
     got = ato_advantage(a_grpo, a_atd, m, lam=0.5, response_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
     assert torch.equal(got, torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_grpo_refuses_one_string_group_index_and_reads_a_generator_once():
+    """One str / bytes is not one id per rollout: "q7" was read per character (groups 'q' and '7',
+    advantages [0, 0] where the one group gives ±0.707). A generator of ids was read twice (list(),
+    then torch.as_tensor of the spent generator: "Could not infer dtype of generator")."""
+    for one in ("q7", b"q7", bytearray(b"q7")):
+        with pytest.raises(TypeError, match="group_index must be one id per rollout"):
+            grpo_advantage([2.0, 8.0], one)
+    with pytest.raises(TypeError, match="group_index must be one id per rollout"):
+        grpo_advantage([1.0, 2.0, 3.0, 4.0], "aabb")
+    want = _plain_grpo([1.0, 2.0, 3.0, 4.0], [0, 0, 1, 1], 1e-6, True).float()
+    for groups in ((g for g in [0, 0, 1, 1]), (u for u in ["a", "a", "b", "b"])):
+        got = grpo_advantage([1.0, 2.0, 3.0, 4.0], groups)
+        assert torch.allclose(got, want, atol=1e-6), (got, want)

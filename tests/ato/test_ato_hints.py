@@ -1,5 +1,6 @@
 """route_hints against Eq. 8 / Algorithm 1 lines 20–35 and the paper's Table 5 examples; hint texts."""
 import pytest
+import torch
 
 from acarerank.ato import HINT_REFLECTION, HINT_RUBRIC, HINT_SIBLING, hint_ids, hint_text, route_hints
 from acarerank.ato.hints import HINT_SEPARATOR
@@ -50,6 +51,18 @@ def test_route_hints_bad_input():
         route_hints([5.0, 6.0], "78")
 
 
+def test_route_hints_takes_numpy_numbers():
+    """A numpy scalar or 0-d array sibling_reward is one number for the group, as a float is
+    (np.float32 is no Python float: it was "'numpy.float32' object is not iterable"); numpy arrays
+    of rewards are rewards."""
+    np = pytest.importorskip("numpy")
+    want = route_hints([1.0, 4.0, 7.0], 5.0)
+    assert want == [HINT_SIBLING, HINT_REFLECTION, HINT_RUBRIC]
+    for sib in (np.float32(5.0), np.float64(5.0), np.int64(5), np.array(5.0), np.array([5.0])):
+        assert route_hints([1.0, 4.0, 7.0], sib) == want, repr(sib)
+    assert route_hints(np.array([1.0, 4.0, 7.0], dtype=np.float32), np.float32(5.0)) == want
+
+
 RUBRICS = {
     "Relevance": [{"rubric": "Does each document directly discuss the director (by name) and nationality of "
                              "The Garden of Eden (1998) and/or One Night in Yoshiwara?", "weight": 5}],
@@ -75,6 +88,36 @@ def test_hint_texts_follow_figure3():
         hint_text("demo")
     with pytest.raises(ValueError, match="sibling set's ids"):
         hint_text(HINT_SIBLING, sibling_ids=[2])
+
+
+def test_hint_text_checks_its_inputs():
+    """sibling_ids are distinct 1-based int ids (numpy / torch integers as ints), reflection a str,
+    sibling_reward a judge reward in [0, 10]: "12" was printed "[1] [2]", [2.9, 5.5] "[2] [5]",
+    [True, 0, -3, 2, 2] printed as given, bytes embedded as "b'...'", NaN "scored nan out of 10", and
+    a numpy array of ids was "truth value of an array ... is ambiguous"."""
+    np = pytest.importorskip("numpy")
+    want = hint_text(HINT_SIBLING, sibling_ids=[2, 5], sibling_reward=8.0)
+    assert "\n[2] [5]\n" in want
+    for ids in (np.array([2, 5]), torch.tensor([2, 5]), (2, 5), [np.int64(2), np.int32(5)]):
+        got = hint_text(HINT_SIBLING, sibling_ids=ids, sibling_reward=8.0)
+        assert got == want, (ids, got)
+    assert hint_text(HINT_SIBLING, sibling_ids=[2, 5], sibling_reward=np.float32(8.0)) == want
+    for ids, error, match in (("12", TypeError, "sibling_ids must be a list of int document ids, got str"),
+                              ([2.9, 5.5], TypeError, "document ids must be ints, got 2.9"),
+                              (np.array([2.9, 5.5]), TypeError, "document ids must be ints, got 2.9"),
+                              ([True, 2], TypeError, "document ids must be ints, got True"),
+                              ([0, 2], ValueError, "1-based, got 0"), ([-3, 2], ValueError, "1-based, got -3"),
+                              ([2, 2], ValueError, "repeated")):
+        with pytest.raises(error, match=match):
+            hint_text(HINT_SIBLING, sibling_ids=ids, sibling_reward=8.0)
+    for reward in (float("nan"), float("inf"), -1.0, 10.5, True, "8"):
+        with pytest.raises(ValueError, match=r"sibling_reward must be a number in \[0, 10\]"):
+            hint_text(HINT_SIBLING, sibling_ids=[2], sibling_reward=reward)
+    assert "scored 10.00 out of 10" in hint_text(HINT_SIBLING, sibling_ids=[2], sibling_reward=10)
+    with pytest.raises(TypeError, match="reflection must be a str, got bytes"):
+        hint_text(HINT_REFLECTION, reflection=b"Drop document 3; keep 5.")
+    with pytest.raises(ValueError, match="sibling set's ids"):
+        hint_text(HINT_SIBLING, sibling_ids=np.array([], dtype=np.int64), sibling_reward=8.0)
 
 
 @pytest.mark.parametrize("rubrics, error, match", [
@@ -107,6 +150,13 @@ def test_hint_ids_equal_joint_tokenization(qwen3_tokenizer):
     assert hint_ids(qwen3_tokenizer, [5, 6], lead_token=13) == [13, 5, 6]
     with pytest.raises(TypeError, match="got bytes"):  # was ids [13, 111, 107]: bytes iterate as ints
         hint_ids(qwen3_tokenizer, b"ok", lead_token=13)
+    # token ids are integers, as rescore takes them (docs/api.md): [1.7, 2.9] was [1, 2], [True, False] [1, 0]
+    for bad, shown in (([1.7, 2.9], "1.7"), ([True, False], "True"), (torch.tensor([1.5]), "1.5")):
+        with pytest.raises(TypeError, match=f"hint_ids: text: token ids must be integers, got {shown}"):
+            hint_ids(qwen3_tokenizer, bad)
+    with pytest.raises(TypeError, match="hint_ids: head: token ids must be integers, got 13.5"):
+        hint_ids(qwen3_tokenizer, [5], head=[4, 13.5])
+    assert hint_ids(qwen3_tokenizer, torch.tensor([5, 6]), head=[4, 13]) == [13, 5, 6]
 
 
 # endings of the user text (after "... do not explain"): the separator's "\n\n" joins a punctuation run

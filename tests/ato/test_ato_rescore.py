@@ -168,6 +168,10 @@ def test_rescore_bad_input(models):
         rescore(snap, teach, [RescoreQuery([1], [3], [[151669]], [""])])
     with pytest.raises(ValueError, match="closing the user turn"):
         split_student_prompt([1, 2, 3])
+    # integers only, as rescore's own ids: 151645.5 was split as <|im_end|>, every float truncated
+    with pytest.raises(TypeError, match="split_student_prompt: prompt_ids: token ids must be integers, got 151644.5"):
+        split_student_prompt([151644.5, 872.5, 151645.5, 198.9])
+    assert split_student_prompt(torch.tensor([1, 151645, 2])) == ([1], [151645, 2])
     # token ids are integers: a float is never truncated to an id, a bool never read as 0 / 1
     with pytest.raises(TypeError, match="query 0 rollout 0: token ids must be integers, got 4.7"):
         rescore(snap, teach, [RescoreQuery([1], [3], [[4.7]], [""])])
@@ -215,3 +219,18 @@ def test_a_text_hint_before_a_tail_of_plain_text_is_refused(models, qwen3_tokeni
                   tokenizer=qwen3_tokenizer)
     assert out.logp_teacher.shape == (2, 1)
 
+
+
+def test_one_str_of_hints_or_rollouts_is_refused(models, qwen3_tokenizer):
+    """hints (and rollouts) hold one entry per rollout: one str "Keep" for 4 rollouts passed the
+    length check and each rollout was re-scored with a one-character hint 'K', 'e', 'e', 'p'."""
+    snap, teach = (Qwen3Runner.from_hf(m) for m in models)
+    head = qwen3_tokenizer.encode("<|im_start|>user\nWhich passages answer it?", add_special_tokens=False)
+    rolls = [[5], [6], [7], [8]]
+    for hints in ("Keep", b"Keep"):
+        with pytest.raises(TypeError, match=f"query 0: hints must hold one entry per rollout .*{type(hints).__name__}"):
+            rescore(snap, teach, [RescoreQuery(head, [TOKEN_IM_END], rolls, hints)], tokenizer=qwen3_tokenizer)
+    with pytest.raises(TypeError, match="query 0: rollouts must hold one entry per rollout .*got a str"):
+        rescore(snap, teach, [RescoreQuery(head, [TOKEN_IM_END], "ab", ["", ""])], tokenizer=qwen3_tokenizer)
+    out = rescore(snap, teach, [RescoreQuery(head, [TOKEN_IM_END], rolls, ["Keep"] * 4)], tokenizer=qwen3_tokenizer)
+    assert out.logp_teacher.shape == (4, 1)

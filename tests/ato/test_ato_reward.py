@@ -168,6 +168,22 @@ def test_bad_json_all_null_and_bad_weights():
         rubric_reward(_case_judge(), {"Relevance": [{"rubric": "r", "weight": 0}]}, [A])
 
 
+def test_numpy_weights_are_numbers():
+    """A weight as a numpy scalar (a rubric table read with numpy or pandas) is the number it holds,
+    in rubric_reward and in the rubric hint (acarerank._validate's one rule: numpy ints are ints);
+    np.int64(2) was "rubric weights must be numbers > 0"; a bool is still refused."""
+    np = pytest.importorskip("numpy")
+    from acarerank.ato import format_rubrics
+    want = rubric_reward(_case_judge(), RUBRICS, [A, B, C])
+    for cast, plain in ((np.int64, int), (np.float32, float)):
+        def weighted(c):
+            return {d: [{"rubric": r[0]["rubric"], "weight": c(r[0]["weight"])}] for d, r in RUBRICS.items()}
+        assert rubric_reward(_case_judge(), weighted(cast), [A, B, C]) == want, cast
+        assert format_rubrics(weighted(cast)) == format_rubrics(weighted(plain)), cast
+    with pytest.raises(ValueError, match="weights must be numbers > 0"):
+        rubric_reward(_case_judge(), {"Relevance": [{"rubric": "r", "weight": True}]}, [A])
+
+
 def test_a_utility_exactly_at_a_hint_threshold_is_that_value():
     """Eq. 5 over Eq. 4's means in floats: a utility of exactly 3 (τ2) came out 3.0000000000000004
     and routed its rollout to the reflection hint instead of the sibling one (Eq. 8: h̄ for

@@ -297,6 +297,39 @@ def test_bad_input_is_named(prompts, grammar, monkeypatch):
     assert sample_rollouts(runner, prompts, 2, max_new_tokens=2, seed=0).lengths == [2] * 4
 
 
+def test_of_query_is_indexed_like_a_list(prompts):
+    """of_query(q) is prompt q's G rollouts for q in [-Q, Q); past the end it was [] with no word."""
+    runner = Qwen3Runner.from_hf(random_qwen3(seed=0, **SHAPE))
+    r = sample_rollouts(runner, prompts, 3, max_new_tokens=2, seed=0)
+    assert r.of_query(0) == r.tokens[:3] and r.of_query(1) == r.tokens[3:] == r.of_query(-1)
+    for q in (2, 5, -3):
+        with pytest.raises(IndexError, match=f"of_query: prompt {q} out of range for 2 prompt"):
+            r.of_query(q)
+    with pytest.raises(TypeError, match="of_query: q must be an int"):
+        r.of_query(1.0)
+
+
+def test_numpy_seeds_and_prompts(prompts):
+    """A numpy integer seed is the int it holds and a numpy array of ids a prompt (as rescore reads
+    both; acarerank._validate's one integer rule): seed=np.int64(0) was "seed must be an int", and
+    [np.array(P)] "prompt 0 is a ndarray (wrap a single prompt in a list)". A bool seed and a
+    numpy float prompt stay refused."""
+    np = pytest.importorskip("numpy")
+    runner = Qwen3Runner.from_hf(biased(0, {TOKEN_IM_END: 0.05}))
+    want = sample_rollouts(runner, prompts, 2, max_new_tokens=3, seed=3)
+    for got in (sample_rollouts(runner, prompts, 2, max_new_tokens=3, seed=np.int64(3)),
+                sample_rollouts(runner, [np.array(p) for p in prompts], 2, max_new_tokens=3, seed=3)):
+        assert got.tokens == want.tokens and torch.equal(got.logprobs, want.logprobs)
+    with pytest.raises(TypeError, match=r"seed must be an int, got (np\.)?True"):
+        sample_rollouts(runner, prompts, 2, seed=np.bool_(True))
+    with pytest.raises(TypeError, match="prompt 0: token ids must be integers"):
+        sample_rollouts(runner, [np.array([1.5, 2.0])], 2)
+    with pytest.raises(TypeError, match="wrap a single prompt in a list"):
+        sample_rollouts(runner, np.array(prompts[0]).tolist(), 2)
+    with pytest.raises(TypeError, match="wrap a single prompt in a list"):
+        sample_rollouts(runner, [np.int64(1), np.int64(2)], 2)
+
+
 def test_a_steps_logits_are_computed_in_bounded_row_chunks(prompts, monkeypatch):
     """40 running rollouts at V = 151,669: each step's [rows, V] logits hold at most
     SAMPLE_LOGITS_ELEMENTS numbers (27 rows), not all 40 rows at once (64 prompts × 8 held 296 MiB per

@@ -499,6 +499,13 @@ def test_score_segments_takes_iterables_and_names_bad_ids(model, qwen3_tokenizer
         with pytest.raises(TypeError, match="takes a list of .* items, got NoneType"):
             rr.score_segments(None)
         assert rr.score_segments([]) == []
+        # integers only, as rescore's ids (docs/api.md): True was scored as token id 1, 5.7 as 5
+        seg = list(enc.segment_ids[0])
+        for bad, shown in (([True] + seg[1:], "True"), ([seg[0] + 0.7] + seg[1:], f"{seg[0] + 0.7}"),
+                           (torch.tensor(seg, dtype=torch.float32), f"{float(seg[0])}"),
+                           (torch.tensor([True, False]), "True")):
+            with pytest.raises(TypeError, match=f"score_segments: item 1: token ids must be integers, got {shown}"):
+                rr.score_segments([(h, seg), (h, bad)])
     finally:
         rr.release_prefix(h)
 

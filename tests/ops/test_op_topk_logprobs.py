@@ -223,6 +223,9 @@ def test_bf16_inputs_upcast_exactly():
     (dict(temperature=1e-50), ValueError, "temperature must be a finite number > 0 \\(in float32 too\\)"),
     (dict(chunk=0), ValueError, "chunk"),
     (dict(backend="nope"), BackendError, "unknown backend"),
+    # a flag is a bool: 1 or "false" (truthy) picked the top-k normalisation with no word
+    (dict(renormalize=1), TypeError, "topk_logprobs: renormalize must be a bool, got int 1"),
+    (dict(renormalize="false"), TypeError, "topk_logprobs: renormalize must be a bool, got str 'false'"),
 ])
 def test_bad_arguments(kw, exc, msg):
     h, w = _dyadic(3, 16, 769)

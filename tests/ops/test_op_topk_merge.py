@@ -288,6 +288,18 @@ def test_state_errors():
         tm.topk_merge_init(2, 4, "cpu", targets=torch.tensor([0]))
 
 
+def test_finalize_renormalize_is_a_bool():
+    """renormalize is held to bool as topk_logprobs' is: 0 or "false" picked a normalisation
+    with no word (a complete state, which finalizes with True / False)."""
+    state = tm.topk_merge_init(2, 4, "cpu", targets=torch.tensor([0, 5]))
+    tm.topk_merge_update(state, torch.randn(2, 8, generator=torch.Generator().manual_seed(3)), 0, backend="cpp")
+    for flag in (True, False):
+        assert tm.topk_merge_finalize(state, renormalize=flag).target_logprob.shape == (2,)
+    for flag, shown in ((0, "int 0"), ("false", "str 'false'")):
+        with pytest.raises(TypeError, match=f"topk_merge_finalize: renormalize must be a bool, got {shown}"):
+            tm.topk_merge_finalize(state, renormalize=flag)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_streaming_merge_compiles_in_one_graph(backend):
     """init, a chunk loop of updates and finalize under torch.compile(fullgraph=True): the same

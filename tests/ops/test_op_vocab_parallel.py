@@ -455,6 +455,8 @@ def _bad_cases():
         "floor": (2, "topk", *topk({1: {"floor": -10.0}}), "disagree on floor .*rank 0: -20.0, rank 1: -10.0"),
         "entropy-not-bool": (2, "linear", dict(lin), {1: {"return_entropy": "no"}},
                              {1: "return_entropy must be a bool, got str", 0: "rank 1 .* rejected its input"}),
+        "renormalize-not-bool": (2, "topk", *topk({1: {"renormalize": "false"}}),
+                                 {1: "renormalize must be a bool, got str", 0: "rank 1 .* rejected its input"}),
         # as the single-process op: an error on every rank, never a silent NaN log-prob
         "linear-nonfinite-one-rank": (2, "linear", dict(lin, weight=inf_w), {}, "non-finite logits"),
         # a -inf logit: finite log-probs, but a NaN entropy (0·log 0), an error too
