@@ -38,7 +38,7 @@ from .model.numerics import NonFiniteError, NonFiniteOutputError, nonfinite_rows
 from .model.runner import autocast_off, bounded_runs
 from .model.cached_prefill import CacheSlot, default_budget_tokens, prefill_cached
 from .malloc_tuning import CPU_BATCH_TOKENS, cpu_batch_tokens
-from .ops import backend_choice, yes_no_score
+from .ops import backend_choice, yes_no_score, yes_no_score_ref
 from .prompts import DEFAULT_TEMPLATE, ContextTemplate, PointwiseEncoding, encode_pointwise
 from .prompts.pointwise import DEFAULT_MAX_LENGTH
 from .reranker_base import RerankerBase, check_max_length, fit_max_length
@@ -544,6 +544,8 @@ class PointwiseReranker(RerankerBase):
             # S numbers, one sync: a NaN/inf difference (sigmoid gives NaN, or exactly 0 or 1) or score
             bad = nonfinite_rows(diff + s)
             if bad:
+                s, bad = self._unfolded_scores(hidden, s, bad)
+            if bad:
                 rows = [indices[i] for i in bad]
                 reason = self._score_fault(diff[bad[0]].item())
                 err = NonFiniteOutputError(f"score_segments: no score for item(s) {rows[:5]}"
@@ -552,6 +554,21 @@ class PointwiseReranker(RerankerBase):
                 raise err
             for n, v in zip(indices, s.tolist()):
                 out[n] = v
+
+    def _unfolded_scores(self, hidden: torch.Tensor, s: torch.Tensor, bad: list) -> tuple:
+        """Rows ``bad`` of ``hidden`` [S, H] whose folded head came out NaN/inf, scored as transformers
+        scores them: the normed state times the final norm weight, then each of the two logits, then
+        softmax([logit_no, logit_yes]). The fold norm_weight ⊙ (w_yes − w_no) overflows fp32 where
+        no logit does (yes/no entries ±2e38 made 4e38); only the rows that failed pay for this.
+
+        Returns (scores [S] fp32 with those rows filled in, the rows still NaN/inf: a logit itself
+        is, and transformers' score would be NaN too)."""
+        with autocast_off(hidden.device):
+            again, _ = yes_no_score_ref(hidden[bad], self.runner.final_norm_weight, self._w_yes, self._w_no,
+                                        self.runner.arch.rms_norm_eps)
+        s = s.clone()
+        s[bad] = again
+        return s, [bad[i] for i in nonfinite_rows(again)]
 
     def _score_fault(self, diff: float) -> str:
         """Why a score came out NaN/inf: which of the weights it reads is not finite."""

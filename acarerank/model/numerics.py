@@ -33,7 +33,8 @@ class NonFiniteHiddenError(NonFiniteError):
     """The model's final hidden state is NaN/inf, or too large for fp32's RMSNorm, at the rows
     named in the message. ``rows``: their indices in the pass (``Qwen3Runner.forward``), the items
     (``forward_segments``, ``score_segments``), the documents ((request, document) pairs from
-    ``score`` / ``score_batch``) or the rollout tokens (``ato.rescore``)."""
+    ``score`` / ``score_batch``), the prompts of a greedy or sampling step (query indices of
+    ``select_batch``) or the rollout tokens (``ato.rescore``)."""
 
 
 class NonFiniteOutputError(NonFiniteError):

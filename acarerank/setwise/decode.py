@@ -33,7 +33,7 @@ from typing import FrozenSet, List, Optional, Sequence, Union
 import torch
 
 from .._validate import positive_int
-from ..model.numerics import NonFiniteOutputError, nonfinite_rows
+from ..model.numerics import NonFiniteHiddenError, NonFiniteOutputError, nonfinite_rows
 from ..model.runner import INVARIANT_ROWS, position_limit_error
 from ..tokenizer import TOKEN_IM_END
 from .grammar import GrammarState, IdentifierGrammar
@@ -166,8 +166,16 @@ class GreedyStepper:
         # from them instead of feeding those tokens again at the next positions (which it did: a
         # different selection, no error)
         if self._fed_rows is None:
-            self._fed_rows = self.runner.forward(self.cache, [feed[g] for g in running], running, output="last",
-                                                 append=True)                              # [S, H]
+            try:
+                self._fed_rows = self.runner.forward(self.cache, [feed[g] for g in running], running, output="last",
+                                                     append=True)                          # [S, H]
+            except NonFiniteHiddenError as e:
+                # the pass's rows are the running sequences, not the prompts: once one stopped, row 1
+                # could be prompt 3; name the prompts, as _check_finite does
+                rows = [running[i] for i in e.rows]
+                err = NonFiniteHiddenError(f"{self._kind} of prompt(s) {rows[:5]}: {e}", rows)
+                err.reason = str(e)  # select_batch names its queries with it
+                raise err from None
         nxt = self._next_tokens(self._fed_rows, running)
         self._fed_rows = None
         still = []

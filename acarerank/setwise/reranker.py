@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence
 from .._validate import check_int, positive_int
 from ..model import Qwen3Runner
 from ..model.block_pool import PoolExhausted
-from ..model.numerics import NonFiniteOutputError
+from ..model.numerics import NonFiniteError
 from ..model.cached_prefill import CacheSlot, ChunkedPrefill, prefill_cached
 from ..model.runner import position_limit_error
 from ..reranker_base import RerankerBase, check_max_length, fit_max_length
@@ -397,10 +397,10 @@ class SetwiseReranker(RerankerBase):
         for b in range(0, len(prompts), batch_size):
             try:
                 out.extend(self._select_prompts(prompts[b:b + batch_size], max_select, constrained, cache_salt))
-            except NonFiniteOutputError as e:  # name the queries of this call, not the prompts of the batch
+            except NonFiniteError as e:  # a hidden state or a logit: name the call's queries, not the batch's prompts
                 rows = [b + g for g in e.rows]
-                raise NonFiniteOutputError(f"select_batch: no selection for query(ies) {rows[:5]}: {e.reason}",
-                                           rows) from None
+                raise type(e)(f"select_batch: no selection for query(ies) {rows[:5]}: {getattr(e, 'reason', e)}",
+                              rows) from None
         return out
 
     def cache_stats(self) -> dict:

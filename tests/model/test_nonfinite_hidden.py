@@ -112,6 +112,21 @@ def test_setwise_refuses_a_prompt_whose_last_state_is_nan(poisoned):
         sr.select(QUERY, DOCS, max_select=2)
 
 
+@pytest.mark.parametrize("batch_size", [1, 2, 8])
+def test_select_batch_names_the_query_of_a_nan_state(poisoned, batch_size):
+    """The error names the query of the call, as pointwise names (request, document). Setwise
+    prefills without reading a hidden state, so the NaN is refused in a decode step, whose rows
+    are the sequences still running: query 2's pool of one is all forced ("[1]", no step), so
+    query 3 is row 0 of its pass at batch_size 1 and 2, row 2 at 8 (those rows were reported)."""
+    sr = SetwiseReranker(runner=poisoned)
+    queries = ["q zero", "q one", "q two", QUERY]
+    docs = [[DOCS[0], DOCS[2]], [DOCS[3], DOCS[0]], [DOCS[2]], [DOCS[0], DOCS[POISONED], DOCS[3]]]
+    with pytest.raises(NonFiniteHiddenError) as e:
+        sr.select_batch(queries, docs, max_select=2, batch_size=batch_size)
+    assert e.value.rows == [3], f"refused query(ies) {e.value.rows}; the NaN is in query 3's documents"
+    assert "select_batch: no selection for query(ies) [3]: " in str(e.value) and "NaN" in str(e.value), str(e.value)
+
+
 def test_engine_fails_the_nan_request_alone(clean, poisoned):
     require("fastapi")
     from acarerank.server.engine import Engine, EngineFault

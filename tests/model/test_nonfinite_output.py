@@ -164,6 +164,26 @@ def test_pointwise_refuses_a_score_whose_head_product_overflows(model, clean):
     assert e.value.rows == [(0, 0), (0, 1), (0, 2)], e.value.rows
 
 
+def test_pointwise_scores_a_head_whose_fold_overflows_but_no_logit_does(model):
+    """The head folds norm_weight ⊙ (w_yes − w_no): yes/no entries of +2e38 / −2e38 make 4e38, inf in
+    fp32, where each logit transformers computes is finite; this was refused as a product overflow.
+    The rows whose fold fails are scored from the two logits, as transformers scores them."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        m.lm_head.weight[TOKEN_YES, 0], m.lm_head.weight[TOKEN_NO, 0] = 2e38, -2e38
+    rr = PointwiseReranker(model=m)
+    enc = rr.encode(ScoreRequest(QUERY, DOCS))
+    with torch.no_grad():
+        logits = torch.stack([m(torch.tensor([list(enc.shared_ids) + list(seg)])).logits[0, -1, [TOKEN_NO, TOKEN_YES]]
+                              for seg in enc.segment_ids])
+    assert torch.isfinite(logits).all() and logits.abs().min() > 1e36, f"not the case this test is about: {logits}"
+    want = _reference_scores(m, rr, QUERY, DOCS)
+    _assert_close(rr.score(QUERY, DOCS), want, "a head whose fold overflows fp32")
+    # beside clean documents of another request, in one pass: each row as transformers scores it
+    got = rr.score_batch([ScoreRequest(QUERY, DOCS), ScoreRequest("another query", DOCS[:1])])
+    _assert_close(got[0] + got[1], want + _reference_scores(m, rr, "another query", DOCS[:1]), "score_batch")
+
+
 def test_score_segments_names_items_and_only_the_bad_ones(model, clean):
     """score_segments (the server's step API) names its items; the 1-row score head's row too."""
     r = Qwen3Runner.from_hf(tiny_seq_cls(random_qwen3(seed=3, spread_yes_no=30), 1))
