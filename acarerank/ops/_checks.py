@@ -9,6 +9,7 @@ import struct
 from typing import List
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from .._validate import positive_int
 
@@ -125,6 +126,34 @@ def _join_in_place(t: torch.Tensor, op: str, ref: str) -> None:
     base._acarerank_joined = base.grad_fn
 
 
+def _transform_message(op: str, ref: str) -> str:
+    return (f"{op} is inference-only (no derivative): torch.func.grad / jvp / jacrev / jacfwd / hessian and "
+            f"forward-mode AD cannot differentiate it (a jvp came out 0 with no error); use {ref} (plain "
+            f"PyTorch, which every transform takes), or call {op} outside the transform")
+
+
+def func_transformed(*tensors) -> bool:
+    """Whether one of ``tensors`` (non-tensors skipped) is traced by a torch.func gradient transform
+    (grad, jvp, jacrev, ...: a functorch grad-tracking wrapper, at any depth under vmap's batched
+    ones) or carries a forward-mode tangent (torch.autograd.forward_ad). Plain vmap is neither."""
+    F = torch._C._functorch
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        while F.is_functorch_wrapped_tensor(t):
+            if F.is_gradtrackingtensor(t):
+                return True
+            t = F.get_unwrapped(t)
+        if forward_ad.unpack_dual(t).tangent is not None:
+            return True
+    return False
+
+
+#: the innermost active torch.func transform, None outside them (bound once: inference_only tests it
+#: on every call)
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
+
+
 def inference_only(op: str, ref: str, tensors, run, mutated=()):
     """``run()`` (the op's call; a tensor or a tuple) for an op without a backward. Where grad mode
     is on and one of ``tensors`` (None and non-tensors skipped) requires grad, it runs under
@@ -133,7 +162,16 @@ def inference_only(op: str, ref: str, tensors, run, mutated=()):
     ``(name, tensor)`` pairs (tensor None when not given) the op updates in place; each is joined
     the same way (a loss through the updated residual or KV cache raises too), and one that is a
     leaf requiring grad is refused before anything runs (ValueError; torch refuses an in-place op
-    on it too). Nothing else under no_grad / inference_mode: one ``torch.is_grad_enabled()`` test."""
+    on it too). A torch.func gradient transform (grad, jvp, jacrev, jacfwd) or a forward-mode tangent
+    on one of ``tensors`` is an ``InferenceOnlyError`` before anything runs (docs/api.md, "Ops and
+    backends"), under no_grad too; plain vmap runs. Outside those: two reads of transform state, then
+    one ``torch.is_grad_enabled()`` test under no_grad / inference_mode."""
+    # first, and under no_grad too: forward-mode AD ignores grad mode, and neither a tangent nor a
+    # functorch wrapper sets requires_grad, so the op ran and its tangent came out 0 (or None).
+    # No transform active (the runner's every call): no tensor is looked at
+    if (forward_ad._current_level >= 0 or _peek_interpreter_stack() is not None) and not torch.compiler.is_compiling():
+        if func_transformed(*tensors):
+            raise InferenceOnlyError(_transform_message(op, ref))
     if not torch.is_grad_enabled():
         return run()
     need = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -253,11 +291,5 @@ def refuse_func_transforms(message: str, *tensors) -> None:
     or forward-AD tangent was silently 0."""
     if torch.compiler.is_compiling():  # dynamo traces transforms on its own terms; these checks read no tensor data
         return
-    F = torch._C._functorch
-    for t in tensors:
-        while F.is_functorch_wrapped_tensor(t):
-            if F.is_gradtrackingtensor(t):
-                raise RuntimeError(message)
-            t = F.get_unwrapped(t)
-        if torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
-            raise RuntimeError(message)
+    if func_transformed(*tensors):
+        raise RuntimeError(message)

@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from _ext import NATIVE_MISSING
 
 from acarerank.ops import (BackendError, InferenceOnlyError, fused_add_rms_norm, fused_add_rms_norm_ref, linear,
@@ -94,6 +95,60 @@ def test_a_layer_op_runs_under_grad_and_its_backward_names_the_reference(name):
     assert not any(g.requires_grad for g in _outputs(op(*args({n: x.detach() for n, x in tensors.items()}))))
 
 
+def _transforms(name, op, tensors, args, which):
+    """label -> a call differentiating the op's first floating output in ``which`` by a torch.func
+    transform or forward-mode AD (under no_grad too: forward AD ignores grad mode)."""
+    def f(a):
+        t = dict(tensors, **{which: a})
+        return next(g for g in _outputs(op(*args(t))) if g.is_floating_point())
+
+    x = tensors[which]
+
+    def dual(ctx):
+        with ctx(), fwAD.dual_level():
+            return fwAD.unpack_dual(f(fwAD.make_dual(x, torch.ones_like(x)))).tangent
+
+    return {"jvp": lambda: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+            "jacfwd": lambda: torch.func.jacfwd(f)(x),
+            "grad": lambda: torch.func.grad(lambda a: f(a).float().sum())(x),
+            "jacrev": lambda: torch.func.jacrev(f)(x),
+            "forward_ad": lambda: dual(torch.enable_grad),
+            "forward_ad under no_grad": lambda: dual(torch.no_grad)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_layer_op_refuses_func_transforms_and_forward_ad(name):
+    """docs/api.md, "Ops and backends": differentiating a layer op raises InferenceOnlyError naming
+    it and its reference. A jvp / jacfwd / forward-AD tangent through it came out 0 (or None) with
+    no error, where the reference gives the real one; torch.func.grad was torch's "must override
+    the setup_context staticmethod"; jvp of fused_add_rms_norm "Cannot access storage of
+    TensorWrapper" (its overlap check)."""
+    op, ref, tensors, args = CASES[name]
+    for which in tensors:
+        for label, call in _transforms(name, op, tensors, args, which).items():
+            with pytest.raises(InferenceOnlyError, match=rf"^{name} is inference-only \(no derivative\): "
+                                                         rf"torch.func.grad / jvp .* use {name}_ref "):
+                print(f"{name}: {label} in {which} gave no error", call())
+    # what the refusal stands for: the reference's tangent in the first input is not 0
+    first = next(iter(tensors))
+    x = tensors[first]
+    _, tangent = torch.func.jvp(lambda a: _outputs(ref(*args(dict(tensors, **{first: a}))))[0], (x,),
+                                (torch.ones_like(x),))
+    assert tangent.abs().max() > 0, f"{name}_ref: a tangent of 0"
+
+
+def test_plain_vmap_of_a_layer_op_runs_as_before():
+    """vmap without a gradient transform is not refused: vmap(rms_norm) and vmap(silu_and_mul) give
+    the op's values on each example, bit for bit."""
+    xb, w = _r(3, T, D), _r(D)
+    want = torch.stack([rms_norm(x, w) for x in xb])
+    torch.testing.assert_close(torch.func.vmap(lambda x: rms_norm(x, w))(xb), want, atol=0, rtol=0)
+    torch.testing.assert_close(torch.func.vmap(lambda a: rms_norm(xb[0], a))(torch.stack([w, 2 * w])),
+                               torch.stack([rms_norm(xb[0], w), rms_norm(xb[0], 2 * w)]), atol=0, rtol=0)
+    torch.testing.assert_close(torch.func.vmap(silu_and_mul)(xb), torch.stack([silu_and_mul(x) for x in xb]),
+                               atol=0, rtol=0)
+
+
 def test_the_named_reference_is_differentiable():
     """The advice works: rms_norm_ref backpropagates where rms_norm's backward refuses."""
     x, w = _r(T, D).requires_grad_(), _r(D)
@@ -110,6 +165,10 @@ def test_linear_with_a_packed_weight_has_no_backward_and_the_dense_one_trains():
     y = linear(x, packed)   # runs; its backward is the error
     with pytest.raises(InferenceOnlyError, match=r"^linear \(oneDNN-packed weight\) is inference-only .* dense weight"):
         y.sum().backward()
+    # a jvp's tangent came out 0 with no error (the dense weight's: ones @ wᵀ)
+    x0 = x.detach()
+    with pytest.raises(InferenceOnlyError, match=r"^linear \(oneDNN-packed weight\) is inference-only \(no derivative\)"):
+        print("jvp gave", torch.func.jvp(lambda a: linear(a, packed), (x0,), (torch.ones_like(x0),)))
     with torch.no_grad():
         torch.testing.assert_close(linear(x, packed), linear_ref(x, w), atol=1e-4, rtol=1e-4)
     linear(x, w).sum().backward()    # F.linear: differentiable
