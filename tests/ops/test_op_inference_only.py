@@ -149,6 +149,57 @@ def test_plain_vmap_of_a_layer_op_runs_as_before():
                                atol=0, rtol=0)
 
 
+def test_a_batched_backward_raises_inference_only_error():
+    """A backward taken for a batch of output gradients at once (torch.autograd.functional.jacobian
+    with vectorize=True: autograd.grad with is_grads_batched=True; torch.func.vmap over
+    autograd.grad) raises InferenceOnlyError as the plain backward does: it was torch's "Batching
+    rule not implemented for acarerank::inference_only_backward"."""
+    x, w = _r(T, D), _r(D)
+    pattern = r"^rms_norm is inference-only \(no backward\): .* train through rms_norm_ref "
+    with pytest.raises(InferenceOnlyError, match=pattern):
+        torch.autograd.functional.jacobian(lambda a: rms_norm(a, w), x, vectorize=True)
+    with pytest.raises(InferenceOnlyError, match=pattern):
+        torch.autograd.functional.jacobian(lambda a: rms_norm(x, a), w, vectorize=True)
+    xg = x.clone().requires_grad_()
+    y = rms_norm(xg, w)
+    with pytest.raises(InferenceOnlyError, match=pattern):
+        torch.autograd.grad(y, xg, torch.ones(2, T, D), is_grads_batched=True, retain_graph=True)
+    with pytest.raises(InferenceOnlyError, match=pattern):
+        torch.func.vmap(lambda g: torch.autograd.grad(y, xg, g, retain_graph=True))(torch.ones(2, T, D))
+
+
+def test_vmap_with_a_weight_that_requires_grad_runs_and_its_backward_names_the_reference():
+    """vmap of a call whose weight is an nn.Parameter (grad mode on): each example's no_grad values,
+    an output that requires grad, and a backward that is InferenceOnlyError. It was torch's "an
+    autograd.Function ... must override the setup_context staticmethod"."""
+    xb, w = _r(3, T, D), torch.nn.Parameter(_r(D))
+    with torch.no_grad():
+        want = torch.stack([rms_norm(x, w) for x in xb])
+    got = torch.func.vmap(lambda x: rms_norm(x, w))(xb)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert got.requires_grad
+    with pytest.raises(InferenceOnlyError, match=r"^rms_norm is inference-only \(no backward\)"):
+        got.sum().backward()
+    assert w.grad is None
+
+
+def test_vmap_of_an_op_that_updates_in_place_is_refused_by_name():
+    """fused_add_rms_norm adds into its residual, which vmap cannot batch: a RuntimeError naming the
+    op and its reference before anything runs (the residual untouched). It was torch's "Cannot access
+    storage of BatchedTensorImpl" from the op's overlap check, with no op named."""
+    xb, rb, w = _r(2, T, D), _r(2, T, D), _r(D)
+    before = rb.clone()
+    with pytest.raises(RuntimeError, match=r"^fused_add_rms_norm: no torch.func.vmap \(it updates residual in "
+                                           r"place.*vmap fused_add_rms_norm_ref"):
+        torch.func.vmap(lambda x, r: fused_add_rms_norm(x, r, w))(xb, rb)
+    assert torch.equal(rb, before)
+    # the advice works: the reference, vmapped, is the op on the whole batch
+    want_y, want_r = fused_add_rms_norm_ref(xb, rb.clone(), w, 1e-6)
+    got_y, got_r = torch.func.vmap(lambda x, r: fused_add_rms_norm_ref(x, r, w, 1e-6))(xb, rb)
+    torch.testing.assert_close(got_y, want_y, atol=0, rtol=0)
+    torch.testing.assert_close(got_r, want_r, atol=0, rtol=0)
+
+
 def test_the_named_reference_is_differentiable():
     """The advice works: rms_norm_ref backpropagates where rms_norm's backward refuses."""
     x, w = _r(T, D).requires_grad_(), _r(D)
