@@ -175,7 +175,7 @@ def func_transformed(*tensors) -> bool:
 _peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
 
 
-def _vmapped(t) -> bool:
+def vmapped(t) -> bool:
     """Whether ``t`` is a tensor batched by torch.func.vmap (at any depth of functorch's wrappers)."""
     F = torch._C._functorch
     while isinstance(t, torch.Tensor) and F.is_functorch_wrapped_tensor(t):
@@ -205,7 +205,7 @@ def inference_only(op: str, ref: str, tensors, run, mutated=()):
         if func_transformed(*tensors):
             raise InferenceOnlyError(_transform_message(op, ref))
         updated = [name for name, t in mutated if t is not None]
-        if updated and any(_vmapped(t) for t in tensors):
+        if updated and any(vmapped(t) for t in tensors):
             # an update in place has no batching rule: torch's error named an internal op ("the fallback
             # path doesn't work on out= or view ops")
             raise RuntimeError(f"{op}: no torch.func.vmap (it updates {' and '.join(updated)} in place, which vmap "
