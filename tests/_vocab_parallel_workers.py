@@ -101,13 +101,16 @@ def shard_bounds(rows_total, world, rule="megatron", sizes=None):
 
 
 # ----------------------------------------------------------------------------- cases
-def _topk(ctx, hidden, weight, targets, bounds, k, pass_start=False, vocab_size=None, **kw):
+def _topk(ctx, hidden, weight, targets, bounds, k, pass_start=False, vocab_size=None, vmap=False, **kw):
+    """``vmap``: the call under torch.func.vmap over a batch of one hidden [1, T, H]."""
     from acarerank.ops import topk_logprobs
 
     s, e = bounds[ctx.rank]
-    out = topk_logprobs(hidden, weight[s:e], targets, k=k, process_group=ctx.group,
-                        vocab_start=s if pass_start else None, vocab_size=vocab_size, **kw)
-    return tuple(out)
+
+    def call(h):
+        return tuple(topk_logprobs(h, weight[s:e], targets, k=k, process_group=ctx.group,
+                                   vocab_start=s if pass_start else None, vocab_size=vocab_size, **kw))
+    return tuple(o[0] for o in torch.func.vmap(call)(hidden[None])) if vmap else call(hidden)
 
 
 def _topk_subgroups(ctx, hidden, weight, targets, k):
@@ -124,10 +127,11 @@ def _topk_subgroups(ctx, hidden, weight, targets, k):
 
 
 def _linear(ctx, hidden, weight, targets, bounds, pass_start=False, vocab_size=None, temperature=1.0,
-            return_entropy=False, chunk=None, grad_seed=0, inference_targets=False, inference=None):
+            return_entropy=False, chunk=None, grad_seed=0, inference_targets=False, inference=None, vmap=False):
     """Forward, then backward of Σ g·logprob (+ Σ e·entropy) with the same g, e on every rank;
     ``inference_targets``: the targets an inference tensor (sampled under torch.inference_mode());
-    ``inference``: "hidden" or "weight" made there instead (without grad; the other one has it)."""
+    ``inference``: "hidden" or "weight" made there instead (without grad; the other one has it);
+    ``vmap``: the forward under torch.func.vmap over a batch of one hidden [1, T, H]."""
     from acarerank.ops import linear_logprob
 
     if inference_targets:
@@ -140,8 +144,12 @@ def _linear(ctx, hidden, weight, targets, bounds, pass_start=False, vocab_size=N
         with torch.inference_mode():
             made = {"hidden": hidden.clone(), "weight": weight[s:e].clone()}[inference]
         h, w = (made, w) if inference == "hidden" else (h, made)
-    out = linear_logprob(h, w, targets, temperature=temperature, return_entropy=return_entropy, chunk=chunk,
-                         process_group=ctx.group, vocab_start=s if pass_start else None, vocab_size=vocab_size)
+    def call(hh):
+        return linear_logprob(hh, w, targets, temperature=temperature, return_entropy=return_entropy, chunk=chunk,
+                              process_group=ctx.group, vocab_start=s if pass_start else None, vocab_size=vocab_size)
+    out = torch.func.vmap(call)(h[None]) if vmap else call(h)
+    if vmap:
+        out = tuple(o[0] for o in out) if return_entropy else out[0]
     lp, ent = (out if return_entropy else (out, None))
     g = torch.Generator().manual_seed(grad_seed)
     loss = (torch.randn(lp.shape, generator=g, dtype=lp.dtype) * lp).sum()

@@ -9,6 +9,7 @@ import struct
 from typing import List
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from .._validate import positive_int
 
@@ -73,21 +74,42 @@ def _(grad, inputs, op, ref):
     return [torch.empty_like(t) for t in inputs]
 
 
+@_inference_only_backward.register_vmap
+def _(info, in_dims, grad, inputs, op, ref):
+    # a backward under torch.func.vmap (of torch.autograd.grad) raises as the plain one, not with
+    # torch's "Batching rule not implemented for acarerank::inference_only_backward"
+    raise InferenceOnlyError(_inference_only_message(op, ref))
+
+
 class _NoBackward(torch.autograd.Function):
     """Identity on ``out``, joined to the grad-requiring ``inputs`` of an op without a backward:
-    the forward runs (an inference call that forgot no_grad still works), the backward raises."""
+    the forward runs (an inference call that forgot no_grad still works), the backward raises.
+    A separate ``setup_context`` and a generated vmap rule, so it runs under torch.func.vmap (an
+    nn.Parameter weight of a vmapped call; torch's "must override the setup_context staticmethod"
+    before)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, op: str, ref: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        # the inputs' shapes, dtypes and devices, not the inputs: saved, one the op then updated in
-        # place (fused_add_rms_norm's residual, by the next layer) made the backward autograd's
-        # "modified by an inplace operation" error instead of InferenceOnlyError, and held its memory
-        ctx.op, ctx.ref = op, ref
-        ctx.likes = [(t.shape, t.dtype, t.device) for t in inputs]
+    def forward(op: str, ref: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         return out
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        # the inputs' shapes, dtypes and devices, not the inputs: saved, one the op then updated in
+        # place (fused_add_rms_norm's residual, by the next layer) made the backward autograd's
+        # "modified by an inplace operation" error instead of InferenceOnlyError, and held its memory
+        op, ref, _, *tensors = inputs
+        ctx.op, ctx.ref = op, ref
+        ctx.likes = [(t.shape, t.dtype, t.device) for t in tensors]
+
+    @staticmethod
     def backward(ctx, grad):
+        # a batched backward (torch.autograd.functional.jacobian(vectorize=True): autograd.grad with
+        # is_grads_batched=True, torch's legacy vmap, which no register_vmap rule reaches) raises as the
+        # plain one: it was "Batching rule not implemented for acarerank::inference_only_backward"
+        if not torch.compiler.is_compiling() and torch._C._functorch.is_legacy_batchedtensor(grad):
+            raise InferenceOnlyError(_inference_only_message(ctx.op, ctx.ref))
         likes = [torch.empty((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.likes]
         return (None, None, None, *_inference_only_backward(grad, likes, ctx.op, ctx.ref))
 
@@ -125,6 +147,44 @@ def _join_in_place(t: torch.Tensor, op: str, ref: str) -> None:
     base._acarerank_joined = base.grad_fn
 
 
+def _transform_message(op: str, ref: str) -> str:
+    return (f"{op} is inference-only (no derivative): torch.func.grad / jvp / jacrev / jacfwd / hessian and "
+            f"forward-mode AD cannot differentiate it (a jvp came out 0 with no error); use {ref} (plain "
+            f"PyTorch, which every transform takes), or call {op} outside the transform")
+
+
+def func_transformed(*tensors) -> bool:
+    """Whether one of ``tensors`` (non-tensors skipped) is traced by a torch.func gradient transform
+    (grad, jvp, jacrev, ...: a functorch grad-tracking wrapper, at any depth under vmap's batched
+    ones) or carries a forward-mode tangent (torch.autograd.forward_ad). Plain vmap is neither."""
+    F = torch._C._functorch
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        while F.is_functorch_wrapped_tensor(t):
+            if F.is_gradtrackingtensor(t):
+                return True
+            t = F.get_unwrapped(t)
+        if forward_ad.unpack_dual(t).tangent is not None:
+            return True
+    return False
+
+
+#: the innermost active torch.func transform, None outside them (bound once: inference_only tests it
+#: on every call)
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
+
+
+def vmapped(t) -> bool:
+    """Whether ``t`` is a tensor batched by torch.func.vmap (at any depth of functorch's wrappers)."""
+    F = torch._C._functorch
+    while isinstance(t, torch.Tensor) and F.is_functorch_wrapped_tensor(t):
+        if F.is_batchedtensor(t):
+            return True
+        t = F.get_unwrapped(t)
+    return False
+
+
 def inference_only(op: str, ref: str, tensors, run, mutated=()):
     """``run()`` (the op's call; a tensor or a tuple) for an op without a backward. Where grad mode
     is on and one of ``tensors`` (None and non-tensors skipped) requires grad, it runs under
@@ -133,7 +193,23 @@ def inference_only(op: str, ref: str, tensors, run, mutated=()):
     ``(name, tensor)`` pairs (tensor None when not given) the op updates in place; each is joined
     the same way (a loss through the updated residual or KV cache raises too), and one that is a
     leaf requiring grad is refused before anything runs (ValueError; torch refuses an in-place op
-    on it too). Nothing else under no_grad / inference_mode: one ``torch.is_grad_enabled()`` test."""
+    on it too). A torch.func gradient transform (grad, jvp, jacrev, jacfwd) or a forward-mode tangent
+    on one of ``tensors`` is an ``InferenceOnlyError`` before anything runs (docs/api.md, "Ops and
+    backends"), under no_grad too; plain vmap runs, but of an op with ``mutated`` tensors it is a
+    RuntimeError naming the op (vmap cannot batch an update in place). Outside those: two reads of transform state, then
+    one ``torch.is_grad_enabled()`` test under no_grad / inference_mode."""
+    # first, and under no_grad too: forward-mode AD ignores grad mode, and neither a tangent nor a
+    # functorch wrapper sets requires_grad, so the op ran and its tangent came out 0 (or None).
+    # No transform active (the runner's every call): no tensor is looked at
+    if (forward_ad._current_level >= 0 or _peek_interpreter_stack() is not None) and not torch.compiler.is_compiling():
+        if func_transformed(*tensors):
+            raise InferenceOnlyError(_transform_message(op, ref))
+        updated = [name for name, t in mutated if t is not None]
+        if updated and any(vmapped(t) for t in tensors):
+            # an update in place has no batching rule: torch's error named an internal op ("the fallback
+            # path doesn't work on out= or view ops")
+            raise RuntimeError(f"{op}: no torch.func.vmap (it updates {' and '.join(updated)} in place, which vmap "
+                               f"cannot batch); call it once on the whole batch, or vmap {ref}")
     if not torch.is_grad_enabled():
         return run()
     need = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -253,11 +329,5 @@ def refuse_func_transforms(message: str, *tensors) -> None:
     or forward-AD tangent was silently 0."""
     if torch.compiler.is_compiling():  # dynamo traces transforms on its own terms; these checks read no tensor data
         return
-    F = torch._C._functorch
-    for t in tensors:
-        while F.is_functorch_wrapped_tensor(t):
-            if F.is_gradtrackingtensor(t):
-                raise RuntimeError(message)
-            t = F.get_unwrapped(t)
-        if torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
-            raise RuntimeError(message)
+    if func_transformed(*tensors):
+        raise RuntimeError(message)

@@ -46,11 +46,21 @@ def _check(op: str, x, weight, residual=None):
         # is not refused
         if torch.compiler.is_compiling():
             return
-        if x.numel() and residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        if x.numel() and _storage_ptr(residual) == _storage_ptr(x):
             raise ValueError(f"{op}: residual and input must not share memory")
         # a weight inside the residual stream would be read after the add updated it
-        if x.numel() and residual.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        if x.numel() and _storage_ptr(residual) == _storage_ptr(weight):
             raise ValueError(f"{op}: residual and weight must not share memory")
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage; through torch.func's wrappers (vmap's batched tensors, jvp's
+    and grad's tracking ones), whose own storage cannot be read (it raised NotImplementedError), that
+    of the tensor they wrap."""
+    F = torch._C._functorch
+    while F.is_functorch_wrapped_tensor(t):
+        t = F.get_unwrapped(t)
+    return t.untyped_storage().data_ptr()
 
 
 # -- references ---------------------------------------------------------------------------

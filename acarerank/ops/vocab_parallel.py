@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from ..topk_contract import OUTSIDE_MODES, as_int, check_k, finalize
 from . import _backend
-from ._checks import NONFINITE_LOGITS, PADDING_HINT, check_flag, check_projection_inputs, finite_real
+from ._checks import NONFINITE_LOGITS, PADDING_HINT, check_flag, check_projection_inputs, finite_real, vmapped
 from .linear_logprob import DEFAULT_CHUNK as _LP_CHUNK
 from .linear_logprob import (FirstOrderOnly, _refuse_inference_tensors, backward_chunks, compute_copy, forward_stats,
                              grad_inputs)
@@ -160,6 +160,17 @@ def _all_gather(t: torch.Tensor, group, world: int, device) -> torch.Tensor:
     out = torch.empty((world,) + tuple(t.shape), dtype=t.dtype, device=device)
     dist.all_gather(list(out.unbind(0)), t, group=group)
     return out
+
+
+def _refuse_vmap(op, *tensors):
+    """RuntimeError when torch.func.vmap batches one of ``tensors``: the collectives have no batching
+    rule (torch's "Batching rule not implemented for c10d::allgather_", or for linear_logprob "an
+    autograd.Function ... must override the setup_context staticmethod", naming no op). Called in
+    ``local_check``, so every rank raises, none is left waiting."""
+    if any(vmapped(t) for t in tensors):
+        raise RuntimeError(f"{op}: no torch.func.vmap with process_group= (its collectives cannot be batched); "
+                           f"stack the examples' rows into hidden [T, H] and targets [T] (rows are independent), or "
+                           f"call it once per example")
 
 
 def _optional_int(x, name, op, lo):
@@ -312,6 +323,7 @@ def topk_logprobs_vocab_parallel(hidden, weight_shard, targets, k=128, chunk=Non
     k = as_int(k)   # numpy.int64(128) is 128 (the header and the buffers need an int); else check_k names it
 
     def local_check():
+        _refuse_vmap(op, hidden, weight_shard, targets)
         check_projection_inputs(hidden, weight_shard, targets, op, temperature=temperature, chunk=chunk, shard=True)
         # k ≤ the backend's limit here (V is checked once the shards are known); the local
         # core sees min(k, n_r) ≤ k
@@ -467,6 +479,7 @@ def linear_logprob_vocab_parallel(hidden, weight_shard, targets, temperature=1.0
     op = "linear_logprob"
 
     def local_check():
+        _refuse_vmap(op, hidden, weight_shard, targets)
         check_projection_inputs(hidden, weight_shard, targets, op, temperature=temperature, chunk=chunk, shard=True)
         check_flag(op, "return_entropy", return_entropy)
         # here, not at the save after the forward's collectives: torch's error from there named

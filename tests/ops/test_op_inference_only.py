@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from _ext import NATIVE_MISSING
 
 from acarerank.ops import (BackendError, InferenceOnlyError, fused_add_rms_norm, fused_add_rms_norm_ref, linear,
@@ -94,6 +95,111 @@ def test_a_layer_op_runs_under_grad_and_its_backward_names_the_reference(name):
     assert not any(g.requires_grad for g in _outputs(op(*args({n: x.detach() for n, x in tensors.items()}))))
 
 
+def _transforms(name, op, tensors, args, which):
+    """label -> a call differentiating the op's first floating output in ``which`` by a torch.func
+    transform or forward-mode AD (under no_grad too: forward AD ignores grad mode)."""
+    def f(a):
+        t = dict(tensors, **{which: a})
+        return next(g for g in _outputs(op(*args(t))) if g.is_floating_point())
+
+    x = tensors[which]
+
+    def dual(ctx):
+        with ctx(), fwAD.dual_level():
+            return fwAD.unpack_dual(f(fwAD.make_dual(x, torch.ones_like(x)))).tangent
+
+    return {"jvp": lambda: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+            "jacfwd": lambda: torch.func.jacfwd(f)(x),
+            "grad": lambda: torch.func.grad(lambda a: f(a).float().sum())(x),
+            "jacrev": lambda: torch.func.jacrev(f)(x),
+            "forward_ad": lambda: dual(torch.enable_grad),
+            "forward_ad under no_grad": lambda: dual(torch.no_grad)}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_layer_op_refuses_func_transforms_and_forward_ad(name):
+    """docs/api.md, "Ops and backends": differentiating a layer op raises InferenceOnlyError naming
+    it and its reference. A jvp / jacfwd / forward-AD tangent through it came out 0 (or None) with
+    no error, where the reference gives the real one; torch.func.grad was torch's "must override
+    the setup_context staticmethod"; jvp of fused_add_rms_norm "Cannot access storage of
+    TensorWrapper" (its overlap check)."""
+    op, ref, tensors, args = CASES[name]
+    for which in tensors:
+        for label, call in _transforms(name, op, tensors, args, which).items():
+            with pytest.raises(InferenceOnlyError, match=rf"^{name} is inference-only \(no derivative\): "
+                                                         rf"torch.func.grad / jvp .* use {name}_ref "):
+                print(f"{name}: {label} in {which} gave no error", call())
+    # what the refusal stands for: the reference's tangent in the first input is not 0
+    first = next(iter(tensors))
+    x = tensors[first]
+    _, tangent = torch.func.jvp(lambda a: _outputs(ref(*args(dict(tensors, **{first: a}))))[0], (x,),
+                                (torch.ones_like(x),))
+    assert tangent.abs().max() > 0, f"{name}_ref: a tangent of 0"
+
+
+def test_plain_vmap_of_a_layer_op_runs_as_before():
+    """vmap without a gradient transform is not refused: vmap(rms_norm) and vmap(silu_and_mul) give
+    the op's values on each example, bit for bit."""
+    xb, w = _r(3, T, D), _r(D)
+    want = torch.stack([rms_norm(x, w) for x in xb])
+    torch.testing.assert_close(torch.func.vmap(lambda x: rms_norm(x, w))(xb), want, atol=0, rtol=0)
+    torch.testing.assert_close(torch.func.vmap(lambda a: rms_norm(xb[0], a))(torch.stack([w, 2 * w])),
+                               torch.stack([rms_norm(xb[0], w), rms_norm(xb[0], 2 * w)]), atol=0, rtol=0)
+    torch.testing.assert_close(torch.func.vmap(silu_and_mul)(xb), torch.stack([silu_and_mul(x) for x in xb]),
+                               atol=0, rtol=0)
+
+
+def test_a_batched_backward_raises_inference_only_error():
+    """A backward taken for a batch of output gradients at once (torch.autograd.functional.jacobian
+    with vectorize=True: autograd.grad with is_grads_batched=True; torch.func.vmap over
+    autograd.grad) raises InferenceOnlyError as the plain backward does: it was torch's "Batching
+    rule not implemented for acarerank::inference_only_backward"."""
+    x, w = _r(T, D), _r(D)
+    pattern = r"^rms_norm is inference-only \(no backward\): .* train through rms_norm_ref "
+    with pytest.raises(InferenceOnlyError, match=pattern):
+        torch.autograd.functional.jacobian(lambda a: rms_norm(a, w), x, vectorize=True)
+    with pytest.raises(InferenceOnlyError, match=pattern):
+        torch.autograd.functional.jacobian(lambda a: rms_norm(x, a), w, vectorize=True)
+    xg = x.clone().requires_grad_()
+    y = rms_norm(xg, w)
+    with pytest.raises(InferenceOnlyError, match=pattern):
+        torch.autograd.grad(y, xg, torch.ones(2, T, D), is_grads_batched=True, retain_graph=True)
+    with pytest.raises(InferenceOnlyError, match=pattern):
+        torch.func.vmap(lambda g: torch.autograd.grad(y, xg, g, retain_graph=True))(torch.ones(2, T, D))
+
+
+def test_vmap_with_a_weight_that_requires_grad_runs_and_its_backward_names_the_reference():
+    """vmap of a call whose weight is an nn.Parameter (grad mode on): each example's no_grad values,
+    an output that requires grad, and a backward that is InferenceOnlyError. It was torch's "an
+    autograd.Function ... must override the setup_context staticmethod"."""
+    xb, w = _r(3, T, D), torch.nn.Parameter(_r(D))
+    with torch.no_grad():
+        want = torch.stack([rms_norm(x, w) for x in xb])
+    got = torch.func.vmap(lambda x: rms_norm(x, w))(xb)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert got.requires_grad
+    with pytest.raises(InferenceOnlyError, match=r"^rms_norm is inference-only \(no backward\)"):
+        got.sum().backward()
+    assert w.grad is None
+
+
+def test_vmap_of_an_op_that_updates_in_place_is_refused_by_name():
+    """fused_add_rms_norm adds into its residual, which vmap cannot batch: a RuntimeError naming the
+    op and its reference before anything runs (the residual untouched). It was torch's "Cannot access
+    storage of BatchedTensorImpl" from the op's overlap check, with no op named."""
+    xb, rb, w = _r(2, T, D), _r(2, T, D), _r(D)
+    before = rb.clone()
+    with pytest.raises(RuntimeError, match=r"^fused_add_rms_norm: no torch.func.vmap \(it updates residual in "
+                                           r"place.*vmap fused_add_rms_norm_ref"):
+        torch.func.vmap(lambda x, r: fused_add_rms_norm(x, r, w))(xb, rb)
+    assert torch.equal(rb, before)
+    # the advice works: the reference, vmapped, is the op on the whole batch
+    want_y, want_r = fused_add_rms_norm_ref(xb, rb.clone(), w, 1e-6)
+    got_y, got_r = torch.func.vmap(lambda x, r: fused_add_rms_norm_ref(x, r, w, 1e-6))(xb, rb)
+    torch.testing.assert_close(got_y, want_y, atol=0, rtol=0)
+    torch.testing.assert_close(got_r, want_r, atol=0, rtol=0)
+
+
 def test_the_named_reference_is_differentiable():
     """The advice works: rms_norm_ref backpropagates where rms_norm's backward refuses."""
     x, w = _r(T, D).requires_grad_(), _r(D)
@@ -110,6 +216,10 @@ def test_linear_with_a_packed_weight_has_no_backward_and_the_dense_one_trains():
     y = linear(x, packed)   # runs; its backward is the error
     with pytest.raises(InferenceOnlyError, match=r"^linear \(oneDNN-packed weight\) is inference-only .* dense weight"):
         y.sum().backward()
+    # a jvp's tangent came out 0 with no error (the dense weight's: ones @ wᵀ)
+    x0 = x.detach()
+    with pytest.raises(InferenceOnlyError, match=r"^linear \(oneDNN-packed weight\) is inference-only \(no derivative\)"):
+        print("jvp gave", torch.func.jvp(lambda a: linear(a, packed), (x0,), (torch.ones_like(x0),)))
     with torch.no_grad():
         torch.testing.assert_close(linear(x, packed), linear_ref(x, w), atol=1e-4, rtol=1e-4)
     linear(x, w).sum().backward()    # F.linear: differentiable

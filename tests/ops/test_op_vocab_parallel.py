@@ -472,6 +472,14 @@ def _bad_cases():
                                      0: "linear_logprob: weight is an inference tensor"}),
         "linear-gap": (2, "linear", dict(lin), {1: {"bounds": [(0, 500), (501, 1000)], "pass_start": True}},
                        "do not tile"),
+        # docs/api.md: a RuntimeError naming the op and process_group=, on every rank; it was torch's "Batching
+        # rule not implemented for c10d::allgather_" (topk) and "must override the setup_context staticmethod"
+        # (linear), naming no op
+        "topk-vmap-one-rank": (2, "topk", *topk({1: {"vmap": True}}),
+                               {1: r"^topk_logprobs: no torch.func.vmap with process_group= .*once per example",
+                                0: "rank 1 .* rejected its input: RuntimeError: topk_logprobs: no torch.func.vmap"}),
+        "linear-vmap": (2, "linear", dict(lin, vmap=True), {},
+                        r"^linear_logprob: no torch.func.vmap with process_group= \(its collectives"),
     }
 
 
