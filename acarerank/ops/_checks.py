@@ -196,8 +196,8 @@ def inference_only(op: str, ref: str, tensors, run, mutated=()):
     on it too). A torch.func gradient transform (grad, jvp, jacrev, jacfwd) or a forward-mode tangent
     on one of ``tensors`` is an ``InferenceOnlyError`` before anything runs (docs/api.md, "Ops and
     backends"), under no_grad too; plain vmap runs, but of an op with ``mutated`` tensors it is a
-    RuntimeError naming the op (vmap cannot batch an update in place). Outside those: two reads of transform state, then
-    one ``torch.is_grad_enabled()`` test under no_grad / inference_mode."""
+    RuntimeError naming the op (vmap cannot batch an update in place). Outside those: two reads of
+    transform state, then one ``torch.is_grad_enabled()`` test under no_grad / inference_mode."""
     # first, and under no_grad too: forward-mode AD ignores grad mode, and neither a tangent nor a
     # functorch wrapper sets requires_grad, so the op ran and its tangent came out 0 (or None).
     # No transform active (the runner's every call): no tensor is looked at
