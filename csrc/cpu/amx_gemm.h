@@ -94,7 +94,7 @@ ACR_AMX void run_tasks(int64_t t0, int64_t t1, const Gemm& g, const Epilogue& ep
   at::native::cpublas::brgemm_release(/*is_vnni=*/true);  // brgemm reloads its own config after us
   acr_attn::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  ACR_TILE_LOADCONFIG(&cfg);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t nb0 = (t / chunks) * nb_per, nb1 = std::min(NB, nb0 + nb_per);
     const int64_t mb0 = (t % chunks) * mb_per, mb1 = std::min(MB, mb0 + mb_per);
@@ -122,10 +122,10 @@ ACR_AMX void run_tasks(int64_t t0, int64_t t1, const Gemm& g, const Epilogue& ep
           if (k0 > 0) {
             acr_attn::load_2x2(c, kScratchLd);
           } else {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            ACR_TILE_ZERO(0);
+            ACR_TILE_ZERO(1);
+            ACR_TILE_ZERO(2);
+            ACR_TILE_ZERO(3);
           }
           acr_attn::load_operands(operands(nb, k0));
           for (int64_t ks = k0; ks < k1; ++ks) {
@@ -138,7 +138,7 @@ ACR_AMX void run_tasks(int64_t t0, int64_t t1, const Gemm& g, const Epilogue& ep
       }
     }
   }
-  _tile_release();
+  ACR_TILE_RELEASE();
 }
 
 // The whole GEMM over at::parallel_for (tasks in the order above).

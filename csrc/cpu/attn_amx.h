@@ -49,7 +49,27 @@ constexpr int64_t kAmxBlockRows = 32;
 #include <cpuid.h>
 
 #define ACR_HAVE_AMX_CODE 1
+// The tile instructions, or with ACR_AMX_EMULATE (a development build, never shipped) their
+// software twins (amx_emulate.h), so this code runs on a CPU without AMX. Tile numbers are
+// constants, as the instructions take them.
+#ifdef ACR_AMX_EMULATE
+#include "amx_emulate.h"
+#define ACR_AMX ACR_AVX512_BF16
+#define ACR_TILE_LOADCONFIG(cfg) acr_amx_emu::loadconfig(cfg)
+#define ACR_TILE_RELEASE() acr_amx_emu::release()
+#define ACR_TILE_ZERO(t) acr_amx_emu::zero(t)
+#define ACR_TILE_LOADD(t, base, stride) acr_amx_emu::loadd(t, base, stride)
+#define ACR_TILE_STORED(t, base, stride) acr_amx_emu::stored(t, base, stride)
+#define ACR_TILE_DPBF16PS(c, a, b) acr_amx_emu::dpbf16ps(c, a, b)
+#else
 #define ACR_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define ACR_TILE_LOADCONFIG(cfg) _tile_loadconfig(cfg)
+#define ACR_TILE_RELEASE() _tile_release()
+#define ACR_TILE_ZERO(t) _tile_zero(t)
+#define ACR_TILE_LOADD(t, base, stride) _tile_loadd(t, base, stride)
+#define ACR_TILE_STORED(t, base, stride) _tile_stored(t, base, stride)
+#define ACR_TILE_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+#endif
 
 namespace acr_attn {
 
@@ -57,6 +77,9 @@ namespace acr_attn {
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA: Linux 5.16+; without it the first tile load
 // faults). oneDNN asks too; asking again is a no-op.
 inline bool amx_tiles_usable() {
+#ifdef ACR_AMX_EMULATE
+  return true;  // the emulated tiles need no CPU support and no permission
+#endif
   static const bool ok = [] {
     unsigned a, b, c, dx;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &dx)) return false;
@@ -77,6 +100,11 @@ inline bool amx_tiles_kernel() {
     const bool off = e != nullptr && std::strcmp(e, "0") == 0;
     TORCH_CHECK(e == nullptr || *e == '\0' || off || std::strcmp(e, "1") == 0,
                 "ACARERANK_CPU_AMX_TILES must be 0 or 1, got '", e, "'");
+#ifdef ACR_AMX_EMULATE
+    // emulated: also on the brgemm path (ACARERANK_CPU_BF16_PATH=brgemm), the amx-brgemm code on
+    // cpublas' non-AMX brgemm: with the tiles emulated, what an AMX CPU runs but oneDNN's ukernel
+    if (!off && std::strcmp(bf16_path(), "brgemm") == 0) return true;
+#endif
     return !off && std::strcmp(bf16_path(), "amx-brgemm") == 0 && amx_tiles_usable();
   }();
   return on;
@@ -150,10 +178,10 @@ struct Operands32 {
   const void* a1() const { return static_cast<const char*>(a) + 16 * lda; }
 };
 ACR_AMX inline void load_operands(const Operands32& o) {
-  _tile_loadd(4, o.a, o.lda);
-  _tile_loadd(5, o.a1(), o.lda);
-  _tile_loadd(6, o.b0, o.ldb);
-  _tile_loadd(7, o.b1, o.ldb);
+  ACR_TILE_LOADD(4, o.a, o.lda);
+  ACR_TILE_LOADD(5, o.a1(), o.lda);
+  ACR_TILE_LOADD(6, o.b0, o.ldb);
+  ACR_TILE_LOADD(7, o.b1, o.ldb);
 }
 // The 2×2 block's products of one k-step, the next k-step's operands loaded as soon as the
 // products before have read the tile they replace (the tiles have no renaming: a load into a tile
@@ -163,29 +191,29 @@ ACR_AMX inline void load_operands(const Operands32& o) {
 // docs/cpu-log.md), as in a loop of S products alone (K from L2: 23–24 against 25–26 TSC
 // cycles a product, 12 with no loads at all).
 ACR_AMX inline void products_2x2_then_load(const Operands32* next) {
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  if (next) _tile_loadd(4, next->a, next->lda);
-  _tile_dpbf16ps(2, 5, 6);
-  if (next) _tile_loadd(6, next->b0, next->ldb);
-  _tile_dpbf16ps(3, 5, 7);
+  ACR_TILE_DPBF16PS(0, 4, 6);
+  ACR_TILE_DPBF16PS(1, 4, 7);
+  if (next) ACR_TILE_LOADD(4, next->a, next->lda);
+  ACR_TILE_DPBF16PS(2, 5, 6);
+  if (next) ACR_TILE_LOADD(6, next->b0, next->ldb);
+  ACR_TILE_DPBF16PS(3, 5, 7);
   if (next) {
-    _tile_loadd(5, next->a1(), next->lda);
-    _tile_loadd(7, next->b1, next->ldb);
+    ACR_TILE_LOADD(5, next->a1(), next->lda);
+    ACR_TILE_LOADD(7, next->b1, next->ldb);
   }
 }
 ACR_AMX inline void store_2x2(float* c, int64_t ldc) {
-  _tile_stored(0, c, ldc * 4);
-  _tile_stored(1, c + 16, ldc * 4);
-  _tile_stored(2, c + 16 * ldc, ldc * 4);
-  _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+  ACR_TILE_STORED(0, c, ldc * 4);
+  ACR_TILE_STORED(1, c + 16, ldc * 4);
+  ACR_TILE_STORED(2, c + 16 * ldc, ldc * 4);
+  ACR_TILE_STORED(3, c + 16 * ldc + 16, ldc * 4);
 }
 
 ACR_AMX inline void load_2x2(const float* c, int64_t ldc) {
-  _tile_loadd(0, c, ldc * 4);
-  _tile_loadd(1, c + 16, ldc * 4);
-  _tile_loadd(2, c + 16 * ldc, ldc * 4);
-  _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+  ACR_TILE_LOADD(0, c, ldc * 4);
+  ACR_TILE_LOADD(1, c + 16, ldc * 4);
+  ACR_TILE_LOADD(2, c + 16 * ldc, ldc * 4);
+  ACR_TILE_LOADD(3, c + 16 * ldc + 16, ldc * 4);
 }
 
 // C rows [0, 32) (+)= A · B over K (both multiples of 32), 32 columns of C at a time, one softmax
@@ -202,10 +230,10 @@ ACR_AMX inline void gemm_32_rows(int64_t cols, int64_t K, float* C, int64_t ldc,
     if (accumulate) {
       load_2x2(C + j, ldc);
     } else {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      ACR_TILE_ZERO(0);
+      ACR_TILE_ZERO(1);
+      ACR_TILE_ZERO(2);
+      ACR_TILE_ZERO(3);
     }
     for (int64_t k = 0; k < K; k += 32) {
       const bool more = k + 32 < K || j + 32 < cols;
@@ -231,7 +259,7 @@ ACR_AMX inline void tile_amx(int64_t M, int64_t nc, int64_t d, float scale, cons
   at::native::cpublas::brgemm_release(/*is_vnni=*/true);
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  ACR_TILE_LOADCONFIG(&cfg);
   const int64_t B = (M + 31) / 32;
   for (int64_t i = M; i < B * 32; ++i) std::memset(static_cast<void*>(P + i * lp), 0, sizeof(BFloat16) * nc);
   for (int64_t b = -1; b <= B; ++b) {
@@ -252,7 +280,7 @@ ACR_AMX inline void tile_amx(int64_t M, int64_t nc, int64_t d, float scale, cons
     }
     sm.finish();
   }
-  _tile_release();
+  ACR_TILE_RELEASE();
 }
 
 }  // namespace acr_attn

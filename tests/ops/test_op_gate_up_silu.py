@@ -1,15 +1,7 @@
 """The MLP's gate/up projection with SiLU·up fused (acarerank/ops/gate_up_silu.py,
 csrc/cpu/gate_up_amx.cpp) against the exact value, the unfused layer and the runner.
 
-Bound (per output, against SiLU(G)·U with G, U the exact fp64 products of the bf16 inputs): the
-kernel's fp32 sums g, u are within γ_g = K·2⁻²⁴·(|x|·|W_g|ᵀ) of G (γ_u of U; the linear op's
-bound, doubled as there). SiLU'(t) = σ(t)(1 + t(1 − σ(t))) lies in [−0.1, 1.1], so
-    |SiLU(g)·u − SiLU(G)·U| ≤ 1.1·γ_g·(|U| + γ_u) + |SiLU(G)|·γ_u;
-the SiLU's exp is within 3e-6 relative (exp2_avx512), which moves σ, hence the product, by as much;
-three fp32 operations after it add 3·2⁻²⁴ < 1e-6 relative; the one bf16 rounding 2⁻⁹ relative,
-taken as 2⁻⁸ as in the linear op's test. Hence
-    |y − SiLU(G)·U| ≤ 2·(1.1·γ_g·(|U| + γ_u) + |SiLU(G)|·γ_u) + (2⁻⁸ + 4e-6)·|SiLU(G)·U|.
-The plain linear (silu false) is the linear op's bound: 2·γ + 2⁻⁸·|y|.
+Bound: tests/ops/_gate_up_bounds.py (shared with the emulated-AMX build's test).
 """
 import threading
 
@@ -22,40 +14,12 @@ from acarerank.ops import (BackendError, BackendLimitError, InferenceOnlyError, 
 from acarerank.ops import _native
 from acarerank.ops.amx_weights import pack_gate_up
 from acarerank.ops.gate_up_silu import OP, resolve_gate_up_backend, why_not_native
+from _gate_up_bounds import check_silu, exact, gate_up_data
 
 AMX = _native.available() and _native.amx_tiles_kernel()
 needs_amx = pytest.mark.skipif(not AMX, reason="the kernel runs on AMX-BF16 tiles, which this process does not use "
                                                "(its refusal is tested in test_refused_without_amx)")
 BF16 = torch.bfloat16
-
-
-def _data(M, K, I, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(M, K, generator=g) * scale).to(BF16)
-    w = (torch.randn(2 * I, K, generator=g) * K ** -0.5).to(BF16)
-    return x, w
-
-
-def _exact(x, w):
-    """(G, U, γ_g, γ_u): the exact fp64 products of the bf16 inputs and their fp32-sum bounds."""
-    K, I = x.shape[-1], w.shape[0] // 2
-    xd, wd = x.double(), w.double()
-    gu, mag = xd @ wd.T, xd.abs() @ wd.abs().T
-    gamma = K * 2.0 ** -24 * mag
-    return gu[..., :I], gu[..., I:], gamma[..., :I], gamma[..., I:]
-
-
-def _check_silu(y, x, w, what):
-    G, U, eg, eu = _exact(x, w)
-    silu_g = G * torch.sigmoid(G)
-    want = silu_g * U
-    bound = 2 * (1.1 * eg * (U.abs() + eu) + silu_g.abs() * eu) + (2.0 ** -8 + 4e-6) * want.abs()
-    err = (y.double() - want).abs()
-    bad = (err > bound).nonzero()
-    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} outputs over the bound; first at {bad[0].tolist()}: "
-                              f"|diff| {err[tuple(bad[0])]:.3e} > {bound[tuple(bad[0])]:.3e} (y {y[tuple(bad[0])]}, "
-                              f"exact {want[tuple(bad[0])]:.4e})")
-    return err.max().item() if err.numel() else 0.0
 
 
 # -- the packed layout ------------------------------------------------------------------------
@@ -78,18 +42,18 @@ def test_pack_is_the_documented_layout_and_unpacks_bitwise():
 def test_fused_within_its_bound_of_the_exact_value(M, K, I):
     """M across the 32-row blocks and the 256-row chunks, K across the 256-k chunks, I across the
     256-column macros (2·I = 320, 544: a short last macro)."""
-    x, w = _data(M, K, I, seed=M + K + I)
+    x, w = gate_up_data(M, K, I, seed=M + K + I)
     pw = PackedGateUpWeight(w)
     y = gate_up_silu(x, pw)
     assert y.shape == (M, I) and y.dtype == BF16
-    _check_silu(y, x, w, f"M={M} K={K} I={I}")
+    check_silu(y, x, w, f"M={M} K={K} I={I}")
 
 
 @needs_amx
 @pytest.mark.parametrize("M,K,I", [(1, 32, 16), (33, 1024, 160), (257, 288, 272)])
 def test_as_a_linear_weight_within_the_linear_bound(M, K, I):
     """linear(x, packed) = x·[W_g; W_u]ᵀ in [gate | up] order, one rounding."""
-    x, w = _data(M, K, I, seed=1)
+    x, w = gate_up_data(M, K, I, seed=1)
     y = linear(x, PackedGateUpWeight(w))
     assert y.shape == (M, 2 * I) and y.dtype == BF16
     want = x.double() @ w.double().T
@@ -105,9 +69,9 @@ def test_no_worse_than_the_unfused_layer():
     """At a layer's proportions the fused result's largest error against the exact value is at most
     the unfused path's (linear on oneDNN or F.linear, then silu_and_mul: two bf16 roundings), as
     flash-attn's rule asks of a fused kernel."""
-    x, w = _data(300, 512, 768, seed=3)
-    fused = _check_silu(gate_up_silu(x, PackedGateUpWeight(w)), x, w, "fused")
-    G, U, _, _ = _exact(x, w)
+    x, w = gate_up_data(300, 512, 768, seed=3)
+    fused = check_silu(gate_up_silu(x, PackedGateUpWeight(w)), x, w, "fused")
+    G, U, _, _ = exact(x, w)
     unfused = (silu_and_mul(linear(x, w)).double() - G * torch.sigmoid(G) * U).abs().max().item()
     assert fused <= unfused, f"fused max error {fused:.3e} > the unfused path's {unfused:.3e}"
 
@@ -116,7 +80,7 @@ def test_no_worse_than_the_unfused_layer():
 def test_matches_the_reference_on_odd_inputs():
     """3-D input; rows at a stride (a column slice of a wider tensor); a transposed input (copied);
     an empty one; gate_up_silu_ref (fp64, rounded once) within one bf16 step of it."""
-    x, w = _data(70, 64, 48, seed=4)
+    x, w = gate_up_data(70, 64, 48, seed=4)
     pw = PackedGateUpWeight(w)
     base = gate_up_silu(x, pw)
     assert torch.equal(gate_up_silu(x.view(7, 10, 64), pw), base.view(7, 10, 48))
@@ -134,13 +98,13 @@ def test_matches_the_reference_on_odd_inputs():
 def test_large_and_non_finite_gates():
     """|g| ~ 100: SiLU(g)·u is ~0 (g ≪ 0: exp(−g) overflows to inf, the quotient to ±0) or g·u;
     a NaN in x makes that row NaN and no other."""
-    x, w = _data(40, 64, 32, seed=5)
+    x, w = gate_up_data(40, 64, 32, seed=5)
     x[3] *= 60
     x[7, 5] = float("nan")
     y = gate_up_silu(x, PackedGateUpWeight(w))
     assert torch.isnan(y[7]).all() and not torch.isnan(torch.cat([y[:7], y[8:]])).any()
     keep = [i for i in range(40) if i != 7]
-    _check_silu(y[keep], x[keep], w, "large gates")
+    check_silu(y[keep], x[keep], w, "large gates")
 
 
 # -- batch invariance, threads ---------------------------------------------------------------
@@ -148,7 +112,7 @@ def test_large_and_non_finite_gates():
 def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads():
     """The runner's batch-invariant mode relies on it: the same row, alone, in a batch of 37 and of
     600 (other blocks, chunks, positions), on 1 to 4 threads: the same bits."""
-    x, w = _data(600, 288, 272, seed=6)
+    x, w = gate_up_data(600, 288, 272, seed=6)
     pw = PackedGateUpWeight(w)
     full = gate_up_silu(x, pw)
     before = torch.get_num_threads()
@@ -164,7 +128,7 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads():
 
 @needs_amx
 def test_python_threads_at_once():
-    x, w = _data(300, 256, 160, seed=7)
+    x, w = gate_up_data(300, 256, 160, seed=7)
     pw = PackedGateUpWeight(w)
     want = gate_up_silu(x, pw)
     errors = []
@@ -187,7 +151,7 @@ def test_python_threads_at_once():
 # -- bad input, refusals, choice ---------------------------------------------------------------
 @needs_amx
 def test_bad_input_is_a_clear_error():
-    x, w = _data(4, 64, 32)
+    x, w = gate_up_data(4, 64, 32)
     pw = PackedGateUpWeight(w)
     with pytest.raises(ValueError, match="last dim must be the weight's K = 64"):
         gate_up_silu(torch.zeros(4, 32, dtype=BF16), pw)
@@ -215,7 +179,7 @@ def test_bad_input_is_a_clear_error():
 
 @needs_amx
 def test_backward_is_refused_by_name():
-    x, w = _data(4, 64, 32)
+    x, w = gate_up_data(4, 64, 32)
     y = gate_up_silu(x.requires_grad_(), PackedGateUpWeight(w))
     with pytest.raises(InferenceOnlyError, match="gate_up_silu_ref"):
         y.sum().backward()
@@ -225,7 +189,7 @@ def test_backward_is_refused_by_name():
 @pytest.mark.skipif(AMX, reason="this process uses AMX tiles: the refusal needs a CPU without them")
 def test_refused_without_amx():
     with pytest.raises(BackendError, match="AMX-BF16 tiles"):
-        PackedGateUpWeight(_data(4, 64, 32)[1])
+        PackedGateUpWeight(gate_up_data(4, 64, 32)[1])
     assert resolve_gate_up_backend(None, "cpu", BF16, 64, 32) == "torch"
 
 
@@ -248,7 +212,7 @@ def test_choice():
 
 @needs_amx
 def test_prepare_moves_between_forms_bitwise():
-    _, w = _data(1, 64, 32)
+    _, w = gate_up_data(1, 64, 32)
     pw = prepare_gate_up_weight(w, "native")
     assert isinstance(pw, PackedGateUpWeight) and prepare_gate_up_weight(pw, "native") is pw
     assert torch.equal(prepare_gate_up_weight(pw, "torch"), w)
@@ -262,7 +226,7 @@ def test_prepare_moves_between_forms_bitwise():
 
 @needs_amx
 def test_opcheck_gate_up_amx():
-    x, w = _data(37, 64, 48)
+    x, w = gate_up_data(37, 64, 48)
     pw = PackedGateUpWeight(w)
     for silu in (True, False):
         torch.library.opcheck(torch.ops.acarerank.gate_up_amx.default, (x, pw.packed, 48, silu))
