@@ -74,6 +74,10 @@ CMAKE_MIN = (3, 24)
 
 def check_build_prerequisites() -> None:
     """Fail before CMake with one line naming what is missing and how to get it."""
+    missing = [n for n in ("CMakeLists.txt", "csrc") if not (ROOT / n).exists()]
+    if missing:  # an sdist or copy without the build files would otherwise install with no extension at all
+        sys.exit(f"acarerank._C: {' and '.join(missing)} missing from {ROOT}: this source tree cannot build the "
+                 "extensions; build from a git clone or a complete sdist (MANIFEST.in lists what it needs)")
     cmake = shutil.which("cmake")
     if cmake is None:
         sys.exit("acarerank._C: cmake was not found; pip install 'cmake>=3.24' (or your system's cmake >= 3.24)")
@@ -166,8 +170,6 @@ class CMakeBuild(build_ext):
 
 def _ext_modules() -> list:
     """acarerank._C always; acarerank._cpu when torch is importable here (else one line why not)."""
-    if not (ROOT / "CMakeLists.txt").exists():
-        return []
     mods = [CMakeExtension("acarerank._C", "_C")]
     torch_info, why_not = torch_for_cpu_ext()
     if torch_info is None:
