@@ -109,22 +109,32 @@ def _find_nvcc():
     return next((c for c in cands if c and os.path.isfile(c)), None)
 
 
+def cmake_command(cmake: str, build_temp: Path) -> str:
+    """The CMAKE_COMMAND that ``cmake`` writes into a cache: the real binary, also where ``cmake`` is
+    a wrapper (pip's cmake package puts a Python script on PATH that runs .../cmake/data/bin/cmake)."""
+    script = build_temp / "cmake_command.cmake"
+    script.write_text('message("${CMAKE_COMMAND}")\n')
+    r = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True)
+    return r.stderr.strip() if r.returncode == 0 and r.stderr.strip() else cmake
+
+
 def drop_stale_cmake_cache(build_temp: Path) -> None:
     """Forget a CMake cache whose tools are gone or changed: ``pip install .`` builds in a fresh
     isolated environment each time, so the cmake and ninja a previous install cached live in a
-    deleted temporary folder, and the next configure would fail on them."""
+    deleted temporary folder, and the next configure would fail on them. Only CMakeCache.txt goes:
+    CMakeFiles/ (the objects) stays, and ninja recompiles what the new configure changed."""
     cache = build_temp / "CMakeCache.txt"
     if not cache.is_file():
         return
-    now = {"CMAKE_COMMAND": shutil.which("cmake"), "CMAKE_MAKE_PROGRAM": shutil.which("ninja")}
+    now = {"CMAKE_COMMAND": cmake_command(shutil.which("cmake") or "cmake", build_temp),
+           "CMAKE_MAKE_PROGRAM": shutil.which("ninja")}
     for line in cache.read_text(errors="replace").splitlines():
         key, _, value = line.partition("=")
         name = key.split(":")[0]
         if name in now and value and (not os.path.exists(value) or
                                       os.path.realpath(value) != os.path.realpath(now[name] or "")):
             cache.unlink()
-            shutil.rmtree(build_temp / "CMakeFiles", ignore_errors=True)
-            print(f"acarerank._C: {name} changed ({value} -> {now[name]}): reconfiguring from scratch",
+            print(f"acarerank._C: {name} changed ({value} -> {now[name]}): reconfiguring",
                   file=sys.stderr)
             return
 
