@@ -142,6 +142,25 @@ def drop_stale_cmake_cache(build_temp: Path) -> None:
 class CMakeBuild(build_ext):
     """Configure and build CMakeLists.txt; the module lands where setuptools expects it."""
 
+    def run(self) -> None:
+        super().run()
+        if not any(ext.name == "acarerank._cpu" for ext in self.extensions):
+            self.remove_stale_cpu_ext()
+
+    def remove_stale_cpu_ext(self) -> None:
+        """Delete acarerank/_cpu.<EXT_SUFFIX> that an earlier build left where this one puts its
+        modules (build_lib; the source tree for an editable install), since it is not built now:
+        else the old module still loads (ACARERANK_NO_CPU_EXT=1 on a reinstall kept it)."""
+        filename = self.get_ext_filename("acarerank._cpu")  # acarerank/_cpu.cpython-311-x86_64-linux-gnu.so
+        paths = [Path(self.build_lib) / filename]
+        if self.inplace or self.editable_mode:
+            package_dir = self.get_finalized_command("build_py").get_package_dir("acarerank")
+            paths.append(Path(package_dir) / Path(filename).name)
+        for path in paths:
+            if path.is_file():
+                path.unlink()
+                print(f"acarerank._cpu: removed {path}, left by an earlier build", file=sys.stderr)
+
     def build_extension(self, ext: Extension) -> None:
         check_build_prerequisites()
         import pybind11
@@ -153,7 +172,7 @@ class CMakeBuild(build_ext):
         build_temp = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}-{cfg.lower()}"
         build_temp.mkdir(parents=True, exist_ok=True)
         drop_stale_cmake_cache(build_temp)
-        torch_info, _ = torch_for_cpu_ext()
+        torch_info, why_no_cpu_ext = torch_for_cpu_ext()
         args = [
             "cmake", str(ROOT), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={shutil.which('ninja')}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
@@ -166,8 +185,8 @@ class CMakeBuild(build_ext):
             tdir, tver, abi = torch_info
             args += [f"-DACARERANK_TORCH_DIR={tdir}", f"-DACARERANK_TORCH_VERSION={tver}",
                      f"-DACARERANK_TORCH_CXX11_ABI={abi}"]
-        else:  # forget a torch an earlier build of this tree cached
-            args.append("-DACARERANK_TORCH_DIR=")
+        else:  # forget a torch an earlier build of this tree cached; CMake's status line says why
+            args += ["-DACARERANK_TORCH_DIR=", f"-DACARERANK_CPU_EXT_SKIPPED={why_no_cpu_ext}"]
         if os.environ.get("ACARERANK_CUDA_ARCHS"):
             args.append(f"-DACARERANK_CUDA_ARCHS={os.environ['ACARERANK_CUDA_ARCHS']}")
         else:  # drop a value cached by an earlier build in the same tree: back to the default

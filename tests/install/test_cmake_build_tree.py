@@ -1,17 +1,25 @@
-"""setup.py's CMake build tree across reinstalls (``pip install -e .`` again): CMake is a
-stand-in that logs its calls, so nothing compiles here.
+"""setup.py's CMake build tree across reinstalls (``pip install -e .`` again, with or without
+acarerank._cpu): CMake is a stand-in that logs its calls (running the real one to configure where
+a test asks), so nothing compiles here.
 
 * The cached CMake is kept when it is the one on PATH, seen through pip's wrapper script: a second
   install once dropped the cache and every object on each of its two extensions (17 compiles).
 * A cache whose cmake is gone (pip's isolated build env of an earlier install) is dropped; the
   objects in CMakeFiles/ stay.
+* A build without acarerank._cpu removes the _cpu module an earlier build left in its output
+  folder, and CMake's status line gives setup.py's reason.
 """
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
+
+import pytest
 
 from _repo import ROOT
+
+EXT = sysconfig.get_config_var("EXT_SUFFIX")
 
 
 def _tree(tmp_path):
@@ -86,3 +94,26 @@ def test_a_gone_cmake_drops_the_cache_but_not_the_objects(tmp_path):
     assert not (build / "CMakeCache.txt").is_file(), "the cache naming a cmake that is gone was kept"
     assert (build / "CMakeFiles" / "_C.dir" / "bindings.cpp.o").is_file(), "the objects were dropped"
 
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["build_lib", "inplace"])
+def test_a_build_without_cpu_ext_removes_the_old_one(tmp_path, inplace):
+    """ACARERANK_NO_CPU_EXT=1 on a reinstall: the _cpu module of the earlier build must not load.
+    Inplace is the editable install's case (setuptools copies the modules into the source tree)."""
+    tree = _tree(tmp_path)
+    out = (tree if inplace else tmp_path / "out") / "acarerank"
+    out.mkdir(parents=True)
+    old_cpu, old_c = out / f"_cpu{EXT}", out / f"_C{EXT}"
+    old_cpu.write_bytes(b"old")
+    old_c.write_bytes(b"old")
+    if inplace:  # what the (stand-in) build would have put in build_lib, copied to the source tree
+        (tmp_path / "out" / "acarerank").mkdir(parents=True)
+        (tmp_path / "out" / "acarerank" / f"_C{EXT}").write_bytes(b"new")
+    r = _build(tmp_path, tree, *(["--inplace"] if inplace else []), real_configure=not inplace,
+               ACARERANK_NO_CPU_EXT="1")
+    assert not old_cpu.exists(), f"{old_cpu} of the earlier build is still there:\n{r.stderr[-2000:]}"
+    assert old_c.is_file(), "acarerank._C was removed too"
+    assert "acarerank._cpu: removed" in r.stderr, r.stderr[-2000:]
+    log = (tmp_path / "cmake.log").read_text()
+    assert "-DACARERANK_CPU_EXT_SKIPPED=ACARERANK_NO_CPU_EXT=1" in log, log
+    if not inplace:  # the real configure ran: its status line names setup.py's reason
+        assert "acarerank._cpu: not built (ACARERANK_NO_CPU_EXT=1)" in r.stdout, r.stdout[-3000:]
