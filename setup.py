@@ -74,6 +74,10 @@ CMAKE_MIN = (3, 24)
 
 def check_build_prerequisites() -> None:
     """Fail before CMake with one line naming what is missing and how to get it."""
+    missing = [n for n in ("CMakeLists.txt", "csrc") if not (ROOT / n).exists()]
+    if missing:  # an sdist or copy without the build files would otherwise install with no extension at all
+        sys.exit(f"acarerank._C: {' and '.join(missing)} missing from {ROOT}: this source tree cannot build the "
+                 "extensions; build from a git clone or a complete sdist (MANIFEST.in lists what it needs)")
     cmake = shutil.which("cmake")
     if cmake is None:
         sys.exit("acarerank._C: cmake was not found; pip install 'cmake>=3.24' (or your system's cmake >= 3.24)")
@@ -105,28 +109,57 @@ def _find_nvcc():
     return next((c for c in cands if c and os.path.isfile(c)), None)
 
 
+def cmake_command(cmake: str, build_temp: Path) -> str:
+    """The CMAKE_COMMAND that ``cmake`` writes into a cache: the real binary, also where ``cmake`` is
+    a wrapper (pip's cmake package puts a Python script on PATH that runs .../cmake/data/bin/cmake)."""
+    script = build_temp / "cmake_command.cmake"
+    script.write_text('message("${CMAKE_COMMAND}")\n')
+    r = subprocess.run([cmake, "-P", str(script)], capture_output=True, text=True)
+    return r.stderr.strip() if r.returncode == 0 and r.stderr.strip() else cmake
+
+
 def drop_stale_cmake_cache(build_temp: Path) -> None:
     """Forget a CMake cache whose tools are gone or changed: ``pip install .`` builds in a fresh
     isolated environment each time, so the cmake and ninja a previous install cached live in a
-    deleted temporary folder, and the next configure would fail on them."""
+    deleted temporary folder, and the next configure would fail on them. Only CMakeCache.txt goes:
+    CMakeFiles/ (the objects) stays, and ninja recompiles what the new configure changed."""
     cache = build_temp / "CMakeCache.txt"
     if not cache.is_file():
         return
-    now = {"CMAKE_COMMAND": shutil.which("cmake"), "CMAKE_MAKE_PROGRAM": shutil.which("ninja")}
+    now = {"CMAKE_COMMAND": cmake_command(shutil.which("cmake") or "cmake", build_temp),
+           "CMAKE_MAKE_PROGRAM": shutil.which("ninja")}
     for line in cache.read_text(errors="replace").splitlines():
         key, _, value = line.partition("=")
         name = key.split(":")[0]
         if name in now and value and (not os.path.exists(value) or
                                       os.path.realpath(value) != os.path.realpath(now[name] or "")):
             cache.unlink()
-            shutil.rmtree(build_temp / "CMakeFiles", ignore_errors=True)
-            print(f"acarerank._C: {name} changed ({value} -> {now[name]}): reconfiguring from scratch",
+            print(f"acarerank._C: {name} changed ({value} -> {now[name]}): reconfiguring",
                   file=sys.stderr)
             return
 
 
 class CMakeBuild(build_ext):
     """Configure and build CMakeLists.txt; the module lands where setuptools expects it."""
+
+    def run(self) -> None:
+        super().run()
+        if not any(ext.name == "acarerank._cpu" for ext in self.extensions):
+            self.remove_stale_cpu_ext()
+
+    def remove_stale_cpu_ext(self) -> None:
+        """Delete acarerank/_cpu.<EXT_SUFFIX> that an earlier build left where this one puts its
+        modules (build_lib; the source tree for an editable install), since it is not built now:
+        else the old module still loads (ACARERANK_NO_CPU_EXT=1 on a reinstall kept it)."""
+        filename = self.get_ext_filename("acarerank._cpu")  # acarerank/_cpu.cpython-311-x86_64-linux-gnu.so
+        paths = [Path(self.build_lib) / filename]
+        if self.inplace or self.editable_mode:
+            package_dir = self.get_finalized_command("build_py").get_package_dir("acarerank")
+            paths.append(Path(package_dir) / Path(filename).name)
+        for path in paths:
+            if path.is_file():
+                path.unlink()
+                print(f"acarerank._cpu: removed {path}, left by an earlier build", file=sys.stderr)
 
     def build_extension(self, ext: Extension) -> None:
         check_build_prerequisites()
@@ -139,7 +172,7 @@ class CMakeBuild(build_ext):
         build_temp = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}-{cfg.lower()}"
         build_temp.mkdir(parents=True, exist_ok=True)
         drop_stale_cmake_cache(build_temp)
-        torch_info, _ = torch_for_cpu_ext()
+        torch_info, why_no_cpu_ext = torch_for_cpu_ext()
         args = [
             "cmake", str(ROOT), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={shutil.which('ninja')}",
             f"-DCMAKE_BUILD_TYPE={cfg}",
@@ -152,8 +185,8 @@ class CMakeBuild(build_ext):
             tdir, tver, abi = torch_info
             args += [f"-DACARERANK_TORCH_DIR={tdir}", f"-DACARERANK_TORCH_VERSION={tver}",
                      f"-DACARERANK_TORCH_CXX11_ABI={abi}"]
-        else:  # forget a torch an earlier build of this tree cached
-            args.append("-DACARERANK_TORCH_DIR=")
+        else:  # forget a torch an earlier build of this tree cached; CMake's status line says why
+            args += ["-DACARERANK_TORCH_DIR=", f"-DACARERANK_CPU_EXT_SKIPPED={why_no_cpu_ext}"]
         if os.environ.get("ACARERANK_CUDA_ARCHS"):
             args.append(f"-DACARERANK_CUDA_ARCHS={os.environ['ACARERANK_CUDA_ARCHS']}")
         else:  # drop a value cached by an earlier build in the same tree: back to the default
@@ -166,8 +199,6 @@ class CMakeBuild(build_ext):
 
 def _ext_modules() -> list:
     """acarerank._C always; acarerank._cpu when torch is importable here (else one line why not)."""
-    if not (ROOT / "CMakeLists.txt").exists():
-        return []
     mods = [CMakeExtension("acarerank._C", "_C")]
     torch_info, why_not = torch_for_cpu_ext()
     if torch_info is None:

@@ -14,4 +14,5 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q "setuptools>=64" wheel "pybind11>=2.12" "cmake>=3.24" ninja
 python -m pip install -q --no-build-isolation -e ".[test]"
-python -c "import acarerank, acarerank.kernels; print('acarerank', acarerank.__version__, 'installed')"
+# pip -q hides the build's lines: say whether acarerank._C and acarerank._cpu load (_C missing: exit 1)
+python scripts/check_install.py

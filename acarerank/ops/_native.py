@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import os
+import struct
 
 import torch
 
@@ -29,6 +32,10 @@ NOT_BUILT = ("acarerank._cpu is not built (it is built when torch is importable 
 @functools.lru_cache(maxsize=None)
 def _load():
     """(module, None) or (None, one-line reason); runs once."""
+    spec = importlib.util.find_spec("acarerank._cpu")
+    cut = _truncated_elf(spec.origin) if spec is not None and spec.origin else ""
+    if cut:
+        return None, f"acarerank._cpu failed to import: {cut}; rebuild it (`pip install --no-build-isolation -e .`)"
     try:
         mod = importlib.import_module("acarerank._cpu")
     except ModuleNotFoundError as e:
@@ -42,6 +49,29 @@ def _load():
         return None, f"acarerank._cpu was built against torch {built}, running {torch.__version__}; rebuild it"
     _register_fakes()
     return mod, None
+
+
+def _truncated_elf(path: str) -> str:
+    """Why the shared object at ``path`` is cut short, "" if it is whole (or not ELF: the import
+    says what is wrong then). dlopen maps a truncated one and the process dies of SIGBUS when it
+    touches the missing pages; the section header table is the file's last part, so the size
+    must reach e_shoff + e_shnum * e_shentsize (ELF header, 32- or 64-bit, either byte order)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return ""
+    if head[:4] != b"\x7fELF":
+        return ""
+    is64 = head[4:5] == b"\x02"  # EI_CLASS; EI_DATA 1 is little-endian
+    fmt = ("<" if head[5:6] == b"\x01" else ">") + ("Q" if is64 else "I") + "10xHH"  # e_shoff .. e_shentsize, e_shnum
+    at = 0x28 if is64 else 0x20  # offset of e_shoff
+    if len(head) < at + struct.calcsize(fmt):
+        return f"{path} is truncated ({size} bytes, shorter than its ELF header)"
+    shoff, shentsize, shnum = struct.unpack_from(fmt, head, at)
+    end = shoff + shnum * shentsize
+    return f"{path} is truncated ({size} bytes, its ELF section headers end at byte {end})" if size < end else ""
 
 
 _FAKES_REGISTERED: set = set()

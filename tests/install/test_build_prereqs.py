@@ -47,3 +47,17 @@ def test_the_build_imports_torch_without_numpys_warning():
     r = run_hidden(["python", "setup.py", "--version"], hide=("numpy",), timeout=120)
     assert r.returncode == 0, r.stderr[-1500:]
     assert "NumPy" not in r.stderr and "not built" not in r.stderr, r.stderr[-1500:]
+
+
+def test_a_tree_without_the_cmake_project_refuses_to_build(tmp_path):
+    """An sdist once shipped without CMakeLists.txt and csrc/: installing it built a py3-none-any
+    wheel holding neither extension, without a word. A tree lacking them is broken: one line."""
+    import shutil
+
+    shutil.copy(ROOT / "setup.py", tmp_path / "setup.py")
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "out"),
+                        "--build-temp", str(tmp_path / "tmp")], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0, f"the build succeeded without CMakeLists.txt and csrc/:\n{r.stderr[-1500:]}"
+    last = r.stderr.strip().splitlines()[-1]
+    assert "CMakeLists.txt and csrc missing" in last, r.stderr[-1500:]

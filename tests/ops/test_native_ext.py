@@ -88,3 +88,24 @@ def test_why_unavailable_names_both_torch_versions(monkeypatch):
     finally:
         monkeypatch.undo()
         _native._load.cache_clear()
+
+
+def test_a_truncated_module_is_named_not_a_bus_error(tmp_path):
+    """A _cpu .so cut short (an interrupted copy) once killed the process with SIGBUS at the lazy
+    load; the loader checks the ELF file reaches its section header table and names the file."""
+    import subprocess
+    import sys
+
+    good = _native.load().__file__
+    bad = tmp_path / "acarerank" / (good.rsplit("/", 1)[1])
+    bad.parent.mkdir()
+    with open(good, "rb") as f:
+        bad.write_bytes(f.read(100_000))
+    probe = (f"import acarerank; acarerank.__path__.insert(0, {str(bad.parent)!r})\n"
+             "from acarerank.ops import _native\n"
+             "assert not _native.available()\n"
+             "print(_native.why_unavailable())\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"rc {r.returncode} (-7: SIGBUS)\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-2000:]}"
+    why = r.stdout.strip()
+    assert f"{bad} is truncated (100000 bytes" in why and "\n" not in why, why
