@@ -37,7 +37,9 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   to the gate, told the status (``ANSWERED_BY_PROTOCOL``);
 * a request asking to upgrade its connection (``Upgrade: h2c``, ``websocket``: the server has no
   WebSocket route, front.py) is served as HTTP/1.1 with one log line per ``LOG_EVERY_S`` at most
-  (uvicorn wrote one or two per request);
+  (uvicorn wrote one or two per request), its body included: httptools ended such a request at
+  its head (an empty body, its bytes then parsed as the next request's), so its head is parsed
+  again without the upgrade by a fresh parser (``_parse``);
 * a timer that fires after a stall of the event loop gives bytes already received
   ``HEAD_GRACE_S`` more before the connection is closed (uvicorn's keep-alive timer too).
 """
@@ -49,6 +51,11 @@ import re
 import time
 import urllib.parse
 from typing import Optional
+
+try:   # the parser uvicorn's HttpToolsProtocol drives (uvicorn_http_protocol)
+    import httptools
+except ImportError:
+    httptools = None
 
 from .config import MAX_HEAD_BYTES, ServeConfig
 from .errors import ANSWERED_BY_PROTOCOL, error_bytes, error_for
@@ -204,7 +211,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
                     return
                 if self._head_timer is None:   # the head arrived: the rest is its body (or the next request)
                     if start + head_piece < len(data):
-                        super().data_received(data[start + head_piece:])
+                        self._parse(data[start + head_piece:])
                     return
 
         def _receive(self, data: bytes) -> None:
@@ -216,7 +223,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
                     self._head_t0 = time.perf_counter()
                 if len(self._head_start) < HEAD_START_BYTES:
                     self._head_start += data[:HEAD_START_BYTES - len(self._head_start)]
-            super().data_received(data)
+            self._parse(data)
             if not waiting:
                 # its head still not whole. A read in which a request ended held that request too
                 # (valid pipelining: 1,000 GETs in one write were counted as one head, a false 431
@@ -238,14 +245,73 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._head_too_large(self._head_start)
 
+        def _parse(self, data: bytes) -> None:
+            super().data_received(data)   # h11: uvicorn's own (it serves an upgrade offer as HTTP/1.1)
+
         if absolute_form:   # httptools: count a pipelined head's bytes (``_pipelined``)
+            _upgrade_ignored = False   # the head just parsed offers an upgrade not taken: parsed again
+
+            def _parse(self, data: bytes) -> None:
+                """uvicorn's ``data_received``, but a request offering an upgrade the server does not take
+                is served with its body. llhttp ends such a request at its head (httptools skips its body
+                and raises ``HttpParserUpgrade`` there, after ``on_message_complete``): uvicorn served it
+                with an empty body (a 422) and read its body as the next request (a 400). Its head is fed
+                again, less the upgrade (``_head_without_upgrade``), to a fresh parser, then the bytes
+                after it (``args[0]``: where the head ended in the bytes fed)."""
+                self._unset_keepalive_if_required()
+                pieces = [data]   # fed last first
+                while pieces:
+                    piece = pieces.pop()
+                    try:
+                        self.parser.feed_data(piece)
+                    except httptools.HttpParserError:
+                        msg = "Invalid HTTP request received."
+                        self.logger.warning(msg)
+                        self.send_400_response(msg)
+                        return
+                    except httptools.HttpParserUpgrade as e:
+                        if self._should_upgrade():   # never: no WebSocket protocol (front.py, ws="none")
+                            self.handle_websocket_upgrade()
+                            return
+                        self._unsupported_upgrade_warning()
+                        if not self._upgrade_ignored:   # CONNECT: uvicorn's handling (the rest dropped)
+                            return
+                        self._upgrade_ignored = False
+                        head = self._head_without_upgrade()
+                        self.parser = httptools.HttpRequestParser(self)
+                        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)   # as uvicorn's
+                        # a view: many such requests in one read are not each a copy of what follows
+                        pieces += [memoryview(piece)[e.args[0]:], head]
+
+            def _head_without_upgrade(self) -> bytes:
+                """The head just parsed (``url``, ``headers``: names lower-cased) as bytes, less its
+                ``Upgrade`` fields and the ``upgrade`` token of ``Connection`` (the others kept)."""
+                version = self.parser.get_http_version().encode()
+                lines = [self.parser.get_method(), b" ", self.url, b" HTTP/", version, b"\r\n"]
+                for name, value in self.headers:
+                    if name == b"upgrade":
+                        continue
+                    if name == b"connection":
+                        value = b",".join(t for t in value.split(b",") if t.strip().lower() != b"upgrade")
+                        if not value.strip():
+                            continue
+                    lines += [name, b": ", value, b"\r\n"]
+                lines.append(b"\r\n")
+                return b"".join(lines)
+
             def on_message_complete(self) -> None:
+                if self._upgrade_ignored:   # the request is parsed again (_parse): it ends then
+                    return
                 self._trailer_bytes = None
                 self._completed_in_read = True
                 super().on_message_complete()
                 self._pipelined = 0   # from the next read on, every byte is the next request's head
 
             def on_headers_complete(self) -> None:
+                if (self.parser.should_upgrade() and not self._should_upgrade()
+                        and self.parser.get_method() != b"CONNECT"):
+                    self._upgrade_ignored = True   # no request yet: its head is parsed again (_parse)
+                    return
                 self._pipelined = None   # a whole head: the gate measures it (gate.py)
                 super().on_headers_complete()
                 self._trailer_bytes = 0   # from here on, a header field is a chunked body's trailer

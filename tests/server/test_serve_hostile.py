@@ -344,6 +344,69 @@ def test_an_upgrade_request_is_served_as_http_without_a_log_line_each(request, p
     assert len(log.splitlines()) <= 2 and "upgrade" in log, log[-2000:]
 
 
+def read_response(s: socket.socket, limit: float = 30) -> bytes:
+    """One whole HTTP/1.1 response (its body by ``content-length``) from a kept-alive connection."""
+    s.settimeout(limit)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"the server closed after {data[:300]!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(parse_response(head + b"\r\n\r\n")[1]["content-length"])
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, f"the server closed in the body of {head[:300]!r}"
+        body += chunk
+    assert len(body) == length, f"more than one response: {data[:600]!r}"
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
+def test_an_upgrade_offer_with_a_body_is_served_with_its_body(request, protocol):
+    """docs/serving.md, "Limits and timeouts": a request asking to upgrade is served as HTTP/1.1. A
+    POST offering h2c (curl --http2 on http://, the JDK HttpClient: Spring RestClient, langchain4j,
+    Ktor) was served on httptools with an empty body (422 "malformed JSON body: Input data was
+    truncated"), its body then read as a new request ("Invalid HTTP request received", a 400) when
+    it came in a later segment. Its scores must be a plain request's, and the connection's next
+    request served, for a Content-Length or chunked body, in the head's segment or a later one."""
+    server = request.getfixturevalue("server" if protocol == "httptools" else "h11_server")
+    port, proc = server["port"], server["proc"]
+    body = json.dumps(dict(query="q", documents=["a", "b", "the query q"])).encode()
+    plain = request_head(length=len(body)) + body
+    status, _, want = parse_response(post_raw(port, body))
+    assert status == 200, want
+    want = json.loads(want)["results"]
+    before = len(proc.output())
+    offer = "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+    framings = {"content-length": (request_head(length=len(body), extra=offer), body),
+                "chunked": (request_head(extra=offer + "Transfer-Encoding: chunked\r\n"),
+                            b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")}
+    for framing, (head, payload) in framings.items():
+        for how in ("one write", "body 0.3 s later", "pipelined: two offers and a plain request"):
+            with connect(port) as s:
+                if how == "body 0.3 s later":
+                    s.sendall(head)
+                    time.sleep(0.3)
+                    s.sendall(payload)
+                elif how == "one write":
+                    s.sendall(head + payload)
+                else:
+                    s.sendall(head + payload + head + payload + plain)
+                    answers = [("the 1st offer", read_response(s)), ("the 2nd offer", read_response(s))]
+                if not how.startswith("pipelined"):
+                    answers = [("the offer", read_response(s))]
+                    s.sendall(plain)   # the next request on the kept-alive connection
+                answers.append(("the next request", read_response(s)))
+            for which, raw in answers:
+                status, _, got = parse_response(raw)
+                assert status == 200, f"{protocol}, {framing}, {how}: {which} got {raw[:300]!r}"
+                assert json.loads(got)["results"] == want, \
+                    f"{protocol}, {framing}, {how}: {which} scored {got[:300]!r}, a plain request {want}"
+    log = proc.output()[before:]
+    assert "Invalid HTTP request" not in log and len(log.splitlines()) <= 2, log[-2000:]
+
+
 def _send_head_in_two_writes(port, path: str, split, big: int = 20_000) -> bytes:
     """A POST to ``path`` whose head (``big`` bytes of one header and ~100 more) goes in two writes
     0.3 s apart, cut at byte ``split`` (None: one write); what the server answered before it closed."""

@@ -2,7 +2,8 @@
 
 ``HTTPProtocolWithLimits`` subclasses uvicorn's HTTP protocol classes (httptools and h11) and
 reads or writes ``server_state.connections``, ``cycle`` / ``cycle.response_complete``,
-``transport``, ``loop`` and ``timeout_keep_alive_task``, and overrides nine of their methods;
+``transport``, ``loop`` and ``timeout_keep_alive_task``, and overrides nine of their methods (and
+repeats httptools' ``data_received``: ``_parse``);
 ``DrainingServer`` overrides ``uvicorn.Server.handle_exit`` and ``serve`` and sets ``should_exit``.
 A uvicorn release that moves any of them fails here, by name, before a connection misbehaves;
 the installed versions must also be inside setup.py's pins (the versions these tests ran on)."""
@@ -100,8 +101,18 @@ def test_protocol_internals_exist(base):
         if base is H11Protocol:
             assert proto.conn.trailing_data == (b"", False), "h11's Connection.trailing_data moved"
         else:
-            for name in ("on_message_complete", "on_headers_complete"):
+            # an upgrade offer served with its body (protocol.py ``_parse``: uvicorn's data_received
+            # with the parser it makes in __init__, and the methods that one calls)
+            for name in ("on_message_complete", "on_headers_complete", "_unset_keepalive_if_required",
+                         "_should_upgrade", "handle_websocket_upgrade"):
                 assert callable(getattr(base, name, None)), f"uvicorn's {base.__name__}.{name} is gone"
+            for name in ("should_upgrade", "get_method", "get_http_version", "set_dangerous_leniencies"):
+                assert callable(getattr(proto.parser, name, None)), f"httptools' parser lost {name}"
+            source = inspect.getsource(base.data_received)
+            for line in ("self.parser.feed_data(data)", "except httptools.HttpParserUpgrade:",
+                         "self._unsupported_upgrade_warning()", "self.send_400_response(msg)"):
+                assert line in source, f"uvicorn's {base.__name__}.data_received moved ({line}): check _parse"
+            assert "lenient_data_after_close=True" in inspect.getsource(base.__init__), "check _parse's parser"
         assert proto._head_timer is not None, "the head timer was not armed on connection_made"
         proto.connection_lost(None)
         assert proto not in state.connections
