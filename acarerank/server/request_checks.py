@@ -2,11 +2,12 @@
 
 Empty ``documents`` (400) and more than ``max_documents`` (413); a score request's pairing (vLLM's
 rule: 1 query with N documents or N with N); a peer's option that would change the scores and that
-we cannot honour (``rank_fields``, ``truncation_direction: Left``, ``truncate_prompt_tokens``
-other than -1, ``use_activation: false``, vLLM's other options off their defaults) — refused, never
-ignored (docs/serving.md, "Errors"); a score request's groups (``score_groups``); and why a setwise
-model can serve no selection at all (``select_unavailable``), or only tiny ones (``select_room_note``:
-docs/serving.md, "Selections and long inputs"). Plain functions of the request: no state, no model.
+we cannot honour (``rank_fields``, ``max_chunks_per_doc`` other than 1, ``truncation_direction:
+Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation: false``, vLLM's other options
+off their defaults) — refused, never ignored (docs/serving.md, "Errors"); a score request's groups
+(``score_groups``); and why a setwise model can serve no selection at all (``select_unavailable``),
+or only tiny ones (``select_room_note``: docs/serving.md, "Selections and long inputs"). Plain
+functions of the request: no state, no model.
 """
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ def check_peer_options(req: RerankRequest) -> None:
     if rank_fields is not None and any(f != "text" for f in rank_fields):
         raise APIError(400, f"rank_fields={rank_fields!r} is not supported: only each document's 'text' is "
                             f"scored; put what should be ranked into 'text'")
+    chunks = getattr(req, "max_chunks_per_doc", None)
+    if chunks is not None and chunks != 1:
+        # Cohere v1 splits a long document into up to this many chunks and scores its best one; here a
+        # document is one chunk, cut from its end: the part past the cut would go unscored unsaid
+        raise APIError(400, f"max_chunks_per_doc={chunks} is not supported: each document is scored as one chunk, "
+                            f"cut from its end (truncate, max_tokens_per_doc); send 1 or leave it out, and split "
+                            f"long documents into several")
     direction = getattr(req, "truncation_direction", None)
     if direction is not None and direction.lower() != "right":
         raise APIError(400, f"truncation_direction={direction!r} is not supported: documents are cut "

@@ -8,7 +8,7 @@
 * Cohere v1 / Jina / vLLM (``POST /v1/rerank``, ``/rerank``): the same plus
   ``return_documents``; documents may be ``{"text": ...}`` objects (Cohere v1, Jina), whose other
   keys come back with ``return_documents`` as Cohere v1 keeps them; ``rank_fields`` other than
-  ``["text"]`` (Cohere v1) is refused, not ignored; ``top_n: 0`` means all (vLLM); vLLM's
+  ``["text"]`` and ``max_chunks_per_doc`` other than 1 (Cohere v1) are refused, not ignored; ``top_n: 0`` means all (vLLM); vLLM's
   ``truncate_prompt_tokens`` is accepted as -1 (cut to the model's length: what
   ``truncate: true`` does) and refused otherwise, its ``use_activation: false`` (also
   ``activation``, ``softmax``: logits) refused as TEI's ``raw_scores``, and its other options of
@@ -86,6 +86,8 @@ class RerankRequest(VLLMOptions):
         None, description="TEI: 'Right' (or absent) only; documents are cut from their end ('Left': 400)")
     rank_fields: Optional[List[StrictStr]] = Field(
         None, description="Cohere v1: only ['text'] (the field scored); any other field is a 400")
+    max_chunks_per_doc: Optional[StrictInt] = Field(
+        None, description="Cohere v1: only 1 (a document is scored as one chunk, cut from its end); more is a 400")
     question: Optional[StrictStr] = None
     trace: Optional[StrictStr] = None
     instruction: Optional[StrictStr] = None

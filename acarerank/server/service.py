@@ -6,7 +6,7 @@ errors) and the scheduler (``engine.py``, which owns the model):
 * checks the types cannot express — empty ``documents`` → 400, more than ``max_documents``
   → 413, ``raw_scores`` → 400 (the model's probabilities are what it serves), and a peer's
   option that would change the scores and that we cannot honour (``rank_fields``,
-  ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation:
+  ``max_chunks_per_doc`` other than 1, ``truncation_direction: Left``, ``truncate_prompt_tokens`` other than -1, ``use_activation:
   false``, vLLM's other options off their defaults) → 400: ``request_checks.py``;
 * admission: at most ``max_queue`` requests admitted and unanswered at once, else 429 with
   ``Retry-After``; with ``max_queue_tokens``, at most that many tokens (``score_tokens`` /

@@ -70,6 +70,8 @@ def test_cohere_v1_object_documents_come_back_with_their_fields(server):
 
 @pytest.mark.parametrize("field, refused, accepted", [
     ("rank_fields", ["title", "text"], ["text"]),          # Cohere v1: rank on other keys
+    ("max_chunks_per_doc", 10, 1),                         # Cohere v1: score a long document's best chunk
+    ("max_chunks_per_doc", 0, None),
     ("truncation_direction", "Left", "Right"),             # TEI: keep the end of the text
     ("truncate_prompt_tokens", 512, -1),                   # vLLM: keep the last 512 prompt tokens
     ("use_activation", False, True),                       # vLLM: logits, not probabilities
