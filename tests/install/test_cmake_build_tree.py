@@ -8,6 +8,8 @@ a test asks), so nothing compiles here.
   objects in CMakeFiles/ stay.
 * A build without acarerank._cpu removes the _cpu module an earlier build left in its output
   folder, and CMake's status line gives setup.py's reason.
+* ... but only when ACARERANK_NO_CPU_EXT=1 asked for it: a build that cannot import torch (pip's
+  isolated build env of ``pip install -e .``) keeps the working _cpu that scripts/setup.sh built.
 """
 import os
 import shutil
@@ -17,6 +19,7 @@ import sysconfig
 
 import pytest
 
+from _hidden import HIDE_DIR
 from _repo import ROOT
 
 EXT = sysconfig.get_config_var("EXT_SUFFIX")
@@ -117,3 +120,23 @@ def test_a_build_without_cpu_ext_removes_the_old_one(tmp_path, inplace):
     assert "-DACARERANK_CPU_EXT_SKIPPED=ACARERANK_NO_CPU_EXT=1" in log, log
     if not inplace:  # the real configure ran: its status line names setup.py's reason
         assert "acarerank._cpu: not built (ACARERANK_NO_CPU_EXT=1)" in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["build_lib", "inplace"])
+def test_a_build_without_torch_keeps_the_old_cpu_ext(tmp_path, inplace):
+    """torch not importable at build time (pip install -e . in pip's isolated build env), no
+    ACARERANK_NO_CPU_EXT: _cpu is not built, and the one an earlier build left must stay
+    (docs/install.md removes it only under ACARERANK_NO_CPU_EXT=1)."""
+    tree = _tree(tmp_path)
+    out = (tree if inplace else tmp_path / "out") / "acarerank"
+    out.mkdir(parents=True)
+    old_cpu = out / f"_cpu{EXT}"
+    old_cpu.write_bytes(b"old")
+    if inplace:  # what the (stand-in) build would have put in build_lib, copied to the source tree
+        (tmp_path / "out" / "acarerank").mkdir(parents=True)
+        (tmp_path / "out" / "acarerank" / f"_C{EXT}").write_bytes(b"new")
+    r = _build(tmp_path, tree, *(["--inplace"] if inplace else []), ACARERANK_NO_CPU_EXT="",
+               PYTHONPATH=str(HIDE_DIR), ACARERANK_HIDE_MODULES="torch")
+    assert "acarerank._cpu: not built: torch is not importable" in r.stderr, r.stderr[-2000:]
+    assert old_cpu.is_file(), f"{old_cpu} was removed by a build that only could not import torch:\n{r.stderr[-2000:]}"
+    assert "acarerank._cpu: removed" not in r.stderr, r.stderr[-2000:]
