@@ -11,9 +11,21 @@ import math
 import numbers
 import operator
 import os
+import sys
 from typing import Iterable, List, Optional
 
-__all__ = ["check_file_size", "check_int", "check_seconds", "check_token_ids", "is_positive_int", "positive_int"]
+__all__ = ["check_file_size", "check_int", "check_seconds", "check_token_ids", "is_bool", "is_positive_int",
+           "positive_int"]
+
+
+def is_bool(value) -> bool:
+    """Whether ``value`` is a bool: Python's, or numpy's (``np.True_``: a flag read from a numpy or
+    pandas table). numpy's type is named "bool_" before NumPy 2 and "bool" from it, so it is tested by
+    isinstance; numpy is not imported for it: a numpy bool exists only once numpy is."""
+    if isinstance(value, bool):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.bool_)
 
 
 def check_seconds(name: str, value, *, zero: bool = False, inf: bool = True, none: bool = False) -> Optional[float]:

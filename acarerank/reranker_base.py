@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from ._validate import is_bool
 from .hardware import resolve_dtype
 from .model import Qwen3Runner
 from .model.placement import FLOAT_DTYPES, check_dtype_device
@@ -76,8 +77,9 @@ class RerankerBase:
         if (model is None) == (runner is None):
             raise TypeError(f"{name} needs exactly one of model= (a transformers Qwen3ForCausalLM) or runner=")
         for flag, value in (("batch_invariant", batch_invariant), ("compile_layers", compile_layers)):
-            if not isinstance(value, bool):
+            if not is_bool(value):
                 raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+        batch_invariant, compile_layers = bool(batch_invariant), bool(compile_layers)  # np.True_ -> True
         self.special_tokens = check_special_tokens(special_tokens)
         if runner is not None:
             if not isinstance(runner, Qwen3Runner):

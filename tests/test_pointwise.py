@@ -2,6 +2,7 @@
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from _tiny import random_qwen3
@@ -270,6 +271,22 @@ def test_prefix_cache_is_a_bool(qwen3_tokenizer):
             with pytest.raises(TypeError, match=f"prefix_cache must be a bool, got {type(flag).__name__}"):
                 cls(model=model, tokenizer=qwen3_tokenizer, prefix_cache=flag)
     assert PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, prefix_cache=False).cache_budget_tokens is None
+
+
+def test_flags_take_numpy_bools(qwen3_tokenizer):
+    """A numpy bool (a flag read through a numpy/pandas table) is the bool it holds, as
+    ops._checks.check_flag says: prefix_cache and batch_invariant refused np.True_ (NumPy 2 names
+    its type "bool", so a test of the name "bool_" missed it, and CacheSlot took Python's only)."""
+    model = random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64)
+    for cls in (PointwiseReranker, SetwiseReranker):
+        for flag in (True, False):
+            rr = cls(model=model, tokenizer=qwen3_tokenizer, prefix_cache=np.bool_(flag))
+            assert rr._cache_slot.enabled is flag, (cls.__name__, flag, rr._cache_slot.enabled)
+    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, batch_invariant=np.True_)
+    assert rr.runner.batch_invariant is True, rr.runner.batch_invariant
+    req = ScoreRequest("q", DOCS[:2], question=QUESTION, trace=TRACE)
+    got, want = rr.encode(req, truncate=np.True_), rr.encode(req, truncate=True)
+    assert got.shared_ids == want.shared_ids and got.segment_ids == want.segment_ids, "encode(truncate=np.True_)"
 
 
 def test_score_encodings_reports_cache_hits_and_equals_score_batch(qwen3_tokenizer):

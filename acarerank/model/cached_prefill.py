@@ -14,6 +14,7 @@ from typing import Hashable, Optional, Sequence
 
 import torch
 
+from .._validate import is_bool
 from .block_pool import PoolExhausted
 from .paged_cache import PagedKVCache
 from .prefix_cache import PrefixCache
@@ -59,10 +60,10 @@ class CacheSlot:
                                           or not isinstance(budget_tokens, numbers.Integral) or budget_tokens < 0):
             raise ValueError(f"cache_budget_tokens must be a non-negative int or None, got {budget_tokens!r}")
         budget_tokens = None if budget_tokens is None else int(budget_tokens)
-        if not isinstance(enabled, bool):  # as batch_invariant / compile_layers: "false" is truthy, the cache stayed on
+        if not is_bool(enabled):  # as batch_invariant / compile_layers: "false" is truthy, the cache stayed on
             raise TypeError(f"prefix_cache must be a bool, got {type(enabled).__name__} {enabled!r}")
         self.runner = runner
-        self.enabled = enabled
+        self.enabled = bool(enabled)
         page = runner.block_size
         if budget_tokens is not None and self.enabled and budget_tokens < page:
             # the pool is whole pages: under one it holds nothing, and the running requests' pinned

@@ -11,7 +11,7 @@ from typing import List
 import torch
 import torch.autograd.forward_ad as forward_ad
 
-from .._validate import positive_int
+from .._validate import is_bool, positive_int
 
 
 def finite_real(x) -> bool:
@@ -235,7 +235,7 @@ def inference_only(op: str, ref: str, tensors, run, mutated=()):
 def check_flag(op: str, name: str, x) -> None:
     """TypeError unless ``x`` is a bool (Python's or numpy's): a truthy value such as the string
     "no" would switch the flag on without a word."""
-    if not (isinstance(x, bool) or type(x).__name__ == "bool_"):
+    if not is_bool(x):
         raise TypeError(f"{op}: {name} must be a bool, got {type(x).__name__} {x!r}")
 
 

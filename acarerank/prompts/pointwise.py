@@ -35,7 +35,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .._validate import check_int, positive_int
+from .._validate import check_int, is_bool, positive_int
 from .truncation import DEFAULT_MIN_DOC_TOKENS, TRACE_CUT_CHUNK, cut_oldest, cut_tail
 
 # -- Qwen3-Reranker model card strings, character for character (docs/ARCHITECTURE.md, "Scoring facts") --------
@@ -378,7 +378,7 @@ def _checked_fields(query, documents, question, trace, instruction, template, ma
     if min_doc_tokens is None:
         min_doc_tokens = default_min_doc_tokens(max_length)
     min_doc_tokens = check_int("min_doc_tokens", min_doc_tokens, 1)
-    if not isinstance(truncate, bool):
+    if not is_bool(truncate):
         raise TypeError(f"truncate must be a bool, got {type(truncate).__name__}")
     max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 1, allow_none=True)
     if instruction is not None and not isinstance(instruction, str):

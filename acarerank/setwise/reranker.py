@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from .._validate import check_int, positive_int
+from .._validate import check_int, is_bool, positive_int
 from ..model import Qwen3Runner
 from ..model.block_pool import PoolExhausted
 from ..model.numerics import NonFiniteError
@@ -203,8 +203,9 @@ class SetwiseReranker(RerankerBase):
                       max_select: int = 10, constrained: bool = True,
                       cache_salt: Optional[str] = None) -> SelectEncoding:
         """Check the inputs and build the tokenized prompt (no model access; safe from several threads)."""
-        if not isinstance(constrained, bool):
+        if not is_bool(constrained):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
+        constrained = bool(constrained)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         documents = check_inputs(query, documents, intent, max_select)  # the checked copy, used from here on
@@ -377,8 +378,9 @@ class SetwiseReranker(RerankerBase):
         positive_int("max_select", max_select)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
-        if not isinstance(constrained, bool):
+        if not is_bool(constrained):
             raise TypeError(f"constrained must be a bool, got {type(constrained).__name__}")
+        constrained = bool(constrained)
         for i, (q, d, it) in enumerate(zip(queries, documents, intents)):
             try:
                 documents[i] = check_inputs(q, d, it, max_select)

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .._validate import positive_int
+from .._validate import is_bool, positive_int
 
 _STRICT_ENTRY = re.compile(r"\[([1-9][0-9]*)\]")            # one well-formed entry, no leading zero
 _LENIENT_ENTRY = re.compile(r"\[\s*([0-9]+)\s*\]")            # any bracketed number
@@ -45,7 +45,7 @@ def _check_args(text, n_candidates, max_select, strict):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     positive_int("n_candidates", n_candidates)
     positive_int("max_select", max_select, allow_none=True)
-    if not isinstance(strict, bool):
+    if not is_bool(strict):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
 
 

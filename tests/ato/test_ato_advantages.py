@@ -2,6 +2,7 @@
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +32,8 @@ def test_grpo_table5_group():
     assert torch.allclose(got, want, atol=1e-6), (got, want)
 
 
-@pytest.mark.parametrize("unbiased", [True, False])
+# numpy's bools are flags too (np.True_ was refused under NumPy 2, whose bool type is named "bool")
+@pytest.mark.parametrize("unbiased", [True, False, np.True_, np.False_], ids=["True", "False", "np.True_", "np.False_"])
 def test_grpo_interleaved_groups_and_edge_cases(unbiased):
     rewards = [1.0, 8.5, -1.0, 3.0, 3.0, 7.25, 0.1, 9.0, 3.0, 0.1, 0.1]
     groups = [7, 3, 7, 5, 5, 3, 2, 7, 5, 2, 2]  # 5: zero variance, 2: 0.1 × 3 (mean would leave 1e-17)

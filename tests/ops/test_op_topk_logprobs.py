@@ -243,6 +243,10 @@ def test_numpy_scalars_are_numbers():
     want = topk_logprobs(h, w, tg, k=4, floor=-5.0, temperature=0.5, backend="torch")
     got = topk_logprobs(h, w, tg, k=4, floor=np.float32(-5), temperature=np.float32(0.5), backend="torch")
     _check(got, want, "numpy scalars")
+    # a numpy bool is a flag (refused under NumPy 2, whose bool type is named "bool", not "bool_")
+    for flag in (True, False):
+        want = topk_logprobs(h, w, tg, k=4, renormalize=flag, backend="torch")
+        _check(topk_logprobs(h, w, tg, k=4, renormalize=np.bool_(flag), backend="torch"), want, f"np.bool_({flag})")
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy GEMM: intended
