@@ -378,3 +378,15 @@ def test_from_pretrained_folder_and_cli(qwen3_tokenizer, tmp_path, capsys):
     assert f"dtype: {str(dtype).replace('torch.', '')} ({why})" in capsys.readouterr().err
     assert main(["score", "--model", str(tmp_path / "ckpt"), "--query", "q", "--docs", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_scores_as_a_constant_reward_inside_torch_func_grad(qwen3_tokenizer):
+    """A reranker's scores used as a reward inside a torch.func.grad loss: its inputs are token ids,
+    nothing depends on the differentiated parameters, so every layer op sees constants of the
+    transform (docs/api.md, "Ops and backends") and the gradient is the plain scores. It was
+    InferenceOnlyError (every tensor made under grad is the transform's wrapper, constants too)."""
+    rr = PointwiseReranker(model=random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64),
+                           tokenizer=qwen3_tokenizer, prefix_cache=False)
+    plain = rr.score("q", DOCS[:2])
+    got = torch.func.grad(lambda theta: (theta * torch.tensor(rr.score("q", DOCS[:2]))).sum())(torch.zeros(2))
+    assert got.tolist() == plain, (got.tolist(), plain)

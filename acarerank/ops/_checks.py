@@ -154,15 +154,20 @@ def _transform_message(op: str, ref: str) -> str:
 
 
 def func_transformed(*tensors) -> bool:
-    """Whether one of ``tensors`` (non-tensors skipped) is traced by a torch.func gradient transform
-    (grad, jvp, jacrev, ...: a functorch grad-tracking wrapper, at any depth under vmap's batched
-    ones) or carries a forward-mode tangent (torch.autograd.forward_ad). Plain vmap is neither."""
+    """Whether one of ``tensors`` (non-tensors skipped) is differentiated by a torch.func transform:
+    at some level of functorch's wrappers (at any depth under vmap's batched ones), a grad-tracking
+    wrapper that requires grad at that level (grad, jacrev, vjp: the argument, or what was computed
+    from it) or carries a forward tangent (jvp, jacfwd); or a tensor with a forward-mode tangent
+    (torch.autograd.forward_ad). A constant of the transform is not: under torch.func.grad every
+    tensor the function makes is a grad-tracking wrapper, one made from no argument (or detached)
+    included, and the op's output is then a constant whose derivative nobody asks for. Plain vmap
+    is neither."""
     F = torch._C._functorch
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
         while F.is_functorch_wrapped_tensor(t):
-            if F.is_gradtrackingtensor(t):
+            if F.is_gradtrackingtensor(t) and (t.requires_grad or forward_ad.unpack_dual(t).tangent is not None):
                 return True
             t = F.get_unwrapped(t)
         if forward_ad.unpack_dual(t).tangent is not None:
@@ -194,12 +199,13 @@ def inference_only(op: str, ref: str, tensors, run, mutated=()):
     the same way (a loss through the updated residual or KV cache raises too), and one that is a
     leaf requiring grad is refused before anything runs (ValueError; torch refuses an in-place op
     on it too). A torch.func gradient transform (grad, jvp, jacrev, jacfwd) or a forward-mode tangent
-    on one of ``tensors`` is an ``InferenceOnlyError`` before anything runs (docs/api.md, "Ops and
-    backends"), under no_grad too; plain vmap runs, but of an op with ``mutated`` tensors it is a
-    RuntimeError naming the op (vmap cannot batch an update in place). Outside those: two reads of
+    on one of ``tensors`` (``func_transformed``: one that depends on what is differentiated) is an
+    ``InferenceOnlyError`` before anything runs (docs/api.md, "Ops and backends"), under no_grad too;
+    plain vmap runs, but of an op with ``mutated`` tensors it is a RuntimeError naming the op (vmap
+    cannot batch an update in place). Outside those: two reads of
     transform state, then one ``torch.is_grad_enabled()`` test under no_grad / inference_mode."""
-    # first, and under no_grad too: forward-mode AD ignores grad mode, and neither a tangent nor a
-    # functorch wrapper sets requires_grad, so the op ran and its tangent came out 0 (or None).
+    # first, and under no_grad too: forward-mode AD ignores grad mode, and a tangent sets no
+    # requires_grad, so the op ran and its tangent came out 0 (or None).
     # No transform active (the runner's every call): no tensor is looked at
     if (forward_ad._current_level >= 0 or _peek_interpreter_stack() is not None) and not torch.compiler.is_compiling():
         if func_transformed(*tensors):
@@ -321,9 +327,9 @@ def check_target_range(targets: torch.Tensor, V: int, op: str) -> None:
 
 
 def refuse_func_transforms(message: str, *tensors) -> None:
-    """RuntimeError(``message``) when a tensor is traced by a torch.func gradient transform (grad,
-    jvp, jacrev, ...: a functorch grad-tracking wrapper, at any depth under vmap's batched ones) or
-    carries a forward-mode tangent (torch.autograd.forward_ad): for an op whose only derivative is
+    """RuntimeError(``message``) when a tensor is differentiated by a torch.func gradient transform
+    (grad, jvp, jacrev, ...) or carries a forward-mode tangent (torch.autograd.forward_ad; both:
+    ``func_transformed``; a constant of the transform passes): for an op whose only derivative is
     a registered reverse-mode formula. Without it torch.func.grad failed deep in torch ("an
     autograd.Function ... must override the setup_context staticmethod", naming no op) and a jvp
     or forward-AD tangent was silently 0."""

@@ -137,6 +137,34 @@ def test_a_layer_op_refuses_func_transforms_and_forward_ad(name):
     assert tangent.abs().max() > 0, f"{name}_ref: a tangent of 0"
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_layer_op_on_constants_of_a_transform_gives_its_value(name):
+    """Inputs that do not depend on what a transform differentiates (made inside the function, or
+    detached) are constants of it: the op runs and its output, a constant, is the no_grad one, so
+    d/da (a * sum(out)) is sum(out). Under torch.func.grad every tensor the function makes is a
+    grad-tracking wrapper, constants too, and each was refused with InferenceOnlyError (docs/api.md,
+    "Ops and backends"); an input that depends on ``a`` is still refused (above)."""
+    op, ref, tensors, args = CASES[name]
+    with torch.no_grad():
+        want = next(g for g in _outputs(op(*args(tensors))) if g.is_floating_point()).float().sum()
+    a0 = torch.tensor(0.5)
+    kinds = {"made inside": lambda a: {n: x * 1.0 for n, x in tensors.items()},
+             "detached": lambda a: {n: (x + 0 * a).detach() for n, x in tensors.items()}}
+    for kind, consts in kinds.items():
+        def f(a):
+            out = next(g for g in _outputs(op(*args(consts(a)))) if g.is_floating_point())
+            return a * out.float().sum()
+
+        calls = {"grad": lambda: torch.func.grad(f)(a0),
+                 "jvp": lambda: torch.func.jvp(f, (a0,), (torch.ones_like(a0),))[1],
+                 "jacrev": lambda: torch.func.jacrev(f)(a0),
+                 "jacfwd": lambda: torch.func.jacfwd(f)(a0),
+                 "grad of grad": lambda: torch.func.grad(lambda b: torch.func.grad(f)(b) * b)(a0)}
+        for label, call in calls.items():
+            got = call()
+            assert torch.equal(got, want), f"{name}, {kind}, {label}: {got.item()!r}, want {want.item()!r}"
+
+
 def test_plain_vmap_of_a_layer_op_runs_as_before():
     """vmap without a gradient transform is not refused: vmap(rms_norm) and vmap(silu_and_mul) give
     the op's values on each example, bit for bit."""

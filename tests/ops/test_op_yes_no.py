@@ -191,6 +191,14 @@ def test_func_transforms_vmap_works_gradient_transforms_raise_naming_the_op(back
             run()
     with fwAD.dual_level(), pytest.raises(RuntimeError, match="yes_no_score: no torch.func.grad .* forward-mode AD"):
         diff(fwAD.make_dual(h, torch.ones_like(h)))
+    # inputs that do not depend on what is differentiated (made inside, detached) are constants of the
+    # transform: the op's value, d/da (a * sum) = sum (they were refused as the ones above)
+    a0, want = torch.tensor(0.5, device=DEVICE), diff(h).sum()
+    consts = {"grad": lambda: grad(lambda a: a * diff(h * 1.0).sum())(a0),
+              "jvp": lambda: jvp(lambda a: a * diff((h + 0 * a).detach()).sum(), (a0,), (torch.ones_like(a0),))[1]}
+    for name, run in consts.items():
+        got = run()
+        assert torch.equal(got, want), f"{name} of constants: {got.item()!r}, want {want.item()!r}"
 
 
 def test_head_gradients_in_bf16_and_opcheck():
