@@ -154,16 +154,25 @@ def _short(v) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
+def _python_scalar(x):
+    """A 0-d tensor or numpy value (``sib[i]`` of the [G] tensor ``route_hints`` takes, an item of
+    ``list(torch.tensor([1, 3]))``) as its Python number, as ``acarerank._validate.check_token_ids``
+    reads one (a bool tensor stays a bool, a float one a float); anything else unchanged."""
+    return x.tolist() if hasattr(x, "tolist") and getattr(x, "ndim", None) == 0 else x
+
+
 def _check_ids(selected, name: str = "selected") -> list:
-    """A list of distinct 1-based int ids; TypeError for a str or non-int items, ValueError for < 1 or repeats."""
+    """A list of distinct 1-based int ids (0-d integer tensors / numpy ints too); TypeError for a str
+    or non-int items (bools and floats included), ValueError for < 1 or repeats."""
     if isinstance(selected, (str, bytes, Mapping)) or not isinstance(selected, Sequence):
         raise TypeError(f"{name} must be a ParsedSelection, a list of int document ids or None, "
                         f"got {type(selected).__name__}")
     ids = []
     for i in selected:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+        v = _python_scalar(i)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise TypeError(f"{name}: document ids must be ints, got {_short(i)} ({type(i).__name__})")
-        ids.append(int(i))
+        ids.append(int(v))
     if any(i < 1 for i in ids):
         raise ValueError(f"{name}: document ids are 1-based, got {min(ids)}")
     if len(set(ids)) != len(ids):
@@ -188,7 +197,8 @@ def hint_text(kind: str, rubrics: Optional[Mapping] = None, reflection: Optional
 
     ``reflection``: a str; ``sibling_ids``: the sibling set's distinct 1-based document ids
     (a list, or a 1-D numpy / torch integer array); ``sibling_reward``: its judge reward u(h̄ | q),
-    a finite number in [0, 10] (``rubric_reward``'s range; a malformed −1 set never passes the gate).
+    a finite number in [0, 10] (``rubric_reward``'s range; a malformed −1 set never passes the gate),
+    a 0-d tensor or numpy number too (an item of the [G] tensor ``route_hints`` takes).
     """
     if kind == HINT_RUBRIC:
         if not rubrics:
@@ -204,10 +214,10 @@ def hint_text(kind: str, rubrics: Optional[Mapping] = None, reflection: Optional
         ids = None if sibling_ids is None else _sibling_ids(sibling_ids)
         if not ids or sibling_reward is None:
             raise ValueError("a sibling hint needs the sibling set's ids and its judge reward")
-        if (isinstance(sibling_reward, bool) or not isinstance(sibling_reward, numbers.Real)
-                or not 0 <= sibling_reward <= 10):  # NaN fails the range too
+        reward = _python_scalar(sibling_reward)
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not 0 <= reward <= 10:  # NaN fails too
             raise ValueError(f"sibling_reward must be a number in [0, 10] (a judge reward), got {sibling_reward!r}")
-        return SIBLING_HINT_TEMPLATE.format(reward=f"{float(sibling_reward):.2f}", sibling_set=format_selection(ids))
+        return SIBLING_HINT_TEMPLATE.format(reward=f"{float(reward):.2f}", sibling_set=format_selection(ids))
     raise ValueError(f"unknown hint kind {kind!r}; kinds: {', '.join(HINT_KINDS)}")
 
 

@@ -102,15 +102,27 @@ def test_hint_text_checks_its_inputs():
         got = hint_text(HINT_SIBLING, sibling_ids=ids, sibling_reward=8.0)
         assert got == want, (ids, got)
     assert hint_text(HINT_SIBLING, sibling_ids=[2, 5], sibling_reward=np.float32(8.0)) == want
+    # what route_hints takes, one item of it: a reward from its [G] tensor, ids from a tensor's items (0-d
+    # tensors; they were "must be a number in [0, 10] ..., got tensor(8.)" and a TypeError)
+    sib = torch.tensor([7.5, 8.0])
+    for ids in (list(torch.tensor([2, 5])), [np.array(2), torch.tensor(5, dtype=torch.int32)]):
+        for reward in (sib[1], torch.tensor(8), np.array(8.0), np.float64(8.0)):
+            got = hint_text(HINT_SIBLING, sibling_ids=ids, sibling_reward=reward)
+            assert got == want, (ids, reward, got)
     for ids, error, match in (("12", TypeError, "sibling_ids must be a list of int document ids, got str"),
                               ([2.9, 5.5], TypeError, "document ids must be ints, got 2.9"),
                               (np.array([2.9, 5.5]), TypeError, "document ids must be ints, got 2.9"),
                               ([True, 2], TypeError, "document ids must be ints, got True"),
+                              ([torch.tensor(True), 2], TypeError, "document ids must be ints, got tensor\\(True\\)"),
+                              ([torch.tensor(2.0), 5], TypeError, "document ids must be ints, got tensor\\(2."),
+                              ([np.float64(2.0), 5], TypeError, r"document ids must be ints, got (np\.float64\()?2\.0\)? \(float64\)"),
+                              ([torch.tensor([2]), 5], TypeError, "document ids must be ints, got tensor\\(\\[2\\]\\)"),
                               ([0, 2], ValueError, "1-based, got 0"), ([-3, 2], ValueError, "1-based, got -3"),
                               ([2, 2], ValueError, "repeated")):
         with pytest.raises(error, match=match):
             hint_text(HINT_SIBLING, sibling_ids=ids, sibling_reward=8.0)
-    for reward in (float("nan"), float("inf"), -1.0, 10.5, True, "8"):
+    for reward in (float("nan"), float("inf"), -1.0, 10.5, True, "8", torch.tensor(True), np.True_,
+                   torch.tensor(10.5), torch.tensor(float("nan")), torch.tensor([8.0]), np.array([8.0])):
         with pytest.raises(ValueError, match=r"sibling_reward must be a number in \[0, 10\]"):
             hint_text(HINT_SIBLING, sibling_ids=[2], sibling_reward=reward)
     assert "scored 10.00 out of 10" in hint_text(HINT_SIBLING, sibling_ids=[2], sibling_reward=10)
