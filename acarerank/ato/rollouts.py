@@ -47,7 +47,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .._validate import check_int, positive_int
+from .._validate import positive_int
 from ..model.paged_cache import PagedKVCache
 from ..ops._checks import finite_real, positive_in_fp32
 from ..setwise.decode import (LOGITS_CHUNK_ELEMENTS, MAX_NEW_TOKENS, GreedyStepper, _check, check_positions,
@@ -93,10 +93,15 @@ class Rollouts:
     def of_query(self, q: int) -> List[List[int]]:
         """The G rollouts of prompt q (``RescoreQuery.rollouts``): q in [-Q, Q) for Q prompts, a
         negative q counting from the end as a list index does; else IndexError (a slice past the
-        end was [] with no word)."""
+        end was [] with no word). q: an int, or a 0-d integer tensor / numpy int (an item of
+        ``query_index``); a bool or a float is a TypeError."""
         G = self.group_size
         Q = len(self.tokens) // G
-        q = check_int("of_query: q", q)
+        # a 0-d tensor / numpy value as its Python number (a bool or float one stays so, refused below)
+        v = q.tolist() if hasattr(q, "tolist") and getattr(q, "ndim", None) == 0 else q
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"of_query: q must be an int, got {q!r} ({type(q).__name__})")
+        q = int(v)
         if not -Q <= q < Q:
             raise IndexError(f"of_query: prompt {q} out of range for {Q} prompt(s)")
         q %= Q

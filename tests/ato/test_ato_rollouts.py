@@ -8,6 +8,7 @@
 * each prompt is computed once, not G times;
 * bad input is a named error.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -307,6 +308,15 @@ def test_of_query_is_indexed_like_a_list(prompts):
             r.of_query(q)
     with pytest.raises(TypeError, match="of_query: q must be an int"):
         r.of_query(1.0)
+    # the ids Rollouts holds: query_index's items (0-d int64 tensors), numpy ints; they were "q must be
+    # an int, got tensor(0)"; a bool or a float one is still refused
+    for q in r.query_index.unique():
+        assert r.of_query(q) == r.of_query(int(q)), int(q)
+    assert r.of_query(torch.tensor(-1, dtype=torch.int32)) == r.of_query(np.int64(1)) == r.of_query(np.array(1)) \
+        == r.tokens[3:]
+    for q in (True, torch.tensor(True), np.True_, torch.tensor(1.0), np.float64(1.0), torch.tensor([1])):
+        with pytest.raises(TypeError, match="of_query: q must be an int"):
+            r.of_query(q)
 
 
 def test_numpy_seeds_and_prompts(prompts):
