@@ -182,11 +182,6 @@ class PointwiseReranker(RerankerBase):
                 device_type, DEFAULT_BATCH_TOKENS["cpu"])
         self.max_length = fit_max_length(max_length, DEFAULT_MAX_LENGTH, self.runner.max_positions)
         self._note_clamp(max_length, DEFAULT_MAX_LENGTH)
-        if min_doc_tokens is not None and min_doc_tokens >= self.max_length:
-            # every call would fail on it; the CLI refuses the same pair before loading (cli/score.py)
-            raise self._explain_cap(ValueError(
-                f"min_doc_tokens {min_doc_tokens} leaves no room in max_length {self.max_length}: the prompt's fixed "
-                "strings need tokens too; lower it or raise max_length"))
         self.template = template
         self.max_batch_tokens = max_batch_tokens
         self.min_doc_tokens = min_doc_tokens

@@ -332,15 +332,24 @@ def test_bad_input_gives_clear_errors(qwen3_tokenizer, tmp_path):
         PointwiseReranker()
 
 
-def test_min_doc_tokens_not_below_max_length_is_refused_at_construction(qwen3_tokenizer):
-    """min_doc_tokens >= max_length leaves the prompt's fixed strings no room: every call failed,
-    after the constructor took it (the CLI refuses the same pair before loading, cli/score.py)."""
+def test_min_doc_tokens_not_below_max_length_is_refused_when_truncating(qwen3_tokenizer):
+    """min_doc_tokens >= max_length leaves the prompt's fixed strings no room when a call truncates
+    (docs/input-safety.md): a ValueError naming both, from score and encode (the CLI refuses the same
+    pair before loading, cli/score.py). truncate=False reserves no document room: such an encode
+    scores as with any other min_doc_tokens (it was refused at construction, a regression)."""
     model = random_reranker_model(layers=1, heads=2, kv_heads=1, head_dim=64)
+    req = ScoreRequest("q", ["a", "another document"], question=QUESTION, trace=TRACE)
+    fine = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_length=512, min_doc_tokens=400)
+    want = fine.score_encodings([fine.encode(req, truncate=False)])
+    assert len(fine.score("q", ["a"])) == 1
     for min_doc in (512, 600):
-        with pytest.raises(ValueError, match=f"min_doc_tokens {min_doc} leaves no room in max_length 512"):
-            PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_length=512, min_doc_tokens=min_doc)
-    rr = PointwiseReranker(model=model, tokenizer=qwen3_tokenizer, max_length=512, min_doc_tokens=400)
-    assert len(rr.score("q", ["a"])) == 1
+        rr = PointwiseReranker(runner=fine.runner, tokenizer=qwen3_tokenizer, max_length=512, min_doc_tokens=min_doc)
+        for call in (lambda: rr.score("q", ["a"]), lambda: rr.encode(req),
+                     lambda: encode_pointwise(qwen3_tokenizer, "q", ["a"], max_length=512, min_doc_tokens=min_doc)):
+            with pytest.raises(ValueError, match=f"min_doc_tokens {min_doc} leaves no room in max_length 512"):
+                call()
+        got = rr.score_encodings([rr.encode(req, truncate=False)])
+        assert got == want, (min_doc, got, want)
 
 
 def test_score_encodings_names_what_is_not_an_encoding(qwen3_tokenizer):

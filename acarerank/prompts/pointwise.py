@@ -380,6 +380,11 @@ def _checked_fields(query, documents, question, trace, instruction, template, ma
     min_doc_tokens = check_int("min_doc_tokens", min_doc_tokens, 1)
     if not is_bool(truncate):
         raise TypeError(f"truncate must be a bool, got {type(truncate).__name__}")
+    if truncate and min_doc_tokens >= max_length:
+        # the reserve is kept only when cutting (_Fields.reserve): with truncate=False such a pair scores.
+        # Checked first: the later checks blamed whatever came first, e.g. "the query alone is over"
+        raise ValueError(f"min_doc_tokens {min_doc_tokens} leaves no room in max_length {max_length}: the prompt's "
+                         f"fixed strings need tokens too; raise max_length{MIN_DOC_KNOB}; truncate=False reserves none")
     max_doc_tokens = check_int("max_doc_tokens", max_doc_tokens, 1, allow_none=True)
     if instruction is not None and not isinstance(instruction, str):
         raise TypeError(f"instruction must be a str or None, got {type(instruction).__name__}")

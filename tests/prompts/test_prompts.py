@@ -523,8 +523,15 @@ def test_max_doc_tokens_counts_the_documents_own_tokens(tok, doc):
 def test_max_length_too_small_for_fixed_strings(tok):
     with pytest.raises(ValueError, match="too small for the prompt's fixed strings"):
         encode_pointwise(tok, "", [""], max_length=40, min_doc_tokens=1)
-    with pytest.raises(ValueError, match="too small for the prompt's fixed strings.*min_doc_tokens 512.*--min-doc-tokens"):
-        encode_pointwise(tok, "q", ["d"], max_length=500, min_doc_tokens=512)
+    with pytest.raises(ValueError, match="too small for the prompt's fixed strings.*min_doc_tokens 60.*--min-doc-tokens"):
+        encode_pointwise(tok, "q", ["d"], max_length=100, min_doc_tokens=60)
+    # a reserve not below max_length: named as such, not as the first field over (it was "the query alone
+    # is over the shared context's room" for any query of a few words); truncate=False reserves none
+    for query in ("q", "what is the capital of France?"):
+        with pytest.raises(ValueError, match=r"min_doc_tokens 512 leaves no room in max_length 500: .*--min-doc-tokens"):
+            encode_pointwise(tok, query, ["d"], max_length=500, min_doc_tokens=512)
+    assert encode_pointwise(tok, "q", ["d"], max_length=500, min_doc_tokens=512, truncate=False).segment_ids == \
+        encode_pointwise(tok, "q", ["d"], max_length=500, truncate=False).segment_ids
     with pytest.raises(ValueError, match="leaves no room"):
         official_input_ids(tok, "q", "d", max_length=30)
 
