@@ -78,7 +78,10 @@ def check_token_ids(what: str, ids) -> List[int]:
     if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Iterable):
         raise TypeError(f"{what}: expected token ids, got a {type(ids).__name__}")
     if hasattr(ids, "tolist"):  # a tensor / numpy array: Python numbers (a float or bool one stays so)
-        ids = ids.tolist()
+        listed = ids.tolist()
+        if not isinstance(listed, list):  # a 0-d one is one number: "'int' object is not iterable" below
+            raise TypeError(f"{what}: expected token ids, got a 0-d {type(ids).__name__} ({ids!r})")
+        ids = listed
     elif not isinstance(ids, list):
         ids = list(ids)  # read once: a generator's items, then checked below
     if all(type(t) is int for t in ids):  # the common case, a tokenizer's list: 2.4x faster than the loop below

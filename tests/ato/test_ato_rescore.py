@@ -192,6 +192,24 @@ def test_rescore_bad_input(models):
             rescore(snap, teach, [q])
 
 
+def test_a_0d_array_is_not_token_ids():
+    """A 0-d tensor / numpy array (one id where a sequence of ids belongs) is a TypeError naming the
+    argument, as a bytes or an int is: it was the bare "'int' object is not iterable" (tolist() of a
+    0-d array is one int). A 1-D one of one id is still one id."""
+    import numpy as np
+    from acarerank._validate import check_token_ids
+
+    for x, kind in ((torch.tensor(151645), "Tensor"), (np.array(151645), "ndarray")):
+        with pytest.raises(TypeError, match=f"^split_student_prompt: prompt_ids: expected token ids, got a 0-d {kind}"):
+            split_student_prompt(x)
+        with pytest.raises(TypeError, match=f"^hint_ids: text: expected token ids, got a 0-d {kind}"):
+            check_token_ids("hint_ids: text", x)
+    for x in (torch.tensor([5]), np.array([5]), [np.int64(5)], [torch.tensor(5)]):
+        assert check_token_ids("x", x) == [5], x
+    with pytest.raises(TypeError, match="^x: expected token ids, got a int"):
+        check_token_ids("x", 5)
+
+
 def test_a_head_whose_end_the_hint_separator_re_tokenizes_is_refused(models, qwen3_tokenizer):
     """User text ending "?;": the teacher text's tokens end the head with "?;" "\\n\\n", not "?" ";",
     so a teacher prompt sharing head[:-1] is never its tokenization. Refused (naming the query and
