@@ -202,8 +202,8 @@ def inference_only(op: str, ref: str, tensors, run, mutated=()):
     on one of ``tensors`` (``func_transformed``: one that depends on what is differentiated) is an
     ``InferenceOnlyError`` before anything runs (docs/api.md, "Ops and backends"), under no_grad too;
     plain vmap runs, but of an op with ``mutated`` tensors it is a RuntimeError naming the op (vmap
-    cannot batch an update in place). Outside those: two reads of
-    transform state, then one ``torch.is_grad_enabled()`` test under no_grad / inference_mode."""
+    cannot batch an update in place). Outside those: two reads of transform state, then one
+    ``torch.is_grad_enabled()`` test under no_grad / inference_mode."""
     # first, and under no_grad too: forward-mode AD ignores grad mode, and a tangent sets no
     # requires_grad, so the op ran and its tangent came out 0 (or None).
     # No transform active (the runner's every call): no tensor is looked at
