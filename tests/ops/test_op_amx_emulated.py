@@ -47,7 +47,7 @@ CHILD = textwrap.dedent('''
     sys.path[:0] = [root + "/tests/ops", root + "/tests"]
     # keep acarerank._cpu out: the names test_op_cpu_attention_native imports from _ext, none that loads it
     sys.modules["_ext"] = types.SimpleNamespace(needs_native=pytest.mark.skipif(False, reason=""), cpu_flags=set)
-    from test_op_cpu_attention_native import CASES, make, plain, ref32
+    from test_op_cpu_attention_native import CASES, make, nan_rows_differ, plain, ref32
     from _gate_up_bounds import check_silu, gate_up_data
     from acarerank.ops.amx_weights import pack_gate_up  # torch only: loads no extension
     products = torch.ops.acarerank.amx_emulated_products
@@ -77,11 +77,7 @@ CHILD = textwrap.dedent('''
             failed.append(f"{case.id}: d = {d}, but no emulated tile product ran (the AMX tiles were not taken)")
         if d % 32 != 0 and ran != 0:
             failed.append(f"{case.id}: d = {d} is no multiple of 32, yet {ran} emulated tile products ran")
-    paged, packed = make([5, 1, 9], [37, 70], [0, 1, 1], 8, 2, 64, 16, dtype=torch.bfloat16)
-    paged[0][3, 5, 7] = float("nan")
-    q, k, v, cu, kc, vc, bt, pl, sg = paged
-    out = attention(q, k, v, cu, kc, vc, bt, packed[6], sg, 0.125).float()
-    if not torch.equal(torch.isnan(out), torch.isnan(ref32(packed))):
+    if nan_rows_differ(attention):
         failed.append("attention: NaN rows differ from the oracle")
 
     # -- gate/up: M across the 32-row blocks and 256-row chunks, K across the 256-k chunks, I

@@ -78,6 +78,17 @@ def ref32(packed, scale=None):
     return prefix_shared_attention_ref(*f, softmax_scale=scale)
 
 
+def nan_rows_differ(fn) -> bool:
+    """Whether ``fn`` (torch.ops.acarerank.prefix_shared_attention_cpu of some build) puts NaN where
+    the fp32 oracle does not, or not where it does, for one NaN in q (bf16, scattered pages): the
+    check the child builds of the kernel (vnni, emulated AMX) share."""
+    paged, packed = make([5, 1, 9], [37, 70], [0, 1, 1], 8, 2, 64, 16, dtype=torch.bfloat16)
+    paged[0][3, 5, 7] = float("nan")
+    q, k, v, cu, kc, vc, bt, pl, sg = paged
+    out = fn(q, k, v, cu, kc, vc, bt, packed[6], sg, 0.125).float()
+    return not torch.equal(torch.isnan(out), torch.isnan(ref32(packed)))
+
+
 def plain(packed, scale):
     """Plain PyTorch attention entirely in q's dtype: the low-precision baseline of the 2x rule."""
     q, k, v, cu, pk, pv, cp, sg = packed
