@@ -6,8 +6,16 @@
 # (C++ always; CUDA when nvcc is found unless ACARERANK_NO_CUDA=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+# Python 3.10+ (setup.py's python_requires): checked first, as pip would otherwise report an older
+# one as a torch dependency conflict
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
+  echo "scripts/setup.sh: Python 3.10+ is needed, python3 is $(python3 -V 2>&1)" >&2; exit 1; }
+# a .venv whose creation failed (no ensurepip: Debian's python3-venv missing; or cut short) has
+# bin/python but no pip or bin/activate: made again, not reused
+if [ ! -x .venv/bin/python ] || [ ! -f .venv/bin/activate ] || ! .venv/bin/python -m pip --version > /dev/null 2>&1; then
+  rm -rf .venv
+  python3 -m venv .venv || {
+    echo "scripts/setup.sh: python3 -m venv failed (on Debian/Ubuntu: apt install python3-venv)" >&2; exit 1; }
 fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
