@@ -38,6 +38,8 @@ FP32_POSITIVE = (2.0 ** -150, 2.0 ** 128 - 2.0 ** 103)
 def positive_in_fp32(x) -> bool:
     """Whether the real scalar ``x`` is finite and > 0 also as the fp32 number the kernels use
     (1e-50 is 0 there, 1e39 inf). Comparisons only, so torch.compile traces it on a SymFloat."""
+    if type(x).__module__ == "numpy":  # np.float32 cast the bound 2¹²⁸ − 2¹⁰³ to float32: an overflow warning
+        x = float(x)
     return FP32_POSITIVE[0] < x < FP32_POSITIVE[1]
 
 
