@@ -155,6 +155,16 @@ def _transform_message(op: str, ref: str) -> str:
             f"PyTorch, which every transform takes), or call {op} outside the transform")
 
 
+def _forward_mode_active() -> bool:
+    """Whether a forward-mode derivative is being taken: forward_ad's dual level, or a jvp level
+    (torch.func.jvp, jacfwd, hessian's inner one) in functorch's stack."""
+    if forward_ad._current_level >= 0:
+        return True
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == torch._C._functorch.TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
 def func_transformed(*tensors) -> bool:
     """Whether one of ``tensors`` (non-tensors skipped) is differentiated by a torch.func transform:
     at some level of functorch's wrappers (at any depth under vmap's batched ones), a grad-tracking
@@ -163,13 +173,18 @@ def func_transformed(*tensors) -> bool:
     (torch.autograd.forward_ad). A constant of the transform is not: under torch.func.grad every
     tensor the function makes is a grad-tracking wrapper, one made from no argument (or detached)
     included, and the op's output is then a constant whose derivative nobody asks for. Plain vmap
-    is neither."""
+    is neither. With a forward-mode level anywhere (a jvp/jacfwd transform, or forward_ad's
+    dual_level) every grad-tracking wrapper counts: under a grad level above it a wrapper's tangent
+    reads None and requires_grad False even where the jvp's primal reaches it, and such a tangent
+    came out 0 with no error (jvp of a function taking torch.func.grad inside)."""
     F = torch._C._functorch
+    forward = _forward_mode_active()
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
         while F.is_functorch_wrapped_tensor(t):
-            if F.is_gradtrackingtensor(t) and (t.requires_grad or forward_ad.unpack_dual(t).tangent is not None):
+            if F.is_gradtrackingtensor(t) and (forward or t.requires_grad or
+                                               forward_ad.unpack_dual(t).tangent is not None):
                 return True
             t = F.get_unwrapped(t)
         if forward_ad.unpack_dual(t).tangent is not None:

@@ -156,13 +156,36 @@ def test_a_layer_op_on_constants_of_a_transform_gives_its_value(name):
             return a * out.float().sum()
 
         calls = {"grad": lambda: torch.func.grad(f)(a0),
-                 "jvp": lambda: torch.func.jvp(f, (a0,), (torch.ones_like(a0),))[1],
                  "jacrev": lambda: torch.func.jacrev(f)(a0),
-                 "jacfwd": lambda: torch.func.jacfwd(f)(a0),
                  "grad of grad": lambda: torch.func.grad(lambda b: torch.func.grad(f)(b) * b)(a0)}
         for label, call in calls.items():
             got = call()
             assert torch.equal(got, want), f"{name}, {kind}, {label}: {got.item()!r}, want {want.item()!r}"
+        # forward mode: every grad-tracking input is refused, constants too (func_transformed: a
+        # tangent under a grad level reads None where it is not 0)
+        for label, call in {"jvp": lambda: torch.func.jvp(f, (a0,), (torch.ones_like(a0),)),
+                            "jacfwd": lambda: torch.func.jacfwd(f)(a0)}.items():
+            with pytest.raises(InferenceOnlyError, match="is inference-only"):
+                call()
+
+
+@pytest.mark.parametrize("straight", [True, False], ids=["passed-straight", "computed"])
+def test_a_jvp_of_a_function_taking_grad_inside_is_refused(straight):
+    """f(x) = torch.func.grad(a -> a · sum(rms_norm(x)))(a0): the op's input is a constant of the
+    inner grad but depends on the jvp's primal x. Its tangent read None under the grad level and the
+    constant rule let it through: jvp(f) gave a tangent of 0 with no error (rms_norm_ref: -21.18)."""
+    x, w, a0 = _r(4, D), _r(D), torch.tensor(1.0)
+
+    def f(op):
+        return lambda xx: torch.func.grad(lambda a: a * op(xx if straight else xx * 1.0, w, 1e-6).sum())(a0)
+
+    want = torch.func.jvp(f(rms_norm_ref), (x,), (torch.ones_like(x),))[1]
+    assert want.abs() > 0, "the reference's tangent is 0: the case shows nothing"
+    for label, call in {"jvp": lambda: torch.func.jvp(f(rms_norm), (x,), (torch.ones_like(x),)),
+                        "jacfwd": lambda: torch.func.jacfwd(f(rms_norm))(x)}.items():
+        with pytest.raises(InferenceOnlyError, match="^rms_norm is inference-only"):
+            got = call()
+            print(f"{label}: {got} where rms_norm_ref's tangent is {want}")
 
 
 def test_plain_vmap_of_a_layer_op_runs_as_before():
