@@ -11,11 +11,16 @@ cd "$(dirname "$0")/.."
 python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' || {
   echo "scripts/setup.sh: Python 3.10+ is needed, python3 is $(python3 -V 2>&1)" >&2; exit 1; }
 # a .venv whose creation failed (no ensurepip: Debian's python3-venv missing; or cut short) has
-# bin/python but no pip or bin/activate: made again, not reused
-if [ ! -x .venv/bin/python ] || [ ! -f .venv/bin/activate ] || ! .venv/bin/python -m pip --version > /dev/null 2>&1; then
+# bin/python but no bin/activate: made again, not reused. One made without pip (uv venv,
+# --without-pip) is kept, with what was put in it (torch's CPU wheel, docs/install.md): pip added
+if [ ! -x .venv/bin/python ] || [ ! -f .venv/bin/activate ]; then
   rm -rf .venv
   python3 -m venv .venv || {
     echo "scripts/setup.sh: python3 -m venv failed (on Debian/Ubuntu: apt install python3-venv)" >&2; exit 1; }
+elif ! .venv/bin/python -m pip --version > /dev/null 2>&1; then
+  .venv/bin/python -m ensurepip --upgrade > /dev/null || {
+    echo "scripts/setup.sh: .venv has no pip and ensurepip failed; install pip into .venv, or remove .venv" >&2
+    exit 1; }
 fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip

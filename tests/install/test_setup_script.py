@@ -1,7 +1,8 @@
 """scripts/setup.sh before it installs anything: a python3 older than 3.10 is named in one line
 (pip reported it as a torch dependency conflict), and a .venv whose creation failed (bin/python but
-no pip or bin/activate: Debian without python3-venv, or a set-up cut short) is made again rather
-than reused (every later run stopped at ``.venv/bin/activate: No such file or directory``).
+no bin/activate: Debian without python3-venv, or a set-up cut short) is made again rather than
+reused (every later run stopped at ``.venv/bin/activate: No such file or directory``), while one
+made without pip (``uv venv``), holding the CPU torch a user put there, is kept and given pip.
 
 Run on a copy of the script in a temporary tree, with a stand-in ``python3`` first on PATH: the
 script stops before any pip call, so nothing is installed."""
@@ -51,3 +52,24 @@ def test_a_half_made_venv_is_made_again(tmp_path):
     assert "python3 -m venv failed (on Debian/Ubuntu: apt install python3-venv)" in r.stderr, r.stderr
     assert "No such file or directory" not in r.stderr, r.stderr
     assert not (tree / ".venv").exists(), "the half-made .venv was kept"
+
+
+def test_a_venv_without_pip_is_kept_and_given_pip(tmp_path):
+    """A .venv made without pip (uv venv, ``--without-pip``) with a package put there first: kept, and
+    ensurepip asked for; it was deleted (and pip then fetched PyPI's CUDA torch). Here ensurepip
+    fails, so the script stops with one line and the .venv, its package included, stays."""
+    tree, env = _tree(tmp_path, 'exit 0\n')
+    bin_dir = tree / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "activate").write_text("")
+    kept = tree / ".venv" / "lib" / "torch-was-here"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("")
+    py = bin_dir / "python"   # a python without pip whose ensurepip fails; it logs what it was asked
+    py.write_text(f'#!/bin/sh\necho "$@" >> {tree}/asked\nexit 1\n')
+    py.chmod(0o755)
+    r = _run(tree, env)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert "has no pip and ensurepip failed" in r.stderr, r.stderr
+    assert kept.exists(), "the .venv without pip was deleted, with what was put in it"
+    assert "-m ensurepip --upgrade" in (tree / "asked").read_text()
