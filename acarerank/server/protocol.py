@@ -277,6 +277,11 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
                         if not self._upgrade_ignored:   # CONNECT: uvicorn's handling (the rest dropped)
                             return
                         self._upgrade_ignored = False
+                        # measured as the gate measures a head, before the upgrade's fields go: the
+                        # gate sees only the rebuilt head (a 56 kB head of Upgrade lines was served)
+                        if len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers) > MAX_HEAD_BYTES:
+                            self._head_too_large(self._head_start)
+                            return
                         head = self._head_without_upgrade()
                         self.parser = httptools.HttpRequestParser(self)
                         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)   # as uvicorn's

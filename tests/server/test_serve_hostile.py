@@ -407,6 +407,23 @@ def test_an_upgrade_offer_with_a_body_is_served_with_its_body(request, protocol)
     assert "Invalid HTTP request" not in log and len(log.splitlines()) <= 2, log[-2000:]
 
 
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
+@pytest.mark.parametrize("offer", ["upgrade lines", "connection tokens"])
+def test_an_upgrade_offer_past_the_head_limit_is_a_431(request, protocol, offer):
+    """A head over MAX_HEAD_BYTES (16 kB) made of Upgrade lines, or of "upgrade" tokens in
+    Connection, is a 431 like any other: httptools' head is parsed again without the upgrade, and
+    the gate measured only that rebuilt head (a 56 kB head of Upgrade lines was served, 200)."""
+    server = request.getfixturevalue("server" if protocol == "httptools" else "h11_server")
+    body = json.dumps(dict(query="q", documents=["d"])).encode()
+    extra = ("Upgrade: h2c\r\n" * 1500 + "Connection: Upgrade\r\n" if offer == "upgrade lines"
+             else "Connection: " + "upgrade," * 2500 + "upgrade\r\nUpgrade: h2c\r\n")
+    assert len(extra) > 16_384
+    with connect(server["port"]) as s:
+        s.sendall(request_head(length=len(body), extra=extra) + body)
+        data, _ = read_until_closed(s, 10)
+    assert data.startswith(b"HTTP/1.1 431"), f"{protocol}, {offer}: {data[:300]!r}"
+
+
 def _send_head_in_two_writes(port, path: str, split, big: int = 20_000) -> bytes:
     """A POST to ``path`` whose head (``big`` bytes of one header and ~100 more) goes in two writes
     0.3 s apart, cut at byte ``split`` (None: one write); what the server answered before it closed."""
