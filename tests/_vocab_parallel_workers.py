@@ -159,6 +159,45 @@ def _linear(ctx, hidden, weight, targets, bounds, pass_start=False, vocab_size=N
     return lp.detach(), (ent.detach() if ent is not None else None), h.grad, w.grad
 
 
+def _compiled(ctx, hidden, weight, targets, bounds, k, temperatures):
+    """Both ops with process_group= inside torch.compile (aot_eager; Dynamo traces as for inductor),
+    in one process, a Dynamo cache reset first: the teacher's topk_logprobs, then a policy
+    loss Σ g·logprob + Σ e·entropy (g, e seeded as in ``_linear``) and its backward, each at every
+    temperature (a new float makes Dynamo recompile, the temperature symbolic). Returns
+    {temperature: (topk result tuple, logprob, entropy, hidden.grad, shard.grad)} and, for each
+    op under fullgraph=True, its error (type, message) or None."""
+    from acarerank.ops import linear_logprob, topk_logprobs
+
+    torch._dynamo.reset()  # the group's other cases must not leave compiled frames behind
+    s, e = bounds[ctx.rank]
+    ws = weight[s:e].clone()
+
+    def teacher(h, w, t):
+        return tuple(topk_logprobs(h, w, targets, k=k, temperature=t, process_group=ctx.group))
+
+    def policy(h, w, t):
+        return linear_logprob(h, w, targets, temperature=t, return_entropy=True, process_group=ctx.group)
+
+    compiled_teacher, compiled_policy = (torch.compile(f, backend="aot_eager") for f in (teacher, policy))
+    out = {}
+    for t in temperatures:
+        top = compiled_teacher(hidden, ws, t)
+        h, w = hidden.clone().requires_grad_(True), ws.clone().requires_grad_(True)
+        lp, ent = compiled_policy(h, w, t)
+        g = torch.Generator().manual_seed(0)
+        ((torch.randn(lp.shape, generator=g) * lp).sum() + (torch.randn(ent.shape, generator=g) * ent).sum()).backward()
+        out[t] = (top, lp.detach(), ent.detach(), h.grad, w.grad)
+    errors = {}
+    for name, f in (("topk_logprobs", teacher), ("linear_logprob", policy)):
+        torch._dynamo.reset()  # else the graph-broken frames cached above run without a new trace
+        try:
+            torch.compile(f, backend="aot_eager", fullgraph=True)(hidden, ws, temperatures[0])
+            errors[name] = None
+        except Exception as err:
+            errors[name] = (type(err).__name__, str(err))
+    return out, errors
+
+
 def _double_backward(ctx, hidden, weight, targets, bounds, return_entropy=False):
     """Gradients with create_graph=True (returned), then a backward through them: its error
     (type, message) for each of the three second losses, or None where none was raised."""
@@ -275,6 +314,7 @@ def _rescore(ctx, bounds, vocab_size, k, outside, temperature, pad_rows):
 
 
 CASES = {"topk": _topk, "topk_subgroups": _topk_subgroups, "linear": _linear, "gradcheck": _gradcheck, "bad": _bad,
-         "rescore": _rescore, "double_backward": _double_backward}
+         "rescore": _rescore, "double_backward": _double_backward,
+         "compiled": _compiled}
 
 __all__ = ["Group", "shard_bounds", "tiny_runner", "rescore_queries", "CASES"]

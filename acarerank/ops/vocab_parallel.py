@@ -495,6 +495,21 @@ def linear_logprob_vocab_parallel(hidden, weight_shard, targets, temperature=1.0
                                              bool(return_entropy), layout, process_group)
 
 
+def _eager_only(fn, op):
+    """``fn`` kept out of torch.compile's graphs: a graph break, run eagerly on concrete values
+    (docs/api.md, "Vocabulary-parallel output layers"). The protocol branches on the gathered
+    headers on the host and raises from them on every rank, which no graph can hold; traced, its
+    frames failed on a recompile (a SymFloat temperature in the header's struct.pack: Dynamo's
+    RecursionError) and under fullgraph=True (functorch's wrapper probe). fullgraph=True now
+    names the op and process_group= in Dynamo's error (the reason below)."""
+    return torch.compiler.disable(fn, reason=(
+        f"{op}(process_group=) runs eagerly, outside torch.compile's graph (its agreement protocol reads the "
+        f"gathered headers on the host): a graph break, which fullgraph=True refuses; compile with fullgraph=False "
+        f"or call {op} outside the compiled function"))
+
+
+topk_logprobs_vocab_parallel = _eager_only(topk_logprobs_vocab_parallel, "topk_logprobs")
+linear_logprob_vocab_parallel = _eager_only(linear_logprob_vocab_parallel, "linear_logprob")
 # the ops' process_group= path (they find it here without importing this module: _backend)
 _backend.register_process_group_impl("topk_logprobs", topk_logprobs_vocab_parallel)
 _backend.register_process_group_impl("linear_logprob", linear_logprob_vocab_parallel)

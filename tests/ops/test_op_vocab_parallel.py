@@ -380,6 +380,46 @@ def test_linear_logprob_double_backward_raises_naming_the_op(groups, entropy):
                 f"rank {r} second loss {i}: {err}"
 
 
+def test_both_ops_compiled_at_two_temperatures(groups):
+    """torch.compile (fullgraph=False) of a teacher's topk_logprobs and a policy loss's linear_logprob,
+    both with process_group=, in one process, at temperatures 1.0 then 0.7: each call is a graph
+    break run eagerly (docs/api.md), so every one gives the single-process op's top-k and
+    linear_logprob_ref's log-probs, entropies and gradients (the fp32 rule of
+    test_linear_logprob_entropy_of_offset_logits). The second temperature made Dynamo recompile the
+    protocol with a symbolic temperature: InternalTorchDynamoError (RecursionError) on both ranks.
+    fullgraph=True is Dynamo's error naming the op and process_group= (it was torch's "Attempted to
+    call function marked as skipped ... is_functorch_wrapped_tensor", naming neither)."""
+    T, H, V, k, temps = 9, 16, 200, 8, (1.0, 0.7)
+    h, w = _gauss(T, H, V, seed=6)
+    bounds = shard_bounds(V, 2)
+    tg = _targets(h, w, k, V, bounds)
+    out = _ok(groups(2).run("compiled", hidden=h, weight=w, targets=tg, bounds=bounds, k=k, temperatures=temps),
+              "compiled")
+    for t in temps:
+        _check_topk([res[t][0] for res, _ in out], h, w, tg, k, V, f"compiled topk_logprobs T={t}", temperature=t)
+        g = torch.Generator().manual_seed(0)  # the ranks' loss: Σ g·logprob + Σ e·entropy
+        g_lp, g_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
+
+        def ref(dtype):
+            hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+            lp, ent = linear_logprob_ref(hh, ww, tg, t, return_entropy=True)
+            return (lp.detach(), ent.detach(),
+                    *torch.autograd.grad((g_lp.to(dtype) * lp + g_ent.to(dtype) * ent).sum(), (hh, ww)))
+
+        mat, oracle = ref(torch.float32), ref(torch.float64)
+        for r, (res, _) in enumerate(out):
+            s, e = bounds[r]
+            for name, got, m, o in zip(("logprob", "entropy", "grad_hidden", "grad_weight"), res[t][1:],
+                                       (*mat[:3], mat[3][s:e]), (*oracle[:3], oracle[3][s:e])):
+                err, ref_err = (got.double() - o).abs().max(), (m.double() - o).abs().max()
+                assert err <= 1e-5 + 1e-5 * o.abs().max() + 2 * ref_err, \
+                    f"rank {r} T={t} {name}: max err {err:.3e} vs fp64 (materialised fp32: {ref_err:.3e})"
+    for r, (_, errors) in enumerate(out):
+        for op, err in errors.items():
+            assert err is not None and f"{op}(process_group=) runs eagerly" in err[1] and "fullgraph=False" in err[1], \
+                f"rank {r} {op} under fullgraph=True: {err and (err[0], err[1][:300])}"
+
+
 # --------------------------------------------------------------------- rescore
 def test_rescore_with_sharded_output_layers(groups):
     """Both models' output layers split over 2 ranks, Megatron-padded to 1,024 rows (997 real)."""
