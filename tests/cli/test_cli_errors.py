@@ -597,6 +597,50 @@ def test_a_failed_write_of_buffered_results_is_one_line_and_its_own_status(faile
     assert (returncode, err) == expected, (returncode, stderr[-2000:])
 
 
+@pytest.fixture(scope="module")
+def broken_stderr_runs(files):
+    import os
+    import subprocess
+    import sys
+
+    import acarerank
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(acarerank.__file__)), OMP_NUM_THREADS="1")
+
+    def start(key):
+        docs, sink = key
+        argv = [sys.executable, "-m", "acarerank.cli", "score", "--model", str(files / "ckpt"), "--query", "q",
+                "--docs", str(files / docs)]
+        if sink == "reader gone":
+            read_end, write_end = os.pipe()
+            os.close(read_end)
+            with os.fdopen(write_end, "wb") as err:
+                return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        with open("/dev/full" if sink == "disk full" else os.devnull, "wb") as err:
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+
+    keys = [("docs.jsonl", s) for s in ("devnull", "reader gone", "disk full")] + [("missing.jsonl", "disk full")]
+    yield from _side_by_side(start, keys, timeout=60)
+
+
+@pytest.mark.parametrize("sink", ["reader gone", "disk full"])
+def test_a_stderr_that_cannot_be_written_costs_no_results(broken_stderr_runs, sink):
+    """stderr a pipe whose reader has gone (a log collector that exited) or on a full disk: the
+    dtype line's print raised before anything was scored, the error line failed again (exit 1), and
+    stderr's BrokenPipeError was read as stdout's reader leaving (exit 141), stdout empty. Now the
+    diagnostics go to /dev/null: the results and exit status of a run with a working stderr."""
+    reference = broken_stderr_runs(("docs.jsonl", "devnull"))
+    returncode, stdout, _ = broken_stderr_runs(("docs.jsonl", sink))
+    assert reference[0] == 0 and len(reference[1].splitlines()) == 2, reference
+    assert (returncode, stdout) == reference[:2], (returncode, stdout, reference[:2])
+
+
+def test_a_stderr_that_cannot_be_written_keeps_an_input_errors_status(broken_stderr_runs):
+    """A missing --docs file is exit 2 (bad input); its line failing to print made it exit 1."""
+    returncode, stdout, _ = broken_stderr_runs(("missing.jsonl", "disk full"))
+    assert (returncode, stdout) == (2, ""), (returncode, stdout)
+
+
 @pytest.mark.parametrize("command", ["score", "select"])
 def test_closed_stdout_is_refused_before_loading(capsys, files, no_load, monkeypatch, command):
     """Started with stdout closed (``>&-``), Python has no sys.stdout and print() writes nothing:
