@@ -229,6 +229,19 @@ def test_bench_output_that_is_a_file_names_the_flag(capsys, no_bench, tmp_path, 
         (rc, err)
 
 
+@pytest.mark.parametrize("workload", ["depth", "agent"])
+def test_bench_output_that_refuses_files_names_the_flag_before_measuring(capsys, no_bench, tmp_path, workload):
+    """A folder that exists but takes no files (a read-only mount; /sys refuses a new file to root
+    too) passed the check, every measurement ran (~9 min by default), then the first write failed:
+    '[Errno 30] Read-only file system: .../bench.csv', exit 2, nothing saved. Now refused before."""
+    rc, err, _ = run(capsys, ["bench", "--quick", "--workload", workload, "--output", "/sys"])
+    assert rc == 2 and err == ["acarerank bench: error: --output '/sys' cannot be written: Permission denied"], \
+        (rc, err)
+    with pytest.raises(ModelLoaded):  # a folder that takes files reaches the model, the probe file removed
+        main(["bench", "--quick", "--workload", workload, "--output", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
 # -- input files are read with a byte cap ---------------------------------------------------------
 @pytest.mark.parametrize("flag", ["--docs", "--trace-file"])
 def test_input_file_over_the_cap_names_flag_file_and_cap(capsys, files, no_load, tmp_path, flag):
