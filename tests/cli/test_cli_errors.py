@@ -654,6 +654,47 @@ def test_a_stderr_that_cannot_be_written_keeps_an_input_errors_status(broken_std
     assert (returncode, stdout) == (2, ""), (returncode, stdout)
 
 
+_OO_LINE = ("python -OO strips docstrings, and transformers' model classes (Qwen3ForCausalLM, which builds the "
+            "embedded default model) read theirs when they are defined")
+
+
+def test_python_OO_without_a_checkpoint_is_one_line_naming_the_cause(files):
+    """Under python -OO the embedded default could not be built: transformers' auto_docstring needs
+    the docstrings -OO strips, and score/select/serve said "No `Args` or `Parameters` section is found
+    in the docstring of `BaseModelOutputWithPast`" (exit 2). Now the line says why and what works,
+    before loading. A real -OO child (it compiles every module it imports: no cached -OO bytecode)."""
+    import os
+    import subprocess
+    import sys
+
+    import acarerank
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(acarerank.__file__)), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-OO", "-m", "acarerank.cli", "score", "--query", "q", "--docs",
+                           str(files / "docs.jsonl")], capture_output=True, text=True, env=env, timeout=120)
+    err = [x for x in done.stderr.splitlines() if not x.startswith(("NOTE:", "dtype:"))]
+    assert (done.returncode, done.stdout, err) == (2, "", [f"acarerank score: error: no --model: {_OO_LINE}; run under "
+                                                           "python or python -O, or give --model CHECKPOINT"]), \
+        (done.returncode, done.stderr[-2000:])
+
+
+def test_python_OO_leaves_a_checkpoint_alone_and_the_api_says_why(capsys, files, no_load, monkeypatch):
+    """The same check as python -OO's (sys.flags.optimize 2, seen by acarerank.model.default only):
+    --model loads (it needs no transformers model class), and build_default_model raises the line."""
+    from types import SimpleNamespace
+
+    import acarerank.model.default as default
+
+    monkeypatch.setattr(default, "sys", SimpleNamespace(flags=SimpleNamespace(optimize=2)))
+    with pytest.raises(ModelLoaded):
+        main(["score", "--model", str(files / "ckpt"), "--query", "q", "--docs", str(files / "docs.jsonl")])
+    monkeypatch.undo()  # no_load's stand-in off: the real build_default_model
+    monkeypatch.setattr(default, "sys", SimpleNamespace(flags=SimpleNamespace(optimize=2)))
+    with pytest.raises(RuntimeError) as e:
+        default.build_default_model()
+    assert str(e.value) == f"{_OO_LINE}: run it under python or python -O, or load a checkpoint", e.value
+
+
 @pytest.mark.parametrize("command", ["score", "select"])
 def test_closed_stdout_is_refused_before_loading(capsys, files, no_load, monkeypatch, command):
     """Started with stdout closed (``>&-``), Python has no sys.stdout and print() writes nothing:
