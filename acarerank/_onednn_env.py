@@ -19,21 +19,34 @@ set, nothing changes (setdefault; docs/cpu.md, "GEMMs").
 from __future__ import annotations
 
 import os
+import re
 
 #: entries kept by each of the two caches (unless the environment sets its own)
 CAPACITY = 32
 VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
+def c_atoi(text: str) -> int:
+    """``text`` as ideep reads the variable, C's ``atoi`` as glibc computes it, ``(int) strtol(text,
+    NULL, 10)``: C-locale whitespace skipped, an optional sign, then the ASCII digits up to the
+    first other character (none: 0), clamped to a 64-bit long, then cut to a 32-bit int."""
+    digits = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
+    if digits is None:
+        return 0
+    value = max(-2**63, min(2**63 - 1, int(digits.group(1))))
+    return (value + 2**31) % 2**32 - 2**31
+
+
 def bound_onednn_caches() -> None:
     """Set both cache capacities to ``CAPACITY`` where the environment does not set them, and
-    ideep's where it sets one that is not an integer >= 1: ideep reads "", "abc" or "0" as a
-    capacity of 0, and its cache then crashes the process (SIGSEGV) on the first oneDNN linear,
-    with no message; a warning says what was replaced. (oneDNN's own takes 0: no cache.)"""
+    ideep's where it sets one that ideep reads (``c_atoi``) as less than 1: "", "abc", "0", or
+    "٣٢" (Unicode digits, which Python's int() takes) are ideep's capacity 0, and its cache then
+    crashes the process (SIGSEGV) on the first oneDNN linear, with no message; a warning says what
+    was replaced. (oneDNN's own takes 0: no cache.)"""
     for name in VARIABLES:
         os.environ.setdefault(name, str(CAPACITY))
     given = os.environ["LRU_CACHE_CAPACITY"]
-    if not (given.strip().isdecimal() and int(given) >= 1):
+    if c_atoi(given) < 1:
         import warnings
 
         os.environ["LRU_CACHE_CAPACITY"] = str(CAPACITY)

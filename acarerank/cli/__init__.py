@@ -196,17 +196,61 @@ class _Interrupts:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+class _Stderr:
+    """``sys.stderr`` while a command runs: the real stream until a write or flush to it fails
+    (OSError: a full disk, a reader that has gone), then /dev/null, and the command carries on.
+
+    Its lines (dtype, NOTEs, progress, the error line) are diagnostics: a failed one raised from
+    the first ``print`` (the dtype line, before any result), the error handler's own line failed
+    again (exit 1), and a BrokenPipeError from stderr read as stdout's reader leaving (exit 141):
+    score/select printed nothing, serve never started. The descriptor is pointed at /dev/null too,
+    for native code's writes and the interpreter's exit flush of the real stream's buffer.
+    Everything else (``isatty``, ``fileno``, ``encoding``) is the current stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError:
+            self._to_devnull()
+
+    def _to_devnull(self):
+        failed, self._stream = self._stream, open(os.devnull, "w")
+        try:
+            os.dup2(self._stream.fileno(), failed.fileno())
+        except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture)
+            pass
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if sys.stderr is None:  # started with stderr closed (2>&-): print(file=None) writes to stdout, so
         sys.stderr = open(os.devnull, "w")  # the NOTE, dtype and error lines went in among the JSON results
     command = chosen_command(argv)
-    with _Interrupts() as interrupts:
-        status = _main(argv, command)
-    if interrupts.seen and status != 130:  # an interrupt swallowed or rewrapped on its way out
-        print(f"{_label(command)}: interrupted", file=sys.stderr)
-        return 130
-    return status
+    real_stderr = sys.stderr
+    sys.stderr = _Stderr(real_stderr)
+    try:
+        with _Interrupts() as interrupts:
+            status = _main(argv, command)
+        if interrupts.seen and status != 130:  # an interrupt swallowed or rewrapped on its way out
+            print(f"{_label(command)}: interrupted", file=sys.stderr)
+            return 130
+        return status
+    finally:
+        if isinstance(sys.stderr, _Stderr):
+            sys.stderr = real_stderr
 
 
 def _label(command: str | None) -> str:
@@ -240,7 +284,8 @@ def _main(argv: list, command: str | None) -> int:
     except KeyboardInterrupt:
         print(f"acarerank {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # stdout's reader left (| head): nothing more to say to it, no message
+    except BrokenPipeError:  # stdout's reader left (| head): nothing more to say to it, no message (stderr's
+        # failed writes never get here: _Stderr takes them)
         _stdout_to_devnull()
         return 141
     except Exception as e:

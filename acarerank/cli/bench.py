@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 from ..malloc_tuning import CHOICES as MALLOC_CHOICES  # stdlib only: --help imports no torch
@@ -54,14 +55,22 @@ class _Given(argparse._StoreAction):
 
 
 def _output_dir(path: str) -> str:
-    """``path`` made a folder (``--output`` or the default), before anything is measured or loaded;
-    OSError naming the flag (it was '[Errno 17] File exists: ...', the agent workload's after the
-    model had loaded)."""
+    """``path`` made a folder (``--output`` or the default) that takes files, before anything is
+    measured or loaded; OSError naming the flag (it was '[Errno 17] File exists: ...', the agent
+    workload's after the model had loaded). A folder that exists but refuses files (a read-only
+    mount, no write permission) passed, and its first write failed after every measurement had run
+    (minutes), nothing saved: a file is made and removed in it here."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         what = "is a file, not a folder" if os.path.isfile(path) else f"cannot be made a folder: {e.strerror or e}"
         raise OSError(f"--output {path!r} {what}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".acarerank-bench-probe-", dir=path)
+    except OSError as e:
+        raise OSError(f"--output {path!r} cannot be written: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
     return path
 
 

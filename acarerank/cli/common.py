@@ -55,7 +55,12 @@ def check_common(args) -> None:
     per_op_backends(parse_preference(args.backend, "--backend"))  # unknown name or op: BackendError, before loading
     if not args.backend:   # then ACARERANK_BACKEND chooses: its junk refused before loading too, not after
         per_op_backends(parse_preference(os.environ.get("ACARERANK_BACKEND"), "ACARERANK_BACKEND"))
-    if args.model is not None:
+    if args.model is None:
+        from ..model.default import NO_DOCSTRINGS, docstrings_kept
+
+        if not docstrings_kept():  # the command line asks for what cannot be built: usage (exit 2), before loading
+            raise ValueError(f"no --model: {NO_DOCSTRINGS}; run under python or python -O, or give --model CHECKPOINT")
+    else:
         if not os.path.isdir(args.model):
             raise FileNotFoundError(f"--model {args.model!r} is not a folder")
         if not os.path.isfile(os.path.join(args.model, "config.json")):

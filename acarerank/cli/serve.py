@@ -75,6 +75,10 @@ def run(args) -> int:
         print(f"acarerank serve: error: {', '.join(missing)} not installed: pip install 'acarerank[serve]'",
               file=sys.stderr)
         return 2
+    if sys.stdout is None:  # started with stdout closed (>&-, a daemon's): uvicorn's log formatter asks
+        # sys.stdout.isatty() (exit 2 after the whole load, "Unable to configure formatter 'default'"),
+        # its access log handler and the exits' flushes write there; serve prints no results to lose
+        sys.stdout = open(os.devnull, "w")
     from .. import malloc_tuning
     from ..server.build import build_service
     from ..server.front import run_server

@@ -9,6 +9,8 @@ Presets with the real shapes (random weights too) are for GPU users of ``acarera
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..tokenizer import QWEN3_VOCAB
@@ -25,6 +27,17 @@ PRESETS = {
 DEFAULT_PRESET = "tiny-cpu"
 NO_MEANING = ("NOTE: no --model given; using the embedded default, a seeded RANDOM-weight Qwen3 "
               "({preset}). Its scores and selections carry no meaning.")
+#: why the embedded default cannot be built under ``python -OO`` (``docstrings_kept``)
+NO_DOCSTRINGS = ("python -OO strips docstrings, and transformers' model classes (Qwen3ForCausalLM, which builds "
+                 "the embedded default model) read theirs when they are defined")
+
+
+def docstrings_kept() -> bool:
+    """Whether this interpreter keeps docstrings: not under ``python -OO`` (``PYTHONOPTIMIZE=2``),
+    where importing transformers' Qwen3ForCausalLM failed with "No `Args` or `Parameters` section
+    is found in the docstring of `BaseModelOutputWithPast`" (its ``auto_docstring`` decorator).
+    A checkpoint loads without that class (``from_pretrained``); ``-O`` keeps docstrings."""
+    return sys.flags.optimize < 2
 
 
 def _config_fields(base: dict) -> set:
@@ -98,7 +111,10 @@ def build_default_model(preset: str = DEFAULT_PRESET, seed: int = 0, dtype=torch
     the host from a seeded copy of the RNG state (the caller's stream is untouched), whatever
     the caller's ``torch.set_default_dtype`` / default device — a float64 default drew other
     numbers (a different model under the same seed), a "meta" default had no data to move.
+    RuntimeError under ``python -OO`` (``docstrings_kept``).
     """
+    if not docstrings_kept():
+        raise RuntimeError(f"{NO_DOCSTRINGS}: run it under python or python -O, or load a checkpoint")
     from transformers import Qwen3ForCausalLM
 
     cfg = qwen3_config(preset, **overrides)

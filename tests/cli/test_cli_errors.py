@@ -229,6 +229,19 @@ def test_bench_output_that_is_a_file_names_the_flag(capsys, no_bench, tmp_path, 
         (rc, err)
 
 
+@pytest.mark.parametrize("workload", ["depth", "agent"])
+def test_bench_output_that_refuses_files_names_the_flag_before_measuring(capsys, no_bench, tmp_path, workload):
+    """A folder that exists but takes no files (a read-only mount; /sys refuses a new file to root
+    too) passed the check, every measurement ran (~9 min by default), then the first write failed:
+    '[Errno 30] Read-only file system: .../bench.csv', exit 2, nothing saved. Now refused before."""
+    rc, err, _ = run(capsys, ["bench", "--quick", "--workload", workload, "--output", "/sys"])
+    assert rc == 2 and err == ["acarerank bench: error: --output '/sys' cannot be written: Permission denied"], \
+        (rc, err)
+    with pytest.raises(ModelLoaded):  # a folder that takes files reaches the model, the probe file removed
+        main(["bench", "--quick", "--workload", workload, "--output", str(tmp_path)])
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
 # -- input files are read with a byte cap ---------------------------------------------------------
 @pytest.mark.parametrize("flag", ["--docs", "--trace-file"])
 def test_input_file_over_the_cap_names_flag_file_and_cap(capsys, files, no_load, tmp_path, flag):
@@ -595,6 +608,91 @@ def test_a_failed_write_of_buffered_results_is_one_line_and_its_own_status(faile
                         "No space left on device"])
     err = [x for x in stderr.splitlines() if not x.startswith(("NOTE:", "dtype:", "output "))]
     assert (returncode, err) == expected, (returncode, stderr[-2000:])
+
+
+@pytest.fixture(scope="module")
+def broken_stderr_runs(files):
+    import os
+    import subprocess
+    import sys
+
+    import acarerank
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(acarerank.__file__)), OMP_NUM_THREADS="1")
+
+    def start(key):
+        docs, sink = key
+        argv = [sys.executable, "-m", "acarerank.cli", "score", "--model", str(files / "ckpt"), "--query", "q",
+                "--docs", str(files / docs)]
+        if sink == "reader gone":
+            read_end, write_end = os.pipe()
+            os.close(read_end)
+            with os.fdopen(write_end, "wb") as err:
+                return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        with open("/dev/full" if sink == "disk full" else os.devnull, "wb") as err:
+            return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+
+    keys = [("docs.jsonl", s) for s in ("devnull", "reader gone", "disk full")] + [("missing.jsonl", "disk full")]
+    yield from _side_by_side(start, keys, timeout=60)
+
+
+@pytest.mark.parametrize("sink", ["reader gone", "disk full"])
+def test_a_stderr_that_cannot_be_written_costs_no_results(broken_stderr_runs, sink):
+    """stderr a pipe whose reader has gone (a log collector that exited) or on a full disk: the
+    dtype line's print raised before anything was scored, the error line failed again (exit 1), and
+    stderr's BrokenPipeError was read as stdout's reader leaving (exit 141), stdout empty. Now the
+    diagnostics go to /dev/null: the results and exit status of a run with a working stderr."""
+    reference = broken_stderr_runs(("docs.jsonl", "devnull"))
+    returncode, stdout, _ = broken_stderr_runs(("docs.jsonl", sink))
+    assert reference[0] == 0 and len(reference[1].splitlines()) == 2, reference
+    assert (returncode, stdout) == reference[:2], (returncode, stdout, reference[:2])
+
+
+def test_a_stderr_that_cannot_be_written_keeps_an_input_errors_status(broken_stderr_runs):
+    """A missing --docs file is exit 2 (bad input); its line failing to print made it exit 1."""
+    returncode, stdout, _ = broken_stderr_runs(("missing.jsonl", "disk full"))
+    assert (returncode, stdout) == (2, ""), (returncode, stdout)
+
+
+_OO_LINE = ("python -OO strips docstrings, and transformers' model classes (Qwen3ForCausalLM, which builds the "
+            "embedded default model) read theirs when they are defined")
+
+
+def test_python_OO_without_a_checkpoint_is_one_line_naming_the_cause(files):
+    """Under python -OO the embedded default could not be built: transformers' auto_docstring needs
+    the docstrings -OO strips, and score/select/serve said "No `Args` or `Parameters` section is found
+    in the docstring of `BaseModelOutputWithPast`" (exit 2). Now the line says why and what works,
+    before loading. A real -OO child (it compiles every module it imports: no cached -OO bytecode)."""
+    import os
+    import subprocess
+    import sys
+
+    import acarerank
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(acarerank.__file__)), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-OO", "-m", "acarerank.cli", "score", "--query", "q", "--docs",
+                           str(files / "docs.jsonl")], capture_output=True, text=True, env=env, timeout=120)
+    err = [x for x in done.stderr.splitlines() if not x.startswith(("NOTE:", "dtype:"))]
+    assert (done.returncode, done.stdout, err) == (2, "", [f"acarerank score: error: no --model: {_OO_LINE}; run under "
+                                                           "python or python -O, or give --model CHECKPOINT"]), \
+        (done.returncode, done.stderr[-2000:])
+
+
+def test_python_OO_leaves_a_checkpoint_alone_and_the_api_says_why(capsys, files, no_load, monkeypatch):
+    """The same check as python -OO's (sys.flags.optimize 2, seen by acarerank.model.default only):
+    --model loads (it needs no transformers model class), and build_default_model raises the line."""
+    from types import SimpleNamespace
+
+    import acarerank.model.default as default
+
+    monkeypatch.setattr(default, "sys", SimpleNamespace(flags=SimpleNamespace(optimize=2)))
+    with pytest.raises(ModelLoaded):
+        main(["score", "--model", str(files / "ckpt"), "--query", "q", "--docs", str(files / "docs.jsonl")])
+    monkeypatch.undo()  # no_load's stand-in off: the real build_default_model
+    monkeypatch.setattr(default, "sys", SimpleNamespace(flags=SimpleNamespace(optimize=2)))
+    with pytest.raises(RuntimeError) as e:
+        default.build_default_model()
+    assert str(e.value) == f"{_OO_LINE}: run it under python or python -O, or load a checkpoint", e.value
 
 
 @pytest.mark.parametrize("command", ["score", "select"])

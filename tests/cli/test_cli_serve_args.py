@@ -108,6 +108,29 @@ def test_a_port_taken_while_the_model_loads_is_refused_as_before_it():
                       f"{port}: address already in use"), err
 
 
+def test_serve_started_with_stdout_closed_configures_uvicorn(capsys, monkeypatch):
+    """Started with stdout closed (``>&-``, common for daemons), Python has no sys.stdout: the
+    model loaded, then uvicorn's log formatter asked ``sys.stdout.isatty()`` and serve exited 2
+    with "Unable to configure formatter 'default'". The model is a stand-in here; uvicorn's
+    configuration (its logging included) is the real one."""
+    from types import SimpleNamespace
+
+    import acarerank.server.build as build
+    import acarerank.server.front as front
+
+    monkeypatch.delenv("ACARERANK_API_KEY", raising=False)
+    service = SimpleNamespace(start=lambda warmup: None, model_name="stand-in", max_queue=1, max_queue_tokens=None,
+                              token_wait_timeout=None, engine=SimpleNamespace(max_batch_tokens=1), threads=lambda: [])
+    monkeypatch.setattr(build, "build_service", lambda config: service)
+    configured = []
+    monkeypatch.setattr(front, "run_server", lambda service, config, **kw: configured.append(
+        front.uvicorn_config(lambda scope, receive, send: None, config)) or 0)
+    monkeypatch.setattr("sys.stdout", None)
+    rc, err = serve(capsys, ["--port", "0"])
+    assert rc == 0 and len(configured) == 1, (rc, err)
+    assert len(err) == 1 and err[0].startswith("acarerank serve: model 'stand-in' ready in "), err
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_a_free_address_reaches_the_model(capsys, no_load, host):
     with pytest.raises(ModelLoaded):

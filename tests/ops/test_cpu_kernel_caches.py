@@ -159,8 +159,34 @@ def test_the_cache_bound_leaves_a_users_setting_alone(monkeypatch):
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(CAPACITY)
 
 
+@pytest.mark.parametrize("given, ideep_reads", [
+    ("32", 32), ("+32", 32), (" \t32", 32), ("32abc", 32), ("32 ", 32), ("007", 7),
+    ("", 0), ("abc", 0), ("0", 0), ("-3", -3), ("+ 3", 0), ("\u00a032", 0), ("\u0663\u0662", 0), ("\uff13\uff12", 0),
+    (str(2**31), -2**31), (str(2**32 + 5), 5), ("9" * 30, -1),
+])
+def test_the_capacity_is_read_as_ideeps_atoi_reads_it(monkeypatch, given, ideep_reads):
+    """ideep reads LRU_CACHE_CAPACITY with std::atoi (ideep's lru_cache.hpp), and crashes at a
+    capacity below 1. The check took Unicode digits (str.isdecimal: "٣٢" kept, ideep's 0, SIGSEGV at
+    the first bf16 linear) and replaced values ideep reads fine ("+32", "32abc"). Now the value is
+    read as glibc's atoi reads it, (int) strtol; kept where that is >= 1, else CAPACITY and a warning."""
+    import ctypes
+
+    from acarerank._onednn_env import c_atoi
+
+    libc_reads = ctypes.CDLL(None).atoi(given.encode())  # the C library's own, in this process's locale
+    assert c_atoi(given) == ideep_reads == libc_reads, (given, c_atoi(given), ideep_reads, libc_reads)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", given)
+    if ideep_reads >= 1:
+        bound_onednn_caches()
+        assert os.environ["LRU_CACHE_CAPACITY"] == given
+    else:
+        with pytest.warns(RuntimeWarning, match="is not an integer >= 1"):
+            bound_onednn_caches()
+        assert os.environ["LRU_CACHE_CAPACITY"] == str(CAPACITY)
+
+
 @pytest.mark.skipif(bool(onednn_why_unavailable(torch.float32)), reason="this torch has no oneDNN linear")
-@pytest.mark.parametrize("given", ["0", "", "abc", "-3"])
+@pytest.mark.parametrize("given", ["0", "", "abc", "-3", "\u0663\u0662"])  # the last: "32" in Arabic-Indic digits
 def test_an_ideep_capacity_that_would_crash_is_replaced_with_a_warning(given):
     """LRU_CACHE_CAPACITY "", "abc" or "0" is ideep's capacity 0, and its cache then crashed the
     process (SIGSEGV, no message) at the first oneDNN linear: importing acarerank replaces it
