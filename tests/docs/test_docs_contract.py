@@ -299,8 +299,8 @@ def served_metrics() -> dict:
         if name is None:
             continue
         out[name + ("_total" if metric._type == "counter" else "")] = set(metric._labelnames)
-    out.update({f"acarerank_prefix_cache_{n}_tokens_total": set() for n in CACHE_COUNTERS})
-    out.update({f"acarerank_prefix_cache_{n}_tokens": set() for n in CACHE_GAUGES})
+    out.update({f"acarerank_prefix_cache_{n}_tokens_total": {"cache"} for n in CACHE_COUNTERS})
+    out.update({f"acarerank_prefix_cache_{n}_tokens": {"cache"} for n in CACHE_GAUGES})
     return out
 
 
