@@ -21,8 +21,12 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
 * a chunked body's trailer fields (httptools kept them all, in the request's scope) are dropped,
   and more than ``MAX_HEAD_BYTES`` of them is a 431 and close (h11 holds them within its own
   limit, a 400 past it);
-* ``max_connections`` open at once: one more is closed as soon as it is accepted, with one log
-  line per ``LOG_EVERY_S`` at most (nginx's ``worker_connections``);
+* ``max_connections`` open at once: past them, ``PROBE_RESERVE`` more are accepted for probes only
+  (their request line must be a ``GET``/``HEAD`` of ``/health``, ``/ready`` or ``/metrics``,
+  within ``PROBE_HEAD_TIMEOUT_S``; one request each, then close), so idle sockets at the cap do not
+  fail a healthy server's liveness probe; any other request there, and one more connection past
+  the reserve as soon as it is accepted, is closed, with one log line per ``LOG_EVERY_S`` at most
+  (nginx's ``worker_connections``);
 * ``send_timeout``: once a response fills the socket's buffers (the transport pauses writing), the
   client must take enough of it for writing to resume within this many seconds, else the
   connection is aborted (nginx's ``send_timeout``). A client that never reads otherwise held its
@@ -59,7 +63,7 @@ except ImportError:
 
 from .config import MAX_HEAD_BYTES, ServeConfig
 from .errors import ANSWERED_BY_PROTOCOL, error_bytes, error_for
-from .gate import _endpoint
+from .gate import OPEN_PATHS, _endpoint
 
 log = logging.getLogger("acarerank.server")
 
@@ -68,6 +72,13 @@ HEAD_GRACE_S = 0.1               # a head timer that fires gets this long for by
 #: a head's first bytes kept to read its path from: a target whose path decodes to an API path
 #: ("/rerank", at most 3 bytes a character percent-encoded) is whole well within them
 HEAD_START_BYTES = 256
+#: connections past --max-connections accepted for one probe each (GET /health, /ready, /metrics):
+#: idle sockets holding the cap failed every probe until --header-timeout closed them, and a
+#: liveness probe restarted a healthy server (docs/serving.md, "What to probe")
+PROBE_RESERVE = 8
+#: seconds a probe-only connection's request line may take (a probe sends it as it connects): the
+#: reserve's sockets, held idle, come free this soon
+PROBE_HEAD_TIMEOUT_S = 2.0
 #: where a head ends (h11's own blank-line pattern)
 _HEAD_END = re.compile(b"\n\r?\n")
 
@@ -158,16 +169,40 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
         _completed_in_read = False   # httptools: a request ended in the read being parsed
         _keepalive_grace = False
         _send_timer = None
+        _probe_wait = None     # past --max-connections: the request line's bytes so far (None: judged, or not one)
+        _probe_only = False    # past --max-connections: one probe, then close
 
         def connection_made(self, transport):
-            if len(self.server_state.connections) >= config.max_connections:
+            open_now = len(self.server_state.connections)
+            if open_now >= config.max_connections + PROBE_RESERVE:
                 self._refused = True
                 refused_log(f"{config.max_connections} connections open (--max-connections): closing new ones")
                 transport.abort()
                 _count_close("max_connections")
                 return
+            if open_now >= config.max_connections:
+                self._probe_only, self._probe_wait = True, b""
             super().connection_made(transport)
             self._arm_head_timer()
+
+        def _judge_probe(self, data: bytes) -> Optional[bytes]:
+            """A connection past --max-connections: ``data`` and the bytes before it once they hold a
+            whole request line that is a probe (``GET``/``HEAD`` of an ``OPEN_PATHS`` path), to be
+            parsed; None while the line is not whole, or when it is no probe (then closed, counted)."""
+            data = self._probe_wait + data
+            line = data.lstrip(b"\r\n")[:HEAD_START_BYTES]
+            if b"\n" not in line and len(line) < HEAD_START_BYTES:
+                self._probe_wait = data
+                return None
+            self._probe_wait = None
+            if line.split(b" ", 1)[0] in (b"GET", b"HEAD") and _request_path(line, absolute_form) in OPEN_PATHS:
+                return data
+            refused_log(f"{config.max_connections} connections open (--max-connections): closing new ones "
+                        f"but probes")
+            self._cancel_head_timer()
+            self.transport.abort()
+            _count_close("max_connections")
+            return None
 
         def connection_lost(self, exc):
             if self._refused:
@@ -198,6 +233,10 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             _count_close("send_timeout")
 
         def data_received(self, data: bytes) -> None:
+            if self._probe_wait is not None:
+                data = self._judge_probe(data)
+                if data is None:
+                    return
             if self._head_timer is None or len(data) <= head_piece:
                 self._receive(data)
                 return
@@ -343,6 +382,8 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
 
         def on_response_complete(self) -> None:
             self._keepalive_grace = False
+            if self._probe_only:   # one probe past --max-connections: its socket comes free now
+                self.transport.close()   # before uvicorn's (it returns at a closing transport)
             if not self.transport.is_closing():
                 self._judge_pipelined_head()   # before h11 parses it (super): its own limit is a 400
             super().on_response_complete()
@@ -439,7 +480,9 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
                 self._head_start = pending[:HEAD_START_BYTES]
             self._head_t0 = time.perf_counter() if self._head_bytes else None
             self._head_grace = False
-            self._head_timer = self.loop.call_later(config.header_timeout, self._head_timed_out)
+            self._head_timeout = min(config.header_timeout, PROBE_HEAD_TIMEOUT_S) if self._probe_only else \
+                config.header_timeout
+            self._head_timer = self.loop.call_later(self._head_timeout, self._head_timed_out)
 
         def _cancel_head_timer(self) -> None:
             if self._head_timer is not None:
@@ -460,7 +503,8 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             if self._head_bytes:   # part of a head arrived: say why (nginx answers 408 too)
                 self._count(408, self._head_start)
                 self.transport.write(_raw_error(408, "Request Timeout", f"request headers not received within "
-                                                f"{config.header_timeout:g} s (--header-timeout)"))
+                                                f"{self._head_timeout:g} s (--header-timeout"
+                                                + (", a probe past --max-connections)" if self._probe_only else ")")))
             self.transport.close()
 
     return HTTPProtocolWithLimits

@@ -28,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from serve_util import free_port, rss_mb, serve_subprocess, tiny_model, wait_until  # noqa: E402
 
+from acarerank.server.protocol import PROBE_RESERVE  # noqa: E402
+
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 3.0
 KEEPALIVE_TIMEOUT = 2.0
@@ -279,7 +281,8 @@ def test_connection_cap_under_descriptor_limit_without_log_storm(server):
     finally:
         for s in socks:
             s.close()
-    assert closed >= 150, f"only {closed} of {CAP + 150} connections were refused (cap {CAP})"
+    # past the cap, PROBE_RESERVE more wait for a probe's request line (closed later, silent)
+    assert closed >= 150 - PROBE_RESERVE, f"only {closed} of {CAP + 150} connections were refused (cap {CAP})"
     deadline = time.monotonic() + HEADER_TIMEOUT + MARGIN
     while time.monotonic() < deadline:
         try:
@@ -296,6 +299,56 @@ def test_connection_cap_under_descriptor_limit_without_log_storm(server):
     # (a reset may reach the client after its recv), all it opened past the cap an upper one
     assert closed <= counted <= len(socks), (f"{counted} connections counted closed at the cap, "
                                              f"{closed} seen closed of {len(socks)} opened (cap {CAP})")
+
+
+def _is_closed(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_probes_are_answered_at_the_connection_cap(server):
+    """Idle sockets holding --max-connections: a probe (GET /health, /ready, /metrics) on a new
+    connection is still answered, once, then its connection closed; any other request there is
+    closed unanswered and counted; past PROBE_RESERVE probe connections a new one is closed at once.
+    The probe's connection was closed at accept: 8 idle sockets at --max-connections 8 failed a
+    healthy server's liveness probe (docs/serving.md, "What to probe")."""
+    port, base = server["port"], server["base"]
+    assert health_ok(base)
+    counted_before = metrics(base).get(CLOSED_AT_CAP, 0)
+    idle, extra = [], []
+    try:
+        idle = [connect(port) for _ in range(CAP)]   # silent: closed by --header-timeout (2 s)
+        time.sleep(0.2)
+        for path in ("/health", "/ready"):
+            with connect(port) as s:   # kept alive as asked, but one probe a connection at the cap
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\nConnection: keep-alive\r\n\r\n".encode())
+                data, took = read_until_closed(s, 1.0)
+            assert data.startswith(b"HTTP/1.1 200"), f"{path} at the cap: {data[:200]!r}"
+            assert took is not None, f"{path} at the cap: its connection stayed open after the probe"
+        with connect(port) as s:
+            s.sendall(request_head(length=2) + b"{}")
+            data, took = read_until_closed(s, 1.0)
+        assert data == b"" and took is not None, f"a rerank past the cap: {data[:200]!r}, closed after {took}"
+        r = httpx.get(base + "/metrics", timeout=1.0)
+        assert r.status_code == 200, r.status_code
+        counted = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(r.text) for s in fam.samples}.get(CLOSED_AT_CAP, 0)
+        assert counted - counted_before == 1, f"{counted - counted_before} closes at the cap counted, want 1"
+        still = sum(not _is_closed(s) for s in idle)
+        assert still == CAP, f"only {still} of {CAP} idle sockets were open at the checks' end: not at the cap"
+        extra = [connect(port) for _ in range(PROBE_RESERVE + 1)]   # the reserve, then one past it
+        time.sleep(0.3)
+        refused = sum(_is_closed(s) for s in extra)
+        assert refused >= 1, f"none of {PROBE_RESERVE + 1} connections past the cap was refused"
+    finally:
+        for s in idle + extra:
+            s.close()
+    wait_until(base + "/health", timeout=HEADER_TIMEOUT + MARGIN)
 
 
 # -- errors: always the JSON shape -----------------------------------------------------------------------
