@@ -171,6 +171,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
         _send_timer = None
         _probe_wait = None     # past --max-connections: the request line's bytes so far (None: judged, or not one)
         _probe_only = False    # past --max-connections: one probe, then close
+        _deferred_400 = None   # (message, head start) of a malformed request behind responses still due
 
         def connection_made(self, transport):
             open_now = len(self.server_state.connections)
@@ -233,6 +234,8 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             _count_close("send_timeout")
 
         def data_received(self, data: bytes) -> None:
+            if self._deferred_400 is not None:   # the parser failed: only the 400 is left to send
+                return
             if self._probe_wait is not None:
                 data = self._judge_probe(data)
                 if data is None:
@@ -246,7 +249,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             # a head still arriving is judged here after each one, while under h11's limit.
             for start in range(0, len(data), head_piece):
                 self._receive(data[start:start + head_piece])
-                if self.transport.is_closing():
+                if self.transport.is_closing() or self._deferred_400 is not None:
                     return
                 if self._head_timer is None:   # the head arrived: the rest is its body (or the next request)
                     if start + head_piece < len(data):
@@ -382,6 +385,12 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
 
         def on_response_complete(self) -> None:
             self._keepalive_grace = False
+            if self._deferred_400 is not None and not self.transport.is_closing():
+                if getattr(self, "pipeline", None):   # httptools: more whole requests to answer first
+                    super().on_response_complete()
+                    self.flow.pause_reading()   # uvicorn resumed it: the parser has failed, read no more
+                    return
+                self._write_400(*self._deferred_400)   # closing: uvicorn's own returns at once
             if self._probe_only:   # one probe past --max-connections: its socket comes free now
                 self.transport.close()   # before uvicorn's (it returns at a closing transport)
             if not self.transport.is_closing():
@@ -440,11 +449,27 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
                 # in a request's body: the gate, reading it, counts that request (as this 400 unless
                 # it has answered it already: counted once); else a head the gate never saw
                 cycle.scope[ANSWERED_BY_PROTOCOL] = 400
+                start = None
             else:
                 # the head's first bytes name its path only while that head is the one awaited: a
                 # malformed request pipelined behind a whole one is not the whole one's
-                self._count(400, self._head_start if self.cycle is self._head_for else b"")
+                start = self._head_start if self.cycle is self._head_for else b""
             self._cancel_head_timer()
+            if cycle is not None and not cycle.more_body and not cycle.response_complete:
+                # pipelined behind whole requests still being answered (httptools parses ahead): the
+                # 400 written now took the place of their answers, counted as sent. It goes after
+                # them, nothing more read meanwhile, as h11 (which parses a request only after the
+                # previous response) answers it (on_response_complete)
+                self._deferred_400 = (msg, start)
+                self.flow.pause_reading()
+                return
+            self._write_400(msg, start)
+
+        def _write_400(self, msg: str, start: Optional[bytes]) -> None:
+            """The 400 of a malformed request, counted (``start``: its head's first bytes, None: the
+            gate counts it), and close."""
+            if start is not None:
+                self._count(400, start)
             self.transport.write(_raw_error(400, "Bad Request", f"malformed HTTP request: {msg} (e.g. bad syntax, "
                                                                 "a duplicate Content-Length, headers over "
                                                                 f"{MAX_HEAD_BYTES} bytes)"))

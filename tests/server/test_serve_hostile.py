@@ -9,6 +9,7 @@ loaded 2-core machine.
 import asyncio
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -624,6 +625,37 @@ def _counted(base) -> dict:
     return {k: v for k, v in metrics(base).items()
             if k[0] in ("acarerank_requests_total", "acarerank_errors_total", "acarerank_client_disconnects_total")
             and ("endpoint", "/metrics") not in k[1]}
+
+
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
+def test_a_malformed_request_pipelined_behind_whole_ones_is_answered_after_them(request, protocol):
+    """Whole requests, then a malformed head, in one write: each whole one gets its answer, in order,
+    then the 400, and the metrics count what was sent. On httptools (which parses ahead) the 400 was
+    written at once and closed the connection: the client's only answer was the 400, while a 200 it
+    never got was counted (h11 parses a request only after the previous response)."""
+    server = request.getfixturevalue("server" if protocol == "httptools" else "h11_server")
+    base, port = server["base"], server["port"]
+    body = json.dumps(dict(query="q", documents=["a", "b"])).encode()
+    health = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+    malformed = b"POST /v1/rerank HTTP/1.1\r\nHost t\r\n\r\n"   # a header line without its colon
+    for whole, endpoints in (([health], ["/health"]), ([request_head(length=len(body)) + body], ["/v1/rerank"]),
+                             ([health, request_head(length=len(body)) + body], ["/health", "/v1/rerank"])):
+        before = _counted(base)
+        with connect(port) as s:
+            s.sendall(b"".join(whole) + malformed)
+            raw, closed = read_until_closed(s, 10)
+        statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)]
+        assert closed is not None and statuses == [200] * len(whole) + [400], \
+            f"{endpoints} + a malformed head: answers {statuses}, want {[200] * len(whole) + [400]}: {raw[:300]!r}"
+        expect_json_error(raw[raw.index(b"HTTP/1.1 400"):], 400, ["malformed"])
+        after = _counted(base)
+        moved = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)
+                 if after.get(k, 0) != before.get(k, 0)}
+        want = {("acarerank_requests_total", (("code", "200"), ("endpoint", e))): endpoints.count(e)
+                for e in endpoints}
+        want.update({("acarerank_requests_total", (("code", "400"), ("endpoint", "other"))): 1,
+                     ("acarerank_errors_total", (("code", "400"),)): 1})
+        assert moved == want, f"{endpoints} + a malformed head counted {moved}, want {want}"
 
 
 @pytest.mark.parametrize("protocol", ["httptools", "h11"])
