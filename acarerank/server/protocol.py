@@ -63,11 +63,10 @@ except ImportError:
 
 from .config import MAX_HEAD_BYTES, ServeConfig
 from .errors import ANSWERED_BY_PROTOCOL, error_bytes, error_for
-from .gate import OPEN_PATHS, _endpoint
+from .gate import LOG_EVERY_S, OPEN_PATHS, _endpoint, _RateLimited  # noqa: F401 (LOG_EVERY_S: front.py's)
 
 log = logging.getLogger("acarerank.server")
 
-LOG_EVERY_S = 10.0               # at most one "connection cap reached" line per this many seconds
 HEAD_GRACE_S = 0.1               # a head timer that fires gets this long for bytes already received
 #: a head's first bytes kept to read its path from: a target whose path decodes to an API path
 #: ("/rerank", at most 3 bytes a character percent-encoded) is whole well within them
@@ -108,22 +107,6 @@ def _raw_error(status: int, reason: str, message: str, path: Optional[str] = Non
         json.dumps(error_for({"path": path}, status, message)).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"connection: close\r\n\r\n").encode() + body
-
-
-class _RateLimited:
-    """One log line per ``every`` seconds, with the count of events since the last line."""
-
-    def __init__(self, every: float = LOG_EVERY_S):
-        self.every = every
-        self.last = -float("inf")
-        self.count = 0
-
-    def __call__(self, message: str) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            log.warning("%s (%d since the last such line)", message, self.count)
-            self.last, self.count = now, 0
 
 
 def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
