@@ -454,10 +454,11 @@ class Soak:
             time.sleep(0.5)
         if any(gauges.values()):
             self.problem(f"gauges not idle 60 s after the load: {gauges}")
-        resident = m[("acarerank_prefix_cache_resident_tokens", ())]
-        budget = m[("acarerank_prefix_cache_budget_tokens", ())]
-        if resident > budget:
-            self.problem(f"prefix cache resident {resident} > budget {budget}")
+        for cache in ("rerank", "select"):   # each cache is bounded by the budget (docs/serving.md, "Metrics")
+            resident = m.get(("acarerank_prefix_cache_resident_tokens", (("cache", cache),)), 0)
+            budget = m.get(("acarerank_prefix_cache_budget_tokens", (("cache", cache),)), 0)
+            if resident > budget:
+                self.problem(f"{cache} prefix cache resident {resident} > budget {budget}")
         time.sleep(2)
         end_sample = self.proc_sample()
         # the pools make their threads on demand up to their size, so the count after warm-up may

@@ -132,8 +132,9 @@ class ServeConfig:
     keepalive_timeout: float = _opt("seconds an idle keep-alive connection stays open", default=5.0)
     send_timeout: float = _opt("seconds a client may leave a response unread once the socket's buffers are full "
                                "(it reads nothing, or too slowly); then the connection is closed", default=60.0)
-    max_connections: int = _opt("open client connections at once; more are closed at once (kept under the "
-                                "process's file-descriptor limit)", default=1024)
+    max_connections: int = _opt("open client connections at once; more are closed at once, but 8 for one "
+                                "probe each (GET /health, /ready, /metrics) (kept under the process's "
+                                "file-descriptor limit)", default=1024)
     # -- the HTTP front
     host: str = _opt("address to listen on", default="127.0.0.1")
     port: int = _opt("port to listen on", default=8000)

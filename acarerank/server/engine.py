@@ -62,6 +62,12 @@ POLICIES = ("shortest", "round_robin")
 DEFAULT_CANARY_AFTER = 3
 
 
+def _request_of(job):
+    """The request a job is part of, as a set key: its ``clock`` (shared by an N-to-N ``/score``
+    request's groups), else the job itself."""
+    return job.clock if getattr(job, "clock", None) is not None else job
+
+
 def _since(clock: Optional[QueueClock]) -> float:
     """When a job's queue time starts: its request's admission (``clock``), else now."""
     return clock.since if clock is not None else time.perf_counter()
@@ -278,8 +284,10 @@ class Engine(_FaultIsolation):
             self._cv.notify()
 
     def depth(self) -> tuple:
-        """``(waiting, running)``: jobs not yet in their first pass or selection step (queued calls
-        included), and jobs whose prefix or selection holds pages. Any thread (a metrics scrape):
+        """``(waiting, running)``: requests none of whose jobs holds pages (queued calls included,
+        each one), and requests with a job whose prefix or selection holds pages. A request is its
+        jobs' ``clock`` (an N-to-N ``/score`` request's groups share one: docs/serving.md, "Metrics",
+        it is admitted as one request), else the job itself. Any thread (a metrics scrape):
         it reads copies of the scheduler's lists (each made in one step under the GIL), under the
         lock the loop holds while it moves arrivals out of the inbox, so none is counted twice. The
         canary is the engine's own job, not a request: never counted (as in every request metric).
@@ -289,11 +297,17 @@ class Engine(_FaultIsolation):
             # keep them until the held step returns, which may be never: they are no queue
             return 0, 0
         with self._cv:
-            inbox, calls = len(self._inbox), len(self._calls)
+            inbox, calls = list(self._inbox), len(self._calls)
             active, selects = list(self._active), list(self._selects)
-        active = [j for j in active if not j.canary]
-        running = sum(1 for j in active if j.handle is not None) + sum(1 for j in selects if j.state is not None)
-        return inbox + calls + len(active) + len(selects) - running, running
+        requests, running = set(), set()
+        for j in inbox + active + selects:
+            if getattr(j, "canary", False):
+                continue
+            key = _request_of(j)
+            requests.add(key)
+            if getattr(j, "handle", None) is not None or getattr(j, "state", None) is not None:
+                running.add(key)
+        return calls + len(requests) - len(running), len(running)
 
     @property
     def num_jobs(self) -> int:
@@ -581,7 +595,11 @@ class Engine(_FaultIsolation):
                 self._bisect(entries, e)
             else:
                 if self.metrics is not None:
-                    self.metrics.observe_pass(used, len({id(j) for j, _ in owners}))
+                    # requests, not jobs: an N-to-N /score request's groups are one (``_request_of``);
+                    # the canary and the warm-up are the engine's own, in no request metric
+                    requests = {_request_of(j) for j, _ in owners if not j.canary}
+                    if requests:
+                        self.metrics.observe_pass(used, len(requests))
                 self._record(entries, scores)
             self._busy("pass", t)
         keep = []

@@ -41,11 +41,12 @@ acarerank_engine_failures_in_a_row          gauge      failures since the last s
                                                        ``--canary-after-failures``
 acarerank_engine_canary_total               counter    canary runs, by outcome (passed: the failures were
                                                        the requests'; failed: the engine died)
-acarerank_prefix_cache_<x>_tokens_total     counter    lookup / hit / computed / evicted tokens
-acarerank_prefix_cache_<x>_tokens           gauge      resident / budget tokens
+acarerank_prefix_cache_<x>_tokens_total     counter    lookup / hit / computed / evicted tokens, by
+                                                       cache (rerank; select: /v1/select's own)
+acarerank_prefix_cache_<x>_tokens           gauge      resident / budget tokens, by cache
 ==========================================  =========  ==============================================
 
-The prefix-cache series are read from the step API's ``cache_stats()`` at scrape time, on a
+The prefix-cache series are read from each cache's ``cache_stats()`` at scrape time, on a
 thread of their own and for at most ``CACHE_STATS_WAIT_S`` (``_CacheCollector``).
 """
 from __future__ import annotations
@@ -76,8 +77,8 @@ CACHE_STATS_WAIT_S = 0.25
 log = logging.getLogger("acarerank.server")
 
 
-class _CacheCollector:
-    """Exports ``cache_stats()`` (monotonic counters and gauges) on every scrape.
+class _CacheReader:
+    """Reads one cache's ``cache_stats()`` for a scrape.
 
     The scrape must not depend on the cache (docs/serving.md, "Metrics"): ``cache_stats()`` runs on a
     daemon thread of its own, one read at a time (a read that never returns is waited on by the
@@ -87,7 +88,8 @@ class _CacheCollector:
     a raise was a 500 for the whole scrape (the engine's failure counters lost with it), and a step
     holding the pool lock blocked the event loop: no probe answered, no dead engine's exit."""
 
-    def __init__(self, cache_stats: Callable[[], dict], wait_s: float = CACHE_STATS_WAIT_S):
+    def __init__(self, name: str, cache_stats: Callable[[], dict], wait_s: float):
+        self.name = name
         self.cache_stats = cache_stats
         self.wait_s = wait_s
         self._lock = threading.Lock()
@@ -107,7 +109,7 @@ class _CacheCollector:
             self._last = stats
         fut.set_result(stats)
 
-    def _read(self) -> Optional[dict]:
+    def read(self) -> Optional[dict]:
         """The cache's figures: read now, or the last ones read (None: none to serve)."""
         with self._lock:
             fut = self._reading
@@ -118,11 +120,12 @@ class _CacheCollector:
             stats = fut.result(self.wait_s)
         except concurrent.futures.TimeoutError:
             self._note(f"cache_stats() did not answer within {self.wait_s:g} s (a model step holds the prefix "
-                       f"cache's lock?): the prefix-cache series serve the last figures read")
+                       f"cache's lock?): the {self.name} prefix-cache series serve the last figures read")
             with self._lock:
                 return self._last
         except BaseException as e:  # noqa: BLE001 - the scrape goes on without the cache series
-            self._note(f"cache_stats() failed ({type(e).__name__}: {e}): the prefix-cache series are left out")
+            self._note(f"cache_stats() failed ({type(e).__name__}: {e}): the {self.name} prefix-cache series "
+                       f"are left out")
             return None
         self._failing = False
         return stats
@@ -132,28 +135,45 @@ class _CacheCollector:
             self._failing = True
             log.error("%s; logged once until a read succeeds", msg)
 
+
+class _CacheCollector:
+    """Exports each cache's ``cache_stats()`` (monotonic counters and gauges) on every scrape,
+    labelled ``cache`` by the name it is given (``caches``: name → ``cache_stats``), each read by a
+    ``_CacheReader`` of its own: a cache that cannot be read leaves only its own series out. One
+    collector for all, as a metric family is written once per scrape, every cache's samples in it."""
+
+    def __init__(self, caches: dict, wait_s: float = CACHE_STATS_WAIT_S):
+        self.readers = [_CacheReader(name, stats, wait_s) for name, stats in caches.items()]
+
     def collect(self):
-        stats = self._read()
-        if stats is None:
+        figures = [(r.name, r.read()) for r in self.readers]
+        figures = [(name, stats) for name, stats in figures if stats is not None]
+        if not figures:
             return
         for name in CACHE_COUNTERS:
             c = CounterMetricFamily(f"acarerank_prefix_cache_{name}_tokens",
-                                    f"prefix-cache tokens {name} (shared-part tokens)")
-            c.add_metric([], float(stats.get(f"{name}_tokens", 0)))
+                                    f"prefix-cache tokens {name} (shared-part tokens)", labels=["cache"])
+            for cache, stats in figures:
+                c.add_metric([cache], float(stats.get(f"{name}_tokens", 0)))
             yield c
         for name in CACHE_GAUGES:
-            g = GaugeMetricFamily(f"acarerank_prefix_cache_{name}_tokens", f"prefix-cache tokens {name}")
-            g.add_metric([], float(stats.get(f"{name}_tokens", 0)))
+            g = GaugeMetricFamily(f"acarerank_prefix_cache_{name}_tokens", f"prefix-cache tokens {name}",
+                                  labels=["cache"])
+            for cache, stats in figures:
+                g.add_metric([cache], float(stats.get(f"{name}_tokens", 0)))
             yield g
 
 
 class ServerMetrics:
-    """All series of one server. ``cache_stats``: the step API's ``cache_stats`` (None: not exported).
+    """All series of one server. ``cache_stats``: the step API's ``cache_stats`` (None: not exported),
+    labelled ``cache="rerank"``; ``select_cache_stats``: the setwise reranker's (``/v1/select``'s own
+    prefix cache, sized by the same budget: docs/serving.md, "Metrics"), ``cache="select"``.
     ``engine=False``: the HTTP series only (request_duration, requests, errors, client_disconnects),
     for a front whose engines are elsewhere (Ray Serve's ingress, which adds theirs at each scrape):
     engine series of its own would stay at 0 and read as an idle engine."""
 
-    def __init__(self, cache_stats: Optional[Callable[[], dict]] = None, engine: bool = True):
+    def __init__(self, cache_stats: Optional[Callable[[], dict]] = None, engine: bool = True,
+                 select_cache_stats: Optional[Callable[[], dict]] = None):
         self.registry = r = CollectorRegistry()
         self.request_duration = Histogram("acarerank_request_duration_seconds", "HTTP request latency",
                                           ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
@@ -213,8 +233,10 @@ class ServerMetrics:
             self.failures_in_a_row.labels(kind)
         for outcome in ("passed", "failed"):
             self.canary.labels(outcome)
-        if cache_stats is not None:
-            r.register(_CacheCollector(cache_stats))
+        caches = {name: stats for name, stats in (("rerank", cache_stats), ("select", select_cache_stats))
+                  if stats is not None}
+        if caches:
+            r.register(_CacheCollector(caches))
 
     def track_depth(self, depth: Callable[[], tuple]) -> None:
         """``acarerank_queue_size`` and ``acarerank_requests_running`` read ``depth()`` → ``(waiting,

@@ -21,8 +21,12 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
 * a chunked body's trailer fields (httptools kept them all, in the request's scope) are dropped,
   and more than ``MAX_HEAD_BYTES`` of them is a 431 and close (h11 holds them within its own
   limit, a 400 past it);
-* ``max_connections`` open at once: one more is closed as soon as it is accepted, with one log
-  line per ``LOG_EVERY_S`` at most (nginx's ``worker_connections``);
+* ``max_connections`` open at once: past them, ``PROBE_RESERVE`` more are accepted for probes only
+  (their request line must be a ``GET``/``HEAD`` of ``/health``, ``/ready`` or ``/metrics``,
+  within ``PROBE_HEAD_TIMEOUT_S``; one request each, then close), so idle sockets at the cap do not
+  fail a healthy server's liveness probe; any other request there, and one more connection past
+  the reserve as soon as it is accepted, is closed, with one log line per ``LOG_EVERY_S`` at most
+  (nginx's ``worker_connections``);
 * ``send_timeout``: once a response fills the socket's buffers (the transport pauses writing), the
   client must take enough of it for writing to resume within this many seconds, else the
   connection is aborted (nginx's ``send_timeout``). A client that never reads otherwise held its
@@ -59,15 +63,21 @@ except ImportError:
 
 from .config import MAX_HEAD_BYTES, ServeConfig
 from .errors import ANSWERED_BY_PROTOCOL, error_bytes, error_for
-from .gate import _endpoint
+from .gate import LOG_EVERY_S, OPEN_PATHS, _endpoint, _RateLimited  # noqa: F401 (LOG_EVERY_S: front.py's)
 
 log = logging.getLogger("acarerank.server")
 
-LOG_EVERY_S = 10.0               # at most one "connection cap reached" line per this many seconds
 HEAD_GRACE_S = 0.1               # a head timer that fires gets this long for bytes already received
 #: a head's first bytes kept to read its path from: a target whose path decodes to an API path
 #: ("/rerank", at most 3 bytes a character percent-encoded) is whole well within them
 HEAD_START_BYTES = 256
+#: connections past --max-connections accepted for one probe each (GET /health, /ready, /metrics):
+#: idle sockets holding the cap failed every probe until --header-timeout closed them, and a
+#: liveness probe restarted a healthy server (docs/serving.md, "What to probe")
+PROBE_RESERVE = 8
+#: seconds a probe-only connection's request line may take (a probe sends it as it connects): the
+#: reserve's sockets, held idle, come free this soon
+PROBE_HEAD_TIMEOUT_S = 2.0
 #: where a head ends (h11's own blank-line pattern)
 _HEAD_END = re.compile(b"\n\r?\n")
 
@@ -97,22 +107,6 @@ def _raw_error(status: int, reason: str, message: str, path: Optional[str] = Non
         json.dumps(error_for({"path": path}, status, message)).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"connection: close\r\n\r\n").encode() + body
-
-
-class _RateLimited:
-    """One log line per ``every`` seconds, with the count of events since the last line."""
-
-    def __init__(self, every: float = LOG_EVERY_S):
-        self.every = every
-        self.last = -float("inf")
-        self.count = 0
-
-    def __call__(self, message: str) -> None:
-        self.count += 1
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            log.warning("%s (%d since the last such line)", message, self.count)
-            self.last, self.count = now, 0
 
 
 def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
@@ -158,16 +152,41 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
         _completed_in_read = False   # httptools: a request ended in the read being parsed
         _keepalive_grace = False
         _send_timer = None
+        _probe_wait = None     # past --max-connections: the request line's bytes so far (None: judged, or not one)
+        _probe_only = False    # past --max-connections: one probe, then close
+        _deferred_400 = None   # (message, head start) of a malformed request behind responses still due
 
         def connection_made(self, transport):
-            if len(self.server_state.connections) >= config.max_connections:
+            open_now = len(self.server_state.connections)
+            if open_now >= config.max_connections + PROBE_RESERVE:
                 self._refused = True
                 refused_log(f"{config.max_connections} connections open (--max-connections): closing new ones")
                 transport.abort()
                 _count_close("max_connections")
                 return
+            if open_now >= config.max_connections:
+                self._probe_only, self._probe_wait = True, b""
             super().connection_made(transport)
             self._arm_head_timer()
+
+        def _judge_probe(self, data: bytes) -> Optional[bytes]:
+            """A connection past --max-connections: ``data`` and the bytes before it once they hold a
+            whole request line that is a probe (``GET``/``HEAD`` of an ``OPEN_PATHS`` path), to be
+            parsed; None while the line is not whole, or when it is no probe (then closed, counted)."""
+            data = self._probe_wait + data
+            line = data.lstrip(b"\r\n")[:HEAD_START_BYTES]
+            if b"\n" not in line and len(line) < HEAD_START_BYTES:
+                self._probe_wait = data
+                return None
+            self._probe_wait = None
+            if line.split(b" ", 1)[0] in (b"GET", b"HEAD") and _request_path(line, absolute_form) in OPEN_PATHS:
+                return data
+            refused_log(f"{config.max_connections} connections open (--max-connections): closing new ones "
+                        f"but probes")
+            self._cancel_head_timer()
+            self.transport.abort()
+            _count_close("max_connections")
+            return None
 
         def connection_lost(self, exc):
             if self._refused:
@@ -198,6 +217,12 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             _count_close("send_timeout")
 
         def data_received(self, data: bytes) -> None:
+            if self._deferred_400 is not None:   # the parser failed: only the 400 is left to send
+                return
+            if self._probe_wait is not None:
+                data = self._judge_probe(data)
+                if data is None:
+                    return
             if self._head_timer is None or len(data) <= head_piece:
                 self._receive(data)
                 return
@@ -207,7 +232,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             # a head still arriving is judged here after each one, while under h11's limit.
             for start in range(0, len(data), head_piece):
                 self._receive(data[start:start + head_piece])
-                if self.transport.is_closing():
+                if self.transport.is_closing() or self._deferred_400 is not None:
                     return
                 if self._head_timer is None:   # the head arrived: the rest is its body (or the next request)
                     if start + head_piece < len(data):
@@ -343,6 +368,14 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
 
         def on_response_complete(self) -> None:
             self._keepalive_grace = False
+            if self._deferred_400 is not None and not self.transport.is_closing():
+                if getattr(self, "pipeline", None):   # httptools: more whole requests to answer first
+                    super().on_response_complete()
+                    self.flow.pause_reading()   # uvicorn resumed it: the parser has failed, read no more
+                    return
+                self._write_400(*self._deferred_400)   # closing: uvicorn's own returns at once
+            if self._probe_only:   # one probe past --max-connections: its socket comes free now
+                self.transport.close()   # before uvicorn's (it returns at a closing transport)
             if not self.transport.is_closing():
                 self._judge_pipelined_head()   # before h11 parses it (super): its own limit is a 400
             super().on_response_complete()
@@ -399,11 +432,27 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
                 # in a request's body: the gate, reading it, counts that request (as this 400 unless
                 # it has answered it already: counted once); else a head the gate never saw
                 cycle.scope[ANSWERED_BY_PROTOCOL] = 400
+                start = None
             else:
                 # the head's first bytes name its path only while that head is the one awaited: a
                 # malformed request pipelined behind a whole one is not the whole one's
-                self._count(400, self._head_start if self.cycle is self._head_for else b"")
+                start = self._head_start if self.cycle is self._head_for else b""
             self._cancel_head_timer()
+            if cycle is not None and not cycle.more_body and not cycle.response_complete:
+                # pipelined behind whole requests still being answered (httptools parses ahead): the
+                # 400 written now took the place of their answers, counted as sent. It goes after
+                # them, nothing more read meanwhile, as h11 (which parses a request only after the
+                # previous response) answers it (on_response_complete)
+                self._deferred_400 = (msg, start)
+                self.flow.pause_reading()
+                return
+            self._write_400(msg, start)
+
+        def _write_400(self, msg: str, start: Optional[bytes]) -> None:
+            """The 400 of a malformed request, counted (``start``: its head's first bytes, None: the
+            gate counts it), and close."""
+            if start is not None:
+                self._count(400, start)
             self.transport.write(_raw_error(400, "Bad Request", f"malformed HTTP request: {msg} (e.g. bad syntax, "
                                                                 "a duplicate Content-Length, headers over "
                                                                 f"{MAX_HEAD_BYTES} bytes)"))
@@ -439,7 +488,9 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
                 self._head_start = pending[:HEAD_START_BYTES]
             self._head_t0 = time.perf_counter() if self._head_bytes else None
             self._head_grace = False
-            self._head_timer = self.loop.call_later(config.header_timeout, self._head_timed_out)
+            self._head_timeout = min(config.header_timeout, PROBE_HEAD_TIMEOUT_S) if self._probe_only else \
+                config.header_timeout
+            self._head_timer = self.loop.call_later(self._head_timeout, self._head_timed_out)
 
         def _cancel_head_timer(self) -> None:
             if self._head_timer is not None:
@@ -460,7 +511,8 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             if self._head_bytes:   # part of a head arrived: say why (nginx answers 408 too)
                 self._count(408, self._head_start)
                 self.transport.write(_raw_error(408, "Request Timeout", f"request headers not received within "
-                                                f"{config.header_timeout:g} s (--header-timeout)"))
+                                                f"{self._head_timeout:g} s (--header-timeout"
+                                                + (", a probe past --max-connections)" if self._probe_only else ")")))
             self.transport.close()
 
     return HTTPProtocolWithLimits

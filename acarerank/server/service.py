@@ -135,7 +135,8 @@ class RerankService:
         self.max_queue = max_queue
         self.max_queue_tokens = max_queue_tokens
         self.max_documents = max_documents
-        self.metrics = ServerMetrics(reranker.cache_stats)
+        self.metrics = ServerMetrics(reranker.cache_stats,
+                                     select_cache_stats=None if setwise is None else setwise.cache_stats)
         # the engine drives the reranker's step API (acquire_prefix / score_segments / release_prefix);
         # this service calls its encode (thread-safe) from the tokenizer pool
         # the running requests pin their shared parts outside what the prefix cache may evict

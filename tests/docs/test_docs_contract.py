@@ -299,8 +299,8 @@ def served_metrics() -> dict:
         if name is None:
             continue
         out[name + ("_total" if metric._type == "counter" else "")] = set(metric._labelnames)
-    out.update({f"acarerank_prefix_cache_{n}_tokens_total": set() for n in CACHE_COUNTERS})
-    out.update({f"acarerank_prefix_cache_{n}_tokens": set() for n in CACHE_GAUGES})
+    out.update({f"acarerank_prefix_cache_{n}_tokens_total": {"cache"} for n in CACHE_COUNTERS})
+    out.update({f"acarerank_prefix_cache_{n}_tokens": {"cache"} for n in CACHE_GAUGES})
     return out
 
 
@@ -384,6 +384,27 @@ def test_engine_failure_stages_in_serving_md_are_the_ones_counted():
     counted = set(re.findall(r'_fault\("(\w+)"', source))
     counted |= set(re.findall(r'engine_failures\.labels\("(\w+)"\)', source))
     assert documented == counted, f"serving.md lists {sorted(documented)}, the server counts {sorted(counted)}"
+
+
+def test_the_kubernetes_example_covers_the_load_with_a_startup_probe():
+    """``acarerank serve`` listens only after the load and the warm-up (``run_server`` binds after
+    the service started), so no probe is answered meanwhile: the example's probes must leave the
+    load to a ``startupProbe`` longer than the liveness probe's budget (a load past
+    periodSeconds x failureThreshold = 30 s was killed before it listened, again and again), and
+    "What to probe" must not promise a 503 while ``acarerank serve`` loads."""
+    text = SERVING.read_text()
+    section = text[text.index("### What to probe"):text.index("## Past one machine")]
+    probes = {}
+    for kind, fields in re.findall(r"^\s*(\w+Probe):\s*\{(.*)\}", section, flags=re.M):
+        nums = dict((k, int(v)) for k, v in re.findall(r"(periodSeconds|failureThreshold):\s*(\d+)", fields))
+        # Kubernetes' defaults: periodSeconds 10, failureThreshold 3
+        probes[kind] = nums.get("periodSeconds", 10) * nums.get("failureThreshold", 3)
+    assert "livenessProbe" in probes, f"no livenessProbe in the example: {sorted(probes)}"
+    assert probes.get("startupProbe", 0) > probes["livenessProbe"], \
+        f"the example's probes (seconds each allows before a restart): {probes}; the load needs a startupProbe"
+    assert "refuses connections" in section, "What to probe does not say the port refuses connections during the load"
+    ready = next(line for line in section.splitlines() if line.startswith("| readiness"))
+    assert not re.search(r"\|\s*loading,", ready), f"the /ready row promises a 503 while loading: {ready}"
 
 
 def test_every_engine_failure_stage_is_served_at_0_before_any_failure():

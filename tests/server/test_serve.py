@@ -382,9 +382,9 @@ def test_metrics_parse_and_move(servers):
     assert moved("acarerank_documents_scored_total") == 3
     assert moved("acarerank_queue_time_seconds_count") == 1
     assert moved("acarerank_batch_tokens_count") >= 1 and moved("acarerank_batch_tokens_sum") > 0
-    computed = moved("acarerank_prefix_cache_computed_tokens_total")
+    computed = moved("acarerank_prefix_cache_computed_tokens_total", (("cache", "rerank"),))
     assert 0 < computed < shared, (computed, shared)  # the shared part, once
-    assert moved("acarerank_prefix_cache_lookup_tokens_total") >= computed
+    assert moved("acarerank_prefix_cache_lookup_tokens_total", (("cache", "rerank"),)) >= computed
     busy = {k: moved("acarerank_model_seconds_total", (("kind", k),)) for k in ("prefill", "pass")}
     latency = moved("acarerank_request_duration_seconds_sum", (("endpoint", "/v1/rerank"),))
     assert all(v > 0 for v in busy.values()) and sum(busy.values()) <= latency, (busy, latency)
@@ -393,7 +393,8 @@ def test_metrics_parse_and_move(servers):
 
 def test_a_cache_whose_figures_fail_leaves_only_its_series_out(servers, monkeypatch, caplog):
     """The prefix cache's stats raise: /metrics still answers 200 with every other series
-    (acarerank_engine_failures_total among them), without the prefix-cache series, logged once
+    (acarerank_engine_failures_total and the select cache's among them), without the rerank
+    prefix-cache series, logged once
     over two scrapes; the series come back once the figures can be read. The failure was a 500 for
     the whole scrape (docs/serving.md, "Metrics")."""
     base, rr = servers["base"], servers["main"].reranker   # the served one (servers["rr"]: the reference)
@@ -405,11 +406,12 @@ def test_a_cache_whose_figures_fail_leaves_only_its_series_out(servers, monkeypa
         for _ in range(2):
             r = httpx.get(base + "/metrics", timeout=10)
             assert r.status_code == 200, r.text[:300]
-            assert "acarerank_engine_failures_total" in r.text and "acarerank_prefix_cache" not in r.text, r.text
+            assert "acarerank_engine_failures_total" in r.text and 'cache="rerank"' not in r.text, r.text
+            assert 'acarerank_prefix_cache_lookup_tokens_total{cache="select"}' in r.text, r.text
     lines = [rec.getMessage() for rec in caplog.records if "cache_stats() failed" in rec.getMessage()]
     assert len(lines) == 1 and "prefix cache stats broke" in lines[0], lines
     monkeypatch.undo()
-    assert ("acarerank_prefix_cache_lookup_tokens_total", ()) in metrics(base)
+    assert ("acarerank_prefix_cache_lookup_tokens_total", (("cache", "rerank"),)) in metrics(base)
 
 
 def test_a_scrape_does_not_wait_for_a_held_cache_lock(servers):
@@ -452,7 +454,7 @@ def test_a_read_slower_than_the_wait_is_served_by_the_next_scrape():
         assert let_end.acquire(timeout=30), "test never let the read end"
         return {"lookup_tokens": 100 * n, "resident_tokens": 16 * n}
 
-    collector = _CacheCollector(slow_stats, wait_s=0.05)
+    collector = _CacheCollector({"rerank": slow_stats}, wait_s=0.05)
 
     def scrape():
         return {fam.name: fam.samples[0].value for fam in collector.collect()}
@@ -465,7 +467,7 @@ def test_a_read_slower_than_the_wait_is_served_by_the_next_scrape():
                            figures.get("acarerank_prefix_cache_resident_tokens")))
             let_end.release()   # the read this scrape started ends before the next scrape
             deadline = time.monotonic() + 30
-            while not collector._reading.done() and time.monotonic() < deadline:
+            while not collector.readers[0]._reading.done() and time.monotonic() < deadline:
                 time.sleep(0.01)
     finally:
         let_end.release(10)   # no read thread is left waiting
@@ -528,7 +530,8 @@ def test_prefix_cache_hits_within_a_salt_only(servers):
     assert call("second sub-query", "tenant-x") > 0
     assert call("second sub-query", "tenant-y") == 0
     after = metrics(base)
-    assert after[("acarerank_prefix_cache_hit_tokens_total", ())] > before[("acarerank_prefix_cache_hit_tokens_total", ())]
+    hits = ("acarerank_prefix_cache_hit_tokens_total", (("cache", "rerank"),))
+    assert after[hits] > before[hits]
 
 
 def test_select_prefix_cache_hits_within_a_salt_only(servers):
@@ -554,6 +557,28 @@ def test_select_prefix_cache_hits_within_a_salt_only(servers):
     assert call("select-tenant-y") == 0
     with httpx.Client(base_url=base, headers=AUTH, timeout=60) as c:
         expect_error(c.post("/v1/select", json=dict(query="q", documents=["d"], cache_salt=5)), 422, ["cache_salt"])
+
+
+def test_select_prefix_cache_is_in_metrics(servers):
+    """/v1/select's prefix cache (its own, sized by the same --cache-budget: docs/serving.md,
+    "Metrics") is exported beside the rerank one, labelled cache="select", with the figures its
+    cache_stats() reports. It was not exported: KV memory could be twice what /metrics showed."""
+    base, main = servers["base"], servers["main"]
+    body = dict(query="which passage is about metrics?", documents=["metrics", "bread", "rivers"], max_select=1)
+    for _ in range(2):   # the second one hits
+        r = httpx.post(base + "/v1/select", headers=AUTH, timeout=60, json=body)
+        assert r.status_code == 200, r.text
+    got = metrics(base)
+    want = main.setwise.cache_stats()   # no select runs between the scrape and this read
+    for name in ("lookup", "hit", "computed", "evicted"):
+        key = (f"acarerank_prefix_cache_{name}_tokens_total", (("cache", "select"),))
+        assert got.get(key) == want[f"{name}_tokens"], f"{key}: /metrics {got.get(key)}, cache_stats {want}"
+    for name in ("resident", "budget"):
+        key = (f"acarerank_prefix_cache_{name}_tokens", (("cache", "select"),))
+        assert got.get(key) == want[f"{name}_tokens"], f"{key}: /metrics {got.get(key)}, cache_stats {want}"
+    assert want["hit_tokens"] > 0 and want["resident_tokens"] > 0, want
+    rerank = main.reranker.cache_stats()["budget_tokens"]
+    assert got[("acarerank_prefix_cache_budget_tokens", (("cache", "rerank"),))] == rerank
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/rerank", "/v1/select"])

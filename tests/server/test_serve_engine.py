@@ -179,6 +179,49 @@ def test_queue_gauges_leave_the_canary_out():
     assert eng.depth() == (1, 0), eng.depth()
 
 
+def test_request_gauges_and_pass_sizes_count_requests_not_jobs():
+    """The groups of one N-to-N ``/score`` request (jobs sharing one ``QueueClock``) are one request
+    in ``acarerank_queue_size``, ``acarerank_requests_running`` and ``acarerank_batch_requests``
+    (docs/serving.md, "Metrics": it is admitted as one request), and the canary's pass (the warm-up)
+    is in no pass metric. One 300-query request read up to 32 running, 29-32 queued, and passes
+    "shared by" 32 requests; a fresh server showed the warm-up's pass."""
+    from acarerank.server.engine import QueueClock
+    from acarerank.server.metrics import ServerMetrics
+
+    def sample(name):
+        return metrics.registry.get_sample_value(name)
+
+    steps = FakeSteps()
+    metrics = ServerMetrics()
+    eng = Engine(steps, max_batch_tokens=100, max_running=8, metrics=metrics).start()
+    try:
+        eng.submit(enc(9, [1]), rid="warm-up", canary=True).future.result(30)
+        assert sample("acarerank_batch_requests_count") == 0 and sample("acarerank_batch_tokens_count") == 0, \
+            ("the warm-up's pass was counted: batch_requests count "
+             f"{sample('acarerank_batch_requests_count')}, batch_tokens count {sample('acarerank_batch_tokens_count')}")
+        steps.gate.clear()
+        clock = QueueClock(since=0.0)
+        groups = [eng.submit(enc(1 + i, [1, 1]), clock=clock) for i in range(6)]   # one request's groups
+        for _ in range(3000):  # until the first pass (all six groups: within max_running) waits at the gate
+            if len(steps.pinned) == 6:
+                break
+            threading.Event().wait(0.01)
+        assert len(steps.pinned) == 6, f"{len(steps.pinned)} groups pinned, want 6"
+        other = eng.submit(enc(20, [1]))   # a second request, arriving during the held pass
+        got = (sample("acarerank_queue_size"), sample("acarerank_requests_running"))
+        assert got == (1, 1), f"(waiting, running) with one 6-group request running and one queued: {got}, want (1, 1)"
+        steps.gate.set()
+        for job in [*groups, other]:
+            job.future.result(30)
+        n = sample("acarerank_batch_requests_count")
+        over = n - metrics.registry.get_sample_value("acarerank_batch_requests_bucket", {"le": "2.0"})
+        assert n >= 1 and over == 0, f"{over:g} of {n:g} passes shared by more than the 2 requests there are"
+    finally:
+        steps.gate.set()
+        eng.stop(5)
+    assert not steps.pinned
+
+
 class ThreadRecordingSteps(FakeSteps):
     """FakeSteps that records which thread runs each model call."""
 

@@ -554,7 +554,7 @@ def test_the_fronts_metrics_are_its_own_and_each_replicas():
                for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert samples[("acarerank_documents_scored_total", (("replica", "r1"),))] == 5, text
     assert samples[("acarerank_documents_scored_total", (("replica", "r2"),))] == 7, text
-    assert samples[("acarerank_prefix_cache_hit_tokens_total", (("replica", "r2"),))] == 3, text
+    assert samples[("acarerank_prefix_cache_hit_tokens_total", (("cache", "rerank"), ("replica", "r2")))] == 3, text
     assert samples[("acarerank_errors_total", (("code", "422"),))] == 1, text
     unlabeled = {name for name, labels in samples if name.startswith("acarerank_") and "replica" not in dict(labels)}
     assert {n.rsplit("_", 1)[0] for n in unlabeled} <= {"acarerank_request_duration_seconds", "acarerank_requests",
