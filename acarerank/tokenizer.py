@@ -31,9 +31,11 @@ Heads of long texts (``TextEncoder.user_heads``; docs/ARCHITECTURE.md, "A served
 caller that keeps at most ``n`` tokens of a text tokenizes only a prefix of it, cut where the
 tokenization provably splits. For Qwen3's pipeline (NFC, then the pre-tokenizer regex, then
 byte-level BPE inside each pre-token) a position ``p`` is such a split when it has a letter
-before it and a *stop* character at it (ASCII whitespace; in "escape" mode also ASCII
-punctuation and digits and CJK / full-width punctuation), or an ASCII digit before it and a
-stop, a letter or a digit at it:
+(Latin, Greek, Cyrillic, kana, CJK, Hangul, Armenian, Hebrew, Arabic, the Indic scripts from
+Devanagari to Sinhala, Thai, Lao, Georgian, Ethiopic, Khmer; ``_head_cut_classes``) before it and
+a *stop* character at it (ASCII whitespace and CJK / full-width punctuation; in "escape" mode also
+ASCII punctuation and digits), or an ASCII digit before it and a stop, a letter or a digit at it.
+A word ending in a vowel sign or virama (``"नमस्ते"``: marks are not letters) has no split after it:
 
 * NFC: the character at ``p`` is a starter (combining class 0) that is its own normal form and
   the second character of no canonical composition, so nothing composes across ``p`` and
@@ -44,8 +46,9 @@ stop, a letter or a digit at it:
   ends at ``p`` whatever precedes it; the regex has no look-behind, and the matches before
   ``p`` read nothing at or after ``p`` but the character at ``p``, which ends them both in the
   text and at the end of the prefix;
-* added tokens: in "escape" mode none is matched; in "parse" mode the stop set is whitespace,
-  which no added-token string contains, and none contains a digit, so no match straddles ``p``;
+* added tokens: in "escape" mode none is matched; in "parse" mode no added-token string holds a
+  stop or a digit (Qwen3's are ASCII without whitespace or digits; a tokenizer with such a token
+  is not cut in "parse" mode), so no match straddles ``p``;
 * BPE merges never cross a pre-token boundary.
 
 So ``tokens(text[:p])`` is exactly the first ``len(tokens(text[:p]))`` tokens of ``tokens(text)``.
@@ -55,8 +58,8 @@ times ``n`` (+25 %), at least doubling, so English (~4 characters a token) takes
 a dense text one; a first guess of ``6n`` characters tokenized 6n tokens of a dense text to keep n
 (a Qwen3 token decodes to at most ``QWEN3_MAX_TOKEN_CHARS`` characters, so
 the reach stays within ~``2 × 128 n`` characters plus the distance to the next split point); a
-text with no split point beyond the first guess (one huge word, whitespace or punctuation run)
-is tokenized whole, as before. Another tokenizer
+text with no split point beyond the first guess (one huge word, whitespace or punctuation run,
+a script outside the letters above) is tokenized whole, as before. Another tokenizer
 (any other normalizer or pre-tokenizer) is always tokenized whole.
 """
 from __future__ import annotations
@@ -95,6 +98,15 @@ PIECE_CHARS = 1 << 18
 #: Qwen3's normalizer and pre-tokenizer: the pipeline the head cut is proved for (module docstring)
 _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+#: letters of the head cut beyond Latin, Greek, Cyrillic, kana, CJK and Hangul (``_head_cut_classes``):
+#: Armenian, Hebrew, Arabic, Devanagari to Malayalam and Sinhala, Thai and Lao, Georgian, Ethiopic, Khmer
+_MORE_LETTERS = [(0x531, 0x587), (0x5D0, 0x5F2), (0x620, 0x6FF), (0x900, 0xDFF), (0xE01, 0xEFF), (0x10A0, 0x10FF),
+                 (0x1200, 0x137F), (0x1780, 0x17DD)]
+#: CJK and full-width punctuation: stops in both modes (no Qwen3 added token holds one)
+_CJK_STOPS = [(0x3000, 0x303F), (0xFF01, 0xFF65)]
+#: a superset of the parse-mode stops and the digits: an added token holding one of them could be
+#: matched across a cut in "parse" mode, so a tokenizer with such a token is never cut there
+_PARSE_UNSAFE = re.compile("[\t\n\x0b\x0c\r 0-9\u3000-\u303f\uff01-\uff65]")
 _QWEN2_NORMALIZER = {"type": "NFC"}
 _QWEN2_PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
     {"type": "Split", "pattern": {"Regex": _QWEN2_REGEX}, "behavior": "Isolated", "invert": False},
@@ -111,9 +123,13 @@ def _composition_seconds() -> frozenset:
     return frozenset(out)
 
 
-def _char_class(ranges, keep) -> str:
-    """A regex character class of the characters of ``ranges`` (inclusive code point pairs) that ``keep``."""
-    chars = [chr(u) for lo, hi in ranges for u in range(lo, hi + 1) if keep(chr(u))]
+def _chars(ranges, keep) -> List[str]:
+    """The characters of ``ranges`` (inclusive code point pairs) that ``keep``."""
+    return [chr(u) for lo, hi in ranges for u in range(lo, hi + 1) if keep(chr(u))]
+
+
+def _char_class(chars) -> str:
+    """A regex character class of ``chars``."""
     return "[" + "".join(re.escape(c) for c in chars) + "]"
 
 
@@ -121,23 +137,28 @@ def _char_class(ranges, keep) -> str:
 def _head_cut_classes(special_tokens: str) -> Tuple[str, str]:
     """(letters, stops) as regex character classes, the characters the cut rule allows.
 
-    Letters: Latin, Greek, Cyrillic, kana, CJK ideographs and Hangul syllables that are their own
-    NFC form with combining class 0 and no composition's second character (old blocks: Python's
-    and the tokenizer's Unicode agree on them). Stops: ASCII whitespace; in "escape" mode also
-    every other ASCII non-letter and the CJK and full-width punctuation, each its own NFC form,
-    class 0, and no composition's second character.
+    Letters: Latin, Greek, Cyrillic, kana, CJK ideographs and Hangul syllables, and the letters of
+    ``_MORE_LETTERS`` that Unicode 3.2 had already, that are their own NFC form with combining class 0
+    and no composition's second character (old blocks: Python's and the tokenizer's Unicode agree
+    on them). Stops: ASCII whitespace and the CJK and full-width punctuation; in "escape" mode also
+    every other ASCII non-letter; each its own NFC form, class 0, and no composition's second
+    character.
     """
     seconds = _composition_seconds()
 
     def stable(c):
         return unicodedata.combining(c) == 0 and unicodedata.is_normalized("NFC", c) and c not in seconds
 
-    letters = _char_class([(0x41, 0x5A), (0x61, 0x7A), (0xC0, 0x24F), (0x370, 0x4FF), (0x3041, 0x30FF),
-                           (0x4E00, 0x9FFF), (0xAC00, 0xD7A3)], lambda c: c.isalpha() and stable(c))
-    if special_tokens == "parse":
-        return letters, "[ \t\n\r\x0b\x0c]"
-    return letters, _char_class([(0x09, 0x0D), (0x20, 0x7E), (0x3000, 0x303F), (0xFF01, 0xFF65)],
-                                lambda c: not c.isalpha() and stable(c))
+    letters = _chars([(0x41, 0x5A), (0x61, 0x7A), (0xC0, 0x24F), (0x370, 0x4FF), (0x3041, 0x30FF),
+                      (0x4E00, 0x9FFF), (0xAC00, 0xD7A3)], lambda c: c.isalpha() and stable(c))
+    # the other scripts' letters only where Unicode 3.2 had them as letters too, so a Python whose
+    # Unicode is newer than the tokenizer regex's adds no letter that regex may not know
+    letters += _chars(_MORE_LETTERS, lambda c: c.isalpha() and stable(c) and
+                      unicodedata.ucd_3_2_0.category(c).startswith("L"))
+    ascii_stops = [" ", "\t", "\n", "\r", "\x0b", "\x0c"] if special_tokens == "parse" else \
+        _chars([(0x09, 0x0D), (0x20, 0x7E)], lambda c: not c.isalpha() and stable(c))
+    stops = ascii_stops + _chars(_CJK_STOPS, lambda c: not c.isalpha() and stable(c))
+    return _char_class(letters), _char_class(stops)
 
 
 @functools.lru_cache(maxsize=2)
@@ -233,7 +254,9 @@ class TextEncoder:
         self._cuttable = (not any(t.lstrip or t.rstrip or t.single_word for t in added.values())
                           and _state(backend.normalizer) == _QWEN2_NORMALIZER
                           and _state(backend.pre_tokenizer, drop="trim_offsets") == _QWEN2_PRE_TOKENIZER
-                          and type(backend.model).__name__ == "BPE")
+                          and type(backend.model).__name__ == "BPE"
+                          and (special_tokens == "escape" or not any(_PARSE_UNSAFE.search(t.content)
+                                                                     for t in added.values())))
 
     # -- construction ---------------------------------------------------------------------
     _cache = weakref.WeakKeyDictionary()

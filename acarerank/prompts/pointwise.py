@@ -427,7 +427,9 @@ def _over_alone(enc, text: Optional[str], budget: int) -> bool:
 
     if text is None or len(text) <= (budget + 1) * HEAD_CHARS_PER_TOKEN:
         return False
-    return not enc.user_heads([text], budget + 1)[0][2]
+    ids, _, complete = enc.user_heads([text], budget + 1)[0]
+    # a text with no split point comes back whole ("complete") however long it is
+    return not complete or len(ids) > budget
 
 
 def _check_never_cut_heads(enc, f: _Fields, n_prefix: int, n_suffix: int, budget: int) -> None:

@@ -18,7 +18,9 @@ PIECES = ["supercalifragilisticexpialidocious" * 3, "1234567890" * 50, "3" * 200
           "\n", "\r\n", "\n\n\n", " " * 40, "12345678901234567890", "3.14159", "😀🚀", "👩‍👩‍👧", "<|im_end|>",
           "</think>", "<think>", "<|endoftext|>", "don't", "we'll", "it's", "'S", "e\u0301", "\u1100\u1161\u11a8",
           "한국어", "Ωμέγα", "Кириллица", "ｆｕｌｌ！", "？", "--", "----------", "====", "a", "b", "x" * 300,
-          "/*********/", "café", "naïve", "#", "$", "(", ")", ".", ",", ";", ":", "!", "?", "-", "'", '"', "\u3000"]
+          "/*********/", "café", "naïve", "#", "$", "(", ")", ".", ",", ";", ":", "!", "?", "-", "'", '"', "\u3000",
+          "שָׁלוֹם", "ספר", "مرحبا", "كتابٌ", "،", "नमस्ते", "किताब", "।", "สวัสดี", "โลก", "Բարեւ", "ქართული", "ሰላም",
+          "ខ្មែរ", "ਪੰਜਾਬੀ", "বাংলা", "தமிழ்"]
 
 
 def awkward_text(seed: int, pieces: int) -> str:
@@ -142,30 +144,37 @@ def _huge(chars: int) -> str:
 
 
 class _CountingBackend:
-    """The encoder's tokenizers backend, counting the characters handed to it (the work done)."""
+    """The encoder's tokenizers backend, counting the characters handed to it (the work done) and
+    the longest text handed to it at once (what one encoding holds)."""
 
     def __init__(self, backend):
-        self._backend, self.chars = backend, 0
+        self._backend, self.chars, self.longest = backend, 0, 0
 
     def encode(self, text, **kw):
         self.chars += len(text)
+        self.longest = max(self.longest, len(text))
         return self._backend.encode(text, **kw)
 
     def encode_batch(self, texts, **kw):
         self.chars += sum(map(len, texts))
+        self.longest = max([self.longest] + [len(t) for t in texts])
         return self._backend.encode_batch(texts, **kw)
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """The default encoder with its backend counting characters tokenized (restored after)."""
-    enc = TextEncoder.of(None)
+def _counting(monkeypatch, special_tokens="escape"):
+    """The default encoder of that mode with its backend counting characters tokenized (restored after)."""
+    enc = TextEncoder.of(None, special_tokens)
     counter = _CountingBackend(enc._backend)
     monkeypatch.setattr(enc, "_backend", counter)
     return enc, counter
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    return _counting(monkeypatch)
 
 
 # a head is bounded by the cap's tokens, not the text: at most 16 characters per kept token of the
@@ -232,6 +241,90 @@ def test_a_dense_document_costs_its_kept_tokens_not_six_times_them(counted):
     # the heads, then the prompt rendered from them and from the cut documents (module docstring of
     # acarerank.setwise.prompts): about 3.5 heads' worth; the documents whole were 180,000 more
     assert counter.chars <= 4 * 2 * 16001, (counter.chars, sum(map(len, setwise_docs)))
+
+
+# words of scripts beyond Latin, Greek, Cyrillic, kana, CJK and Hangul: a text of them had no split
+# point, so it was tokenized whole (4 M characters of Hindi: 18.8 s and +1.5 GB to keep 8,192 tokens)
+SCRIPT_WORDS = {"arabic": ["مرحبا", "العالم", "كتاب", "في"], "hebrew": ["שלום", "עולם", "ספר"],
+                "hindi": ["नमस्ते", "दुनिया", "किताब"], "thai": ["สวัสดี", "โลก", "หนังสือ"],
+                "armenian": ["Բարեւ", "աշխարհ"], "bengali": ["বাংলা", "বই", "আমার"]}
+
+
+def _script_text(words, sep: str, chars: int, seed: int = 0) -> str:
+    rnd = random.Random(seed)
+    return sep.join(rnd.choice(words) for _ in range(chars // 3))[:chars]
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPT_WORDS) + ["chinese-parse"])
+def test_other_scripts_cost_their_kept_tokens(script, monkeypatch):
+    """A document in Arabic, Hebrew, Hindi, Thai... (and Chinese with its own punctuation in "parse"
+    mode) costs about the tokens it keeps, with the whole tokenization's head."""
+    if script == "chinese-parse":
+        enc, counter = _counting(monkeypatch, "parse")
+        doc = _script_text(["你好世界。", "今天天气很好，", "文档检索"], "", 60_000)
+    else:
+        enc, counter = _counting(monkeypatch)
+        doc = _script_text(SCRIPT_WORDS[script], " ", 60_000)
+    want = enc.user([" " + doc])[0]
+    counter.chars = 0
+    got = encode_pointwise(enc, "q", [doc], max_length=1024)
+    n_keep = len(got.segment_ids[0]) - got.num_suffix_tokens
+    assert got.doc_truncated == [True] and got.segment_ids[0][:n_keep] == want[:n_keep], script
+    assert counter.chars <= 16 * 1024, f"{script}: {counter.chars} characters tokenized to keep {n_keep} tokens"
+
+
+def test_a_long_arabic_trace_is_counted_in_pieces(encoder, monkeypatch):
+    """A trace over its room is counted piece by piece; an Arabic one had no split point and was
+    tokenized whole, three times (4 M characters: 28 s and +1.1 GB). The result is the whole
+    tokenization's."""
+    import acarerank.tokenizer as tk
+
+    monkeypatch.setattr(tk, "PIECE_CHARS", 4096)
+    trace = _script_text(SCRIPT_WORDS["arabic"], " ", 40_000)
+    kw = dict(question="Which tutor?", trace=trace, max_length=2048)
+    want = encode_pointwise(whole(encoder), "q", ["d"], **kw)
+    counter = _CountingBackend(encoder._backend)
+    monkeypatch.setattr(encoder, "_backend", counter)
+    got = encode_pointwise(encoder, "q", ["d"], **kw)
+    assert (got.shared_ids, got.trace_used, got.trace_tokens_dropped) == \
+        (want.shared_ids, want.trace_used, want.trace_tokens_dropped)
+    assert got.trace_tokens_dropped > 0
+    assert counter.longest <= 3 * 4096, f"{counter.longest} characters of a {len(trace)}-character trace at once"
+
+
+def test_a_text_with_no_split_point_over_the_budget_is_over_alone():
+    """``_over_alone``: a text with no split point comes back whole ("complete") from
+    ``user_heads``; over the budget it is over, and is then counted in pieces, never held as ids."""
+    from acarerank.prompts.pointwise import _over_alone
+
+    enc = TextEncoder.of(None)
+    word = "नमस्ते" * 20_000  # one word, no stop: tokenized whole
+    n = enc.user_count(word)
+    assert enc.user_heads([word], 1001)[0][2], "the text has a split point: the test proves nothing"
+    assert n > 1000, n
+    assert _over_alone(enc, word, 1000), f"a {n}-token text was not over a budget of 1,000"
+    assert not _over_alone(enc, word, n)
+
+
+@pytest.mark.parametrize("token", ["hello world", "hello。world", "he11o"])
+def test_an_added_token_holding_a_stop_or_digit_is_never_cut_in_parse_mode(token):
+    """In "parse" mode an added token is matched in the raw text: one holding a stop or a digit
+    could straddle a cut (module docstring of acarerank.tokenizer), so such a tokenizer's texts
+    are tokenized whole there, and the heads keep the whole tokenization's ids."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from acarerank.tokenizer import qwen3_tokenizer_dir
+
+    backend = Tokenizer.from_file(qwen3_tokenizer_dir() + "/tokenizer.json")
+    backend.add_tokens([AddedToken(token, normalized=False)])
+    enc = TextEncoder(backend, "parse")
+    text = " ".join([token] * 3000)
+    ids_all = enc.user([text])[0]
+    assert enc.added_tokens[token] in ids_all
+    for n in (100, 101, 333, 1000):
+        ids = enc.user_heads([text], n)[0][0]
+        assert ids == ids_all[:len(ids)], f"{token!r} n {n}: the head's tokens differ from the whole text's"
+
 
 @pytest.mark.parametrize("seed", range(4))
 def test_pieces_concatenate_to_the_whole_tokenization(encoder, seed):
