@@ -415,11 +415,14 @@ class Soak:
         a = self.args
         self.start()
         # the baseline: after requests of each kind, some at once, so that the pools' threads
-        # (made on demand up to their size: tokenizer, parser) exist already
+        # (made on demand up to their size: tokenizer, parser; the event loop's default executor,
+        # where /metrics renders, made its thread at the idle check's first scrape: 9 threads after
+        # the load, 8 before, though none was made during it) exist already
         def warm(k):
             with httpx.Client(base_url=self.base, timeout=120) as c:
                 c.post("/v1/rerank", json=dict(query=f"q{k}", documents=["a " * 200] * 8))
                 c.post("/v1/select", json=dict(query=f"q{k}", documents=["a", "b"], max_select=1))
+                c.get("/metrics")
         warmers = [threading.Thread(target=warm, args=(k,)) for k in range(a.max_queue)]
         for t in warmers:
             t.start()
