@@ -23,7 +23,7 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   limit, a 400 past it);
 * ``max_connections`` open at once: past them, ``PROBE_RESERVE`` more are accepted for probes only
   (their request line must be a ``GET``/``HEAD`` of ``/health``, ``/ready`` or ``/metrics``,
-  within ``PROBE_HEAD_TIMEOUT_S``; one request each, then close), so idle sockets at the cap do not
+  within ``PROBE_HEAD_TIMEOUT_S`` and ``HEAD_START_BYTES``; one request each, then close), so idle sockets at the cap do not
   fail a healthy server's liveness probe; any other request there, and one more connection past
   the reserve as soon as it is accepted, is closed, with one log line per ``LOG_EVERY_S`` at most
   (nginx's ``worker_connections``);
@@ -172,11 +172,14 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
         def _judge_probe(self, data: bytes) -> Optional[bytes]:
             """A connection past --max-connections: ``data`` and the bytes before it once they hold a
             whole request line that is a probe (``GET``/``HEAD`` of an ``OPEN_PATHS`` path), to be
-            parsed; None while the line is not whole, or when it is no probe (then closed, counted)."""
+            parsed; None while the line is not whole, or when it is no probe (then closed, counted).
+            The line, with any empty lines before it, must be whole within ``HEAD_START_BYTES``: the
+            bound was on the line less its leading CR/LF, so a socket sending only CR/LF was kept,
+            all of it buffered and copied again on each read (quadratic: 32 MiB held the event loop 5 s)."""
             data = self._probe_wait + data
             line = data.lstrip(b"\r\n")[:HEAD_START_BYTES]
-            if b"\n" not in line and len(line) < HEAD_START_BYTES:
-                self._probe_wait = data
+            if b"\n" not in line and len(data) < HEAD_START_BYTES:
+                self._probe_wait = data   # under HEAD_START_BYTES: judged at the latest one read later
                 return None
             self._probe_wait = None
             if line.split(b" ", 1)[0] in (b"GET", b"HEAD") and _request_path(line, absolute_form) in OPEN_PATHS:

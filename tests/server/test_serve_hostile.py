@@ -352,6 +352,40 @@ def test_probes_are_answered_at_the_connection_cap(server):
     wait_until(base + "/health", timeout=HEADER_TIMEOUT + MARGIN)
 
 
+def test_a_probe_connection_sending_only_empty_lines_is_closed_at_once(server):
+    """A connection past --max-connections must send its probe's request line in its first 256 bytes
+    (HEAD_START_BYTES), empty lines before it included (docs/serving.md, "What to probe"). The bound
+    was on the line less its leading CR/LF: a socket sending only CR/LF stayed open until its 2 s
+    ran out, every byte buffered and copied again on each read (8 such sockets held a keep-alive
+    /health 5.3 s). Now it is closed as soon as 256 bytes hold no line, counted as a close at the
+    cap, while a probe after a few empty lines is still answered."""
+    port, base = server["port"], server["base"]
+    assert health_ok(base)
+    counted_before = metrics(base).get(CLOSED_AT_CAP, 0)
+    idle = []
+    try:
+        idle = [connect(port) for _ in range(CAP)]
+        time.sleep(0.2)
+        with connect(port) as s:
+            s.sendall(b"\r\n" * 4 + b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            data, took = read_until_closed(s, 1.0)
+        assert data.startswith(b"HTTP/1.1 200") and took is not None, \
+            f"a probe after empty lines at the cap: {data[:200]!r}, closed after {took}"
+        with connect(port) as s:
+            s.sendall(b"\r\n" * 2048)
+            data, took = read_until_closed(s, 1.0)   # PROBE_HEAD_TIMEOUT_S (2 s) closed it before
+        assert data == b"" and took is not None, \
+            f"4 kB of CR/LF past the cap: {data[:200]!r}, still open after 1 s (closed after {took})"
+        r = httpx.get(base + "/metrics", timeout=1.0)   # a probe: the cap is still held
+        counted = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(r.text) for s in fam.samples}.get(CLOSED_AT_CAP, 0)
+        assert counted - counted_before == 1, f"{counted - counted_before} closes at the cap counted, want 1"
+    finally:
+        for s in idle:
+            s.close()
+    wait_until(base + "/health", timeout=HEADER_TIMEOUT + MARGIN)
+
+
 # -- errors: always the JSON shape -----------------------------------------------------------------------
 def test_every_error_is_json(server):
     port = server["port"]
