@@ -386,6 +386,33 @@ def test_a_probe_connection_sending_only_empty_lines_is_closed_at_once(server):
     wait_until(base + "/health", timeout=HEADER_TIMEOUT + MARGIN)
 
 
+def test_probes_answer_head_as_get(server):
+    """docs/serving.md, "What to probe": a connection past --max-connections is kept for a GET or HEAD
+    of /health, /ready or /metrics, but the app answered HEAD 405 (at the cap too): a HEAD is now
+    the GET's status and headers without its body."""
+    port, base = server["port"], server["base"]
+    for path in ("/health", "/ready", "/metrics"):
+        got, head = httpx.get(base + path, timeout=10), httpx.head(base + path, timeout=10)
+        assert (head.status_code, head.headers.get("content-type"), head.content) == \
+            (got.status_code, got.headers.get("content-type"), b""), \
+            f"HEAD {path}: {head.status_code} {head.headers.get('content-type')} {head.content[:100]!r}, " \
+            f"GET: {got.status_code} {got.headers.get('content-type')}"
+    idle = []
+    try:
+        idle = [connect(port) for _ in range(CAP)]
+        time.sleep(0.2)
+        with connect(port) as s:
+            s.sendall(b"HEAD /ready HTTP/1.1\r\nHost: t\r\n\r\n")
+            data, took = read_until_closed(s, 1.0)
+        status, headers, body = parse_response(data) if data else (None, {}, b"")
+        assert (status, body, took is not None) == (200, b"", True), \
+            f"HEAD /ready at the cap: {data[:200]!r}, closed after {took}"
+    finally:
+        for s in idle:
+            s.close()
+    wait_until(base + "/health", timeout=HEADER_TIMEOUT + MARGIN)
+
+
 # -- errors: always the JSON shape -----------------------------------------------------------------------
 def test_every_error_is_json(server):
     port = server["port"]
