@@ -720,6 +720,39 @@ def test_a_malformed_request_pipelined_behind_whole_ones_is_answered_after_them(
 
 
 @pytest.mark.parametrize("protocol", ["httptools", "h11"])
+def test_a_malformed_body_pipelined_behind_whole_requests_is_answered_after_them(request, protocol):
+    """As the test above, a request whose chunked body is malformed (chunk size "ZZ") in place of
+    the malformed head: on httptools the 400 of that body was written at once (the client's only
+    answer), the /health it never got counted and the 400 not; h11 answered [200, 400] and counted
+    them. Now both: each whole request's answer, then the 400, counted on the route it was sent to."""
+    server = request.getfixturevalue("server" if protocol == "httptools" else "h11_server")
+    base, port = server["base"], server["port"]
+    health = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+    bad_body = request_head(extra="Transfer-Encoding: chunked\r\n") + b"ZZ\r\n{}\r\n0\r\n\r\n"
+    for whole in ([health], [health, health]):
+        before = _counted(base)
+        with connect(port) as s:
+            s.sendall(b"".join(whole) + bad_body)
+            raw, closed = read_until_closed(s, 10)
+        statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)]
+        assert closed is not None and statuses == [200] * len(whole) + [400], \
+            f"{len(whole)} x /health + a malformed body: answers {statuses}: {raw[:300]!r}"
+        expect_json_error(raw[raw.index(b"HTTP/1.1 400"):], 400, ["malformed"])
+        want = {("acarerank_requests_total", (("code", "200"), ("endpoint", "/health"))): len(whole),
+                ("acarerank_requests_total", (("code", "400"), ("endpoint", "/v1/rerank"))): 1,
+                ("acarerank_errors_total", (("code", "400"),)): 1}
+        deadline = time.monotonic() + 5   # the gate counts a request in the body once its task ends
+        while True:
+            after = _counted(base)
+            moved = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)
+                     if after.get(k, 0) != before.get(k, 0)}
+            if moved == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert moved == want, f"{len(whole)} x /health + a malformed body counted {moved}, want {want}"
+
+
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
 def test_the_http_layers_own_errors_are_counted_once(request, protocol):
     """docs/serving.md, "Metrics": every response is in acarerank_requests_total, every error in
     errors_total. The 400 of a malformed request, the 431 of a head still arriving past 16 kB and
