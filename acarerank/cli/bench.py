@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from ..malloc_tuning import CHOICES as MALLOC_CHOICES  # stdlib only: --help imports no torch
+from .common import check_default_buildable
 
 PEER_TOLERANCE = 1e-2  # largest |peer − reference| score on the same prompt (bench_serve's --peer-tolerance)
 QUICK_SPEC = dict(query_tokens=10, question_tokens=30, trace_tokens=200, doc_tokens=(20, 60))
@@ -330,6 +331,8 @@ def run_agent(args) -> int:
 
 def run(args) -> int:
     check_workload_flags(args)
+    # bench does not call check_common (its flags differ); -OO without --model failed ~9 s in, exit 1
+    check_default_buildable(args.model)
     if args.workload == "agent":
         return run_agent(args)
     from acarerank.benchmark import report

@@ -44,6 +44,17 @@ def positive(name: str, value) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def check_default_buildable(model) -> None:
+    """ValueError when ``model`` (``--model``) is None and the embedded default cannot be built
+    (``python -OO``: ``docstrings_kept``): the command line asks for what cannot be built, a usage
+    error (exit 2) before loading."""
+    if model is None:
+        from ..model.default import NO_DOCSTRINGS, docstrings_kept
+
+        if not docstrings_kept():
+            raise ValueError(f"no --model: {NO_DOCSTRINGS}; run under python or python -O, or give --model CHECKPOINT")
+
+
 def check_common(args) -> None:
     """Flags every model-loading subcommand has, checked before anything loads."""
     from ..hardware import resolve_dtype
@@ -55,12 +66,8 @@ def check_common(args) -> None:
     per_op_backends(parse_preference(args.backend, "--backend"))  # unknown name or op: BackendError, before loading
     if not args.backend:   # then ACARERANK_BACKEND chooses: its junk refused before loading too, not after
         per_op_backends(parse_preference(os.environ.get("ACARERANK_BACKEND"), "ACARERANK_BACKEND"))
-    if args.model is None:
-        from ..model.default import NO_DOCSTRINGS, docstrings_kept
-
-        if not docstrings_kept():  # the command line asks for what cannot be built: usage (exit 2), before loading
-            raise ValueError(f"no --model: {NO_DOCSTRINGS}; run under python or python -O, or give --model CHECKPOINT")
-    else:
+    check_default_buildable(args.model)
+    if args.model is not None:
         if not os.path.isdir(args.model):
             raise FileNotFoundError(f"--model {args.model!r} is not a folder")
         if not os.path.isfile(os.path.join(args.model, "config.json")):

@@ -8,17 +8,17 @@ Endpoints (see ``schemas.py`` for the bodies):
 ``POST /score``, ``/v1/score``             vLLM's score API: query/document pairs (1 to N, N to N),
                                            scores in input order
 ``POST /v1/select``                        setwise selection (AdaTutoRank)
-``GET /health``                            liveness: 200 while the model thread's loop runs
+``GET /health`` (or ``HEAD``)              liveness: 200 while the model thread's loop runs
                                            (with its state and how long the current model
                                            step has run); 503 once the engine is dead (a step
                                            past ``--max-pass-timeout`` included), or with
                                            ``?max_pass_s=S`` when a step has run longer than S
-``GET /ready``                             200 once weights are loaded and a warm-up pass ran;
+``GET /ready`` (or ``HEAD``)               200 once weights are loaded and a warm-up pass ran;
                                            503 before that, while draining and once dead (on
                                            Ray Serve's front: while no engine replica can serve)
 ``GET /v1/models``                         the one model, OpenAI list shape (``id``, ``object``,
                                            ``created``, ``owned_by``)
-``GET /metrics``                           Prometheus text format
+``GET /metrics`` (or ``HEAD``)             Prometheus text format
 =========================================  ===================================================
 
 Before FastAPI reads anything, the gate (``gate.py``) answers head size (431), drain (503),
@@ -151,6 +151,11 @@ def create_app(service, config: Optional[ServeConfig] = None, *, api_key: Option
     app.add_api_route("/ready", _ready, methods=["GET"], name="ready")
     app.add_api_route("/v1/models", _models, methods=["GET"], name="models")
     app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics")
+    # the probes take HEAD too (the GET, its body dropped by uvicorn): the connection cap's reserve
+    # admits it (docs/serving.md, "What to probe") and some load balancers' checks send it. Routes of
+    # their own, out of the schema: one route of both methods is two operations of one id in it
+    for path, handler in (("/health", _health), ("/ready", _ready), ("/metrics", _metrics)):
+        app.add_api_route(path, handler, methods=["HEAD"], include_in_schema=False)
 
     # never below the queue the service admits to (docs/serving.md, "Limits and timeouts"): under
     # create_app(service) config.max_queue is only the default's 512, and a Ray front admits its share

@@ -23,7 +23,7 @@ protocol class (``HTTPProtocolWithLimits``) and adds:
   limit, a 400 past it);
 * ``max_connections`` open at once: past them, ``PROBE_RESERVE`` more are accepted for probes only
   (their request line must be a ``GET``/``HEAD`` of ``/health``, ``/ready`` or ``/metrics``,
-  within ``PROBE_HEAD_TIMEOUT_S``; one request each, then close), so idle sockets at the cap do not
+  within ``PROBE_HEAD_TIMEOUT_S`` and ``HEAD_START_BYTES``; one request each, then close), so idle sockets at the cap do not
   fail a healthy server's liveness probe; any other request there, and one more connection past
   the reserve as soon as it is accepted, is closed, with one log line per ``LOG_EVERY_S`` at most
   (nginx's ``worker_connections``);
@@ -62,7 +62,7 @@ except ImportError:
     httptools = None
 
 from .config import MAX_HEAD_BYTES, ServeConfig
-from .errors import ANSWERED_BY_PROTOCOL, error_bytes, error_for
+from .errors import ANSWERED_BY_PROTOCOL, error_bytes, error_for, route_path
 from .gate import LOG_EVERY_S, OPEN_PATHS, _endpoint, _RateLimited  # noqa: F401 (LOG_EVERY_S: front.py's)
 
 log = logging.getLogger("acarerank.server")
@@ -116,7 +116,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
     connections closed for a limit (None: not counted).
 
     It reaches into uvicorn's protocol internals — ``server_state.connections``, ``cycle`` (and
-    ``cycle.response_complete``), ``transport``, ``loop``, ``timeout_keep_alive_task`` and the
+    ``cycle.response_complete``), httptools' ``pipeline``, ``transport``, ``loop``, ``timeout_keep_alive_task`` and the
     methods it overrides — which is why setup.py pins ``uvicorn`` (and ``h11``/``httptools``) to the
     versions tested, and a test fails loudly if they move."""
     refused_log = _RateLimited()
@@ -154,7 +154,7 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
         _send_timer = None
         _probe_wait = None     # past --max-connections: the request line's bytes so far (None: judged, or not one)
         _probe_only = False    # past --max-connections: one probe, then close
-        _deferred_400 = None   # (message, head start) of a malformed request behind responses still due
+        _deferred_400 = None   # (message, head start, path) of a malformed request behind responses still due
 
         def connection_made(self, transport):
             open_now = len(self.server_state.connections)
@@ -172,11 +172,14 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
         def _judge_probe(self, data: bytes) -> Optional[bytes]:
             """A connection past --max-connections: ``data`` and the bytes before it once they hold a
             whole request line that is a probe (``GET``/``HEAD`` of an ``OPEN_PATHS`` path), to be
-            parsed; None while the line is not whole, or when it is no probe (then closed, counted)."""
+            parsed; None while the line is not whole, or when it is no probe (then closed, counted).
+            The line, with any empty lines before it, must be whole within ``HEAD_START_BYTES``: the
+            bound was on the line less its leading CR/LF, so a socket sending only CR/LF was kept,
+            all of it buffered and copied again on each read (quadratic: 32 MiB held the event loop 5 s)."""
             data = self._probe_wait + data
             line = data.lstrip(b"\r\n")[:HEAD_START_BYTES]
-            if b"\n" not in line and len(line) < HEAD_START_BYTES:
-                self._probe_wait = data
+            if b"\n" not in line and len(data) < HEAD_START_BYTES:
+                self._probe_wait = data   # under HEAD_START_BYTES: judged at the latest one read later
                 return None
             self._probe_wait = None
             if line.split(b" ", 1)[0] in (b"GET", b"HEAD") and _request_path(line, absolute_form) in OPEN_PATHS:
@@ -428,6 +431,14 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
 
         def send_400_response(self, msg: str) -> None:
             cycle = self.cycle
+            if cycle is not None and cycle.more_body and self._unqueue(cycle):
+                # httptools: a malformed body of a request still queued behind whole ones (it parses
+                # ahead), so the gate never runs it: as a malformed head there (below), its 400 goes
+                # after their answers, counted here, by its path as the gate reads it. It was written
+                # at once: the client got only the 400, the answers it never got counted, the 400 not
+                self._cancel_head_timer()
+                self._defer_400(msg, b"", route_path(cycle.scope))
+                return
             if cycle is not None and cycle.more_body:
                 # in a request's body: the gate, reading it, counts that request (as this 400 unless
                 # it has answered it already: counted once); else a head the gate never saw
@@ -441,33 +452,49 @@ def http_protocol_with_limits(base, config: ServeConfig, metrics=None):
             if cycle is not None and not cycle.more_body and not cycle.response_complete:
                 # pipelined behind whole requests still being answered (httptools parses ahead): the
                 # 400 written now took the place of their answers, counted as sent. It goes after
-                # them, nothing more read meanwhile, as h11 (which parses a request only after the
-                # previous response) answers it (on_response_complete)
-                self._deferred_400 = (msg, start)
-                self.flow.pause_reading()
+                # them, as h11 (which parses a request only after the previous response) answers it
+                self._defer_400(msg, start)
                 return
             self._write_400(msg, start)
 
-        def _write_400(self, msg: str, start: Optional[bytes]) -> None:
+        def _defer_400(self, msg: str, start: Optional[bytes], path: Optional[str] = None) -> None:
+            """``_write_400``'s arguments kept until the responses due before it end (on_response_complete),
+            nothing more read meanwhile."""
+            self._deferred_400 = (msg, start, path)
+            self.flow.pause_reading()
+
+        def _unqueue(self, cycle) -> bool:
+            """Whether ``cycle`` was waiting in uvicorn's pipeline (httptools: a request parsed while
+            earlier ones are answered), taken out of it: its app is never run."""
+            queue = getattr(self, "pipeline", ())
+            for item in queue:
+                if item[0] is cycle:
+                    queue.remove(item)
+                    return True
+            return False
+
+        def _write_400(self, msg: str, start: Optional[bytes], path: Optional[str] = None) -> None:
             """The 400 of a malformed request, counted (``start``: its head's first bytes, None: the
-            gate counts it), and close."""
+            gate counts it; ``path``: its path when its head was parsed whole), and close."""
             if start is not None:
-                self._count(400, start)
+                self._count(400, start, path)
             self.transport.write(_raw_error(400, "Bad Request", f"malformed HTTP request: {msg} (e.g. bad syntax, "
                                                                 "a duplicate Content-Length, headers over "
                                                                 f"{MAX_HEAD_BYTES} bytes)"))
             self.transport.close()
 
-        def _count(self, status: int, start: bytes) -> None:
+        def _count(self, status: int, start: bytes, path: Optional[str] = None) -> None:
             """The metrics of an error response written here for a request the gate never saw (a
             head still arriving, or malformed): as the gate's (``observe_response``), its endpoint
-            by the path in the head's first bytes ``start`` ("other" without one), its duration
-            from the head's first byte."""
+            by ``path`` (a head parsed whole: ``errors.route_path``) or else the path in the head's
+            first bytes ``start`` ("other" without one), its duration from the head's first byte."""
             if metrics is None:
                 return
             try:   # the error response and the close after it come first, whatever the counting does
                 seconds = 0.0 if self._head_t0 is None else time.perf_counter() - self._head_t0
-                metrics.observe_response(_endpoint(_request_path(start, absolute_form) or ""), status, seconds)
+                if path is None:
+                    path = _request_path(start, absolute_form) or ""
+                metrics.observe_response(_endpoint(path), status, seconds)
             except Exception as e:  # noqa: BLE001 — logged; a raise here left a 408's connection open for good
                 count_log(f"counting a {status} the HTTP layer wrote failed: {type(e).__name__}: {e}")
 

@@ -695,6 +695,21 @@ def test_python_OO_leaves_a_checkpoint_alone_and_the_api_says_why(capsys, files,
     assert str(e.value) == f"{_OO_LINE}: run it under python or python -O, or load a checkpoint", e.value
 
 
+@pytest.mark.parametrize("workload", ["depth", "agent"])
+def test_bench_under_python_OO_without_a_checkpoint_is_a_usage_error(capsys, no_bench, monkeypatch, workload):
+    """bench did not run score/select/serve's check (check_common): under python -OO without --model
+    it failed ~9 s in, "runtime error: RuntimeError: python -OO ...", exit 1. Now the same line as
+    theirs, exit 2, before loading; with --model it is left alone (the same sys.flags stand-in as above)."""
+    from types import SimpleNamespace
+
+    import acarerank.model.default as default
+
+    monkeypatch.setattr(default, "sys", SimpleNamespace(flags=SimpleNamespace(optimize=2)))
+    rc, err, _ = run(capsys, ["bench", "--quick", "--workload", workload])
+    assert (rc, err) == (2, [f"acarerank bench: error: no --model: {_OO_LINE}; run under python or python -O, "
+                             "or give --model CHECKPOINT"]), (rc, err)
+
+
 @pytest.mark.parametrize("command", ["score", "select"])
 def test_closed_stdout_is_refused_before_loading(capsys, files, no_load, monkeypatch, command):
     """Started with stdout closed (``>&-``), Python has no sys.stdout and print() writes nothing:

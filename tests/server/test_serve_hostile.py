@@ -352,6 +352,67 @@ def test_probes_are_answered_at_the_connection_cap(server):
     wait_until(base + "/health", timeout=HEADER_TIMEOUT + MARGIN)
 
 
+def test_a_probe_connection_sending_only_empty_lines_is_closed_at_once(server):
+    """A connection past --max-connections must send its probe's request line in its first 256 bytes
+    (HEAD_START_BYTES), empty lines before it included (docs/serving.md, "What to probe"). The bound
+    was on the line less its leading CR/LF: a socket sending only CR/LF stayed open until its 2 s
+    ran out, every byte buffered and copied again on each read (8 such sockets held a keep-alive
+    /health 5.3 s). Now it is closed as soon as 256 bytes hold no line, counted as a close at the
+    cap, while a probe after a few empty lines is still answered."""
+    port, base = server["port"], server["base"]
+    assert health_ok(base)
+    counted_before = metrics(base).get(CLOSED_AT_CAP, 0)
+    idle = []
+    try:
+        idle = [connect(port) for _ in range(CAP)]
+        time.sleep(0.2)
+        with connect(port) as s:
+            s.sendall(b"\r\n" * 4 + b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            data, took = read_until_closed(s, 1.0)
+        assert data.startswith(b"HTTP/1.1 200") and took is not None, \
+            f"a probe after empty lines at the cap: {data[:200]!r}, closed after {took}"
+        with connect(port) as s:
+            s.sendall(b"\r\n" * 2048)
+            data, took = read_until_closed(s, 1.0)   # PROBE_HEAD_TIMEOUT_S (2 s) closed it before
+        assert data == b"" and took is not None, \
+            f"4 kB of CR/LF past the cap: {data[:200]!r}, still open after 1 s (closed after {took})"
+        r = httpx.get(base + "/metrics", timeout=1.0)   # a probe: the cap is still held
+        counted = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(r.text) for s in fam.samples}.get(CLOSED_AT_CAP, 0)
+        assert counted - counted_before == 1, f"{counted - counted_before} closes at the cap counted, want 1"
+    finally:
+        for s in idle:
+            s.close()
+    wait_until(base + "/health", timeout=HEADER_TIMEOUT + MARGIN)
+
+
+def test_probes_answer_head_as_get(server):
+    """docs/serving.md, "What to probe": a connection past --max-connections is kept for a GET or HEAD
+    of /health, /ready or /metrics, but the app answered HEAD 405 (at the cap too): a HEAD is now
+    the GET's status and headers without its body."""
+    port, base = server["port"], server["base"]
+    for path in ("/health", "/ready", "/metrics"):
+        got, head = httpx.get(base + path, timeout=10), httpx.head(base + path, timeout=10)
+        assert (head.status_code, head.headers.get("content-type"), head.content) == \
+            (got.status_code, got.headers.get("content-type"), b""), \
+            f"HEAD {path}: {head.status_code} {head.headers.get('content-type')} {head.content[:100]!r}, " \
+            f"GET: {got.status_code} {got.headers.get('content-type')}"
+    idle = []
+    try:
+        idle = [connect(port) for _ in range(CAP)]
+        time.sleep(0.2)
+        with connect(port) as s:
+            s.sendall(b"HEAD /ready HTTP/1.1\r\nHost: t\r\n\r\n")
+            data, took = read_until_closed(s, 1.0)
+        status, headers, body = parse_response(data) if data else (None, {}, b"")
+        assert (status, body, took is not None) == (200, b"", True), \
+            f"HEAD /ready at the cap: {data[:200]!r}, closed after {took}"
+    finally:
+        for s in idle:
+            s.close()
+    wait_until(base + "/health", timeout=HEADER_TIMEOUT + MARGIN)
+
+
 # -- errors: always the JSON shape -----------------------------------------------------------------------
 def test_every_error_is_json(server):
     port = server["port"]
@@ -656,6 +717,39 @@ def test_a_malformed_request_pipelined_behind_whole_ones_is_answered_after_them(
         want.update({("acarerank_requests_total", (("code", "400"), ("endpoint", "other"))): 1,
                      ("acarerank_errors_total", (("code", "400"),)): 1})
         assert moved == want, f"{endpoints} + a malformed head counted {moved}, want {want}"
+
+
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
+def test_a_malformed_body_pipelined_behind_whole_requests_is_answered_after_them(request, protocol):
+    """As the test above, a request whose chunked body is malformed (chunk size "ZZ") in place of
+    the malformed head: on httptools the 400 of that body was written at once (the client's only
+    answer), the /health it never got counted and the 400 not; h11 answered [200, 400] and counted
+    them. Now both: each whole request's answer, then the 400, counted on the route it was sent to."""
+    server = request.getfixturevalue("server" if protocol == "httptools" else "h11_server")
+    base, port = server["base"], server["port"]
+    health = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+    bad_body = request_head(extra="Transfer-Encoding: chunked\r\n") + b"ZZ\r\n{}\r\n0\r\n\r\n"
+    for whole in ([health], [health, health]):
+        before = _counted(base)
+        with connect(port) as s:
+            s.sendall(b"".join(whole) + bad_body)
+            raw, closed = read_until_closed(s, 10)
+        statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)]
+        assert closed is not None and statuses == [200] * len(whole) + [400], \
+            f"{len(whole)} x /health + a malformed body: answers {statuses}: {raw[:300]!r}"
+        expect_json_error(raw[raw.index(b"HTTP/1.1 400"):], 400, ["malformed"])
+        want = {("acarerank_requests_total", (("code", "200"), ("endpoint", "/health"))): len(whole),
+                ("acarerank_requests_total", (("code", "400"), ("endpoint", "/v1/rerank"))): 1,
+                ("acarerank_errors_total", (("code", "400"),)): 1}
+        deadline = time.monotonic() + 5   # the gate counts a request in the body once its task ends
+        while True:
+            after = _counted(base)
+            moved = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)
+                     if after.get(k, 0) != before.get(k, 0)}
+            if moved == want or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert moved == want, f"{len(whole)} x /health + a malformed body counted {moved}, want {want}"
 
 
 @pytest.mark.parametrize("protocol", ["httptools", "h11"])

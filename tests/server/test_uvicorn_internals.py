@@ -108,6 +108,11 @@ def test_protocol_internals_exist(base):
                 assert callable(getattr(base, name, None)), f"uvicorn's {base.__name__}.{name} is gone"
             for name in ("should_upgrade", "get_method", "get_http_version", "set_dangerous_leniencies"):
                 assert callable(getattr(proto.parser, name, None)), f"httptools' parser lost {name}"
+            # a malformed body of a request queued behind whole ones (protocol.py ``_unqueue``)
+            assert list(proto.pipeline) == [] and callable(proto.pipeline.remove), \
+                "uvicorn's HttpToolsProtocol.pipeline (its queue of (cycle, app)) moved"
+            assert "self.pipeline.appendleft((self.cycle, app))" in inspect.getsource(base.on_headers_complete), \
+                "uvicorn's HttpToolsProtocol queues a pipelined request otherwise: check _unqueue"
             source = inspect.getsource(base.data_received)
             for line in ("self.parser.feed_data(data)", "except httptools.HttpParserUpgrade:",
                          "self._unsupported_upgrade_warning()", "self.send_400_response(msg)"):
