@@ -12,6 +12,7 @@ import numbers
 import operator
 import os
 import sys
+from collections.abc import Mapping, Set
 from typing import Iterable, List, Optional
 
 __all__ = ["check_file_size", "check_int", "check_seconds", "check_token_ids", "is_bool", "is_positive_int",
@@ -74,9 +75,14 @@ def check_token_ids(what: str, ids) -> List[int]:
     """``ids`` (a sequence or iterable of ids, a 1-D tensor or numpy array) as a list of ints, by the
     rule above: int, numpy or 0-d tensor integers, never a float or a bool (int() would truncate 1.7
     to 1 and read True as id 1), nor a str / bytes (its items are characters / ints: b"ok" would be
-    ids 111, 107). TypeError naming ``what``; the vocabulary range is the caller's to check."""
+    ids 111, 107), nor a set or a mapping (no order: {3, 1, 2} was read as [1, 2, 3], a dict as its
+    keys — another sequence, scored with no error). TypeError naming ``what``; the vocabulary range
+    is the caller's to check."""
     if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Iterable):
         raise TypeError(f"{what}: expected token ids, got a {type(ids).__name__}")
+    if isinstance(ids, (Set, Mapping)):
+        raise TypeError(f"{what}: token ids are a sequence in order (a list, tuple, 1-D tensor or array), got a "
+                        f"{type(ids).__name__}, which has no order")
     if hasattr(ids, "tolist"):  # a tensor / numpy array: Python numbers (a float or bool one stays so)
         listed = ids.tolist()
         if not isinstance(listed, list):  # a 0-d one is one number: "'int' object is not iterable" below

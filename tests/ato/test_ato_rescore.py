@@ -210,6 +210,22 @@ def test_a_0d_array_is_not_token_ids():
         check_token_ids("x", 5)
 
 
+def test_unordered_token_ids_are_refused():
+    """A set or a mapping has no order: {3, 1, 2} was read as ids [1, 2, 3] and a dict as its keys,
+    another sequence scored with no error. A TypeError naming the argument now, at each public entry
+    that takes ids; an ordered container of the same ids is still read as given."""
+    from acarerank._validate import check_token_ids
+
+    for x in ({3, 1, 2}, frozenset({3, 1, 2}), {3: "c", 1: "a"}, {3: 0, 1: 0}.keys()):
+        with pytest.raises(TypeError, match=f"^split_student_prompt: prompt_ids: token ids are a sequence in order .*"
+                                            f"got a {type(x).__name__}, which has no order"):
+            split_student_prompt(x)
+        with pytest.raises(TypeError, match=f"^hint_ids: text: token ids are a sequence in order .*{type(x).__name__}"):
+            check_token_ids("hint_ids: text", x)
+    for x in ([3, 1, 2], (3, 1, 2), {"a": 3, "b": 1, "c": 2}.values(), iter([3, 1, 2]), torch.tensor([3, 1, 2])):
+        assert check_token_ids("x", x) == [3, 1, 2], x
+
+
 def test_a_head_whose_end_the_hint_separator_re_tokenizes_is_refused(models, qwen3_tokenizer):
     """User text ending "?;": the teacher text's tokens end the head with "?;" "\\n\\n", not "?" ";",
     so a teacher prompt sharing head[:-1] is never its tokenization. Refused (naming the query and
