@@ -32,8 +32,9 @@ import threading
 import time
 
 from .config import MAX_HEAD_BYTES, ServeConfig
+from .gate import LOG_EVERY_S
 from .listen import listen_sockets
-from .protocol import LOG_EVERY_S, http_protocol_with_limits, uvicorn_http_protocol
+from .protocol import http_protocol_with_limits, uvicorn_http_protocol
 
 log = logging.getLogger("acarerank.server")
 

@@ -63,7 +63,7 @@ except ImportError:
 
 from .config import MAX_HEAD_BYTES, ServeConfig
 from .errors import ANSWERED_BY_PROTOCOL, error_bytes, error_for, route_path
-from .gate import LOG_EVERY_S, OPEN_PATHS, _endpoint, _RateLimited  # noqa: F401 (LOG_EVERY_S: front.py's)
+from .gate import OPEN_PATHS, _endpoint, _RateLimited
 
 log = logging.getLogger("acarerank.server")
 

@@ -702,13 +702,7 @@ def test_a_malformed_request_pipelined_behind_whole_ones_is_answered_after_them(
     for whole, endpoints in (([health], ["/health"]), ([request_head(length=len(body)) + body], ["/v1/rerank"]),
                              ([health, request_head(length=len(body)) + body], ["/health", "/v1/rerank"])):
         before = _counted(base)
-        with connect(port) as s:
-            s.sendall(b"".join(whole) + malformed)
-            raw, closed = read_until_closed(s, 10)
-        statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)]
-        assert closed is not None and statuses == [200] * len(whole) + [400], \
-            f"{endpoints} + a malformed head: answers {statuses}, want {[200] * len(whole) + [400]}: {raw[:300]!r}"
-        expect_json_error(raw[raw.index(b"HTTP/1.1 400"):], 400, ["malformed"])
+        _answered_then_400(port, whole, malformed, f"{endpoints} + a malformed head")
         after = _counted(base)
         moved = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)
                  if after.get(k, 0) != before.get(k, 0)}
@@ -717,6 +711,18 @@ def test_a_malformed_request_pipelined_behind_whole_ones_is_answered_after_them(
         want.update({("acarerank_requests_total", (("code", "400"), ("endpoint", "other"))): 1,
                      ("acarerank_errors_total", (("code", "400"),)): 1})
         assert moved == want, f"{endpoints} + a malformed head counted {moved}, want {want}"
+
+
+def _answered_then_400(port: int, whole: list, malformed: bytes, what: str) -> None:
+    """``whole`` requests and a ``malformed`` one sent in one write: each whole one answered 200 in
+    order, then the malformed one's JSON 400, then the close (h11's order)."""
+    with connect(port) as s:
+        s.sendall(b"".join(whole) + malformed)
+        raw, closed = read_until_closed(s, 10)
+    statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)]
+    want = [200] * len(whole) + [400]
+    assert closed is not None and statuses == want, f"{what}: answers {statuses}, want {want}: {raw[:300]!r}"
+    expect_json_error(raw[raw.index(b"HTTP/1.1 400"):], 400, ["malformed"])
 
 
 @pytest.mark.parametrize("protocol", ["httptools", "h11"])
@@ -731,13 +737,7 @@ def test_a_malformed_body_pipelined_behind_whole_requests_is_answered_after_them
     bad_body = request_head(extra="Transfer-Encoding: chunked\r\n") + b"ZZ\r\n{}\r\n0\r\n\r\n"
     for whole in ([health], [health, health]):
         before = _counted(base)
-        with connect(port) as s:
-            s.sendall(b"".join(whole) + bad_body)
-            raw, closed = read_until_closed(s, 10)
-        statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)]
-        assert closed is not None and statuses == [200] * len(whole) + [400], \
-            f"{len(whole)} x /health + a malformed body: answers {statuses}: {raw[:300]!r}"
-        expect_json_error(raw[raw.index(b"HTTP/1.1 400"):], 400, ["malformed"])
+        _answered_then_400(port, whole, bad_body, f"{len(whole)} x /health + a malformed body")
         want = {("acarerank_requests_total", (("code", "200"), ("endpoint", "/health"))): len(whole),
                 ("acarerank_requests_total", (("code", "400"), ("endpoint", "/v1/rerank"))): 1,
                 ("acarerank_errors_total", (("code", "400"),)): 1}
